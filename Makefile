@@ -1,0 +1,39 @@
+# Two commands on a fresh machine:  `make demo` (the main job) and `make test`.
+# Both create .venv and install everything on first use.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# CPU hosts: torch's CPU wheel first, or pip pulls a multi-GB CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test protos check-protos bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e '.[worker,dev]'
+	touch $@
+
+## The main job: the block manager service on 127.0.0.1:50051 (Ctrl-C stops it).
+demo: $(STAMP)
+	$(BIN)/pagedkv block-manager
+
+## The whole test suite (also what CI runs).
+test: $(STAMP)
+	$(BIN)/python tools/gen_protos.py --check
+	$(BIN)/python -m pytest
+
+## Regenerate pagedkv/v1 from protos/ (commit the result).
+protos: $(STAMP)
+	$(BIN)/python tools/gen_protos.py
+
+bench: $(STAMP)
+	$(BIN)/python bench/core_bench.py
+	$(BIN)/python bench/grpc_bench.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info

@@ -1,0 +1,1 @@
+"""Client library, demo engine and load generator."""

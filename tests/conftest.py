@@ -1,0 +1,29 @@
+"""Suite-wide test setup.
+
+Triton reads TRITON_INTERPRET when its @triton.jit decorators run, so it must
+be set before anything imports `kernels`. Without a GPU the Triton kernels run
+in the interpreter; code that wants the fast torch reference on CPU selects it
+explicitly (see kernels' backend selection).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+if not _has_cuda():
+    os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -1,0 +1,1 @@
+"""The worker service: the data plane that owns the KV-cache tensors."""
