@@ -480,6 +480,7 @@ class StepResponse(_message.Message):
     OPS_FIELD_NUMBER: _builtins.int
     NUM_BLOCKS_RELEASED_FIELD_NUMBER: _builtins.int
     NUM_AVAILABLE_BLOCKS_FIELD_NUMBER: _builtins.int
+    PACKED_REPLACED_INDEX_FIELD_NUMBER: _builtins.int
     num_blocks_released: _builtins.int
     """Blocks released by the frees of this step (sub-message and packed)."""
     num_available_blocks: _builtins.int
@@ -506,6 +507,14 @@ class StepResponse(_message.Message):
     def ops(self) -> Global___CacheOps:
         """Every cache op of the step (sub-message and packed items together)."""
 
+    @_builtins.property
+    def packed_replaced_index(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Indices (into append_seq_ids) of packed items whose last block was
+        replaced by a private copy (copy-on-write): for those, the item's first
+        new block takes the place of the table's last entry instead of being
+        appended after it; the copy itself is in `ops.copies`.
+        """
+
     def __init__(
         self,
         *,
@@ -517,10 +526,11 @@ class StepResponse(_message.Message):
         ops: Global___CacheOps | None = ...,
         num_blocks_released: _builtins.int = ...,
         num_available_blocks: _builtins.int = ...,
+        packed_replaced_index: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["ops", b"ops"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["appends", b"appends", "errors", b"errors", "frees", b"frees", "num_available_blocks", b"num_available_blocks", "num_blocks_released", b"num_blocks_released", "ops", b"ops", "packed_new_block_ids", b"packed_new_block_ids", "packed_new_block_index", b"packed_new_block_index"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["appends", b"appends", "errors", b"errors", "frees", b"frees", "num_available_blocks", b"num_available_blocks", "num_blocks_released", b"num_blocks_released", "ops", b"ops", "packed_new_block_ids", b"packed_new_block_ids", "packed_new_block_index", b"packed_new_block_index", "packed_replaced_index", b"packed_replaced_index"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

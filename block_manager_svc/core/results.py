@@ -1,0 +1,106 @@
+"""Values the core hands back: block ids, cache ops, stats.
+
+Plain slotted dataclasses so that the servicer can translate them to protobuf
+without touching core internals, and tests can compare them directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from block_manager_svc.core.errors import ErrorCode
+
+
+@dataclass(slots=True)
+class CacheOps:
+    """Work the data plane must do before the next forward pass.
+
+    Each entry is a (src, dst) block pair. Workers run them in the order
+    swap_out, copies, swap_in, so that a block swapped out can be reused as a
+    copy or swap-in target within the same step.
+    """
+
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.copies or self.swap_out or self.swap_in)
+
+    def extend(self, other: CacheOps) -> None:
+        self.copies.extend(other.copies)
+        self.swap_out.extend(other.swap_out)
+        self.swap_in.extend(other.swap_in)
+
+
+@dataclass(slots=True)
+class AllocateResult:
+    block_ids: list[int]
+    num_cached_tokens: int
+
+
+@dataclass(slots=True)
+class AppendResult:
+    """New blocks for one sequence.
+
+    When `replaced_last_block` is set, new_block_ids[0] took the place of the
+    table's former last block (copy-on-write; the copy is in ops.copies) and
+    the rest were appended after it.
+    """
+
+    new_block_ids: list[int]
+    ops: CacheOps
+    replaced_last_block: bool = False
+
+
+@dataclass(slots=True)
+class BlockTable:
+    block_ids: list[int]
+    num_tokens: int
+
+
+@dataclass(slots=True)
+class ItemError:
+    """One rejected item of a step; the item changed nothing."""
+
+    index: int
+    seq_id: str
+    code: ErrorCode
+    message: str
+
+
+@dataclass(slots=True)
+class StepResult:
+    """The deltas of one scheduler step.
+
+    `new_block_index[i]` is the index (into the step's append list) of the
+    sequence that received `new_block_ids[i]`; `replaced_index` lists the items
+    whose first new block replaced their last block (copy-on-write).
+    `released[j]` is the number of blocks the j-th free released (0 on error).
+    `item_results[j]` is the result of the j-th unpacked append (None on error).
+    """
+
+    new_block_index: list[int] = field(default_factory=list)
+    new_block_ids: list[int] = field(default_factory=list)
+    replaced_index: list[int] = field(default_factory=list)
+    ops: CacheOps = field(default_factory=CacheOps)
+    released: list[int] = field(default_factory=list)
+    append_errors: list[ItemError] = field(default_factory=list)
+    free_errors: list[ItemError] = field(default_factory=list)
+    item_results: list[AppendResult | None] = field(default_factory=list)
+    item_errors: list[ItemError] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Stats:
+    block_size: int
+    num_gpu_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int
+    num_used_blocks: int
+    num_sequences: int
+    num_hashed_blocks: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    num_evicted_blocks: int
+    num_cow_copies: int

@@ -1,0 +1,123 @@
+"""Process wiring for the block manager: settings, logging, gRPC server,
+health, reflection, signals.
+
+A synchronous gRPC server with a small thread pool: on these hosts it serves
+about 1.6x the calls/s of grpc.aio for the same work (measured in
+../shared/TOOLCHAIN.md), and every handler is a microsecond-scale critical
+section, so threads never wait on I/O while holding the state lock.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Sequence
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from block_manager_svc.core import BlockManager, CoreConfig
+from block_manager_svc.servicer import BlockManagerServicer
+from block_manager_svc.settings import BlockManagerSettings, load_settings
+from pagedkv.logging_setup import configure_logging
+from pagedkv.v1 import block_manager_pb2, block_manager_pb2_grpc
+
+SERVICE_NAME = block_manager_pb2.DESCRIPTOR.services_by_name["BlockManager"].full_name
+log = structlog.get_logger("pagedkv.block_manager")
+
+
+@dataclass(slots=True)
+class RunningServer:
+    """A started server and what tests and the CLI need to drive it."""
+
+    server: grpc.Server
+    port: int
+    health: health.HealthServicer
+    servicer: BlockManagerServicer
+
+    def stop(self, grace: float | None = None) -> None:
+        self.health.enter_graceful_shutdown()
+        self.server.stop(grace).wait()
+
+
+def build_core(settings: BlockManagerSettings) -> BlockManager:
+    return BlockManager(
+        CoreConfig(
+            num_gpu_blocks=settings.num_gpu_blocks,
+            block_size=settings.block_size,
+            num_cpu_blocks=settings.num_cpu_blocks,
+            eviction_policy=settings.eviction_policy,
+            enable_prefix_caching=settings.enable_prefix_caching,
+        )
+    )
+
+
+def start_server(settings: BlockManagerSettings) -> RunningServer:
+    """Build and start the server; raises RuntimeError if the port is taken."""
+    options = [
+        ("grpc.max_receive_message_length", settings.max_message_bytes),
+        ("grpc.max_send_message_length", settings.max_message_bytes),
+        ("grpc.so_reuseport", 0),
+    ]
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=settings.max_workers, thread_name_prefix="bm-rpc"),
+        options=options,
+        maximum_concurrent_rpcs=settings.max_concurrent_rpcs,
+    )
+    servicer = BlockManagerServicer(build_core(settings), settings.num_cpu_blocks)
+    block_manager_pb2_grpc.add_BlockManagerServicer_to_server(servicer, server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    if settings.enable_reflection:
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            server,
+        )
+    address = f"{settings.host}:{settings.port}"
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as e:
+        raise RuntimeError(f"cannot listen on {address}: {e}") from e
+    if port == 0:
+        raise RuntimeError(f"cannot listen on {address} (address in use or not local?)")
+    server.start()
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return RunningServer(server=server, port=port, health=health_servicer, servicer=servicer)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    settings = load_settings(argv)
+    configure_logging(settings.log_level, settings.log_format)
+    try:
+        running = start_server(settings)
+    except RuntimeError as e:
+        log.error("startup_failed", error=str(e))
+        return 1
+    log.info(
+        "block_manager_listening",
+        address=f"{settings.host}:{running.port}",
+        num_gpu_blocks=settings.num_gpu_blocks,
+        block_size=settings.block_size,
+        num_cpu_blocks=settings.num_cpu_blocks,
+        eviction_policy=settings.eviction_policy,
+        reflection=settings.enable_reflection,
+    )
+    stopping = threading.Event()
+
+    def _on_signal(signum: int, _frame: object) -> None:
+        if stopping.is_set():
+            return
+        stopping.set()
+        log.info("shutting_down", signal=signal.Signals(signum).name, grace_s=settings.grace_period_s)
+        threading.Thread(target=running.stop, args=(settings.grace_period_s,), daemon=True).start()
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    running.server.wait_for_termination()
+    log.info("stopped")
+    return 0

@@ -1,0 +1,191 @@
+"""gRPC edge of the block manager: translate, lock, map errors. No decisions.
+
+The core is not thread-safe and every call is short (microseconds), so one
+lock serialises them; the gRPC threads spend their time in (de)serialisation
+outside it. Core errors map one to one onto status codes; anything else is a
+bug and becomes INTERNAL with the state untouched (the core validates before
+it mutates).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import NoReturn
+
+import grpc
+import structlog
+
+from block_manager_svc.core import BlockManager, CoreError, ErrorCode, ItemError
+from block_manager_svc.core.results import CacheOps
+from pagedkv.v1 import block_manager_pb2 as pb
+from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
+
+STATUS_BY_CODE: dict[ErrorCode, grpc.StatusCode] = {
+    ErrorCode.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorCode.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    ErrorCode.ALREADY_EXISTS: grpc.StatusCode.ALREADY_EXISTS,
+    ErrorCode.PERMISSION_DENIED: grpc.StatusCode.PERMISSION_DENIED,
+    ErrorCode.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ErrorCode.FAILED_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
+}
+
+log = structlog.get_logger("pagedkv.block_manager")
+
+
+def _copies(pairs: list[tuple[int, int]]) -> list[pb.BlockCopy]:
+    return [pb.BlockCopy(src=s, dst=d) for s, d in pairs]
+
+
+def ops_to_proto(ops: CacheOps) -> pb.CacheOps:
+    return pb.CacheOps(copies=_copies(ops.copies), swap_out=_copies(ops.swap_out), swap_in=_copies(ops.swap_in))
+
+
+def _item_error(kind: int, err: ItemError, index: int | None = None) -> pb.StepItemError:
+    return pb.StepItemError(
+        kind=kind,
+        index=err.index if index is None else index,
+        seq_id=err.seq_id,
+        code=err.code.value,
+        message=err.message,
+    )
+
+
+class BlockManagerServicer(pb_grpc.BlockManagerServicer):
+    def __init__(self, core: BlockManager, num_cpu_blocks: int = 0) -> None:
+        self._core = core
+        self._lock = threading.Lock()
+        self._num_cpu_blocks = num_cpu_blocks
+
+    @staticmethod
+    def _abort(context: grpc.ServicerContext, method: str, err: CoreError, seq_id: str) -> NoReturn:
+        log.info("request_rejected", method=method, seq_id=seq_id, code=err.code.name, reason=err.message)
+        context.abort(STATUS_BY_CODE[err.code], err.message)
+        raise AssertionError("unreachable")  # context.abort raises
+
+    def Allocate(self, request: pb.AllocateRequest, context: grpc.ServicerContext) -> pb.AllocateResponse:
+        try:
+            with self._lock:
+                r = self._core.allocate(
+                    request.seq_id, request.num_tokens, request.token_ids or None, request.priority
+                )
+        except CoreError as e:
+            self._abort(context, "Allocate", e, request.seq_id)
+        log.debug("allocate", seq_id=request.seq_id, blocks=len(r.block_ids), cached=r.num_cached_tokens)
+        return pb.AllocateResponse(block_ids=r.block_ids, num_cached_tokens=r.num_cached_tokens)
+
+    def Append(self, request: pb.AppendRequest, context: grpc.ServicerContext) -> pb.AppendResponse:
+        try:
+            with self._lock:
+                r = self._core.append(request.seq_id, request.num_tokens, request.token_ids or None)
+        except CoreError as e:
+            self._abort(context, "Append", e, request.seq_id)
+        if not r.new_block_ids:
+            return pb.AppendResponse()
+        return pb.AppendResponse(
+            new_block_ids=r.new_block_ids, ops=ops_to_proto(r.ops), replaced_last_block=r.replaced_last_block
+        )
+
+    def Fork(self, request: pb.ForkRequest, context: grpc.ServicerContext) -> pb.ForkResponse:
+        try:
+            with self._lock:
+                blocks = self._core.fork(request.parent_seq_id, request.child_seq_id)
+        except CoreError as e:
+            self._abort(context, "Fork", e, request.child_seq_id)
+        return pb.ForkResponse(block_ids=blocks)
+
+    def Free(self, request: pb.FreeRequest, context: grpc.ServicerContext) -> pb.FreeResponse:
+        try:
+            with self._lock:
+                released = self._core.free(request.seq_id)
+        except CoreError as e:
+            self._abort(context, "Free", e, request.seq_id)
+        return pb.FreeResponse(num_blocks_released=released)
+
+    def GetBlockTable(self, request: pb.GetBlockTableRequest, context: grpc.ServicerContext) -> pb.BlockTable:
+        try:
+            with self._lock:
+                table = self._core.block_table(request.seq_id)
+        except CoreError as e:
+            self._abort(context, "GetBlockTable", e, request.seq_id)
+        return pb.BlockTable(block_ids=table.block_ids, num_tokens=table.num_tokens)
+
+    def Step(self, request: pb.StepRequest, context: grpc.ServicerContext) -> pb.StepResponse:
+        sub_frees = [f.seq_id for f in request.frees]
+        frees = sub_frees + list(request.free_seq_ids) if request.free_seq_ids else sub_frees
+        appends = [(a.seq_id, a.num_tokens, a.token_ids or None) for a in request.appends]
+        try:
+            with self._lock:
+                r = self._core.step(
+                    request.append_seq_ids,
+                    request.append_num_tokens or None,
+                    request.append_token_ids or None,
+                    frees,
+                    appends,
+                )
+                available = self._core.pool.num_available
+        except CoreError as e:
+            self._abort(context, "Step", e, "")
+
+        resp = pb.StepResponse(
+            packed_new_block_index=r.new_block_index,
+            packed_new_block_ids=r.new_block_ids,
+            packed_replaced_index=r.replaced_index,
+            num_blocks_released=sum(r.released),
+            num_available_blocks=available,
+        )
+        ops = CacheOps()
+        for item in r.item_results:
+            if item is None:
+                resp.appends.add()
+            else:
+                ops.extend(item.ops)
+                resp.appends.add(
+                    new_block_ids=item.new_block_ids,
+                    ops=ops_to_proto(item.ops),
+                    replaced_last_block=item.replaced_last_block,
+                )
+        ops.extend(r.ops)
+        if ops:
+            resp.ops.CopyFrom(ops_to_proto(ops))
+        n_sub = len(sub_frees)
+        for released in r.released[:n_sub]:
+            resp.frees.add(num_blocks_released=released)
+        errors = resp.errors
+        for err in r.item_errors:
+            errors.append(_item_error(pb.StepItemError.APPEND, err))
+        for err in r.append_errors:
+            errors.append(_item_error(pb.StepItemError.PACKED_APPEND, err))
+        for err in r.free_errors:
+            if err.index < n_sub:
+                errors.append(_item_error(pb.StepItemError.FREE, err))
+            else:
+                errors.append(_item_error(pb.StepItemError.PACKED_FREE, err, err.index - n_sub))
+        if errors:
+            log.info("step_item_errors", count=len(errors), first=errors[0].message)
+        return resp
+
+    def GetStats(self, request: pb.GetStatsRequest, context: grpc.ServicerContext) -> pb.Stats:
+        with self._lock:
+            s = self._core.stats()
+        return pb.Stats(
+            block_size=s.block_size,
+            num_gpu_blocks=s.num_gpu_blocks,
+            num_free_blocks=s.num_free_blocks,
+            num_cached_blocks=s.num_cached_blocks,
+            num_sequences=s.num_sequences,
+            prefix_query_tokens=s.prefix_query_tokens,
+            prefix_hit_tokens=s.prefix_hit_tokens,
+            num_used_blocks=s.num_used_blocks,
+            num_evicted_blocks=s.num_evicted_blocks,
+            num_cow_copies=s.num_cow_copies,
+            num_hashed_blocks=s.num_hashed_blocks,
+        )
+
+    def GetConfig(self, request: pb.GetConfigRequest, context: grpc.ServicerContext) -> pb.Config:
+        cfg = self._core.config
+        return pb.Config(
+            block_size=cfg.block_size,
+            num_gpu_blocks=cfg.num_gpu_blocks,
+            num_cpu_blocks=cfg.num_cpu_blocks,
+            eviction_policy=cfg.eviction_policy,
+        )
