@@ -1,0 +1,182 @@
+"""Triton kernels that move KV data: write new tokens into the cache, copy blocks (copy-on-write).
+
+Why Triton rather than torch indexing: ``write_kv_cache`` runs every step for every layer; one
+launch that reads the slot and writes K and V straight into their blocks avoids torch's
+index-assignment machinery (several kernels and a mask compaction, which also syncs on the host for
+-1 padding). ``copy_blocks`` copies all pairs in all layers in ONE launch: the layers' cache tensors
+are separate allocations (or views), so the kernel reads their addresses from a small int64 table
+and casts them to pointers.
+
+All address arithmetic is int64 (block ids are cast before multiplying by strides), so caches with
+more than 2^31 elements work. Caches may be strided views (e.g. one layer of a
+``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` tensor); only head_dim must be
+contiguous.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _write_kv_kernel(
+    key_ptr,
+    value_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    slot_ptr,
+    num_kv_heads,
+    head_dim,
+    block_size,
+    s_kt,
+    s_kh,
+    s_vt,
+    s_vh,
+    s_kcb,
+    s_kco,
+    s_kch,
+    s_vcb,
+    s_vco,
+    s_vch,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    if slot < 0:  # padding token: leave the cache untouched
+        return
+    blk = slot // block_size
+    off = slot % block_size
+    d = tl.arange(0, BLOCK_D)
+    mask = (h < num_kv_heads)[:, None] & (d < head_dim)[None, :]
+    hh = h.to(tl.int64)[:, None]
+    k = tl.load(key_ptr + tok * s_kt + hh * s_kh + d[None, :], mask=mask)
+    v = tl.load(value_ptr + tok * s_vt + hh * s_vh + d[None, :], mask=mask)
+    tl.store(
+        key_cache_ptr + blk * s_kcb + off * s_kco + hh * s_kch + d[None, :],
+        k.to(key_cache_ptr.dtype.element_ty),
+        mask=mask,
+    )
+    tl.store(
+        value_cache_ptr + blk * s_vcb + off * s_vco + hh * s_vch + d[None, :],
+        v.to(value_cache_ptr.dtype.element_ty),
+        mask=mask,
+    )
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    block_d = triton.next_power_of_2(head_dim)
+    # ~2-4K elements per program: enough work per program, few programs in the interpreter.
+    block_h = min(triton.next_power_of_2(num_kv_heads), max(1, 4096 // block_d))
+    grid = (num_tokens, triton.cdiv(num_kv_heads, block_h))
+    _write_kv_kernel[grid](
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        num_kv_heads,
+        head_dim,
+        key_cache.shape[1],
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
+        num_warps=4,
+    )
+
+
+@triton.jit
+def _copy_blocks_kernel(
+    cache_ptrs,
+    pairs_ptr,
+    dtype_ref_ptr,
+    s_b,
+    s_o,
+    s_h,
+    num_kv_heads,
+    head_dim,
+    block_numel,
+    CONTIGUOUS: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    pair = tl.program_id(0).to(tl.int64)
+    which = tl.program_id(1)
+    # Each layer's K or V cache is its own tensor: fetch its address and make it a typed pointer.
+    base = tl.load(cache_ptrs + which).to(tl.pointer_type(dtype_ref_ptr.dtype.element_ty))
+    src = tl.load(pairs_ptr + pair * 2).to(tl.int64)
+    dst = tl.load(pairs_ptr + pair * 2 + 1).to(tl.int64)
+    src_base = base + src * s_b
+    dst_base = base + dst * s_b
+    for start in range(0, block_numel, CHUNK):
+        e = start + tl.arange(0, CHUNK)
+        mask = e < block_numel
+        if CONTIGUOUS:
+            offs = e.to(tl.int64)
+        else:
+            d = e % head_dim
+            h = (e // head_dim) % num_kv_heads
+            o = e // (head_dim * num_kv_heads)
+            offs = o.to(tl.int64) * s_o + h.to(tl.int64) * s_h + d
+        x = tl.load(src_base + offs, mask=mask)
+        tl.store(dst_base + offs, x, mask=mask)
+
+
+def copy_blocks(key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch.Tensor], pairs: torch.Tensor) -> None:
+    caches = list(key_caches) + list(value_caches)
+    n = pairs.shape[0]
+    if n == 0 or not caches:
+        return
+    ref = caches[0]
+    dev = ref.device
+    ptrs = torch.tensor([c.data_ptr() for c in caches], dtype=torch.int64).to(dev, non_blocking=True)
+    pairs_dev = pairs.to(device=dev, dtype=torch.int64).contiguous()
+    _, block_size, num_kv_heads, head_dim = ref.shape
+    s_b, s_o, s_h, _ = ref.stride()
+    contiguous = s_h == head_dim and s_o == num_kv_heads * head_dim
+    block_numel = block_size * num_kv_heads * head_dim
+    chunk = min(4096, triton.next_power_of_2(block_numel))
+    _copy_blocks_kernel[(n, len(caches))](
+        ptrs,
+        pairs_dev,
+        ref,
+        s_b,
+        s_o,
+        s_h,
+        num_kv_heads,
+        head_dim,
+        block_numel,
+        CONTIGUOUS=contiguous,
+        CHUNK=chunk,
+        num_warps=4,
+    )
+
+
+def _is_interpreted(fn: object) -> bool:
+    return type(fn).__name__ == "InterpretedFunction"
+
+
+# Decided when the @triton.jit decorators ran (TRITON_INTERPRET at import time), not now.
+INTERPRETED: bool = _is_interpreted(_write_kv_kernel)

@@ -1,0 +1,253 @@
+"""Paged decode attention in Triton: split-KV (flash-decoding) with a small reduce kernel.
+
+Why split-KV: decode reads the whole KV context for one query token per sequence, so it is purely
+memory-bound, and a grid of (sequence x kv head) programs is far too small to fill ~132 SMs when the
+batch is small (batch 1 x 8 kv heads = 8 programs). Each sequence's context is therefore split
+into ``num_splits`` ranges handled by separate programs, each writing a partial (normalised output,
+log-sum-exp); ``_decode_reduce_kernel`` merges them. When the grid is already big enough (or the
+context is short) the split count is 1 and the first kernel writes the final output directly.
+
+GQA: one program serves all ``group = num_heads // num_kv_heads`` query heads of its kv head, so each
+K/V tile is loaded once and used ``group`` times (a [group, D] x [D, BLOCK_N] dot). The group is
+padded to 16 rows because ``tl.dot`` needs M >= 16 on the GPU.
+
+Per-sequence split counts are computed on the device (a short sequence in a long batch is not cut
+into tiny pieces; its unused split programs exit after writing an empty partial), so the host never
+reads ``seq_lens``; the host picks the grid's split dimension from the batch size and an upper bound
+of the context length (``max_seq_len`` if given, else the block table's capacity).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.tile import attend_tile
+
+LOG2E = 1.4426950408889634
+# Tuning knobs (see docs/kernels.md). A split covers at least this many tokens: below it the
+# merge costs more than the parallelism gains.
+MIN_SPLIT_TOKENS = 256
+MAX_SPLITS = 64
+# Aim for this many programs per SM so memory latency is hidden by several resident programs.
+PROGRAMS_PER_SM = 4
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    qk_scale,
+    num_heads,
+    group,
+    block_size,
+    num_splits,
+    min_split_tokens,
+    s_qs,
+    s_qh,
+    s_os,
+    s_oh,
+    s_kb,
+    s_ko,
+    s_kh,
+    s_vb,
+    s_vo,
+    s_vh,
+    s_bt,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    n_tiles = tl.cdiv(seq_len, BLOCK_N)
+    # This sequence's own split count: no more than num_splits, each >= min_split_tokens.
+    my_splits = tl.maximum(tl.minimum(num_splits, tl.cdiv(seq_len, min_split_tokens)), 1)
+    tiles_per_split = tl.cdiv(n_tiles, my_splits)
+    start = split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    gmask = g < group
+    dmask = d < HEAD_DIM
+    heads = kvh * group + g
+    q = tl.load(
+        q_ptr + seq * s_qs + heads[:, None] * s_qh + d[None, :],
+        mask=gmask[:, None] & dmask[None, :],
+        other=0.0,
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    k_base = k_cache_ptr + kvh * s_kh
+    v_base = v_cache_ptr + kvh * s_vh
+    bt_row = block_tables_ptr + seq * s_bt
+    q_pos = g  # unused: decode needs no causal mask (the query is the last token)
+
+    # Whole tiles without masks, then the ragged tail (if any) with one.
+    full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+    for t in range(start, full_end, BLOCK_N):
+        acc, m_i, l_i = attend_tile(
+            acc, m_i, l_i, q, k_base, v_base, bt_row, t, end, q_pos,
+            s_kb, s_ko, s_vb, s_vo, block_size, qk_scale,
+            HEAD_DIM, BLOCK_N, BLOCK_D, False, False, UPCAST,
+        )
+    if full_end < end:
+        acc, m_i, l_i = attend_tile(
+            acc, m_i, l_i, q, k_base, v_base, bt_row, full_end, end, q_pos,
+            s_kb, s_ko, s_vb, s_vo, block_size, qk_scale,
+            HEAD_DIM, BLOCK_N, BLOCK_D, True, False, UPCAST,
+        )
+
+    # An empty range (unused split, or seq_len == 0) leaves l_i == 0: write zeros and lse = -inf.
+    safe_l = tl.where(l_i > 0, l_i, 1.0)
+    res = acc / safe_l[:, None]
+    omask = gmask[:, None] & dmask[None, :]
+    if SINGLE_SPLIT:
+        tl.store(out_ptr + seq * s_os + heads[:, None] * s_oh + d[None, :], res.to(out_ptr.dtype.element_ty), mask=omask)
+    else:
+        row = (seq * num_heads + heads) * num_splits + split  # [S, H, splits] layout
+        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], res, mask=omask)
+        lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
+        tl.store(part_lse_ptr + row, lse, mask=gmask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    num_heads,
+    num_splits,
+    s_os,
+    s_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    sp = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    smask = sp < num_splits
+    row = (seq * num_heads + head) * num_splits + sp
+    lse = tl.load(part_lse_ptr + row, mask=smask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # no tokens at all: every weight is 0
+    w = tl.exp2(lse - m)
+    o = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=smask[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+    total = tl.sum(w, 0)
+    res = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + seq * s_os + head * s_oh + d, res.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+@functools.lru_cache(maxsize=16)
+def _num_sms(device_index: int) -> int:
+    return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
+
+
+def num_sms(device: torch.device) -> int:
+    """SMs of a CUDA device; on CPU (interpreter) a small stand-in so the heuristic still splits."""
+    if device.type != "cuda":
+        return 4
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, sms: int) -> int:
+    """How many programs share one sequence's context (the grid's third dimension).
+
+    Enough programs for ``PROGRAMS_PER_SM`` per SM, but never splits shorter than
+    ``MIN_SPLIT_TOKENS``; 1 when (seq x kv head) programs alone already fill two per SM.
+    """
+    base = max(1, num_seqs * num_kv_heads)
+    if base >= 2 * sms:
+        return 1
+    want = math.ceil(PROGRAMS_PER_SM * sms / base)
+    useful = max(1, math.ceil(max_seq_len / MIN_SPLIT_TOKENS))
+    return max(1, min(want, useful, MAX_SPLITS))
+
+
+def tile_config(head_dim: int, interpreted: bool) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) for the split kernel."""
+    if interpreted:
+        return 64, 4, 1
+    if head_dim > 128:
+        return 32, 4, 2
+    return 64, 4, 3
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
+    interpreted: bool = False,
+) -> torch.Tensor:
+    num_seqs, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(query)
+    if num_seqs == 0:
+        return out
+    if max_seq_len is None:
+        max_seq_len = block_tables.shape[1] * block_size  # an upper bound known without a sync
+    forced = num_splits is not None
+    if num_splits is None:
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms(query.device))
+    num_splits = max(1, int(num_splits))
+    block_n, num_warps, num_stages = tile_config(head_dim, interpreted)
+    block_d = triton.next_power_of_2(head_dim)
+    block_g = max(16, triton.next_power_of_2(group))
+    upcast = interpreted or query.dtype == torch.float32 or key_cache.dtype == torch.float32
+    single = num_splits == 1
+    # A forced split count (tests, tuning) really splits even short contexts.
+    min_split = 1 if forced else MIN_SPLIT_TOKENS
+    if single:
+        part_out = part_lse = out  # unused by the kernel
+    else:
+        part_out = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device)
+        part_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device)
+    grid = (num_seqs, num_kv_heads, num_splits)
+    _decode_split_kernel[grid](
+        query, key_cache, value_cache, block_tables, seq_lens, out, part_out, part_lse,
+        float(scale) * LOG2E, num_heads, group, block_size, num_splits, min_split,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_tables.stride(0),
+        HEAD_DIM=head_dim, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
+        SINGLE_SPLIT=single, UPCAST=upcast,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if not single:
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            part_out, part_lse, out, num_heads, num_splits, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            num_warps=4,
+        )
+    return out

@@ -1,0 +1,112 @@
+"""Backend selection: which implementation runs a kernel call.
+
+Two implementations exist for every operation: Triton kernels (fast on a GPU, and runnable on CPU
+in Triton's interpreter, which is how CI checks them) and a plain-torch reference (the oracle, and
+the fast path on CPU). This module decides between them per call, from three inputs:
+
+1. an explicit override, set with the ``use_backend(name)`` context manager (innermost wins; it is
+   a ``contextvars`` variable, so threads and asyncio tasks each see their own);
+2. otherwise the environment variable ``PAGEDKV_KERNEL_BACKEND`` (read on every call, so tests can
+   monkeypatch it);
+3. ``"auto"`` (the default): CUDA tensors -> Triton; CPU tensors -> Triton in the interpreter when
+   ``TRITON_INTERPRET=1`` was set before the kernels were imported, else the reference. bf16 on CPU
+   always goes to the reference under "auto" because the interpreter cannot do bf16 math.
+
+Triton is imported lazily, only when the Triton backend is chosen, so ``import kernels`` works on a
+machine without Triton (everything then runs on the reference).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import importlib
+import os
+from collections.abc import Iterator
+from types import ModuleType
+from typing import Literal
+
+import torch
+
+BackendName = Literal["auto", "reference", "triton"]
+BACKENDS: tuple[str, ...] = ("auto", "reference", "triton")
+ENV_VAR = "PAGEDKV_KERNEL_BACKEND"
+
+_override: contextvars.ContextVar[str | None] = contextvars.ContextVar("pagedkv_kernel_backend", default=None)
+
+
+def _check_name(name: str, source: str) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"{source}: unknown kernel backend {name!r}; expected one of {BACKENDS}")
+    return name
+
+
+@contextlib.contextmanager
+def use_backend(name: BackendName) -> Iterator[None]:
+    """Force a backend for the calls made inside the ``with`` block.
+
+    Why: the worker's tests run with TRITON_INTERPRET=1 suite-wide, where "auto" would send every
+    CPU call through the (slow) interpreter; ``with use_backend("reference"):`` keeps them fast.
+    """
+    token = _override.set(_check_name(name, "use_backend"))
+    try:
+        yield
+    finally:
+        _override.reset(token)
+
+
+def requested_backend() -> str:
+    """The backend asked for right now: the innermost override, else the env var, else "auto"."""
+    name = _override.get()
+    if name is not None:
+        return name
+    env = os.environ.get(ENV_VAR, "").strip().lower()
+    return _check_name(env, ENV_VAR) if env else "auto"
+
+
+def interpret_requested() -> bool:
+    """Whether TRITON_INTERPRET asks for Triton's interpreter (as Triton itself parses it)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+@functools.lru_cache(maxsize=1)
+def triton_available() -> bool:
+    """True when triton can be imported (it is an optional dependency)."""
+    try:
+        importlib.import_module("triton")
+    except Exception:  # ImportError, or a broken install raising anything else
+        return False
+    return True
+
+
+def triton_module(name: str) -> ModuleType:
+    """Import one of the Triton-kernel modules (decode, prefill, cache_ops) on first use."""
+    return importlib.import_module(f"kernels.{name}")
+
+
+def triton_interpreted() -> bool:
+    """Whether the Triton kernels were built for the interpreter (decided at their import)."""
+    return bool(triton_module("cache_ops").INTERPRETED)
+
+
+def resolve(device: torch.device, dtype: torch.dtype | None = None) -> str:
+    """Return "triton" or "reference" for a call on tensors living on ``device``."""
+    name = requested_backend()
+    if name == "reference":
+        return "reference"
+    if name == "triton":
+        if not triton_available():
+            raise RuntimeError(f"kernel backend 'triton' requested but triton is not importable")
+        if device.type == "cpu" and not triton_interpreted():
+            raise RuntimeError(
+                "kernel backend 'triton' on CPU tensors needs TRITON_INTERPRET=1 set before kernels "
+                "are imported (the compiled kernels only run on CUDA tensors)"
+            )
+        return "triton"
+    # auto
+    if device.type == "cuda":
+        return "triton" if triton_available() else "reference"
+    if device.type == "cpu" and dtype is not torch.bfloat16 and interpret_requested() and triton_available():
+        return "triton" if triton_interpreted() else "reference"
+    return "reference"

@@ -1,0 +1,157 @@
+"""Paged prefill attention in Triton: flash-attention over the paged cache, causal, ragged batch.
+
+Why this shape: a prefill (or a chunk of one) is compute-bound, so each program owns a tile of
+``BLOCK_M`` query tokens of one head and streams that sequence's K/V tiles through the online-softmax
+step shared with decode (``kernels.tile``). Queries are the LAST ``q_len`` of the sequence's
+``seq_len`` cached tokens, so query row r sits at absolute position ``seq_len - q_len + r``: a
+chunk after a prefix-cache hit (or a chunked prefill) attends to everything cached before it.
+
+The key range of a query tile splits in two: tokens before the tile's first query position are
+visible to every row and are processed without any masks; the rest (the diagonal, plus the ragged
+tail) use the causal and length masks. Grid: (query tile, head, sequence), with the tile index
+reversed so the most expensive tiles (most keys) start first.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.tile import attend_tile
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    block_tables_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    qk_scale,
+    group,
+    block_size,
+    s_qt,
+    s_qh,
+    s_ot,
+    s_oh,
+    s_kb,
+    s_ko,
+    s_kh,
+    s_vb,
+    s_vo,
+    s_vh,
+    s_bt,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    head = tl.program_id(1).to(tl.int64)
+    seq = tl.program_id(2).to(tl.int64)
+
+    q_start = tl.load(query_start_loc_ptr + seq).to(tl.int32)
+    q_len = tl.load(query_start_loc_ptr + seq + 1).to(tl.int32) - q_start
+    if tile * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    ctx = seq_len - q_len  # tokens cached before this sequence's first query
+
+    m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    mmask = m < q_len
+    dmask = d < HEAD_DIM
+    rows = (q_start + m).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * s_qt + head * s_qh + d[None, :], mask=mmask[:, None] & dmask[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    q_pos = ctx + m
+
+    kvh = head // group
+    k_base = k_cache_ptr + kvh * s_kh
+    v_base = v_cache_ptr + kvh * s_vh
+    bt_row = block_tables_ptr + seq * s_bt
+
+    first_pos = ctx + tile * BLOCK_M
+    hi = tl.minimum(seq_len, first_pos + BLOCK_M)
+    lo_diag = first_pos // BLOCK_N * BLOCK_N
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    # Keys every row of the tile sees: no masks at all.
+    for t in range(0, lo_diag, BLOCK_N):
+        acc, m_i, l_i = attend_tile(
+            acc, m_i, l_i, q, k_base, v_base, bt_row, t, hi, q_pos,
+            s_kb, s_ko, s_vb, s_vo, block_size, qk_scale,
+            HEAD_DIM, BLOCK_N, BLOCK_D, False, False, UPCAST,
+        )
+    # The diagonal and the tail: causal + length masks.
+    for t in range(lo_diag, hi, BLOCK_N):
+        acc, m_i, l_i = attend_tile(
+            acc, m_i, l_i, q, k_base, v_base, bt_row, t, hi, q_pos,
+            s_kb, s_ko, s_vb, s_vo, block_size, qk_scale,
+            HEAD_DIM, BLOCK_N, BLOCK_D, True, True, UPCAST,
+        )
+    res = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(
+        out_ptr + rows[:, None] * s_ot + head * s_oh + d[None, :],
+        res.to(out_ptr.dtype.element_ty),
+        mask=mmask[:, None] & dmask[None, :],
+    )
+
+
+def tile_config(head_dim: int, max_query_len: int, interpreted: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages)."""
+    if interpreted:
+        return 32, 32, 4, 1
+    if head_dim > 128:
+        return 64, 32, 4, 2
+    if max_query_len <= 64:
+        return 64, 64, 4, 3
+    return 128, 64, 8, 3
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    max_query_len: int | None = None,
+    interpreted: bool = False,
+) -> torch.Tensor:
+    total_q, num_heads, head_dim = query.shape
+    num_seqs = seq_lens.shape[0]
+    num_kv_heads = key_cache.shape[2]
+    out = torch.empty_like(query)
+    if total_q == 0 or num_seqs == 0:
+        return out
+    if max_query_len is None:
+        # One small device->host read; pass max_query_len to avoid it (e.g. under CUDA graphs).
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    if max_query_len <= 0:
+        return out
+    block_m, block_n, num_warps, num_stages = tile_config(head_dim, max_query_len, interpreted)
+    upcast = interpreted or query.dtype == torch.float32
+    grid = (triton.cdiv(max_query_len, block_m), num_heads, num_seqs)
+    _prefill_kernel[grid](
+        query, key_cache, value_cache, out, block_tables, query_start_loc, seq_lens,
+        float(scale) * LOG2E, num_heads // num_kv_heads, key_cache.shape[1],
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_tables.stride(0),
+        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim),
+        UPCAST=upcast, num_warps=num_warps, num_stages=num_stages,
+    )
+    return out

@@ -1,0 +1,135 @@
+"""Plain-torch versions of the five kernels: the oracle for the tests and the CPU fast path.
+
+Why it exists: the Triton kernels are checked against these, and a CPU worker runs these because
+Triton's interpreter is orders of magnitude slower. Attention gathers each sequence's blocks into
+contiguous K/V and does softmax in float32, so the result is the "exact" answer that the kernels'
+online softmax must match. Arguments are validated by the public wrappers in ``kernels``; these
+functions assume valid input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["write_kv_cache", "paged_decode_attention", "paged_prefill_attention", "copy_blocks", "swap_blocks"]
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store token i's K/V at slot ``slot_mapping[i]`` (block * block_size + offset); -1 skips."""
+    block_size = key_cache.shape[1]
+    slots = slot_mapping.to(device=key_cache.device, dtype=torch.int64)
+    keep = slots >= 0
+    slots = slots[keep]
+    blocks, offsets = slots // block_size, slots % block_size
+    # Advanced-index assignment writes through strided views (e.g. a layer of a 6-D cache).
+    key_cache[blocks, offsets] = key[keep].to(key_cache.dtype)
+    value_cache[blocks, offsets] = value[keep].to(value_cache.dtype)
+
+
+def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """Contiguous [length, num_kv_heads, head_dim] float32 K or V of one sequence."""
+    block_size = cache.shape[1]
+    n_blocks = (length + block_size - 1) // block_size
+    ids = block_table[:n_blocks].to(device=cache.device, dtype=torch.int64)
+    return cache[ids].reshape(n_blocks * block_size, *cache.shape[2:])[:length].float()
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query token per sequence attending to its whole cached context (no causal mask needed).
+
+    Vectorised over the batch: gather every sequence's blocks up to the longest context, mask the
+    tail, softmax in float32.
+    """
+    num_seqs, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(query)
+    if num_seqs == 0:
+        return out
+    lens = seq_lens.to(device=query.device, dtype=torch.int64)
+    max_len = int(lens.max())
+    n_blocks = max(1, (max_len + block_size - 1) // block_size)
+    ids = block_tables[:, :n_blocks].to(device=key_cache.device, dtype=torch.int64)
+    # Padding entries of a block table may hold garbage: clamp so the gather stays in bounds;
+    # the tokens they hold are masked out below.
+    ids = ids.clamp(0, key_cache.shape[0] - 1)
+    k = key_cache[ids].reshape(num_seqs, n_blocks * block_size, num_kv_heads, head_dim).float()
+    v = value_cache[ids].reshape(num_seqs, n_blocks * block_size, num_kv_heads, head_dim).float()
+    q = query.float().view(num_seqs, num_kv_heads, group, head_dim)
+    scores = torch.einsum("skgd,stkd->skgt", q, k) * scale
+    valid = torch.arange(n_blocks * block_size, device=query.device).unsqueeze(0) < lens.unsqueeze(1)
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a zero-length row attends to nothing
+    res = torch.einsum("skgt,stkd->skgd", probs, v)
+    out.copy_(res.reshape(num_seqs, num_heads, head_dim))
+    return out
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of each sequence's last ``q_len`` tokens over all ``seq_len`` cached tokens.
+
+    Query j of a sequence sits at absolute position ``seq_len - q_len + j`` and sees keys
+    ``0..that position``; so a chunk after a prefix-cache hit attends to the cached prefix too.
+    """
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(query)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for i, seq_len in enumerate(lens):
+        q0, q1 = int(starts[i]), int(starts[i + 1])
+        q_len = q1 - q0
+        if q_len == 0:
+            continue
+        k = _gather_kv(key_cache, block_tables[i], seq_len).repeat_interleave(group, dim=1)
+        v = _gather_kv(value_cache, block_tables[i], seq_len).repeat_interleave(group, dim=1)
+        q = query[q0:q1].float()
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+        k_pos = torch.arange(seq_len, device=query.device)
+        scores = scores.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[q0:q1] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
+    return out
+
+
+def copy_blocks(key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch.Tensor], pairs: torch.Tensor) -> None:
+    """Copy block ``src`` over block ``dst`` in every layer's K and V cache (copy-on-write)."""
+    if pairs.numel() == 0:
+        return
+    for cache in list(key_caches) + list(value_caches):
+        p = pairs.to(device=cache.device, dtype=torch.int64)
+        cache[p[:, 1]] = cache[p[:, 0]]
+
+
+def swap_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor) -> None:
+    """Copy block ``src_cache[s]`` to ``dst_cache[d]`` for each (s, d), one pair at a time.
+
+    This is the naive form (one transfer per block) kept as the oracle; the fast version batches.
+    """
+    for s, d in pairs.tolist():
+        dst[int(d)].copy_(src[int(s)])

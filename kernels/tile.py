@@ -1,0 +1,95 @@
+"""The inner step shared by the decode and prefill kernels: one tile of paged K/V, online softmax.
+
+Why one helper: both kernels walk a sequence's tokens in tiles of ``BLOCK_N``, find each token's
+physical block through the block table (one gather per token, so a tile may span several pages and
+``BLOCK_N`` is independent of the cache's block size), and fold the tile into a running
+(max, sum, accumulator) triple, flash-attention style. Scores use base-2 exponentials with
+``log2(e)`` folded into the scale.
+
+``UPCAST`` selects exact float32 math (the interpreter, which cannot do half-precision dots
+reliably, and float32 caches on the GPU, where a plain fp32 ``tl.dot`` would silently be TF32);
+otherwise the dots run on the tensor cores in the cache's dtype with float32 accumulation.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _load_tile(ptrs, tmask, dmask, MASK_TAIL: tl.constexpr, FULL_D: tl.constexpr):
+    """Load a [BLOCK_N, BLOCK_D] K or V tile, masking only what can be out of range."""
+    if MASK_TAIL:
+        x = tl.load(ptrs, mask=tmask[:, None] & dmask[None, :], other=0.0)
+    elif FULL_D:
+        x = tl.load(ptrs)
+    else:
+        x = tl.load(ptrs, mask=dmask[None, :], other=0.0)
+    return x
+
+
+@triton.jit
+def attend_tile(
+    acc,
+    m_i,
+    l_i,
+    q,
+    k_base,
+    v_base,
+    bt_row,
+    start,
+    limit,
+    q_pos,
+    s_kb,
+    s_ko,
+    s_vb,
+    s_vo,
+    block_size,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    MASK_TAIL: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """Fold tokens ``[start, start + BLOCK_N)`` (those < ``limit`` when MASK_TAIL) into the state.
+
+    ``k_base``/``v_base`` already point at the right kv head; ``bt_row`` at the sequence's block
+    table row. ``q`` is [M, BLOCK_D] (float32 when UPCAST). With CAUSAL, row r only sees tokens
+    ``<= q_pos[r]``. Every row must see at least one token of the first tile it is given (true for
+    both callers), so the running max is finite after it.
+    """
+    tok = start + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < HEAD_DIM
+    if MASK_TAIL:
+        tmask = tok < limit
+        blk = tl.load(bt_row + tok // block_size, mask=tmask, other=0).to(tl.int64)
+    else:
+        tmask = tok >= 0  # unused: full tiles are loaded without a token mask
+        blk = tl.load(bt_row + tok // block_size).to(tl.int64)
+    off = (tok % block_size).to(tl.int64)
+    k = _load_tile(k_base + blk[:, None] * s_kb + off[:, None] * s_ko + d[None, :], tmask, dmask,
+                   MASK_TAIL, HEAD_DIM == BLOCK_D)
+    if UPCAST:
+        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = s * qk_scale
+    if MASK_TAIL:
+        s = tl.where(tmask[None, :], s, float("-inf"))
+    if CAUSAL:
+        s = tl.where(tok[None, :] <= q_pos[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = _load_tile(v_base + blk[:, None] * s_vb + off[:, None] * s_vo + d[None, :], tmask, dmask,
+                   MASK_TAIL, HEAD_DIM == BLOCK_D)
+    if UPCAST:
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i
