@@ -1,0 +1,93 @@
+"""The cache host: allocates the shared KV cache once and tells workers how to attach.
+
+It is deliberately small and long-lived: no model weights, no compute. Workers come and go (crash,
+upgrade, scale between a prefill and a decode worker) while the host keeps the memory, so cached
+KV survives them. On exit (SIGTERM, SIGINT, normal return, or an exception) it unlinks its
+shared-memory segments / frees its CUDA allocation; with CUDA IPC, workers must be stopped before
+the host because the exporter has to outlive every importer.
+"""
+
+from __future__ import annotations
+
+import atexit
+
+import grpc
+import structlog
+
+from pagedkv.v1 import cache_host_pb2, cache_host_pb2_grpc
+from worker_svc import cache_memory
+from worker_svc.cache_layout import CacheGeometry
+from worker_svc.cache_memory import CacheDescriptor, SharedCache, TensorDescriptor
+
+SERVICE_NAME = cache_host_pb2.DESCRIPTOR.services_by_name["CacheHost"].full_name
+log = structlog.get_logger("pagedkv.cache_host")
+
+
+def geometry_to_proto(g: CacheGeometry) -> cache_host_pb2.CacheGeometry:
+    return cache_host_pb2.CacheGeometry(**g.as_dict())
+
+
+def geometry_from_proto(g: cache_host_pb2.CacheGeometry) -> CacheGeometry:
+    return CacheGeometry(
+        num_layers=g.num_layers, num_kv_heads=g.num_kv_heads, head_dim=g.head_dim,
+        block_size=g.block_size, num_gpu_blocks=g.num_gpu_blocks, num_cpu_blocks=g.num_cpu_blocks,
+    )
+
+
+def _tensor_to_proto(t: TensorDescriptor) -> cache_host_pb2.SharedTensor:
+    return cache_host_pb2.SharedTensor(
+        backend=t.backend, shm_name=t.shm_name, ipc_handle=t.ipc_handle, offset=t.offset, size=t.size,
+        dtype=t.dtype, shape=list(t.shape), device_index=t.device_index,
+    )
+
+
+def _tensor_from_proto(t: cache_host_pb2.SharedTensor) -> TensorDescriptor:
+    return TensorDescriptor(
+        backend=t.backend, shape=tuple(int(x) for x in t.shape), dtype=t.dtype, shm_name=t.shm_name,
+        ipc_handle=bytes(t.ipc_handle), offset=t.offset, size=t.size, device_index=t.device_index,
+    )
+
+
+def descriptor_to_proto(d: CacheDescriptor, model_name: str = "") -> cache_host_pb2.CacheInfo:
+    return cache_host_pb2.CacheInfo(
+        backend=d.backend, gpu_cache=_tensor_to_proto(d.gpu), cpu_cache=_tensor_to_proto(d.cpu),
+        geometry=geometry_to_proto(d.geometry), dtype=d.dtype, instance_id=d.instance_id,
+        host_pid=d.host_pid, model_name=model_name,
+    )
+
+
+def descriptor_from_proto(info: cache_host_pb2.CacheInfo) -> CacheDescriptor:
+    return CacheDescriptor(
+        backend=info.backend, gpu=_tensor_from_proto(info.gpu_cache), cpu=_tensor_from_proto(info.cpu_cache),
+        geometry=geometry_from_proto(info.geometry), dtype=info.dtype, instance_id=info.instance_id,
+        host_pid=info.host_pid,
+    )
+
+
+class CacheHostServicer(cache_host_pb2_grpc.CacheHostServicer):
+    """Serves the cache descriptor; the memory itself never crosses gRPC."""
+
+    def __init__(self, cache: SharedCache, model_name: str) -> None:
+        self._info = descriptor_to_proto(cache.descriptor, model_name)
+
+    def GetCacheInfo(  # noqa: N802 - gRPC method name
+        self, request: cache_host_pb2.GetCacheInfoRequest, context: grpc.ServicerContext
+    ) -> cache_host_pb2.CacheInfo:
+        return self._info
+
+
+class CacheOwner:
+    """Holds the cache and closes it exactly once: on shutdown, or at interpreter exit."""
+
+    def __init__(self, cache: SharedCache) -> None:
+        self.cache = cache
+        self._closed = False
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        desc = self.cache.descriptor
+        self.cache.close()
+        log.info("cache_released", backend=desc.backend, segments=[s for s in (desc.gpu.shm_name, desc.cpu.shm_name) if s])

@@ -1,0 +1,82 @@
+"""The shape of the shared KV cache and the rules for agreeing on it.
+
+The cache host, every worker and the block manager must agree on one geometry: a worker that reads
+block 7 must find the same bytes the other worker wrote there. ``CacheGeometry`` is that value;
+``check_same`` compares two of them and raises naming the first field that differs, so a
+misconfigured deployment fails at start-up with an error that says what to fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+class GeometryMismatch(ValueError):
+    """Two sources of the cache geometry disagree; the message names the value and both sides."""
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name.removeprefix("torch.")]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {name!r}; expected one of {sorted(DTYPES)}") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(slots=True, frozen=True)
+class CacheGeometry:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+
+    def shape(self, num_blocks: int) -> tuple[int, int, int, int, int, int]:
+        """``[num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]``."""
+        return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def gpu_shape(self) -> tuple[int, int, int, int, int, int]:
+        return self.shape(self.num_gpu_blocks)
+
+    @property
+    def cpu_shape(self) -> tuple[int, int, int, int, int, int]:
+        return self.shape(self.num_cpu_blocks)
+
+    def block_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes of one block across all layers, K and V."""
+        elem = torch.empty((), dtype=dtype).element_size()
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def check_same(expected: CacheGeometry, actual: CacheGeometry, expected_from: str, actual_from: str) -> None:
+    """Raise ``GeometryMismatch`` naming every field where ``actual`` differs from ``expected``."""
+    diffs = [
+        f"{f.name}: {expected_from} has {getattr(expected, f.name)}, {actual_from} has {getattr(actual, f.name)}"
+        for f in fields(CacheGeometry)
+        if getattr(expected, f.name) != getattr(actual, f.name)
+    ]
+    if diffs:
+        raise GeometryMismatch("cache geometry mismatch: " + "; ".join(diffs))
+
+
+def numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

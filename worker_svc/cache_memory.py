@@ -1,0 +1,162 @@
+"""The shared KV cache as memory: created once by the cache host, attached by every worker.
+
+Two backends behind one interface:
+- "shm" (CPU): the device cache and the swap pool are two POSIX shared-memory segments.
+- "cuda_ipc" (GPU): the device cache is one CUDA allocation exported by IPC handle; the swap pool
+  is POSIX shared memory that each process page-locks.
+
+``SharedCache`` is what both sides hold: the two tensors plus ``close()``. ``TensorDescriptor`` is
+what travels (as ``CacheInfo`` over gRPC) from the host to the workers.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from worker_svc import shm_backend
+from worker_svc.cache_layout import CacheGeometry, dtype_from_name, dtype_name
+
+BACKEND_SHM = "shm"
+BACKEND_CUDA_IPC = "cuda_ipc"
+
+
+@dataclass(slots=True, frozen=True)
+class TensorDescriptor:
+    """Everything an attaching process needs to map one exported tensor."""
+
+    backend: str
+    shape: tuple[int, ...]
+    dtype: str
+    shm_name: str = ""
+    ipc_handle: bytes = b""
+    offset: int = 0
+    size: int = 0
+    device_index: int = 0
+
+
+@dataclass(slots=True, frozen=True)
+class CacheDescriptor:
+    backend: str
+    gpu: TensorDescriptor
+    cpu: TensorDescriptor
+    geometry: CacheGeometry
+    dtype: str
+    instance_id: str
+    host_pid: int
+
+
+class _Closable(Protocol):
+    def close(self) -> None: ...
+
+
+@dataclass(slots=True)
+class SharedCache:
+    """The device cache ``[L, 2, num_gpu_blocks, ...]`` and the host swap pool ``[L, 2, num_cpu_blocks, ...]``."""
+
+    descriptor: CacheDescriptor
+    gpu: torch.Tensor
+    cpu: torch.Tensor
+    _resources: list[_Closable] = field(default_factory=list, repr=False)
+
+    def close(self) -> None:
+        """Release views, then handles/mappings in reverse order of acquisition. Idempotent."""
+        self.gpu = torch.empty(0)
+        self.cpu = torch.empty(0)
+        while self._resources:
+            self._resources.pop().close()
+
+
+def resolve_backend(device: torch.device) -> str:
+    return BACKEND_CUDA_IPC if device.type == "cuda" else BACKEND_SHM
+
+
+def create(
+    geometry: CacheGeometry, dtype: torch.dtype, device: torch.device, shm_prefix: str = "pagedkv"
+) -> SharedCache:
+    """Allocate the cache once (the cache host's job). Zero-filled."""
+    instance_id = secrets.token_hex(8)
+    resources: list[Any] = []
+    try:
+        cpu_shm = shm_backend.create(
+            shm_backend.new_segment_name(shm_prefix, "swap"), geometry.cpu_shape, dtype
+        )
+        resources.append(cpu_shm)
+        cpu_desc = TensorDescriptor(
+            backend=BACKEND_SHM, shape=geometry.cpu_shape, dtype=dtype_name(dtype),
+            shm_name=cpu_shm.name, size=cpu_shm.nbytes,
+        )
+        if device.type == "cuda":
+            from worker_svc import cuda_ipc_backend
+
+            exp = cuda_ipc_backend.export(geometry.gpu_shape, dtype, device)
+            resources.append(exp)
+            pin = cuda_ipc_backend.pin_host_tensor(cpu_shm.tensor, device)  # type: ignore[arg-type]
+            if pin is not None:
+                resources.append(pin)
+            gpu_tensor = exp.tensor
+            gpu_desc = TensorDescriptor(
+                backend=BACKEND_CUDA_IPC, shape=geometry.gpu_shape, dtype=dtype_name(dtype),
+                ipc_handle=exp.handle, offset=exp.offset, size=exp.size, device_index=exp.device_index,
+            )
+        else:
+            gpu_shm = shm_backend.create(
+                shm_backend.new_segment_name(shm_prefix, "kv"), geometry.gpu_shape, dtype
+            )
+            resources.append(gpu_shm)
+            gpu_tensor = gpu_shm.tensor
+            gpu_desc = TensorDescriptor(
+                backend=BACKEND_SHM, shape=geometry.gpu_shape, dtype=dtype_name(dtype),
+                shm_name=gpu_shm.name, size=gpu_shm.nbytes,
+            )
+    except BaseException:
+        for r in reversed(resources):
+            r.close()
+        raise
+    desc = CacheDescriptor(
+        backend=gpu_desc.backend, gpu=gpu_desc, cpu=cpu_desc, geometry=geometry,
+        dtype=dtype_name(dtype), instance_id=instance_id, host_pid=os.getpid(),
+    )
+    assert gpu_tensor is not None and cpu_shm.tensor is not None
+    return SharedCache(descriptor=desc, gpu=gpu_tensor, cpu=cpu_shm.tensor, _resources=resources)
+
+
+def attach(desc: CacheDescriptor, device: torch.device) -> SharedCache:
+    """Map the cache host's memory into this process without copying (a worker's job)."""
+    dtype = dtype_from_name(desc.dtype)
+    if desc.backend != resolve_backend(device):
+        raise ValueError(
+            f"cache host exports a {desc.backend!r} cache but this worker runs on {device}: "
+            f"use --device {'cuda' if desc.backend == BACKEND_CUDA_IPC else 'cpu'}"
+        )
+    if desc.host_pid == os.getpid() and desc.backend == BACKEND_CUDA_IPC:
+        raise ValueError("a process cannot open its own CUDA IPC handle; use the exporter's tensor")
+    resources: list[Any] = []
+    try:
+        cpu_shm = shm_backend.attach(desc.cpu.shm_name, desc.cpu.shape, dtype)
+        resources.append(cpu_shm)
+        if desc.backend == BACKEND_CUDA_IPC:
+            from worker_svc import cuda_ipc_backend
+
+            imp = cuda_ipc_backend.attach(
+                desc.gpu.ipc_handle, desc.gpu.offset, desc.gpu.size, desc.gpu.shape, dtype, device
+            )
+            resources.append(imp)
+            pin = cuda_ipc_backend.pin_host_tensor(cpu_shm.tensor, device)  # type: ignore[arg-type]
+            if pin is not None:
+                resources.append(pin)
+            gpu_tensor = imp.tensor
+        else:
+            gpu_shm = shm_backend.attach(desc.gpu.shm_name, desc.gpu.shape, dtype)
+            resources.append(gpu_shm)
+            gpu_tensor = gpu_shm.tensor
+    except BaseException:
+        for r in reversed(resources):
+            r.close()
+        raise
+    assert gpu_tensor is not None and cpu_shm.tensor is not None
+    return SharedCache(descriptor=desc, gpu=gpu_tensor, cpu=cpu_shm.tensor, _resources=resources)

@@ -1,0 +1,28 @@
+"""Turning the ``--device`` / ``--dtype`` settings into torch values.
+
+"auto" means CUDA when torch sees a GPU, else CPU; and float32 on CPU (exact, and what the CPU
+kernels and the tests compare against), bfloat16 on CUDA (Llama checkpoints' native precision).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from worker_svc.cache_layout import dtype_from_name
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name} asked for CUDA but torch sees no GPU")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return dtype_from_name(name)

@@ -1,0 +1,99 @@
+"""Deciding the cache geometry at start-up, from up to four sources that must agree.
+
+Sources: the model (layers, KV heads, head size), this process's settings (flags / ``PAGEDKV_*``),
+the block manager (``GetConfig``: block size, GPU and CPU block counts) and, for a worker, the
+cache host (``GetCacheInfo``). A value given explicitly in the settings must equal the block
+manager's; the cache host's must equal whatever the worker knows. Any disagreement refuses the
+start with ``GeometryMismatch`` naming the value and where each side got it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+
+from pagedkv.v1 import block_manager_pb2, block_manager_pb2_grpc
+from worker_svc.cache_layout import CacheGeometry, GeometryMismatch
+from worker_svc.model.config import ModelConfig
+from worker_svc.settings import _Common
+
+POOL_FIELDS = ("block_size", "num_gpu_blocks", "num_cpu_blocks")
+
+
+@dataclass(slots=True, frozen=True)
+class PoolConfig:
+    """The block manager's part of the geometry."""
+
+    block_size: int
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+
+
+@dataclass(slots=True, frozen=True)
+class Sourced:
+    """A value and where it came from, for error messages."""
+
+    value: int
+    source: str
+
+
+def fetch_pool_config(target: str, timeout_s: float = 10.0) -> PoolConfig:
+    """Ask the block manager for its geometry (waits for it to be up, up to ``timeout_s``)."""
+    with grpc.insecure_channel(target) as channel:
+        stub = block_manager_pb2_grpc.BlockManagerStub(channel)
+        cfg = stub.GetConfig(block_manager_pb2.GetConfigRequest(), timeout=timeout_s, wait_for_ready=True)
+    return PoolConfig(block_size=cfg.block_size, num_gpu_blocks=cfg.num_gpu_blocks, num_cpu_blocks=cfg.num_cpu_blocks)
+
+
+def known_values(settings: _Common, model: ModelConfig, pool: PoolConfig | None) -> dict[str, Sourced]:
+    """Every geometry value this process knows, checked against each other.
+
+    Pool values: the block manager's when it was asked (an explicit, different setting is an
+    error), else explicit settings, else nothing (a worker then takes the cache host's value; the
+    cache host falls back to its defaults in ``host_geometry``).
+    """
+    known: dict[str, Sourced] = {
+        "num_layers": Sourced(model.num_layers, f"model {model.name}"),
+        "num_kv_heads": Sourced(model.num_kv_heads, f"model {model.name}"),
+        "head_dim": Sourced(model.head_dim, f"model {model.name}"),
+    }
+    explicit = settings.model_fields_set
+    if settings.num_layers is not None and settings.num_layers != model.num_layers:
+        raise GeometryMismatch(
+            f"cache geometry mismatch: num_layers: settings (--num-layers) have {settings.num_layers}, "
+            f"model {model.name} has {model.num_layers}"
+        )
+    for name in POOL_FIELDS:
+        mine = getattr(settings, name)
+        if pool is not None:
+            theirs = getattr(pool, name)
+            if name in explicit and mine != theirs:
+                raise GeometryMismatch(
+                    f"cache geometry mismatch: {name}: settings (--{name.replace('_', '-')} / "
+                    f"PAGEDKV_{name.upper()}) have {mine}, the block manager has {theirs}"
+                )
+            known[name] = Sourced(theirs, "the block manager")
+        elif name in explicit:
+            known[name] = Sourced(mine, "settings")
+    return known
+
+
+def host_geometry(settings: _Common, model: ModelConfig, pool: PoolConfig | None) -> CacheGeometry:
+    """The cache host's geometry: known values, defaults for the rest."""
+    known = known_values(settings, model, pool)
+    values = {name: (known[name].value if name in known else getattr(settings, name)) for name in POOL_FIELDS}
+    return CacheGeometry(
+        num_layers=model.num_layers, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim, **values
+    )
+
+
+def check_against_host(known: dict[str, Sourced], host: CacheGeometry, host_name: str) -> None:
+    """A worker's check: every value it knows must equal the cache host's."""
+    diffs = [
+        f"{name}: {s.source} has {s.value}, {host_name} has {getattr(host, name)}"
+        for name, s in known.items()
+        if getattr(host, name) != s.value
+    ]
+    if diffs:
+        raise GeometryMismatch("cache geometry mismatch: " + "; ".join(diffs))

@@ -1,0 +1,1 @@
+"""A Llama-architecture decoder that runs on the paged KV cache (see ``llama.py``)."""

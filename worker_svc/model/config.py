@@ -1,0 +1,130 @@
+"""The model hyper-parameters the worker needs, read from a Hugging Face ``config.json``.
+
+Why our own dataclass rather than ``transformers.LlamaConfig``: the worker must not import
+transformers (heavy, and only a test dependency), and the cache host needs only the geometry
+(layers, KV heads, head size) to size the cache before any weight is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+
+
+@dataclass(slots=True, frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters; ``rope_type`` is "default" or "llama3" (Llama 3.1+ scaling)."""
+
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(slots=True, frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    max_position_embeddings: int = 4096
+    name: str = "default"
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any], name: str = "hf") -> "ModelConfig":
+        """Build from a parsed ``config.json`` (transformers 4.x ``rope_scaling`` or 5.x ``rope_parameters``)."""
+        archs = cfg.get("architectures") or []
+        if archs and not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+            raise ValueError(f"unsupported architecture {archs}; expected one of {SUPPORTED_ARCHITECTURES}")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {cfg.get('hidden_act')!r}; Llama uses silu")
+        num_heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        head_dim = cfg.get("head_dim") or hidden // num_heads
+        return cls(
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope=_rope_from_hf(cfg),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            name=name,
+        )
+
+    @classmethod
+    def from_dir(cls, model_dir: str | pathlib.Path) -> "ModelConfig":
+        path = pathlib.Path(model_dir)
+        config_path = path / "config.json"
+        if not config_path.is_file():
+            raise FileNotFoundError(f"no config.json in model directory {path}")
+        return cls.from_hf_dict(json.loads(config_path.read_text()), name=path.name or str(path))
+
+
+def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
+    params = dict(cfg.get("rope_parameters") or {})
+    scaling = dict(cfg.get("rope_scaling") or {})
+    params.update(scaling)  # 4.x keeps theta at top level and scaling in rope_scaling
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rope_type = str(params.get("rope_type", params.get("type", "default")))
+    if rope_type == "default":
+        return RopeConfig(theta=theta)
+    if rope_type != "llama3":
+        raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, llama3")
+    return RopeConfig(
+        theta=theta,
+        rope_type="llama3",
+        factor=float(params["factor"]),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(
+            params.get("original_max_position_embeddings", cfg.get("max_position_embeddings", 8192))
+        ),
+    )
+
+
+# The built-in model used when no --model is given: tiny, so that every role runs offline and the
+# tests are fast. Its weights come from a fixed seed (see weights.random_weights).
+DEFAULT_MODEL_CONFIG = ModelConfig(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    rope=RopeConfig(theta=10000.0),
+    name="pagedkv-tiny-default",
+)
+
+
+def load_model_config(model_dir: str | None) -> ModelConfig:
+    """The config of ``--model DIR``, or the built-in default when none is given."""
+    return DEFAULT_MODEL_CONFIG if not model_dir else ModelConfig.from_dir(model_dir)

@@ -1,0 +1,172 @@
+"""The Llama decoder's forward pass on a paged KV cache.
+
+One call processes a flat batch of tokens from many sequences at once: the prefill sequences'
+tokens first, then the decode sequences' (one token each), as laid out by ``model_runner``. Dense
+layers run on all tokens together; per layer the new K/V are written into the shared cache with
+``kernels.write_kv_cache`` and attention reads the cache through block tables with
+``kernels.paged_prefill_attention`` (causal, queries are the last tokens of each sequence) and
+``kernels.paged_decode_attention`` (one query per sequence).
+
+Why a plain class holding tensors instead of ``nn.Module``: there is no training, no state dict
+round trip and no hooks; fused weight matrices (QKV, gate+up) are built once at load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+import kernels
+from worker_svc.model.config import ModelConfig
+from worker_svc.model.rope import apply_rotary, cos_sin, inverse_frequencies
+
+
+@dataclass(slots=True)
+class AttentionBatch:
+    """Where the tokens of one forward pass go in the cache and what they attend to.
+
+    Tokens ``[0, num_prefill_tokens)`` belong to prefill sequences (query_start_loc delimits them),
+    the rest to decode sequences (one each). All index tensors live on the model's device.
+    """
+
+    positions: torch.Tensor  # int64 [num_tokens]: absolute position of each token
+    slot_mapping: torch.Tensor  # int64 [num_tokens]: block_id * block_size + offset
+    logits_indices: torch.Tensor  # int64 [num_seqs]: flat index of each sequence's last token
+    num_prefill_tokens: int
+    prefill_block_tables: torch.Tensor | None  # int32 [num_prefill_seqs, max_blocks]
+    prefill_query_start_loc: torch.Tensor | None  # int32 [num_prefill_seqs + 1]
+    prefill_seq_lens: torch.Tensor | None  # int32 [num_prefill_seqs]
+    decode_block_tables: torch.Tensor | None  # int32 [num_decode_seqs, max_blocks]
+    decode_seq_lens: torch.Tensor | None  # int32 [num_decode_seqs]
+
+
+@dataclass(slots=True)
+class _Layer:
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    w_qkv: torch.Tensor  # [(H + 2 * Hkv) * D, hidden]
+    b_qkv: torch.Tensor | None
+    w_o: torch.Tensor
+    b_o: torch.Tensor | None
+    w_gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    b_gate_up: torch.Tensor | None
+    w_down: torch.Tensor
+    b_down: torch.Tensor | None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm: statistics in fp32, scale in the input dtype (as Hugging Face does)."""
+    xf = x.to(torch.float32)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class LlamaModel:
+    """Weights plus ``forward(token_ids, batch, kv_cache) -> logits of each sequence's last token``."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+        self.cfg = cfg
+        w = weights
+        self.embed = w["model.embed_tokens.weight"]
+        self.norm = w["model.norm.weight"]
+        self.lm_head = self.embed if cfg.tie_word_embeddings else w["lm_head.weight"]
+        self.dtype = self.embed.dtype
+        self.device = self.embed.device
+        self.inv_freq = inverse_frequencies(cfg.rope, cfg.head_dim).to(self.device)
+        self.scale = cfg.head_dim**-0.5
+        self.layers: list[_Layer] = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+
+            def bias(name: str, p: str = p) -> torch.Tensor | None:
+                return w.get(p + name)
+
+            qkv_b = [bias(f"self_attn.{n}_proj.bias") for n in "qkv"]
+            gu_b = [bias("mlp.gate_proj.bias"), bias("mlp.up_proj.bias")]
+            self.layers.append(
+                _Layer(
+                    input_norm=w[p + "input_layernorm.weight"],
+                    post_norm=w[p + "post_attention_layernorm.weight"],
+                    w_qkv=torch.cat([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]).contiguous(),
+                    b_qkv=torch.cat(qkv_b) if all(b is not None for b in qkv_b) else None,  # type: ignore[arg-type]
+                    w_o=w[p + "self_attn.o_proj.weight"],
+                    b_o=bias("self_attn.o_proj.bias"),
+                    w_gate_up=torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]).contiguous(),
+                    b_gate_up=torch.cat(gu_b) if all(b is not None for b in gu_b) else None,  # type: ignore[arg-type]
+                    w_down=w[p + "mlp.down_proj.weight"],
+                    b_down=bias("mlp.down_proj.bias"),
+                )
+            )
+
+    @torch.inference_mode()
+    def forward(self, token_ids: torch.Tensor, batch: AttentionBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+        """Run all layers; return fp32 logits ``[num_seqs, vocab]`` at ``batch.logits_indices``.
+
+        ``kv_cache`` is the shared all-layers cache ``[num_layers, 2, num_blocks, block_size,
+        num_kv_heads, head_dim]``; layer ``l`` uses the views ``kv_cache[l, 0]`` / ``kv_cache[l, 1]``.
+        """
+        cfg = self.cfg
+        n_tok = token_ids.shape[0]
+        h, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_size, kv_size = h * d, hkv * d
+        n_pre = batch.num_prefill_tokens
+        cos, sin = cos_sin(batch.positions, self.inv_freq, self.dtype)
+        x = F.embedding(token_ids, self.embed)
+        for li, layer in enumerate(self.layers):
+            key_cache, value_cache = kv_cache[li, 0], kv_cache[li, 1]
+            hs = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+            qkv = F.linear(hs, layer.w_qkv, layer.b_qkv)
+            q = qkv[:, :q_size].reshape(n_tok, h, d)
+            k = qkv[:, q_size : q_size + kv_size].reshape(n_tok, hkv, d)
+            v = qkv[:, q_size + kv_size :].reshape(n_tok, hkv, d)
+            q = apply_rotary(q, cos, sin)
+            k = apply_rotary(k, cos, sin)
+            kernels.write_kv_cache(k, v.contiguous(), key_cache, value_cache, batch.slot_mapping)
+            attn = self._attention(q, key_cache, value_cache, batch, n_pre)
+            x = x + F.linear(attn.reshape(n_tok, q_size), layer.w_o, layer.b_o)
+            hs = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
+            gate_up = F.linear(hs, layer.w_gate_up, layer.b_gate_up)
+            gate, up = gate_up.chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.w_down, layer.b_down)
+        last = x.index_select(0, batch.logits_indices)
+        last = rms_norm(last, self.norm, cfg.rms_norm_eps)
+        return F.linear(last, self.lm_head).to(torch.float32)
+
+    def _attention(
+        self,
+        q: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        batch: AttentionBatch,
+        n_pre: int,
+    ) -> torch.Tensor:
+        n_tok = q.shape[0]
+        parts: list[torch.Tensor] = []
+        if n_pre:
+            assert batch.prefill_block_tables is not None
+            parts.append(
+                kernels.paged_prefill_attention(
+                    q[:n_pre].contiguous(),
+                    key_cache,
+                    value_cache,
+                    batch.prefill_block_tables,
+                    batch.prefill_query_start_loc,
+                    batch.prefill_seq_lens,
+                    self.scale,
+                )
+            )
+        if n_tok > n_pre:
+            assert batch.decode_block_tables is not None
+            parts.append(
+                kernels.paged_decode_attention(
+                    q[n_pre:].contiguous(),
+                    key_cache,
+                    value_cache,
+                    batch.decode_block_tables,
+                    batch.decode_seq_lens,
+                    self.scale,
+                )
+            )
+        return parts[0] if len(parts) == 1 else torch.cat(parts)

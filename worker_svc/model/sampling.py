@@ -1,0 +1,100 @@
+"""Choosing the next token: greedy, or temperature / top-k / top-p sampling with seeded draws.
+
+Determinism across processes: each sampled sequence gets one uniform number per step from a CPU
+``torch.Generator`` seeded by ``(seed, position)``; the token is found by inverse-CDF sampling over
+the filtered, sorted distribution. So the same seed at the same position gives the same token on
+any worker, whichever other sequences share the batch, and only one random number per sequence
+crosses to the device. Everything else is batched tensor math.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(slots=True, frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0 or self.top_k == 1
+
+
+@dataclass(slots=True)
+class SampleResult:
+    token_ids: torch.Tensor  # int64 [num_seqs] (CPU)
+    logprobs: torch.Tensor  # fp32 [num_seqs] (CPU): log p(token) under the unmodified model
+
+
+def draw_uniform(seed: int | None, position: int) -> float:
+    """One uniform in [0, 1) for (seed, position); fresh randomness when no seed was given."""
+    if seed is None:
+        mixed = int.from_bytes(os.urandom(8), "little")
+    else:
+        # splitmix64-style mixing so that neighbouring seeds/positions give unrelated streams.
+        z = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & _MASK64
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+        mixed = z ^ (z >> 31)
+    gen = torch.Generator().manual_seed(mixed & ((1 << 63) - 1))
+    return float(torch.rand((), generator=gen, dtype=torch.float64))
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> SampleResult:
+    """Pick one token per row of fp32 ``logits [num_seqs, vocab]``.
+
+    ``positions[i]`` is the position the chosen token will take in sequence i (its length so far):
+    the "step" that, with the seed, fixes the random draw.
+    """
+    logprobs_all = torch.log_softmax(logits, dim=-1)
+    tokens = torch.argmax(logits, dim=-1)
+    sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if sampled_rows:
+        rows = torch.tensor(sampled_rows, device=logits.device)
+        sub = logits.index_select(0, rows)
+        temps = torch.tensor([params[i].temperature for i in sampled_rows], device=logits.device)
+        top_ks = torch.tensor(
+            [params[i].top_k if params[i].top_k > 0 else logits.shape[-1] for i in sampled_rows],
+            device=logits.device,
+        )
+        top_ps = torch.tensor(
+            [params[i].top_p if 0.0 < params[i].top_p < 1.0 else 1.0 for i in sampled_rows],
+            device=logits.device,
+            dtype=torch.float32,
+        )
+        uniforms = torch.tensor(
+            [draw_uniform(params[i].seed, positions[i]) for i in sampled_rows],
+            device=logits.device,
+            dtype=torch.float32,
+        )
+        tokens[rows] = _sample_filtered(sub / temps[:, None], top_ks, top_ps, uniforms)
+    chosen_logprobs = logprobs_all.gather(1, tokens[:, None]).squeeze(1)
+    return SampleResult(token_ids=tokens.cpu(), logprobs=chosen_logprobs.cpu())
+
+
+def _sample_filtered(
+    scaled: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, uniforms: torch.Tensor
+) -> torch.Tensor:
+    sorted_logits, sorted_idx = torch.sort(scaled, dim=-1, descending=True)
+    ranks = torch.arange(scaled.shape[-1], device=scaled.device)[None, :]
+    sorted_logits = sorted_logits.masked_fill(ranks >= top_ks[:, None], float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    # top-p: drop a token when the mass before it already reaches p (the first token always stays).
+    mass_before = torch.cumsum(probs, dim=-1) - probs
+    probs = probs.masked_fill(mass_before >= top_ps[:, None], 0.0)
+    cdf = torch.cumsum(probs, dim=-1)
+    target = uniforms[:, None] * cdf[:, -1:]
+    choice = torch.searchsorted(cdf, target, right=True).clamp_(max=scaled.shape[-1] - 1)
+    # Never land on a zero-probability tail entry through rounding.
+    kept = (probs > 0).sum(dim=-1, keepdim=True) - 1
+    choice = torch.minimum(choice, kept)
+    return sorted_idx.gather(1, choice).squeeze(1)

@@ -1,0 +1,153 @@
+"""Weights: read a Hugging Face safetensors checkpoint, or make the default model's random ones.
+
+The checkpoint is read tensor by tensor with ``safetensors.safe_open`` (memory-mapped), cast to the
+target dtype and moved to the device one at a time, so peak host memory stays near one tensor.
+Sharded checkpoints are found through ``model.safetensors.index.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from collections.abc import Iterator
+
+import torch
+
+from typing import TYPE_CHECKING
+
+from worker_svc.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    from worker_svc.model.llama import LlamaModel
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+def expected_names(cfg: ModelConfig) -> list[str]:
+    """The parameter names (Hugging Face spelling) a Llama checkpoint must provide."""
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not cfg.tie_word_embeddings:
+        names.append("lm_head.weight")
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            names.append(p + f"self_attn.{proj}.weight")
+            if cfg.attention_bias:
+                names.append(p + f"self_attn.{proj}.bias")
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            names.append(p + f"mlp.{proj}.weight")
+            if cfg.mlp_bias:
+                names.append(p + f"mlp.{proj}.bias")
+    return names
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (cfg.vocab_size, h),
+        "model.norm.weight": (h,),
+        "lm_head.weight": (cfg.vocab_size, h),
+    }
+    per_layer = {
+        "input_layernorm.weight": (h,),
+        "post_attention_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (q, h),
+        "self_attn.k_proj.weight": (kv, h),
+        "self_attn.v_proj.weight": (kv, h),
+        "self_attn.o_proj.weight": (h, q),
+        "self_attn.q_proj.bias": (q,),
+        "self_attn.k_proj.bias": (kv,),
+        "self_attn.v_proj.bias": (kv,),
+        "self_attn.o_proj.bias": (h,),
+        "mlp.gate_proj.weight": (i, h),
+        "mlp.up_proj.weight": (i, h),
+        "mlp.down_proj.weight": (h, i),
+        "mlp.gate_proj.bias": (i,),
+        "mlp.up_proj.bias": (i,),
+        "mlp.down_proj.bias": (h,),
+    }
+    for layer in range(cfg.num_layers):
+        for k, v in per_layer.items():
+            shapes[f"model.layers.{layer}.{k}"] = v
+    return shapes
+
+
+def _checkpoint_files(model_dir: pathlib.Path) -> list[pathlib.Path]:
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        return [model_dir / f for f in sorted(set(weight_map.values()))]
+    single = model_dir / SINGLE_FILE
+    if single.is_file():
+        return [single]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in model directory {model_dir}")
+    return files
+
+
+def _iter_checkpoint(model_dir: pathlib.Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for path in _checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_weights(
+    model_dir: str | pathlib.Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """Read every expected tensor; fail naming the first missing or mis-shaped one."""
+    wanted = set(expected_names(cfg))
+    shapes = expected_shapes(cfg)
+    out: dict[str, torch.Tensor] = {}
+    for name, t in _iter_checkpoint(pathlib.Path(model_dir)):
+        if name not in wanted:
+            continue  # e.g. rotary_emb.inv_freq in old checkpoints, or a tied lm_head
+        if tuple(t.shape) != shapes[name]:
+            raise ValueError(f"weight {name} has shape {tuple(t.shape)}, expected {shapes[name]}")
+        out[name] = t.to(device=device, dtype=dtype)
+    missing = sorted(wanted - out.keys())
+    if missing:
+        raise ValueError(f"checkpoint in {model_dir} lacks {len(missing)} weights, e.g. {missing[:3]}")
+    return out
+
+
+def random_weights(
+    cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0, std: float = 0.2
+) -> dict[str, torch.Tensor]:
+    """Deterministic random weights (CPU generator, then cast/move): the offline default model.
+
+    Why std 0.2 rather than HF's 0.02: a sharper next-token distribution keeps greedy decoding far
+    from ties, so runs on different kernels or devices produce the same tokens.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    shapes = expected_shapes(cfg)
+    out: dict[str, torch.Tensor] = {}
+    for name in expected_names(cfg):
+        shape = shapes[name]
+        if name.endswith("norm.weight"):
+            t = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+        elif name.endswith(".bias"):
+            t = 0.02 * torch.randn(shape, generator=gen)
+        else:
+            t = std * torch.randn(shape, generator=gen)
+        out[name] = t.to(device=device, dtype=dtype)
+    return out
+
+
+def load_model(
+    model_dir: str | None, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0
+) -> "LlamaModel":
+    """The model of ``--model DIR``, or the built-in default with seeded random weights."""
+    from worker_svc.model.llama import LlamaModel
+
+    if model_dir:
+        weights = load_weights(model_dir, cfg, dtype, device)
+    else:
+        weights = random_weights(cfg, dtype, device, seed=seed)
+    return LlamaModel(cfg, weights)

@@ -1,0 +1,244 @@
+"""One worker step: validate, run the cache ops, assemble the batch, forward, sample.
+
+This module turns per-sequence requests (new tokens, block table, cached length) into the flat
+tensors the paged kernels want: absolute positions, slot mapping (block_id * block_size + offset),
+padded int32 block tables, ``query_start_loc`` and ``seq_lens``. Prefill sequences (more than one new
+token) are laid out first and decode sequences (one token) after them, so the model can hand each
+group to its kernel as a contiguous slice, while results come back in request order.
+
+It has no gRPC in it: the servicer translates messages to these dataclasses and back, and maps
+``InvalidStep`` to INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+import kernels
+from worker_svc.model.llama import AttentionBatch, LlamaModel
+from worker_svc.model.sampling import SamplingParams, sample
+
+
+class InvalidStep(ValueError):
+    """The step request is inconsistent (bad ids, too short a block table...); nothing was run."""
+
+
+@dataclass(slots=True)
+class SequenceRequest:
+    seq_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+    num_cached_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    return_logits: bool = False
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens in the cache after this step's tokens are written."""
+        return self.num_cached_tokens + len(self.token_ids)
+
+
+@dataclass(slots=True)
+class CacheOpsRequest:
+    """Block moves to run before the forward pass, in the order swap_out, copies, swap_in."""
+
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu block, cpu block)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (gpu block, gpu block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, gpu block)
+
+    def __bool__(self) -> bool:
+        return bool(self.swap_out or self.copies or self.swap_in)
+
+
+@dataclass(slots=True)
+class SequenceResult:
+    seq_id: str
+    token_id: int
+    logprob: float
+    logits: torch.Tensor | None = None  # fp32 [vocab] on CPU, when asked for
+
+
+@dataclass(slots=True)
+class StepResult:
+    outputs: list[SequenceResult]
+    num_tokens: int
+    cache_ops_ms: float
+    forward_ms: float
+
+
+def _block_major(cache: torch.Tensor) -> torch.Tensor:
+    """View ``[L, 2, N, ...]`` as ``[N, L, 2, ...]`` (no copy) so one swap call moves all layers."""
+    return cache.permute(2, 0, 1, 3, 4, 5)
+
+
+class ModelRunner:
+    """Owns the model and the views of the shared cache; runs one step at a time (thread-safe)."""
+
+    def __init__(self, model: LlamaModel, gpu_cache: torch.Tensor, cpu_cache: torch.Tensor) -> None:
+        cfg = model.cfg
+        if gpu_cache.dim() != 6 or gpu_cache.shape[0] != cfg.num_layers or gpu_cache.shape[1] != 2:
+            raise ValueError(f"KV cache shape {tuple(gpu_cache.shape)} is not [num_layers={cfg.num_layers}, 2, ...]")
+        if tuple(gpu_cache.shape[4:]) != (cfg.num_kv_heads, cfg.head_dim):
+            raise ValueError(
+                f"KV cache heads/head_dim {tuple(gpu_cache.shape[4:])} != model's ({cfg.num_kv_heads}, {cfg.head_dim})"
+            )
+        if gpu_cache.dtype != model.dtype:
+            raise ValueError(f"KV cache dtype {gpu_cache.dtype} != model dtype {model.dtype}")
+        self.model = model
+        self.gpu_cache = gpu_cache
+        self.cpu_cache = cpu_cache
+        self.num_gpu_blocks = int(gpu_cache.shape[2])
+        self.block_size = int(gpu_cache.shape[3])
+        self.num_cpu_blocks = int(cpu_cache.shape[2]) if cpu_cache.dim() == 6 else 0
+        self.device = gpu_cache.device
+        self._lock = threading.Lock()
+
+    # ---------------------------------------------------------------- validation
+    def validate(self, seqs: Sequence[SequenceRequest], ops: CacheOpsRequest) -> None:
+        vocab = self.model.cfg.vocab_size
+        seen: set[str] = set()
+        for i, s in enumerate(seqs):
+            where = f"sequences[{i}] ({s.seq_id!r})"
+            if s.seq_id in seen:
+                raise InvalidStep(f"{where}: seq_id appears twice in one step")
+            seen.add(s.seq_id)
+            if not s.token_ids:
+                raise InvalidStep(f"{where}: no new token ids")
+            if max(s.token_ids) >= vocab:
+                raise InvalidStep(f"{where}: token id {max(s.token_ids)} >= vocab_size {vocab}")
+            need = -(-s.seq_len // self.block_size)
+            if len(s.block_ids) < need:
+                raise InvalidStep(
+                    f"{where}: {s.seq_len} tokens need {need} blocks of {self.block_size}, "
+                    f"block table has {len(s.block_ids)}"
+                )
+            bad = [b for b in s.block_ids[:need] if b >= self.num_gpu_blocks]
+            if bad:
+                raise InvalidStep(f"{where}: block id {bad[0]} >= num_gpu_blocks {self.num_gpu_blocks}")
+            p = s.sampling
+            if p.temperature < 0 or not 0.0 <= p.top_p <= 1.0 or p.top_k < 0:
+                raise InvalidStep(f"{where}: bad sampling params {p}")
+        self._check_pairs("ops.swap_out", ops.swap_out, self.num_gpu_blocks, self.num_cpu_blocks)
+        self._check_pairs("ops.copies", ops.copies, self.num_gpu_blocks, self.num_gpu_blocks)
+        self._check_pairs("ops.swap_in", ops.swap_in, self.num_cpu_blocks, self.num_gpu_blocks)
+
+    @staticmethod
+    def _check_pairs(name: str, pairs: list[tuple[int, int]], n_src: int, n_dst: int) -> None:
+        for j, (s, d) in enumerate(pairs):
+            if s >= n_src or d >= n_dst:
+                raise InvalidStep(f"{name}[{j}] = ({s}, {d}) out of range (src < {n_src}, dst < {n_dst})")
+        dsts = [d for _, d in pairs]
+        if len(set(dsts)) != len(dsts):
+            raise InvalidStep(f"{name}: a destination block appears twice")
+
+    # ---------------------------------------------------------------- cache ops
+    def run_cache_ops(self, ops: CacheOpsRequest) -> None:
+        """swap-out, copies, swap-in: each one batched call covering all layers, K and V."""
+        if ops.swap_out:
+            pairs = torch.tensor(ops.swap_out, dtype=torch.int64)
+            kernels.swap_blocks(_block_major(self.gpu_cache), _block_major(self.cpu_cache), pairs)
+        if ops.copies:
+            pairs = torch.tensor(ops.copies, dtype=torch.int64, device=self.device)
+            layers = range(self.gpu_cache.shape[0])
+            kernels.copy_blocks(
+                [self.gpu_cache[i, 0] for i in layers], [self.gpu_cache[i, 1] for i in layers], pairs
+            )
+        if ops.swap_in:
+            pairs = torch.tensor(ops.swap_in, dtype=torch.int64)
+            kernels.swap_blocks(_block_major(self.cpu_cache), _block_major(self.gpu_cache), pairs)
+
+    # ---------------------------------------------------------------- batch assembly
+    def build_batch(self, seqs: Sequence[SequenceRequest]) -> tuple[torch.Tensor, AttentionBatch, list[int]]:
+        """Flat token ids, the attention metadata, and each request's row in the logits."""
+        bs = self.block_size
+        order = [i for i, s in enumerate(seqs) if len(s.token_ids) > 1]
+        n_prefill_seqs = len(order)
+        order += [i for i, s in enumerate(seqs) if len(s.token_ids) == 1]
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        last_index = [0] * len(seqs)
+        for row, i in enumerate(order):
+            s = seqs[i]
+            table = s.block_ids
+            for pos in range(s.num_cached_tokens, s.seq_len):
+                positions.append(pos)
+                slots.append(table[pos // bs] * bs + pos % bs)
+            tokens.extend(s.token_ids)
+            last_index[i] = row
+        # logits row r belongs to ordered sequence r; its last token is at flat index ends[r] - 1.
+        ends: list[int] = []
+        total = 0
+        for i in order:
+            total += len(seqs[i].token_ids)
+            ends.append(total - 1)
+        dev = self.device
+        n_prefill_tokens = ends[n_prefill_seqs - 1] + 1 if n_prefill_seqs else 0
+
+        def tables(idx: list[int]) -> torch.Tensor:
+            width = max(-(-seqs[i].seq_len // bs) for i in idx)
+            rows = [seqs[i].block_ids[:width] + [0] * (width - min(width, len(seqs[i].block_ids))) for i in idx]
+            return torch.tensor(rows, dtype=torch.int32, device=dev)
+
+        pre_idx, dec_idx = order[:n_prefill_seqs], order[n_prefill_seqs:]
+        qsl = [0]
+        for i in pre_idx:
+            qsl.append(qsl[-1] + len(seqs[i].token_ids))
+        batch = AttentionBatch(
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            logits_indices=torch.tensor(ends, dtype=torch.int64, device=dev),
+            num_prefill_tokens=n_prefill_tokens,
+            prefill_block_tables=tables(pre_idx) if pre_idx else None,
+            prefill_query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev) if pre_idx else None,
+            prefill_seq_lens=torch.tensor([seqs[i].seq_len for i in pre_idx], dtype=torch.int32, device=dev)
+            if pre_idx
+            else None,
+            decode_block_tables=tables(dec_idx) if dec_idx else None,
+            decode_seq_lens=torch.tensor([seqs[i].seq_len for i in dec_idx], dtype=torch.int32, device=dev)
+            if dec_idx
+            else None,
+        )
+        token_tensor = torch.tensor(tokens, dtype=torch.int64, device=dev)
+        return token_tensor, batch, last_index
+
+    # ---------------------------------------------------------------- the step
+    def step(self, seqs: Sequence[SequenceRequest], ops: CacheOpsRequest | None = None) -> StepResult:
+        """Validate everything first (an invalid step changes nothing), then run it."""
+        ops = ops or CacheOpsRequest()
+        self.validate(seqs, ops)
+        with self._lock:
+            t0 = time.perf_counter()
+            self.run_cache_ops(ops)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            t1 = time.perf_counter()
+            outputs: list[SequenceResult] = []
+            if seqs:
+                token_tensor, batch, rows = self.build_batch(seqs)
+                logits = self.model.forward(token_tensor, batch, self.gpu_cache)
+                logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+                result = sample(logits, [s.sampling for s in seqs], [s.seq_len for s in seqs])
+                want_logits = any(s.return_logits for s in seqs)
+                logits_cpu = logits.cpu() if want_logits else None
+                for i, s in enumerate(seqs):
+                    outputs.append(
+                        SequenceResult(
+                            seq_id=s.seq_id,
+                            token_id=int(result.token_ids[i]),
+                            logprob=float(result.logprobs[i]),
+                            logits=logits_cpu[i] if (logits_cpu is not None and s.return_logits) else None,
+                        )
+                    )
+            t2 = time.perf_counter()
+        return StepResult(
+            outputs=outputs,
+            num_tokens=sum(len(s.token_ids) for s in seqs),
+            cache_ops_ms=(t1 - t0) * 1e3,
+            forward_ms=(t2 - t1) * 1e3,
+        )

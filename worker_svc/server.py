@@ -1,0 +1,232 @@
+"""Process wiring for the two roles: settings -> cache / model -> gRPC server -> signals -> cleanup.
+
+``run_cache_host`` allocates and exports the cache and serves its descriptor until SIGTERM/SIGINT.
+``run_worker`` waits for the cache host (retrying with a log line per attempt), checks the geometry
+against everything it knows, attaches, loads the model and serves the Worker API; on shutdown it
+stops serving, drops its views and closes its handles. Both return an exit code: 0 after a clean
+shutdown, 2 for a configuration error (geometry mismatch, bad model dir), 1 when serving failed.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import threading
+
+import grpc
+import structlog
+
+from pagedkv.logging_setup import configure_logging
+from pagedkv.v1 import cache_host_pb2, cache_host_pb2_grpc, worker_pb2, worker_pb2_grpc
+from worker_svc import cache_memory
+from worker_svc.cache_host import (
+    SERVICE_NAME as CACHE_HOST_SERVICE,
+    CacheHostServicer,
+    CacheOwner,
+    descriptor_from_proto,
+    geometry_to_proto,
+)
+from worker_svc.cache_layout import GeometryMismatch, dtype_from_name, dtype_name
+from worker_svc.devices import resolve_device, resolve_dtype
+from worker_svc.geometry import PoolConfig, check_against_host, fetch_pool_config, host_geometry, known_values
+from worker_svc.grpc_server import RunningServer, start_server, stop_event_on_signals
+from worker_svc.model.config import load_model_config
+from worker_svc.servicer import SERVICE_NAME as WORKER_SERVICE, WorkerServicer
+from worker_svc.settings import CacheHostSettings, WorkerSettings
+
+log = structlog.get_logger("pagedkv.worker_svc")
+
+EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
+
+
+def _pool(settings: CacheHostSettings | WorkerSettings, timeout_s: float) -> PoolConfig | None:
+    if not settings.block_manager:
+        return None
+    log.info("reading_geometry_from_block_manager", block_manager=settings.block_manager)
+    try:
+        return fetch_pool_config(settings.block_manager, timeout_s=timeout_s)
+    except grpc.RpcError as e:
+        raise ConnectionError(f"block manager at {settings.block_manager}: {e.code().name}: {e.details()}") from e
+
+
+def run_cache_host(settings: CacheHostSettings) -> int:
+    configure_logging(settings.log_level, settings.log_format)
+    structlog.contextvars.bind_contextvars(role="cache-host", pid=os.getpid())
+    try:
+        device = resolve_device(settings.device)
+        dtype = resolve_dtype(settings.dtype, device)
+        model_cfg = load_model_config(settings.model)
+        geometry = host_geometry(settings, model_cfg, _pool(settings, timeout_s=30.0))
+    except (GeometryMismatch, ValueError, FileNotFoundError, ConnectionError) as e:
+        log.error("config_error", error=str(e))
+        return EXIT_CONFIG
+    cache = cache_memory.create(geometry, dtype, device, settings.shm_prefix)
+    owner = CacheOwner(cache)
+    try:
+        stop = stop_event_on_signals()
+        running = start_server(
+            settings.host,
+            settings.port,
+            lambda s: cache_host_pb2_grpc.add_CacheHostServicer_to_server(CacheHostServicer(cache, model_cfg.name), s),
+            CACHE_HOST_SERVICE,
+            thread_prefix="cache-host-rpc",
+        )
+        desc = cache.descriptor
+        log.info(
+            "cache_host_ready",
+            address=f"{settings.host}:{running.port}",
+            port=running.port,
+            backend=desc.backend,
+            device=str(device),
+            dtype=desc.dtype,
+            instance_id=desc.instance_id,
+            gpu_segment=desc.gpu.shm_name or None,
+            cpu_segment=desc.cpu.shm_name,
+            kv_bytes=geometry.num_gpu_blocks * geometry.block_bytes(dtype),
+            swap_bytes=geometry.num_cpu_blocks * geometry.block_bytes(dtype),
+            **geometry.as_dict(),
+        )
+        stop.wait()
+        log.info("shutting_down")
+        running.stop(grace=1.0)
+    except RuntimeError as e:
+        log.error("serve_failed", error=str(e))
+        return EXIT_FAILED
+    finally:
+        owner.close()
+    log.info("stopped")
+    return EXIT_OK
+
+
+class StopRequested(Exception):
+    """SIGTERM/SIGINT arrived before the worker was ready."""
+
+
+def wait_for_cache_host(
+    target: str, timeout_s: float, stop: threading.Event | None = None
+) -> cache_host_pb2.CacheInfo:
+    """GetCacheInfo, retried with backoff until it answers or ``timeout_s`` passes (0 = forever).
+
+    Why wait rather than fail: in a deployment the roles start in any order; a worker started
+    before the cache host logs one ``waiting_for_cache_host`` line per attempt and attaches as soon
+    as the host answers.
+    """
+    deadline = None if timeout_s == 0 else time.monotonic() + timeout_s
+    delay, attempt = 0.2, 0
+    with grpc.insecure_channel(target) as channel:
+        stub = cache_host_pb2_grpc.CacheHostStub(channel)
+        while True:
+            attempt += 1
+            try:
+                return stub.GetCacheInfo(cache_host_pb2.GetCacheInfoRequest(), timeout=5.0)
+            except grpc.RpcError as e:
+                if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise
+                if deadline is not None and time.monotonic() + delay > deadline:
+                    raise TimeoutError(f"cache host at {target} did not answer within {timeout_s:.0f} s") from e
+                log.info("waiting_for_cache_host", cache_host=target, attempt=attempt, retry_in_s=round(delay, 2),
+                         reason=e.code().name)
+                if stop is not None and stop.wait(delay):
+                    raise StopRequested() from e
+                if stop is None:
+                    time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+
+@dataclass(slots=True)
+class WorkerProcess:
+    """A started worker: its server, runner and attached cache (used by the CLI and by tests)."""
+
+    running: RunningServer
+    servicer: WorkerServicer
+    cache: cache_memory.SharedCache
+
+    def close(self) -> None:
+        self.running.stop(grace=1.0)
+        self.servicer._runner = None  # type: ignore[assignment] - drop views before unmapping
+        self.cache.close()
+
+
+def start_worker(settings: WorkerSettings, stop: threading.Event | None = None) -> WorkerProcess:
+    """Everything up to SERVING. Raises GeometryMismatch / ValueError / TimeoutError on bad config."""
+    from worker_svc.model.weights import load_model
+    from worker_svc.model_runner import ModelRunner
+
+    if settings.kernel_backend:
+        os.environ["PAGEDKV_KERNEL_BACKEND"] = settings.kernel_backend
+    device = resolve_device(settings.device)
+    model_cfg = load_model_config(settings.model)
+    known = known_values(settings, model_cfg, _pool(settings, timeout_s=max(settings.connect_timeout_s, 1.0)))
+    info = wait_for_cache_host(settings.cache_host, settings.connect_timeout_s, stop)
+    desc = descriptor_from_proto(info)
+    check_against_host(known, desc.geometry, f"the cache host at {settings.cache_host}")
+    if settings.dtype != "auto" and settings.dtype != desc.dtype:
+        raise GeometryMismatch(f"cache dtype mismatch: settings have {settings.dtype}, the cache host has {desc.dtype}")
+    dtype = dtype_from_name(desc.dtype)
+    cache = cache_memory.attach(desc, device)
+    try:
+        model = load_model(settings.model, model_cfg, dtype, device, seed=settings.seed)
+        runner = ModelRunner(model, cache.gpu, cache.cpu)
+        import kernels
+
+        winfo = worker_pb2.WorkerInfo(
+            model_name=model_cfg.name, vocab_size=model_cfg.vocab_size, num_layers=model_cfg.num_layers,
+            num_heads=model_cfg.num_heads, num_kv_heads=model_cfg.num_kv_heads, head_dim=model_cfg.head_dim,
+            hidden_size=model_cfg.hidden_size, dtype=dtype_name(dtype), device=str(device),
+            geometry=geometry_to_proto(desc.geometry), cache_instance_id=desc.instance_id,
+            kernel_backend=kernels.backend_for(cache.gpu),
+        )
+        servicer = WorkerServicer(runner, winfo)
+        running = start_server(
+            settings.host,
+            settings.port,
+            lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(servicer, s),
+            WORKER_SERVICE,
+            max_workers=settings.max_workers,
+            thread_prefix="worker-rpc",
+        )
+    except BaseException:
+        cache.close()
+        raise
+    log.info(
+        "worker_ready",
+        address=f"{settings.host}:{running.port}",
+        port=running.port,
+        cache_host=settings.cache_host,
+        cache_instance_id=desc.instance_id,
+        backend=desc.backend,
+        device=str(device),
+        dtype=desc.dtype,
+        model=model_cfg.name,
+        kernel_backend=winfo.kernel_backend,
+        **desc.geometry.as_dict(),
+    )
+    return WorkerProcess(running=running, servicer=servicer, cache=cache)
+
+
+def run_worker(settings: WorkerSettings) -> int:
+    configure_logging(settings.log_level, settings.log_format)
+    structlog.contextvars.bind_contextvars(role="worker", pid=os.getpid())
+    stop = stop_event_on_signals()
+    try:
+        proc = start_worker(settings, stop)
+    except StopRequested:
+        log.info("stopped_before_ready")
+        return EXIT_OK
+    except (GeometryMismatch, ValueError, FileNotFoundError, TimeoutError, ConnectionError) as e:
+        log.error("config_error", error=str(e))
+        return EXIT_CONFIG
+    except RuntimeError as e:
+        log.error("start_failed", error=str(e))
+        return EXIT_FAILED
+    try:
+        stop.wait()
+        log.info("shutting_down")
+    finally:
+        proc.close()
+    log.info("stopped")
+    return EXIT_OK
+
+

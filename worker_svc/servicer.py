@@ -1,0 +1,89 @@
+"""The Worker gRPC servicer: translate messages, call the model runner, map errors to statuses.
+
+Validation lives in ``ModelRunner.validate``; an ``InvalidStep`` becomes INVALID_ARGUMENT with its
+message and nothing is run (cache ops included). Anything else unexpected is logged with its
+traceback and returned as INTERNAL.
+"""
+
+from __future__ import annotations
+
+import grpc
+import structlog
+
+from pagedkv.v1 import block_manager_pb2, worker_pb2, worker_pb2_grpc
+from worker_svc.model.sampling import SamplingParams
+from worker_svc.model_runner import CacheOpsRequest, InvalidStep, ModelRunner, SequenceRequest
+
+SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+log = structlog.get_logger("pagedkv.worker")
+
+
+def ops_from_proto(ops: block_manager_pb2.CacheOps) -> CacheOpsRequest:
+    return CacheOpsRequest(
+        swap_out=[(c.src, c.dst) for c in ops.swap_out],
+        copies=[(c.src, c.dst) for c in ops.copies],
+        swap_in=[(c.src, c.dst) for c in ops.swap_in],
+    )
+
+
+def sequence_from_proto(s: worker_pb2.SequenceInput) -> SequenceRequest:
+    p = s.sampling
+    return SequenceRequest(
+        seq_id=s.seq_id,
+        token_ids=list(s.token_ids),
+        block_ids=list(s.block_ids),
+        num_cached_tokens=s.num_cached_tokens,
+        sampling=SamplingParams(
+            temperature=p.temperature,
+            top_p=p.top_p if p.top_p > 0 else 1.0,
+            top_k=p.top_k,
+            seed=p.seed if p.HasField("seed") else None,
+        ),
+        return_logits=s.return_logits,
+    )
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, runner: ModelRunner, info: worker_pb2.WorkerInfo) -> None:
+        self._runner = runner
+        self._info = info
+
+    def Step(  # noqa: N802 - gRPC method name
+        self, request: worker_pb2.WorkerStepRequest, context: grpc.ServicerContext
+    ) -> worker_pb2.WorkerStepResponse:
+        seqs = [sequence_from_proto(s) for s in request.sequences]
+        ops = ops_from_proto(request.ops)
+        try:
+            result = self._runner.step(seqs, ops)
+        except InvalidStep as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Exception as e:  # noqa: BLE001 - turn into a status, keep the trace in the log
+            log.exception("step_failed", request_id=request.request_id, num_seqs=len(seqs))
+            context.abort(grpc.StatusCode.INTERNAL, f"step failed: {type(e).__name__}: {e}")
+        log.debug(
+            "step",
+            request_id=request.request_id,
+            num_seqs=len(seqs),
+            num_tokens=result.num_tokens,
+            cache_ops_ms=round(result.cache_ops_ms, 3),
+            forward_ms=round(result.forward_ms, 3),
+        )
+        return worker_pb2.WorkerStepResponse(
+            outputs=[
+                worker_pb2.SequenceOutput(
+                    seq_id=o.seq_id,
+                    token_id=o.token_id,
+                    logprob=o.logprob,
+                    logits=o.logits.tolist() if o.logits is not None else [],
+                )
+                for o in result.outputs
+            ],
+            num_tokens=result.num_tokens,
+            cache_ops_ms=result.cache_ops_ms,
+            forward_ms=result.forward_ms,
+        )
+
+    def GetWorkerInfo(  # noqa: N802 - gRPC method name
+        self, request: worker_pb2.GetWorkerInfoRequest, context: grpc.ServicerContext
+    ) -> worker_pb2.WorkerInfo:
+        return self._info

@@ -1,0 +1,75 @@
+"""Settings of the two worker-side roles: the cache host and the compute worker.
+
+Why pydantic-settings: every value can come from a flag, from the environment (prefix
+``PAGEDKV_``, e.g. ``PAGEDKV_NUM_GPU_BLOCKS=2048``) or from its default, validated in one place.
+The cache geometry (``block_size``, ``num_gpu_blocks``, ``num_cpu_blocks``) uses the same variable
+names as the block manager, so one shared setting configures every role of a deployment.
+
+Which fields were given explicitly (flag or env) matters: an explicit geometry value that
+disagrees with the block manager or the cache host is a configuration error, while an unset one
+is simply taken from them (see ``worker_svc.geometry``).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_CACHE_HOST_PORT = 50052
+DEFAULT_WORKER_PORT = 50053
+
+Device = Literal["auto", "cpu", "cuda"]
+DType = Literal["auto", "float32", "float16", "bfloat16"]
+LogFormat = Literal["console", "json"]
+
+
+class _Common(BaseSettings):
+    """Fields shared by the cache host and the worker."""
+
+    model_config = SettingsConfigDict(env_prefix="PAGEDKV_", extra="ignore")
+
+    host: str = Field("127.0.0.1", description="address to bind the gRPC server to")
+    # Geometry; the defaults match the block manager's defaults.
+    block_size: int = Field(16, ge=1, description="tokens per KV block")
+    num_gpu_blocks: int = Field(4096, ge=1, description="blocks in the device KV cache")
+    num_cpu_blocks: int = Field(0, ge=0, description="blocks in the host swap pool (0 = none)")
+    # Model geometry: from --model DIR's config.json, else the built-in tiny default model.
+    model: str | None = Field(None, description="Hugging Face model directory (config.json + safetensors)")
+    num_layers: int | None = Field(None, ge=1, description="override/check the model's layer count")
+    dtype: DType = Field("auto", description="cache/model dtype; auto = float32 on CPU, bfloat16 on CUDA")
+    device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
+    block_manager: str | None = Field(None, description="host:port of the block manager to read geometry from")
+    log_format: LogFormat = Field("console", description="structlog renderer: console (key=value) or json")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log threshold")
+
+    @field_validator("device")
+    @classmethod
+    def _check_device(cls, v: str) -> str:
+        v = v.strip().lower()
+        if v in ("auto", "cpu", "cuda") or (v.startswith("cuda:") and v[5:].isdigit()):
+            return v
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {v!r}")
+
+
+class CacheHostSettings(_Common):
+    """The cache host: allocates the shared KV cache once and serves its descriptor."""
+
+    port: int = Field(DEFAULT_CACHE_HOST_PORT, ge=0, le=65535, description="gRPC port")
+    shm_prefix: str = Field("pagedkv", description="prefix of the POSIX shared-memory segment names")
+
+
+class WorkerSettings(_Common):
+    """A compute worker: attaches to the cache host's memory and serves the Worker API."""
+
+    port: int = Field(DEFAULT_WORKER_PORT, ge=0, le=65535, description="gRPC port")
+    cache_host: str = Field(f"127.0.0.1:{DEFAULT_CACHE_HOST_PORT}", description="host:port of the cache host")
+    connect_timeout_s: float = Field(
+        120.0, ge=0, description="how long to wait for the cache host; 0 = forever"
+    )
+    max_workers: int = Field(4, ge=1, description="gRPC server threads")
+    kernel_backend: Literal["auto", "reference", "triton"] | None = Field(
+        None, description="force the kernel backend (else PAGEDKV_KERNEL_BACKEND / auto)"
+    )
+    seed: int = Field(0, description="seed of the built-in default model's random weights")
