@@ -136,6 +136,19 @@ def _attention_common(
     return dev, num_blocks
 
 
+def _check_out(out: torch.Tensor | None, query: torch.Tensor) -> None:
+    if out is None:
+        return
+    checks.tensor("out", out, 3)
+    if out.shape != query.shape or out.dtype != query.dtype or out.device != query.device:
+        raise ValueError(
+            f"out must match query: got {tuple(out.shape)} {out.dtype} on {out.device}, "
+            f"want {tuple(query.shape)} {query.dtype} on {query.device}"
+        )
+    if out.stride(-1) != 1:
+        raise ValueError("out must be contiguous along head_dim")
+
+
 def paged_decode_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -146,15 +159,18 @@ def paged_decode_attention(
     *,
     max_seq_len: int | None = None,
     num_splits: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its cached context; returns ``[num_seqs, num_heads, head_dim]``.
 
     ``seq_lens[i]`` counts the tokens to attend, including the new one (already written to the cache).
     Optional: ``max_seq_len`` (a host-side upper bound of ``seq_lens``, used to choose the split-KV
     count without reading the device; defaults to the block table's capacity) and ``num_splits``
-    (force the split count, mainly for tests and tuning). The reference ignores both.
+    (force the split count, mainly for tests and tuning). The reference ignores both. ``out``: an
+    optional preallocated output (same shape/dtype/device as ``query``), filled and returned.
     """
     dev, _ = _attention_common(query, key_cache, value_cache, block_tables, seq_lens)
+    _check_out(out, query)
     if query.shape[0] != block_tables.shape[0]:
         raise ValueError(f"query has {query.shape[0]} sequences but block_tables has {block_tables.shape[0]}")
     if num_splits is not None and num_splits < 1:
@@ -162,9 +178,9 @@ def paged_decode_attention(
     if resolve(dev, query.dtype) == "triton":
         return triton_module("decode").paged_decode_attention(
             query, key_cache, value_cache, block_tables, seq_lens, scale,
-            max_seq_len=max_seq_len, num_splits=num_splits, interpreted=_interpreted(),
+            max_seq_len=max_seq_len, num_splits=num_splits, interpreted=_interpreted(), out=out,
         )
-    return reference.paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale)
+    return reference.paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, out=out)
 
 
 def paged_prefill_attention(
@@ -177,14 +193,17 @@ def paged_prefill_attention(
     scale: float,
     *,
     max_query_len: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention for a ragged batch of query tokens ``[total_q, num_heads, head_dim]``.
 
     Sequence i's queries are ``query[query_start_loc[i]:query_start_loc[i+1]]``, its LAST ``q_len``
     tokens out of ``seq_lens[i]`` whose K/V are already in the cache. ``max_query_len`` (optional)
-    spares the Triton path a device->host read of the longest query run.
+    spares the Triton path a device->host read of the longest query run; ``out`` is an optional
+    preallocated output like ``query``.
     """
     dev, _ = _attention_common(query, key_cache, value_cache, block_tables, seq_lens)
+    _check_out(out, query)
     qsl = checks.tensor("query_start_loc", query_start_loc, 1)
     checks.int_dtype("query_start_loc", qsl)
     if qsl.shape[0] != seq_lens.shape[0] + 1:
@@ -199,9 +218,9 @@ def paged_prefill_attention(
     if resolve(dev, query.dtype) == "triton":
         return triton_module("prefill").paged_prefill_attention(
             query, key_cache, value_cache, block_tables, qsl, seq_lens, scale,
-            max_query_len=max_query_len, interpreted=_interpreted(),
+            max_query_len=max_query_len, interpreted=_interpreted(), out=out,
         )
-    return reference.paged_prefill_attention(query, key_cache, value_cache, block_tables, qsl, seq_lens, scale)
+    return reference.paged_prefill_attention(query, key_cache, value_cache, block_tables, qsl, seq_lens, scale, out=out)
 
 
 def copy_blocks(key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch.Tensor], pairs: torch.Tensor) -> None:

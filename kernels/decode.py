@@ -207,11 +207,13 @@ def paged_decode_attention(
     max_seq_len: int | None = None,
     num_splits: int | None = None,
     interpreted: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     group = num_heads // num_kv_heads
-    out = torch.empty_like(query)
+    if out is None:
+        out = torch.empty_like(query)
     if num_seqs == 0:
         return out
     if max_seq_len is None:

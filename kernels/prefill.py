@@ -129,11 +129,13 @@ def paged_prefill_attention(
     *,
     max_query_len: int | None = None,
     interpreted: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     total_q, num_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
     num_kv_heads = key_cache.shape[2]
-    out = torch.empty_like(query)
+    if out is None:
+        out = torch.empty_like(query)
     if total_q == 0 or num_seqs == 0:
         return out
     if max_query_len is None:

@@ -49,6 +49,7 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence attending to its whole cached context (no causal mask needed).
 
@@ -58,7 +59,8 @@ def paged_decode_attention(
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
-    out = torch.empty_like(query)
+    if out is None:
+        out = torch.empty_like(query)
     if num_seqs == 0:
         return out
     lens = seq_lens.to(device=query.device, dtype=torch.int64)
@@ -88,6 +90,7 @@ def paged_prefill_attention(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's last ``q_len`` tokens over all ``seq_len`` cached tokens.
 
@@ -97,7 +100,8 @@ def paged_prefill_attention(
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
-    out = torch.empty_like(query)
+    if out is None:
+        out = torch.empty_like(query)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     for i, seq_len in enumerate(lens):
