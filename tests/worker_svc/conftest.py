@@ -1,0 +1,83 @@
+"""Fixtures for the worker tests: a tiny random Llama saved the Hugging Face way, and its oracle.
+
+The oracle is ``transformers.LlamaForCausalLM`` with the same weights, in fp32 on CPU with its
+dense cache. The worker must generate exactly its greedy tokens. The torch reference kernels are
+forced (TRITON_INTERPRET=1 is set suite-wide, and the interpreter is far too slow for a model),
+except in the one test that runs the Triton kernels in the interpreter on purpose.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+VOCAB = 128
+
+
+def make_hf_config(**overrides: object):  # -> transformers.LlamaConfig
+    from transformers import LlamaConfig
+
+    kwargs: dict[str, object] = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        # Larger than HF's 0.02 so that next-token distributions are sharp: no greedy near-ties.
+        initializer_range=0.2,
+        rope_theta=10000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+    )
+    kwargs.update(overrides)
+    return LlamaConfig(**kwargs)
+
+
+@dataclass(slots=True)
+class HFModel:
+    path: pathlib.Path
+    model: object  # transformers.LlamaForCausalLM
+
+    def greedy(self, prompt: list[int], n: int) -> list[int]:
+        """transformers' own greedy generation with its dense cache."""
+        with torch.inference_mode():
+            out = self.model.generate(  # type: ignore[attr-defined]
+                torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
+                pad_token_id=None, eos_token_id=None,
+            )
+        return out[0, len(prompt):].tolist()
+
+    def last_logits(self, tokens: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            return self.model(torch.tensor([tokens])).logits[0, -1].float()  # type: ignore[operator]
+
+
+def build_hf_model(path: pathlib.Path, seed: int = 0, **overrides: object) -> HFModel:
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(make_hf_config(**overrides)).eval()
+    model.save_pretrained(path)
+    return HFModel(path=path, model=model)
+
+
+@pytest.fixture(scope="session")
+def hf_llama(tmp_path_factory: pytest.TempPathFactory) -> HFModel:
+    """Untied head, Llama 3 rope scaling, GQA 4:2."""
+    return build_hf_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(autouse=True)
+def _reference_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGEDKV_KERNEL_BACKEND", "reference")

@@ -1,0 +1,211 @@
+"""The model runner against transformers' LlamaForCausalLM: same weights, same greedy tokens.
+
+Every scenario drives the real block manager core for block tables and cache ops, and compares
+the tokens with ``generate(do_sample=False)`` on the full token history (dense cache, fp32).
+Block size 4 so that short generations cross many block boundaries.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.worker_svc.conftest import HFModel
+from tests.worker_svc.generation import Scheduler, runner_step
+from worker_svc.model.config import ModelConfig
+from worker_svc.model.weights import load_model
+from worker_svc.model_runner import CacheOpsRequest, InvalidStep, ModelRunner, SequenceRequest
+
+BLOCK = 4
+PROMPT = [5, 17, 99, 3, 64, 12, 7, 88, 41, 2]  # 10 tokens: 2.5 blocks
+
+
+def make_runner(path: object, num_gpu_blocks: int = 64, num_cpu_blocks: int = 16) -> ModelRunner:
+    cfg = ModelConfig.from_dir(path)  # type: ignore[arg-type]
+    model = load_model(str(path), cfg, torch.float32, torch.device("cpu"))
+    shape = (cfg.num_layers, 2, num_gpu_blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim)
+    gpu = torch.zeros(shape)
+    cpu = torch.zeros((*shape[:2], num_cpu_blocks, *shape[3:]))
+    return ModelRunner(model, gpu, cpu)
+
+
+@pytest.fixture(scope="module")
+def runner(hf_llama: HFModel) -> ModelRunner:
+    return make_runner(hf_llama.path)
+
+
+def test_prefill_logits_and_logprob_match_transformers(runner: ModelRunner, hf_llama: HFModel) -> None:
+    res = runner.step([SequenceRequest("s", PROMPT, list(range(10, 13)), 0, return_logits=True)])
+    ref = hf_llama.last_logits(PROMPT)
+    out = res.outputs[0]
+    assert out.logits is not None
+    torch.testing.assert_close(out.logits, ref, atol=1e-4, rtol=1e-4)
+    assert out.token_id == int(ref.argmax())
+    assert out.logprob == pytest.approx(float(torch.log_softmax(ref, -1)[out.token_id]), abs=1e-4)
+
+
+def test_greedy_decode_across_block_boundaries_matches_generate(runner: ModelRunner, hf_llama: HFModel) -> None:
+    sched = Scheduler(runner_step(runner), block_size=BLOCK)
+    sched.add("a", PROMPT)
+    sched.generate(["a"], 30)  # 40 tokens = 10 blocks
+    assert len(sched.bm.block_table("a").block_ids) == 10
+    assert sched.seqs["a"].generated == hf_llama.greedy(PROMPT, 30)
+
+
+def test_decode_logits_match_transformers_on_full_history(runner: ModelRunner, hf_llama: HFModel) -> None:
+    sched = Scheduler(runner_step(runner), block_size=BLOCK)
+    sched.add("a", PROMPT)
+    sched.generate(["a"], 6)
+    st = sched.seqs["a"]
+    st.tokens.append(st.generated[-1])
+    sched.bm.append("a", 1, token_ids=[st.generated[-1]])
+    req = SequenceRequest("a", [st.tokens[-1]], sched.bm.block_table("a").block_ids, len(st.tokens) - 1,
+                          return_logits=True)
+    out = runner.step([req]).outputs[0]
+    torch.testing.assert_close(out.logits, hf_llama.last_logits(st.tokens), atol=1e-4, rtol=1e-4)
+
+
+def test_mixed_prefill_and_decode_batch_equals_separate_runs(runner: ModelRunner, hf_llama: HFModel) -> None:
+    other = [9, 8, 7, 6, 5, 4, 3]
+    sched = Scheduler(runner_step(runner), block_size=BLOCK)
+    sched.add("a", PROMPT)
+    sched.run(["a"])  # prefill a
+    sched.add("b", other)
+    sched.add("c", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    # a decodes while b and c prefill, all in one forward pass; a is listed between them.
+    sched.push("a", sched.seqs["a"].generated[-1])
+    sched.run(["b", "a", "c"])
+    sched.generate(["b", "a", "c"], 12)
+    assert sched.seqs["a"].generated == hf_llama.greedy(PROMPT, 14)
+    assert sched.seqs["b"].generated == hf_llama.greedy(other, 13)
+    assert sched.seqs["c"].generated == hf_llama.greedy([1, 2, 3, 4, 5, 6, 7, 8, 9], 13)
+
+
+def test_prefix_cache_hit_prefills_only_the_uncached_part(runner: ModelRunner, hf_llama: HFModel) -> None:
+    calls: list[list[SequenceRequest]] = []
+    step = runner_step(runner)
+
+    def spy(seqs: list[SequenceRequest], ops: CacheOpsRequest) -> list[tuple[int, float]]:
+        calls.append(seqs)
+        return step(seqs, ops)
+
+    sched = Scheduler(spy, block_size=BLOCK)
+    sched.add("a", PROMPT)
+    sched.generate(["a"], 3)
+    prompt_b = PROMPT[:8] + [77, 78, 79]  # shares two full blocks with a
+    hit = sched.add("b", prompt_b)
+    assert hit == 8
+    sched.generate(["b"], 10)
+    first_b = next(s for c in calls for s in c if s.seq_id == "b")
+    assert first_b.num_cached_tokens == 8 and first_b.token_ids == [77, 78, 79]
+    assert sched.bm.block_table("b").block_ids[:2] == sched.bm.block_table("a").block_ids[:2]
+    assert sched.seqs["b"].generated == hf_llama.greedy(prompt_b, 10)
+
+
+def test_fork_with_copy_on_write_keeps_parent_and_child_apart(runner: ModelRunner, hf_llama: HFModel) -> None:
+    sched = Scheduler(runner_step(runner), block_size=BLOCK)
+    sched.add("p", PROMPT)
+    sched.generate(["p"], 5)  # 14 tokens in cache + 1 pending: last block partially filled
+    sched.fork("p", "c")
+    parent_next = sched.seqs["p"].generated[-1]
+    child_next = (parent_next + 1) % 128  # the child takes another branch (as beam search would)
+    ops_p = sched.push("p", parent_next)
+    ops_c = sched.push("c", child_next)
+    copies = ops_p.copies + ops_c.copies
+    assert len(copies) == 1, "exactly one copy-on-write of the shared last block"
+    sched.run(["p", "c"], CacheOpsRequest(copies=copies))
+    sched.generate(["p", "c"], 8)
+    history = PROMPT + sched.seqs["p"].generated[:4]
+    assert sched.seqs["p"].generated == hf_llama.greedy(PROMPT, 14)
+    assert sched.seqs["c"].generated[5:] == hf_llama.greedy(history + [child_next], 9)
+
+
+def test_swap_out_and_in_round_trip_preserves_kv(hf_llama: HFModel) -> None:
+    runner = make_runner(hf_llama.path, num_gpu_blocks=32, num_cpu_blocks=8)
+    sched = Scheduler(runner_step(runner), num_gpu_blocks=32, block_size=BLOCK)
+    sched.add("a", PROMPT)
+    sched.generate(["a"], 7)  # 16 tokens cached = 4 blocks
+    st = sched.seqs["a"]
+    old = sched.bm.block_table("a").block_ids
+    assert len(old) == 4 and st.num_cached == 16
+    cpu_ids = [6, 2, 7, 3]
+    runner.step([], CacheOpsRequest(swap_out=list(zip(old, cpu_ids))))
+    runner.gpu_cache[:, :, old] = torch.randn_like(runner.gpu_cache[:, :, old])  # the blocks get reused
+    new = [30, 21, 22, 25, 31, 29]  # the last two are fresh room for the next tokens
+    # swap in to other GPU blocks as part of the next decode step (ops run before the forward)
+    st.tokens.append(st.generated[-1])
+    req = SequenceRequest("a", [st.tokens[-1]], new, st.num_cached)
+    out = runner.step([req], CacheOpsRequest(swap_in=list(zip(cpu_ids, new))))
+    tokens = [out.outputs[0].token_id]
+    for _ in range(6):
+        pos = len(st.tokens)
+        st.tokens.append(tokens[-1])
+        tokens.append(runner.step([SequenceRequest("a", [tokens[-1]], new, pos)]).outputs[0].token_id)
+    assert st.generated + tokens == hf_llama.greedy(PROMPT, 14)
+
+
+def test_swap_out_copy_swap_in_in_one_step_run_in_that_order(runner: ModelRunner) -> None:
+    g = runner.gpu_cache
+    g[:, :, 1] = 1.0
+    g[:, :, 2] = 2.0
+    runner.cpu_cache[:, :, 5] = 5.0
+    # swap_out reads block 1 before the copy overwrites it; swap_in lands after the copy.
+    runner.step([], CacheOpsRequest(swap_out=[(1, 4)], copies=[(2, 1)], swap_in=[(5, 2)]))
+    assert bool((runner.cpu_cache[:, :, 4] == 1.0).all())
+    assert bool((g[:, :, 1] == 2.0).all())
+    assert bool((g[:, :, 2] == 5.0).all())
+
+
+@pytest.mark.parametrize(
+    ("req", "ops", "match"),
+    [
+        (SequenceRequest("x", [1, 2, 3, 4, 5], [0], 0), CacheOpsRequest(), "need 2 blocks"),
+        (SequenceRequest("x", [1], [64], 0), CacheOpsRequest(), "block id 64"),
+        (SequenceRequest("x", [500], [0], 0), CacheOpsRequest(), "vocab_size"),
+        (SequenceRequest("x", [], [0], 0), CacheOpsRequest(), "no new token"),
+        (SequenceRequest("x", [1], [0], 0), CacheOpsRequest(swap_in=[(16, 0)]), "ops.swap_in"),
+        (SequenceRequest("x", [1], [0], 0), CacheOpsRequest(copies=[(1, 3), (2, 3)]), "twice"),
+    ],
+)
+def test_invalid_steps_are_rejected_before_anything_runs(
+    runner: ModelRunner, req: SequenceRequest, ops: CacheOpsRequest, match: str
+) -> None:
+    before = runner.gpu_cache.clone()
+    with pytest.raises(InvalidStep, match=match):
+        runner.step([req, SequenceRequest("ok", [1, 2], [3], 0)], ops)
+    assert torch.equal(runner.gpu_cache, before)
+
+
+def test_tied_head_model(tmp_path: object) -> None:
+    from tests.worker_svc.conftest import build_hf_model
+
+    hf = build_hf_model(tmp_path, seed=3, tie_word_embeddings=True, rope_scaling=None)  # type: ignore[arg-type]
+    runner = make_runner(hf.path)
+    sched = Scheduler(runner_step(runner), block_size=BLOCK)
+    sched.add("a", PROMPT)
+    sched.generate(["a"], 12)
+    assert sched.seqs["a"].generated == hf.greedy(PROMPT, 12)
+
+
+def test_triton_kernels_in_the_interpreter_agree_with_reference(hf_llama: HFModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One tiny run through the Triton kernels (interpreted on CPU): same tokens, close logits."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        pytest.skip("needs TRITON_INTERPRET=1 (set by tests/conftest.py on CPU)")
+    results = {}
+    for backend in ("reference", "triton"):
+        monkeypatch.setenv("PAGEDKV_KERNEL_BACKEND", backend)
+        r = make_runner(hf_llama.path, num_gpu_blocks=8, num_cpu_blocks=0)
+        import kernels
+
+        assert kernels.backend_for(r.gpu_cache) == backend
+        sched = Scheduler(runner_step(r), num_gpu_blocks=8, block_size=BLOCK)
+        sched.add("a", PROMPT[:6])
+        sched.generate(["a"], 3)
+        st = sched.seqs["a"]
+        last = r.step([SequenceRequest("a", [st.generated[-1]], sched.bm.block_table("a").block_ids + [7],
+                                       len(st.tokens), return_logits=True)]).outputs[0]
+        results[backend] = (st.generated, last.logits)
+    assert results["triton"][0] == results["reference"][0]
+    torch.testing.assert_close(results["triton"][1], results["reference"][1], atol=1e-4, rtol=1e-4)
