@@ -1,0 +1,369 @@
+"""Typed clients for the block manager: ``BlockManagerClient`` (sync) and
+``AsyncBlockManagerClient`` (asyncio).
+
+What every call gets:
+
+* **One channel per client**, reused by all calls (HTTP/2 multiplexes them),
+  with keepalive pings so a dead peer is noticed while calls are in flight.
+  Create one client per process (or per event loop) and share it.
+* **A deadline**: ``timeout_s`` per call, default the client's
+  ``default_timeout_s`` (5 s). It covers all attempts and backoff sleeps.
+* **Retries on UNAVAILABLE** with exponential backoff and full jitter
+  (:mod:`frontend.retry` explains why this is a client-side loop and not
+  gRPC's service-config retry policy). Reads always retry. Mutations
+  (Allocate, Append, Fork, Free, Step) retry only when you pass a
+  ``request_id``: a retried mutation that the server already applied would be
+  applied twice, and only request ids let the server recognise the repeat
+  (server-side deduplication is issue 7; until then a retried Allocate can
+  come back ALREADY_EXISTS, a retried Free NOT_FOUND).
+
+Methods mirror the RPCs and return the protobuf responses; errors raise
+``grpc.RpcError`` with the server's status code and message (``grpc.aio``
+raises ``grpc.aio.AioRpcError``, also a ``grpc.RpcError``).
+
+Seam for other services: :class:`GrpcClient` / :class:`AsyncGrpcClient` own
+the channel, the default deadline and the retry rule; a worker client
+subclasses them the same way (``self._stub = worker_pb2_grpc.WorkerStub(self.channel)``
+and one ``self._call(...)`` per method).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from frontend.retry import RetryPolicy, async_call_with_retry, call_with_retry
+from pagedkv.v1 import block_manager_pb2 as pb
+from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
+
+DEFAULT_TIMEOUT_S = 5.0
+DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # the block manager's default limit
+
+
+def channel_options(
+    *,
+    keepalive_time_s: float = 30.0,
+    keepalive_timeout_s: float = 10.0,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+) -> list[tuple[str, Any]]:
+    """Channel arguments used by the clients.
+
+    Keepalive pings are sent only while calls are in flight
+    (``keepalive_permit_without_calls=0``): a gRPC server by default answers
+    more frequent pings on idle connections with GOAWAY (too_many_pings).
+    gRPC's own transparent retries stay on; our policy adds the backoff loop.
+    """
+    return [
+        ("grpc.keepalive_time_ms", int(keepalive_time_s * 1000)),
+        ("grpc.keepalive_timeout_ms", int(keepalive_timeout_s * 1000)),
+        ("grpc.keepalive_permit_without_calls", 0),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+    ]
+
+
+def _check_timeout(timeout_s: float) -> float:
+    if not timeout_s > 0:
+        raise ValueError(f"default_timeout_s must be > 0 (every call has a deadline), got {timeout_s}")
+    return timeout_s
+
+
+# ----------------------------------------------------------------------------------------------
+# Request builders, shared by the sync and asyncio clients.
+
+
+def allocate_request(
+    seq_id: str,
+    num_tokens: int,
+    token_ids: Sequence[int] | None = None,
+    priority: int = 0,
+    request_id: str | None = None,
+) -> pb.AllocateRequest:
+    return pb.AllocateRequest(
+        seq_id=seq_id, num_tokens=num_tokens, token_ids=token_ids or (), priority=priority,
+        request_id=request_id or "",
+    )
+
+
+def append_request(
+    seq_id: str, num_tokens: int = 1, token_ids: Sequence[int] | None = None, request_id: str | None = None
+) -> pb.AppendRequest:
+    return pb.AppendRequest(seq_id=seq_id, num_tokens=num_tokens, token_ids=token_ids or (),
+                            request_id=request_id or "")
+
+
+def step_decode_request(
+    seq_ids: Sequence[str],
+    token_ids: Sequence[int] | None = None,
+    frees: Iterable[str] = (),
+    request_id: str | None = None,
+) -> pb.StepRequest:
+    """The packed form of a decode step: one token for each of ``seq_ids``.
+
+    ``token_ids`` (optional) holds one token id per sequence, in order; with
+    them, blocks that fill up enter the prefix cache. ``frees`` are applied
+    first (they make room), as the server documents.
+    """
+    if token_ids is not None and len(token_ids) != len(seq_ids):
+        raise ValueError(f"token_ids has {len(token_ids)} entries for {len(seq_ids)} sequences")
+    return pb.StepRequest(
+        append_seq_ids=seq_ids,
+        append_token_ids=token_ids or (),
+        free_seq_ids=frees,
+        request_id=request_id or "",
+    )
+
+
+def new_blocks_by_sequence(response: pb.StepResponse, num_seqs: int) -> list[list[int]]:
+    """Unpack a packed Step's new blocks: one list of new block ids per sequence of
+    ``append_seq_ids`` (in order; a copy-on-write replacement comes first, see
+    ``packed_replaced_index``)."""
+    out: list[list[int]] = [[] for _ in range(num_seqs)]
+    for index, block_id in zip(response.packed_new_block_index, response.packed_new_block_ids):
+        out[index].append(block_id)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Channel + deadline + retry: the base of every pagedkv client.
+
+
+class GrpcClient:
+    """Owns one channel, a default deadline and a retry policy (sync)."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        default_timeout_s: float = DEFAULT_TIMEOUT_S,
+        retry: RetryPolicy | None = None,
+        options: Sequence[tuple[str, Any]] | None = None,
+        metadata: Sequence[tuple[str, str]] | None = None,
+        channel: grpc.Channel | None = None,
+    ) -> None:
+        self.target = target
+        self.default_timeout_s = _check_timeout(default_timeout_s)
+        self.retry = retry or RetryPolicy()
+        self.metadata = tuple(metadata) if metadata else None
+        self._owns_channel = channel is None
+        self.channel = channel or grpc.insecure_channel(target, options=list(options or channel_options()))
+        self._health = health_pb2_grpc.HealthStub(self.channel)
+
+    def _call(self, method: Any, request: Any, *, mutation: bool, request_id: str | None,
+              timeout_s: float | None) -> Any:
+        return call_with_retry(
+            method, request,
+            timeout_s=self.default_timeout_s if timeout_s is None else timeout_s,
+            policy=self.retry,
+            retry_allowed=not mutation or bool(request_id),
+            metadata=self.metadata,
+        )
+
+    def wait_ready(self, timeout_s: float = 10.0) -> None:
+        """Block until the channel connects; raises grpc.FutureTimeoutError."""
+        grpc.channel_ready_future(self.channel).result(timeout=timeout_s)
+
+    def health(self, service: str = "", *, timeout_s: float | None = None) -> int:
+        """grpc.health.v1 Check: a HealthCheckResponse.ServingStatus value (1 = SERVING)."""
+        resp = self._call(self._health.Check, health_pb2.HealthCheckRequest(service=service),
+                          mutation=False, request_id=None, timeout_s=timeout_s)
+        return int(resp.status)
+
+    def close(self) -> None:
+        if self._owns_channel:
+            self.channel.close()
+
+    def __enter__(self) -> GrpcClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncGrpcClient:
+    """Owns one grpc.aio channel, a default deadline and a retry policy.
+
+    Create it inside the event loop that will use it (``async with`` in a
+    coroutine): a grpc.aio channel belongs to one loop.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        default_timeout_s: float = DEFAULT_TIMEOUT_S,
+        retry: RetryPolicy | None = None,
+        options: Sequence[tuple[str, Any]] | None = None,
+        metadata: Sequence[tuple[str, str]] | None = None,
+        channel: grpc.aio.Channel | None = None,
+    ) -> None:
+        self.target = target
+        self.default_timeout_s = _check_timeout(default_timeout_s)
+        self.retry = retry or RetryPolicy()
+        self.metadata = tuple(metadata) if metadata else None
+        self._owns_channel = channel is None
+        self.channel = channel or grpc.aio.insecure_channel(target, options=list(options or channel_options()))
+        self._health = health_pb2_grpc.HealthStub(self.channel)
+
+    async def _call(self, method: Any, request: Any, *, mutation: bool, request_id: str | None,
+                    timeout_s: float | None) -> Any:
+        return await async_call_with_retry(
+            method, request,
+            timeout_s=self.default_timeout_s if timeout_s is None else timeout_s,
+            policy=self.retry,
+            retry_allowed=not mutation or bool(request_id),
+            metadata=self.metadata,
+        )
+
+    async def wait_ready(self, timeout_s: float = 10.0) -> None:
+        import asyncio
+
+        await asyncio.wait_for(self.channel.channel_ready(), timeout_s)
+
+    async def health(self, service: str = "", *, timeout_s: float | None = None) -> int:
+        resp = await self._call(self._health.Check, health_pb2.HealthCheckRequest(service=service),
+                                mutation=False, request_id=None, timeout_s=timeout_s)
+        return int(resp.status)
+
+    async def close(self) -> None:
+        if self._owns_channel:
+            await self.channel.close()
+
+    async def __aenter__(self) -> AsyncGrpcClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# The block manager.
+
+
+class BlockManagerClient(GrpcClient):
+    """Sync block manager client. Thread-safe: share one per process."""
+
+    def __init__(self, target: str, **kwargs: Any) -> None:
+        super().__init__(target, **kwargs)
+        self._stub = pb_grpc.BlockManagerStub(self.channel)
+
+    def __enter__(self) -> BlockManagerClient:
+        return self
+
+    def allocate(self, seq_id: str, num_tokens: int, token_ids: Sequence[int] | None = None, *,
+                 priority: int = 0, request_id: str | None = None,
+                 timeout_s: float | None = None) -> pb.AllocateResponse:
+        return self._call(self._stub.Allocate,
+                          allocate_request(seq_id, num_tokens, token_ids, priority, request_id),
+                          mutation=True, request_id=request_id, timeout_s=timeout_s)
+
+    def append(self, seq_id: str, num_tokens: int = 1, token_ids: Sequence[int] | None = None, *,
+               request_id: str | None = None, timeout_s: float | None = None) -> pb.AppendResponse:
+        return self._call(self._stub.Append, append_request(seq_id, num_tokens, token_ids, request_id),
+                          mutation=True, request_id=request_id, timeout_s=timeout_s)
+
+    def fork(self, parent_seq_id: str, child_seq_id: str, *, request_id: str | None = None,
+             timeout_s: float | None = None) -> pb.ForkResponse:
+        req = pb.ForkRequest(parent_seq_id=parent_seq_id, child_seq_id=child_seq_id, request_id=request_id or "")
+        return self._call(self._stub.Fork, req, mutation=True, request_id=request_id, timeout_s=timeout_s)
+
+    def free(self, seq_id: str, *, request_id: str | None = None,
+             timeout_s: float | None = None) -> pb.FreeResponse:
+        req = pb.FreeRequest(seq_id=seq_id, request_id=request_id or "")
+        return self._call(self._stub.Free, req, mutation=True, request_id=request_id, timeout_s=timeout_s)
+
+    def get_block_table(self, seq_id: str, *, timeout_s: float | None = None) -> pb.BlockTable:
+        return self._call(self._stub.GetBlockTable, pb.GetBlockTableRequest(seq_id=seq_id),
+                          mutation=False, request_id=None, timeout_s=timeout_s)
+
+    def step(self, request: pb.StepRequest, *, timeout_s: float | None = None) -> pb.StepResponse:
+        """A general Step (sub-message and/or packed items); retried only if ``request.request_id``."""
+        return self._call(self._stub.Step, request, mutation=True, request_id=request.request_id,
+                          timeout_s=timeout_s)
+
+    def step_decode(self, seq_ids: Sequence[str], token_ids: Sequence[int] | None = None,
+                    frees: Iterable[str] = (), *, request_id: str | None = None,
+                    timeout_s: float | None = None) -> pb.StepResponse:
+        """One decode step in the packed form; see :func:`step_decode_request` and
+        :func:`new_blocks_by_sequence`. Per-item failures come back in ``.errors``."""
+        return self.step(step_decode_request(seq_ids, token_ids, frees, request_id), timeout_s=timeout_s)
+
+    def get_stats(self, *, timeout_s: float | None = None) -> pb.Stats:
+        return self._call(self._stub.GetStats, pb.GetStatsRequest(), mutation=False, request_id=None,
+                          timeout_s=timeout_s)
+
+    def get_config(self, *, timeout_s: float | None = None) -> pb.Config:
+        return self._call(self._stub.GetConfig, pb.GetConfigRequest(), mutation=False, request_id=None,
+                          timeout_s=timeout_s)
+
+
+class AsyncBlockManagerClient(AsyncGrpcClient):
+    """asyncio block manager client; the same methods as :class:`BlockManagerClient`, awaitable."""
+
+    def __init__(self, target: str, **kwargs: Any) -> None:
+        super().__init__(target, **kwargs)
+        self._stub = pb_grpc.BlockManagerStub(self.channel)
+
+    async def __aenter__(self) -> AsyncBlockManagerClient:
+        return self
+
+    async def allocate(self, seq_id: str, num_tokens: int, token_ids: Sequence[int] | None = None, *,
+                       priority: int = 0, request_id: str | None = None,
+                       timeout_s: float | None = None) -> pb.AllocateResponse:
+        return await self._call(self._stub.Allocate,
+                                allocate_request(seq_id, num_tokens, token_ids, priority, request_id),
+                                mutation=True, request_id=request_id, timeout_s=timeout_s)
+
+    async def append(self, seq_id: str, num_tokens: int = 1, token_ids: Sequence[int] | None = None, *,
+                     request_id: str | None = None, timeout_s: float | None = None) -> pb.AppendResponse:
+        return await self._call(self._stub.Append, append_request(seq_id, num_tokens, token_ids, request_id),
+                                mutation=True, request_id=request_id, timeout_s=timeout_s)
+
+    async def fork(self, parent_seq_id: str, child_seq_id: str, *, request_id: str | None = None,
+                   timeout_s: float | None = None) -> pb.ForkResponse:
+        req = pb.ForkRequest(parent_seq_id=parent_seq_id, child_seq_id=child_seq_id, request_id=request_id or "")
+        return await self._call(self._stub.Fork, req, mutation=True, request_id=request_id, timeout_s=timeout_s)
+
+    async def free(self, seq_id: str, *, request_id: str | None = None,
+                   timeout_s: float | None = None) -> pb.FreeResponse:
+        req = pb.FreeRequest(seq_id=seq_id, request_id=request_id or "")
+        return await self._call(self._stub.Free, req, mutation=True, request_id=request_id, timeout_s=timeout_s)
+
+    async def get_block_table(self, seq_id: str, *, timeout_s: float | None = None) -> pb.BlockTable:
+        return await self._call(self._stub.GetBlockTable, pb.GetBlockTableRequest(seq_id=seq_id),
+                                mutation=False, request_id=None, timeout_s=timeout_s)
+
+    async def step(self, request: pb.StepRequest, *, timeout_s: float | None = None) -> pb.StepResponse:
+        return await self._call(self._stub.Step, request, mutation=True, request_id=request.request_id,
+                                timeout_s=timeout_s)
+
+    async def step_decode(self, seq_ids: Sequence[str], token_ids: Sequence[int] | None = None,
+                          frees: Iterable[str] = (), *, request_id: str | None = None,
+                          timeout_s: float | None = None) -> pb.StepResponse:
+        return await self.step(step_decode_request(seq_ids, token_ids, frees, request_id), timeout_s=timeout_s)
+
+    async def get_stats(self, *, timeout_s: float | None = None) -> pb.Stats:
+        return await self._call(self._stub.GetStats, pb.GetStatsRequest(), mutation=False, request_id=None,
+                                timeout_s=timeout_s)
+
+    async def get_config(self, *, timeout_s: float | None = None) -> pb.Config:
+        return await self._call(self._stub.GetConfig, pb.GetConfigRequest(), mutation=False, request_id=None,
+                                timeout_s=timeout_s)
+
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "AsyncBlockManagerClient",
+    "AsyncGrpcClient",
+    "BlockManagerClient",
+    "GrpcClient",
+    "RetryPolicy",
+    "allocate_request",
+    "append_request",
+    "channel_options",
+    "new_blocks_by_sequence",
+    "step_decode_request",
+]
