@@ -1,0 +1,183 @@
+"""Property-based test of the allocator against a model of what the cache holds.
+
+The model plays the data plane: it keeps the content of every physical block
+(written when the manager hands out a fresh block, copied when the manager
+returns a copy-on-write op) and each sequence's logical tokens. After every
+operation, reading a sequence through its block table must give back exactly
+its tokens. That one check catches a wrong prefix hit, a missing or misdirected
+copy-on-write, a block handed to two sequences, and a write into a shared block.
+The structural invariants (ref counts = table occurrences; free + cached +
+referenced = total, disjoint) are checked by `check_invariants` each step.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import hypothesis.strategies as st
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from block_manager_svc.core import (
+    AlreadyExists,
+    BlockManager,
+    CoreConfig,
+    NotFound,
+    ResourceExhausted,
+)
+
+BS = 2
+NUM_BLOCKS = 10
+NAMES = st.sampled_from([f"s{i}" for i in range(6)])
+# A tiny alphabet so that prompts share prefixes and the cache gets hits.
+TOKEN = st.integers(0, 1)
+
+
+class AllocatorMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bm = BlockManager(CoreConfig(num_gpu_blocks=NUM_BLOCKS, block_size=BS))
+        self.tokens: dict[str, list[int]] = {}  # the model: each sequence's tokens
+        self.phys: dict[int, list[int | None]] = {}  # what each physical block holds
+
+    # --- the model's data plane -------------------------------------------------
+    def _write(self, seq_id: str, start: int) -> None:
+        """Write seq's tokens from position `start` into its blocks, like a worker."""
+        table = self.bm.seqs[seq_id].block_ids
+        toks = self.tokens[seq_id]
+        for pos in range(start, len(toks)):
+            block = table[pos // BS]
+            assert self.bm.pool.ref_counts[block] == 1, f"write into shared block {block}"
+            slot = self.phys.setdefault(block, [None] * BS)
+            slot[pos % BS] = toks[pos]
+
+    def _apply_copies(self, copies: list[tuple[int, int]]) -> None:
+        for src, dst in copies:
+            self.phys[dst] = list(self.phys[src])
+
+    def _snapshot(self) -> object:
+        pool = self.bm.pool
+        return copy.deepcopy(
+            (
+                {k: (list(s.block_ids), s.num_tokens) for k, s in self.bm.seqs.items()},
+                list(pool.ref_counts),
+                sorted(pool.free_list),
+                dict(pool.index),
+                self.bm.stats(),
+            )
+        )
+
+    # --- rules -----------------------------------------------------------------
+    @rule(seq_id=NAMES, prompt=st.lists(TOKEN, min_size=1, max_size=3 * BS), with_ids=st.booleans())
+    def allocate(self, seq_id: str, prompt: list[int], with_ids: bool) -> None:
+        before = self._snapshot()
+        try:
+            r = self.bm.allocate(seq_id, len(prompt), prompt if with_ids else None)
+        except AlreadyExists:
+            assert seq_id in self.tokens
+            assert self._snapshot() == before
+            return
+        except ResourceExhausted:
+            assert self._snapshot() == before
+            return
+        assert seq_id not in self.tokens
+        assert r.num_cached_tokens % BS == 0 and r.num_cached_tokens < len(prompt)
+        if not with_ids:
+            assert r.num_cached_tokens == 0
+        self.tokens[seq_id] = list(prompt)
+        # Hit blocks must already hold exactly these tokens: check, don't write.
+        for i in range(r.num_cached_tokens // BS):
+            assert self.phys[r.block_ids[i]] == prompt[i * BS : (i + 1) * BS], "wrong prefix hit"
+        self._write(seq_id, r.num_cached_tokens)
+
+    @rule(seq_id=NAMES, new=st.lists(TOKEN, min_size=1, max_size=BS + 1), with_ids=st.booleans())
+    def append(self, seq_id: str, new: list[int], with_ids: bool) -> None:
+        before = self._snapshot()
+        try:
+            r = self.bm.append(seq_id, len(new), new if with_ids else None)
+        except NotFound:
+            assert seq_id not in self.tokens
+            assert self._snapshot() == before
+            return
+        except ResourceExhausted:
+            assert self._snapshot() == before
+            return
+        self._apply_copies(r.ops.copies)
+        start = len(self.tokens[seq_id])
+        self.tokens[seq_id].extend(new)
+        self._write(seq_id, start)
+
+    @rule(parent=NAMES, child=NAMES)
+    def fork(self, parent: str, child: str) -> None:
+        before = self._snapshot()
+        try:
+            blocks = self.bm.fork(parent, child)
+        except (NotFound, AlreadyExists):
+            assert parent not in self.tokens or child in self.tokens
+            assert self._snapshot() == before
+            return
+        assert blocks == self.bm.seqs[parent].block_ids
+        self.tokens[child] = list(self.tokens[parent])
+
+    @rule(seq_id=NAMES)
+    def free(self, seq_id: str) -> None:
+        try:
+            self.bm.free(seq_id)
+        except NotFound:
+            assert seq_id not in self.tokens
+            return
+        del self.tokens[seq_id]
+
+    @rule(data=st.data())
+    def step(self, data: st.DataObject) -> None:
+        names = sorted(self.tokens) + ["ghost"]
+        appends = data.draw(st.lists(st.sampled_from(names), unique=True, max_size=4))
+        frees = data.draw(st.lists(st.sampled_from(names), unique=True, max_size=2))
+        appends = [s for s in appends if s not in frees]
+        new = data.draw(st.lists(TOKEN, min_size=len(appends), max_size=len(appends)))
+        r = self.bm.step(appends, None, new, frees)
+        failed_frees = {e.seq_id for e in r.free_errors}
+        for s in frees:
+            if s in failed_frees:
+                assert s not in self.tokens
+            else:
+                del self.tokens[s]
+        self._apply_copies(r.ops.copies)
+        failed = {e.index for e in r.append_errors}
+        for i, s in enumerate(appends):
+            if i in failed:
+                continue
+            start = len(self.tokens[s])
+            self.tokens[s].append(new[i])
+            self._write(s, start)
+
+    @precondition(lambda self: bool(self.tokens))
+    @rule()
+    def free_everything(self) -> None:
+        for s in list(self.tokens):
+            self.bm.free(s)
+        self.tokens.clear()
+        st_ = self.bm.stats()
+        assert st_.num_used_blocks == 0
+        assert st_.num_free_blocks + st_.num_cached_blocks == NUM_BLOCKS
+        assert not any(self.bm.pool.ref_counts)
+
+    # --- invariants --------------------------------------------------------------
+    @invariant()
+    def structure_is_consistent(self) -> None:
+        self.bm.check_invariants()
+        assert set(self.bm.seqs) == set(self.tokens)
+
+    @invariant()
+    def every_sequence_reads_back_its_tokens(self) -> None:
+        for s, toks in self.tokens.items():
+            seq = self.bm.seqs[s]
+            assert seq.num_tokens == len(toks)
+            read = []
+            for pos in range(len(toks)):
+                read.append(self.phys[seq.block_ids[pos // BS]][pos % BS])
+            assert read == toks, f"{s} reads {read}, expected {toks}"
+
+
+AllocatorMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestAllocator = AllocatorMachine.TestCase

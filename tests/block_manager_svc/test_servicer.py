@@ -1,0 +1,175 @@
+"""The gRPC API end to end: every RPC, every status code, state unchanged on error."""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+
+from pagedkv.v1 import block_manager_pb2 as pb
+
+
+def call_error(fn, request) -> grpc.RpcError:  # type: ignore[no-untyped-def]
+    with pytest.raises(grpc.RpcError) as info:
+        fn(request, timeout=5)
+    return info.value
+
+
+def stats(stub) -> pb.Stats:  # type: ignore[no-untyped-def]
+    return stub.GetStats(pb.GetStatsRequest(), timeout=5)
+
+
+def test_allocate_prefix_hit_and_stats(stub) -> None:  # type: ignore[no-untyped-def]
+    a = stub.Allocate(pb.AllocateRequest(seq_id="a", num_tokens=10, token_ids=list(range(10))))
+    b = stub.Allocate(pb.AllocateRequest(seq_id="b", num_tokens=10, token_ids=list(range(10))))
+    assert len(a.block_ids) == 3 and a.num_cached_tokens == 0
+    assert b.num_cached_tokens == 8 and list(b.block_ids[:2]) == list(a.block_ids[:2])
+    s = stats(stub)
+    assert (s.block_size, s.num_gpu_blocks, s.num_sequences) == (4, 16, 2)
+    assert s.prefix_query_tokens == 20 and s.prefix_hit_tokens == 8
+    assert s.num_used_blocks == 4 and s.num_free_blocks == 12 and s.num_cached_blocks == 0
+
+
+def test_fork_append_copy_on_write_and_block_table(stub) -> None:  # type: ignore[no-untyped-def]
+    a = stub.Allocate(pb.AllocateRequest(seq_id="a", num_tokens=6))
+    f = stub.Fork(pb.ForkRequest(parent_seq_id="a", child_seq_id="b"))
+    assert list(f.block_ids) == list(a.block_ids)
+    r = stub.Append(pb.AppendRequest(seq_id="a", num_tokens=3))
+    assert r.replaced_last_block
+    assert [(c.src, c.dst) for c in r.ops.copies] == [(a.block_ids[1], r.new_block_ids[0])]
+    assert len(r.new_block_ids) == 2  # the copy + one block past the boundary
+    t = stub.GetBlockTable(pb.GetBlockTableRequest(seq_id="a"))
+    assert t.num_tokens == 9 and list(t.block_ids) == [a.block_ids[0], *r.new_block_ids]
+    tb = stub.GetBlockTable(pb.GetBlockTableRequest(seq_id="b"))
+    assert list(tb.block_ids) == list(a.block_ids) and tb.num_tokens == 6
+
+
+def test_free_releases_and_cached_blocks_stay_findable(stub) -> None:  # type: ignore[no-untyped-def]
+    stub.Allocate(pb.AllocateRequest(seq_id="a", num_tokens=9, token_ids=list(range(9))))
+    assert stub.Free(pb.FreeRequest(seq_id="a")).num_blocks_released == 3
+    s = stats(stub)
+    assert s.num_cached_blocks == 2 and s.num_free_blocks == 14 and s.num_sequences == 0
+    again = stub.Allocate(pb.AllocateRequest(seq_id="a2", num_tokens=9, token_ids=list(range(9))))
+    assert again.num_cached_tokens == 8
+
+
+@pytest.mark.parametrize(
+    "method, request_, code, fragment",
+    [
+        ("Allocate", pb.AllocateRequest(seq_id="", num_tokens=1), grpc.StatusCode.INVALID_ARGUMENT, "empty"),
+        ("Allocate", pb.AllocateRequest(seq_id="z", num_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "num_tokens"),
+        ("Allocate", pb.AllocateRequest(seq_id="z", num_tokens=3, token_ids=[1, 2]),
+         grpc.StatusCode.INVALID_ARGUMENT, "token_ids has 2"),
+        ("Allocate", pb.AllocateRequest(seq_id="z", num_tokens=65), grpc.StatusCode.INVALID_ARGUMENT, "whole pool"),
+        ("Allocate", pb.AllocateRequest(seq_id="live", num_tokens=1), grpc.StatusCode.ALREADY_EXISTS, "live"),
+        ("Allocate", pb.AllocateRequest(seq_id="z", num_tokens=60), grpc.StatusCode.RESOURCE_EXHAUSTED,
+         "needs 15 blocks"),
+        ("Append", pb.AppendRequest(seq_id="nope", num_tokens=1), grpc.StatusCode.NOT_FOUND, "nope"),
+        ("Append", pb.AppendRequest(seq_id="live", num_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "num_tokens"),
+        ("Append", pb.AppendRequest(seq_id="live", num_tokens=1, token_ids=[1, 2]),
+         grpc.StatusCode.INVALID_ARGUMENT, "token_ids"),
+        ("Append", pb.AppendRequest(seq_id="live", num_tokens=60), grpc.StatusCode.INVALID_ARGUMENT, "whole pool"),
+        ("Fork", pb.ForkRequest(parent_seq_id="nope", child_seq_id="c"), grpc.StatusCode.NOT_FOUND, "nope"),
+        ("Fork", pb.ForkRequest(parent_seq_id="live", child_seq_id="live"), grpc.StatusCode.ALREADY_EXISTS, "live"),
+        ("Fork", pb.ForkRequest(parent_seq_id="live", child_seq_id=""), grpc.StatusCode.INVALID_ARGUMENT, "child"),
+        ("Free", pb.FreeRequest(seq_id="nope"), grpc.StatusCode.NOT_FOUND, "nope"),
+        ("Free", pb.FreeRequest(seq_id=""), grpc.StatusCode.INVALID_ARGUMENT, "empty"),
+        ("GetBlockTable", pb.GetBlockTableRequest(seq_id="nope"), grpc.StatusCode.NOT_FOUND, "nope"),
+        ("Step", pb.StepRequest(append_seq_ids=["live"], append_num_tokens=[1, 1]),
+         grpc.StatusCode.INVALID_ARGUMENT, "append_num_tokens"),
+    ],
+)
+def test_bad_requests_get_precise_status_and_change_nothing(stub, method, request_, code, fragment) -> None:  # type: ignore[no-untyped-def]
+    stub.Allocate(pb.AllocateRequest(seq_id="live", num_tokens=5, token_ids=[1, 2, 3, 4, 5]))
+    before = (stats(stub), stub.GetBlockTable(pb.GetBlockTableRequest(seq_id="live")))
+    err = call_error(getattr(stub, method), request_)
+    assert err.code() == code
+    assert fragment in err.details()
+    after = (stats(stub), stub.GetBlockTable(pb.GetBlockTableRequest(seq_id="live")))
+    assert after == before
+
+
+def test_append_without_room_is_resource_exhausted(stub) -> None:  # type: ignore[no-untyped-def]
+    stub.Allocate(pb.AllocateRequest(seq_id="big", num_tokens=56))  # 14 of 16 blocks
+    stub.Allocate(pb.AllocateRequest(seq_id="small", num_tokens=4))
+    before = stats(stub)
+    err = call_error(stub.Append, pb.AppendRequest(seq_id="small", num_tokens=9))
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "needs 3 blocks but only 1 are available" in err.details()
+    assert stats(stub) == before
+
+
+def test_step_packed_form_returns_only_deltas(stub) -> None:  # type: ignore[no-untyped-def]
+    ids = [f"s{i}" for i in range(3)]
+    for sid in ids:
+        stub.Allocate(pb.AllocateRequest(seq_id=sid, num_tokens=3))
+    stub.Allocate(pb.AllocateRequest(seq_id="done", num_tokens=4))
+    r = stub.Step(pb.StepRequest(append_seq_ids=ids, free_seq_ids=["done"]))
+    assert not r.errors and not r.packed_new_block_ids and r.num_blocks_released == 1
+    r = stub.Step(pb.StepRequest(append_seq_ids=ids + ["ghost"], append_token_ids=[7, 7, 7, 7]))
+    assert list(r.packed_new_block_index) == [0, 1, 2] and len(r.packed_new_block_ids) == 3
+    assert [(e.kind, e.index, e.seq_id, e.code) for e in r.errors] == [
+        (pb.StepItemError.PACKED_APPEND, 3, "ghost", grpc.StatusCode.NOT_FOUND.value[0])
+    ]
+    assert r.num_available_blocks == stats(stub).num_free_blocks
+
+
+def test_step_submessage_form_has_one_result_per_item(stub) -> None:  # type: ignore[no-untyped-def]
+    a = stub.Allocate(pb.AllocateRequest(seq_id="a", num_tokens=2))
+    stub.Fork(pb.ForkRequest(parent_seq_id="a", child_seq_id="b"))
+    stub.Allocate(pb.AllocateRequest(seq_id="x", num_tokens=1))
+    r = stub.Step(
+        pb.StepRequest(
+            appends=[pb.AppendRequest(seq_id="a", num_tokens=1), pb.AppendRequest(seq_id="nope", num_tokens=1)],
+            frees=[pb.FreeRequest(seq_id="x"), pb.FreeRequest(seq_id="nope")],
+        )
+    )
+    assert len(r.appends) == 2 and len(r.frees) == 2
+    assert r.appends[0].replaced_last_block
+    assert [(c.src, c.dst) for c in r.ops.copies] == [(a.block_ids[0], r.appends[0].new_block_ids[0])]
+    assert r.frees[0].num_blocks_released == 1 and r.frees[1].num_blocks_released == 0
+    kinds = sorted((e.kind, e.index) for e in r.errors)
+    assert kinds == [(pb.StepItemError.APPEND, 1), (pb.StepItemError.FREE, 1)]
+
+
+def test_get_config_reports_geometry(stub) -> None:  # type: ignore[no-untyped-def]
+    cfg = stub.GetConfig(pb.GetConfigRequest())
+    assert (cfg.block_size, cfg.num_gpu_blocks) == (4, 16)
+
+
+def test_concurrent_clients_never_share_a_block(server_factory) -> None:  # type: ignore[no-untyped-def]
+    running = server_factory(num_gpu_blocks=4096, block_size=4, max_workers=8)
+    from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
+
+    tables: dict[str, list[int]] = {}
+    errors: list[BaseException] = []
+
+    def client(worker: int) -> None:
+        try:
+            with grpc.insecure_channel(f"127.0.0.1:{running.port}") as ch:
+                s = pb_grpc.BlockManagerStub(ch)
+                for i in range(40):
+                    sid = f"w{worker}-{i}"
+                    r = s.Allocate(pb.AllocateRequest(seq_id=sid, num_tokens=5), timeout=10)
+                    blocks = list(r.block_ids)
+                    for _ in range(4):
+                        blocks += list(s.Append(pb.AppendRequest(seq_id=sid, num_tokens=3), timeout=10).new_block_ids)
+                    if i % 3 == 0:
+                        s.Free(pb.FreeRequest(seq_id=sid), timeout=10)
+                    else:
+                        tables[sid] = blocks
+        except BaseException as e:  # noqa: BLE001 - surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=client, args=(w,)) for w in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    owned = [b for blocks in tables.values() for b in blocks]
+    assert len(owned) == len(set(owned)), "a block was handed to two live sequences"
+    core = running.servicer._core  # noqa: SLF001 - white-box check of the final state
+    core.check_invariants()
+    assert {k: list(v.block_ids) for k, v in core.seqs.items()} == tables
