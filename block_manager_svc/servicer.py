@@ -70,7 +70,6 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
                 )
         except CoreError as e:
             self._abort(context, "Allocate", e, request.seq_id)
-        log.debug("allocate", seq_id=request.seq_id, blocks=len(r.block_ids), cached=r.num_cached_tokens)
         return pb.AllocateResponse(block_ids=r.block_ids, num_cached_tokens=r.num_cached_tokens)
 
     def Append(self, request: pb.AppendRequest, context: grpc.ServicerContext) -> pb.AppendResponse:

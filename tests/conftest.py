@@ -27,3 +27,10 @@ def _has_cuda() -> bool:
 
 if not _has_cuda():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+# Services log through structlog; send it to stderr like the real processes do
+# (structlog's unconfigured default writes to stdout).
+from pagedkv.logging_setup import configure_logging  # noqa: E402
+
+configure_logging("info", "console")
