@@ -47,10 +47,16 @@ class ShmTensor:
             # goes away with the process. Unlinking the name is what matters for leaks.
             pass
         if self.owner:
+            _CREATED_HERE.discard(self.name)
             try:
                 shm.unlink()
             except FileNotFoundError:
                 pass
+
+
+# Segments this process created: attaching to one of them again (tests run host and worker in one
+# process) must not unregister it, or the owner's unlink would find the tracker entry gone.
+_CREATED_HERE: set[str] = set()
 
 
 def _tensor_on(shm: shared_memory.SharedMemory, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -71,6 +77,7 @@ def create(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> ShmTensor:
     """Create a zero-filled segment holding ``shape`` x ``dtype`` (at least one byte)."""
     nbytes = numel(shape) * torch.empty((), dtype=dtype).element_size()
     shm = shared_memory.SharedMemory(name=name, create=True, size=max(nbytes, 1))
+    _CREATED_HERE.add(name)
     return ShmTensor(name=name, shape=shape, dtype=dtype, owner=True, _shm=shm, tensor=_tensor_on(shm, shape, dtype))
 
 
@@ -78,7 +85,7 @@ def attach(name: str, shape: tuple[int, ...], dtype: torch.dtype | str) -> ShmTe
     """Map an existing segment without taking ownership (the creator unlinks it)."""
     dt = dtype_from_name(dtype) if isinstance(dtype, str) else dtype
     shm = shared_memory.SharedMemory(name=name, create=False)
-    if sys.version_info < (3, 13):
+    if sys.version_info < (3, 13) and name not in _CREATED_HERE:
         resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
     need = numel(shape) * torch.empty((), dtype=dt).element_size()
     if shm.size < need:
