@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "block-manager": ("block_manager_svc.server:main", "run the block manager gRPC service"),
     "cache-host": ("worker_svc.cli:cache_host_main", "allocate and export the shared KV cache"),
     "worker": ("worker_svc.cli:worker_main", "run a compute worker attached to the shared cache"),
+    "loadtest": ("frontend.loadtest:main", "bounded ghz-style load against a block manager"),
 }
 
 
