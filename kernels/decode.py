@@ -50,7 +50,6 @@ def _decode_split_kernel(
     qk_scale,
     num_heads,
     group,
-    block_size,
     num_splits,
     min_split_tokens,
     s_qs,
@@ -64,6 +63,7 @@ def _decode_split_kernel(
     s_vo,
     s_vh,
     s_bt,
+    BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -109,14 +109,14 @@ def _decode_split_kernel(
     for t in range(start, full_end, BLOCK_N):
         acc, m_i, l_i = attend_tile(
             acc, m_i, l_i, q, k_base, v_base, bt_row, t, end, q_pos,
-            s_kb, s_ko, s_vb, s_vo, block_size, qk_scale,
-            HEAD_DIM, BLOCK_N, BLOCK_D, False, False, UPCAST,
+            s_kb, s_ko, s_vb, s_vo, qk_scale,
+            BLOCK_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, False, False, UPCAST,
         )
     if full_end < end:
         acc, m_i, l_i = attend_tile(
             acc, m_i, l_i, q, k_base, v_base, bt_row, full_end, end, q_pos,
-            s_kb, s_ko, s_vb, s_vo, block_size, qk_scale,
-            HEAD_DIM, BLOCK_N, BLOCK_D, True, False, UPCAST,
+            s_kb, s_ko, s_vb, s_vo, qk_scale,
+            BLOCK_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, True, False, UPCAST,
         )
 
     # An empty range (unused split, or seq_len == 0) leaves l_i == 0: write zeros and lse = -inf.
@@ -237,12 +237,12 @@ def paged_decode_attention(
     grid = (num_seqs, num_kv_heads, num_splits)
     _decode_split_kernel[grid](
         query, key_cache, value_cache, block_tables, seq_lens, out, part_out, part_lse,
-        float(scale) * LOG2E, num_heads, group, block_size, num_splits, min_split,
+        float(scale) * LOG2E, num_heads, group, num_splits, min_split,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_tables.stride(0),
-        HEAD_DIM=head_dim, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
+        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
         SINGLE_SPLIT=single, UPCAST=upcast,
         num_warps=num_warps, num_stages=num_stages,
     )

@@ -34,7 +34,6 @@ def _prefill_kernel(
     seq_lens_ptr,
     qk_scale,
     group,
-    block_size,
     s_qt,
     s_qh,
     s_ot,
@@ -46,6 +45,7 @@ def _prefill_kernel(
     s_vo,
     s_vh,
     s_bt,
+    BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -89,15 +89,15 @@ def _prefill_kernel(
     for t in range(0, lo_diag, BLOCK_N):
         acc, m_i, l_i = attend_tile(
             acc, m_i, l_i, q, k_base, v_base, bt_row, t, hi, q_pos,
-            s_kb, s_ko, s_vb, s_vo, block_size, qk_scale,
-            HEAD_DIM, BLOCK_N, BLOCK_D, False, False, UPCAST,
+            s_kb, s_ko, s_vb, s_vo, qk_scale,
+            BLOCK_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, False, False, UPCAST,
         )
     # The diagonal and the tail: causal + length masks.
     for t in range(lo_diag, hi, BLOCK_N):
         acc, m_i, l_i = attend_tile(
             acc, m_i, l_i, q, k_base, v_base, bt_row, t, hi, q_pos,
-            s_kb, s_ko, s_vb, s_vo, block_size, qk_scale,
-            HEAD_DIM, BLOCK_N, BLOCK_D, True, True, UPCAST,
+            s_kb, s_ko, s_vb, s_vo, qk_scale,
+            BLOCK_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, True, True, UPCAST,
         )
     res = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
@@ -148,12 +148,12 @@ def paged_prefill_attention(
     grid = (triton.cdiv(max_query_len, block_m), num_heads, num_seqs)
     _prefill_kernel[grid](
         query, key_cache, value_cache, out, block_tables, query_start_loc, seq_lens,
-        float(scale) * LOG2E, num_heads // num_kv_heads, key_cache.shape[1],
+        float(scale) * LOG2E, num_heads // num_kv_heads,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_tables.stride(0),
-        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=key_cache.shape[1], HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim),
         UPCAST=upcast, num_warps=num_warps, num_stages=num_stages,
     )
     return out

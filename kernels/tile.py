@@ -45,8 +45,8 @@ def attend_tile(
     s_ko,
     s_vb,
     s_vo,
-    block_size,
     qk_scale,
+    BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -66,11 +66,11 @@ def attend_tile(
     dmask = d < HEAD_DIM
     if MASK_TAIL:
         tmask = tok < limit
-        blk = tl.load(bt_row + tok // block_size, mask=tmask, other=0).to(tl.int64)
+        blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
     else:
         tmask = tok >= 0  # unused: full tiles are loaded without a token mask
-        blk = tl.load(bt_row + tok // block_size).to(tl.int64)
-    off = (tok % block_size).to(tl.int64)
+        blk = tl.load(bt_row + tok // BLOCK_SIZE).to(tl.int64)
+    off = (tok % BLOCK_SIZE).to(tl.int64)
     k = _load_tile(k_base + blk[:, None] * s_kb + off[:, None] * s_ko + d[None, :], tmask, dmask,
                    MASK_TAIL, HEAD_DIM == BLOCK_D)
     if UPCAST:
