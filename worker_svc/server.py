@@ -218,8 +218,8 @@ def run_worker(settings: WorkerSettings) -> int:
     except (GeometryMismatch, ValueError, FileNotFoundError, TimeoutError, ConnectionError) as e:
         log.error("config_error", error=str(e))
         return EXIT_CONFIG
-    except RuntimeError as e:
-        log.error("start_failed", error=str(e))
+    except Exception as e:  # noqa: BLE001 - a start-up failure is an exit code and a log line
+        log.error("start_failed", error=f"{type(e).__name__}: {e}", exc_info=True)
         return EXIT_FAILED
     try:
         stop.wait()
