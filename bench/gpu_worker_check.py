@@ -1,0 +1,284 @@
+#!/usr/bin/env python
+"""GPU check for the worker: one KV cache shared over CUDA IPC by separate processes, and decode
+throughput.
+
+    python bench/gpu_worker_check.py [--out results/gpu_check] [--dtype bfloat16]
+
+1. Multi-process (the same scenario as tests/worker_svc/test_processes.py, on CUDA): a cache host
+   (`pagedkv cache-host --device cuda`) and two workers attached by CUDA IPC. Worker A prefills
+   three prompts, worker B decodes them, B is SIGKILLed and restarted, a swap-out/swap-in round
+   trip runs through the cache ops, and A finishes. The tokens must equal a single-process run of
+   the same model and kernels on a private cache. Then workers stop, the host stops, and /dev/shm
+   must hold none of its segments.
+2. Throughput: decode steps (forward + sampling, in process, Triton kernels) for several batch
+   sizes on a Llama-shaped model with random weights; prints a tokens/s table (markdown) and
+   writes worker_bench.json / worker_bench.md under --out.
+
+Runs on CPU too (`--device cpu`, shared memory, tiny sizes) as a smoke test of the script itself.
+Exit code 0 only if the multi-process check passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+BLOCK = 16
+
+
+class Proc:
+    """A `pagedkv` role as a subprocess; JSON log lines from stderr, waited on by event name."""
+
+    def __init__(self, args: list[str], env: dict[str, str]) -> None:
+        self.p = subprocess.Popen(
+            [sys.executable, "-m", "pagedkv.cli", *args, "--log-format", "json"],
+            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )
+        self.records: list[dict] = []
+        self.raw: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.p.stderr is not None
+        for line in self.p.stderr:
+            self.raw.append(line)
+            try:
+                self.records.append(json.loads(line))
+            except ValueError:
+                pass
+
+    def wait_event(self, event: str, timeout: float = 180.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for r in list(self.records):
+                if r.get("event") == event:
+                    return r
+            if self.p.poll() is not None:
+                time.sleep(0.2)
+                for r in list(self.records):
+                    if r.get("event") == event:
+                        return r
+                break
+            time.sleep(0.05)
+        raise RuntimeError(f"no {event!r} (rc={self.p.poll()}):\n{''.join(self.raw)[-4000:]}")
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        if self.p.poll() is None:
+            self.p.send_signal(sig)
+        return self.p.wait(60)
+
+
+def _step_request(seqs: list[tuple[str, list[int], list[int], int]]):  # noqa: ANN202
+    from pagedkv.v1 import worker_pb2
+
+    return worker_pb2.WorkerStepRequest(sequences=[
+        worker_pb2.SequenceInput(seq_id=s, token_ids=t, block_ids=b, num_cached_tokens=c) for s, t, b, c in seqs
+    ])
+
+
+def multi_process_check(device: str, dtype: str) -> dict:
+    import grpc
+
+    from pagedkv.v1 import block_manager_pb2, worker_pb2_grpc
+    from worker_svc.model.config import DEFAULT_MODEL_CONFIG
+    from worker_svc.model.weights import load_model
+    from worker_svc.model_runner import CacheOpsRequest, ModelRunner, SequenceRequest
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    prompts = [[(7 * i + j) % 250 + 1 for j in range(n)] for i, n in enumerate((21, 40, 9))]
+    tables = [list(range(10 * i, 10 * i + 10)) for i in range(3)]  # room for 160 tokens each
+    n_decode = 24
+
+    # --- the single-process reference: same model, same kernels, a private cache ---------------
+    dev = torch.device(device)
+    tdtype = getattr(torch, dtype)
+    cfg = DEFAULT_MODEL_CONFIG
+    model = load_model(None, cfg, tdtype, dev, seed=0)
+    gpu = torch.zeros((cfg.num_layers, 2, 64, BLOCK, cfg.num_kv_heads, cfg.head_dim), dtype=tdtype, device=dev)
+    cpu = torch.zeros((cfg.num_layers, 2, 16, BLOCK, cfg.num_kv_heads, cfg.head_dim), dtype=tdtype)
+    runner = ModelRunner(model, gpu, cpu)
+
+    def local(seqs: list[tuple[str, list[int], list[int], int]], ops: CacheOpsRequest | None = None) -> list[int]:
+        reqs = [SequenceRequest(s, t, b, c) for s, t, b, c in seqs]
+        return [o.token_id for o in runner.step(reqs, ops).outputs]
+
+    # --- the deployment: cache host + workers A, B (+ B') ------------------------------------------
+    common = ["--device", device, "--dtype", dtype, "--block-size", str(BLOCK), "--num-gpu-blocks", "64",
+              "--num-cpu-blocks", "16"]
+    host = Proc(["cache-host", "--port", "0", *common, "--shm-prefix", "pagedkv-gpucheck"], env)
+    procs = [host]
+    result: dict = {"ok": False}
+    try:
+        ready = host.wait_event("cache_host_ready")
+        segments = [s for s in (ready.get("gpu_segment"), ready.get("cpu_segment")) if s]
+        target = f"127.0.0.1:{ready['port']}"
+        a = Proc(["worker", "--port", "0", "--cache-host", target, *common], env)
+        b = Proc(["worker", "--port", "0", "--cache-host", target, *common], env)
+        procs += [a, b]
+        stub_a = worker_pb2_grpc.WorkerStub(grpc.insecure_channel(f"127.0.0.1:{a.wait_event('worker_ready')['port']}"))
+        stub_b = worker_pb2_grpc.WorkerStub(grpc.insecure_channel(f"127.0.0.1:{b.wait_event('worker_ready')['port']}"))
+        result["backend"] = ready["backend"]
+
+        def remote(stub, seqs, ops=None) -> list[int]:  # noqa: ANN001
+            req = _step_request(seqs)
+            if ops is not None:
+                req.ops.CopyFrom(block_manager_pb2.CacheOps(
+                    swap_out=[block_manager_pb2.BlockCopy(src=s, dst=d) for s, d in ops.swap_out],
+                    swap_in=[block_manager_pb2.BlockCopy(src=s, dst=d) for s, d in ops.swap_in],
+                ))
+            return [o.token_id for o in stub.Step(req, timeout=120).outputs]
+
+        hist = [list(p) for p in prompts]
+        cached = [0, 0, 0]
+        got_remote: list[list[int]] = [[], [], []]
+        got_local: list[list[int]] = [[], [], []]
+        swap_step = n_decode // 2
+
+        def step(stub, ops=None) -> None:  # noqa: ANN001
+            seqs = [(f"s{i}", hist[i][cached[i]:], tables[i], cached[i]) for i in range(3)]
+            r = remote(stub, seqs, ops)
+            loc = local(seqs, ops)
+            for i in range(3):
+                cached[i] = len(hist[i])
+                hist[i].append(r[i])
+                got_remote[i].append(r[i])
+                got_local[i].append(loc[i])
+
+        step(stub_a)  # prefill on A
+        for k in range(n_decode):
+            if k == n_decode // 3:  # crash B and replace it
+                b.stop(signal.SIGKILL)
+                b = Proc(["worker", "--port", "0", "--cache-host", target, *common], env)
+                procs.append(b)
+                stub_b = worker_pb2_grpc.WorkerStub(
+                    grpc.insecure_channel(f"127.0.0.1:{b.wait_event('worker_ready')['port']}"))
+            ops = None
+            if k == swap_step:  # swap seq 0 out to CPU blocks and back in to other GPU blocks
+                used = -(-cached[0] // BLOCK)
+                new_table = list(range(30, 30 + 10))
+                ops = CacheOpsRequest(swap_out=list(zip(tables[0][:used], range(used))))
+                remote(stub_a, [], ops)
+                local([], ops)
+                ops = CacheOpsRequest(swap_in=list(zip(range(used), new_table[:used])))
+                tables[0] = new_table
+            step(stub_b if k < 2 * n_decode // 3 else stub_a, ops)
+        result["tokens_equal"] = got_remote == got_local
+        result["tokens"] = got_remote
+        for p in procs[1:]:
+            p.stop()
+        result["host_rc"] = host.stop()
+        time.sleep(0.2)
+        result["leaked_segments"] = [s for s in segments if pathlib.Path("/dev/shm", s).exists()]
+        result["ok"] = bool(result["tokens_equal"] and result["host_rc"] == 0 and not result["leaked_segments"])
+    except Exception as e:  # noqa: BLE001 - report, don't crash the check
+        result["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        for p in reversed(procs):
+            if p.p.poll() is None:
+                p.stop(signal.SIGKILL)
+    return result
+
+
+def throughput(device: str, dtype: str, batches: list[int], ctx: int, steps: int, shape: dict) -> list[dict]:
+    from worker_svc.model.config import ModelConfig
+    from worker_svc.model.llama import LlamaModel
+    from worker_svc.model.weights import expected_names, expected_shapes
+    from worker_svc.model_runner import ModelRunner, SequenceRequest
+
+    cfg = ModelConfig(**shape, name="bench")
+    dev, tdtype = torch.device(device), getattr(torch, dtype)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    shapes = expected_shapes(cfg)
+    weights = {}
+    for n in expected_names(cfg):
+        t = torch.randn(shapes[n], generator=gen, device=dev, dtype=torch.float32) * (0.02 if "norm" not in n else 0.0)
+        weights[n] = (t + (1.0 if "norm" in n else 0.0)).to(tdtype)
+    model = LlamaModel(cfg, weights)
+    max_b = max(batches)
+    blocks_per_seq = -(-(ctx + steps + 1) // BLOCK)
+    gpu = torch.zeros((cfg.num_layers, 2, max_b * blocks_per_seq, BLOCK, cfg.num_kv_heads, cfg.head_dim),
+                      dtype=tdtype, device=dev)
+    runner = ModelRunner(model, gpu, torch.zeros((cfg.num_layers, 2, 0, BLOCK, cfg.num_kv_heads, cfg.head_dim), dtype=tdtype))
+    rows = []
+    for bsz in batches:
+        tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(bsz)]
+        chunk = max(1, 8192 // ctx)
+        for i0 in range(0, bsz, chunk):  # prefill in chunks to bound activation memory
+            runner.step([SequenceRequest(f"s{i}", [(i + j) % cfg.vocab_size for j in range(ctx)], tables[i], 0)
+                         for i in range(i0, min(bsz, i0 + chunk))])
+        last = [1] * bsz
+        times = []
+        for k in range(steps):
+            reqs = [SequenceRequest(f"s{i}", [last[i]], tables[i], ctx + k) for i in range(bsz)]
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            res = runner.step(reqs)
+            times.append(time.perf_counter() - t0)
+            last = [o.token_id for o in res.outputs]
+        times = sorted(times[2:]) or times  # drop warm-up
+        med = times[len(times) // 2]
+        rows.append({"batch": bsz, "context": ctx, "step_ms_p50": med * 1e3, "tokens_per_s": bsz / med})
+        print(f"batch {bsz:4d} ctx {ctx}: {med * 1e3:8.2f} ms/step  {bsz / med:10.0f} tok/s", flush=True)
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
+    ap.add_argument("--out", default="results/gpu_check")
+    ap.add_argument("--batches", default=None, help="comma-separated decode batch sizes")
+    ap.add_argument("--context", type=int, default=None)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--skip-throughput", action="store_true")
+    args = ap.parse_args()
+    cuda = args.device.startswith("cuda")
+    dtype = args.dtype or ("bfloat16" if cuda else "float32")
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    print(f"== multi-process shared cache ({args.device}, {dtype})", flush=True)
+    mp = multi_process_check(args.device, dtype)
+    print(json.dumps({k: v for k, v in mp.items() if k != "tokens"}), flush=True)
+
+    rows: list[dict] = []
+    if not args.skip_throughput:
+        shape = (dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
+                      num_kv_heads=8, head_dim=64) if cuda else
+                 dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=16))
+        batches = [int(x) for x in (args.batches or ("1,8,32,64,128,256" if cuda else "1,4")).split(",")]
+        ctx = args.context or (512 if cuda else 32)
+        print(f"== decode throughput ({args.device}, {dtype}, model {shape})", flush=True)
+        try:
+            rows = throughput(args.device, dtype, batches, ctx, args.steps, shape)
+        except Exception as e:  # noqa: BLE001
+            print(f"throughput failed: {type(e).__name__}: {e}", flush=True)
+
+    md = ["# worker GPU check", "",
+          f"multi-process shared cache over {mp.get('backend', '?')}: "
+          f"{'PASS' if mp['ok'] else 'FAIL'} {'' if mp['ok'] else mp.get('error', '') or mp}", ""]
+    if rows:
+        md += ["| batch | context | step p50 (ms) | tokens/s |", "|---:|---:|---:|---:|"]
+        md += [f"| {r['batch']} | {r['context']} | {r['step_ms_p50']:.2f} | {r['tokens_per_s']:.0f} |" for r in rows]
+    (out / "worker_bench.md").write_text("\n".join(md) + "\n")
+    (out / "worker_bench.json").write_text(json.dumps({"multi_process": mp, "throughput": rows}, indent=1))
+    print("\n".join(md), flush=True)
+    return 0 if mp["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
