@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1epagedkv/v1/block_manager.proto\x12\npagedkv.v1\"%\n\tBlockCopy\x12\x0b\n\x03src\x18\x01 \x01(\r\x12\x0b\n\x03\x64st\x18\x02 \x01(\r\"\x82\x01\n\x08\x43\x61\x63heOps\x12%\n\x06\x63opies\x18\x01 \x03(\x0b\x32\x15.pagedkv.v1.BlockCopy\x12\'\n\x08swap_out\x18\x02 \x03(\x0b\x32\x15.pagedkv.v1.BlockCopy\x12&\n\x07swap_in\x18\x03 \x03(\x0b\x32\x15.pagedkv.v1.BlockCopy\"n\n\x0f\x41llocateRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"@\n\x10\x41llocateResponse\x12\x11\n\tblock_ids\x18\x01 \x03(\r\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\r\"Z\n\rAppendRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x12\n\nrequest_id\x18\x04 \x01(\t\"g\n\x0e\x41ppendResponse\x12\x15\n\rnew_block_ids\x18\x01 \x03(\r\x12!\n\x03ops\x18\x02 \x01(\x0b\x32\x14.pagedkv.v1.CacheOps\x12\x1b\n\x13replaced_last_block\x18\x03 \x01(\x08\"N\n\x0b\x46orkRequest\x12\x15\n\rparent_seq_id\x18\x01 \x01(\t\x12\x14\n\x0c\x63hild_seq_id\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"!\n\x0c\x46orkResponse\x12\x11\n\tblock_ids\x18\x01 \x03(\r\"1\n\x0b\x46reeRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"+\n\x0c\x46reeResponse\x12\x1b\n\x13num_blocks_released\x18\x01 \x01(\r\"&\n\x14GetBlockTableRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\"3\n\nBlockTable\x12\x11\n\tblock_ids\x18\x01 \x03(\r\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\"\xd3\x01\n\rStepItemError\x12,\n\x04kind\x18\x01 \x01(\x0e\x32\x1e.pagedkv.v1.StepItemError.Kind\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0e\n\x06seq_id\x18\x03 \x01(\t\x12\x0c\n\x04\x63ode\x18\x04 \x01(\x05\x12\x0f\n\x07message\x18\x05 \x01(\t\"V\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\n\n\x06\x41PPEND\x10\x01\x12\x08\n\x04\x46REE\x10\x02\x12\x11\n\rPACKED_APPEND\x10\x03\x12\x0f\n\x0bPACKED_FREE\x10\x04\"\xd8\x01\n\x0bStepRequest\x12*\n\x07\x61ppends\x18\x01 \x03(\x0b\x32\x19.pagedkv.v1.AppendRequest\x12&\n\x05\x66rees\x18\x02 \x03(\x0b\x32\x17.pagedkv.v1.FreeRequest\x12\x16\n\x0e\x61ppend_seq_ids\x18\x03 \x03(\t\x12\x19\n\x11\x61ppend_num_tokens\x18\x04 \x03(\r\x12\x18\n\x10\x61ppend_token_ids\x18\x05 \x03(\r\x12\x14\n\x0c\x66ree_seq_ids\x18\x06 \x03(\t\x12\x12\n\nrequest_id\x18\x07 \x01(\t\"\xca\x02\n\x0cStepResponse\x12+\n\x07\x61ppends\x18\x01 \x03(\x0b\x32\x1a.pagedkv.v1.AppendResponse\x12\'\n\x05\x66rees\x18\x02 \x03(\x0b\x32\x18.pagedkv.v1.FreeResponse\x12)\n\x06\x65rrors\x18\x03 \x03(\x0b\x32\x19.pagedkv.v1.StepItemError\x12\x1e\n\x16packed_new_block_index\x18\x04 \x03(\r\x12\x1c\n\x14packed_new_block_ids\x18\x05 \x03(\r\x12!\n\x03ops\x18\x06 \x01(\x0b\x32\x14.pagedkv.v1.CacheOps\x12\x1b\n\x13num_blocks_released\x18\x07 \x01(\r\x12\x1c\n\x14num_available_blocks\x18\x08 \x01(\r\x12\x1d\n\x15packed_replaced_index\x18\t \x03(\r\"\x11\n\x0fGetStatsRequest\"\x9e\x02\n\x05Stats\x12\x12\n\nblock_size\x18\x01 \x01(\r\x12\x16\n\x0enum_gpu_blocks\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x19\n\x11num_cached_blocks\x18\x04 \x01(\r\x12\x15\n\rnum_sequences\x18\x05 \x01(\r\x12\x1b\n\x13prefix_query_tokens\x18\x06 \x01(\x04\x12\x19\n\x11prefix_hit_tokens\x18\x07 \x01(\x04\x12\x17\n\x0fnum_used_blocks\x18\x08 \x01(\r\x12\x1a\n\x12num_evicted_blocks\x18\t \x01(\x04\x12\x16\n\x0enum_cow_copies\x18\n \x01(\x04\x12\x19\n\x11num_hashed_blocks\x18\x0b \x01(\r\"\x12\n\x10GetConfigRequest\"e\n\x06\x43onfig\x12\x12\n\nblock_size\x18\x01 \x01(\r\x12\x16\n\x0enum_gpu_blocks\x18\x02 \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\x03 \x01(\r\x12\x17\n\x0f\x65viction_policy\x18\x04 \x01(\t2\x8d\x04\n\x0c\x42lockManager\x12\x45\n\x08\x41llocate\x12\x1b.pagedkv.v1.AllocateRequest\x1a\x1c.pagedkv.v1.AllocateResponse\x12?\n\x06\x41ppend\x12\x19.pagedkv.v1.AppendRequest\x1a\x1a.pagedkv.v1.AppendResponse\x12\x39\n\x04\x46ork\x12\x17.pagedkv.v1.ForkRequest\x1a\x18.pagedkv.v1.ForkResponse\x12\x39\n\x04\x46ree\x12\x17.pagedkv.v1.FreeRequest\x1a\x18.pagedkv.v1.FreeResponse\x12I\n\rGetBlockTable\x12 .pagedkv.v1.GetBlockTableRequest\x1a\x16.pagedkv.v1.BlockTable\x12\x39\n\x04Step\x12\x17.pagedkv.v1.StepRequest\x1a\x18.pagedkv.v1.StepResponse\x12:\n\x08GetStats\x12\x1b.pagedkv.v1.GetStatsRequest\x1a\x11.pagedkv.v1.Stats\x12=\n\tGetConfig\x12\x1c.pagedkv.v1.GetConfigRequest\x1a\x12.pagedkv.v1.Configb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1epagedkv/v1/block_manager.proto\x12\npagedkv.v1\"%\n\tBlockCopy\x12\x0b\n\x03src\x18\x01 \x01(\r\x12\x0b\n\x03\x64st\x18\x02 \x01(\r\"\x82\x01\n\x08\x43\x61\x63heOps\x12%\n\x06\x63opies\x18\x01 \x03(\x0b\x32\x15.pagedkv.v1.BlockCopy\x12\'\n\x08swap_out\x18\x02 \x03(\x0b\x32\x15.pagedkv.v1.BlockCopy\x12&\n\x07swap_in\x18\x03 \x03(\x0b\x32\x15.pagedkv.v1.BlockCopy\"\x80\x01\n\x0f\x41llocateRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x10\n\x08lease_id\x18\x10 \x01(\t\"@\n\x10\x41llocateResponse\x12\x11\n\tblock_ids\x18\x01 \x03(\r\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\r\"Z\n\rAppendRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x12\n\nrequest_id\x18\x04 \x01(\t\"g\n\x0e\x41ppendResponse\x12\x15\n\rnew_block_ids\x18\x01 \x03(\r\x12!\n\x03ops\x18\x02 \x01(\x0b\x32\x14.pagedkv.v1.CacheOps\x12\x1b\n\x13replaced_last_block\x18\x03 \x01(\x08\"`\n\x0b\x46orkRequest\x12\x15\n\rparent_seq_id\x18\x01 \x01(\t\x12\x14\n\x0c\x63hild_seq_id\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x10\n\x08lease_id\x18\x10 \x01(\t\"!\n\x0c\x46orkResponse\x12\x11\n\tblock_ids\x18\x01 \x03(\r\"1\n\x0b\x46reeRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"+\n\x0c\x46reeResponse\x12\x1b\n\x13num_blocks_released\x18\x01 \x01(\r\"&\n\x14GetBlockTableRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\"3\n\nBlockTable\x12\x11\n\tblock_ids\x18\x01 \x03(\r\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\"\xd3\x01\n\rStepItemError\x12,\n\x04kind\x18\x01 \x01(\x0e\x32\x1e.pagedkv.v1.StepItemError.Kind\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0e\n\x06seq_id\x18\x03 \x01(\t\x12\x0c\n\x04\x63ode\x18\x04 \x01(\x05\x12\x0f\n\x07message\x18\x05 \x01(\t\"V\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\n\n\x06\x41PPEND\x10\x01\x12\x08\n\x04\x46REE\x10\x02\x12\x11\n\rPACKED_APPEND\x10\x03\x12\x0f\n\x0bPACKED_FREE\x10\x04\"\xd8\x01\n\x0bStepRequest\x12*\n\x07\x61ppends\x18\x01 \x03(\x0b\x32\x19.pagedkv.v1.AppendRequest\x12&\n\x05\x66rees\x18\x02 \x03(\x0b\x32\x17.pagedkv.v1.FreeRequest\x12\x16\n\x0e\x61ppend_seq_ids\x18\x03 \x03(\t\x12\x19\n\x11\x61ppend_num_tokens\x18\x04 \x03(\r\x12\x18\n\x10\x61ppend_token_ids\x18\x05 \x03(\r\x12\x14\n\x0c\x66ree_seq_ids\x18\x06 \x03(\t\x12\x12\n\nrequest_id\x18\x07 \x01(\t\"\xca\x02\n\x0cStepResponse\x12+\n\x07\x61ppends\x18\x01 \x03(\x0b\x32\x1a.pagedkv.v1.AppendResponse\x12\'\n\x05\x66rees\x18\x02 \x03(\x0b\x32\x18.pagedkv.v1.FreeResponse\x12)\n\x06\x65rrors\x18\x03 \x03(\x0b\x32\x19.pagedkv.v1.StepItemError\x12\x1e\n\x16packed_new_block_index\x18\x04 \x03(\r\x12\x1c\n\x14packed_new_block_ids\x18\x05 \x03(\r\x12!\n\x03ops\x18\x06 \x01(\x0b\x32\x14.pagedkv.v1.CacheOps\x12\x1b\n\x13num_blocks_released\x18\x07 \x01(\r\x12\x1c\n\x14num_available_blocks\x18\x08 \x01(\r\x12\x1d\n\x15packed_replaced_index\x18\t \x03(\r\"\x11\n\x0fGetStatsRequest\"\xbd\x03\n\x05Stats\x12\x12\n\nblock_size\x18\x01 \x01(\r\x12\x16\n\x0enum_gpu_blocks\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x19\n\x11num_cached_blocks\x18\x04 \x01(\r\x12\x15\n\rnum_sequences\x18\x05 \x01(\r\x12\x1b\n\x13prefix_query_tokens\x18\x06 \x01(\x04\x12\x19\n\x11prefix_hit_tokens\x18\x07 \x01(\x04\x12\x17\n\x0fnum_used_blocks\x18\x08 \x01(\r\x12\x1a\n\x12num_evicted_blocks\x18\t \x01(\x04\x12\x16\n\x0enum_cow_copies\x18\n \x01(\x04\x12\x19\n\x11num_hashed_blocks\x18\x0b \x01(\r\x12\x12\n\nnum_leases\x18( \x01(\r\x12\x1a\n\x12num_leases_expired\x18) \x01(\x04\x12#\n\x1bnum_lease_expired_sequences\x18* \x01(\x04\x12\x17\n\x0fnum_dedupe_hits\x18+ \x01(\x04\x12\x1a\n\x12num_dedupe_entries\x18, \x01(\r\x12\x13\n\x0bjournal_seq\x18- \x01(\x04\"`\n\x10KeepAliveRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x0e\n\x06ttl_ms\x18\x02 \x01(\r\x12\x16\n\x0e\x61ttach_seq_ids\x18\x03 \x03(\t\x12\x12\n\nrequest_id\x18\x04 \x01(\t\"K\n\x11KeepAliveResponse\x12\x0e\n\x06ttl_ms\x18\x01 \x01(\r\x12\x15\n\rnum_sequences\x18\x02 \x01(\r\x12\x0f\n\x07\x63reated\x18\x03 \x01(\x08\"\x12\n\x10GetConfigRequest\"e\n\x06\x43onfig\x12\x12\n\nblock_size\x18\x01 \x01(\r\x12\x16\n\x0enum_gpu_blocks\x18\x02 \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\x03 \x01(\r\x12\x17\n\x0f\x65viction_policy\x18\x04 \x01(\t2\xd7\x04\n\x0c\x42lockManager\x12\x45\n\x08\x41llocate\x12\x1b.pagedkv.v1.AllocateRequest\x1a\x1c.pagedkv.v1.AllocateResponse\x12?\n\x06\x41ppend\x12\x19.pagedkv.v1.AppendRequest\x1a\x1a.pagedkv.v1.AppendResponse\x12\x39\n\x04\x46ork\x12\x17.pagedkv.v1.ForkRequest\x1a\x18.pagedkv.v1.ForkResponse\x12\x39\n\x04\x46ree\x12\x17.pagedkv.v1.FreeRequest\x1a\x18.pagedkv.v1.FreeResponse\x12I\n\rGetBlockTable\x12 .pagedkv.v1.GetBlockTableRequest\x1a\x16.pagedkv.v1.BlockTable\x12\x39\n\x04Step\x12\x17.pagedkv.v1.StepRequest\x1a\x18.pagedkv.v1.StepResponse\x12:\n\x08GetStats\x12\x1b.pagedkv.v1.GetStatsRequest\x1a\x11.pagedkv.v1.Stats\x12=\n\tGetConfig\x12\x1c.pagedkv.v1.GetConfigRequest\x1a\x12.pagedkv.v1.Config\x12H\n\tKeepAlive\x12\x1c.pagedkv.v1.KeepAliveRequest\x1a\x1d.pagedkv.v1.KeepAliveResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,42 +35,46 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_BLOCKCOPY']._serialized_end=83
   _globals['_CACHEOPS']._serialized_start=86
   _globals['_CACHEOPS']._serialized_end=216
-  _globals['_ALLOCATEREQUEST']._serialized_start=218
-  _globals['_ALLOCATEREQUEST']._serialized_end=328
-  _globals['_ALLOCATERESPONSE']._serialized_start=330
-  _globals['_ALLOCATERESPONSE']._serialized_end=394
-  _globals['_APPENDREQUEST']._serialized_start=396
-  _globals['_APPENDREQUEST']._serialized_end=486
-  _globals['_APPENDRESPONSE']._serialized_start=488
-  _globals['_APPENDRESPONSE']._serialized_end=591
-  _globals['_FORKREQUEST']._serialized_start=593
-  _globals['_FORKREQUEST']._serialized_end=671
-  _globals['_FORKRESPONSE']._serialized_start=673
-  _globals['_FORKRESPONSE']._serialized_end=706
-  _globals['_FREEREQUEST']._serialized_start=708
-  _globals['_FREEREQUEST']._serialized_end=757
-  _globals['_FREERESPONSE']._serialized_start=759
-  _globals['_FREERESPONSE']._serialized_end=802
-  _globals['_GETBLOCKTABLEREQUEST']._serialized_start=804
-  _globals['_GETBLOCKTABLEREQUEST']._serialized_end=842
-  _globals['_BLOCKTABLE']._serialized_start=844
-  _globals['_BLOCKTABLE']._serialized_end=895
-  _globals['_STEPITEMERROR']._serialized_start=898
-  _globals['_STEPITEMERROR']._serialized_end=1109
-  _globals['_STEPITEMERROR_KIND']._serialized_start=1023
-  _globals['_STEPITEMERROR_KIND']._serialized_end=1109
-  _globals['_STEPREQUEST']._serialized_start=1112
-  _globals['_STEPREQUEST']._serialized_end=1328
-  _globals['_STEPRESPONSE']._serialized_start=1331
-  _globals['_STEPRESPONSE']._serialized_end=1661
-  _globals['_GETSTATSREQUEST']._serialized_start=1663
-  _globals['_GETSTATSREQUEST']._serialized_end=1680
-  _globals['_STATS']._serialized_start=1683
-  _globals['_STATS']._serialized_end=1969
-  _globals['_GETCONFIGREQUEST']._serialized_start=1971
-  _globals['_GETCONFIGREQUEST']._serialized_end=1989
-  _globals['_CONFIG']._serialized_start=1991
-  _globals['_CONFIG']._serialized_end=2092
-  _globals['_BLOCKMANAGER']._serialized_start=2095
-  _globals['_BLOCKMANAGER']._serialized_end=2620
+  _globals['_ALLOCATEREQUEST']._serialized_start=219
+  _globals['_ALLOCATEREQUEST']._serialized_end=347
+  _globals['_ALLOCATERESPONSE']._serialized_start=349
+  _globals['_ALLOCATERESPONSE']._serialized_end=413
+  _globals['_APPENDREQUEST']._serialized_start=415
+  _globals['_APPENDREQUEST']._serialized_end=505
+  _globals['_APPENDRESPONSE']._serialized_start=507
+  _globals['_APPENDRESPONSE']._serialized_end=610
+  _globals['_FORKREQUEST']._serialized_start=612
+  _globals['_FORKREQUEST']._serialized_end=708
+  _globals['_FORKRESPONSE']._serialized_start=710
+  _globals['_FORKRESPONSE']._serialized_end=743
+  _globals['_FREEREQUEST']._serialized_start=745
+  _globals['_FREEREQUEST']._serialized_end=794
+  _globals['_FREERESPONSE']._serialized_start=796
+  _globals['_FREERESPONSE']._serialized_end=839
+  _globals['_GETBLOCKTABLEREQUEST']._serialized_start=841
+  _globals['_GETBLOCKTABLEREQUEST']._serialized_end=879
+  _globals['_BLOCKTABLE']._serialized_start=881
+  _globals['_BLOCKTABLE']._serialized_end=932
+  _globals['_STEPITEMERROR']._serialized_start=935
+  _globals['_STEPITEMERROR']._serialized_end=1146
+  _globals['_STEPITEMERROR_KIND']._serialized_start=1060
+  _globals['_STEPITEMERROR_KIND']._serialized_end=1146
+  _globals['_STEPREQUEST']._serialized_start=1149
+  _globals['_STEPREQUEST']._serialized_end=1365
+  _globals['_STEPRESPONSE']._serialized_start=1368
+  _globals['_STEPRESPONSE']._serialized_end=1698
+  _globals['_GETSTATSREQUEST']._serialized_start=1700
+  _globals['_GETSTATSREQUEST']._serialized_end=1717
+  _globals['_STATS']._serialized_start=1720
+  _globals['_STATS']._serialized_end=2165
+  _globals['_KEEPALIVEREQUEST']._serialized_start=2167
+  _globals['_KEEPALIVEREQUEST']._serialized_end=2263
+  _globals['_KEEPALIVERESPONSE']._serialized_start=2265
+  _globals['_KEEPALIVERESPONSE']._serialized_end=2340
+  _globals['_GETCONFIGREQUEST']._serialized_start=2342
+  _globals['_GETCONFIGREQUEST']._serialized_end=2360
+  _globals['_CONFIG']._serialized_start=2362
+  _globals['_CONFIG']._serialized_end=2463
+  _globals['_BLOCKMANAGER']._serialized_start=2466
+  _globals['_BLOCKMANAGER']._serialized_end=3065
 # @@protoc_insertion_point(module_scope)

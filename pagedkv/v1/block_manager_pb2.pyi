@@ -93,12 +93,20 @@ class AllocateRequest(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    LEASE_ID_FIELD_NUMBER: _builtins.int
     seq_id: _builtins.str
     num_tokens: _builtins.int
     priority: _builtins.int
     """Preemption order: lower priority is preempted first."""
     request_id: _builtins.str
-    """Optional idempotency key (reserved for retries; see README)."""
+    """Optional idempotency key: a retry with the same id returns the original
+    reply and changes nothing (docs/reliability.md).
+    """
+    lease_id: _builtins.str
+    """Optional lease: the sequence is freed if the lease is not renewed
+    (KeepAlive) within its TTL. An unknown lease id creates the lease with
+    the server's default TTL. Empty: no lease, the sequence lives until freed.
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Prompt token ids. When given, its length must equal num_tokens, full
@@ -113,10 +121,11 @@ class AllocateRequest(_message.Message):
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         priority: _builtins.int = ...,
         request_id: _builtins.str = ...,
+        lease_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_tokens", b"num_tokens", "priority", b"priority", "request_id", b"request_id", "seq_id", b"seq_id", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_id", b"lease_id", "num_tokens", b"num_tokens", "priority", b"priority", "request_id", b"request_id", "seq_id", b"seq_id", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -220,19 +229,23 @@ class ForkRequest(_message.Message):
     PARENT_SEQ_ID_FIELD_NUMBER: _builtins.int
     CHILD_SEQ_ID_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    LEASE_ID_FIELD_NUMBER: _builtins.int
     parent_seq_id: _builtins.str
     child_seq_id: _builtins.str
     request_id: _builtins.str
+    lease_id: _builtins.str
+    """Lease of the child; empty: the parent's lease (if any)."""
     def __init__(
         self,
         *,
         parent_seq_id: _builtins.str = ...,
         child_seq_id: _builtins.str = ...,
         request_id: _builtins.str = ...,
+        lease_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["child_seq_id", b"child_seq_id", "parent_seq_id", b"parent_seq_id", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["child_seq_id", b"child_seq_id", "lease_id", b"lease_id", "parent_seq_id", b"parent_seq_id", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -566,6 +579,12 @@ class Stats(_message.Message):
     NUM_EVICTED_BLOCKS_FIELD_NUMBER: _builtins.int
     NUM_COW_COPIES_FIELD_NUMBER: _builtins.int
     NUM_HASHED_BLOCKS_FIELD_NUMBER: _builtins.int
+    NUM_LEASES_FIELD_NUMBER: _builtins.int
+    NUM_LEASES_EXPIRED_FIELD_NUMBER: _builtins.int
+    NUM_LEASE_EXPIRED_SEQUENCES_FIELD_NUMBER: _builtins.int
+    NUM_DEDUPE_HITS_FIELD_NUMBER: _builtins.int
+    NUM_DEDUPE_ENTRIES_FIELD_NUMBER: _builtins.int
+    JOURNAL_SEQ_FIELD_NUMBER: _builtins.int
     block_size: _builtins.int
     num_gpu_blocks: _builtins.int
     num_free_blocks: _builtins.int
@@ -584,6 +603,16 @@ class Stats(_message.Message):
     """Copy-on-write copies handed out."""
     num_hashed_blocks: _builtins.int
     """Entries in the prefix-cache index (referenced or not)."""
+    num_leases: _builtins.int
+    """Reliability (docs/reliability.md): live leases, leases that expired and
+    the sequences they freed, retries answered from the dedupe window, and
+    the last journal sequence number (0 without --state-dir).
+    """
+    num_leases_expired: _builtins.int
+    num_lease_expired_sequences: _builtins.int
+    num_dedupe_hits: _builtins.int
+    num_dedupe_entries: _builtins.int
+    journal_seq: _builtins.int
     def __init__(
         self,
         *,
@@ -598,14 +627,82 @@ class Stats(_message.Message):
         num_evicted_blocks: _builtins.int = ...,
         num_cow_copies: _builtins.int = ...,
         num_hashed_blocks: _builtins.int = ...,
+        num_leases: _builtins.int = ...,
+        num_leases_expired: _builtins.int = ...,
+        num_lease_expired_sequences: _builtins.int = ...,
+        num_dedupe_hits: _builtins.int = ...,
+        num_dedupe_entries: _builtins.int = ...,
+        journal_seq: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "num_cached_blocks", b"num_cached_blocks", "num_cow_copies", b"num_cow_copies", "num_evicted_blocks", b"num_evicted_blocks", "num_free_blocks", b"num_free_blocks", "num_gpu_blocks", b"num_gpu_blocks", "num_hashed_blocks", b"num_hashed_blocks", "num_sequences", b"num_sequences", "num_used_blocks", b"num_used_blocks", "prefix_hit_tokens", b"prefix_hit_tokens", "prefix_query_tokens", b"prefix_query_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "journal_seq", b"journal_seq", "num_cached_blocks", b"num_cached_blocks", "num_cow_copies", b"num_cow_copies", "num_dedupe_entries", b"num_dedupe_entries", "num_dedupe_hits", b"num_dedupe_hits", "num_evicted_blocks", b"num_evicted_blocks", "num_free_blocks", b"num_free_blocks", "num_gpu_blocks", b"num_gpu_blocks", "num_hashed_blocks", b"num_hashed_blocks", "num_lease_expired_sequences", b"num_lease_expired_sequences", "num_leases", b"num_leases", "num_leases_expired", b"num_leases_expired", "num_sequences", b"num_sequences", "num_used_blocks", b"num_used_blocks", "prefix_hit_tokens", b"prefix_hit_tokens", "prefix_query_tokens", b"prefix_query_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Stats: _TypeAlias = Stats  # noqa: Y015
+
+@_typing.final
+class KeepAliveRequest(_message.Message):
+    """Create or renew a lease, optionally attaching existing sequences to it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LEASE_ID_FIELD_NUMBER: _builtins.int
+    TTL_MS_FIELD_NUMBER: _builtins.int
+    ATTACH_SEQ_IDS_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    lease_id: _builtins.str
+    ttl_ms: _builtins.int
+    """New TTL for the lease; 0 keeps its TTL (the server default for a new lease)."""
+    request_id: _builtins.str
+    @_builtins.property
+    def attach_seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Existing sequences to put under this lease (moved from any other lease)."""
+
+    def __init__(
+        self,
+        *,
+        lease_id: _builtins.str = ...,
+        ttl_ms: _builtins.int = ...,
+        attach_seq_ids: _abc.Iterable[_builtins.str] | None = ...,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attach_seq_ids", b"attach_seq_ids", "lease_id", b"lease_id", "request_id", b"request_id", "ttl_ms", b"ttl_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KeepAliveRequest: _TypeAlias = KeepAliveRequest  # noqa: Y015
+
+@_typing.final
+class KeepAliveResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TTL_MS_FIELD_NUMBER: _builtins.int
+    NUM_SEQUENCES_FIELD_NUMBER: _builtins.int
+    CREATED_FIELD_NUMBER: _builtins.int
+    ttl_ms: _builtins.int
+    """The lease's TTL: renew well within it (e.g. every third of it)."""
+    num_sequences: _builtins.int
+    """Sequences under the lease now."""
+    created: _builtins.bool
+    """True if this call created the lease."""
+    def __init__(
+        self,
+        *,
+        ttl_ms: _builtins.int = ...,
+        num_sequences: _builtins.int = ...,
+        created: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created", b"created", "num_sequences", b"num_sequences", "ttl_ms", b"ttl_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KeepAliveResponse: _TypeAlias = KeepAliveResponse  # noqa: Y015
 
 @_typing.final
 class GetConfigRequest(_message.Message):

@@ -74,6 +74,11 @@ class BlockManagerStub:
                 request_serializer=pagedkv_dot_v1_dot_block__manager__pb2.GetConfigRequest.SerializeToString,
                 response_deserializer=pagedkv_dot_v1_dot_block__manager__pb2.Config.FromString,
                 _registered_method=True)
+        self.KeepAlive = channel.unary_unary(
+                '/pagedkv.v1.BlockManager/KeepAlive',
+                request_serializer=pagedkv_dot_v1_dot_block__manager__pb2.KeepAliveRequest.SerializeToString,
+                response_deserializer=pagedkv_dot_v1_dot_block__manager__pb2.KeepAliveResponse.FromString,
+                _registered_method=True)
 
 
 class BlockManagerServicer:
@@ -127,6 +132,12 @@ class BlockManagerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KeepAlive(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_BlockManagerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -169,6 +180,11 @@ def add_BlockManagerServicer_to_server(servicer, server):
                     servicer.GetConfig,
                     request_deserializer=pagedkv_dot_v1_dot_block__manager__pb2.GetConfigRequest.FromString,
                     response_serializer=pagedkv_dot_v1_dot_block__manager__pb2.Config.SerializeToString,
+            ),
+            'KeepAlive': grpc.unary_unary_rpc_method_handler(
+                    servicer.KeepAlive,
+                    request_deserializer=pagedkv_dot_v1_dot_block__manager__pb2.KeepAliveRequest.FromString,
+                    response_serializer=pagedkv_dot_v1_dot_block__manager__pb2.KeepAliveResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -387,6 +403,33 @@ class BlockManager:
             '/pagedkv.v1.BlockManager/GetConfig',
             pagedkv_dot_v1_dot_block__manager__pb2.GetConfigRequest.SerializeToString,
             pagedkv_dot_v1_dot_block__manager__pb2.Config.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KeepAlive(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedkv.v1.BlockManager/KeepAlive',
+            pagedkv_dot_v1_dot_block__manager__pb2.KeepAliveRequest.SerializeToString,
+            pagedkv_dot_v1_dot_block__manager__pb2.KeepAliveResponse.FromString,
             options,
             channel_credentials,
             insecure,

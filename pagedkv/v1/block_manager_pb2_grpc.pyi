@@ -45,6 +45,7 @@ class BlockManagerStub:
     Step: _grpc.UnaryUnaryMultiCallable[_block_manager_pb2.StepRequest, _block_manager_pb2.StepResponse]
     GetStats: _grpc.UnaryUnaryMultiCallable[_block_manager_pb2.GetStatsRequest, _block_manager_pb2.Stats]
     GetConfig: _grpc.UnaryUnaryMultiCallable[_block_manager_pb2.GetConfigRequest, _block_manager_pb2.Config]
+    KeepAlive: _grpc.UnaryUnaryMultiCallable[_block_manager_pb2.KeepAliveRequest, _block_manager_pb2.KeepAliveResponse]
 
 @_typing.type_check_only
 class BlockManagerAsyncStub(BlockManagerStub):
@@ -57,6 +58,7 @@ class BlockManagerAsyncStub(BlockManagerStub):
     Step: _aio.UnaryUnaryMultiCallable[_block_manager_pb2.StepRequest, _block_manager_pb2.StepResponse]  # type: ignore[assignment]
     GetStats: _aio.UnaryUnaryMultiCallable[_block_manager_pb2.GetStatsRequest, _block_manager_pb2.Stats]  # type: ignore[assignment]
     GetConfig: _aio.UnaryUnaryMultiCallable[_block_manager_pb2.GetConfigRequest, _block_manager_pb2.Config]  # type: ignore[assignment]
+    KeepAlive: _aio.UnaryUnaryMultiCallable[_block_manager_pb2.KeepAliveRequest, _block_manager_pb2.KeepAliveResponse]  # type: ignore[assignment]
 
 class BlockManagerServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -114,5 +116,12 @@ class BlockManagerServicer(metaclass=_abc_1.ABCMeta):
         request: _block_manager_pb2.GetConfigRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_block_manager_pb2.Config, _abc.Awaitable[_block_manager_pb2.Config]]: ...
+
+    @_abc_1.abstractmethod
+    def KeepAlive(
+        self,
+        request: _block_manager_pb2.KeepAliveRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_block_manager_pb2.KeepAliveResponse, _abc.Awaitable[_block_manager_pb2.KeepAliveResponse]]: ...
 
 def add_BlockManagerServicer_to_server(servicer: BlockManagerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
