@@ -1,0 +1,69 @@
+# syntax=docker/dockerfile:1.7
+# One image for every pagedkv role: block-manager, cache-host, worker (and loadtest).
+#
+#   GPU (default):  docker build -t pagedkv:latest .
+#   CPU only:       docker build -t pagedkv:cpu --build-arg TORCH_VARIANT=cpu --build-arg BASE_IMAGE=ubuntu:24.04 .
+#
+# Why a CUDA *runtime* base for the GPU image: torch's wheels bring their own CUDA libraries, but
+# CuPy (the CUDA IPC path of the cache host, extra "gpu" = cupy-cuda12x) loads the system CUDA 12
+# runtime (libcudart, NVRTC). The driver itself comes from the host through the NVIDIA container
+# toolkit. The CPU image needs none of that: any Ubuntu 24.04 base works.
+ARG BASE_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
+FROM ${BASE_IMAGE}
+
+# cuda = torch's default (CUDA) wheel from PyPI + extras worker,gpu
+# cpu  = torch's CPU wheel from the PyTorch index first (a bare `torch` pulls a multi-GB CUDA
+#        build), then extra worker only (CuPy is useless without a GPU).
+ARG TORCH_VARIANT=cuda
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
+
+ENV DEBIAN_FRONTEND=noninteractive \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:$PATH
+
+# gcc + python3-dev: Triton compiles a small C launcher (against Python.h) the first time a kernel
+# runs, at run time, so the compiler stays in the image. tini reaps children and forwards signals.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc libc6-dev tini ca-certificates \
+ && rm -rf /var/lib/apt/lists/* \
+ && python3 -m venv /opt/venv
+
+# The heavy layer first, so that source changes do not reinstall torch.
+RUN --mount=type=cache,target=/root/.cache/pip \
+    case "${TORCH_VARIANT}" in \
+      cpu)  pip install --index-url "${TORCH_CPU_INDEX}" "torch==${TORCH_VERSION}" ;; \
+      cuda) pip install "torch==${TORCH_VERSION}" ;; \
+      *) echo "TORCH_VARIANT must be cpu or cuda, got ${TORCH_VARIANT}" >&2; exit 1 ;; \
+    esac
+
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY pagedkv ./pagedkv
+COPY block_manager_svc ./block_manager_svc
+COPY worker_svc ./worker_svc
+COPY kernels ./kernels
+COPY frontend ./frontend
+COPY protos ./protos
+RUN --mount=type=cache,target=/root/.cache/pip \
+    if [ "${TORCH_VARIANT}" = cpu ]; then extras=worker; else extras=worker,gpu; fi \
+ && pip install ".[${extras}]" \
+ && python -c "import torch, pagedkv.cli; print('torch', torch.__version__)"
+
+# Unprivileged at run time. Triton's kernel cache goes to $HOME.
+RUN useradd --create-home --uid 10001 pagedkv
+USER pagedkv
+ENV HOME=/home/pagedkv
+
+# Every setting is a PAGEDKV_* variable (see docs/deploy.md). Services listen on 127.0.0.1 by
+# default, which nothing outside the container can reach: run with -e PAGEDKV_HOST=0.0.0.0 and
+# publish the port on the host address you choose (docker-compose.yml does both).
+EXPOSE 50051 50052 50053
+# Checks the role's own port (PAGEDKV_PORT, default 50051) through grpc.health.v1.
+HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 \
+    CMD ["python", "-m", "pagedkv.healthcheck", "-q"]
+ENTRYPOINT ["tini", "--", "pagedkv"]
+CMD ["block-manager"]

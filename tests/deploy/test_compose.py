@@ -1,0 +1,147 @@
+"""docker-compose.yml / docker-compose.cpu.yml: schema-valid, and wired the way CUDA IPC needs.
+
+No Docker engine runs here. The files are validated against the Compose Specification schema with
+check-jsonschema (`--builtin-schema vendor.compose-spec`), and with Compose v1's `docker-compose
+config -q` when that is installed (Debian's package; it also resolves `depends_on`). The CPU
+override uses `!reset` (Compose >= 2.24), a YAML tag neither tool parses, so it is checked twice:
+alone with the tag dropped, and merged onto the main file the way Compose merges.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+yaml = pytest.importorskip("yaml", reason="PyYAML is needed to read the compose files")
+
+ROOT = Path(__file__).resolve().parents[2]
+BASE = ROOT / "docker-compose.yml"
+CPU = ROOT / "docker-compose.cpu.yml"
+RESET = object()
+
+
+class _Loader(yaml.SafeLoader):
+    pass
+
+
+_Loader.add_constructor("!reset", lambda loader, node: RESET)
+
+
+def load(path: Path) -> dict[str, Any]:
+    return yaml.load(path.read_text(), Loader=_Loader)  # noqa: S506 - SafeLoader subclass
+
+
+def drop_resets(doc: Any) -> Any:
+    if isinstance(doc, dict):
+        return {k: drop_resets(v) for k, v in doc.items() if v is not RESET}
+    return doc
+
+
+def merge(base: Any, override: Any) -> Any:
+    """Compose's merge for what our override uses: mappings merge key by key, `!reset` removes."""
+    if isinstance(base, dict) and isinstance(override, dict):
+        out = dict(base)
+        for k, v in override.items():
+            if v is RESET:
+                out.pop(k, None)
+            else:
+                out[k] = merge(out[k], v) if k in out else drop_resets(v)
+        return out
+    return override
+
+
+def check_jsonschema() -> str:
+    exe = shutil.which("check-jsonschema") or str(Path(sys.executable).parent / "check-jsonschema")
+    if not Path(exe).exists():
+        pytest.skip("check-jsonschema is not installed (pip install 'check-jsonschema>=0.29')")
+    return exe
+
+
+def validate(path: Path) -> None:
+    proc = subprocess.run([check_jsonschema(), "--builtin-schema", "vendor.compose-spec", str(path)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_main_file_matches_the_compose_spec() -> None:
+    validate(BASE)
+
+
+def test_cpu_override_alone_and_merged_match_the_compose_spec(tmp_path: Path) -> None:
+    alone = tmp_path / "cpu-alone.yml"
+    alone.write_text(json.dumps(drop_resets(load(CPU))))
+    validate(alone)
+    merged = tmp_path / "merged.yml"
+    merged.write_text(json.dumps(merge(load(BASE), load(CPU))))
+    validate(merged)
+
+
+@pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose (v1) not installed")
+def test_compose_v1_config_accepts_the_files(tmp_path: Path) -> None:
+    merged = tmp_path / "merged.yml"
+    merged.write_text(json.dumps(merge(load(BASE), load(CPU))))
+    for args in (["-f", str(BASE)], ["--project-directory", str(ROOT), "-f", str(merged)]):
+        proc = subprocess.run(["docker-compose", *args, "config", "-q"], capture_output=True, text=True,
+                              timeout=60, cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr
+
+
+def _gpu_devices(service: dict[str, Any]) -> list[dict[str, Any]]:
+    return service.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
+
+
+def test_gpu_ipc_health_and_ports_wiring() -> None:
+    services = load(BASE)["services"]
+    assert set(services) == {"block-manager", "cache-host", "worker"}
+    for name, svc in services.items():
+        env = svc["environment"]
+        assert env["PAGEDKV_HOST"] == "0.0.0.0", name  # reachable from the other containers
+        assert svc["healthcheck"]["test"][:3] == ["CMD", "python", "-m"], name
+        assert "pagedkv.healthcheck" in svc["healthcheck"]["test"], name
+        assert svc["command"] == [name], name
+        for port in svc.get("ports", []):
+            assert port.startswith("${PAGEDKV_BIND:-127.0.0.1}:"), (name, port)  # loopback unless chosen
+    assert not _gpu_devices(services["block-manager"])
+    for name in ("cache-host", "worker"):
+        (dev,) = _gpu_devices(services[name])
+        assert dev["driver"] == "nvidia" and dev["capabilities"] == ["gpu"]
+        assert dev["device_ids"] == _gpu_devices(services["cache-host"])[0]["device_ids"]  # one GPU for IPC
+    assert services["cache-host"]["ipc"] == "shareable"
+    assert services["worker"]["ipc"] == "service:cache-host"
+    assert services["worker"]["pid"] == "service:cache-host"
+    assert services["worker"]["environment"]["PAGEDKV_CACHE_HOST"] == "cache-host:50052"
+    assert services["cache-host"]["depends_on"] == {"block-manager": {"condition": "service_healthy"}}
+    assert services["worker"]["depends_on"] == {"cache-host": {"condition": "service_healthy"},
+                                                "block-manager": {"condition": "service_healthy"}}
+    assert {s["environment"]["PAGEDKV_PORT"] for s in services.values()} == {"50051", "50052", "50053"}
+
+
+def test_cpu_variant_drops_the_gpu_and_builds_the_cpu_image() -> None:
+    services = merge(load(BASE), load(CPU))["services"]
+    for name, svc in services.items():
+        assert not _gpu_devices(svc), name
+        assert svc["build"]["args"]["TORCH_VARIANT"] == "cpu", name
+        assert svc["image"] != load(BASE)["services"][name]["image"], name  # does not clobber the GPU tag
+    for name in ("cache-host", "worker"):
+        assert services[name]["environment"]["PAGEDKV_DEVICE"] == "cpu"
+        assert services[name]["environment"]["PAGEDKV_HOST"] == "0.0.0.0"  # merged, not replaced
+    assert services["worker"]["ipc"] == "service:cache-host"  # shared memory needs the IPC namespace too
+
+
+def test_dockerfile_and_dockerignore() -> None:
+    text = (ROOT / "Dockerfile").read_text()
+    assert "ARG TORCH_VARIANT=cuda" in text and "download.pytorch.org/whl/cpu" in text
+    assert "worker,gpu" in text and "pagedkv.healthcheck" in text
+    for line in text.splitlines():
+        if line.startswith("COPY "):
+            for src in line.split()[1:-1]:
+                assert (ROOT / src).exists(), f"Dockerfile copies missing {src}"
+    ignored = set((ROOT / ".dockerignore").read_text().split())
+    assert {".git", ".venv", "tests"} <= ignored
+    assert "README.md" not in ignored and "pyproject.toml" not in ignored  # the package build needs them
