@@ -1,0 +1,136 @@
+"""The whole stack inside one process, on ephemeral loopback ports.
+
+Used by `pagedkv generate --local`, `pagedkv demo --local` and the tests: a
+block manager, a cache host and N workers as real gRPC servers, so the engine
+drives exactly the same RPCs as against separate processes. Everything binds
+to 127.0.0.1 and `close()` stops the servers and unlinks the shared memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from block_manager_svc.server import RunningServer as BlockManagerServer
+from block_manager_svc.server import start_server as start_block_manager
+from block_manager_svc.settings import BlockManagerSettings
+from frontend.client import BlockManagerClient
+from frontend.engine import Engine, EngineConfig
+from frontend.worker_client import WorkerClient
+from pagedkv.v1 import cache_host_pb2_grpc
+from worker_svc import cache_memory
+from worker_svc.cache_host import SERVICE_NAME as CACHE_HOST_SERVICE
+from worker_svc.cache_host import CacheHostServicer
+from worker_svc.cache_layout import CacheGeometry
+from worker_svc.devices import resolve_device, resolve_dtype
+from worker_svc.grpc_server import RunningServer
+from worker_svc.grpc_server import start_server as start_grpc
+from worker_svc.model.config import load_model_config
+from worker_svc.server import WorkerProcess, start_worker
+from worker_svc.settings import WorkerSettings
+
+
+@dataclass(slots=True)
+class StackConfig:
+    model: str | None = None
+    num_gpu_blocks: int = 512
+    num_cpu_blocks: int = 0
+    block_size: int = 16
+    num_workers: int = 1
+    device: str = "auto"
+    dtype: str = "auto"
+    kernel_backend: str | None = None
+    seed: int = 0
+    block_manager_overrides: dict[str, object] = field(default_factory=dict)
+
+
+class LocalStack:
+    """Block manager + cache host + workers in this process. Use as a context manager."""
+
+    def __init__(self, config: StackConfig | None = None) -> None:
+        self.config = cfg = config or StackConfig()
+        self._closers: list[object] = []
+        try:
+            self.block_manager: BlockManagerServer = start_block_manager(
+                BlockManagerSettings(
+                    port=0,
+                    num_gpu_blocks=cfg.num_gpu_blocks,
+                    block_size=cfg.block_size,
+                    num_cpu_blocks=cfg.num_cpu_blocks,
+                    **cfg.block_manager_overrides,  # type: ignore[arg-type]
+                )
+            )
+            self._closers.append(lambda: self.block_manager.stop(0))
+            device = resolve_device(cfg.device)
+            dtype = resolve_dtype(cfg.dtype, device)
+            model_cfg = load_model_config(cfg.model)
+            geometry = CacheGeometry(
+                model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim,
+                cfg.block_size, cfg.num_gpu_blocks, cfg.num_cpu_blocks,
+            )
+            self.cache = cache_memory.create(geometry, dtype, device, shm_prefix="pagedkv-local")
+            self._closers.append(self.cache.close)
+            servicer = CacheHostServicer(self.cache, model_cfg.name)
+            self.cache_host: RunningServer = start_grpc(
+                "127.0.0.1", 0,
+                lambda s: cache_host_pb2_grpc.add_CacheHostServicer_to_server(servicer, s),
+                CACHE_HOST_SERVICE, thread_prefix="cache-host-rpc",
+            )
+            self._closers.append(lambda: self.cache_host.stop(0))
+            self.workers: list[WorkerProcess] = []
+            for _ in range(cfg.num_workers):
+                proc = start_worker(
+                    WorkerSettings(
+                        port=0,
+                        cache_host=f"127.0.0.1:{self.cache_host.port}",
+                        block_manager=f"127.0.0.1:{self.block_manager.port}",
+                        model=cfg.model,
+                        device=str(device),
+                        dtype=cfg.dtype,  # type: ignore[arg-type]
+                        kernel_backend=cfg.kernel_backend,  # type: ignore[arg-type]
+                        seed=cfg.seed,
+                        block_size=cfg.block_size,
+                        num_gpu_blocks=cfg.num_gpu_blocks,
+                        num_cpu_blocks=cfg.num_cpu_blocks,
+                    )
+                )
+                self.workers.append(proc)
+                self._closers.append(proc.close)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def block_manager_target(self) -> str:
+        return f"127.0.0.1:{self.block_manager.port}"
+
+    @property
+    def worker_targets(self) -> list[str]:
+        return [f"127.0.0.1:{w.running.port}" for w in self.workers]
+
+    def engine(self, config: EngineConfig | None = None) -> Engine:
+        """An engine with its own clients on this stack (closed with the stack)."""
+        bm = BlockManagerClient(self.block_manager_target)
+        workers = [WorkerClient(t) for t in self.worker_targets]
+        self._closers.append(bm.close)
+        self._closers.extend(w.close for w in workers)
+        return Engine(bm, workers, config)
+
+    def close(self) -> None:
+        while self._closers:
+            closer = self._closers.pop()
+            try:
+                closer()  # type: ignore[operator]
+            except Exception:  # noqa: BLE001 - keep closing the rest
+                pass
+
+    def __enter__(self) -> LocalStack:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def default_device_is_cuda() -> bool:
+    return torch.cuda.is_available()

@@ -1,0 +1,36 @@
+"""Typed sync client for a worker (`pagedkv.v1.Worker`).
+
+Built on the same channel/deadline/retry base as the block manager client. A
+worker step is safe to retry after UNAVAILABLE: it only rewrites the KV of the
+tokens it is given (same values) and re-runs copy/swap ops whose sources are
+unchanged, so the client retries it like a read.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from frontend.client import GrpcClient
+from pagedkv.v1 import worker_pb2 as wpb
+from pagedkv.v1 import worker_pb2_grpc as wpb_grpc
+
+DEFAULT_STEP_TIMEOUT_S = 120.0
+
+
+class WorkerClient(GrpcClient):
+    """Sync worker client. Thread-safe: share one per process."""
+
+    def __init__(self, target: str, **kwargs: Any) -> None:
+        kwargs.setdefault("default_timeout_s", DEFAULT_STEP_TIMEOUT_S)
+        super().__init__(target, **kwargs)
+        self._stub = wpb_grpc.WorkerStub(self.channel)
+
+    def __enter__(self) -> WorkerClient:
+        return self
+
+    def step(self, request: wpb.WorkerStepRequest, *, timeout_s: float | None = None) -> wpb.WorkerStepResponse:
+        return self._call(self._stub.Step, request, mutation=False, request_id=None, timeout_s=timeout_s)
+
+    def get_info(self, *, timeout_s: float | None = None) -> wpb.WorkerInfo:
+        return self._call(self._stub.GetWorkerInfo, wpb.GetWorkerInfoRequest(), mutation=False,
+                          request_id=None, timeout_s=timeout_s)
