@@ -30,12 +30,19 @@ _HOST_REGISTER_PORTABLE = 1
 
 
 def _cupy() -> Any:
+    """CuPy, or the ctypes stand-in below when CuPy is not installed (e.g. a bare GPU image)."""
     try:
         import cupy  # noqa: PLC0415 - lazy on purpose
     except ImportError as e:  # pragma: no cover - depends on the machine
-        raise RuntimeError(
-            "the CUDA backend needs CuPy: pip install 'pagedkv[gpu]' (cupy-cuda12x)"
-        ) from e
+        from worker_svc import cudart_fallback
+
+        try:
+            return cudart_fallback.load()
+        except OSError as e2:
+            raise RuntimeError(
+                "the CUDA backend needs CuPy: pip install 'pagedkv[gpu]' (cupy-cuda12x)"
+                f" (and no libcudart for the fallback: {e2})"
+            ) from e
     return cupy
 
 

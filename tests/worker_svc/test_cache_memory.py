@@ -138,3 +138,18 @@ def test_cuda_ipc_round_trip_across_processes() -> None:  # pragma: no cover - G
     finally:
         cache.close()
     assert not _shm_exists(cache.descriptor.cpu.shm_name)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU failure mode")
+def test_cudart_fallback_fails_cleanly_without_a_gpu() -> None:
+    """Without CuPy the CUDA backend uses libcudart via ctypes; with no GPU it must raise, not crash."""
+    from worker_svc import cudart_fallback
+
+    try:
+        cp = cudart_fallback.load()
+    except OSError:
+        pytest.skip("no libcudart on this machine")
+    with pytest.raises(RuntimeError, match="cudaMalloc failed"):
+        cp.cuda.Memory(2 << 20)
+    with pytest.raises(RuntimeError, match="cudaIpcOpenMemHandle failed"):
+        cp.cuda.runtime.ipcOpenMemHandle(b"\0" * 64)
