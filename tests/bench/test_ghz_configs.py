@@ -1,0 +1,119 @@
+"""bench/ghz/*.json: valid ghz configs for the block manager, and a run order that leaves the pool empty.
+
+ghz cannot run here, so the test (1) checks the keys ghz reads (runner.Config's JSON names), (2)
+checks every call exists in the service descriptor and every data field in its input message,
+and (3) replays the documented order Allocate -> Append -> Fork -> Step -> Free against an
+in-process block manager, rendering the templates the way ghz does for the subset used
+(`.RequestNumber`, sprig's `mod` and `add`) with fewer calls, and checks that every call
+succeeds and the pool ends where it started.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from google.protobuf import json_format
+
+from block_manager_svc.server import start_server
+from block_manager_svc.settings import BlockManagerSettings
+from frontend.client import BlockManagerClient
+from pagedkv.v1 import block_manager_pb2 as pb
+
+GHZ = Path(__file__).resolve().parents[2] / "bench" / "ghz"
+ORDER = ["allocate", "append", "fork", "step", "free"]
+# JSON names of ghz's runner.Config (github.com/bojand/ghz/runner/config.go).
+GHZ_KEYS = {
+    "proto", "protoset", "call", "cacert", "cert", "key", "skipTLS", "skipFirst", "cname", "authority",
+    "insecure", "total", "async", "concurrency", "concurrency-schedule", "concurrency-start",
+    "concurrency-end", "concurrency-step", "concurrency-step-duration", "concurrency-max-duration",
+    "connections", "rps", "duration", "duration-stop", "max-duration", "timeout", "data", "data-file",
+    "binary-file", "metadata", "metadata-file", "stream-interval", "output", "format", "connect-timeout",
+    "keepalive", "cpus", "import-paths", "name", "tags", "reflect-metadata", "debug", "host",
+    "enable-compression", "load-schedule", "load-start", "load-end", "load-step", "load-step-duration",
+    "load-max-duration",
+}
+SERVICE = pb.DESCRIPTOR.services_by_name["BlockManager"]
+TEMPLATE = re.compile(r"\{\{(.*?)\}\}")
+
+
+def configs() -> dict[str, dict[str, Any]]:
+    return {name: json.loads((GHZ / f"{name}.json").read_text()) for name in ORDER}
+
+
+def render(value: Any, n: int) -> Any:
+    """ghz evaluates Go templates in the data per call; this handles the expressions we use."""
+    if isinstance(value, dict):
+        return {k: render(v, n) for k, v in value.items()}
+    if isinstance(value, list):
+        return [render(v, n) for v in value]
+    if not isinstance(value, str):
+        return value
+
+    def expr(m: re.Match[str]) -> str:
+        e = m.group(1).strip()
+        if mm := re.fullmatch(r"mod \.RequestNumber (\d+)", e):
+            return str(n % int(mm.group(1)))
+        if mm := re.fullmatch(r"add (\d+) \(mod \.RequestNumber (\d+)\)", e):
+            return str(int(mm.group(1)) + n % int(mm.group(2)))
+        raise AssertionError(f"template expression not understood by this test: {e!r}")
+
+    return TEMPLATE.sub(expr, value)
+
+
+def test_every_config_has_the_keys_ghz_needs() -> None:
+    assert sorted(p.stem for p in GHZ.glob("*.json")) == sorted(ORDER)
+    for name, cfg in configs().items():
+        assert set(cfg) <= GHZ_KEYS, (name, set(cfg) - GHZ_KEYS)
+        assert {"call", "host", "insecure", "concurrency", "data"} <= set(cfg), name
+        assert "total" in cfg or "duration" in cfg, name  # bounded
+        assert "proto" not in cfg and "protoset" not in cfg, name  # server reflection
+        assert cfg["insecure"] is True
+        assert cfg["host"].startswith("127.0.0.1:"), name  # loopback only in shipped examples
+        assert isinstance(cfg["total"], int) and cfg["concurrency"] <= cfg["total"]
+        assert cfg["data"].keys() and cfg["timeout"].endswith("s")
+
+
+def test_calls_and_fields_exist_in_the_service() -> None:
+    for name, cfg in configs().items():
+        service, _, method = cfg["call"].partition("/")
+        assert service == SERVICE.full_name, name
+        assert method in SERVICE.methods_by_name, name
+        input_type = SERVICE.methods_by_name[method].input_type
+        for field in cfg["data"]:
+            assert field in input_type.fields_by_name, (name, field)
+        # the rendered data parses as the input message (ghz uses protojson the same way)
+        json_format.ParseDict(render(cfg["data"], 7), getattr(pb, input_type.name)())
+
+
+def test_documented_order_runs_clean_and_restores_the_pool() -> None:
+    running = start_server(BlockManagerSettings(port=0, num_gpu_blocks=32768, log_level="warning"))
+    limits = {"append": 1000, "step": 20}  # fewer calls than the configs, same id patterns
+    try:
+        with BlockManagerClient(f"127.0.0.1:{running.port}") as bm:
+            stub = bm._stub
+            for name, cfg in configs().items():
+                method = getattr(stub, cfg["call"].rsplit("/", 1)[1])
+                input_cls = getattr(pb, SERVICE.methods_by_name[cfg["call"].rsplit("/", 1)[1]].input_type.name)
+                for n in range(min(cfg["total"], limits.get(name, cfg["total"]))):
+                    resp = method(json_format.ParseDict(render(cfg["data"], n), input_cls()), timeout=5)
+                    if name == "step":
+                        assert not resp.errors, resp.errors[0]
+            stats = bm.get_stats()
+            assert stats.num_sequences == 0 and stats.num_used_blocks == 0
+    finally:
+        running.stop(None)
+
+
+@pytest.mark.parametrize("start", [0, 1])
+def test_id_coverage_does_not_depend_on_where_request_numbers_start(start: int) -> None:
+    cfg = configs()
+    allocated = {render(cfg["allocate"]["data"], n)["seq_id"] for n in range(start, start + cfg["allocate"]["total"])}
+    children = {render(cfg["fork"]["data"], n)["child_seq_id"] for n in range(start, start + cfg["fork"]["total"])}
+    freed = {render(cfg["free"]["data"], n)["seq_id"] for n in range(start, start + cfg["free"]["total"])}
+    assert len(allocated) == 512 and len(children) == 512 and not allocated & children
+    assert freed == allocated | children
+    assert set(cfg["step"]["data"]["append_seq_ids"]) <= allocated
