@@ -12,7 +12,7 @@
 # Extending (worker team): add a section with `run_section NAME TIMEOUT_S command...` below; its
 # output goes to $OUT/NAME.txt and its status into the table.
 #
-# Knobs (env): PYTEST_TIMEOUT_S (150), BENCH_TIMEOUT_S (180), BENCH_BUDGET_S (120: the bench stops
+# Knobs (env): PYTEST_TIMEOUT_S (150), BENCH_TIMEOUT_S (180), WORKER_TIMEOUT_S (120), BENCH_BUDGET_S (120: the bench stops
 # starting new cases after it), BENCH_ARGS (extra kernel_bench.py args), PAGEDKV_PYDEPS (a folder
 # with pure-Python test deps, e.g. `pip install --target .gpu_pydeps pytest`, put on PYTHONPATH when
 # the machine lacks pytest).
@@ -63,6 +63,9 @@ fi
 # shellcheck disable=SC2086
 run_section bench "${BENCH_TIMEOUT_S:-180}" "$PY" bench/kernel_bench.py --out "$OUT" \
   --time-budget "${BENCH_BUDGET_S:-120}" ${BENCH_ARGS:-}
+
+# --- section: worker over CUDA IPC (cache host + two workers as processes) + decode throughput ------
+run_section worker "${WORKER_TIMEOUT_S:-120}" "$PY" bench/gpu_worker_check.py --out "$OUT"
 
 # --- summary (printed last) -----------------------------------------------------------------------
 {
