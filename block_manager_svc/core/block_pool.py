@@ -9,6 +9,12 @@ per block touched; nothing here scans the pool.
 
 Callers check room with `num_available` before mutating, which is how every
 operation above this stays all-or-nothing: allocation never fails halfway.
+
+The index is a tree: each registered block remembers its parent's hash, and
+`child_count[h]` counts registered blocks whose parent hash is h. A cached
+block with no registered child is a leaf; the eviction policy is told when a
+cached block gains its first or loses its last child, so it can take leaves
+first and never leave a hole in a cached chain.
 """
 
 from __future__ import annotations
@@ -17,7 +23,18 @@ from block_manager_svc.core.eviction import EvictionPolicy
 
 
 class BlockPool:
-    __slots__ = ("num_blocks", "ref_counts", "free_list", "block_hash", "index", "evictable", "num_evicted")
+    __slots__ = (
+        "num_blocks",
+        "ref_counts",
+        "free_list",
+        "block_hash",
+        "parent_hash",
+        "depth",
+        "child_count",
+        "index",
+        "evictable",
+        "num_evicted",
+    )
 
     def __init__(self, num_blocks: int, evictable: EvictionPolicy) -> None:
         if num_blocks < 1:
@@ -28,9 +45,17 @@ class BlockPool:
         self.free_list: list[int] = list(range(num_blocks - 1, -1, -1))
         # The registered content hash of each block (None when not in the index).
         self.block_hash: list[bytes | None] = [None] * num_blocks
+        # For registered blocks: the parent's hash and the depth in the chain (1 = first block).
+        self.parent_hash: list[bytes | None] = [None] * num_blocks
+        self.depth: list[int] = [0] * num_blocks
+        # Parent hash -> registered blocks hashing on top of it (entries > 0 only).
+        self.child_count: dict[bytes, int] = {}
         # Prefix-cache index: content hash -> the block holding that content.
         self.index: dict[bytes, int] = {}
         self.evictable = evictable
+        bind = getattr(evictable, "bind", None)
+        if bind is not None:
+            bind(self.block_hash, self.child_count)
         self.num_evicted = 0
 
     # --- capacity -------------------------------------------------------------
@@ -71,6 +96,17 @@ class BlockPool:
             if self.index.get(h) == block:
                 del self.index[h]
             self.block_hash[block] = None
+            parent = self.parent_hash[block]
+            self.parent_hash[block] = None
+            if parent is not None:
+                left = self.child_count[parent] - 1
+                if left:
+                    self.child_count[parent] = left
+                else:
+                    del self.child_count[parent]
+                    p = self.index.get(parent)
+                    if p is not None and self.ref_counts[p] == 0:
+                        self.evictable.set_leaf(p, True)
         self.num_evicted += 1
         return block
 
@@ -81,22 +117,30 @@ class BlockPool:
             self.evictable.remove(block)
         self.ref_counts[block] += 1
 
+    def hit(self, block: int) -> None:
+        """A prefix-cache hit: a reference plus a use the eviction policy counts."""
+        self.evictable.touch(block)
+        self.incref(block)
+
     def decref(self, block: int) -> bool:
         """Drop a reference; True when the block became unreferenced."""
         ref = self.ref_counts[block] - 1
         self.ref_counts[block] = ref
         if ref:
             return False
-        if self.block_hash[block] is None:
+        h = self.block_hash[block]
+        if h is None:
             self.free_list.append(block)
         else:
-            self.evictable.add(block)
+            self.evictable.add(block, h not in self.child_count, self.depth[block])
         return True
 
     # --- prefix index ---------------------------------------------------------
-    def register(self, block: int, content_hash: bytes) -> bool:
-        """Make a full block findable by its content hash.
+    def register(self, block: int, content_hash: bytes, parent: bytes | None = None, depth: int = 1) -> bool:
+        """Make a full (referenced) block findable by its content hash.
 
+        `parent` is the hash of the chain's previous block (the root hash for
+        a first block), `depth` the block's position in the chain (1-based).
         First writer wins: when another block already holds the same content,
         this one stays unregistered (it is freed, not cached, when released).
         """
@@ -104,7 +148,45 @@ class BlockPool:
             return False
         self.index[content_hash] = block
         self.block_hash[block] = content_hash
+        self.depth[block] = depth
+        if parent is not None:
+            self.parent_hash[block] = parent
+            count = self.child_count.get(parent, 0)
+            self.child_count[parent] = count + 1
+            if not count:
+                p = self.index.get(parent)
+                if p is not None and self.ref_counts[p] == 0:
+                    self.evictable.set_leaf(p, False)
         return True
+
+    def register_chain(
+        self, blocks: list[int], hashes: list[bytes], parent: bytes | None, depth: int, parent_held: bool
+    ) -> None:
+        """`register` for consecutive blocks of one chain: blocks[i] under
+        hashes[i], the first one's parent hash `parent` at depth `depth`.
+        `parent_held`: the parent's block is referenced by the caller (so it
+        cannot be a cached block changing leaf state). One call, locals only:
+        this runs for every prompt block."""
+        index, block_hash, parent_hash = self.index, self.block_hash, self.parent_hash
+        depths, child_count, ref_counts = self.depth, self.child_count, self.ref_counts
+        for block, h in zip(blocks, hashes):
+            if block_hash[block] is None and h not in index:
+                index[h] = block
+                block_hash[block] = h
+                depths[block] = depth
+                if parent is not None:
+                    parent_hash[block] = parent
+                    count = child_count.get(parent, 0)
+                    child_count[parent] = count + 1
+                    if not count and not parent_held:
+                        p = index.get(parent)
+                        if p is not None and ref_counts[p] == 0:
+                            self.evictable.set_leaf(p, False)
+                parent_held = True
+            else:
+                parent_held = False
+            parent = h
+            depth += 1
 
     def lookup(self, content_hash: bytes) -> int | None:
         return self.index.get(content_hash)

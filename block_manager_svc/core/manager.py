@@ -13,14 +13,27 @@ from collections.abc import Sequence as SequenceT
 from dataclasses import dataclass
 
 from block_manager_svc.core.block_pool import BlockPool
+from block_manager_svc.core.cpu_pool import CpuPool
 from block_manager_svc.core.errors import (
     AlreadyExists,
     CoreError,
+    FailedPrecondition,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
 )
-from block_manager_svc.core.eviction import make_eviction_policy
+from block_manager_svc.core.eviction import DEFAULT_MISS_COST_TOKENS, POLICIES, make_eviction_policy
+from block_manager_svc.core.preemption import VictimQueue
+from block_manager_svc.core.swap_planner import (
+    DEFAULT_HOST_LINK_BYTES_PER_S,
+    DEFAULT_KV_BYTES_PER_BLOCK,
+    DEFAULT_PREFILL_TOKENS_PER_S,
+    MODES,
+    CostModel,
+    PreemptionMode,
+    SwapDecision,
+    decide,
+)
 from array import array
 
 from block_manager_svc.core.prefix_cache import ROOT_HASH, chain_hash, chain_hashes, encode_tokens
@@ -30,8 +43,10 @@ from block_manager_svc.core.results import (
     BlockTable,
     CacheOps,
     ItemError,
+    Preemption,
     Stats,
     StepResult,
+    SwapInResult,
 )
 from block_manager_svc.core.sequence import Sequence
 
@@ -46,6 +61,19 @@ class CoreConfig:
     num_cpu_blocks: int = 0
     eviction_policy: str = "lru"
     enable_prefix_caching: bool = True
+    # Memory policies (docs/policies.md). "off" = a sequence that cannot grow
+    # gets RESOURCE_EXHAUSTED and nothing is preempted (the core's default;
+    # the service defaults to "auto").
+    preemption_mode: str = "off"
+    # Free + evictable blocks Allocate and SwapIn must leave untouched, so that
+    # admitting new work does not immediately force preemption of running work.
+    watermark_blocks: int = 0
+    # The swap-or-recompute cost model (core/swap_planner.py).
+    kv_bytes_per_block: int = DEFAULT_KV_BYTES_PER_BLOCK
+    host_link_bytes_per_s: float = DEFAULT_HOST_LINK_BYTES_PER_S
+    prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S
+    # lru-size only: the fixed cost of a prefix miss, in tokens (core/eviction.py).
+    miss_cost_tokens: float = DEFAULT_MISS_COST_TOKENS
 
     def __post_init__(self) -> None:
         if self.num_gpu_blocks < 1:
@@ -54,6 +82,17 @@ class CoreConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_cpu_blocks < 0:
             raise ValueError(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks}")
+        if self.eviction_policy not in POLICIES:
+            raise ValueError(f"eviction_policy must be one of {POLICIES}, got {self.eviction_policy!r}")
+        if self.preemption_mode not in MODES:
+            raise ValueError(f"preemption_mode must be one of {MODES}, got {self.preemption_mode!r}")
+        if not 0 <= self.watermark_blocks < self.num_gpu_blocks:
+            raise ValueError(
+                f"watermark_blocks must be in [0, num_gpu_blocks), got {self.watermark_blocks}"
+            )
+        if self.miss_cost_tokens < 0:
+            raise ValueError(f"miss_cost_tokens must be >= 0, got {self.miss_cost_tokens}")
+        CostModel(self.kv_bytes_per_block, self.host_link_bytes_per_s, self.prefill_tokens_per_s)
 
 
 def _check_seq_id(seq_id: str, what: str = "seq_id") -> None:
@@ -75,33 +114,105 @@ def _encode_token_ids(token_ids: SequenceT[int], num_tokens: int, what: str = "t
         raise InvalidArgument(f"{what} must be integers in [0, 2**32): {e}") from None
 
 
+class _StepScope:
+    """Which fork groups already grew earlier in this step (never preempted).
+
+    Built only when a step first needs to preempt: O(step size) once."""
+
+    __slots__ = ("seqs", "appends", "packed_ids", "ids", "upto", "groups")
+
+    def __init__(
+        self,
+        seqs: dict[str, Sequence],
+        appends: SequenceT[tuple[str, int, SequenceT[int] | None]],
+        packed_ids: SequenceT[str],
+    ) -> None:
+        self.seqs = seqs
+        self.appends = appends
+        self.packed_ids = packed_ids
+        self.ids: list[str] | None = None
+        self.upto = 0
+        self.groups: set[int] = set()
+
+    def grown_groups(self, pos: int) -> set[int]:
+        """Groups of the items before global position `pos` (sub-message items first)."""
+        if self.ids is None:
+            self.ids = [a[0] for a in self.appends] + list(self.packed_ids)
+        ids, seqs, groups = self.ids, self.seqs, self.groups
+        while self.upto < pos:
+            seq = seqs.get(ids[self.upto])
+            if seq is not None:
+                groups.add(seq.group)
+            self.upto += 1
+        return groups
+
+
+@dataclass(slots=True)
+class _PreemptionPlan:
+    """Victim groups, in order, with the decision for each (nothing applied yet)."""
+
+    victims: list[tuple[list[str], SwapDecision, int]]  # (members, decision, distinct GPU blocks)
+
+
 class BlockManager:
-    """Owns block tables, reference counts and the prefix-cache index."""
+    """Owns block tables, reference counts, the prefix-cache index, the CPU
+    swap pool and the preemption order."""
 
     def __init__(self, config: CoreConfig) -> None:
         self.config = config
         self.block_size = config.block_size
-        self.pool = BlockPool(config.num_gpu_blocks, make_eviction_policy(config.eviction_policy))
-        self.seqs: dict[str, Sequence] = {}
+        self.pool = BlockPool(
+            config.num_gpu_blocks,
+            make_eviction_policy(
+                config.eviction_policy, config.num_gpu_blocks, config.block_size, config.miss_cost_tokens
+            ),
+        )
+        self.cpu = CpuPool(config.num_cpu_blocks)
+        self.cost_model = CostModel(
+            config.kv_bytes_per_block, config.host_link_bytes_per_s, config.prefill_tokens_per_s
+        )
+        self.seqs: dict[str, Sequence] = {}  # running: blocks on the GPU
+        self.swapped: dict[str, Sequence] = {}  # preempted by swap: blocks in the CPU pool
+        self.victims = VictimQueue()  # running sequences in preemption order (when enabled)
+        self.groups: dict[int, set[str]] = {}  # fork groups of two or more
+        self._preempt_on = config.preemption_mode != "off"
+        self._watermark = config.watermark_blocks
+        self._recently_preempted: dict[str, str] = {}  # by the current call, for messages
         self._arrivals = 0
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self.num_cow_copies = 0
+        self.num_preemptions_swap = 0
+        self.num_preemptions_recompute = 0
+        self.num_swapped_out_blocks = 0
+        self.num_swapped_in_blocks = 0
+        self.preemption_cost_s = 0.0
 
     # --- helpers ------------------------------------------------------------
     def _get(self, seq_id: str) -> Sequence:
         seq = self.seqs.get(seq_id)
         if seq is None:
             _check_seq_id(seq_id)
+            if seq_id in self.swapped:
+                raise FailedPrecondition(
+                    f"sequence {seq_id!r} is swapped out to the CPU pool; SwapIn it before growing it"
+                )
+            how = self._recently_preempted.get(seq_id)
+            if how is not None:
+                raise NotFound(
+                    f"sequence {seq_id!r} does not exist: it was preempted for {how} earlier in this "
+                    f"call; re-Allocate it to continue"
+                )
             raise NotFound(f"sequence {seq_id!r} does not exist")
         return seq
 
-    def _exhausted(self, what: str, needed: int, available: int) -> ResourceExhausted:
+    def _exhausted(self, what: str, needed: int, available: int, reserve: int = 0) -> ResourceExhausted:
         pool = self.pool
+        extra = f", {reserve} held back by the admission watermark" if reserve else ""
         return ResourceExhausted(
             f"{what} needs {needed} blocks but only {available} are available "
             f"({pool.num_free} free, {pool.num_cached} cached evictable, "
-            f"{pool.num_blocks} total)"
+            f"{pool.num_blocks} total{extra})"
         )
 
     def _blocks_for(self, num_tokens: int) -> int:
@@ -122,7 +233,7 @@ class BlockManager:
         and writing KV into a block other sequences read would race.
         """
         _check_seq_id(seq_id)
-        if seq_id in self.seqs:
+        if seq_id in self.seqs or seq_id in self.swapped:
             raise AlreadyExists(f"sequence {seq_id!r} already exists")
         if num_tokens < 1:
             raise InvalidArgument("num_tokens must be at least 1")
@@ -153,16 +264,19 @@ class BlockManager:
         ref_counts = pool.ref_counts
         hits_from_cache = sum(1 for b in hits if ref_counts[b] == 0)
         needed = total_blocks - len(hits)
-        available = pool.num_available - hits_from_cache
+        available = pool.num_available - hits_from_cache - self._watermark
         if needed > available:
-            raise self._exhausted(f"allocating {num_tokens} tokens for {seq_id!r}", needed, available)
+            raise self._exhausted(
+                f"allocating {num_tokens} tokens for {seq_id!r}", needed, max(available, 0), self._watermark
+            )
 
         # Commit: nothing below can fail.
         for b in hits:
-            pool.incref(b)
+            pool.hit(b)
         block_ids = hits + pool.take(needed)
-        for i in range(len(hits), len(hashes)):
-            pool.register(block_ids[i], hashes[i])
+        nh = len(hits)
+        if nh < len(hashes):
+            pool.register_chain(block_ids[nh:], hashes[nh:], hashes[nh - 1] if nh else None, nh + 1, True)
         pending: array | None = None
         if tokens is not None:
             self.prefix_query_tokens += num_tokens
@@ -184,12 +298,20 @@ class BlockManager:
             num_hashed_blocks=num_hashed,
             priority=priority,
             arrival=self._arrivals,
+            group=self._arrivals,
         )
+        if self._preempt_on:
+            self.victims.push(seq_id, priority, self._arrivals)
         return AllocateResult(block_ids=list(block_ids), num_cached_tokens=len(hits) * bs)
 
     # --- Append -------------------------------------------------------------
-    def _plan_append(self, seq: Sequence, num_tokens: int) -> tuple[bool, int]:
-        """(copy_on_write, blocks needed) for growing `seq`; raises if it cannot."""
+    def _plan_append(
+        self, seq: Sequence, num_tokens: int, scope: _StepScope | None = None, pos: int = 0
+    ) -> tuple[bool, int, _PreemptionPlan | None]:
+        """(copy_on_write, blocks needed, preemptions) for growing `seq`; raises if it cannot.
+
+        When the pool is short and preemption is enabled, the plan names the
+        victims whose release makes room; nothing is applied yet."""
         if num_tokens < 1:
             raise InvalidArgument("num_tokens must be at least 1")
         bs = self.block_size
@@ -203,11 +325,15 @@ class BlockManager:
             )
         cow = cur % bs != 0 and pool.ref_counts[seq.block_ids[-1]] > 1
         needed = after - len(seq.block_ids) + cow
-        if needed > pool.num_available:
-            raise self._exhausted(
-                f"appending {num_tokens} tokens to {seq.seq_id!r}", needed, pool.num_available
-            )
-        return cow, needed
+        available = pool.num_available
+        if needed <= available:
+            return cow, needed, None
+        if self._preempt_on:
+            grown = scope.grown_groups(pos) if scope is not None else None
+            plan = self._plan_preemption(seq, needed - available, grown)
+            if plan is not None:
+                return cow, needed, plan
+        raise self._exhausted(f"appending {num_tokens} tokens to {seq.seq_id!r}", needed, available)
 
     def _apply_append(
         self, seq: Sequence, num_tokens: int, token_ids: array | None, cow: bool, needed: int
@@ -245,9 +371,11 @@ class BlockManager:
         h = seq.last_hash
         i = 0
         while len(pending) - i >= bs:
+            parent = h
             h = chain_hash(h, pending[i : i + bs])
-            pool.register(seq.block_ids[seq.num_hashed_blocks], h)
-            seq.num_hashed_blocks += 1
+            depth = seq.num_hashed_blocks + 1
+            pool.register(seq.block_ids[depth - 1], h, parent if depth > 1 else None, depth)
+            seq.num_hashed_blocks = depth
             i += bs
         seq.last_hash = h
         del pending[:i]
@@ -255,15 +383,36 @@ class BlockManager:
     def append(
         self, seq_id: str, num_tokens: int, token_ids: SequenceT[int] | None = None
     ) -> AppendResult:
-        """Room for `num_tokens` more tokens; copy-on-write if the tail is shared."""
+        """Room for `num_tokens` more tokens; copy-on-write if the tail is shared.
+
+        With preemption enabled, a sequence that cannot grow preempts
+        lower-ranked sequences (see `_plan_preemption`); they are listed in the
+        result and their swap_out ops come first in `ops`."""
+        if self._recently_preempted:
+            self._recently_preempted.clear()
+        return self._append(seq_id, num_tokens, token_ids)
+
+    def _append(
+        self,
+        seq_id: str,
+        num_tokens: int,
+        token_ids: SequenceT[int] | None,
+        scope: _StepScope | None = None,
+        pos: int = 0,
+    ) -> AppendResult:
         seq = self._get(seq_id)
         tokens = None
         if token_ids is not None and len(token_ids) > 0:
             tokens = _encode_token_ids(token_ids, num_tokens)
-        cow, needed = self._plan_append(seq, num_tokens)
+        cow, needed, plan = self._plan_append(seq, num_tokens, scope, pos)
+        ops = CacheOps()
+        preempted = self._apply_preemption(plan, ops) if plan is not None else []
         new_blocks, copy = self._apply_append(seq, num_tokens, tokens, cow, needed)
-        ops = CacheOps(copies=[copy] if copy else [])
-        return AppendResult(new_block_ids=new_blocks, ops=ops, replaced_last_block=copy is not None)
+        if copy:
+            ops.copies.append(copy)
+        return AppendResult(
+            new_block_ids=new_blocks, ops=ops, replaced_last_block=copy is not None, preempted=preempted
+        )
 
     # --- Fork / Free --------------------------------------------------------
     def fork(self, parent_seq_id: str, child_seq_id: str) -> list[int]:
@@ -272,8 +421,12 @@ class BlockManager:
         parent = self.seqs.get(parent_seq_id)
         if parent is None:
             _check_seq_id(parent_seq_id, "parent_seq_id")
+            if parent_seq_id in self.swapped:
+                raise FailedPrecondition(
+                    f"parent sequence {parent_seq_id!r} is swapped out; SwapIn it before forking it"
+                )
             raise NotFound(f"parent sequence {parent_seq_id!r} does not exist")
-        if child_seq_id in self.seqs:
+        if child_seq_id in self.seqs or child_seq_id in self.swapped:
             raise AlreadyExists(f"sequence {child_seq_id!r} already exists")
         for b in parent.block_ids:
             self.pool.incref(b)
@@ -287,7 +440,15 @@ class BlockManager:
             num_hashed_blocks=parent.num_hashed_blocks,
             priority=parent.priority,
             arrival=self._arrivals,
+            group=parent.group,
         )
+        members = self.groups.get(parent.group)
+        if members is None:
+            self.groups[parent.group] = {parent_seq_id, child_seq_id}
+        else:
+            members.add(child_seq_id)
+        if self._preempt_on:
+            self.victims.push(child_seq_id, parent.priority, self._arrivals)
         return list(parent.block_ids)
 
     def free(self, seq_id: str) -> int:
@@ -296,13 +457,39 @@ class BlockManager:
         Tail first, so that under LRU a chain's deepest blocks are the oldest
         and are evicted before their parents.
         """
-        seq = self._get(seq_id)
-        del self.seqs[seq_id]
+        seq = self.seqs.pop(seq_id, None)
+        if seq is None:
+            seq = self.swapped.pop(seq_id, None)
+            if seq is None:
+                _check_seq_id(seq_id)
+                raise NotFound(f"sequence {seq_id!r} does not exist")
+            self._leave_group(seq)
+            cpu_decref = self.cpu.decref
+            for c in seq.cpu_block_ids or ():
+                cpu_decref(c)
+            return 0  # no GPU block: it held CPU blocks only
+        if self._preempt_on:
+            self.victims.discard(seq_id)
+        if seq.group in self.groups:
+            self._leave_group(seq)
         decref = self.pool.decref
         return sum(1 for b in reversed(seq.block_ids) if decref(b))
 
+    def _leave_group(self, seq: Sequence) -> None:
+        members = self.groups.get(seq.group)
+        if members is not None:
+            members.discard(seq.seq_id)
+            if len(members) < 2:
+                del self.groups[seq.group]
+
     # --- queries ------------------------------------------------------------
     def block_table(self, seq_id: str) -> BlockTable:
+        swapped = self.swapped.get(seq_id)
+        if swapped is not None:
+            return BlockTable(
+                block_ids=[], num_tokens=swapped.num_tokens, swapped=True,
+                cpu_block_ids=list(swapped.cpu_block_ids or ()),
+            )
         seq = self._get(seq_id)
         return BlockTable(block_ids=list(seq.block_ids), num_tokens=seq.num_tokens)
 
@@ -315,12 +502,20 @@ class BlockManager:
             num_free_blocks=free,
             num_cached_blocks=cached,
             num_used_blocks=pool.num_blocks - free - cached,
-            num_sequences=len(self.seqs),
+            num_sequences=len(self.seqs) + len(self.swapped),
             num_hashed_blocks=len(pool.index),
             prefix_query_tokens=self.prefix_query_tokens,
             prefix_hit_tokens=self.prefix_hit_tokens,
             num_evicted_blocks=pool.num_evicted,
             num_cow_copies=self.num_cow_copies,
+            num_cpu_blocks=self.cpu.num_blocks,
+            num_free_cpu_blocks=self.cpu.num_free,
+            num_swapped_sequences=len(self.swapped),
+            num_preemptions_swap=self.num_preemptions_swap,
+            num_preemptions_recompute=self.num_preemptions_recompute,
+            num_swapped_out_blocks=self.num_swapped_out_blocks,
+            num_swapped_in_blocks=self.num_swapped_in_blocks,
+            preemption_cost_s=self.preemption_cost_s,
         )
 
     # --- Step ---------------------------------------------------------------
@@ -331,9 +526,17 @@ class BlockManager:
         append_token_ids: SequenceT[int] | None = None,
         free_seq_ids: SequenceT[str] = (),
         appends: SequenceT[tuple[str, int, SequenceT[int] | None]] = (),
+        swap_in_seq_ids: SequenceT[str] = (),
     ) -> StepResult:
         """One scheduler step: frees first (they make room), then `appends`,
-        then the packed appends.
+        then the packed appends, then the swap-ins.
+
+        With preemption enabled, an append that does not fit preempts
+        lower-ranked sequences that have not grown earlier in this step (a
+        sequence that already received blocks or copies in this reply is never
+        swapped out under them); a victim's own later item in the same step
+        then fails (NOT_FOUND or FAILED_PRECONDITION). Swap-ins come last and
+        never preempt: they succeed when room above the watermark exists.
 
         Items are independent and each is atomic: a rejected item is reported
         in the result and changes nothing, the others still apply. Packed
@@ -362,6 +565,9 @@ class BlockManager:
                 )
             append_token_ids = _encode_token_ids(append_token_ids, expected, "append_token_ids")
 
+        if self._recently_preempted:
+            self._recently_preempted.clear()
+        scope = _StepScope(self.seqs, appends, append_seq_ids) if self._preempt_on else None
         released = result.released
         for j, seq_id in enumerate(free_seq_ids):
             try:
@@ -373,10 +579,14 @@ class BlockManager:
         item_results = result.item_results
         for j, (seq_id, k, token_ids) in enumerate(appends):
             try:
-                item_results.append(self.append(seq_id, k, token_ids))
+                item = self._append(seq_id, k, token_ids, scope, j)
             except CoreError as e:
                 item_results.append(None)
                 result.item_errors.append(ItemError(j, seq_id, e.code, e.message))
+            else:
+                item_results.append(item)
+                if item.preempted:
+                    result.preempted.extend(item.preempted)
 
         seqs = self.seqs
         bs = self.block_size
@@ -407,20 +617,36 @@ class BlockManager:
                 k = append_num_tokens[i]
                 tokens = None if append_token_ids is None else append_token_ids[offset : offset + k]
                 offset += k
-            self._step_append_slow(result, i, seq_id, seq, k, tokens)
+            self._step_append_slow(result, i, seq_id, seq, k, tokens, scope, len(appends) + i)
+        for j, seq_id in enumerate(swap_in_seq_ids):
+            try:
+                result.swap_in_results.append(self.swap_in(seq_id))
+            except CoreError as e:
+                result.swap_in_results.append(None)
+                result.swap_in_errors.append(ItemError(j, seq_id, e.code, e.message))
         return result
 
     def _step_append_slow(
-        self, result: StepResult, i: int, seq_id: str, seq: Sequence | None, k: int, tokens: array | None
+        self,
+        result: StepResult,
+        i: int,
+        seq_id: str,
+        seq: Sequence | None,
+        k: int,
+        tokens: array | None,
+        scope: _StepScope | None = None,
+        pos: int = 0,
     ) -> None:
         try:
             if seq is None:
                 self._get(seq_id)  # raises the precise error
                 raise AssertionError("unreachable")
-            cow, needed = self._plan_append(seq, k)
+            cow, needed, plan = self._plan_append(seq, k, scope, pos)
         except CoreError as e:
             result.append_errors.append(ItemError(i, seq_id, e.code, e.message))
             return
+        if plan is not None:
+            result.preempted.extend(self._apply_preemption(plan, result.ops))
         blocks, copy = self._apply_append(seq, k, tokens, cow, needed)
         if copy is not None:
             result.ops.copies.append(copy)
@@ -429,6 +655,204 @@ class BlockManager:
             result.new_block_index.append(i)
             result.new_block_ids.append(b)
 
+    # --- Preemption ---------------------------------------------------------
+    def _group_of(self, seq: Sequence) -> list[str]:
+        members = self.groups.get(seq.group)
+        return sorted(members) if members is not None else [seq.seq_id]
+
+    def _price_group(
+        self, members: list[str], drop: dict[int, int], mode: str, cpu_free: int
+    ) -> tuple[SwapDecision, int, int]:
+        """(decision, distinct GPU blocks, blocks freed) for preempting one group,
+        given the references already dropped by earlier victims in `drop`."""
+        seqs, ref_counts = self.seqs, self.pool.ref_counts
+        distinct: set[int] = set()
+        freed = 0
+        for m in members:
+            for b in seqs[m].block_ids:
+                d = drop.get(b, 0) + 1
+                drop[b] = d
+                if d == ref_counts[b]:
+                    freed += 1
+                distinct.add(b)
+        # Tokens the re-prefill cannot get from the prefix cache: everything but
+        # the leading hashed blocks that other (non-victim) sequences keep referenced.
+        bs, block_hash = self.block_size, self.pool.block_hash
+        recompute = 0
+        for m in members:
+            seq = seqs[m]
+            kept = 0
+            for b in seq.block_ids[: seq.num_hashed_blocks]:
+                if block_hash[b] is None or ref_counts[b] <= drop[b]:
+                    break
+                kept += 1
+            recompute += seq.num_tokens - kept * bs
+        decision = decide(mode, self.cost_model, len(distinct), recompute, cpu_free)
+        return decision, len(distinct), freed
+
+    def _plan_preemption(
+        self, grower: Sequence, shortfall: int, grown_groups: set[int] | None
+    ) -> _PreemptionPlan | None:
+        """Victims that free at least `shortfall` blocks, or None.
+
+        Candidates rank below the grower (lower priority, or the same priority
+        and a later arrival: vLLM's order), are not in its fork group and have
+        not grown earlier in this step; each candidate's whole fork group goes.
+        Pure: computes on the side, applies nothing."""
+        key = (grower.priority, -grower.arrival)
+        seqs = self.seqs
+        excluded = {grower.group}
+        if grown_groups:
+            excluded |= grown_groups
+        victims: list[tuple[list[str], SwapDecision, int]] = []
+        drop: dict[int, int] = {}
+        gain = 0
+        cpu_free = self.cpu.num_free
+        mode = self.config.preemption_mode
+        candidates = self.victims.candidates(lambda sid: True)
+        try:
+            for sid in candidates:
+                seq = seqs[sid]
+                if (seq.priority, -seq.arrival) >= key:
+                    break  # everyone after ranks above the grower
+                if seq.group in excluded:
+                    continue
+                excluded.add(seq.group)
+                members = self._group_of(seq)
+                decision, distinct, freed = self._price_group(members, drop, mode, cpu_free)
+                if decision.mode is PreemptionMode.SWAP:
+                    cpu_free -= distinct
+                victims.append((members, decision, distinct))
+                gain += freed
+                if gain >= shortfall:
+                    return _PreemptionPlan(victims)
+        finally:
+            candidates.close()
+        return None
+
+    def _apply_preemption(self, plan: _PreemptionPlan, ops: CacheOps) -> list[Preemption]:
+        out: list[Preemption] = []
+        for members, decision, distinct in plan.victims:
+            self.preemption_cost_s += decision.cost_s
+            share = decision.cost_s / len(members)
+            if decision.mode is PreemptionMode.SWAP:
+                out.extend(self._swap_out_group(members, ops, share))
+                self.num_swapped_out_blocks += distinct
+            else:
+                out.extend(self._drop_group(members, share))
+        return out
+
+    def _swap_out_group(self, members: list[str], ops: CacheOps, share: float) -> list[Preemption]:
+        """Copy the group's blocks to the CPU pool (one CPU block per distinct
+        GPU block, shared as on the GPU) and release the GPU blocks.
+
+        A released block is reusable in this same reply: workers run the
+        reply's swap_out ops before its copies, swap-ins and forward pass."""
+        cpu, pool = self.cpu, self.pool
+        memo: dict[int, int] = {}
+        out = []
+        for m in members:
+            seq = self.seqs.pop(m)
+            self.victims.discard(m)
+            cpu_ids = []
+            for b in seq.block_ids:
+                c = memo.get(b)
+                if c is None:
+                    c = memo[b] = cpu.take_one()
+                    ops.swap_out.append((b, c))
+                else:
+                    cpu.incref(c)
+                cpu_ids.append(c)
+            for b in reversed(seq.block_ids):
+                pool.decref(b)
+            out.append(Preemption(m, PreemptionMode.SWAP.value, seq.num_tokens, len(seq.block_ids), share))
+            seq.block_ids = []
+            seq.cpu_block_ids = cpu_ids
+            self.swapped[m] = seq
+            self._recently_preempted[m] = "swap"
+        self.num_preemptions_swap += len(members)
+        return out
+
+    def _drop_group(self, members: list[str], share: float) -> list[Preemption]:
+        """Release the group's blocks and forget it; full hashed blocks stay in
+        the prefix cache, so the frontend's re-prefill may hit them."""
+        out = []
+        for m in members:
+            seq = self.seqs[m]
+            self.free(m)
+            out.append(Preemption(m, PreemptionMode.RECOMPUTE.value, seq.num_tokens, len(seq.block_ids), share))
+            self._recently_preempted[m] = "recompute"
+        self.num_preemptions_recompute += len(members)
+        return out
+
+    def preempt(self, seq_id: str, mode: str | None = None) -> tuple[list[Preemption], CacheOps]:
+        """Preempt a running sequence and its fork group now, by the cost model.
+
+        For the frontend's own decisions (e.g. the growing sequence itself is
+        the lowest-ranked one and Append said RESOURCE_EXHAUSTED). `mode`
+        overrides the configured mode ("auto", "swap" or "recompute")."""
+        seq = self._get(seq_id)
+        mode = mode or self.config.preemption_mode
+        if mode == "off":
+            mode = "auto"
+        if mode not in MODES:
+            raise InvalidArgument(f"mode must be one of {MODES[:3]}, got {mode!r}")
+        self._recently_preempted.clear()
+        members = self._group_of(seq)
+        decision, distinct, _ = self._price_group(members, {}, mode, self.cpu.num_free)
+        ops = CacheOps()
+        return self._apply_preemption(_PreemptionPlan([(members, decision, distinct)]), ops), ops
+
+    def swap_in(self, seq_id: str) -> SwapInResult:
+        """Bring a swapped sequence, with the rest of its swapped fork group,
+        back to the GPU: new GPU blocks, swap_in ops cpu->gpu. Needs room above
+        the admission watermark; never preempts and never evicts past it."""
+        seq = self.swapped.get(seq_id)
+        if seq is None:
+            _check_seq_id(seq_id)
+            if seq_id in self.seqs:
+                raise FailedPrecondition(f"sequence {seq_id!r} is not swapped out (it is running)")
+            raise NotFound(f"sequence {seq_id!r} does not exist")
+        members = self._group_of(seq)
+        distinct: dict[int, None] = {}
+        for m in members:
+            for c in self.swapped[m].cpu_block_ids or ():
+                distinct[c] = None
+        pool = self.pool
+        available = pool.num_available - self._watermark
+        if len(distinct) > available:
+            raise self._exhausted(
+                f"swapping in {seq_id!r}" + (f" and its fork group ({len(members)} sequences)" if len(members) > 1 else ""),
+                len(distinct), max(available, 0), self._watermark,
+            )
+        ops = CacheOps()
+        memo: dict[int, int] = {}
+        for c in distinct:
+            g = memo[c] = pool.take_one()
+            ops.swap_in.append((c, g))
+        first = set(memo.values())
+        tables: dict[str, list[int]] = {}
+        cpu = self.cpu
+        for m in members:
+            s = self.swapped.pop(m)
+            blocks = []
+            for c in s.cpu_block_ids or ():
+                g = memo[c]
+                if g in first:
+                    first.discard(g)  # take_one already counted this reference
+                else:
+                    pool.incref(g)
+                blocks.append(g)
+                cpu.decref(c)
+            s.block_ids = blocks
+            s.cpu_block_ids = None
+            self.seqs[m] = s
+            if self._preempt_on:
+                self.victims.push(m, s.priority, s.arrival)
+            tables[m] = list(blocks)
+        self.num_swapped_in_blocks += len(distinct)
+        return SwapInResult(seq_id=seq_id, block_ids=list(tables[seq_id]), ops=ops, tables=tables)
+
     # --- invariants (tests and debug tooling; O(pool)) ----------------------
     def check_invariants(self) -> None:
         """Raise AssertionError if the bookkeeping is inconsistent."""
@@ -436,8 +860,10 @@ class BlockManager:
         counts = [0] * pool.num_blocks
         for seq in self.seqs.values():
             assert len(seq.block_ids) == self._blocks_for(seq.num_tokens), seq.seq_id
+            assert seq.cpu_block_ids is None, f"running {seq.seq_id} has CPU blocks"
             for b in seq.block_ids:
                 counts[b] += 1
+        self._check_policy_invariants()
         assert counts == pool.ref_counts, "ref counts differ from the tables"
         free = set(pool.free_list)
         assert len(free) == len(pool.free_list), "a block is on the free list twice"
@@ -453,3 +879,45 @@ class BlockManager:
         for h, b in pool.index.items():
             assert pool.block_hash[b] == h, f"index entry for block {b} disagrees"
         assert pool.num_free + pool.num_cached + sum(1 for c in counts if c) == pool.num_blocks
+
+    def _check_policy_invariants(self) -> None:
+        """The CPU pool, swapped sequences, fork groups, preemption queue and
+        the prefix tree the eviction policy sees."""
+        pool, cpu = self.pool, self.cpu
+        assert not (self.seqs.keys() & self.swapped.keys()), "a sequence is both running and swapped"
+        cpu_counts = [0] * cpu.num_blocks
+        for seq in self.swapped.values():
+            assert seq.block_ids == [], f"swapped {seq.seq_id} still holds GPU blocks"
+            assert seq.cpu_block_ids is not None
+            assert len(seq.cpu_block_ids) == self._blocks_for(seq.num_tokens), seq.seq_id
+            for c in seq.cpu_block_ids:
+                cpu_counts[c] += 1
+        assert cpu_counts == cpu.ref_counts, "CPU ref counts differ from the swapped tables"
+        cpu_free = set(cpu.free_list)
+        assert len(cpu_free) == len(cpu.free_list), "a CPU block is on the free list twice"
+        for c in range(cpu.num_blocks):
+            assert (c in cpu_free) != (cpu_counts[c] > 0), f"CPU block {c} is both or neither free and used"
+        for g, members in self.groups.items():
+            assert len(members) >= 2, f"group {g} has {len(members)} members"
+            states = set()
+            for m in members:
+                seq = self.seqs.get(m) or self.swapped.get(m)
+                assert seq is not None and seq.group == g, f"group {g} lists {m}"
+                states.add(m in self.swapped)
+            assert len(states) == 1, f"group {g} is partly swapped"
+        if self._preempt_on:
+            assert len(self.victims) == len(self.seqs) and all(s in self.victims for s in self.seqs)
+        children: dict[bytes, int] = {}
+        for b in pool.index.values():
+            parent = pool.parent_hash[b]
+            if parent is not None:
+                children[parent] = children.get(parent, 0) + 1
+        assert children == pool.child_count, "child counts differ from the index"
+        exact = getattr(pool.evictable, "exact_leaves", True)
+        for b in range(pool.num_blocks):
+            if b in pool.evictable:
+                leaf = pool.block_hash[b] not in children
+                flag = pool.evictable.is_leaf(b)
+                # Exact policies track leaves eagerly; lazy ones (lru) only set
+                # aside blocks found to have children when popped.
+                assert flag == leaf if exact else (flag or not leaf), f"cached block {b} leaf flag"

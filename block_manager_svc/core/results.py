@@ -34,6 +34,38 @@ class CacheOps:
 
 
 @dataclass(slots=True)
+class Preemption:
+    """A sequence preempted to make room, and how.
+
+    mode "swap": its blocks were copied to the CPU pool (the swap_out ops are
+    in the reply's ops); it stays known, swapped, until SwapIn or Free.
+    mode "recompute": its blocks were released and the sequence removed; the
+    frontend must re-Allocate it (prompt + generated tokens) to continue.
+    `cost_s` is the cost model's estimate of the chosen mode.
+    """
+
+    seq_id: str
+    mode: str
+    num_tokens: int
+    num_blocks: int
+    cost_s: float
+
+
+@dataclass(slots=True)
+class SwapInResult:
+    """A swapped sequence (and its swapped fork group) back on the GPU.
+
+    `block_ids` is the requested sequence's new table; `tables` holds the new
+    tables of every sequence brought back (the requested one included).
+    """
+
+    seq_id: str
+    block_ids: list[int]
+    ops: CacheOps
+    tables: dict[str, list[int]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
 class AllocateResult:
     block_ids: list[int]
     num_cached_tokens: int
@@ -51,12 +83,17 @@ class AppendResult:
     new_block_ids: list[int]
     ops: CacheOps
     replaced_last_block: bool = False
+    # Sequences preempted to make room (their swap_out ops are in `ops`).
+    preempted: list[Preemption] = field(default_factory=list)
 
 
 @dataclass(slots=True)
 class BlockTable:
     block_ids: list[int]
     num_tokens: int
+    # Swapped out: block_ids is empty and cpu_block_ids names its CPU blocks.
+    swapped: bool = False
+    cpu_block_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -89,6 +126,12 @@ class StepResult:
     free_errors: list[ItemError] = field(default_factory=list)
     item_results: list[AppendResult | None] = field(default_factory=list)
     item_errors: list[ItemError] = field(default_factory=list)
+    # Every preemption of the step (packed and sub-message appends); the
+    # swap_out ops are in `ops` (packed) or the item's own ops (sub-message).
+    preempted: list[Preemption] = field(default_factory=list)
+    # One result per requested swap-in (None on error), applied after appends.
+    swap_in_results: list[SwapInResult | None] = field(default_factory=list)
+    swap_in_errors: list[ItemError] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -104,3 +147,11 @@ class Stats:
     prefix_hit_tokens: int
     num_evicted_blocks: int
     num_cow_copies: int
+    num_cpu_blocks: int = 0
+    num_free_cpu_blocks: int = 0
+    num_swapped_sequences: int = 0
+    num_preemptions_swap: int = 0
+    num_preemptions_recompute: int = 0
+    num_swapped_out_blocks: int = 0
+    num_swapped_in_blocks: int = 0
+    preemption_cost_s: float = 0.0

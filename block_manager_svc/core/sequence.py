@@ -25,3 +25,7 @@ class Sequence:
     num_hashed_blocks: int
     priority: int
     arrival: int
+    # Fork group: the arrival of the group's first sequence (see core/preemption.py).
+    group: int = 0
+    # Set while swapped out: its CPU blocks (block_ids is then empty).
+    cpu_block_ids: list[int] | None = None
