@@ -52,6 +52,13 @@ def build_core(settings: BlockManagerSettings) -> BlockManager:
             num_cpu_blocks=settings.num_cpu_blocks,
             eviction_policy=settings.eviction_policy,
             enable_prefix_caching=settings.enable_prefix_caching,
+            preemption_mode=settings.preemption_mode,
+            watermark_blocks=min(
+                int(settings.watermark_fraction * settings.num_gpu_blocks), settings.num_gpu_blocks - 1
+            ),
+            kv_bytes_per_block=settings.kv_bytes_per_block,
+            host_link_bytes_per_s=settings.host_link_gb_per_s * 1e9,
+            prefill_tokens_per_s=settings.prefill_tokens_per_s,
         )
     )
 

@@ -16,7 +16,7 @@ import grpc
 import structlog
 
 from block_manager_svc.core import BlockManager, CoreError, ErrorCode, ItemError
-from block_manager_svc.core.results import CacheOps
+from block_manager_svc.core.results import CacheOps, Preemption, SwapInResult
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
 
@@ -38,6 +38,27 @@ def _copies(pairs: list[tuple[int, int]]) -> list[pb.BlockCopy]:
 
 def ops_to_proto(ops: CacheOps) -> pb.CacheOps:
     return pb.CacheOps(copies=_copies(ops.copies), swap_out=_copies(ops.swap_out), swap_in=_copies(ops.swap_in))
+
+
+_PREEMPTION_MODE = {"swap": pb.Preemption.SWAP, "recompute": pb.Preemption.RECOMPUTE}
+
+
+def preemptions_to_proto(items: list[Preemption]) -> list[pb.Preemption]:
+    return [
+        pb.Preemption(
+            seq_id=p.seq_id, mode=_PREEMPTION_MODE[p.mode], num_tokens=p.num_tokens,
+            num_blocks=p.num_blocks, cost_s=p.cost_s,
+        )
+        for p in items
+    ]
+
+
+def swap_in_to_proto(r: SwapInResult) -> pb.SwapInResponse:
+    return pb.SwapInResponse(
+        block_ids=r.block_ids,
+        ops=ops_to_proto(r.ops),
+        sequences=[pb.SwappedInSequence(seq_id=k, block_ids=v) for k, v in r.tables.items()],
+    )
 
 
 def _item_error(kind: int, err: ItemError, index: int | None = None) -> pb.StepItemError:
@@ -80,8 +101,12 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
             self._abort(context, "Append", e, request.seq_id)
         if not r.new_block_ids:
             return pb.AppendResponse()
+        if r.preempted:
+            log.info("preempted", method="Append", seq_id=request.seq_id,
+                     victims=[(p.seq_id, p.mode) for p in r.preempted])
         return pb.AppendResponse(
-            new_block_ids=r.new_block_ids, ops=ops_to_proto(r.ops), replaced_last_block=r.replaced_last_block
+            new_block_ids=r.new_block_ids, ops=ops_to_proto(r.ops), replaced_last_block=r.replaced_last_block,
+            preempted=preemptions_to_proto(r.preempted),
         )
 
     def Fork(self, request: pb.ForkRequest, context: grpc.ServicerContext) -> pb.ForkResponse:
@@ -106,7 +131,28 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
                 table = self._core.block_table(request.seq_id)
         except CoreError as e:
             self._abort(context, "GetBlockTable", e, request.seq_id)
-        return pb.BlockTable(block_ids=table.block_ids, num_tokens=table.num_tokens)
+        return pb.BlockTable(
+            block_ids=table.block_ids, num_tokens=table.num_tokens, swapped=table.swapped,
+            cpu_block_ids=table.cpu_block_ids,
+        )
+
+    def SwapIn(self, request: pb.SwapInRequest, context: grpc.ServicerContext) -> pb.SwapInResponse:
+        try:
+            with self._lock:
+                r = self._core.swap_in(request.seq_id)
+        except CoreError as e:
+            self._abort(context, "SwapIn", e, request.seq_id)
+        return swap_in_to_proto(r)
+
+    def Preempt(self, request: pb.PreemptRequest, context: grpc.ServicerContext) -> pb.PreemptResponse:
+        try:
+            with self._lock:
+                preempted, ops = self._core.preempt(request.seq_id, request.mode or None)
+        except CoreError as e:
+            self._abort(context, "Preempt", e, request.seq_id)
+        log.info("preempted", method="Preempt", seq_id=request.seq_id,
+                 victims=[(p.seq_id, p.mode) for p in preempted])
+        return pb.PreemptResponse(preempted=preemptions_to_proto(preempted), ops=ops_to_proto(ops))
 
     def Step(self, request: pb.StepRequest, context: grpc.ServicerContext) -> pb.StepResponse:
         sub_frees = [f.seq_id for f in request.frees]
@@ -120,6 +166,7 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
                     request.append_token_ids or None,
                     frees,
                     appends,
+                    request.swap_in_seq_ids,
                 )
                 available = self._core.pool.num_available
         except CoreError as e:
@@ -142,8 +189,18 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
                     new_block_ids=item.new_block_ids,
                     ops=ops_to_proto(item.ops),
                     replaced_last_block=item.replaced_last_block,
+                    preempted=preemptions_to_proto(item.preempted),
                 )
         ops.extend(r.ops)
+        for swap_in in r.swap_in_results:
+            if swap_in is None:
+                resp.swap_ins.add()
+            else:
+                ops.extend(swap_in.ops)
+                resp.swap_ins.append(swap_in_to_proto(swap_in))
+        if r.preempted:
+            resp.preempted.extend(preemptions_to_proto(r.preempted))
+            log.info("preempted", method="Step", victims=[(p.seq_id, p.mode) for p in r.preempted])
         if ops:
             resp.ops.CopyFrom(ops_to_proto(ops))
         n_sub = len(sub_frees)
@@ -159,6 +216,8 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
                 errors.append(_item_error(pb.StepItemError.FREE, err))
             else:
                 errors.append(_item_error(pb.StepItemError.PACKED_FREE, err, err.index - n_sub))
+        for err in r.swap_in_errors:
+            errors.append(_item_error(pb.StepItemError.SWAP_IN, err))
         if errors:
             log.info("step_item_errors", count=len(errors), first=errors[0].message)
         return resp
@@ -178,6 +237,14 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
             num_evicted_blocks=s.num_evicted_blocks,
             num_cow_copies=s.num_cow_copies,
             num_hashed_blocks=s.num_hashed_blocks,
+            num_cpu_blocks=s.num_cpu_blocks,
+            num_free_cpu_blocks=s.num_free_cpu_blocks,
+            num_swapped_sequences=s.num_swapped_sequences,
+            num_preemptions_swap=s.num_preemptions_swap,
+            num_preemptions_recompute=s.num_preemptions_recompute,
+            num_swapped_out_blocks=s.num_swapped_out_blocks,
+            num_swapped_in_blocks=s.num_swapped_in_blocks,
+            preemption_cost_s=s.preemption_cost_s,
         )
 
     def GetConfig(self, request: pb.GetConfigRequest, context: grpc.ServicerContext) -> pb.Config:
@@ -187,4 +254,6 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
             num_gpu_blocks=cfg.num_gpu_blocks,
             num_cpu_blocks=cfg.num_cpu_blocks,
             eviction_policy=cfg.eviction_policy,
+            preemption_mode=cfg.preemption_mode,
+            watermark_blocks=cfg.watermark_blocks,
         )

@@ -22,7 +22,31 @@ class BlockManagerSettings(BaseSettings):
     num_gpu_blocks: int = Field(4096, ge=1, le=2**31 - 1, description="blocks in the GPU pool")
     block_size: int = Field(16, ge=1, le=4096, description="tokens per block")
     num_cpu_blocks: int = Field(0, ge=0, le=2**31 - 1, description="blocks in the CPU swap pool (0 = none)")
-    eviction_policy: Literal["lru"] = Field("lru", description="prefix-cache eviction order")
+    eviction_policy: Literal["lru", "lru-size"] = Field(
+        "lru-size",
+        description="prefix-cache eviction order: lru (vLLM's) or lru-size (GDSF: recency, hits, "
+        "run size and miss cost; docs/policies.md)",
+    )
+    preemption_mode: Literal["auto", "swap", "recompute", "off"] = Field(
+        "auto",
+        description="when a running sequence cannot grow, preempt lower-ranked ones by: auto (cost "
+        "model), swap (to the CPU pool when it fits), recompute, or off (RESOURCE_EXHAUSTED)",
+    )
+    watermark_fraction: float = Field(
+        0.01, ge=0, lt=1,
+        description="share of GPU blocks Allocate and SwapIn leave free so admissions do not "
+        "force preemption of running sequences (rounded down to whole blocks)",
+    )
+    kv_bytes_per_block: int = Field(
+        2 * 1024 * 1024, ge=1,
+        description="bytes of K+V in one block, all layers (cost model; 2 MiB = Llama-3-8B at 16 tokens)",
+    )
+    host_link_gb_per_s: float = Field(
+        25.0, gt=0, description="effective GPU<->host copy bandwidth in GB/s (cost model; PCIe 5 x16)"
+    )
+    prefill_tokens_per_s: float = Field(
+        10_000.0, gt=0, description="prefill throughput in tokens/s (cost model of recompute)"
+    )
     enable_prefix_caching: bool = Field(True, description="look up and register prompt blocks by content hash")
     max_workers: int = Field(4, ge=1, le=256, description="gRPC server threads")
     max_concurrent_rpcs: int = Field(
@@ -33,6 +57,18 @@ class BlockManagerSettings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log threshold")
     log_format: Literal["console", "json"] = Field("console", description="key=value or JSON lines")
     grace_period_s: float = Field(5.0, ge=0, description="seconds in-flight RPCs get on SIGTERM")
+    # Reliability (docs/reliability.md).
+    state_dir: str = Field("", description="journal + snapshots here; restart restores the state (empty = memory only)")
+    fsync: Literal["always", "batch", "off"] = Field(
+        "always", description="journal fsync: before each reply, every --fsync-interval-ms, or never"
+    )
+    fsync_interval_ms: float = Field(5.0, gt=0, le=60_000, description="batch fsync period")
+    snapshot_every_ops: int = Field(20_000, ge=0, description="snapshot after this many journal records (0 = off)")
+    snapshot_interval_s: float = Field(60.0, ge=0, description="snapshot at least this often when changed (0 = off)")
+    dedupe_max_entries: int = Field(100_000, ge=0, description="request ids remembered for retries")
+    dedupe_ttl_s: float = Field(600.0, ge=0, description="how long a request id is remembered")
+    lease_ttl_s: float = Field(30.0, gt=0, description="TTL of a lease created without ttl_ms")
+    lease_sweep_interval_s: float = Field(1.0, gt=0, description="how often expired leases are swept")
 
     @model_validator(mode="after")
     def _check_geometry(self) -> BlockManagerSettings:

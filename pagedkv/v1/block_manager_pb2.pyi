@@ -85,6 +85,62 @@ class CacheOps(_message.Message):
 Global___CacheOps: _TypeAlias = CacheOps  # noqa: Y015
 
 @_typing.final
+class Preemption(_message.Message):
+    """A sequence preempted to make room for another one's growth (see
+    docs/policies.md). SWAP: its blocks were copied to the CPU pool (the
+    swap_out ops are in the reply's ops); it stays known, swapped, until SwapIn
+    or Free. RECOMPUTE: its blocks were released and the sequence forgotten;
+    re-Allocate it with its prompt + generated tokens (the prefix cache may
+    still hold its full blocks).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    class _Mode:
+        ValueType = _typing.NewType("ValueType", _builtins.int)
+        V: _TypeAlias = ValueType  # noqa: Y015
+
+    class _ModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[Preemption._Mode.ValueType], _builtins.type):
+        DESCRIPTOR: _descriptor.EnumDescriptor
+        MODE_UNSPECIFIED: Preemption._Mode.ValueType  # 0
+        SWAP: Preemption._Mode.ValueType  # 1
+        RECOMPUTE: Preemption._Mode.ValueType  # 2
+
+    class Mode(_Mode, metaclass=_ModeEnumTypeWrapper): ...
+    MODE_UNSPECIFIED: Preemption.Mode.ValueType  # 0
+    SWAP: Preemption.Mode.ValueType  # 1
+    RECOMPUTE: Preemption.Mode.ValueType  # 2
+
+    SEQ_ID_FIELD_NUMBER: _builtins.int
+    MODE_FIELD_NUMBER: _builtins.int
+    NUM_TOKENS_FIELD_NUMBER: _builtins.int
+    NUM_BLOCKS_FIELD_NUMBER: _builtins.int
+    COST_S_FIELD_NUMBER: _builtins.int
+    seq_id: _builtins.str
+    mode: Global___Preemption.Mode.ValueType
+    num_tokens: _builtins.int
+    num_blocks: _builtins.int
+    """GPU blocks in its table when preempted."""
+    cost_s: _builtins.float
+    """The cost model's estimate for the chosen mode, in seconds."""
+    def __init__(
+        self,
+        *,
+        seq_id: _builtins.str = ...,
+        mode: Global___Preemption.Mode.ValueType = ...,
+        num_tokens: _builtins.int = ...,
+        num_blocks: _builtins.int = ...,
+        cost_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cost_s", b"cost_s", "mode", b"mode", "num_blocks", b"num_blocks", "num_tokens", b"num_tokens", "seq_id", b"seq_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Preemption: _TypeAlias = Preemption  # noqa: Y015
+
+@_typing.final
 class AllocateRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -195,6 +251,7 @@ class AppendResponse(_message.Message):
     NEW_BLOCK_IDS_FIELD_NUMBER: _builtins.int
     OPS_FIELD_NUMBER: _builtins.int
     REPLACED_LAST_BLOCK_FIELD_NUMBER: _builtins.int
+    PREEMPTED_FIELD_NUMBER: _builtins.int
     replaced_last_block: _builtins.bool
     """True when the sequence's former last block was replaced by a private
     copy (its id is ops.copies[0].dst, which is also new_block_ids[0]).
@@ -207,16 +264,24 @@ class AppendResponse(_message.Message):
 
     @_builtins.property
     def ops(self) -> Global___CacheOps: ...
+    @_builtins.property
+    def preempted(self) -> _containers.RepeatedCompositeFieldContainer[Global___Preemption]:
+        """Sequences preempted to make room for this one (their swap_out ops are in
+        `ops`). Only lower-ranked sequences are preempted: lower priority, or the
+        same priority and a later arrival; never this sequence's fork group.
+        """
+
     def __init__(
         self,
         *,
         new_block_ids: _abc.Iterable[_builtins.int] | None = ...,
         ops: Global___CacheOps | None = ...,
         replaced_last_block: _builtins.bool = ...,
+        preempted: _abc.Iterable[Global___Preemption] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["ops", b"ops"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["new_block_ids", b"new_block_ids", "ops", b"ops", "replaced_last_block", b"replaced_last_block"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["new_block_ids", b"new_block_ids", "ops", b"ops", "preempted", b"preempted", "replaced_last_block", b"replaced_last_block"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -338,22 +403,167 @@ class BlockTable(_message.Message):
 
     BLOCK_IDS_FIELD_NUMBER: _builtins.int
     NUM_TOKENS_FIELD_NUMBER: _builtins.int
+    SWAPPED_FIELD_NUMBER: _builtins.int
+    CPU_BLOCK_IDS_FIELD_NUMBER: _builtins.int
     num_tokens: _builtins.int
+    swapped: _builtins.bool
+    """Swapped out to the CPU pool: block_ids is empty and cpu_block_ids holds
+    its CPU blocks. SwapIn brings it back.
+    """
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def cpu_block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
         self,
         *,
         block_ids: _abc.Iterable[_builtins.int] | None = ...,
         num_tokens: _builtins.int = ...,
+        swapped: _builtins.bool = ...,
+        cpu_block_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "num_tokens", b"num_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "cpu_block_ids", b"cpu_block_ids", "num_tokens", b"num_tokens", "swapped", b"swapped"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___BlockTable: _TypeAlias = BlockTable  # noqa: Y015
+
+@_typing.final
+class SwapInRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEQ_ID_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    seq_id: _builtins.str
+    request_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        seq_id: _builtins.str = ...,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id", "seq_id", b"seq_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SwapInRequest: _TypeAlias = SwapInRequest  # noqa: Y015
+
+@_typing.final
+class SwapInResponse(_message.Message):
+    """A swapped sequence back on the GPU, together with the other swapped
+    members of its fork group (they share blocks and move together).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    OPS_FIELD_NUMBER: _builtins.int
+    SEQUENCES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The requested sequence's new block table."""
+
+    @_builtins.property
+    def ops(self) -> Global___CacheOps:
+        """swap_in ops (CPU block -> new GPU block)."""
+
+    @_builtins.property
+    def sequences(self) -> _containers.RepeatedCompositeFieldContainer[Global___SwappedInSequence]:
+        """Every sequence brought back (the requested one included) and its table."""
+
+    def __init__(
+        self,
+        *,
+        block_ids: _abc.Iterable[_builtins.int] | None = ...,
+        ops: Global___CacheOps | None = ...,
+        sequences: _abc.Iterable[Global___SwappedInSequence] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ops", b"ops"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "ops", b"ops", "sequences", b"sequences"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SwapInResponse: _TypeAlias = SwapInResponse  # noqa: Y015
+
+@_typing.final
+class SwappedInSequence(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEQ_ID_FIELD_NUMBER: _builtins.int
+    BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    seq_id: _builtins.str
+    @_builtins.property
+    def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        seq_id: _builtins.str = ...,
+        block_ids: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "seq_id", b"seq_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SwappedInSequence: _TypeAlias = SwappedInSequence  # noqa: Y015
+
+@_typing.final
+class PreemptRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEQ_ID_FIELD_NUMBER: _builtins.int
+    MODE_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    seq_id: _builtins.str
+    mode: _builtins.str
+    """"", "auto", "swap" or "recompute" ("" = the server's preemption mode)."""
+    request_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        seq_id: _builtins.str = ...,
+        mode: _builtins.str = ...,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["mode", b"mode", "request_id", b"request_id", "seq_id", b"seq_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PreemptRequest: _TypeAlias = PreemptRequest  # noqa: Y015
+
+@_typing.final
+class PreemptResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PREEMPTED_FIELD_NUMBER: _builtins.int
+    OPS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def preempted(self) -> _containers.RepeatedCompositeFieldContainer[Global___Preemption]:
+        """The sequence and its fork group, and how each was preempted."""
+
+    @_builtins.property
+    def ops(self) -> Global___CacheOps: ...
+    def __init__(
+        self,
+        *,
+        preempted: _abc.Iterable[Global___Preemption] | None = ...,
+        ops: Global___CacheOps | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ops", b"ops"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ops", b"ops", "preempted", b"preempted"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PreemptResponse: _TypeAlias = PreemptResponse  # noqa: Y015
 
 @_typing.final
 class StepItemError(_message.Message):
@@ -376,6 +586,8 @@ class StepItemError(_message.Message):
         """index into StepRequest.append_seq_ids"""
         PACKED_FREE: StepItemError._Kind.ValueType  # 4
         """index into StepRequest.free_seq_ids"""
+        SWAP_IN: StepItemError._Kind.ValueType  # 5
+        """index into StepRequest.swap_in_seq_ids"""
 
     class Kind(_Kind, metaclass=_KindEnumTypeWrapper): ...
     KIND_UNSPECIFIED: StepItemError.Kind.ValueType  # 0
@@ -387,6 +599,8 @@ class StepItemError(_message.Message):
     """index into StepRequest.append_seq_ids"""
     PACKED_FREE: StepItemError.Kind.ValueType  # 4
     """index into StepRequest.free_seq_ids"""
+    SWAP_IN: StepItemError.Kind.ValueType  # 5
+    """index into StepRequest.swap_in_seq_ids"""
 
     KIND_FIELD_NUMBER: _builtins.int
     INDEX_FIELD_NUMBER: _builtins.int
@@ -439,6 +653,7 @@ class StepRequest(_message.Message):
     APPEND_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     FREE_SEQ_IDS_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    SWAP_IN_SEQ_IDS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     @_builtins.property
     def appends(self) -> _containers.RepeatedCompositeFieldContainer[Global___AppendRequest]: ...
@@ -462,6 +677,12 @@ class StepRequest(_message.Message):
     def free_seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Packed frees."""
 
+    @_builtins.property
+    def swap_in_seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Swapped sequences to bring back, applied after all appends (never
+        preempting; each needs room above the admission watermark).
+        """
+
     def __init__(
         self,
         *,
@@ -472,10 +693,11 @@ class StepRequest(_message.Message):
         append_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         free_seq_ids: _abc.Iterable[_builtins.str] | None = ...,
         request_id: _builtins.str = ...,
+        swap_in_seq_ids: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["append_num_tokens", b"append_num_tokens", "append_seq_ids", b"append_seq_ids", "append_token_ids", b"append_token_ids", "appends", b"appends", "free_seq_ids", b"free_seq_ids", "frees", b"frees", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["append_num_tokens", b"append_num_tokens", "append_seq_ids", b"append_seq_ids", "append_token_ids", b"append_token_ids", "appends", b"appends", "free_seq_ids", b"free_seq_ids", "frees", b"frees", "request_id", b"request_id", "swap_in_seq_ids", b"swap_in_seq_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -494,6 +716,8 @@ class StepResponse(_message.Message):
     NUM_BLOCKS_RELEASED_FIELD_NUMBER: _builtins.int
     NUM_AVAILABLE_BLOCKS_FIELD_NUMBER: _builtins.int
     PACKED_REPLACED_INDEX_FIELD_NUMBER: _builtins.int
+    PREEMPTED_FIELD_NUMBER: _builtins.int
+    SWAP_INS_FIELD_NUMBER: _builtins.int
     num_blocks_released: _builtins.int
     """Blocks released by the frees of this step (sub-message and packed)."""
     num_available_blocks: _builtins.int
@@ -528,6 +752,19 @@ class StepResponse(_message.Message):
         appended after it; the copy itself is in `ops.copies`.
         """
 
+    @_builtins.property
+    def preempted(self) -> _containers.RepeatedCompositeFieldContainer[Global___Preemption]:
+        """Every sequence preempted in this step (sub-message and packed appends);
+        their swap_out ops are in `ops`. A victim's own later append item in the
+        same step fails (NOT_FOUND or FAILED_PRECONDITION).
+        """
+
+    @_builtins.property
+    def swap_ins(self) -> _containers.RepeatedCompositeFieldContainer[Global___SwapInResponse]:
+        """One result per StepRequest.swap_in_seq_ids item (empty on error); their
+        swap_in ops are also in `ops`.
+        """
+
     def __init__(
         self,
         *,
@@ -540,10 +777,12 @@ class StepResponse(_message.Message):
         num_blocks_released: _builtins.int = ...,
         num_available_blocks: _builtins.int = ...,
         packed_replaced_index: _abc.Iterable[_builtins.int] | None = ...,
+        preempted: _abc.Iterable[Global___Preemption] | None = ...,
+        swap_ins: _abc.Iterable[Global___SwapInResponse] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["ops", b"ops"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["appends", b"appends", "errors", b"errors", "frees", b"frees", "num_available_blocks", b"num_available_blocks", "num_blocks_released", b"num_blocks_released", "ops", b"ops", "packed_new_block_ids", b"packed_new_block_ids", "packed_new_block_index", b"packed_new_block_index", "packed_replaced_index", b"packed_replaced_index"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["appends", b"appends", "errors", b"errors", "frees", b"frees", "num_available_blocks", b"num_available_blocks", "num_blocks_released", b"num_blocks_released", "ops", b"ops", "packed_new_block_ids", b"packed_new_block_ids", "packed_new_block_index", b"packed_new_block_index", "packed_replaced_index", b"packed_replaced_index", "preempted", b"preempted", "swap_ins", b"swap_ins"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -579,6 +818,14 @@ class Stats(_message.Message):
     NUM_EVICTED_BLOCKS_FIELD_NUMBER: _builtins.int
     NUM_COW_COPIES_FIELD_NUMBER: _builtins.int
     NUM_HASHED_BLOCKS_FIELD_NUMBER: _builtins.int
+    NUM_CPU_BLOCKS_FIELD_NUMBER: _builtins.int
+    NUM_FREE_CPU_BLOCKS_FIELD_NUMBER: _builtins.int
+    NUM_SWAPPED_SEQUENCES_FIELD_NUMBER: _builtins.int
+    NUM_PREEMPTIONS_SWAP_FIELD_NUMBER: _builtins.int
+    NUM_PREEMPTIONS_RECOMPUTE_FIELD_NUMBER: _builtins.int
+    NUM_SWAPPED_OUT_BLOCKS_FIELD_NUMBER: _builtins.int
+    NUM_SWAPPED_IN_BLOCKS_FIELD_NUMBER: _builtins.int
+    PREEMPTION_COST_S_FIELD_NUMBER: _builtins.int
     NUM_LEASES_FIELD_NUMBER: _builtins.int
     NUM_LEASES_EXPIRED_FIELD_NUMBER: _builtins.int
     NUM_LEASE_EXPIRED_SEQUENCES_FIELD_NUMBER: _builtins.int
@@ -603,6 +850,18 @@ class Stats(_message.Message):
     """Copy-on-write copies handed out."""
     num_hashed_blocks: _builtins.int
     """Entries in the prefix-cache index (referenced or not)."""
+    num_cpu_blocks: _builtins.int
+    """Memory policies (docs/policies.md): the CPU swap pool, sequences
+    preempted by kind, blocks moved by swap_out / swap_in ops, and the sum of
+    the cost model's estimates of every preemption, in seconds.
+    """
+    num_free_cpu_blocks: _builtins.int
+    num_swapped_sequences: _builtins.int
+    num_preemptions_swap: _builtins.int
+    num_preemptions_recompute: _builtins.int
+    num_swapped_out_blocks: _builtins.int
+    num_swapped_in_blocks: _builtins.int
+    preemption_cost_s: _builtins.float
     num_leases: _builtins.int
     """Reliability (docs/reliability.md): live leases, leases that expired and
     the sequences they freed, retries answered from the dedupe window, and
@@ -627,6 +886,14 @@ class Stats(_message.Message):
         num_evicted_blocks: _builtins.int = ...,
         num_cow_copies: _builtins.int = ...,
         num_hashed_blocks: _builtins.int = ...,
+        num_cpu_blocks: _builtins.int = ...,
+        num_free_cpu_blocks: _builtins.int = ...,
+        num_swapped_sequences: _builtins.int = ...,
+        num_preemptions_swap: _builtins.int = ...,
+        num_preemptions_recompute: _builtins.int = ...,
+        num_swapped_out_blocks: _builtins.int = ...,
+        num_swapped_in_blocks: _builtins.int = ...,
+        preemption_cost_s: _builtins.float = ...,
         num_leases: _builtins.int = ...,
         num_leases_expired: _builtins.int = ...,
         num_lease_expired_sequences: _builtins.int = ...,
@@ -636,7 +903,7 @@ class Stats(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "journal_seq", b"journal_seq", "num_cached_blocks", b"num_cached_blocks", "num_cow_copies", b"num_cow_copies", "num_dedupe_entries", b"num_dedupe_entries", "num_dedupe_hits", b"num_dedupe_hits", "num_evicted_blocks", b"num_evicted_blocks", "num_free_blocks", b"num_free_blocks", "num_gpu_blocks", b"num_gpu_blocks", "num_hashed_blocks", b"num_hashed_blocks", "num_lease_expired_sequences", b"num_lease_expired_sequences", "num_leases", b"num_leases", "num_leases_expired", b"num_leases_expired", "num_sequences", b"num_sequences", "num_used_blocks", b"num_used_blocks", "prefix_hit_tokens", b"prefix_hit_tokens", "prefix_query_tokens", b"prefix_query_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "journal_seq", b"journal_seq", "num_cached_blocks", b"num_cached_blocks", "num_cow_copies", b"num_cow_copies", "num_cpu_blocks", b"num_cpu_blocks", "num_dedupe_entries", b"num_dedupe_entries", "num_dedupe_hits", b"num_dedupe_hits", "num_evicted_blocks", b"num_evicted_blocks", "num_free_blocks", b"num_free_blocks", "num_free_cpu_blocks", b"num_free_cpu_blocks", "num_gpu_blocks", b"num_gpu_blocks", "num_hashed_blocks", b"num_hashed_blocks", "num_lease_expired_sequences", b"num_lease_expired_sequences", "num_leases", b"num_leases", "num_leases_expired", b"num_leases_expired", "num_preemptions_recompute", b"num_preemptions_recompute", "num_preemptions_swap", b"num_preemptions_swap", "num_sequences", b"num_sequences", "num_swapped_in_blocks", b"num_swapped_in_blocks", "num_swapped_out_blocks", b"num_swapped_out_blocks", "num_swapped_sequences", b"num_swapped_sequences", "num_used_blocks", b"num_used_blocks", "preemption_cost_s", b"preemption_cost_s", "prefix_hit_tokens", b"prefix_hit_tokens", "prefix_query_tokens", b"prefix_query_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -729,10 +996,15 @@ class Config(_message.Message):
     NUM_GPU_BLOCKS_FIELD_NUMBER: _builtins.int
     NUM_CPU_BLOCKS_FIELD_NUMBER: _builtins.int
     EVICTION_POLICY_FIELD_NUMBER: _builtins.int
+    PREEMPTION_MODE_FIELD_NUMBER: _builtins.int
+    WATERMARK_BLOCKS_FIELD_NUMBER: _builtins.int
     block_size: _builtins.int
     num_gpu_blocks: _builtins.int
     num_cpu_blocks: _builtins.int
     eviction_policy: _builtins.str
+    preemption_mode: _builtins.str
+    """"auto", "swap", "recompute" or "off"."""
+    watermark_blocks: _builtins.int
     def __init__(
         self,
         *,
@@ -740,10 +1012,12 @@ class Config(_message.Message):
         num_gpu_blocks: _builtins.int = ...,
         num_cpu_blocks: _builtins.int = ...,
         eviction_policy: _builtins.str = ...,
+        preemption_mode: _builtins.str = ...,
+        watermark_blocks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "eviction_policy", b"eviction_policy", "num_cpu_blocks", b"num_cpu_blocks", "num_gpu_blocks", b"num_gpu_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "eviction_policy", b"eviction_policy", "num_cpu_blocks", b"num_cpu_blocks", "num_gpu_blocks", b"num_gpu_blocks", "preemption_mode", b"preemption_mode", "watermark_blocks", b"watermark_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -79,6 +79,16 @@ class BlockManagerStub:
                 request_serializer=pagedkv_dot_v1_dot_block__manager__pb2.KeepAliveRequest.SerializeToString,
                 response_deserializer=pagedkv_dot_v1_dot_block__manager__pb2.KeepAliveResponse.FromString,
                 _registered_method=True)
+        self.SwapIn = channel.unary_unary(
+                '/pagedkv.v1.BlockManager/SwapIn',
+                request_serializer=pagedkv_dot_v1_dot_block__manager__pb2.SwapInRequest.SerializeToString,
+                response_deserializer=pagedkv_dot_v1_dot_block__manager__pb2.SwapInResponse.FromString,
+                _registered_method=True)
+        self.Preempt = channel.unary_unary(
+                '/pagedkv.v1.BlockManager/Preempt',
+                request_serializer=pagedkv_dot_v1_dot_block__manager__pb2.PreemptRequest.SerializeToString,
+                response_deserializer=pagedkv_dot_v1_dot_block__manager__pb2.PreemptResponse.FromString,
+                _registered_method=True)
 
 
 class BlockManagerServicer:
@@ -138,6 +148,22 @@ class BlockManagerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SwapIn(self, request, context):
+        """Bring a swapped sequence (and its swapped fork group) back to the GPU, or
+        RESOURCE_EXHAUSTED when there is no room above the admission watermark.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Preempt(self, request, context):
+        """Preempt a running sequence (and its fork group) now, by the cost model:
+        for a frontend whose own growing sequence is the lowest-ranked one.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_BlockManagerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -185,6 +211,16 @@ def add_BlockManagerServicer_to_server(servicer, server):
                     servicer.KeepAlive,
                     request_deserializer=pagedkv_dot_v1_dot_block__manager__pb2.KeepAliveRequest.FromString,
                     response_serializer=pagedkv_dot_v1_dot_block__manager__pb2.KeepAliveResponse.SerializeToString,
+            ),
+            'SwapIn': grpc.unary_unary_rpc_method_handler(
+                    servicer.SwapIn,
+                    request_deserializer=pagedkv_dot_v1_dot_block__manager__pb2.SwapInRequest.FromString,
+                    response_serializer=pagedkv_dot_v1_dot_block__manager__pb2.SwapInResponse.SerializeToString,
+            ),
+            'Preempt': grpc.unary_unary_rpc_method_handler(
+                    servicer.Preempt,
+                    request_deserializer=pagedkv_dot_v1_dot_block__manager__pb2.PreemptRequest.FromString,
+                    response_serializer=pagedkv_dot_v1_dot_block__manager__pb2.PreemptResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -430,6 +466,60 @@ class BlockManager:
             '/pagedkv.v1.BlockManager/KeepAlive',
             pagedkv_dot_v1_dot_block__manager__pb2.KeepAliveRequest.SerializeToString,
             pagedkv_dot_v1_dot_block__manager__pb2.KeepAliveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SwapIn(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedkv.v1.BlockManager/SwapIn',
+            pagedkv_dot_v1_dot_block__manager__pb2.SwapInRequest.SerializeToString,
+            pagedkv_dot_v1_dot_block__manager__pb2.SwapInResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Preempt(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedkv.v1.BlockManager/Preempt',
+            pagedkv_dot_v1_dot_block__manager__pb2.PreemptRequest.SerializeToString,
+            pagedkv_dot_v1_dot_block__manager__pb2.PreemptResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -46,6 +46,14 @@ class BlockManagerStub:
     GetStats: _grpc.UnaryUnaryMultiCallable[_block_manager_pb2.GetStatsRequest, _block_manager_pb2.Stats]
     GetConfig: _grpc.UnaryUnaryMultiCallable[_block_manager_pb2.GetConfigRequest, _block_manager_pb2.Config]
     KeepAlive: _grpc.UnaryUnaryMultiCallable[_block_manager_pb2.KeepAliveRequest, _block_manager_pb2.KeepAliveResponse]
+    SwapIn: _grpc.UnaryUnaryMultiCallable[_block_manager_pb2.SwapInRequest, _block_manager_pb2.SwapInResponse]
+    """Bring a swapped sequence (and its swapped fork group) back to the GPU, or
+    RESOURCE_EXHAUSTED when there is no room above the admission watermark.
+    """
+    Preempt: _grpc.UnaryUnaryMultiCallable[_block_manager_pb2.PreemptRequest, _block_manager_pb2.PreemptResponse]
+    """Preempt a running sequence (and its fork group) now, by the cost model:
+    for a frontend whose own growing sequence is the lowest-ranked one.
+    """
 
 @_typing.type_check_only
 class BlockManagerAsyncStub(BlockManagerStub):
@@ -59,6 +67,14 @@ class BlockManagerAsyncStub(BlockManagerStub):
     GetStats: _aio.UnaryUnaryMultiCallable[_block_manager_pb2.GetStatsRequest, _block_manager_pb2.Stats]  # type: ignore[assignment]
     GetConfig: _aio.UnaryUnaryMultiCallable[_block_manager_pb2.GetConfigRequest, _block_manager_pb2.Config]  # type: ignore[assignment]
     KeepAlive: _aio.UnaryUnaryMultiCallable[_block_manager_pb2.KeepAliveRequest, _block_manager_pb2.KeepAliveResponse]  # type: ignore[assignment]
+    SwapIn: _aio.UnaryUnaryMultiCallable[_block_manager_pb2.SwapInRequest, _block_manager_pb2.SwapInResponse]  # type: ignore[assignment]
+    """Bring a swapped sequence (and its swapped fork group) back to the GPU, or
+    RESOURCE_EXHAUSTED when there is no room above the admission watermark.
+    """
+    Preempt: _aio.UnaryUnaryMultiCallable[_block_manager_pb2.PreemptRequest, _block_manager_pb2.PreemptResponse]  # type: ignore[assignment]
+    """Preempt a running sequence (and its fork group) now, by the cost model:
+    for a frontend whose own growing sequence is the lowest-ranked one.
+    """
 
 class BlockManagerServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -123,5 +139,25 @@ class BlockManagerServicer(metaclass=_abc_1.ABCMeta):
         request: _block_manager_pb2.KeepAliveRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_block_manager_pb2.KeepAliveResponse, _abc.Awaitable[_block_manager_pb2.KeepAliveResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def SwapIn(
+        self,
+        request: _block_manager_pb2.SwapInRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_block_manager_pb2.SwapInResponse, _abc.Awaitable[_block_manager_pb2.SwapInResponse]]:
+        """Bring a swapped sequence (and its swapped fork group) back to the GPU, or
+        RESOURCE_EXHAUSTED when there is no room above the admission watermark.
+        """
+
+    @_abc_1.abstractmethod
+    def Preempt(
+        self,
+        request: _block_manager_pb2.PreemptRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_block_manager_pb2.PreemptResponse, _abc.Awaitable[_block_manager_pb2.PreemptResponse]]:
+        """Preempt a running sequence (and its fork group) now, by the cost model:
+        for a frontend whose own growing sequence is the lowest-ranked one.
+        """
 
 def add_BlockManagerServicer_to_server(servicer: BlockManagerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
