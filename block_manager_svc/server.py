@@ -21,6 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from block_manager_svc.core import BlockManager, CoreConfig
+from block_manager_svc.reliability import Reliability, ReliableServicer
 from block_manager_svc.servicer import BlockManagerServicer
 from block_manager_svc.settings import BlockManagerSettings, load_settings
 from pagedkv.logging_setup import configure_logging
@@ -38,10 +39,14 @@ class RunningServer:
     port: int
     health: health.HealthServicer
     servicer: BlockManagerServicer
+    reliability: Reliability | None = None
 
     def stop(self, grace: float | None = None) -> None:
         self.health.enter_graceful_shutdown()
         self.server.stop(grace).wait()
+        if self.reliability is not None:
+            self.reliability.close()  # final snapshot, journal closed
+            self.reliability = None
 
 
 def build_core(settings: BlockManagerSettings) -> BlockManager:
@@ -75,7 +80,9 @@ def start_server(settings: BlockManagerSettings) -> RunningServer:
         options=options,
         maximum_concurrent_rpcs=settings.max_concurrent_rpcs,
     )
-    servicer = BlockManagerServicer(build_core(settings), settings.num_cpu_blocks)
+    servicer = ReliableServicer(build_core(settings), settings.num_cpu_blocks)
+    # Recovers from --state-dir (before the port opens), starts the lease sweeper and snapshots.
+    reliability = servicer.start_reliability(settings)
     block_manager_pb2_grpc.add_BlockManagerServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -88,13 +95,16 @@ def start_server(settings: BlockManagerSettings) -> RunningServer:
     try:
         port = server.add_insecure_port(address)
     except RuntimeError as e:
+        reliability.close()
         raise RuntimeError(f"cannot listen on {address}: {e}") from e
     if port == 0:
+        reliability.close()
         raise RuntimeError(f"cannot listen on {address} (address in use or not local?)")
     server.start()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return RunningServer(server=server, port=port, health=health_servicer, servicer=servicer)
+    return RunningServer(server=server, port=port, health=health_servicer, servicer=servicer,
+                         reliability=reliability)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

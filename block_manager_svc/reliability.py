@@ -1,0 +1,477 @@
+"""Reliability layer of the block manager: idempotent retries, leases,
+journal + snapshots with crash recovery, deadlines (docs/reliability.md).
+
+:class:`ReliableServicer` wraps the plain servicer's mutating handlers
+(Allocate, Append, Fork, Free, Step, SwapIn, Preempt) and adds KeepAlive.
+Every mutation runs through one path, :meth:`ReliableServicer._mutate`:
+
+1. a request whose deadline already passed is refused (DEADLINE_EXCEEDED)
+   without touching the state;
+2. with a ``request_id``: a remembered reply is returned as is; a retry of a
+   request still in flight waits for it; an id reused for another request is
+   INVALID_ARGUMENT;
+3. under the state lock: apply (the plain handler), lease bookkeeping,
+   journal append (one ``write``), dedupe entry, all in one critical section
+   so journal order is apply order;
+4. after the lock is released: wait until the record is durable (fsync
+   policy ``always``; group commit), then reply.
+
+With no ``--state-dir``, no ``request_id``, no lease in use and none named,
+step 1 and one branch are all that is added to the plain handler.
+
+Recovery replays the journal through the same ``_apply`` the live path uses,
+so replay reproduces replies (the dedupe window is rebuilt from them), block
+tables, ref counts, the prefix index and eviction order exactly.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import structlog
+
+from block_manager_svc import snapshot as snap
+from block_manager_svc.core import CoreError
+from block_manager_svc.idempotency import DedupeTable, RequestIdReused, WaitTimeout, digest
+from block_manager_svc.journal import Journal, Record, ScanReport, scan
+from block_manager_svc.leases import MAX_LEASE_ID_LEN, LeaseTable
+from block_manager_svc.servicer import BlockManagerServicer
+from pagedkv.v1 import block_manager_pb2 as pb
+
+if TYPE_CHECKING:
+    from block_manager_svc.settings import BlockManagerSettings
+
+log = structlog.get_logger("pagedkv.block_manager")
+
+MUTATIONS = ("Allocate", "Append", "Fork", "Free", "Step", "SwapIn", "Preempt")
+EXPIRE_LEASE = "ExpireLease"  # journal record of a lease expiry (body: the lease id)
+MAX_TTL_MS = 24 * 3600 * 1000
+SNAPSHOT_VERSION = 1
+
+_SERVICE = pb.DESCRIPTOR.services_by_name["BlockManager"]
+
+
+def _request_type(method: str) -> Any:
+    return getattr(pb, _SERVICE.methods_by_name[method].input_type.name)
+
+
+def _response_type(method: str) -> Any:
+    return getattr(pb, _SERVICE.methods_by_name[method].output_type.name)
+
+
+class ReplayError(RuntimeError):
+    """A journaled command was refused on replay: the journal and the code disagree."""
+
+
+class _InternalContext:
+    """Stands in for grpc.ServicerContext on replay and for internal commands."""
+
+    def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise ReplayError(f"{code.name}: {details}")
+
+    def time_remaining(self) -> None:
+        return None
+
+    def set_code(self, code: grpc.StatusCode) -> None:
+        pass
+
+    def set_details(self, details: str) -> None:
+        pass
+
+    def is_active(self) -> bool:
+        return True
+
+    def invocation_metadata(self) -> tuple:
+        return ()
+
+    def peer(self) -> str:
+        return "internal"
+
+
+@dataclass(slots=True)
+class RecoveryReport:
+    snapshot_seq: int = 0
+    snapshot_bytes: int = 0
+    replayed: int = 0
+    journal_bytes: int = 0
+    dropped_bytes: int = 0
+    dropped_segments: list[str] = field(default_factory=list)
+    last_seq: int = 0
+    seconds: float = 0.0
+
+
+def _config_diff(a: Any, b: Any) -> str:
+    try:
+        return ", ".join(
+            f"{f.name}={getattr(a, f.name)!r} (settings say {getattr(b, f.name)!r})"
+            for f in fields(a)
+            if getattr(a, f.name) != getattr(b, f.name, None)
+        )
+    except TypeError:
+        return f"{a!r} vs {b!r}"
+
+
+class ReliableServicer(BlockManagerServicer):
+    """The servicer with request-id dedupe, leases, journaling and deadlines."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._lock = threading.RLock()  # the handlers of the base class take it again
+        self.dedupe = DedupeTable()
+        self.leases = LeaseTable()
+        self.journal: Journal | None = None
+        self.state_dir: Path | None = None
+        self.snapshot_every_ops = 0
+        self._snapshot_wanted = threading.Event()
+        self._snapshot_mu = threading.Lock()
+        self.last_snapshot_seq = 0
+        self.recovery: RecoveryReport | None = None
+        self.num_deadline_skipped = 0
+
+    # --- the one mutation path -----------------------------------------------------
+    def _mutate(self, name: str, base: Callable[..., Any], request: Any, context: Any) -> Any:
+        remaining = context.time_remaining()
+        if remaining is not None and remaining <= 0:
+            self.num_deadline_skipped += 1
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                          f"{name}: the deadline passed before the request was processed; nothing changed")
+        rid = request.request_id
+        journal = self.journal
+        lease_id = getattr(request, "lease_id", "")
+        if not rid and journal is None and not lease_id and not self.leases:
+            return base(self, request, context)  # the hot path
+        if len(lease_id) > MAX_LEASE_ID_LEN:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"lease_id is {len(lease_id)} characters long; the limit is {MAX_LEASE_ID_LEN}")
+        body = request.SerializeToString() if (rid or journal is not None) else b""
+        dig = b""
+        if rid:
+            dig = digest(name, body)
+            try:
+                cached = self.dedupe.begin(rid, name, dig, remaining)
+            except RequestIdReused as e:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except WaitTimeout as e:
+                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
+            if cached is not None:
+                log.debug("retry_answered_from_dedupe", method=name, request_id=rid)
+                return _response_type(name).FromString(cached)
+        try:
+            seq = 0
+            with self._lock:
+                response, changed = self._apply(name, base, request, context)
+                now = time.time()
+                if journal is not None and changed:
+                    seq = journal.append(name, body, now)
+                if rid:
+                    self.dedupe.put(rid, name, dig, response.SerializeToString(), now)
+            if seq:
+                journal.wait_durable(seq)  # type: ignore[union-attr]
+                if self.snapshot_every_ops and journal.records_since_rotate >= self.snapshot_every_ops:  # type: ignore[union-attr]
+                    self._snapshot_wanted.set()
+            return response
+        finally:
+            if rid:
+                self.dedupe.end(rid)
+
+    def _apply(self, name: str, base: Callable[..., Any], request: Any, context: Any) -> tuple[Any, bool]:
+        """Apply one command under the state lock: (reply, whether state changed)."""
+        response = base(self, request, context)
+        leases = self.leases
+        if name == "Allocate":
+            if request.lease_id:
+                leases.attach(request.seq_id, request.lease_id)
+            elif leases.lease_of:
+                leases.detach(request.seq_id)
+        elif name == "Fork":
+            lid = request.lease_id or leases.lease_of.get(request.parent_seq_id)
+            if lid:
+                leases.attach(request.child_seq_id, lid)
+        elif name == "Free":
+            leases.detach(request.seq_id)
+        elif name == "Step":
+            if leases.lease_of:
+                leases.detach_all(f.seq_id for f in request.frees)
+                leases.detach_all(request.free_seq_ids)
+        elif name == "KeepAlive":
+            return response
+        return response, True
+
+    # --- KeepAlive ------------------------------------------------------------------
+    def _keepalive(self, request: pb.KeepAliveRequest, context: Any) -> tuple[pb.KeepAliveResponse, bool]:
+        lid = request.lease_id
+        if not lid:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lease_id must not be empty")
+        if len(lid) > MAX_LEASE_ID_LEN:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"lease_id is {len(lid)} characters long; the limit is {MAX_LEASE_ID_LEN}")
+        if request.ttl_ms > MAX_TTL_MS:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"ttl_ms is {request.ttl_ms}; the limit is {MAX_TTL_MS} (24 h)")
+        for s in request.attach_seq_ids:
+            try:
+                self._core.block_table(s)
+            except CoreError as e:
+                self._abort(context, "KeepAlive", e, s)
+        leases = self.leases
+        created = lid not in leases.leases
+        lease, changed = leases.touch(lid, request.ttl_ms / 1000.0 if request.ttl_ms else None)
+        for s in request.attach_seq_ids:
+            leases.attach(s, lid)
+        resp = pb.KeepAliveResponse(
+            ttl_ms=round(lease.ttl_s * 1000), num_sequences=len(lease.seq_ids), created=created
+        )
+        return resp, changed or bool(request.attach_seq_ids)
+
+    def KeepAlive(self, request: pb.KeepAliveRequest, context: grpc.ServicerContext) -> pb.KeepAliveResponse:
+        return self._mutate("KeepAlive", _keepalive_base, request, context)
+
+    # --- lease expiry -----------------------------------------------------------------
+    def _expire_lease(self, lease_id: str) -> tuple[int, int]:
+        """Free a lease's sequences through the Free handler (under the lock)."""
+        seqs = self.leases.drop(lease_id)
+        ctx = _InternalContext()
+        freed = released = 0
+        for s in seqs:
+            try:
+                r = BlockManagerServicer.Free(self, pb.FreeRequest(seq_id=s), ctx)
+            except ReplayError:
+                continue  # already gone
+            freed += 1
+            released += r.num_blocks_released
+        self.leases.num_expired += 1
+        self.leases.num_expired_sequences += freed
+        return freed, released
+
+    def sweep_leases(self) -> int:
+        """Expire every lease past its deadline; returns how many expired."""
+        seq = 0
+        with self._lock:
+            expired = self.leases.expired()
+            for lid in expired:
+                freed, released = self._expire_lease(lid)
+                if self.journal is not None:
+                    seq = self.journal.append(EXPIRE_LEASE, lid.encode(), time.time())
+                log.info("lease_expired", lease_id=lid, sequences_freed=freed, blocks_released=released)
+        if seq:
+            self.journal.wait_durable(seq)  # type: ignore[union-attr]
+        return len(expired)
+
+    # --- stats --------------------------------------------------------------------------
+    def GetStats(self, request: pb.GetStatsRequest, context: grpc.ServicerContext) -> pb.Stats:
+        s = super().GetStats(request, context)
+        leases = self.leases
+        s.num_leases = len(leases.leases)
+        s.num_leases_expired = leases.num_expired
+        s.num_lease_expired_sequences = leases.num_expired_sequences
+        s.num_dedupe_hits = self.dedupe.hits
+        s.num_dedupe_entries = len(self.dedupe)
+        s.journal_seq = self.journal.last_seq if self.journal is not None else 0
+        return s
+
+    # --- snapshots and recovery -----------------------------------------------------------
+    def _state(self) -> dict[str, Any]:
+        return {
+            "version": SNAPSHOT_VERSION,
+            "core": self._core,
+            "leases": self.leases.export(),
+            "dedupe": self.dedupe.export(),
+        }
+
+    def snapshot_now(self) -> int:
+        """Write a snapshot covering every journaled record; returns its seq."""
+        journal, state_dir = self.journal, self.state_dir
+        assert journal is not None and state_dir is not None
+        with self._snapshot_mu:
+            with self._lock:
+                if journal.last_seq == self.last_snapshot_seq and self.last_snapshot_seq:
+                    return self.last_snapshot_seq
+                payload = snap.dumps(self._state())
+                seq = journal.rotate()
+            t0 = time.perf_counter()
+            snap.write(state_dir, seq, payload, sync=journal.policy != "off")
+            journal.delete_segments_before(seq + 1)
+            self.last_snapshot_seq = seq
+            log.debug("snapshot_written", seq=seq, bytes=len(payload), seconds=round(time.perf_counter() - t0, 4))
+            return seq
+
+    def recover(self, state_dir: Path) -> RecoveryReport:
+        """Load the newest snapshot and replay the journal after it (before serving)."""
+        t0 = time.perf_counter()
+        report = RecoveryReport()
+        loaded = snap.load_latest(state_dir)
+        if loaded is not None:
+            st = loaded.state
+            if not isinstance(st, dict) or st.get("version") != SNAPSHOT_VERSION:
+                raise snap.SnapshotError(f"snapshot in {state_dir} has an unknown format version")
+            core = st["core"]
+            if core.config != self._core.config:
+                raise snap.SnapshotError(
+                    f"the state in {state_dir} was written with a different pool geometry: "
+                    f"{_config_diff(core.config, self._core.config)}; use the original settings "
+                    "or another --state-dir"
+                )
+            self._core = core
+            self.leases.restore(st["leases"])
+            self.dedupe.restore(st["dedupe"])
+            report.snapshot_seq = loaded.seq
+            report.snapshot_bytes = loaded.size
+        scan_report = ScanReport()
+        for rec in scan(state_dir, report.snapshot_seq, scan_report):
+            self._replay(rec)
+            report.replayed += 1
+        report.journal_bytes = scan_report.bytes
+        report.dropped_bytes = scan_report.dropped_bytes
+        report.dropped_segments = scan_report.dropped_segments
+        report.last_seq = max(report.snapshot_seq, scan_report.last_seq)
+        self._core.check_invariants()
+        self.leases.refresh_all()
+        self.last_snapshot_seq = report.snapshot_seq
+        report.seconds = time.perf_counter() - t0
+        self.recovery = report
+        return report
+
+    def _replay(self, rec: Record) -> None:
+        if rec.name == EXPIRE_LEASE:
+            self._expire_lease(rec.body.decode())
+            return
+        if rec.name == "KeepAlive":
+            base: Callable[..., Any] = _keepalive_base
+        else:
+            base = getattr(BlockManagerServicer, rec.name, None)  # type: ignore[assignment]
+            if base is None:
+                raise ReplayError(f"journal record {rec.seq} names unknown method {rec.name!r}")
+        request = _request_type(rec.name).FromString(rec.body)
+        try:
+            response, _ = self._apply(rec.name, base, request, _InternalContext())
+        except ReplayError as e:
+            raise ReplayError(f"journal record {rec.seq} ({rec.name}) was refused on replay: {e}") from None
+        if request.request_id:
+            self.dedupe.put(request.request_id, rec.name, digest(rec.name, rec.body),
+                            response.SerializeToString(), rec.wall_time)
+
+    # --- lifecycle ---------------------------------------------------------------------------
+    def start_reliability(self, settings: BlockManagerSettings) -> Reliability:
+        """Apply the reliability settings, recover from --state-dir, start the background threads."""
+        self.dedupe.max_entries = settings.dedupe_max_entries
+        self.dedupe.ttl_s = settings.dedupe_ttl_s
+        self.leases.default_ttl_s = settings.lease_ttl_s
+        rel = Reliability(self, settings.lease_sweep_interval_s, settings.snapshot_interval_s)
+        if settings.state_dir:
+            state_dir = Path(settings.state_dir)
+            state_dir.mkdir(parents=True, exist_ok=True)
+            rel.lock_state_dir(state_dir)
+            report = self.recover(state_dir)
+            self.state_dir = state_dir
+            self.journal = Journal(state_dir, report.last_seq + 1, settings.fsync, settings.fsync_interval_ms)
+            self.snapshot_every_ops = settings.snapshot_every_ops
+            if report.replayed or not report.snapshot_bytes:
+                self.snapshot_now()  # bounds the next recovery, records the geometry
+            log.info(
+                "state_recovered",
+                state_dir=str(state_dir),
+                snapshot_seq=report.snapshot_seq,
+                replayed=report.replayed,
+                journal_bytes=report.journal_bytes,
+                dropped_bytes=report.dropped_bytes,
+                sequences=len(self._core.seqs),
+                leases=len(self.leases.leases),
+                dedupe_entries=len(self.dedupe),
+                seconds=round(report.seconds, 4),
+                fsync=settings.fsync,
+            )
+        rel.start()
+        return rel
+
+
+def _keepalive_base(self: ReliableServicer, request: pb.KeepAliveRequest, context: Any) -> Any:
+    return self._keepalive(request, context)
+
+
+def _wrap(name: str) -> Callable[..., Any]:
+    base = getattr(BlockManagerServicer, name)
+
+    def handler(self: ReliableServicer, request: Any, context: grpc.ServicerContext) -> Any:
+        return self._mutate(name, base, request, context)
+
+    handler.__name__ = handler.__qualname__ = name
+    handler.__doc__ = f"{name} with deadlines, request-id dedupe, leases and journaling."
+    return handler
+
+
+for _name in MUTATIONS:
+    if _name in _SERVICE.methods_by_name and hasattr(BlockManagerServicer, _name):
+        setattr(ReliableServicer, _name, _wrap(_name))
+
+
+class Reliability:
+    """Background threads (lease sweeper, snapshotter) and shutdown of the journal."""
+
+    def __init__(self, servicer: ReliableServicer, sweep_interval_s: float, snapshot_interval_s: float) -> None:
+        self.servicer = servicer
+        self.sweep_interval_s = sweep_interval_s
+        self.snapshot_interval_s = snapshot_interval_s
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._lock_fd = -1
+
+    def lock_state_dir(self, state_dir: Path) -> None:
+        fd = os.open(state_dir / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise RuntimeError(f"state dir {state_dir} is in use by another block manager") from None
+        self._lock_fd = fd
+
+    def start(self) -> None:
+        self._threads.append(threading.Thread(target=self._sweep_loop, name="bm-lease-sweeper", daemon=True))
+        if self.servicer.journal is not None:
+            self._threads.append(threading.Thread(target=self._snapshot_loop, name="bm-snapshot", daemon=True))
+        for t in self._threads:
+            t.start()
+
+    def _sweep_loop(self) -> None:
+        while not self._stop.wait(self.sweep_interval_s):
+            try:
+                self.servicer.sweep_leases()
+            except Exception:  # noqa: BLE001 - keep sweeping; the error is logged
+                log.exception("lease_sweep_failed")
+
+    def _snapshot_loop(self) -> None:
+        s = self.servicer
+        interval = self.snapshot_interval_s or None
+        while not self._stop.is_set():
+            s._snapshot_wanted.wait(interval)
+            s._snapshot_wanted.clear()
+            if self._stop.is_set():
+                return
+            try:
+                s.snapshot_now()
+            except Exception:  # noqa: BLE001
+                log.exception("snapshot_failed")
+
+    def close(self) -> None:
+        """Stop the threads, write a final snapshot, close the journal (after the server stopped)."""
+        self._stop.set()
+        self.servicer._snapshot_wanted.set()
+        for t in self._threads:
+            t.join()
+        s = self.servicer
+        if s.journal is not None:
+            try:
+                s.snapshot_now()
+            finally:
+                s.journal.close()
+                s.journal = None
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1

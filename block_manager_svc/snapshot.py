@@ -1,0 +1,103 @@
+"""Atomic, checksummed snapshots of the whole block-manager state.
+
+A snapshot is the pickled state (core, leases, dedupe table) taken under the
+state lock, tagged with the journal sequence number it covers. It is written
+to a temporary file, fsynced, renamed over its final name and the directory
+fsynced, so a crash leaves either the old or the new snapshot, never half of
+one. After it is durable, journal segments it covers and older snapshots are
+deleted.
+
+File layout: ``MAGIC | u64 seq | u32 crc32(payload) | u64 len(payload) | payload``.
+Pickle is used because the core is plain Python objects and the file is only
+ever read back by the same code base; a snapshot written by another version
+of the core classes is refused with a clear error (delete the state dir or
+restart the old version to drain it).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import struct
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from block_manager_svc.journal import fsync_dir
+
+MAGIC = b"PKVSNAP1"
+HEADER = struct.Struct("<8sQIQ")
+SNAP_RE = re.compile(r"^snapshot-(\d{20})\.snap$")
+
+
+class SnapshotError(RuntimeError):
+    """The state directory holds a snapshot this process cannot read."""
+
+
+@dataclass(slots=True, frozen=True)
+class Snapshot:
+    seq: int
+    state: Any
+    size: int
+
+
+def snapshot_name(seq: int) -> str:
+    return f"snapshot-{seq:020d}.snap"
+
+
+def list_snapshots(state_dir: Path) -> list[tuple[int, Path]]:
+    out = []
+    for p in state_dir.iterdir():
+        m = SNAP_RE.match(p.name)
+        if m:
+            out.append((int(m.group(1)), p))
+    out.sort()
+    return out
+
+
+def dumps(state: Any) -> bytes:
+    return pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def write(state_dir: Path, seq: int, payload: bytes, sync: bool = True) -> Path:
+    """Atomically write the pickled `payload` as the snapshot for `seq`; remove older ones."""
+    final = state_dir / snapshot_name(seq)
+    tmp = final.with_suffix(".tmp")
+    header = HEADER.pack(MAGIC, seq, zlib.crc32(payload), len(payload))
+    with open(tmp, "wb") as f:
+        f.write(header)
+        f.write(payload)
+        f.flush()
+        if sync:
+            os.fsync(f.fileno())
+    os.replace(tmp, final)
+    if sync:
+        fsync_dir(state_dir)
+    for old_seq, path in list_snapshots(state_dir):
+        if old_seq < seq:
+            path.unlink(missing_ok=True)
+    return final
+
+
+def load_latest(state_dir: Path) -> Snapshot | None:
+    """The newest snapshot, or None if there is none. Raises SnapshotError if it is unreadable."""
+    for p in state_dir.glob("snapshot-*.tmp"):
+        p.unlink(missing_ok=True)  # an interrupted write; the previous snapshot is intact
+    snaps = list_snapshots(state_dir)
+    if not snaps:
+        return None
+    seq, path = snaps[-1]
+    buf = path.read_bytes()
+    if len(buf) < HEADER.size:
+        raise SnapshotError(f"{path} is truncated ({len(buf)} bytes)")
+    magic, hdr_seq, crc, length = HEADER.unpack_from(buf, 0)
+    payload = buf[HEADER.size :]
+    if magic != MAGIC or hdr_seq != seq or length != len(payload) or zlib.crc32(payload) != crc:
+        raise SnapshotError(f"{path} is corrupt (bad header or checksum)")
+    try:
+        state = pickle.loads(payload)
+    except Exception as e:  # noqa: BLE001 - any unpickling failure means "not ours"
+        raise SnapshotError(f"{path} cannot be loaded by this version: {e!r}") from e
+    return Snapshot(seq=seq, state=state, size=len(buf))
