@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test protos check-protos bench clean
+.PHONY: install demo up block-manager test protos bench clean
 
 install: $(STAMP)
 
@@ -18,8 +18,17 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[worker,dev]'
 	touch $@
 
-## The main job: the block manager service on 127.0.0.1:50051 (Ctrl-C stops it).
+## The main job: start the stack as local processes, run a realistic workload through it,
+## print throughput / prefix-cache / memory figures, stop everything.
 demo: $(STAMP)
+	$(BIN)/pagedkv demo
+
+## The stack as long-running local processes (block manager, cache host, 2 workers); Ctrl-C stops it.
+up: $(STAMP)
+	$(BIN)/pagedkv up
+
+## Only the block manager service on 127.0.0.1:50051 (Ctrl-C stops it).
+block-manager: $(STAMP)
 	$(BIN)/pagedkv block-manager
 
 ## The whole test suite (also what CI runs).

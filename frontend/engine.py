@@ -214,6 +214,11 @@ class Engine:
         self.stats.prompt_tokens += len(request.prompt)
         return out
 
+    def running_sequences(self) -> list[_Seq]:
+        """Sequences holding blocks right now: running, plus finished ones whose Free is
+        batched into the next step (read-only view for monitoring)."""
+        return self._running + [self._seqs[s] for s in self._to_free]
+
     def has_work(self) -> bool:
         return bool(self._waiting or self._running or self._swapped or self._to_free)
 

@@ -1,0 +1,108 @@
+"""`pagedkv generate`: one request through a running stack, or an in-process one.
+
+Prints the result as JSON on stdout (logs go to stderr), e.g.
+
+    pagedkv generate --token-ids 1,2,3 --max-tokens 16 --local
+    pagedkv generate --token-ids 1,2,3 --n 2 --block-manager 127.0.0.1:50051 --workers 127.0.0.1:50053
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+import grpc
+
+from frontend.engine import EngineConfig, GenerationRequest, RequestOutput, SamplingOptions
+
+
+def parse_token_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"token ids must be comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("at least one token id is needed")
+    return ids
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pagedkv generate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--token-ids", type=parse_token_ids, required=True, help="prompt, e.g. 1,2,3")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--n", type=int, default=1, help="parallel samples (forked from the prompt)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop-token-ids", type=parse_token_ids, default=None)
+    p.add_argument("--local", action="store_true", help="run an in-process stack instead of connecting")
+    p.add_argument("--model", default=None, help="with --local: Hugging Face model directory")
+    p.add_argument("--num-gpu-blocks", type=int, default=512, help="with --local")
+    p.add_argument("--block-size", type=int, default=16, help="with --local")
+    p.add_argument("--device", default="auto", help="with --local: auto | cpu | cuda")
+    p.add_argument("--block-manager", default="127.0.0.1:50051", help="block manager host:port")
+    p.add_argument("--workers", default="127.0.0.1:50053", help="comma-separated worker host:port list")
+    p.add_argument("--timeout-s", type=float, default=30.0)
+    return p
+
+
+def output_json(out: RequestOutput) -> dict[str, object]:
+    return {
+        "request_id": out.request_id,
+        "prompt_token_ids": out.prompt,
+        "num_cached_tokens": out.num_cached_tokens,
+        "completions": [
+            {"index": c.index, "token_ids": c.token_ids, "logprobs": [round(x, 6) for x in c.logprobs],
+             "finish_reason": c.finish_reason}
+            for c in out.completions
+        ],
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.model and not args.local:
+        parser.error("--model applies to --local; a running stack serves the model its workers loaded")
+    from pagedkv.logging_setup import configure_logging
+
+    configure_logging("warning")
+    request = GenerationRequest(
+        "generate", args.token_ids, max_tokens=args.max_tokens, n=args.n,
+        sampling=SamplingOptions(args.temperature, args.top_p, args.top_k, args.seed),
+        stop_token_ids=tuple(args.stop_token_ids or ()),
+    )
+    config = EngineConfig(timeout_s=args.timeout_s)
+    try:
+        if args.local:
+            from frontend.local_stack import LocalStack, StackConfig
+
+            with LocalStack(StackConfig(model=args.model, num_gpu_blocks=args.num_gpu_blocks,
+                                        block_size=args.block_size, device=args.device)) as stack:
+                out = stack.engine(config).generate([request])[0]
+        else:
+            from frontend.client import BlockManagerClient
+            from frontend.engine import Engine
+            from frontend.worker_client import WorkerClient
+
+            with BlockManagerClient(args.block_manager) as bm:
+                workers = [WorkerClient(t) for t in args.workers.split(",") if t]
+                try:
+                    out = Engine(bm, workers, config).generate([request])[0]
+                finally:
+                    for w in workers:
+                        w.close()
+    except ValueError as e:
+        print(f"pagedkv generate: {e}", file=sys.stderr)
+        return 2
+    except grpc.RpcError as e:
+        print(f"pagedkv generate: {e.code().name}: {e.details()} (is the stack running? `pagedkv up`)",
+              file=sys.stderr)
+        return 1
+    json.dump(output_json(out), sys.stdout)
+    sys.stdout.write("\n")
+    return 0

@@ -1,0 +1,235 @@
+"""`pagedkv up`: the whole stack as local processes, started, watched and stopped together.
+
+Block manager first (it owns the geometry), then the cache host (reads the
+geometry from it and allocates the cache once), then N workers (attach to the
+cache host's memory). Each is a separate `pagedkv <role>` process bound to
+127.0.0.1 unless told otherwise; `up` waits for every gRPC health check to say
+SERVING, prints where each listens, and on Ctrl-C / SIGTERM stops them in
+reverse order (workers, cache host, block manager) and checks that no shared
+memory segment was left behind in /dev/shm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+SHM_DIR = pathlib.Path("/dev/shm")
+
+
+@dataclass(slots=True)
+class Service:
+    name: str
+    args: list[str]
+    address: str
+    health_service: str
+    process: subprocess.Popen[bytes] | None = None
+
+
+@dataclass(slots=True)
+class StackOptions:
+    host: str = "127.0.0.1"
+    block_manager_port: int = 50051
+    cache_host_port: int = 50052
+    worker_port: int = 50053
+    num_workers: int = 2
+    num_gpu_blocks: int = 1024
+    num_cpu_blocks: int = 256
+    block_size: int = 16
+    model: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    log_format: str = "console"
+    log_dir: str | None = None
+    shm_prefix: str = field(default_factory=lambda: f"pagedkv-up-{os.getpid()}")
+    ready_timeout_s: float = 180.0
+
+
+def _pagedkv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "pagedkv.cli", *args]
+
+
+def plan(opts: StackOptions) -> list[Service]:
+    """The processes to start, in start order."""
+    bm = f"{opts.host}:{opts.block_manager_port}"
+    ch = f"{opts.host}:{opts.cache_host_port}"
+    common = ["--log-format", opts.log_format]
+    model = ["--model", opts.model] if opts.model else []
+    services = [
+        Service(
+            "block-manager",
+            _pagedkv("block-manager", "--host", opts.host, "--port", str(opts.block_manager_port),
+                     "--num-gpu-blocks", str(opts.num_gpu_blocks), "--num-cpu-blocks", str(opts.num_cpu_blocks),
+                     "--block-size", str(opts.block_size), *common),
+            bm, "pagedkv.v1.BlockManager",
+        ),
+        Service(
+            "cache-host",
+            _pagedkv("cache-host", "--host", opts.host, "--port", str(opts.cache_host_port),
+                     "--block-manager", bm, "--device", opts.device, "--dtype", opts.dtype,
+                     "--shm-prefix", opts.shm_prefix, *model, *common),
+            ch, "pagedkv.v1.CacheHost",
+        ),
+    ]
+    for i in range(opts.num_workers):
+        port = opts.worker_port + i
+        services.append(
+            Service(
+                f"worker-{i}",
+                _pagedkv("worker", "--host", opts.host, "--port", str(port), "--cache-host", ch,
+                         "--block-manager", bm, "--device", opts.device, "--dtype", opts.dtype, *model, *common),
+                f"{opts.host}:{port}", "pagedkv.v1.Worker",
+            )
+        )
+    return services
+
+
+def wait_serving(address: str, service: str, deadline: float, proc: subprocess.Popen[bytes]) -> None:
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{service} at {address} exited with code {proc.returncode} before it was ready")
+            try:
+                status = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{service} at {address} was not SERVING in time")
+            time.sleep(0.2)
+
+
+def leaked_segments(prefix: str) -> list[str]:
+    if not SHM_DIR.is_dir():
+        return []
+    return sorted(p.name for p in SHM_DIR.iterdir() if p.name.startswith(prefix))
+
+
+class Stack:
+    """Start, watch and stop the services of one `pagedkv up`."""
+
+    def __init__(self, opts: StackOptions, out: object = sys.stdout) -> None:
+        self.opts = opts
+        self.services = plan(opts)
+        self.out = out
+
+    def _say(self, line: str) -> None:
+        print(line, file=self.out, flush=True)  # type: ignore[call-overload]
+
+    def start(self) -> None:
+        env = {**os.environ}
+        log_dir = pathlib.Path(self.opts.log_dir) if self.opts.log_dir else None
+        if log_dir:
+            log_dir.mkdir(parents=True, exist_ok=True)
+        deadline = time.monotonic() + self.opts.ready_timeout_s
+        try:
+            for svc in self.services:
+                stdout = stderr = None
+                if log_dir:
+                    stdout = stderr = open(log_dir / f"{svc.name}.log", "ab")  # noqa: SIM115 - owned by the child
+                svc.process = subprocess.Popen(svc.args, env=env, stdout=stdout, stderr=stderr,
+                                               start_new_session=True)
+                wait_serving(svc.address, svc.health_service, deadline, svc.process)
+                self._say(f"  {svc.name:<14} SERVING  {svc.address}  (pid {svc.process.pid})")
+        except BaseException:
+            self.stop()
+            raise
+
+    def first_exited(self) -> Service | None:
+        for svc in self.services:
+            if svc.process is not None and svc.process.poll() is not None:
+                return svc
+        return None
+
+    def stop(self, timeout_s: float = 15.0) -> list[str]:
+        """Stop in reverse order; returns shared-memory segments left behind (should be none)."""
+        for svc in reversed(self.services):
+            p = svc.process
+            if p is None or p.poll() is not None:
+                continue
+            p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        return leaked_segments(self.opts.shm_prefix)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = StackOptions()
+    p = argparse.ArgumentParser(prog="pagedkv up", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--host", default=d.host, help="address every service binds to [%(default)s]")
+    p.add_argument("--block-manager-port", type=int, default=d.block_manager_port)
+    p.add_argument("--cache-host-port", type=int, default=d.cache_host_port)
+    p.add_argument("--worker-port", type=int, default=d.worker_port, help="first worker's port; others follow")
+    p.add_argument("--num-workers", type=int, default=d.num_workers)
+    p.add_argument("--num-gpu-blocks", type=int, default=d.num_gpu_blocks)
+    p.add_argument("--num-cpu-blocks", type=int, default=d.num_cpu_blocks)
+    p.add_argument("--block-size", type=int, default=d.block_size)
+    p.add_argument("--model", default=None, help="Hugging Face model directory (default: built-in tiny model)")
+    p.add_argument("--device", default=d.device, help="auto | cpu | cuda (auto = CUDA when present)")
+    p.add_argument("--dtype", default=d.dtype)
+    p.add_argument("--log-format", choices=("console", "json"), default=d.log_format)
+    p.add_argument("--log-dir", default=None, help="write each service's log to DIR/<name>.log")
+    p.add_argument("--ready-timeout-s", type=float, default=d.ready_timeout_s)
+    return p
+
+
+def options_from_args(args: argparse.Namespace) -> StackOptions:
+    if args.num_workers < 1:
+        raise SystemExit("pagedkv up: --num-workers must be at least 1")
+    return StackOptions(
+        host=args.host, block_manager_port=args.block_manager_port, cache_host_port=args.cache_host_port,
+        worker_port=args.worker_port, num_workers=args.num_workers, num_gpu_blocks=args.num_gpu_blocks,
+        num_cpu_blocks=args.num_cpu_blocks, block_size=args.block_size, model=args.model, device=args.device,
+        dtype=args.dtype, log_format=args.log_format, log_dir=args.log_dir, ready_timeout_s=args.ready_timeout_s,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    opts = options_from_args(args)
+    stack = Stack(opts)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"pagedkv up: starting {len(stack.services)} services", flush=True)
+    try:
+        stack.start()
+    except (RuntimeError, TimeoutError) as e:
+        print(f"pagedkv up: {e}", file=sys.stderr)
+        return 1
+    bm = stack.services[0].address
+    workers = ",".join(s.address for s in stack.services[2:])
+    print(f"pagedkv up: ready. Try:  pagedkv generate --block-manager {bm} --workers {workers} "
+          f"--token-ids 1,2,3 --max-tokens 16\n            Ctrl-C stops everything.", flush=True)
+    code = 0
+    while not stop.wait(0.5):
+        dead = stack.first_exited()
+        if dead is not None:
+            print(f"pagedkv up: {dead.name} exited with code {dead.process.returncode}; stopping the stack",  # type: ignore[union-attr]
+                  file=sys.stderr)
+            code = 1
+            break
+    print("pagedkv up: stopping", flush=True)
+    leaked = stack.stop()
+    if leaked:
+        print(f"pagedkv up: shared memory left in /dev/shm: {leaked}", file=sys.stderr)
+        return 1
+    print("pagedkv up: stopped; nothing left running, no shared memory left behind", flush=True)
+    return code
