@@ -40,8 +40,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from pagedkv.v1 import block_manager_pb2 as pb  # noqa: E402
-from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc  # noqa: E402
+from pagedkv.v1 import block_manager_pb2 as pb
+from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
 
 STEP_SEQS = 256
 APPEND_SEQS = 256

@@ -30,7 +30,7 @@ and one ``self._call(...)`` per method).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -38,6 +38,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from frontend.retry import RetryPolicy, async_call_with_retry, call_with_retry
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # the block manager's default limit
@@ -176,7 +179,7 @@ class GrpcClient:
         if self._owns_channel:
             self.channel.close()
 
-    def __enter__(self) -> GrpcClient:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -232,7 +235,7 @@ class AsyncGrpcClient:
         if self._owns_channel:
             await self.channel.close()
 
-    async def __aenter__(self) -> AsyncGrpcClient:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -249,9 +252,6 @@ class BlockManagerClient(GrpcClient):
     def __init__(self, target: str, **kwargs: Any) -> None:
         super().__init__(target, **kwargs)
         self._stub = pb_grpc.BlockManagerStub(self.channel)
-
-    def __enter__(self) -> BlockManagerClient:
-        return self
 
     def allocate(self, seq_id: str, num_tokens: int, token_ids: Sequence[int] | None = None, *,
                  priority: int = 0, request_id: str | None = None,
@@ -306,9 +306,6 @@ class AsyncBlockManagerClient(AsyncGrpcClient):
     def __init__(self, target: str, **kwargs: Any) -> None:
         super().__init__(target, **kwargs)
         self._stub = pb_grpc.BlockManagerStub(self.channel)
-
-    async def __aenter__(self) -> AsyncBlockManagerClient:
-        return self
 
     async def allocate(self, seq_id: str, num_tokens: int, token_ids: Sequence[int] | None = None, *,
                        priority: int = 0, request_id: str | None = None,

@@ -437,11 +437,13 @@ async def _run_part(plan: PartPlan, wait_go: Any = None) -> PartResult:
         try:
             await client.wait_ready(plan.timeout_s)
             await asyncio.gather(*(w.setup() for w in workers))
-        except (grpc.RpcError, asyncio.TimeoutError) as e:
-            result.fatal = f"setup failed: {getattr(e, 'details', lambda: repr(e))() or repr(e)}"
+        except grpc.RpcError as e:
+            result.fatal = f"setup failed: {e.code().name} {e.details()}"
+        except asyncio.TimeoutError:
+            result.fatal = f"setup failed: no connection to {plan.target} within {plan.timeout_s} s"
+        if wait_go is not None:  # report ready even after a failure, so the parent never waits in vain
+            await asyncio.get_running_loop().run_in_executor(None, wait_go)
         if result.fatal is None:
-            if wait_go is not None:
-                await asyncio.get_running_loop().run_in_executor(None, wait_go)
             result.t_start_ns = time.monotonic_ns()
             deadline = None if plan.duration is None else result.t_start_ns + int(plan.duration * 1e9)
             budget = _Budget(plan.total, deadline)
@@ -601,8 +603,8 @@ def format_summary(rep: dict[str, Any]) -> str:
         lines += ["", "Error distribution:"]
         for msg, n in sorted(rep["error_distribution"].items(), key=lambda kv: -kv[1]):
             lines.append(f"  [{n}]\t{msg}")
-    lines += ["", "Per call:", f"  {'call':<14}{'count':>8}{'calls/s':>10}{'avg ms':>9}{'p50 ms':>9}"
-              f"{'p99 ms':>9}{'errors':>8}"]
+    header = f"  {'call':<14}{'count':>8}{'calls/s':>10}{'avg ms':>9}{'p50 ms':>9}{'p99 ms':>9}{'errors':>8}"
+    lines += ["", "Per call:", header]
     for name, c in rep["calls"].items():
         lines.append(f"  {name:<14}{c['count']:>8}{c['rps']:>10.1f}{c['average_ms']:>9.3f}{c['p50_ms']:>9.3f}"
                      f"{c['p99_ms']:>9.3f}{c['errors']:>8}")

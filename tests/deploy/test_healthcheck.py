@@ -33,7 +33,8 @@ def test_module_entry_point_uses_pagedkv_port() -> None:
     running = start_server(BlockManagerSettings(port=0, log_level="warning"))
     try:
         proc = subprocess.run([sys.executable, "-m", "pagedkv.healthcheck"], cwd=ROOT, capture_output=True,
-                              text=True, timeout=20, env={"PAGEDKV_PORT": str(running.port), "PATH": ""})
+                              text=True, timeout=20, check=False,
+                              env={"PAGEDKV_PORT": str(running.port), "PATH": ""})
         assert proc.returncode == 0, proc.stderr
         assert f"127.0.0.1:{running.port}: SERVING" in proc.stdout
     finally:

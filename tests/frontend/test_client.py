@@ -142,9 +142,9 @@ def test_mutation_with_request_id_is_retried(server) -> None:  # type: ignore[no
 def test_attempts_are_bounded(server) -> None:  # type: ignore[no-untyped-def]
     target, faults = server
     faults.fail["GetConfig"] = 100
-    with BlockManagerClient(target, retry=RetryPolicy(max_attempts=3, initial_backoff_s=0.01)) as bm:
-        with pytest.raises(grpc.RpcError) as info:
-            bm.get_config()
+    bm = BlockManagerClient(target, retry=RetryPolicy(max_attempts=3, initial_backoff_s=0.01))
+    with bm, pytest.raises(grpc.RpcError) as info:
+        bm.get_config()
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     assert faults.calls["GetConfig"] == 3
 
