@@ -37,7 +37,7 @@ import heapq
 from collections import OrderedDict
 from typing import Protocol
 
-DEFAULT_MISS_COST_TOKENS = 256
+DEFAULT_MISS_COST_TOKENS = 64
 
 
 class EvictionPolicy(Protocol):

@@ -51,6 +51,7 @@ from block_manager_svc.core.results import (
 from block_manager_svc.core.sequence import Sequence
 
 MAX_SEQ_ID_LEN = 256
+_MAX_REQUEUED = 65_536
 MAX_TOKEN_ID = 2**32 - 1
 
 
@@ -178,6 +179,10 @@ class BlockManager:
         self._preempt_on = config.preemption_mode != "off"
         self._watermark = config.watermark_blocks
         self._recently_preempted: dict[str, str] = {}  # by the current call, for messages
+        # Recompute victims' arrivals, restored when the frontend re-Allocates
+        # them under the same id, so they keep their place in the preemption
+        # order (vLLM keeps a request's arrival across preemption). Bounded.
+        self._requeued: dict[str, int] = {}
         self._arrivals = 0
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
@@ -289,6 +294,9 @@ class BlockManager:
         if not self.config.enable_prefix_caching:
             pending = None
         self._arrivals += 1
+        arrival = self._arrivals
+        if self._requeued:
+            arrival = self._requeued.pop(seq_id, arrival)
         self.seqs[seq_id] = Sequence(
             seq_id=seq_id,
             block_ids=block_ids,
@@ -297,11 +305,11 @@ class BlockManager:
             last_hash=last_hash,
             num_hashed_blocks=num_hashed,
             priority=priority,
-            arrival=self._arrivals,
+            arrival=arrival,
             group=self._arrivals,
         )
         if self._preempt_on:
-            self.victims.push(seq_id, priority, self._arrivals)
+            self.victims.push(seq_id, priority, arrival)
         return AllocateResult(block_ids=list(block_ids), num_cached_tokens=len(hits) * bs)
 
     # --- Append -------------------------------------------------------------
@@ -782,6 +790,9 @@ class BlockManager:
             self.free(m)
             out.append(Preemption(m, PreemptionMode.RECOMPUTE.value, seq.num_tokens, len(seq.block_ids), share))
             self._recently_preempted[m] = "recompute"
+            if len(self._requeued) >= _MAX_REQUEUED:
+                del self._requeued[next(iter(self._requeued))]
+            self._requeued[m] = seq.arrival
         self.num_preemptions_recompute += len(members)
         return out
 
