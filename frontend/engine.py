@@ -6,7 +6,8 @@ Each `step()` is one scheduler iteration:
    last iteration and reserve a slot for every running sequence's newly sampled
    token (packed arrays with the token ids, so full blocks enter the prefix
    cache). Copy-on-write ops and preemptions come back in the reply.
-2. **Swap-in** swapped sequences while room allows, oldest first.
+2. **Swap-in** swapped sequences while room allows, oldest first (in the
+   same block-manager Step).
 3. **Admission**: waiting requests are allocated with their token ids, so
    prefix-cache hits skip prefill work; admission stops at the first request
    that does not fit (FIFO, no overtaking).
@@ -243,7 +244,6 @@ class Engine:
         ops = self._pending_ops
         self._pending_ops = pb.CacheOps()
         self._block_manager_step(ops)
-        self._swap_in(ops)
         self._admit()
         batch = self._schedule()
         if not batch:
@@ -263,13 +263,17 @@ class Engine:
         return bool(len(ops.copies) or len(ops.swap_out) or len(ops.swap_in))
 
     def _block_manager_step(self, ops: pb.CacheOps) -> None:
+        """One round trip: free finished, reserve slots for new tokens, swap sequences back in."""
         grow = [s for s in self._running if s.needs_slot]
-        if not grow and not self._to_free:
+        room = self.config.max_num_seqs - len(self._running)
+        swap_in = list(itertools.islice(self._swapped, max(0, room)))
+        if not grow and not self._to_free and not swap_in:
             return
         req = pb.StepRequest(
             append_seq_ids=[s.seq_id for s in grow],
             append_token_ids=[s.tokens[-1] for s in grow],
             free_seq_ids=self._to_free,
+            swap_in_seq_ids=[s.seq_id for s in swap_in],
         )
         resp = self.bm.step(req, timeout_s=self.config.timeout_s)
         self._to_free = []
@@ -288,8 +292,15 @@ class Engine:
         ops.swap_in.extend(resp.ops.swap_in)
         for c in resp.ops.copies:
             self._computed.discard(c.dst)
+        preempted = self._apply_preemptions(resp.preempted)
+        self._apply_swap_ins(resp.swap_ins, swap_in)
         failed: set[int] = set()
         for err in resp.errors:
+            if err.seq_id in preempted:
+                failed.add(err.index)
+                continue  # its own later item: expected after its preemption
+            if err.kind == pb.StepItemError.SWAP_IN:
+                continue  # no room yet: it stays swapped
             if err.kind != pb.StepItemError.PACKED_APPEND:
                 log.warning("step_item_error", kind=err.kind, seq_id=err.seq_id, message=err.message)
                 continue
@@ -299,19 +310,19 @@ class Engine:
                 self._preempt_self(grow[err.index])
             else:
                 raise RuntimeError(f"block manager refused to grow {err.seq_id}: {err.message}")
-        self._apply_preemptions(resp)
         for i, s in enumerate(grow):
             if i not in failed and s.status is SeqStatus.RUNNING:
                 s.needs_slot = False
 
-    def _apply_preemptions(self, resp: object) -> None:
-        """Follow the block manager's preemption decisions (if it reports any)."""
-        for p in getattr(resp, "preempted", ()):
+    def _apply_preemptions(self, preemptions: Iterable[pb.Preemption]) -> set[str]:
+        """Follow the block manager's preemption decisions; returns the victims' ids."""
+        victims: set[str] = set()
+        for p in preemptions:
+            victims.add(p.seq_id)
             seq = self._seqs.get(p.seq_id)
             if seq is None or seq.status is not SeqStatus.RUNNING:
                 continue
-            mode = pb.Preemption.Mode.Name(p.mode) if hasattr(pb, "Preemption") else "RECOMPUTE"
-            if mode == "SWAP":
+            if p.mode == pb.Preemption.SWAP:
                 self._running.remove(seq)
                 seq.status = SeqStatus.SWAPPED
                 seq.block_table = []
@@ -320,7 +331,21 @@ class Engine:
             else:
                 self._requeue(seq)
                 self.stats.preempted_recompute += 1
-            log.info("preempted", seq_id=seq.seq_id, mode=mode)
+            log.info("preempted", seq_id=seq.seq_id, mode=pb.Preemption.Mode.Name(p.mode), cost_s=p.cost_s)
+        return victims
+
+    def _apply_swap_ins(self, results: Sequence[pb.SwapInResponse], asked: list[_Seq]) -> None:
+        for seq, res in zip(asked, results):
+            for member in res.sequences:
+                s = self._seqs.get(member.seq_id)
+                if s is None or s.status is not SeqStatus.SWAPPED:
+                    continue
+                s.block_table = list(member.block_ids)
+                s.status = SeqStatus.RUNNING
+                self._swapped.remove(s)
+                self._running.append(s)
+        for c in (c for r in results for c in r.ops.swap_in):
+            self._computed.add(c.dst)  # restored by the swap_in op, which runs before compute
 
     def _preempt_self(self, seq: _Seq) -> None:
         try:
@@ -341,25 +366,6 @@ class Engine:
         seq.num_computed = 0
         seq.needs_slot = False
         self._waiting.appendleft(seq)
-
-    def _swap_in(self, ops: pb.CacheOps) -> None:
-        if not self._swapped or not hasattr(self.bm, "swap_in"):
-            return
-        while self._swapped and len(self._running) < self.config.max_num_seqs:
-            seq = self._swapped[0]
-            try:
-                resp = self.bm.swap_in(seq.seq_id, timeout_s=self.config.timeout_s)
-            except grpc.RpcError as e:
-                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    return
-                raise
-            self._swapped.popleft()
-            seq.block_table = list(resp.block_ids)
-            ops.swap_in.extend(resp.ops.swap_in)
-            for c in resp.ops.swap_in:
-                self._computed.add(c.dst)  # restored KV is valid once the op runs (before compute)
-            seq.status = SeqStatus.RUNNING
-            self._running.append(seq)
 
     def _admit(self) -> None:
         while self._waiting and len(self._running) < self.config.max_num_seqs:

@@ -99,3 +99,21 @@ def test_bad_requests_are_rejected_before_touching_the_services(hf: HFModel) -> 
             with pytest.raises(ValueError, match=fragment):
                 engine.add_request(req)
         assert not engine.has_work()
+
+
+@pytest.mark.parametrize("mode", ["swap", "auto"])
+def test_swap_preemption_round_trips_through_the_cpu_pool(hf: HFModel, mode: str) -> None:
+    ps = prompts(4, 5)
+    reqs = [GenerationRequest(f"w{i}", p, max_tokens=14, n=2 if i == 1 else 1) for i, p in enumerate(ps)]
+    with stack(hf, num_gpu_blocks=20, num_cpu_blocks=64,
+               block_manager_overrides={"preemption_mode": mode}) as st:
+        engine = st.engine(EngineConfig(max_batch_tokens=8))
+        outs = engine.generate(reqs)
+        bm = st.block_manager.servicer._core  # noqa: SLF001
+        bm.check_invariants()
+        stats = bm.stats()
+    assert engine.stats.preempted_swap > 0
+    assert stats.num_swapped_out_blocks > 0 and stats.num_swapped_in_blocks > 0
+    for p, out in zip(ps, outs):
+        expected = hf.greedy(p, 14)
+        assert [c.token_ids for c in out.completions] == [expected] * len(out.completions), out.request_id
