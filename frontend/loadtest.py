@@ -36,6 +36,7 @@ import json
 import math
 import multiprocessing as mp
 import os
+import queue
 import random
 import sys
 import time
@@ -479,14 +480,28 @@ def run_parts(plans: list[PartPlan], start_timeout_s: float = 60.0) -> list[Part
     procs = [ctx.Process(target=_process_main, args=(p, ready, go, results), daemon=True) for p in plans]
     for proc in procs:
         proc.start()
+
+    def get(q: Any, timeout_s: float) -> Any:
+        """Next item of q; fails fast when a process died without sending it."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return q.get(timeout=0.2)
+            except queue.Empty:
+                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise LoadTestError(f"a connection process exited with code {dead[0]}") from None
+                if time.monotonic() > deadline:
+                    raise LoadTestError(f"no answer from the connection processes in {timeout_s:.0f} s") from None
+
     try:
         for _ in plans:  # all connected and set up: start together
-            ready.get(timeout=start_timeout_s)
+            get(ready, start_timeout_s)
         go.set()
         budget = max((plans[0].duration or 0) * 3 + 120, 600)
         out: dict[int, PartResult] = {}
         for _ in plans:
-            index, data = results.get(timeout=budget)
+            index, data = get(results, budget)
             out[index] = PartResult(**data)
         return [out[i] for i in range(len(plans))]
     finally:
@@ -647,7 +662,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except LoadTestError as e:
         sys.stderr.write(f"pagedkv loadtest: {e}\n")
         return 2
-    results = run_parts(plans)
+    try:
+        results = run_parts(plans)
+    except LoadTestError as e:
+        sys.stderr.write(f"pagedkv loadtest: {e}\n")
+        return 1
     pool = None
     if args.pool_check:
         with BlockManagerClient(args.target) as bm:

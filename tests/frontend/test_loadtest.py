@@ -107,3 +107,14 @@ def test_step_rotation_fits_the_budget() -> None:
     assert loadtest.size_step_batch(64, 32, 16, 10_000) == 1
     with pytest.raises(loadtest.LoadTestError):
         loadtest.size_step_batch(64, 32, 16, 100)
+
+
+def test_connection_processes_report_a_failed_setup_quickly() -> None:
+    plans = [
+        loadtest.PartPlan(target="127.0.0.1:1", index=i, workers=1, worker_offset=i, total=10, duration=None,
+                          rps_per_worker=0.0, mix={"stats": 1.0}, num_tokens=4, step_size=1, step_rotate=0,
+                          max_live=1, max_seq_tokens=16, timeout_s=0.3, seed=1)
+        for i in range(2)
+    ]
+    results = loadtest.run_parts(plans, start_timeout_s=20)
+    assert [r.fatal for r in results] == ["setup failed: no connection to 127.0.0.1:1 within 0.3 s"] * 2
