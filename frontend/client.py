@@ -11,11 +11,10 @@ What every call gets:
 * **Retries on UNAVAILABLE** with exponential backoff and full jitter
   (:mod:`frontend.retry` explains why this is a client-side loop and not
   gRPC's service-config retry policy). Reads always retry. Mutations
-  (Allocate, Append, Fork, Free, Step) retry only when you pass a
+  (Allocate, Append, Fork, Free, Step, KeepAlive, SwapIn, Preempt) retry only when you pass a
   ``request_id``: a retried mutation that the server already applied would be
   applied twice, and only request ids let the server recognise the repeat
-  (server-side deduplication is issue 7; until then a retried Allocate can
-  come back ALREADY_EXISTS, a retried Free NOT_FOUND).
+  and answer it from its dedupe table (issue 7).
 
 Methods mirror the RPCs and return the protobuf responses; errors raise
 ``grpc.RpcError`` with the server's status code and message (``grpc.aio``
@@ -84,10 +83,11 @@ def allocate_request(
     token_ids: Sequence[int] | None = None,
     priority: int = 0,
     request_id: str | None = None,
+    lease_id: str | None = None,
 ) -> pb.AllocateRequest:
     return pb.AllocateRequest(
         seq_id=seq_id, num_tokens=num_tokens, token_ids=token_ids or (), priority=priority,
-        request_id=request_id or "",
+        request_id=request_id or "", lease_id=lease_id or "",
     )
 
 
@@ -254,10 +254,10 @@ class BlockManagerClient(GrpcClient):
         self._stub = pb_grpc.BlockManagerStub(self.channel)
 
     def allocate(self, seq_id: str, num_tokens: int, token_ids: Sequence[int] | None = None, *,
-                 priority: int = 0, request_id: str | None = None,
+                 priority: int = 0, request_id: str | None = None, lease_id: str | None = None,
                  timeout_s: float | None = None) -> pb.AllocateResponse:
         return self._call(self._stub.Allocate,
-                          allocate_request(seq_id, num_tokens, token_ids, priority, request_id),
+                          allocate_request(seq_id, num_tokens, token_ids, priority, request_id, lease_id),
                           mutation=True, request_id=request_id, timeout_s=timeout_s)
 
     def append(self, seq_id: str, num_tokens: int = 1, token_ids: Sequence[int] | None = None, *,
@@ -266,8 +266,9 @@ class BlockManagerClient(GrpcClient):
                           mutation=True, request_id=request_id, timeout_s=timeout_s)
 
     def fork(self, parent_seq_id: str, child_seq_id: str, *, request_id: str | None = None,
-             timeout_s: float | None = None) -> pb.ForkResponse:
-        req = pb.ForkRequest(parent_seq_id=parent_seq_id, child_seq_id=child_seq_id, request_id=request_id or "")
+             lease_id: str | None = None, timeout_s: float | None = None) -> pb.ForkResponse:
+        req = pb.ForkRequest(parent_seq_id=parent_seq_id, child_seq_id=child_seq_id, request_id=request_id or "",
+                             lease_id=lease_id or "")
         return self._call(self._stub.Fork, req, mutation=True, request_id=request_id, timeout_s=timeout_s)
 
     def free(self, seq_id: str, *, request_id: str | None = None,
@@ -299,6 +300,22 @@ class BlockManagerClient(GrpcClient):
         return self._call(self._stub.GetConfig, pb.GetConfigRequest(), mutation=False, request_id=None,
                           timeout_s=timeout_s)
 
+    def keep_alive(self, lease_id: str, *, ttl_ms: int = 0, attach_seq_ids: Sequence[str] = (),
+                   request_id: str | None = None, timeout_s: float | None = None) -> pb.KeepAliveResponse:
+        req = pb.KeepAliveRequest(lease_id=lease_id, ttl_ms=ttl_ms, attach_seq_ids=attach_seq_ids,
+                                  request_id=request_id or "")
+        return self._call(self._stub.KeepAlive, req, mutation=True, request_id=request_id, timeout_s=timeout_s)
+
+    def swap_in(self, seq_id: str, *, request_id: str | None = None,
+                timeout_s: float | None = None) -> pb.SwapInResponse:
+        req = pb.SwapInRequest(seq_id=seq_id, request_id=request_id or "")
+        return self._call(self._stub.SwapIn, req, mutation=True, request_id=request_id, timeout_s=timeout_s)
+
+    def preempt(self, seq_id: str, mode: str = "", *, request_id: str | None = None,
+                timeout_s: float | None = None) -> pb.PreemptResponse:
+        req = pb.PreemptRequest(seq_id=seq_id, mode=mode, request_id=request_id or "")
+        return self._call(self._stub.Preempt, req, mutation=True, request_id=request_id, timeout_s=timeout_s)
+
 
 class AsyncBlockManagerClient(AsyncGrpcClient):
     """asyncio block manager client; the same methods as :class:`BlockManagerClient`, awaitable."""
@@ -308,10 +325,10 @@ class AsyncBlockManagerClient(AsyncGrpcClient):
         self._stub = pb_grpc.BlockManagerStub(self.channel)
 
     async def allocate(self, seq_id: str, num_tokens: int, token_ids: Sequence[int] | None = None, *,
-                       priority: int = 0, request_id: str | None = None,
+                       priority: int = 0, request_id: str | None = None, lease_id: str | None = None,
                        timeout_s: float | None = None) -> pb.AllocateResponse:
         return await self._call(self._stub.Allocate,
-                                allocate_request(seq_id, num_tokens, token_ids, priority, request_id),
+                                allocate_request(seq_id, num_tokens, token_ids, priority, request_id, lease_id),
                                 mutation=True, request_id=request_id, timeout_s=timeout_s)
 
     async def append(self, seq_id: str, num_tokens: int = 1, token_ids: Sequence[int] | None = None, *,
@@ -320,8 +337,9 @@ class AsyncBlockManagerClient(AsyncGrpcClient):
                                 mutation=True, request_id=request_id, timeout_s=timeout_s)
 
     async def fork(self, parent_seq_id: str, child_seq_id: str, *, request_id: str | None = None,
-                   timeout_s: float | None = None) -> pb.ForkResponse:
-        req = pb.ForkRequest(parent_seq_id=parent_seq_id, child_seq_id=child_seq_id, request_id=request_id or "")
+                   lease_id: str | None = None, timeout_s: float | None = None) -> pb.ForkResponse:
+        req = pb.ForkRequest(parent_seq_id=parent_seq_id, child_seq_id=child_seq_id, request_id=request_id or "",
+                             lease_id=lease_id or "")
         return await self._call(self._stub.Fork, req, mutation=True, request_id=request_id, timeout_s=timeout_s)
 
     async def free(self, seq_id: str, *, request_id: str | None = None,
@@ -349,6 +367,22 @@ class AsyncBlockManagerClient(AsyncGrpcClient):
     async def get_config(self, *, timeout_s: float | None = None) -> pb.Config:
         return await self._call(self._stub.GetConfig, pb.GetConfigRequest(), mutation=False, request_id=None,
                                 timeout_s=timeout_s)
+
+    async def keep_alive(self, lease_id: str, *, ttl_ms: int = 0, attach_seq_ids: Sequence[str] = (),
+                   request_id: str | None = None, timeout_s: float | None = None) -> pb.KeepAliveResponse:
+        req = pb.KeepAliveRequest(lease_id=lease_id, ttl_ms=ttl_ms, attach_seq_ids=attach_seq_ids,
+                                  request_id=request_id or "")
+        return await self._call(self._stub.KeepAlive, req, mutation=True, request_id=request_id, timeout_s=timeout_s)
+
+    async def swap_in(self, seq_id: str, *, request_id: str | None = None,
+                timeout_s: float | None = None) -> pb.SwapInResponse:
+        req = pb.SwapInRequest(seq_id=seq_id, request_id=request_id or "")
+        return await self._call(self._stub.SwapIn, req, mutation=True, request_id=request_id, timeout_s=timeout_s)
+
+    async def preempt(self, seq_id: str, mode: str = "", *, request_id: str | None = None,
+                timeout_s: float | None = None) -> pb.PreemptResponse:
+        req = pb.PreemptRequest(seq_id=seq_id, mode=mode, request_id=request_id or "")
+        return await self._call(self._stub.Preempt, req, mutation=True, request_id=request_id, timeout_s=timeout_s)
 
 
 __all__ = [

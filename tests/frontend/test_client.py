@@ -242,3 +242,28 @@ class socket_free_port:
 
     def __exit__(self, *exc: object) -> None:
         self._sock.close()
+
+
+def test_leases_preempt_swap_in_and_request_id_dedupe_on_the_real_server() -> None:
+    from block_manager_svc.server import start_server
+
+    running = start_server(BlockManagerSettings(port=0, num_gpu_blocks=256, num_cpu_blocks=64, log_level="warning"))
+    try:
+        with BlockManagerClient(f"127.0.0.1:{running.port}", retry=FAST_RETRY) as bm:
+            assert bm.keep_alive("lease-1", ttl_ms=60_000).ttl_ms > 0
+            first = bm.allocate("p", 20, lease_id="lease-1", request_id="alloc-p")
+            # what a retry after a lost reply does: the server answers from its dedupe table
+            again = bm.allocate("p", 20, lease_id="lease-1", request_id="alloc-p")
+            assert list(again.block_ids) == list(first.block_ids)
+            bm.fork("p", "q", lease_id="lease-1")
+            try:
+                resp = bm.preempt("p", "swap", request_id="pre-p")
+            except grpc.RpcError as e:  # the server may refuse by its policy; the RPC itself exists
+                assert e.code() != grpc.StatusCode.UNIMPLEMENTED
+            else:
+                assert "p" in {p.seq_id for p in resp.preempted}
+            with pytest.raises(grpc.RpcError) as info:
+                bm.swap_in("never-allocated")
+            assert info.value.code() not in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAVAILABLE)
+    finally:
+        running.stop(None)
