@@ -180,9 +180,10 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
             num_available_blocks=available,
         )
         ops = CacheOps()
+        add_append = resp.appends.add
         for item in r.item_results:
-            if item is None:
-                resp.appends.add()
+            if item is None or not item.new_block_ids:
+                add_append()  # nothing changed for it (no new block means no op either)
             else:
                 ops.extend(item.ops)
                 resp.appends.add(
