@@ -43,7 +43,7 @@ class Entry:
 
 class RequestIdReused(Exception):
     def __init__(self, request_id: str, method: str, previous: str) -> None:
-        what = "a different request body" if method == previous else f"a {previous} request"
+        what = "a different request body" if method == previous else f"another method ({previous})"
         super().__init__(
             f"request_id {request_id!r} was already used for {what}; "
             f"a retry must repeat the original {previous} request exactly"

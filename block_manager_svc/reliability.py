@@ -156,7 +156,9 @@ class ReliableServicer(BlockManagerServicer):
         if rid:
             dig = digest(name, body)
             try:
-                cached = self.dedupe.begin(rid, name, dig, remaining)
+                # gRPC reports "no deadline" as a huge time_remaining; waits take None for that.
+                wait = remaining if remaining is not None and remaining < 1e6 else None
+                cached = self.dedupe.begin(rid, name, dig, wait)
             except RequestIdReused as e:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             except WaitTimeout as e:
@@ -171,7 +173,7 @@ class ReliableServicer(BlockManagerServicer):
                 now = time.time()
                 if journal is not None and changed:
                     seq = journal.append(name, body, now)
-                if rid:
+                if rid and changed:  # a pure lease renewal is not remembered: re-running it is harmless
                     self.dedupe.put(rid, name, dig, response.SerializeToString(), now)
             if seq:
                 journal.wait_durable(seq)  # type: ignore[union-attr]
@@ -369,7 +371,11 @@ class ReliableServicer(BlockManagerServicer):
             state_dir = Path(settings.state_dir)
             state_dir.mkdir(parents=True, exist_ok=True)
             rel.lock_state_dir(state_dir)
-            report = self.recover(state_dir)
+            try:
+                report = self.recover(state_dir)
+            except BaseException:
+                rel.close()  # release the state dir for a corrected restart
+                raise
             self.state_dir = state_dir
             self.journal = Journal(state_dir, report.last_seq + 1, settings.fsync, settings.fsync_interval_ms)
             self.snapshot_every_ops = settings.snapshot_every_ops
@@ -443,7 +449,7 @@ class Reliability:
         while not self._stop.wait(self.sweep_interval_s):
             try:
                 self.servicer.sweep_leases()
-            except Exception:  # noqa: BLE001 - keep sweeping; the error is logged
+            except Exception:
                 log.exception("lease_sweep_failed")
 
     def _snapshot_loop(self) -> None:
@@ -456,7 +462,7 @@ class Reliability:
                 return
             try:
                 s.snapshot_now()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("snapshot_failed")
 
     def close(self) -> None:
