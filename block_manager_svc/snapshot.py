@@ -98,6 +98,6 @@ def load_latest(state_dir: Path) -> Snapshot | None:
         raise SnapshotError(f"{path} is corrupt (bad header or checksum)")
     try:
         state = pickle.loads(payload)
-    except Exception as e:  # noqa: BLE001 - any unpickling failure means "not ours"
+    except Exception as e:
         raise SnapshotError(f"{path} cannot be loaded by this version: {e!r}") from e
     return Snapshot(seq=seq, state=state, size=len(buf))
