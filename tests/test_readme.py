@@ -37,3 +37,15 @@ def test_settings_table_lists_every_setting() -> None:
     text = README.read_text()
     for name in BlockManagerSettings.model_fields:
         assert f"PAGEDKV_{name.upper()}" in text, f"README does not document PAGEDKV_{name.upper()}"
+
+
+def test_engine_python_example_runs(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("PAGEDKV_KERNEL_BACKEND", "reference")
+    snippet = next(b for b in python_blocks() if "frontend.engine" in b)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(snippet, "README.md", "exec"), {})  # noqa: S102 - our own documentation
+    events = [line.split() for line in out.getvalue().splitlines()]
+    assert len(events) == 16  # 2 samples x 8 tokens
+    assert {e[1] for e in events} == {"0", "1"}
+    assert sum(1 for e in events if e[3] == "length") == 2
