@@ -150,6 +150,7 @@ class AllocateRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     LEASE_ID_FIELD_NUMBER: _builtins.int
+    CACHE_SALT_FIELD_NUMBER: _builtins.int
     seq_id: _builtins.str
     num_tokens: _builtins.int
     priority: _builtins.int
@@ -162,6 +163,10 @@ class AllocateRequest(_message.Message):
     """Optional lease: the sequence is freed if the lease is not renewed
     (KeepAlive) within its TTL. An unknown lease id creates the lease with
     the server's default TTL. Empty: no lease, the sequence lives until freed.
+    """
+    cache_salt: _builtins.str
+    """Optional prefix-cache salt: only requests with the same salt (and, with
+    authentication on, the same tenant) share cached blocks (docs/security.md).
     """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -178,10 +183,11 @@ class AllocateRequest(_message.Message):
         priority: _builtins.int = ...,
         request_id: _builtins.str = ...,
         lease_id: _builtins.str = ...,
+        cache_salt: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_id", b"lease_id", "num_tokens", b"num_tokens", "priority", b"priority", "request_id", b"request_id", "seq_id", b"seq_id", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "lease_id", b"lease_id", "num_tokens", b"num_tokens", "priority", b"priority", "request_id", b"request_id", "seq_id", b"seq_id", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -792,12 +798,19 @@ Global___StepResponse: _TypeAlias = StepResponse  # noqa: Y015
 class GetStatsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    ALL_TENANTS_FIELD_NUMBER: _builtins.int
+    all_tenants: _builtins.bool
+    """Admins only: the whole pool instead of the caller's own numbers (with
+    authentication off every caller sees the whole pool anyway).
+    """
     def __init__(
         self,
+        *,
+        all_tenants: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["all_tenants", b"all_tenants"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1022,3 +1035,132 @@ class Config(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Config: _TypeAlias = Config  # noqa: Y015
+
+@_typing.final
+class WatchEventsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ALL_TENANTS_FIELD_NUMBER: _builtins.int
+    all_tenants: _builtins.bool
+    """Admins only: every tenant's events (others always see only their own)."""
+    def __init__(
+        self,
+        *,
+        all_tenants: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["all_tenants", b"all_tenants"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchEventsRequest: _TypeAlias = WatchEventsRequest  # noqa: Y015
+
+@_typing.final
+class KvEvent(_message.Message):
+    """One change to the set of cached (content-addressed) blocks. Versions rise
+    by one per event within one server process; a gap means events were lost.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VERSION_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
+    BLOCK_STORED_FIELD_NUMBER: _builtins.int
+    BLOCK_REMOVED_FIELD_NUMBER: _builtins.int
+    ALL_BLOCKS_CLEARED_FIELD_NUMBER: _builtins.int
+    version: _builtins.int
+    tenant: _builtins.str
+    """The tenant the blocks belong to ("" with authentication off)."""
+    @_builtins.property
+    def block_stored(self) -> Global___BlockStored: ...
+    @_builtins.property
+    def block_removed(self) -> Global___BlockRemoved: ...
+    @_builtins.property
+    def all_blocks_cleared(self) -> Global___AllBlocksCleared: ...
+    def __init__(
+        self,
+        *,
+        version: _builtins.int = ...,
+        tenant: _builtins.str = ...,
+        block_stored: Global___BlockStored | None = ...,
+        block_removed: Global___BlockRemoved | None = ...,
+        all_blocks_cleared: Global___AllBlocksCleared | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["all_blocks_cleared", b"all_blocks_cleared", "block_removed", b"block_removed", "block_stored", b"block_stored", "event", b"event"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["all_blocks_cleared", b"all_blocks_cleared", "block_removed", b"block_removed", "block_stored", b"block_stored", "event", b"event", "tenant", b"tenant", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["block_stored", "block_removed", "all_blocks_cleared"]  # noqa: Y015
+    _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
+
+Global___KvEvent: _TypeAlias = KvEvent  # noqa: Y015
+
+@_typing.final
+class BlockStored(_message.Message):
+    """Blocks became findable by content hash (a chain: each one's parent is the
+    previous one; the first one's parent is parent_block_hash, empty for the root).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+    PARENT_BLOCK_HASH_FIELD_NUMBER: _builtins.int
+    BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    parent_block_hash: _builtins.bytes
+    @_builtins.property
+    def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
+    @_builtins.property
+    def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        block_hashes: _abc.Iterable[_builtins.bytes] | None = ...,
+        parent_block_hash: _builtins.bytes = ...,
+        block_ids: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "block_ids", b"block_ids", "parent_block_hash", b"parent_block_hash"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BlockStored: _TypeAlias = BlockStored  # noqa: Y015
+
+@_typing.final
+class BlockRemoved(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
+    def __init__(
+        self,
+        *,
+        block_hashes: _abc.Iterable[_builtins.bytes] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BlockRemoved: _TypeAlias = BlockRemoved  # noqa: Y015
+
+@_typing.final
+class AllBlocksCleared(_message.Message):
+    """Forget everything seen so far from this server (sent first on every stream)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AllBlocksCleared: _TypeAlias = AllBlocksCleared  # noqa: Y015

@@ -89,6 +89,11 @@ class BlockManagerStub:
                 request_serializer=pagedkv_dot_v1_dot_block__manager__pb2.PreemptRequest.SerializeToString,
                 response_deserializer=pagedkv_dot_v1_dot_block__manager__pb2.PreemptResponse.FromString,
                 _registered_method=True)
+        self.WatchEvents = channel.unary_stream(
+                '/pagedkv.v1.BlockManager/WatchEvents',
+                request_serializer=pagedkv_dot_v1_dot_block__manager__pb2.WatchEventsRequest.SerializeToString,
+                response_deserializer=pagedkv_dot_v1_dot_block__manager__pb2.KvEvent.FromString,
+                _registered_method=True)
 
 
 class BlockManagerServicer:
@@ -164,6 +169,14 @@ class BlockManagerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchEvents(self, request, context):
+        """KV events for cache-aware routers: first AllBlocksCleared plus a
+        BlockStored for every block cached now (a snapshot), then live events.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_BlockManagerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -221,6 +234,11 @@ def add_BlockManagerServicer_to_server(servicer, server):
                     servicer.Preempt,
                     request_deserializer=pagedkv_dot_v1_dot_block__manager__pb2.PreemptRequest.FromString,
                     response_serializer=pagedkv_dot_v1_dot_block__manager__pb2.PreemptResponse.SerializeToString,
+            ),
+            'WatchEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchEvents,
+                    request_deserializer=pagedkv_dot_v1_dot_block__manager__pb2.WatchEventsRequest.FromString,
+                    response_serializer=pagedkv_dot_v1_dot_block__manager__pb2.KvEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -520,6 +538,33 @@ class BlockManager:
             '/pagedkv.v1.BlockManager/Preempt',
             pagedkv_dot_v1_dot_block__manager__pb2.PreemptRequest.SerializeToString,
             pagedkv_dot_v1_dot_block__manager__pb2.PreemptResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pagedkv.v1.BlockManager/WatchEvents',
+            pagedkv_dot_v1_dot_block__manager__pb2.WatchEventsRequest.SerializeToString,
+            pagedkv_dot_v1_dot_block__manager__pb2.KvEvent.FromString,
             options,
             channel_credentials,
             insecure,

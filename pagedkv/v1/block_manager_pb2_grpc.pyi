@@ -54,6 +54,10 @@ class BlockManagerStub:
     """Preempt a running sequence (and its fork group) now, by the cost model:
     for a frontend whose own growing sequence is the lowest-ranked one.
     """
+    WatchEvents: _grpc.UnaryStreamMultiCallable[_block_manager_pb2.WatchEventsRequest, _block_manager_pb2.KvEvent]
+    """KV events for cache-aware routers: first AllBlocksCleared plus a
+    BlockStored for every block cached now (a snapshot), then live events.
+    """
 
 @_typing.type_check_only
 class BlockManagerAsyncStub(BlockManagerStub):
@@ -74,6 +78,10 @@ class BlockManagerAsyncStub(BlockManagerStub):
     Preempt: _aio.UnaryUnaryMultiCallable[_block_manager_pb2.PreemptRequest, _block_manager_pb2.PreemptResponse]  # type: ignore[assignment]
     """Preempt a running sequence (and its fork group) now, by the cost model:
     for a frontend whose own growing sequence is the lowest-ranked one.
+    """
+    WatchEvents: _aio.UnaryStreamMultiCallable[_block_manager_pb2.WatchEventsRequest, _block_manager_pb2.KvEvent]  # type: ignore[assignment]
+    """KV events for cache-aware routers: first AllBlocksCleared plus a
+    BlockStored for every block cached now (a snapshot), then live events.
     """
 
 class BlockManagerServicer(metaclass=_abc_1.ABCMeta):
@@ -158,6 +166,16 @@ class BlockManagerServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_block_manager_pb2.PreemptResponse, _abc.Awaitable[_block_manager_pb2.PreemptResponse]]:
         """Preempt a running sequence (and its fork group) now, by the cost model:
         for a frontend whose own growing sequence is the lowest-ranked one.
+        """
+
+    @_abc_1.abstractmethod
+    def WatchEvents(
+        self,
+        request: _block_manager_pb2.WatchEventsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_block_manager_pb2.KvEvent], _abc.AsyncIterator[_block_manager_pb2.KvEvent]]:
+        """KV events for cache-aware routers: first AllBlocksCleared plus a
+        BlockStored for every block cached now (a snapshot), then live events.
         """
 
 def add_BlockManagerServicer_to_server(servicer: BlockManagerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
