@@ -21,10 +21,15 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from block_manager_svc.core import BlockManager, CoreConfig
+from block_manager_svc.events import EventHub
+from block_manager_svc.metrics import MetricsServer, setup_metrics
 from block_manager_svc.reliability import Reliability, ReliableServicer
 from block_manager_svc.servicer import BlockManagerServicer
 from block_manager_svc.settings import BlockManagerSettings, load_settings
+from block_manager_svc.tenancy import TenantServicer, ledger_from_store
+from pagedkv.auth import AuthInterceptor, TokenStore
 from pagedkv.logging_setup import configure_logging
+from pagedkv.tls import add_port
 from pagedkv.v1 import block_manager_pb2, block_manager_pb2_grpc
 
 SERVICE_NAME = block_manager_pb2.DESCRIPTOR.services_by_name["BlockManager"].full_name
@@ -40,10 +45,14 @@ class RunningServer:
     health: health.HealthServicer
     servicer: BlockManagerServicer
     reliability: Reliability | None = None
+    metrics: MetricsServer | None = None
 
     def stop(self, grace: float | None = None) -> None:
         self.health.enter_graceful_shutdown()
         self.server.stop(grace).wait()
+        if self.metrics is not None:
+            self.metrics.stop()
+            self.metrics = None
         if self.reliability is not None:
             self.reliability.close()  # final snapshot, journal closed
             self.reliability = None
@@ -75,14 +84,33 @@ def start_server(settings: BlockManagerSettings) -> RunningServer:
         ("grpc.max_send_message_length", settings.max_message_bytes),
         ("grpc.so_reuseport", 0),
     ]
+    # Security and observability (docs/security.md, docs/observability.md): all off by default.
+    store = TokenStore.load(settings.auth_tokens_file) if settings.auth_tokens_file else None
+    servicer_cls = TenantServicer if store is not None else ReliableServicer
+    servicer = servicer_cls(build_core(settings), settings.num_cpu_blocks)
+    interceptors: list[grpc.ServerInterceptor] = []
+    registry = None
+    if settings.metrics_port:
+        registry, rpc_metrics = setup_metrics(servicer)
+        interceptors.append(rpc_metrics)  # first: it also counts the auth rejections
+    if store is not None:
+        interceptors.append(AuthInterceptor(store))
+    # Each WatchEvents stream holds a thread for its lifetime: extra threads so they cannot starve RPCs.
+    watchers = settings.max_event_watchers if settings.enable_kv_events else 0
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=settings.max_workers, thread_name_prefix="bm-rpc"),
+        futures.ThreadPoolExecutor(max_workers=settings.max_workers + watchers, thread_name_prefix="bm-rpc"),
         options=options,
         maximum_concurrent_rpcs=settings.max_concurrent_rpcs,
+        interceptors=interceptors or None,
     )
-    servicer = ReliableServicer(build_core(settings), settings.num_cpu_blocks)
     # Recovers from --state-dir (before the port opens), starts the lease sweeper and snapshots.
     reliability = servicer.start_reliability(settings)
+    if store is not None:
+        servicer._core.enable_tenancy(ledger_from_store(store))
+    if settings.enable_kv_events:
+        servicer.events_hub = EventHub(servicer._lock, settings.max_event_watchers, settings.event_queue_size,
+                                       tenancy=store is not None)
+        servicer.events_hub.attach(servicer._core)
     block_manager_pb2_grpc.add_BlockManagerServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -91,20 +119,21 @@ def start_server(settings: BlockManagerSettings) -> RunningServer:
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             server,
         )
-    address = f"{settings.host}:{settings.port}"
     try:
-        port = server.add_insecure_port(address)
-    except RuntimeError as e:
+        port = add_port(server, settings.host, settings.port, tls_cert=settings.tls_cert,
+                        tls_key=settings.tls_key, tls_client_ca=settings.tls_client_ca,
+                        allow_insecure=settings.allow_insecure)
+        metrics = MetricsServer(registry, settings.metrics_host, settings.metrics_port) if registry else None
+    except (RuntimeError, OSError) as e:
         reliability.close()
-        raise RuntimeError(f"cannot listen on {address}: {e}") from e
-    if port == 0:
-        reliability.close()
-        raise RuntimeError(f"cannot listen on {address} (address in use or not local?)")
+        if isinstance(e, OSError):
+            raise RuntimeError(f"cannot serve metrics on {settings.metrics_host}:{settings.metrics_port}: {e}") from e
+        raise
     server.start()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return RunningServer(server=server, port=port, health=health_servicer, servicer=servicer,
-                         reliability=reliability)
+                         reliability=reliability, metrics=metrics)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -123,6 +152,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         num_cpu_blocks=settings.num_cpu_blocks,
         eviction_policy=settings.eviction_policy,
         reflection=settings.enable_reflection,
+        tls="mtls" if settings.tls_client_ca else "tls" if settings.tls_cert else "off",
+        auth=bool(settings.auth_tokens_file),
+        metrics=f"{settings.metrics_host}:{running.metrics.port}" if running.metrics else "off",
+        kv_events=settings.enable_kv_events,
     )
     stopping = threading.Event()
 

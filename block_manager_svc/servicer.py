@@ -10,7 +10,8 @@ it mutates).
 from __future__ import annotations
 
 import threading
-from typing import NoReturn
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, NoReturn
 
 import grpc
 import structlog
@@ -19,6 +20,9 @@ from block_manager_svc.core import BlockManager, CoreError, ErrorCode, ItemError
 from block_manager_svc.core.results import CacheOps, Preemption, SwapInResult
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from block_manager_svc.events import EventHub
 
 STATUS_BY_CODE: dict[ErrorCode, grpc.StatusCode] = {
     ErrorCode.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
@@ -76,6 +80,7 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
         self._core = core
         self._lock = threading.Lock()
         self._num_cpu_blocks = num_cpu_blocks
+        self.events_hub: EventHub | None = None  # set by server.py (block_manager_svc/events.py)
 
     @staticmethod
     def _abort(context: grpc.ServicerContext, method: str, err: CoreError, seq_id: str) -> NoReturn:
@@ -87,7 +92,8 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
         try:
             with self._lock:
                 r = self._core.allocate(
-                    request.seq_id, request.num_tokens, request.token_ids or None, request.priority
+                    request.seq_id, request.num_tokens, request.token_ids or None, request.priority,
+                    request.cache_salt,
                 )
         except CoreError as e:
             self._abort(context, "Allocate", e, request.seq_id)
@@ -247,6 +253,13 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
             num_swapped_in_blocks=s.num_swapped_in_blocks,
             preemption_cost_s=s.preemption_cost_s,
         )
+
+    def WatchEvents(self, request: pb.WatchEventsRequest, context: grpc.ServicerContext) -> Iterator[pb.KvEvent]:
+        """KV events (BlockStored / BlockRemoved / AllBlocksCleared) for cache-aware routers."""
+        hub = self.events_hub
+        if hub is None:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "KV events are off (--enable-kv-events)")
+        yield from hub.watch(request, context)  # type: ignore[union-attr]
 
     def GetConfig(self, request: pb.GetConfigRequest, context: grpc.ServicerContext) -> pb.Config:
         cfg = self._core.config

@@ -70,6 +70,27 @@ class BlockManagerSettings(BaseSettings):
     lease_ttl_s: float = Field(30.0, gt=0, description="TTL of a lease created without ttl_ms")
     lease_sweep_interval_s: float = Field(1.0, gt=0, description="how often expired leases are swept")
 
+    # Security and observability (docs/security.md, docs/observability.md).
+    tls_cert: str = Field("", description="server certificate chain (PEM); with tls_key: serve TLS")
+    tls_key: str = Field("", description="server private key (PEM)")
+    tls_client_ca: str = Field("", description="CA bundle (PEM) for client certificates: mutual TLS, required")
+    allow_insecure: bool = Field(
+        False, description="allow plaintext gRPC on a non-loopback address (trusted networks only)"
+    )
+    auth_tokens_file: str = Field(
+        "", description="tenants and their sha256 token hashes (TOML/JSON): bearer-token auth, "
+        "tenant namespaces and quotas (empty = no auth)"
+    )
+    metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics HTTP port (0 = off)")
+    metrics_host: str = Field("127.0.0.1", description="address of the metrics HTTP server")
+    enable_kv_events: bool = Field(True, description="serve WatchEvents (KV cache events for routers)")
+    max_event_watchers: int = Field(
+        4, ge=0, le=64, description="concurrent WatchEvents streams (each holds a server thread)"
+    )
+    event_queue_size: int = Field(
+        10_000, ge=16, description="events buffered per watcher before a slow one is dropped"
+    )
+
     @model_validator(mode="after")
     def _check_geometry(self) -> BlockManagerSettings:
         if self.block_size & (self.block_size - 1):

@@ -35,6 +35,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from frontend.retry import RetryPolicy, async_call_with_retry, call_with_retry
+from pagedkv.tls import auth_metadata
+from pagedkv.tls import channel as tls_channel
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
 
@@ -84,10 +86,11 @@ def allocate_request(
     priority: int = 0,
     request_id: str | None = None,
     lease_id: str | None = None,
+    cache_salt: str | None = None,
 ) -> pb.AllocateRequest:
     return pb.AllocateRequest(
         seq_id=seq_id, num_tokens=num_tokens, token_ids=token_ids or (), priority=priority,
-        request_id=request_id or "", lease_id=lease_id or "",
+        request_id=request_id or "", lease_id=lease_id or "", cache_salt=cache_salt or "",
     )
 
 
@@ -146,13 +149,19 @@ class GrpcClient:
         options: Sequence[tuple[str, Any]] | None = None,
         metadata: Sequence[tuple[str, str]] | None = None,
         channel: grpc.Channel | None = None,
+        tls_ca: str = "",
+        tls_cert: str = "",
+        tls_key: str = "",
+        token: str = "",
     ) -> None:
         self.target = target
         self.default_timeout_s = _check_timeout(default_timeout_s)
         self.retry = retry or RetryPolicy()
-        self.metadata = tuple(metadata) if metadata else None
+        self.metadata = tuple(metadata or ()) + auth_metadata(token) or None
         self._owns_channel = channel is None
-        self.channel = channel or grpc.insecure_channel(target, options=list(options or channel_options()))
+        # TLS when any of tls_ca/tls_cert/tls_key is given (pagedkv/tls.py); token = bearer auth.
+        self.channel = channel or tls_channel(target, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
+                                              options=list(options or channel_options()))
         self._health = health_pb2_grpc.HealthStub(self.channel)
 
     def _call(self, method: Any, request: Any, *, mutation: bool, request_id: str | None,
@@ -202,13 +211,18 @@ class AsyncGrpcClient:
         options: Sequence[tuple[str, Any]] | None = None,
         metadata: Sequence[tuple[str, str]] | None = None,
         channel: grpc.aio.Channel | None = None,
+        tls_ca: str = "",
+        tls_cert: str = "",
+        tls_key: str = "",
+        token: str = "",
     ) -> None:
         self.target = target
         self.default_timeout_s = _check_timeout(default_timeout_s)
         self.retry = retry or RetryPolicy()
-        self.metadata = tuple(metadata) if metadata else None
+        self.metadata = tuple(metadata or ()) + auth_metadata(token) or None
         self._owns_channel = channel is None
-        self.channel = channel or grpc.aio.insecure_channel(target, options=list(options or channel_options()))
+        self.channel = channel or tls_channel(target, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
+                                              options=list(options or channel_options()), aio=True)
         self._health = health_pb2_grpc.HealthStub(self.channel)
 
     async def _call(self, method: Any, request: Any, *, mutation: bool, request_id: str | None,
@@ -255,9 +269,10 @@ class BlockManagerClient(GrpcClient):
 
     def allocate(self, seq_id: str, num_tokens: int, token_ids: Sequence[int] | None = None, *,
                  priority: int = 0, request_id: str | None = None, lease_id: str | None = None,
-                 timeout_s: float | None = None) -> pb.AllocateResponse:
+                 timeout_s: float | None = None, cache_salt: str | None = None) -> pb.AllocateResponse:
         return self._call(self._stub.Allocate,
-                          allocate_request(seq_id, num_tokens, token_ids, priority, request_id, lease_id),
+                          allocate_request(seq_id, num_tokens, token_ids, priority, request_id, lease_id,
+                                           cache_salt),
                           mutation=True, request_id=request_id, timeout_s=timeout_s)
 
     def append(self, seq_id: str, num_tokens: int = 1, token_ids: Sequence[int] | None = None, *,
@@ -326,9 +341,10 @@ class AsyncBlockManagerClient(AsyncGrpcClient):
 
     async def allocate(self, seq_id: str, num_tokens: int, token_ids: Sequence[int] | None = None, *,
                        priority: int = 0, request_id: str | None = None, lease_id: str | None = None,
-                       timeout_s: float | None = None) -> pb.AllocateResponse:
+                       timeout_s: float | None = None, cache_salt: str | None = None) -> pb.AllocateResponse:
         return await self._call(self._stub.Allocate,
-                                allocate_request(seq_id, num_tokens, token_ids, priority, request_id, lease_id),
+                                allocate_request(seq_id, num_tokens, token_ids, priority, request_id, lease_id,
+                                                 cache_salt),
                                 mutation=True, request_id=request_id, timeout_s=timeout_s)
 
     async def append(self, seq_id: str, num_tokens: int = 1, token_ids: Sequence[int] | None = None, *,

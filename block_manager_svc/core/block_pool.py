@@ -34,6 +34,7 @@ class BlockPool:
         "index",
         "evictable",
         "num_evicted",
+        "events",
     )
 
     def __init__(self, num_blocks: int, evictable: EvictionPolicy) -> None:
@@ -57,6 +58,18 @@ class BlockPool:
         if bind is not None:
             bind(self.block_hash, self.child_count)
         self.num_evicted = 0
+        # KV events for watchers (block_manager_svc/events.py): None = off, the
+        # default and the core's zero-cost path; else a list the servicer drains:
+        # (block, hash, parent hash) when a block is registered, (-1, hash, None)
+        # when a registered block is evicted.
+        self.events: list[tuple[int, bytes, bytes | None]] | None = None
+
+    def __setstate__(self, state: object) -> None:  # snapshots written before `events` existed
+        _, slots = state if isinstance(state, tuple) else (None, state)
+        for k, v in (slots or {}).items():
+            setattr(self, k, v)
+        if not hasattr(self, "events"):
+            self.events = None
 
     # --- capacity -------------------------------------------------------------
     @property
@@ -95,6 +108,8 @@ class BlockPool:
         if h is not None:
             if self.index.get(h) == block:
                 del self.index[h]
+                if self.events is not None:
+                    self.events.append((-1, h, None))
             self.block_hash[block] = None
             parent = self.parent_hash[block]
             self.parent_hash[block] = None
@@ -149,6 +164,8 @@ class BlockPool:
         self.index[content_hash] = block
         self.block_hash[block] = content_hash
         self.depth[block] = depth
+        if self.events is not None:
+            self.events.append((block, content_hash, parent))
         if parent is not None:
             self.parent_hash[block] = parent
             count = self.child_count.get(parent, 0)
@@ -169,11 +186,14 @@ class BlockPool:
         this runs for every prompt block."""
         index, block_hash, parent_hash = self.index, self.block_hash, self.parent_hash
         depths, child_count, ref_counts = self.depth, self.child_count, self.ref_counts
+        events = self.events
         for block, h in zip(blocks, hashes):
             if block_hash[block] is None and h not in index:
                 index[h] = block
                 block_hash[block] = h
                 depths[block] = depth
+                if events is not None:
+                    events.append((block, h, parent))
                 if parent is not None:
                     parent_hash[block] = parent
                     count = child_count.get(parent, 0)

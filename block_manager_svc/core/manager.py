@@ -36,7 +36,7 @@ from block_manager_svc.core.swap_planner import (
 )
 from array import array
 
-from block_manager_svc.core.prefix_cache import ROOT_HASH, chain_hash, chain_hashes, encode_tokens
+from block_manager_svc.core.prefix_cache import ROOT_HASH, chain_hash, chain_hashes, encode_tokens, root_hash
 from block_manager_svc.core.results import (
     AllocateResult,
     AppendResult,
@@ -49,6 +49,7 @@ from block_manager_svc.core.results import (
     SwapInResult,
 )
 from block_manager_svc.core.sequence import Sequence
+from block_manager_svc.core.tenants import SEP, TenantLedger, quota_message, tenant_of
 
 MAX_SEQ_ID_LEN = 256
 _MAX_REQUEUED = 65_536
@@ -99,8 +100,20 @@ class CoreConfig:
 def _check_seq_id(seq_id: str, what: str = "seq_id") -> None:
     if not seq_id:
         raise InvalidArgument(f"{what} must not be empty")
-    if len(seq_id) > MAX_SEQ_ID_LEN:
-        raise InvalidArgument(f"{what} is {len(seq_id)} characters long; the limit is {MAX_SEQ_ID_LEN}")
+    if len(seq_id) > MAX_SEQ_ID_LEN or not seq_id.isprintable():
+        _check_seq_id_slow(seq_id, what)
+
+
+def _check_seq_id_slow(seq_id: str, what: str) -> None:
+    # A tenant-namespaced id ("tenant<SEP>id", built by the servicer) is
+    # judged by its client part: that is what the client sent and sees.
+    local = seq_id.rpartition(SEP)[2] if SEP in seq_id else seq_id
+    if not local:
+        raise InvalidArgument(f"{what} must not be empty")
+    if len(local) > MAX_SEQ_ID_LEN:
+        raise InvalidArgument(f"{what} is {len(local)} characters long; the limit is {MAX_SEQ_ID_LEN}")
+    if not local.isprintable():
+        raise InvalidArgument(f"{what} must be printable text (no control characters)")
 
 
 def _encode_token_ids(token_ids: SequenceT[int], num_tokens: int, what: str = "token_ids") -> array:
@@ -159,6 +172,8 @@ class BlockManager:
     """Owns block tables, reference counts, the prefix-cache index, the CPU
     swap pool and the preemption order."""
 
+    tenants: TenantLedger | None = None  # class default: snapshots from before tenancy existed
+
     def __init__(self, config: CoreConfig) -> None:
         self.config = config
         self.block_size = config.block_size
@@ -192,6 +207,8 @@ class BlockManager:
         self.num_swapped_out_blocks = 0
         self.num_swapped_in_blocks = 0
         self.preemption_cost_s = 0.0
+        # Per-tenant usage and quotas; None = tenancy off (core/tenants.py).
+        self.tenants: TenantLedger | None = None
 
     # --- helpers ------------------------------------------------------------
     def _get(self, seq_id: str) -> Sequence:
@@ -230,12 +247,16 @@ class BlockManager:
         num_tokens: int,
         token_ids: SequenceT[int] | None = None,
         priority: int = 0,
+        salt: str = "",
     ) -> AllocateResult:
         """Blocks for a new sequence's prompt, reusing cached prefix blocks.
 
         Hits are whole blocks and never include the block holding the prompt's
         last token: the frontend must compute at least one token to get logits,
         and writing KV into a block other sequences read would race.
+
+        A non-empty `salt` starts the hash chain from `root_hash(salt)`: only
+        sequences with the same salt share cached blocks (per-tenant isolation).
         """
         _check_seq_id(seq_id)
         if seq_id in self.seqs or seq_id in self.swapped:
@@ -255,10 +276,11 @@ class BlockManager:
             )
 
         num_full = num_tokens // bs
+        root = root_hash(salt.encode()) if salt else ROOT_HASH
         hashes: list[bytes] = []
         hits: list[int] = []
         if tokens is not None and self.config.enable_prefix_caching:
-            hashes = chain_hashes(ROOT_HASH, tokens, bs, num_full)
+            hashes = chain_hashes(root, tokens, bs, num_full)
             max_hits = (num_tokens - 1) // bs
             index = pool.index
             for h in hashes[:max_hits]:
@@ -274,6 +296,22 @@ class BlockManager:
             raise self._exhausted(
                 f"allocating {num_tokens} tokens for {seq_id!r}", needed, max(available, 0), self._watermark
             )
+        tenants = self.tenants
+        if tenants is not None:
+            tenant = tenant_of(seq_id)
+            usage, quota = tenants.of(tenant), tenants.quota(tenant)
+            if quota.max_sequences and usage.sequences >= quota.max_sequences:
+                raise ResourceExhausted(quota_message(tenant, "max_sequences", usage.sequences, 1,
+                                                      quota.max_sequences))
+            charge = needed + hits_from_cache
+            if quota.max_gpu_blocks and usage.gpu_blocks + charge > quota.max_gpu_blocks:
+                raise ResourceExhausted(quota_message(tenant, "max_gpu_blocks", usage.gpu_blocks, charge,
+                                                      quota.max_gpu_blocks))
+            usage.sequences += 1
+            usage.gpu_blocks += charge
+            if tokens is not None:
+                usage.prefix_query_tokens += num_tokens
+                usage.prefix_hit_tokens += len(hits) * bs
 
         # Commit: nothing below can fail.
         for b in hits:
@@ -287,10 +325,10 @@ class BlockManager:
             self.prefix_query_tokens += num_tokens
             self.prefix_hit_tokens += len(hits) * bs
             pending = tokens[num_full * bs :]
-            last_hash = hashes[-1] if hashes else ROOT_HASH
+            last_hash = hashes[-1] if hashes else root
             num_hashed = len(hashes)
         else:
-            pending, last_hash, num_hashed = None, ROOT_HASH, 0
+            pending, last_hash, num_hashed = None, root, 0
         if not self.config.enable_prefix_caching:
             pending = None
         self._arrivals += 1
@@ -333,6 +371,8 @@ class BlockManager:
             )
         cow = cur % bs != 0 and pool.ref_counts[seq.block_ids[-1]] > 1
         needed = after - len(seq.block_ids) + cow
+        if self.tenants is not None and needed:
+            self._check_gpu_quota(seq.seq_id, needed)
         available = pool.num_available
         if needed <= available:
             return cow, needed, None
@@ -343,10 +383,21 @@ class BlockManager:
                 return cow, needed, plan
         raise self._exhausted(f"appending {num_tokens} tokens to {seq.seq_id!r}", needed, available)
 
+    def _check_gpu_quota(self, seq_id: str, needed: int) -> None:
+        tenants = self.tenants
+        assert tenants is not None
+        tenant = tenant_of(seq_id)
+        limit = tenants.quota(tenant).max_gpu_blocks
+        used = tenants.of(tenant).gpu_blocks
+        if limit and used + needed > limit:
+            raise ResourceExhausted(quota_message(tenant, "max_gpu_blocks", used, needed, limit))
+
     def _apply_append(
         self, seq: Sequence, num_tokens: int, token_ids: array | None, cow: bool, needed: int
     ) -> tuple[list[int], tuple[int, int] | None]:
         pool = self.pool
+        if self.tenants is not None and needed:
+            self.tenants.of(tenant_of(seq.seq_id)).gpu_blocks += needed
         copy: tuple[int, int] | None = None
         new_blocks: list[int] = []
         if cow:
@@ -436,6 +487,15 @@ class BlockManager:
             raise NotFound(f"parent sequence {parent_seq_id!r} does not exist")
         if child_seq_id in self.seqs or child_seq_id in self.swapped:
             raise AlreadyExists(f"sequence {child_seq_id!r} already exists")
+        tenants = self.tenants
+        if tenants is not None:
+            tenant = tenant_of(child_seq_id)
+            if tenant != tenant_of(parent_seq_id):
+                raise InvalidArgument("parent and child must belong to the same tenant")
+            usage, limit = tenants.of(tenant), tenants.quota(tenant).max_sequences
+            if limit and usage.sequences >= limit:
+                raise ResourceExhausted(quota_message(tenant, "max_sequences", usage.sequences, 1, limit))
+            usage.sequences += 1
         for b in parent.block_ids:
             self.pool.incref(b)
         self._arrivals += 1
@@ -473,15 +533,23 @@ class BlockManager:
                 raise NotFound(f"sequence {seq_id!r} does not exist")
             self._leave_group(seq)
             cpu_decref = self.cpu.decref
-            for c in seq.cpu_block_ids or ():
-                cpu_decref(c)
+            dropped = sum(1 for c in seq.cpu_block_ids or () if cpu_decref(c))
+            if self.tenants is not None:
+                usage = self.tenants.of(tenant_of(seq_id))
+                usage.cpu_blocks -= dropped
+                usage.sequences -= 1
             return 0  # no GPU block: it held CPU blocks only
         if self._preempt_on:
             self.victims.discard(seq_id)
         if seq.group in self.groups:
             self._leave_group(seq)
         decref = self.pool.decref
-        return sum(1 for b in reversed(seq.block_ids) if decref(b))
+        released = sum(1 for b in reversed(seq.block_ids) if decref(b))
+        if self.tenants is not None:
+            usage = self.tenants.of(tenant_of(seq_id))
+            usage.gpu_blocks -= released
+            usage.sequences -= 1
+        return released
 
     def _leave_group(self, seq: Sequence) -> None:
         members = self.groups.get(seq.group)
@@ -717,7 +785,17 @@ class BlockManager:
         gain = 0
         cpu_free = self.cpu.num_free
         mode = self.config.preemption_mode
-        candidates = self.victims.candidates(lambda sid: True)
+        if self.tenants is None:
+            candidates = self.victims.candidates(lambda sid: True)
+        else:
+            # Tenancy: a tenant only ever preempts its own sequences (its quota
+            # was checked before planning), so no tenant loses blocks to another.
+            tenant = tenant_of(grower.seq_id)
+            prefix = tenant + SEP
+            candidates = self.victims.candidates(lambda sid: sid.startswith(prefix))
+            room = self.tenants.cpu_room(tenant)
+            if room is not None:
+                cpu_free = min(cpu_free, room)
         try:
             for sid in candidates:
                 seq = seqs[sid]
@@ -759,6 +837,7 @@ class BlockManager:
         cpu, pool = self.cpu, self.pool
         memo: dict[int, int] = {}
         out = []
+        gpu_released = 0
         for m in members:
             seq = self.seqs.pop(m)
             self.victims.discard(m)
@@ -772,13 +851,18 @@ class BlockManager:
                     cpu.incref(c)
                 cpu_ids.append(c)
             for b in reversed(seq.block_ids):
-                pool.decref(b)
+                gpu_released += pool.decref(b)
             out.append(Preemption(m, PreemptionMode.SWAP.value, seq.num_tokens, len(seq.block_ids), share))
             seq.block_ids = []
             seq.cpu_block_ids = cpu_ids
             self.swapped[m] = seq
             self._recently_preempted[m] = "swap"
         self.num_preemptions_swap += len(members)
+        if self.tenants is not None:
+            usage = self.tenants.of(tenant_of(members[0]))
+            usage.gpu_blocks -= gpu_released
+            usage.cpu_blocks += len(memo)
+            usage.preemptions += len(members)
         return out
 
     def _drop_group(self, members: list[str], share: float) -> list[Preemption]:
@@ -794,6 +878,8 @@ class BlockManager:
                 del self._requeued[next(iter(self._requeued))]
             self._requeued[m] = seq.arrival
         self.num_preemptions_recompute += len(members)
+        if self.tenants is not None:
+            self.tenants.of(tenant_of(members[0])).preemptions += len(members)
         return out
 
     def preempt(self, seq_id: str, mode: str | None = None) -> tuple[list[Preemption], CacheOps]:
@@ -810,7 +896,12 @@ class BlockManager:
             raise InvalidArgument(f"mode must be one of {MODES[:3]}, got {mode!r}")
         self._recently_preempted.clear()
         members = self._group_of(seq)
-        decision, distinct, _ = self._price_group(members, {}, mode, self.cpu.num_free)
+        cpu_free = self.cpu.num_free
+        if self.tenants is not None:
+            room = self.tenants.cpu_room(tenant_of(seq_id))
+            if room is not None:
+                cpu_free = min(cpu_free, room)
+        decision, distinct, _ = self._price_group(members, {}, mode, cpu_free)
         ops = CacheOps()
         return self._apply_preemption(_PreemptionPlan([(members, decision, distinct)]), ops), ops
 
@@ -836,6 +927,8 @@ class BlockManager:
                 f"swapping in {seq_id!r}" + (f" and its fork group ({len(members)} sequences)" if len(members) > 1 else ""),
                 len(distinct), max(available, 0), self._watermark,
             )
+        if self.tenants is not None:
+            self._check_gpu_quota(seq_id, len(distinct))
         ops = CacheOps()
         memo: dict[int, int] = {}
         for c in distinct:
@@ -844,6 +937,7 @@ class BlockManager:
         first = set(memo.values())
         tables: dict[str, list[int]] = {}
         cpu = self.cpu
+        cpu_released = 0
         for m in members:
             s = self.swapped.pop(m)
             blocks = []
@@ -854,7 +948,7 @@ class BlockManager:
                 else:
                     pool.incref(g)
                 blocks.append(g)
-                cpu.decref(c)
+                cpu_released += cpu.decref(c)
             s.block_ids = blocks
             s.cpu_block_ids = None
             self.seqs[m] = s
@@ -862,12 +956,58 @@ class BlockManager:
                 self.victims.push(m, s.priority, s.arrival)
             tables[m] = list(blocks)
         self.num_swapped_in_blocks += len(distinct)
+        if self.tenants is not None:
+            usage = self.tenants.of(tenant_of(seq_id))
+            usage.gpu_blocks += len(distinct)
+            usage.cpu_blocks -= cpu_released
         return SwapInResult(seq_id=seq_id, block_ids=list(tables[seq_id]), ops=ops, tables=tables)
+
+    # --- tenancy -------------------------------------------------------------
+    def enable_tenancy(self, ledger: TenantLedger) -> None:
+        """Turn per-tenant accounting on; usage is recomputed from the state (O(pool))."""
+        ledger.usage = self._tenant_usage(ledger)
+        self.tenants = ledger
+
+    def _tenant_usage(self, ledger: TenantLedger) -> dict:
+        from block_manager_svc.core.tenants import Usage
+
+        old = ledger.usage
+        usage: dict[str, Usage] = {}
+        gpu: dict[str, set[int]] = {}
+        cpu: dict[str, set[int]] = {}
+        for table, seqs in ((gpu, self.seqs), (cpu, self.swapped)):
+            for sid, seq in seqs.items():
+                t = tenant_of(sid)
+                u = usage.get(t)
+                if u is None:
+                    prev = old.get(t)
+                    u = usage[t] = Usage()
+                    if prev is not None:  # counters are history, not state: keep them
+                        u.prefix_query_tokens = prev.prefix_query_tokens
+                        u.prefix_hit_tokens = prev.prefix_hit_tokens
+                        u.preemptions = prev.preemptions
+                u.sequences += 1
+                table.setdefault(t, set()).update(seq.block_ids if table is gpu else seq.cpu_block_ids or ())
+        for t, blocks in gpu.items():
+            usage[t].gpu_blocks = len(blocks)
+        for t, blocks in cpu.items():
+            usage[t].cpu_blocks = len(blocks)
+        for t, prev in old.items():
+            if t not in usage and (prev.prefix_query_tokens or prev.preemptions):
+                usage[t] = type(prev)(0, 0, 0, prev.prefix_query_tokens, prev.prefix_hit_tokens, prev.preemptions)
+        return usage
 
     # --- invariants (tests and debug tooling; O(pool)) ----------------------
     def check_invariants(self) -> None:
         """Raise AssertionError if the bookkeeping is inconsistent."""
         pool = self.pool
+        if self.tenants is not None:
+            want = self._tenant_usage(self.tenants)
+            for t in set(want) | set(self.tenants.usage):
+                a, b = want.get(t), self.tenants.usage.get(t)
+                got = (b.gpu_blocks, b.cpu_blocks, b.sequences) if b else (0, 0, 0)
+                exp = (a.gpu_blocks, a.cpu_blocks, a.sequences) if a else (0, 0, 0)
+                assert got == exp, f"tenant {t!r} usage {got} differs from the tables {exp}"
         counts = [0] * pool.num_blocks
         for seq in self.seqs.values():
             assert len(seq.block_ids) == self._blocks_for(seq.num_tokens), seq.seq_id

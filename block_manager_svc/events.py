@@ -1,0 +1,223 @@
+"""KV events for cache-aware routers: the ``WatchEvents`` stream (docs/observability.md).
+
+The core's block pool reports each registered block (BlockStored) and each
+evicted registered block (BlockRemoved) by calling ``append`` on whatever
+object sits in ``pool.events``; that object is the :class:`EventHub`. It runs
+under the servicer's state lock, never blocks: every subscriber has a bounded
+queue, and one that falls behind is dropped (its stream ends with
+RESOURCE_EXHAUSTED) instead of slowing the state lock down.
+
+Cost: with authentication off the hub is attached to the pool only while at
+least one watcher is connected (``pool.events is None`` otherwise: one test per
+registered block). With authentication on it stays attached, because it
+remembers which tenant stored each hash (a tenant sees only its own events).
+
+Every stream starts with AllBlocksCleared and a BlockStored snapshot of what
+is cached now, then live events; versions rise by one per event.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import structlog
+
+from pagedkv.auth import current_tenant
+from pagedkv.v1 import block_manager_pb2 as pb
+
+if TYPE_CHECKING:
+    from block_manager_svc.core import BlockManager
+
+log = structlog.get_logger("pagedkv.block_manager")
+
+UNKNOWN_TENANT = "?"  # blocks restored from a snapshot and never referenced since: admins only
+_END = object()
+
+
+class _Subscriber:
+    __slots__ = ("q", "tenant", "dropped")
+
+    def __init__(self, tenant: str | None, size: int) -> None:
+        self.q: queue.Queue[Any] = queue.Queue(size)
+        self.tenant = tenant  # None = every tenant (admin, or authentication off)
+        self.dropped = False
+
+
+class EventHub:
+    def __init__(self, lock: Any, max_watchers: int = 4, queue_size: int = 10_000, tenancy: bool = False) -> None:
+        self.lock = lock  # the servicer's state lock (events are produced under it)
+        self.max_watchers = max_watchers
+        self.queue_size = queue_size
+        self.tenancy = tenancy
+        self.version = 0
+        self.owner: dict[bytes, str] = {}  # hash -> tenant (tenancy only)
+        self.subs: list[_Subscriber] = []
+        self.num_dropped = 0
+        self._core: BlockManager | None = None
+        self._mu = threading.Lock()  # subscriber list changes (also taken under `lock`)
+
+    def __reduce__(self) -> Any:  # the pool is pickled into snapshots: the hub is not state
+        return (type(None), ())
+
+    # --- wiring -----------------------------------------------------------------
+    def attach(self, core: BlockManager) -> None:
+        """Point at a (new) core; with tenancy, learn the owners of what is cached now."""
+        with self.lock:
+            self._core = core
+            if self.tenancy:
+                from block_manager_svc.core.tenants import tenant_of
+
+                block_hash = core.pool.block_hash
+                self.owner = {}
+                for sid, seq in core.seqs.items():
+                    t = tenant_of(sid)
+                    for b in seq.block_ids:
+                        h = block_hash[b]
+                        if h is not None:
+                            self.owner[h] = t
+                for h in core.pool.index:
+                    self.owner.setdefault(h, UNKNOWN_TENANT)
+                core.pool.events = self  # type: ignore[assignment]
+            else:
+                core.pool.events = self if self.subs else None  # type: ignore[assignment]
+
+    # --- producer side (under the state lock) ---------------------------------------
+    def append(self, ev: tuple[int, bytes, bytes | None]) -> None:
+        self.version += 1
+        block, h, parent = ev
+        if self.tenancy:
+            if block >= 0:
+                t = current_tenant.get()
+                tenant = t.name if t is not None else UNKNOWN_TENANT
+                self.owner[h] = tenant
+            else:
+                tenant = self.owner.pop(h, UNKNOWN_TENANT)
+        else:
+            tenant = ""
+        if not self.subs:
+            return
+        item = (self.version, tenant, block, h, parent)
+        for s in tuple(self.subs):  # _drop may remove one
+            if s.tenant is not None and s.tenant != tenant:
+                continue
+            try:
+                s.q.put_nowait(item)
+            except queue.Full:
+                self._drop(s)
+
+    def _drop(self, s: _Subscriber) -> None:
+        if s.dropped:
+            return
+        s.dropped = True
+        self.num_dropped += 1
+        with self._mu:
+            if s in self.subs:
+                self.subs.remove(s)
+        if not self.subs and not self.tenancy and self._core is not None:
+            self._core.pool.events = None
+        try:
+            s.q.get_nowait()  # room for the end marker
+        except queue.Empty:
+            pass
+        s.q.put_nowait(_END)
+
+    # --- consumer side (one gRPC thread per stream) -------------------------------------
+    def watch(self, request: pb.WatchEventsRequest, context: grpc.ServicerContext) -> Iterator[pb.KvEvent]:
+        t = current_tenant.get()
+        if request.all_tenants and t is not None and not t.admin:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                          f"tenant {t.name!r} is not an admin: all_tenants is for admins")
+        scope = None if (t is None or (t.admin and request.all_tenants)) else t.name
+        if t is not None and t.admin and not request.all_tenants:
+            scope = t.name
+        sub = _Subscriber(scope, self.queue_size)
+        with self.lock:
+            if len(self.subs) >= self.max_watchers:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"{self.max_watchers} event watchers are connected already (max_event_watchers)")
+            core = self._core
+            assert core is not None
+            version = self.version
+            snapshot = [
+                (h, b, core.pool.parent_hash[b]) for h, b in core.pool.index.items()
+                if scope is None or self.owner.get(h) == scope
+            ]
+            with self._mu:
+                self.subs.append(sub)
+            core.pool.events = self  # type: ignore[assignment]
+        log.info("event_watcher_connected", tenant=scope, snapshot_blocks=len(snapshot), version=version)
+        done = threading.Event()
+        context.add_callback(lambda: (done.set(), self._leave(sub)))
+        try:
+            yield pb.KvEvent(version=version, tenant=scope or "", all_blocks_cleared=pb.AllBlocksCleared())
+            for i in range(0, len(snapshot), 256):
+                chunk = snapshot[i : i + 256]
+                for h, b, parent in chunk:
+                    yield pb.KvEvent(version=version, tenant=(scope or self.owner.get(h, "")),
+                                     block_stored=pb.BlockStored(block_hashes=[h], parent_block_hash=parent or b"",
+                                                                 block_ids=[b]))
+            while not done.is_set():
+                try:
+                    item = sub.q.get(timeout=0.5)
+                except queue.Empty:
+                    if not context.is_active():
+                        return
+                    continue
+                if item is _END:
+                    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                  f"this watcher fell more than {self.queue_size} events behind and was dropped; "
+                                  "reconnect (the stream restarts with a snapshot)")
+                yield from self._coalesce(item, sub.q)
+        finally:
+            self._leave(sub)
+
+    def _coalesce(self, first: Any, q: queue.Queue[Any]) -> Iterator[pb.KvEvent]:
+        """One KvEvent per run of consecutive events of one kind and tenant (a stored chain)."""
+        version, tenant, block, h, parent = first
+        kind = block >= 0
+        hashes, blocks = [h], [block]
+        last_h = h
+        while True:
+            try:
+                nxt = q.get_nowait()
+            except queue.Empty:
+                nxt = None
+            if nxt is None or nxt is _END or (nxt[2] >= 0) != kind or nxt[1] != tenant or (
+                kind and nxt[4] != last_h
+            ):
+                yield self._event(version, tenant, kind, hashes, blocks, parent)
+                if nxt is None:
+                    return
+                if nxt is _END:
+                    q.put_nowait(_END)
+                    return
+                version, tenant, block, h, parent = nxt
+                kind, hashes, blocks, last_h = block >= 0, [h], [block], h
+                continue
+            version = nxt[0]
+            hashes.append(nxt[3])
+            blocks.append(nxt[2])
+            last_h = nxt[3]
+
+    @staticmethod
+    def _event(version: int, tenant: str, stored: bool, hashes: list[bytes], blocks: list[int],
+               parent: bytes | None) -> pb.KvEvent:
+        if stored:
+            return pb.KvEvent(version=version, tenant=tenant, block_stored=pb.BlockStored(
+                block_hashes=hashes, parent_block_hash=parent or b"", block_ids=blocks))
+        return pb.KvEvent(version=version, tenant=tenant, block_removed=pb.BlockRemoved(block_hashes=hashes))
+
+    def _leave(self, sub: _Subscriber) -> None:
+        with self._mu:
+            if sub in self.subs:
+                self.subs.remove(sub)
+            else:
+                return
+        if not self.subs and not self.tenancy:
+            with self.lock:
+                if not self.subs and self._core is not None:
+                    self._core.pool.events = None
