@@ -17,6 +17,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pagedkv.tls import add_port
+
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
@@ -38,8 +40,15 @@ def start_server(
     service_name: str,
     max_workers: int = 4,
     thread_prefix: str = "rpc",
+    *,
+    tls_cert: str = "",
+    tls_key: str = "",
+    tls_client_ca: str = "",
+    allow_insecure: bool = False,
 ) -> RunningServer:
-    """Start a server with ``register``'s servicer, health and reflection; SERVING at once."""
+    """Start a server with ``register``'s servicer, health and reflection; SERVING at once.
+
+    TLS / mutual TLS and the plaintext rule are pagedkv/tls.py's (docs/security.md)."""
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=thread_prefix),
         options=[
@@ -55,13 +64,8 @@ def start_server(
         (service_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
         server,
     )
-    address = f"{host}:{port}"
-    try:
-        bound = server.add_insecure_port(address)
-    except RuntimeError as e:
-        raise RuntimeError(f"cannot listen on {address}: {e}") from e
-    if bound == 0:
-        raise RuntimeError(f"cannot listen on {address} (address in use?)")
+    bound = add_port(server, host, port, tls_cert=tls_cert, tls_key=tls_key, tls_client_ca=tls_client_ca,
+                     allow_insecure=allow_insecure)
     server.start()
     for name in ("", service_name):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -72,6 +72,7 @@ def run_cache_host(settings: CacheHostSettings) -> int:
             lambda s: cache_host_pb2_grpc.add_CacheHostServicer_to_server(CacheHostServicer(cache, model_cfg.name), s),
             CACHE_HOST_SERVICE,
             thread_prefix="cache-host-rpc",
+            **_tls(settings),
         )
         desc = cache.descriptor
         log.info(
@@ -186,6 +187,7 @@ def start_worker(settings: WorkerSettings, stop: threading.Event | None = None) 
             WORKER_SERVICE,
             max_workers=settings.max_workers,
             thread_prefix="worker-rpc",
+            **_tls(settings),
         )
     except BaseException:
         cache.close()
@@ -230,3 +232,8 @@ def run_worker(settings: WorkerSettings) -> int:
     return EXIT_OK
 
 
+
+
+def _tls(settings: object) -> dict[str, object]:
+    """The TLS keyword arguments of grpc_server.start_server from a role's settings."""
+    return {k: getattr(settings, k) for k in ("tls_cert", "tls_key", "tls_client_ca", "allow_insecure")}

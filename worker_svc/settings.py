@@ -43,6 +43,12 @@ class _Common(BaseSettings):
     block_manager: str | None = Field(None, description="host:port of the block manager to read geometry from")
     log_format: LogFormat = Field("console", description="structlog renderer: console (key=value) or json")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log threshold")
+    # TLS of this role's gRPC server (pagedkv/tls.py, docs/security.md); same PAGEDKV_* names as the
+    # block manager, so one set of variables secures every role.
+    tls_cert: str = Field("", description="server certificate chain (PEM); with tls_key: serve TLS")
+    tls_key: str = Field("", description="server private key (PEM)")
+    tls_client_ca: str = Field("", description="CA bundle for client certificates: mutual TLS")
+    allow_insecure: bool = Field(False, description="allow plaintext gRPC on a non-loopback address")
 
     @field_validator("device")
     @classmethod

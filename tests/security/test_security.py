@@ -243,3 +243,21 @@ def test_tenant_state_survives_a_restart(certs, tmp_path) -> None:  # type: igno
         r.servicer._core.check_invariants()
     finally:
         r.stop(0)
+
+
+def test_cache_host_and_worker_servers_speak_mtls(certs) -> None:  # type: ignore[no-untyped-def]
+    from worker_svc.grpc_server import start_server as start_worker_server
+
+    r = start_worker_server("127.0.0.1", 0, lambda s: None, "pagedkv.v1.Worker", tls_cert=certs["server"],
+                            tls_key=certs["server_key"], tls_client_ca=certs["ca"])
+    try:
+        with open_channel(certs, r.port) as ch:
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert resp.status == health_pb2.HealthCheckResponse.SERVING
+        with open_channel(certs, r.port, client_cert=False) as ch:
+            assert _code(health_pb2_grpc.HealthStub(ch).Check, health_pb2.HealthCheckRequest(),
+                         timeout=3) == CODE.UNAVAILABLE
+    finally:
+        r.stop(0)
+    with pytest.raises(TlsConfigError):
+        start_worker_server("0.0.0.0", 0, lambda s: None, "pagedkv.v1.Worker")
