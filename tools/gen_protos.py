@@ -22,6 +22,19 @@ OUT_PKG = pathlib.Path("pagedkv") / "v1"
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py", "_pb2_grpc.pyi")
 
 
+def _plugins() -> dict[str, str]:
+    """mypy-protobuf's protoc plugins, found next to this interpreter (a venv's bin/ need not be
+    on PATH, e.g. under `make`) or else on PATH."""
+    found = {}
+    for name in ("protoc-gen-mypy", "protoc-gen-mypy_grpc"):
+        beside = pathlib.Path(sys.executable).parent / name
+        path = str(beside) if beside.exists() else shutil.which(name)
+        if path is None:
+            raise SystemExit(f"{name} not found: install mypy-protobuf (pip install -e '.[dev]')")
+        found[name] = path
+    return found
+
+
 def generate(out_root: pathlib.Path) -> list[pathlib.Path]:
     protos = sorted(PROTO_DIR.glob("pagedkv/v1/*.proto"))
     if not protos:
@@ -29,6 +42,7 @@ def generate(out_root: pathlib.Path) -> list[pathlib.Path]:
     include = pathlib.Path(protoc.__file__).parent / "_proto"
     args = [
         "grpc_tools.protoc",
+        *[f"--plugin={name}={path}" for name, path in _plugins().items()],
         f"-I{PROTO_DIR}",
         f"-I{include}",
         f"--python_out={out_root}",
