@@ -39,7 +39,7 @@ _END = object()
 
 
 class _Subscriber:
-    __slots__ = ("q", "tenant", "dropped")
+    __slots__ = ("dropped", "q", "tenant")
 
     def __init__(self, tenant: str | None, size: int) -> None:
         self.q: queue.Queue[Any] = queue.Queue(size)

@@ -124,11 +124,12 @@ def start_server(settings: BlockManagerSettings) -> RunningServer:
                         tls_key=settings.tls_key, tls_client_ca=settings.tls_client_ca,
                         allow_insecure=settings.allow_insecure)
         metrics = MetricsServer(registry, settings.metrics_host, settings.metrics_port) if registry else None
-    except (RuntimeError, OSError) as e:
+    except RuntimeError:
         reliability.close()
-        if isinstance(e, OSError):
-            raise RuntimeError(f"cannot serve metrics on {settings.metrics_host}:{settings.metrics_port}: {e}") from e
         raise
+    except OSError as e:
+        reliability.close()
+        raise RuntimeError(f"cannot serve metrics on {settings.metrics_host}:{settings.metrics_port}: {e}") from e
     server.start()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -33,7 +33,6 @@ import hmac
 import json
 import re
 import sys
-import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +40,7 @@ from typing import Any
 
 import grpc
 import structlog
+import tomllib
 
 log = structlog.get_logger("pagedkv.auth")
 

@@ -52,7 +52,7 @@ def secure_factory(certs: dict[str, str], tmp_path: Path) -> Iterator[object]:
     started: list[RunningServer] = []
 
     def make(quotas: dict | None = None, mtls: bool = True, auth: bool = True, **overrides: object):  # type: ignore[no-untyped-def]
-        kw: dict = dict(port=0, tls_cert=certs["server"], tls_key=certs["server_key"])
+        kw: dict = {"port": 0, "tls_cert": certs["server"], "tls_key": certs["server_key"]}
         if mtls:
             kw["tls_client_ca"] = certs["ca"]
         if auth:

@@ -104,8 +104,8 @@ def fingerprint(servicer) -> tuple:  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="module", params=["plain", "tenants"])
 def fuzz_server(request, tmp_path_factory):  # type: ignore[no-untyped-def]
-    kw: dict = dict(port=0, num_gpu_blocks=24, block_size=4, num_cpu_blocks=8, preemption_mode="auto",
-                    lease_sweep_interval_s=3600.0)  # no expiry between two fingerprints
+    kw: dict = {"port": 0, "num_gpu_blocks": 24, "block_size": 4, "num_cpu_blocks": 8, "preemption_mode": "auto",
+                    "lease_sweep_interval_s": 3600.0}  # no expiry between two fingerprints
     md: list = [()]
     if request.param == "tenants":
         p = tmp_path_factory.mktemp("fuzz") / "tokens.json"
@@ -136,7 +136,7 @@ def test_fuzz_rpc_fields(fuzz_server, method: str) -> None:  # type: ignore[no-u
         md = mds[who % len(mds)]
         for s in setup:  # some live sequences for the request to hit
             try:
-                getattr(pb_grpc.BlockManagerStub(ch), "Allocate")(s, metadata=mds[0], timeout=5)
+                pb_grpc.BlockManagerStub(ch).Allocate(s, metadata=mds[0], timeout=5)
             except grpc.RpcError:
                 pass
         before = fingerprint(sv)

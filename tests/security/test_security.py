@@ -225,8 +225,8 @@ def test_preemption_never_crosses_tenants(secure_factory, certs) -> None:  # typ
 def test_tenant_state_survives_a_restart(certs, tmp_path) -> None:  # type: ignore[no-untyped-def]
     from tests.security.conftest import write_tokens
 
-    kw = dict(port=0, tls_cert=certs["server"], tls_key=certs["server_key"], state_dir=str(tmp_path / "st"),
-              auth_tokens_file=write_tokens(tmp_path / "t.json"), fsync="off")
+    kw = {"port": 0, "tls_cert": certs["server"], "tls_key": certs["server_key"], "state_dir": str(tmp_path / "st"),
+              "auth_tokens_file": write_tokens(tmp_path / "t.json"), "fsync": "off"}
     r = start_server(BlockManagerSettings(**kw))
     with open_channel(certs, r.port) as ch:
         Caller(ch, "alice").Allocate(pb.AllocateRequest(seq_id="s", num_tokens=40, token_ids=list(range(40))))
