@@ -1058,8 +1058,12 @@ Global___WatchEventsRequest: _TypeAlias = WatchEventsRequest  # noqa: Y015
 
 @_typing.final
 class KvEvent(_message.Message):
-    """One change to the set of cached (content-addressed) blocks. Versions rise
-    by one per event within one server process; a gap means events were lost.
+    """One change to the set of cached (content-addressed) blocks. `version`
+    counts changes within one server process and only rises; a coalesced event
+    (a chain stored at once) carries the version of its last change, so a jump
+    is not a loss. A watcher that falls behind is dropped with
+    RESOURCE_EXHAUSTED rather than skipped silently; reconnecting starts over
+    with a snapshot.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
