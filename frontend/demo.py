@@ -25,6 +25,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from frontend.connection import add_connection_args, client_kwargs
 from frontend.engine import Engine, EngineConfig, GenerationRequest, SamplingOptions
 
 
@@ -155,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-manager", default=None, help="use a running stack: block manager host:port")
     p.add_argument("--workers", default=None, help="with --block-manager: comma-separated worker host:port list")
     p.add_argument("--no-progress", action="store_true")
+    add_connection_args(p)
     return p
 
 
@@ -177,8 +179,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.workers:
             print("pagedkv demo: --block-manager needs --workers", file=sys.stderr)
             return 2
-        with BlockManagerClient(args.block_manager) as bm:
-            run(Engine(bm, [WorkerClient(t) for t in args.workers.split(",")], engine_cfg))
+        conn = client_kwargs(args)
+        with BlockManagerClient(args.block_manager, **conn) as bm:
+            run(Engine(bm, [WorkerClient(t, **conn) for t in args.workers.split(",")], engine_cfg))
         return 0
     if args.local:
         from frontend.local_stack import LocalStack, StackConfig

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import grpc
 
+from frontend.connection import add_connection_args, client_kwargs
 from frontend.engine import EngineConfig, GenerationRequest, RequestOutput, SamplingOptions
 
 
@@ -47,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-manager", default="127.0.0.1:50051", help="block manager host:port")
     p.add_argument("--workers", default="127.0.0.1:50053", help="comma-separated worker host:port list")
     p.add_argument("--timeout-s", type=float, default=30.0)
+    add_connection_args(p)
     return p
 
 
@@ -89,14 +91,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             from frontend.engine import Engine
             from frontend.worker_client import WorkerClient
 
-            with BlockManagerClient(args.block_manager) as bm:
-                workers = [WorkerClient(t) for t in args.workers.split(",") if t]
+            conn = client_kwargs(args)
+            with BlockManagerClient(args.block_manager, **conn) as bm:
+                workers = [WorkerClient(t, **conn) for t in args.workers.split(",") if t]
                 try:
                     out = Engine(bm, workers, config).generate([request])[0]
                 finally:
                     for w in workers:
                         w.close()
-    except ValueError as e:
+    except (ValueError, OSError) as e:
         print(f"pagedkv generate: {e}", file=sys.stderr)
         return 2
     except grpc.RpcError as e:
