@@ -36,6 +36,22 @@ STATUS_BY_CODE: dict[ErrorCode, grpc.StatusCode] = {
 log = structlog.get_logger("pagedkv.block_manager")
 
 
+def request_id_of(context: grpc.ServicerContext | None, request: object = None) -> str:
+    """The id to tag a log line with: the request's own `request_id`, else the caller's
+    `x-request-id` metadata. Only read when something is logged (never on the happy path)."""
+    rid = getattr(request, "request_id", "") if request is not None else ""
+    if rid or context is None:
+        return rid
+    try:
+        metadata = context.invocation_metadata() or ()
+    except Exception:  # noqa: BLE001 - a test double without metadata
+        return ""
+    for key, value in metadata:
+        if key == "x-request-id":
+            return value if isinstance(value, str) else ""
+    return ""
+
+
 def _copies(pairs: list[tuple[int, int]]) -> list[pb.BlockCopy]:
     return [pb.BlockCopy(src=s, dst=d) for s, d in pairs]
 
@@ -83,8 +99,11 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
         self.events_hub: EventHub | None = None  # set by server.py (block_manager_svc/events.py)
 
     @staticmethod
-    def _abort(context: grpc.ServicerContext, method: str, err: CoreError, seq_id: str) -> NoReturn:
-        log.info("request_rejected", method=method, seq_id=seq_id, code=err.code.name, reason=err.message)
+    def _abort(
+        context: grpc.ServicerContext, method: str, err: CoreError, seq_id: str, request: object = None
+    ) -> NoReturn:
+        log.info("request_rejected", method=method, seq_id=seq_id, code=err.code.name, reason=err.message,
+                 request_id=request_id_of(context, request))
         context.abort(STATUS_BY_CODE[err.code], err.message)
         raise AssertionError("unreachable")  # context.abort raises
 
@@ -96,7 +115,7 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
                     request.cache_salt,
                 )
         except CoreError as e:
-            self._abort(context, "Allocate", e, request.seq_id)
+            self._abort(context, "Allocate", e, request.seq_id, request)
         return pb.AllocateResponse(block_ids=r.block_ids, num_cached_tokens=r.num_cached_tokens)
 
     def Append(self, request: pb.AppendRequest, context: grpc.ServicerContext) -> pb.AppendResponse:
@@ -104,12 +123,12 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
             with self._lock:
                 r = self._core.append(request.seq_id, request.num_tokens, request.token_ids or None)
         except CoreError as e:
-            self._abort(context, "Append", e, request.seq_id)
+            self._abort(context, "Append", e, request.seq_id, request)
         if not r.new_block_ids:
             return pb.AppendResponse()
         if r.preempted:
             log.info("preempted", method="Append", seq_id=request.seq_id,
-                     victims=[(p.seq_id, p.mode) for p in r.preempted])
+                     victims=[(p.seq_id, p.mode) for p in r.preempted], request_id=request_id_of(context, request))
         return pb.AppendResponse(
             new_block_ids=r.new_block_ids, ops=ops_to_proto(r.ops), replaced_last_block=r.replaced_last_block,
             preempted=preemptions_to_proto(r.preempted),
@@ -120,7 +139,7 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
             with self._lock:
                 blocks = self._core.fork(request.parent_seq_id, request.child_seq_id)
         except CoreError as e:
-            self._abort(context, "Fork", e, request.child_seq_id)
+            self._abort(context, "Fork", e, request.child_seq_id, request)
         return pb.ForkResponse(block_ids=blocks)
 
     def Free(self, request: pb.FreeRequest, context: grpc.ServicerContext) -> pb.FreeResponse:
@@ -128,7 +147,7 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
             with self._lock:
                 released = self._core.free(request.seq_id)
         except CoreError as e:
-            self._abort(context, "Free", e, request.seq_id)
+            self._abort(context, "Free", e, request.seq_id, request)
         return pb.FreeResponse(num_blocks_released=released)
 
     def GetBlockTable(self, request: pb.GetBlockTableRequest, context: grpc.ServicerContext) -> pb.BlockTable:
@@ -136,7 +155,7 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
             with self._lock:
                 table = self._core.block_table(request.seq_id)
         except CoreError as e:
-            self._abort(context, "GetBlockTable", e, request.seq_id)
+            self._abort(context, "GetBlockTable", e, request.seq_id, request)
         return pb.BlockTable(
             block_ids=table.block_ids, num_tokens=table.num_tokens, swapped=table.swapped,
             cpu_block_ids=table.cpu_block_ids,
@@ -147,7 +166,7 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
             with self._lock:
                 r = self._core.swap_in(request.seq_id)
         except CoreError as e:
-            self._abort(context, "SwapIn", e, request.seq_id)
+            self._abort(context, "SwapIn", e, request.seq_id, request)
         return swap_in_to_proto(r)
 
     def Preempt(self, request: pb.PreemptRequest, context: grpc.ServicerContext) -> pb.PreemptResponse:
@@ -155,9 +174,9 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
             with self._lock:
                 preempted, ops = self._core.preempt(request.seq_id, request.mode or None)
         except CoreError as e:
-            self._abort(context, "Preempt", e, request.seq_id)
+            self._abort(context, "Preempt", e, request.seq_id, request)
         log.info("preempted", method="Preempt", seq_id=request.seq_id,
-                 victims=[(p.seq_id, p.mode) for p in preempted])
+                 victims=[(p.seq_id, p.mode) for p in preempted], request_id=request_id_of(context, request))
         return pb.PreemptResponse(preempted=preemptions_to_proto(preempted), ops=ops_to_proto(ops))
 
     def Step(self, request: pb.StepRequest, context: grpc.ServicerContext) -> pb.StepResponse:
@@ -176,7 +195,7 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
                 )
                 available = self._core.pool.num_available
         except CoreError as e:
-            self._abort(context, "Step", e, "")
+            self._abort(context, "Step", e, "", request)
 
         resp = pb.StepResponse(
             packed_new_block_index=r.new_block_index,
@@ -207,7 +226,8 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
                 resp.swap_ins.append(swap_in_to_proto(swap_in))
         if r.preempted:
             resp.preempted.extend(preemptions_to_proto(r.preempted))
-            log.info("preempted", method="Step", victims=[(p.seq_id, p.mode) for p in r.preempted])
+            log.info("preempted", method="Step", victims=[(p.seq_id, p.mode) for p in r.preempted],
+                     request_id=request_id_of(context, request))
         if ops:
             resp.ops.CopyFrom(ops_to_proto(ops))
         n_sub = len(sub_frees)
@@ -226,7 +246,8 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
         for err in r.swap_in_errors:
             errors.append(_item_error(pb.StepItemError.SWAP_IN, err))
         if errors:
-            log.info("step_item_errors", count=len(errors), first=errors[0].message)
+            log.info("step_item_errors", count=len(errors), first=errors[0].message,
+                     request_id=request_id_of(context, request))
         return resp
 
     def GetStats(self, request: pb.GetStatsRequest, context: grpc.ServicerContext) -> pb.Stats:
@@ -252,7 +273,17 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
             num_swapped_out_blocks=s.num_swapped_out_blocks,
             num_swapped_in_blocks=s.num_swapped_in_blocks,
             preemption_cost_s=s.preemption_cost_s,
+            num_prefix_cache_resets=s.num_prefix_cache_resets,
         )
+
+    def ResetPrefixCache(  # noqa: N802 - gRPC method name
+        self, request: pb.ResetPrefixCacheRequest, context: grpc.ServicerContext
+    ) -> pb.ResetPrefixCacheResponse:
+        """Forget every prefix-cache hash (their KV is gone: a new cache host). Cannot fail."""
+        with self._lock:
+            cleared, freed = self._core.reset_prefix_cache()
+        log.info("prefix_cache_reset", blocks_cleared=cleared, blocks_freed=freed)
+        return pb.ResetPrefixCacheResponse(num_blocks_cleared=cleared, num_blocks_freed=freed)
 
     def WatchEvents(self, request: pb.WatchEventsRequest, context: grpc.ServicerContext) -> Iterator[pb.KvEvent]:
         """KV events (BlockStored / BlockRemoved / AllBlocksCleared) for cache-aware routers."""

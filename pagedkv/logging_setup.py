@@ -15,7 +15,8 @@ import structlog
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
 
-def configure_logging(level: str = "info", fmt: str = "console") -> None:
+def configure_logging(level: str = "info", fmt: str = "console", cache: bool = True) -> None:
+    """`cache=False` keeps loggers re-reading the configuration (tests capture logs that way)."""
     renderer: structlog.types.Processor
     if fmt == "json":
         renderer = structlog.processors.JSONRenderer()
@@ -31,5 +32,5 @@ def configure_logging(level: str = "info", fmt: str = "console") -> None:
         ],
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
-        cache_logger_on_first_use=True,
+        cache_logger_on_first_use=cache,
     )

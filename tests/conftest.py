@@ -33,4 +33,4 @@ if not _has_cuda():
 # (structlog's unconfigured default writes to stdout).
 from pagedkv.logging_setup import configure_logging  # noqa: E402
 
-configure_logging("info", "console")
+configure_logging("info", "console", cache=False)
