@@ -14,6 +14,8 @@ remembers which tenant stored each hash (a tenant sees only its own events).
 
 Every stream starts with AllBlocksCleared and a BlockStored snapshot of what
 is cached now, then live events; versions rise by one per event.
+ResetPrefixCache sends AllBlocksCleared to every watcher (the hashes it
+named are gone: the cache host that held their KV was replaced).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("pagedkv.block_manager")
 
+CLEARED = -2  # pool event: the whole prefix index was cleared (BlockPool.clear_index)
 UNKNOWN_TENANT = "?"  # blocks restored from a snapshot and never referenced since: admins only
 _END = object()
 
@@ -89,6 +92,15 @@ class EventHub:
     def append(self, ev: tuple[int, bytes, bytes | None]) -> None:
         self.version += 1
         block, h, parent = ev
+        if block == CLEARED:  # ResetPrefixCache: every tenant's blocks are gone
+            self.owner.clear()
+            if self.subs:
+                for s in tuple(self.subs):
+                    try:
+                        s.q.put_nowait((self.version, s.tenant or "", block, h, parent))
+                    except queue.Full:
+                        self._drop(s)
+            return
         if self.tenancy:
             if block >= 0:
                 t = current_tenant.get()
@@ -178,6 +190,9 @@ class EventHub:
     def _coalesce(self, first: Any, q: queue.Queue[Any]) -> Iterator[pb.KvEvent]:
         """One KvEvent per run of consecutive events of one kind and tenant (a stored chain)."""
         version, tenant, block, h, parent = first
+        if block == CLEARED:
+            yield pb.KvEvent(version=version, tenant=tenant, all_blocks_cleared=pb.AllBlocksCleared())
+            return
         kind = block >= 0
         hashes, blocks = [h], [block]
         last_h = h
@@ -186,7 +201,7 @@ class EventHub:
                 nxt = q.get_nowait()
             except queue.Empty:
                 nxt = None
-            if nxt is None or nxt is _END or (nxt[2] >= 0) != kind or nxt[1] != tenant or (
+            if nxt is None or nxt is _END or nxt[2] == CLEARED or (nxt[2] >= 0) != kind or nxt[1] != tenant or (
                 kind and nxt[4] != last_h
             ):
                 yield self._event(version, tenant, kind, hashes, blocks, parent)
@@ -194,6 +209,9 @@ class EventHub:
                     return
                 if nxt is _END:
                     q.put_nowait(_END)
+                    return
+                if nxt[2] == CLEARED:
+                    yield from self._coalesce(nxt, q)
                     return
                 version, tenant, block, h, parent = nxt
                 kind, hashes, blocks, last_h = block >= 0, [h], [block], h

@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("pagedkv.block_manager")
 
-MUTATIONS = ("Allocate", "Append", "Fork", "Free", "Step", "SwapIn", "Preempt")
+MUTATIONS = ("Allocate", "Append", "Fork", "Free", "Step", "SwapIn", "Preempt", "ResetPrefixCache")
 EXPIRE_LEASE = "ExpireLease"  # journal record of a lease expiry (body: the lease id)
 MAX_TTL_MS = 24 * 3600 * 1000
 SNAPSHOT_VERSION = 1

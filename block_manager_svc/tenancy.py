@@ -215,6 +215,17 @@ class TenantServicer(ReliableServicer):
             e.message = msg
         return resp
 
+    def ResetPrefixCache(self, request: pb.ResetPrefixCacheRequest, context: Any) -> pb.ResetPrefixCacheResponse:
+        """Admins only: the cache host (and so every tenant's KV) is shared, and so is its loss."""
+        t = self._tenant(context)
+        if not t.admin:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                          f"tenant {t.name!r} is not an admin: ResetPrefixCache clears every tenant's "
+                          "prefix cache and is for admins")
+        req = self._copy(request)
+        self._common(req, context, t.prefix)
+        return super().ResetPrefixCache(req, _ScopedContext(context, t.prefix))
+
     def GetStats(self, request: pb.GetStatsRequest, context: Any) -> pb.Stats:
         t = self._tenant(context)
         if t.admin:

@@ -208,5 +208,32 @@ class BlockPool:
             parent = h
             depth += 1
 
+    def clear_index(self) -> tuple[int, int]:
+        """Forget every registered hash: (index entries dropped, cached blocks freed).
+
+        Cached blocks go to the free list; referenced blocks keep their
+        references but lose their hash, so they are freed, not cached, when
+        released. O(pool); the containers the eviction policy was bound to are
+        cleared in place. Events get one (-2, b"", None): all blocks cleared.
+        """
+        cleared = len(self.index)
+        freed = 0
+        block_hash, ref_counts = self.block_hash, self.ref_counts
+        for b in range(self.num_blocks):
+            if block_hash[b] is None:
+                continue
+            if ref_counts[b] == 0:
+                self.evictable.remove(b)
+                self.free_list.append(b)
+                freed += 1
+            block_hash[b] = None
+            self.parent_hash[b] = None
+            self.depth[b] = 0
+        self.index.clear()
+        self.child_count.clear()
+        if self.events is not None:
+            self.events.append((-2, b"", None))
+        return cleared, freed
+
     def lookup(self, content_hash: bytes) -> int | None:
         return self.index.get(content_hash)

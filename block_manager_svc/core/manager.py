@@ -173,6 +173,7 @@ class BlockManager:
     swap pool and the preemption order."""
 
     tenants: TenantLedger | None = None  # class default: snapshots from before tenancy existed
+    num_prefix_cache_resets: int = 0  # class default: snapshots from before ResetPrefixCache
 
     def __init__(self, config: CoreConfig) -> None:
         self.config = config
@@ -592,7 +593,24 @@ class BlockManager:
             num_swapped_out_blocks=self.num_swapped_out_blocks,
             num_swapped_in_blocks=self.num_swapped_in_blocks,
             preemption_cost_s=self.preemption_cost_s,
+            num_prefix_cache_resets=self.num_prefix_cache_resets,
         )
+
+    # --- ResetPrefixCache ---------------------------------------------------
+    def reset_prefix_cache(self) -> tuple[int, int]:
+        """Forget all prefix-cache content: (hashes dropped, cached blocks freed).
+
+        For when the KV the hashes name no longer exists (the cache host died
+        and a new, empty one took its place). Sequences, their tables and ref
+        counts are untouched; their blocks just stop being findable, and a
+        running sequence keeps hashing its later full blocks on its own chain
+        (`last_hash`), which names its own tokens, so a later hit is still
+        correct once the frontend recomputed them. Cannot fail; counted in
+        Stats.num_prefix_cache_resets.
+        """
+        cleared, freed = self.pool.clear_index()
+        self.num_prefix_cache_resets = self.num_prefix_cache_resets + 1
+        return cleared, freed
 
     # --- Step ---------------------------------------------------------------
     def step(

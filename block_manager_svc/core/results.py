@@ -155,3 +155,4 @@ class Stats:
     num_swapped_out_blocks: int = 0
     num_swapped_in_blocks: int = 0
     preemption_cost_s: float = 0.0
+    num_prefix_cache_resets: int = 0

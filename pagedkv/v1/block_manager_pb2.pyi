@@ -839,6 +839,7 @@ class Stats(_message.Message):
     NUM_SWAPPED_OUT_BLOCKS_FIELD_NUMBER: _builtins.int
     NUM_SWAPPED_IN_BLOCKS_FIELD_NUMBER: _builtins.int
     PREEMPTION_COST_S_FIELD_NUMBER: _builtins.int
+    NUM_PREFIX_CACHE_RESETS_FIELD_NUMBER: _builtins.int
     NUM_LEASES_FIELD_NUMBER: _builtins.int
     NUM_LEASES_EXPIRED_FIELD_NUMBER: _builtins.int
     NUM_LEASE_EXPIRED_SEQUENCES_FIELD_NUMBER: _builtins.int
@@ -875,6 +876,8 @@ class Stats(_message.Message):
     num_swapped_out_blocks: _builtins.int
     num_swapped_in_blocks: _builtins.int
     preemption_cost_s: _builtins.float
+    num_prefix_cache_resets: _builtins.int
+    """ResetPrefixCache calls that changed the state (docs/reliability.md)."""
     num_leases: _builtins.int
     """Reliability (docs/reliability.md): live leases, leases that expired and
     the sequences they freed, retries answered from the dedupe window, and
@@ -907,6 +910,7 @@ class Stats(_message.Message):
         num_swapped_out_blocks: _builtins.int = ...,
         num_swapped_in_blocks: _builtins.int = ...,
         preemption_cost_s: _builtins.float = ...,
+        num_prefix_cache_resets: _builtins.int = ...,
         num_leases: _builtins.int = ...,
         num_leases_expired: _builtins.int = ...,
         num_lease_expired_sequences: _builtins.int = ...,
@@ -916,7 +920,7 @@ class Stats(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "journal_seq", b"journal_seq", "num_cached_blocks", b"num_cached_blocks", "num_cow_copies", b"num_cow_copies", "num_cpu_blocks", b"num_cpu_blocks", "num_dedupe_entries", b"num_dedupe_entries", "num_dedupe_hits", b"num_dedupe_hits", "num_evicted_blocks", b"num_evicted_blocks", "num_free_blocks", b"num_free_blocks", "num_free_cpu_blocks", b"num_free_cpu_blocks", "num_gpu_blocks", b"num_gpu_blocks", "num_hashed_blocks", b"num_hashed_blocks", "num_lease_expired_sequences", b"num_lease_expired_sequences", "num_leases", b"num_leases", "num_leases_expired", b"num_leases_expired", "num_preemptions_recompute", b"num_preemptions_recompute", "num_preemptions_swap", b"num_preemptions_swap", "num_sequences", b"num_sequences", "num_swapped_in_blocks", b"num_swapped_in_blocks", "num_swapped_out_blocks", b"num_swapped_out_blocks", "num_swapped_sequences", b"num_swapped_sequences", "num_used_blocks", b"num_used_blocks", "preemption_cost_s", b"preemption_cost_s", "prefix_hit_tokens", b"prefix_hit_tokens", "prefix_query_tokens", b"prefix_query_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "journal_seq", b"journal_seq", "num_cached_blocks", b"num_cached_blocks", "num_cow_copies", b"num_cow_copies", "num_cpu_blocks", b"num_cpu_blocks", "num_dedupe_entries", b"num_dedupe_entries", "num_dedupe_hits", b"num_dedupe_hits", "num_evicted_blocks", b"num_evicted_blocks", "num_free_blocks", b"num_free_blocks", "num_free_cpu_blocks", b"num_free_cpu_blocks", "num_gpu_blocks", b"num_gpu_blocks", "num_hashed_blocks", b"num_hashed_blocks", "num_lease_expired_sequences", b"num_lease_expired_sequences", "num_leases", b"num_leases", "num_leases_expired", b"num_leases_expired", "num_preemptions_recompute", b"num_preemptions_recompute", "num_preemptions_swap", b"num_preemptions_swap", "num_prefix_cache_resets", b"num_prefix_cache_resets", "num_sequences", b"num_sequences", "num_swapped_in_blocks", b"num_swapped_in_blocks", "num_swapped_out_blocks", b"num_swapped_out_blocks", "num_swapped_sequences", b"num_swapped_sequences", "num_used_blocks", b"num_used_blocks", "preemption_cost_s", b"preemption_cost_s", "prefix_hit_tokens", b"prefix_hit_tokens", "prefix_query_tokens", b"prefix_query_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1035,6 +1039,49 @@ class Config(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Config: _TypeAlias = Config  # noqa: Y015
+
+@_typing.final
+class ResetPrefixCacheRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResetPrefixCacheRequest: _TypeAlias = ResetPrefixCacheRequest  # noqa: Y015
+
+@_typing.final
+class ResetPrefixCacheResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NUM_BLOCKS_CLEARED_FIELD_NUMBER: _builtins.int
+    NUM_BLOCKS_FREED_FIELD_NUMBER: _builtins.int
+    num_blocks_cleared: _builtins.int
+    """Prefix-cache index entries dropped (cached and referenced blocks)."""
+    num_blocks_freed: _builtins.int
+    """Of those, cached (unreferenced) blocks moved to the free list."""
+    def __init__(
+        self,
+        *,
+        num_blocks_cleared: _builtins.int = ...,
+        num_blocks_freed: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_blocks_cleared", b"num_blocks_cleared", "num_blocks_freed", b"num_blocks_freed"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResetPrefixCacheResponse: _TypeAlias = ResetPrefixCacheResponse  # noqa: Y015
 
 @_typing.final
 class WatchEventsRequest(_message.Message):

@@ -94,6 +94,11 @@ class BlockManagerStub:
                 request_serializer=pagedkv_dot_v1_dot_block__manager__pb2.WatchEventsRequest.SerializeToString,
                 response_deserializer=pagedkv_dot_v1_dot_block__manager__pb2.KvEvent.FromString,
                 _registered_method=True)
+        self.ResetPrefixCache = channel.unary_unary(
+                '/pagedkv.v1.BlockManager/ResetPrefixCache',
+                request_serializer=pagedkv_dot_v1_dot_block__manager__pb2.ResetPrefixCacheRequest.SerializeToString,
+                response_deserializer=pagedkv_dot_v1_dot_block__manager__pb2.ResetPrefixCacheResponse.FromString,
+                _registered_method=True)
 
 
 class BlockManagerServicer:
@@ -177,6 +182,16 @@ class BlockManagerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResetPrefixCache(self, request, context):
+        """Forget every prefix-cache hash (the KV it named is gone, e.g. the cache
+        host died): cached blocks return to the free list, referenced blocks keep
+        their tables but are never hit again. Sequences are untouched. Watchers get
+        AllBlocksCleared. With authentication on: admins only (PERMISSION_DENIED).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_BlockManagerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -239,6 +254,11 @@ def add_BlockManagerServicer_to_server(servicer, server):
                     servicer.WatchEvents,
                     request_deserializer=pagedkv_dot_v1_dot_block__manager__pb2.WatchEventsRequest.FromString,
                     response_serializer=pagedkv_dot_v1_dot_block__manager__pb2.KvEvent.SerializeToString,
+            ),
+            'ResetPrefixCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResetPrefixCache,
+                    request_deserializer=pagedkv_dot_v1_dot_block__manager__pb2.ResetPrefixCacheRequest.FromString,
+                    response_serializer=pagedkv_dot_v1_dot_block__manager__pb2.ResetPrefixCacheResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -565,6 +585,33 @@ class BlockManager:
             '/pagedkv.v1.BlockManager/WatchEvents',
             pagedkv_dot_v1_dot_block__manager__pb2.WatchEventsRequest.SerializeToString,
             pagedkv_dot_v1_dot_block__manager__pb2.KvEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResetPrefixCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedkv.v1.BlockManager/ResetPrefixCache',
+            pagedkv_dot_v1_dot_block__manager__pb2.ResetPrefixCacheRequest.SerializeToString,
+            pagedkv_dot_v1_dot_block__manager__pb2.ResetPrefixCacheResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -58,6 +58,12 @@ class BlockManagerStub:
     """KV events for cache-aware routers: first AllBlocksCleared plus a
     BlockStored for every block cached now (a snapshot), then live events.
     """
+    ResetPrefixCache: _grpc.UnaryUnaryMultiCallable[_block_manager_pb2.ResetPrefixCacheRequest, _block_manager_pb2.ResetPrefixCacheResponse]
+    """Forget every prefix-cache hash (the KV it named is gone, e.g. the cache
+    host died): cached blocks return to the free list, referenced blocks keep
+    their tables but are never hit again. Sequences are untouched. Watchers get
+    AllBlocksCleared. With authentication on: admins only (PERMISSION_DENIED).
+    """
 
 @_typing.type_check_only
 class BlockManagerAsyncStub(BlockManagerStub):
@@ -82,6 +88,12 @@ class BlockManagerAsyncStub(BlockManagerStub):
     WatchEvents: _aio.UnaryStreamMultiCallable[_block_manager_pb2.WatchEventsRequest, _block_manager_pb2.KvEvent]  # type: ignore[assignment]
     """KV events for cache-aware routers: first AllBlocksCleared plus a
     BlockStored for every block cached now (a snapshot), then live events.
+    """
+    ResetPrefixCache: _aio.UnaryUnaryMultiCallable[_block_manager_pb2.ResetPrefixCacheRequest, _block_manager_pb2.ResetPrefixCacheResponse]  # type: ignore[assignment]
+    """Forget every prefix-cache hash (the KV it named is gone, e.g. the cache
+    host died): cached blocks return to the free list, referenced blocks keep
+    their tables but are never hit again. Sequences are untouched. Watchers get
+    AllBlocksCleared. With authentication on: admins only (PERMISSION_DENIED).
     """
 
 class BlockManagerServicer(metaclass=_abc_1.ABCMeta):
@@ -176,6 +188,18 @@ class BlockManagerServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_block_manager_pb2.KvEvent], _abc.AsyncIterator[_block_manager_pb2.KvEvent]]:
         """KV events for cache-aware routers: first AllBlocksCleared plus a
         BlockStored for every block cached now (a snapshot), then live events.
+        """
+
+    @_abc_1.abstractmethod
+    def ResetPrefixCache(
+        self,
+        request: _block_manager_pb2.ResetPrefixCacheRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_block_manager_pb2.ResetPrefixCacheResponse, _abc.Awaitable[_block_manager_pb2.ResetPrefixCacheResponse]]:
+        """Forget every prefix-cache hash (the KV it named is gone, e.g. the cache
+        host died): cached blocks return to the free list, referenced blocks keep
+        their tables but are never hit again. Sequences are untouched. Watchers get
+        AllBlocksCleared. With authentication on: admins only (PERMISSION_DENIED).
         """
 
 def add_BlockManagerServicer_to_server(servicer: BlockManagerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

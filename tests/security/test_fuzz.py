@@ -77,6 +77,7 @@ REQUESTS = {
         append_token_ids=TOKENS, free_seq_ids=st.lists(IDS, max_size=3), request_id=OPT,
         swap_in_seq_ids=st.lists(IDS, max_size=3)),
     "GetStats": st.builds(pb.GetStatsRequest, all_tenants=st.booleans()),
+    "ResetPrefixCache": st.builds(pb.ResetPrefixCacheRequest, request_id=OPT),
     "GetConfig": st.just(pb.GetConfigRequest()),
     "KeepAlive": st.builds(pb.KeepAliveRequest, lease_id=IDS, ttl_ms=st.one_of(st.integers(0, 10**6), U32),
                            attach_seq_ids=st.lists(IDS, max_size=3), request_id=OPT),
