@@ -4,7 +4,8 @@
 ``run_worker`` waits for the cache host (retrying with a log line per attempt), checks the geometry
 against everything it knows, attaches, loads the model and serves the Worker API; on shutdown it
 stops serving, drops its views and closes its handles. Both return an exit code: 0 after a clean
-shutdown, 2 for a configuration error (geometry mismatch, bad model dir), 1 when serving failed.
+shutdown, 2 for a configuration error (geometry mismatch, bad model dir), 1 when serving failed,
+3 after its cache host was lost (died or replaced; see worker_svc/cache_watch.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import threading
 
 import grpc
 import structlog
+from grpc_health.v1 import health_pb2
 
 from pagedkv.logging_setup import configure_logging
 from pagedkv.v1 import cache_host_pb2, cache_host_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -28,6 +30,7 @@ from worker_svc.cache_host import (
     descriptor_from_proto,
     geometry_to_proto,
 )
+from worker_svc.cache_watch import EXIT_CACHE_LOST, CacheHostWatcher
 from worker_svc.cache_layout import GeometryMismatch, dtype_from_name, dtype_name
 from worker_svc.devices import resolve_device, resolve_dtype
 from worker_svc.geometry import PoolConfig, check_against_host, fetch_pool_config, host_geometry, known_values
@@ -38,7 +41,7 @@ from worker_svc.settings import CacheHostSettings, WorkerSettings
 
 log = structlog.get_logger("pagedkv.worker_svc")
 
-EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
+EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2  # and EXIT_CACHE_LOST = 3 (cache_watch.py)
 
 
 def _pool(settings: CacheHostSettings | WorkerSettings, timeout_s: float) -> PoolConfig | None:
@@ -143,8 +146,12 @@ class WorkerProcess:
     running: RunningServer
     servicer: WorkerServicer
     cache: cache_memory.SharedCache
+    watcher: CacheHostWatcher | None = None
+    lost_at: float | None = None  # monotonic time the cache host was declared lost
 
     def close(self) -> None:
+        if self.watcher is not None:
+            self.watcher.stop()
         self.running.stop(grace=1.0)
         self.servicer._runner = None  # type: ignore[assignment] - drop views before unmapping
         self.cache.close()
@@ -192,6 +199,8 @@ def start_worker(settings: WorkerSettings, stop: threading.Event | None = None) 
     except BaseException:
         cache.close()
         raise
+    proc = WorkerProcess(running=running, servicer=servicer, cache=cache)
+    _watch_cache_host(proc, settings, desc.instance_id)
     log.info(
         "worker_ready",
         address=f"{settings.host}:{running.port}",
@@ -205,7 +214,33 @@ def start_worker(settings: WorkerSettings, stop: threading.Event | None = None) 
         kernel_backend=winfo.kernel_backend,
         **desc.geometry.as_dict(),
     )
-    return WorkerProcess(running=running, servicer=servicer, cache=cache)
+    return proc
+
+
+def _watch_cache_host(proc: WorkerProcess, settings: WorkerSettings, instance_id: str) -> None:
+    """Start the cache host watcher (cache_watch.py); a lost host turns health NOT_SERVING."""
+    if settings.cache_host_check_interval_s <= 0:
+        return
+    health = proc.running.health
+
+    def not_serving() -> None:
+        for name in ("", WORKER_SERVICE):
+            health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    proc.servicer.on_cache_lost = not_serving
+
+    def on_lost(reason: str, new_instance_id: str) -> None:
+        if proc.servicer.mark_cache_lost(reason):
+            proc.lost_at = time.monotonic()
+            exit_in = settings.cache_lost_exit_after_s
+            log.error("cache_host_lost", cache_host=settings.cache_host, reason=reason,
+                      instance_id=instance_id, new_instance_id=new_instance_id or None,
+                      exit_code=EXIT_CACHE_LOST if exit_in > 0 else None,
+                      exit_in_s=exit_in if exit_in > 0 else None,
+                      action="KV must be re-prefilled after re-attaching to a new cache host")
+
+    proc.watcher = CacheHostWatcher(settings.cache_host, instance_id, settings.cache_host_check_interval_s,
+                                    settings.cache_host_failures, on_lost).start()
 
 
 def run_worker(settings: WorkerSettings) -> int:
@@ -223,13 +258,20 @@ def run_worker(settings: WorkerSettings) -> int:
     except Exception as e:  # noqa: BLE001 - a start-up failure is an exit code and a log line
         log.error("start_failed", error=f"{type(e).__name__}: {e}", exc_info=True)
         return EXIT_FAILED
+    code = EXIT_OK
+    grace = settings.cache_lost_exit_after_s
     try:
-        stop.wait()
+        while not stop.wait(0.2):
+            if proc.lost_at is not None and grace > 0 and time.monotonic() - proc.lost_at >= grace:
+                log.error("exiting_after_cache_host_lost", exit_code=EXIT_CACHE_LOST,
+                          hint="restart this worker: it re-attaches to the new cache host")
+                code = EXIT_CACHE_LOST
+                break
         log.info("shutting_down")
     finally:
         proc.close()
     log.info("stopped")
-    return EXIT_OK
+    return code
 
 
 

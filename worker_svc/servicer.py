@@ -7,10 +7,13 @@ traceback and returned as INTERNAL.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import grpc
 import structlog
 
 from pagedkv.v1 import block_manager_pb2, worker_pb2, worker_pb2_grpc
+from worker_svc.cache_watch import lost_message
 from worker_svc.model.sampling import SamplingParams
 from worker_svc.model_runner import CacheOpsRequest, InvalidStep, ModelRunner, SequenceRequest
 
@@ -47,10 +50,39 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, runner: ModelRunner, info: worker_pb2.WorkerInfo) -> None:
         self._runner = runner
         self._info = info
+        if not info.cache_state:
+            info.cache_state = worker_pb2.CACHE_STATE_ATTACHED
+        self._lost_message: str | None = None  # set once the cache host is lost (cache_watch.py)
+        self.on_cache_lost: Callable[[], None] | None = None  # e.g. turn health NOT_SERVING
+
+    def mark_cache_lost(self, reason: str) -> bool:
+        """Refuse every later step; True the first time (the caller logs it once)."""
+        if self._lost_message is not None:
+            return False
+        info = worker_pb2.WorkerInfo()
+        info.CopyFrom(self._info)
+        info.cache_state = worker_pb2.CACHE_STATE_LOST
+        info.cache_lost_reason = reason
+        self._info = info
+        self._lost_message = lost_message(reason)
+        if self.on_cache_lost is not None:
+            self.on_cache_lost()
+        return True
+
+    @property
+    def cache_lost(self) -> bool:
+        return self._lost_message is not None
 
     def Step(  # noqa: N802 - gRPC method name
         self, request: worker_pb2.WorkerStepRequest, context: grpc.ServicerContext
     ) -> worker_pb2.WorkerStepResponse:
+        if self._lost_message is not None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, self._lost_message)
+        want = request.cache_instance_id
+        if want and want != self._info.cache_instance_id:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, lost_message(
+                f"the step expects cache host instance {want}, but this worker is attached to instance "
+                f"{self._info.cache_instance_id} (the cache host was replaced)"))
         seqs = [sequence_from_proto(s) for s in request.sequences]
         ops = ops_from_proto(request.ops)
         try:

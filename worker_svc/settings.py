@@ -79,3 +79,13 @@ class WorkerSettings(_Common):
         None, description="force the kernel backend (else PAGEDKV_KERNEL_BACKEND / auto)"
     )
     seed: int = Field(0, description="seed of the built-in default model's random weights")
+    # Cache host loss (docs/worker.md "Cache host loss"): how it is detected and what follows.
+    cache_host_check_interval_s: float = Field(
+        2.0, ge=0, description="poll the cache host's GetCacheInfo this often; 0 = do not watch it"
+    )
+    cache_host_failures: int = Field(
+        2, ge=1, description="consecutive failed checks after which the cache host counts as gone"
+    )
+    cache_lost_exit_after_s: float = Field(
+        5.0, ge=0, description="after a lost cache host, exit with code 3 after this grace (0 = stay up, NOT_SERVING)"
+    )

@@ -9,6 +9,7 @@ from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from pagedkv.v1 import block_manager_pb2 as _block_manager_pb2
 from pagedkv.v1 import cache_host_pb2 as _cache_host_pb2
 import builtins as _builtins
@@ -21,6 +22,23 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _CacheState:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _CacheStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_CacheState.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    CACHE_STATE_UNSPECIFIED: _CacheState.ValueType  # 0
+    CACHE_STATE_ATTACHED: _CacheState.ValueType  # 1
+    CACHE_STATE_LOST: _CacheState.ValueType  # 2
+
+class CacheState(_CacheState, metaclass=_CacheStateEnumTypeWrapper): ...
+
+CACHE_STATE_UNSPECIFIED: CacheState.ValueType  # 0
+CACHE_STATE_ATTACHED: CacheState.ValueType  # 1
+CACHE_STATE_LOST: CacheState.ValueType  # 2
+Global___CacheState: _TypeAlias = CacheState  # noqa: Y015
 
 @_typing.final
 class SamplingParams(_message.Message):
@@ -112,7 +130,13 @@ class WorkerStepRequest(_message.Message):
     SEQUENCES_FIELD_NUMBER: _builtins.int
     OPS_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    CACHE_INSTANCE_ID_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
+    cache_instance_id: _builtins.str
+    """If set, the worker refuses the step (FAILED_PRECONDITION, "cache host
+    lost: ...") unless it is attached to this cache host instance: KV written
+    to another instance is not there.
+    """
     @_builtins.property
     def sequences(self) -> _containers.RepeatedCompositeFieldContainer[Global___SequenceInput]: ...
     @_builtins.property
@@ -125,10 +149,11 @@ class WorkerStepRequest(_message.Message):
         sequences: _abc.Iterable[Global___SequenceInput] | None = ...,
         ops: _block_manager_pb2.CacheOps | None = ...,
         request_id: _builtins.str = ...,
+        cache_instance_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["ops", b"ops"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ops", b"ops", "request_id", b"request_id", "sequences", b"sequences"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_instance_id", b"cache_instance_id", "ops", b"ops", "request_id", b"request_id", "sequences", b"sequences"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -232,6 +257,8 @@ class WorkerInfo(_message.Message):
     GEOMETRY_FIELD_NUMBER: _builtins.int
     CACHE_INSTANCE_ID_FIELD_NUMBER: _builtins.int
     KERNEL_BACKEND_FIELD_NUMBER: _builtins.int
+    CACHE_STATE_FIELD_NUMBER: _builtins.int
+    CACHE_LOST_REASON_FIELD_NUMBER: _builtins.int
     model_name: _builtins.str
     vocab_size: _builtins.int
     num_layers: _builtins.int
@@ -244,6 +271,12 @@ class WorkerInfo(_message.Message):
     cache_instance_id: _builtins.str
     """The cache host instance this worker is attached to."""
     kernel_backend: _builtins.str
+    cache_state: Global___CacheState.ValueType
+    """ATTACHED, or LOST once the worker saw its cache host die or be replaced
+    (then Step answers FAILED_PRECONDITION; docs/worker.md "Cache host loss").
+    """
+    cache_lost_reason: _builtins.str
+    """Why the cache was declared lost (empty while attached)."""
     @_builtins.property
     def geometry(self) -> _cache_host_pb2.CacheGeometry: ...
     def __init__(
@@ -261,10 +294,12 @@ class WorkerInfo(_message.Message):
         geometry: _cache_host_pb2.CacheGeometry | None = ...,
         cache_instance_id: _builtins.str = ...,
         kernel_backend: _builtins.str = ...,
+        cache_state: Global___CacheState.ValueType = ...,
+        cache_lost_reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["geometry", b"geometry"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_instance_id", b"cache_instance_id", "device", b"device", "dtype", b"dtype", "geometry", b"geometry", "head_dim", b"head_dim", "hidden_size", b"hidden_size", "kernel_backend", b"kernel_backend", "model_name", b"model_name", "num_heads", b"num_heads", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_instance_id", b"cache_instance_id", "cache_lost_reason", b"cache_lost_reason", "cache_state", b"cache_state", "device", b"device", "dtype", b"dtype", "geometry", b"geometry", "head_dim", b"head_dim", "hidden_size", b"hidden_size", "kernel_backend", b"kernel_backend", "model_name", b"model_name", "num_heads", b"num_heads", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
