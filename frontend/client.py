@@ -326,6 +326,13 @@ class BlockManagerClient(GrpcClient):
         req = pb.SwapInRequest(seq_id=seq_id, request_id=request_id or "")
         return self._call(self._stub.SwapIn, req, mutation=True, request_id=request_id, timeout_s=timeout_s)
 
+    def reset_prefix_cache(self, *, request_id: str | None = None,
+                           timeout_s: float | None = None) -> pb.ResetPrefixCacheResponse:
+        """Forget every prefix-cache hash (after a lost cache host); admin only with auth on."""
+        req = pb.ResetPrefixCacheRequest(request_id=request_id or "")
+        return self._call(self._stub.ResetPrefixCache, req, mutation=True, request_id=request_id,
+                          timeout_s=timeout_s)
+
     def preempt(self, seq_id: str, mode: str = "", *, request_id: str | None = None,
                 timeout_s: float | None = None) -> pb.PreemptResponse:
         req = pb.PreemptRequest(seq_id=seq_id, mode=mode, request_id=request_id or "")

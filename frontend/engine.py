@@ -45,8 +45,13 @@ from frontend.client import BlockManagerClient
 from frontend.worker_client import WorkerClient
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import worker_pb2 as wpb
+from worker_svc.cache_watch import CACHE_LOST_PREFIX
 
 log = structlog.get_logger("pagedkv.engine")
+
+
+class CacheHostLost(RuntimeError):
+    """Every worker says the cache host (and so every sequence's KV) is gone (docs/reliability.md)."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -147,6 +152,10 @@ class EngineConfig:
     # Tokens per worker step (decode tokens + prefill chunks): bounds step latency.
     max_batch_tokens: int = 512
     timeout_s: float = 30.0
+    # Cache host loss: False = raise CacheHostLost; True = wait (up to cache_recovery_timeout_s)
+    # for a worker attached to a new cache host, reset the prefix cache and re-prefill everything.
+    recover_lost_cache: bool = False
+    cache_recovery_timeout_s: float = 120.0
 
 
 @dataclass(slots=True)
@@ -159,6 +168,7 @@ class EngineStats:
     preempted_recompute: int = 0
     preempted_swap: int = 0
     worker_retries: int = 0
+    cache_recoveries: int = 0
 
 
 class Engine:
@@ -182,6 +192,7 @@ class Engine:
                 f"worker block_size {info.geometry.block_size} != block manager block_size {self.block_size}"
             )
         self.vocab_size = info.vocab_size
+        self._cache_instance = info.cache_instance_id  # steps name it: a worker on another cache refuses
         self.stats = EngineStats()
         self.outputs: dict[str, RequestOutput] = {}
         self._waiting: collections.deque[_Seq] = collections.deque()
@@ -256,7 +267,13 @@ class Engine:
                     "with nothing running"
                 )
             return []
-        return self._run_worker(batch, ops)
+        try:
+            return self._run_worker(batch, ops)
+        except CacheHostLost:
+            if not self.config.recover_lost_cache:
+                raise
+            self._recover_lost_cache()
+            return []
 
     @staticmethod
     def _pending_ops_nonempty(ops: pb.CacheOps) -> bool:
@@ -445,7 +462,8 @@ class Engine:
         return self._running.index(a) < self._running.index(b)
 
     def _run_worker(self, batch: list[tuple[_Seq, int]], ops: pb.CacheOps) -> list[TokenEvent]:
-        req = wpb.WorkerStepRequest(ops=ops, request_id=f"step-{next(self._step_ids)}")
+        req = wpb.WorkerStepRequest(ops=ops, request_id=f"step-{next(self._step_ids)}",
+                                    cache_instance_id=self._cache_instance)
         for s, k in batch:
             start = s.num_computed
             final = start + k == len(s.tokens)
@@ -478,8 +496,10 @@ class Engine:
         return events
 
     def _call_worker(self, req: wpb.WorkerStepRequest) -> wpb.WorkerStepResponse:
-        """Run the step on a worker; on UNAVAILABLE try the next one (the cache host keeps the KV)."""
+        """Run the step on a worker; on UNAVAILABLE try the next one (the cache host keeps the KV).
+        When every worker that answered says the cache host was lost: CacheHostLost."""
         last: grpc.RpcError | None = None
+        lost: list[str] = []
         for attempt in range(len(self.workers)):
             worker = self.workers[(self._worker_index + attempt) % len(self.workers)]
             try:
@@ -487,13 +507,73 @@ class Engine:
                 self._worker_index = (self._worker_index + attempt) % len(self.workers)
                 return resp
             except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.FAILED_PRECONDITION and (e.details() or "").startswith(
+                    CACHE_LOST_PREFIX
+                ):
+                    lost.append(f"{worker.target}: {e.details()}")
+                    continue
                 if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise
                 last = e
                 self.stats.worker_retries += 1
                 log.warning("worker_unavailable", worker=worker.target, code=e.code().name)
+        if lost:
+            raise CacheHostLost(
+                f"the cache host was lost, and with it the KV of every sequence ({'; '.join(lost)}). "
+                "Restart the cache host and the workers (a worker exits with code 3 after a lost cache host "
+                "and re-attaches when restarted), then resubmit the requests, or run the engine with "
+                "EngineConfig(recover_lost_cache=True) to wait for a re-attached worker, reset the block "
+                "manager's prefix cache and re-prefill every running sequence"
+            )
         assert last is not None
         raise last
+
+    def _recover_lost_cache(self) -> None:
+        """After CacheHostLost: wait for a worker on a new cache instance, forget all cached KV
+        (block manager prefix cache, our computed set, pending ops) and recompute every running and
+        swapped sequence from its prompt + generated tokens (the recompute-preemption path)."""
+        import time
+        import uuid
+
+        old = self._cache_instance
+        deadline = time.monotonic() + self.config.cache_recovery_timeout_s
+        log.warning("cache_host_lost", cache_instance_id=old, action="waiting for a re-attached worker",
+                    timeout_s=self.config.cache_recovery_timeout_s)
+        new = ""
+        while not new:
+            for w in self.workers:
+                try:
+                    info = w.get_info(timeout_s=2.0)
+                except grpc.RpcError:
+                    continue
+                if info.cache_instance_id and info.cache_instance_id != old and (
+                    info.cache_state != wpb.CACHE_STATE_LOST
+                ):
+                    new = info.cache_instance_id
+                    break
+            if not new:
+                if time.monotonic() > deadline:
+                    raise CacheHostLost(
+                        f"the cache host (instance {old}) was lost and no worker re-attached to a new one "
+                        f"within {self.config.cache_recovery_timeout_s:.0f} s (cache_recovery_timeout_s): restart "
+                        "the cache host and the workers"
+                    )
+                time.sleep(0.2)
+        victims = list(self._running) + list(self._swapped)
+        if victims:
+            # One round trip; a sequence the block manager no longer has is simply reported.
+            self.bm.step(pb.StepRequest(free_seq_ids=[s.seq_id for s in victims]), timeout_s=self.config.timeout_s)
+        self.bm.reset_prefix_cache(request_id=f"reset-{uuid.uuid4().hex}", timeout_s=self.config.timeout_s)
+        for s in reversed(victims):  # appendleft: keep their order at the head of the queue
+            if s.status is SeqStatus.SWAPPED:
+                self._swapped.remove(s)
+            self._requeue(s)
+        self._computed.clear()
+        self._pending_ops = pb.CacheOps()
+        self._cache_instance = new
+        self.stats.cache_recoveries += 1
+        log.warning("cache_recovered", old_cache_instance_id=old, cache_instance_id=new,
+                    requeued=len(victims), action="re-prefilling")
 
     def _fork_samples(self, parent: _Seq, logits: list[float]) -> list[TokenEvent]:
         """n > 1: the other samples share the computed prompt and draw their own first token."""

@@ -148,6 +148,19 @@ class Stack:
             self.stop()
             raise
 
+    def restart(self, name: str) -> Service:
+        """Start service `name` again (it must have exited) and wait until it is SERVING: what a
+        supervisor does, e.g. for a cache host that died and the workers that then exit (code 3)."""
+        svc = next(s for s in self.services if s.name == name)
+        if svc.process is not None and svc.process.poll() is None:
+            raise RuntimeError(f"{name} is still running (pid {svc.process.pid})")
+        out = None
+        if self.opts.log_dir:
+            out = open(pathlib.Path(self.opts.log_dir) / f"{svc.name}.log", "ab")  # noqa: SIM115 - owned by the child
+        svc.process = subprocess.Popen(svc.args, env={**os.environ}, stdout=out, stderr=out, start_new_session=True)
+        wait_serving(svc.address, svc.health_service, time.monotonic() + self.opts.ready_timeout_s, svc.process)
+        return svc
+
     def first_exited(self) -> Service | None:
         for svc in self.services:
             if svc.process is not None and svc.process.poll() is not None:

@@ -1,0 +1,140 @@
+"""A cache host SIGKILLed mid-generation, with real processes (`pagedkv up`'s Stack, 1 worker).
+
+Without recovery the engine raises CacheHostLost with a message saying what happened and what to
+do. With EngineConfig(recover_lost_cache=True) it waits while a "supervisor" (this test) restarts
+the cache host and the worker (which exits with code 3 after noticing the loss), resets the prefix
+cache, re-prefills every sequence, and the outputs still equal transformers' greedy generate.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from frontend.client import BlockManagerClient
+from frontend.engine import CacheHostLost, Engine, EngineConfig, GenerationRequest
+from frontend.stack import Stack, StackOptions
+from frontend.worker_client import WorkerClient
+from tests.worker_svc.conftest import HFModel, build_hf_model
+
+EXIT_CACHE_LOST = 3
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory: pytest.TempPathFactory) -> HFModel:
+    return build_hf_model(tmp_path_factory.mktemp("tiny-llama-recovery"))
+
+
+@pytest.fixture(scope="module")
+def stack(hf: HFModel, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    env = {"PAGEDKV_KERNEL_BACKEND": "reference", "PAGEDKV_CACHE_HOST_CHECK_INTERVAL_S": "0.2",
+           "PAGEDKV_CACHE_LOST_EXIT_AFTER_S": "1.5", "PAGEDKV_LOG_LEVEL": "warning"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    bm, ch, w = _free_ports(3)
+    opts = StackOptions(block_manager_port=bm, cache_host_port=ch, worker_port=w, num_workers=1,
+                        num_gpu_blocks=256, num_cpu_blocks=0, block_size=4, model=str(hf.path), device="cpu",
+                        dtype="float32", log_dir=str(tmp_path_factory.mktemp("logs")), ready_timeout_s=90)
+    s = Stack(opts, out=open(os.devnull, "w"))  # noqa: SIM115
+    try:
+        s.start()
+        yield s
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        leaked = s.stop()
+        for name in leaked:  # the SIGKILLed hosts could not unlink their segments
+            try:
+                os.unlink(f"/dev/shm/{name}")
+            except FileNotFoundError:
+                pass
+
+
+def _svc(stack: Stack, name: str):  # type: ignore[no-untyped-def]
+    return next(s for s in stack.services if s.name == name)
+
+
+def _kill_cache_host(stack: Stack) -> None:
+    p = _svc(stack, "cache-host").process
+    p.send_signal(signal.SIGKILL)
+    p.wait(10)
+
+
+def _supervise(stack: Stack, errors: list[BaseException]) -> None:
+    """Restart the cache host at once, then the worker once it exited with code 3."""
+    try:
+        stack.restart("cache-host")
+        worker = _svc(stack, "worker-0").process
+        assert worker.wait(30) == EXIT_CACHE_LOST
+        stack.restart("worker-0")
+    except BaseException as e:  # noqa: BLE001 - reported by the test
+        errors.append(e)
+
+
+def _engine(stack: Stack, **cfg: object) -> Engine:
+    bm = BlockManagerClient(_svc(stack, "block-manager").address)
+    w = WorkerClient(_svc(stack, "worker-0").address)
+    return Engine(bm, [w], EngineConfig(max_batch_tokens=64, **cfg))  # type: ignore[arg-type]
+
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [5, 6, 7, 8, 20, 21], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50]]
+
+
+def test_lost_cache_host_raises_then_recovers_with_reprefill(stack: Stack, hf: HFModel) -> None:
+    t0 = time.monotonic()
+    # 1. Default: a clear error.
+    eng = _engine(stack)
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(GenerationRequest(f"a{i}", p, max_tokens=20))
+    for _ in range(4):
+        eng.step()
+    _kill_cache_host(stack)
+    with pytest.raises(CacheHostLost) as e:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            eng.step()
+            time.sleep(0.01)
+    msg = str(e.value)
+    assert "cache host was lost" in msg and "is gone" in msg and "recover_lost_cache=True" in msg, msg
+    errors: list[BaseException] = []
+    _supervise(stack, errors)
+    assert not errors, errors
+
+    # 2. recover_lost_cache=True: the engine waits for the restarted worker and re-prefills.
+    eng = _engine(stack, recover_lost_cache=True, cache_recovery_timeout_s=60)
+    outs = [eng.add_request(GenerationRequest(f"b{i}", p, max_tokens=20)) for i, p in enumerate(PROMPTS)]
+    for _ in range(5):
+        eng.step()
+    assert any(c.token_ids for o in outs for c in o.completions)  # mid-generation
+    _kill_cache_host(stack)
+    sup = threading.Thread(target=_supervise, args=(stack, errors), daemon=True)
+    sup.start()
+    for _ in eng.stream(max_steps=10_000):
+        pass
+    sup.join(60)
+    assert not errors, errors
+    assert eng.stats.cache_recoveries == 1
+    for o, p in zip(outs, PROMPTS):
+        assert o.completions[0].token_ids == hf.greedy(p, 20), o.request_id
+    stats = eng.bm.get_stats()
+    assert stats.num_prefix_cache_resets == 1
+    assert time.monotonic() - t0 < 60
