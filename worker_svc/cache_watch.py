@@ -86,6 +86,6 @@ class CacheHostWatcher:
                 if reason is not None:
                     try:
                         self.on_lost(reason, new_id)
-                    except Exception:  # noqa: BLE001 - a watcher must not die silently
+                    except Exception:  # a watcher must not die silently
                         log.exception("cache_host_lost_handler_failed")
                     return

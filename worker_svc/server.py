@@ -30,8 +30,8 @@ from worker_svc.cache_host import (
     descriptor_from_proto,
     geometry_to_proto,
 )
-from worker_svc.cache_watch import EXIT_CACHE_LOST, CacheHostWatcher
 from worker_svc.cache_layout import GeometryMismatch, dtype_from_name, dtype_name
+from worker_svc.cache_watch import EXIT_CACHE_LOST, CacheHostWatcher
 from worker_svc.devices import resolve_device, resolve_dtype
 from worker_svc.geometry import PoolConfig, check_against_host, fetch_pool_config, host_geometry, known_values
 from worker_svc.grpc_server import RunningServer, start_server, stop_event_on_signals
