@@ -15,7 +15,9 @@ import threading
 import time
 from collections.abc import Iterator
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from frontend.client import BlockManagerClient
 from frontend.engine import CacheHostLost, Engine, EngineConfig, GenerationRequest
@@ -44,7 +46,7 @@ def hf(tmp_path_factory: pytest.TempPathFactory) -> HFModel:
 @pytest.fixture(scope="module")
 def stack(hf: HFModel, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     env = {"PAGEDKV_KERNEL_BACKEND": "reference", "PAGEDKV_CACHE_HOST_CHECK_INTERVAL_S": "0.2",
-           "PAGEDKV_CACHE_LOST_EXIT_AFTER_S": "1.5", "PAGEDKV_LOG_LEVEL": "warning"}
+           "PAGEDKV_CACHE_LOST_EXIT_AFTER_S": "3", "PAGEDKV_LOG_LEVEL": "warning"}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     bm, ch, w = _free_ports(3)
@@ -74,9 +76,18 @@ def _svc(stack: Stack, name: str):  # type: ignore[no-untyped-def]
 
 
 def _kill_cache_host(stack: Stack) -> None:
+    """SIGKILL the cache host and wait until the worker noticed (else a short generation could
+    finish on the dead host's still-mapped memory before the worker's next check)."""
     p = _svc(stack, "cache-host").process
     p.send_signal(signal.SIGKILL)
     p.wait(10)
+    with grpc.insecure_channel(_svc(stack, "worker-0").address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        deadline = time.monotonic() + 10
+        while stub.Check(health_pb2.HealthCheckRequest(service="pagedkv.v1.Worker"), timeout=2).status != \
+                health_pb2.HealthCheckResponse.NOT_SERVING:
+            assert time.monotonic() < deadline, "the worker did not notice the dead cache host"
+            time.sleep(0.05)
 
 
 def _supervise(stack: Stack, errors: list[BaseException]) -> None:
