@@ -609,13 +609,15 @@ def _soak_worker(stub: Any, name: str, stop: threading.Event, rate: float | None
             delay = nxt - time.perf_counter()
             if delay > 0:
                 time.sleep(delay)
-            else:
+            elif delay < -1.0:
+                # More than a second behind (a long stall): start over rather than burst.
+                # Shorter lags are made up, so the achieved rate does not drift below the target.
                 nxt = time.perf_counter()
     for s in live:
         stub.Free(pb.FreeRequest(seq_id=s), timeout=5)
 
 
-def run_soak(seconds: float = 600.0, fraction: float = 0.7, threads: int = 8, peak_window_s: float = 3.0,
+def run_soak(seconds: float = 600.0, fraction: float = 0.75, threads: int = 8, peak_window_s: float = 3.0,
              fsync: str = "batch", samples: int = 10) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="pagedkv-soak-"))
     port = free_port()
@@ -818,9 +820,11 @@ def print_report(res: dict[str, Any]) -> None:
     if "soak" in res:
         r = res["soak"]
         out(f"\n## Soak ({r['seconds']:.0f} s, --fsync batch, request ids + leases)\n\n")
-        out("| peak calls/s | target (70%) | achieved | errors | RSS start → end KiB | pool after free-all |\n"
-            "|---|---|---|---|---|---|\n")
-        out(f"| {r['peak_calls_s']:.0f} | {r['target_calls_s']:.0f} | {r['achieved_calls_s']:.0f} | {r['errors']} | "
+        out("| peak calls/s | target (75%) | achieved | achieved / peak (goal ≥ 70%) | errors | "
+            "RSS start → end KiB | pool after free-all |\n|---|---|---|---|---|---|---|\n")
+        share = r["achieved_calls_s"] / r["peak_calls_s"] if r["peak_calls_s"] else 0.0
+        out(f"| {r['peak_calls_s']:.0f} | {r['target_calls_s']:.0f} | {r['achieved_calls_s']:.0f} | "
+            f"{share:.0%} {'ok' if share >= 0.70 else 'MISS'} | {r['errors']} | "
             f"{r['rss_start_kib']} → {r['rss_end_kib']} | {r['free_after']}/{r['total_blocks']} free, "
             f"{r['sequences_after']} seqs |\n")
         out(f"\nRSS trace (s, KiB): {r['rss_trace']}\n")
