@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 import urllib.request
 
 import grpc
@@ -111,7 +112,11 @@ def test_watch_events_snapshot_then_stored_and_removed() -> None:
         assert set(removed) == snap, kinds
         assert len(stored) == 1 and len(stored[0].block_stored.block_hashes) == 4  # one chain, one event
         assert stored[0].version > first[0].version
-        assert r.servicer._core.pool.events is None  # detached once the watcher left
+        # Detached once the watcher left: the server notices the cancelled stream asynchronously.
+        deadline = time.monotonic() + 10
+        while r.servicer._core.pool.events is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert r.servicer._core.pool.events is None
     finally:
         r.stop(0)
 
