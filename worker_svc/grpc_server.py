@@ -45,10 +45,17 @@ def start_server(
     tls_key: str = "",
     tls_client_ca: str = "",
     allow_insecure: bool = False,
+    auth_tokens_file: str = "",
 ) -> RunningServer:
     """Start a server with ``register``'s servicer, health and reflection; SERVING at once.
 
-    TLS / mutual TLS and the plaintext rule are pagedkv/tls.py's (docs/security.md)."""
+    TLS / mutual TLS and the plaintext rule are pagedkv/tls.py's (docs/security.md); with
+    ``auth_tokens_file`` every call but health needs a bearer token from that file."""
+    interceptors = None
+    if auth_tokens_file:
+        from pagedkv.auth import AuthInterceptor, TokenStore
+
+        interceptors = [AuthInterceptor(TokenStore.load(auth_tokens_file))]
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=thread_prefix),
         options=[
@@ -56,6 +63,7 @@ def start_server(
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.so_reuseport", 0),
         ],
+        interceptors=interceptors,
     )
     register(server)
     health_servicer = health.HealthServicer()

@@ -194,6 +194,7 @@ def start_worker(settings: WorkerSettings, stop: threading.Event | None = None) 
             WORKER_SERVICE,
             max_workers=settings.max_workers,
             thread_prefix="worker-rpc",
+            auth_tokens_file=settings.auth_tokens_file,
             **_tls(settings),
         )
     except BaseException:

@@ -79,6 +79,12 @@ class WorkerSettings(_Common):
         None, description="force the kernel backend (else PAGEDKV_KERNEL_BACKEND / auto)"
     )
     seed: int = Field(0, description="seed of the built-in default model's random weights")
+    # Bearer tokens for the Worker API (pagedkv/auth.py's tokens file; health stays open). A worker
+    # runs steps on any block table it is given, so whoever may call it can read any KV in the cache:
+    # only the frontend should hold a token.
+    auth_tokens_file: str = Field(
+        "", description="tokens file (SHA-256 hashes) whose tokens may call the Worker API; empty = no tokens"
+    )
     # Cache host loss (docs/worker.md "Cache host loss"): how it is detected and what follows.
     cache_host_check_interval_s: float = Field(
         2.0, ge=0, description="poll the cache host's GetCacheInfo this often; 0 = do not watch it"

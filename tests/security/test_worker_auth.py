@@ -1,0 +1,70 @@
+"""Bearer tokens on the Worker API: no token, no steps (whoever may call a worker can read any KV)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from frontend.worker_client import WorkerClient
+from pagedkv.v1 import cache_host_pb2_grpc
+from pagedkv.v1 import worker_pb2 as wpb
+from tests.security.conftest import TOKENS, write_tokens
+from worker_svc import cache_memory
+from worker_svc.cache_host import SERVICE_NAME as CACHE_HOST_SERVICE
+from worker_svc.cache_host import CacheHostServicer
+from worker_svc.cache_layout import CacheGeometry
+from worker_svc.grpc_server import start_server
+from worker_svc.model.config import load_model_config
+from worker_svc.server import start_worker
+from worker_svc.settings import WorkerSettings
+
+
+@pytest.fixture
+def worker_target(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    monkeypatch.setenv("PAGEDKV_KERNEL_BACKEND", "reference")
+    cfg = load_model_config(None)
+    geometry = CacheGeometry(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 16, 32, 0)
+    cache = cache_memory.create(geometry, torch.float32, torch.device("cpu"), shm_prefix="pagedkv-wauth")
+    servicer = CacheHostServicer(cache, cfg.name)
+    host = start_server("127.0.0.1", 0, lambda s: cache_host_pb2_grpc.add_CacheHostServicer_to_server(servicer, s),
+                        CACHE_HOST_SERVICE)
+    worker = start_worker(WorkerSettings(
+        port=0, cache_host=f"127.0.0.1:{host.port}", device="cpu", block_size=16, num_gpu_blocks=32,
+        auth_tokens_file=write_tokens(tmp_path / "tokens.json"), cache_host_check_interval_s=0,
+    ))
+    try:
+        yield f"127.0.0.1:{worker.running.port}"
+    finally:
+        worker.close()
+        host.stop(0)
+        cache.close()
+
+
+def step_request() -> wpb.WorkerStepRequest:
+    return wpb.WorkerStepRequest(sequences=[wpb.SequenceInput(seq_id="s", token_ids=[1, 2, 3], block_ids=[0])])
+
+
+def test_worker_steps_need_a_valid_token(worker_target: str) -> None:
+    with WorkerClient(worker_target) as anonymous:
+        with pytest.raises(grpc.RpcError) as info:
+            anonymous.step(step_request(), timeout_s=10)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with WorkerClient(worker_target, token="not-a-token") as forged:
+        with pytest.raises(grpc.RpcError) as info:
+            forged.get_info(timeout_s=10)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with WorkerClient(worker_target, token=TOKENS["reader"]) as reader:  # allowed GetStats/GetConfig only
+        with pytest.raises(grpc.RpcError) as info:
+            reader.step(step_request(), timeout_s=10)
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    with WorkerClient(worker_target, token=TOKENS["root"]) as frontend:
+        out = frontend.step(step_request(), timeout_s=30).outputs
+        assert len(out) == 1 and out[0].seq_id == "s"
+    with grpc.insecure_channel(worker_target) as ch:  # orchestrators' health checks stay open
+        status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
