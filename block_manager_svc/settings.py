@@ -10,8 +10,10 @@ import argparse
 from collections.abc import Sequence
 from typing import Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from pagedkv import settings_cli
 
 
 class BlockManagerSettings(BaseSettings):
@@ -98,40 +100,16 @@ class BlockManagerSettings(BaseSettings):
         return self
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
+DESCRIPTION = (
+    "Run the block manager gRPC service. Every flag can also be set by the environment variable "
+    "PAGEDKV_<FLAG_NAME> (e.g. PAGEDKV_NUM_GPU_BLOCKS=8192)."
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="pagedkv block-manager",
-        description="Run the block manager gRPC service. Every flag can also be set by the "
-        "environment variable PAGEDKV_<FLAG_NAME> (e.g. PAGEDKV_NUM_GPU_BLOCKS=8192).",
-    )
-    for name, field in BlockManagerSettings.model_fields.items():
-        env = f"PAGEDKV_{name.upper()}"
-        help_ = f"{field.description} [env {env}, default {field.default!r}]"
-        if field.annotation is bool:
-            parser.add_argument(_flag(name), dest=name, action=argparse.BooleanOptionalAction,
-                                default=None, help=help_)
-        elif getattr(field.annotation, "__origin__", None) is Literal:
-            parser.add_argument(_flag(name), dest=name, choices=field.annotation.__args__,
-                                default=None, help=help_)
-        else:
-            parser.add_argument(_flag(name), dest=name, type=field.annotation, default=None, help=help_)
-    return parser
+    return settings_cli.build_parser(BlockManagerSettings, "pagedkv block-manager", DESCRIPTION)
 
 
 def load_settings(argv: Sequence[str] | None = None) -> BlockManagerSettings:
     """Settings from flags over env vars; exits with a readable error on bad values."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    overrides = {k: v for k, v in vars(args).items() if v is not None}
-    try:
-        return BlockManagerSettings(**overrides)
-    except ValidationError as e:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or 'settings'}: {err['msg']}" for err in e.errors()
-        )
-        parser.error(problems)
-        raise  # unreachable: parser.error exits
+    return settings_cli.load_settings(BlockManagerSettings, argv, "pagedkv block-manager", DESCRIPTION)
