@@ -18,14 +18,11 @@ from block_manager_svc.settings import BlockManagerSettings
 from frontend.client import BlockManagerClient
 from frontend.engine import Engine, EngineConfig
 from frontend.worker_client import WorkerClient
-from pagedkv.v1 import cache_host_pb2_grpc
 from worker_svc import cache_memory
-from worker_svc.cache_host import SERVICE_NAME as CACHE_HOST_SERVICE
-from worker_svc.cache_host import CacheHostServicer
+from worker_svc.cache_host import serve_cache
 from worker_svc.cache_layout import CacheGeometry
 from worker_svc.devices import resolve_device, resolve_dtype
 from worker_svc.grpc_server import RunningServer
-from worker_svc.grpc_server import start_server as start_grpc
 from worker_svc.model.config import load_model_config
 from worker_svc.server import WorkerProcess, start_worker
 from worker_svc.settings import WorkerSettings
@@ -71,12 +68,7 @@ class LocalStack:
             )
             self.cache = cache_memory.create(geometry, dtype, device, shm_prefix="pagedkv-local")
             self._closers.append(self.cache.close)
-            servicer = CacheHostServicer(self.cache, model_cfg.name)
-            self.cache_host: RunningServer = start_grpc(
-                "127.0.0.1", 0,
-                lambda s: cache_host_pb2_grpc.add_CacheHostServicer_to_server(servicer, s),
-                CACHE_HOST_SERVICE, thread_prefix="cache-host-rpc",
-            )
+            self.cache_host: RunningServer = serve_cache(self.cache, model_cfg.name)
             self._closers.append(lambda: self.cache_host.stop(0))
             self.workers: list[WorkerProcess] = []
             for _ in range(cfg.num_workers):

@@ -15,9 +15,9 @@ import grpc
 import structlog
 
 from pagedkv.v1 import cache_host_pb2, cache_host_pb2_grpc
-from worker_svc import cache_memory
 from worker_svc.cache_layout import CacheGeometry
 from worker_svc.cache_memory import CacheDescriptor, SharedCache, TensorDescriptor
+from worker_svc.grpc_server import RunningServer, start_server
 
 SERVICE_NAME = cache_host_pb2.DESCRIPTOR.services_by_name["CacheHost"].full_name
 log = structlog.get_logger("pagedkv.cache_host")
@@ -74,6 +74,19 @@ class CacheHostServicer(cache_host_pb2_grpc.CacheHostServicer):
         self, request: cache_host_pb2.GetCacheInfoRequest, context: grpc.ServicerContext
     ) -> cache_host_pb2.CacheInfo:
         return self._info
+
+
+def serve_cache(
+    cache: SharedCache, model_name: str, host: str = "127.0.0.1", port: int = 0, **tls: object
+) -> RunningServer:
+    """Serve ``cache``'s descriptor (CacheHost API, health, reflection) on host:port.
+
+    ``tls`` takes grpc_server.start_server's TLS keywords. The caller keeps owning the cache."""
+    servicer = CacheHostServicer(cache, model_name)
+    return start_server(
+        host, port, lambda s: cache_host_pb2_grpc.add_CacheHostServicer_to_server(servicer, s), SERVICE_NAME,
+        thread_prefix="cache-host-rpc", **tls,  # type: ignore[arg-type]
+    )
 
 
 class CacheOwner:

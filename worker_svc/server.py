@@ -24,11 +24,10 @@ from pagedkv.logging_setup import configure_logging
 from pagedkv.v1 import cache_host_pb2, cache_host_pb2_grpc, worker_pb2, worker_pb2_grpc
 from worker_svc import cache_memory
 from worker_svc.cache_host import (
-    SERVICE_NAME as CACHE_HOST_SERVICE,
-    CacheHostServicer,
     CacheOwner,
     descriptor_from_proto,
     geometry_to_proto,
+    serve_cache,
 )
 from worker_svc.cache_layout import GeometryMismatch, dtype_from_name, dtype_name
 from worker_svc.cache_watch import EXIT_CACHE_LOST, CacheHostWatcher
@@ -69,14 +68,7 @@ def run_cache_host(settings: CacheHostSettings) -> int:
     owner = CacheOwner(cache)
     try:
         stop = stop_event_on_signals()
-        running = start_server(
-            settings.host,
-            settings.port,
-            lambda s: cache_host_pb2_grpc.add_CacheHostServicer_to_server(CacheHostServicer(cache, model_cfg.name), s),
-            CACHE_HOST_SERVICE,
-            thread_prefix="cache-host-rpc",
-            **_tls(settings),
-        )
+        running = serve_cache(cache, model_cfg.name, settings.host, settings.port, **_tls(settings))
         desc = cache.descriptor
         log.info(
             "cache_host_ready",

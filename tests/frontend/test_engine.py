@@ -7,9 +7,7 @@ the generated tokens exactly equal to the dense-cache oracle.
 
 from __future__ import annotations
 
-import pathlib
 import random
-from collections.abc import Iterator
 
 import pytest
 

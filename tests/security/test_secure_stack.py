@@ -12,13 +12,10 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from pagedkv.v1 import cache_host_pb2_grpc
 from tests.security.conftest import TOKENS
 from worker_svc import cache_memory
-from worker_svc.cache_host import SERVICE_NAME as CACHE_HOST_SERVICE
-from worker_svc.cache_host import CacheHostServicer
+from worker_svc.cache_host import serve_cache
 from worker_svc.cache_layout import CacheGeometry
-from worker_svc.grpc_server import start_server as start_grpc
 from worker_svc.model.config import load_model_config
 from worker_svc.server import start_worker
 from worker_svc.settings import WorkerSettings
@@ -34,9 +31,7 @@ def secure_stack(secure_factory, certs: dict[str, str], monkeypatch: pytest.Monk
     cfg = load_model_config(None)
     geometry = CacheGeometry(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, BLOCK_SIZE, BLOCKS, 0)
     cache = cache_memory.create(geometry, torch.float32, torch.device("cpu"), shm_prefix="pagedkv-sec")
-    servicer = CacheHostServicer(cache, cfg.name)
-    host = start_grpc("127.0.0.1", 0, lambda s: cache_host_pb2_grpc.add_CacheHostServicer_to_server(servicer, s),
-                      CACHE_HOST_SERVICE)
+    host = serve_cache(cache, cfg.name)
     worker = start_worker(WorkerSettings(
         port=0, cache_host=f"127.0.0.1:{host.port}", device="cpu", block_size=BLOCK_SIZE, num_gpu_blocks=BLOCKS,
         tls_cert=certs["server"], tls_key=certs["server_key"], tls_client_ca=certs["ca"],

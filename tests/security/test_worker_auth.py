@@ -11,14 +11,11 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from frontend.worker_client import WorkerClient
-from pagedkv.v1 import cache_host_pb2_grpc
 from pagedkv.v1 import worker_pb2 as wpb
 from tests.security.conftest import TOKENS, write_tokens
 from worker_svc import cache_memory
-from worker_svc.cache_host import SERVICE_NAME as CACHE_HOST_SERVICE
-from worker_svc.cache_host import CacheHostServicer
+from worker_svc.cache_host import serve_cache
 from worker_svc.cache_layout import CacheGeometry
-from worker_svc.grpc_server import start_server
 from worker_svc.model.config import load_model_config
 from worker_svc.server import start_worker
 from worker_svc.settings import WorkerSettings
@@ -30,9 +27,7 @@ def worker_target(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[s
     cfg = load_model_config(None)
     geometry = CacheGeometry(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 16, 32, 0)
     cache = cache_memory.create(geometry, torch.float32, torch.device("cpu"), shm_prefix="pagedkv-wauth")
-    servicer = CacheHostServicer(cache, cfg.name)
-    host = start_server("127.0.0.1", 0, lambda s: cache_host_pb2_grpc.add_CacheHostServicer_to_server(servicer, s),
-                        CACHE_HOST_SERVICE)
+    host = serve_cache(cache, cfg.name)
     worker = start_worker(WorkerSettings(
         port=0, cache_host=f"127.0.0.1:{host.port}", device="cpu", block_size=16, num_gpu_blocks=32,
         auth_tokens_file=write_tokens(tmp_path / "tokens.json"), cache_host_check_interval_s=0,

@@ -16,13 +16,11 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagedkv.v1 import cache_host_pb2_grpc, worker_pb2, worker_pb2_grpc
+from pagedkv.v1 import worker_pb2, worker_pb2_grpc
 from worker_svc import cache_memory
-from worker_svc.cache_host import SERVICE_NAME as CACHE_HOST_SERVICE
-from worker_svc.cache_host import CacheHostServicer
+from worker_svc.cache_host import serve_cache
 from worker_svc.cache_layout import CacheGeometry
 from worker_svc.cache_watch import CACHE_LOST_PREFIX
-from worker_svc.grpc_server import start_server
 from worker_svc.model.config import load_model_config
 from worker_svc.server import start_worker
 from worker_svc.settings import WorkerSettings
@@ -35,9 +33,7 @@ class Host:
         cfg = load_model_config(None)
         geometry = CacheGeometry(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 4, 32, 0)
         self.cache = cache_memory.create(geometry, torch.float32, torch.device("cpu"), shm_prefix="pagedkv-test-loss")
-        servicer = CacheHostServicer(self.cache, cfg.name)
-        self.running = start_server("127.0.0.1", port, lambda s: cache_host_pb2_grpc.add_CacheHostServicer_to_server(
-            servicer, s), CACHE_HOST_SERVICE, thread_prefix="test-cache-host")
+        self.running = serve_cache(self.cache, cfg.name, port=port)
         self.port = self.running.port
         self.instance_id = self.cache.descriptor.instance_id
         self.stopped = False

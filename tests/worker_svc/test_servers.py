@@ -15,9 +15,9 @@ from pagedkv.v1 import cache_host_pb2, cache_host_pb2_grpc, worker_pb2, worker_p
 from tests.worker_svc.conftest import HFModel
 from tests.worker_svc.generation import Scheduler, grpc_step
 from worker_svc import cache_memory
-from worker_svc.cache_host import SERVICE_NAME as CACHE_HOST_SERVICE, CacheHostServicer
+from worker_svc.cache_host import serve_cache
 from worker_svc.cache_layout import CacheGeometry, GeometryMismatch
-from worker_svc.grpc_server import RunningServer, start_server
+from worker_svc.grpc_server import RunningServer
 from worker_svc.model.config import ModelConfig
 from worker_svc.server import start_worker, wait_for_cache_host
 from worker_svc.settings import WorkerSettings
@@ -40,10 +40,7 @@ def host(hf_llama: HFModel) -> Iterator[Host]:
     cfg = ModelConfig.from_dir(hf_llama.path)
     geom = CacheGeometry(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, BLOCK, GPU_BLOCKS, CPU_BLOCKS)
     cache = cache_memory.create(geom, torch.float32, torch.device("cpu"), shm_prefix="pagedkv-test")
-    servicer = CacheHostServicer(cache, cfg.name)
-    running = start_server(
-        "127.0.0.1", 0, lambda s: cache_host_pb2_grpc.add_CacheHostServicer_to_server(servicer, s), CACHE_HOST_SERVICE
-    )
+    running = serve_cache(cache, cfg.name)
     yield Host(cache, running)
     running.stop(0)
     cache.close()
