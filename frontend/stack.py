@@ -22,8 +22,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pagedkv.healthcheck import check
 
 SHM_DIR = pathlib.Path("/dev/shm")
 
@@ -96,20 +95,17 @@ def plan(opts: StackOptions) -> list[Service]:
 
 
 def wait_serving(address: str, service: str, deadline: float, proc: subprocess.Popen[bytes]) -> None:
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{service} at {address} exited with code {proc.returncode} before it was ready")
-            try:
-                status = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0).status
-                if status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{service} at {address} was not SERVING in time")
-            time.sleep(0.2)
+    """Poll the gRPC health check until SERVING; fail early if the process died."""
+    seen = "no answer"
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{service} at {address} exited with code {proc.returncode} before it was ready")
+        healthy, seen = check(address, service, timeout_s=1.0)
+        if healthy:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{service} at {address} was not SERVING in time (last: {seen})")
+        time.sleep(0.2)
 
 
 def leaked_segments(prefix: str) -> list[str]:
