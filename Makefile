@@ -3,7 +3,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# CPU hosts: torch's CPU wheel first, or pip pulls a multi-GB CUDA build.
+# torch first, so the package's torch range is already met: on these machines torch==2.13.0 is a
+# local CPU wheel; elsewhere add pip options, e.g. TORCH_SPEC='torch==2.13.0 --index-url <cpu index>'.
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
@@ -14,7 +15,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q $(TORCH_SPEC)
 	$(BIN)/pip install -q -e '.[worker,dev]'
 	touch $@
 
