@@ -11,32 +11,45 @@ shutdown, 2 for a configuration error (geometry mismatch, bad model dir), 1 when
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass
-
-import threading
+from typing import TYPE_CHECKING
 
 import grpc
+import torch
 import structlog
 from grpc_health.v1 import health_pb2
 
 from pagedkv.logging_setup import configure_logging
 from pagedkv.v1 import cache_host_pb2, cache_host_pb2_grpc, worker_pb2, worker_pb2_grpc
-from worker_svc import cache_memory
+from worker_svc import cache_memory, cpu_placement, shared_weights
 from worker_svc.cache_host import (
     CacheOwner,
     descriptor_from_proto,
     geometry_to_proto,
     serve_cache,
+    weights_from_proto,
 )
 from worker_svc.cache_layout import GeometryMismatch, dtype_from_name, dtype_name
 from worker_svc.cache_watch import EXIT_CACHE_LOST, CacheHostWatcher
 from worker_svc.devices import resolve_device, resolve_dtype
 from worker_svc.geometry import PoolConfig, check_against_host, fetch_pool_config, host_geometry, known_values
 from worker_svc.grpc_server import RunningServer, start_server, stop_event_on_signals
-from worker_svc.model.config import load_model_config
+from worker_svc.model.config import ModelConfig, load_model_config
 from worker_svc.servicer import SERVICE_NAME as WORKER_SERVICE, WorkerServicer
 from worker_svc.settings import CacheHostSettings, WorkerSettings
+from worker_svc.shared_weights import SharedWeights, WeightsDescriptor
+
+if TYPE_CHECKING:
+    from worker_svc.model.llama import LlamaModel
+
+# --role -> WorkerInfo.role
+ROLES = {
+    "mixed": worker_pb2.WORKER_ROLE_MIXED,
+    "prefill": worker_pb2.WORKER_ROLE_PREFILL,
+    "decode": worker_pb2.WORKER_ROLE_DECODE,
+}
 
 log = structlog.get_logger("pagedkv.worker_svc")
 
@@ -67,8 +80,12 @@ def run_cache_host(settings: CacheHostSettings) -> int:
     cache = cache_memory.create(geometry, dtype, device, settings.shm_prefix)
     owner = CacheOwner(cache)
     try:
+        weights = _share_weights(settings, model_cfg, dtype, device)
+        if weights is not None:
+            owner.also_close(weights)
         stop = stop_event_on_signals()
-        running = serve_cache(cache, model_cfg.name, settings.host, settings.port, **_tls(settings))
+        running = serve_cache(cache, model_cfg.name, settings.host, settings.port,
+                              weights=weights.descriptor if weights is not None else None, **_tls(settings))
         desc = cache.descriptor
         log.info(
             "cache_host_ready",
@@ -82,11 +99,16 @@ def run_cache_host(settings: CacheHostSettings) -> int:
             cpu_segment=desc.cpu.shm_name,
             kv_bytes=geometry.num_gpu_blocks * geometry.block_bytes(dtype),
             swap_bytes=geometry.num_cpu_blocks * geometry.block_bytes(dtype),
+            weights_bytes=weights.nbytes if weights is not None else 0,
+            weights_source=weights.descriptor.source if weights is not None else None,
             **geometry.as_dict(),
         )
         stop.wait()
         log.info("shutting_down")
         running.stop(grace=1.0)
+    except (ValueError, FileNotFoundError) as e:
+        log.error("config_error", error=str(e))
+        return EXIT_CONFIG
     except RuntimeError as e:
         log.error("serve_failed", error=str(e))
         return EXIT_FAILED
@@ -94,6 +116,48 @@ def run_cache_host(settings: CacheHostSettings) -> int:
         owner.close()
     log.info("stopped")
     return EXIT_OK
+
+
+def _share_weights(
+    settings: CacheHostSettings, model_cfg: ModelConfig, dtype: torch.dtype, device: torch.device
+) -> SharedWeights | None:
+    """Load the model once and pack its tensors into one exported region (shared_weights.py)."""
+    if not settings.share_weights:
+        return None
+    from worker_svc.model.weights import load_model, weights_source
+
+    model = load_model(settings.model, model_cfg, dtype, device, seed=settings.seed)
+    return shared_weights.pack(
+        model, device, weights_source(settings.model, model_cfg, settings.seed), settings.shm_prefix
+    )
+
+
+def _model_for_worker(
+    settings: WorkerSettings, model_cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+    host_weights: WeightsDescriptor | None,
+) -> tuple[LlamaModel, SharedWeights | None]:
+    """The cache host's shared weights when there are some (and --weights allows), else a private load.
+
+    Two different models on one cache would mix their KV: a worker whose own settings name other
+    weights than the host's refuses to start (GeometryMismatch: a configuration error)."""
+    from worker_svc.model.weights import load_model, model_skeleton, weights_source
+
+    if settings.weights == "local" or (settings.weights == "auto" and host_weights is None):
+        return load_model(settings.model, model_cfg, dtype, device, seed=settings.seed), None
+    if host_weights is None:
+        raise GeometryMismatch(
+            f"--weights shared, but the cache host at {settings.cache_host} exports no weights "
+            "(start it with --share-weights)"
+        )
+    mine = weights_source(settings.model, model_cfg, settings.seed)
+    if host_weights.source != mine:
+        raise GeometryMismatch(
+            f"weights mismatch: this worker would load {mine!r}, the cache host at {settings.cache_host} "
+            f"shares {host_weights.source!r} (give both the same --model / --seed, or --weights local)"
+        )
+    model = model_skeleton(model_cfg, dtype)
+    shared = shared_weights.bind(model, host_weights, device)
+    return model, shared
 
 
 class StopRequested(Exception):
@@ -138,6 +202,7 @@ class WorkerProcess:
     running: RunningServer
     servicer: WorkerServicer
     cache: cache_memory.SharedCache
+    weights: SharedWeights | None = None  # the cache host's shared weights, when mapped
     watcher: CacheHostWatcher | None = None
     lost_at: float | None = None  # monotonic time the cache host was declared lost
 
@@ -147,15 +212,17 @@ class WorkerProcess:
         self.running.stop(grace=1.0)
         self.servicer._runner = None  # type: ignore[assignment] - drop views before unmapping
         self.cache.close()
+        if self.weights is not None:
+            self.weights.close()
 
 
 def start_worker(settings: WorkerSettings, stop: threading.Event | None = None) -> WorkerProcess:
     """Everything up to SERVING. Raises GeometryMismatch / ValueError / TimeoutError on bad config."""
-    from worker_svc.model.weights import load_model
     from worker_svc.model_runner import ModelRunner
 
     if settings.kernel_backend:
         os.environ["PAGEDKV_KERNEL_BACKEND"] = settings.kernel_backend
+    cpus, threads = cpu_placement.apply(settings.cpu_affinity, settings.num_threads)
     device = resolve_device(settings.device)
     model_cfg = load_model_config(settings.model)
     known = known_values(settings, model_cfg, _pool(settings, timeout_s=max(settings.connect_timeout_s, 1.0)))
@@ -166,8 +233,9 @@ def start_worker(settings: WorkerSettings, stop: threading.Event | None = None) 
         raise GeometryMismatch(f"cache dtype mismatch: settings have {settings.dtype}, the cache host has {desc.dtype}")
     dtype = dtype_from_name(desc.dtype)
     cache = cache_memory.attach(desc, device)
+    weights: SharedWeights | None = None
     try:
-        model = load_model(settings.model, model_cfg, dtype, device, seed=settings.seed)
+        model, weights = _model_for_worker(settings, model_cfg, dtype, device, weights_from_proto(info))
         runner = ModelRunner(model, cache.gpu, cache.cpu)
         import kernels
 
@@ -177,6 +245,7 @@ def start_worker(settings: WorkerSettings, stop: threading.Event | None = None) 
             hidden_size=model_cfg.hidden_size, dtype=dtype_name(dtype), device=str(device),
             geometry=geometry_to_proto(desc.geometry), cache_instance_id=desc.instance_id,
             kernel_backend=kernels.backend_for(cache.gpu),
+            role=ROLES[settings.role], shared_weights=weights is not None,
         )
         servicer = WorkerServicer(runner, winfo)
         running = start_server(
@@ -191,8 +260,10 @@ def start_worker(settings: WorkerSettings, stop: threading.Event | None = None) 
         )
     except BaseException:
         cache.close()
+        if weights is not None:
+            weights.close()
         raise
-    proc = WorkerProcess(running=running, servicer=servicer, cache=cache)
+    proc = WorkerProcess(running=running, servicer=servicer, cache=cache, weights=weights)
     _watch_cache_host(proc, settings, desc.instance_id)
     log.info(
         "worker_ready",
@@ -205,6 +276,10 @@ def start_worker(settings: WorkerSettings, stop: threading.Event | None = None) 
         dtype=desc.dtype,
         model=model_cfg.name,
         kernel_backend=winfo.kernel_backend,
+        role=settings.role,
+        shared_weights=weights is not None,
+        cpus=cpus,
+        threads=threads,
         **desc.geometry.as_dict(),
     )
     return proc

@@ -140,6 +140,22 @@ def random_weights(
     return out
 
 
+def weights_source(model_dir: str | None, cfg: ModelConfig, seed: int) -> str:
+    """Names the weights a role would load: equal strings mean the same weights (shared_weights.py)."""
+    return f"model:{cfg.name}" if model_dir else f"random:seed={seed}"
+
+
+def model_skeleton(cfg: ModelConfig, dtype: torch.dtype) -> "LlamaModel":
+    """The model built on the meta device: its structure and tensor shapes, no memory, no compute.
+
+    ``shared_weights.bind`` then points every tensor at the cache host's shared copy."""
+    from worker_svc.model.llama import LlamaModel
+    from worker_svc.shared_weights import meta_weights
+
+    shapes = expected_shapes(cfg)
+    return LlamaModel(cfg, meta_weights({n: shapes[n] for n in expected_names(cfg)}, dtype))
+
+
 def load_model(
     model_dir: str | None, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0
 ) -> "LlamaModel":
