@@ -14,6 +14,13 @@ Each `step()` is one scheduler iteration:
 4. **Worker step**: decode tokens first (one per running sequence), then
    prefill chunks in arrival order within a token budget (chunked prefill: a
    long prompt never stalls decoding), with all cache ops of the iteration.
+   Which workers run it is frontend/dispatch.py's decision: several mixed
+   workers split the iteration's sequences by tokens and compute at once on the
+   one shared cache; with prefill and decode workers (disjoint roles) the
+   engine runs two independent pipelines: the prefill chunk is launched on the
+   prefill worker and the engine goes on decoding on the decode worker without
+   waiting for it; a sequence joins the decode batch at the first iteration
+   after its prefill came back.
 5. Sample results are streamed as `TokenEvent`s; `n > 1` samples fork from the
    prompt once it is computed (sharing every block, copy-on-write later).
 
@@ -38,14 +45,17 @@ import itertools
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+import time
+from concurrent.futures import Future
+
 import grpc
 import structlog
 
 from frontend.client import BlockManagerClient
+from frontend.dispatch import CacheLostEverywhere, WorkerPool, WorkerSlot
 from frontend.worker_client import WorkerClient
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import worker_pb2 as wpb
-from worker_svc.cache_watch import CACHE_LOST_PREFIX
 
 log = structlog.get_logger("pagedkv.engine")
 
@@ -135,6 +145,7 @@ class _Seq:
     num_computed: int = 0  # leading tokens whose KV is in the cache
     needs_slot: bool = False  # last token sampled but not yet reserved in the block manager
     forked: bool = False  # n > 1 samples already forked from this sequence
+    in_flight: bool = False  # its prefill chunk is running on a prefill worker right now
 
     @property
     def completion(self) -> Completion:
@@ -169,6 +180,11 @@ class EngineStats:
     preempted_swap: int = 0
     worker_retries: int = 0
     cache_recoveries: int = 0
+    # Idle gap of the engine's synchronous worker calls (decode pipeline): time from the end of one
+    # call to the start of the next, summed, and how many gaps (the control plane's share of a step).
+    worker_idle_s: float = 0.0
+    worker_idle_gaps: int = 0
+    prefill_launches: int = 0  # async prefill chunks sent to prefill workers (disaggregated layout)
 
 
 class Engine:
@@ -186,7 +202,11 @@ class Engine:
         geometry = self.bm.get_config(timeout_s=self.config.timeout_s)
         self.block_size = geometry.block_size
         self.num_gpu_blocks = geometry.num_gpu_blocks
-        info = self.workers[0].get_info(timeout_s=self.config.timeout_s)
+        infos = [self._info_or_none(w) for w in self.workers]
+        info = next((i for i in infos if i is not None), None)
+        if info is None:
+            info = self.workers[0].get_info(timeout_s=self.config.timeout_s)  # raises the real error
+        self.pool = WorkerPool.from_clients(self.workers, infos, timeout_s=self.config.timeout_s * 4)
         if info.geometry.block_size and info.geometry.block_size != self.block_size:
             raise ValueError(
                 f"worker block_size {info.geometry.block_size} != block manager block_size {self.block_size}"
@@ -202,8 +222,26 @@ class Engine:
         self._to_free: list[str] = []
         self._pending_ops = pb.CacheOps()
         self._computed: set[int] = set()  # physical blocks holding valid KV
-        self._worker_index = 0
         self._step_ids = itertools.count()
+        # The prefill pipeline's chunk in flight: its future and (sequence, num_computed at launch, tokens).
+        self._prefill: tuple[Future[wpb.WorkerStepResponse], list[tuple[_Seq, int, int]]] | None = None
+        self._last_call_end: float | None = None
+
+    def _info_or_none(self, w: WorkerClient) -> wpb.WorkerInfo | None:
+        try:
+            return w.get_info(timeout_s=self.config.timeout_s)
+        except grpc.RpcError as e:
+            if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise
+            log.warning("worker_unavailable_at_start", worker=w.target, code=e.code().name)
+            return None
+
+    def close(self) -> None:
+        """Wait for a prefill in flight and stop the dispatch threads (the clients stay the caller's)."""
+        if self._prefill is not None:
+            self._prefill[0].exception()
+            self._prefill = None
+        self.pool.close()
 
     # --- public API -------------------------------------------------------------
     def add_request(self, request: GenerationRequest) -> RequestOutput:
@@ -252,28 +290,75 @@ class Engine:
     # --- one iteration -------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
         self.stats.steps += 1
-        ops = self._pending_ops
-        self._pending_ops = pb.CacheOps()
-        self._block_manager_step(ops)
-        self._admit()
-        batch = self._schedule()
-        if not batch:
-            if self._pending_ops_nonempty(ops):
-                self._pending_ops = ops  # nothing to compute: carry the ops to the next step
-            elif self._waiting and not self._running and not self._swapped and not self._to_free:
-                head = self._waiting[0]
-                raise RuntimeError(
-                    f"request {head.request.request_id} cannot be admitted: the pool has no room even "
-                    "with nothing running"
-                )
-            return []
         try:
-            return self._run_worker(batch, ops)
+            return self._step()
         except CacheHostLost:
             if not self.config.recover_lost_cache:
                 raise
             self._recover_lost_cache()
             return []
+        finally:
+            self.stats.worker_retries = self.pool.stats.retries
+
+    def _step(self) -> list[TokenEvent]:
+        disaggregated = self.pool.disaggregated()
+        # A prefill that came back joins this iteration's decode batch (its token needs a slot first).
+        events = self._harvest_prefill(wait=not disaggregated)
+        ops = self._pending_ops
+        self._pending_ops = pb.CacheOps()
+        self._block_manager_step(ops)
+        if self._prefill is not None and any(s.status is not SeqStatus.RUNNING for s, _, _ in self._prefill[1]):
+            # A sequence being prefilled was preempted: its blocks may be reused or swapped out by
+            # this iteration's steps, so its writes must be over first.
+            events += self._harvest_prefill(wait=True)
+        self._admit()
+        decode, prefill = self._schedule(separate_budgets=disaggregated)
+        if disaggregated:
+            return events + self._step_disaggregated(decode, prefill, ops)
+        batch = decode + prefill
+        if not batch:
+            self._idle(ops)
+            return events
+        return events + self._run_worker(batch, ops, self.pool.workers())
+
+    def _idle(self, ops: pb.CacheOps) -> None:
+        """Nothing to compute this iteration."""
+        self._last_call_end = None
+        if self._pending_ops_nonempty(ops):
+            self._pending_ops = ops  # carry the ops to the next step
+        elif (self._waiting and not self._running and not self._swapped and not self._to_free
+              and self._prefill is None):
+            head = self._waiting[0]
+            raise RuntimeError(
+                f"request {head.request.request_id} cannot be admitted: the pool has no room even "
+                "with nothing running"
+            )
+
+    def _step_disaggregated(
+        self, decode: list[tuple[_Seq, int]], prefill: list[tuple[_Seq, int]], ops: pb.CacheOps
+    ) -> list[TokenEvent]:
+        """Decode on the decode workers now; prefill on the prefill workers without waiting for it.
+
+        Cache ops run before a new prefill is launched (a swap-out must read its blocks before a
+        newly admitted prompt may overwrite them), so a launch waits for an ops-carrying decode call."""
+        launch = bool(prefill) and self._prefill is None
+        has_ops = self._pending_ops_nonempty(ops)
+        events: list[TokenEvent] = []
+        if decode:
+            if launch and not has_ops:
+                self._launch_prefill(prefill)
+            events += self._run_worker(decode, ops, self.pool.decode_workers())
+            if launch and has_ops:
+                self._launch_prefill(prefill)
+            return events
+        if has_ops:
+            self._run_worker([], ops, self.pool.decode_workers())
+        if launch:
+            self._launch_prefill(prefill)
+        if self._prefill is not None:
+            return self._harvest_prefill(wait=True)  # nothing to decode: wait for the prompt instead of spinning
+        self._idle(pb.CacheOps())
+        return events
 
     @staticmethod
     def _pending_ops_nonempty(ops: pb.CacheOps) -> bool:
@@ -420,18 +505,24 @@ class Engine:
                 owners.setdefault(s.block_table[i], s)
         return owners
 
-    def _schedule(self) -> list[tuple[_Seq, int]]:
-        """(sequence, number of tokens to compute) for this worker step."""
+    def _schedule(self, separate_budgets: bool = False) -> tuple[list[tuple[_Seq, int]], list[tuple[_Seq, int]]]:
+        """(sequence, number of tokens to compute) for this iteration: the decode batch and the
+        prefill chunks. ``separate_budgets``: each gets max_batch_tokens (they run on different
+        workers); else they share it, decode first. Sequences whose prefill is in flight wait."""
         budget = self.config.max_batch_tokens
         batch: list[tuple[_Seq, int]] = []
-        decode = [s for s in self._running if s.num_computed == len(s.tokens) - 1 and not s.needs_slot]
+        decode = [s for s in self._running
+                  if s.num_computed == len(s.tokens) - 1 and not s.needs_slot and not s.in_flight]
         for s in decode[:budget]:
             batch.append((s, 1))
-        budget -= len(batch)
+        decode_batch, batch = batch, []
+        budget = budget if separate_budgets else budget - len(decode_batch)
+        if separate_budgets and self._prefill is not None:
+            return decode_batch, []  # the prefill pipeline is busy
         owners: dict[int, _Seq] | None = None
         bs = self.block_size
         for s in self._running:
-            if s.needs_slot or budget <= 0:
+            if s.needs_slot or s.in_flight or budget <= 0:
                 continue
             self._skip_computed_blocks(s)
             remaining = len(s.tokens) - s.num_computed
@@ -446,7 +537,7 @@ class Engine:
             chunk = min(remaining, budget)
             batch.append((s, chunk))
             budget -= chunk
-        return batch
+        return decode_batch, batch
 
     def _skip_computed_blocks(self, s: _Seq) -> None:
         """Advance over leading blocks that now hold this sequence's KV (shared prefix
@@ -461,9 +552,10 @@ class Engine:
     def _runs_before(self, a: _Seq, b: _Seq) -> bool:
         return self._running.index(a) < self._running.index(b)
 
-    def _run_worker(self, batch: list[tuple[_Seq, int]], ops: pb.CacheOps) -> list[TokenEvent]:
-        req = wpb.WorkerStepRequest(ops=ops, request_id=f"step-{next(self._step_ids)}",
-                                    cache_instance_id=self._cache_instance)
+    def _step_request(self, batch: list[tuple[_Seq, int]], ops: pb.CacheOps | None) -> wpb.WorkerStepRequest:
+        req = wpb.WorkerStepRequest(request_id=f"step-{next(self._step_ids)}", cache_instance_id=self._cache_instance)
+        if ops is not None:
+            req.ops.CopyFrom(ops)
         for s, k in batch:
             start = s.num_computed
             final = start + k == len(s.tokens)
@@ -480,10 +572,56 @@ class Engine:
             item.sampling.top_k = sampling.top_k
             if s.seed is not None:
                 item.sampling.seed = s.seed
-        resp = self._call_worker(req)
+        return req
+
+    def _run_worker(
+        self, batch: list[tuple[_Seq, int]], ops: pb.CacheOps, workers: list[WorkerSlot]
+    ) -> list[TokenEvent]:
+        """One synchronous step (split over ``workers`` by dispatch), then its results."""
+        req = self._step_request(batch, ops)
+        t0 = time.perf_counter()
+        if self._last_call_end is not None:
+            self.stats.worker_idle_s += t0 - self._last_call_end
+            self.stats.worker_idle_gaps += 1
+        try:
+            resp = self.pool.step(req, workers)
+        except CacheLostEverywhere as e:
+            raise self._cache_host_lost(e) from e
+        self._last_call_end = time.perf_counter()
+        return self._apply_outputs([(s, s.num_computed, k) for s, k in batch], resp)
+
+    def _launch_prefill(self, prefill: list[tuple[_Seq, int]]) -> None:
+        """Send the prefill chunks to the prefill workers and return at once (prefill pipeline)."""
+        req = self._step_request(prefill, None)
+        for s, _ in prefill:
+            s.in_flight = True
+        workers = self.pool.prefill_workers()
+        fut = self.pool.submit_step(req, workers)
+        self._prefill = (fut, [(s, s.num_computed, k) for s, k in prefill])
+        self.stats.prefill_launches += 1
+
+    def _harvest_prefill(self, wait: bool) -> list[TokenEvent]:
+        """Results of the prefill in flight, once it is done (or now, waiting, with ``wait``)."""
+        if self._prefill is None or (not wait and not self._prefill[0].done()):
+            return []
+        fut, items = self._prefill
+        self._prefill = None
+        for s, _, _ in items:
+            s.in_flight = False
+        try:
+            resp = fut.result()
+        except CacheLostEverywhere as e:
+            raise self._cache_host_lost(e) from e
+        # A sequence preempted while its chunk ran has been reset: its results are dropped.
+        keep = [(i, it) for i, it in enumerate(items) if it[0].status is SeqStatus.RUNNING and it[0].num_computed == it[1]]
+        out = wpb.WorkerStepResponse()
+        out.outputs.extend(resp.outputs[i] for i, _ in keep)
+        return self._apply_outputs([it for _, it in keep], out)
+
+    def _apply_outputs(self, batch: list[tuple[_Seq, int, int]], resp: wpb.WorkerStepResponse) -> list[TokenEvent]:
         events: list[TokenEvent] = []
         bs = self.block_size
-        for (s, k), out in zip(batch, resp.outputs):
+        for (s, _, k), out in zip(batch, resp.outputs):
             s.num_computed += k
             self.stats.computed_tokens += k
             for i in range(s.num_computed // bs):
@@ -495,38 +633,16 @@ class Engine:
             events.append(self._accept_token(s, out.token_id, out.logprob))
         return events
 
-    def _call_worker(self, req: wpb.WorkerStepRequest) -> wpb.WorkerStepResponse:
-        """Run the step on a worker; on UNAVAILABLE try the next one (the cache host keeps the KV).
-        When every worker that answered says the cache host was lost: CacheHostLost."""
-        last: grpc.RpcError | None = None
-        lost: list[str] = []
-        for attempt in range(len(self.workers)):
-            worker = self.workers[(self._worker_index + attempt) % len(self.workers)]
-            try:
-                resp = worker.step(req, timeout_s=self.config.timeout_s * 4)
-                self._worker_index = (self._worker_index + attempt) % len(self.workers)
-                return resp
-            except grpc.RpcError as e:
-                if e.code() == grpc.StatusCode.FAILED_PRECONDITION and (e.details() or "").startswith(
-                    CACHE_LOST_PREFIX
-                ):
-                    lost.append(f"{worker.target}: {e.details()}")
-                    continue
-                if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                    raise
-                last = e
-                self.stats.worker_retries += 1
-                log.warning("worker_unavailable", worker=worker.target, code=e.code().name)
-        if lost:
-            raise CacheHostLost(
-                f"the cache host was lost, and with it the KV of every sequence ({'; '.join(lost)}). "
+    @staticmethod
+    def _cache_host_lost(e: CacheLostEverywhere) -> CacheHostLost:
+        """Every worker tried says the cache host is gone (dispatch.py)."""
+        return CacheHostLost(
+                f"the cache host was lost, and with it the KV of every sequence ({'; '.join(e.details)}). "
                 "Restart the cache host and the workers (a worker exits with code 3 after a lost cache host "
                 "and re-attaches when restarted), then resubmit the requests, or run the engine with "
                 "EngineConfig(recover_lost_cache=True) to wait for a re-attached worker, reset the block "
                 "manager's prefix cache and re-prefill every running sequence"
             )
-        assert last is not None
-        raise last
 
     def _recover_lost_cache(self) -> None:
         """After CacheHostLost: wait for a worker on a new cache instance, forget all cached KV
@@ -535,6 +651,12 @@ class Engine:
         import time
         import uuid
 
+        if self._prefill is not None:  # its KV went with the cache host
+            self._prefill[0].exception()
+            for s, _, _ in self._prefill[1]:
+                s.in_flight = False
+            self._prefill = None
+        self._last_call_end = None
         old = self._cache_instance
         deadline = time.monotonic() + self.config.cache_recovery_timeout_s
         log.warning("cache_host_lost", cache_instance_id=old, action="waiting for a re-attached worker",
