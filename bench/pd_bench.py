@@ -20,7 +20,8 @@ token time - arrival, per request; TPOT = (last token time - first token time) /
 request with >= 2 tokens; ITL = gap between consecutive tokens of one request, over all gaps;
 p50/p99 over requests (TTFT, TPOT) or gaps (ITL); idle = mean gap between the end of one
 synchronous worker call and the start of the next (the engine and block manager's share of a
-step). The engine, block manager and cache host share the machine's CPUs with the workers.
+step; ``--overlap`` runs each layout again with the next decode slots reserved while the workers
+compute). The engine, block manager and cache host share the machine's CPUs with the workers.
 """
 
 from __future__ import annotations
@@ -103,6 +104,7 @@ class Layout:
     roles: tuple[str, ...] = ()
     pin: bool = False
     worker_args: tuple[str, ...] = ()
+    overlap: bool = False  # EngineConfig.overlap_block_manager
 
 
 @contextlib.contextmanager
@@ -169,11 +171,12 @@ def pct(xs: Sequence[float], p: float) -> float:
     return s[min(len(s) - 1, max(0, round(p / 100 * (len(s) - 1))))]
 
 
-def drive(stack: Stack, arrivals: list[Arrival], layout: str, max_batch_tokens: int) -> Result:
+def drive(stack: Stack, arrivals: list[Arrival], layout: Layout, max_batch_tokens: int) -> Result:
     """Add each request at its arrival time, step the engine, time every token."""
     bm = BlockManagerClient(stack.services[0].address)
     workers = [WorkerClient(s.address) for s in stack.services[2:]]
-    engine = Engine(bm, workers, EngineConfig(max_num_seqs=256, max_batch_tokens=max_batch_tokens, timeout_s=60))
+    engine = Engine(bm, workers, EngineConfig(max_num_seqs=256, max_batch_tokens=max_batch_tokens, timeout_s=60,
+                                              overlap_block_manager=layout.overlap))
     try:
         pending = sorted(arrivals, key=lambda a: a.at_s)
         arrived: dict[str, float] = {}
@@ -192,7 +195,7 @@ def drive(stack: Stack, arrivals: list[Arrival], layout: str, max_batch_tokens: 
             for ev in engine.step():
                 times[ev.request_id].append(time.perf_counter())
         end = max(t for ts in times.values() for t in ts)
-        res = Result(layout, sum(len(ts) for ts in times.values()), end - t0)
+        res = Result(layout.name, sum(len(ts) for ts in times.values()), end - t0)
         for rid, ts in times.items():
             res.ttft_s.append(ts[0] - arrived[rid])
             if len(ts) >= 2:
@@ -252,19 +255,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--num-gpu-blocks", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--memory", action="store_true", help="also measure RSS/PSS per process (1 and 2 workers)")
+    p.add_argument("--overlap", action="store_true",
+                   help="also run every layout with EngineConfig(overlap_block_manager=True): idle gap before/after")
     p.add_argument("--json", default="", help="write the results here too")
     args = p.parse_args(argv)
 
     ncpu = len(os.sched_getaffinity(0))
     layouts = [Layout(f"mixed x1 (t{t})", 1, worker_args=("--num-threads", str(t))) for t in sorted({1, ncpu})]
     layouts += [Layout("mixed x2", 2, pin=True), Layout("prefill+decode", 2, roles=("prefill", "decode"), pin=True)]
+    if args.overlap:
+        layouts += [Layout(f"{x.name} +overlap", x.num_workers, x.roles, x.pin, x.worker_args, overlap=True)
+                    for x in list(layouts)]
     with tempfile.TemporaryDirectory(prefix="pd-bench-") as tmp:
         model = make_model(pathlib.Path(tmp) / f"llama-h{args.hidden}-l{args.layers}", args.hidden, args.layers, args.vocab)
         arrivals = workload(args, args.vocab)
         results: list[Result] = []
         for layout in layouts:
             with running(layout, model, args.num_gpu_blocks, pathlib.Path(tmp) / "logs") as stack:
-                results.append(drive(stack, arrivals, layout.name, args.max_batch_tokens))
+                results.append(drive(stack, arrivals, layout, args.max_batch_tokens))
             print(f"  ran {layout.name}: {results[-1].tok_s:.1f} tok/s", file=sys.stderr, flush=True)
         mem = memory_table(model, args.num_gpu_blocks, pathlib.Path(tmp) / "logs") if args.memory else ""
 

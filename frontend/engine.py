@@ -167,6 +167,9 @@ class EngineConfig:
     # for a worker attached to a new cache host, reset the prefix cache and re-prefill everything.
     recover_lost_cache: bool = False
     cache_recovery_timeout_s: float = 120.0
+    # Reserve the next decode slots in the block manager while the workers compute (no append round
+    # trip between two worker steps); generated tokens' blocks are then not prefix-cached.
+    overlap_block_manager: bool = False
 
 
 @dataclass(slots=True)
@@ -185,6 +188,7 @@ class EngineStats:
     worker_idle_s: float = 0.0
     worker_idle_gaps: int = 0
     prefill_launches: int = 0  # async prefill chunks sent to prefill workers (disaggregated layout)
+    slots_reserved_ahead: int = 0  # decode slots reserved while the workers computed (overlap)
 
 
 class Engine:
@@ -379,6 +383,30 @@ class Engine:
         )
         resp = self.bm.step(req, timeout_s=self.config.timeout_s)
         self._to_free = []
+        self._apply_bm_step(resp, grow, swap_in, ops)
+
+    def _reserve_next_slots(self, batch: list[tuple[_Seq, int]]) -> tuple[list[_Seq], pb.StepResponse | None]:
+        """Overlap (EngineConfig.overlap_block_manager): while the worker computes this iteration,
+        reserve the slot of the token it is sampling for every sequence that will go on, so the next
+        iteration needs no append round trip before its worker call (vLLM v1's async scheduling).
+
+        The token is not known yet, so the append carries no token id: those blocks are not
+        content-hashed (no prefix-cache hits on generated text). Sequences that finish by length,
+        and n > 1 parents about to fork, are left out; one that stops on a stop token frees its
+        reservation with itself."""
+        early = [s for s, k in batch
+                 if s.num_computed + k == len(s.tokens) and not s.needs_slot
+                 and len(s.completion.token_ids) + 1 < s.request.max_tokens
+                 and (s.request.n == 1 or s.forked or s.index > 0)]
+        if not early:
+            return [], None
+        req = pb.StepRequest(append_seq_ids=[s.seq_id for s in early])
+        resp = self.bm.step(req, timeout_s=self.config.timeout_s)
+        self.stats.slots_reserved_ahead += len(early)
+        return early, resp
+
+    def _apply_bm_step(self, resp: pb.StepResponse, grow: list[_Seq], swap_in: list[_Seq], ops: pb.CacheOps) -> None:
+        """Block tables, cache ops, preemptions and swap-ins of one block-manager Step reply."""
         replaced = set(resp.packed_replaced_index)
         seen_replace: set[int] = set()
         for i, block in zip(resp.packed_new_block_index, resp.packed_new_block_ids):
@@ -583,12 +611,25 @@ class Engine:
         if self._last_call_end is not None:
             self.stats.worker_idle_s += t0 - self._last_call_end
             self.stats.worker_idle_gaps += 1
+        items = [(s, s.num_computed, k) for s, k in batch]
+        early: list[_Seq] = []
+        early_resp: pb.StepResponse | None = None
         try:
-            resp = self.pool.step(req, workers)
+            if self.config.overlap_block_manager and batch:
+                fut = self.pool.submit_step(req, workers)
+                try:
+                    early, early_resp = self._reserve_next_slots(batch)
+                finally:
+                    resp = fut.result()  # the worker's writes are over before any block changes hands
+            else:
+                resp = self.pool.step(req, workers)
         except CacheLostEverywhere as e:
             raise self._cache_host_lost(e) from e
         self._last_call_end = time.perf_counter()
-        return self._apply_outputs([(s, s.num_computed, k) for s, k in batch], resp)
+        events = self._apply_outputs(items, resp)
+        if early_resp is not None:
+            self._apply_bm_step(early_resp, early, [], self._pending_ops)
+        return events
 
     def _launch_prefill(self, prefill: list[tuple[_Seq, int]]) -> None:
         """Send the prefill chunks to the prefill workers and return at once (prefill pipeline)."""

@@ -4,7 +4,8 @@ Layouts: one mixed worker; two mixed workers (each iteration's sequences split b
 calls in flight at once); one prefill + one decode worker (two independent pipelines: prefill
 chunks run on the prefill worker while the decode worker decodes). Each must give transformers'
 greedy tokens with shared prefixes, n=2 samples and preemption, use every worker, and survive a
-worker going away mid-generation (its share moves to the others; a lone worker is replaced).
+worker going away mid-generation (its share moves to the others; a lone worker is replaced). With
+``overlap_block_manager`` the next decode slots are reserved while the workers compute.
 """
 
 from __future__ import annotations
@@ -36,14 +37,17 @@ def stack(hf: HFModel, roles: tuple[str, ...], **kw: object) -> LocalStack:
                                   num_workers=len(roles), roles=roles, **kw))  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layout_matches_transformers_with_prefixes_samples_and_preemption(hf: HFModel, layout: str) -> None:
+@pytest.mark.parametrize(("layout", "overlap"), [(name, False) for name in LAYOUTS]
+                         + [("mixed", True), ("prefill+decode", True)])
+def test_layout_matches_transformers_with_prefixes_samples_and_preemption(
+    hf: HFModel, layout: str, overlap: bool
+) -> None:
     roles = LAYOUTS[layout]
     ps = prompts(11, 6)
     reqs = [GenerationRequest(f"r{i}", p, max_tokens=12, n=2 if i in (1, 4) else 1) for i, p in enumerate(ps)]
     # 22 blocks of 4 tokens cannot hold 8 sequences of ~30 tokens: preemption happens.
     with stack(hf, roles, num_gpu_blocks=22) as st:
-        engine = st.engine(EngineConfig(max_batch_tokens=8))
+        engine = st.engine(EngineConfig(max_batch_tokens=8, overlap_block_manager=overlap))
         outs = engine.generate(reqs)
         core = st.block_manager.servicer._core  # noqa: SLF001 - white-box check
         core.check_invariants()
@@ -55,6 +59,7 @@ def test_layout_matches_transformers_with_prefixes_samples_and_preemption(hf: HF
     assert engine.stats.preempted_recompute + engine.stats.preempted_swap > 0
     steps = [s.steps for s in engine.pool.slots]
     assert all(n > 0 for n in steps), f"every worker computes: {steps}"
+    assert (engine.stats.slots_reserved_ahead > 0) is overlap
     if layout == "mixed-x2":
         assert engine.pool.stats.parallel_steps > 0, "iterations are split over both workers"
     if layout == "prefill+decode":
