@@ -108,11 +108,12 @@ class Layout:
 
 
 @contextlib.contextmanager
-def running(layout: Layout, model: pathlib.Path, blocks: int, log_dir: pathlib.Path) -> Iterator[Stack]:
+def running(layout: Layout, model: pathlib.Path, blocks: int, log_dir: pathlib.Path,
+            device: str = "cpu", dtype: str = "float32") -> Iterator[Stack]:
     base = _port_block(2 + layout.num_workers)
     opts = StackOptions(
         block_manager_port=base, cache_host_port=base + 1, worker_port=base + 2, num_workers=layout.num_workers,
-        num_gpu_blocks=blocks, num_cpu_blocks=0, block_size=16, model=str(model), device="cpu", dtype="float32",
+        num_gpu_blocks=blocks, num_cpu_blocks=0, block_size=16, model=str(model), device=device, dtype=dtype,
         log_format="json", log_dir=str(log_dir / layout.name.replace(" ", "_")),
         shm_prefix=f"pagedkv-pdbench-{os.getpid()}", roles=layout.roles, pin_workers=layout.pin,
         worker_args=layout.worker_args,
@@ -254,6 +255,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-batch-tokens", type=int, default=512)
     p.add_argument("--num-gpu-blocks", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (bench/gpu_pd_check.py): no CPU pinning then")
+    p.add_argument("--dtype", default="float32")
     p.add_argument("--memory", action="store_true", help="also measure RSS/PSS per process (1 and 2 workers)")
     p.add_argument("--overlap", action="store_true",
                    help="also run every layout with EngineConfig(overlap_block_manager=True): idle gap before/after")
@@ -261,8 +264,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     ncpu = len(os.sched_getaffinity(0))
-    layouts = [Layout(f"mixed x1 (t{t})", 1, worker_args=("--num-threads", str(t))) for t in sorted({1, ncpu})]
-    layouts += [Layout("mixed x2", 2, pin=True), Layout("prefill+decode", 2, roles=("prefill", "decode"), pin=True)]
+    cpu = args.device == "cpu"
+    layouts = ([Layout(f"mixed x1 (t{t})", 1, worker_args=("--num-threads", str(t))) for t in sorted({1, ncpu})]
+               if cpu else [Layout("mixed x1", 1)])
+    layouts += [Layout("mixed x2", 2, pin=cpu), Layout("prefill+decode", 2, roles=("prefill", "decode"), pin=cpu)]
     if args.overlap:
         layouts += [Layout(f"{x.name} +overlap", x.num_workers, x.roles, x.pin, x.worker_args, overlap=True)
                     for x in list(layouts)]
@@ -271,15 +276,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         arrivals = workload(args, args.vocab)
         results: list[Result] = []
         for layout in layouts:
-            with running(layout, model, args.num_gpu_blocks, pathlib.Path(tmp) / "logs") as stack:
+            with running(layout, model, args.num_gpu_blocks, pathlib.Path(tmp) / "logs", args.device, args.dtype) as stack:
                 results.append(drive(stack, arrivals, layout, args.max_batch_tokens))
             print(f"  ran {layout.name}: {results[-1].tok_s:.1f} tok/s", file=sys.stderr, flush=True)
-        mem = memory_table(model, args.num_gpu_blocks, pathlib.Path(tmp) / "logs") if args.memory else ""
+        mem = memory_table(model, args.num_gpu_blocks, pathlib.Path(tmp) / "logs") if args.memory and cpu else ""
 
-    singles = [r for r in results if r.layout.startswith("mixed x1")]
+    singles = [r for r in results if r.layout.startswith("mixed x1") and not r.layout.endswith("+overlap")]
     base = max(singles, key=lambda r: r.tok_s)
     differ = max(sum(r.tokens[k] != base.tokens[k] for k in base.tokens) for r in results)
-    print(f"model hidden {args.hidden} x {args.layers} layers, vocab {args.vocab}, fp32 CPU, {ncpu} CPUs; "
+    print(f"model hidden {args.hidden} x {args.layers} layers, vocab {args.vocab}, {args.dtype} on {args.device}, "
+          f"{ncpu} CPUs; "
           f"{args.decoders} decoders ({args.decode_prompt}+{args.decode_tokens} tokens) + {args.long} long prompts "
           f"({args.long_prompt}+{args.long_tokens}) every {args.long_every_s}s; baseline = {base.layout}; "
           f"requests whose greedy tokens differ from the baseline's (most in any layout): {differ}")

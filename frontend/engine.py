@@ -316,7 +316,9 @@ class Engine:
             # this iteration's steps, so its writes must be over first.
             events += self._harvest_prefill(wait=True)
         self._admit()
-        decode, prefill = self._schedule(separate_budgets=disaggregated)
+        # Data parallel: max_batch_tokens bounds each worker's step, so N workers take N times as much.
+        share = 1 if disaggregated else len(self.pool.workers())
+        decode, prefill = self._schedule(separate_budgets=disaggregated, num_workers=share)
         if disaggregated:
             return events + self._step_disaggregated(decode, prefill, ops)
         batch = decode + prefill
@@ -533,11 +535,15 @@ class Engine:
                 owners.setdefault(s.block_table[i], s)
         return owners
 
-    def _schedule(self, separate_budgets: bool = False) -> tuple[list[tuple[_Seq, int]], list[tuple[_Seq, int]]]:
+    def _schedule(
+        self, separate_budgets: bool = False, num_workers: int = 1
+    ) -> tuple[list[tuple[_Seq, int]], list[tuple[_Seq, int]]]:
         """(sequence, number of tokens to compute) for this iteration: the decode batch and the
         prefill chunks. ``separate_budgets``: each gets max_batch_tokens (they run on different
-        workers); else they share it, decode first. Sequences whose prefill is in flight wait."""
-        budget = self.config.max_batch_tokens
+        workers); else they share it, decode first. ``num_workers`` mixed workers split the iteration,
+        so the budget is that many times max_batch_tokens, and no chunk exceeds max_batch_tokens
+        (one sequence's chunk runs on one worker). Sequences whose prefill is in flight wait."""
+        budget = self.config.max_batch_tokens * num_workers
         batch: list[tuple[_Seq, int]] = []
         decode = [s for s in self._running
                   if s.num_computed == len(s.tokens) - 1 and not s.needs_slot and not s.in_flight]
@@ -562,7 +568,7 @@ class Engine:
                 owner = owners.get(block)
                 if owner is not None and owner is not s and self._runs_before(owner, s):
                     continue  # another sequence is computing this shared prefix block: wait for it
-            chunk = min(remaining, budget)
+            chunk = min(remaining, budget, self.config.max_batch_tokens)
             batch.append((s, chunk))
             budget -= chunk
         return decode_batch, batch
