@@ -105,6 +105,7 @@ class Layout:
     pin: bool = False
     worker_args: tuple[str, ...] = ()
     overlap: bool = False  # EngineConfig.overlap_block_manager
+    share_weights: bool = True  # False: the cache host shares none, every worker loads its own
 
 
 @contextlib.contextmanager
@@ -116,7 +117,7 @@ def running(layout: Layout, model: pathlib.Path, blocks: int, log_dir: pathlib.P
         num_gpu_blocks=blocks, num_cpu_blocks=0, block_size=16, model=str(model), device=device, dtype=dtype,
         log_format="json", log_dir=str(log_dir / layout.name.replace(" ", "_")),
         shm_prefix=f"pagedkv-pdbench-{os.getpid()}", roles=layout.roles, pin_workers=layout.pin,
-        worker_args=layout.worker_args,
+        worker_args=layout.worker_args, share_weights=layout.share_weights,
     )
     stack = Stack(opts, out=io.StringIO())
     stack.start()
@@ -225,16 +226,26 @@ def smaps_rollup(pid: int) -> dict[str, int]:
 
 
 def memory_table(model: pathlib.Path, blocks: int, log_dir: pathlib.Path) -> str:
+    """RSS / PSS of the cache host and each worker after a short generation, 1 and 2 workers, with
+    the cache host's shared weights (default) and with a private copy loaded by each worker (the
+    cache host started with --no-share-weights). "all" is the sum over the cache host and workers:
+    what the deployment costs; the step from 1 to 2 workers is what one more worker costs."""
     rows = ["| weights | workers | process | RSS MiB | PSS MiB |", "|---|---:|---|---:|---:|"]
     for weights in ("shared", "local"):
         for n in (1, 2):
-            layout = Layout(f"mem-{weights}-{n}", n, worker_args=("--weights", weights))
+            layout = Layout(f"mem-{weights}-{n}", n, share_weights=weights == "shared")
             with running(layout, model, blocks, log_dir) as stack:
-                time.sleep(1.0)
+                # Generate first: a page counts in RSS/PSS only once touched (every weight is read
+                # by a forward pass; a loaded checkpoint may still sit in the page cache).
+                warm = [Arrival(0.0, GenerationRequest(f"m{i}", [1 + i] * 64, max_tokens=8)) for i in range(4)]
+                drive(stack, warm, layout, 512)
+                total = 0
                 for svc in stack.services[1:]:
                     assert svc.process is not None
                     m = smaps_rollup(svc.process.pid)
+                    total += m["Pss"]
                     rows.append(f"| {weights} | {n} | {svc.name} | {m['Rss'] / 1024:.0f} | {m['Pss'] / 1024:.0f} |")
+                rows.append(f"| {weights} | {n} | **all** | | **{total / 1024:.0f}** |")
     return "\n".join(rows)
 
 
@@ -258,6 +269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--device", default="cpu", help="cpu, or cuda (bench/gpu_pd_check.py): no CPU pinning then")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--memory", action="store_true", help="also measure RSS/PSS per process (1 and 2 workers)")
+    p.add_argument("--memory-only", action="store_true", help="only the memory table")
     p.add_argument("--overlap", action="store_true",
                    help="also run every layout with EngineConfig(overlap_block_manager=True): idle gap before/after")
     p.add_argument("--json", default="", help="write the results here too")
@@ -273,6 +285,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     for x in list(layouts)]
     with tempfile.TemporaryDirectory(prefix="pd-bench-") as tmp:
         model = make_model(pathlib.Path(tmp) / f"llama-h{args.hidden}-l{args.layers}", args.hidden, args.layers, args.vocab)
+        if args.memory_only:
+            print(memory_table(model, args.num_gpu_blocks, pathlib.Path(tmp) / "logs"))
+            return 0
         arrivals = workload(args, args.vocab)
         results: list[Result] = []
         for layout in layouts:

@@ -57,7 +57,8 @@ class StackOptions:
     roles: tuple[str, ...] = ()
     # Give each worker its own share of this machine's CPUs (--cpu-affinity, --num-threads).
     pin_workers: bool = False
-    worker_args: tuple[str, ...] = ()  # more flags for every worker (e.g. --weights local)
+    worker_args: tuple[str, ...] = ()  # more flags for every worker (e.g. --num-threads 1)
+    share_weights: bool = True  # the cache host loads the weights once for every worker (else each loads its own)
 
 
 def _pagedkv(*args: str) -> list[str]:
@@ -82,7 +83,8 @@ def plan(opts: StackOptions) -> list[Service]:
             "cache-host",
             _pagedkv("cache-host", "--host", opts.host, "--port", str(opts.cache_host_port),
                      "--block-manager", bm, "--device", opts.device, "--dtype", opts.dtype,
-                     "--shm-prefix", opts.shm_prefix, *model, *common),
+                     "--shm-prefix", opts.shm_prefix, *([] if opts.share_weights else ["--no-share-weights"]),
+                     *model, *common),
             ch, "pagedkv.v1.CacheHost",
         ),
     ]
