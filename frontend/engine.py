@@ -362,7 +362,7 @@ class Engine:
         if launch:
             self._launch_prefill(prefill)
         if self._prefill is not None:
-            return self._harvest_prefill(wait=True)  # nothing to decode: wait for the prompt instead of spinning
+            return events + self._harvest_prefill(wait=True)  # nothing to decode: wait for the prompt, no spinning
         self._idle(pb.CacheOps())
         return events
 
@@ -639,6 +639,10 @@ class Engine:
 
     def _launch_prefill(self, prefill: list[tuple[_Seq, int]]) -> None:
         """Send the prefill chunks to the prefill workers and return at once (prefill pipeline)."""
+        # A slot reservation made during the decode call (overlap) may have preempted one of them.
+        prefill = [(s, k) for s, k in prefill if s.status is SeqStatus.RUNNING]
+        if not prefill:
+            return
         req = self._step_request(prefill, None)
         for s, _ in prefill:
             s.in_flight = True
