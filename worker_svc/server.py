@@ -121,14 +121,14 @@ def run_cache_host(settings: CacheHostSettings) -> int:
 def _share_weights(
     settings: CacheHostSettings, model_cfg: ModelConfig, dtype: torch.dtype, device: torch.device
 ) -> SharedWeights | None:
-    """Load the model once and pack its tensors into one exported region (shared_weights.py)."""
+    """Load the weights once, fused as the model uses them, into one exported region (shared_weights.py)."""
     if not settings.share_weights:
         return None
-    from worker_svc.model.weights import load_model, weights_source
+    from worker_svc.model.weights import fuse, load_checkpoint, weights_source
 
-    model = load_model(settings.model, model_cfg, dtype, device, seed=settings.seed)
+    tensors = fuse(load_checkpoint(settings.model, model_cfg, dtype, device, settings.seed), model_cfg)
     return shared_weights.pack(
-        model, device, weights_source(settings.model, model_cfg, settings.seed), settings.shm_prefix
+        tensors, device, weights_source(settings.model, model_cfg, settings.seed), settings.shm_prefix
     )
 
 
@@ -140,7 +140,8 @@ def _model_for_worker(
 
     Two different models on one cache would mix their KV: a worker whose own settings name other
     weights than the host's refuses to start (GeometryMismatch: a configuration error)."""
-    from worker_svc.model.weights import load_model, model_skeleton, weights_source
+    from worker_svc.model.llama import LlamaModel
+    from worker_svc.model.weights import fused_shapes, load_model, weights_source
 
     if settings.weights == "local" or (settings.weights == "auto" and host_weights is None):
         return load_model(settings.model, model_cfg, dtype, device, seed=settings.seed), None
@@ -155,9 +156,8 @@ def _model_for_worker(
             f"weights mismatch: this worker would load {mine!r}, the cache host at {settings.cache_host} "
             f"shares {host_weights.source!r} (give both the same --model / --seed, or --weights local)"
         )
-    model = model_skeleton(model_cfg, dtype)
-    shared = shared_weights.bind(model, host_weights, device)
-    return model, shared
+    shared = shared_weights.bind(host_weights, device, fused_shapes(model_cfg), dtype)
+    return LlamaModel(model_cfg, shared.tensors), shared
 
 
 class StopRequested(Exception):

@@ -6,12 +6,10 @@ host restart loses the KV anyway. One long-lived exporter per device also keeps 
 simple (the exporter outlives every importer) with one process to order, not two. Workers stay
 cheap to start, crash and restart: they map the region and own nothing but activations.
 
-What is shared is the model's tensors *as the model uses them* (fused QKV and gate/up included),
-not the checkpoint's tensors: the host builds the model once, then ``pack`` copies every tensor the
-model holds into one region and rebinds the model to views of it. A worker builds an empty model on
-the meta device (no memory, no compute) and ``bind``s the same names to views of its mapping. So the
-model code (``model/llama.py``) needs no knowledge of sharing: whatever tensors it keeps in
-attributes, dataclass fields and lists are found by ``model_tensors``.
+What is shared is the tensors the model computes with (``weights.fuse``: QKV and gate/up already
+fused), not the checkpoint's: ``LlamaModel(cfg, views)`` then copies nothing, and each worker's
+model is built straight on views of its mapping. (A model that repacks weights for its kernels,
+e.g. for oneDNN on CPU, holds that packed copy privately; the shared region is still one copy.)
 
 On CPU the region is POSIX shared memory (``shm_backend``); on CUDA one ``cudaMalloc`` exported by
 IPC handle (``cuda_ipc_backend``), exactly like the KV cache.
@@ -19,8 +17,6 @@ IPC handle (``cuda_ipc_backend``), exactly like the KV cache.
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +52,7 @@ class SharedWeights:
     """A region (owned by the host, or mapped by a worker) and its descriptor. ``close()`` releases it."""
 
     descriptor: WeightsDescriptor
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)  # name -> view of the region
     _resources: list[Any] = field(default_factory=list, repr=False)
 
     @property
@@ -63,55 +60,22 @@ class SharedWeights:
         return self.descriptor.region.size
 
     def close(self) -> None:
+        """Drop the views, then unmap (the host also frees / unlinks). Idempotent."""
+        self.tensors = {}
         while self._resources:
             self._resources.pop().close()
 
 
-# ------------------------------------------------------------------------------ finding tensors
-def _children(obj: Any) -> Iterator[tuple[str, Any]]:
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for f in dataclasses.fields(obj):
-            yield f.name, getattr(obj, f.name)
-    elif isinstance(obj, (list, tuple)):
-        yield from ((str(i), v) for i, v in enumerate(obj))
-    elif hasattr(obj, "__dict__"):
-        yield from vars(obj).items()
-
-
-def model_tensors(model: Any, _prefix: str = "", _depth: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor the model holds, by dotted path (``embed``, ``layers.0.w_qkv``...), in a fixed order."""
-    for name, value in _children(model):
-        path = f"{_prefix}{name}"
-        if isinstance(value, torch.Tensor):
-            yield path, value
-        elif _depth < 3 and (
-            isinstance(value, (list, tuple)) or dataclasses.is_dataclass(value)
-        ):
-            yield from model_tensors(value, path + ".", _depth + 1)
-
-
-def _set(model: Any, path: str, value: torch.Tensor) -> None:
-    *parents, last = path.split(".")
-    obj = model
-    for p in parents:
-        obj = obj[int(p)] if isinstance(obj, (list, tuple)) else getattr(obj, p)
-    if isinstance(obj, list):
-        obj[int(last)] = value
-    else:
-        setattr(obj, last, value)
-
-
-def _layout(model: Any) -> tuple[list[WeightEntry], int]:
-    """Offsets for each distinct tensor (by storage identity); aliases point at the first name."""
+def _layout(tensors: dict[str, torch.Tensor]) -> tuple[list[WeightEntry], int]:
+    """Offsets for each distinct tensor (by identity); a second name for one tensor is an alias."""
     entries: list[WeightEntry] = []
-    seen: dict[tuple[int, int], str] = {}
+    seen: dict[int, str] = {}
     offset = 0
-    for name, t in model_tensors(model):
-        key = (t.data_ptr(), t.numel()) if t.device.type != "meta" else (id(t), 0)
-        if key in seen:
-            entries.append(WeightEntry(name, 0, tuple(t.shape), dtype_name(t.dtype), alias_of=seen[key]))
+    for name, t in tensors.items():
+        if id(t) in seen:
+            entries.append(WeightEntry(name, 0, tuple(t.shape), dtype_name(t.dtype), alias_of=seen[id(t)]))
             continue
-        seen[key] = name
+        seen[id(t)] = name
         entries.append(WeightEntry(name, offset, tuple(t.shape), dtype_name(t.dtype)))
         offset += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
     return entries, max(offset, 1)
@@ -130,11 +94,11 @@ def _views(flat: torch.Tensor, entries: tuple[WeightEntry, ...] | list[WeightEnt
 
 
 # ------------------------------------------------------------------------------ the host side
-def pack(model: Any, device: torch.device, source: str, shm_prefix: str = "pagedkv") -> SharedWeights:
-    """Copy every tensor of ``model`` into one exported region and rebind the model to its views.
-
-    The model's private copies are dropped by the rebinding, so the host holds one copy too."""
-    entries, nbytes = _layout(model)
+def pack(
+    tensors: dict[str, torch.Tensor], device: torch.device, source: str, shm_prefix: str = "pagedkv"
+) -> SharedWeights:
+    """Copy ``tensors`` into one exported region; ``SharedWeights.tensors`` are the views of it."""
+    entries, nbytes = _layout(tensors)
     resources: list[Any] = []
     try:
         if device.type == "cuda":
@@ -154,36 +118,34 @@ def pack(model: Any, device: torch.device, source: str, shm_prefix: str = "paged
             region = TensorDescriptor(backend=BACKEND_SHM, shape=(nbytes,), dtype="uint8", shm_name=seg.name, size=nbytes)
         assert flat is not None
         views = _views(flat, entries)
-        current = dict(model_tensors(model))
         for e in entries:
             if not e.alias_of:
-                views[e.name].copy_(current[e.name])
-        for name, v in views.items():
-            _set(model, name, v)
+                views[e.name].copy_(tensors[e.name])
     except BaseException:
         for r in reversed(resources):
             r.close()
         raise
-    return SharedWeights(WeightsDescriptor(region=region, tensors=tuple(entries), source=source), resources)
+    return SharedWeights(WeightsDescriptor(region=region, tensors=tuple(entries), source=source), views, resources)
 
 
 # ------------------------------------------------------------------------------ the worker side
-def bind(model: Any, desc: WeightsDescriptor, device: torch.device) -> SharedWeights:
-    """Map the host's region and point every tensor of ``model`` (built on the meta device) at it.
+def bind(
+    desc: WeightsDescriptor, device: torch.device, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype
+) -> SharedWeights:
+    """Map the host's region; ``SharedWeights.tensors`` are views of it, no copy.
 
-    Raises ValueError when the model's tensors do not match the region's names, shapes or dtypes
-    (another model, another dtype): nothing is bound then."""
-    want = {n: t for n, t in model_tensors(model)}
+    ``shapes`` and ``dtype`` are what this worker's model needs (``weights.fused_shapes``): a region
+    with other names, shapes or dtype (another model) is a ValueError, and nothing is mapped."""
     have = {e.name: e for e in desc.tensors}
-    if set(want) != set(have):
-        diff = sorted(set(want) ^ set(have))
+    if set(shapes) != set(have):
+        diff = sorted(set(shapes) ^ set(have))
         raise ValueError(f"the cache host's shared weights do not fit this model: tensors differ, e.g. {diff[:3]}")
-    for n, t in want.items():
+    for n, shape in shapes.items():
         e = have[n]
-        if tuple(t.shape) != e.shape or dtype_name(t.dtype) != e.dtype:
+        if tuple(shape) != e.shape or dtype_name(dtype) != e.dtype:
             raise ValueError(
                 f"the cache host's shared weight {n} is {e.dtype} {e.shape}, this model needs "
-                f"{dtype_name(t.dtype)} {tuple(t.shape)}"
+                f"{dtype_name(dtype)} {tuple(shape)}"
             )
     r = desc.region
     resources: list[Any] = []
@@ -203,18 +165,9 @@ def bind(model: Any, desc: WeightsDescriptor, device: torch.device) -> SharedWei
             resources.append(seg)
             flat = seg.tensor
         assert flat is not None
-        for name, v in _views(flat, desc.tensors).items():
-            _set(model, name, v)
+        views = _views(flat, desc.tensors)
     except BaseException:
         for res in reversed(resources):
             res.close()
         raise
-    for attr, value in vars(model).items():  # e.g. LlamaModel.device, computed from meta tensors
-        if isinstance(value, torch.device) and value.type == "meta":
-            setattr(model, attr, device)
-    return SharedWeights(desc, resources)
-
-
-def meta_weights(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Checkpoint-shaped tensors with no storage: enough to build the model's skeleton for ``bind``."""
-    return {n: torch.empty(s, dtype=dtype, device="meta") for n, s in shapes.items()}
+    return SharedWeights(desc, views, resources)

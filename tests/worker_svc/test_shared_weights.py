@@ -1,8 +1,8 @@
 """Shared weights (worker_svc/shared_weights.py): one copy in the cache host, mapped by every worker.
 
-In process: a packed model and a meta skeleton bound to the same region compute the same logits as
-a privately loaded model, tied embeddings stay one tensor, and weights that do not fit the model are
-refused before anything is bound. As processes: workers report ``shared_weights`` and their role,
+In process: a model built on views of the shared region (the fused tensors, no copy) computes the
+same logits as a privately loaded model, tied embeddings stay one tensor, and weights that do not
+fit the model are refused before anything is mapped. As processes: workers report ``shared_weights`` and their role,
 map (not load) the host's region, generate transformers' tokens, and a worker told to load other
 weights than the host shares refuses to start.
 """
@@ -23,7 +23,8 @@ from worker_svc import shared_weights
 from worker_svc.cache_layout import CacheGeometry
 from worker_svc.cache_memory import create
 from worker_svc.model.config import load_model_config
-from worker_svc.model.weights import load_model, model_skeleton
+from worker_svc.model.llama import LlamaModel
+from worker_svc.model.weights import fuse, fused_shapes, load_checkpoint, load_model
 from worker_svc.model_runner import ModelRunner, SequenceRequest
 
 __all__ = ["procs"]  # the fixture, re-exported for pytest
@@ -45,51 +46,47 @@ def _logits(model: object, cfg: object) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_bound_skeleton_computes_what_a_private_model_computes(tmp_path, tied: bool) -> None:
+def test_a_model_on_the_shared_region_computes_what_a_private_model_computes(tmp_path, tied: bool) -> None:
     hf = build_hf_model(tmp_path / "m", seed=3, tie_word_embeddings=tied)
     cfg = load_model_config(str(hf.path))
-    private = load_model(str(hf.path), cfg, torch.float32, CPU)
-    expected = _logits(private, cfg)
+    expected = _logits(load_model(str(hf.path), cfg, torch.float32, CPU), cfg)
 
-    host_model = load_model(str(hf.path), cfg, torch.float32, CPU)
-    region = shared_weights.pack(host_model, CPU, "model:m", shm_prefix="pagedkv-sw-test")
+    state = fuse(load_checkpoint(str(hf.path), cfg, torch.float32, CPU), cfg)
+    assert {n: tuple(t.shape) for n, t in state.items()} == fused_shapes(cfg)
+    host = shared_weights.pack(state, CPU, "model:m", shm_prefix="pagedkv-sw-test")
     try:
-        skeleton = model_skeleton(cfg, torch.float32)
-        assert skeleton.embed.device.type == "meta"
-        mapped = shared_weights.bind(skeleton, region.descriptor, CPU)
+        mapped = shared_weights.bind(host.descriptor, CPU, fused_shapes(cfg), torch.float32)
         try:
-            assert skeleton.device == CPU
-            assert all(t.device == CPU for _, t in shared_weights.model_tensors(skeleton))
-            # Each distinct tensor once; a tied head is an alias, not a second copy.
-            aliases = [e for e in region.descriptor.tensors if e.alias_of]
-            assert [(e.name, e.alias_of) for e in aliases] == ([("lm_head", "embed")] if tied else [])
-            assert (skeleton.lm_head.data_ptr() == skeleton.embed.data_ptr()) is tied
-            got = _logits(skeleton, cfg)
-            torch.testing.assert_close(got, expected, rtol=0, atol=0)
-            torch.testing.assert_close(_logits(host_model, cfg), expected, rtol=0, atol=0)
-            # The host's model and the worker's really share memory: a write through one shows in the other.
-            host_model.norm[0] += 1.0
-            assert skeleton.norm[0] == host_model.norm[0]
+            model = LlamaModel(cfg, mapped.tensors)
+            # Built on the views: every tensor the model computes with lives in the region.
+            region = mapped.tensors["model.embed_tokens.weight"].untyped_storage().data_ptr()
+            layer = model.layers[0]
+            for t in (model.embed, model.lm_head, model.norm, layer.w_qkv, layer.w_gate_up, layer.w_down):
+                assert t.untyped_storage().data_ptr() == region
+            assert (model.lm_head.data_ptr() == model.embed.data_ptr()) is tied  # one copy of a tied head
+            torch.testing.assert_close(_logits(model, cfg), expected, rtol=0, atol=0)
+            # Host and worker share memory: a write through one shows in the other.
+            host.tensors["model.norm.weight"][0] += 1.0
+            assert model.norm[0] == host.tensors["model.norm.weight"][0]
         finally:
             mapped.close()
     finally:
-        region.close()
+        host.close()
 
 
 def test_weights_that_do_not_fit_are_refused(tmp_path) -> None:
     hf = build_hf_model(tmp_path / "m", seed=1)
     cfg = load_model_config(str(hf.path))
-    region = shared_weights.pack(load_model(str(hf.path), cfg, torch.float32, CPU), CPU, "x", "pagedkv-sw-test")
+    state = fuse(load_checkpoint(str(hf.path), cfg, torch.float32, CPU), cfg)
+    host = shared_weights.pack(state, CPU, "x", "pagedkv-sw-test")
     try:
         with pytest.raises(ValueError, match="float16"):
-            shared_weights.bind(model_skeleton(cfg, torch.float16), region.descriptor, CPU)
+            shared_weights.bind(host.descriptor, CPU, fused_shapes(cfg), torch.float16)
         other = build_hf_model(tmp_path / "o", seed=1, num_hidden_layers=3)
-        skeleton = model_skeleton(load_model_config(str(other.path)), torch.float32)
         with pytest.raises(ValueError, match="tensors differ"):
-            shared_weights.bind(skeleton, region.descriptor, CPU)
-        assert skeleton.embed.device.type == "meta"  # nothing bound
+            shared_weights.bind(host.descriptor, CPU, fused_shapes(load_model_config(str(other.path))), torch.float32)
     finally:
-        region.close()
+        host.close()
 
 
 def _info(port: int) -> worker_pb2.WorkerInfo:
