@@ -202,8 +202,9 @@ class WeightTensor(_message.Message):
     DTYPE_FIELD_NUMBER: _builtins.int
     ALIAS_OF_FIELD_NUMBER: _builtins.int
     name: _builtins.str
-    """The model's own name for it (e.g. "layers.3.w_qkv": fused tensors as the
-    model uses them, so a worker maps them without copying).
+    """Checkpoint-style name, with the projections fused as the model computes
+    with them (e.g. "model.layers.3.self_attn.qkv_proj.weight"), so a worker
+    builds its model on views of the region without copying.
     """
     offset: _builtins.int
     """Byte offset inside SharedWeights.region."""
@@ -240,9 +241,9 @@ class SharedWeights(_message.Message):
     TENSORS_FIELD_NUMBER: _builtins.int
     SOURCE_FIELD_NUMBER: _builtins.int
     source: _builtins.str
-    """Where the weights came from: the model directory, or "random:seed=N" for
-    the built-in default model. A worker told to load other weights refuses to
-    attach (FAILED config check) instead of mixing two models on one cache.
+    """Which weights these are: "model:<directory name>", or "random:seed=N" for
+    the built-in default model. A worker configured for other weights refuses
+    to start (exit code 2) instead of mixing two models on one cache.
     """
     @_builtins.property
     def region(self) -> Global___SharedTensor:
