@@ -75,6 +75,19 @@ class TokenFileError(RuntimeError):
     pass
 
 
+def read_tokens_file(path: str | Path) -> Any:
+    """The parsed tokens file (``.json`` is JSON, anything else TOML), not yet validated."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise TokenFileError(f"cannot read tokens file {str(p)!r}: {e.strerror}") from None
+    try:
+        return json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
+    except (ValueError, tomllib.TOMLDecodeError) as e:
+        raise TokenFileError(f"tokens file {str(p)!r} is not valid {'JSON' if p.suffix == '.json' else 'TOML'}: {e}") from None
+
+
 class TokenStore:
     """Token hashes -> tenants; ``authenticate`` is constant-time over the entries."""
 
@@ -88,16 +101,7 @@ class TokenStore:
 
     @classmethod
     def load(cls, path: str | Path) -> TokenStore:
-        p = Path(path)
-        try:
-            text = p.read_text()
-        except OSError as e:
-            raise TokenFileError(f"cannot read tokens file {str(p)!r}: {e.strerror}") from None
-        try:
-            data = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
-        except (ValueError, tomllib.TOMLDecodeError) as e:
-            raise TokenFileError(f"tokens file {str(p)!r} is not valid {'JSON' if p.suffix == '.json' else 'TOML'}: {e}") from None
-        return cls.from_dict(data, str(p))
+        return cls.from_dict(read_tokens_file(path), str(path))
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "tokens") -> TokenStore:
