@@ -24,6 +24,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
+from pagedkv.logging_setup import configure_logging
 from pagedkv.tls import channel
 from pagedkv.v1 import (
     block_manager_pb2,
@@ -122,9 +123,12 @@ def test_demo_and_loadtest_reach_the_secured_stack(stack: dict[str, str], certs,
 
     monkeypatch.setenv("PAGEDKV_TOKEN", TOKENS["alice"])
     out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        rc = demo.main(["--block-manager", stack["bm"], "--workers", stack["worker"], "--requests", "3",
-                        "--no-progress", *client_flags(certs)])
+    try:
+        with contextlib.redirect_stdout(out):
+            rc = demo.main(["--block-manager", stack["bm"], "--workers", stack["worker"], "--requests", "3",
+                            "--no-progress", *client_flags(certs)])
+    finally:
+        configure_logging("info", "console", cache=False)  # demo.main configured it for itself: the suite's again
     assert rc == 0 and "pagedkv demo results" in out.getvalue()
     # An admin token: a tenant without a GPU quota is shown no free blocks, and loadtest sizes its run by them.
     monkeypatch.setenv("PAGEDKV_TOKEN", TOKENS["root"])
