@@ -62,7 +62,8 @@ def run_cache_host(settings: CacheHostSettings) -> int:
         dtype = resolve_dtype(settings.dtype, device)
         model_cfg = load_model_config(settings.model)
         stop = stop_event_on_signals()
-        geometry = host_geometry(settings, model_cfg, _pool(settings, 30.0, Dialer.from_settings(settings), stop))
+        geometry = host_geometry(settings, model_cfg,
+                                 _pool(settings, settings.connect_timeout_s, Dialer.from_settings(settings), stop))
     except StopRequested:
         log.info("stopped_before_ready")
         return EXIT_OK

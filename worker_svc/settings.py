@@ -41,6 +41,9 @@ class _Common(BaseSettings):
     dtype: DType = Field("auto", description="cache/model dtype; auto = float32 on CPU, bfloat16 on CUDA")
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
     block_manager: str | None = Field(None, description="host:port of the block manager to read geometry from")
+    connect_timeout_s: float = Field(
+        120.0, ge=0, description="how long to wait for the block manager (and a worker's cache host); 0 = forever"
+    )
     log_format: LogFormat = Field("console", description="structlog renderer: console (key=value) or json")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log threshold")
     # TLS of this role's gRPC server (pagedkv/tls.py, docs/security.md); same PAGEDKV_* names as the
@@ -85,9 +88,6 @@ class WorkerSettings(_Common):
 
     port: int = Field(DEFAULT_WORKER_PORT, ge=0, le=65535, description="gRPC port")
     cache_host: str = Field(f"127.0.0.1:{DEFAULT_CACHE_HOST_PORT}", description="host:port of the cache host")
-    connect_timeout_s: float = Field(
-        120.0, ge=0, description="how long to wait for the cache host; 0 = forever"
-    )
     max_workers: int = Field(4, ge=1, description="gRPC server threads")
     kernel_backend: Literal["auto", "reference", "triton"] | None = Field(
         None, description="force the kernel backend (else PAGEDKV_KERNEL_BACKEND / auto)"
