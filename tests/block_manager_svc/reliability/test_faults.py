@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -49,7 +50,9 @@ def test_vanished_clients_blocks_come_back_within_ttl_plus_sweep(faults) -> None
 
 
 def test_short_soak_returns_the_pool_and_keeps_memory_flat(faults) -> None:
+    before = set(Path(tempfile.gettempdir()).glob("pagedkv-soak-*"))
     r = faults.run_soak(seconds=6.0, fraction=0.7, threads=4, peak_window_s=1.5, samples=3)
+    assert set(Path(tempfile.gettempdir()).glob("pagedkv-soak-*")) == before  # its state dir is removed
     assert r["errors"] == 0, r["error_samples"]
     assert r["achieved_calls_s"] >= 0.5 * r["target_calls_s"]
     assert (r["sequences_after"], r["used_after"], r["free_after"]) == (0, 0, r["total_blocks"])
