@@ -443,23 +443,29 @@ def run_overload_engine(mode: str, seed: int, num: int, cost_model: dict[str, fl
     }
 
 
-def report_overload_engine(seed: int, num: int) -> bool:
-    """Experiment 4's table; True when every mode completed everything with the same tokens."""
+def report_overload_engine(seed: int, num: int, repeats: int = 2) -> bool:
+    """Experiment 4's table (best wall time of ``repeats`` runs per mode: the same work each time, so
+    the fastest run is the least disturbed by other load); True when every mode completed
+    everything with the same tokens."""
     cal = calibrate_cost_model()
     print(f"4. Overload through the engine, measured ({num} requests all queued at once, {ENGINE_GPU_BLOCKS} GPU "
           f"blocks, {ENGINE_CPU_BLOCKS} CPU blocks; CPU backend, tiny model; cost model calibrated here: prefill "
-          f"{cal['prefill_tokens_per_s']:,.0f} tokens/s, host copy {cal['host_link_gb_per_s']:.1f} GB/s)")
+          f"{cal['prefill_tokens_per_s']:,.0f} tokens/s, host copy {cal['host_link_gb_per_s']:.1f} GB/s; "
+          f"best of {repeats} runs)")
     print("| policy           | wall s | generated tokens/s | tokens computed | swaps | recomputes | "
           "model cost (s) | completed |")
     print("|------------------|--------|--------------------|-----------------|-------|------------|"
           "----------------|-----------|")
     res = {}
     for mode, label in (("recompute", "always recompute"), ("swap", "always swap"), ("auto", "planner (auto)")):
-        r = res[mode] = run_overload_engine(mode, seed, num, cal)
+        runs = [run_overload_engine(mode, seed, num, cal) for _ in range(repeats)]
+        r = res[mode] = min(runs, key=lambda x: x["wall_s"])  # type: ignore[arg-type, return-value]
+        r["tokens_stable"] = all(x["tokens"] == runs[0]["tokens"] for x in runs)
         print(f"| {label:<16} | {r['wall_s']:>6.2f} | {r['generated'] / r['wall_s']:>18,.0f} | "  # type: ignore[operator]
               f"{r['computed']:>15} | {r['swap']:>5} | {r['recompute']:>10} | {r['model_cost_s']:>14.4f} | "
               f"{r['completed']:>9} |")
-    same = res["recompute"]["tokens"] == res["swap"]["tokens"] == res["auto"]["tokens"]
+    same = res["recompute"]["tokens"] == res["swap"]["tokens"] == res["auto"]["tokens"] and all(
+        r["tokens_stable"] for r in res.values())
     done = all(r["completed"] == num for r in res.values())
     fastest = min(res, key=lambda m: res[m]["wall_s"])  # type: ignore[arg-type, return-value]
     print(f"greedy tokens identical across the three modes: {'yes' if same else 'NO'}; all completed: "
@@ -479,6 +485,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="also replay an overload trace through the engine on the CPU backend and time "
                              "swap vs recompute vs planner (experiment 4)")
     parser.add_argument("--engine-requests", type=int, default=24, help="requests in experiment 4")
+    parser.add_argument("--engine-repeats", type=int, default=2, help="runs per mode in experiment 4 (best counts)")
     args = parser.parse_args(argv)
     smoke = args.smoke
     ok = True
@@ -543,7 +550,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"target: planner cost <= best fixed ({best:.3f} s): {'ok' if passed else 'MISS'}")
     if args.engine:
         print()
-        ok &= report_overload_engine(args.seed, args.engine_requests)
+        ok &= report_overload_engine(args.seed, args.engine_requests, args.engine_repeats)
     print(f"\n(total {time.perf_counter() - t0:.1f} s)")
     return 0 if ok else 1
 
