@@ -169,3 +169,15 @@ def test_every_server_refuses_plaintext_tokenless_and_foreign_ca_clients(
     with channel(address, **foreign) as ch, pytest.raises(grpc.RpcError) as e:
         _calls(server, ch, token)
     assert e.value.code() is grpc.StatusCode.UNAVAILABLE
+
+
+def test_up_refuses_missing_certificates_and_a_reserved_tenant(tmp_path, capsys, certs) -> None:  # type: ignore[no-untyped-def]
+    from frontend import stack as up
+
+    assert up.main(["--tls-dir", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err
+    assert "missing ca.pem, server.pem, server.key, client.pem, client.key" in err and "tools/make_certs.sh" in err
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps({"tenants": [{"name": "pagedkv-stack", "token_sha256": "0" * 64}]}))
+    assert up.main(["--tls-dir", str(pathlib.Path(certs["ca"]).parent), "--auth-tokens-file", str(tokens)]) == 2
+    assert "reserved" in capsys.readouterr().err
