@@ -6,6 +6,7 @@ requests on a shared machine give no stable TTFT p99, which the full run reports
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -15,8 +16,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_multipool_bench_smoke() -> None:
+    # Not the suite's TRITON_INTERPRET=1 (tests/conftest.py): the CPU workers use the torch
+    # reference kernels, as in a real CPU run.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "multipool_bench.py"), "--smoke"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=240, check=False)
+                          cwd=ROOT, capture_output=True, text=True, timeout=240, check=False, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     rows = {}
     for policy in ("round-robin", "prefix-aware"):
