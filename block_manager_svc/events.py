@@ -8,7 +8,7 @@ queue, and one that falls behind is dropped (its stream ends with
 RESOURCE_EXHAUSTED) instead of slowing the state lock down.
 
 Cost: with authentication off the hub is attached to the pool only while at
-least one watcher is connected (``pool.events is None`` otherwise: one test per
+least one watcher or sink is connected (``pool.events is None`` otherwise: one test per
 registered block). With authentication on it stays attached, because it
 remembers which tenant stored each hash (a tenant sees only its own events).
 
