@@ -285,3 +285,35 @@ def test_no_endpoint_no_publisher(server_factory) -> None:  # type: ignore[no-un
     running = server_factory(num_gpu_blocks=16, block_size=BLOCK_SIZE)
     assert running.kv_events is None
     assert running.servicer._core.pool.events is None  # and the core pays nothing for events
+
+
+def test_overflow_is_followed_by_all_blocks_cleared() -> None:
+    """Events lost to a full queue are never silently skipped: the next batch clears the pool."""
+    import sys
+
+    from block_manager_svc.kv_events_zmq import ZmqEventConfig, ZmqKvEventPublisher
+
+    pub = ZmqKvEventPublisher(ZmqEventConfig(endpoint="tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*",
+                                             block_size=BLOCK_SIZE, queue_size=16))
+    sub = Subscriber(pub.endpoint, pub.replay_endpoint, "kv-events", MapBatch)
+    try:
+        time.sleep(0.2)
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(1.0)  # keep the publisher thread off the GIL while the queue fills
+        try:
+            for i in range(200):  # 200 stored blocks of one chain, far more than the queue holds
+                pub(i + 1, i, (i + 1).to_bytes(16, "big"), i.to_bytes(16, "big") if i else None, [i] * BLOCK_SIZE)
+        finally:
+            sys.setswitchinterval(interval)
+        assert pub.num_lost_events > 0
+        deadline = time.monotonic() + 5
+        while pub._lost and time.monotonic() < deadline:
+            time.sleep(0.01)
+        pub(500, 7, (500).to_bytes(16, "big"), None, [9] * BLOCK_SIZE)  # after recovery: delivered
+        sub.drain()
+        assert sub.num_cleared == 2  # the publisher's first batch, then the one after the overflow
+        assert set(sub.index) == {500}  # what was known before the loss is forgotten, not kept stale
+        assert sub.last_seq + 1 == pub.num_batches
+    finally:
+        sub.close()
+        pub.close()
