@@ -67,6 +67,9 @@ run_section bench "${BENCH_TIMEOUT_S:-180}" "$PY" bench/kernel_bench.py --out "$
 # --- section: worker over CUDA IPC (cache host + two workers as processes) + decode throughput ------
 run_section worker "${WORKER_TIMEOUT_S:-120}" "$PY" bench/gpu_worker_check.py --out "$OUT"
 
+# --- section: worker layouts (mixed x1, mixed x2, prefill+decode) on one cache (bench/gpu_pd_check.py) --
+run_section layouts "${LAYOUTS_TIMEOUT_S:-420}" "$PY" bench/gpu_pd_check.py --json "$OUT/layouts.json"
+
 # --- summary (printed last) -----------------------------------------------------------------------
 {
   echo "# gpu_check status"

@@ -133,9 +133,13 @@ def _share_weights(
     from worker_svc.model.weights import fuse, load_checkpoint, weights_source
 
     tensors = fuse(load_checkpoint(settings.model, model_cfg, dtype, device, settings.seed), model_cfg)
-    return shared_weights.pack(
+    shared = shared_weights.pack(
         tensors, device, weights_source(settings.model, model_cfg, settings.seed), settings.shm_prefix
     )
+    del tensors
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the loading copies, else kept by torch's caching allocator: one copy per device
+    return shared
 
 
 def _model_for_worker(
