@@ -94,7 +94,9 @@ def _info(port: int) -> worker_pb2.WorkerInfo:
         return worker_pb2_grpc.WorkerStub(ch).GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), timeout=10)
 
 
-def test_role_workers_map_the_hosts_weights_and_generate_exactly(hf_llama: HFModel, procs: list[Proc]) -> None:
+def test_role_workers_map_the_hosts_weights_and_generate_exactly(
+    hf_llama: HFModel, tmp_path, procs: list[Proc]
+) -> None:
     host, ready = start_cache_host(hf_llama.path)
     procs.append(host)
     assert ready["weights_bytes"] > 0 and ready["weights_source"] == f"model:{hf_llama.path.name}"
@@ -116,26 +118,17 @@ def test_role_workers_map_the_hosts_weights_and_generate_exactly(hf_llama: HFMod
         sched.step_fn = grpc_step(worker_pb2_grpc.WorkerStub(cd))
         sched.generate(["s"], 7)
     assert sched.seqs["s"].generated == hf_llama.greedy(PROMPT, 8)
-    # A local-weights worker still works beside them (and says so).
+    # A local-weights worker still works beside them (and says so); one configured for other
+    # weights, or for a CPU this machine lacks, refuses to start (exit code 2, the reason logged).
     loc = start_worker(hf_llama.path, ready["port"], "--weights", "local")
-    procs.append(loc)
+    other = start_worker(build_hf_model(tmp_path / "other-model", seed=5).path, ready["port"])
+    bad_cpu = start_worker(hf_llama.path, ready["port"], "--cpu-affinity", "0,4096")
+    procs += [loc, other, bad_cpu]
     assert loc.wait_event("worker_ready")["shared_weights"] is False
+    assert other.p.wait(60) == 2 and bad_cpu.p.wait(60) == 2
+    err = other.wait_event("config_error")["error"]
+    assert "weights mismatch" in err and "other-model" in err
+    assert "CPU 4096 is not available" in bad_cpu.wait_event("config_error")["error"]
     for w in (p, d, loc):
         assert w.stop() == 0
     assert host.stop(signal.SIGTERM) == 0
-
-
-def test_a_worker_with_other_weights_refuses_to_start(hf_llama: HFModel, tmp_path, procs: list[Proc]) -> None:
-    host, ready = start_cache_host(hf_llama.path)
-    procs.append(host)
-    other = build_hf_model(tmp_path / "other-model", seed=5)
-    w = start_worker(other.path, ready["port"])
-    procs.append(w)
-    assert w.p.wait(60) == 2
-    err = w.wait_event("config_error")["error"]
-    assert "weights mismatch" in err and "other-model" in err
-    bad = start_worker(hf_llama.path, ready["port"], "--cpu-affinity", "0,4096")
-    procs.append(bad)
-    assert bad.p.wait(60) == 2
-    assert "CPU 4096 is not available" in bad.wait_event("config_error")["error"]
-    assert host.stop() == 0
