@@ -5,7 +5,8 @@
 #
 # Why: the GPU image (python 3.12, torch/triton/cupy/numpy/grpcio/protobuf preinstalled) has no
 # network and lacks what the services import (structlog, pydantic, pydantic-settings,
-# grpcio-health-checking, grpcio-reflection, prometheus-client, tqdm), and its grpcio/protobuf may
+# grpcio-health-checking, grpcio-reflection, prometheus-client, tqdm; pytest-timeout for the
+# tests' time limits), and its grpcio/protobuf may
 # be older than the generated code in pagedkv/v1 needs. This downloads cp312 manylinux x86_64
 # wheels of exactly those, at the versions this checkout runs with (read from the current Python
 # environment, so CPU CI and the GPU run use the same ones), plus their dependencies, and writes
@@ -18,7 +19,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 DIR="${1:-.gpu_wheels}"
 PY="${PYTHON:-python}"
 PKGS=(protobuf grpcio grpcio-health-checking grpcio-reflection structlog pydantic pydantic-settings
-      prometheus-client tqdm)
+      prometheus-client tqdm pytest-timeout)
 
 mkdir -p "$DIR"
 "$PY" - "$DIR/requirements.txt" "${PKGS[@]}" <<'EOF'
