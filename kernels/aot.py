@@ -71,7 +71,7 @@ class KernelUsage:
 
     kernel: str
     registers: int
-    local_bytes: int  # per-thread local memory: register spills (and stack)
+    local_bytes: int  # per-thread local memory (cuobjdump LOCAL or STACK, the larger): spills
     shared_bytes: int  # dynamic (Triton) + static shared memory per block
     num_warps: int
     num_stages: int
@@ -155,22 +155,14 @@ def compile_only(arch: int) -> Iterator[list]:
         compiled.append(kernel)
         return kernel
 
+    previous = driver._active  # None until something asked for a driver (none exists on CPU)
     driver.set_active(_target_driver(arch))
     JITFunction.run = warmup_run  # type: ignore[method-assign]
     try:
         yield compiled
     finally:
         JITFunction.run = real_run  # type: ignore[method-assign]
-        driver.reset_active() if _has_real_driver() else setattr(driver, "_active", None)
-
-
-def _has_real_driver() -> bool:
-    try:
-        from triton.backends import backends
-
-        return any(b.driver.is_active() for b in backends.values())
-    except Exception:  # noqa: BLE001
-        return False
+        driver._active = previous
 
 
 # --- driving the real wrappers ------------------------------------------------------------------------
@@ -286,8 +278,8 @@ def run(configs: list[Config], arch: int = 90, jobs: int = 1) -> list[Result]:
     for c in configs:
         families.setdefault((c.op, c.dtype, c.head_dim), []).append(c)
     buckets: list[list[Config]] = [[] for _ in range(jobs)]
-    for i, fam in enumerate(sorted(families.values(), key=len, reverse=True)):
-        min(buckets, key=len).extend(fam) if i >= jobs else buckets[i].extend(fam)
+    for fam in sorted(families.values(), key=len, reverse=True):
+        min(buckets, key=len).extend(fam)
     with ProcessPoolExecutor(jobs) as pool:
         parts = list(pool.map(_compile_many, [b for b in buckets if b], [arch] * jobs))
     order = {c: i for i, c in enumerate(configs)}
