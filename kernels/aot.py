@@ -75,6 +75,7 @@ class KernelUsage:
     shared_bytes: int  # dynamic (Triton) + static shared memory per block
     num_warps: int
     num_stages: int
+    binary: str = ""  # Triton's hash of the compiled kernel: equal hashes = one binary
 
 
 @dataclass(slots=True)
@@ -234,6 +235,7 @@ def compile_config(cfg: Config, arch: int = 90) -> Result:
                     kernel=name, registers=regs, local_bytes=max(local, stack),
                     shared_bytes=int(k.metadata.shared) + static_shared,
                     num_warps=int(k.metadata.num_warps), num_stages=int(k.metadata.num_stages),
+                    binary=str(k.hash),
                 ))
     except Exception as e:  # noqa: BLE001 - a compile error is a result, reported per config
         res.error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"[:500]
@@ -321,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         wall = time.perf_counter() - t0
     bad = [p for r in results for p in problems(r, args.arch)]
     print(table(results))
-    n_kernels = len({(k.kernel, k.registers, k.shared_bytes) for r in results for k in r.kernels})
+    n_kernels = len({k.binary for r in results for k in r.kernels})
     print(f"\n{len(results)} configurations for sm_{args.arch} in {wall:.1f} s with {args.jobs} processes; "
           f"{n_kernels} distinct kernel binaries; {len(bad)} problems")
     for p in bad:
