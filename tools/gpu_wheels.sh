@@ -5,21 +5,23 @@
 #
 # Why: the GPU image (python 3.12, torch/triton/cupy/numpy/grpcio/protobuf preinstalled) has no
 # network and lacks what the services import (structlog, pydantic, pydantic-settings,
-# grpcio-health-checking, grpcio-reflection, prometheus-client, tqdm; pytest-timeout for the
-# tests' time limits), and its grpcio/protobuf may
+# grpcio-health-checking, grpcio-reflection, prometheus-client, tqdm, pyzmq, msgspec), and its
+# grpcio/protobuf may
 # be older than the generated code in pagedkv/v1 needs. This downloads cp312 manylinux x86_64
 # wheels of exactly those, at the versions this checkout runs with (read from the current Python
 # environment, so CPU CI and the GPU run use the same ones), plus their dependencies, and writes
 # DIR/requirements.txt. gpu_check.sh then runs, in seconds and offline:
 #   python3 -m pip install --no-index --find-links DIR --target .gpu_pydeps -r DIR/requirements.txt
-# Ship DIR with the checkout (docs/gpu.md: the device tool's `carry`). Never torch/triton/numpy/cupy:
-# the image's own builds match its CUDA.
+# Ship DIR with the checkout (docs/gpu.md: the device tool's `carry`). Never torch/triton/numpy/cupy
+# (the image's own builds match its CUDA) nor pytest or its plugins (they would shadow the image's
+# pytest-xdist's pytest; the `timeout` marker is declared in pyproject.toml, so tests collect without
+# pytest-timeout).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 DIR="${1:-.gpu_wheels}"
 PY="${PYTHON:-python}"
 PKGS=(protobuf grpcio grpcio-health-checking grpcio-reflection structlog pydantic pydantic-settings
-      prometheus-client tqdm pytest-timeout)
+      prometheus-client tqdm pyzmq msgspec)
 
 mkdir -p "$DIR"
 "$PY" - "$DIR/requirements.txt" "${PKGS[@]}" <<'EOF'
