@@ -274,11 +274,11 @@ def run(configs: list[Config], arch: int = 90, jobs: int = 1) -> list[Result]:
     _worker_init()
     if jobs <= 1:
         return _compile_many(configs, arch)
-    # Round-robin by (op, dtype, head_dim): each process compiles whole families, so the in-memory
-    # kernel cache still dedupes configurations that specialise to the same binary.
-    families: dict[tuple[str, str, int], list[Config]] = {}
+    # Whole (op, dtype) families per process, largest first onto the least loaded: the in-memory
+    # kernel cache then still dedupes configurations that specialise to the same binary.
+    families: dict[tuple[str, str], list[Config]] = {}
     for c in configs:
-        families.setdefault((c.op, c.dtype, c.head_dim), []).append(c)
+        families.setdefault((c.op, c.dtype), []).append(c)
     buckets: list[list[Config]] = [[] for _ in range(jobs)]
     for fam in sorted(families.values(), key=len, reverse=True):
         min(buckets, key=len).extend(fam)
