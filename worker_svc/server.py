@@ -185,10 +185,16 @@ class WorkerProcess:
         if self.watcher is not None:
             self.watcher.stop()
         self.running.stop(grace=1.0)
-        self.servicer._runner = None  # type: ignore[assignment] - drop views before unmapping
-        self.cache.close()
-        if self.weights is not None:
-            self.weights.close()
+        runner = self.servicer._runner
+
+        def release() -> None:  # the cache and the shared weights: the model's views of both go first
+            self.cache.close()
+            if self.weights is not None:
+                self.weights.close()
+
+        if runner is not None:  # waits for a step still running after the grace period, drops its views
+            runner.close(release=release)
+        release()  # idempotent
 
 
 def start_worker(settings: WorkerSettings, stop: threading.Event | None = None) -> WorkerProcess:
