@@ -42,8 +42,12 @@ def test_greedy_batch_with_shared_prefixes_and_two_samples_matches_transformers(
     reqs = [GenerationRequest(f"r{i}", p, max_tokens=10, n=2 if i % 2 else 1) for i, p in enumerate(ps)]
     with stack(hf, num_gpu_blocks=96) as st:
         engine = st.engine()
-        outs = engine.generate(reqs)
+        first = engine.add_request(reqs[0])
+        engine.step()  # r0's prompt is computed here; the next Step commits it before admitting the rest
+        assert engine.stats.bm_round_trips == 1 and engine.stats.worker_steps == 1
+        outs = [first] + engine.generate(reqs[1:])
         bm_stats = st.block_manager.servicer._core.stats()  # noqa: SLF001 - white-box check
+        assert engine.stats.bm_round_trips <= engine.stats.steps  # never more than one per iteration
     for p, out in zip(ps, outs):
         expected = hf.greedy(p, 10)
         for c in out.completions:
