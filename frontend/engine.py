@@ -376,9 +376,20 @@ class Engine:
             return self._run_worker(batch, ops)
         except CacheHostLost:
             if not self.config.recover_lost_cache:
+                self._forget_lost_cache()
                 raise
             self._recover_lost_cache()
             return []
+
+    def _forget_lost_cache(self) -> None:
+        """Before CacheHostLost reaches the caller: the committed blocks name KV that died, so
+        drop them from the shared prefix cache (or a later frontend would hit garbage), and free
+        this engine's sequences. Best effort: the caller gets CacheHostLost either way."""
+        try:
+            self.close()
+            self.bm.reset_prefix_cache(request_id=f"reset-{uuid.uuid4().hex}", timeout_s=self.config.timeout_s)
+        except grpc.RpcError as e:
+            log.warning("prefix_cache_reset_failed", code=e.code().name, details=e.details())
 
     @staticmethod
     def _pending_ops_nonempty(ops: pb.CacheOps) -> bool:
@@ -697,9 +708,12 @@ class Engine:
                     )
                 time.sleep(0.2)
         victims = list(self._running) + list(self._swapped)
-        if victims:
+        # Finished ones too: what they computed died with the cache host and must never be committed.
+        frees = [s.seq_id for s in victims] + self._to_free
+        self._to_free = []
+        if frees:
             # One round trip; a sequence the block manager no longer has is simply reported.
-            self.bm.step(pb.StepRequest(free_seq_ids=[s.seq_id for s in victims]), timeout_s=self.config.timeout_s)
+            self.bm.step(pb.StepRequest(free_seq_ids=frees), timeout_s=self.config.timeout_s)
         self.bm.reset_prefix_cache(request_id=f"reset-{uuid.uuid4().hex}", timeout_s=self.config.timeout_s)
         for s in reversed(victims):  # appendleft: keep their order at the head of the queue
             if s.status is SeqStatus.SWAPPED:
