@@ -124,6 +124,9 @@ def test_demo_local_prints_the_figures() -> None:
     r = pagedkv("demo", "--local", "--requests", "12", "--no-progress", timeout=180)
     assert r.returncode == 0, r.stderr
     for label in ("throughput (generated)", "prefix-cache hit rate", "KV utilisation", "preemptions",
-                  "peak KV memory, contiguous reservation", "contiguous / paged"):
+                  "peak KV memory, contiguous reservation", "contiguous / paged",
+                  "block-manager round trips per iteration (Step)", "worker steps per iteration"):
         assert label in r.stdout
+    per_iteration = re.search(r"block-manager round trips per iteration \(Step\)\s+([0-9.]+)", r.stdout)
+    assert per_iteration and float(per_iteration.group(1)) <= 1.0, r.stdout
     assert re.search(r"requests\s+12", r.stdout)
