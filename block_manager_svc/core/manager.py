@@ -454,7 +454,8 @@ class BlockManager:
             parent = h
             h = chain_hash(h, pending[i : i + bs])
             depth += 1
-            if pool.register(seq.block_ids[depth - 1], h, parent if depth > 1 else None, depth):
+            if pool.register(seq.block_ids[depth - 1], h, parent if depth > 1 else None, depth,
+                             pending[i : i + bs] if pool.events is not None else None):
                 self.num_committed_blocks += 1
             i += bs
         seq.num_hashed_blocks = depth
