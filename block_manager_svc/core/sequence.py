@@ -36,3 +36,12 @@ class Sequence:
     # Set while swapped out: its CPU blocks (block_ids is then empty).
     cpu_block_ids: list[int] | None = None
     num_committed: int = 0
+
+    def __setstate__(self, state: object) -> None:
+        """Snapshots written before Commit existed lack `num_committed`: the old manager
+        registered everything a sequence held, so all of it counts as committed."""
+        _, slots = state if isinstance(state, tuple) else (None, state)
+        for k, v in (slots or {}).items():  # type: ignore[union-attr]
+            setattr(self, k, v)
+        if not hasattr(self, "num_committed"):
+            self.num_committed = self.num_tokens

@@ -420,3 +420,17 @@ def test_step_equals_the_same_appends_one_by_one() -> None:
             bm.step(commit_seq_ids=ids, commit_num_computed_tokens=[bm.seqs[s].num_tokens - 1 for s in ids])
     assert snapshot(a) == snapshot(b)
     a.check_invariants()
+
+
+def test_a_snapshot_from_before_commit_loads_with_everything_committed() -> None:
+    import pickle
+
+    from block_manager_svc.core.sequence import Sequence
+
+    bm = make()
+    bm.allocate("a", 9, toks(9))
+    old = {k: getattr(bm.seqs["a"], k) for k in Sequence.__slots__ if k != "num_committed"}
+    seq = Sequence.__new__(Sequence)
+    seq.__setstate__((None, old))  # what unpickling an old snapshot does
+    assert seq.num_committed == 9
+    assert pickle.loads(pickle.dumps(bm.seqs["a"])).num_committed == 0
