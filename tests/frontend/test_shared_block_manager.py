@@ -48,8 +48,10 @@ def read_line(proc: subprocess.Popen[str]) -> dict:
 
 
 def finish(proc: subprocess.Popen[str]) -> dict:
-    out, err = proc.communicate(timeout=180)
-    assert proc.returncode == 0, err
+    # Read through the same buffered pipe read_line used (communicate() would skip what it buffered).
+    out = proc.stdout.read()  # type: ignore[union-attr]
+    err = proc.stderr.read()  # type: ignore[union-attr]
+    assert proc.wait(timeout=180) == 0, err
     return json.loads(out.strip().splitlines()[-1])
 
 
