@@ -311,6 +311,9 @@ class Engine:
             raise ValueError(f"request {request.request_id!r} was already added")
         if max(request.prompt) >= self.vocab_size or min(request.prompt) < 0:
             raise ValueError(f"request {request.request_id}: token ids must be in [0, {self.vocab_size})")
+        if request.n > self.config.max_num_seqs:
+            raise ValueError(f"request {request.request_id}: n={request.n} samples can never run together "
+                             f"(max_num_seqs={self.config.max_num_seqs})")
         total = len(request.prompt) + request.max_tokens
         if -(-total // self.block_size) > self.num_gpu_blocks:
             raise ValueError(
@@ -529,11 +532,16 @@ class Engine:
     def _apply_forks(self, forks: list[tuple[_Seq, _Seq]], errors: dict[int, pb.StepItemError]) -> None:
         for j, (parent, child) in enumerate(forks):
             err = errors.get(j)
-            if err is not None:
-                if parent.status is SeqStatus.RUNNING:
-                    raise RuntimeError(f"block manager refused to fork {child.seq_id}: {err.message}")
+            if err is not None and parent.status is not SeqStatus.RUNNING:
                 continue  # the parent was not admitted: it forks again when it is
             parent.forked = True
+            if err is not None:
+                # E.g. a tenant's sequence quota: this sample becomes a request of its own, later.
+                log.info("fork_refused", seq_id=child.seq_id, code=err.code, message=err.message)
+                child.awaiting_parent = False
+                self._seqs[child.seq_id] = child
+                self._waiting.append(child)
+                continue
             parent.children.append(child)
             child.block_table = list(parent.block_table)
             child.num_computed = child.num_committed = parent.num_computed
