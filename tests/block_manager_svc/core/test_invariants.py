@@ -71,8 +71,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.computed[seq_id] = len(toks)
 
     def _apply_copies(self, copies: list[tuple[int, int]]) -> None:
-        for src, dst in copies:
-            self.phys[dst] = list(self.phys[src])
+        for src, dst in copies:  # a block not computed yet copies as empty slots
+            self.phys[dst] = list(self.phys.get(src, [None] * BS))
 
     def _snapshot(self) -> object:
         pool = self.bm.pool
