@@ -52,6 +52,9 @@ class DemoFigures:
     peak_contiguous_tokens: int = 0
     bytes_per_token: int = 0
     block_size: int = 16
+    steps: int = 0  # engine iterations
+    bm_round_trips: int = 0  # the engine's block-manager Steps (the demo's own GetStats not counted)
+    worker_steps: int = 0
 
 
 def make_workload(num_requests: int, vocab: int, seed: int) -> list[GenerationRequest]:
@@ -150,6 +153,9 @@ def run_workload(engine: Engine, requests: list[GenerationRequest], arrivals_per
     figs.shared_mean = sum(shared) / len(shared) if shared else 0.0
     figs.preempted_recompute = engine.stats.preempted_recompute
     figs.preempted_swap = engine.stats.preempted_swap
+    figs.steps = engine.stats.steps
+    figs.bm_round_trips = engine.stats.bm_round_trips
+    figs.worker_steps = engine.stats.worker_steps
     return figs
 
 
@@ -172,6 +178,10 @@ def report(f: DemoFigures) -> str:
         ("peak KV memory, paged", f"{paged / 2**20:.2f} MiB ({f.peak_paged_blocks} blocks)"),
         ("peak KV memory, contiguous reservation", f"{contiguous / 2**20:.2f} MiB (prompt + max_tokens, per sample)"),
         ("contiguous / paged", f"{contiguous / paged:.2f}x" if paged else "-"),
+        ("engine iterations", f"{f.steps}"),
+        ("block-manager round trips per iteration (Step)",
+         f"{f.bm_round_trips / f.steps:.2f} ({f.bm_round_trips} in all)" if f.steps else "-"),
+        ("worker steps per iteration", f"{f.worker_steps / f.steps:.2f} ({f.worker_steps} in all)" if f.steps else "-"),
     ]
     width = max(len(k) for k, _ in rows)
     lines = ["", "pagedkv demo results", ""] + [f"  {k:<{width}}  {v}" for k, v in rows]
