@@ -461,7 +461,7 @@ def find_preloads(vllm_python: str | None) -> list[str]:
             found.append(hits[0])
             break
     if vllm_python:
-        venv = pathlib.Path(vllm_python).resolve().parent.parent
+        venv = pathlib.Path(vllm_python).absolute().parent.parent  # not resolve(): the venv python is a symlink
         hits = sorted(glob.glob(str(venv / "lib" / "libiomp5.so"))) or sorted(
             glob.glob(str(venv / "lib" / "python3*" / "site-packages" / "**" / "libiomp5.so"), recursive=True))
         if hits:

@@ -75,7 +75,7 @@ class WorkerSettings(_Common):
         120.0, ge=0, description="how long to wait for the cache host; 0 = forever"
     )
     max_workers: int = Field(4, ge=1, description="gRPC server threads")
-    kernel_backend: Literal["auto", "reference", "triton"] | None = Field(
+    kernel_backend: Literal["auto", "reference", "triton", "cpu"] | None = Field(
         None, description="force the kernel backend (else PAGEDKV_KERNEL_BACKEND / auto)"
     )
     seed: int = Field(0, description="seed of the built-in default model's random weights")

@@ -1,0 +1,165 @@
+"""The CPU attention backend: paged attention with torch's fused SDPA, without padding to the batch.
+
+Why not the reference on CPU: it gathers every sequence's K/V up to the LONGEST context in the
+batch, upcasts the whole copy to fp32 and runs two einsums with the GQA group as a tiny matrix
+dimension; at 48 sequences it spends most of a decode step copying. This backend, chosen by
+measurement (bench/kernel_bench.py ``--cpu``; docs/kernels.md):
+
+- **Length buckets**: decode sequences are sorted by length and cut into buckets whose padding is
+  at most ``PAD_FRACTION`` of the bucket (and at most ``MAX_BUCKET`` sequences), so the work
+  follows the real context lengths, not the longest one.
+- **One gather per bucket, in the cache dtype**: ``key_cache[block_ids]`` of the bucket's blocks
+  only; no fp32 copy (SDPA accumulates in fp32 internally for fp16/bf16).
+- **GQA once per KV head**: the ``group`` query heads sharing a KV head are the "query rows" of one
+  SDPA problem ``[seqs, kv_heads, group, head_dim]`` against ``[seqs, kv_heads, tokens, head_dim]``
+  (a strided view of the gathered blocks: no transpose copy), so each K/V element is read once.
+- **Prefill**: per sequence (a step has few prefill chunks), one SDPA call over its cached context
+  with the same GQA folding and an offset-causal mask (queries are the last ``q_len`` tokens).
+- **KV writes**: one ``index_copy_`` per cache into its ``[slots, kv_heads, head_dim]`` view.
+
+Arguments are validated by the public wrappers in ``kernels``; these functions assume valid input
+on CPU tensors. Results match ``kernels.reference`` to fp32 rounding (tests/kernels/test_cpu.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["write_kv_cache", "paged_decode_attention", "paged_prefill_attention", "decode_buckets"]
+
+PAD_FRACTION = 0.25  # largest share of a decode bucket's tokens that may be padding
+MAX_BUCKET = 64  # sequences per decode bucket (bounds the gather buffer)
+
+
+def _slot_view(cache: torch.Tensor) -> torch.Tensor:
+    """``[num_blocks * block_size, kv_heads, head_dim]`` view of one layer's cache (no copy)."""
+    n, bs, h, d = cache.shape
+    if cache.stride(0) == bs * cache.stride(1):
+        return cache.view(n * bs, h, d) if cache.is_contiguous() else cache.as_strided(
+            (n * bs, h, d), (cache.stride(1), cache.stride(2), cache.stride(3)), cache.storage_offset()
+        )
+    raise ValueError("cache blocks are not laid out back to back")  # not reachable from the worker
+
+
+def write_kv_cache(
+    key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store token i's K/V at slot ``slot_mapping[i]``; -1 skips the token."""
+    slots = slot_mapping.to(torch.int64)
+    if slots.numel() and int(slots.min()) < 0:
+        keep = slots >= 0
+        slots, key, value = slots[keep], key[keep], value[keep]
+    if not slots.numel():
+        return
+    kc, vc = key_cache, value_cache
+    if kc.stride(0) == kc.shape[1] * kc.stride(1) and vc.stride(0) == vc.shape[1] * vc.stride(1):
+        _slot_view(kc).index_copy_(0, slots, key.to(kc.dtype))
+        _slot_view(vc).index_copy_(0, slots, value.to(vc.dtype))
+        return
+    bs = kc.shape[1]
+    kc[slots // bs, slots % bs] = key.to(kc.dtype)
+    vc[slots // bs, slots % bs] = value.to(vc.dtype)
+
+
+def decode_buckets(lens: list[int], block_size: int) -> list[tuple[list[int], int]]:
+    """Group sequence indices into (indices, blocks) buckets, longest first.
+
+    A bucket starts at its longest sequence and takes the next-longest ones while the padded
+    tokens stay under ``PAD_FRACTION`` of the bucket (so no bucket is padded to the batch's longest
+    context unless its sequences are all close to it).
+    """
+    order = sorted(range(len(lens)), key=lambda i: -lens[i])
+    buckets: list[tuple[list[int], int]] = []
+    i = 0
+    while i < len(order):
+        nb = max(1, -(-lens[order[i]] // block_size))
+        width = nb * block_size
+        members = [order[i]]
+        real = lens[order[i]]
+        j = i + 1
+        while j < len(order) and len(members) < MAX_BUCKET:
+            cand = lens[order[j]]
+            if (width * (len(members) + 1) - (real + cand)) > PAD_FRACTION * width * (len(members) + 1):
+                break
+            members.append(order[j])
+            real += cand
+            j += 1
+        buckets.append((members, nb))
+        i = j
+    return buckets
+
+
+def paged_decode_attention(
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One query token per sequence over its cached context (see the module docstring)."""
+    num_seqs, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(query)
+    if num_seqs == 0:
+        return out
+    lens = seq_lens.tolist()
+    tables = block_tables.to(torch.int64)
+    q_all = query.view(num_seqs, num_kv_heads, group, head_dim)
+    out_view = out.view(num_seqs, num_kv_heads, group, head_dim)
+    for members, nb in decode_buckets(lens, block_size):
+        if lens[members[0]] == 0:  # everything left is empty: attends to nothing
+            out_view[members] = 0
+            continue
+        idx = torch.tensor(members, dtype=torch.int64)
+        blens = torch.tensor([lens[m] for m in members], dtype=torch.int64)
+        ids = tables.index_select(0, idx)[:, :nb]
+        used = (blens + block_size - 1) // block_size
+        ids = ids.masked_fill(torch.arange(nb)[None, :] >= used[:, None], 0)  # padding: any real block
+        b = len(members)
+        t = nb * block_size
+        k = key_cache[ids].view(b, t, num_kv_heads, head_dim).transpose(1, 2)
+        v = value_cache[ids].view(b, t, num_kv_heads, head_dim).transpose(1, 2)
+        q = q_all.index_select(0, idx)
+        mask = None
+        if int(blens.min()) < t:
+            mask = (torch.arange(t)[None, :] < blens[:, None])[:, None, None, :]
+        res = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        if int(blens.min()) == 0:
+            res[blens == 0] = 0
+        out_view.index_copy_(0, idx, res.to(out.dtype))
+    return out
+
+
+def paged_prefill_attention(
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of each sequence's last ``q_len`` tokens over its ``seq_len`` cached tokens."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(query)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for i, seq_len in enumerate(lens):
+        q0, q1 = int(starts[i]), int(starts[i + 1])
+        q_len = q1 - q0
+        if q_len == 0:
+            continue
+        nb = -(-seq_len // block_size)
+        ids = block_tables[i, :nb].to(torch.int64)
+        k = key_cache[ids].view(nb * block_size, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
+        v = value_cache[ids].view(nb * block_size, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
+        # [q_len, H, D] -> [Hkv, group * q_len, D]: row (g, j) is query j of head kv * group + g.
+        q = query[q0:q1].view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(
+            num_kv_heads, group * q_len, head_dim
+        )
+        q_pos = torch.arange(seq_len - q_len, seq_len).repeat(group)
+        mask = torch.arange(seq_len)[None, :] <= q_pos[:, None]
+        res = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        out[q0:q1] = res.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3).reshape(
+            q_len, num_heads, head_dim
+        ).to(out.dtype)
+    return out
