@@ -23,10 +23,15 @@ on CPU tensors. Results match ``kernels.reference`` to fp32 rounding (tests/kern
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-__all__ = ["write_kv_cache", "paged_decode_attention", "paged_prefill_attention", "decode_buckets"]
+__all__ = [
+    "write_kv_cache", "paged_decode_attention", "paged_prefill_attention", "decode_buckets",
+    "DecodePlan", "PrefillPlan", "plan_decode", "plan_prefill",
+]
 
 PAD_FRACTION = 0.25  # largest share of a decode bucket's tokens that may be padding
 MAX_BUCKET = 64  # sequences per decode bucket (bounds the gather buffer)
@@ -91,9 +96,45 @@ def decode_buckets(lens: list[int], block_size: int) -> list[tuple[list[int], in
     return buckets
 
 
+@dataclass(slots=True)
+class _Bucket:
+    idx: torch.Tensor  # int64 [b]: rows of the batch in this bucket
+    ids: torch.Tensor  # int64 [b, nb]: their blocks (padding columns point at block 0, masked)
+    mask: torch.Tensor | None  # bool [b, 1, 1, nb * block_size], None when nothing is padding
+    empty: torch.Tensor | None  # bool [b]: zero-length rows (attend to nothing), None when none
+
+
+@dataclass(slots=True)
+class DecodePlan:
+    """Which sequences share a gather + SDPA call, with their block ids and masks.
+
+    Depends only on the block tables and lengths, so a model builds it once per step and reuses
+    it in every layer (``plan=`` of ``paged_decode_attention``).
+    """
+
+    num_seqs: int
+    buckets: list[_Bucket]
+
+
+def plan_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> DecodePlan:
+    lens = seq_lens.tolist()
+    tables = block_tables.to(torch.int64)
+    buckets: list[_Bucket] = []
+    for members, nb in decode_buckets(lens, block_size):
+        idx = torch.tensor(members, dtype=torch.int64)
+        blens = torch.tensor([lens[m] for m in members], dtype=torch.int64)
+        used = (blens + block_size - 1) // block_size
+        ids = tables.index_select(0, idx)[:, :nb].masked_fill(torch.arange(nb)[None, :] >= used[:, None], 0)
+        t = nb * block_size
+        shortest = min(lens[m] for m in members)
+        mask = (torch.arange(t)[None, :] < blens[:, None])[:, None, None, :] if shortest < t else None
+        buckets.append(_Bucket(idx, ids.contiguous(), mask, (blens == 0) if shortest == 0 else None))
+    return DecodePlan(len(lens), buckets)
+
+
 def paged_decode_attention(
     query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
+    seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None, plan: DecodePlan | None = None,
 ) -> torch.Tensor:
     """One query token per sequence over its cached context (see the module docstring)."""
     num_seqs, num_heads, head_dim = query.shape
@@ -103,37 +144,62 @@ def paged_decode_attention(
         out = torch.empty_like(query)
     if num_seqs == 0:
         return out
-    lens = seq_lens.tolist()
-    tables = block_tables.to(torch.int64)
+    if plan is None:
+        plan = plan_decode(block_tables, seq_lens, block_size)
     q_all = query.view(num_seqs, num_kv_heads, group, head_dim)
     out_view = out.view(num_seqs, num_kv_heads, group, head_dim)
-    for members, nb in decode_buckets(lens, block_size):
-        if lens[members[0]] == 0:  # everything left is empty: attends to nothing
-            out_view[members] = 0
-            continue
-        idx = torch.tensor(members, dtype=torch.int64)
-        blens = torch.tensor([lens[m] for m in members], dtype=torch.int64)
-        ids = tables.index_select(0, idx)[:, :nb]
-        used = (blens + block_size - 1) // block_size
-        ids = ids.masked_fill(torch.arange(nb)[None, :] >= used[:, None], 0)  # padding: any real block
-        b = len(members)
+    for bk in plan.buckets:
+        b, nb = bk.ids.shape
         t = nb * block_size
-        k = key_cache[ids].view(b, t, num_kv_heads, head_dim).transpose(1, 2)
-        v = value_cache[ids].view(b, t, num_kv_heads, head_dim).transpose(1, 2)
-        q = q_all.index_select(0, idx)
-        mask = None
-        if int(blens.min()) < t:
-            mask = (torch.arange(t)[None, :] < blens[:, None])[:, None, None, :]
-        res = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-        if int(blens.min()) == 0:
-            res[blens == 0] = 0
-        out_view.index_copy_(0, idx, res.to(out.dtype))
+        flat = bk.ids.view(-1)
+        # [b, kv_heads, t, head_dim] strided views of the gathered blocks: no transpose copy.
+        k = key_cache.index_select(0, flat).view(b, t, num_kv_heads, head_dim).transpose(1, 2)
+        v = value_cache.index_select(0, flat).view(b, t, num_kv_heads, head_dim).transpose(1, 2)
+        q = q_all.index_select(0, bk.idx)
+        res = F.scaled_dot_product_attention(q, k, v, attn_mask=bk.mask, scale=scale)
+        if bk.empty is not None:
+            res[bk.empty] = 0
+        out_view.index_copy_(0, bk.idx, res.to(out.dtype))
     return out
+
+
+@dataclass(slots=True)
+class _PrefillSeq:
+    q0: int
+    q1: int
+    ids: torch.Tensor  # int64 [blocks]
+    seq_len: int
+    mask: torch.Tensor  # bool [group * q_len, seq_len]
+
+
+@dataclass(slots=True)
+class PrefillPlan:
+    """Per prefill sequence: its query rows, blocks and offset-causal mask (reused by every layer)."""
+
+    seqs: list[_PrefillSeq]
+
+
+def plan_prefill(
+    block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_size: int, group: int
+) -> PrefillPlan:
+    starts = query_start_loc.tolist()
+    seqs: list[_PrefillSeq] = []
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        q0, q1 = int(starts[i]), int(starts[i + 1])
+        q_len = q1 - q0
+        if q_len == 0:
+            continue
+        nb = -(-seq_len // block_size)
+        q_pos = torch.arange(seq_len - q_len, seq_len).repeat(group)
+        mask = torch.arange(seq_len)[None, :] <= q_pos[:, None]
+        seqs.append(_PrefillSeq(q0, q1, block_tables[i, :nb].to(torch.int64), seq_len, mask))
+    return PrefillPlan(seqs)
 
 
 def paged_prefill_attention(
     query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
+    plan: PrefillPlan | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's last ``q_len`` tokens over its ``seq_len`` cached tokens."""
     num_heads, head_dim = query.shape[1], query.shape[2]
@@ -141,25 +207,19 @@ def paged_prefill_attention(
     group = num_heads // num_kv_heads
     if out is None:
         out = torch.empty_like(query)
-    starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    for i, seq_len in enumerate(lens):
-        q0, q1 = int(starts[i]), int(starts[i + 1])
-        q_len = q1 - q0
-        if q_len == 0:
-            continue
-        nb = -(-seq_len // block_size)
-        ids = block_tables[i, :nb].to(torch.int64)
-        k = key_cache[ids].view(nb * block_size, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
-        v = value_cache[ids].view(nb * block_size, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
+    if plan is None:
+        plan = plan_prefill(block_tables, query_start_loc, seq_lens, block_size, group)
+    for s in plan.seqs:
+        q_len, seq_len = s.q1 - s.q0, s.seq_len
+        t = s.ids.shape[0] * block_size
+        k = key_cache.index_select(0, s.ids).view(t, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
+        v = value_cache.index_select(0, s.ids).view(t, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
         # [q_len, H, D] -> [Hkv, group * q_len, D]: row (g, j) is query j of head kv * group + g.
-        q = query[q0:q1].view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(
+        q = query[s.q0 : s.q1].view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(
             num_kv_heads, group * q_len, head_dim
         )
-        q_pos = torch.arange(seq_len - q_len, seq_len).repeat(group)
-        mask = torch.arange(seq_len)[None, :] <= q_pos[:, None]
-        res = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-        out[q0:q1] = res.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3).reshape(
+        res = F.scaled_dot_product_attention(q, k, v, attn_mask=s.mask, scale=scale)
+        out[s.q0 : s.q1] = res.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3).reshape(
             q_len, num_heads, head_dim
         ).to(out.dtype)
     return out
