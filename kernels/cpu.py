@@ -8,8 +8,9 @@ measurement (bench/kernel_bench.py ``--cpu``; docs/kernels.md):
 - **Length buckets**: decode sequences are sorted by length and cut into buckets whose padding is
   at most ``PAD_FRACTION`` of the bucket (and at most ``MAX_BUCKET`` sequences), so the work
   follows the real context lengths, not the longest one.
-- **One gather per bucket, in the cache dtype**: ``key_cache[block_ids]`` of the bucket's blocks
-  only; no fp32 copy (SDPA accumulates in fp32 internally for fp16/bf16).
+- **One gather per bucket, in the cache dtype**: ``index_select`` of the bucket's blocks only, into
+  buffers the step's plan keeps for all layers; no fp32 copy (SDPA accumulates in fp32 internally
+  for fp16/bf16).
 - **GQA once per KV head**: the ``group`` query heads sharing a KV head are the "query rows" of one
   SDPA problem ``[seqs, kv_heads, group, head_dim]`` against ``[seqs, kv_heads, tokens, head_dim]``
   (a strided view of the gathered blocks: no transpose copy), so each K/V element is read once.
@@ -102,6 +103,8 @@ class _Bucket:
     ids: torch.Tensor  # int64 [b, nb]: their blocks (padding columns point at block 0, masked)
     mask: torch.Tensor | None  # bool [b, 1, 1, nb * block_size], None when nothing is padding
     empty: torch.Tensor | None  # bool [b]: zero-length rows (attend to nothing), None when none
+    k_buf: torch.Tensor | None = None  # gather buffers, allocated by the first layer, reused by the rest
+    v_buf: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -152,9 +155,16 @@ def paged_decode_attention(
         b, nb = bk.ids.shape
         t = nb * block_size
         flat = bk.ids.view(-1)
+        shape = (flat.shape[0], *key_cache.shape[1:])
+        if bk.k_buf is None or bk.k_buf.shape != shape or bk.k_buf.dtype != key_cache.dtype:
+            bk.k_buf = torch.empty(shape, dtype=key_cache.dtype)
+            bk.v_buf = torch.empty(shape, dtype=key_cache.dtype)
+        assert bk.v_buf is not None
+        torch.index_select(key_cache, 0, flat, out=bk.k_buf)
+        torch.index_select(value_cache, 0, flat, out=bk.v_buf)
         # [b, kv_heads, t, head_dim] strided views of the gathered blocks: no transpose copy.
-        k = key_cache.index_select(0, flat).view(b, t, num_kv_heads, head_dim).transpose(1, 2)
-        v = value_cache.index_select(0, flat).view(b, t, num_kv_heads, head_dim).transpose(1, 2)
+        k = bk.k_buf.view(b, t, num_kv_heads, head_dim).transpose(1, 2)
+        v = bk.v_buf.view(b, t, num_kv_heads, head_dim).transpose(1, 2)
         q = q_all.index_select(0, bk.idx)
         res = F.scaled_dot_product_attention(q, k, v, attn_mask=bk.mask, scale=scale)
         if bk.empty is not None:

@@ -1,4 +1,4 @@
-"""The model on the CPU fast path (kernels/cpu.py plans + MKL-packed linears) against transformers.
+"""The model on the CPU fast path (kernels/cpu.py plans + oneDNN-packed linears) against transformers.
 
 The rest of tests/worker_svc runs the reference kernels; here the same greedy-equality oracle runs
 with ``kernels.use_backend("cpu")``, the backend ``auto`` picks on CPU: a ragged batch of many

@@ -9,7 +9,7 @@ layers run on all tokens together; per layer the new K/V are written into the sh
 
 Why a plain class holding tensors instead of ``nn.Module``: there is no training, no state dict
 round trip and no hooks; fused weight matrices (QKV, gate+up) are built once at load, and packed
-for MKL's GEMM there on CPU in fp32 (``linear.py``).
+for oneDNN there on CPU (``linear.py``).
 
 On the CPU kernel backend (``kernels/cpu.py``) the attention plans (length buckets, block ids,
 masks) depend only on the step's block tables and lengths, so they are built once per forward and
