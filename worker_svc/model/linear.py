@@ -11,28 +11,24 @@ and 64 rows 1.2-2.3x faster than ``F.linear``, the 32000-row output layer 1.1-1.
 used: it only uses the packed weight when the row count equals the one it was packed for, so with
 a step's varying batch it silently falls back to ``F.linear``.
 
-Used only where it applies (CPU, fp32 or bf16, a torch built with oneDNN); everything else, and any
-failure to pack, keeps ``F.linear``. ``PAGEDKV_PACKED_LINEAR=0`` turns packing off (e.g. to compare).
+Used wherever it applies (CPU, fp32 or bf16, a torch built with oneDNN); everything else, and any
+failure to pack, keeps ``F.linear``.
 Results equal ``F.linear``'s up to fp32 summation order (tests/worker_svc/test_cpu_backend_model.py);
 greedy tokens stay those of transformers (tests/worker_svc/test_model_runner.py).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-ENV_VAR = "PAGEDKV_PACKED_LINEAR"
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def packing_enabled(weight: torch.Tensor) -> bool:
-    """Whether ``weight`` gets a oneDNN-packed copy: CPU, fp32/bf16, oneDNN present, not disabled."""
-    if os.environ.get(ENV_VAR, "1").strip().lower() in ("0", "false", "off", "no"):
-        return False
+    """Whether ``weight`` gets a oneDNN-packed copy: CPU, fp32/bf16, a torch built with oneDNN."""
     return (
         weight.device.type == "cpu"
         and weight.dtype in PACKED_DTYPES
