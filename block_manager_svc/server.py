@@ -2,8 +2,8 @@
 health, reflection, signals.
 
 A synchronous gRPC server with a small thread pool: on these hosts it serves
-about 1.6x the calls/s of grpc.aio for the same work (measured in
-../shared/TOOLCHAIN.md), and every handler is a microsecond-scale critical
+about 1.6x the calls/s of grpc.aio for the same work (docs/architecture.md),
+and every handler is a microsecond-scale critical
 section, so threads never wait on I/O while holding the state lock.
 """
 
@@ -22,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 
 from block_manager_svc.core import BlockManager, CoreConfig
 from block_manager_svc.events import EventHub
+from block_manager_svc.kv_events_zmq import ZmqEventConfig, ZmqKvEventPublisher
 from block_manager_svc.metrics import MetricsServer, setup_metrics
 from block_manager_svc.reliability import Reliability, ReliableServicer
 from block_manager_svc.servicer import BlockManagerServicer
@@ -29,6 +30,7 @@ from block_manager_svc.settings import BlockManagerSettings, load_settings
 from block_manager_svc.tenancy import TenantServicer, ledger_from_store
 from pagedkv.auth import AuthInterceptor, TokenStore
 from pagedkv.logging_setup import configure_logging
+from pagedkv.malformed import MalformedRequestInterceptor
 from pagedkv.tls import add_port
 from pagedkv.v1 import block_manager_pb2, block_manager_pb2_grpc
 
@@ -46,10 +48,14 @@ class RunningServer:
     servicer: BlockManagerServicer
     reliability: Reliability | None = None
     metrics: MetricsServer | None = None
+    kv_events: ZmqKvEventPublisher | None = None
 
     def stop(self, grace: float | None = None) -> None:
         self.health.enter_graceful_shutdown()
         self.server.stop(grace).wait()
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
         if self.metrics is not None:
             self.metrics.stop()
             self.metrics = None
@@ -94,7 +100,8 @@ def start_server(settings: BlockManagerSettings) -> RunningServer:
         registry, rpc_metrics = setup_metrics(servicer)
         interceptors.append(rpc_metrics)  # first: it also counts the auth rejections
     if store is not None:
-        interceptors.append(AuthInterceptor(store))
+        interceptors.append(AuthInterceptor(store, limiter=servicer.log_limit))
+    interceptors.append(MalformedRequestInterceptor(servicer.log_limit))  # innermost: wraps the parsers
     # Each WatchEvents stream holds a thread for its lifetime: extra threads so they cannot starve RPCs.
     watchers = settings.max_event_watchers if settings.enable_kv_events else 0
     server = grpc.server(
@@ -123,18 +130,34 @@ def start_server(settings: BlockManagerSettings) -> RunningServer:
         port = add_port(server, settings.host, settings.port, tls_cert=settings.tls_cert,
                         tls_key=settings.tls_key, tls_client_ca=settings.tls_client_ca,
                         allow_insecure=settings.allow_insecure)
-        metrics = MetricsServer(registry, settings.metrics_host, settings.metrics_port) if registry else None
+        kv_events = start_kv_events(settings, servicer.events_hub)
     except RuntimeError:
         reliability.close()
         raise
+    try:
+        metrics = MetricsServer(registry, settings.metrics_host, settings.metrics_port) if registry else None
     except OSError as e:
         reliability.close()
+        if kv_events is not None:
+            kv_events.close()
         raise RuntimeError(f"cannot serve metrics on {settings.metrics_host}:{settings.metrics_port}: {e}") from e
     server.start()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return RunningServer(server=server, port=port, health=health_servicer, servicer=servicer,
-                         reliability=reliability, metrics=metrics)
+                         reliability=reliability, metrics=metrics, kv_events=kv_events)
+
+
+def start_kv_events(settings: BlockManagerSettings, hub: EventHub | None) -> ZmqKvEventPublisher | None:
+    """The vLLM-format ZeroMQ publisher, fed by the event hub (None when not configured)."""
+    if not settings.kv_events_endpoint or hub is None:
+        return None
+    publisher = ZmqKvEventPublisher(ZmqEventConfig(
+        endpoint=settings.kv_events_endpoint, replay_endpoint=settings.kv_events_replay_endpoint,
+        topic=settings.kv_events_topic, block_size=settings.block_size, encoding=settings.kv_events_encoding,
+        buffer_steps=settings.kv_events_buffer_steps))
+    hub.add_sink(publisher)
+    return publisher
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -157,6 +180,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         auth=bool(settings.auth_tokens_file),
         metrics=f"{settings.metrics_host}:{running.metrics.port}" if running.metrics else "off",
         kv_events=settings.enable_kv_events,
+        kv_events_zmq=(running.kv_events.endpoint if running.kv_events else "off"),
+        kv_events_replay=(running.kv_events.replay_endpoint if running.kv_events else "off"),
+        kv_events_topic=settings.kv_events_topic if running.kv_events else "",
     )
     stopping = threading.Event()
 

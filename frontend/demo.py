@@ -9,6 +9,12 @@ utilisation (tokens held / token slots allocated, sampled every step),
 preemptions, and the memory a contiguous per-request reservation would have
 needed for the same work.
 
+KV utilisation is the vLLM paper's: token slots holding live tokens / token
+slots of the allocated blocks, each physical block counted once (a block shared
+by a prefix hit or a fork counts its tokens once too), sampled every step. It
+cannot exceed 100% and is never clamped. What sharing saves is its own line:
+block-table entries that point at a block another entry already counts.
+
 By default it starts its own stack as local processes (like `pagedkv up`) on
 free ports and stops it afterwards; `--local` runs the stack in-process,
 `--block-manager/--workers` use a running one.
@@ -38,12 +44,17 @@ class DemoFigures:
     hit_rate: float = 0.0
     util_mean: float = 0.0
     util_min: float = 1.0
+    shared_mean: float = 0.0  # share of block-table entries served by an already-counted block
+    peak_saved_blocks: int = 0  # most blocks sharing saved at one step
     preempted_recompute: int = 0
     preempted_swap: int = 0
     peak_paged_blocks: int = 0
     peak_contiguous_tokens: int = 0
     bytes_per_token: int = 0
     block_size: int = 16
+    steps: int = 0  # engine iterations
+    bm_round_trips: int = 0  # the engine's block-manager Steps (the demo's own GetStats not counted)
+    worker_steps: int = 0
 
 
 def make_workload(num_requests: int, vocab: int, seed: int) -> list[GenerationRequest]:
@@ -68,6 +79,36 @@ def make_workload(num_requests: int, vocab: int, seed: int) -> list[GenerationRe
     return reqs
 
 
+@dataclass(slots=True, frozen=True)
+class KvOccupancy:
+    """One moment of the KV cache, from the sequences' block tables."""
+
+    live_tokens: int  # slots holding a token, each physical block counted once
+    physical_blocks: int  # distinct blocks allocated
+    logical_blocks: int  # block-table entries summed over sequences (what no sharing would need)
+
+    def utilisation(self, block_size: int) -> float:
+        return self.live_tokens / (self.physical_blocks * block_size) if self.physical_blocks else 0.0
+
+
+def kv_occupancy(seqs: Sequence[object], block_size: int) -> KvOccupancy:
+    """Token slots in use per physical block: a sequence fills its i-th block with
+    min(block_size, tokens - i * block_size) tokens; a block in several tables is counted once
+    (its sharers hold the same tokens there). The last sampled token of a sequence has no slot
+    until the next step reserves it (``needs_slot``), nor has a finished sequence's."""
+    fill: dict[int, int] = {}
+    logical = 0
+    for s in seqs:
+        tokens = len(s.tokens) - (1 if s.needs_slot or s.status.value == "finished" else 0)  # type: ignore[attr-defined]
+        table = s.block_table  # type: ignore[attr-defined]
+        logical += len(table)
+        for i, block in enumerate(table):
+            n = max(0, min(block_size, tokens - i * block_size))
+            if n > fill.get(block, -1):
+                fill[block] = n
+    return KvOccupancy(live_tokens=sum(fill.values()), physical_blocks=len(fill), logical_blocks=logical)
+
+
 def run_workload(engine: Engine, requests: list[GenerationRequest], arrivals_per_step: int,
                  progress: bool = True) -> DemoFigures:
     from tqdm import tqdm
@@ -78,6 +119,7 @@ def run_workload(engine: Engine, requests: list[GenerationRequest], arrivals_per
     figs.bytes_per_token = 2 * info.num_layers * info.num_kv_heads * info.head_dim * dtype_bytes
     pending = list(requests)
     utils: list[float] = []
+    shared: list[float] = []
     bar = tqdm(total=len(requests), unit="req", desc="demo", disable=not progress, file=sys.stderr)
     finished = 0
     start = time.perf_counter()
@@ -86,11 +128,12 @@ def run_workload(engine: Engine, requests: list[GenerationRequest], arrivals_per
             engine.add_request(pending.pop(0))
         engine.step()
         stats = engine.bm.get_stats()
-        used_slots = stats.num_used_blocks * stats.block_size
         running = engine.running_sequences()
-        held = sum(len(s.tokens) - (1 if s.needs_slot or s.status.value == "finished" else 0) for s in running)
-        if used_slots:
-            utils.append(min(1.0, held / used_slots))
+        occ = kv_occupancy(running, engine.block_size)
+        if occ.physical_blocks:
+            utils.append(occ.utilisation(engine.block_size))
+            shared.append(1 - occ.physical_blocks / occ.logical_blocks)
+            figs.peak_saved_blocks = max(figs.peak_saved_blocks, occ.logical_blocks - occ.physical_blocks)
         figs.peak_paged_blocks = max(figs.peak_paged_blocks, stats.num_used_blocks)
         live_requests = {s.request.request_id: s.request for s in running}
         reserve = sum((len(r.prompt) + r.max_tokens) * r.n for r in live_requests.values())
@@ -107,8 +150,12 @@ def run_workload(engine: Engine, requests: list[GenerationRequest], arrivals_per
     figs.prompt_tokens = engine.stats.prompt_tokens
     figs.util_mean = sum(utils) / len(utils) if utils else 0.0
     figs.util_min = min(utils) if utils else 0.0
+    figs.shared_mean = sum(shared) / len(shared) if shared else 0.0
     figs.preempted_recompute = engine.stats.preempted_recompute
     figs.preempted_swap = engine.stats.preempted_swap
+    figs.steps = engine.stats.steps
+    figs.bm_round_trips = engine.stats.bm_round_trips
+    figs.worker_steps = engine.stats.worker_steps
     return figs
 
 
@@ -123,11 +170,18 @@ def report(f: DemoFigures) -> str:
         ("throughput (prompt + generated)",
          f"{(f.prompt_tokens + f.generated_tokens) / f.wall_s:.1f} tokens/s" if f.wall_s else "-"),
         ("prefix-cache hit rate (prompt tokens)", f"{f.hit_rate:.1%}"),
-        ("KV utilisation: tokens held / slots (mean, min)", f"{f.util_mean:.1%}, {f.util_min:.1%}"),
+        ("KV utilisation: live token slots / allocated slots (mean, min)", f"{f.util_mean:.1%}, {f.util_min:.1%}"),
+        ("KV memory saved by block sharing (mean, peak)",
+         f"{f.shared_mean:.1%} of block-table entries, peak {f.peak_saved_blocks} blocks "
+         f"({f.peak_saved_blocks * f.block_size * f.bytes_per_token / 2**20:.2f} MiB)"),
         ("preemptions (recompute, swap)", f"{f.preempted_recompute}, {f.preempted_swap}"),
         ("peak KV memory, paged", f"{paged / 2**20:.2f} MiB ({f.peak_paged_blocks} blocks)"),
         ("peak KV memory, contiguous reservation", f"{contiguous / 2**20:.2f} MiB (prompt + max_tokens, per sample)"),
         ("contiguous / paged", f"{contiguous / paged:.2f}x" if paged else "-"),
+        ("engine iterations", f"{f.steps}"),
+        ("block-manager round trips per iteration (Step)",
+         f"{f.bm_round_trips / f.steps:.2f} ({f.bm_round_trips} in all)" if f.steps else "-"),
+        ("worker steps per iteration", f"{f.worker_steps / f.steps:.2f} ({f.worker_steps} in all)" if f.steps else "-"),
     ]
     width = max(len(k) for k, _ in rows)
     lines = ["", "pagedkv demo results", ""] + [f"  {k:<{width}}  {v}" for k, v in rows]

@@ -7,6 +7,10 @@ cache host's memory). Each is a separate `pagedkv <role>` process bound to
 SERVING, prints where each listens, and on Ctrl-C / SIGTERM stops them in
 reverse order (workers, cache host, block manager) and checks that no shared
 memory segment was left behind in /dev/shm.
+
+`--tls-dir DIR --auth-tokens-file FILE` secures the whole stack: every server mutual TLS, every
+server with tokens, and every connection between the roles with a client certificate and a token
+(frontend/stack_security.py, docs/security.md).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from frontend.stack_security import StackSecurity, StackSecurityError
 from pagedkv.healthcheck import check
 
 SHM_DIR = pathlib.Path("/dev/shm")
@@ -53,17 +58,21 @@ class StackOptions:
     log_dir: str | None = None
     shm_prefix: str = field(default_factory=lambda: f"pagedkv-up-{os.getpid()}")
     ready_timeout_s: float = 180.0
+    tls_dir: str | None = None  # ca.pem, server.pem/.key, client.pem/.key (tools/make_certs.sh DIR)
+    auth_tokens_file: str | None = None  # bearer tokens of the stack's clients
 
 
 def _pagedkv(*args: str) -> list[str]:
     return [sys.executable, "-m", "pagedkv.cli", *args]
 
 
-def plan(opts: StackOptions) -> list[Service]:
+def plan(opts: StackOptions, security: StackSecurity | None = None) -> list[Service]:
     """The processes to start, in start order."""
+    sec = security or StackSecurity()
     bm = f"{opts.host}:{opts.block_manager_port}"
     ch = f"{opts.host}:{opts.cache_host_port}"
-    common = ["--log-format", opts.log_format]
+    common = ["--log-format", opts.log_format, *sec.server_args()]
+    dial = sec.dial_args()
     model = ["--model", opts.model] if opts.model else []
     services = [
         Service(
@@ -77,7 +86,7 @@ def plan(opts: StackOptions) -> list[Service]:
             "cache-host",
             _pagedkv("cache-host", "--host", opts.host, "--port", str(opts.cache_host_port),
                      "--block-manager", bm, "--device", opts.device, "--dtype", opts.dtype,
-                     "--shm-prefix", opts.shm_prefix, *model, *common),
+                     "--shm-prefix", opts.shm_prefix, *model, *common, *dial),
             ch, "pagedkv.v1.CacheHost",
         ),
     ]
@@ -87,20 +96,23 @@ def plan(opts: StackOptions) -> list[Service]:
             Service(
                 f"worker-{i}",
                 _pagedkv("worker", "--host", opts.host, "--port", str(port), "--cache-host", ch,
-                         "--block-manager", bm, "--device", opts.device, "--dtype", opts.dtype, *model, *common),
+                         "--block-manager", bm, "--device", opts.device, "--dtype", opts.dtype, *model, *common,
+                         *dial),
                 f"{opts.host}:{port}", "pagedkv.v1.Worker",
             )
         )
     return services
 
 
-def wait_serving(address: str, service: str, deadline: float, proc: subprocess.Popen[bytes]) -> None:
-    """Poll the gRPC health check until SERVING; fail early if the process died."""
+def wait_serving(address: str, service: str, deadline: float, proc: subprocess.Popen[bytes],
+                 tls: dict[str, str] | None = None) -> None:
+    """Poll the gRPC health check (over ``tls``: tls_ca/tls_cert/tls_key) until SERVING; fail early
+    if the process died."""
     seen = "no answer"
     while True:
         if proc.poll() is not None:
             raise RuntimeError(f"{service} at {address} exited with code {proc.returncode} before it was ready")
-        healthy, seen = check(address, service, timeout_s=1.0)
+        healthy, seen = check(address, service, timeout_s=1.0, **(tls or {}))
         if healthy:
             return
         if time.monotonic() > deadline:
@@ -119,14 +131,15 @@ class Stack:
 
     def __init__(self, opts: StackOptions, out: object = sys.stdout) -> None:
         self.opts = opts
-        self.services = plan(opts)
+        self.security = StackSecurity.prepare(opts.tls_dir, opts.auth_tokens_file)  # StackSecurityError
+        self.services = plan(opts, self.security)
         self.out = out
 
     def _say(self, line: str) -> None:
         print(line, file=self.out, flush=True)  # type: ignore[call-overload]
 
     def start(self) -> None:
-        env = {**os.environ}
+        env = {**os.environ, **self.security.env()}
         log_dir = pathlib.Path(self.opts.log_dir) if self.opts.log_dir else None
         if log_dir:
             log_dir.mkdir(parents=True, exist_ok=True)
@@ -138,7 +151,7 @@ class Stack:
                     stdout = stderr = open(log_dir / f"{svc.name}.log", "ab")  # noqa: SIM115 - owned by the child
                 svc.process = subprocess.Popen(svc.args, env=env, stdout=stdout, stderr=stderr,
                                                start_new_session=True)
-                wait_serving(svc.address, svc.health_service, deadline, svc.process)
+                wait_serving(svc.address, svc.health_service, deadline, svc.process, self.security.client_tls())
                 self._say(f"  {svc.name:<14} SERVING  {svc.address}  (pid {svc.process.pid})")
         except BaseException:
             self.stop()
@@ -153,8 +166,10 @@ class Stack:
         out = None
         if self.opts.log_dir:
             out = open(pathlib.Path(self.opts.log_dir) / f"{svc.name}.log", "ab")  # noqa: SIM115 - owned by the child
-        svc.process = subprocess.Popen(svc.args, env={**os.environ}, stdout=out, stderr=out, start_new_session=True)
-        wait_serving(svc.address, svc.health_service, time.monotonic() + self.opts.ready_timeout_s, svc.process)
+        svc.process = subprocess.Popen(svc.args, env={**os.environ, **self.security.env()}, stdout=out, stderr=out,
+                                       start_new_session=True)
+        wait_serving(svc.address, svc.health_service, time.monotonic() + self.opts.ready_timeout_s, svc.process,
+                     self.security.client_tls())
         return svc
 
     def first_exited(self) -> Service | None:
@@ -175,6 +190,7 @@ class Stack:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        self.security.close()
         return leaked_segments(self.opts.shm_prefix)
 
 
@@ -196,6 +212,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-format", choices=("console", "json"), default=d.log_format)
     p.add_argument("--log-dir", default=None, help="write each service's log to DIR/<name>.log")
     p.add_argument("--ready-timeout-s", type=float, default=d.ready_timeout_s)
+    p.add_argument("--tls-dir", default=None,
+                   help="mutual TLS everywhere with DIR/{ca,server,client}.pem and .key (tools/make_certs.sh DIR)")
+    p.add_argument("--auth-tokens-file", default=None,
+                   help="bearer tokens (docs/security.md) required by the block manager, cache host and workers")
     return p
 
 
@@ -207,13 +227,18 @@ def options_from_args(args: argparse.Namespace) -> StackOptions:
         worker_port=args.worker_port, num_workers=args.num_workers, num_gpu_blocks=args.num_gpu_blocks,
         num_cpu_blocks=args.num_cpu_blocks, block_size=args.block_size, model=args.model, device=args.device,
         dtype=args.dtype, log_format=args.log_format, log_dir=args.log_dir, ready_timeout_s=args.ready_timeout_s,
+        tls_dir=args.tls_dir, auth_tokens_file=args.auth_tokens_file,
     )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     opts = options_from_args(args)
-    stack = Stack(opts)
+    try:
+        stack = Stack(opts)
+    except StackSecurityError as e:
+        print(f"pagedkv up: {e}", file=sys.stderr)
+        return 2
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -225,8 +250,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     bm = stack.services[0].address
     workers = ",".join(s.address for s in stack.services[2:])
+    secure = stack.security.client_flags()
     print(f"pagedkv up: ready. Try:  pagedkv generate --block-manager {bm} --workers {workers} "
-          f"--token-ids 1,2,3 --max-tokens 16\n            Ctrl-C stops everything.", flush=True)
+          f"--token-ids 1,2,3 --max-tokens 16{' ' + secure if secure else ''}\n"
+          f"            Ctrl-C stops everything.", flush=True)
     code = 0
     while not stop.wait(0.5):
         dead = stack.first_exited()
