@@ -3,7 +3,7 @@
 Why not the reference on CPU: it gathers every sequence's K/V up to the LONGEST context in the
 batch, upcasts the whole copy to fp32 and runs two einsums with the GQA group as a tiny matrix
 dimension; at 48 sequences it spends most of a decode step copying. This backend, chosen by
-measurement (bench/kernel_bench.py ``--cpu``; docs/kernels.md):
+measurement (the attention rows of bench/vs_vllm.py's breakdown; docs/kernels.md):
 
 - **Length buckets**: decode sequences are sorted by length and cut into buckets whose padding is
   at most ``PAD_FRACTION`` of the bucket (and at most ``MAX_BUCKET`` sequences), so the work
