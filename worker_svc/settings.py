@@ -104,7 +104,7 @@ class WorkerSettings(_Common):
         if v:
             parse_cpus(v)
         return v
-    kernel_backend: Literal["auto", "reference", "triton"] | None = Field(
+    kernel_backend: Literal["auto", "reference", "triton", "cpu"] | None = Field(
         None, description="force the kernel backend (else PAGEDKV_KERNEL_BACKEND / auto)"
     )
     seed: int = Field(0, description="seed of the built-in default model's random weights")
