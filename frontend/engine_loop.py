@@ -171,6 +171,7 @@ class EngineLoop:
         if cmd.index is None:
             t.done = True  # nobody listens any more: no Finished
             self._to_release.append(cmd.request_id)
+            self.metrics.observe_abort()
             log.info("request_aborted", request_id=cmd.request_id, reason=cmd.reason)
 
     def _step(self) -> None:

@@ -135,6 +135,10 @@ class ServeMetrics:
         for reason in reasons:
             self.finished.labels(m, reason).inc()
 
+    def observe_abort(self) -> None:
+        """A request ended by its client (disconnect) before it finished."""
+        self.finished.labels(self._model, "abort").inc()
+
     def observe_iteration(self, requests_with_tokens: int, tokens: int) -> None:
         self.iterations.labels(self._model).inc()
         self.generation_tokens.labels(self._model).inc(tokens)
