@@ -222,3 +222,39 @@ def test_over_max_waiting_is_503_with_retry_after(stack: LocalStack) -> None:
         t.join(30)
         assert waiter_status == [200]
     assert_pool_empty(stack)
+
+
+def test_tls_and_mutual_tls_and_no_plaintext_off_loopback(stack: LocalStack, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import ssl
+
+    from frontend.serve_settings import ServeSettings
+    from pagedkv.tls import TlsConfigError
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    with pytest.raises(TlsConfigError, match="non-loopback"):
+        RunningServe(ServeSettings(host="0.0.0.0", port=0, block_manager=stack.block_manager_target,
+                                   workers=",".join(stack.worker_targets)))
+    if shutil.which("openssl") is None:
+        pytest.importorskip("cryptography")
+    tools = Path(__file__).resolve().parents[2] / "tools"
+    subprocess.run(["bash", str(tools / "make_certs.sh"), str(tmp_path)], check=True, capture_output=True)
+    c = {k: tmp_path / v for k, v in {"ca": "ca.pem", "server": "server.pem", "server_key": "server.key",
+                                        "client": "client.pem", "client_key": "client.key"}.items()}
+    with serving(stack, model_name="tiny", tls_cert=str(c["server"]), tls_key=str(c["server_key"]),
+                 tls_client_ca=str(c["ca"])) as srv:
+        assert srv.url.startswith("https://")
+        ctx = ssl.create_default_context(cafile=str(c["ca"]))
+        ctx.load_cert_chain(str(c["client"]), str(c["client_key"]))
+        conn = http.client.HTTPSConnection("127.0.0.1", srv.port, context=ctx, timeout=30)
+        conn.request("GET", "/v1/models")
+        r = conn.getresponse()
+        assert r.status == 200 and json.loads(r.read())["data"][0]["id"] == "tiny"
+        conn.close()
+        no_cert = ssl.create_default_context(cafile=str(c["ca"]))
+        conn = http.client.HTTPSConnection("127.0.0.1", srv.port, context=no_cert, timeout=30)
+        with pytest.raises((ssl.SSLError, ConnectionError)):
+            conn.request("GET", "/v1/models")
+            conn.getresponse().read()
+        conn.close()
