@@ -5,8 +5,9 @@ geometry from it and allocates the cache once), then N workers (attach to the
 cache host's memory). Each is a separate `pagedkv <role>` process bound to
 127.0.0.1 unless told otherwise; `up` waits for every gRPC health check to say
 SERVING, prints where each listens, and on Ctrl-C / SIGTERM stops them in
-reverse order (workers, cache host, block manager) and checks that no shared
-memory segment was left behind in /dev/shm.
+reverse order (frontend, workers, cache host, block manager) and checks that no
+shared memory segment was left behind in /dev/shm. Last comes the OpenAI-compatible
+frontend, `pagedkv serve` on port 8000 (docs/serve.md), checked on its HTTP /health.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class Service:
     address: str
     health_service: str
     process: subprocess.Popen[bytes] | None = None
+    health_url: str = ""  # HTTP services (the frontend): ready when this answers 200
 
 
 @dataclass(slots=True)
@@ -53,6 +55,8 @@ class StackOptions:
     log_dir: str | None = None
     shm_prefix: str = field(default_factory=lambda: f"pagedkv-up-{os.getpid()}")
     ready_timeout_s: float = 180.0
+    # `pagedkv serve` on this port after the workers (None = no frontend; `pagedkv up` default 8000).
+    serve_port: int | None = None
 
 
 def _pagedkv(*args: str) -> list[str]:
@@ -91,16 +95,45 @@ def plan(opts: StackOptions) -> list[Service]:
                 f"{opts.host}:{port}", "pagedkv.v1.Worker",
             )
         )
+    if opts.serve_port is not None:
+        workers = ",".join(s.address for s in services[2:])
+        address = f"{opts.host}:{opts.serve_port}"
+        services.append(
+            Service(
+                "frontend",
+                _pagedkv("serve", "--host", opts.host, "--port", str(opts.serve_port), "--block-manager", bm,
+                         "--workers", workers, *model, *common),
+                address, "http", health_url=f"http://{_loopback_for(opts.host)}:{opts.serve_port}/health",
+            )
+        )
     return services
 
 
-def wait_serving(address: str, service: str, deadline: float, proc: subprocess.Popen[bytes]) -> None:
-    """Poll the gRPC health check until SERVING; fail early if the process died."""
+def _loopback_for(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+
+def _http_ok(url: str) -> tuple[bool, str]:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=1.0) as r:  # noqa: S310 - our own loopback URL
+            return r.status == 200, f"HTTP {r.status}"
+    except urllib.error.HTTPError as e:
+        return False, f"HTTP {e.code}"
+    except OSError as e:
+        return False, str(e)
+
+
+def wait_serving(address: str, service: str, deadline: float, proc: subprocess.Popen[bytes],
+                 health_url: str = "") -> None:
+    """Poll the gRPC health check (or the HTTP one) until SERVING; fail early if the process died."""
     seen = "no answer"
     while True:
         if proc.poll() is not None:
             raise RuntimeError(f"{service} at {address} exited with code {proc.returncode} before it was ready")
-        healthy, seen = check(address, service, timeout_s=1.0)
+        healthy, seen = _http_ok(health_url) if health_url else check(address, service, timeout_s=1.0)
         if healthy:
             return
         if time.monotonic() > deadline:
@@ -138,7 +171,7 @@ class Stack:
                     stdout = stderr = open(log_dir / f"{svc.name}.log", "ab")  # noqa: SIM115 - owned by the child
                 svc.process = subprocess.Popen(svc.args, env=env, stdout=stdout, stderr=stderr,
                                                start_new_session=True)
-                wait_serving(svc.address, svc.health_service, deadline, svc.process)
+                wait_serving(svc.address, svc.health_service, deadline, svc.process, svc.health_url)
                 self._say(f"  {svc.name:<14} SERVING  {svc.address}  (pid {svc.process.pid})")
         except BaseException:
             self.stop()
@@ -154,7 +187,8 @@ class Stack:
         if self.opts.log_dir:
             out = open(pathlib.Path(self.opts.log_dir) / f"{svc.name}.log", "ab")  # noqa: SIM115 - owned by the child
         svc.process = subprocess.Popen(svc.args, env={**os.environ}, stdout=out, stderr=out, start_new_session=True)
-        wait_serving(svc.address, svc.health_service, time.monotonic() + self.opts.ready_timeout_s, svc.process)
+        wait_serving(svc.address, svc.health_service, time.monotonic() + self.opts.ready_timeout_s, svc.process,
+                     svc.health_url)
         return svc
 
     def first_exited(self) -> Service | None:
@@ -196,6 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-format", choices=("console", "json"), default=d.log_format)
     p.add_argument("--log-dir", default=None, help="write each service's log to DIR/<name>.log")
     p.add_argument("--ready-timeout-s", type=float, default=d.ready_timeout_s)
+    p.add_argument("--serve-port", type=int, default=8000,
+                   help="port of the OpenAI-compatible frontend, `pagedkv serve` [%(default)s]")
+    p.add_argument("--no-serve", action="store_true", help="start no frontend (gRPC services only)")
     return p
 
 
@@ -207,6 +244,7 @@ def options_from_args(args: argparse.Namespace) -> StackOptions:
         worker_port=args.worker_port, num_workers=args.num_workers, num_gpu_blocks=args.num_gpu_blocks,
         num_cpu_blocks=args.num_cpu_blocks, block_size=args.block_size, model=args.model, device=args.device,
         dtype=args.dtype, log_format=args.log_format, log_dir=args.log_dir, ready_timeout_s=args.ready_timeout_s,
+        serve_port=None if args.no_serve else args.serve_port,
     )
 
 
@@ -224,9 +262,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"pagedkv up: {e}", file=sys.stderr)
         return 1
     bm = stack.services[0].address
-    workers = ",".join(s.address for s in stack.services[2:])
-    print(f"pagedkv up: ready. Try:  pagedkv generate --block-manager {bm} --workers {workers} "
-          f"--token-ids 1,2,3 --max-tokens 16\n            Ctrl-C stops everything.", flush=True)
+    workers = ",".join(s.address for s in stack.services if s.name.startswith("worker-"))
+    frontend = next((s for s in stack.services if s.name == "frontend"), None)
+    if frontend is not None:
+        url = frontend.health_url.removesuffix("/health")
+        print(f"pagedkv up: ready. OpenAI-compatible API at {url}/v1  (e.g. the openai SDK with "
+              f"base_url=\"{url}/v1\")\n            Try:  pagedkv generate --url {url} --token-ids 1,2,3 "
+              f"--max-tokens 16\n            Ctrl-C stops everything.", flush=True)
+    else:
+        print(f"pagedkv up: ready. Try:  pagedkv generate --block-manager {bm} --workers {workers} "
+              f"--token-ids 1,2,3 --max-tokens 16\n            Ctrl-C stops everything.", flush=True)
     code = 0
     while not stop.wait(0.5):
         dead = stack.first_exited()

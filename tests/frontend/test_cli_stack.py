@@ -66,10 +66,11 @@ def test_generate_reports_bad_input_and_a_missing_stack() -> None:
 
 
 def test_up_serves_generate_and_stops_everything_on_ctrl_c() -> None:
-    bm, ch, w = free_ports(3)
+    bm, ch, w, http = free_ports(4)
     proc = subprocess.Popen(
         [sys.executable, "-m", "pagedkv.cli", "up", "--block-manager-port", str(bm), "--cache-host-port", str(ch),
-         "--worker-port", str(w), "--num-workers", "2", "--num-gpu-blocks", "128", "--log-format", "json"],
+         "--worker-port", str(w), "--num-workers", "2", "--num-gpu-blocks", "128", "--log-format", "json",
+         "--serve-port", str(http)],
         cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
         start_new_session=True,
     )
@@ -86,7 +87,8 @@ def test_up_serves_generate_and_stops_everything_on_ctrl_c() -> None:
         out = "".join(lines)
         assert "ready" in out, out
         pids = [int(p) for p in re.findall(r"pid (\d+)", out)]
-        assert len(pids) == 4 and all(pid_alive(p) for p in pids)
+        assert len(pids) == 5 and all(pid_alive(p) for p in pids)  # + the OpenAI-compatible frontend
+        assert f"http://127.0.0.1:{http}/v1" in out
         workers = f"127.0.0.1:{w},127.0.0.1:{w + 1}"
         r = pagedkv("generate", "--token-ids", "3,1,4,1,5", "--max-tokens", "5", "--block-manager",
                     f"127.0.0.1:{bm}", "--workers", workers)
