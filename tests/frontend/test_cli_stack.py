@@ -63,6 +63,8 @@ def test_generate_reports_bad_input_and_a_missing_stack() -> None:
     (port,) = free_ports(1)
     r = pagedkv("generate", "--token-ids", "1,2", "--block-manager", f"127.0.0.1:{port}", "--timeout-s", "2")
     assert r.returncode == 1 and "UNAVAILABLE" in r.stderr and "pagedkv up" in r.stderr
+    r = pagedkv("generate", "--token-ids", "1,2", "--url", f"http://127.0.0.1:{port}")
+    assert r.returncode == 1 and "cannot reach" in r.stderr and "pagedkv up" in r.stderr
 
 
 def test_up_serves_generate_and_stops_everything_on_ctrl_c() -> None:
@@ -93,7 +95,16 @@ def test_up_serves_generate_and_stops_everything_on_ctrl_c() -> None:
         r = pagedkv("generate", "--token-ids", "3,1,4,1,5", "--max-tokens", "5", "--block-manager",
                     f"127.0.0.1:{bm}", "--workers", workers)
         assert r.returncode == 0, r.stderr
-        assert len(json.loads(r.stdout)["completions"][0]["token_ids"]) == 5
+        direct = json.loads(r.stdout)
+        assert len(direct["completions"][0]["token_ids"]) == 5
+        # The default: an HTTP client of the stack's `pagedkv serve`; same JSON, same greedy tokens.
+        r = pagedkv("generate", "--url", f"http://127.0.0.1:{http}", "--token-ids", "3,1,4,1,5", "--max-tokens", "5",
+                    "--n", "2")
+        assert r.returncode == 0, r.stderr
+        served = json.loads(r.stdout)
+        assert set(served) == set(direct)
+        assert [c["token_ids"] for c in served["completions"]] == [direct["completions"][0]["token_ids"]] * 2
+        assert all(len(c["logprobs"]) == 5 for c in served["completions"])
     finally:
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=60)

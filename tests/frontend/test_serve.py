@@ -207,3 +207,15 @@ def test_metrics_names_and_vllm_names(stack: LocalStack, server: RunningServe) -
                  "vllm:e2e_request_latency_seconds_count"):
         assert name in text, name
     assert metric_samples(text, "vllm:e2e_request_latency_seconds_count") == {'{model_name="tiny"}': 1.0}
+
+
+def test_readme_openai_example_runs(server: RunningServe, capsys: pytest.CaptureFixture[str]) -> None:
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    snippet = next(b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if "from openai" in b)
+    code = snippet.replace("http://127.0.0.1:8000", server.url).replace('model="pagedkv"', 'model="tiny"')
+    exec(compile(code, "README.md", "exec"), {})  # noqa: S102 - our own documentation
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 16 and all(re.fullmatch(r"\[\d+\]", line) for line in lines)
