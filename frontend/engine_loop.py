@@ -180,6 +180,7 @@ class EngineLoop:
         except Exception as e:  # noqa: BLE001 - a failed iteration fails its requests, not the server
             log.error("engine_step_failed", error=repr(e))
             self._fail_all(503, f"engine iteration failed: {e}")
+            time.sleep(0.2)  # a block manager or worker that is down: do not spin on it
             return
         now = time.monotonic()
         requests: set[str] = set()

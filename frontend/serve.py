@@ -18,6 +18,7 @@ See docs/serve.md.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
 import socket
@@ -288,7 +289,7 @@ class ApiKeyMiddleware:
 
     def __init__(self, app: Any, api_key: str) -> None:
         self.app = app
-        self._key = api_key.encode()
+        self._key = hashlib.sha256(api_key.encode()).digest() if api_key else b""
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http" or not self._key or scope.get("path") == HEALTH_PATH:
@@ -298,7 +299,8 @@ class ApiKeyMiddleware:
         for name, value in scope.get("headers", []):
             if name == b"authorization":
                 got = value
-        ok = got.startswith(b"Bearer ") and hmac.compare_digest(got[7:].strip(), self._key)
+        # Compare digests: constant time whatever the lengths.
+        ok = got.startswith(b"Bearer ") and hmac.compare_digest(hashlib.sha256(got[7:].strip()).digest(), self._key)
         if not ok:
             err = ApiError(401, "missing or wrong API key: send `Authorization: Bearer <key>`", None,
                            "invalid_request_error", "invalid_api_key")

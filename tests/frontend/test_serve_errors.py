@@ -258,3 +258,32 @@ def test_tls_and_mutual_tls_and_no_plaintext_off_loopback(stack: LocalStack, tmp
             conn.request("GET", "/v1/models")
             conn.getresponse().read()
         conn.close()
+
+
+def test_outbound_bearer_token_to_the_block_manager(stack: LocalStack, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """The server's own gRPC connections take the client token (PAGEDKV_TOKEN / --token-file)."""
+    from frontend.serve_settings import ServeSettings
+    from pagedkv.auth import hash_token
+
+    token = "tok-frontend-0123456789"
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps({"tenants": [{"name": "frontend", "token_sha256": hash_token(token)}]}))
+    from block_manager_svc.server import start_server
+    from block_manager_svc.settings import BlockManagerSettings
+
+    # The stack's workers keep their own (open) block manager; the frontend's engine allocates from a
+    # second one with the same geometry that requires a token (only the engine talks to it).
+    geometry = stack.block_manager.servicer._core.stats()  # noqa: SLF001 - same geometry
+    bm = start_server(BlockManagerSettings(port=0, num_gpu_blocks=geometry.num_gpu_blocks,
+                                           block_size=geometry.block_size, auth_tokens_file=str(tokens)))
+    try:
+        common = dict(port=0, block_manager=f"127.0.0.1:{bm.port}", workers=",".join(stack.worker_targets))
+        with pytest.raises(Exception, match="UNAUTHENTICATED"):
+            RunningServe(ServeSettings(**common))  # type: ignore[arg-type]
+        (tmp_path / "token").write_text(token + "\n")
+        monkeypatch.setenv("PAGEDKV_TOKEN_FILE", str(tmp_path / "token"))
+        with RunningServe(ServeSettings(**common)) as srv:  # type: ignore[arg-type]
+            status, body, _ = post(srv, "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 3})
+            assert status == 200 and len(body["choices"][0]["token_ids"]) == 3
+    finally:
+        bm.stop(0)
