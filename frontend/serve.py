@@ -18,6 +18,7 @@ See docs/serve.md.
 from __future__ import annotations
 
 import asyncio
+import collections
 import hashlib
 import hmac
 import json
@@ -85,6 +86,7 @@ class _Run:
         self.created = int(time.time())
         self.request_ids = [f"{self.id}-{i}" for i in range(len(parsed.prompts))]
         self.queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
+        self.early: collections.deque[tuple[int, object]] = collections.deque()  # tokens seen during submit
         self.choices = {(p, s): _Choice(p * parsed.n + s, IncrementalText(state.limits.text, parsed.stop))
                         for p in range(len(parsed.prompts)) for s in range(parsed.n)}
         self.cached_tokens = 0
@@ -107,7 +109,11 @@ class _Run:
         self.active = True
         admitted = 0
         while admitted < len(self.request_ids):
-            _, item = await self.queue.get()
+            got = await self.queue.get()
+            item = got[1]
+            if not isinstance(item, (Failed, Admitted)):
+                self.early.append(got)  # an earlier prompt already produced tokens: keep them in order
+                continue
             if isinstance(item, Failed):
                 self.abort()
                 raise ApiError(item.status, item.message, None,
@@ -217,6 +223,8 @@ def _sse(obj: object) -> bytes:
 
 async def _next(run: _Run, request: Request) -> tuple[int, object]:
     """The next item for this run; aborts it (and raises) when the client went away."""
+    if run.early:
+        return run.early.popleft()
     while True:
         try:
             return await asyncio.wait_for(run.queue.get(), DISCONNECT_POLL_S)
