@@ -189,11 +189,13 @@ def row_from(name: str, results: list[Result], duration: float) -> Row:
     )
 
 
-def transformers_static(model_dir: str, reqs: list[Req], batch_size: int) -> Row:
+def transformers_static(model_dir: str, reqs: list[Req], batch_size: int, threads: int = 0) -> Row:
     """Static batching: left-padded batches in arrival order, each run to its longest output."""
     import torch
     from transformers import LlamaForCausalLM
 
+    if threads:
+        torch.set_num_threads(threads)
     model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
     pad = 0
     useful = 0
@@ -209,7 +211,8 @@ def transformers_static(model_dir: str, reqs: list[Req], batch_size: int) -> Row
                            do_sample=False, pad_token_id=pad, eos_token_id=None)
             useful += sum(r.output_len for r in batch)
     duration = time.perf_counter() - start
-    return Row(f"transformers static (batch {batch_size})", len(reqs), 0, duration, useful, [], [], [], None)
+    return Row(f"transformers static (batch {batch_size}, {torch.get_num_threads()} threads)", len(reqs), 0,
+               duration, useful, [], [], [], None)
 
 
 def prefill_alone(url: str, model: str, reqs: list[Req], api_key: str) -> list[float]:
@@ -299,6 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, default=64, help="mean output tokens (lognormal)")
     p.add_argument("--sigma", type=float, default=0.5, help="lognormal sigma of both lengths")
     p.add_argument("--baseline-batch-size", type=int, default=16)
+    p.add_argument("--baseline-threads", type=int, default=0,
+                   help="torch threads of the transformers baseline (0 = torch's default, as the worker)")
     p.add_argument("--no-baseline", action="store_true")
     p.add_argument("--alone-requests", type=int, default=8, help="requests for the prefill-alone figure")
     p.add_argument("--num-gpu-blocks", type=int, default=2048, help="when the stack is started here")
@@ -360,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     baseline = None
     if not args.no_baseline and offline:
         print("serve_bench: transformers static batching on the offline run's requests", file=sys.stderr, flush=True)
-        baseline = transformers_static(args.model, offline, args.baseline_batch_size)
+        baseline = transformers_static(args.model, offline, args.baseline_batch_size, args.baseline_threads)
     print(f"\npagedkv serve vs transformers: {args.num_requests} requests per run, {args.system_prompts} shared "
           f"system prompts of {args.system_len} tokens, user turns ~{args.input_len} and outputs ~{args.output_len} "
           f"tokens (lognormal, sigma {args.sigma}), model {args.model}\n")
