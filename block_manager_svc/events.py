@@ -8,9 +8,14 @@ queue, and one that falls behind is dropped (its stream ends with
 RESOURCE_EXHAUSTED) instead of slowing the state lock down.
 
 Cost: with authentication off the hub is attached to the pool only while at
-least one watcher is connected (``pool.events is None`` otherwise: one test per
+least one watcher or sink is connected (``pool.events is None`` otherwise: one test per
 registered block). With authentication on it stays attached, because it
 remembers which tenant stored each hash (a tenant sees only its own events).
+
+Besides gRPC watchers the hub feeds *sinks*: callables registered with
+``add_sink`` (the ZeroMQ publisher of block_manager_svc/kv_events_zmq.py is
+one). A sink is called under the state lock with every event of every tenant,
+including the stored block's token ids, and must not block.
 
 Every stream starts with AllBlocksCleared and a BlockStored snapshot of what
 is cached now, then live events; versions rise by one per event.
@@ -22,7 +27,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -39,6 +44,9 @@ log = structlog.get_logger("pagedkv.block_manager")
 CLEARED = -2  # pool event: the whole prefix index was cleared (BlockPool.clear_index)
 UNKNOWN_TENANT = "?"  # blocks restored from a snapshot and never referenced since: admins only
 _END = object()
+
+# (version, block or -1 removed or CLEARED, hash, parent hash, token ids or None)
+Sink = Callable[[int, int, bytes, "bytes | None", Any], None]
 
 
 class _Subscriber:
@@ -59,6 +67,7 @@ class EventHub:
         self.version = 0
         self.owner: dict[bytes, str] = {}  # hash -> tenant (tenancy only)
         self.subs: list[_Subscriber] = []
+        self.sinks: list[Sink] = []
         self.num_dropped = 0
         self._core: BlockManager | None = None
         self._mu = threading.Lock()  # subscriber list changes (also taken under `lock`)
@@ -86,12 +95,28 @@ class EventHub:
                     self.owner.setdefault(h, UNKNOWN_TENANT)
                 core.pool.events = self  # type: ignore[assignment]
             else:
-                core.pool.events = self if self.subs else None  # type: ignore[assignment]
+                core.pool.events = self if (self.subs or self.sinks) else None  # type: ignore[assignment]
+
+    def add_sink(self, sink: Sink) -> None:
+        """Feed `sink` every event from now on (the pool stays attached while any sink exists)."""
+        with self.lock:
+            self.sinks.append(sink)
+            if self._core is not None:
+                self._core.pool.events = self  # type: ignore[assignment]
+
+    def remove_sink(self, sink: Sink) -> None:
+        with self.lock:
+            if sink in self.sinks:
+                self.sinks.remove(sink)
+            if not self.subs and not self.sinks and not self.tenancy and self._core is not None:
+                self._core.pool.events = None
 
     # --- producer side (under the state lock) ---------------------------------------
-    def append(self, ev: tuple[int, bytes, bytes | None]) -> None:
+    def append(self, ev: tuple[Any, ...]) -> None:
         self.version += 1
-        block, h, parent = ev
+        block, h, parent = ev[0], ev[1], ev[2]
+        for sink in self.sinks:
+            sink(self.version, block, h, parent, ev[3] if len(ev) > 3 else None)
         if block == CLEARED:  # ResetPrefixCache: every tenant's blocks are gone
             self.owner.clear()
             if self.subs:
@@ -129,7 +154,7 @@ class EventHub:
         with self._mu:
             if s in self.subs:
                 self.subs.remove(s)
-        if not self.subs and not self.tenancy and self._core is not None:
+        if not self.subs and not self.sinks and not self.tenancy and self._core is not None:
             self._core.pool.events = None
         try:
             s.q.get_nowait()  # room for the end marker
@@ -235,7 +260,7 @@ class EventHub:
                 self.subs.remove(sub)
             else:
                 return
-        if not self.subs and not self.tenancy:
+        if not self.subs and not self.sinks and not self.tenancy:
             with self.lock:
-                if not self.subs and self._core is not None:
+                if not self.subs and not self.sinks and self._core is not None:
                     self._core.pool.events = None

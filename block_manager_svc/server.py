@@ -22,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 
 from block_manager_svc.core import BlockManager, CoreConfig
 from block_manager_svc.events import EventHub
+from block_manager_svc.kv_events_zmq import ZmqEventConfig, ZmqKvEventPublisher
 from block_manager_svc.metrics import MetricsServer, setup_metrics
 from block_manager_svc.reliability import Reliability, ReliableServicer
 from block_manager_svc.servicer import BlockManagerServicer
@@ -46,10 +47,14 @@ class RunningServer:
     servicer: BlockManagerServicer
     reliability: Reliability | None = None
     metrics: MetricsServer | None = None
+    kv_events: ZmqKvEventPublisher | None = None
 
     def stop(self, grace: float | None = None) -> None:
         self.health.enter_graceful_shutdown()
         self.server.stop(grace).wait()
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
         if self.metrics is not None:
             self.metrics.stop()
             self.metrics = None
@@ -123,18 +128,34 @@ def start_server(settings: BlockManagerSettings) -> RunningServer:
         port = add_port(server, settings.host, settings.port, tls_cert=settings.tls_cert,
                         tls_key=settings.tls_key, tls_client_ca=settings.tls_client_ca,
                         allow_insecure=settings.allow_insecure)
-        metrics = MetricsServer(registry, settings.metrics_host, settings.metrics_port) if registry else None
+        kv_events = start_kv_events(settings, servicer.events_hub)
     except RuntimeError:
         reliability.close()
         raise
+    try:
+        metrics = MetricsServer(registry, settings.metrics_host, settings.metrics_port) if registry else None
     except OSError as e:
         reliability.close()
+        if kv_events is not None:
+            kv_events.close()
         raise RuntimeError(f"cannot serve metrics on {settings.metrics_host}:{settings.metrics_port}: {e}") from e
     server.start()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return RunningServer(server=server, port=port, health=health_servicer, servicer=servicer,
-                         reliability=reliability, metrics=metrics)
+                         reliability=reliability, metrics=metrics, kv_events=kv_events)
+
+
+def start_kv_events(settings: BlockManagerSettings, hub: EventHub | None) -> ZmqKvEventPublisher | None:
+    """The vLLM-format ZeroMQ publisher, fed by the event hub (None when not configured)."""
+    if not settings.kv_events_endpoint or hub is None:
+        return None
+    publisher = ZmqKvEventPublisher(ZmqEventConfig(
+        endpoint=settings.kv_events_endpoint, replay_endpoint=settings.kv_events_replay_endpoint,
+        topic=settings.kv_events_topic, block_size=settings.block_size, encoding=settings.kv_events_encoding,
+        buffer_steps=settings.kv_events_buffer_steps))
+    hub.add_sink(publisher)
+    return publisher
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -157,6 +178,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         auth=bool(settings.auth_tokens_file),
         metrics=f"{settings.metrics_host}:{running.metrics.port}" if running.metrics else "off",
         kv_events=settings.enable_kv_events,
+        kv_events_zmq=(running.kv_events.endpoint if running.kv_events else "off"),
+        kv_events_replay=(running.kv_events.replay_endpoint if running.kv_events else "off"),
+        kv_events_topic=settings.kv_events_topic if running.kv_events else "",
     )
     stopping = threading.Event()
 

@@ -92,11 +92,37 @@ class BlockManagerSettings(BaseSettings):
     event_queue_size: int = Field(
         10_000, ge=16, description="events buffered per watcher before a slow one is dropped"
     )
+    # vLLM-format KV events over ZeroMQ for llm-d / Dynamo-style routers (docs/deploy.md).
+    kv_events_endpoint: str = Field(
+        "", description="ZeroMQ PUB endpoint for KV events in vLLM's wire format, e.g. "
+        "tcp://127.0.0.1:5557; tcp://*:5557 binds EVERY interface (plaintext: needs --allow-insecure); "
+        "empty = off"
+    )
+    kv_events_replay_endpoint: str = Field(
+        "", description="ZeroMQ ROUTER endpoint where subscribers ask for missed batches, e.g. "
+        "tcp://127.0.0.1:5558 (empty = no replay)"
+    )
+    kv_events_topic: str = Field(
+        "kv-events", description="ZeroMQ topic of this pool's KV events (give each pool its own)"
+    )
+    kv_events_encoding: Literal["map", "array"] = Field(
+        "map", description="events as tagged maps (vLLM since PR #42892) or positional arrays (older vLLM)"
+    )
+    kv_events_buffer_steps: int = Field(10_000, ge=1, description="published batches kept for replay")
 
     @model_validator(mode="after")
     def _check_geometry(self) -> BlockManagerSettings:
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if (self.kv_events_endpoint or self.kv_events_replay_endpoint) and not self.enable_kv_events:
+            raise ValueError("kv_events_endpoint needs enable_kv_events (KV events are off)")
+        if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
+            raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
+        from block_manager_svc.kv_events_zmq import check_endpoint
+
+        for endpoint in (self.kv_events_endpoint, self.kv_events_replay_endpoint):
+            if endpoint:
+                check_endpoint(endpoint, self.allow_insecure)
         return self
 
 

@@ -19,6 +19,8 @@ first and never leave a hole in a cached chain.
 
 from __future__ import annotations
 
+from array import array
+
 from block_manager_svc.core.eviction import EvictionPolicy
 
 
@@ -60,9 +62,10 @@ class BlockPool:
         self.num_evicted = 0
         # KV events for watchers (block_manager_svc/events.py): None = off, the
         # default and the core's zero-cost path; else a list the servicer drains:
-        # (block, hash, parent hash) when a block is registered, (-1, hash, None)
-        # when a registered block is evicted.
-        self.events: list[tuple[int, bytes, bytes | None]] | None = None
+        # (block, hash, parent hash, token ids or None) when a block is registered
+        # (the token ids feed vLLM-format BlockStored events), (-1, hash, None)
+        # when a registered block is evicted, (-2, b"", None) when all are cleared.
+        self.events: list[tuple] | None = None
 
     def __setstate__(self, state: object) -> None:  # snapshots written before `events` existed
         _, slots = state if isinstance(state, tuple) else (None, state)
@@ -151,13 +154,17 @@ class BlockPool:
         return True
 
     # --- prefix index ---------------------------------------------------------
-    def register(self, block: int, content_hash: bytes, parent: bytes | None = None, depth: int = 1) -> bool:
+    def register(
+        self, block: int, content_hash: bytes, parent: bytes | None = None, depth: int = 1,
+        tokens: array | None = None,
+    ) -> bool:
         """Make a full (referenced) block findable by its content hash.
 
         `parent` is the hash of the chain's previous block (the root hash for
         a first block), `depth` the block's position in the chain (1-based).
         First writer wins: when another block already holds the same content,
         this one stays unregistered (it is freed, not cached, when released).
+        `tokens`: the block's token ids, only for the KV-event stream.
         """
         if self.block_hash[block] is not None or content_hash in self.index:
             return False
@@ -165,7 +172,7 @@ class BlockPool:
         self.block_hash[block] = content_hash
         self.depth[block] = depth
         if self.events is not None:
-            self.events.append((block, content_hash, parent))
+            self.events.append((block, content_hash, parent, tokens))
         if parent is not None:
             self.parent_hash[block] = parent
             count = self.child_count.get(parent, 0)
@@ -177,23 +184,26 @@ class BlockPool:
         return True
 
     def register_chain(
-        self, blocks: list[int], hashes: list[bytes], parent: bytes | None, depth: int, parent_held: bool
+        self, blocks: list[int], hashes: list[bytes], parent: bytes | None, depth: int, parent_held: bool,
+        tokens: array | None = None,
     ) -> None:
         """`register` for consecutive blocks of one chain: blocks[i] under
         hashes[i], the first one's parent hash `parent` at depth `depth`.
         `parent_held`: the parent's block is referenced by the caller (so it
-        cannot be a cached block changing leaf state). One call, locals only:
-        this runs for every prompt block."""
+        cannot be a cached block changing leaf state). `tokens`: the chain's
+        token ids (an equal share per hash), only for the KV-event stream.
+        One call, locals only: this runs for every prompt block."""
         index, block_hash, parent_hash = self.index, self.block_hash, self.parent_hash
         depths, child_count, ref_counts = self.depth, self.child_count, self.ref_counts
         events = self.events
-        for block, h in zip(blocks, hashes):
+        width = len(tokens) // len(hashes) if tokens is not None and hashes else 0
+        for i, (block, h) in enumerate(zip(blocks, hashes)):
             if block_hash[block] is None and h not in index:
                 index[h] = block
                 block_hash[block] = h
                 depths[block] = depth
                 if events is not None:
-                    events.append((block, h, parent))
+                    events.append((block, h, parent, tokens[i * width : (i + 1) * width] if width else None))
                 if parent is not None:
                     parent_hash[block] = parent
                     count = child_count.get(parent, 0)

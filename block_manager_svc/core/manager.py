@@ -320,7 +320,9 @@ class BlockManager:
         block_ids = hits + pool.take(needed)
         nh = len(hits)
         if nh < len(hashes):
-            pool.register_chain(block_ids[nh:], hashes[nh:], hashes[nh - 1] if nh else None, nh + 1, True)
+            chain_tokens = tokens[nh * bs : len(hashes) * bs] if pool.events is not None and tokens else None
+            pool.register_chain(block_ids[nh:], hashes[nh:], hashes[nh - 1] if nh else None, nh + 1, True,
+                                chain_tokens)
         pending: array | None = None
         if tokens is not None:
             self.prefix_query_tokens += num_tokens
@@ -434,7 +436,8 @@ class BlockManager:
             parent = h
             h = chain_hash(h, pending[i : i + bs])
             depth = seq.num_hashed_blocks + 1
-            pool.register(seq.block_ids[depth - 1], h, parent if depth > 1 else None, depth)
+            pool.register(seq.block_ids[depth - 1], h, parent if depth > 1 else None, depth,
+                          pending[i : i + bs] if pool.events is not None else None)
             seq.num_hashed_blocks = depth
             i += bs
         seq.last_hash = h
