@@ -218,4 +218,5 @@ def test_readme_openai_example_runs(server: RunningServe, capsys: pytest.Capture
     code = snippet.replace("http://127.0.0.1:8000", server.url).replace('model="pagedkv-tiny-default"', 'model="tiny"')
     exec(compile(code, "README.md", "exec"), {})  # noqa: S102 - our own documentation
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 16 and all(re.fullmatch(r"\[\d+\]", line) for line in lines)
+    # One token per chunk; up to 16 (the tiny model may sample its EOS, id 2, earlier).
+    assert 1 <= len(lines) <= 16 and all(re.fullmatch(r"\[\d+\]", line) for line in lines)
