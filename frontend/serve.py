@@ -47,6 +47,9 @@ from pagedkv.tls import TlsConfigError, is_loopback
 log = structlog.get_logger("pagedkv.serve")
 
 HEALTH_PATH = "/health"
+# A non-streaming request asks this often whether its client left. uvicorn stops reading a connection
+# once the request body is in, so in practice it notices only when it answers; a streaming request is
+# aborted as soon as a token cannot be sent.
 DISCONNECT_POLL_S = 0.5
 
 

@@ -287,3 +287,4 @@ def test_outbound_bearer_token_to_the_block_manager(stack: LocalStack, tmp_path,
             assert status == 200 and len(body["choices"][0]["token_ids"]) == 3
     finally:
         bm.stop(0)
+
