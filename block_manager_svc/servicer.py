@@ -18,6 +18,7 @@ import structlog
 
 from block_manager_svc.core import BlockManager, CoreError, ErrorCode, ItemError
 from block_manager_svc.core.results import CacheOps, Preemption, SwapInResult
+from pagedkv.log_limit import LogLimiter
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
 
@@ -97,13 +98,13 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
         self._lock = threading.Lock()
         self._num_cpu_blocks = num_cpu_blocks
         self.events_hub: EventHub | None = None  # set by server.py (block_manager_svc/events.py)
+        self.log_limit = LogLimiter()  # rejections are the client's doing: rate-limited lines
 
-    @staticmethod
     def _abort(
-        context: grpc.ServicerContext, method: str, err: CoreError, seq_id: str, request: object = None
+        self, context: grpc.ServicerContext, method: str, err: CoreError, seq_id: str, request: object = None
     ) -> NoReturn:
-        log.info("request_rejected", method=method, seq_id=seq_id, code=err.code.name, reason=err.message,
-                 request_id=request_id_of(context, request))
+        self.log_limit.info(log, "request_rejected", method=method, seq_id=seq_id, code=err.code.name,
+                            reason=err.message, request_id=request_id_of(context, request))
         context.abort(STATUS_BY_CODE[err.code], err.message)
         raise AssertionError("unreachable")  # context.abort raises
 
@@ -246,8 +247,8 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
         for err in r.swap_in_errors:
             errors.append(_item_error(pb.StepItemError.SWAP_IN, err))
         if errors:
-            log.info("step_item_errors", count=len(errors), first=errors[0].message,
-                     request_id=request_id_of(context, request))
+            self.log_limit.info(log, "step_item_errors", count=len(errors), first=errors[0].message,
+                                request_id=request_id_of(context, request))
         return resp
 
     def GetStats(self, request: pb.GetStatsRequest, context: grpc.ServicerContext) -> pb.Stats:

@@ -1,16 +1,18 @@
 """Command-line flags for reaching secured services: TLS and a bearer token.
 
-Shared by `pagedkv generate` and `pagedkv demo`. The token is read from
+Shared by `pagedkv generate`, `demo` and `loadtest`. The token is read from
 PAGEDKV_TOKEN or a file, never from a flag value, so it does not show up in
-the process list or shell history.
+the process list or shell history. The variable names are the ones the roles
+read for their own outbound connections (pagedkv/dial.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import pathlib
 from typing import Any
+
+from pagedkv.dial import read_token
 
 
 def add_connection_args(parser: argparse.ArgumentParser) -> None:
@@ -21,13 +23,12 @@ def add_connection_args(parser: argparse.ArgumentParser) -> None:
                        help="client certificate for mutual TLS [env PAGEDKV_TLS_CLIENT_CERT]")
     group.add_argument("--tls-key", default=os.environ.get("PAGEDKV_TLS_CLIENT_KEY", ""),
                        help="client key for mutual TLS [env PAGEDKV_TLS_CLIENT_KEY]")
-    group.add_argument("--token-file", default="",
-                       help="file holding the bearer token (default: env PAGEDKV_TOKEN)")
+    group.add_argument("--token-file", default=os.environ.get("PAGEDKV_TOKEN_FILE", ""),
+                       help="file holding the bearer token [env PAGEDKV_TOKEN_FILE; else the token is env PAGEDKV_TOKEN]")
 
 
 def client_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """Keyword arguments for BlockManagerClient / WorkerClient from the parsed flags."""
-    token = os.environ.get("PAGEDKV_TOKEN", "")
-    if args.token_file:
-        token = pathlib.Path(args.token_file).read_text().strip()
+    """Keyword arguments for BlockManagerClient / WorkerClient from the parsed flags
+    (raises pagedkv.dial.TokenError for an unreadable or empty token file)."""
+    token = read_token(args.token_file)
     return {"tls_ca": args.tls_ca, "tls_cert": args.tls_cert, "tls_key": args.tls_key, "token": token}

@@ -1,20 +1,27 @@
-"""`pagedkv demo`: a realistic workload through the whole stack, then the figures that matter.
+"""`pagedkv demo`: a realistic workload through `pagedkv serve`, then the figures that matter.
 
 Requests share a few system prompts of very different lengths (so the prefix
 cache pays), have lognormal user-turn and output lengths, and some ask for
 parallel samples (n = 2, forked and copy-on-write). They are sent over HTTP by
 `--concurrency` streaming clients to `pagedkv serve`, whose one engine batches
-them all (continuous batching: new requests join while earlier ones decode).
-A progress bar shows finished requests; at the end the demo prints throughput,
-prefix-cache hit rate, KV utilisation (the tokens the running requests hold,
-a shared prefix counted once per request, over the block manager's used token
-slots, sampled every 50 ms: above 100% when blocks are shared), preemptions, and the memory a contiguous
-per-request reservation would have needed for the same work.
+them all (continuous batching: new requests join while earlier ones decode). A
+progress bar shows finished requests; at the end the demo prints throughput,
+prefix-cache hit rate, KV utilisation, the memory block sharing saved,
+preemptions, and the memory a contiguous per-request reservation would have
+needed for the same work.
 
-By default it starts its own stack with a server as local processes (like
-`pagedkv up`) on free ports and stops it afterwards; `--local` runs the stack and
-the server in-process, `--url` uses a running server (`--block-manager` for the
-KV figures).
+KV utilisation is the vLLM paper's: token slots holding live tokens / token
+slots of the allocated blocks, each physical block counted once (a block shared
+by a prefix hit or a fork counts its tokens once too), sampled every engine
+iteration from the server's engine. It cannot exceed 100% and is never clamped.
+What sharing saves is its own line: block-table entries that point at a block
+another entry already counts.
+
+By default it starts the block manager, cache host and worker as local
+processes (like `pagedkv up`) on free ports and runs `pagedkv serve` in this
+process (so it can sample the engine every iteration), then stops everything;
+`--local` runs the whole stack in-process; `--url` drives a running server
+(the KV figures need the engine, so they are left out there).
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from frontend.connection import add_connection_args, client_kwargs
-from frontend.engine import GenerationRequest, SamplingOptions
+from frontend.engine import Engine, GenerationRequest, SamplingOptions
 
 
 @dataclass(slots=True)
@@ -41,6 +48,8 @@ class DemoFigures:
     hit_rate: float = 0.0
     util_mean: float = 0.0
     util_min: float = 1.0
+    shared_mean: float = 0.0  # share of block-table entries served by an already-counted block
+    peak_saved_blocks: int = 0  # most blocks sharing saved at one step
     preempted_recompute: int = 0
     preempted_swap: int = 0
     peak_paged_blocks: int = 0
@@ -71,14 +80,64 @@ def make_workload(num_requests: int, vocab: int, seed: int) -> list[GenerationRe
     return reqs
 
 
-@dataclass(slots=True)
-class _Flight:
-    """A request in flight, as the demo's client sees it."""
+@dataclass(slots=True, frozen=True)
+class KvOccupancy:
+    """One moment of the KV cache, from the sequences' block tables."""
 
-    prompt_len: int
-    max_tokens: int
-    n: int
-    generated: int = 0
+    live_tokens: int  # slots holding a token, each physical block counted once
+    physical_blocks: int  # distinct blocks allocated
+    logical_blocks: int  # block-table entries summed over sequences (what no sharing would need)
+
+    def utilisation(self, block_size: int) -> float:
+        return self.live_tokens / (self.physical_blocks * block_size) if self.physical_blocks else 0.0
+
+
+def kv_occupancy(seqs: Sequence[object], block_size: int) -> KvOccupancy:
+    """Token slots in use per physical block: a sequence fills its i-th block with
+    min(block_size, tokens - i * block_size) tokens; a block in several tables is counted once
+    (its sharers hold the same tokens there). The last sampled token of a sequence has no slot
+    until the next step reserves it (``needs_slot``), nor has a finished sequence's."""
+    fill: dict[int, int] = {}
+    logical = 0
+    for s in seqs:
+        tokens = len(s.tokens) - (1 if s.needs_slot or s.status.value == "finished" else 0)  # type: ignore[attr-defined]
+        table = s.block_table  # type: ignore[attr-defined]
+        logical += len(table)
+        for i, block in enumerate(table):
+            n = max(0, min(block_size, tokens - i * block_size))
+            if n > fill.get(block, -1):
+                fill[block] = n
+    return KvOccupancy(live_tokens=sum(fill.values()), physical_blocks=len(fill), logical_blocks=logical)
+
+
+@dataclass(slots=True)
+class _Sampler:
+    """Called by the server's engine thread after every iteration (EngineLoop's on_iteration):
+    the same per-step figures the engine-driven demo took, from the engine's own block tables."""
+
+    figs: DemoFigures
+    utils: list[float]
+    shared: list[float]
+
+    def __call__(self, engine: Engine) -> None:
+        f = self.figs
+        f.block_size = engine.block_size
+        running = engine.running_sequences()
+        occ = kv_occupancy(running, engine.block_size)
+        if occ.physical_blocks:
+            self.utils.append(occ.utilisation(engine.block_size))
+            self.shared.append(1 - occ.physical_blocks / occ.logical_blocks)
+            f.peak_saved_blocks = max(f.peak_saved_blocks, occ.logical_blocks - occ.physical_blocks)
+        f.peak_paged_blocks = max(f.peak_paged_blocks, engine.bm.get_stats().num_used_blocks)
+        live = {s.request.request_id: s.request for s in running}
+        f.peak_contiguous_tokens = max(f.peak_contiguous_tokens,
+                                       sum((len(r.prompt) + r.max_tokens) * r.n for r in live.values()))
+        f.preempted_recompute = engine.stats.preempted_recompute
+        f.preempted_swap = engine.stats.preempted_swap
+
+
+def new_sampler(bytes_per_token: int = 0) -> _Sampler:
+    return _Sampler(DemoFigures(bytes_per_token=bytes_per_token), [], [])
 
 
 def _body(model: str, r: GenerationRequest) -> dict[str, object]:
@@ -92,40 +151,20 @@ def _body(model: str, r: GenerationRequest) -> dict[str, object]:
 
 
 def run_workload(url: str, requests: list[GenerationRequest], concurrency: int, *, api_key: str = "",
-                 block_manager: object | None = None, bytes_per_token: int = 0, progress: bool = True) -> DemoFigures:
-    """``concurrency`` streaming clients send the requests to `pagedkv serve` at ``url`` over HTTP
-    (the server batches them all in one engine); with the stack's ``block_manager`` client the pool
-    is sampled every 50 ms for the KV figures."""
+                 sampler: _Sampler | None = None, progress: bool = True) -> DemoFigures:
+    """``concurrency`` streaming clients send the requests to `pagedkv serve` at ``url`` over HTTP;
+    the server batches them all in one engine. ``sampler`` (hooked into that engine) supplies the
+    KV figures."""
     import asyncio
-    import threading
+    import json
 
     from tqdm import tqdm
 
     from frontend.http_client import get_text, stream_events
 
-    model = __import__("json").loads(get_text(url + "/v1/models", api_key=api_key))["data"][0]["id"]
-    figs = DemoFigures(requests=len(requests), bytes_per_token=bytes_per_token)
-    flights: dict[str, _Flight] = {}
-    utils: list[float] = []
-    stop = threading.Event()
-    stats0 = block_manager.get_stats() if block_manager is not None else None  # type: ignore[attr-defined]
-
-    def sample_pool() -> None:
-        while not stop.wait(0.05):
-            st = block_manager.get_stats()  # type: ignore[attr-defined]
-            live = list(flights.values())
-            # Client-side view: requests that streamed a token hold their prompt and what they generated
-            # (minus each sample's last token, whose KV the next iteration writes); queued ones hold nothing.
-            started = [f for f in live if f.generated]
-            held = sum(f.prompt_len + f.generated - f.n for f in started)
-            slots = st.num_used_blocks * st.block_size
-            if slots and started:
-                utils.append(held / slots)
-            figs.block_size = st.block_size
-            figs.peak_paged_blocks = max(figs.peak_paged_blocks, st.num_used_blocks)
-            figs.peak_contiguous_tokens = max(figs.peak_contiguous_tokens,
-                                              sum((f.prompt_len + f.max_tokens) * f.n for f in live))
-
+    model = json.loads(get_text(url + "/v1/models", api_key=api_key))["data"][0]["id"]
+    figs = sampler.figs if sampler is not None else DemoFigures()
+    figs.requests = len(requests)
     bar = tqdm(total=len(requests), unit="req", desc="demo", disable=not progress, file=sys.stderr)
     cached = 0
 
@@ -133,16 +172,12 @@ def run_workload(url: str, requests: list[GenerationRequest], concurrency: int, 
         nonlocal cached
         while not queue.empty():
             r = queue.get_nowait()
-            flights[r.request_id] = f = _Flight(len(r.prompt), r.max_tokens, r.n)
             async for _, ev in stream_events(url + "/v1/completions", _body(model, r), api_key=api_key):
-                for ch in ev.get("choices", []):
-                    f.generated += len(ch.get("token_ids") or [])
                 usage = ev.get("usage")
                 if usage:
                     figs.generated_tokens += usage["completion_tokens"]
                     figs.prompt_tokens += usage["prompt_tokens"]
                     cached += (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-            del flights[r.request_id]
             bar.update(1)
 
     async def drive() -> None:
@@ -151,25 +186,17 @@ def run_workload(url: str, requests: list[GenerationRequest], concurrency: int, 
             queue.put_nowait(r)
         await asyncio.gather(*(client(queue) for _ in range(max(1, concurrency))))
 
-    sampler = threading.Thread(target=sample_pool, daemon=True) if block_manager is not None else None
     start = time.perf_counter()
-    if sampler:
-        sampler.start()
     try:
         asyncio.run(drive())
     finally:
-        stop.set()
-        if sampler:
-            sampler.join()
         bar.close()
     figs.wall_s = time.perf_counter() - start
     figs.hit_rate = cached / figs.prompt_tokens if figs.prompt_tokens else 0.0
-    figs.util_mean = sum(utils) / len(utils) if utils else 0.0
-    figs.util_min = min(utils) if utils else 0.0
-    if stats0 is not None:
-        st = block_manager.get_stats()  # type: ignore[attr-defined]
-        figs.preempted_recompute = st.num_preemptions_recompute - stats0.num_preemptions_recompute
-        figs.preempted_swap = st.num_preemptions_swap - stats0.num_preemptions_swap
+    if sampler is not None:
+        figs.util_mean = sum(sampler.utils) / len(sampler.utils) if sampler.utils else 0.0
+        figs.util_min = min(sampler.utils) if sampler.utils else 0.0
+        figs.shared_mean = sum(sampler.shared) / len(sampler.shared) if sampler.shared else 0.0
     return figs
 
 
@@ -184,17 +211,18 @@ def report(f: DemoFigures) -> str:
         ("throughput (prompt + generated)",
          f"{(f.prompt_tokens + f.generated_tokens) / f.wall_s:.1f} tokens/s" if f.wall_s else "-"),
         ("prefix-cache hit rate (prompt tokens)", f"{f.hit_rate:.1%}"),
-        ("KV utilisation: logical tokens / slots (mean, min; > 100% = shared blocks)",
-         f"{f.util_mean:.1%}, {f.util_min:.1%}"),
+        ("KV utilisation: live token slots / allocated slots (mean, min)", f"{f.util_mean:.1%}, {f.util_min:.1%}"),
+        ("KV memory saved by block sharing (mean, peak)",
+         f"{f.shared_mean:.1%} of block-table entries, peak {f.peak_saved_blocks} blocks "
+         f"({f.peak_saved_blocks * f.block_size * f.bytes_per_token / 2**20:.2f} MiB)"),
         ("preemptions (recompute, swap)", f"{f.preempted_recompute}, {f.preempted_swap}"),
         ("peak KV memory, paged", f"{paged / 2**20:.2f} MiB ({f.peak_paged_blocks} blocks)"),
         ("peak KV memory, contiguous reservation", f"{contiguous / 2**20:.2f} MiB (prompt + max_tokens, per sample)"),
-        ("contiguous / paged", f"{f.peak_contiguous_tokens / (f.peak_paged_blocks * f.block_size):.2f}x"
-         if f.peak_paged_blocks else "-"),
+        ("contiguous / paged", f"{contiguous / paged:.2f}x" if paged else "-"),
     ]
-    if not f.peak_paged_blocks:  # --url without --block-manager: the pool was not sampled
-        rows = [(k, v if not k.startswith(("KV", "peak", "contiguous", "preemptions")) else "- (needs --block-manager)")
-                for k, v in rows]
+    if not f.peak_paged_blocks:  # --url: the server's engine was not sampled
+        rows = [(k, v if not k.startswith(("KV", "peak", "contiguous", "preemptions")) else
+                 "- (needs the engine: run the demo without --url)") for k, v in rows]
     width = max(len(k) for k, _ in rows)
     lines = ["", "pagedkv demo results", ""] + [f"  {k:<{width}}  {v}" for k, v in rows]
     return "\n".join(lines)
@@ -214,15 +242,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-gpu-blocks", type=int, default=256, help="when the demo starts the stack")
     p.add_argument("--num-workers", type=int, default=2, help="with --local: workers in the stack")
-    p.add_argument("--max-num-seqs", type=int, default=32, help="when the demo starts the stack")
-    p.add_argument("--max-batch-tokens", type=int, default=256, help="when the demo starts the stack")
+    p.add_argument("--max-num-seqs", type=int, default=32, help="the server's engine (not with --url)")
+    p.add_argument("--max-batch-tokens", type=int, default=256, help="the server's engine (not with --url)")
     p.add_argument("--model", default=None, help="Hugging Face model directory (default: built-in tiny model)")
     p.add_argument("--device", default="auto")
     p.add_argument("--local", action="store_true", help="run the stack and the server in this process")
-    p.add_argument("--url", default=None, help="use a running `pagedkv serve` instead of starting a stack")
+    p.add_argument("--url", default=None, help="drive a running `pagedkv serve` (no KV figures)")
     p.add_argument("--api-key-file", default="", help="with --url: the server's API key (default: env PAGEDKV_API_KEY)")
-    p.add_argument("--block-manager", default=None, help="with --url: the stack's block manager, for the KV figures")
-    p.add_argument("--workers", default=None, help="with --url: a worker host:port, for bytes per token")
+    p.add_argument("--vocab-size", type=int, default=128, help="with --url: token ids are drawn below this")
     p.add_argument("--no-progress", action="store_true")
     add_connection_args(p)
     return p
@@ -234,22 +261,31 @@ def _bytes_per_token(worker: object) -> int:
     return 2 * info.num_layers * info.num_kv_heads * info.head_dim * dtype_bytes
 
 
+def _serve_here(args: argparse.Namespace, block_manager: str, workers: list[str], conn: dict[str, object]) -> None:
+    """`pagedkv serve` in this process, its engine sampled every iteration, driven over HTTP."""
+    from frontend.serve import RunningServe
+    from frontend.serve_settings import ServeSettings
+    from frontend.worker_client import WorkerClient
+
+    with WorkerClient(workers[0], **conn) as w:  # type: ignore[arg-type]
+        info_vocab, bpt = w.get_info().vocab_size, _bytes_per_token(w)
+    sampler = new_sampler(bpt)
+    settings = ServeSettings(port=0, block_manager=block_manager, workers=",".join(workers),
+                             max_num_seqs=args.max_num_seqs, max_batch_tokens=args.max_batch_tokens,
+                             max_waiting=args.requests + 1, log_level="warning",
+                             tls_ca=str(conn.get("tls_ca", "")), tls_client_cert=str(conn.get("tls_cert", "")),
+                             tls_client_key=str(conn.get("tls_key", "")), token=str(conn.get("token", "")))
+    with RunningServe(settings, on_iteration=sampler) as server:
+        reqs = make_workload(args.requests, info_vocab, args.seed)
+        print(report(run_workload(server.url, reqs, args.concurrency, sampler=sampler,
+                                  progress=not args.no_progress)))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from pagedkv.logging_setup import configure_logging
 
     configure_logging("warning")
-    progress = not args.no_progress
-    from frontend.client import BlockManagerClient
-    from frontend.worker_client import WorkerClient
-
-    def run(url: str, bm: BlockManagerClient | None, worker: WorkerClient | None, api_key: str = "") -> None:
-        vocab = worker.get_info().vocab_size if worker is not None else 128  # type: ignore[union-attr]
-        reqs = make_workload(args.requests, vocab, args.seed)
-        bpt = _bytes_per_token(worker) if worker is not None else 0
-        print(report(run_workload(url, reqs, args.concurrency, api_key=api_key, block_manager=bm,
-                                  bytes_per_token=bpt, progress=progress)))
-
     if args.url:
         import os
         import pathlib
@@ -257,30 +293,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         key = os.environ.get("PAGEDKV_API_KEY", "")
         if args.api_key_file:
             key = pathlib.Path(args.api_key_file).read_text().strip()
-        conn = client_kwargs(args)
-        bm = BlockManagerClient(args.block_manager, **conn) if args.block_manager else None
-        worker = WorkerClient(args.workers.split(",")[0], **conn) if args.workers else None
-        try:
-            run(args.url.rstrip("/"), bm, worker, key)
-        finally:
-            for c in (bm, worker):
-                if c is not None:
-                    c.close()
+        reqs = make_workload(args.requests, args.vocab_size, args.seed)
+        print(report(run_workload(args.url.rstrip("/"), reqs, args.concurrency, api_key=key,
+                                  progress=not args.no_progress)))
         return 0
     if args.local:
         from frontend.local_stack import LocalStack, StackConfig
-        from frontend.serve import RunningServe
-        from frontend.serve_settings import ServeSettings
 
         with LocalStack(StackConfig(model=args.model, num_gpu_blocks=args.num_gpu_blocks,
                                     num_workers=args.num_workers, device=args.device)) as stack:
-            settings = ServeSettings(port=0, block_manager=stack.block_manager_target,
-                                     workers=",".join(stack.worker_targets), max_num_seqs=args.max_num_seqs,
-                                     max_batch_tokens=args.max_batch_tokens, max_waiting=args.requests + 1,
-                                     log_level="warning")
-            with RunningServe(settings) as server, BlockManagerClient(stack.block_manager_target) as bm, \
-                    WorkerClient(stack.worker_targets[0]) as worker:
-                run(server.url, bm, worker)
+            _serve_here(args, stack.block_manager_target, stack.worker_targets, {})
         return 0
 
     from frontend.stack import Stack, StackOptions
@@ -291,19 +313,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     opts = StackOptions(
         block_manager_port=_free_port(), cache_host_port=_free_port(), worker_port=_free_port(),
         num_workers=1, num_gpu_blocks=args.num_gpu_blocks, model=args.model, device=args.device,
-        log_format="json", log_dir=log_dir, serve_port=_free_port(),
+        log_format="json", log_dir=log_dir,
     )
+    print(f"pagedkv demo: starting the stack (block manager, cache host, worker) as local processes, "
+          f"`pagedkv serve` in this process; their logs go to {log_dir}", file=sys.stderr, flush=True)
     stack = Stack(opts, out=sys.stderr)
-    frontend = next(s for s in stack.services if s.name == "frontend")
-    frontend.args += ["--max-num-seqs", str(args.max_num_seqs), "--max-batch-tokens", str(args.max_batch_tokens),
-                      "--max-waiting", str(args.requests + 1)]
-    print(f"pagedkv demo: starting the stack (block manager, cache host, worker, pagedkv serve) as local "
-          f"processes; their logs go to {log_dir}", file=sys.stderr, flush=True)
     try:
         stack.start()
-        workers = [s for s in stack.services if s.name.startswith("worker-")]
-        with BlockManagerClient(stack.services[0].address) as bm, WorkerClient(workers[0].address) as worker:
-            run(frontend.health_url.removesuffix("/health"), bm, worker)
+        workers = [s.address for s in stack.services if s.name.startswith("worker-")]
+        _serve_here(args, stack.services[0].address, workers, client_kwargs(args))
     finally:
         leaked = stack.stop()
     if leaked:

@@ -75,8 +75,10 @@ class _Tracked:
 class EngineLoop:
     """Owns ``engine``; call ``start()``, then ``submit``/``abort`` from any thread."""
 
-    def __init__(self, engine: Engine, metrics: ServeMetrics, idle_wait_s: float = 0.5) -> None:
+    def __init__(self, engine: Engine, metrics: ServeMetrics, idle_wait_s: float = 0.5,
+                 on_iteration: Callable[[Engine], None] | None = None) -> None:
         self.engine = engine
+        self._on_iteration = on_iteration  # e.g. `pagedkv demo` sampling the block tables every iteration
         self.metrics = metrics
         self._commands: queue.SimpleQueue[_Submit | _Abort | None] = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}
@@ -188,6 +190,8 @@ class EngineLoop:
             requests.add(ev.request_id)
             self._on_token(ev, now)
         self.metrics.observe_iteration(len(requests), len(events))
+        if self._on_iteration is not None:
+            self._on_iteration(self.engine)
 
     def _on_token(self, ev: TokenEvent, now: float) -> None:
         t = self._tracked.get(ev.request_id)

@@ -48,6 +48,9 @@ from typing import Any
 
 import grpc
 
+from frontend.connection import add_connection_args, client_kwargs
+from pagedkv.dial import TokenError
+
 OPS = ("allocate", "append", "fork", "free", "step", "table", "stats")
 RPC_OF = {"allocate": "Allocate", "append": "Append", "fork": "Fork", "free": "Free", "step": "Step",
           "table": "GetBlockTable", "stats": "GetStats"}
@@ -127,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-pool-check", dest="pool_check", action="store_false",
                    help="skip the end-of-run GetStats check (for a server that others use at the same time)")
     p.add_argument("--seed", type=int, default=None, help="random seed of the call choice")
+    add_connection_args(p)
     return p
 
 
@@ -149,6 +153,8 @@ class PartPlan:
     max_seq_tokens: int
     timeout_s: float
     seed: int
+    # TLS files and bearer token (frontend/connection.py): for a secured stack (`pagedkv up --tls-dir`).
+    conn: dict[str, str] = field(default_factory=dict, repr=False)
 
 
 @dataclass(slots=True)
@@ -428,8 +434,9 @@ async def _run_part(plan: PartPlan, wait_go: Any = None) -> PartResult:
     result = PartResult()
     rec = _Recorder()
     # ghz does not retry: the measured client reports every status as it came.
-    async with AsyncBlockManagerClient(plan.target, default_timeout_s=plan.timeout_s, retry=NO_RETRY) as client, \
-            AsyncBlockManagerClient(plan.target, default_timeout_s=30.0,
+    async with AsyncBlockManagerClient(plan.target, default_timeout_s=plan.timeout_s, retry=NO_RETRY,
+                                       **plan.conn) as client, \
+            AsyncBlockManagerClient(plan.target, default_timeout_s=30.0, **plan.conn,
                                     retry=RetryPolicy(max_attempts=8, initial_backoff_s=0.05)) as cleanup_client:
         workers = [
             _Worker(client, plan, plan.worker_offset + w, rec, random.Random(plan.seed * 7919 + w))
@@ -651,7 +658,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.scenario:
         args.mix = parse_mix(args.scenario)
     try:
-        with BlockManagerClient(args.target, default_timeout_s=max(args.timeout, 1.0)) as bm:
+        conn = client_kwargs(args)
+    except TokenError as e:
+        sys.stderr.write(f"pagedkv loadtest: {e}\n")
+        return 2
+    try:
+        with BlockManagerClient(args.target, default_timeout_s=max(args.timeout, 1.0), **conn) as bm:
             try:
                 bm.wait_ready(args.timeout)
                 cfg, before = bm.get_config(), bm.get_stats()
@@ -659,6 +671,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise LoadTestError(f"cannot reach the block manager at {args.target}: "
                                     f"{getattr(e, 'details', lambda: 'timed out')()}") from None
         plans = make_plans(args, before.num_free_blocks + before.num_cached_blocks, cfg.block_size)
+        for plan in plans:
+            plan.conn = conn
     except LoadTestError as e:
         sys.stderr.write(f"pagedkv loadtest: {e}\n")
         return 2
@@ -669,7 +683,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     pool = None
     if args.pool_check:
-        with BlockManagerClient(args.target) as bm:
+        with BlockManagerClient(args.target, **conn) as bm:
             after = bm.get_stats()
         b, a = _stats_dict(before), _stats_dict(after)
         ok = a["num_sequences"] == b["num_sequences"] and a["num_used_blocks"] == b["num_used_blocks"]

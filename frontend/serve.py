@@ -375,7 +375,8 @@ def create_app(state: ServerState, api_key: str = "") -> Any:
 class RunningServe:
     """A started server: engine loop + uvicorn on its own thread. ``stop()`` ends both and frees."""
 
-    def __init__(self, settings: ServeSettings) -> None:
+    def __init__(self, settings: ServeSettings, on_iteration: Any = None) -> None:
+        """``on_iteration(engine)`` runs on the engine thread after every iteration (monitoring hooks)."""
         import uvicorn
 
         from frontend.client import BlockManagerClient
@@ -411,7 +412,7 @@ class RunningServe:
                 or info.model_name or "pagedkv"
             limits = Limits(name, engine.vocab_size, engine.block_size, engine.num_gpu_blocks, text)
             self.metrics = ServeMetrics(name, self._pool_usage, settings.metrics_vllm_names)
-            self.loop = EngineLoop(engine, self.metrics)
+            self.loop = EngineLoop(engine, self.metrics, on_iteration=on_iteration)
             self.state = ServerState(self.loop, limits, self.metrics, settings.max_waiting,
                                      settings.retry_after_s, self._health)
             app = create_app(self.state, settings.resolved_api_key())

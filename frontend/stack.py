@@ -8,6 +8,10 @@ SERVING, prints where each listens, and on Ctrl-C / SIGTERM stops them in
 reverse order (frontend, workers, cache host, block manager) and checks that no
 shared memory segment was left behind in /dev/shm. Last comes the OpenAI-compatible
 frontend, `pagedkv serve` on port 8000 (docs/serve.md), checked on its HTTP /health.
+
+`--tls-dir DIR --auth-tokens-file FILE` secures the whole stack: every server mutual TLS, every
+server with tokens, and every connection between the roles with a client certificate and a token
+(frontend/stack_security.py, docs/security.md); the frontend serves HTTPS with mutual TLS.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from frontend.stack_security import StackSecurity, StackSecurityError
 from pagedkv.healthcheck import check
 
 SHM_DIR = pathlib.Path("/dev/shm")
@@ -36,6 +41,7 @@ class Service:
     health_service: str
     process: subprocess.Popen[bytes] | None = None
     health_url: str = ""  # HTTP services (the frontend): ready when this answers 200
+    env: dict[str, str] = field(default_factory=dict)  # on top of the stack's environment
 
 
 @dataclass(slots=True)
@@ -55,6 +61,8 @@ class StackOptions:
     log_dir: str | None = None
     shm_prefix: str = field(default_factory=lambda: f"pagedkv-up-{os.getpid()}")
     ready_timeout_s: float = 180.0
+    tls_dir: str | None = None  # ca.pem, server.pem/.key, client.pem/.key (tools/make_certs.sh DIR)
+    auth_tokens_file: str | None = None  # bearer tokens of the stack's clients
     # `pagedkv serve` on this port after the workers (None = no frontend; `pagedkv up` default 8000).
     serve_port: int | None = None
 
@@ -63,11 +71,13 @@ def _pagedkv(*args: str) -> list[str]:
     return [sys.executable, "-m", "pagedkv.cli", *args]
 
 
-def plan(opts: StackOptions) -> list[Service]:
+def plan(opts: StackOptions, security: StackSecurity | None = None) -> list[Service]:
     """The processes to start, in start order."""
+    sec = security or StackSecurity()
     bm = f"{opts.host}:{opts.block_manager_port}"
     ch = f"{opts.host}:{opts.cache_host_port}"
-    common = ["--log-format", opts.log_format]
+    common = ["--log-format", opts.log_format, *sec.server_args()]
+    dial = sec.dial_args()
     model = ["--model", opts.model] if opts.model else []
     services = [
         Service(
@@ -81,7 +91,7 @@ def plan(opts: StackOptions) -> list[Service]:
             "cache-host",
             _pagedkv("cache-host", "--host", opts.host, "--port", str(opts.cache_host_port),
                      "--block-manager", bm, "--device", opts.device, "--dtype", opts.dtype,
-                     "--shm-prefix", opts.shm_prefix, *model, *common),
+                     "--shm-prefix", opts.shm_prefix, *model, *common, *dial),
             ch, "pagedkv.v1.CacheHost",
         ),
     ]
@@ -91,19 +101,22 @@ def plan(opts: StackOptions) -> list[Service]:
             Service(
                 f"worker-{i}",
                 _pagedkv("worker", "--host", opts.host, "--port", str(port), "--cache-host", ch,
-                         "--block-manager", bm, "--device", opts.device, "--dtype", opts.dtype, *model, *common),
+                         "--block-manager", bm, "--device", opts.device, "--dtype", opts.dtype, *model, *common,
+                         *dial),
                 f"{opts.host}:{port}", "pagedkv.v1.Worker",
             )
         )
     if opts.serve_port is not None:
         workers = ",".join(s.address for s in services[2:])
         address = f"{opts.host}:{opts.serve_port}"
+        scheme = "https" if sec.tls_dir else "http"
         services.append(
             Service(
                 "frontend",
                 _pagedkv("serve", "--host", opts.host, "--port", str(opts.serve_port), "--block-manager", bm,
-                         "--workers", workers, *model, *common),
-                address, "http", health_url=f"http://{_loopback_for(opts.host)}:{opts.serve_port}/health",
+                         "--workers", workers, *model, "--log-format", opts.log_format, *sec.frontend_args()),
+                address, "http", health_url=f"{scheme}://{_loopback_for(opts.host)}:{opts.serve_port}/health",
+                env=sec.frontend_env(),
             )
         )
     return services
@@ -113,12 +126,17 @@ def _loopback_for(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
 
 
-def _http_ok(url: str) -> tuple[bool, str]:
+def _http_ok(url: str, tls: dict[str, str] | None = None) -> tuple[bool, str]:
+    import ssl
     import urllib.error
     import urllib.request
 
+    ctx = None
+    if url.startswith("https") and tls:
+        ctx = ssl.create_default_context(cafile=tls["tls_ca"])
+        ctx.load_cert_chain(tls["tls_cert"], tls["tls_key"])
     try:
-        with urllib.request.urlopen(url, timeout=1.0) as r:  # noqa: S310 - our own loopback URL
+        with urllib.request.urlopen(url, timeout=1.0, context=ctx) as r:  # noqa: S310 - our own loopback URL
             return r.status == 200, f"HTTP {r.status}"
     except urllib.error.HTTPError as e:
         return False, f"HTTP {e.code}"
@@ -127,13 +145,15 @@ def _http_ok(url: str) -> tuple[bool, str]:
 
 
 def wait_serving(address: str, service: str, deadline: float, proc: subprocess.Popen[bytes],
-                 health_url: str = "") -> None:
-    """Poll the gRPC health check (or the HTTP one) until SERVING; fail early if the process died."""
+                 tls: dict[str, str] | None = None, health_url: str = "") -> None:
+    """Poll the gRPC health check (over ``tls``: tls_ca/tls_cert/tls_key), or the HTTP one at
+    ``health_url``, until SERVING; fail early if the process died."""
     seen = "no answer"
     while True:
         if proc.poll() is not None:
             raise RuntimeError(f"{service} at {address} exited with code {proc.returncode} before it was ready")
-        healthy, seen = _http_ok(health_url) if health_url else check(address, service, timeout_s=1.0)
+        healthy, seen = _http_ok(health_url, tls) if health_url else check(address, service, timeout_s=1.0,
+                                                                             **(tls or {}))
         if healthy:
             return
         if time.monotonic() > deadline:
@@ -152,14 +172,15 @@ class Stack:
 
     def __init__(self, opts: StackOptions, out: object = sys.stdout) -> None:
         self.opts = opts
-        self.services = plan(opts)
+        self.security = StackSecurity.prepare(opts.tls_dir, opts.auth_tokens_file)  # StackSecurityError
+        self.services = plan(opts, self.security)
         self.out = out
 
     def _say(self, line: str) -> None:
         print(line, file=self.out, flush=True)  # type: ignore[call-overload]
 
     def start(self) -> None:
-        env = {**os.environ}
+        env = {**os.environ, **self.security.env()}
         log_dir = pathlib.Path(self.opts.log_dir) if self.opts.log_dir else None
         if log_dir:
             log_dir.mkdir(parents=True, exist_ok=True)
@@ -169,9 +190,10 @@ class Stack:
                 stdout = stderr = None
                 if log_dir:
                     stdout = stderr = open(log_dir / f"{svc.name}.log", "ab")  # noqa: SIM115 - owned by the child
-                svc.process = subprocess.Popen(svc.args, env=env, stdout=stdout, stderr=stderr,
+                svc.process = subprocess.Popen(svc.args, env={**env, **svc.env}, stdout=stdout, stderr=stderr,
                                                start_new_session=True)
-                wait_serving(svc.address, svc.health_service, deadline, svc.process, svc.health_url)
+                wait_serving(svc.address, svc.health_service, deadline, svc.process, self.security.client_tls(),
+                             svc.health_url)
                 self._say(f"  {svc.name:<14} SERVING  {svc.address}  (pid {svc.process.pid})")
         except BaseException:
             self.stop()
@@ -186,9 +208,10 @@ class Stack:
         out = None
         if self.opts.log_dir:
             out = open(pathlib.Path(self.opts.log_dir) / f"{svc.name}.log", "ab")  # noqa: SIM115 - owned by the child
-        svc.process = subprocess.Popen(svc.args, env={**os.environ}, stdout=out, stderr=out, start_new_session=True)
+        svc.process = subprocess.Popen(svc.args, env={**os.environ, **self.security.env(), **svc.env}, stdout=out,
+                                       stderr=out, start_new_session=True)
         wait_serving(svc.address, svc.health_service, time.monotonic() + self.opts.ready_timeout_s, svc.process,
-                     svc.health_url)
+                     self.security.client_tls(), svc.health_url)
         return svc
 
     def first_exited(self) -> Service | None:
@@ -209,6 +232,7 @@ class Stack:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        self.security.close()
         return leaked_segments(self.opts.shm_prefix)
 
 
@@ -230,6 +254,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-format", choices=("console", "json"), default=d.log_format)
     p.add_argument("--log-dir", default=None, help="write each service's log to DIR/<name>.log")
     p.add_argument("--ready-timeout-s", type=float, default=d.ready_timeout_s)
+    p.add_argument("--tls-dir", default=None,
+                   help="mutual TLS everywhere with DIR/{ca,server,client}.pem and .key (tools/make_certs.sh DIR)")
+    p.add_argument("--auth-tokens-file", default=None,
+                   help="bearer tokens (docs/security.md) required by the block manager, cache host and workers")
     p.add_argument("--serve-port", type=int, default=8000,
                    help="port of the OpenAI-compatible frontend, `pagedkv serve` [%(default)s]")
     p.add_argument("--no-serve", action="store_true", help="start no frontend (gRPC services only)")
@@ -244,6 +272,7 @@ def options_from_args(args: argparse.Namespace) -> StackOptions:
         worker_port=args.worker_port, num_workers=args.num_workers, num_gpu_blocks=args.num_gpu_blocks,
         num_cpu_blocks=args.num_cpu_blocks, block_size=args.block_size, model=args.model, device=args.device,
         dtype=args.dtype, log_format=args.log_format, log_dir=args.log_dir, ready_timeout_s=args.ready_timeout_s,
+        tls_dir=args.tls_dir, auth_tokens_file=args.auth_tokens_file,
         serve_port=None if args.no_serve else args.serve_port,
     )
 
@@ -251,7 +280,11 @@ def options_from_args(args: argparse.Namespace) -> StackOptions:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     opts = options_from_args(args)
-    stack = Stack(opts)
+    try:
+        stack = Stack(opts)
+    except StackSecurityError as e:
+        print(f"pagedkv up: {e}", file=sys.stderr)
+        return 2
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -263,15 +296,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     bm = stack.services[0].address
     workers = ",".join(s.address for s in stack.services if s.name.startswith("worker-"))
+    secure = stack.security.client_flags()
     frontend = next((s for s in stack.services if s.name == "frontend"), None)
     if frontend is not None:
         url = frontend.health_url.removesuffix("/health")
         print(f"pagedkv up: ready. OpenAI-compatible API at {url}/v1  (e.g. the openai SDK with "
               f"base_url=\"{url}/v1\")\n            Try:  pagedkv generate --url {url} --token-ids 1,2,3 "
-              f"--max-tokens 16\n            Ctrl-C stops everything.", flush=True)
+              f"--max-tokens 16{' ' + secure if secure and stack.security.tls_dir else ''}\n"
+              f"            Ctrl-C stops everything.", flush=True)
     else:
         print(f"pagedkv up: ready. Try:  pagedkv generate --block-manager {bm} --workers {workers} "
-              f"--token-ids 1,2,3 --max-tokens 16\n            Ctrl-C stops everything.", flush=True)
+              f"--token-ids 1,2,3 --max-tokens 16{' ' + secure if secure else ''}\n"
+              f"            Ctrl-C stops everything.", flush=True)
     code = 0
     while not stop.wait(0.5):
         dead = stack.first_exited()

@@ -42,6 +42,8 @@ import grpc
 import structlog
 import tomllib
 
+from pagedkv.log_limit import LogLimiter
+
 log = structlog.get_logger("pagedkv.auth")
 
 TENANT_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
@@ -75,6 +77,19 @@ class TokenFileError(RuntimeError):
     pass
 
 
+def read_tokens_file(path: str | Path) -> Any:
+    """The parsed tokens file (``.json`` is JSON, anything else TOML), not yet validated."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise TokenFileError(f"cannot read tokens file {str(p)!r}: {e.strerror}") from None
+    try:
+        return json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
+    except (ValueError, tomllib.TOMLDecodeError) as e:
+        raise TokenFileError(f"tokens file {str(p)!r} is not valid {'JSON' if p.suffix == '.json' else 'TOML'}: {e}") from None
+
+
 class TokenStore:
     """Token hashes -> tenants; ``authenticate`` is constant-time over the entries."""
 
@@ -88,16 +103,7 @@ class TokenStore:
 
     @classmethod
     def load(cls, path: str | Path) -> TokenStore:
-        p = Path(path)
-        try:
-            text = p.read_text()
-        except OSError as e:
-            raise TokenFileError(f"cannot read tokens file {str(p)!r}: {e.strerror}") from None
-        try:
-            data = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
-        except (ValueError, tomllib.TOMLDecodeError) as e:
-            raise TokenFileError(f"tokens file {str(p)!r} is not valid {'JSON' if p.suffix == '.json' else 'TOML'}: {e}") from None
-        return cls.from_dict(data, str(p))
+        return cls.from_dict(read_tokens_file(path), str(path))
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "tokens") -> TokenStore:
@@ -196,8 +202,10 @@ def _with_tenant(handler: grpc.RpcMethodHandler, tenant: Tenant) -> grpc.RpcMeth
 class AuthInterceptor(grpc.ServerInterceptor):
     """UNAUTHENTICATED without a valid bearer token; PERMISSION_DENIED outside ``allow``."""
 
-    def __init__(self, store: TokenStore, exempt_prefixes: tuple[str, ...] = (HEALTH_PREFIX,)) -> None:
+    def __init__(self, store: TokenStore, exempt_prefixes: tuple[str, ...] = (HEALTH_PREFIX,),
+                 limiter: LogLimiter | None = None) -> None:
         self.store = store
+        self.limiter = limiter or LogLimiter()  # a client without a token could flood the log
         self.exempt = exempt_prefixes
         self.num_rejected = 0
 
@@ -216,11 +224,11 @@ class AuthInterceptor(grpc.ServerInterceptor):
         if tenant is None:
             self.num_rejected += 1
             # Never log the token (nor its hash): only that one was (not) present.
-            log.info("unauthenticated", method=method, token_present=bool(token))
+            self.limiter.info(log, "unauthenticated", method=method, token_present=bool(token))
             return _aborting(handler, grpc.StatusCode.UNAUTHENTICATED,
                              "missing or invalid bearer token (metadata 'authorization: Bearer <token>')")
         if tenant.allow is not None and method.rsplit("/", 1)[-1] not in tenant.allow:
-            log.info("permission_denied", method=method, tenant=tenant.name)
+            self.limiter.info(log, "permission_denied", method=method, tenant=tenant.name)
             return _aborting(handler, grpc.StatusCode.PERMISSION_DENIED,
                              f"tenant {tenant.name!r} may not call {method.rsplit('/', 1)[-1]}")
         return _with_tenant(handler, tenant)

@@ -20,12 +20,16 @@ from collections.abc import Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pagedkv.tls import channel
 
-def check(target: str, service: str = "", timeout_s: float = 3.0) -> tuple[bool, str]:
-    """(healthy, what was seen)."""
+
+def check(target: str, service: str = "", timeout_s: float = 3.0, *, tls_ca: str = "", tls_cert: str = "",
+          tls_key: str = "") -> tuple[bool, str]:
+    """(healthy, what was seen). With any TLS file the probe speaks TLS (mutual with cert + key);
+    health needs no bearer token."""
     try:
-        with grpc.insecure_channel(target) as channel:
-            resp = health_pb2_grpc.HealthStub(channel).Check(
+        with channel(target, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key) as ch:
+            resp = health_pb2_grpc.HealthStub(ch).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout_s, wait_for_ready=True
             )
     except grpc.RpcError as e:
@@ -41,8 +45,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--service", default="", help="service name to check ('' = the whole server)")
     ap.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for an answer")
     ap.add_argument("-q", "--quiet", action="store_true", help="print nothing, only set the exit code")
+    ap.add_argument("--tls-ca", default=os.environ.get("PAGEDKV_TLS_CA", ""),
+                    help="CA bundle verifying the server: TLS [env PAGEDKV_TLS_CA]")
+    ap.add_argument("--tls-cert", default=os.environ.get("PAGEDKV_TLS_CLIENT_CERT", ""),
+                    help="client certificate for a mutual-TLS server [env PAGEDKV_TLS_CLIENT_CERT]")
+    ap.add_argument("--tls-key", default=os.environ.get("PAGEDKV_TLS_CLIENT_KEY", ""),
+                    help="client key [env PAGEDKV_TLS_CLIENT_KEY]")
     args = ap.parse_args(argv)
-    healthy, seen = check(args.target, args.service, args.timeout)
+    healthy, seen = check(args.target, args.service, args.timeout, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
+                          tls_key=args.tls_key)
     if not args.quiet:
         print(f"{args.target}: {seen}", file=sys.stdout if healthy else sys.stderr)
     return 0 if healthy else 1

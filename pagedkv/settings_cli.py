@@ -4,6 +4,8 @@ Every settings field is a flag (``num_gpu_blocks`` -> ``--num-gpu-blocks``) and 
 variable (``PAGEDKV_NUM_GPU_BLOCKS``); a flag wins over the environment, which wins over the
 default. Flags that were not given are not passed to the settings object, so the settings know
 which values were explicit (explicit geometry must match the block manager / cache host).
+A field with ``json_schema_extra={"flag": False}`` (a secret such as a bearer token) has no flag:
+only its environment variable sets it.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ def _unwrap_optional(annotation: object) -> object:
 def build_parser(cls: type[BaseSettings], prog: str, description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=description)
     for name, field in cls.model_fields.items():
+        if isinstance(field.json_schema_extra, dict) and field.json_schema_extra.get("flag") is False:
+            continue  # environment only (a secret: flag values show in the process list)
         annotation = _unwrap_optional(field.annotation)
         help_ = f"{field.description} [env PAGEDKV_{name.upper()}, default {field.default!r}]"
         if annotation is bool:

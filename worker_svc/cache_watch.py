@@ -16,6 +16,7 @@ from collections.abc import Callable
 import grpc
 import structlog
 
+from pagedkv.dial import PLAIN, Dialer
 from pagedkv.v1 import cache_host_pb2, cache_host_pb2_grpc
 
 log = structlog.get_logger("pagedkv.worker")
@@ -42,8 +43,10 @@ class CacheHostWatcher:
         interval_s: float,
         failures: int,
         on_lost: Callable[[str, str], None],
+        dialer: Dialer = PLAIN,
     ) -> None:
         self.target = target
+        self.dialer = dialer
         self.instance_id = instance_id
         self.interval_s = interval_s
         self.failures = max(1, failures)
@@ -64,7 +67,7 @@ class CacheHostWatcher:
         """One check: (consecutive misses, reason if lost, the new instance id if replaced)."""
         try:
             info = stub.GetCacheInfo(cache_host_pb2.GetCacheInfoRequest(),
-                                     timeout=max(min(self.interval_s, 5.0), 0.5))
+                                     timeout=max(min(self.interval_s, 5.0), 0.5), metadata=self.dialer.metadata)
         except grpc.RpcError as e:
             misses += 1
             if misses >= self.failures:
@@ -79,7 +82,7 @@ class CacheHostWatcher:
 
     def _run(self) -> None:
         misses = 0
-        with grpc.insecure_channel(self.target) as channel:
+        with self.dialer.channel(self.target) as channel:
             stub = cache_host_pb2_grpc.CacheHostStub(channel)
             while not self._stop.wait(self.interval_s):
                 misses, reason, new_id = self.check(stub, misses)

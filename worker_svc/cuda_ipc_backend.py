@@ -3,7 +3,7 @@
 CuPy is imported lazily, only here, and only when the CUDA backend is chosen: the rest of the
 service runs (and is tested) on machines without a GPU or without CuPy.
 
-Rules this module follows (see TOOLCHAIN.md):
+Rules this module follows (docs/worker.md, "Backends"):
 - The exporter allocates with ``cupy.cuda.Memory`` (a plain ``cudaMalloc``), not from CuPy's memory
   pool: an IPC handle names a whole allocation, so the tensor must start at the allocation's base
   (we still send the offset, 0, so importers never guess). The size is rounded up to 2 MiB.

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import grpc
 
+from pagedkv.dial import PLAIN, Dialer
 from pagedkv.v1 import block_manager_pb2, block_manager_pb2_grpc
 from worker_svc.cache_layout import CacheGeometry, GeometryMismatch
 from worker_svc.model.config import ModelConfig
@@ -38,11 +38,12 @@ class Sourced:
     source: str
 
 
-def fetch_pool_config(target: str, timeout_s: float = 10.0) -> PoolConfig:
-    """Ask the block manager for its geometry (waits for it to be up, up to ``timeout_s``)."""
-    with grpc.insecure_channel(target) as channel:
+def fetch_pool_config(target: str, timeout_s: float = 10.0, dialer: Dialer = PLAIN) -> PoolConfig:
+    """Ask the block manager for its geometry (one attempt; worker_svc/peers.py retries)."""
+    with dialer.channel(target) as channel:
         stub = block_manager_pb2_grpc.BlockManagerStub(channel)
-        cfg = stub.GetConfig(block_manager_pb2.GetConfigRequest(), timeout=timeout_s, wait_for_ready=True)
+        cfg = stub.GetConfig(block_manager_pb2.GetConfigRequest(), timeout=timeout_s,
+                             metadata=dialer.metadata)
     return PoolConfig(block_size=cfg.block_size, num_gpu_blocks=cfg.num_gpu_blocks, num_cpu_blocks=cfg.num_cpu_blocks)
 
 

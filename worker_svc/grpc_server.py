@@ -1,7 +1,7 @@
 """gRPC plumbing shared by the cache host and the worker: server, health, reflection, signals.
 
 A synchronous server with a thread pool (on these hosts it serves more calls/s than grpc.aio, see
-TOOLCHAIN.md; the worker's Step holds a lock for the forward pass anyway). Health reports SERVING
+docs/architecture.md; the worker's Step holds a lock for the forward pass anyway). Health reports SERVING
 for "" and the service name once the process is ready, NOT_SERVING while shutting down.
 """
 
@@ -17,6 +17,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pagedkv.log_limit import LogLimiter
+from pagedkv.malformed import MalformedRequestInterceptor
 from pagedkv.tls import add_port
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -51,11 +53,13 @@ def start_server(
 
     TLS / mutual TLS and the plaintext rule are pagedkv/tls.py's (docs/security.md); with
     ``auth_tokens_file`` every call but health needs a bearer token from that file."""
-    interceptors = None
+    limiter = LogLimiter()
+    interceptors: list[grpc.ServerInterceptor] = []
     if auth_tokens_file:
         from pagedkv.auth import AuthInterceptor, TokenStore
 
-        interceptors = [AuthInterceptor(TokenStore.load(auth_tokens_file))]
+        interceptors.append(AuthInterceptor(TokenStore.load(auth_tokens_file), limiter=limiter))
+    interceptors.append(MalformedRequestInterceptor(limiter))  # innermost: wraps the request parsers
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=thread_prefix),
         options=[
@@ -63,7 +67,7 @@ def start_server(
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.so_reuseport", 0),
         ],
-        interceptors=interceptors,
+        interceptors=interceptors or None,
     )
     register(server)
     health_servicer = health.HealthServicer()

@@ -1,7 +1,8 @@
 """Process wiring for the two roles: settings -> cache / model -> gRPC server -> signals -> cleanup.
 
 ``run_cache_host`` allocates and exports the cache and serves its descriptor until SIGTERM/SIGINT.
-``run_worker`` waits for the cache host (retrying with a log line per attempt), checks the geometry
+``run_worker`` waits for the block manager and the cache host (worker_svc/peers.py: a log line per
+attempt, dialled with the role's TLS client credentials and token), checks the geometry
 against everything it knows, attaches, loads the model and serves the Worker API; on shutdown it
 stops serving, drops its views and closes its handles. Both return an exit code: 0 after a clean
 shutdown, 2 for a configuration error (geometry mismatch, bad model dir), 1 when serving failed,
@@ -16,12 +17,12 @@ from dataclasses import dataclass
 
 import threading
 
-import grpc
 import structlog
 from grpc_health.v1 import health_pb2
 
+from pagedkv.dial import Dialer, TokenError
 from pagedkv.logging_setup import configure_logging
-from pagedkv.v1 import cache_host_pb2, cache_host_pb2_grpc, worker_pb2, worker_pb2_grpc
+from pagedkv.v1 import worker_pb2, worker_pb2_grpc
 from worker_svc import cache_memory
 from worker_svc.cache_host import (
     CacheOwner,
@@ -32,9 +33,10 @@ from worker_svc.cache_host import (
 from worker_svc.cache_layout import GeometryMismatch, dtype_from_name, dtype_name
 from worker_svc.cache_watch import EXIT_CACHE_LOST, CacheHostWatcher
 from worker_svc.devices import resolve_device, resolve_dtype
-from worker_svc.geometry import PoolConfig, check_against_host, fetch_pool_config, host_geometry, known_values
+from worker_svc.geometry import PoolConfig, check_against_host, host_geometry, known_values
 from worker_svc.grpc_server import RunningServer, start_server, stop_event_on_signals
 from worker_svc.model.config import load_model_config
+from worker_svc.peers import StopRequested, wait_for_block_manager, wait_for_cache_host
 from worker_svc.servicer import SERVICE_NAME as WORKER_SERVICE, WorkerServicer
 from worker_svc.settings import CacheHostSettings, WorkerSettings
 
@@ -43,14 +45,13 @@ log = structlog.get_logger("pagedkv.worker_svc")
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2  # and EXIT_CACHE_LOST = 3 (cache_watch.py)
 
 
-def _pool(settings: CacheHostSettings | WorkerSettings, timeout_s: float) -> PoolConfig | None:
+def _pool(settings: CacheHostSettings | WorkerSettings, timeout_s: float, dialer: Dialer,
+          stop: threading.Event | None = None) -> PoolConfig | None:
+    """The block manager's geometry, waited for (a log line per attempt; the error names the address)."""
     if not settings.block_manager:
         return None
     log.info("reading_geometry_from_block_manager", block_manager=settings.block_manager)
-    try:
-        return fetch_pool_config(settings.block_manager, timeout_s=timeout_s)
-    except grpc.RpcError as e:
-        raise ConnectionError(f"block manager at {settings.block_manager}: {e.code().name}: {e.details()}") from e
+    return wait_for_block_manager(settings.block_manager, timeout_s, stop, dialer)
 
 
 def run_cache_host(settings: CacheHostSettings) -> int:
@@ -60,15 +61,20 @@ def run_cache_host(settings: CacheHostSettings) -> int:
         device = resolve_device(settings.device)
         dtype = resolve_dtype(settings.dtype, device)
         model_cfg = load_model_config(settings.model)
-        geometry = host_geometry(settings, model_cfg, _pool(settings, timeout_s=30.0))
-    except (GeometryMismatch, ValueError, FileNotFoundError, ConnectionError) as e:
+        stop = stop_event_on_signals()
+        geometry = host_geometry(settings, model_cfg,
+                                 _pool(settings, settings.connect_timeout_s, Dialer.from_settings(settings), stop))
+    except StopRequested:
+        log.info("stopped_before_ready")
+        return EXIT_OK
+    except (GeometryMismatch, ValueError, FileNotFoundError, ConnectionError, TimeoutError, TokenError) as e:
         log.error("config_error", error=str(e))
         return EXIT_CONFIG
     cache = cache_memory.create(geometry, dtype, device, settings.shm_prefix)
     owner = CacheOwner(cache)
     try:
-        stop = stop_event_on_signals()
-        running = serve_cache(cache, model_cfg.name, settings.host, settings.port, **_tls(settings))
+        running = serve_cache(cache, model_cfg.name, settings.host, settings.port, **_tls(settings),
+                              auth_tokens_file=settings.auth_tokens_file)
         desc = cache.descriptor
         log.info(
             "cache_host_ready",
@@ -94,41 +100,6 @@ def run_cache_host(settings: CacheHostSettings) -> int:
         owner.close()
     log.info("stopped")
     return EXIT_OK
-
-
-class StopRequested(Exception):
-    """SIGTERM/SIGINT arrived before the worker was ready."""
-
-
-def wait_for_cache_host(
-    target: str, timeout_s: float, stop: threading.Event | None = None
-) -> cache_host_pb2.CacheInfo:
-    """GetCacheInfo, retried with backoff until it answers or ``timeout_s`` passes (0 = forever).
-
-    Why wait rather than fail: in a deployment the roles start in any order; a worker started
-    before the cache host logs one ``waiting_for_cache_host`` line per attempt and attaches as soon
-    as the host answers.
-    """
-    deadline = None if timeout_s == 0 else time.monotonic() + timeout_s
-    delay, attempt = 0.2, 0
-    with grpc.insecure_channel(target) as channel:
-        stub = cache_host_pb2_grpc.CacheHostStub(channel)
-        while True:
-            attempt += 1
-            try:
-                return stub.GetCacheInfo(cache_host_pb2.GetCacheInfoRequest(), timeout=5.0)
-            except grpc.RpcError as e:
-                if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                    raise
-                if deadline is not None and time.monotonic() + delay > deadline:
-                    raise TimeoutError(f"cache host at {target} did not answer within {timeout_s:.0f} s") from e
-                log.info("waiting_for_cache_host", cache_host=target, attempt=attempt, retry_in_s=round(delay, 2),
-                         reason=e.code().name)
-                if stop is not None and stop.wait(delay):
-                    raise StopRequested() from e
-                if stop is None:
-                    time.sleep(delay)
-                delay = min(delay * 2, 5.0)
 
 
 @dataclass(slots=True)
@@ -158,8 +129,9 @@ def start_worker(settings: WorkerSettings, stop: threading.Event | None = None) 
         os.environ["PAGEDKV_KERNEL_BACKEND"] = settings.kernel_backend
     device = resolve_device(settings.device)
     model_cfg = load_model_config(settings.model)
-    known = known_values(settings, model_cfg, _pool(settings, timeout_s=max(settings.connect_timeout_s, 1.0)))
-    info = wait_for_cache_host(settings.cache_host, settings.connect_timeout_s, stop)
+    dialer = Dialer.from_settings(settings)
+    known = known_values(settings, model_cfg, _pool(settings, settings.connect_timeout_s, dialer, stop))
+    info = wait_for_cache_host(settings.cache_host, settings.connect_timeout_s, stop, dialer)
     desc = descriptor_from_proto(info)
     check_against_host(known, desc.geometry, f"the cache host at {settings.cache_host}")
     if settings.dtype != "auto" and settings.dtype != desc.dtype:
@@ -193,7 +165,7 @@ def start_worker(settings: WorkerSettings, stop: threading.Event | None = None) 
         cache.close()
         raise
     proc = WorkerProcess(running=running, servicer=servicer, cache=cache)
-    _watch_cache_host(proc, settings, desc.instance_id)
+    _watch_cache_host(proc, settings, desc.instance_id, dialer)
     log.info(
         "worker_ready",
         address=f"{settings.host}:{running.port}",
@@ -210,7 +182,7 @@ def start_worker(settings: WorkerSettings, stop: threading.Event | None = None) 
     return proc
 
 
-def _watch_cache_host(proc: WorkerProcess, settings: WorkerSettings, instance_id: str) -> None:
+def _watch_cache_host(proc: WorkerProcess, settings: WorkerSettings, instance_id: str, dialer: Dialer) -> None:
     """Start the cache host watcher (cache_watch.py); a lost host turns health NOT_SERVING."""
     if settings.cache_host_check_interval_s <= 0:
         return
@@ -233,7 +205,7 @@ def _watch_cache_host(proc: WorkerProcess, settings: WorkerSettings, instance_id
                       action="KV must be re-prefilled after re-attaching to a new cache host")
 
     proc.watcher = CacheHostWatcher(settings.cache_host, instance_id, settings.cache_host_check_interval_s,
-                                    settings.cache_host_failures, on_lost).start()
+                                    settings.cache_host_failures, on_lost, dialer).start()
 
 
 def run_worker(settings: WorkerSettings) -> int:
@@ -245,7 +217,7 @@ def run_worker(settings: WorkerSettings) -> int:
     except StopRequested:
         log.info("stopped_before_ready")
         return EXIT_OK
-    except (GeometryMismatch, ValueError, FileNotFoundError, TimeoutError, ConnectionError) as e:
+    except (GeometryMismatch, ValueError, FileNotFoundError, TimeoutError, ConnectionError, TokenError) as e:
         log.error("config_error", error=str(e))
         return EXIT_CONFIG
     except Exception as e:  # noqa: BLE001 - a start-up failure is an exit code and a log line

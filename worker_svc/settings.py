@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_CACHE_HOST_PORT = 50052
@@ -41,6 +41,9 @@ class _Common(BaseSettings):
     dtype: DType = Field("auto", description="cache/model dtype; auto = float32 on CPU, bfloat16 on CUDA")
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
     block_manager: str | None = Field(None, description="host:port of the block manager to read geometry from")
+    connect_timeout_s: float = Field(
+        120.0, ge=0, description="how long to wait for the block manager (and a worker's cache host); 0 = forever"
+    )
     log_format: LogFormat = Field("console", description="structlog renderer: console (key=value) or json")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log threshold")
     # TLS of this role's gRPC server (pagedkv/tls.py, docs/security.md); same PAGEDKV_* names as the
@@ -49,6 +52,20 @@ class _Common(BaseSettings):
     tls_key: str = Field("", description="server private key (PEM)")
     tls_client_ca: str = Field("", description="CA bundle for client certificates: mutual TLS")
     allow_insecure: bool = Field(False, description="allow plaintext gRPC on a non-loopback address")
+    # Bearer tokens for this role's API (pagedkv/auth.py's tokens file; health stays open). A worker
+    # runs steps on any block table it is given, so whoever may call it can read any KV in the cache:
+    # only the frontend should hold a worker token. The cache host's descriptor names the memory.
+    auth_tokens_file: str = Field(
+        "", description="tokens file (SHA-256 hashes) whose tokens may call this role's API; empty = no tokens"
+    )
+    # How this role dials others (cache host -> block manager; worker -> cache host and block
+    # manager): pagedkv/dial.py. Same PAGEDKV_* names as the frontend's commands.
+    tls_ca: str = Field("", description="CA bundle (PEM) verifying the servers this role dials: TLS on its connections")
+    tls_client_cert: str = Field("", description="client certificate (PEM) this role presents: mutual TLS")
+    tls_client_key: str = Field("", description="private key (PEM) of --tls-client-cert")
+    token_file: str = Field("", description="file holding the bearer token this role sends (else PAGEDKV_TOKEN)")
+    token: SecretStr = Field(SecretStr(""), description="bearer token this role sends (environment only)",
+                             json_schema_extra={"flag": False})
 
     @field_validator("device")
     @classmethod
@@ -71,20 +88,11 @@ class WorkerSettings(_Common):
 
     port: int = Field(DEFAULT_WORKER_PORT, ge=0, le=65535, description="gRPC port")
     cache_host: str = Field(f"127.0.0.1:{DEFAULT_CACHE_HOST_PORT}", description="host:port of the cache host")
-    connect_timeout_s: float = Field(
-        120.0, ge=0, description="how long to wait for the cache host; 0 = forever"
-    )
     max_workers: int = Field(4, ge=1, description="gRPC server threads")
     kernel_backend: Literal["auto", "reference", "triton"] | None = Field(
         None, description="force the kernel backend (else PAGEDKV_KERNEL_BACKEND / auto)"
     )
     seed: int = Field(0, description="seed of the built-in default model's random weights")
-    # Bearer tokens for the Worker API (pagedkv/auth.py's tokens file; health stays open). A worker
-    # runs steps on any block table it is given, so whoever may call it can read any KV in the cache:
-    # only the frontend should hold a token.
-    auth_tokens_file: str = Field(
-        "", description="tokens file (SHA-256 hashes) whose tokens may call the Worker API; empty = no tokens"
-    )
     # Cache host loss (docs/worker.md "Cache host loss"): how it is detected and what follows.
     cache_host_check_interval_s: float = Field(
         2.0, ge=0, description="poll the cache host's GetCacheInfo this often; 0 = do not watch it"

@@ -1,73 +1,183 @@
-"""`pagedkv generate` against a stack that requires mutual TLS and a bearer token."""
+"""The whole stack secured, as processes: `pagedkv up --tls-dir DIR --auth-tokens-file FILE`.
+
+Every server (block manager, cache host, workers) serves mutual TLS and requires a bearer token;
+every connection between the roles presents a client certificate and a token (the cache host and
+the workers fail to start otherwise). `pagedkv generate`, `demo` and `loadtest` reach the stack
+with TLS flags and a token and the outputs equal transformers' greedy ones. At every server a
+plaintext client, a client without a token and a client whose certificate comes from another CA
+are refused.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 
+import grpc
 import pytest
-import torch
 
-from tests.security.conftest import TOKENS
-from worker_svc import cache_memory
-from worker_svc.cache_host import serve_cache
-from worker_svc.cache_layout import CacheGeometry
-from worker_svc.model.config import load_model_config
-from worker_svc.server import start_worker
-from worker_svc.settings import WorkerSettings
+from pagedkv.logging_setup import configure_logging
+from pagedkv.tls import channel
+from pagedkv.v1 import (
+    block_manager_pb2,
+    block_manager_pb2_grpc,
+    cache_host_pb2,
+    cache_host_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
+from tests.frontend.test_cli_stack import free_ports
+from tests.security.conftest import TOOLS, TOKENS, write_tokens
+from tests.worker_svc.conftest import HFModel, build_hf_model
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-BLOCKS, BLOCK_SIZE = 64, 16
+PROMPT = [3, 17, 42, 9, 88, 5, 61, 23, 7, 101, 12, 64, 30, 2, 77, 45, 19]  # crosses a block boundary
+ENV = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDKV_")} | {"PAGEDKV_KERNEL_BACKEND": "reference"}
 
 
-@pytest.fixture
-def secure_stack(secure_factory, certs: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[int, int]]:  # type: ignore[no-untyped-def]
-    monkeypatch.setenv("PAGEDKV_KERNEL_BACKEND", "reference")
-    bm = secure_factory(num_gpu_blocks=BLOCKS, block_size=BLOCK_SIZE)
-    cfg = load_model_config(None)
-    geometry = CacheGeometry(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, BLOCK_SIZE, BLOCKS, 0)
-    cache = cache_memory.create(geometry, torch.float32, torch.device("cpu"), shm_prefix="pagedkv-sec")
-    host = serve_cache(cache, cfg.name)
-    worker = start_worker(WorkerSettings(
-        port=0, cache_host=f"127.0.0.1:{host.port}", device="cpu", block_size=BLOCK_SIZE, num_gpu_blocks=BLOCKS,
-        tls_cert=certs["server"], tls_key=certs["server_key"], tls_client_ca=certs["ca"],
-    ))
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory: pytest.TempPathFactory) -> HFModel:
+    return build_hf_model(tmp_path_factory.mktemp("secure-llama"))
+
+
+@pytest.fixture(scope="module")
+def other_ca(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """A second, unrelated CA with its own client certificate (what an outsider would hold)."""
+    out = tmp_path_factory.mktemp("other-ca")
+    subprocess.run(["bash", str(TOOLS / "make_certs.sh"), str(out)], check=True, capture_output=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def stack(hf: HFModel, certs: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    tmp = tmp_path_factory.mktemp("secure-stack")
+    tokens = write_tokens(tmp / "tokens.json")
+    bm, ch, w = free_ports(3)
+    tls_dir = str(pathlib.Path(certs["ca"]).parent)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pagedkv.cli", "up", "--block-manager-port", str(bm), "--cache-host-port", str(ch),
+         "--worker-port", str(w), "--num-workers", "1", "--num-gpu-blocks", "256", "--device", "cpu",
+         "--model", str(hf.path), "--log-format", "json", "--log-dir", str(tmp / "logs"),
+         "--tls-dir", tls_dir, "--auth-tokens-file", tokens],
+        cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    lines: list[str] = []
     try:
-        yield bm.port, worker.running.port
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()  # type: ignore[union-attr]
+            if not line:
+                break
+            lines.append(line)
+            if "ready. Try:" in line:
+                break
+        assert any("ready. Try:" in x for x in lines), "".join(lines) + proc.stderr.read()  # type: ignore[union-attr]
+        yield {"bm": f"localhost:{bm}", "cache_host": f"localhost:{ch}", "worker": f"localhost:{w}",
+               "ready": "".join(lines), "logs": str(tmp / "logs"), "tls_dir": tls_dir}
     finally:
-        worker.close()
-        host.stop(0)
-        cache.close()
+        proc.send_signal(signal.SIGINT)
+        try:
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+    assert proc.returncode == 0, out + err
+    assert "no shared memory left behind" in out
 
 
-def generate(bm: int, worker: int, certs: dict[str, str], token: str | None,
-             client_cert: bool = True) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k != "PAGEDKV_TOKEN"}
-    if token is not None:
-        env["PAGEDKV_TOKEN"] = token
-    args = [sys.executable, "-m", "pagedkv.cli", "generate", "--token-ids", "1,2,3", "--max-tokens", "4",
-            "--block-manager", f"localhost:{bm}", "--workers", f"localhost:{worker}", "--timeout-s", "10",
-            "--tls-ca", certs["ca"]]
-    if client_cert:
-        args += ["--tls-cert", certs["client"], "--tls-key", certs["client_key"]]
-    return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+def client_flags(certs: dict[str, str]) -> list[str]:
+    return ["--tls-ca", certs["ca"], "--tls-cert", certs["client"], "--tls-key", certs["client_key"]]
 
 
-def test_generate_over_mtls_with_a_token(secure_stack, certs) -> None:  # type: ignore[no-untyped-def]
-    bm, worker = secure_stack
-    ok = generate(bm, worker, certs, TOKENS["alice"])
+def test_up_with_tls_and_tokens_tells_clients_how_to_connect(stack: dict[str, str]) -> None:
+    assert f"--tls-ca {stack['tls_dir']}/ca.pem" in stack["ready"] and "--token-file" in stack["ready"]
+    # the roles' own connections carried a client certificate and a token: the block manager saw them
+    bm_log = (pathlib.Path(stack["logs"]) / "block-manager.log").read_text()
+    assert "unauthenticated" not in bm_log
+    assert TOKENS["alice"] not in bm_log
+
+
+def test_generate_through_the_secured_stack_matches_transformers(stack: dict[str, str], certs, hf: HFModel) -> None:  # type: ignore[no-untyped-def]
+    args = [sys.executable, "-m", "pagedkv.cli", "generate", "--token-ids", ",".join(map(str, PROMPT)),
+            "--max-tokens", "6", "--block-manager", stack["bm"], "--workers", stack["worker"], "--timeout-s", "20",
+            *client_flags(certs)]
+    ok = subprocess.run(args, cwd=ROOT, env=ENV | {"PAGEDKV_TOKEN": TOKENS["alice"]}, capture_output=True,
+                        text=True, timeout=120)
     assert ok.returncode == 0, ok.stderr
-    assert len(json.loads(ok.stdout)["completions"][0]["token_ids"]) == 4
+    assert json.loads(ok.stdout)["completions"][0]["token_ids"] == hf.greedy(PROMPT, 6)
     assert TOKENS["alice"] not in ok.stderr
+    refused = subprocess.run(args, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr
 
 
-def test_generate_without_token_or_client_cert_is_refused(secure_stack, certs) -> None:  # type: ignore[no-untyped-def]
-    bm, worker = secure_stack
-    no_token = generate(bm, worker, certs, None)
-    assert no_token.returncode == 1 and "UNAUTHENTICATED" in no_token.stderr
-    no_cert = generate(bm, worker, certs, TOKENS["alice"], client_cert=False)
-    assert no_cert.returncode == 1 and "UNAVAILABLE" in no_cert.stderr
+def test_demo_and_loadtest_reach_the_secured_stack(stack: dict[str, str], certs, monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from frontend import demo, loadtest
+
+    monkeypatch.setenv("PAGEDKV_TOKEN", TOKENS["alice"])
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            rc = demo.main(["--block-manager", stack["bm"], "--workers", stack["worker"], "--requests", "3",
+                            "--no-progress", *client_flags(certs)])
+    finally:
+        configure_logging("info", "console", cache=False)  # demo.main configured it for itself: the suite's again
+    assert rc == 0 and "pagedkv demo results" in out.getvalue()
+    # An admin token: a tenant without a GPU quota is shown no free blocks, and loadtest sizes its run by them.
+    monkeypatch.setenv("PAGEDKV_TOKEN", TOKENS["root"])
+    report = tmp_path / "lt.json"
+    rc = loadtest.main(["--target", stack["bm"], "--scenario", "lifecycle", "-c", "2", "--total", "40",
+                        "--num-tokens", "16", "--format", "json", "--output", str(report), *client_flags(certs)])
+    rep = json.loads(report.read_text())
+    assert rc == 0 and rep["status_code_distribution"] == {"OK": rep["count"]} and rep["pool_check"]["ok"]
+
+
+def _calls(target: str, ch: grpc.Channel, md: tuple) -> object:
+    """One real RPC of the server at ``target`` (not health, which is open by design)."""
+    if target == "bm":
+        return block_manager_pb2_grpc.BlockManagerStub(ch).GetConfig(block_manager_pb2.GetConfigRequest(),
+                                                                     metadata=md, timeout=10)
+    if target == "cache_host":
+        return cache_host_pb2_grpc.CacheHostStub(ch).GetCacheInfo(cache_host_pb2.GetCacheInfoRequest(),
+                                                                  metadata=md, timeout=10)
+    return worker_pb2_grpc.WorkerStub(ch).GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), metadata=md, timeout=10)
+
+
+@pytest.mark.parametrize("server", ["bm", "cache_host", "worker"])
+def test_every_server_refuses_plaintext_tokenless_and_foreign_ca_clients(
+    stack: dict[str, str], certs: dict[str, str], other_ca: pathlib.Path, server: str
+) -> None:
+    address = stack[server]
+    token = (("authorization", f"Bearer {TOKENS['alice']}"),)
+    mtls = {"tls_ca": certs["ca"], "tls_cert": certs["client"], "tls_key": certs["client_key"]}
+    with channel(address, **mtls) as ch:  # the control: the right certificate and a token work
+        assert _calls(server, ch, token)
+    with channel(address, **mtls) as ch, pytest.raises(grpc.RpcError) as e:
+        _calls(server, ch, ())
+    assert e.value.code() is grpc.StatusCode.UNAUTHENTICATED
+    with grpc.insecure_channel(address) as ch, pytest.raises(grpc.RpcError) as e:
+        _calls(server, ch, token)
+    assert e.value.code() is grpc.StatusCode.UNAVAILABLE
+    foreign = {"tls_ca": certs["ca"], "tls_cert": str(other_ca / "client.pem"), "tls_key": str(other_ca / "client.key")}
+    with channel(address, **foreign) as ch, pytest.raises(grpc.RpcError) as e:
+        _calls(server, ch, token)
+    assert e.value.code() is grpc.StatusCode.UNAVAILABLE
+
+
+def test_up_refuses_missing_certificates_and_a_reserved_tenant(tmp_path, capsys, certs) -> None:  # type: ignore[no-untyped-def]
+    from frontend import stack as up
+
+    assert up.main(["--tls-dir", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err
+    assert "missing ca.pem, server.pem, server.key, client.pem, client.key" in err and "tools/make_certs.sh" in err
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps({"tenants": [{"name": "pagedkv-stack", "token_sha256": "0" * 64}]}))
+    assert up.main(["--tls-dir", str(pathlib.Path(certs["ca"]).parent), "--auth-tokens-file", str(tokens)]) == 2
+    assert "reserved" in capsys.readouterr().err

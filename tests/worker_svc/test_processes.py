@@ -3,7 +3,8 @@
 Shows that both workers read and write one cache (prefill on A, decode on B gives the
 single-process tokens), that a SIGKILLed worker's replacement continues from the cached KV with
 identical tokens, that a worker started first waits for the cache host, that a geometry mismatch
-refuses to start naming the value, and that the cache host leaves nothing in /dev/shm.
+refuses to start naming the value, that the cache host leaves nothing in /dev/shm, and that a cache
+host without its block manager logs every attempt and names the address when it gives up.
 """
 
 from __future__ import annotations
@@ -183,3 +184,19 @@ def test_geometry_mismatch_refuses_to_start_naming_the_value(hf_llama: HFModel, 
     err = w.wait_event("config_error")["error"]
     assert "num_gpu_blocks: settings has 64" in err and f"has {GPU_BLOCKS}" in err
     assert host.stop() == 0
+
+
+def test_cache_host_logs_each_attempt_to_reach_the_block_manager_and_names_it(
+    hf_llama: HFModel, procs: list[Proc]
+) -> None:
+    port = _free_port()  # nothing listens there
+    host = Proc(["cache-host", "--port", "0", "--device", "cpu", "--model", str(hf_llama.path),
+                 "--block-manager", f"127.0.0.1:{port}", "--connect-timeout-s", "2",
+                 "--shm-prefix", "pagedkv-proc-nobm"], "cache-host")
+    procs.append(host)
+    assert host.p.wait(60) == 2
+    waiting = [r for r in host.lines if r.get("event") == "waiting_for_block_manager"]
+    assert len(waiting) >= 2 and {r["block_manager"] for r in waiting} == {f"127.0.0.1:{port}"}
+    assert [r["attempt"] for r in waiting] == list(range(1, len(waiting) + 1))
+    err = host.wait_event("config_error")["error"]
+    assert f"block manager at 127.0.0.1:{port} did not answer within 2 s" in err and "UNAVAILABLE" in err

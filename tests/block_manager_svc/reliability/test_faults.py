@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -48,8 +49,10 @@ def test_vanished_clients_blocks_come_back_within_ttl_plus_sweep(faults) -> None
     assert r["reclaim_s"] <= 0.6 + 0.1 + 0.5  # TTL + one sweep (+ polling/scheduling slack)
 
 
-def test_short_soak_returns_the_pool_and_keeps_memory_flat(faults) -> None:
+def test_short_soak_returns_the_pool_and_keeps_memory_flat(faults, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # a temp dir of its own: others may share /tmp
     r = faults.run_soak(seconds=6.0, fraction=0.7, threads=4, peak_window_s=1.5, samples=3)
+    assert list(tmp_path.iterdir()) == []  # its state dir (journal, snapshots, log) is removed
     assert r["errors"] == 0, r["error_samples"]
     assert r["achieved_calls_s"] >= 0.5 * r["target_calls_s"]
     assert (r["sequences_after"], r["used_after"], r["free_after"]) == (0, 0, r["total_blocks"])

@@ -1,0 +1,81 @@
+"""Reaching the other roles at start-up: the block manager and the cache host.
+
+Why wait rather than fail: in a deployment the roles start in any order. A cache host or worker
+started before its peer logs one ``waiting_for_<peer>`` line per attempt (address, attempt, the
+gRPC status of the last try, when it retries) and carries on as soon as the peer answers. After
+``timeout_s`` it gives up with an error that names the peer's address and the last status, so a
+wrong ``--block-manager`` / ``--cache-host`` is obvious. Statuses that retrying cannot fix
+(UNAUTHENTICATED, PERMISSION_DENIED, ...) end the wait at once. Every call goes through the role's
+:class:`pagedkv.dial.Dialer` (TLS, client certificate, bearer token).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import grpc
+import structlog
+
+from pagedkv.dial import PLAIN, Dialer
+from pagedkv.v1 import cache_host_pb2, cache_host_pb2_grpc
+from worker_svc.geometry import PoolConfig, fetch_pool_config
+
+log = structlog.get_logger("pagedkv.worker_svc")
+
+T = TypeVar("T")
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+ATTEMPT_TIMEOUT_S = 5.0
+
+
+class StopRequested(Exception):
+    """SIGTERM/SIGINT arrived before the peer answered."""
+
+
+class PeerUnreachable(ConnectionError):
+    """The peer refused the call for a reason retrying cannot fix (bad token, TLS, ...)."""
+
+
+def wait_for(peer: str, target: str, call: Callable[[float], T], timeout_s: float,
+             stop: threading.Event | None = None) -> T:
+    """``call(attempt_timeout_s)`` retried with backoff until it answers or ``timeout_s`` passes (0 = forever)."""
+    deadline = None if timeout_s == 0 else time.monotonic() + timeout_s
+    delay, attempt = 0.2, 0
+    while True:
+        attempt += 1
+        per_try = ATTEMPT_TIMEOUT_S if deadline is None else max(0.2, min(ATTEMPT_TIMEOUT_S, deadline - time.monotonic()))
+        try:
+            return call(per_try)
+        except grpc.RpcError as e:
+            code = e.code()
+            last = f"{code.name}: {e.details()}"
+            if code not in RETRYABLE:
+                raise PeerUnreachable(f"{peer} at {target} refused the call: {last}") from e
+            if deadline is not None and time.monotonic() + delay > deadline:
+                raise TimeoutError(f"{peer} at {target} did not answer within {timeout_s:.0f} s "
+                                   f"({attempt} attempts, last: {last})") from e
+            key = peer.replace(" ", "_")
+            log.info(f"waiting_for_{key}", **{key: target}, attempt=attempt, retry_in_s=round(delay, 2),
+                     reason=code.name)
+            if stop is not None and stop.wait(delay):
+                raise StopRequested() from e
+            if stop is None:
+                time.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+
+def wait_for_cache_host(target: str, timeout_s: float, stop: threading.Event | None = None,
+                        dialer: Dialer = PLAIN) -> cache_host_pb2.CacheInfo:
+    """The cache host's GetCacheInfo, waiting for it as above."""
+    with dialer.channel(target) as channel:
+        stub = cache_host_pb2_grpc.CacheHostStub(channel)
+        return wait_for("cache host", target, lambda t: stub.GetCacheInfo(
+            cache_host_pb2.GetCacheInfoRequest(), timeout=t, metadata=dialer.metadata), timeout_s, stop)
+
+
+def wait_for_block_manager(target: str, timeout_s: float, stop: threading.Event | None = None,
+                           dialer: Dialer = PLAIN) -> PoolConfig:
+    """The block manager's geometry (GetConfig), waiting for it as above."""
+    return wait_for("block manager", target, lambda t: fetch_pool_config(target, t, dialer), timeout_s, stop)
