@@ -20,8 +20,9 @@ another entry already counts.
 By default it starts the block manager, cache host and worker as local
 processes (like `pagedkv up`) on free ports and runs `pagedkv serve` in this
 process (so it can sample the engine every iteration), then stops everything;
-`--local` runs the whole stack in-process; `--url` drives a running server
-(the KV figures need the engine, so they are left out there).
+`--local` runs the whole stack in-process; `--block-manager/--workers` run the
+server here against a running stack; `--url` drives a running server (the KV
+figures need the engine, so they are left out there).
 """
 
 from __future__ import annotations
@@ -248,6 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto")
     p.add_argument("--local", action="store_true", help="run the stack and the server in this process")
     p.add_argument("--url", default=None, help="drive a running `pagedkv serve` (no KV figures)")
+    p.add_argument("--block-manager", default=None,
+                   help="a running stack without a frontend: run `pagedkv serve` here against this block manager")
+    p.add_argument("--workers", default=None, help="with --block-manager: comma-separated worker host:port list")
     p.add_argument("--api-key-file", default="", help="with --url: the server's API key (default: env PAGEDKV_API_KEY)")
     p.add_argument("--vocab-size", type=int, default=128, help="with --url: token ids are drawn below this")
     p.add_argument("--no-progress", action="store_true")
@@ -296,6 +300,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         reqs = make_workload(args.requests, args.vocab_size, args.seed)
         print(report(run_workload(args.url.rstrip("/"), reqs, args.concurrency, api_key=key,
                                   progress=not args.no_progress)))
+        return 0
+    if args.block_manager:
+        if not args.workers:
+            print("pagedkv demo: --block-manager needs --workers", file=sys.stderr)
+            return 2
+        _serve_here(args, args.block_manager, [t for t in args.workers.split(",") if t], client_kwargs(args))
         return 0
     if args.local:
         from frontend.local_stack import LocalStack, StackConfig

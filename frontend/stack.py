@@ -298,16 +298,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     workers = ",".join(s.address for s in stack.services if s.name.startswith("worker-"))
     secure = stack.security.client_flags()
     frontend = next((s for s in stack.services if s.name == "frontend"), None)
+    direct = (f"pagedkv generate --block-manager {bm} --workers {workers} --token-ids 1,2,3 --max-tokens 16"
+              f"{' ' + secure if secure else ''}")
     if frontend is not None:
         url = frontend.health_url.removesuffix("/health")
-        print(f"pagedkv up: ready. OpenAI-compatible API at {url}/v1  (e.g. the openai SDK with "
-              f"base_url=\"{url}/v1\")\n            Try:  pagedkv generate --url {url} --token-ids 1,2,3 "
-              f"--max-tokens 16{' ' + secure if secure and stack.security.tls_dir else ''}\n"
+        tls = stack.security.client_tls()
+        tls_flags = (f" --tls-ca {tls['tls_ca']} --tls-cert {tls['tls_cert']} --tls-key {tls['tls_key']}"
+                     if tls else "")
+        print(f"pagedkv up: ready. Try:  pagedkv generate --url {url} --token-ids 1,2,3 --max-tokens 16{tls_flags}\n"
+              f"            OpenAI-compatible API at {url}/v1 (e.g. the openai SDK with base_url=\"{url}/v1\")\n"
+              f"            The engine in the command itself:  {direct}\n"
               f"            Ctrl-C stops everything.", flush=True)
     else:
-        print(f"pagedkv up: ready. Try:  pagedkv generate --block-manager {bm} --workers {workers} "
-              f"--token-ids 1,2,3 --max-tokens 16{' ' + secure if secure else ''}\n"
-              f"            Ctrl-C stops everything.", flush=True)
+        print(f"pagedkv up: ready. Try:  {direct}\n            Ctrl-C stops everything.", flush=True)
     code = 0
     while not stop.wait(0.5):
         dead = stack.first_exited()

@@ -84,7 +84,7 @@ def test_up_serves_generate_and_stops_everything_on_ctrl_c() -> None:
             if not line:
                 break
             lines.append(line)
-            if "ready" in line:
+            if "Ctrl-C stops everything" in line:  # the end of the ready message
                 break
         out = "".join(lines)
         assert "ready" in out, out
