@@ -16,6 +16,12 @@ throughput.
 
 Runs on CPU too (`--device cpu`, shared memory, tiny sizes) as a smoke test of the script itself.
 Exit code 0 only if the multi-process check passed.
+
+Built to run under bench/gpu_check.sh's section timeout: ``--deadline-s`` bounds every wait (a
+child that does not come up fails the check instead of outliving the section), results are written
+after each phase (a check cut short still leaves what finished), SIGTERM kills the roles it started
+before exiting, and the service imports (protos, structlog, pydantic) happen inside the check, so
+an image without them reports the ImportError as the check's result instead of crashing.
 """
 
 from __future__ import annotations
@@ -36,6 +42,13 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 BLOCK = 16
+T0 = time.monotonic()
+DEADLINE_S = 600.0  # set from --deadline-s
+LIVE: list["Proc"] = []  # roles started and not yet reaped: killed on SIGTERM / exit
+
+
+def time_left() -> float:
+    return DEADLINE_S - (time.monotonic() - T0)
 
 
 class Proc:
@@ -46,6 +59,7 @@ class Proc:
             [sys.executable, "-m", "pagedkv.cli", *args, "--log-format", "json"],
             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         )
+        LIVE.append(self)
         self.records: list[dict] = []
         self.raw: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
@@ -60,7 +74,7 @@ class Proc:
                 pass
 
     def wait_event(self, event: str, timeout: float = 180.0) -> dict:
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + min(timeout, max(0.0, time_left()))
         while time.monotonic() < deadline:
             for r in list(self.records):
                 if r.get("event") == event:
@@ -77,7 +91,22 @@ class Proc:
     def stop(self, sig: int = signal.SIGTERM) -> int:
         if self.p.poll() is None:
             self.p.send_signal(sig)
-        return self.p.wait(60)
+        try:
+            return self.p.wait(max(1.0, min(30.0, time_left())))
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            return self.p.wait(5)
+
+
+def kill_all() -> None:
+    """SIGKILL every role still running (used on SIGTERM and at exit): nothing is orphaned."""
+    for p in reversed(LIVE):
+        if p.p.poll() is None:
+            p.p.kill()
+            try:
+                p.p.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
 
 
 def _step_request(seqs: list[tuple[str, list[int], list[int], int]]):  # noqa: ANN202
@@ -89,6 +118,13 @@ def _step_request(seqs: list[tuple[str, list[int], list[int], int]]):  # noqa: A
 
 
 def multi_process_check(device: str, dtype: str) -> dict:
+    try:
+        return _multi_process_check(device, dtype)
+    except Exception as e:  # noqa: BLE001 - e.g. an ImportError on an image without the service deps
+        return {"ok": False, "error": f"{type(e).__name__}: {e}"}
+
+
+def _multi_process_check(device: str, dtype: str) -> dict:
     import grpc
 
     from pagedkv.v1 import block_manager_pb2, worker_pb2_grpc
@@ -138,7 +174,7 @@ def multi_process_check(device: str, dtype: str) -> dict:
                     swap_out=[block_manager_pb2.BlockCopy(src=s, dst=d) for s, d in ops.swap_out],
                     swap_in=[block_manager_pb2.BlockCopy(src=s, dst=d) for s, d in ops.swap_in],
                 ))
-            return [o.token_id for o in stub.Step(req, timeout=120).outputs]
+            return [o.token_id for o in stub.Step(req, timeout=max(1.0, time_left())).outputs]
 
         hist = [list(p) for p in prompts]
         cached = [0, 0, 0]
@@ -191,7 +227,9 @@ def multi_process_check(device: str, dtype: str) -> dict:
     return result
 
 
-def throughput(device: str, dtype: str, batches: list[int], ctx: int, steps: int, shape: dict) -> list[dict]:
+def throughput(device: str, dtype: str, batches: list[int], ctx: int, steps: int, shape: dict,
+               on_row=None) -> list[dict]:  # noqa: ANN001
+    """Decode step time per batch size; stops starting new batch sizes when the deadline is near."""
     from worker_svc.model.config import ModelConfig
     from worker_svc.model.llama import LlamaModel
     from worker_svc.model.weights import expected_names, expected_shapes
@@ -213,6 +251,10 @@ def throughput(device: str, dtype: str, batches: list[int], ctx: int, steps: int
     runner = ModelRunner(model, gpu, torch.zeros((cfg.num_layers, 2, 0, BLOCK, cfg.num_kv_heads, cfg.head_dim), dtype=tdtype))
     rows = []
     for bsz in batches:
+        if rows and time_left() < 2 * rows[-1]["seconds"] + 5:
+            print(f"deadline: batch {bsz} and larger not measured", flush=True)
+            break
+        t_batch = time.perf_counter()
         tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(bsz)]
         chunk = max(1, 8192 // ctx)
         for i0 in range(0, bsz, chunk):  # prefill in chunks to bound activation memory
@@ -230,12 +272,31 @@ def throughput(device: str, dtype: str, batches: list[int], ctx: int, steps: int
             last = [o.token_id for o in res.outputs]
         times = sorted(times[2:]) or times  # drop warm-up
         med = times[len(times) // 2]
-        rows.append({"batch": bsz, "context": ctx, "step_ms_p50": med * 1e3, "tokens_per_s": bsz / med})
+        rows.append({"batch": bsz, "context": ctx, "step_ms_p50": med * 1e3, "tokens_per_s": bsz / med,
+                     "seconds": time.perf_counter() - t_batch})
+        if on_row is not None:
+            on_row(rows)
         print(f"batch {bsz:4d} ctx {ctx}: {med * 1e3:8.2f} ms/step  {bsz / med:10.0f} tok/s", flush=True)
     return rows
 
 
+def write_results(out: pathlib.Path, mp: dict, rows: list[dict]) -> None:
+    """(Re)write worker_bench.md / .json with everything measured so far."""
+    md = ["# worker GPU check", ""]
+    if mp:
+        md += [f"multi-process shared cache over {mp.get('backend', '?')}: "
+               f"{'PASS' if mp['ok'] else 'FAIL'} {'' if mp['ok'] else mp.get('error', '') or mp}", ""]
+    else:
+        md += ["multi-process shared cache: not finished", ""]
+    if rows:
+        md += ["| batch | context | step p50 (ms) | tokens/s |", "|---:|---:|---:|---:|"]
+        md += [f"| {r['batch']} | {r['context']} | {r['step_ms_p50']:.2f} | {r['tokens_per_s']:.0f} |" for r in rows]
+    (out / "worker_bench.md").write_text("\n".join(md) + "\n")
+    (out / "worker_bench.json").write_text(json.dumps({"multi_process": mp, "throughput": rows}, indent=1))
+
+
 def main() -> int:
+    global DEADLINE_S
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
@@ -244,40 +305,41 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=None)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--skip-throughput", action="store_true")
+    ap.add_argument("--deadline-s", type=float, default=600.0,
+                    help="every wait and phase ends within this many seconds of the start")
     args = ap.parse_args()
+    DEADLINE_S = args.deadline_s
+    signal.signal(signal.SIGTERM, lambda *_: (kill_all(), sys.exit(124)))
     cuda = args.device.startswith("cuda")
     dtype = args.dtype or ("bfloat16" if cuda else "float32")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-
-    print(f"== multi-process shared cache ({args.device}, {dtype})", flush=True)
-    mp = multi_process_check(args.device, dtype)
-    print(json.dumps({k: v for k, v in mp.items() if k != "tokens"}), flush=True)
-
+    mp: dict = {}
     rows: list[dict] = []
-    if not args.skip_throughput:
-        shape = (dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
-                      num_kv_heads=8, head_dim=64) if cuda else
-                 dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=16))
-        batches = [int(x) for x in (args.batches or ("1,8,32,64,128,256" if cuda else "1,4")).split(",")]
-        ctx = args.context or (512 if cuda else 32)
-        print(f"== decode throughput ({args.device}, {dtype}, model {shape})", flush=True)
-        try:
-            rows = throughput(args.device, dtype, batches, ctx, args.steps, shape)
-        except Exception as e:  # noqa: BLE001
-            print(f"throughput failed: {type(e).__name__}: {e}", flush=True)
-
-    md = ["# worker GPU check", "",
-          f"multi-process shared cache over {mp.get('backend', '?')}: "
-          f"{'PASS' if mp['ok'] else 'FAIL'} {'' if mp['ok'] else mp.get('error', '') or mp}", ""]
-    if rows:
-        md += ["| batch | context | step p50 (ms) | tokens/s |", "|---:|---:|---:|---:|"]
-        md += [f"| {r['batch']} | {r['context']} | {r['step_ms_p50']:.2f} | {r['tokens_per_s']:.0f} |" for r in rows]
-    (out / "worker_bench.md").write_text("\n".join(md) + "\n")
-    (out / "worker_bench.json").write_text(json.dumps({"multi_process": mp, "throughput": rows}, indent=1))
-    print("\n".join(md), flush=True)
-    return 0 if mp["ok"] else 1
+    try:
+        print(f"== multi-process shared cache ({args.device}, {dtype})", flush=True)
+        mp = multi_process_check(args.device, dtype)
+        print(json.dumps({k: v for k, v in mp.items() if k != "tokens"}), flush=True)
+        write_results(out, mp, rows)
+        if not args.skip_throughput:
+            shape = (dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
+                          num_kv_heads=8, head_dim=64) if cuda else
+                     dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                          num_kv_heads=2, head_dim=16))
+            batches = [int(x) for x in (args.batches or ("1,8,32,64,128,256" if cuda else "1,4")).split(",")]
+            ctx = args.context or (512 if cuda else 32)
+            print(f"== decode throughput ({args.device}, {dtype}, model {shape})", flush=True)
+            try:
+                rows = throughput(args.device, dtype, batches, ctx, args.steps, shape,
+                                  on_row=lambda r: write_results(out, mp, r))
+            except Exception as e:  # noqa: BLE001 - keep the rows measured before the failure
+                print(f"throughput failed: {type(e).__name__}: {e}", flush=True)
+                rows = json.loads((out / "worker_bench.json").read_text())["throughput"]
+    finally:
+        kill_all()
+        write_results(out, mp, rows)
+    print((out / "worker_bench.md").read_text(), flush=True)
+    return 0 if mp.get("ok") else 1
 
 
 if __name__ == "__main__":

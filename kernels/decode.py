@@ -9,7 +9,10 @@ context is short) the split count is 1 and the first kernel writes the final out
 
 GQA: one program serves all ``group = num_heads // num_kv_heads`` query heads of its kv head, so each
 K/V tile is loaded once and used ``group`` times (a [group, D] x [D, BLOCK_N] dot). The group is
-padded to 16 rows because ``tl.dot`` needs M >= 16 on the GPU.
+padded to 16 rows and head_dim to at least 16 columns because ``tl.dot`` needs M, K >= 16 on the
+GPU (the interpreter accepts less, so ``kernels.aot`` compiles every configuration for sm_90 in CI).
+Run-time sizes (heads, group, split count) are not specialised on: one binary per dtype and
+head_dim serves every model shape.
 
 Per-sequence split counts are computed on the device (a short sequence in a long batch is not cut
 into tiny pieces; its unused split programs exit after writing an empty partial), so the host never
@@ -26,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.tile import attend_tile
+from kernels.tile import attend_tile, dot_precision
 
 LOG2E = 1.4426950408889634
 # Tuning knobs (see docs/kernels.md). A split covers at least this many tokens: below it the
@@ -37,7 +40,7 @@ MAX_SPLITS = 64
 PROGRAMS_PER_SM = 4
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_heads", "group", "num_splits", "min_split_tokens"])
 def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,
@@ -70,6 +73,7 @@ def _decode_split_kernel(
     BLOCK_D: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
     UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1).to(tl.int64)
@@ -110,13 +114,13 @@ def _decode_split_kernel(
         acc, m_i, l_i = attend_tile(
             acc, m_i, l_i, q, k_base, v_base, bt_row, t, end, q_pos,
             s_kb, s_ko, s_vb, s_vo, qk_scale,
-            BLOCK_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, False, False, UPCAST,
+            BLOCK_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, False, False, UPCAST, PRECISION,
         )
     if full_end < end:
         acc, m_i, l_i = attend_tile(
             acc, m_i, l_i, q, k_base, v_base, bt_row, full_end, end, q_pos,
             s_kb, s_ko, s_vb, s_vo, qk_scale,
-            BLOCK_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, True, False, UPCAST,
+            BLOCK_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, True, False, UPCAST, PRECISION,
         )
 
     # An empty range (unused split, or seq_len == 0) leaves l_i == 0: write zeros and lse = -inf.
@@ -132,7 +136,7 @@ def _decode_split_kernel(
         tl.store(part_lse_ptr + row, lse, mask=gmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_heads", "num_splits"])
 def _decode_reduce_kernel(
     part_out_ptr,
     part_lse_ptr,
@@ -187,12 +191,21 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, sms: i
     return max(1, min(want, useful, MAX_SPLITS))
 
 
-def tile_config(head_dim: int, interpreted: bool) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) for the split kernel."""
+def tile_config(head_dim: int, interpreted: bool, upcast: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) for the split kernel.
+
+    float32 on the GPU (``upcast``, tf32x3 dots) needs about three times the registers of a 16-bit
+    tile: smaller tiles and one stage keep its spills small and its compile short (float32 is a
+    correctness path, not a serving dtype; ``python -m kernels.aot`` prints what it uses).
+    """
     if interpreted:
         return 64, 4, 1
+    if upcast:
+        return (32, 4, 1) if head_dim <= 128 else (16, 8, 1)
     if head_dim > 128:
         return 32, 4, 2
+    if head_dim <= 32:  # tiny rows: longer tiles (64 made ptxas spill at head_dim 8 on sm_90)
+        return 128, 4, 3
     return 64, 4, 3
 
 
@@ -222,10 +235,10 @@ def paged_decode_attention(
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms(query.device))
     num_splits = max(1, int(num_splits))
-    block_n, num_warps, num_stages = tile_config(head_dim, interpreted)
-    block_d = triton.next_power_of_2(head_dim)
-    block_g = max(16, triton.next_power_of_2(group))
     upcast = interpreted or query.dtype == torch.float32 or key_cache.dtype == torch.float32
+    block_n, num_warps, num_stages = tile_config(head_dim, interpreted, upcast)
+    block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16 on a GPU
+    block_g = max(16, triton.next_power_of_2(group))
     single = num_splits == 1
     # A forced split count (tests, tuning) really splits even short contexts.
     min_split = 1 if forced else MIN_SPLIT_TOKENS
@@ -243,7 +256,7 @@ def paged_decode_attention(
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_tables.stride(0),
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
-        SINGLE_SPLIT=single, UPCAST=upcast,
+        SINGLE_SPLIT=single, UPCAST=upcast, PRECISION=dot_precision(interpreted),
         num_warps=num_warps, num_stages=num_stages,
     )
     if not single:

@@ -1,15 +1,21 @@
 """Paged prefill attention in Triton: flash-attention over the paged cache, causal, ragged batch.
 
 Why this shape: a prefill (or a chunk of one) is compute-bound, so each program owns a tile of
-``BLOCK_M`` query tokens of one head and streams that sequence's K/V tiles through the online-softmax
-step shared with decode (``kernels.tile``). Queries are the LAST ``q_len`` of the sequence's
-``seq_len`` cached tokens, so query row r sits at absolute position ``seq_len - q_len + r``: a
-chunk after a prefix-cache hit (or a chunked prefill) attends to everything cached before it.
+``BLOCK_M`` query rows and streams that sequence's K/V tiles through the online-softmax step shared
+with decode (``kernels.tile``). Queries are the LAST ``q_len`` of the sequence's ``seq_len`` cached
+tokens, so query token i sits at absolute position ``seq_len - q_len + i``: a chunk after a
+prefix-cache hit (or a chunked prefill) attends to everything cached before it.
+
+GQA packing (as vLLM's unified attention does): a program serves one KV head, and its ``BLOCK_M``
+rows are (query token, query head of that KV head's group) pairs, ``BLOCK_M // group`` tokens times
+``group`` heads. Each K/V tile is therefore read once per KV head instead of once per query head,
+which is what makes prefill with 4-8x GQA compete with contiguous SDPA.
 
 The key range of a query tile splits in two: tokens before the tile's first query position are
 visible to every row and are processed without any masks; the rest (the diagonal, plus the ragged
-tail) use the causal and length masks. Grid: (query tile, head, sequence), with the tile index
-reversed so the most expensive tiles (most keys) start first.
+tail) use the causal and length masks. Grid: (query tile, kv head, sequence), with the tile index
+reversed so the most expensive tiles (most keys) start first. ``group`` and the tile's token count
+are not specialised on, so one binary serves every GQA ratio.
 """
 
 from __future__ import annotations
@@ -18,12 +24,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.tile import attend_tile
+from kernels.tile import attend_tile, dot_precision
 
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["group", "block_q"])
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
@@ -34,6 +40,7 @@ def _prefill_kernel(
     seq_lens_ptr,
     qk_scale,
     group,
+    block_q,
     s_qt,
     s_qh,
     s_ot,
@@ -51,35 +58,40 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
-    head = tl.program_id(1).to(tl.int64)
+    kvh = tl.program_id(1).to(tl.int64)
     seq = tl.program_id(2).to(tl.int64)
 
     q_start = tl.load(query_start_loc_ptr + seq).to(tl.int32)
     q_len = tl.load(query_start_loc_ptr + seq + 1).to(tl.int32) - q_start
-    if tile * BLOCK_M >= q_len:
+    if tile * block_q >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
     ctx = seq_len - q_len  # tokens cached before this sequence's first query
 
-    m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    # Row r of the tile is query token tile * block_q + r // group of query head kvh * group + r % group:
+    # the kv head's whole group shares each K/V tile (rows past block_q * group are padding).
+    r = tl.arange(0, BLOCK_M)
+    m = tile * block_q + r // group
+    heads = kvh * group + r % group
     d = tl.arange(0, BLOCK_D)
-    mmask = m < q_len
+    mmask = (m < q_len) & (r < block_q * group)
     dmask = d < HEAD_DIM
     rows = (q_start + m).to(tl.int64)
-    q = tl.load(q_ptr + rows[:, None] * s_qt + head * s_qh + d[None, :], mask=mmask[:, None] & dmask[None, :], other=0.0)
+    qo_mask = mmask[:, None] & dmask[None, :]
+    q = tl.load(q_ptr + rows[:, None] * s_qt + heads[:, None] * s_qh + d[None, :], mask=qo_mask, other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
     q_pos = ctx + m
 
-    kvh = head // group
     k_base = k_cache_ptr + kvh * s_kh
     v_base = v_cache_ptr + kvh * s_vh
     bt_row = block_tables_ptr + seq * s_bt
 
-    first_pos = ctx + tile * BLOCK_M
-    hi = tl.minimum(seq_len, first_pos + BLOCK_M)
+    first_pos = ctx + tile * block_q
+    hi = tl.minimum(seq_len, first_pos + block_q)
     lo_diag = first_pos // BLOCK_N * BLOCK_N
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -90,30 +102,43 @@ def _prefill_kernel(
         acc, m_i, l_i = attend_tile(
             acc, m_i, l_i, q, k_base, v_base, bt_row, t, hi, q_pos,
             s_kb, s_ko, s_vb, s_vo, qk_scale,
-            BLOCK_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, False, False, UPCAST,
+            BLOCK_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, False, False, UPCAST, PRECISION,
         )
     # The diagonal and the tail: causal + length masks.
     for t in range(lo_diag, hi, BLOCK_N):
         acc, m_i, l_i = attend_tile(
             acc, m_i, l_i, q, k_base, v_base, bt_row, t, hi, q_pos,
             s_kb, s_ko, s_vb, s_vo, qk_scale,
-            BLOCK_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, True, True, UPCAST,
+            BLOCK_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, True, True, UPCAST, PRECISION,
         )
     res = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
-        out_ptr + rows[:, None] * s_ot + head * s_oh + d[None, :],
+        out_ptr + rows[:, None] * s_ot + heads[:, None] * s_oh + d[None, :],
         res.to(out_ptr.dtype.element_ty),
-        mask=mmask[:, None] & dmask[None, :],
+        mask=qo_mask,
     )
 
 
-def tile_config(head_dim: int, max_query_len: int, interpreted: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages)."""
+def block_d(head_dim: int) -> int:
+    """Padded head_dim tile: a power of two, at least 16 (``tl.dot`` needs K >= 16 on a GPU)."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def tile_config(head_dim: int, max_rows: int, interpreted: bool, upcast: bool = False) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages); BLOCK_M counts (query token, head) rows, and
+    ``max_rows`` is the longest query run times the GQA group.
+
+    float32 (``upcast``: tf32x3 dots, three tensor-core products each) gets small 16x16 tiles and
+    one stage: 64-128-row tiles spill kilobytes per thread on sm_90 and compile 3-5x slower (see
+    ``python -m kernels.aot``; 16x16 does not spill up to head_dim 128).
+    """
     if interpreted:
         return 32, 32, 4, 1
+    if upcast:
+        return (16, 16, 4, 1) if head_dim <= 128 else (16, 16, 8, 1)
     if head_dim > 128:
-        return 64, 32, 4, 2
-    if max_query_len <= 64:
+        return 64, 32, 8, 2
+    if max_rows <= 64:
         return 64, 64, 4, 3
     return 128, 64, 8, 3
 
@@ -134,6 +159,7 @@ def paged_prefill_attention(
     total_q, num_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
     num_kv_heads = key_cache.shape[2]
+    group = num_heads // num_kv_heads
     if out is None:
         out = torch.empty_like(query)
     if total_q == 0 or num_seqs == 0:
@@ -143,17 +169,19 @@ def paged_prefill_attention(
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     if max_query_len <= 0:
         return out
-    block_m, block_n, num_warps, num_stages = tile_config(head_dim, max_query_len, interpreted)
     upcast = interpreted or query.dtype == torch.float32
-    grid = (triton.cdiv(max_query_len, block_m), num_heads, num_seqs)
+    block_m, block_n, num_warps, num_stages = tile_config(head_dim, max_query_len * group, interpreted, upcast)
+    block_m = max(block_m, triton.next_power_of_2(group))  # at least one query token per tile
+    block_q = block_m // group  # query tokens per tile (each brings its group of heads)
+    grid = (triton.cdiv(max_query_len, block_q), num_kv_heads, num_seqs)
     _prefill_kernel[grid](
         query, key_cache, value_cache, out, block_tables, query_start_loc, seq_lens,
-        float(scale) * LOG2E, num_heads // num_kv_heads,
+        float(scale) * LOG2E, group, block_q,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_tables.stride(0),
-        BLOCK_SIZE=key_cache.shape[1], HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim),
-        UPCAST=upcast, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_SIZE=key_cache.shape[1], HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d(head_dim),
+        UPCAST=upcast, PRECISION=dot_precision(interpreted), num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -14,7 +14,7 @@ before compute, and a synchronous contract keeps the reused staging buffer safe)
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -36,6 +36,36 @@ def contiguous_runs(pairs: list[list[int]]) -> list[tuple[int, int, int]]:
                 continue
         runs.append((s, d, 1))
     return runs
+
+
+def contiguous_pieces(dst: torch.Tensor, src: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Split ``dst``/``src`` (same shape and memory order) along the dims outer in memory until
+    each ``dst`` piece is contiguous (or the block dim is outermost, when no split helps)."""
+    if dst.is_contiguous() or dst.dim() == 0:
+        yield dst, src
+        return
+    outer = max(range(dst.dim()), key=lambda i: (dst.stride(i), -i) if dst.shape[i] > 1 else (-1, -i))
+    if outer == 0:
+        yield dst, src
+        return
+    for i in range(dst.shape[outer]):
+        yield from contiguous_pieces(dst.select(outer, i), src.select(outer, i))
+
+
+def copy_direct(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` as DMA straight between the two tensors' own memory.
+
+    Why: the worker swaps through block-major views (``[N, L, 2, ...]`` permuted from the
+    ``[L, 2, N, ...]`` caches) so one call moves every layer. A run of blocks in such a view is not
+    contiguous, and torch copies a non-contiguous device->host pair through a pageable temporary
+    (slow, and not into the pinned pool at all). Split along the dims that are outer in memory, each
+    piece is contiguous on both sides: one DMA straight into (or out of) the pinned pool.
+    """
+    if dst.device == src.device:
+        dst.copy_(src)
+        return
+    for d, s in contiguous_pieces(dst, src):
+        d.copy_(s)
 
 
 def _host_staging(dtype: torch.dtype, block_shape: tuple[int, ...], n: int) -> torch.Tensor:
@@ -62,7 +92,7 @@ def _swap_one(src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor) -> None
     runs = contiguous_runs(host_pairs)
     if len(runs) <= MAX_DIRECT_RUNS:
         for s0, d0, length in runs:
-            dst[d0 : d0 + length].copy_(src[s0 : s0 + length])
+            copy_direct(dst[d0 : d0 + length], src[s0 : s0 + length])
         return
     s = pairs[:, 0].to(device=src.device, dtype=torch.int64)
     d = pairs[:, 1].to(device=dst.device, dtype=torch.int64)

@@ -6,15 +6,23 @@ physical block through the block table (one gather per token, so a tile may span
 (max, sum, accumulator) triple, flash-attention style. Scores use base-2 exponentials with
 ``log2(e)`` folded into the scale.
 
-``UPCAST`` selects exact float32 math (the interpreter, which cannot do half-precision dots
-reliably, and float32 caches on the GPU, where a plain fp32 ``tl.dot`` would silently be TF32);
-otherwise the dots run on the tensor cores in the cache's dtype with float32 accumulation.
+``UPCAST`` selects float32 math (the interpreter, which cannot do half-precision dots reliably,
+and float32 caches on the GPU); otherwise the dots run on the tensor cores in the cache's dtype with
+float32 accumulation. ``PRECISION`` is the float32 dots' ``input_precision``: "ieee" in the
+interpreter (exact), "tf32x3" on the GPU: three TF32 tensor-core products give about float32
+accuracy, whereas a plain fp32 ``tl.dot`` would silently be one TF32 product and "ieee" dots run
+on the CUDA cores, spill kilobytes per thread at head_dim 256 and take a minute to compile.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+
+def dot_precision(interpreted: bool) -> str:
+    """``input_precision`` of the float32 dots (see the module docstring)."""
+    return "ieee" if interpreted else "tf32x3"
 
 
 @triton.jit
@@ -53,13 +61,14 @@ def attend_tile(
     MASK_TAIL: tl.constexpr,
     CAUSAL: tl.constexpr,
     UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Fold tokens ``[start, start + BLOCK_N)`` (those < ``limit`` when MASK_TAIL) into the state.
 
     ``k_base``/``v_base`` already point at the right kv head; ``bt_row`` at the sequence's block
     table row. ``q`` is [M, BLOCK_D] (float32 when UPCAST). With CAUSAL, row r only sees tokens
-    ``<= q_pos[r]``. Every row must see at least one token of the first tile it is given (true for
-    both callers), so the running max is finite after it.
+    ``<= q_pos[r]``. A row that has seen no token yet (everything masked so far) keeps max -inf; its
+    exponentials use 0 as the reference instead, so it contributes nothing rather than NaN.
     """
     tok = start + tl.arange(0, BLOCK_N)
     d = tl.arange(0, BLOCK_D)
@@ -74,7 +83,7 @@ def attend_tile(
     k = _load_tile(k_base + blk[:, None] * s_kb + off[:, None] * s_ko + d[None, :], tmask, dmask,
                    MASK_TAIL, HEAD_DIM == BLOCK_D)
     if UPCAST:
-        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=PRECISION)
     else:
         s = tl.dot(q, tl.trans(k))
     s = s * qk_scale
@@ -83,13 +92,14 @@ def attend_tile(
     if CAUSAL:
         s = tl.where(tok[None, :] <= q_pos[:, None], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)  # fully masked row: exp2(-inf - 0) = 0, not NaN
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = _load_tile(v_base + blk[:, None] * s_vb + off[:, None] * s_vo + d[None, :], tmask, dmask,
                    MASK_TAIL, HEAD_DIM == BLOCK_D)
     if UPCAST:
-        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
     else:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return acc, m_new, l_i

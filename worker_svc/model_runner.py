@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +26,10 @@ from worker_svc.model.sampling import SamplingParams, sample
 
 class InvalidStep(ValueError):
     """The step request is inconsistent (bad ids, too short a block table...); nothing was run."""
+
+
+class RunnerClosed(RuntimeError):
+    """The runner was closed (the worker is shutting down and its cache mapping is gone)."""
 
 
 @dataclass(slots=True)
@@ -97,6 +101,20 @@ class ModelRunner:
         self.num_cpu_blocks = int(cpu_cache.shape[2]) if cpu_cache.dim() == 6 else 0
         self.device = gpu_cache.device
         self._lock = threading.Lock()
+        self._closed = False
+
+    def close(self, release: Callable[[], None] | None = None) -> None:
+        """Wait for the step in flight, refuse later ones, drop the cache views, then ``release()``.
+
+        Why under the lock: a step still running when the worker unmaps its (IPC or shared-memory)
+        cache would touch unmapped memory. ``release`` (e.g. ``SharedCache.close``) runs while the
+        lock is held, so no step can start between the views being dropped and the unmapping.
+        """
+        with self._lock:
+            self._closed = True
+            self.gpu_cache = self.cpu_cache = torch.empty(0)
+            if release is not None:
+                release()
 
     # ---------------------------------------------------------------- validation
     def validate(self, seqs: Sequence[SequenceRequest], ops: CacheOpsRequest) -> None:
@@ -125,6 +143,9 @@ class ModelRunner:
                 raise InvalidStep(f"{where}: bad sampling params {p}")
         self._check_pairs("ops.swap_out", ops.swap_out, self.num_gpu_blocks, self.num_cpu_blocks)
         self._check_pairs("ops.copies", ops.copies, self.num_gpu_blocks, self.num_gpu_blocks)
+        sources = {s for s, _ in ops.copies}
+        if any(d in sources for _, d in ops.copies):  # all copies run at once, in parallel
+            raise InvalidStep("ops.copies: a destination block is also a source")
         self._check_pairs("ops.swap_in", ops.swap_in, self.num_cpu_blocks, self.num_gpu_blocks)
 
     @staticmethod
@@ -143,7 +164,9 @@ class ModelRunner:
             pairs = torch.tensor(ops.swap_out, dtype=torch.int64)
             kernels.swap_blocks(_block_major(self.gpu_cache), _block_major(self.cpu_cache), pairs)
         if ops.copies:
-            pairs = torch.tensor(ops.copies, dtype=torch.int64, device=self.device)
+            # Built on the host: copy_blocks checks "destinations distinct, not also sources" there
+            # (on the device it could not without a sync) and moves the pairs itself.
+            pairs = torch.tensor(ops.copies, dtype=torch.int64)
             layers = range(self.gpu_cache.shape[0])
             kernels.copy_blocks(
                 [self.gpu_cache[i, 0] for i in layers], [self.gpu_cache[i, 1] for i in layers], pairs
@@ -203,6 +226,7 @@ class ModelRunner:
             decode_seq_lens=torch.tensor([seqs[i].seq_len for i in dec_idx], dtype=torch.int32, device=dev)
             if dec_idx
             else None,
+            prefill_max_query_len=max((len(seqs[i].token_ids) for i in pre_idx), default=0),
         )
         token_tensor = torch.tensor(tokens, dtype=torch.int64, device=dev)
         return token_tensor, batch, last_index
@@ -213,8 +237,14 @@ class ModelRunner:
         ops = ops or CacheOpsRequest()
         self.validate(seqs, ops)
         with self._lock:
+            if self._closed:
+                raise RunnerClosed("the worker is shutting down")
             t0 = time.perf_counter()
             self.run_cache_ops(ops)
+            # Cross-process visibility: other workers read this cache through their own CUDA
+            # contexts and streams, so every cache write must be complete before the RPC replies.
+            # Cache ops are synchronised here; the forward's writes are complete once the sampled
+            # tokens reach the host below (same stream). Keep both if this step ever goes async.
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             t1 = time.perf_counter()

@@ -116,8 +116,10 @@ class WorkerProcess:
         if self.watcher is not None:
             self.watcher.stop()
         self.running.stop(grace=1.0)
-        self.servicer._runner = None  # type: ignore[assignment] - drop views before unmapping
-        self.cache.close()
+        runner = self.servicer._runner
+        if runner is not None:  # waits for a step still running after the grace period, drops its views
+            runner.close(release=self.cache.close)
+        self.cache.close()  # idempotent
 
 
 def start_worker(settings: WorkerSettings, stop: threading.Event | None = None) -> WorkerProcess:

@@ -15,7 +15,7 @@ import structlog
 from pagedkv.v1 import block_manager_pb2, worker_pb2, worker_pb2_grpc
 from worker_svc.cache_watch import lost_message
 from worker_svc.model.sampling import SamplingParams
-from worker_svc.model_runner import CacheOpsRequest, InvalidStep, ModelRunner, SequenceRequest
+from worker_svc.model_runner import CacheOpsRequest, InvalidStep, ModelRunner, RunnerClosed, SequenceRequest
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 log = structlog.get_logger("pagedkv.worker")
@@ -89,6 +89,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             result = self._runner.step(seqs, ops)
         except InvalidStep as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except RunnerClosed as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         except Exception as e:  # noqa: BLE001 - turn into a status, keep the trace in the log
             log.exception("step_failed", request_id=request.request_id, num_seqs=len(seqs))
             context.abort(grpc.StatusCode.INTERNAL, f"step failed: {type(e).__name__}: {e}")

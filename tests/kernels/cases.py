@@ -31,7 +31,8 @@ def dtypes_cpu_gpu() -> list[object]:
 
 def tolerance(dtype: torch.dtype) -> dict[str, float]:
     if dtype == torch.float32:
-        return {"rtol": 1e-5, "atol": 1e-5}
+        # Exact in the interpreter; on a GPU the float32 dots are tf32x3 (about, not exactly, fp32).
+        return {"rtol": 1e-4, "atol": 1e-4} if HAS_CUDA else {"rtol": 1e-5, "atol": 1e-5}
     if dtype == torch.float16:
         return {"rtol": 1e-2, "atol": 1e-2}
     return {"rtol": 3e-2, "atol": 3e-2}

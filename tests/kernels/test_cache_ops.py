@@ -104,3 +104,39 @@ def test_swap_blocks_many_layers_staging_path() -> None:
 
 def test_contiguous_runs() -> None:
     assert swap.contiguous_runs([[2, 5], [3, 6], [4, 7], [9, 1], [10, 2], [0, 0]]) == [(2, 5, 3), (9, 1, 2), (0, 0, 1)]
+
+
+def test_contiguous_pieces_of_block_major_views() -> None:
+    """A run of blocks in a block-major view ([N, L, 2, ...] of an [L, 2, N, ...] cache) splits into
+    L * 2 pieces contiguous on both sides: what a swap DMAs straight into the pinned pool."""
+    gen = generator(6)
+    layers = 3
+    src = torch.randn((layers, 2, 10, 4, 2, 8), generator=gen)
+    dst = torch.randn((layers, 2, 7, 4, 2, 8), generator=gen)
+    want = dst.clone()
+    want[:, :, 2:5] = src[:, :, 6:9]
+    d_view, s_view = dst.permute(2, 0, 1, 3, 4, 5)[2:5], src.permute(2, 0, 1, 3, 4, 5)[6:9]
+    assert not d_view.is_contiguous()
+    pieces = list(swap.contiguous_pieces(d_view, s_view))
+    assert len(pieces) == layers * 2
+    for d, s in pieces:
+        assert d.is_contiguous() and s.is_contiguous() and d.shape == (3, 4, 2, 8)
+        d.copy_(s)
+    assert torch.equal(dst, want)
+    contiguous = torch.empty((3, 4, 2, 8))
+    assert [p[0] is contiguous for p in swap.contiguous_pieces(contiguous, contiguous)] == [True]
+
+
+@pytest.mark.parametrize("src_dev,dst_dev", SWAP_DEVICES)
+def test_swap_blocks_block_major_views_all_layers(src_dev: str, dst_dev: str) -> None:
+    """The worker's call: every layer's K and V in one swap through permuted views (runs and scattered)."""
+    gen = generator(7)
+    src = torch.randn((4, 2, 12, 8, 2, 16), generator=gen).to(src_dev)
+    dst = torch.randn((4, 2, 9, 8, 2, 16), generator=gen)
+    dst = dst.pin_memory() if (HAS_CUDA and dst_dev == "cpu") else dst.to(dst_dev)
+    for pairs in ([[3, 0], [4, 1], [5, 2]], [[11, 0], [3, 5], [7, 1], [0, 3], [5, 2], [9, 4]]):
+        want = dst.cpu().clone()
+        p = torch.tensor(pairs)
+        reference.swap_blocks(src.cpu().permute(2, 0, 1, 3, 4, 5), want.permute(2, 0, 1, 3, 4, 5), p)
+        kernels.swap_blocks(src.permute(2, 0, 1, 3, 4, 5), dst.permute(2, 0, 1, 3, 4, 5), p)
+        assert torch.equal(dst.cpu(), want)

@@ -96,3 +96,12 @@ def test_choose_num_splits_fills_the_gpu() -> None:
     assert decode.choose_num_splits(256, 8, 16384, sms) == 1
     assert decode.choose_num_splits(1, 8, 200, sms) == 1  # too short to be worth a reduce
     assert decode.choose_num_splits(1, 1, 10**6, sms) == decode.MAX_SPLITS
+
+
+@pytest.mark.parametrize("head_dim", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_decode_head_dim_below_16(head_dim: int, dtype: torch.dtype) -> None:
+    """The tile is padded to 16 columns (tl.dot needs K >= 16 on a GPU); padding must not leak."""
+    case = make_paged([1, 17, 90], 16, 2, head_dim, dtype, seed=head_dim)
+    _run(case, 6, dtype, seed=head_dim + 3)  # group 3: not a power of two
+    _run(case, 6, dtype, seed=head_dim + 4, num_splits=2)

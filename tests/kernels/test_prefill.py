@@ -56,11 +56,22 @@ def test_prefill_block_sizes(block_size: int) -> None:
     _run(case, list(q_lens), 2, torch.float32, seed=3)
 
 
-@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (8, 1)], ids=["mha", "gqa4", "mqa8"])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (6, 2), (8, 1), (64, 1)], ids=["mha", "gqa4", "gqa3", "mqa8", "mqa64"])
 def test_prefill_gqa_mqa(heads: tuple[int, int]) -> None:
+    """A KV head's query heads are packed into one tile's rows: groups that divide the tile, one
+    that does not (3: padding rows), and one larger than the interpreter's 32-row tile (64)."""
     h, hkv = heads
-    case = make_paged([17, 50], 16, hkv, 64, torch.float16, seed=h + hkv)
-    _run(case, [17, 20], h, torch.float16, seed=5)
+    lens, q_lens = ([17, 50], [17, 20]) if h < 32 else ([9, 21], [9, 4])  # interpreter cost ~ heads
+    case = make_paged(lens, 16, hkv, 64, torch.float16, seed=h + hkv)
+    _run(case, q_lens, h, torch.float16, seed=5)
+
+
+@pytest.mark.parametrize("head_dim", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_prefill_head_dim_below_16(head_dim: int, dtype: torch.dtype) -> None:
+    """The tile is padded to 16 columns (tl.dot needs K >= 16 on a GPU); padding must not leak."""
+    case = make_paged([19, 40], 16, 2, head_dim, dtype, seed=head_dim)
+    _run(case, [19, 6], 4, dtype, seed=head_dim + 1)
 
 
 @pytest.mark.parametrize("layout", ["layers", "blocks_outer"])

@@ -14,7 +14,7 @@ from tests.worker_svc.conftest import HFModel
 from tests.worker_svc.generation import Scheduler, runner_step
 from worker_svc.model.config import ModelConfig
 from worker_svc.model.weights import load_model
-from worker_svc.model_runner import CacheOpsRequest, InvalidStep, ModelRunner, SequenceRequest
+from worker_svc.model_runner import CacheOpsRequest, InvalidStep, ModelRunner, RunnerClosed, SequenceRequest
 
 BLOCK = 4
 PROMPT = [5, 17, 99, 3, 64, 12, 7, 88, 41, 2]  # 10 tokens: 2.5 blocks
@@ -165,6 +165,9 @@ def test_swap_out_copy_swap_in_in_one_step_run_in_that_order(runner: ModelRunner
         (SequenceRequest("x", [], [0], 0), CacheOpsRequest(), "no new token"),
         (SequenceRequest("x", [1], [0], 0), CacheOpsRequest(swap_in=[(16, 0)]), "ops.swap_in"),
         (SequenceRequest("x", [1], [0], 0), CacheOpsRequest(copies=[(1, 3), (2, 3)]), "twice"),
+        # after a swap-out, so "before anything runs" covers the ops too
+        (SequenceRequest("x", [1], [0], 0), CacheOpsRequest(swap_out=[(5, 0)], copies=[(1, 3), (3, 4)]),
+         "also a source"),
     ],
 )
 def test_invalid_steps_are_rejected_before_anything_runs(
@@ -209,3 +212,53 @@ def test_triton_kernels_in_the_interpreter_agree_with_reference(hf_llama: HFMode
         results[backend] = (st.generated, last.logits)
     assert results["triton"][0] == results["reference"][0]
     torch.testing.assert_close(results["triton"][1], results["reference"][1], atol=1e-4, rtol=1e-4)
+
+
+def test_prefill_gets_max_query_len_from_the_host(runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each layer's prefill call is told the longest query run, so it never reads it off the device."""
+    import kernels
+
+    seen: list[object] = []
+    real = kernels.paged_prefill_attention
+
+    def spy(*args: object, **kw: object) -> torch.Tensor:
+        seen.append(kw.get("max_query_len"))
+        return real(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(kernels, "paged_prefill_attention", spy)
+    runner.step([SequenceRequest("p", PROMPT, [20, 21, 22], 0), SequenceRequest("q", [4, 5, 6], [23], 0),
+                 SequenceRequest("d", [9], [24], 3)])
+    assert seen == [len(PROMPT)] * runner.model.cfg.num_layers
+
+
+def test_close_waits_for_the_step_in_flight_then_refuses_steps(hf_llama: HFModel) -> None:
+    """Shutdown must not unmap the cache under a running step: close() takes the step lock first."""
+    import threading
+
+    r = make_runner(hf_llama.path, num_gpu_blocks=8, num_cpu_blocks=0)
+    in_forward, finish = threading.Event(), threading.Event()
+    real_forward = r.model.forward
+    events: list[str] = []
+
+    def slow_forward(*args: object, **kw: object) -> torch.Tensor:
+        in_forward.set()
+        assert finish.wait(30)
+        out = real_forward(*args, **kw)  # type: ignore[arg-type]
+        events.append("forward done")
+        return out
+
+    r.model.forward = slow_forward  # type: ignore[method-assign]
+    stepper = threading.Thread(target=lambda: r.step([SequenceRequest("s", PROMPT[:3], [0], 0)]))
+    stepper.start()
+    assert in_forward.wait(30)
+    closer = threading.Thread(target=lambda: r.close(release=lambda: events.append("released")))
+    closer.start()
+    closer.join(0.3)
+    assert closer.is_alive() and events == []  # blocked behind the step
+    finish.set()
+    stepper.join(30)
+    closer.join(30)
+    assert events == ["forward done", "released"]
+    assert r.gpu_cache.numel() == 0  # views dropped
+    with pytest.raises(RunnerClosed):
+        r.step([SequenceRequest("s", [1], [0], 3)])

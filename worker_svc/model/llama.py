@@ -40,6 +40,9 @@ class AttentionBatch:
     prefill_seq_lens: torch.Tensor | None  # int32 [num_prefill_seqs]
     decode_block_tables: torch.Tensor | None  # int32 [num_decode_seqs, max_blocks]
     decode_seq_lens: torch.Tensor | None  # int32 [num_decode_seqs]
+    # Longest prefill query run, known on the host: passed to every layer's prefill kernel so it
+    # never reads query_start_loc back from the device (one sync per layer otherwise).
+    prefill_max_query_len: int = 0
 
 
 @dataclass(slots=True)
@@ -155,6 +158,7 @@ class LlamaModel:
                     batch.prefill_query_start_loc,
                     batch.prefill_seq_lens,
                     self.scale,
+                    max_query_len=batch.prefill_max_query_len or None,
                 )
             )
         if n_tok > n_pre:
