@@ -41,7 +41,7 @@ from frontend.engine_loop import Admitted, EngineLoop, Failed, Finished
 from frontend.openai_api import ApiError, Limits, Parsed, parse_chat, parse_completion
 from frontend.serve_metrics import ServeMetrics
 from frontend.serve_settings import ServeSettings, load_settings
-from frontend.text import IncrementalText, ModelText, load_model_text
+from frontend.text import IncrementalText, load_model_text
 from pagedkv.tls import TlsConfigError, is_loopback
 
 log = structlog.get_logger("pagedkv.serve")
