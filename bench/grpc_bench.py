@@ -10,10 +10,16 @@ a shared host hits every row alike):
 * ``Append``     unary Append of one token, round robin over pre-allocated sequences
 * ``Step/packed``  one Step appending a token to 256 sequences as packed arrays
 * ``Step/sub``     the same 256 appends as AppendRequest sub-messages
+* ``Step/iteration``  the Step the engine really sends each iteration (issue 11):
+  256 running sequences each appending its sampled token WITH its id, 16
+  commits (what the last worker step completed: a block boundary each), 4
+  frees (finished requests) and 4 allocations (new 64-token prompts with
+  their ids, this engine's lease), in the manager's order
 
 each with one call in flight (sync stub, back to back) and with N in flight
 (grpc.aio, N tasks on one channel). Targets: unary Append at >= 80 % of the
-floor's calls/s; the 256-sequence Step p50 under 2 ms (one call in flight).
+floor's calls/s; the 256-sequence packed Step p50 under 2 ms and the engine's
+iteration Step p50 under 1.5 ms (one call in flight).
 
     python bench/grpc_bench.py            # about 30-40 s
     python bench/grpc_bench.py --quick    # a few seconds (the smoke test)
@@ -46,13 +52,19 @@ from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
 STEP_SEQS = 256
 APPEND_SEQS = 256
 FLOOR = "Check"
-ROWS = ("Check", "GetStats", "Append", "Step/packed", "Step/sub")
+ROWS = ("Check", "GetStats", "Append", "Step/packed", "Step/sub", "Step/iteration")
+ITER_COMMITS = 16
+ITER_FREES = 4  # = allocations per iteration
+ITER_PROMPT = 64
+ITER_LAG = 256  # an iteration's allocations are freed this many calls later (> calls in flight)
+LEASE = "bench-engine"
 LABELS = {
     "Check": "Check (health, empty RPC: floor)",
     "GetStats": "GetStats (echo-like read)",
     "Append": "Append (unary, 1 token)",
     "Step/packed": f"Step {STEP_SEQS} seqs, packed arrays",
     "Step/sub": f"Step {STEP_SEQS} seqs, sub-messages",
+    "Step/iteration": f"Step engine iteration ({STEP_SEQS}+c/f/a)",
 }
 
 
@@ -110,9 +122,16 @@ class Workload:
     def __init__(self, channel: grpc.Channel) -> None:
         self.append_ids = [f"bench-a-{i}" for i in range(APPEND_SEQS)]
         self.step_ids = [f"bench-s-{i}" for i in range(STEP_SEQS)]
+        self.iter_ids = [f"bench-i-{i}" for i in range(STEP_SEQS)]
         stub = pb_grpc.BlockManagerStub(channel)
         for seq in self.append_ids + self.step_ids:
             stub.Allocate(pb.AllocateRequest(seq_id=seq, num_tokens=16), timeout=5)
+        for i, seq in enumerate(self.iter_ids):
+            stub.Allocate(pb.AllocateRequest(seq_id=seq, num_tokens=16, token_ids=[(i + j) % 30_000 for j in range(16)],
+                                             lease_id=LEASE), timeout=5)
+        self.iter_n = 0
+        self.iter_tokens = [(7 * i) % 30_000 for i in range(STEP_SEQS)]
+        self.iter_prefix = list(range(100, 100 + ITER_PROMPT - 16))
         self.appends = [pb.AppendRequest(seq_id=s, num_tokens=1) for s in self.append_ids]
         self.step_packed = pb.StepRequest(append_seq_ids=self.step_ids)
         self.step_sub = pb.StepRequest(appends=[pb.AppendRequest(seq_id=s, num_tokens=1) for s in self.step_ids])
@@ -128,13 +147,44 @@ class Workload:
             self.n += 1
             return append, self.appends[self.n % APPEND_SEQS]
 
+        def next_iteration() -> tuple[Callable[..., object], object]:
+            return step, self.iteration_request()
+
         return {
             "Check": lambda: (check, check_req),
             "GetStats": lambda: (stats, stats_req),
             "Append": next_append,
             "Step/packed": lambda: (step, self.step_packed),
             "Step/sub": lambda: (step, self.step_sub),
+            "Step/iteration": next_iteration,
         }
+
+    def iteration_request(self) -> pb.StepRequest:
+        """Iteration n: commit 16 running sequences (rotating) up to what is surely computed,
+        free the 4 requests allocated ITER_LAG iterations ago, append a token to all 256, allocate
+        4 new ones. Built per call (it is what the engine does), its cost included in the timing."""
+        n = self.iter_n
+        self.iter_n += 1
+        # Every earlier iteration appended one token to each running sequence; ones still in flight
+        # may not have applied yet, so commit only what ITER_LAG iterations ago made certain.
+        computed = 16 + max(0, n - ITER_LAG)
+        first = (n * ITER_COMMITS) % STEP_SEQS
+        commit_ids = [self.iter_ids[(first + j) % STEP_SEQS] for j in range(ITER_COMMITS)]
+        frees = [f"bench-n-{n - ITER_LAG}-{j}" for j in range(ITER_FREES)] if n >= ITER_LAG else []
+        new_ids = [f"bench-n-{n}-{j}" for j in range(ITER_FREES)]
+        prompts: list[int] = []
+        for j in range(ITER_FREES):
+            prompts += self.iter_prefix + [(n * 16 + j + k) % 30_000 for k in range(16)]
+        tokens = self.iter_tokens
+        for i in range(0, STEP_SEQS, 37):
+            tokens[i] = (tokens[i] + n) % 30_000  # sampled tokens change every iteration
+        return pb.StepRequest(
+            commit_seq_ids=commit_ids, commit_num_computed_tokens=[computed] * ITER_COMMITS,
+            free_seq_ids=frees,
+            append_seq_ids=self.iter_ids, append_token_ids=tokens,
+            alloc_seq_ids=new_ids, alloc_num_tokens=[ITER_PROMPT] * ITER_FREES, alloc_token_ids=prompts,
+            alloc_lease_ids=[LEASE] * ITER_FREES,
+        )
 
 
 def run_sync(channel: grpc.Channel, work: Workload, window_s: float, rounds: int,
@@ -144,7 +194,9 @@ def run_sync(channel: grpc.Channel, work: Workload, window_s: float, rounds: int
         end = time.perf_counter() + min(window_s, 0.1)
         while time.perf_counter() < end:
             method, req = calls[name]()
-            method(req, timeout=5)
+            resp = method(req, timeout=5)
+            if name == "Step/iteration" and resp.errors:  # type: ignore[attr-defined]
+                raise RuntimeError(f"the iteration Step must apply whole: {resp.errors[0]}")  # type: ignore[attr-defined]
     clock = time.perf_counter_ns
     for _ in range(rounds):
         for name in ROWS:
@@ -192,14 +244,14 @@ async def run_async(target: str, work: Workload, window_s: float, rounds: int, i
 
 
 def render(table: dict[int, dict[str, Cell]], in_flight: int) -> tuple[str, dict[str, object], bool]:
-    lines = [f"{'call':<40}{'in flight':>10}{'calls/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'vs floor':>10}"]
+    lines = [f"{'call':<44}{'in flight':>10}{'calls/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'vs floor':>10}"]
     data: dict[str, object] = {}
     for flight, cells in table.items():
         floor = cells[FLOOR].calls_per_s
         for name in ROWS:
             c = cells[name]
             ratio = c.calls_per_s / floor if floor else 0.0
-            lines.append(f"{LABELS[name]:<40}{flight:>10}{c.calls_per_s:>10.0f}{c.pct_ms(50):>9.3f}"
+            lines.append(f"{LABELS[name]:<44}{flight:>10}{c.calls_per_s:>10.0f}{c.pct_ms(50):>9.3f}"
                          f"{c.pct_ms(99):>9.3f}{ratio:>10.2f}")
             data[f"{name}@{flight}"] = {"calls_per_s": round(c.calls_per_s, 1), "p50_ms": round(c.pct_ms(50), 4),
                                         "p99_ms": round(c.pct_ms(99), 4), "vs_floor": round(ratio, 3),
@@ -219,6 +271,10 @@ def render(table: dict[int, dict[str, Cell]], in_flight: int) -> tuple[str, dict
         if name == "Step/packed":
             all_ok &= ok
         lines.append(f"  {LABELS[name]} p50 < 2 ms, 1 in flight: {p50:.3f} ms  {'ok' if ok else 'MISS'}")
+    p50 = table[1]["Step/iteration"].pct_ms(50)
+    ok = p50 < 1.5
+    all_ok &= ok
+    lines.append(f"  {LABELS['Step/iteration']} p50 < 1.5 ms, 1 in flight: {p50:.3f} ms  {'ok' if ok else 'MISS'}")
     packed, sub = table[1]["Step/packed"].pct_ms(50), table[1]["Step/sub"].pct_ms(50)
     if packed:
         lines.append(f"  (sub-messages / packed p50 at 1 in flight: {sub / packed:.2f}x)")
@@ -237,9 +293,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     window = args.window if args.window is not None else (0.15 if args.quick else 0.8)
     rounds = args.rounds if args.rounds is not None else (1 if args.quick else 3)
-    # Every Step grows 256 sequences by a token: room for a few thousand Steps at 16 tokens/block.
+    # Every Step grows 256 sequences by a token: room for a few thousand Steps at 16 tokens/block,
+    # for each of the two 256-sequence Step rows, plus the iteration row's in-flight allocations.
     expected_steps = int(2 * rounds * window * 4000)
-    num_gpu_blocks = min(2**31 - 1, 4 * (APPEND_SEQS + STEP_SEQS) + STEP_SEQS * (expected_steps // 16 + 2))
+    num_gpu_blocks = min(2**31 - 1, 4 * (APPEND_SEQS + 2 * STEP_SEQS) + 2 * STEP_SEQS * (expected_steps // 16 + 2)
+                         + 2 * ITER_LAG * ITER_FREES * (ITER_PROMPT // 16))
     t0 = time.monotonic()
     proc, target = start_server(num_gpu_blocks)
     try:

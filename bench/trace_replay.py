@@ -205,6 +205,9 @@ class GrpcCore:
     def append(self, seq_id: str, n: int, tokens: list[int]) -> None:
         self.stub.Append(self.pb.AppendRequest(seq_id=seq_id, num_tokens=n, token_ids=tokens))
 
+    def commit(self, seq_id: str, n: int) -> None:
+        self.stub.Commit(self.pb.CommitRequest(seq_id=seq_id, num_computed_tokens=n))
+
     def free(self, seq_id: str) -> None:
         self.stub.Free(self.pb.FreeRequest(seq_id=seq_id))
 
@@ -226,6 +229,9 @@ class LocalCore:
 
     def append(self, seq_id: str, n: int, tokens: list[int]) -> None:
         self.bm.append(seq_id, n, tokens)
+
+    def commit(self, seq_id: str, n: int) -> None:
+        self.bm.commit(seq_id, n)
 
     def free(self, seq_id: str) -> None:
         self.bm.free(seq_id)
@@ -263,12 +269,14 @@ def run_prefix(trace: PrefixTrace, policy: str, num_blocks: int, concurrency: in
                 core.free(inflight.popleft())  # the oldest request finishes first
         any_hit += cached > 0
         inflight.append(sid)
+        core.commit(sid, len(prompt))  # the prefill ran: its KV is written (only then a hit)
         while True:
             try:
                 core.append(sid, len(answer), answer)
                 break
             except ResourceExhausted:
                 core.free(inflight.popleft())
+        core.commit(sid, len(prompt) + len(answer))
         if len(inflight) > concurrency:
             core.free(inflight.popleft())
     hits, queried = core.hit_tokens()
@@ -339,7 +347,9 @@ def run_overload(mode: str, seed: int, num: int, num_blocks: int, num_cpu: int, 
             continue
         ids = list(running)  # arrival order: earlier sequences grow (and preempt) first
         new = [rng.randrange(VOCAB) for _ in ids]
-        r = bm.step(ids, None, new)
+        # The last worker step computed everything but each sequence's newest token.
+        r = bm.step(ids, None, new, commit_seq_ids=ids,
+                    commit_num_computed_tokens=[bm.seqs[s].num_tokens - 1 if s in bm.seqs else 0 for s in ids])
         handle(r.preempted)
         for err in r.append_errors:
             sid = err.seq_id

@@ -2,7 +2,9 @@
 journal + snapshots with crash recovery, deadlines (docs/reliability.md).
 
 :class:`ReliableServicer` wraps the plain servicer's mutating handlers
-(Allocate, Append, Fork, Free, Step, SwapIn, Preempt) and adds KeepAlive.
+(Allocate, Append, Fork, Free, Commit, Step, SwapIn, Preempt) and adds
+KeepAlive. Commits are journaled like every mutation, so recovery restores
+which blocks are in the prefix cache exactly.
 Every mutation runs through one path, :meth:`ReliableServicer._mutate`:
 
 1. a request whose deadline already passed is refused (DEADLINE_EXCEEDED)
@@ -51,7 +53,7 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("pagedkv.block_manager")
 
-MUTATIONS = ("Allocate", "Append", "Fork", "Free", "Step", "SwapIn", "Preempt", "ResetPrefixCache")
+MUTATIONS = ("Allocate", "Append", "Fork", "Free", "Commit", "Step", "SwapIn", "Preempt", "ResetPrefixCache")
 EXPIRE_LEASE = "ExpireLease"  # journal record of a lease expiry (body: the lease id)
 MAX_TTL_MS = 24 * 3600 * 1000
 SNAPSHOT_VERSION = 1
@@ -146,11 +148,13 @@ class ReliableServicer(BlockManagerServicer):
         rid = request.request_id
         journal = self.journal
         lease_id = getattr(request, "lease_id", "")
-        if not rid and journal is None and not lease_id and not self.leases:
+        alloc_leases = request.alloc_lease_ids if name == "Step" else ()
+        if not rid and journal is None and not lease_id and not alloc_leases and not self.leases:
             return base(self, request, context)  # the hot path
-        if len(lease_id) > MAX_LEASE_ID_LEN:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"lease_id is {len(lease_id)} characters long; the limit is {MAX_LEASE_ID_LEN}")
+        for lid in (lease_id, *alloc_leases) if alloc_leases else (lease_id,):
+            if len(lid) > MAX_LEASE_ID_LEN:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"lease_id is {len(lid)} characters long; the limit is {MAX_LEASE_ID_LEN}")
         body = request.SerializeToString() if (rid or journal is not None) else b""
         dig = b""
         if rid:
@@ -203,6 +207,7 @@ class ReliableServicer(BlockManagerServicer):
             if leases.lease_of:
                 leases.detach_all(f.seq_id for f in request.frees)
                 leases.detach_all(request.free_seq_ids)
+            _step_leases(leases, request, response)
         elif name == "KeepAlive":
             return response
         return response, True
@@ -396,6 +401,20 @@ class ReliableServicer(BlockManagerServicer):
             )
         rel.start()
         return rel
+
+
+def _step_leases(leases: LeaseTable, request: pb.StepRequest, response: pb.StepResponse) -> None:
+    """Leases of a Step's packed allocations and forks, like Allocate's and Fork's."""
+    if not (request.alloc_lease_ids or (request.fork_child_seq_ids and leases.lease_of)):
+        return
+    failed = {(e.kind, e.index) for e in response.errors}
+    for j, lid in enumerate(request.alloc_lease_ids):
+        if lid and (pb.StepItemError.ALLOCATE, j) not in failed:
+            leases.attach(request.alloc_seq_ids[j], lid)
+    for j, child in enumerate(request.fork_child_seq_ids):
+        lid = leases.lease_of.get(request.fork_parent_seq_ids[j])
+        if lid and (pb.StepItemError.FORK, j) not in failed:
+            leases.attach(child, lid)
 
 
 def _keepalive_base(self: ReliableServicer, request: pb.KeepAliveRequest, context: Any) -> Any:

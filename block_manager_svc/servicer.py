@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import grpc
 import structlog
@@ -90,6 +90,86 @@ def _item_error(kind: int, err: ItemError, index: int | None = None) -> pb.StepI
         code=err.code.value,
         message=err.message,
     )
+
+
+class _SubAppends:
+    """Sub-message appends converted to the core's one (packed) form, and the
+    results mapped back: the sub-message items go first in the packed arrays.
+
+    An item whose token_ids length does not match its num_tokens is rejected
+    here (it cannot be concatenated) with the message the core would give."""
+
+    __slots__ = ("ids", "counts", "tokens", "known", "map", "bad", "n_sub", "n_packed")
+
+    def __init__(self, request: pb.StepRequest) -> None:
+        ids: list[str] = []
+        counts: list[int] = []
+        tokens: list[int] = []
+        known: list[bool] = []
+        self.map: list[int] = []  # packed position -> sub-message index
+        self.bad: list[tuple[int, str, str]] = []
+        for j, a in enumerate(request.appends):
+            if a.token_ids and len(a.token_ids) != a.num_tokens:
+                self.bad.append((j, a.seq_id, f"token_ids has {len(a.token_ids)} entries but num_tokens is "
+                                              f"{a.num_tokens}; they must match"))
+                continue
+            self.map.append(j)
+            ids.append(a.seq_id)
+            counts.append(a.num_tokens)
+            known.append(bool(a.token_ids))
+            tokens.extend(a.token_ids)
+        self.n_sub = len(ids)
+        packed = request.append_seq_ids
+        self.n_packed = len(packed)
+        ids.extend(packed)
+        counts.extend(request.append_num_tokens or [1] * len(packed))
+        packed_known = bool(request.append_token_ids)
+        known.extend([packed_known] * len(packed))
+        tokens.extend(request.append_token_ids)
+        self.ids, self.counts, self.tokens, self.known = ids, counts, tokens, known
+
+    def split_results(self, r: Any, resp: pb.StepResponse) -> None:
+        n_sub = self.n_sub
+        per_item: list[list[int]] = [[] for _ in range(n_sub)]
+        for i, b in zip(r.new_block_index, r.new_block_ids):
+            if i < n_sub:
+                per_item[i].append(b)
+            else:
+                resp.packed_new_block_index.append(i - n_sub)
+                resp.packed_new_block_ids.append(b)
+        copies: dict[int, tuple[int, int]] = {}
+        for k, i in enumerate(r.replaced_index):
+            if i < n_sub:
+                copies[i] = r.ops.copies[k]
+            else:
+                resp.packed_replaced_index.append(i - n_sub)
+        preempted: dict[int, list[Preemption]] = {}
+        for p, i in zip(r.preempted, r.preempted_by):
+            if i < n_sub:
+                preempted.setdefault(i, []).append(p)
+        total = len(self.map) + len(self.bad)
+        items = [pb.AppendResponse() for _ in range(total)]
+        for i, j in enumerate(self.map):
+            if per_item[i]:
+                copy = copies.get(i)
+                item = items[j]
+                item.new_block_ids.extend(per_item[i])
+                if copy is not None:
+                    item.replaced_last_block = True
+                    item.ops.copies.add(src=copy[0], dst=copy[1])
+                item.preempted.extend(preemptions_to_proto(preempted.get(i, [])))
+        resp.appends.extend(items)
+
+    def errors(self, r: Any, errors: Any) -> None:
+        n_sub = self.n_sub
+        for j, seq_id, message in self.bad:
+            errors.append(pb.StepItemError(kind=pb.StepItemError.APPEND, index=j, seq_id=seq_id,
+                                           code=grpc.StatusCode.INVALID_ARGUMENT.value[0], message=message))
+        for err in r.append_errors:
+            if err.index < n_sub:
+                errors.append(_item_error(pb.StepItemError.APPEND, err, self.map[err.index]))
+            else:
+                errors.append(_item_error(pb.StepItemError.PACKED_APPEND, err, err.index - n_sub))
 
 
 class BlockManagerServicer(pb_grpc.BlockManagerServicer):
@@ -180,45 +260,71 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
                  victims=[(p.seq_id, p.mode) for p in preempted], request_id=request_id_of(context, request))
         return pb.PreemptResponse(preempted=preemptions_to_proto(preempted), ops=ops_to_proto(ops))
 
+    def Commit(self, request: pb.CommitRequest, context: grpc.ServicerContext) -> pb.CommitResponse:
+        try:
+            with self._lock:
+                n = self._core.commit(request.seq_id, request.num_computed_tokens)
+        except CoreError as e:
+            self._abort(context, "Commit", e, request.seq_id, request)
+        return pb.CommitResponse(num_committed_blocks=n)
+
     def Step(self, request: pb.StepRequest, context: grpc.ServicerContext) -> pb.StepResponse:
         sub_frees = [f.seq_id for f in request.frees]
         frees = sub_frees + list(request.free_seq_ids) if request.free_seq_ids else sub_frees
-        appends = [(a.seq_id, a.num_tokens, a.token_ids or None) for a in request.appends]
+        na = len(request.alloc_seq_ids)
+        if request.alloc_lease_ids and len(request.alloc_lease_ids) != na:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"alloc_lease_ids has {len(request.alloc_lease_ids)} entries for {na} allocations; "
+                          "one each, or none")
+        sub = _SubAppends(request) if request.appends else None
         try:
             with self._lock:
-                r = self._core.step(
-                    request.append_seq_ids,
-                    request.append_num_tokens or None,
-                    request.append_token_ids or None,
-                    frees,
-                    appends,
-                    request.swap_in_seq_ids,
-                )
+                if sub is None:
+                    r = self._core.step(
+                        request.append_seq_ids,
+                        request.append_num_tokens or None,
+                        request.append_token_ids or None,
+                        frees,
+                        request.swap_in_seq_ids,
+                        commit_seq_ids=request.commit_seq_ids,
+                        commit_num_computed_tokens=request.commit_num_computed_tokens,
+                        alloc_seq_ids=request.alloc_seq_ids,
+                        alloc_num_tokens=request.alloc_num_tokens,
+                        alloc_token_ids=request.alloc_token_ids,
+                        alloc_priorities=request.alloc_priorities,
+                        alloc_salts=request.alloc_cache_salts,
+                        fork_parent_seq_ids=request.fork_parent_seq_ids,
+                        fork_child_seq_ids=request.fork_child_seq_ids,
+                    )
+                else:
+                    r = self._core.step(
+                        sub.ids, sub.counts, sub.tokens, frees, request.swap_in_seq_ids,
+                        append_tokens_known=sub.known,
+                        commit_seq_ids=request.commit_seq_ids,
+                        commit_num_computed_tokens=request.commit_num_computed_tokens,
+                        alloc_seq_ids=request.alloc_seq_ids,
+                        alloc_num_tokens=request.alloc_num_tokens,
+                        alloc_token_ids=request.alloc_token_ids,
+                        alloc_priorities=request.alloc_priorities,
+                        alloc_salts=request.alloc_cache_salts,
+                        fork_parent_seq_ids=request.fork_parent_seq_ids,
+                        fork_child_seq_ids=request.fork_child_seq_ids,
+                    )
                 available = self._core.pool.num_available
         except CoreError as e:
             self._abort(context, "Step", e, "", request)
 
         resp = pb.StepResponse(
-            packed_new_block_index=r.new_block_index,
-            packed_new_block_ids=r.new_block_ids,
-            packed_replaced_index=r.replaced_index,
             num_blocks_released=sum(r.released),
             num_available_blocks=available,
         )
-        ops = CacheOps()
-        add_append = resp.appends.add
-        for item in r.item_results:
-            if item is None or not item.new_block_ids:
-                add_append()  # nothing changed for it (no new block means no op either)
-            else:
-                ops.extend(item.ops)
-                resp.appends.add(
-                    new_block_ids=item.new_block_ids,
-                    ops=ops_to_proto(item.ops),
-                    replaced_last_block=item.replaced_last_block,
-                    preempted=preemptions_to_proto(item.preempted),
-                )
-        ops.extend(r.ops)
+        if sub is None:
+            resp.packed_new_block_index.extend(r.new_block_index)
+            resp.packed_new_block_ids.extend(r.new_block_ids)
+            resp.packed_replaced_index.extend(r.replaced_index)
+        else:
+            sub.split_results(r, resp)
+        ops = r.ops
         for swap_in in r.swap_in_results:
             if swap_in is None:
                 resp.swap_ins.add()
@@ -231,19 +337,30 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
                      request_id=request_id_of(context, request))
         if ops:
             resp.ops.CopyFrom(ops_to_proto(ops))
+        if na:
+            resp.alloc_num_cached_tokens.extend(r.alloc_num_cached_tokens)
+            resp.packed_alloc_block_index.extend(r.alloc_block_index)
+            resp.packed_alloc_block_ids.extend(r.alloc_block_ids)
         n_sub = len(sub_frees)
         for released in r.released[:n_sub]:
             resp.frees.add(num_blocks_released=released)
         errors = resp.errors
-        for err in r.item_errors:
-            errors.append(_item_error(pb.StepItemError.APPEND, err))
-        for err in r.append_errors:
-            errors.append(_item_error(pb.StepItemError.PACKED_APPEND, err))
+        for err in r.commit_errors:
+            errors.append(_item_error(pb.StepItemError.COMMIT, err))
         for err in r.free_errors:
             if err.index < n_sub:
                 errors.append(_item_error(pb.StepItemError.FREE, err))
             else:
                 errors.append(_item_error(pb.StepItemError.PACKED_FREE, err, err.index - n_sub))
+        if sub is None:
+            for err in r.append_errors:
+                errors.append(_item_error(pb.StepItemError.PACKED_APPEND, err))
+        else:
+            sub.errors(r, errors)
+        for err in r.alloc_errors:
+            errors.append(_item_error(pb.StepItemError.ALLOCATE, err))
+        for err in r.fork_errors:
+            errors.append(_item_error(pb.StepItemError.FORK, err))
         for err in r.swap_in_errors:
             errors.append(_item_error(pb.StepItemError.SWAP_IN, err))
         if errors:
@@ -275,6 +392,7 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
             num_swapped_in_blocks=s.num_swapped_in_blocks,
             preemption_cost_s=s.preemption_cost_s,
             num_prefix_cache_resets=s.num_prefix_cache_resets,
+            num_committed_blocks=s.num_committed_blocks,
         )
 
     def ResetPrefixCache(  # noqa: N802 - gRPC method name

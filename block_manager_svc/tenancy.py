@@ -150,6 +150,13 @@ class TenantServicer(ReliableServicer):
         self._common(req, context, p)
         return super().Free(req, _ScopedContext(context, p))
 
+    def Commit(self, request: pb.CommitRequest, context: Any) -> pb.CommitResponse:
+        p = self._tenant(context).prefix
+        req = self._copy(request)
+        req.seq_id = self._one(context, request.seq_id, p)
+        self._common(req, context, p)
+        return super().Commit(req, _ScopedContext(context, p))
+
     def GetBlockTable(self, request: pb.GetBlockTableRequest, context: Any) -> pb.BlockTable:
         p = self._tenant(context).prefix
         req = pb.GetBlockTableRequest(seq_id=self._one(context, request.seq_id, p))
@@ -189,12 +196,27 @@ class TenantServicer(ReliableServicer):
         p = self._tenant(context).prefix
         n = len(p)
         req = self._copy(request)
-        for field in ("append_seq_ids", "free_seq_ids", "swap_in_seq_ids"):
+        for field in ("append_seq_ids", "free_seq_ids", "swap_in_seq_ids", "commit_seq_ids", "alloc_seq_ids",
+                      "fork_parent_seq_ids", "fork_child_seq_ids"):
             src = getattr(request, field)
             if src:
                 dst = getattr(req, field)
                 del dst[:]
                 dst.extend(self._ids(context, src, p, field))
+        if request.alloc_seq_ids:
+            # Prefix hashes salted per tenant, as Allocate does; empty = no salt for all.
+            salts = request.alloc_cache_salts or [""] * len(request.alloc_seq_ids)
+            for salt in salts:
+                if salt:
+                    self._check(context, salt, "alloc_cache_salts", 256)
+            del req.alloc_cache_salts[:]
+            req.alloc_cache_salts.extend(p + salt for salt in salts)
+            if request.alloc_lease_ids:
+                for lid in request.alloc_lease_ids:
+                    if lid:
+                        self._check(context, lid, "alloc_lease_ids", MAX_LEASE_ID_LEN - len(p))
+                del req.alloc_lease_ids[:]
+                req.alloc_lease_ids.extend(p + lid if lid else "" for lid in request.alloc_lease_ids)
         for item in req.appends:
             item.seq_id = self._one(context, item.seq_id, p)
         for item in req.frees:

@@ -12,7 +12,7 @@ What every call gets:
   (:mod:`frontend.retry` explains why this is a client-side loop and not
   gRPC's service-config retry policy). Reads always retry. Mutations
   (Allocate, Append, Fork, Free, Step, KeepAlive, SwapIn, Preempt) retry only when you pass a
-  ``request_id``: a retried mutation that the server already applied would be
+  ``request_id`` (Commit is idempotent by definition and always retries): a retried mutation that the server already applied would be
   applied twice, and only request ids let the server recognise the repeat
   and answer it from its dedupe table (issue 7).
 
@@ -291,6 +291,13 @@ class BlockManagerClient(GrpcClient):
         req = pb.FreeRequest(seq_id=seq_id, request_id=request_id or "")
         return self._call(self._stub.Free, req, mutation=True, request_id=request_id, timeout_s=timeout_s)
 
+    def commit(self, seq_id: str, num_computed_tokens: int, *, request_id: str | None = None,
+               timeout_s: float | None = None) -> pb.CommitResponse:
+        """The KV of the first ``num_computed_tokens`` tokens is written: its full blocks become
+        prefix-cache hits (idempotent, so retried even without a request id)."""
+        req = pb.CommitRequest(seq_id=seq_id, num_computed_tokens=num_computed_tokens, request_id=request_id or "")
+        return self._call(self._stub.Commit, req, mutation=False, request_id=request_id, timeout_s=timeout_s)
+
     def get_block_table(self, seq_id: str, *, timeout_s: float | None = None) -> pb.BlockTable:
         return self._call(self._stub.GetBlockTable, pb.GetBlockTableRequest(seq_id=seq_id),
                           mutation=False, request_id=None, timeout_s=timeout_s)
@@ -369,6 +376,11 @@ class AsyncBlockManagerClient(AsyncGrpcClient):
                    timeout_s: float | None = None) -> pb.FreeResponse:
         req = pb.FreeRequest(seq_id=seq_id, request_id=request_id or "")
         return await self._call(self._stub.Free, req, mutation=True, request_id=request_id, timeout_s=timeout_s)
+
+    async def commit(self, seq_id: str, num_computed_tokens: int, *, request_id: str | None = None,
+                     timeout_s: float | None = None) -> pb.CommitResponse:
+        req = pb.CommitRequest(seq_id=seq_id, num_computed_tokens=num_computed_tokens, request_id=request_id or "")
+        return await self._call(self._stub.Commit, req, mutation=False, request_id=request_id, timeout_s=timeout_s)
 
     async def get_block_table(self, seq_id: str, *, timeout_s: float | None = None) -> pb.BlockTable:
         return await self._call(self._stub.GetBlockTable, pb.GetBlockTableRequest(seq_id=seq_id),

@@ -57,6 +57,9 @@ class DemoFigures:
     peak_contiguous_tokens: int = 0
     bytes_per_token: int = 0
     block_size: int = 16
+    steps: int = 0  # engine iterations
+    bm_round_trips: int = 0  # the engine's block-manager Steps (the demo's own GetStats not counted)
+    worker_steps: int = 0
 
 
 def make_workload(num_requests: int, vocab: int, seed: int) -> list[GenerationRequest]:
@@ -135,6 +138,9 @@ class _Sampler:
                                        sum((len(r.prompt) + r.max_tokens) * r.n for r in live.values()))
         f.preempted_recompute = engine.stats.preempted_recompute
         f.preempted_swap = engine.stats.preempted_swap
+        f.steps = engine.stats.steps
+        f.bm_round_trips = engine.stats.bm_round_trips
+        f.worker_steps = engine.stats.worker_steps
 
 
 def new_sampler(bytes_per_token: int = 0) -> _Sampler:
@@ -220,9 +226,13 @@ def report(f: DemoFigures) -> str:
         ("peak KV memory, paged", f"{paged / 2**20:.2f} MiB ({f.peak_paged_blocks} blocks)"),
         ("peak KV memory, contiguous reservation", f"{contiguous / 2**20:.2f} MiB (prompt + max_tokens, per sample)"),
         ("contiguous / paged", f"{contiguous / paged:.2f}x" if paged else "-"),
+        ("engine iterations", f"{f.steps}"),
+        ("block-manager round trips per iteration (Step)",
+         f"{f.bm_round_trips / f.steps:.2f} ({f.bm_round_trips} in all)" if f.steps else "-"),
+        ("worker steps per iteration", f"{f.worker_steps / f.steps:.2f} ({f.worker_steps} in all)" if f.steps else "-"),
     ]
     if not f.peak_paged_blocks:  # --url: the server's engine was not sampled
-        rows = [(k, v if not k.startswith(("KV", "peak", "contiguous", "preemptions")) else
+        rows = [(k, v if not k.startswith(("KV", "peak", "contiguous", "preemptions", "engine", "block-manager", "worker steps")) else
                  "- (needs the engine: run the demo without --url)") for k, v in rows]
     width = max(len(k) for k, _ in rows)
     lines = ["", "pagedkv demo results", ""] + [f"  {k:<{width}}  {v}" for k, v in rows]

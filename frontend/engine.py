@@ -1,33 +1,38 @@
 """A continuous-batching engine on top of the block manager and the workers.
 
-Each `step()` is one scheduler iteration:
+Each `step()` is one scheduler iteration, with exactly one block-manager
+round trip and one worker step (EngineStats counts both):
 
-1. **Block manager, one round trip** (`Step`): free the sequences that finished
-   last iteration and reserve a slot for every running sequence's newly sampled
-   token (packed arrays with the token ids, so full blocks enter the prefix
-   cache). Copy-on-write ops and preemptions come back in the reply.
-2. **Swap-in** swapped sequences while room allows, oldest first (in the
-   same block-manager Step).
-3. **Admission**: waiting requests are allocated with their token ids, so
-   prefix-cache hits skip prefill work; admission stops at the first request
-   that does not fit (FIFO, no overtaking).
-4. **Worker step**: decode tokens first (one per running sequence), then
+1. **Block manager, one `Step`**, everything packed, in the order the manager
+   applies it: *commits* (what the previous worker step computed: only now do
+   those blocks become prefix-cache hits, for every frontend), *frees* (what
+   finished), *appends* (a slot for every running sequence's newly sampled
+   token, with its id), *allocations* (admitted requests with their prompts,
+   priority, this engine's lease), *forks* (the other samples of an `n > 1`
+   request share its prompt blocks), *swap-ins*. Copy-on-write ops,
+   preemptions and the new block tables come back as deltas.
+2. **Worker step**: decode tokens first (one per running sequence), then
    prefill chunks in arrival order within a token budget (chunked prefill: a
-   long prompt never stalls decoding), with all cache ops of the iteration.
-5. Sample results are streamed as `TokenEvent`s; `n > 1` samples fork from the
-   prompt once it is computed (sharing every block, copy-on-write later).
+   long prompt never stalls decoding), with all cache ops of the iteration. A
+   request admitted in this iteration's Step is prefilled in this iteration.
+3. Sample results are streamed as `TokenEvent`s; the samples of an `n > 1`
+   request draw their first token from the prompt's logits, then decode on
+   their own (copy-on-write of the shared tail block on their first append).
+
+The block manager is the one place that knows which KV exists: a prefix hit is
+a committed block, so the engine keeps no shadow of it. Two requests admitted
+together with the same new prefix both prefill it (neither is committed yet);
+later requests hit it.
+
+Many engines may share one block manager: sequence ids carry a random
+per-engine prefix, and every sequence is under this engine's lease, which a
+background thread renews (KeepAlive); an engine that dies loses its sequences
+within the lease TTL (`EngineConfig.lease_ttl_s`).
 
 Preempted sequences are handled as the block manager decides: recompute
 victims go back to the front of the waiting queue with everything generated
 so far as their prompt (prefix hits usually cover most of it); swapped ones are
 swapped back in when room returns.
-
-Prefix hits on blocks whose KV is not computed yet: the block manager
-registers a prompt's full blocks at Allocate, before any worker has written
-them. The engine tracks which physical blocks hold computed KV; a request whose
-hits include a block that another running sequence is still prefilling waits
-for it, and a hit on a block nobody will compute (its owner was preempted) is
-recomputed by the request itself.
 """
 
 from __future__ import annotations
@@ -35,6 +40,11 @@ from __future__ import annotations
 import collections
 import enum
 import itertools
+import math
+import threading
+import time
+import uuid
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -63,6 +73,17 @@ class SamplingOptions:
     top_k: int = 0
     seed: int | None = None
 
+    def validate(self) -> None:
+        """Reject what a worker would refuse, before anything is allocated (the option is named)."""
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+
 
 @dataclass(slots=True)
 class GenerationRequest:
@@ -83,6 +104,13 @@ class GenerationRequest:
             raise ValueError(f"request {self.request_id}: max_tokens must be >= 1")
         if self.n < 1:
             raise ValueError(f"request {self.request_id}: n must be >= 1")
+        self.sampling.validate()
+        if self.seed_span_overflows():
+            raise ValueError(f"request {self.request_id}: seed + n must stay below 2**63")
+
+    def seed_span_overflows(self) -> bool:
+        s = self.sampling.seed
+        return s is not None and s + self.n > 2**63
 
 
 @dataclass(slots=True)
@@ -133,8 +161,13 @@ class _Seq:
     status: SeqStatus = SeqStatus.WAITING
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0  # leading tokens whose KV is in the cache
+    num_committed: int = 0  # what the block manager was told is computed (Commit)
     needs_slot: bool = False  # last token sampled but not yet reserved in the block manager
     forked: bool = False  # n > 1 samples already forked from this sequence
+    # An n > 1 sample forked at admission: shares the parent's prompt blocks and
+    # waits for the parent's prefill to draw its first token from its logits.
+    awaiting_parent: bool = False
+    children: list[_Seq] = field(default_factory=list)
 
     @property
     def completion(self) -> Completion:
@@ -156,6 +189,9 @@ class EngineConfig:
     # for a worker attached to a new cache host, reset the prefix cache and re-prefill everything.
     recover_lost_cache: bool = False
     cache_recovery_timeout_s: float = 120.0
+    # This engine's lease on its sequences: renewed every third of it in the background; an
+    # engine that stops renewing (it died) loses its sequences within this time.
+    lease_ttl_s: float = 30.0
 
 
 @dataclass(slots=True)
@@ -169,6 +205,34 @@ class EngineStats:
     preempted_swap: int = 0
     worker_retries: int = 0
     cache_recoveries: int = 0
+    # Round trips: block-manager Steps and worker steps (one each per iteration at most),
+    # and lease renewals (on their own clock, not per iteration).
+    bm_round_trips: int = 0
+    worker_steps: int = 0
+    lease_renewals: int = 0
+
+    @property
+    def bm_round_trips_per_step(self) -> float:
+        return self.bm_round_trips / self.steps if self.steps else 0.0
+
+    @property
+    def worker_steps_per_step(self) -> float:
+        return self.worker_steps / self.steps if self.steps else 0.0
+
+
+def _renew_lease(ref: weakref.ref[Engine], stop: threading.Event, interval_s: float) -> None:
+    """Renew the engine's lease until it is closed or garbage-collected (holds no strong ref)."""
+    while not stop.wait(interval_s):
+        engine = ref()
+        if engine is None:
+            return
+        try:
+            engine._keep_alive()
+        except grpc.RpcError as e:
+            log.warning("lease_renewal_failed", lease_id=engine.lease_id, code=e.code().name)
+        except ValueError:  # the client's channel was closed under a live engine: nothing to renew on
+            return
+        del engine
 
 
 class Engine:
@@ -183,9 +247,12 @@ class Engine:
         self.bm = block_manager
         self.workers = list(workers)
         self.config = config or EngineConfig()
+        if not self.config.lease_ttl_s > 0:
+            raise ValueError(f"lease_ttl_s must be > 0, got {self.config.lease_ttl_s}")
         geometry = self.bm.get_config(timeout_s=self.config.timeout_s)
         self.block_size = geometry.block_size
         self.num_gpu_blocks = geometry.num_gpu_blocks
+        self._watermark = geometry.watermark_blocks
         info = self.workers[0].get_info(timeout_s=self.config.timeout_s)
         if info.geometry.block_size and info.geometry.block_size != self.block_size:
             raise ValueError(
@@ -193,6 +260,9 @@ class Engine:
             )
         self.vocab_size = info.vocab_size
         self._cache_instance = info.cache_instance_id  # steps name it: a worker on another cache refuses
+        # Sequence ids are unique per engine instance, so any number of engines share one manager.
+        self.instance_id = uuid.uuid4().hex[:12]
+        self.lease_id = f"engine-{self.instance_id}"
         self.stats = EngineStats()
         self.outputs: dict[str, RequestOutput] = {}
         self._waiting: collections.deque[_Seq] = collections.deque()
@@ -201,9 +271,38 @@ class Engine:
         self._seqs: dict[str, _Seq] = {}
         self._to_free: list[str] = []
         self._pending_ops = pb.CacheOps()
-        self._computed: set[int] = set()  # physical blocks holding valid KV
+        self._available = self.num_gpu_blocks  # from the last Step reply, for admission
         self._worker_index = 0
         self._step_ids = itertools.count()
+        self._keep_alive()
+        self._stop_renewal = threading.Event()
+        self._renewer = threading.Thread(
+            target=_renew_lease, args=(weakref.ref(self), self._stop_renewal, self.config.lease_ttl_s / 3),
+            name=f"engine-lease-{self.instance_id}", daemon=True,
+        )
+        self._renewer.start()
+        weakref.finalize(self, self._stop_renewal.set)
+
+    # --- lease ------------------------------------------------------------------
+    def _keep_alive(self) -> None:
+        self.bm.keep_alive(self.lease_id, ttl_ms=round(self.config.lease_ttl_s * 1000),
+                           timeout_s=self.config.timeout_s)
+        self.stats.lease_renewals += 1
+
+    def close(self) -> None:
+        """Stop renewing the lease and free every sequence this engine holds (one Step)."""
+        self._stop_renewal.set()
+        held = [s.seq_id for s in self._running] + [s.seq_id for s in self._swapped] + self._to_free
+        self._running, self._to_free = [], []
+        self._swapped.clear()
+        if held:
+            self.bm.step(pb.StepRequest(free_seq_ids=held), timeout_s=self.config.timeout_s)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # --- public API -------------------------------------------------------------
     def add_request(self, request: GenerationRequest) -> RequestOutput:
@@ -212,6 +311,9 @@ class Engine:
             raise ValueError(f"request {request.request_id!r} was already added")
         if max(request.prompt) >= self.vocab_size or min(request.prompt) < 0:
             raise ValueError(f"request {request.request_id}: token ids must be in [0, {self.vocab_size})")
+        if request.n > self.config.max_num_seqs:
+            raise ValueError(f"request {request.request_id}: n={request.n} samples can never run together "
+                             f"(max_num_seqs={self.config.max_num_seqs})")
         total = len(request.prompt) + request.max_tokens
         if -(-total // self.block_size) > self.num_gpu_blocks:
             raise ValueError(
@@ -220,11 +322,14 @@ class Engine:
         out = RequestOutput(request.request_id, list(request.prompt),
                             [Completion(index=i) for i in range(request.n)])
         self.outputs[request.request_id] = out
-        seq = _Seq(f"{request.request_id}/0", request, out, 0, list(request.prompt))
+        seq = _Seq(self._seq_id(request.request_id, 0), request, out, 0, list(request.prompt))
         self._seqs[seq.seq_id] = seq
         self._waiting.append(seq)
         self.stats.prompt_tokens += len(request.prompt)
         return out
+
+    def _seq_id(self, request_id: str, index: int) -> str:
+        return f"{self.instance_id}:{request_id}/{index}"
 
     def running_sequences(self) -> list[_Seq]:
         """Sequences holding blocks right now: running, plus finished ones whose Free is
@@ -305,50 +410,117 @@ class Engine:
         ops = self._pending_ops
         self._pending_ops = pb.CacheOps()
         self._block_manager_step(ops)
-        self._admit()
         batch = self._schedule()
         if not batch:
             if self._pending_ops_nonempty(ops):
                 self._pending_ops = ops  # nothing to compute: carry the ops to the next step
             elif self._waiting and not self._running and not self._swapped and not self._to_free:
                 head = self._waiting[0]
-                raise RuntimeError(
-                    f"request {head.request.request_id} cannot be admitted: the pool has no room even "
-                    "with nothing running"
-                )
+                need = -(-len(head.tokens) // self.block_size) * (head.request.n if not head.forked else 1)
+                if need > self.num_gpu_blocks - self._watermark:
+                    raise RuntimeError(
+                        f"request {head.request.request_id} cannot be admitted: it needs {need} blocks and "
+                        f"the pool has {self.num_gpu_blocks} ({self._watermark} held back by the watermark)"
+                    )
+                # Other frontends hold the room it needs: wait for them, without hammering the manager.
+                time.sleep(0.01)
             return []
         try:
             return self._run_worker(batch, ops)
         except CacheHostLost:
             if not self.config.recover_lost_cache:
+                self._forget_lost_cache()
                 raise
             self._recover_lost_cache()
             return []
+
+    def _forget_lost_cache(self) -> None:
+        """Before CacheHostLost reaches the caller: the committed blocks name KV that died, so
+        drop them from the shared prefix cache (or a later frontend would hit garbage), and free
+        this engine's sequences. Best effort: the caller gets CacheHostLost either way."""
+        try:
+            self.close()
+            self.bm.reset_prefix_cache(request_id=f"reset-{uuid.uuid4().hex}", timeout_s=self.config.timeout_s)
+        except grpc.RpcError as e:
+            log.warning("prefix_cache_reset_failed", code=e.code().name, details=e.details())
 
     @staticmethod
     def _pending_ops_nonempty(ops: pb.CacheOps) -> bool:
         return bool(len(ops.copies) or len(ops.swap_out) or len(ops.swap_in))
 
-    def _block_manager_step(self, ops: pb.CacheOps) -> None:
-        """One round trip: free finished, reserve slots for new tokens, swap sequences back in."""
-        grow = [s for s in self._running if s.needs_slot]
+    def _commits(self) -> tuple[list[str], list[int]]:
+        """Sequences whose computed KV grew past a block boundary since their last commit
+        (only full blocks enter the prefix cache), finished ones included (commits apply
+        before frees)."""
+        bs = self.block_size
+        ids, counts = [], []
+        for s in itertools.chain(self._running, (self._seqs[x] for x in self._to_free)):
+            if s.num_computed // bs > s.num_committed // bs:
+                ids.append(s.seq_id)
+                counts.append(s.num_computed)
+                s.num_committed = s.num_computed
+        return ids, counts
+
+    def _admissions(self, grow: list[_Seq], swap_in: list[_Seq]) -> list[_Seq]:
+        """Waiting sequences to allocate in this Step: FIFO within max_num_seqs and the blocks
+        the last reply said are available (without hits; the head is always tried)."""
+        room = self.config.max_num_seqs - len(self._running) - len(swap_in)
+        bs = self.block_size
+        budget = self._available - self._watermark - sum(1 for s in grow if (len(s.tokens) - 1) % bs == 0)
+        out: list[_Seq] = []
+        for seq in self._waiting:
+            width = seq.request.n if seq.index == 0 and not seq.forked else 1
+            need = -(-len(seq.tokens) // bs)
+            if width > room or (out and need > budget):
+                break
+            out.append(seq)
+            room -= width
+            budget -= need
+        return out
+
+    def _block_manager_step(self, ops: pb.CacheOps, *, full: bool = True) -> None:
+        """The iteration's one round trip: commits, frees, appends, allocations, forks, swap-ins.
+        `full=False` (flush): commits and frees only."""
+        grow = [s for s in self._running if s.needs_slot] if full else []
         room = self.config.max_num_seqs - len(self._running)
-        swap_in = list(itertools.islice(self._swapped, max(0, room)))
-        if not grow and not self._to_free and not swap_in:
+        swap_in = list(itertools.islice(self._swapped, max(0, room))) if full else []
+        admit = self._admissions(grow, swap_in) if full else []
+        commit_ids, commit_counts = self._commits()
+        if not (grow or self._to_free or swap_in or admit or commit_ids):
             return
+        forks: list[tuple[_Seq, _Seq]] = []
+        for seq in admit:
+            if seq.index == 0 and seq.request.n > 1 and not seq.forked:
+                for i in range(1, seq.request.n):
+                    child = _Seq(self._seq_id(seq.request.request_id, i), seq.request, seq.output, i,
+                                 list(seq.tokens), forked=True, awaiting_parent=True)
+                    forks.append((seq, child))
+        alloc_tokens: list[int] = []
+        for seq in admit:
+            alloc_tokens.extend(seq.tokens)
         req = pb.StepRequest(
+            commit_seq_ids=commit_ids,
+            commit_num_computed_tokens=commit_counts,
+            free_seq_ids=self._to_free,
             append_seq_ids=[s.seq_id for s in grow],
             append_token_ids=[s.tokens[-1] for s in grow],
-            free_seq_ids=self._to_free,
+            alloc_seq_ids=[s.seq_id for s in admit],
+            alloc_num_tokens=[len(s.tokens) for s in admit],
+            alloc_token_ids=alloc_tokens,
+            alloc_priorities=[s.request.priority for s in admit] if any(s.request.priority for s in admit) else [],
+            alloc_lease_ids=[self.lease_id] * len(admit),
+            fork_parent_seq_ids=[p.seq_id for p, _ in forks],
+            fork_child_seq_ids=[c.seq_id for _, c in forks],
             swap_in_seq_ids=[s.seq_id for s in swap_in],
         )
         resp = self.bm.step(req, timeout_s=self.config.timeout_s)
+        self.stats.bm_round_trips += 1
         self._to_free = []
+        self._available = resp.num_available_blocks
         replaced = set(resp.packed_replaced_index)
         seen_replace: set[int] = set()
         for i, block in zip(resp.packed_new_block_index, resp.packed_new_block_ids):
             seq = grow[i]
-            self._computed.discard(block)
             if i in replaced and i not in seen_replace:
                 seen_replace.add(i)
                 seq.block_table[-1] = block
@@ -357,29 +529,75 @@ class Engine:
         ops.copies.extend(resp.ops.copies)
         ops.swap_out.extend(resp.ops.swap_out)
         ops.swap_in.extend(resp.ops.swap_in)
-        for c in resp.ops.copies:
-            self._computed.discard(c.dst)
         preempted = self._apply_preemptions(resp.preempted)
+        errors = collections.defaultdict(dict)
+        for err in resp.errors:
+            errors[err.kind][err.index] = err
+        self._apply_allocations(resp, admit, errors[pb.StepItemError.ALLOCATE])
+        self._apply_forks(forks, errors[pb.StepItemError.FORK])
         self._apply_swap_ins(resp.swap_ins, swap_in)
         failed: set[int] = set()
-        for err in resp.errors:
-            if err.seq_id in preempted:
+        for kind, items in errors.items():
+            for err in items.values():
+                if kind in (pb.StepItemError.ALLOCATE, pb.StepItemError.FORK, pb.StepItemError.SWAP_IN):
+                    continue  # handled above (a swap-in without room stays swapped)
+                if err.seq_id in preempted:
+                    failed.add(err.index)
+                    continue  # its own later item: expected after its preemption
+                if kind != pb.StepItemError.PACKED_APPEND:
+                    log.warning("step_item_error", kind=pb.StepItemError.Kind.Name(kind), seq_id=err.seq_id,
+                                message=err.message)
+                    continue
                 failed.add(err.index)
-                continue  # its own later item: expected after its preemption
-            if err.kind == pb.StepItemError.SWAP_IN:
-                continue  # no room yet: it stays swapped
-            if err.kind != pb.StepItemError.PACKED_APPEND:
-                log.warning("step_item_error", kind=err.kind, seq_id=err.seq_id, message=err.message)
-                continue
-            failed.add(err.index)
-            if err.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]:
-                # Nothing left to preempt for it: preempt it ourselves (recompute later).
-                self._preempt_self(grow[err.index])
-            else:
-                raise RuntimeError(f"block manager refused to grow {err.seq_id}: {err.message}")
+                if err.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]:
+                    # Nothing left to preempt for it: preempt it ourselves (freed in the next Step,
+                    # before its re-allocation there, so it may hit its own committed blocks).
+                    self._preempt_self(grow[err.index])
+                else:
+                    raise RuntimeError(f"block manager refused to grow {err.seq_id}: {err.message}")
         for i, s in enumerate(grow):
             if i not in failed and s.status is SeqStatus.RUNNING:
                 s.needs_slot = False
+
+    def _apply_allocations(self, resp: pb.StepResponse, admit: list[_Seq], errors: dict[int, pb.StepItemError]) -> None:
+        tables: list[list[int]] = [[] for _ in admit]
+        for i, block in zip(resp.packed_alloc_block_index, resp.packed_alloc_block_ids):
+            tables[i].append(block)
+        for j, seq in enumerate(admit):
+            err = errors.get(j)
+            if err is not None:
+                if err.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]:
+                    continue  # no room yet: it keeps its place in the queue
+                raise RuntimeError(f"block manager refused to allocate {err.seq_id}: {err.message}")
+            self._waiting.remove(seq)
+            seq.block_table = tables[j]
+            cached = resp.alloc_num_cached_tokens[j]
+            seq.num_computed = seq.num_committed = cached
+            if seq.index == 0 and not seq.output.completions[0].token_ids:
+                seq.output.num_cached_tokens = cached
+            self.stats.prefix_hit_tokens += cached
+            seq.status = SeqStatus.RUNNING
+            self._running.append(seq)
+
+    def _apply_forks(self, forks: list[tuple[_Seq, _Seq]], errors: dict[int, pb.StepItemError]) -> None:
+        for j, (parent, child) in enumerate(forks):
+            err = errors.get(j)
+            if err is not None and parent.status is not SeqStatus.RUNNING:
+                continue  # the parent was not admitted: it forks again when it is
+            parent.forked = True
+            if err is not None:
+                # E.g. a tenant's sequence quota: this sample becomes a request of its own, later.
+                log.info("fork_refused", seq_id=child.seq_id, code=err.code, message=err.message)
+                child.awaiting_parent = False
+                self._seqs[child.seq_id] = child
+                self._waiting.append(child)
+                continue
+            parent.children.append(child)
+            child.block_table = list(parent.block_table)
+            child.num_computed = child.num_committed = parent.num_computed
+            child.status = SeqStatus.RUNNING
+            self._seqs[child.seq_id] = child
+            self._running.append(child)
 
     def _apply_preemptions(self, preemptions: Iterable[pb.Preemption]) -> set[str]:
         """Follow the block manager's preemption decisions; returns the victims' ids."""
@@ -411,108 +629,48 @@ class Engine:
                 s.status = SeqStatus.RUNNING
                 self._swapped.remove(s)
                 self._running.append(s)
-        for c in (c for r in results for c in r.ops.swap_in):
-            self._computed.add(c.dst)  # restored by the swap_in op, which runs before compute
 
     def _preempt_self(self, seq: _Seq) -> None:
-        try:
-            self.bm.free(seq.seq_id, timeout_s=self.config.timeout_s)
-        except grpc.RpcError as e:
-            if e.code() != grpc.StatusCode.NOT_FOUND:
-                raise
+        """Recompute it later: its Free goes into the next Step, ahead of its re-allocation."""
+        self._to_free.append(seq.seq_id)
         self._requeue(seq)
         self.stats.preempted_recompute += 1
         log.info("preempted", seq_id=seq.seq_id, mode="RECOMPUTE", by="engine")
 
     def _requeue(self, seq: _Seq) -> None:
-        """Back to the front of the queue; everything generated so far becomes its prompt."""
+        """Back to the front of the queue; everything generated so far becomes its prompt.
+        A sample still waiting for its parent's prompt becomes a request of its own."""
         if seq in self._running:
             self._running.remove(seq)
         seq.status = SeqStatus.WAITING
         seq.block_table = []
-        seq.num_computed = 0
+        seq.num_computed = seq.num_committed = 0
         seq.needs_slot = False
+        seq.awaiting_parent = False
         self._waiting.appendleft(seq)
-
-    def _admit(self) -> None:
-        while self._waiting and len(self._running) < self.config.max_num_seqs:
-            seq = self._waiting[0]
-            try:
-                resp = self.bm.allocate(seq.seq_id, len(seq.tokens), seq.tokens,
-                                        priority=seq.request.priority, timeout_s=self.config.timeout_s)
-            except grpc.RpcError as e:
-                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    return
-                raise
-            self._waiting.popleft()
-            seq.block_table = list(resp.block_ids)
-            hits = resp.num_cached_tokens // self.block_size
-            for b in seq.block_table[hits:]:
-                self._computed.discard(b)
-            computed_hits = 0
-            while computed_hits < hits and seq.block_table[computed_hits] in self._computed:
-                computed_hits += 1
-            seq.num_computed = computed_hits * self.block_size
-            if seq.index == 0 and not seq.output.completions[0].token_ids:
-                seq.output.num_cached_tokens = resp.num_cached_tokens
-            self.stats.prefix_hit_tokens += seq.num_computed
-            seq.status = SeqStatus.RUNNING
-            self._running.append(seq)
-
-    def _inflight_blocks(self) -> dict[int, _Seq]:
-        """Full blocks that a running sequence will compute in its own prefill."""
-        bs = self.block_size
-        owners: dict[int, _Seq] = {}
-        for s in self._running:
-            first = s.num_computed // bs
-            last = (len(s.tokens) - 1) // bs  # blocks before the one holding the last token
-            for i in range(first, last):
-                owners.setdefault(s.block_table[i], s)
-        return owners
 
     def _schedule(self) -> list[tuple[_Seq, int]]:
         """(sequence, number of tokens to compute) for this worker step."""
         budget = self.config.max_batch_tokens
         batch: list[tuple[_Seq, int]] = []
-        decode = [s for s in self._running if s.num_computed == len(s.tokens) - 1 and not s.needs_slot]
+        decode = [s for s in self._running
+                  if s.num_computed == len(s.tokens) - 1 and not s.needs_slot and not s.awaiting_parent]
         for s in decode[:budget]:
             batch.append((s, 1))
         budget -= len(batch)
-        owners: dict[int, _Seq] | None = None
-        bs = self.block_size
         for s in self._running:
-            if s.needs_slot or budget <= 0:
+            if s.needs_slot or s.awaiting_parent or budget <= 0:
                 continue
-            self._skip_computed_blocks(s)
             remaining = len(s.tokens) - s.num_computed
             if remaining <= 1:
                 continue
-            block = s.block_table[s.num_computed // bs]
-            if s.num_computed % bs == 0 and block not in self._computed:
-                owners = owners if owners is not None else self._inflight_blocks()
-                owner = owners.get(block)
-                if owner is not None and owner is not s and self._runs_before(owner, s):
-                    continue  # another sequence is computing this shared prefix block: wait for it
             chunk = min(remaining, budget)
             batch.append((s, chunk))
             budget -= chunk
         return batch
 
-    def _skip_computed_blocks(self, s: _Seq) -> None:
-        """Advance over leading blocks that now hold this sequence's KV (shared prefix
-        blocks another sequence finished computing), never past the last token."""
-        bs = self.block_size
-        while s.num_computed % bs == 0 and s.num_computed + bs < len(s.tokens):
-            if s.block_table[s.num_computed // bs] not in self._computed:
-                return
-            s.num_computed += bs
-            self.stats.prefix_hit_tokens += bs
-
-    def _runs_before(self, a: _Seq, b: _Seq) -> bool:
-        return self._running.index(a) < self._running.index(b)
-
     def _run_worker(self, batch: list[tuple[_Seq, int]], ops: pb.CacheOps) -> list[TokenEvent]:
-        req = wpb.WorkerStepRequest(ops=ops, request_id=f"step-{next(self._step_ids)}",
+        req = wpb.WorkerStepRequest(ops=ops, request_id=f"step-{self.instance_id}-{next(self._step_ids)}",
                                     cache_instance_id=self._cache_instance)
         for s, k in batch:
             start = s.num_computed
@@ -523,7 +681,7 @@ class Engine:
                 token_ids=s.tokens[start : start + k],
                 block_ids=s.block_table,
                 num_cached_tokens=start,
-                return_logits=final and s.request.n > 1 and not s.forked and s.index == 0,
+                return_logits=final and any(c.awaiting_parent for c in s.children),
             )
             item.sampling.temperature = sampling.temperature
             item.sampling.top_p = sampling.top_p
@@ -531,17 +689,18 @@ class Engine:
             if s.seed is not None:
                 item.sampling.seed = s.seed
         resp = self._call_worker(req)
+        self.stats.worker_steps += 1
         events: list[TokenEvent] = []
-        bs = self.block_size
         for (s, k), out in zip(batch, resp.outputs):
             s.num_computed += k
             self.stats.computed_tokens += k
-            for i in range(s.num_computed // bs):
-                self._computed.add(s.block_table[i])
+            for c in s.children:
+                if c.awaiting_parent:
+                    c.num_computed = s.num_computed  # their shared prompt blocks were just written
             if s.num_computed < len(s.tokens):
                 continue  # a prefill chunk: its sampled token is meaningless
-            if s.request.n > 1 and s.index == 0 and not s.forked:
-                events.extend(self._fork_samples(s, list(out.logits)))
+            if any(c.awaiting_parent for c in s.children):
+                events.extend(self._sample_children(s, list(out.logits)))
             events.append(self._accept_token(s, out.token_id, out.logprob))
         return events
 
@@ -580,11 +739,8 @@ class Engine:
 
     def _recover_lost_cache(self) -> None:
         """After CacheHostLost: wait for a worker on a new cache instance, forget all cached KV
-        (block manager prefix cache, our computed set, pending ops) and recompute every running and
+        (the block manager's prefix cache, pending ops) and recompute every running and
         swapped sequence from its prompt + generated tokens (the recompute-preemption path)."""
-        import time
-        import uuid
-
         old = self._cache_instance
         deadline = time.monotonic() + self.config.cache_recovery_timeout_s
         log.warning("cache_host_lost", cache_instance_id=old, action="waiting for a re-attached worker",
@@ -610,42 +766,39 @@ class Engine:
                     )
                 time.sleep(0.2)
         victims = list(self._running) + list(self._swapped)
-        if victims:
+        # Finished ones too: what they computed died with the cache host and must never be committed.
+        frees = [s.seq_id for s in victims] + self._to_free
+        self._to_free = []
+        if frees:
             # One round trip; a sequence the block manager no longer has is simply reported.
-            self.bm.step(pb.StepRequest(free_seq_ids=[s.seq_id for s in victims]), timeout_s=self.config.timeout_s)
+            self.bm.step(pb.StepRequest(free_seq_ids=frees), timeout_s=self.config.timeout_s)
         self.bm.reset_prefix_cache(request_id=f"reset-{uuid.uuid4().hex}", timeout_s=self.config.timeout_s)
         for s in reversed(victims):  # appendleft: keep their order at the head of the queue
             if s.status is SeqStatus.SWAPPED:
                 self._swapped.remove(s)
             self._requeue(s)
-        self._computed.clear()
         self._pending_ops = pb.CacheOps()
         self._cache_instance = new
         self.stats.cache_recoveries += 1
         log.warning("cache_recovered", old_cache_instance_id=old, cache_instance_id=new,
                     requeued=len(victims), action="re-prefilling")
 
-    def _fork_samples(self, parent: _Seq, logits: list[float]) -> list[TokenEvent]:
-        """n > 1: the other samples share the computed prompt and draw their own first token."""
+    def _sample_children(self, parent: _Seq, logits: list[float]) -> list[TokenEvent]:
+        """n > 1: the samples forked at admission draw their first token from the prompt's logits."""
         import torch
 
         from worker_svc.model.sampling import SamplingParams, sample
 
-        parent.forked = True
         opts = parent.request.sampling
         events = []
         row = torch.tensor(logits, dtype=torch.float32)
-        for i in range(1, parent.request.n):
-            child = _Seq(f"{parent.request.request_id}/{i}", parent.request, parent.output, i,
-                         list(parent.tokens), status=SeqStatus.RUNNING, forked=True)
-            seed = None if opts.seed is None else opts.seed + i
-            params = SamplingParams(opts.temperature, opts.top_p, opts.top_k, seed)
-            res = sample(row[None, :], [params], [len(parent.tokens)])
-            fork = self.bm.fork(parent.seq_id, child.seq_id, timeout_s=self.config.timeout_s)
-            child.block_table = list(fork.block_ids)
+        for child in parent.children:
+            if not child.awaiting_parent or child.status is not SeqStatus.RUNNING:
+                continue
+            child.awaiting_parent = False
             child.num_computed = parent.num_computed
-            self._seqs[child.seq_id] = child
-            self._running.append(child)
+            params = SamplingParams(opts.temperature, opts.top_p, opts.top_k, child.seed)
+            res = sample(row[None, :], [params], [len(parent.tokens)])
             events.append(self._accept_token(child, int(res.token_ids[0]), float(res.logprobs[0])))
         return events
 
@@ -672,4 +825,4 @@ class Engine:
     def flush(self) -> None:
         """Free what finished in the last step (also done at the start of the next step)."""
         if self._to_free:
-            self._block_manager_step(pb.CacheOps())
+            self._block_manager_step(pb.CacheOps(), full=False)

@@ -256,8 +256,8 @@ class EngineLoop:
                 self._send(cmd.sink, Failed(503, "the server is shutting down"))
         self._fail_all(503, "the server is shutting down")
         try:
-            self.engine.flush()
-        except Exception as e:  # noqa: BLE001
+            self.engine.close()  # frees every sequence it holds and ends its lease
+        except Exception as e:  # noqa: BLE001 - the lease frees them when it expires
             log.warning("shutdown_free_failed", error=repr(e))
 
     @staticmethod

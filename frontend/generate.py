@@ -9,6 +9,15 @@ Prints the result as JSON on stdout (logs go to stderr), e.g.
 By default it is an HTTP client of `pagedkv serve` (--url, http://127.0.0.1:8000; the API key from
 PAGEDKV_API_KEY or --api-key-file); --block-manager runs an engine in this process against a running
 stack's block manager and workers; --local starts the whole stack in this process.
+
+Greedy (temperature 0) is the default, so `--n 2` alone prints two identical
+completions; give a temperature to sample. Every call uses a fresh request id
+and (with --block-manager or --local) its own engine, with its own sequence ids
+and lease, so any number of `generate` processes can share one stack. Every
+sampling option is checked before anything is sent or allocated, and every
+error path frees what was allocated: no call, failed or interrupted, leaves a
+sequence behind (one killed outright loses its sequences when its lease
+expires; the server aborts a request whose client went away mid-stream).
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ import argparse
 import json
 import sys
 import urllib.error
+import uuid
 from collections.abc import Sequence
 
 import grpc
@@ -27,13 +37,16 @@ from frontend.http_client import HttpError
 
 
 def parse_token_ids(text: str) -> list[int]:
+    """Comma-separated integers; an empty item (``1,,2``, a trailing comma) is an error, not dropped."""
+    parts = text.replace(" ", "").split(",")
+    if parts == [""]:
+        raise argparse.ArgumentTypeError("at least one token id is needed")
+    if any(p == "" for p in parts):
+        raise argparse.ArgumentTypeError(f"token ids must be comma-separated integers with no empty item, got {text!r}")
     try:
-        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+        return [int(t) for t in parts]
     except ValueError:
         raise argparse.ArgumentTypeError(f"token ids must be comma-separated integers, got {text!r}") from None
-    if not ids:
-        raise argparse.ArgumentTypeError("at least one token id is needed")
-    return ids
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,7 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="with --local: auto | cpu | cuda")
     p.add_argument("--block-manager", default=None,
                    help="run the engine here against this block manager host:port (instead of --url)")
-    p.add_argument("--workers", default="127.0.0.1:50053", help="with --block-manager: worker host:port list")
+    p.add_argument("--workers", default="127.0.0.1:50053,127.0.0.1:50054",
+                   help="with --block-manager: comma-separated worker host:port list (default: the two "
+                   "workers `pagedkv up` starts)")
     p.add_argument("--timeout-s", type=float, default=30.0)
     add_connection_args(p)
     return p
@@ -118,10 +133,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     configure_logging("warning")
     request = GenerationRequest(
-        "generate", args.token_ids, max_tokens=args.max_tokens, n=args.n,
+        f"generate-{uuid.uuid4().hex[:12]}", args.token_ids, max_tokens=args.max_tokens, n=args.n,
         sampling=SamplingOptions(args.temperature, args.top_p, args.top_k, args.seed),
         stop_token_ids=tuple(args.stop_token_ids or ()),
     )
+    try:
+        request.validate()  # before anything is allocated or even connected
+    except ValueError as e:
+        flag = next((f for f in ("temperature", "top_p", "top_k", "seed", "max_tokens", "n") if str(e).startswith(f)
+                     or f" {f} " in f" {e} "), None)
+        name = f"--{flag.replace('_', '-')}: " if flag else ""
+        print(f"pagedkv generate: {name}{e}", file=sys.stderr)
+        return 2
     config = EngineConfig(timeout_s=args.timeout_s)
     try:
         if args.local:
@@ -129,22 +152,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             with LocalStack(StackConfig(model=args.model, num_gpu_blocks=args.num_gpu_blocks,
                                         block_size=args.block_size, device=args.device)) as stack:
-                out = stack.engine(config).generate([request])[0]
+                with stack.engine(config) as engine:
+                    out = engine.generate([request])[0]
         elif args.block_manager is None:
             out = via_server(args, request)
         else:
-            from frontend.client import BlockManagerClient
-            from frontend.engine import Engine
-            from frontend.worker_client import WorkerClient
-
-            conn = client_kwargs(args)
-            with BlockManagerClient(args.block_manager, **conn) as bm:
-                workers = [WorkerClient(t, **conn) for t in args.workers.split(",") if t]
-                try:
-                    out = Engine(bm, workers, config).generate([request])[0]
-                finally:
-                    for w in workers:
-                        w.close()
+            out = _generate_remote(args, request, config)
     except urllib.error.URLError as e:
         print(f"pagedkv generate: cannot reach {args.url}: {e.reason} (is the server running? `pagedkv up`)",
               file=sys.stderr)
@@ -156,9 +169,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"pagedkv generate: {e}", file=sys.stderr)
         return 2 if e.status in (400, 404) else 1
     except grpc.RpcError as e:
-        print(f"pagedkv generate: {e.code().name}: {e.details()} (is the stack running? `pagedkv up`)",
-              file=sys.stderr)
+        hint = " (is the stack running? `pagedkv up`)" if e.code() == grpc.StatusCode.UNAVAILABLE else ""
+        print(f"pagedkv generate: {e.code().name}: {e.details()}{hint}", file=sys.stderr)
         return 1
     json.dump(output_json(out), sys.stdout)
     sys.stdout.write("\n")
     return 0
+
+
+def _generate_remote(args: argparse.Namespace, request: GenerationRequest, config: EngineConfig) -> RequestOutput:
+    """One request on a running stack; the engine frees its sequences on every way out
+    (success, error, Ctrl-C), and its lease covers a process killed outright."""
+    from frontend.client import BlockManagerClient
+    from frontend.engine import Engine
+    from frontend.worker_client import WorkerClient
+
+    conn = client_kwargs(args)
+    with BlockManagerClient(args.block_manager, **conn) as bm:
+        workers = [WorkerClient(t, **conn) for t in args.workers.split(",") if t]
+        try:
+            engine = Engine(bm, workers, config)
+            try:
+                return engine.generate([request])[0]
+            finally:
+                try:
+                    engine.close()
+                except grpc.RpcError:
+                    pass  # the stack went away: the lease frees them
+        finally:
+            for w in workers:
+                w.close()

@@ -133,25 +133,16 @@ class _StepScope:
 
     Built only when a step first needs to preempt: O(step size) once."""
 
-    __slots__ = ("seqs", "appends", "packed_ids", "ids", "upto", "groups")
+    __slots__ = ("seqs", "ids", "upto", "groups")
 
-    def __init__(
-        self,
-        seqs: dict[str, Sequence],
-        appends: SequenceT[tuple[str, int, SequenceT[int] | None]],
-        packed_ids: SequenceT[str],
-    ) -> None:
+    def __init__(self, seqs: dict[str, Sequence], packed_ids: SequenceT[str]) -> None:
         self.seqs = seqs
-        self.appends = appends
-        self.packed_ids = packed_ids
-        self.ids: list[str] | None = None
+        self.ids = packed_ids
         self.upto = 0
         self.groups: set[int] = set()
 
     def grown_groups(self, pos: int) -> set[int]:
-        """Groups of the items before global position `pos` (sub-message items first)."""
-        if self.ids is None:
-            self.ids = [a[0] for a in self.appends] + list(self.packed_ids)
+        """Groups of the append items before position `pos`."""
         ids, seqs, groups = self.ids, self.seqs, self.groups
         while self.upto < pos:
             seq = seqs.get(ids[self.upto])
@@ -174,6 +165,7 @@ class BlockManager:
 
     tenants: TenantLedger | None = None  # class default: snapshots from before tenancy existed
     num_prefix_cache_resets: int = 0  # class default: snapshots from before ResetPrefixCache
+    num_committed_blocks: int = 0  # class default: snapshots from before Commit
 
     def __init__(self, config: CoreConfig) -> None:
         self.config = config
@@ -202,6 +194,7 @@ class BlockManager:
         self._arrivals = 0
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
+        self.num_committed_blocks = 0
         self.num_cow_copies = 0
         self.num_preemptions_swap = 0
         self.num_preemptions_recompute = 0
@@ -252,8 +245,9 @@ class BlockManager:
     ) -> AllocateResult:
         """Blocks for a new sequence's prompt, reusing cached prefix blocks.
 
-        Hits are whole blocks and never include the block holding the prompt's
-        last token: the frontend must compute at least one token to get logits,
+        Hits are whole committed blocks (see `commit`): a block allocated but
+        not committed yet is never a hit, for this client or any other. They
+        never include the block holding the prompt's last token: the frontend must compute at least one token to get logits,
         and writing KV into a block other sequences read would race.
 
         A non-empty `salt` starts the hash chain from `root_hash(salt)`: only
@@ -314,26 +308,21 @@ class BlockManager:
                 usage.prefix_query_tokens += num_tokens
                 usage.prefix_hit_tokens += len(hits) * bs
 
-        # Commit: nothing below can fail.
+        # Apply: nothing below can fail. The new blocks are NOT registered in
+        # the prefix cache: their KV does not exist until the client commits it.
         for b in hits:
             pool.hit(b)
         block_ids = hits + pool.take(needed)
         nh = len(hits)
-        if nh < len(hashes):
-            chain_tokens = tokens[nh * bs : len(hashes) * bs] if pool.events is not None and tokens else None
-            pool.register_chain(block_ids[nh:], hashes[nh:], hashes[nh - 1] if nh else None, nh + 1, True,
-                                chain_tokens)
         pending: array | None = None
+        last_hash, num_hashed = root, 0
         if tokens is not None:
             self.prefix_query_tokens += num_tokens
-            self.prefix_hit_tokens += len(hits) * bs
-            pending = tokens[num_full * bs :]
-            last_hash = hashes[-1] if hashes else root
-            num_hashed = len(hashes)
-        else:
-            pending, last_hash, num_hashed = None, root, 0
-        if not self.config.enable_prefix_caching:
-            pending = None
+            self.prefix_hit_tokens += nh * bs
+            if self.config.enable_prefix_caching:
+                pending = tokens[nh * bs :]
+                last_hash = hashes[nh - 1] if nh else root
+                num_hashed = nh
         self._arrivals += 1
         arrival = self._arrivals
         if self._requeued:
@@ -348,10 +337,11 @@ class BlockManager:
             priority=priority,
             arrival=arrival,
             group=self._arrivals,
+            num_committed=nh * bs,  # hits are committed KV by construction
         )
         if self._preempt_on:
             self.victims.push(seq_id, priority, arrival)
-        return AllocateResult(block_ids=list(block_ids), num_cached_tokens=len(hits) * bs)
+        return AllocateResult(block_ids=list(block_ids), num_cached_tokens=nh * bs)
 
     # --- Append -------------------------------------------------------------
     def _plan_append(
@@ -423,23 +413,52 @@ class BlockManager:
                 seq.pending_tokens = None
             else:
                 pending.extend(token_ids)
-                if len(pending) >= self.block_size:
-                    self._register_full_blocks(seq, pending)
         return new_blocks, copy
 
-    def _register_full_blocks(self, seq: Sequence, pending: array) -> None:
+    # --- Commit -------------------------------------------------------------
+    def commit(self, seq_id: str, num_computed_tokens: int) -> int:
+        """The KV of the sequence's first `num_computed_tokens` tokens is written.
+
+        Its full blocks whose token ids are known enter the prefix cache now
+        (and the KV events fire now), never earlier: a hit always names KV
+        that exists. Idempotent; a value below an earlier commit is a no-op.
+        Returns the sequence's committed full blocks (num_committed // block_size).
+
+        A block that is already registered (a prefix hit, or a fork sibling
+        committed it first) is skipped; so is one whose content another block
+        already holds (first writer wins: it is freed, not cached, later).
+        """
+        seq = self._get(seq_id)
+        if num_computed_tokens < 0:
+            raise InvalidArgument("num_computed_tokens must be >= 0")
+        if num_computed_tokens > seq.num_tokens:
+            raise InvalidArgument(
+                f"num_computed_tokens {num_computed_tokens} is more than the {seq.num_tokens} tokens of "
+                f"sequence {seq_id!r}"
+            )
+        if num_computed_tokens > seq.num_committed:
+            seq.num_committed = num_computed_tokens
+            pending = seq.pending_tokens
+            if pending is not None:
+                self._register_full_blocks(seq, pending, num_computed_tokens // self.block_size)
+        return seq.num_committed // self.block_size
+
+    def _register_full_blocks(self, seq: Sequence, pending: array, upto: int) -> None:
+        """Hash and register the sequence's blocks [num_hashed_blocks, upto)."""
         bs = self.block_size
         pool = self.pool
         h = seq.last_hash
+        depth = seq.num_hashed_blocks
         i = 0
-        while len(pending) - i >= bs:
+        while depth < upto and len(pending) - i >= bs:
             parent = h
             h = chain_hash(h, pending[i : i + bs])
-            depth = seq.num_hashed_blocks + 1
-            pool.register(seq.block_ids[depth - 1], h, parent if depth > 1 else None, depth,
-                          pending[i : i + bs] if pool.events is not None else None)
-            seq.num_hashed_blocks = depth
+            depth += 1
+            if pool.register(seq.block_ids[depth - 1], h, parent if depth > 1 else None, depth,
+                             pending[i : i + bs] if pool.events is not None else None):
+                self.num_committed_blocks += 1
             i += bs
+        seq.num_hashed_blocks = depth
         seq.last_hash = h
         del pending[:i]
 
@@ -455,19 +474,12 @@ class BlockManager:
             self._recently_preempted.clear()
         return self._append(seq_id, num_tokens, token_ids)
 
-    def _append(
-        self,
-        seq_id: str,
-        num_tokens: int,
-        token_ids: SequenceT[int] | None,
-        scope: _StepScope | None = None,
-        pos: int = 0,
-    ) -> AppendResult:
+    def _append(self, seq_id: str, num_tokens: int, token_ids: SequenceT[int] | None) -> AppendResult:
         seq = self._get(seq_id)
         tokens = None
         if token_ids is not None and len(token_ids) > 0:
             tokens = _encode_token_ids(token_ids, num_tokens)
-        cow, needed, plan = self._plan_append(seq, num_tokens, scope, pos)
+        cow, needed, plan = self._plan_append(seq, num_tokens)
         ops = CacheOps()
         preempted = self._apply_preemption(plan, ops) if plan is not None else []
         new_blocks, copy = self._apply_append(seq, num_tokens, tokens, cow, needed)
@@ -513,6 +525,7 @@ class BlockManager:
             priority=parent.priority,
             arrival=self._arrivals,
             group=parent.group,
+            num_committed=parent.num_committed,
         )
         members = self.groups.get(parent.group)
         if members is None:
@@ -597,6 +610,7 @@ class BlockManager:
             num_swapped_in_blocks=self.num_swapped_in_blocks,
             preemption_cost_s=self.preemption_cost_s,
             num_prefix_cache_resets=self.num_prefix_cache_resets,
+            num_committed_blocks=self.num_committed_blocks,
         )
 
     # --- ResetPrefixCache ---------------------------------------------------
@@ -618,53 +632,109 @@ class BlockManager:
     # --- Step ---------------------------------------------------------------
     def step(
         self,
-        append_seq_ids: SequenceT[str],
+        append_seq_ids: SequenceT[str] = (),
         append_num_tokens: SequenceT[int] | None = None,
         append_token_ids: SequenceT[int] | None = None,
         free_seq_ids: SequenceT[str] = (),
-        appends: SequenceT[tuple[str, int, SequenceT[int] | None]] = (),
         swap_in_seq_ids: SequenceT[str] = (),
+        *,
+        append_tokens_known: SequenceT[bool] | None = None,
+        commit_seq_ids: SequenceT[str] = (),
+        commit_num_computed_tokens: SequenceT[int] = (),
+        alloc_seq_ids: SequenceT[str] = (),
+        alloc_num_tokens: SequenceT[int] = (),
+        alloc_token_ids: SequenceT[int] | None = None,
+        alloc_priorities: SequenceT[int] | None = None,
+        alloc_salts: SequenceT[str] | None = None,
+        fork_parent_seq_ids: SequenceT[str] = (),
+        fork_child_seq_ids: SequenceT[str] = (),
     ) -> StepResult:
-        """One scheduler step: frees first (they make room), then `appends`,
-        then the packed appends, then the swap-ins.
+        """Everything one engine iteration needs, in this order: commits
+        (what the last worker step computed), frees (they make room), appends,
+        allocations (new requests), forks, swap-ins.
+
+        Every input is a set of parallel (packed) arrays, because that is what
+        the wire carries cheaply and what a scheduler holds; the servicer
+        converts the sub-message form to this one, so there is one path.
+        Appends: `None` counts mean one token each; `None` token ids mean
+        unknown for all; `append_tokens_known[i]` False says item i's ids (which
+        are then absent from `append_token_ids`) are unknown.
+        Allocations: one count per item, token ids concatenated (or None =
+        unknown for all), priorities and salts one per item or None (0 / "").
 
         With preemption enabled, an append that does not fit preempts
-        lower-ranked sequences that have not grown earlier in this step (a
-        sequence that already received blocks or copies in this reply is never
-        swapped out under them); a victim's own later item in the same step
-        then fails (NOT_FOUND or FAILED_PRECONDITION). Swap-ins come last and
-        never preempt: they succeed when room above the watermark exists.
+        lower-ranked sequences that have not grown earlier in this step; a
+        victim's own later item then fails (NOT_FOUND or FAILED_PRECONDITION).
+        Allocations and swap-ins never preempt: they need room above the
+        admission watermark.
 
         Items are independent and each is atomic: a rejected item is reported
-        in the result and changes nothing, the others still apply. Packed
-        inputs are parallel arrays (a count per sequence, token ids
-        concatenated) because that is what the wire carries cheaply; `None`
-        counts mean one token each, `None` token ids mean the ids are unknown.
-        `appends` holds (seq_id, num_tokens, token_ids or None) items whose
-        results come back one per item in `item_results`.
+        in the result and changes nothing, the others still apply. Malformed
+        arrays (lengths that do not match) reject the whole step up front.
         """
         result = StepResult()
         n = len(append_seq_ids)
         if append_num_tokens is not None and len(append_num_tokens) == 0:
             append_num_tokens = None
-        if append_token_ids is not None and len(append_token_ids) == 0:
+        if append_token_ids is not None and len(append_token_ids) == 0 and append_tokens_known is None:
             append_token_ids = None
         if append_num_tokens is not None and len(append_num_tokens) != n:
             raise InvalidArgument(
                 f"append_num_tokens has {len(append_num_tokens)} entries for {n} sequences; they must match"
             )
+        if append_tokens_known is not None and len(append_tokens_known) != n:
+            raise InvalidArgument("append_tokens_known must have one entry per append")
         if append_token_ids is not None:
-            expected = n if append_num_tokens is None else sum(append_num_tokens)
+            if append_tokens_known is None:
+                expected = n if append_num_tokens is None else sum(append_num_tokens)
+            else:
+                expected = sum(
+                    (1 if append_num_tokens is None else append_num_tokens[i])
+                    for i in range(n) if append_tokens_known[i]
+                )
             if len(append_token_ids) != expected:
                 raise InvalidArgument(
                     f"append_token_ids has {len(append_token_ids)} entries but the counts add up to "
                     f"{expected}; they must match"
                 )
             append_token_ids = _encode_token_ids(append_token_ids, expected, "append_token_ids")
+        if len(commit_num_computed_tokens) != len(commit_seq_ids):
+            raise InvalidArgument(
+                f"commit_num_computed_tokens has {len(commit_num_computed_tokens)} entries for "
+                f"{len(commit_seq_ids)} sequences; they must match"
+            )
+        na = len(alloc_seq_ids)
+        if len(alloc_num_tokens) != na:
+            raise InvalidArgument(
+                f"alloc_num_tokens has {len(alloc_num_tokens)} entries for {na} allocations; they must match"
+            )
+        for what, arr in (("alloc_priorities", alloc_priorities), ("alloc_cache_salts", alloc_salts)):
+            if arr is not None and len(arr) and len(arr) != na:
+                raise InvalidArgument(f"{what} has {len(arr)} entries for {na} allocations; one each, or none")
+        if alloc_token_ids is not None and len(alloc_token_ids):
+            expected = sum(alloc_num_tokens)
+            if len(alloc_token_ids) != expected:
+                raise InvalidArgument(
+                    f"alloc_token_ids has {len(alloc_token_ids)} entries but alloc_num_tokens adds up to "
+                    f"{expected}; they must match"
+                )
+            alloc_token_ids = _encode_token_ids(alloc_token_ids, expected, "alloc_token_ids")
+        else:
+            alloc_token_ids = None
+        if len(fork_child_seq_ids) != len(fork_parent_seq_ids):
+            raise InvalidArgument(
+                f"fork_child_seq_ids has {len(fork_child_seq_ids)} entries for {len(fork_parent_seq_ids)} "
+                "parents; they must match"
+            )
 
         if self._recently_preempted:
             self._recently_preempted.clear()
-        scope = _StepScope(self.seqs, appends, append_seq_ids) if self._preempt_on else None
+        for j, seq_id in enumerate(commit_seq_ids):
+            try:
+                self.commit(seq_id, commit_num_computed_tokens[j])
+            except CoreError as e:
+                result.commit_errors.append(ItemError(j, seq_id, e.code, e.message))
+
         released = result.released
         for j, seq_id in enumerate(free_seq_ids):
             try:
@@ -673,26 +743,15 @@ class BlockManager:
                 released.append(0)
                 result.free_errors.append(ItemError(j, seq_id, e.code, e.message))
 
-        item_results = result.item_results
-        for j, (seq_id, k, token_ids) in enumerate(appends):
-            try:
-                item = self._append(seq_id, k, token_ids, scope, j)
-            except CoreError as e:
-                item_results.append(None)
-                result.item_errors.append(ItemError(j, seq_id, e.code, e.message))
-            else:
-                item_results.append(item)
-                if item.preempted:
-                    result.preempted.extend(item.preempted)
-
+        scope = _StepScope(self.seqs, append_seq_ids) if self._preempt_on and n else None
         seqs = self.seqs
         bs = self.block_size
         ref_counts = self.pool.ref_counts
-        register = self._register_full_blocks
         offset = 0
         for i in range(n):
             seq_id = append_seq_ids[i]
             seq = seqs.get(seq_id)
+            known = append_token_ids is not None and (append_tokens_known is None or append_tokens_known[i])
             if append_num_tokens is None:
                 k = 1
                 if seq is not None:
@@ -702,19 +761,50 @@ class BlockManager:
                         seq.num_tokens = cur + 1
                         pending = seq.pending_tokens
                         if pending is not None:
-                            if append_token_ids is None:
-                                seq.pending_tokens = None
+                            if known:
+                                pending.append(append_token_ids[offset])  # type: ignore[index]
                             else:
-                                pending.append(append_token_ids[i])
-                                if len(pending) == bs:
-                                    register(seq, pending)
+                                seq.pending_tokens = None
+                        if known:
+                            offset += 1
                         continue
-                tokens = None if append_token_ids is None else append_token_ids[i : i + 1]
             else:
                 k = append_num_tokens[i]
-                tokens = None if append_token_ids is None else append_token_ids[offset : offset + k]
+            tokens = None
+            if known:
+                tokens = append_token_ids[offset : offset + k]  # type: ignore[index]
                 offset += k
-            self._step_append_slow(result, i, seq_id, seq, k, tokens, scope, len(appends) + i)
+            self._step_append(result, i, seq_id, seq, k, tokens, scope)
+
+        alloc_cached, alloc_index, alloc_ids = result.alloc_num_cached_tokens, result.alloc_block_index, result.alloc_block_ids
+        offset = 0
+        for j in range(na):
+            seq_id = alloc_seq_ids[j]
+            k = alloc_num_tokens[j]
+            tokens = None
+            if alloc_token_ids is not None:
+                tokens = alloc_token_ids[offset : offset + k]
+                offset += k
+            try:
+                r = self.allocate(
+                    seq_id, k, tokens, alloc_priorities[j] if alloc_priorities else 0,
+                    alloc_salts[j] if alloc_salts else "",
+                )
+            except CoreError as e:
+                alloc_cached.append(0)
+                result.alloc_errors.append(ItemError(j, seq_id, e.code, e.message))
+                continue
+            alloc_cached.append(r.num_cached_tokens)
+            alloc_index.extend([j] * len(r.block_ids))
+            alloc_ids.extend(r.block_ids)
+
+        for j, parent in enumerate(fork_parent_seq_ids):
+            child = fork_child_seq_ids[j]
+            try:
+                self.fork(parent, child)
+            except CoreError as e:
+                result.fork_errors.append(ItemError(j, child, e.code, e.message))
+
         for j, seq_id in enumerate(swap_in_seq_ids):
             try:
                 result.swap_in_results.append(self.swap_in(seq_id))
@@ -723,7 +813,7 @@ class BlockManager:
                 result.swap_in_errors.append(ItemError(j, seq_id, e.code, e.message))
         return result
 
-    def _step_append_slow(
+    def _step_append(
         self,
         result: StepResult,
         i: int,
@@ -731,19 +821,20 @@ class BlockManager:
         seq: Sequence | None,
         k: int,
         tokens: array | None,
-        scope: _StepScope | None = None,
-        pos: int = 0,
+        scope: _StepScope | None,
     ) -> None:
         try:
             if seq is None:
                 self._get(seq_id)  # raises the precise error
                 raise AssertionError("unreachable")
-            cow, needed, plan = self._plan_append(seq, k, scope, pos)
+            cow, needed, plan = self._plan_append(seq, k, scope, i)
         except CoreError as e:
             result.append_errors.append(ItemError(i, seq_id, e.code, e.message))
             return
         if plan is not None:
+            before = len(result.preempted)
             result.preempted.extend(self._apply_preemption(plan, result.ops))
+            result.preempted_by.extend([i] * (len(result.preempted) - before))
         blocks, copy = self._apply_append(seq, k, tokens, cow, needed)
         if copy is not None:
             result.ops.copies.append(copy)
@@ -1048,6 +1139,13 @@ class BlockManager:
                 assert pool.block_hash[b] is None, f"free block {b} still has a hash"
             if in_cache:
                 assert pool.block_hash[b] is not None, f"cached block {b} has no hash"
+        bs = self.block_size
+        for seq in self.seqs.values():
+            # A sequence hashes (registers) only blocks inside its committed range,
+            # so every index entry, and so every hit, names committed KV.
+            assert seq.num_hashed_blocks * bs <= seq.num_committed <= seq.num_tokens, seq.seq_id
+            if seq.pending_tokens is not None:
+                assert len(seq.pending_tokens) == seq.num_tokens - seq.num_hashed_blocks * bs, seq.seq_id
         for h, b in pool.index.items():
             assert pool.block_hash[b] == h, f"index entry for block {b} disagrees"
         assert pool.num_free + pool.num_cached + sum(1 for c in counts if c) == pool.num_blocks

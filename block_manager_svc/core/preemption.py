@@ -46,18 +46,22 @@ class VictimQueue:
     def candidates(self, accept: Callable[[str], bool]) -> Iterator[str]:
         """Live sequences in preemption order for which `accept` holds.
 
-        The caller must exhaust or close the iterator before mutating the
-        queue; popped entries are pushed back when it finishes."""
+        Walks the heap as a tree (a side heap of frontier positions) instead
+        of popping it, so planning never changes the heap, not even its
+        layout: a rejected call leaves the state byte for byte as it was,
+        which is what journal replay relies on. O(k log k) for k entries seen.
+        The caller must exhaust or close the iterator before mutating."""
         heap, live = self._heap, self._live
-        popped: list[tuple[int, int, int, str]] = []
-        try:
-            while heap:
-                entry = heapq.heappop(heap)
-                if live.get(entry[3]) != entry[2]:
-                    continue  # dead: freed, preempted, or re-pushed since
-                popped.append(entry)
-                if accept(entry[3]):
-                    yield entry[3]
-        finally:
-            for entry in popped:
-                heapq.heappush(heap, entry)
+        if not heap:
+            return
+        frontier: list[tuple[tuple[int, int, int, str], int]] = [(heap[0], 0)]
+        n = len(heap)
+        while frontier:
+            entry, i = heapq.heappop(frontier)
+            for c in (2 * i + 1, 2 * i + 2):
+                if c < n:
+                    heapq.heappush(frontier, (heap[c], c))
+            if live.get(entry[3]) != entry[2]:
+                continue  # dead: freed, preempted, or re-pushed since
+            if accept(entry[3]):
+                yield entry[3]

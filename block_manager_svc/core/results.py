@@ -108,13 +108,15 @@ class ItemError:
 
 @dataclass(slots=True)
 class StepResult:
-    """The deltas of one scheduler step.
+    """The deltas of one scheduler step (all items packed).
 
     `new_block_index[i]` is the index (into the step's append list) of the
     sequence that received `new_block_ids[i]`; `replaced_index` lists the items
-    whose first new block replaced their last block (copy-on-write).
+    whose first new block replaced their last block (copy-on-write), in the
+    order of their copies in `ops.copies`.
     `released[j]` is the number of blocks the j-th free released (0 on error).
-    `item_results[j]` is the result of the j-th unpacked append (None on error).
+    `alloc_num_cached_tokens[j]` is the j-th allocation's prefix hit (0 on
+    error); `alloc_block_index`/`alloc_block_ids` its table, like appends.
     """
 
     new_block_index: list[int] = field(default_factory=list)
@@ -124,12 +126,17 @@ class StepResult:
     released: list[int] = field(default_factory=list)
     append_errors: list[ItemError] = field(default_factory=list)
     free_errors: list[ItemError] = field(default_factory=list)
-    item_results: list[AppendResult | None] = field(default_factory=list)
-    item_errors: list[ItemError] = field(default_factory=list)
-    # Every preemption of the step (packed and sub-message appends); the
-    # swap_out ops are in `ops` (packed) or the item's own ops (sub-message).
+    commit_errors: list[ItemError] = field(default_factory=list)
+    # Every preemption of the step; the swap_out ops are in `ops`.
+    # preempted_by[i]: the append item whose growth caused preempted[i].
     preempted: list[Preemption] = field(default_factory=list)
-    # One result per requested swap-in (None on error), applied after appends.
+    preempted_by: list[int] = field(default_factory=list)
+    alloc_num_cached_tokens: list[int] = field(default_factory=list)
+    alloc_block_index: list[int] = field(default_factory=list)
+    alloc_block_ids: list[int] = field(default_factory=list)
+    alloc_errors: list[ItemError] = field(default_factory=list)
+    fork_errors: list[ItemError] = field(default_factory=list)
+    # One result per requested swap-in (None on error), applied last.
     swap_in_results: list[SwapInResult | None] = field(default_factory=list)
     swap_in_errors: list[ItemError] = field(default_factory=list)
 
@@ -156,3 +163,5 @@ class Stats:
     num_swapped_in_blocks: int = 0
     preemption_cost_s: float = 0.0
     num_prefix_cache_resets: int = 0
+    # Blocks that entered the prefix cache by Commit (cumulative).
+    num_committed_blocks: int = 0

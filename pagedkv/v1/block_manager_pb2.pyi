@@ -170,8 +170,9 @@ class AllocateRequest(_message.Message):
     """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Prompt token ids. When given, its length must equal num_tokens, full
-        blocks are looked up in (and registered with) the prefix cache.
+        """Prompt token ids. When given, its length must equal num_tokens, and full
+        blocks are looked up in the prefix cache: only committed blocks are hits
+        (see Commit). The new blocks enter the prefix cache when committed.
         """
 
     def __init__(
@@ -200,7 +201,9 @@ class AllocateResponse(_message.Message):
     BLOCK_IDS_FIELD_NUMBER: _builtins.int
     NUM_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     num_cached_tokens: _builtins.int
-    """Prompt tokens whose KV is already in the cache (whole blocks only)."""
+    """Prompt tokens whose KV is already in the cache (whole committed blocks
+    only; never the block holding the last prompt token).
+    """
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -218,6 +221,59 @@ class AllocateResponse(_message.Message):
 Global___AllocateResponse: _TypeAlias = AllocateResponse  # noqa: Y015
 
 @_typing.final
+class CommitRequest(_message.Message):
+    """The KV of the sequence's first num_computed_tokens tokens is written (the
+    worker step that computed it has returned). Its full blocks whose token ids
+    are known enter the prefix cache now, not before, and BlockStored events
+    fire now (docs/prefix_cache.md). Idempotent: a value not above an earlier
+    commit is a no-op. More than the sequence's length: INVALID_ARGUMENT;
+    unknown sequence: NOT_FOUND; swapped out: FAILED_PRECONDITION.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEQ_ID_FIELD_NUMBER: _builtins.int
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    seq_id: _builtins.str
+    num_computed_tokens: _builtins.int
+    request_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        seq_id: _builtins.str = ...,
+        num_computed_tokens: _builtins.int = ...,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_computed_tokens", b"num_computed_tokens", "request_id", b"request_id", "seq_id", b"seq_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CommitRequest: _TypeAlias = CommitRequest  # noqa: Y015
+
+@_typing.final
+class CommitResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NUM_COMMITTED_BLOCKS_FIELD_NUMBER: _builtins.int
+    num_committed_blocks: _builtins.int
+    """The sequence's committed full blocks now (its largest commit / block_size)."""
+    def __init__(
+        self,
+        *,
+        num_committed_blocks: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_committed_blocks", b"num_committed_blocks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CommitResponse: _TypeAlias = CommitResponse  # noqa: Y015
+
+@_typing.final
 class AppendRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -231,7 +287,8 @@ class AppendRequest(_message.Message):
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Ids of the appended tokens (optional; length must equal num_tokens).
-        Needed for blocks filled by these tokens to enter the prefix cache.
+        Needed for blocks filled by these tokens to enter the prefix cache (at
+        their Commit).
         """
 
     def __init__(
@@ -594,6 +651,12 @@ class StepItemError(_message.Message):
         """index into StepRequest.free_seq_ids"""
         SWAP_IN: StepItemError._Kind.ValueType  # 5
         """index into StepRequest.swap_in_seq_ids"""
+        COMMIT: StepItemError._Kind.ValueType  # 6
+        """index into StepRequest.commit_seq_ids"""
+        ALLOCATE: StepItemError._Kind.ValueType  # 7
+        """index into StepRequest.alloc_seq_ids"""
+        FORK: StepItemError._Kind.ValueType  # 8
+        """index into StepRequest.fork_parent_seq_ids (seq_id: the child)"""
 
     class Kind(_Kind, metaclass=_KindEnumTypeWrapper): ...
     KIND_UNSPECIFIED: StepItemError.Kind.ValueType  # 0
@@ -607,6 +670,12 @@ class StepItemError(_message.Message):
     """index into StepRequest.free_seq_ids"""
     SWAP_IN: StepItemError.Kind.ValueType  # 5
     """index into StepRequest.swap_in_seq_ids"""
+    COMMIT: StepItemError.Kind.ValueType  # 6
+    """index into StepRequest.commit_seq_ids"""
+    ALLOCATE: StepItemError.Kind.ValueType  # 7
+    """index into StepRequest.alloc_seq_ids"""
+    FORK: StepItemError.Kind.ValueType  # 8
+    """index into StepRequest.fork_parent_seq_ids (seq_id: the child)"""
 
     KIND_FIELD_NUMBER: _builtins.int
     INDEX_FIELD_NUMBER: _builtins.int
@@ -638,16 +707,19 @@ Global___StepItemError: _TypeAlias = StepItemError  # noqa: Y015
 
 @_typing.final
 class StepRequest(_message.Message):
-    """One scheduler step for many sequences in one round trip.
+    """One engine iteration in one round trip: everything the block manager must
+    do for it, as packed parallel arrays.
 
-    Items are applied one by one, each atomically: frees first (they make
-    room), then appends in request order. A failed item is reported in
-    StepResponse.errors and changes nothing; the other items still apply.
+    Apply order: commits (what the previous worker step computed), frees (they
+    make room), appends, allocations (new requests), forks, swap-ins. Items are
+    applied one by one, each atomically: a failed item is reported in
+    StepResponse.errors and changes nothing; the other items still apply. Arrays
+    whose lengths do not match reject the whole Step (INVALID_ARGUMENT).
 
-    Appends can be sent as sub-messages (`appends`) or, cheaper to encode for
-    large decode batches, as parallel packed arrays (`append_seq_ids`,
-    `append_num_tokens`, `append_token_ids`). Both may be used in one request;
-    sub-message appends are applied before packed ones.
+    Appends and frees can also be sent as sub-messages (`appends`, `frees`) for
+    hand-written clients; the server converts them to the packed form, placed
+    before the packed items (so sub-message appends apply before packed ones).
+    Allocations and forks never preempt; appends may (docs/policies.md).
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -660,6 +732,16 @@ class StepRequest(_message.Message):
     FREE_SEQ_IDS_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     SWAP_IN_SEQ_IDS_FIELD_NUMBER: _builtins.int
+    COMMIT_SEQ_IDS_FIELD_NUMBER: _builtins.int
+    COMMIT_NUM_COMPUTED_TOKENS_FIELD_NUMBER: _builtins.int
+    ALLOC_SEQ_IDS_FIELD_NUMBER: _builtins.int
+    ALLOC_NUM_TOKENS_FIELD_NUMBER: _builtins.int
+    ALLOC_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    ALLOC_PRIORITIES_FIELD_NUMBER: _builtins.int
+    ALLOC_LEASE_IDS_FIELD_NUMBER: _builtins.int
+    ALLOC_CACHE_SALTS_FIELD_NUMBER: _builtins.int
+    FORK_PARENT_SEQ_IDS_FIELD_NUMBER: _builtins.int
+    FORK_CHILD_SEQ_IDS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     @_builtins.property
     def appends(self) -> _containers.RepeatedCompositeFieldContainer[Global___AppendRequest]: ...
@@ -685,10 +767,44 @@ class StepRequest(_message.Message):
 
     @_builtins.property
     def swap_in_seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Swapped sequences to bring back, applied after all appends (never
-        preempting; each needs room above the admission watermark).
+        """Swapped sequences to bring back, applied last (never preempting; each
+        needs room above the admission watermark).
         """
 
+    @_builtins.property
+    def commit_seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Packed commits (parallel arrays), applied first: see CommitRequest."""
+
+    @_builtins.property
+    def commit_num_computed_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def alloc_seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Packed allocations (new requests), one entry per item in alloc_seq_ids
+        and alloc_num_tokens. alloc_token_ids: the prompts concatenated (empty =
+        unknown for all). alloc_priorities, alloc_lease_ids, alloc_cache_salts:
+        one per item, or empty = the default for all (0, no lease, no salt).
+        Each item is an AllocateRequest: same checks, same prefix-cache hits.
+        """
+
+    @_builtins.property
+    def alloc_num_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def alloc_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def alloc_priorities(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def alloc_lease_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def alloc_cache_salts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def fork_parent_seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Packed forks (parallel arrays): the child shares the parent's table as it
+        is after this step's appends and allocations; the child takes the
+        parent's lease, if any.
+        """
+
+    @_builtins.property
+    def fork_child_seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
         self,
         *,
@@ -700,10 +816,20 @@ class StepRequest(_message.Message):
         free_seq_ids: _abc.Iterable[_builtins.str] | None = ...,
         request_id: _builtins.str = ...,
         swap_in_seq_ids: _abc.Iterable[_builtins.str] | None = ...,
+        commit_seq_ids: _abc.Iterable[_builtins.str] | None = ...,
+        commit_num_computed_tokens: _abc.Iterable[_builtins.int] | None = ...,
+        alloc_seq_ids: _abc.Iterable[_builtins.str] | None = ...,
+        alloc_num_tokens: _abc.Iterable[_builtins.int] | None = ...,
+        alloc_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        alloc_priorities: _abc.Iterable[_builtins.int] | None = ...,
+        alloc_lease_ids: _abc.Iterable[_builtins.str] | None = ...,
+        alloc_cache_salts: _abc.Iterable[_builtins.str] | None = ...,
+        fork_parent_seq_ids: _abc.Iterable[_builtins.str] | None = ...,
+        fork_child_seq_ids: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["append_num_tokens", b"append_num_tokens", "append_seq_ids", b"append_seq_ids", "append_token_ids", b"append_token_ids", "appends", b"appends", "free_seq_ids", b"free_seq_ids", "frees", b"frees", "request_id", b"request_id", "swap_in_seq_ids", b"swap_in_seq_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alloc_cache_salts", b"alloc_cache_salts", "alloc_lease_ids", b"alloc_lease_ids", "alloc_num_tokens", b"alloc_num_tokens", "alloc_priorities", b"alloc_priorities", "alloc_seq_ids", b"alloc_seq_ids", "alloc_token_ids", b"alloc_token_ids", "append_num_tokens", b"append_num_tokens", "append_seq_ids", b"append_seq_ids", "append_token_ids", b"append_token_ids", "appends", b"appends", "commit_num_computed_tokens", b"commit_num_computed_tokens", "commit_seq_ids", b"commit_seq_ids", "fork_child_seq_ids", b"fork_child_seq_ids", "fork_parent_seq_ids", b"fork_parent_seq_ids", "free_seq_ids", b"free_seq_ids", "frees", b"frees", "request_id", b"request_id", "swap_in_seq_ids", b"swap_in_seq_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -724,6 +850,9 @@ class StepResponse(_message.Message):
     PACKED_REPLACED_INDEX_FIELD_NUMBER: _builtins.int
     PREEMPTED_FIELD_NUMBER: _builtins.int
     SWAP_INS_FIELD_NUMBER: _builtins.int
+    ALLOC_NUM_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
+    PACKED_ALLOC_BLOCK_INDEX_FIELD_NUMBER: _builtins.int
+    PACKED_ALLOC_BLOCK_IDS_FIELD_NUMBER: _builtins.int
     num_blocks_released: _builtins.int
     """Blocks released by the frees of this step (sub-message and packed)."""
     num_available_blocks: _builtins.int
@@ -771,6 +900,17 @@ class StepResponse(_message.Message):
         swap_in ops are also in `ops`.
         """
 
+    @_builtins.property
+    def alloc_num_cached_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Packed allocation results: prefix-hit tokens per alloc item (0 on
+        error), and every block of each allocated item's table, in order, as
+        (index into alloc_seq_ids, block id) pairs like the packed appends.
+        """
+
+    @_builtins.property
+    def packed_alloc_block_index(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def packed_alloc_block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
         self,
         *,
@@ -785,10 +925,13 @@ class StepResponse(_message.Message):
         packed_replaced_index: _abc.Iterable[_builtins.int] | None = ...,
         preempted: _abc.Iterable[Global___Preemption] | None = ...,
         swap_ins: _abc.Iterable[Global___SwapInResponse] | None = ...,
+        alloc_num_cached_tokens: _abc.Iterable[_builtins.int] | None = ...,
+        packed_alloc_block_index: _abc.Iterable[_builtins.int] | None = ...,
+        packed_alloc_block_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["ops", b"ops"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["appends", b"appends", "errors", b"errors", "frees", b"frees", "num_available_blocks", b"num_available_blocks", "num_blocks_released", b"num_blocks_released", "ops", b"ops", "packed_new_block_ids", b"packed_new_block_ids", "packed_new_block_index", b"packed_new_block_index", "packed_replaced_index", b"packed_replaced_index", "preempted", b"preempted", "swap_ins", b"swap_ins"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alloc_num_cached_tokens", b"alloc_num_cached_tokens", "appends", b"appends", "errors", b"errors", "frees", b"frees", "num_available_blocks", b"num_available_blocks", "num_blocks_released", b"num_blocks_released", "ops", b"ops", "packed_alloc_block_ids", b"packed_alloc_block_ids", "packed_alloc_block_index", b"packed_alloc_block_index", "packed_new_block_ids", b"packed_new_block_ids", "packed_new_block_index", b"packed_new_block_index", "packed_replaced_index", b"packed_replaced_index", "preempted", b"preempted", "swap_ins", b"swap_ins"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -840,6 +983,7 @@ class Stats(_message.Message):
     NUM_SWAPPED_IN_BLOCKS_FIELD_NUMBER: _builtins.int
     PREEMPTION_COST_S_FIELD_NUMBER: _builtins.int
     NUM_PREFIX_CACHE_RESETS_FIELD_NUMBER: _builtins.int
+    NUM_COMMITTED_BLOCKS_FIELD_NUMBER: _builtins.int
     NUM_LEASES_FIELD_NUMBER: _builtins.int
     NUM_LEASES_EXPIRED_FIELD_NUMBER: _builtins.int
     NUM_LEASE_EXPIRED_SEQUENCES_FIELD_NUMBER: _builtins.int
@@ -878,6 +1022,8 @@ class Stats(_message.Message):
     preemption_cost_s: _builtins.float
     num_prefix_cache_resets: _builtins.int
     """ResetPrefixCache calls that changed the state (docs/reliability.md)."""
+    num_committed_blocks: _builtins.int
+    """Blocks that entered the prefix cache by Commit (docs/prefix_cache.md)."""
     num_leases: _builtins.int
     """Reliability (docs/reliability.md): live leases, leases that expired and
     the sequences they freed, retries answered from the dedupe window, and
@@ -911,6 +1057,7 @@ class Stats(_message.Message):
         num_swapped_in_blocks: _builtins.int = ...,
         preemption_cost_s: _builtins.float = ...,
         num_prefix_cache_resets: _builtins.int = ...,
+        num_committed_blocks: _builtins.int = ...,
         num_leases: _builtins.int = ...,
         num_leases_expired: _builtins.int = ...,
         num_lease_expired_sequences: _builtins.int = ...,
@@ -920,7 +1067,7 @@ class Stats(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "journal_seq", b"journal_seq", "num_cached_blocks", b"num_cached_blocks", "num_cow_copies", b"num_cow_copies", "num_cpu_blocks", b"num_cpu_blocks", "num_dedupe_entries", b"num_dedupe_entries", "num_dedupe_hits", b"num_dedupe_hits", "num_evicted_blocks", b"num_evicted_blocks", "num_free_blocks", b"num_free_blocks", "num_free_cpu_blocks", b"num_free_cpu_blocks", "num_gpu_blocks", b"num_gpu_blocks", "num_hashed_blocks", b"num_hashed_blocks", "num_lease_expired_sequences", b"num_lease_expired_sequences", "num_leases", b"num_leases", "num_leases_expired", b"num_leases_expired", "num_preemptions_recompute", b"num_preemptions_recompute", "num_preemptions_swap", b"num_preemptions_swap", "num_prefix_cache_resets", b"num_prefix_cache_resets", "num_sequences", b"num_sequences", "num_swapped_in_blocks", b"num_swapped_in_blocks", "num_swapped_out_blocks", b"num_swapped_out_blocks", "num_swapped_sequences", b"num_swapped_sequences", "num_used_blocks", b"num_used_blocks", "preemption_cost_s", b"preemption_cost_s", "prefix_hit_tokens", b"prefix_hit_tokens", "prefix_query_tokens", b"prefix_query_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "journal_seq", b"journal_seq", "num_cached_blocks", b"num_cached_blocks", "num_committed_blocks", b"num_committed_blocks", "num_cow_copies", b"num_cow_copies", "num_cpu_blocks", b"num_cpu_blocks", "num_dedupe_entries", b"num_dedupe_entries", "num_dedupe_hits", b"num_dedupe_hits", "num_evicted_blocks", b"num_evicted_blocks", "num_free_blocks", b"num_free_blocks", "num_free_cpu_blocks", b"num_free_cpu_blocks", "num_gpu_blocks", b"num_gpu_blocks", "num_hashed_blocks", b"num_hashed_blocks", "num_lease_expired_sequences", b"num_lease_expired_sequences", "num_leases", b"num_leases", "num_leases_expired", b"num_leases_expired", "num_preemptions_recompute", b"num_preemptions_recompute", "num_preemptions_swap", b"num_preemptions_swap", "num_prefix_cache_resets", b"num_prefix_cache_resets", "num_sequences", b"num_sequences", "num_swapped_in_blocks", b"num_swapped_in_blocks", "num_swapped_out_blocks", b"num_swapped_out_blocks", "num_swapped_sequences", b"num_swapped_sequences", "num_used_blocks", b"num_used_blocks", "preemption_cost_s", b"preemption_cost_s", "prefix_hit_tokens", b"prefix_hit_tokens", "prefix_query_tokens", b"prefix_query_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

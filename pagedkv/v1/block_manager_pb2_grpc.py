@@ -54,6 +54,11 @@ class BlockManagerStub:
                 request_serializer=pagedkv_dot_v1_dot_block__manager__pb2.FreeRequest.SerializeToString,
                 response_deserializer=pagedkv_dot_v1_dot_block__manager__pb2.FreeResponse.FromString,
                 _registered_method=True)
+        self.Commit = channel.unary_unary(
+                '/pagedkv.v1.BlockManager/Commit',
+                request_serializer=pagedkv_dot_v1_dot_block__manager__pb2.CommitRequest.SerializeToString,
+                response_deserializer=pagedkv_dot_v1_dot_block__manager__pb2.CommitResponse.FromString,
+                _registered_method=True)
         self.GetBlockTable = channel.unary_unary(
                 '/pagedkv.v1.BlockManager/GetBlockTable',
                 request_serializer=pagedkv_dot_v1_dot_block__manager__pb2.GetBlockTableRequest.SerializeToString,
@@ -124,6 +129,14 @@ class BlockManagerServicer:
 
     def Free(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Commit(self, request, context):
+        """The KV of a sequence's first tokens is written: its full blocks enter the
+        prefix cache (only committed blocks are ever prefix hits).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -214,6 +227,11 @@ def add_BlockManagerServicer_to_server(servicer, server):
                     servicer.Free,
                     request_deserializer=pagedkv_dot_v1_dot_block__manager__pb2.FreeRequest.FromString,
                     response_serializer=pagedkv_dot_v1_dot_block__manager__pb2.FreeResponse.SerializeToString,
+            ),
+            'Commit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Commit,
+                    request_deserializer=pagedkv_dot_v1_dot_block__manager__pb2.CommitRequest.FromString,
+                    response_serializer=pagedkv_dot_v1_dot_block__manager__pb2.CommitResponse.SerializeToString,
             ),
             'GetBlockTable': grpc.unary_unary_rpc_method_handler(
                     servicer.GetBlockTable,
@@ -369,6 +387,33 @@ class BlockManager:
             '/pagedkv.v1.BlockManager/Free',
             pagedkv_dot_v1_dot_block__manager__pb2.FreeRequest.SerializeToString,
             pagedkv_dot_v1_dot_block__manager__pb2.FreeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Commit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedkv.v1.BlockManager/Commit',
+            pagedkv_dot_v1_dot_block__manager__pb2.CommitRequest.SerializeToString,
+            pagedkv_dot_v1_dot_block__manager__pb2.CommitResponse.FromString,
             options,
             channel_credentials,
             insecure,

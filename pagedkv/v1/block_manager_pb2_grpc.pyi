@@ -41,6 +41,10 @@ class BlockManagerStub:
     Append: _grpc.UnaryUnaryMultiCallable[_block_manager_pb2.AppendRequest, _block_manager_pb2.AppendResponse]
     Fork: _grpc.UnaryUnaryMultiCallable[_block_manager_pb2.ForkRequest, _block_manager_pb2.ForkResponse]
     Free: _grpc.UnaryUnaryMultiCallable[_block_manager_pb2.FreeRequest, _block_manager_pb2.FreeResponse]
+    Commit: _grpc.UnaryUnaryMultiCallable[_block_manager_pb2.CommitRequest, _block_manager_pb2.CommitResponse]
+    """The KV of a sequence's first tokens is written: its full blocks enter the
+    prefix cache (only committed blocks are ever prefix hits).
+    """
     GetBlockTable: _grpc.UnaryUnaryMultiCallable[_block_manager_pb2.GetBlockTableRequest, _block_manager_pb2.BlockTable]
     Step: _grpc.UnaryUnaryMultiCallable[_block_manager_pb2.StepRequest, _block_manager_pb2.StepResponse]
     GetStats: _grpc.UnaryUnaryMultiCallable[_block_manager_pb2.GetStatsRequest, _block_manager_pb2.Stats]
@@ -72,6 +76,10 @@ class BlockManagerAsyncStub(BlockManagerStub):
     Append: _aio.UnaryUnaryMultiCallable[_block_manager_pb2.AppendRequest, _block_manager_pb2.AppendResponse]  # type: ignore[assignment]
     Fork: _aio.UnaryUnaryMultiCallable[_block_manager_pb2.ForkRequest, _block_manager_pb2.ForkResponse]  # type: ignore[assignment]
     Free: _aio.UnaryUnaryMultiCallable[_block_manager_pb2.FreeRequest, _block_manager_pb2.FreeResponse]  # type: ignore[assignment]
+    Commit: _aio.UnaryUnaryMultiCallable[_block_manager_pb2.CommitRequest, _block_manager_pb2.CommitResponse]  # type: ignore[assignment]
+    """The KV of a sequence's first tokens is written: its full blocks enter the
+    prefix cache (only committed blocks are ever prefix hits).
+    """
     GetBlockTable: _aio.UnaryUnaryMultiCallable[_block_manager_pb2.GetBlockTableRequest, _block_manager_pb2.BlockTable]  # type: ignore[assignment]
     Step: _aio.UnaryUnaryMultiCallable[_block_manager_pb2.StepRequest, _block_manager_pb2.StepResponse]  # type: ignore[assignment]
     GetStats: _aio.UnaryUnaryMultiCallable[_block_manager_pb2.GetStatsRequest, _block_manager_pb2.Stats]  # type: ignore[assignment]
@@ -124,6 +132,16 @@ class BlockManagerServicer(metaclass=_abc_1.ABCMeta):
         request: _block_manager_pb2.FreeRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_block_manager_pb2.FreeResponse, _abc.Awaitable[_block_manager_pb2.FreeResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def Commit(
+        self,
+        request: _block_manager_pb2.CommitRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_block_manager_pb2.CommitResponse, _abc.Awaitable[_block_manager_pb2.CommitResponse]]:
+        """The KV of a sequence's first tokens is written: its full blocks enter the
+        prefix cache (only committed blocks are ever prefix hits).
+        """
 
     @_abc_1.abstractmethod
     def GetBlockTable(

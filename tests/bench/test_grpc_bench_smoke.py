@@ -19,10 +19,11 @@ def test_grpc_bench_quick(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     for label in ("Check (health, empty RPC: floor)", "Append (unary, 1 token)", "Step 256 seqs, packed arrays",
-                  "Step 256 seqs, sub-messages", "targets:", "80% of the floor", "p50 < 2 ms"):
+                  "Step 256 seqs, sub-messages", "Step engine iteration (256+c/f/a)", "targets:",
+                  "80% of the floor", "p50 < 2 ms", "p50 < 1.5 ms"):
         assert label in proc.stdout
     data = json.loads(out.read_text())
-    for row in ("Check", "GetStats", "Append", "Step/packed", "Step/sub"):
+    for row in ("Check", "GetStats", "Append", "Step/packed", "Step/sub", "Step/iteration"):
         for flight in (1, 16):
             cell = data[f"{row}@{flight}"]
             assert cell["count"] > 0 and cell["calls_per_s"] > 0

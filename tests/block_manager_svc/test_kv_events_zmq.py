@@ -248,7 +248,12 @@ def test_replay_serves_missed_batches(server_factory) -> None:  # type: ignore[n
     with BlockManagerClient(f"127.0.0.1:{running.port}") as bm:
         run_workload(bm, random.Random(11))  # nobody listening: all of it is history
         deadline = time.monotonic() + 5
-        while pub.num_batches < 2 and time.monotonic() < deadline:
+        seen, stable_since = -1, time.monotonic()
+        while time.monotonic() < deadline:  # until the publisher has sent its last batch
+            if pub.num_batches != seen:
+                seen, stable_since = pub.num_batches, time.monotonic()
+            elif seen >= 2 and time.monotonic() - stable_since > 0.3:
+                break
             time.sleep(0.01)
         published = pub.num_batches
         sub = Subscriber(pub.endpoint, pub.replay_endpoint, "kv-events", MapBatch)
@@ -263,7 +268,8 @@ def test_replay_serves_missed_batches(server_factory) -> None:  # type: ignore[n
             bm.allocate("late", 9, list(range(500, 509)))  # a live batch after the replay
             commit(bm, "late", 9)
             sub.drain()
-            assert sub.last_seq == published
+            # The allocation's evictions and the commit's stores are two calls: one or two batches.
+            assert sub.last_seq in (published, published + 1)
             assert {h: p for h, (p, _) in sub.index.items()} == pool_index(running)
         finally:
             sub.close()

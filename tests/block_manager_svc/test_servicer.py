@@ -8,6 +8,7 @@ import grpc
 import pytest
 
 from pagedkv.v1 import block_manager_pb2 as pb
+from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
 
 
 def call_error(fn, request) -> grpc.RpcError:  # type: ignore[no-untyped-def]
@@ -22,6 +23,7 @@ def stats(stub) -> pb.Stats:  # type: ignore[no-untyped-def]
 
 def test_allocate_prefix_hit_and_stats(stub) -> None:  # type: ignore[no-untyped-def]
     a = stub.Allocate(pb.AllocateRequest(seq_id="a", num_tokens=10, token_ids=list(range(10))))
+    stub.Commit(pb.CommitRequest(seq_id="a", num_computed_tokens=10))
     b = stub.Allocate(pb.AllocateRequest(seq_id="b", num_tokens=10, token_ids=list(range(10))))
     assert len(a.block_ids) == 3 and a.num_cached_tokens == 0
     assert b.num_cached_tokens == 8 and list(b.block_ids[:2]) == list(a.block_ids[:2])
@@ -29,6 +31,38 @@ def test_allocate_prefix_hit_and_stats(stub) -> None:  # type: ignore[no-untyped
     assert (s.block_size, s.num_gpu_blocks, s.num_sequences) == (4, 16, 2)
     assert s.prefix_query_tokens == 20 and s.prefix_hit_tokens == 8
     assert s.num_used_blocks == 4 and s.num_free_blocks == 12 and s.num_cached_blocks == 0
+
+
+def test_contract_only_committed_blocks_are_hits_and_stats_agree_with_events(server_factory) -> None:  # type: ignore[no-untyped-def]
+    """Issue 11: Allocate A; B with the same prefix gets 0 hits; Commit A; C gets the hits;
+    GetStats and WatchEvents agree (BlockStored only at commit)."""
+    server = server_factory(num_gpu_blocks=32, block_size=4, enable_kv_events=True)
+    prompt = list(range(100, 114))  # 3 full blocks + 2 tokens
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+        stub = pb_grpc.BlockManagerStub(ch)
+        stream = stub.WatchEvents(pb.WatchEventsRequest(), timeout=20)
+        assert next(stream).WhichOneof("event") == "all_blocks_cleared"
+        a = stub.Allocate(pb.AllocateRequest(seq_id="A", num_tokens=14, token_ids=prompt), timeout=5)
+        b = stub.Allocate(pb.AllocateRequest(seq_id="B", num_tokens=14, token_ids=prompt), timeout=5)
+        assert a.num_cached_tokens == 0 and b.num_cached_tokens == 0  # A's blocks are not committed
+        assert set(a.block_ids).isdisjoint(b.block_ids)
+        s = stats(stub)
+        assert s.num_hashed_blocks == 0 and s.num_committed_blocks == 0 and s.prefix_hit_tokens == 0
+        # A partial commit enters only the full blocks it covers.
+        assert stub.Commit(pb.CommitRequest(seq_id="A", num_computed_tokens=9), timeout=5).num_committed_blocks == 2
+        assert stub.Commit(pb.CommitRequest(seq_id="A", num_computed_tokens=14), timeout=5).num_committed_blocks == 3
+        assert stub.Commit(pb.CommitRequest(seq_id="A", num_computed_tokens=5), timeout=5).num_committed_blocks == 3
+        c = stub.Allocate(pb.AllocateRequest(seq_id="C", num_tokens=14, token_ids=prompt), timeout=5)
+        assert c.num_cached_tokens == 12 and list(c.block_ids[:3]) == list(a.block_ids[:3])
+        s = stats(stub)
+        assert s.num_hashed_blocks == 3 and s.num_committed_blocks == 3
+        assert s.prefix_query_tokens == 42 and s.prefix_hit_tokens == 12
+        events = [next(stream), next(stream)]
+        stream.cancel()
+    stored = [(list(e.block_stored.block_ids), [bytes(h) for h in e.block_stored.block_hashes]) for e in events]
+    assert all(e.WhichOneof("event") == "block_stored" for e in events)
+    assert [b for ids, _ in stored for b in ids] == list(a.block_ids[:3])  # A's blocks, at its commits
+    assert len({h for _, hs in stored for h in hs}) == s.num_hashed_blocks
 
 
 def test_fork_append_copy_on_write_and_block_table(stub) -> None:  # type: ignore[no-untyped-def]
@@ -47,6 +81,7 @@ def test_fork_append_copy_on_write_and_block_table(stub) -> None:  # type: ignor
 
 def test_free_releases_and_cached_blocks_stay_findable(stub) -> None:  # type: ignore[no-untyped-def]
     stub.Allocate(pb.AllocateRequest(seq_id="a", num_tokens=9, token_ids=list(range(9))))
+    stub.Commit(pb.CommitRequest(seq_id="a", num_computed_tokens=9))
     assert stub.Free(pb.FreeRequest(seq_id="a")).num_blocks_released == 3
     s = stats(stub)
     assert s.num_cached_blocks == 2 and s.num_free_blocks == 14 and s.num_sequences == 0
@@ -78,6 +113,19 @@ def test_free_releases_and_cached_blocks_stay_findable(stub) -> None:  # type: i
         ("GetBlockTable", pb.GetBlockTableRequest(seq_id="nope"), grpc.StatusCode.NOT_FOUND, "nope"),
         ("Step", pb.StepRequest(append_seq_ids=["live"], append_num_tokens=[1, 1]),
          grpc.StatusCode.INVALID_ARGUMENT, "append_num_tokens"),
+        ("Commit", pb.CommitRequest(seq_id="live", num_computed_tokens=6), grpc.StatusCode.INVALID_ARGUMENT,
+         "more than the 5 tokens"),
+        ("Commit", pb.CommitRequest(seq_id="nope", num_computed_tokens=1), grpc.StatusCode.NOT_FOUND, "nope"),
+        ("Commit", pb.CommitRequest(seq_id="", num_computed_tokens=1), grpc.StatusCode.INVALID_ARGUMENT, "empty"),
+        ("Step", pb.StepRequest(commit_seq_ids=["live"], commit_num_computed_tokens=[1, 2]),
+         grpc.StatusCode.INVALID_ARGUMENT, "commit_num_computed_tokens"),
+        ("Step", pb.StepRequest(alloc_seq_ids=["x", "y"], alloc_num_tokens=[1]),
+         grpc.StatusCode.INVALID_ARGUMENT, "alloc_num_tokens"),
+        ("Step", pb.StepRequest(alloc_seq_ids=["x"], alloc_num_tokens=[2], alloc_token_ids=[1]),
+         grpc.StatusCode.INVALID_ARGUMENT, "alloc_token_ids"),
+        ("Step", pb.StepRequest(alloc_seq_ids=["x"], alloc_num_tokens=[2], alloc_lease_ids=["l", "m"]),
+         grpc.StatusCode.INVALID_ARGUMENT, "alloc_lease_ids"),
+        ("Step", pb.StepRequest(fork_parent_seq_ids=["live"]), grpc.StatusCode.INVALID_ARGUMENT, "fork_child"),
     ],
 )
 def test_bad_requests_get_precise_status_and_change_nothing(stub, method, request_, code, fragment) -> None:  # type: ignore[no-untyped-def]
@@ -131,6 +179,47 @@ def test_step_submessage_form_has_one_result_per_item(stub) -> None:  # type: ig
     assert r.frees[0].num_blocks_released == 1 and r.frees[1].num_blocks_released == 0
     kinds = sorted((e.kind, e.index) for e in r.errors)
     assert kinds == [(pb.StepItemError.APPEND, 1), (pb.StepItemError.FREE, 1)]
+
+
+def test_step_carries_a_whole_iteration_in_the_documented_order(stub) -> None:  # type: ignore[no-untyped-def]
+    """Commits, frees, appends, allocations and forks in one Step: the commit applies before
+    the allocation in the same Step (so it already hits), forks see the allocation."""
+    prompt = list(range(1, 10))  # 2 full blocks of 4 + 1
+    stub.Allocate(pb.AllocateRequest(seq_id="run", num_tokens=9, token_ids=prompt))
+    stub.Allocate(pb.AllocateRequest(seq_id="done", num_tokens=2))
+    r = stub.Step(pb.StepRequest(
+        commit_seq_ids=["run", "ghost"], commit_num_computed_tokens=[9, 1],
+        free_seq_ids=["done"],
+        append_seq_ids=["run"], append_token_ids=[50],
+        alloc_seq_ids=["new", "dup", "bad"], alloc_num_tokens=[9, 1, 0],
+        alloc_token_ids=prompt + [7], alloc_priorities=[1, 0, 0],
+        fork_parent_seq_ids=["new", "nope"], fork_child_seq_ids=["new/1", "c"],
+    ))
+    kinds = sorted((e.kind, e.index, e.seq_id) for e in r.errors)
+    assert kinds == [
+        (pb.StepItemError.COMMIT, 1, "ghost"),
+        (pb.StepItemError.ALLOCATE, 2, "bad"),
+        (pb.StepItemError.FORK, 1, "c"),
+    ]
+    assert list(r.alloc_num_cached_tokens) == [8, 0, 0]
+    tables: dict[int, list[int]] = {}
+    for i, b in zip(r.packed_alloc_block_index, r.packed_alloc_block_ids):
+        tables.setdefault(i, []).append(b)
+    run = stub.GetBlockTable(pb.GetBlockTableRequest(seq_id="run"))
+    assert tables[0][:2] == list(run.block_ids[:2]) and len(tables[0]) == 3 and len(tables[1]) == 1
+    assert list(stub.GetBlockTable(pb.GetBlockTableRequest(seq_id="new/1")).block_ids) == tables[0]
+    assert r.num_blocks_released == 1 and run.num_tokens == 10
+    # Mixed sub-message + packed appends: sub-messages first, results mapped back to each form.
+    r = stub.Step(pb.StepRequest(
+        appends=[pb.AppendRequest(seq_id="new/1", num_tokens=1, token_ids=[5]),
+                 pb.AppendRequest(seq_id="dup", num_tokens=2, token_ids=[1])],
+        append_seq_ids=["new", "ghost"],
+    ))
+    assert [(e.kind, e.index) for e in r.errors] == [(pb.StepItemError.APPEND, 1),
+                                                    (pb.StepItemError.PACKED_APPEND, 1)]
+    assert r.appends[0].replaced_last_block and len(r.appends) == 2 and not r.appends[1].new_block_ids
+    assert list(r.packed_replaced_index) == [] and list(r.packed_new_block_index) == []  # "new" owns it now
+    assert len(r.ops.copies) == 1
 
 
 def test_get_config_reports_geometry(stub) -> None:  # type: ignore[no-untyped-def]

@@ -47,12 +47,13 @@ def test_generate_local_prints_json_and_is_deterministic() -> None:
     for r in runs:
         assert r.returncode == 0, r.stderr
     first, second = (json.loads(r.stdout) for r in runs)
-    assert first == second
+    assert first["completions"] == second["completions"]
     assert first["prompt_token_ids"] == [5, 6, 7, 8, 9]
     comps = first["completions"]
     assert [c["index"] for c in comps] == [0, 1]
     assert all(len(c["token_ids"]) == 6 and c["finish_reason"] == "length" for c in comps)
     assert comps[0]["token_ids"] == comps[1]["token_ids"]  # greedy: both samples agree
+    assert first["request_id"] != second["request_id"]  # a fresh request id per call
 
 
 def test_generate_reports_bad_input_and_a_missing_stack() -> None:
@@ -92,19 +93,38 @@ def test_up_serves_generate_and_stops_everything_on_ctrl_c() -> None:
         assert len(pids) == 5 and all(pid_alive(p) for p in pids)  # + the OpenAI-compatible frontend
         assert f"http://127.0.0.1:{http}/v1" in out
         workers = f"127.0.0.1:{w},127.0.0.1:{w + 1}"
-        r = pagedkv("generate", "--token-ids", "3,1,4,1,5", "--max-tokens", "5", "--block-manager",
-                    f"127.0.0.1:{bm}", "--workers", workers)
-        assert r.returncode == 0, r.stderr
-        direct = json.loads(r.stdout)
-        assert len(direct["completions"][0]["token_ids"]) == 5
+        target = ["--block-manager", f"127.0.0.1:{bm}", "--workers", workers]
+        # Several generate processes at once (issue 11): unique request ids and sequence ids, all succeed.
+        prompt = ",".join(str(t) for t in [3, 1, 4, 1, 5] * 8)
+        procs = [subprocess.Popen([sys.executable, "-m", "pagedkv.cli", "generate", "--token-ids", prompt,
+                                   "--max-tokens", "5", *target], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for _ in range(3)]
+        results = [p.communicate(timeout=120) for p in procs]
+        assert all(p.returncode == 0 for p in procs), [err for _, err in results]
+        outs = [json.loads(out) for out, _ in results]
+        assert len({o["request_id"] for o in outs}) == 3
+        tokens = [o["completions"][0]["token_ids"] for o in outs]
+        assert len(tokens[0]) == 5 and tokens == [tokens[0]] * 3  # same prompt, greedy: same output
+        # Rejected inputs are refused before anything is allocated.
+        for flag, value in (("--temperature", "-1"), ("--top-p", "2"), ("--top-k", "-3")):
+            r = pagedkv("generate", "--token-ids", "1,2", flag, value, *target)
+            assert r.returncode == 2 and flag in r.stderr and "is the stack running" not in r.stderr, r.stderr
+        r = pagedkv("generate", "--token-ids", "1,,2", *target)
+        assert r.returncode == 2 and "empty item" in r.stderr
+        direct = outs[0]
         # The default: an HTTP client of the stack's `pagedkv serve`; same JSON, same greedy tokens.
-        r = pagedkv("generate", "--url", f"http://127.0.0.1:{http}", "--token-ids", "3,1,4,1,5", "--max-tokens", "5",
+        r = pagedkv("generate", "--url", f"http://127.0.0.1:{http}", "--token-ids", prompt, "--max-tokens", "5",
                     "--n", "2")
         assert r.returncode == 0, r.stderr
         served = json.loads(r.stdout)
         assert set(served) == set(direct)
         assert [c["token_ids"] for c in served["completions"]] == [direct["completions"][0]["token_ids"]] * 2
         assert all(len(c["logprobs"]) == 5 for c in served["completions"])
+        from frontend.client import BlockManagerClient
+
+        with BlockManagerClient(f"127.0.0.1:{bm}") as client:
+            stats = client.get_stats()
+        assert stats.num_sequences == 0 and stats.num_used_blocks == 0, stats
     finally:
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=60)
@@ -117,6 +137,9 @@ def test_demo_local_prints_the_figures() -> None:
     r = pagedkv("demo", "--local", "--requests", "12", "--no-progress", timeout=180)
     assert r.returncode == 0, r.stderr
     for label in ("throughput (generated)", "prefix-cache hit rate", "KV utilisation", "preemptions",
-                  "peak KV memory, contiguous reservation", "contiguous / paged"):
+                  "peak KV memory, contiguous reservation", "contiguous / paged",
+                  "block-manager round trips per iteration (Step)", "worker steps per iteration"):
         assert label in r.stdout
+    per_iteration = re.search(r"block-manager round trips per iteration \(Step\)\s+([0-9.]+)", r.stdout)
+    assert per_iteration and float(per_iteration.group(1)) <= 1.0, r.stdout
     assert re.search(r"requests\s+12", r.stdout)

@@ -42,8 +42,12 @@ def test_greedy_batch_with_shared_prefixes_and_two_samples_matches_transformers(
     reqs = [GenerationRequest(f"r{i}", p, max_tokens=10, n=2 if i % 2 else 1) for i, p in enumerate(ps)]
     with stack(hf, num_gpu_blocks=96) as st:
         engine = st.engine()
-        outs = engine.generate(reqs)
+        first = engine.add_request(reqs[0])
+        engine.step()  # r0's prompt is computed here; the next Step commits it before admitting the rest
+        assert engine.stats.bm_round_trips == 1 and engine.stats.worker_steps == 1
+        outs = [first] + engine.generate(reqs[1:])
         bm_stats = st.block_manager.servicer._core.stats()  # noqa: SLF001 - white-box check
+        assert engine.stats.bm_round_trips <= engine.stats.steps  # never more than one per iteration
     for p, out in zip(ps, outs):
         expected = hf.greedy(p, 10)
         for c in out.completions:
@@ -115,3 +119,26 @@ def test_swap_preemption_round_trips_through_the_cpu_pool(hf: HFModel, mode: str
     for p, out in zip(ps, outs):
         expected = hf.greedy(p, 14)
         assert [c.token_ids for c in out.completions] == [expected] * len(out.completions), out.request_id
+
+
+def test_same_new_prefix_admitted_together_prefills_twice_then_later_requests_hit(hf: HFModel) -> None:
+    """Issue 11: a request whose prefix is allocated but not committed gets 0 hits and prefills it
+    itself (correct output); once the prefill is committed, later requests hit it. One Step and at
+    most one worker step per iteration."""
+    p = prompts(5, 1)[0] + [7, 8, 9, 10, 11]  # 3+ full blocks of 4
+    with stack(hf, num_gpu_blocks=64) as st:
+        engine = st.engine()
+        together = [engine.add_request(GenerationRequest(f"t{i}", p, max_tokens=4)) for i in range(2)]
+        engine.step()  # both allocated in this iteration's Step, both prefilled in it
+        assert [o.num_cached_tokens for o in together] == [0, 0]
+        later = engine.add_request(GenerationRequest("later", p, max_tokens=4))
+        for _ in engine.stream():
+            pass
+        core = st.block_manager.servicer._core  # noqa: SLF001
+        core.check_invariants()
+        assert core.stats().num_sequences == 0
+    assert later.num_cached_tokens == (len(p) - 1) // 4 * 4
+    for o in together + [later]:
+        assert o.completions[0].token_ids == hf.greedy(p, 4), o.request_id
+    s = engine.stats
+    assert s.bm_round_trips == s.steps and s.worker_steps <= s.steps

@@ -40,6 +40,7 @@ def test_metrics_are_scraped_with_rpc_and_pool_numbers(tmp_path) -> None:  # typ
         with grpc.insecure_channel(f"127.0.0.1:{r.port}") as ch:
             stub = pb_grpc.BlockManagerStub(ch)
             stub.Allocate(pb.AllocateRequest(seq_id="a", num_tokens=10, token_ids=list(range(10))), metadata=md)
+            stub.Commit(pb.CommitRequest(seq_id="a", num_computed_tokens=10), metadata=md)
             stub.Allocate(pb.AllocateRequest(seq_id="b", num_tokens=10, token_ids=list(range(10))), metadata=md)
             with pytest.raises(grpc.RpcError):
                 stub.Free(pb.FreeRequest(seq_id="nope"), metadata=md)
@@ -91,7 +92,8 @@ def test_watch_events_snapshot_then_stored_and_removed() -> None:
     try:
         with grpc.insecure_channel(f"127.0.0.1:{r.port}") as ch:
             stub = pb_grpc.BlockManagerStub(ch)
-            stub.Allocate(pb.AllocateRequest(seq_id="old", num_tokens=9, token_ids=list(range(9))))  # 2 hashed
+            stub.Allocate(pb.AllocateRequest(seq_id="old", num_tokens=9, token_ids=list(range(9))))
+            stub.Commit(pb.CommitRequest(seq_id="old", num_computed_tokens=9))  # 2 hashed
             stream = stub.WatchEvents(pb.WatchEventsRequest(), timeout=20)
             events: list = []
             first = [next(stream) for _ in range(3)]
@@ -102,8 +104,9 @@ def test_watch_events_snapshot_then_stored_and_removed() -> None:
             t = threading.Thread(target=_collect, args=(stream, 2, events, done), daemon=True)
             t.start()
             stub.Free(pb.FreeRequest(seq_id="old"))  # cached, evictable
-            # 16 new tokens need all 4 blocks: the 2 cached ones are evicted (removed), 4 stored.
+            # 16 new tokens need all 4 blocks: the 2 cached ones are evicted (removed), 4 stored at commit.
             stub.Allocate(pb.AllocateRequest(seq_id="new", num_tokens=16, token_ids=list(range(100, 116))))
+            stub.Commit(pb.CommitRequest(seq_id="new", num_computed_tokens=16))
             assert done.wait(10)
             stream.cancel()
         kinds = [e.WhichOneof("event") for e in events]
@@ -140,8 +143,9 @@ def test_watchers_see_only_their_tenant_and_slow_ones_are_dropped(tmp_path) -> N
             with pytest.raises(grpc.RpcError) as e:
                 next(third)
             assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # watcher cap
-            stub.Allocate(pb.AllocateRequest(seq_id="s", num_tokens=8, token_ids=[1] * 8), metadata=md["a"])
-            stub.Allocate(pb.AllocateRequest(seq_id="s", num_tokens=8, token_ids=[1] * 8), metadata=md["b"])
+            for t in ("a", "b"):
+                stub.Allocate(pb.AllocateRequest(seq_id="s", num_tokens=8, token_ids=[1] * 8), metadata=md[t])
+                stub.Commit(pb.CommitRequest(seq_id="s", num_computed_tokens=8), metadata=md[t])
             ev = next(sb)
             assert ev.tenant == "b" and len(ev.block_stored.block_hashes) == 2
             ev_root = next(sroot)
@@ -166,6 +170,7 @@ def test_a_slow_watcher_is_dropped_and_never_blocks_the_producer() -> None:
     core.pool.events = hub  # type: ignore[assignment]
     for i in range(40):  # 40 stored events into a 16-slot queue nobody reads
         core.allocate(f"s{i}", 4, [i] * 4)
+        core.commit(f"s{i}", 4)
     assert sub.dropped and hub.num_dropped == 1 and not hub.subs
     assert core.pool.events is None and hub.version == 17
     items = []

@@ -162,10 +162,12 @@ def test_prefix_cache_is_salted_per_tenant_and_per_cache_salt(secure_factory, ce
     with open_channel(certs, r.port) as ch:
         alice, bob = Caller(ch, "alice"), Caller(ch, "bob")
         assert alice.Allocate(pb.AllocateRequest(seq_id="a1", num_tokens=50, token_ids=prompt)).num_cached_tokens == 0
+        alice.Commit(pb.CommitRequest(seq_id="a1", num_computed_tokens=50))
         assert alice.Allocate(pb.AllocateRequest(seq_id="a2", num_tokens=50, token_ids=prompt)).num_cached_tokens == 48
         assert bob.Allocate(pb.AllocateRequest(seq_id="b1", num_tokens=50, token_ids=prompt)).num_cached_tokens == 0
         salted = pb.AllocateRequest(seq_id="a3", num_tokens=50, token_ids=prompt, cache_salt="user-7")
         assert alice.Allocate(salted).num_cached_tokens == 0
+        alice.Step(pb.StepRequest(commit_seq_ids=["a3"], commit_num_computed_tokens=[50]))
         salted.seq_id = "a4"
         assert alice.Allocate(salted).num_cached_tokens == 48
     r.servicer._core.check_invariants()
@@ -230,6 +232,7 @@ def test_tenant_state_survives_a_restart(certs, tmp_path) -> None:  # type: igno
     r = start_server(BlockManagerSettings(**kw))
     with open_channel(certs, r.port) as ch:
         Caller(ch, "alice").Allocate(pb.AllocateRequest(seq_id="s", num_tokens=40, token_ids=list(range(40))))
+        Caller(ch, "alice").Commit(pb.CommitRequest(seq_id="s", num_computed_tokens=40))
         Caller(ch, "bob").Allocate(pb.AllocateRequest(seq_id="s", num_tokens=4))
     r.stop(0)
     r = start_server(BlockManagerSettings(**kw))

@@ -98,6 +98,7 @@ class Scheduler:
             st = self.seqs[sid]
             st.num_cached = len(st.tokens)
             st.generated.append(tok)
+            self.bm.commit(sid, st.num_cached)  # its KV is written: full blocks become prefix hits
         return outs
 
     def generate(self, seq_ids: list[str], n: int) -> None:

@@ -8,6 +8,13 @@ its tokens. That one check catches a wrong prefix hit, a missing or misdirected
 copy-on-write, a block handed to two sequences, and a write into a shared block.
 The structural invariants (ref counts = table occurrences; free + cached +
 referenced = total, disjoint) are checked by `check_invariants` each step.
+
+Commits are modelled the way an engine works: allocating or appending
+reserves slots but writes nothing; `compute` writes a sequence's pending
+tokens (a worker step); `commit` tells the manager up to where KV was written.
+A prefix hit on a block whose KV was never written reads back None instead of
+the prompt, so "a hit never points at an uncommitted block" is checked on
+every Allocate.
 """
 
 from __future__ import annotations
@@ -18,10 +25,13 @@ import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+import pytest
+
 from block_manager_svc.core import (
     AlreadyExists,
     BlockManager,
     CoreConfig,
+    InvalidArgument,
     NotFound,
     ResourceExhausted,
 )
@@ -38,22 +48,31 @@ class AllocatorMachine(RuleBasedStateMachine):
         super().__init__()
         self.bm = BlockManager(CoreConfig(num_gpu_blocks=NUM_BLOCKS, block_size=BS))
         self.tokens: dict[str, list[int]] = {}  # the model: each sequence's tokens
+        self.computed: dict[str, int] = {}  # leading tokens whose KV was written (by it or a sharer)
         self.phys: dict[int, list[int | None]] = {}  # what each physical block holds
 
     # --- the model's data plane -------------------------------------------------
     def _write(self, seq_id: str, start: int) -> None:
-        """Write seq's tokens from position `start` into its blocks, like a worker."""
+        """Write seq's tokens from position `start` into its blocks, like a worker.
+
+        A block shared by fork siblings may be written (the engine prefills the
+        parent's prompt once) only where every sharer has the same token."""
         table = self.bm.seqs[seq_id].block_ids
         toks = self.tokens[seq_id]
         for pos in range(start, len(toks)):
             block = table[pos // BS]
-            assert self.bm.pool.ref_counts[block] == 1, f"write into shared block {block}"
+            if self.bm.pool.ref_counts[block] > 1:
+                for other, seq in self.bm.seqs.items():
+                    if pos // BS < len(seq.block_ids) and seq.block_ids[pos // BS] == block:
+                        theirs = self.tokens[other]
+                        assert pos >= len(theirs) or theirs[pos] == toks[pos], f"write into shared block {block}"
             slot = self.phys.setdefault(block, [None] * BS)
             slot[pos % BS] = toks[pos]
+        self.computed[seq_id] = len(toks)
 
     def _apply_copies(self, copies: list[tuple[int, int]]) -> None:
-        for src, dst in copies:
-            self.phys[dst] = list(self.phys[src])
+        for src, dst in copies:  # a block not computed yet copies as empty slots
+            self.phys[dst] = list(self.phys.get(src, [None] * BS))
 
     def _snapshot(self) -> object:
         pool = self.bm.pool
@@ -87,8 +106,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.tokens[seq_id] = list(prompt)
         # Hit blocks must already hold exactly these tokens: check, don't write.
         for i in range(r.num_cached_tokens // BS):
-            assert self.phys[r.block_ids[i]] == prompt[i * BS : (i + 1) * BS], "wrong prefix hit"
-        self._write(seq_id, r.num_cached_tokens)
+            assert self.phys.get(r.block_ids[i]) == prompt[i * BS : (i + 1) * BS], "hit on unwritten or wrong KV"
+        self.computed[seq_id] = r.num_cached_tokens
 
     @rule(seq_id=NAMES, new=st.lists(TOKEN, min_size=1, max_size=BS + 1), with_ids=st.booleans())
     def append(self, seq_id: str, new: list[int], with_ids: bool) -> None:
@@ -103,9 +122,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert self._snapshot() == before
             return
         self._apply_copies(r.ops.copies)
-        start = len(self.tokens[seq_id])
         self.tokens[seq_id].extend(new)
-        self._write(seq_id, start)
 
     @rule(parent=NAMES, child=NAMES)
     def fork(self, parent: str, child: str) -> None:
@@ -118,6 +135,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             return
         assert blocks == self.bm.seqs[parent].block_ids
         self.tokens[child] = list(self.tokens[parent])
+        self.computed[child] = self.computed[parent]
 
     @rule(seq_id=NAMES)
     def free(self, seq_id: str) -> None:
@@ -127,6 +145,28 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert seq_id not in self.tokens
             return
         del self.tokens[seq_id]
+        del self.computed[seq_id]
+
+    @rule(seq_id=NAMES)
+    def compute(self, seq_id: str) -> None:
+        """A worker step: the sequence's pending tokens get their KV."""
+        if seq_id in self.tokens:
+            self._write(seq_id, self.computed[seq_id])
+
+    @rule(seq_id=NAMES, back=st.integers(0, BS + 1), over=st.booleans())
+    def commit(self, seq_id: str, back: int, over: bool) -> None:
+        """Commit what was computed (or a bit less); committing past the end is refused."""
+        if seq_id not in self.tokens:
+            with pytest.raises(NotFound):
+                self.bm.commit(seq_id, 1)
+            return
+        if over:
+            before = self._snapshot()
+            with pytest.raises(InvalidArgument):
+                self.bm.commit(seq_id, len(self.tokens[seq_id]) + 1)
+            assert self._snapshot() == before
+            return
+        self.bm.commit(seq_id, max(self.computed[seq_id] - back, 0))
 
     @rule(data=st.data())
     def step(self, data: st.DataObject) -> None:
@@ -135,21 +175,23 @@ class AllocatorMachine(RuleBasedStateMachine):
         frees = data.draw(st.lists(st.sampled_from(names), unique=True, max_size=2))
         appends = [s for s in appends if s not in frees]
         new = data.draw(st.lists(TOKEN, min_size=len(appends), max_size=len(appends)))
-        r = self.bm.step(appends, None, new, frees)
+        commits = [s for s in sorted(self.tokens) if data.draw(st.booleans())]
+        r = self.bm.step(appends, None, new, frees, commit_seq_ids=commits,
+                         commit_num_computed_tokens=[self.computed[s] for s in commits])
+        assert not r.commit_errors
         failed_frees = {e.seq_id for e in r.free_errors}
         for s in frees:
             if s in failed_frees:
                 assert s not in self.tokens
             else:
                 del self.tokens[s]
+                del self.computed[s]
         self._apply_copies(r.ops.copies)
         failed = {e.index for e in r.append_errors}
         for i, s in enumerate(appends):
             if i in failed:
                 continue
-            start = len(self.tokens[s])
             self.tokens[s].append(new[i])
-            self._write(s, start)
 
     @precondition(lambda self: bool(self.tokens))
     @rule()
@@ -157,6 +199,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         for s in list(self.tokens):
             self.bm.free(s)
         self.tokens.clear()
+        self.computed.clear()
         st_ = self.bm.stats()
         assert st_.num_used_blocks == 0
         assert st_.num_free_blocks + st_.num_cached_blocks == NUM_BLOCKS
@@ -170,10 +213,12 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     @invariant()
     def every_sequence_reads_back_its_tokens(self) -> None:
+        """Every computed token reads back through the block table."""
         for s, toks in self.tokens.items():
             seq = self.bm.seqs[s]
             assert seq.num_tokens == len(toks)
             read = []
+            toks = toks[: self.computed[s]]
             for pos in range(len(toks)):
                 read.append(self.phys[seq.block_ids[pos // BS]][pos % BS])
             assert read == toks, f"{s} reads {read}, expected {toks}"

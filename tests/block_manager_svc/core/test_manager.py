@@ -59,6 +59,9 @@ def test_allocate_rounds_up_to_whole_blocks() -> None:
 def test_prefix_hit_reuses_blocks_by_reference() -> None:
     bm = make()
     a = bm.allocate("a", 10, toks(10))
+    assert bm.allocate("early", 10, toks(10)).num_cached_tokens == 0  # nothing committed yet
+    bm.free("early")
+    assert bm.commit("a", 10) == 2
     b = bm.allocate("b", 10, toks(10))
     # 10 tokens = 2 full blocks + 2; both full blocks are hits.
     assert b.num_cached_tokens == 8
@@ -66,13 +69,14 @@ def test_prefix_hit_reuses_blocks_by_reference() -> None:
     assert b.block_ids[2] != a.block_ids[2]
     assert bm.pool.ref_counts[a.block_ids[0]] == 2
     st = bm.stats()
-    assert st.prefix_query_tokens == 20 and st.prefix_hit_tokens == 8
+    assert st.prefix_query_tokens == 30 and st.prefix_hit_tokens == 8
     bm.check_invariants()
 
 
 def test_hit_never_covers_the_last_prompt_token() -> None:
     bm = make()
     bm.allocate("a", 8, toks(8))
+    bm.commit("a", 8)
     b = bm.allocate("b", 8, toks(8))
     # Both blocks are full and cached, but the last token must be computed.
     assert b.num_cached_tokens == 4
@@ -82,6 +86,7 @@ def test_hit_never_covers_the_last_prompt_token() -> None:
 def test_hash_chains_whole_prefix_not_just_the_block() -> None:
     bm = make()
     bm.allocate("a", 9, toks(9))
+    bm.commit("a", 9)
     # Same second block content, different first block: no hit anywhere.
     other = [99, 98, 97, 96] + toks(5, 4)
     assert bm.allocate("b", 9, other).num_cached_tokens == 0
@@ -90,6 +95,7 @@ def test_hash_chains_whole_prefix_not_just_the_block() -> None:
 def test_cached_blocks_survive_free_and_are_hit_later() -> None:
     bm = make()
     a = bm.allocate("a", 9, toks(9))
+    bm.commit("a", 9)
     released = bm.free("a")
     assert released == 3
     st = bm.stats()
@@ -102,7 +108,8 @@ def test_cached_blocks_survive_free_and_are_hit_later() -> None:
 
 def test_eviction_takes_cached_blocks_leaves_first_when_free_runs_out() -> None:
     bm = make(num_blocks=5)
-    a = bm.allocate("a", 13, toks(13))  # 3 full blocks registered + 1 partial
+    a = bm.allocate("a", 13, toks(13))
+    bm.commit("a", 13)  # 3 full blocks registered + 1 partial
     bm.free("a")
     assert bm.stats().num_cached_blocks == 3 and bm.stats().num_free_blocks == 2
     # Needs 3 blocks: 2 free + 1 evicted; the evicted one must be the chain's leaf.
@@ -151,6 +158,7 @@ def test_resource_exhausted_message_says_needed_and_available() -> None:
 def test_exhaustion_accounts_for_hits_that_come_out_of_the_evictable_set() -> None:
     bm = make(num_blocks=3)
     bm.allocate("a", 9, toks(9))
+    bm.commit("a", 9)
     bm.free("a")  # 2 cached, 1 free
     # Same prompt: 2 hits (taken from cache) + 1 new block; exactly fits.
     r = bm.allocate("b", 9, toks(9))
@@ -199,10 +207,14 @@ def test_append_to_shared_full_tail_needs_no_copy() -> None:
     assert not r.replaced_last_block and not r.ops.copies and len(r.new_block_ids) == 1
 
 
-def test_append_registers_blocks_that_become_full() -> None:
+def test_append_registers_blocks_that_become_full_at_commit() -> None:
     bm = make()
     bm.allocate("a", 3, toks(3))
     bm.append("a", 3, [3, 4, 5])  # block 0 full, block 1 has 2 tokens
+    assert bm.stats().num_hashed_blocks == 0  # full, but its KV is not written yet
+    assert bm.allocate("early", 6, toks(6)).num_cached_tokens == 0
+    bm.free("early")
+    assert bm.commit("a", 6) == 1
     assert bm.stats().num_hashed_blocks == 1
     # A new prompt with the same first 4 tokens hits block 0.
     assert bm.allocate("b", 6, toks(6)).num_cached_tokens == 4
@@ -213,6 +225,7 @@ def test_append_without_token_ids_stops_hashing_for_the_sequence() -> None:
     bm.allocate("a", 3, toks(3))
     bm.append("a", 1)  # unknown token
     bm.append("a", 4, toks(4, 10))
+    bm.commit("a", 8)
     assert bm.stats().num_hashed_blocks == 0
 
 
@@ -352,16 +365,38 @@ def test_step_rejects_malformed_arrays_before_touching_anything() -> None:
     assert snapshot(bm) == before
 
 
-def test_step_unpacked_items_come_back_one_per_item() -> None:
+def test_step_packed_allocations_and_forks_come_back_as_deltas() -> None:
     bm = make()
     bm.allocate("a", 4)
-    r = bm.step([], appends=[("a", 1, None), ("nope", 1, None), ("a", 0, None)])
-    assert r.item_results[0] is not None and len(r.item_results[0].new_block_ids) == 1
-    assert r.item_results[1] is None and r.item_results[2] is None
-    assert [(e.index, e.code) for e in r.item_errors] == [
-        (1, ErrorCode.NOT_FOUND),
-        (2, ErrorCode.INVALID_ARGUMENT),
-    ]
+    r = bm.step(alloc_seq_ids=["n", "a", "m"], alloc_num_tokens=[5, 1, 2],
+                fork_parent_seq_ids=["n", "m"], fork_child_seq_ids=["n/1", "a"])
+    assert r.alloc_num_cached_tokens == [0, 0, 0]
+    assert [(e.index, e.code) for e in r.alloc_errors] == [(1, ErrorCode.ALREADY_EXISTS)]
+    assert [(e.index, e.code) for e in r.fork_errors] == [(1, ErrorCode.ALREADY_EXISTS)]
+    assert r.alloc_block_index == [0, 0, 2]
+    assert r.alloc_block_ids[:2] == bm.block_table("n").block_ids == bm.block_table("n/1").block_ids
+    bm.check_invariants()
+
+
+def test_commit_is_idempotent_bounded_and_owned_by_the_physical_block() -> None:
+    bm = make()
+    bm.allocate("a", 9, toks(9))
+    with pytest.raises(InvalidArgument, match="more than the 9 tokens"):
+        bm.commit("a", 10)
+    with pytest.raises(NotFound):
+        bm.commit("nope", 1)
+    assert bm.commit("a", 5) == 1 and bm.commit("a", 3) == 1 and bm.commit("a", 5) == 1
+    bm.fork("a", "child")  # the child inherits the committed state of the blocks it shares
+    assert bm.seqs["child"].num_committed == 5
+    assert bm.commit("a", 9) == 2 and bm.stats().num_committed_blocks == 2
+    assert bm.commit("child", 9) == 2 and bm.stats().num_committed_blocks == 2  # already registered
+    bm.check_invariants()
+    # A freed block that is reused starts uncommitted: no hit on it.
+    bm.free("a")
+    bm.free("child")
+    bm.allocate("big", 64)  # takes every block, evicting the cached ones
+    bm.free("big")
+    assert bm.allocate("again", 9, toks(9)).num_cached_tokens == 0
 
 
 def test_step_equals_the_same_appends_one_by_one() -> None:
@@ -381,5 +416,21 @@ def test_step_equals_the_same_appends_one_by_one() -> None:
         a.step(ids, None, tokens)
         for sid, t in zip(ids, tokens):
             b.append(sid, 1, [t])
+        for bm in (a, b):  # the engine's commits: everything but the newest token
+            bm.step(commit_seq_ids=ids, commit_num_computed_tokens=[bm.seqs[s].num_tokens - 1 for s in ids])
     assert snapshot(a) == snapshot(b)
     a.check_invariants()
+
+
+def test_a_snapshot_from_before_commit_loads_with_everything_committed() -> None:
+    import pickle
+
+    from block_manager_svc.core.sequence import Sequence
+
+    bm = make()
+    bm.allocate("a", 9, toks(9))
+    old = {k: getattr(bm.seqs["a"], k) for k in Sequence.__slots__ if k != "num_committed"}
+    seq = Sequence.__new__(Sequence)
+    seq.__setstate__((None, old))  # what unpickling an old snapshot does
+    assert seq.num_committed == 9
+    assert pickle.loads(pickle.dumps(bm.seqs["a"])).num_committed == 0

@@ -26,7 +26,9 @@ def _core(**kw: object) -> BlockManager:
 def test_core_reset_frees_cached_unhashes_referenced_keeps_sequences(policy: str) -> None:
     bm = _core(eviction_policy=policy)
     bm.allocate("a", 9, list(range(9)))  # 2 full hashed blocks + 1 partial
+    bm.commit("a", 9)
     bm.allocate("b", 8, list(range(100, 108)))
+    bm.commit("b", 8)
     bm.free("b")  # its 2 hashed blocks are cached (evictable)
     tables = {s: list(q.block_ids) for s, q in bm.seqs.items()}
     before = bm.stats()
@@ -43,6 +45,7 @@ def test_core_reset_frees_cached_unhashes_referenced_keeps_sequences(policy: str
     # No hit any more, for either prompt; the referenced blocks are freed (not cached) later.
     assert bm.allocate("a2", 9, list(range(9))).num_cached_tokens == 0
     assert bm.allocate("b2", 8, list(range(100, 108))).num_cached_tokens == 0
+    bm.commit("a2", 9)
     bm.free("a")
     bm.check_invariants()
     # The cache works again: new registrations hit as before.
@@ -65,7 +68,9 @@ def test_core_reset_on_empty_pool_and_with_swapped_and_tenants() -> None:
     assert bm.reset_prefix_cache() == (0, 0)
     bm.enable_tenancy(TenantLedger())
     bm.allocate(f"t{SEP}x", 8, list(range(8)))
+    bm.commit(f"t{SEP}x", 8)
     bm.allocate(f"t{SEP}y", 8, list(range(8)))  # hits x's blocks
+    bm.commit(f"t{SEP}y", 8)
     bm.preempt(f"t{SEP}y", "swap")
     bm.reset_prefix_cache()
     bm.check_invariants()
@@ -77,6 +82,7 @@ def test_core_events_get_all_blocks_cleared() -> None:
     bm = _core()
     bm.pool.events = []
     bm.allocate("a", 8, list(range(8)))
+    bm.commit("a", 8)
     bm.reset_prefix_cache()
     assert bm.pool.events[-1] == (-2, b"", None)
 
@@ -92,6 +98,7 @@ def test_grpc_reset_dedupe_stats_and_event(tmp_path) -> None:  # type: ignore[no
             stub = pb_grpc.BlockManagerStub(ch)
             stub.Allocate(pb.AllocateRequest(seq_id="a", num_tokens=9, token_ids=list(range(9))))
             stub.Allocate(pb.AllocateRequest(seq_id="b", num_tokens=4, token_ids=[7, 7, 7, 7]))
+            stub.Step(pb.StepRequest(commit_seq_ids=["a", "b"], commit_num_computed_tokens=[9, 4]))
             stub.Free(pb.FreeRequest(seq_id="b"))
             stream = stub.WatchEvents(pb.WatchEventsRequest(), timeout=20)
             head = [next(stream) for _ in range(4)]  # cleared + 3 stored (snapshot)
@@ -111,7 +118,8 @@ def test_grpc_reset_dedupe_stats_and_event(tmp_path) -> None:  # type: ignore[no
             stats = stub.GetStats(pb.GetStatsRequest())
             assert stats.num_prefix_cache_resets == 1 and stats.num_hashed_blocks == 0
             assert stats.num_dedupe_hits == 1
-            stub.Allocate(pb.AllocateRequest(seq_id="c", num_tokens=8, token_ids=list(range(8))))  # re-hashed
+            stub.Allocate(pb.AllocateRequest(seq_id="c", num_tokens=8, token_ids=list(range(8))))
+            stub.Commit(pb.CommitRequest(seq_id="c", num_computed_tokens=8))  # re-hashed
         r.servicer._core.check_invariants()
         table_a = list(r.servicer._core.seqs["a"].block_ids)
         index = dict(r.servicer._core.pool.index)
@@ -144,15 +152,17 @@ def test_journal_replay_of_reset(tmp_path) -> None:  # type: ignore[no-untyped-d
     with grpc.insecure_channel(f"127.0.0.1:{r.port}") as ch:
         stub = pb_grpc.BlockManagerStub(ch)
         stub.Allocate(pb.AllocateRequest(seq_id="a", num_tokens=8, token_ids=list(range(8))))
+        stub.Commit(pb.CommitRequest(seq_id="a", num_computed_tokens=8))
         stub.Free(pb.FreeRequest(seq_id="a"))
         stub.ResetPrefixCache(pb.ResetPrefixCacheRequest())
         stub.Allocate(pb.AllocateRequest(seq_id="b", num_tokens=8, token_ids=list(range(8))))
+        stub.Commit(pb.CommitRequest(seq_id="b", num_computed_tokens=8))
     live = r.servicer._core
     want = (list(live.seqs["b"].block_ids), sorted(live.pool.free_list), dict(live.pool.index))
     crash(r)
     r2 = _server(state_dir=state)
     try:
-        assert r2.reliability is not None and r2.servicer.recovery.replayed >= 4
+        assert r2.reliability is not None and r2.servicer.recovery.replayed >= 6
         core = r2.servicer._core
         assert (list(core.seqs["b"].block_ids), sorted(core.pool.free_list), dict(core.pool.index)) == want
         assert core.num_prefix_cache_resets == 1
@@ -170,6 +180,7 @@ def test_tenants_reset_is_admin_only(tmp_path) -> None:  # type: ignore[no-untyp
             alice = (("authorization", f"Bearer {TOKENS['alice']}"),)
             root = (("authorization", f"Bearer {TOKENS['root']}"),)
             stub.Allocate(pb.AllocateRequest(seq_id="s", num_tokens=8, token_ids=list(range(8))), metadata=alice)
+            stub.Commit(pb.CommitRequest(seq_id="s", num_computed_tokens=8), metadata=alice)
             with pytest.raises(grpc.RpcError) as e:
                 stub.ResetPrefixCache(pb.ResetPrefixCacheRequest(request_id="x"), metadata=alice)
             assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED

@@ -31,6 +31,7 @@ def test_factory_knows_both_and_rejects_others() -> None:
 def test_chain_is_evicted_from_its_leaf_and_keeps_no_hole(policy: str) -> None:
     bm = make(policy, num_blocks=6)
     a = bm.allocate("a", 17, toks(17))  # 4 full blocks + 1 partial
+    bm.commit("a", 17)
     bm.free("a")
     assert bm.stats().num_cached_blocks == 4
     bm.allocate("b", 12)  # 2 free + 1 evicted
@@ -50,7 +51,9 @@ def test_shared_parent_is_kept_until_all_children_are_gone(policy: str) -> None:
     bm = make(policy, num_blocks=8)
     base = toks(8)
     x = bm.allocate("x", 13, base + toks(5, 100))  # p0 p1 x2 (x3 partial)
+    bm.commit("x", 13)
     y = bm.allocate("y", 13, base + toks(5, 200))  # p0 p1 hit, y2, (y3 partial)
+    bm.commit("y", 13)
     p0, p1, x2, y2 = x.block_ids[0], x.block_ids[1], x.block_ids[2], y.block_ids[2]
     bm.free("x")
     bm.free("y")
@@ -73,8 +76,10 @@ def test_lru_size_evicts_a_large_cold_run_before_a_small_hot_one() -> None:
     large = toks(65, 5000)  # 16 full blocks
     for i in range(3):  # the small prompt is hit often
         bm.allocate(f"s{i}", len(small), small)
+        bm.commit(f"s{i}", len(small))
         bm.free(f"s{i}")
     bm.allocate("L", len(large), large)
+    bm.commit("L", len(large))
     bm.free("L")  # released after the small one: more recent
     st = bm.stats()
     assert st.num_cached_blocks == 18
@@ -92,8 +97,10 @@ def test_lru_evicts_the_older_small_run_in_the_same_situation() -> None:
     large = toks(65, 5000)
     for i in range(3):
         bm.allocate(f"s{i}", len(small), small)
+        bm.commit(f"s{i}", len(small))
         bm.free(f"s{i}")
     bm.allocate("L", len(large), large)
+    bm.commit("L", len(large))
     bm.free("L")
     bm.allocate("new", 104)
     r = bm.allocate("s9", len(small), small)

@@ -112,7 +112,9 @@ def test_auto_recomputes_a_mostly_shared_sequence_and_swaps_a_private_one() -> N
     prefix = list(range(32))  # 8 full blocks, kept referenced by "keeper"
     bm = make(num_blocks=24, mode="auto", cpu=32)
     bm.allocate("keeper", 33, prefix + [1])
+    bm.commit("keeper", 33)
     bm.allocate("shared", 34, prefix + [2, 3])  # 8 hit blocks + 1 private
+    bm.commit("shared", 34)
     bm.allocate("private", 24)  # 6 private blocks
     bm.allocate("grower", 4, priority=5)
     r = bm.append("grower", 4 * 14)

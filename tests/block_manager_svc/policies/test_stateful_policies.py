@@ -89,6 +89,13 @@ class PolicyMachine(RuleBasedStateMachine):
             self.model[child] = (self.model[parent][0], False)
 
     @precondition(lambda self: self.bm is not None)
+    @rule(seq_id=NAMES, upto=st.integers(0, 12))
+    def commit(self, seq_id: str, upto: int) -> None:
+        """Commits interleaved with swaps and preemption: check_invariants asserts that every
+        referenced prefix-cache block lies in the committed range of a sequence holding it."""
+        self._guard(lambda: self.bm.commit(seq_id, upto))  # type: ignore[union-attr]
+
+    @precondition(lambda self: self.bm is not None)
     @rule(seq_id=NAMES)
     def free(self, seq_id: str) -> None:
         if self._guard(lambda: self.bm.free(seq_id)) is not None:  # type: ignore[union-attr]
@@ -117,7 +124,7 @@ class PolicyMachine(RuleBasedStateMachine):
     def step(self, ids: list[str], frees: list[str], swap_ins: list[str], k: int) -> None:
         bm = self.bm
         assert bm is not None
-        r = bm.step(ids, [k] * len(ids), None, frees, (), swap_ins)
+        r = bm.step(ids, [k] * len(ids), None, frees, swap_ins)
         failed_frees = {e.seq_id for e in r.free_errors}
         for sid in frees:
             if sid not in failed_frees:

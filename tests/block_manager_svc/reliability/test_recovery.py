@@ -46,9 +46,28 @@ def workload(stub, rng: random.Random, n: int, tag: str = "") -> list[tuple[str,
             elif r < 0.8:
                 req = pb.FreeRequest(seq_id=live.pop(rng.randrange(len(live))), request_id=rid)
                 acked.append(("Free", req, stub.Free(req)))
-            elif r < 0.95:
+            elif r < 0.85:
                 req = pb.StepRequest(append_seq_ids=rng.sample(live, min(3, len(live))), request_id=rid)
                 acked.append(("Step", req, stub.Step(req)))
+            elif r < 0.9:  # a Commit of some of what the sequence holds (recovery keeps the cache)
+                s = rng.choice(live)
+                n = stub.GetBlockTable(pb.GetBlockTableRequest(seq_id=s)).num_tokens
+                req = pb.CommitRequest(seq_id=s, num_computed_tokens=rng.randint(0, n), request_id=rid)
+                acked.append(("Commit", req, stub.Commit(req)))
+            elif r < 0.95:  # an engine iteration: commits, an allocation with a lease, a fork
+                s, c = f"{tag}s{i}", f"{tag}f{i}"
+                k = rng.randint(1, 12)
+                commit = rng.sample(live, min(2, len(live)))
+                counts = [stub.GetBlockTable(pb.GetBlockTableRequest(seq_id=x)).num_tokens for x in commit]
+                req = pb.StepRequest(
+                    commit_seq_ids=commit, commit_num_computed_tokens=counts,
+                    alloc_seq_ids=[s], alloc_num_tokens=[k], alloc_token_ids=[rng.randrange(3) * 100 + j for j in range(k)],
+                    alloc_lease_ids=["L1" if rng.random() < 0.5 else ""],
+                    fork_parent_seq_ids=[s], fork_child_seq_ids=[c], request_id=rid)
+                resp = stub.Step(req)
+                acked.append(("Step", req, resp))
+                if not resp.errors:
+                    live += [s, c]
             else:
                 req = pb.KeepAliveRequest(lease_id="L1", ttl_ms=60_000, request_id=rid)
                 acked.append(("KeepAlive", req, stub.KeepAlive(req)))
