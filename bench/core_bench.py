@@ -92,7 +92,8 @@ def blocks_for(tokens: int) -> int:
 class Allocator(Protocol):
     """What the harness drives; each call is timed as a whole."""
 
-    def admit(self, seq_id: str, prompt: list[int]) -> tuple[int, int | None]: ...  # (blocks, hit tokens or None)
+    # (blocks in the new table, prompt tokens that were prefix hits or None without a cache)
+    def admit(self, seq_id: str, prompt: list[int]) -> tuple[int, int | None]: ...
     def step(self, seq_ids: list[str], tokens: list[int] | None, frees: list[str],
              commits: tuple[list[str], list[int]]) -> int: ...  # new blocks
     def finish(self) -> None: ...  # invariants checked
@@ -149,7 +150,8 @@ class PagedKv:
         res = self.core.step(seq_ids, None, tokens, frees, commit_seq_ids=commits[0],
                              commit_num_computed_tokens=commits[1])
         if res.append_errors or res.free_errors or res.commit_errors:
-            raise RuntimeError(f"step failed: {res.append_errors[:1]} {res.free_errors[:1]} {res.commit_errors[:1]}")
+            errors = res.append_errors[:1] + res.free_errors[:1] + res.commit_errors[:1]
+            raise RuntimeError(f"step failed: {errors}")
         return len(res.new_block_ids)
 
     def finish(self) -> None:
@@ -198,7 +200,7 @@ class VllmKvCacheManager:
         m = self.manager
         if req is None:
             req = self.prepare(seq_id, prompt)
-        if self.hasher is not None:  # what Request.__init__ does with a block_hasher: hash the prompt's full blocks
+        if self.hasher is not None:  # as Request.__init__ does with a block_hasher: hash the prompt's blocks
             req._block_hasher = self.hasher
             req.update_block_hashes()
         cached, num_cached, _ = m.get_computed_blocks(req)
@@ -377,7 +379,8 @@ def main(argv: list[str] | None = None) -> int:
             passed = r["mean_us"] < target
             ok &= passed
             verdict = f"<{target:.0f} {'ok' if passed else 'MISS'}"
-        hit = f"{r['hit_rate']:.1%}" if "hit_rate" in r else ""
+        # No timed admission (a short run): there is no hit rate to show, not a 0% one.
+        hit = "" if "hit_rate" not in r else f"{r['hit_rate']:.1%}" if r["admitted"] else "no adm."
         print(f"| {label:<48} | {r['mean_us']:>12.1f} | {r['p50_us']:>8.1f} | {r['p99_us']:>8.1f} | "
               f"{r['block_ops_per_s']:>12,.0f} | {r['mean_us'] / floor:>7.2f}x | {hit:>8} | {verdict:>8} |")
     ops = {results[k]["block_ops"] for k, _, _, ids, prefix, _ in rows if not prefix}

@@ -33,7 +33,7 @@ def test_every_allocator_counts_the_same_ops_on_the_same_trace(bench) -> None:  
     assert paged["block_ops"] < fill
 
 
-def test_pagedkv_commits_like_the_engine_so_a_shared_prefix_hits(bench) -> None:  # type: ignore[no-untyped-def]
+def test_pagedkv_commits_like_the_engine_so_prefixes_hit(bench) -> None:  # type: ignore[no-untyped-def]
     # The prefix cache serves only committed KV: without the harness's commits this reads 0%.
     paged = bench.run(lambda: bench.PagedKv(True, "lru"), True, True, 60, 3)
     naive = bench.run(lambda: bench.NaiveAllocator(bench.NUM_BLOCKS, bench.BLOCK_SIZE), False, True, 60, 3)

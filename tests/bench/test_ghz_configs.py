@@ -61,7 +61,9 @@ def render(value: Any, n: int) -> Any:
     return TEMPLATE.sub(expr, value)
 
 
-SPRIG = {"add": lambda a, b: a + b, "mul": lambda a, b: a * b, "div": lambda a, b: a // b, "mod": lambda a, b: a % b}
+SPRIG = {
+    "add": lambda a, b: a + b, "mul": lambda a, b: a * b, "div": lambda a, b: a // b, "mod": lambda a, b: a % b,
+}
 
 
 def evaluate(text: str, n: int) -> int:
@@ -132,8 +134,9 @@ def test_step_is_the_engines_iteration_step() -> None:
         assert len(msg.append_seq_ids) == 256 and len(msg.append_token_ids) == 256  # a token id each
         assert 0 < len(msg.commit_seq_ids) == len(msg.commit_num_computed_tokens) < 256  # a few commits
         assert set(msg.commit_seq_ids) <= set(msg.append_seq_ids)
-        assert all(c % 16 == 0 and 0 < c <= 16 + n for c in msg.commit_num_computed_tokens)  # block boundaries
-        assert msg.free_seq_ids and list(msg.alloc_seq_ids) == list(msg.free_seq_ids)  # freed, then re-admitted
+        # block boundaries, below the 16 + 19 + (steps done) tokens each sequence has by then
+        assert all(c % 16 == 0 and 0 < c <= 16 + n for c in msg.commit_num_computed_tokens)
+        assert msg.free_seq_ids and list(msg.alloc_seq_ids) == list(msg.free_seq_ids)  # freed, re-admitted
         assert not set(msg.free_seq_ids) & set(msg.append_seq_ids)
         assert len(msg.alloc_num_tokens) == len(msg.alloc_seq_ids)
         assert len(msg.alloc_token_ids) == sum(msg.alloc_num_tokens)  # ids for every prompt token
@@ -171,5 +174,6 @@ def test_id_coverage_does_not_depend_on_where_request_numbers_start(start: int) 
     assert freed == allocated | children
     assert set(cfg["step"]["data"]["append_seq_ids"]) <= allocated
     # The Step frees and re-allocates fork children (they exist before it and free.json frees them after).
-    churn = {i for n in range(start, start + cfg["step"]["total"]) for i in render(cfg["step"]["data"], n)["free_seq_ids"]}
+    steps = range(start, start + cfg["step"]["total"])
+    churn = {i for n in steps for i in render(cfg["step"]["data"], n)["free_seq_ids"]}
     assert churn <= children and len(churn) == 256
