@@ -19,12 +19,13 @@ Backends and dispatch
 Each call picks a backend from its tensors' device:
 
 - CUDA tensors run the Triton kernels.
-- CPU tensors run the torch reference, unless ``TRITON_INTERPRET=1`` was set before ``kernels``
-  was imported, in which case the Triton kernels run in Triton's interpreter (how CI tests them).
-  bf16 on CPU always uses the reference (the interpreter cannot do bf16 math).
+- CPU tensors run the CPU backend (``kernels/cpu.py``: length-bucketed gathers + torch's fused SDPA,
+  GQA folded per KV head; block copies/swaps as the reference), unless ``TRITON_INTERPRET=1`` was
+  set before ``kernels`` was imported, in which case the Triton kernels run in Triton's interpreter
+  (how CI tests them). bf16 on CPU always uses the CPU backend (the interpreter cannot do bf16 math).
 
 Override (innermost wins): the context manager ``kernels.use_backend(name)`` or the environment
-variable ``PAGEDKV_KERNEL_BACKEND``, with ``name`` in {"auto", "reference", "triton"} (default
+variable ``PAGEDKV_KERNEL_BACKEND``, with ``name`` in {"auto", "reference", "triton", "cpu"} (default
 "auto", the rule above). E.g. a model runner whose tests run with TRITON_INTERPRET=1 keeps the fast
 path with ``with kernels.use_backend("reference"): ...``. "triton" on CPU tensors requires the
 interpreter. ``kernels.backend_for(tensor)`` says what a call on that tensor would use.
@@ -38,7 +39,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels import checks, reference
+from kernels import checks, cpu, reference
 from kernels.dispatch import BACKENDS, ENV_VAR, requested_backend, resolve, triton_module, use_backend
 
 __all__ = [
@@ -57,7 +58,7 @@ __all__ = [
 
 
 def backend_for(t: torch.Tensor) -> str:
-    """The backend ("triton" or "reference") a call on tensors like ``t`` would use right now."""
+    """The backend ("triton", "cpu" or "reference") a call on tensors like ``t`` would use right now."""
     return resolve(t.device, t.dtype)
 
 
@@ -101,8 +102,11 @@ def write_kv_cache(
         capacity = key_cache.shape[0] * key_cache.shape[1]
         if int(sm.max()) >= capacity or int(sm.min()) < -1:
             raise ValueError(f"slot_mapping values must be -1 or in [0, {capacity})")
-    if resolve(dev, key_cache.dtype) == "triton":
+    backend = resolve(dev, key_cache.dtype)
+    if backend == "triton":
         triton_module("cache_ops").write_kv_cache(k, v, key_cache, value_cache, sm)
+    elif backend == "cpu":
+        cpu.write_kv_cache(k, v, key_cache, value_cache, sm)
     else:
         reference.write_kv_cache(k, v, key_cache, value_cache, sm)
 
@@ -175,11 +179,14 @@ def paged_decode_attention(
         raise ValueError(f"query has {query.shape[0]} sequences but block_tables has {block_tables.shape[0]}")
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    if resolve(dev, query.dtype) == "triton":
+    backend = resolve(dev, query.dtype)
+    if backend == "triton":
         return triton_module("decode").paged_decode_attention(
             query, key_cache, value_cache, block_tables, seq_lens, scale,
             max_seq_len=max_seq_len, num_splits=num_splits, interpreted=_interpreted(), out=out,
         )
+    if backend == "cpu":
+        return cpu.paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, out=out)
     return reference.paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, out=out)
 
 
@@ -215,11 +222,14 @@ def paged_prefill_attention(
             raise ValueError("query_start_loc must start at 0, be non-decreasing and end at total_q")
         if q_lens.numel() and bool((q_lens > seq_lens.to(q_lens.dtype)).any()):
             raise ValueError("a sequence has more queries than seq_len tokens (queries are its last tokens)")
-    if resolve(dev, query.dtype) == "triton":
+    backend = resolve(dev, query.dtype)
+    if backend == "triton":
         return triton_module("prefill").paged_prefill_attention(
             query, key_cache, value_cache, block_tables, qsl, seq_lens, scale,
             max_query_len=max_query_len, interpreted=_interpreted(), out=out,
         )
+    if backend == "cpu":
+        return cpu.paged_prefill_attention(query, key_cache, value_cache, block_tables, qsl, seq_lens, scale, out=out)
     return reference.paged_prefill_attention(query, key_cache, value_cache, block_tables, qsl, seq_lens, scale, out=out)
 
 

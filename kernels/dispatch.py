@@ -1,16 +1,18 @@
 """Backend selection: which implementation runs a kernel call.
 
-Two implementations exist for every operation: Triton kernels (fast on a GPU, and runnable on CPU
-in Triton's interpreter, which is how CI checks them) and a plain-torch reference (the oracle, and
-the fast path on CPU). This module decides between them per call, from three inputs:
+Three implementations exist: Triton kernels (fast on a GPU, and runnable on CPU in Triton's
+interpreter, which is how CI checks them), a plain-torch reference (the oracle), and the CPU backend
+(``kernels/cpu.py``: length-bucketed gathers and torch's fused SDPA, the fast path on CPU; for block
+copies and swaps it uses the reference). This module decides between them per call, from three
+inputs:
 
 1. an explicit override, set with the ``use_backend(name)`` context manager (innermost wins; it is
    a ``contextvars`` variable, so threads and asyncio tasks each see their own);
 2. otherwise the environment variable ``PAGEDKV_KERNEL_BACKEND`` (read on every call, so tests can
    monkeypatch it);
 3. ``"auto"`` (the default): CUDA tensors -> Triton; CPU tensors -> Triton in the interpreter when
-   ``TRITON_INTERPRET=1`` was set before the kernels were imported, else the reference. bf16 on CPU
-   always goes to the reference under "auto" because the interpreter cannot do bf16 math.
+   ``TRITON_INTERPRET=1`` was set before the kernels were imported, else the CPU backend. bf16 on
+   CPU always goes to the CPU backend under "auto" because the interpreter cannot do bf16 math.
 
 Triton is imported lazily, only when the Triton backend is chosen, so ``import kernels`` works on a
 machine without Triton (everything then runs on the reference).
@@ -29,8 +31,8 @@ from typing import Literal
 
 import torch
 
-BackendName = Literal["auto", "reference", "triton"]
-BACKENDS: tuple[str, ...] = ("auto", "reference", "triton")
+BackendName = Literal["auto", "reference", "triton", "cpu"]
+BACKENDS: tuple[str, ...] = ("auto", "reference", "triton", "cpu")
 ENV_VAR = "PAGEDKV_KERNEL_BACKEND"
 
 _override: contextvars.ContextVar[str | None] = contextvars.ContextVar("pagedkv_kernel_backend", default=None)
@@ -91,10 +93,14 @@ def triton_interpreted() -> bool:
 
 
 def resolve(device: torch.device, dtype: torch.dtype | None = None) -> str:
-    """Return "triton" or "reference" for a call on tensors living on ``device``."""
+    """Return "triton", "cpu" or "reference" for a call on tensors living on ``device``."""
     name = requested_backend()
     if name == "reference":
         return "reference"
+    if name == "cpu":
+        if device.type != "cpu":
+            raise RuntimeError(f"kernel backend 'cpu' requested for tensors on {device}")
+        return "cpu"
     if name == "triton":
         if not triton_available():
             raise RuntimeError(f"kernel backend 'triton' requested but triton is not importable")
@@ -108,5 +114,5 @@ def resolve(device: torch.device, dtype: torch.dtype | None = None) -> str:
     if device.type == "cuda":
         return "triton" if triton_available() else "reference"
     if device.type == "cpu" and dtype is not torch.bfloat16 and interpret_requested() and triton_available():
-        return "triton" if triton_interpreted() else "reference"
-    return "reference"
+        return "triton" if triton_interpreted() else "cpu"
+    return "cpu" if device.type == "cpu" else "reference"

@@ -89,7 +89,7 @@ class WorkerSettings(_Common):
     port: int = Field(DEFAULT_WORKER_PORT, ge=0, le=65535, description="gRPC port")
     cache_host: str = Field(f"127.0.0.1:{DEFAULT_CACHE_HOST_PORT}", description="host:port of the cache host")
     max_workers: int = Field(4, ge=1, description="gRPC server threads")
-    kernel_backend: Literal["auto", "reference", "triton"] | None = Field(
+    kernel_backend: Literal["auto", "reference", "triton", "cpu"] | None = Field(
         None, description="force the kernel backend (else PAGEDKV_KERNEL_BACKEND / auto)"
     )
     seed: int = Field(0, description="seed of the built-in default model's random weights")

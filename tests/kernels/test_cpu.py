@@ -1,0 +1,106 @@
+"""The CPU backend (kernels/cpu.py) against the torch reference, through the public wrappers.
+
+Fresh random inputs (never zeros), NaN-poisoned outputs, ragged lengths around block boundaries,
+GQA / MQA / MHA, strided layer views of a bigger cache, fp32 + fp16 + bf16 (SDPA does all three on
+CPU), and length buckets that really split a batch.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import kernels
+from kernels import cpu, reference
+from tests.kernels.cases import assert_close, generator, make_caches, make_paged, poisoned_like, ragged_lens, randn
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU backend cases (CPU tensors)")
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.fixture(autouse=True)
+def _cpu_backend():  # type: ignore[no-untyped-def]
+    with kernels.use_backend("cpu"):
+        yield
+
+
+def _decode(case, num_heads: int, dtype: torch.dtype, seed: int) -> None:  # type: ignore[no-untyped-def]
+    n, d = case.seq_lens.shape[0], case.key_cache.shape[3]
+    q = randn((n, num_heads, d), dtype, generator(seed))
+    out = poisoned_like(q)
+    got = kernels.paged_decode_attention(q, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
+                                         d**-0.5, out=out)
+    assert got is out
+    want = reference.paged_decode_attention(q, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
+                                            d**-0.5)
+    assert_close(got, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(8, 2), (4, 1), (4, 4)])
+def test_decode_matches_reference(dtype: torch.dtype, num_heads: int, num_kv_heads: int) -> None:
+    case = make_paged(ragged_lens(16, 150) + [33, 97, 2], 16, num_kv_heads, 64, dtype, seed=num_heads)
+    _decode(case, num_heads, dtype, seed=5)
+
+
+@pytest.mark.parametrize("layout", ["layers", "blocks_outer"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_decode_strided_caches(layout: str, head_dim: int) -> None:
+    case = make_paged([5, 64, 300, 17], 16, 2, head_dim, torch.float32, seed=head_dim, layout=layout)
+    _decode(case, 8, torch.float32, seed=3)
+
+
+def test_decode_many_buckets_and_a_zero_length() -> None:
+    rnd = random.Random(0)
+    lens = [rnd.randint(1, 400) for _ in range(40)] + [0]
+    buckets = cpu.decode_buckets(lens, 16)
+    assert len(buckets) > 2  # the batch really is split
+    assert sorted(i for members, _ in buckets for i in members) == list(range(len(lens)))
+    for members, nb in buckets:  # no member is cut short, padding stays bounded
+        assert all(lens[m] <= nb * 16 for m in members)
+        assert nb * 16 * len(members) - sum(lens[m] for m in members) <= cpu.PAD_FRACTION * nb * 16 * len(members) \
+            or len(members) == 1
+    case = make_paged(lens, 16, 2, 64, torch.float32, seed=11)
+    _decode(case, 8, torch.float32, seed=12)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(8, 2), (4, 1), (2, 2)])
+def test_prefill_matches_reference(dtype: torch.dtype, num_heads: int, num_kv_heads: int) -> None:
+    # (seq_len, q_len): whole prompts, chunks after a cached prefix, one token, an empty entry.
+    shape = [(40, 40), (70, 23), (16, 1), (33, 0), (129, 17)]
+    case = make_paged([s for s, _ in shape], 16, num_kv_heads, 64, dtype, seed=num_heads + 7)
+    qsl = torch.tensor([0] + [sum(q for _, q in shape[: i + 1]) for i in range(len(shape))], dtype=torch.int32)
+    q = randn((int(qsl[-1]), num_heads, 64), dtype, generator(9))
+    out = poisoned_like(q)
+    got = kernels.paged_prefill_attention(q, case.key_cache, case.value_cache, case.block_tables, qsl,
+                                          case.seq_lens, 0.125, out=out)
+    assert got is out
+    want = reference.paged_prefill_attention(q, case.key_cache, case.value_cache, case.block_tables, qsl,
+                                             case.seq_lens, 0.125)
+    assert_close(got, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["plain", "layers", "blocks_outer"])
+def test_write_kv_cache_matches_reference(dtype: torch.dtype, layout: str) -> None:
+    gen = generator(21)
+    kc, vc = make_caches(12, 16, 2, 64, dtype, gen, layout)
+    kc2, vc2 = kc.clone(), vc.clone()
+    key, value = randn((9, 2, 64), dtype, gen), randn((9, 2, 64), dtype, gen)
+    slots = torch.tensor([0, 17, 191, -1, 5, 100, -1, 33, 64], dtype=torch.int64)
+    kernels.write_kv_cache(key, value, kc, vc, slots)
+    reference.write_kv_cache(key, value, kc2, vc2, slots)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    assert torch.equal(kc.reshape(-1, 2, 64)[191] if layout == "plain" else kc[11, 15], key[2])
+
+
+def test_auto_picks_cpu_backend_without_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kernels import dispatch
+
+    monkeypatch.setattr(dispatch, "interpret_requested", lambda: False)
+    with kernels.use_backend("auto"):
+        assert kernels.backend_for(torch.empty(1)) == "cpu"
+        assert kernels.backend_for(torch.empty(1, dtype=torch.bfloat16)) == "cpu"

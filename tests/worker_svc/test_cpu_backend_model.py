@@ -1,0 +1,71 @@
+"""The model on the CPU fast path (kernels/cpu.py plans + oneDNN-packed linears) against transformers.
+
+The rest of tests/worker_svc runs the reference kernels; here the same greedy-equality oracle runs
+with ``kernels.use_backend("cpu")``, the backend ``auto`` picks on CPU: a ragged batch of many
+sequences (so the decode length buckets split), prefill and decode in one forward, and a prefix-cache
+hit whose chunk attends to the cached prefix.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import kernels
+from tests.worker_svc.conftest import HFModel
+from tests.worker_svc.generation import Scheduler, runner_step
+from tests.worker_svc.test_model_runner import BLOCK, PROMPT, make_runner
+from worker_svc.model import linear
+from worker_svc.model_runner import ModelRunner
+
+
+@pytest.fixture(autouse=True)
+def _cpu_backend():  # type: ignore[no-untyped-def]
+    with kernels.use_backend("cpu"):
+        yield
+
+
+@pytest.fixture(scope="module")
+def runner(hf_llama: HFModel) -> ModelRunner:
+    return make_runner(hf_llama.path, num_gpu_blocks=160)
+
+
+def test_linears_are_packed_where_mkl_allows(runner: ModelRunner) -> None:
+    layer = runner.model.layers[0]
+    w = layer.qkv.weight
+    assert (layer.qkv.packed is not None) == linear.packing_enabled(w)
+    x = torch.randn(5, w.shape[1])
+    torch.testing.assert_close(layer.qkv(x), torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_ragged_batch_with_mixed_prefill_and_decode_matches_generate(runner: ModelRunner, hf_llama: HFModel) -> None:
+    rnd = random.Random(3)
+    prompts = {f"s{i}": [rnd.randrange(1, 128) for _ in range(rnd.randint(1, 40))] for i in range(10)}
+    sched = Scheduler(runner_step(runner), num_gpu_blocks=160, block_size=BLOCK)
+    first = list(prompts)[:6]
+    for sid in first:
+        sched.add(sid, prompts[sid])
+    sched.run(first)
+    sched.generate(first, 3)
+    for sid in list(prompts)[6:]:  # these prefill while the first six decode
+        sched.add(sid, prompts[sid])
+    for sid in first:
+        sched.push(sid, sched.seqs[sid].generated[-1])
+    sched.run(list(prompts))
+    sched.generate(list(prompts), 8)
+    for sid, prompt in prompts.items():
+        n = len(sched.seqs[sid].generated)
+        assert sched.seqs[sid].generated == hf_llama.greedy(prompt, n), sid
+
+
+def test_prefix_hit_chunk_attends_to_the_cached_prefix(runner: ModelRunner, hf_llama: HFModel) -> None:
+    sched = Scheduler(runner_step(runner), num_gpu_blocks=160, block_size=BLOCK)
+    sched.add("a", PROMPT)
+    sched.run(["a"])
+    other = PROMPT[:8] + [30, 31, 32]
+    assert sched.add("b", other) == 8  # two full blocks from the cache
+    sched.run(["b"])
+    sched.generate(["b"], 6)
+    assert sched.seqs["b"].generated == hf_llama.greedy(other, 7)
