@@ -11,9 +11,9 @@
 ARG BASE_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
 FROM ${BASE_IMAGE}
 
-# cuda = torch's default (CUDA) wheel from PyPI + extras worker,gpu
+# cuda = torch's default (CUDA) wheel from PyPI + extras worker,gpu,text (text: the tokenizer `pagedkv serve` reads from --model)
 # cpu  = torch's CPU wheel from the PyTorch index first (a bare `torch` pulls a multi-GB CUDA
-#        build), then extra worker only (CuPy is useless without a GPU).
+#        build), then extras worker,text (no CuPy: it is useless without a GPU).
 ARG TORCH_VARIANT=cuda
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
@@ -49,7 +49,7 @@ COPY kernels ./kernels
 COPY frontend ./frontend
 COPY protos ./protos
 RUN --mount=type=cache,target=/root/.cache/pip \
-    if [ "${TORCH_VARIANT}" = cpu ]; then extras=worker; else extras=worker,gpu; fi \
+    if [ "${TORCH_VARIANT}" = cpu ]; then extras=worker,text; else extras=worker,gpu,text; fi \
  && pip install ".[${extras}]" \
  && python -c "import torch, pagedkv.cli; print('torch', torch.__version__)"
 

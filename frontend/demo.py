@@ -1,23 +1,28 @@
-"""`pagedkv demo`: a realistic workload through the whole stack, then the figures that matter.
+"""`pagedkv demo`: a realistic workload through `pagedkv serve`, then the figures that matter.
 
 Requests share a few system prompts of very different lengths (so the prefix
 cache pays), have lognormal user-turn and output lengths, and some ask for
-parallel samples (n = 2, forked and copy-on-write). Requests arrive over time
-while earlier ones decode (continuous batching). A progress bar shows finished
-requests; at the end the demo prints throughput, prefix-cache hit rate, KV
-utilisation (tokens held / token slots allocated, sampled every step),
+parallel samples (n = 2, forked and copy-on-write). They are sent over HTTP by
+`--concurrency` streaming clients to `pagedkv serve`, whose one engine batches
+them all (continuous batching: new requests join while earlier ones decode). A
+progress bar shows finished requests; at the end the demo prints throughput,
+prefix-cache hit rate, KV utilisation, the memory block sharing saved,
 preemptions, and the memory a contiguous per-request reservation would have
 needed for the same work.
 
 KV utilisation is the vLLM paper's: token slots holding live tokens / token
 slots of the allocated blocks, each physical block counted once (a block shared
-by a prefix hit or a fork counts its tokens once too), sampled every step. It
-cannot exceed 100% and is never clamped. What sharing saves is its own line:
-block-table entries that point at a block another entry already counts.
+by a prefix hit or a fork counts its tokens once too), sampled every engine
+iteration from the server's engine. It cannot exceed 100% and is never clamped.
+What sharing saves is its own line: block-table entries that point at a block
+another entry already counts.
 
-By default it starts its own stack as local processes (like `pagedkv up`) on
-free ports and stops it afterwards; `--local` runs the stack in-process,
-`--block-manager/--workers` use a running one.
+By default it starts the block manager, cache host and worker as local
+processes (like `pagedkv up`) on free ports and runs `pagedkv serve` in this
+process (so it can sample the engine every iteration), then stops everything;
+`--local` runs the whole stack in-process; `--block-manager/--workers` run the
+server here against a running stack; `--url` drives a running server (the KV
+figures need the engine, so they are left out there).
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from frontend.connection import add_connection_args, client_kwargs
-from frontend.engine import Engine, EngineConfig, GenerationRequest, SamplingOptions
+from frontend.engine import Engine, GenerationRequest, SamplingOptions
 
 
 @dataclass(slots=True)
@@ -109,53 +114,96 @@ def kv_occupancy(seqs: Sequence[object], block_size: int) -> KvOccupancy:
     return KvOccupancy(live_tokens=sum(fill.values()), physical_blocks=len(fill), logical_blocks=logical)
 
 
-def run_workload(engine: Engine, requests: list[GenerationRequest], arrivals_per_step: int,
-                 progress: bool = True) -> DemoFigures:
-    from tqdm import tqdm
+@dataclass(slots=True)
+class _Sampler:
+    """Called by the server's engine thread after every iteration (EngineLoop's on_iteration):
+    the same per-step figures the engine-driven demo took, from the engine's own block tables."""
 
-    figs = DemoFigures(requests=len(requests), block_size=engine.block_size)
-    info = engine.workers[0].get_info()
-    dtype_bytes = {"float32": 4, "float16": 2, "bfloat16": 2}.get(info.dtype, 4)
-    figs.bytes_per_token = 2 * info.num_layers * info.num_kv_heads * info.head_dim * dtype_bytes
-    pending = list(requests)
-    utils: list[float] = []
-    shared: list[float] = []
-    bar = tqdm(total=len(requests), unit="req", desc="demo", disable=not progress, file=sys.stderr)
-    finished = 0
-    start = time.perf_counter()
-    while pending or engine.has_work():
-        for _ in range(min(arrivals_per_step, len(pending))):
-            engine.add_request(pending.pop(0))
-        engine.step()
-        stats = engine.bm.get_stats()
+    figs: DemoFigures
+    utils: list[float]
+    shared: list[float]
+
+    def __call__(self, engine: Engine) -> None:
+        f = self.figs
+        f.block_size = engine.block_size
         running = engine.running_sequences()
         occ = kv_occupancy(running, engine.block_size)
         if occ.physical_blocks:
-            utils.append(occ.utilisation(engine.block_size))
-            shared.append(1 - occ.physical_blocks / occ.logical_blocks)
-            figs.peak_saved_blocks = max(figs.peak_saved_blocks, occ.logical_blocks - occ.physical_blocks)
-        figs.peak_paged_blocks = max(figs.peak_paged_blocks, stats.num_used_blocks)
-        live_requests = {s.request.request_id: s.request for s in running}
-        reserve = sum((len(r.prompt) + r.max_tokens) * r.n for r in live_requests.values())
-        figs.peak_contiguous_tokens = max(figs.peak_contiguous_tokens, reserve)
-        done = sum(1 for o in engine.outputs.values() if o.finished)
-        if done > finished:
-            bar.update(done - finished)
-            finished = done
+            self.utils.append(occ.utilisation(engine.block_size))
+            self.shared.append(1 - occ.physical_blocks / occ.logical_blocks)
+            f.peak_saved_blocks = max(f.peak_saved_blocks, occ.logical_blocks - occ.physical_blocks)
+        f.peak_paged_blocks = max(f.peak_paged_blocks, engine.bm.get_stats().num_used_blocks)
+        live = {s.request.request_id: s.request for s in running}
+        f.peak_contiguous_tokens = max(f.peak_contiguous_tokens,
+                                       sum((len(r.prompt) + r.max_tokens) * r.n for r in live.values()))
+        f.preempted_recompute = engine.stats.preempted_recompute
+        f.preempted_swap = engine.stats.preempted_swap
+        f.steps = engine.stats.steps
+        f.bm_round_trips = engine.stats.bm_round_trips
+        f.worker_steps = engine.stats.worker_steps
+
+
+def new_sampler(bytes_per_token: int = 0) -> _Sampler:
+    return _Sampler(DemoFigures(bytes_per_token=bytes_per_token), [], [])
+
+
+def _body(model: str, r: GenerationRequest) -> dict[str, object]:
+    s = r.sampling
+    body: dict[str, object] = {"model": model, "prompt": r.prompt, "max_tokens": r.max_tokens, "n": r.n,
+                               "temperature": s.temperature, "top_p": s.top_p, "ignore_eos": True,
+                               "stream_options": {"include_usage": True}}
+    if s.seed is not None:
+        body["seed"] = s.seed
+    return body
+
+
+def run_workload(url: str, requests: list[GenerationRequest], concurrency: int, *, api_key: str = "",
+                 sampler: _Sampler | None = None, progress: bool = True) -> DemoFigures:
+    """``concurrency`` streaming clients send the requests to `pagedkv serve` at ``url`` over HTTP;
+    the server batches them all in one engine. ``sampler`` (hooked into that engine) supplies the
+    KV figures."""
+    import asyncio
+    import json
+
+    from tqdm import tqdm
+
+    from frontend.http_client import get_text, stream_events
+
+    model = json.loads(get_text(url + "/v1/models", api_key=api_key))["data"][0]["id"]
+    figs = sampler.figs if sampler is not None else DemoFigures()
+    figs.requests = len(requests)
+    bar = tqdm(total=len(requests), unit="req", desc="demo", disable=not progress, file=sys.stderr)
+    cached = 0
+
+    async def client(queue: asyncio.Queue[GenerationRequest]) -> None:
+        nonlocal cached
+        while not queue.empty():
+            r = queue.get_nowait()
+            async for _, ev in stream_events(url + "/v1/completions", _body(model, r), api_key=api_key):
+                usage = ev.get("usage")
+                if usage:
+                    figs.generated_tokens += usage["completion_tokens"]
+                    figs.prompt_tokens += usage["prompt_tokens"]
+                    cached += (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+            bar.update(1)
+
+    async def drive() -> None:
+        queue: asyncio.Queue[GenerationRequest] = asyncio.Queue()
+        for r in requests:
+            queue.put_nowait(r)
+        await asyncio.gather(*(client(queue) for _ in range(max(1, concurrency))))
+
+    start = time.perf_counter()
+    try:
+        asyncio.run(drive())
+    finally:
+        bar.close()
     figs.wall_s = time.perf_counter() - start
-    bar.close()
-    stats = engine.bm.get_stats()
-    figs.hit_rate = stats.prefix_hit_tokens / stats.prefix_query_tokens if stats.prefix_query_tokens else 0.0
-    figs.generated_tokens = engine.stats.generated_tokens
-    figs.prompt_tokens = engine.stats.prompt_tokens
-    figs.util_mean = sum(utils) / len(utils) if utils else 0.0
-    figs.util_min = min(utils) if utils else 0.0
-    figs.shared_mean = sum(shared) / len(shared) if shared else 0.0
-    figs.preempted_recompute = engine.stats.preempted_recompute
-    figs.preempted_swap = engine.stats.preempted_swap
-    figs.steps = engine.stats.steps
-    figs.bm_round_trips = engine.stats.bm_round_trips
-    figs.worker_steps = engine.stats.worker_steps
+    figs.hit_rate = cached / figs.prompt_tokens if figs.prompt_tokens else 0.0
+    if sampler is not None:
+        figs.util_mean = sum(sampler.utils) / len(sampler.utils) if sampler.utils else 0.0
+        figs.util_min = min(sampler.utils) if sampler.utils else 0.0
+        figs.shared_mean = sum(sampler.shared) / len(sampler.shared) if sampler.shared else 0.0
     return figs
 
 
@@ -183,6 +231,9 @@ def report(f: DemoFigures) -> str:
          f"{f.bm_round_trips / f.steps:.2f} ({f.bm_round_trips} in all)" if f.steps else "-"),
         ("worker steps per iteration", f"{f.worker_steps / f.steps:.2f} ({f.worker_steps} in all)" if f.steps else "-"),
     ]
+    if not f.peak_paged_blocks:  # --url: the server's engine was not sampled
+        rows = [(k, v if not k.startswith(("KV", "peak", "contiguous", "preemptions", "engine", "block-manager", "worker steps")) else
+                 "- (needs the engine: run the demo without --url)") for k, v in rows]
     width = max(len(k) for k, _ in rows)
     lines = ["", "pagedkv demo results", ""] + [f"  {k:<{width}}  {v}" for k, v in rows]
     return "\n".join(lines)
@@ -198,20 +249,50 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pagedkv demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=int, default=160)
-    p.add_argument("--arrivals-per-step", type=int, default=2)
+    p.add_argument("--concurrency", type=int, default=16, help="concurrent streaming HTTP clients")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-gpu-blocks", type=int, default=256, help="when the demo starts the stack")
     p.add_argument("--num-workers", type=int, default=2, help="with --local: workers in the stack")
-    p.add_argument("--max-num-seqs", type=int, default=32)
-    p.add_argument("--max-batch-tokens", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=int, default=32, help="the server's engine (not with --url)")
+    p.add_argument("--max-batch-tokens", type=int, default=256, help="the server's engine (not with --url)")
     p.add_argument("--model", default=None, help="Hugging Face model directory (default: built-in tiny model)")
     p.add_argument("--device", default="auto")
-    p.add_argument("--local", action="store_true", help="run the stack in this process")
-    p.add_argument("--block-manager", default=None, help="use a running stack: block manager host:port")
+    p.add_argument("--local", action="store_true", help="run the stack and the server in this process")
+    p.add_argument("--url", default=None, help="drive a running `pagedkv serve` (no KV figures)")
+    p.add_argument("--block-manager", default=None,
+                   help="a running stack without a frontend: run `pagedkv serve` here against this block manager")
     p.add_argument("--workers", default=None, help="with --block-manager: comma-separated worker host:port list")
+    p.add_argument("--api-key-file", default="", help="with --url: the server's API key (default: env PAGEDKV_API_KEY)")
+    p.add_argument("--vocab-size", type=int, default=128, help="with --url: token ids are drawn below this")
     p.add_argument("--no-progress", action="store_true")
     add_connection_args(p)
     return p
+
+
+def _bytes_per_token(worker: object) -> int:
+    info = worker.get_info()  # type: ignore[attr-defined]
+    dtype_bytes = {"float32": 4, "float16": 2, "bfloat16": 2}.get(info.dtype, 4)
+    return 2 * info.num_layers * info.num_kv_heads * info.head_dim * dtype_bytes
+
+
+def _serve_here(args: argparse.Namespace, block_manager: str, workers: list[str], conn: dict[str, object]) -> None:
+    """`pagedkv serve` in this process, its engine sampled every iteration, driven over HTTP."""
+    from frontend.serve import RunningServe
+    from frontend.serve_settings import ServeSettings
+    from frontend.worker_client import WorkerClient
+
+    with WorkerClient(workers[0], **conn) as w:  # type: ignore[arg-type]
+        info_vocab, bpt = w.get_info().vocab_size, _bytes_per_token(w)
+    sampler = new_sampler(bpt)
+    settings = ServeSettings(port=0, block_manager=block_manager, workers=",".join(workers),
+                             max_num_seqs=args.max_num_seqs, max_batch_tokens=args.max_batch_tokens,
+                             max_waiting=args.requests + 1, log_level="warning",
+                             tls_ca=str(conn.get("tls_ca", "")), tls_client_cert=str(conn.get("tls_cert", "")),
+                             tls_client_key=str(conn.get("tls_key", "")), token=str(conn.get("token", "")))
+    with RunningServe(settings, on_iteration=sampler) as server:
+        reqs = make_workload(args.requests, info_vocab, args.seed)
+        print(report(run_workload(server.url, reqs, args.concurrency, sampler=sampler,
+                                  progress=not args.no_progress)))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -219,35 +300,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     from pagedkv.logging_setup import configure_logging
 
     configure_logging("warning")
-    engine_cfg = EngineConfig(max_num_seqs=args.max_num_seqs, max_batch_tokens=args.max_batch_tokens)
-    progress = not args.no_progress
+    if args.url:
+        import os
+        import pathlib
 
-    def run(engine: Engine) -> None:
-        reqs = make_workload(args.requests, engine.vocab_size, args.seed)
-        print(report(run_workload(engine, reqs, args.arrivals_per_step, progress)))
-
+        key = os.environ.get("PAGEDKV_API_KEY", "")
+        if args.api_key_file:
+            key = pathlib.Path(args.api_key_file).read_text().strip()
+        reqs = make_workload(args.requests, args.vocab_size, args.seed)
+        print(report(run_workload(args.url.rstrip("/"), reqs, args.concurrency, api_key=key,
+                                  progress=not args.no_progress)))
+        return 0
     if args.block_manager:
-        from frontend.client import BlockManagerClient
-        from frontend.worker_client import WorkerClient
-
         if not args.workers:
             print("pagedkv demo: --block-manager needs --workers", file=sys.stderr)
             return 2
-        conn = client_kwargs(args)
-        with BlockManagerClient(args.block_manager, **conn) as bm:
-            run(Engine(bm, [WorkerClient(t, **conn) for t in args.workers.split(",")], engine_cfg))
+        _serve_here(args, args.block_manager, [t for t in args.workers.split(",") if t], client_kwargs(args))
         return 0
     if args.local:
         from frontend.local_stack import LocalStack, StackConfig
 
         with LocalStack(StackConfig(model=args.model, num_gpu_blocks=args.num_gpu_blocks,
                                     num_workers=args.num_workers, device=args.device)) as stack:
-            run(stack.engine(engine_cfg))
+            _serve_here(args, stack.block_manager_target, stack.worker_targets, {})
         return 0
 
-    from frontend.client import BlockManagerClient
     from frontend.stack import Stack, StackOptions
-    from frontend.worker_client import WorkerClient
 
     import tempfile
 
@@ -257,14 +335,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         num_workers=1, num_gpu_blocks=args.num_gpu_blocks, model=args.model, device=args.device,
         log_format="json", log_dir=log_dir,
     )
-    print(f"pagedkv demo: starting the stack (block manager, cache host, worker) as local processes; "
-          f"their logs go to {log_dir}", file=sys.stderr, flush=True)
+    print(f"pagedkv demo: starting the stack (block manager, cache host, worker) as local processes, "
+          f"`pagedkv serve` in this process; their logs go to {log_dir}", file=sys.stderr, flush=True)
     stack = Stack(opts, out=sys.stderr)
     try:
         stack.start()
-        with BlockManagerClient(stack.services[0].address) as bm:
-            workers = [WorkerClient(s.address) for s in stack.services[2:]]
-            run(Engine(bm, workers, engine_cfg))
+        workers = [s.address for s in stack.services if s.name.startswith("worker-")]
+        _serve_here(args, stack.services[0].address, workers, client_kwargs(args))
     finally:
         leaked = stack.stop()
     if leaked:

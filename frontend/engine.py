@@ -378,6 +378,56 @@ class Engine:
         batched into the next step (read-only view for monitoring)."""
         return self._running + [self._seqs[s] for s in self._to_free]
 
+    def num_requests(self) -> tuple[int, int]:
+        """(waiting, running) requests, vLLM's meaning: a request is running while any of its
+        samples holds blocks (running or swapped), waiting while it is only queued."""
+        running = {s.request.request_id for s in self._running}
+        running.update(s.request.request_id for s in self._swapped)
+        waiting = {s.request.request_id for s in self._waiting} - running
+        return len(waiting), len(running)
+
+    def abort_request(self, request_id: str, index: int | None = None, reason: str = "abort") -> bool:
+        """Finish a request (or one of its samples) now: a client went away, or a stop string
+        matched. Its sequences stop being scheduled and their blocks are freed in the next step's
+        block-manager round trip (a waiting sequence holds none). Returns False when there was
+        nothing left to finish. Call from the thread that steps the engine."""
+        found = False
+        for seq in [s for s in self._seqs.values() if s.request.request_id == request_id]:
+            if index is not None and seq.index != index:
+                continue
+            if seq.status is SeqStatus.FINISHED:
+                continue
+            found = True
+            if seq.status is SeqStatus.WAITING:
+                self._waiting.remove(seq)
+            else:
+                if seq.status is SeqStatus.RUNNING:
+                    self._running.remove(seq)
+                else:
+                    self._swapped.remove(seq)
+                self._to_free.append(seq.seq_id)
+            seq.status = SeqStatus.FINISHED
+            seq.completion.finish_reason = reason
+        out = self.outputs.get(request_id)
+        if out is not None and index is None:
+            for c in out.completions:  # samples not forked yet never will be
+                if c.finish_reason is None:
+                    c.finish_reason = reason
+        return found
+
+    def release_request(self, request_id: str) -> bool:
+        """Forget a finished request's bookkeeping once its blocks were freed, so a long-running
+        server does not grow. Returns False (and keeps everything) while any of its sequences is
+        still unfinished or waits for its Free in the next step."""
+        seqs = [s for s in self._seqs.values() if s.request.request_id == request_id]
+        pending = set(self._to_free)
+        if any(s.status is not SeqStatus.FINISHED or s.seq_id in pending for s in seqs):
+            return False
+        for s in seqs:
+            del self._seqs[s.seq_id]
+        self.outputs.pop(request_id, None)
+        return True
+
     def has_work(self) -> bool:
         return bool(self._waiting or self._running or self._swapped or self._to_free)
 

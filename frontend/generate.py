@@ -1,17 +1,23 @@
-"""`pagedkv generate`: one request through a running stack, or an in-process one.
+"""`pagedkv generate`: one request through a running server, a running stack, or an in-process one.
 
 Prints the result as JSON on stdout (logs go to stderr), e.g.
 
-    pagedkv generate --token-ids 1,2,3 --max-tokens 16 --local
-    pagedkv generate --token-ids 1,2,3 --n 2 --temperature 0.8 --seed 7
+    pagedkv generate --token-ids 1,2,3 --max-tokens 16                       # `pagedkv serve` at --url
+    pagedkv generate --token-ids 1,2,3 --max-tokens 16 --local               # an in-process stack
+    pagedkv generate --token-ids 1,2,3 --n 2 --block-manager 127.0.0.1:50051 --workers 127.0.0.1:50053
+
+By default it is an HTTP client of `pagedkv serve` (--url, http://127.0.0.1:8000; the API key from
+PAGEDKV_API_KEY or --api-key-file); --block-manager runs an engine in this process against a running
+stack's block manager and workers; --local starts the whole stack in this process.
 
 Greedy (temperature 0) is the default, so `--n 2` alone prints two identical
 completions; give a temperature to sample. Every call uses a fresh request id
-and its own engine (its own sequence ids and lease), so any number of
-`generate` processes can share one stack. Every sampling option is checked
-before anything is allocated, and every error path frees what was allocated:
-no call, failed or interrupted, leaves a sequence behind (one killed outright
-loses its sequences when its lease expires).
+and (with --block-manager or --local) its own engine, with its own sequence ids
+and lease, so any number of `generate` processes can share one stack. Every
+sampling option is checked before anything is sent or allocated, and every
+error path frees what was allocated: no call, failed or interrupted, leaves a
+sequence behind (one killed outright loses its sequences when its lease
+expires; the server aborts a request whose client went away mid-stream).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import urllib.error
 import uuid
 from collections.abc import Sequence
 
@@ -26,6 +33,7 @@ import grpc
 
 from frontend.connection import add_connection_args, client_kwargs
 from frontend.engine import EngineConfig, GenerationRequest, RequestOutput, SamplingOptions
+from frontend.http_client import HttpError
 
 
 def parse_token_ids(text: str) -> list[int]:
@@ -52,14 +60,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop-token-ids", type=parse_token_ids, default=None)
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="a running `pagedkv serve` [%(default)s]")
+    p.add_argument("--api-key-file", default="", help="file holding the server's API key (default: env PAGEDKV_API_KEY)")
     p.add_argument("--local", action="store_true", help="run an in-process stack instead of connecting")
     p.add_argument("--model", default=None, help="with --local: Hugging Face model directory")
     p.add_argument("--num-gpu-blocks", type=int, default=512, help="with --local")
     p.add_argument("--block-size", type=int, default=16, help="with --local")
     p.add_argument("--device", default="auto", help="with --local: auto | cpu | cuda")
-    p.add_argument("--block-manager", default="127.0.0.1:50051", help="block manager host:port")
+    p.add_argument("--block-manager", default=None,
+                   help="run the engine here against this block manager host:port (instead of --url)")
     p.add_argument("--workers", default="127.0.0.1:50053,127.0.0.1:50054",
-                   help="comma-separated worker host:port list (default: the two workers `pagedkv up` starts)")
+                   help="with --block-manager: comma-separated worker host:port list (default: the two "
+                   "workers `pagedkv up` starts)")
     p.add_argument("--timeout-s", type=float, default=30.0)
     add_connection_args(p)
     return p
@@ -76,6 +88,40 @@ def output_json(out: RequestOutput) -> dict[str, object]:
             for c in out.completions
         ],
     }
+
+
+def via_server(args: argparse.Namespace, request: GenerationRequest) -> RequestOutput:
+    """The request as an OpenAI completion on a running `pagedkv serve`; the same RequestOutput."""
+    import os
+    import pathlib
+    import ssl
+
+    from frontend.engine import Completion
+    from frontend.http_client import post_json
+
+    key = os.environ.get("PAGEDKV_API_KEY", "")
+    if args.api_key_file:
+        key = pathlib.Path(args.api_key_file).read_text().strip()
+    ctx = None
+    if args.url.startswith("https"):
+        ctx = ssl.create_default_context(cafile=args.tls_ca or None)
+        if args.tls_cert:
+            ctx.load_cert_chain(args.tls_cert, args.tls_key or None)
+    s = request.sampling
+    body: dict[str, object] = {
+        "prompt": request.prompt, "max_tokens": request.max_tokens, "n": request.n,
+        "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k or -1, "logprobs": 0,
+        "ignore_eos": True, "stop_token_ids": list(request.stop_token_ids),
+    }
+    if s.seed is not None:
+        body["seed"] = s.seed
+    resp = post_json(args.url.rstrip("/") + "/v1/completions", body, api_key=key, timeout_s=args.timeout_s * 10,
+                     ssl_context=ctx)
+    comps = [Completion(index=c["index"], token_ids=list(c["token_ids"]),
+                        logprobs=list((c.get("logprobs") or {}).get("token_logprobs") or []),
+                        finish_reason=c["finish_reason"]) for c in sorted(resp["choices"], key=lambda c: c["index"])]
+    cached = int((resp.get("usage", {}).get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+    return RequestOutput(str(resp["id"]), list(request.prompt), comps, cached)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -108,11 +154,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                                         block_size=args.block_size, device=args.device)) as stack:
                 with stack.engine(config) as engine:
                     out = engine.generate([request])[0]
+        elif args.block_manager is None:
+            out = via_server(args, request)
         else:
             out = _generate_remote(args, request, config)
+    except urllib.error.URLError as e:
+        print(f"pagedkv generate: cannot reach {args.url}: {e.reason} (is the server running? `pagedkv up`)",
+              file=sys.stderr)
+        return 1
     except (ValueError, OSError) as e:
         print(f"pagedkv generate: {e}", file=sys.stderr)
         return 2
+    except HttpError as e:
+        print(f"pagedkv generate: {e}", file=sys.stderr)
+        return 2 if e.status in (400, 404) else 1
     except grpc.RpcError as e:
         hint = " (is the stack running? `pagedkv up`)" if e.code() == grpc.StatusCode.UNAVAILABLE else ""
         print(f"pagedkv generate: {e.code().name}: {e.details()}{hint}", file=sys.stderr)

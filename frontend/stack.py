@@ -5,12 +5,13 @@ geometry from it and allocates the cache once), then N workers (attach to the
 cache host's memory). Each is a separate `pagedkv <role>` process bound to
 127.0.0.1 unless told otherwise; `up` waits for every gRPC health check to say
 SERVING, prints where each listens, and on Ctrl-C / SIGTERM stops them in
-reverse order (workers, cache host, block manager) and checks that no shared
-memory segment was left behind in /dev/shm.
+reverse order (frontend, workers, cache host, block manager) and checks that no
+shared memory segment was left behind in /dev/shm. Last comes the OpenAI-compatible
+frontend, `pagedkv serve` on port 8000 (docs/serve.md), checked on its HTTP /health.
 
 `--tls-dir DIR --auth-tokens-file FILE` secures the whole stack: every server mutual TLS, every
 server with tokens, and every connection between the roles with a client certificate and a token
-(frontend/stack_security.py, docs/security.md).
+(frontend/stack_security.py, docs/security.md); the frontend serves HTTPS with mutual TLS.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ class Service:
     address: str
     health_service: str
     process: subprocess.Popen[bytes] | None = None
+    health_url: str = ""  # HTTP services (the frontend): ready when this answers 200
+    env: dict[str, str] = field(default_factory=dict)  # on top of the stack's environment
 
 
 @dataclass(slots=True)
@@ -66,6 +69,8 @@ class StackOptions:
     share_weights: bool = True  # the cache host loads the weights once for every worker (else each loads its own)
     tls_dir: str | None = None  # ca.pem, server.pem/.key, client.pem/.key (tools/make_certs.sh DIR)
     auth_tokens_file: str | None = None  # bearer tokens of the stack's clients
+    # `pagedkv serve` on this port after the workers (None = no frontend; `pagedkv up` default 8000).
+    serve_port: int | None = None
 
 
 def _pagedkv(*args: str) -> list[str]:
@@ -112,6 +117,19 @@ def plan(opts: StackOptions, security: StackSecurity | None = None) -> list[Serv
                 f"{opts.host}:{port}", "pagedkv.v1.Worker",
             )
         )
+    if opts.serve_port is not None:
+        workers = ",".join(s.address for s in services[2:])
+        address = f"{opts.host}:{opts.serve_port}"
+        scheme = "https" if sec.tls_dir else "http"
+        services.append(
+            Service(
+                "frontend",
+                _pagedkv("serve", "--host", opts.host, "--port", str(opts.serve_port), "--block-manager", bm,
+                         "--workers", workers, *model, "--log-format", opts.log_format, *sec.frontend_args()),
+                address, "http", health_url=f"{scheme}://{_loopback_for(opts.host)}:{opts.serve_port}/health",
+                env=sec.frontend_env(),
+            )
+        )
     return services
 
 
@@ -137,15 +155,38 @@ def split_cpus(cpus: Sequence[int], n: int) -> list[list[int]]:
     return [[cpus[i % len(cpus)]] for i in range(n)]
 
 
+def _loopback_for(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+
+def _http_ok(url: str, tls: dict[str, str] | None = None) -> tuple[bool, str]:
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    ctx = None
+    if url.startswith("https") and tls:
+        ctx = ssl.create_default_context(cafile=tls["tls_ca"])
+        ctx.load_cert_chain(tls["tls_cert"], tls["tls_key"])
+    try:
+        with urllib.request.urlopen(url, timeout=1.0, context=ctx) as r:  # noqa: S310 - our own loopback URL
+            return r.status == 200, f"HTTP {r.status}"
+    except urllib.error.HTTPError as e:
+        return False, f"HTTP {e.code}"
+    except OSError as e:
+        return False, str(e)
+
+
 def wait_serving(address: str, service: str, deadline: float, proc: subprocess.Popen[bytes],
-                 tls: dict[str, str] | None = None) -> None:
-    """Poll the gRPC health check (over ``tls``: tls_ca/tls_cert/tls_key) until SERVING; fail early
-    if the process died."""
+                 tls: dict[str, str] | None = None, health_url: str = "") -> None:
+    """Poll the gRPC health check (over ``tls``: tls_ca/tls_cert/tls_key), or the HTTP one at
+    ``health_url``, until SERVING; fail early if the process died."""
     seen = "no answer"
     while True:
         if proc.poll() is not None:
             raise RuntimeError(f"{service} at {address} exited with code {proc.returncode} before it was ready")
-        healthy, seen = check(address, service, timeout_s=1.0, **(tls or {}))
+        healthy, seen = _http_ok(health_url, tls) if health_url else check(address, service, timeout_s=1.0,
+                                                                             **(tls or {}))
         if healthy:
             return
         if time.monotonic() > deadline:
@@ -182,9 +223,10 @@ class Stack:
                 stdout = stderr = None
                 if log_dir:
                     stdout = stderr = open(log_dir / f"{svc.name}.log", "ab")  # noqa: SIM115 - owned by the child
-                svc.process = subprocess.Popen(svc.args, env=env, stdout=stdout, stderr=stderr,
+                svc.process = subprocess.Popen(svc.args, env={**env, **svc.env}, stdout=stdout, stderr=stderr,
                                                start_new_session=True)
-                wait_serving(svc.address, svc.health_service, deadline, svc.process, self.security.client_tls())
+                wait_serving(svc.address, svc.health_service, deadline, svc.process, self.security.client_tls(),
+                             svc.health_url)
                 self._say(f"  {svc.name:<14} SERVING  {svc.address}  (pid {svc.process.pid})")
         except BaseException:
             self.stop()
@@ -199,10 +241,10 @@ class Stack:
         out = None
         if self.opts.log_dir:
             out = open(pathlib.Path(self.opts.log_dir) / f"{svc.name}.log", "ab")  # noqa: SIM115 - owned by the child
-        svc.process = subprocess.Popen(svc.args, env={**os.environ, **self.security.env()}, stdout=out, stderr=out,
-                                       start_new_session=True)
+        svc.process = subprocess.Popen(svc.args, env={**os.environ, **self.security.env(), **svc.env}, stdout=out,
+                                       stderr=out, start_new_session=True)
         wait_serving(svc.address, svc.health_service, time.monotonic() + self.opts.ready_timeout_s, svc.process,
-                     self.security.client_tls())
+                     self.security.client_tls(), svc.health_url)
         return svc
 
     def first_exited(self) -> Service | None:
@@ -253,6 +295,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mutual TLS everywhere with DIR/{ca,server,client}.pem and .key (tools/make_certs.sh DIR)")
     p.add_argument("--auth-tokens-file", default=None,
                    help="bearer tokens (docs/security.md) required by the block manager, cache host and workers")
+    p.add_argument("--serve-port", type=int, default=8000,
+                   help="port of the OpenAI-compatible frontend, `pagedkv serve` [%(default)s]")
+    p.add_argument("--no-serve", action="store_true", help="start no frontend (gRPC services only)")
     return p
 
 
@@ -271,6 +316,7 @@ def options_from_args(args: argparse.Namespace) -> StackOptions:
         dtype=args.dtype, log_format=args.log_format, log_dir=args.log_dir, ready_timeout_s=args.ready_timeout_s,
         roles=roles, pin_workers=args.pin_workers,
         tls_dir=args.tls_dir, auth_tokens_file=args.auth_tokens_file,
+        serve_port=None if args.no_serve else args.serve_port,
     )
 
 
@@ -292,11 +338,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"pagedkv up: {e}", file=sys.stderr)
         return 1
     bm = stack.services[0].address
-    workers = ",".join(s.address for s in stack.services[2:])
+    workers = ",".join(s.address for s in stack.services if s.name.startswith("worker-"))
     secure = stack.security.client_flags()
-    print(f"pagedkv up: ready. Try:  pagedkv generate --block-manager {bm} --workers {workers} "
-          f"--token-ids 1,2,3 --max-tokens 16{' ' + secure if secure else ''}\n"
-          f"            Ctrl-C stops everything.", flush=True)
+    frontend = next((s for s in stack.services if s.name == "frontend"), None)
+    direct = (f"pagedkv generate --block-manager {bm} --workers {workers} --token-ids 1,2,3 --max-tokens 16"
+              f"{' ' + secure if secure else ''}")
+    if frontend is not None:
+        url = frontend.health_url.removesuffix("/health")
+        tls = stack.security.client_tls()
+        tls_flags = (f" --tls-ca {tls['tls_ca']} --tls-cert {tls['tls_cert']} --tls-key {tls['tls_key']}"
+                     if tls else "")
+        print(f"pagedkv up: ready. Try:  pagedkv generate --url {url} --token-ids 1,2,3 --max-tokens 16{tls_flags}\n"
+              f"            OpenAI-compatible API at {url}/v1 (e.g. the openai SDK with base_url=\"{url}/v1\")\n"
+              f"            The engine in the command itself:  {direct}\n"
+              f"            Ctrl-C stops everything.", flush=True)
+    else:
+        print(f"pagedkv up: ready. Try:  {direct}\n            Ctrl-C stops everything.", flush=True)
     code = 0
     while not stop.wait(0.5):
         dead = stack.first_exited()

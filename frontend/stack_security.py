@@ -11,6 +11,10 @@ of the user's tokens file, allowed only ``GetConfig`` and ``GetCacheInfo`` (what
 start-up and to watch the cache host). The user's file is never changed and the stack's token never
 leaves the processes of the stack (it reaches them by environment variable, not by a flag).
 
+The frontend (`pagedkv serve`) serves HTTPS with the same server certificate and client CA, dials
+with the client certificate, and gets a token of its own (tenant ``pagedkv-frontend``, every method:
+its engine allocates and steps), made the same way and handed over the same way.
+
 Clients (``pagedkv generate / demo / loadtest``) connect with ``--tls-ca DIR/ca.pem --tls-cert
 DIR/client.pem --tls-key DIR/client.key`` and one of the user's tokens (``PAGEDKV_TOKEN`` or
 ``--token-file``).
@@ -29,6 +33,7 @@ from dataclasses import dataclass, field
 from pagedkv.auth import TokenFileError, TokenStore, hash_token, read_tokens_file
 
 STACK_TENANT = "pagedkv-stack"
+FRONTEND_TENANT = "pagedkv-frontend"
 STACK_METHODS = ("GetConfig", "GetCacheInfo")
 TLS_FILES = ("ca.pem", "server.pem", "server.key", "client.pem", "client.key")
 
@@ -45,6 +50,7 @@ class StackSecurity:
     auth_tokens_file: str = ""
     role_tokens_file: str = ""  # the user's tenants + the stack's own, in a private directory
     role_token: str = field(default="", repr=False)
+    frontend_token: str = field(default="", repr=False)
     _workdir: str = ""
 
     @classmethod
@@ -65,12 +71,16 @@ class StackSecurity:
             except TokenFileError as e:
                 raise StackSecurityError(str(e)) from None
             tenants = list(data["tenants"])
-            if any(t.get("name") == STACK_TENANT for t in tenants):
-                raise StackSecurityError(f"{sec.auth_tokens_file}: tenant name {STACK_TENANT!r} is reserved for "
+            reserved = next((t.get("name") for t in tenants if t.get("name") in (STACK_TENANT, FRONTEND_TENANT)),
+                            None)
+            if reserved:
+                raise StackSecurityError(f"{sec.auth_tokens_file}: tenant name {reserved!r} is reserved for "
                                          "the stack's own connections")
             sec.role_token = secrets.token_urlsafe(32)
             tenants.append({"name": STACK_TENANT, "token_sha256": hash_token(sec.role_token),
                             "allow": list(STACK_METHODS)})
+            sec.frontend_token = secrets.token_urlsafe(32)
+            tenants.append({"name": FRONTEND_TENANT, "token_sha256": hash_token(sec.frontend_token)})
             sec._workdir = tempfile.mkdtemp(prefix="pagedkv-up-auth-")  # mode 0700
             path = pathlib.Path(sec._workdir) / "tokens.json"
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -98,6 +108,17 @@ class StackSecurity:
             return []
         return ["--tls-ca", self._tls("ca.pem"), "--tls-client-cert", self._tls("client.pem"),
                 "--tls-client-key", self._tls("client.key")]
+
+    def frontend_args(self) -> list[str]:
+        """Flags of `pagedkv serve`: HTTPS with mutual TLS, and client TLS to the other roles."""
+        if not self.tls_dir:
+            return []
+        return ["--tls-cert", self._tls("server.pem"), "--tls-key", self._tls("server.key"),
+                "--tls-client-ca", self._tls("ca.pem"), *self.dial_args()]
+
+    def frontend_env(self) -> dict[str, str]:
+        """The frontend's own token (its engine calls every method), by environment variable."""
+        return {"PAGEDKV_TOKEN": self.frontend_token} if self.frontend_token else {}
 
     def env(self) -> dict[str, str]:
         """Environment of the stack's processes: the stack's token (never a flag)."""

@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "cache-host": ("worker_svc.cli:cache_host_main", "allocate and export the shared KV cache"),
     "worker": ("worker_svc.cli:worker_main", "run a compute worker attached to the shared cache"),
     "loadtest": ("frontend.loadtest:main", "bounded ghz-style load against a block manager"),
+    "serve": ("frontend.serve:main", "OpenAI-compatible HTTP server over one continuous-batching engine"),
     "up": ("frontend.stack:main", "start block manager, cache host and workers as local processes"),
     "generate": ("frontend.generate:main", "one request through a running (or --local) stack, JSON out"),
     "demo": ("frontend.demo:main", "a realistic workload with a progress bar, then throughput and memory figures"),

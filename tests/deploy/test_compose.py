@@ -98,7 +98,8 @@ def _gpu_devices(service: dict[str, Any]) -> list[dict[str, Any]]:
 
 def test_gpu_ipc_health_and_ports_wiring() -> None:
     services = load(BASE)["services"]
-    assert set(services) == {"block-manager", "cache-host", "worker"}
+    assert set(services) == {"block-manager", "cache-host", "worker", "frontend"}
+    frontend = services.pop("frontend")
     for name, svc in services.items():
         env = svc["environment"]
         assert env["PAGEDKV_HOST"] == "0.0.0.0", name  # reachable from the other containers
@@ -120,6 +121,13 @@ def test_gpu_ipc_health_and_ports_wiring() -> None:
     assert services["worker"]["depends_on"] == {"cache-host": {"condition": "service_healthy"},
                                                 "block-manager": {"condition": "service_healthy"}}
     assert {s["environment"]["PAGEDKV_PORT"] for s in services.values()} == {"50051", "50052", "50053"}
+    # The OpenAI-compatible frontend: HTTP /health, loopback-published, after a healthy worker.
+    assert frontend["command"] == ["serve"]
+    assert "http://127.0.0.1:8000/health" in " ".join(frontend["healthcheck"]["test"])
+    assert frontend["ports"] == ["${PAGEDKV_BIND:-127.0.0.1}:${PAGEDKV_HTTP_PORT:-8000}:8000"]
+    assert frontend["environment"]["PAGEDKV_WORKERS"] == "worker:50053"
+    assert frontend["depends_on"]["worker"] == {"condition": "service_healthy"}
+    assert not _gpu_devices(frontend)
 
 
 def test_cpu_variant_drops_the_gpu_and_builds_the_cpu_image() -> None:

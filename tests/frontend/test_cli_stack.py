@@ -64,13 +64,16 @@ def test_generate_reports_bad_input_and_a_missing_stack() -> None:
     (port,) = free_ports(1)
     r = pagedkv("generate", "--token-ids", "1,2", "--block-manager", f"127.0.0.1:{port}", "--timeout-s", "2")
     assert r.returncode == 1 and "UNAVAILABLE" in r.stderr and "pagedkv up" in r.stderr
+    r = pagedkv("generate", "--token-ids", "1,2", "--url", f"http://127.0.0.1:{port}")
+    assert r.returncode == 1 and "cannot reach" in r.stderr and "pagedkv up" in r.stderr
 
 
 def test_up_serves_generate_and_stops_everything_on_ctrl_c() -> None:
-    bm, ch, w = free_ports(3)
+    bm, ch, w, http = free_ports(4)
     proc = subprocess.Popen(
         [sys.executable, "-m", "pagedkv.cli", "up", "--block-manager-port", str(bm), "--cache-host-port", str(ch),
-         "--worker-port", str(w), "--num-workers", "2", "--num-gpu-blocks", "128", "--log-format", "json"],
+         "--worker-port", str(w), "--num-workers", "2", "--num-gpu-blocks", "128", "--log-format", "json",
+         "--serve-port", str(http)],
         cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
         start_new_session=True,
     )
@@ -82,12 +85,13 @@ def test_up_serves_generate_and_stops_everything_on_ctrl_c() -> None:
             if not line:
                 break
             lines.append(line)
-            if "ready" in line:
+            if "Ctrl-C stops everything" in line:  # the end of the ready message
                 break
         out = "".join(lines)
         assert "ready" in out, out
         pids = [int(p) for p in re.findall(r"pid (\d+)", out)]
-        assert len(pids) == 4 and all(pid_alive(p) for p in pids)
+        assert len(pids) == 5 and all(pid_alive(p) for p in pids)  # + the OpenAI-compatible frontend
+        assert f"http://127.0.0.1:{http}/v1" in out
         workers = f"127.0.0.1:{w},127.0.0.1:{w + 1}"
         target = ["--block-manager", f"127.0.0.1:{bm}", "--workers", workers]
         # Several generate processes at once (issue 11): unique request ids and sequence ids, all succeed.
@@ -107,6 +111,15 @@ def test_up_serves_generate_and_stops_everything_on_ctrl_c() -> None:
             assert r.returncode == 2 and flag in r.stderr and "is the stack running" not in r.stderr, r.stderr
         r = pagedkv("generate", "--token-ids", "1,,2", *target)
         assert r.returncode == 2 and "empty item" in r.stderr
+        direct = outs[0]
+        # The default: an HTTP client of the stack's `pagedkv serve`; same JSON, same greedy tokens.
+        r = pagedkv("generate", "--url", f"http://127.0.0.1:{http}", "--token-ids", prompt, "--max-tokens", "5",
+                    "--n", "2")
+        assert r.returncode == 0, r.stderr
+        served = json.loads(r.stdout)
+        assert set(served) == set(direct)
+        assert [c["token_ids"] for c in served["completions"]] == [direct["completions"][0]["token_ids"]] * 2
+        assert all(len(c["logprobs"]) == 5 for c in served["completions"])
         from frontend.client import BlockManagerClient
 
         with BlockManagerClient(f"127.0.0.1:{bm}") as client:

@@ -60,13 +60,13 @@ def other_ca(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 def stack(hf: HFModel, certs: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     tmp = tmp_path_factory.mktemp("secure-stack")
     tokens = write_tokens(tmp / "tokens.json")
-    bm, ch, w = free_ports(3)
+    bm, ch, w, http = free_ports(4)
     tls_dir = str(pathlib.Path(certs["ca"]).parent)
     proc = subprocess.Popen(
         [sys.executable, "-m", "pagedkv.cli", "up", "--block-manager-port", str(bm), "--cache-host-port", str(ch),
          "--worker-port", str(w), "--num-workers", "1", "--num-gpu-blocks", "256", "--device", "cpu",
          "--model", str(hf.path), "--log-format", "json", "--log-dir", str(tmp / "logs"),
-         "--tls-dir", tls_dir, "--auth-tokens-file", tokens],
+         "--tls-dir", tls_dir, "--auth-tokens-file", tokens, "--serve-port", str(http)],
         cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
     lines: list[str] = []
@@ -77,10 +77,11 @@ def stack(hf: HFModel, certs: dict[str, str], tmp_path_factory: pytest.TempPathF
             if not line:
                 break
             lines.append(line)
-            if "ready. Try:" in line:
+            if "Ctrl-C stops everything" in line:  # the end of the ready message
                 break
         assert any("ready. Try:" in x for x in lines), "".join(lines) + proc.stderr.read()  # type: ignore[union-attr]
         yield {"bm": f"localhost:{bm}", "cache_host": f"localhost:{ch}", "worker": f"localhost:{w}",
+               "url": f"https://127.0.0.1:{http}",
                "ready": "".join(lines), "logs": str(tmp / "logs"), "tls_dir": tls_dir}
     finally:
         proc.send_signal(signal.SIGINT)
@@ -116,6 +117,22 @@ def test_generate_through_the_secured_stack_matches_transformers(stack: dict[str
     assert TOKENS["alice"] not in ok.stderr
     refused = subprocess.run(args, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
     assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr
+
+
+def test_the_frontend_serves_https_with_mutual_tls_and_its_own_token(stack: dict[str, str], certs,  # type: ignore[no-untyped-def]
+                                                                     hf: HFModel) -> None:
+    """`pagedkv serve` in the secured stack: HTTPS + client certificates, and its engine reaches the
+    token-guarded block manager and worker with the token `up` made for it."""
+    assert f"pagedkv generate --url {stack['url']}" in stack["ready"]
+    args = [sys.executable, "-m", "pagedkv.cli", "generate", "--url", stack["url"], "--token-ids",
+            ",".join(map(str, PROMPT)), "--max-tokens", "6"]
+    ok = subprocess.run([*args, *client_flags(certs)], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                        timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["completions"][0]["token_ids"] == hf.greedy(PROMPT, 6)
+    no_cert = subprocess.run([*args, "--tls-ca", certs["ca"]], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                             timeout=120)
+    assert no_cert.returncode != 0
 
 
 def test_demo_and_loadtest_reach_the_secured_stack(stack: dict[str, str], certs, monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]

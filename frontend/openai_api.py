@@ -1,0 +1,283 @@
+"""OpenAI's completion and chat request shapes: parsing and validation for `pagedkv serve`.
+
+Every check happens here, before anything reaches the engine, so a bad request is answered 400
+with the offending field named (``param``) and nothing is allocated. Types are strict (``"5"`` is
+not a number, ``true`` is not an integer), ranges are OpenAI's (temperature 0..2, top_p (0, 1]),
+plus vLLM's extensions ``top_k``, ``stop_token_ids`` and ``ignore_eos``. Unknown fields are
+ignored as OpenAI does; known fields pagedkv cannot honour (penalties, echo, best_of > n) are
+refused rather than silently dropped.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from frontend.engine import SamplingOptions
+from frontend.text import ModelText
+
+MAX_N = 64
+MAX_STOP = 16
+MAX_SEED = 2**63 - 1
+
+
+class ApiError(Exception):
+    """An HTTP error in OpenAI's error JSON: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type_: str = "invalid_request_error", code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.type = type_
+        self.code = code
+
+    def body(self) -> dict[str, object]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str | None = None
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1)
+    n: int = Field(1, ge=1, le=MAX_N)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None
+
+
+class CompletionBody(_Sampling):
+    prompt: Any = None
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0)
+    echo: bool = False
+    best_of: int | None = Field(None, ge=1)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict[str, Any]]
+
+
+class ChatBody(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=0)
+
+
+@dataclass(slots=True)
+class Limits:
+    """What a request is checked against: the served model and the pool."""
+
+    model_name: str
+    vocab_size: int
+    block_size: int
+    num_gpu_blocks: int
+    text: ModelText
+
+    @property
+    def max_tokens_in_pool(self) -> int:
+        return self.block_size * self.num_gpu_blocks
+
+    @property
+    def max_context(self) -> int:
+        pool = self.max_tokens_in_pool
+        return min(pool, self.text.max_model_len) if self.text.max_model_len else pool
+
+
+@dataclass(slots=True)
+class Parsed:
+    """A validated request: one engine request per prompt, with what the response needs."""
+
+    prompts: list[list[int]]
+    max_tokens: int
+    n: int
+    sampling: SamplingOptions
+    stop_token_ids: tuple[int, ...]
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    logprobs: bool
+
+
+def _pydantic_error(e: ValidationError) -> ApiError:
+    err = e.errors()[0]
+    loc = [str(p) for p in err["loc"]]
+    # Union members show up in the location (e.g. stop.str / stop.list[str]); keep the field path.
+    path = [p for p in loc if not (p in ("str", "int", "float", "bool") or p.startswith(("list[", "dict[")))]
+    param = ".".join(path) or None
+    msg = err["msg"]
+    if err["type"] == "missing":
+        msg = "this field is required"
+    return ApiError(400, f"{param}: {msg}" if param else msg, param)
+
+
+def check_model(model: str | None, limits: Limits) -> None:
+    if model is not None and model != limits.model_name:
+        raise ApiError(404, f"The model `{model}` does not exist (this server serves `{limits.model_name}`).",
+                       "model", "invalid_request_error", "model_not_found")
+
+
+def _token_list(value: Any, param: str, limits: Limits) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise ApiError(400, f"{param}: expected a list of integer token ids", param)
+    bad = next((t for t in value if t < 0 or t >= limits.vocab_size), None)
+    if bad is not None:
+        raise ApiError(400, f"{param}: token id {bad} is out of range [0, {limits.vocab_size})", param)
+    return list(value)
+
+
+def _prompts(prompt: Any, limits: Limits) -> list[list[int]]:
+    """A string, a list of strings, a list of token ids, or a list of such lists."""
+    if prompt is None:
+        raise ApiError(400, "prompt: this field is required", "prompt")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt)):
+        texts = [prompt] if isinstance(prompt, str) else prompt
+        if limits.text.tokenizer is None:
+            raise ApiError(400, "prompt: text prompts need a tokenizer, and this server has none (start it with "
+                           "--model DIR for a model directory with a tokenizer, or send token ids)", "prompt")
+        out = []
+        for t in texts:
+            if not t:
+                raise ApiError(400, "prompt: the prompt is empty", "prompt")
+            out.append(_token_list(limits.text.encode(t), "prompt", limits))
+        return out
+    if not isinstance(prompt, list):
+        raise ApiError(400, "prompt: expected a string, a list of strings, a list of token ids or a list of "
+                       "token-id lists", "prompt")
+    if not prompt:
+        raise ApiError(400, "prompt: the prompt is empty", "prompt")
+    if all(isinstance(p, list) for p in prompt):
+        out = [_token_list(p, "prompt", limits) for p in prompt]
+    else:
+        out = [_token_list(prompt, "prompt", limits)]
+    if any(not p for p in out):
+        raise ApiError(400, "prompt: the prompt is empty", "prompt")
+    return out
+
+
+def _stop(stop: str | list[str] | None, limits: Limits) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    items = [stop] if isinstance(stop, str) else stop
+    if len(items) > MAX_STOP:
+        raise ApiError(400, f"stop: at most {MAX_STOP} stop strings", "stop")
+    if any(not s for s in items):
+        raise ApiError(400, "stop: stop strings must not be empty", "stop")
+    if items and limits.text.tokenizer is None:
+        raise ApiError(400, "stop: stop strings need a tokenizer, and this server has none (use stop_token_ids)",
+                       "stop")
+    return tuple(items)
+
+
+def _common(body: _Sampling, prompts: list[list[int]], max_tokens: int | None, limits: Limits,
+            logprobs: bool) -> Parsed:
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, name) != 0.0:
+            raise ApiError(400, f"{name}: not supported by pagedkv (only 0)", name)
+    for name in ("temperature", "top_p"):
+        if not math.isfinite(getattr(body, name)):
+            raise ApiError(400, f"{name}: must be a finite number", name)
+    if body.top_k > limits.vocab_size:
+        raise ApiError(400, f"top_k: must be -1 (off) or at most the vocabulary size {limits.vocab_size}", "top_k")
+    stop_ids = tuple(_token_list(body.stop_token_ids, "stop_token_ids", limits)) if body.stop_token_ids else ()
+    stop = _stop(body.stop, limits)
+    longest = max(len(p) for p in prompts)
+    ctx = limits.max_context
+    if longest >= ctx:
+        raise ApiError(400, f"prompt: {longest} tokens do not fit: this server holds at most {ctx} tokens per "
+                       f"sequence ({limits.num_gpu_blocks} blocks of {limits.block_size} tokens"
+                       + (f", model context {limits.text.max_model_len}" if limits.text.max_model_len else "")
+                       + ") including the output", "prompt")
+    param = "max_tokens"
+    if max_tokens is None:
+        max_tokens = ctx - longest
+    elif longest + max_tokens > ctx:
+        raise ApiError(400, f"{param}: prompt ({longest} tokens) + max_tokens ({max_tokens}) = "
+                       f"{longest + max_tokens} exceeds the {ctx} tokens one sequence can hold", param)
+    if not body.ignore_eos:
+        stop_ids = tuple(dict.fromkeys(stop_ids + limits.text.eos_token_ids))
+    sampling = SamplingOptions(temperature=body.temperature, top_p=body.top_p,
+                               top_k=max(0, body.top_k), seed=body.seed)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    if body.stream_options is not None and not body.stream:
+        raise ApiError(400, "stream_options: only allowed with stream: true", "stream_options")
+    return Parsed(prompts, max_tokens, body.n, sampling, stop_ids, stop, body.stream, include_usage, logprobs)
+
+
+def parse_completion(raw: Any, limits: Limits) -> Parsed:
+    if not isinstance(raw, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    try:
+        body = CompletionBody.model_validate(raw)
+    except ValidationError as e:
+        raise _pydantic_error(e) from None
+    check_model(body.model, limits)
+    if body.echo:
+        raise ApiError(400, "echo: not supported by pagedkv", "echo")
+    if body.best_of is not None and body.best_of != body.n:
+        raise ApiError(400, "best_of: only best_of == n is supported", "best_of")
+    if body.logprobs not in (None, 0):
+        raise ApiError(400, "logprobs: only 0 is supported (each sampled token's logprob; the workers do not "
+                       "return top alternatives)", "logprobs")
+    prompts = _prompts(body.prompt, limits)
+    return _common(body, prompts, body.max_tokens, limits, body.logprobs is not None)
+
+
+def parse_chat(raw: Any, limits: Limits) -> Parsed:
+    if not isinstance(raw, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    try:
+        body = ChatBody.model_validate(raw)
+    except ValidationError as e:
+        raise _pydantic_error(e) from None
+    check_model(body.model, limits)
+    if not limits.text.has_chat_template:
+        raise ApiError(400, "messages: this model has no chat template (the model directory given with --model "
+                       "needs a tokenizer with chat_template); use /v1/completions", "messages")
+    messages = []
+    for i, m in enumerate(body.messages):
+        if isinstance(m.content, str):
+            text = m.content
+        else:
+            parts = []
+            for part in m.content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ApiError(400, f"messages.{i}.content: only text parts are supported",
+                                   f"messages.{i}.content")
+                parts.append(part["text"])
+            text = "".join(parts)
+        messages.append({"role": m.role, "content": text})
+    try:
+        prompt = limits.text.chat_prompt(messages)
+    except Exception as e:  # noqa: BLE001 - a template that rejects these messages is the caller's input
+        raise ApiError(400, f"messages: the chat template rejected them: {e}", "messages") from None
+    if not prompt:
+        raise ApiError(400, "messages: the chat template produced an empty prompt", "messages")
+    bad = next((t for t in prompt if t >= limits.vocab_size), None)
+    if bad is not None:
+        raise ApiError(400, f"messages: the tokenizer produced token id {bad}, outside the model's vocabulary",
+                       "messages")
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    return _common(body, [prompt], max_tokens, limits, body.logprobs)

@@ -1,0 +1,531 @@
+"""`pagedkv serve`: an OpenAI-compatible HTTP front door over one continuous-batching engine.
+
+One process, one engine, many users: every request from every client goes into the same engine,
+whose thread (frontend/engine_loop.py) batches them iteration by iteration. This module is only
+the HTTP side (FastAPI + uvicorn): parse and validate (frontend/openai_api.py), submit, stream
+tokens back as they are produced, abort on disconnect, and serve /v1/models, /health and
+/metrics. Routes:
+
+    POST /v1/completions        prompt: token ids, lists of them, or text (with a tokenizer)
+    POST /v1/chat/completions   when the tokenizer has a chat template
+    GET  /v1/models
+    GET  /health                200 only when the block manager and a worker answer (no API key)
+    GET  /metrics               Prometheus (frontend/serve_metrics.py)
+
+See docs/serve.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+import hmac
+import json
+import socket
+import ssl
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from frontend.engine import Engine, EngineConfig, GenerationRequest, TokenEvent
+from frontend.engine_loop import Admitted, EngineLoop, Failed, Finished
+from frontend.openai_api import ApiError, Limits, Parsed, parse_chat, parse_completion
+from frontend.serve_metrics import ServeMetrics
+from frontend.serve_settings import ServeSettings, load_settings
+from frontend.text import IncrementalText, load_model_text
+from pagedkv.tls import TlsConfigError, is_loopback
+
+log = structlog.get_logger("pagedkv.serve")
+
+HEALTH_PATH = "/health"
+# A non-streaming request asks this often whether its client left. uvicorn stops reading a connection
+# once the request body is in, so in practice it notices only when it answers; a streaming request is
+# aborted as soon as a token cannot be sent.
+DISCONNECT_POLL_S = 0.5
+
+
+@dataclass(slots=True)
+class ServerState:
+    """What the routes share: the engine loop, the limits requests are checked against."""
+
+    loop: EngineLoop
+    limits: Limits
+    metrics: ServeMetrics
+    max_waiting: int
+    retry_after_s: int
+    health: Any  # () -> (ok, detail), blocking
+
+    @property
+    def model_name(self) -> str:
+        return self.limits.model_name
+
+
+# --- one request, from submission to the last token ----------------------------------------------
+@dataclass(slots=True)
+class _Choice:
+    index: int  # OpenAI choice index: prompt_index * n + sample index
+    text: IncrementalText
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class _Run:
+    """The engine requests of one HTTP request (one per prompt) and their choices."""
+
+    def __init__(self, state: ServerState, parsed: Parsed, kind: str) -> None:
+        self.state = state
+        self.parsed = parsed
+        self.kind = kind
+        self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.request_ids = [f"{self.id}-{i}" for i in range(len(parsed.prompts))]
+        self.queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
+        self.early: collections.deque[tuple[int, object]] = collections.deque()  # tokens seen during submit
+        self.choices = {(p, s): _Choice(p * parsed.n + s, IncrementalText(state.limits.text, parsed.stop))
+                        for p in range(len(parsed.prompts)) for s in range(parsed.n)}
+        self.cached_tokens = 0
+        self.finished_prompts = 0
+        self.active = False
+
+    async def submit(self) -> None:
+        """Hand every prompt to the engine; raise ApiError if any is refused (others aborted)."""
+        aio = asyncio.get_running_loop()
+        arrival = time.monotonic()
+        p = self.parsed
+        for i, (rid, prompt) in enumerate(zip(self.request_ids, p.prompts)):
+            req = GenerationRequest(rid, prompt, max_tokens=p.max_tokens, n=p.n, sampling=p.sampling,
+                                    stop_token_ids=p.stop_token_ids)
+
+            def sink(item: object, i: int = i) -> None:
+                aio.call_soon_threadsafe(self.queue.put_nowait, (i, item))
+
+            self.state.loop.submit(req, sink, arrival)
+        self.active = True
+        admitted = 0
+        while admitted < len(self.request_ids):
+            got = await self.queue.get()
+            item = got[1]
+            if not isinstance(item, (Failed, Admitted)):
+                self.early.append(got)  # an earlier prompt already produced tokens: keep them in order
+                continue
+            if isinstance(item, Failed):
+                self.abort()
+                raise ApiError(item.status, item.message, None,
+                               "invalid_request_error" if item.status == 400 else "server_error")
+            if isinstance(item, Admitted):
+                admitted += 1
+
+    def abort(self) -> None:
+        if self.active:
+            for rid in self.request_ids:
+                self.state.loop.abort(rid)
+            self.active = False
+
+    def on_token(self, prompt: int, ev: TokenEvent) -> _Choice | None:
+        """Record a token; returns its choice if it belongs to the response."""
+        c = self.choices[(prompt, ev.index)]
+        if c.finish_reason is not None:
+            return None  # already stopped by a stop string; the engine had produced this one meanwhile
+        c.text.add(ev.token_id)
+        c.logprobs.append(ev.logprob)
+        if c.text.stopped:
+            c.finish_reason = "stop"
+            self.state.loop.abort(self.request_ids[prompt], ev.index, "stop")
+        elif ev.finish_reason is not None:
+            c.finish_reason = ev.finish_reason
+        return c
+
+    def on_finished(self, prompt: int, fin: Finished) -> None:
+        self.cached_tokens += fin.num_cached_tokens
+        for s, reason in enumerate(fin.finish_reasons):
+            c = self.choices[(prompt, s)]
+            if c.finish_reason is None:
+                c.finish_reason = reason
+        self.finished_prompts += 1
+        if self.finished_prompts == len(self.request_ids):
+            self.active = False
+
+    @property
+    def done(self) -> bool:
+        return self.finished_prompts == len(self.request_ids)
+
+    def usage(self) -> dict[str, Any]:
+        completion = sum(len(c.text.tokens) for c in self.choices.values())
+        prompt = sum(len(p) for p in self.parsed.prompts)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+    # --- response shapes ---------------------------------------------------------------------
+    def _token_strings(self, ids: list[int]) -> list[str]:
+        tok = self.state.limits.text.tokenizer
+        if tok is None:
+            return [f"token_id:{t}" for t in ids]
+        return [str(tok.decode([t])) for t in ids]
+
+    def _logprobs(self, ids: list[int], lps: list[float]) -> dict[str, Any] | None:
+        if not self.parsed.logprobs:
+            return None
+        strs = self._token_strings(ids)
+        if self.kind == "chat":
+            return {"content": [{"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []}
+                                for s, lp in zip(strs, lps)]}
+        offsets, pos = [], 0
+        for s in strs:
+            offsets.append(pos)
+            pos += len(s)
+        return {"tokens": strs, "token_logprobs": lps, "top_logprobs": None, "text_offset": offsets}
+
+    def response(self) -> dict[str, Any]:
+        choices = []
+        for c in sorted(self.choices.values(), key=lambda c: c.index):
+            ids, lps = c.text.tokens, c.logprobs
+            text = c.text.full
+            item: dict[str, Any] = {"index": c.index, "finish_reason": c.finish_reason, "token_ids": ids,
+                                    "logprobs": self._logprobs(ids, lps)}
+            if self.kind == "chat":
+                item["message"] = {"role": "assistant", "content": text}
+            else:
+                item["text"] = text
+            choices.append(item)
+        return {"id": self.id, "object": "chat.completion" if self.kind == "chat" else "text_completion",
+                "created": self.created, "model": self.state.model_name, "choices": choices,
+                "usage": self.usage()}
+
+    def chunk(self, c: _Choice, token_ids: list[int], lps: list[float], first: bool) -> dict[str, Any]:
+        final = c.finish_reason is not None
+        text = c.text.delta(final=final)
+        item: dict[str, Any] = {"index": c.index, "finish_reason": c.finish_reason, "token_ids": token_ids,
+                                "logprobs": self._logprobs(token_ids, lps)}
+        if self.kind == "chat":
+            delta: dict[str, Any] = {"content": text}
+            if first:
+                delta["role"] = "assistant"
+            item["delta"] = delta
+        else:
+            item["text"] = text
+        out: dict[str, Any] = {"id": self.id,
+                               "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
+                               "created": self.created, "model": self.state.model_name, "choices": [item]}
+        if self.parsed.include_usage:
+            out["usage"] = None
+        return out
+
+
+def _sse(obj: object) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _next(run: _Run, request: Request) -> tuple[int, object]:
+    """The next item for this run; aborts it (and raises) when the client went away."""
+    if run.early:
+        return run.early.popleft()
+    while True:
+        try:
+            return await asyncio.wait_for(run.queue.get(), DISCONNECT_POLL_S)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                run.abort()
+                raise asyncio.CancelledError("client disconnected") from None
+
+
+async def _serve(state: ServerState, request: Request, parsed: Parsed, kind: str) -> Response:
+    waiting = state.loop.num_waiting()
+    if waiting + len(parsed.prompts) > state.max_waiting:
+        state.metrics.reject(503)
+        raise ApiError(503, f"the server is busy: {waiting} requests are waiting (max_waiting "
+                       f"{state.max_waiting}); retry later", None, "server_error", "overloaded")
+    if not state.loop.alive:
+        raise ApiError(503, "the engine is not running", None, "server_error")
+    run = _Run(state, parsed, kind)
+    try:
+        await run.submit()
+    except BaseException:
+        run.abort()
+        raise
+    if parsed.stream:
+        return StreamingResponse(_stream(run, request), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    try:
+        while not run.done:
+            prompt, item = await _next(run, request)
+            if isinstance(item, TokenEvent):
+                run.on_token(prompt, item)
+            elif isinstance(item, Finished):
+                run.on_finished(prompt, item)
+            elif isinstance(item, Failed):
+                raise ApiError(item.status, item.message, None, "server_error")
+    finally:
+        run.abort()  # no-op once done
+    return JSONResponse(run.response())
+
+
+async def _stream(run: _Run, request: Request) -> AsyncIterator[bytes]:
+    seen: set[int] = set()
+    try:
+        while not run.done:
+            prompt, item = await _next(run, request)
+            if isinstance(item, TokenEvent):
+                c = run.on_token(prompt, item)
+                if c is None:
+                    continue
+                first = c.index not in seen
+                seen.add(c.index)
+                yield _sse(run.chunk(c, [item.token_id], [item.logprob], first))
+            elif isinstance(item, Finished):
+                run.on_finished(prompt, item)
+            elif isinstance(item, Failed):
+                yield _sse(ApiError(item.status, item.message, None, "server_error").body())
+                return
+        if run.parsed.include_usage:
+            yield _sse({"id": run.id, "object": "chat.completion.chunk" if run.kind == "chat" else "text_completion",
+                        "created": run.created, "model": run.state.model_name, "choices": [],
+                        "usage": run.usage()})
+        yield b"data: [DONE]\n\n"
+    finally:
+        run.abort()  # the client went away mid-stream: free its blocks in the next iteration
+
+
+# --- the app ---------------------------------------------------------------------------------------
+class ApiKeyMiddleware:
+    """Bearer API key on every route except /health (plain ASGI: streaming passes through untouched)."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self._key = hashlib.sha256(api_key.encode()).digest() if api_key else b""
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not self._key or scope.get("path") == HEALTH_PATH:
+            await self.app(scope, receive, send)
+            return
+        got = b""
+        for name, value in scope.get("headers", []):
+            if name == b"authorization":
+                got = value
+        # Compare digests: constant time whatever the lengths.
+        ok = got.startswith(b"Bearer ") and hmac.compare_digest(hashlib.sha256(got[7:].strip()).digest(), self._key)
+        if not ok:
+            err = ApiError(401, "missing or wrong API key: send `Authorization: Bearer <key>`", None,
+                           "invalid_request_error", "invalid_api_key")
+            await JSONResponse(err.body(), status_code=401)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+async def _json_body(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+
+
+def create_app(state: ServerState, api_key: str = "") -> Any:
+    app = FastAPI(title="pagedkv", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, e: ApiError) -> JSONResponse:
+        headers = {"Retry-After": str(state.retry_after_s)} if e.status == 503 else None
+        if e.status == 400:
+            state.metrics.reject(400)
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        parsed = parse_completion(await _json_body(request), state.limits)
+        return await _serve(state, request, parsed, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        parsed = parse_chat(await _json_body(request), state.limits)
+        return await _serve(state, request, parsed, "chat")
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        lim = state.limits
+        return JSONResponse({"object": "list", "data": [{
+            "id": lim.model_name, "object": "model", "created": 0, "owned_by": "pagedkv",
+            "max_model_len": lim.max_context}]})
+
+    @app.get(HEALTH_PATH)
+    async def health() -> JSONResponse:
+        ok, detail = await asyncio.to_thread(state.health)
+        if ok and not state.loop.alive:
+            ok, detail = False, "the engine loop stopped"
+        return JSONResponse({"status": "ok" if ok else "unavailable", "detail": detail},
+                            status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body = await asyncio.to_thread(generate_latest, state.metrics.registry)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    return ApiKeyMiddleware(app, api_key) if api_key else app
+
+
+# --- running it --------------------------------------------------------------------------------------
+class RunningServe:
+    """A started server: engine loop + uvicorn on its own thread. ``stop()`` ends both and frees."""
+
+    def __init__(self, settings: ServeSettings, on_iteration: Any = None) -> None:
+        """``on_iteration(engine)`` runs on the engine thread after every iteration (monitoring hooks)."""
+        import uvicorn
+
+        from frontend.client import BlockManagerClient
+        from frontend.worker_client import WorkerClient
+
+        if not settings.tls_cert and not settings.allow_insecure and not is_loopback(settings.host):
+            raise TlsConfigError(
+                f"refusing to serve plain HTTP on non-loopback address {settings.host!r}: set --tls-cert/--tls-key "
+                "(PAGEDKV_TLS_CERT/PAGEDKV_TLS_KEY), or pass --allow-insecure (PAGEDKV_ALLOW_INSECURE=true) on a "
+                "network you trust")
+        if bool(settings.tls_cert) != bool(settings.tls_key):
+            raise TlsConfigError("TLS needs both --tls-cert and --tls-key")
+        if settings.tls_client_ca and not settings.tls_cert:
+            raise TlsConfigError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key as well")
+        workers = settings.worker_targets
+        if not workers:
+            raise ValueError("--workers: at least one worker host:port is needed")
+        text = load_model_text(settings.model or None)
+        conn = settings.client_kwargs()
+        self._closers: list[Any] = []
+        self.bm = BlockManagerClient(settings.block_manager, **conn)
+        self._closers.append(self.bm.close)
+        self.workers = [WorkerClient(t, **conn) for t in workers]
+        self._closers.extend(w.close for w in self.workers)
+        try:
+            engine = Engine(self.bm, self.workers, EngineConfig(max_num_seqs=settings.max_num_seqs,
+                                                                max_batch_tokens=settings.max_batch_tokens,
+                                                                timeout_s=settings.timeout_s))
+            info = self.workers[0].get_info(timeout_s=settings.timeout_s)
+            import pathlib
+
+            name = settings.model_name or (pathlib.Path(settings.model).name if settings.model else "") \
+                or info.model_name or "pagedkv"
+            limits = Limits(name, engine.vocab_size, engine.block_size, engine.num_gpu_blocks, text)
+            self.metrics = ServeMetrics(name, self._pool_usage, settings.metrics_vllm_names)
+            self.loop = EngineLoop(engine, self.metrics, on_iteration=on_iteration)
+            self.state = ServerState(self.loop, limits, self.metrics, settings.max_waiting,
+                                     settings.retry_after_s, self._health)
+            app = create_app(self.state, settings.resolved_api_key())
+            self._sock = socket.socket(socket.AF_INET6 if ":" in settings.host else socket.AF_INET)
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self._sock.bind((settings.host, settings.port))
+            self._closers.append(self._sock.close)
+            self.port = int(self._sock.getsockname()[1])
+            self.scheme = "https" if settings.tls_cert else "http"
+            config = uvicorn.Config(
+                app, log_config=None, access_log=False, log_level="warning", timeout_graceful_shutdown=5,
+                ssl_certfile=settings.tls_cert or None, ssl_keyfile=settings.tls_key or None,
+                ssl_ca_certs=settings.tls_client_ca or None,
+                ssl_cert_reqs=ssl.CERT_REQUIRED if settings.tls_client_ca else ssl.CERT_NONE,
+            )
+            self._server = uvicorn.Server(config)
+        except BaseException:
+            self.close_clients()
+            raise
+        self.host = settings.host
+        self._thread = threading.Thread(target=self._serve, name="pagedkv-http", daemon=True)
+
+    def _serve(self) -> None:
+        asyncio.run(self._server.serve(sockets=[self._sock]))
+
+    def _pool_usage(self) -> tuple[int, int] | None:
+        try:
+            s = self.bm.get_stats(timeout_s=2.0)
+        except Exception:  # noqa: BLE001 - a scrape without pool numbers beats a failed scrape
+            return None
+        return int(s.num_used_blocks), int(s.num_gpu_blocks)
+
+    def _health(self) -> tuple[bool, str]:
+        try:
+            if self.bm.health("pagedkv.v1.BlockManager", timeout_s=1.0) != 1:
+                return False, "block manager not SERVING"
+        except Exception as e:  # noqa: BLE001
+            return False, f"block manager: {type(e).__name__}"
+        for w in self.workers:
+            try:
+                if w.health("pagedkv.v1.Worker", timeout_s=1.0) == 1:
+                    return True, "block manager and a worker answer"
+            except Exception:  # noqa: BLE001
+                continue
+        return False, "no worker answers"
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        return f"{self.scheme}://{host}:{self.port}"
+
+    def start(self, timeout_s: float = 30.0) -> RunningServe:
+        self.loop.start()
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive():
+                raise RuntimeError(f"the HTTP server on {self.host}:{self.port} did not start")
+            if time.monotonic() > deadline:
+                raise TimeoutError("the HTTP server did not start in time")
+            time.sleep(0.02)
+        log.info("serving", url=self.url, model=self.state.model_name, workers=len(self.workers))
+        return self
+
+    def wait(self) -> None:
+        self._thread.join()
+
+    def stop(self) -> None:
+        """Stop accepting, end the engine loop (aborting and freeing whatever runs), close clients."""
+        self._server.should_exit = True
+        if self._thread.is_alive():
+            self._thread.join(15)
+        self.loop.stop()
+        self.close_clients()
+
+    def close_clients(self) -> None:
+        while self._closers:
+            try:
+                self._closers.pop()()
+            except Exception:  # noqa: BLE001
+                pass
+
+    def __enter__(self) -> RunningServe:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import signal
+    import sys
+
+    from pagedkv.logging_setup import configure_logging
+
+    settings = load_settings(argv)
+    configure_logging(settings.log_level, settings.log_format)
+    try:
+        server = RunningServe(settings)
+        server.start()
+    except (TlsConfigError, ValueError, OSError, RuntimeError) as e:
+        print(f"pagedkv serve: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # noqa: BLE001 - grpc errors reaching the block manager/workers
+        print(f"pagedkv serve: cannot reach the block manager/workers: {e}", file=sys.stderr)
+        return 1
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(0.5):
+        if not server.loop.alive and server.loop.error is not None:
+            log.error("engine_loop_died", error=repr(server.loop.error))
+            server.stop()
+            return 1
+    server.stop()
+    return 0

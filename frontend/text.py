@@ -1,0 +1,121 @@
+"""Text for `pagedkv serve`: the model directory's tokenizer, its chat template and EOS ids.
+
+Everything comes from a LOCAL directory (the one the workers load; `--model`): transformers is
+asked with ``local_files_only=True`` and HF_HUB_OFFLINE set, so nothing is ever fetched from a
+hub. Without a tokenizer the server still serves token-id prompts (text fields are empty); text
+prompts, stop strings and chat completions then answer 400.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(slots=True)
+class ModelText:
+    """What the server knows about a model directory beyond the workers' numbers."""
+
+    tokenizer: Any | None = None  # transformers.PreTrainedTokenizerBase
+    eos_token_ids: tuple[int, ...] = ()
+    max_model_len: int = 0  # max_position_embeddings; 0 = unknown
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self.tokenizer is not None and bool(getattr(self.tokenizer, "chat_template", None))
+
+    def encode(self, text: str) -> list[int]:
+        assert self.tokenizer is not None
+        return list(self.tokenizer.encode(text, add_special_tokens=True))
+
+    def decode(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        assert self.tokenizer is not None
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+
+
+def _eos_from(path: pathlib.Path) -> tuple[int, ...]:
+    for name in ("generation_config.json", "config.json"):
+        f = path / name
+        if not f.is_file():
+            continue
+        eos = json.loads(f.read_text()).get("eos_token_id")
+        if eos is None:
+            continue
+        return tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+    return ()
+
+
+def load_model_text(model_dir: str | None) -> ModelText:
+    """Tokenizer (if the directory has one), EOS ids and context length of ``model_dir``."""
+    if not model_dir:
+        return ModelText()
+    path = pathlib.Path(model_dir)
+    if not path.is_dir():
+        raise ValueError(f"--model {model_dir!r} is not a directory")
+    max_len = 0
+    cfg = path / "config.json"
+    if cfg.is_file():
+        max_len = int(json.loads(cfg.read_text()).get("max_position_embeddings") or 0)
+    eos = _eos_from(path)
+    tokenizer = None
+    if any((path / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        try:
+            from transformers import AutoTokenizer
+        except ImportError as e:
+            raise ValueError(f"{model_dir} has a tokenizer but transformers is not installed "
+                             "(pip install 'pagedkv[text]')") from e
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        if not eos and tokenizer.eos_token_id is not None:
+            eos = (int(tokenizer.eos_token_id),)
+    return ModelText(tokenizer=tokenizer, eos_token_ids=eos, max_model_len=max_len)
+
+
+class IncrementalText:
+    """Text of one sample as tokens arrive: full decode each time, emitting only what is new and
+    stable (no half UTF-8 character at the end, nothing that may still become a stop string)."""
+
+    def __init__(self, text: ModelText, stop: tuple[str, ...]) -> None:
+        self._text = text
+        self._stop = stop
+        self._hold = max((len(s) for s in stop), default=1) - 1
+        self.tokens: list[int] = []
+        self.sent = 0  # characters already emitted
+        self.full = ""
+        self.stopped = False
+
+    def add(self, token: int) -> None:
+        self.tokens.append(token)
+        if self._text.tokenizer is None:
+            return
+        self.full = self._text.decode(self.tokens)
+        if self._stop:
+            start = max(0, self.sent - self._hold)
+            hits = [i for i in (self.full.find(s, start) for s in self._stop) if i >= 0]
+            if hits:
+                self.full = self.full[: min(hits)]
+                self.stopped = True
+
+    def delta(self, final: bool) -> str:
+        """New text that can be sent now (everything left when ``final``)."""
+        end = len(self.full)
+        if not final and not self.stopped:
+            if self.full.endswith("\ufffd"):
+                end -= 1
+            end -= self._hold
+        if end <= self.sent:
+            return ""
+        out = self.full[self.sent : end]
+        self.sent = end
+        return out
