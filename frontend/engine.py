@@ -1,7 +1,8 @@
 """A continuous-batching engine on top of the block manager and the workers.
 
-Each `step()` is one scheduler iteration, with exactly one block-manager
-round trip and one worker step (EngineStats counts both):
+Each `step()` is one scheduler iteration, with one block-manager round trip
+and one worker step per pipeline (EngineStats counts both; with
+`overlap_block_manager`, a second, overlapped Step reserves the next slots):
 
 1. **Block manager, one `Step`**, everything packed, in the order the manager
    applies it: *commits* (what the previous worker step computed: only now do
@@ -15,6 +16,13 @@ round trip and one worker step (EngineStats counts both):
    prefill chunks in arrival order within a token budget (chunked prefill: a
    long prompt never stalls decoding), with all cache ops of the iteration. A
    request admitted in this iteration's Step is prefilled in this iteration.
+   Which workers run it is frontend/dispatch.py's decision: several mixed
+   workers split the iteration's sequences by tokens and compute at once on the
+   one shared cache; with prefill and decode workers (disjoint roles) the
+   engine runs two independent pipelines: the prefill chunk is launched on the
+   prefill worker and the engine goes on decoding on the decode worker without
+   waiting for it; a sequence joins the decode batch at the first iteration
+   after its prefill came back (and is committed in that iteration's Step).
 3. Sample results are streamed as `TokenEvent`s; the samples of an `n > 1`
    request draw their first token from the prompt's logits, then decode on
    their own (copy-on-write of the shared tail block on their first append).
@@ -51,11 +59,13 @@ from dataclasses import dataclass, field
 import grpc
 import structlog
 
+from concurrent.futures import Future
+
 from frontend.client import BlockManagerClient
+from frontend.dispatch import CacheLostEverywhere, WorkerPool, WorkerSlot
 from frontend.worker_client import WorkerClient
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import worker_pb2 as wpb
-from worker_svc.cache_watch import CACHE_LOST_PREFIX
 
 log = structlog.get_logger("pagedkv.engine")
 
@@ -168,6 +178,7 @@ class _Seq:
     # waits for the parent's prefill to draw its first token from its logits.
     awaiting_parent: bool = False
     children: list[_Seq] = field(default_factory=list)
+    in_flight: bool = False  # its prefill chunk is running on a prefill worker right now
 
     @property
     def completion(self) -> Completion:
@@ -192,6 +203,9 @@ class EngineConfig:
     # This engine's lease on its sequences: renewed every third of it in the background; an
     # engine that stops renewing (it died) loses its sequences within this time.
     lease_ttl_s: float = 30.0
+    # Reserve the next decode slots in the block manager while the workers compute (no append round
+    # trip between two worker steps); generated tokens' blocks are then not prefix-cached.
+    overlap_block_manager: bool = False
 
 
 @dataclass(slots=True)
@@ -210,6 +224,12 @@ class EngineStats:
     bm_round_trips: int = 0
     worker_steps: int = 0
     lease_renewals: int = 0
+    # Idle gap of the engine's synchronous worker calls (decode pipeline): time from the end of one
+    # call to the start of the next, summed, and how many gaps (the control plane's share of a step).
+    worker_idle_s: float = 0.0
+    worker_idle_gaps: int = 0
+    prefill_launches: int = 0  # async prefill chunks sent to prefill workers (disaggregated layout)
+    slots_reserved_ahead: int = 0  # decode slots reserved while the workers computed (overlap)
 
     @property
     def bm_round_trips_per_step(self) -> float:
@@ -253,7 +273,11 @@ class Engine:
         self.block_size = geometry.block_size
         self.num_gpu_blocks = geometry.num_gpu_blocks
         self._watermark = geometry.watermark_blocks
-        info = self.workers[0].get_info(timeout_s=self.config.timeout_s)
+        infos = [self._info_or_none(w) for w in self.workers]
+        info = next((i for i in infos if i is not None), None)
+        if info is None:
+            info = self.workers[0].get_info(timeout_s=self.config.timeout_s)  # raises the real error
+        self.pool = WorkerPool.from_clients(self.workers, infos, timeout_s=self.config.timeout_s * 4)
         if info.geometry.block_size and info.geometry.block_size != self.block_size:
             raise ValueError(
                 f"worker block_size {info.geometry.block_size} != block manager block_size {self.block_size}"
@@ -272,8 +296,10 @@ class Engine:
         self._to_free: list[str] = []
         self._pending_ops = pb.CacheOps()
         self._available = self.num_gpu_blocks  # from the last Step reply, for admission
-        self._worker_index = 0
         self._step_ids = itertools.count()
+        # The prefill pipeline's chunk in flight: its future and (sequence, num_computed at launch, tokens).
+        self._prefill: tuple[Future[wpb.WorkerStepResponse], list[tuple[_Seq, int, int]]] | None = None
+        self._last_call_end: float | None = None
         self._keep_alive()
         self._stop_renewal = threading.Event()
         self._renewer = threading.Thread(
@@ -283,6 +309,15 @@ class Engine:
         self._renewer.start()
         weakref.finalize(self, self._stop_renewal.set)
 
+    def _info_or_none(self, w: WorkerClient) -> wpb.WorkerInfo | None:
+        try:
+            return w.get_info(timeout_s=self.config.timeout_s)
+        except grpc.RpcError as e:
+            if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise
+            log.warning("worker_unavailable_at_start", worker=w.target, code=e.code().name)
+            return None
+
     # --- lease ------------------------------------------------------------------
     def _keep_alive(self) -> None:
         self.bm.keep_alive(self.lease_id, ttl_ms=round(self.config.lease_ttl_s * 1000),
@@ -290,7 +325,14 @@ class Engine:
         self.stats.lease_renewals += 1
 
     def close(self) -> None:
-        """Stop renewing the lease and free every sequence this engine holds (one Step)."""
+        """Wait for a prefill in flight, stop renewing the lease and free every sequence this engine
+        holds (one Step), stop the dispatch threads (the clients stay the caller's)."""
+        if self._prefill is not None:
+            self._prefill[0].exception()
+            for s, _, _ in self._prefill[1]:
+                s.in_flight = False
+            self._prefill = None
+        self.pool.close()
         self._stop_renewal.set()
         held = [s.seq_id for s in self._running] + [s.seq_id for s in self._swapped] + self._to_free
         self._running, self._to_free = [], []
@@ -407,32 +449,81 @@ class Engine:
     # --- one iteration -------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
         self.stats.steps += 1
-        ops = self._pending_ops
-        self._pending_ops = pb.CacheOps()
-        self._block_manager_step(ops)
-        batch = self._schedule()
-        if not batch:
-            if self._pending_ops_nonempty(ops):
-                self._pending_ops = ops  # nothing to compute: carry the ops to the next step
-            elif self._waiting and not self._running and not self._swapped and not self._to_free:
-                head = self._waiting[0]
-                need = -(-len(head.tokens) // self.block_size) * (head.request.n if not head.forked else 1)
-                if need > self.num_gpu_blocks - self._watermark:
-                    raise RuntimeError(
-                        f"request {head.request.request_id} cannot be admitted: it needs {need} blocks and "
-                        f"the pool has {self.num_gpu_blocks} ({self._watermark} held back by the watermark)"
-                    )
-                # Other frontends hold the room it needs: wait for them, without hammering the manager.
-                time.sleep(0.01)
-            return []
         try:
-            return self._run_worker(batch, ops)
+            return self._step()
         except CacheHostLost:
             if not self.config.recover_lost_cache:
                 self._forget_lost_cache()
                 raise
             self._recover_lost_cache()
             return []
+        finally:
+            self.stats.worker_retries = self.pool.stats.retries
+
+    def _step(self) -> list[TokenEvent]:
+        disaggregated = self.pool.disaggregated()
+        # A prefill that came back is committed in this Step and joins this iteration's decode batch.
+        events = self._harvest_prefill(wait=not disaggregated)
+        ops = self._pending_ops
+        self._pending_ops = pb.CacheOps()
+        self._block_manager_step(ops)
+        if self._prefill is not None and any(s.status is not SeqStatus.RUNNING for s, _, _ in self._prefill[1]):
+            # A sequence being prefilled was preempted: its blocks may be reused or swapped out by
+            # this iteration's steps, so its writes must be over first.
+            events += self._harvest_prefill(wait=True)
+        # Data parallel: max_batch_tokens bounds each worker's step, so N workers take N times as much.
+        share = 1 if disaggregated else len(self.pool.workers())
+        decode, prefill = self._schedule(separate_budgets=disaggregated, num_workers=share)
+        if disaggregated:
+            return events + self._step_disaggregated(decode, prefill, ops)
+        batch = decode + prefill
+        if not batch:
+            self._idle(ops)
+            return events
+        return events + self._run_worker(batch, ops, self.pool.workers())
+
+    def _idle(self, ops: pb.CacheOps) -> None:
+        """Nothing to compute this iteration."""
+        self._last_call_end = None
+        if self._pending_ops_nonempty(ops):
+            self._pending_ops = ops  # carry the ops to the next step
+        elif (self._waiting and not self._running and not self._swapped and not self._to_free
+              and self._prefill is None):
+            head = self._waiting[0]
+            need = -(-len(head.tokens) // self.block_size) * (head.request.n if not head.forked else 1)
+            if need > self.num_gpu_blocks - self._watermark:
+                raise RuntimeError(
+                    f"request {head.request.request_id} cannot be admitted: it needs {need} blocks and "
+                    f"the pool has {self.num_gpu_blocks} ({self._watermark} held back by the watermark)"
+                )
+            # Other frontends hold the room it needs: wait for them, without hammering the manager.
+            time.sleep(0.01)
+
+    def _step_disaggregated(
+        self, decode: list[tuple[_Seq, int]], prefill: list[tuple[_Seq, int]], ops: pb.CacheOps
+    ) -> list[TokenEvent]:
+        """Decode on the decode workers now; prefill on the prefill workers without waiting for it.
+
+        Cache ops run before a new prefill is launched (a swap-out must read its blocks before a
+        newly admitted prompt may overwrite them), so a launch waits for an ops-carrying decode call."""
+        launch = bool(prefill) and self._prefill is None
+        has_ops = self._pending_ops_nonempty(ops)
+        events: list[TokenEvent] = []
+        if decode:
+            if launch and not has_ops:
+                self._launch_prefill(prefill)
+            events += self._run_worker(decode, ops, self.pool.decode_workers())
+            if launch and has_ops:
+                self._launch_prefill(prefill)
+            return events
+        if has_ops:
+            self._run_worker([], ops, self.pool.decode_workers())
+        if launch:
+            self._launch_prefill(prefill)
+        if self._prefill is not None:
+            return events + self._harvest_prefill(wait=True)  # nothing to decode: wait for the prompt, no spinning
+        self._idle(pb.CacheOps())
+        return events
 
     def _forget_lost_cache(self) -> None:
         """Before CacheHostLost reaches the caller: the committed blocks name KV that died, so
@@ -516,6 +607,33 @@ class Engine:
         resp = self.bm.step(req, timeout_s=self.config.timeout_s)
         self.stats.bm_round_trips += 1
         self._to_free = []
+        self._apply_bm_step(resp, grow, swap_in, ops, admit, forks)
+
+    def _reserve_next_slots(self, batch: list[tuple[_Seq, int]]) -> tuple[list[_Seq], pb.StepResponse | None]:
+        """Overlap (EngineConfig.overlap_block_manager): while the worker computes this iteration,
+        reserve the slot of the token it is sampling for every sequence that will go on, so the next
+        iteration needs no append before its worker call (vLLM v1's async scheduling).
+
+        The token is not known yet, so the append carries no token id: those blocks are not
+        content-hashed (no prefix-cache hits on generated text). Sequences that finish by length,
+        and parents whose samples wait for this step's logits, are left out; one that stops on a
+        stop token frees its reservation with itself."""
+        early = [s for s, k in batch
+                 if s.num_computed + k == len(s.tokens) and not s.needs_slot
+                 and len(s.completion.token_ids) + 1 < s.request.max_tokens
+                 and not any(c.awaiting_parent for c in s.children)]
+        if not early:
+            return [], None
+        resp = self.bm.step(pb.StepRequest(append_seq_ids=[s.seq_id for s in early]), timeout_s=self.config.timeout_s)
+        self.stats.bm_round_trips += 1
+        self.stats.slots_reserved_ahead += len(early)
+        return early, resp
+
+    def _apply_bm_step(
+        self, resp: pb.StepResponse, grow: list[_Seq], swap_in: list[_Seq], ops: pb.CacheOps,
+        admit: list[_Seq] | None = None, forks: list[tuple[_Seq, _Seq]] | None = None,
+    ) -> None:
+        """Block tables, cache ops, preemptions, allocations, forks and swap-ins of one Step reply."""
         self._available = resp.num_available_blocks
         replaced = set(resp.packed_replaced_index)
         seen_replace: set[int] = set()
@@ -533,8 +651,8 @@ class Engine:
         errors = collections.defaultdict(dict)
         for err in resp.errors:
             errors[err.kind][err.index] = err
-        self._apply_allocations(resp, admit, errors[pb.StepItemError.ALLOCATE])
-        self._apply_forks(forks, errors[pb.StepItemError.FORK])
+        self._apply_allocations(resp, admit or [], errors[pb.StepItemError.ALLOCATE])
+        self._apply_forks(forks or [], errors[pb.StepItemError.FORK])
         self._apply_swap_ins(resp.swap_ins, swap_in)
         failed: set[int] = set()
         for kind, items in errors.items():
@@ -649,29 +767,41 @@ class Engine:
         seq.awaiting_parent = False
         self._waiting.appendleft(seq)
 
-    def _schedule(self) -> list[tuple[_Seq, int]]:
-        """(sequence, number of tokens to compute) for this worker step."""
-        budget = self.config.max_batch_tokens
-        batch: list[tuple[_Seq, int]] = []
+    def _schedule(
+        self, separate_budgets: bool = False, num_workers: int = 1
+    ) -> tuple[list[tuple[_Seq, int]], list[tuple[_Seq, int]]]:
+        """(sequence, number of tokens to compute) for this iteration: the decode batch and the
+        prefill chunks. ``separate_budgets``: each gets max_batch_tokens (they run on different
+        workers); else they share it, decode first. ``num_workers`` mixed workers split the iteration,
+        so the budget is that many times max_batch_tokens, and no chunk exceeds max_batch_tokens
+        (one sequence's chunk runs on one worker). Sequences whose prefill is in flight wait."""
+        budget = self.config.max_batch_tokens * num_workers
+        decode_batch: list[tuple[_Seq, int]] = []
         decode = [s for s in self._running
-                  if s.num_computed == len(s.tokens) - 1 and not s.needs_slot and not s.awaiting_parent]
+                  if s.num_computed == len(s.tokens) - 1 and not s.needs_slot and not s.awaiting_parent
+                  and not s.in_flight]
         for s in decode[:budget]:
-            batch.append((s, 1))
-        budget -= len(batch)
+            decode_batch.append((s, 1))
+        budget = budget if separate_budgets else budget - len(decode_batch)
+        if separate_budgets and self._prefill is not None:
+            return decode_batch, []  # the prefill pipeline is busy
+        batch: list[tuple[_Seq, int]] = []
         for s in self._running:
-            if s.needs_slot or s.awaiting_parent or budget <= 0:
+            if s.needs_slot or s.awaiting_parent or s.in_flight or budget <= 0:
                 continue
             remaining = len(s.tokens) - s.num_computed
             if remaining <= 1:
                 continue
-            chunk = min(remaining, budget)
+            chunk = min(remaining, budget, self.config.max_batch_tokens)
             batch.append((s, chunk))
             budget -= chunk
-        return batch
+        return decode_batch, batch
 
-    def _run_worker(self, batch: list[tuple[_Seq, int]], ops: pb.CacheOps) -> list[TokenEvent]:
-        req = wpb.WorkerStepRequest(ops=ops, request_id=f"step-{self.instance_id}-{next(self._step_ids)}",
+    def _step_request(self, batch: list[tuple[_Seq, int]], ops: pb.CacheOps | None) -> wpb.WorkerStepRequest:
+        req = wpb.WorkerStepRequest(request_id=f"step-{self.instance_id}-{next(self._step_ids)}",
                                     cache_instance_id=self._cache_instance)
+        if ops is not None:
+            req.ops.CopyFrom(ops)
         for s, k in batch:
             start = s.num_computed
             final = start + k == len(s.tokens)
@@ -688,10 +818,73 @@ class Engine:
             item.sampling.top_k = sampling.top_k
             if s.seed is not None:
                 item.sampling.seed = s.seed
-        resp = self._call_worker(req)
+        return req
+
+    def _run_worker(
+        self, batch: list[tuple[_Seq, int]], ops: pb.CacheOps, workers: list[WorkerSlot]
+    ) -> list[TokenEvent]:
+        """One synchronous step (split over ``workers`` by dispatch), then its results."""
+        req = self._step_request(batch, ops)
+        t0 = time.perf_counter()
+        if self._last_call_end is not None:
+            self.stats.worker_idle_s += t0 - self._last_call_end
+            self.stats.worker_idle_gaps += 1
+        items = [(s, s.num_computed, k) for s, k in batch]
+        early: list[_Seq] = []
+        early_resp: pb.StepResponse | None = None
+        try:
+            if self.config.overlap_block_manager and batch:
+                fut = self.pool.submit_step(req, workers)
+                try:
+                    early, early_resp = self._reserve_next_slots(batch)
+                finally:
+                    resp = fut.result()  # the worker's writes are over before any block changes hands
+            else:
+                resp = self.pool.step(req, workers)
+        except CacheLostEverywhere as e:
+            raise self._cache_host_lost(e) from e
         self.stats.worker_steps += 1
+        self._last_call_end = time.perf_counter()
+        events = self._apply_outputs(items, resp)
+        if early_resp is not None:
+            self._apply_bm_step(early_resp, early, [], self._pending_ops)
+        return events
+
+    def _launch_prefill(self, prefill: list[tuple[_Seq, int]]) -> None:
+        """Send the prefill chunks to the prefill workers and return at once (prefill pipeline)."""
+        # A slot reservation made during the decode call (overlap) may have preempted one of them.
+        prefill = [(s, k) for s, k in prefill if s.status is SeqStatus.RUNNING]
+        if not prefill:
+            return
+        req = self._step_request(prefill, None)
+        for s, _ in prefill:
+            s.in_flight = True
+        fut = self.pool.submit_step(req, self.pool.prefill_workers())
+        self._prefill = (fut, [(s, s.num_computed, k) for s, k in prefill])
+        self.stats.prefill_launches += 1
+
+    def _harvest_prefill(self, wait: bool) -> list[TokenEvent]:
+        """Results of the prefill in flight, once it is done (or now, waiting, with ``wait``)."""
+        if self._prefill is None or (not wait and not self._prefill[0].done()):
+            return []
+        fut, items = self._prefill
+        self._prefill = None
+        for s, _, _ in items:
+            s.in_flight = False
+        try:
+            resp = fut.result()
+        except CacheLostEverywhere as e:
+            raise self._cache_host_lost(e) from e
+        self.stats.worker_steps += 1
+        # A sequence preempted while its chunk ran has been reset: its results are dropped.
+        keep = [(i, it) for i, it in enumerate(items) if it[0].status is SeqStatus.RUNNING and it[0].num_computed == it[1]]
+        out = wpb.WorkerStepResponse()
+        out.outputs.extend(resp.outputs[i] for i, _ in keep)
+        return self._apply_outputs([it for _, it in keep], out)
+
+    def _apply_outputs(self, batch: list[tuple[_Seq, int, int]], resp: wpb.WorkerStepResponse) -> list[TokenEvent]:
         events: list[TokenEvent] = []
-        for (s, k), out in zip(batch, resp.outputs):
+        for (s, _, k), out in zip(batch, resp.outputs):
             s.num_computed += k
             self.stats.computed_tokens += k
             for c in s.children:
@@ -704,43 +897,27 @@ class Engine:
             events.append(self._accept_token(s, out.token_id, out.logprob))
         return events
 
-    def _call_worker(self, req: wpb.WorkerStepRequest) -> wpb.WorkerStepResponse:
-        """Run the step on a worker; on UNAVAILABLE try the next one (the cache host keeps the KV).
-        When every worker that answered says the cache host was lost: CacheHostLost."""
-        last: grpc.RpcError | None = None
-        lost: list[str] = []
-        for attempt in range(len(self.workers)):
-            worker = self.workers[(self._worker_index + attempt) % len(self.workers)]
-            try:
-                resp = worker.step(req, timeout_s=self.config.timeout_s * 4)
-                self._worker_index = (self._worker_index + attempt) % len(self.workers)
-                return resp
-            except grpc.RpcError as e:
-                if e.code() == grpc.StatusCode.FAILED_PRECONDITION and (e.details() or "").startswith(
-                    CACHE_LOST_PREFIX
-                ):
-                    lost.append(f"{worker.target}: {e.details()}")
-                    continue
-                if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                    raise
-                last = e
-                self.stats.worker_retries += 1
-                log.warning("worker_unavailable", worker=worker.target, code=e.code().name)
-        if lost:
-            raise CacheHostLost(
-                f"the cache host was lost, and with it the KV of every sequence ({'; '.join(lost)}). "
-                "Restart the cache host and the workers (a worker exits with code 3 after a lost cache host "
-                "and re-attaches when restarted), then resubmit the requests, or run the engine with "
-                "EngineConfig(recover_lost_cache=True) to wait for a re-attached worker, reset the block "
-                "manager's prefix cache and re-prefill every running sequence"
-            )
-        assert last is not None
-        raise last
+    @staticmethod
+    def _cache_host_lost(e: CacheLostEverywhere) -> CacheHostLost:
+        """Every worker tried says the cache host is gone (dispatch.py)."""
+        return CacheHostLost(
+            f"the cache host was lost, and with it the KV of every sequence ({'; '.join(e.details)}). "
+            "Restart the cache host and the workers (a worker exits with code 3 after a lost cache host "
+            "and re-attaches when restarted), then resubmit the requests, or run the engine with "
+            "EngineConfig(recover_lost_cache=True) to wait for a re-attached worker, reset the block "
+            "manager's prefix cache and re-prefill every running sequence"
+        )
 
     def _recover_lost_cache(self) -> None:
         """After CacheHostLost: wait for a worker on a new cache instance, forget all cached KV
         (the block manager's prefix cache, pending ops) and recompute every running and
         swapped sequence from its prompt + generated tokens (the recompute-preemption path)."""
+        if self._prefill is not None:  # its KV went with the cache host
+            self._prefill[0].exception()
+            for s, _, _ in self._prefill[1]:
+                s.in_flight = False
+            self._prefill = None
+        self._last_call_end = None
         old = self._cache_instance
         deadline = time.monotonic() + self.config.cache_recovery_timeout_s
         log.warning("cache_host_lost", cache_instance_id=old, action="waiting for a re-attached worker",

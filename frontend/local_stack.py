@@ -39,6 +39,8 @@ class StackConfig:
     dtype: str = "auto"
     kernel_backend: str | None = None
     seed: int = 0
+    # Worker i's --role (prefill | decode | mixed); empty = all mixed (frontend/dispatch.py).
+    roles: tuple[str, ...] = ()
     block_manager_overrides: dict[str, object] = field(default_factory=dict)
 
 
@@ -71,7 +73,9 @@ class LocalStack:
             self.cache_host: RunningServer = serve_cache(self.cache, model_cfg.name)
             self._closers.append(lambda: self.cache_host.stop(0))
             self.workers: list[WorkerProcess] = []
-            for _ in range(cfg.num_workers):
+            if cfg.roles and len(cfg.roles) != cfg.num_workers:
+                raise ValueError(f"roles {cfg.roles} name {len(cfg.roles)} workers, num_workers is {cfg.num_workers}")
+            for i in range(cfg.num_workers):
                 proc = start_worker(
                     WorkerSettings(
                         port=0,
@@ -82,6 +86,7 @@ class LocalStack:
                         dtype=cfg.dtype,  # type: ignore[arg-type]
                         kernel_backend=cfg.kernel_backend,  # type: ignore[arg-type]
                         seed=cfg.seed,
+                        role=cfg.roles[i] if cfg.roles else "mixed",  # type: ignore[arg-type]
                         block_size=cfg.block_size,
                         num_gpu_blocks=cfg.num_gpu_blocks,
                         num_cpu_blocks=cfg.num_cpu_blocks,
@@ -107,7 +112,9 @@ class LocalStack:
         workers = [WorkerClient(t) for t in self.worker_targets]
         self._closers.append(bm.close)
         self._closers.extend(w.close for w in workers)
-        return Engine(bm, workers, config)
+        engine = Engine(bm, workers, config)
+        self._closers.append(engine.close)
+        return engine
 
     def close(self) -> None:
         while self._closers:

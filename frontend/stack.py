@@ -61,6 +61,12 @@ class StackOptions:
     log_dir: str | None = None
     shm_prefix: str = field(default_factory=lambda: f"pagedkv-up-{os.getpid()}")
     ready_timeout_s: float = 180.0
+    # Worker i's --role; one role applies to every worker; empty = all mixed (docs/worker.md "Roles").
+    roles: tuple[str, ...] = ()
+    # Give each worker its own share of this machine's CPUs (--cpu-affinity, --num-threads).
+    pin_workers: bool = False
+    worker_args: tuple[str, ...] = ()  # more flags for every worker (e.g. --num-threads 1)
+    share_weights: bool = True  # the cache host loads the weights once for every worker (else each loads its own)
     tls_dir: str | None = None  # ca.pem, server.pem/.key, client.pem/.key (tools/make_certs.sh DIR)
     auth_tokens_file: str | None = None  # bearer tokens of the stack's clients
     # `pagedkv serve` on this port after the workers (None = no frontend; `pagedkv up` default 8000).
@@ -91,18 +97,23 @@ def plan(opts: StackOptions, security: StackSecurity | None = None) -> list[Serv
             "cache-host",
             _pagedkv("cache-host", "--host", opts.host, "--port", str(opts.cache_host_port),
                      "--block-manager", bm, "--device", opts.device, "--dtype", opts.dtype,
-                     "--shm-prefix", opts.shm_prefix, *model, *common, *dial),
+                     "--shm-prefix", opts.shm_prefix, *([] if opts.share_weights else ["--no-share-weights"]),
+                     *model, *common, *dial),
             ch, "pagedkv.v1.CacheHost",
         ),
     ]
+    roles = worker_roles(opts.roles, opts.num_workers)
+    cpus = split_cpus(sorted(os.sched_getaffinity(0)), opts.num_workers) if opts.pin_workers else []
     for i in range(opts.num_workers):
         port = opts.worker_port + i
+        placement = (["--cpu-affinity", ",".join(map(str, cpus[i])), "--num-threads", str(len(cpus[i]))]
+                     if cpus else [])
         services.append(
             Service(
                 f"worker-{i}",
                 _pagedkv("worker", "--host", opts.host, "--port", str(port), "--cache-host", ch,
-                         "--block-manager", bm, "--device", opts.device, "--dtype", opts.dtype, *model, *common,
-                         *dial),
+                         "--block-manager", bm, "--device", opts.device, "--dtype", opts.dtype,
+                         "--role", roles[i], *placement, *opts.worker_args, *model, *common, *dial),
                 f"{opts.host}:{port}", "pagedkv.v1.Worker",
             )
         )
@@ -120,6 +131,28 @@ def plan(opts: StackOptions, security: StackSecurity | None = None) -> list[Serv
             )
         )
     return services
+
+
+def worker_roles(roles: Sequence[str], num_workers: int) -> list[str]:
+    """--roles prefill,decode -> one role per worker (one role for all; none = mixed)."""
+    for r in roles:
+        if r not in ("mixed", "prefill", "decode"):
+            raise ValueError(f"unknown worker role {r!r}: use mixed, prefill or decode")
+    if not roles:
+        return ["mixed"] * num_workers
+    if len(roles) == 1:
+        return list(roles) * num_workers
+    if len(roles) != num_workers:
+        raise ValueError(f"--roles names {len(roles)} roles for {num_workers} workers: give one, or one per worker")
+    return list(roles)
+
+
+def split_cpus(cpus: Sequence[int], n: int) -> list[list[int]]:
+    """This machine's CPUs in ``n`` disjoint, near-equal groups (workers share CPUs only when n > #CPUs)."""
+    if n <= len(cpus):
+        k = len(cpus) // n
+        return [list(cpus[i * k : (i + 1) * k]) for i in range(n)]
+    return [[cpus[i % len(cpus)]] for i in range(n)]
 
 
 def _loopback_for(host: str) -> str:
@@ -254,6 +287,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-format", choices=("console", "json"), default=d.log_format)
     p.add_argument("--log-dir", default=None, help="write each service's log to DIR/<name>.log")
     p.add_argument("--ready-timeout-s", type=float, default=d.ready_timeout_s)
+    p.add_argument("--roles", default="",
+                   help="worker roles, one for all or one per worker: e.g. prefill,decode [all mixed]")
+    p.add_argument("--pin-workers", action="store_true",
+                   help="give each worker its own CPUs (--cpu-affinity) and as many torch threads")
     p.add_argument("--tls-dir", default=None,
                    help="mutual TLS everywhere with DIR/{ca,server,client}.pem and .key (tools/make_certs.sh DIR)")
     p.add_argument("--auth-tokens-file", default=None,
@@ -267,11 +304,17 @@ def build_parser() -> argparse.ArgumentParser:
 def options_from_args(args: argparse.Namespace) -> StackOptions:
     if args.num_workers < 1:
         raise SystemExit("pagedkv up: --num-workers must be at least 1")
+    roles = tuple(r.strip() for r in args.roles.split(",") if r.strip())
+    try:
+        worker_roles(roles, args.num_workers)
+    except ValueError as e:
+        raise SystemExit(f"pagedkv up: {e}") from e
     return StackOptions(
         host=args.host, block_manager_port=args.block_manager_port, cache_host_port=args.cache_host_port,
         worker_port=args.worker_port, num_workers=args.num_workers, num_gpu_blocks=args.num_gpu_blocks,
         num_cpu_blocks=args.num_cpu_blocks, block_size=args.block_size, model=args.model, device=args.device,
         dtype=args.dtype, log_format=args.log_format, log_dir=args.log_dir, ready_timeout_s=args.ready_timeout_s,
+        roles=roles, pin_workers=args.pin_workers,
         tls_dir=args.tls_dir, auth_tokens_file=args.auth_tokens_file,
         serve_port=None if args.no_serve else args.serve_port,
     )

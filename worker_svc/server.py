@@ -12,33 +12,46 @@ shutdown, 2 for a configuration error (geometry mismatch, bad model dir), 1 when
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import threading
-
+import torch
 import structlog
 from grpc_health.v1 import health_pb2
 
 from pagedkv.dial import Dialer, TokenError
 from pagedkv.logging_setup import configure_logging
 from pagedkv.v1 import worker_pb2, worker_pb2_grpc
-from worker_svc import cache_memory
+from worker_svc import cache_memory, cpu_placement, shared_weights
 from worker_svc.cache_host import (
     CacheOwner,
     descriptor_from_proto,
     geometry_to_proto,
     serve_cache,
+    weights_from_proto,
 )
 from worker_svc.cache_layout import GeometryMismatch, dtype_from_name, dtype_name
 from worker_svc.cache_watch import EXIT_CACHE_LOST, CacheHostWatcher
 from worker_svc.devices import resolve_device, resolve_dtype
 from worker_svc.geometry import PoolConfig, check_against_host, host_geometry, known_values
 from worker_svc.grpc_server import RunningServer, start_server, stop_event_on_signals
-from worker_svc.model.config import load_model_config
+from worker_svc.model.config import ModelConfig, load_model_config
 from worker_svc.peers import StopRequested, wait_for_block_manager, wait_for_cache_host
 from worker_svc.servicer import SERVICE_NAME as WORKER_SERVICE, WorkerServicer
 from worker_svc.settings import CacheHostSettings, WorkerSettings
+from worker_svc.shared_weights import SharedWeights, WeightsDescriptor
+
+if TYPE_CHECKING:
+    from worker_svc.model.llama import LlamaModel
+
+# --role -> WorkerInfo.role
+ROLES = {
+    "mixed": worker_pb2.WORKER_ROLE_MIXED,
+    "prefill": worker_pb2.WORKER_ROLE_PREFILL,
+    "decode": worker_pb2.WORKER_ROLE_DECODE,
+}
 
 log = structlog.get_logger("pagedkv.worker_svc")
 
@@ -73,7 +86,11 @@ def run_cache_host(settings: CacheHostSettings) -> int:
     cache = cache_memory.create(geometry, dtype, device, settings.shm_prefix)
     owner = CacheOwner(cache)
     try:
-        running = serve_cache(cache, model_cfg.name, settings.host, settings.port, **_tls(settings),
+        weights = _share_weights(settings, model_cfg, dtype, device)
+        if weights is not None:
+            owner.also_close(weights)
+        running = serve_cache(cache, model_cfg.name, settings.host, settings.port,
+                              weights=weights.descriptor if weights is not None else None, **_tls(settings),
                               auth_tokens_file=settings.auth_tokens_file)
         desc = cache.descriptor
         log.info(
@@ -88,11 +105,16 @@ def run_cache_host(settings: CacheHostSettings) -> int:
             cpu_segment=desc.cpu.shm_name,
             kv_bytes=geometry.num_gpu_blocks * geometry.block_bytes(dtype),
             swap_bytes=geometry.num_cpu_blocks * geometry.block_bytes(dtype),
+            weights_bytes=weights.nbytes if weights is not None else 0,
+            weights_source=weights.descriptor.source if weights is not None else None,
             **geometry.as_dict(),
         )
         stop.wait()
         log.info("shutting_down")
         running.stop(grace=1.0)
+    except (ValueError, FileNotFoundError) as e:
+        log.error("config_error", error=str(e))
+        return EXIT_CONFIG
     except RuntimeError as e:
         log.error("serve_failed", error=str(e))
         return EXIT_FAILED
@@ -102,6 +124,52 @@ def run_cache_host(settings: CacheHostSettings) -> int:
     return EXIT_OK
 
 
+def _share_weights(
+    settings: CacheHostSettings, model_cfg: ModelConfig, dtype: torch.dtype, device: torch.device
+) -> SharedWeights | None:
+    """Load the weights once, fused as the model uses them, into one exported region (shared_weights.py)."""
+    if not settings.share_weights:
+        return None
+    from worker_svc.model.weights import fuse, load_checkpoint, weights_source
+
+    tensors = fuse(load_checkpoint(settings.model, model_cfg, dtype, device, settings.seed), model_cfg)
+    shared = shared_weights.pack(
+        tensors, device, weights_source(settings.model, model_cfg, settings.seed), settings.shm_prefix
+    )
+    del tensors
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the loading copies, else kept by torch's caching allocator: one copy per device
+    return shared
+
+
+def _model_for_worker(
+    settings: WorkerSettings, model_cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+    host_weights: WeightsDescriptor | None,
+) -> tuple[LlamaModel, SharedWeights | None]:
+    """The cache host's shared weights when there are some (and --weights allows), else a private load.
+
+    Two different models on one cache would mix their KV: a worker whose own settings name other
+    weights than the host's refuses to start (GeometryMismatch: a configuration error)."""
+    from worker_svc.model.llama import LlamaModel
+    from worker_svc.model.weights import fused_shapes, load_model, weights_source
+
+    if settings.weights == "local" or (settings.weights == "auto" and host_weights is None):
+        return load_model(settings.model, model_cfg, dtype, device, seed=settings.seed), None
+    if host_weights is None:
+        raise GeometryMismatch(
+            f"--weights shared, but the cache host at {settings.cache_host} exports no weights "
+            "(start it with --share-weights)"
+        )
+    mine = weights_source(settings.model, model_cfg, settings.seed)
+    if host_weights.source != mine:
+        raise GeometryMismatch(
+            f"weights mismatch: this worker would load {mine!r}, the cache host at {settings.cache_host} "
+            f"shares {host_weights.source!r} (give both the same --model / --seed, or --weights local)"
+        )
+    shared = shared_weights.bind(host_weights, device, fused_shapes(model_cfg), dtype)
+    return LlamaModel(model_cfg, shared.tensors), shared
+
+
 @dataclass(slots=True)
 class WorkerProcess:
     """A started worker: its server, runner and attached cache (used by the CLI and by tests)."""
@@ -109,6 +177,7 @@ class WorkerProcess:
     running: RunningServer
     servicer: WorkerServicer
     cache: cache_memory.SharedCache
+    weights: SharedWeights | None = None  # the cache host's shared weights, when mapped
     watcher: CacheHostWatcher | None = None
     lost_at: float | None = None  # monotonic time the cache host was declared lost
 
@@ -117,18 +186,24 @@ class WorkerProcess:
             self.watcher.stop()
         self.running.stop(grace=1.0)
         runner = self.servicer._runner
+
+        def release() -> None:  # the cache and the shared weights: the model's views of both go first
+            self.cache.close()
+            if self.weights is not None:
+                self.weights.close()
+
         if runner is not None:  # waits for a step still running after the grace period, drops its views
-            runner.close(release=self.cache.close)
-        self.cache.close()  # idempotent
+            runner.close(release=release)
+        release()  # idempotent
 
 
 def start_worker(settings: WorkerSettings, stop: threading.Event | None = None) -> WorkerProcess:
     """Everything up to SERVING. Raises GeometryMismatch / ValueError / TimeoutError on bad config."""
-    from worker_svc.model.weights import load_model
     from worker_svc.model_runner import ModelRunner
 
     if settings.kernel_backend:
         os.environ["PAGEDKV_KERNEL_BACKEND"] = settings.kernel_backend
+    cpus, threads = cpu_placement.apply(settings.cpu_affinity, settings.num_threads)
     device = resolve_device(settings.device)
     model_cfg = load_model_config(settings.model)
     dialer = Dialer.from_settings(settings)
@@ -140,8 +215,9 @@ def start_worker(settings: WorkerSettings, stop: threading.Event | None = None) 
         raise GeometryMismatch(f"cache dtype mismatch: settings have {settings.dtype}, the cache host has {desc.dtype}")
     dtype = dtype_from_name(desc.dtype)
     cache = cache_memory.attach(desc, device)
+    weights: SharedWeights | None = None
     try:
-        model = load_model(settings.model, model_cfg, dtype, device, seed=settings.seed)
+        model, weights = _model_for_worker(settings, model_cfg, dtype, device, weights_from_proto(info))
         runner = ModelRunner(model, cache.gpu, cache.cpu)
         import kernels
 
@@ -151,6 +227,7 @@ def start_worker(settings: WorkerSettings, stop: threading.Event | None = None) 
             hidden_size=model_cfg.hidden_size, dtype=dtype_name(dtype), device=str(device),
             geometry=geometry_to_proto(desc.geometry), cache_instance_id=desc.instance_id,
             kernel_backend=kernels.backend_for(cache.gpu),
+            role=ROLES[settings.role], shared_weights=weights is not None,
         )
         servicer = WorkerServicer(runner, winfo)
         running = start_server(
@@ -165,8 +242,10 @@ def start_worker(settings: WorkerSettings, stop: threading.Event | None = None) 
         )
     except BaseException:
         cache.close()
+        if weights is not None:
+            weights.close()
         raise
-    proc = WorkerProcess(running=running, servicer=servicer, cache=cache)
+    proc = WorkerProcess(running=running, servicer=servicer, cache=cache, weights=weights)
     _watch_cache_host(proc, settings, desc.instance_id, dialer)
     log.info(
         "worker_ready",
@@ -179,6 +258,10 @@ def start_worker(settings: WorkerSettings, stop: threading.Event | None = None) 
         dtype=desc.dtype,
         model=model_cfg.name,
         kernel_backend=winfo.kernel_backend,
+        role=settings.role,
+        shared_weights=weights is not None,
+        cpus=cpus,
+        threads=threads,
         **desc.geometry.as_dict(),
     )
     return proc

@@ -81,6 +81,11 @@ class CacheHostSettings(_Common):
 
     port: int = Field(DEFAULT_CACHE_HOST_PORT, ge=0, le=65535, description="gRPC port")
     shm_prefix: str = Field("pagedkv", description="prefix of the POSIX shared-memory segment names")
+    # Shared weights (worker_svc/shared_weights.py): loaded once here, mapped by every worker.
+    share_weights: bool = Field(
+        True, description="load the model's weights once and export them to workers beside the KV cache"
+    )
+    seed: int = Field(0, description="seed of the built-in default model's random weights (with share_weights)")
 
 
 class WorkerSettings(_Common):
@@ -89,10 +94,35 @@ class WorkerSettings(_Common):
     port: int = Field(DEFAULT_WORKER_PORT, ge=0, le=65535, description="gRPC port")
     cache_host: str = Field(f"127.0.0.1:{DEFAULT_CACHE_HOST_PORT}", description="host:port of the cache host")
     max_workers: int = Field(4, ge=1, description="gRPC server threads")
+
+    @field_validator("cpu_affinity")
+    @classmethod
+    def _check_cpus(cls, v: str) -> str:
+        from worker_svc.cpu_placement import parse_cpus
+
+        v = v.strip()
+        if v:
+            parse_cpus(v)
+        return v
     kernel_backend: Literal["auto", "reference", "triton", "cpu"] | None = Field(
         None, description="force the kernel backend (else PAGEDKV_KERNEL_BACKEND / auto)"
     )
     seed: int = Field(0, description="seed of the built-in default model's random weights")
+    # Roles and CPU placement (docs/worker.md "Roles").
+    role: Literal["mixed", "prefill", "decode"] = Field(
+        "mixed", description="what the engine sends this worker: prefill chunks, decode steps, or both"
+    )
+    weights: Literal["auto", "shared", "local"] = Field(
+        "auto",
+        description="auto = map the cache host's shared weights when it exports them, else load; "
+        "shared = require them; local = always load a private copy",
+    )
+    cpu_affinity: str = Field(
+        "", description="CPUs this worker may run on, e.g. '0' or '0-1' or '0,2'; empty = inherit"
+    )
+    num_threads: int = Field(
+        0, ge=0, description="torch compute threads; 0 = one per CPU in the affinity set (torch's default)"
+    )
     # Cache host loss (docs/worker.md "Cache host loss"): how it is detected and what follows.
     cache_host_check_interval_s: float = Field(
         2.0, ge=0, description="poll the cache host's GetCacheInfo this often; 0 = do not watch it"

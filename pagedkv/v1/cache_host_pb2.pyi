@@ -139,6 +139,7 @@ class CacheInfo(_message.Message):
     INSTANCE_ID_FIELD_NUMBER: _builtins.int
     HOST_PID_FIELD_NUMBER: _builtins.int
     MODEL_NAME_FIELD_NUMBER: _builtins.int
+    WEIGHTS_FIELD_NUMBER: _builtins.int
     backend: _builtins.str
     """"shm" (CPU backend) or "cuda_ipc" (GPU backend)."""
     dtype: _builtins.str
@@ -161,6 +162,13 @@ class CacheInfo(_message.Message):
 
     @_builtins.property
     def geometry(self) -> Global___CacheGeometry: ...
+    @_builtins.property
+    def weights(self) -> Global___SharedWeights:
+        """The model's weights, loaded once by the cache host and shared with every
+        worker like the KV cache (unset when the host was started without
+        --share-weights). docs/worker.md "Shared weights".
+        """
+
     def __init__(
         self,
         *,
@@ -172,11 +180,90 @@ class CacheInfo(_message.Message):
         instance_id: _builtins.str = ...,
         host_pid: _builtins.int = ...,
         model_name: _builtins.str = ...,
+        weights: Global___SharedWeights | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["cpu_cache", b"cpu_cache", "geometry", b"geometry", "gpu_cache", b"gpu_cache"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cpu_cache", b"cpu_cache", "geometry", b"geometry", "gpu_cache", b"gpu_cache", "weights", b"weights"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "cpu_cache", b"cpu_cache", "dtype", b"dtype", "geometry", b"geometry", "gpu_cache", b"gpu_cache", "host_pid", b"host_pid", "instance_id", b"instance_id", "model_name", b"model_name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "cpu_cache", b"cpu_cache", "dtype", b"dtype", "geometry", b"geometry", "gpu_cache", b"gpu_cache", "host_pid", b"host_pid", "instance_id", b"instance_id", "model_name", b"model_name", "weights", b"weights"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CacheInfo: _TypeAlias = CacheInfo  # noqa: Y015
+
+@_typing.final
+class WeightTensor(_message.Message):
+    """One tensor of the model inside the shared weights region."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    SHAPE_FIELD_NUMBER: _builtins.int
+    DTYPE_FIELD_NUMBER: _builtins.int
+    ALIAS_OF_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """Checkpoint-style name, with the projections fused as the model computes
+    with them (e.g. "model.layers.3.self_attn.qkv_proj.weight"), so a worker
+    builds its model on views of the region without copying.
+    """
+    offset: _builtins.int
+    """Byte offset inside SharedWeights.region."""
+    dtype: _builtins.str
+    """torch dtype name, e.g. "float32"."""
+    alias_of: _builtins.str
+    """Set when this entry is another name for an earlier one (tied embeddings):
+    that entry's name.
+    """
+    @_builtins.property
+    def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        offset: _builtins.int = ...,
+        shape: _abc.Iterable[_builtins.int] | None = ...,
+        dtype: _builtins.str = ...,
+        alias_of: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alias_of", b"alias_of", "dtype", b"dtype", "name", b"name", "offset", b"offset", "shape", b"shape"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WeightTensor: _TypeAlias = WeightTensor  # noqa: Y015
+
+@_typing.final
+class SharedWeights(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REGION_FIELD_NUMBER: _builtins.int
+    TENSORS_FIELD_NUMBER: _builtins.int
+    SOURCE_FIELD_NUMBER: _builtins.int
+    source: _builtins.str
+    """Which weights these are: "model:<directory name>", or "random:seed=N" for
+    the built-in default model. A worker configured for other weights refuses
+    to start (exit code 2) instead of mixing two models on one cache.
+    """
+    @_builtins.property
+    def region(self) -> Global___SharedTensor:
+        """The whole region as one flat uint8 tensor: shm on CPU, one CUDA allocation
+        exported by IPC handle on GPU.
+        """
+
+    @_builtins.property
+    def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___WeightTensor]: ...
+    def __init__(
+        self,
+        *,
+        region: Global___SharedTensor | None = ...,
+        tensors: _abc.Iterable[Global___WeightTensor] | None = ...,
+        source: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["region", b"region"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["region", b"region", "source", b"source", "tensors", b"tensors"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SharedWeights: _TypeAlias = SharedWeights  # noqa: Y015

@@ -23,6 +23,31 @@ else:
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class _WorkerRole:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _WorkerRoleEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_WorkerRole.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    WORKER_ROLE_UNSPECIFIED: _WorkerRole.ValueType  # 0
+    WORKER_ROLE_MIXED: _WorkerRole.ValueType  # 1
+    """Prefill chunks and decode steps."""
+    WORKER_ROLE_PREFILL: _WorkerRole.ValueType  # 2
+    """Prompt chunks (several tokens per sequence)."""
+    WORKER_ROLE_DECODE: _WorkerRole.ValueType  # 3
+    """Decode steps (one token per sequence)."""
+
+class WorkerRole(_WorkerRole, metaclass=_WorkerRoleEnumTypeWrapper): ...
+
+WORKER_ROLE_UNSPECIFIED: WorkerRole.ValueType  # 0
+WORKER_ROLE_MIXED: WorkerRole.ValueType  # 1
+"""Prefill chunks and decode steps."""
+WORKER_ROLE_PREFILL: WorkerRole.ValueType  # 2
+"""Prompt chunks (several tokens per sequence)."""
+WORKER_ROLE_DECODE: WorkerRole.ValueType  # 3
+"""Decode steps (one token per sequence)."""
+Global___WorkerRole: _TypeAlias = WorkerRole  # noqa: Y015
+
 class _CacheState:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -259,6 +284,8 @@ class WorkerInfo(_message.Message):
     KERNEL_BACKEND_FIELD_NUMBER: _builtins.int
     CACHE_STATE_FIELD_NUMBER: _builtins.int
     CACHE_LOST_REASON_FIELD_NUMBER: _builtins.int
+    ROLE_FIELD_NUMBER: _builtins.int
+    SHARED_WEIGHTS_FIELD_NUMBER: _builtins.int
     model_name: _builtins.str
     vocab_size: _builtins.int
     num_layers: _builtins.int
@@ -277,6 +304,15 @@ class WorkerInfo(_message.Message):
     """
     cache_lost_reason: _builtins.str
     """Why the cache was declared lost (empty while attached)."""
+    role: Global___WorkerRole.ValueType
+    """What the engine should send this worker (pagedkv worker --role). A role is
+    a scheduling preference, not a refusal: any worker runs any step, so a
+    dead worker's share can go to the others.
+    """
+    shared_weights: _builtins.bool
+    """True when the model's weights are the cache host's shared copy (mapped,
+    not loaded by this worker).
+    """
     @_builtins.property
     def geometry(self) -> _cache_host_pb2.CacheGeometry: ...
     def __init__(
@@ -296,10 +332,12 @@ class WorkerInfo(_message.Message):
         kernel_backend: _builtins.str = ...,
         cache_state: Global___CacheState.ValueType = ...,
         cache_lost_reason: _builtins.str = ...,
+        role: Global___WorkerRole.ValueType = ...,
+        shared_weights: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["geometry", b"geometry"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_instance_id", b"cache_instance_id", "cache_lost_reason", b"cache_lost_reason", "cache_state", b"cache_state", "device", b"device", "dtype", b"dtype", "geometry", b"geometry", "head_dim", b"head_dim", "hidden_size", b"hidden_size", "kernel_backend", b"kernel_backend", "model_name", b"model_name", "num_heads", b"num_heads", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_instance_id", b"cache_instance_id", "cache_lost_reason", b"cache_lost_reason", "cache_state", b"cache_state", "device", b"device", "dtype", b"dtype", "geometry", b"geometry", "head_dim", b"head_dim", "hidden_size", b"hidden_size", "kernel_backend", b"kernel_backend", "model_name", b"model_name", "num_heads", b"num_heads", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "role", b"role", "shared_weights", b"shared_weights", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -153,3 +153,27 @@ def test_dockerfile_and_dockerignore() -> None:
     ignored = set((ROOT / ".dockerignore").read_text().split())
     assert {".git", ".venv", "tests"} <= ignored
     assert "README.md" not in ignored and "pyproject.toml" not in ignored  # the package build needs them
+
+
+PD = ROOT / "docker-compose.pd.yml"
+
+
+def test_prefill_decode_layout_merges_valid_and_wires_roles_and_mps(tmp_path: Path) -> None:
+    merged_doc = merge(load(BASE), load(PD))
+    merged = tmp_path / "pd.yml"
+    merged.write_text(json.dumps(merged_doc))
+    validate(merged)
+    services = merged_doc["services"]
+    prefill, decode = services["worker"], services["worker-decode"]
+    assert prefill["environment"]["PAGEDKV_ROLE"] == "prefill" and decode["environment"]["PAGEDKV_ROLE"] == "decode"
+    assert prefill["environment"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "${PAGEDKV_PREFILL_SM_PERCENT:-30}"
+    assert decode["environment"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "${PAGEDKV_DECODE_SM_PERCENT:-70}"
+    for name in ("cache-host", "worker", "worker-decode"):  # one MPS server for every GPU process
+        svc = services[name]
+        assert svc["ipc"] == "host" and svc["environment"]["CUDA_MPS_PIPE_DIRECTORY"] == "/tmp/nvidia-mps", name
+        assert any(v.endswith(":/tmp/nvidia-mps") for v in svc["volumes"]), name
+        assert _gpu_devices(svc)[0]["device_ids"] == _gpu_devices(services["cache-host"])[0]["device_ids"], name
+    assert prefill["environment"]["PAGEDKV_HOST"] == "0.0.0.0"  # merged onto the main file's settings
+    assert decode["pid"] == "service:cache-host" and decode["environment"]["PAGEDKV_CACHE_HOST"] == "cache-host:50052"
+    assert decode["environment"]["PAGEDKV_PORT"] == "50054"
+    assert all(p.startswith("${PAGEDKV_BIND:-127.0.0.1}:") for p in decode["ports"])

@@ -143,3 +143,24 @@ def test_demo_local_prints_the_figures() -> None:
     per_iteration = re.search(r"block-manager round trips per iteration \(Step\)\s+([0-9.]+)", r.stdout)
     assert per_iteration and float(per_iteration.group(1)) <= 1.0, r.stdout
     assert re.search(r"requests\s+12", r.stdout)
+
+
+def test_roles_and_cpu_pinning_plan() -> None:
+    import pytest
+
+    from frontend.stack import StackOptions, plan, split_cpus, worker_roles
+
+    assert worker_roles((), 2) == ["mixed", "mixed"]
+    assert worker_roles(("decode",), 3) == ["decode"] * 3
+    assert worker_roles(("prefill", "decode"), 2) == ["prefill", "decode"]
+    with pytest.raises(ValueError, match="2 roles for 3 workers"):
+        worker_roles(("prefill", "decode"), 3)
+    with pytest.raises(ValueError, match="unknown worker role"):
+        worker_roles(("both",), 1)
+    assert split_cpus([0, 1], 2) == [[0], [1]] and split_cpus([0, 1, 2, 3], 2) == [[0, 1], [2, 3]]
+    assert split_cpus([0, 1], 3) == [[0], [1], [0]]
+    services = plan(StackOptions(num_workers=2, roles=("prefill", "decode"), pin_workers=True, share_weights=False))
+    w0, w1 = services[2].args, services[3].args
+    assert w0[w0.index("--role") + 1] == "prefill" and w1[w1.index("--role") + 1] == "decode"
+    assert w0[w0.index("--num-threads") + 1] == str(len(split_cpus(sorted(os.sched_getaffinity(0)), 2)[0]))
+    assert "--no-share-weights" in services[1].args

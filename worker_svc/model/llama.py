@@ -69,6 +69,28 @@ class _CpuPlans:
     prefill: cpu_kernels.PrefillPlan | None
 
 
+# The fused projections the model computes with, by the checkpoint names they are made of. A
+# weights dict may carry them already fused (weights.fuse: what the cache host shares with workers).
+FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
+def fused_tensor(w: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
+    """``w[name]`` when given fused, else the concatenation of its parts (None when a part, e.g. a
+    bias, is absent). ``name`` is like ``model.layers.0.self_attn.qkv_proj.weight``."""
+    if name in w:
+        return w[name]
+    prefix, _, rest = name.rpartition(".layers.")
+    layer, _, key = rest.partition(".")
+    proj, _, kind = key.rpartition(".")
+    parts = [w.get(f"{prefix}.layers.{layer}.{part}.{kind}") for part in FUSED[proj]]
+    if any(t is None for t in parts):
+        return None
+    return torch.cat(parts).contiguous()  # type: ignore[arg-type]
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Llama's RMSNorm: statistics in fp32, scale in the input dtype (as Hugging Face does)."""
     xf = x.to(torch.float32)
@@ -96,21 +118,16 @@ class LlamaModel:
             def bias(name: str, p: str = p) -> torch.Tensor | None:
                 return w.get(p + name)
 
-            qkv_b = [bias(f"self_attn.{n}_proj.bias") for n in "qkv"]
-            gu_b = [bias("mlp.gate_proj.bias"), bias("mlp.up_proj.bias")]
+            w_qkv = fused_tensor(w, p + "self_attn.qkv_proj.weight")
+            w_gate_up = fused_tensor(w, p + "mlp.gate_up_proj.weight")
+            assert w_qkv is not None and w_gate_up is not None
             self.layers.append(
                 _Layer(
                     input_norm=w[p + "input_layernorm.weight"],
                     post_norm=w[p + "post_attention_layernorm.weight"],
-                    qkv=Linear.build(
-                        torch.cat([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]),
-                        torch.cat(qkv_b) if all(b is not None for b in qkv_b) else None,  # type: ignore[arg-type]
-                    ),
+                    qkv=Linear.build(w_qkv, fused_tensor(w, p + "self_attn.qkv_proj.bias")),
                     o=Linear.build(w[p + "self_attn.o_proj.weight"], bias("self_attn.o_proj.bias")),
-                    gate_up=Linear.build(
-                        torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]),
-                        torch.cat(gu_b) if all(b is not None for b in gu_b) else None,  # type: ignore[arg-type]
-                    ),
+                    gate_up=Linear.build(w_gate_up, fused_tensor(w, p + "mlp.gate_up_proj.bias")),
                     down=Linear.build(w[p + "mlp.down_proj.weight"], bias("mlp.down_proj.bias")),
                 )
             )

@@ -140,14 +140,65 @@ def random_weights(
     return out
 
 
+def weights_source(model_dir: str | None, cfg: ModelConfig, seed: int) -> str:
+    """Names the weights a role would load: equal strings mean the same weights (shared_weights.py)."""
+    return f"model:{cfg.name}" if model_dir else f"random:seed={seed}"
+
+
+def _fused_layout(names: list[str], cfg: ModelConfig) -> tuple[list[str], dict[str, list[str]]]:
+    """Which checkpoint names stay as they are, and each fused name with the parts it is made of."""
+    from worker_svc.model.llama import FUSED
+
+    have = set(names)
+    fused: dict[str, list[str]] = {}
+    for layer in range(cfg.num_layers):
+        p = f"model.layers.{layer}."
+        for proj, parts in FUSED.items():
+            for kind in ("weight", "bias"):
+                srcs = [f"{p}{part}.{kind}" for part in parts]
+                if all(x in have for x in srcs):
+                    fused[f"{p}{proj}.{kind}"] = srcs
+    absorbed = {x for srcs in fused.values() for x in srcs}
+    keep = [n for n in names if n not in absorbed and not (n == "lm_head.weight" and cfg.tie_word_embeddings)]
+    return keep, fused
+
+
+def fuse(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors -> the tensors the model computes with (QKV and gate/up fused, named
+    ``...self_attn.qkv_proj.*`` / ``...mlp.gate_up_proj.*``; a tied head is not repeated).
+
+    What the cache host shares: ``LlamaModel(cfg, fuse(w, cfg))`` copies nothing, so workers build
+    their model straight on views of the shared region."""
+    keep, fused = _fused_layout(list(weights), cfg)
+    out = {n: weights[n] for n in keep}
+    for name, srcs in fused.items():
+        out[name] = torch.cat([weights[x] for x in srcs]).contiguous()
+    return out
+
+
+def fused_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor ``fuse`` yields for this config (what shared weights must hold)."""
+    shapes = expected_shapes(cfg)
+    keep, fused = _fused_layout(expected_names(cfg), cfg)
+    out = {n: shapes[n] for n in keep}
+    for name, srcs in fused.items():
+        out[name] = (sum(shapes[x][0] for x in srcs), *shapes[srcs[0]][1:])
+    return out
+
+
 def load_model(
     model_dir: str | None, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0
 ) -> "LlamaModel":
     """The model of ``--model DIR``, or the built-in default with seeded random weights."""
     from worker_svc.model.llama import LlamaModel
 
+    return LlamaModel(cfg, load_checkpoint(model_dir, cfg, dtype, device, seed))
+
+
+def load_checkpoint(
+    model_dir: str | None, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors of ``--model DIR``, or the built-in default's seeded random ones."""
     if model_dir:
-        weights = load_weights(model_dir, cfg, dtype, device)
-    else:
-        weights = random_weights(cfg, dtype, device, seed=seed)
-    return LlamaModel(cfg, weights)
+        return load_weights(model_dir, cfg, dtype, device)
+    return random_weights(cfg, dtype, device, seed=seed)

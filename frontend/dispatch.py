@@ -1,0 +1,215 @@
+"""Which worker runs what, and running it on several workers at once.
+
+All workers attach to one KV cache, so any worker can run any sequence's step: the split is only
+about compute. The rules:
+
+- Roles (``pagedkv worker --role``, reported in ``GetWorkerInfo``): decode steps go to workers that
+  are not prefill-only, prefill chunks to workers that are not decode-only. When no live worker of
+  the wanted kind is left, every live worker is a candidate (failover beats role purity: a dead
+  decode worker's share runs on the prefill worker, outputs stay exact).
+- ``disaggregated()``: the live prefill set and decode set are disjoint (e.g. one prefill and one
+  decode worker). The engine then runs two independent pipelines (frontend/engine.py), so a decode
+  step never waits for a prefill chunk.
+- Otherwise the iteration's sequences are split across the candidates, balanced by tokens (longest
+  first onto the least loaded worker), and the calls run in parallel threads (gRPC releases the
+  GIL while it waits).
+- Cache ops (copy-on-write copies, swaps) must finish before any step that reads their blocks, and
+  the workers of one iteration run concurrently: with more than one part, the ops go first as an
+  ops-only step on one worker.
+- A worker that answers UNAVAILABLE / DEADLINE_EXCEEDED is benched for ``retry_after_s`` and its
+  part is re-run on the next candidate (a step only rewrites the KV of its own tokens with the same
+  values, so a re-run is safe). FAILED_PRECONDITION "cache host lost" from every worker tried is
+  ``CacheLostEverywhere``, which the engine turns into ``CacheHostLost``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import grpc
+import structlog
+
+from frontend.worker_client import WorkerClient
+from pagedkv.v1 import worker_pb2 as wpb
+from worker_svc.cache_watch import CACHE_LOST_PREFIX
+
+log = structlog.get_logger("pagedkv.dispatch")
+
+PREFILL, DECODE, MIXED = wpb.WORKER_ROLE_PREFILL, wpb.WORKER_ROLE_DECODE, wpb.WORKER_ROLE_MIXED
+
+
+class CacheLostEverywhere(RuntimeError):
+    """Every worker tried said its cache host was lost; ``details`` lists them."""
+
+    def __init__(self, details: list[str]) -> None:
+        super().__init__("; ".join(details))
+        self.details = details
+
+
+@dataclass(slots=True, eq=False)
+class WorkerSlot:
+    client: WorkerClient
+    role: int = MIXED
+    benched_until: float = 0.0  # monotonic; a failed worker is skipped until then
+    busy_s: float = 0.0  # time inside Step calls, for utilisation figures
+    steps: int = 0
+
+    @property
+    def target(self) -> str:
+        return self.client.target
+
+    def alive(self, now: float) -> bool:
+        return now >= self.benched_until
+
+
+@dataclass(slots=True)
+class DispatchStats:
+    retries: int = 0
+    ops_only_steps: int = 0
+    parallel_steps: int = 0
+
+
+@dataclass(slots=True)
+class WorkerPool:
+    """The engine's workers with their roles; splits work and runs it, with failover."""
+
+    slots: list[WorkerSlot]
+    timeout_s: float = 120.0
+    retry_after_s: float = 2.0
+    stats: DispatchStats = field(default_factory=DispatchStats)
+    _executor: ThreadPoolExecutor | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @classmethod
+    def from_clients(cls, clients: Sequence[WorkerClient], infos: Sequence[wpb.WorkerInfo | None],
+                     timeout_s: float = 120.0) -> WorkerPool:
+        slots = [WorkerSlot(c, (i.role if i is not None and i.role else MIXED)) for c, i in zip(clients, infos)]
+        return cls(slots, timeout_s=timeout_s)
+
+    # -------------------------------------------------------------- who does what
+    def _alive(self) -> list[WorkerSlot]:
+        now = time.monotonic()
+        alive = [s for s in self.slots if s.alive(now)]
+        return alive or list(self.slots)  # all benched: try them all again rather than give up
+
+    def workers(self) -> list[WorkerSlot]:
+        """Every live worker (all of them when every one is benched)."""
+        return self._alive()
+
+    def decode_workers(self) -> list[WorkerSlot]:
+        alive = self._alive()
+        return [s for s in alive if s.role != PREFILL] or alive
+
+    def prefill_workers(self) -> list[WorkerSlot]:
+        alive = self._alive()
+        return [s for s in alive if s.role != DECODE] or alive
+
+    def disaggregated(self) -> bool:
+        """Prefill and decode run on disjoint live workers: two independent pipelines."""
+        p, d = self.prefill_workers(), self.decode_workers()
+        return bool(p and d) and not (set(map(id, p)) & set(map(id, d)))
+
+    @staticmethod
+    def split(costs: Sequence[int], n: int) -> list[list[int]]:
+        """Indices of ``costs`` in ``n`` groups of near-equal total (longest first onto the lightest)."""
+        groups: list[list[int]] = [[] for _ in range(n)]
+        loads = [0] * n
+        for i in sorted(range(len(costs)), key=lambda i: -costs[i]):
+            g = min(range(n), key=lambda j: (loads[j], j))
+            groups[g].append(i)
+            loads[g] += costs[i]
+        return [sorted(g) for g in groups if g]
+
+    # -------------------------------------------------------------- running steps
+    def step(self, req: wpb.WorkerStepRequest, workers: Sequence[WorkerSlot]) -> wpb.WorkerStepResponse:
+        """Split ``req``'s sequences over ``workers`` by tokens, run the parts at once, merge the
+        outputs back into request order."""
+        seqs = list(req.sequences)
+        n = min(len(workers), len(seqs)) if seqs else 1
+        if n <= 1:
+            return self.call(req, workers)
+        has_ops = bool(len(req.ops.copies) or len(req.ops.swap_out) or len(req.ops.swap_in))
+        if has_ops:
+            self.call(wpb.WorkerStepRequest(ops=req.ops, request_id=f"{req.request_id}-ops",
+                                            cache_instance_id=req.cache_instance_id), workers)
+            self.stats.ops_only_steps += 1
+        groups = self.split([len(s.token_ids) for s in seqs], n)
+        parts: list[wpb.WorkerStepRequest] = []
+        for j, g in enumerate(groups):
+            part = wpb.WorkerStepRequest(request_id=f"{req.request_id}.{j}", cache_instance_id=req.cache_instance_id)
+            part.sequences.extend(seqs[i] for i in g)
+            parts.append(part)
+        order = list(workers)
+        futures = [self.submit(p, order[j:] + order[:j]) for j, p in enumerate(parts)]
+        self.stats.parallel_steps += 1
+        resps = [f.result() for f in futures]
+        out = wpb.WorkerStepResponse()
+        by_index: dict[int, wpb.SequenceOutput] = {}
+        for g, r in zip(groups, resps):
+            for i, o in zip(g, r.outputs):
+                by_index[i] = o
+            out.num_tokens += r.num_tokens
+            out.forward_ms = max(out.forward_ms, r.forward_ms)
+            out.cache_ops_ms += r.cache_ops_ms
+        out.outputs.extend(by_index[i] for i in range(len(seqs)))
+        return out
+
+    def submit_step(self, req: wpb.WorkerStepRequest, workers: Sequence[WorkerSlot]) -> Future[wpb.WorkerStepResponse]:
+        """``step`` on a pool thread (the engine's prefill pipeline): the caller goes on decoding."""
+        return self._pool().submit(self.step, req, workers)
+
+    def _pool(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._executor is None:
+                # A step thread, its parts, and the decode pipeline's parts can all be running.
+                self._executor = ThreadPoolExecutor(max_workers=2 * len(self.slots) + 4,
+                                                    thread_name_prefix="worker-call")
+            return self._executor
+
+    def submit(self, req: wpb.WorkerStepRequest, workers: Sequence[WorkerSlot]) -> Future[wpb.WorkerStepResponse]:
+        """``call`` on a pool thread: the caller goes on while the worker computes."""
+        return self._pool().submit(self.call, req, workers)
+
+    def call(self, req: wpb.WorkerStepRequest, workers: Sequence[WorkerSlot]) -> wpb.WorkerStepResponse:
+        """One step on the first of ``workers`` that answers, then on any other live worker."""
+        tried: set[int] = set()
+        lost: list[str] = []
+        last: grpc.RpcError | None = None
+        candidates = list(workers) + [s for s in self._alive() if s not in workers]
+        candidates += [s for s in self.slots if s not in candidates]
+        for slot in candidates:
+            if id(slot) in tried:
+                continue
+            tried.add(id(slot))
+            t0 = time.perf_counter()
+            try:
+                resp = slot.client.step(req, timeout_s=self.timeout_s)
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.FAILED_PRECONDITION and (e.details() or "").startswith(CACHE_LOST_PREFIX):
+                    lost.append(f"{slot.target}: {e.details()}")
+                    continue
+                if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise
+                last = e
+                slot.benched_until = time.monotonic() + self.retry_after_s
+                self.stats.retries += 1
+                log.warning("worker_unavailable", worker=slot.target, code=e.code().name)
+                continue
+            slot.busy_s += time.perf_counter() - t0
+            slot.steps += 1
+            return resp
+        if lost:
+            raise CacheLostEverywhere(lost)
+        assert last is not None
+        raise last
+
+    def close(self) -> None:
+        with self._lock:
+            ex, self._executor = self._executor, None
+        if ex is not None:
+            ex.shutdown(wait=True)
+
