@@ -361,6 +361,13 @@ class Engine:
             raise ValueError(
                 f"request {request.request_id}: {total} tokens can never fit in {self.num_gpu_blocks} blocks"
             )
+        # The block manager admits a prompt only above its watermark; a prompt that needs more than
+        # that would wait forever, so refuse it here rather than fail the iteration later.
+        if self._prompt_blocks(request.prompt) > self.num_gpu_blocks - self._watermark:
+            raise ValueError(
+                f"request {request.request_id}: its {len(request.prompt)}-token prompt can never be admitted "
+                f"(the pool has {self.num_gpu_blocks} blocks, {self._watermark} held back by the watermark)"
+            )
         out = RequestOutput(request.request_id, list(request.prompt),
                             [Completion(index=i) for i in range(request.n)])
         self.outputs[request.request_id] = out
@@ -369,6 +376,9 @@ class Engine:
         self._waiting.append(seq)
         self.stats.prompt_tokens += len(request.prompt)
         return out
+
+    def _prompt_blocks(self, tokens: Sequence[int]) -> int:
+        return -(-len(tokens) // self.block_size)
 
     def _seq_id(self, request_id: str, index: int) -> str:
         return f"{self.instance_id}:{request_id}/{index}"
@@ -490,7 +500,7 @@ class Engine:
         elif (self._waiting and not self._running and not self._swapped and not self._to_free
               and self._prefill is None):
             head = self._waiting[0]
-            need = -(-len(head.tokens) // self.block_size) * (head.request.n if not head.forked else 1)
+            need = self._prompt_blocks(head.tokens)  # samples fork from the prompt and share it
             if need > self.num_gpu_blocks - self._watermark:
                 raise RuntimeError(
                     f"request {head.request.request_id} cannot be admitted: it needs {need} blocks and "

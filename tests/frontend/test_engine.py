@@ -103,6 +103,18 @@ def test_bad_requests_are_rejected_before_touching_the_services(hf: HFModel) -> 
         assert not engine.has_work()
 
 
+def test_a_prompt_above_the_watermark_is_refused_at_add_not_in_the_iteration(hf: HFModel) -> None:
+    # 8 blocks of 4 tokens, half held back: a 24-token prompt (6 blocks) fits the pool with its output
+    # but could never be admitted; before, it waited and then failed every request's iteration.
+    with stack(hf, num_gpu_blocks=8, block_manager_overrides={"watermark_fraction": 0.5}) as st:
+        engine = st.engine()
+        with pytest.raises(ValueError, match="can never be admitted"):
+            engine.add_request(GenerationRequest("big", [1] * 24, max_tokens=1))
+        assert not engine.has_work()
+        out = engine.generate([GenerationRequest("ok", [1] * 16, max_tokens=2, n=2)])
+    assert [len(c.token_ids) for c in out[0].completions] == [2, 2]
+
+
 @pytest.mark.parametrize("mode", ["swap", "auto"])
 def test_swap_preemption_round_trips_through_the_cpu_pool(hf: HFModel, mode: str) -> None:
     ps = prompts(4, 5)
