@@ -8,6 +8,7 @@ batches, on a tiny random Llama; their greedy tokens must be identical.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -40,10 +41,13 @@ def test_equality_counts_identical_requests_per_pair() -> None:
 
 def test_tiny_run_pagedkv_matches_transformers(tmp_path: Path) -> None:
     out = tmp_path / "r.json"
+    # The bench measures the product's default backend choice: drop what other tests (or an in-process
+    # worker's kernel_backend setting) may have left in this process's environment.
+    env = {k: v for k, v in os.environ.items() if k not in ("PAGEDKV_KERNEL_BACKEND", "TRITON_INTERPRET")}
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "vs_vllm.py"), "--workloads", "tiny", "--systems", "pagedkv,hf-static",
          "--runs", "1", "--work-dir", str(tmp_path), "--json", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=240, check=False,
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240, check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "pagedkv = hf-static: 4/4" in proc.stdout
