@@ -35,7 +35,7 @@ def snapshot(bm: BlockManager) -> object:
             list(pool.free_list),
             list(pool.block_hash),
             dict(pool.index),
-            list(pool.evictable._order),  # type: ignore[attr-defined]
+            list(pool.eviction_policy._order),  # type: ignore[attr-defined]
             bm.stats(),
         )
     )
@@ -425,12 +425,12 @@ def test_step_equals_the_same_appends_one_by_one() -> None:
 def test_a_snapshot_from_before_commit_loads_with_everything_committed() -> None:
     import pickle
 
-    from block_manager_svc.core.sequence import Sequence
+    from block_manager_svc.core.sequence import SeqState
 
     bm = make()
     bm.allocate("a", 9, toks(9))
-    old = {k: getattr(bm.seqs["a"], k) for k in Sequence.__slots__ if k != "num_committed"}
-    seq = Sequence.__new__(Sequence)
+    old = {k: getattr(bm.seqs["a"], k) for k in SeqState.__slots__ if k != "num_committed"}
+    seq = SeqState.__new__(SeqState)
     seq.__setstate__((None, old))  # what unpickling an old snapshot does
     assert seq.num_committed == 9
     assert pickle.loads(pickle.dumps(bm.seqs["a"])).num_committed == 0
