@@ -1,25 +1,26 @@
-"""Reliability layer of the block manager: idempotent retries, leases,
-journal + snapshots with crash recovery, deadlines (docs/reliability.md).
+"""The reliability stage of the block manager's pipeline: idempotent retries,
+leases, journal + snapshots with crash recovery, deadlines (docs/reliability.md).
 
-:class:`ReliableServicer` wraps the plain servicer's mutating handlers
-(Allocate, Append, Fork, Free, Commit, Step, SwapIn, Preempt) and adds
-KeepAlive. Commits are journaled like every mutation, so recovery restores
-which blocks are in the prefix cache exactly.
-Every mutation runs through one path, :meth:`ReliableServicer._mutate`:
+:class:`ReliableStage` sits between the tenancy stage and the core stage
+(block_manager_svc/servicer.py shows the order). It runs every mutating RPC
+(Allocate, Append, Fork, Free, Commit, Step, SwapIn, Preempt,
+ResetPrefixCache) and KeepAlive, which is its own. Commits are journaled like
+every mutation, so recovery restores which blocks are in the prefix cache
+exactly. Every mutation runs through one path, :meth:`ReliableStage.run`:
 
 1. a request whose deadline already passed is refused (DEADLINE_EXCEEDED)
    without touching the state;
 2. with a ``request_id``: a remembered reply is returned as is; a retry of a
    request still in flight waits for it; an id reused for another request is
    INVALID_ARGUMENT;
-3. under the state lock: apply (the plain handler), lease bookkeeping,
-   journal append (one ``write``), dedupe entry, all in one critical section
-   so journal order is apply order;
+3. under the state lock: apply (the core stage, `CoreCommands.apply`), lease
+   bookkeeping, journal append (one ``write``), dedupe entry, all in one
+   critical section so journal order is apply order;
 4. after the lock is released: wait until the record is durable (fsync
    policy ``always``; group commit), then reply.
 
 With no ``--state-dir``, no ``request_id``, no lease in use and none named,
-step 1 and one branch are all that is added to the plain handler.
+step 1 and one branch are all that is added to the core stage.
 
 Recovery replays the journal through the same ``_apply`` the live path uses,
 so replay reproduces replies (the dedupe window is rebuilt from them), block
@@ -32,7 +33,6 @@ import fcntl
 import os
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -45,7 +45,7 @@ from block_manager_svc.core import CoreError
 from block_manager_svc.idempotency import DedupeTable, RequestIdReused, WaitTimeout, digest
 from block_manager_svc.journal import Journal, Record, ScanReport, scan
 from block_manager_svc.leases import MAX_LEASE_ID_LEN, LeaseTable
-from block_manager_svc.servicer import BlockManagerServicer
+from block_manager_svc.commands import MUTATIONS, CoreCommands
 from pagedkv.v1 import block_manager_pb2 as pb
 
 if TYPE_CHECKING:
@@ -53,7 +53,6 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("pagedkv.block_manager")
 
-MUTATIONS = ("Allocate", "Append", "Fork", "Free", "Commit", "Step", "SwapIn", "Preempt", "ResetPrefixCache")
 EXPIRE_LEASE = "ExpireLease"  # journal record of a lease expiry (body: the lease id)
 MAX_TTL_MS = 24 * 3600 * 1000
 SNAPSHOT_VERSION = 1
@@ -121,12 +120,12 @@ def _config_diff(a: Any, b: Any) -> str:
         return f"{a!r} vs {b!r}"
 
 
-class ReliableServicer(BlockManagerServicer):
-    """The servicer with request-id dedupe, leases, journaling and deadlines."""
+class ReliableStage:
+    """Request-id dedupe, leases, journaling and deadlines around the core stage."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._lock = threading.RLock()  # the handlers of the base class take it again
+    def __init__(self, commands: CoreCommands) -> None:
+        self.commands = commands
+        self._lock = commands.lock  # the state lock (reentrant: the core stage takes it again)
         self.dedupe = DedupeTable()
         self.leases = LeaseTable()
         self.journal: Journal | None = None
@@ -138,8 +137,18 @@ class ReliableServicer(BlockManagerServicer):
         self.recovery: RecoveryReport | None = None
         self.num_deadline_skipped = 0
 
+    @property
+    def _core(self) -> Any:
+        """The core the commands apply to (recovery replaces it)."""
+        return self.commands.core
+
+    @_core.setter
+    def _core(self, core: Any) -> None:
+        self.commands.core = core
+
     # --- the one mutation path -----------------------------------------------------
-    def _mutate(self, name: str, base: Callable[..., Any], request: Any, context: Any) -> Any:
+    def run(self, name: str, request: Any, context: Any, tenant: str | None = None) -> Any:
+        """Run mutation `name` (or KeepAlive) for `tenant` (None: authentication off)."""
         remaining = context.time_remaining()
         if remaining is not None and remaining <= 0:
             self.num_deadline_skipped += 1
@@ -150,7 +159,7 @@ class ReliableServicer(BlockManagerServicer):
         lease_id = getattr(request, "lease_id", "")
         alloc_leases = request.alloc_lease_ids if name == "Step" else ()
         if not rid and journal is None and not lease_id and not alloc_leases and not self.leases:
-            return base(self, request, context)  # the hot path
+            return self._apply(name, request, context, tenant)[0]  # the hot path
         for lid in (lease_id, *alloc_leases) if alloc_leases else (lease_id,):
             if len(lid) > MAX_LEASE_ID_LEN:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -173,7 +182,7 @@ class ReliableServicer(BlockManagerServicer):
         try:
             seq = 0
             with self._lock:
-                response, changed = self._apply(name, base, request, context)
+                response, changed = self._apply(name, request, context, tenant)
                 now = time.time()
                 if journal is not None and changed:
                     seq = journal.append(name, body, now)
@@ -188,9 +197,11 @@ class ReliableServicer(BlockManagerServicer):
             if rid:
                 self.dedupe.end(rid)
 
-    def _apply(self, name: str, base: Callable[..., Any], request: Any, context: Any) -> tuple[Any, bool]:
+    def _apply(self, name: str, request: Any, context: Any, tenant: str | None) -> tuple[Any, bool]:
         """Apply one command under the state lock: (reply, whether state changed)."""
-        response = base(self, request, context)
+        if name == "KeepAlive":
+            return self._keepalive(request, context)
+        response = self.commands.apply(name, request, context, tenant)
         leases = self.leases
         if name == "Allocate":
             if request.lease_id:
@@ -208,8 +219,6 @@ class ReliableServicer(BlockManagerServicer):
                 leases.detach_all(f.seq_id for f in request.frees)
                 leases.detach_all(request.free_seq_ids)
             _step_leases(leases, request, response)
-        elif name == "KeepAlive":
-            return response
         return response, True
 
     # --- KeepAlive ------------------------------------------------------------------
@@ -227,7 +236,7 @@ class ReliableServicer(BlockManagerServicer):
             try:
                 self._core.block_table(s)
             except CoreError as e:
-                self._abort(context, "KeepAlive", e, s)
+                self.commands._abort(context, "KeepAlive", e, s)
         leases = self.leases
         created = lid not in leases.leases
         lease, changed = leases.touch(lid, request.ttl_ms / 1000.0 if request.ttl_ms else None)
@@ -238,18 +247,15 @@ class ReliableServicer(BlockManagerServicer):
         )
         return resp, changed or bool(request.attach_seq_ids)
 
-    def KeepAlive(self, request: pb.KeepAliveRequest, context: grpc.ServicerContext) -> pb.KeepAliveResponse:
-        return self._mutate("KeepAlive", _keepalive_base, request, context)
-
     # --- lease expiry -----------------------------------------------------------------
     def _expire_lease(self, lease_id: str) -> tuple[int, int]:
-        """Free a lease's sequences through the Free handler (under the lock)."""
+        """Free a lease's sequences through the core stage's Free (under the lock)."""
         seqs = self.leases.drop(lease_id)
         ctx = _InternalContext()
         freed = released = 0
         for s in seqs:
             try:
-                r = BlockManagerServicer.Free(self, pb.FreeRequest(seq_id=s), ctx)
+                r = self.commands.Free(pb.FreeRequest(seq_id=s), ctx)
             except ReplayError:
                 continue  # already gone
             freed += 1
@@ -273,8 +279,8 @@ class ReliableServicer(BlockManagerServicer):
         return len(expired)
 
     # --- stats --------------------------------------------------------------------------
-    def GetStats(self, request: pb.GetStatsRequest, context: grpc.ServicerContext) -> pb.Stats:
-        s = super().GetStats(request, context)
+    def add_stats(self, s: pb.Stats) -> pb.Stats:
+        """This stage's counters on top of the core's stats."""
         leases = self.leases
         s.num_leases = len(leases.leases)
         s.num_leases_expired = leases.num_expired
@@ -350,15 +356,11 @@ class ReliableServicer(BlockManagerServicer):
         if rec.name == EXPIRE_LEASE:
             self._expire_lease(rec.body.decode())
             return
-        if rec.name == "KeepAlive":
-            base: Callable[..., Any] = _keepalive_base
-        else:
-            base = getattr(BlockManagerServicer, rec.name, None)  # type: ignore[assignment]
-            if base is None:
-                raise ReplayError(f"journal record {rec.seq} names unknown method {rec.name!r}")
+        if rec.name != "KeepAlive" and rec.name not in MUTATIONS:
+            raise ReplayError(f"journal record {rec.seq} names unknown method {rec.name!r}")
         request = _request_type(rec.name).FromString(rec.body)
         try:
-            response, _ = self._apply(rec.name, base, request, _InternalContext())
+            response, _ = self._apply(rec.name, request, _InternalContext(), None)
         except ReplayError as e:
             raise ReplayError(f"journal record {rec.seq} ({rec.name}) was refused on replay: {e}") from None
         if request.request_id:
@@ -366,7 +368,7 @@ class ReliableServicer(BlockManagerServicer):
                             response.SerializeToString(), rec.wall_time)
 
     # --- lifecycle ---------------------------------------------------------------------------
-    def start_reliability(self, settings: BlockManagerSettings) -> Reliability:
+    def start(self, settings: BlockManagerSettings) -> Reliability:
         """Apply the reliability settings, recover from --state-dir, start the background threads."""
         self.dedupe.max_entries = settings.dedupe_max_entries
         self.dedupe.ttl_s = settings.dedupe_ttl_s
@@ -417,30 +419,10 @@ def _step_leases(leases: LeaseTable, request: pb.StepRequest, response: pb.StepR
             leases.attach(child, lid)
 
 
-def _keepalive_base(self: ReliableServicer, request: pb.KeepAliveRequest, context: Any) -> Any:
-    return self._keepalive(request, context)
-
-
-def _wrap(name: str) -> Callable[..., Any]:
-    base = getattr(BlockManagerServicer, name)
-
-    def handler(self: ReliableServicer, request: Any, context: grpc.ServicerContext) -> Any:
-        return self._mutate(name, base, request, context)
-
-    handler.__name__ = handler.__qualname__ = name
-    handler.__doc__ = f"{name} with deadlines, request-id dedupe, leases and journaling."
-    return handler
-
-
-for _name in MUTATIONS:
-    if _name in _SERVICE.methods_by_name and hasattr(BlockManagerServicer, _name):
-        setattr(ReliableServicer, _name, _wrap(_name))
-
-
 class Reliability:
     """Background threads (lease sweeper, snapshotter) and shutdown of the journal."""
 
-    def __init__(self, servicer: ReliableServicer, sweep_interval_s: float, snapshot_interval_s: float) -> None:
+    def __init__(self, servicer: ReliableStage, sweep_interval_s: float, snapshot_interval_s: float) -> None:
         self.servicer = servicer
         self.sweep_interval_s = sweep_interval_s
         self.snapshot_interval_s = snapshot_interval_s

@@ -24,10 +24,10 @@ from block_manager_svc.core import BlockManager, CoreConfig
 from block_manager_svc.events import EventHub
 from block_manager_svc.kv_events_zmq import ZmqEventConfig, ZmqKvEventPublisher
 from block_manager_svc.metrics import MetricsServer, setup_metrics
-from block_manager_svc.reliability import Reliability, ReliableServicer
+from block_manager_svc.reliability import Reliability
 from block_manager_svc.servicer import BlockManagerServicer
 from block_manager_svc.settings import BlockManagerSettings, load_settings
-from block_manager_svc.tenancy import TenantServicer, ledger_from_store
+from block_manager_svc.tenancy import NO_TENANCY, TenantScope, ledger_from_store
 from pagedkv.auth import AuthInterceptor, TokenStore
 from pagedkv.logging_setup import configure_logging
 from pagedkv.malformed import MalformedRequestInterceptor
@@ -92,8 +92,8 @@ def start_server(settings: BlockManagerSettings) -> RunningServer:
     ]
     # Security and observability (docs/security.md, docs/observability.md): all off by default.
     store = TokenStore.load(settings.auth_tokens_file) if settings.auth_tokens_file else None
-    servicer_cls = TenantServicer if store is not None else ReliableServicer
-    servicer = servicer_cls(build_core(settings), settings.num_cpu_blocks)
+    tenancy = TenantScope(store) if store is not None else NO_TENANCY
+    servicer = BlockManagerServicer(build_core(settings), settings.num_cpu_blocks, tenancy)
     interceptors: list[grpc.ServerInterceptor] = []
     registry = None
     if settings.metrics_port:
@@ -111,7 +111,7 @@ def start_server(settings: BlockManagerSettings) -> RunningServer:
         interceptors=interceptors or None,
     )
     # Recovers from --state-dir (before the port opens), starts the lease sweeper and snapshots.
-    reliability = servicer.start_reliability(settings)
+    reliability = servicer.reliable.start(settings)
     if store is not None:
         servicer._core.enable_tenancy(ledger_from_store(store))
     if settings.enable_kv_events:

@@ -61,12 +61,18 @@ class BlockPool:
         if bind is not None:
             bind(self.block_hash, self.child_count)
         self.num_evicted = 0
-        # KV events for watchers (block_manager_svc/events.py): None = off, the
-        # default and the core's zero-cost path; else a list the servicer drains:
+        # KV events: None = off, the default and the core's zero-cost path; else
+        # a plain list the pool appends to and the servicer drains after every
+        # call (BlockManager.take_events -> block_manager_svc/events.py):
         # (block, hash, parent hash, token ids or None) when a block is registered
         # (the token ids feed vLLM-format BlockStored events), (-1, hash, None)
         # when a registered block is evicted, (-2, b"", None) when all are cleared.
         self.events: list[tuple] | None = None
+
+    def __getstate__(self) -> tuple[None, dict]:
+        """Snapshots leave out `events`: they are drained after every call, and
+        whether they are recorded is the running server's choice, not state."""
+        return None, {k: getattr(self, k) for k in self.__slots__ if k != "events"}
 
     def __setstate__(self, state: object) -> None:
         """Snapshots written by older versions: no `events`; the policy named `evictable`."""

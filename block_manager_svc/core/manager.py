@@ -770,6 +770,25 @@ class BlockManager:
         self.num_prefix_cache_resets = self.num_prefix_cache_resets + 1
         return cleared, freed
 
+    # --- KV events ----------------------------------------------------------------
+    def enable_events(self, on: bool) -> None:
+        """Record KV events (off by default: then registering a block costs one test)."""
+        pool = self.pool
+        if not on:
+            pool.events = None
+        elif pool.events is None:
+            pool.events = []
+
+    def take_events(self) -> list[tuple]:
+        """The KV events recorded since the last call, oldest first (see BlockPool.events).
+        The servicer drains them after every call, under the state lock."""
+        pool = self.pool
+        events = pool.events
+        if not events:
+            return []
+        pool.events = []
+        return events
+
     # --- tenancy and invariants ----------------------------------------------
     def enable_tenancy(self, ledger: TenantLedger) -> None:
         """Charge tenants from now on; each sequence's tenant is read from its id

@@ -80,11 +80,14 @@ def test_core_reset_on_empty_pool_and_with_swapped_and_tenants() -> None:
 
 def test_core_events_get_all_blocks_cleared() -> None:
     bm = _core()
-    bm.pool.events = []
+    assert bm.take_events() == []  # off by default: nothing recorded
+    bm.enable_events(True)
     bm.allocate("a", 8, list(range(8)))
     bm.commit("a", 8)
+    stored = bm.take_events()
+    assert [e[0] for e in stored] == bm.seqs["a"].block_ids[:2] and bm.take_events() == []
     bm.reset_prefix_cache()
-    assert bm.pool.events[-1] == (-2, b"", None)
+    assert bm.take_events() == [(-2, b"", None)]
 
 
 def _server(**kw: object):  # type: ignore[no-untyped-def]
@@ -162,7 +165,7 @@ def test_journal_replay_of_reset(tmp_path) -> None:  # type: ignore[no-untyped-d
     crash(r)
     r2 = _server(state_dir=state)
     try:
-        assert r2.reliability is not None and r2.servicer.recovery.replayed >= 6
+        assert r2.reliability is not None and r2.servicer.reliable.recovery.replayed >= 6
         core = r2.servicer._core
         assert (list(core.seqs["b"].block_ids), sorted(core.pool.free_list), dict(core.pool.index)) == want
         assert core.num_prefix_cache_resets == 1
