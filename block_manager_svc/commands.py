@@ -214,7 +214,7 @@ class CoreCommands:
             with self.lock:
                 r = self.core.allocate(
                     request.seq_id, request.num_tokens, request.token_ids or None, request.priority,
-                    request.cache_salt,
+                    request.cache_salt, tenant or "",
                 )
                 self._drain_events(tenant)
         except CoreError as e:
@@ -323,6 +323,7 @@ class CoreCommands:
                         alloc_salts=request.alloc_cache_salts,
                         fork_parent_seq_ids=request.fork_parent_seq_ids,
                         fork_child_seq_ids=request.fork_child_seq_ids,
+                        tenant=tenant or "",
                     )
                 else:
                     r = self.core.step(
@@ -337,6 +338,7 @@ class CoreCommands:
                         alloc_salts=request.alloc_cache_salts,
                         fork_parent_seq_ids=request.fork_parent_seq_ids,
                         fork_child_seq_ids=request.fork_child_seq_ids,
+                        tenant=tenant or "",
                     )
                 self._drain_events(tenant)
                 available = self.core.pool.num_available

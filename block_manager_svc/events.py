@@ -80,12 +80,10 @@ class EventHub:
         with self.lock:
             self._core = core
             if self.tenancy:
-                from block_manager_svc.core.tenants import tenant_of
-
                 block_hash = core.pool.block_hash
                 self.owner = {}
-                for sid, seq in core.seqs.items():
-                    t = tenant_of(sid)
+                for seq in core.seqs.values():
+                    t = seq.tenant
                     for b in seq.block_ids:
                         h = block_hash[b]
                         if h is not None:

@@ -33,6 +33,7 @@ import fcntl
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -123,8 +124,11 @@ def _config_diff(a: Any, b: Any) -> str:
 class ReliableStage:
     """Request-id dedupe, leases, journaling and deadlines around the core stage."""
 
-    def __init__(self, commands: CoreCommands) -> None:
+    def __init__(self, commands: CoreCommands,
+                 tenant_of: Callable[[str, Any], str | None] = lambda name, request: None) -> None:
         self.commands = commands
+        # On replay: the tenant a journaled request ran for (tenancy.tenant_of_request).
+        self.tenant_of = tenant_of
         self._lock = commands.lock  # the state lock (reentrant: the core stage takes it again)
         self.dedupe = DedupeTable()
         self.leases = LeaseTable()
@@ -360,7 +364,7 @@ class ReliableStage:
             raise ReplayError(f"journal record {rec.seq} names unknown method {rec.name!r}")
         request = _request_type(rec.name).FromString(rec.body)
         try:
-            response, _ = self._apply(rec.name, request, _InternalContext(), None)
+            response, _ = self._apply(rec.name, request, _InternalContext(), self.tenant_of(rec.name, request))
         except ReplayError as e:
             raise ReplayError(f"journal record {rec.seq} ({rec.name}) was refused on replay: {e}") from None
         if request.request_id:

@@ -39,7 +39,7 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
     def __init__(self, core: BlockManager, num_cpu_blocks: int = 0, tenancy: Tenancy = NO_TENANCY) -> None:
         self._lock = threading.RLock()  # the state lock, shared by every stage
         self.commands = CoreCommands(core, self._lock)
-        self.reliable = ReliableStage(self.commands)
+        self.reliable = ReliableStage(self.commands, tenancy.tenant_of_request)
         self.tenancy = tenancy
         self.log_limit = self.commands.log_limit
 

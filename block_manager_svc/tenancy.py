@@ -9,13 +9,14 @@ request is rewritten before it reaches the reliability stage and the core:
   ``tenant + "\\x1f"`` (the separator is never valid in a client id), so tenant
   A's ``seq-1`` is not tenant B's, and neither can name the other's leases or
   collide on request ids;
-- ``cache_salt`` becomes ``tenant + "\\x1f" + cache_salt``: prefix hashes are
-  salted per tenant (and per request salt), so no tenant gets hits on, or
-  timing signals from, another tenant's content.
+- the tenant goes on to the core as data (`Scoped.tenant`): the sequences it
+  admits are charged to it, and it is an extra key of their prefix hashes
+  (with the request's ``cache_salt``), so no tenant gets hits on, or timing
+  signals from, another tenant's content.
 
-Because the rewritten request is what the journal records, tenant identity is
-journaled with every mutation and replay needs no extra context. Replies and
-error messages are mapped back: a client only ever sees its own ids.
+The rewritten request is what the journal records; on replay the tenant is
+read back from its namespace (`tenant_of_request`). Replies and error
+messages are mapped back: a client only ever sees its own ids.
 Quotas live in the core (core/tenants.py); preemption only ever picks
 victims of the growing tenant. GetStats shows a tenant its own numbers
 unless it is an admin.
@@ -29,7 +30,7 @@ import grpc
 
 from dataclasses import dataclass
 
-from block_manager_svc.core.sequence import MAX_SEQ_ID_LEN
+from block_manager_svc.core.sequence import MAX_SEQ_ID_LEN, SEP
 from block_manager_svc.core.tenants import Quota, TenantLedger
 from block_manager_svc.leases import MAX_LEASE_ID_LEN
 from pagedkv.auth import Tenant, TokenStore, current_tenant
@@ -90,6 +91,9 @@ class NoTenancy:
     def own_stats(self, request: pb.GetStatsRequest, context: Any, core: BlockManager, lock: Any) -> pb.Stats | None:
         return None
 
+    def tenant_of_request(self, name: str, request: Any) -> str | None:
+        return None
+
 
 NO_TENANCY = NoTenancy()
 
@@ -115,6 +119,9 @@ class TenantScope:
             return Scoped(request, context, t.name, p)
         req = rewrite(request, context, p)
         return Scoped(req, _ScopedContext(context, p), t.name, p)
+
+    def tenant_of_request(self, name: str, request: Any) -> str | None:
+        return tenant_of_request(name, request)
 
     def leave(self, name: str, scoped: Scoped, response: Any) -> Any:
         """The reply with the caller's namespace taken off every seq id it names."""
@@ -154,6 +161,20 @@ class TenantScope:
 
 
 Tenancy = TenantScope | NoTenancy
+
+
+def tenant_of_request(name: str, request: Any) -> str | None:
+    """The tenant of a journaled (namespaced) request, for replay: what the
+    tenancy stage passed as `Scoped.tenant` when the request first ran. Only
+    admissions need it (Allocate, Step's allocations); None for the rest."""
+    if name == "Allocate":
+        seq_id = request.seq_id
+    elif name == "Step" and request.alloc_seq_ids:
+        seq_id = request.alloc_seq_ids[0]
+    else:
+        return None
+    i = seq_id.find(SEP)
+    return seq_id[:i] if i >= 0 else None
 
 
 # --- checks and namespacing -----------------------------------------------------------
@@ -216,7 +237,6 @@ def _allocate(request: pb.AllocateRequest, context: Any, p: str) -> pb.AllocateR
     req.seq_id = _one(context, request.seq_id, p)
     if request.cache_salt:
         _check(context, request.cache_salt, "cache_salt", 256)
-    req.cache_salt = p + request.cache_salt
     _common(req, context, p)
     return req
 
@@ -263,13 +283,9 @@ def _step(request: pb.StepRequest, context: Any, p: str) -> pb.StepRequest:
             del dst[:]
             dst.extend(_ids(context, src, p, field))
     if request.alloc_seq_ids:
-        # Prefix hashes salted per tenant, as Allocate does; empty = no salt for all.
-        salts = request.alloc_cache_salts or [""] * len(request.alloc_seq_ids)
-        for salt in salts:
+        for salt in request.alloc_cache_salts:
             if salt:
                 _check(context, salt, "alloc_cache_salts", 256)
-        del req.alloc_cache_salts[:]
-        req.alloc_cache_salts.extend(p + salt for salt in salts)
         if request.alloc_lease_ids:
             for lid in request.alloc_lease_ids:
                 if lid:

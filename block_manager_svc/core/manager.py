@@ -214,6 +214,7 @@ class BlockManager:
         token_ids: SequenceT[int] | None = None,
         priority: int = 0,
         salt: str = "",
+        tenant: str = "",
     ) -> AllocateResult:
         """Blocks for a new sequence's prompt, reusing cached prefix blocks.
 
@@ -223,10 +224,11 @@ class BlockManager:
         must compute at least one token to get logits, and writing KV into a
         block other sequences read would race.
 
-        A non-empty `salt` starts the hash chain from `root_hash(salt)`: only
-        sequences with the same salt share cached blocks (per-tenant isolation).
-        The prompt's chain hashes are computed once, here, and kept on the
-        sequence for Commit to register.
+        `tenant` is who the sequence is charged to (core/tenants.py; "" with
+        tenancy off). The tenant and a non-empty `salt` are the hash chain's
+        extra keys (`root_hash(salt, tenant)`): only sequences of the same
+        tenant with the same salt share cached blocks. The prompt's chain
+        hashes are computed once, here, and kept on the sequence for Commit.
         """
         check_seq_id(seq_id)
         if seq_id in self.seqs or seq_id in self.swapped:
@@ -246,7 +248,7 @@ class BlockManager:
             )
 
         num_full = num_tokens // bs
-        root = root_hash(salt.encode()) if salt else ROOT_HASH
+        root = root_hash(salt.encode(), tenant.encode()) if salt or tenant else ROOT_HASH
         hashes: list[bytes] = []
         hits: list[int] = []
         if tokens is not None and self.config.enable_prefix_caching:
@@ -269,7 +271,6 @@ class BlockManager:
             )
         nh = len(hits)
         ledger = self.ledger
-        tenant = ledger.tenant_of(seq_id)
         if tokens is not None:
             ledger.admit(tenant, needed + hits_from_cache, num_tokens, nh * bs)
         else:
@@ -471,9 +472,7 @@ class BlockManager:
             raise NotFound(f"parent sequence {parent_seq_id!r} does not exist")
         if child_seq_id in self.seqs or child_seq_id in self.swapped:
             raise AlreadyExists(f"sequence {child_seq_id!r} already exists")
-        ledger = self.ledger
-        ledger.check_same_tenant(parent.tenant, ledger.tenant_of(child_seq_id))
-        ledger.add_sequence(parent.tenant)
+        self.ledger.add_sequence(parent.tenant)  # the child is the parent's tenant's
         for b in parent.block_ids:
             self.pool.incref(b)
         self._arrivals += 1
@@ -553,6 +552,7 @@ class BlockManager:
         alloc_salts: SequenceT[str] | None = None,
         fork_parent_seq_ids: SequenceT[str] = (),
         fork_child_seq_ids: SequenceT[str] = (),
+        tenant: str = "",
     ) -> StepResult:
         """Everything one engine iteration needs, as a loop over the
         single-sequence operations in this order: commits (what the last worker
@@ -566,7 +566,8 @@ class BlockManager:
         unknown for all; `append_tokens_known[i]` False says item i's ids (which
         are then absent from `append_token_ids`) are unknown.
         Allocations: one count per item, token ids concatenated (or None =
-        unknown for all), priorities and salts one per item or None (0 / "").
+        unknown for all), priorities and salts one per item or None (0 / "");
+        all of them are `tenant`'s (see `allocate`).
 
         With preemption enabled, an append that does not fit preempts
         lower-ranked sequences that have not grown earlier in this step; a
@@ -619,7 +620,7 @@ class BlockManager:
             try:
                 r = self.allocate(
                     seq_id, k, tokens, alloc_priorities[j] if alloc_priorities else 0,
-                    alloc_salts[j] if alloc_salts else "",
+                    alloc_salts[j] if alloc_salts else "", tenant,
                 )
             except CoreError as e:
                 result.alloc_num_cached_tokens.append(0)
@@ -791,10 +792,8 @@ class BlockManager:
 
     # --- tenancy and invariants ----------------------------------------------
     def enable_tenancy(self, ledger: TenantLedger) -> None:
-        """Charge tenants from now on; each sequence's tenant is read from its id
-        and usage is recomputed from the tables (O(pool))."""
-        for sid, seq in list(self.seqs.items()) + list(self.swapped.items()):
-            seq.tenant = ledger.tenant_of(sid)
+        """Charge tenants from now on; usage is recomputed from the tables by
+        each sequence's tenant (O(pool))."""
         ledger.usage = ledger.recount(self.seqs, self.swapped)
         self.ledger = ledger
 

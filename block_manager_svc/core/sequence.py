@@ -7,9 +7,13 @@ from array import array
 from dataclasses import dataclass, field
 
 from block_manager_svc.core.errors import InvalidArgument
-from block_manager_svc.core.tenants import SEP
 
 MAX_SEQ_ID_LEN = 256
+# With authentication on, the servicer keys each sequence by its tenant's
+# namespace, ``tenant + SEP + client id`` (pagedkv.auth.Tenant.prefix), so that
+# tenant A's "seq-1" is not tenant B's. The core never reads the tenant out of
+# it (the tenant is passed as data); only the id check below looks past it.
+SEP = "\x1f"  # ASCII unit separator: never valid in a client id (not printable)
 
 
 def check_seq_id(seq_id: str, what: str = "seq_id") -> None:

@@ -1,19 +1,18 @@
 """Tenant charging: per-tenant usage and quotas behind one ledger (docs/security.md).
 
-With authentication on, the servicer names every sequence internally as
-``f"{tenant}{SEP}{seq_id}"`` (so tenant A's ``seq-1`` is not tenant B's) and
-salts prefix hashes per tenant, so no block is ever shared across tenants.
-That makes per-tenant charging exact and cheap: a block is charged to the
-tenant whose call took it (0 -> 1 reference) and uncharged when its last
-reference goes; forks and prefix hits inside one tenant cost nothing extra.
+With authentication on, the tenant is data: the servicer passes it to
+Allocate (and Step's allocations), the sequence keeps it (`SeqState.tenant`,
+inherited by forks) and it is an extra key of the prefix hash
+(`prefix_cache.root_hash`), so no block is ever shared across tenants. That
+makes per-tenant charging exact and cheap: a block is charged to the tenant
+whose call took it (0 -> 1 reference) and uncharged when its last reference
+goes; forks and prefix hits inside one tenant cost nothing extra.
 
 The manager always holds a ledger and calls it unconditionally: a
 :class:`TenantLedger` when tenancy is on, the :data:`NULL_LEDGER` (every
-check passes, every charge is a no-op) when it is off. The tenant of a
-sequence is read from its id once, at admission (`tenant_of`), and kept on
-the sequence (`SeqState.tenant`); every later charge uses that field.
-Every `check_*`/`admit`/`add_sequence` runs before the caller mutates
-anything, so a refused call leaves usage as it was.
+check passes, every charge is a no-op) when it is off. Every
+`check_*`/`admit`/`add_sequence` runs before the caller mutates anything, so
+a refused call leaves usage as it was.
 """
 
 from __future__ import annotations
@@ -22,18 +21,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from block_manager_svc.core.errors import InvalidArgument, ResourceExhausted
+from block_manager_svc.core.errors import ResourceExhausted
 
 if TYPE_CHECKING:
     from block_manager_svc.core.sequence import SeqState
-
-SEP = "\x1f"  # ASCII unit separator: never valid in a client id (not printable)
-
-
-def tenant_of(internal_id: str) -> str:
-    i = internal_id.find(SEP)
-    return internal_id[:i] if i >= 0 else ""
-
 
 @dataclass(slots=True, frozen=True)
 class Quota:
@@ -82,10 +73,6 @@ class TenantLedger:
             u = self.usage[tenant] = Usage()
         return u
 
-    @staticmethod
-    def tenant_of(seq_id: str) -> str:
-        return tenant_of(seq_id)
-
     def cpu_room(self, tenant: str) -> int | None:
         """CPU blocks the tenant may still take (None = unlimited)."""
         q = self.quota(tenant).max_cpu_blocks
@@ -104,10 +91,6 @@ class TenantLedger:
         used = self.of(tenant).gpu_blocks
         if limit and used + needed > limit:
             raise ResourceExhausted(quota_message(tenant, "max_gpu_blocks", used, needed, limit))
-
-    def check_same_tenant(self, parent: str, child: str) -> None:
-        if parent != child:
-            raise InvalidArgument("parent and child must belong to the same tenant")
 
     # --- check and charge ----------------------------------------------------------
     def admit(self, tenant: str, blocks: int, query_tokens: int, hit_tokens: int) -> None:
@@ -193,9 +176,6 @@ class NullLedger:
     __slots__ = ()
     enabled = False
 
-    def tenant_of(self, seq_id: str) -> str:
-        return ""
-
     def cpu_room(self, tenant: str) -> int | None:
         return None
 
@@ -203,9 +183,6 @@ class NullLedger:
         return _accept_all
 
     def check_gpu(self, tenant: str, needed: int) -> None:
-        pass
-
-    def check_same_tenant(self, parent: str, child: str) -> None:
         pass
 
     def admit(self, tenant: str, blocks: int, query_tokens: int, hit_tokens: int) -> None:

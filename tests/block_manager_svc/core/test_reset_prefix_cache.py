@@ -62,19 +62,20 @@ def test_core_reset_frees_cached_unhashes_referenced_keeps_sequences(policy: str
 
 
 def test_core_reset_on_empty_pool_and_with_swapped_and_tenants() -> None:
-    from block_manager_svc.core.tenants import SEP, TenantLedger
+    from block_manager_svc.core.tenants import TenantLedger
 
     bm = _core(num_cpu_blocks=8, preemption_mode="swap")
     assert bm.reset_prefix_cache() == (0, 0)
     bm.enable_tenancy(TenantLedger())
-    bm.allocate(f"t{SEP}x", 8, list(range(8)))
-    bm.commit(f"t{SEP}x", 8)
-    bm.allocate(f"t{SEP}y", 8, list(range(8)))  # hits x's blocks
-    bm.commit(f"t{SEP}y", 8)
-    bm.preempt(f"t{SEP}y", "swap")
+    bm.allocate("t.x", 8, list(range(8)), tenant="t")
+    bm.commit("t.x", 8)
+    assert bm.allocate("t.y", 8, list(range(8)), tenant="t").num_cached_tokens == 4  # hits x's block
+    bm.commit("t.y", 8)
+    bm.preempt("t.y", "swap")
+    assert bm.ledger.of("t").cpu_blocks == 2 and bm.ledger.of("t").sequences == 2
     bm.reset_prefix_cache()
     bm.check_invariants()
-    bm.swap_in(f"t{SEP}y")
+    bm.swap_in("t.y")
     bm.check_invariants()
 
 
