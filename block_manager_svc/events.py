@@ -3,7 +3,7 @@
 The core's block pool appends each registered block (BlockStored), each
 evicted registered block (BlockRemoved) and each reset (AllBlocksCleared) to a
 plain list, ``pool.events``; after every call the servicer's core stage
-(block_manager_svc/commands.py) takes that list (``BlockManager.take_events``)
+(block_manager_svc/handlers.py) takes that list (``BlockManager.take_events``)
 and hands it to :meth:`EventHub.publish` together with the calling tenant, as
 data. The hub runs under the servicer's state lock and never blocks: every
 subscriber has a bounded queue, and one that falls behind is dropped (its

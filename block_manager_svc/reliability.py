@@ -13,7 +13,7 @@ exactly. Every mutation runs through one path, :meth:`ReliableStage.run`:
 2. with a ``request_id``: a remembered reply is returned as is; a retry of a
    request still in flight waits for it; an id reused for another request is
    INVALID_ARGUMENT;
-3. under the state lock: apply (the core stage, `CoreCommands.apply`), lease
+3. under the state lock: apply (the core stage, `CoreStage.apply`), lease
    bookkeeping, journal append (one ``write``), dedupe entry, all in one
    critical section so journal order is apply order;
 4. after the lock is released: wait until the record is durable (fsync
@@ -46,7 +46,7 @@ from block_manager_svc.core import CoreError
 from block_manager_svc.idempotency import DedupeTable, RequestIdReused, WaitTimeout, digest
 from block_manager_svc.journal import Journal, Record, ScanReport, scan
 from block_manager_svc.leases import MAX_LEASE_ID_LEN, LeaseTable
-from block_manager_svc.commands import MUTATIONS, CoreCommands
+from block_manager_svc.handlers import MUTATIONS, CoreStage
 from pagedkv.v1 import block_manager_pb2 as pb
 
 if TYPE_CHECKING:
@@ -124,12 +124,12 @@ def _config_diff(a: Any, b: Any) -> str:
 class ReliableStage:
     """Request-id dedupe, leases, journaling and deadlines around the core stage."""
 
-    def __init__(self, commands: CoreCommands,
+    def __init__(self, core_stage: CoreStage,
                  tenant_of: Callable[[str, Any], str | None] = lambda name, request: None) -> None:
-        self.commands = commands
+        self.core_stage = core_stage
         # On replay: the tenant a journaled request ran for (tenancy.tenant_of_request).
         self.tenant_of = tenant_of
-        self._lock = commands.lock  # the state lock (reentrant: the core stage takes it again)
+        self._lock = core_stage.lock  # the state lock (reentrant: the core stage takes it again)
         self.dedupe = DedupeTable()
         self.leases = LeaseTable()
         self.journal: Journal | None = None
@@ -143,12 +143,12 @@ class ReliableStage:
 
     @property
     def _core(self) -> Any:
-        """The core the commands apply to (recovery replaces it)."""
-        return self.commands.core
+        """The core the core stage applies to (recovery replaces it)."""
+        return self.core_stage.core
 
     @_core.setter
     def _core(self, core: Any) -> None:
-        self.commands.core = core
+        self.core_stage.core = core
 
     # --- the one mutation path -----------------------------------------------------
     def run(self, name: str, request: Any, context: Any, tenant: str | None = None) -> Any:
@@ -205,7 +205,7 @@ class ReliableStage:
         """Apply one command under the state lock: (reply, whether state changed)."""
         if name == "KeepAlive":
             return self._keepalive(request, context)
-        response = self.commands.apply(name, request, context, tenant)
+        response = self.core_stage.apply(name, request, context, tenant)
         leases = self.leases
         if name == "Allocate":
             if request.lease_id:
@@ -240,7 +240,7 @@ class ReliableStage:
             try:
                 self._core.block_table(s)
             except CoreError as e:
-                self.commands._abort(context, "KeepAlive", e, s)
+                self.core_stage._abort(context, "KeepAlive", e, s)
         leases = self.leases
         created = lid not in leases.leases
         lease, changed = leases.touch(lid, request.ttl_ms / 1000.0 if request.ttl_ms else None)
@@ -259,7 +259,7 @@ class ReliableStage:
         freed = released = 0
         for s in seqs:
             try:
-                r = self.commands.Free(pb.FreeRequest(seq_id=s), ctx)
+                r = self.core_stage.Free(pb.FreeRequest(seq_id=s), ctx)
             except ReplayError:
                 continue  # already gone
             freed += 1

@@ -7,9 +7,9 @@ pipeline, top to bottom.
    `NO_TENANCY` passes everything through.
 2. reliability (block_manager_svc/reliability.py): deadline, request-id
    dedupe, leases, journal (`ReliableStage.run`); mutations and KeepAlive only.
-3. core (block_manager_svc/commands.py): the request applied to the core
+3. core (block_manager_svc/handlers.py): the request applied to the core
    under the state lock, the reply built, the call's KV events handed to the
-   event hub (`CoreCommands.apply`).
+   event hub (`CoreStage.apply`).
 
 Reads skip the stages they do not need: GetBlockTable is scoped and read,
 GetStats is scoped (a tenant sees its own numbers) and read, GetConfig is read,
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from block_manager_svc.commands import CoreCommands
+from block_manager_svc.handlers import CoreStage
 from block_manager_svc.core import BlockManager
 from block_manager_svc.reliability import ReliableStage
 from block_manager_svc.tenancy import NO_TENANCY, Tenancy
@@ -38,24 +38,24 @@ if TYPE_CHECKING:
 class BlockManagerServicer(pb_grpc.BlockManagerServicer):
     def __init__(self, core: BlockManager, num_cpu_blocks: int = 0, tenancy: Tenancy = NO_TENANCY) -> None:
         self._lock = threading.RLock()  # the state lock, shared by every stage
-        self.commands = CoreCommands(core, self._lock)
-        self.reliable = ReliableStage(self.commands, tenancy.tenant_of_request)
+        self.core_stage = CoreStage(core, self._lock)
+        self.reliable = ReliableStage(self.core_stage, tenancy.tenant_of_request)
         self.tenancy = tenancy
-        self.log_limit = self.commands.log_limit
+        self.log_limit = self.core_stage.log_limit
 
     # --- what the stages share --------------------------------------------------------------
     @property
     def _core(self) -> BlockManager:
         """The core (recovery may have replaced the one passed in)."""
-        return self.commands.core
+        return self.core_stage.core
 
     @property
     def events_hub(self) -> EventHub | None:
-        return self.commands.events_hub
+        return self.core_stage.events_hub
 
     @events_hub.setter
     def events_hub(self, hub: EventHub | None) -> None:
-        self.commands.events_hub = hub
+        self.core_stage.events_hub = hub
 
     # --- the pipeline ---------------------------------------------------------------------
     def _mutate(self, name: str, request: Any, context: Any) -> Any:
@@ -100,16 +100,16 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
     # --- reads --------------------------------------------------------------------------------
     def GetBlockTable(self, request: pb.GetBlockTableRequest, context: grpc.ServicerContext) -> pb.BlockTable:
         scoped = self.tenancy.enter("GetBlockTable", request, context)
-        return self.commands.GetBlockTable(scoped.request, scoped.context)
+        return self.core_stage.GetBlockTable(scoped.request, scoped.context)
 
     def GetStats(self, request: pb.GetStatsRequest, context: grpc.ServicerContext) -> pb.Stats:
-        own = self.tenancy.own_stats(request, context, self.commands.core, self._lock)
+        own = self.tenancy.own_stats(request, context, self.core_stage.core, self._lock)
         if own is not None:
             return own
-        return self.reliable.add_stats(self.commands.GetStats(request, context))
+        return self.reliable.add_stats(self.core_stage.GetStats(request, context))
 
     def GetConfig(self, request: pb.GetConfigRequest, context: grpc.ServicerContext) -> pb.Config:
-        return self.commands.GetConfig(request, context)
+        return self.core_stage.GetConfig(request, context)
 
     def WatchEvents(self, request: pb.WatchEventsRequest, context: grpc.ServicerContext) -> Iterator[pb.KvEvent]:
         """KV events (BlockStored / BlockRemoved / AllBlocksCleared) for cache-aware routers."""

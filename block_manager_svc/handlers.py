@@ -1,7 +1,7 @@
 """The core stage of the block manager's pipeline: one RPC's request applied
 to the core, and its reply built. No decisions.
 
-`CoreCommands.apply(name, request, context, tenant)` translates the request
+`CoreStage.apply(name, request, context, tenant)` translates the request
 into a core call, runs it under the state lock, drains the KV events the call
 produced (`BlockManager.take_events`) into the event hub with the calling
 tenant as data, and translates the result back. The core is not thread-safe
@@ -180,7 +180,7 @@ class _SubAppends:
                 errors.append(_item_error(pb.StepItemError.PACKED_APPEND, err, err.index - n_sub))
 
 
-class CoreCommands:
+class CoreStage:
     """Applies one RPC to the core under the state lock (the pipeline's last stage)."""
 
     def __init__(self, core: BlockManager, lock: threading.RLock) -> None:
