@@ -445,4 +445,5 @@ class CoreStage:
             eviction_policy=cfg.eviction_policy,
             preemption_mode=cfg.preemption_mode,
             watermark_blocks=cfg.watermark_blocks,
+            enable_prefix_caching=cfg.enable_prefix_caching,
         )
