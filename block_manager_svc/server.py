@@ -92,7 +92,7 @@ def start_server(settings: BlockManagerSettings) -> RunningServer:
     ]
     # Security and observability (docs/security.md, docs/observability.md): all off by default.
     store = TokenStore.load(settings.auth_tokens_file) if settings.auth_tokens_file else None
-    tenancy = TenantScope(store) if store is not None else NO_TENANCY
+    tenancy = TenantScope() if store is not None else NO_TENANCY
     servicer = BlockManagerServicer(build_core(settings), settings.num_cpu_blocks, tenancy)
     interceptors: list[grpc.ServerInterceptor] = []
     registry = None

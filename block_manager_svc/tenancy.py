@@ -99,10 +99,10 @@ NO_TENANCY = NoTenancy()
 
 
 class TenantScope:
-    """Per-tenant namespaces, salts and stats scoping (authentication on)."""
+    """Per-tenant namespaces, salts and stats scoping (authentication on; the
+    auth interceptor has put the caller in `current_tenant`)."""
 
-    def __init__(self, store: TokenStore) -> None:
-        self.store = store
+    __slots__ = ()
 
     # --- the stage ------------------------------------------------------------------
     def enter(self, name: str, request: Any, context: Any) -> Scoped:
