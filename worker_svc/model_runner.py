@@ -40,6 +40,8 @@ class SequenceRequest:
     num_cached_tokens: int
     sampling: SamplingParams = field(default_factory=SamplingParams)
     return_logits: bool = False
+    # n > 1: the forked samples' parameters; each draws one token from this sequence's last position.
+    fork_sampling: list[SamplingParams] = field(default_factory=list)
 
     @property
     def seq_len(self) -> int:
@@ -65,6 +67,7 @@ class SequenceResult:
     token_id: int
     logprob: float
     logits: torch.Tensor | None = None  # fp32 [vocab] on CPU, when asked for
+    fork_samples: list[tuple[int, float]] = field(default_factory=list)  # (token, logprob) per fork
 
 
 @dataclass(slots=True)
@@ -138,9 +141,10 @@ class ModelRunner:
             bad = [b for b in s.block_ids[:need] if b >= self.num_gpu_blocks]
             if bad:
                 raise InvalidStep(f"{where}: block id {bad[0]} >= num_gpu_blocks {self.num_gpu_blocks}")
-            p = s.sampling
-            if p.temperature < 0 or not 0.0 <= p.top_p <= 1.0 or p.top_k < 0:
-                raise InvalidStep(f"{where}: bad sampling params {p}")
+            for j, p in enumerate([s.sampling, *s.fork_sampling]):
+                if p.temperature < 0 or not 0.0 <= p.top_p <= 1.0 or p.top_k < 0:
+                    what = "sampling" if j == 0 else f"fork_sampling[{j - 1}]"
+                    raise InvalidStep(f"{where}: bad {what} params {p}")
         self._check_pairs("ops.swap_out", ops.swap_out, self.num_gpu_blocks, self.num_cpu_blocks)
         self._check_pairs("ops.copies", ops.copies, self.num_gpu_blocks, self.num_gpu_blocks)
         sources = {s for s, _ in ops.copies}
@@ -252,19 +256,32 @@ class ModelRunner:
             if seqs:
                 token_tensor, batch, rows = self.build_batch(seqs)
                 logits = self.model.forward(token_tensor, batch, self.gpu_cache)
+                # Forked samples draw from their parent's row: one sample() call over all rows.
+                fork_rows = [i for i, s in enumerate(seqs) for _ in s.fork_sampling]
                 logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
-                result = sample(logits, [s.sampling for s in seqs], [s.seq_len for s in seqs])
+                rows_sampled = logits.index_select(0, torch.tensor(
+                    list(range(len(seqs))) + fork_rows, device=logits.device)) if fork_rows else logits
+                result = sample(
+                    rows_sampled,
+                    [s.sampling for s in seqs] + [p for s in seqs for p in s.fork_sampling],
+                    [s.seq_len for s in seqs] + [seqs[i].seq_len for i in fork_rows],
+                )
+                token_ids, logprobs = result.token_ids.tolist(), result.logprobs.tolist()
                 want_logits = any(s.return_logits for s in seqs)
                 logits_cpu = logits.cpu() if want_logits else None
+                k = len(seqs)
                 for i, s in enumerate(seqs):
+                    n = len(s.fork_sampling)
                     outputs.append(
                         SequenceResult(
                             seq_id=s.seq_id,
-                            token_id=int(result.token_ids[i]),
-                            logprob=float(result.logprobs[i]),
+                            token_id=int(token_ids[i]),
+                            logprob=float(logprobs[i]),
                             logits=logits_cpu[i] if (logits_cpu is not None and s.return_logits) else None,
+                            fork_samples=list(zip(token_ids[k : k + n], logprobs[k : k + n])),
                         )
                     )
+                    k += n
             t2 = time.perf_counter()
         return StepResult(
             outputs=outputs,
