@@ -12,6 +12,7 @@ It has no gRPC in it: the servicer translates messages to these dataclasses and 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -20,7 +21,8 @@ from dataclasses import dataclass, field
 import torch
 
 import kernels
-from worker_svc.model.llama import AttentionBatch, LlamaModel
+from worker_svc.model.batch import AttentionBatch
+from worker_svc.model.llama import LlamaModel
 from worker_svc.model.sampling import SamplingParams, sample
 
 
@@ -78,6 +80,39 @@ class StepResult:
     forward_ms: float
 
 
+class _StepClock:
+    """The step's two phases (cache ops, forward + sampling), timed without adding a sync.
+
+    On CUDA: events recorded on the current stream, read once the step's last event completed
+    (``done`` waits for it, which is also what makes a step of cache ops only visible to other
+    processes before the reply). On CPU: the host clock."""
+
+    __slots__ = ("_device", "_cuda", "_marks")
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._cuda = device.type == "cuda"
+        self._marks: list[object] = []
+        self.mark()
+
+    def mark(self) -> None:
+        if self._cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(torch.cuda.current_stream(self._device))
+            self._marks.append(event)
+        else:
+            self._marks.append(time.perf_counter())
+
+    def done(self) -> tuple[float, float]:
+        """(cache ops ms, forward ms)."""
+        self.mark()
+        m = self._marks
+        if self._cuda:
+            m[-1].synchronize()  # type: ignore[attr-defined]
+            return m[0].elapsed_time(m[1]), m[1].elapsed_time(m[2])  # type: ignore[attr-defined]
+        return (m[1] - m[0]) * 1e3, (m[2] - m[1]) * 1e3  # type: ignore[operator]
+
+
 def _block_major(cache: torch.Tensor) -> torch.Tensor:
     """View ``[L, 2, N, ...]`` as ``[N, L, 2, ...]`` (no copy) so one swap call moves all layers."""
     return cache.permute(2, 0, 1, 3, 4, 5)
@@ -86,8 +121,16 @@ def _block_major(cache: torch.Tensor) -> torch.Tensor:
 class ModelRunner:
     """Owns the model and the views of the shared cache; runs one step at a time (thread-safe)."""
 
-    def __init__(self, model: LlamaModel, gpu_cache: torch.Tensor, cpu_cache: torch.Tensor) -> None:
+    def __init__(
+        self, model: LlamaModel, gpu_cache: torch.Tensor, cpu_cache: torch.Tensor, kernel_backend: str | None = None
+    ) -> None:
+        """``kernel_backend``: the kernel backend of this runner's steps ("auto", "reference", "cpu",
+        "triton"; a worker's ``--kernel-backend``), applied as a ``kernels.use_backend`` override
+        around each step, so it never leaks to other runners in the process. None: the environment
+        variable PAGEDKV_KERNEL_BACKEND, else "auto" (kernels/dispatch.py)."""
         cfg = model.cfg
+        if kernel_backend is not None and kernel_backend not in kernels.BACKENDS:
+            raise ValueError(f"unknown kernel backend {kernel_backend!r}; expected one of {kernels.BACKENDS}")
         if gpu_cache.dim() != 6 or gpu_cache.shape[0] != cfg.num_layers or gpu_cache.shape[1] != 2:
             raise ValueError(f"KV cache shape {tuple(gpu_cache.shape)} is not [num_layers={cfg.num_layers}, 2, ...]")
         if tuple(gpu_cache.shape[4:]) != (cfg.num_kv_heads, cfg.head_dim):
@@ -103,6 +146,7 @@ class ModelRunner:
         self.block_size = int(gpu_cache.shape[3])
         self.num_cpu_blocks = int(cpu_cache.shape[2]) if cpu_cache.dim() == 6 else 0
         self.device = gpu_cache.device
+        self.kernel_backend = kernel_backend
         self._lock = threading.Lock()
         self._closed = False
 
@@ -240,18 +284,13 @@ class ModelRunner:
         """Validate everything first (an invalid step changes nothing), then run it."""
         ops = ops or CacheOpsRequest()
         self.validate(seqs, ops)
-        with self._lock:
+        backend = kernels.use_backend(self.kernel_backend) if self.kernel_backend else contextlib.nullcontext()  # type: ignore[arg-type]
+        with self._lock, backend:
             if self._closed:
                 raise RunnerClosed("the worker is shutting down")
-            t0 = time.perf_counter()
+            clock = _StepClock(self.device)
             self.run_cache_ops(ops)
-            # Cross-process visibility: other workers read this cache through their own CUDA
-            # contexts and streams, so every cache write must be complete before the RPC replies.
-            # Cache ops are synchronised here; the forward's writes are complete once the sampled
-            # tokens reach the host below (same stream). Keep both if this step ever goes async.
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            t1 = time.perf_counter()
+            clock.mark()
             outputs: list[SequenceResult] = []
             if seqs:
                 token_tensor, batch, rows = self.build_batch(seqs)
@@ -282,10 +321,15 @@ class ModelRunner:
                         )
                     )
                     k += n
-            t2 = time.perf_counter()
+            # Cross-process visibility: other workers read this cache through their own CUDA
+            # contexts and streams, so every cache write (cache ops and the forward's KV writes,
+            # all on this stream) must be complete before the RPC replies. The sampled tokens
+            # reaching the host already ensure it when there was a forward; done() ensures it for
+            # a step of cache ops only.
+            cache_ops_ms, forward_ms = clock.done()
         return StepResult(
             outputs=outputs,
             num_tokens=sum(len(s.token_ids) for s in seqs),
-            cache_ops_ms=(t1 - t0) * 1e3,
-            forward_ms=(t2 - t1) * 1e3,
+            cache_ops_ms=cache_ops_ms,
+            forward_ms=forward_ms,
         )

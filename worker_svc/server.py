@@ -201,8 +201,6 @@ def start_worker(settings: WorkerSettings, stop: threading.Event | None = None) 
     """Everything up to SERVING. Raises GeometryMismatch / ValueError / TimeoutError on bad config."""
     from worker_svc.model_runner import ModelRunner
 
-    if settings.kernel_backend:
-        os.environ["PAGEDKV_KERNEL_BACKEND"] = settings.kernel_backend
     cpus, threads = cpu_placement.apply(settings.cpu_affinity, settings.num_threads)
     device = resolve_device(settings.device)
     model_cfg = load_model_config(settings.model)
@@ -218,7 +216,7 @@ def start_worker(settings: WorkerSettings, stop: threading.Event | None = None) 
     weights: SharedWeights | None = None
     try:
         model, weights = _model_for_worker(settings, model_cfg, dtype, device, weights_from_proto(info))
-        runner = ModelRunner(model, cache.gpu, cache.cpu)
+        runner = ModelRunner(model, cache.gpu, cache.cpu, kernel_backend=settings.kernel_backend)
         import kernels
 
         winfo = worker_pb2.WorkerInfo(
@@ -226,7 +224,7 @@ def start_worker(settings: WorkerSettings, stop: threading.Event | None = None) 
             num_heads=model_cfg.num_heads, num_kv_heads=model_cfg.num_kv_heads, head_dim=model_cfg.head_dim,
             hidden_size=model_cfg.hidden_size, dtype=dtype_name(dtype), device=str(device),
             geometry=geometry_to_proto(desc.geometry), cache_instance_id=desc.instance_id,
-            kernel_backend=kernels.backend_for(cache.gpu),
+            kernel_backend=kernels.backend_for(cache.gpu, settings.kernel_backend),
             role=ROLES[settings.role], shared_weights=weights is not None,
         )
         servicer = WorkerServicer(runner, winfo)
