@@ -22,7 +22,7 @@ import torch
 
 import kernels
 from worker_svc.model.batch import AttentionBatch
-from worker_svc.model.llama import LlamaModel
+from worker_svc.model.registry import Model
 from worker_svc.model.sampling import SamplingParams, sample
 
 
@@ -122,7 +122,7 @@ class ModelRunner:
     """Owns the model and the views of the shared cache; runs one step at a time (thread-safe)."""
 
     def __init__(
-        self, model: LlamaModel, gpu_cache: torch.Tensor, cpu_cache: torch.Tensor, kernel_backend: str | None = None
+        self, model: Model, gpu_cache: torch.Tensor, cpu_cache: torch.Tensor, kernel_backend: str | None = None
     ) -> None:
         """``kernel_backend``: the kernel backend of this runner's steps ("auto", "reference", "cpu",
         "triton"; a worker's ``--kernel-backend``), applied as a ``kernels.use_backend`` override

@@ -44,7 +44,7 @@ from worker_svc.settings import CacheHostSettings, WorkerSettings
 from worker_svc.shared_weights import SharedWeights, WeightsDescriptor
 
 if TYPE_CHECKING:
-    from worker_svc.model.llama import LlamaModel
+    from worker_svc.model.registry import Model
 
 # --role -> WorkerInfo.role
 ROLES = {
@@ -145,12 +145,12 @@ def _share_weights(
 def _model_for_worker(
     settings: WorkerSettings, model_cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
     host_weights: WeightsDescriptor | None,
-) -> tuple[LlamaModel, SharedWeights | None]:
+) -> tuple[Model, SharedWeights | None]:
     """The cache host's shared weights when there are some (and --weights allows), else a private load.
 
     Two different models on one cache would mix their KV: a worker whose own settings name other
     weights than the host's refuses to start (GeometryMismatch: a configuration error)."""
-    from worker_svc.model.llama import LlamaModel
+    from worker_svc.model.registry import build_model
     from worker_svc.model.weights import fused_shapes, load_model, weights_source
 
     if settings.weights == "local" or (settings.weights == "auto" and host_weights is None):
@@ -167,7 +167,7 @@ def _model_for_worker(
             f"shares {host_weights.source!r} (give both the same --model / --seed, or --weights local)"
         )
     shared = shared_weights.bind(host_weights, device, fused_shapes(model_cfg), dtype)
-    return LlamaModel(model_cfg, shared.tensors), shared
+    return build_model(model_cfg, shared.tensors), shared
 
 
 @dataclass(slots=True)

@@ -1,4 +1,7 @@
-"""The Llama decoder's forward pass on a paged KV cache.
+"""The Llama architecture (``LlamaForCausalLM``): its checkpoint layout and its forward pass on a paged KV cache.
+
+Registered in ``registry.py``; what an architecture module provides is listed there
+(``check_hf_config``, ``expected_shapes``, ``FUSED``, ``build``).
 
 One call processes a flat batch of tokens from many sequences at once: the prefill sequences'
 tokens first, then the decode sequences' (one token each), as laid out by ``model_runner``. Dense
@@ -19,6 +22,7 @@ The step's attention metadata is validated, its kernel backend chosen and the ba
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +49,34 @@ FUSED = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
 }
+
+
+def check_hf_config(cfg: dict[str, Any]) -> None:
+    """Refuse a config.json this module cannot run, naming the value."""
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"unsupported hidden_act {cfg.get('hidden_act')!r}; Llama uses silu")
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor (Hugging Face names) a Llama checkpoint provides -> its shape, in checkpoint
+    order (the order the built-in model's seeded random weights are drawn in)."""
+    h, d, i, vocab = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, cfg.vocab_size
+    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (vocab, h)
+    attn = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q)}
+    mlp = {"gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+    for layer in range(cfg.num_layers):
+        p = f"model.layers.{layer}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        for group, projs, bias in (("self_attn", attn, cfg.attention_bias), ("mlp", mlp, cfg.mlp_bias)):
+            for proj, shape in projs.items():
+                shapes[f"{p}{group}.{proj}.weight"] = shape
+                if bias:
+                    shapes[f"{p}{group}.{proj}.bias"] = (shape[0],)
+    return shapes
 
 
 def fused_tensor(w: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
@@ -135,3 +167,7 @@ class LlamaModel:
         last = x.index_select(0, batch.logits_indices)
         last = rms_norm(last, self.norm, cfg.rms_norm_eps)
         return self.lm_head(last).to(torch.float32)
+
+
+def build(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> LlamaModel:
+    return LlamaModel(cfg, weights)
