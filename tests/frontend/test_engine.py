@@ -134,7 +134,7 @@ def test_swap_preemption_round_trips_through_the_cpu_pool(hf: HFModel, mode: str
 
 
 def test_same_new_prefix_admitted_together_prefills_twice_then_later_requests_hit(hf: HFModel) -> None:
-    """Issue 11: a request whose prefix is allocated but not committed gets 0 hits and prefills it
+    """Prefix hits are committed blocks: a request whose prefix is allocated but not committed gets 0 hits and prefills it
     itself (correct output); once the prefill is committed, later requests hit it. One Step and at
     most one worker step per iteration."""
     p = prompts(5, 1)[0] + [7, 8, 9, 10, 11]  # 3+ full blocks of 4
