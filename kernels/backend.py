@@ -7,17 +7,18 @@ these signatures (mypy checks a module against a Protocol); it receives argument
 ``kernels/__init__.py`` are generated from this class (same signature and docstring), and
 ``kernels/step.py`` calls a backend directly once a step's metadata was validated.
 
-Adding a backend is one module plus one line in ``MODULES``. Which backend runs a call is decided in
+Adding a backend is one module plus one line in ``MODULES`` (loaded through ``pagedkv/registry.py``). Which backend runs a call is decided in
 ``kernels/dispatch.py`` (``resolve``), and only there.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Sequence
 from typing import Protocol, cast
 
 import torch
+
+from pagedkv.registry import load as load_registered
 
 # name -> module: imported on first use, so a missing optional dependency (Triton) only matters
 # when its backend is chosen.
@@ -110,11 +111,12 @@ class KernelBackend(Protocol):
 
 def get(name: str) -> KernelBackend:
     """The backend registered as ``name`` ("reference", "cpu" or "triton")."""
-    try:
-        module = MODULES[name]
-    except KeyError:
-        raise ValueError(f"unknown kernel backend {name!r}; registered: {sorted(MODULES)}") from None
-    return cast(KernelBackend, importlib.import_module(module))
+    return cast(KernelBackend, load_registered(MODULES, name, "kernel backend"))
+
+
+def plan_nothing(*args: object) -> None:
+    """``plan_decode`` / ``plan_prefill`` of a backend that needs no per-step plan."""
+    return None
 
 
 def as_list(caches: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:

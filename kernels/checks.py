@@ -206,27 +206,28 @@ def write_kv_cache(a: Args) -> Where:
     return dev, key_cache.dtype
 
 
-def paged_decode_attention(a: Args) -> Where:
+def _attention(a: Args) -> tuple[torch.Tensor, torch.Tensor, torch.device]:
+    """What decode and prefill share: query vs. caches, block tables and lengths, devices, ``out``."""
     q, num_blocks, block_size = _query(a["query"], a["key_cache"], a["value_cache"])
     bt, sl = block_tables_and_lens(a["block_tables"], a["seq_lens"], num_blocks, block_size)
     dev = same_device(
         ["query", "key_cache", "value_cache", "block_tables", "seq_lens"], [q, a["key_cache"], a["value_cache"], bt, sl]
     )
     _out(a["out"], q)
-    if q.shape[0] != bt.shape[0]:
-        raise ValueError(f"query has {q.shape[0]} sequences but block_tables has {bt.shape[0]}")
+    return q, sl, dev
+
+
+def paged_decode_attention(a: Args) -> Where:
+    q, sl, dev = _attention(a)
+    if q.shape[0] != sl.shape[0]:
+        raise ValueError(f"query has {q.shape[0]} sequences but block_tables has {sl.shape[0]}")
     if a["num_splits"] is not None and a["num_splits"] < 1:
         raise ValueError(f"num_splits must be >= 1, got {a['num_splits']}")
     return dev, q.dtype
 
 
 def paged_prefill_attention(a: Args) -> Where:
-    q, num_blocks, block_size = _query(a["query"], a["key_cache"], a["value_cache"])
-    bt, sl = block_tables_and_lens(a["block_tables"], a["seq_lens"], num_blocks, block_size)
-    dev = same_device(
-        ["query", "key_cache", "value_cache", "block_tables", "seq_lens"], [q, a["key_cache"], a["value_cache"], bt, sl]
-    )
-    _out(a["out"], q)
+    q, sl, dev = _attention(a)
     qsl = query_start_loc(a["query_start_loc"], sl, q.shape[0])
     same_device(["query", "query_start_loc"], [q, qsl])
     return dev, q.dtype

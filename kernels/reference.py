@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.backend import as_list
+from kernels.backend import as_list, plan_nothing
 
 __all__ = [
     "write_kv_cache", "paged_decode_attention", "paged_prefill_attention", "copy_blocks", "swap_blocks",
@@ -151,13 +151,5 @@ def swap_blocks(
             dc[int(d)].copy_(sc[int(s)])
 
 
-def plan_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> None:
-    """Nothing to plan: every call gathers what it needs."""
-    return None
-
-
-def plan_prefill(
-    block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_size: int, group: int
-) -> None:
-    """Nothing to plan: every call gathers what it needs."""
-    return None
+# Nothing to plan: every call gathers what it needs.
+plan_decode = plan_prefill = plan_nothing

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from kernels import cache_ops, decode, prefill
+from kernels.backend import plan_nothing
 from kernels.cache_ops import copy_blocks, write_kv_cache
 from kernels.swap import swap_blocks
 
@@ -44,13 +45,5 @@ def paged_prefill_attention(
     )
 
 
-def plan_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> None:
-    """Nothing to plan: each launch reads the metadata on the device."""
-    return None
-
-
-def plan_prefill(
-    block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_size: int, group: int
-) -> None:
-    """Nothing to plan: each launch reads the metadata on the device."""
-    return None
+# Nothing to plan: each launch reads the metadata on the device.
+plan_decode = plan_prefill = plan_nothing

@@ -280,12 +280,17 @@ class ModelRunner:
         return token_tensor, batch, last_index
 
     # ---------------------------------------------------------------- the step
+    def _kernel_backend(self) -> contextlib.AbstractContextManager[None]:
+        """This runner's kernel backend for the calls of one step (none: the process default)."""
+        if self.kernel_backend is None:
+            return contextlib.nullcontext()
+        return kernels.use_backend(self.kernel_backend)  # type: ignore[arg-type]
+
     def step(self, seqs: Sequence[SequenceRequest], ops: CacheOpsRequest | None = None) -> StepResult:
         """Validate everything first (an invalid step changes nothing), then run it."""
         ops = ops or CacheOpsRequest()
         self.validate(seqs, ops)
-        backend = kernels.use_backend(self.kernel_backend) if self.kernel_backend else contextlib.nullcontext()  # type: ignore[arg-type]
-        with self._lock, backend:
+        with self._lock, self._kernel_backend():
             if self._closed:
                 raise RunnerClosed("the worker is shutting down")
             clock = _StepClock(self.device)

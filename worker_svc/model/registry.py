@@ -14,8 +14,9 @@ tensors it is made of), ``check_hf_config(cfg)`` (refuse what the module cannot 
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any, Protocol, cast
+
+from pagedkv.registry import load as load_registered
 
 if TYPE_CHECKING:
     import torch
@@ -63,11 +64,7 @@ def pick(names: list[str]) -> str:
 
 
 def architecture(name: str) -> Architecture:
-    try:
-        module = ARCHITECTURES[name]
-    except KeyError:
-        raise ValueError(f"unsupported architecture {name!r}; expected one of {tuple(ARCHITECTURES)}") from None
-    return cast(Architecture, importlib.import_module(module))
+    return cast(Architecture, load_registered(ARCHITECTURES, name, "architecture"))
 
 
 def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> Model:
