@@ -26,7 +26,8 @@ and one worker step per pipeline (EngineStats counts both; with
 3. Sample results are streamed as `TokenEvent`s; the samples of an `n > 1`
    request get their first token from the worker, which draws it from the
    prompt's last position with each sample's own seed
-   (`SequenceInput.fork_sampling`), then decode on their own (copy-on-write of the shared tail block on their first append).
+   (`SequenceInput.fork_sampling`), then decode on their own (copy-on-write
+   of the shared tail block on their first append).
 
 The block manager is the one place that knows which KV exists: a prefix hit is
 a committed block, so the engine keeps no shadow of it. A request whose prefix
@@ -995,6 +996,9 @@ class Engine:
         from the prompt's last position (``SequenceInput.fork_sampling``)."""
         events = []
         sent, parent.forks_sent = parent.forks_sent, []
+        if len(samples) != len(sent):  # else those samples would wait for a first token forever
+            raise RuntimeError(f"the worker drew {len(samples)} first tokens for the {len(sent)} samples forked from "
+                               f"{parent.seq_id} (a worker that predates SequenceInput.fork_sampling?)")
         for child, drawn in zip(sent, samples):
             if not child.awaiting_parent or child.status is not SeqStatus.RUNNING:
                 continue  # preempted meanwhile: it re-prefills as a request of its own
