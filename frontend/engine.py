@@ -24,8 +24,10 @@ and one worker step per pipeline (EngineStats counts both; with
    waiting for it; a sequence joins the decode batch at the first iteration
    after its prefill came back (and is committed in that iteration's Step).
 3. Sample results are streamed as `TokenEvent`s; the samples of an `n > 1`
-   request draw their first token from the prompt's logits, then decode on
-   their own (copy-on-write of the shared tail block on their first append).
+   request get their first token from the worker, which draws it from the
+   prompt's last position with each sample's own seed
+   (`SequenceInput.fork_sampling`), then decode on their own (copy-on-write
+   of the shared tail block on their first append).
 
 The block manager is the one place that knows which KV exists: a prefix hit is
 a committed block, so the engine keeps no shadow of it. A request whose prefix
@@ -71,6 +73,8 @@ from pagedkv.v1 import worker_pb2 as wpb
 
 log = structlog.get_logger("pagedkv.engine")
 
+MAX_TOP_LOGPROBS = 20  # what a worker returns at most per position (worker_svc/model/sampling.py)
+
 
 class CacheHostLost(RuntimeError):
     """Every worker says the cache host (and so every sequence's KV) is gone (docs/reliability.md)."""
@@ -84,6 +88,9 @@ class SamplingOptions:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    # Also report this many most likely tokens (with logprobs) at every position: OpenAI's
+    # logprobs=N / top_logprobs, vLLM's SamplingParams.logprobs. 0 = only the chosen token's.
+    logprobs: int = 0
 
     def validate(self) -> None:
         """Reject what a worker would refuse, before anything is allocated (the option is named)."""
@@ -95,6 +102,8 @@ class SamplingOptions:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
 
 
 @dataclass(slots=True)
@@ -134,6 +143,8 @@ class TokenEvent:
     token_id: int
     logprob: float
     finish_reason: str | None  # None while running, else "stop" or "length"
+    # SamplingOptions.logprobs most likely (token, logprob) of the position, most likely first.
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(slots=True)
@@ -142,6 +153,7 @@ class Completion:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
+    top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)  # per token, when asked
 
 
 @dataclass(slots=True)
@@ -177,9 +189,11 @@ class _Seq:
     needs_slot: bool = False  # last token sampled but not yet reserved in the block manager
     forked: bool = False  # n > 1 samples already forked from this sequence
     # An n > 1 sample forked at admission: shares the parent's prompt blocks and
-    # waits for the parent's prefill to draw its first token from its logits.
+    # waits for the parent's prefill, whose worker step draws its first token.
     awaiting_parent: bool = False
     children: list[_Seq] = field(default_factory=list)
+    # The children whose first token the last worker request asked this sequence's step to draw.
+    forks_sent: list[_Seq] = field(default_factory=list)
     in_flight: bool = False  # its prefill chunk is running on a prefill worker right now
 
     @property
@@ -835,19 +849,17 @@ class Engine:
         for s, k in batch:
             start = s.num_computed
             final = start + k == len(s.tokens)
-            sampling = s.request.sampling
             item = req.sequences.add(
                 seq_id=s.seq_id,
                 token_ids=s.tokens[start : start + k],
                 block_ids=s.block_table,
                 num_cached_tokens=start,
-                return_logits=final and any(c.awaiting_parent for c in s.children),
             )
-            item.sampling.temperature = sampling.temperature
-            item.sampling.top_p = sampling.top_p
-            item.sampling.top_k = sampling.top_k
-            if s.seed is not None:
-                item.sampling.seed = s.seed
+            _fill_sampling(item.sampling, s.request.sampling, s.seed)
+            # n > 1: the worker draws the forked samples' first tokens from the prompt's last position.
+            s.forks_sent = [c for c in s.children if c.awaiting_parent] if final else []
+            for c in s.forks_sent:
+                _fill_sampling(item.fork_sampling.add(), s.request.sampling, c.seed)
         return req
 
     def _run_worker(
@@ -922,9 +934,8 @@ class Engine:
                     c.num_computed = s.num_computed  # their shared prompt blocks were just written
             if s.num_computed < len(s.tokens):
                 continue  # a prefill chunk: its sampled token is meaningless
-            if any(c.awaiting_parent for c in s.children):
-                events.extend(self._sample_children(s, list(out.logits)))
-            events.append(self._accept_token(s, out.token_id, out.logprob))
+            events.extend(self._accept_fork_samples(s, out.fork_samples))
+            events.append(self._accept_token(s, out))
         return events
 
     @staticmethod
@@ -990,27 +1001,29 @@ class Engine:
         log.warning("cache_recovered", old_cache_instance_id=old, cache_instance_id=new,
                     requeued=len(victims), action="re-prefilling")
 
-    def _sample_children(self, parent: _Seq, logits: list[float]) -> list[TokenEvent]:
-        """n > 1: the samples forked at admission draw their first token from the prompt's logits."""
-        import torch
-
-        from worker_svc.model.sampling import SamplingParams, sample
-
-        opts = parent.request.sampling
+    def _accept_fork_samples(self, parent: _Seq, samples: Sequence[wpb.Sample]) -> list[TokenEvent]:
+        """n > 1: the samples forked at admission take the first tokens the worker drew for them
+        from the prompt's last position (``SequenceInput.fork_sampling``)."""
         events = []
-        row = torch.tensor(logits, dtype=torch.float32)
-        for child in parent.children:
+        sent, parent.forks_sent = parent.forks_sent, []
+        if len(samples) != len(sent):  # else those samples would wait for a first token forever
+            raise RuntimeError(f"the worker drew {len(samples)} first tokens for the {len(sent)} samples forked from "
+                               f"{parent.seq_id} (a worker that predates SequenceInput.fork_sampling?)")
+        for child, drawn in zip(sent, samples):
             if not child.awaiting_parent or child.status is not SeqStatus.RUNNING:
-                continue
+                continue  # preempted meanwhile: it re-prefills as a request of its own
             child.awaiting_parent = False
             child.num_computed = parent.num_computed
-            params = SamplingParams(opts.temperature, opts.top_p, opts.top_k, child.seed)
-            res = sample(row[None, :], [params], [len(parent.tokens)])
-            events.append(self._accept_token(child, int(res.token_ids[0]), float(res.logprobs[0])))
+            events.append(self._accept_token(child, drawn))
         return events
 
-    def _accept_token(self, s: _Seq, token: int, logprob: float) -> TokenEvent:
+    def _accept_token(self, s: _Seq, drawn: wpb.SequenceOutput | wpb.Sample) -> TokenEvent:
         c = s.completion
+        token, logprob = drawn.token_id, drawn.logprob
+        top: tuple[tuple[int, float], ...] = ()
+        if s.request.sampling.logprobs:
+            top = tuple(zip(drawn.top_token_ids, drawn.top_logprobs))
+            c.top_logprobs.append(top)
         c.token_ids.append(token)
         c.logprobs.append(logprob)
         self.stats.generated_tokens += 1
@@ -1028,9 +1041,18 @@ class Engine:
             self._running.remove(s)
             self._to_free.append(s.seq_id)
             self._finished_prefixes.append((s.tokens, s.num_computed))
-        return TokenEvent(s.request.request_id, s.index, token, logprob, reason)
+        return TokenEvent(s.request.request_id, s.index, token, logprob, reason, top)
 
     def flush(self) -> None:
         """Free what finished in the last step (also done at the start of the next step)."""
         if self._to_free:
             self._block_manager_step(pb.CacheOps(), full=False)
+
+
+def _fill_sampling(msg: wpb.SamplingParams, opts: SamplingOptions, seed: int | None) -> None:
+    msg.temperature = opts.temperature
+    msg.top_p = opts.top_p
+    msg.top_k = opts.top_k
+    msg.num_top_logprobs = opts.logprobs
+    if seed is not None:
+        msg.seed = seed

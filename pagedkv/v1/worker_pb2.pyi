@@ -73,6 +73,7 @@ class SamplingParams(_message.Message):
     TOP_P_FIELD_NUMBER: _builtins.int
     TOP_K_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
+    NUM_TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     temperature: _builtins.float
     """0 means greedy (argmax)."""
     top_p: _builtins.float
@@ -85,6 +86,10 @@ class SamplingParams(_message.Message):
     """Seed of the per-sequence generator. The draw for a token depends only on
     (seed, position of the token), so any worker reproduces it. Unset: random.
     """
+    num_top_logprobs: _builtins.int
+    """Also return this many most likely tokens of the position with their
+    log-probabilities (OpenAI's logprobs=N / top_logprobs); 0 = none, at most 20.
+    """
     def __init__(
         self,
         *,
@@ -92,10 +97,11 @@ class SamplingParams(_message.Message):
         top_p: _builtins.float = ...,
         top_k: _builtins.int = ...,
         seed: _builtins.int | None = ...,
+        num_top_logprobs: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "seed", b"seed"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "num_top_logprobs", b"num_top_logprobs", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
@@ -113,6 +119,7 @@ class SequenceInput(_message.Message):
     NUM_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
     RETURN_LOGITS_FIELD_NUMBER: _builtins.int
+    FORK_SAMPLING_FIELD_NUMBER: _builtins.int
     seq_id: _builtins.str
     num_cached_tokens: _builtins.int
     """Tokens of this sequence whose KV is already in the cache, before token_ids."""
@@ -130,6 +137,15 @@ class SequenceInput(_message.Message):
 
     @_builtins.property
     def sampling(self) -> Global___SamplingParams: ...
+    @_builtins.property
+    def fork_sampling(self) -> _containers.RepeatedCompositeFieldContainer[Global___SamplingParams]:
+        """The other samples of an n > 1 request, forked from this sequence at
+        admission: each draws its first token from the same last-position
+        distribution as this sequence, with its own parameters (its own seed).
+        Sent with the step that computes the prompt's last token; the answer is
+        SequenceOutput.fork_samples, one per entry, same order.
+        """
+
     def __init__(
         self,
         *,
@@ -139,14 +155,50 @@ class SequenceInput(_message.Message):
         num_cached_tokens: _builtins.int = ...,
         sampling: Global___SamplingParams | None = ...,
         return_logits: _builtins.bool = ...,
+        fork_sampling: _abc.Iterable[Global___SamplingParams] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "num_cached_tokens", b"num_cached_tokens", "return_logits", b"return_logits", "sampling", b"sampling", "seq_id", b"seq_id", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "fork_sampling", b"fork_sampling", "num_cached_tokens", b"num_cached_tokens", "return_logits", b"return_logits", "sampling", b"sampling", "seq_id", b"seq_id", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SequenceInput: _TypeAlias = SequenceInput  # noqa: Y015
+
+@_typing.final
+class Sample(_message.Message):
+    """One drawn token."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_ID_FIELD_NUMBER: _builtins.int
+    LOGPROB_FIELD_NUMBER: _builtins.int
+    TOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    token_id: _builtins.int
+    logprob: _builtins.float
+    """Its log-probability under the model's distribution (as SequenceOutput.logprob)."""
+    @_builtins.property
+    def top_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """As SequenceOutput.top_token_ids / top_logprobs."""
+
+    @_builtins.property
+    def top_logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    def __init__(
+        self,
+        *,
+        token_id: _builtins.int = ...,
+        logprob: _builtins.float = ...,
+        top_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        top_logprobs: _abc.Iterable[_builtins.float] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprob", b"logprob", "token_id", b"token_id", "top_logprobs", b"top_logprobs", "top_token_ids", b"top_token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Sample: _TypeAlias = Sample  # noqa: Y015
 
 @_typing.final
 class WorkerStepRequest(_message.Message):
@@ -192,6 +244,9 @@ class SequenceOutput(_message.Message):
     TOKEN_ID_FIELD_NUMBER: _builtins.int
     LOGPROB_FIELD_NUMBER: _builtins.int
     LOGITS_FIELD_NUMBER: _builtins.int
+    FORK_SAMPLES_FIELD_NUMBER: _builtins.int
+    TOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     seq_id: _builtins.str
     token_id: _builtins.int
     """The next token."""
@@ -203,6 +258,18 @@ class SequenceOutput(_message.Message):
     def logits(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
         """Filled only when SequenceInput.return_logits was set."""
 
+    @_builtins.property
+    def fork_samples(self) -> _containers.RepeatedCompositeFieldContainer[Global___Sample]:
+        """One per SequenceInput.fork_sampling, same order."""
+
+    @_builtins.property
+    def top_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The SamplingParams.num_top_logprobs most likely tokens of the position, most
+        likely first, with their log-probabilities (as logprob).
+        """
+
+    @_builtins.property
+    def top_logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
     def __init__(
         self,
         *,
@@ -210,10 +277,13 @@ class SequenceOutput(_message.Message):
         token_id: _builtins.int = ...,
         logprob: _builtins.float = ...,
         logits: _abc.Iterable[_builtins.float] | None = ...,
+        fork_samples: _abc.Iterable[Global___Sample] | None = ...,
+        top_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        top_logprobs: _abc.Iterable[_builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["logits", b"logits", "logprob", b"logprob", "seq_id", b"seq_id", "token_id", b"token_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fork_samples", b"fork_samples", "logits", b"logits", "logprob", b"logprob", "seq_id", b"seq_id", "token_id", b"token_id", "top_logprobs", b"top_logprobs", "top_token_ids", b"top_token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
