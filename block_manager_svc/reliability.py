@@ -21,9 +21,13 @@ Every mutation runs through one path, :meth:`ReliableServicer._mutate`:
 With no ``--state-dir``, no ``request_id``, no lease in use and none named,
 step 1 and one branch are all that is added to the plain handler.
 
-Recovery replays the journal through the same ``_apply`` the live path uses,
-so replay reproduces replies (the dedupe window is rebuilt from them), block
-tables, ref counts, the prefix index and eviction order exactly.
+The journal records what a request did, not the request: the core and lease
+commands it applied (block_manager_svc/commands.py, captured by a recording
+view of the core while the handler runs) and, for a request with an id, the
+reply it got. Recovery loads the snapshot (an explicit state export,
+block_manager_svc/snapshot.py) and calls the same core and lease methods
+again with the same arguments, so block tables, ref counts, the prefix index,
+eviction order and the dedupe window come back exactly.
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ import fcntl
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,6 +46,19 @@ import grpc
 import structlog
 
 from block_manager_svc import snapshot as snap
+from block_manager_svc.commands import (
+    CORE,
+    LEASES,
+    RECORD_NAME,
+    Batch,
+    Command,
+    DedupeEntry,
+    ReplayError,
+    Tap,
+    apply,
+    decode_batch,
+    encode_batch,
+)
 from block_manager_svc.core import CoreError
 from block_manager_svc.idempotency import DedupeTable, RequestIdReused, WaitTimeout, digest
 from block_manager_svc.journal import Journal, Record, ScanReport, scan
@@ -54,48 +72,17 @@ if TYPE_CHECKING:
 log = structlog.get_logger("pagedkv.block_manager")
 
 MUTATIONS = ("Allocate", "Append", "Fork", "Free", "Commit", "Step", "SwapIn", "Preempt", "ResetPrefixCache")
-EXPIRE_LEASE = "ExpireLease"  # journal record of a lease expiry (body: the lease id)
 MAX_TTL_MS = 24 * 3600 * 1000
 SNAPSHOT_VERSION = 1
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["BlockManager"]
 
 
-def _request_type(method: str) -> Any:
-    return getattr(pb, _SERVICE.methods_by_name[method].input_type.name)
-
-
 def _response_type(method: str) -> Any:
     return getattr(pb, _SERVICE.methods_by_name[method].output_type.name)
 
 
-class ReplayError(RuntimeError):
-    """A journaled command was refused on replay: the journal and the code disagree."""
-
-
-class _InternalContext:
-    """Stands in for grpc.ServicerContext on replay and for internal commands."""
-
-    def abort(self, code: grpc.StatusCode, details: str) -> None:
-        raise ReplayError(f"{code.name}: {details}")
-
-    def time_remaining(self) -> None:
-        return None
-
-    def set_code(self, code: grpc.StatusCode) -> None:
-        pass
-
-    def set_details(self, details: str) -> None:
-        pass
-
-    def is_active(self) -> bool:
-        return True
-
-    def invocation_metadata(self) -> tuple:
-        return ()
-
-    def peer(self) -> str:
-        return "internal"
+__all__ = ["MUTATIONS", "RecoveryReport", "Reliability", "ReliableServicer", "ReplayError"]
 
 
 @dataclass(slots=True)
@@ -155,10 +142,9 @@ class ReliableServicer(BlockManagerServicer):
             if len(lid) > MAX_LEASE_ID_LEN:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                               f"lease_id is {len(lid)} characters long; the limit is {MAX_LEASE_ID_LEN}")
-        body = request.SerializeToString() if (rid or journal is not None) else b""
         dig = b""
         if rid:
-            dig = digest(name, body)
+            dig = digest(name, request.SerializeToString())
             try:
                 # gRPC reports "no deadline" as a huge time_remaining; waits take None for that.
                 wait = remaining if remaining is not None and remaining < 1e6 else None
@@ -173,12 +159,19 @@ class ReliableServicer(BlockManagerServicer):
         try:
             seq = 0
             with self._lock:
-                response, changed = self._apply(name, base, request, context)
+                if journal is None:
+                    response, changed = self._apply(name, base, request, context)
+                    commands: list[Command] = []
+                else:
+                    with self._recording() as commands:
+                        response, changed = self._apply(name, base, request, context)
                 now = time.time()
+                reply = response.SerializeToString() if rid and changed else b""
                 if journal is not None and changed:
-                    seq = journal.append(name, body, now)
+                    entry = DedupeEntry(rid, name, dig, reply, now) if rid else None
+                    seq = journal.append(RECORD_NAME, encode_batch(Batch(commands, entry)), now)
                 if rid and changed:  # a pure lease renewal is not remembered: re-running it is harmless
-                    self.dedupe.put(rid, name, dig, response.SerializeToString(), now)
+                    self.dedupe.put(rid, name, dig, reply, now)
             if seq:
                 journal.wait_durable(seq)  # type: ignore[union-attr]
                 if self.snapshot_every_ops and journal.records_since_rotate >= self.snapshot_every_ops:  # type: ignore[union-attr]
@@ -212,6 +205,18 @@ class ReliableServicer(BlockManagerServicer):
             return response
         return response, True
 
+    @contextmanager
+    def _recording(self) -> Iterator[list[Command]]:
+        """Under the state lock: the handlers see recording views of the core and the
+        lease table, so what they change is captured as commands for the journal."""
+        commands: list[Command] = []
+        core, leases = self._core, self.leases
+        self._core, self.leases = Tap(core, CORE, commands), Tap(leases, LEASES, commands)  # type: ignore[assignment]
+        try:
+            yield commands
+        finally:
+            self._core, self.leases = core, leases
+
     # --- KeepAlive ------------------------------------------------------------------
     def _keepalive(self, request: pb.KeepAliveRequest, context: Any) -> tuple[pb.KeepAliveResponse, bool]:
         lid = request.lease_id
@@ -243,19 +248,17 @@ class ReliableServicer(BlockManagerServicer):
 
     # --- lease expiry -----------------------------------------------------------------
     def _expire_lease(self, lease_id: str) -> tuple[int, int]:
-        """Free a lease's sequences through the Free handler (under the lock)."""
+        """Free a lease's sequences in the core (under the lock): (sequences, blocks) freed."""
         seqs = self.leases.drop(lease_id)
-        ctx = _InternalContext()
+        core = self._core
         freed = released = 0
         for s in seqs:
             try:
-                r = BlockManagerServicer.Free(self, pb.FreeRequest(seq_id=s), ctx)
-            except ReplayError:
+                released += core.free(s)
+            except CoreError:
                 continue  # already gone
             freed += 1
-            released += r.num_blocks_released
-        self.leases.num_expired += 1
-        self.leases.num_expired_sequences += freed
+        self.leases.note_expired(freed)
         return freed, released
 
     def sweep_leases(self) -> int:
@@ -264,9 +267,12 @@ class ReliableServicer(BlockManagerServicer):
         with self._lock:
             expired = self.leases.expired()
             for lid in expired:
-                freed, released = self._expire_lease(lid)
-                if self.journal is not None:
-                    seq = self.journal.append(EXPIRE_LEASE, lid.encode(), time.time())
+                if self.journal is None:
+                    freed, released = self._expire_lease(lid)
+                else:
+                    with self._recording() as commands:
+                        freed, released = self._expire_lease(lid)
+                    seq = self.journal.append(RECORD_NAME, encode_batch(Batch(commands)), time.time())
                 log.info("lease_expired", lease_id=lid, sequences_freed=freed, blocks_released=released)
         if seq:
             self.journal.wait_durable(seq)  # type: ignore[union-attr]
@@ -347,23 +353,23 @@ class ReliableServicer(BlockManagerServicer):
         return report
 
     def _replay(self, rec: Record) -> None:
-        if rec.name == EXPIRE_LEASE:
-            self._expire_lease(rec.body.decode())
-            return
-        if rec.name == "KeepAlive":
-            base: Callable[..., Any] = _keepalive_base
-        else:
-            base = getattr(BlockManagerServicer, rec.name, None)  # type: ignore[assignment]
-            if base is None:
-                raise ReplayError(f"journal record {rec.seq} names unknown method {rec.name!r}")
-        request = _request_type(rec.name).FromString(rec.body)
-        try:
-            response, _ = self._apply(rec.name, base, request, _InternalContext())
-        except ReplayError as e:
-            raise ReplayError(f"journal record {rec.seq} ({rec.name}) was refused on replay: {e}") from None
-        if request.request_id:
-            self.dedupe.put(request.request_id, rec.name, digest(rec.name, rec.body),
-                            response.SerializeToString(), rec.wall_time)
+        """Apply one journal record: its commands into the core and lease table, its dedupe entry."""
+        if rec.name != RECORD_NAME:
+            raise ReplayError(
+                f"journal record {rec.seq} ({rec.name}) was written by an older version, which journaled "
+                "requests; start that version on this state dir and stop it cleanly (its final snapshot "
+                "covers the journal), then start this one"
+            )
+        batch = decode_batch(rec.body)
+        targets = {CORE: self._core, LEASES: self.leases}
+        for cmd in batch.commands:
+            try:
+                apply(cmd, targets)
+            except ReplayError as e:
+                raise ReplayError(f"journal record {rec.seq}: {e}") from None
+        d = batch.dedupe
+        if d is not None:
+            self.dedupe.put(d.request_id, d.method, d.digest, d.reply, d.wall_time)
 
     # --- lifecycle ---------------------------------------------------------------------------
     def start_reliability(self, settings: BlockManagerSettings) -> Reliability:
