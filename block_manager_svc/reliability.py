@@ -46,6 +46,7 @@ import grpc
 import structlog
 
 from block_manager_svc import snapshot as snap
+from block_manager_svc import state_export
 from block_manager_svc.commands import (
     CORE,
     LEASES,
@@ -73,7 +74,6 @@ log = structlog.get_logger("pagedkv.block_manager")
 
 MUTATIONS = ("Allocate", "Append", "Fork", "Free", "Commit", "Step", "SwapIn", "Preempt", "ResetPrefixCache")
 MAX_TTL_MS = 24 * 3600 * 1000
-SNAPSHOT_VERSION = 1
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["BlockManager"]
 
@@ -89,6 +89,7 @@ __all__ = ["MUTATIONS", "RecoveryReport", "Reliability", "ReliableServicer", "Re
 class RecoveryReport:
     snapshot_seq: int = 0
     snapshot_bytes: int = 0
+    snapshot_version: int = 0  # the format it was written in (state_export.py)
     replayed: int = 0
     journal_bytes: int = 0
     dropped_bytes: int = 0
@@ -292,20 +293,16 @@ class ReliableServicer(BlockManagerServicer):
 
     # --- snapshots and recovery -----------------------------------------------------------
     def _state(self) -> dict[str, Any]:
-        return {
-            "version": SNAPSHOT_VERSION,
-            "core": self._core,
-            "leases": self.leases.export(),
-            "dedupe": self.dedupe.export(),
-        }
+        return state_export.export(self._core, self.leases.export(), self.dedupe.export())
 
-    def snapshot_now(self) -> int:
-        """Write a snapshot covering every journaled record; returns its seq."""
+    def snapshot_now(self, rewrite: bool = False) -> int:
+        """Write a snapshot covering every journaled record; returns its seq.
+        `rewrite`: even when the last one covers them (to write it in the current format)."""
         journal, state_dir = self.journal, self.state_dir
         assert journal is not None and state_dir is not None
         with self._snapshot_mu:
             with self._lock:
-                if journal.last_seq == self.last_snapshot_seq and self.last_snapshot_seq:
+                if journal.last_seq == self.last_snapshot_seq and self.last_snapshot_seq and not rewrite:
                     return self.last_snapshot_seq
                 payload = snap.dumps(self._state())
                 seq = journal.rotate()
@@ -322,20 +319,19 @@ class ReliableServicer(BlockManagerServicer):
         report = RecoveryReport()
         loaded = snap.load_latest(state_dir)
         if loaded is not None:
-            st = loaded.state
-            if not isinstance(st, dict) or st.get("version") != SNAPSHOT_VERSION:
-                raise snap.SnapshotError(f"snapshot in {state_dir} has an unknown format version")
-            core = st["core"]
-            if core.config != self._core.config:
-                raise snap.SnapshotError(
-                    f"the state in {state_dir} was written with a different pool geometry: "
-                    f"{_config_diff(core.config, self._core.config)}; use the original settings "
-                    "or another --state-dir"
-                )
-            self._core = core
-            self.leases.restore(st["leases"])
-            self.dedupe.restore(st["dedupe"])
+            doc = loaded.state
+            try:
+                if isinstance(doc, dict) and doc.get("version") == state_export.VERSION:
+                    self._check_geometry(state_export.config_of(doc), state_dir)  # before building the core
+                st = state_export.restore(doc)
+            except (state_export.StateError, KeyError, TypeError, ValueError) as e:
+                raise snap.SnapshotError(f"the snapshot in {state_dir} cannot be loaded: {e}") from e
+            self._check_geometry(st.core.config, state_dir)
+            self._core = st.core
+            self.leases.restore(st.leases)
+            self.dedupe.restore(st.dedupe)
             report.snapshot_seq = loaded.seq
+            report.snapshot_version = doc["version"]
             report.snapshot_bytes = loaded.size
         scan_report = ScanReport()
         for rec in scan(state_dir, report.snapshot_seq, scan_report):
@@ -351,6 +347,14 @@ class ReliableServicer(BlockManagerServicer):
         report.seconds = time.perf_counter() - t0
         self.recovery = report
         return report
+
+    def _check_geometry(self, config: Any, state_dir: Path) -> None:
+        if config != self._core.config:
+            raise snap.SnapshotError(
+                f"the state in {state_dir} was written with a different pool geometry: "
+                f"{_config_diff(config, self._core.config)}; use the original settings "
+                "or another --state-dir"
+            )
 
     def _replay(self, rec: Record) -> None:
         """Apply one journal record: its commands into the core and lease table, its dedupe entry."""
@@ -390,8 +394,9 @@ class ReliableServicer(BlockManagerServicer):
             self.state_dir = state_dir
             self.journal = Journal(state_dir, report.last_seq + 1, settings.fsync, settings.fsync_interval_ms)
             self.snapshot_every_ops = settings.snapshot_every_ops
-            if report.replayed or not report.snapshot_bytes:
-                self.snapshot_now()  # bounds the next recovery, records the geometry
+            old_format = report.snapshot_bytes and report.snapshot_version != state_export.VERSION
+            if report.replayed or not report.snapshot_bytes or old_format:
+                self.snapshot_now(rewrite=bool(old_format))  # bounds the next recovery, records the geometry
             log.info(
                 "state_recovered",
                 state_dir=str(state_dir),
