@@ -17,7 +17,6 @@ import json
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,8 +31,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pagedkv.healthcheck import wait_healthy
+from pagedkv.ports import free_port
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
 
@@ -41,10 +41,6 @@ TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 # --- processes --------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def rss_kib(pid: int) -> int:
@@ -52,24 +48,6 @@ def rss_kib(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1])
     return 0
-
-
-def wait_serving(port: int, timeout: float = 30.0, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-        stub = health_pb2_grpc.HealthStub(ch)
-        while True:
-            try:
-                r = stub.Check(health_pb2.HealthCheckRequest(service="pagedkv.v1.BlockManager"), timeout=0.5)
-                if r.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            if proc is not None and proc.poll() is not None:
-                raise RuntimeError(f"block manager exited with {proc.returncode} before serving")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"block manager on port {port} never became SERVING")
-            time.sleep(0.01)
 
 
 class ServerProcess:
@@ -91,7 +69,8 @@ class ServerProcess:
                 cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
             )
         self.starts += 1
-        wait_serving(self.port, proc=self.proc)
+        wait_healthy(f"127.0.0.1:{self.port}", "pagedkv.v1.BlockManager", 30.0, proc=self.proc, interval_s=0.01,
+                     name="block manager")
         return time.perf_counter() - t0
 
     def kill(self) -> None:
@@ -286,13 +265,20 @@ class ModelClient:
             elif list(bt.block_ids) != table or bt.num_tokens != self.tokens[seq]:
                 self.problems.append(f"verify {seq}: server {list(bt.block_ids)}/{bt.num_tokens} "
                                      f"!= model {table}/{self.tokens[seq]}")
+        give_up = time.monotonic() + self.give_up_s
         for seq in self.freed[-5:]:
-            try:
-                self.stub.GetBlockTable(pb.GetBlockTableRequest(seq_id=seq), timeout=self.call_timeout)
-                self.problems.append(f"verify {seq}: freed but present")
-            except grpc.RpcError as e:
-                if e.code() != grpc.StatusCode.NOT_FOUND:
-                    self.problems.append(f"verify {seq}: {e.code().name}")
+            while True:
+                try:
+                    self.stub.GetBlockTable(pb.GetBlockTableRequest(seq_id=seq), timeout=self.call_timeout)
+                    self.problems.append(f"verify {seq}: freed but present")
+                except grpc.RpcError as e:
+                    if e.code() in TRANSIENT and time.monotonic() < give_up:
+                        self._outage = True  # the next kill came during the check: ask again
+                        self.sleep(0.02)
+                        continue
+                    if e.code() != grpc.StatusCode.NOT_FOUND:
+                        self.problems.append(f"verify {seq}: {e.code().name}")
+                break
 
     def free_all(self) -> None:
         for seq in list(self.tables):

@@ -44,7 +44,6 @@ import math
 import os
 import pathlib
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -324,25 +323,15 @@ def _backend_name() -> str:
     return kernels.backend_for(torch.empty(0))
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def child_pagedkv_proc(args: argparse.Namespace, reqs: list[dict[str, Any]]) -> dict[str, Any]:
     """`pagedkv up` (one process per service, 127.0.0.1, free ports) driven by an engine here."""
     from frontend.client import BlockManagerClient
     from frontend.engine import Engine, EngineConfig
     from frontend.stack import Stack, StackOptions
     from frontend.worker_client import WorkerClient
+    from pagedkv.ports import free_ports
 
-    bm_port, ch_port, w_port = _free_ports(3)
+    bm_port, ch_port, w_port = free_ports(3)
     opts = StackOptions(block_manager_port=bm_port, cache_host_port=ch_port, worker_port=w_port, num_workers=1,
                         num_gpu_blocks=_num_blocks(reqs), num_cpu_blocks=0, block_size=BLOCK_SIZE,
                         model=args.model, device="cpu", dtype="float32", log_format="json",

@@ -26,6 +26,7 @@ from frontend.client import (
     step_decode_request,
 )
 from frontend.retry import RetryPolicy
+from pagedkv.ports import free_port
 from pagedkv.v1 import block_manager_pb2_grpc
 
 FAST_RETRY = RetryPolicy(max_attempts=4, initial_backoff_s=0.01, max_backoff_s=0.05)
@@ -167,8 +168,7 @@ def test_deadline_applies_to_each_call(server) -> None:  # type: ignore[no-untyp
 
 
 def test_deadline_covers_retries_against_a_dead_target() -> None:
-    with socket_free_port() as port:
-        pass  # nothing listens there now
+    port = free_port()  # nothing listens there
     slow_retry = RetryPolicy(max_attempts=50, initial_backoff_s=0.05, max_backoff_s=0.2)
     with BlockManagerClient(f"127.0.0.1:{port}", default_timeout_s=0.5, retry=slow_retry) as bm:
         start = time.monotonic()
@@ -228,20 +228,6 @@ def test_async_client_round_trip_retry_and_deadline(server) -> None:  # type: ig
             assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
 
     asyncio.run(scenario())
-
-
-class socket_free_port:
-    """A loopback port that was free a moment ago (bound, then released on exit)."""
-
-    def __enter__(self) -> int:
-        import socket
-
-        self._sock = socket.socket()
-        self._sock.bind(("127.0.0.1", 0))
-        return int(self._sock.getsockname()[1])
-
-    def __exit__(self, *exc: object) -> None:
-        self._sock.close()
 
 
 def test_leases_preempt_swap_in_and_request_id_dedupe_on_the_real_server() -> None:
