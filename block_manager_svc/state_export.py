@@ -26,6 +26,9 @@ export follows the core's classes without a hand-kept field list. References
 keep the core's sharing (the eviction policy is bound to the pool's hash list
 and child counts: one list, two owners).
 
+Not state: ``BlockPool.events`` when it holds the KV-event hub (wiring to watchers, attached again
+after recovery) is written as None.
+
 Version 1 was a pickle of ``{"version": 1, "core": BlockManager, "leases", "dedupe"}``;
 snapshot.py still reads it, and :func:`restore` takes both.
 """
@@ -44,6 +47,8 @@ VERSION = 2
 _CORE_PACKAGE = "block_manager_svc.core"
 _SCALARS = (str, int, float, bool, bytes, type(None))
 _SCALAR_TYPES = frozenset(_SCALARS)
+# (class name, field): wiring that is not state, written as None unless it is plain data.
+_NOT_STATE = frozenset({("BlockPool", "events")})
 
 
 def _all_scalar(items: Any) -> bool:
@@ -154,8 +159,16 @@ class _Encoder:
             return ["bytearray", n, bytes(x)]
         if t.__module__.startswith(_CORE_PACKAGE):
             names = _fields(x)
-            return ["obj", n, f"{t.__module__}:{t.__qualname__}", names, [self.node(getattr(x, k)) for k in names]]
+            cls = t.__qualname__
+            values = [self.field(cls, k, getattr(x, k)) for k in names]
+            return ["obj", n, f"{t.__module__}:{cls}", names, values]
         raise StateError(f"cannot export a {t.__module__}.{t.__qualname__} (not a core class or plain data)")
+
+
+    def field(self, cls: str, name: str, value: Any) -> Any:
+        if (cls, name) in _NOT_STATE and not isinstance(value, (list, type(None))):
+            return None
+        return self.node(value)
 
 
 class _Decoder:

@@ -22,7 +22,7 @@ from worker_svc import cache_memory
 from worker_svc.cache_host import serve_cache
 from worker_svc.cache_layout import CacheGeometry
 from worker_svc.devices import resolve_device, resolve_dtype
-from worker_svc.grpc_server import RunningServer
+from pagedkv.grpc_server import RunningServer
 from worker_svc.model.config import load_model_config
 from worker_svc.server import WorkerProcess, start_worker
 from worker_svc.settings import WorkerSettings
