@@ -222,6 +222,12 @@ def test_async_client_round_trip_retry_and_deadline(server) -> None:  # type: ig
             await bm.free("x", request_id="free-x")
             await bm.free("y")
             assert (await bm.get_stats()).num_sequences == 0
+            bs = (await bm.get_config()).block_size
+            await bm.allocate("z", 2 * bs, list(range(2 * bs)))
+            await bm.commit("z", 2 * bs)
+            await bm.free("z")
+            reset = await bm.reset_prefix_cache(request_id="reset-1")  # the sync client's methods, awaitable
+            assert (reset.num_blocks_cleared, reset.num_blocks_freed) == (2, 2)
             faults.delay["GetConfig"] = 1.0
             with pytest.raises(grpc.RpcError) as info:
                 await bm.get_config(timeout_s=0.2)
