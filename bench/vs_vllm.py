@@ -283,6 +283,16 @@ def _run_engine(engine: Any, bm: Any, reqs: list[dict[str, Any]], tag: str) -> d
     }
 
 
+def _warm_then_time(engine: Any, bm: Any, args: argparse.Namespace,
+                    reqs: list[dict[str, Any]]) -> tuple[float, dict[str, Any]]:
+    """One warm-up batch, then the timed runs: (warm-up seconds, the runs' results)."""
+    t0 = time.perf_counter()
+    _run_engine(engine, bm, make_requests("chat", 6, seed=99, vocab=args.vocab), "warm")
+    warmup = time.perf_counter() - t0
+    counter = iter(range(1_000_000))
+    return warmup, _timed_runs(args.runs, lambda: _run_engine(engine, bm, reqs, f"run{next(counter)}"))
+
+
 def child_pagedkv(args: argparse.Namespace, reqs: list[dict[str, Any]]) -> dict[str, Any]:
     from frontend.engine import EngineConfig
     from frontend.local_stack import LocalStack, StackConfig
@@ -296,11 +306,7 @@ def child_pagedkv(args: argparse.Namespace, reqs: list[dict[str, Any]]) -> dict[
                                            timeout_s=600.0))
         bm = engine.bm
         startup = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        _run_engine(engine, bm, make_requests("chat", 6, seed=99, vocab=args.vocab), "warm")
-        warmup = time.perf_counter() - t0
-        counter = iter(range(1_000_000))
-        res = _timed_runs(args.runs, lambda: _run_engine(engine, bm, reqs, f"run{next(counter)}"))
+        warmup, res = _warm_then_time(engine, bm, args, reqs)
         if args.breakdown:
             timers = PhaseTimers()
             _instrument_inproc(timers)
@@ -345,11 +351,7 @@ def child_pagedkv_proc(args: argparse.Namespace, reqs: list[dict[str, Any]]) -> 
         engine = Engine(bm, [worker], EngineConfig(max_num_seqs=MAX_NUM_SEQS, max_batch_tokens=MAX_BATCH_TOKENS,
                                                    timeout_s=600.0))
         startup = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        _run_engine(engine, bm, make_requests("chat", 6, seed=99, vocab=args.vocab), "warm")
-        warmup = time.perf_counter() - t0
-        counter = iter(range(1_000_000))
-        res = _timed_runs(args.runs, lambda: _run_engine(engine, bm, reqs, f"run{next(counter)}"))
+        warmup, res = _warm_then_time(engine, bm, args, reqs)
         if args.breakdown:
             timers = PhaseTimers()
             timers.wrap(Engine, "step", "engine_step")

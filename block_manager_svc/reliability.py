@@ -47,19 +47,8 @@ import structlog
 
 from block_manager_svc import snapshot as snap
 from block_manager_svc import state_export
-from block_manager_svc.commands import (
-    CORE,
-    LEASES,
-    RECORD_NAME,
-    Batch,
-    Command,
-    DedupeEntry,
-    ReplayError,
-    Tap,
-    apply,
-    decode_batch,
-    encode_batch,
-)
+from block_manager_svc import commands as cmds
+from block_manager_svc.commands import Batch, Command, DedupeEntry, ReplayError, Tap
 from block_manager_svc.core import CoreError
 from block_manager_svc.idempotency import DedupeTable, RequestIdReused, WaitTimeout, digest
 from block_manager_svc.journal import Journal, Record, ScanReport, scan
@@ -170,7 +159,7 @@ class ReliableServicer(BlockManagerServicer):
                 reply = response.SerializeToString() if rid and changed else b""
                 if journal is not None and changed:
                     entry = DedupeEntry(rid, name, dig, reply, now) if rid else None
-                    seq = journal.append(RECORD_NAME, encode_batch(Batch(commands, entry)), now)
+                    seq = journal.append(cmds.RECORD_NAME, cmds.encode_batch(Batch(commands, entry)), now)
                 if rid and changed:  # a pure lease renewal is not remembered: re-running it is harmless
                     self.dedupe.put(rid, name, dig, reply, now)
             if seq:
@@ -212,7 +201,7 @@ class ReliableServicer(BlockManagerServicer):
         lease table, so what they change is captured as commands for the journal."""
         commands: list[Command] = []
         core, leases = self._core, self.leases
-        self._core, self.leases = Tap(core, CORE, commands), Tap(leases, LEASES, commands)  # type: ignore[assignment]
+        self._core, self.leases = Tap(core, cmds.CORE, commands), Tap(leases, cmds.LEASES, commands)  # type: ignore[assignment]
         try:
             yield commands
         finally:
@@ -273,7 +262,7 @@ class ReliableServicer(BlockManagerServicer):
                 else:
                     with self._recording() as commands:
                         freed, released = self._expire_lease(lid)
-                    seq = self.journal.append(RECORD_NAME, encode_batch(Batch(commands)), time.time())
+                    seq = self.journal.append(cmds.RECORD_NAME, cmds.encode_batch(Batch(commands)), time.time())
                 log.info("lease_expired", lease_id=lid, sequences_freed=freed, blocks_released=released)
         if seq:
             self.journal.wait_durable(seq)  # type: ignore[union-attr]
@@ -358,17 +347,17 @@ class ReliableServicer(BlockManagerServicer):
 
     def _replay(self, rec: Record) -> None:
         """Apply one journal record: its commands into the core and lease table, its dedupe entry."""
-        if rec.name != RECORD_NAME:
+        if rec.name != cmds.RECORD_NAME:
             raise ReplayError(
                 f"journal record {rec.seq} ({rec.name}) was written by an older version, which journaled "
                 "requests; start that version on this state dir and stop it cleanly (its final snapshot "
                 "covers the journal), then start this one"
             )
-        batch = decode_batch(rec.body)
-        targets = {CORE: self._core, LEASES: self.leases}
+        batch = cmds.decode_batch(rec.body)
+        targets = {cmds.CORE: self._core, cmds.LEASES: self.leases}
         for cmd in batch.commands:
             try:
-                apply(cmd, targets)
+                cmds.apply(cmd, targets)
             except ReplayError as e:
                 raise ReplayError(f"journal record {rec.seq}: {e}") from None
         d = batch.dedupe

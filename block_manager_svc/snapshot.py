@@ -28,7 +28,7 @@ from typing import Any
 
 import msgspec
 
-from block_manager_svc.journal import fsync_dir
+from block_manager_svc.journal import fsync_dir, list_numbered
 
 MAGIC = b"PKVSNAP2"
 MAGIC_PICKLE = b"PKVSNAP1"  # format 1: read only
@@ -52,13 +52,7 @@ def snapshot_name(seq: int) -> str:
 
 
 def list_snapshots(state_dir: Path) -> list[tuple[int, Path]]:
-    out = []
-    for p in state_dir.iterdir():
-        m = SNAP_RE.match(p.name)
-        if m:
-            out.append((int(m.group(1)), p))
-    out.sort()
-    return out
+    return list_numbered(state_dir, SNAP_RE)
 
 
 def dumps(state: Any) -> bytes:
