@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# One-call GPU check: every GPU number pagedkv needs, in one shot of at most 6 minutes.
+# One-call GPU check: every GPU number pagedkv needs, in one shot of at most 7 minutes.
 #
 #   bash bench/gpu_check.sh              # from anywhere, on the GPU machine (repo = this checkout)
 #   bash bench/gpu_check.sh --rehearse   # plumbing rehearsal: no GPU is fine (sections say "no GPU")
 #
 # Built for a borrowed machine (docs/gpu.md): python3 with torch/triton/cupy preinstalled, no
 # network, at most 8 files brought back from $OUT. So:
-# - one global deadline (DEADLINE_S, default 360 s): each section's timeout is clamped to what is
+# - one global deadline (DEADLINE_S, default 420 s): each section's timeout is clamped to what is
 #   left (minus RESERVE_S for packing); a section with no time left is SKIPPED (deadline);
 # - $OUT only ever holds three plain files, rewritten after EVERY section (a run cut short still
 #   brings back what finished): status.md (the status table + versions), results.md (every result
@@ -16,12 +16,12 @@
 # - the GPU sections (kernel tests, CUDA IPC round trip, kernel bench, worker check) need a CUDA
 #   device; without one they report "no GPU" (and the script exits 1 unless --rehearse).
 #
-# Sections and their default timeouts (env knobs, seconds; their sum fits the 360 s deadline):
-#   wheels 40 (WHEELS_TIMEOUT_S), env 20 (ENV_TIMEOUT_S), pytest 120 (PYTEST_TIMEOUT_S),
-#   ipc 40 (IPC_TIMEOUT_S), bench 80 (BENCH_TIMEOUT_S; BENCH_BUDGET_S 60 stops starting cases),
-#   worker 50 (WORKER_TIMEOUT_S).
+# Sections and their default timeouts (env knobs, seconds; their sum fits the 420 s deadline):
+#   wheels 40 (WHEELS_TIMEOUT_S), env 20 (ENV_TIMEOUT_S), pytest 110 (PYTEST_TIMEOUT_S),
+#   ipc 40 (IPC_TIMEOUT_S), bench 70 (BENCH_TIMEOUT_S; BENCH_BUDGET_S 50 stops starting cases),
+#   worker 50 (WORKER_TIMEOUT_S), pd 85 (PD_TIMEOUT_S: the worker layouts of bench/gpu_pd_check.py).
 # Other knobs: PYTHON (python3), OUT (results/gpu_check), WHEELHOUSE (.gpu_wheels), PYDEPS
-# (.gpu_pydeps), PYTEST_WORKERS (4, when pytest-xdist is importable), BENCH_ARGS, WORKER_ARGS.
+# (.gpu_pydeps), PYTEST_WORKERS (4, when pytest-xdist is importable), BENCH_ARGS, WORKER_ARGS, PD_ARGS.
 set -uo pipefail
 
 REHEARSE=0
@@ -35,7 +35,7 @@ done
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 ROOT="$PWD"
 T0=$(date +%s)
-DEADLINE_S="${DEADLINE_S:-360}"
+DEADLINE_S="${DEADLINE_S:-420}"
 RESERVE_S="${RESERVE_S:-5}"
 OUT="${OUT:-results/gpu_check}"
 mkdir -p "$OUT"
@@ -85,6 +85,10 @@ publish() {
     for f in results.md worker_bench.md; do
       if [ -f "$WORK/$f" ]; then echo; cat "$WORK/$f"; fi
     done
+    if grep -q '^| layout' "$WORK/pd.txt" 2>/dev/null; then
+      echo; echo "## worker layouts on one GPU (bench/gpu_pd_check.py)"; echo
+      grep -E '^(model|\|)' "$WORK/pd.txt"
+    fi
   } > "$WORK/results_all.md"
   cp "$WORK/status.md" "$OUT/status.md.tmp" && mv "$OUT/status.md.tmp" "$OUT/status.md"
   cp "$WORK/results_all.md" "$OUT/results.md.tmp" && mv "$OUT/results.md.tmp" "$OUT/results.md"
@@ -179,7 +183,7 @@ run_section env "${ENV_TIMEOUT_S:-20}" 0 bash -c env_section
 # CPU CI); the interpreter smoke test skips itself on CUDA.
 XDIST=()
 if "$PY" -c "import xdist" >/dev/null 2>&1; then XDIST=(-n "${PYTEST_WORKERS:-4}"); fi
-run_section pytest "${PYTEST_TIMEOUT_S:-120}" 1 "$PY" -m pytest tests/kernels -q -ra -p no:cacheprovider \
+run_section pytest "${PYTEST_TIMEOUT_S:-110}" 1 "$PY" -m pytest tests/kernels -q -ra -p no:cacheprovider \
   "${XDIST[@]}" -k "not compile_sm90" --junitxml="$WORK/junit.xml" -o console_output_style=classic
 
 # --- ipc: one cache shared by two processes over CUDA IPC -----------------------------------------
@@ -188,14 +192,19 @@ run_section ipc "${IPC_TIMEOUT_S:-40}" 1 "$PY" -m pytest -q -ra -p no:cacheprovi
 
 # --- bench: kernels vs contiguous SDPA and copy bandwidth ----------------------------------------
 # shellcheck disable=SC2086
-run_section bench "${BENCH_TIMEOUT_S:-80}" 1 "$PY" bench/kernel_bench.py --out "$WORK" \
-  --time-budget "${BENCH_BUDGET_S:-60}" ${BENCH_ARGS:-}
+run_section bench "${BENCH_TIMEOUT_S:-70}" 1 "$PY" bench/kernel_bench.py --out "$WORK" \
+  --time-budget "${BENCH_BUDGET_S:-50}" ${BENCH_ARGS:-}
 
 # --- worker: cache host + two workers over CUDA IPC, tokens vs one process; decode throughput -----
 WORKER_LIMIT="${WORKER_TIMEOUT_S:-50}"
 # shellcheck disable=SC2086
 run_section worker "$WORKER_LIMIT" 1 "$PY" bench/gpu_worker_check.py --out "$WORK" \
   --deadline-s "$(( WORKER_LIMIT - 5 ))" ${WORKER_ARGS:-}
+
+# --- pd: the worker layouts (mixed x1, mixed x2, prefill + decode) on one GPU, one cache ---------
+# Short run (fewer decode tokens and long prompts than gpu_pd_check's defaults) to fit the deadline.
+# shellcheck disable=SC2086
+run_section pd "${PD_TIMEOUT_S:-85}" 1 "$PY" bench/gpu_pd_check.py --decode-tokens 64 --long 4 ${PD_ARGS:-}
 
 publish
 cat "$OUT/status.md"

@@ -1,6 +1,6 @@
 """The worker layouts on a GPU: one mixed worker, two mixed workers, prefill + decode, on one cache.
 
-    python bench/gpu_pd_check.py            # on a GPU machine; about 3-5 minutes (not yet in gpu_check.sh)
+    python bench/gpu_pd_check.py            # on a GPU machine; about 3-5 minutes (gpu_check.sh runs a short form)
 
 A thin wrapper over bench/pd_bench.py with ``--device cuda --dtype bfloat16`` and a model big
 enough for the GPU to matter (hidden 2048, 8 layers). Every layout's cache host loads the weights

@@ -420,4 +420,5 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
             eviction_policy=cfg.eviction_policy,
             preemption_mode=cfg.preemption_mode,
             watermark_blocks=cfg.watermark_blocks,
+            enable_prefix_caching=cfg.enable_prefix_caching,
         )

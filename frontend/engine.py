@@ -28,9 +28,10 @@ and one worker step per pipeline (EngineStats counts both; with
    their own (copy-on-write of the shared tail block on their first append).
 
 The block manager is the one place that knows which KV exists: a prefix hit is
-a committed block, so the engine keeps no shadow of it. Two requests admitted
-together with the same new prefix both prefill it (neither is committed yet);
-later requests hit it.
+a committed block, so the engine keeps no shadow of it. A request whose prefix
+another of this engine's sequences is still computing waits until that part is
+committed, then hits it (frontend/admission.py); requests of other engines that
+arrive meanwhile compute it themselves.
 
 Many engines may share one block manager: sequence ids carry a random
 per-engine prefix, and every sequence is under this engine's lease, which a
@@ -61,6 +62,7 @@ import structlog
 
 from concurrent.futures import Future
 
+from frontend.admission import PrefixProgress
 from frontend.client import BlockManagerClient
 from frontend.dispatch import CacheLostEverywhere, WorkerPool, WorkerSlot
 from frontend.worker_client import WorkerClient
@@ -230,6 +232,8 @@ class EngineStats:
     worker_idle_gaps: int = 0
     prefill_launches: int = 0  # async prefill chunks sent to prefill workers (disaggregated layout)
     slots_reserved_ahead: int = 0  # decode slots reserved while the workers computed (overlap)
+    # Admissions deferred by one iteration because another sequence was computing their prefix.
+    admissions_held: int = 0
 
     @property
     def bm_round_trips_per_step(self) -> float:
@@ -273,6 +277,7 @@ class Engine:
         self.block_size = geometry.block_size
         self.num_gpu_blocks = geometry.num_gpu_blocks
         self._watermark = geometry.watermark_blocks
+        self._prefix_caching = geometry.enable_prefix_caching
         infos = [self._info_or_none(w) for w in self.workers]
         info = next((i for i in infos if i is not None), None)
         if info is None:
@@ -296,6 +301,9 @@ class Engine:
         self._to_free: list[str] = []
         self._pending_ops = pb.CacheOps()
         self._available = self.num_gpu_blocks  # from the last Step reply, for admission
+        # What recently finished sequences committed: a hint for admission (frontend/admission.py).
+        self._finished_prefixes: collections.deque[tuple[list[int], int]] = collections.deque(
+            maxlen=self.config.max_num_seqs)
         self._step_ids = itertools.count()
         # The prefill pipeline's chunk in flight: its future and (sequence, num_computed at launch, tokens).
         self._prefill: tuple[Future[wpb.WorkerStepResponse], list[tuple[_Seq, int, int]]] | None = None
@@ -569,11 +577,23 @@ class Engine:
         bs = self.block_size
         budget = self._available - self._watermark - sum(1 for s in grow if (len(s.tokens) - 1) % bs == 0)
         out: list[_Seq] = []
+        progress: PrefixProgress | None = None
         for seq in self._waiting:
             width = seq.request.n if seq.index == 0 and not seq.forked else 1
             need = -(-len(seq.tokens) // bs)
             if width > room or (out and need > budget):
                 break
+            if self._prefix_caching:
+                if progress is None:
+                    progress = PrefixProgress(bs)
+                    for s in itertools.chain(self._running, (self._seqs[x] for x in self._to_free)):
+                        progress.add(s.tokens, s.num_computed)
+                    for tokens, computed in self._finished_prefixes:
+                        progress.add(tokens, computed)
+                if progress.should_hold(seq.tokens):
+                    self.stats.admissions_held += 1
+                    continue
+                progress.add(seq.tokens, 0)  # its hits are unknown until the reply
             out.append(seq)
             room -= width
             budget -= need
@@ -1007,6 +1027,7 @@ class Engine:
             s.status = SeqStatus.FINISHED
             self._running.remove(s)
             self._to_free.append(s.seq_id)
+            self._finished_prefixes.append((s.tokens, s.num_computed))
         return TokenEvent(s.request.request_id, s.index, token, logprob, reason)
 
     def flush(self) -> None:

@@ -38,6 +38,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from frontend.engine import Engine, EngineConfig, GenerationRequest, TokenEvent
 from frontend.engine_loop import Admitted, EngineLoop, Failed, Finished
+from frontend.inbox import Inbox
 from frontend.openai_api import ApiError, Limits, Parsed, parse_chat, parse_completion
 from frontend.serve_metrics import ServeMetrics
 from frontend.serve_settings import ServeSettings, load_settings
@@ -88,7 +89,7 @@ class _Run:
         self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.request_ids = [f"{self.id}-{i}" for i in range(len(parsed.prompts))]
-        self.queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
+        self.queue: Inbox[tuple[int, object]] = Inbox(asyncio.get_running_loop())
         self.early: collections.deque[tuple[int, object]] = collections.deque()  # tokens seen during submit
         self.choices = {(p, s): _Choice(p * parsed.n + s, IncrementalText(state.limits.text, parsed.stop))
                         for p in range(len(parsed.prompts)) for s in range(parsed.n)}
@@ -98,7 +99,6 @@ class _Run:
 
     async def submit(self) -> None:
         """Hand every prompt to the engine; raise ApiError if any is refused (others aborted)."""
-        aio = asyncio.get_running_loop()
         arrival = time.monotonic()
         p = self.parsed
         for i, (rid, prompt) in enumerate(zip(self.request_ids, p.prompts)):
@@ -106,7 +106,7 @@ class _Run:
                                     stop_token_ids=p.stop_token_ids)
 
             def sink(item: object, i: int = i) -> None:
-                aio.call_soon_threadsafe(self.queue.put_nowait, (i, item))
+                self.queue.put((i, item))
 
             self.state.loop.submit(req, sink, arrival)
         self.active = True
@@ -230,8 +230,8 @@ async def _next(run: _Run, request: Request) -> tuple[int, object]:
         return run.early.popleft()
     while True:
         try:
-            return await asyncio.wait_for(run.queue.get(), DISCONNECT_POLL_S)
-        except asyncio.TimeoutError:
+            return await run.queue.get(DISCONNECT_POLL_S)
+        except TimeoutError:
             if await request.is_disconnected():
                 run.abort()
                 raise asyncio.CancelledError("client disconnected") from None

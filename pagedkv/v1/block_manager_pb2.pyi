@@ -1162,6 +1162,7 @@ class Config(_message.Message):
     EVICTION_POLICY_FIELD_NUMBER: _builtins.int
     PREEMPTION_MODE_FIELD_NUMBER: _builtins.int
     WATERMARK_BLOCKS_FIELD_NUMBER: _builtins.int
+    ENABLE_PREFIX_CACHING_FIELD_NUMBER: _builtins.int
     block_size: _builtins.int
     num_gpu_blocks: _builtins.int
     num_cpu_blocks: _builtins.int
@@ -1169,6 +1170,8 @@ class Config(_message.Message):
     preemption_mode: _builtins.str
     """"auto", "swap", "recompute" or "off"."""
     watermark_blocks: _builtins.int
+    enable_prefix_caching: _builtins.bool
+    """Prompt blocks are looked up and registered by content hash (prefix caching)."""
     def __init__(
         self,
         *,
@@ -1178,10 +1181,11 @@ class Config(_message.Message):
         eviction_policy: _builtins.str = ...,
         preemption_mode: _builtins.str = ...,
         watermark_blocks: _builtins.int = ...,
+        enable_prefix_caching: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "eviction_policy", b"eviction_policy", "num_cpu_blocks", b"num_cpu_blocks", "num_gpu_blocks", b"num_gpu_blocks", "preemption_mode", b"preemption_mode", "watermark_blocks", b"watermark_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "enable_prefix_caching", b"enable_prefix_caching", "eviction_policy", b"eviction_policy", "num_cpu_blocks", b"num_cpu_blocks", "num_gpu_blocks", b"num_gpu_blocks", "preemption_mode", b"preemption_mode", "watermark_blocks", b"watermark_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

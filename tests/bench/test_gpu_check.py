@@ -19,7 +19,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_check.sh"
-GPU_SECTIONS = ("pytest", "ipc", "bench", "worker")
+GPU_SECTIONS = ("pytest", "ipc", "bench", "worker", "pd")
 
 
 def _wheelhouse(path: Path) -> Path:

@@ -133,24 +133,50 @@ def test_swap_preemption_round_trips_through_the_cpu_pool(hf: HFModel, mode: str
         assert [c.token_ids for c in out.completions] == [expected] * len(out.completions), out.request_id
 
 
-def test_same_new_prefix_admitted_together_prefills_twice_then_later_requests_hit(hf: HFModel) -> None:
-    """Issue 11: a request whose prefix is allocated but not committed gets 0 hits and prefills it
-    itself (correct output); once the prefill is committed, later requests hit it. One Step and at
-    most one worker step per iteration."""
+def test_burst_with_one_new_prefix_computes_it_once_and_the_rest_hit_it(hf: HFModel) -> None:
+    """Requests arriving together with the same new prefix: the first computes it, the others are
+    held back (frontend/admission.py) until it is committed and then hit it; a request with another
+    prefix behind them is not held. Only committed KV is a hit, so nothing reads unwritten blocks:
+    outputs equal transformers'. One Step and at most one worker step per iteration."""
     p = prompts(5, 1)[0] + [7, 8, 9, 10, 11]  # 3+ full blocks of 4
+    other = [(t + 50) % 120 + 1 for t in p]  # shares no first block with p
     with stack(hf, num_gpu_blocks=64) as st:
         engine = st.engine()
-        together = [engine.add_request(GenerationRequest(f"t{i}", p, max_tokens=4)) for i in range(2)]
-        engine.step()  # both allocated in this iteration's Step, both prefilled in it
-        assert [o.num_cached_tokens for o in together] == [0, 0]
-        later = engine.add_request(GenerationRequest("later", p, max_tokens=4))
+        together = [engine.add_request(GenerationRequest(f"t{i}", p, max_tokens=4)) for i in range(3)]
+        unrelated = engine.add_request(GenerationRequest("other", other, max_tokens=4))
+        engine.step()
+        assert [s.request.request_id for s in engine.running_sequences()] == ["t0", "other"]
+        assert engine.stats.admissions_held == 2
         for _ in engine.stream():
             pass
         core = st.block_manager.servicer._core  # noqa: SLF001
         core.check_invariants()
         assert core.stats().num_sequences == 0
-    assert later.num_cached_tokens == (len(p) - 1) // 4 * 4
-    for o in together + [later]:
+    hit = (len(p) - 1) // 4 * 4
+    assert [o.num_cached_tokens for o in together] == [0, hit, hit]
+    assert unrelated.num_cached_tokens == 0
+    for o in together:
         assert o.completions[0].token_ids == hf.greedy(p, 4), o.request_id
+    assert unrelated.completions[0].token_ids == hf.greedy(other, 4)
     s = engine.stats
+    assert s.prefix_hit_tokens == 2 * hit
     assert s.bm_round_trips == s.steps and s.worker_steps <= s.steps
+
+
+def test_burst_whose_prefix_is_already_committed_is_not_held(hf: HFModel) -> None:
+    """Holding only pays when someone is still computing the prefix: once it is committed, a burst
+    of requests sharing it is admitted in one iteration, every one with hits."""
+    p = prompts(6, 1)[0] + [3, 4, 5, 6, 7]
+    with stack(hf, num_gpu_blocks=96) as st:
+        engine = st.engine()
+        engine.generate([GenerationRequest("warm", p, max_tokens=2)])
+        held_before = engine.stats.admissions_held
+        burst = [engine.add_request(GenerationRequest(f"b{i}", p + [i + 1], max_tokens=2)) for i in range(3)]
+        engine.step()
+        assert len(engine.running_sequences()) == 3
+        assert engine.stats.admissions_held == held_before
+        for _ in engine.stream():
+            pass
+    assert all(o.num_cached_tokens == len(p) // 4 * 4 for o in burst)
+    for i, o in enumerate(burst):
+        assert o.completions[0].token_ids == hf.greedy(p + [i + 1], 2), o.request_id

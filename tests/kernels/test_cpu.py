@@ -83,6 +83,38 @@ def test_prefill_matches_reference(dtype: torch.dtype, num_heads: int, num_kv_he
     assert_close(got, want, dtype)
 
 
+def test_prefill_buckets_cover_every_chunk_once_with_bounded_padding() -> None:
+    rnd = random.Random(4)
+    # A burst after a shared cached prompt (short chunks over long contexts), first chunks, one-token chunks.
+    seq_lens = [rnd.randint(440, 470) for _ in range(30)] + [400, 512, 37, 16, 90]
+    q_lens = [rnd.randint(8, 24) for _ in range(30)] + [400, 100, 37, 1, 0]
+    buckets = cpu.prefill_buckets(seq_lens, q_lens, 16)
+    assert len(buckets) < 10  # 34 chunks, far fewer calls
+    assert sorted(i for members, _, _ in buckets for i in members) == [i for i in range(35) if q_lens[i]]
+    for members, nb, rows in buckets:
+        assert all(seq_lens[m] <= nb * 16 and q_lens[m] <= rows for m in members)
+        padded = nb * 16 * rows * len(members)
+        real = sum(seq_lens[m] * q_lens[m] for m in members)
+        assert padded - real <= cpu.PREFILL_PAD_FRACTION * padded or len(members) == 1
+    assert any(len(members) > 8 for members, _, _ in buckets)  # the burst really shares calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_burst_in_shared_buckets_matches_reference(dtype: torch.dtype) -> None:
+    rnd = random.Random(8)
+    shape = [(rnd.randint(100, 140), rnd.randint(3, 12)) for _ in range(20)] + [(64, 64), (17, 1), (150, 0)]
+    assert any(len(m) > 4 for m, _, _ in cpu.prefill_buckets([s for s, _ in shape], [q for _, q in shape], 16))
+    case = make_paged([s for s, _ in shape], 16, 2, 64, dtype, seed=31)
+    qsl = torch.tensor([0] + [sum(q for _, q in shape[: i + 1]) for i in range(len(shape))], dtype=torch.int32)
+    q = randn((int(qsl[-1]), 8, 64), dtype, generator(32))
+    out = poisoned_like(q)
+    got = kernels.paged_prefill_attention(q, case.key_cache, case.value_cache, case.block_tables, qsl,
+                                          case.seq_lens, 0.125, out=out)
+    want = reference.paged_prefill_attention(q, case.key_cache, case.value_cache, case.block_tables, qsl,
+                                             case.seq_lens, 0.125)
+    assert_close(got, want, dtype)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", ["plain", "layers", "blocks_outer"])
 def test_write_kv_cache_matches_reference(dtype: torch.dtype, layout: str) -> None:
