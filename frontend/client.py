@@ -9,7 +9,7 @@ What every call gets:
 * **A deadline**: ``timeout_s`` per call, default the client's
   ``default_timeout_s`` (5 s). It covers all attempts and backoff sleeps.
 * **Retries on UNAVAILABLE** with exponential backoff and full jitter
-  (:mod:`frontend.retry` explains why this is a client-side loop and not
+  (:mod:`pagedkv.retry` explains why this is a client-side loop and not
   gRPC's service-config retry policy). Reads always retry. Mutations
   (Allocate, Append, Fork, Free, Step, KeepAlive, SwapIn, Preempt) retry only when you pass a
   ``request_id`` (Commit is idempotent by definition and always retries): a retried mutation that the server already applied would be
@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from frontend.retry import RetryPolicy, async_call_with_retry, call_with_retry
+from pagedkv.retry import RetryPolicy, async_call_with_retry, call_with_retry
 from pagedkv.tls import auth_metadata
 from pagedkv.tls import channel as tls_channel
 from pagedkv.v1 import block_manager_pb2 as pb

@@ -25,7 +25,7 @@ from frontend.client import (
     new_blocks_by_sequence,
     step_decode_request,
 )
-from frontend.retry import RetryPolicy
+from pagedkv.retry import RetryPolicy
 from pagedkv.ports import free_port
 from pagedkv.v1 import block_manager_pb2_grpc
 

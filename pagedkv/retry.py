@@ -1,4 +1,5 @@
-"""Deadlines and retries for unary gRPC calls, shared by every pagedkv client.
+"""Deadlines and retries for unary gRPC calls: the one retry rule of every pagedkv client
+(the frontend's clients, and a role waiting for its peers at start-up, worker_svc/peers.py).
 
 Why a client-side loop and not gRPC's service-config retry policy: the service
 config is static per method, so it can only say "retry Append" or "never retry
@@ -64,7 +65,7 @@ class RetryPolicy:
 NO_RETRY = RetryPolicy(max_attempts=1)
 
 
-class _Attempts:
+class Attempts:
     """The retry rule's state for one call, shared by the sync and the asyncio loop: the
     deadline over all attempts, the attempt count, and the pause before the next attempt."""
 
@@ -106,7 +107,7 @@ def call_with_retry(
     sleep: Callable[[float], None] = time.sleep,
 ) -> T:
     """Call a sync unary stub method with an overall deadline and the retry rule above."""
-    attempts = _Attempts(policy, timeout_s, retry_allowed)
+    attempts = Attempts(policy, timeout_s, retry_allowed)
     while True:
         try:
             return method(request, timeout=attempts.next_timeout(), metadata=metadata)
@@ -127,7 +128,7 @@ async def async_call_with_retry(
     metadata: Metadata | None = None,
 ) -> T:
     """The asyncio form of :func:`call_with_retry` (``method`` is a grpc.aio stub method)."""
-    attempts = _Attempts(policy, timeout_s, retry_allowed)
+    attempts = Attempts(policy, timeout_s, retry_allowed)
     while True:
         try:
             return await method(request, timeout=attempts.next_timeout(), metadata=metadata)
