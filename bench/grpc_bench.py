@@ -10,7 +10,7 @@ a shared host hits every row alike):
 * ``Append``     unary Append of one token, round robin over pre-allocated sequences
 * ``Step/packed``  one Step appending a token to 256 sequences as packed arrays
 * ``Step/sub``     the same 256 appends as AppendRequest sub-messages
-* ``Step/iteration``  the Step the engine really sends each iteration (issue 11):
+* ``Step/iteration``  the Step the engine really sends each iteration:
   256 running sequences each appending its sampled token WITH its id, 16
   commits (what the last worker step completed: a block boundary each), 4
   frees (finished requests) and 4 allocations (new 64-token prompts with

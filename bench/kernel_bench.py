@@ -106,9 +106,19 @@ class Bench:
         except Exception:  # capture can fail (e.g. a backend that syncs): report no number
             return None
 
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
+    def elapsed_ms(self, fn: Callable[[], object]) -> float:
+        """Milliseconds of one run of ``fn`` until its device work is done: CUDA events on a GPU
+        (no device-wide synchronize), the wall clock on CPU."""
+        if not self.cuda:
+            t0 = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t0) * 1e3
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return float(start.elapsed_time(end))
 
     def free(self) -> None:
         if self.cuda:
@@ -405,12 +415,8 @@ def section_swap(b: Bench) -> list[Row]:
         ("gpu->cpu", lambda: kernels.swap_blocks(gpu, cpu, pairs)),
         ("cpu->gpu", lambda: kernels.swap_blocks(cpu, gpu, pairs)),
     ):
-        t0 = time.perf_counter()
         reps = 5
-        for _ in range(reps):
-            fn()
-        b.sync()
-        ms = (time.perf_counter() - t0) * 1e3 / reps
+        ms = b.elapsed_ms(lambda: [fn() for _ in range(reps)]) / reps
         rows.append({"direction": name, "blocks": n, "MiB": nbytes / 2**20, "ms": ms, "GB/s": _gb_per_s(nbytes, ms)})
     return rows
 

@@ -229,9 +229,9 @@ def _instrument_inproc(t: PhaseTimers) -> None:
     t.wrap(runner_mod.ModelRunner, "build_batch", "batch_build")
     t.wrap(runner_mod, "sample", "sampling")
     t.wrap(llama_mod.LlamaModel, "forward", "forward")
-    if hasattr(llama_mod.LlamaModel, "_cpu_plans"):
-        t.wrap(llama_mod.LlamaModel, "_cpu_plans", "attention_plans")
-    # Attention and KV writes are timed inside the backend modules (the model and the public
+    # The step's attention metadata is checked and the backend's plans are built once per forward.
+    t.wrap(kernels, "prepare_step", "attention_plans")
+    # Attention and KV writes are timed inside the backend modules (the model's step and the public
     # wrappers both reach them through these module attributes), so nothing is counted twice.
     for mod in (kernels.cpu, kernels.reference):
         for attr, name in (("paged_decode_attention", "attention_decode"),

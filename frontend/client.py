@@ -14,7 +14,7 @@ What every call gets:
   (Allocate, Append, Fork, Free, Step, KeepAlive, SwapIn, Preempt) retry only when you pass a
   ``request_id`` (Commit is idempotent by definition and always retries): a retried mutation that the server already applied would be
   applied twice, and only request ids let the server recognise the repeat
-  and answer it from its dedupe table (issue 7).
+  and answer it from its dedupe table (docs/reliability.md).
 
 Methods mirror the RPCs and return the protobuf responses; errors raise
 ``grpc.RpcError`` with the server's status code and message (``grpc.aio``

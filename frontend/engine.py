@@ -24,8 +24,10 @@ and one worker step per pipeline (EngineStats counts both; with
    waiting for it; a sequence joins the decode batch at the first iteration
    after its prefill came back (and is committed in that iteration's Step).
 3. Sample results are streamed as `TokenEvent`s; the samples of an `n > 1`
-   request draw their first token from the prompt's logits, then decode on
-   their own (copy-on-write of the shared tail block on their first append).
+   request get their first token from the worker, which draws it from the
+   prompt's last position with each sample's own seed
+   (`SequenceInput.fork_sampling`), then decode on their own (copy-on-write
+   of the shared tail block on their first append).
 
 The block manager is the one place that knows which KV exists: a prefix hit is
 a committed block, so the engine keeps no shadow of it. A request whose prefix
@@ -177,9 +179,11 @@ class _Seq:
     needs_slot: bool = False  # last token sampled but not yet reserved in the block manager
     forked: bool = False  # n > 1 samples already forked from this sequence
     # An n > 1 sample forked at admission: shares the parent's prompt blocks and
-    # waits for the parent's prefill to draw its first token from its logits.
+    # waits for the parent's prefill, whose worker step draws its first token.
     awaiting_parent: bool = False
     children: list[_Seq] = field(default_factory=list)
+    # The children whose first token the last worker request asked this sequence's step to draw.
+    forks_sent: list[_Seq] = field(default_factory=list)
     in_flight: bool = False  # its prefill chunk is running on a prefill worker right now
 
     @property
@@ -835,19 +839,17 @@ class Engine:
         for s, k in batch:
             start = s.num_computed
             final = start + k == len(s.tokens)
-            sampling = s.request.sampling
             item = req.sequences.add(
                 seq_id=s.seq_id,
                 token_ids=s.tokens[start : start + k],
                 block_ids=s.block_table,
                 num_cached_tokens=start,
-                return_logits=final and any(c.awaiting_parent for c in s.children),
             )
-            item.sampling.temperature = sampling.temperature
-            item.sampling.top_p = sampling.top_p
-            item.sampling.top_k = sampling.top_k
-            if s.seed is not None:
-                item.sampling.seed = s.seed
+            _fill_sampling(item.sampling, s.request.sampling, s.seed)
+            # n > 1: the worker draws the forked samples' first tokens from the prompt's last position.
+            s.forks_sent = [c for c in s.children if c.awaiting_parent] if final else []
+            for c in s.forks_sent:
+                _fill_sampling(item.fork_sampling.add(), s.request.sampling, c.seed)
         return req
 
     def _run_worker(
@@ -922,8 +924,7 @@ class Engine:
                     c.num_computed = s.num_computed  # their shared prompt blocks were just written
             if s.num_computed < len(s.tokens):
                 continue  # a prefill chunk: its sampled token is meaningless
-            if any(c.awaiting_parent for c in s.children):
-                events.extend(self._sample_children(s, list(out.logits)))
+            events.extend(self._accept_fork_samples(s, out.fork_samples))
             events.append(self._accept_token(s, out.token_id, out.logprob))
         return events
 
@@ -990,23 +991,20 @@ class Engine:
         log.warning("cache_recovered", old_cache_instance_id=old, cache_instance_id=new,
                     requeued=len(victims), action="re-prefilling")
 
-    def _sample_children(self, parent: _Seq, logits: list[float]) -> list[TokenEvent]:
-        """n > 1: the samples forked at admission draw their first token from the prompt's logits."""
-        import torch
-
-        from worker_svc.model.sampling import SamplingParams, sample
-
-        opts = parent.request.sampling
+    def _accept_fork_samples(self, parent: _Seq, samples: Sequence[wpb.Sample]) -> list[TokenEvent]:
+        """n > 1: the samples forked at admission take the first tokens the worker drew for them
+        from the prompt's last position (``SequenceInput.fork_sampling``)."""
         events = []
-        row = torch.tensor(logits, dtype=torch.float32)
-        for child in parent.children:
+        sent, parent.forks_sent = parent.forks_sent, []
+        if len(samples) != len(sent):  # else those samples would wait for a first token forever
+            raise RuntimeError(f"the worker drew {len(samples)} first tokens for the {len(sent)} samples forked from "
+                               f"{parent.seq_id} (a worker that predates SequenceInput.fork_sampling?)")
+        for child, drawn in zip(sent, samples):
             if not child.awaiting_parent or child.status is not SeqStatus.RUNNING:
-                continue
+                continue  # preempted meanwhile: it re-prefills as a request of its own
             child.awaiting_parent = False
             child.num_computed = parent.num_computed
-            params = SamplingParams(opts.temperature, opts.top_p, opts.top_k, child.seed)
-            res = sample(row[None, :], [params], [len(parent.tokens)])
-            events.append(self._accept_token(child, int(res.token_ids[0]), float(res.logprobs[0])))
+            events.append(self._accept_token(child, drawn.token_id, drawn.logprob))
         return events
 
     def _accept_token(self, s: _Seq, token: int, logprob: float) -> TokenEvent:
@@ -1034,3 +1032,11 @@ class Engine:
         """Free what finished in the last step (also done at the start of the next step)."""
         if self._to_free:
             self._block_manager_step(pb.CacheOps(), full=False)
+
+
+def _fill_sampling(msg: wpb.SamplingParams, opts: SamplingOptions, seed: int | None) -> None:
+    msg.temperature = opts.temperature
+    msg.top_p = opts.top_p
+    msg.top_k = opts.top_k
+    if seed is not None:
+        msg.seed = seed

@@ -4,13 +4,15 @@ Used by `pagedkv generate --local`, `pagedkv demo --local` and the tests: a
 block manager, a cache host and N workers as real gRPC servers, so the engine
 drives exactly the same RPCs as against separate processes. Everything binds
 to 127.0.0.1 and `close()` stops the servers and unlinks the shared memory.
+
+It is the one frontend module that runs workers: the worker modules (and torch) are imported inside
+`LocalStack.__init__`, so importing it, like importing any other frontend module, loads neither.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from block_manager_svc.server import RunningServer as BlockManagerServer
 from block_manager_svc.server import start_server as start_block_manager
@@ -18,14 +20,10 @@ from block_manager_svc.settings import BlockManagerSettings
 from frontend.client import BlockManagerClient
 from frontend.engine import Engine, EngineConfig
 from frontend.worker_client import WorkerClient
-from worker_svc import cache_memory
-from worker_svc.cache_host import serve_cache
-from worker_svc.cache_layout import CacheGeometry
-from worker_svc.devices import resolve_device, resolve_dtype
-from pagedkv.grpc_server import RunningServer
-from worker_svc.model.config import load_model_config
-from worker_svc.server import WorkerProcess, start_worker
-from worker_svc.settings import WorkerSettings
+
+if TYPE_CHECKING:
+    from pagedkv.grpc_server import RunningServer
+    from worker_svc.server import WorkerProcess
 
 
 @dataclass(slots=True)
@@ -48,6 +46,15 @@ class LocalStack:
     """Block manager + cache host + workers in this process. Use as a context manager."""
 
     def __init__(self, config: StackConfig | None = None) -> None:
+        # The in-process workers: imported here, not at module level (see the module docstring).
+        from worker_svc import cache_memory
+        from worker_svc.cache_host import serve_cache
+        from worker_svc.cache_layout import CacheGeometry
+        from worker_svc.devices import resolve_device, resolve_dtype
+        from worker_svc.model.config import load_model_config
+        from worker_svc.server import start_worker
+        from worker_svc.settings import WorkerSettings
+
         self.config = cfg = config or StackConfig()
         self._closers: list[object] = []
         try:
@@ -129,7 +136,3 @@ class LocalStack:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def default_device_is_cuda() -> bool:
-    return torch.cuda.is_available()

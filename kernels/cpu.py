@@ -20,9 +20,12 @@ measurement (the attention rows of bench/vs_vllm.py's breakdown; docs/kernels.md
   burst of requests sharing a cached system prompt holds dozens of short chunks over long
   contexts; one call per sequence spent most of its time in per-call overhead.
 - **KV writes**: one ``index_copy_`` per cache into its ``[slots, kv_heads, head_dim]`` view.
+- **Block copies and swaps**: the reference's copy and ``kernels/swap.py``'s batched swap.
 
-Arguments are validated by the public wrappers in ``kernels``; these functions assume valid input
-on CPU tensors. Results match ``kernels.reference`` to fp32 rounding (tests/kernels/test_cpu.py).
+This module is the "cpu" backend of ``kernels.backend.KernelBackend`` (where each operation's
+contract is documented once). Arguments are validated before they get here (``kernels/checks.py``);
+these functions assume valid input on CPU tensors. Results match ``kernels.reference`` to fp32
+rounding (tests/kernels/test_cpu.py).
 """
 
 from __future__ import annotations
@@ -32,9 +35,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.reference import copy_blocks
+from kernels.swap import swap_blocks
+
 __all__ = [
-    "write_kv_cache", "paged_decode_attention", "paged_prefill_attention", "decode_buckets",
-    "prefill_buckets", "DecodePlan", "PrefillPlan", "plan_decode", "plan_prefill",
+    "write_kv_cache", "paged_decode_attention", "paged_prefill_attention", "copy_blocks", "swap_blocks",
+    "decode_buckets", "prefill_buckets", "DecodePlan", "PrefillPlan", "plan_decode", "plan_prefill",
 ]
 
 PAD_FRACTION = 0.25  # largest share of a decode bucket's tokens that may be padding
@@ -149,7 +155,8 @@ def plan_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: 
 
 def paged_decode_attention(
     query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None, plan: DecodePlan | None = None,
+    seq_lens: torch.Tensor, scale: float, *, max_seq_len: int | None = None, num_splits: int | None = None,
+    out: torch.Tensor | None = None, plan: object | None = None,
 ) -> torch.Tensor:
     """One query token per sequence over its cached context (see the module docstring)."""
     num_seqs, num_heads, head_dim = query.shape
@@ -159,7 +166,7 @@ def paged_decode_attention(
         out = torch.empty_like(query)
     if num_seqs == 0:
         return out
-    if plan is None:
+    if not isinstance(plan, DecodePlan):
         plan = plan_decode(block_tables, seq_lens, block_size)
     q_all = query.view(num_seqs, num_kv_heads, group, head_dim)
     out_view = out.view(num_seqs, num_kv_heads, group, head_dim)
@@ -278,8 +285,8 @@ def plan_prefill(
 
 def paged_prefill_attention(
     query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
-    plan: PrefillPlan | None = None,
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, *, max_query_len: int | None = None,
+    out: torch.Tensor | None = None, plan: object | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's last ``q_len`` tokens over its ``seq_len`` cached tokens."""
     num_heads, head_dim = query.shape[1], query.shape[2]
@@ -287,7 +294,7 @@ def paged_prefill_attention(
     group = num_heads // num_kv_heads
     if out is None:
         out = torch.empty_like(query)
-    if plan is None:
+    if not isinstance(plan, PrefillPlan):
         plan = plan_prefill(block_tables, query_start_loc, seq_lens, block_size, group)
     for bk in plan.buckets:
         b, nb = bk.ids.shape

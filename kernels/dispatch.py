@@ -1,13 +1,15 @@
-"""Backend selection: which implementation runs a kernel call.
+"""Backend selection: which registered backend (``kernels/backend.py``) runs a kernel call.
 
-Three implementations exist: Triton kernels (fast on a GPU, and runnable on CPU in Triton's
-interpreter, which is how CI checks them), a plain-torch reference (the oracle), and the CPU backend
-(``kernels/cpu.py``: length-bucketed gathers and torch's fused SDPA, the fast path on CPU; for block
-copies and swaps it uses the reference). This module decides between them per call, from three
-inputs:
+Three backends exist: Triton kernels (fast on a GPU, and runnable on CPU in Triton's interpreter,
+which is how CI checks them), a plain-torch reference (the oracle), and the CPU backend
+(``kernels/cpu.py``: length-bucketed gathers and torch's fused SDPA, the fast path on CPU). This
+module decides between them, from these inputs:
 
-1. an explicit override, set with the ``use_backend(name)`` context manager (innermost wins; it is
-   a ``contextvars`` variable, so threads and asyncio tasks each see their own);
+0. a name passed explicitly (``resolve(..., requested=name)``, ``kernels.backend_for(t, name)``);
+1. otherwise an override set with the ``use_backend(name)`` context manager (innermost wins; it is
+   a ``contextvars`` variable, so threads and asyncio tasks each see their own): how a worker's
+   model runner applies its ``--kernel-backend`` to its steps without touching the process
+   environment;
 2. otherwise the environment variable ``PAGEDKV_KERNEL_BACKEND`` (read on every call, so tests can
    monkeypatch it);
 3. ``"auto"`` (the default): CUDA tensors -> Triton; CPU tensors -> Triton in the interpreter when
@@ -26,7 +28,6 @@ import functools
 import importlib
 import os
 from collections.abc import Iterator
-from types import ModuleType
 from typing import Literal
 
 import torch
@@ -82,19 +83,17 @@ def triton_available() -> bool:
     return True
 
 
-def triton_module(name: str) -> ModuleType:
-    """Import one of the Triton-kernel modules (decode, prefill, cache_ops) on first use."""
-    return importlib.import_module(f"kernels.{name}")
-
-
 def triton_interpreted() -> bool:
     """Whether the Triton kernels were built for the interpreter (decided at their import)."""
-    return bool(triton_module("cache_ops").INTERPRETED)
+    return bool(importlib.import_module("kernels.triton_backend").INTERPRETED)
 
 
-def resolve(device: torch.device, dtype: torch.dtype | None = None) -> str:
-    """Return "triton", "cpu" or "reference" for a call on tensors living on ``device``."""
-    name = requested_backend()
+def resolve(device: torch.device, dtype: torch.dtype | None = None, requested: str | None = None) -> str:
+    """Return "triton", "cpu" or "reference" for a call on tensors living on ``device``.
+
+    ``requested``: a backend name chosen by the caller ("auto" included); None = the override or
+    environment variable (``requested_backend``)."""
+    name = requested_backend() if requested is None else _check_name(requested, "requested backend")
     if name == "reference":
         return "reference"
     if name == "cpu":

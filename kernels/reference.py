@@ -1,10 +1,10 @@
-"""Plain-torch versions of the five kernels: the oracle for the tests and the CPU fast path.
+"""The "reference" kernel backend: the operations of ``kernels.backend.KernelBackend`` in plain torch.
 
-Why it exists: the Triton kernels are checked against these, and a CPU worker runs these because
-Triton's interpreter is orders of magnitude slower. Attention gathers each sequence's blocks into
-contiguous K/V and does softmax in float32, so the result is the "exact" answer that the kernels'
-online softmax must match. Arguments are validated by the public wrappers in ``kernels``; these
-functions assume valid input.
+Why it exists: it is the oracle the Triton and CPU backends are checked against. Attention gathers
+each sequence's blocks into contiguous K/V and does softmax in float32, so the result is the
+"exact" answer that the kernels' online softmax must match; block swaps go one block at a time.
+Arguments are validated before they get here (``kernels/checks.py``); the contract of each
+operation is documented once, on ``KernelBackend``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,12 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["write_kv_cache", "paged_decode_attention", "paged_prefill_attention", "copy_blocks", "swap_blocks"]
+from kernels.backend import as_list, plan_nothing
+
+__all__ = [
+    "write_kv_cache", "paged_decode_attention", "paged_prefill_attention", "copy_blocks", "swap_blocks",
+    "plan_decode", "plan_prefill",
+]
 
 
 def write_kv_cache(
@@ -49,7 +54,11 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    *,
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    plan: object | None = None,
 ) -> torch.Tensor:
     """One query token per sequence attending to its whole cached context (no causal mask needed).
 
@@ -90,7 +99,10 @@ def paged_prefill_attention(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    *,
+    max_query_len: int | None = None,
     out: torch.Tensor | None = None,
+    plan: object | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's last ``q_len`` tokens over all ``seq_len`` cached tokens.
 
@@ -130,10 +142,14 @@ def copy_blocks(key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch
         cache[p[:, 1]] = cache[p[:, 0]]
 
 
-def swap_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor) -> None:
-    """Copy block ``src_cache[s]`` to ``dst_cache[d]`` for each (s, d), one pair at a time.
+def swap_blocks(
+    src: torch.Tensor | Sequence[torch.Tensor], dst: torch.Tensor | Sequence[torch.Tensor], pairs: torch.Tensor
+) -> None:
+    """One block at a time (one transfer per block): the oracle; ``kernels/swap.py`` batches."""
+    for sc, dc in zip(as_list(src), as_list(dst)):
+        for s, d in pairs.tolist():
+            dc[int(d)].copy_(sc[int(s)])
 
-    This is the naive form (one transfer per block) kept as the oracle; the fast version batches.
-    """
-    for s, d in pairs.tolist():
-        dst[int(d)].copy_(src[int(s)])
+
+# Nothing to plan: every call gathers what it needs.
+plan_decode = plan_prefill = plan_nothing

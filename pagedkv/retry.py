@@ -5,7 +5,7 @@ Why a client-side loop and not gRPC's service-config retry policy: the service
 config is static per method, so it can only say "retry Append" or "never retry
 Append". Our rule depends on the request: a mutation (Allocate, Append, Fork,
 Free, Step, KeepAlive, SwapIn, Preempt) may only be retried when the caller gave
-it a ``request_id``: the server deduplicates by request id (issue 7) and answers
+it a ``request_id``: the server deduplicates by request id (docs/reliability.md) and answers
 a repeat with the first reply, while a retry without one, of a request the
 server already applied, would apply it twice. Reads (GetBlockTable,
 GetStats, GetConfig, health) are always safe to retry. The same loop serves the

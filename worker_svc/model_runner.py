@@ -12,6 +12,7 @@ It has no gRPC in it: the servicer translates messages to these dataclasses and 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -20,7 +21,8 @@ from dataclasses import dataclass, field
 import torch
 
 import kernels
-from worker_svc.model.llama import AttentionBatch, LlamaModel
+from worker_svc.model.batch import AttentionBatch
+from worker_svc.model.registry import Model
 from worker_svc.model.sampling import SamplingParams, sample
 
 
@@ -40,6 +42,8 @@ class SequenceRequest:
     num_cached_tokens: int
     sampling: SamplingParams = field(default_factory=SamplingParams)
     return_logits: bool = False
+    # n > 1: the forked samples' parameters; each draws one token from this sequence's last position.
+    fork_sampling: list[SamplingParams] = field(default_factory=list)
 
     @property
     def seq_len(self) -> int:
@@ -65,6 +69,7 @@ class SequenceResult:
     token_id: int
     logprob: float
     logits: torch.Tensor | None = None  # fp32 [vocab] on CPU, when asked for
+    fork_samples: list[tuple[int, float]] = field(default_factory=list)  # (token, logprob) per fork
 
 
 @dataclass(slots=True)
@@ -75,6 +80,39 @@ class StepResult:
     forward_ms: float
 
 
+class _StepClock:
+    """The step's two phases (cache ops, forward + sampling), timed without adding a sync.
+
+    On CUDA: events recorded on the current stream, read once the step's last event completed
+    (``done`` waits for it, which is also what makes a step of cache ops only visible to other
+    processes before the reply). On CPU: the host clock."""
+
+    __slots__ = ("_device", "_cuda", "_marks")
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._cuda = device.type == "cuda"
+        self._marks: list[object] = []
+        self.mark()
+
+    def mark(self) -> None:
+        if self._cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(torch.cuda.current_stream(self._device))
+            self._marks.append(event)
+        else:
+            self._marks.append(time.perf_counter())
+
+    def done(self) -> tuple[float, float]:
+        """(cache ops ms, forward ms)."""
+        self.mark()
+        m = self._marks
+        if self._cuda:
+            m[-1].synchronize()  # type: ignore[attr-defined]
+            return m[0].elapsed_time(m[1]), m[1].elapsed_time(m[2])  # type: ignore[attr-defined]
+        return (m[1] - m[0]) * 1e3, (m[2] - m[1]) * 1e3  # type: ignore[operator]
+
+
 def _block_major(cache: torch.Tensor) -> torch.Tensor:
     """View ``[L, 2, N, ...]`` as ``[N, L, 2, ...]`` (no copy) so one swap call moves all layers."""
     return cache.permute(2, 0, 1, 3, 4, 5)
@@ -83,8 +121,16 @@ def _block_major(cache: torch.Tensor) -> torch.Tensor:
 class ModelRunner:
     """Owns the model and the views of the shared cache; runs one step at a time (thread-safe)."""
 
-    def __init__(self, model: LlamaModel, gpu_cache: torch.Tensor, cpu_cache: torch.Tensor) -> None:
+    def __init__(
+        self, model: Model, gpu_cache: torch.Tensor, cpu_cache: torch.Tensor, kernel_backend: str | None = None
+    ) -> None:
+        """``kernel_backend``: the kernel backend of this runner's steps ("auto", "reference", "cpu",
+        "triton"; a worker's ``--kernel-backend``), applied as a ``kernels.use_backend`` override
+        around each step, so it never leaks to other runners in the process. None: the environment
+        variable PAGEDKV_KERNEL_BACKEND, else "auto" (kernels/dispatch.py)."""
         cfg = model.cfg
+        if kernel_backend is not None and kernel_backend not in kernels.BACKENDS:
+            raise ValueError(f"unknown kernel backend {kernel_backend!r}; expected one of {kernels.BACKENDS}")
         if gpu_cache.dim() != 6 or gpu_cache.shape[0] != cfg.num_layers or gpu_cache.shape[1] != 2:
             raise ValueError(f"KV cache shape {tuple(gpu_cache.shape)} is not [num_layers={cfg.num_layers}, 2, ...]")
         if tuple(gpu_cache.shape[4:]) != (cfg.num_kv_heads, cfg.head_dim):
@@ -100,6 +146,7 @@ class ModelRunner:
         self.block_size = int(gpu_cache.shape[3])
         self.num_cpu_blocks = int(cpu_cache.shape[2]) if cpu_cache.dim() == 6 else 0
         self.device = gpu_cache.device
+        self.kernel_backend = kernel_backend
         self._lock = threading.Lock()
         self._closed = False
 
@@ -138,9 +185,10 @@ class ModelRunner:
             bad = [b for b in s.block_ids[:need] if b >= self.num_gpu_blocks]
             if bad:
                 raise InvalidStep(f"{where}: block id {bad[0]} >= num_gpu_blocks {self.num_gpu_blocks}")
-            p = s.sampling
-            if p.temperature < 0 or not 0.0 <= p.top_p <= 1.0 or p.top_k < 0:
-                raise InvalidStep(f"{where}: bad sampling params {p}")
+            for j, p in enumerate([s.sampling, *s.fork_sampling]):
+                if p.temperature < 0 or not 0.0 <= p.top_p <= 1.0 or p.top_k < 0:
+                    what = "sampling" if j == 0 else f"fork_sampling[{j - 1}]"
+                    raise InvalidStep(f"{where}: bad {what} params {p}")
         self._check_pairs("ops.swap_out", ops.swap_out, self.num_gpu_blocks, self.num_cpu_blocks)
         self._check_pairs("ops.copies", ops.copies, self.num_gpu_blocks, self.num_gpu_blocks)
         sources = {s for s, _ in ops.copies}
@@ -232,43 +280,61 @@ class ModelRunner:
         return token_tensor, batch, last_index
 
     # ---------------------------------------------------------------- the step
+    def _kernel_backend(self) -> contextlib.AbstractContextManager[None]:
+        """This runner's kernel backend for the calls of one step (none: the process default)."""
+        if self.kernel_backend is None:
+            return contextlib.nullcontext()
+        return kernels.use_backend(self.kernel_backend)  # type: ignore[arg-type]
+
     def step(self, seqs: Sequence[SequenceRequest], ops: CacheOpsRequest | None = None) -> StepResult:
         """Validate everything first (an invalid step changes nothing), then run it."""
         ops = ops or CacheOpsRequest()
         self.validate(seqs, ops)
-        with self._lock:
+        with self._lock, self._kernel_backend():
             if self._closed:
                 raise RunnerClosed("the worker is shutting down")
-            t0 = time.perf_counter()
+            clock = _StepClock(self.device)
             self.run_cache_ops(ops)
-            # Cross-process visibility: other workers read this cache through their own CUDA
-            # contexts and streams, so every cache write must be complete before the RPC replies.
-            # Cache ops are synchronised here; the forward's writes are complete once the sampled
-            # tokens reach the host below (same stream). Keep both if this step ever goes async.
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            t1 = time.perf_counter()
+            clock.mark()
             outputs: list[SequenceResult] = []
             if seqs:
                 token_tensor, batch, rows = self.build_batch(seqs)
                 logits = self.model.forward(token_tensor, batch, self.gpu_cache)
+                # Forked samples draw from their parent's row: one sample() call over all rows.
+                fork_rows = [i for i, s in enumerate(seqs) for _ in s.fork_sampling]
                 logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
-                result = sample(logits, [s.sampling for s in seqs], [s.seq_len for s in seqs])
+                rows_sampled = logits.index_select(0, torch.tensor(
+                    list(range(len(seqs))) + fork_rows, device=logits.device)) if fork_rows else logits
+                result = sample(
+                    rows_sampled,
+                    [s.sampling for s in seqs] + [p for s in seqs for p in s.fork_sampling],
+                    [s.seq_len for s in seqs] + [seqs[i].seq_len for i in fork_rows],
+                )
+                token_ids, logprobs = result.token_ids.tolist(), result.logprobs.tolist()
                 want_logits = any(s.return_logits for s in seqs)
                 logits_cpu = logits.cpu() if want_logits else None
+                k = len(seqs)
                 for i, s in enumerate(seqs):
+                    n = len(s.fork_sampling)
                     outputs.append(
                         SequenceResult(
                             seq_id=s.seq_id,
-                            token_id=int(result.token_ids[i]),
-                            logprob=float(result.logprobs[i]),
+                            token_id=int(token_ids[i]),
+                            logprob=float(logprobs[i]),
                             logits=logits_cpu[i] if (logits_cpu is not None and s.return_logits) else None,
+                            fork_samples=list(zip(token_ids[k : k + n], logprobs[k : k + n])),
                         )
                     )
-            t2 = time.perf_counter()
+                    k += n
+            # Cross-process visibility: other workers read this cache through their own CUDA
+            # contexts and streams, so every cache write (cache ops and the forward's KV writes,
+            # all on this stream) must be complete before the RPC replies. The sampled tokens
+            # reaching the host already ensure it when there was a forward; done() ensures it for
+            # a step of cache ops only.
+            cache_ops_ms, forward_ms = clock.done()
         return StepResult(
             outputs=outputs,
             num_tokens=sum(len(s.token_ids) for s in seqs),
-            cache_ops_ms=(t1 - t0) * 1e3,
-            forward_ms=(t2 - t1) * 1e3,
+            cache_ops_ms=cache_ops_ms,
+            forward_ms=forward_ms,
         )

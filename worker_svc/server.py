@@ -44,7 +44,7 @@ from worker_svc.settings import CacheHostSettings, WorkerSettings
 from worker_svc.shared_weights import SharedWeights, WeightsDescriptor
 
 if TYPE_CHECKING:
-    from worker_svc.model.llama import LlamaModel
+    from worker_svc.model.registry import Model
 
 # --role -> WorkerInfo.role
 ROLES = {
@@ -145,12 +145,12 @@ def _share_weights(
 def _model_for_worker(
     settings: WorkerSettings, model_cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
     host_weights: WeightsDescriptor | None,
-) -> tuple[LlamaModel, SharedWeights | None]:
+) -> tuple[Model, SharedWeights | None]:
     """The cache host's shared weights when there are some (and --weights allows), else a private load.
 
     Two different models on one cache would mix their KV: a worker whose own settings name other
     weights than the host's refuses to start (GeometryMismatch: a configuration error)."""
-    from worker_svc.model.llama import LlamaModel
+    from worker_svc.model.registry import build_model
     from worker_svc.model.weights import fused_shapes, load_model, weights_source
 
     if settings.weights == "local" or (settings.weights == "auto" and host_weights is None):
@@ -167,7 +167,7 @@ def _model_for_worker(
             f"shares {host_weights.source!r} (give both the same --model / --seed, or --weights local)"
         )
     shared = shared_weights.bind(host_weights, device, fused_shapes(model_cfg), dtype)
-    return LlamaModel(model_cfg, shared.tensors), shared
+    return build_model(model_cfg, shared.tensors), shared
 
 
 @dataclass(slots=True)
@@ -201,8 +201,6 @@ def start_worker(settings: WorkerSettings, stop: threading.Event | None = None) 
     """Everything up to SERVING. Raises GeometryMismatch / ValueError / TimeoutError on bad config."""
     from worker_svc.model_runner import ModelRunner
 
-    if settings.kernel_backend:
-        os.environ["PAGEDKV_KERNEL_BACKEND"] = settings.kernel_backend
     cpus, threads = cpu_placement.apply(settings.cpu_affinity, settings.num_threads)
     device = resolve_device(settings.device)
     model_cfg = load_model_config(settings.model)
@@ -218,7 +216,7 @@ def start_worker(settings: WorkerSettings, stop: threading.Event | None = None) 
     weights: SharedWeights | None = None
     try:
         model, weights = _model_for_worker(settings, model_cfg, dtype, device, weights_from_proto(info))
-        runner = ModelRunner(model, cache.gpu, cache.cpu)
+        runner = ModelRunner(model, cache.gpu, cache.cpu, kernel_backend=settings.kernel_backend)
         import kernels
 
         winfo = worker_pb2.WorkerInfo(
@@ -226,7 +224,7 @@ def start_worker(settings: WorkerSettings, stop: threading.Event | None = None) 
             num_heads=model_cfg.num_heads, num_kv_heads=model_cfg.num_kv_heads, head_dim=model_cfg.head_dim,
             hidden_size=model_cfg.hidden_size, dtype=dtype_name(dtype), device=str(device),
             geometry=geometry_to_proto(desc.geometry), cache_instance_id=desc.instance_id,
-            kernel_backend=kernels.backend_for(cache.gpu),
+            kernel_backend=kernels.backend_for(cache.gpu, settings.kernel_backend),
             role=ROLES[settings.role], shared_weights=weights is not None,
         )
         servicer = WorkerServicer(runner, winfo)

@@ -30,20 +30,24 @@ def ops_from_proto(ops: block_manager_pb2.CacheOps) -> CacheOpsRequest:
     )
 
 
+def sampling_from_proto(p: worker_pb2.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        temperature=p.temperature,
+        top_p=p.top_p if p.top_p > 0 else 1.0,
+        top_k=p.top_k,
+        seed=p.seed if p.HasField("seed") else None,
+    )
+
+
 def sequence_from_proto(s: worker_pb2.SequenceInput) -> SequenceRequest:
-    p = s.sampling
     return SequenceRequest(
         seq_id=s.seq_id,
         token_ids=list(s.token_ids),
         block_ids=list(s.block_ids),
         num_cached_tokens=s.num_cached_tokens,
-        sampling=SamplingParams(
-            temperature=p.temperature,
-            top_p=p.top_p if p.top_p > 0 else 1.0,
-            top_k=p.top_k,
-            seed=p.seed if p.HasField("seed") else None,
-        ),
+        sampling=sampling_from_proto(s.sampling),
         return_logits=s.return_logits,
+        fork_sampling=[sampling_from_proto(p) for p in s.fork_sampling],
     )
 
 
@@ -112,6 +116,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     token_id=o.token_id,
                     logprob=o.logprob,
                     logits=o.logits.tolist() if o.logits is not None else [],
+                    fork_samples=[worker_pb2.Sample(token_id=t, logprob=lp) for t, lp in o.fork_samples],
                 )
                 for o in result.outputs
             ],

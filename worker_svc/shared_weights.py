@@ -7,7 +7,7 @@ simple (the exporter outlives every importer) with one process to order, not two
 cheap to start, crash and restart: they map the region and own nothing but activations.
 
 What is shared is the tensors the model computes with (``weights.fuse``: QKV and gate/up already
-fused), not the checkpoint's: ``LlamaModel(cfg, views)`` then copies nothing, and each worker's
+fused), not the checkpoint's: ``registry.build_model(cfg, views)`` then copies nothing, and each worker's
 model is built straight on views of its mapping. (A model that repacks weights for its kernels,
 e.g. for oneDNN on CPU, holds that packed copy privately; the shared region is still one copy.)
 

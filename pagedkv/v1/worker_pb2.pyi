@@ -113,6 +113,7 @@ class SequenceInput(_message.Message):
     NUM_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
     RETURN_LOGITS_FIELD_NUMBER: _builtins.int
+    FORK_SAMPLING_FIELD_NUMBER: _builtins.int
     seq_id: _builtins.str
     num_cached_tokens: _builtins.int
     """Tokens of this sequence whose KV is already in the cache, before token_ids."""
@@ -130,6 +131,15 @@ class SequenceInput(_message.Message):
 
     @_builtins.property
     def sampling(self) -> Global___SamplingParams: ...
+    @_builtins.property
+    def fork_sampling(self) -> _containers.RepeatedCompositeFieldContainer[Global___SamplingParams]:
+        """The other samples of an n > 1 request, forked from this sequence at
+        admission: each draws its first token from the same last-position
+        distribution as this sequence, with its own parameters (its own seed).
+        Sent with the step that computes the prompt's last token; the answer is
+        SequenceOutput.fork_samples, one per entry, same order.
+        """
+
     def __init__(
         self,
         *,
@@ -139,14 +149,40 @@ class SequenceInput(_message.Message):
         num_cached_tokens: _builtins.int = ...,
         sampling: Global___SamplingParams | None = ...,
         return_logits: _builtins.bool = ...,
+        fork_sampling: _abc.Iterable[Global___SamplingParams] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "num_cached_tokens", b"num_cached_tokens", "return_logits", b"return_logits", "sampling", b"sampling", "seq_id", b"seq_id", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "fork_sampling", b"fork_sampling", "num_cached_tokens", b"num_cached_tokens", "return_logits", b"return_logits", "sampling", b"sampling", "seq_id", b"seq_id", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SequenceInput: _TypeAlias = SequenceInput  # noqa: Y015
+
+@_typing.final
+class Sample(_message.Message):
+    """One drawn token."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_ID_FIELD_NUMBER: _builtins.int
+    LOGPROB_FIELD_NUMBER: _builtins.int
+    token_id: _builtins.int
+    logprob: _builtins.float
+    """Its log-probability under the model's distribution (as SequenceOutput.logprob)."""
+    def __init__(
+        self,
+        *,
+        token_id: _builtins.int = ...,
+        logprob: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprob", b"logprob", "token_id", b"token_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Sample: _TypeAlias = Sample  # noqa: Y015
 
 @_typing.final
 class WorkerStepRequest(_message.Message):
@@ -192,6 +228,7 @@ class SequenceOutput(_message.Message):
     TOKEN_ID_FIELD_NUMBER: _builtins.int
     LOGPROB_FIELD_NUMBER: _builtins.int
     LOGITS_FIELD_NUMBER: _builtins.int
+    FORK_SAMPLES_FIELD_NUMBER: _builtins.int
     seq_id: _builtins.str
     token_id: _builtins.int
     """The next token."""
@@ -203,6 +240,10 @@ class SequenceOutput(_message.Message):
     def logits(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
         """Filled only when SequenceInput.return_logits was set."""
 
+    @_builtins.property
+    def fork_samples(self) -> _containers.RepeatedCompositeFieldContainer[Global___Sample]:
+        """One per SequenceInput.fork_sampling, same order."""
+
     def __init__(
         self,
         *,
@@ -210,10 +251,11 @@ class SequenceOutput(_message.Message):
         token_id: _builtins.int = ...,
         logprob: _builtins.float = ...,
         logits: _abc.Iterable[_builtins.float] | None = ...,
+        fork_samples: _abc.Iterable[Global___Sample] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["logits", b"logits", "logprob", b"logprob", "seq_id", b"seq_id", "token_id", b"token_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fork_samples", b"fork_samples", "logits", b"logits", "logprob", b"logprob", "seq_id", b"seq_id", "token_id", b"token_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

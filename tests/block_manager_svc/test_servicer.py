@@ -34,7 +34,7 @@ def test_allocate_prefix_hit_and_stats(stub) -> None:  # type: ignore[no-untyped
 
 
 def test_contract_only_committed_blocks_are_hits_and_stats_agree_with_events(server_factory) -> None:  # type: ignore[no-untyped-def]
-    """Issue 11: Allocate A; B with the same prefix gets 0 hits; Commit A; C gets the hits;
+    """Prefix hits are committed blocks: Allocate A; B with the same prefix gets 0 hits; Commit A; C gets the hits;
     GetStats and WatchEvents agree (BlockStored only at commit)."""
     server = server_factory(num_gpu_blocks=32, block_size=4, enable_kv_events=True)
     prompt = list(range(100, 114))  # 3 full blocks + 2 tokens

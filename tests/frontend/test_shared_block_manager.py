@@ -1,4 +1,4 @@
-"""Many frontends on one block manager (issue 11): two engines in separate processes share one
+"""Many frontends on one block manager: two engines in separate processes share one
 block manager and one set of workers, with prompts sharing a 400-token prefix.
 
 Every greedy output equals transformers' generate(); later requests hit the shared prefix, and

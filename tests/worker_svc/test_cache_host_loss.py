@@ -1,4 +1,4 @@
-"""A worker notices when its cache host dies or is replaced, and says so (issue 7).
+"""A worker notices when its cache host dies or is replaced, and says so (docs/worker.md, "Cache host loss").
 
 In-process cache host(s) + a worker on the built-in tiny model, polling every 0.2 s: stopping the
 host turns the worker's health NOT_SERVING within a few intervals and Step into FAILED_PRECONDITION

@@ -217,18 +217,39 @@ def test_triton_kernels_in_the_interpreter_agree_with_reference(hf_llama: HFMode
 def test_prefill_gets_max_query_len_from_the_host(runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each layer's prefill call is told the longest query run, so it never reads it off the device."""
     import kernels
+    from kernels import backend
 
     seen: list[object] = []
-    real = kernels.paged_prefill_attention
+    ops = backend.get(kernels.backend_for(runner.gpu_cache))  # the backend module the layers call
+    real = ops.paged_prefill_attention
 
     def spy(*args: object, **kw: object) -> torch.Tensor:
         seen.append(kw.get("max_query_len"))
         return real(*args, **kw)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(kernels, "paged_prefill_attention", spy)
+    monkeypatch.setattr(ops, "paged_prefill_attention", spy)
     runner.step([SequenceRequest("p", PROMPT, [20, 21, 22], 0), SequenceRequest("q", [4, 5, 6], [23], 0),
                  SequenceRequest("d", [9], [24], 3)])
     assert seen == [len(PROMPT)] * runner.model.cfg.num_layers
+
+
+def test_step_metadata_is_validated_once_per_step_not_per_layer(
+    runner: ModelRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The block tables and lengths are checked (and the backend chosen) once per forward pass."""
+    from kernels import checks
+
+    calls: list[int] = []
+    real = checks.block_tables_and_lens
+
+    def spy(*args: object, **kw: object) -> object:
+        calls.append(1)
+        return real(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(checks, "block_tables_and_lens", spy)
+    assert runner.model.cfg.num_layers > 1
+    runner.step([SequenceRequest("p", PROMPT, [20, 21, 22], 0), SequenceRequest("d", [9], [24], 3)])
+    assert len(calls) == 2  # prefill and decode metadata, once each for all layers
 
 
 def test_close_waits_for_the_step_in_flight_then_refuses_steps(hf_llama: HFModel) -> None:
@@ -262,3 +283,23 @@ def test_close_waits_for_the_step_in_flight_then_refuses_steps(hf_llama: HFModel
     assert r.gpu_cache.numel() == 0  # views dropped
     with pytest.raises(RunnerClosed):
         r.step([SequenceRequest("s", [1], [0], 3)])
+
+
+def test_fork_samples_draw_from_the_prompt_row_as_their_own_steps_would(runner: ModelRunner) -> None:
+    """n > 1: each forked sample's first token is what a step of its own (same prompt, its own seed)
+    would draw; the parent's own token is unchanged by the forks."""
+    from worker_svc.model.sampling import SamplingParams
+
+    parent = SamplingParams(temperature=1.0, seed=7)
+    forks = [SamplingParams(temperature=1.0, seed=s) for s in (8, 9, 10)] + [SamplingParams()]
+    out = runner.step([SequenceRequest("p", PROMPT, [20, 21, 22], 0, sampling=parent, fork_sampling=forks),
+                       SequenceRequest("q", PROMPT[:5], [23, 24], 0)]).outputs
+    assert len(out[0].fork_samples) == len(forks) and out[1].fork_samples == []
+    alone = [runner.step([SequenceRequest("x", PROMPT, [30, 31, 32], 0, sampling=p)]).outputs[0] for p in [parent, *forks]]
+    assert (out[0].token_id, out[0].logprob) == pytest.approx((alone[0].token_id, alone[0].logprob), abs=1e-5)
+    for (tok, lp), ref in zip(out[0].fork_samples, alone[1:]):
+        assert tok == ref.token_id
+        assert lp == pytest.approx(ref.logprob, abs=1e-5)
+    assert len({t for t, _ in out[0].fork_samples[:3]}) > 1, "different seeds draw different tokens here"
+    with pytest.raises(InvalidStep, match=r"fork_sampling\[0\]"):
+        runner.step([SequenceRequest("p", PROMPT, [20, 21, 22], 0, fork_sampling=[SamplingParams(temperature=-1)])])

@@ -181,3 +181,47 @@ def test_block_manager_geometry_is_read_and_checked(host: Host, hf_llama: HFMode
 def test_wait_for_cache_host_times_out_with_a_clear_error() -> None:
     with pytest.raises(TimeoutError, match="did not answer within"):
         wait_for_cache_host("127.0.0.1:1", timeout_s=0.5)
+
+
+def test_a_workers_kernel_backend_is_its_own_not_the_process_environment(
+    host: Host, hf_llama: HFModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--kernel-backend of an in-process worker applies to its steps only: os.environ is unchanged
+    and another runner in the process keeps the default backend."""
+    import os
+
+    import kernels
+    from kernels import backend
+    from worker_svc.model_runner import ModelRunner, SequenceRequest
+
+    monkeypatch.delenv(kernels.ENV_VAR, raising=False)
+    default = kernels.backend_for(host.cache.gpu)
+    assert default != "reference"
+    calls = {"reference": 0, default: 0}
+    for name in calls:
+        ops = backend.get(name)
+        real = ops.paged_prefill_attention
+
+        def spy(*a: object, _real: object = real, _name: str = name, **kw: object) -> torch.Tensor:
+            calls[_name] += 1
+            return _real(*a, **kw)  # type: ignore[operator]
+
+        monkeypatch.setattr(ops, "paged_prefill_attention", spy)
+    env_before = dict(os.environ)
+    proc = start_worker(worker_settings(host, hf_llama, kernel_backend="reference"))
+    try:
+        assert dict(os.environ) == env_before
+        with grpc.insecure_channel(f"127.0.0.1:{proc.running.port}") as ch:
+            info = worker_pb2_grpc.WorkerStub(ch).GetWorkerInfo(worker_pb2.GetWorkerInfoRequest())
+            assert info.kernel_backend == "reference"
+            worker_pb2_grpc.WorkerStub(ch).Step(worker_pb2.WorkerStepRequest(
+                sequences=[worker_pb2.SequenceInput(seq_id="k", token_ids=[3, 1, 4], block_ids=[44])]))
+        layers = proc.servicer._runner.model.cfg.num_layers
+        assert calls == {"reference": layers, default: 0}
+        other = ModelRunner(proc.servicer._runner.model, host.cache.gpu, host.cache.cpu)
+        assert other.kernel_backend is None and kernels.backend_for(host.cache.gpu) == default
+        other.step([SequenceRequest("k2", [3, 1, 4], [45], 0)])
+        assert calls == {"reference": layers, default: layers}
+    finally:
+        proc.close()
+    assert dict(os.environ) == env_before

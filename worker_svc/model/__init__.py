@@ -1,1 +1,2 @@
-"""A Llama-architecture decoder that runs on the paged KV cache (see ``llama.py``)."""
+"""The models that run on the paged KV cache: one module per architecture (``registry.py``), the
+step's batch layout (``batch.py``), sampling, and the building blocks they share (rope, linear)."""

@@ -12,7 +12,7 @@ import pathlib
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+from worker_svc.model import registry
 
 
 @dataclass(slots=True, frozen=True)
@@ -43,6 +43,8 @@ class ModelConfig:
     mlp_bias: bool = False
     max_position_embeddings: int = 4096
     name: str = "default"
+    # config.json "architectures": which module runs it (registry.py)
+    architecture: str = registry.DEFAULT_ARCHITECTURE
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -54,11 +56,8 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any], name: str = "hf") -> "ModelConfig":
         """Build from a parsed ``config.json`` (transformers 4.x ``rope_scaling`` or 5.x ``rope_parameters``)."""
-        archs = cfg.get("architectures") or []
-        if archs and not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-            raise ValueError(f"unsupported architecture {archs}; expected one of {SUPPORTED_ARCHITECTURES}")
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {cfg.get('hidden_act')!r}; Llama uses silu")
+        arch = registry.pick(list(cfg.get("architectures") or []))
+        registry.architecture(arch).check_hf_config(cfg)
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         head_dim = cfg.get("head_dim") or hidden // num_heads
@@ -77,6 +76,7 @@ class ModelConfig:
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             name=name,
+            architecture=arch,
         )
 
     @classmethod

@@ -1,4 +1,7 @@
-"""The Llama decoder's forward pass on a paged KV cache.
+"""The Llama architecture (``LlamaForCausalLM``): its checkpoint layout and its forward pass on a paged KV cache.
+
+Registered in ``registry.py``; what an architecture module provides is listed there
+(``check_hf_config``, ``expected_shapes``, ``FUSED``, ``build``).
 
 One call processes a flat batch of tokens from many sequences at once: the prefill sequences'
 tokens first, then the decode sequences' (one token each), as laid out by ``model_runner``. Dense
@@ -11,46 +14,23 @@ Why a plain class holding tensors instead of ``nn.Module``: there is no training
 round trip and no hooks; fused weight matrices (QKV, gate+up) are built once at load, and packed
 for oneDNN there on CPU (``linear.py``).
 
-On the CPU kernel backend (``kernels/cpu.py``) the attention plans (length buckets, block ids,
-masks) depend only on the step's block tables and lengths, so they are built once per forward and
-every layer calls the backend directly with them; the step was validated by the model runner, so
-the per-call argument checks of the public kernel wrappers are not repeated in each layer.
+The step's attention metadata is validated, its kernel backend chosen and the backend's plans
+(e.g. the CPU backend's length buckets and masks) built once per forward
+(``AttentionBatch.kernels_step``, ``kernels/step.py``); every layer then calls the backend directly.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-import kernels
-from kernels import cpu as cpu_kernels
+from worker_svc.model.batch import AttentionBatch
 from worker_svc.model.config import ModelConfig
 from worker_svc.model.linear import Linear
 from worker_svc.model.rope import apply_rotary, cos_sin, inverse_frequencies
-
-
-@dataclass(slots=True)
-class AttentionBatch:
-    """Where the tokens of one forward pass go in the cache and what they attend to.
-
-    Tokens ``[0, num_prefill_tokens)`` belong to prefill sequences (query_start_loc delimits them),
-    the rest to decode sequences (one each). All index tensors live on the model's device.
-    """
-
-    positions: torch.Tensor  # int64 [num_tokens]: absolute position of each token
-    slot_mapping: torch.Tensor  # int64 [num_tokens]: block_id * block_size + offset
-    logits_indices: torch.Tensor  # int64 [num_seqs]: flat index of each sequence's last token
-    num_prefill_tokens: int
-    prefill_block_tables: torch.Tensor | None  # int32 [num_prefill_seqs, max_blocks]
-    prefill_query_start_loc: torch.Tensor | None  # int32 [num_prefill_seqs + 1]
-    prefill_seq_lens: torch.Tensor | None  # int32 [num_prefill_seqs]
-    decode_block_tables: torch.Tensor | None  # int32 [num_decode_seqs, max_blocks]
-    decode_seq_lens: torch.Tensor | None  # int32 [num_decode_seqs]
-    # Longest prefill query run, known on the host: passed to every layer's prefill kernel so it
-    # never reads query_start_loc back from the device (one sync per layer otherwise).
-    prefill_max_query_len: int = 0
 
 
 @dataclass(slots=True)
@@ -63,18 +43,40 @@ class _Layer:
     down: Linear
 
 
-@dataclass(slots=True)
-class _CpuPlans:
-    decode: cpu_kernels.DecodePlan | None
-    prefill: cpu_kernels.PrefillPlan | None
-
-
 # The fused projections the model computes with, by the checkpoint names they are made of. A
 # weights dict may carry them already fused (weights.fuse: what the cache host shares with workers).
 FUSED = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
 }
+
+
+def check_hf_config(cfg: dict[str, Any]) -> None:
+    """Refuse a config.json this module cannot run, naming the value."""
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"unsupported hidden_act {cfg.get('hidden_act')!r}; Llama uses silu")
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor (Hugging Face names) a Llama checkpoint provides -> its shape, in checkpoint
+    order (the order the built-in model's seeded random weights are drawn in)."""
+    h, d, i, vocab = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, cfg.vocab_size
+    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (vocab, h)
+    attn = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q)}
+    mlp = {"gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+    for layer in range(cfg.num_layers):
+        p = f"model.layers.{layer}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        for group, projs, bias in (("self_attn", attn, cfg.attention_bias), ("mlp", mlp, cfg.mlp_bias)):
+            for proj, shape in projs.items():
+                shapes[f"{p}{group}.{proj}.weight"] = shape
+                if bias:
+                    shapes[f"{p}{group}.{proj}.bias"] = (shape[0],)
+    return shapes
 
 
 def fused_tensor(w: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
@@ -143,9 +145,8 @@ class LlamaModel:
         n_tok = token_ids.shape[0]
         h, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = h * d, hkv * d
-        n_pre = batch.num_prefill_tokens
         cos, sin = cos_sin(batch.positions, self.inv_freq, self.dtype)
-        plans = self._cpu_plans(batch, kv_cache) if kernels.backend_for(kv_cache) == "cpu" else None
+        step = batch.kernels_step(kv_cache, h, self.scale)
         x = F.embedding(token_ids, self.embed)
         for li, layer in enumerate(self.layers):
             key_cache, value_cache = kv_cache[li, 0], kv_cache[li, 1]
@@ -156,12 +157,8 @@ class LlamaModel:
             v = qkv[:, q_size + kv_size :].reshape(n_tok, hkv, d)
             q = apply_rotary(q, cos, sin)
             k = apply_rotary(k, cos, sin)
-            if plans is not None:
-                cpu_kernels.write_kv_cache(k, v, key_cache, value_cache, batch.slot_mapping)
-                attn = self._cpu_attention(q, key_cache, value_cache, batch, n_pre, plans)
-            else:
-                kernels.write_kv_cache(k, v.contiguous(), key_cache, value_cache, batch.slot_mapping)
-                attn = self._attention(q, key_cache, value_cache, batch, n_pre)
+            step.write_kv_cache(k, v, key_cache, value_cache)
+            attn = step.attention(q, key_cache, value_cache)
             x = x + layer.o(attn.reshape(n_tok, q_size))
             hs = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
             gate_up = layer.gate_up(hs)
@@ -171,72 +168,6 @@ class LlamaModel:
         last = rms_norm(last, self.norm, cfg.rms_norm_eps)
         return self.lm_head(last).to(torch.float32)
 
-    def _cpu_plans(self, batch: AttentionBatch, kv_cache: torch.Tensor) -> _CpuPlans:
-        block_size = kv_cache.shape[3]
-        group = self.cfg.num_heads // self.cfg.num_kv_heads
-        decode = prefill = None
-        if batch.decode_block_tables is not None and batch.decode_seq_lens is not None:
-            decode = cpu_kernels.plan_decode(batch.decode_block_tables, batch.decode_seq_lens, block_size)
-        if batch.prefill_block_tables is not None and batch.prefill_query_start_loc is not None:
-            assert batch.prefill_seq_lens is not None
-            prefill = cpu_kernels.plan_prefill(
-                batch.prefill_block_tables, batch.prefill_query_start_loc, batch.prefill_seq_lens, block_size, group
-            )
-        return _CpuPlans(decode, prefill)
 
-    def _cpu_attention(
-        self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch: AttentionBatch,
-        n_pre: int, plans: _CpuPlans,
-    ) -> torch.Tensor:
-        """Attention on the CPU backend with this step's plans; writes one output tensor in place."""
-        out = torch.empty_like(q)
-        if plans.prefill is not None:
-            cpu_kernels.paged_prefill_attention(
-                q[:n_pre], key_cache, value_cache, batch.prefill_block_tables,  # type: ignore[arg-type]
-                batch.prefill_query_start_loc, batch.prefill_seq_lens, self.scale,  # type: ignore[arg-type]
-                out=out[:n_pre], plan=plans.prefill,
-            )
-        if plans.decode is not None:
-            cpu_kernels.paged_decode_attention(
-                q[n_pre:], key_cache, value_cache, batch.decode_block_tables,  # type: ignore[arg-type]
-                batch.decode_seq_lens, self.scale, out=out[n_pre:], plan=plans.decode,  # type: ignore[arg-type]
-            )
-        return out
-
-    def _attention(
-        self,
-        q: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        batch: AttentionBatch,
-        n_pre: int,
-    ) -> torch.Tensor:
-        n_tok = q.shape[0]
-        parts: list[torch.Tensor] = []
-        if n_pre:
-            assert batch.prefill_block_tables is not None
-            parts.append(
-                kernels.paged_prefill_attention(
-                    q[:n_pre].contiguous(),
-                    key_cache,
-                    value_cache,
-                    batch.prefill_block_tables,
-                    batch.prefill_query_start_loc,
-                    batch.prefill_seq_lens,
-                    self.scale,
-                    max_query_len=batch.prefill_max_query_len or None,
-                )
-            )
-        if n_tok > n_pre:
-            assert batch.decode_block_tables is not None
-            parts.append(
-                kernels.paged_decode_attention(
-                    q[n_pre:].contiguous(),
-                    key_cache,
-                    value_cache,
-                    batch.decode_block_tables,
-                    batch.decode_seq_lens,
-                    self.scale,
-                )
-            )
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+def build(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> LlamaModel:
+    return LlamaModel(cfg, weights)

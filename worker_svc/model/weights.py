@@ -13,66 +13,21 @@ from collections.abc import Iterator
 
 import torch
 
-from typing import TYPE_CHECKING
-
 from worker_svc.model.config import ModelConfig
-
-if TYPE_CHECKING:
-    from worker_svc.model.llama import LlamaModel
+from worker_svc.model.registry import Model, architecture, build_model
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
 
-def expected_names(cfg: ModelConfig) -> list[str]:
-    """The parameter names (Hugging Face spelling) a Llama checkpoint must provide."""
-    names = ["model.embed_tokens.weight", "model.norm.weight"]
-    if not cfg.tie_word_embeddings:
-        names.append("lm_head.weight")
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            names.append(p + f"self_attn.{proj}.weight")
-            if cfg.attention_bias:
-                names.append(p + f"self_attn.{proj}.bias")
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            names.append(p + f"mlp.{proj}.weight")
-            if cfg.mlp_bias:
-                names.append(p + f"mlp.{proj}.bias")
-    return names
-
-
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (cfg.vocab_size, h),
-        "model.norm.weight": (h,),
-        "lm_head.weight": (cfg.vocab_size, h),
-    }
-    per_layer = {
-        "input_layernorm.weight": (h,),
-        "post_attention_layernorm.weight": (h,),
-        "self_attn.q_proj.weight": (q, h),
-        "self_attn.k_proj.weight": (kv, h),
-        "self_attn.v_proj.weight": (kv, h),
-        "self_attn.o_proj.weight": (h, q),
-        "self_attn.q_proj.bias": (q,),
-        "self_attn.k_proj.bias": (kv,),
-        "self_attn.v_proj.bias": (kv,),
-        "self_attn.o_proj.bias": (h,),
-        "mlp.gate_proj.weight": (i, h),
-        "mlp.up_proj.weight": (i, h),
-        "mlp.down_proj.weight": (h, i),
-        "mlp.gate_proj.bias": (i,),
-        "mlp.up_proj.bias": (i,),
-        "mlp.down_proj.bias": (h,),
-    }
-    for layer in range(cfg.num_layers):
-        for k, v in per_layer.items():
-            shapes[f"model.layers.{layer}.{k}"] = v
-    return shapes
+    """Every tensor a checkpoint of ``cfg``'s architecture provides -> its shape (registry.py)."""
+    return architecture(cfg.architecture).expected_shapes(cfg)
+
+
+def expected_names(cfg: ModelConfig) -> list[str]:
+    """The tensor names (Hugging Face spelling) a checkpoint of ``cfg``'s architecture must provide."""
+    return list(expected_shapes(cfg))
 
 
 def _checkpoint_files(model_dir: pathlib.Path) -> list[pathlib.Path]:
@@ -147,13 +102,12 @@ def weights_source(model_dir: str | None, cfg: ModelConfig, seed: int) -> str:
 
 def _fused_layout(names: list[str], cfg: ModelConfig) -> tuple[list[str], dict[str, list[str]]]:
     """Which checkpoint names stay as they are, and each fused name with the parts it is made of."""
-    from worker_svc.model.llama import FUSED
-
+    fused_parts = architecture(cfg.architecture).FUSED
     have = set(names)
     fused: dict[str, list[str]] = {}
     for layer in range(cfg.num_layers):
         p = f"model.layers.{layer}."
-        for proj, parts in FUSED.items():
+        for proj, parts in fused_parts.items():
             for kind in ("weight", "bias"):
                 srcs = [f"{p}{part}.{kind}" for part in parts]
                 if all(x in have for x in srcs):
@@ -167,7 +121,7 @@ def fuse(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.
     """Checkpoint tensors -> the tensors the model computes with (QKV and gate/up fused, named
     ``...self_attn.qkv_proj.*`` / ``...mlp.gate_up_proj.*``; a tied head is not repeated).
 
-    What the cache host shares: ``LlamaModel(cfg, fuse(w, cfg))`` copies nothing, so workers build
+    What the cache host shares: ``build_model(cfg, fuse(w, cfg))`` copies nothing, so workers build
     their model straight on views of the shared region."""
     keep, fused = _fused_layout(list(weights), cfg)
     out = {n: weights[n] for n in keep}
@@ -188,11 +142,9 @@ def fused_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def load_model(
     model_dir: str | None, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0
-) -> "LlamaModel":
+) -> Model:
     """The model of ``--model DIR``, or the built-in default with seeded random weights."""
-    from worker_svc.model.llama import LlamaModel
-
-    return LlamaModel(cfg, load_checkpoint(model_dir, cfg, dtype, device, seed))
+    return build_model(cfg, load_checkpoint(model_dir, cfg, dtype, device, seed))
 
 
 def load_checkpoint(
