@@ -73,6 +73,8 @@ from pagedkv.v1 import worker_pb2 as wpb
 
 log = structlog.get_logger("pagedkv.engine")
 
+MAX_TOP_LOGPROBS = 20  # what a worker returns at most per position (worker_svc/model/sampling.py)
+
 
 class CacheHostLost(RuntimeError):
     """Every worker says the cache host (and so every sequence's KV) is gone (docs/reliability.md)."""
@@ -86,6 +88,9 @@ class SamplingOptions:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    # Also report this many most likely tokens (with logprobs) at every position: OpenAI's
+    # logprobs=N / top_logprobs, vLLM's SamplingParams.logprobs. 0 = only the chosen token's.
+    logprobs: int = 0
 
     def validate(self) -> None:
         """Reject what a worker would refuse, before anything is allocated (the option is named)."""
@@ -97,6 +102,8 @@ class SamplingOptions:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
 
 
 @dataclass(slots=True)
@@ -136,6 +143,8 @@ class TokenEvent:
     token_id: int
     logprob: float
     finish_reason: str | None  # None while running, else "stop" or "length"
+    # SamplingOptions.logprobs most likely (token, logprob) of the position, most likely first.
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(slots=True)
@@ -144,6 +153,7 @@ class Completion:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
+    top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)  # per token, when asked
 
 
 @dataclass(slots=True)
@@ -925,7 +935,7 @@ class Engine:
             if s.num_computed < len(s.tokens):
                 continue  # a prefill chunk: its sampled token is meaningless
             events.extend(self._accept_fork_samples(s, out.fork_samples))
-            events.append(self._accept_token(s, out.token_id, out.logprob))
+            events.append(self._accept_token(s, out))
         return events
 
     @staticmethod
@@ -1004,11 +1014,16 @@ class Engine:
                 continue  # preempted meanwhile: it re-prefills as a request of its own
             child.awaiting_parent = False
             child.num_computed = parent.num_computed
-            events.append(self._accept_token(child, drawn.token_id, drawn.logprob))
+            events.append(self._accept_token(child, drawn))
         return events
 
-    def _accept_token(self, s: _Seq, token: int, logprob: float) -> TokenEvent:
+    def _accept_token(self, s: _Seq, drawn: wpb.SequenceOutput | wpb.Sample) -> TokenEvent:
         c = s.completion
+        token, logprob = drawn.token_id, drawn.logprob
+        top: tuple[tuple[int, float], ...] = ()
+        if s.request.sampling.logprobs:
+            top = tuple(zip(drawn.top_token_ids, drawn.top_logprobs))
+            c.top_logprobs.append(top)
         c.token_ids.append(token)
         c.logprobs.append(logprob)
         self.stats.generated_tokens += 1
@@ -1026,7 +1041,7 @@ class Engine:
             self._running.remove(s)
             self._to_free.append(s.seq_id)
             self._finished_prefixes.append((s.tokens, s.num_computed))
-        return TokenEvent(s.request.request_id, s.index, token, logprob, reason)
+        return TokenEvent(s.request.request_id, s.index, token, logprob, reason, top)
 
     def flush(self) -> None:
         """Free what finished in the last step (also done at the start of the next step)."""
@@ -1038,5 +1053,6 @@ def _fill_sampling(msg: wpb.SamplingParams, opts: SamplingOptions, seed: int | N
     msg.temperature = opts.temperature
     msg.top_p = opts.top_p
     msg.top_k = opts.top_k
+    msg.num_top_logprobs = opts.logprobs
     if seed is not None:
         msg.seed = seed

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from frontend.engine import SamplingOptions
+from frontend.engine import MAX_TOP_LOGPROBS, SamplingOptions
 from frontend.text import ModelText
 
 MAX_N = 64
@@ -67,7 +67,7 @@ class _Sampling(BaseModel):
 class CompletionBody(_Sampling):
     prompt: Any = None
     max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     best_of: int | None = Field(None, ge=1)
 
@@ -83,7 +83,7 @@ class ChatBody(_Sampling):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=0)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
 
 @dataclass(slots=True)
@@ -119,6 +119,7 @@ class Parsed:
     stream: bool
     include_usage: bool
     logprobs: bool
+    top_logprobs: int = 0  # alternatives per token (completions: logprobs=N; chat: top_logprobs)
 
 
 def _pydantic_error(e: ValidationError) -> ApiError:
@@ -192,7 +193,7 @@ def _stop(stop: str | list[str] | None, limits: Limits) -> tuple[str, ...]:
 
 
 def _common(body: _Sampling, prompts: list[list[int]], max_tokens: int | None, limits: Limits,
-            logprobs: bool) -> Parsed:
+            logprobs: bool, top_logprobs: int) -> Parsed:
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(body, name) != 0.0:
             raise ApiError(400, f"{name}: not supported by pagedkv (only 0)", name)
@@ -219,11 +220,12 @@ def _common(body: _Sampling, prompts: list[list[int]], max_tokens: int | None, l
     if not body.ignore_eos:
         stop_ids = tuple(dict.fromkeys(stop_ids + limits.text.eos_token_ids))
     sampling = SamplingOptions(temperature=body.temperature, top_p=body.top_p,
-                               top_k=max(0, body.top_k), seed=body.seed)
+                               top_k=max(0, body.top_k), seed=body.seed, logprobs=top_logprobs)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "stream_options: only allowed with stream: true", "stream_options")
-    return Parsed(prompts, max_tokens, body.n, sampling, stop_ids, stop, body.stream, include_usage, logprobs)
+    return Parsed(prompts, max_tokens, body.n, sampling, stop_ids, stop, body.stream, include_usage, logprobs,
+                  top_logprobs)
 
 
 def parse_completion(raw: Any, limits: Limits) -> Parsed:
@@ -238,11 +240,8 @@ def parse_completion(raw: Any, limits: Limits) -> Parsed:
         raise ApiError(400, "echo: not supported by pagedkv", "echo")
     if body.best_of is not None and body.best_of != body.n:
         raise ApiError(400, "best_of: only best_of == n is supported", "best_of")
-    if body.logprobs not in (None, 0):
-        raise ApiError(400, "logprobs: only 0 is supported (each sampled token's logprob; the workers do not "
-                       "return top alternatives)", "logprobs")
     prompts = _prompts(body.prompt, limits)
-    return _common(body, prompts, body.max_tokens, limits, body.logprobs is not None)
+    return _common(body, prompts, body.max_tokens, limits, body.logprobs is not None, body.logprobs or 0)
 
 
 def parse_chat(raw: Any, limits: Limits) -> Parsed:
@@ -253,6 +252,8 @@ def parse_chat(raw: Any, limits: Limits) -> Parsed:
     except ValidationError as e:
         raise _pydantic_error(e) from None
     check_model(body.model, limits)
+    if body.top_logprobs and not body.logprobs:
+        raise ApiError(400, "top_logprobs: requires logprobs: true", "top_logprobs")
     if not limits.text.has_chat_template:
         raise ApiError(400, "messages: this model has no chat template (the model directory given with --model "
                        "needs a tokenizer with chat_template); use /v1/completions", "messages")
@@ -280,4 +281,4 @@ def parse_chat(raw: Any, limits: Limits) -> Parsed:
         raise ApiError(400, f"messages: the tokenizer produced token id {bad}, outside the model's vocabulary",
                        "messages")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    return _common(body, [prompt], max_tokens, limits, body.logprobs)
+    return _common(body, [prompt], max_tokens, limits, body.logprobs, body.top_logprobs or 0)

@@ -76,6 +76,7 @@ class _Choice:
     index: int  # OpenAI choice index: prompt_index * n + sample index
     text: IncrementalText
     logprobs: list[float] = field(default_factory=list)
+    top: list[tuple[tuple[int, float], ...]] = field(default_factory=list)  # when top_logprobs was asked
     finish_reason: str | None = None
 
 
@@ -137,6 +138,8 @@ class _Run:
             return None  # already stopped by a stop string; the engine had produced this one meanwhile
         c.text.add(ev.token_id)
         c.logprobs.append(ev.logprob)
+        if self.parsed.top_logprobs:
+            c.top.append(ev.top_logprobs)
         if c.text.stopped:
             c.finish_reason = "stop"
             self.state.loop.abort(self.request_ids[prompt], ev.index, "stop")
@@ -171,18 +174,25 @@ class _Run:
             return [f"token_id:{t}" for t in ids]
         return [str(tok.decode([t])) for t in ids]
 
-    def _logprobs(self, ids: list[int], lps: list[float]) -> dict[str, Any] | None:
+    def _logprobs(self, ids: list[int], lps: list[float],
+                  tops: Sequence[tuple[tuple[int, float], ...]] = ()) -> dict[str, Any] | None:
+        """OpenAI's logprobs object for these tokens; ``tops``: each token's alternatives
+        (most likely first), present when the request asked for top logprobs."""
         if not self.parsed.logprobs:
             return None
         strs = self._token_strings(ids)
+        alts = [list(zip(self._token_strings([t for t, _ in top]), (lp for _, lp in top))) for top in tops]
         if self.kind == "chat":
-            return {"content": [{"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []}
-                                for s, lp in zip(strs, lps)]}
+            return {"content": [{"token": s, "logprob": lp, "bytes": list(s.encode()),
+                                 "top_logprobs": [{"token": a, "logprob": alp, "bytes": list(a.encode())}
+                                                  for a, alp in (alts[i] if alts else [])]}
+                                for i, (s, lp) in enumerate(zip(strs, lps))]}
         offsets, pos = [], 0
         for s in strs:
             offsets.append(pos)
             pos += len(s)
-        return {"tokens": strs, "token_logprobs": lps, "top_logprobs": None, "text_offset": offsets}
+        top_logprobs = [dict(a) for a in alts] if self.parsed.top_logprobs else None
+        return {"tokens": strs, "token_logprobs": lps, "top_logprobs": top_logprobs, "text_offset": offsets}
 
     def response(self) -> dict[str, Any]:
         choices = []
@@ -190,7 +200,7 @@ class _Run:
             ids, lps = c.text.tokens, c.logprobs
             text = c.text.full
             item: dict[str, Any] = {"index": c.index, "finish_reason": c.finish_reason, "token_ids": ids,
-                                    "logprobs": self._logprobs(ids, lps)}
+                                    "logprobs": self._logprobs(ids, lps, c.top[: len(ids)])}
             if self.kind == "chat":
                 item["message"] = {"role": "assistant", "content": text}
             else:
@@ -200,11 +210,12 @@ class _Run:
                 "created": self.created, "model": self.state.model_name, "choices": choices,
                 "usage": self.usage()}
 
-    def chunk(self, c: _Choice, token_ids: list[int], lps: list[float], first: bool) -> dict[str, Any]:
+    def chunk(self, c: _Choice, token_ids: list[int], lps: list[float], first: bool,
+              tops: Sequence[tuple[tuple[int, float], ...]] = ()) -> dict[str, Any]:
         final = c.finish_reason is not None
         text = c.text.delta(final=final)
         item: dict[str, Any] = {"index": c.index, "finish_reason": c.finish_reason, "token_ids": token_ids,
-                                "logprobs": self._logprobs(token_ids, lps)}
+                                "logprobs": self._logprobs(token_ids, lps, tops)}
         if self.kind == "chat":
             delta: dict[str, Any] = {"content": text}
             if first:
@@ -279,7 +290,8 @@ async def _stream(run: _Run, request: Request) -> AsyncIterator[bytes]:
                     continue
                 first = c.index not in seen
                 seen.add(c.index)
-                yield _sse(run.chunk(c, [item.token_id], [item.logprob], first))
+                yield _sse(run.chunk(c, [item.token_id], [item.logprob], first,
+                                     [item.top_logprobs] if run.parsed.top_logprobs else ()))
             elif isinstance(item, Finished):
                 run.on_finished(prompt, item)
             elif isinstance(item, Failed):

@@ -23,7 +23,7 @@ import torch
 import kernels
 from worker_svc.model.batch import AttentionBatch
 from worker_svc.model.registry import Model
-from worker_svc.model.sampling import SamplingParams, sample
+from worker_svc.model.sampling import MAX_TOP_LOGPROBS, SamplingParams, sample
 
 
 class InvalidStep(ValueError):
@@ -64,12 +64,22 @@ class CacheOpsRequest:
 
 
 @dataclass(slots=True)
+class Drawn:
+    """A token drawn for one sample of a position, with what the request asked to know about it."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token, logprob), most likely first
+
+
+@dataclass(slots=True)
 class SequenceResult:
     seq_id: str
     token_id: int
     logprob: float
     logits: torch.Tensor | None = None  # fp32 [vocab] on CPU, when asked for
-    fork_samples: list[tuple[int, float]] = field(default_factory=list)  # (token, logprob) per fork
+    fork_samples: list[Drawn] = field(default_factory=list)  # one per SequenceRequest.fork_sampling
+    top: list[tuple[int, float]] = field(default_factory=list)  # sampling.num_top_logprobs (token, logprob)
 
 
 @dataclass(slots=True)
@@ -186,9 +196,12 @@ class ModelRunner:
             if bad:
                 raise InvalidStep(f"{where}: block id {bad[0]} >= num_gpu_blocks {self.num_gpu_blocks}")
             for j, p in enumerate([s.sampling, *s.fork_sampling]):
+                what = "sampling" if j == 0 else f"fork_sampling[{j - 1}]"
                 if p.temperature < 0 or not 0.0 <= p.top_p <= 1.0 or p.top_k < 0:
-                    what = "sampling" if j == 0 else f"fork_sampling[{j - 1}]"
                     raise InvalidStep(f"{where}: bad {what} params {p}")
+                if not 0 <= p.num_top_logprobs <= MAX_TOP_LOGPROBS:
+                    raise InvalidStep(f"{where}: {what}.num_top_logprobs {p.num_top_logprobs} is over "
+                                      f"{MAX_TOP_LOGPROBS}")
         self._check_pairs("ops.swap_out", ops.swap_out, self.num_gpu_blocks, self.num_cpu_blocks)
         self._check_pairs("ops.copies", ops.copies, self.num_gpu_blocks, self.num_gpu_blocks)
         sources = {s for s, _ in ops.copies}
@@ -322,7 +335,9 @@ class ModelRunner:
                             token_id=int(token_ids[i]),
                             logprob=float(logprobs[i]),
                             logits=logits_cpu[i] if (logits_cpu is not None and s.return_logits) else None,
-                            fork_samples=list(zip(token_ids[k : k + n], logprobs[k : k + n])),
+                            fork_samples=[Drawn(int(token_ids[j]), float(logprobs[j]), result.top[j])
+                                          for j in range(k, k + n)],
+                            top=result.top[i],
                         )
                     )
                     k += n

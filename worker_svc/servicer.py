@@ -36,6 +36,7 @@ def sampling_from_proto(p: worker_pb2.SamplingParams) -> SamplingParams:
         top_p=p.top_p if p.top_p > 0 else 1.0,
         top_k=p.top_k,
         seed=p.seed if p.HasField("seed") else None,
+        num_top_logprobs=p.num_top_logprobs,
     )
 
 
@@ -116,7 +117,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     token_id=o.token_id,
                     logprob=o.logprob,
                     logits=o.logits.tolist() if o.logits is not None else [],
-                    fork_samples=[worker_pb2.Sample(token_id=t, logprob=lp) for t, lp in o.fork_samples],
+                    fork_samples=[worker_pb2.Sample(token_id=d.token_id, logprob=d.logprob,
+                                                    top_token_ids=[t for t, _ in d.top],
+                                                    top_logprobs=[lp for _, lp in d.top])
+                                  for d in o.fork_samples],
+                    top_token_ids=[t for t, _ in o.top],
+                    top_logprobs=[lp for _, lp in o.top],
                 )
                 for o in result.outputs
             ],

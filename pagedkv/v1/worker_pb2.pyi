@@ -73,6 +73,7 @@ class SamplingParams(_message.Message):
     TOP_P_FIELD_NUMBER: _builtins.int
     TOP_K_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
+    NUM_TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     temperature: _builtins.float
     """0 means greedy (argmax)."""
     top_p: _builtins.float
@@ -85,6 +86,10 @@ class SamplingParams(_message.Message):
     """Seed of the per-sequence generator. The draw for a token depends only on
     (seed, position of the token), so any worker reproduces it. Unset: random.
     """
+    num_top_logprobs: _builtins.int
+    """Also return this many most likely tokens of the position with their
+    log-probabilities (OpenAI's logprobs=N / top_logprobs); 0 = none, at most 20.
+    """
     def __init__(
         self,
         *,
@@ -92,10 +97,11 @@ class SamplingParams(_message.Message):
         top_p: _builtins.float = ...,
         top_k: _builtins.int = ...,
         seed: _builtins.int | None = ...,
+        num_top_logprobs: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "seed", b"seed"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "num_top_logprobs", b"num_top_logprobs", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
@@ -167,18 +173,28 @@ class Sample(_message.Message):
 
     TOKEN_ID_FIELD_NUMBER: _builtins.int
     LOGPROB_FIELD_NUMBER: _builtins.int
+    TOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     token_id: _builtins.int
     logprob: _builtins.float
     """Its log-probability under the model's distribution (as SequenceOutput.logprob)."""
+    @_builtins.property
+    def top_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """As SequenceOutput.top_token_ids / top_logprobs."""
+
+    @_builtins.property
+    def top_logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
     def __init__(
         self,
         *,
         token_id: _builtins.int = ...,
         logprob: _builtins.float = ...,
+        top_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        top_logprobs: _abc.Iterable[_builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprob", b"logprob", "token_id", b"token_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprob", b"logprob", "token_id", b"token_id", "top_logprobs", b"top_logprobs", "top_token_ids", b"top_token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -229,6 +245,8 @@ class SequenceOutput(_message.Message):
     LOGPROB_FIELD_NUMBER: _builtins.int
     LOGITS_FIELD_NUMBER: _builtins.int
     FORK_SAMPLES_FIELD_NUMBER: _builtins.int
+    TOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     seq_id: _builtins.str
     token_id: _builtins.int
     """The next token."""
@@ -244,6 +262,14 @@ class SequenceOutput(_message.Message):
     def fork_samples(self) -> _containers.RepeatedCompositeFieldContainer[Global___Sample]:
         """One per SequenceInput.fork_sampling, same order."""
 
+    @_builtins.property
+    def top_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The SamplingParams.num_top_logprobs most likely tokens of the position, most
+        likely first, with their log-probabilities (as logprob).
+        """
+
+    @_builtins.property
+    def top_logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
     def __init__(
         self,
         *,
@@ -252,10 +278,12 @@ class SequenceOutput(_message.Message):
         logprob: _builtins.float = ...,
         logits: _abc.Iterable[_builtins.float] | None = ...,
         fork_samples: _abc.Iterable[Global___Sample] | None = ...,
+        top_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        top_logprobs: _abc.Iterable[_builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fork_samples", b"fork_samples", "logits", b"logits", "logprob", b"logprob", "seq_id", b"seq_id", "token_id", b"token_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fork_samples", b"fork_samples", "logits", b"logits", "logprob", b"logprob", "seq_id", b"seq_id", "token_id", b"token_id", "top_logprobs", b"top_logprobs", "top_token_ids", b"top_token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

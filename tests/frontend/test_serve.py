@@ -90,6 +90,35 @@ def test_n2_greedy_samples_both_match_and_seeded_sampling_reproduces(client, hf:
     assert all(len(c.token_ids) == 8 for c in a.choices)
 
 
+def test_logprobs_n_returns_the_models_top_alternatives(client, hf: HFModel, server: RunningServe) -> None:
+    """logprobs=3 (completions) and top_logprobs=3: each position's 3 most likely tokens with their
+    log-probabilities under transformers' model; streaming gives the same per chunk."""
+    import torch
+
+    p = [4, 8, 15, 16, 23, 42]
+    r = client.completions.create(model="tiny", prompt=p, max_tokens=5, temperature=0, logprobs=3,
+                                  extra_body=NO_EOS)
+    ids = r.choices[0].token_ids
+    assert ids == hf.greedy(p, 5)
+    lp = r.choices[0].logprobs
+    with torch.inference_mode():
+        logits = hf.model(torch.tensor([p + ids])).logits[0, len(p) - 1 : -1].float()  # type: ignore[attr-defined]
+    ref = torch.log_softmax(logits, -1)
+    tok = server.state.limits.text.tokenizer
+    assert len(lp.top_logprobs) == 5
+    for i, alts in enumerate(lp.top_logprobs):
+        want_lp, want_ids = ref[i].topk(3)
+        assert list(alts) == [tok.decode([t]) for t in want_ids.tolist()] or len(set(alts)) < 3  # same strings
+        assert sorted(alts.values(), reverse=True) == pytest.approx(want_lp.tolist(), abs=1e-4)
+        assert max(alts.values()) == pytest.approx(lp.token_logprobs[i], abs=1e-5)  # greedy: the top one
+    chunks = [c for c in client.completions.create(model="tiny", prompt=p, max_tokens=5, temperature=0, logprobs=3,
+                                                    stream=True, extra_body=NO_EOS) if c.choices]
+    assert len(chunks) == 5
+    for c, alts in zip(chunks, lp.top_logprobs):  # (the second run hits the prefix cache: fp32 rounding differs)
+        got = c.choices[0].logprobs.top_logprobs[0]
+        assert list(got) == list(alts) and list(got.values()) == pytest.approx(list(alts.values()), abs=1e-4)
+
+
 def test_streaming_one_token_per_chunk(client, hf: HFModel, server: RunningServe) -> None:
     p = [7, 7, 8, 21, 34, 55, 89]
     chunks = list(client.completions.create(model="tiny", prompt=p, max_tokens=10, temperature=0, stream=True,
@@ -133,6 +162,15 @@ def test_text_prompt_stop_string_and_chat(client, hf: HFModel, server: RunningSe
     stream = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
                                                  stream=True, extra_body=NO_EOS))
     assert "".join(ch.choices[0].delta.content or "" for ch in stream) == c.choices[0].message.content
+    # Chat logprobs with top_logprobs: the chosen token is the most likely alternative (greedy).
+    lc = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0, logprobs=True,
+                                        top_logprobs=2, extra_body=NO_EOS)
+    content = lc.choices[0].logprobs.content
+    assert [e.token for e in content] == [tok.decode([t]) for t in hf.greedy(chat_ids, 6)]
+    for e in content:
+        assert len(e.top_logprobs) == 2 and e.top_logprobs[0].token == e.token
+        assert e.top_logprobs[0].logprob == pytest.approx(e.logprob, abs=1e-5)
+        assert e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob
 
 
 def test_models_health_and_eos(client, hf: HFModel, server: RunningServe) -> None:

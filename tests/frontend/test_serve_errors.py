@@ -104,7 +104,7 @@ BAD_FIELDS = [
     ({"seed": "x"}, "seed", "integer"),
     ({"stream": "yes"}, "stream", "boolean"),
     ({"stream_options": {"include_usage": True}}, "stream_options", "stream: true"),
-    ({"logprobs": 3}, "logprobs", "only 0"),
+    ({"logprobs": 21}, "logprobs", "less than or equal to 20"),
     ({"logprobs": -1}, "logprobs", "greater than or equal to 0"),
     ({"stop": "x"}, "stop", "tokenizer"),
     ({"stop": [""]}, "stop", "empty"),
@@ -140,6 +140,12 @@ def test_bad_requests_leave_nothing_allocated(server: RunningServe, stack: Local
     assert status == 400 and body["error"]["param"] == "messages" and "chat template" in body["error"]["message"]
     status, body, _ = post(server, "/v1/chat/completions", {"model": "tiny", "messages": []})
     assert status == 400 and body["error"]["param"] == "messages"
+    status, body, _ = post(server, "/v1/chat/completions", {"model": "tiny", "top_logprobs": 2, "messages": [
+        {"role": "user", "content": "hi"}]})
+    assert status == 400 and body["error"]["param"] == "top_logprobs" and "logprobs: true" in body["error"]["message"]
+    status, body, _ = post(server, "/v1/chat/completions", {"model": "tiny", "logprobs": True, "top_logprobs": 21,
+                                                            "messages": [{"role": "user", "content": "hi"}]})
+    assert status == 400 and body["error"]["param"] == "top_logprobs"
     assert_pool_empty(stack)
     # And the server still serves.
     status, body, _ = post(server, "/v1/completions", {**GOOD, "temperature": 0})

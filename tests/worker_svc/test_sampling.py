@@ -56,3 +56,19 @@ def test_top_k_one_is_greedy() -> None:
     logits = _logits()
     res = sample(logits, [SamplingParams(temperature=5.0, top_k=1, seed=3)] * 4, [0, 1, 2, 3])
     assert torch.equal(res.token_ids, logits.argmax(-1))
+
+
+def test_top_logprobs_are_the_most_likely_tokens_per_row_with_model_logprobs() -> None:
+    logits = _logits(rows=3, vocab=40, seed=5)
+    params = [SamplingParams(num_top_logprobs=3), SamplingParams(),
+              SamplingParams(temperature=1.0, seed=2, num_top_logprobs=5)]
+    res = sample(logits, params, [0, 1, 2])
+    ref = torch.log_softmax(logits, -1)
+    assert res.top[1] == []
+    for row, n in ((0, 3), (2, 5)):
+        want_lp, want_ids = ref[row].topk(n)
+        assert [t for t, _ in res.top[row]] == want_ids.tolist()
+        torch.testing.assert_close(torch.tensor([lp for _, lp in res.top[row]]), want_lp)
+    # greedy: the chosen token is the first alternative, with the same logprob
+    assert res.top[0][0][0] == int(res.token_ids[0])
+    assert abs(res.top[0][0][1] - float(res.logprobs[0])) < 1e-5

@@ -17,12 +17,16 @@ import torch
 _MASK64 = (1 << 64) - 1
 
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs (and vLLM's default max_logprobs)
+
+
 @dataclass(slots=True, frozen=True)
 class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    num_top_logprobs: int = 0  # also report this many most likely tokens with their logprobs
 
     @property
     def greedy(self) -> bool:
@@ -33,6 +37,8 @@ class SamplingParams:
 class SampleResult:
     token_ids: torch.Tensor  # int64 [num_seqs] (CPU)
     logprobs: torch.Tensor  # fp32 [num_seqs] (CPU): log p(token) under the unmodified model
+    # Per row: the num_top_logprobs most likely (token, logprob), most likely first ([] when 0).
+    top: list[list[tuple[int, float]]]
 
 
 def draw_uniform(seed: int | None, position: int) -> float:
@@ -79,7 +85,27 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
         )
         tokens[rows] = _sample_filtered(sub / temps[:, None], top_ks, top_ps, uniforms)
     chosen_logprobs = logits.gather(1, tokens[:, None]).squeeze(1) - log_norm
-    return SampleResult(token_ids=tokens.cpu(), logprobs=chosen_logprobs.cpu())
+    return SampleResult(token_ids=tokens.cpu(), logprobs=chosen_logprobs.cpu(),
+                        top=_top_logprobs(logits, log_norm, params))
+
+
+def _top_logprobs(
+    logits: torch.Tensor, log_norm: torch.Tensor, params: list[SamplingParams]
+) -> list[list[tuple[int, float]]]:
+    """One topk over the rows that asked (the largest count asked), cut per row."""
+    top: list[list[tuple[int, float]]] = [[] for _ in params]
+    rows = [i for i, p in enumerate(params) if p.num_top_logprobs > 0]
+    if not rows:
+        return top
+    k = min(max(params[i].num_top_logprobs for i in rows), logits.shape[-1])
+    index = torch.tensor(rows, device=logits.device)
+    values, ids = torch.topk(logits.index_select(0, index), k, dim=-1)
+    values = (values - log_norm.index_select(0, index)[:, None]).cpu().tolist()
+    ids = ids.cpu().tolist()
+    for j, i in enumerate(rows):
+        n = params[i].num_top_logprobs
+        top[i] = list(zip(ids[j][:n], values[j][:n]))
+    return top
 
 
 def _sample_filtered(
