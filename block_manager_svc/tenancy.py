@@ -11,8 +11,9 @@ is rewritten before it reaches the reliable servicer and the core:
   salted per tenant (and per request salt), so no tenant gets hits on, or
   timing signals from, another tenant's content.
 
-Because the rewritten request is what the journal records, tenant identity is
-journaled with every mutation and replay needs no extra context. Replies and
+Because the journal records the core commands the rewritten request made (with
+the namespaced ids), tenant identity is journaled with every mutation and
+replay needs no extra context. Replies and
 error messages are mapped back: a client only ever sees its own ids.
 Quotas live in the core (core/tenants.py); preemption only ever picks
 victims of the growing tenant. GetStats shows a tenant its own numbers
