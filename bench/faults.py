@@ -50,10 +50,10 @@ def print_report(res: dict[str, Any]) -> None:
             f"{c['replay_records_max']}, {c['replay_bytes_max'] / 1024:.0f}, {c['replay_s_max'] * 1000:.1f} |\n")
     if "recovery" in res:
         out("\n## Recovery time vs journal size (65,536 blocks, up to 256 live sequences, in-process)\n\n")
-        out("| records | journal MiB | recovery s | µs/record | snapshot MiB | snapshot pickle ms |\n|---|---|---|---|---|---|\n")
+        out("| records | journal MiB | recovery s | µs/record | snapshot MiB | snapshot export ms |\n|---|---|---|---|---|---|\n")
         for r in res["recovery"]:
             out(f"| {r['records']} | {r['journal_mib']:.2f} | {r['recovery_s']:.3f} | {r['us_per_record']:.0f} | "
-                f"{r['snapshot_mib']:.2f} | {r['snapshot_pickle_s'] * 1000:.1f} |\n")
+                f"{r['snapshot_mib']:.2f} | {r['snapshot_export_s'] * 1000:.1f} |\n")
     if "fsync" in res:
         out("\n## Cost per Append under each fsync policy (loopback, sync stub)\n\n")
         out("| mode | p50 µs (1 in flight) | p99 µs | calls/s (8 in flight) | fsyncs | journal bytes/op |\n"

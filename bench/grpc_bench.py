@@ -31,7 +31,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -46,6 +45,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from pagedkv.healthcheck import wait_healthy
+from pagedkv.ports import free_port
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
 
@@ -68,12 +69,6 @@ LABELS = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def start_server(num_gpu_blocks: int, timeout_s: float = 30.0) -> tuple[subprocess.Popen[bytes], str]:
     """Start the block manager in a child process on a free loopback port; wait for SERVING."""
     last_err = ""
@@ -84,16 +79,11 @@ def start_server(num_gpu_blocks: int, timeout_s: float = 30.0) -> tuple[subproce
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         target = f"127.0.0.1:{port}"
-        deadline = time.monotonic() + timeout_s
-        with grpc.insecure_channel(target) as ch:
-            stub = health_pb2_grpc.HealthStub(ch)
-            while time.monotonic() < deadline and proc.poll() is None:
-                try:
-                    status = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0, wait_for_ready=True).status
-                    if status == health_pb2.HealthCheckResponse.SERVING:
-                        return proc, target
-                except grpc.RpcError:
-                    time.sleep(0.05)
+        try:
+            wait_healthy(target, "", timeout_s, proc=proc, interval_s=0.05, name="block manager")
+            return proc, target
+        except (RuntimeError, TimeoutError):
+            pass
         if proc.poll() is None:
             proc.kill()
         last_err = (proc.communicate()[1] or b"").decode(errors="replace")[-2000:]

@@ -32,7 +32,6 @@ import io
 import json
 import os
 import pathlib
-import socket
 import sys
 import tempfile
 import time
@@ -48,6 +47,7 @@ from frontend.client import BlockManagerClient  # noqa: E402
 from frontend.engine import Engine, EngineConfig, GenerationRequest  # noqa: E402
 from frontend.stack import Stack, StackOptions  # noqa: E402
 from frontend.worker_client import WorkerClient  # noqa: E402
+from pagedkv.ports import free_port_block  # noqa: E402
 
 
 # ------------------------------------------------------------------------------ the model
@@ -74,27 +74,6 @@ def make_model(path: pathlib.Path, hidden: int, layers: int, vocab: int, seed: i
 
 
 # ------------------------------------------------------------------------------ the stack
-def _port_block(n: int) -> int:
-    """A port p with p .. p+n-1 free right now (the stack's services take consecutive ports)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n >= 65535:
-            continue
-        socks: list[socket.socket] = []
-        try:
-            for i in range(n):
-                t = socket.socket()
-                socks.append(t)
-                t.bind(("127.0.0.1", base + i))
-            return base
-        except OSError:
-            continue
-        finally:
-            for t in socks:
-                t.close()
-    raise RuntimeError("no block of free ports")
 
 
 @dataclass(slots=True)
@@ -111,7 +90,7 @@ class Layout:
 @contextlib.contextmanager
 def running(layout: Layout, model: pathlib.Path, blocks: int, log_dir: pathlib.Path,
             device: str = "cpu", dtype: str = "float32") -> Iterator[Stack]:
-    base = _port_block(2 + layout.num_workers)
+    base = free_port_block(2 + layout.num_workers)
     opts = StackOptions(
         block_manager_port=base, cache_host_port=base + 1, worker_port=base + 2, num_workers=layout.num_workers,
         num_gpu_blocks=blocks, num_cpu_blocks=0, block_size=16, model=str(model), device=device, dtype=dtype,

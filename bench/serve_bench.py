@@ -258,14 +258,8 @@ def table(rows: list[Row], baseline: Row | None, alone: list[float]) -> str:
 
 def start_stack(model_dir: str, num_gpu_blocks: int, max_num_seqs: int, max_batch_tokens: int):  # type: ignore[no-untyped-def]
     """A stack as local processes (block manager, cache host, one worker, pagedkv serve)."""
-    import socket
-
     from frontend.stack import Stack, StackOptions
-
-    def free() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return int(s.getsockname()[1])
+    from pagedkv.ports import free_port as free
 
     log_dir = tempfile.mkdtemp(prefix="pagedkv-serve-bench-")
     opts = StackOptions(block_manager_port=free(), cache_host_port=free(), worker_port=free(), num_workers=1,

@@ -44,7 +44,6 @@ import math
 import os
 import pathlib
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -284,6 +283,16 @@ def _run_engine(engine: Any, bm: Any, reqs: list[dict[str, Any]], tag: str) -> d
     }
 
 
+def _warm_then_time(engine: Any, bm: Any, args: argparse.Namespace,
+                    reqs: list[dict[str, Any]]) -> tuple[float, dict[str, Any]]:
+    """One warm-up batch, then the timed runs: (warm-up seconds, the runs' results)."""
+    t0 = time.perf_counter()
+    _run_engine(engine, bm, make_requests("chat", 6, seed=99, vocab=args.vocab), "warm")
+    warmup = time.perf_counter() - t0
+    counter = iter(range(1_000_000))
+    return warmup, _timed_runs(args.runs, lambda: _run_engine(engine, bm, reqs, f"run{next(counter)}"))
+
+
 def child_pagedkv(args: argparse.Namespace, reqs: list[dict[str, Any]]) -> dict[str, Any]:
     from frontend.engine import EngineConfig
     from frontend.local_stack import LocalStack, StackConfig
@@ -297,11 +306,7 @@ def child_pagedkv(args: argparse.Namespace, reqs: list[dict[str, Any]]) -> dict[
                                            timeout_s=600.0))
         bm = engine.bm
         startup = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        _run_engine(engine, bm, make_requests("chat", 6, seed=99, vocab=args.vocab), "warm")
-        warmup = time.perf_counter() - t0
-        counter = iter(range(1_000_000))
-        res = _timed_runs(args.runs, lambda: _run_engine(engine, bm, reqs, f"run{next(counter)}"))
+        warmup, res = _warm_then_time(engine, bm, args, reqs)
         if args.breakdown:
             timers = PhaseTimers()
             _instrument_inproc(timers)
@@ -324,25 +329,15 @@ def _backend_name() -> str:
     return kernels.backend_for(torch.empty(0))
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def child_pagedkv_proc(args: argparse.Namespace, reqs: list[dict[str, Any]]) -> dict[str, Any]:
     """`pagedkv up` (one process per service, 127.0.0.1, free ports) driven by an engine here."""
     from frontend.client import BlockManagerClient
     from frontend.engine import Engine, EngineConfig
     from frontend.stack import Stack, StackOptions
     from frontend.worker_client import WorkerClient
+    from pagedkv.ports import free_ports
 
-    bm_port, ch_port, w_port = _free_ports(3)
+    bm_port, ch_port, w_port = free_ports(3)
     opts = StackOptions(block_manager_port=bm_port, cache_host_port=ch_port, worker_port=w_port, num_workers=1,
                         num_gpu_blocks=_num_blocks(reqs), num_cpu_blocks=0, block_size=BLOCK_SIZE,
                         model=args.model, device="cpu", dtype="float32", log_format="json",
@@ -356,11 +351,7 @@ def child_pagedkv_proc(args: argparse.Namespace, reqs: list[dict[str, Any]]) -> 
         engine = Engine(bm, [worker], EngineConfig(max_num_seqs=MAX_NUM_SEQS, max_batch_tokens=MAX_BATCH_TOKENS,
                                                    timeout_s=600.0))
         startup = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        _run_engine(engine, bm, make_requests("chat", 6, seed=99, vocab=args.vocab), "warm")
-        warmup = time.perf_counter() - t0
-        counter = iter(range(1_000_000))
-        res = _timed_runs(args.runs, lambda: _run_engine(engine, bm, reqs, f"run{next(counter)}"))
+        warmup, res = _warm_then_time(engine, bm, args, reqs)
         if args.breakdown:
             timers = PhaseTimers()
             timers.wrap(Engine, "step", "engine_step")

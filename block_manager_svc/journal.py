@@ -95,14 +95,19 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def list_segments(state_dir: Path) -> list[tuple[int, Path]]:
+def list_numbered(state_dir: Path, pattern: re.Pattern[str]) -> list[tuple[int, Path]]:
+    """Files of `state_dir` whose name matches `pattern` (one group: a sequence number), by number."""
     out = []
     for p in state_dir.iterdir():
-        m = SEGMENT_RE.match(p.name)
+        m = pattern.match(p.name)
         if m:
             out.append((int(m.group(1)), p))
     out.sort()
     return out
+
+
+def list_segments(state_dir: Path) -> list[tuple[int, Path]]:
+    return list_numbered(state_dir, SEGMENT_RE)
 
 
 def _parse(buf: bytes, pos: int) -> tuple[Record | None, int]:

@@ -89,6 +89,11 @@ class LeaseTable:
             self.lease_of.pop(s, None)
         return sorted(lease.seq_ids)
 
+    def note_expired(self, num_sequences: int) -> None:
+        """Count one expired lease and the sequences its expiry freed (a journaled command)."""
+        self.num_expired += 1
+        self.num_expired_sequences += num_sequences
+
     # --- snapshots: ttl and members only; deadlines restart fresh -------------------
     def export(self) -> dict:
         return {

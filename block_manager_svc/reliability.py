@@ -22,9 +22,13 @@ exactly. Every mutation runs through one path, :meth:`ReliableStage.run`:
 With no ``--state-dir``, no ``request_id``, no lease in use and none named,
 step 1 and one branch are all that is added to the core stage.
 
-Recovery replays the journal through the same ``_apply`` the live path uses,
-so replay reproduces replies (the dedupe window is rebuilt from them), block
-tables, ref counts, the prefix index and eviction order exactly.
+The journal records what a request did, not the request: the core and lease
+commands it applied (block_manager_svc/commands.py, captured by a recording
+view of the core while the core stage runs) and, for a request with an id, the
+reply it got. Recovery loads the snapshot (an explicit state export,
+block_manager_svc/snapshot.py) and calls the same core and lease methods
+again with the same arguments, so block tables, ref counts, the prefix index,
+eviction order and the dedupe window come back exactly.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ import fcntl
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,6 +47,9 @@ import grpc
 import structlog
 
 from block_manager_svc import snapshot as snap
+from block_manager_svc import state_export
+from block_manager_svc import commands as cmds
+from block_manager_svc.commands import Batch, Command, DedupeEntry, ReplayError, Tap
 from block_manager_svc.core import CoreError
 from block_manager_svc.idempotency import DedupeTable, RequestIdReused, WaitTimeout, digest
 from block_manager_svc.journal import Journal, Record, ScanReport, scan
@@ -54,54 +62,23 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("pagedkv.block_manager")
 
-EXPIRE_LEASE = "ExpireLease"  # journal record of a lease expiry (body: the lease id)
 MAX_TTL_MS = 24 * 3600 * 1000
-SNAPSHOT_VERSION = 1
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["BlockManager"]
-
-
-def _request_type(method: str) -> Any:
-    return getattr(pb, _SERVICE.methods_by_name[method].input_type.name)
 
 
 def _response_type(method: str) -> Any:
     return getattr(pb, _SERVICE.methods_by_name[method].output_type.name)
 
 
-class ReplayError(RuntimeError):
-    """A journaled command was refused on replay: the journal and the code disagree."""
-
-
-class _InternalContext:
-    """Stands in for grpc.ServicerContext on replay and for internal commands."""
-
-    def abort(self, code: grpc.StatusCode, details: str) -> None:
-        raise ReplayError(f"{code.name}: {details}")
-
-    def time_remaining(self) -> None:
-        return None
-
-    def set_code(self, code: grpc.StatusCode) -> None:
-        pass
-
-    def set_details(self, details: str) -> None:
-        pass
-
-    def is_active(self) -> bool:
-        return True
-
-    def invocation_metadata(self) -> tuple:
-        return ()
-
-    def peer(self) -> str:
-        return "internal"
+__all__ = ["MUTATIONS", "RecoveryReport", "Reliability", "ReliableStage", "ReplayError"]
 
 
 @dataclass(slots=True)
 class RecoveryReport:
     snapshot_seq: int = 0
     snapshot_bytes: int = 0
+    snapshot_version: int = 0  # the format it was written in (state_export.py)
     replayed: int = 0
     journal_bytes: int = 0
     dropped_bytes: int = 0
@@ -124,11 +101,8 @@ def _config_diff(a: Any, b: Any) -> str:
 class ReliableStage:
     """Request-id dedupe, leases, journaling and deadlines around the core stage."""
 
-    def __init__(self, core_stage: CoreStage,
-                 tenant_of: Callable[[str, Any], str | None] = lambda name, request: None) -> None:
+    def __init__(self, core_stage: CoreStage) -> None:
         self.core_stage = core_stage
-        # On replay: the tenant a journaled request ran for (tenancy.tenant_of_request).
-        self.tenant_of = tenant_of
         self._lock = core_stage.lock  # the state lock (reentrant: the core stage takes it again)
         self.dedupe = DedupeTable()
         self.leases = LeaseTable()
@@ -168,10 +142,9 @@ class ReliableStage:
             if len(lid) > MAX_LEASE_ID_LEN:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                               f"lease_id is {len(lid)} characters long; the limit is {MAX_LEASE_ID_LEN}")
-        body = request.SerializeToString() if (rid or journal is not None) else b""
         dig = b""
         if rid:
-            dig = digest(name, body)
+            dig = digest(name, request.SerializeToString())
             try:
                 # gRPC reports "no deadline" as a huge time_remaining; waits take None for that.
                 wait = remaining if remaining is not None and remaining < 1e6 else None
@@ -186,12 +159,19 @@ class ReliableStage:
         try:
             seq = 0
             with self._lock:
-                response, changed = self._apply(name, request, context, tenant)
+                if journal is None:
+                    response, changed = self._apply(name, request, context, tenant)
+                    commands: list[Command] = []
+                else:
+                    with self._recording() as commands:
+                        response, changed = self._apply(name, request, context, tenant)
                 now = time.time()
+                reply = response.SerializeToString() if rid and changed else b""
                 if journal is not None and changed:
-                    seq = journal.append(name, body, now)
+                    entry = DedupeEntry(rid, name, dig, reply, now) if rid else None
+                    seq = journal.append(cmds.RECORD_NAME, cmds.encode_batch(Batch(commands, entry)), now)
                 if rid and changed:  # a pure lease renewal is not remembered: re-running it is harmless
-                    self.dedupe.put(rid, name, dig, response.SerializeToString(), now)
+                    self.dedupe.put(rid, name, dig, reply, now)
             if seq:
                 journal.wait_durable(seq)  # type: ignore[union-attr]
                 if self.snapshot_every_ops and journal.records_since_rotate >= self.snapshot_every_ops:  # type: ignore[union-attr]
@@ -225,6 +205,18 @@ class ReliableStage:
             _step_leases(leases, request, response)
         return response, True
 
+    @contextmanager
+    def _recording(self) -> Iterator[list[Command]]:
+        """Under the state lock: the handlers see recording views of the core and the
+        lease table, so what they change is captured as commands for the journal."""
+        commands: list[Command] = []
+        core, leases = self._core, self.leases
+        self._core, self.leases = Tap(core, cmds.CORE, commands), Tap(leases, cmds.LEASES, commands)  # type: ignore[assignment]
+        try:
+            yield commands
+        finally:
+            self._core, self.leases = core, leases
+
     # --- KeepAlive ------------------------------------------------------------------
     def _keepalive(self, request: pb.KeepAliveRequest, context: Any) -> tuple[pb.KeepAliveResponse, bool]:
         lid = request.lease_id
@@ -253,19 +245,17 @@ class ReliableStage:
 
     # --- lease expiry -----------------------------------------------------------------
     def _expire_lease(self, lease_id: str) -> tuple[int, int]:
-        """Free a lease's sequences through the core stage's Free (under the lock)."""
+        """Free a lease's sequences in the core (under the lock): (sequences, blocks) freed."""
         seqs = self.leases.drop(lease_id)
-        ctx = _InternalContext()
+        core = self._core
         freed = released = 0
         for s in seqs:
             try:
-                r = self.core_stage.Free(pb.FreeRequest(seq_id=s), ctx)
-            except ReplayError:
+                released += core.free(s)
+            except CoreError:
                 continue  # already gone
             freed += 1
-            released += r.num_blocks_released
-        self.leases.num_expired += 1
-        self.leases.num_expired_sequences += freed
+        self.leases.note_expired(freed)
         return freed, released
 
     def sweep_leases(self) -> int:
@@ -274,9 +264,12 @@ class ReliableStage:
         with self._lock:
             expired = self.leases.expired()
             for lid in expired:
-                freed, released = self._expire_lease(lid)
-                if self.journal is not None:
-                    seq = self.journal.append(EXPIRE_LEASE, lid.encode(), time.time())
+                if self.journal is None:
+                    freed, released = self._expire_lease(lid)
+                else:
+                    with self._recording() as commands:
+                        freed, released = self._expire_lease(lid)
+                    seq = self.journal.append(cmds.RECORD_NAME, cmds.encode_batch(Batch(commands)), time.time())
                 log.info("lease_expired", lease_id=lid, sequences_freed=freed, blocks_released=released)
         if seq:
             self.journal.wait_durable(seq)  # type: ignore[union-attr]
@@ -296,20 +289,16 @@ class ReliableStage:
 
     # --- snapshots and recovery -----------------------------------------------------------
     def _state(self) -> dict[str, Any]:
-        return {
-            "version": SNAPSHOT_VERSION,
-            "core": self._core,
-            "leases": self.leases.export(),
-            "dedupe": self.dedupe.export(),
-        }
+        return state_export.export(self._core, self.leases.export(), self.dedupe.export())
 
-    def snapshot_now(self) -> int:
-        """Write a snapshot covering every journaled record; returns its seq."""
+    def snapshot_now(self, rewrite: bool = False) -> int:
+        """Write a snapshot covering every journaled record; returns its seq.
+        `rewrite`: even when the last one covers them (to write it in the current format)."""
         journal, state_dir = self.journal, self.state_dir
         assert journal is not None and state_dir is not None
         with self._snapshot_mu:
             with self._lock:
-                if journal.last_seq == self.last_snapshot_seq and self.last_snapshot_seq:
+                if journal.last_seq == self.last_snapshot_seq and self.last_snapshot_seq and not rewrite:
                     return self.last_snapshot_seq
                 payload = snap.dumps(self._state())
                 seq = journal.rotate()
@@ -326,20 +315,19 @@ class ReliableStage:
         report = RecoveryReport()
         loaded = snap.load_latest(state_dir)
         if loaded is not None:
-            st = loaded.state
-            if not isinstance(st, dict) or st.get("version") != SNAPSHOT_VERSION:
-                raise snap.SnapshotError(f"snapshot in {state_dir} has an unknown format version")
-            core = st["core"]
-            if core.config != self._core.config:
-                raise snap.SnapshotError(
-                    f"the state in {state_dir} was written with a different pool geometry: "
-                    f"{_config_diff(core.config, self._core.config)}; use the original settings "
-                    "or another --state-dir"
-                )
-            self._core = core
-            self.leases.restore(st["leases"])
-            self.dedupe.restore(st["dedupe"])
+            doc = loaded.state
+            try:
+                if isinstance(doc, dict) and doc.get("version") == state_export.VERSION:
+                    self._check_geometry(state_export.config_of(doc), state_dir)  # before building the core
+                st = state_export.restore(doc)
+            except (state_export.StateError, KeyError, TypeError, ValueError) as e:
+                raise snap.SnapshotError(f"the snapshot in {state_dir} cannot be loaded: {e}") from e
+            self._check_geometry(st.core.config, state_dir)
+            self._core = st.core
+            self.leases.restore(st.leases)
+            self.dedupe.restore(st.dedupe)
             report.snapshot_seq = loaded.seq
+            report.snapshot_version = doc["version"]
             report.snapshot_bytes = loaded.size
         scan_report = ScanReport()
         for rec in scan(state_dir, report.snapshot_seq, scan_report):
@@ -356,20 +344,32 @@ class ReliableStage:
         self.recovery = report
         return report
 
+    def _check_geometry(self, config: Any, state_dir: Path) -> None:
+        if config != self._core.config:
+            raise snap.SnapshotError(
+                f"the state in {state_dir} was written with a different pool geometry: "
+                f"{_config_diff(config, self._core.config)}; use the original settings "
+                "or another --state-dir"
+            )
+
     def _replay(self, rec: Record) -> None:
-        if rec.name == EXPIRE_LEASE:
-            self._expire_lease(rec.body.decode())
-            return
-        if rec.name != "KeepAlive" and rec.name not in MUTATIONS:
-            raise ReplayError(f"journal record {rec.seq} names unknown method {rec.name!r}")
-        request = _request_type(rec.name).FromString(rec.body)
-        try:
-            response, _ = self._apply(rec.name, request, _InternalContext(), self.tenant_of(rec.name, request))
-        except ReplayError as e:
-            raise ReplayError(f"journal record {rec.seq} ({rec.name}) was refused on replay: {e}") from None
-        if request.request_id:
-            self.dedupe.put(request.request_id, rec.name, digest(rec.name, rec.body),
-                            response.SerializeToString(), rec.wall_time)
+        """Apply one journal record: its commands into the core and lease table, its dedupe entry."""
+        if rec.name != cmds.RECORD_NAME:
+            raise ReplayError(
+                f"journal record {rec.seq} ({rec.name}) was written by an older version, which journaled "
+                "requests; start that version on this state dir and stop it cleanly (its final snapshot "
+                "covers the journal), then start this one"
+            )
+        batch = cmds.decode_batch(rec.body)
+        targets = {cmds.CORE: self._core, cmds.LEASES: self.leases}
+        for cmd in batch.commands:
+            try:
+                cmds.apply(cmd, targets)
+            except ReplayError as e:
+                raise ReplayError(f"journal record {rec.seq}: {e}") from None
+        d = batch.dedupe
+        if d is not None:
+            self.dedupe.put(d.request_id, d.method, d.digest, d.reply, d.wall_time)
 
     # --- lifecycle ---------------------------------------------------------------------------
     def start(self, settings: BlockManagerSettings) -> Reliability:
@@ -390,8 +390,9 @@ class ReliableStage:
             self.state_dir = state_dir
             self.journal = Journal(state_dir, report.last_seq + 1, settings.fsync, settings.fsync_interval_ms)
             self.snapshot_every_ops = settings.snapshot_every_ops
-            if report.replayed or not report.snapshot_bytes:
-                self.snapshot_now()  # bounds the next recovery, records the geometry
+            old_format = report.snapshot_bytes and report.snapshot_version != state_export.VERSION
+            if report.replayed or not report.snapshot_bytes or old_format:
+                self.snapshot_now(rewrite=bool(old_format))  # bounds the next recovery, records the geometry
             log.info(
                 "state_recovered",
                 state_dir=str(state_dir),

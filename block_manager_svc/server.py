@@ -1,5 +1,6 @@
-"""Process wiring for the block manager: settings, logging, gRPC server,
-health, reflection, signals.
+"""Process wiring for the block manager: settings, logging, recovery, KV events, metrics,
+signals; the gRPC server itself (TLS, auth, health, reflection) is pagedkv/grpc_server.py's,
+as for every role.
 
 A synchronous gRPC server with a small thread pool: on these hosts it serves
 about 1.6x the calls/s of grpc.aio for the same work (docs/architecture.md),
@@ -12,13 +13,11 @@ from __future__ import annotations
 import signal
 import threading
 from collections.abc import Sequence
-from concurrent import futures
 from dataclasses import dataclass
 
 import grpc
 import structlog
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health
 
 from block_manager_svc.core import BlockManager, CoreConfig
 from block_manager_svc.events import EventHub
@@ -28,10 +27,10 @@ from block_manager_svc.reliability import Reliability
 from block_manager_svc.servicer import BlockManagerServicer
 from block_manager_svc.settings import BlockManagerSettings, load_settings
 from block_manager_svc.tenancy import NO_TENANCY, TenantScope, ledger_from_store
-from pagedkv.auth import AuthInterceptor, TokenStore
+from pagedkv.auth import TokenStore
+from pagedkv.grpc_server import graceful_stop
+from pagedkv.grpc_server import start_server as start_grpc_server
 from pagedkv.logging_setup import configure_logging
-from pagedkv.malformed import MalformedRequestInterceptor
-from pagedkv.tls import add_port
 from pagedkv.v1 import block_manager_pb2, block_manager_pb2_grpc
 
 SERVICE_NAME = block_manager_pb2.DESCRIPTOR.services_by_name["BlockManager"].full_name
@@ -51,8 +50,7 @@ class RunningServer:
     kv_events: ZmqKvEventPublisher | None = None
 
     def stop(self, grace: float | None = None) -> None:
-        self.health.enter_graceful_shutdown()
-        self.server.stop(grace).wait()
+        graceful_stop(self.server, self.health, grace)
         if self.kv_events is not None:
             self.kv_events.close()
             self.kv_events = None
@@ -85,31 +83,13 @@ def build_core(settings: BlockManagerSettings) -> BlockManager:
 
 def start_server(settings: BlockManagerSettings) -> RunningServer:
     """Build and start the server; raises RuntimeError if the port is taken."""
-    options = [
-        ("grpc.max_receive_message_length", settings.max_message_bytes),
-        ("grpc.max_send_message_length", settings.max_message_bytes),
-        ("grpc.so_reuseport", 0),
-    ]
     # Security and observability (docs/security.md, docs/observability.md): all off by default.
     store = TokenStore.load(settings.auth_tokens_file) if settings.auth_tokens_file else None
     tenancy = TenantScope() if store is not None else NO_TENANCY
     servicer = BlockManagerServicer(build_core(settings), settings.num_cpu_blocks, tenancy)
-    interceptors: list[grpc.ServerInterceptor] = []
-    registry = None
+    registry = rpc_metrics = None
     if settings.metrics_port:
         registry, rpc_metrics = setup_metrics(servicer)
-        interceptors.append(rpc_metrics)  # first: it also counts the auth rejections
-    if store is not None:
-        interceptors.append(AuthInterceptor(store, limiter=servicer.log_limit))
-    interceptors.append(MalformedRequestInterceptor(servicer.log_limit))  # innermost: wraps the parsers
-    # Each WatchEvents stream holds a thread for its lifetime: extra threads so they cannot starve RPCs.
-    watchers = settings.max_event_watchers if settings.enable_kv_events else 0
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=settings.max_workers + watchers, thread_name_prefix="bm-rpc"),
-        options=options,
-        maximum_concurrent_rpcs=settings.max_concurrent_rpcs,
-        interceptors=interceptors or None,
-    )
     # Recovers from --state-dir (before the port opens), starts the lease sweeper and snapshots.
     reliability = servicer.reliable.start(settings)
     if store is not None:
@@ -118,34 +98,34 @@ def start_server(settings: BlockManagerSettings) -> RunningServer:
         servicer.events_hub = EventHub(servicer._lock, settings.max_event_watchers, settings.event_queue_size,
                                        tenancy=store is not None)
         servicer.events_hub.attach(servicer._core)
-    block_manager_pb2_grpc.add_BlockManagerServicer_to_server(servicer, server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    if settings.enable_reflection:
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-            server,
-        )
+    kv_events = metrics = None
     try:
-        port = add_port(server, settings.host, settings.port, tls_cert=settings.tls_cert,
-                        tls_key=settings.tls_key, tls_client_ca=settings.tls_client_ca,
-                        allow_insecure=settings.allow_insecure)
         kv_events = start_kv_events(settings, servicer.events_hub)
+        try:
+            metrics = MetricsServer(registry, settings.metrics_host, settings.metrics_port) if registry else None
+        except OSError as e:
+            raise RuntimeError(f"cannot serve metrics on {settings.metrics_host}:{settings.metrics_port}: {e}") from e
+        # Each WatchEvents stream holds a thread for its lifetime: extra threads so they cannot starve RPCs.
+        watchers = settings.max_event_watchers if settings.enable_kv_events else 0
+        grpc_server = start_grpc_server(
+            settings.host, settings.port,
+            lambda server: block_manager_pb2_grpc.add_BlockManagerServicer_to_server(servicer, server),
+            SERVICE_NAME, settings.max_workers + watchers, "bm-rpc",
+            tls_cert=settings.tls_cert, tls_key=settings.tls_key, tls_client_ca=settings.tls_client_ca,
+            allow_insecure=settings.allow_insecure, token_store=store, limiter=servicer.log_limit,
+            interceptors=[rpc_metrics] if rpc_metrics is not None else (),  # outermost: counts auth rejections
+            max_message_bytes=settings.max_message_bytes, maximum_concurrent_rpcs=settings.max_concurrent_rpcs,
+            enable_reflection=settings.enable_reflection,
+        )
     except RuntimeError:
-        reliability.close()
-        raise
-    try:
-        metrics = MetricsServer(registry, settings.metrics_host, settings.metrics_port) if registry else None
-    except OSError as e:
         reliability.close()
         if kv_events is not None:
             kv_events.close()
-        raise RuntimeError(f"cannot serve metrics on {settings.metrics_host}:{settings.metrics_port}: {e}") from e
-    server.start()
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return RunningServer(server=server, port=port, health=health_servicer, servicer=servicer,
-                         reliability=reliability, metrics=metrics, kv_events=kv_events)
+        if metrics is not None:
+            metrics.stop()
+        raise
+    return RunningServer(server=grpc_server.server, port=grpc_server.port, health=grpc_server.health,
+                         servicer=servicer, reliability=reliability, metrics=metrics, kv_events=kv_events)
 
 
 def start_kv_events(settings: BlockManagerSettings, hub: EventHub | None) -> ZmqKvEventPublisher | None:

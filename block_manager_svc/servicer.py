@@ -39,7 +39,7 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
     def __init__(self, core: BlockManager, num_cpu_blocks: int = 0, tenancy: Tenancy = NO_TENANCY) -> None:
         self._lock = threading.RLock()  # the state lock, shared by every stage
         self.core_stage = CoreStage(core, self._lock)
-        self.reliable = ReliableStage(self.core_stage, tenancy.tenant_of_request)
+        self.reliable = ReliableStage(self.core_stage)
         self.tenancy = tenancy
         self.log_limit = self.core_stage.log_limit
 

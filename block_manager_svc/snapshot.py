@@ -1,6 +1,7 @@
 """Atomic, checksummed snapshots of the whole block-manager state.
 
-A snapshot is the pickled state (core, leases, dedupe table) taken under the
+A snapshot is the state export of block_manager_svc/state_export.py (core,
+leases, dedupe table as versioned plain data, msgpack-encoded) taken under the
 state lock, tagged with the journal sequence number it covers. It is written
 to a temporary file, fsynced, renamed over its final name and the directory
 fsynced, so a crash leaves either the old or the new snapshot, never half of
@@ -8,10 +9,10 @@ one. After it is durable, journal segments it covers and older snapshots are
 deleted.
 
 File layout: ``MAGIC | u64 seq | u32 crc32(payload) | u64 len(payload) | payload``.
-Pickle is used because the core is plain Python objects and the file is only
-ever read back by the same code base; a snapshot written by another version
-of the core classes is refused with a clear error (delete the state dir or
-restart the old version to drain it).
+``PKVSNAP2``: the payload is the msgpack document. ``PKVSNAP1`` (older
+versions): a pickle of the manager objects, still read so that a state dir
+written before the export existed starts up; it is rewritten as version 2 by
+the first snapshot after recovery.
 """
 
 from __future__ import annotations
@@ -25,9 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from block_manager_svc.journal import fsync_dir
+import msgspec
 
-MAGIC = b"PKVSNAP1"
+from block_manager_svc.journal import fsync_dir, list_numbered
+
+MAGIC = b"PKVSNAP2"
+MAGIC_PICKLE = b"PKVSNAP1"  # format 1: read only
 HEADER = struct.Struct("<8sQIQ")
 SNAP_RE = re.compile(r"^snapshot-(\d{20})\.snap$")
 
@@ -48,21 +52,16 @@ def snapshot_name(seq: int) -> str:
 
 
 def list_snapshots(state_dir: Path) -> list[tuple[int, Path]]:
-    out = []
-    for p in state_dir.iterdir():
-        m = SNAP_RE.match(p.name)
-        if m:
-            out.append((int(m.group(1)), p))
-    out.sort()
-    return out
+    return list_numbered(state_dir, SNAP_RE)
 
 
 def dumps(state: Any) -> bytes:
-    return pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
+    """Plain data (state_export.export's document) as the payload of a snapshot."""
+    return msgspec.msgpack.encode(state)
 
 
 def write(state_dir: Path, seq: int, payload: bytes, sync: bool = True) -> Path:
-    """Atomically write the pickled `payload` as the snapshot for `seq`; remove older ones."""
+    """Atomically write the encoded `payload` as the snapshot for `seq`; remove older ones."""
     final = state_dir / snapshot_name(seq)
     tmp = final.with_suffix(".tmp")
     header = HEADER.pack(MAGIC, seq, zlib.crc32(payload), len(payload))
@@ -94,10 +93,10 @@ def load_latest(state_dir: Path) -> Snapshot | None:
         raise SnapshotError(f"{path} is truncated ({len(buf)} bytes)")
     magic, hdr_seq, crc, length = HEADER.unpack_from(buf, 0)
     payload = buf[HEADER.size :]
-    if magic != MAGIC or hdr_seq != seq or length != len(payload) or zlib.crc32(payload) != crc:
+    if magic not in (MAGIC, MAGIC_PICKLE) or hdr_seq != seq or length != len(payload) or zlib.crc32(payload) != crc:
         raise SnapshotError(f"{path} is corrupt (bad header or checksum)")
     try:
-        state = pickle.loads(payload)
+        state = msgspec.msgpack.decode(payload) if magic == MAGIC else pickle.loads(payload)
     except Exception as e:
         raise SnapshotError(f"{path} cannot be loaded by this version: {e!r}") from e
     return Snapshot(seq=seq, state=state, size=len(buf))

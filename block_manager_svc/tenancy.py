@@ -14,9 +14,10 @@ request is rewritten before it reaches the reliability stage and the core:
   (with the request's ``cache_salt``), so no tenant gets hits on, or timing
   signals from, another tenant's content.
 
-The rewritten request is what the journal records; on replay the tenant is
-read back from its namespace (`tenant_of_request`). Replies and error
-messages are mapped back: a client only ever sees its own ids.
+The journal records the core calls a request made, tenant argument included
+(block_manager_svc/commands.py), so replay gives every admission back its
+tenant. Replies and error messages are mapped back: a client only ever sees
+its own ids.
 Quotas live in the core (core/tenants.py); preemption only ever picks
 victims of the growing tenant. GetStats shows a tenant its own numbers
 unless it is an admin.
@@ -30,7 +31,7 @@ import grpc
 
 from dataclasses import dataclass
 
-from block_manager_svc.core.sequence import MAX_SEQ_ID_LEN, SEP
+from block_manager_svc.core.sequence import MAX_SEQ_ID_LEN
 from block_manager_svc.core.tenants import Quota, TenantLedger
 from block_manager_svc.leases import MAX_LEASE_ID_LEN
 from pagedkv.auth import Tenant, TokenStore, current_tenant
@@ -91,9 +92,6 @@ class NoTenancy:
     def own_stats(self, request: pb.GetStatsRequest, context: Any, core: BlockManager, lock: Any) -> pb.Stats | None:
         return None
 
-    def tenant_of_request(self, name: str, request: Any) -> str | None:
-        return None
-
 
 NO_TENANCY = NoTenancy()
 
@@ -119,9 +117,6 @@ class TenantScope:
             return Scoped(request, context, t.name, p)
         req = rewrite(request, context, p)
         return Scoped(req, _ScopedContext(context, p), t.name, p)
-
-    def tenant_of_request(self, name: str, request: Any) -> str | None:
-        return tenant_of_request(name, request)
 
     def leave(self, name: str, scoped: Scoped, response: Any) -> Any:
         """The reply with the caller's namespace taken off every seq id it names."""
@@ -162,19 +157,6 @@ class TenantScope:
 
 Tenancy = TenantScope | NoTenancy
 
-
-def tenant_of_request(name: str, request: Any) -> str | None:
-    """The tenant of a journaled (namespaced) request, for replay: what the
-    tenancy stage passed as `Scoped.tenant` when the request first ran. Only
-    admissions need it (Allocate, Step's allocations); None for the rest."""
-    if name == "Allocate":
-        seq_id = request.seq_id
-    elif name == "Step" and request.alloc_seq_ids:
-        seq_id = request.alloc_seq_ids[0]
-    else:
-        return None
-    i = seq_id.find(SEP)
-    return seq_id[:i] if i >= 0 else None
 
 
 # --- checks and namespacing -----------------------------------------------------------

@@ -9,7 +9,7 @@ What every call gets:
 * **A deadline**: ``timeout_s`` per call, default the client's
   ``default_timeout_s`` (5 s). It covers all attempts and backoff sleeps.
 * **Retries on UNAVAILABLE** with exponential backoff and full jitter
-  (:mod:`frontend.retry` explains why this is a client-side loop and not
+  (:mod:`pagedkv.retry` explains why this is a client-side loop and not
   gRPC's service-config retry policy). Reads always retry. Mutations
   (Allocate, Append, Fork, Free, Step, KeepAlive, SwapIn, Preempt) retry only when you pass a
   ``request_id`` (Commit is idempotent by definition and always retries): a retried mutation that the server already applied would be
@@ -29,12 +29,13 @@ and one ``self._call(...)`` per method).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from frontend.retry import RetryPolicy, async_call_with_retry, call_with_retry
+from pagedkv.retry import RetryPolicy, async_call_with_retry, call_with_retry
 from pagedkv.tls import auth_metadata
 from pagedkv.tls import channel as tls_channel
 from pagedkv.v1 import block_manager_pb2 as pb
@@ -134,11 +135,73 @@ def new_blocks_by_sequence(response: pb.StepResponse, num_seqs: int) -> list[lis
 
 
 # ----------------------------------------------------------------------------------------------
+# One call as data: which RPC, its request, and whether a retry is safe. Both clients run these.
+
+
+@dataclass(slots=True, frozen=True)
+class Call:
+    """An RPC to make: the stub method's name, the request, and the retry rule's inputs (a
+    mutation is retried only with a ``request_id``)."""
+
+    method: str
+    request: Any
+    mutation: bool
+    request_id: str | None = None
+
+
+def fork_call(parent_seq_id: str, child_seq_id: str, request_id: str | None, lease_id: str | None) -> Call:
+    req = pb.ForkRequest(parent_seq_id=parent_seq_id, child_seq_id=child_seq_id, request_id=request_id or "",
+                         lease_id=lease_id or "")
+    return Call("Fork", req, True, request_id)
+
+
+def free_call(seq_id: str, request_id: str | None) -> Call:
+    return Call("Free", pb.FreeRequest(seq_id=seq_id, request_id=request_id or ""), True, request_id)
+
+
+def commit_call(seq_id: str, num_computed_tokens: int, request_id: str | None) -> Call:
+    # Idempotent by definition: always retried, with or without a request id.
+    req = pb.CommitRequest(seq_id=seq_id, num_computed_tokens=num_computed_tokens, request_id=request_id or "")
+    return Call("Commit", req, False, request_id)
+
+
+def keep_alive_call(lease_id: str, ttl_ms: int, attach_seq_ids: Sequence[str], request_id: str | None) -> Call:
+    req = pb.KeepAliveRequest(lease_id=lease_id, ttl_ms=ttl_ms, attach_seq_ids=attach_seq_ids,
+                              request_id=request_id or "")
+    return Call("KeepAlive", req, True, request_id)
+
+
+def swap_in_call(seq_id: str, request_id: str | None) -> Call:
+    return Call("SwapIn", pb.SwapInRequest(seq_id=seq_id, request_id=request_id or ""), True, request_id)
+
+
+def preempt_call(seq_id: str, mode: str, request_id: str | None) -> Call:
+    return Call("Preempt", pb.PreemptRequest(seq_id=seq_id, mode=mode, request_id=request_id or ""), True,
+                request_id)
+
+
+def reset_prefix_cache_call(request_id: str | None) -> Call:
+    return Call("ResetPrefixCache", pb.ResetPrefixCacheRequest(request_id=request_id or ""), True, request_id)
+
+
+def step_call(request: pb.StepRequest) -> Call:
+    return Call("Step", request, True, request.request_id)
+
+
+def read_call(method: str, request: Any) -> Call:
+    """A read (GetBlockTable, GetStats, GetConfig): always safe to retry."""
+    return Call(method, request, False)
+
+
+# ----------------------------------------------------------------------------------------------
 # Channel + deadline + retry: the base of every pagedkv client.
 
 
-class GrpcClient:
-    """Owns one channel, a default deadline and a retry policy (sync)."""
+class _ClientBase:
+    """What the sync and the asyncio client share: the channel (``aio`` picks the kind), the
+    default deadline, the retry policy, the call metadata (bearer token)."""
+
+    aio = False
 
     def __init__(
         self,
@@ -148,7 +211,7 @@ class GrpcClient:
         retry: RetryPolicy | None = None,
         options: Sequence[tuple[str, Any]] | None = None,
         metadata: Sequence[tuple[str, str]] | None = None,
-        channel: grpc.Channel | None = None,
+        channel: Any = None,
         tls_ca: str = "",
         tls_cert: str = "",
         tls_key: str = "",
@@ -161,18 +224,28 @@ class GrpcClient:
         self._owns_channel = channel is None
         # TLS when any of tls_ca/tls_cert/tls_key is given (pagedkv/tls.py); token = bearer auth.
         self.channel = channel or tls_channel(target, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
-                                              options=list(options or channel_options()))
+                                              options=list(options or channel_options()), aio=self.aio)
         self._health = health_pb2_grpc.HealthStub(self.channel)
+
+    def _retry_args(self, mutation: bool, request_id: str | None, timeout_s: float | None) -> dict[str, Any]:
+        return {
+            "timeout_s": self.default_timeout_s if timeout_s is None else timeout_s,
+            "policy": self.retry,
+            "retry_allowed": not mutation or bool(request_id),
+            "metadata": self.metadata,
+        }
+
+
+class GrpcClient(_ClientBase):
+    """Owns one channel, a default deadline and a retry policy (sync)."""
 
     def _call(self, method: Any, request: Any, *, mutation: bool, request_id: str | None,
               timeout_s: float | None) -> Any:
-        return call_with_retry(
-            method, request,
-            timeout_s=self.default_timeout_s if timeout_s is None else timeout_s,
-            policy=self.retry,
-            retry_allowed=not mutation or bool(request_id),
-            metadata=self.metadata,
-        )
+        return call_with_retry(method, request, **self._retry_args(mutation, request_id, timeout_s))
+
+    def _run(self, call: Call, timeout_s: float | None) -> Any:
+        return self._call(getattr(self._stub, call.method), call.request, mutation=call.mutation,
+                          request_id=call.request_id, timeout_s=timeout_s)
 
     def wait_ready(self, timeout_s: float = 10.0) -> None:
         """Block until the channel connects; raises grpc.FutureTimeoutError."""
@@ -195,45 +268,22 @@ class GrpcClient:
         self.close()
 
 
-class AsyncGrpcClient:
+class AsyncGrpcClient(_ClientBase):
     """Owns one grpc.aio channel, a default deadline and a retry policy.
 
     Create it inside the event loop that will use it (``async with`` in a
     coroutine): a grpc.aio channel belongs to one loop.
     """
 
-    def __init__(
-        self,
-        target: str,
-        *,
-        default_timeout_s: float = DEFAULT_TIMEOUT_S,
-        retry: RetryPolicy | None = None,
-        options: Sequence[tuple[str, Any]] | None = None,
-        metadata: Sequence[tuple[str, str]] | None = None,
-        channel: grpc.aio.Channel | None = None,
-        tls_ca: str = "",
-        tls_cert: str = "",
-        tls_key: str = "",
-        token: str = "",
-    ) -> None:
-        self.target = target
-        self.default_timeout_s = _check_timeout(default_timeout_s)
-        self.retry = retry or RetryPolicy()
-        self.metadata = tuple(metadata or ()) + auth_metadata(token) or None
-        self._owns_channel = channel is None
-        self.channel = channel or tls_channel(target, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
-                                              options=list(options or channel_options()), aio=True)
-        self._health = health_pb2_grpc.HealthStub(self.channel)
+    aio = True
 
     async def _call(self, method: Any, request: Any, *, mutation: bool, request_id: str | None,
                     timeout_s: float | None) -> Any:
-        return await async_call_with_retry(
-            method, request,
-            timeout_s=self.default_timeout_s if timeout_s is None else timeout_s,
-            policy=self.retry,
-            retry_allowed=not mutation or bool(request_id),
-            metadata=self.metadata,
-        )
+        return await async_call_with_retry(method, request, **self._retry_args(mutation, request_id, timeout_s))
+
+    async def _run(self, call: Call, timeout_s: float | None) -> Any:
+        return await self._call(getattr(self._stub, call.method), call.request, mutation=call.mutation,
+                                request_id=call.request_id, timeout_s=timeout_s)
 
     async def wait_ready(self, timeout_s: float = 10.0) -> None:
         import asyncio
@@ -257,7 +307,7 @@ class AsyncGrpcClient:
 
 
 # ----------------------------------------------------------------------------------------------
-# The block manager.
+# The block manager: the same methods twice (sync and awaitable), each one line over the calls above.
 
 
 class BlockManagerClient(GrpcClient):
@@ -270,42 +320,34 @@ class BlockManagerClient(GrpcClient):
     def allocate(self, seq_id: str, num_tokens: int, token_ids: Sequence[int] | None = None, *,
                  priority: int = 0, request_id: str | None = None, lease_id: str | None = None,
                  timeout_s: float | None = None, cache_salt: str | None = None) -> pb.AllocateResponse:
-        return self._call(self._stub.Allocate,
-                          allocate_request(seq_id, num_tokens, token_ids, priority, request_id, lease_id,
-                                           cache_salt),
-                          mutation=True, request_id=request_id, timeout_s=timeout_s)
+        req = allocate_request(seq_id, num_tokens, token_ids, priority, request_id, lease_id, cache_salt)
+        return self._run(Call("Allocate", req, True, request_id), timeout_s)
 
     def append(self, seq_id: str, num_tokens: int = 1, token_ids: Sequence[int] | None = None, *,
                request_id: str | None = None, timeout_s: float | None = None) -> pb.AppendResponse:
-        return self._call(self._stub.Append, append_request(seq_id, num_tokens, token_ids, request_id),
-                          mutation=True, request_id=request_id, timeout_s=timeout_s)
+        req = append_request(seq_id, num_tokens, token_ids, request_id)
+        return self._run(Call("Append", req, True, request_id), timeout_s)
 
     def fork(self, parent_seq_id: str, child_seq_id: str, *, request_id: str | None = None,
              lease_id: str | None = None, timeout_s: float | None = None) -> pb.ForkResponse:
-        req = pb.ForkRequest(parent_seq_id=parent_seq_id, child_seq_id=child_seq_id, request_id=request_id or "",
-                             lease_id=lease_id or "")
-        return self._call(self._stub.Fork, req, mutation=True, request_id=request_id, timeout_s=timeout_s)
+        return self._run(fork_call(parent_seq_id, child_seq_id, request_id, lease_id), timeout_s)
 
     def free(self, seq_id: str, *, request_id: str | None = None,
              timeout_s: float | None = None) -> pb.FreeResponse:
-        req = pb.FreeRequest(seq_id=seq_id, request_id=request_id or "")
-        return self._call(self._stub.Free, req, mutation=True, request_id=request_id, timeout_s=timeout_s)
+        return self._run(free_call(seq_id, request_id), timeout_s)
 
     def commit(self, seq_id: str, num_computed_tokens: int, *, request_id: str | None = None,
                timeout_s: float | None = None) -> pb.CommitResponse:
         """The KV of the first ``num_computed_tokens`` tokens is written: its full blocks become
         prefix-cache hits (idempotent, so retried even without a request id)."""
-        req = pb.CommitRequest(seq_id=seq_id, num_computed_tokens=num_computed_tokens, request_id=request_id or "")
-        return self._call(self._stub.Commit, req, mutation=False, request_id=request_id, timeout_s=timeout_s)
+        return self._run(commit_call(seq_id, num_computed_tokens, request_id), timeout_s)
 
     def get_block_table(self, seq_id: str, *, timeout_s: float | None = None) -> pb.BlockTable:
-        return self._call(self._stub.GetBlockTable, pb.GetBlockTableRequest(seq_id=seq_id),
-                          mutation=False, request_id=None, timeout_s=timeout_s)
+        return self._run(read_call("GetBlockTable", pb.GetBlockTableRequest(seq_id=seq_id)), timeout_s)
 
     def step(self, request: pb.StepRequest, *, timeout_s: float | None = None) -> pb.StepResponse:
         """A general Step (sub-message and/or packed items); retried only if ``request.request_id``."""
-        return self._call(self._stub.Step, request, mutation=True, request_id=request.request_id,
-                          timeout_s=timeout_s)
+        return self._run(step_call(request), timeout_s)
 
     def step_decode(self, seq_ids: Sequence[str], token_ids: Sequence[int] | None = None,
                     frees: Iterable[str] = (), *, request_id: str | None = None,
@@ -315,35 +357,27 @@ class BlockManagerClient(GrpcClient):
         return self.step(step_decode_request(seq_ids, token_ids, frees, request_id), timeout_s=timeout_s)
 
     def get_stats(self, *, timeout_s: float | None = None) -> pb.Stats:
-        return self._call(self._stub.GetStats, pb.GetStatsRequest(), mutation=False, request_id=None,
-                          timeout_s=timeout_s)
+        return self._run(read_call("GetStats", pb.GetStatsRequest()), timeout_s)
 
     def get_config(self, *, timeout_s: float | None = None) -> pb.Config:
-        return self._call(self._stub.GetConfig, pb.GetConfigRequest(), mutation=False, request_id=None,
-                          timeout_s=timeout_s)
+        return self._run(read_call("GetConfig", pb.GetConfigRequest()), timeout_s)
 
     def keep_alive(self, lease_id: str, *, ttl_ms: int = 0, attach_seq_ids: Sequence[str] = (),
                    request_id: str | None = None, timeout_s: float | None = None) -> pb.KeepAliveResponse:
-        req = pb.KeepAliveRequest(lease_id=lease_id, ttl_ms=ttl_ms, attach_seq_ids=attach_seq_ids,
-                                  request_id=request_id or "")
-        return self._call(self._stub.KeepAlive, req, mutation=True, request_id=request_id, timeout_s=timeout_s)
+        return self._run(keep_alive_call(lease_id, ttl_ms, attach_seq_ids, request_id), timeout_s)
 
     def swap_in(self, seq_id: str, *, request_id: str | None = None,
                 timeout_s: float | None = None) -> pb.SwapInResponse:
-        req = pb.SwapInRequest(seq_id=seq_id, request_id=request_id or "")
-        return self._call(self._stub.SwapIn, req, mutation=True, request_id=request_id, timeout_s=timeout_s)
+        return self._run(swap_in_call(seq_id, request_id), timeout_s)
 
     def reset_prefix_cache(self, *, request_id: str | None = None,
                            timeout_s: float | None = None) -> pb.ResetPrefixCacheResponse:
         """Forget every prefix-cache hash (after a lost cache host); admin only with auth on."""
-        req = pb.ResetPrefixCacheRequest(request_id=request_id or "")
-        return self._call(self._stub.ResetPrefixCache, req, mutation=True, request_id=request_id,
-                          timeout_s=timeout_s)
+        return self._run(reset_prefix_cache_call(request_id), timeout_s)
 
     def preempt(self, seq_id: str, mode: str = "", *, request_id: str | None = None,
                 timeout_s: float | None = None) -> pb.PreemptResponse:
-        req = pb.PreemptRequest(seq_id=seq_id, mode=mode, request_id=request_id or "")
-        return self._call(self._stub.Preempt, req, mutation=True, request_id=request_id, timeout_s=timeout_s)
+        return self._run(preempt_call(seq_id, mode, request_id), timeout_s)
 
 
 class AsyncBlockManagerClient(AsyncGrpcClient):
@@ -356,39 +390,31 @@ class AsyncBlockManagerClient(AsyncGrpcClient):
     async def allocate(self, seq_id: str, num_tokens: int, token_ids: Sequence[int] | None = None, *,
                        priority: int = 0, request_id: str | None = None, lease_id: str | None = None,
                        timeout_s: float | None = None, cache_salt: str | None = None) -> pb.AllocateResponse:
-        return await self._call(self._stub.Allocate,
-                                allocate_request(seq_id, num_tokens, token_ids, priority, request_id, lease_id,
-                                                 cache_salt),
-                                mutation=True, request_id=request_id, timeout_s=timeout_s)
+        req = allocate_request(seq_id, num_tokens, token_ids, priority, request_id, lease_id, cache_salt)
+        return await self._run(Call("Allocate", req, True, request_id), timeout_s)
 
     async def append(self, seq_id: str, num_tokens: int = 1, token_ids: Sequence[int] | None = None, *,
                      request_id: str | None = None, timeout_s: float | None = None) -> pb.AppendResponse:
-        return await self._call(self._stub.Append, append_request(seq_id, num_tokens, token_ids, request_id),
-                                mutation=True, request_id=request_id, timeout_s=timeout_s)
+        req = append_request(seq_id, num_tokens, token_ids, request_id)
+        return await self._run(Call("Append", req, True, request_id), timeout_s)
 
     async def fork(self, parent_seq_id: str, child_seq_id: str, *, request_id: str | None = None,
                    lease_id: str | None = None, timeout_s: float | None = None) -> pb.ForkResponse:
-        req = pb.ForkRequest(parent_seq_id=parent_seq_id, child_seq_id=child_seq_id, request_id=request_id or "",
-                             lease_id=lease_id or "")
-        return await self._call(self._stub.Fork, req, mutation=True, request_id=request_id, timeout_s=timeout_s)
+        return await self._run(fork_call(parent_seq_id, child_seq_id, request_id, lease_id), timeout_s)
 
     async def free(self, seq_id: str, *, request_id: str | None = None,
                    timeout_s: float | None = None) -> pb.FreeResponse:
-        req = pb.FreeRequest(seq_id=seq_id, request_id=request_id or "")
-        return await self._call(self._stub.Free, req, mutation=True, request_id=request_id, timeout_s=timeout_s)
+        return await self._run(free_call(seq_id, request_id), timeout_s)
 
     async def commit(self, seq_id: str, num_computed_tokens: int, *, request_id: str | None = None,
                      timeout_s: float | None = None) -> pb.CommitResponse:
-        req = pb.CommitRequest(seq_id=seq_id, num_computed_tokens=num_computed_tokens, request_id=request_id or "")
-        return await self._call(self._stub.Commit, req, mutation=False, request_id=request_id, timeout_s=timeout_s)
+        return await self._run(commit_call(seq_id, num_computed_tokens, request_id), timeout_s)
 
     async def get_block_table(self, seq_id: str, *, timeout_s: float | None = None) -> pb.BlockTable:
-        return await self._call(self._stub.GetBlockTable, pb.GetBlockTableRequest(seq_id=seq_id),
-                                mutation=False, request_id=None, timeout_s=timeout_s)
+        return await self._run(read_call("GetBlockTable", pb.GetBlockTableRequest(seq_id=seq_id)), timeout_s)
 
     async def step(self, request: pb.StepRequest, *, timeout_s: float | None = None) -> pb.StepResponse:
-        return await self._call(self._stub.Step, request, mutation=True, request_id=request.request_id,
-                                timeout_s=timeout_s)
+        return await self._run(step_call(request), timeout_s)
 
     async def step_decode(self, seq_ids: Sequence[str], token_ids: Sequence[int] | None = None,
                           frees: Iterable[str] = (), *, request_id: str | None = None,
@@ -396,28 +422,26 @@ class AsyncBlockManagerClient(AsyncGrpcClient):
         return await self.step(step_decode_request(seq_ids, token_ids, frees, request_id), timeout_s=timeout_s)
 
     async def get_stats(self, *, timeout_s: float | None = None) -> pb.Stats:
-        return await self._call(self._stub.GetStats, pb.GetStatsRequest(), mutation=False, request_id=None,
-                                timeout_s=timeout_s)
+        return await self._run(read_call("GetStats", pb.GetStatsRequest()), timeout_s)
 
     async def get_config(self, *, timeout_s: float | None = None) -> pb.Config:
-        return await self._call(self._stub.GetConfig, pb.GetConfigRequest(), mutation=False, request_id=None,
-                                timeout_s=timeout_s)
+        return await self._run(read_call("GetConfig", pb.GetConfigRequest()), timeout_s)
 
     async def keep_alive(self, lease_id: str, *, ttl_ms: int = 0, attach_seq_ids: Sequence[str] = (),
-                   request_id: str | None = None, timeout_s: float | None = None) -> pb.KeepAliveResponse:
-        req = pb.KeepAliveRequest(lease_id=lease_id, ttl_ms=ttl_ms, attach_seq_ids=attach_seq_ids,
-                                  request_id=request_id or "")
-        return await self._call(self._stub.KeepAlive, req, mutation=True, request_id=request_id, timeout_s=timeout_s)
+                         request_id: str | None = None, timeout_s: float | None = None) -> pb.KeepAliveResponse:
+        return await self._run(keep_alive_call(lease_id, ttl_ms, attach_seq_ids, request_id), timeout_s)
 
     async def swap_in(self, seq_id: str, *, request_id: str | None = None,
-                timeout_s: float | None = None) -> pb.SwapInResponse:
-        req = pb.SwapInRequest(seq_id=seq_id, request_id=request_id or "")
-        return await self._call(self._stub.SwapIn, req, mutation=True, request_id=request_id, timeout_s=timeout_s)
+                      timeout_s: float | None = None) -> pb.SwapInResponse:
+        return await self._run(swap_in_call(seq_id, request_id), timeout_s)
+
+    async def reset_prefix_cache(self, *, request_id: str | None = None,
+                                 timeout_s: float | None = None) -> pb.ResetPrefixCacheResponse:
+        return await self._run(reset_prefix_cache_call(request_id), timeout_s)
 
     async def preempt(self, seq_id: str, mode: str = "", *, request_id: str | None = None,
-                timeout_s: float | None = None) -> pb.PreemptResponse:
-        req = pb.PreemptRequest(seq_id=seq_id, mode=mode, request_id=request_id or "")
-        return await self._call(self._stub.Preempt, req, mutation=True, request_id=request_id, timeout_s=timeout_s)
+                      timeout_s: float | None = None) -> pb.PreemptResponse:
+        return await self._run(preempt_call(seq_id, mode, request_id), timeout_s)
 
 
 __all__ = [
@@ -425,6 +449,7 @@ __all__ = [
     "AsyncBlockManagerClient",
     "AsyncGrpcClient",
     "BlockManagerClient",
+    "Call",
     "GrpcClient",
     "RetryPolicy",
     "allocate_request",

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import math
 import random
-import socket
 import sys
 import time
 from collections.abc import Sequence
@@ -38,6 +37,7 @@ from dataclasses import dataclass
 
 from frontend.connection import add_connection_args, client_kwargs
 from frontend.engine import Engine, GenerationRequest, SamplingOptions
+from pagedkv.ports import free_port
 
 
 @dataclass(slots=True)
@@ -239,12 +239,6 @@ def report(f: DemoFigures) -> str:
     return "\n".join(lines)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pagedkv demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -331,7 +325,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     log_dir = tempfile.mkdtemp(prefix="pagedkv-demo-logs-")
     opts = StackOptions(
-        block_manager_port=_free_port(), cache_host_port=_free_port(), worker_port=_free_port(),
+        block_manager_port=free_port(), cache_host_port=free_port(), worker_port=free_port(),
         num_workers=1, num_gpu_blocks=args.num_gpu_blocks, model=args.model, device=args.device,
         log_format="json", log_dir=log_dir,
     )

@@ -18,7 +18,7 @@ about compute. The rules:
   ops-only step on one worker.
 - A worker that answers UNAVAILABLE / DEADLINE_EXCEEDED is benched for ``retry_after_s`` and its
   part is re-run on the next candidate (a step only rewrites the KV of its own tokens with the same
-  values, so a re-run is safe). FAILED_PRECONDITION "cache host lost" from every worker tried is
+  values, so a re-run is safe). FAILED_PRECONDITION with the CACHE_HOST_LOST error detail (pagedkv/errors.py) from every worker tried is
   ``CacheLostEverywhere``, which the engine turns into ``CacheHostLost``.
 """
 
@@ -34,8 +34,8 @@ import grpc
 import structlog
 
 from frontend.worker_client import WorkerClient
+from pagedkv import errors
 from pagedkv.v1 import worker_pb2 as wpb
-from worker_svc.cache_watch import CACHE_LOST_PREFIX
 
 log = structlog.get_logger("pagedkv.dispatch")
 
@@ -189,7 +189,7 @@ class WorkerPool:
             try:
                 resp = slot.client.step(req, timeout_s=self.timeout_s)
             except grpc.RpcError as e:
-                if e.code() == grpc.StatusCode.FAILED_PRECONDITION and (e.details() or "").startswith(CACHE_LOST_PREFIX):
+                if errors.reason_of(e) == errors.CACHE_HOST_LOST:
                     lost.append(f"{slot.target}: {e.details()}")
                     continue
                 if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):

@@ -429,7 +429,7 @@ class _Worker:
 
 async def _run_part(plan: PartPlan, wait_go: Any = None) -> PartResult:
     from frontend.client import AsyncBlockManagerClient
-    from frontend.retry import NO_RETRY, RetryPolicy
+    from pagedkv.retry import NO_RETRY, RetryPolicy
 
     result = PartResult()
     rec = _Recorder()

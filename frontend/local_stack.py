@@ -22,7 +22,7 @@ from frontend.engine import Engine, EngineConfig
 from frontend.worker_client import WorkerClient
 
 if TYPE_CHECKING:
-    from worker_svc.grpc_server import RunningServer
+    from pagedkv.grpc_server import RunningServer
     from worker_svc.server import WorkerProcess
 
 

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from frontend.stack_security import StackSecurity, StackSecurityError
-from pagedkv.healthcheck import check
+from pagedkv.healthcheck import wait_healthy
 
 SHM_DIR = pathlib.Path("/dev/shm")
 
@@ -179,19 +179,11 @@ def _http_ok(url: str, tls: dict[str, str] | None = None) -> tuple[bool, str]:
 
 def wait_serving(address: str, service: str, deadline: float, proc: subprocess.Popen[bytes],
                  tls: dict[str, str] | None = None, health_url: str = "") -> None:
-    """Poll the gRPC health check (over ``tls``: tls_ca/tls_cert/tls_key), or the HTTP one at
-    ``health_url``, until SERVING; fail early if the process died."""
-    seen = "no answer"
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{service} at {address} exited with code {proc.returncode} before it was ready")
-        healthy, seen = _http_ok(health_url, tls) if health_url else check(address, service, timeout_s=1.0,
-                                                                             **(tls or {}))
-        if healthy:
-            return
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{service} at {address} was not SERVING in time (last: {seen})")
-        time.sleep(0.2)
+    """pagedkv.healthcheck.wait_healthy on the gRPC health check (over ``tls``: tls_ca/tls_cert/
+    tls_key), or on the HTTP one at ``health_url``, until `deadline` (monotonic)."""
+    probe = (lambda: _http_ok(health_url, tls)) if health_url else None
+    wait_healthy(address, service, deadline - time.monotonic(), proc=proc, probe=probe, interval_s=0.2,
+                 **(tls or {}))
 
 
 def leaked_segments(prefix: str) -> list[str]:

@@ -11,6 +11,10 @@ measurement (the attention rows of bench/vs_vllm.py's breakdown; docs/kernels.md
 - **One gather per bucket, in the cache dtype**: ``index_select`` of the bucket's blocks only, into
   buffers the step's plan keeps for all layers; no fp32 copy (SDPA accumulates in fp32 internally
   for fp16/bf16).
+- **Shared prefixes once** (cascade): decode sequences whose block tables start with the same
+  physical blocks (prefix-cache hits on one system prompt) attend to those blocks in one call, the
+  blocks gathered once and every member's query rows stacked; each member's own part runs in the
+  buckets, and the two are merged by their softmax normalisers (log-sum-exp).
 - **GQA once per KV head**: the ``group`` query heads sharing a KV head are the "query rows" of one
   SDPA problem ``[seqs, kv_heads, group, head_dim]`` against ``[seqs, kv_heads, tokens, head_dim]``
   (a strided view of the gathered blocks: no transpose copy), so each K/V element is read once.
@@ -30,7 +34,7 @@ rounding (tests/kernels/test_cpu.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +50,7 @@ __all__ = [
 PAD_FRACTION = 0.25  # largest share of a decode bucket's tokens that may be padding
 PREFILL_PAD_FRACTION = 0.5  # largest share of a prefill bucket's query x key work that may be padding
 MAX_BUCKET = 64  # sequences per decode bucket (bounds the gather buffer)
+MIN_SHARED_BLOCKS = 4  # leading blocks decode sequences must share to attend to them together
 
 
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -117,7 +122,7 @@ def decode_buckets(lens: list[int], block_size: int) -> list[tuple[list[int], in
 @dataclass(slots=True)
 class _Bucket:
     idx: torch.Tensor  # int64 [b]: rows of the batch in this bucket
-    ids: torch.Tensor  # int64 [b, nb]: their blocks (padding columns point at block 0, masked)
+    ids: torch.Tensor  # int64 [b, nb]: their blocks past any shared prefix (padding columns -> block 0, masked)
     mask: torch.Tensor | None  # bool [b, 1, 1, nb * block_size], None when nothing is padding
     empty: torch.Tensor | None  # bool [b]: zero-length rows (attend to nothing), None when none
     k_buf: torch.Tensor | None = None  # gather buffers, allocated by the first layer, reused by the rest
@@ -126,31 +131,76 @@ class _Bucket:
 
 
 @dataclass(slots=True)
+class _SharedPrefix:
+    """Sequences whose block tables start with the same physical blocks (prefix-cache hits on one
+    system prompt): their queries attend to those blocks in ONE call, gathered once."""
+
+    idx: torch.Tensor  # int64 [m]: rows of the batch
+    ids: torch.Tensor  # int64 [shared blocks]
+
+
+@dataclass(slots=True)
 class DecodePlan:
     """Which sequences share a gather + SDPA call, with their block ids and masks.
 
     Depends only on the block tables and lengths, so a model builds it once per step and reuses
-    it in every layer (``plan=`` of ``paged_decode_attention``).
+    it in every layer (``plan=`` of ``paged_decode_attention``). With ``shared`` prefixes the
+    buckets hold each sequence's context past its shared blocks; the two parts are merged by their
+    softmax normalisers (cascade attention, as FlashInfer does it on GPU).
     """
 
     num_seqs: int
     buckets: list[_Bucket]
+    shared: list[_SharedPrefix] = field(default_factory=list)
+
+
+def shared_prefixes(tables: list[list[int]], lens: list[int], block_size: int) -> list[tuple[list[int], int]]:
+    """(rows, blocks): groups of at least two sequences whose first ``MIN_SHARED_BLOCKS`` block ids
+    are equal, with the number of leading blocks ALL members share. Every member keeps at least one
+    token past the shared blocks (its own new token's position), so each part is non-empty."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, n in enumerate(lens):
+        if n > MIN_SHARED_BLOCKS * block_size:
+            groups.setdefault(tuple(tables[i][:MIN_SHARED_BLOCKS]), []).append(i)
+    out: list[tuple[list[int], int]] = []
+    for rows in groups.values():
+        if len(rows) < 2:
+            continue
+        cap = min((lens[r] - 1) // block_size for r in rows)
+        first = tables[rows[0]]
+        n = MIN_SHARED_BLOCKS
+        while n < cap and all(tables[r][n] == first[n] for r in rows):
+            n += 1
+        out.append((rows, min(n, cap)))
+    return out
 
 
 def plan_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> DecodePlan:
     lens = seq_lens.tolist()
     tables = block_tables.to(torch.int64)
+    host_tables = tables.tolist()
+    offset = [0] * len(lens)  # blocks of each sequence covered by a shared prefix
+    shared: list[_SharedPrefix] = []
+    for rows, nb in shared_prefixes(host_tables, lens, block_size):
+        for r in rows:
+            offset[r] = nb
+        shared.append(_SharedPrefix(torch.tensor(rows, dtype=torch.int64),
+                                    torch.tensor(host_tables[rows[0]][:nb], dtype=torch.int64)))
+    rest = [n - o * block_size for n, o in zip(lens, offset)]
+    width = tables.shape[1]
     buckets: list[_Bucket] = []
-    for members, nb in decode_buckets(lens, block_size):
+    for members, nb in decode_buckets(rest, block_size):
         idx = torch.tensor(members, dtype=torch.int64)
-        blens = torch.tensor([lens[m] for m in members], dtype=torch.int64)
+        blens = torch.tensor([rest[m] for m in members], dtype=torch.int64)
         used = (blens + block_size - 1) // block_size
-        ids = tables.index_select(0, idx)[:, :nb].masked_fill(torch.arange(nb)[None, :] >= used[:, None], 0)
+        cols = torch.tensor([offset[m] for m in members], dtype=torch.int64)[:, None] + torch.arange(nb)[None, :]
+        ids = tables.index_select(0, idx).gather(1, cols.clamp_(max=width - 1))
+        ids = ids.masked_fill(torch.arange(nb)[None, :] >= used[:, None], 0)
         t = nb * block_size
-        shortest = min(lens[m] for m in members)
+        shortest = min(rest[m] for m in members)
         mask = (torch.arange(t)[None, :] < blens[:, None])[:, None, None, :] if shortest < t else None
         buckets.append(_Bucket(idx, ids.contiguous(), mask, (blens == 0) if shortest == 0 else None))
-    return DecodePlan(len(lens), buckets)
+    return DecodePlan(len(lens), buckets, shared)
 
 
 def paged_decode_attention(
@@ -170,6 +220,8 @@ def paged_decode_attention(
         plan = plan_decode(block_tables, seq_lens, block_size)
     q_all = query.view(num_seqs, num_kv_heads, group, head_dim)
     out_view = out.view(num_seqs, num_kv_heads, group, head_dim)
+    # Softmax normalisers of each row's own part, for the merge with its shared prefix.
+    lse = torch.empty(num_seqs, num_kv_heads, group, dtype=torch.float32) if plan.shared else None
     for bk in plan.buckets:
         b, nb = bk.ids.shape
         t = nb * block_size
@@ -187,11 +239,52 @@ def paged_decode_attention(
         q = q_all.index_select(0, bk.idx)
         if bk.mask is not None and (bk.mask_add is None or bk.mask_add.dtype != q.dtype):
             bk.mask_add = _additive(bk.mask, q.dtype)
-        res = F.scaled_dot_product_attention(q, k, v, attn_mask=bk.mask_add, scale=scale)
+        if lse is None:
+            res = F.scaled_dot_product_attention(q, k, v, attn_mask=bk.mask_add, scale=scale)
+        else:
+            res, part_lse = _attention_with_lse(q, k, v, bk.mask_add, scale)
+            lse.index_copy_(0, bk.idx, part_lse)
         if bk.empty is not None:
             res[bk.empty] = 0
         out_view.index_copy_(0, bk.idx, res.to(out.dtype))
+    for sp in plan.shared:
+        _merge_shared_prefix(sp, q_all, key_cache, value_cache, out_view, lse, scale)  # type: ignore[arg-type]
     return out
+
+
+def _attention_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SDPA's CPU flash kernel (what ``F.scaled_dot_product_attention`` runs here) with its row
+    log-sum-exp of the scaled scores, which the public function does not return."""
+    res, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask,
+                                                                          scale=scale)
+    return res, lse.to(torch.float32)
+
+
+def _merge_shared_prefix(
+    sp: _SharedPrefix, q_all: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+    out_view: torch.Tensor, lse: torch.Tensor, scale: float,
+) -> None:
+    """Attention of the group's queries over its shared blocks (one gather, one call: the group's
+    queries are the rows of one problem), merged into each member's own-part result."""
+    m = sp.idx.shape[0]
+    _, block_size, num_kv_heads, head_dim = key_cache.shape
+    group = q_all.shape[2]
+    t = sp.ids.shape[0] * block_size
+    k = key_cache.index_select(0, sp.ids).view(1, t, num_kv_heads, head_dim).transpose(1, 2)
+    v = value_cache.index_select(0, sp.ids).view(1, t, num_kv_heads, head_dim).transpose(1, 2)
+    # [m, Hkv, g, D] -> [1, Hkv, m * g, D]: every member's query rows against the same keys.
+    q = q_all.index_select(0, sp.idx).permute(1, 0, 2, 3).reshape(1, num_kv_heads, m * group, head_dim)
+    res, pre_lse = _attention_with_lse(q, k, v, None, scale)
+    pre = res.view(num_kv_heads, m, group, head_dim).permute(1, 0, 2, 3).float()
+    pre_lse = pre_lse.view(num_kv_heads, m, group).permute(1, 0, 2)
+    own = out_view.index_select(0, sp.idx).float()
+    own_lse = lse.index_select(0, sp.idx)
+    top = torch.maximum(pre_lse, own_lse)
+    w_pre, w_own = torch.exp(pre_lse - top), torch.exp(own_lse - top)
+    merged = (pre * w_pre[..., None] + own * w_own[..., None]) / (w_pre + w_own)[..., None]
+    out_view.index_copy_(0, sp.idx, merged.to(out_view.dtype))
 
 
 def prefill_buckets(seq_lens: list[int], q_lens: list[int], block_size: int) -> list[tuple[list[int], int, int]]:

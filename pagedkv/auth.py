@@ -42,6 +42,7 @@ import grpc
 import structlog
 import tomllib
 
+from pagedkv.handlers import rewrap
 from pagedkv.log_limit import LogLimiter
 
 log = structlog.get_logger("pagedkv.auth")
@@ -156,19 +157,10 @@ def _aborting(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: st
         context.abort(code, message)
         yield  # pragma: no cover - makes this a generator
 
-    kw = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(abort_stream, **kw)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(abort, **kw)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(abort_stream, **kw)
-    return grpc.unary_unary_rpc_method_handler(abort, **kw)
+    return rewrap(handler, lambda kind, _fn: abort_stream if kind.endswith("_stream") else abort)
 
 
 def _with_tenant(handler: grpc.RpcMethodHandler, tenant: Tenant) -> grpc.RpcMethodHandler:
-    kw = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
-
     def bind(fn: Callable[..., Any]) -> Callable[..., Any]:
         def run(request: Any, context: grpc.ServicerContext) -> Any:
             labels = call_labels.get()
@@ -190,13 +182,7 @@ def _with_tenant(handler: grpc.RpcMethodHandler, tenant: Tenant) -> grpc.RpcMeth
                 current_tenant.reset(token)
         return run
 
-    if handler.unary_unary is not None:
-        return grpc.unary_unary_rpc_method_handler(bind(handler.unary_unary), **kw)
-    if handler.unary_stream is not None:
-        return grpc.unary_stream_rpc_method_handler(bind_stream(handler.unary_stream), **kw)
-    if handler.stream_unary is not None:
-        return grpc.stream_unary_rpc_method_handler(bind(handler.stream_unary), **kw)
-    return grpc.stream_stream_rpc_method_handler(bind_stream(handler.stream_stream), **kw)
+    return rewrap(handler, lambda kind, fn: bind_stream(fn) if kind.endswith("_stream") else bind(fn))
 
 
 class AuthInterceptor(grpc.ServerInterceptor):

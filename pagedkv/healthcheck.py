@@ -8,14 +8,19 @@ touches torch.
 
 Without a target it checks ``127.0.0.1:$PAGEDKV_PORT`` (default 50051): inside
 a container, the service's own port on loopback.
+
+:func:`wait_healthy` is the one "wait until it is up" loop of the tree: the
+stack launcher, benchmarks and tests poll a freshly started service with it.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -24,18 +29,57 @@ from pagedkv.tls import channel
 
 
 def check(target: str, service: str = "", timeout_s: float = 3.0, *, tls_ca: str = "", tls_cert: str = "",
-          tls_key: str = "") -> tuple[bool, str]:
+          tls_key: str = "", wait_for_ready: bool = True) -> tuple[bool, str]:
     """(healthy, what was seen). With any TLS file the probe speaks TLS (mutual with cert + key);
-    health needs no bearer token."""
+    health needs no bearer token. `wait_for_ready`: wait up to `timeout_s` for the connection
+    (a one-shot probe) rather than fail at once when nothing listens yet (a polling loop)."""
     try:
         with channel(target, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key) as ch:
             resp = health_pb2_grpc.HealthStub(ch).Check(
-                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s, wait_for_ready=True
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s, wait_for_ready=wait_for_ready
             )
     except grpc.RpcError as e:
         return False, f"{e.code().name}: {e.details()}"
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
     return resp.status == health_pb2.HealthCheckResponse.SERVING, status
+
+
+def wait_healthy(
+    target: str,
+    service: str = "",
+    timeout_s: float = 30.0,
+    *,
+    proc: subprocess.Popen | None = None,
+    probe: Callable[[], tuple[bool, str]] | None = None,
+    interval_s: float = 0.1,
+    name: str = "",
+    tls_ca: str = "",
+    tls_cert: str = "",
+    tls_key: str = "",
+) -> None:
+    """Poll until `target` answers SERVING for `service` (or `probe()` says healthy, for a
+    service with another kind of health check), every `interval_s`.
+
+    Raises RuntimeError as soon as `proc` (the process serving it, when the caller started one)
+    has exited, and TimeoutError after `timeout_s`; both name the service as `name` (default: the
+    health service name) and say what the last probe saw. Each probe dials afresh and fails fast
+    while nothing listens, so the wait ends within `interval_s` of the service coming up."""
+    label = name or service or "server"
+    deadline = time.monotonic() + timeout_s
+    seen = "no answer"
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{label} at {target} exited with code {proc.returncode} before it was ready")
+        if probe is not None:
+            healthy, seen = probe()
+        else:
+            healthy, seen = check(target, service, timeout_s=1.0, tls_ca=tls_ca, tls_cert=tls_cert,
+                                  tls_key=tls_key, wait_for_ready=False)
+        if healthy:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{label} at {target} was not SERVING in time (last: {seen})")
+        time.sleep(interval_s)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

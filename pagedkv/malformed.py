@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 import structlog
 
+from pagedkv.handlers import rewrap
 from pagedkv.log_limit import LogLimiter
 
 log = structlog.get_logger("pagedkv.grpc")
@@ -60,8 +61,6 @@ class MalformedRequestInterceptor(grpc.ServerInterceptor):
         if handler is None or handler.request_deserializer is None:
             return handler
         method = details.method
-        kw = {"request_deserializer": _safe(handler.request_deserializer),
-              "response_serializer": handler.response_serializer}
 
         def unary(fn: Callable[..., Any]) -> Callable[..., Any]:
             def run(request: Any, context: grpc.ServicerContext) -> Any:
@@ -81,10 +80,5 @@ class MalformedRequestInterceptor(grpc.ServerInterceptor):
                 return fn(checked(requests, context), context)
             return run
 
-        if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(unary(handler.unary_unary), **kw)
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(unary(handler.unary_stream), **kw)
-        if handler.stream_unary is not None:
-            return grpc.stream_unary_rpc_method_handler(streaming(handler.stream_unary), **kw)
-        return grpc.stream_stream_rpc_method_handler(streaming(handler.stream_stream), **kw)
+        return rewrap(handler, lambda kind, fn: streaming(fn) if kind.startswith("stream_") else unary(fn),
+                      request_deserializer=_safe(handler.request_deserializer))

@@ -19,7 +19,7 @@ import structlog
 from pagedkv.v1 import cache_host_pb2, cache_host_pb2_grpc
 from worker_svc.cache_layout import CacheGeometry
 from worker_svc.cache_memory import CacheDescriptor, SharedCache, TensorDescriptor
-from worker_svc.grpc_server import RunningServer, start_server
+from pagedkv.grpc_server import RunningServer, start_server
 from worker_svc.shared_weights import WeightEntry, WeightsDescriptor
 
 class _Closable(Protocol):
@@ -121,7 +121,7 @@ def serve_cache(
     """Serve ``cache``'s descriptor (CacheHost API, health, reflection) on host:port.
 
     ``weights``: the shared weights region to advertise beside the cache (shared_weights.pack).
-    ``tls`` takes grpc_server.start_server's TLS keywords. The caller keeps owning the cache."""
+    ``tls`` takes pagedkv.grpc_server.start_server's TLS keywords. The caller keeps owning the cache."""
     servicer = CacheHostServicer(cache, model_name, weights)
     return start_server(
         host, port, lambda s: cache_host_pb2_grpc.add_CacheHostServicer_to_server(servicer, s), SERVICE_NAME,

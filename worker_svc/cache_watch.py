@@ -5,7 +5,8 @@ new empty memory) answers at its address, every block this worker could read is 
 A daemon thread polls ``CacheHost.GetCacheInfo`` every ``interval_s`` and calls ``on_lost`` once,
 with a reason, when the host stops answering for ``failures`` consecutive checks or answers with
 another instance id. The servicer then turns health NOT_SERVING and refuses steps with
-FAILED_PRECONDITION (message prefix :data:`CACHE_LOST_PREFIX`, which the engine recognises).
+FAILED_PRECONDITION carrying the CACHE_HOST_LOST error detail (pagedkv/errors.py), which is what the
+engine recognises; the message (prefix :data:`CACHE_LOST_PREFIX`) is for people.
 """
 
 from __future__ import annotations

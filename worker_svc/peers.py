@@ -11,6 +11,7 @@ wrong ``--block-manager`` / ``--cache-host`` is obvious. Statuses that retrying 
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -20,6 +21,7 @@ import grpc
 import structlog
 
 from pagedkv.dial import PLAIN, Dialer
+from pagedkv.retry import Attempts, RetryPolicy
 from pagedkv.v1 import cache_host_pb2, cache_host_pb2_grpc
 from worker_svc.geometry import PoolConfig, fetch_pool_config
 
@@ -28,6 +30,9 @@ log = structlog.get_logger("pagedkv.worker_svc")
 T = TypeVar("T")
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 ATTEMPT_TIMEOUT_S = 5.0
+# Until the deadline (or forever), backoff from 0.2 s doubling up to 5 s, with jitter.
+PEER_RETRY = RetryPolicy(max_attempts=sys.maxsize, initial_backoff_s=0.2, max_backoff_s=5.0,
+                         retryable_codes=frozenset(RETRYABLE))
 
 
 class StopRequested(Exception):
@@ -40,12 +45,12 @@ class PeerUnreachable(ConnectionError):
 
 def wait_for(peer: str, target: str, call: Callable[[float], T], timeout_s: float,
              stop: threading.Event | None = None) -> T:
-    """``call(attempt_timeout_s)`` retried with backoff until it answers or ``timeout_s`` passes (0 = forever)."""
-    deadline = None if timeout_s == 0 else time.monotonic() + timeout_s
-    delay, attempt = 0.2, 0
+    """``call(attempt_timeout_s)`` retried with backoff (pagedkv/retry.py's rule, :data:`PEER_RETRY`)
+    until it answers or ``timeout_s`` passes (0 = forever)."""
+    attempts = Attempts(PEER_RETRY, None if timeout_s == 0 else timeout_s, retry_allowed=True)
     while True:
-        attempt += 1
-        per_try = ATTEMPT_TIMEOUT_S if deadline is None else max(0.2, min(ATTEMPT_TIMEOUT_S, deadline - time.monotonic()))
+        remaining = attempts.next_timeout()
+        per_try = ATTEMPT_TIMEOUT_S if remaining is None else max(0.2, min(ATTEMPT_TIMEOUT_S, remaining))
         try:
             return call(per_try)
         except grpc.RpcError as e:
@@ -53,17 +58,17 @@ def wait_for(peer: str, target: str, call: Callable[[float], T], timeout_s: floa
             last = f"{code.name}: {e.details()}"
             if code not in RETRYABLE:
                 raise PeerUnreachable(f"{peer} at {target} refused the call: {last}") from e
-            if deadline is not None and time.monotonic() + delay > deadline:
+            delay = attempts.pause_after(e)
+            if delay is None:
                 raise TimeoutError(f"{peer} at {target} did not answer within {timeout_s:.0f} s "
-                                   f"({attempt} attempts, last: {last})") from e
+                                   f"({attempts.attempt} attempts, last: {last})") from e
             key = peer.replace(" ", "_")
-            log.info(f"waiting_for_{key}", **{key: target}, attempt=attempt, retry_in_s=round(delay, 2),
+            log.info(f"waiting_for_{key}", **{key: target}, attempt=attempts.attempt, retry_in_s=round(delay, 2),
                      reason=code.name)
             if stop is not None and stop.wait(delay):
                 raise StopRequested() from e
             if stop is None:
                 time.sleep(delay)
-            delay = min(delay * 2, 5.0)
 
 
 def wait_for_cache_host(target: str, timeout_s: float, stop: threading.Event | None = None,

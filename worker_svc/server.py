@@ -36,7 +36,7 @@ from worker_svc.cache_layout import GeometryMismatch, dtype_from_name, dtype_nam
 from worker_svc.cache_watch import EXIT_CACHE_LOST, CacheHostWatcher
 from worker_svc.devices import resolve_device, resolve_dtype
 from worker_svc.geometry import PoolConfig, check_against_host, host_geometry, known_values
-from worker_svc.grpc_server import RunningServer, start_server, stop_event_on_signals
+from pagedkv.grpc_server import RunningServer, start_server, stop_event_on_signals
 from worker_svc.model.config import ModelConfig, load_model_config
 from worker_svc.peers import StopRequested, wait_for_block_manager, wait_for_cache_host
 from worker_svc.servicer import SERVICE_NAME as WORKER_SERVICE, WorkerServicer
@@ -325,5 +325,5 @@ def run_worker(settings: WorkerSettings) -> int:
 
 
 def _tls(settings: object) -> dict[str, object]:
-    """The TLS keyword arguments of grpc_server.start_server from a role's settings."""
+    """The TLS keyword arguments of pagedkv.grpc_server.start_server from a role's settings."""
     return {k: getattr(settings, k) for k in ("tls_cert", "tls_key", "tls_client_ca", "allow_insecure")}

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import grpc
 import structlog
 
+from pagedkv import errors
 from pagedkv.v1 import block_manager_pb2, worker_pb2, worker_pb2_grpc
 from worker_svc.cache_watch import lost_message
 from worker_svc.model.sampling import SamplingParams
@@ -82,12 +83,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self, request: worker_pb2.WorkerStepRequest, context: grpc.ServicerContext
     ) -> worker_pb2.WorkerStepResponse:
         if self._lost_message is not None:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, self._lost_message)
+            errors.abort(context, grpc.StatusCode.FAILED_PRECONDITION, self._lost_message, errors.CACHE_HOST_LOST,
+                         cache_instance_id=self._info.cache_instance_id)
         want = request.cache_instance_id
         if want and want != self._info.cache_instance_id:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, lost_message(
+            errors.abort(context, grpc.StatusCode.FAILED_PRECONDITION, lost_message(
                 f"the step expects cache host instance {want}, but this worker is attached to instance "
-                f"{self._info.cache_instance_id} (the cache host was replaced)"))
+                f"{self._info.cache_instance_id} (the cache host was replaced)"), errors.CACHE_HOST_LOST,
+                cache_instance_id=self._info.cache_instance_id)
         seqs = [sequence_from_proto(s) for s in request.sequences]
         ops = ops_from_proto(request.ops)
         try:

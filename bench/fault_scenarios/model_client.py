@@ -177,13 +177,20 @@ class ModelClient:
             elif list(bt.block_ids) != table or bt.num_tokens != self.tokens[seq]:
                 self.problems.append(f"verify {seq}: server {list(bt.block_ids)}/{bt.num_tokens} "
                                      f"!= model {table}/{self.tokens[seq]}")
+        give_up = time.monotonic() + self.give_up_s
         for seq in self.freed[-5:]:
-            try:
-                self.stub.GetBlockTable(pb.GetBlockTableRequest(seq_id=seq), timeout=self.call_timeout)
-                self.problems.append(f"verify {seq}: freed but present")
-            except grpc.RpcError as e:
-                if e.code() != grpc.StatusCode.NOT_FOUND:
-                    self.problems.append(f"verify {seq}: {e.code().name}")
+            while True:
+                try:
+                    self.stub.GetBlockTable(pb.GetBlockTableRequest(seq_id=seq), timeout=self.call_timeout)
+                    self.problems.append(f"verify {seq}: freed but present")
+                except grpc.RpcError as e:
+                    if e.code() in TRANSIENT and time.monotonic() < give_up:
+                        self._outage = True  # the next kill came during the check: ask again
+                        self.sleep(0.02)
+                        continue
+                    if e.code() != grpc.StatusCode.NOT_FOUND:
+                        self.problems.append(f"verify {seq}: {e.code().name}")
+                break
 
     def free_all(self) -> None:
         for seq in list(self.tables):

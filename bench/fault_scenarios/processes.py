@@ -1,5 +1,6 @@
 """Process helpers shared by the fault scenarios: a block manager as a restartable child process,
-its health wait, a free loopback port, a process's RSS, and the flags that keep tables stable.
+a process's RSS, and the flags that keep tables stable (free ports and the health wait are the
+tree's own: pagedkv/ports.py, pagedkv.healthcheck.wait_healthy).
 
 Everything binds 127.0.0.1. ``FAULTS_PY`` is the CLI the scenarios re-run as child processes (its
 ``client`` and ``vanish`` subcommands)."""
@@ -8,7 +9,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,7 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pagedkv.healthcheck import wait_healthy
+from pagedkv.ports import free_port  # noqa: F401 - the scenarios import it from here
 
 ROOT = Path(__file__).resolve().parents[2]
 FAULTS_PY = ROOT / "bench" / "faults.py"
@@ -25,35 +27,11 @@ TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 # --- processes --------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def rss_kib(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1])
     return 0
-
-
-def wait_serving(port: int, timeout: float = 30.0, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-        stub = health_pb2_grpc.HealthStub(ch)
-        while True:
-            try:
-                r = stub.Check(health_pb2.HealthCheckRequest(service="pagedkv.v1.BlockManager"), timeout=0.5)
-                if r.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            if proc is not None and proc.poll() is not None:
-                raise RuntimeError(f"block manager exited with {proc.returncode} before serving")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"block manager on port {port} never became SERVING")
-            time.sleep(0.01)
 
 
 class ServerProcess:
@@ -75,7 +53,8 @@ class ServerProcess:
                 cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
             )
         self.starts += 1
-        wait_serving(self.port, proc=self.proc)
+        wait_healthy(f"127.0.0.1:{self.port}", "pagedkv.v1.BlockManager", 30.0, proc=self.proc, interval_s=0.01,
+                     name="block manager")
         return time.perf_counter() - t0
 
     def kill(self) -> None:

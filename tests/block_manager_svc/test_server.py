@@ -9,39 +9,17 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
+from pagedkv.healthcheck import wait_healthy
+from pagedkv.ports import free_port
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_serving(port: int, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-        stub = health_pb2_grpc.HealthStub(ch)
-        while True:
-            try:
-                r = stub.Check(health_pb2.HealthCheckRequest(service="pagedkv.v1.BlockManager"), timeout=1)
-                if r.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"block manager on port {port} never became SERVING")
-            time.sleep(0.1)
 
 
 def listening_addresses(port: int) -> set[str]:
@@ -90,7 +68,7 @@ def test_serves_health_reflection_and_stops_gracefully_on_sigterm(process) -> No
     port = free_port()
     p = process(["--port", str(port), "--block-size", "8", "--log-format", "json"],
                 env={"PAGEDKV_NUM_GPU_BLOCKS": "123"})
-    wait_serving(port)
+    wait_healthy(f"127.0.0.1:{port}", "pagedkv.v1.BlockManager", 20.0)
     with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
         cfg = pb_grpc.BlockManagerStub(ch).GetConfig(pb.GetConfigRequest(), timeout=5)
         assert (cfg.num_gpu_blocks, cfg.block_size) == (123, 8)  # env var and flag both applied

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -23,19 +22,10 @@ from frontend.client import BlockManagerClient
 from frontend.engine import CacheHostLost, Engine, EngineConfig, GenerationRequest
 from frontend.stack import Stack, StackOptions
 from frontend.worker_client import WorkerClient
+from pagedkv.ports import free_ports
 from tests.worker_svc.conftest import HFModel, build_hf_model
 
 EXIT_CACHE_LOST = 3
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +39,7 @@ def stack(hf: HFModel, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sta
            "PAGEDKV_CACHE_LOST_EXIT_AFTER_S": "3", "PAGEDKV_LOG_LEVEL": "warning"}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    bm, ch, w = _free_ports(3)
+    bm, ch, w = free_ports(3)
     opts = StackOptions(block_manager_port=bm, cache_host_port=ch, worker_port=w, num_workers=1,
                         num_gpu_blocks=256, num_cpu_blocks=0, block_size=4, model=str(hf.path), device="cpu",
                         dtype="float32", log_dir=str(tmp_path_factory.mktemp("logs")), ready_timeout_s=90)

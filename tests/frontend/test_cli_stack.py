@@ -7,10 +7,11 @@ import os
 import pathlib
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
+
+from pagedkv.ports import free_ports
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PAGEDKV_KERNEL_BACKEND": "reference"}
@@ -19,17 +20,6 @@ ENV = {**os.environ, "PAGEDKV_KERNEL_BACKEND": "reference"}
 def pagedkv(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "pagedkv.cli", *args], cwd=ROOT, env=ENV,
                           capture_output=True, text=True, timeout=timeout)
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def pid_alive(pid: int) -> bool:

@@ -25,7 +25,8 @@ from frontend.client import (
     new_blocks_by_sequence,
     step_decode_request,
 )
-from frontend.retry import RetryPolicy
+from pagedkv.retry import RetryPolicy
+from pagedkv.ports import free_port
 from pagedkv.v1 import block_manager_pb2_grpc
 
 FAST_RETRY = RetryPolicy(max_attempts=4, initial_backoff_s=0.01, max_backoff_s=0.05)
@@ -167,8 +168,7 @@ def test_deadline_applies_to_each_call(server) -> None:  # type: ignore[no-untyp
 
 
 def test_deadline_covers_retries_against_a_dead_target() -> None:
-    with socket_free_port() as port:
-        pass  # nothing listens there now
+    port = free_port()  # nothing listens there
     slow_retry = RetryPolicy(max_attempts=50, initial_backoff_s=0.05, max_backoff_s=0.2)
     with BlockManagerClient(f"127.0.0.1:{port}", default_timeout_s=0.5, retry=slow_retry) as bm:
         start = time.monotonic()
@@ -222,26 +222,18 @@ def test_async_client_round_trip_retry_and_deadline(server) -> None:  # type: ig
             await bm.free("x", request_id="free-x")
             await bm.free("y")
             assert (await bm.get_stats()).num_sequences == 0
+            bs = (await bm.get_config()).block_size
+            await bm.allocate("z", 2 * bs, list(range(2 * bs)))
+            await bm.commit("z", 2 * bs)
+            await bm.free("z")
+            reset = await bm.reset_prefix_cache(request_id="reset-1")  # the sync client's methods, awaitable
+            assert (reset.num_blocks_cleared, reset.num_blocks_freed) == (2, 2)
             faults.delay["GetConfig"] = 1.0
             with pytest.raises(grpc.RpcError) as info:
                 await bm.get_config(timeout_s=0.2)
             assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
 
     asyncio.run(scenario())
-
-
-class socket_free_port:
-    """A loopback port that was free a moment ago (bound, then released on exit)."""
-
-    def __enter__(self) -> int:
-        import socket
-
-        self._sock = socket.socket()
-        self._sock.bind(("127.0.0.1", 0))
-        return int(self._sock.getsockname()[1])
-
-    def __exit__(self, *exc: object) -> None:
-        self._sock.close()
 
 
 def test_leases_preempt_swap_in_and_request_id_dedupe_on_the_real_server() -> None:

@@ -7,18 +7,23 @@ import pytest
 
 from frontend.dispatch import DECODE, MIXED, PREFILL, CacheLostEverywhere, WorkerPool, WorkerSlot
 from pagedkv.v1 import worker_pb2 as wpb
-from worker_svc.cache_watch import CACHE_LOST_PREFIX
+from pagedkv import errors
 
 
 class _Err(grpc.RpcError):
-    def __init__(self, code: grpc.StatusCode, details: str = "") -> None:
+    def __init__(self, code: grpc.StatusCode, details: str = "", reason: int = 0) -> None:
         self._code, self._details = code, details
+        info = errors.ErrorInfo(reason=reason).SerializeToString()
+        self._trailers = ((errors.ERROR_INFO_KEY, info),) if reason else ()
 
     def code(self) -> grpc.StatusCode:
         return self._code
 
     def details(self) -> str:
         return self._details
+
+    def trailing_metadata(self) -> tuple:
+        return self._trailers
 
 
 class FakeWorker:
@@ -91,11 +96,15 @@ def test_an_unavailable_worker_is_benched_and_its_part_runs_elsewhere() -> None:
 
 
 def test_cache_lost_everywhere_and_other_errors_propagate() -> None:
-    lost = _Err(grpc.StatusCode.FAILED_PRECONDITION, CACHE_LOST_PREFIX + "gone")
+    lost = _Err(grpc.StatusCode.FAILED_PRECONDITION, "gone", errors.CACHE_HOST_LOST)
     p, _ = pool(MIXED, MIXED, fail={0: lost, 1: lost})
     with pytest.raises(CacheLostEverywhere) as e:
         p.call(request([1]), p.workers())
     assert len(e.value.details) == 2
+    # The cause is the error detail, not the text: a look-alike message alone is just an error.
+    text_only, _ = pool(MIXED, fail={0: _Err(grpc.StatusCode.FAILED_PRECONDITION, "cache host lost: gone")})
+    with pytest.raises(grpc.RpcError):
+        text_only.call(request([1]), text_only.workers())
     bad, _ = pool(MIXED, fail={0: _Err(grpc.StatusCode.INVALID_ARGUMENT, "bad")})
     with pytest.raises(grpc.RpcError):
         bad.call(request([1]), bad.workers())

@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 import os
 import signal
-import socket
 
 import pytest
 
@@ -14,30 +13,8 @@ from frontend.client import BlockManagerClient
 from frontend.engine import Engine, EngineConfig, GenerationRequest
 from frontend.stack import Stack, StackOptions
 from frontend.worker_client import WorkerClient
+from pagedkv.ports import free_port_block
 from tests.worker_svc.conftest import HFModel, build_hf_model
-
-
-def free_port_block(n: int) -> int:
-    """A port p with p .. p+n-1 free right now (workers take consecutive ports)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n >= 65535:
-            continue
-        try:
-            socks = []
-            for i in range(n):
-                t = socket.socket()
-                socks.append(t)
-                t.bind(("127.0.0.1", base + i))
-            return base
-        except OSError:
-            continue
-        finally:
-            for t in socks:
-                t.close()
-    raise RuntimeError("no block of free ports")
 
 
 @pytest.fixture(scope="module")

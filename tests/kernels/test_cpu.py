@@ -83,6 +83,48 @@ def test_prefill_matches_reference(dtype: torch.dtype, num_heads: int, num_kv_he
     assert_close(got, want, dtype)
 
 
+def _shared_prefix_case(dtype: torch.dtype, seed: int):  # type: ignore[no-untyped-def]
+    """Block tables where groups of sequences start with the same physical blocks (prefix hits on
+    a system prompt), as the block manager hands them out, plus loners and short sequences."""
+    rnd = random.Random(seed)
+    # (shared blocks of the group, own lengths past them) per group; the last group is loners.
+    groups = [(10, [rnd.randint(1, 90) for _ in range(7)]), (5, [1, 16, 17, 40]), (6, [0])]
+    lens, tables, nxt = [], [], 0
+    for shared, own in groups:
+        prefix = list(range(nxt, nxt + shared))
+        nxt += shared
+        for extra in own:
+            n = shared * 16 + extra
+            mine = list(range(nxt, nxt + max(0, -(-n // 16) - shared)))
+            nxt += len(mine)
+            lens.append(n)
+            tables.append(prefix + mine)
+    lens += [3, 70, 300]  # loners below and above the sharing threshold
+    for n in lens[-3:]:
+        tables.append(list(range(nxt, nxt + -(-n // 16))))
+        nxt += len(tables[-1])
+    width = max(len(t) for t in tables)
+    order = torch.randperm(nxt + 5, generator=generator(seed))  # physical ids scattered over the cache
+    bt = torch.tensor([[int(order[b]) for b in t] + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    case = make_paged([16] * (nxt + 5), 16, 2, 64, dtype, seed=seed)  # just for caches of nxt + 5 blocks
+    return case.key_cache[: nxt + 5], case.value_cache[: nxt + 5], bt, torch.tensor(lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_with_shared_prefixes_attends_to_them_once_and_matches_reference(dtype: torch.dtype) -> None:
+    kc, vc, bt, lens = _shared_prefix_case(dtype, seed=41)
+    plan = cpu.plan_decode(bt, lens, 16)
+    # Both groups share all their common blocks (every member keeps at least one token of its own);
+    # the lone member of the third group and the loners attend on their own.
+    assert sorted(sp.idx.tolist() for sp in plan.shared) == [list(range(7)), [7, 8, 9, 10]]
+    assert sorted(sp.ids.numel() for sp in plan.shared) == [5, 10]
+    q = randn((lens.shape[0], 8, 64), dtype, generator(42))
+    out = poisoned_like(q)
+    got = kernels.paged_decode_attention(q, kc, vc, bt, lens, 0.125, out=out)
+    want = reference.paged_decode_attention(q, kc, vc, bt, lens, 0.125)
+    assert_close(got, want, dtype)
+
+
 def test_prefill_buckets_cover_every_chunk_once_with_bounded_padding() -> None:
     rnd = random.Random(4)
     # A burst after a shared cached prompt (short chunks over long contexts), first chunks, one-token chunks.

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 import urllib.request
@@ -14,14 +13,9 @@ import pytest
 from block_manager_svc.server import start_server
 from block_manager_svc.settings import BlockManagerSettings
 from pagedkv.auth import hash_token
+from pagedkv.ports import free_port
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape(port: int) -> str:

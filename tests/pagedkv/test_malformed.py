@@ -16,7 +16,7 @@ from pagedkv.v1 import worker_pb2_grpc
 from worker_svc import cache_memory
 from worker_svc.cache_host import serve_cache
 from worker_svc.cache_layout import CacheGeometry
-from worker_svc.grpc_server import start_server
+from pagedkv.grpc_server import start_server
 
 GARBAGE = b"\x0a\xff\xff\xff\xff"  # a length-delimited field whose length runs past the end
 
@@ -27,7 +27,7 @@ def servers() -> Iterator[dict[str, int]]:
     cache = cache_memory.create(CacheGeometry(1, 1, 8, 4, 4, 0), torch.float32, torch.device("cpu"),
                                 shm_prefix="pagedkv-malformed")
     host = serve_cache(cache, "tiny")
-    # The worker's server plumbing (grpc_server.start_server), with the unimplemented base servicer:
+    # The worker's server plumbing (pagedkv.grpc_server.start_server), with the unimplemented base servicer:
     # a well-formed Step is UNIMPLEMENTED, a malformed one must be refused before any handler.
     worker = start_server("127.0.0.1", 0, lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(
         worker_pb2_grpc.WorkerServicer(), s), "pagedkv.v1.Worker")

@@ -282,7 +282,7 @@ def test_tenant_state_survives_a_crash_through_journal_replay(certs, tmp_path) -
 
 
 def test_cache_host_and_worker_servers_speak_mtls(certs) -> None:  # type: ignore[no-untyped-def]
-    from worker_svc.grpc_server import start_server as start_worker_server
+    from pagedkv.grpc_server import start_server as start_worker_server
 
     r = start_worker_server("127.0.0.1", 0, lambda s: None, "pagedkv.v1.Worker", tls_cert=certs["server"],
                             tls_key=certs["server_key"], tls_client_ca=certs["ca"])

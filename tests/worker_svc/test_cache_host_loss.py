@@ -16,6 +16,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pagedkv import errors
 from pagedkv.v1 import worker_pb2, worker_pb2_grpc
 from worker_svc import cache_memory
 from worker_svc.cache_host import serve_cache
@@ -98,6 +99,7 @@ def test_dead_cache_host_is_detected_and_reported(hosts: list[Host]) -> None:
             assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             msg = e.value.details()
             assert msg.startswith(CACHE_LOST_PREFIX), msg
+            assert errors.reason_of(e.value) == errors.CACHE_HOST_LOST  # what clients act on, not the text
             assert f"the cache host at 127.0.0.1:{host.port} is gone" in msg and "re-prefilled" in msg
             info = stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), timeout=5)
             assert info.cache_state == worker_pb2.CACHE_STATE_LOST and "is gone" in info.cache_lost_reason
@@ -141,6 +143,9 @@ def test_step_for_another_cache_instance_is_refused(hosts: list[Host]) -> None:
                 stub.Step(bad, timeout=10)
             assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             assert e.value.details().startswith(CACHE_LOST_PREFIX) and "someone-else" in e.value.details()
+            info = errors.error_info(e.value)
+            assert info is not None and info.reason == errors.CACHE_HOST_LOST
+            assert info.metadata["cache_instance_id"] == host.instance_id
             assert _health(ch) == health_pb2.HealthCheckResponse.SERVING  # the worker itself is fine
     finally:
         proc.close()

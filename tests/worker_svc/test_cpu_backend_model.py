@@ -69,3 +69,37 @@ def test_prefix_hit_chunk_attends_to_the_cached_prefix(runner: ModelRunner, hf_l
     sched.run(["b"])
     sched.generate(["b"], 6)
     assert sched.seqs["b"].generated == hf_llama.greedy(other, 7)
+
+
+def test_decode_over_shared_prefix_blocks_matches_generate(
+    runner: ModelRunner, hf_llama: HFModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sequences whose block tables start with the same physical blocks (prefix hits on one system
+    prompt) attend to them together (kernels/cpu.py cascade) and still decode exactly."""
+    from kernels import cpu
+
+    merges = []
+    real = cpu._merge_shared_prefix  # noqa: SLF001
+
+    def counting(sp, *a, **kw):  # type: ignore[no-untyped-def]
+        merges.append(sp.idx.numel())
+        return real(sp, *a, **kw)
+
+    monkeypatch.setattr(cpu, "_merge_shared_prefix", counting)
+
+    rnd = random.Random(11)
+    system = [rnd.randrange(1, 128) for _ in range(6 * BLOCK + 1)]  # 6 full blocks, past MIN_SHARED_BLOCKS
+    assert 6 >= cpu.MIN_SHARED_BLOCKS
+    sched = Scheduler(runner_step(runner), num_gpu_blocks=160, block_size=BLOCK)
+    sched.add("first", system + [5])
+    sched.run(["first"])
+    prompts = {f"u{i}": system + [rnd.randrange(1, 128) for _ in range(rnd.randint(1, 9))] for i in range(5)}
+    for sid, p in prompts.items():
+        assert sched.add(sid, p) == 6 * BLOCK  # the system prompt's blocks are hits: shared physically
+    sched.run(list(prompts))
+    tables = [sched.bm.block_table(s).block_ids for s in prompts]
+    assert all(t[:6] == tables[0][:6] for t in tables)
+    sched.generate(list(prompts), 6)
+    assert merges and max(merges) == 5  # every decode step attended to the shared blocks once for all five
+    for sid, p in prompts.items():
+        assert sched.seqs[sid].generated == hf_llama.greedy(p, 7), sid

@@ -13,7 +13,6 @@ import json
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -23,6 +22,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
+from pagedkv.ports import free_port
 from pagedkv.v1 import worker_pb2_grpc
 from tests.worker_svc.conftest import HFModel
 from tests.worker_svc.generation import Scheduler, grpc_step
@@ -149,14 +149,8 @@ def test_two_workers_share_one_cache_and_a_crash_loses_no_kv(
     assert not any(s.exists() for s in _segments(ready))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_worker_started_first_waits_for_the_cache_host(hf_llama: HFModel, procs: list[Proc]) -> None:
-    port = _free_port()
+    port = free_port()
     w = start_worker(hf_llama.path, port, "--connect-timeout-s", "60")
     procs.append(w)
     waiting = w.wait_event("waiting_for_cache_host")
@@ -189,7 +183,7 @@ def test_geometry_mismatch_refuses_to_start_naming_the_value(hf_llama: HFModel, 
 def test_cache_host_logs_each_attempt_to_reach_the_block_manager_and_names_it(
     hf_llama: HFModel, procs: list[Proc]
 ) -> None:
-    port = _free_port()  # nothing listens there
+    port = free_port()  # nothing listens there
     host = Proc(["cache-host", "--port", "0", "--device", "cpu", "--model", str(hf_llama.path),
                  "--block-manager", f"127.0.0.1:{port}", "--connect-timeout-s", "2",
                  "--shm-prefix", "pagedkv-proc-nobm"], "cache-host")

@@ -17,7 +17,7 @@ from tests.worker_svc.generation import Scheduler, grpc_step
 from worker_svc import cache_memory
 from worker_svc.cache_host import serve_cache
 from worker_svc.cache_layout import CacheGeometry, GeometryMismatch
-from worker_svc.grpc_server import RunningServer
+from pagedkv.grpc_server import RunningServer
 from worker_svc.model.config import ModelConfig
 from worker_svc.server import start_worker, wait_for_cache_host
 from worker_svc.settings import WorkerSettings

@@ -1,4 +1,5 @@
-"""Deadlines and retries for unary gRPC calls, shared by every pagedkv client.
+"""Deadlines and retries for unary gRPC calls: the one retry rule of every pagedkv client
+(the frontend's clients, and a role waiting for its peers at start-up, worker_svc/peers.py).
 
 Why a client-side loop and not gRPC's service-config retry policy: the service
 config is static per method, so it can only say "retry Append" or "never retry
@@ -64,11 +65,35 @@ class RetryPolicy:
 NO_RETRY = RetryPolicy(max_attempts=1)
 
 
-def _should_retry(err: grpc.RpcError, policy: RetryPolicy, attempt: int, retry_allowed: bool) -> bool:
-    if not retry_allowed or attempt >= policy.max_attempts:
-        return False
-    code = err.code() if hasattr(err, "code") else None
-    return code in policy.retryable_codes
+class Attempts:
+    """The retry rule's state for one call, shared by the sync and the asyncio loop: the
+    deadline over all attempts, the attempt count, and the pause before the next attempt."""
+
+    __slots__ = ("policy", "retry_allowed", "deadline", "attempt")
+
+    def __init__(self, policy: RetryPolicy, timeout_s: float | None, retry_allowed: bool) -> None:
+        self.policy = policy
+        self.retry_allowed = retry_allowed
+        self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self.attempt = 0
+
+    def next_timeout(self) -> float | None:
+        """Start an attempt: the time left to the overall deadline (None: no deadline)."""
+        self.attempt += 1
+        return None if self.deadline is None else max(self.deadline - time.monotonic(), 0.0)
+
+    def pause_after(self, err: grpc.RpcError) -> float | None:
+        """Seconds to sleep before retrying after `err`, or None: give up and raise it."""
+        policy = self.policy
+        if not self.retry_allowed or self.attempt >= policy.max_attempts:
+            return None
+        code = err.code() if hasattr(err, "code") else None
+        if code not in policy.retryable_codes:
+            return None
+        pause = policy.backoff_s(self.attempt)
+        if self.deadline is not None and time.monotonic() + pause >= self.deadline:
+            return None
+        return pause
 
 
 def call_with_retry(
@@ -82,18 +107,13 @@ def call_with_retry(
     sleep: Callable[[float], None] = time.sleep,
 ) -> T:
     """Call a sync unary stub method with an overall deadline and the retry rule above."""
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    attempt = 0
+    attempts = Attempts(policy, timeout_s, retry_allowed)
     while True:
-        attempt += 1
-        remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
         try:
-            return method(request, timeout=remaining, metadata=metadata)
+            return method(request, timeout=attempts.next_timeout(), metadata=metadata)
         except grpc.RpcError as err:
-            if not _should_retry(err, policy, attempt, retry_allowed):
-                raise
-            pause = policy.backoff_s(attempt)
-            if deadline is not None and time.monotonic() + pause >= deadline:
+            pause = attempts.pause_after(err)
+            if pause is None:
                 raise
             sleep(pause)
 
@@ -108,17 +128,12 @@ async def async_call_with_retry(
     metadata: Metadata | None = None,
 ) -> T:
     """The asyncio form of :func:`call_with_retry` (``method`` is a grpc.aio stub method)."""
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    attempt = 0
+    attempts = Attempts(policy, timeout_s, retry_allowed)
     while True:
-        attempt += 1
-        remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
         try:
-            return await method(request, timeout=remaining, metadata=metadata)
+            return await method(request, timeout=attempts.next_timeout(), metadata=metadata)
         except grpc.RpcError as err:
-            if not _should_retry(err, policy, attempt, retry_allowed):
-                raise
-            pause = policy.backoff_s(attempt)
-            if deadline is not None and time.monotonic() + pause >= deadline:
+            pause = attempts.pause_after(err)
+            if pause is None:
                 raise
             await asyncio.sleep(pause)

@@ -1,0 +1,109 @@
+"""The state export (snapshot format 2): plain versioned data that rebuilds the core exactly,
+refuses what is not core state, and a version-1 (pickled) snapshot still loads."""
+
+from __future__ import annotations
+
+import pickle
+import struct
+import zlib
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from block_manager_svc import snapshot, state_export
+from block_manager_svc.core import BlockManager, CoreConfig
+from block_manager_svc.core.tenants import TenantLedger
+from block_manager_svc.leases import LeaseTable
+from block_manager_svc.server import build_core, start_server
+from block_manager_svc.settings import BlockManagerSettings
+from pagedkv.v1 import block_manager_pb2 as pb
+
+from .reliability.test_recovery import canonical
+
+
+def _busy_core(policy: str = "lru-size") -> BlockManager:
+    bm = BlockManager(CoreConfig(num_gpu_blocks=12, block_size=4, num_cpu_blocks=6, preemption_mode="swap",
+                                 eviction_policy=policy))
+    bm.allocate("a", 10, list(range(10)))
+    bm.commit("a", 10)
+    bm.fork("a", "b")
+    bm.append("b", 3, [1, 2, 3])
+    bm.allocate("c", 8, [9] * 8, 1)
+    bm.commit("c", 8)
+    bm.free("c")  # cached blocks in the eviction policy
+    bm.preempt("b", "swap")  # a swapped group on the CPU pool
+    bm.allocate("d", 5, [4] * 5)
+    bm.enable_tenancy(TenantLedger())
+    return bm
+
+
+@pytest.mark.parametrize("policy", ["lru", "lru-size"])
+def test_export_is_plain_versioned_data_and_rebuilds_the_core_exactly(policy: str) -> None:
+    bm = _busy_core(policy)
+    leases = LeaseTable()
+    leases.attach("a", "L")
+    doc = state_export.export(bm, leases.export(), [("r", "Free", b"d", b"reply", 1.0)])
+    assert doc["version"] == 2 and doc["config"]["num_gpu_blocks"] == 12
+    wire = msgspec.msgpack.encode(doc)  # plain data: msgpack needs no hooks
+    st = state_export.restore(msgspec.msgpack.decode(wire))
+    assert canonical(st.core) == canonical(bm)
+    st.core.check_invariants()
+    # The eviction policy shares the pool's hash list again (not a copy of it).
+    if policy == "lru":
+        assert st.core.pool.eviction_policy._block_hash is st.core.pool.block_hash
+    assert st.leases == leases.export() and st.dedupe == [("r", "Free", b"d", b"reply", 1.0)]
+    # Both go on working the same way.
+    for core in (bm, st.core):
+        core.allocate("e", 9, [9] * 8 + [1])
+        core.swap_in("b") if core.pool.num_available > 8 else None
+    assert canonical(st.core) == canonical(bm)
+
+
+def test_a_state_that_names_other_code_or_an_unknown_version_is_refused() -> None:
+    doc = state_export.export(_busy_core(), {}, [])
+    bad = dict(doc, core=["obj", 0, "os:system", [], []])
+    with pytest.raises(state_export.StateError, match="'os:system', which is not a core class"):
+        state_export.restore(bad)
+    with pytest.raises(state_export.StateError, match="unknown state format version 99"):
+        state_export.restore(dict(doc, version=99))
+    with pytest.raises(state_export.StateError, match="cannot export"):
+        state_export.export(_busy_core(), {"x": object()}, [])
+
+
+def _write_v1_snapshot(state_dir: Path, seq: int, state: dict) -> None:
+    """A snapshot as versions before the export wrote it: PKVSNAP1 + a pickle of the objects."""
+    payload = pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
+    header = struct.pack("<8sQIQ", b"PKVSNAP1", seq, zlib.crc32(payload), len(payload))
+    (state_dir / snapshot.snapshot_name(seq)).write_bytes(header + payload)
+
+
+def test_a_version_1_pickled_snapshot_loads_and_is_rewritten_as_version_2(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    settings = BlockManagerSettings(port=0, num_gpu_blocks=16, block_size=4, state_dir=str(state))
+    bm = build_core(settings)
+    bm.allocate("a", 9, list(range(9)))
+    bm.commit("a", 8)
+    leases = LeaseTable()
+    leases.attach("a", "L")
+    _write_v1_snapshot(state, 3, {"version": 1, "core": bm, "leases": leases.export(), "dedupe": []})
+    running = start_server(settings)
+    try:
+        assert running.servicer.reliable.recovery.snapshot_seq == 3
+        assert canonical(running.servicer._core) == canonical(bm)
+        assert running.servicer.reliable.leases.lease_of == {"a": "L"}
+        (_, path), = snapshot.list_snapshots(state)  # rewritten in the current format at start
+        assert path.read_bytes()[:8] == b"PKVSNAP2"
+    finally:
+        running.stop(0)
+    (seq, path), = snapshot.list_snapshots(state)
+    assert seq >= 3 and path.read_bytes()[:8] == b"PKVSNAP2"
+    running = start_server(settings)
+    try:
+        core = running.servicer._core
+        assert canonical(core) == canonical(bm)
+        assert list(core.seqs["a"].block_ids) == list(bm.seqs["a"].block_ids)
+        assert running.servicer.GetStats(pb.GetStatsRequest(), None).num_sequences == 1
+    finally:
+        running.stop(0)
