@@ -1,16 +1,18 @@
 """KV events for cache-aware routers: the ``WatchEvents`` stream (docs/observability.md).
 
-The core's block pool reports each registered block (BlockStored) and each
-evicted registered block (BlockRemoved) by calling ``append`` on whatever
-object sits in ``pool.events``; that object is the :class:`EventHub`. It runs
-under the servicer's state lock, never blocks: every subscriber has a bounded
-queue, and one that falls behind is dropped (its stream ends with
-RESOURCE_EXHAUSTED) instead of slowing the state lock down.
+The core's block pool appends each registered block (BlockStored), each
+evicted registered block (BlockRemoved) and each reset (AllBlocksCleared) to a
+plain list, ``pool.events``; after every call the servicer's core stage
+(block_manager_svc/handlers.py) takes that list (``BlockManager.take_events``)
+and hands it to :meth:`EventHub.publish` together with the calling tenant, as
+data. The hub runs under the servicer's state lock and never blocks: every
+subscriber has a bounded queue, and one that falls behind is dropped (its
+stream ends with RESOURCE_EXHAUSTED) instead of slowing the state lock down.
 
-Cost: with authentication off the hub is attached to the pool only while at
-least one watcher or sink is connected (``pool.events is None`` otherwise: one test per
-registered block). With authentication on it stays attached, because it
-remembers which tenant stored each hash (a tenant sees only its own events).
+Cost: with authentication off the core records events only while at least one
+watcher or sink is connected (``pool.events is None`` otherwise: one test per
+registered block). With authentication on it records them always, because the
+hub remembers which tenant stored each hash (a tenant sees only its own events).
 
 Besides gRPC watchers the hub feeds *sinks*: callables registered with
 ``add_sink`` (the ZeroMQ publisher of block_manager_svc/kv_events_zmq.py is
@@ -33,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import structlog
 
-from pagedkv.auth import current_tenant
+from pagedkv.auth import current_tenant  # the consumer side: which tenant is watching
 from pagedkv.v1 import block_manager_pb2 as pb
 
 if TYPE_CHECKING:
@@ -72,47 +74,48 @@ class EventHub:
         self._core: BlockManager | None = None
         self._mu = threading.Lock()  # subscriber list changes (also taken under `lock`)
 
-    def __reduce__(self) -> Any:  # the pool is pickled into snapshots: the hub is not state
-        return (type(None), ())
-
     # --- wiring -----------------------------------------------------------------
     def attach(self, core: BlockManager) -> None:
         """Point at a (new) core; with tenancy, learn the owners of what is cached now."""
         with self.lock:
             self._core = core
             if self.tenancy:
-                from block_manager_svc.core.tenants import tenant_of
-
                 block_hash = core.pool.block_hash
                 self.owner = {}
-                for sid, seq in core.seqs.items():
-                    t = tenant_of(sid)
+                for seq in core.seqs.values():
+                    t = seq.tenant
                     for b in seq.block_ids:
                         h = block_hash[b]
                         if h is not None:
                             self.owner[h] = t
                 for h in core.pool.index:
                     self.owner.setdefault(h, UNKNOWN_TENANT)
-                core.pool.events = self  # type: ignore[assignment]
+                core.enable_events(True)
             else:
-                core.pool.events = self if (self.subs or self.sinks) else None  # type: ignore[assignment]
+                core.enable_events(bool(self.subs or self.sinks))
 
     def add_sink(self, sink: Sink) -> None:
         """Feed `sink` every event from now on (the pool stays attached while any sink exists)."""
         with self.lock:
             self.sinks.append(sink)
             if self._core is not None:
-                self._core.pool.events = self  # type: ignore[assignment]
+                self._core.enable_events(True)
 
     def remove_sink(self, sink: Sink) -> None:
         with self.lock:
             if sink in self.sinks:
                 self.sinks.remove(sink)
             if not self.subs and not self.sinks and not self.tenancy and self._core is not None:
-                self._core.pool.events = None
+                self._core.enable_events(False)
 
     # --- producer side (under the state lock) ---------------------------------------
-    def append(self, ev: tuple[Any, ...]) -> None:
+    def publish(self, events: list[tuple[Any, ...]], tenant: str | None) -> None:
+        """Events one core call produced, in order; `tenant` made the call (None:
+        authentication off, or an internal call such as a lease expiry)."""
+        for ev in events:
+            self._one(ev, tenant)
+
+    def _one(self, ev: tuple[Any, ...], caller: str | None) -> None:
         self.version += 1
         block, h, parent = ev[0], ev[1], ev[2]
         for sink in self.sinks:
@@ -128,8 +131,7 @@ class EventHub:
             return
         if self.tenancy:
             if block >= 0:
-                t = current_tenant.get()
-                tenant = t.name if t is not None else UNKNOWN_TENANT
+                tenant = caller if caller is not None else UNKNOWN_TENANT
                 self.owner[h] = tenant
             else:
                 tenant = self.owner.pop(h, UNKNOWN_TENANT)
@@ -155,7 +157,7 @@ class EventHub:
             if s in self.subs:
                 self.subs.remove(s)
         if not self.subs and not self.sinks and not self.tenancy and self._core is not None:
-            self._core.pool.events = None
+            self._core.enable_events(False)
         try:
             s.q.get_nowait()  # room for the end marker
         except queue.Empty:
@@ -185,7 +187,7 @@ class EventHub:
             ]
             with self._mu:
                 self.subs.append(sub)
-            core.pool.events = self  # type: ignore[assignment]
+            core.enable_events(True)
         log.info("event_watcher_connected", tenant=scope, snapshot_blocks=len(snapshot), version=version)
         done = threading.Event()
         context.add_callback(lambda: (done.set(), self._leave(sub)))
@@ -263,4 +265,4 @@ class EventHub:
         if not self.subs and not self.sinks and not self.tenancy:
             with self.lock:
                 if not self.subs and not self.sinks and self._core is not None:
-                    self._core.pool.events = None
+                    self._core.enable_events(False)

@@ -1,29 +1,30 @@
-"""Reliability layer of the block manager: idempotent retries, leases,
-journal + snapshots with crash recovery, deadlines (docs/reliability.md).
+"""The reliability stage of the block manager's pipeline: idempotent retries,
+leases, journal + snapshots with crash recovery, deadlines (docs/reliability.md).
 
-:class:`ReliableServicer` wraps the plain servicer's mutating handlers
-(Allocate, Append, Fork, Free, Commit, Step, SwapIn, Preempt) and adds
-KeepAlive. Commits are journaled like every mutation, so recovery restores
-which blocks are in the prefix cache exactly.
-Every mutation runs through one path, :meth:`ReliableServicer._mutate`:
+:class:`ReliableStage` sits between the tenancy stage and the core stage
+(block_manager_svc/servicer.py shows the order). It runs every mutating RPC
+(Allocate, Append, Fork, Free, Commit, Step, SwapIn, Preempt,
+ResetPrefixCache) and KeepAlive, which is its own. Commits are journaled like
+every mutation, so recovery restores which blocks are in the prefix cache
+exactly. Every mutation runs through one path, :meth:`ReliableStage.run`:
 
 1. a request whose deadline already passed is refused (DEADLINE_EXCEEDED)
    without touching the state;
 2. with a ``request_id``: a remembered reply is returned as is; a retry of a
    request still in flight waits for it; an id reused for another request is
    INVALID_ARGUMENT;
-3. under the state lock: apply (the plain handler), lease bookkeeping,
-   journal append (one ``write``), dedupe entry, all in one critical section
-   so journal order is apply order;
+3. under the state lock: apply (the core stage, `CoreStage.apply`), lease
+   bookkeeping, journal append (one ``write``), dedupe entry, all in one
+   critical section so journal order is apply order;
 4. after the lock is released: wait until the record is durable (fsync
    policy ``always``; group commit), then reply.
 
 With no ``--state-dir``, no ``request_id``, no lease in use and none named,
-step 1 and one branch are all that is added to the plain handler.
+step 1 and one branch are all that is added to the core stage.
 
 The journal records what a request did, not the request: the core and lease
 commands it applied (block_manager_svc/commands.py, captured by a recording
-view of the core while the handler runs) and, for a request with an id, the
+view of the core while the core stage runs) and, for a request with an id, the
 reply it got. Recovery loads the snapshot (an explicit state export,
 block_manager_svc/snapshot.py) and calls the same core and lease methods
 again with the same arguments, so block tables, ref counts, the prefix index,
@@ -36,7 +37,7 @@ import fcntl
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -53,7 +54,7 @@ from block_manager_svc.core import CoreError
 from block_manager_svc.idempotency import DedupeTable, RequestIdReused, WaitTimeout, digest
 from block_manager_svc.journal import Journal, Record, ScanReport, scan
 from block_manager_svc.leases import MAX_LEASE_ID_LEN, LeaseTable
-from block_manager_svc.servicer import BlockManagerServicer
+from block_manager_svc.handlers import MUTATIONS, CoreStage
 from pagedkv.v1 import block_manager_pb2 as pb
 
 if TYPE_CHECKING:
@@ -61,7 +62,6 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("pagedkv.block_manager")
 
-MUTATIONS = ("Allocate", "Append", "Fork", "Free", "Commit", "Step", "SwapIn", "Preempt", "ResetPrefixCache")
 MAX_TTL_MS = 24 * 3600 * 1000
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["BlockManager"]
@@ -71,7 +71,7 @@ def _response_type(method: str) -> Any:
     return getattr(pb, _SERVICE.methods_by_name[method].output_type.name)
 
 
-__all__ = ["MUTATIONS", "RecoveryReport", "Reliability", "ReliableServicer", "ReplayError"]
+__all__ = ["MUTATIONS", "RecoveryReport", "Reliability", "ReliableStage", "ReplayError"]
 
 
 @dataclass(slots=True)
@@ -98,12 +98,12 @@ def _config_diff(a: Any, b: Any) -> str:
         return f"{a!r} vs {b!r}"
 
 
-class ReliableServicer(BlockManagerServicer):
-    """The servicer with request-id dedupe, leases, journaling and deadlines."""
+class ReliableStage:
+    """Request-id dedupe, leases, journaling and deadlines around the core stage."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._lock = threading.RLock()  # the handlers of the base class take it again
+    def __init__(self, core_stage: CoreStage) -> None:
+        self.core_stage = core_stage
+        self._lock = core_stage.lock  # the state lock (reentrant: the core stage takes it again)
         self.dedupe = DedupeTable()
         self.leases = LeaseTable()
         self.journal: Journal | None = None
@@ -115,8 +115,18 @@ class ReliableServicer(BlockManagerServicer):
         self.recovery: RecoveryReport | None = None
         self.num_deadline_skipped = 0
 
+    @property
+    def _core(self) -> Any:
+        """The core the core stage applies to (recovery replaces it)."""
+        return self.core_stage.core
+
+    @_core.setter
+    def _core(self, core: Any) -> None:
+        self.core_stage.core = core
+
     # --- the one mutation path -----------------------------------------------------
-    def _mutate(self, name: str, base: Callable[..., Any], request: Any, context: Any) -> Any:
+    def run(self, name: str, request: Any, context: Any, tenant: str | None = None) -> Any:
+        """Run mutation `name` (or KeepAlive) for `tenant` (None: authentication off)."""
         remaining = context.time_remaining()
         if remaining is not None and remaining <= 0:
             self.num_deadline_skipped += 1
@@ -127,7 +137,7 @@ class ReliableServicer(BlockManagerServicer):
         lease_id = getattr(request, "lease_id", "")
         alloc_leases = request.alloc_lease_ids if name == "Step" else ()
         if not rid and journal is None and not lease_id and not alloc_leases and not self.leases:
-            return base(self, request, context)  # the hot path
+            return self._apply(name, request, context, tenant)[0]  # the hot path
         for lid in (lease_id, *alloc_leases) if alloc_leases else (lease_id,):
             if len(lid) > MAX_LEASE_ID_LEN:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -150,11 +160,11 @@ class ReliableServicer(BlockManagerServicer):
             seq = 0
             with self._lock:
                 if journal is None:
-                    response, changed = self._apply(name, base, request, context)
+                    response, changed = self._apply(name, request, context, tenant)
                     commands: list[Command] = []
                 else:
                     with self._recording() as commands:
-                        response, changed = self._apply(name, base, request, context)
+                        response, changed = self._apply(name, request, context, tenant)
                 now = time.time()
                 reply = response.SerializeToString() if rid and changed else b""
                 if journal is not None and changed:
@@ -171,9 +181,11 @@ class ReliableServicer(BlockManagerServicer):
             if rid:
                 self.dedupe.end(rid)
 
-    def _apply(self, name: str, base: Callable[..., Any], request: Any, context: Any) -> tuple[Any, bool]:
+    def _apply(self, name: str, request: Any, context: Any, tenant: str | None) -> tuple[Any, bool]:
         """Apply one command under the state lock: (reply, whether state changed)."""
-        response = base(self, request, context)
+        if name == "KeepAlive":
+            return self._keepalive(request, context)
+        response = self.core_stage.apply(name, request, context, tenant)
         leases = self.leases
         if name == "Allocate":
             if request.lease_id:
@@ -191,8 +203,6 @@ class ReliableServicer(BlockManagerServicer):
                 leases.detach_all(f.seq_id for f in request.frees)
                 leases.detach_all(request.free_seq_ids)
             _step_leases(leases, request, response)
-        elif name == "KeepAlive":
-            return response
         return response, True
 
     @contextmanager
@@ -222,7 +232,7 @@ class ReliableServicer(BlockManagerServicer):
             try:
                 self._core.block_table(s)
             except CoreError as e:
-                self._abort(context, "KeepAlive", e, s)
+                self.core_stage._abort(context, "KeepAlive", e, s)
         leases = self.leases
         created = lid not in leases.leases
         lease, changed = leases.touch(lid, request.ttl_ms / 1000.0 if request.ttl_ms else None)
@@ -232,9 +242,6 @@ class ReliableServicer(BlockManagerServicer):
             ttl_ms=round(lease.ttl_s * 1000), num_sequences=len(lease.seq_ids), created=created
         )
         return resp, changed or bool(request.attach_seq_ids)
-
-    def KeepAlive(self, request: pb.KeepAliveRequest, context: grpc.ServicerContext) -> pb.KeepAliveResponse:
-        return self._mutate("KeepAlive", _keepalive_base, request, context)
 
     # --- lease expiry -----------------------------------------------------------------
     def _expire_lease(self, lease_id: str) -> tuple[int, int]:
@@ -269,8 +276,8 @@ class ReliableServicer(BlockManagerServicer):
         return len(expired)
 
     # --- stats --------------------------------------------------------------------------
-    def GetStats(self, request: pb.GetStatsRequest, context: grpc.ServicerContext) -> pb.Stats:
-        s = super().GetStats(request, context)
+    def add_stats(self, s: pb.Stats) -> pb.Stats:
+        """This stage's counters on top of the core's stats."""
         leases = self.leases
         s.num_leases = len(leases.leases)
         s.num_leases_expired = leases.num_expired
@@ -365,7 +372,7 @@ class ReliableServicer(BlockManagerServicer):
             self.dedupe.put(d.request_id, d.method, d.digest, d.reply, d.wall_time)
 
     # --- lifecycle ---------------------------------------------------------------------------
-    def start_reliability(self, settings: BlockManagerSettings) -> Reliability:
+    def start(self, settings: BlockManagerSettings) -> Reliability:
         """Apply the reliability settings, recover from --state-dir, start the background threads."""
         self.dedupe.max_entries = settings.dedupe_max_entries
         self.dedupe.ttl_s = settings.dedupe_ttl_s
@@ -417,30 +424,10 @@ def _step_leases(leases: LeaseTable, request: pb.StepRequest, response: pb.StepR
             leases.attach(child, lid)
 
 
-def _keepalive_base(self: ReliableServicer, request: pb.KeepAliveRequest, context: Any) -> Any:
-    return self._keepalive(request, context)
-
-
-def _wrap(name: str) -> Callable[..., Any]:
-    base = getattr(BlockManagerServicer, name)
-
-    def handler(self: ReliableServicer, request: Any, context: grpc.ServicerContext) -> Any:
-        return self._mutate(name, base, request, context)
-
-    handler.__name__ = handler.__qualname__ = name
-    handler.__doc__ = f"{name} with deadlines, request-id dedupe, leases and journaling."
-    return handler
-
-
-for _name in MUTATIONS:
-    if _name in _SERVICE.methods_by_name and hasattr(BlockManagerServicer, _name):
-        setattr(ReliableServicer, _name, _wrap(_name))
-
-
 class Reliability:
     """Background threads (lease sweeper, snapshotter) and shutdown of the journal."""
 
-    def __init__(self, servicer: ReliableServicer, sweep_interval_s: float, snapshot_interval_s: float) -> None:
+    def __init__(self, servicer: ReliableStage, sweep_interval_s: float, snapshot_interval_s: float) -> None:
         self.servicer = servicer
         self.sweep_interval_s = sweep_interval_s
         self.snapshot_interval_s = snapshot_interval_s

@@ -23,10 +23,10 @@ from block_manager_svc.core import BlockManager, CoreConfig
 from block_manager_svc.events import EventHub
 from block_manager_svc.kv_events_zmq import ZmqEventConfig, ZmqKvEventPublisher
 from block_manager_svc.metrics import MetricsServer, setup_metrics
-from block_manager_svc.reliability import Reliability, ReliableServicer
+from block_manager_svc.reliability import Reliability
 from block_manager_svc.servicer import BlockManagerServicer
 from block_manager_svc.settings import BlockManagerSettings, load_settings
-from block_manager_svc.tenancy import TenantServicer, ledger_from_store
+from block_manager_svc.tenancy import NO_TENANCY, TenantScope, ledger_from_store
 from pagedkv.auth import TokenStore
 from pagedkv.grpc_server import graceful_stop
 from pagedkv.grpc_server import start_server as start_grpc_server
@@ -85,13 +85,13 @@ def start_server(settings: BlockManagerSettings) -> RunningServer:
     """Build and start the server; raises RuntimeError if the port is taken."""
     # Security and observability (docs/security.md, docs/observability.md): all off by default.
     store = TokenStore.load(settings.auth_tokens_file) if settings.auth_tokens_file else None
-    servicer_cls = TenantServicer if store is not None else ReliableServicer
-    servicer = servicer_cls(build_core(settings), settings.num_cpu_blocks)
+    tenancy = TenantScope() if store is not None else NO_TENANCY
+    servicer = BlockManagerServicer(build_core(settings), settings.num_cpu_blocks, tenancy)
     registry = rpc_metrics = None
     if settings.metrics_port:
         registry, rpc_metrics = setup_metrics(servicer)
     # Recovers from --state-dir (before the port opens), starts the lease sweeper and snapshots.
-    reliability = servicer.start_reliability(settings)
+    reliability = servicer.reliable.start(settings)
     if store is not None:
         servicer._core.enable_tenancy(ledger_from_store(store))
     if settings.enable_kv_events:

@@ -1,408 +1,115 @@
-"""gRPC edge of the block manager: translate, lock, map errors. No decisions.
+"""The block manager's one gRPC servicer: every RPC runs the same small
+pipeline, top to bottom.
 
-The core is not thread-safe and every call is short (microseconds), so one
-lock serialises them; the gRPC threads spend their time in (de)serialisation
-outside it. Core errors map one to one onto status codes; anything else is a
-bug and becomes INTERNAL with the state untouched (the core validates before
-it mutates).
+1. tenancy (block_manager_svc/tenancy.py): who is calling; with
+   authentication on, the request rewritten into the caller's namespace
+   (`TenantScope.enter`), and the reply mapped back (`leave`). With it off,
+   `NO_TENANCY` passes everything through.
+2. reliability (block_manager_svc/reliability.py): deadline, request-id
+   dedupe, leases, journal (`ReliableStage.run`); mutations and KeepAlive only.
+3. core (block_manager_svc/handlers.py): the request applied to the core
+   under the state lock, the reply built, the call's KV events handed to the
+   event hub (`CoreStage.apply`).
+
+Reads skip the stages they do not need: GetBlockTable is scoped and read,
+GetStats is scoped (a tenant sees its own numbers) and read, GetConfig is read,
+WatchEvents streams from the event hub (block_manager_svc/events.py).
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 import grpc
-import structlog
 
-from block_manager_svc.core import BlockManager, CoreError, ErrorCode, ItemError
-from block_manager_svc.core.results import CacheOps, Preemption, SwapInResult
-from pagedkv.log_limit import LogLimiter
+from block_manager_svc.handlers import CoreStage
+from block_manager_svc.core import BlockManager
+from block_manager_svc.reliability import ReliableStage
+from block_manager_svc.tenancy import NO_TENANCY, Tenancy
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
     from block_manager_svc.events import EventHub
 
-STATUS_BY_CODE: dict[ErrorCode, grpc.StatusCode] = {
-    ErrorCode.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
-    ErrorCode.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
-    ErrorCode.ALREADY_EXISTS: grpc.StatusCode.ALREADY_EXISTS,
-    ErrorCode.PERMISSION_DENIED: grpc.StatusCode.PERMISSION_DENIED,
-    ErrorCode.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    ErrorCode.FAILED_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
-}
-
-log = structlog.get_logger("pagedkv.block_manager")
-
-
-def request_id_of(context: grpc.ServicerContext | None, request: object = None) -> str:
-    """The id to tag a log line with: the request's own `request_id`, else the caller's
-    `x-request-id` metadata. Only read when something is logged (never on the happy path)."""
-    rid = getattr(request, "request_id", "") if request is not None else ""
-    if rid or context is None:
-        return rid
-    try:
-        metadata = context.invocation_metadata() or ()
-    except Exception:  # noqa: BLE001 - a test double without metadata
-        return ""
-    for key, value in metadata:
-        if key == "x-request-id":
-            return value if isinstance(value, str) else ""
-    return ""
-
-
-def _copies(pairs: list[tuple[int, int]]) -> list[pb.BlockCopy]:
-    return [pb.BlockCopy(src=s, dst=d) for s, d in pairs]
-
-
-def ops_to_proto(ops: CacheOps) -> pb.CacheOps:
-    return pb.CacheOps(copies=_copies(ops.copies), swap_out=_copies(ops.swap_out), swap_in=_copies(ops.swap_in))
-
-
-_PREEMPTION_MODE = {"swap": pb.Preemption.SWAP, "recompute": pb.Preemption.RECOMPUTE}
-
-
-def preemptions_to_proto(items: list[Preemption]) -> list[pb.Preemption]:
-    return [
-        pb.Preemption(
-            seq_id=p.seq_id, mode=_PREEMPTION_MODE[p.mode], num_tokens=p.num_tokens,
-            num_blocks=p.num_blocks, cost_s=p.cost_s,
-        )
-        for p in items
-    ]
-
-
-def swap_in_to_proto(r: SwapInResult) -> pb.SwapInResponse:
-    return pb.SwapInResponse(
-        block_ids=r.block_ids,
-        ops=ops_to_proto(r.ops),
-        sequences=[pb.SwappedInSequence(seq_id=k, block_ids=v) for k, v in r.tables.items()],
-    )
-
-
-def _item_error(kind: int, err: ItemError, index: int | None = None) -> pb.StepItemError:
-    return pb.StepItemError(
-        kind=kind,
-        index=err.index if index is None else index,
-        seq_id=err.seq_id,
-        code=err.code.value,
-        message=err.message,
-    )
-
-
-class _SubAppends:
-    """Sub-message appends converted to the core's one (packed) form, and the
-    results mapped back: the sub-message items go first in the packed arrays.
-
-    An item whose token_ids length does not match its num_tokens is rejected
-    here (it cannot be concatenated) with the message the core would give."""
-
-    __slots__ = ("ids", "counts", "tokens", "known", "map", "bad", "n_sub", "n_packed")
-
-    def __init__(self, request: pb.StepRequest) -> None:
-        ids: list[str] = []
-        counts: list[int] = []
-        tokens: list[int] = []
-        known: list[bool] = []
-        self.map: list[int] = []  # packed position -> sub-message index
-        self.bad: list[tuple[int, str, str]] = []
-        for j, a in enumerate(request.appends):
-            if a.token_ids and len(a.token_ids) != a.num_tokens:
-                self.bad.append((j, a.seq_id, f"token_ids has {len(a.token_ids)} entries but num_tokens is "
-                                              f"{a.num_tokens}; they must match"))
-                continue
-            self.map.append(j)
-            ids.append(a.seq_id)
-            counts.append(a.num_tokens)
-            known.append(bool(a.token_ids))
-            tokens.extend(a.token_ids)
-        self.n_sub = len(ids)
-        packed = request.append_seq_ids
-        self.n_packed = len(packed)
-        ids.extend(packed)
-        counts.extend(request.append_num_tokens or [1] * len(packed))
-        packed_known = bool(request.append_token_ids)
-        known.extend([packed_known] * len(packed))
-        tokens.extend(request.append_token_ids)
-        self.ids, self.counts, self.tokens, self.known = ids, counts, tokens, known
-
-    def split_results(self, r: Any, resp: pb.StepResponse) -> None:
-        n_sub = self.n_sub
-        per_item: list[list[int]] = [[] for _ in range(n_sub)]
-        for i, b in zip(r.new_block_index, r.new_block_ids):
-            if i < n_sub:
-                per_item[i].append(b)
-            else:
-                resp.packed_new_block_index.append(i - n_sub)
-                resp.packed_new_block_ids.append(b)
-        copies: dict[int, tuple[int, int]] = {}
-        for k, i in enumerate(r.replaced_index):
-            if i < n_sub:
-                copies[i] = r.ops.copies[k]
-            else:
-                resp.packed_replaced_index.append(i - n_sub)
-        preempted: dict[int, list[Preemption]] = {}
-        for p, i in zip(r.preempted, r.preempted_by):
-            if i < n_sub:
-                preempted.setdefault(i, []).append(p)
-        total = len(self.map) + len(self.bad)
-        items = [pb.AppendResponse() for _ in range(total)]
-        for i, j in enumerate(self.map):
-            if per_item[i]:
-                copy = copies.get(i)
-                item = items[j]
-                item.new_block_ids.extend(per_item[i])
-                if copy is not None:
-                    item.replaced_last_block = True
-                    item.ops.copies.add(src=copy[0], dst=copy[1])
-                item.preempted.extend(preemptions_to_proto(preempted.get(i, [])))
-        resp.appends.extend(items)
-
-    def errors(self, r: Any, errors: Any) -> None:
-        n_sub = self.n_sub
-        for j, seq_id, message in self.bad:
-            errors.append(pb.StepItemError(kind=pb.StepItemError.APPEND, index=j, seq_id=seq_id,
-                                           code=grpc.StatusCode.INVALID_ARGUMENT.value[0], message=message))
-        for err in r.append_errors:
-            if err.index < n_sub:
-                errors.append(_item_error(pb.StepItemError.APPEND, err, self.map[err.index]))
-            else:
-                errors.append(_item_error(pb.StepItemError.PACKED_APPEND, err, err.index - n_sub))
-
 
 class BlockManagerServicer(pb_grpc.BlockManagerServicer):
-    def __init__(self, core: BlockManager, num_cpu_blocks: int = 0) -> None:
-        self._core = core
-        self._lock = threading.Lock()
-        self._num_cpu_blocks = num_cpu_blocks
-        self.events_hub: EventHub | None = None  # set by server.py (block_manager_svc/events.py)
-        self.log_limit = LogLimiter()  # rejections are the client's doing: rate-limited lines
+    def __init__(self, core: BlockManager, num_cpu_blocks: int = 0, tenancy: Tenancy = NO_TENANCY) -> None:
+        self._lock = threading.RLock()  # the state lock, shared by every stage
+        self.core_stage = CoreStage(core, self._lock)
+        self.reliable = ReliableStage(self.core_stage)
+        self.tenancy = tenancy
+        self.log_limit = self.core_stage.log_limit
 
-    def _abort(
-        self, context: grpc.ServicerContext, method: str, err: CoreError, seq_id: str, request: object = None
-    ) -> NoReturn:
-        self.log_limit.info(log, "request_rejected", method=method, seq_id=seq_id, code=err.code.name,
-                            reason=err.message, request_id=request_id_of(context, request))
-        context.abort(STATUS_BY_CODE[err.code], err.message)
-        raise AssertionError("unreachable")  # context.abort raises
+    # --- what the stages share --------------------------------------------------------------
+    @property
+    def _core(self) -> BlockManager:
+        """The core (recovery may have replaced the one passed in)."""
+        return self.core_stage.core
 
+    @property
+    def events_hub(self) -> EventHub | None:
+        return self.core_stage.events_hub
+
+    @events_hub.setter
+    def events_hub(self, hub: EventHub | None) -> None:
+        self.core_stage.events_hub = hub
+
+    # --- the pipeline ---------------------------------------------------------------------
+    def _mutate(self, name: str, request: Any, context: Any) -> Any:
+        scoped = self.tenancy.enter(name, request, context)
+        response = self.reliable.run(name, scoped.request, scoped.context, scoped.tenant)
+        return self.tenancy.leave(name, scoped, response)
+
+    # --- mutations ---------------------------------------------------------------------------
     def Allocate(self, request: pb.AllocateRequest, context: grpc.ServicerContext) -> pb.AllocateResponse:
-        try:
-            with self._lock:
-                r = self._core.allocate(
-                    request.seq_id, request.num_tokens, request.token_ids or None, request.priority,
-                    request.cache_salt,
-                )
-        except CoreError as e:
-            self._abort(context, "Allocate", e, request.seq_id, request)
-        return pb.AllocateResponse(block_ids=r.block_ids, num_cached_tokens=r.num_cached_tokens)
+        return self._mutate("Allocate", request, context)
 
     def Append(self, request: pb.AppendRequest, context: grpc.ServicerContext) -> pb.AppendResponse:
-        try:
-            with self._lock:
-                r = self._core.append(request.seq_id, request.num_tokens, request.token_ids or None)
-        except CoreError as e:
-            self._abort(context, "Append", e, request.seq_id, request)
-        if not r.new_block_ids:
-            return pb.AppendResponse()
-        if r.preempted:
-            log.info("preempted", method="Append", seq_id=request.seq_id,
-                     victims=[(p.seq_id, p.mode) for p in r.preempted], request_id=request_id_of(context, request))
-        return pb.AppendResponse(
-            new_block_ids=r.new_block_ids, ops=ops_to_proto(r.ops), replaced_last_block=r.replaced_last_block,
-            preempted=preemptions_to_proto(r.preempted),
-        )
+        return self._mutate("Append", request, context)
 
     def Fork(self, request: pb.ForkRequest, context: grpc.ServicerContext) -> pb.ForkResponse:
-        try:
-            with self._lock:
-                blocks = self._core.fork(request.parent_seq_id, request.child_seq_id)
-        except CoreError as e:
-            self._abort(context, "Fork", e, request.child_seq_id, request)
-        return pb.ForkResponse(block_ids=blocks)
+        return self._mutate("Fork", request, context)
 
     def Free(self, request: pb.FreeRequest, context: grpc.ServicerContext) -> pb.FreeResponse:
-        try:
-            with self._lock:
-                released = self._core.free(request.seq_id)
-        except CoreError as e:
-            self._abort(context, "Free", e, request.seq_id, request)
-        return pb.FreeResponse(num_blocks_released=released)
-
-    def GetBlockTable(self, request: pb.GetBlockTableRequest, context: grpc.ServicerContext) -> pb.BlockTable:
-        try:
-            with self._lock:
-                table = self._core.block_table(request.seq_id)
-        except CoreError as e:
-            self._abort(context, "GetBlockTable", e, request.seq_id, request)
-        return pb.BlockTable(
-            block_ids=table.block_ids, num_tokens=table.num_tokens, swapped=table.swapped,
-            cpu_block_ids=table.cpu_block_ids,
-        )
-
-    def SwapIn(self, request: pb.SwapInRequest, context: grpc.ServicerContext) -> pb.SwapInResponse:
-        try:
-            with self._lock:
-                r = self._core.swap_in(request.seq_id)
-        except CoreError as e:
-            self._abort(context, "SwapIn", e, request.seq_id, request)
-        return swap_in_to_proto(r)
-
-    def Preempt(self, request: pb.PreemptRequest, context: grpc.ServicerContext) -> pb.PreemptResponse:
-        try:
-            with self._lock:
-                preempted, ops = self._core.preempt(request.seq_id, request.mode or None)
-        except CoreError as e:
-            self._abort(context, "Preempt", e, request.seq_id, request)
-        log.info("preempted", method="Preempt", seq_id=request.seq_id,
-                 victims=[(p.seq_id, p.mode) for p in preempted], request_id=request_id_of(context, request))
-        return pb.PreemptResponse(preempted=preemptions_to_proto(preempted), ops=ops_to_proto(ops))
+        return self._mutate("Free", request, context)
 
     def Commit(self, request: pb.CommitRequest, context: grpc.ServicerContext) -> pb.CommitResponse:
-        try:
-            with self._lock:
-                n = self._core.commit(request.seq_id, request.num_computed_tokens)
-        except CoreError as e:
-            self._abort(context, "Commit", e, request.seq_id, request)
-        return pb.CommitResponse(num_committed_blocks=n)
+        return self._mutate("Commit", request, context)
+
+    def SwapIn(self, request: pb.SwapInRequest, context: grpc.ServicerContext) -> pb.SwapInResponse:
+        return self._mutate("SwapIn", request, context)
+
+    def Preempt(self, request: pb.PreemptRequest, context: grpc.ServicerContext) -> pb.PreemptResponse:
+        return self._mutate("Preempt", request, context)
 
     def Step(self, request: pb.StepRequest, context: grpc.ServicerContext) -> pb.StepResponse:
-        sub_frees = [f.seq_id for f in request.frees]
-        frees = sub_frees + list(request.free_seq_ids) if request.free_seq_ids else sub_frees
-        na = len(request.alloc_seq_ids)
-        if request.alloc_lease_ids and len(request.alloc_lease_ids) != na:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"alloc_lease_ids has {len(request.alloc_lease_ids)} entries for {na} allocations; "
-                          "one each, or none")
-        sub = _SubAppends(request) if request.appends else None
-        try:
-            with self._lock:
-                if sub is None:
-                    r = self._core.step(
-                        request.append_seq_ids,
-                        request.append_num_tokens or None,
-                        request.append_token_ids or None,
-                        frees,
-                        request.swap_in_seq_ids,
-                        commit_seq_ids=request.commit_seq_ids,
-                        commit_num_computed_tokens=request.commit_num_computed_tokens,
-                        alloc_seq_ids=request.alloc_seq_ids,
-                        alloc_num_tokens=request.alloc_num_tokens,
-                        alloc_token_ids=request.alloc_token_ids,
-                        alloc_priorities=request.alloc_priorities,
-                        alloc_salts=request.alloc_cache_salts,
-                        fork_parent_seq_ids=request.fork_parent_seq_ids,
-                        fork_child_seq_ids=request.fork_child_seq_ids,
-                    )
-                else:
-                    r = self._core.step(
-                        sub.ids, sub.counts, sub.tokens, frees, request.swap_in_seq_ids,
-                        append_tokens_known=sub.known,
-                        commit_seq_ids=request.commit_seq_ids,
-                        commit_num_computed_tokens=request.commit_num_computed_tokens,
-                        alloc_seq_ids=request.alloc_seq_ids,
-                        alloc_num_tokens=request.alloc_num_tokens,
-                        alloc_token_ids=request.alloc_token_ids,
-                        alloc_priorities=request.alloc_priorities,
-                        alloc_salts=request.alloc_cache_salts,
-                        fork_parent_seq_ids=request.fork_parent_seq_ids,
-                        fork_child_seq_ids=request.fork_child_seq_ids,
-                    )
-                available = self._core.pool.num_available
-        except CoreError as e:
-            self._abort(context, "Step", e, "", request)
-
-        resp = pb.StepResponse(
-            num_blocks_released=sum(r.released),
-            num_available_blocks=available,
-        )
-        if sub is None:
-            resp.packed_new_block_index.extend(r.new_block_index)
-            resp.packed_new_block_ids.extend(r.new_block_ids)
-            resp.packed_replaced_index.extend(r.replaced_index)
-        else:
-            sub.split_results(r, resp)
-        ops = r.ops
-        for swap_in in r.swap_in_results:
-            if swap_in is None:
-                resp.swap_ins.add()
-            else:
-                ops.extend(swap_in.ops)
-                resp.swap_ins.append(swap_in_to_proto(swap_in))
-        if r.preempted:
-            resp.preempted.extend(preemptions_to_proto(r.preempted))
-            log.info("preempted", method="Step", victims=[(p.seq_id, p.mode) for p in r.preempted],
-                     request_id=request_id_of(context, request))
-        if ops:
-            resp.ops.CopyFrom(ops_to_proto(ops))
-        if na:
-            resp.alloc_num_cached_tokens.extend(r.alloc_num_cached_tokens)
-            resp.packed_alloc_block_index.extend(r.alloc_block_index)
-            resp.packed_alloc_block_ids.extend(r.alloc_block_ids)
-        n_sub = len(sub_frees)
-        for released in r.released[:n_sub]:
-            resp.frees.add(num_blocks_released=released)
-        errors = resp.errors
-        for err in r.commit_errors:
-            errors.append(_item_error(pb.StepItemError.COMMIT, err))
-        for err in r.free_errors:
-            if err.index < n_sub:
-                errors.append(_item_error(pb.StepItemError.FREE, err))
-            else:
-                errors.append(_item_error(pb.StepItemError.PACKED_FREE, err, err.index - n_sub))
-        if sub is None:
-            for err in r.append_errors:
-                errors.append(_item_error(pb.StepItemError.PACKED_APPEND, err))
-        else:
-            sub.errors(r, errors)
-        for err in r.alloc_errors:
-            errors.append(_item_error(pb.StepItemError.ALLOCATE, err))
-        for err in r.fork_errors:
-            errors.append(_item_error(pb.StepItemError.FORK, err))
-        for err in r.swap_in_errors:
-            errors.append(_item_error(pb.StepItemError.SWAP_IN, err))
-        if errors:
-            self.log_limit.info(log, "step_item_errors", count=len(errors), first=errors[0].message,
-                                request_id=request_id_of(context, request))
-        return resp
-
-    def GetStats(self, request: pb.GetStatsRequest, context: grpc.ServicerContext) -> pb.Stats:
-        with self._lock:
-            s = self._core.stats()
-        return pb.Stats(
-            block_size=s.block_size,
-            num_gpu_blocks=s.num_gpu_blocks,
-            num_free_blocks=s.num_free_blocks,
-            num_cached_blocks=s.num_cached_blocks,
-            num_sequences=s.num_sequences,
-            prefix_query_tokens=s.prefix_query_tokens,
-            prefix_hit_tokens=s.prefix_hit_tokens,
-            num_used_blocks=s.num_used_blocks,
-            num_evicted_blocks=s.num_evicted_blocks,
-            num_cow_copies=s.num_cow_copies,
-            num_hashed_blocks=s.num_hashed_blocks,
-            num_cpu_blocks=s.num_cpu_blocks,
-            num_free_cpu_blocks=s.num_free_cpu_blocks,
-            num_swapped_sequences=s.num_swapped_sequences,
-            num_preemptions_swap=s.num_preemptions_swap,
-            num_preemptions_recompute=s.num_preemptions_recompute,
-            num_swapped_out_blocks=s.num_swapped_out_blocks,
-            num_swapped_in_blocks=s.num_swapped_in_blocks,
-            preemption_cost_s=s.preemption_cost_s,
-            num_prefix_cache_resets=s.num_prefix_cache_resets,
-            num_committed_blocks=s.num_committed_blocks,
-        )
+        return self._mutate("Step", request, context)
 
     def ResetPrefixCache(  # noqa: N802 - gRPC method name
         self, request: pb.ResetPrefixCacheRequest, context: grpc.ServicerContext
     ) -> pb.ResetPrefixCacheResponse:
         """Forget every prefix-cache hash (their KV is gone: a new cache host). Cannot fail."""
-        with self._lock:
-            cleared, freed = self._core.reset_prefix_cache()
-        log.info("prefix_cache_reset", blocks_cleared=cleared, blocks_freed=freed)
-        return pb.ResetPrefixCacheResponse(num_blocks_cleared=cleared, num_blocks_freed=freed)
+        return self._mutate("ResetPrefixCache", request, context)
+
+    def KeepAlive(self, request: pb.KeepAliveRequest, context: grpc.ServicerContext) -> pb.KeepAliveResponse:
+        return self._mutate("KeepAlive", request, context)
+
+    # --- reads --------------------------------------------------------------------------------
+    def GetBlockTable(self, request: pb.GetBlockTableRequest, context: grpc.ServicerContext) -> pb.BlockTable:
+        scoped = self.tenancy.enter("GetBlockTable", request, context)
+        return self.core_stage.GetBlockTable(scoped.request, scoped.context)
+
+    def GetStats(self, request: pb.GetStatsRequest, context: grpc.ServicerContext) -> pb.Stats:
+        own = self.tenancy.own_stats(request, context, self.core_stage.core, self._lock)
+        if own is not None:
+            return own
+        return self.reliable.add_stats(self.core_stage.GetStats(request, context))
+
+    def GetConfig(self, request: pb.GetConfigRequest, context: grpc.ServicerContext) -> pb.Config:
+        return self.core_stage.GetConfig(request, context)
 
     def WatchEvents(self, request: pb.WatchEventsRequest, context: grpc.ServicerContext) -> Iterator[pb.KvEvent]:
         """KV events (BlockStored / BlockRemoved / AllBlocksCleared) for cache-aware routers."""
@@ -410,15 +117,3 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
         if hub is None:
             context.abort(grpc.StatusCode.UNIMPLEMENTED, "KV events are off (--enable-kv-events)")
         yield from hub.watch(request, context)  # type: ignore[union-attr]
-
-    def GetConfig(self, request: pb.GetConfigRequest, context: grpc.ServicerContext) -> pb.Config:
-        cfg = self._core.config
-        return pb.Config(
-            block_size=cfg.block_size,
-            num_gpu_blocks=cfg.num_gpu_blocks,
-            num_cpu_blocks=cfg.num_cpu_blocks,
-            eviction_policy=cfg.eviction_policy,
-            preemption_mode=cfg.preemption_mode,
-            watermark_blocks=cfg.watermark_blocks,
-            enable_prefix_caching=cfg.enable_prefix_caching,
-        )

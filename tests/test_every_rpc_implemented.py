@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from block_manager_svc.reliability import ReliableServicer
-from block_manager_svc.tenancy import TenantServicer
+from block_manager_svc.servicer import BlockManagerServicer
 from pagedkv.v1 import (
     block_manager_pb2,
     block_manager_pb2_grpc,
@@ -19,8 +18,7 @@ from worker_svc.cache_host import CacheHostServicer
 from worker_svc.servicer import WorkerServicer
 
 CASES = [
-    (block_manager_pb2, "BlockManager", block_manager_pb2_grpc.BlockManagerServicer, ReliableServicer),
-    (block_manager_pb2, "BlockManager", block_manager_pb2_grpc.BlockManagerServicer, TenantServicer),
+    (block_manager_pb2, "BlockManager", block_manager_pb2_grpc.BlockManagerServicer, BlockManagerServicer),
     (worker_pb2, "Worker", worker_pb2_grpc.WorkerServicer, WorkerServicer),
     (cache_host_pb2, "CacheHost", cache_host_pb2_grpc.CacheHostServicer, CacheHostServicer),
 ]

@@ -53,7 +53,7 @@ def run_fsync_cost(ops: int = 2000, threads: int = 8) -> list[dict[str, Any]]:
                 for t in ts:
                     t.join()
                 wall = time.perf_counter() - t0
-                j = running.servicer.journal
+                j = running.servicer.reliable.journal
                 rows.append({"mode": label, "p50_us_1": lat[len(lat) // 2] * 1e6,
                              "p99_us_1": lat[int(len(lat) * 0.99)] * 1e6,
                              "calls_s_concurrent": (ops // threads) * threads / wall,

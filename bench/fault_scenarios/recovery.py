@@ -16,8 +16,8 @@ def run_recovery(sizes: tuple[int, ...] = (1000, 10000, 50000)) -> list[dict[str
     from block_manager_svc.core import CoreError  # noqa: F401
     from block_manager_svc import snapshot
     from block_manager_svc.journal import Journal
-    from block_manager_svc.reliability import ReliableServicer
     from block_manager_svc.server import build_core
+    from block_manager_svc.servicer import BlockManagerServicer
     from block_manager_svc.settings import BlockManagerSettings
 
     rows = []
@@ -25,9 +25,9 @@ def run_recovery(sizes: tuple[int, ...] = (1000, 10000, 50000)) -> list[dict[str
         tmp = Path(tempfile.mkdtemp(prefix="pagedkv-recovery-"))
         settings = BlockManagerSettings(num_gpu_blocks=65536, block_size=16, state_dir=str(tmp), fsync="off",
                                         snapshot_every_ops=0, snapshot_interval_s=0)
-        s = ReliableServicer(build_core(settings))
-        s.state_dir = tmp
-        s.journal = Journal(tmp, 1, "off")
+        s = BlockManagerServicer(build_core(settings))
+        s.reliable.state_dir = tmp
+        s.reliable.journal = Journal(tmp, 1, "off")
         ctx = _Ctx()
         rng = random.Random(n)
         live: list[str] = []
@@ -45,14 +45,14 @@ def run_recovery(sizes: tuple[int, ...] = (1000, 10000, 50000)) -> list[dict[str
                     live = [x for x in live if x not in gone]
             except RuntimeError:  # pool full (Allocate) or already preempted (Free): refused, not journaled
                 live = [x for x in live if x in s._core.seqs]
-        size = s.journal.bytes_written
-        s.journal.close()
+        size = s.reliable.journal.bytes_written
+        s.reliable.journal.close()
         t0 = time.perf_counter()
-        s2 = ReliableServicer(build_core(settings))
-        rep = s2.recover(tmp)
+        s2 = BlockManagerServicer(build_core(settings))
+        rep = s2.reliable.recover(tmp)
         dt = time.perf_counter() - t0
         t0 = time.perf_counter()
-        payload_len = len(snapshot.dumps(s2._state()))  # what snapshot_now does under the lock
+        payload_len = len(snapshot.dumps(s2.reliable._state()))  # what snapshot_now does under the lock
         snap_s = time.perf_counter() - t0
         rows.append({"records": n, "journal_mib": size / 2**20, "recovery_s": dt, "replayed": rep.replayed,
                      "us_per_record": dt / n * 1e6, "snapshot_mib": payload_len / 2**20, "snapshot_export_s": snap_s})

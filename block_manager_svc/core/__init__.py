@@ -1,8 +1,12 @@
 """The pure allocator core: no gRPC, no logging, no clock.
 
-Everything that decides (who gets which block, what the prefix cache holds,
-what to evict) lives here so it can be tested exhaustively and reused
-in-process; the servicer only validates transport concerns and translates.
+Everything that decides lives here, one decision per module, so it can be
+tested exhaustively and reused in-process: who gets which block (manager.py,
+block_pool.py), what the prefix cache matches (prefix_cache.py), what to evict
+(eviction.py), whom to preempt and how, and swap-in (preemption.py with the
+cost model in swap_planner.py), what a tenant is charged (tenants.py), and
+what must always hold (invariants.py). The servicer only validates transport
+concerns and translates.
 """
 
 from block_manager_svc.core.errors import (

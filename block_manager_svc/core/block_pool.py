@@ -2,7 +2,7 @@
 
 Every block is in exactly one of three states:
   free        ref 0, no cached content; on `free_list`
-  cached      ref 0, holds a registered prefix block; in the eviction policy
+  cached      ref 0, holds a registered prefix block; in `eviction_policy`
   referenced  ref > 0, in at least one sequence's table (may be registered)
 so free + cached + referenced == total at all times. All operations are O(1)
 per block touched; nothing here scans the pool.
@@ -34,12 +34,12 @@ class BlockPool:
         "depth",
         "child_count",
         "index",
-        "evictable",
+        "eviction_policy",
         "num_evicted",
         "events",
     )
 
-    def __init__(self, num_blocks: int, evictable: EvictionPolicy) -> None:
+    def __init__(self, num_blocks: int, eviction_policy: EvictionPolicy) -> None:
         if num_blocks < 1:
             raise ValueError("num_blocks must be at least 1")
         self.num_blocks = num_blocks
@@ -55,22 +55,30 @@ class BlockPool:
         self.child_count: dict[bytes, int] = {}
         # Prefix-cache index: content hash -> the block holding that content.
         self.index: dict[bytes, int] = {}
-        self.evictable = evictable
-        bind = getattr(evictable, "bind", None)
+        # Orders the cached (unreferenced, registered) blocks: which one to evict next.
+        self.eviction_policy = eviction_policy
+        bind = getattr(eviction_policy, "bind", None)
         if bind is not None:
             bind(self.block_hash, self.child_count)
         self.num_evicted = 0
-        # KV events for watchers (block_manager_svc/events.py): None = off, the
-        # default and the core's zero-cost path; else a list the servicer drains:
+        # KV events: None = off, the default and the core's zero-cost path; else
+        # a plain list the pool appends to and the servicer drains after every
+        # call (BlockManager.take_events -> block_manager_svc/events.py):
         # (block, hash, parent hash, token ids or None) when a block is registered
         # (the token ids feed vLLM-format BlockStored events), (-1, hash, None)
         # when a registered block is evicted, (-2, b"", None) when all are cleared.
         self.events: list[tuple] | None = None
 
-    def __setstate__(self, state: object) -> None:  # snapshots written before `events` existed
+    def __getstate__(self) -> tuple[None, dict]:
+        """Snapshots leave out `events`: they are drained after every call, and
+        whether they are recorded is the running server's choice, not state."""
+        return None, {k: getattr(self, k) for k in self.__slots__ if k != "events"}
+
+    def __setstate__(self, state: object) -> None:
+        """Snapshots written by older versions: no `events`; the policy named `evictable`."""
         _, slots = state if isinstance(state, tuple) else (None, state)
         for k, v in (slots or {}).items():
-            setattr(self, k, v)
+            setattr(self, "eviction_policy" if k == "evictable" else k, v)
         if not hasattr(self, "events"):
             self.events = None
 
@@ -81,12 +89,12 @@ class BlockPool:
 
     @property
     def num_cached(self) -> int:
-        return len(self.evictable)
+        return len(self.eviction_policy)
 
     @property
     def num_available(self) -> int:
         """Blocks obtainable now: free ones plus evictable cached ones."""
-        return len(self.free_list) + len(self.evictable)
+        return len(self.free_list) + len(self.eviction_policy)
 
     # --- allocation -----------------------------------------------------------
     def take(self, n: int) -> list[int]:
@@ -106,7 +114,7 @@ class BlockPool:
         return block
 
     def _evict_one(self) -> int:
-        block = self.evictable.pop_victim()
+        block = self.eviction_policy.pop_victim()
         h = self.block_hash[block]
         if h is not None:
             if self.index.get(h) == block:
@@ -124,7 +132,7 @@ class BlockPool:
                     del self.child_count[parent]
                     p = self.index.get(parent)
                     if p is not None and self.ref_counts[p] == 0:
-                        self.evictable.set_leaf(p, True)
+                        self.eviction_policy.set_leaf(p, True)
         self.num_evicted += 1
         return block
 
@@ -132,12 +140,12 @@ class BlockPool:
     def incref(self, block: int) -> None:
         """Add a reference; a cached block becomes referenced (a prefix hit)."""
         if self.ref_counts[block] == 0:
-            self.evictable.remove(block)
+            self.eviction_policy.remove(block)
         self.ref_counts[block] += 1
 
     def hit(self, block: int) -> None:
         """A prefix-cache hit: a reference plus a use the eviction policy counts."""
-        self.evictable.touch(block)
+        self.eviction_policy.touch(block)
         self.incref(block)
 
     def decref(self, block: int) -> bool:
@@ -150,7 +158,7 @@ class BlockPool:
         if h is None:
             self.free_list.append(block)
         else:
-            self.evictable.add(block, h not in self.child_count, self.depth[block])
+            self.eviction_policy.add(block, h not in self.child_count, self.depth[block])
         return True
 
     # --- prefix index ---------------------------------------------------------
@@ -180,43 +188,8 @@ class BlockPool:
             if not count:
                 p = self.index.get(parent)
                 if p is not None and self.ref_counts[p] == 0:
-                    self.evictable.set_leaf(p, False)
+                    self.eviction_policy.set_leaf(p, False)
         return True
-
-    def register_chain(
-        self, blocks: list[int], hashes: list[bytes], parent: bytes | None, depth: int, parent_held: bool,
-        tokens: array | None = None,
-    ) -> None:
-        """`register` for consecutive blocks of one chain: blocks[i] under
-        hashes[i], the first one's parent hash `parent` at depth `depth`.
-        `parent_held`: the parent's block is referenced by the caller (so it
-        cannot be a cached block changing leaf state). `tokens`: the chain's
-        token ids (an equal share per hash), only for the KV-event stream.
-        One call, locals only: this runs for every prompt block."""
-        index, block_hash, parent_hash = self.index, self.block_hash, self.parent_hash
-        depths, child_count, ref_counts = self.depth, self.child_count, self.ref_counts
-        events = self.events
-        width = len(tokens) // len(hashes) if tokens is not None and hashes else 0
-        for i, (block, h) in enumerate(zip(blocks, hashes)):
-            if block_hash[block] is None and h not in index:
-                index[h] = block
-                block_hash[block] = h
-                depths[block] = depth
-                if events is not None:
-                    events.append((block, h, parent, tokens[i * width : (i + 1) * width] if width else None))
-                if parent is not None:
-                    parent_hash[block] = parent
-                    count = child_count.get(parent, 0)
-                    child_count[parent] = count + 1
-                    if not count and not parent_held:
-                        p = index.get(parent)
-                        if p is not None and ref_counts[p] == 0:
-                            self.evictable.set_leaf(p, False)
-                parent_held = True
-            else:
-                parent_held = False
-            parent = h
-            depth += 1
 
     def clear_index(self) -> tuple[int, int]:
         """Forget every registered hash: (index entries dropped, cached blocks freed).
@@ -233,7 +206,7 @@ class BlockPool:
             if block_hash[b] is None:
                 continue
             if ref_counts[b] == 0:
-                self.evictable.remove(b)
+                self.eviction_policy.remove(b)
                 self.free_list.append(b)
                 freed += 1
             block_hash[b] = None

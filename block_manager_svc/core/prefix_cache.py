@@ -24,13 +24,16 @@ _DOMAIN = b"pagedkv/v1 block hash"
 _SWAP = sys.byteorder != "little"
 
 
-def root_hash(salt: bytes = b"") -> bytes:
-    """The parent hash of a sequence's first block.
+def root_hash(salt: bytes = b"", tenant: bytes = b"") -> bytes:
+    """The parent hash of a sequence's first block: the chain's extra keys.
 
-    A salt (per tenant, or per request) gives a separate hash space, so two
-    parties with the same prompt never share, or time-probe, each other's KV.
+    The tenant and the request's cache salt each give a separate hash space
+    (as vLLM's cache_salt and SGLang's extra_key do), so two tenants, or two
+    salts, with the same prompt never share, or time-probe, each other's KV.
+    The tenant is length-prefixed, so no two (tenant, salt) pairs give the
+    same key.
     """
-    return blake2b(_DOMAIN + salt, digest_size=DIGEST_SIZE).digest()
+    return blake2b(_DOMAIN + len(tenant).to_bytes(2, "big") + tenant + salt, digest_size=DIGEST_SIZE).digest()
 
 
 def encode_tokens(token_ids: Sequence[int]) -> array:

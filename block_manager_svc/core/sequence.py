@@ -1,13 +1,43 @@
-"""Per-sequence bookkeeping: its block table and what is needed to hash it."""
+"""Per-sequence bookkeeping: its block table and what is needed to hash it;
+and the rule for what a sequence id may be."""
 
 from __future__ import annotations
 
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from block_manager_svc.core.errors import InvalidArgument
+
+MAX_SEQ_ID_LEN = 256
+# With authentication on, the servicer keys each sequence by its tenant's
+# namespace, ``tenant + SEP + client id`` (pagedkv.auth.Tenant.prefix), so that
+# tenant A's "seq-1" is not tenant B's. The core never reads the tenant out of
+# it (the tenant is passed as data); only the id check below looks past it.
+SEP = "\x1f"  # ASCII unit separator: never valid in a client id (not printable)
+
+
+def check_seq_id(seq_id: str, what: str = "seq_id") -> None:
+    """A sequence id is non-empty printable text of at most MAX_SEQ_ID_LEN characters."""
+    if not seq_id:
+        raise InvalidArgument(f"{what} must not be empty")
+    if len(seq_id) > MAX_SEQ_ID_LEN or not seq_id.isprintable():
+        _check_seq_id_slow(seq_id, what)
+
+
+def _check_seq_id_slow(seq_id: str, what: str) -> None:
+    # A tenant-namespaced id ("tenant<SEP>id", built by the servicer) is
+    # judged by its client part: that is what the client sent and sees.
+    local = seq_id.rpartition(SEP)[2] if SEP in seq_id else seq_id
+    if not local:
+        raise InvalidArgument(f"{what} must not be empty")
+    if len(local) > MAX_SEQ_ID_LEN:
+        raise InvalidArgument(f"{what} is {len(local)} characters long; the limit is {MAX_SEQ_ID_LEN}")
+    if not local.isprintable():
+        raise InvalidArgument(f"{what} must be printable text (no control characters)")
 
 
 @dataclass(slots=True)
-class Sequence:
+class SeqState:
     """One sequence's view of the pool.
 
     Only the tokens after the last hashed block are kept (`pending_tokens`):
@@ -18,9 +48,17 @@ class Sequence:
     It is None once any token id was not supplied: from then on the content is
     unknown and no further block of this sequence can enter the prefix cache.
 
+    `pending_hashes` are the chain hashes of the first full blocks of
+    `pending_tokens` that Allocate already computed for its prefix lookup, so
+    Commit registers them without hashing them a second time; blocks filled by
+    appends are hashed once, at Commit.
+
     `num_committed` is the largest Commit so far: the leading tokens whose KV
     the client said is written. It survives swap-out/in (the KV moves with the
     blocks) and is inherited by a fork (the child shares those blocks).
+
+    `tenant` is who the sequence is charged to ("" with tenancy off); it is
+    set once at admission and inherited by forks.
     """
 
     seq_id: str
@@ -31,17 +69,31 @@ class Sequence:
     num_hashed_blocks: int
     priority: int
     arrival: int
-    # Fork group: the arrival of the group's first sequence (see core/preemption.py).
+    # Fork group: the arrival of the group's first sequence (core/preemption.py).
     group: int = 0
     # Set while swapped out: its CPU blocks (block_ids is then empty).
     cpu_block_ids: list[int] | None = None
     num_committed: int = 0
+    pending_hashes: list[bytes] = field(default_factory=list)
+    tenant: str = ""
 
     def __setstate__(self, state: object) -> None:
-        """Snapshots written before Commit existed lack `num_committed`: the old manager
-        registered everything a sequence held, so all of it counts as committed."""
+        """Snapshots written by older versions lack the newer fields. Before Commit
+        existed the manager registered everything a sequence held, so all of it
+        counts as committed; `pending_hashes` and `tenant` start empty (the tenant
+        is recomputed when tenancy is enabled on the loaded core)."""
         _, slots = state if isinstance(state, tuple) else (None, state)
         for k, v in (slots or {}).items():  # type: ignore[union-attr]
             setattr(self, k, v)
         if not hasattr(self, "num_committed"):
             self.num_committed = self.num_tokens
+        for name, default in (("pending_hashes", None), ("tenant", "")):
+            if not hasattr(self, name):
+                setattr(self, name, [] if default is None else default)
+
+
+def __getattr__(name: str) -> object:
+    """Snapshots pickled before the rename name this class `Sequence`."""
+    if name == "Sequence":
+        return SeqState
+    raise AttributeError(name)

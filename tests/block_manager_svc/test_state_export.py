@@ -51,7 +51,7 @@ def test_export_is_plain_versioned_data_and_rebuilds_the_core_exactly(policy: st
     st.core.check_invariants()
     # The eviction policy shares the pool's hash list again (not a copy of it).
     if policy == "lru":
-        assert st.core.pool.evictable._block_hash is st.core.pool.block_hash
+        assert st.core.pool.eviction_policy._block_hash is st.core.pool.block_hash
     assert st.leases == leases.export() and st.dedupe == [("r", "Free", b"d", b"reply", 1.0)]
     # Both go on working the same way.
     for core in (bm, st.core):
@@ -90,9 +90,9 @@ def test_a_version_1_pickled_snapshot_loads_and_is_rewritten_as_version_2(tmp_pa
     _write_v1_snapshot(state, 3, {"version": 1, "core": bm, "leases": leases.export(), "dedupe": []})
     running = start_server(settings)
     try:
-        assert running.servicer.recovery.snapshot_seq == 3
+        assert running.servicer.reliable.recovery.snapshot_seq == 3
         assert canonical(running.servicer._core) == canonical(bm)
-        assert running.servicer.leases.lease_of == {"a": "L"}
+        assert running.servicer.reliable.leases.lease_of == {"a": "L"}
         (_, path), = snapshot.list_snapshots(state)  # rewritten in the current format at start
         assert path.read_bytes()[:8] == b"PKVSNAP2"
     finally:

@@ -161,10 +161,11 @@ def test_a_slow_watcher_is_dropped_and_never_blocks_the_producer() -> None:
     assert core.pool.events is None  # no watcher, no tenancy: the core pays nothing
     sub = _Subscriber(None, 16)
     hub.subs.append(sub)
-    core.pool.events = hub  # type: ignore[assignment]
+    core.enable_events(True)
     for i in range(40):  # 40 stored events into a 16-slot queue nobody reads
         core.allocate(f"s{i}", 4, [i] * 4)
         core.commit(f"s{i}", 4)
+        hub.publish(core.take_events(), None)  # what the servicer does after every call
     assert sub.dropped and hub.num_dropped == 1 and not hub.subs
     assert core.pool.events is None and hub.version == 17
     items = []

@@ -105,7 +105,7 @@ def fingerprint(servicer) -> tuple:  # type: ignore[no-untyped-def]
         tuple((k, tuple(v.cpu_block_ids or ()), v.num_tokens) for k, v in sorted(core.swapped.items())),
         tuple(pool.ref_counts), tuple(sorted(pool.free_list)), frozenset(pool.index.items()),
         tuple(core.cpu.ref_counts),
-        tuple(sorted((lid, tuple(sorted(lease.seq_ids))) for lid, lease in servicer.leases.leases.items())),
+        tuple(sorted((lid, tuple(sorted(lease.seq_ids))) for lid, lease in servicer.reliable.leases.leases.items())),
         tuple(sorted((t, u.gpu_blocks, u.cpu_blocks, u.sequences) for t, u in usage.items())),
     )
 

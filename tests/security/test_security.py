@@ -248,6 +248,39 @@ def test_tenant_state_survives_a_restart(certs, tmp_path) -> None:  # type: igno
         r.stop(0)
 
 
+def test_tenant_state_survives_a_crash_through_journal_replay(certs, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """No snapshot: the restart replays the journal, which must give each admission back its tenant
+    (charging, and the tenant as a prefix-hash key) exactly as the live call had it."""
+    from tests.block_manager_svc.reliability.conftest import crash
+    from tests.security.conftest import write_tokens
+
+    kw = {"port": 0, "tls_cert": certs["server"], "tls_key": certs["server_key"], "state_dir": str(tmp_path / "st"),
+          "auth_tokens_file": write_tokens(tmp_path / "t.json"), "fsync": "always", "snapshot_every_ops": 0,
+          "snapshot_interval_s": 0}
+    r = start_server(BlockManagerSettings(**kw))
+    with open_channel(certs, r.port) as ch:
+        Caller(ch, "alice").Allocate(pb.AllocateRequest(seq_id="s", num_tokens=40, token_ids=list(range(40))))
+        Caller(ch, "alice").Commit(pb.CommitRequest(seq_id="s", num_computed_tokens=40))
+        Caller(ch, "bob").Step(pb.StepRequest(alloc_seq_ids=["s"], alloc_num_tokens=[4]))
+    crash(r)
+    r = start_server(BlockManagerSettings(**kw))
+    try:
+        assert r.servicer.reliable.recovery.replayed == 3
+        core = r.servicer._core
+        assert sorted(s.tenant for s in core.seqs.values()) == ["alice", "bob"]
+        with open_channel(certs, r.port) as ch:
+            assert Caller(ch, "alice").GetStats(pb.GetStatsRequest()).num_used_blocks == 3
+            assert Caller(ch, "bob").GetStats(pb.GetStatsRequest()).num_used_blocks == 1
+            prompt = list(range(40))
+            assert Caller(ch, "bob").Allocate(pb.AllocateRequest(seq_id="t", num_tokens=40, token_ids=prompt)
+                                              ).num_cached_tokens == 0
+            assert Caller(ch, "alice").Allocate(pb.AllocateRequest(seq_id="t", num_tokens=40, token_ids=prompt)
+                                                ).num_cached_tokens == 32
+        core.check_invariants()
+    finally:
+        r.stop(0)
+
+
 def test_cache_host_and_worker_servers_speak_mtls(certs) -> None:  # type: ignore[no-untyped-def]
     from pagedkv.grpc_server import start_server as start_worker_server
 

@@ -7,7 +7,8 @@ operation, reading a sequence through its block table must give back exactly
 its tokens. That one check catches a wrong prefix hit, a missing or misdirected
 copy-on-write, a block handed to two sequences, and a write into a shared block.
 The structural invariants (ref counts = table occurrences; free + cached +
-referenced = total, disjoint) are checked by `check_invariants` each step.
+referenced = total, disjoint, and the rest in core/invariants.py) are checked
+by `check_invariants` each step.
 
 Commits are modelled the way an engine works: allocating or appending
 reserves slots but writes nothing; `compute` writes a sequence's pending
@@ -35,6 +36,7 @@ from block_manager_svc.core import (
     NotFound,
     ResourceExhausted,
 )
+from block_manager_svc.core.invariants import check_invariants
 
 BS = 2
 NUM_BLOCKS = 10
@@ -208,7 +210,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     # --- invariants --------------------------------------------------------------
     @invariant()
     def structure_is_consistent(self) -> None:
-        self.bm.check_invariants()
+        check_invariants(self.bm)
         assert set(self.bm.seqs) == set(self.tokens)
 
     @invariant()
@@ -226,3 +228,28 @@ class AllocatorMachine(RuleBasedStateMachine):
 
 AllocatorMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestAllocator = AllocatorMachine.TestCase
+
+
+# --- the checker itself: each corruption below must be caught --------------------------------
+def _committed_core() -> BlockManager:
+    bm = BlockManager(CoreConfig(num_gpu_blocks=16, block_size=4, num_cpu_blocks=4, preemption_mode="swap"))
+    bm.allocate("a", 13, list(range(13)))
+    bm.commit("a", 4)  # registers block 0; blocks 1 and 2 keep their Allocate-time hashes
+    bm.fork("a", "b")
+    check_invariants(bm)
+    return bm
+
+
+@pytest.mark.parametrize("corrupt, message", [
+    (lambda bm: bm.pool.ref_counts.__setitem__(bm.seqs["a"].block_ids[0], 1), "ref counts differ"),
+    (lambda bm: bm.seqs["a"].pending_hashes.__setitem__(0, b"x" * 16), "kept stale hashes"),
+    (lambda bm: bm.seqs["a"].pending_hashes.extend([b"y" * 16] * 3), "more hashes than full pending"),
+    (lambda bm: bm.groups[bm.seqs["a"].group].discard("b"), "has 1 members"),
+    (lambda bm: bm.pool.free_list.append(bm.pool.free_list[0]), "free list twice"),
+    (lambda bm: bm.victims.discard("b"), None),
+])
+def test_the_checker_catches_corruption(corrupt, message) -> None:  # type: ignore[no-untyped-def]
+    bm = _committed_core()
+    corrupt(bm)
+    with pytest.raises(AssertionError, match=message):
+        check_invariants(bm)

@@ -35,7 +35,7 @@ def snapshot(bm: BlockManager) -> object:
             list(pool.free_list),
             list(pool.block_hash),
             dict(pool.index),
-            list(pool.evictable._order),  # type: ignore[attr-defined]
+            list(pool.eviction_policy._order),  # type: ignore[attr-defined]
             bm.stats(),
         )
     )
@@ -425,12 +425,52 @@ def test_step_equals_the_same_appends_one_by_one() -> None:
 def test_a_snapshot_from_before_commit_loads_with_everything_committed() -> None:
     import pickle
 
-    from block_manager_svc.core.sequence import Sequence
+    from block_manager_svc.core.sequence import SeqState
 
     bm = make()
     bm.allocate("a", 9, toks(9))
-    old = {k: getattr(bm.seqs["a"], k) for k in Sequence.__slots__ if k != "num_committed"}
-    seq = Sequence.__new__(Sequence)
+    old = {k: getattr(bm.seqs["a"], k) for k in SeqState.__slots__ if k != "num_committed"}
+    seq = SeqState.__new__(SeqState)
     seq.__setstate__((None, old))  # what unpickling an old snapshot does
     assert seq.num_committed == 9
     assert pickle.loads(pickle.dumps(bm.seqs["a"])).num_committed == 0
+
+
+def test_a_snapshot_pickled_with_the_old_names_loads() -> None:
+    """Format-1 snapshots are pickles of the manager: they name `Sequence`, `evictable`,
+    `_requeued`, `_recently_preempted`, `_preempt_on`, `_watermark` and `tenants`."""
+    import pickle
+
+    from block_manager_svc.core.block_pool import BlockPool
+    from block_manager_svc.core.tenants import NULL_LEDGER, TenantLedger
+
+    bm = BlockManager(CoreConfig(num_gpu_blocks=16, block_size=4, preemption_mode="swap", num_cpu_blocks=4))
+    bm.allocate("a", 9, toks(9))
+    bm.commit("a", 8)
+    raw = pickle.dumps(bm)
+    assert raw.count(b"SeqState") == 1
+    for ledger, want in ((None, NULL_LEDGER), (TenantLedger(), None)):
+        old = pickle.loads(raw.replace(b"SeqState", b"Sequence"))  # the class's old name
+        assert type(old.seqs["a"]).__name__ == "SeqState"
+        if ledger is not None:
+            ledger.usage = ledger.recount(old.seqs, old.swapped)
+        state = dict(old.__dict__)
+        for new, name in (("recently_preempted", "_recently_preempted"), ("requeued", "_requeued"),
+                          ("preempt_on", "_preempt_on")):
+            state[name] = state.pop(new)
+        state.pop("ledger", None)
+        state["_watermark"] = 0
+        state["tenants"] = ledger
+        loaded = BlockManager.__new__(BlockManager)
+        loaded.__setstate__(state)
+        assert loaded.ledger is (want if want is not None else ledger) and loaded.preempt_on
+        assert "_watermark" not in loaded.__dict__ and "tenants" not in loaded.__dict__
+        assert loaded.tenants is ledger
+        pool_state = {k: getattr(loaded.pool, k) for k in BlockPool.__slots__ if k != "events"}
+        pool_state["evictable"] = pool_state.pop("eviction_policy")
+        pool = BlockPool.__new__(BlockPool)
+        pool.__setstate__((None, pool_state))
+        assert pool.eviction_policy is loaded.pool.eviction_policy and pool.events is None
+        loaded.pool = pool
+        loaded.check_invariants()
+        assert loaded.allocate("b", 9, toks(9)).num_cached_tokens == 8

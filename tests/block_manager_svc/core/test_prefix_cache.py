@@ -44,3 +44,24 @@ def test_stable_across_processes_and_hash_seeds() -> None:
             capture_output=True, text=True, check=True, timeout=60,
         )
         assert out.stdout.strip() == here
+
+
+def test_commit_registers_the_hashes_allocate_computed_without_hashing_again(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from block_manager_svc.core import BlockManager, CoreConfig, manager
+    from block_manager_svc.core.prefix_cache import ROOT_HASH, chain_hashes, encode_tokens
+
+    calls = []
+    real = manager.chain_hash
+    monkeypatch.setattr(manager, "chain_hash", lambda h, t: calls.append(1) or real(h, t))
+    bm = BlockManager(CoreConfig(num_gpu_blocks=16, block_size=4))
+    prompt = list(range(13))
+    bm.allocate("a", 13, prompt)
+    assert len(bm.seqs["a"].pending_hashes) == 3
+    bm.commit("a", 13)
+    assert calls == [] and bm.seqs["a"].pending_hashes == []  # all three from Allocate
+    bm.append("a", 3, [13, 14, 15])
+    bm.commit("a", 16)
+    assert len(calls) == 1  # the block filled by the append, hashed once, at commit
+    want = chain_hashes(ROOT_HASH, encode_tokens(list(range(16))), 4, 4)
+    assert [bm.pool.block_hash[b] for b in bm.seqs["a"].block_ids] == want
+    bm.check_invariants()

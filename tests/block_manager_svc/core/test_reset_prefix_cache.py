@@ -62,29 +62,33 @@ def test_core_reset_frees_cached_unhashes_referenced_keeps_sequences(policy: str
 
 
 def test_core_reset_on_empty_pool_and_with_swapped_and_tenants() -> None:
-    from block_manager_svc.core.tenants import SEP, TenantLedger
+    from block_manager_svc.core.tenants import TenantLedger
 
     bm = _core(num_cpu_blocks=8, preemption_mode="swap")
     assert bm.reset_prefix_cache() == (0, 0)
     bm.enable_tenancy(TenantLedger())
-    bm.allocate(f"t{SEP}x", 8, list(range(8)))
-    bm.commit(f"t{SEP}x", 8)
-    bm.allocate(f"t{SEP}y", 8, list(range(8)))  # hits x's blocks
-    bm.commit(f"t{SEP}y", 8)
-    bm.preempt(f"t{SEP}y", "swap")
+    bm.allocate("t.x", 8, list(range(8)), tenant="t")
+    bm.commit("t.x", 8)
+    assert bm.allocate("t.y", 8, list(range(8)), tenant="t").num_cached_tokens == 4  # hits x's block
+    bm.commit("t.y", 8)
+    bm.preempt("t.y", "swap")
+    assert bm.ledger.of("t").cpu_blocks == 2 and bm.ledger.of("t").sequences == 2
     bm.reset_prefix_cache()
     bm.check_invariants()
-    bm.swap_in(f"t{SEP}y")
+    bm.swap_in("t.y")
     bm.check_invariants()
 
 
 def test_core_events_get_all_blocks_cleared() -> None:
     bm = _core()
-    bm.pool.events = []
+    assert bm.take_events() == []  # off by default: nothing recorded
+    bm.enable_events(True)
     bm.allocate("a", 8, list(range(8)))
     bm.commit("a", 8)
+    stored = bm.take_events()
+    assert [e[0] for e in stored] == bm.seqs["a"].block_ids[:2] and bm.take_events() == []
     bm.reset_prefix_cache()
-    assert bm.pool.events[-1] == (-2, b"", None)
+    assert bm.take_events() == [(-2, b"", None)]
 
 
 def _server(**kw: object):  # type: ignore[no-untyped-def]
@@ -162,7 +166,7 @@ def test_journal_replay_of_reset(tmp_path) -> None:  # type: ignore[no-untyped-d
     crash(r)
     r2 = _server(state_dir=state)
     try:
-        assert r2.reliability is not None and r2.servicer.recovery.replayed >= 6
+        assert r2.reliability is not None and r2.servicer.reliable.recovery.replayed >= 6
         core = r2.servicer._core
         assert (list(core.seqs["b"].block_ids), sorted(core.pool.free_list), dict(core.pool.index)) == want
         assert core.num_prefix_cache_resets == 1

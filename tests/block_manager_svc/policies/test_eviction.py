@@ -40,7 +40,7 @@ def test_chain_is_evicted_from_its_leaf_and_keeps_no_hole(policy: str) -> None:
     bm.free("c")
     bm.check_invariants()
     # Whatever is still cached is a root-anchored prefix of the chain.
-    cached = [b for b in a.block_ids[:4] if b in bm.pool.evictable]
+    cached = [b for b in a.block_ids[:4] if b in bm.pool.eviction_policy]
     assert cached == a.block_ids[: len(cached)]
     r = bm.allocate("d", 17, toks(17))
     assert r.num_cached_tokens == len(cached) * BS
@@ -63,10 +63,10 @@ def test_shared_parent_is_kept_until_all_children_are_gone(policy: str) -> None:
     assert bm.stats().num_evicted_blocks == 0
     bm.allocate("g1", 4)
     bm.allocate("g2", 4)
-    cached = set(b for b in (p0, p1, x2, y2) if b in bm.pool.evictable)
+    cached = set(b for b in (p0, p1, x2, y2) if b in bm.pool.eviction_policy)
     assert cached == {p0, p1}, "both children go before their shared parent"
     bm.allocate("g3", 4)
-    assert p0 in bm.pool.evictable and p1 not in bm.pool.evictable
+    assert p0 in bm.pool.eviction_policy and p1 not in bm.pool.eviction_policy
     bm.check_invariants()
 
 

@@ -64,9 +64,9 @@ def test_step_frees_leave_the_lease(servers: Servers) -> None:
     stub.Allocate(pb.AllocateRequest(seq_id="a", num_tokens=3, lease_id="L"))
     stub.Step(pb.StepRequest(free_seq_ids=["a"]))
     stub.Allocate(pb.AllocateRequest(seq_id="a", num_tokens=3))  # same id, no lease now
-    assert running.servicer.leases.lease_of == {}
-    running.servicer.leases.leases["L"].deadline = 0  # force expiry
-    running.servicer.sweep_leases()
+    assert running.servicer.reliable.leases.lease_of == {}
+    running.servicer.reliable.leases.leases["L"].deadline = 0  # force expiry
+    running.servicer.reliable.sweep_leases()
     assert stub.GetStats(pb.GetStatsRequest()).num_sequences == 1
 
 
@@ -115,4 +115,4 @@ def test_request_past_its_deadline_changes_nothing(servers: Servers) -> None:
 
     with pytest.raises(RuntimeError, match="DEADLINE_EXCEEDED"):
         running.servicer.Append(pb.AppendRequest(seq_id="a", num_tokens=1), Expired())
-    assert running.servicer.num_deadline_skipped >= 1
+    assert running.servicer.reliable.num_deadline_skipped >= 1

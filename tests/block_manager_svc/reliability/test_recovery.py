@@ -103,7 +103,7 @@ def canonical(obj: object, depth: int = 0) -> object:
 def state_bytes(running) -> object:
     """The whole state (core and leases) in a form that compares by value."""
     s = running.servicer
-    return canonical((s._core, s.leases.export()))
+    return canonical((s._core, s.reliable.leases.export()))
 
 
 @pytest.mark.parametrize("fsync", ["always", "batch", "off"])
@@ -130,7 +130,7 @@ def test_crash_restores_exact_state_and_replies(servers: Servers, state_dir: str
     crash(running2)
     running3, _ = servers.start(**kw)
     assert state_bytes(running3) == before2
-    assert running3.servicer.recovery is not None
+    assert running3.servicer.reliable.recovery is not None
 
 
 def test_torn_last_record_is_dropped_not_half_applied(servers: Servers, state_dir: str) -> None:
@@ -145,7 +145,7 @@ def test_torn_last_record_is_dropped_not_half_applied(servers: Servers, state_di
     seg.write_bytes(data[:-3])  # the Append's record torn
     running2, stub2 = servers.start(**kw)
     assert state_bytes(running2) == before
-    assert running2.servicer.recovery.dropped_bytes > 0
+    assert running2.servicer.reliable.recovery.dropped_bytes > 0
     assert stub2.GetBlockTable(pb.GetBlockTableRequest(seq_id="a")).num_tokens == 5
     # The client never got an ack it can trust... and its retry applies it exactly once.
     stub2.Append(pb.AppendRequest(seq_id="a", num_tokens=9, request_id="x"))
@@ -159,7 +159,7 @@ def test_clean_stop_snapshots_and_restarts_without_replay(servers: Servers, stat
     before = state_bytes(running)
     running.stop(0)
     running2, _ = servers.start(state_dir=state_dir)
-    assert running2.servicer.recovery.replayed == 0
+    assert running2.servicer.reliable.recovery.replayed == 0
     assert state_bytes(running2) == before
 
 
@@ -167,13 +167,13 @@ def test_snapshot_deletes_covered_segments(servers: Servers, state_dir: str) -> 
     running, stub = servers.start(state_dir=state_dir, snapshot_every_ops=0, snapshot_interval_s=0)
     workload(stub, random.Random(5), 40)
     assert len(list_segments(Path(state_dir))) == 1
-    seq = running.servicer.snapshot_now()
+    seq = running.servicer.reliable.snapshot_now()
     segs = list_segments(Path(state_dir))
     assert [first for first, _ in segs] == [seq + 1]
     before = state_bytes(running)
     crash(running)
     running2, _ = servers.start(state_dir=state_dir)
-    assert running2.servicer.recovery.replayed == 0 and running2.servicer.recovery.snapshot_seq == seq
+    assert running2.servicer.reliable.recovery.replayed == 0 and running2.servicer.reliable.recovery.snapshot_seq == seq
     assert state_bytes(running2) == before
 
 
@@ -206,4 +206,4 @@ def test_lease_expiry_is_journaled_and_leases_survive(servers: Servers, state_di
     assert state_bytes(running2) == before
     s = stub2.GetStats(pb.GetStatsRequest())
     assert (s.num_sequences, s.num_leases, s.num_leases_expired) == (1, 1, 1)
-    assert running2.servicer.leases.lease_of == {"kept": "B"}
+    assert running2.servicer.reliable.leases.lease_of == {"kept": "B"}

@@ -1,0 +1,449 @@
+"""The core stage of the block manager's pipeline: one RPC's request applied
+to the core, and its reply built. No decisions.
+
+`CoreStage.apply(name, request, context, tenant)` translates the request
+into a core call, runs it under the state lock, drains the KV events the call
+produced (`BlockManager.take_events`) into the event hub with the calling
+tenant as data, and translates the result back. The core is not thread-safe
+and every call is short (microseconds), so one lock serialises them; the gRPC
+threads spend their time in (de)serialisation outside it. Core errors map one
+to one onto status codes; anything else is a bug and becomes INTERNAL with the
+state untouched (the core validates before it mutates).
+
+The stages before this one (block_manager_svc/servicer.py: tenancy, then
+reliability) decide who may call and whether the call runs at all.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import grpc
+import structlog
+
+from block_manager_svc.core import BlockManager, CoreError, ErrorCode, ItemError
+from block_manager_svc.core.results import CacheOps, Preemption, SwapInResult
+from pagedkv.log_limit import LogLimiter
+from pagedkv.v1 import block_manager_pb2 as pb
+
+if TYPE_CHECKING:
+    from block_manager_svc.events import EventHub
+
+# The RPCs this stage applies; everything that changes state is in MUTATIONS.
+MUTATIONS = ("Allocate", "Append", "Fork", "Free", "Commit", "Step", "SwapIn", "Preempt", "ResetPrefixCache")
+
+STATUS_BY_CODE: dict[ErrorCode, grpc.StatusCode] = {
+    ErrorCode.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorCode.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    ErrorCode.ALREADY_EXISTS: grpc.StatusCode.ALREADY_EXISTS,
+    ErrorCode.PERMISSION_DENIED: grpc.StatusCode.PERMISSION_DENIED,
+    ErrorCode.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ErrorCode.FAILED_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
+}
+
+log = structlog.get_logger("pagedkv.block_manager")
+
+
+def request_id_of(context: grpc.ServicerContext | None, request: object = None) -> str:
+    """The id to tag a log line with: the request's own `request_id`, else the caller's
+    `x-request-id` metadata. Only read when something is logged (never on the happy path)."""
+    rid = getattr(request, "request_id", "") if request is not None else ""
+    if rid or context is None:
+        return rid
+    try:
+        metadata = context.invocation_metadata() or ()
+    except Exception:  # noqa: BLE001 - a test double without metadata
+        return ""
+    for key, value in metadata:
+        if key == "x-request-id":
+            return value if isinstance(value, str) else ""
+    return ""
+
+
+def _copies(pairs: list[tuple[int, int]]) -> list[pb.BlockCopy]:
+    return [pb.BlockCopy(src=s, dst=d) for s, d in pairs]
+
+
+def ops_to_proto(ops: CacheOps) -> pb.CacheOps:
+    return pb.CacheOps(copies=_copies(ops.copies), swap_out=_copies(ops.swap_out), swap_in=_copies(ops.swap_in))
+
+
+_PREEMPTION_MODE = {"swap": pb.Preemption.SWAP, "recompute": pb.Preemption.RECOMPUTE}
+
+
+def preemptions_to_proto(items: list[Preemption]) -> list[pb.Preemption]:
+    return [
+        pb.Preemption(
+            seq_id=p.seq_id, mode=_PREEMPTION_MODE[p.mode], num_tokens=p.num_tokens,
+            num_blocks=p.num_blocks, cost_s=p.cost_s,
+        )
+        for p in items
+    ]
+
+
+def swap_in_to_proto(r: SwapInResult) -> pb.SwapInResponse:
+    return pb.SwapInResponse(
+        block_ids=r.block_ids,
+        ops=ops_to_proto(r.ops),
+        sequences=[pb.SwappedInSequence(seq_id=k, block_ids=v) for k, v in r.tables.items()],
+    )
+
+
+def _item_error(kind: int, err: ItemError, index: int | None = None) -> pb.StepItemError:
+    return pb.StepItemError(
+        kind=kind,
+        index=err.index if index is None else index,
+        seq_id=err.seq_id,
+        code=err.code.value,
+        message=err.message,
+    )
+
+
+class _SubAppends:
+    """Sub-message appends converted to the core's one (packed) form, and the
+    results mapped back: the sub-message items go first in the packed arrays.
+
+    An item whose token_ids length does not match its num_tokens is rejected
+    here (it cannot be concatenated) with the message the core would give."""
+
+    __slots__ = ("ids", "counts", "tokens", "known", "map", "bad", "n_sub", "n_packed")
+
+    def __init__(self, request: pb.StepRequest) -> None:
+        ids: list[str] = []
+        counts: list[int] = []
+        tokens: list[int] = []
+        known: list[bool] = []
+        self.map: list[int] = []  # packed position -> sub-message index
+        self.bad: list[tuple[int, str, str]] = []
+        for j, a in enumerate(request.appends):
+            if a.token_ids and len(a.token_ids) != a.num_tokens:
+                self.bad.append((j, a.seq_id, f"token_ids has {len(a.token_ids)} entries but num_tokens is "
+                                              f"{a.num_tokens}; they must match"))
+                continue
+            self.map.append(j)
+            ids.append(a.seq_id)
+            counts.append(a.num_tokens)
+            known.append(bool(a.token_ids))
+            tokens.extend(a.token_ids)
+        self.n_sub = len(ids)
+        packed = request.append_seq_ids
+        self.n_packed = len(packed)
+        ids.extend(packed)
+        counts.extend(request.append_num_tokens or [1] * len(packed))
+        packed_known = bool(request.append_token_ids)
+        known.extend([packed_known] * len(packed))
+        tokens.extend(request.append_token_ids)
+        self.ids, self.counts, self.tokens, self.known = ids, counts, tokens, known
+
+    def split_results(self, r: Any, resp: pb.StepResponse) -> None:
+        n_sub = self.n_sub
+        per_item: list[list[int]] = [[] for _ in range(n_sub)]
+        for i, b in zip(r.new_block_index, r.new_block_ids):
+            if i < n_sub:
+                per_item[i].append(b)
+            else:
+                resp.packed_new_block_index.append(i - n_sub)
+                resp.packed_new_block_ids.append(b)
+        copies: dict[int, tuple[int, int]] = {}
+        for k, i in enumerate(r.replaced_index):
+            if i < n_sub:
+                copies[i] = r.ops.copies[k]
+            else:
+                resp.packed_replaced_index.append(i - n_sub)
+        preempted: dict[int, list[Preemption]] = {}
+        for p, i in zip(r.preempted, r.preempted_by):
+            if i < n_sub:
+                preempted.setdefault(i, []).append(p)
+        total = len(self.map) + len(self.bad)
+        items = [pb.AppendResponse() for _ in range(total)]
+        for i, j in enumerate(self.map):
+            if per_item[i]:
+                copy = copies.get(i)
+                item = items[j]
+                item.new_block_ids.extend(per_item[i])
+                if copy is not None:
+                    item.replaced_last_block = True
+                    item.ops.copies.add(src=copy[0], dst=copy[1])
+                item.preempted.extend(preemptions_to_proto(preempted.get(i, [])))
+        resp.appends.extend(items)
+
+    def errors(self, r: Any, errors: Any) -> None:
+        n_sub = self.n_sub
+        for j, seq_id, message in self.bad:
+            errors.append(pb.StepItemError(kind=pb.StepItemError.APPEND, index=j, seq_id=seq_id,
+                                           code=grpc.StatusCode.INVALID_ARGUMENT.value[0], message=message))
+        for err in r.append_errors:
+            if err.index < n_sub:
+                errors.append(_item_error(pb.StepItemError.APPEND, err, self.map[err.index]))
+            else:
+                errors.append(_item_error(pb.StepItemError.PACKED_APPEND, err, err.index - n_sub))
+
+
+class CoreStage:
+    """Applies one RPC to the core under the state lock (the pipeline's last stage)."""
+
+    def __init__(self, core: BlockManager, lock: threading.RLock) -> None:
+        self.core = core
+        self.lock = lock  # the state lock: every stage that touches state takes this one
+        self.events_hub: EventHub | None = None  # set by server.py (block_manager_svc/events.py)
+        self.log_limit = LogLimiter()  # rejections are the client's doing: rate-limited lines
+
+    def apply(self, name: str, request: Any, context: Any, tenant: str | None = None) -> Any:
+        """Run RPC `name`; `tenant` (None with authentication off) owns the KV events it produces."""
+        return getattr(self, name)(request, context, tenant)
+
+    def _drain_events(self, tenant: str | None) -> None:
+        """Hand the events the last core call produced to the hub (under the lock)."""
+        events = self.core.take_events()
+        if events:
+            hub = self.events_hub
+            if hub is not None:
+                hub.publish(events, tenant)
+
+    def _abort(
+        self, context: grpc.ServicerContext, method: str, err: CoreError, seq_id: str, request: object = None
+    ) -> NoReturn:
+        self.log_limit.info(log, "request_rejected", method=method, seq_id=seq_id, code=err.code.name,
+                            reason=err.message, request_id=request_id_of(context, request))
+        context.abort(STATUS_BY_CODE[err.code], err.message)
+        raise AssertionError("unreachable")  # context.abort raises
+
+    def Allocate(self, request: pb.AllocateRequest, context: Any, tenant: str | None = None) -> pb.AllocateResponse:
+        try:
+            with self.lock:
+                r = self.core.allocate(
+                    request.seq_id, request.num_tokens, request.token_ids or None, request.priority,
+                    request.cache_salt, tenant or "",
+                )
+                self._drain_events(tenant)
+        except CoreError as e:
+            self._abort(context, "Allocate", e, request.seq_id, request)
+        return pb.AllocateResponse(block_ids=r.block_ids, num_cached_tokens=r.num_cached_tokens)
+
+    def Append(self, request: pb.AppendRequest, context: Any, tenant: str | None = None) -> pb.AppendResponse:
+        try:
+            with self.lock:
+                r = self.core.append(request.seq_id, request.num_tokens, request.token_ids or None)
+                self._drain_events(tenant)
+        except CoreError as e:
+            self._abort(context, "Append", e, request.seq_id, request)
+        if not r.new_block_ids:
+            return pb.AppendResponse()
+        if r.preempted:
+            log.info("preempted", method="Append", seq_id=request.seq_id,
+                     victims=[(p.seq_id, p.mode) for p in r.preempted], request_id=request_id_of(context, request))
+        return pb.AppendResponse(
+            new_block_ids=r.new_block_ids, ops=ops_to_proto(r.ops), replaced_last_block=r.replaced_last_block,
+            preempted=preemptions_to_proto(r.preempted),
+        )
+
+    def Fork(self, request: pb.ForkRequest, context: Any, tenant: str | None = None) -> pb.ForkResponse:
+        try:
+            with self.lock:
+                blocks = self.core.fork(request.parent_seq_id, request.child_seq_id)
+                self._drain_events(tenant)
+        except CoreError as e:
+            self._abort(context, "Fork", e, request.child_seq_id, request)
+        return pb.ForkResponse(block_ids=blocks)
+
+    def Free(self, request: pb.FreeRequest, context: Any, tenant: str | None = None) -> pb.FreeResponse:
+        try:
+            with self.lock:
+                released = self.core.free(request.seq_id)
+                self._drain_events(tenant)
+        except CoreError as e:
+            self._abort(context, "Free", e, request.seq_id, request)
+        return pb.FreeResponse(num_blocks_released=released)
+
+    def GetBlockTable(self, request: pb.GetBlockTableRequest, context: Any, tenant: str | None = None) -> pb.BlockTable:
+        try:
+            with self.lock:
+                table = self.core.block_table(request.seq_id)
+        except CoreError as e:
+            self._abort(context, "GetBlockTable", e, request.seq_id, request)
+        return pb.BlockTable(
+            block_ids=table.block_ids, num_tokens=table.num_tokens, swapped=table.swapped,
+            cpu_block_ids=table.cpu_block_ids,
+        )
+
+    def SwapIn(self, request: pb.SwapInRequest, context: Any, tenant: str | None = None) -> pb.SwapInResponse:
+        try:
+            with self.lock:
+                r = self.core.swap_in(request.seq_id)
+                self._drain_events(tenant)
+        except CoreError as e:
+            self._abort(context, "SwapIn", e, request.seq_id, request)
+        return swap_in_to_proto(r)
+
+    def Preempt(self, request: pb.PreemptRequest, context: Any, tenant: str | None = None) -> pb.PreemptResponse:
+        try:
+            with self.lock:
+                preempted, ops = self.core.preempt(request.seq_id, request.mode or None)
+                self._drain_events(tenant)
+        except CoreError as e:
+            self._abort(context, "Preempt", e, request.seq_id, request)
+        log.info("preempted", method="Preempt", seq_id=request.seq_id,
+                 victims=[(p.seq_id, p.mode) for p in preempted], request_id=request_id_of(context, request))
+        return pb.PreemptResponse(preempted=preemptions_to_proto(preempted), ops=ops_to_proto(ops))
+
+    def Commit(self, request: pb.CommitRequest, context: Any, tenant: str | None = None) -> pb.CommitResponse:
+        try:
+            with self.lock:
+                n = self.core.commit(request.seq_id, request.num_computed_tokens)
+                self._drain_events(tenant)
+        except CoreError as e:
+            self._abort(context, "Commit", e, request.seq_id, request)
+        return pb.CommitResponse(num_committed_blocks=n)
+
+    def Step(self, request: pb.StepRequest, context: Any, tenant: str | None = None) -> pb.StepResponse:
+        sub_frees = [f.seq_id for f in request.frees]
+        frees = sub_frees + list(request.free_seq_ids) if request.free_seq_ids else sub_frees
+        na = len(request.alloc_seq_ids)
+        if request.alloc_lease_ids and len(request.alloc_lease_ids) != na:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"alloc_lease_ids has {len(request.alloc_lease_ids)} entries for {na} allocations; "
+                          "one each, or none")
+        sub = _SubAppends(request) if request.appends else None
+        try:
+            with self.lock:
+                if sub is None:
+                    r = self.core.step(
+                        request.append_seq_ids,
+                        request.append_num_tokens or None,
+                        request.append_token_ids or None,
+                        frees,
+                        request.swap_in_seq_ids,
+                        commit_seq_ids=request.commit_seq_ids,
+                        commit_num_computed_tokens=request.commit_num_computed_tokens,
+                        alloc_seq_ids=request.alloc_seq_ids,
+                        alloc_num_tokens=request.alloc_num_tokens,
+                        alloc_token_ids=request.alloc_token_ids,
+                        alloc_priorities=request.alloc_priorities,
+                        alloc_salts=request.alloc_cache_salts,
+                        fork_parent_seq_ids=request.fork_parent_seq_ids,
+                        fork_child_seq_ids=request.fork_child_seq_ids,
+                        tenant=tenant or "",
+                    )
+                else:
+                    r = self.core.step(
+                        sub.ids, sub.counts, sub.tokens, frees, request.swap_in_seq_ids,
+                        append_tokens_known=sub.known,
+                        commit_seq_ids=request.commit_seq_ids,
+                        commit_num_computed_tokens=request.commit_num_computed_tokens,
+                        alloc_seq_ids=request.alloc_seq_ids,
+                        alloc_num_tokens=request.alloc_num_tokens,
+                        alloc_token_ids=request.alloc_token_ids,
+                        alloc_priorities=request.alloc_priorities,
+                        alloc_salts=request.alloc_cache_salts,
+                        fork_parent_seq_ids=request.fork_parent_seq_ids,
+                        fork_child_seq_ids=request.fork_child_seq_ids,
+                        tenant=tenant or "",
+                    )
+                self._drain_events(tenant)
+                available = self.core.pool.num_available
+        except CoreError as e:
+            self._abort(context, "Step", e, "", request)
+
+        resp = pb.StepResponse(
+            num_blocks_released=sum(r.released),
+            num_available_blocks=available,
+        )
+        if sub is None:
+            resp.packed_new_block_index.extend(r.new_block_index)
+            resp.packed_new_block_ids.extend(r.new_block_ids)
+            resp.packed_replaced_index.extend(r.replaced_index)
+        else:
+            sub.split_results(r, resp)
+        ops = r.ops
+        for swap_in in r.swap_in_results:
+            if swap_in is None:
+                resp.swap_ins.add()
+            else:
+                ops.extend(swap_in.ops)
+                resp.swap_ins.append(swap_in_to_proto(swap_in))
+        if r.preempted:
+            resp.preempted.extend(preemptions_to_proto(r.preempted))
+            log.info("preempted", method="Step", victims=[(p.seq_id, p.mode) for p in r.preempted],
+                     request_id=request_id_of(context, request))
+        if ops:
+            resp.ops.CopyFrom(ops_to_proto(ops))
+        if na:
+            resp.alloc_num_cached_tokens.extend(r.alloc_num_cached_tokens)
+            resp.packed_alloc_block_index.extend(r.alloc_block_index)
+            resp.packed_alloc_block_ids.extend(r.alloc_block_ids)
+        n_sub = len(sub_frees)
+        for released in r.released[:n_sub]:
+            resp.frees.add(num_blocks_released=released)
+        errors = resp.errors
+        for err in r.commit_errors:
+            errors.append(_item_error(pb.StepItemError.COMMIT, err))
+        for err in r.free_errors:
+            if err.index < n_sub:
+                errors.append(_item_error(pb.StepItemError.FREE, err))
+            else:
+                errors.append(_item_error(pb.StepItemError.PACKED_FREE, err, err.index - n_sub))
+        if sub is None:
+            for err in r.append_errors:
+                errors.append(_item_error(pb.StepItemError.PACKED_APPEND, err))
+        else:
+            sub.errors(r, errors)
+        for err in r.alloc_errors:
+            errors.append(_item_error(pb.StepItemError.ALLOCATE, err))
+        for err in r.fork_errors:
+            errors.append(_item_error(pb.StepItemError.FORK, err))
+        for err in r.swap_in_errors:
+            errors.append(_item_error(pb.StepItemError.SWAP_IN, err))
+        if errors:
+            self.log_limit.info(log, "step_item_errors", count=len(errors), first=errors[0].message,
+                                request_id=request_id_of(context, request))
+        return resp
+
+    def GetStats(self, request: pb.GetStatsRequest, context: Any, tenant: str | None = None) -> pb.Stats:
+        with self.lock:
+            s = self.core.stats()
+        return pb.Stats(
+            block_size=s.block_size,
+            num_gpu_blocks=s.num_gpu_blocks,
+            num_free_blocks=s.num_free_blocks,
+            num_cached_blocks=s.num_cached_blocks,
+            num_sequences=s.num_sequences,
+            prefix_query_tokens=s.prefix_query_tokens,
+            prefix_hit_tokens=s.prefix_hit_tokens,
+            num_used_blocks=s.num_used_blocks,
+            num_evicted_blocks=s.num_evicted_blocks,
+            num_cow_copies=s.num_cow_copies,
+            num_hashed_blocks=s.num_hashed_blocks,
+            num_cpu_blocks=s.num_cpu_blocks,
+            num_free_cpu_blocks=s.num_free_cpu_blocks,
+            num_swapped_sequences=s.num_swapped_sequences,
+            num_preemptions_swap=s.num_preemptions_swap,
+            num_preemptions_recompute=s.num_preemptions_recompute,
+            num_swapped_out_blocks=s.num_swapped_out_blocks,
+            num_swapped_in_blocks=s.num_swapped_in_blocks,
+            preemption_cost_s=s.preemption_cost_s,
+            num_prefix_cache_resets=s.num_prefix_cache_resets,
+            num_committed_blocks=s.num_committed_blocks,
+        )
+
+    def ResetPrefixCache(  # noqa: N802 - gRPC method name
+        self, request: pb.ResetPrefixCacheRequest, context: Any, tenant: str | None = None
+    ) -> pb.ResetPrefixCacheResponse:
+        """Forget every prefix-cache hash (their KV is gone: a new cache host). Cannot fail."""
+        with self.lock:
+            cleared, freed = self.core.reset_prefix_cache()
+            self._drain_events(tenant)
+        log.info("prefix_cache_reset", blocks_cleared=cleared, blocks_freed=freed)
+        return pb.ResetPrefixCacheResponse(num_blocks_cleared=cleared, num_blocks_freed=freed)
+
+    def GetConfig(self, request: pb.GetConfigRequest, context: Any, tenant: str | None = None) -> pb.Config:
+        cfg = self.core.config
+        return pb.Config(
+            block_size=cfg.block_size,
+            num_gpu_blocks=cfg.num_gpu_blocks,
+            num_cpu_blocks=cfg.num_cpu_blocks,
+            eviction_policy=cfg.eviction_policy,
+            preemption_mode=cfg.preemption_mode,
+            watermark_blocks=cfg.watermark_blocks,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+        )
