@@ -17,7 +17,8 @@ reliability) decide who may call and whether the call runs at all.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any, NoReturn
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import grpc
 import structlog
@@ -41,6 +42,8 @@ STATUS_BY_CODE: dict[ErrorCode, grpc.StatusCode] = {
     ErrorCode.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
     ErrorCode.FAILED_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
 }
+
+_R = TypeVar("_R")
 
 log = structlog.get_logger("pagedkv.block_manager")
 
@@ -210,24 +213,15 @@ class CoreStage:
         raise AssertionError("unreachable")  # context.abort raises
 
     def Allocate(self, request: pb.AllocateRequest, context: Any, tenant: str | None = None) -> pb.AllocateResponse:
-        try:
-            with self.lock:
-                r = self.core.allocate(
-                    request.seq_id, request.num_tokens, request.token_ids or None, request.priority,
-                    request.cache_salt, tenant or "",
-                )
-                self._drain_events(tenant)
-        except CoreError as e:
-            self._abort(context, "Allocate", e, request.seq_id, request)
+        r = self._mutate(context, "Allocate", request.seq_id, request, tenant, lambda: self.core.allocate(
+            request.seq_id, request.num_tokens, request.token_ids or None, request.priority, request.cache_salt,
+            tenant or "",
+        ))
         return pb.AllocateResponse(block_ids=r.block_ids, num_cached_tokens=r.num_cached_tokens)
 
     def Append(self, request: pb.AppendRequest, context: Any, tenant: str | None = None) -> pb.AppendResponse:
-        try:
-            with self.lock:
-                r = self.core.append(request.seq_id, request.num_tokens, request.token_ids or None)
-                self._drain_events(tenant)
-        except CoreError as e:
-            self._abort(context, "Append", e, request.seq_id, request)
+        r = self._mutate(context, "Append", request.seq_id, request, tenant,
+                         lambda: self.core.append(request.seq_id, request.num_tokens, request.token_ids or None))
         if not r.new_block_ids:
             return pb.AppendResponse()
         if r.preempted:
@@ -238,22 +232,26 @@ class CoreStage:
             preempted=preemptions_to_proto(r.preempted),
         )
 
-    def Fork(self, request: pb.ForkRequest, context: Any, tenant: str | None = None) -> pb.ForkResponse:
+    def _mutate(self, context: Any, method: str, seq_id: str, request: Any, tenant: str | None,
+                call: Callable[[], _R]) -> _R:
+        """One core mutation under the lock, its events published with the caller's tenant, a core
+        error mapped to its status (``_abort`` raises)."""
         try:
             with self.lock:
-                blocks = self.core.fork(request.parent_seq_id, request.child_seq_id)
+                result = call()
                 self._drain_events(tenant)
         except CoreError as e:
-            self._abort(context, "Fork", e, request.child_seq_id, request)
+            self._abort(context, method, e, seq_id, request)
+        return result
+
+    def Fork(self, request: pb.ForkRequest, context: Any, tenant: str | None = None) -> pb.ForkResponse:
+        blocks = self._mutate(context, "Fork", request.child_seq_id, request, tenant,
+                              lambda: self.core.fork(request.parent_seq_id, request.child_seq_id))
         return pb.ForkResponse(block_ids=blocks)
 
     def Free(self, request: pb.FreeRequest, context: Any, tenant: str | None = None) -> pb.FreeResponse:
-        try:
-            with self.lock:
-                released = self.core.free(request.seq_id)
-                self._drain_events(tenant)
-        except CoreError as e:
-            self._abort(context, "Free", e, request.seq_id, request)
+        released = self._mutate(context, "Free", request.seq_id, request, tenant,
+                                lambda: self.core.free(request.seq_id))
         return pb.FreeResponse(num_blocks_released=released)
 
     def GetBlockTable(self, request: pb.GetBlockTableRequest, context: Any, tenant: str | None = None) -> pb.BlockTable:
@@ -268,32 +266,19 @@ class CoreStage:
         )
 
     def SwapIn(self, request: pb.SwapInRequest, context: Any, tenant: str | None = None) -> pb.SwapInResponse:
-        try:
-            with self.lock:
-                r = self.core.swap_in(request.seq_id)
-                self._drain_events(tenant)
-        except CoreError as e:
-            self._abort(context, "SwapIn", e, request.seq_id, request)
+        r = self._mutate(context, "SwapIn", request.seq_id, request, tenant, lambda: self.core.swap_in(request.seq_id))
         return swap_in_to_proto(r)
 
     def Preempt(self, request: pb.PreemptRequest, context: Any, tenant: str | None = None) -> pb.PreemptResponse:
-        try:
-            with self.lock:
-                preempted, ops = self.core.preempt(request.seq_id, request.mode or None)
-                self._drain_events(tenant)
-        except CoreError as e:
-            self._abort(context, "Preempt", e, request.seq_id, request)
+        preempted, ops = self._mutate(context, "Preempt", request.seq_id, request, tenant,
+                                      lambda: self.core.preempt(request.seq_id, request.mode or None))
         log.info("preempted", method="Preempt", seq_id=request.seq_id,
                  victims=[(p.seq_id, p.mode) for p in preempted], request_id=request_id_of(context, request))
         return pb.PreemptResponse(preempted=preemptions_to_proto(preempted), ops=ops_to_proto(ops))
 
     def Commit(self, request: pb.CommitRequest, context: Any, tenant: str | None = None) -> pb.CommitResponse:
-        try:
-            with self.lock:
-                n = self.core.commit(request.seq_id, request.num_computed_tokens)
-                self._drain_events(tenant)
-        except CoreError as e:
-            self._abort(context, "Commit", e, request.seq_id, request)
+        n = self._mutate(context, "Commit", request.seq_id, request, tenant,
+                         lambda: self.core.commit(request.seq_id, request.num_computed_tokens))
         return pb.CommitResponse(num_committed_blocks=n)
 
     def Step(self, request: pb.StepRequest, context: Any, tenant: str | None = None) -> pb.StepResponse:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -228,14 +228,23 @@ def _common(body: _Sampling, prompts: list[list[int]], max_tokens: int | None, l
                   top_logprobs)
 
 
-def parse_completion(raw: Any, limits: Limits) -> Parsed:
+_Body = TypeVar("_Body", bound=_Sampling)
+
+
+def _validated(raw: Any, model: type[_Body], limits: Limits) -> _Body:
+    """The request body as ``model``, for the served model; a 400 naming the first bad field."""
     if not isinstance(raw, dict):
         raise ApiError(400, "the request body must be a JSON object")
     try:
-        body = CompletionBody.model_validate(raw)
+        body = model.model_validate(raw)
     except ValidationError as e:
         raise _pydantic_error(e) from None
     check_model(body.model, limits)
+    return body
+
+
+def parse_completion(raw: Any, limits: Limits) -> Parsed:
+    body = _validated(raw, CompletionBody, limits)
     if body.echo:
         raise ApiError(400, "echo: not supported by pagedkv", "echo")
     if body.best_of is not None and body.best_of != body.n:
@@ -245,13 +254,7 @@ def parse_completion(raw: Any, limits: Limits) -> Parsed:
 
 
 def parse_chat(raw: Any, limits: Limits) -> Parsed:
-    if not isinstance(raw, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    try:
-        body = ChatBody.model_validate(raw)
-    except ValidationError as e:
-        raise _pydantic_error(e) from None
-    check_model(body.model, limits)
+    body = _validated(raw, ChatBody, limits)
     if body.top_logprobs and not body.logprobs:
         raise ApiError(400, "top_logprobs: requires logprobs: true", "top_logprobs")
     if not limits.text.has_chat_template:
