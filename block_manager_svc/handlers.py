@@ -290,41 +290,29 @@ class CoreStage:
                           f"alloc_lease_ids has {len(request.alloc_lease_ids)} entries for {na} allocations; "
                           "one each, or none")
         sub = _SubAppends(request) if request.appends else None
+        # Everything but the appends is packed on the wire; appends are packed or sub-messages.
+        rest: dict[str, Any] = dict(
+            commit_seq_ids=request.commit_seq_ids,
+            commit_num_computed_tokens=request.commit_num_computed_tokens,
+            alloc_seq_ids=request.alloc_seq_ids,
+            alloc_num_tokens=request.alloc_num_tokens,
+            alloc_token_ids=request.alloc_token_ids,
+            alloc_priorities=request.alloc_priorities,
+            alloc_salts=request.alloc_cache_salts,
+            fork_parent_seq_ids=request.fork_parent_seq_ids,
+            fork_child_seq_ids=request.fork_child_seq_ids,
+            tenant=tenant or "",
+        )
         try:
             with self.lock:
                 if sub is None:
                     r = self.core.step(
-                        request.append_seq_ids,
-                        request.append_num_tokens or None,
-                        request.append_token_ids or None,
-                        frees,
-                        request.swap_in_seq_ids,
-                        commit_seq_ids=request.commit_seq_ids,
-                        commit_num_computed_tokens=request.commit_num_computed_tokens,
-                        alloc_seq_ids=request.alloc_seq_ids,
-                        alloc_num_tokens=request.alloc_num_tokens,
-                        alloc_token_ids=request.alloc_token_ids,
-                        alloc_priorities=request.alloc_priorities,
-                        alloc_salts=request.alloc_cache_salts,
-                        fork_parent_seq_ids=request.fork_parent_seq_ids,
-                        fork_child_seq_ids=request.fork_child_seq_ids,
-                        tenant=tenant or "",
+                        request.append_seq_ids, request.append_num_tokens or None, request.append_token_ids or None,
+                        frees, request.swap_in_seq_ids, **rest,
                     )
                 else:
-                    r = self.core.step(
-                        sub.ids, sub.counts, sub.tokens, frees, request.swap_in_seq_ids,
-                        append_tokens_known=sub.known,
-                        commit_seq_ids=request.commit_seq_ids,
-                        commit_num_computed_tokens=request.commit_num_computed_tokens,
-                        alloc_seq_ids=request.alloc_seq_ids,
-                        alloc_num_tokens=request.alloc_num_tokens,
-                        alloc_token_ids=request.alloc_token_ids,
-                        alloc_priorities=request.alloc_priorities,
-                        alloc_salts=request.alloc_cache_salts,
-                        fork_parent_seq_ids=request.fork_parent_seq_ids,
-                        fork_child_seq_ids=request.fork_child_seq_ids,
-                        tenant=tenant or "",
-                    )
+                    r = self.core.step(sub.ids, sub.counts, sub.tokens, frees, request.swap_in_seq_ids,
+                                       append_tokens_known=sub.known, **rest)
                 self._drain_events(tenant)
                 available = self.core.pool.num_available
         except CoreError as e:
