@@ -37,55 +37,59 @@ __all__ = ["run_crash", "run_retries", "run_leases", "run_soak", "run_fsync_cost
            "ModelClient", "FaultInjector", "print_report", "main"]
 
 
-def print_report(res: dict[str, Any]) -> None:
+def _table(title: str, header: str, rows: list[str]) -> None:
+    """One report section: its title, a markdown table (header, separator, rows)."""
     out = sys.stdout.write
+    out(f"\n## {title}\n\n")
+    out(header + "\n" + "|" + "---|" * (header.count("|") - 1) + "\n")
+    for row in rows:
+        out(row + "\n")
+
+
+def print_report(res: dict[str, Any]) -> None:
     for c in res.get("crash", []):
-        out(f"\n## Crash: SIGKILL under load (--fsync {c['fsync']}, {c['wall_s']:.0f} s)\n\n")
-        out("| kills survived | acked ops | calls hit by a kill | verifications | acked ops lost | "
-            "final pool (free+cached / total) | restart to SERVING median / max | replay max (records, KiB, ms) |\n")
-        out("|---|---|---|---|---|---|---|---|\n")
-        out(f"| {c['restarts_ok']}/{c['kills']} | {c['acked_ops']} | {c['calls_hit_by_kill']} | {c['verifications']} | "
-            f"{c['lost_or_mismatched']} | {c['final_free']}/{c['total_blocks']} (used {c['final_used']}) | "
-            f"{c['restart_s_median']:.2f} / {c['restart_s_max']:.2f} s | "
-            f"{c['replay_records_max']}, {c['replay_bytes_max'] / 1024:.0f}, {c['replay_s_max'] * 1000:.1f} |\n")
+        _table(f"Crash: SIGKILL under load (--fsync {c['fsync']}, {c['wall_s']:.0f} s)",
+               "| kills survived | acked ops | calls hit by a kill | verifications | acked ops lost | "
+               "final pool (free+cached / total) | restart to SERVING median / max | replay max (records, KiB, ms) |",
+               [f"| {c['restarts_ok']}/{c['kills']} | {c['acked_ops']} | {c['calls_hit_by_kill']} | "
+                f"{c['verifications']} | {c['lost_or_mismatched']} | {c['final_free']}/{c['total_blocks']} "
+                f"(used {c['final_used']}) | {c['restart_s_median']:.2f} / {c['restart_s_max']:.2f} s | "
+                f"{c['replay_records_max']}, {c['replay_bytes_max'] / 1024:.0f}, {c['replay_s_max'] * 1000:.1f} |"])
     if "recovery" in res:
-        out("\n## Recovery time vs journal size (65,536 blocks, up to 256 live sequences, in-process)\n\n")
-        out("| records | journal MiB | recovery s | µs/record | snapshot MiB | snapshot export ms |\n|---|---|---|---|---|---|\n")
-        for r in res["recovery"]:
-            out(f"| {r['records']} | {r['journal_mib']:.2f} | {r['recovery_s']:.3f} | {r['us_per_record']:.0f} | "
-                f"{r['snapshot_mib']:.2f} | {r['snapshot_export_s'] * 1000:.1f} |\n")
+        _table("Recovery time vs journal size (65,536 blocks, up to 256 live sequences, in-process)",
+               "| records | journal MiB | recovery s | µs/record | snapshot MiB | snapshot export ms |",
+               [f"| {r['records']} | {r['journal_mib']:.2f} | {r['recovery_s']:.3f} | {r['us_per_record']:.0f} | "
+                f"{r['snapshot_mib']:.2f} | {r['snapshot_export_s'] * 1000:.1f} |" for r in res["recovery"]])
     if "fsync" in res:
-        out("\n## Cost per Append under each fsync policy (loopback, sync stub)\n\n")
-        out("| mode | p50 µs (1 in flight) | p99 µs | calls/s (8 in flight) | fsyncs | journal bytes/op |\n"
-            "|---|---|---|---|---|---|\n")
-        for r in res["fsync"]:
-            out(f"| {r['mode']} | {r['p50_us_1']:.0f} | {r['p99_us_1']:.0f} | {r['calls_s_concurrent']:.0f} | "
-                f"{r['fsyncs']} | {r['bytes_per_op']:.0f} |\n")
+        _table("Cost per Append under each fsync policy (loopback, sync stub)",
+               "| mode | p50 µs (1 in flight) | p99 µs | calls/s (8 in flight) | fsyncs | journal bytes/op |",
+               [f"| {r['mode']} | {r['p50_us_1']:.0f} | {r['p99_us_1']:.0f} | {r['calls_s_concurrent']:.0f} | "
+                f"{r['fsyncs']} | {r['bytes_per_op']:.0f} |" for r in res["fsync"]])
     if "retries" in res:
         r = res["retries"]
-        out("\n## Retries through injected UNAVAILABLE / DEADLINE_EXCEEDED\n\n")
-        out("| ops | dropped before server | dropped after server applied | dedupe hits | model mismatches | "
-            "used blocks (server / model) | naive retries without request_id: double appends |\n|---|---|---|---|---|---|---|\n")
-        out(f"| {r['ops']} | {r['injected_before']} | {r['injected_after']} | {r['dedupe_hits']} | {r['problems']} | "
-            f"{r['used_blocks']} / {r['model_blocks']} | {r['naive_double_applied']} of 10 |\n")
+        _table("Retries through injected UNAVAILABLE / DEADLINE_EXCEEDED",
+               "| ops | dropped before server | dropped after server applied | dedupe hits | model mismatches | "
+               "used blocks (server / model) | naive retries without request_id: double appends |",
+               [f"| {r['ops']} | {r['injected_before']} | {r['injected_after']} | {r['dedupe_hits']} | "
+                f"{r['problems']} | {r['used_blocks']} / {r['model_blocks']} | {r['naive_double_applied']} of 10 |"])
     if "leases" in res:
         r = res["leases"]
-        out("\n## Leases: clients SIGKILLed without Free\n\n")
-        out("| TTL s | sweep s | sequences alive (renewing) | after | leases expired | sequences freed | "
-            "reclaimed after kill s |\n|---|---|---|---|---|---|---|\n")
-        out(f"| {r['ttl_s']} | {r['sweep_s']} | {r['sequences_while_alive']} | {r['sequences_after']} | "
-            f"{r['leases_expired']} | {r['sequences_expired']} | {r['reclaim_s']:.2f} |\n")
+        _table("Leases: clients SIGKILLed without Free",
+               "| TTL s | sweep s | sequences alive (renewing) | after | leases expired | sequences freed | "
+               "reclaimed after kill s |",
+               [f"| {r['ttl_s']} | {r['sweep_s']} | {r['sequences_while_alive']} | {r['sequences_after']} | "
+                f"{r['leases_expired']} | {r['sequences_expired']} | {r['reclaim_s']:.2f} |"])
     if "soak" in res:
         r = res["soak"]
-        out(f"\n## Soak ({r['seconds']:.0f} s, --fsync batch, request ids + leases)\n\n")
-        out("| peak calls/s | target (75%) | achieved | achieved / peak (goal ≥ 70%) | errors | "
-            "RSS start → end KiB | pool after free-all |\n|---|---|---|---|---|---|---|\n")
         share = r["achieved_calls_s"] / r["peak_calls_s"] if r["peak_calls_s"] else 0.0
-        out(f"| {r['peak_calls_s']:.0f} | {r['target_calls_s']:.0f} | {r['achieved_calls_s']:.0f} | "
-            f"{share:.0%} {'ok' if share >= 0.70 else 'MISS'} | {r['errors']} | "
-            f"{r['rss_start_kib']} → {r['rss_end_kib']} | {r['free_after']}/{r['total_blocks']} free, "
-            f"{r['sequences_after']} seqs |\n")
-        out(f"\nRSS trace (s, KiB): {r['rss_trace']}\n")
+        _table(f"Soak ({r['seconds']:.0f} s, --fsync batch, request ids + leases)",
+               "| peak calls/s | target (75%) | achieved | achieved / peak (goal ≥ 70%) | errors | "
+               "RSS start → end KiB | pool after free-all |",
+               [f"| {r['peak_calls_s']:.0f} | {r['target_calls_s']:.0f} | {r['achieved_calls_s']:.0f} | "
+                f"{share:.0%} {'ok' if share >= 0.70 else 'MISS'} | {r['errors']} | "
+                f"{r['rss_start_kib']} → {r['rss_end_kib']} | {r['free_after']}/{r['total_blocks']} free, "
+                f"{r['sequences_after']} seqs |"])
+        sys.stdout.write(f"\nRSS trace (s, KiB): {r['rss_trace']}\n")
 
 
 def main(argv: list[str] | None = None) -> int:

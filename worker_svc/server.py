@@ -56,6 +56,8 @@ ROLES = {
 log = structlog.get_logger("pagedkv.worker_svc")
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2  # and EXIT_CACHE_LOST = 3 (cache_watch.py)
+# What a role's start-up raises for bad configuration or unreachable peers: EXIT_CONFIG, one log line.
+CONFIG_ERRORS = (GeometryMismatch, ValueError, FileNotFoundError, ConnectionError, TimeoutError, TokenError)
 
 
 def _pool(settings: CacheHostSettings | WorkerSettings, timeout_s: float, dialer: Dialer,
@@ -65,6 +67,15 @@ def _pool(settings: CacheHostSettings | WorkerSettings, timeout_s: float, dialer
         return None
     log.info("reading_geometry_from_block_manager", block_manager=settings.block_manager)
     return wait_for_block_manager(settings.block_manager, timeout_s, stop, dialer)
+
+
+def _start_refused(e: BaseException) -> int:
+    """A role that did not start: stopped by a signal while waiting (EXIT_OK) or misconfigured."""
+    if isinstance(e, StopRequested):
+        log.info("stopped_before_ready")
+        return EXIT_OK
+    log.error("config_error", error=str(e))
+    return EXIT_CONFIG
 
 
 def run_cache_host(settings: CacheHostSettings) -> int:
@@ -77,12 +88,8 @@ def run_cache_host(settings: CacheHostSettings) -> int:
         stop = stop_event_on_signals()
         geometry = host_geometry(settings, model_cfg,
                                  _pool(settings, settings.connect_timeout_s, Dialer.from_settings(settings), stop))
-    except StopRequested:
-        log.info("stopped_before_ready")
-        return EXIT_OK
-    except (GeometryMismatch, ValueError, FileNotFoundError, ConnectionError, TimeoutError, TokenError) as e:
-        log.error("config_error", error=str(e))
-        return EXIT_CONFIG
+    except (StopRequested, *CONFIG_ERRORS) as e:
+        return _start_refused(e)
     cache = cache_memory.create(geometry, dtype, device, settings.shm_prefix)
     owner = CacheOwner(cache)
     try:
@@ -297,12 +304,8 @@ def run_worker(settings: WorkerSettings) -> int:
     stop = stop_event_on_signals()
     try:
         proc = start_worker(settings, stop)
-    except StopRequested:
-        log.info("stopped_before_ready")
-        return EXIT_OK
-    except (GeometryMismatch, ValueError, FileNotFoundError, TimeoutError, ConnectionError, TokenError) as e:
-        log.error("config_error", error=str(e))
-        return EXIT_CONFIG
+    except (StopRequested, *CONFIG_ERRORS) as e:
+        return _start_refused(e)
     except Exception as e:  # noqa: BLE001 - a start-up failure is an exit code and a log line
         log.error("start_failed", error=f"{type(e).__name__}: {e}", exc_info=True)
         return EXIT_FAILED
