@@ -210,6 +210,10 @@ def test_disconnect_mid_stream_aborts_and_frees(server: RunningServe, stack: Loc
 
 def test_over_max_waiting_is_503_with_retry_after(stack: LocalStack) -> None:
     with serving(stack, model_name="tiny", max_num_seqs=1, max_waiting=1) as srv:
+        # The tiny model makes 200 tokens in well under a second: pace the engine (10 ms an
+        # iteration) so the long request surely still holds the slot when the third one arrives.
+        step = srv.loop.engine.step
+        srv.loop.engine.step = lambda: (time.sleep(0.01), step())[1]  # type: ignore[method-assign]
         long = {"model": "tiny", "prompt": [9, 9, 9], "max_tokens": 200, "temperature": 0, "ignore_eos": True}
         sock = open_stream(srv, long)  # runs: the one sequence slot is taken
         waiter_status: list[int] = []
