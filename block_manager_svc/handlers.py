@@ -315,12 +315,14 @@ class CoreStage:
                                        append_tokens_known=sub.known, **rest)
                 self._drain_events(tenant)
                 available = self.core.pool.num_available
+                drops = self.core.prefix_cache_drops
         except CoreError as e:
             self._abort(context, "Step", e, "", request)
 
         resp = pb.StepResponse(
             num_blocks_released=sum(r.released),
             num_available_blocks=available,
+            prefix_cache_drops=drops,
         )
         if sub is None:
             resp.packed_new_block_index.extend(r.new_block_index)

@@ -11,9 +11,12 @@ request would otherwise spend the same tokens of the same iteration budget on th
 
 A request is held only when waiting gains hits: if what the other sequences have already
 computed covers the whole shared prefix, it is admitted now. The engine also counts the last
-`max_num_seqs` finished sequences as writers of what they committed: a hint, since the manager may
-have evicted it since (then the burst computes the prefix itself, as it would without holding). Held requests do not block the
-queue: requests behind them with other prefixes are admitted in order.
+`max_num_seqs` finished sequences as writers of what they committed: a hint, trusted only while
+the manager's `prefix_cache_drops` counter (in every Step reply) has not moved since the sequence
+finished, since an eviction or a ResetPrefixCache may have dropped those blocks; an idle engine
+reads the counter afresh before it trusts a hint. (Trusting a stale hint admitted a whole burst
+at once, and every request computed the prefix again.) Held requests do not block the queue:
+requests behind them with other prefixes are admitted in order.
 """
 
 from __future__ import annotations

@@ -315,9 +315,12 @@ class Engine:
         self._to_free: list[str] = []
         self._pending_ops = pb.CacheOps()
         self._available = self.num_gpu_blocks  # from the last Step reply, for admission
-        # What recently finished sequences committed: a hint for admission (frontend/admission.py).
-        self._finished_prefixes: collections.deque[tuple[list[int], int]] = collections.deque(
+        # What recently finished sequences committed: a hint for admission (frontend/admission.py),
+        # each with the manager's prefix_cache_drops when it finished; trusted only while that
+        # counter has not moved (nothing left the cache since, so their blocks are still cached).
+        self._finished_prefixes: collections.deque[tuple[list[int], int, int]] = collections.deque(
             maxlen=self.config.max_num_seqs)
+        self._prefix_cache_drops = 0  # from the last Step reply
         self._step_ids = itertools.count()
         # The prefill pipeline's chunk in flight: its future and (sequence, num_computed at launch, tokens).
         self._prefill: tuple[Future[wpb.WorkerStepResponse], list[tuple[_Seq, int, int]]] | None = None
@@ -602,8 +605,12 @@ class Engine:
                     progress = PrefixProgress(bs)
                     for s in itertools.chain(self._running, (self._seqs[x] for x in self._to_free)):
                         progress.add(s.tokens, s.num_computed)
-                    for tokens, computed in self._finished_prefixes:
-                        progress.add(tokens, computed)
+                    # A hint holds while the counter has not moved since it was recorded.
+                    if self._finished_prefixes and not self._running:
+                        self._refresh_prefix_cache_drops()
+                    for tokens, computed, drops in self._finished_prefixes:
+                        if drops == self._prefix_cache_drops:
+                            progress.add(tokens, computed)
                 if progress.should_hold(seq.tokens):
                     self.stats.admissions_held += 1
                     continue
@@ -612,6 +619,15 @@ class Engine:
             room -= width
             budget -= need
         return out
+
+    def _refresh_prefix_cache_drops(self) -> None:
+        """An idle engine's last Step reply may be old: another frontend or a ResetPrefixCache
+        may have dropped cached blocks since. One empty Step reads the counter again before the
+        finished sequences' hints decide an admission (an RPC only when idle with hints)."""
+        resp = self.bm.step(pb.StepRequest(), timeout_s=self.config.timeout_s)
+        self.stats.bm_round_trips += 1
+        self._available = resp.num_available_blocks
+        self._prefix_cache_drops = resp.prefix_cache_drops
 
     def _block_manager_step(self, ops: pb.CacheOps, *, full: bool = True) -> None:
         """The iteration's one round trip: commits, frees, appends, allocations, forks, swap-ins.
@@ -679,6 +695,7 @@ class Engine:
     ) -> None:
         """Block tables, cache ops, preemptions, allocations, forks and swap-ins of one Step reply."""
         self._available = resp.num_available_blocks
+        self._prefix_cache_drops = resp.prefix_cache_drops
         replaced = set(resp.packed_replaced_index)
         seen_replace: set[int] = set()
         for i, block in zip(resp.packed_new_block_index, resp.packed_new_block_ids):
@@ -1040,7 +1057,7 @@ class Engine:
             s.status = SeqStatus.FINISHED
             self._running.remove(s)
             self._to_free.append(s.seq_id)
-            self._finished_prefixes.append((s.tokens, s.num_computed))
+            self._finished_prefixes.append((s.tokens, s.num_computed, self._prefix_cache_drops))
         return TokenEvent(s.request.request_id, s.index, token, logprob, reason, top)
 
     def flush(self) -> None:

@@ -756,6 +756,12 @@ class BlockManager:
         )
 
     # --- ResetPrefixCache ---------------------------------------------------
+    @property
+    def prefix_cache_drops(self) -> int:
+        """Grows whenever registered blocks leave the prefix cache: evictions plus resets
+        (StepResponse.prefix_cache_drops, for the engine's admission hints)."""
+        return self.pool.num_evicted + self.num_prefix_cache_resets
+
     def reset_prefix_cache(self) -> tuple[int, int]:
         """Forget all prefix-cache content: (hashes dropped, cached blocks freed).
 

@@ -853,10 +853,17 @@ class StepResponse(_message.Message):
     ALLOC_NUM_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     PACKED_ALLOC_BLOCK_INDEX_FIELD_NUMBER: _builtins.int
     PACKED_ALLOC_BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    PREFIX_CACHE_DROPS_FIELD_NUMBER: _builtins.int
     num_blocks_released: _builtins.int
     """Blocks released by the frees of this step (sub-message and packed)."""
     num_available_blocks: _builtins.int
     """Free + cached blocks after the step, for the scheduler's admission."""
+    prefix_cache_drops: _builtins.int
+    """Grows whenever registered blocks leave the prefix cache (one per block
+    evicted to make room, one per ResetPrefixCache). While it has not changed,
+    every block the caller saw committed and released is still cached: the
+    engine trusts its finished sequences' prefixes for admission only then.
+    """
     @_builtins.property
     def appends(self) -> _containers.RepeatedCompositeFieldContainer[Global___AppendResponse]:
         """One result per StepRequest.appends item, same order (empty on error)."""
@@ -928,10 +935,11 @@ class StepResponse(_message.Message):
         alloc_num_cached_tokens: _abc.Iterable[_builtins.int] | None = ...,
         packed_alloc_block_index: _abc.Iterable[_builtins.int] | None = ...,
         packed_alloc_block_ids: _abc.Iterable[_builtins.int] | None = ...,
+        prefix_cache_drops: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["ops", b"ops"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["alloc_num_cached_tokens", b"alloc_num_cached_tokens", "appends", b"appends", "errors", b"errors", "frees", b"frees", "num_available_blocks", b"num_available_blocks", "num_blocks_released", b"num_blocks_released", "ops", b"ops", "packed_alloc_block_ids", b"packed_alloc_block_ids", "packed_alloc_block_index", b"packed_alloc_block_index", "packed_new_block_ids", b"packed_new_block_ids", "packed_new_block_index", b"packed_new_block_index", "packed_replaced_index", b"packed_replaced_index", "preempted", b"preempted", "swap_ins", b"swap_ins"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alloc_num_cached_tokens", b"alloc_num_cached_tokens", "appends", b"appends", "errors", b"errors", "frees", b"frees", "num_available_blocks", b"num_available_blocks", "num_blocks_released", b"num_blocks_released", "ops", b"ops", "packed_alloc_block_ids", b"packed_alloc_block_ids", "packed_alloc_block_index", b"packed_alloc_block_index", "packed_new_block_ids", b"packed_new_block_ids", "packed_new_block_index", b"packed_new_block_index", "packed_replaced_index", b"packed_replaced_index", "preempted", b"preempted", "prefix_cache_drops", b"prefix_cache_drops", "swap_ins", b"swap_ins"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -262,3 +262,24 @@ def test_concurrent_clients_never_share_a_block(server_factory) -> None:  # type
     core = running.servicer._core  # noqa: SLF001 - white-box check of the final state
     core.check_invariants()
     assert {k: list(v.block_ids) for k, v in core.seqs.items()} == tables
+
+
+def test_step_reply_counts_prefix_cache_drops(stub) -> None:  # type: ignore[no-untyped-def]
+    """StepResponse.prefix_cache_drops moves exactly when registered blocks leave the prefix cache
+    (an eviction or a ResetPrefixCache): the engine trusts its finished sequences' prefixes only
+    while it has not moved."""
+    def drops() -> int:
+        return stub.Step(pb.StepRequest(), timeout=5).prefix_cache_drops
+
+    start = drops()
+    stub.Allocate(pb.AllocateRequest(seq_id="a", num_tokens=12, token_ids=list(range(12))))
+    stub.Commit(pb.CommitRequest(seq_id="a", num_computed_tokens=12))
+    stub.Free(pb.FreeRequest(seq_id="a"))  # 3 registered blocks, now cached
+    assert drops() == start  # cached, nothing dropped
+    assert stats(stub).num_cached_blocks == 3
+    # 16 blocks: 13 free + 3 cached; asking for 15 evicts two cached blocks.
+    stub.Allocate(pb.AllocateRequest(seq_id="big", num_tokens=60))
+    assert drops() == start + 2
+    stub.Free(pb.FreeRequest(seq_id="big"))
+    stub.ResetPrefixCache(pb.ResetPrefixCacheRequest(), timeout=5)
+    assert drops() == start + 3

@@ -163,6 +163,31 @@ def test_burst_with_one_new_prefix_computes_it_once_and_the_rest_hit_it(hf: HFMo
     assert s.bm_round_trips == s.steps and s.worker_steps <= s.steps
 
 
+def test_finished_prefix_hint_is_not_trusted_after_the_cache_dropped_blocks(hf: HFModel) -> None:
+    """A finished sequence's prefix is a hint only while the manager's prefix_cache_drops has not
+    moved: after a ResetPrefixCache (here while the engine is idle, so no Step reply saw it), a
+    burst sharing that prefix is held again, computes it once, and the rest hit it (before, the
+    stale hint admitted the burst together and none of them hit)."""
+    p = prompts(8, 1)[0] + [3, 4, 5, 6, 7]
+    with stack(hf, num_gpu_blocks=96) as st:
+        engine = st.engine()
+        engine.generate([GenerationRequest("warm", p, max_tokens=2)])
+        engine.bm.reset_prefix_cache()
+        trips, held = engine.stats.bm_round_trips, engine.stats.admissions_held
+        burst = [engine.add_request(GenerationRequest(f"b{i}", p + [i + 1], max_tokens=2)) for i in range(3)]
+        engine.step()
+        assert [s.request.request_id for s in engine.running_sequences()] == ["b0"]
+        assert engine.stats.admissions_held == held + 2
+        assert engine.stats.bm_round_trips == trips + 2  # the idle engine's refresh + the Step
+        for _ in engine.stream():
+            pass
+        assert st.block_manager.servicer._core.stats().num_sequences == 0  # noqa: SLF001
+    hit = len(p) // 4 * 4
+    assert [o.num_cached_tokens for o in burst] == [0, hit, hit]
+    for i, o in enumerate(burst):
+        assert o.completions[0].token_ids == hf.greedy(p + [i + 1], 2), o.request_id
+
+
 def test_burst_whose_prefix_is_already_committed_is_not_held(hf: HFModel) -> None:
     """Holding only pays when someone is still computing the prefix: once it is committed, a burst
     of requests sharing it is admitted in one iteration, every one with hits."""
