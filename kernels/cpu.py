@@ -51,6 +51,14 @@ PAD_FRACTION = 0.25  # largest share of a decode bucket's tokens that may be pad
 PREFILL_PAD_FRACTION = 0.5  # largest share of a prefill bucket's query x key work that may be padding
 MAX_BUCKET = 64  # sequences per decode bucket (bounds the gather buffer)
 MIN_SHARED_BLOCKS = 4  # leading blocks decode sequences must share to attend to them together
+# One more SDPA call (and gather) costs about what attending to this many more padded K/V tokens
+# does, on the 2-core hosts measured (bench/kernel_bench.py --cpu-decode): a bucket may always hold
+# this much padding, since splitting it off would cost more than the padding.
+PAD_TOKENS = 1024
+# A shared prefix is attended once (cascade) only when that saves at least this many K/V tokens
+# of attention, (members - 1) x shared tokens: its own call, the log-sum-exp merge and the members'
+# own parts in separate buckets cost about as much as this many tokens.
+CASCADE_MIN_SAVED_TOKENS = 4096
 
 
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -109,7 +117,8 @@ def decode_buckets(lens: list[int], block_size: int) -> list[tuple[list[int], in
         j = i + 1
         while j < len(order) and len(members) < MAX_BUCKET:
             cand = lens[order[j]]
-            if (width * (len(members) + 1) - (real + cand)) > PAD_FRACTION * width * (len(members) + 1):
+            padding = width * (len(members) + 1) - (real + cand)
+            if padding > max(PAD_FRACTION * width * (len(members) + 1), PAD_TOKENS):
                 break
             members.append(order[j])
             real += cand
@@ -171,7 +180,9 @@ def shared_prefixes(tables: list[list[int]], lens: list[int], block_size: int) -
         n = MIN_SHARED_BLOCKS
         while n < cap and all(tables[r][n] == first[n] for r in rows):
             n += 1
-        out.append((rows, min(n, cap)))
+        n = min(n, cap)
+        if (len(rows) - 1) * n * block_size >= CASCADE_MIN_SAVED_TOKENS:
+            out.append((rows, n))
     return out
 
 

@@ -60,8 +60,8 @@ def test_decode_many_buckets_and_a_zero_length() -> None:
     assert sorted(i for members, _ in buckets for i in members) == list(range(len(lens)))
     for members, nb in buckets:  # no member is cut short, padding stays bounded
         assert all(lens[m] <= nb * 16 for m in members)
-        assert nb * 16 * len(members) - sum(lens[m] for m in members) <= cpu.PAD_FRACTION * nb * 16 * len(members) \
-            or len(members) == 1
+        padding = nb * 16 * len(members) - sum(lens[m] for m in members)
+        assert padding <= max(cpu.PAD_FRACTION * nb * 16 * len(members), cpu.PAD_TOKENS) or len(members) == 1
     case = make_paged(lens, 16, 2, 64, torch.float32, seed=11)
     _decode(case, 8, torch.float32, seed=12)
 
@@ -111,8 +111,11 @@ def _shared_prefix_case(dtype: torch.dtype, seed: int):  # type: ignore[no-untyp
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_with_shared_prefixes_attends_to_them_once_and_matches_reference(dtype: torch.dtype) -> None:
+def test_decode_with_shared_prefixes_attends_to_them_once_and_matches_reference(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
     kc, vc, bt, lens = _shared_prefix_case(dtype, seed=41)
+    monkeypatch.setattr(cpu, "CASCADE_MIN_SAVED_TOKENS", 0)  # these small groups: the cascade path
     plan = cpu.plan_decode(bt, lens, 16)
     # Both groups share all their common blocks (every member keeps at least one token of its own);
     # the lone member of the third group and the loners attend on their own.
@@ -123,6 +126,20 @@ def test_decode_with_shared_prefixes_attends_to_them_once_and_matches_reference(
     got = kernels.paged_decode_attention(q, kc, vc, bt, lens, 0.125, out=out)
     want = reference.paged_decode_attention(q, kc, vc, bt, lens, 0.125)
     assert_close(got, want, dtype)
+
+
+def test_shared_prefix_is_attended_once_only_when_that_saves_enough_tokens() -> None:
+    """The cascade costs a call and a merge: it is used only when (members - 1) x shared tokens
+    reaches CASCADE_MIN_SAVED_TOKENS; below that the members attend to their whole contexts."""
+    lens, tables = [], []
+    members = 3
+    shared = cpu.CASCADE_MIN_SAVED_TOKENS // ((members - 1) * 16)  # blocks: exactly at the threshold
+    for i in range(members):
+        tables.append(list(range(shared)) + [shared + i])
+        lens.append(shared * 16 + 5)
+    assert cpu.shared_prefixes(tables, lens, 16) == [([0, 1, 2], shared)]
+    assert cpu.shared_prefixes([t[:-2] + [t[-1]] for t in tables], [n - 16 for n in lens], 16) == []
+    assert cpu.shared_prefixes(tables[:2], lens[:2], 16) == []  # one member fewer: half the saving
 
 
 def test_prefill_buckets_cover_every_chunk_once_with_bounded_padding() -> None:

@@ -1,0 +1,149 @@
+"""How the CPU decode-attention plan groups a batch: the chosen rules against the alternatives.
+
+``kernels/cpu.py`` plans a decode step once: which sequences share one gather + SDPA call
+(length buckets) and which shared prefixes are attended once for all their members (cascade).
+Every call has a fixed cost (a gather, an SDPA launch, Python), and the cascade adds a merge, so
+the rules trade padding and duplicated prefix work against calls. This prints, per batch shape,
+the time of a 4-layer step's decode attention (plan included) under three rule sets, measured
+round-robin in one run (the machine is noisy):
+
+- ``flat``: buckets bounded by ``PAD_FRACTION`` only, no cascade (the first CPU backend);
+- ``cascade-always``: the same buckets plus a cascade for every group sharing ``MIN_SHARED_BLOCKS``;
+- ``chosen``: what ``kernels/cpu.py`` does now (``PAD_TOKENS`` of padding always allowed, a cascade
+  only when it saves ``CASCADE_MIN_SAVED_TOKENS``).
+
+    python bench/cpu_decode_bench.py [--threads 2] [--reps 15] [--head-dims 64,128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels import cpu  # noqa: E402
+
+BLOCK = 16
+NUM_KV_HEADS, NUM_HEADS, LAYERS = 2, 8, 4
+
+
+@dataclass(slots=True)
+class Shape:
+    label: str
+    num_seqs: int
+    shared_blocks: int  # leading blocks every member of a group shares (0: no sharing)
+    groups: int
+    own_blocks: tuple[int, int]  # each sequence's own blocks past the shared ones (min, max)
+
+
+SHAPES = [
+    Shape("chat burst, 8 seqs, 3 prompts of 192 tok", 8, 12, 3, (2, 8)),
+    Shape("chat burst, 48 seqs, 3 prompts of 192 tok", 48, 12, 3, (2, 8)),
+    Shape("16 seqs, 4 prefixes of 432 tok, short own", 16, 27, 4, (1, 2)),
+    Shape("64 seqs, 4 prefixes of 432 tok, short own", 64, 27, 4, (1, 2)),
+    Shape("48 seqs, one 1024-tok prefix", 48, 64, 1, (1, 4)),
+    Shape("48 seqs, two 2048-tok prefixes", 48, 128, 2, (1, 4)),
+    Shape("8 seqs, one 2048-tok prefix", 8, 128, 1, (1, 4)),
+    Shape("48 seqs, nothing shared, 40-480 tok", 48, 0, 1, (3, 30)),
+]
+
+RULES: dict[str, dict[str, float]] = {
+    "flat": {"PAD_TOKENS": 0, "MIN_SHARED_BLOCKS": 10**9, "CASCADE_MIN_SAVED_TOKENS": 0},
+    "cascade-always": {"PAD_TOKENS": 0, "CASCADE_MIN_SAVED_TOKENS": 0},
+    "chosen": {},
+}
+
+
+def batch(shape: Shape, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Block tables (groups start with the same physical blocks, as prefix hits do), lengths, blocks used."""
+    rnd = random.Random(seed)
+    prefixes = [list(range(g * shape.shared_blocks, (g + 1) * shape.shared_blocks)) for g in range(shape.groups)]
+    nxt = shape.groups * shape.shared_blocks
+    tables, lens = [], []
+    for i in range(shape.num_seqs):
+        own = rnd.randint(*shape.own_blocks)
+        tables.append(prefixes[i % shape.groups] + list(range(nxt, nxt + own)))
+        nxt += own
+        lens.append((shape.shared_blocks + own - 1) * BLOCK + rnd.randint(1, BLOCK))
+    width = max(len(t) for t in tables)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    return bt, torch.tensor(lens, dtype=torch.int32), nxt
+
+
+def with_rules(rules: dict[str, float], fn: Callable[[], object]) -> object:
+    saved = {k: getattr(cpu, k) for k in rules}
+    for k, v in rules.items():
+        setattr(cpu, k, v)
+    try:
+        return fn()
+    finally:
+        for k, v in saved.items():
+            setattr(cpu, k, v)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=15, help="timed rounds per rule set (median reported)")
+    ap.add_argument("--head-dims", default="64,128")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    print(f"# CPU decode attention, {LAYERS} layers + plan, {NUM_HEADS} heads / {NUM_KV_HEADS} KV heads, "
+          f"block {BLOCK}, fp32, {args.threads} threads; median ms of {args.reps} round-robin rounds")
+    print(f"# chosen: PAD_FRACTION={cpu.PAD_FRACTION} PAD_TOKENS={cpu.PAD_TOKENS} "
+          f"MIN_SHARED_BLOCKS={cpu.MIN_SHARED_BLOCKS} CASCADE_MIN_SAVED_TOKENS={cpu.CASCADE_MIN_SAVED_TOKENS}")
+    print("\n| head_dim | batch | " + " | ".join(f"{r} ms (calls)" for r in RULES)
+          + " | chosen / cascade-always | chosen / flat |")
+    print("|---|---|" + "---|" * (len(RULES) + 2))
+    with torch.inference_mode():
+        for head_dim in (int(x) for x in args.head_dims.split(",")):
+            for shape in SHAPES:
+                bt, lens, used = batch(shape)
+                gen = torch.Generator().manual_seed(head_dim)
+                kc = torch.randn(used + 1, BLOCK, NUM_KV_HEADS, head_dim, generator=gen)
+                vc = torch.randn(used + 1, BLOCK, NUM_KV_HEADS, head_dim, generator=gen)
+                q = torch.randn(shape.num_seqs, NUM_HEADS, head_dim, generator=gen)
+                want = None
+                calls: dict[str, str] = {}
+                steps: dict[str, Callable[[], None]] = {}
+                for name, rules in RULES.items():
+                    def step(rules: dict[str, float] = rules) -> torch.Tensor:
+                        def run() -> torch.Tensor:
+                            plan = cpu.plan_decode(bt, lens, BLOCK)
+                            out = torch.empty_like(q)
+                            for _ in range(LAYERS):
+                                cpu.paged_decode_attention(q, kc, vc, bt, lens, head_dim**-0.5, out=out, plan=plan)
+                            return out
+                        return with_rules(rules, run)  # type: ignore[return-value]
+                    got = step()
+                    if want is None:
+                        want = got
+                    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)  # same attention, any rules
+                    plan = with_rules(rules, lambda: cpu.plan_decode(bt, lens, BLOCK))
+                    calls[name] = f"{len(plan.buckets)}+{len(plan.shared)}"  # type: ignore[attr-defined]
+                    steps[name] = step
+                times: dict[str, list[float]] = {name: [] for name in RULES}
+                for _ in range(args.reps):
+                    for name, step in steps.items():
+                        t0 = time.perf_counter()
+                        step()
+                        times[name].append(time.perf_counter() - t0)
+                med = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+                cells = " | ".join(f"{med[n]:.2f} ({calls[n]})" for n in RULES)
+                print(f"| {head_dim} | {shape.label} | {cells} | {med['chosen'] / med['cascade-always']:.2f}x | "
+                      f"{med['chosen'] / med['flat']:.2f}x |", flush=True)
+    print("\n(calls: buckets + cascaded prefixes, per layer)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
