@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from worker_svc.model.sampling import SamplingParams, sample
+from worker_svc.model.sampling import SamplingParams, argmax_rows, sample
 
 
 def _logits(rows: int = 4, vocab: int = 50, seed: int = 0) -> torch.Tensor:
@@ -72,3 +73,22 @@ def test_top_logprobs_are_the_most_likely_tokens_per_row_with_model_logprobs() -
     # greedy: the chosen token is the first alternative, with the same logprob
     assert res.top[0][0][0] == int(res.token_ids[0])
     assert abs(res.top[0][0][1] - float(res.logprobs[0])) < 1e-5
+
+
+@pytest.mark.parametrize("vocab", [5, 511, 512, 1000, 32000, 32001])
+def test_argmax_rows_equals_torch_argmax_with_ties_infinities_and_nan(vocab: int) -> None:
+    gen = torch.Generator().manual_seed(vocab)
+    rows = 24
+    # Few distinct values: many ties, several inside and across chunks.
+    logits = torch.randint(0, 6, (rows, vocab), generator=gen).float()
+    logits[1] = float("-inf")
+    logits[2, -1] = 99.0  # the maximum in the ragged tail
+    logits[3, 0] = float("nan")
+    logits[4, vocab // 2] = float("nan")
+    logits[4, vocab - 1] = float("nan")
+    logits[5] = 7.0  # one tie across the whole row
+    logits[6, vocab // 3] = float("inf")
+    assert torch.equal(argmax_rows(logits), torch.argmax(logits, dim=-1))
+    fresh = torch.randn(rows, vocab, generator=gen)
+    assert torch.equal(argmax_rows(fresh), torch.argmax(fresh, dim=-1))
+    assert argmax_rows(torch.empty(0, vocab)).shape == (0,)

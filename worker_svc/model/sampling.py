@@ -55,6 +55,32 @@ def draw_uniform(seed: int | None, position: int) -> float:
     return float(torch.rand((), generator=gen, dtype=torch.float64))
 
 
+ARGMAX_CHUNK = 128  # columns per chunk of argmax_rows' first pass
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``torch.argmax(logits, dim=-1)`` (int64 ``[rows]``, the first index of each row's maximum),
+    computed from chunk maxima on CPU.
+
+    Why: on CPU ``argmax`` over a vocabulary row is a scalar loop while ``amax`` is vectorized;
+    at 48 rows x 32,000 (a decode step's logits) argmax took 1.7 ms and amax 0.17 ms (2 threads).
+    So: each row's maximum per chunk of ``ARGMAX_CHUNK`` columns (``amax``), the first chunk
+    holding the row's maximum (argmax over the few chunk maxima), then the first maximum inside
+    that chunk. Same index as ``argmax`` for every input, ties and NaN included (a NaN is the
+    maximum for both; tests/worker_svc/test_sampling.py)."""
+    rows, vocab = logits.shape
+    if logits.device.type != "cpu" or vocab < 4 * ARGMAX_CHUNK or rows == 0:
+        return torch.argmax(logits, dim=-1)
+    full = vocab // ARGMAX_CHUNK * ARGMAX_CHUNK
+    chunk_max = logits[:, :full].reshape(rows, full // ARGMAX_CHUNK, ARGMAX_CHUNK).amax(-1)
+    if full < vocab:  # the ragged tail is one more "chunk"
+        chunk_max = torch.cat((chunk_max, logits[:, full:].amax(-1, keepdim=True)), dim=1)
+    chunk = torch.argmax(chunk_max, dim=-1)  # first chunk holding the row maximum
+    start = chunk * ARGMAX_CHUNK
+    cols = (start[:, None] + torch.arange(ARGMAX_CHUNK)[None, :]).clamp_(max=vocab - 1)
+    return start + torch.argmax(logits.gather(1, cols), dim=-1)
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> SampleResult:
     """Pick one token per row of fp32 ``logits [num_seqs, vocab]``.
 
@@ -63,7 +89,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
     """
     # log p(token) = logit - logsumexp(row): no [num_seqs, vocab] log-softmax tensor is written.
     log_norm = torch.logsumexp(logits, dim=-1)
-    tokens = torch.argmax(logits, dim=-1)
+    tokens = argmax_rows(logits)
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
     if sampled_rows:
         rows = torch.tensor(sampled_rows, device=logits.device)
