@@ -306,6 +306,7 @@ class ModelRunner:
         with self._lock, self._kernel_backend():
             if self._closed:
                 raise RunnerClosed("the worker is shutting down")
+            omp_spin.short_spin()  # no spinning helper thread between steps (worker_svc/omp_spin.py)
             clock = _StepClock(self.device)
             self.run_cache_ops(ops)
             clock.mark()
