@@ -23,6 +23,7 @@ import torch
 import kernels
 from worker_svc.model.batch import AttentionBatch
 from worker_svc.model.registry import Model
+from worker_svc import omp_spin
 from worker_svc.model.sampling import MAX_TOP_LOGPROBS, SamplingParams, sample
 
 
