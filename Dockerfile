@@ -25,10 +25,12 @@ ENV DEBIAN_FRONTEND=noninteractive \
     VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:$PATH
 
+# libtcmalloc-minimal4: the allocator CPU workers are preloaded with (docker-compose.cpu.yml, docs/worker.md).
 # gcc + python3-dev: Triton compiles a small C launcher (against Python.h) the first time a kernel
 # runs, at run time, so the compiler stays in the image. tini reaps children and forwards signals.
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc libc6-dev tini ca-certificates \
+      libtcmalloc-minimal4 \
  && rm -rf /var/lib/apt/lists/* \
  && python3 -m venv /opt/venv
 

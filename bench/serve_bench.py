@@ -17,6 +17,11 @@ Two reference figures in the same run, same model:
   each request's own output tokens count. The offline run's output tokens/s over this row is the
   batching win (target >= 2.5x on CPU with a compute-bound model, e.g. hidden 512, 6 layers).
 
+Runtime libraries: the stack's CPU workers start with tcmalloc and Intel OpenMP preloaded when
+present (`pagedkv up` does, pagedkv/cpu_runtime.py), so this script re-runs itself with the same
+``LD_PRELOAD`` first: the transformers baseline, in this process, runs on the same libraries.
+``--no-preload`` runs both sides without them (the stack is then told not to preload either).
+
 Each run gets fresh user turns (same system prompts, same distributions), so a later run does not
 hit an earlier run's whole prompts in the prefix cache.
 
@@ -256,7 +261,8 @@ def table(rows: list[Row], baseline: Row | None, alone: list[float]) -> str:
     return "\n".join(lines)
 
 
-def start_stack(model_dir: str, num_gpu_blocks: int, max_num_seqs: int, max_batch_tokens: int):  # type: ignore[no-untyped-def]
+def start_stack(model_dir: str, num_gpu_blocks: int, max_num_seqs: int, max_batch_tokens: int,  # type: ignore[no-untyped-def]
+                preload: bool = True):
     """A stack as local processes (block manager, cache host, one worker, pagedkv serve)."""
     from frontend.stack import Stack, StackOptions
     from pagedkv.ports import free_port as free
@@ -264,7 +270,7 @@ def start_stack(model_dir: str, num_gpu_blocks: int, max_num_seqs: int, max_batc
     log_dir = tempfile.mkdtemp(prefix="pagedkv-serve-bench-")
     opts = StackOptions(block_manager_port=free(), cache_host_port=free(), worker_port=free(), num_workers=1,
                         num_gpu_blocks=num_gpu_blocks, model=model_dir, device="cpu", dtype="float32",
-                        log_format="json", log_dir=log_dir, serve_port=free())
+                        log_format="json", log_dir=log_dir, serve_port=free(), preload_runtime=preload)
     stack = Stack(opts, out=sys.stderr)
     frontend = next(s for s in stack.services if s.name == "frontend")
     frontend.args += ["--max-num-seqs", str(max_num_seqs), "--max-batch-tokens", str(max_batch_tokens),
@@ -299,6 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline-threads", type=int, default=0,
                    help="torch threads of the transformers baseline (0 = torch's default, as the worker)")
     p.add_argument("--no-baseline", action="store_true")
+    p.add_argument("--no-preload", action="store_true",
+                   help="run the baseline and the stack's workers without tcmalloc / Intel OpenMP preloaded")
     p.add_argument("--alone-requests", type=int, default=8, help="requests for the prefill-alone figure")
     p.add_argument("--num-gpu-blocks", type=int, default=2048, help="when the stack is started here")
     p.add_argument("--max-num-seqs", type=int, default=64, help="when the stack is started here")
@@ -329,7 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     url = args.url.rstrip("/")
     try:
         if not url:
-            stack, url = start_stack(args.model, args.num_gpu_blocks, args.max_num_seqs, args.max_batch_tokens)
+            stack, url = start_stack(args.model, args.num_gpu_blocks, args.max_num_seqs, args.max_batch_tokens,
+                                     preload=not args.no_preload)
         models = json.loads(get_text(url + "/v1/models", api_key=api_key))
         model = models["data"][0]["id"]
         wl = Workload(args, vocab)
@@ -362,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
         baseline = transformers_static(args.model, offline, args.baseline_batch_size, args.baseline_threads)
     print(f"\npagedkv serve vs transformers: {args.num_requests} requests per run, {args.system_prompts} shared "
           f"system prompts of {args.system_len} tokens, user turns ~{args.input_len} and outputs ~{args.output_len} "
-          f"tokens (lognormal, sigma {args.sigma}), model {args.model}\n")
+          f"tokens (lognormal, sigma {args.sigma}), model {args.model}; LD_PRELOAD of this process (the baseline's): "
+          f"{os.environ.get('LD_PRELOAD') or 'none'}\n")
     print(table(rows, baseline, alone))
     if args.json:
         Path(args.json).write_text(json.dumps([
@@ -372,5 +382,18 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if any(r.failed for r in rows) else 0
 
 
+def _with_runtime_preloads() -> None:
+    """Run this script again with the CPU workers' runtime libraries preloaded (see the module
+    docstring), unless --no-preload or they are preloaded already."""
+    from pagedkv.cpu_runtime import preload_env
+
+    extra = {} if "--no-preload" in sys.argv else preload_env()
+    if extra:
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **extra})
+
+
 if __name__ == "__main__":
+    import os
+
+    _with_runtime_preloads()
     sys.exit(main())

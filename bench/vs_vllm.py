@@ -10,6 +10,9 @@ it, each in its own process with the same thread count:
                       and one worker as gRPC servers in one process), runtime preloads as vLLM gets
 - ``pagedkv-nopre``   the same without the preloads (``LD_PRELOAD`` of tcmalloc and libiomp5)
 - ``pagedkv-proc``    pagedkv's process stack (``pagedkv up``: one process per service), preloads
+- ``pagedkv-overlap`` / ``pagedkv-proc-overlap``  the same stacks with the engine's
+                      ``overlap_block_manager`` (the next decode slots are reserved in the block manager
+                      while the worker computes, so the control plane's round trip is hidden)
 - ``pagedkv-bf16``    the in-process stack with bf16 weights and KV cache (AVX512-BF16 CPUs), preloads;
                       its token-equality rows say whether greedy tokens still match fp32
 - ``hf-static``       transformers ``generate()`` in static batches of 16 (left-padded)
@@ -72,7 +75,8 @@ WORKLOADS: dict[str, tuple[str, int, str]] = {
     "P": ("A", 64, "prefix"),
     "tiny": ("tiny", 4, "chat"),
 }
-ALL_SYSTEMS = ("vllm", "vllm-eager", "pagedkv", "pagedkv-nopre", "pagedkv-proc", "pagedkv-bf16", "hf-static")
+ALL_SYSTEMS = ("vllm", "vllm-eager", "pagedkv", "pagedkv-nopre", "pagedkv-proc", "pagedkv-overlap",
+               "pagedkv-proc-overlap", "pagedkv-bf16", "hf-static")
 
 
 # ----------------------------------------------------------------------------- the inputs
@@ -303,6 +307,7 @@ def child_pagedkv(args: argparse.Namespace, reqs: list[dict[str, Any]]) -> dict[
                                    num_workers=1, device="cpu", dtype=dtype))
     try:
         engine = stack.engine(EngineConfig(max_num_seqs=MAX_NUM_SEQS, max_batch_tokens=MAX_BATCH_TOKENS,
+                                           overlap_block_manager=args.system.endswith("-overlap"),
                                            timeout_s=600.0))
         bm = engine.bm
         startup = time.perf_counter() - t0
@@ -349,6 +354,7 @@ def child_pagedkv_proc(args: argparse.Namespace, reqs: list[dict[str, Any]]) -> 
         bm = BlockManagerClient(f"127.0.0.1:{bm_port}")
         worker = WorkerClient(f"127.0.0.1:{w_port}")
         engine = Engine(bm, [worker], EngineConfig(max_num_seqs=MAX_NUM_SEQS, max_batch_tokens=MAX_BATCH_TOKENS,
+                                                   overlap_block_manager=args.system.endswith("-overlap"),
                                                    timeout_s=600.0))
         startup = time.perf_counter() - t0
         warmup, res = _warm_then_time(engine, bm, args, reqs)

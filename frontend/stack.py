@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from frontend.stack_security import StackSecurity, StackSecurityError
+from pagedkv.cpu_runtime import preload_env
 from pagedkv.healthcheck import wait_healthy
 
 SHM_DIR = pathlib.Path("/dev/shm")
@@ -71,6 +72,8 @@ class StackOptions:
     auth_tokens_file: str | None = None  # bearer tokens of the stack's clients
     # `pagedkv serve` on this port after the workers (None = no frontend; `pagedkv up` default 8000).
     serve_port: int | None = None
+    # CPU workers start with tcmalloc and Intel OpenMP preloaded when present (pagedkv/cpu_runtime.py).
+    preload_runtime: bool = True
 
 
 def _pagedkv(*args: str) -> list[str]:
@@ -103,6 +106,7 @@ def plan(opts: StackOptions, security: StackSecurity | None = None) -> list[Serv
         ),
     ]
     roles = worker_roles(opts.roles, opts.num_workers)
+    worker_env = preload_env() if opts.preload_runtime and _cpu_workers(opts.device) else {}
     cpus = split_cpus(sorted(os.sched_getaffinity(0)), opts.num_workers) if opts.pin_workers else []
     for i in range(opts.num_workers):
         port = opts.worker_port + i
@@ -114,7 +118,7 @@ def plan(opts: StackOptions, security: StackSecurity | None = None) -> list[Serv
                 _pagedkv("worker", "--host", opts.host, "--port", str(port), "--cache-host", ch,
                          "--block-manager", bm, "--device", opts.device, "--dtype", opts.dtype,
                          "--role", roles[i], *placement, *opts.worker_args, *model, *common, *dial),
-                f"{opts.host}:{port}", "pagedkv.v1.Worker",
+                f"{opts.host}:{port}", "pagedkv.v1.Worker", env=worker_env,
             )
         )
     if opts.serve_port is not None:
@@ -131,6 +135,12 @@ def plan(opts: StackOptions, security: StackSecurity | None = None) -> list[Serv
             )
         )
     return services
+
+
+def _cpu_workers(device: str) -> bool:
+    """Whether the workers will compute on the CPU: ``cpu``, or ``auto`` on a host without an
+    NVIDIA driver (the preloads are for CPU compute; GPU workers keep torch's own runtime)."""
+    return device == "cpu" or (device == "auto" and not pathlib.Path("/dev/nvidiactl").exists())
 
 
 def worker_roles(roles: Sequence[str], num_workers: int) -> list[str]:
@@ -281,6 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ready-timeout-s", type=float, default=d.ready_timeout_s)
     p.add_argument("--roles", default="",
                    help="worker roles, one for all or one per worker: e.g. prefill,decode [all mixed]")
+    p.add_argument("--no-preload-runtime", dest="preload_runtime", action="store_false",
+                   help="start CPU workers without tcmalloc / Intel OpenMP preloaded (default: preload when present)")
     p.add_argument("--pin-workers", action="store_true",
                    help="give each worker its own CPUs (--cpu-affinity) and as many torch threads")
     p.add_argument("--tls-dir", default=None,
@@ -306,7 +318,7 @@ def options_from_args(args: argparse.Namespace) -> StackOptions:
         worker_port=args.worker_port, num_workers=args.num_workers, num_gpu_blocks=args.num_gpu_blocks,
         num_cpu_blocks=args.num_cpu_blocks, block_size=args.block_size, model=args.model, device=args.device,
         dtype=args.dtype, log_format=args.log_format, log_dir=args.log_dir, ready_timeout_s=args.ready_timeout_s,
-        roles=roles, pin_workers=args.pin_workers,
+        roles=roles, pin_workers=args.pin_workers, preload_runtime=args.preload_runtime,
         tls_dir=args.tls_dir, auth_tokens_file=args.auth_tokens_file,
         serve_port=None if args.no_serve else args.serve_port,
     )
