@@ -674,12 +674,16 @@ class Engine:
         reserve the slot of the token it is sampling for every sequence that will go on, so the next
         iteration needs no append before its worker call (vLLM v1's async scheduling).
 
-        The token is not known yet, so the append carries no token id: those blocks are not
-        content-hashed (no prefix-cache hits on generated text). Sequences that finish by length,
-        and parents whose samples wait for this step's logits, are left out; one that stops on a
+        The token is not known yet, so the append carries no token id: the block manager stops
+        hashing the sequence there (no prefix-cache hits on generated text). So a sequence whose
+        prompt's last chunk is in this step is left out: its last prompt blocks are committed only
+        in the next Step, and a reservation now would keep them out of the prefix cache (a burst
+        sharing a system prompt then got almost no hits). Sequences that finish by length, and
+        parents whose samples wait for this step's logits, are left out too; one that stops on a
         stop token frees its reservation with itself."""
         early = [s for s, k in batch
                  if s.num_computed + k == len(s.tokens) and not s.needs_slot
+                 and s.completion.token_ids
                  and len(s.completion.token_ids) + 1 < s.request.max_tokens
                  and not any(c.awaiting_parent for c in s.children)]
         if not early:

@@ -188,6 +188,27 @@ def test_finished_prefix_hint_is_not_trusted_after_the_cache_dropped_blocks(hf: 
         assert o.completions[0].token_ids == hf.greedy(p + [i + 1], 2), o.request_id
 
 
+def test_overlap_mode_keeps_the_burst_prefix_hits(hf: HFModel) -> None:
+    """overlap_block_manager reserves decode slots before their tokens are known, which stops the
+    manager hashing a sequence; a sequence whose prompt's last chunk is in flight is not reserved
+    early, so its prompt blocks are committed and the held burst still hits them (before: almost
+    no hits in overlap mode)."""
+    p = prompts(9, 1)[0] + [7, 8, 9, 10, 11]
+    with stack(hf, num_gpu_blocks=64) as st:
+        engine = st.engine(EngineConfig(overlap_block_manager=True))
+        burst = [engine.add_request(GenerationRequest(f"t{i}", p + [i + 1], max_tokens=5)) for i in range(3)]
+        for _ in engine.stream():
+            pass
+        core = st.block_manager.servicer._core  # noqa: SLF001
+        core.check_invariants()
+        assert core.stats().num_sequences == 0
+    hit = len(p) // 4 * 4
+    assert [o.num_cached_tokens for o in burst] == [0, hit, hit]
+    assert engine.stats.slots_reserved_ahead > 0
+    for i, o in enumerate(burst):
+        assert o.completions[0].token_ids == hf.greedy(p + [i + 1], 5), o.request_id
+
+
 def test_burst_whose_prefix_is_already_committed_is_not_held(hf: HFModel) -> None:
     """Holding only pays when someone is still computing the prefix: once it is committed, a burst
     of requests sharing it is admitted in one iteration, every one with hits."""
