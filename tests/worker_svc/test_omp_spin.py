@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-LIBIOMP = Path(sys.prefix) / "lib" / "libiomp5.so"  # the intel-openmp wheel (a dev dependency)
+LIBIOMP = Path(sys.prefix) / "lib" / "libiomp5.so"  # the intel-openmp wheel (the worker extra)
 
 PROBE = """
 import sys, threading, time
@@ -40,7 +40,7 @@ def _probe(mode: str, env: dict[str, str]) -> tuple[bool | None, float]:
     return eval(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return] # noqa: S307 - our probe's tuple
 
 
-@pytest.mark.skipif(not LIBIOMP.exists(), reason="intel-openmp is not installed (pip install -e '.[dev]')")
+@pytest.mark.skipif(not LIBIOMP.exists(), reason="intel-openmp is not installed (pip install -e '.[worker]')")
 def test_intel_runtime_threads_stop_spinning_soon_unless_the_environment_says_otherwise() -> None:
     iomp = {"LD_PRELOAD": str(LIBIOMP)}
     if os.cpu_count() and os.cpu_count() >= 2:  # a helper thread to spin exists
