@@ -1,16 +1,18 @@
-"""How the CPU decode-attention plan groups a batch: the chosen rules against the alternatives.
+"""CPU decode attention: the native kernel against the gather + SDPA bucket plans.
 
-``kernels/cpu.py`` plans a decode step once: which sequences share one gather + SDPA call
-(length buckets) and which shared prefixes are attended once for all their members (cascade).
-Every call has a fixed cost (a gather, an SDPA launch, Python), and the cascade adds a merge, so
-the rules trade padding and duplicated prefix work against calls. This prints, per batch shape,
-the time of a 4-layer step's decode attention (plan included) under three rule sets, measured
-round-robin in one run (the machine is noisy):
+``kernels/cpu.py`` has two decode paths. The native kernel (``kernels/cpu_native.py``) reads K/V
+in place from the paged cache. Without it, a step is planned once: which sequences share one
+gather + SDPA call (length buckets) and which shared prefixes are attended once for all their
+members (cascade); every call has a fixed cost (a gather, an SDPA launch, Python), and the cascade
+adds a merge, so those rules trade padding and duplicated prefix work against calls. This prints,
+per batch shape, the time of a 4-layer step's decode attention (plan included) on four paths,
+measured round-robin in one run (the machine is noisy):
 
 - ``flat``: buckets bounded by ``PAD_FRACTION`` only, no cascade (the first CPU backend);
 - ``cascade-always``: the same buckets plus a cascade for every group sharing ``MIN_SHARED_BLOCKS``;
-- ``chosen``: what ``kernels/cpu.py`` does now (``PAD_TOKENS`` of padding always allowed, a cascade
-  only when it saves ``CASCADE_MIN_SAVED_TOKENS``).
+- ``buckets``: the bucket rules ``kernels/cpu.py`` uses without the native kernel (``PAD_TOKENS``
+  of padding always allowed, a cascade only when it saves ``CASCADE_MIN_SAVED_TOKENS``);
+- ``native``: the native kernel (what the CPU backend runs when it can build it).
 
     python bench/cpu_decode_bench.py [--threads 2] [--reps 15] [--head-dims 64,128]
 """
@@ -18,6 +20,7 @@ round-robin in one run (the machine is noisy):
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import sys
@@ -30,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import cpu  # noqa: E402
+from kernels import cpu, cpu_native  # noqa: E402
 
 BLOCK = 16
 NUM_KV_HEADS, NUM_HEADS, LAYERS = 2, 8, 4
@@ -56,10 +59,12 @@ SHAPES = [
     Shape("48 seqs, nothing shared, 40-480 tok", 48, 0, 1, (3, 30)),
 ]
 
-RULES: dict[str, dict[str, float]] = {
-    "flat": {"PAD_TOKENS": 0, "MIN_SHARED_BLOCKS": 10**9, "CASCADE_MIN_SAVED_TOKENS": 0},
-    "cascade-always": {"PAD_TOKENS": 0, "CASCADE_MIN_SAVED_TOKENS": 0},
-    "chosen": {},
+# path -> (bucket rules, native kernel on)
+RULES: dict[str, tuple[dict[str, float], bool]] = {
+    "flat": ({"PAD_TOKENS": 0, "MIN_SHARED_BLOCKS": 10**9, "CASCADE_MIN_SAVED_TOKENS": 0}, False),
+    "cascade-always": ({"PAD_TOKENS": 0, "CASCADE_MIN_SAVED_TOKENS": 0}, False),
+    "buckets": ({}, False),
+    "native": ({}, True),
 }
 
 
@@ -79,15 +84,22 @@ def batch(shape: Shape, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, int]
     return bt, torch.tensor(lens, dtype=torch.int32), nxt
 
 
-def with_rules(rules: dict[str, float], fn: Callable[[], object]) -> object:
+def with_rules(path: tuple[dict[str, float], bool], fn: Callable[[], object]) -> object:
+    rules, native = path
     saved = {k: getattr(cpu, k) for k in rules}
+    saved_env = os.environ.get(cpu_native.ENV_SWITCH)
     for k, v in rules.items():
         setattr(cpu, k, v)
+    os.environ[cpu_native.ENV_SWITCH] = "auto" if native else "0"
     try:
         return fn()
     finally:
         for k, v in saved.items():
             setattr(cpu, k, v)
+        if saved_env is None:
+            os.environ.pop(cpu_native.ENV_SWITCH, None)
+        else:
+            os.environ[cpu_native.ENV_SWITCH] = saved_env
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,11 +111,15 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     print(f"# CPU decode attention, {LAYERS} layers + plan, {NUM_HEADS} heads / {NUM_KV_HEADS} KV heads, "
           f"block {BLOCK}, fp32, {args.threads} threads; median ms of {args.reps} round-robin rounds")
-    print(f"# chosen: PAD_FRACTION={cpu.PAD_FRACTION} PAD_TOKENS={cpu.PAD_TOKENS} "
+    if not cpu_native.available():
+        print(f"# the native kernel could not be built here (see the log): no native column", file=sys.stderr)
+        del RULES["native"]
+    print(f"# buckets: PAD_FRACTION={cpu.PAD_FRACTION} PAD_TOKENS={cpu.PAD_TOKENS} "
           f"MIN_SHARED_BLOCKS={cpu.MIN_SHARED_BLOCKS} CASCADE_MIN_SAVED_TOKENS={cpu.CASCADE_MIN_SAVED_TOKENS}")
+    ratios = [("buckets", "flat"), ("buckets", "cascade-always")] + ([("native", "buckets")] if "native" in RULES else [])
     print("\n| head_dim | batch | " + " | ".join(f"{r} ms (calls)" for r in RULES)
-          + " | chosen / cascade-always | chosen / flat |")
-    print("|---|---|" + "---|" * (len(RULES) + 2))
+          + " | " + " | ".join(f"{a} / {b}" for a, b in ratios) + " |")
+    print("|---|---|" + "---|" * (len(RULES) + len(ratios)))
     with torch.inference_mode():
         for head_dim in (int(x) for x in args.head_dims.split(",")):
             for shape in SHAPES:
@@ -116,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
                 calls: dict[str, str] = {}
                 steps: dict[str, Callable[[], None]] = {}
                 for name, rules in RULES.items():
-                    def step(rules: dict[str, float] = rules) -> torch.Tensor:
+                    def step(rules: tuple[dict[str, float], bool] = rules) -> torch.Tensor:
                         def run() -> torch.Tensor:
                             plan = cpu.plan_decode(bt, lens, BLOCK)
                             out = torch.empty_like(q)
@@ -129,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
                         want = got
                     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)  # same attention, any rules
                     plan = with_rules(rules, lambda: cpu.plan_decode(bt, lens, BLOCK))
-                    calls[name] = f"{len(plan.buckets)}+{len(plan.shared)}"  # type: ignore[attr-defined]
+                    calls[name] = ("1" if plan.native_tables is not None  # type: ignore[attr-defined]
+                                   else f"{len(plan.buckets)}+{len(plan.shared)}")  # type: ignore[attr-defined]
                     steps[name] = step
                 times: dict[str, list[float]] = {name: [] for name in RULES}
                 for _ in range(args.reps):
@@ -139,9 +156,9 @@ def main(argv: list[str] | None = None) -> int:
                         times[name].append(time.perf_counter() - t0)
                 med = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
                 cells = " | ".join(f"{med[n]:.2f} ({calls[n]})" for n in RULES)
-                print(f"| {head_dim} | {shape.label} | {cells} | {med['chosen'] / med['cascade-always']:.2f}x | "
-                      f"{med['chosen'] / med['flat']:.2f}x |", flush=True)
-    print("\n(calls: buckets + cascaded prefixes, per layer)")
+                cells += " | " + " | ".join(f"{med[a] / med[b]:.2f}x" for a, b in ratios)
+                print(f"| {head_dim} | {shape.label} | {cells} |", flush=True)
+    print("\n(calls per layer: buckets + cascaded prefixes; the native kernel is one call)")
     return 0
 
 

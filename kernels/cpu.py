@@ -39,12 +39,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_native
 from kernels.reference import copy_blocks
 from kernels.swap import swap_blocks
 
 __all__ = [
     "write_kv_cache", "paged_decode_attention", "paged_prefill_attention", "copy_blocks", "swap_blocks",
-    "decode_buckets", "prefill_buckets", "DecodePlan", "PrefillPlan", "plan_decode", "plan_prefill",
+    "decode_buckets", "prefill_buckets", "DecodePlan", "PrefillPlan", "plan_decode", "plan_buckets", "plan_prefill",
 ]
 
 PAD_FRACTION = 0.25  # largest share of a decode bucket's tokens that may be padding
@@ -59,6 +60,11 @@ PAD_TOKENS = 1024
 # of attention, (members - 1) x shared tokens: its own call, the log-sum-exp merge and the members'
 # own parts in separate buckets cost about as much as this many tokens.
 CASCADE_MIN_SAVED_TOKENS = 4096
+# The native kernel (kernels/cpu_native.py) beats the buckets 2-4x on chat batches and on 64
+# sequences sharing 432-token prefixes ((64 - 4) x 432 = 26K tokens the cascade would save), but
+# loses 1.2-1.4x to the cascade with 48 sequences on a 1,024-token prefix (48K saved):
+# bench/cpu_decode_bench.py. Between the two, it stays on the native kernel.
+NATIVE_MAX_SAVED_TOKENS = 32768
 
 
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -161,6 +167,12 @@ class DecodePlan:
     num_seqs: int
     buckets: list[_Bucket]
     shared: list[_SharedPrefix] = field(default_factory=list)
+    # The native kernel's int32 block tables and lengths (``kernels/cpu_native.py``); None when it
+    # is unavailable. ``bucketed`` says whether ``buckets``/``shared`` were built: a plan made for
+    # the native kernel builds them only if a call cannot use it (e.g. an fp16 cache).
+    native_tables: torch.Tensor | None = None
+    native_lens: torch.Tensor | None = None
+    bucketed: bool = True
 
 
 def shared_prefixes(tables: list[list[int]], lens: list[int], block_size: int) -> list[tuple[list[int], int]]:
@@ -187,6 +199,22 @@ def shared_prefixes(tables: list[list[int]], lens: list[int], block_size: int) -
 
 
 def plan_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> DecodePlan:
+    """The step's decode plan: the native kernel's arguments when it is available (no buckets,
+    nothing gathered), else length buckets and shared prefixes (``plan_buckets``). Also the
+    buckets when shared prefixes would save ``NATIVE_MAX_SAVED_TOKENS`` or more (the cascade
+    attends a prefix once for all its members; the native kernel reads it once per member)."""
+    if cpu_native.available():
+        lens = seq_lens.tolist()
+        saved = sum((len(rows) - 1) * nb * block_size
+                    for rows, nb in shared_prefixes(block_tables.tolist(), lens, block_size))
+        if saved < NATIVE_MAX_SAVED_TOKENS:
+            return DecodePlan(len(lens), [], [], block_tables.to(torch.int32).contiguous(),
+                              seq_lens.to(torch.int32).contiguous(), bucketed=False)
+    return plan_buckets(block_tables, seq_lens, block_size)
+
+
+def plan_buckets(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> DecodePlan:
+    """Length buckets and shared prefixes for the gather + SDPA path (the module docstring)."""
     lens = seq_lens.tolist()
     tables = block_tables.to(torch.int64)
     host_tables = tables.tolist()
@@ -229,6 +257,12 @@ def paged_decode_attention(
         return out
     if not isinstance(plan, DecodePlan):
         plan = plan_decode(block_tables, seq_lens, block_size)
+    if (plan.native_tables is not None and plan.native_lens is not None and out.stride(-1) == 1
+            and cpu_native.supports(query, key_cache, value_cache)):
+        return cpu_native.decode(query, key_cache, value_cache, plan.native_tables, plan.native_lens, scale, out)
+    if not plan.bucketed:  # planned for the native kernel, which cannot take this call
+        built = plan_buckets(block_tables, seq_lens, block_size)
+        plan.buckets, plan.shared, plan.bucketed = built.buckets, built.shared, True
     q_all = query.view(num_seqs, num_kv_heads, group, head_dim)
     out_view = out.view(num_seqs, num_kv_heads, group, head_dim)
     # Softmax normalisers of each row's own part, for the merge with its shared prefix.

@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 import torch
 
 import kernels
+from kernels import cpu_native
+from worker_svc import omp_spin
 from worker_svc.model.batch import AttentionBatch
 from worker_svc.model.registry import Model
-from worker_svc import omp_spin
 from worker_svc.model.sampling import MAX_TOP_LOGPROBS, SamplingParams, sample
 
 
@@ -160,6 +161,8 @@ class ModelRunner:
         self.kernel_backend = kernel_backend
         self._lock = threading.Lock()
         self._closed = False
+        if self.device.type == "cpu":
+            cpu_native.library()  # build the CPU decode kernel now, not inside the first request's step
 
     def close(self, release: Callable[[], None] | None = None) -> None:
         """Wait for the step in flight, refuse later ones, drop the cache views, then ``release()``.

@@ -2,7 +2,9 @@
 
 Fresh random inputs (never zeros), NaN-poisoned outputs, ragged lengths around block boundaries,
 GQA / MQA / MHA, strided layer views of a bigger cache, fp32 + fp16 + bf16 (SDPA does all three on
-CPU), and length buckets that really split a batch.
+CPU), and length buckets that really split a batch. Decode runs on both of its paths: the native
+kernel (kernels/cpu_native.py; fp16 falls back to buckets inside it) and the gather + SDPA buckets
+(``PAGEDKV_CPU_NATIVE=0``).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import pytest
 import torch
 
 import kernels
-from kernels import cpu, reference
+from kernels import cpu, cpu_native, reference
 from tests.kernels.cases import assert_close, generator, make_caches, make_paged, poisoned_like, ragged_lens, randn
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU backend cases (CPU tensors)")
@@ -24,6 +26,25 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 def _cpu_backend():  # type: ignore[no-untyped-def]
     with kernels.use_backend("cpu"):
         yield
+
+
+@pytest.fixture(params=["native", "buckets"])
+def decode_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a decode test on the native kernel, then on the gather + SDPA buckets."""
+    if request.param == "buckets":
+        monkeypatch.setenv(cpu_native.ENV_SWITCH, "0")
+    elif not cpu_native.available():
+        pytest.skip("no C compiler: the native decode kernel cannot be built here")
+    return str(request.param)
+
+
+def test_plan_follows_the_path(decode_path: str) -> None:
+    case = make_paged([40, 3, 200], 16, 2, 64, torch.float32, seed=1)
+    plan = cpu.plan_decode(case.block_tables, case.seq_lens, 16)
+    if decode_path == "native":
+        assert plan.native_tables is not None and plan.native_tables.dtype == torch.int32 and not plan.bucketed
+    else:
+        assert plan.native_tables is None and plan.bucketed and plan.buckets
 
 
 def _decode(case, num_heads: int, dtype: torch.dtype, seed: int) -> None:  # type: ignore[no-untyped-def]
@@ -40,19 +61,19 @@ def _decode(case, num_heads: int, dtype: torch.dtype, seed: int) -> None:  # typ
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(8, 2), (4, 1), (4, 4)])
-def test_decode_matches_reference(dtype: torch.dtype, num_heads: int, num_kv_heads: int) -> None:
+def test_decode_matches_reference(dtype: torch.dtype, num_heads: int, num_kv_heads: int, decode_path: str) -> None:
     case = make_paged(ragged_lens(16, 150) + [33, 97, 2], 16, num_kv_heads, 64, dtype, seed=num_heads)
     _decode(case, num_heads, dtype, seed=5)
 
 
 @pytest.mark.parametrize("layout", ["layers", "blocks_outer"])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_decode_strided_caches(layout: str, head_dim: int) -> None:
+def test_decode_strided_caches(layout: str, head_dim: int, decode_path: str) -> None:
     case = make_paged([5, 64, 300, 17], 16, 2, head_dim, torch.float32, seed=head_dim, layout=layout)
     _decode(case, 8, torch.float32, seed=3)
 
 
-def test_decode_many_buckets_and_a_zero_length() -> None:
+def test_decode_many_buckets_and_a_zero_length(decode_path: str) -> None:
     rnd = random.Random(0)
     lens = [rnd.randint(1, 400) for _ in range(40)] + [0]
     buckets = cpu.decode_buckets(lens, 16)
@@ -116,6 +137,7 @@ def test_decode_with_shared_prefixes_attends_to_them_once_and_matches_reference(
 ) -> None:
     kc, vc, bt, lens = _shared_prefix_case(dtype, seed=41)
     monkeypatch.setattr(cpu, "CASCADE_MIN_SAVED_TOKENS", 0)  # these small groups: the cascade path
+    monkeypatch.setenv(cpu_native.ENV_SWITCH, "0")  # the cascade belongs to the bucket path
     plan = cpu.plan_decode(bt, lens, 16)
     # Both groups share all their common blocks (every member keeps at least one token of its own);
     # the lone member of the third group and the loners attend on their own.
@@ -195,3 +217,19 @@ def test_auto_picks_cpu_backend_without_the_interpreter(monkeypatch: pytest.Monk
     with kernels.use_backend("auto"):
         assert kernels.backend_for(torch.empty(1)) == "cpu"
         assert kernels.backend_for(torch.empty(1, dtype=torch.bfloat16)) == "cpu"
+
+
+def test_long_shared_prefixes_go_to_the_cascade_not_the_native_kernel(decode_path: str) -> None:
+    """The native kernel reads a shared prefix once per member; when the cascade would save
+    NATIVE_MAX_SAVED_TOKENS or more, the plan is the buckets with the prefix attended once."""
+    members, block = 3, 16
+    for shared, native in ((cpu.NATIVE_MAX_SAVED_TOKENS // ((members - 1) * block), False),
+                           (cpu.NATIVE_MAX_SAVED_TOKENS // ((members - 1) * block) - 1, True)):
+        tables = [list(range(shared)) + [shared + i] for i in range(members)]
+        bt = torch.tensor(tables, dtype=torch.int32)
+        lens = torch.tensor([shared * block + 3] * members, dtype=torch.int32)
+        plan = cpu.plan_decode(bt, lens, block)
+        uses_native = decode_path == "native" and native
+        assert (plan.native_tables is not None) == uses_native
+        if not uses_native:
+            assert [sp.idx.tolist() for sp in plan.shared] == [[0, 1, 2]]

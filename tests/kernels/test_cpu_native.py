@@ -1,0 +1,152 @@
+"""The native CPU decode kernel (kernels/csrc/paged_decode.c via kernels/cpu_native.py).
+
+Against the torch reference on fresh random inputs with NaN-poisoned outputs: GQA groups of 1-8,
+head sizes 64/80/128, long contexts with large scores (the vectorized exp), zero-length rows,
+fp32 and bf16, strided layer views. Then how it is built and what happens when it cannot be.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import torch
+
+from kernels import cpu, cpu_native, reference
+from tests.kernels.cases import assert_close, generator, make_paged, poisoned_like, ragged_lens, randn
+
+pytestmark = pytest.mark.skipif(not cpu_native._compiler(), reason="no C compiler to build the kernel")
+
+
+def _check(case, num_heads: int, dtype: torch.dtype, seed: int, q_scale: float = 1.0) -> None:  # type: ignore[no-untyped-def]
+    n, d = case.seq_lens.shape[0], case.key_cache.shape[3]
+    q = randn((n, num_heads, d), dtype, generator(seed)) * q_scale
+    out = poisoned_like(q)
+    tables, lens = case.block_tables.to(torch.int32).contiguous(), case.seq_lens.to(torch.int32).contiguous()
+    assert cpu_native.supports(q, case.key_cache, case.value_cache)
+    got = cpu_native.decode(q, case.key_cache, case.value_cache, tables, lens, d**-0.5, out)
+    assert got is out
+    want = reference.paged_decode_attention(q, case.key_cache, case.value_cache, case.block_tables,
+                                            case.seq_lens, d**-0.5)
+    assert_close(got, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(8, 2, 64), (8, 8, 128), (8, 1, 80), (4, 2, 128)])
+def test_decode_matches_reference(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    case = make_paged(ragged_lens(16, 200) + [1, 15, 16, 17], 16, num_kv_heads, head_dim, dtype, seed=head_dim)
+    _check(case, num_heads, dtype, seed=num_heads)
+
+
+def _fp64_attention(q: torch.Tensor, case, scale: float) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """Decode attention in float64, one (sequence, head) at a time: the ground truth."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    bs, hkv = case.key_cache.shape[1], case.key_cache.shape[2]
+    group = q.shape[1] // hkv
+    for s, n in enumerate(case.seq_lens.tolist()):
+        if n == 0:
+            continue
+        blocks = case.block_tables[s, : -(-n // bs)].long()
+        k = case.key_cache[blocks].reshape(-1, hkv, q.shape[2])[:n].double()
+        v = case.value_cache[blocks].reshape(-1, hkv, q.shape[2])[:n].double()
+        for h in range(q.shape[1]):
+            p = torch.softmax(k[:, h // group] @ q[s, h].double() * scale, 0)
+            out[s, h] = p @ v[:, h // group]
+    return out
+
+
+@pytest.mark.parametrize("block_size", [8, 64])
+def test_block_sizes_around_the_sixteen_key_chunks(block_size: int) -> None:
+    """Blocks smaller than the sixteen keys scored together (every key one at a time) and larger
+    (several chunks per block, a ragged last one)."""
+    case = make_paged([1, 7, 16, 33, 250, 129], block_size, 2, 64, torch.float32, seed=block_size)
+    _check(case, 8, torch.float32, seed=7)
+
+
+def test_long_contexts_with_sharp_scores_and_empty_rows() -> None:
+    """Scores spread over hundreds of units (most exp() terms underflow), 3,000-token contexts,
+    block size 32, and sequences of length 0 (their rows come back as zeros, not NaN). Sharp
+    scores amplify fp32 rounding, so both the kernel and the reference are measured against a
+    float64 computation: the kernel may be at most twice as far from it as the reference is."""
+    case = make_paged([3000, 0, 1, 2047, 0, 513], 32, 2, 64, torch.float32, seed=3)
+    q = randn((6, 8, 64), torch.float32, generator(4)) * 30.0
+    got = cpu_native.decode(q, case.key_cache, case.value_cache, case.block_tables.to(torch.int32).contiguous(),
+                            case.seq_lens.to(torch.int32).contiguous(), 0.125, poisoned_like(q))
+    want = reference.paged_decode_attention(q, case.key_cache, case.value_cache, case.block_tables,
+                                            case.seq_lens, 0.125)
+    truth = _fp64_attention(q, case, 0.125)
+    assert not torch.isnan(got).any()
+    assert torch.equal(got[1], torch.zeros_like(got[1])) and torch.equal(got[4], torch.zeros_like(got[4]))
+    kernel_err = (got.double() - truth).abs().max().item()
+    reference_err = (want.double() - truth).abs().max().item()
+    assert kernel_err <= 2 * reference_err + 1e-6, (kernel_err, reference_err)
+
+
+@pytest.mark.parametrize("layout", ["layers", "blocks_outer"])
+def test_strided_layer_views(layout: str) -> None:
+    case = make_paged([5, 64, 300, 17], 16, 2, 64, torch.float32, seed=9, layout=layout)
+    _check(case, 8, torch.float32, seed=10)
+
+
+def test_fp16_and_strided_queries_are_not_taken() -> None:
+    case = make_paged([20], 16, 2, 64, torch.float16, seed=1)
+    q = randn((1, 8, 64), torch.float16, generator(2))
+    assert not cpu_native.supports(q, case.key_cache, case.value_cache)
+    q32 = randn((1, 8, 128), torch.float32, generator(2))[:, :, ::2]  # head_dim not contiguous
+    case32 = make_paged([20], 16, 2, 64, torch.float32, seed=1)
+    assert not cpu_native.supports(q32, case32.key_cache, case32.value_cache)
+
+
+@pytest.fixture
+def fresh(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forget the loaded library so the next call builds (or fails to build) again."""
+    monkeypatch.setattr(cpu_native, "_lib", None)
+    monkeypatch.setattr(cpu_native, "_tried", False)
+
+
+def test_built_once_into_the_cache_dir(fresh: None, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cpu_native.ENV_CACHE, str(tmp_path))
+    assert cpu_native.available()
+    built = list(tmp_path.glob("paged_decode-*.so"))
+    assert len(built) == 1 and not list(tmp_path.glob("*.so.tmp*"))
+    stamp = built[0].stat().st_mtime_ns
+    monkeypatch.setattr(cpu_native, "_lib", None)
+    monkeypatch.setattr(cpu_native, "_tried", False)
+    assert cpu_native.available()
+    assert built[0].stat().st_mtime_ns == stamp  # found, not rebuilt
+    assert len(list(tmp_path.iterdir())) == 1  # no leftovers from the build
+
+
+def test_without_a_compiler_the_bucket_path_runs(fresh: None, tmp_path: pathlib.Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cpu_native.ENV_CACHE, str(tmp_path / "empty"))
+    monkeypatch.setenv("CC", "no-such-compiler-pagedkv")
+    assert not cpu_native.available()
+    case = make_paged([40, 300], 16, 2, 64, torch.float32, seed=5)
+    plan = cpu.plan_decode(case.block_tables, case.seq_lens, 16)
+    assert plan.native_tables is None and plan.buckets
+    q = randn((2, 8, 64), torch.float32, generator(6))
+    got = cpu.paged_decode_attention(q, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
+                                     0.125, plan=plan)
+    want = reference.paged_decode_attention(q, case.key_cache, case.value_cache, case.block_tables,
+                                            case.seq_lens, 0.125)
+    assert_close(got, want, torch.float32)
+
+
+def test_a_failing_build_names_the_compiler_error(fresh: None, tmp_path: pathlib.Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    bad = tmp_path / "broken.c"
+    bad.write_text("this is not C\n")
+    monkeypatch.setattr(cpu_native, "SOURCE", bad)
+    monkeypatch.setenv(cpu_native.ENV_CACHE, str(tmp_path / "cache"))
+    with pytest.raises(OSError, match="failed"):
+        cpu_native._load()
+    assert not list((tmp_path / "cache").glob("*.so"))  # nothing half-built left behind
+    assert not cpu_native.available()
+
+
+def test_switched_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cpu_native.ENV_SWITCH, "off")
+    assert cpu_native.library() is None
+    case = make_paged([40], 16, 2, 64, torch.float32, seed=5)
+    assert cpu.plan_decode(case.block_tables, case.seq_lens, 16).native_tables is None
