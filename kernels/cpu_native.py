@@ -1,4 +1,8 @@
-"""The CPU backend's native decode kernel (``csrc/paged_decode.c``): built on first use, called by ctypes.
+"""The CPU backend's native kernels (``csrc/``): built on first use, called by ctypes.
+
+Two kernels: paged decode attention (``csrc/paged_decode.c``, used by ``kernels/cpu.py``) and the
+row-wise log-sum-exp of a step's logits (``csrc/logsumexp.c``, used by the worker's sampling for
+each token's log-probability).
 
 Why a small C file and not a torch extension: the kernel needs no torch API, only pointers and
 strides, so it compiles in about a second with the system C compiler (a torch C++ extension takes
@@ -7,10 +11,11 @@ a minute of header parsing) and needs nothing at install time. It is compiled wi
 compiler and the CPU, and loaded with ``ctypes.CDLL`` (which releases the GIL during the call, so
 the process's gRPC threads keep running). Its OpenMP calls bind to the OpenMP runtime torch already
 loaded (``libgomp.so.1``, or Intel's ``libiomp5`` when preloaded: it provides the same symbols), so
-the kernel and torch share one thread pool.
+the kernels and torch share one thread pool.
 
 When there is no C compiler, the build fails, or ``PAGEDKV_CPU_NATIVE=0``, ``available()`` is False
-and the CPU backend keeps its gather + SDPA path (one warning in the log says why). Environment:
+and the callers keep their torch paths (the CPU backend its gathers + SDPA, sampling
+``torch.logsumexp``); one warning in the log says why. Environment:
 
 - ``PAGEDKV_CPU_NATIVE``: ``auto`` (default: build and use it when possible) or ``0``/``off``.
 - ``PAGEDKV_NATIVE_CACHE``: where built libraries go (default ``$XDG_CACHE_HOME/pagedkv`` or
@@ -35,7 +40,9 @@ import torch
 
 log = structlog.get_logger(__name__)
 
-SOURCE = pathlib.Path(__file__).with_name("csrc") / "paged_decode.c"
+CSRC = pathlib.Path(__file__).with_name("csrc")
+SOURCES = (CSRC / "paged_decode.c", CSRC / "logsumexp.c")
+HEADERS = (CSRC / "fastexp.h",)
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 ENV_SWITCH = "PAGEDKV_CPU_NATIVE"
 ENV_CACHE = "PAGEDKV_NATIVE_CACHE"
@@ -89,10 +96,10 @@ def _cpu_signature() -> str:
 
 
 def _build(cc: str) -> pathlib.Path:
-    """Compile the kernel (or find it built): returns the shared library's path."""
-    source = SOURCE.read_bytes()
+    """Compile the kernels (or find them built): returns the shared library's path."""
+    texts = [f.read_bytes() for f in (*SOURCES, *HEADERS)]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256(b"\0".join([source, " ".join(CFLAGS).encode(), version.encode(),
+    key = hashlib.sha256(b"\0".join([*texts, " ".join(CFLAGS).encode(), version.encode(),
                                      _cpu_signature().encode()])).hexdigest()[:20]
     target = None
     for directory in (_cache_dir(), pathlib.Path(tempfile.gettempdir()) / "pagedkv-native"):
@@ -100,8 +107,8 @@ def _build(cc: str) -> pathlib.Path:
             directory.mkdir(parents=True, exist_ok=True)
         except OSError:
             continue
-        if os.access(directory, os.W_OK) or (directory / f"paged_decode-{key}.so").exists():
-            target = directory / f"paged_decode-{key}.so"
+        if os.access(directory, os.W_OK) or (directory / f"cpu_kernels-{key}.so").exists():
+            target = directory / f"cpu_kernels-{key}.so"
             break
     if target is None:
         raise OSError("no writable directory for the native kernel (set PAGEDKV_NATIVE_CACHE)")
@@ -111,14 +118,15 @@ def _build(cc: str) -> pathlib.Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=120)
+        done = subprocess.run([cc, *CFLAGS, "-o", tmp, *map(str, SOURCES)], capture_output=True, text=True,
+                              timeout=120)
         if done.returncode != 0:
             raise OSError(f"{cc} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    log.info("native_kernel_built", path=str(target))
+    log.info("native_kernels_built", path=str(target))
     return target
 
 
@@ -129,11 +137,14 @@ def _load() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(_build(cc)))
     lib.pagedkv_decode_args_size.restype = ctypes.c_int64
     if lib.pagedkv_decode_args_size() != ctypes.sizeof(_DecodeArgs):
-        raise OSError("the built kernel's argument layout does not match kernels/cpu_native.py")
+        raise OSError("the built kernels' argument layout does not match kernels/cpu_native.py")
     for name in ("pagedkv_decode_f32", "pagedkv_decode_bf16"):
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.POINTER(_DecodeArgs)] + [ctypes.c_void_p] * 6
+    lib.pagedkv_logsumexp_f32.restype = None
+    lib.pagedkv_logsumexp_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                          ctypes.c_void_p, ctypes.c_int]
     return lib
 
 
@@ -195,4 +206,17 @@ def decode(
             block_tables.data_ptr(), seq_lens.data_ptr(), out.data_ptr())
     if rc != 0:
         raise MemoryError("native decode kernel: could not allocate its scratch memory")
+    return out
+
+
+def logsumexp_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``torch.logsumexp(logits, dim=-1)`` of 2-D fp32 CPU logits (rows contiguous), by the native
+    kernel when it is available, else by torch. Same value up to fp32 rounding."""
+    lib = library()
+    if (lib is None or logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2
+            or logits.stride(1) != 1 or logits.shape[1] == 0):
+        return torch.logsumexp(logits, dim=-1)
+    out = torch.empty(logits.shape[0], dtype=torch.float32)
+    lib.pagedkv_logsumexp_f32(logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0),
+                              out.data_ptr(), torch.get_num_threads())
     return out

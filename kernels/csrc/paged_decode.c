@@ -24,6 +24,8 @@
 #include <omp.h>
 #endif
 
+#include "fastexp.h"
+
 typedef struct {
     int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size;
     int64_t q_seq_stride, q_head_stride;                   /* query [num_seqs, num_heads, head_dim] */
@@ -33,24 +35,6 @@ typedef struct {
     float scale;
     int num_threads;
 } DecodeArgs;
-
-/* exp(x) for x <= 0, vectorizable: 2^n * p(r), r = x - n ln2, |r| <= ln2 / 2 (Cephes' expf
- * polynomial); relative error below 1e-7 on [-87, 0], and exp(-87) below that (fp32 underflow). */
-static inline float exp_nonpos(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    float n = floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    union { int32_t i; float f; } two_n;
-    two_n.i = ((int32_t)n + 127) << 23;
-    return p * two_n.f;
-}
 
 static inline float bf16_to_f32(uint16_t h) {
     union { uint32_t i; float f; } u;

@@ -1,8 +1,10 @@
-"""The native CPU decode kernel (kernels/csrc/paged_decode.c via kernels/cpu_native.py).
+"""The native CPU kernels (kernels/csrc/ via kernels/cpu_native.py).
 
-Against the torch reference on fresh random inputs with NaN-poisoned outputs: GQA groups of 1-8,
-head sizes 64/80/128, long contexts with large scores (the vectorized exp), zero-length rows,
-fp32 and bf16, strided layer views. Then how it is built and what happens when it cannot be.
+Decode attention against the torch reference on fresh random inputs with NaN-poisoned outputs:
+GQA groups of 1-8, head sizes 64/80/128, long contexts with large scores (the vectorized exp),
+zero-length rows, fp32 and bf16, strided layer views. The row log-sum-exp against
+torch.logsumexp, infinities and NaN included. Then how they are built and what happens when they
+cannot be.
 """
 
 from __future__ import annotations
@@ -97,6 +99,33 @@ def test_fp16_and_strided_queries_are_not_taken() -> None:
     assert not cpu_native.supports(q32, case32.key_cache, case32.value_cache)
 
 
+@pytest.mark.parametrize("scale", [1.0, 30.0])
+def test_logsumexp_rows_matches_torch(scale: float) -> None:
+    big = randn((50, 32_100), torch.float32, generator(int(scale))) * scale
+    logits = big[1:49, 3:32_003]  # rows strided inside a bigger tensor
+    got = cpu_native.logsumexp_rows(logits)
+    torch.testing.assert_close(got, torch.logsumexp(logits, dim=-1), rtol=1e-6, atol=1e-5)
+
+
+def test_logsumexp_rows_infinities_and_nan_as_torch() -> None:
+    logits = randn((5, 1000), torch.float32, generator(3))
+    logits[0, 10:900] = float("-inf")  # some -inf: ignored
+    logits[1] = float("-inf")  # all -inf: -inf
+    logits[2, 7] = float("inf")  # +inf wins
+    logits[3, 999] = float("nan")  # NaN anywhere: NaN
+    got = cpu_native.logsumexp_rows(logits)
+    want = torch.logsumexp(logits, dim=-1)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5, equal_nan=True)
+    assert got[1] == float("-inf") and got[2] == float("inf") and torch.isnan(got[3])
+
+
+def test_logsumexp_rows_leaves_other_inputs_to_torch() -> None:
+    logits64 = torch.randn(3, 100, dtype=torch.float64, generator=generator(1))
+    assert torch.equal(cpu_native.logsumexp_rows(logits64), torch.logsumexp(logits64, dim=-1))
+    column = torch.randn(100, 3, generator=generator(2)).t()  # rows not contiguous
+    assert torch.equal(cpu_native.logsumexp_rows(column), torch.logsumexp(column, dim=-1))
+
+
 @pytest.fixture
 def fresh(monkeypatch: pytest.MonkeyPatch) -> None:
     """Forget the loaded library so the next call builds (or fails to build) again."""
@@ -107,7 +136,7 @@ def fresh(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_built_once_into_the_cache_dir(fresh: None, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(cpu_native.ENV_CACHE, str(tmp_path))
     assert cpu_native.available()
-    built = list(tmp_path.glob("paged_decode-*.so"))
+    built = list(tmp_path.glob("cpu_kernels-*.so"))
     assert len(built) == 1 and not list(tmp_path.glob("*.so.tmp*"))
     stamp = built[0].stat().st_mtime_ns
     monkeypatch.setattr(cpu_native, "_lib", None)
@@ -137,7 +166,7 @@ def test_a_failing_build_names_the_compiler_error(fresh: None, tmp_path: pathlib
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     bad = tmp_path / "broken.c"
     bad.write_text("this is not C\n")
-    monkeypatch.setattr(cpu_native, "SOURCE", bad)
+    monkeypatch.setattr(cpu_native, "SOURCES", (bad,))
     monkeypatch.setenv(cpu_native.ENV_CACHE, str(tmp_path / "cache"))
     with pytest.raises(OSError, match="failed"):
         cpu_native._load()

@@ -1,7 +1,8 @@
 """The model on the CPU fast path (kernels/cpu.py plans + oneDNN-packed linears) against transformers.
 
 The rest of tests/worker_svc runs the reference kernels; here the same greedy-equality oracle runs
-with ``kernels.use_backend("cpu")``, the backend ``auto`` picks on CPU: a ragged batch of many
+with ``kernels.use_backend("cpu")``, the backend ``auto`` picks on CPU, on both of its decode paths
+(the native kernel, and the gathers without it): a ragged batch of many
 sequences (so the decode length buckets split), prefill and decode in one forward, and a prefix-cache
 hit whose chunk attends to the cached prefix.
 """
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 import kernels
+from kernels import cpu_native
 from tests.worker_svc.conftest import HFModel
 from tests.worker_svc.generation import Scheduler, runner_step
 from tests.worker_svc.test_model_runner import BLOCK, PROMPT, make_runner
@@ -21,8 +23,13 @@ from worker_svc.model import linear
 from worker_svc.model_runner import ModelRunner
 
 
-@pytest.fixture(autouse=True)
-def _cpu_backend():  # type: ignore[no-untyped-def]
+@pytest.fixture(autouse=True, params=["native", "buckets"])
+def _cpu_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """Every test on both decode paths: the native kernel (kernels/cpu_native.py) and the gathers."""
+    if request.param == "buckets":
+        monkeypatch.setenv("PAGEDKV_CPU_NATIVE", "0")
+    elif not cpu_native.available():
+        pytest.skip("no C compiler: the native kernels cannot be built here")
     with kernels.use_backend("cpu"):
         yield
 
@@ -87,6 +94,7 @@ def test_decode_over_shared_prefix_blocks_matches_generate(
 
     monkeypatch.setattr(cpu, "_merge_shared_prefix", counting)
     monkeypatch.setattr(cpu, "CASCADE_MIN_SAVED_TOKENS", 0)  # a tiny model's short prompt: force the cascade
+    monkeypatch.setenv("PAGEDKV_CPU_NATIVE", "0")  # the cascade is the bucket path's (decode without the native kernel)
 
     rnd = random.Random(11)
     system = [rnd.randrange(1, 128) for _ in range(6 * BLOCK + 1)]  # 6 full blocks, past MIN_SHARED_BLOCKS
