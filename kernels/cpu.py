@@ -205,8 +205,10 @@ def plan_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: 
     attends a prefix once for all its members; the native kernel reads it once per member)."""
     if cpu_native.available():
         lens = seq_lens.tolist()
-        saved = sum((len(rows) - 1) * nb * block_size
-                    for rows, nb in shared_prefixes(block_tables.tolist(), lens, block_size))
+        saved = 0
+        if sum(lens) >= NATIVE_MAX_SAVED_TOKENS:  # else no prefix can save that much: skip the search
+            saved = sum((len(rows) - 1) * nb * block_size
+                        for rows, nb in shared_prefixes(block_tables.tolist(), lens, block_size))
         if saved < NATIVE_MAX_SAVED_TOKENS:
             return DecodePlan(len(lens), [], [], block_tables.to(torch.int32).contiguous(),
                               seq_lens.to(torch.int32).contiguous(), bucketed=False)
