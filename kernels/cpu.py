@@ -46,6 +46,7 @@ from kernels.swap import swap_blocks
 __all__ = [
     "write_kv_cache", "paged_decode_attention", "paged_prefill_attention", "copy_blocks", "swap_blocks",
     "decode_buckets", "prefill_buckets", "DecodePlan", "PrefillPlan", "plan_decode", "plan_buckets", "plan_prefill",
+    "plan_prefill_buckets",
 ]
 
 PAD_FRACTION = 0.25  # largest share of a decode bucket's tokens that may be padding
@@ -65,6 +66,14 @@ CASCADE_MIN_SAVED_TOKENS = 4096
 # loses 1.2-1.4x to the cascade with 48 sequences on a 1,024-token prefix (48K saved):
 # bench/cpu_decode_bench.py. Between the two, it stays on the native kernel.
 NATIVE_MAX_SAVED_TOKENS = 32768
+# Prefill rows run on the native kernel (each row a decode query over its causal prefix) while
+# every prefill sequence's context x head_dim stays at most this: 2,048 tokens at head_dim 64,
+# 1,024 at 128, about where one KV head's context stops fitting in a core's L2. The kernel reads
+# that context once per query row; past it, SDPA's tiled GEMMs win (256 rows over 4,256 tokens:
+# 1.8-2.7x); below it the native rows took 0.44-0.94x of the buckets' time on 11 of 12 shapes
+# measured (0.57-0.74x for a burst's short chunks over a cached prompt) and 1.15x on the twelfth
+# (4 sequences of 100-200 new tokens, head_dim 64).
+NATIVE_PREFILL_MAX_CONTEXT = 131072
 
 
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -383,14 +392,41 @@ class _PrefillBucket:
 
 @dataclass(slots=True)
 class PrefillPlan:
-    """Prefill buckets with their query gathers and masks (built once per step, used by every layer)."""
+    """Prefill buckets with their query gathers and masks (built once per step, used by every layer).
+
+    With the native kernel available, each query row is instead a decode query of its own: row
+    ``r`` of sequence ``s`` attends, through ``s``'s block table, to the ``seq_len - q_len + j + 1``
+    tokens up to and including itself, which is the causal mask with nothing padded or gathered.
+    ``native_tables`` / ``native_lens`` hold those per-row tables and lengths; the buckets are built
+    only for a call that cannot use them (``bucketed``)."""
 
     buckets: list[_PrefillBucket]
+    native_tables: torch.Tensor | None = None  # int32 [prefill tokens, max blocks]
+    native_lens: torch.Tensor | None = None  # int32 [prefill tokens]
+    max_seq_len: int = 0
+    bucketed: bool = True
 
 
 def plan_prefill(
     block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_size: int, group: int
 ) -> PrefillPlan:
+    """The step's prefill plan: per-row native arguments when the native kernel is available (the
+    buckets follow if a call cannot use them), else the buckets (``plan_prefill_buckets``)."""
+    if cpu_native.available() and seq_lens.numel():
+        q_lens = (query_start_loc[1:] - query_start_loc[:-1]).to(torch.int64)
+        seq_of_row = torch.repeat_interleave(torch.arange(seq_lens.shape[0]), q_lens)
+        rows = torch.arange(seq_of_row.shape[0])
+        # Row r of sequence s sits (query_start_loc[s + 1] - 1 - r) tokens before the sequence's end.
+        lens = seq_lens.to(torch.int64)[seq_of_row] - (query_start_loc.to(torch.int64)[seq_of_row + 1] - 1 - rows)
+        return PrefillPlan([], block_tables.to(torch.int32).index_select(0, seq_of_row).contiguous(),
+                           lens.to(torch.int32).contiguous(), int(seq_lens.max()), bucketed=False)
+    return plan_prefill_buckets(block_tables, query_start_loc, seq_lens, block_size, group)
+
+
+def plan_prefill_buckets(
+    block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_size: int, group: int
+) -> PrefillPlan:
+    """Prefill buckets, their query gathers and masks (the module docstring)."""
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     q_lens = [int(starts[i + 1]) - int(starts[i]) for i in range(len(lens))]
@@ -436,6 +472,13 @@ def paged_prefill_attention(
         out = torch.empty_like(query)
     if not isinstance(plan, PrefillPlan):
         plan = plan_prefill(block_tables, query_start_loc, seq_lens, block_size, group)
+    if (plan.native_tables is not None and plan.native_lens is not None and out.stride(-1) == 1
+            and plan.max_seq_len * head_dim <= NATIVE_PREFILL_MAX_CONTEXT
+            and cpu_native.supports(query, key_cache, value_cache)):
+        return cpu_native.decode(query, key_cache, value_cache, plan.native_tables, plan.native_lens, scale, out)
+    if not plan.bucketed:  # planned for the native kernel, which cannot take this call
+        built = plan_prefill_buckets(block_tables, query_start_loc, seq_lens, block_size, group)
+        plan.buckets, plan.bucketed = built.buckets, True
     for bk in plan.buckets:
         b, nb = bk.ids.shape
         t, rows = nb * block_size, bk.rows

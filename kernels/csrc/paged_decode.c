@@ -172,24 +172,15 @@ static void attend_any(const DecodeArgs *a, const void *q, const void *k_cache, 
     else attend(a, q, k_cache, v_cache, block_tables, ctx, out, scores, s, h, G, D, 0);
 }
 
-/* Sequences ordered by their first block (stable insertion sort: a step holds at most a few hundred):
- * sequences sharing a cached prefix run one after another, so the prefix's K/V is still in cache
- * for the next one (1.1-1.3x with four 432-token prefixes interleaved over 64 sequences). */
-static void order_by_first_block(int64_t *order, const int32_t *block_tables, const int32_t *seq_lens,
-                                 int64_t n, int64_t stride) {
-    for (int64_t i = 0; i < n; i++) {
-        const int64_t s = i;
-        const int32_t key = seq_lens[s] > 0 ? block_tables[s * stride] : INT32_MAX;
-        int64_t j = i;
-        while (j > 0) {
-            const int64_t p = order[j - 1];
-            const int32_t pkey = seq_lens[p] > 0 ? block_tables[p * stride] : INT32_MAX;
-            if (pkey <= key) break;
-            order[j] = p;
-            j--;
-        }
-        order[j] = s;
-    }
+/* Sequences ordered by their first block (then index): sequences sharing a cached prefix run one
+ * after another, so the prefix's K/V is still in cache for the next one (1.1-1.3x with four
+ * 432-token prefixes interleaved over 64 sequences). */
+typedef struct { int32_t first_block; int64_t seq; } SeqKey;
+
+static int by_first_block(const void *x, const void *y) {
+    const SeqKey *a = (const SeqKey *)x, *b = (const SeqKey *)y;
+    if (a->first_block != b->first_block) return a->first_block < b->first_block ? -1 : 1;
+    return (a->seq > b->seq) - (a->seq < b->seq);
 }
 
 /* Returns 0, or -1 when scratch memory could not be allocated (nothing written then). A sequence
@@ -202,12 +193,16 @@ static int decode(const DecodeArgs *a, const void *q, const void *k_cache, const
     const int threads = a->num_threads > 0 ? a->num_threads : 1;
     const int64_t per = G * max_ctx, tasks = a->num_seqs * a->num_kv_heads;
     float *work = (float *)malloc(sizeof(float) * per * threads);
-    int64_t *order = (int64_t *)malloc(sizeof(int64_t) * (a->num_seqs > 0 ? a->num_seqs : 1));
+    SeqKey *order = (SeqKey *)malloc(sizeof(SeqKey) * (a->num_seqs > 0 ? a->num_seqs : 1));
     if (!work || !order) { free(work); free(order); return -1; }
-    order_by_first_block(order, block_tables, seq_lens, a->num_seqs, a->bt_stride);
+    for (int64_t s = 0; s < a->num_seqs; s++) {
+        order[s].first_block = seq_lens[s] > 0 ? block_tables[s * a->bt_stride] : INT32_MAX;
+        order[s].seq = s;
+    }
+    qsort(order, (size_t)a->num_seqs, sizeof(SeqKey), by_first_block);
     #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t task = 0; task < tasks; task++) {
-        const int64_t s = order[task / a->num_kv_heads], h = task % a->num_kv_heads;
+        const int64_t s = order[task / a->num_kv_heads].seq, h = task % a->num_kv_heads;
 #ifdef _OPENMP
         float *scores = work + per * omp_get_thread_num();
 #else

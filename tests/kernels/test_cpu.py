@@ -2,9 +2,9 @@
 
 Fresh random inputs (never zeros), NaN-poisoned outputs, ragged lengths around block boundaries,
 GQA / MQA / MHA, strided layer views of a bigger cache, fp32 + fp16 + bf16 (SDPA does all three on
-CPU), and length buckets that really split a batch. Decode runs on both of its paths: the native
-kernel (kernels/cpu_native.py; fp16 falls back to buckets inside it) and the gather + SDPA buckets
-(``PAGEDKV_CPU_NATIVE=0``).
+CPU), and length buckets that really split a batch. Decode and prefill run on both of their paths:
+the native kernel (kernels/cpu_native.py; fp16 falls back to buckets inside it) and the gather +
+SDPA buckets (``PAGEDKV_CPU_NATIVE=0``).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ def _cpu_backend():  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture(params=["native", "buckets"])
-def decode_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Run a decode test on the native kernel, then on the gather + SDPA buckets."""
+def cpu_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test on the native kernel, then on the gather + SDPA buckets."""
     if request.param == "buckets":
         monkeypatch.setenv(cpu_native.ENV_SWITCH, "0")
     elif not cpu_native.available():
@@ -38,10 +38,10 @@ def decode_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
     return str(request.param)
 
 
-def test_plan_follows_the_path(decode_path: str) -> None:
+def test_plan_follows_the_path(cpu_path: str) -> None:
     case = make_paged([40, 3, 200], 16, 2, 64, torch.float32, seed=1)
     plan = cpu.plan_decode(case.block_tables, case.seq_lens, 16)
-    if decode_path == "native":
+    if cpu_path == "native":
         assert plan.native_tables is not None and plan.native_tables.dtype == torch.int32 and not plan.bucketed
     else:
         assert plan.native_tables is None and plan.bucketed and plan.buckets
@@ -61,19 +61,19 @@ def _decode(case, num_heads: int, dtype: torch.dtype, seed: int) -> None:  # typ
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(8, 2), (4, 1), (4, 4)])
-def test_decode_matches_reference(dtype: torch.dtype, num_heads: int, num_kv_heads: int, decode_path: str) -> None:
+def test_decode_matches_reference(dtype: torch.dtype, num_heads: int, num_kv_heads: int, cpu_path: str) -> None:
     case = make_paged(ragged_lens(16, 150) + [33, 97, 2], 16, num_kv_heads, 64, dtype, seed=num_heads)
     _decode(case, num_heads, dtype, seed=5)
 
 
 @pytest.mark.parametrize("layout", ["layers", "blocks_outer"])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_decode_strided_caches(layout: str, head_dim: int, decode_path: str) -> None:
+def test_decode_strided_caches(layout: str, head_dim: int, cpu_path: str) -> None:
     case = make_paged([5, 64, 300, 17], 16, 2, head_dim, torch.float32, seed=head_dim, layout=layout)
     _decode(case, 8, torch.float32, seed=3)
 
 
-def test_decode_many_buckets_and_a_zero_length(decode_path: str) -> None:
+def test_decode_many_buckets_and_a_zero_length(cpu_path: str) -> None:
     rnd = random.Random(0)
     lens = [rnd.randint(1, 400) for _ in range(40)] + [0]
     buckets = cpu.decode_buckets(lens, 16)
@@ -89,7 +89,7 @@ def test_decode_many_buckets_and_a_zero_length(decode_path: str) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(8, 2), (4, 1), (2, 2)])
-def test_prefill_matches_reference(dtype: torch.dtype, num_heads: int, num_kv_heads: int) -> None:
+def test_prefill_matches_reference(dtype: torch.dtype, num_heads: int, num_kv_heads: int, cpu_path: str) -> None:
     # (seq_len, q_len): whole prompts, chunks after a cached prefix, one token, an empty entry.
     shape = [(40, 40), (70, 23), (16, 1), (33, 0), (129, 17)]
     case = make_paged([s for s, _ in shape], 16, num_kv_heads, 64, dtype, seed=num_heads + 7)
@@ -181,7 +181,7 @@ def test_prefill_buckets_cover_every_chunk_once_with_bounded_padding() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prefill_burst_in_shared_buckets_matches_reference(dtype: torch.dtype) -> None:
+def test_prefill_burst_in_shared_buckets_matches_reference(dtype: torch.dtype, cpu_path: str) -> None:
     rnd = random.Random(8)
     shape = [(rnd.randint(100, 140), rnd.randint(3, 12)) for _ in range(20)] + [(64, 64), (17, 1), (150, 0)]
     assert any(len(m) > 4 for m, _, _ in cpu.prefill_buckets([s for s, _ in shape], [q for _, q in shape], 16))
@@ -219,7 +219,7 @@ def test_auto_picks_cpu_backend_without_the_interpreter(monkeypatch: pytest.Monk
         assert kernels.backend_for(torch.empty(1, dtype=torch.bfloat16)) == "cpu"
 
 
-def test_long_shared_prefixes_go_to_the_cascade_not_the_native_kernel(decode_path: str) -> None:
+def test_long_shared_prefixes_go_to_the_cascade_not_the_native_kernel(cpu_path: str) -> None:
     """The native kernel reads a shared prefix once per member; when the cascade would save
     NATIVE_MAX_SAVED_TOKENS or more, the plan is the buckets with the prefix attended once."""
     members, block = 3, 16
@@ -229,7 +229,40 @@ def test_long_shared_prefixes_go_to_the_cascade_not_the_native_kernel(decode_pat
         bt = torch.tensor(tables, dtype=torch.int32)
         lens = torch.tensor([shared * block + 3] * members, dtype=torch.int32)
         plan = cpu.plan_decode(bt, lens, block)
-        uses_native = decode_path == "native" and native
+        uses_native = cpu_path == "native" and native
         assert (plan.native_tables is not None) == uses_native
         if not uses_native:
             assert [sp.idx.tolist() for sp in plan.shared] == [[0, 1, 2]]
+
+
+def test_native_prefill_rows_are_causal_decode_queries(cpu_path: str) -> None:
+    """Each prefill row is a decode query over its causal prefix: row j of a q_len chunk over
+    seq_len tokens attends to seq_len - q_len + j + 1 of them, through its sequence's table."""
+    shape = [(70, 23), (16, 1), (33, 0), (5, 5)]
+    case = make_paged([n for n, _ in shape], 16, 2, 64, torch.float32, seed=4)
+    qsl = torch.tensor([0, 23, 24, 24, 29], dtype=torch.int32)
+    plan = cpu.plan_prefill(case.block_tables, qsl, case.seq_lens, 16, 4)
+    if cpu_path == "buckets":
+        assert plan.native_tables is None and plan.bucketed
+        return
+    assert plan.native_lens is not None and plan.native_tables is not None and not plan.bucketed
+    assert plan.native_lens.tolist() == list(range(48, 71)) + [16] + [1, 2, 3, 4, 5]
+    rows_of = [0] * 23 + [1] + [3] * 5
+    assert torch.equal(plan.native_tables, case.block_tables.to(torch.int32)[rows_of])
+
+
+def test_prefill_over_long_contexts_goes_to_the_buckets(cpu_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past NATIVE_PREFILL_MAX_CONTEXT (context x head_dim) the rows would re-read a context that
+    no longer fits in cache: SDPA's buckets take the call, built on demand, same result."""
+    monkeypatch.setattr(cpu, "NATIVE_PREFILL_MAX_CONTEXT", 64 * 64)  # contexts over 64 tokens at head_dim 64
+    shape = [(100, 30), (40, 40)]
+    case = make_paged([n for n, _ in shape], 16, 2, 64, torch.float32, seed=6)
+    qsl = torch.tensor([0, 30, 70], dtype=torch.int32)
+    q = randn((70, 8, 64), torch.float32, generator(7))
+    plan = cpu.plan_prefill(case.block_tables, qsl, case.seq_lens, 16, 4)
+    got = cpu.paged_prefill_attention(q, case.key_cache, case.value_cache, case.block_tables, qsl, case.seq_lens,
+                                      0.125, out=poisoned_like(q), plan=plan)
+    assert plan.bucketed and plan.buckets
+    want = reference.paged_prefill_attention(q, case.key_cache, case.value_cache, case.block_tables, qsl,
+                                             case.seq_lens, 0.125)
+    assert_close(got, want, torch.float32)
