@@ -1,9 +1,20 @@
-"""The CPU attention backend: paged attention with torch's fused SDPA, without padding to the batch.
+"""The CPU attention backend: paged attention without padding to the batch.
 
 Why not the reference on CPU: it gathers every sequence's K/V up to the LONGEST context in the
 batch, upcasts the whole copy to fp32 and runs two einsums with the GQA group as a tiny matrix
 dimension; at 48 sequences it spends most of a decode step copying. This backend, chosen by
-measurement (the attention rows of bench/vs_vllm.py's breakdown; docs/kernels.md):
+measurement (the attention rows of bench/vs_vllm.py's breakdown, bench/cpu_decode_bench.py;
+docs/kernels.md):
+
+- **The native kernel first** (``kernels/cpu_native.py``, a small C file built on first use): decode
+  reads K/V in place from the blocks, one task per (sequence, KV head); prefill runs on it too, each
+  query row a decode query over its causal prefix, while contexts are short enough
+  (``NATIVE_PREFILL_MAX_CONTEXT``). The plans below are built only when it is unavailable (no
+  compiler, ``PAGEDKV_CPU_NATIVE=0``, an fp16 cache), when a decode batch's shared prefixes would
+  save ``NATIVE_MAX_SAVED_TOKENS`` (the cascade reads a prefix once, the kernel once per member),
+  or when a prefill context is longer than that bound.
+
+Without it, torch's fused SDPA over gathered blocks:
 
 - **Length buckets**: decode sequences are sorted by length and cut into buckets whose padding is
   at most ``PAD_FRACTION`` of the bucket (and at most ``MAX_BUCKET`` sequences), so the work
@@ -394,9 +405,10 @@ class _PrefillBucket:
 class PrefillPlan:
     """Prefill buckets with their query gathers and masks (built once per step, used by every layer).
 
-    With the native kernel available, each query row is instead a decode query of its own: row
-    ``r`` of sequence ``s`` attends, through ``s``'s block table, to the ``seq_len - q_len + j + 1``
-    tokens up to and including itself, which is the causal mask with nothing padded or gathered.
+    With the native kernel available, each query row is instead a decode query of its own: query
+    ``j`` of a sequence's ``q_len``-token chunk attends, through that sequence's block table, to the
+    ``seq_len - q_len + j + 1`` tokens up to and including itself, which is the causal mask with
+    nothing padded or gathered.
     ``native_tables`` / ``native_lens`` hold those per-row tables and lengths; the buckets are built
     only for a call that cannot use them (``bucketed``)."""
 
