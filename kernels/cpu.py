@@ -72,9 +72,9 @@ PAD_TOKENS = 1024
 # of attention, (members - 1) x shared tokens: its own call, the log-sum-exp merge and the members'
 # own parts in separate buckets cost about as much as this many tokens.
 CASCADE_MIN_SAVED_TOKENS = 4096
-# The native kernel (kernels/cpu_native.py) beats the buckets 2-4x on chat batches and on 64
-# sequences sharing 432-token prefixes ((64 - 4) x 432 = 26K tokens the cascade would save), but
-# loses 1.2-1.4x to the cascade with 48 sequences on a 1,024-token prefix (48K saved):
+# The native kernel (kernels/cpu_native.py) takes 0.17-0.46x of the buckets' time on chat batches and
+# on 64 sequences sharing 432-token prefixes ((64 - 4) x 432 = 26K tokens the cascade would save),
+# but 1.2-1.4x the cascade's with 48 sequences on a 1,024-token prefix (48K saved):
 # bench/cpu_decode_bench.py. Between the two, it stays on the native kernel.
 NATIVE_MAX_SAVED_TOKENS = 32768
 # Prefill rows run on the native kernel (each row a decode query over its causal prefix) while
