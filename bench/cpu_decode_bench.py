@@ -12,7 +12,9 @@ measured round-robin in one run (the machine is noisy):
 - ``cascade-always``: the same buckets plus a cascade for every group sharing ``MIN_SHARED_BLOCKS``;
 - ``buckets``: the bucket rules ``kernels/cpu.py`` uses without the native kernel (``PAD_TOKENS``
   of padding always allowed, a cascade only when it saves ``CASCADE_MIN_SAVED_TOKENS``);
-- ``native``: the native kernel (what the CPU backend runs when it can build it).
+- ``native``: the CPU backend's path with the native kernel available (what it runs when it can build
+  it): one kernel call per layer, or the ``buckets`` plan where long shared prefixes make the plan pick
+  it (``NATIVE_MAX_SAVED_TOKENS``).
 
     python bench/cpu_decode_bench.py [--threads 2] [--reps 15] [--head-dims 64,128]
 """
