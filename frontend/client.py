@@ -53,6 +53,7 @@ def channel_options(
     keepalive_time_s: float = 30.0,
     keepalive_timeout_s: float = 10.0,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    max_reconnect_backoff_s: float = 1.0,
 ) -> list[tuple[str, Any]]:
     """Channel arguments used by the clients.
 
@@ -60,6 +61,10 @@ def channel_options(
     (``keepalive_permit_without_calls=0``): a gRPC server by default answers
     more frequent pings on idle connections with GOAWAY (too_many_pings).
     gRPC's own transparent retries stay on; our policy adds the backoff loop.
+    Reconnection backs off from 0.1 s to at most ``max_reconnect_backoff_s``
+    (gRPC's default grows to 120 s): a peer that restarts, e.g. the block
+    manager under a restart policy, is reached again within that much of
+    coming back, so a caller riding out the outage is not left waiting.
     """
     return [
         ("grpc.keepalive_time_ms", int(keepalive_time_s * 1000)),
@@ -67,6 +72,9 @@ def channel_options(
         ("grpc.keepalive_permit_without_calls", 0),
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", int(max_reconnect_backoff_s * 1000)),
     ]
 
 

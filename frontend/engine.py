@@ -52,12 +52,14 @@ import collections
 import enum
 import itertools
 import math
+import random
 import threading
 import time
 import uuid
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import grpc
 import structlog
@@ -75,9 +77,34 @@ log = structlog.get_logger("pagedkv.engine")
 
 MAX_TOP_LOGPROBS = 20  # what a worker returns at most per position (worker_svc/model/sampling.py)
 
+T = TypeVar("T")
+# A block manager that is restarting (UNAVAILABLE) or hung (DEADLINE_EXCEEDED): retried within the
+# outage budget. Every mutation carries a request id, so a retry of one that was applied is answered
+# from the manager's dedupe table, never applied twice.
+_TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+_MAX_BACKOFF_S = 1.0
+
 
 class CacheHostLost(RuntimeError):
     """Every worker says the cache host (and so every sequence's KV) is gone (docs/reliability.md)."""
+
+
+class BlockManagerUnavailable(RuntimeError):
+    """The block manager stayed unreachable for longer than EngineConfig.block_manager_outage_s.
+
+    The engine's state stays consistent: what the unanswered Step may have allocated is freed in the
+    first Step that gets through, and the caller decides what happens to the requests in flight
+    (`pagedkv serve` ends them with 503 + Retry-After and refuses new ones until the manager answers)."""
+
+
+class ManagerLostState(Exception):
+    """The block manager no longer holds this engine's sequences: it restarted without a state dir
+    (this engine's lease was created anew) or the lease expired. ``seq_ids``: sequences the last Step
+    may have created there anyway (they are freed with the rest before everything is re-allocated)."""
+
+    def __init__(self, why: str, seq_ids: Sequence[str] = ()) -> None:
+        super().__init__(why)
+        self.seq_ids = list(seq_ids)
 
 
 @dataclass(slots=True, frozen=True)
@@ -222,6 +249,9 @@ class EngineConfig:
     # Reserve the next decode slots in the block manager while the workers compute (no append round
     # trip between two worker steps); generated tokens' blocks are then not prefix-cached.
     overlap_block_manager: bool = False
+    # How long the block manager may stay unreachable (UNAVAILABLE / DEADLINE_EXCEEDED, retried with
+    # backoff) before step() raises BlockManagerUnavailable (`pagedkv serve --block-manager-outage-s`).
+    block_manager_outage_s: float = 30.0
 
 
 @dataclass(slots=True)
@@ -248,6 +278,14 @@ class EngineStats:
     slots_reserved_ahead: int = 0  # decode slots reserved while the workers computed (overlap)
     # Admissions deferred by one iteration because another sequence was computing their prefix.
     admissions_held: int = 0
+    # Faults (docs/reliability.md): block-manager calls retried after UNAVAILABLE/DEADLINE_EXCEEDED;
+    # resyncs with a manager that lost this engine's sequences (restarted empty, lease expired);
+    # tokens whose KV had to be computed again (resyncs and cache-host recoveries); the longest
+    # time the engine waited for an unreachable block manager, from its first failed call.
+    bm_retries: int = 0
+    bm_resyncs: int = 0
+    recomputed_tokens: int = 0
+    longest_stall_s: float = 0.0
 
     @property
     def bm_round_trips_per_step(self) -> float:
@@ -265,7 +303,7 @@ def _renew_lease(ref: weakref.ref[Engine], stop: threading.Event, interval_s: fl
         if engine is None:
             return
         try:
-            engine._keep_alive()
+            engine._keep_alive(timeout_s=engine.config.timeout_s)
         except grpc.RpcError as e:
             log.warning("lease_renewal_failed", lease_id=engine.lease_id, code=e.code().name)
         except ValueError:  # the client's channel was closed under a live engine: nothing to renew on
@@ -325,7 +363,13 @@ class Engine:
         # The prefill pipeline's chunk in flight: its future and (sequence, num_computed at launch, tokens).
         self._prefill: tuple[Future[wpb.WorkerStepResponse], list[tuple[_Seq, int, int]]] | None = None
         self._last_call_end: float | None = None
-        self._keep_alive()
+        self._bm_ids = itertools.count()  # request ids of this engine's block-manager mutations
+        # Set when a KeepAlive created this engine's lease anew: the manager lost its sequences.
+        self._lease_lost = threading.Event()
+        self._lease_lock = threading.Lock()
+        # Sequences a Step that got no answer may have created (freed in the next Step that does).
+        self._maybe_held: list[str] = []
+        self._keep_alive(timeout_s=self.config.timeout_s, first=True)
         self._stop_renewal = threading.Event()
         self._renewer = threading.Thread(
             target=_renew_lease, args=(weakref.ref(self), self._stop_renewal, self.config.lease_ttl_s / 3),
@@ -344,10 +388,88 @@ class Engine:
             return None
 
     # --- lease ------------------------------------------------------------------
-    def _keep_alive(self) -> None:
-        self.bm.keep_alive(self.lease_id, ttl_ms=round(self.config.lease_ttl_s * 1000),
-                           timeout_s=self.config.timeout_s)
+    def _keep_alive(self, timeout_s: float, first: bool = False) -> None:
+        """Renew the lease (from the renewal thread or the engine's). A renewal that *created* the
+        lease means the manager forgot it, and with it this engine's sequences: the next step resyncs."""
+        with self._lease_lock:
+            resp = self.bm.keep_alive(self.lease_id, ttl_ms=round(self.config.lease_ttl_s * 1000),
+                                      request_id=self._bm_request_id("lease"), timeout_s=timeout_s)
+            if resp.created and not first:
+                self._lease_lost.set()
         self.stats.lease_renewals += 1
+        if resp.created and not first:
+            log.warning("block_manager_lost_lease", lease_id=self.lease_id, action="resync")
+
+    def _bm_request_id(self, kind: str) -> str:
+        return f"{self.lease_id}-{kind}-{next(self._bm_ids)}"
+
+    def block_manager_reachable(self, timeout_s: float = 2.0) -> bool:
+        """One lease renewal: does the block manager answer now? (After BlockManagerUnavailable.)"""
+        try:
+            self._keep_alive(timeout_s=timeout_s)
+        except grpc.RpcError:
+            return False
+        return True
+
+    def _bm_call(self, fn: Callable[[float], T], *, needs_state: bool = True) -> T:
+        """Run one block-manager call, ``fn(timeout_s)``, riding out an outage: UNAVAILABLE and
+        DEADLINE_EXCEEDED are retried with capped exponential backoff (full jitter) until
+        ``block_manager_outage_s`` has passed since the first failure, then BlockManagerUnavailable.
+        Safe because every mutation carries a request id. Before each retry the lease is renewed:
+        a manager that came back without this engine's state (``needs_state``) raises
+        ManagerLostState instead of being sent a Step about sequences it never heard of."""
+        budget = self.config.block_manager_outage_s
+        outage_start: float | None = None
+        attempt = 0
+        while True:
+            now = time.monotonic()
+            left = budget if outage_start is None else budget - (now - outage_start)
+            timeout_s = max(min(self.config.timeout_s, left), 0.5)
+            began = now
+            try:
+                if outage_start is not None:
+                    self._keep_alive(timeout_s=timeout_s)
+                if needs_state and self._lease_lost.is_set():
+                    raise ManagerLostState("the block manager lost this engine's lease and sequences")
+                result = fn(timeout_s)
+            except ManagerLostState:
+                if outage_start is not None:
+                    self._note_stall(outage_start, attempt)
+                raise
+            except grpc.RpcError as e:
+                if e.code() not in _TRANSIENT:
+                    raise
+                now = time.monotonic()
+                if outage_start is None:
+                    outage_start = began  # a hung manager's first unanswered call counts
+                    log.warning("block_manager_unreachable", code=e.code().name, budget_s=budget)
+                waited = now - outage_start
+                if waited >= budget:
+                    self.stats.longest_stall_s = max(self.stats.longest_stall_s, waited)
+                    raise BlockManagerUnavailable(
+                        f"the block manager was unreachable for {waited:.1f} s (block_manager_outage_s={budget:g}): "
+                        f"{e.code().name} {e.details()}") from e
+                attempt += 1
+                self.stats.bm_retries += 1
+                cap = min(0.05 * 2 ** (attempt - 1), _MAX_BACKOFF_S)
+                time.sleep(min(random.uniform(cap / 2, cap), max(budget - waited, 0.0)))
+                continue
+            if outage_start is not None:
+                self._note_stall(outage_start, attempt)
+            return result
+
+    def _note_stall(self, outage_start: float, retries: int) -> None:
+        stall = time.monotonic() - outage_start
+        self.stats.longest_stall_s = max(self.stats.longest_stall_s, stall)
+        log.warning("block_manager_reachable", stall_s=round(stall, 3), retries=retries)
+
+    def _bm_step(self, req: pb.StepRequest, *, needs_state: bool = True) -> pb.StepResponse:
+        """A Step with a request id (so it may be retried), through the outage budget."""
+        if not req.request_id:
+            req.request_id = self._bm_request_id("step")
+        resp = self._bm_call(lambda t: self.bm.step(req, timeout_s=t), needs_state=needs_state)
+        self.stats.bm_round_trips += 1
+        return resp
 
     def close(self) -> None:
         """Wait for a prefill in flight, stop renewing the lease and free every sequence this engine
@@ -362,8 +484,11 @@ class Engine:
         held = [s.seq_id for s in self._running] + [s.seq_id for s in self._swapped] + self._to_free
         self._running, self._to_free = [], []
         self._swapped.clear()
+        held += self._maybe_held
+        self._maybe_held = []
         if held:
-            self.bm.step(pb.StepRequest(free_seq_ids=held), timeout_s=self.config.timeout_s)
+            self.bm.step(pb.StepRequest(free_seq_ids=held, request_id=self._bm_request_id("close")),
+                         timeout_s=self.config.timeout_s)
 
     def __enter__(self) -> Engine:
         return self
@@ -485,7 +610,12 @@ class Engine:
     def step(self) -> list[TokenEvent]:
         self.stats.steps += 1
         try:
+            if self._lease_lost.is_set():
+                raise ManagerLostState("the block manager lost this engine's lease and sequences")
             return self._step()
+        except ManagerLostState as e:
+            self._resync(e)
+            return []
         except CacheHostLost:
             if not self.config.recover_lost_cache:
                 self._forget_lost_cache()
@@ -501,7 +631,11 @@ class Engine:
         events = self._harvest_prefill(wait=not disaggregated)
         ops = self._pending_ops
         self._pending_ops = pb.CacheOps()
-        self._block_manager_step(ops)
+        try:
+            self._block_manager_step(ops)
+        except BlockManagerUnavailable:
+            self._pending_ops = ops  # still owed to the workers
+            raise
         if self._prefill is not None and any(s.status is not SeqStatus.RUNNING for s, _, _ in self._prefill[1]):
             # A sequence being prefilled was preempted: its blocks may be reused or swapped out by
             # this iteration's steps, so its writes must be over first.
@@ -624,8 +758,7 @@ class Engine:
         """An idle engine's last Step reply may be old: another frontend or a ResetPrefixCache
         may have dropped cached blocks since. One empty Step reads the counter again before the
         finished sequences' hints decide an admission (an RPC only when idle with hints)."""
-        resp = self.bm.step(pb.StepRequest(), timeout_s=self.config.timeout_s)
-        self.stats.bm_round_trips += 1
+        resp = self._bm_step(pb.StepRequest())
         self._available = resp.num_available_blocks
         self._prefix_cache_drops = resp.prefix_cache_drops
 
@@ -637,7 +770,8 @@ class Engine:
         swap_in = list(itertools.islice(self._swapped, max(0, room))) if full else []
         admit = self._admissions(grow, swap_in) if full else []
         commit_ids, commit_counts = self._commits()
-        if not (grow or self._to_free or swap_in or admit or commit_ids):
+        frees = self._to_free + self._maybe_held
+        if not (grow or frees or swap_in or admit or commit_ids):
             return
         forks: list[tuple[_Seq, _Seq]] = []
         for seq in admit:
@@ -652,7 +786,7 @@ class Engine:
         req = pb.StepRequest(
             commit_seq_ids=commit_ids,
             commit_num_computed_tokens=commit_counts,
-            free_seq_ids=self._to_free,
+            free_seq_ids=frees,
             append_seq_ids=[s.seq_id for s in grow],
             append_token_ids=[s.tokens[-1] for s in grow],
             alloc_seq_ids=[s.seq_id for s in admit],
@@ -664,9 +798,21 @@ class Engine:
             fork_child_seq_ids=[c.seq_id for _, c in forks],
             swap_in_seq_ids=[s.seq_id for s in swap_in],
         )
-        resp = self.bm.step(req, timeout_s=self.config.timeout_s)
-        self.stats.bm_round_trips += 1
+        created = [s.seq_id for s in admit] + [c.seq_id for _, c in forks]
+        try:
+            resp = self._bm_step(req)
+        except BlockManagerUnavailable:
+            self._maybe_held.extend(created)  # the unanswered Step may have allocated them
+            raise
+        except ManagerLostState as e:
+            e.seq_ids.extend(created)
+            raise
         self._to_free = []
+        self._maybe_held = []
+        lost = self._unknown_sequences(resp)
+        if lost:
+            raise ManagerLostState(f"the block manager does not know {len(lost)} of this engine's sequences "
+                                   f"(e.g. {lost[0]}): it restarted without its state, or the lease expired", created)
         self._apply_bm_step(resp, grow, swap_in, ops, admit, forks)
 
     def _reserve_next_slots(self, batch: list[tuple[_Seq, int]]) -> tuple[list[_Seq], pb.StepResponse | None]:
@@ -688,10 +834,62 @@ class Engine:
                  and not any(c.awaiting_parent for c in s.children)]
         if not early:
             return [], None
-        resp = self.bm.step(pb.StepRequest(append_seq_ids=[s.seq_id for s in early]), timeout_s=self.config.timeout_s)
-        self.stats.bm_round_trips += 1
+        resp = self._bm_step(pb.StepRequest(append_seq_ids=[s.seq_id for s in early]))
+        if self._unknown_sequences(resp):
+            raise ManagerLostState("the block manager does not know this engine's sequences")
         self.stats.slots_reserved_ahead += len(early)
         return early, resp
+
+    @staticmethod
+    def _unknown_sequences(resp: pb.StepResponse) -> list[str]:
+        """Sequences this engine holds that the manager answered NOT_FOUND for (commits, appends,
+        swap-ins; not a victim preempted in this very Step): it no longer has the engine's state."""
+        victims = {p.seq_id for p in resp.preempted}
+        kinds = (pb.StepItemError.COMMIT, pb.StepItemError.PACKED_APPEND, pb.StepItemError.SWAP_IN)
+        return [e.seq_id for e in resp.errors
+                if e.kind in kinds and e.code == grpc.StatusCode.NOT_FOUND.value[0] and e.seq_id not in victims]
+
+    def _resync(self, lost: ManagerLostState) -> None:
+        """The block manager lost this engine's sequences: free whatever it may still hold of them
+        (a Step that reached the new manager may have allocated some), renew the lease, and
+        recompute every running and swapped sequence from its prompt + generated tokens (the
+        recompute-preemption path: they are re-allocated in the next Step, with prefix-cache hits
+        where the manager still has committed blocks). Greedy outputs stay identical."""
+        self._drop_prefill_in_flight()
+        victims = list(self._running) + list(self._swapped)
+        frees = [s.seq_id for s in victims] + self._to_free + self._maybe_held + lost.seq_ids
+        self._to_free, self._maybe_held = [], []
+        with self._lease_lock:
+            self._lease_lost.clear()
+        # Renew first (creating the lease is expected here), then free what the manager may hold.
+        self._bm_call(lambda t: self._keep_alive(timeout_s=t, first=True), needs_state=False)
+        resp = self._bm_step(pb.StepRequest(free_seq_ids=frees), needs_state=False)
+        self._available = resp.num_available_blocks
+        self._prefix_cache_drops = resp.prefix_cache_drops
+        self._finished_prefixes.clear()
+        self._requeue_all(victims)
+        self.stats.bm_resyncs += 1
+        log.warning("block_manager_resync", reason=str(lost), requeued=len(victims), freed=len(frees),
+                    action="re-allocating and recomputing")
+
+    def _drop_prefill_in_flight(self) -> None:
+        """Wait for a prefill chunk in flight and drop its results (its sequences are requeued)."""
+        if self._prefill is not None:
+            self._prefill[0].exception()
+            for s, _, _ in self._prefill[1]:
+                s.in_flight = False
+            self._prefill = None
+        self._last_call_end = None
+
+    def _requeue_all(self, victims: list[_Seq]) -> None:
+        """Every running and swapped sequence back to the head of the queue, in order, to be
+        recomputed; no cache op of the old tables may run any more."""
+        for s in reversed(victims):  # appendleft: keep their order at the head of the queue
+            self.stats.recomputed_tokens += s.num_computed
+            if s.status is SeqStatus.SWAPPED:
+                self._swapped.remove(s)
+            self._requeue(s)
+        self._pending_ops = pb.CacheOps()
 
     def _apply_bm_step(
         self, resp: pb.StepResponse, grow: list[_Seq], swap_in: list[_Seq], ops: pb.CacheOps,
@@ -974,12 +1172,7 @@ class Engine:
         """After CacheHostLost: wait for a worker on a new cache instance, forget all cached KV
         (the block manager's prefix cache, pending ops) and recompute every running and
         swapped sequence from its prompt + generated tokens (the recompute-preemption path)."""
-        if self._prefill is not None:  # its KV went with the cache host
-            self._prefill[0].exception()
-            for s, _, _ in self._prefill[1]:
-                s.in_flight = False
-            self._prefill = None
-        self._last_call_end = None
+        self._drop_prefill_in_flight()  # its KV went with the cache host
         old = self._cache_instance
         deadline = time.monotonic() + self.config.cache_recovery_timeout_s
         log.warning("cache_host_lost", cache_instance_id=old, action="waiting for a re-attached worker",
@@ -1008,15 +1201,15 @@ class Engine:
         # Finished ones too: what they computed died with the cache host and must never be committed.
         frees = [s.seq_id for s in victims] + self._to_free
         self._to_free = []
+        frees += self._maybe_held
+        self._maybe_held = []
         if frees:
             # One round trip; a sequence the block manager no longer has is simply reported.
-            self.bm.step(pb.StepRequest(free_seq_ids=frees), timeout_s=self.config.timeout_s)
-        self.bm.reset_prefix_cache(request_id=f"reset-{uuid.uuid4().hex}", timeout_s=self.config.timeout_s)
-        for s in reversed(victims):  # appendleft: keep their order at the head of the queue
-            if s.status is SeqStatus.SWAPPED:
-                self._swapped.remove(s)
-            self._requeue(s)
-        self._pending_ops = pb.CacheOps()
+            self._bm_step(pb.StepRequest(free_seq_ids=frees), needs_state=False)
+        reset_id = self._bm_request_id("reset")
+        self._bm_call(lambda t: self.bm.reset_prefix_cache(request_id=reset_id, timeout_s=t), needs_state=False)
+        self._finished_prefixes.clear()
+        self._requeue_all(victims)
         self._cache_instance = new
         self.stats.cache_recoveries += 1
         log.warning("cache_recovered", old_cache_instance_id=old, cache_instance_id=new,

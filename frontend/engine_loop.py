@@ -5,7 +5,15 @@ loop. Requests and aborts arrive through one thread-safe queue; the thread drain
 iterations (so an abort frees a request's blocks in the very next block-manager round trip), steps
 the engine while it has work, and hands every token to the request's sink (a callable that is safe
 to call from this thread: the server's sinks put into an asyncio queue with
-``call_soon_threadsafe``). It also feeds the metrics: TTFT, time per output token, end-to-end
+``call_soon_threadsafe``).
+
+A block manager that is unreachable is the engine's to ride out (it retries within
+``EngineConfig.block_manager_outage_s``); past that budget the engine raises
+``BlockManagerUnavailable`` and this loop ends the requests in flight with 503, refuses new ones
+at once (``unavailable``; /health says not ready) and probes the manager every ``idle_wait_s``
+until it answers; the failed requests' blocks are freed in the first Step that gets through.
+Any other failed iteration fails the requests in flight (the engine's state may be inconsistent).
+It also feeds the metrics: TTFT, time per output token, end-to-end
 latency, waiting/running requests and how many requests got a token in each iteration.
 """
 
@@ -19,7 +27,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from frontend.engine import Engine, GenerationRequest, TokenEvent
+from frontend.engine import BlockManagerUnavailable, Engine, GenerationRequest, TokenEvent
 from frontend.serve_metrics import ServeMetrics
 
 log = structlog.get_logger("pagedkv.serve.loop")
@@ -90,6 +98,8 @@ class EngineLoop:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pagedkv-engine-loop", daemon=True)
         self.error: BaseException | None = None
+        # Why requests are refused right now (the block manager stayed unreachable past its budget).
+        self.unavailable: str | None = None
 
     # --- any thread -------------------------------------------------------------
     def start(self) -> None:
@@ -127,6 +137,13 @@ class EngineLoop:
                 self._drain(block=not self.engine.has_work())
                 if self._stop.is_set():
                     break
+                if self.unavailable is not None:
+                    if self.engine.block_manager_reachable():
+                        log.warning("block_manager_back", action="accepting requests")
+                        self.unavailable = None
+                    else:
+                        self._stop.wait(self._idle_wait_s)
+                    continue
                 if self.engine.has_work():
                     self._step()
                 self._after_iteration()
@@ -157,6 +174,9 @@ class EngineLoop:
         rid = cmd.request.request_id
         with self._lock:
             self._queued -= 1
+        if self.unavailable is not None:
+            self._send(cmd.sink, Failed(503, self.unavailable))
+            return
         try:
             self.engine.add_request(cmd.request)
         except ValueError as e:
@@ -179,6 +199,11 @@ class EngineLoop:
     def _step(self) -> None:
         try:
             events = self.engine.step()
+        except BlockManagerUnavailable as e:
+            log.error("block_manager_unavailable", error=str(e), action="failing requests in flight, refusing new ones")
+            self.unavailable = f"the block manager is unreachable: {e}"
+            self._fail_all(503, self.unavailable)
+            return
         except Exception as e:  # noqa: BLE001 - a failed iteration fails its requests, not the server
             log.error("engine_step_failed", error=repr(e))
             self._fail_all(503, f"engine iteration failed: {e}")

@@ -256,6 +256,9 @@ async def _serve(state: ServerState, request: Request, parsed: Parsed, kind: str
                        f"{state.max_waiting}); retry later", None, "server_error", "overloaded")
     if not state.loop.alive:
         raise ApiError(503, "the engine is not running", None, "server_error")
+    if state.loop.unavailable is not None:
+        state.metrics.reject(503)
+        raise ApiError(503, state.loop.unavailable, None, "server_error")
     run = _Run(state, parsed, kind)
     try:
         await run.submit()
@@ -414,16 +417,19 @@ class RunningServe:
         self.workers = [WorkerClient(t, **conn) for t in workers]
         self._closers.extend(w.close for w in self.workers)
         try:
-            engine = Engine(self.bm, self.workers, EngineConfig(max_num_seqs=settings.max_num_seqs,
-                                                                max_batch_tokens=settings.max_batch_tokens,
-                                                                timeout_s=settings.timeout_s))
+            # A lost cache host is recovered (wait for a re-attached worker, recompute), not fatal.
+            engine = Engine(self.bm, self.workers, EngineConfig(
+                max_num_seqs=settings.max_num_seqs, max_batch_tokens=settings.max_batch_tokens,
+                timeout_s=settings.timeout_s, recover_lost_cache=True,
+                block_manager_outage_s=settings.block_manager_outage_s))
             info = self.workers[0].get_info(timeout_s=settings.timeout_s)
             import pathlib
 
             name = settings.model_name or (pathlib.Path(settings.model).name if settings.model else "") \
                 or info.model_name or "pagedkv"
             limits = Limits(name, engine.vocab_size, engine.block_size, engine.num_gpu_blocks, text)
-            self.metrics = ServeMetrics(name, self._pool_usage, settings.metrics_vllm_names)
+            self.metrics = ServeMetrics(name, self._pool_usage, settings.metrics_vllm_names,
+                                        engine_stats=lambda: engine.stats)
             self.loop = EngineLoop(engine, self.metrics, on_iteration=on_iteration)
             self.state = ServerState(self.loop, limits, self.metrics, settings.max_waiting,
                                      settings.retry_after_s, self._health)
@@ -458,6 +464,8 @@ class RunningServe:
         return int(s.num_used_blocks), int(s.num_gpu_blocks)
 
     def _health(self) -> tuple[bool, str]:
+        if self.loop.unavailable is not None:
+            return False, "the block manager stayed unreachable past --block-manager-outage-s"
         try:
             if self.bm.health("pagedkv.v1.BlockManager", timeout_s=1.0) != 1:
                 return False, "block manager not SERVING"

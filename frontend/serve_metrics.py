@@ -14,15 +14,18 @@ Meanings (as in vLLM):
 - time_per_output_token: each gap between two consecutive tokens of one sample (after the first).
 - e2e_request_latency: arrival to the last token.
 Own additions: KV blocks used, prefix-cache queries/hits (prompt tokens), engine iterations and
-how many requests got a token in each (proves batching), tokens and finished requests by reason.
+how many requests got a token in each (proves batching), tokens and finished requests by reason,
+and the faults the engine rode out (block-manager retries/resyncs, cache-host recoveries, recomputed
+tokens, the longest stall).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so dashboards' quantiles line up.
@@ -56,11 +59,32 @@ class _PoolCollector(Collector):
                                     value=frac)
 
 
+class _FaultCollector(Collector):
+    """What the engine rode out (EngineStats, read when scraped): block-manager retries and resyncs,
+    cache-host recoveries, tokens recomputed because their KV was lost, the longest stall."""
+
+    def __init__(self, read: Callable[[], Any]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        st = self._read()
+        yield CounterMetricFamily("pagedkv_block_manager_retries", "Block-manager calls retried after "
+                                  "UNAVAILABLE/DEADLINE_EXCEEDED", value=st.bm_retries)
+        yield CounterMetricFamily("pagedkv_block_manager_resyncs", "Times the engine re-established its sequences "
+                                  "with a block manager that had lost them", value=st.bm_resyncs)
+        yield CounterMetricFamily("pagedkv_cache_host_recoveries", "Cache-host losses the engine recovered from",
+                                  value=st.cache_recoveries)
+        yield CounterMetricFamily("pagedkv_recomputed_tokens", "Tokens whose KV was lost and computed again",
+                                  value=st.recomputed_tokens)
+        yield GaugeMetricFamily("pagedkv_block_manager_longest_stall_seconds", "Longest time the engine waited "
+                                "for an unreachable block manager", value=st.longest_stall_s)
+
+
 class ServeMetrics:
     """One registry per server (tests run several in one process)."""
 
     def __init__(self, model_name: str, pool: Callable[[], tuple[int, int] | None],
-                 vllm_names: bool = False) -> None:
+                 vllm_names: bool = False, engine_stats: Callable[[], Any] | None = None) -> None:
         self.registry = r = CollectorRegistry()
         self.vllm_names = vllm_names
         labels = ["model_name"]
@@ -90,6 +114,8 @@ class ServeMetrics:
             "pagedkv_iteration_requests", "Requests that received a token in one engine iteration", labels,
             buckets=BATCH_BUCKETS, registry=r)
         r.register(_PoolCollector(pool, vllm_names))
+        if engine_stats is not None:
+            r.register(_FaultCollector(engine_stats))
         self._vllm: dict[str, Gauge | Histogram] = {}
         if vllm_names:
             self._vllm = {

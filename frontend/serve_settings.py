@@ -36,6 +36,8 @@ class ServeSettings(BaseSettings):
     max_batch_tokens: int = Field(512, ge=1, description="tokens per engine iteration (decode + prefill chunks)")
     timeout_s: float = Field(30.0, gt=0, description="deadline of each gRPC call to the block manager/workers")
     retry_after_s: int = Field(1, ge=1, description="Retry-After seconds sent with 503")
+    block_manager_outage_s: float = Field(30.0, gt=0, description="how long the block manager may stay unreachable "
+                                          "(retried with backoff) before requests in flight end with 503")
     metrics_vllm_names: bool = Field(False, description="also export vLLM's metric names (vllm:num_requests_waiting, "
                                      "vllm:kv_cache_usage_perc, ...) for scrapers built for vLLM")
     # The HTTP server's own security.
