@@ -88,7 +88,7 @@ def _svc(stack: Stack, name: str) -> Any:
 
 def _post(server: RunningServe, prompt: list[int], max_tokens: int) -> tuple[int, dict, dict]:
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
-    body = {"model": "x", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    body = {"model": server.state.model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
     conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
     r = conn.getresponse()
     payload = json.loads(r.read() or b"{}")
@@ -117,10 +117,11 @@ def _concurrent(server: RunningServe, max_tokens: int) -> tuple[list[threading.T
     return threads, results
 
 
-def _wait_running(server: RunningServe, n: int, timeout_s: float = 20) -> None:
+def _wait_running(server: RunningServe, n: int, results: list[Any], timeout_s: float = 20) -> None:
     """Until ``n`` requests hold blocks and got tokens (the fault must hit mid-generation)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        assert not any(results), f"a request ended before the fault: {results}"
         if server.loop.engine.num_requests()[1] >= n and server.loop.engine.stats.generated_tokens >= 2 * n:
             return
         time.sleep(0.01)
@@ -143,10 +144,10 @@ def _metrics(server: RunningServe) -> str:
 
 
 def test_cache_host_sigkill_and_restart_under_serve(stack: Stack, server: RunningServe, hf: HFModel) -> None:
-    max_tokens = 48
+    max_tokens = 32
     t0 = time.monotonic()
     threads, results = _concurrent(server, max_tokens)
-    _wait_running(server, len(PROMPTS))
+    _wait_running(server, len(PROMPTS), results)
     ch = _svc(stack, "cache-host").process
     ch.send_signal(signal.SIGKILL)
     ch.wait(10)
@@ -172,7 +173,7 @@ def test_cache_host_sigkill_and_restart_under_serve(stack: Stack, server: Runnin
 def test_block_manager_outage_past_budget_503_then_recovers(stack: Stack, server: RunningServe,
                                                             hf: HFModel) -> None:
     threads, results = _concurrent(server, 400)
-    _wait_running(server, len(PROMPTS))
+    _wait_running(server, len(PROMPTS), results)
     bm = _svc(stack, "block-manager")
     bm.process.send_signal(signal.SIGSTOP)  # hung, then killed: unreachable past the 2 s budget
     try:
@@ -199,5 +200,5 @@ def test_block_manager_outage_past_budget_503_then_recovers(stack: Stack, server
     assert status == 200 and body["choices"][0]["token_ids"] == hf.greedy(PROMPTS[2], 16), body
     _assert_clean(stack)  # the failed requests' sequences were freed too
     m = _metrics(server)
-    assert metric_samples(m, "pagedkv_block_manager_retries_total")[""] >= 1
+    # A hung manager: its one call ran into the budget (no retry left), the stall says so.
     assert metric_samples(m, "pagedkv_block_manager_longest_stall_seconds")[""] >= 2.0
