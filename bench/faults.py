@@ -5,6 +5,7 @@ vanished clients, a bounded soak, journal cost, recovery time.
     python bench/faults.py all --quick    # a few seconds per section
     python bench/faults.py crash --kills 20 --fsync always
     python bench/faults.py retries | leases | soak --minutes 10 | fsync-cost | recovery
+    python bench/faults.py serve [--tokens 400] [--concurrency 12]   # `pagedkv serve` through each fault
 
 This file is the CLI and the table; each scenario is a module of ``bench/fault_scenarios/`` over
 the shared process helpers there (``processes.py``). The same functions run (with small sizes) in
@@ -31,9 +32,10 @@ from bench.fault_scenarios.leases import vanishing_client, run_leases  # noqa: E
 from bench.fault_scenarios.model_client import ModelClient, client_main  # noqa: E402
 from bench.fault_scenarios.recovery import run_recovery  # noqa: E402
 from bench.fault_scenarios.retries import FaultInjector, run_retries  # noqa: E402
+from bench.fault_scenarios.serve_faults import run_serve_faults  # noqa: E402
 from bench.fault_scenarios.soak import run_soak  # noqa: E402
 
-__all__ = ["run_crash", "run_retries", "run_leases", "run_soak", "run_fsync_cost", "run_recovery",
+__all__ = ["run_serve_faults", "run_crash", "run_retries", "run_leases", "run_soak", "run_fsync_cost", "run_recovery",
            "ModelClient", "FaultInjector", "print_report", "main"]
 
 
@@ -47,6 +49,19 @@ def _table(title: str, header: str, rows: list[str]) -> None:
 
 
 def print_report(res: dict[str, Any]) -> None:
+    if "serve" in res:
+        rows = res["serve"]
+        n = rows[0]["requests"] if rows else 0
+        _table(f"`pagedkv serve` through faults ({n} concurrent streamed completions, greedy, ignore_eos; "
+               "each fault ~1 s in, restarted 1 s later by a supervisor)",
+               "| fault | completed | identical to fault-free | longest stall s | leaked blocks / sequences | "
+               "later request | restarts |",
+               [f"| {r['fault']} | {r['completed']} / {r['requests']} | {r['identical']} / {r['requests']} | "
+                f"{r['longest_stall_s']:.2f} | {r['leaked_blocks']} / {r['leaked_sequences']} | "
+                f"{'ok' if r['later_request_ok'] else 'FAILED'} | {', '.join(r['restarts']) or '-'} |" for r in rows])
+        for r in rows:
+            for e in r["errors"][:3]:
+                sys.stdout.write(f"  {r['fault']}: {e}\n")
     for c in res.get("crash", []):
         _table(f"Crash: SIGKILL under load (--fsync {c['fsync']}, {c['wall_s']:.0f} s)",
                "| kills survived | acked ops | calls hit by a kill | verifications | acked ops lost | "
@@ -108,12 +123,14 @@ def main(argv: list[str] | None = None) -> int:
 
     configure_logging("warning", "console")
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=("all", "crash", "retries", "leases", "soak", "fsync-cost", "recovery"))
+    p.add_argument("what", choices=("all", "crash", "retries", "leases", "soak", "fsync-cost", "recovery", "serve"))
     p.add_argument("--quick", action="store_true", help="small sizes (seconds per section)")
     p.add_argument("--kills", type=int, default=20)
     p.add_argument("--fsync", default=None, help="crash: one policy (default: all three)")
     p.add_argument("--minutes", type=float, default=10.0, help="soak duration")
     p.add_argument("--json", default=None, help="also write the figures here")
+    p.add_argument("--tokens", type=int, default=400, help="serve: tokens per request (fewer for a quick run)")
+    p.add_argument("--concurrency", type=int, default=12, help="serve: concurrent requests")
     a = p.parse_args(argv)
     res: dict[str, Any] = {}
     quick = a.quick
@@ -136,12 +153,16 @@ def main(argv: list[str] | None = None) -> int:
         section("retries", lambda: run_retries(ops=100 if quick else 500))
     if a.what in ("all", "leases"):
         section("leases", run_leases)
+    if a.what == "serve":  # not part of "all": it loads a model into real workers
+        section("serve", lambda: run_serve_faults(tokens=a.tokens, concurrency=a.concurrency))
     if a.what in ("all", "soak"):
         section("soak", lambda: run_soak(seconds=10 if quick else a.minutes * 60, peak_window_s=2 if quick else 5))
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1, default=str))
     bad = any(c["lost_or_mismatched"] or c["restarts_ok"] != c["kills"] for c in res.get("crash", []))
     bad |= bool(res.get("retries", {}).get("problems"))
+    bad |= any(r["identical"] != r["requests"] or r["leaked_blocks"] or not r["later_request_ok"]
+               for r in res.get("serve", []))
     return 1 if bad else 0
 
 

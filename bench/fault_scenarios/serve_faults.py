@@ -1,0 +1,257 @@
+"""`pagedkv serve` under load through each fault, with every role a real process started the way
+docker-compose.yml starts them (block manager with a state dir, cache host, two workers, then
+`pagedkv serve`) and a supervisor thread that restarts whatever exits one second later, like
+`restart: unless-stopped` or a Kubernetes container restart.
+
+For each fault: ``concurrency`` concurrent streamed /v1/completions of ``tokens`` tokens each
+(greedy, ignore_eos), the fault ``fault_after_s`` into the run, then
+
+- completed: requests that ended with HTTP 200 and all their tokens;
+- identical: of those, how many have exactly the token ids of the fault-free run;
+- longest stall: the longest gap between two streamed tokens of one request (what a user sees);
+- leaked: blocks (and sequences) the block manager still holds once every request ended;
+- later request: one more request after the fault, 200 with the fault-free tokens.
+
+The model is a random tiny Llama (transformers, built locally, no download): the figures are about
+recovery, not speed.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import random
+import signal
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from frontend.client import BlockManagerClient
+from frontend.stack import Stack, StackOptions
+from pagedkv.ports import free_port_block
+
+FAULTS = ("none", "block manager SIGKILL, restart with its state dir",
+          "block manager SIGKILL, restart without a state dir", "cache host SIGKILL, restart",
+          "one of two workers SIGKILL")
+
+
+@dataclass(slots=True)
+class ServeFaultRow:
+    fault: str
+    requests: int
+    completed: int = 0
+    identical: int = 0
+    longest_stall_s: float = 0.0
+    leaked_blocks: int = 0
+    leaked_sequences: int = 0
+    later_request_ok: bool = False
+    restarts: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    wall_s: float = 0.0
+
+
+def tiny_model(path: Path, seed: int = 0) -> Path:
+    """A random tiny Llama saved with transformers (sharp next-token distributions: no greedy ties)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=False, initializer_range=0.2)
+    LlamaForCausalLM(cfg).eval().save_pretrained(path)
+    return path
+
+
+class Supervisor:
+    """Restart any service that exited, ``delay_s`` after noticing (a restart policy)."""
+
+    def __init__(self, stack: Stack, delay_s: float = 1.0) -> None:
+        self.stack = stack
+        self.delay_s = delay_s
+        self.restarts: list[str] = []
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(60)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            svc = self.stack.first_exited()
+            if svc is None:
+                continue
+            code = svc.process.returncode if svc.process else None
+            if self._stop.wait(self.delay_s):
+                return
+            try:
+                self.stack.restart(svc.name)
+                self.restarts.append(f"{svc.name} (exit {code})")
+            except Exception as e:  # noqa: BLE001 - reported in the table
+                self.errors.append(f"restart {svc.name}: {e}")
+
+    def settled(self, timeout_s: float = 60.0) -> bool:
+        """Every service running again."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if all(s.process is not None and s.process.poll() is None for s in self.stack.services):
+                return True
+            time.sleep(0.1)
+        return False
+
+
+def stream_completion(port: int, prompt: list[int], tokens: int, timeout_s: float = 300.0) -> dict[str, Any]:
+    """One streamed completion: status, token ids, the longest gap between two tokens, error."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    out: dict[str, Any] = {"status": 0, "token_ids": [], "max_gap_s": 0.0, "error": ""}
+    try:
+        conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        out["status"] = r.status
+        if r.status != 200:
+            out["error"] = r.read().decode(errors="replace")[:200]
+            return out
+        last: float | None = None
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            msg = json.loads(line[6:])
+            if "error" in msg:
+                out["error"] = str(msg["error"].get("message", msg))[:200]
+                break
+            ids = [t for c in msg.get("choices", []) for t in c.get("token_ids", [])]
+            if ids:
+                now = time.monotonic()
+                if last is not None:
+                    out["max_gap_s"] = max(out["max_gap_s"], now - last)
+                last = now
+                out["token_ids"].extend(ids)
+    except Exception as e:  # noqa: BLE001 - reported in the table
+        out["error"] = f"{type(e).__name__}: {e}"[:200]
+    finally:
+        conn.close()
+    return out
+
+
+def _svc(stack: Stack, name: str) -> Any:
+    return next(s for s in stack.services if s.name == name)
+
+
+def _inject(stack: Stack, fault: str, state_dir_args: list[str]) -> None:
+    if fault.startswith("block manager"):
+        bm = _svc(stack, "block-manager")
+        if "without" in fault:
+            del bm.args[-len(state_dir_args):]  # the restart policy starts it with no state dir
+        bm.process.send_signal(signal.SIGKILL)
+    elif fault.startswith("cache host"):
+        _svc(stack, "cache-host").process.send_signal(signal.SIGKILL)
+    elif fault.startswith("one of two workers"):
+        _svc(stack, "worker-1").process.send_signal(signal.SIGKILL)
+
+
+def run_one(stack: Stack, sup: Supervisor, fault: str, prompts: list[list[int]], tokens: int,
+            fault_after_s: float, reference: list[list[int]] | None,
+            state_dir_args: list[str]) -> tuple[ServeFaultRow, list[list[int]]]:
+    port = stack.opts.serve_port
+    assert port is not None
+    row = ServeFaultRow(fault, len(prompts))
+    results: list[dict[str, Any]] = [{} for _ in prompts]
+    restarts_before = len(sup.restarts)
+
+    def one(i: int) -> None:
+        results[i] = stream_completion(port, prompts[i], tokens)
+
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    time.sleep(fault_after_s)
+    if fault != "none":
+        _inject(stack, fault, state_dir_args)
+    for t in threads:
+        t.join(600)
+    row.wall_s = time.monotonic() - t0
+    for i, r in enumerate(results):
+        ok = r.get("status") == 200 and not r.get("error") and len(r.get("token_ids", [])) == tokens
+        row.completed += ok
+        row.identical += ok and (reference is None or r["token_ids"] == reference[i])
+        row.longest_stall_s = max(row.longest_stall_s, r.get("max_gap_s", 0.0))
+        if not ok:
+            row.errors.append(f"request {i}: HTTP {r.get('status')} {r.get('error', '')}")
+    if not sup.settled():
+        row.errors.append("the services did not all come back")
+    with BlockManagerClient(_svc(stack, "block-manager").address) as bm:
+        deadline = time.monotonic() + 15
+        while True:
+            st = bm.get_stats(timeout_s=10)
+            if (st.num_sequences, st.num_used_blocks) == (0, 0) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        row.leaked_blocks, row.leaked_sequences = int(st.num_used_blocks), int(st.num_sequences)
+    later = stream_completion(port, prompts[0], min(tokens, 32))
+    row.later_request_ok = later["status"] == 200 and not later["error"] and (
+        reference is None or later["token_ids"] == reference[0][:min(tokens, 32)])
+    if not row.later_request_ok:
+        row.errors.append(f"later request: HTTP {later['status']} {later['error']}")
+    row.restarts = sup.restarts[restarts_before:]
+    if fault.startswith("block manager") and "without" in fault:
+        # Back to the compose setup with a state dir for the next fault.
+        bm = _svc(stack, "block-manager")
+        bm.args += state_dir_args
+        bm.process.send_signal(signal.SIGTERM)
+        bm.process.wait(30)
+        sup.settled()
+    return row, [r.get("token_ids", []) for r in results]
+
+
+def run_serve_faults(tokens: int = 400, concurrency: int = 12, fault_after_s: float = 1.0,
+                     faults: tuple[str, ...] = FAULTS, log_dir: str | None = None) -> list[dict[str, Any]]:
+    """Every fault of FAULTS (the first, "none", gives the reference tokens) on one stack."""
+    work = Path(tempfile.mkdtemp(prefix="pagedkv-serve-faults-"))
+    model = tiny_model(work / "model")
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 128) for _ in range(rng.randrange(8, 48))] for _ in range(concurrency)]
+    base = free_port_block(5)
+    opts = StackOptions(block_manager_port=base, cache_host_port=base + 1, worker_port=base + 2, num_workers=2,
+                        num_gpu_blocks=max(1024, concurrency * (48 + tokens) // 16 + 64), num_cpu_blocks=0,
+                        block_size=16, model=str(model), device="cpu", dtype="float32",
+                        log_dir=log_dir or str(work / "logs"), serve_port=base + 4,
+                        shm_prefix=f"pagedkv-sfb-{os.getpid()}", ready_timeout_s=180)
+    stack = Stack(opts, out=open(os.devnull, "w"))  # noqa: SIM115
+    state_dir_args = ["--state-dir", str(work / "bm-state")]
+    _svc(stack, "block-manager").args.extend(state_dir_args)
+    rows: list[dict[str, Any]] = []
+    stack.start()
+    sup = Supervisor(stack)
+    sup.start()
+    try:
+        reference: list[list[int]] | None = None  # the fault-free run's tokens
+        for fault in faults:
+            row, got = run_one(stack, sup, fault, prompts, tokens, fault_after_s, reference, state_dir_args)
+            rows.append(asdict(row))
+            if fault == "none":
+                if row.completed != len(prompts):
+                    raise RuntimeError(f"the fault-free run did not complete: {row.errors}")
+                reference = got
+    finally:
+        sup.stop()
+        for name in stack.stop():
+            try:
+                os.unlink(f"/dev/shm/{name}")
+            except FileNotFoundError:
+                pass
+    for r in rows:
+        r["supervisor_errors"] = sup.errors
+    return rows
