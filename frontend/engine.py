@@ -40,6 +40,12 @@ per-engine prefix, and every sequence is under this engine's lease, which a
 background thread renews (KeepAlive); an engine that dies loses its sequences
 within the lease TTL (`EngineConfig.lease_ttl_s`).
 
+Every block-manager mutation carries a request id, so an unanswered one is retried (UNAVAILABLE,
+DEADLINE_EXCEEDED, with backoff, within `EngineConfig.block_manager_outage_s`) and answered from the
+manager's dedupe table if it was applied. A manager that came back without this engine's lease
+(restarted with no state dir, or the lease expired) is resynced: every sequence is re-allocated and
+its KV recomputed (docs/reliability.md, "The engine through block-manager faults").
+
 Preempted sequences are handled as the block manager decides: recompute
 victims go back to the front of the waiting queue with everything generated
 so far as their prompt (prefix hits usually cover most of it); swapped ones are
