@@ -1266,7 +1266,10 @@ class Engine:
     def flush(self) -> None:
         """Free what finished in the last step (also done at the start of the next step)."""
         if self._to_free:
-            self._block_manager_step(pb.CacheOps(), full=False)
+            try:
+                self._block_manager_step(pb.CacheOps(), full=False)
+            except ManagerLostState as e:
+                self._resync(e)
 
 
 def _fill_sampling(msg: wpb.SamplingParams, opts: SamplingOptions, seed: int | None) -> None:
