@@ -309,7 +309,7 @@ def _renew_lease(ref: weakref.ref[Engine], stop: threading.Event, interval_s: fl
         if engine is None:
             return
         try:
-            engine._keep_alive(timeout_s=engine.config.timeout_s)
+            engine._keep_alive(timeout_s=min(engine.config.timeout_s, interval_s))
         except grpc.RpcError as e:
             log.warning("lease_renewal_failed", lease_id=engine.lease_id, code=e.code().name)
         except ValueError:  # the client's channel was closed under a live engine: nothing to renew on
@@ -372,7 +372,6 @@ class Engine:
         self._bm_ids = itertools.count()  # request ids of this engine's block-manager mutations
         # Set when a KeepAlive created this engine's lease anew: the manager lost its sequences.
         self._lease_lost = threading.Event()
-        self._lease_lock = threading.Lock()
         # Sequences a Step that got no answer may have created (freed in the next Step that does).
         self._maybe_held: list[str] = []
         self._keep_alive(timeout_s=self.config.timeout_s, first=True)
@@ -397,13 +396,12 @@ class Engine:
     def _keep_alive(self, timeout_s: float, first: bool = False) -> None:
         """Renew the lease (from the renewal thread or the engine's). A renewal that *created* the
         lease means the manager forgot it, and with it this engine's sequences: the next step resyncs."""
-        with self._lease_lock:
-            resp = self.bm.keep_alive(self.lease_id, ttl_ms=round(self.config.lease_ttl_s * 1000),
-                                      request_id=self._bm_request_id("lease"), timeout_s=timeout_s)
-            if resp.created and not first:
-                self._lease_lost.set()
+        resp = self.bm.keep_alive(self.lease_id, ttl_ms=round(self.config.lease_ttl_s * 1000),
+                                  request_id=self._bm_request_id("lease"), timeout_s=timeout_s)
         self.stats.lease_renewals += 1
         if resp.created and not first:
+            # (A renewal racing a resync may set this once more: one more resync, still correct.)
+            self._lease_lost.set()
             log.warning("block_manager_lost_lease", lease_id=self.lease_id, action="resync")
 
     def _bm_request_id(self, kind: str) -> str:
@@ -865,11 +863,15 @@ class Engine:
         victims = list(self._running) + list(self._swapped)
         frees = [s.seq_id for s in victims] + self._to_free + self._maybe_held + lost.seq_ids
         self._to_free, self._maybe_held = [], []
-        with self._lease_lock:
-            self._lease_lost.clear()
-        # Renew first (creating the lease is expected here), then free what the manager may hold.
-        self._bm_call(lambda t: self._keep_alive(timeout_s=t, first=True), needs_state=False)
-        resp = self._bm_step(pb.StepRequest(free_seq_ids=frees), needs_state=False)
+        self._lease_lost.clear()
+        try:
+            # Renew first (creating the lease is expected here), then free what the manager may hold.
+            self._bm_call(lambda t: self._keep_alive(timeout_s=t, first=True), needs_state=False)
+            resp = self._bm_step(pb.StepRequest(free_seq_ids=frees), needs_state=False)
+        except BlockManagerUnavailable:
+            self._maybe_held = frees  # freed by the first Step that gets through
+            self._lease_lost.set()  # and the resync starts over then
+            raise
         self._available = resp.num_available_blocks
         self._prefix_cache_drops = resp.prefix_cache_drops
         self._finished_prefixes.clear()
