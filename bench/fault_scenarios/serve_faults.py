@@ -69,13 +69,17 @@ def tiny_model(path: Path, seed: int = 0) -> Path:
 
 
 class Supervisor:
-    """Restart any service that exited, ``delay_s`` after noticing (a restart policy)."""
+    """Restart any service that exited, ``delay_s`` after noticing (a restart policy); each restart
+    on its own thread, so one service waiting for another (a worker for the block manager) never
+    holds up that other's restart."""
 
     def __init__(self, stack: Stack, delay_s: float = 1.0) -> None:
         self.stack = stack
         self.delay_s = delay_s
         self.restarts: list[str] = []
         self.errors: list[str] = []
+        self._restarting: set[str] = set()
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -88,23 +92,34 @@ class Supervisor:
 
     def _run(self) -> None:
         while not self._stop.wait(0.05):
-            svc = self.stack.first_exited()
-            if svc is None:
-                continue
-            code = svc.process.returncode if svc.process else None
+            for svc in self.stack.services:
+                if svc.process is None or svc.process.poll() is None:
+                    continue
+                with self._lock:
+                    if svc.name in self._restarting:
+                        continue
+                    self._restarting.add(svc.name)
+                threading.Thread(target=self._restart, args=(svc.name, svc.process.returncode), daemon=True).start()
+
+    def _restart(self, name: str, code: int | None) -> None:
+        try:
             if self._stop.wait(self.delay_s):
                 return
-            try:
-                self.stack.restart(svc.name)
-                self.restarts.append(f"{svc.name} (exit {code})")
-            except Exception as e:  # noqa: BLE001 - reported in the table
-                self.errors.append(f"restart {svc.name}: {e}")
+            self.stack.restart(name)  # returns once it is SERVING
+            self.restarts.append(f"{name} (exit {code})")
+        except Exception as e:  # noqa: BLE001 - reported in the table
+            self.errors.append(f"restart {name}: {e}")
+        finally:
+            with self._lock:
+                self._restarting.discard(name)
 
-    def settled(self, timeout_s: float = 60.0) -> bool:
-        """Every service running again."""
+    def settled(self, timeout_s: float = 120.0) -> bool:
+        """Every service running again and no restart still waiting for its service to serve."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if all(s.process is not None and s.process.poll() is None for s in self.stack.services):
+            with self._lock:
+                busy = bool(self._restarting)
+            if not busy and all(s.process is not None and s.process.poll() is None for s in self.stack.services):
                 return True
             time.sleep(0.1)
         return False
@@ -193,14 +208,18 @@ def run_one(stack: Stack, sup: Supervisor, fault: str, prompts: list[list[int]],
             row.errors.append(f"request {i}: HTTP {r.get('status')} {r.get('error', '')}")
     if not sup.settled():
         row.errors.append("the services did not all come back")
-    with BlockManagerClient(_svc(stack, "block-manager").address) as bm:
-        deadline = time.monotonic() + 15
-        while True:
-            st = bm.get_stats(timeout_s=10)
-            if (st.num_sequences, st.num_used_blocks) == (0, 0) or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
-        row.leaked_blocks, row.leaked_sequences = int(st.num_used_blocks), int(st.num_sequences)
+    try:
+        with BlockManagerClient(_svc(stack, "block-manager").address) as bm:
+            deadline = time.monotonic() + 15
+            while True:
+                st = bm.get_stats(timeout_s=10)
+                if (st.num_sequences, st.num_used_blocks) == (0, 0) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+            row.leaked_blocks, row.leaked_sequences = int(st.num_used_blocks), int(st.num_sequences)
+    except Exception as e:  # noqa: BLE001 - reported in the table
+        row.leaked_blocks = row.leaked_sequences = -1
+        row.errors.append(f"GetStats: {type(e).__name__}")
     later = stream_completion(port, prompts[0], min(tokens, 32))
     row.later_request_ok = later["status"] == 200 and not later["error"] and (
         reference is None or later["token_ids"] == reference[0][:min(tokens, 32)])

@@ -88,7 +88,8 @@ def _svc(stack: Stack, name: str) -> Any:
 
 def _post(server: RunningServe, prompt: list[int], max_tokens: int) -> tuple[int, dict, dict]:
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
-    body = {"model": server.state.model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    body = {"model": server.state.model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True}
     conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
     r = conn.getresponse()
     payload = json.loads(r.read() or b"{}")
@@ -167,7 +168,7 @@ def test_cache_host_sigkill_and_restart_under_serve(stack: Stack, server: Runnin
     assert metric_samples(m, "pagedkv_cache_host_recoveries_total")[""] == 1
     assert metric_samples(m, "pagedkv_recomputed_tokens_total")[""] > 0
     _assert_clean(stack)
-    assert time.monotonic() - t0 < 40
+    assert time.monotonic() - t0 < 60  # about 17 s alone; generous for shared CI machines
 
 
 def test_block_manager_outage_past_budget_503_then_recovers(stack: Stack, server: RunningServe,

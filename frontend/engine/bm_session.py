@@ -1,0 +1,308 @@
+"""The engine's one conversation with the block manager: the only module of the engine that calls it.
+
+- **Request ids.** Every mutation (Step, KeepAlive, ResetPrefixCache) carries one
+  (``<lease>-<kind>-<n>``), so any of them may be retried: a Step the manager applied but whose reply
+  was lost is answered from its dedupe table, never applied twice.
+- **Outage budget.** UNAVAILABLE and DEADLINE_EXCEEDED are retried with capped exponential backoff
+  (full jitter, at most 1 s) until ``EngineConfig.block_manager_outage_s`` has passed since the first
+  failed call; then BlockManagerUnavailable.
+- **The lease.** A background thread renews it every third of its TTL. A KeepAlive that *created*
+  it (from that thread, or the renewal before each retry) means the manager lost this engine's
+  sequences (restarted without a state dir, or the lease expired): ``lease_lost`` is set, and a
+  Step that needs the engine's state raises ManagerLostState instead of being sent.
+- **Typed deltas.** :meth:`BlockManagerSession.step` turns the engine's :class:`StepPlan` into the
+  packed StepRequest and the reply into a :class:`StepDelta` (block-table growth, allocations,
+  preemptions, per-item errors); the cache ops stay the worker's wire message (they are forwarded
+  to the workers as they are).
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import grpc
+import structlog
+
+from frontend.client import BlockManagerClient
+from frontend.engine.types import BlockManagerUnavailable, EngineConfig, EngineStats, ManagerLostState
+from pagedkv.v1 import block_manager_pb2 as pb
+
+log = structlog.get_logger("pagedkv.engine")
+
+T = TypeVar("T")
+# A block manager that is restarting (UNAVAILABLE) or hung (DEADLINE_EXCEEDED): retried within the
+# outage budget.
+_TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+_MAX_BACKOFF_S = 1.0
+_NOT_FOUND = grpc.StatusCode.NOT_FOUND.value[0]
+RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """What one Step asks, in the manager's apply order (sequence ids and token ids only)."""
+
+    commits: list[tuple[str, int]] = field(default_factory=list)  # (seq id, computed tokens)
+    frees: list[str] = field(default_factory=list)
+    appends: list[tuple[str, int | None]] = field(default_factory=list)  # (seq id, token id or unknown)
+    allocs: list[tuple[str, list[int], int]] = field(default_factory=list)  # (seq id, tokens, priority)
+    forks: list[tuple[str, str]] = field(default_factory=list)  # (parent, child)
+    swap_ins: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True, frozen=True)
+class ItemError:
+    """One item of a Step the manager refused (nothing of it applied). ``code``: a grpc.StatusCode value."""
+
+    kind: str  # "append", "free", "alloc", "fork", "swap_in", "commit"
+    index: int
+    seq_id: str
+    code: int
+    message: str
+
+
+@dataclass(slots=True, frozen=True)
+class Preempted:
+    seq_id: str
+    swap: bool  # swapped out (else to be recomputed)
+    cost_s: float
+
+
+@dataclass(slots=True)
+class StepDelta:
+    """A Step reply as changes to apply. Block growth: (append index, block, replaces the table's
+    last block (copy-on-write)); allocation tables and prefix hits per alloc index; swap-ins per
+    swap-in index, each the (seq id, new table) of every member of its fork group."""
+
+    available_blocks: int
+    prefix_cache_drops: int
+    grown: list[tuple[int, int, bool]]
+    ops: pb.CacheOps
+    preempted: list[Preempted]
+    errors: list[ItemError]
+    alloc_tables: list[list[int]]
+    alloc_cached: list[int]
+    swap_ins: list[list[tuple[str, list[int]]]]
+
+
+_KINDS = {pb.StepItemError.APPEND: "append", pb.StepItemError.PACKED_APPEND: "append",
+          pb.StepItemError.FREE: "free", pb.StepItemError.PACKED_FREE: "free",
+          pb.StepItemError.ALLOCATE: "alloc", pb.StepItemError.FORK: "fork",
+          pb.StepItemError.SWAP_IN: "swap_in", pb.StepItemError.COMMIT: "commit"}
+
+
+def step_request(plan: StepPlan, lease_id: str) -> pb.StepRequest:
+    tokens = [t for _, t in plan.appends]
+    return pb.StepRequest(
+        commit_seq_ids=[s for s, _ in plan.commits],
+        commit_num_computed_tokens=[n for _, n in plan.commits],
+        free_seq_ids=plan.frees,
+        append_seq_ids=[s for s, _ in plan.appends],
+        append_token_ids=tokens if tokens and all(t is not None for t in tokens) else [],
+        alloc_seq_ids=[s for s, _, _ in plan.allocs],
+        alloc_num_tokens=[len(t) for _, t, _ in plan.allocs],
+        alloc_token_ids=[t for _, toks, _ in plan.allocs for t in toks],
+        alloc_priorities=[p for _, _, p in plan.allocs] if any(p for _, _, p in plan.allocs) else [],
+        alloc_lease_ids=[lease_id] * len(plan.allocs),
+        fork_parent_seq_ids=[p for p, _ in plan.forks],
+        fork_child_seq_ids=[c for _, c in plan.forks],
+        swap_in_seq_ids=plan.swap_ins,
+    )
+
+
+def step_delta(resp: pb.StepResponse, num_allocs: int) -> StepDelta:
+    replaced = set(resp.packed_replaced_index)
+    seen: set[int] = set()
+    grown = []
+    for i, block in zip(resp.packed_new_block_index, resp.packed_new_block_ids):
+        first = i in replaced and i not in seen
+        seen.add(i)
+        grown.append((int(i), int(block), first))
+    tables: list[list[int]] = [[] for _ in range(num_allocs)]
+    for i, block in zip(resp.packed_alloc_block_index, resp.packed_alloc_block_ids):
+        tables[i].append(int(block))
+    return StepDelta(
+        available_blocks=resp.num_available_blocks,
+        prefix_cache_drops=resp.prefix_cache_drops,
+        grown=grown,
+        ops=resp.ops,
+        preempted=[Preempted(p.seq_id, p.mode == pb.Preemption.SWAP, p.cost_s) for p in resp.preempted],
+        errors=[ItemError(_KINDS.get(e.kind, "unknown"), e.index, e.seq_id, e.code, e.message) for e in resp.errors],
+        alloc_tables=tables,
+        alloc_cached=list(resp.alloc_num_cached_tokens) or [0] * num_allocs,
+        swap_ins=[[(m.seq_id, list(m.block_ids)) for m in r.sequences] for r in resp.swap_ins],
+    )
+
+
+def unknown_sequences(delta: StepDelta) -> list[str]:
+    """Sequences the engine holds that the manager answered NOT_FOUND for (commits, appends,
+    swap-ins; not a victim preempted in this very Step): it no longer has the engine's state."""
+    victims = {p.seq_id for p in delta.preempted}
+    return [e.seq_id for e in delta.errors
+            if e.kind in ("commit", "append", "swap_in") and e.code == _NOT_FOUND and e.seq_id not in victims]
+
+
+@dataclass(slots=True, frozen=True)
+class PoolGeometry:
+    """The block manager's pool, as the engine plans with it."""
+
+    block_size: int
+    num_gpu_blocks: int
+    watermark_blocks: int
+    prefix_caching: bool
+
+
+def read_geometry(bm: BlockManagerClient, timeout_s: float) -> PoolGeometry:
+    """GetConfig (a read, retried by the client on UNAVAILABLE)."""
+    c = bm.get_config(timeout_s=timeout_s)
+    return PoolGeometry(c.block_size, c.num_gpu_blocks, c.watermark_blocks, c.enable_prefix_caching)
+
+
+def _renew_lease(ref: weakref.ref[BlockManagerSession], stop: threading.Event, interval_s: float) -> None:
+    """Renew the lease until the session is closed or garbage-collected (holds no strong ref)."""
+    while not stop.wait(interval_s):
+        session = ref()
+        if session is None:
+            return
+        try:
+            session.keep_alive(timeout_s=min(session.config.timeout_s, interval_s))
+        except grpc.RpcError as e:
+            log.warning("lease_renewal_failed", lease_id=session.lease_id, code=e.code().name)
+        except ValueError:  # the client's channel was closed under a live engine: nothing to renew on
+            return
+        del session
+
+
+class BlockManagerSession:
+    """One engine's session: its lease, its request ids, the outage budget."""
+
+    def __init__(self, bm: BlockManagerClient, lease_id: str, config: EngineConfig, stats: EngineStats) -> None:
+        self.bm = bm
+        self.lease_id = lease_id
+        self.config = config
+        self.stats = stats
+        self._ids = itertools.count()
+        # Set when a KeepAlive created this engine's lease anew: the manager lost its sequences.
+        self.lease_lost = threading.Event()
+        self.keep_alive(timeout_s=config.timeout_s, first=True)
+        self._stop_renewal = threading.Event()
+        self._renewer = threading.Thread(
+            target=_renew_lease, args=(weakref.ref(self), self._stop_renewal, config.lease_ttl_s / 3),
+            name=f"engine-lease-{lease_id}", daemon=True,
+        )
+        self._renewer.start()
+        weakref.finalize(self, self._stop_renewal.set)
+
+    def stop_renewal(self) -> None:
+        self._stop_renewal.set()
+
+    def request_id(self, kind: str) -> str:
+        return f"{self.lease_id}-{kind}-{next(self._ids)}"
+
+    def keep_alive(self, timeout_s: float, first: bool = False) -> None:
+        """Renew the lease. One that *created* it means the manager forgot it, and with it this
+        engine's sequences: ``lease_lost`` is set and the next step resyncs (``first``: expected)."""
+        resp = self.bm.keep_alive(self.lease_id, ttl_ms=round(self.config.lease_ttl_s * 1000),
+                                  request_id=self.request_id("lease"), timeout_s=timeout_s)
+        self.stats.lease_renewals += 1
+        if resp.created and not first:
+            # (A renewal racing a resync may set this once more: one more resync, still correct.)
+            self.lease_lost.set()
+            log.warning("block_manager_lost_lease", lease_id=self.lease_id, action="resync")
+
+    def reachable(self, timeout_s: float = 2.0) -> bool:
+        """One lease renewal: does the block manager answer now? (After BlockManagerUnavailable.)"""
+        try:
+            self.keep_alive(timeout_s=timeout_s)
+        except grpc.RpcError:
+            return False
+        return True
+
+    def call(self, fn: Callable[[float], T], *, needs_state: bool = True) -> T:
+        """Run one block-manager call, ``fn(timeout_s)``, riding out an outage: UNAVAILABLE and
+        DEADLINE_EXCEEDED are retried with capped exponential backoff (full jitter) until
+        ``block_manager_outage_s`` has passed since the first failure, then BlockManagerUnavailable.
+        Safe because every mutation carries a request id. Before each retry the lease is renewed:
+        a manager that came back without this engine's state (``needs_state``) raises
+        ManagerLostState instead of being sent a Step about sequences it never heard of."""
+        budget = self.config.block_manager_outage_s
+        outage_start: float | None = None
+        attempt = 0
+        while True:
+            now = time.monotonic()
+            left = budget if outage_start is None else budget - (now - outage_start)
+            timeout_s = max(min(self.config.timeout_s, left), 0.5)
+            began = now
+            try:
+                if outage_start is not None:
+                    self.keep_alive(timeout_s=timeout_s)
+                if needs_state and self.lease_lost.is_set():
+                    raise ManagerLostState("the block manager lost this engine's lease and sequences")
+                result = fn(timeout_s)
+            except ManagerLostState:
+                if outage_start is not None:
+                    self._note_stall(outage_start, attempt)
+                raise
+            except grpc.RpcError as e:
+                if e.code() not in _TRANSIENT:
+                    raise
+                now = time.monotonic()
+                if outage_start is None:
+                    outage_start = began  # a hung manager's first unanswered call counts
+                    log.warning("block_manager_unreachable", code=e.code().name, budget_s=budget)
+                waited = now - outage_start
+                if waited >= budget:
+                    self.stats.longest_stall_s = max(self.stats.longest_stall_s, waited)
+                    raise BlockManagerUnavailable(
+                        f"the block manager was unreachable for {waited:.1f} s (block_manager_outage_s={budget:g}): "
+                        f"{e.code().name} {e.details()}") from e
+                attempt += 1
+                self.stats.bm_retries += 1
+                cap = min(0.05 * 2 ** (attempt - 1), _MAX_BACKOFF_S)
+                time.sleep(min(random.uniform(cap / 2, cap), max(budget - waited, 0.0)))
+                continue
+            if outage_start is not None:
+                self._note_stall(outage_start, attempt)
+            return result
+
+    def _note_stall(self, outage_start: float, retries: int) -> None:
+        stall = time.monotonic() - outage_start
+        self.stats.longest_stall_s = max(self.stats.longest_stall_s, stall)
+        log.warning("block_manager_reachable", stall_s=round(stall, 3), retries=retries)
+
+    def step(self, plan: StepPlan, *, needs_state: bool = True) -> StepDelta:
+        """One Step with a request id (so it may be retried), through the outage budget. Raises
+        ManagerLostState when the reply shows the manager does not know the engine's sequences."""
+        req = step_request(plan, self.lease_id)
+        req.request_id = self.request_id("step")
+        resp = self.call(lambda t: self.bm.step(req, timeout_s=t), needs_state=needs_state)
+        self.stats.bm_round_trips += 1
+        delta = step_delta(resp, len(plan.allocs))
+        if needs_state:
+            lost = unknown_sequences(delta)
+            if lost:
+                raise ManagerLostState(f"the block manager does not know {len(lost)} of this engine's sequences "
+                                       f"(e.g. {lost[0]}): it restarted without its state, or the lease expired")
+        return delta
+
+    def free(self, seq_ids: Sequence[str]) -> StepDelta:
+        """Free sequences the manager may or may not still hold (unknown ones are just reported)."""
+        return self.step(StepPlan(frees=list(seq_ids)), needs_state=False)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every prefix-cache hash (the KV they named is gone with the cache host)."""
+        rid = self.request_id("reset")
+        self.call(lambda t: self.bm.reset_prefix_cache(request_id=rid, timeout_s=t), needs_state=False)
+
+    def free_now(self, seq_ids: Sequence[str]) -> None:
+        """One attempt, no outage budget (closing the engine: the lease frees the rest)."""
+        if seq_ids:
+            self.bm.step(pb.StepRequest(free_seq_ids=list(seq_ids), request_id=self.request_id("close")),
+                         timeout_s=self.config.timeout_s)

@@ -1,0 +1,72 @@
+"""What a worker step's results do to a sequence: its new token (with logprobs), the stop checks
+(a stop token, max_tokens), the token event streamed to the caller, and the first tokens of the
+samples forked from it (n > 1). The engine moves a finished sequence out of its queues."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from frontend.engine.types import SamplingOptions, Seq, SeqStatus, TokenEvent
+from pagedkv.v1 import worker_pb2 as wpb
+
+
+class Drawn(Protocol):
+    """A worker's sampled token: wpb.SequenceOutput or wpb.Sample."""
+
+    token_id: int
+    logprob: float
+    top_token_ids: Sequence[int]
+    top_logprobs: Sequence[float]
+
+
+def accept_token(s: Seq, drawn: Drawn) -> TokenEvent:
+    """Append the token to the sample's completion and check the stop conditions: a finished
+    sequence is FINISHED (with its finish reason), else it needs a slot for the next token."""
+    c = s.completion
+    token, logprob = drawn.token_id, drawn.logprob
+    top: tuple[tuple[int, float], ...] = ()
+    if s.request.sampling.logprobs:
+        top = tuple(zip(drawn.top_token_ids, drawn.top_logprobs))
+        c.top_logprobs.append(top)
+    c.token_ids.append(token)
+    c.logprobs.append(logprob)
+    s.tokens.append(token)
+    reason = None
+    if token in s.request.stop_token_ids:
+        reason = "stop"
+    elif len(c.token_ids) >= s.request.max_tokens:
+        reason = "length"
+    if reason is None:
+        s.needs_slot = True
+    else:
+        c.finish_reason = reason
+        s.status = SeqStatus.FINISHED
+    return TokenEvent(s.request.request_id, s.index, token, logprob, reason, top)
+
+
+def fork_firsts(parent: Seq, samples: Sequence[wpb.Sample]) -> list[tuple[Seq, wpb.Sample]]:
+    """n > 1: the samples forked at admission and the first tokens the worker drew for them from
+    the prompt's last position (``SequenceInput.fork_sampling``); one preempted meanwhile is left
+    out (it re-prefills as a request of its own)."""
+    sent, parent.forks_sent = parent.forks_sent, []
+    if len(samples) != len(sent):  # else those samples would wait for a first token forever
+        raise RuntimeError(f"the worker drew {len(samples)} first tokens for the {len(sent)} samples forked from "
+                           f"{parent.seq_id} (a worker that predates SequenceInput.fork_sampling?)")
+    out = []
+    for child, drawn in zip(sent, samples):
+        if not child.awaiting_parent or child.status is not SeqStatus.RUNNING:
+            continue
+        child.awaiting_parent = False
+        child.num_computed = parent.num_computed
+        out.append((child, drawn))
+    return out
+
+
+def fill_sampling(msg: wpb.SamplingParams, opts: SamplingOptions, seed: int | None) -> None:
+    msg.temperature = opts.temperature
+    msg.top_p = opts.top_p
+    msg.top_k = opts.top_k
+    msg.num_top_logprobs = opts.logprobs
+    if seed is not None:
+        msg.seed = seed

@@ -1,0 +1,118 @@
+"""What the engine does when a service around it loses state (docs/reliability.md):
+
+- **cache host lost** (every worker says so): without ``recover_lost_cache``, forget the dead KV
+  (free the sequences, reset the prefix cache) and raise CacheHostLost with what to do; with it,
+  wait for a worker attached to a new cache host, free every sequence, reset the prefix cache and
+  recompute every running and swapped sequence;
+- **block manager lost the engine's sequences** (restarted without a state dir, or the lease
+  expired; frontend/engine/bm_session.py detects it): free whatever it may still hold of them,
+  renew the lease, recompute every running and swapped sequence (re-allocated in the next Step,
+  with prefix hits where the manager still has committed blocks).
+
+A lost worker is frontend/dispatch.py's: its share moves to another worker on the same cache.
+Recomputing is the recompute-preemption path: prompt + tokens so far, so greedy outputs are the same.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import grpc
+import structlog
+
+from frontend.dispatch import CacheLostEverywhere
+from frontend.engine.scheduler import PoolView
+from frontend.engine.types import BlockManagerUnavailable, CacheHostLost, ManagerLostState
+from pagedkv.v1 import worker_pb2 as wpb
+
+if TYPE_CHECKING:
+    from frontend.engine.core import Engine
+
+log = structlog.get_logger("pagedkv.engine")
+
+
+def cache_host_lost(e: CacheLostEverywhere) -> CacheHostLost:
+    """Every worker tried says the cache host is gone (dispatch.py)."""
+    return CacheHostLost(
+        f"the cache host was lost, and with it the KV of every sequence ({'; '.join(e.details)}). "
+        "Restart the cache host and the workers (a worker exits with code 3 after a lost cache host "
+        "and re-attaches when restarted), then resubmit the requests, or run the engine with "
+        "EngineConfig(recover_lost_cache=True) to wait for a re-attached worker, reset the block "
+        "manager's prefix cache and re-prefill every running sequence"
+    )
+
+
+def forget_lost_cache(engine: Engine) -> None:
+    """Before CacheHostLost reaches the caller: the committed blocks name KV that died, so drop
+    them from the shared prefix cache (or a later frontend would hit garbage), and free this
+    engine's sequences. Best effort: the caller gets CacheHostLost either way."""
+    try:
+        engine.close()
+        engine.session.reset_prefix_cache()
+    except (grpc.RpcError, BlockManagerUnavailable) as e:
+        log.warning("prefix_cache_reset_failed", error=str(e))
+
+
+def _new_cache_instance(engine: Engine, old: str) -> str:
+    deadline = time.monotonic() + engine.config.cache_recovery_timeout_s
+    while True:
+        for w in engine.workers:
+            try:
+                info = w.get_info(timeout_s=2.0)
+            except grpc.RpcError:
+                continue
+            if info.cache_instance_id and info.cache_instance_id != old and info.cache_state != wpb.CACHE_STATE_LOST:
+                return info.cache_instance_id
+        if time.monotonic() > deadline:
+            raise CacheHostLost(
+                f"the cache host (instance {old}) was lost and no worker re-attached to a new one "
+                f"within {engine.config.cache_recovery_timeout_s:.0f} s (cache_recovery_timeout_s): restart "
+                "the cache host and the workers"
+            )
+        time.sleep(0.2)
+
+
+def recover_lost_cache(engine: Engine) -> None:
+    """After CacheHostLost: wait for a worker on a new cache instance, forget all cached KV
+    (the block manager's prefix cache, pending ops) and recompute every running and swapped
+    sequence from its prompt + generated tokens."""
+    engine._drop_prefill_in_flight()  # its KV went with the cache host
+    old = engine._cache_instance
+    log.warning("cache_host_lost", cache_instance_id=old, action="waiting for a re-attached worker",
+                timeout_s=engine.config.cache_recovery_timeout_s)
+    new = _new_cache_instance(engine, old)
+    # Finished ones too: what they computed died with the cache host and must never be committed.
+    victims, frees = engine._take_held()
+    if frees:
+        engine.session.free(frees)  # a sequence the block manager no longer has is simply reported
+    engine.session.reset_prefix_cache()
+    engine._requeue_all(victims)
+    engine._cache_instance = new
+    engine.stats.cache_recoveries += 1
+    log.warning("cache_recovered", old_cache_instance_id=old, cache_instance_id=new,
+                requeued=len(victims), action="re-prefilling")
+
+
+def resync(engine: Engine, lost: ManagerLostState) -> None:
+    """The block manager lost this engine's sequences: free whatever it may still hold of them
+    (a Step that reached the new manager may have allocated some), renew the lease, and requeue
+    every running and swapped sequence for recompute."""
+    engine._drop_prefill_in_flight()
+    victims, frees = engine._take_held()
+    frees += lost.seq_ids
+    session = engine.session
+    session.lease_lost.clear()
+    try:
+        # Renew first (creating the lease is expected here), then free what the manager may hold.
+        session.call(lambda t: session.keep_alive(timeout_s=t, first=True), needs_state=False)
+        delta = session.free(frees)
+    except BlockManagerUnavailable:
+        engine._maybe_held = frees  # freed by the first Step that gets through
+        session.lease_lost.set()  # and the resync starts over then
+        raise
+    engine._pool = PoolView(delta.available_blocks, delta.prefix_cache_drops)
+    engine._requeue_all(victims)
+    engine.stats.bm_resyncs += 1
+    log.warning("block_manager_resync", reason=str(lost), requeued=len(victims), freed=len(frees),
+                action="re-allocating and recomputing")

@@ -1,0 +1,222 @@
+"""The engine's values: requests and their outputs, a sequence's state, the configuration, the
+counters, and the errors the engine raises. Plain data; no gRPC, no protobuf."""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+MAX_TOP_LOGPROBS = 20  # what a worker returns at most per position (worker_svc/model/sampling.py)
+
+
+class CacheHostLost(RuntimeError):
+    """Every worker says the cache host (and so every sequence's KV) is gone (docs/reliability.md)."""
+
+
+class BlockManagerUnavailable(RuntimeError):
+    """The block manager stayed unreachable for longer than EngineConfig.block_manager_outage_s.
+
+    The engine's state stays consistent: what the unanswered Step may have allocated is freed in the
+    first Step that gets through, and the caller decides what happens to the requests in flight
+    (`pagedkv serve` ends them with 503 + Retry-After and refuses new ones until the manager answers)."""
+
+
+class ManagerLostState(Exception):
+    """The block manager no longer holds this engine's sequences: it restarted without a state dir
+    (this engine's lease was created anew) or the lease expired. ``seq_ids``: sequences the last Step
+    may have created there anyway (they are freed with the rest before everything is re-allocated)."""
+
+    def __init__(self, why: str, seq_ids: Sequence[str] = ()) -> None:
+        super().__init__(why)
+        self.seq_ids = list(seq_ids)
+
+
+@dataclass(slots=True, frozen=True)
+class SamplingOptions:
+    """Sampling parameters of a request (temperature 0 = greedy)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    # Also report this many most likely tokens (with logprobs) at every position: OpenAI's
+    # logprobs=N / top_logprobs, vLLM's SamplingParams.logprobs. 0 = only the chosen token's.
+    logprobs: int = 0
+
+    def validate(self) -> None:
+        """Reject what a worker would refuse, before anything is allocated (the option is named)."""
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    request_id: str
+    prompt: list[int]
+    max_tokens: int = 16
+    n: int = 1
+    sampling: SamplingOptions = field(default_factory=SamplingOptions)
+    stop_token_ids: tuple[int, ...] = ()
+    priority: int = 0
+
+    def validate(self) -> None:
+        if not self.request_id or "/" in self.request_id:
+            raise ValueError(f"request_id must be non-empty and contain no '/': {self.request_id!r}")
+        if not self.prompt:
+            raise ValueError(f"request {self.request_id}: the prompt is empty")
+        if self.max_tokens < 1:
+            raise ValueError(f"request {self.request_id}: max_tokens must be >= 1")
+        if self.n < 1:
+            raise ValueError(f"request {self.request_id}: n must be >= 1")
+        self.sampling.validate()
+        if self.seed_span_overflows():
+            raise ValueError(f"request {self.request_id}: seed + n must stay below 2**63")
+
+    def seed_span_overflows(self) -> bool:
+        s = self.sampling.seed
+        return s is not None and s + self.n > 2**63
+
+
+@dataclass(slots=True)
+class TokenEvent:
+    """One generated token of one sample, as it is produced."""
+
+    request_id: str
+    index: int
+    token_id: int
+    logprob: float
+    finish_reason: str | None  # None while running, else "stop" or "length"
+    # SamplingOptions.logprobs most likely (token, logprob) of the position, most likely first.
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(slots=True)
+class Completion:
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)  # per token, when asked
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: list[int]
+    completions: list[Completion]
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.completions)
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Seq:
+    seq_id: str
+    request: GenerationRequest
+    output: RequestOutput
+    index: int
+    tokens: list[int]
+    status: SeqStatus = SeqStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0  # leading tokens whose KV is in the cache
+    num_committed: int = 0  # what the block manager was told is computed (Commit)
+    needs_slot: bool = False  # last token sampled but not yet reserved in the block manager
+    forked: bool = False  # n > 1 samples already forked from this sequence
+    # An n > 1 sample forked at admission: shares the parent's prompt blocks and
+    # waits for the parent's prefill, whose worker step draws its first token.
+    awaiting_parent: bool = False
+    children: list[Seq] = field(default_factory=list)
+    # The children whose first token the last worker request asked this sequence's step to draw.
+    forks_sent: list[Seq] = field(default_factory=list)
+    in_flight: bool = False  # its prefill chunk is running on a prefill worker right now
+
+    @property
+    def completion(self) -> Completion:
+        return self.output.completions[self.index]
+
+    @property
+    def seed(self) -> int | None:
+        s = self.request.sampling.seed
+        return None if s is None else s + self.index
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    max_num_seqs: int = 64
+    # Tokens per worker step (decode tokens + prefill chunks): bounds step latency.
+    max_batch_tokens: int = 512
+    timeout_s: float = 30.0
+    # Cache host loss: False = raise CacheHostLost; True = wait (up to cache_recovery_timeout_s)
+    # for a worker attached to a new cache host, reset the prefix cache and re-prefill everything.
+    recover_lost_cache: bool = False
+    cache_recovery_timeout_s: float = 120.0
+    # This engine's lease on its sequences: renewed every third of it in the background; an
+    # engine that stops renewing (it died) loses its sequences within this time.
+    lease_ttl_s: float = 30.0
+    # Reserve the next decode slots in the block manager while the workers compute (no append round
+    # trip between two worker steps); generated tokens' blocks are then not prefix-cached.
+    overlap_block_manager: bool = False
+    # How long the block manager may stay unreachable (UNAVAILABLE / DEADLINE_EXCEEDED, retried with
+    # backoff) before step() raises BlockManagerUnavailable (`pagedkv serve --block-manager-outage-s`).
+    block_manager_outage_s: float = 30.0
+
+
+@dataclass(slots=True)
+class EngineStats:
+    steps: int = 0
+    prompt_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    computed_tokens: int = 0
+    generated_tokens: int = 0
+    preempted_recompute: int = 0
+    preempted_swap: int = 0
+    worker_retries: int = 0
+    cache_recoveries: int = 0
+    # Round trips: block-manager Steps and worker steps (one each per iteration at most),
+    # and lease renewals (on their own clock, not per iteration).
+    bm_round_trips: int = 0
+    worker_steps: int = 0
+    lease_renewals: int = 0
+    # Idle gap of the engine's synchronous worker calls (decode pipeline): time from the end of one
+    # call to the start of the next, summed, and how many gaps (the control plane's share of a step).
+    worker_idle_s: float = 0.0
+    worker_idle_gaps: int = 0
+    prefill_launches: int = 0  # async prefill chunks sent to prefill workers (disaggregated layout)
+    slots_reserved_ahead: int = 0  # decode slots reserved while the workers computed (overlap)
+    # Admissions deferred by one iteration because another sequence was computing their prefix.
+    admissions_held: int = 0
+    # Faults (docs/reliability.md): block-manager calls retried after UNAVAILABLE/DEADLINE_EXCEEDED;
+    # resyncs with a manager that lost this engine's sequences (restarted empty, lease expired);
+    # tokens whose KV had to be computed again (resyncs and cache-host recoveries); the longest
+    # time the engine waited for an unreachable block manager, from its first failed call.
+    bm_retries: int = 0
+    bm_resyncs: int = 0
+    recomputed_tokens: int = 0
+    longest_stall_s: float = 0.0
+
+    @property
+    def bm_round_trips_per_step(self) -> float:
+        return self.bm_round_trips / self.steps if self.steps else 0.0
+
+    @property
+    def worker_steps_per_step(self) -> float:
+        return self.worker_steps / self.steps if self.steps else 0.0
