@@ -40,7 +40,7 @@ from worker_svc.devices import resolve_device, resolve_dtype
 from worker_svc.geometry import PoolConfig, check_against_host, host_geometry, known_values
 from pagedkv.grpc_server import RunningServer, start_server, stop_event_on_signals
 from worker_svc.model.config import ModelConfig, load_model_config
-from worker_svc.peers import StopRequested, wait_for_block_manager, wait_for_cache_host
+from worker_svc.peers import StopRequested, forget_stale_prefixes, wait_for_block_manager, wait_for_cache_host
 from worker_svc.reattach import reattach
 from worker_svc.servicer import SERVICE_NAME as WORKER_SERVICE, WorkerServicer
 from worker_svc.settings import CacheHostSettings, WorkerSettings
@@ -95,6 +95,9 @@ def run_cache_host(settings: CacheHostSettings) -> int:
         return _start_refused(e)
     cache = cache_memory.create(geometry, dtype, device, settings.shm_prefix)
     owner = CacheOwner(cache)
+    if settings.block_manager:  # before serving: nothing can attach and run on the manager's stale prefixes
+        forget_stale_prefixes(settings.block_manager, cache.descriptor.instance_id, 10.0,
+                              Dialer.from_settings(settings))
     try:
         weights = _share_weights(settings, model_cfg, dtype, device)
         if weights is not None:
