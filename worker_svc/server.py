@@ -289,15 +289,17 @@ def start_worker(settings: WorkerSettings, stop: threading.Event | None = None) 
 
 def _watch_cache_host(proc: WorkerProcess, settings: WorkerSettings, instance_id: str, dialer: Dialer,
                       device: torch.device, model_cfg: ModelConfig) -> None:
-    """Start the cache host watcher (cache_watch.py); a lost host turns health NOT_SERVING, a new
-    instance at the same address is re-attached (reattach.py) and health turns SERVING again."""
+    """Start the cache host watcher (cache_watch.py); a lost host turns the Worker service's health
+    NOT_SERVING, a new instance at the same address is re-attached (reattach.py) and it turns
+    SERVING again. The overall health ("") stays SERVING: the process is alive and recovering, so a
+    liveness probe (Kubernetes checks "") must not kill it, while readiness (pagedkv.v1.Worker) stops
+    routing to it."""
     if settings.cache_host_check_interval_s <= 0:
         return
     health = proc.running.health
 
     def set_health(status: int) -> None:
-        for name in ("", WORKER_SERVICE):
-            health.set(name, status)
+        health.set(WORKER_SERVICE, status)
 
     proc.servicer.on_cache_lost = lambda: set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
 

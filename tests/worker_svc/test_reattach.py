@@ -62,6 +62,9 @@ def test_worker_reattaches_to_a_restarted_cache_host(hf_llama: HFModel, procs: l
         lost = w.wait_event("cache_host_lost", timeout=15)
         assert ready["instance_id"] in lost["instance_id"]
         assert _health(health) == health_pb2.HealthCheckResponse.NOT_SERVING
+        # Alive and recovering: the overall health (a liveness probe's) stays SERVING.
+        assert health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2).status == \
+            health_pb2.HealthCheckResponse.SERVING
 
         host2, ready2 = start_cache_host(hf_llama.path, port=port, prefix=PREFIX)
         procs.insert(0, host2)
