@@ -55,10 +55,11 @@ def hosts() -> Iterator[list[Host]]:
         h.cache.close()
 
 
-def _worker(port: int, failures: int = 2):  # type: ignore[no-untyped-def]
+def _worker(port: int, failures: int = 2, reattach: bool = True):  # type: ignore[no-untyped-def]
     return start_worker(WorkerSettings(
         port=0, cache_host=f"127.0.0.1:{port}", device="cpu", kernel_backend="reference",
         cache_host_check_interval_s=INTERVAL, cache_host_failures=failures, connect_timeout_s=10,
+        cache_host_reattach=reattach,
     ))
 
 
@@ -110,7 +111,9 @@ def test_dead_cache_host_is_detected_and_reported(hosts: list[Host]) -> None:
 def test_replaced_cache_host_is_detected(hosts: list[Host]) -> None:
     old = Host()
     hosts.append(old)
-    proc = _worker(old.port, failures=1000)  # only a new instance id can trip it
+    # Only a new instance id can trip it; no re-attach, so the refusal stays observable
+    # (re-attaching: tests/worker_svc/test_reattach.py).
+    proc = _worker(old.port, failures=1000, reattach=False)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{proc.running.port}") as ch:
             stub = worker_pb2_grpc.WorkerStub(ch)
