@@ -161,3 +161,38 @@ def test_restart_budget_spent_stops_the_stack_naming_the_role(tmp_path: pathlib.
     assert re.search(r"event='service_gave_up'.*service='worker-0'", out), out
     assert not any(pid_alive(p) for p in pids)
     assert kept.is_dir() and any(kept.iterdir())  # --state-dir is the manager's, and kept
+
+
+def test_restart_budget_backs_off_and_forgets_after_a_minute() -> None:
+    from frontend.supervisor import RestartBudget, RestartPolicy, describe_exit
+
+    budget = RestartBudget(RestartPolicy(max_restarts_per_minute=3, initial_backoff_s=0.5, max_backoff_s=1.5))
+    pauses = []
+    for t in (0.0, 1.0, 2.0):
+        pauses.append(budget.backoff("worker-0", t))
+        budget.record("worker-0", t)
+    assert pauses == [0.5, 1.0, 1.5]  # doubling, capped
+    assert budget.backoff("worker-0", 3.0) is None  # spent: the stack gives up
+    assert budget.backoff("cache-host", 3.0) == 0.5  # per service
+    assert budget.backoff("worker-0", 60.5) == 1.5  # the restart at t=0 left the window: 2 recent
+    assert budget.backoff("worker-0", 61.5) == 1.0  # and the one at t=1
+    assert RestartBudget(RestartPolicy(max_restarts_per_minute=0)).backoff("x", 0.0) is None  # never restart
+    assert describe_exit(-9) == "-9 (SIGKILL)" and describe_exit(3) == "3"
+
+
+def test_plan_gives_the_block_manager_the_state_dir(tmp_path: pathlib.Path) -> None:
+    from frontend.stack import Stack, StackOptions, plan
+
+    bm = plan(StackOptions(), state_dir="/var/x")[0]
+    assert bm.name == "block-manager" and bm.args[bm.args.index("--state-dir") + 1] == "/var/x"
+    assert "--state-dir" not in plan(StackOptions())[0].args
+    kept = tmp_path / "a" / "b"
+    s = Stack(StackOptions(state_dir=str(kept)), out=open(os.devnull, "w"))  # noqa: SIM115
+    assert kept.is_dir() and not s.state_dir_is_temporary  # created
+    s.stop()
+    assert kept.is_dir()  # kept
+    s = Stack(StackOptions(), out=open(os.devnull, "w"))  # noqa: SIM115
+    temp = s.state_dir
+    assert temp.is_dir() and s.state_dir_is_temporary and temp.name.startswith("pagedkv-up-state-")
+    s.stop()
+    assert not temp.exists()
