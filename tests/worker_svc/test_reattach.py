@@ -21,7 +21,15 @@ from pagedkv.ports import free_port
 from pagedkv.v1 import worker_pb2, worker_pb2_grpc
 from tests.worker_svc.conftest import HFModel
 from tests.worker_svc.generation import Scheduler, grpc_step
-from tests.worker_svc.test_processes import BLOCK, GPU_BLOCKS, PROMPT, Proc, procs, start_cache_host, start_worker
+from tests.worker_svc.test_processes import (
+    BLOCK,
+    GPU_BLOCKS,
+    PROMPT,
+    Proc,
+    procs,
+    start_cache_host,
+    start_worker,
+)
 
 __all__ = ["procs"]  # the fixture, re-used
 
