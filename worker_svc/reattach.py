@@ -80,9 +80,14 @@ def reattach(proc: WorkerProcess, info: cache_host_pb2.CacheInfo, device: torch.
         def release() -> None:  # under the old runner's lock: no step can touch the old mapping now
             old_runner.model = None  # type: ignore[assignment]  # its views of the old weights go with it
             gc.collect()
-            old_cache.close()
-            if old_weights is not None:
-                old_weights.close()
+            for name, res in (("cache", old_cache), ("weights", old_weights)):
+                if res is None:
+                    continue
+                try:  # e.g. closing a CUDA IPC handle whose exporter died: the new attachment matters more
+                    res.close()
+                except Exception as e:  # noqa: BLE001 - logged; what is left goes with the process
+                    log.warning("old_cache_host_release_failed", what=name, instance_id=old.instance_id,
+                                error=f"{type(e).__name__}: {e}")
 
         old_runner.close(release=release)
         proc.cache, proc.weights = cache, weights
