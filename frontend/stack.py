@@ -228,7 +228,12 @@ class Stack:
         else:
             self.state_dir = pathlib.Path(opts.state_dir)
             self.state_dir.mkdir(parents=True, exist_ok=True)
-        self.services = plan(opts, self.security, str(self.state_dir))
+        self.services: list[Service] = []
+        try:
+            self.services = plan(opts, self.security, str(self.state_dir))
+        except BaseException:
+            self.stop()  # nothing started yet: removes the temporary state dir, the security files
+            raise
         self.out = out
 
     def _say(self, line: str) -> None:

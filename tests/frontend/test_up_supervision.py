@@ -92,9 +92,13 @@ class Up:
 def ups() -> Iterator[list[Up]]:
     made: list[Up] = []
     yield made
-    for u in made:
+    for u in made:  # after a failure: a clean stop first (it removes the temporary state dir)
         if u.p.poll() is None:
-            os.killpg(u.p.pid, signal.SIGKILL)
+            u.p.send_signal(signal.SIGINT)
+            try:
+                u.p.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(u.p.pid, signal.SIGKILL)
 
 
 def _kill(up: Up, name: str) -> tuple[int, int]:
