@@ -86,7 +86,10 @@ def test_cpu_override_alone_and_merged_match_the_compose_spec(tmp_path: Path) ->
 def test_compose_v1_config_accepts_the_files(tmp_path: Path) -> None:
     merged = tmp_path / "merged.yml"
     merged.write_text(json.dumps(merge(load(BASE), load(CPU))))
-    for args in (["-f", str(BASE)], ["--project-directory", str(ROOT), "-f", str(merged)]):
+    pd = tmp_path / "pd-merged.yml"
+    pd.write_text(json.dumps(merge(load(BASE), load(ROOT / "docker-compose.pd.yml"))))
+    for args in (["-f", str(BASE)], ["--project-directory", str(ROOT), "-f", str(merged)],
+                 ["--project-directory", str(ROOT), "-f", str(pd)]):
         proc = subprocess.run(["docker-compose", *args, "config", "-q"], capture_output=True, text=True,
                               timeout=60, cwd=ROOT, check=False)
         assert proc.returncode == 0, proc.stderr
