@@ -55,8 +55,11 @@ RUN --mount=type=cache,target=/root/.cache/pip \
  && pip install ".[${extras}]" \
  && python -c "import torch, pagedkv.cli; print('torch', torch.__version__)"
 
-# Unprivileged at run time. Triton's kernel cache goes to $HOME.
-RUN useradd --create-home --uid 10001 pagedkv
+# Unprivileged at run time. Triton's kernel cache goes to $HOME. The block manager's state dir
+# (PAGEDKV_STATE_DIR in docker-compose.yml) exists owned by that user, so a named volume mounted
+# there starts with that owner and is writable.
+RUN useradd --create-home --uid 10001 pagedkv \
+ && mkdir -p /var/lib/pagedkv/state && chown pagedkv:pagedkv /var/lib/pagedkv/state
 USER pagedkv
 ENV HOME=/home/pagedkv
 

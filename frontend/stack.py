@@ -9,6 +9,11 @@ reverse order (frontend, workers, cache host, block manager) and checks that no
 shared memory segment was left behind in /dev/shm. Last comes the OpenAI-compatible
 frontend, `pagedkv serve` on port 8000 (docs/serve.md), checked on its HTTP /health.
 
+A service that exits is restarted (frontend/supervisor.py: backoff, at most
+--max-restarts-per-minute restarts of one service, then the stack stops naming it). The block
+manager journals to a state dir (--state-dir DIR, kept; by default a temporary one, removed when
+`up` stops), so a restarted block manager comes back with every sequence and block.
+
 `--tls-dir DIR --auth-tokens-file FILE` secures the whole stack: every server mutual TLS, every
 server with tokens, and every connection between the roles with a client certificate and a token
 (frontend/stack_security.py, docs/security.md); the frontend serves HTTPS with mutual TLS.
@@ -19,17 +24,21 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from frontend.stack_security import StackSecurity, StackSecurityError
+from frontend.supervisor import RestartPolicy, supervise
 from pagedkv.cpu_runtime import preload_env
 from pagedkv.healthcheck import wait_healthy
+from pagedkv.logging_setup import configure_logging
 
 SHM_DIR = pathlib.Path("/dev/shm")
 
@@ -74,14 +83,17 @@ class StackOptions:
     serve_port: int | None = None
     # CPU workers start with tcmalloc and Intel OpenMP preloaded when present (pagedkv/cpu_runtime.py).
     preload_runtime: bool = True
+    # The block manager's --state-dir (kept); None = a temporary one, removed when the stack stops.
+    state_dir: str | None = None
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
 
 
 def _pagedkv(*args: str) -> list[str]:
     return [sys.executable, "-m", "pagedkv.cli", *args]
 
 
-def plan(opts: StackOptions, security: StackSecurity | None = None) -> list[Service]:
-    """The processes to start, in start order."""
+def plan(opts: StackOptions, security: StackSecurity | None = None, state_dir: str = "") -> list[Service]:
+    """The processes to start, in start order (``state_dir``: the block manager's, when given)."""
     sec = security or StackSecurity()
     bm = f"{opts.host}:{opts.block_manager_port}"
     ch = f"{opts.host}:{opts.cache_host_port}"
@@ -93,7 +105,8 @@ def plan(opts: StackOptions, security: StackSecurity | None = None) -> list[Serv
             "block-manager",
             _pagedkv("block-manager", "--host", opts.host, "--port", str(opts.block_manager_port),
                      "--num-gpu-blocks", str(opts.num_gpu_blocks), "--num-cpu-blocks", str(opts.num_cpu_blocks),
-                     "--block-size", str(opts.block_size), *common),
+                     "--block-size", str(opts.block_size), *(["--state-dir", state_dir] if state_dir else []),
+                     *common),
             bm, "pagedkv.v1.BlockManager",
         ),
         Service(
@@ -208,7 +221,19 @@ class Stack:
     def __init__(self, opts: StackOptions, out: object = sys.stdout) -> None:
         self.opts = opts
         self.security = StackSecurity.prepare(opts.tls_dir, opts.auth_tokens_file)  # StackSecurityError
-        self.services = plan(opts, self.security)
+        # The block manager's journal and snapshots: what lets a restarted one keep every sequence.
+        self.state_dir_is_temporary = opts.state_dir is None
+        if opts.state_dir is None:
+            self.state_dir = pathlib.Path(tempfile.mkdtemp(prefix="pagedkv-up-state-"))
+        else:
+            self.state_dir = pathlib.Path(opts.state_dir)
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.services: list[Service] = []
+        try:
+            self.services = plan(opts, self.security, str(self.state_dir))
+        except BaseException:
+            self.stop()  # nothing started yet: removes the temporary state dir, the security files
+            raise
         self.out = out
 
     def _say(self, line: str) -> None:
@@ -234,9 +259,10 @@ class Stack:
             self.stop()
             raise
 
-    def restart(self, name: str) -> Service:
-        """Start service `name` again (it must have exited) and wait until it is SERVING: what a
-        supervisor does, e.g. for a cache host that died and the workers that then exit (code 3)."""
+    def restart(self, name: str, stop: threading.Event | None = None) -> Service:
+        """Start service `name` again (it must have exited) and wait until it is SERVING, or until
+        ``stop`` is set: what a supervisor does (frontend/supervisor.py), e.g. for a cache host that
+        died and the workers that then exit (code 3)."""
         svc = next(s for s in self.services if s.name == name)
         if svc.process is not None and svc.process.poll() is None:
             raise RuntimeError(f"{name} is still running (pid {svc.process.pid})")
@@ -245,9 +271,24 @@ class Stack:
             out = open(pathlib.Path(self.opts.log_dir) / f"{svc.name}.log", "ab")  # noqa: SIM115 - owned by the child
         svc.process = subprocess.Popen(svc.args, env={**os.environ, **self.security.env(), **svc.env}, stdout=out,
                                        stderr=out, start_new_session=True)
-        wait_serving(svc.address, svc.health_service, time.monotonic() + self.opts.ready_timeout_s, svc.process,
-                     self.security.client_tls(), svc.health_url)
-        return svc
+        deadline = time.monotonic() + self.opts.ready_timeout_s
+        while True:  # in slices, so that Ctrl-C during a restart is not held up by the readiness wait
+            try:
+                wait_serving(svc.address, svc.health_service, min(deadline, time.monotonic() + 1.0), svc.process,
+                             self.security.client_tls(), svc.health_url)
+                return svc
+            except TimeoutError:
+                if stop is not None and stop.is_set():
+                    return svc  # the caller is stopping the stack anyway
+                if time.monotonic() >= deadline:
+                    raise
+
+    def kill(self, name: str) -> None:
+        """SIGKILL service `name` (one that hung while starting) and reap it."""
+        svc = next(s for s in self.services if s.name == name)
+        if svc.process is not None and svc.process.poll() is None:
+            svc.process.kill()
+            svc.process.wait()
 
     def first_exited(self) -> Service | None:
         for svc in self.services:
@@ -268,6 +309,8 @@ class Stack:
                 p.kill()
                 p.wait()
         self.security.close()
+        if self.state_dir_is_temporary:
+            shutil.rmtree(self.state_dir, ignore_errors=True)
         return leaked_segments(self.opts.shm_prefix)
 
 
@@ -302,12 +345,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--serve-port", type=int, default=8000,
                    help="port of the OpenAI-compatible frontend, `pagedkv serve` [%(default)s]")
     p.add_argument("--no-serve", action="store_true", help="start no frontend (gRPC services only)")
+    p.add_argument("--state-dir", default=None,
+                   help="the block manager's journal and snapshots, kept after the stack stops "
+                        "[a temporary directory, removed when the stack stops]")
+    p.add_argument("--max-restarts-per-minute", type=int, default=d.restart.max_restarts_per_minute,
+                   help="restart a service that exits at most this often a minute, then stop the stack "
+                        "(0 = stop the stack when any service exits) [%(default)s]")
     return p
 
 
 def options_from_args(args: argparse.Namespace) -> StackOptions:
     if args.num_workers < 1:
         raise SystemExit("pagedkv up: --num-workers must be at least 1")
+    if args.max_restarts_per_minute < 0:
+        raise SystemExit("pagedkv up: --max-restarts-per-minute must be 0 or more")
     roles = tuple(r.strip() for r in args.roles.split(",") if r.strip())
     try:
         worker_roles(roles, args.num_workers)
@@ -320,13 +371,15 @@ def options_from_args(args: argparse.Namespace) -> StackOptions:
         dtype=args.dtype, log_format=args.log_format, log_dir=args.log_dir, ready_timeout_s=args.ready_timeout_s,
         roles=roles, pin_workers=args.pin_workers, preload_runtime=args.preload_runtime,
         tls_dir=args.tls_dir, auth_tokens_file=args.auth_tokens_file,
-        serve_port=None if args.no_serve else args.serve_port,
+        serve_port=None if args.no_serve else args.serve_port, state_dir=args.state_dir,
+        restart=RestartPolicy(max_restarts_per_minute=args.max_restarts_per_minute),
     )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     opts = options_from_args(args)
+    configure_logging("info", opts.log_format)
     try:
         stack = Stack(opts)
     except StackSecurityError as e:
@@ -335,7 +388,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    print(f"pagedkv up: starting {len(stack.services)} services", flush=True)
+    print(f"pagedkv up: starting {len(stack.services)} services; block manager state in {stack.state_dir} "
+          f"({'temporary: removed at stop; --state-dir DIR keeps it' if stack.state_dir_is_temporary else 'kept'})",
+          flush=True)
     try:
         stack.start()
     except (RuntimeError, TimeoutError) as e:
@@ -358,14 +413,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"            Ctrl-C stops everything.", flush=True)
     else:
         print(f"pagedkv up: ready. Try:  {direct}\n            Ctrl-C stops everything.", flush=True)
-    code = 0
-    while not stop.wait(0.5):
-        dead = stack.first_exited()
-        if dead is not None:
-            print(f"pagedkv up: {dead.name} exited with code {dead.process.returncode}; stopping the stack",  # type: ignore[union-attr]
-                  file=sys.stderr)
-            code = 1
-            break
+    code = supervise(stack, stop, opts.restart)
     print("pagedkv up: stopping", flush=True)
     leaked = stack.stop()
     if leaked:

@@ -8,7 +8,8 @@ Connections between the roles (cache host -> block manager, worker -> block mana
 present ``DIR/client.pem`` / ``DIR/client.key`` and a token of their own. That token is made here,
 at start-up: a fresh random one whose hash is added, as tenant ``pagedkv-stack``, to a private copy
 of the user's tokens file, allowed only ``GetConfig`` and ``GetCacheInfo`` (what the roles call at
-start-up and to watch the cache host). The user's file is never changed and the stack's token never
+start-up and to watch the cache host) and ``ResetPrefixCache`` (a starting cache host's, which needs
+an admin: the tenant is one). The user's file is never changed and the stack's token never
 leaves the processes of the stack (it reaches them by environment variable, not by a flag).
 
 The frontend (`pagedkv serve`) serves HTTPS with the same server certificate and client CA, dials
@@ -34,7 +35,9 @@ from pagedkv.auth import TokenFileError, TokenStore, hash_token, read_tokens_fil
 
 STACK_TENANT = "pagedkv-stack"
 FRONTEND_TENANT = "pagedkv-frontend"
-STACK_METHODS = ("GetConfig", "GetCacheInfo")
+# ResetPrefixCache: a starting cache host drops the manager's prefix hits on the previous instance's
+# memory (worker_svc/peers.py, forget_stale_prefixes); it is for admins, so the stack tenant is one.
+STACK_METHODS = ("GetConfig", "GetCacheInfo", "ResetPrefixCache")
 TLS_FILES = ("ca.pem", "server.pem", "server.key", "client.pem", "client.key")
 
 
@@ -77,7 +80,7 @@ class StackSecurity:
                 raise StackSecurityError(f"{sec.auth_tokens_file}: tenant name {reserved!r} is reserved for "
                                          "the stack's own connections")
             sec.role_token = secrets.token_urlsafe(32)
-            tenants.append({"name": STACK_TENANT, "token_sha256": hash_token(sec.role_token),
+            tenants.append({"name": STACK_TENANT, "token_sha256": hash_token(sec.role_token), "admin": True,
                             "allow": list(STACK_METHODS)})
             sec.frontend_token = secrets.token_urlsafe(32)
             tenants.append({"name": FRONTEND_TENANT, "token_sha256": hash_token(sec.frontend_token)})

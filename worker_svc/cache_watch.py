@@ -7,6 +7,12 @@ with a reason, when the host stops answering for ``failures`` consecutive checks
 another instance id. The servicer then turns health NOT_SERVING and refuses steps with
 FAILED_PRECONDITION carrying the CACHE_HOST_LOST error detail (pagedkv/errors.py), which is what the
 engine recognises; the message (prefix :data:`CACHE_LOST_PREFIX`) is for people.
+
+With ``on_replaced`` the thread keeps polling after a loss: as soon as a cache host with another
+instance id answers at the same address (a supervisor restarted it), ``on_replaced(info)`` re-attaches
+the worker to it (worker_svc/reattach.py) and, when that worked, watching starts over on the new
+instance. Why the worker does this itself rather than exiting: a worker that stayed up (nothing
+restarts a process that did not exit) would otherwise refuse every step until restarted by hand.
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ CACHE_LOST_PREFIX = "cache host lost: "
 EXIT_CACHE_LOST = 3  # the worker's exit code after a lost cache host (a supervisor restarts it)
 REPREFILL_HINT = (
     "the KV cache content is gone: every sequence must be re-prefilled after this worker re-attaches to "
-    "a new cache host (restart the worker; it exits by itself with code 3 unless --cache-lost-exit-after-s 0)"
+    "a new cache host (it does so by itself when one answers at the same address; without one it exits with "
+    "code 3 after --cache-lost-exit-after-s, unless that is 0)"
 )
 
 
@@ -35,7 +42,8 @@ def lost_message(reason: str) -> str:
 
 
 class CacheHostWatcher:
-    """Polls the cache host; ``on_lost(reason, new_instance_id)`` is called at most once."""
+    """Polls the cache host; ``on_lost(reason, new_instance_id)`` is called once per attached instance,
+    ``on_replaced(info)`` (optional) for each new instance seen after a loss, until it returns True."""
 
     def __init__(
         self,
@@ -45,6 +53,7 @@ class CacheHostWatcher:
         failures: int,
         on_lost: Callable[[str, str], None],
         dialer: Dialer = PLAIN,
+        on_replaced: Callable[[cache_host_pb2.CacheInfo], bool] | None = None,
     ) -> None:
         self.target = target
         self.dialer = dialer
@@ -52,6 +61,7 @@ class CacheHostWatcher:
         self.interval_s = interval_s
         self.failures = max(1, failures)
         self.on_lost = on_lost
+        self.on_replaced = on_replaced
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cache-host-watch", daemon=True)
 
@@ -64,11 +74,14 @@ class CacheHostWatcher:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.interval_s + 2.0)
 
+    def _info(self, stub: cache_host_pb2_grpc.CacheHostStub) -> cache_host_pb2.CacheInfo:
+        return stub.GetCacheInfo(cache_host_pb2.GetCacheInfoRequest(),
+                                 timeout=max(min(self.interval_s, 5.0), 0.5), metadata=self.dialer.metadata)
+
     def check(self, stub: cache_host_pb2_grpc.CacheHostStub, misses: int) -> tuple[int, str | None, str]:
         """One check: (consecutive misses, reason if lost, the new instance id if replaced)."""
         try:
-            info = stub.GetCacheInfo(cache_host_pb2.GetCacheInfoRequest(),
-                                     timeout=max(min(self.interval_s, 5.0), 0.5), metadata=self.dialer.metadata)
+            info = self._info(stub)
         except grpc.RpcError as e:
             misses += 1
             if misses >= self.failures:
@@ -87,9 +100,40 @@ class CacheHostWatcher:
             stub = cache_host_pb2_grpc.CacheHostStub(channel)
             while not self._stop.wait(self.interval_s):
                 misses, reason, new_id = self.check(stub, misses)
-                if reason is not None:
-                    try:
-                        self.on_lost(reason, new_id)
-                    except Exception:  # a watcher must not die silently
-                        log.exception("cache_host_lost_handler_failed")
+                if reason is None:
+                    continue
+                try:
+                    self.on_lost(reason, new_id)
+                except Exception:  # a watcher must not die silently
+                    log.exception("cache_host_lost_handler_failed")
+                if self.on_replaced is None or not self._await_replacement(stub, immediately=bool(new_id)):
                     return
+                misses = 0
+
+    def _await_replacement(self, stub: cache_host_pb2_grpc.CacheHostStub, immediately: bool) -> bool:
+        """Poll until a cache host with a new instance id answers and ``on_replaced`` took it
+        (True: watch that instance now), or the watcher is stopped (False). An instance that could not
+        be attached (say, another geometry) is not tried again: the worker stays NOT_SERVING and exits
+        after its grace, and a restarted worker reports the mismatch at start-up."""
+        assert self.on_replaced is not None
+        if not immediately and self._stop.wait(self.interval_s):
+            return False
+        refused: set[str] = set()
+        while True:
+            try:
+                info = self._info(stub)
+            except grpc.RpcError:
+                info = None
+            if info is not None and info.instance_id and info.instance_id not in (self.instance_id, *refused):
+                try:
+                    attached = self.on_replaced(info)
+                except Exception:  # noqa: BLE001 - logged; this instance is not tried again
+                    log.exception("cache_host_reattach_failed", cache_host=self.target,
+                                  new_instance_id=info.instance_id)
+                    attached = False
+                if attached:
+                    self.instance_id = info.instance_id
+                    return True
+                refused.add(info.instance_id)
+            if self._stop.wait(self.interval_s):
+                return False

@@ -22,7 +22,7 @@ import structlog
 
 from pagedkv.dial import PLAIN, Dialer
 from pagedkv.retry import Attempts, RetryPolicy
-from pagedkv.v1 import cache_host_pb2, cache_host_pb2_grpc
+from pagedkv.v1 import block_manager_pb2, block_manager_pb2_grpc, cache_host_pb2, cache_host_pb2_grpc
 from worker_svc.geometry import PoolConfig, fetch_pool_config
 
 log = structlog.get_logger("pagedkv.worker_svc")
@@ -84,3 +84,25 @@ def wait_for_block_manager(target: str, timeout_s: float, stop: threading.Event 
                            dialer: Dialer = PLAIN) -> PoolConfig:
     """The block manager's geometry (GetConfig), waiting for it as above."""
     return wait_for("block manager", target, lambda t: fetch_pool_config(target, t, dialer), timeout_s, stop)
+
+
+def forget_stale_prefixes(target: str, instance_id: str, timeout_s: float, dialer: Dialer = PLAIN) -> bool:
+    """A new cache host instance has new, empty memory: every block the block manager's prefix cache
+    holds as committed names KV that is gone, and a later request hitting it would read garbage.
+    The cache host resets that prefix cache once (``ResetPrefixCache``, request id from its instance,
+    so a retry is not applied twice) before it serves its descriptor, so no worker can attach, and no
+    engine step can run, before the reset. Best effort: False (and a warning) when refused, e.g. a
+    token that is not an admin's."""
+    try:
+        with dialer.channel(target) as channel:
+            stub = block_manager_pb2_grpc.BlockManagerStub(channel)
+            reply = stub.ResetPrefixCache(block_manager_pb2.ResetPrefixCacheRequest(
+                request_id=f"cache-host-{instance_id}"), timeout=timeout_s, metadata=dialer.metadata)
+    except grpc.RpcError as e:
+        log.warning("prefix_cache_reset_failed", block_manager=target, code=e.code().name, details=e.details(),
+                    hint="blocks committed on the previous cache host stay prefix hits until an engine resets "
+                         "them (give the cache host an admin token)")
+        return False
+    log.info("prefix_cache_reset", block_manager=target, instance_id=instance_id,
+             num_blocks_cleared=reply.num_blocks_cleared)
+    return True

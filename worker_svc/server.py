@@ -6,7 +6,9 @@ attempt, dialled with the role's TLS client credentials and token), checks the g
 against everything it knows, attaches, loads the model and serves the Worker API; on shutdown it
 stops serving, drops its views and closes its handles. Both return an exit code: 0 after a clean
 shutdown, 2 for a configuration error (geometry mismatch, bad model dir), 1 when serving failed,
-3 after its cache host was lost (died or replaced; see worker_svc/cache_watch.py).
+3 after its cache host was lost (died or replaced; see worker_svc/cache_watch.py) and no new one
+could be attached within ``--cache-lost-exit-after-s`` (a new instance at the same address is
+re-attached in place: worker_svc/reattach.py).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,7 +25,7 @@ from grpc_health.v1 import health_pb2
 
 from pagedkv.dial import Dialer, TokenError
 from pagedkv.logging_setup import configure_logging
-from pagedkv.v1 import worker_pb2, worker_pb2_grpc
+from pagedkv.v1 import cache_host_pb2, worker_pb2, worker_pb2_grpc
 from worker_svc import cache_memory, cpu_placement, shared_weights
 from worker_svc.cache_host import (
     CacheOwner,
@@ -38,7 +40,8 @@ from worker_svc.devices import resolve_device, resolve_dtype
 from worker_svc.geometry import PoolConfig, check_against_host, host_geometry, known_values
 from pagedkv.grpc_server import RunningServer, start_server, stop_event_on_signals
 from worker_svc.model.config import ModelConfig, load_model_config
-from worker_svc.peers import StopRequested, wait_for_block_manager, wait_for_cache_host
+from worker_svc.peers import StopRequested, forget_stale_prefixes, wait_for_block_manager, wait_for_cache_host
+from worker_svc.reattach import reattach
 from worker_svc.servicer import SERVICE_NAME as WORKER_SERVICE, WorkerServicer
 from worker_svc.settings import CacheHostSettings, WorkerSettings
 from worker_svc.shared_weights import SharedWeights, WeightsDescriptor
@@ -92,6 +95,9 @@ def run_cache_host(settings: CacheHostSettings) -> int:
         return _start_refused(e)
     cache = cache_memory.create(geometry, dtype, device, settings.shm_prefix)
     owner = CacheOwner(cache)
+    if settings.block_manager:  # before serving: nothing can attach and run on the manager's stale prefixes
+        forget_stale_prefixes(settings.block_manager, cache.descriptor.instance_id, 10.0,
+                              Dialer.from_settings(settings))
     try:
         weights = _share_weights(settings, model_cfg, dtype, device)
         if weights is not None:
@@ -186,13 +192,22 @@ class WorkerProcess:
     cache: cache_memory.SharedCache
     weights: SharedWeights | None = None  # the cache host's shared weights, when mapped
     watcher: CacheHostWatcher | None = None
-    lost_at: float | None = None  # monotonic time the cache host was declared lost
+    lost_at: float | None = None  # monotonic time the cache host was declared lost (None: attached)
+    reattach_failed: bool = False  # a new cache host answered but could not be attached: exit with code 3 now
+    closed: bool = False
+    # Held while re-attaching (worker_svc/reattach.py) and while closing: never both at once.
+    attach_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def close(self) -> None:
         if self.watcher is not None:
             self.watcher.stop()
         self.running.stop(grace=1.0)
-        runner = self.servicer._runner
+        with self.attach_lock:
+            self.closed = True
+            self._release()
+
+    def _release(self) -> None:
+        runner = self.servicer.runner
 
         def release() -> None:  # the cache and the shared weights: the model's views of both go first
             self.cache.close()
@@ -251,7 +266,7 @@ def start_worker(settings: WorkerSettings, stop: threading.Event | None = None) 
             weights.close()
         raise
     proc = WorkerProcess(running=running, servicer=servicer, cache=cache, weights=weights)
-    _watch_cache_host(proc, settings, desc.instance_id, dialer)
+    _watch_cache_host(proc, settings, desc.instance_id, dialer, device, model_cfg)
     log.info(
         "worker_ready",
         address=f"{settings.host}:{running.port}",
@@ -272,17 +287,41 @@ def start_worker(settings: WorkerSettings, stop: threading.Event | None = None) 
     return proc
 
 
-def _watch_cache_host(proc: WorkerProcess, settings: WorkerSettings, instance_id: str, dialer: Dialer) -> None:
-    """Start the cache host watcher (cache_watch.py); a lost host turns health NOT_SERVING."""
+def _watch_cache_host(proc: WorkerProcess, settings: WorkerSettings, instance_id: str, dialer: Dialer,
+                      device: torch.device, model_cfg: ModelConfig) -> None:
+    """Start the cache host watcher (cache_watch.py); a lost host turns the Worker service's health
+    NOT_SERVING, a new instance at the same address is re-attached (reattach.py) and it turns
+    SERVING again. The overall health ("") stays SERVING: the process is alive and recovering, so a
+    liveness probe (Kubernetes checks "") must not kill it, while readiness (pagedkv.v1.Worker) stops
+    routing to it."""
     if settings.cache_host_check_interval_s <= 0:
         return
     health = proc.running.health
 
-    def not_serving() -> None:
-        for name in ("", WORKER_SERVICE):
-            health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    def set_health(status: int) -> None:
+        health.set(WORKER_SERVICE, status)
 
-    proc.servicer.on_cache_lost = not_serving
+    proc.servicer.on_cache_lost = lambda: set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    def on_replaced(info: cache_host_pb2.CacheInfo) -> bool:
+        from worker_svc.model_runner import ModelRunner
+
+        try:
+            reattach(proc, info, device,
+                     model_for=lambda dtype, host_weights: _model_for_worker(settings, model_cfg, dtype, device,
+                                                                             host_weights),
+                     runner_for=lambda model, cache: ModelRunner(model, cache.gpu, cache.cpu,
+                                                                 kernel_backend=settings.kernel_backend),
+                     lock=proc.attach_lock)
+        except Exception as e:  # noqa: BLE001 - e.g. another geometry, or its memory not visible here
+            log.error("cache_host_reattach_failed", cache_host=settings.cache_host, new_instance_id=info.instance_id,
+                      error=f"{type(e).__name__}: {e}", exit_code=EXIT_CACHE_LOST,
+                      hint="a restarted worker attaches afresh (and reports a real mismatch at start-up)")
+            proc.reattach_failed = True
+            return False
+        proc.lost_at = None
+        set_health(health_pb2.HealthCheckResponse.SERVING)
+        return True
 
     def on_lost(reason: str, new_instance_id: str) -> None:
         if proc.servicer.mark_cache_lost(reason):
@@ -295,7 +334,8 @@ def _watch_cache_host(proc: WorkerProcess, settings: WorkerSettings, instance_id
                       action="KV must be re-prefilled after re-attaching to a new cache host")
 
     proc.watcher = CacheHostWatcher(settings.cache_host, instance_id, settings.cache_host_check_interval_s,
-                                    settings.cache_host_failures, on_lost, dialer).start()
+                                    settings.cache_host_failures, on_lost, dialer,
+                                    on_replaced=on_replaced if settings.cache_host_reattach else None).start()
 
 
 def run_worker(settings: WorkerSettings) -> int:
@@ -313,9 +353,10 @@ def run_worker(settings: WorkerSettings) -> int:
     grace = settings.cache_lost_exit_after_s
     try:
         while not stop.wait(0.2):
-            if proc.lost_at is not None and grace > 0 and time.monotonic() - proc.lost_at >= grace:
-                log.error("exiting_after_cache_host_lost", exit_code=EXIT_CACHE_LOST,
-                          hint="restart this worker: it re-attaches to the new cache host")
+            if proc.reattach_failed or (
+                    proc.lost_at is not None and grace > 0 and time.monotonic() - proc.lost_at >= grace):
+                log.error("exiting_after_cache_host_lost", exit_code=EXIT_CACHE_LOST, grace_s=grace,
+                          hint="no new cache host was attached in time: restart this worker once one runs")
                 code = EXIT_CACHE_LOST
                 break
         log.info("shutting_down")

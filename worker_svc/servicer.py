@@ -79,6 +79,23 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def cache_lost(self) -> bool:
         return self._lost_message is not None
 
+    @property
+    def runner(self) -> ModelRunner:
+        return self._runner
+
+    @property
+    def info(self) -> worker_pb2.WorkerInfo:
+        return self._info
+
+    def attach(self, runner: ModelRunner, info: worker_pb2.WorkerInfo) -> None:
+        """Serve steps again, on ``runner`` (a new cache host instance, worker_svc/reattach.py).
+
+        The runner and the info (with the new ``cache_instance_id``) are in place before the lost
+        state is cleared, so no step runs on the old cache once steps are accepted again."""
+        self._runner = runner
+        self._info = info
+        self._lost_message = None
+
     def Step(  # noqa: N802 - gRPC method name
         self, request: worker_pb2.WorkerStepRequest, context: grpc.ServicerContext
     ) -> worker_pb2.WorkerStepResponse:

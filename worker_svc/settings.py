@@ -131,5 +131,10 @@ class WorkerSettings(_Common):
         2, ge=1, description="consecutive failed checks after which the cache host counts as gone"
     )
     cache_lost_exit_after_s: float = Field(
-        5.0, ge=0, description="after a lost cache host, exit with code 3 after this grace (0 = stay up, NOT_SERVING)"
+        30.0, ge=0, description="after a lost cache host, exit with code 3 when no new one was attached within this "
+        "grace (0 = stay up, NOT_SERVING)"
+    )
+    cache_host_reattach: bool = Field(
+        True, description="re-attach by itself to a new cache host instance at the same address (a restarted host); "
+        "when that fails, exit with code 3 at once"
     )

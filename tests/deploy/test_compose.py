@@ -86,7 +86,10 @@ def test_cpu_override_alone_and_merged_match_the_compose_spec(tmp_path: Path) ->
 def test_compose_v1_config_accepts_the_files(tmp_path: Path) -> None:
     merged = tmp_path / "merged.yml"
     merged.write_text(json.dumps(merge(load(BASE), load(CPU))))
-    for args in (["-f", str(BASE)], ["--project-directory", str(ROOT), "-f", str(merged)]):
+    pd = tmp_path / "pd-merged.yml"
+    pd.write_text(json.dumps(merge(load(BASE), load(ROOT / "docker-compose.pd.yml"))))
+    for args in (["-f", str(BASE)], ["--project-directory", str(ROOT), "-f", str(merged)],
+                 ["--project-directory", str(ROOT), "-f", str(pd)]):
         proc = subprocess.run(["docker-compose", *args, "config", "-q"], capture_output=True, text=True,
                               timeout=60, cwd=ROOT, check=False)
         assert proc.returncode == 0, proc.stderr
@@ -128,6 +131,42 @@ def test_gpu_ipc_health_and_ports_wiring() -> None:
     assert frontend["environment"]["PAGEDKV_WORKERS"] == "worker:50053"
     assert frontend["depends_on"]["worker"] == {"condition": "service_healthy"}
     assert not _gpu_devices(frontend)
+
+
+PD = ROOT / "docker-compose.pd.yml"
+
+
+def test_services_come_back_after_a_crash_in_order() -> None:
+    """Restart policies, the block manager's state volume, and the order the roles come back in
+    (issue 24): every long-running role restarts unless stopped; the block manager journals to a
+    named volume; workers (here and in the PD file) start after a healthy cache host. (Compose's
+    `depends_on.restart` would restart them with it on `docker compose restart`, but Compose v1
+    rejects the key; after a crash, restart policies and the worker's own wait / re-attach order them.)"""
+    doc = load(BASE)
+    services = doc["services"]
+    for name, svc in services.items():
+        assert svc["restart"] == "unless-stopped", name
+    bm = services["block-manager"]
+    state = bm["environment"]["PAGEDKV_STATE_DIR"]
+    volume, _, mount = bm["volumes"][0].partition(":")
+    assert mount == state and volume in doc["volumes"]  # a named volume, not the container's layer
+    from block_manager_svc.settings import BlockManagerSettings
+
+    assert "state_dir" in BlockManagerSettings.model_fields  # PAGEDKV_STATE_DIR is a real setting
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert f"mkdir -p {state} && chown pagedkv:pagedkv {state}" in dockerfile  # writable by the image's user
+    pd = merge(doc, load(PD))["services"]
+    for name in ("worker", "worker-decode"):
+        assert pd[name]["restart"] == "unless-stopped", name
+        assert pd[name]["depends_on"]["cache-host"] == {"condition": "service_healthy"}, name
+        assert pd[name]["depends_on"]["block-manager"] == {"condition": "service_healthy"}, name
+    assert services["frontend"]["depends_on"]["block-manager"] == {"condition": "service_healthy"}
+
+
+def test_pd_file_merged_matches_the_compose_spec(tmp_path: Path) -> None:
+    merged = tmp_path / "pd-merged.yml"
+    merged.write_text(json.dumps(merge(load(BASE), load(PD))))
+    validate(merged)
 
 
 def test_cpu_variant_drops_the_gpu_and_builds_the_cpu_image() -> None:

@@ -208,6 +208,38 @@ def test_one_pod_holds_a_whole_pool(rendered, kustomization: str) -> None:  # ty
     assert admitted == [5557, 5558, 8000]  # never the plaintext gRPC ports
 
 
+@pytest.mark.parametrize("kustomization", ["overlays/cpu", "overlays/gpu", "overlays/cpu-tls"])
+def test_probes_and_restarts_fit_recovery(rendered, kustomization: str) -> None:  # type: ignore[no-untyped-def]
+    """Issue 24: containers restart one by one inside the pod and recover; probes must route around
+    a recovering role (readiness) without killing it (liveness)."""
+    docs = rendered[kustomization]
+    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    cs = containers(docs)
+    assert pod.get("restartPolicy", "Always") == "Always"  # a crashed container is restarted in place
+    # The block manager's state dir outlives a container restart (emptyDir: pod-scoped, like the KV).
+    bm = cs["block-manager"]
+    state = {m["mountPath"]: m["name"] for m in bm["volumeMounts"]}[env(bm)["PAGEDKV_STATE_DIR"]]
+    assert "emptyDir" in next(v for v in pod["volumes"] if v["name"] == state)
+    # Every gRPC role: liveness only after a startup probe that allows a long start (model load,
+    # journal replay), so a recovering container is not killed by liveness.
+    for name in ("block-manager", "cache-host", "worker"):
+        c = cs[name]
+        start = c["startupProbe"]
+        assert start["grpc"]["port"] == c["livenessProbe"]["grpc"]["port"], name
+        assert start["periodSeconds"] * start["failureThreshold"] >= 300, name
+    # Liveness asks whether the process answers (overall health ""), readiness whether it can serve:
+    # the worker keeps "" SERVING while it re-attaches to a restarted cache host.
+    assert "service" not in cs["worker"]["livenessProbe"]["grpc"]
+    assert cs["worker"]["readinessProbe"]["grpc"]["service"] == "pagedkv.v1.Worker"
+    # serve: not ready while the block manager or the worker is away (/health), never killed for it.
+    serve = cs["serve"]
+    assert serve["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert "tcpSocket" in serve["livenessProbe"]
+    # The cache host and the worker share the pod's IPC namespace (always) and PID namespace:
+    # both outlive a cache host container restart, which is what lets the worker re-attach in place.
+    assert pod["shareProcessNamespace"] is True
+
+
 @pytest.mark.parametrize("kustomization", ["overlays/cpu", "overlays/gpu"])
 def test_env_vars_are_real_settings(rendered, kustomization: str) -> None:  # type: ignore[no-untyped-def]
     """Every PAGEDKV_* a gRPC role gets names a field of that role's settings (no silent typos),

@@ -104,6 +104,9 @@ def test_up_with_tls_and_tokens_tells_clients_how_to_connect(stack: dict[str, st
     bm_log = (pathlib.Path(stack["logs"]) / "block-manager.log").read_text()
     assert "unauthenticated" not in bm_log
     assert TOKENS["alice"] not in bm_log
+    # The cache host's start-up ResetPrefixCache (an admin method) is allowed to the stack's token.
+    ch_log = (pathlib.Path(stack["logs"]) / "cache-host.log").read_text()
+    assert '"event": "prefix_cache_reset"' in ch_log and "prefix_cache_reset_failed" not in ch_log, ch_log[-2000:]
 
 
 def test_generate_through_the_secured_stack_matches_transformers(stack: dict[str, str], certs, hf: HFModel) -> None:  # type: ignore[no-untyped-def]

@@ -30,9 +30,9 @@ INTERVAL = 0.2
 
 
 class Host:
-    def __init__(self, port: int = 0) -> None:
+    def __init__(self, port: int = 0, num_gpu_blocks: int = 32) -> None:
         cfg = load_model_config(None)
-        geometry = CacheGeometry(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 4, 32, 0)
+        geometry = CacheGeometry(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 4, num_gpu_blocks, 0)
         self.cache = cache_memory.create(geometry, torch.float32, torch.device("cpu"), shm_prefix="pagedkv-test-loss")
         self.running = serve_cache(self.cache, cfg.name, port=port)
         self.port = self.running.port
@@ -55,10 +55,11 @@ def hosts() -> Iterator[list[Host]]:
         h.cache.close()
 
 
-def _worker(port: int, failures: int = 2):  # type: ignore[no-untyped-def]
+def _worker(port: int, failures: int = 2, reattach: bool = True):  # type: ignore[no-untyped-def]
     return start_worker(WorkerSettings(
         port=0, cache_host=f"127.0.0.1:{port}", device="cpu", kernel_backend="reference",
         cache_host_check_interval_s=INTERVAL, cache_host_failures=failures, connect_timeout_s=10,
+        cache_host_reattach=reattach,
     ))
 
 
@@ -110,7 +111,9 @@ def test_dead_cache_host_is_detected_and_reported(hosts: list[Host]) -> None:
 def test_replaced_cache_host_is_detected(hosts: list[Host]) -> None:
     old = Host()
     hosts.append(old)
-    proc = _worker(old.port, failures=1000)  # only a new instance id can trip it
+    # Only a new instance id can trip it; no re-attach, so the refusal stays observable
+    # (re-attaching: tests/worker_svc/test_reattach.py).
+    proc = _worker(old.port, failures=1000, reattach=False)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{proc.running.port}") as ch:
             stub = worker_pb2_grpc.WorkerStub(ch)
@@ -147,5 +150,29 @@ def test_step_for_another_cache_instance_is_refused(hosts: list[Host]) -> None:
             assert info is not None and info.reason == errors.CACHE_HOST_LOST
             assert info.metadata["cache_instance_id"] == host.instance_id
             assert _health(ch) == health_pb2.HealthCheckResponse.SERVING  # the worker itself is fine
+    finally:
+        proc.close()
+
+
+def test_a_new_host_that_cannot_be_attached_makes_the_worker_exit(hosts: list[Host]) -> None:
+    """Re-attaching checks the new instance: another geometry is refused (the worker's model and
+    steps were sized for the old one), the worker stays NOT_SERVING and asks to exit (code 3) at once."""
+    old = Host()
+    hosts.append(old)
+    proc = _worker(old.port, failures=1000)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{proc.running.port}") as ch:
+            stub = worker_pb2_grpc.WorkerStub(ch)
+            old.stop()
+            new = Host(old.port, num_gpu_blocks=48)
+            hosts.append(new)
+            deadline = time.monotonic() + 10
+            while not proc.reattach_failed:
+                assert time.monotonic() < deadline, "the mismatching host was not refused"
+                time.sleep(0.05)
+            info = stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), timeout=5)
+            assert info.cache_state == worker_pb2.CACHE_STATE_LOST and info.cache_instance_id == old.instance_id
+            assert _health(ch) == health_pb2.HealthCheckResponse.NOT_SERVING
+            assert proc.cache.descriptor.instance_id == old.instance_id  # nothing of the new one was kept
     finally:
         proc.close()

@@ -1,0 +1,207 @@
+"""`pagedkv up` as a supervisor, with real processes on the built-in tiny model (CPU).
+
+A SIGKILLed role is restarted (the message names it and its exit code) and the stack answers again
+with the same greedy tokens: a worker; the cache host (the worker that stayed up re-attaches by
+itself, the same process); the block manager (back from the stack's state dir). A role that keeps
+exiting spends its restart budget and the stack stops, naming it. The default state dir is a
+temporary one removed at stop; `--state-dir DIR` is used and kept.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from pagedkv.ports import free_ports
+from tests.frontend.test_cli_stack import ENV, ROOT, pid_alive
+
+PROMPT = "3,1,4,1,5,9,2,6,5,3,5,8,9,7,9,3"
+
+
+class Up:
+    """One `pagedkv up` (no frontend) with its output collected line by line."""
+
+    def __init__(self, tmp: pathlib.Path, *extra: str, num_workers: int = 1) -> None:
+        self.bm, self.ch, self.w = free_ports(3)
+        self.log_dir = tmp / "logs"
+        env = {**ENV, "PAGEDKV_CACHE_HOST_CHECK_INTERVAL_S": "0.2", "PAGEDKV_LOG_LEVEL": "info"}
+        self.p = subprocess.Popen(
+            [sys.executable, "-m", "pagedkv.cli", "up", "--block-manager-port", str(self.bm), "--cache-host-port",
+             str(self.ch), "--worker-port", str(self.w), "--num-workers", str(num_workers), "--num-gpu-blocks", "64",
+             "--block-size", "4", "--no-serve", "--device", "cpu", "--log-dir", str(self.log_dir), *extra],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.lines: list[str] = []
+        self._cv = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.p.stdout is not None
+        for line in self.p.stdout:
+            with self._cv:
+                self.lines.append(line)
+                self._cv.notify_all()
+        with self._cv:
+            self._cv.notify_all()
+
+    def wait_for(self, pattern: str, timeout: float = 90.0, start: int = 0) -> re.Match[str]:
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while True:
+                for line in self.lines[start:]:
+                    m = re.search(pattern, line)
+                    if m:
+                        return m
+                if time.monotonic() > deadline or self.p.poll() is not None and self.p.stdout.closed:  # type: ignore[union-attr]
+                    raise AssertionError(f"no line matching {pattern!r}; output:\n{''.join(self.lines)[-4000:]}")
+                self._cv.wait(0.5)
+
+    def pid(self, name: str) -> int:
+        """The role's current pid (from the last SERVING or restarted line naming it)."""
+        pattern = re.compile(rf"{name}\s+SERVING .*\(pid (\d+)\)|{name} restarted.*\(pid (\d+)\)")
+        with self._cv:
+            pids = [int(m.group(1) or m.group(2)) for line in self.lines if (m := pattern.search(line))]
+        assert pids, f"no pid for {name}"
+        return pids[-1]
+
+    def generate(self) -> dict:
+        r = subprocess.run([sys.executable, "-m", "pagedkv.cli", "generate", "--token-ids", PROMPT, "--max-tokens", "6",
+                            "--block-manager", f"127.0.0.1:{self.bm}", "--workers", f"127.0.0.1:{self.w}"],
+                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120, check=False)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)
+
+    def stop(self) -> str:
+        if self.p.poll() is None:
+            self.p.send_signal(signal.SIGINT)
+        self.p.wait(60)
+        time.sleep(0.1)
+        return "".join(self.lines)
+
+
+@pytest.fixture
+def ups() -> Iterator[list[Up]]:
+    made: list[Up] = []
+    yield made
+    for u in made:  # after a failure: a clean stop first (it removes the temporary state dir)
+        if u.p.poll() is None:
+            u.p.send_signal(signal.SIGINT)
+            try:
+                u.p.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(u.p.pid, signal.SIGKILL)
+
+
+def _kill(up: Up, name: str) -> tuple[int, int]:
+    """SIGKILL `name`; wait for `up` to say it restarted it; (old pid, new pid)."""
+    old = up.pid(name)
+    mark = len(up.lines)
+    os.kill(old, signal.SIGKILL)
+    up.wait_for(rf"{name} exited with code -9 \(SIGKILL\); restarting it", start=mark)
+    up.wait_for(rf"{name} restarted, SERVING again", start=mark)
+    new = up.pid(name)
+    assert new != old and not pid_alive(old)
+    return old, new
+
+
+def test_up_restarts_killed_roles_and_answers_again(tmp_path: pathlib.Path, ups: list[Up]) -> None:
+    up = Up(tmp_path)
+    ups.append(up)
+    m = up.wait_for(r"block manager state in (\S+) \(temporary")
+    state = pathlib.Path(m.group(1))
+    up.wait_for("Ctrl-C stops everything")
+    assert state.is_dir()
+    first = up.generate()
+    before = first["completions"][0]["token_ids"]
+    assert len(before) == 6 and first["num_cached_tokens"] == 0
+
+    _kill(up, "worker-0")
+    assert up.generate()["completions"][0]["token_ids"] == before
+
+    worker = up.pid("worker-0")
+    _kill(up, "cache-host")
+    # The worker stayed up and re-attached to the new cache host by itself: same process.
+    deadline = time.monotonic() + 20
+    while "cache_host_reattached" not in (up.log_dir / "worker-0.log").read_text():
+        assert time.monotonic() < deadline, (up.log_dir / "worker-0.log").read_text()[-3000:]
+        time.sleep(0.2)
+    assert up.pid("worker-0") == worker and pid_alive(worker)
+    # The dead host's blocks left the prefix cache (the new cache host reset it): no hits on empty memory.
+    again = up.generate()
+    assert again["completions"][0]["token_ids"] == before and again["num_cached_tokens"] == 0
+
+    _kill(up, "block-manager")
+    assert any(state.iterdir())  # the restarted manager journals there
+    restored = up.generate()
+    assert restored["completions"][0]["token_ids"] == before
+    assert restored["num_cached_tokens"] > 0  # it came back with its prefix cache, from the state dir
+
+    out = up.stop()
+    assert up.p.returncode == 0, out
+    assert "nothing left running, no shared memory left behind" in out
+    assert not state.exists()  # the temporary state dir goes at a clean stop
+
+
+def test_restart_budget_spent_stops_the_stack_naming_the_role(tmp_path: pathlib.Path, ups: list[Up]) -> None:
+    kept = tmp_path / "state"
+    up = Up(tmp_path, "--max-restarts-per-minute", "1", "--state-dir", str(kept))
+    ups.append(up)
+    up.wait_for(rf"block manager state in {re.escape(str(kept))} \(kept\)")
+    up.wait_for("Ctrl-C stops everything")
+    pids = [up.pid(n) for n in ("block-manager", "cache-host", "worker-0")]
+    _kill(up, "worker-0")
+    mark = len(up.lines)
+    os.kill(up.pid("worker-0"), signal.SIGKILL)
+    up.wait_for(r"worker-0 exited with code -9 \(SIGKILL\) after 1 restarts within 60 s "
+                r"\(--max-restarts-per-minute 1\); giving up: stopping the stack", start=mark)
+    out = up.stop()
+    assert up.p.returncode == 1, out
+    # The structlog lines too: each restart with its exit code, then giving up.
+    assert re.search(r"event='service_exited'.*service='worker-0'.*exit_code=-9", out), out
+    assert re.search(r"event='service_gave_up'.*service='worker-0'", out), out
+    assert not any(pid_alive(p) for p in pids)
+    assert kept.is_dir() and any(kept.iterdir())  # --state-dir is the manager's, and kept
+
+
+def test_restart_budget_backs_off_and_forgets_after_a_minute() -> None:
+    from frontend.supervisor import RestartBudget, RestartPolicy, describe_exit
+
+    budget = RestartBudget(RestartPolicy(max_restarts_per_minute=3, initial_backoff_s=0.5, max_backoff_s=1.5))
+    pauses = []
+    for t in (0.0, 1.0, 2.0):
+        pauses.append(budget.backoff("worker-0", t))
+        budget.record("worker-0", t)
+    assert pauses == [0.5, 1.0, 1.5]  # doubling, capped
+    assert budget.backoff("worker-0", 3.0) is None  # spent: the stack gives up
+    assert budget.backoff("cache-host", 3.0) == 0.5  # per service
+    assert budget.backoff("worker-0", 60.5) == 1.5  # the restart at t=0 left the window: 2 recent
+    assert budget.backoff("worker-0", 61.5) == 1.0  # and the one at t=1
+    assert RestartBudget(RestartPolicy(max_restarts_per_minute=0)).backoff("x", 0.0) is None  # never restart
+    assert describe_exit(-9) == "-9 (SIGKILL)" and describe_exit(3) == "3"
+
+
+def test_plan_gives_the_block_manager_the_state_dir(tmp_path: pathlib.Path) -> None:
+    from frontend.stack import Stack, StackOptions, plan
+
+    bm = plan(StackOptions(), state_dir="/var/x")[0]
+    assert bm.name == "block-manager" and bm.args[bm.args.index("--state-dir") + 1] == "/var/x"
+    assert "--state-dir" not in plan(StackOptions())[0].args
+    kept = tmp_path / "a" / "b"
+    s = Stack(StackOptions(state_dir=str(kept)), out=open(os.devnull, "w"))  # noqa: SIM115
+    assert kept.is_dir() and not s.state_dir_is_temporary  # created
+    s.stop()
+    assert kept.is_dir()  # kept
+    s = Stack(StackOptions(), out=open(os.devnull, "w"))  # noqa: SIM115
+    temp = s.state_dir
+    assert temp.is_dir() and s.state_dir_is_temporary and temp.name.startswith("pagedkv-up-state-")
+    s.stop()
+    assert not temp.exists()
