@@ -119,20 +119,35 @@ tagged() {
   grep -lzxF "PAGEDKV_GPU_CHECK_TAG=$1" /proc/[0-9]*/environ 2>/dev/null | sed -e 's#^/proc/##' -e 's#/environ$##' \
     | grep -vx "$$"
 }
+alive() {  # those of the given PIDs that still run (a zombie holds no memory: it counts as gone)
+  local pid st
+  for pid in "$@"; do
+    st=$(sed -e 's/.*) //' "/proc/$pid/stat" 2>/dev/null | cut -d' ' -f1)
+    if [ -n "$st" ] && [ "$st" != Z ]; then echo "$pid"; fi
+  done
+}
 sweep() {
-  local tag="$1" pids n i
+  local tag="$1" pids live n i
   pids=$(tagged "$tag" | tr '\n' ' ')
   n=$(echo "$pids" | wc -w)
   if [ "$n" -eq 0 ]; then echo 0; return; fi
   # shellcheck disable=SC2086
   kill -TERM $pids 2>/dev/null
   for i in $(seq 1 50); do
-    pids=$(tagged "$tag" | tr '\n' ' ')
-    [ -z "${pids// /}" ] && break
+    # shellcheck disable=SC2046,SC2086
+    live=$(alive $pids $(tagged "$tag") | sort -u | tr '\n' ' ')
+    [ -z "${live// /}" ] && break
     sleep 0.1
   done
-  # shellcheck disable=SC2086
-  if [ -n "${pids// /}" ]; then kill -KILL $pids 2>/dev/null; fi
+  if [ -n "${live// /}" ]; then
+    # shellcheck disable=SC2086
+    kill -KILL $live 2>/dev/null
+    for i in $(seq 1 50); do  # until they are really gone (their memory, GPU memory included, freed)
+      # shellcheck disable=SC2086
+      [ -z "$(alive $live)" ] && break
+      sleep 0.1
+    done
+  fi
   echo "$n"
 }
 
@@ -341,6 +356,7 @@ run_section pd "${PD_TIMEOUT_S:-85}" 1 pd_section
 publish
 cat "$OUT/status.md"
 cat "$OUT/results.md"
-if printf '%s\n' "${STATUS[@]}" | grep -qE 'FAILED|TIMEOUT|deadline|KILLED'; then exit 1; fi
-if [ "$HAS_GPU" = 0 ] && [ "$REHEARSE" = 0 ]; then echo "no GPU: nothing was measured" >&2; exit 1; fi
-exit 0
+RC=0
+if printf '%s\n' "${STATUS[@]}" | grep -qE 'FAILED|TIMEOUT|deadline|KILLED'; then RC=1; fi
+if [ "$HAS_GPU" = 0 ] && [ "$REHEARSE" = 0 ]; then echo "no GPU: nothing was measured" >&2; RC=1; fi
+exit "$RC"
