@@ -276,11 +276,12 @@ wheels_section() {
     "$PY" -m pip install --quiet --disable-pip-version-check --no-index --find-links "$WHEELHOUSE" \
       --target "$PYDEPS" --upgrade -r "$WHEELHOUSE/requirements.txt" || return 1
   fi
-  # A clean interpreter: nothing inherited but PATH, no user site; the checkout + $PYDEPS only.
+  # A clean interpreter: no user site, no inherited PYTHON* variables, PYTHONPATH = the checkout +
+  # $PYDEPS only; PATH and the library path pass through (the image's CUDA libraries, not packages).
   local gpu_flag=""
   [ "$HAS_GPU" = 1 ] && gpu_flag="--gpu"
   # shellcheck disable=SC2086
-  env -i PATH="$PATH" HOME="${HOME:-/tmp}" PYTHONNOUSERSITE=1 PYTHONDONTWRITEBYTECODE=1 \
+  env -i PATH="$PATH" HOME="${HOME:-/tmp}" LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}" PYTHONNOUSERSITE=1 PYTHONDONTWRITEBYTECODE=1 \
     PAGEDKV_GPU_CHECK_TAG="$PAGEDKV_GPU_CHECK_TAG" PYTHONPATH="$ROOT:$PYDEPS" "$PY" -s bench/gpu_imports.py $gpu_flag
 }
 
