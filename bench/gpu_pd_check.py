@@ -48,4 +48,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    pd_bench.exit_on_sigterm()
     raise SystemExit(main())

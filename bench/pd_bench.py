@@ -265,9 +265,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     wanted = {k.strip() for k in args.layouts.split(",") if k.strip()}
     if not wanted <= set(LAYOUT_KEYS) or "mixed" not in wanted:
         p.error(f"--layouts {args.layouts!r}: a subset of {','.join(LAYOUT_KEYS)} that includes mixed")
-    # SIGTERM (gpu_check.sh's section timeout) unwinds like Ctrl-C: the running stack's `with` stops
-    # its services, which run in their own sessions and would otherwise outlive this process.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     ncpu = len(os.sched_getaffinity(0))
     cpu = args.device == "cpu"
@@ -321,5 +318,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def exit_on_sigterm() -> None:
+    """SIGTERM (gpu_check.sh's section timeout) unwinds like Ctrl-C: the running stack's ``with``
+    stops its services, which run in sessions of their own and would otherwise outlive this process.
+    For the scripts' entry points only (a library caller keeps its own signal handling)."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
 if __name__ == "__main__":
+    exit_on_sigterm()
     raise SystemExit(main())
