@@ -5,18 +5,25 @@
 #   CPU only:       docker build -t pagedkv:cpu --build-arg TORCH_VARIANT=cpu --build-arg BASE_IMAGE=ubuntu:24.04 .
 #
 # Why a CUDA *runtime* base for the GPU image: torch's wheels bring their own CUDA libraries, but
-# CuPy (the CUDA IPC path of the cache host, extra "gpu" = cupy-cuda12x) loads the system CUDA 12
-# runtime (libcudart, NVRTC). The driver itself comes from the host through the NVIDIA container
-# toolkit. The CPU image needs none of that: any Ubuntu 24.04 base works.
-ARG BASE_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
+# CuPy (the CUDA IPC path of the cache host) loads the system CUDA runtime (libcudart, NVRTC). ONE
+# CUDA major throughout (tests/deploy/test_compose.py checks it): the base's CUDA 13, torch's cu130
+# wheel from the PyTorch index (a plain PyPI torch may be built for another major), and the extra
+# `gpu-cuda13` (cupy-cuda13x). Two runtimes of different majors in one process keep separate state,
+# and an IPC handle made through one is not the other's. The driver comes from the host through the
+# NVIDIA container toolkit and must support CUDA 13 (R580+). The CPU image needs none of that: any
+# Ubuntu 24.04 base works.
+ARG BASE_IMAGE=nvidia/cuda:13.0.0-runtime-ubuntu24.04
 FROM ${BASE_IMAGE}
 
-# cuda = torch's default (CUDA) wheel from PyPI + extras worker,gpu,text (text: the tokenizer `pagedkv serve` reads from --model)
+# cuda = torch's CUDA 13 wheel from the PyTorch cu130 index + extras worker,gpu-cuda13,text (text: the
+#        tokenizer `pagedkv serve` reads from --model); the build fails if torch's CUDA is another major
 # cpu  = torch's CPU wheel from the PyTorch index first (a bare `torch` pulls a multi-GB CUDA
 #        build), then extras worker,text (no CuPy: it is useless without a GPU).
 ARG TORCH_VARIANT=cuda
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
+ARG CUDA_MAJOR=13
+ARG TORCH_CUDA_INDEX=https://download.pytorch.org/whl/cu130
 
 ENV DEBIAN_FRONTEND=noninteractive \
     PYTHONDONTWRITEBYTECODE=1 \
@@ -38,7 +45,8 @@ RUN apt-get update \
 RUN --mount=type=cache,target=/root/.cache/pip \
     case "${TORCH_VARIANT}" in \
       cpu)  pip install --index-url "${TORCH_CPU_INDEX}" "torch==${TORCH_VERSION}" ;; \
-      cuda) pip install "torch==${TORCH_VERSION}" ;; \
+      cuda) pip install --index-url "${TORCH_CUDA_INDEX}" "torch==${TORCH_VERSION}" \
+         && python -c "import sys, torch; v = torch.version.cuda or ''; sys.exit(0 if v.split('.')[0] == '${CUDA_MAJOR}' else f'torch is built for CUDA {v!r}, the image for CUDA ${CUDA_MAJOR}')" ;; \
       *) echo "TORCH_VARIANT must be cpu or cuda, got ${TORCH_VARIANT}" >&2; exit 1 ;; \
     esac
 
@@ -51,7 +59,7 @@ COPY kernels ./kernels
 COPY frontend ./frontend
 COPY protos ./protos
 RUN --mount=type=cache,target=/root/.cache/pip \
-    if [ "${TORCH_VARIANT}" = cpu ]; then extras=worker,text; else extras=worker,gpu,text; fi \
+    if [ "${TORCH_VARIANT}" = cpu ]; then extras=worker,text; else extras="worker,gpu-cuda${CUDA_MAJOR},text"; fi \
  && pip install ".[${extras}]" \
  && python -c "import torch, pagedkv.cli; print('torch', torch.__version__)"
 

@@ -465,13 +465,24 @@ def to_markdown(b: Bench) -> str:
     return "\n".join(lines)
 
 
+def section_deadline(now: float, end: float, sections_left: int) -> float:
+    """When the section starting ``now`` stops starting cases: an equal share of what is left.
+
+    Why shares: the decode grid alone can fill any budget, and with one deadline for all the
+    prefill rows (and everything after) read "skipped: time budget". A section that finishes
+    early passes its unused time on to the ones after it."""
+    return now + max(0.0, end - now) / max(1, sections_left)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on CPU: interpreter vs reference")
     ap.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated subset of " + ",".join(SECTIONS))
     ap.add_argument("--dtypes", default=None, help="comma-separated: float16,bfloat16,float32")
     ap.add_argument("--max-gib", type=float, default=40.0, help="skip cases needing more device memory")
-    ap.add_argument("--time-budget", type=float, default=200.0, help="seconds; later cases are skipped after it")
+    ap.add_argument("--time-budget", type=float, default=200.0,
+                    help="seconds for all sections: each gets an equal share of what is left when it starts "
+                    "and skips its remaining cases after that")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="directory for results.md / results.json")
     args = ap.parse_args(argv)
 
@@ -481,13 +492,16 @@ def main(argv: list[str] | None = None) -> int:
         args.smoke = True
     default_dtypes = "float32,float16" if args.smoke else "float16,bfloat16"
     dtypes = [getattr(torch, d) for d in (args.dtypes or default_dtypes).split(",")]
-    b = Bench(device, args.smoke, args.max_gib, time.monotonic() + args.time_budget, dtypes)
-    for name in args.sections.split(","):
+    end = time.monotonic() + args.time_budget
+    b = Bench(device, args.smoke, args.max_gib, end, dtypes)
+    names = args.sections.split(",")
+    for i, name in enumerate(names):
         fn = SECTIONS.get(name)
         if fn is None:
             b.errors.append(f"unknown section {name!r}")
             continue
         t0 = time.monotonic()
+        b.deadline = section_deadline(t0, end, len(names) - i)
         try:
             b.tables[name] = fn(b)
         except Exception as exc:  # keep going: one broken section must not hide the others

@@ -2,6 +2,7 @@
 
     python bench/pd_bench.py                # the three layouts (and both thread settings of one worker)
     python bench/pd_bench.py --memory       # also resident memory per worker, 1 and 2 workers, shared vs local weights
+    python bench/pd_bench.py --layouts mixed,prefill+decode   # a subset (mixed, the baseline, always)
 
 The workload (the same in every layout): ``--decoders`` short-prompt requests that decode
 ``--decode-tokens`` tokens each start at t=0; while they decode, ``--long`` long prompts
@@ -32,6 +33,7 @@ import io
 import json
 import os
 import pathlib
+import signal
 import sys
 import tempfile
 import time
@@ -87,6 +89,9 @@ class Layout:
     share_weights: bool = True  # False: the cache host shares none, every worker loads its own
 
 
+LAYOUT_KEYS = ("mixed", "mixed-x2", "prefill+decode")  # --layouts: one mixed worker, two, prefill + decode
+
+
 @contextlib.contextmanager
 def running(layout: Layout, model: pathlib.Path, blocks: int, log_dir: pathlib.Path,
             device: str = "cpu", dtype: str = "float32") -> Iterator[Stack]:
@@ -99,8 +104,8 @@ def running(layout: Layout, model: pathlib.Path, blocks: int, log_dir: pathlib.P
         worker_args=layout.worker_args, share_weights=layout.share_weights,
     )
     stack = Stack(opts, out=io.StringIO())
-    stack.start()
-    try:
+    try:  # start inside: a SIGTERM during start-up (SystemExit, see main) still stops what started
+        stack.start()
         yield stack
     finally:
         leaked = stack.stop()
@@ -251,14 +256,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--memory-only", action="store_true", help="only the memory table")
     p.add_argument("--overlap", action="store_true",
                    help="also run every layout with EngineConfig(overlap_block_manager=True): idle gap before/after")
+    p.add_argument("--x1-threads", default="1,all",
+                   help="on CPU: the torch thread counts of the mixed x1 layouts (all = every CPU)")
+    p.add_argument("--layouts", default=",".join(LAYOUT_KEYS),
+                   help=f"comma-separated subset of {','.join(LAYOUT_KEYS)} (mixed is the baseline: always run)")
     p.add_argument("--json", default="", help="write the results here too")
     args = p.parse_args(argv)
+    wanted = {k.strip() for k in args.layouts.split(",") if k.strip()}
+    if not wanted <= set(LAYOUT_KEYS) or "mixed" not in wanted:
+        p.error(f"--layouts {args.layouts!r}: a subset of {','.join(LAYOUT_KEYS)} that includes mixed")
 
     ncpu = len(os.sched_getaffinity(0))
     cpu = args.device == "cpu"
-    layouts = ([Layout(f"mixed x1 (t{t})", 1, worker_args=("--num-threads", str(t))) for t in sorted({1, ncpu})]
+    threads = sorted({ncpu if t.strip() == "all" else int(t) for t in args.x1_threads.split(",")})
+    layouts = ([Layout(f"mixed x1 (t{t})", 1, worker_args=("--num-threads", str(t))) for t in threads]
                if cpu else [Layout("mixed x1", 1)])
-    layouts += [Layout("mixed x2", 2, pin=cpu), Layout("prefill+decode", 2, roles=("prefill", "decode"), pin=cpu)]
+    if "mixed-x2" in wanted:
+        layouts.append(Layout("mixed x2", 2, pin=cpu))
+    if "prefill+decode" in wanted:
+        layouts.append(Layout("prefill+decode", 2, roles=("prefill", "decode"), pin=cpu))
     if args.overlap:
         layouts += [Layout(f"{x.name} +overlap", x.num_workers, x.roles, x.pin, x.worker_args, overlap=True)
                     for x in list(layouts)]
@@ -302,5 +318,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def exit_on_sigterm() -> None:
+    """SIGTERM (gpu_check.sh's section timeout) unwinds like Ctrl-C: the running stack's ``with``
+    stops its services, which run in sessions of their own and would otherwise outlive this process.
+    For the scripts' entry points only (a library caller keeps its own signal handling)."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
 if __name__ == "__main__":
+    exit_on_sigterm()
     raise SystemExit(main())

@@ -5,6 +5,10 @@ block manager, a cache host and N workers as real gRPC servers, so the engine
 drives exactly the same RPCs as against separate processes. Everything binds
 to 127.0.0.1 and `close()` stops the servers and unlinks the shared memory.
 
+The workers compute on the cache object the stack created (``start_worker(local_cache=...)``), not on
+a mapping of the descriptor the cache host serves: a process cannot open its own CUDA IPC handle, so
+attaching would fail on every GPU host (``--device auto`` picks CUDA there).
+
 It is the one frontend module that runs workers: the worker modules (and torch) are imported inside
 `LocalStack.__init__`, so importing it, like importing any other frontend module, loads neither.
 """
@@ -97,7 +101,8 @@ class LocalStack:
                         block_size=cfg.block_size,
                         num_gpu_blocks=cfg.num_gpu_blocks,
                         num_cpu_blocks=cfg.num_cpu_blocks,
-                    )
+                    ),
+                    local_cache=self.cache,  # this process exported it: no IPC round trip (CUDA forbids it)
                 )
                 self.workers.append(proc)
                 self._closers.append(proc.close)

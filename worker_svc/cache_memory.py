@@ -125,6 +125,24 @@ def create(
     return SharedCache(descriptor=desc, gpu=gpu_tensor, cpu=cpu_shm.tensor, _resources=resources)
 
 
+def borrow(cache: SharedCache, desc: CacheDescriptor, device: torch.device) -> SharedCache:
+    """The exporter's own cache, handed to a worker in the same process (``LocalStack``).
+
+    Why not ``attach``: CUDA forbids a process to open its own IPC handle, and on CPU a second mapping
+    of the same segment buys nothing. The result shares the exporter's tensors and owns nothing: its
+    ``close()`` only drops its views; the exporter keeps freeing the memory. ``desc`` is what the cache
+    host served: it must name this very cache (same instance), or the worker would compute on memory
+    other than the one the block manager's ids refer to."""
+    if desc.instance_id != cache.descriptor.instance_id or desc.host_pid != os.getpid():
+        raise ValueError(
+            f"the in-process cache (instance {cache.descriptor.instance_id}) is not the one the cache host "
+            f"serves (instance {desc.instance_id}, pid {desc.host_pid})"
+        )
+    if cache.gpu.device.type != device.type or (device.index is not None and cache.gpu.device != device):
+        raise ValueError(f"the in-process cache lives on {cache.gpu.device} but this worker runs on {device}")
+    return SharedCache(descriptor=cache.descriptor, gpu=cache.gpu, cpu=cache.cpu)
+
+
 def attach(desc: CacheDescriptor, device: torch.device) -> SharedCache:
     """Map the cache host's memory into this process without copying (a worker's job)."""
     dtype = dtype_from_name(desc.dtype)

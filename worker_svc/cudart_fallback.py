@@ -22,23 +22,46 @@ class _IpcHandle(ctypes.Structure):
     _fields_ = [("reserved", ctypes.c_char * _IPC_HANDLE_BYTES)]
 
 
+def candidates(maps: str, torch_cuda: str | None) -> list[str]:
+    """The libcudart names/paths to try, best first.
+
+    Why this order: two CUDA runtimes in one process each keep their own context state, and an IPC
+    handle or a page-locking made through one is not the other's. So first the runtime torch itself
+    already loaded (read from ``maps``, the text of /proc/self/maps), then the soname of torch's CUDA
+    major (``torch_cuda``: ``torch.version.cuda``), then the newer major before the older one."""
+    loaded: list[str] = []
+    for line in maps.splitlines():
+        path = line.split(maxsplit=5)[-1] if len(line.split(maxsplit=5)) == 6 else ""
+        if os.path.basename(path).startswith("libcudart.so") and path not in loaded:
+            loaded.append(path)
+    names = ["libcudart.so.13", "libcudart.so.12"]
+    if torch_cuda:
+        mine = f"libcudart.so.{torch_cuda.split('.')[0]}"
+        names = [mine] + [n for n in names if n != mine]
+    return loaded + names + ["libcudart.so"]
+
+
 def _find_libcudart() -> ctypes.CDLL:
-    names = ["libcudart.so.12", "libcudart.so.13", "libcudart.so"]
-    for name in names:
+    import torch
+
+    try:
+        with open("/proc/self/maps") as f:
+            maps = f.read()
+    except OSError:
+        maps = ""
+    for name in candidates(maps, torch.version.cuda):
         try:
             return ctypes.CDLL(name)
         except OSError:
             pass
-    import torch
-
     roots = [os.path.dirname(torch.__file__), os.path.join(os.path.dirname(torch.__file__), "..", "nvidia")]
     for root in roots:
-        for path in sorted(glob.glob(os.path.join(root, "**", "libcudart.so*"), recursive=True)):
+        for path in sorted(glob.glob(os.path.join(root, "**", "libcudart.so*"), recursive=True), reverse=True):
             try:
                 return ctypes.CDLL(path)
             except OSError:
                 pass
-    raise OSError("libcudart not found (tried the loader path and torch's bundled NVIDIA libraries)")
+    raise OSError("libcudart not found (tried the runtime torch loaded, the loader path and torch's bundled NVIDIA libraries)")
 
 
 def load() -> Any:

@@ -6,6 +6,8 @@ kernels and the tests compare against), bfloat16 on CUDA (Llama checkpoints' nat
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from worker_svc.cache_layout import dtype_from_name
@@ -26,3 +28,14 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return dtype_from_name(name)
+
+
+def device_scope(device: torch.device) -> contextlib.AbstractContextManager[object]:
+    """Make ``device`` the current CUDA device for the calls inside (a no-op off CUDA).
+
+    Why: a worker's steps run on gRPC pool threads, and CUDA's current device is per thread and
+    starts at 0. Triton launches on the current device's context, so with ``--device cuda:1`` a step
+    without this would launch its kernels in device 0's context on device 1's memory."""
+    if device.type == "cuda":
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()

@@ -23,6 +23,7 @@ import torch
 import kernels
 from kernels import cpu_native
 from worker_svc import omp_spin
+from worker_svc.devices import device_scope
 from worker_svc.model.batch import AttentionBatch
 from worker_svc.model.registry import Model
 from worker_svc.model.sampling import MAX_TOP_LOGPROBS, SamplingParams, sample
@@ -307,7 +308,7 @@ class ModelRunner:
         """Validate everything first (an invalid step changes nothing), then run it."""
         ops = ops or CacheOpsRequest()
         self.validate(seqs, ops)
-        with self._lock, self._kernel_backend():
+        with self._lock, self._kernel_backend(), device_scope(self.device):  # steps run on gRPC pool threads
             if self._closed:
                 raise RunnerClosed("the worker is shutting down")
             omp_spin.short_spin()  # no spinning helper thread between steps (worker_svc/omp_spin.py)

@@ -219,8 +219,16 @@ class WorkerProcess:
         release()  # idempotent
 
 
-def start_worker(settings: WorkerSettings, stop: threading.Event | None = None) -> WorkerProcess:
-    """Everything up to SERVING. Raises GeometryMismatch / ValueError / TimeoutError on bad config."""
+def start_worker(
+    settings: WorkerSettings, stop: threading.Event | None = None,
+    local_cache: cache_memory.SharedCache | None = None,
+) -> WorkerProcess:
+    """Everything up to SERVING. Raises GeometryMismatch / ValueError / TimeoutError on bad config.
+
+    ``local_cache``: the cache host's own cache when the host runs in this process (``LocalStack``).
+    The worker then uses that object (``cache_memory.borrow``) instead of mapping the descriptor the
+    host serves: CUDA refuses to open a process's own IPC handle. Everything else (geometry checks,
+    the cache host watcher) still goes through the host's gRPC API, as for a worker in its own process."""
     from worker_svc.model_runner import ModelRunner
 
     cpus, threads = cpu_placement.apply(settings.cpu_affinity, settings.num_threads)
@@ -234,7 +242,10 @@ def start_worker(settings: WorkerSettings, stop: threading.Event | None = None) 
     if settings.dtype != "auto" and settings.dtype != desc.dtype:
         raise GeometryMismatch(f"cache dtype mismatch: settings have {settings.dtype}, the cache host has {desc.dtype}")
     dtype = dtype_from_name(desc.dtype)
-    cache = cache_memory.attach(desc, device)
+    if local_cache is not None:
+        cache = cache_memory.borrow(local_cache, desc, device)
+    else:
+        cache = cache_memory.attach(desc, device)
     weights: SharedWeights | None = None
     try:
         model, weights = _model_for_worker(settings, model_cfg, dtype, device, weights_from_proto(info))
@@ -274,6 +285,7 @@ def start_worker(settings: WorkerSettings, stop: threading.Event | None = None) 
         cache_host=settings.cache_host,
         cache_instance_id=desc.instance_id,
         backend=desc.backend,
+        cache_mapping="borrowed" if local_cache is not None else "attached",
         device=str(device),
         dtype=desc.dtype,
         model=model_cfg.name,

@@ -121,6 +121,12 @@ def pack(
         for e in entries:
             if not e.alias_of:
                 views[e.name].copy_(tensors[e.name])
+        if device.type == "cuda":
+            # The copies are queued on this process's stream; workers read the region through their
+            # own contexts as soon as the descriptor is served. Wait for them here, explicitly, rather
+            # than rely on the implicit sync of a later cudaFree (the loader's tensors may be freed
+            # asynchronously by torch's caching allocator, which does not sync at all).
+            torch.cuda.synchronize(device)
     except BaseException:
         for r in reversed(resources):
             r.close()

@@ -10,9 +10,11 @@ alone with the tag dropped, and merged onto the main file the way Compose merges
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -181,6 +183,21 @@ def test_cpu_variant_drops_the_gpu_and_builds_the_cpu_image() -> None:
     assert services["worker"]["ipc"] == "service:cache-host"  # shared memory needs the IPC namespace too
 
 
+def test_dockerfile_uses_one_cuda_major_throughout() -> None:
+    """Base image, torch's wheel index and the CuPy extra name the same CUDA major."""
+    text = (ROOT / "Dockerfile").read_text()
+    base = re.search(r"^ARG BASE_IMAGE=nvidia/cuda:(\d+)\.", text, re.M)
+    major = re.search(r"^ARG CUDA_MAJOR=(\d+)$", text, re.M)
+    index = re.search(r"^ARG TORCH_CUDA_INDEX=https://download\.pytorch\.org/whl/cu(\d+)$", text, re.M)
+    assert base and major and index, "BASE_IMAGE, CUDA_MAJOR and TORCH_CUDA_INDEX must be declared"
+    assert base.group(1) == major.group(1) == index.group(1)[:-1], (base.group(1), major.group(1), index.group(1))
+    assert '--index-url "${TORCH_CUDA_INDEX}"' in text, "torch's CUDA wheel from the index of that major"
+    assert 'extras="worker,gpu-cuda${CUDA_MAJOR},text"' in text
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert all(dep.startswith(f"cupy-cuda{major.group(1)}x") for dep in extras[f"gpu-cuda{major.group(1)}"])
+    assert "cuda12" not in text.replace("cupy-cuda12x", "") and "12.8" not in text
+
+
 def test_dockerfile_and_dockerignore() -> None:
     text = (ROOT / "Dockerfile").read_text()
     assert "ARG TORCH_VARIANT=cuda" in text and "download.pytorch.org/whl/cpu" in text
@@ -215,4 +232,11 @@ def test_prefill_decode_layout_merges_valid_and_wires_roles_and_mps(tmp_path: Pa
     assert prefill["environment"]["PAGEDKV_HOST"] == "0.0.0.0"  # merged onto the main file's settings
     assert decode["pid"] == "service:cache-host" and decode["environment"]["PAGEDKV_CACHE_HOST"] == "cache-host:50052"
     assert decode["environment"]["PAGEDKV_PORT"] == "50054"
+    # An MPS server only serves clients of its own UID: the daemon runs as the image's user, so does
+    # every GPU service, explicitly; and shm_size (inert with ipc: host) is said to be so.
+    image_uid = re.search(r"useradd .*--uid (\d+)", (ROOT / "Dockerfile").read_text()).group(1)  # type: ignore[union-attr]
+    for name in ("cache-host", "worker", "worker-decode"):
+        assert services[name]["user"] == f"${{PAGEDKV_MPS_UID:-{image_uid}}}", name
+    assert "shm_size` for the cache host is inert" in PD.read_text()
+    assert f"sudo -u '#{image_uid}'" in PD.read_text()
     assert all(p.startswith("${PAGEDKV_BIND:-127.0.0.1}:") for p in decode["ports"])

@@ -82,7 +82,7 @@ def test_a_worker_gone_mid_generation_leaves_outputs_exact(hf: HFModel, layout: 
         if len(roles) == 1:  # a lone worker: its replacement attaches to the same cache, no KV lost
             st.workers[-1] = start_worker(WorkerSettings(
                 port=port, cache_host=f"127.0.0.1:{st.cache_host.port}", model=str(hf.path), device="cpu",
-                dtype="float32", block_size=4, num_gpu_blocks=96))
+                dtype="float32", block_size=4, num_gpu_blocks=96), local_cache=st.cache)
             st._closers.append(st.workers[-1].close)  # noqa: SLF001
         for _ in engine.stream():
             pass

@@ -15,9 +15,17 @@ import pytest
 import torch
 
 from kernels import cpu, cpu_native, reference
+from tests.kernels import cases
 from tests.kernels.cases import assert_close, generator, make_paged, poisoned_like, ragged_lens, randn
 
 pytestmark = pytest.mark.skipif(not cpu_native._compiler(), reason="no C compiler to build the kernel")
+
+
+@pytest.fixture(autouse=True)
+def _cpu_cases(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Build every case on CPU tensors, also where ``cases.DEVICE`` is CUDA (the GPU image has a C
+    compiler): the native kernels read host memory, and CUDA pointers there would be a segfault."""
+    monkeypatch.setattr(cases, "DEVICE", torch.device("cpu"))
 
 
 def _check(case, num_heads: int, dtype: torch.dtype, seed: int, q_scale: float = 1.0) -> None:  # type: ignore[no-untyped-def]

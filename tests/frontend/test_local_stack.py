@@ -1,0 +1,75 @@
+"""The in-process stack hands its workers the cache host's own cache object (frontend/local_stack.py).
+
+Why it matters on a GPU: the cache is exported over CUDA IPC, and CUDA forbids a process to open its
+own IPC handle, so a worker in the exporter's process that attached the descriptor like a remote
+worker would fail on every GPU host. On CPU the same rule is rehearsed by making ``attach`` refuse
+in-process use: the stack must never call it, compute on the very tensors it created, and give
+transformers' tokens.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from frontend.engine import GenerationRequest
+from frontend.local_stack import LocalStack, StackConfig
+from tests.frontend.test_engine import prompts
+from tests.worker_svc.conftest import HFModel, build_hf_model
+from worker_svc import cache_memory
+from worker_svc.cache_memory import CacheDescriptor
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory: pytest.TempPathFactory) -> HFModel:
+    return build_hf_model(tmp_path_factory.mktemp("local-stack-llama"), seed=11)
+
+
+@pytest.fixture(autouse=True)
+def _reference_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGEDKV_KERNEL_BACKEND", "reference")
+
+
+@pytest.fixture
+def no_self_attach(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA's rule on CPU: mapping a descriptor this process exported is refused."""
+    real = cache_memory.attach
+
+    def attach(desc: CacheDescriptor, device: torch.device) -> cache_memory.SharedCache:
+        if desc.host_pid == os.getpid():
+            raise ValueError("a process cannot open its own CUDA IPC handle (rehearsed on CPU)")
+        return real(desc, device)
+
+    monkeypatch.setattr(cache_memory, "attach", attach)
+
+
+def test_in_process_workers_compute_on_the_exporters_cache(hf: HFModel, no_self_attach: None) -> None:
+    ps = prompts(5, 3)
+    with LocalStack(StackConfig(model=str(hf.path), device="cpu", dtype="float32", block_size=4,
+                                num_gpu_blocks=64, num_workers=2)) as st:
+        for w in st.workers:
+            assert w.cache.gpu.data_ptr() == st.cache.gpu.data_ptr(), "the worker maps its own copy"
+            assert w.cache.cpu.data_ptr() == st.cache.cpu.data_ptr()
+            assert w.cache.descriptor.instance_id == st.cache.descriptor.instance_id
+        outs = st.engine().generate([GenerationRequest(f"r{i}", p, max_tokens=6) for i, p in enumerate(ps)])
+        written = bool(st.cache.gpu.abs().sum() > 0)
+        # A worker going away drops its views only: the exporter's memory stays, for the others.
+        st.workers[0].close()
+        assert st.cache.gpu.numel() > 0 and bool(st.cache.gpu.abs().sum() > 0)
+    assert written, "the steps wrote KV into the stack's own cache"
+    for p, out in zip(ps, outs):
+        assert out.completions[0].token_ids == hf.greedy(p, 6), out.request_id
+
+
+def test_borrow_refuses_a_descriptor_of_another_cache(hf: HFModel) -> None:
+    with LocalStack(StackConfig(model=str(hf.path), device="cpu", dtype="float32", block_size=4,
+                                num_gpu_blocks=16, num_workers=1)) as st:
+        desc = st.cache.descriptor
+        other = CacheDescriptor(desc.backend, desc.gpu, desc.cpu, desc.geometry, desc.dtype, "0" * 16, desc.host_pid)
+        with pytest.raises(ValueError, match="not the one the cache host serves"):
+            cache_memory.borrow(st.cache, other, torch.device("cpu"))
+        borrowed = cache_memory.borrow(st.cache, desc, torch.device("cpu"))
+        borrowed.close()
+        assert borrowed.gpu.numel() == 0 and st.cache.gpu.numel() > 0, "closing a borrowed cache frees nothing"

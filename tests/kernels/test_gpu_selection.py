@@ -1,0 +1,37 @@
+"""Nothing in bench/gpu_check.sh's pytest selection (tests/kernels) needs a CPU-only feature there.
+
+The CPU-only features are the native C kernels (kernels/cpu_native.py) and the CPU backend
+(kernels/cpu.py): both read host memory. Every test module that uses them runs here as on the GPU
+image (tests/kernels/gpu_image_plugin.py: CUDA "available", ``cases.DEVICE`` not the CPU): each of
+its tests must pass on CPU tensors it builds itself, or skip itself, never touch a device tensor.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+CPU_ONLY = re.compile(r"\bcpu_native\b|from kernels import [^\n]*\bcpu\b")
+
+
+def _cpu_feature_modules() -> list[Path]:
+    return sorted(p for p in (ROOT / "tests" / "kernels").glob("test_*.py")
+                  if p.name != Path(__file__).name and CPU_ONLY.search(p.read_text()))
+
+
+def test_cpu_only_kernel_tests_hold_on_the_gpu_image() -> None:
+    modules = _cpu_feature_modules()
+    assert {p.name for p in modules} >= {"test_cpu.py", "test_cpu_native.py"}
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env.pop("PAGEDKV_KERNEL_BACKEND", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.kernels.gpu_image_plugin",
+         "-k", "not compile_sm90", *map(str, modules)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert re.search(r"\d+ passed", proc.stdout), proc.stdout[-2000:]
