@@ -48,3 +48,15 @@ def load_tokenizer(model: str | pathlib.Path) -> Any | None:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(src.path), local_files_only=True)
+
+
+def hf_config_dict(model: str | pathlib.Path) -> dict[str, Any]:
+    """The model's config as a Hugging Face ``config.json`` dict (a GGUF file's from its metadata:
+    ``max_position_embeddings``, ``eos_token_id``, ...); {} for a directory without config.json."""
+    import json
+
+    src = resolve(model)
+    if src.kind == "gguf":
+        return gguf_file.hf_config(src.path)[0]
+    cfg = src.path / "config.json"
+    return dict(json.loads(cfg.read_text())) if cfg.is_file() else {}
