@@ -85,9 +85,32 @@ def _gguf_name(name: str) -> str:
     return f"blk.{layer}.{_LAYER[module]}.{kind}"
 
 
+# K-quant super-blocks (256 weights): where the fp16 scale(s) sit in a block and the value they get,
+# so that the dequantized weights are of a model's size (|w| up to about 0.4).
+K_QUANT_SCALES = {"Q4_K": ((0, 2), 0.0005), "Q5_K": ((0, 2), 0.00025), "Q6_K": ((-2,), 0.0001)}
+
+
+def random_k_blocks(shape: tuple[int, ...], qtype: str, seed: int) -> np.ndarray:
+    """Random blocks of a K-quant type with sane fp16 scales; everything else (6-bit sub-scales,
+    quants) is valid as any bytes. Weights as the file holds them: read back with dequantize."""
+    import gguf
+
+    q = gguf.GGMLQuantizationType[qtype]
+    block, size = gguf.GGML_QUANT_SIZES[q]
+    rows, cols = int(np.prod(shape[:-1])), shape[-1]
+    data = np.random.default_rng(seed).integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    offsets, value = K_QUANT_SCALES[qtype]
+    scale = np.frombuffer(np.float16(value).tobytes(), dtype=np.uint8)
+    for off in offsets:
+        start = off % size
+        data[:, :, start : start + 2] = scale
+    return data.reshape(rows, -1)
+
+
 def write_gguf(hf: HFModel, path: pathlib.Path, qtype: str = "F32") -> dict[str, torch.Tensor]:
-    """Write ``hf``'s weights to a GGUF file, 2-D weights as ``qtype`` (F32, F16, or a quantized
-    type the gguf package can quantize, e.g. Q8_0), 1-D ones as F32 (as llama.cpp does).
+    """Write ``hf``'s weights to a GGUF file, 2-D weights as ``qtype`` (F32, F16, a type the gguf
+    package can quantize, e.g. Q8_0, or a K-quant, whose blocks are random: random_k_blocks),
+    1-D ones as F32 (as llama.cpp does).
 
     Returns the state dict as the file holds it (quantized then dequantized, in HF layout), for an
     oracle on exactly those weights."""
@@ -137,7 +160,10 @@ def write_gguf(hf: HFModel, path: pathlib.Path, qtype: str = "F32") -> dict[str,
             stored = arr.astype(np.float16).astype(np.float32)
         else:
             q = gguf.GGMLQuantizationType[qtype]
-            data = gguf.quants.quantize(np.ascontiguousarray(arr, dtype=np.float32), q)
+            if qtype in K_QUANT_SCALES:  # gguf cannot quantize these: random valid blocks instead
+                data = random_k_blocks(arr.shape, qtype, seed=len(held))
+            else:
+                data = gguf.quants.quantize(np.ascontiguousarray(arr, dtype=np.float32), q)
             w.add_tensor(_gguf_name(name), data, raw_dtype=q)
             stored = gguf.quants.dequantize(data, q).reshape(arr.shape)
         held[name] = torch.from_numpy(np.ascontiguousarray(stored))

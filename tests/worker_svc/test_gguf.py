@@ -51,6 +51,24 @@ def test_quantized_file_generates_what_transformers_does_on_its_dequantized_weig
     assert sched.seqs["a"].generated == oracle.greedy(PROMPT, 12)
 
 
+@pytest.mark.parametrize("qtype", ["BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
+def test_every_supported_type_loads_as_gguf_dequantizes_it(qtype: str, tmp_path: pathlib.Path) -> None:
+    """A Llama (hidden 256: K-quant rows are 256-weight super-blocks) with every matrix of ``qtype``
+    generates what transformers does on the weights the gguf package dequantizes from the file."""
+    hf = build("LlamaForCausalLM", tmp_path / "hf", seed=3, hidden_size=256, intermediate_size=256,
+               num_attention_heads=4, num_key_value_heads=2)
+    path = tmp_path / f"m.{qtype}.gguf"
+    held = write_gguf(hf, path, qtype)
+    assert all(torch.isfinite(t).all() and t.std() > 0.01 for t in held.values() if t.dim() == 2), qtype
+    oracle = oracle_on(hf, held, tmp_path / "hf")
+    logits = oracle.last_logits(PROMPT)
+    assert torch.isfinite(logits).all() and logits.std() > 0.1  # a model, not a degenerate one
+    sched = Scheduler(runner_step(_runner(path)), block_size=BLOCK)
+    sched.add("a", PROMPT)
+    sched.generate(["a"], 8)
+    assert sched.seqs["a"].generated == oracle.greedy(PROMPT, 8)
+
+
 def test_f32_file_holds_exactly_the_checkpoint_and_the_config(tmp_path: pathlib.Path) -> None:
     """Names, Q/K row order (un-permuted), tied head and Llama 3 rope: the GGUF loads as the HF dir."""
     hf = build("LlamaForCausalLM", tmp_path / "hf")
