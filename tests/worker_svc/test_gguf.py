@@ -183,3 +183,42 @@ def test_each_family_loads_its_checkpoint_layout(tmp_path: pathlib.Path) -> None
         assert ("model.layers.1.self_attn.k_norm.weight" in names) == (arch == "Qwen3ForCausalLM"), arch
         if arch == "Qwen3ForCausalLM":
             assert cfg.head_dim == 32 != cfg.hidden_size // cfg.num_heads
+
+
+def test_cache_host_shares_a_gguf_files_weights_with_worker_processes(tmp_path: pathlib.Path) -> None:
+    """`pagedkv cache-host --model FILE.gguf` loads (dequantizes) once and exports the weights; a
+    worker given the same file maps them instead of loading, and generates transformers' tokens
+    on the dequantized weights; a worker given another file refuses to start (exit code 2)."""
+    import grpc
+
+    from pagedkv.v1 import worker_pb2_grpc
+    from tests.worker_svc.generation import grpc_step
+    from tests.worker_svc.test_processes import GPU_BLOCKS, Proc, start_cache_host, start_worker
+
+    hf = build("Qwen2ForCausalLM", tmp_path / "hf", seed=11)
+    path = tmp_path / "qwen2.Q8_0.gguf"
+    oracle = oracle_on(hf, write_gguf(hf, path, "Q8_0"), tmp_path / "hf")
+    other = tmp_path / "other.F32.gguf"
+    write_gguf(hf, other, "F32")
+    procs: list[Proc] = []
+    try:
+        host, ready = start_cache_host(path, prefix="pagedkv-gguf-test")
+        procs.append(host)
+        assert ready["weights_bytes"] > 0 and ready["weights_source"] == "model:qwen2.Q8_0.gguf"
+        w = start_worker(path, ready["port"])
+        bad = start_worker(other, ready["port"])
+        procs += [w, bad]
+        w_ready = w.wait_event("worker_ready")
+        assert w_ready["shared_weights"] is True
+        assert bad.p.wait(60) == 2 and "weights mismatch" in bad.wait_event("config_error")["error"]
+        with grpc.insecure_channel(f"127.0.0.1:{w_ready['port']}") as ch:
+            sched = Scheduler(grpc_step(worker_pb2_grpc.WorkerStub(ch)), num_gpu_blocks=GPU_BLOCKS, block_size=BLOCK)
+            sched.add("s", PROMPT)
+            sched.generate(["s"], 10)
+        assert sched.seqs["s"].generated == oracle.greedy(PROMPT, 10)
+        assert w.stop() == 0
+        assert host.stop() == 0
+    finally:
+        for p in procs:
+            if p.p.poll() is None:
+                p.p.kill()
