@@ -67,3 +67,26 @@ def test_shared_prefixes_two_samples_and_preemption_match_transformers(
     for p, out in zip(ps, outs):
         expected = hf.greedy(p, 12)
         assert [c.token_ids for c in out.completions] == [expected] * len(out.completions), out.request_id
+
+
+def test_generate_local_takes_a_gguf_file(tmp_path: pathlib.Path) -> None:
+    """`pagedkv generate --local --model FILE.gguf` as a user runs it: transformers' greedy tokens."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    hf = build("LlamaForCausalLM", tmp_path / "hf", seed=9)
+    path = tmp_path / "tiny.F16.gguf"
+    held = write_gguf(hf, path, "F16")
+    from tests.worker_svc.families import oracle_on
+
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    r = subprocess.run([sys.executable, "-m", "pagedkv.cli", "generate", "--local", "--model", str(path),
+                        "--token-ids", ",".join(map(str, prompt)), "--max-tokens", "6"],
+                       cwd=pathlib.Path(__file__).resolve().parents[2],
+                       env={**os.environ, "PAGEDKV_KERNEL_BACKEND": "reference"},
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)["completions"][0]["token_ids"]
+    assert got == oracle_on(hf, held, hf.path).greedy(prompt, 6)
