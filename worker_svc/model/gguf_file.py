@@ -209,11 +209,16 @@ def hf_config(path: str | pathlib.Path) -> tuple[dict[str, Any], tuple[float, ..
     def key(name: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{name}", default)
 
-    num_heads = int(key("attention.head_count"))
+    def need(name: str) -> int:
+        if f"{arch}.{name}" not in meta:
+            raise ValueError(f"GGUF file {path} lacks the metadata key {arch}.{name}")
+        return int(meta[f"{arch}.{name}"])
+
+    num_heads = need("attention.head_count")
     num_kv = key("attention.head_count_kv", num_heads)
     if isinstance(num_kv, list):
         raise ValueError(f"GGUF {arch}.attention.head_count_kv varies per layer, which pagedkv cannot run")
-    hidden = int(key("embedding_length"))
+    hidden = need("embedding_length")
     head_dim = int(key("attention.key_length", hidden // num_heads))
     rope_dims = key("rope.dimension_count")
     if rope_dims is not None and int(rope_dims) != head_dim:
@@ -224,8 +229,8 @@ def hf_config(path: str | pathlib.Path) -> tuple[dict[str, Any], tuple[float, ..
         "architectures": [ARCHITECTURES[arch]],
         "vocab_size": vocab,
         "hidden_size": hidden,
-        "intermediate_size": int(key("feed_forward_length")),
-        "num_hidden_layers": int(key("block_count")),
+        "intermediate_size": need("feed_forward_length"),
+        "num_hidden_layers": need("block_count"),
         "num_attention_heads": num_heads,
         "num_key_value_heads": int(num_kv),
         "head_dim": head_dim,
@@ -233,7 +238,8 @@ def hf_config(path: str | pathlib.Path) -> tuple[dict[str, Any], tuple[float, ..
         "rope_theta": float(key("rope.freq_base", 10000.0)),
         "max_position_embeddings": int(key("context_length", 4096)),
         "tie_word_embeddings": "output.weight" not in tensors,
-        "attention_bias": "blk.0.attn_q.bias" in tensors and arch == "llama",
+        # Qwen2 always has q/k/v biases (its module knows); Llama and Qwen3 say so in attention_bias.
+        "attention_bias": "blk.0.attn_q.bias" in tensors and arch != "qwen2",
         "mlp_bias": "blk.0.ffn_up.bias" in tensors,
         "hidden_act": "silu",
     }
