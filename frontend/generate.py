@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--url", default="http://127.0.0.1:8000", help="a running `pagedkv serve` [%(default)s]")
     p.add_argument("--api-key-file", default="", help="file holding the server's API key (default: env PAGEDKV_API_KEY)")
     p.add_argument("--local", action="store_true", help="run an in-process stack instead of connecting")
-    p.add_argument("--model", default=None, help="with --local: Hugging Face model directory")
+    p.add_argument("--model", default=None, help="with --local: Hugging Face model directory or GGUF file")
     p.add_argument("--num-gpu-blocks", type=int, default=512, help="with --local")
     p.add_argument("--block-size", type=int, default=16, help="with --local")
     p.add_argument("--device", default="auto", help="with --local: auto | cpu | cuda")

@@ -326,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-gpu-blocks", type=int, default=d.num_gpu_blocks)
     p.add_argument("--num-cpu-blocks", type=int, default=d.num_cpu_blocks)
     p.add_argument("--block-size", type=int, default=d.block_size)
-    p.add_argument("--model", default=None, help="Hugging Face model directory (default: built-in tiny model)")
+    p.add_argument("--model", default=None, help="Hugging Face model directory or GGUF file (default: built-in tiny model)")
     p.add_argument("--device", default=d.device, help="auto | cpu | cuda (auto = CUDA when present)")
     p.add_argument("--dtype", default=d.dtype)
     p.add_argument("--log-format", choices=("console", "json"), default=d.log_format)

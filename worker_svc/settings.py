@@ -35,8 +35,9 @@ class _Common(BaseSettings):
     block_size: int = Field(16, ge=1, description="tokens per KV block")
     num_gpu_blocks: int = Field(4096, ge=1, description="blocks in the device KV cache")
     num_cpu_blocks: int = Field(0, ge=0, description="blocks in the host swap pool (0 = none)")
-    # Model geometry: from --model DIR's config.json, else the built-in tiny default model.
-    model: str | None = Field(None, description="Hugging Face model directory (config.json + safetensors)")
+    # Model geometry: from --model (a directory's config.json or a GGUF file's metadata), else the
+    # built-in tiny default model.
+    model: str | None = Field(None, description="Hugging Face model directory (config.json + safetensors) or GGUF file")
     num_layers: int | None = Field(None, ge=1, description="override/check the model's layer count")
     dtype: DType = Field("auto", description="cache/model dtype; auto = float32 on CPU, bfloat16 on CUDA")
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N")

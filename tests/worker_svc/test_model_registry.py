@@ -63,5 +63,5 @@ def test_a_second_architecture_is_one_module(monkeypatch: pytest.MonkeyPatch) ->
 def test_unknown_architectures_are_refused_by_name() -> None:
     with pytest.raises(ValueError, match=r"unsupported architecture \['GPT2LMHeadModel'\].*LlamaForCausalLM"):
         ModelConfig.from_hf_dict({"architectures": ["GPT2LMHeadModel"], **RAW})
-    with pytest.raises(ValueError, match=r"unknown architecture 'GPT2LMHeadModel'; registered: \['LlamaForCausalLM'\]"):
+    with pytest.raises(ValueError, match=r"unknown architecture 'GPT2LMHeadModel'; registered: \['LlamaForCausalLM', 'MistralForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM'\]"):
         registry.architecture("GPT2LMHeadModel")

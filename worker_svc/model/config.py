@@ -1,4 +1,4 @@
-"""The model hyper-parameters the worker needs, read from a Hugging Face ``config.json``.
+"""The model hyper-parameters the worker needs, read from a Hugging Face ``config.json`` or a GGUF file.
 
 Why our own dataclass rather than ``transformers.LlamaConfig``: the worker must not import
 transformers (heavy, and only a test dependency), and the cache host needs only the geometry
@@ -25,6 +25,9 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # A GGUF file's rope_freqs.weight (llama.cpp's form of Llama 3 scaling): each inverse
+    # frequency is divided by its factor. Empty: none.
+    freq_factors: tuple[float, ...] = ()
 
 
 @dataclass(slots=True, frozen=True)
@@ -87,6 +90,30 @@ class ModelConfig:
             raise FileNotFoundError(f"no config.json in model directory {path}")
         return cls.from_hf_dict(json.loads(config_path.read_text()), name=path.name or str(path))
 
+    @classmethod
+    def from_gguf(cls, gguf_path: str | pathlib.Path) -> "ModelConfig":
+        """From a GGUF file's metadata (gguf_file.py), checked like a config.json."""
+        from dataclasses import replace
+
+        from worker_svc.model import gguf_file
+
+        path = pathlib.Path(gguf_path)
+        raw, freq_factors = gguf_file.hf_config(path)
+        cfg = cls.from_hf_dict(raw, name=path.name)
+        if freq_factors:
+            if len(freq_factors) != cfg.head_dim // 2:
+                raise ValueError(f"GGUF rope_freqs.weight has {len(freq_factors)} factors, expected {cfg.head_dim // 2}")
+            cfg = replace(cfg, rope=replace(cfg.rope, freq_factors=freq_factors))
+        return cfg
+
+    @classmethod
+    def from_path(cls, model: str | pathlib.Path) -> "ModelConfig":
+        """``--model``: a Hugging Face directory or a GGUF file (model_source.py decides which)."""
+        from worker_svc.model import model_source
+
+        src = model_source.resolve(model)
+        return cls.from_gguf(src.path) if src.kind == "gguf" else cls.from_dir(src.path)
+
 
 def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
     params = dict(cfg.get("rope_parameters") or {})
@@ -125,6 +152,6 @@ DEFAULT_MODEL_CONFIG = ModelConfig(
 )
 
 
-def load_model_config(model_dir: str | None) -> ModelConfig:
-    """The config of ``--model DIR``, or the built-in default when none is given."""
-    return DEFAULT_MODEL_CONFIG if not model_dir else ModelConfig.from_dir(model_dir)
+def load_model_config(model: str | None) -> ModelConfig:
+    """The config of ``--model DIR|FILE.gguf``, or the built-in default when none is given."""
+    return DEFAULT_MODEL_CONFIG if not model else ModelConfig.from_path(model)

@@ -41,6 +41,9 @@ class _Layer:
     o: Linear
     gate_up: Linear  # [2 * intermediate, hidden]
     down: Linear
+    # Qwen3: RMSNorm over each head's q and k before the rotary embedding ([head_dim]); else None.
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
 
 
 # The fused projections the model computes with, by the checkpoint names they are made of. A
@@ -53,29 +56,59 @@ FUSED = {
 
 def check_hf_config(cfg: dict[str, Any]) -> None:
     """Refuse a config.json this module cannot run, naming the value."""
+    refuse_unsupported(cfg, "Llama")
+
+
+def refuse_unsupported(cfg: dict[str, Any], family: str) -> None:
+    """What no module built on this decoder runs, refused naming the config field: another
+    activation, mixture-of-experts layers, a sliding attention window that is in effect (one at
+    least as long as the context never drops a token, so it is accepted). Unsupported rope scaling
+    types are refused by the config parser (config.py), which all architectures share."""
     if cfg.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"unsupported hidden_act {cfg.get('hidden_act')!r}; Llama uses silu")
+        raise ValueError(f"unsupported hidden_act {cfg.get('hidden_act')!r}; {family} uses silu")
+    for moe in ("num_experts", "num_local_experts", "n_routed_experts"):
+        if cfg.get(moe):
+            raise ValueError(f"{moe}={cfg[moe]}: mixture-of-experts models are not supported")
+    if "sliding_attention" in (cfg.get("layer_types") or []):
+        raise ValueError("layer_types has sliding_attention layers: sliding-window attention is not supported")
+    if cfg.get("use_sliding_window"):  # Qwen2/Qwen3: sliding_window only counts when this is set
+        raise ValueError("use_sliding_window=true: sliding-window attention is not supported")
+    window, max_len = cfg.get("sliding_window"), int(cfg.get("max_position_embeddings", 4096))
+    if "use_sliding_window" not in cfg and window is not None and int(window) < max_len:
+        raise ValueError(f"sliding_window={window} (< max_position_embeddings {max_len}): sliding-window "
+                         "attention is not supported")
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor (Hugging Face names) a Llama checkpoint provides -> its shape, in checkpoint
     order (the order the built-in model's seeded random weights are drawn in)."""
+    return checkpoint_shapes(cfg, qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, qk_norm=False)
+
+
+def checkpoint_shapes(cfg: ModelConfig, *, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> dict[str, tuple[int, ...]]:
+    """The decoder's tensors with the variations the Llama-like families differ by: biases on
+    q/k/v (Qwen2) or on all four attention projections (Llama's attention_bias), and per-head q/k
+    RMSNorm weights (Qwen3)."""
     h, d, i, vocab = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, cfg.vocab_size
     q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,)}
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (vocab, h)
-    attn = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q)}
-    mlp = {"gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+    attn = {"q_proj": (q, h, qkv_bias), "k_proj": (kv, h, qkv_bias), "v_proj": (kv, h, qkv_bias),
+            "o_proj": (h, q, o_bias)}
+    mlp = {"gate_proj": (i, h, cfg.mlp_bias), "up_proj": (i, h, cfg.mlp_bias), "down_proj": (h, i, cfg.mlp_bias)}
     for layer in range(cfg.num_layers):
         p = f"model.layers.{layer}."
         shapes[p + "input_layernorm.weight"] = (h,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
-        for group, projs, bias in (("self_attn", attn, cfg.attention_bias), ("mlp", mlp, cfg.mlp_bias)):
-            for proj, shape in projs.items():
-                shapes[f"{p}{group}.{proj}.weight"] = shape
+        for group, projs in (("self_attn", attn), ("mlp", mlp)):
+            for proj, (rows, cols, bias) in projs.items():
+                shapes[f"{p}{group}.{proj}.weight"] = (rows, cols)
                 if bias:
-                    shapes[f"{p}{group}.{proj}.bias"] = (shape[0],)
+                    shapes[f"{p}{group}.{proj}.bias"] = (rows,)
+        if qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (d,)
+            shapes[p + "self_attn.k_norm.weight"] = (d,)
     return shapes
 
 
@@ -101,7 +134,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class LlamaModel:
-    """Weights plus ``forward(token_ids, batch, kv_cache) -> logits of each sequence's last token``."""
+    """Weights plus ``forward(token_ids, batch, kv_cache) -> logits of each sequence's last token``.
+
+    The decoder the Llama-like families share (qwen2.py, qwen3.py, mistral.py build it): which
+    optional tensors the weights hold (biases, q/k norms) is all that differs between them."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
         self.cfg = cfg
@@ -131,6 +167,8 @@ class LlamaModel:
                     o=Linear.build(w[p + "self_attn.o_proj.weight"], bias("self_attn.o_proj.bias")),
                     gate_up=Linear.build(w_gate_up, fused_tensor(w, p + "mlp.gate_up_proj.bias")),
                     down=Linear.build(w[p + "mlp.down_proj.weight"], bias("mlp.down_proj.bias")),
+                    q_norm=w.get(p + "self_attn.q_norm.weight"),
+                    k_norm=w.get(p + "self_attn.k_norm.weight"),
                 )
             )
 
@@ -155,6 +193,9 @@ class LlamaModel:
             q = qkv[:, :q_size].reshape(n_tok, h, d)
             k = qkv[:, q_size : q_size + kv_size].reshape(n_tok, hkv, d)
             v = qkv[:, q_size + kv_size :].reshape(n_tok, hkv, d)
+            if layer.q_norm is not None and layer.k_norm is not None:
+                q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
+                k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
             q = apply_rotary(q, cos, sin)
             k = apply_rotary(k, cos, sin)
             step.write_kv_cache(k, v, key_cache, value_cache)

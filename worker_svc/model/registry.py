@@ -2,7 +2,8 @@
 
 Why a registry: the architecture decides the checkpoint's tensor names and shapes, which of them
 are fused for compute, which ``config.json`` values are supported, and the forward pass. All of
-that lives in the architecture's module (``llama.py`` for ``LlamaForCausalLM``); the config
+that lives in the architecture's module (``llama.py`` for ``LlamaForCausalLM``; ``qwen2.py``,
+``qwen3.py`` and ``mistral.py`` build llama.py's decoder with their own layouts); the config
 parser, the weight loader, the shared-weights path and the model runner only ask this registry, so
 a second architecture is one new module and one line in ``ARCHITECTURES``.
 
@@ -27,6 +28,9 @@ if TYPE_CHECKING:
 # config.json "architectures" entry -> the module implementing it (imported on first use).
 ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "worker_svc.model.llama",
+    "Qwen2ForCausalLM": "worker_svc.model.qwen2",
+    "Qwen3ForCausalLM": "worker_svc.model.qwen3",
+    "MistralForCausalLM": "worker_svc.model.mistral",
 }
 # The built-in offline model (no --model) and a config.json that names no architecture.
 DEFAULT_ARCHITECTURE = "LlamaForCausalLM"

@@ -18,6 +18,8 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     """fp32 ``[head_dim // 2]`` inverse frequencies, with Llama 3 scaling when configured."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(dtype=torch.float) / head_dim
     inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.freq_factors:  # a GGUF file's rope_freqs.weight: llama.cpp's form of the scaling below
+        return inv_freq / torch.tensor(rope.freq_factors, dtype=torch.float32)
     if rope.rope_type == "default":
         return inv_freq
     # Llama 3.1: keep high frequencies, divide low ones by `factor`, interpolate in between.

@@ -1,8 +1,10 @@
-"""Weights: read a Hugging Face safetensors checkpoint, or make the default model's random ones.
+"""Weights: read a Hugging Face safetensors checkpoint or a GGUF file, or make the default model's random ones.
 
 The checkpoint is read tensor by tensor with ``safetensors.safe_open`` (memory-mapped), cast to the
 target dtype and moved to the device one at a time, so peak host memory stays near one tensor.
-Sharded checkpoints are found through ``model.safetensors.index.json``.
+Sharded checkpoints are found through ``model.safetensors.index.json``. A GGUF file
+(``gguf_file.py``) is read the same way: each tensor dequantized, renamed to its Hugging Face name,
+cast and moved before the next is read.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Iterator
 
 import torch
 
+from worker_svc.model import gguf_file, model_source
 from worker_svc.model.config import ModelConfig
 from worker_svc.model.registry import Model, architecture, build_model
 
@@ -44,9 +47,14 @@ def _checkpoint_files(model_dir: pathlib.Path) -> list[pathlib.Path]:
     return files
 
 
-def _iter_checkpoint(model_dir: pathlib.Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_checkpoint(model: pathlib.Path, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    src = model_source.resolve(model)
+    if src.kind == "gguf":
+        yield from gguf_file.iter_tensors(src.path, cfg.num_heads, cfg.num_kv_heads)
+        return
     from safetensors import safe_open
 
+    model_dir = src.path
     for path in _checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
@@ -60,7 +68,7 @@ def load_weights(
     wanted = set(expected_names(cfg))
     shapes = expected_shapes(cfg)
     out: dict[str, torch.Tensor] = {}
-    for name, t in _iter_checkpoint(pathlib.Path(model_dir)):
+    for name, t in _iter_checkpoint(pathlib.Path(model_dir), cfg):
         if name not in wanted:
             continue  # e.g. rotary_emb.inv_freq in old checkpoints, or a tied lm_head
         if tuple(t.shape) != shapes[name]:
@@ -143,14 +151,14 @@ def fused_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 def load_model(
     model_dir: str | None, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0
 ) -> Model:
-    """The model of ``--model DIR``, or the built-in default with seeded random weights."""
+    """The model of ``--model DIR|FILE.gguf``, or the built-in default with seeded random weights."""
     return build_model(cfg, load_checkpoint(model_dir, cfg, dtype, device, seed))
 
 
 def load_checkpoint(
     model_dir: str | None, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0
 ) -> dict[str, torch.Tensor]:
-    """The checkpoint tensors of ``--model DIR``, or the built-in default's seeded random ones."""
+    """The checkpoint tensors of ``--model DIR|FILE.gguf``, or the built-in default's seeded random ones."""
     if model_dir:
         return load_weights(model_dir, cfg, dtype, device)
     return random_weights(cfg, dtype, device, seed=seed)

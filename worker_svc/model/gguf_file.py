@@ -1,0 +1,311 @@
+"""A GGUF file as a model: its config, its tensors under Hugging Face names, and its tokenizer.
+
+Why read GGUF ourselves rather than convert: most small models people run locally are GGUF files
+(llama.cpp's format). ``--model FILE.gguf`` serves one with no conversion step: the config comes
+from the file's metadata (``{arch}.block_count``, ``{arch}.attention.head_count``, ...), turned into
+a Hugging Face ``config.json`` dict so the architecture module checks it the way it checks a
+directory's; the tensors are memory-mapped and dequantized at load with the ``gguf`` package
+(``gguf.quants.dequantize``), one at a time (peak host memory near one fp32 tensor), to the serving dtype. Quantized
+kernels are out of scope: a Q4 file is served with dequantized weights.
+
+Two differences from a Hugging Face checkpoint are undone here:
+- tensor names (``blk.3.attn_q.weight`` is ``model.layers.3.self_attn.q_proj.weight``);
+- llama.cpp's converter permutes the rows of Q and K (weights and biases) of the ``llama``
+  architecture within each head, from rotate-half to interleaved pairs (its RoPE layout); the
+  inverse permutation gives back the Hugging Face rows. ``qwen2``/``qwen3`` files keep HF rows.
+
+Llama 3's rope scaling is stored as a ``rope_freqs.weight`` tensor (a divisor per frequency), read
+with the config (``RopeConfig.freq_factors``).
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+GGUF_MAGIC = b"GGUF"
+
+# GGUF general.architecture -> the Hugging Face architecture (registry.py) that runs it. llama.cpp
+# converts Mistral checkpoints to "llama" too.
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# Architectures whose Q/K rows llama.cpp's converter permuted (undone in permute_back).
+PERMUTED_QK = {"llama"}
+
+# The tensor types dequantized at load (gguf.GGMLQuantizationType names); anything else is refused.
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+ROPE_FREQS = "rope_freqs.weight"
+
+
+def is_gguf(path: str | pathlib.Path) -> bool:
+    """Whether ``path`` is a file starting with the GGUF magic."""
+    p = pathlib.Path(path)
+    if not p.is_file():
+        return False
+    with p.open("rb") as f:
+        return f.read(4) == GGUF_MAGIC
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor; None for tensors with no HF counterpart."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _LAYER_RE.match(gguf_name)
+    if m is None or m.group(2) not in _LAYER_NAMES:
+        return None
+    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+
+
+@dataclass(slots=True, frozen=True)
+class TensorInfo:
+    name: str
+    shape: tuple[int, ...]  # GGML order: ne[0] (the contiguous dimension) first
+    type_name: str  # gguf.GGMLQuantizationType name, or "type N" for a type gguf does not know
+    qtype: int
+    offset: int  # absolute byte offset of the data in the file
+
+
+@dataclass(slots=True)
+class Header:
+    metadata: dict[str, Any]
+    tensors: dict[str, TensorInfo]
+
+
+# GGUF value types (spec): struct format of the scalars; 8 = string, 9 = array.
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+# The tokenizer's vocabulary and merges: skipped here (the tokenizer reads them, load_tokenizer).
+_SKIPPED = {"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.scores", "tokenizer.ggml.token_type"}
+
+
+def _gguf() -> Any:
+    try:
+        import gguf
+    except ImportError as e:  # only GGUF models need it
+        raise ValueError("--model is a GGUF file: install the gguf package (pip install 'pagedkv[worker]')") from e
+    return gguf
+
+
+def read_header(path: str | pathlib.Path) -> Header:
+    """The metadata and tensor directory of a GGUF file (versions 2 and 3, little-endian).
+
+    Why not ``gguf.GGUFReader``: it builds a numpy view per vocabulary string, which takes 15-20 s
+    for SmolLM2's 49k tokens and merges on these machines, in every role that reads the config;
+    this skips those arrays and reads the rest in milliseconds."""
+    import mmap
+
+    GGMLQuantizationType = _gguf().GGMLQuantizationType
+
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        pos = 0
+
+        def take(fmt: str) -> Any:
+            nonlocal pos
+            (v,) = struct.unpack_from(fmt, buf, pos)
+            pos += struct.calcsize(fmt)
+            return v
+
+        def string() -> str:
+            nonlocal pos
+            n = take("<Q")
+            pos += n
+            return bytes(buf[pos - n : pos]).decode("utf-8", errors="replace")
+
+        def value(vtype: int, keep: bool = True) -> Any:
+            nonlocal pos
+            if vtype in _SCALARS:
+                return take(_SCALARS[vtype])
+            if vtype == 8:
+                return string()
+            if vtype == 9:
+                itype, count = take("<I"), take("<Q")
+                if not keep and itype == 8:
+                    for _ in range(count):
+                        n = take("<Q")  # (not `pos += take(...)`: that adds to pos as it was before)
+                        pos += n
+                    return None
+                if not keep and itype in _SCALARS:
+                    pos += count * struct.calcsize(_SCALARS[itype])
+                    return None
+                return [value(itype, keep) for _ in range(count)]
+            raise ValueError(f"GGUF file {path}: unknown metadata value type {vtype} at byte {pos}")
+
+        if bytes(buf[:4]) != GGUF_MAGIC:
+            raise ValueError(f"{path} is not a GGUF file")
+        pos = 4
+        version = take("<I")
+        if version not in (2, 3):
+            raise ValueError(f"GGUF file {path} has version {version}; supported: 2, 3 (little-endian)")
+        n_tensors, n_kv = take("<Q"), take("<Q")
+        meta: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key = string()
+            vtype = take("<I")
+            v = value(vtype, keep=key not in _SKIPPED)
+            if key not in _SKIPPED:
+                meta[key] = v
+        infos = []
+        for _ in range(n_tensors):
+            name = string()
+            dims = tuple(take("<Q") for _ in range(take("<I")))
+            qtype, offset = take("<I"), take("<Q")
+            try:
+                type_name = GGMLQuantizationType(qtype).name
+            except ValueError:
+                type_name = f"type {qtype}"
+            infos.append((name, dims, type_name, qtype, offset))
+        align = int(meta.get("general.alignment", 32))
+        data_start = (pos + align - 1) // align * align
+    tensors = {n: TensorInfo(n, d, tn, q, data_start + o) for n, d, tn, q, o in infos}
+    return Header(meta, tensors)
+
+
+def check_types(header: Header) -> None:
+    """Refuse a file holding a tensor type outside SUPPORTED_TYPES, naming the type and the tensor."""
+    for t in header.tensors.values():
+        if t.type_name not in SUPPORTED_TYPES:
+            raise ValueError(f"GGUF tensor {t.name} has type {t.type_name}, which pagedkv cannot dequantize; "
+                             f"supported: {', '.join(SUPPORTED_TYPES)}")
+
+
+def hf_config(path: str | pathlib.Path) -> tuple[dict[str, Any], tuple[float, ...]]:
+    """The file's metadata as a Hugging Face ``config.json`` dict, and Llama 3's rope frequency
+    divisors (``rope_freqs.weight``; empty when absent)."""
+    header = read_header(path)
+    check_types(header)
+    meta = header.metadata
+    arch = str(meta.get("general.architecture", ""))
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"GGUF general.architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
+    tensors = header.tensors
+    if "token_embd.weight" not in tensors:
+        raise ValueError(f"GGUF file {path} has no token_embd.weight")
+
+    def key(name: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{name}", default)
+
+    def need(name: str) -> int:
+        if f"{arch}.{name}" not in meta:
+            raise ValueError(f"GGUF file {path} lacks the metadata key {arch}.{name}")
+        return int(meta[f"{arch}.{name}"])
+
+    num_heads = need("attention.head_count")
+    num_kv = key("attention.head_count_kv", num_heads)
+    if isinstance(num_kv, list):
+        raise ValueError(f"GGUF {arch}.attention.head_count_kv varies per layer, which pagedkv cannot run")
+    hidden = need("embedding_length")
+    head_dim = int(key("attention.key_length", hidden // num_heads))
+    rope_dims = key("rope.dimension_count")
+    if rope_dims is not None and int(rope_dims) != head_dim:
+        raise ValueError(f"GGUF {arch}.rope.dimension_count is {rope_dims}, not head_dim {head_dim} "
+                         "(partial rotary is not supported)")
+    vocab = int(tensors["token_embd.weight"].shape[1])  # GGML order: [hidden, vocab]
+    cfg: dict[str, Any] = {
+        "architectures": [ARCHITECTURES[arch]],
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": need("feed_forward_length"),
+        "num_hidden_layers": need("block_count"),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": int(num_kv),
+        "head_dim": head_dim,
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(key("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(key("context_length", 4096)),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        # Qwen2 always has q/k/v biases (its module knows); Llama and Qwen3 say so in attention_bias.
+        "attention_bias": "blk.0.attn_q.bias" in tensors and arch != "qwen2",
+        "mlp_bias": "blk.0.ffn_up.bias" in tensors,
+        "hidden_act": "silu",
+    }
+    scaling = key("rope.scaling.type")
+    if scaling not in (None, "none"):  # refused by the config parser, which names the type
+        cfg["rope_scaling"] = {"rope_type": str(scaling), "factor": float(key("rope.scaling.factor", 1.0))}
+    for gguf_key, hf_key in (("attention.sliding_window", "sliding_window"), ("expert_count", "num_experts")):
+        if key(gguf_key) is not None:
+            cfg[hf_key] = int(key(gguf_key))
+    if "eos_token_id" not in cfg and meta.get("tokenizer.ggml.eos_token_id") is not None:
+        cfg["eos_token_id"] = int(meta["tokenizer.ggml.eos_token_id"])
+    freq_factors: tuple[float, ...] = ()
+    if ROPE_FREQS in tensors:
+        freq_factors = tuple(float(x) for x in _dequantize(path, tensors[ROPE_FREQS]).reshape(-1))
+    return cfg, freq_factors
+
+
+def _dequantize(path: str | pathlib.Path, tensor: TensorInfo) -> np.ndarray:
+    """fp32 numpy array in numpy (row-major, HF) order: ``[out, in]`` for a matrix."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    if tensor.type_name not in SUPPORTED_TYPES:
+        raise ValueError(f"GGUF tensor {tensor.name} has type {tensor.type_name}; "
+                         f"supported: {', '.join(SUPPORTED_TYPES)}")
+    qtype = GGMLQuantizationType(tensor.qtype)
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    shape = tuple(reversed(tensor.shape))  # numpy order
+    row_bytes = shape[-1] // block * type_size
+    rows = int(np.prod(shape[:-1], dtype=np.int64))
+    raw = np.memmap(path, dtype=np.uint8, mode="r", offset=tensor.offset, shape=(rows, row_bytes))
+    out = dequantize(raw, qtype)
+    if out.dtype != np.float32 or not out.flags.writeable:  # F32 comes back as a view of the mapped file
+        out = np.array(out, dtype=np.float32)
+    return out.reshape(shape)
+
+
+def permute_back(t: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation (per head: interleaved pairs -> rotate-half halves)."""
+    rows = t.shape[0]
+    return t.reshape(num_heads, rows // num_heads // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
+
+
+def iter_tensors(path: str | pathlib.Path, num_heads: int, num_kv_heads: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, fp32 tensor) of every tensor with an HF counterpart, one at a time."""
+    header = read_header(path)
+    check_types(header)
+    arch = str(header.metadata.get("general.architecture", ""))
+    for t in header.tensors.values():
+        name = hf_name(t.name)
+        if name is None:
+            continue
+        x = torch.from_numpy(_dequantize(path, t))
+        if arch in PERMUTED_QK and ".self_attn.q_proj." in name:
+            x = permute_back(x, num_heads)
+        elif arch in PERMUTED_QK and ".self_attn.k_proj." in name:
+            x = permute_back(x, num_kv_heads)
+        yield name, x
+
+
+def load_tokenizer(path: str | pathlib.Path) -> Any:
+    """The file's tokenizer (transformers builds it from the GGUF metadata, offline)."""
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    p = pathlib.Path(path).resolve()
+    return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name, local_files_only=True)
