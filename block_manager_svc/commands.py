@@ -24,12 +24,13 @@ replay rebuilds the dedupe window without rebuilding replies.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import msgspec
 
-from block_manager_svc.core import CoreError
+from block_manager_svc.core import CoreError, StepBatch
+from block_manager_svc.core.prefix_cache import encode_tokens
 
 CORE = "core"
 LEASES = "leases"
@@ -79,12 +80,47 @@ class Batch:
 
 
 def plain(value: Any) -> Any:
-    """`value` as plain data: protobuf repeated fields, arrays, tuples and generators become lists."""
+    """`value` as plain data: protobuf repeated fields, arrays, tuples and generators become lists;
+    a StepBatch becomes a dict of its fields (see `step_batch_of`)."""
     if isinstance(value, _SCALARS):
         return value
     if isinstance(value, dict):
         return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, StepBatch):
+        return {f: plain(getattr(value, f)) for f in _BATCH_FIELDS}
     return [plain(v) for v in value]
+
+
+_BATCH_FIELDS = tuple(f.name for f in fields(StepBatch))
+_BATCH_TOKENS = ("append_token_ids", "alloc_token_ids")
+# The positional parameters of the Step the core took before it took a StepBatch (journal format 2,
+# first form); the rest came as keywords with the batch's field names (alloc_salts included).
+_OLD_STEP_POSITIONAL = ("append_seq_ids", "append_num_tokens", "append_token_ids", "free_seq_ids", "swap_in_seq_ids")
+
+
+def step_batch_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> StepBatch:
+    """The batch a journaled ``core.step`` command applied: ``(batch_fields,)`` as recorded
+    now, or the parallel-array parameters that older records hold (migrated here, the one
+    place that knows that form; those records were written after the step succeeded, so
+    their shapes are valid, and empty arrays meant "none", as they did then)."""
+    if len(args) == 1 and isinstance(args[0], dict) and not kwargs:
+        values = dict(args[0])
+    else:
+        values = dict(zip(_OLD_STEP_POSITIONAL, args, strict=False))
+        values.update(kwargs)
+        for k in ("append_num_tokens", "alloc_priorities", "alloc_salts"):
+            if not values.get(k):
+                values[k] = None
+        known = values.get("append_tokens_known")
+        if not values.get("append_token_ids") and known is None:
+            values["append_token_ids"] = None
+    unknown = set(values) - set(_BATCH_FIELDS)
+    if unknown:
+        raise ReplayError(f"core.step names unknown fields {sorted(unknown)}")
+    for k in _BATCH_TOKENS:
+        if values.get(k) is not None:
+            values[k] = encode_tokens(values[k])
+    return StepBatch(**values)
 
 
 class Tap:
@@ -106,6 +142,10 @@ class Tap:
 
     def _recorder(self, op: str, method: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
+            if len(args) == 1 and isinstance(args[0], StepBatch):  # the core reads it as it is
+                out = method(*args)
+                self.sink.append(Command(self._name, op, (plain(args[0]),)))
+                return out
             args = tuple(plain(a) for a in args)  # generators are consumed once, here
             kwargs = {k: plain(v) for k, v in kwargs.items()}
             out = method(*args, **kwargs)
@@ -124,6 +164,8 @@ def apply(cmd: Command, targets: dict[str, Any]) -> Any:
     if ops is None or cmd.op not in ops:
         raise ReplayError(f"command {cmd.target}.{cmd.op} is not a known state change")
     try:
+        if cmd.target == CORE and cmd.op == "step":
+            return targets[CORE].step(step_batch_of(cmd.args, cmd.kwargs))
         return getattr(targets[cmd.target], cmd.op)(*cmd.args, **cmd.kwargs)
     except CoreError as e:
         raise ReplayError(f"{cmd.target}.{cmd.op} was refused: {e.code.name}: {e.message}") from None

@@ -51,6 +51,7 @@ from block_manager_svc import state_export
 from block_manager_svc import commands as cmds
 from block_manager_svc.commands import Batch, Command, DedupeEntry, ReplayError, Tap
 from block_manager_svc.core import CoreError
+from block_manager_svc.core.results import StepResult
 from block_manager_svc.idempotency import DedupeTable, RequestIdReused, WaitTimeout, digest
 from block_manager_svc.journal import Journal, Record, ScanReport, scan
 from block_manager_svc.leases import MAX_LEASE_ID_LEN, LeaseTable
@@ -65,6 +66,9 @@ log = structlog.get_logger("pagedkv.block_manager")
 MAX_TTL_MS = 24 * 3600 * 1000
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["BlockManager"]
+# Mutations that never add or remove a sequence's lease (with no request id and no journal,
+# they go straight to the core stage).
+_NO_LEASE_WORK = frozenset({"Append", "Commit", "SwapIn", "Preempt", "ResetPrefixCache"})
 
 
 def _response_type(method: str) -> Any:
@@ -134,10 +138,10 @@ class ReliableStage:
                           f"{name}: the deadline passed before the request was processed; nothing changed")
         rid = request.request_id
         journal = self.journal
+        if not rid and journal is None and not self._needs_leases(name, request):
+            return self.core_stage.handlers[name](request, context, tenant)  # the hot path: nothing to add
         lease_id = getattr(request, "lease_id", "")
         alloc_leases = request.alloc_lease_ids if name == "Step" else ()
-        if not rid and journal is None and not lease_id and not alloc_leases and not self.leases:
-            return self._apply(name, request, context, tenant)[0]  # the hot path
         for lid in (lease_id, *alloc_leases) if alloc_leases else (lease_id,):
             if len(lid) > MAX_LEASE_ID_LEN:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -181,12 +185,30 @@ class ReliableStage:
             if rid:
                 self.dedupe.end(rid)
 
+    def _needs_leases(self, name: str, request: Any) -> bool:
+        """Whether mutation `name` has lease bookkeeping to do (see `_apply`): it names a
+        lease, or it adds or removes sequences while some sequence holds a lease."""
+        if name in _NO_LEASE_WORK:
+            return False
+        if name == "Step":
+            return bool(request.alloc_lease_ids) or bool(self.leases.lease_of)
+        if name == "KeepAlive":
+            return True
+        return bool(getattr(request, "lease_id", "")) or bool(self.leases.lease_of)
+
     def _apply(self, name: str, request: Any, context: Any, tenant: str | None) -> tuple[Any, bool]:
         """Apply one command under the state lock: (reply, whether state changed)."""
         if name == "KeepAlive":
             return self._keepalive(request, context)
-        response = self.core_stage.apply(name, request, context, tenant)
         leases = self.leases
+        if name == "Step":
+            response, result = self.core_stage.step(request, context, tenant)
+            if leases.lease_of:
+                leases.detach_all(f.seq_id for f in request.frees)
+                leases.detach_all(request.free_seq_ids)
+            _step_leases(leases, request, result)
+            return response, True
+        response = self.core_stage.handlers[name](request, context, tenant)
         if name == "Allocate":
             if request.lease_id:
                 leases.attach(request.seq_id, request.lease_id)
@@ -198,11 +220,6 @@ class ReliableStage:
                 leases.attach(request.child_seq_id, lid)
         elif name == "Free":
             leases.detach(request.seq_id)
-        elif name == "Step":
-            if leases.lease_of:
-                leases.detach_all(f.seq_id for f in request.frees)
-                leases.detach_all(request.free_seq_ids)
-            _step_leases(leases, request, response)
         return response, True
 
     @contextmanager
@@ -410,17 +427,18 @@ class ReliableStage:
         return rel
 
 
-def _step_leases(leases: LeaseTable, request: pb.StepRequest, response: pb.StepResponse) -> None:
+def _step_leases(leases: LeaseTable, request: pb.StepRequest, result: StepResult) -> None:
     """Leases of a Step's packed allocations and forks, like Allocate's and Fork's."""
     if not (request.alloc_lease_ids or (request.fork_child_seq_ids and leases.lease_of)):
         return
-    failed = {(e.kind, e.index) for e in response.errors}
+    failed_allocs = {e.index for e in result.alloc_errors}
     for j, lid in enumerate(request.alloc_lease_ids):
-        if lid and (pb.StepItemError.ALLOCATE, j) not in failed:
+        if lid and j not in failed_allocs:
             leases.attach(request.alloc_seq_ids[j], lid)
+    failed_forks = {e.index for e in result.fork_errors}
     for j, child in enumerate(request.fork_child_seq_ids):
         lid = leases.lease_of.get(request.fork_parent_seq_ids[j])
-        if lid and (pb.StepItemError.FORK, j) not in failed:
+        if lid and j not in failed_forks:
             leases.attach(child, lid)
 
 

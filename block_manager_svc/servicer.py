@@ -59,6 +59,8 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
 
     # --- the pipeline ---------------------------------------------------------------------
     def _mutate(self, name: str, request: Any, context: Any) -> Any:
+        if self.tenancy is NO_TENANCY:  # authentication off: nothing to rewrite or map back
+            return self.reliable.run(name, request, context)
         scoped = self.tenancy.enter(name, request, context)
         response = self.reliable.run(name, scoped.request, scoped.context, scoped.tenant)
         return self.tenancy.leave(name, scoped, response)

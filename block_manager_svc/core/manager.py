@@ -50,6 +50,7 @@ from block_manager_svc.core.results import (
     SwapInResult,
 )
 from block_manager_svc.core.sequence import MAX_SEQ_ID_LEN, SeqState, check_seq_id
+from block_manager_svc.core.step_batch import StepBatch
 from block_manager_svc.core.swap_planner import (
     DEFAULT_HOST_LINK_BYTES_PER_S,
     DEFAULT_KV_BYTES_PER_BLOCK,
@@ -534,40 +535,17 @@ class BlockManager:
                 del self.groups[seq.group]
 
     # --- Step ---------------------------------------------------------------
-    def step(
-        self,
-        append_seq_ids: SequenceT[str] = (),
-        append_num_tokens: SequenceT[int] | None = None,
-        append_token_ids: SequenceT[int] | None = None,
-        free_seq_ids: SequenceT[str] = (),
-        swap_in_seq_ids: SequenceT[str] = (),
-        *,
-        append_tokens_known: SequenceT[bool] | None = None,
-        commit_seq_ids: SequenceT[str] = (),
-        commit_num_computed_tokens: SequenceT[int] = (),
-        alloc_seq_ids: SequenceT[str] = (),
-        alloc_num_tokens: SequenceT[int] = (),
-        alloc_token_ids: SequenceT[int] | None = None,
-        alloc_priorities: SequenceT[int] | None = None,
-        alloc_salts: SequenceT[str] | None = None,
-        fork_parent_seq_ids: SequenceT[str] = (),
-        fork_child_seq_ids: SequenceT[str] = (),
-        tenant: str = "",
-    ) -> StepResult:
+    def step(self, batch: StepBatch) -> StepResult:
         """Everything one engine iteration needs, as a loop over the
         single-sequence operations in this order: commits (what the last worker
         step computed), frees (they make room), appends, allocations (new
         requests), forks, swap-ins.
 
-        Every input is a set of parallel (packed) arrays, because that is what
-        the wire carries cheaply and what a scheduler holds; the servicer
-        converts the sub-message form to this one, so there is one path.
-        Appends: `None` counts mean one token each; `None` token ids mean
-        unknown for all; `append_tokens_known[i]` False says item i's ids (which
-        are then absent from `append_token_ids`) are unknown.
-        Allocations: one count per item, token ids concatenated (or None =
-        unknown for all), priorities and salts one per item or None (0 / "");
-        all of them are `tenant`'s (see `allocate`).
+        `batch` is packed parallel arrays (core/step_batch.py), because that is
+        what the wire carries cheaply and what a scheduler holds; its shapes are
+        the builder's to check (the handlers do it for the wire), so there is
+        one path and no wire format here. Allocations are `batch.tenant`'s
+        (see `allocate`).
 
         With preemption enabled, an append that does not fit preempts
         lower-ranked sequences that have not grown earlier in this step; a
@@ -576,42 +554,36 @@ class BlockManager:
         admission watermark.
 
         Items are independent and each is atomic: a rejected item is reported
-        in the result and changes nothing, the others still apply. Malformed
-        arrays (lengths that do not match) reject the whole step up front.
+        in the result and changes nothing, the others still apply.
         """
-        n = len(append_seq_ids)
-        if append_num_tokens is not None and len(append_num_tokens) == 0:
-            append_num_tokens = None
-        if append_token_ids is not None and len(append_token_ids) == 0 and append_tokens_known is None:
-            append_token_ids = None
-        append_tokens = _check_packed_appends(n, append_num_tokens, append_token_ids, append_tokens_known)
-        alloc_tokens = _check_packed_step(
-            commit_seq_ids, commit_num_computed_tokens, alloc_seq_ids, alloc_num_tokens, alloc_token_ids,
-            alloc_priorities, alloc_salts, fork_parent_seq_ids, fork_child_seq_ids,
-        )
-
         result = StepResult()
         if self.recently_preempted:
             self.recently_preempted.clear()
-        for j, seq_id in enumerate(commit_seq_ids):
+        counts = batch.commit_num_computed_tokens
+        for j, seq_id in enumerate(batch.commit_seq_ids):
             try:
-                self.commit(seq_id, commit_num_computed_tokens[j])
+                self.commit(seq_id, counts[j])
             except CoreError as e:
                 result.commit_errors.append(ItemError(j, seq_id, e.code, e.message))
 
         released = result.released
-        for j, seq_id in enumerate(free_seq_ids):
+        for j, seq_id in enumerate(batch.free_seq_ids):
             try:
                 released.append(self.free(seq_id))
             except CoreError as e:
                 released.append(0)
                 result.free_errors.append(ItemError(j, seq_id, e.code, e.message))
 
-        if n:
-            self._step_appends(result, append_seq_ids, append_num_tokens, append_tokens, append_tokens_known)
+        if batch.append_seq_ids:
+            self._step_appends(result, batch)
 
+        alloc_tokens = batch.alloc_token_ids
+        alloc_num_tokens = batch.alloc_num_tokens
+        priorities = batch.alloc_priorities
+        salts = batch.alloc_salts
+        tenant = batch.tenant
         offset = 0
-        for j, seq_id in enumerate(alloc_seq_ids):
+        for j, seq_id in enumerate(batch.alloc_seq_ids):
             k = alloc_num_tokens[j]
             tokens = None
             if alloc_tokens is not None:
@@ -619,8 +591,7 @@ class BlockManager:
                 offset += k
             try:
                 r = self.allocate(
-                    seq_id, k, tokens, alloc_priorities[j] if alloc_priorities else 0,
-                    alloc_salts[j] if alloc_salts else "", tenant,
+                    seq_id, k, tokens, priorities[j] if priorities else 0, salts[j] if salts else "", tenant
                 )
             except CoreError as e:
                 result.alloc_num_cached_tokens.append(0)
@@ -630,14 +601,15 @@ class BlockManager:
             result.alloc_block_index.extend([j] * len(r.block_ids))
             result.alloc_block_ids.extend(r.block_ids)
 
-        for j, parent in enumerate(fork_parent_seq_ids):
-            child = fork_child_seq_ids[j]
+        children = batch.fork_child_seq_ids
+        for j, parent in enumerate(batch.fork_parent_seq_ids):
+            child = children[j]
             try:
                 self.fork(parent, child)
             except CoreError as e:
                 result.fork_errors.append(ItemError(j, child, e.code, e.message))
 
-        for j, seq_id in enumerate(swap_in_seq_ids):
+        for j, seq_id in enumerate(batch.swap_in_seq_ids):
             try:
                 result.swap_in_results.append(self.swap_in(seq_id))
             except CoreError as e:
@@ -645,24 +617,22 @@ class BlockManager:
                 result.swap_in_errors.append(ItemError(j, seq_id, e.code, e.message))
         return result
 
-    def _step_appends(
-        self,
-        result: StepResult,
-        seq_ids: SequenceT[str],
-        counts: SequenceT[int] | None,
-        token_ids: array | None,
-        tokens_known: SequenceT[bool] | None,
-    ) -> None:
+    def _step_appends(self, result: StepResult, batch: StepBatch) -> None:
         """Step's appends: `append` per item, with the decode fast path inlined
         (one token into a private, non-full tail block: no new block, no plan)."""
+        seq_ids = batch.append_seq_ids
+        counts = batch.append_num_tokens
+        token_ids = batch.append_token_ids
+        tokens_known = batch.append_tokens_known
         scope = StepScope(self.seqs, seq_ids) if self.preempt_on else None
         seqs = self.seqs
         bs = self.block_size
         ref_counts = self.pool.ref_counts
+        all_known = token_ids is not None and tokens_known is None
         offset = 0
         for i, seq_id in enumerate(seq_ids):
             seq = seqs.get(seq_id)
-            known = token_ids is not None and (tokens_known is None or tokens_known[i])
+            known = all_known or (token_ids is not None and tokens_known[i])  # type: ignore[index]
             if counts is None:
                 k = 1
                 if seq is not None:
@@ -813,68 +783,3 @@ class BlockManager:
         """Raise AssertionError if the bookkeeping is inconsistent (core/invariants.py)."""
         check_invariants(self)
 
-
-def _check_packed_appends(
-    n: int, counts: SequenceT[int] | None, token_ids: SequenceT[int] | None, known: SequenceT[bool] | None
-) -> array | None:
-    """Validate the packed append arrays; the token ids, packed (or None)."""
-    if counts is not None and len(counts) != n:
-        raise InvalidArgument(
-            f"append_num_tokens has {len(counts)} entries for {n} sequences; they must match"
-        )
-    if known is not None and len(known) != n:
-        raise InvalidArgument("append_tokens_known must have one entry per append")
-    if token_ids is None:
-        return None
-    if known is None:
-        expected = n if counts is None else sum(counts)
-    else:
-        expected = sum((1 if counts is None else counts[i]) for i in range(n) if known[i])
-    if len(token_ids) != expected:
-        raise InvalidArgument(
-            f"append_token_ids has {len(token_ids)} entries but the counts add up to "
-            f"{expected}; they must match"
-        )
-    return _encode_token_ids(token_ids, expected, "append_token_ids")
-
-
-def _check_packed_step(
-    commit_seq_ids: SequenceT[str],
-    commit_num_computed_tokens: SequenceT[int],
-    alloc_seq_ids: SequenceT[str],
-    alloc_num_tokens: SequenceT[int],
-    alloc_token_ids: SequenceT[int] | None,
-    alloc_priorities: SequenceT[int] | None,
-    alloc_salts: SequenceT[str] | None,
-    fork_parent_seq_ids: SequenceT[str],
-    fork_child_seq_ids: SequenceT[str],
-) -> array | None:
-    """Validate the packed commit, allocation and fork arrays; the allocations'
-    token ids, packed (or None: unknown for all)."""
-    if len(commit_num_computed_tokens) != len(commit_seq_ids):
-        raise InvalidArgument(
-            f"commit_num_computed_tokens has {len(commit_num_computed_tokens)} entries for "
-            f"{len(commit_seq_ids)} sequences; they must match"
-        )
-    na = len(alloc_seq_ids)
-    if len(alloc_num_tokens) != na:
-        raise InvalidArgument(
-            f"alloc_num_tokens has {len(alloc_num_tokens)} entries for {na} allocations; they must match"
-        )
-    for what, arr in (("alloc_priorities", alloc_priorities), ("alloc_cache_salts", alloc_salts)):
-        if arr is not None and len(arr) and len(arr) != na:
-            raise InvalidArgument(f"{what} has {len(arr)} entries for {na} allocations; one each, or none")
-    if len(fork_child_seq_ids) != len(fork_parent_seq_ids):
-        raise InvalidArgument(
-            f"fork_child_seq_ids has {len(fork_child_seq_ids)} entries for {len(fork_parent_seq_ids)} "
-            "parents; they must match"
-        )
-    if alloc_token_ids is None or not len(alloc_token_ids):
-        return None
-    expected = sum(alloc_num_tokens)
-    if len(alloc_token_ids) != expected:
-        raise InvalidArgument(
-            f"alloc_token_ids has {len(alloc_token_ids)} entries but alloc_num_tokens adds up to "
-            f"{expected}; they must match"
-        )
-    return _encode_token_ids(alloc_token_ids, expected, "alloc_token_ids")

@@ -4,6 +4,7 @@ refusal of journals written in the older (request) format."""
 from __future__ import annotations
 
 import time
+from array import array
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from block_manager_svc.commands import (
     decode_batch,
     encode_batch,
 )
-from block_manager_svc.core import BlockManager, CoreConfig, CoreError
+from block_manager_svc.core import BlockManager, CoreConfig, CoreError, StepBatch
 from block_manager_svc.journal import Journal
 from block_manager_svc.leases import LeaseTable
 from block_manager_svc.server import start_server
@@ -48,7 +49,8 @@ def test_replaying_recorded_commands_rebuilds_the_same_state() -> None:
     lt.attach("b", "L")
     with pytest.raises(CoreError):
         core.free("nope")  # refused: changed nothing, so nothing is recorded
-    core.step(["a"], [1], [5], ["b"], [], commit_seq_ids=["a"], commit_num_computed_tokens=[10])
+    core.step(StepBatch(append_seq_ids=["a"], append_num_tokens=[1], append_token_ids=array("I", [5]),
+                        free_seq_ids=["b"], commit_seq_ids=["a"], commit_num_computed_tokens=[10]))
     assert [c.op for c in sink] == ["allocate", "commit", "fork", "append", "attach", "step"]
     assert sink[3].args == ("b", 3, [7, 8, 9])
 
@@ -60,6 +62,31 @@ def test_replaying_recorded_commands_rebuilds_the_same_state() -> None:
     assert _view(fresh) == _view(live)
     assert fresh_leases.lease_of == leases.lease_of == {"b": "L"}
     fresh.check_invariants()
+
+
+def test_a_step_journaled_as_parallel_arrays_replays_as_the_same_batch() -> None:
+    """Records written before the core took a StepBatch hold Step's old parameters; the
+    migration in commands.py turns them into the batch, so their replay is unchanged."""
+    def setup(core: BlockManager) -> None:
+        core.allocate("a", 7, list(range(7)))
+        core.allocate("b", 3)
+        core.allocate("c", 2)
+
+    live, old_form = _core(), _core()
+    setup(live)
+    setup(old_form)
+    live.step(StepBatch(append_seq_ids=["a", "c"], append_num_tokens=[2, 1], append_token_ids=array("I", [8, 9, 4]),
+                        free_seq_ids=["b"], commit_seq_ids=["a"], commit_num_computed_tokens=[6],
+                        alloc_seq_ids=["n"], alloc_num_tokens=[5], alloc_token_ids=array("I", [1, 2, 3, 4, 5])))
+    old = Command(CORE, "step", (["a", "c"], [2, 1], [8, 9, 4], ["b"], []),
+                  {"append_tokens_known": None, "commit_seq_ids": ["a"], "commit_num_computed_tokens": [6],
+                   "alloc_seq_ids": ["n"], "alloc_num_tokens": [5], "alloc_token_ids": [1, 2, 3, 4, 5],
+                   "alloc_priorities": [], "alloc_salts": [], "fork_parent_seq_ids": [], "fork_child_seq_ids": [],
+                   "tenant": ""})
+    apply(decode_batch(encode_batch(Batch([old]))).commands[0], {CORE: old_form, LEASES: LeaseTable()})
+    assert _view(old_form) == _view(live)
+    with pytest.raises(ReplayError, match="unknown fields"):
+        apply(Command(CORE, "step", ({"no_such_field": []},)), {CORE: _core(), LEASES: LeaseTable()})
 
 
 def test_apply_runs_only_known_state_changes() -> None:

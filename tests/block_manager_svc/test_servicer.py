@@ -126,6 +126,15 @@ def test_free_releases_and_cached_blocks_stay_findable(stub) -> None:  # type: i
         ("Step", pb.StepRequest(alloc_seq_ids=["x"], alloc_num_tokens=[2], alloc_lease_ids=["l", "m"]),
          grpc.StatusCode.INVALID_ARGUMENT, "alloc_lease_ids"),
         ("Step", pb.StepRequest(fork_parent_seq_ids=["live"]), grpc.StatusCode.INVALID_ARGUMENT, "fork_child"),
+        # Wire shapes are the handler's to check (the core takes a well-formed StepBatch).
+        ("Step", pb.StepRequest(append_seq_ids=["live"], append_num_tokens=[2], append_token_ids=[1]),
+         grpc.StatusCode.INVALID_ARGUMENT, "append_token_ids has 1 entries but the counts add up to 2"),
+        ("Step", pb.StepRequest(append_seq_ids=["live"], append_token_ids=[1, 2], free_seq_ids=["live"]),
+         grpc.StatusCode.INVALID_ARGUMENT, "append_token_ids has 2 entries"),
+        ("Step", pb.StepRequest(alloc_seq_ids=["x"], alloc_num_tokens=[2], alloc_priorities=[1, 2]),
+         grpc.StatusCode.INVALID_ARGUMENT, "alloc_priorities has 2 entries for 1 allocations"),
+        ("Step", pb.StepRequest(alloc_seq_ids=["x"], alloc_num_tokens=[2], alloc_cache_salts=["a", "b"]),
+         grpc.StatusCode.INVALID_ARGUMENT, "alloc_cache_salts has 2 entries"),
     ],
 )
 def test_bad_requests_get_precise_status_and_change_nothing(stub, method, request_, code, fragment) -> None:  # type: ignore[no-untyped-def]
