@@ -69,19 +69,6 @@ class BlockPool:
         # when a registered block is evicted, (-2, b"", None) when all are cleared.
         self.events: list[tuple] | None = None
 
-    def __getstate__(self) -> tuple[None, dict]:
-        """Snapshots leave out `events`: they are drained after every call, and
-        whether they are recorded is the running server's choice, not state."""
-        return None, {k: getattr(self, k) for k in self.__slots__ if k != "events"}
-
-    def __setstate__(self, state: object) -> None:
-        """Snapshots written by older versions: no `events`; the policy named `evictable`."""
-        _, slots = state if isinstance(state, tuple) else (None, state)
-        for k, v in (slots or {}).items():
-            setattr(self, "eviction_policy" if k == "evictable" else k, v)
-        if not hasattr(self, "events"):
-            self.events = None
-
     # --- capacity -------------------------------------------------------------
     @property
     def num_free(self) -> int:

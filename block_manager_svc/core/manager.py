@@ -21,7 +21,6 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence as SequenceT
 from dataclasses import dataclass
-from typing import Any
 
 from block_manager_svc.core import preemption
 from block_manager_svc.core.block_pool import BlockPool
@@ -123,10 +122,6 @@ class BlockManager:
     """Owns block tables, reference counts, the prefix-cache index, the CPU
     swap pool and the preemption order."""
 
-    ledger: Ledger = NULL_LEDGER  # class defaults: snapshots from before these existed
-    num_prefix_cache_resets: int = 0
-    num_committed_blocks: int = 0
-
     def __init__(self, config: CoreConfig) -> None:
         self.config = config
         self.block_size = config.block_size
@@ -160,19 +155,8 @@ class BlockManager:
         self.num_swapped_in_blocks = 0
         self.preemption_cost_s = 0.0
         # Per-tenant usage and quotas (core/tenants.py); the null ledger = tenancy off.
-        self.ledger = NULL_LEDGER
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        """Snapshots pickled by older versions used other attribute names."""
-        for old, new in (("_recently_preempted", "recently_preempted"), ("_requeued", "requeued"),
-                         ("_preempt_on", "preempt_on")):
-            if old in state:
-                state[new] = state.pop(old)
-        state.pop("_watermark", None)
-        if "tenants" in state:
-            tenants = state.pop("tenants")
-            state["ledger"] = tenants if isinstance(tenants, TenantLedger) else NULL_LEDGER
-        self.__dict__.update(state)
+        self.ledger: Ledger = NULL_LEDGER
+        self.num_prefix_cache_resets = 0
 
     # --- helpers ------------------------------------------------------------
     check_id = staticmethod(check_seq_id)
@@ -744,7 +728,7 @@ class BlockManager:
         Stats.num_prefix_cache_resets.
         """
         cleared, freed = self.pool.clear_index()
-        self.num_prefix_cache_resets = self.num_prefix_cache_resets + 1
+        self.num_prefix_cache_resets += 1
         return cleared, freed
 
     # --- KV events ----------------------------------------------------------------
