@@ -35,6 +35,7 @@ from block_manager_svc.core.errors import (
 )
 from block_manager_svc.core.eviction import DEFAULT_MISS_COST_TOKENS, POLICIES, make_eviction_policy
 from block_manager_svc.core.invariants import check_invariants
+from block_manager_svc.core.kv_events import PoolEvent
 from block_manager_svc.core.preemption import StepScope, VictimQueue
 from block_manager_svc.core.prefix_cache import ROOT_HASH, chain_hash, chain_hashes, encode_tokens, root_hash
 from block_manager_svc.core.results import (
@@ -159,8 +160,6 @@ class BlockManager:
         self.num_prefix_cache_resets = 0
 
     # --- helpers ------------------------------------------------------------
-    check_id = staticmethod(check_seq_id)
-
     def get_running(self, seq_id: str) -> SeqState:
         """The running sequence `seq_id`, or the precise error for why there is none."""
         seq = self.seqs.get(seq_id)
@@ -740,7 +739,7 @@ class BlockManager:
         elif pool.events is None:
             pool.events = []
 
-    def take_events(self) -> list[tuple]:
+    def take_events(self) -> list[PoolEvent]:
         """The KV events recorded since the last call, oldest first (see BlockPool.events).
         The servicer drains them after every call, under the state lock."""
         pool = self.pool

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 from block_manager_svc.core.errors import FailedPrecondition, InvalidArgument, NotFound
 from block_manager_svc.core.results import CacheOps, Preemption, SwapInResult
+from block_manager_svc.core.sequence import check_seq_id
 from block_manager_svc.core.swap_planner import MODES, PreemptionMode, SwapDecision, decide
 
 if TYPE_CHECKING:
@@ -310,7 +311,7 @@ def swap_in(bm: BlockManager, seq_id: str) -> SwapInResult:
     the admission watermark; never preempts and never evicts past it."""
     seq = bm.swapped.get(seq_id)
     if seq is None:
-        bm.check_id(seq_id)
+        check_seq_id(seq_id)
         if seq_id in bm.seqs:
             raise FailedPrecondition(f"sequence {seq_id!r} is not swapped out (it is running)")
         raise NotFound(f"sequence {seq_id!r} does not exist")
