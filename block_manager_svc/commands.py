@@ -95,7 +95,13 @@ _BATCH_FIELDS = tuple(f.name for f in fields(StepBatch))
 _BATCH_TOKENS = ("append_token_ids", "alloc_token_ids")
 # The positional parameters of the Step the core took before it took a StepBatch (journal format 2,
 # first form); the rest came as keywords with the batch's field names (alloc_salts included).
-_OLD_STEP_POSITIONAL = ("append_seq_ids", "append_num_tokens", "append_token_ids", "free_seq_ids", "swap_in_seq_ids")
+_OLD_STEP_POSITIONAL = (
+    "append_seq_ids",
+    "append_num_tokens",
+    "append_token_ids",
+    "free_seq_ids",
+    "swap_in_seq_ids",
+)
 
 
 def step_batch_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> StepBatch:

@@ -2,7 +2,8 @@
 
 The core's block pool appends a typed record (block_manager_svc/core/kv_events.py)
 for each registered block (BlockStored), each evicted registered block
-(BlockRemoved) and each reset (AllBlocksCleared) to a plain list, ``pool.events``; after every call the servicer's core stage
+(BlockRemoved) and each reset (AllBlocksCleared) to a plain list, ``pool.events``;
+after every call the servicer's core stage
 (block_manager_svc/handlers.py) takes that list (``BlockManager.take_events``)
 and hands it to :meth:`EventHub.publish` together with the calling tenant, as
 data. The hub runs under the servicer's state lock and never blocks: every
@@ -63,7 +64,9 @@ class _Subscriber:
 
 
 class EventHub:
-    def __init__(self, lock: Any, max_watchers: int = 4, queue_size: int = 10_000, tenancy: bool = False) -> None:
+    def __init__(
+        self, lock: Any, max_watchers: int = 4, queue_size: int = 10_000, tenancy: bool = False
+    ) -> None:
         self.lock = lock  # the servicer's state lock (events are produced under it)
         self.max_watchers = max_watchers
         self.queue_size = queue_size
@@ -171,8 +174,10 @@ class EventHub:
         sub = _Subscriber(scope, self.queue_size)
         with self.lock:
             if len(self.subs) >= self.max_watchers:
-                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              f"{self.max_watchers} event watchers are connected already (max_event_watchers)")
+                context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{self.max_watchers} event watchers are connected already (max_event_watchers)",
+                )
             core = self._core
             assert core is not None
             version = self.version
@@ -191,9 +196,13 @@ class EventHub:
             for i in range(0, len(snapshot), 256):
                 chunk = snapshot[i : i + 256]
                 for h, b, parent in chunk:
-                    yield pb.KvEvent(version=version, tenant=(scope or self.owner.get(h, "")),
-                                     block_stored=pb.BlockStored(block_hashes=[h], parent_block_hash=parent or b"",
-                                                                 block_ids=[b]))
+                    yield pb.KvEvent(
+                        version=version,
+                        tenant=(scope or self.owner.get(h, "")),
+                        block_stored=pb.BlockStored(
+                            block_hashes=[h], parent_block_hash=parent or b"", block_ids=[b]
+                        ),
+                    )
             while not done.is_set():
                 try:
                     item = sub.q.get(timeout=0.5)
@@ -202,9 +211,11 @@ class EventHub:
                         return
                     continue
                 if item is _END:
-                    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                  f"this watcher fell more than {self.queue_size} events behind and was dropped; "
-                                  "reconnect (the stream restarts with a snapshot)")
+                    context.abort(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"this watcher fell more than {self.queue_size} events behind and was dropped; "
+                        "reconnect (the stream restarts with a snapshot)",
+                    )
                 yield from self._coalesce(item, sub.q)
         finally:
             self._leave(sub)

@@ -69,7 +69,9 @@ def _copies(pairs: list[tuple[int, int]]) -> list[pb.BlockCopy]:
 
 
 def ops_to_proto(ops: CacheOps) -> pb.CacheOps:
-    return pb.CacheOps(copies=_copies(ops.copies), swap_out=_copies(ops.swap_out), swap_in=_copies(ops.swap_in))
+    return pb.CacheOps(
+        copies=_copies(ops.copies), swap_out=_copies(ops.swap_out), swap_in=_copies(ops.swap_in)
+    )
 
 
 _PREEMPTION_MODE = {"swap": pb.Preemption.SWAP, "recompute": pb.Preemption.RECOMPUTE}
@@ -202,7 +204,9 @@ def step_batch(request: pb.StepRequest, tenant: str, sub: _SubAppends | None, fr
         ids, counts, raw_tokens, known = sub.ids, sub.counts, sub.tokens, sub.known
     n = len(ids)
     if counts is not None and len(counts) != n:
-        raise InvalidArgument(f"append_num_tokens has {len(counts)} entries for {n} sequences; they must match")
+        raise InvalidArgument(
+            f"append_num_tokens has {len(counts)} entries for {n} sequences; they must match"
+        )
     tokens = None
     if raw_tokens or known is not None:
         if known is None:
@@ -215,8 +219,10 @@ def step_batch(request: pb.StepRequest, tenant: str, sub: _SubAppends | None, fr
         tokens = _token_array(raw_tokens, "append_token_ids")
     commits = request.commit_seq_ids
     if len(request.commit_num_computed_tokens) != len(commits):
-        raise InvalidArgument(f"commit_num_computed_tokens has {len(request.commit_num_computed_tokens)} entries "
-                              f"for {len(commits)} sequences; they must match")
+        raise InvalidArgument(
+            f"commit_num_computed_tokens has {len(request.commit_num_computed_tokens)} entries "
+            f"for {len(commits)} sequences; they must match"
+        )
     allocs = request.alloc_seq_ids
     na = len(allocs)
     alloc_tokens = None
@@ -224,8 +230,11 @@ def step_batch(request: pb.StepRequest, tenant: str, sub: _SubAppends | None, fr
     if len(request.alloc_num_tokens) != na:
         raise InvalidArgument(f"alloc_num_tokens has {len(request.alloc_num_tokens)} entries for {na} "
                               "allocations; they must match")
-    for what, arr in (("alloc_lease_ids", request.alloc_lease_ids), ("alloc_priorities", request.alloc_priorities),
-                      ("alloc_cache_salts", request.alloc_cache_salts)):
+    for what, arr in (
+        ("alloc_lease_ids", request.alloc_lease_ids),
+        ("alloc_priorities", request.alloc_priorities),
+        ("alloc_cache_salts", request.alloc_cache_salts),
+    ):
         if len(arr) and len(arr) != na:
             raise InvalidArgument(f"{what} has {len(arr)} entries for {na} allocations; one each, or none")
     if na:
@@ -289,7 +298,9 @@ class CoreStage:
         context.abort(STATUS_BY_CODE[err.code], err.message)
         raise AssertionError("unreachable")  # context.abort raises
 
-    def Allocate(self, request: pb.AllocateRequest, context: Any, tenant: str | None = None) -> pb.AllocateResponse:
+    def Allocate(
+        self, request: pb.AllocateRequest, context: Any, tenant: str | None = None
+    ) -> pb.AllocateResponse:
         try:
             with self.lock:
                 r = self.core.allocate(request.seq_id, request.num_tokens, request.token_ids or None,
@@ -309,8 +320,13 @@ class CoreStage:
         if not r.new_block_ids:
             return pb.AppendResponse()
         if r.preempted:
-            log.info("preempted", method="Append", seq_id=request.seq_id,
-                     victims=[(p.seq_id, p.mode) for p in r.preempted], request_id=request_id_of(context, request))
+            log.info(
+                "preempted",
+                method="Append",
+                seq_id=request.seq_id,
+                victims=[(p.seq_id, p.mode) for p in r.preempted],
+                request_id=request_id_of(context, request),
+            )
         return pb.AppendResponse(
             new_block_ids=r.new_block_ids, ops=ops_to_proto(r.ops), replaced_last_block=r.replaced_last_block,
             preempted=preemptions_to_proto(r.preempted),
@@ -334,7 +350,9 @@ class CoreStage:
             self._abort(context, "Free", e, request.seq_id, request)
         return pb.FreeResponse(num_blocks_released=released)
 
-    def GetBlockTable(self, request: pb.GetBlockTableRequest, context: Any, tenant: str | None = None) -> pb.BlockTable:
+    def GetBlockTable(
+        self, request: pb.GetBlockTableRequest, context: Any, tenant: str | None = None
+    ) -> pb.BlockTable:
         try:
             with self.lock:
                 table = self.core.block_table(request.seq_id)
@@ -354,7 +372,9 @@ class CoreStage:
             self._abort(context, "SwapIn", e, request.seq_id, request)
         return swap_in_to_proto(r)
 
-    def Preempt(self, request: pb.PreemptRequest, context: Any, tenant: str | None = None) -> pb.PreemptResponse:
+    def Preempt(
+        self, request: pb.PreemptRequest, context: Any, tenant: str | None = None
+    ) -> pb.PreemptResponse:
         try:
             with self.lock:
                 preempted, ops = self.core.preempt(request.seq_id, request.mode or None)
@@ -377,7 +397,9 @@ class CoreStage:
     def Step(self, request: pb.StepRequest, context: Any, tenant: str | None = None) -> pb.StepResponse:
         return self.step(request, context, tenant)[0]
 
-    def step(self, request: pb.StepRequest, context: Any, tenant: str | None) -> tuple[pb.StepResponse, StepResult]:
+    def step(
+        self, request: pb.StepRequest, context: Any, tenant: str | None
+    ) -> tuple[pb.StepResponse, StepResult]:
         """Step, and the core's result (the reliability stage reads which allocations and forks
         applied from it, for their leases)."""
         if request.frees:

@@ -46,16 +46,16 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import structlog
 
+from block_manager_svc import commands as cmds
 from block_manager_svc import snapshot as snap
 from block_manager_svc import state_export
-from block_manager_svc import commands as cmds
 from block_manager_svc.commands import Batch, Command, DedupeEntry, ReplayError, Tap
 from block_manager_svc.core import CoreError
 from block_manager_svc.core.results import StepResult
+from block_manager_svc.handlers import MUTATIONS, CoreStage
 from block_manager_svc.idempotency import DedupeTable, RequestIdReused, WaitTimeout, digest
 from block_manager_svc.journal import Journal, Record, ScanReport, scan
 from block_manager_svc.leases import MAX_LEASE_ID_LEN, LeaseTable
-from block_manager_svc.handlers import MUTATIONS, CoreStage
 from pagedkv.v1 import block_manager_pb2 as pb
 
 if TYPE_CHECKING:
@@ -286,7 +286,9 @@ class ReliableStage:
                 else:
                     with self._recording() as commands:
                         freed, released = self._expire_lease(lid)
-                    seq = self.journal.append(cmds.RECORD_NAME, cmds.encode_batch(Batch(commands)), time.time())
+                    seq = self.journal.append(
+                        cmds.RECORD_NAME, cmds.encode_batch(Batch(commands)), time.time()
+                    )
                 log.info("lease_expired", lease_id=lid, sequences_freed=freed, blocks_released=released)
         if seq:
             self.journal.wait_durable(seq)  # type: ignore[union-attr]
@@ -323,7 +325,9 @@ class ReliableStage:
             snap.write(state_dir, seq, payload, sync=journal.policy != "off")
             journal.delete_segments_before(seq + 1)
             self.last_snapshot_seq = seq
-            log.debug("snapshot_written", seq=seq, bytes=len(payload), seconds=round(time.perf_counter() - t0, 4))
+            log.debug(
+                "snapshot_written", seq=seq, bytes=len(payload), seconds=round(time.perf_counter() - t0, 4)
+            )
             return seq
 
     def recover(self, state_dir: Path) -> RecoveryReport:
@@ -465,7 +469,9 @@ class Reliability:
     def start(self) -> None:
         self._threads.append(threading.Thread(target=self._sweep_loop, name="bm-lease-sweeper", daemon=True))
         if self.servicer.journal is not None:
-            self._threads.append(threading.Thread(target=self._snapshot_loop, name="bm-snapshot", daemon=True))
+            self._threads.append(
+                threading.Thread(target=self._snapshot_loop, name="bm-snapshot", daemon=True)
+            )
         for t in self._threads:
             t.start()
 

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from block_manager_svc.handlers import CoreStage
 from block_manager_svc.core import BlockManager
+from block_manager_svc.handlers import CoreStage
 from block_manager_svc.reliability import ReliableStage
 from block_manager_svc.tenancy import NO_TENANCY, Tenancy
 from pagedkv.v1 import block_manager_pb2 as pb
@@ -113,7 +113,9 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
     def GetConfig(self, request: pb.GetConfigRequest, context: grpc.ServicerContext) -> pb.Config:
         return self.core_stage.GetConfig(request, context)
 
-    def WatchEvents(self, request: pb.WatchEventsRequest, context: grpc.ServicerContext) -> Iterator[pb.KvEvent]:
+    def WatchEvents(
+        self, request: pb.WatchEventsRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.KvEvent]:
         """KV events (BlockStored / BlockRemoved / AllBlocksCleared) for cache-aware routers."""
         hub = self.events_hub
         if hub is None:

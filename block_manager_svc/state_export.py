@@ -42,8 +42,8 @@ from __future__ import annotations
 import importlib
 from array import array
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from block_manager_svc.core import BlockManager, CoreConfig
@@ -205,7 +205,7 @@ class _Decoder:
             keys, values = x[2], x[3]
             if list in set(map(type, keys)) or list in set(map(type, values)):
                 keys, values = [self.node(k) for k in keys], [self.node(v) for v in values]
-            d.update(zip(keys, values))
+            d.update(zip(keys, values, strict=True))
             return d
         if tag == "set":
             s = self._keep(set())

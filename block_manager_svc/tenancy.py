@@ -25,11 +25,10 @@ unless it is an admin.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
-
-from dataclasses import dataclass
 
 from block_manager_svc.core.sequence import MAX_SEQ_ID_LEN
 from block_manager_svc.core.tenants import Quota, TenantLedger
@@ -89,7 +88,9 @@ class NoTenancy:
     def leave(self, name: str, scoped: Scoped, response: Any) -> Any:
         return response
 
-    def own_stats(self, request: pb.GetStatsRequest, context: Any, core: BlockManager, lock: Any) -> pb.Stats | None:
+    def own_stats(
+        self, request: pb.GetStatsRequest, context: Any, core: BlockManager, lock: Any
+    ) -> pb.Stats | None:
         return None
 
 
@@ -129,7 +130,9 @@ class TenantScope:
             _step_reply(response, scoped.prefix)
         return response
 
-    def own_stats(self, request: pb.GetStatsRequest, context: Any, core: BlockManager, lock: Any) -> pb.Stats | None:
+    def own_stats(
+        self, request: pb.GetStatsRequest, context: Any, core: BlockManager, lock: Any
+    ) -> pb.Stats | None:
         """A non-admin tenant's own numbers (None for an admin: the whole pool's)."""
         t = _tenant(context)
         if t.admin:
@@ -173,9 +176,13 @@ def _check(context: Any, value: str, what: str, limit: int, empty_ok: bool = Fal
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{what} must not be empty")
         return
     if len(value) > limit:
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{what} is {len(value)} characters long; the limit is {limit}")
+        context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT, f"{what} is {len(value)} characters long; the limit is {limit}"
+        )
     if not value.isprintable():
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{what} must be printable text (no control characters)")
+        context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT, f"{what} must be printable text (no control characters)"
+        )
 
 
 def _common(request: Any, context: Any, p: str) -> None:

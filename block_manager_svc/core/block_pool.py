@@ -152,7 +152,7 @@ class BlockPool:
     # --- prefix index ---------------------------------------------------------
     def register(
         self, block: int, content_hash: bytes, parent: bytes | None = None, depth: int = 1,
-        tokens: array | None = None,
+        tokens: array[int] | None = None,
     ) -> bool:
         """Make a full (referenced) block findable by its content hash.
 

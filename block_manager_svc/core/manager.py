@@ -106,7 +106,7 @@ class CoreConfig:
         CostModel(self.kv_bytes_per_block, self.host_link_bytes_per_s, self.prefill_tokens_per_s)
 
 
-def _encode_token_ids(token_ids: SequenceT[int], num_tokens: int, what: str = "token_ids") -> array:
+def _encode_token_ids(token_ids: SequenceT[int], num_tokens: int, what: str = "token_ids") -> array[int]:
     """Validate and pack token ids once; hashing works on the packed form."""
     if len(token_ids) != num_tokens:
         raise InvalidArgument(
@@ -265,7 +265,7 @@ class BlockManager:
         for b in hits:
             pool.hit(b)
         block_ids = hits + pool.take(needed)
-        pending: array | None = None
+        pending: array[int] | None = None
         last_hash, num_hashed = root, 0
         if tokens is not None:
             self.prefix_query_tokens += num_tokens
@@ -355,7 +355,7 @@ class BlockManager:
         raise self.exhausted(f"appending {num_tokens} tokens to {seq.seq_id!r}", needed, available)
 
     def _apply_append(
-        self, seq: SeqState, num_tokens: int, token_ids: array | None, cow: bool, needed: int
+        self, seq: SeqState, num_tokens: int, token_ids: array[int] | None, cow: bool, needed: int
     ) -> tuple[list[int], tuple[int, int] | None]:
         pool = self.pool
         if needed:
@@ -413,7 +413,7 @@ class BlockManager:
                 self._register_full_blocks(seq, pending, num_computed_tokens // self.block_size)
         return seq.num_committed // self.block_size
 
-    def _register_full_blocks(self, seq: SeqState, pending: array, upto: int) -> None:
+    def _register_full_blocks(self, seq: SeqState, pending: array[int], upto: int) -> None:
         """Register the sequence's blocks [num_hashed_blocks, upto): with the
         hashes Allocate kept, hashing only blocks filled since."""
         bs = self.block_size

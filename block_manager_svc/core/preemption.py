@@ -26,7 +26,7 @@ watermark; it never preempts.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from collections.abc import Sequence as SequenceT
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -71,7 +71,7 @@ class VictimQueue:
     def __len__(self) -> int:
         return len(self._live)
 
-    def candidates(self, accept: Callable[[str], bool]) -> Iterator[str]:
+    def candidates(self, accept: Callable[[str], bool]) -> Generator[str]:
         """Live sequences in preemption order for which `accept` holds.
 
         Walks the heap as a tree (a side heap of frontier positions) instead
@@ -178,7 +178,9 @@ def _cpu_free_for(bm: BlockManager, tenant: str) -> int:
     return cpu_free if room is None else min(cpu_free, room)
 
 
-def plan(bm: BlockManager, grower: SeqState, shortfall: int, grown_groups: set[int] | None) -> PreemptionPlan | None:
+def plan(
+    bm: BlockManager, grower: SeqState, shortfall: int, grown_groups: set[int] | None
+) -> PreemptionPlan | None:
     """Victims that free at least `shortfall` blocks, or None.
 
     Candidates rank below the grower (lower priority, or the same priority
@@ -325,8 +327,11 @@ def swap_in(bm: BlockManager, seq_id: str) -> SwapInResult:
     available = pool.num_available - watermark
     if len(distinct) > available:
         raise bm.exhausted(
-            f"swapping in {seq_id!r}" + (f" and its fork group ({len(members)} sequences)" if len(members) > 1 else ""),
-            len(distinct), max(available, 0), watermark,
+            f"swapping in {seq_id!r}"
+            + (f" and its fork group ({len(members)} sequences)" if len(members) > 1 else ""),
+            len(distinct),
+            max(available, 0),
+            watermark,
         )
     bm.ledger.check_gpu(seq.tenant, len(distinct))
     ops = CacheOps()

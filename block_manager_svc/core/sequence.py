@@ -64,7 +64,7 @@ class SeqState:
     seq_id: str
     block_ids: list[int]
     num_tokens: int
-    pending_tokens: array | None
+    pending_tokens: array[int] | None
     last_hash: bytes
     num_hashed_blocks: int
     priority: int

@@ -97,7 +97,9 @@ class TenantLedger:
         """A new sequence taking `blocks` blocks (its new ones and the cached hits it revives)."""
         usage, quota = self.of(tenant), self.quota(tenant)
         if quota.max_sequences and usage.sequences >= quota.max_sequences:
-            raise ResourceExhausted(quota_message(tenant, "max_sequences", usage.sequences, 1, quota.max_sequences))
+            raise ResourceExhausted(
+                quota_message(tenant, "max_sequences", usage.sequences, 1, quota.max_sequences)
+            )
         if quota.max_gpu_blocks and usage.gpu_blocks + blocks > quota.max_gpu_blocks:
             raise ResourceExhausted(quota_message(tenant, "max_gpu_blocks", usage.gpu_blocks, blocks,
                                                   quota.max_gpu_blocks))
@@ -147,7 +149,7 @@ class TenantLedger:
         gpu: dict[str, set[int]] = {}
         cpu: dict[str, set[int]] = {}
         for table, seqs in ((gpu, running), (cpu, swapped)):
-            for sid, seq in seqs.items():
+            for seq in seqs.values():
                 t = seq.tenant
                 u = usage.get(t)
                 if u is None:
