@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import grpc
 import structlog
 
+from block_manager_svc import commands as cmds
 from block_manager_svc.core import BlockManager, CoreError, ErrorCode, InvalidArgument, ItemError, StepBatch
 from block_manager_svc.core.prefix_cache import encode_tokens
 from block_manager_svc.core.results import CacheOps, Preemption, StepResult, SwapInResult
@@ -273,6 +274,8 @@ class CoreStage:
         self.lock = lock  # the state lock: every stage that touches state takes this one
         self.events_hub: EventHub | None = None  # set by server.py (block_manager_svc/events.py)
         self.log_limit = LogLimiter()  # rejections are the client's doing: rate-limited lines
+        # While the reliability stage journals a request (under the lock): the commands applied.
+        self.record: list[cmds.Command] | None = None
         # RPC name -> bound handler, looked up once per call (no getattr on the hot path).
         self.handlers: dict[str, Callable[[Any, Any, str | None], Any]] = {
             name: getattr(self, name) for name in (*MUTATIONS, "GetBlockTable", "GetStats", "GetConfig")
@@ -305,6 +308,10 @@ class CoreStage:
             with self.lock:
                 r = self.core.allocate(request.seq_id, request.num_tokens, request.token_ids or None,
                                        request.priority, request.cache_salt, tenant or "")
+                if self.record is not None:
+                    self.record.append(cmds.Allocate(request.seq_id, request.num_tokens,
+                                                     list(request.token_ids) or None, request.priority,
+                                                     request.cache_salt, tenant or ""))
                 self._drain_events(tenant)
         except CoreError as e:
             self._abort(context, "Allocate", e, request.seq_id, request)
@@ -314,6 +321,9 @@ class CoreStage:
         try:
             with self.lock:
                 r = self.core.append(request.seq_id, request.num_tokens, request.token_ids or None)
+                if self.record is not None:
+                    self.record.append(cmds.Append(request.seq_id, request.num_tokens,
+                                                   list(request.token_ids) or None))
                 self._drain_events(tenant)
         except CoreError as e:
             self._abort(context, "Append", e, request.seq_id, request)
@@ -336,6 +346,8 @@ class CoreStage:
         try:
             with self.lock:
                 blocks = self.core.fork(request.parent_seq_id, request.child_seq_id)
+                if self.record is not None:
+                    self.record.append(cmds.Fork(request.parent_seq_id, request.child_seq_id))
                 self._drain_events(tenant)
         except CoreError as e:
             self._abort(context, "Fork", e, request.child_seq_id, request)
@@ -345,6 +357,8 @@ class CoreStage:
         try:
             with self.lock:
                 released = self.core.free(request.seq_id)
+                if self.record is not None:
+                    self.record.append(cmds.Free(request.seq_id))
                 self._drain_events(tenant)
         except CoreError as e:
             self._abort(context, "Free", e, request.seq_id, request)
@@ -367,6 +381,8 @@ class CoreStage:
         try:
             with self.lock:
                 r = self.core.swap_in(request.seq_id)
+                if self.record is not None:
+                    self.record.append(cmds.SwapIn(request.seq_id))
                 self._drain_events(tenant)
         except CoreError as e:
             self._abort(context, "SwapIn", e, request.seq_id, request)
@@ -378,6 +394,8 @@ class CoreStage:
         try:
             with self.lock:
                 preempted, ops = self.core.preempt(request.seq_id, request.mode or None)
+                if self.record is not None:
+                    self.record.append(cmds.Preempt(request.seq_id, request.mode or None))
                 self._drain_events(tenant)
         except CoreError as e:
             self._abort(context, "Preempt", e, request.seq_id, request)
@@ -389,6 +407,8 @@ class CoreStage:
         try:
             with self.lock:
                 n = self.core.commit(request.seq_id, request.num_computed_tokens)
+                if self.record is not None:
+                    self.record.append(cmds.Commit(request.seq_id, request.num_computed_tokens))
                 self._drain_events(tenant)
         except CoreError as e:
             self._abort(context, "Commit", e, request.seq_id, request)
@@ -412,6 +432,8 @@ class CoreStage:
             batch = step_batch(request, tenant or "", sub, frees)
             with self.lock:
                 r = self.core.step(batch)
+                if self.record is not None:
+                    self.record.append(cmds.Step.of(batch))
                 self._drain_events(tenant)
                 available = self.core.pool.num_available
                 drops = self.core.prefix_cache_drops
@@ -512,6 +534,8 @@ class CoreStage:
         """Forget every prefix-cache hash (their KV is gone: a new cache host). Cannot fail."""
         with self.lock:
             cleared, freed = self.core.reset_prefix_cache()
+            if self.record is not None:
+                self.record.append(cmds.ResetPrefixCache())
             self._drain_events(tenant)
         log.info("prefix_cache_reset", blocks_cleared=cleared, blocks_freed=freed)
         return pb.ResetPrefixCacheResponse(num_blocks_cleared=cleared, num_blocks_freed=freed)

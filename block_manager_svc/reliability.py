@@ -22,13 +22,13 @@ exactly. Every mutation runs through one path, :meth:`ReliableStage.run`:
 With no ``--state-dir``, no ``request_id``, no lease in use and none named,
 step 1 and one branch are all that is added to the core stage.
 
-The journal records what a request did, not the request: the core and lease
-commands it applied (block_manager_svc/commands.py, captured by a recording
-view of the core while the core stage runs) and, for a request with an id, the
-reply it got. Recovery loads the snapshot (an explicit state export,
-block_manager_svc/snapshot.py) and calls the same core and lease methods
-again with the same arguments, so block tables, ref counts, the prefix index,
-eviction order and the dedupe window come back exactly.
+The journal records what a request did, not the request: the explicit core and
+lease commands it applied (block_manager_svc/commands.py; the core stage records
+its core calls, `_do` this stage's lease bookkeeping) and, for a request with an
+id, the reply it got. Recovery loads the snapshot (an explicit state export,
+block_manager_svc/snapshot.py) and applies the same commands again, so block
+tables, ref counts, the prefix index, eviction order and the dedupe window come
+back exactly.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ import structlog
 from block_manager_svc import commands as cmds
 from block_manager_svc import snapshot as snap
 from block_manager_svc import state_export
-from block_manager_svc.commands import Batch, Command, DedupeEntry, ReplayError, Tap
+from block_manager_svc.commands import Batch, Command, DedupeEntry, ReplayError
 from block_manager_svc.core import CoreError
 from block_manager_svc.core.results import StepResult
 from block_manager_svc.handlers import MUTATIONS, CoreStage
@@ -201,38 +201,64 @@ class ReliableStage:
         if name == "KeepAlive":
             return self._keepalive(request, context)
         leases = self.leases
+        do = self._do
         if name == "Step":
             response, result = self.core_stage.step(request, context, tenant)
             if leases.lease_of:
-                leases.detach_all(f.seq_id for f in request.frees)
-                leases.detach_all(request.free_seq_ids)
-            _step_leases(leases, request, result)
+                frees = [f.seq_id for f in request.frees]
+                frees.extend(request.free_seq_ids)
+                if frees:
+                    do(cmds.LeaseDetachAll(frees))
+            self._step_leases(request, result)
             return response, True
         response = self.core_stage.handlers[name](request, context, tenant)
         if name == "Allocate":
             if request.lease_id:
-                leases.attach(request.seq_id, request.lease_id)
+                do(cmds.LeaseAttach(request.seq_id, request.lease_id))
             elif leases.lease_of:
-                leases.detach(request.seq_id)
+                do(cmds.LeaseDetach(request.seq_id))
         elif name == "Fork":
             lid = request.lease_id or leases.lease_of.get(request.parent_seq_id)
             if lid:
-                leases.attach(request.child_seq_id, lid)
+                do(cmds.LeaseAttach(request.child_seq_id, lid))
         elif name == "Free":
-            leases.detach(request.seq_id)
+            do(cmds.LeaseDetach(request.seq_id))
         return response, True
+
+    def _do(self, cmd: Command) -> Any:
+        """Apply a command this stage makes itself (lease bookkeeping, lease expiry) and record it
+        when the request is being journaled (under the state lock)."""
+        out = cmds.apply(cmd, self._core, self.leases)
+        record = self.core_stage.record
+        if record is not None:
+            record.append(cmd)
+        return out
+
+    def _step_leases(self, request: pb.StepRequest, result: StepResult) -> None:
+        """Leases of a Step's packed allocations and forks, like Allocate's and Fork's."""
+        leases = self.leases
+        if not (request.alloc_lease_ids or (request.fork_child_seq_ids and leases.lease_of)):
+            return
+        failed_allocs = {e.index for e in result.alloc_errors}
+        for j, lid in enumerate(request.alloc_lease_ids):
+            if lid and j not in failed_allocs:
+                self._do(cmds.LeaseAttach(request.alloc_seq_ids[j], lid))
+        failed_forks = {e.index for e in result.fork_errors}
+        for j, child in enumerate(request.fork_child_seq_ids):
+            lid = leases.lease_of.get(request.fork_parent_seq_ids[j])
+            if lid and j not in failed_forks:
+                self._do(cmds.LeaseAttach(child, lid))
 
     @contextmanager
     def _recording(self) -> Iterator[list[Command]]:
-        """Under the state lock: the handlers see recording views of the core and the
-        lease table, so what they change is captured as commands for the journal."""
+        """Under the state lock: the commands the request applies are collected for the journal
+        (the core stage and `_do` append to this list)."""
         commands: list[Command] = []
-        core, leases = self._core, self.leases
-        self._core, self.leases = Tap(core, cmds.CORE, commands), Tap(leases, cmds.LEASES, commands)  # type: ignore[assignment]
+        self.core_stage.record = commands
         try:
             yield commands
         finally:
-            self._core, self.leases = core, leases
+            self.core_stage.record = None
 
     # --- KeepAlive ------------------------------------------------------------------
     def _keepalive(self, request: pb.KeepAliveRequest, context: Any) -> tuple[pb.KeepAliveResponse, bool]:
@@ -250,11 +276,10 @@ class ReliableStage:
                 self._core.block_table(s)
             except CoreError as e:
                 self.core_stage._abort(context, "KeepAlive", e, s)
-        leases = self.leases
-        created = lid not in leases.leases
-        lease, changed = leases.touch(lid, request.ttl_ms / 1000.0 if request.ttl_ms else None)
+        created = lid not in self.leases.leases
+        lease, changed = self._do(cmds.LeaseTouch(lid, request.ttl_ms / 1000.0 if request.ttl_ms else None))
         for s in request.attach_seq_ids:
-            leases.attach(s, lid)
+            self._do(cmds.LeaseAttach(s, lid))
         resp = pb.KeepAliveResponse(
             ttl_ms=round(lease.ttl_s * 1000), num_sequences=len(lease.seq_ids), created=created
         )
@@ -263,16 +288,15 @@ class ReliableStage:
     # --- lease expiry -----------------------------------------------------------------
     def _expire_lease(self, lease_id: str) -> tuple[int, int]:
         """Free a lease's sequences in the core (under the lock): (sequences, blocks) freed."""
-        seqs = self.leases.drop(lease_id)
-        core = self._core
+        seqs = self._do(cmds.LeaseDrop(lease_id))
         freed = released = 0
         for s in seqs:
             try:
-                released += core.free(s)
+                released += self._do(cmds.Free(s))
             except CoreError:
-                continue  # already gone
+                continue  # already gone (a refused call is not recorded)
             freed += 1
-        self.leases.note_expired(freed)
+        self._do(cmds.LeaseNoteExpired(freed))
         return freed, released
 
     def sweep_leases(self) -> int:
@@ -375,17 +399,19 @@ class ReliableStage:
 
     def _replay(self, rec: Record) -> None:
         """Apply one journal record: its commands into the core and lease table, its dedupe entry."""
-        if rec.name != cmds.RECORD_NAME:
+        if rec.name not in (cmds.RECORD_NAME, cmds.RECORD_NAME_V2):
             raise ReplayError(
                 f"journal record {rec.seq} ({rec.name}) was written by an older version, which journaled "
                 "requests; start that version on this state dir and stop it cleanly (its final snapshot "
                 "covers the journal), then start this one"
             )
-        batch = cmds.decode_batch(rec.body)
-        targets = {cmds.CORE: self._core, cmds.LEASES: self.leases}
+        try:
+            batch = cmds.decode_batch(rec.body, rec.name)
+        except ReplayError as e:
+            raise ReplayError(f"journal record {rec.seq}: {e}") from None
         for cmd in batch.commands:
             try:
-                cmds.apply(cmd, targets)
+                cmds.replay(cmd, self._core, self.leases)
             except ReplayError as e:
                 raise ReplayError(f"journal record {rec.seq}: {e}") from None
         d = batch.dedupe
@@ -429,21 +455,6 @@ class ReliableStage:
             )
         rel.start()
         return rel
-
-
-def _step_leases(leases: LeaseTable, request: pb.StepRequest, result: StepResult) -> None:
-    """Leases of a Step's packed allocations and forks, like Allocate's and Fork's."""
-    if not (request.alloc_lease_ids or (request.fork_child_seq_ids and leases.lease_of)):
-        return
-    failed_allocs = {e.index for e in result.alloc_errors}
-    for j, lid in enumerate(request.alloc_lease_ids):
-        if lid and j not in failed_allocs:
-            leases.attach(request.alloc_seq_ids[j], lid)
-    failed_forks = {e.index for e in result.fork_errors}
-    for j, child in enumerate(request.fork_child_seq_ids):
-        lid = leases.lease_of.get(request.fork_parent_seq_ids[j])
-        if lid and j not in failed_forks:
-            leases.attach(child, lid)
 
 
 class Reliability:
