@@ -23,6 +23,9 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import grpc
 import structlog
+from google.protobuf import any_pb2
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
 
 from block_manager_svc import commands as cmds
 from block_manager_svc.core import BlockManager, CoreError, ErrorCode, InvalidArgument, ItemError, StepBatch
@@ -34,6 +37,7 @@ from pagedkv.v1 import block_manager_pb2 as pb
 if TYPE_CHECKING:
     from block_manager_svc.events import EventHub
 
+ERROR_DOMAIN = "pagedkv.block_manager"  # google.rpc.ErrorInfo.domain of every error this service sends
 # The RPCs this stage applies; everything that changes state is in MUTATIONS.
 MUTATIONS = ("Allocate", "Append", "Fork", "Free", "Commit", "Step", "SwapIn", "Preempt", "ResetPrefixCache")
 
@@ -47,6 +51,18 @@ STATUS_BY_CODE: dict[ErrorCode, grpc.StatusCode] = {
 }
 
 log = structlog.get_logger("pagedkv.block_manager")
+
+
+def rich_status(code: grpc.StatusCode, message: str, reason: str, seq_id: str = "") -> grpc.Status:
+    """The standard rich error model: a google.rpc.Status (code, message, and an ErrorInfo with
+    `reason`, ERROR_DOMAIN and the sequence id) that grpcio-status sends in grpc-status-details-bin
+    and every gRPC ecosystem client (grpcurl, `rpc_status.from_call`) decodes. The reasons are the
+    core's (core/errors.py REASONS)."""
+    info = error_details_pb2.ErrorInfo(reason=reason, domain=ERROR_DOMAIN,
+                                       metadata={"seq_id": seq_id} if seq_id else {})
+    detail = any_pb2.Any()
+    detail.Pack(info)
+    return rpc_status.to_status(status_pb2.Status(code=code.value[0], message=message, details=[detail]))
 
 
 def request_id_of(context: grpc.ServicerContext | None, request: object = None) -> str:
@@ -298,8 +314,13 @@ class CoreStage:
     ) -> NoReturn:
         self.log_limit.info(log, "request_rejected", method=method, seq_id=seq_id, code=err.code.name,
                             reason=err.message, request_id=request_id_of(context, request))
-        context.abort(STATUS_BY_CODE[err.code], err.message)
-        raise AssertionError("unreachable")  # context.abort raises
+        code = STATUS_BY_CODE[err.code]
+        abort_with_status = getattr(context, "abort_with_status", None)
+        if abort_with_status is None:  # a test double
+            context.abort(code, err.message)
+        else:
+            abort_with_status(rich_status(code, err.message, err.reason, seq_id))
+        raise AssertionError("unreachable")  # aborting raises
 
     def Allocate(
         self, request: pb.AllocateRequest, context: Any, tenant: str | None = None

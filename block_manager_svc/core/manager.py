@@ -173,7 +173,8 @@ class BlockManager:
             if how is not None:
                 raise NotFound(
                     f"sequence {seq_id!r} does not exist: it was preempted for {how} earlier in this "
-                    f"call; re-Allocate it to continue"
+                    f"call; re-Allocate it to continue",
+                    reason="SEQUENCE_PREEMPTED",
                 )
             raise NotFound(f"sequence {seq_id!r} does not exist")
         return seq
