@@ -602,23 +602,34 @@ class BlockManager:
         return result
 
     def _step_appends(self, result: StepResult, batch: StepBatch) -> None:
-        """Step's appends: `append` per item, with the decode fast path inlined
+        """Step's appends: `append` per item, in order, with the decode fast path inlined
         (one token into a private, non-full tail block: no new block, no plan)."""
         seq_ids = batch.append_seq_ids
         counts = batch.append_num_tokens
         token_ids = batch.append_token_ids
         tokens_known = batch.append_tokens_known
         scope = StepScope(self.seqs, seq_ids) if self.preempt_on else None
+        n = len(seq_ids)
+        if counts is None and tokens_known is None:
+            # The decode step: one token each, every id known (or none), so item i's id is
+            # token_ids[i]. Runs of fast items alternate with single items that need more.
+            i = 0
+            while True:
+                i = self._step_decode_run(seq_ids, token_ids, i)
+                if i == n:
+                    return
+                tokens = None if token_ids is None else token_ids[i : i + 1]
+                self._step_append_item(result, i, seq_ids[i], 1, tokens, scope)
+                i += 1
         seqs = self.seqs
         bs = self.block_size
         ref_counts = self.pool.ref_counts
-        all_known = token_ids is not None and tokens_known is None
         offset = 0
         for i, seq_id in enumerate(seq_ids):
-            seq = seqs.get(seq_id)
-            known = all_known or (token_ids is not None and tokens_known[i])  # type: ignore[index]
+            known = token_ids is not None and (tokens_known is None or tokens_known[i])
             if counts is None:
                 k = 1
+                seq = seqs.get(seq_id)
                 if seq is not None:
                     cur = seq.num_tokens
                     if cur % bs and ref_counts[seq.block_ids[-1]] == 1:
@@ -639,24 +650,57 @@ class BlockManager:
             if known:
                 tokens = token_ids[offset : offset + k]  # type: ignore[index]
                 offset += k
-            try:
-                if seq is None:
-                    seq = self.get_running(seq_id)  # raises the precise error
-                cow, needed, plan = self._plan_append(seq, k, scope, i)
-            except CoreError as e:
-                result.append_errors.append(ItemError(i, seq_id, e.code, e.message))
-                continue
-            if plan is not None:
-                before = len(result.preempted)
-                result.preempted.extend(preemption.apply(self, plan, result.ops))
-                result.preempted_by.extend([i] * (len(result.preempted) - before))
-            blocks, copy = self._apply_append(seq, k, tokens, cow, needed)
-            if copy is not None:
-                result.ops.copies.append(copy)
-                result.replaced_index.append(i)
-            for b in blocks:
-                result.new_block_index.append(i)
-                result.new_block_ids.append(b)
+            self._step_append_item(result, i, seq_id, k, tokens, scope)
+
+    def _step_decode_run(self, seq_ids: SequenceT[str], token_ids: array[int] | None, start: int) -> int:
+        """From item `start` on, one token into each sequence's private, non-full tail block,
+        until an item needs anything else; returns that item's position (len: all done)."""
+        seqs = self.seqs
+        bs = self.block_size
+        ref_counts = self.pool.ref_counts
+        n = len(seq_ids)
+        i = start
+        while i < n:
+            seq = seqs.get(seq_ids[i])
+            if seq is None:
+                return i
+            cur = seq.num_tokens
+            if not cur % bs or ref_counts[seq.block_ids[-1]] != 1:
+                return i
+            seq.num_tokens = cur + 1
+            pending = seq.pending_tokens
+            if pending is not None:
+                if token_ids is not None:
+                    pending.append(token_ids[i])
+                else:
+                    seq.pending_tokens = None
+                    seq.pending_hashes = []
+            i += 1
+        return n
+
+    def _step_append_item(
+        self, result: StepResult, i: int, seq_id: str, k: int, tokens: array[int] | None,
+        scope: StepScope | None,
+    ) -> None:
+        """Append item i the general way (new blocks, copy-on-write, preemption); a refusal
+        becomes the item's error."""
+        try:
+            seq = self.get_running(seq_id)  # raises the precise error
+            cow, needed, plan = self._plan_append(seq, k, scope, i)
+        except CoreError as e:
+            result.append_errors.append(ItemError(i, seq_id, e.code, e.message))
+            return
+        if plan is not None:
+            before = len(result.preempted)
+            result.preempted.extend(preemption.apply(self, plan, result.ops))
+            result.preempted_by.extend([i] * (len(result.preempted) - before))
+        blocks, copy = self._apply_append(seq, k, tokens, cow, needed)
+        if copy is not None:
+            result.ops.copies.append(copy)
+            result.replaced_index.append(i)
+        for b in blocks:
+            result.new_block_index.append(i)
+            result.new_block_ids.append(b)
 
     # --- Preempt / SwapIn (core/preemption.py) -------------------------------
     def preempt(self, seq_id: str, mode: str | None = None) -> tuple[list[Preemption], CacheOps]:
