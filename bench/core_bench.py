@@ -62,7 +62,8 @@ from typing import Any, Protocol
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from block_manager_svc.core import BlockManager, CoreConfig  # noqa: E402
+from block_manager_svc.core import BlockManager, CoreConfig, StepBatch  # noqa: E402
+from block_manager_svc.core.prefix_cache import encode_tokens  # noqa: E402
 
 NUM_BLOCKS = 65_536
 BLOCK_SIZE = 16
@@ -147,8 +148,10 @@ class PagedKv:
 
     def step(self, seq_ids: list[str], tokens: list[int] | None, frees: list[str],
              commits: tuple[list[str], list[int]]) -> int:
-        res = self.core.step(seq_ids, None, tokens, frees, commit_seq_ids=commits[0],
-                             commit_num_computed_tokens=commits[1])
+        # The batch is built (token ids packed) inside the timed call, as the Step handler builds it.
+        res = self.core.step(StepBatch(commit_seq_ids=commits[0], commit_num_computed_tokens=commits[1],
+                                       free_seq_ids=frees, append_seq_ids=seq_ids,
+                                       append_token_ids=None if tokens is None else encode_tokens(tokens)))
         if res.append_errors or res.free_errors or res.commit_errors:
             errors = res.append_errors[:1] + res.free_errors[:1] + res.commit_errors[:1]
             raise RuntimeError(f"step failed: {errors}")

@@ -18,8 +18,9 @@ a shared host hits every row alike):
 
 each with one call in flight (sync stub, back to back) and with N in flight
 (grpc.aio, N tasks on one channel). Targets: unary Append at >= 80 % of the
-floor's calls/s; the 256-sequence packed Step p50 under 2 ms and the engine's
-iteration Step p50 under 1.5 ms (one call in flight).
+floor's calls/s with one call in flight and >= 100 % with N in flight; the
+256-sequence packed Step p50 under 2 ms and the engine's iteration Step p50 at
+most 1.3 ms (one call in flight).
 
     python bench/grpc_bench.py            # about 30-40 s
     python bench/grpc_bench.py --quick    # a few seconds (the smoke test)
@@ -59,6 +60,11 @@ ITER_FREES = 4  # = allocations per iteration
 ITER_PROMPT = 64
 ITER_LAG = 256  # an iteration's allocations are freed this many calls later (> calls in flight)
 LEASE = "bench-engine"
+# Targets (issue 27): unary Append calls/s as a share of the floor's, at 1 and at N in flight;
+# the engine's iteration Step p50 at 1 in flight.
+APPEND_TARGET_1 = 0.8
+APPEND_TARGET_N = 1.0
+ITERATION_P50_MS = 1.3
 LABELS = {
     "Check": "Check (health, empty RPC: floor)",
     "GetStats": "GetStats (echo-like read)",
@@ -251,9 +257,10 @@ def render(table: dict[int, dict[str, Cell]], in_flight: int) -> tuple[str, dict
     all_ok = True
     for flight, cells in table.items():
         ratio = cells["Append"].calls_per_s / cells[FLOOR].calls_per_s if cells[FLOOR].calls_per_s else 0.0
-        ok = ratio >= 0.8
+        want = APPEND_TARGET_1 if flight == 1 else APPEND_TARGET_N
+        ok = ratio >= want
         all_ok &= ok
-        lines.append(f"  unary Append calls/s >= 80% of the floor's, {flight:>2} in flight: {ratio:6.1%}  "
+        lines.append(f"  unary Append calls/s >= {want:.0%} of the floor's, {flight:>2} in flight: {ratio:6.1%}  "
                      f"{'ok' if ok else 'MISS'}")
     for name in ("Step/packed", "Step/sub"):
         p50 = table[1][name].pct_ms(50)
@@ -262,9 +269,10 @@ def render(table: dict[int, dict[str, Cell]], in_flight: int) -> tuple[str, dict
             all_ok &= ok
         lines.append(f"  {LABELS[name]} p50 < 2 ms, 1 in flight: {p50:.3f} ms  {'ok' if ok else 'MISS'}")
     p50 = table[1]["Step/iteration"].pct_ms(50)
-    ok = p50 < 1.5
+    ok = p50 <= ITERATION_P50_MS
     all_ok &= ok
-    lines.append(f"  {LABELS['Step/iteration']} p50 < 1.5 ms, 1 in flight: {p50:.3f} ms  {'ok' if ok else 'MISS'}")
+    lines.append(f"  {LABELS['Step/iteration']} p50 <= {ITERATION_P50_MS} ms, 1 in flight: {p50:.3f} ms  "
+                 f"{'ok' if ok else 'MISS'}")
     packed, sub = table[1]["Step/packed"].pct_ms(50), table[1]["Step/sub"].pct_ms(50)
     if packed:
         lines.append(f"  (sub-messages / packed p50 at 1 in flight: {sub / packed:.2f}x)")

@@ -53,7 +53,8 @@ from dataclasses import dataclass
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from block_manager_svc.core import BlockManager, CoreConfig, ResourceExhausted  # noqa: E402
+from block_manager_svc.core import BlockManager, CoreConfig, ResourceExhausted, StepBatch  # noqa: E402
+from block_manager_svc.core.prefix_cache import encode_tokens  # noqa: E402
 
 VOCAB = 32_000
 MAX_LEN = 2048
@@ -105,7 +106,7 @@ def run_utilization(seed: int, num: int, rate: float) -> dict[str, float]:
                 running[sid] = (output, prompt + output)
             ids = list(running)
             if ids:
-                bm.step(ids)
+                bm.step(StepBatch(append_seq_ids=ids))
             finished = []
             for sid in ids:
                 left, final = running[sid]
@@ -348,8 +349,9 @@ def run_overload(mode: str, seed: int, num: int, num_blocks: int, num_cpu: int, 
         ids = list(running)  # arrival order: earlier sequences grow (and preempt) first
         new = [rng.randrange(VOCAB) for _ in ids]
         # The last worker step computed everything but each sequence's newest token.
-        r = bm.step(ids, None, new, commit_seq_ids=ids,
-                    commit_num_computed_tokens=[bm.seqs[s].num_tokens - 1 if s in bm.seqs else 0 for s in ids])
+        r = bm.step(StepBatch(append_seq_ids=ids, append_token_ids=encode_tokens(new), commit_seq_ids=ids,
+                              commit_num_computed_tokens=[bm.seqs[s].num_tokens - 1 if s in bm.seqs else 0
+                                                          for s in ids]))
         handle(r.preempted)
         for err in r.append_errors:
             sid = err.seq_id

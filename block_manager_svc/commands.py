@@ -1,66 +1,177 @@
-"""State changes as data: the core and lease commands the journal records and replays.
+"""State changes as data: the explicit, versioned commands the journal records and replays.
 
 The core is deterministic, so its state is a function of the calls made to
-its mutating methods (allocate, append, commit, fork, free, step, swap_in,
-preempt, reset_prefix_cache), and the lease table's likewise (touch, attach,
-detach, detach_all, drop, note_expired). A :class:`Command` is one such call
-with its arguments as plain data (str, int, float, bool, None, bytes, lists,
-dicts), so it encodes to msgpack and replays by calling the same method
-again: no gRPC request, no servicer, no fake context.
+its mutating methods, and the lease table's likewise. Each such call has a
+command type here, a msgspec struct with named fields (:data:`Command` is
+their union): ``Allocate``, ``Append``, ``Commit``, ``Fork``, ``Free``,
+``Step``, ``SwapIn``, ``Preempt``, ``ResetPrefixCache`` for the core and
+``LeaseTouch``, ``LeaseAttach``, ``LeaseDetach``, ``LeaseDetachAll``,
+``LeaseDrop``, ``LeaseNoteExpired`` for the lease table. :func:`apply` is the
+one place that turns a command into a call: a journal can name nothing else,
+and decoding a record builds only these types.
 
-:class:`Tap` is how commands are captured on the live path: a view of the
-core (or lease table) that passes every attribute through and, for the
-mutating methods, records the call once it returned. A call that raised
-changed nothing (every core method validates before it mutates) and is not
-recorded. Nested calls the target makes on itself (``step`` calling into its
-own helpers, ``attach`` calling ``touch``) are not seen by the tap, so each
-command replays exactly once.
+Who records: the stages that make the calls build the command themselves
+(block_manager_svc/handlers.py for the core calls of an RPC,
+block_manager_svc/reliability.py for lease bookkeeping and lease expiry)
+and append it to the request's list once the call returned. A call that
+raised changed nothing (every core method validates before it mutates) and is
+not recorded.
 
-A journal record holds the commands of one applied request and, for a
-request with a ``request_id``, its dedupe entry (the reply as sent), so
-replay rebuilds the dedupe window without rebuilding replies.
+A journal record (:data:`RECORD_NAME`) holds a :class:`Batch`: the commands
+of one applied request and, for a request with a ``request_id``, its dedupe
+entry (the reply as sent), so replay rebuilds the dedupe window without
+rebuilding replies. Records of the previous format (``Commands``: generic
+``(target, method, args, kwargs)`` tuples) are migrated by
+:func:`decode_batch`, here and nowhere else.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
-from block_manager_svc.core import CoreError
+from block_manager_svc.core import BlockManager, CoreError, StepBatch
+from block_manager_svc.core.prefix_cache import encode_tokens
+from block_manager_svc.leases import LeaseTable
 
-CORE = "core"
-LEASES = "leases"
-# The only methods a command may name: a journal can never call anything else.
-OPS: dict[str, frozenset[str]] = {
-    CORE: frozenset({
-        "allocate", "append", "commit", "fork", "free", "step", "swap_in", "preempt", "reset_prefix_cache",
-    }),
-    LEASES: frozenset({"touch", "attach", "detach", "detach_all", "drop", "note_expired"}),
-}
-RECORD_NAME = "Commands"  # the journal record name of a batch (format 2; older records named an RPC)
-
-_SCALARS = (str, int, float, bool, bytes, type(None))
+RECORD_NAME = "Commands3"  # the journal record name of a batch of explicit commands (format 3)
+RECORD_NAME_V2 = "Commands"  # format 2: generic method calls, read and migrated by decode_batch
 
 
 class ReplayError(RuntimeError):
     """A journaled command was refused on replay: the journal and the code disagree."""
 
 
-@dataclass(slots=True, frozen=True)
-class Command:
-    """One call of a mutating method: ``target.op(*args, **kwargs)``."""
-
-    target: str
-    op: str
-    args: tuple[Any, ...] = ()
-    kwargs: dict[str, Any] = field(default_factory=dict)
+class _Cmd(msgspec.Struct, tag=True, array_like=True, frozen=True):
+    pass
 
 
-@dataclass(slots=True, frozen=True)
-class DedupeEntry:
+# --- the core's commands -------------------------------------------------------------
+class Allocate(_Cmd):
+    seq_id: str
+    num_tokens: int
+    token_ids: list[int] | None = None
+    priority: int = 0
+    salt: str = ""
+    tenant: str = ""
+
+
+class Append(_Cmd):
+    seq_id: str
+    num_tokens: int
+    token_ids: list[int] | None = None
+
+
+class Commit(_Cmd):
+    seq_id: str
+    num_computed_tokens: int
+
+
+class Fork(_Cmd):
+    parent_seq_id: str
+    child_seq_id: str
+
+
+class Free(_Cmd):
+    seq_id: str
+
+
+class SwapIn(_Cmd):
+    seq_id: str
+
+
+class Preempt(_Cmd):
+    seq_id: str
+    mode: str | None = None
+
+
+class ResetPrefixCache(_Cmd):
+    pass
+
+
+class Step(_Cmd):
+    """A StepBatch as data (token ids as lists); see core/step_batch.py for the fields."""
+
+    commit_seq_ids: list[str] = []
+    commit_num_computed_tokens: list[int] = []
+    free_seq_ids: list[str] = []
+    append_seq_ids: list[str] = []
+    append_num_tokens: list[int] | None = None
+    append_token_ids: list[int] | None = None
+    append_tokens_known: list[bool] | None = None
+    alloc_seq_ids: list[str] = []
+    alloc_num_tokens: list[int] = []
+    alloc_token_ids: list[int] | None = None
+    alloc_priorities: list[int] | None = None
+    alloc_salts: list[str] | None = None
+    fork_parent_seq_ids: list[str] = []
+    fork_child_seq_ids: list[str] = []
+    swap_in_seq_ids: list[str] = []
+    tenant: str = ""
+
+    @classmethod
+    def of(cls, b: StepBatch) -> Step:
+        def opt(x: Any) -> Any:
+            return None if x is None else list(x)
+
+        return cls(
+            list(b.commit_seq_ids), list(b.commit_num_computed_tokens), list(b.free_seq_ids),
+            list(b.append_seq_ids), opt(b.append_num_tokens), opt(b.append_token_ids),
+            opt(b.append_tokens_known), list(b.alloc_seq_ids), list(b.alloc_num_tokens),
+            opt(b.alloc_token_ids), opt(b.alloc_priorities), opt(b.alloc_salts),
+            list(b.fork_parent_seq_ids), list(b.fork_child_seq_ids), list(b.swap_in_seq_ids), b.tenant,
+        )
+
+    def batch(self) -> StepBatch:
+        return StepBatch(
+            commit_seq_ids=self.commit_seq_ids, commit_num_computed_tokens=self.commit_num_computed_tokens,
+            free_seq_ids=self.free_seq_ids, append_seq_ids=self.append_seq_ids,
+            append_num_tokens=self.append_num_tokens,
+            append_token_ids=None if self.append_token_ids is None else encode_tokens(self.append_token_ids),
+            append_tokens_known=self.append_tokens_known, alloc_seq_ids=self.alloc_seq_ids,
+            alloc_num_tokens=self.alloc_num_tokens,
+            alloc_token_ids=None if self.alloc_token_ids is None else encode_tokens(self.alloc_token_ids),
+            alloc_priorities=self.alloc_priorities, alloc_salts=self.alloc_salts,
+            fork_parent_seq_ids=self.fork_parent_seq_ids, fork_child_seq_ids=self.fork_child_seq_ids,
+            swap_in_seq_ids=self.swap_in_seq_ids, tenant=self.tenant,
+        )
+
+
+# --- the lease table's commands ----------------------------------------------------------
+class LeaseTouch(_Cmd):
+    lease_id: str
+    ttl_s: float | None = None
+
+
+class LeaseAttach(_Cmd):
+    seq_id: str
+    lease_id: str
+
+
+class LeaseDetach(_Cmd):
+    seq_id: str
+
+
+class LeaseDetachAll(_Cmd):
+    seq_ids: list[str]
+
+
+class LeaseDrop(_Cmd):
+    lease_id: str
+
+
+class LeaseNoteExpired(_Cmd):
+    num_sequences: int
+
+
+Command = (
+    Allocate | Append | Commit | Fork | Free | SwapIn | Preempt | ResetPrefixCache | Step
+    | LeaseTouch | LeaseAttach | LeaseDetach | LeaseDetachAll | LeaseDrop | LeaseNoteExpired
+)
+
+
+class DedupeEntry(msgspec.Struct, array_like=True, frozen=True):
     """What the dedupe window remembers of a request with a ``request_id``."""
 
     request_id: str
@@ -70,84 +181,127 @@ class DedupeEntry:
     wall_time: float
 
 
-@dataclass(slots=True)
-class Batch:
+class Batch(msgspec.Struct, array_like=True):
     """The commands one request applied, and its dedupe entry if it had an id."""
 
-    commands: list[Command] = field(default_factory=list)
+    commands: list[Command] = []
     dedupe: DedupeEntry | None = None
 
 
-def plain(value: Any) -> Any:
-    """`value` as plain data: protobuf repeated fields, arrays, tuples and generators become lists."""
-    if isinstance(value, _SCALARS):
-        return value
-    if isinstance(value, dict):
-        return {k: plain(v) for k, v in value.items()}
-    return [plain(v) for v in value]
+def apply(cmd: Command, core: BlockManager, leases: LeaseTable) -> Any:
+    """Run one command: the only way a command becomes a call. A refusal raises the core's
+    CoreError, as the call would (the state is unchanged)."""
+    match cmd:
+        case Allocate():
+            return core.allocate(cmd.seq_id, cmd.num_tokens, cmd.token_ids, cmd.priority, cmd.salt,
+                                 cmd.tenant)
+        case Append():
+            return core.append(cmd.seq_id, cmd.num_tokens, cmd.token_ids)
+        case Commit():
+            return core.commit(cmd.seq_id, cmd.num_computed_tokens)
+        case Fork():
+            return core.fork(cmd.parent_seq_id, cmd.child_seq_id)
+        case Free():
+            return core.free(cmd.seq_id)
+        case SwapIn():
+            return core.swap_in(cmd.seq_id)
+        case Preempt():
+            return core.preempt(cmd.seq_id, cmd.mode)
+        case ResetPrefixCache():
+            return core.reset_prefix_cache()
+        case Step():
+            return core.step(cmd.batch())
+        case LeaseTouch():
+            return leases.touch(cmd.lease_id, cmd.ttl_s)
+        case LeaseAttach():
+            return leases.attach(cmd.seq_id, cmd.lease_id)
+        case LeaseDetach():
+            return leases.detach(cmd.seq_id)
+        case LeaseDetachAll():
+            return leases.detach_all(cmd.seq_ids)
+        case LeaseDrop():
+            return leases.drop(cmd.lease_id)
+        case LeaseNoteExpired():
+            return leases.note_expired(cmd.num_sequences)
+    raise ReplayError(f"{cmd!r} is not a known state change")
 
 
-class Tap:
-    """A view of `target` that records each returned call of its mutating methods into `sink`."""
-
-    __slots__ = ("_target", "_name", "_ops", "sink")
-
-    def __init__(self, target: Any, name: str, sink: list[Command]) -> None:
-        self._target = target
-        self._name = name
-        self._ops = OPS[name]
-        self.sink = sink
-
-    def __getattr__(self, attr: str) -> Any:
-        value = getattr(self._target, attr)
-        if attr not in self._ops:
-            return value
-        return self._recorder(attr, value)
-
-    def _recorder(self, op: str, method: Callable[..., Any]) -> Callable[..., Any]:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            args = tuple(plain(a) for a in args)  # generators are consumed once, here
-            kwargs = {k: plain(v) for k, v in kwargs.items()}
-            out = method(*args, **kwargs)
-            self.sink.append(Command(self._name, op, args, kwargs))
-            return out
-
-        return call
-
-    def __bool__(self) -> bool:
-        return bool(self._target)
-
-
-def apply(cmd: Command, targets: dict[str, Any]) -> Any:
-    """Run one command against its target (``{"core": core, "leases": leases}``)."""
-    ops = OPS.get(cmd.target)
-    if ops is None or cmd.op not in ops:
-        raise ReplayError(f"command {cmd.target}.{cmd.op} is not a known state change")
+def replay(cmd: Command, core: BlockManager, leases: LeaseTable) -> None:
+    """Apply a journaled command; a refusal means the journal and the code disagree."""
     try:
-        return getattr(targets[cmd.target], cmd.op)(*cmd.args, **cmd.kwargs)
+        apply(cmd, core, leases)
     except CoreError as e:
-        raise ReplayError(f"{cmd.target}.{cmd.op} was refused: {e.code.name}: {e.message}") from None
+        raise ReplayError(f"{type(cmd).__name__} was refused: {e.code.name}: {e.message}") from None
 
 
-# --- encoding (msgpack, positional: a journal record is written for every mutation) ------
+# --- encoding (msgpack; a record is written for every journaled mutation) -------------------
 _encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder()
+_decoder = msgspec.msgpack.Decoder(Batch)
+_plain_decoder = msgspec.msgpack.Decoder()
 
 
 def encode_batch(batch: Batch) -> bytes:
-    d = batch.dedupe
-    return _encoder.encode((
-        [(c.target, c.op, c.args, c.kwargs) for c in batch.commands],
-        None if d is None else (d.request_id, d.method, d.digest, d.reply, d.wall_time),
-    ))
+    return _encoder.encode(batch)
 
 
-def decode_batch(body: bytes) -> Batch:
+def decode_batch(body: bytes, name: str = RECORD_NAME) -> Batch:
+    """The batch in a journal record named `name` (this format, or format 2, migrated)."""
     try:
-        cmds, d = _decoder.decode(body)
-        batch = Batch([Command(t, op, tuple(args), kwargs) for t, op, args, kwargs in cmds])
-        if d is not None:
-            batch.dedupe = DedupeEntry(*d)
-    except (msgspec.DecodeError, TypeError, ValueError) as e:
+        if name == RECORD_NAME_V2:
+            return _migrate_v2(_plain_decoder.decode(body))
+        return _decoder.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError, TypeError, ValueError) as e:
         raise ReplayError(f"a journal record does not hold a command batch: {e}") from None
-    return batch
+
+
+# --- the one migration: format 2 (generic calls) to these commands --------------------------
+_V2_CORE: dict[str, type[_Cmd]] = {
+    "allocate": Allocate, "append": Append, "commit": Commit, "fork": Fork, "free": Free, "swap_in": SwapIn,
+    "preempt": Preempt, "reset_prefix_cache": ResetPrefixCache,
+}
+_V2_LEASES: dict[str, type[_Cmd]] = {
+    "touch": LeaseTouch, "attach": LeaseAttach, "detach": LeaseDetach, "detach_all": LeaseDetachAll,
+    "drop": LeaseDrop, "note_expired": LeaseNoteExpired,
+}
+_V2_STEP_POSITIONAL = (
+    "append_seq_ids", "append_num_tokens", "append_token_ids", "free_seq_ids", "swap_in_seq_ids",
+)
+
+
+def _migrate_v2(doc: Any) -> Batch:
+    """Format-2 records: ``([(target, method, args, kwargs)...], dedupe tuple or None)``. Their Step
+    was first the parallel-array parameters, later ``(batch fields,)``."""
+    calls, d = doc
+    out: list[Command] = []
+    for target, op, args, kwargs in calls:
+        if target == "core" and op == "step":
+            out.append(_v2_step(tuple(args), kwargs))
+            continue
+        kind = (_V2_CORE if target == "core" else _V2_LEASES if target == "leases" else {}).get(op)
+        if kind is None:
+            raise ReplayError(f"command {target}.{op} is not a known state change")
+        try:
+            out.append(kind(*args, **kwargs))
+        except TypeError as e:
+            raise ReplayError(f"command {target}.{op} has arguments this version does not take: {e}") \
+                from None
+    return Batch(out, None if d is None else DedupeEntry(*d))
+
+
+def _v2_step(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Step:
+    if len(args) == 1 and isinstance(args[0], dict) and not kwargs:
+        values = dict(args[0])
+    else:  # the parallel-array parameters: empty arrays meant "none", as they did then
+        values = dict(zip(_V2_STEP_POSITIONAL, args, strict=False))
+        values.update(kwargs)
+        for k in ("append_num_tokens", "alloc_priorities", "alloc_salts"):
+            if not values.get(k):
+                values[k] = None
+        if not values.get("append_token_ids") and values.get("append_tokens_known") is None:
+            values["append_token_ids"] = None
+        if not values.get("alloc_token_ids"):
+            values["alloc_token_ids"] = None
+    unknown = set(values) - set(Step.__struct_fields__)
+    if unknown:
+        raise ReplayError(f"core.step names unknown fields {sorted(unknown)}")
+    return Step(**values)

@@ -1,8 +1,9 @@
 """KV events for cache-aware routers: the ``WatchEvents`` stream (docs/observability.md).
 
-The core's block pool appends each registered block (BlockStored), each
-evicted registered block (BlockRemoved) and each reset (AllBlocksCleared) to a
-plain list, ``pool.events``; after every call the servicer's core stage
+The core's block pool appends a typed record (block_manager_svc/core/kv_events.py)
+for each registered block (BlockStored), each evicted registered block
+(BlockRemoved) and each reset (AllBlocksCleared) to a plain list, ``pool.events``;
+after every call the servicer's core stage
 (block_manager_svc/handlers.py) takes that list (``BlockManager.take_events``)
 and hands it to :meth:`EventHub.publish` together with the calling tenant, as
 data. The hub runs under the servicer's state lock and never blocks: every
@@ -35,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import structlog
 
+from block_manager_svc.core.kv_events import AllBlocksCleared, BlockStored, PoolEvent
 from pagedkv.auth import current_tenant  # the consumer side: which tenant is watching
 from pagedkv.v1 import block_manager_pb2 as pb
 
@@ -43,12 +45,13 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("pagedkv.block_manager")
 
-CLEARED = -2  # pool event: the whole prefix index was cleared (BlockPool.clear_index)
 UNKNOWN_TENANT = "?"  # blocks restored from a snapshot and never referenced since: admins only
 _END = object()
 
-# (version, block or -1 removed or CLEARED, hash, parent hash, token ids or None)
-Sink = Callable[[int, int, bytes, "bytes | None", Any], None]
+# (version, the event): called under the state lock for every event of every tenant.
+Sink = Callable[[int, PoolEvent], None]
+# A subscriber's queue holds (version, tenant, event), and _END when it was dropped.
+_Item = tuple[int, str, PoolEvent]
 
 
 class _Subscriber:
@@ -61,7 +64,9 @@ class _Subscriber:
 
 
 class EventHub:
-    def __init__(self, lock: Any, max_watchers: int = 4, queue_size: int = 10_000, tenancy: bool = False) -> None:
+    def __init__(
+        self, lock: Any, max_watchers: int = 4, queue_size: int = 10_000, tenancy: bool = False
+    ) -> None:
         self.lock = lock  # the servicer's state lock (events are produced under it)
         self.max_watchers = max_watchers
         self.queue_size = queue_size
@@ -101,45 +106,38 @@ class EventHub:
             if self._core is not None:
                 self._core.enable_events(True)
 
-    def remove_sink(self, sink: Sink) -> None:
-        with self.lock:
-            if sink in self.sinks:
-                self.sinks.remove(sink)
-            if not self.subs and not self.sinks and not self.tenancy and self._core is not None:
-                self._core.enable_events(False)
-
     # --- producer side (under the state lock) ---------------------------------------
-    def publish(self, events: list[tuple[Any, ...]], tenant: str | None) -> None:
+    def publish(self, events: list[PoolEvent], tenant: str | None) -> None:
         """Events one core call produced, in order; `tenant` made the call (None:
         authentication off, or an internal call such as a lease expiry)."""
         for ev in events:
             self._one(ev, tenant)
 
-    def _one(self, ev: tuple[Any, ...], caller: str | None) -> None:
+    def _one(self, ev: PoolEvent, caller: str | None) -> None:
         self.version += 1
-        block, h, parent = ev[0], ev[1], ev[2]
+        version = self.version
         for sink in self.sinks:
-            sink(self.version, block, h, parent, ev[3] if len(ev) > 3 else None)
-        if block == CLEARED:  # ResetPrefixCache: every tenant's blocks are gone
+            sink(version, ev)
+        if isinstance(ev, AllBlocksCleared):  # ResetPrefixCache: every tenant's blocks are gone
             self.owner.clear()
             if self.subs:
                 for s in tuple(self.subs):
                     try:
-                        s.q.put_nowait((self.version, s.tenant or "", block, h, parent))
+                        s.q.put_nowait((version, s.tenant or "", ev))
                     except queue.Full:
                         self._drop(s)
             return
         if self.tenancy:
-            if block >= 0:
+            if isinstance(ev, BlockStored):
                 tenant = caller if caller is not None else UNKNOWN_TENANT
-                self.owner[h] = tenant
+                self.owner[ev.block_hash] = tenant
             else:
-                tenant = self.owner.pop(h, UNKNOWN_TENANT)
+                tenant = self.owner.pop(ev.block_hash, UNKNOWN_TENANT)
         else:
             tenant = ""
         if not self.subs:
             return
-        item = (self.version, tenant, block, h, parent)
+        item = (version, tenant, ev)
         for s in tuple(self.subs):  # _drop may remove one
             if s.tenant is not None and s.tenant != tenant:
                 continue
@@ -176,8 +174,10 @@ class EventHub:
         sub = _Subscriber(scope, self.queue_size)
         with self.lock:
             if len(self.subs) >= self.max_watchers:
-                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              f"{self.max_watchers} event watchers are connected already (max_event_watchers)")
+                context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{self.max_watchers} event watchers are connected already (max_event_watchers)",
+                )
             core = self._core
             assert core is not None
             version = self.version
@@ -196,9 +196,13 @@ class EventHub:
             for i in range(0, len(snapshot), 256):
                 chunk = snapshot[i : i + 256]
                 for h, b, parent in chunk:
-                    yield pb.KvEvent(version=version, tenant=(scope or self.owner.get(h, "")),
-                                     block_stored=pb.BlockStored(block_hashes=[h], parent_block_hash=parent or b"",
-                                                                 block_ids=[b]))
+                    yield pb.KvEvent(
+                        version=version,
+                        tenant=(scope or self.owner.get(h, "")),
+                        block_stored=pb.BlockStored(
+                            block_hashes=[h], parent_block_hash=parent or b"", block_ids=[b]
+                        ),
+                    )
             while not done.is_set():
                 try:
                     item = sub.q.get(timeout=0.5)
@@ -207,46 +211,52 @@ class EventHub:
                         return
                     continue
                 if item is _END:
-                    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                  f"this watcher fell more than {self.queue_size} events behind and was dropped; "
-                                  "reconnect (the stream restarts with a snapshot)")
+                    context.abort(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"this watcher fell more than {self.queue_size} events behind and was dropped; "
+                        "reconnect (the stream restarts with a snapshot)",
+                    )
                 yield from self._coalesce(item, sub.q)
         finally:
             self._leave(sub)
 
-    def _coalesce(self, first: Any, q: queue.Queue[Any]) -> Iterator[pb.KvEvent]:
+    def _coalesce(self, first: _Item, q: queue.Queue[Any]) -> Iterator[pb.KvEvent]:
         """One KvEvent per run of consecutive events of one kind and tenant (a stored chain)."""
-        version, tenant, block, h, parent = first
-        if block == CLEARED:
-            yield pb.KvEvent(version=version, tenant=tenant, all_blocks_cleared=pb.AllBlocksCleared())
-            return
-        kind = block >= 0
-        hashes, blocks = [h], [block]
-        last_h = h
+        item: _Item = first
         while True:
-            try:
-                nxt = q.get_nowait()
-            except queue.Empty:
-                nxt = None
-            if nxt is None or nxt is _END or nxt[2] == CLEARED or (nxt[2] >= 0) != kind or nxt[1] != tenant or (
-                kind and nxt[4] != last_h
-            ):
-                yield self._event(version, tenant, kind, hashes, blocks, parent)
-                if nxt is None:
-                    return
-                if nxt is _END:
-                    q.put_nowait(_END)
-                    return
-                if nxt[2] == CLEARED:
-                    yield from self._coalesce(nxt, q)
-                    return
-                version, tenant, block, h, parent = nxt
-                kind, hashes, blocks, last_h = block >= 0, [h], [block], h
-                continue
-            version = nxt[0]
-            hashes.append(nxt[3])
-            blocks.append(nxt[2])
-            last_h = nxt[3]
+            version, tenant, ev = item
+            if isinstance(ev, AllBlocksCleared):
+                yield pb.KvEvent(version=version, tenant=tenant, all_blocks_cleared=pb.AllBlocksCleared())
+                return
+            stored = isinstance(ev, BlockStored)
+            parent = ev.parent_hash if isinstance(ev, BlockStored) else None
+            hashes = [ev.block_hash]
+            blocks = [ev.block] if isinstance(ev, BlockStored) else []
+            while True:
+                try:
+                    nxt = q.get_nowait()
+                except queue.Empty:
+                    nxt = None
+                if nxt is None or nxt is _END:
+                    break
+                n_ev = nxt[2]
+                if nxt[1] != tenant or isinstance(n_ev, AllBlocksCleared):
+                    break
+                if stored:
+                    if not isinstance(n_ev, BlockStored) or n_ev.parent_hash != hashes[-1]:
+                        break
+                    blocks.append(n_ev.block)
+                elif isinstance(n_ev, BlockStored):
+                    break
+                version = nxt[0]
+                hashes.append(n_ev.block_hash)
+            yield self._event(version, tenant, stored, hashes, blocks, parent)
+            if nxt is None:
+                return
+            if nxt is _END:
+                q.put_nowait(_END)
+                return
+            item = nxt
 
     @staticmethod
     def _event(version: int, tenant: str, stored: bool, hashes: list[bytes], blocks: list[int],

@@ -17,20 +17,27 @@ reliability) decide who may call and whether the call runs at all.
 from __future__ import annotations
 
 import threading
+from array import array
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import grpc
 import structlog
+from google.protobuf import any_pb2
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
 
-from block_manager_svc.core import BlockManager, CoreError, ErrorCode, ItemError
-from block_manager_svc.core.results import CacheOps, Preemption, SwapInResult
+from block_manager_svc import commands as cmds
+from block_manager_svc.core import BlockManager, CoreError, ErrorCode, InvalidArgument, ItemError, StepBatch
+from block_manager_svc.core.prefix_cache import encode_tokens
+from block_manager_svc.core.results import CacheOps, Preemption, StepResult, SwapInResult
 from pagedkv.log_limit import LogLimiter
 from pagedkv.v1 import block_manager_pb2 as pb
 
 if TYPE_CHECKING:
     from block_manager_svc.events import EventHub
 
+ERROR_DOMAIN = "pagedkv.block_manager"  # google.rpc.ErrorInfo.domain of every error this service sends
 # The RPCs this stage applies; everything that changes state is in MUTATIONS.
 MUTATIONS = ("Allocate", "Append", "Fork", "Free", "Commit", "Step", "SwapIn", "Preempt", "ResetPrefixCache")
 
@@ -43,9 +50,19 @@ STATUS_BY_CODE: dict[ErrorCode, grpc.StatusCode] = {
     ErrorCode.FAILED_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
-_R = TypeVar("_R")
-
 log = structlog.get_logger("pagedkv.block_manager")
+
+
+def rich_status(code: grpc.StatusCode, message: str, reason: str, seq_id: str = "") -> grpc.Status:
+    """The standard rich error model: a google.rpc.Status (code, message, and an ErrorInfo with
+    `reason`, ERROR_DOMAIN and the sequence id) that grpcio-status sends in grpc-status-details-bin
+    and every gRPC ecosystem client (grpcurl, `rpc_status.from_call`) decodes. The reasons are the
+    core's (core/errors.py REASONS)."""
+    info = error_details_pb2.ErrorInfo(reason=reason, domain=ERROR_DOMAIN,
+                                       metadata={"seq_id": seq_id} if seq_id else {})
+    detail = any_pb2.Any()
+    detail.Pack(info)
+    return rpc_status.to_status(status_pb2.Status(code=code.value[0], message=message, details=[detail]))
 
 
 def request_id_of(context: grpc.ServicerContext | None, request: object = None) -> str:
@@ -69,7 +86,9 @@ def _copies(pairs: list[tuple[int, int]]) -> list[pb.BlockCopy]:
 
 
 def ops_to_proto(ops: CacheOps) -> pb.CacheOps:
-    return pb.CacheOps(copies=_copies(ops.copies), swap_out=_copies(ops.swap_out), swap_in=_copies(ops.swap_in))
+    return pb.CacheOps(
+        copies=_copies(ops.copies), swap_out=_copies(ops.swap_out), swap_in=_copies(ops.swap_in)
+    )
 
 
 _PREEMPTION_MODE = {"swap": pb.Preemption.SWAP, "recompute": pb.Preemption.RECOMPUTE}
@@ -103,12 +122,19 @@ def _item_error(kind: int, err: ItemError, index: int | None = None) -> pb.StepI
     )
 
 
+def _token_array(ids: Any, what: str) -> array[int]:
+    try:
+        return encode_tokens(ids)
+    except (OverflowError, TypeError) as e:
+        raise InvalidArgument(f"{what} must be integers in [0, 2**32): {e}") from None
+
+
 class _SubAppends:
     """Sub-message appends converted to the core's one (packed) form, and the
     results mapped back: the sub-message items go first in the packed arrays.
 
     An item whose token_ids length does not match its num_tokens is rejected
-    here (it cannot be concatenated) with the message the core would give."""
+    here (it cannot be concatenated) as a per-item error."""
 
     __slots__ = ("ids", "counts", "tokens", "known", "map", "bad", "n_sub", "n_packed")
 
@@ -139,10 +165,10 @@ class _SubAppends:
         tokens.extend(request.append_token_ids)
         self.ids, self.counts, self.tokens, self.known = ids, counts, tokens, known
 
-    def split_results(self, r: Any, resp: pb.StepResponse) -> None:
+    def split_results(self, r: StepResult, resp: pb.StepResponse) -> None:
         n_sub = self.n_sub
         per_item: list[list[int]] = [[] for _ in range(n_sub)]
-        for i, b in zip(r.new_block_index, r.new_block_ids):
+        for i, b in zip(r.new_block_index, r.new_block_ids, strict=True):
             if i < n_sub:
                 per_item[i].append(b)
             else:
@@ -155,7 +181,7 @@ class _SubAppends:
             else:
                 resp.packed_replaced_index.append(i - n_sub)
         preempted: dict[int, list[Preemption]] = {}
-        for p, i in zip(r.preempted, r.preempted_by):
+        for p, i in zip(r.preempted, r.preempted_by, strict=True):
             if i < n_sub:
                 preempted.setdefault(i, []).append(p)
         total = len(self.map) + len(self.bad)
@@ -171,7 +197,7 @@ class _SubAppends:
                 item.preempted.extend(preemptions_to_proto(preempted.get(i, [])))
         resp.appends.extend(items)
 
-    def errors(self, r: Any, errors: Any) -> None:
+    def errors(self, r: StepResult, errors: Any) -> None:
         n_sub = self.n_sub
         for j, seq_id, message in self.bad:
             errors.append(pb.StepItemError(kind=pb.StepItemError.APPEND, index=j, seq_id=seq_id,
@@ -183,18 +209,97 @@ class _SubAppends:
                 errors.append(_item_error(pb.StepItemError.PACKED_APPEND, err, err.index - n_sub))
 
 
+def step_batch(request: pb.StepRequest, tenant: str, sub: _SubAppends | None, frees: Any) -> StepBatch:
+    """The core's batch for a Step request (both encodings); raises InvalidArgument, naming the
+    field, for shapes that do not fit together. The one place wire shapes are checked."""
+    if sub is None:
+        ids: Any = request.append_seq_ids
+        counts: Any = request.append_num_tokens or None
+        raw_tokens: Any = request.append_token_ids
+        known: list[bool] | None = None
+    else:
+        ids, counts, raw_tokens, known = sub.ids, sub.counts, sub.tokens, sub.known
+    n = len(ids)
+    if counts is not None and len(counts) != n:
+        raise InvalidArgument(
+            f"append_num_tokens has {len(counts)} entries for {n} sequences; they must match"
+        )
+    tokens = None
+    if raw_tokens or known is not None:
+        if known is None:
+            expected = n if counts is None else sum(counts)
+        else:
+            expected = sum(counts[i] for i in range(n) if known[i])
+        if len(raw_tokens) != expected:
+            raise InvalidArgument(f"append_token_ids has {len(raw_tokens)} entries but the counts add up to "
+                                  f"{expected}; they must match")
+        tokens = _token_array(raw_tokens, "append_token_ids")
+    commits = request.commit_seq_ids
+    if len(request.commit_num_computed_tokens) != len(commits):
+        raise InvalidArgument(
+            f"commit_num_computed_tokens has {len(request.commit_num_computed_tokens)} entries "
+            f"for {len(commits)} sequences; they must match"
+        )
+    allocs = request.alloc_seq_ids
+    na = len(allocs)
+    alloc_tokens = None
+    priorities = salts = None
+    if len(request.alloc_num_tokens) != na:
+        raise InvalidArgument(f"alloc_num_tokens has {len(request.alloc_num_tokens)} entries for {na} "
+                              "allocations; they must match")
+    for what, arr in (
+        ("alloc_lease_ids", request.alloc_lease_ids),
+        ("alloc_priorities", request.alloc_priorities),
+        ("alloc_cache_salts", request.alloc_cache_salts),
+    ):
+        if len(arr) and len(arr) != na:
+            raise InvalidArgument(f"{what} has {len(arr)} entries for {na} allocations; one each, or none")
+    if na:
+        priorities = request.alloc_priorities or None
+        salts = request.alloc_cache_salts or None
+        if request.alloc_token_ids:
+            expected = sum(request.alloc_num_tokens)
+            if len(request.alloc_token_ids) != expected:
+                raise InvalidArgument(f"alloc_token_ids has {len(request.alloc_token_ids)} entries but "
+                                      f"alloc_num_tokens adds up to {expected}; they must match")
+            alloc_tokens = _token_array(request.alloc_token_ids, "alloc_token_ids")
+    if len(request.fork_child_seq_ids) != len(request.fork_parent_seq_ids):
+        raise InvalidArgument(f"fork_child_seq_ids has {len(request.fork_child_seq_ids)} entries for "
+                              f"{len(request.fork_parent_seq_ids)} parents; they must match")
+    return StepBatch(
+        commit_seq_ids=commits, commit_num_computed_tokens=request.commit_num_computed_tokens,
+        free_seq_ids=frees,
+        append_seq_ids=ids, append_num_tokens=counts, append_token_ids=tokens, append_tokens_known=known,
+        alloc_seq_ids=allocs, alloc_num_tokens=request.alloc_num_tokens, alloc_token_ids=alloc_tokens,
+        alloc_priorities=priorities, alloc_salts=salts,
+        fork_parent_seq_ids=request.fork_parent_seq_ids, fork_child_seq_ids=request.fork_child_seq_ids,
+        swap_in_seq_ids=request.swap_in_seq_ids, tenant=tenant,
+    )
+
+
 class CoreStage:
-    """Applies one RPC to the core under the state lock (the pipeline's last stage)."""
+    """Applies one RPC to the core under the state lock (the pipeline's last stage).
+
+    Each handler translates its request, holds the lock only for the core call and the
+    event drain, and builds the reply outside it. A stage before this one that must do
+    more in the same critical section (the reliability stage: leases, journal) holds
+    the lock around the call; the lock is reentrant."""
 
     def __init__(self, core: BlockManager, lock: threading.RLock) -> None:
         self.core = core
         self.lock = lock  # the state lock: every stage that touches state takes this one
         self.events_hub: EventHub | None = None  # set by server.py (block_manager_svc/events.py)
         self.log_limit = LogLimiter()  # rejections are the client's doing: rate-limited lines
+        # While the reliability stage journals a request (under the lock): the commands applied.
+        self.record: list[cmds.Command] | None = None
+        # RPC name -> bound handler, looked up once per call (no getattr on the hot path).
+        self.handlers: dict[str, Callable[[Any, Any, str | None], Any]] = {
+            name: getattr(self, name) for name in (*MUTATIONS, "GetBlockTable", "GetStats", "GetConfig")
+        }
 
     def apply(self, name: str, request: Any, context: Any, tenant: str | None = None) -> Any:
         """Run RPC `name`; `tenant` (None with authentication off) owns the KV events it produces."""
-        return getattr(self, name)(request, context, tenant)
+        return self.handlers[name](request, context, tenant)
 
     def _drain_events(self, tenant: str | None) -> None:
         """Hand the events the last core call produced to the hub (under the lock)."""
@@ -209,52 +314,80 @@ class CoreStage:
     ) -> NoReturn:
         self.log_limit.info(log, "request_rejected", method=method, seq_id=seq_id, code=err.code.name,
                             reason=err.message, request_id=request_id_of(context, request))
-        context.abort(STATUS_BY_CODE[err.code], err.message)
-        raise AssertionError("unreachable")  # context.abort raises
+        code = STATUS_BY_CODE[err.code]
+        abort_with_status = getattr(context, "abort_with_status", None)
+        if abort_with_status is None:  # a test double
+            context.abort(code, err.message)
+        else:
+            abort_with_status(rich_status(code, err.message, err.reason, seq_id))
+        raise AssertionError("unreachable")  # aborting raises
 
-    def Allocate(self, request: pb.AllocateRequest, context: Any, tenant: str | None = None) -> pb.AllocateResponse:
-        r = self._mutate(context, "Allocate", request.seq_id, request, tenant, lambda: self.core.allocate(
-            request.seq_id, request.num_tokens, request.token_ids or None, request.priority, request.cache_salt,
-            tenant or "",
-        ))
+    def Allocate(
+        self, request: pb.AllocateRequest, context: Any, tenant: str | None = None
+    ) -> pb.AllocateResponse:
+        try:
+            with self.lock:
+                r = self.core.allocate(request.seq_id, request.num_tokens, request.token_ids or None,
+                                       request.priority, request.cache_salt, tenant or "")
+                if self.record is not None:
+                    self.record.append(cmds.Allocate(request.seq_id, request.num_tokens,
+                                                     list(request.token_ids) or None, request.priority,
+                                                     request.cache_salt, tenant or ""))
+                self._drain_events(tenant)
+        except CoreError as e:
+            self._abort(context, "Allocate", e, request.seq_id, request)
         return pb.AllocateResponse(block_ids=r.block_ids, num_cached_tokens=r.num_cached_tokens)
 
     def Append(self, request: pb.AppendRequest, context: Any, tenant: str | None = None) -> pb.AppendResponse:
-        r = self._mutate(context, "Append", request.seq_id, request, tenant,
-                         lambda: self.core.append(request.seq_id, request.num_tokens, request.token_ids or None))
+        try:
+            with self.lock:
+                r = self.core.append(request.seq_id, request.num_tokens, request.token_ids or None)
+                if self.record is not None:
+                    self.record.append(cmds.Append(request.seq_id, request.num_tokens,
+                                                   list(request.token_ids) or None))
+                self._drain_events(tenant)
+        except CoreError as e:
+            self._abort(context, "Append", e, request.seq_id, request)
         if not r.new_block_ids:
             return pb.AppendResponse()
         if r.preempted:
-            log.info("preempted", method="Append", seq_id=request.seq_id,
-                     victims=[(p.seq_id, p.mode) for p in r.preempted], request_id=request_id_of(context, request))
+            log.info(
+                "preempted",
+                method="Append",
+                seq_id=request.seq_id,
+                victims=[(p.seq_id, p.mode) for p in r.preempted],
+                request_id=request_id_of(context, request),
+            )
         return pb.AppendResponse(
             new_block_ids=r.new_block_ids, ops=ops_to_proto(r.ops), replaced_last_block=r.replaced_last_block,
             preempted=preemptions_to_proto(r.preempted),
         )
 
-    def _mutate(self, context: Any, method: str, seq_id: str, request: Any, tenant: str | None,
-                call: Callable[[], _R]) -> _R:
-        """One core mutation under the lock, its events published with the caller's tenant, a core
-        error mapped to its status (``_abort`` raises)."""
+    def Fork(self, request: pb.ForkRequest, context: Any, tenant: str | None = None) -> pb.ForkResponse:
         try:
             with self.lock:
-                result = call()
+                blocks = self.core.fork(request.parent_seq_id, request.child_seq_id)
+                if self.record is not None:
+                    self.record.append(cmds.Fork(request.parent_seq_id, request.child_seq_id))
                 self._drain_events(tenant)
         except CoreError as e:
-            self._abort(context, method, e, seq_id, request)
-        return result
-
-    def Fork(self, request: pb.ForkRequest, context: Any, tenant: str | None = None) -> pb.ForkResponse:
-        blocks = self._mutate(context, "Fork", request.child_seq_id, request, tenant,
-                              lambda: self.core.fork(request.parent_seq_id, request.child_seq_id))
+            self._abort(context, "Fork", e, request.child_seq_id, request)
         return pb.ForkResponse(block_ids=blocks)
 
     def Free(self, request: pb.FreeRequest, context: Any, tenant: str | None = None) -> pb.FreeResponse:
-        released = self._mutate(context, "Free", request.seq_id, request, tenant,
-                                lambda: self.core.free(request.seq_id))
+        try:
+            with self.lock:
+                released = self.core.free(request.seq_id)
+                if self.record is not None:
+                    self.record.append(cmds.Free(request.seq_id))
+                self._drain_events(tenant)
+        except CoreError as e:
+            self._abort(context, "Free", e, request.seq_id, request)
         return pb.FreeResponse(num_blocks_released=released)
 
-    def GetBlockTable(self, request: pb.GetBlockTableRequest, context: Any, tenant: str | None = None) -> pb.BlockTable:
+    def GetBlockTable(
+        self, request: pb.GetBlockTableRequest, context: Any, tenant: str | None = None
+    ) -> pb.BlockTable:
         try:
             with self.lock:
                 table = self.core.block_table(request.seq_id)
@@ -266,53 +399,62 @@ class CoreStage:
         )
 
     def SwapIn(self, request: pb.SwapInRequest, context: Any, tenant: str | None = None) -> pb.SwapInResponse:
-        r = self._mutate(context, "SwapIn", request.seq_id, request, tenant, lambda: self.core.swap_in(request.seq_id))
+        try:
+            with self.lock:
+                r = self.core.swap_in(request.seq_id)
+                if self.record is not None:
+                    self.record.append(cmds.SwapIn(request.seq_id))
+                self._drain_events(tenant)
+        except CoreError as e:
+            self._abort(context, "SwapIn", e, request.seq_id, request)
         return swap_in_to_proto(r)
 
-    def Preempt(self, request: pb.PreemptRequest, context: Any, tenant: str | None = None) -> pb.PreemptResponse:
-        preempted, ops = self._mutate(context, "Preempt", request.seq_id, request, tenant,
-                                      lambda: self.core.preempt(request.seq_id, request.mode or None))
+    def Preempt(
+        self, request: pb.PreemptRequest, context: Any, tenant: str | None = None
+    ) -> pb.PreemptResponse:
+        try:
+            with self.lock:
+                preempted, ops = self.core.preempt(request.seq_id, request.mode or None)
+                if self.record is not None:
+                    self.record.append(cmds.Preempt(request.seq_id, request.mode or None))
+                self._drain_events(tenant)
+        except CoreError as e:
+            self._abort(context, "Preempt", e, request.seq_id, request)
         log.info("preempted", method="Preempt", seq_id=request.seq_id,
                  victims=[(p.seq_id, p.mode) for p in preempted], request_id=request_id_of(context, request))
         return pb.PreemptResponse(preempted=preemptions_to_proto(preempted), ops=ops_to_proto(ops))
 
     def Commit(self, request: pb.CommitRequest, context: Any, tenant: str | None = None) -> pb.CommitResponse:
-        n = self._mutate(context, "Commit", request.seq_id, request, tenant,
-                         lambda: self.core.commit(request.seq_id, request.num_computed_tokens))
+        try:
+            with self.lock:
+                n = self.core.commit(request.seq_id, request.num_computed_tokens)
+                if self.record is not None:
+                    self.record.append(cmds.Commit(request.seq_id, request.num_computed_tokens))
+                self._drain_events(tenant)
+        except CoreError as e:
+            self._abort(context, "Commit", e, request.seq_id, request)
         return pb.CommitResponse(num_committed_blocks=n)
 
     def Step(self, request: pb.StepRequest, context: Any, tenant: str | None = None) -> pb.StepResponse:
-        sub_frees = [f.seq_id for f in request.frees]
-        frees = sub_frees + list(request.free_seq_ids) if request.free_seq_ids else sub_frees
-        na = len(request.alloc_seq_ids)
-        if request.alloc_lease_ids and len(request.alloc_lease_ids) != na:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"alloc_lease_ids has {len(request.alloc_lease_ids)} entries for {na} allocations; "
-                          "one each, or none")
+        return self.step(request, context, tenant)[0]
+
+    def step(
+        self, request: pb.StepRequest, context: Any, tenant: str | None
+    ) -> tuple[pb.StepResponse, StepResult]:
+        """Step, and the core's result (the reliability stage reads which allocations and forks
+        applied from it, for their leases)."""
+        if request.frees:
+            frees: Any = [f.seq_id for f in request.frees]
+            frees.extend(request.free_seq_ids)
+        else:
+            frees = request.free_seq_ids
         sub = _SubAppends(request) if request.appends else None
-        # Everything but the appends is packed on the wire; appends are packed or sub-messages.
-        rest: dict[str, Any] = dict(
-            commit_seq_ids=request.commit_seq_ids,
-            commit_num_computed_tokens=request.commit_num_computed_tokens,
-            alloc_seq_ids=request.alloc_seq_ids,
-            alloc_num_tokens=request.alloc_num_tokens,
-            alloc_token_ids=request.alloc_token_ids,
-            alloc_priorities=request.alloc_priorities,
-            alloc_salts=request.alloc_cache_salts,
-            fork_parent_seq_ids=request.fork_parent_seq_ids,
-            fork_child_seq_ids=request.fork_child_seq_ids,
-            tenant=tenant or "",
-        )
         try:
+            batch = step_batch(request, tenant or "", sub, frees)
             with self.lock:
-                if sub is None:
-                    r = self.core.step(
-                        request.append_seq_ids, request.append_num_tokens or None, request.append_token_ids or None,
-                        frees, request.swap_in_seq_ids, **rest,
-                    )
-                else:
-                    r = self.core.step(sub.ids, sub.counts, sub.tokens, frees, request.swap_in_seq_ids,
-                                       append_tokens_known=sub.known, **rest)
+                r = self.core.step(batch)
+                if self.record is not None:
+                    self.record.append(cmds.Step.of(batch))
                 self._drain_events(tenant)
                 available = self.core.pool.num_available
                 drops = self.core.prefix_cache_drops
@@ -325,9 +467,11 @@ class CoreStage:
             prefix_cache_drops=drops,
         )
         if sub is None:
-            resp.packed_new_block_index.extend(r.new_block_index)
-            resp.packed_new_block_ids.extend(r.new_block_ids)
-            resp.packed_replaced_index.extend(r.replaced_index)
+            if r.new_block_ids:
+                resp.packed_new_block_index.extend(r.new_block_index)
+                resp.packed_new_block_ids.extend(r.new_block_ids)
+            if r.replaced_index:
+                resp.packed_replaced_index.extend(r.replaced_index)
         else:
             sub.split_results(r, resp)
         ops = r.ops
@@ -343,14 +487,20 @@ class CoreStage:
                      request_id=request_id_of(context, request))
         if ops:
             resp.ops.CopyFrom(ops_to_proto(ops))
-        if na:
+        if r.alloc_num_cached_tokens:
             resp.alloc_num_cached_tokens.extend(r.alloc_num_cached_tokens)
             resp.packed_alloc_block_index.extend(r.alloc_block_index)
             resp.packed_alloc_block_ids.extend(r.alloc_block_ids)
-        n_sub = len(sub_frees)
+        n_sub = len(request.frees)
         for released in r.released[:n_sub]:
             resp.frees.add(num_blocks_released=released)
-        errors = resp.errors
+        if (r.commit_errors or r.free_errors or r.append_errors or r.alloc_errors or r.fork_errors
+                or r.swap_in_errors or (sub is not None and sub.bad)):
+            self._step_errors(request, context, r, sub, resp.errors, n_sub)
+        return resp, r
+
+    def _step_errors(self, request: pb.StepRequest, context: Any, r: StepResult, sub: _SubAppends | None,
+                     errors: Any, n_sub: int) -> None:
         for err in r.commit_errors:
             errors.append(_item_error(pb.StepItemError.COMMIT, err))
         for err in r.free_errors:
@@ -369,10 +519,8 @@ class CoreStage:
             errors.append(_item_error(pb.StepItemError.FORK, err))
         for err in r.swap_in_errors:
             errors.append(_item_error(pb.StepItemError.SWAP_IN, err))
-        if errors:
-            self.log_limit.info(log, "step_item_errors", count=len(errors), first=errors[0].message,
-                                request_id=request_id_of(context, request))
-        return resp
+        self.log_limit.info(log, "step_item_errors", count=len(errors), first=errors[0].message,
+                            request_id=request_id_of(context, request))
 
     def GetStats(self, request: pb.GetStatsRequest, context: Any, tenant: str | None = None) -> pb.Stats:
         with self.lock:
@@ -407,6 +555,8 @@ class CoreStage:
         """Forget every prefix-cache hash (their KV is gone: a new cache host). Cannot fail."""
         with self.lock:
             cleared, freed = self.core.reset_prefix_cache()
+            if self.record is not None:
+                self.record.append(cmds.ResetPrefixCache())
             self._drain_events(tenant)
         log.info("prefix_cache_reset", blocks_cleared=cleared, blocks_freed=freed)
         return pb.ResetPrefixCacheResponse(num_blocks_cleared=cleared, num_blocks_freed=freed)

@@ -143,7 +143,7 @@ def scan(state_dir: Path, after_seq: int, report: ScanReport, repair: bool = Tru
     """
     segments = list_segments(state_dir)
     expected = after_seq + 1
-    for i, (first, path) in enumerate(segments):
+    for i, (_first, path) in enumerate(segments):
         buf = path.read_bytes()
         report.segments += 1
         pos = 0

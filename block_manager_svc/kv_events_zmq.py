@@ -50,7 +50,7 @@ import msgspec
 import structlog
 import zmq
 
-from block_manager_svc.events import CLEARED
+from block_manager_svc.core.kv_events import ALL_BLOCKS_CLEARED, AllBlocksCleared, BlockStored, PoolEvent
 from pagedkv.tls import is_loopback
 
 log = structlog.get_logger("pagedkv.block_manager")
@@ -129,17 +129,17 @@ class ZmqKvEventPublisher:
             self._close_sockets()
             raise RuntimeError(f"cannot bind KV-event endpoint: {e}") from e
         # Subscribers must forget what they knew of this pool (a restart, or a new pool).
-        self._queue.put_nowait((0, CLEARED, b"", None, None))
+        self._queue.put_nowait((0, ALL_BLOCKS_CLEARED))
         self._thread = threading.Thread(target=self._run, name="kv-events-zmq", daemon=True)
         self._thread.start()
 
     # --- the hub's side (under the state lock: never blocks) -------------------------------
-    def __call__(self, version: int, block: int, h: bytes, parent: bytes | None, tokens: Any) -> None:
+    def __call__(self, version: int, event: PoolEvent) -> None:
         if self._lost:
             self.num_lost_events += 1
             return
         try:
-            self._queue.put_nowait((version, block, h, parent, tokens))
+            self._queue.put_nowait((version, event))
         except queue.Full:
             self._lost = True
             self.num_lost_events += 1
@@ -183,7 +183,7 @@ class ZmqKvEventPublisher:
         log.warning("kv_events_overflow", lost_events=self.num_lost_events, queue_size=self.config.queue_size)
         self._publish([self._cleared()])
 
-    def _events(self, items: list[tuple[int, int, bytes, bytes | None, Any]]) -> list[Any]:
+    def _events(self, items: list[tuple[int, PoolEvent]]) -> list[Any]:
         """Coalesce consecutive stored blocks of one chain, and consecutive removals."""
         out: list[Any] = []
         run_kind = ""  # "stored" or "removed"
@@ -198,20 +198,22 @@ class ZmqKvEventPublisher:
             elif run_kind == "removed":
                 out.append(self._removed(hashes))
 
-        for _version, block, h, par, toks in items:
-            if block == CLEARED:
+        for _version, ev in items:
+            if isinstance(ev, AllBlocksCleared):
                 flush()
                 run_kind, hashes, tokens = "", [], []
                 out.append(self._cleared())
                 continue
-            kind = "stored" if block >= 0 else "removed"
-            if kind != run_kind or (kind == "stored" and par != last):
+            stored = isinstance(ev, BlockStored)
+            kind = "stored" if stored else "removed"
+            par = ev.parent_hash if isinstance(ev, BlockStored) else None
+            if kind != run_kind or (stored and par != last):
                 flush()
                 run_kind, hashes, tokens, parent = kind, [], [], par
-            hashes.append(external_hash(h))
-            if kind == "stored" and toks is not None:
-                tokens.extend(toks)
-            last = h
+            hashes.append(external_hash(ev.block_hash))
+            if isinstance(ev, BlockStored) and ev.token_ids is not None:
+                tokens.extend(ev.token_ids)
+            last = ev.block_hash
         flush()
         return out
 

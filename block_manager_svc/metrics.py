@@ -65,17 +65,24 @@ class CoreCollector(Collector):
         yield g
         yield GaugeMetricFamily("pagedkv_hashed_blocks", "blocks findable in the prefix cache",
                                 value=s.num_hashed_blocks)
-        yield CounterMetricFamily("pagedkv_prefix_query_tokens", "prompt tokens looked up in the prefix cache",
-                                  value=s.prefix_query_tokens)
+        yield CounterMetricFamily(
+            "pagedkv_prefix_query_tokens",
+            "prompt tokens looked up in the prefix cache",
+            value=s.prefix_query_tokens,
+        )
         yield CounterMetricFamily("pagedkv_prefix_hit_tokens", "prompt tokens served from the prefix cache",
                                   value=s.prefix_hit_tokens)
-        yield CounterMetricFamily("pagedkv_evicted_blocks", "cached blocks evicted", value=s.num_evicted_blocks)
+        yield CounterMetricFamily(
+            "pagedkv_evicted_blocks", "cached blocks evicted", value=s.num_evicted_blocks
+        )
         yield CounterMetricFamily("pagedkv_cow_copies", "copy-on-write block copies", value=s.num_cow_copies)
         c = CounterMetricFamily("pagedkv_preemptions", "sequences preempted, by kind", labels=["kind"])
         c.add_metric(["swap"], s.num_preemptions_swap)
         c.add_metric(["recompute"], s.num_preemptions_recompute)
         yield c
-        c = CounterMetricFamily("pagedkv_swapped_blocks", "blocks swapped, by direction", labels=["direction"])
+        c = CounterMetricFamily(
+            "pagedkv_swapped_blocks", "blocks swapped, by direction", labels=["direction"]
+        )
         c.add_metric(["out"], s.num_swapped_out_blocks)
         c.add_metric(["in"], s.num_swapped_in_blocks)
         yield c
@@ -83,18 +90,27 @@ class CoreCollector(Collector):
         yield CounterMetricFamily("pagedkv_kv_events", "KV events produced (the last version)", value=version)
         if tenants is not None:
             fams = [
-                GaugeMetricFamily("pagedkv_tenant_gpu_blocks", "GPU blocks charged to a tenant", labels=["tenant"]),
-                GaugeMetricFamily("pagedkv_tenant_cpu_blocks", "CPU blocks charged to a tenant", labels=["tenant"]),
+                GaugeMetricFamily(
+                    "pagedkv_tenant_gpu_blocks", "GPU blocks charged to a tenant", labels=["tenant"]
+                ),
+                GaugeMetricFamily(
+                    "pagedkv_tenant_cpu_blocks", "CPU blocks charged to a tenant", labels=["tenant"]
+                ),
                 GaugeMetricFamily("pagedkv_tenant_sequences", "a tenant's live sequences", labels=["tenant"]),
-                CounterMetricFamily("pagedkv_tenant_prefix_query_tokens", "a tenant's prompt tokens looked up",
-                                    labels=["tenant"]),
-                CounterMetricFamily("pagedkv_tenant_prefix_hit_tokens", "a tenant's prompt tokens hit",
-                                    labels=["tenant"]),
-                CounterMetricFamily("pagedkv_tenant_preemptions", "a tenant's sequences preempted",
-                                    labels=["tenant"]),
+                CounterMetricFamily(
+                    "pagedkv_tenant_prefix_query_tokens",
+                    "a tenant's prompt tokens looked up",
+                    labels=["tenant"],
+                ),
+                CounterMetricFamily(
+                    "pagedkv_tenant_prefix_hit_tokens", "a tenant's prompt tokens hit", labels=["tenant"]
+                ),
+                CounterMetricFamily(
+                    "pagedkv_tenant_preemptions", "a tenant's sequences preempted", labels=["tenant"]
+                ),
             ]
             for t, values in sorted(tenants.items()):
-                for fam, v in zip(fams, values):
+                for fam, v in zip(fams, values, strict=True):
                     fam.add_metric([t], v)
             yield from fams
 

@@ -22,13 +22,13 @@ exactly. Every mutation runs through one path, :meth:`ReliableStage.run`:
 With no ``--state-dir``, no ``request_id``, no lease in use and none named,
 step 1 and one branch are all that is added to the core stage.
 
-The journal records what a request did, not the request: the core and lease
-commands it applied (block_manager_svc/commands.py, captured by a recording
-view of the core while the core stage runs) and, for a request with an id, the
-reply it got. Recovery loads the snapshot (an explicit state export,
-block_manager_svc/snapshot.py) and calls the same core and lease methods
-again with the same arguments, so block tables, ref counts, the prefix index,
-eviction order and the dedupe window come back exactly.
+The journal records what a request did, not the request: the explicit core and
+lease commands it applied (block_manager_svc/commands.py; the core stage records
+its core calls, `_do` this stage's lease bookkeeping) and, for a request with an
+id, the reply it got. Recovery loads the snapshot (an explicit state export,
+block_manager_svc/snapshot.py) and applies the same commands again, so block
+tables, ref counts, the prefix index, eviction order and the dedupe window come
+back exactly.
 """
 
 from __future__ import annotations
@@ -46,15 +46,16 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import structlog
 
+from block_manager_svc import commands as cmds
 from block_manager_svc import snapshot as snap
 from block_manager_svc import state_export
-from block_manager_svc import commands as cmds
-from block_manager_svc.commands import Batch, Command, DedupeEntry, ReplayError, Tap
+from block_manager_svc.commands import Batch, Command, DedupeEntry, ReplayError
 from block_manager_svc.core import CoreError
+from block_manager_svc.core.results import StepResult
+from block_manager_svc.handlers import MUTATIONS, CoreStage
 from block_manager_svc.idempotency import DedupeTable, RequestIdReused, WaitTimeout, digest
 from block_manager_svc.journal import Journal, Record, ScanReport, scan
 from block_manager_svc.leases import MAX_LEASE_ID_LEN, LeaseTable
-from block_manager_svc.handlers import MUTATIONS, CoreStage
 from pagedkv.v1 import block_manager_pb2 as pb
 
 if TYPE_CHECKING:
@@ -65,6 +66,9 @@ log = structlog.get_logger("pagedkv.block_manager")
 MAX_TTL_MS = 24 * 3600 * 1000
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["BlockManager"]
+# Mutations that never add or remove a sequence's lease (with no request id and no journal,
+# they go straight to the core stage).
+_NO_LEASE_WORK = frozenset({"Append", "Commit", "SwapIn", "Preempt", "ResetPrefixCache"})
 
 
 def _response_type(method: str) -> Any:
@@ -134,10 +138,10 @@ class ReliableStage:
                           f"{name}: the deadline passed before the request was processed; nothing changed")
         rid = request.request_id
         journal = self.journal
+        if not rid and journal is None and not self._needs_leases(name, request):
+            return self.core_stage.handlers[name](request, context, tenant)  # the hot path: nothing to add
         lease_id = getattr(request, "lease_id", "")
         alloc_leases = request.alloc_lease_ids if name == "Step" else ()
-        if not rid and journal is None and not lease_id and not alloc_leases and not self.leases:
-            return self._apply(name, request, context, tenant)[0]  # the hot path
         for lid in (lease_id, *alloc_leases) if alloc_leases else (lease_id,):
             if len(lid) > MAX_LEASE_ID_LEN:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -181,41 +185,80 @@ class ReliableStage:
             if rid:
                 self.dedupe.end(rid)
 
+    def _needs_leases(self, name: str, request: Any) -> bool:
+        """Whether mutation `name` has lease bookkeeping to do (see `_apply`): it names a
+        lease, or it adds or removes sequences while some sequence holds a lease."""
+        if name in _NO_LEASE_WORK:
+            return False
+        if name == "Step":
+            return bool(request.alloc_lease_ids) or bool(self.leases.lease_of)
+        if name == "KeepAlive":
+            return True
+        return bool(getattr(request, "lease_id", "")) or bool(self.leases.lease_of)
+
     def _apply(self, name: str, request: Any, context: Any, tenant: str | None) -> tuple[Any, bool]:
         """Apply one command under the state lock: (reply, whether state changed)."""
         if name == "KeepAlive":
             return self._keepalive(request, context)
-        response = self.core_stage.apply(name, request, context, tenant)
         leases = self.leases
+        do = self._do
+        if name == "Step":
+            response, result = self.core_stage.step(request, context, tenant)
+            if leases.lease_of:
+                frees = [f.seq_id for f in request.frees]
+                frees.extend(request.free_seq_ids)
+                if frees:
+                    do(cmds.LeaseDetachAll(frees))
+            self._step_leases(request, result)
+            return response, True
+        response = self.core_stage.handlers[name](request, context, tenant)
         if name == "Allocate":
             if request.lease_id:
-                leases.attach(request.seq_id, request.lease_id)
+                do(cmds.LeaseAttach(request.seq_id, request.lease_id))
             elif leases.lease_of:
-                leases.detach(request.seq_id)
+                do(cmds.LeaseDetach(request.seq_id))
         elif name == "Fork":
             lid = request.lease_id or leases.lease_of.get(request.parent_seq_id)
             if lid:
-                leases.attach(request.child_seq_id, lid)
+                do(cmds.LeaseAttach(request.child_seq_id, lid))
         elif name == "Free":
-            leases.detach(request.seq_id)
-        elif name == "Step":
-            if leases.lease_of:
-                leases.detach_all(f.seq_id for f in request.frees)
-                leases.detach_all(request.free_seq_ids)
-            _step_leases(leases, request, response)
+            do(cmds.LeaseDetach(request.seq_id))
         return response, True
+
+    def _do(self, cmd: Command) -> Any:
+        """Apply a command this stage makes itself (lease bookkeeping, lease expiry) and record it
+        when the request is being journaled (under the state lock)."""
+        out = cmds.apply(cmd, self._core, self.leases)
+        record = self.core_stage.record
+        if record is not None:
+            record.append(cmd)
+        return out
+
+    def _step_leases(self, request: pb.StepRequest, result: StepResult) -> None:
+        """Leases of a Step's packed allocations and forks, like Allocate's and Fork's."""
+        leases = self.leases
+        if not (request.alloc_lease_ids or (request.fork_child_seq_ids and leases.lease_of)):
+            return
+        failed_allocs = {e.index for e in result.alloc_errors}
+        for j, lid in enumerate(request.alloc_lease_ids):
+            if lid and j not in failed_allocs:
+                self._do(cmds.LeaseAttach(request.alloc_seq_ids[j], lid))
+        failed_forks = {e.index for e in result.fork_errors}
+        for j, child in enumerate(request.fork_child_seq_ids):
+            lid = leases.lease_of.get(request.fork_parent_seq_ids[j])
+            if lid and j not in failed_forks:
+                self._do(cmds.LeaseAttach(child, lid))
 
     @contextmanager
     def _recording(self) -> Iterator[list[Command]]:
-        """Under the state lock: the handlers see recording views of the core and the
-        lease table, so what they change is captured as commands for the journal."""
+        """Under the state lock: the commands the request applies are collected for the journal
+        (the core stage and `_do` append to this list)."""
         commands: list[Command] = []
-        core, leases = self._core, self.leases
-        self._core, self.leases = Tap(core, cmds.CORE, commands), Tap(leases, cmds.LEASES, commands)  # type: ignore[assignment]
+        self.core_stage.record = commands
         try:
             yield commands
         finally:
-            self._core, self.leases = core, leases
+            self.core_stage.record = None
 
     # --- KeepAlive ------------------------------------------------------------------
     def _keepalive(self, request: pb.KeepAliveRequest, context: Any) -> tuple[pb.KeepAliveResponse, bool]:
@@ -233,11 +276,10 @@ class ReliableStage:
                 self._core.block_table(s)
             except CoreError as e:
                 self.core_stage._abort(context, "KeepAlive", e, s)
-        leases = self.leases
-        created = lid not in leases.leases
-        lease, changed = leases.touch(lid, request.ttl_ms / 1000.0 if request.ttl_ms else None)
+        created = lid not in self.leases.leases
+        lease, changed = self._do(cmds.LeaseTouch(lid, request.ttl_ms / 1000.0 if request.ttl_ms else None))
         for s in request.attach_seq_ids:
-            leases.attach(s, lid)
+            self._do(cmds.LeaseAttach(s, lid))
         resp = pb.KeepAliveResponse(
             ttl_ms=round(lease.ttl_s * 1000), num_sequences=len(lease.seq_ids), created=created
         )
@@ -246,16 +288,15 @@ class ReliableStage:
     # --- lease expiry -----------------------------------------------------------------
     def _expire_lease(self, lease_id: str) -> tuple[int, int]:
         """Free a lease's sequences in the core (under the lock): (sequences, blocks) freed."""
-        seqs = self.leases.drop(lease_id)
-        core = self._core
+        seqs = self._do(cmds.LeaseDrop(lease_id))
         freed = released = 0
         for s in seqs:
             try:
-                released += core.free(s)
+                released += self._do(cmds.Free(s))
             except CoreError:
-                continue  # already gone
+                continue  # already gone (a refused call is not recorded)
             freed += 1
-        self.leases.note_expired(freed)
+        self._do(cmds.LeaseNoteExpired(freed))
         return freed, released
 
     def sweep_leases(self) -> int:
@@ -269,7 +310,9 @@ class ReliableStage:
                 else:
                     with self._recording() as commands:
                         freed, released = self._expire_lease(lid)
-                    seq = self.journal.append(cmds.RECORD_NAME, cmds.encode_batch(Batch(commands)), time.time())
+                    seq = self.journal.append(
+                        cmds.RECORD_NAME, cmds.encode_batch(Batch(commands)), time.time()
+                    )
                 log.info("lease_expired", lease_id=lid, sequences_freed=freed, blocks_released=released)
         if seq:
             self.journal.wait_durable(seq)  # type: ignore[union-attr]
@@ -306,7 +349,9 @@ class ReliableStage:
             snap.write(state_dir, seq, payload, sync=journal.policy != "off")
             journal.delete_segments_before(seq + 1)
             self.last_snapshot_seq = seq
-            log.debug("snapshot_written", seq=seq, bytes=len(payload), seconds=round(time.perf_counter() - t0, 4))
+            log.debug(
+                "snapshot_written", seq=seq, bytes=len(payload), seconds=round(time.perf_counter() - t0, 4)
+            )
             return seq
 
     def recover(self, state_dir: Path) -> RecoveryReport:
@@ -354,17 +399,19 @@ class ReliableStage:
 
     def _replay(self, rec: Record) -> None:
         """Apply one journal record: its commands into the core and lease table, its dedupe entry."""
-        if rec.name != cmds.RECORD_NAME:
+        if rec.name not in (cmds.RECORD_NAME, cmds.RECORD_NAME_V2):
             raise ReplayError(
                 f"journal record {rec.seq} ({rec.name}) was written by an older version, which journaled "
                 "requests; start that version on this state dir and stop it cleanly (its final snapshot "
                 "covers the journal), then start this one"
             )
-        batch = cmds.decode_batch(rec.body)
-        targets = {cmds.CORE: self._core, cmds.LEASES: self.leases}
+        try:
+            batch = cmds.decode_batch(rec.body, rec.name)
+        except ReplayError as e:
+            raise ReplayError(f"journal record {rec.seq}: {e}") from None
         for cmd in batch.commands:
             try:
-                cmds.apply(cmd, targets)
+                cmds.replay(cmd, self._core, self.leases)
             except ReplayError as e:
                 raise ReplayError(f"journal record {rec.seq}: {e}") from None
         d = batch.dedupe
@@ -410,20 +457,6 @@ class ReliableStage:
         return rel
 
 
-def _step_leases(leases: LeaseTable, request: pb.StepRequest, response: pb.StepResponse) -> None:
-    """Leases of a Step's packed allocations and forks, like Allocate's and Fork's."""
-    if not (request.alloc_lease_ids or (request.fork_child_seq_ids and leases.lease_of)):
-        return
-    failed = {(e.kind, e.index) for e in response.errors}
-    for j, lid in enumerate(request.alloc_lease_ids):
-        if lid and (pb.StepItemError.ALLOCATE, j) not in failed:
-            leases.attach(request.alloc_seq_ids[j], lid)
-    for j, child in enumerate(request.fork_child_seq_ids):
-        lid = leases.lease_of.get(request.fork_parent_seq_ids[j])
-        if lid and (pb.StepItemError.FORK, j) not in failed:
-            leases.attach(child, lid)
-
-
 class Reliability:
     """Background threads (lease sweeper, snapshotter) and shutdown of the journal."""
 
@@ -447,7 +480,9 @@ class Reliability:
     def start(self) -> None:
         self._threads.append(threading.Thread(target=self._sweep_loop, name="bm-lease-sweeper", daemon=True))
         if self.servicer.journal is not None:
-            self._threads.append(threading.Thread(target=self._snapshot_loop, name="bm-snapshot", daemon=True))
+            self._threads.append(
+                threading.Thread(target=self._snapshot_loop, name="bm-snapshot", daemon=True)
+            )
         for t in self._threads:
             t.start()
 

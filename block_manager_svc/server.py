@@ -102,19 +102,33 @@ def start_server(settings: BlockManagerSettings) -> RunningServer:
     try:
         kv_events = start_kv_events(settings, servicer.events_hub)
         try:
-            metrics = MetricsServer(registry, settings.metrics_host, settings.metrics_port) if registry else None
+            metrics = (
+                MetricsServer(registry, settings.metrics_host, settings.metrics_port) if registry else None
+            )
         except OSError as e:
-            raise RuntimeError(f"cannot serve metrics on {settings.metrics_host}:{settings.metrics_port}: {e}") from e
+            raise RuntimeError(
+                f"cannot serve metrics on {settings.metrics_host}:{settings.metrics_port}: {e}"
+            ) from e
         # Each WatchEvents stream holds a thread for its lifetime: extra threads so they cannot starve RPCs.
         watchers = settings.max_event_watchers if settings.enable_kv_events else 0
         grpc_server = start_grpc_server(
-            settings.host, settings.port,
+            settings.host,
+            settings.port,
             lambda server: block_manager_pb2_grpc.add_BlockManagerServicer_to_server(servicer, server),
-            SERVICE_NAME, settings.max_workers + watchers, "bm-rpc",
-            tls_cert=settings.tls_cert, tls_key=settings.tls_key, tls_client_ca=settings.tls_client_ca,
-            allow_insecure=settings.allow_insecure, token_store=store, limiter=servicer.log_limit,
-            interceptors=[rpc_metrics] if rpc_metrics is not None else (),  # outermost: counts auth rejections
-            max_message_bytes=settings.max_message_bytes, maximum_concurrent_rpcs=settings.max_concurrent_rpcs,
+            SERVICE_NAME,
+            settings.max_workers + watchers,
+            "bm-rpc",
+            tls_cert=settings.tls_cert,
+            tls_key=settings.tls_key,
+            tls_client_ca=settings.tls_client_ca,
+            allow_insecure=settings.allow_insecure,
+            token_store=store,
+            limiter=servicer.log_limit,
+            interceptors=[rpc_metrics]
+            if rpc_metrics is not None
+            else (),  # outermost: counts auth rejections
+            max_message_bytes=settings.max_message_bytes,
+            maximum_concurrent_rpcs=settings.max_concurrent_rpcs,
             enable_reflection=settings.enable_reflection,
         )
     except RuntimeError:

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from block_manager_svc.handlers import CoreStage
 from block_manager_svc.core import BlockManager
+from block_manager_svc.handlers import CoreStage
 from block_manager_svc.reliability import ReliableStage
 from block_manager_svc.tenancy import NO_TENANCY, Tenancy
 from pagedkv.v1 import block_manager_pb2 as pb
@@ -59,6 +59,8 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
 
     # --- the pipeline ---------------------------------------------------------------------
     def _mutate(self, name: str, request: Any, context: Any) -> Any:
+        if self.tenancy is NO_TENANCY:  # authentication off: nothing to rewrite or map back
+            return self.reliable.run(name, request, context)
         scoped = self.tenancy.enter(name, request, context)
         response = self.reliable.run(name, scoped.request, scoped.context, scoped.tenant)
         return self.tenancy.leave(name, scoped, response)
@@ -111,7 +113,9 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
     def GetConfig(self, request: pb.GetConfigRequest, context: grpc.ServicerContext) -> pb.Config:
         return self.core_stage.GetConfig(request, context)
 
-    def WatchEvents(self, request: pb.WatchEventsRequest, context: grpc.ServicerContext) -> Iterator[pb.KvEvent]:
+    def WatchEvents(
+        self, request: pb.WatchEventsRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.KvEvent]:
         """KV events (BlockStored / BlockRemoved / AllBlocksCleared) for cache-aware routers."""
         hub = self.events_hub
         if hub is None:

@@ -49,7 +49,9 @@ class BlockManagerSettings(BaseSettings):
     prefill_tokens_per_s: float = Field(
         10_000.0, gt=0, description="prefill throughput in tokens/s (cost model of recompute)"
     )
-    enable_prefix_caching: bool = Field(True, description="look up and register prompt blocks by content hash")
+    enable_prefix_caching: bool = Field(
+        True, description="look up and register prompt blocks by content hash"
+    )
     max_workers: int = Field(4, ge=1, le=256, description="gRPC server threads")
     max_concurrent_rpcs: int = Field(
         256, ge=1, description="RPCs in flight before new ones get RESOURCE_EXHAUSTED"
@@ -60,13 +62,19 @@ class BlockManagerSettings(BaseSettings):
     log_format: Literal["console", "json"] = Field("console", description="key=value or JSON lines")
     grace_period_s: float = Field(5.0, ge=0, description="seconds in-flight RPCs get on SIGTERM")
     # Reliability (docs/reliability.md).
-    state_dir: str = Field("", description="journal + snapshots here; restart restores the state (empty = memory only)")
+    state_dir: str = Field(
+        "", description="journal + snapshots here; restart restores the state (empty = memory only)"
+    )
     fsync: Literal["always", "batch", "off"] = Field(
         "always", description="journal fsync: before each reply, every --fsync-interval-ms, or never"
     )
     fsync_interval_ms: float = Field(5.0, gt=0, le=60_000, description="batch fsync period")
-    snapshot_every_ops: int = Field(20_000, ge=0, description="snapshot after this many journal records (0 = off)")
-    snapshot_interval_s: float = Field(60.0, ge=0, description="snapshot at least this often when changed (0 = off)")
+    snapshot_every_ops: int = Field(
+        20_000, ge=0, description="snapshot after this many journal records (0 = off)"
+    )
+    snapshot_interval_s: float = Field(
+        60.0, ge=0, description="snapshot at least this often when changed (0 = off)"
+    )
     dedupe_max_entries: int = Field(100_000, ge=0, description="request ids remembered for retries")
     dedupe_ttl_s: float = Field(600.0, ge=0, description="how long a request id is remembered")
     lease_ttl_s: float = Field(30.0, gt=0, description="TTL of a lease created without ttl_ms")
@@ -75,7 +83,9 @@ class BlockManagerSettings(BaseSettings):
     # Security and observability (docs/security.md, docs/observability.md).
     tls_cert: str = Field("", description="server certificate chain (PEM); with tls_key: serve TLS")
     tls_key: str = Field("", description="server private key (PEM)")
-    tls_client_ca: str = Field("", description="CA bundle (PEM) for client certificates: mutual TLS, required")
+    tls_client_ca: str = Field(
+        "", description="CA bundle (PEM) for client certificates: mutual TLS, required"
+    )
     allow_insecure: bool = Field(
         False, description="allow plaintext gRPC on a non-loopback address (trusted networks only)"
     )

@@ -9,16 +9,16 @@ one. After it is durable, journal segments it covers and older snapshots are
 deleted.
 
 File layout: ``MAGIC | u64 seq | u32 crc32(payload) | u64 len(payload) | payload``.
-``PKVSNAP2``: the payload is the msgpack document. ``PKVSNAP1`` (older
-versions): a pickle of the manager objects, still read so that a state dir
-written before the export existed starts up; it is rewritten as version 2 by
-the first snapshot after recovery.
+``PKVSNAP2``: the payload is the msgpack document. ``PKVSNAP1`` (versions
+before the export) was a pickle of the manager objects; it is refused, never
+unpickled: a state file must not be able to name code to run. Such a state
+dir is upgraded by starting the release that wrote it once and stopping it
+cleanly (its final snapshot is format 2).
 """
 
 from __future__ import annotations
 
 import os
-import pickle
 import re
 import struct
 import zlib
@@ -31,7 +31,7 @@ import msgspec
 from block_manager_svc.journal import fsync_dir, list_numbered
 
 MAGIC = b"PKVSNAP2"
-MAGIC_PICKLE = b"PKVSNAP1"  # format 1: read only
+MAGIC_PICKLE = b"PKVSNAP1"  # format 1 (a pickle): recognised only to be refused with advice
 HEADER = struct.Struct("<8sQIQ")
 SNAP_RE = re.compile(r"^snapshot-(\d{20})\.snap$")
 
@@ -93,10 +93,16 @@ def load_latest(state_dir: Path) -> Snapshot | None:
         raise SnapshotError(f"{path} is truncated ({len(buf)} bytes)")
     magic, hdr_seq, crc, length = HEADER.unpack_from(buf, 0)
     payload = buf[HEADER.size :]
-    if magic not in (MAGIC, MAGIC_PICKLE) or hdr_seq != seq or length != len(payload) or zlib.crc32(payload) != crc:
+    if magic == MAGIC_PICKLE:
+        raise SnapshotError(
+            f"{path} is a format-1 snapshot (a pickle), which this version does not load: a state file must "
+            "not be able to name code to run. Start the release that wrote it on this state dir and stop it "
+            "cleanly (its final snapshot is format 2), then start this one"
+        )
+    if magic != MAGIC or hdr_seq != seq or length != len(payload) or zlib.crc32(payload) != crc:
         raise SnapshotError(f"{path} is corrupt (bad header or checksum)")
     try:
-        state = msgspec.msgpack.decode(payload) if magic == MAGIC else pickle.loads(payload)
+        state = msgspec.msgpack.decode(payload)
     except Exception as e:
         raise SnapshotError(f"{path} cannot be loaded by this version: {e!r}") from e
     return Snapshot(seq=seq, state=state, size=len(buf))

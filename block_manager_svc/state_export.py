@@ -30,7 +30,11 @@ Not state: ``BlockPool.events`` when it holds the KV-event hub (wiring to watche
 after recovery) is written as None.
 
 Version 1 was a pickle of ``{"version": 1, "core": BlockManager, "leases", "dedupe"}``;
-snapshot.py still reads it, and :func:`restore` takes both.
+snapshot.py refuses it (a pickle can name code to run).
+
+Migrations live here and only here (the core carries no compatibility code):
+``_FIELD_DEFAULTS`` gives, per core class, the value of a field that a version-2
+document written before the field existed lacks.
 """
 
 from __future__ import annotations
@@ -38,10 +42,12 @@ from __future__ import annotations
 import importlib
 from array import array
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from block_manager_svc.core import BlockManager, CoreConfig
+from block_manager_svc.core.tenants import NULL_LEDGER
 
 VERSION = 2
 _CORE_PACKAGE = "block_manager_svc.core"
@@ -89,10 +95,8 @@ def config_of(doc: dict[str, Any]) -> CoreConfig:
 def restore(doc: Any) -> State:
     """A state from a document of version 2, or from a version-1 (pickled) snapshot."""
     version = doc.get("version") if isinstance(doc, dict) else None
-    if version == 1:
-        return State(doc["core"], doc["leases"], doc["dedupe"])
     if version != VERSION:
-        raise StateError(f"unknown state format version {version!r} (this version reads 1 and {VERSION})")
+        raise StateError(f"unknown state format version {version!r} (this version reads {VERSION})")
     dec = _Decoder()
     core = dec.node(doc["core"])
     if not isinstance(core, BlockManager):
@@ -201,7 +205,7 @@ class _Decoder:
             keys, values = x[2], x[3]
             if list in set(map(type, keys)) or list in set(map(type, values)):
                 keys, values = [self.node(k) for k in keys], [self.node(v) for v in values]
-            d.update(zip(keys, values))
+            d.update(zip(keys, values, strict=True))
             return d
         if tag == "set":
             s = self._keep(set())
@@ -213,10 +217,33 @@ class _Decoder:
             return self._keep(bytearray(x[2]))
         if tag == "obj":
             obj = self._keep(_new_object(x[2]))
-            for name, v in zip(x[3], x[4]):
+            for name, v in zip(x[3], x[4], strict=True):
                 object.__setattr__(obj, name, self.node(v))
+            _migrate(obj, set(x[3]))
             return obj
         raise StateError(f"unknown node tag {tag!r}")
+
+
+def _null_ledger(obj: Any) -> Any:
+    return NULL_LEDGER
+
+
+# The migrations: class name -> (field, its value from the object as loaded) for fields that
+# documents written before the field existed lack. Before Commit existed, the manager registered
+# everything a sequence held, so all of it counts as committed.
+_FIELD_DEFAULTS: dict[str, tuple[tuple[str, Callable[[Any], Any]], ...]] = {
+    "SeqState": (("num_committed", lambda s: s.num_tokens), ("pending_hashes", lambda s: []),
+                 ("tenant", lambda s: "")),
+    "BlockManager": (("ledger", _null_ledger), ("num_prefix_cache_resets", lambda m: 0),
+                     ("num_committed_blocks", lambda m: 0)),
+    "BlockPool": (("events", lambda p: None),),
+}
+
+
+def _migrate(obj: Any, present: set[str]) -> None:
+    for name, default in _FIELD_DEFAULTS.get(type(obj).__qualname__, ()):
+        if name not in present:
+            object.__setattr__(obj, name, default(obj))
 
 
 def _new_object(qualified: str) -> Any:

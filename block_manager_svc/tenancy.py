@@ -25,11 +25,11 @@ unless it is an admin.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
-
-from dataclasses import dataclass
+from google.rpc import error_details_pb2, status_pb2
 
 from block_manager_svc.core.sequence import MAX_SEQ_ID_LEN
 from block_manager_svc.core.tenants import Quota, TenantLedger
@@ -53,12 +53,42 @@ class _ScopedContext:
         self._strip = (prefix, repr(prefix)[1:-1])  # ids appear raw and inside repr()
 
     def abort(self, code: grpc.StatusCode, details: str) -> None:
+        self._ctx.abort(code, self._unscope(details))
+
+    def abort_with_status(self, status: grpc.Status) -> None:
+        """The rich status with the namespace taken off its message and ErrorInfo metadata."""
+        if not hasattr(self._ctx, "abort_with_status"):  # a test double
+            self.abort(status.code, status.details)
+            return
+        unscoped = []
+        for key, value in status.trailing_metadata or ():
+            if key == "grpc-status-details-bin":
+                s = status_pb2.Status.FromString(value)
+                s.message = self._unscope(s.message)
+                for detail in s.details:
+                    info = error_details_pb2.ErrorInfo()
+                    if detail.Unpack(info):
+                        for k, v in list(info.metadata.items()):
+                            info.metadata[k] = self._unscope(v)
+                        detail.Pack(info)
+                value = s.SerializeToString()
+            unscoped.append((key, value))
+        self._ctx.abort_with_status(_Status(status.code, self._unscope(status.details), tuple(unscoped)))
+
+    def _unscope(self, text: str) -> str:
         for p in self._strip:
-            details = details.replace(p, "")
-        self._ctx.abort(code, details)
+            text = text.replace(p, "")
+        return text
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._ctx, name)
+
+
+@dataclass(frozen=True, slots=True)
+class _Status(grpc.Status):
+    code: grpc.StatusCode
+    details: str
+    trailing_metadata: tuple[tuple[str, str | bytes], ...]
 
 
 def ledger_from_store(store: TokenStore) -> TenantLedger:
@@ -89,7 +119,9 @@ class NoTenancy:
     def leave(self, name: str, scoped: Scoped, response: Any) -> Any:
         return response
 
-    def own_stats(self, request: pb.GetStatsRequest, context: Any, core: BlockManager, lock: Any) -> pb.Stats | None:
+    def own_stats(
+        self, request: pb.GetStatsRequest, context: Any, core: BlockManager, lock: Any
+    ) -> pb.Stats | None:
         return None
 
 
@@ -129,7 +161,9 @@ class TenantScope:
             _step_reply(response, scoped.prefix)
         return response
 
-    def own_stats(self, request: pb.GetStatsRequest, context: Any, core: BlockManager, lock: Any) -> pb.Stats | None:
+    def own_stats(
+        self, request: pb.GetStatsRequest, context: Any, core: BlockManager, lock: Any
+    ) -> pb.Stats | None:
         """A non-admin tenant's own numbers (None for an admin: the whole pool's)."""
         t = _tenant(context)
         if t.admin:
@@ -173,9 +207,13 @@ def _check(context: Any, value: str, what: str, limit: int, empty_ok: bool = Fal
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{what} must not be empty")
         return
     if len(value) > limit:
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{what} is {len(value)} characters long; the limit is {limit}")
+        context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT, f"{what} is {len(value)} characters long; the limit is {limit}"
+        )
     if not value.isprintable():
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{what} must be printable text (no control characters)")
+        context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT, f"{what} must be printable text (no control characters)"
+        )
 
 
 def _common(request: Any, context: Any, p: str) -> None:

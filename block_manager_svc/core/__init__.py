@@ -28,6 +28,7 @@ from block_manager_svc.core.results import (
     Stats,
     StepResult,
 )
+from block_manager_svc.core.step_batch import StepBatch
 
 __all__ = [
     "AllocateResult",
@@ -45,5 +46,6 @@ __all__ = [
     "NotFound",
     "ResourceExhausted",
     "Stats",
+    "StepBatch",
     "StepResult",
 ]

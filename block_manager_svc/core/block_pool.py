@@ -22,6 +22,7 @@ from __future__ import annotations
 from array import array
 
 from block_manager_svc.core.eviction import EvictionPolicy
+from block_manager_svc.core.kv_events import ALL_BLOCKS_CLEARED, BlockRemoved, BlockStored, PoolEvent
 
 
 class BlockPool:
@@ -64,23 +65,10 @@ class BlockPool:
         # KV events: None = off, the default and the core's zero-cost path; else
         # a plain list the pool appends to and the servicer drains after every
         # call (BlockManager.take_events -> block_manager_svc/events.py):
-        # (block, hash, parent hash, token ids or None) when a block is registered
-        # (the token ids feed vLLM-format BlockStored events), (-1, hash, None)
-        # when a registered block is evicted, (-2, b"", None) when all are cleared.
-        self.events: list[tuple] | None = None
-
-    def __getstate__(self) -> tuple[None, dict]:
-        """Snapshots leave out `events`: they are drained after every call, and
-        whether they are recorded is the running server's choice, not state."""
-        return None, {k: getattr(self, k) for k in self.__slots__ if k != "events"}
-
-    def __setstate__(self, state: object) -> None:
-        """Snapshots written by older versions: no `events`; the policy named `evictable`."""
-        _, slots = state if isinstance(state, tuple) else (None, state)
-        for k, v in (slots or {}).items():
-            setattr(self, "eviction_policy" if k == "evictable" else k, v)
-        if not hasattr(self, "events"):
-            self.events = None
+        # typed records (core/kv_events.py): BlockStored when a block is
+        # registered (its token ids feed vLLM-format events), BlockRemoved when a
+        # registered block is evicted, AllBlocksCleared when the index is reset.
+        self.events: list[PoolEvent] | None = None
 
     # --- capacity -------------------------------------------------------------
     @property
@@ -120,7 +108,7 @@ class BlockPool:
             if self.index.get(h) == block:
                 del self.index[h]
                 if self.events is not None:
-                    self.events.append((-1, h, None))
+                    self.events.append(BlockRemoved(h))
             self.block_hash[block] = None
             parent = self.parent_hash[block]
             self.parent_hash[block] = None
@@ -164,7 +152,7 @@ class BlockPool:
     # --- prefix index ---------------------------------------------------------
     def register(
         self, block: int, content_hash: bytes, parent: bytes | None = None, depth: int = 1,
-        tokens: array | None = None,
+        tokens: array[int] | None = None,
     ) -> bool:
         """Make a full (referenced) block findable by its content hash.
 
@@ -180,7 +168,7 @@ class BlockPool:
         self.block_hash[block] = content_hash
         self.depth[block] = depth
         if self.events is not None:
-            self.events.append((block, content_hash, parent, tokens))
+            self.events.append(BlockStored(block, content_hash, parent, tokens))
         if parent is not None:
             self.parent_hash[block] = parent
             count = self.child_count.get(parent, 0)
@@ -197,7 +185,7 @@ class BlockPool:
         Cached blocks go to the free list; referenced blocks keep their
         references but lose their hash, so they are freed, not cached, when
         released. O(pool); the containers the eviction policy was bound to are
-        cleared in place. Events get one (-2, b"", None): all blocks cleared.
+        cleared in place. Events get one AllBlocksCleared.
         """
         cleared = len(self.index)
         freed = 0
@@ -215,8 +203,5 @@ class BlockPool:
         self.index.clear()
         self.child_count.clear()
         if self.events is not None:
-            self.events.append((-2, b"", None))
+            self.events.append(ALL_BLOCKS_CLEARED)
         return cleared, freed
-
-    def lookup(self, content_hash: bytes) -> int | None:
-        return self.index.get(content_hash)

@@ -89,7 +89,9 @@ def _check_sequences(bm: BlockManager) -> None:
         kept = seq.pending_hashes
         assert len(kept) <= len(pending) // bs, f"{seq.seq_id} keeps more hashes than full pending blocks"
         if kept:
-            assert kept == chain_hashes(seq.last_hash, pending, bs, len(kept)), f"{seq.seq_id} kept stale hashes"
+            assert kept == chain_hashes(seq.last_hash, pending, bs, len(kept)), (
+                f"{seq.seq_id} kept stale hashes"
+            )
 
 
 def _check_swap_and_groups(bm: BlockManager) -> None:
@@ -112,8 +114,8 @@ def _check_swap_and_groups(bm: BlockManager) -> None:
         assert len(members) >= 2, f"group {g} has {len(members)} members"
         states = set()
         for m in members:
-            seq = bm.seqs.get(m) or bm.swapped.get(m)
-            assert seq is not None and seq.group == g, f"group {g} lists {m}"
+            member = bm.seqs.get(m) or bm.swapped.get(m)
+            assert member is not None and member.group == g, f"group {g} lists {m}"
             states.add(m in bm.swapped)
         assert len(states) == 1, f"group {g} is partly swapped"
     if bm.preempt_on:

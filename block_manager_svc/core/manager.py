@@ -21,7 +21,6 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence as SequenceT
 from dataclasses import dataclass
-from typing import Any
 
 from block_manager_svc.core import preemption
 from block_manager_svc.core.block_pool import BlockPool
@@ -36,6 +35,7 @@ from block_manager_svc.core.errors import (
 )
 from block_manager_svc.core.eviction import DEFAULT_MISS_COST_TOKENS, POLICIES, make_eviction_policy
 from block_manager_svc.core.invariants import check_invariants
+from block_manager_svc.core.kv_events import PoolEvent
 from block_manager_svc.core.preemption import StepScope, VictimQueue
 from block_manager_svc.core.prefix_cache import ROOT_HASH, chain_hash, chain_hashes, encode_tokens, root_hash
 from block_manager_svc.core.results import (
@@ -50,6 +50,7 @@ from block_manager_svc.core.results import (
     SwapInResult,
 )
 from block_manager_svc.core.sequence import MAX_SEQ_ID_LEN, SeqState, check_seq_id
+from block_manager_svc.core.step_batch import StepBatch
 from block_manager_svc.core.swap_planner import (
     DEFAULT_HOST_LINK_BYTES_PER_S,
     DEFAULT_KV_BYTES_PER_BLOCK,
@@ -105,7 +106,7 @@ class CoreConfig:
         CostModel(self.kv_bytes_per_block, self.host_link_bytes_per_s, self.prefill_tokens_per_s)
 
 
-def _encode_token_ids(token_ids: SequenceT[int], num_tokens: int, what: str = "token_ids") -> array:
+def _encode_token_ids(token_ids: SequenceT[int], num_tokens: int, what: str = "token_ids") -> array[int]:
     """Validate and pack token ids once; hashing works on the packed form."""
     if len(token_ids) != num_tokens:
         raise InvalidArgument(
@@ -121,10 +122,6 @@ def _encode_token_ids(token_ids: SequenceT[int], num_tokens: int, what: str = "t
 class BlockManager:
     """Owns block tables, reference counts, the prefix-cache index, the CPU
     swap pool and the preemption order."""
-
-    ledger: Ledger = NULL_LEDGER  # class defaults: snapshots from before these existed
-    num_prefix_cache_resets: int = 0
-    num_committed_blocks: int = 0
 
     def __init__(self, config: CoreConfig) -> None:
         self.config = config
@@ -159,23 +156,10 @@ class BlockManager:
         self.num_swapped_in_blocks = 0
         self.preemption_cost_s = 0.0
         # Per-tenant usage and quotas (core/tenants.py); the null ledger = tenancy off.
-        self.ledger = NULL_LEDGER
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        """Snapshots pickled by older versions used other attribute names."""
-        for old, new in (("_recently_preempted", "recently_preempted"), ("_requeued", "requeued"),
-                         ("_preempt_on", "preempt_on")):
-            if old in state:
-                state[new] = state.pop(old)
-        state.pop("_watermark", None)
-        if "tenants" in state:
-            tenants = state.pop("tenants")
-            state["ledger"] = tenants if isinstance(tenants, TenantLedger) else NULL_LEDGER
-        self.__dict__.update(state)
+        self.ledger: Ledger = NULL_LEDGER
+        self.num_prefix_cache_resets = 0
 
     # --- helpers ------------------------------------------------------------
-    check_id = staticmethod(check_seq_id)
-
     def get_running(self, seq_id: str) -> SeqState:
         """The running sequence `seq_id`, or the precise error for why there is none."""
         seq = self.seqs.get(seq_id)
@@ -189,7 +173,8 @@ class BlockManager:
             if how is not None:
                 raise NotFound(
                     f"sequence {seq_id!r} does not exist: it was preempted for {how} earlier in this "
-                    f"call; re-Allocate it to continue"
+                    f"call; re-Allocate it to continue",
+                    reason="SEQUENCE_PREEMPTED",
                 )
             raise NotFound(f"sequence {seq_id!r} does not exist")
         return seq
@@ -281,7 +266,7 @@ class BlockManager:
         for b in hits:
             pool.hit(b)
         block_ids = hits + pool.take(needed)
-        pending: array | None = None
+        pending: array[int] | None = None
         last_hash, num_hashed = root, 0
         if tokens is not None:
             self.prefix_query_tokens += num_tokens
@@ -371,7 +356,7 @@ class BlockManager:
         raise self.exhausted(f"appending {num_tokens} tokens to {seq.seq_id!r}", needed, available)
 
     def _apply_append(
-        self, seq: SeqState, num_tokens: int, token_ids: array | None, cow: bool, needed: int
+        self, seq: SeqState, num_tokens: int, token_ids: array[int] | None, cow: bool, needed: int
     ) -> tuple[list[int], tuple[int, int] | None]:
         pool = self.pool
         if needed:
@@ -429,7 +414,7 @@ class BlockManager:
                 self._register_full_blocks(seq, pending, num_computed_tokens // self.block_size)
         return seq.num_committed // self.block_size
 
-    def _register_full_blocks(self, seq: SeqState, pending: array, upto: int) -> None:
+    def _register_full_blocks(self, seq: SeqState, pending: array[int], upto: int) -> None:
         """Register the sequence's blocks [num_hashed_blocks, upto): with the
         hashes Allocate kept, hashing only blocks filled since."""
         bs = self.block_size
@@ -534,40 +519,17 @@ class BlockManager:
                 del self.groups[seq.group]
 
     # --- Step ---------------------------------------------------------------
-    def step(
-        self,
-        append_seq_ids: SequenceT[str] = (),
-        append_num_tokens: SequenceT[int] | None = None,
-        append_token_ids: SequenceT[int] | None = None,
-        free_seq_ids: SequenceT[str] = (),
-        swap_in_seq_ids: SequenceT[str] = (),
-        *,
-        append_tokens_known: SequenceT[bool] | None = None,
-        commit_seq_ids: SequenceT[str] = (),
-        commit_num_computed_tokens: SequenceT[int] = (),
-        alloc_seq_ids: SequenceT[str] = (),
-        alloc_num_tokens: SequenceT[int] = (),
-        alloc_token_ids: SequenceT[int] | None = None,
-        alloc_priorities: SequenceT[int] | None = None,
-        alloc_salts: SequenceT[str] | None = None,
-        fork_parent_seq_ids: SequenceT[str] = (),
-        fork_child_seq_ids: SequenceT[str] = (),
-        tenant: str = "",
-    ) -> StepResult:
+    def step(self, batch: StepBatch) -> StepResult:
         """Everything one engine iteration needs, as a loop over the
         single-sequence operations in this order: commits (what the last worker
         step computed), frees (they make room), appends, allocations (new
         requests), forks, swap-ins.
 
-        Every input is a set of parallel (packed) arrays, because that is what
-        the wire carries cheaply and what a scheduler holds; the servicer
-        converts the sub-message form to this one, so there is one path.
-        Appends: `None` counts mean one token each; `None` token ids mean
-        unknown for all; `append_tokens_known[i]` False says item i's ids (which
-        are then absent from `append_token_ids`) are unknown.
-        Allocations: one count per item, token ids concatenated (or None =
-        unknown for all), priorities and salts one per item or None (0 / "");
-        all of them are `tenant`'s (see `allocate`).
+        `batch` is packed parallel arrays (core/step_batch.py), because that is
+        what the wire carries cheaply and what a scheduler holds; its shapes are
+        the builder's to check (the handlers do it for the wire), so there is
+        one path and no wire format here. Allocations are `batch.tenant`'s
+        (see `allocate`).
 
         With preemption enabled, an append that does not fit preempts
         lower-ranked sequences that have not grown earlier in this step; a
@@ -576,42 +538,36 @@ class BlockManager:
         admission watermark.
 
         Items are independent and each is atomic: a rejected item is reported
-        in the result and changes nothing, the others still apply. Malformed
-        arrays (lengths that do not match) reject the whole step up front.
+        in the result and changes nothing, the others still apply.
         """
-        n = len(append_seq_ids)
-        if append_num_tokens is not None and len(append_num_tokens) == 0:
-            append_num_tokens = None
-        if append_token_ids is not None and len(append_token_ids) == 0 and append_tokens_known is None:
-            append_token_ids = None
-        append_tokens = _check_packed_appends(n, append_num_tokens, append_token_ids, append_tokens_known)
-        alloc_tokens = _check_packed_step(
-            commit_seq_ids, commit_num_computed_tokens, alloc_seq_ids, alloc_num_tokens, alloc_token_ids,
-            alloc_priorities, alloc_salts, fork_parent_seq_ids, fork_child_seq_ids,
-        )
-
         result = StepResult()
         if self.recently_preempted:
             self.recently_preempted.clear()
-        for j, seq_id in enumerate(commit_seq_ids):
+        counts = batch.commit_num_computed_tokens
+        for j, seq_id in enumerate(batch.commit_seq_ids):
             try:
-                self.commit(seq_id, commit_num_computed_tokens[j])
+                self.commit(seq_id, counts[j])
             except CoreError as e:
                 result.commit_errors.append(ItemError(j, seq_id, e.code, e.message))
 
         released = result.released
-        for j, seq_id in enumerate(free_seq_ids):
+        for j, seq_id in enumerate(batch.free_seq_ids):
             try:
                 released.append(self.free(seq_id))
             except CoreError as e:
                 released.append(0)
                 result.free_errors.append(ItemError(j, seq_id, e.code, e.message))
 
-        if n:
-            self._step_appends(result, append_seq_ids, append_num_tokens, append_tokens, append_tokens_known)
+        if batch.append_seq_ids:
+            self._step_appends(result, batch)
 
+        alloc_tokens = batch.alloc_token_ids
+        alloc_num_tokens = batch.alloc_num_tokens
+        priorities = batch.alloc_priorities
+        salts = batch.alloc_salts
+        tenant = batch.tenant
         offset = 0
-        for j, seq_id in enumerate(alloc_seq_ids):
+        for j, seq_id in enumerate(batch.alloc_seq_ids):
             k = alloc_num_tokens[j]
             tokens = None
             if alloc_tokens is not None:
@@ -619,8 +575,7 @@ class BlockManager:
                 offset += k
             try:
                 r = self.allocate(
-                    seq_id, k, tokens, alloc_priorities[j] if alloc_priorities else 0,
-                    alloc_salts[j] if alloc_salts else "", tenant,
+                    seq_id, k, tokens, priorities[j] if priorities else 0, salts[j] if salts else "", tenant
                 )
             except CoreError as e:
                 result.alloc_num_cached_tokens.append(0)
@@ -630,14 +585,15 @@ class BlockManager:
             result.alloc_block_index.extend([j] * len(r.block_ids))
             result.alloc_block_ids.extend(r.block_ids)
 
-        for j, parent in enumerate(fork_parent_seq_ids):
-            child = fork_child_seq_ids[j]
+        children = batch.fork_child_seq_ids
+        for j, parent in enumerate(batch.fork_parent_seq_ids):
+            child = children[j]
             try:
                 self.fork(parent, child)
             except CoreError as e:
                 result.fork_errors.append(ItemError(j, child, e.code, e.message))
 
-        for j, seq_id in enumerate(swap_in_seq_ids):
+        for j, seq_id in enumerate(batch.swap_in_seq_ids):
             try:
                 result.swap_in_results.append(self.swap_in(seq_id))
             except CoreError as e:
@@ -645,26 +601,35 @@ class BlockManager:
                 result.swap_in_errors.append(ItemError(j, seq_id, e.code, e.message))
         return result
 
-    def _step_appends(
-        self,
-        result: StepResult,
-        seq_ids: SequenceT[str],
-        counts: SequenceT[int] | None,
-        token_ids: array | None,
-        tokens_known: SequenceT[bool] | None,
-    ) -> None:
-        """Step's appends: `append` per item, with the decode fast path inlined
+    def _step_appends(self, result: StepResult, batch: StepBatch) -> None:
+        """Step's appends: `append` per item, in order, with the decode fast path inlined
         (one token into a private, non-full tail block: no new block, no plan)."""
+        seq_ids = batch.append_seq_ids
+        counts = batch.append_num_tokens
+        token_ids = batch.append_token_ids
+        tokens_known = batch.append_tokens_known
         scope = StepScope(self.seqs, seq_ids) if self.preempt_on else None
+        n = len(seq_ids)
+        if counts is None and tokens_known is None:
+            # The decode step: one token each, every id known (or none), so item i's id is
+            # token_ids[i]. Runs of fast items alternate with single items that need more.
+            i = 0
+            while True:
+                i = self._step_decode_run(seq_ids, token_ids, i)
+                if i == n:
+                    return
+                tokens = None if token_ids is None else token_ids[i : i + 1]
+                self._step_append_item(result, i, seq_ids[i], 1, tokens, scope)
+                i += 1
         seqs = self.seqs
         bs = self.block_size
         ref_counts = self.pool.ref_counts
         offset = 0
         for i, seq_id in enumerate(seq_ids):
-            seq = seqs.get(seq_id)
             known = token_ids is not None and (tokens_known is None or tokens_known[i])
             if counts is None:
                 k = 1
+                seq = seqs.get(seq_id)
                 if seq is not None:
                     cur = seq.num_tokens
                     if cur % bs and ref_counts[seq.block_ids[-1]] == 1:
@@ -685,24 +650,57 @@ class BlockManager:
             if known:
                 tokens = token_ids[offset : offset + k]  # type: ignore[index]
                 offset += k
-            try:
-                if seq is None:
-                    seq = self.get_running(seq_id)  # raises the precise error
-                cow, needed, plan = self._plan_append(seq, k, scope, i)
-            except CoreError as e:
-                result.append_errors.append(ItemError(i, seq_id, e.code, e.message))
-                continue
-            if plan is not None:
-                before = len(result.preempted)
-                result.preempted.extend(preemption.apply(self, plan, result.ops))
-                result.preempted_by.extend([i] * (len(result.preempted) - before))
-            blocks, copy = self._apply_append(seq, k, tokens, cow, needed)
-            if copy is not None:
-                result.ops.copies.append(copy)
-                result.replaced_index.append(i)
-            for b in blocks:
-                result.new_block_index.append(i)
-                result.new_block_ids.append(b)
+            self._step_append_item(result, i, seq_id, k, tokens, scope)
+
+    def _step_decode_run(self, seq_ids: SequenceT[str], token_ids: array[int] | None, start: int) -> int:
+        """From item `start` on, one token into each sequence's private, non-full tail block,
+        until an item needs anything else; returns that item's position (len: all done)."""
+        seqs = self.seqs
+        bs = self.block_size
+        ref_counts = self.pool.ref_counts
+        n = len(seq_ids)
+        i = start
+        while i < n:
+            seq = seqs.get(seq_ids[i])
+            if seq is None:
+                return i
+            cur = seq.num_tokens
+            if not cur % bs or ref_counts[seq.block_ids[-1]] != 1:
+                return i
+            seq.num_tokens = cur + 1
+            pending = seq.pending_tokens
+            if pending is not None:
+                if token_ids is not None:
+                    pending.append(token_ids[i])
+                else:
+                    seq.pending_tokens = None
+                    seq.pending_hashes = []
+            i += 1
+        return n
+
+    def _step_append_item(
+        self, result: StepResult, i: int, seq_id: str, k: int, tokens: array[int] | None,
+        scope: StepScope | None,
+    ) -> None:
+        """Append item i the general way (new blocks, copy-on-write, preemption); a refusal
+        becomes the item's error."""
+        try:
+            seq = self.get_running(seq_id)  # raises the precise error
+            cow, needed, plan = self._plan_append(seq, k, scope, i)
+        except CoreError as e:
+            result.append_errors.append(ItemError(i, seq_id, e.code, e.message))
+            return
+        if plan is not None:
+            before = len(result.preempted)
+            result.preempted.extend(preemption.apply(self, plan, result.ops))
+            result.preempted_by.extend([i] * (len(result.preempted) - before))
+        blocks, copy = self._apply_append(seq, k, tokens, cow, needed)
+        if copy is not None:
+            result.ops.copies.append(copy)
+            result.replaced_index.append(i)
+        for b in blocks:
+            result.new_block_index.append(i)
+            result.new_block_ids.append(b)
 
     # --- Preempt / SwapIn (core/preemption.py) -------------------------------
     def preempt(self, seq_id: str, mode: str | None = None) -> tuple[list[Preemption], CacheOps]:
@@ -774,7 +772,7 @@ class BlockManager:
         Stats.num_prefix_cache_resets.
         """
         cleared, freed = self.pool.clear_index()
-        self.num_prefix_cache_resets = self.num_prefix_cache_resets + 1
+        self.num_prefix_cache_resets += 1
         return cleared, freed
 
     # --- KV events ----------------------------------------------------------------
@@ -786,7 +784,7 @@ class BlockManager:
         elif pool.events is None:
             pool.events = []
 
-    def take_events(self) -> list[tuple]:
+    def take_events(self) -> list[PoolEvent]:
         """The KV events recorded since the last call, oldest first (see BlockPool.events).
         The servicer drains them after every call, under the state lock."""
         pool = self.pool
@@ -813,68 +811,3 @@ class BlockManager:
         """Raise AssertionError if the bookkeeping is inconsistent (core/invariants.py)."""
         check_invariants(self)
 
-
-def _check_packed_appends(
-    n: int, counts: SequenceT[int] | None, token_ids: SequenceT[int] | None, known: SequenceT[bool] | None
-) -> array | None:
-    """Validate the packed append arrays; the token ids, packed (or None)."""
-    if counts is not None and len(counts) != n:
-        raise InvalidArgument(
-            f"append_num_tokens has {len(counts)} entries for {n} sequences; they must match"
-        )
-    if known is not None and len(known) != n:
-        raise InvalidArgument("append_tokens_known must have one entry per append")
-    if token_ids is None:
-        return None
-    if known is None:
-        expected = n if counts is None else sum(counts)
-    else:
-        expected = sum((1 if counts is None else counts[i]) for i in range(n) if known[i])
-    if len(token_ids) != expected:
-        raise InvalidArgument(
-            f"append_token_ids has {len(token_ids)} entries but the counts add up to "
-            f"{expected}; they must match"
-        )
-    return _encode_token_ids(token_ids, expected, "append_token_ids")
-
-
-def _check_packed_step(
-    commit_seq_ids: SequenceT[str],
-    commit_num_computed_tokens: SequenceT[int],
-    alloc_seq_ids: SequenceT[str],
-    alloc_num_tokens: SequenceT[int],
-    alloc_token_ids: SequenceT[int] | None,
-    alloc_priorities: SequenceT[int] | None,
-    alloc_salts: SequenceT[str] | None,
-    fork_parent_seq_ids: SequenceT[str],
-    fork_child_seq_ids: SequenceT[str],
-) -> array | None:
-    """Validate the packed commit, allocation and fork arrays; the allocations'
-    token ids, packed (or None: unknown for all)."""
-    if len(commit_num_computed_tokens) != len(commit_seq_ids):
-        raise InvalidArgument(
-            f"commit_num_computed_tokens has {len(commit_num_computed_tokens)} entries for "
-            f"{len(commit_seq_ids)} sequences; they must match"
-        )
-    na = len(alloc_seq_ids)
-    if len(alloc_num_tokens) != na:
-        raise InvalidArgument(
-            f"alloc_num_tokens has {len(alloc_num_tokens)} entries for {na} allocations; they must match"
-        )
-    for what, arr in (("alloc_priorities", alloc_priorities), ("alloc_cache_salts", alloc_salts)):
-        if arr is not None and len(arr) and len(arr) != na:
-            raise InvalidArgument(f"{what} has {len(arr)} entries for {na} allocations; one each, or none")
-    if len(fork_child_seq_ids) != len(fork_parent_seq_ids):
-        raise InvalidArgument(
-            f"fork_child_seq_ids has {len(fork_child_seq_ids)} entries for {len(fork_parent_seq_ids)} "
-            "parents; they must match"
-        )
-    if alloc_token_ids is None or not len(alloc_token_ids):
-        return None
-    expected = sum(alloc_num_tokens)
-    if len(alloc_token_ids) != expected:
-        raise InvalidArgument(
-            f"alloc_token_ids has {len(alloc_token_ids)} entries but alloc_num_tokens adds up to "
-            f"{expected}; they must match"
-        )
-    return _encode_token_ids(alloc_token_ids, expected, "alloc_token_ids")

@@ -26,13 +26,14 @@ watermark; it never preempts.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from collections.abc import Sequence as SequenceT
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from block_manager_svc.core.errors import FailedPrecondition, InvalidArgument, NotFound
 from block_manager_svc.core.results import CacheOps, Preemption, SwapInResult
+from block_manager_svc.core.sequence import check_seq_id
 from block_manager_svc.core.swap_planner import MODES, PreemptionMode, SwapDecision, decide
 
 if TYPE_CHECKING:
@@ -70,7 +71,7 @@ class VictimQueue:
     def __len__(self) -> int:
         return len(self._live)
 
-    def candidates(self, accept: Callable[[str], bool]) -> Iterator[str]:
+    def candidates(self, accept: Callable[[str], bool]) -> Generator[str]:
         """Live sequences in preemption order for which `accept` holds.
 
         Walks the heap as a tree (a side heap of frontier positions) instead
@@ -177,7 +178,9 @@ def _cpu_free_for(bm: BlockManager, tenant: str) -> int:
     return cpu_free if room is None else min(cpu_free, room)
 
 
-def plan(bm: BlockManager, grower: SeqState, shortfall: int, grown_groups: set[int] | None) -> PreemptionPlan | None:
+def plan(
+    bm: BlockManager, grower: SeqState, shortfall: int, grown_groups: set[int] | None
+) -> PreemptionPlan | None:
     """Victims that free at least `shortfall` blocks, or None.
 
     Candidates rank below the grower (lower priority, or the same priority
@@ -310,9 +313,10 @@ def swap_in(bm: BlockManager, seq_id: str) -> SwapInResult:
     the admission watermark; never preempts and never evicts past it."""
     seq = bm.swapped.get(seq_id)
     if seq is None:
-        bm.check_id(seq_id)
+        check_seq_id(seq_id)
         if seq_id in bm.seqs:
-            raise FailedPrecondition(f"sequence {seq_id!r} is not swapped out (it is running)")
+            raise FailedPrecondition(f"sequence {seq_id!r} is not swapped out (it is running)",
+                                     reason="SEQUENCE_NOT_SWAPPED_OUT")
         raise NotFound(f"sequence {seq_id!r} does not exist")
     members = group_of(bm, seq)
     distinct: dict[int, None] = {}
@@ -324,8 +328,11 @@ def swap_in(bm: BlockManager, seq_id: str) -> SwapInResult:
     available = pool.num_available - watermark
     if len(distinct) > available:
         raise bm.exhausted(
-            f"swapping in {seq_id!r}" + (f" and its fork group ({len(members)} sequences)" if len(members) > 1 else ""),
-            len(distinct), max(available, 0), watermark,
+            f"swapping in {seq_id!r}"
+            + (f" and its fork group ({len(members)} sequences)" if len(members) > 1 else ""),
+            len(distinct),
+            max(available, 0),
+            watermark,
         )
     bm.ledger.check_gpu(seq.tenant, len(distinct))
     ops = CacheOps()

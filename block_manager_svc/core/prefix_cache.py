@@ -36,7 +36,7 @@ def root_hash(salt: bytes = b"", tenant: bytes = b"") -> bytes:
     return blake2b(_DOMAIN + len(tenant).to_bytes(2, "big") + tenant + salt, digest_size=DIGEST_SIZE).digest()
 
 
-def encode_tokens(token_ids: Sequence[int]) -> array:
+def encode_tokens(token_ids: Sequence[int]) -> array[int]:
     """Token ids as a uint32 array; raises OverflowError outside [0, 2**32)."""
     arr = array("I", token_ids)
     if arr.itemsize != 4:  # pragma: no cover - every mainstream platform has 4-byte unsigned int
@@ -44,19 +44,19 @@ def encode_tokens(token_ids: Sequence[int]) -> array:
     return arr
 
 
-def _block_bytes(arr: array) -> bytes:
+def _block_bytes(arr: array[int]) -> bytes:
     if _SWAP:  # pragma: no cover - big-endian hosts
         arr = array(arr.typecode, arr)
         arr.byteswap()
     return arr.tobytes()
 
 
-def chain_hash(parent: bytes, block_tokens: array) -> bytes:
+def chain_hash(parent: bytes, block_tokens: array[int]) -> bytes:
     """Hash of one full block given its parent's hash."""
     return blake2b(parent + _block_bytes(block_tokens), digest_size=DIGEST_SIZE).digest()
 
 
-def chain_hashes(parent: bytes, tokens: array, block_size: int, num_blocks: int) -> list[bytes]:
+def chain_hashes(parent: bytes, tokens: array[int], block_size: int, num_blocks: int) -> list[bytes]:
     """Hashes of the first `num_blocks` full blocks of `tokens`."""
     data = _block_bytes(tokens)
     width = block_size * tokens.itemsize

@@ -64,7 +64,7 @@ class SeqState:
     seq_id: str
     block_ids: list[int]
     num_tokens: int
-    pending_tokens: array | None
+    pending_tokens: array[int] | None
     last_hash: bytes
     num_hashed_blocks: int
     priority: int
@@ -76,24 +76,3 @@ class SeqState:
     num_committed: int = 0
     pending_hashes: list[bytes] = field(default_factory=list)
     tenant: str = ""
-
-    def __setstate__(self, state: object) -> None:
-        """Snapshots written by older versions lack the newer fields. Before Commit
-        existed the manager registered everything a sequence held, so all of it
-        counts as committed; `pending_hashes` and `tenant` start empty (the tenant
-        is recomputed when tenancy is enabled on the loaded core)."""
-        _, slots = state if isinstance(state, tuple) else (None, state)
-        for k, v in (slots or {}).items():  # type: ignore[union-attr]
-            setattr(self, k, v)
-        if not hasattr(self, "num_committed"):
-            self.num_committed = self.num_tokens
-        for name, default in (("pending_hashes", None), ("tenant", "")):
-            if not hasattr(self, name):
-                setattr(self, name, [] if default is None else default)
-
-
-def __getattr__(name: str) -> object:
-    """Snapshots pickled before the rename name this class `Sequence`."""
-    if name == "Sequence":
-        return SeqState
-    raise AttributeError(name)

@@ -51,6 +51,10 @@ def quota_message(tenant: str, what: str, used: int, needed: int, limit: int) ->
     )
 
 
+def _over_quota(tenant: str, what: str, used: int, needed: int, limit: int) -> ResourceExhausted:
+    return ResourceExhausted(quota_message(tenant, what, used, needed, limit), reason="TENANT_QUOTA_EXCEEDED")
+
+
 def _accept_all(seq_id: str) -> bool:
     return True
 
@@ -90,17 +94,16 @@ class TenantLedger:
         limit = self.quota(tenant).max_gpu_blocks
         used = self.of(tenant).gpu_blocks
         if limit and used + needed > limit:
-            raise ResourceExhausted(quota_message(tenant, "max_gpu_blocks", used, needed, limit))
+            raise _over_quota(tenant, "max_gpu_blocks", used, needed, limit)
 
     # --- check and charge ----------------------------------------------------------
     def admit(self, tenant: str, blocks: int, query_tokens: int, hit_tokens: int) -> None:
         """A new sequence taking `blocks` blocks (its new ones and the cached hits it revives)."""
         usage, quota = self.of(tenant), self.quota(tenant)
         if quota.max_sequences and usage.sequences >= quota.max_sequences:
-            raise ResourceExhausted(quota_message(tenant, "max_sequences", usage.sequences, 1, quota.max_sequences))
+            raise _over_quota(tenant, "max_sequences", usage.sequences, 1, quota.max_sequences)
         if quota.max_gpu_blocks and usage.gpu_blocks + blocks > quota.max_gpu_blocks:
-            raise ResourceExhausted(quota_message(tenant, "max_gpu_blocks", usage.gpu_blocks, blocks,
-                                                  quota.max_gpu_blocks))
+            raise _over_quota(tenant, "max_gpu_blocks", usage.gpu_blocks, blocks, quota.max_gpu_blocks)
         usage.sequences += 1
         usage.gpu_blocks += blocks
         usage.prefix_query_tokens += query_tokens
@@ -110,7 +113,7 @@ class TenantLedger:
         """A fork: one more sequence, no new block."""
         usage, limit = self.of(tenant), self.quota(tenant).max_sequences
         if limit and usage.sequences >= limit:
-            raise ResourceExhausted(quota_message(tenant, "max_sequences", usage.sequences, 1, limit))
+            raise _over_quota(tenant, "max_sequences", usage.sequences, 1, limit)
         usage.sequences += 1
 
     # --- charges (cannot fail) -------------------------------------------------------
@@ -147,7 +150,7 @@ class TenantLedger:
         gpu: dict[str, set[int]] = {}
         cpu: dict[str, set[int]] = {}
         for table, seqs in ((gpu, running), (cpu, swapped)):
-            for sid, seq in seqs.items():
+            for seq in seqs.values():
                 t = seq.tenant
                 u = usage.get(t)
                 if u is None:
@@ -205,9 +208,6 @@ class NullLedger:
 
     def preempted(self, tenant: str, sequences: int) -> None:
         pass
-
-    def __reduce__(self) -> str:
-        return "NULL_LEDGER"  # unpickles to the module's one instance
 
 
 NULL_LEDGER = NullLedger()

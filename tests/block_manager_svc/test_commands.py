@@ -1,27 +1,19 @@
-"""Commands as data: the recording view, replay into a fresh core, the allowlist, and the
-refusal of journals written in the older (request) format."""
+"""Commands as data: what the stages record for the journal, replay into a fresh core, the
+migration of format-2 records, and the refusal of journals written in the older (request) format."""
 
 from __future__ import annotations
 
 import time
+from array import array
 from pathlib import Path
 
+import msgspec
 import pytest
 
-from block_manager_svc.commands import (
-    CORE,
-    LEASES,
-    Batch,
-    Command,
-    DedupeEntry,
-    ReplayError,
-    Tap,
-    apply,
-    decode_batch,
-    encode_batch,
-)
-from block_manager_svc.core import BlockManager, CoreConfig, CoreError
-from block_manager_svc.journal import Journal
+from block_manager_svc import commands as cmds
+from block_manager_svc.commands import Batch, DedupeEntry, ReplayError, decode_batch, encode_batch, replay
+from block_manager_svc.core import BlockManager, CoreConfig, StepBatch
+from block_manager_svc.journal import Journal, ScanReport, scan
 from block_manager_svc.leases import LeaseTable
 from block_manager_svc.server import start_server
 from block_manager_svc.settings import BlockManagerSettings
@@ -37,40 +29,108 @@ def _view(core: BlockManager) -> tuple:
     return tables, list(core.pool.ref_counts), dict(core.pool.index), list(core.pool.free_list), core.stats()
 
 
-def test_replaying_recorded_commands_rebuilds_the_same_state() -> None:
-    live, sink = _core(), []
-    leases = LeaseTable()
-    core, lt = Tap(live, CORE, sink), Tap(leases, LEASES, sink)
-    core.allocate("a", 9, list(range(9)))
-    core.commit("a", 8)
-    core.fork("a", "b")
-    core.append("b", 3, (x for x in (7, 8, 9)))  # a generator is consumed once and recorded as a list
-    lt.attach("b", "L")
-    with pytest.raises(CoreError):
-        core.free("nope")  # refused: changed nothing, so nothing is recorded
-    core.step(["a"], [1], [5], ["b"], [], commit_seq_ids=["a"], commit_num_computed_tokens=[10])
-    assert [c.op for c in sink] == ["allocate", "commit", "fork", "append", "attach", "step"]
-    assert sink[3].args == ("b", 3, [7, 8, 9])
+def test_the_journal_holds_explicit_commands_that_rebuild_the_same_state(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    settings = BlockManagerSettings(port=0, num_gpu_blocks=16, block_size=4, num_cpu_blocks=4,
+                                    preemption_mode="swap", state_dir=str(state), fsync="off")
+    running = start_server(settings)
+    try:
+        sv = running.servicer
 
-    batch = decode_batch(encode_batch(Batch(sink, DedupeEntry("r1", "Step", b"d" * 16, b"reply", 1.5))))
-    assert batch.dedupe == DedupeEntry("r1", "Step", b"d" * 16, b"reply", 1.5)
-    fresh, fresh_leases = _core(), LeaseTable()
-    for cmd in batch.commands:
-        apply(cmd, {CORE: fresh, LEASES: fresh_leases})
-    assert _view(fresh) == _view(live)
-    assert fresh_leases.lease_of == leases.lease_of == {"b": "L"}
-    fresh.check_invariants()
+        class Ctx:
+            def time_remaining(self) -> float:
+                return 5.0
+
+            def abort(self, code: object, message: str) -> None:
+                raise RuntimeError(message)
+
+            def invocation_metadata(self) -> tuple:
+                return ()
+
+        ctx = Ctx()
+        sv.Allocate(pb.AllocateRequest(seq_id="a", num_tokens=9, token_ids=list(range(9)), lease_id="L"), ctx)
+        sv.Commit(pb.CommitRequest(seq_id="a", num_computed_tokens=8), ctx)
+        sv.Fork(pb.ForkRequest(parent_seq_id="a", child_seq_id="b"), ctx)  # inherits lease L
+        sv.Append(pb.AppendRequest(seq_id="b", num_tokens=3, token_ids=[7, 8, 9], request_id="r1"), ctx)
+        with pytest.raises(RuntimeError):
+            sv.Free(pb.FreeRequest(seq_id="nope"), ctx)  # refused: changed nothing, so nothing is recorded
+        sv.Step(pb.StepRequest(append_seq_ids=["a"], append_token_ids=[5], free_seq_ids=["b"],
+                               commit_seq_ids=["a"], commit_num_computed_tokens=[9],
+                               alloc_seq_ids=["n"], alloc_num_tokens=[5], alloc_token_ids=[1, 2, 3, 4, 5],
+                               alloc_lease_ids=["M"]), ctx)
+        live_core = sv._core
+        live_leases = sv.reliable.leases
+        records = list(scan(state, 0, ScanReport(), repair=False))
+        assert {r.name for r in records} == {cmds.RECORD_NAME}
+        batches = [decode_batch(r.body) for r in records]
+        kinds = [[type(c).__name__ for c in b.commands] for b in batches]
+        assert kinds == [["Allocate", "LeaseAttach"], ["Commit"], ["Fork", "LeaseAttach"], ["Append"],
+                         ["Step", "LeaseDetachAll", "LeaseAttach"]]
+        assert batches[3].commands[0] == cmds.Append("b", 3, [7, 8, 9])
+        assert batches[3].dedupe is not None and batches[3].dedupe.request_id == "r1"
+        fresh, fresh_leases = _core(), LeaseTable()
+        for b in batches:
+            for c in b.commands:
+                replay(c, fresh, fresh_leases)
+        assert _view(fresh) == _view(live_core)
+        assert fresh_leases.lease_of == live_leases.lease_of == {"a": "L", "n": "M"}
+        fresh.check_invariants()
+    finally:
+        running.stop(0)
 
 
-def test_apply_runs_only_known_state_changes() -> None:
-    core = _core()
-    for target, op in ((CORE, "check_invariants"), (CORE, "__class__"), ("os", "system"), (LEASES, "restore")):
-        with pytest.raises(ReplayError, match="not a known state change"):
-            apply(Command(target, op), {CORE: core, LEASES: LeaseTable()})
-    with pytest.raises(ReplayError, match="core.free was refused: NOT_FOUND"):
-        apply(Command(CORE, "free", ("ghost",)), {CORE: core, LEASES: LeaseTable()})
+def test_a_batch_round_trips_and_decoding_builds_only_command_types() -> None:
+    batch = Batch([cmds.Allocate("a", 5, [1, 2, 3, 4, 5]), cmds.LeaseTouch("L", 2.5), cmds.ResetPrefixCache()],
+                  DedupeEntry("r1", "Step", b"d" * 16, b"reply", 1.5))
+    assert decode_batch(encode_batch(batch)) == batch
+    bogus = msgspec.msgpack.encode([[["System", "rm -rf /"]], None])
+    with pytest.raises(ReplayError, match="does not hold a command batch"):
+        decode_batch(bogus)
     with pytest.raises(ReplayError, match="does not hold a command batch"):
         decode_batch(b"\x93garbage")
+    with pytest.raises(ReplayError, match="Free was refused: NOT_FOUND"):
+        replay(cmds.Free("ghost"), _core(), LeaseTable())
+
+
+def test_format_2_records_are_migrated_to_the_same_commands() -> None:
+    """Records written before the explicit commands hold generic (target, method, args, kwargs)
+    calls, and Step as its old parallel-array parameters; commands.py migrates them."""
+    def setup(core: BlockManager) -> None:
+        core.allocate("a", 7, list(range(7)))
+        core.allocate("b", 3)
+        core.allocate("c", 2)
+
+    live, old_form = _core(), _core()
+    setup(live)
+    setup(old_form)
+    live.step(StepBatch(append_seq_ids=["a", "c"], append_num_tokens=[2, 1],
+                        append_token_ids=array("I", [8, 9, 4]), free_seq_ids=["b"], commit_seq_ids=["a"],
+                        commit_num_computed_tokens=[6], alloc_seq_ids=["n"], alloc_num_tokens=[5],
+                        alloc_token_ids=array("I", [1, 2, 3, 4, 5])))
+    live_leases = LeaseTable()
+    live_leases.attach("n", "L")
+    live.fork("n", "n2")
+    old_calls = [
+        ("core", "step", [["a", "c"], [2, 1], [8, 9, 4], ["b"], []],
+         {"append_tokens_known": None, "commit_seq_ids": ["a"], "commit_num_computed_tokens": [6],
+          "alloc_seq_ids": ["n"], "alloc_num_tokens": [5], "alloc_token_ids": [1, 2, 3, 4, 5],
+          "alloc_priorities": [], "alloc_salts": [], "fork_parent_seq_ids": [], "fork_child_seq_ids": [],
+          "tenant": ""}),
+        ("leases", "attach", ["n", "L"], {}),
+        ("core", "fork", ["n", "n2"], {}),
+    ]
+    body = msgspec.msgpack.encode([old_calls, ["r9", "Step", b"d" * 16, b"reply", 2.0]])
+    batch = decode_batch(body, cmds.RECORD_NAME_V2)
+    assert [type(c).__name__ for c in batch.commands] == ["Step", "LeaseAttach", "Fork"]
+    assert batch.dedupe == DedupeEntry("r9", "Step", b"d" * 16, b"reply", 2.0)
+    old_leases = LeaseTable()
+    for c in batch.commands:
+        replay(c, old_form, old_leases)
+    assert _view(old_form) == _view(live) and old_leases.lease_of == live_leases.lease_of
+    for bad in ([("os", "system", ["x"], {})], [("core", "check_invariants", [], {})],
+                [("core", "step", [{"no_such_field": []}], {})]):
+        with pytest.raises(ReplayError, match="not a known state change|unknown fields"):
+            decode_batch(msgspec.msgpack.encode([bad, None]), cmds.RECORD_NAME_V2)
 
 
 def test_a_journal_of_requests_from_an_older_version_is_refused_with_what_to_do(tmp_path: Path) -> None:

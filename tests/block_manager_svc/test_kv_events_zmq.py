@@ -11,6 +11,7 @@ that index equals the block manager's own.
 from __future__ import annotations
 
 import random
+from array import array
 import time
 from typing import Any
 
@@ -18,6 +19,7 @@ import msgspec
 import pytest
 import zmq
 
+from block_manager_svc.core.kv_events import BlockStored as PoolBlockStored
 from block_manager_svc.settings import BlockManagerSettings
 from frontend.client import BlockManagerClient
 
@@ -308,14 +310,15 @@ def test_overflow_is_followed_by_all_blocks_cleared() -> None:
         sys.setswitchinterval(1.0)  # keep the publisher thread off the GIL while the queue fills
         try:
             for i in range(200):  # 200 stored blocks of one chain, far more than the queue holds
-                pub(i + 1, i, (i + 1).to_bytes(16, "big"), i.to_bytes(16, "big") if i else None, [i] * BLOCK_SIZE)
+                pub(i + 1, PoolBlockStored(i, (i + 1).to_bytes(16, "big"), i.to_bytes(16, "big") if i else None,
+                                           array("I", [i] * BLOCK_SIZE)))
         finally:
             sys.setswitchinterval(interval)
         assert pub.num_lost_events > 0
         deadline = time.monotonic() + 5
         while pub._lost and time.monotonic() < deadline:
             time.sleep(0.01)
-        pub(500, 7, (500).to_bytes(16, "big"), None, [9] * BLOCK_SIZE)  # after recovery: delivered
+        pub(500, PoolBlockStored(7, (500).to_bytes(16, "big"), None, array("I", [9] * BLOCK_SIZE)))  # after recovery
         sub.drain()
         assert sub.num_cleared == 2  # the publisher's first batch, then the one after the overflow
         assert set(sub.index) == {500}  # what was known before the loss is forgotten, not kept stale

@@ -126,6 +126,15 @@ def test_free_releases_and_cached_blocks_stay_findable(stub) -> None:  # type: i
         ("Step", pb.StepRequest(alloc_seq_ids=["x"], alloc_num_tokens=[2], alloc_lease_ids=["l", "m"]),
          grpc.StatusCode.INVALID_ARGUMENT, "alloc_lease_ids"),
         ("Step", pb.StepRequest(fork_parent_seq_ids=["live"]), grpc.StatusCode.INVALID_ARGUMENT, "fork_child"),
+        # Wire shapes are the handler's to check (the core takes a well-formed StepBatch).
+        ("Step", pb.StepRequest(append_seq_ids=["live"], append_num_tokens=[2], append_token_ids=[1]),
+         grpc.StatusCode.INVALID_ARGUMENT, "append_token_ids has 1 entries but the counts add up to 2"),
+        ("Step", pb.StepRequest(append_seq_ids=["live"], append_token_ids=[1, 2], free_seq_ids=["live"]),
+         grpc.StatusCode.INVALID_ARGUMENT, "append_token_ids has 2 entries"),
+        ("Step", pb.StepRequest(alloc_seq_ids=["x"], alloc_num_tokens=[2], alloc_priorities=[1, 2]),
+         grpc.StatusCode.INVALID_ARGUMENT, "alloc_priorities has 2 entries for 1 allocations"),
+        ("Step", pb.StepRequest(alloc_seq_ids=["x"], alloc_num_tokens=[2], alloc_cache_salts=["a", "b"]),
+         grpc.StatusCode.INVALID_ARGUMENT, "alloc_cache_salts has 2 entries"),
     ],
 )
 def test_bad_requests_get_precise_status_and_change_nothing(stub, method, request_, code, fragment) -> None:  # type: ignore[no-untyped-def]
@@ -283,3 +292,55 @@ def test_step_reply_counts_prefix_cache_drops(stub) -> None:  # type: ignore[no-
     stub.Free(pb.FreeRequest(seq_id="big"))
     stub.ResetPrefixCache(pb.ResetPrefixCacheRequest(), timeout=5)
     assert drops() == start + 3
+
+
+def _error_info(err: grpc.RpcError) -> tuple[object, object]:
+    from google.rpc import error_details_pb2
+    from grpc_status import rpc_status
+
+    status = rpc_status.from_call(err)  # what grpcurl and other ecosystem clients decode
+    assert status is not None and status.code == err.code().value[0] and status.message == err.details()
+    info = error_details_pb2.ErrorInfo()
+    assert len(status.details) == 1 and status.details[0].Unpack(info)
+    return status, info
+
+
+def test_errors_carry_the_standard_rich_status_with_a_reason(stub) -> None:  # type: ignore[no-untyped-def]
+    err = call_error(stub.Append, pb.AppendRequest(seq_id="nope", num_tokens=1))
+    _, info = _error_info(err)
+    assert (info.reason, info.domain, dict(info.metadata)) == (
+        "SEQUENCE_NOT_FOUND", "pagedkv.block_manager", {"seq_id": "nope"})
+    stub.Allocate(pb.AllocateRequest(seq_id="big", num_tokens=60))
+    err = call_error(stub.Allocate, pb.AllocateRequest(seq_id="more", num_tokens=16))
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert _error_info(err)[1].reason == "POOL_EXHAUSTED"
+    err = call_error(stub.Allocate, pb.AllocateRequest(seq_id="big", num_tokens=1))
+    assert _error_info(err)[1].reason == "SEQUENCE_EXISTS"
+    err = call_error(stub.Step, pb.StepRequest(append_seq_ids=["big"], append_num_tokens=[1, 1]))
+    assert _error_info(err)[1].reason == "INVALID_ARGUMENT"
+
+
+def test_the_tenant_namespace_is_taken_off_the_rich_status_too() -> None:
+    from google.rpc import error_details_pb2, status_pb2
+
+    from block_manager_svc.handlers import rich_status
+    from block_manager_svc.tenancy import _ScopedContext
+
+    class Ctx:
+        got: object = None
+
+        def abort_with_status(self, status: object) -> None:
+            self.got = status
+
+    ctx = Ctx()
+    prefix = "alice\x1f"
+    _ScopedContext(ctx, prefix).abort_with_status(rich_status(
+        grpc.StatusCode.NOT_FOUND, f"sequence {prefix + 's1'!r} does not exist", "SEQUENCE_NOT_FOUND", prefix + "s1"))
+    got = ctx.got
+    assert got.code == grpc.StatusCode.NOT_FOUND and got.details == "sequence 's1' does not exist"  # type: ignore[attr-defined]
+    (key, value), = got.trailing_metadata  # type: ignore[attr-defined]
+    status = status_pb2.Status.FromString(value)
+    info = error_details_pb2.ErrorInfo()
+    assert key == "grpc-status-details-bin" and status.details[0].Unpack(info)
+    assert status.message == "sequence 's1' does not exist" and dict(info.metadata) == {"seq_id": "s1"}
+    assert "alice" not in repr(value)

@@ -1,5 +1,5 @@
 """The state export (snapshot format 2): plain versioned data that rebuilds the core exactly,
-refuses what is not core state, and a version-1 (pickled) snapshot still loads."""
+refuses what is not core state, and a version-1 (pickled) snapshot is refused, never unpickled."""
 
 from __future__ import annotations
 
@@ -71,39 +71,63 @@ def test_a_state_that_names_other_code_or_an_unknown_version_is_refused() -> Non
         state_export.export(_busy_core(), {"x": object()}, [])
 
 
-def _write_v1_snapshot(state_dir: Path, seq: int, state: dict) -> None:
-    """A snapshot as versions before the export wrote it: PKVSNAP1 + a pickle of the objects."""
-    payload = pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
+def _write_v1_snapshot(state_dir: Path, seq: int, payload: bytes) -> None:
+    """A snapshot as versions before the export wrote it: PKVSNAP1 + a pickle."""
     header = struct.pack("<8sQIQ", b"PKVSNAP1", seq, zlib.crc32(payload), len(payload))
     (state_dir / snapshot.snapshot_name(seq)).write_bytes(header + payload)
 
 
-def test_a_version_1_pickled_snapshot_loads_and_is_rewritten_as_version_2(tmp_path: Path) -> None:
+class _Boom:
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (_record_call, ("unpickled",))
+
+
+CALLS: list[str] = []
+
+
+def _record_call(what: str) -> None:
+    CALLS.append(what)
+
+
+def test_a_version_1_pickled_snapshot_is_refused_without_unpickling(tmp_path: Path) -> None:
+    """A pickle can name code to run: a format-1 file is refused with advice, and never loaded."""
     state = tmp_path / "state"
     state.mkdir()
+    _write_v1_snapshot(state, 3, pickle.dumps({"version": 1, "core": _Boom()}))
+    with pytest.raises(snapshot.SnapshotError, match="format-1 snapshot .a pickle.*stop it cleanly"):
+        snapshot.load_latest(state)
+    assert CALLS == []
     settings = BlockManagerSettings(port=0, num_gpu_blocks=16, block_size=4, state_dir=str(state))
-    bm = build_core(settings)
-    bm.allocate("a", 9, list(range(9)))
-    bm.commit("a", 8)
-    leases = LeaseTable()
-    leases.attach("a", "L")
-    _write_v1_snapshot(state, 3, {"version": 1, "core": bm, "leases": leases.export(), "dedupe": []})
-    running = start_server(settings)
-    try:
-        assert running.servicer.reliable.recovery.snapshot_seq == 3
-        assert canonical(running.servicer._core) == canonical(bm)
-        assert running.servicer.reliable.leases.lease_of == {"a": "L"}
-        (_, path), = snapshot.list_snapshots(state)  # rewritten in the current format at start
-        assert path.read_bytes()[:8] == b"PKVSNAP2"
-    finally:
-        running.stop(0)
-    (seq, path), = snapshot.list_snapshots(state)
-    assert seq >= 3 and path.read_bytes()[:8] == b"PKVSNAP2"
-    running = start_server(settings)
-    try:
-        core = running.servicer._core
-        assert canonical(core) == canonical(bm)
-        assert list(core.seqs["a"].block_ids) == list(bm.seqs["a"].block_ids)
-        assert running.servicer.GetStats(pb.GetStatsRequest(), None).num_sequences == 1
-    finally:
-        running.stop(0)
+    with pytest.raises(snapshot.SnapshotError, match="format-1"):
+        start_server(settings)
+    assert CALLS == []
+
+
+def test_an_export_written_before_a_field_existed_is_migrated_in_state_export() -> None:
+    """Fields the core gained later (Commit's num_committed, tenancy's ledger...) get their
+    migrated values from state_export's one table, not from compatibility code in the core."""
+    bm = _busy_core()
+    doc = state_export.export(bm, {}, [])
+
+    def strip(node: object) -> None:
+        if isinstance(node, list):
+            if node and node[0] == "obj":
+                cls = node[2].rpartition(":")[2]
+                drop = {"SeqState": {"num_committed", "pending_hashes", "tenant"},
+                        "BlockManager": {"ledger", "num_prefix_cache_resets", "num_committed_blocks"},
+                        "BlockPool": {"events"}}.get(cls, set())
+                keep = [i for i, n in enumerate(node[3]) if n not in drop]
+                node[3] = [node[3][i] for i in keep]
+                node[4] = [node[4][i] for i in keep]
+            for item in node:
+                strip(item)
+
+    old = msgspec.msgpack.decode(msgspec.msgpack.encode(doc))
+    strip(old["core"])
+    core = state_export.restore(old).core
+    assert core.tenants is None and core.num_prefix_cache_resets == 0 and core.num_committed_blocks == 0
+    assert core.pool.events is None
+    for seq in (*core.seqs.values(), *core.swapped.values()):
+        assert seq.num_committed == seq.num_tokens and seq.pending_hashes == [] and seq.tenant == ""
+    core.check_invariants()
+    assert core.allocate("again", 10, list(range(10))).num_cached_tokens == 8

@@ -21,6 +21,7 @@ every Allocate.
 from __future__ import annotations
 
 import copy
+from array import array
 
 import hypothesis.strategies as st
 from hypothesis import settings
@@ -29,6 +30,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 import pytest
 
 from block_manager_svc.core import (
+    StepBatch,
     AlreadyExists,
     BlockManager,
     CoreConfig,
@@ -178,8 +180,9 @@ class AllocatorMachine(RuleBasedStateMachine):
         appends = [s for s in appends if s not in frees]
         new = data.draw(st.lists(TOKEN, min_size=len(appends), max_size=len(appends)))
         commits = [s for s in sorted(self.tokens) if data.draw(st.booleans())]
-        r = self.bm.step(appends, None, new, frees, commit_seq_ids=commits,
-                         commit_num_computed_tokens=[self.computed[s] for s in commits])
+        r = self.bm.step(StepBatch(append_seq_ids=appends, append_token_ids=array("I", new), free_seq_ids=frees,
+                                   commit_seq_ids=commits,
+                                   commit_num_computed_tokens=[self.computed[s] for s in commits]))
         assert not r.commit_errors
         failed_frees = {e.seq_id for e in r.free_errors}
         for s in frees:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from array import array
 import copy
 import random
 
 import pytest
 
 from block_manager_svc.core import (
+    StepBatch,
     AlreadyExists,
     BlockManager,
     CoreConfig,
@@ -309,7 +311,8 @@ def test_step_packed_appends_and_frees_with_per_item_errors() -> None:
     bm.allocate("a", 4, toks(4))
     bm.allocate("b", 3)
     bm.allocate("gone", 4)
-    r = bm.step(["a", "missing", "b"], None, [7, 8, 9], free_seq_ids=["gone", "never"])
+    r = bm.step(StepBatch(append_seq_ids=["a", "missing", "b"], append_token_ids=array("I", [7, 8, 9]),
+                         free_seq_ids=["gone", "never"]))
     assert r.released == [1, 0]
     assert [(e.index, e.code) for e in r.free_errors] == [(1, ErrorCode.NOT_FOUND)]
     assert [(e.index, e.seq_id, e.code) for e in r.append_errors] == [(1, "missing", ErrorCode.NOT_FOUND)]
@@ -323,7 +326,7 @@ def test_step_frees_before_appends_so_freed_room_is_usable() -> None:
     bm = make(num_blocks=2)
     bm.allocate("a", 4)
     bm.allocate("b", 4)
-    r = bm.step(["a"], None, None, free_seq_ids=["b"])
+    r = bm.step(StepBatch(append_seq_ids=["a"], free_seq_ids=["b"]))
     assert not r.append_errors and len(r.new_block_ids) == 1
 
 
@@ -332,7 +335,7 @@ def test_step_item_that_does_not_fit_changes_nothing_and_others_apply() -> None:
     bm.allocate("a", 4)
     bm.allocate("b", 4)
     bm.allocate("c", 3)
-    r = bm.step(["a", "b", "c"], [1, 1, 1])
+    r = bm.step(StepBatch(append_seq_ids=["a", "b", "c"], append_num_tokens=[1, 1, 1]))
     # a takes the last block; b cannot grow; c fills its tail.
     assert [e.seq_id for e in r.append_errors] == ["b"]
     assert r.append_errors[0].code is ErrorCode.RESOURCE_EXHAUSTED
@@ -345,31 +348,18 @@ def test_step_reports_copy_on_write() -> None:
     bm = make()
     a = bm.allocate("a", 2)
     bm.fork("a", "b")
-    r = bm.step(["a", "b"])
+    r = bm.step(StepBatch(append_seq_ids=["a", "b"]))
     assert r.replaced_index == [0]
     assert r.ops.copies == [(a.block_ids[0], r.new_block_ids[0])]
     assert r.new_block_index == [0]
     bm.check_invariants()
 
 
-def test_step_rejects_malformed_arrays_before_touching_anything() -> None:
-    bm = make()
-    bm.allocate("a", 2)
-    before = snapshot(bm)
-    with pytest.raises(InvalidArgument):
-        bm.step(["a"], [1, 2])
-    with pytest.raises(InvalidArgument):
-        bm.step(["a"], [2], [1])
-    with pytest.raises(InvalidArgument):
-        bm.step(["a"], None, [-5], free_seq_ids=["a"])
-    assert snapshot(bm) == before
-
-
 def test_step_packed_allocations_and_forks_come_back_as_deltas() -> None:
     bm = make()
     bm.allocate("a", 4)
-    r = bm.step(alloc_seq_ids=["n", "a", "m"], alloc_num_tokens=[5, 1, 2],
-                fork_parent_seq_ids=["n", "m"], fork_child_seq_ids=["n/1", "a"])
+    r = bm.step(StepBatch(alloc_seq_ids=["n", "a", "m"], alloc_num_tokens=[5, 1, 2],
+                          fork_parent_seq_ids=["n", "m"], fork_child_seq_ids=["n/1", "a"]))
     assert r.alloc_num_cached_tokens == [0, 0, 0]
     assert [(e.index, e.code) for e in r.alloc_errors] == [(1, ErrorCode.ALREADY_EXISTS)]
     assert [(e.index, e.code) for e in r.fork_errors] == [(1, ErrorCode.ALREADY_EXISTS)]
@@ -413,64 +403,11 @@ def test_step_equals_the_same_appends_one_by_one() -> None:
     ids = list(a.seqs)
     for _ in range(30):
         tokens = [rng.randrange(5) for _ in ids]
-        a.step(ids, None, tokens)
+        a.step(StepBatch(append_seq_ids=ids, append_token_ids=array("I", tokens)))
         for sid, t in zip(ids, tokens):
             b.append(sid, 1, [t])
         for bm in (a, b):  # the engine's commits: everything but the newest token
-            bm.step(commit_seq_ids=ids, commit_num_computed_tokens=[bm.seqs[s].num_tokens - 1 for s in ids])
+            bm.step(StepBatch(commit_seq_ids=ids,
+                              commit_num_computed_tokens=[bm.seqs[s].num_tokens - 1 for s in ids]))
     assert snapshot(a) == snapshot(b)
     a.check_invariants()
-
-
-def test_a_snapshot_from_before_commit_loads_with_everything_committed() -> None:
-    import pickle
-
-    from block_manager_svc.core.sequence import SeqState
-
-    bm = make()
-    bm.allocate("a", 9, toks(9))
-    old = {k: getattr(bm.seqs["a"], k) for k in SeqState.__slots__ if k != "num_committed"}
-    seq = SeqState.__new__(SeqState)
-    seq.__setstate__((None, old))  # what unpickling an old snapshot does
-    assert seq.num_committed == 9
-    assert pickle.loads(pickle.dumps(bm.seqs["a"])).num_committed == 0
-
-
-def test_a_snapshot_pickled_with_the_old_names_loads() -> None:
-    """Format-1 snapshots are pickles of the manager: they name `Sequence`, `evictable`,
-    `_requeued`, `_recently_preempted`, `_preempt_on`, `_watermark` and `tenants`."""
-    import pickle
-
-    from block_manager_svc.core.block_pool import BlockPool
-    from block_manager_svc.core.tenants import NULL_LEDGER, TenantLedger
-
-    bm = BlockManager(CoreConfig(num_gpu_blocks=16, block_size=4, preemption_mode="swap", num_cpu_blocks=4))
-    bm.allocate("a", 9, toks(9))
-    bm.commit("a", 8)
-    raw = pickle.dumps(bm)
-    assert raw.count(b"SeqState") == 1
-    for ledger, want in ((None, NULL_LEDGER), (TenantLedger(), None)):
-        old = pickle.loads(raw.replace(b"SeqState", b"Sequence"))  # the class's old name
-        assert type(old.seqs["a"]).__name__ == "SeqState"
-        if ledger is not None:
-            ledger.usage = ledger.recount(old.seqs, old.swapped)
-        state = dict(old.__dict__)
-        for new, name in (("recently_preempted", "_recently_preempted"), ("requeued", "_requeued"),
-                          ("preempt_on", "_preempt_on")):
-            state[name] = state.pop(new)
-        state.pop("ledger", None)
-        state["_watermark"] = 0
-        state["tenants"] = ledger
-        loaded = BlockManager.__new__(BlockManager)
-        loaded.__setstate__(state)
-        assert loaded.ledger is (want if want is not None else ledger) and loaded.preempt_on
-        assert "_watermark" not in loaded.__dict__ and "tenants" not in loaded.__dict__
-        assert loaded.tenants is ledger
-        pool_state = {k: getattr(loaded.pool, k) for k in BlockPool.__slots__ if k != "events"}
-        pool_state["evictable"] = pool_state.pop("eviction_policy")
-        pool = BlockPool.__new__(BlockPool)
-        pool.__setstate__((None, pool_state))
-        assert pool.eviction_policy is loaded.pool.eviction_policy and pool.events is None
-        loaded.pool = pool
-        loaded.check_invariants()
-        assert loaded.allocate("b", 9, toks(9)).num_cached_tokens == 8

@@ -12,6 +12,7 @@ import grpc
 import pytest
 
 from block_manager_svc.core import BlockManager, CoreConfig
+from block_manager_svc.core.kv_events import AllBlocksCleared, BlockStored
 from block_manager_svc.server import start_server
 from block_manager_svc.settings import BlockManagerSettings
 from pagedkv.v1 import block_manager_pb2 as pb
@@ -86,9 +87,12 @@ def test_core_events_get_all_blocks_cleared() -> None:
     bm.allocate("a", 8, list(range(8)))
     bm.commit("a", 8)
     stored = bm.take_events()
-    assert [e[0] for e in stored] == bm.seqs["a"].block_ids[:2] and bm.take_events() == []
+    assert all(isinstance(e, BlockStored) for e in stored)
+    assert [e.block for e in stored] == bm.seqs["a"].block_ids[:2] and bm.take_events() == []
+    assert stored[0].parent_hash is None and stored[1].parent_hash == stored[0].block_hash
+    assert list(stored[1].token_ids or ()) == [4, 5, 6, 7]
     bm.reset_prefix_cache()
-    assert bm.take_events() == [(-2, b"", None)]
+    assert bm.take_events() == [AllBlocksCleared()]
 
 
 def _server(**kw: object):  # type: ignore[no-untyped-def]

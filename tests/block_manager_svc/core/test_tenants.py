@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from block_manager_svc.core import BlockManager, CoreConfig, ResourceExhausted
+from block_manager_svc.core import BlockManager, CoreConfig, ResourceExhausted, StepBatch
 from block_manager_svc.core.invariants import check_invariants
 from block_manager_svc.core.prefix_cache import ROOT_HASH, root_hash
 from block_manager_svc.core.tenants import NULL_LEDGER, Quota, TenantLedger
@@ -48,7 +48,7 @@ def test_the_sequence_keeps_its_tenant_and_forks_inherit_it() -> None:
     with pytest.raises(ResourceExhausted, match="max_sequences"):
         bm.allocate("w", 1, tenant="a")
     assert "w" not in bm.seqs and "z" not in bm.seqs and ledger.of("a").sequences == 2
-    bm.step(alloc_seq_ids=["s1"], alloc_num_tokens=[4], tenant="b")
+    bm.step(StepBatch(alloc_seq_ids=["s1"], alloc_num_tokens=[4], tenant="b"))
     assert bm.seqs["s1"].tenant == "b" and ledger.of("b").gpu_blocks == 1
     bm.free("x")
     bm.free("y")

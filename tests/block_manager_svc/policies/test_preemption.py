@@ -7,6 +7,7 @@ import copy
 import pytest
 
 from block_manager_svc.core import (
+    StepBatch,
     BlockManager,
     CoreConfig,
     ErrorCode,
@@ -156,7 +157,7 @@ def test_step_never_preempts_a_sequence_that_already_grew_and_victims_fail_later
     bm = make(num_blocks=4, mode="recompute")
     for s in ("a", "b", "c"):
         bm.allocate(s, 4)
-    r = bm.step(["c", "a", "b"], [4, 4, 1])
+    r = bm.step(StepBatch(append_seq_ids=["c", "a", "b"], append_num_tokens=[4, 4, 1]))
     # c takes the last free block; a ranks above b and c, but c already grew
     # in this step, so b is the victim; b's own item then fails.
     assert [p.seq_id for p in r.preempted] == ["b"]
@@ -171,7 +172,7 @@ def test_step_swap_ins_come_after_appends_and_report_errors() -> None:
     bm.allocate("b", 4)
     bm.append("a", 12)  # preempts b by swap
     assert "b" in bm.swapped
-    r = bm.step([], free_seq_ids=["a"], swap_in_seq_ids=["b", "nope"])
+    r = bm.step(StepBatch(free_seq_ids=["a"], swap_in_seq_ids=["b", "nope"]))
     assert r.swap_in_results[0] is not None and r.swap_in_results[1] is None
     assert r.swap_in_errors[0].code is ErrorCode.NOT_FOUND
     assert "b" in bm.seqs

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from block_manager_svc.core import BlockManager, CoreConfig, CoreError
+from block_manager_svc.core import BlockManager, CoreConfig, CoreError, StepBatch
 
 BS = 2
 NAMES = st.sampled_from([f"s{i}" for i in range(7)])
@@ -124,7 +124,8 @@ class PolicyMachine(RuleBasedStateMachine):
     def step(self, ids: list[str], frees: list[str], swap_ins: list[str], k: int) -> None:
         bm = self.bm
         assert bm is not None
-        r = bm.step(ids, [k] * len(ids), None, frees, swap_ins)
+        r = bm.step(StepBatch(append_seq_ids=ids, append_num_tokens=[k] * len(ids), free_seq_ids=frees,
+                              swap_in_seq_ids=swap_ins))
         failed_frees = {e.seq_id for e in r.free_errors}
         for sid in frees:
             if sid not in failed_frees:
