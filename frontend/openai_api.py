@@ -4,8 +4,10 @@ Every check happens here, before anything reaches the engine, so a bad request i
 with the offending field named (``param``) and nothing is allocated. Types are strict (``"5"`` is
 not a number, ``true`` is not an integer), ranges are OpenAI's (temperature 0..2, top_p (0, 1]),
 plus vLLM's extensions ``top_k``, ``stop_token_ids`` and ``ignore_eos``. Unknown fields are
-ignored as OpenAI does; known fields pagedkv cannot honour (penalties, echo, best_of > n) are
-refused rather than silently dropped.
+ignored as OpenAI does; known fields pagedkv cannot honour are refused with their name rather than
+silently dropped: ``presence_penalty``/``frequency_penalty`` other than 0, vLLM's
+``repetition_penalty`` other than 1 (the engine samples without penalties), ``echo: true`` and
+``best_of != n``.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM's extension
     user: str | None = None
 
 
@@ -101,7 +104,14 @@ class Limits:
         return self.block_size * self.num_gpu_blocks
 
     @property
+    def max_model_len(self) -> int:
+        """The model's context length (its config's max_position_embeddings); the pool's size when
+        the server has no model config. /v1/models reports it, as vLLM does."""
+        return self.text.max_model_len or self.max_tokens_in_pool
+
+    @property
     def max_context(self) -> int:
+        """What one request can use: the model's context, or less when the pool holds less."""
         pool = self.max_tokens_in_pool
         return min(pool, self.text.max_model_len) if self.text.max_model_len else pool
 
@@ -194,9 +204,9 @@ def _stop(stop: str | list[str] | None, limits: Limits) -> tuple[str, ...]:
 
 def _common(body: _Sampling, prompts: list[list[int]], max_tokens: int | None, limits: Limits,
             logprobs: bool, top_logprobs: int) -> Parsed:
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name) != 0.0:
-            raise ApiError(400, f"{name}: not supported by pagedkv (only 0)", name)
+    for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
+        if getattr(body, name) != neutral:
+            raise ApiError(400, f"{name}: not supported by pagedkv (only {neutral:g}, no penalty)", name)
     for name in ("temperature", "top_p"):
         if not math.isfinite(getattr(body, name)):
             raise ApiError(400, f"{name}: must be a finite number", name)
