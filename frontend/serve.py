@@ -42,7 +42,8 @@ from frontend.inbox import Inbox
 from frontend.openai_api import ApiError, Limits, Parsed, parse_chat, parse_completion
 from frontend.serve_metrics import ServeMetrics
 from frontend.serve_settings import ServeSettings, load_settings
-from frontend.text import IncrementalText, load_model_text
+from frontend.detokenize import IncrementalText
+from frontend.text import load_model_text
 from pagedkv.tls import TlsConfigError, is_loopback
 
 log = structlog.get_logger("pagedkv.serve")
@@ -145,6 +146,7 @@ class _Run:
             self.state.loop.abort(self.request_ids[prompt], ev.index, "stop")
         elif ev.finish_reason is not None:
             c.finish_reason = ev.finish_reason
+            c.text.finish()
         return c
 
     def on_finished(self, prompt: int, fin: Finished) -> None:
@@ -153,6 +155,7 @@ class _Run:
             c = self.choices[(prompt, s)]
             if c.finish_reason is None:
                 c.finish_reason = reason
+                c.text.finish()
         self.finished_prompts += 1
         if self.finished_prompts == len(self.request_ids):
             self.active = False
@@ -281,6 +284,7 @@ async def _serve(state: ServerState, request: Request, parsed: Parsed, kind: str
 
 async def _stream(run: _Run, request: Request) -> AsyncIterator[bytes]:
     seen: set[int] = set()
+    closed: set[int] = set()  # choices whose finish_reason chunk was sent
     try:
         while not run.done:
             prompt, item = await _next(run, request)
@@ -290,10 +294,20 @@ async def _stream(run: _Run, request: Request) -> AsyncIterator[bytes]:
                     continue
                 first = c.index not in seen
                 seen.add(c.index)
+                if c.finish_reason is not None:
+                    closed.add(c.index)
                 yield _sse(run.chunk(c, [item.token_id], [item.logprob], first,
                                      [item.top_logprobs] if run.parsed.top_logprobs else ()))
             elif isinstance(item, Finished):
                 run.on_finished(prompt, item)
+                # A sample that ended without a last token (aborted): its finish_reason, and the
+                # text it still held back, in a chunk of its own.
+                for s in range(run.parsed.n):
+                    c = run.choices[(prompt, s)]
+                    if c.index not in closed:
+                        closed.add(c.index)
+                        yield _sse(run.chunk(c, [], [], c.index not in seen))
+                        seen.add(c.index)
             elif isinstance(item, Failed):
                 yield _sse(ApiError(item.status, item.message, None, "server_error").body())
                 return
@@ -365,7 +379,7 @@ def create_app(state: ServerState, api_key: str = "") -> Any:
         lim = state.limits
         return JSONResponse({"object": "list", "data": [{
             "id": lim.model_name, "object": "model", "created": 0, "owned_by": "pagedkv",
-            "max_model_len": lim.max_context}]})
+            "max_model_len": lim.max_model_len}]})
 
     @app.get(HEALTH_PATH)
     async def health() -> JSONResponse:
