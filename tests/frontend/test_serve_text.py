@@ -21,8 +21,16 @@ from frontend.detokenize import IncrementalText
 from frontend.local_stack import LocalStack
 from frontend.serve import RunningServe
 from frontend.text import ModelText, load_model_text
-from tests.frontend.real_tokenizer import CHAT_ANSWER, CONTEXT, EOS_ID, MULTIBYTE, MULTIBYTE_TEXT, WORDS_TEXT, \
-    Script, pieces
+from tests.frontend.real_tokenizer import (
+    CHAT_ANSWER,
+    CONTEXT,
+    EOS_ID,
+    MULTIBYTE,
+    MULTIBYTE_TEXT,
+    WORDS_TEXT,
+    Script,
+    pieces,
+)
 from tests.frontend.serve_fixtures import serving, stack_config
 
 openai = pytest.importorskip("openai")
@@ -209,6 +217,6 @@ def test_readme_real_model_commands_run(server: RunningServe, capsys: pytest.Cap
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req) as resp:
         assert json.loads(resp.read())["choices"][0]["message"]["content"] == CHAT_ANSWER
-    snippet = re.search(r"```python\n(.*?)```", section, flags=re.S).group(1)  # type: ignore[union-attr]
+    snippet = re.search(r"```python\n(.*?)```", section, flags=re.DOTALL).group(1)  # type: ignore[union-attr]
     exec(compile(snippet.replace("http://127.0.0.1:8000", server.url), "README.md", "exec"), {})  # noqa: S102
     assert capsys.readouterr().out == CHAT_ANSWER + "\n"
