@@ -20,6 +20,10 @@ non-streamed text by construction:
 
 from __future__ import annotations
 
+import functools
+import re
+from typing import Any
+
 from frontend.text import ModelText
 
 REPLACEMENT = "\ufffd"
@@ -98,3 +102,42 @@ class IncrementalText:
                     best = k
                     break
         return best
+
+
+# --- the bytes of one token (OpenAI's logprobs `bytes`) ---------------------------------------------
+@functools.cache
+def byte_level_chars() -> dict[int, str]:
+    """Byte value -> the character a GPT-2-style byte-level BPE writes it as in its vocabulary:
+    printable Latin-1 bytes stand for themselves, the others move, in order, to U+0100 onwards."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    out = {b: chr(b) for b in keep}
+    moved = (b for b in range(256) if b not in out)
+    out.update({b: chr(256 + i) for i, b in enumerate(moved)})
+    return out
+
+
+@functools.cache
+def _char_bytes() -> dict[str, int]:
+    return {c: b for b, c in byte_level_chars().items()}
+
+
+def _is_byte_level(tokenizer: Any) -> bool:
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    return decoder is not None and "ByteLevel" in repr(decoder)
+
+
+def token_bytes(tokenizer: Any, token_id: int) -> list[int]:
+    """The UTF-8 bytes ``token_id`` stands for. A token that holds part of a character decodes alone
+    to U+FFFD; its real bytes come from the vocabulary entry (byte-level BPE, or SentencePiece's
+    ``<0xNN>`` byte fallback), so that a client can join the bytes of consecutive tokens."""
+    text = str(tokenizer.decode([token_id]))
+    if REPLACEMENT not in text:
+        return list(text.encode())
+    piece = str(tokenizer.convert_ids_to_tokens(token_id))
+    fallback = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
+    if fallback:
+        return [int(fallback.group(1), 16)]
+    chars = _char_bytes()
+    if _is_byte_level(tokenizer) and all(c in chars for c in piece):
+        return [chars[c] for c in piece]
+    return list(text.encode())

@@ -42,7 +42,7 @@ from frontend.inbox import Inbox
 from frontend.openai_api import ApiError, Limits, Parsed, parse_chat, parse_completion
 from frontend.serve_metrics import ServeMetrics
 from frontend.serve_settings import ServeSettings, load_settings
-from frontend.detokenize import IncrementalText
+from frontend.detokenize import IncrementalText, token_bytes
 from frontend.text import load_model_text
 from pagedkv.tls import TlsConfigError, is_loopback
 
@@ -177,6 +177,11 @@ class _Run:
             return [f"token_id:{t}" for t in ids]
         return [str(tok.decode([t])) for t in ids]
 
+    def _bytes(self, token_id: int, shown: str) -> list[int]:
+        """The token's own bytes (part of a character for a byte-level BPE token that decodes to U+FFFD)."""
+        tok = self.state.limits.text.tokenizer
+        return token_bytes(tok, token_id) if tok is not None else list(shown.encode())
+
     def _logprobs(self, ids: list[int], lps: list[float],
                   tops: Sequence[tuple[tuple[int, float], ...]] = ()) -> dict[str, Any] | None:
         """OpenAI's logprobs object for these tokens; ``tops``: each token's alternatives
@@ -186,10 +191,11 @@ class _Run:
         strs = self._token_strings(ids)
         alts = [list(zip(self._token_strings([t for t, _ in top]), (lp for _, lp in top))) for top in tops]
         if self.kind == "chat":
-            return {"content": [{"token": s, "logprob": lp, "bytes": list(s.encode()),
-                                 "top_logprobs": [{"token": a, "logprob": alp, "bytes": list(a.encode())}
-                                                  for a, alp in (alts[i] if alts else [])]}
-                                for i, (s, lp) in enumerate(zip(strs, lps))]}
+            return {"content": [{"token": s, "logprob": lp, "bytes": self._bytes(t, s),
+                                 "top_logprobs": [{"token": a, "logprob": alp, "bytes": self._bytes(at, a)}
+                                                  for (at, _), (a, alp) in zip(tops[i] if alts else (),
+                                                                               alts[i] if alts else [])]}
+                                for i, (t, s, lp) in enumerate(zip(ids, strs, lps))]}
         offsets, pos = [], 0
         for s in strs:
             offsets.append(pos)

@@ -13,12 +13,13 @@ tokens, and check the text a real tokenizer gives it.
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import pathlib
 from dataclasses import dataclass
 
 import torch
+
+from frontend.detokenize import byte_level_chars
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 HIDDEN = 128  # at most this many tokens can have a scripted successor in one model
@@ -42,24 +43,9 @@ def save_smollm2_tokenizer(gguf: pathlib.Path, out: pathlib.Path) -> None:
     tok.save_pretrained(out)
 
 
-@functools.cache
-def byte_token_chars() -> dict[int, str]:
-    """Byte value -> the character a GPT-2-style byte-level BPE uses for it in its vocabulary.
-
-    Printable Latin-1 bytes stand for themselves; the others are moved, in order, to 256 + i."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
-    out = {b: chr(b) for b in keep}
-    extra = 0
-    for b in range(256):
-        if b not in out:
-            out[b] = chr(256 + extra)
-            extra += 1
-    return out
-
-
 def byte_tokens(tokenizer: object, text: str) -> list[int]:
     """One token per UTF-8 byte of ``text``: forces multi-byte characters across tokens."""
-    chars = byte_token_chars()
+    chars = byte_level_chars()
     ids = [tokenizer.convert_tokens_to_ids(chars[b]) for b in text.encode()]  # type: ignore[attr-defined]
     assert None not in ids and tokenizer.unk_token_id not in ids, text  # type: ignore[attr-defined]
     return ids

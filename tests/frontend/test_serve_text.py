@@ -220,3 +220,20 @@ def test_readme_real_model_commands_run(server: RunningServe, capsys: pytest.Cap
     snippet = re.search(r"```python\n(.*?)```", section, flags=re.DOTALL).group(1)  # type: ignore[union-attr]
     exec(compile(snippet.replace("http://127.0.0.1:8000", server.url), "README.md", "exec"), {})  # noqa: S102
     assert capsys.readouterr().out == CHAT_ANSWER + "\n"
+
+
+def test_chat_logprobs_bytes_are_the_tokens_own_bytes(client, script: Script) -> None:
+    """A token holding part of a character decodes alone to U+FFFD; its `bytes` are its real bytes, so
+    that the bytes of consecutive tokens join to the text's UTF-8."""
+    from frontend.detokenize import token_bytes
+
+    tok = script.tokenizer
+    emoji = pieces(tok, [("🙂", True)])
+    assert [token_bytes(tok, t) for t in emoji] == [[b] for b in "🙂".encode()]
+    assert token_bytes(tok, emoji[0]) != list(tok.decode([emoji[0]]).encode())  # type: ignore[attr-defined]
+    r = client.chat.completions.create(model="smol-scripted", messages=[{"role": "user", "content": "?"}],
+                                       max_tokens=64, temperature=0, logprobs=True, top_logprobs=1)
+    content = r.choices[0].logprobs.content
+    assert [e.token for e in content][-1] == "<|im_end|>"  # the EOS is a token of the answer, not text
+    assert b"".join(bytes(e.bytes) for e in content[:-1]) == CHAT_ANSWER.encode()
+    assert all(e.top_logprobs[0].bytes == e.bytes for e in content)
