@@ -6,8 +6,8 @@ not a number, ``true`` is not an integer), ranges are OpenAI's (temperature 0..2
 plus vLLM's extensions ``top_k``, ``stop_token_ids`` and ``ignore_eos``. Unknown fields are
 ignored as OpenAI does; known fields pagedkv cannot honour are refused with their name rather than
 silently dropped: ``presence_penalty``/``frequency_penalty`` other than 0, vLLM's
-``repetition_penalty`` other than 1 (the engine samples without penalties), ``echo: true`` and
-``best_of != n``.
+``repetition_penalty`` other than 1 (the engine samples without penalties), ``echo`` with
+``logprobs`` (no prompt logprobs) and ``best_of != n``.
 """
 
 from __future__ import annotations
@@ -130,6 +130,7 @@ class Parsed:
     include_usage: bool
     logprobs: bool
     top_logprobs: int = 0  # alternatives per token (completions: logprobs=N; chat: top_logprobs)
+    echo: tuple[str, ...] = ()  # completions with echo: each prompt's text, put before its choices' text
 
 
 def _pydantic_error(e: ValidationError) -> ApiError:
@@ -255,12 +256,27 @@ def _validated(raw: Any, model: type[_Body], limits: Limits) -> _Body:
 
 def parse_completion(raw: Any, limits: Limits) -> Parsed:
     body = _validated(raw, CompletionBody, limits)
-    if body.echo:
-        raise ApiError(400, "echo: not supported by pagedkv", "echo")
+    if body.echo and body.logprobs is not None:
+        raise ApiError(400, "echo: not supported together with logprobs (the prompt's logprobs are not "
+                       "computed)", "echo")
     if body.best_of is not None and body.best_of != body.n:
         raise ApiError(400, "best_of: only best_of == n is supported", "best_of")
     prompts = _prompts(body.prompt, limits)
-    return _common(body, prompts, body.max_tokens, limits, body.logprobs is not None, body.logprobs or 0)
+    parsed = _common(body, prompts, body.max_tokens, limits, body.logprobs is not None, body.logprobs or 0)
+    if body.echo:
+        parsed.echo = _echo_texts(body.prompt, prompts, limits)
+    return parsed
+
+
+def _echo_texts(prompt: Any, prompts: list[list[int]], limits: Limits) -> tuple[str, ...]:
+    """What echo repeats: a text prompt as sent; token ids as the tokenizer decodes them (special
+    tokens included: they are part of the prompt), nothing without a tokenizer."""
+    if isinstance(prompt, str):
+        return (prompt,)
+    if prompt and all(isinstance(p, str) for p in prompt):
+        return tuple(prompt)
+    tok = limits.text.tokenizer
+    return tuple(str(tok.decode(p)) if tok is not None else "" for p in prompts)
 
 
 def parse_chat(raw: Any, limits: Limits) -> Parsed:

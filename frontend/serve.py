@@ -177,6 +177,10 @@ class _Run:
             return [f"token_id:{t}" for t in ids]
         return [str(tok.decode([t])) for t in ids]
 
+    def _echo(self, c: _Choice) -> str:
+        """With echo: the prompt's text, which a completion's text starts with (its first chunk's)."""
+        return self.parsed.echo[c.index // self.parsed.n] if self.parsed.echo else ""
+
     def _bytes(self, token_id: int, shown: str) -> list[int]:
         """The token's own bytes (part of a character for a byte-level BPE token that decodes to U+FFFD)."""
         tok = self.state.limits.text.tokenizer
@@ -213,7 +217,7 @@ class _Run:
             if self.kind == "chat":
                 item["message"] = {"role": "assistant", "content": text}
             else:
-                item["text"] = text
+                item["text"] = self._echo(c) + text
             choices.append(item)
         return {"id": self.id, "object": "chat.completion" if self.kind == "chat" else "text_completion",
                 "created": self.created, "model": self.state.model_name, "choices": choices,
@@ -231,7 +235,7 @@ class _Run:
                 delta["role"] = "assistant"
             item["delta"] = delta
         else:
-            item["text"] = text
+            item["text"] = (self._echo(c) if first else "") + text
         out: dict[str, Any] = {"id": self.id,
                                "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
                                "created": self.created, "model": self.state.model_name, "choices": [item]}

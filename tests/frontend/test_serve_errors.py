@@ -116,7 +116,7 @@ BAD_FIELDS = [
     ({"frequency_penalty": -0.5}, "frequency_penalty", "not supported"),
     ({"repetition_penalty": 1.2}, "repetition_penalty", "not supported"),
     ({"repetition_penalty": "1"}, "repetition_penalty", "number"),
-    ({"echo": True}, "echo", "not supported"),
+    ({"echo": True, "logprobs": 1}, "echo", "not supported together with logprobs"),
     ({"best_of": 3}, "best_of", "best_of == n"),
     ({"model": 7}, "model", "string"),
 ]

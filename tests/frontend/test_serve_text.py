@@ -237,3 +237,20 @@ def test_chat_logprobs_bytes_are_the_tokens_own_bytes(client, script: Script) ->
     assert [e.token for e in content][-1] == "<|im_end|>"  # the EOS is a token of the answer, not text
     assert b"".join(bytes(e.bytes) for e in content[:-1]) == CHAT_ANSWER.encode()
     assert all(e.top_logprobs[0].bytes == e.bytes for e in content)
+
+
+def test_echo_puts_the_prompt_before_the_completion(client, script: Script) -> None:
+    tok = script.tokenizer
+    assert tok.encode("Menu", add_special_tokens=False) == [script.multibyte_start]  # type: ignore[attr-defined]
+    kw = dict(model="smol-scripted", prompt="Menu", max_tokens=64, temperature=0, echo=True)
+    r = client.completions.create(**kw)
+    assert r.choices[0].text == "Menu" + MULTIBYTE_TEXT
+    assert r.choices[0].token_ids == script.multibyte + [EOS_ID]  # the completion's tokens only
+    texts, _, _ = _stream_text(list(client.completions.create(stream=True, **kw)), chat=False)
+    assert texts[0].startswith("Menu") and "".join(texts) == "Menu" + MULTIBYTE_TEXT
+    # Token-id prompts echo as decoded; every sample of every prompt starts with its own prompt.
+    both = client.completions.create(model="smol-scripted", prompt=[[script.words_start], [script.multibyte_start]],
+                                     max_tokens=64, temperature=0, echo=True, n=2)
+    say = tok.decode([script.words_start])  # type: ignore[attr-defined]
+    assert [c.text for c in sorted(both.choices, key=lambda c: c.index)] == \
+        [say + WORDS_TEXT] * 2 + ["Menu" + MULTIBYTE_TEXT] * 2
