@@ -8,7 +8,9 @@ them all (continuous batching: new requests join while earlier ones decode). A
 progress bar shows finished requests; at the end the demo prints throughput,
 prefix-cache hit rate, KV utilisation, the memory block sharing saved,
 preemptions, and the memory a contiguous per-request reservation would have
-needed for the same work.
+needed for the same work. With `--model` naming a real model with a chat template, the prompts are
+chat prompts (system prompt + question through the template) and a few greedy question/answer pairs
+are printed beside the figures (frontend/demo_text.py).
 
 KV utilisation is the vLLM paper's: token slots holding live tokens / token
 slots of the allocated blocks, each physical block counted once (a block shared
@@ -249,7 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-workers", type=int, default=2, help="with --local: workers in the stack")
     p.add_argument("--max-num-seqs", type=int, default=32, help="the server's engine (not with --url)")
     p.add_argument("--max-batch-tokens", type=int, default=256, help="the server's engine (not with --url)")
-    p.add_argument("--model", default=None, help="Hugging Face model directory (default: built-in tiny model)")
+    p.add_argument("--model", default=None,
+                   help="Hugging Face model directory (default: built-in tiny model); with a tokenizer and chat "
+                        "template the workload is chat prompts and a few real answers are printed")
     p.add_argument("--device", default="auto")
     p.add_argument("--local", action="store_true", help="run the stack and the server in this process")
     p.add_argument("--url", default=None, help="drive a running `pagedkv serve` (no KV figures)")
@@ -280,13 +284,21 @@ def _serve_here(args: argparse.Namespace, block_manager: str, workers: list[str]
     sampler = new_sampler(bpt)
     settings = ServeSettings(port=0, block_manager=block_manager, workers=",".join(workers),
                              max_num_seqs=args.max_num_seqs, max_batch_tokens=args.max_batch_tokens,
-                             max_waiting=args.requests + 1, log_level="warning",
+                             max_waiting=args.requests + 1, log_level="warning", model=args.model or "",
                              tls_ca=str(conn.get("tls_ca", "")), tls_client_cert=str(conn.get("tls_cert", "")),
                              tls_client_key=str(conn.get("tls_key", "")), token=str(conn.get("token", "")))
     with RunningServe(settings, on_iteration=sampler) as server:
-        reqs = make_workload(args.requests, info_vocab, args.seed)
+        text = server.state.limits.text
+        if text.has_chat_template:  # a real model: chat prompts, and real answers beside the figures
+            from frontend.demo_text import SHOWN_QUESTIONS, ask, format_answers, make_text_workload
+
+            reqs = make_text_workload(args.requests, text, args.seed)
+        else:
+            reqs = make_workload(args.requests, info_vocab, args.seed)
         print(report(run_workload(server.url, reqs, args.concurrency, sampler=sampler,
                                   progress=not args.no_progress)))
+        if text.has_chat_template:
+            print(format_answers(ask(server.url, SHOWN_QUESTIONS)))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -4,8 +4,10 @@ Every check happens here, before anything reaches the engine, so a bad request i
 with the offending field named (``param``) and nothing is allocated. Types are strict (``"5"`` is
 not a number, ``true`` is not an integer), ranges are OpenAI's (temperature 0..2, top_p (0, 1]),
 plus vLLM's extensions ``top_k``, ``stop_token_ids`` and ``ignore_eos``. Unknown fields are
-ignored as OpenAI does; known fields pagedkv cannot honour (penalties, echo, best_of > n) are
-refused rather than silently dropped.
+ignored as OpenAI does; known fields pagedkv cannot honour are refused with their name rather than
+silently dropped: ``presence_penalty``/``frequency_penalty`` other than 0, vLLM's
+``repetition_penalty`` other than 1 (the engine samples without penalties), ``echo`` with
+``logprobs`` (no prompt logprobs) and ``best_of != n``.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM's extension
     user: str | None = None
 
 
@@ -101,7 +104,14 @@ class Limits:
         return self.block_size * self.num_gpu_blocks
 
     @property
+    def max_model_len(self) -> int:
+        """The model's context length (its config's max_position_embeddings); the pool's size when
+        the server has no model config. /v1/models reports it, as vLLM does."""
+        return self.text.max_model_len or self.max_tokens_in_pool
+
+    @property
     def max_context(self) -> int:
+        """What one request can use: the model's context, or less when the pool holds less."""
         pool = self.max_tokens_in_pool
         return min(pool, self.text.max_model_len) if self.text.max_model_len else pool
 
@@ -120,6 +130,7 @@ class Parsed:
     include_usage: bool
     logprobs: bool
     top_logprobs: int = 0  # alternatives per token (completions: logprobs=N; chat: top_logprobs)
+    echo: tuple[str, ...] = ()  # completions with echo: each prompt's text, put before its choices' text
 
 
 def _pydantic_error(e: ValidationError) -> ApiError:
@@ -194,9 +205,9 @@ def _stop(stop: str | list[str] | None, limits: Limits) -> tuple[str, ...]:
 
 def _common(body: _Sampling, prompts: list[list[int]], max_tokens: int | None, limits: Limits,
             logprobs: bool, top_logprobs: int) -> Parsed:
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name) != 0.0:
-            raise ApiError(400, f"{name}: not supported by pagedkv (only 0)", name)
+    for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
+        if getattr(body, name) != neutral:
+            raise ApiError(400, f"{name}: not supported by pagedkv (only {neutral:g}, no penalty)", name)
     for name in ("temperature", "top_p"):
         if not math.isfinite(getattr(body, name)):
             raise ApiError(400, f"{name}: must be a finite number", name)
@@ -245,12 +256,27 @@ def _validated(raw: Any, model: type[_Body], limits: Limits) -> _Body:
 
 def parse_completion(raw: Any, limits: Limits) -> Parsed:
     body = _validated(raw, CompletionBody, limits)
-    if body.echo:
-        raise ApiError(400, "echo: not supported by pagedkv", "echo")
+    if body.echo and body.logprobs is not None:
+        raise ApiError(400, "echo: not supported together with logprobs (the prompt's logprobs are not "
+                       "computed)", "echo")
     if body.best_of is not None and body.best_of != body.n:
         raise ApiError(400, "best_of: only best_of == n is supported", "best_of")
     prompts = _prompts(body.prompt, limits)
-    return _common(body, prompts, body.max_tokens, limits, body.logprobs is not None, body.logprobs or 0)
+    parsed = _common(body, prompts, body.max_tokens, limits, body.logprobs is not None, body.logprobs or 0)
+    if body.echo:
+        parsed.echo = _echo_texts(body.prompt, prompts, limits)
+    return parsed
+
+
+def _echo_texts(prompt: Any, prompts: list[list[int]], limits: Limits) -> tuple[str, ...]:
+    """What echo repeats: a text prompt as sent; token ids as the tokenizer decodes them (special
+    tokens included: they are part of the prompt), nothing without a tokenizer."""
+    if isinstance(prompt, str):
+        return (prompt,)
+    if prompt and all(isinstance(p, str) for p in prompt):
+        return tuple(prompt)
+    tok = limits.text.tokenizer
+    return tuple(str(tok.decode(p)) if tok is not None else "" for p in prompts)
 
 
 def parse_chat(raw: Any, limits: Limits) -> Parsed:

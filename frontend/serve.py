@@ -42,7 +42,8 @@ from frontend.inbox import Inbox
 from frontend.openai_api import ApiError, Limits, Parsed, parse_chat, parse_completion
 from frontend.serve_metrics import ServeMetrics
 from frontend.serve_settings import ServeSettings, load_settings
-from frontend.text import IncrementalText, load_model_text
+from frontend.detokenize import IncrementalText, token_bytes
+from frontend.text import load_model_text
 from pagedkv.tls import TlsConfigError, is_loopback
 
 log = structlog.get_logger("pagedkv.serve")
@@ -145,6 +146,7 @@ class _Run:
             self.state.loop.abort(self.request_ids[prompt], ev.index, "stop")
         elif ev.finish_reason is not None:
             c.finish_reason = ev.finish_reason
+            c.text.finish()
         return c
 
     def on_finished(self, prompt: int, fin: Finished) -> None:
@@ -153,6 +155,7 @@ class _Run:
             c = self.choices[(prompt, s)]
             if c.finish_reason is None:
                 c.finish_reason = reason
+                c.text.finish()
         self.finished_prompts += 1
         if self.finished_prompts == len(self.request_ids):
             self.active = False
@@ -174,6 +177,15 @@ class _Run:
             return [f"token_id:{t}" for t in ids]
         return [str(tok.decode([t])) for t in ids]
 
+    def _echo(self, c: _Choice) -> str:
+        """With echo: the prompt's text, which a completion's text starts with (its first chunk's)."""
+        return self.parsed.echo[c.index // self.parsed.n] if self.parsed.echo else ""
+
+    def _bytes(self, token_id: int, shown: str) -> list[int]:
+        """The token's own bytes (part of a character for a byte-level BPE token that decodes to U+FFFD)."""
+        tok = self.state.limits.text.tokenizer
+        return token_bytes(tok, token_id) if tok is not None else list(shown.encode())
+
     def _logprobs(self, ids: list[int], lps: list[float],
                   tops: Sequence[tuple[tuple[int, float], ...]] = ()) -> dict[str, Any] | None:
         """OpenAI's logprobs object for these tokens; ``tops``: each token's alternatives
@@ -183,10 +195,11 @@ class _Run:
         strs = self._token_strings(ids)
         alts = [list(zip(self._token_strings([t for t, _ in top]), (lp for _, lp in top))) for top in tops]
         if self.kind == "chat":
-            return {"content": [{"token": s, "logprob": lp, "bytes": list(s.encode()),
-                                 "top_logprobs": [{"token": a, "logprob": alp, "bytes": list(a.encode())}
-                                                  for a, alp in (alts[i] if alts else [])]}
-                                for i, (s, lp) in enumerate(zip(strs, lps))]}
+            return {"content": [{"token": s, "logprob": lp, "bytes": self._bytes(t, s),
+                                 "top_logprobs": [{"token": a, "logprob": alp, "bytes": self._bytes(at, a)}
+                                                  for (at, _), (a, alp) in zip(tops[i] if alts else (),
+                                                                               alts[i] if alts else [])]}
+                                for i, (t, s, lp) in enumerate(zip(ids, strs, lps))]}
         offsets, pos = [], 0
         for s in strs:
             offsets.append(pos)
@@ -204,7 +217,7 @@ class _Run:
             if self.kind == "chat":
                 item["message"] = {"role": "assistant", "content": text}
             else:
-                item["text"] = text
+                item["text"] = self._echo(c) + text
             choices.append(item)
         return {"id": self.id, "object": "chat.completion" if self.kind == "chat" else "text_completion",
                 "created": self.created, "model": self.state.model_name, "choices": choices,
@@ -222,7 +235,7 @@ class _Run:
                 delta["role"] = "assistant"
             item["delta"] = delta
         else:
-            item["text"] = text
+            item["text"] = (self._echo(c) if first else "") + text
         out: dict[str, Any] = {"id": self.id,
                                "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
                                "created": self.created, "model": self.state.model_name, "choices": [item]}
@@ -284,6 +297,7 @@ async def _serve(state: ServerState, request: Request, parsed: Parsed, kind: str
 
 async def _stream(run: _Run, request: Request) -> AsyncIterator[bytes]:
     seen: set[int] = set()
+    closed: set[int] = set()  # choices whose finish_reason chunk was sent
     try:
         while not run.done:
             prompt, item = await _next(run, request)
@@ -293,10 +307,20 @@ async def _stream(run: _Run, request: Request) -> AsyncIterator[bytes]:
                     continue
                 first = c.index not in seen
                 seen.add(c.index)
+                if c.finish_reason is not None:
+                    closed.add(c.index)
                 yield _sse(run.chunk(c, [item.token_id], [item.logprob], first,
                                      [item.top_logprobs] if run.parsed.top_logprobs else ()))
             elif isinstance(item, Finished):
                 run.on_finished(prompt, item)
+                # A sample that ended without a last token (aborted): its finish_reason, and the
+                # text it still held back, in a chunk of its own.
+                for s in range(run.parsed.n):
+                    c = run.choices[(prompt, s)]
+                    if c.index not in closed:
+                        closed.add(c.index)
+                        yield _sse(run.chunk(c, [], [], c.index not in seen))
+                        seen.add(c.index)
             elif isinstance(item, Failed):
                 yield _sse(ApiError(item.status, item.message, None, "server_error").body())
                 return
@@ -368,7 +392,7 @@ def create_app(state: ServerState, api_key: str = "") -> Any:
         lim = state.limits
         return JSONResponse({"object": "list", "data": [{
             "id": lim.model_name, "object": "model", "created": 0, "owned_by": "pagedkv",
-            "max_model_len": lim.max_context}]})
+            "max_model_len": lim.max_model_len}]})
 
     @app.get(HEALTH_PATH)
     async def health() -> JSONResponse:

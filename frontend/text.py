@@ -77,45 +77,41 @@ def load_model_text(model_dir: str | None) -> ModelText:
             raise ValueError(f"{model_dir} has a tokenizer but transformers is not installed "
                              "(pip install 'pagedkv[text]')") from e
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-        if not eos and tokenizer.eos_token_id is not None:
-            eos = (int(tokenizer.eos_token_id),)
+        eos = stop_ids_of(tokenizer, eos)
     return ModelText(tokenizer=tokenizer, eos_token_ids=eos, max_model_len=max_len)
 
 
-class IncrementalText:
-    """Text of one sample as tokens arrive: full decode each time, emitting only what is new and
-    stable (no half UTF-8 character at the end, nothing that may still become a stop string)."""
 
-    def __init__(self, text: ModelText, stop: tuple[str, ...]) -> None:
-        self._text = text
-        self._stop = stop
-        self._hold = max((len(s) for s in stop), default=1) - 1
-        self.tokens: list[int] = []
-        self.sent = 0  # characters already emitted
-        self.full = ""
-        self.stopped = False
+_TURN_MARK = "pagedkv-end-of-turn-probe"
 
-    def add(self, token: int) -> None:
-        self.tokens.append(token)
-        if self._text.tokenizer is None:
-            return
-        self.full = self._text.decode(self.tokens)
-        if self._stop:
-            start = max(0, self.sent - self._hold)
-            hits = [i for i in (self.full.find(s, start) for s in self._stop) if i >= 0]
-            if hits:
-                self.full = self.full[: min(hits)]
-                self.stopped = True
 
-    def delta(self, final: bool) -> str:
-        """New text that can be sent now (everything left when ``final``)."""
-        end = len(self.full)
-        if not final and not self.stopped:
-            if self.full.endswith("\ufffd"):
-                end -= 1
-            end -= self._hold
-        if end <= self.sent:
-            return ""
-        out = self.full[self.sent : end]
-        self.sent = end
-        return out
+def stop_ids_of(tokenizer: Any, config_eos: tuple[int, ...]) -> tuple[int, ...]:
+    """The ids that end a sample: the config's EOS, the tokenizer's, and the special token the chat
+    template closes an assistant turn with (ChatML's <|im_end|>, Llama 3's <|eot_id|>), which a base
+    model's config often does not name. Config order first, no duplicates."""
+    ids = list(config_eos)
+    if tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    ids.extend(_template_turn_end(tokenizer))
+    return tuple(dict.fromkeys(ids))
+
+
+def _template_turn_end(tokenizer: Any) -> tuple[int, ...]:
+    """The first special token after an assistant message in the chat template's rendering, if any."""
+    if not getattr(tokenizer, "chat_template", None):
+        return ()
+    try:
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "?"}, {"role": "assistant", "content": _TURN_MARK}], tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that needs other roles or fields: nothing learned
+        return ()
+    at = rendered.rfind(_TURN_MARK)
+    if at < 0:
+        return ()
+    special = {int(i) for i in tokenizer.all_special_ids}
+    special |= {int(i) for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special}
+    after = tokenizer.encode(rendered[at + len(_TURN_MARK):], add_special_tokens=False)
+    for t in after[:4]:  # the turn's end comes right after the content (maybe after a space)
+        if int(t) in special:
+            return (int(t),)
+    return ()

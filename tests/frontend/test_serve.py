@@ -252,7 +252,8 @@ def test_readme_openai_example_runs(server: RunningServe, capsys: pytest.Capture
     import re
 
     readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
-    snippet = next(b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if "from openai" in b)
+    snippet = next(b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S)
+                   if "from openai" in b and "token_ids" in b)
     code = snippet.replace("http://127.0.0.1:8000", server.url).replace('model="pagedkv-tiny-default"', 'model="tiny"')
     exec(compile(code, "README.md", "exec"), {})  # noqa: S102 - our own documentation
     lines = capsys.readouterr().out.splitlines()

@@ -113,7 +113,10 @@ BAD_FIELDS = [
     ({"stop_token_ids": "1"}, "stop_token_ids", "list"),
     ({"ignore_eos": "no"}, "ignore_eos", "boolean"),
     ({"presence_penalty": 0.5}, "presence_penalty", "not supported"),
-    ({"echo": True}, "echo", "not supported"),
+    ({"frequency_penalty": -0.5}, "frequency_penalty", "not supported"),
+    ({"repetition_penalty": 1.2}, "repetition_penalty", "not supported"),
+    ({"repetition_penalty": "1"}, "repetition_penalty", "number"),
+    ({"echo": True, "logprobs": 1}, "echo", "not supported together with logprobs"),
     ({"best_of": 3}, "best_of", "best_of == n"),
     ({"model": 7}, "model", "string"),
 ]
@@ -127,6 +130,15 @@ def test_bad_field_is_400_naming_it(server: RunningServe, override: dict, param:
     assert body["error"]["type"] == "invalid_request_error"
     assert words in body["error"]["message"], body["error"]["message"]
     assert body["error"]["message"].startswith(param)
+
+
+def test_neutral_penalties_and_echo_false_are_accepted(server: RunningServe) -> None:
+    """The values that change nothing (what clients send by default) are served, ints included."""
+    for neutral in ({"presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1},
+                    {"repetition_penalty": 1.0, "echo": False}):
+        status, body, _ = post(server, "/v1/completions", {**GOOD, **neutral})
+        assert status == 200, body
+        assert len(body["choices"][0]["token_ids"]) >= 1
 
 
 def test_bad_requests_leave_nothing_allocated(server: RunningServe, stack: LocalStack) -> None:

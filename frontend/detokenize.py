@@ -1,0 +1,143 @@
+"""Incremental detokenization for `pagedkv serve`: the text of one sample as its tokens arrive.
+
+A byte-level BPE (GPT-2, Llama 3, Qwen, SmolLM2) splits a multi-byte character (an emoji, CJK, an
+accented letter) across tokens, so the text of the tokens so far can end in half a character, which
+a tokenizer decodes as U+FFFD. Stop strings can straddle tokens too. Both are handled here, once,
+for the streamed and the non-streamed answer alike, so that the concatenated stream deltas are the
+non-streamed text by construction:
+
+- Tokens are decoded through a small moving window (the last committed chunk as context plus the
+  tokens not yet turned into text), not the whole output each time: text is committed only when the
+  window's decoding grows and does not end in U+FFFD. The context token makes a tokenizer's
+  word-start handling (SentencePiece's leading space) come out as in a full decode. Decoding work per
+  token stays constant however long the output grows.
+- Stop strings are searched in the committed text only where a new match can be (the new text and
+  the longest stop string's length before it). A match cuts the text before the stop string.
+- A stream releases committed text except its longest ending that could still begin a stop string:
+  nothing is ever sent and then taken back. At the end (length, EOS, abort), everything is released,
+  including bytes a model left unfinished (as U+FFFD, which is what a full decode gives as well).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Any
+
+from frontend.text import ModelText
+
+REPLACEMENT = "\ufffd"
+
+
+class IncrementalText:
+    """Text of one sample. ``add`` each token, ``finish`` once at its end, ``delta`` to stream."""
+
+    def __init__(self, text: ModelText, stop: tuple[str, ...]) -> None:
+        self._text = text
+        self._stop = stop
+        self._longest_stop = max((len(s) for s in stop), default=0)
+        self.tokens: list[int] = []
+        self._prefix = 0  # window start: tokens before it are text already, kept out of decoding
+        self._read = 0  # tokens before it are committed text (those from _prefix are the context)
+        self.full = ""  # committed text (cut before a stop string once one matched)
+        self.sent = 0  # characters of ``full`` already released by ``delta``
+        self.stopped = False  # a stop string matched
+        self.finished = False
+
+    def add(self, token: int) -> None:
+        """One more generated token; commits the text it completes."""
+        if self.stopped or self.finished:
+            return
+        self.tokens.append(token)
+        if self._text.tokenizer is not None:
+            self._commit(final=False)
+
+    def finish(self) -> None:
+        """The sample ended: commit what is left, even an unfinished character (as U+FFFD)."""
+        if not self.finished and not self.stopped and self._text.tokenizer is not None:
+            self._commit(final=True)
+        self.finished = True
+
+    def delta(self, final: bool = False) -> str:
+        """New text that can be sent now: everything committed once the sample ended (``final``, or
+        a stop string matched), else all but an ending that may still become a stop string."""
+        if final:
+            self.finish()
+        end = len(self.full)
+        if not (self.finished or self.stopped):
+            end -= self._stop_prefix_len()
+        if end <= self.sent:
+            return ""
+        out = self.full[self.sent : end]
+        self.sent = end
+        return out
+
+    def _commit(self, final: bool) -> None:
+        decode = self._text.decode
+        before = decode(self.tokens[self._prefix : self._read])
+        window = decode(self.tokens[self._prefix :])
+        if not final and (len(window) <= len(before) or window.endswith(REPLACEMENT)):
+            return  # no new text yet, or it ends in half a character: wait for the next token
+        new = window[len(before) :]
+        self._prefix, self._read = self._read, len(self.tokens)
+        if not new:
+            return
+        old_len = len(self.full)
+        self.full += new
+        if self._stop:
+            self._cut_at_stop(max(0, old_len - self._longest_stop + 1))
+
+    def _cut_at_stop(self, start: int) -> None:
+        hits = [i for i in (self.full.find(s, start) for s in self._stop) if i >= 0]
+        if hits:
+            self.full = self.full[: min(hits)]
+            self.stopped = True
+
+    def _stop_prefix_len(self) -> int:
+        """Length of the longest ending of ``full`` that is a proper prefix of a stop string."""
+        best = 0
+        for s in self._stop:
+            for k in range(min(len(s) - 1, len(self.full)), best, -1):
+                if self.full.endswith(s[:k]):
+                    best = k
+                    break
+        return best
+
+
+# --- the bytes of one token (OpenAI's logprobs `bytes`) ---------------------------------------------
+@functools.cache
+def byte_level_chars() -> dict[int, str]:
+    """Byte value -> the character a GPT-2-style byte-level BPE writes it as in its vocabulary:
+    printable Latin-1 bytes stand for themselves, the others move, in order, to U+0100 onwards."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    out = {b: chr(b) for b in keep}
+    moved = (b for b in range(256) if b not in out)
+    out.update({b: chr(256 + i) for i, b in enumerate(moved)})
+    return out
+
+
+@functools.cache
+def _char_bytes() -> dict[str, int]:
+    return {c: b for b, c in byte_level_chars().items()}
+
+
+def _is_byte_level(tokenizer: Any) -> bool:
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    return decoder is not None and "ByteLevel" in repr(decoder)
+
+
+def token_bytes(tokenizer: Any, token_id: int) -> list[int]:
+    """The UTF-8 bytes ``token_id`` stands for. A token that holds part of a character decodes alone
+    to U+FFFD; its real bytes come from the vocabulary entry (byte-level BPE, or SentencePiece's
+    ``<0xNN>`` byte fallback), so that a client can join the bytes of consecutive tokens."""
+    text = str(tokenizer.decode([token_id]))
+    if REPLACEMENT not in text:
+        return list(text.encode())
+    piece = str(tokenizer.convert_ids_to_tokens(token_id))
+    fallback = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
+    if fallback:
+        return [int(fallback.group(1), 16)]
+    chars = _char_bytes()
+    if _is_byte_level(tokenizer) and all(c in chars for c in piece):
+        return [chars[c] for c in piece]
+    return list(text.encode())
