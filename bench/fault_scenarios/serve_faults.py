@@ -165,11 +165,12 @@ def _svc(stack: Stack, name: str) -> Any:
     return next(s for s in stack.services if s.name == name)
 
 
-def _inject(stack: Stack, fault: str, state_dir_args: list[str]) -> None:
+def _inject(stack: Stack, fault: str) -> None:
     if fault.startswith("block manager"):
         bm = _svc(stack, "block-manager")
-        if "without" in fault:
-            del bm.args[-len(state_dir_args):]  # the restart policy starts it with no state dir
+        while "without" in fault and "--state-dir" in bm.args:  # the restart policy starts it with none
+            i = bm.args.index("--state-dir")
+            del bm.args[i:i + 2]
         bm.process.send_signal(signal.SIGKILL)
     elif fault.startswith("cache host"):
         _svc(stack, "cache-host").process.send_signal(signal.SIGKILL)
@@ -178,8 +179,7 @@ def _inject(stack: Stack, fault: str, state_dir_args: list[str]) -> None:
 
 
 def run_one(stack: Stack, sup: Supervisor, fault: str, prompts: list[list[int]], tokens: int,
-            fault_after_s: float, reference: list[list[int]] | None,
-            state_dir_args: list[str]) -> tuple[ServeFaultRow, list[list[int]]]:
+            fault_after_s: float, reference: list[list[int]] | None) -> tuple[ServeFaultRow, list[list[int]]]:
     port = stack.opts.serve_port
     assert port is not None
     row = ServeFaultRow(fault, len(prompts))
@@ -195,7 +195,7 @@ def run_one(stack: Stack, sup: Supervisor, fault: str, prompts: list[list[int]],
         t.start()
     time.sleep(fault_after_s)
     if fault != "none":
-        _inject(stack, fault, state_dir_args)
+        _inject(stack, fault)
     for t in threads:
         t.join(600)
     row.wall_s = time.monotonic() - t0
@@ -241,10 +241,9 @@ def run_serve_faults(tokens: int = 400, concurrency: int = 12, fault_after_s: fl
                         num_gpu_blocks=max(1024, concurrency * (48 + tokens) // 16 + 64), num_cpu_blocks=0,
                         block_size=16, model=str(model), device="cpu", dtype="float32",
                         log_dir=log_dir or str(work / "logs"), serve_port=base + 4,
-                        shm_prefix=f"pagedkv-sfb-{os.getpid()}", ready_timeout_s=180)
+                        shm_prefix=f"pagedkv-sfb-{os.getpid()}", ready_timeout_s=180,
+                        state_dir=str(work / "bm-state"))
     stack = Stack(opts, out=open(os.devnull, "w"))  # noqa: SIM115
-    state_dir_args = ["--state-dir", str(work / "bm-state")]
-    _svc(stack, "block-manager").args.extend(state_dir_args)
     rows: list[dict[str, Any]] = []
     stack.start()
     sup = Supervisor(stack)
@@ -252,7 +251,7 @@ def run_serve_faults(tokens: int = 400, concurrency: int = 12, fault_after_s: fl
     try:
         reference: list[list[int]] | None = None  # the fault-free run's tokens
         for fault in faults:
-            row, got = run_one(stack, sup, fault, prompts, tokens, fault_after_s, reference, state_dir_args)
+            row, got = run_one(stack, sup, fault, prompts, tokens, fault_after_s, reference)
             rows.append(asdict(row))
             if fault == "none":
                 if row.completed != len(prompts):

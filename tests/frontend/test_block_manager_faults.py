@@ -53,10 +53,9 @@ def stack(hf: HFModel, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sta
     opts = StackOptions(block_manager_port=bm, cache_host_port=ch, worker_port=w, num_workers=1,
                         num_gpu_blocks=128, num_cpu_blocks=0, block_size=4, model=str(hf.path), device="cpu",
                         dtype="float32", log_dir=str(tmp_path_factory.mktemp("logs")), ready_timeout_s=90,
-                        shm_prefix=f"pagedkv-bmf-{os.getpid()}")
+                        shm_prefix=f"pagedkv-bmf-{os.getpid()}",
+                        state_dir=str(tmp_path_factory.mktemp("bm-state")))
     s = Stack(opts, out=open(os.devnull, "w"))  # noqa: SIM115
-    state_dir = tmp_path_factory.mktemp("bm-state")
-    _bm(s).args += ["--state-dir", str(state_dir)]
     try:
         s.start()
         yield s
@@ -79,7 +78,7 @@ def _restart_bm(stack: Stack, *, keep_state: bool, down_s: float) -> threading.T
     svc = _bm(stack)
     svc.process.send_signal(signal.SIGKILL)
     svc.process.wait(10)
-    if not keep_state and "--state-dir" in svc.args:
+    while not keep_state and "--state-dir" in svc.args:
         i = svc.args.index("--state-dir")
         del svc.args[i:i + 2]
 

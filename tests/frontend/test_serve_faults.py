@@ -54,9 +54,9 @@ def stack(hf: HFModel, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sta
     opts = StackOptions(block_manager_port=bm, cache_host_port=ch, worker_port=w, num_workers=1,
                         num_gpu_blocks=128, num_cpu_blocks=0, block_size=4, model=str(hf.path), device="cpu",
                         dtype="float32", log_dir=str(tmp_path_factory.mktemp("logs")), ready_timeout_s=90,
-                        shm_prefix=f"pagedkv-sf-{os.getpid()}")
+                        shm_prefix=f"pagedkv-sf-{os.getpid()}",
+                        state_dir=str(tmp_path_factory.mktemp("bm-state")))
     s = Stack(opts, out=open(os.devnull, "w"))  # noqa: SIM115
-    _svc(s, "block-manager").args += ["--state-dir", str(tmp_path_factory.mktemp("bm-state"))]
     try:
         s.start()
         yield s
