@@ -12,7 +12,8 @@
  * ctypes with raw pointers; tasks are spread over OpenMP threads (torch's own OpenMP runtime,
  * already loaded in the process). fp32 and bf16 (bf16 widened to fp32 on read; scores and sums
  * in fp32, the output rounded once). The common (group, head_dim) pairs get specialised copies
- * (constants let the compiler keep the accumulators in registers: 1.4x at head_dim 64 and 128),
+ * (constants let the compiler keep the accumulators in registers: 1.4x at head_dim 64 and 128;
+ * groups 3, 5, 6 and 7 at head_dim 64 for models such as SmolLM2's 9 query over 3 KV heads),
  * and fp32 keys are scored sixteen at a time with one butterfly sum for the sixteen dot products
  * (another 1.3-1.6x): bench/cpu_decode_bench.py.
  * Arguments are validated in Python before the call (kernels/cpu_native.py, check_decode).
@@ -168,7 +169,7 @@ static void attend_any(const DecodeArgs *a, const void *q, const void *k_cache, 
         return;                                                                                        \
     }
     if (!a->generic_only) {
-        CASE(1, 64) CASE(2, 64) CASE(4, 64) CASE(8, 64)
+        CASE(1, 64) CASE(2, 64) CASE(3, 64) CASE(4, 64) CASE(5, 64) CASE(6, 64) CASE(7, 64) CASE(8, 64)
         CASE(1, 128) CASE(2, 128) CASE(4, 128) CASE(8, 128)
     }
 #undef CASE
