@@ -33,8 +33,9 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PATH=/opt/venv/bin:$PATH
 
 # libtcmalloc-minimal4: the allocator CPU workers are preloaded with (docker-compose.cpu.yml, docs/worker.md).
-# gcc + python3-dev: Triton compiles a small C launcher (against Python.h) the first time a kernel
-# runs, at run time, so the compiler stays in the image. tini reaps children and forwards signals.
+# gcc: `pip install .` below compiles the native CPU kernels (setup.py: x86_64/avx2/avx512 variants,
+# chosen at run time by CPU features). gcc + python3-dev: Triton compiles a small C launcher (against
+# Python.h) the first time a kernel runs, at run time, so the compiler stays in the image. tini reaps children and forwards signals.
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc libc6-dev tini ca-certificates \
       libtcmalloc-minimal4 \
@@ -51,7 +52,7 @@ RUN --mount=type=cache,target=/root/.cache/pip \
     esac
 
 WORKDIR /app
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py MANIFEST.in README.md ./
 COPY pagedkv ./pagedkv
 COPY block_manager_svc ./block_manager_svc
 COPY worker_svc ./worker_svc
@@ -61,7 +62,7 @@ COPY protos ./protos
 RUN --mount=type=cache,target=/root/.cache/pip \
     if [ "${TORCH_VARIANT}" = cpu ]; then extras=worker,text; else extras="worker,gpu-cuda${CUDA_MAJOR},text"; fi \
  && pip install ".[${extras}]" \
- && python -c "import torch, pagedkv.cli; print('torch', torch.__version__)"
+ && python -c "import torch, pagedkv.cli; from kernels import cpu_native; print('torch', torch.__version__, 'cpu kernels built:', cpu_native.built_variants())"
 
 # Unprivileged at run time. Triton's kernel cache goes to $HOME. The block manager's state dir
 # (PAGEDKV_STATE_DIR in docker-compose.yml) exists owned by that user, so a named volume mounted

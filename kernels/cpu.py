@@ -6,11 +6,11 @@ dimension; at 48 sequences it spends most of a decode step copying. This backend
 measurement (the attention rows of bench/vs_vllm.py's breakdown, bench/cpu_decode_bench.py;
 docs/kernels.md):
 
-- **The native kernel first** (``kernels/cpu_native.py``, a small C file built on first use): decode
+- **The native kernel first** (``kernels/cpu_native.py``, small C kernels built at install): decode
   reads K/V in place from the blocks, one task per (sequence, KV head); prefill runs on it too, each
   query row a decode query over its causal prefix, while contexts are short enough
   (``NATIVE_PREFILL_MAX_CONTEXT``). The plans below are built only when it is unavailable (no
-  compiler, ``PAGEDKV_CPU_NATIVE=0``, an fp16 cache), when a decode batch's shared prefixes would
+  compiler at install, ``PAGEDKV_CPU_NATIVE=0``, an fp16 cache), when a decode batch's shared prefixes would
   save ``NATIVE_MAX_SAVED_TOKENS`` (the cascade reads a prefix once, the kernel once per member),
   or when a prefill context is longer than that bound.
 

@@ -1,52 +1,58 @@
-"""The CPU backend's native kernels (``csrc/``): built on first use, called by ctypes.
+"""The CPU backend's native kernels (``csrc/``): built at install, chosen by CPU features, torch ops.
 
 Two kernels: paged decode attention (``csrc/paged_decode.c``, used by ``kernels/cpu.py``) and the
 row-wise log-sum-exp of a step's logits (``csrc/logsumexp.c``, used by the worker's sampling for
 each token's log-probability).
 
-Why a small C file and not a torch extension: the kernel needs no torch API, only pointers and
-strides, so it compiles in about a second with the system C compiler (a torch C++ extension takes
-a minute of header parsing) and needs nothing at install time. It is compiled with
-``-march=native`` for the machine it runs on, into a cache keyed by the source, the flags, the
-compiler and the CPU, and loaded with ``ctypes.CDLL`` (which releases the GIL during the call, so
-the process's gRPC threads keep running). Its OpenMP calls bind to the OpenMP runtime torch already
-loaded (``libgomp.so.1``, or Intel's ``libiomp5`` when preloaded: it provides the same symbols), so
-the kernels and torch share one thread pool.
+**Built at install** by ``setup.py`` (setuptools ``Extension``), one shared library per
+instruction-set variant: on x86-64 ``x86_64`` (baseline), ``avx2`` (AVX2 + FMA) and ``avx512``
+(AVX-512 F/BW/DQ/VL), elsewhere ``generic``. Nothing is compiled at run time. At the first call
+the baseline library's ``pagedkv_cpu_level()`` (``csrc/cpu_features.c``: CPUID and the OS's
+register support, through ``__builtin_cpu_supports``) says what the CPU can run, and the best
+variant built is loaded with ``ctypes.CDLL`` (which releases the GIL during a call, so the
+process's gRPC threads keep running). Why plain C through ctypes and not a torch C++ extension:
+the kernels need no torch API, only pointers and strides, so they build in seconds without
+torch or Python headers. Their OpenMP calls bind to the OpenMP runtime torch already loaded, so the
+kernels and torch share one thread pool.
 
-When there is no C compiler, the build fails, or ``PAGEDKV_CPU_NATIVE=0``, ``available()`` is False
-and the callers keep their torch paths (the CPU backend its gathers + SDPA, sampling
-``torch.logsumexp``); one warning in the log says why. Environment:
+**Torch ops**: ``torch.ops.pagedkv.paged_decode`` and ``torch.ops.pagedkv.logsumexp_rows``
+(``torch.library``), so they show by name in the profiler and compose with
+``torch.compile`` (each has a fake implementation giving the output's metadata). Each checks its
+arguments before touching memory (``ValueError``/``TypeError`` naming the argument): CPU tensors
+of a dtype the kernel knows, in the layout it indexes; a device tensor's pointer is never read.
 
-- ``PAGEDKV_CPU_NATIVE``: ``auto`` (default: build and use it when possible) or ``0``/``off``.
-- ``PAGEDKV_NATIVE_CACHE``: where built libraries go (default ``$XDG_CACHE_HOME/pagedkv`` or
-  ``~/.cache/pagedkv``; the system temp directory when that is not writable).
-- ``CC``: the C compiler (default ``cc``, else ``gcc``).
+**Fallback**: when no variant was built (no C compiler at install), the CPU cannot run any that
+was, or ``PAGEDKV_CPU_NATIVE=0``, ``available()`` is False and the callers keep their torch paths
+(the CPU backend its gathers + SDPA, sampling ``torch.logsumexp``); one warning in the log says
+why. ``kernel_path()`` names the path in use (WorkerInfo.cpu_kernel_path, the worker's start-up log).
+
+- ``PAGEDKV_CPU_NATIVE``: ``auto`` (default: the best variant the CPU runs), ``0``/``off``, or a
+  variant name to force it (refused, with the fallback, when the CPU cannot run it or it was not built).
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
+import importlib.util
 import os
 import pathlib
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
+from collections.abc import Sequence
 
 import structlog
 import torch
 
 log = structlog.get_logger(__name__)
 
-CSRC = pathlib.Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "paged_decode.c", CSRC / "logsumexp.c")
-HEADERS = (CSRC / "fastexp.h",)
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 ENV_SWITCH = "PAGEDKV_CPU_NATIVE"
-ENV_CACHE = "PAGEDKV_NATIVE_CACHE"
 DTYPES = (torch.float32, torch.bfloat16)
+# Instruction-set variants built by setup.py, best first, and the pagedkv_cpu_level() each needs.
+VARIANTS: dict[str, int] = {"avx512": 2, "avx2": 1, "x86_64": 0, "generic": 0}
+BASELINES = ("x86_64", "generic")
+TORCH_PATH = "torch"
+# The kernel keeps one task's query and accumulator rows on its thread's stack (2 x group x head_dim
+# floats): a bound well under the smallest OpenMP thread stack.
+MAX_GROUP_X_HEAD_DIM = 16384
 
 
 class _DecodeArgs(ctypes.Structure):
@@ -56,88 +62,79 @@ class _DecodeArgs(ctypes.Structure):
         "num_seqs", "num_heads", "num_kv_heads", "head_dim", "block_size",
         "q_seq_stride", "q_head_stride", "o_seq_stride", "o_head_stride",
         "c_block_stride", "c_slot_stride", "c_head_stride", "bt_stride",
-    )] + [("scale", ctypes.c_float), ("num_threads", ctypes.c_int)]
+    )] + [("scale", ctypes.c_float), ("num_threads", ctypes.c_int), ("generic_only", ctypes.c_int)]
 
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
+_variant: str | None = None
 _tried = False
 
 
 def enabled() -> bool:
-    """Whether the environment allows the native kernel (``PAGEDKV_CPU_NATIVE``, read per call)."""
+    """Whether the environment allows the native kernels (``PAGEDKV_CPU_NATIVE``, read per call)."""
     value = os.environ.get(ENV_SWITCH, "auto").strip().lower()
     return value not in ("0", "off", "false", "no")
 
 
-def _compiler() -> str | None:
-    cc = os.environ.get("CC", "").strip()
-    if cc:
-        return shutil.which(cc)
-    return shutil.which("cc") or shutil.which("gcc")
-
-
-def _cache_dir() -> pathlib.Path:
-    explicit = os.environ.get(ENV_CACHE, "").strip()
-    if explicit:
-        return pathlib.Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.join(os.path.expanduser("~"), ".cache")
-    return pathlib.Path(base) / "pagedkv"
-
-
-def _cpu_signature() -> str:
-    """What ``-march=native`` depends on: the CPU's model and flags (Linux), else the platform."""
+def artifact(variant: str) -> pathlib.Path | None:
+    """The installed library of one variant (``kernels/_cpu_<variant>.<abi>.so``), or None when the
+    install did not build it. Found like an extension module, so editable installs work too."""
     try:
-        text = pathlib.Path("/proc/cpuinfo").read_text()
-        lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))][:2]
-        return "\n".join(lines)
-    except OSError:
-        return platform.processor() or platform.machine()
+        spec = importlib.util.find_spec(f"kernels._cpu_{variant}")
+    except (ImportError, ValueError):
+        return None
+    return pathlib.Path(spec.origin) if spec is not None and spec.origin else None
 
 
-def _build(cc: str) -> pathlib.Path:
-    """Compile the kernels (or find them built): returns the shared library's path."""
-    texts = [f.read_bytes() for f in (*SOURCES, *HEADERS)]
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256(b"\0".join([*texts, " ".join(CFLAGS).encode(), version.encode(),
-                                     _cpu_signature().encode()])).hexdigest()[:20]
-    target = None
-    for directory in (_cache_dir(), pathlib.Path(tempfile.gettempdir()) / "pagedkv-native"):
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-        except OSError:
-            continue
-        if os.access(directory, os.W_OK) or (directory / f"cpu_kernels-{key}.so").exists():
-            target = directory / f"cpu_kernels-{key}.so"
-            break
-    if target is None:
-        raise OSError("no writable directory for the native kernel (set PAGEDKV_NATIVE_CACHE)")
-    if target.exists():
-        return target
-    # Build next to the target and rename: processes starting together never load a partial file.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        done = subprocess.run([cc, *CFLAGS, "-o", tmp, *map(str, SOURCES)], capture_output=True, text=True,
-                              timeout=120)
-        if done.returncode != 0:
-            raise OSError(f"{cc} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    log.info("native_kernels_built", path=str(target))
-    return target
+def built_variants() -> list[str]:
+    """The variants this install built, best first."""
+    return [v for v in VARIANTS if artifact(v) is not None]
 
 
-def _load() -> ctypes.CDLL:
-    cc = _compiler()
-    if cc is None:
-        raise OSError("no C compiler found (set CC, or install gcc)")
-    lib = ctypes.CDLL(str(_build(cc)))
+def cpu_level() -> int:
+    """What the running CPU supports (2: AVX-512, 1: AVX2 + FMA, 0: baseline), asked of the
+    baseline library (it runs on any CPU of its architecture). Raises OSError when none was built."""
+    for name in BASELINES:
+        path = artifact(name)
+        if path is not None:
+            lib = ctypes.CDLL(str(path))
+            lib.pagedkv_cpu_level.restype = ctypes.c_int
+            return int(lib.pagedkv_cpu_level())
+    raise OSError("the native kernels were not built at install (no C compiler then?): "
+                  "reinstall pagedkv with a C compiler present (gcc or clang with OpenMP)")
+
+
+def choose_variant(built: Sequence[str], level: int, requested: str) -> str:
+    """The variant to load: ``requested`` (a name, or ``auto`` for the best built one the CPU runs).
+    Raises OSError saying why none can be used."""
+    if not built:
+        raise OSError("the native kernels were not built at install (no C compiler then?): "
+                      "reinstall pagedkv with a C compiler present (gcc or clang with OpenMP)")
+    if requested != "auto":
+        if requested not in VARIANTS:
+            raise OSError(f"{ENV_SWITCH}={requested!r} is not auto, off or one of {sorted(VARIANTS)}")
+        if requested not in built:
+            raise OSError(f"{ENV_SWITCH}={requested}: that variant was not built at install (built: {list(built)})")
+        if VARIANTS[requested] > level:
+            raise OSError(f"{ENV_SWITCH}={requested}: this CPU cannot run it (cpu level {level})")
+        return requested
+    for name in built:
+        if VARIANTS[name] <= level:
+            return name
+    raise OSError(f"no built variant ({list(built)}) runs on this CPU (cpu level {level})")
+
+
+def _load() -> tuple[ctypes.CDLL, str]:
+    built = built_variants()
+    level = cpu_level() if built else 0
+    variant = choose_variant(built, level, os.environ.get(ENV_SWITCH, "auto").strip().lower())
+    path = artifact(variant)
+    assert path is not None
+    lib = ctypes.CDLL(str(path))
     lib.pagedkv_decode_args_size.restype = ctypes.c_int64
     if lib.pagedkv_decode_args_size() != ctypes.sizeof(_DecodeArgs):
-        raise OSError("the built kernels' argument layout does not match kernels/cpu_native.py")
+        raise OSError(f"{path.name}: its argument layout does not match kernels/cpu_native.py (stale build: reinstall)")
     for name in ("pagedkv_decode_f32", "pagedkv_decode_bf16"):
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int
@@ -145,12 +142,12 @@ def _load() -> ctypes.CDLL:
     lib.pagedkv_logsumexp_f32.restype = None
     lib.pagedkv_logsumexp_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                           ctypes.c_void_p, ctypes.c_int]
-    return lib
+    return lib, variant
 
 
 def library() -> ctypes.CDLL | None:
-    """The loaded kernel library, built on the first call; None when disabled or unavailable."""
-    global _lib, _tried
+    """The loaded kernel library (chosen at the first call); None when disabled or unavailable."""
+    global _lib, _variant, _tried
     if not enabled():
         return None
     if _tried:
@@ -158,11 +155,12 @@ def library() -> ctypes.CDLL | None:
     with _lock:
         if not _tried:
             try:
-                _lib = _load()
-            except (OSError, subprocess.SubprocessError) as exc:
+                _lib, _variant = _load()
+                log.info("native_kernels_loaded", variant=_variant, path=str(artifact(_variant)))
+            except OSError as exc:
                 log.warning("native_kernel_unavailable", reason=str(exc),
-                            fallback="gather + SDPA (kernels/cpu.py)")
-                _lib = None
+                            fallback="torch (gather + SDPA in kernels/cpu.py, torch.logsumexp)")
+                _lib, _variant = None, None
             _tried = True
     return _lib
 
@@ -171,52 +169,208 @@ def available() -> bool:
     return library() is not None
 
 
+def active_variant() -> str | None:
+    """The loaded variant's name (``avx512``, ``avx2``, ``x86_64``, ``generic``), None on torch."""
+    return _variant if library() is not None else None
+
+
+def kernel_path() -> str:
+    """The CPU kernel path in use, for logs and WorkerInfo: ``native-<variant>`` or ``torch``."""
+    variant = active_variant()
+    return f"native-{variant}" if variant else TORCH_PATH
+
+
 def supports(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
     """Whether ``decode`` takes these tensors: CPU, one dtype it knows, head_dim contiguous, the two
-    caches laid out alike."""
+    caches laid out alike (the planned index tensors are the caller's, and right by construction).
+    Asked on every layer's call, hence the plain attribute reads (``is_cpu``, ``is`` on dtypes)."""
+    qs, ks, dt = query.shape, key_cache.shape, query.dtype
     return (
-        query.device.type == "cpu" and key_cache.device.type == "cpu"
-        and query.dtype in DTYPES and query.dtype == key_cache.dtype == value_cache.dtype
+        query.is_cpu and key_cache.is_cpu and value_cache.is_cpu
+        and (dt is torch.float32 or dt is torch.bfloat16) and key_cache.dtype is dt and value_cache.dtype is dt
+        and len(qs) == 3 and len(ks) == 4 and qs[2] == ks[3]
         and query.stride(-1) == 1 and key_cache.stride(-1) == 1
-        and key_cache.stride() == value_cache.stride()
+        and value_cache.shape == ks and value_cache.stride() == key_cache.stride()
+        and ks[2] > 0 and qs[1] % ks[2] == 0 and qs[1] // ks[2] * qs[2] <= MAX_GROUP_X_HEAD_DIM
     )
 
 
-def decode(
-    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, scale: float, out: torch.Tensor,
-) -> torch.Tensor:
-    """Paged decode attention into ``out`` (``[num_seqs, num_heads, head_dim]``, the query's dtype).
+def _tensor(name: str, t: object, dim: int, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
+    """``t`` as a CPU tensor of ``dim`` dimensions, one of ``dtypes``, innermost dimension dense."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} must be a CPU tensor for the native kernel, got device {t.device}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name} must have dtype {' or '.join(map(str, dtypes))}, got {t.dtype}")
+    if t.dim() != dim:
+        raise ValueError(f"{name} must have {dim} dimensions, got shape {tuple(t.shape)}")
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dimension, got strides {t.stride()}")
+    return t
 
-    ``block_tables`` and ``seq_lens`` must be int32 and contiguous (``DecodePlan`` keeps them so);
-    the caches are one layer's ``[num_blocks, block_size, num_kv_heads, head_dim]``. Caller checks
-    ``supports`` and that the library is available."""
+
+def check_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor) -> None:
+    """Raise ``ValueError``/``TypeError`` naming the argument unless the decode kernel can index
+    these tensors (what ``supports`` accepts, plus the index tensors and ``out``). Metadata only:
+    the values of ``block_tables`` and ``seq_lens`` are validated by kernels/checks.py upstream.
+
+    Why two parts: this runs on every layer's call, so the accepting case is one expression
+    (``is_cpu`` is also true for fake CPU tensors under torch.compile); only a rejected call pays
+    for finding which argument to name."""
+    q, k, v, bt, sl, o = query, key_cache, value_cache, block_tables, seq_lens, out
+    try:
+        qs, ks, dt, i32 = q.shape, k.shape, q.dtype, torch.int32
+        if (q.is_cpu and k.is_cpu and v.is_cpu and bt.is_cpu and sl.is_cpu and o.is_cpu
+                and (dt is torch.float32 or dt is torch.bfloat16) and k.dtype is dt and v.dtype is dt
+                and o.dtype is dt and bt.dtype is i32 and sl.dtype is i32
+                and len(qs) == 3 and len(ks) == 4 and bt.dim() == 2 and sl.dim() == 1
+                and q.stride(-1) == 1 and k.stride(-1) == 1 and o.stride(-1) == 1 and bt.stride(-1) == 1
+                and sl.stride(-1) == 1
+                and v.shape == ks and v.stride() == k.stride() and o.shape == qs
+                and qs[2] == ks[3] and ks[2] > 0 and qs[1] % ks[2] == 0
+                and qs[1] // ks[2] * qs[2] <= MAX_GROUP_X_HEAD_DIM
+                and len(bt) == qs[0] and len(sl) == qs[0]):
+            return
+    except (AttributeError, TypeError):
+        pass
+    _explain_decode(q, k, v, bt, sl, o)
+
+
+def _explain_decode(query: object, key_cache: object, value_cache: object, block_tables: object,
+                    seq_lens: object, out: object) -> None:
+    """Raise the error naming the first argument ``check_decode`` rejects."""
+    q = _tensor("query", query, 3, DTYPES)
+    k = _tensor("key_cache", key_cache, 4, (q.dtype,))
+    v = _tensor("value_cache", value_cache, 4, (q.dtype,))
+    bt = _tensor("block_tables", block_tables, 2, (torch.int32,))
+    sl = _tensor("seq_lens", seq_lens, 1, (torch.int32,))
+    o = _tensor("out", out, 3, (q.dtype,))
+    num_seqs, num_heads, head_dim = q.shape
+    if k.shape[3] != head_dim:
+        raise ValueError(f"key_cache head_dim {k.shape[3]} != query head_dim {head_dim}")
+    if v.shape != k.shape or v.stride() != k.stride():
+        raise ValueError(f"value_cache must have key_cache's shape and strides, got {tuple(v.shape)} / "
+                         f"{v.stride()} vs {tuple(k.shape)} / {k.stride()}")
+    if k.shape[2] == 0 or num_heads % k.shape[2]:
+        raise ValueError(f"query's {num_heads} heads must be a multiple of key_cache's {k.shape[2]} KV heads")
+    if num_heads // k.shape[2] * head_dim > MAX_GROUP_X_HEAD_DIM:
+        raise ValueError(f"query: GQA group x head_dim {num_heads // k.shape[2] * head_dim} exceeds "
+                         f"{MAX_GROUP_X_HEAD_DIM}")
+    if bt.shape[0] != num_seqs or sl.shape[0] != num_seqs:
+        raise ValueError(f"block_tables {tuple(bt.shape)} and seq_lens {tuple(sl.shape)} must have query's "
+                         f"{num_seqs} rows")
+    if o.shape != q.shape:
+        raise ValueError(f"out must have query's shape {tuple(q.shape)}, got {tuple(o.shape)}")
+    raise ValueError("native decode: arguments rejected")  # unreachable while the two checks agree
+
+
+def _paged_decode_impl(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+    check_decode(query, key_cache, value_cache, block_tables, seq_lens, out)
+    _call_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, out, generic_only=False)
+
+
+def _paged_decode_fake(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                       block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+    check_decode(query, key_cache, value_cache, block_tables, seq_lens, out)
+
+
+def _call_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, out: torch.Tensor,
+                 *, generic_only: bool) -> None:
+    """The ctypes call, on checked arguments."""
     lib = library()
-    assert lib is not None
+    if lib is None:
+        raise RuntimeError(f"the native CPU kernels are unavailable ({kernel_path()} path): check available()")
     num_seqs, num_heads, head_dim = query.shape
+    if num_seqs == 0:
+        return
     _, block_size, num_kv_heads, _ = key_cache.shape
     args = _DecodeArgs(
         num_seqs, num_heads, num_kv_heads, head_dim, block_size,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
-        scale, torch.get_num_threads(),
+        scale, torch.get_num_threads(), int(generic_only),
     )
     fn = lib.pagedkv_decode_f32 if query.dtype == torch.float32 else lib.pagedkv_decode_bf16
     rc = fn(ctypes.byref(args), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
             block_tables.data_ptr(), seq_lens.data_ptr(), out.data_ptr())
     if rc != 0:
         raise MemoryError("native decode kernel: could not allocate its scratch memory")
+
+
+def decode(
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float, out: torch.Tensor,
+) -> torch.Tensor:
+    """Paged decode attention into ``out`` (``[num_seqs, num_heads, head_dim]``, the query's dtype),
+    through ``torch.ops.pagedkv.paged_decode``; returns ``out``.
+
+    ``block_tables`` and ``seq_lens`` must be int32 with dense rows (``DecodePlan`` keeps them so);
+    the caches are one layer's ``[num_blocks, block_size, num_kv_heads, head_dim]``. Raises
+    ``ValueError``/``TypeError`` for tensors the kernel cannot take, ``RuntimeError`` when the
+    kernels are unavailable (callers check ``supports`` and ``available`` and keep torch's path)."""
+    torch.ops.pagedkv.paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, out)
     return out
 
 
-def logsumexp_rows(logits: torch.Tensor) -> torch.Tensor:
-    """``torch.logsumexp(logits, dim=-1)`` of 2-D fp32 CPU logits (rows contiguous), by the native
-    kernel when it is available, else by torch. Same value up to fp32 rounding."""
+def decode_generic_for_bench(
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float, out: torch.Tensor,
+) -> torch.Tensor:
+    """``decode`` forced onto the kernel's generic (group, head_dim) copy: only for measuring and
+    testing the specialised copies against it (bench/cpu_decode_bench.py, tests)."""
+    check_decode(query, key_cache, value_cache, block_tables, seq_lens, out)
+    _call_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, out, generic_only=True)
+    return out
+
+
+def check_logsumexp(logits: torch.Tensor) -> None:
+    """Raise ``ValueError``/``TypeError`` naming ``logits`` unless the kernel can read it."""
+    t = _tensor("logits", logits, 2, (torch.float32,))
+    if t.shape[1] == 0:
+        raise ValueError("logits must have at least one column")
+
+
+def _logsumexp_impl(logits: torch.Tensor) -> torch.Tensor:
+    check_logsumexp(logits)
     lib = library()
-    if (lib is None or logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2
-            or logits.stride(1) != 1 or logits.shape[1] == 0):
-        return torch.logsumexp(logits, dim=-1)
+    if lib is None:
+        raise RuntimeError(f"the native CPU kernels are unavailable ({kernel_path()} path): check available()")
     out = torch.empty(logits.shape[0], dtype=torch.float32)
     lib.pagedkv_logsumexp_f32(logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0),
                               out.data_ptr(), torch.get_num_threads())
     return out
+
+
+def _logsumexp_fake(logits: torch.Tensor) -> torch.Tensor:
+    check_logsumexp(logits)
+    return logits.new_empty(logits.shape[0])
+
+
+# The torch ops. Why torch.library.Library and not torch.library.custom_op: custom_op's Python
+# wrapper cost about 90 us more per call than this (measured eagerly on the 2-core machine: 150 us
+# against 60 us for a one-sequence decode), paid by every layer of every step. The implementation
+# is registered for every backend (CompositeExplicitAutograd), so a CUDA tensor reaches
+# check_decode and gets its ValueError instead of a dispatcher error; the fake implementation
+# (register_fake, also used for meta tensors) gives torch.compile the output's metadata.
+_LIB = torch.library.Library("pagedkv", "DEF")
+_LIB.define("paged_decode(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+            "Tensor seq_lens, float scale, Tensor(a!) out) -> ()")
+_LIB.impl("paged_decode", _paged_decode_impl, "CompositeExplicitAutograd")
+torch.library.register_fake("pagedkv::paged_decode", _paged_decode_fake, lib=_LIB)
+_LIB.define("logsumexp_rows(Tensor logits) -> Tensor")
+_LIB.impl("logsumexp_rows", _logsumexp_impl, "CompositeExplicitAutograd")
+torch.library.register_fake("pagedkv::logsumexp_rows", _logsumexp_fake, lib=_LIB)
+
+
+def logsumexp_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``torch.logsumexp(logits, dim=-1)`` of 2-D fp32 CPU logits (rows contiguous), by
+    ``torch.ops.pagedkv.logsumexp_rows`` when the kernels are available, else by torch. Same value
+    up to fp32 rounding."""
+    if (logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2
+            or logits.stride(1) != 1 or logits.shape[1] == 0 or library() is None):
+        return torch.logsumexp(logits, dim=-1)
+    return torch.ops.pagedkv.logsumexp_rows(logits)

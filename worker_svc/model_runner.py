@@ -163,7 +163,7 @@ class ModelRunner:
         self._lock = threading.Lock()
         self._closed = False
         if self.device.type == "cpu":
-            cpu_native.library()  # build the CPU kernels now, not inside the first request's step
+            cpu_native.library()  # choose and load the CPU kernels' variant now, not in the first step
 
     def close(self, release: Callable[[], None] | None = None) -> None:
         """Wait for the step in flight, refuse later ones, drop the cache views, then ``release()``.

@@ -251,6 +251,7 @@ def start_worker(
         model, weights = _model_for_worker(settings, model_cfg, dtype, device, weights_from_proto(info))
         runner = ModelRunner(model, cache.gpu, cache.cpu, kernel_backend=settings.kernel_backend)
         import kernels
+        from kernels import cpu_native
 
         winfo = worker_pb2.WorkerInfo(
             model_name=model_cfg.name, vocab_size=model_cfg.vocab_size, num_layers=model_cfg.num_layers,
@@ -259,6 +260,7 @@ def start_worker(
             geometry=geometry_to_proto(desc.geometry), cache_instance_id=desc.instance_id,
             kernel_backend=kernels.backend_for(cache.gpu, settings.kernel_backend),
             role=ROLES[settings.role], shared_weights=weights is not None,
+            cpu_kernel_path=cpu_native.kernel_path() if device.type == "cpu" else "",
         )
         servicer = WorkerServicer(runner, winfo)
         running = start_server(
@@ -290,6 +292,7 @@ def start_worker(
         dtype=desc.dtype,
         model=model_cfg.name,
         kernel_backend=winfo.kernel_backend,
+        cpu_kernel_path=winfo.cpu_kernel_path,
         role=settings.role,
         shared_weights=weights is not None,
         cpus=cpus,

@@ -7,14 +7,16 @@
  * query heads are scored against each cached key row where it lies, softmaxed, and the value rows
  * summed, so every K/V element is read once and nothing is copied or padded.
  *
- * Built at first use by kernels/cpu_native.py (cc -O3 -march=native -fopenmp) and called through
+ * Built at install by setup.py, once per instruction-set variant (baseline x86-64, AVX2, AVX-512;
+ * generic elsewhere), the variant chosen at run time by kernels/cpu_native.py, which calls it through
  * ctypes with raw pointers; tasks are spread over OpenMP threads (torch's own OpenMP runtime,
  * already loaded in the process). fp32 and bf16 (bf16 widened to fp32 on read; scores and sums
  * in fp32, the output rounded once). The common (group, head_dim) pairs get specialised copies
- * (constants let the compiler keep the accumulators in registers: 1.4x at head_dim 64 and 128),
+ * (constants let the compiler keep the accumulators in registers: 1.4x at head_dim 64 and 128;
+ * groups 3, 5, 6 and 7 at head_dim 64 for models such as SmolLM2's 9 query over 3 KV heads),
  * and fp32 keys are scored sixteen at a time with one butterfly sum for the sixteen dot products
  * (another 1.3-1.6x): bench/cpu_decode_bench.py.
- * Arguments are validated in Python before the call.
+ * Arguments are validated in Python before the call (kernels/cpu_native.py, check_decode).
  */
 #include <math.h>
 #include <stdint.h>
@@ -34,6 +36,7 @@ typedef struct {
     int64_t bt_stride;                                     /* block_tables [num_seqs, max_blocks] int32 */
     float scale;
     int num_threads;
+    int generic_only;  /* 1: skip the specialised copies (for measuring them against the generic one) */
 } DecodeArgs;
 
 static inline float bf16_to_f32(uint16_t h) {
@@ -165,8 +168,10 @@ static void attend_any(const DecodeArgs *a, const void *q, const void *k_cache, 
         else attend(a, q, k_cache, v_cache, block_tables, ctx, out, scores, s, h, GC, DC, 0);           \
         return;                                                                                        \
     }
-    CASE(1, 64) CASE(2, 64) CASE(4, 64) CASE(8, 64)
-    CASE(1, 128) CASE(2, 128) CASE(4, 128) CASE(8, 128)
+    if (!a->generic_only) {
+        CASE(1, 64) CASE(2, 64) CASE(3, 64) CASE(4, 64) CASE(5, 64) CASE(6, 64) CASE(7, 64) CASE(8, 64)
+        CASE(1, 128) CASE(2, 128) CASE(4, 128) CASE(8, 128)
+    }
 #undef CASE
     if (bf16) attend(a, q, k_cache, v_cache, block_tables, ctx, out, scores, s, h, G, D, 1);
     else attend(a, q, k_cache, v_cache, block_tables, ctx, out, scores, s, h, G, D, 0);

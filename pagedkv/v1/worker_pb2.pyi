@@ -356,6 +356,7 @@ class WorkerInfo(_message.Message):
     CACHE_LOST_REASON_FIELD_NUMBER: _builtins.int
     ROLE_FIELD_NUMBER: _builtins.int
     SHARED_WEIGHTS_FIELD_NUMBER: _builtins.int
+    CPU_KERNEL_PATH_FIELD_NUMBER: _builtins.int
     model_name: _builtins.str
     vocab_size: _builtins.int
     num_layers: _builtins.int
@@ -383,6 +384,11 @@ class WorkerInfo(_message.Message):
     """True when the model's weights are the cache host's shared copy (mapped,
     not loaded by this worker).
     """
+    cpu_kernel_path: _builtins.str
+    """The CPU kernel path this worker's process uses: "native-<variant>" (the
+    native kernels built at install: avx512, avx2, x86_64 or generic) or
+    "torch" (none usable); empty on a GPU worker (docs/kernels.md).
+    """
     @_builtins.property
     def geometry(self) -> _cache_host_pb2.CacheGeometry: ...
     def __init__(
@@ -404,10 +410,11 @@ class WorkerInfo(_message.Message):
         cache_lost_reason: _builtins.str = ...,
         role: Global___WorkerRole.ValueType = ...,
         shared_weights: _builtins.bool = ...,
+        cpu_kernel_path: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["geometry", b"geometry"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_instance_id", b"cache_instance_id", "cache_lost_reason", b"cache_lost_reason", "cache_state", b"cache_state", "device", b"device", "dtype", b"dtype", "geometry", b"geometry", "head_dim", b"head_dim", "hidden_size", b"hidden_size", "kernel_backend", b"kernel_backend", "model_name", b"model_name", "num_heads", b"num_heads", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "role", b"role", "shared_weights", b"shared_weights", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_instance_id", b"cache_instance_id", "cache_lost_reason", b"cache_lost_reason", "cache_state", b"cache_state", "cpu_kernel_path", b"cpu_kernel_path", "device", b"device", "dtype", b"dtype", "geometry", b"geometry", "head_dim", b"head_dim", "hidden_size", b"hidden_size", "kernel_backend", b"kernel_backend", "model_name", b"model_name", "num_heads", b"num_heads", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "role", b"role", "shared_weights", b"shared_weights", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -34,6 +34,19 @@ def test_prefix_requests_have_long_shared_prefixes_and_short_suffixes() -> None:
     assert all(448 <= len(r["prompt"]) <= 464 and r["max_tokens"] == 16 for r in reqs)
 
 
+def test_workload_r_has_the_real_small_model_shape() -> None:
+    """SmolLM2-135M's shape: 30 layers, hidden 576, 9 query heads over 3 KV heads of 64, vocabulary
+    49,152, tied embeddings, rope theta 100,000; 32 chat requests."""
+    assert vs_vllm.WORKLOADS["R"] == ("R", 32, "chat")
+    cfg = vs_vllm.model_config("R")
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads) == (30, 576, 9, 3)
+    assert cfg.hidden_size // cfg.num_attention_heads == 64 and cfg.intermediate_size == 1536
+    assert cfg.vocab_size == 49_152 and cfg.tie_word_embeddings
+    theta = getattr(cfg, "rope_parameters", None) or {"rope_theta": cfg.rope_theta}
+    assert theta["rope_theta"] == 100_000.0
+    assert vs_vllm.model_config("A").tie_word_embeddings is False and vs_vllm.model_config("A").vocab_size == vs_vllm.VOCAB
+
+
 def test_equality_counts_identical_requests_per_pair() -> None:
     res = {"a": {"tokens": [[1, 2], [3]]}, "b": {"tokens": [[1, 2], [4]]}, "c": {"error": "x"}}
     assert vs_vllm.equality(res) == [("a", "b", 1, 2)]

@@ -115,6 +115,10 @@ def test_worker_info(worker: worker_pb2_grpc.WorkerStub, host: Host) -> None:
     info = worker.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest())
     assert info.vocab_size == 128 and info.num_kv_heads == 2 and info.geometry.block_size == BLOCK
     assert info.cache_instance_id == host.cache.descriptor.instance_id and info.kernel_backend == "reference"
+    # The CPU kernel path of the worker's process (here the test process): native-<variant> or torch.
+    from kernels import cpu_native
+
+    assert info.cpu_kernel_path == cpu_native.kernel_path() and info.cpu_kernel_path.startswith(("native-", "torch"))
 
 
 def test_health_and_reflection_on_both_services(host: Host, hf_llama: HFModel) -> None:

@@ -1,0 +1,64 @@
+"""Builds the native CPU kernels (kernels/csrc/) at install time; everything else is in pyproject.toml.
+
+Why here and not on a server's first request: a worker should not need a C compiler at run time,
+nor spend its first step compiling. One shared library per instruction-set variant is built (x86-64:
+baseline, AVX2 + FMA, AVX-512; any other machine: one generic build), and kernels/cpu_native.py
+loads the best one the running CPU supports. They are plain C libraries called through ctypes (no
+Python or torch headers: they build in seconds and need neither python3-dev nor torch at build
+time); setuptools' ``Extension`` only compiles and installs them.
+
+Every variant is ``optional``: without a C compiler (or with one that lacks OpenMP or a variant's
+flags) the install still succeeds, without that variant, and the kernels fall back to torch
+(docs/kernels.md, "CPU backend").
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+SOURCES = ["kernels/csrc/paged_decode.c", "kernels/csrc/logsumexp.c", "kernels/csrc/cpu_features.c"]
+DEPENDS = ["kernels/csrc/fastexp.h"]
+COMMON = ["-O3", "-std=gnu11", "-fopenmp", "-fno-strict-aliasing", "-Wno-psabi"]
+
+# variant -> compiler flags. Names must match kernels/cpu_native.py's VARIANTS.
+X86_VARIANTS = {
+    "x86_64": ["-march=x86-64", "-mtune=generic"],
+    "avx2": ["-march=x86-64", "-mtune=generic", "-mavx2", "-mfma", "-mf16c", "-mbmi2"],
+    "avx512": ["-march=x86-64", "-mtune=generic", "-mavx2", "-mfma", "-mf16c", "-mbmi2",
+               "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl"],
+}
+GENERIC_VARIANTS = {"generic": []}
+
+
+def _variants() -> dict[str, list[str]]:
+    machine = os.environ.get("PAGEDKV_BUILD_MACHINE", platform.machine()).lower()
+    return X86_VARIANTS if machine in ("x86_64", "amd64") else GENERIC_VARIANTS
+
+
+class BuildNative(build_ext):
+    """One temporary directory per extension: the variants compile the same sources with different
+    flags, and shared object files would be overwritten (or reused) between them."""
+
+    def build_extension(self, ext: Extension) -> None:
+        temp = self.build_temp
+        self.build_temp = os.path.join(temp, ext.name)
+        try:
+            super().build_extension(ext)
+        finally:
+            self.build_temp = temp
+
+
+setup(
+    ext_modules=[
+        Extension(
+            f"kernels._cpu_{name}", sources=SOURCES, depends=DEPENDS,
+            extra_compile_args=COMMON + flags, extra_link_args=["-fopenmp"], optional=True,
+        )
+        for name, flags in _variants().items()
+    ],
+    cmdclass={"build_ext": BuildNative},
+)
