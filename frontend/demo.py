@@ -282,7 +282,8 @@ def _serve_here(args: argparse.Namespace, block_manager: str, workers: list[str]
                              max_num_seqs=args.max_num_seqs, max_batch_tokens=args.max_batch_tokens,
                              max_waiting=args.requests + 1, log_level="warning",
                              tls_ca=str(conn.get("tls_ca", "")), tls_client_cert=str(conn.get("tls_cert", "")),
-                             tls_client_key=str(conn.get("tls_key", "")), token=str(conn.get("token", "")))
+                             tls_client_key=str(conn.get("tls_key", "")), token=str(conn.get("token", "")),
+                             allow_insecure=bool(conn.get("allow_insecure", False)))
     with RunningServe(settings, on_iteration=sampler) as server:
         reqs = make_workload(args.requests, info_vocab, args.seed)
         print(report(run_workload(server.url, reqs, args.concurrency, sampler=sampler,
