@@ -39,7 +39,7 @@ def hf(tmp_path_factory: pytest.TempPathFactory) -> HFModel:
 @pytest.fixture(scope="module")
 def stack(hf: HFModel) -> Iterator[LocalStack]:
     os.environ.setdefault("PAGEDKV_KERNEL_BACKEND", "reference")
-    cfg = StackConfig(model=str(hf.path), device="cpu", dtype="float32", block_size=4, num_gpu_blocks=64,
+    cfg = StackConfig(model=str(hf.path), device="cpu", dtype="float32", block_size=4, num_gpu_blocks=128,
                       kernel_backend="reference", block_manager_overrides={"lease_sweep_interval_s": SWEEP_S})
     with LocalStack(cfg) as st:
         yield st
@@ -77,15 +77,19 @@ def test_an_engine_idle_past_its_ttl_keeps_its_sequences_and_finishes_exactly(st
 
 def test_an_engine_whose_renewal_stops_loses_its_sequences_within_the_ttl(stack: LocalStack) -> None:
     job = {"block_manager": stack.block_manager_target, "workers": stack.worker_targets, "lease_ttl_s": TTL_S,
-           "requests": [{"id": "k0", "prompt": PROMPTS[0], "max_tokens": 500}]}
+           "requests": [{"id": "k0", "prompt": PROMPTS[0], "max_tokens": 300}]}
     env = {**os.environ, "PAGEDKV_KERNEL_BACKEND": "reference"}
     proc = subprocess.Popen([sys.executable, "-m", "tests.frontend.engine_proc", json.dumps(job)], cwd=ROOT,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
-        first = proc.stdout.readline()
-        assert first, proc.stderr.read() if proc.stderr else ""
-        while json.loads(proc.stdout.readline()).get("tokens", 0) < 2:
+        def line() -> dict:
+            text = proc.stdout.readline()  # type: ignore[union-attr]
+            assert text, proc.stderr.read()  # type: ignore[union-attr]
+            return json.loads(text)
+
+        line()  # {"instance": ...}
+        while line().get("tokens", 0) < 2:
             pass
         assert held(stack)[0] == 1
         proc.send_signal(signal.SIGSTOP)  # alive, connected, but no longer renewing
