@@ -31,7 +31,7 @@ openai = pytest.importorskip("openai")
 
 PROMPT = [5, 9, 17, 33, 2, 64, 7, 12]
 N = 64  # samples per request (the API's maximum)
-REQUESTS = 24  # 1536 draws per distribution
+REQUESTS = 40  # 2560 draws per distribution
 P_MIN = 1e-4  # the fixed draws must fit at least this well ...
 P_WRONG = 1e-8  # ... and a wrong distribution must fit at most this well
 
@@ -144,7 +144,7 @@ def test_top_k_keeps_the_k_most_likely_tokens_in_proportion(client, logits: torc
 
 
 def test_top_p_keeps_the_nucleus_in_proportion(client, logits: torch.Tensor) -> None:
-    top_p = 0.4
+    top_p = 0.42
     want = model_distribution(logits, 1.0, top_p=top_p)
     counts = Counter(draws(client, 30_000, temperature=1.0, top_p=top_p))
     allowed = set(want.nonzero().flatten().tolist())
