@@ -198,6 +198,11 @@ def test_up_refuses_missing_certificates_and_a_reserved_tenant(tmp_path, capsys,
     tokens.write_text(json.dumps({"tenants": [{"name": "pagedkv-stack", "token_sha256": "0" * 64}]}))
     assert up.main(["--tls-dir", str(pathlib.Path(certs["ca"]).parent), "--auth-tokens-file", str(tokens)]) == 2
     assert "reserved" in capsys.readouterr().err
+    # Tokens without TLS would travel in plaintext between the roles: refused, naming the way out.
+    ok_tokens = write_tokens(tmp_path / "ok.json")
+    assert up.main(["--auth-tokens-file", ok_tokens]) == 2
+    err = capsys.readouterr().err
+    assert "--tls-dir" in err and "--allow-insecure" in err and "plaintext" in err
 
 
 def _https_get(url: str, context: object, path: str = "/health") -> int:
