@@ -148,6 +148,8 @@ class StackSecurity:
                          f"--tls-key {self._tls('client.key')}")
         if self.auth_tokens_file:
             parts.append("--token-file FILE (or PAGEDKV_TOKEN; a token of " + self.auth_tokens_file + ")")
+            if not self.tls_dir:  # the client's own rule: no token over plaintext unless allowed
+                parts.append("--allow-insecure")
         return " ".join(parts)
 
     def close(self) -> None:
