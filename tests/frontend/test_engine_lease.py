@@ -38,7 +38,6 @@ def hf(tmp_path_factory: pytest.TempPathFactory) -> HFModel:
 
 @pytest.fixture(scope="module")
 def stack(hf: HFModel) -> Iterator[LocalStack]:
-    os.environ.setdefault("PAGEDKV_KERNEL_BACKEND", "reference")
     cfg = StackConfig(model=str(hf.path), device="cpu", dtype="float32", block_size=4, num_gpu_blocks=128,
                       kernel_backend="reference", block_manager_overrides={"lease_sweep_interval_s": SWEEP_S})
     with LocalStack(cfg) as st:
