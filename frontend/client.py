@@ -36,6 +36,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedkv.retry import RetryPolicy, async_call_with_retry, call_with_retry
+from pagedkv.dial import check_token_transport
 from pagedkv.tls import auth_metadata
 from pagedkv.tls import channel as tls_channel
 from pagedkv.v1 import block_manager_pb2 as pb
@@ -224,7 +225,10 @@ class _ClientBase:
         tls_cert: str = "",
         tls_key: str = "",
         token: str = "",
+        allow_insecure: bool = False,
     ) -> None:
+        if channel is None:  # a token never goes over plaintext unless allowed (pagedkv/dial.py)
+            check_token_transport(token, bool(tls_ca or tls_cert or tls_key), allow_insecure)
         self.target = target
         self.default_timeout_s = _check_timeout(default_timeout_s)
         self.retry = retry or RetryPolicy()

@@ -12,7 +12,7 @@ import argparse
 import os
 from typing import Any
 
-from pagedkv.dial import read_token
+from pagedkv.dial import check_token_transport, read_token
 
 
 def add_connection_args(parser: argparse.ArgumentParser) -> None:
@@ -25,10 +25,16 @@ def add_connection_args(parser: argparse.ArgumentParser) -> None:
                        help="client key for mutual TLS [env PAGEDKV_TLS_CLIENT_KEY]")
     group.add_argument("--token-file", default=os.environ.get("PAGEDKV_TOKEN_FILE", ""),
                        help="file holding the bearer token [env PAGEDKV_TOKEN_FILE; else the token is env PAGEDKV_TOKEN]")
+    group.add_argument("--allow-insecure", action="store_true",
+                       default=os.environ.get("PAGEDKV_ALLOW_INSECURE", "").lower() in ("1", "true", "yes", "on"),
+                       help="allow sending the token without TLS (trusted networks only) [env PAGEDKV_ALLOW_INSECURE]")
 
 
 def client_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """Keyword arguments for BlockManagerClient / WorkerClient from the parsed flags
-    (raises pagedkv.dial.TokenError for an unreadable or empty token file)."""
+    (raises pagedkv.dial.TokenError for an unreadable or empty token file, InsecureTokenError for a
+    token without TLS and without --allow-insecure)."""
     token = read_token(args.token_file)
-    return {"tls_ca": args.tls_ca, "tls_cert": args.tls_cert, "tls_key": args.tls_key, "token": token}
+    check_token_transport(token, bool(args.tls_ca or args.tls_cert or args.tls_key), args.allow_insecure)
+    return {"tls_ca": args.tls_ca, "tls_cert": args.tls_cert, "tls_key": args.tls_key, "token": token,
+            "allow_insecure": args.allow_insecure}

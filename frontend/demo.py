@@ -286,7 +286,8 @@ def _serve_here(args: argparse.Namespace, block_manager: str, workers: list[str]
                              max_num_seqs=args.max_num_seqs, max_batch_tokens=args.max_batch_tokens,
                              max_waiting=args.requests + 1, log_level="warning", model=args.model or "",
                              tls_ca=str(conn.get("tls_ca", "")), tls_client_cert=str(conn.get("tls_cert", "")),
-                             tls_client_key=str(conn.get("tls_key", "")), token=str(conn.get("token", "")))
+                             tls_client_key=str(conn.get("tls_key", "")), token=str(conn.get("token", "")),
+                             allow_insecure=bool(conn.get("allow_insecure", False)))
     with RunningServe(settings, on_iteration=sampler) as server:
         text = server.state.limits.text
         if text.has_chat_template:  # a real model: chat prompts, and real answers beside the figures

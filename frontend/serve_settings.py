@@ -47,7 +47,8 @@ class ServeSettings(BaseSettings):
     tls_cert: str = Field("", description="server certificate chain (PEM); with tls_key: serve HTTPS")
     tls_key: str = Field("", description="server private key (PEM)")
     tls_client_ca: str = Field("", description="CA bundle (PEM) for client certificates: mutual TLS, required")
-    allow_insecure: bool = Field(False, description="allow plain HTTP on a non-loopback address (trusted networks only)")
+    allow_insecure: bool = Field(False, description="allow plain HTTP on a non-loopback address, and sending "
+                                 "the bearer token to the block manager/workers without --tls-ca (trusted networks only)")
     # Outbound gRPC to the block manager and the workers.
     tls_ca: str = Field("", description="CA bundle to verify the block manager and workers (turns TLS on)")
     tls_client_cert: str = Field("", description="client certificate for mutual TLS to the block manager/workers")
@@ -69,7 +70,7 @@ class ServeSettings(BaseSettings):
         if self.token_file:
             token = pathlib.Path(self.token_file).read_text().strip()
         return {"tls_ca": self.tls_ca, "tls_cert": self.tls_client_cert, "tls_key": self.tls_client_key,
-                "token": token}
+                "token": token, "allow_insecure": self.allow_insecure}
 
     @property
     def worker_targets(self) -> list[str]:

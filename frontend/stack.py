@@ -79,6 +79,7 @@ class StackOptions:
     share_weights: bool = True  # the cache host loads the weights once for every worker (else each loads its own)
     tls_dir: str | None = None  # ca.pem, server.pem/.key, client.pem/.key (tools/make_certs.sh DIR)
     auth_tokens_file: str | None = None  # bearer tokens of the stack's clients
+    allow_insecure: bool = False  # tokens without --tls-dir: sent in plaintext between the roles
     # `pagedkv serve` on this port after the workers (None = no frontend; `pagedkv up` default 8000).
     serve_port: int | None = None
     # CPU workers start with tcmalloc and Intel OpenMP preloaded when present (pagedkv/cpu_runtime.py).
@@ -220,7 +221,8 @@ class Stack:
 
     def __init__(self, opts: StackOptions, out: object = sys.stdout) -> None:
         self.opts = opts
-        self.security = StackSecurity.prepare(opts.tls_dir, opts.auth_tokens_file)  # StackSecurityError
+        self.security = StackSecurity.prepare(opts.tls_dir, opts.auth_tokens_file,
+                                               opts.allow_insecure)  # StackSecurityError
         # The block manager's journal and snapshots: what lets a restarted one keep every sequence.
         self.state_dir_is_temporary = opts.state_dir is None
         if opts.state_dir is None:
@@ -342,6 +344,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mutual TLS everywhere with DIR/{ca,server,client}.pem and .key (tools/make_certs.sh DIR)")
     p.add_argument("--auth-tokens-file", default=None,
                    help="bearer tokens (docs/security.md) required by the block manager, cache host and workers")
+    p.add_argument("--allow-insecure", action="store_true",
+                   help="allow --auth-tokens-file without --tls-dir (tokens sent in plaintext: trusted networks only)")
     p.add_argument("--serve-port", type=int, default=8000,
                    help="port of the OpenAI-compatible frontend, `pagedkv serve` [%(default)s]")
     p.add_argument("--no-serve", action="store_true", help="start no frontend (gRPC services only)")
@@ -370,7 +374,7 @@ def options_from_args(args: argparse.Namespace) -> StackOptions:
         num_cpu_blocks=args.num_cpu_blocks, block_size=args.block_size, model=args.model, device=args.device,
         dtype=args.dtype, log_format=args.log_format, log_dir=args.log_dir, ready_timeout_s=args.ready_timeout_s,
         roles=roles, pin_workers=args.pin_workers, preload_runtime=args.preload_runtime,
-        tls_dir=args.tls_dir, auth_tokens_file=args.auth_tokens_file,
+        tls_dir=args.tls_dir, auth_tokens_file=args.auth_tokens_file, allow_insecure=args.allow_insecure,
         serve_port=None if args.no_serve else args.serve_port, state_dir=args.state_dir,
         restart=RestartPolicy(max_restarts_per_minute=args.max_restarts_per_minute),
     )

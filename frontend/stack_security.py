@@ -54,13 +54,19 @@ class StackSecurity:
     role_tokens_file: str = ""  # the user's tenants + the stack's own, in a private directory
     role_token: str = field(default="", repr=False)
     frontend_token: str = field(default="", repr=False)
+    allow_insecure: bool = False  # tokens without TLS (pagedkv/dial.py refuses them otherwise)
     _workdir: str = ""
 
     @classmethod
-    def prepare(cls, tls_dir: str | None, auth_tokens_file: str | None) -> StackSecurity:
+    def prepare(cls, tls_dir: str | None, auth_tokens_file: str | None,
+                allow_insecure: bool = False) -> StackSecurity:
         """Check the files and, with tokens, write the private tokens file (call ``close`` after)."""
         sec = cls(tls_dir=str(pathlib.Path(tls_dir).resolve()) if tls_dir else "",
-                  auth_tokens_file=auth_tokens_file or "")
+                  auth_tokens_file=auth_tokens_file or "", allow_insecure=allow_insecure)
+        if sec.auth_tokens_file and not sec.tls_dir and not allow_insecure:
+            raise StackSecurityError(
+                "--auth-tokens-file without --tls-dir would send the stack's bearer tokens in plaintext: add "
+                "--tls-dir DIR (tools/make_certs.sh DIR), or pass --allow-insecure on a network you trust")
         if sec.tls_dir:
             missing = [n for n in TLS_FILES if not (pathlib.Path(sec.tls_dir) / n).is_file()]
             if missing:
@@ -121,11 +127,15 @@ class StackSecurity:
 
     def frontend_env(self) -> dict[str, str]:
         """The frontend's own token (its engine calls every method), by environment variable."""
-        return {"PAGEDKV_TOKEN": self.frontend_token} if self.frontend_token else {}
+        return {"PAGEDKV_TOKEN": self.frontend_token, **self._insecure()} if self.frontend_token else {}
 
     def env(self) -> dict[str, str]:
         """Environment of the stack's processes: the stack's token (never a flag)."""
-        return {"PAGEDKV_TOKEN": self.role_token} if self.role_token else {}
+        return {"PAGEDKV_TOKEN": self.role_token, **self._insecure()} if self.role_token else {}
+
+    def _insecure(self) -> dict[str, str]:
+        """Tokens over plaintext, when --allow-insecure said so (else no role would start)."""
+        return {"PAGEDKV_ALLOW_INSECURE": "true"} if self.allow_insecure and not self.tls_dir else {}
 
     def client_tls(self) -> dict[str, str]:
         """tls_ca / tls_cert / tls_key for a client of this stack (health probes, demo's engine)."""
@@ -141,6 +151,8 @@ class StackSecurity:
                          f"--tls-key {self._tls('client.key')}")
         if self.auth_tokens_file:
             parts.append("--token-file FILE (or PAGEDKV_TOKEN; a token of " + self.auth_tokens_file + ")")
+            if not self.tls_dir:  # the client's own rule: no token over plaintext unless allowed
+                parts.append("--allow-insecure")
         return " ".join(parts)
 
     def close(self) -> None:

@@ -9,6 +9,11 @@ settings (``--tls-ca``, ``--tls-client-cert``, ``--tls-client-key``, ``--token-f
 ``PAGEDKV_TOKEN`` variables): the same variable names the frontend's commands read, so one
 environment secures a whole deployment. The token is never a flag value (it would show in the
 process list) and never appears in a repr or a log line.
+
+A bearer token never travels over a plaintext connection: a role (or client) given a token and no
+TLS refuses to start (:class:`InsecureTokenError`, :func:`check_token_transport`) unless
+``--allow-insecure`` (``PAGEDKV_ALLOW_INSECURE=true``) says the network is trusted. This module is
+the one place that rule lives; every client of every role goes through it.
 """
 
 from __future__ import annotations
@@ -25,6 +30,20 @@ from pagedkv.tls import auth_metadata, channel
 
 class TokenError(ValueError):
     """The token file cannot be read or is empty."""
+
+
+class InsecureTokenError(TokenError):
+    """A bearer token would be sent over a plaintext connection; the message names the flags."""
+
+
+def check_token_transport(token: str, secure: bool, allow_insecure: bool) -> None:
+    """Refuse to send ``token`` over a plaintext channel unless explicitly allowed: on a network
+    someone else can read, a token sent in the clear is a token given away."""
+    if token and not secure and not allow_insecure:
+        raise InsecureTokenError(
+            "refusing to send a bearer token over a plaintext connection: set --tls-ca (PAGEDKV_TLS_CA) to "
+            "dial with TLS, or pass --allow-insecure (PAGEDKV_ALLOW_INSECURE=true) on a network you trust"
+        )
 
 
 def read_token(token_file: str = "", env_token: str | None = None) -> str:
@@ -48,13 +67,19 @@ class Dialer:
     tls_cert: str = ""
     tls_key: str = ""
     token: str = field(default="", repr=False)
+    allow_insecure: bool = False  # a token over plaintext (check_token_transport)
+
+    def __post_init__(self) -> None:
+        check_token_transport(self.token, self.secure, self.allow_insecure)
 
     @classmethod
     def from_settings(cls, settings: Any) -> Dialer:
-        """From a role's settings (fields tls_ca, tls_client_cert, tls_client_key, token_file, token)."""
+        """From a role's settings (fields tls_ca, tls_client_cert, tls_client_key, token_file, token,
+        allow_insecure); raises TokenError (InsecureTokenError: a token without TLS)."""
         token = settings.token.get_secret_value() if settings.token else ""
         return cls(tls_ca=settings.tls_ca, tls_cert=settings.tls_client_cert, tls_key=settings.tls_client_key,
-                   token=read_token(settings.token_file, token))
+                   token=read_token(settings.token_file, token),
+                   allow_insecure=bool(getattr(settings, "allow_insecure", False)))
 
     @property
     def secure(self) -> bool:

@@ -52,7 +52,8 @@ class _Common(BaseSettings):
     tls_cert: str = Field("", description="server certificate chain (PEM); with tls_key: serve TLS")
     tls_key: str = Field("", description="server private key (PEM)")
     tls_client_ca: str = Field("", description="CA bundle for client certificates: mutual TLS")
-    allow_insecure: bool = Field(False, description="allow plaintext gRPC on a non-loopback address")
+    allow_insecure: bool = Field(False, description="allow plaintext gRPC on a non-loopback address, and "
+                                 "sending --token-file's token without --tls-ca (trusted networks only)")
     # Bearer tokens for this role's API (pagedkv/auth.py's tokens file; health stays open). A worker
     # runs steps on any block table it is given, so whoever may call it can read any KV in the cache:
     # only the frontend should hold a worker token. The cache host's descriptor names the memory.

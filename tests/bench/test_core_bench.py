@@ -5,6 +5,7 @@ clearly why it cannot."""
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -45,12 +46,41 @@ def test_pagedkv_commits_like_the_engine_so_prefixes_hit(bench) -> None:  # type
     assert "hit_rate" not in naive
 
 
+def table_rows(out: str) -> dict[str, list[str]]:
+    """The printed table: {mode label: [mean, p50, p99, block ops/s, vs naive, hit rate, target]}."""
+    rows = {}
+    for line in out.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 8 and cells[0] not in ("mode", "") and not set(cells[0]) <= {"-"}:
+            rows[cells[0]] = cells[1:]
+    return rows
+
+
 def test_vllm_rows_or_a_clear_skip(bench, capsys) -> None:  # type: ignore[no-untyped-def]
-    assert bench.main(["--steps", "5", "--vllm"]) in (0, 1)  # 1 = a target missed on a busy machine
+    rc = bench.main(["--steps", "5", "--vllm"])
     out, err = capsys.readouterr()
+    rows = table_rows(out)
+    labels = [label for _, label, *_ in bench.ROWS]
     if bench.vllm_unavailable() is None:
+        labels += [label for _, label, *_ in bench.VLLM_ROWS]  # the comparison rows, from this same run
         assert "vLLM KVCacheManager, prefix caching (sha256)" in out
     else:
         assert "--vllm: skipped, vLLM's KVCacheManager is not importable here" in err
         assert "vLLM" not in out
+    assert list(rows) == labels, out
     assert out.count("| pagedkv") == 5 and "block ops counted per run" in out
+    naive_mean = float(rows[labels[0]][0])
+    missed = False
+    for label, (mean, p50, p99, ops, vs, _hit, target) in rows.items():
+        assert float(mean) > 0 and 0 < float(p50) <= float(p99) and float(ops.replace(",", "")) > 0, (label, out)
+        ratio = float(mean) / naive_mean  # both printed to 0.1 µs, the ratio to 0.01
+        assert abs(float(vs.rstrip("x")) - ratio) <= 0.006 + ratio * (0.05 / naive_mean + 0.05 / float(mean)), \
+            (label, vs, mean, naive_mean)
+        if target:  # "<300 ok" / "<300 MISS": the verdict is the mean against the bound
+            bound, verdict = target[1:].split()
+            assert verdict == ("ok" if float(mean) < float(bound) else "MISS"), (label, mean, target)
+            missed |= verdict == "MISS"
+    # The exit code is the verdicts': 1 exactly when a target was missed.
+    assert rc == (1 if missed else 0), (rc, out)
+    ops_line = re.search(r"block ops counted per run \(same trace, every allocator\): (\d+)$", out, re.M)
+    assert ops_line and int(ops_line.group(1)) > 0, out  # one count: every allocator did the same ops

@@ -97,6 +97,13 @@ def _engine(stack: Stack, **cfg: object) -> Engine:
     return Engine(bm, [w], EngineConfig(max_batch_tokens=64, **cfg))  # type: ignore[arg-type]
 
 
+def held(stack: Stack) -> tuple[int, int]:
+    """(sequences, referenced blocks) the block manager holds (cached, unreferenced blocks excluded)."""
+    with BlockManagerClient(_svc(stack, "block-manager").address) as bm:
+        s = bm.get_stats()
+    return s.num_sequences, s.num_used_blocks
+
+
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [5, 6, 7, 8, 20, 21], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50]]
 
 
@@ -116,6 +123,8 @@ def test_lost_cache_host_raises_then_recovers_with_reprefill(stack: Stack, hf: H
             time.sleep(0.01)
     msg = str(e.value)
     assert "cache host was lost" in msg and "is gone" in msg and "recover_lost_cache=True" in msg, msg
+    # The failed engine left nothing behind: its sequences and blocks were freed before it raised.
+    assert held(stack) == (0, 0)
     errors: list[BaseException] = []
     _supervise(stack, errors)
     assert not errors, errors
@@ -142,4 +151,14 @@ def test_lost_cache_host_raises_then_recovers_with_reprefill(stack: Stack, hf: H
     # and one by each cache host start (the stack's, then two restarts: worker_svc/peers.py,
     # forget_stale_prefixes).
     assert stats.num_prefix_cache_resets == 2 + 3
-    assert time.monotonic() - t0 < 60
+    eng.close()
+    assert held(stack) == (0, 0)
+    # A new request on the restarted cache host and worker succeeds, and leaves nothing allocated.
+    eng = _engine(stack)
+    out = eng.add_request(GenerationRequest("after", PROMPTS[0], max_tokens=6))
+    for _ in eng.stream(max_steps=1000):
+        pass
+    assert out.completions[0].token_ids == hf.greedy(PROMPTS[0], 6)
+    eng.close()
+    assert held(stack) == (0, 0)
+    assert time.monotonic() - t0 < 75

@@ -123,16 +123,51 @@ def test_up_serves_generate_and_stops_everything_on_ctrl_c() -> None:
     assert not any(pid_alive(p) for p in pids)
 
 
+def demo_figures(out: str) -> dict[str, str]:
+    """{label: value} of the demo's results block."""
+    block = out.split("pagedkv demo results", 1)[1]
+    return {m.group(1).strip(): m.group(2).strip()
+            for m in re.finditer(r"^  (\S.*?)\s{2,}(\S.*)$", block, re.M)}
+
+
+def nums(text: str) -> list[float]:
+    return [float(x) for x in re.findall(r"-?\d+(?:\.\d+)?", text)]
+
+
 def test_demo_local_prints_the_figures() -> None:
     r = pagedkv("demo", "--local", "--requests", "12", "--no-progress", timeout=180)
     assert r.returncode == 0, r.stderr
-    for label in ("throughput (generated)", "prefix-cache hit rate", "KV utilisation", "preemptions",
-                  "peak KV memory, contiguous reservation", "contiguous / paged",
+    f = demo_figures(r.stdout)
+    for label in ("throughput (generated)", "prefix-cache hit rate (prompt tokens)",
+                  "KV utilisation: live token slots / allocated slots (mean, min)", "preemptions (recompute, swap)",
+                  "peak KV memory, paged", "peak KV memory, contiguous reservation", "contiguous / paged",
                   "block-manager round trips per iteration (Step)", "worker steps per iteration"):
-        assert label in r.stdout
-    per_iteration = re.search(r"block-manager round trips per iteration \(Step\)\s+([0-9.]+)", r.stdout)
-    assert per_iteration and float(per_iteration.group(1)) <= 1.0, r.stdout
-    assert re.search(r"requests\s+12", r.stdout)
+        assert label in f, (label, r.stdout)
+    # Every figure is a number that means what its label says, and they agree with each other.
+    assert nums(f["requests"]) == [12]
+    prompt, generated = nums(f["prompt tokens / generated tokens"])
+    assert prompt > 0 and generated > 0
+    (wall,) = nums(f["wall time"])  # printed to 0.1 s
+    assert wall > 0
+    for label, tokens in (("throughput (generated)", generated), ("throughput (prompt + generated)", prompt + generated)):
+        (tps,) = nums(f[label])
+        assert tokens / (wall + 0.05) - 0.05 <= tps <= tokens / max(wall - 0.05, 1e-9) + 0.05, (label, tps, tokens, wall)
+    (hit,) = nums(f["prefix-cache hit rate (prompt tokens)"])
+    assert 0 <= hit <= 100
+    util_mean, util_min = nums(f["KV utilisation: live token slots / allocated slots (mean, min)"])
+    assert 0 < util_min <= util_mean <= 100
+    assert all(n >= 0 and n == int(n) for n in nums(f["preemptions (recompute, swap)"]))
+    paged_mib, paged_blocks = nums(f["peak KV memory, paged"])
+    contiguous_mib = nums(f["peak KV memory, contiguous reservation"])[0]
+    assert paged_mib > 0 and paged_blocks > 0 and contiguous_mib > 0
+    (ratio,) = nums(f["contiguous / paged"])
+    assert abs(ratio - contiguous_mib / paged_mib) <= 0.006 + ratio * 0.005 / paged_mib * 2, (ratio, contiguous_mib, paged_mib)
+    (iterations,) = nums(f["engine iterations"])
+    assert iterations > 0
+    for label in ("block-manager round trips per iteration (Step)", "worker steps per iteration"):
+        per, total = nums(f[label])
+        assert total > 0 and abs(per - total / iterations) <= 0.005, (label, per, total, iterations)
+    assert nums(f["block-manager round trips per iteration (Step)"])[0] <= 1.0, r.stdout
 
 
 def test_roles_and_cpu_pinning_plan() -> None:

@@ -286,6 +286,7 @@ def test_outbound_bearer_token_to_the_block_manager(stack: LocalStack, tmp_path,
     """The server's own gRPC connections take the client token (PAGEDKV_TOKEN / --token-file)."""
     from frontend.serve_settings import ServeSettings
     from pagedkv.auth import hash_token
+    from pagedkv.dial import InsecureTokenError
 
     token = "tok-frontend-0123456789"
     tokens = tmp_path / "tokens.json"
@@ -304,7 +305,10 @@ def test_outbound_bearer_token_to_the_block_manager(stack: LocalStack, tmp_path,
             RunningServe(ServeSettings(**common))  # type: ignore[arg-type]
         (tmp_path / "token").write_text(token + "\n")
         monkeypatch.setenv("PAGEDKV_TOKEN_FILE", str(tmp_path / "token"))
-        with RunningServe(ServeSettings(**common)) as srv:  # type: ignore[arg-type]
+        # A token over plaintext gRPC is refused unless explicitly allowed (pagedkv/dial.py).
+        with pytest.raises(InsecureTokenError, match="--allow-insecure"):
+            RunningServe(ServeSettings(**common))  # type: ignore[arg-type]
+        with RunningServe(ServeSettings(**common, allow_insecure=True)) as srv:  # type: ignore[arg-type]
             status, body, _ = post(srv, "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 3})
             assert status == 200 and len(body["choices"][0]["token_ids"]) == 3
     finally:

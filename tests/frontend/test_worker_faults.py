@@ -45,15 +45,23 @@ def test_sigkill_one_worker_mid_generation_keeps_outputs_exact(hf: HFModel, tmp_
             victim.wait(timeout=10)
             for _ in engine.stream():
                 pass
+            engine.close()
+            # Nothing of the interrupted work stays allocated, and a new request succeeds on the survivor.
             stats = bm.get_stats()
-            assert (stats.num_sequences, stats.num_used_blocks) == (0, 0), stats
-            after = engine.generate([GenerationRequest("after", prompts[0], max_tokens=12)])[0]
+            assert (stats.num_sequences, stats.num_used_blocks) == (0, 0)
+            after = Engine(bm, workers, EngineConfig(timeout_s=10))
+            again = after.add_request(GenerationRequest("after", prompts[0], max_tokens=6))
+            for _ in after.stream():
+                pass
+            after.close()
+            assert again.completions[0].token_ids == hf.greedy(prompts[0], 6)
+            stats = bm.get_stats()
+            assert (stats.num_sequences, stats.num_used_blocks) == (0, 0)
             for w in workers:
                 w.close()
         assert engine.stats.worker_retries >= 1, "the engine should have moved to worker-1"
         for p, out in zip(prompts, outs):
             assert out.completions[0].token_ids == hf.greedy(p, 12), out.request_id
-        assert after.completions[0].token_ids == hf.greedy(prompts[0], 12), "a request after the fault"
     finally:
         leaked = stack.stop()
     assert not leaked

@@ -201,3 +201,63 @@ def test_up_refuses_missing_certificates_and_a_reserved_tenant(tmp_path, capsys,
     tokens.write_text(json.dumps({"tenants": [{"name": "pagedkv-stack", "token_sha256": "0" * 64}]}))
     assert up.main(["--tls-dir", str(pathlib.Path(certs["ca"]).parent), "--auth-tokens-file", str(tokens)]) == 2
     assert "reserved" in capsys.readouterr().err
+    # Tokens without TLS would travel in plaintext between the roles: refused, naming the way out.
+    ok_tokens = write_tokens(tmp_path / "ok.json")
+    assert up.main(["--auth-tokens-file", ok_tokens]) == 2
+    err = capsys.readouterr().err
+    assert "--tls-dir" in err and "--allow-insecure" in err and "plaintext" in err
+
+
+def _https_get(url: str, context: object, path: str = "/health") -> int:
+    """GET ``path`` over ``context`` (an ssl.SSLContext, or None for plain HTTP); the status."""
+    import http.client
+    import urllib.parse
+
+    u = urllib.parse.urlsplit(url)
+    conn = (http.client.HTTPSConnection(u.hostname, u.port, context=context, timeout=20) if context is not None
+            else http.client.HTTPConnection(u.hostname, u.port, timeout=20))
+    try:
+        conn.request("GET", path)
+        return conn.getresponse().status
+    finally:
+        conn.close()
+
+
+def _tls_context(ca: str, cert: str | None = None, key: str | None = None, tls12: bool = False):  # type: ignore[no-untyped-def]
+    import ssl
+
+    ctx = ssl.create_default_context(cafile=ca)
+    if tls12:  # the server's verdict on our certificate arrives inside the handshake (TLS 1.3: after it)
+        ctx.maximum_version = ssl.TLSVersion.TLSv1_2
+    if cert:
+        ctx.load_cert_chain(cert, key)
+    return ctx
+
+
+def test_the_https_front_door_refuses_plain_http_and_foreign_or_missing_client_certificates(
+    stack: dict[str, str], certs: dict[str, str], other_ca: pathlib.Path
+) -> None:
+    """`pagedkv serve --tls-cert/--tls-key --tls-client-ca`: only a TLS client with a certificate our CA
+    signed gets an HTTP answer. Plain HTTP gets no HTTP response at all (the server closes the
+    connection after a failed TLS handshake); a client certificate from another CA, or none, ends the
+    TLS handshake; a client verifying the server against another CA refuses the server."""
+    import http.client
+    import ssl
+
+    assert _https_get(stack["url"], _tls_context(certs["ca"], certs["client"], certs["client_key"])) == 200
+    with pytest.raises((http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)):
+        _https_get(stack["url"], None)
+    foreign = (str(other_ca / "client.pem"), str(other_ca / "client.key"))
+    for cert in (foreign, (None, None)):
+        # TLS 1.2: the server checks our certificate inside the handshake, which it ends (an EOF
+        # instead of its Finished message; an alert naming the reason from servers that send one).
+        with pytest.raises(ssl.SSLError) as e:
+            _https_get(stack["url"], _tls_context(certs["ca"], *cert, tls12=True))
+        assert isinstance(e.value, ssl.SSLEOFError) or "ALERT" in str(e.value.reason), repr(e.value)
+        # TLS 1.3: the client's side of the handshake ends first; the server then closes the
+        # connection and no HTTP response ever comes.
+        with pytest.raises((ssl.SSLError, http.client.RemoteDisconnected, ConnectionResetError)):
+            _https_get(stack["url"], _tls_context(certs["ca"], *cert))
+    # A client that verifies the server against another CA refuses the front door itself.
+    with pytest.raises(ssl.SSLCertVerificationError):
+        _https_get(stack["url"], _tls_context(str(other_ca / "ca.pem"), certs["client"], certs["client_key"]))

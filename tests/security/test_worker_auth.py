@@ -11,6 +11,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from frontend.worker_client import WorkerClient
+from pagedkv.dial import InsecureTokenError
 from pagedkv.v1 import worker_pb2 as wpb
 from tests.security.conftest import TOKENS, write_tokens
 from worker_svc import cache_memory
@@ -49,15 +50,18 @@ def test_worker_steps_need_a_valid_token(worker_target: str) -> None:
         with pytest.raises(grpc.RpcError) as info:
             anonymous.step(step_request(), timeout_s=10)
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    with WorkerClient(worker_target, token="not-a-token") as forged:
+    # A token over plaintext only with allow_insecure=True (pagedkv/dial.py; this worker serves plaintext).
+    with pytest.raises(InsecureTokenError, match="--allow-insecure"):
+        WorkerClient(worker_target, token=TOKENS["root"])
+    with WorkerClient(worker_target, token="not-a-token", allow_insecure=True) as forged:
         with pytest.raises(grpc.RpcError) as info:
             forged.get_info(timeout_s=10)
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    with WorkerClient(worker_target, token=TOKENS["reader"]) as reader:  # allowed GetStats/GetConfig only
+    with WorkerClient(worker_target, token=TOKENS["reader"], allow_insecure=True) as reader:  # allowed GetStats/GetConfig only
         with pytest.raises(grpc.RpcError) as info:
             reader.step(step_request(), timeout_s=10)
         assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
-    with WorkerClient(worker_target, token=TOKENS["root"]) as frontend:
+    with WorkerClient(worker_target, token=TOKENS["root"], allow_insecure=True) as frontend:
         out = frontend.step(step_request(), timeout_s=30).outputs
         assert len(out) == 1 and out[0].seq_id == "s"
     with grpc.insecure_channel(worker_target) as ch:  # orchestrators' health checks stay open

@@ -106,6 +106,20 @@ def state_bytes(running) -> object:
     return canonical((s._core, s.reliable.leases.export()))
 
 
+def drain_then_allocate(running, stub) -> None:  # type: ignore[no-untyped-def]
+    """End of a recovery test: freeing every restored sequence leaves no sequence and no referenced
+    block (recovery leaked no ref count), and a new request gets its blocks."""
+    core = running.servicer._core  # noqa: SLF001 - every sequence the state holds
+    for seq_id in [*core.seqs, *core.swapped]:
+        stub.Free(pb.FreeRequest(seq_id=seq_id))
+    s = stub.GetStats(pb.GetStatsRequest())
+    assert (s.num_sequences, s.num_used_blocks) == (0, 0)
+    got = stub.Allocate(pb.AllocateRequest(seq_id="after-recovery", num_tokens=4 * 5, request_id="after"))
+    assert len(got.block_ids) == 5
+    stub.Free(pb.FreeRequest(seq_id="after-recovery"))
+    core.check_invariants()
+
+
 @pytest.mark.parametrize("fsync", ["always", "batch", "off"])
 def test_crash_restores_exact_state_and_replies(servers: Servers, state_dir: str, fsync: str) -> None:
     kw = {"state_dir": state_dir, "fsync": fsync, "num_gpu_blocks": 48, "snapshot_every_ops": 70}
@@ -128,9 +142,10 @@ def test_crash_restores_exact_state_and_replies(servers: Servers, state_dir: str
     workload(stub2, rng, 100, tag="b")
     before2 = state_bytes(running2)
     crash(running2)
-    running3, _ = servers.start(**kw)
+    running3, stub3 = servers.start(**kw)
     assert state_bytes(running3) == before2
     assert running3.servicer.reliable.recovery is not None
+    drain_then_allocate(running3, stub3)
 
 
 def test_torn_last_record_is_dropped_not_half_applied(servers: Servers, state_dir: str) -> None:
@@ -151,6 +166,7 @@ def test_torn_last_record_is_dropped_not_half_applied(servers: Servers, state_di
     stub2.Append(pb.AppendRequest(seq_id="a", num_tokens=9, request_id="x"))
     stub2.Append(pb.AppendRequest(seq_id="a", num_tokens=9, request_id="x"))
     assert stub2.GetBlockTable(pb.GetBlockTableRequest(seq_id="a")).num_tokens == 14
+    drain_then_allocate(running2, stub2)
 
 
 def test_clean_stop_snapshots_and_restarts_without_replay(servers: Servers, state_dir: str) -> None:
@@ -207,3 +223,4 @@ def test_lease_expiry_is_journaled_and_leases_survive(servers: Servers, state_di
     s = stub2.GetStats(pb.GetStatsRequest())
     assert (s.num_sequences, s.num_leases, s.num_leases_expired) == (1, 1, 1)
     assert running2.servicer.reliable.leases.lease_of == {"kept": "B"}
+    drain_then_allocate(running2, stub2)
