@@ -26,9 +26,9 @@ class ServeSettings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535, description="HTTP port (0 = pick a free one)")
     block_manager: str = Field("127.0.0.1:50051", description="block manager host:port")
     workers: str = Field("127.0.0.1:50053", description="comma-separated worker host:port list")
-    model: str = Field("", description="local model directory (the workers' --model): tokenizer, chat template, "
+    model: str = Field("", description="local model directory or GGUF file (the workers' --model): tokenizer, chat template, "
                        "EOS ids and context length; never fetched from a hub (empty = token ids only)")
-    model_name: str = Field("", description="name clients use in `model` (default: the --model directory's name, "
+    model_name: str = Field("", description="name clients use in `model` (default: the --model directory's or file's name, "
                             "else the workers' model name)")
     max_waiting: int = Field(256, ge=0, description="requests allowed to wait for admission; beyond that: 503 "
                              "with Retry-After")

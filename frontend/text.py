@@ -61,8 +61,10 @@ def load_model_text(model_dir: str | None) -> ModelText:
     if not model_dir:
         return ModelText()
     path = pathlib.Path(model_dir)
+    if path.is_file():
+        return _gguf_model_text(model_dir)
     if not path.is_dir():
-        raise ValueError(f"--model {model_dir!r} is not a directory")
+        raise ValueError(f"--model {model_dir!r}: no such directory or GGUF file")
     max_len = 0
     cfg = path / "config.json"
     if cfg.is_file():
@@ -80,6 +82,22 @@ def load_model_text(model_dir: str | None) -> ModelText:
         eos = stop_ids_of(tokenizer, eos)
     return ModelText(tokenizer=tokenizer, eos_token_ids=eos, max_model_len=max_len)
 
+
+
+def _gguf_model_text(model_file: str) -> ModelText:
+    """A GGUF file's tokenizer, EOS ids and context length, from its metadata. The file format is the
+    worker's knowledge (``worker_svc/model/model_source.py``, the one reader of ``--model``); imported
+    here, not at module level, so the frontend's modules still import without worker code or torch."""
+    from worker_svc.model import model_source
+
+    cfg = model_source.hf_config_dict(model_file)  # ValueError for a file that is not GGUF
+    raw_eos = cfg.get("eos_token_id")
+    eos = tuple(int(e) for e in (raw_eos if isinstance(raw_eos, list) else [raw_eos])) if raw_eos is not None else ()
+    tokenizer = model_source.load_tokenizer(model_file)
+    if tokenizer is not None:
+        eos = stop_ids_of(tokenizer, eos)
+    return ModelText(tokenizer=tokenizer, eos_token_ids=eos,
+                     max_model_len=int(cfg.get("max_position_embeddings") or 0))
 
 
 _TURN_MARK = "pagedkv-end-of-turn-probe"
