@@ -12,6 +12,18 @@ import sys
 
 import structlog
 
+class _CurrentStderr:
+    """Whatever ``sys.stderr`` is when a line is written, not when logging was configured: a test
+    harness (or an embedding program) that swaps and closes stderr must not leave every later log
+    line writing to a closed file."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
 
@@ -31,6 +43,6 @@ def configure_logging(level: str = "info", fmt: str = "console", cache: bool = T
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),  # type: ignore[arg-type]
         cache_logger_on_first_use=cache,
     )

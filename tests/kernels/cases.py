@@ -14,9 +14,13 @@ import pytest
 import torch
 
 import kernels
+from kernels import reference
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
+# True only under tests/kernels/gpu_image_plugin.py: CUDA is pretended, not there. Code that really
+# calls the CUDA runtime (torch.compile's and opcheck's RNG bookkeeping) cannot run under it.
+PRETENDED_CUDA = False
 # Block-table padding: an id no cache has, so a kernel that reads past a sequence's blocks faults
 # (GPU) or trips the reference's range check instead of silently reading a valid block.
 PAD_BLOCK = 1_000_000
@@ -135,3 +139,39 @@ def ragged_lens(block_size: int, longest: int) -> list[int]:
 def triton_backend_active() -> bool:
     """Whether calls on DEVICE tensors run the Triton kernels (GPU, or the interpreter on CPU)."""
     return kernels.backend_for(torch.empty(1, device=DEVICE)) == "triton"
+
+
+# The GQA group sizes of the model families pagedkv runs: SmolLM2 (9/3) has group 3; Qwen2-0.5B and
+# Qwen2-7B (14/2, 28/4) 7; Qwen2.5-1.5B (12/2) 6; 5 stands for any other odd group.
+GQA_GROUPS = [3, 5, 6, 7]
+GQA_NUM_KV_HEADS = 2
+
+
+def check_decode_group(num_heads: int, dtype: torch.dtype, lens: list[int], seed: int) -> None:
+    """Paged decode at ``num_heads`` over GQA_NUM_KV_HEADS KV heads (head_dim 64) through the selected
+    backend, against the reference (test_group_sizes*.py)."""
+    case = make_paged(lens, 16, GQA_NUM_KV_HEADS, 64, dtype, seed=seed)
+    q = randn((len(lens), num_heads, 64), dtype, generator(seed + 1))
+    out = poisoned_like(q)
+    got = kernels.paged_decode_attention(q, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
+                                         0.125, out=out)
+    assert got is out
+    want = reference.paged_decode_attention(q, case.key_cache, case.value_cache, case.block_tables,
+                                            case.seq_lens, 0.125)
+    assert_close(got, want, dtype)
+
+
+def check_prefill_group(num_heads: int, dtype: torch.dtype, shape: list[tuple[int, int]], seed: int) -> None:
+    case = make_paged([s for s, _ in shape], 16, GQA_NUM_KV_HEADS, 64, dtype, seed=seed)
+    starts = [0]
+    for _, n in shape:
+        starts.append(starts[-1] + n)
+    qsl = torch.tensor(starts, dtype=torch.int32, device=DEVICE)
+    q = randn((starts[-1], num_heads, 64), dtype, generator(seed + 1))
+    out = poisoned_like(q)
+    got = kernels.paged_prefill_attention(q, case.key_cache, case.value_cache, case.block_tables, qsl,
+                                          case.seq_lens, 0.125, out=out)
+    assert got is out
+    want = reference.paged_prefill_attention(q, case.key_cache, case.value_cache, case.block_tables, qsl,
+                                             case.seq_lens, 0.125)
+    assert_close(got, want, dtype)

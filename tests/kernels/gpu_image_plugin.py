@@ -18,4 +18,5 @@ def pytest_configure(config: pytest.Config) -> None:
     from tests.kernels import cases
 
     cases.HAS_CUDA = True
+    cases.PRETENDED_CUDA = True
     cases.DEVICE = torch.device("meta")

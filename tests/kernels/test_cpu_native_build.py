@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from kernels import cpu, cpu_native, reference
+from tests.kernels import cases
 from tests.kernels.cases import PagedCache, assert_close, make_paged, poisoned_like
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -28,8 +29,13 @@ COMPILER = shutil.which("cc") or shutil.which("gcc")
 
 def _paged(lens: list[int], block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
            seed: int) -> PagedCache:
-    c = make_paged(lens, block_size, kv_heads, head_dim, dtype, seed)
-    return PagedCache(c.key_cache.cpu(), c.value_cache.cpu(), c.block_tables.cpu(), c.seq_lens.cpu())
+    """A case on CPU tensors, also where ``cases.DEVICE`` is another device (the GPU image, or its
+    rehearsal's meta device): some cases are built at collection, before any fixture runs."""
+    saved, cases.DEVICE = cases.DEVICE, torch.device("cpu")
+    try:
+        return make_paged(lens, block_size, kv_heads, head_dim, dtype, seed)
+    finally:
+        cases.DEVICE = saved
 
 
 def _query(n: int, heads: int, head_dim: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -274,6 +280,7 @@ def test_ops_run_by_name_and_show_in_the_profiler() -> None:
 
 
 @needs_native
+@pytest.mark.skipif("cases.PRETENDED_CUDA", reason="opcheck saves the CUDA RNG state: the GPU-image rehearsal only pretends CUDA")
 def test_ops_pass_torch_library_opcheck() -> None:
     """Schema, fake implementation and the tracing paths torch.compile uses (opcheck)."""
     g = _good()
@@ -284,6 +291,7 @@ def test_ops_pass_torch_library_opcheck() -> None:
 
 
 @needs_native
+@pytest.mark.skipif("cases.PRETENDED_CUDA", reason="dynamo asks the CUDA runtime: the GPU-image rehearsal only pretends CUDA")
 def test_ops_compose_with_torch_compile() -> None:
     g = _good()
 

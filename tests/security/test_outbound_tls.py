@@ -74,8 +74,10 @@ def peers(certs: dict[str, str], other_ca: pathlib.Path) -> Iterator[Peers]:
         for kw in tls.values():
             bms.append(start_server(BlockManagerSettings(port=0, num_gpu_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, **kw)))
             hosts.append(serve_cache(cache, cfg.name, **kw))
-        yield Peers(bm={k: f"localhost:{r.port}" for k, r in zip(tls, bms)},
-                    cache_host={k: f"localhost:{h.port}" for k, h in zip(tls, hosts)})
+        # 127.0.0.1, not localhost: the servers bind IPv4 loopback only, and with localhost gRPC may
+        # report its last attempt ([::1]: connection refused) instead of the handshake's reason.
+        yield Peers(bm={k: f"127.0.0.1:{r.port}" for k, r in zip(tls, bms)},
+                    cache_host={k: f"127.0.0.1:{h.port}" for k, h in zip(tls, hosts)})
     finally:
         for r in bms:
             r.stop(0)
