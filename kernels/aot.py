@@ -216,8 +216,9 @@ def resource_usage(cubin: bytes) -> dict[str, tuple[int, int, int, int]]:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        text = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True,
-                              check=True).stdout
+        text = subprocess.run(
+            [tool, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True
+        ).stdout
     return {m[1]: (int(m[2]), int(m[3]), int(m[4]), int(m[5])) for m in _USAGE_RE.finditer(text)}
 
 
@@ -231,12 +232,17 @@ def compile_config(cfg: Config, arch: int = 90) -> Result:
         for k in compiled:
             usage = resource_usage(k.asm["cubin"])
             for name, (regs, stack, static_shared, local) in usage.items():
-                res.kernels.append(KernelUsage(
-                    kernel=name, registers=regs, local_bytes=max(local, stack),
-                    shared_bytes=int(k.metadata.shared) + static_shared,
-                    num_warps=int(k.metadata.num_warps), num_stages=int(k.metadata.num_stages),
-                    binary=str(k.hash),
-                ))
+                res.kernels.append(
+                    KernelUsage(
+                        kernel=name,
+                        registers=regs,
+                        local_bytes=max(local, stack),
+                        shared_bytes=int(k.metadata.shared) + static_shared,
+                        num_warps=int(k.metadata.num_warps),
+                        num_stages=int(k.metadata.num_stages),
+                        binary=str(k.hash),
+                    )
+                )
     except Exception as e:  # noqa: BLE001 - a compile error is a result, reported per config
         res.error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"[:500]
     res.seconds = time.perf_counter() - t0
@@ -290,16 +296,20 @@ def run(configs: list[Config], arch: int = 90, jobs: int = 1) -> list[Result]:
 
 def table(results: list[Result]) -> str:
     """A markdown table: one row per configuration, its heaviest kernel's resources."""
-    rows = ["| config | kernels | max regs | max local (B) | max shared (B) | warps/stages | s | error |",
-            "|---|---:|---:|---:|---:|---|---:|---|"]
+    rows = [
+        "| config | kernels | max regs | max local (B) | max shared (B) | warps/stages | s | error |",
+        "|---|---:|---:|---:|---:|---|---:|---|",
+    ]
     for r in results:
         ks = r.kernels
         regs = max((k.registers for k in ks), default=0)
         local = max((k.local_bytes for k in ks), default=0)
         shared = max((k.shared_bytes for k in ks), default=0)
         ws = ",".join(sorted({f"{k.num_warps}/{k.num_stages}" for k in ks}))
-        rows.append(f"| {r.config.name} | {len(ks)} | {regs} | {local} | {shared} | {ws} | {r.seconds:.2f} | "
-                    f"{r.error} |")
+        rows.append(
+            f"| {r.config.name} | {len(ks)} | {regs} | {local} | {shared} | {ws} | {r.seconds:.2f} | "
+            f"{r.error} |"
+        )
     return "\n".join(rows)
 
 
@@ -324,14 +334,25 @@ def main(argv: list[str] | None = None) -> int:
     bad = [p for r in results for p in problems(r, args.arch)]
     print(table(results))
     n_kernels = len({k.binary for r in results for k in r.kernels})
-    print(f"\n{len(results)} configurations for sm_{args.arch} in {wall:.1f} s with {args.jobs} processes; "
-          f"{n_kernels} distinct kernel binaries; {len(bad)} problems")
+    print(
+        f"\n{len(results)} configurations for sm_{args.arch} in {wall:.1f} s with {args.jobs} processes; "
+        f"{n_kernels} distinct kernel binaries; {len(bad)} problems"
+    )
     for p in bad:
         print("PROBLEM", p)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"arch": args.arch, "wall_s": wall, "jobs": args.jobs, "problems": bad,
-                       "results": [asdict(r) for r in results]}, f, indent=1)
+            json.dump(
+                {
+                    "arch": args.arch,
+                    "wall_s": wall,
+                    "jobs": args.jobs,
+                    "problems": bad,
+                    "results": [asdict(r) for r in results],
+                },
+                f,
+                indent=1,
+            )
     return 1 if bad else 0
 
 

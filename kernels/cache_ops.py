@@ -148,7 +148,9 @@ def _copy_blocks_kernel(
         tl.store(dst_base + offs, x, mask=mask)
 
 
-def copy_blocks(key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch.Tensor], pairs: torch.Tensor) -> None:
+def copy_blocks(
+    key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch.Tensor], pairs: torch.Tensor
+) -> None:
     caches = list(key_caches) + list(value_caches)
     n = pairs.shape[0]
     if n == 0 or not caches:

@@ -16,8 +16,13 @@ import torch
 from kernels.backend import as_list, plan_nothing
 
 __all__ = [
-    "write_kv_cache", "paged_decode_attention", "paged_prefill_attention", "copy_blocks", "swap_blocks",
-    "plan_decode", "plan_prefill",
+    "write_kv_cache",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "copy_blocks",
+    "swap_blocks",
+    "plan_decode",
+    "plan_prefill",
 ]
 
 
@@ -133,7 +138,9 @@ def paged_prefill_attention(
     return out
 
 
-def copy_blocks(key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch.Tensor], pairs: torch.Tensor) -> None:
+def copy_blocks(
+    key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch.Tensor], pairs: torch.Tensor
+) -> None:
     """Copy block ``src`` over block ``dst`` in every layer's K and V cache (copy-on-write)."""
     if pairs.numel() == 0:
         return
@@ -143,7 +150,9 @@ def copy_blocks(key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch
 
 
 def swap_blocks(
-    src: torch.Tensor | Sequence[torch.Tensor], dst: torch.Tensor | Sequence[torch.Tensor], pairs: torch.Tensor
+    src: torch.Tensor | Sequence[torch.Tensor],
+    dst: torch.Tensor | Sequence[torch.Tensor],
+    pairs: torch.Tensor,
 ) -> None:
     """One block at a time (one transfer per block): the oracle; ``kernels/swap.py`` batches."""
     for sc, dc in zip(as_list(src), as_list(dst)):

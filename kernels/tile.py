@@ -80,8 +80,13 @@ def attend_tile(
         tmask = tok >= 0  # unused: full tiles are loaded without a token mask
         blk = tl.load(bt_row + tok // BLOCK_SIZE).to(tl.int64)
     off = (tok % BLOCK_SIZE).to(tl.int64)
-    k = _load_tile(k_base + blk[:, None] * s_kb + off[:, None] * s_ko + d[None, :], tmask, dmask,
-                   MASK_TAIL, HEAD_DIM == BLOCK_D)
+    k = _load_tile(
+        k_base + blk[:, None] * s_kb + off[:, None] * s_ko + d[None, :],
+        tmask,
+        dmask,
+        MASK_TAIL,
+        HEAD_DIM == BLOCK_D,
+    )
     if UPCAST:
         s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=PRECISION)
     else:
@@ -96,8 +101,13 @@ def attend_tile(
     alpha = tl.exp2(m_i - m_ref)
     p = tl.exp2(s - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = _load_tile(v_base + blk[:, None] * s_vb + off[:, None] * s_vo + d[None, :], tmask, dmask,
-                   MASK_TAIL, HEAD_DIM == BLOCK_D)
+    v = _load_tile(
+        v_base + blk[:, None] * s_vb + off[:, None] * s_vo + d[None, :],
+        tmask,
+        dmask,
+        MASK_TAIL,
+        HEAD_DIM == BLOCK_D,
+    )
     if UPCAST:
         acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
     else:

@@ -54,7 +54,9 @@ def device_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def _wrap(cupy: Any, memptr: Any, nbytes: int, shape: tuple[int, ...], dtype: torch.dtype, dev: int) -> torch.Tensor:
+def _wrap(
+    cupy: Any, memptr: Any, nbytes: int, shape: tuple[int, ...], dtype: torch.dtype, dev: int
+) -> torch.Tensor:
     """A torch view of ``nbytes`` device bytes at ``memptr`` with the given shape/dtype, no copy."""
     raw = cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=memptr)
     flat = torch.as_tensor(raw, device=f"cuda:{dev}")
@@ -96,7 +98,14 @@ def export(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
         tensor = _wrap(cupy, cupy.cuda.MemoryPointer(mem, 0), nbytes, shape, dtype, dev)
         cupy.cuda.runtime.deviceSynchronize()
     return CudaExport(
-        handle=handle, size=size, offset=0, shape=shape, dtype=dtype, device_index=dev, tensor=tensor, _memory=mem
+        handle=handle,
+        size=size,
+        offset=0,
+        shape=shape,
+        dtype=dtype,
+        device_index=dev,
+        tensor=tensor,
+        _memory=mem,
     )
 
 

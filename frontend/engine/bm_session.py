@@ -92,10 +92,16 @@ class StepDelta:
     swap_ins: list[list[tuple[str, list[int]]]]
 
 
-_KINDS = {pb.StepItemError.APPEND: "append", pb.StepItemError.PACKED_APPEND: "append",
-          pb.StepItemError.FREE: "free", pb.StepItemError.PACKED_FREE: "free",
-          pb.StepItemError.ALLOCATE: "alloc", pb.StepItemError.FORK: "fork",
-          pb.StepItemError.SWAP_IN: "swap_in", pb.StepItemError.COMMIT: "commit"}
+_KINDS = {
+    pb.StepItemError.APPEND: "append",
+    pb.StepItemError.PACKED_APPEND: "append",
+    pb.StepItemError.FREE: "free",
+    pb.StepItemError.PACKED_FREE: "free",
+    pb.StepItemError.ALLOCATE: "alloc",
+    pb.StepItemError.FORK: "fork",
+    pb.StepItemError.SWAP_IN: "swap_in",
+    pb.StepItemError.COMMIT: "commit",
+}
 
 
 def step_request(plan: StepPlan, lease_id: str) -> pb.StepRequest:
@@ -134,7 +140,10 @@ def step_delta(resp: pb.StepResponse, num_allocs: int) -> StepDelta:
         grown=grown,
         ops=resp.ops,
         preempted=[Preempted(p.seq_id, p.mode == pb.Preemption.SWAP, p.cost_s) for p in resp.preempted],
-        errors=[ItemError(_KINDS.get(e.kind, "unknown"), e.index, e.seq_id, e.code, e.message) for e in resp.errors],
+        errors=[
+            ItemError(_KINDS.get(e.kind, "unknown"), e.index, e.seq_id, e.code, e.message)
+            for e in resp.errors
+        ],
         alloc_tables=tables,
         alloc_cached=list(resp.alloc_num_cached_tokens) or [0] * num_allocs,
         swap_ins=[[(m.seq_id, list(m.block_ids)) for m in r.sequences] for r in resp.swap_ins],
@@ -145,8 +154,11 @@ def unknown_sequences(delta: StepDelta) -> list[str]:
     """Sequences the engine holds that the manager answered NOT_FOUND for (commits, appends,
     swap-ins; not a victim preempted in this very Step): it no longer has the engine's state."""
     victims = {p.seq_id for p in delta.preempted}
-    return [e.seq_id for e in delta.errors
-            if e.kind in ("commit", "append", "swap_in") and e.code == _NOT_FOUND and e.seq_id not in victims]
+    return [
+        e.seq_id
+        for e in delta.errors
+        if e.kind in ("commit", "append", "swap_in") and e.code == _NOT_FOUND and e.seq_id not in victims
+    ]
 
 
 @dataclass(slots=True, frozen=True)
@@ -183,7 +195,9 @@ def _renew_lease(ref: weakref.ref[BlockManagerSession], stop: threading.Event, i
 class BlockManagerSession:
     """One engine's session: its lease, its request ids, the outage budget."""
 
-    def __init__(self, bm: BlockManagerClient, lease_id: str, config: EngineConfig, stats: EngineStats) -> None:
+    def __init__(
+        self, bm: BlockManagerClient, lease_id: str, config: EngineConfig, stats: EngineStats
+    ) -> None:
         self.bm = bm
         self.lease_id = lease_id
         self.config = config
@@ -194,8 +208,10 @@ class BlockManagerSession:
         self.keep_alive(timeout_s=config.timeout_s, first=True)
         self._stop_renewal = threading.Event()
         self._renewer = threading.Thread(
-            target=_renew_lease, args=(weakref.ref(self), self._stop_renewal, config.lease_ttl_s / 3),
-            name=f"engine-lease-{lease_id}", daemon=True,
+            target=_renew_lease,
+            args=(weakref.ref(self), self._stop_renewal, config.lease_ttl_s / 3),
+            name=f"engine-lease-{lease_id}",
+            daemon=True,
         )
         self._renewer.start()
         weakref.finalize(self, self._stop_renewal.set)
@@ -209,8 +225,12 @@ class BlockManagerSession:
     def keep_alive(self, timeout_s: float, first: bool = False) -> None:
         """Renew the lease. One that *created* it means the manager forgot it, and with it this
         engine's sequences: ``lease_lost`` is set and the next step resyncs (``first``: expected)."""
-        resp = self.bm.keep_alive(self.lease_id, ttl_ms=round(self.config.lease_ttl_s * 1000),
-                                  request_id=self.request_id("lease"), timeout_s=timeout_s)
+        resp = self.bm.keep_alive(
+            self.lease_id,
+            ttl_ms=round(self.config.lease_ttl_s * 1000),
+            request_id=self.request_id("lease"),
+            timeout_s=timeout_s,
+        )
         self.stats.lease_renewals += 1
         if resp.created and not first:
             # (A renewal racing a resync may set this once more: one more resync, still correct.)
@@ -262,7 +282,8 @@ class BlockManagerSession:
                     self.stats.longest_stall_s = max(self.stats.longest_stall_s, waited)
                     raise BlockManagerUnavailable(
                         f"the block manager was unreachable for {waited:.1f} s (block_manager_outage_s={budget:g}): "
-                        f"{e.code().name} {e.details()}") from e
+                        f"{e.code().name} {e.details()}"
+                    ) from e
                 attempt += 1
                 self.stats.bm_retries += 1
                 cap = min(0.05 * 2 ** (attempt - 1), _MAX_BACKOFF_S)
@@ -288,8 +309,10 @@ class BlockManagerSession:
         if needs_state:
             lost = unknown_sequences(delta)
             if lost:
-                raise ManagerLostState(f"the block manager does not know {len(lost)} of this engine's sequences "
-                                       f"(e.g. {lost[0]}): it restarted without its state, or the lease expired")
+                raise ManagerLostState(
+                    f"the block manager does not know {len(lost)} of this engine's sequences "
+                    f"(e.g. {lost[0]}): it restarted without its state, or the lease expired"
+                )
         return delta
 
     def free(self, seq_ids: Sequence[str]) -> StepDelta:
@@ -304,5 +327,7 @@ class BlockManagerSession:
     def free_now(self, seq_ids: Sequence[str]) -> None:
         """One attempt, no outage budget (closing the engine: the lease frees the rest)."""
         if seq_ids:
-            self.bm.step(pb.StepRequest(free_seq_ids=list(seq_ids), request_id=self.request_id("close")),
-                         timeout_s=self.config.timeout_s)
+            self.bm.step(
+                pb.StepRequest(free_seq_ids=list(seq_ids), request_id=self.request_id("close")),
+                timeout_s=self.config.timeout_s,
+            )

@@ -51,8 +51,10 @@ def fork_firsts(parent: Seq, samples: Sequence[wpb.Sample]) -> list[tuple[Seq, w
     out (it re-prefills as a request of its own)."""
     sent, parent.forks_sent = parent.forks_sent, []
     if len(samples) != len(sent):  # else those samples would wait for a first token forever
-        raise RuntimeError(f"the worker drew {len(samples)} first tokens for the {len(sent)} samples forked from "
-                           f"{parent.seq_id} (a worker that predates SequenceInput.fork_sampling?)")
+        raise RuntimeError(
+            f"the worker drew {len(samples)} first tokens for the {len(sent)} samples forked from "
+            f"{parent.seq_id} (a worker that predates SequenceInput.fork_sampling?)"
+        )
     out = []
     for child, drawn in zip(sent, samples):
         if not child.awaiting_parent or child.status is not SeqStatus.RUNNING:

@@ -119,8 +119,9 @@ def test_a_prompt_above_the_watermark_is_refused_at_add_not_in_the_iteration(hf:
 def test_swap_preemption_round_trips_through_the_cpu_pool(hf: HFModel, mode: str) -> None:
     ps = prompts(4, 5)
     reqs = [GenerationRequest(f"w{i}", p, max_tokens=14, n=2 if i == 1 else 1) for i, p in enumerate(ps)]
-    with stack(hf, num_gpu_blocks=20, num_cpu_blocks=64,
-               block_manager_overrides={"preemption_mode": mode}) as st:
+    with stack(
+        hf, num_gpu_blocks=20, num_cpu_blocks=64, block_manager_overrides={"preemption_mode": mode}
+    ) as st:
         engine = st.engine(EngineConfig(max_batch_tokens=8))
         outs = engine.generate(reqs)
         bm = st.block_manager.servicer._core  # noqa: SLF001

@@ -33,12 +33,22 @@ def _reference_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def stack(hf: HFModel, roles: tuple[str, ...], **kw: object) -> LocalStack:
-    return LocalStack(StackConfig(model=str(hf.path), device="cpu", dtype="float32", block_size=4,
-                                  num_workers=len(roles), roles=roles, **kw))  # type: ignore[arg-type]
+    return LocalStack(
+        StackConfig(
+            model=str(hf.path),
+            device="cpu",
+            dtype="float32",
+            block_size=4,
+            num_workers=len(roles),
+            roles=roles,
+            **kw,
+        )
+    )  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize(("layout", "overlap"), [(name, False) for name in LAYOUTS]
-                         + [("mixed", True), ("prefill+decode", True)])
+@pytest.mark.parametrize(
+    ("layout", "overlap"), [(name, False) for name in LAYOUTS] + [("mixed", True), ("prefill+decode", True)]
+)
 def test_layout_matches_transformers_with_prefixes_samples_and_preemption(
     hf: HFModel, layout: str, overlap: bool
 ) -> None:
@@ -80,9 +90,18 @@ def test_a_worker_gone_mid_generation_leaves_outputs_exact(hf: HFModel, layout: 
         port = victim.running.port
         victim.close()
         if len(roles) == 1:  # a lone worker: its replacement attaches to the same cache, no KV lost
-            st.workers[-1] = start_worker(WorkerSettings(
-                port=port, cache_host=f"127.0.0.1:{st.cache_host.port}", model=str(hf.path), device="cpu",
-                dtype="float32", block_size=4, num_gpu_blocks=96), local_cache=st.cache)
+            st.workers[-1] = start_worker(
+                WorkerSettings(
+                    port=port,
+                    cache_host=f"127.0.0.1:{st.cache_host.port}",
+                    model=str(hf.path),
+                    device="cpu",
+                    dtype="float32",
+                    block_size=4,
+                    num_gpu_blocks=96,
+                ),
+                local_cache=st.cache,
+            )
             st._closers.append(st.workers[-1].close)  # noqa: SLF001
         for _ in engine.stream():
             pass

@@ -96,7 +96,9 @@ def make_caches(
     raise ValueError(layout)
 
 
-def make_block_tables(seq_lens: list[int], block_size: int, num_blocks: int, gen: torch.Generator) -> torch.Tensor:
+def make_block_tables(
+    seq_lens: list[int], block_size: int, num_blocks: int, gen: torch.Generator
+) -> torch.Tensor:
     """Shuffled, distinct physical blocks per sequence; unused entries hold PAD_BLOCK."""
     need = [max(1, math.ceil(n / block_size)) for n in seq_lens]
     assert sum(need) <= num_blocks, "cache too small for the case"

@@ -29,7 +29,9 @@ def test_write_kv_cache_skips_padding(dtype: torch.dtype, layout: str) -> None:
     assert torch.equal(kc.reshape(56, 2, 80)[written].cpu(), key[slots >= 0].cpu())
 
 
-def _layer_views(layout: str, gen: torch.Generator, layers: int = 3) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _layer_views(
+    layout: str, gen: torch.Generator, layers: int = 3
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     if layout == "6d":
         big = randn((layers, 2, 10, 16, 2, 64), torch.float16, gen)
         return [big[i, 0] for i in range(layers)], [big[i, 1] for i in range(layers)]
@@ -103,7 +105,11 @@ def test_swap_blocks_many_layers_staging_path() -> None:
 
 
 def test_contiguous_runs() -> None:
-    assert swap.contiguous_runs([[2, 5], [3, 6], [4, 7], [9, 1], [10, 2], [0, 0]]) == [(2, 5, 3), (9, 1, 2), (0, 0, 1)]
+    assert swap.contiguous_runs([[2, 5], [3, 6], [4, 7], [9, 1], [10, 2], [0, 0]]) == [
+        (2, 5, 3),
+        (9, 1, 2),
+        (0, 0, 1),
+    ]
 
 
 def test_contiguous_pieces_of_block_major_views() -> None:

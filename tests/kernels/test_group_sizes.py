@@ -24,11 +24,13 @@ def _decode(num_heads: int, dtype: torch.dtype, lens: list[int], seed: int) -> N
     case = make_paged(lens, 16, NUM_KV_HEADS, 64, dtype, seed=seed)
     q = randn((len(lens), num_heads, 64), dtype, generator(seed + 1))
     out = poisoned_like(q)
-    got = kernels.paged_decode_attention(q, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
-                                         0.125, out=out)
+    got = kernels.paged_decode_attention(
+        q, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, 0.125, out=out
+    )
     assert got is out
-    want = reference.paged_decode_attention(q, case.key_cache, case.value_cache, case.block_tables,
-                                            case.seq_lens, 0.125)
+    want = reference.paged_decode_attention(
+        q, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, 0.125
+    )
     assert_close(got, want, dtype)
 
 
@@ -40,11 +42,13 @@ def _prefill(num_heads: int, dtype: torch.dtype, shape: list[tuple[int, int]], s
     qsl = torch.tensor(starts, dtype=torch.int32, device=DEVICE)
     q = randn((starts[-1], num_heads, 64), dtype, generator(seed + 1))
     out = poisoned_like(q)
-    got = kernels.paged_prefill_attention(q, case.key_cache, case.value_cache, case.block_tables, qsl,
-                                          case.seq_lens, 0.125, out=out)
+    got = kernels.paged_prefill_attention(
+        q, case.key_cache, case.value_cache, case.block_tables, qsl, case.seq_lens, 0.125, out=out
+    )
     assert got is out
-    want = reference.paged_prefill_attention(q, case.key_cache, case.value_cache, case.block_tables, qsl,
-                                             case.seq_lens, 0.125)
+    want = reference.paged_prefill_attention(
+        q, case.key_cache, case.value_cache, case.block_tables, qsl, case.seq_lens, 0.125
+    )
     assert_close(got, want, dtype)
 
 

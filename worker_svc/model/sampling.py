@@ -114,8 +114,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
         )
         tokens[rows] = _sample_filtered(sub / temps[:, None], top_ks, top_ps, uniforms)
     chosen_logprobs = logits.gather(1, tokens[:, None]).squeeze(1) - log_norm
-    return SampleResult(token_ids=tokens.cpu(), logprobs=chosen_logprobs.cpu(),
-                        top=_top_logprobs(logits, log_norm, params))
+    return SampleResult(
+        token_ids=tokens.cpu(), logprobs=chosen_logprobs.cpu(), top=_top_logprobs(logits, log_norm, params)
+    )
 
 
 def _top_logprobs(
