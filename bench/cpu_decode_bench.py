@@ -27,6 +27,7 @@ Then, for GQA groups without a specialised copy before (3: SmolLM2's 9 query hea
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import random
 import statistics
@@ -35,6 +36,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -153,10 +155,14 @@ def gqa_table(args: argparse.Namespace, groups: list[int]) -> None:
                 out = torch.empty_like(q)
                 fns = {"generic": cpu_native.decode_generic_for_bench, "specialised": cpu_native.decode}
 
-                def step(fn: Callable[..., torch.Tensor]) -> torch.Tensor:
+                # The inputs are bound now (default argument), not looked up at call time (B023).
+                def step(
+                    fn: Callable[..., torch.Tensor],
+                    inputs: tuple[Any, ...] = (q, kc, vc, bt, lens, GQA_HEAD_DIM**-0.5, out),
+                ) -> torch.Tensor:
                     for _ in range(LAYERS):
-                        fn(q, kc, vc, bt, lens, GQA_HEAD_DIM**-0.5, out)
-                    return out
+                        fn(*inputs)
+                    return inputs[-1]
 
                 generic = step(fns["generic"]).clone()
                 torch.testing.assert_close(step(fns["specialised"]), generic, rtol=1e-5, atol=1e-5)
@@ -168,7 +174,8 @@ def gqa_table(args: argparse.Namespace, groups: list[int]) -> None:
                         times[name].append(time.perf_counter() - t0)
                 med = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
                 print(
-                    f"| {group} ({group * GQA_KV_HEADS}/{GQA_KV_HEADS}) | {shape.label} | {med['generic']:.2f} | "
+                    f"| {group} ({group * GQA_KV_HEADS}/{GQA_KV_HEADS}) | {shape.label} | "
+                    f"{med['generic']:.2f} | "
                     f"{med['specialised']:.2f} | {med['specialised'] / med['generic']:.2f}x |",
                     flush=True,
                 )
@@ -181,7 +188,8 @@ def bucket_table(args: argparse.Namespace) -> None:
     )
     if not cpu_native.available():
         print(
-            f"# the native kernels are unavailable ({cpu_native.kernel_path()} path, see the log): no native column",
+            f"# the native kernels are unavailable ({cpu_native.kernel_path()} path, see the log): no native "
+            "column",
             file=sys.stderr,
         )
         del RULES["native"]
@@ -212,8 +220,14 @@ def bucket_table(args: argparse.Namespace) -> None:
                 calls: dict[str, str] = {}
                 steps: dict[str, Callable[[], None]] = {}
                 for name, rules in RULES.items():
+                    # Everything the step reads is bound now (default arguments), so a step called after
+                    # this loop runs on the inputs it was built for, whatever the loops did since (B023).
+                    def step(
+                        rules: tuple[dict[str, float], bool] = rules,
+                        inputs: tuple[Any, ...] = (q, kc, vc, bt, lens, head_dim),
+                    ) -> torch.Tensor:
+                        q, kc, vc, bt, lens, head_dim = inputs
 
-                    def step(rules: tuple[dict[str, float], bool] = rules) -> torch.Tensor:
                         def run() -> torch.Tensor:
                             plan = cpu.plan_decode(bt, lens, BLOCK)
                             out = torch.empty_like(q)
@@ -229,7 +243,7 @@ def bucket_table(args: argparse.Namespace) -> None:
                     if want is None:
                         want = got
                     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)  # same attention, any rules
-                    plan = with_rules(rules, lambda: cpu.plan_decode(bt, lens, BLOCK))
+                    plan = with_rules(rules, functools.partial(cpu.plan_decode, bt, lens, BLOCK))
                     calls[name] = (
                         "1"
                         if plan.native_tables is not None  # type: ignore[attr-defined]

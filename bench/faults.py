@@ -82,12 +82,14 @@ def print_report(res: dict[str, Any]) -> None:
         _table(
             f"Crash: SIGKILL under load (--fsync {c['fsync']}, {c['wall_s']:.0f} s)",
             "| kills survived | acked ops | calls hit by a kill | verifications | acked ops lost | "
-            "final pool (free+cached / total) | restart to SERVING median / max | replay max (records, KiB, ms) |",
+            "final pool (free+cached / total) | restart to SERVING median / max | replay max (records, KiB, "
+            "ms) |",
             [
                 f"| {c['restarts_ok']}/{c['kills']} | {c['acked_ops']} | {c['calls_hit_by_kill']} | "
                 f"{c['verifications']} | {c['lost_or_mismatched']} | {c['final_free']}/{c['total_blocks']} "
                 f"(used {c['final_used']}) | {c['restart_s_median']:.2f} / {c['restart_s_max']:.2f} s | "
-                f"{c['replay_records_max']}, {c['replay_bytes_max'] / 1024:.0f}, {c['replay_s_max'] * 1000:.1f} |"
+                f"{c['replay_records_max']}, {c['replay_bytes_max'] / 1024:.0f}, "
+                f"{c['replay_s_max'] * 1000:.1f} |"
             ],
         )
     if "recovery" in res:
@@ -95,7 +97,8 @@ def print_report(res: dict[str, Any]) -> None:
             "Recovery time vs journal size (65,536 blocks, up to 256 live sequences, in-process)",
             "| records | journal MiB | recovery s | µs/record | snapshot MiB | snapshot export ms |",
             [
-                f"| {r['records']} | {r['journal_mib']:.2f} | {r['recovery_s']:.3f} | {r['us_per_record']:.0f} | "
+                f"| {r['records']} | {r['journal_mib']:.2f} | {r['recovery_s']:.3f} | "
+                f"{r['us_per_record']:.0f} | "
                 f"{r['snapshot_mib']:.2f} | {r['snapshot_export_s'] * 1000:.1f} |"
                 for r in res["recovery"]
             ],
@@ -105,7 +108,8 @@ def print_report(res: dict[str, Any]) -> None:
             "Cost per Append under each fsync policy (loopback, sync stub)",
             "| mode | p50 µs (1 in flight) | p99 µs | calls/s (8 in flight) | fsyncs | journal bytes/op |",
             [
-                f"| {r['mode']} | {r['p50_us_1']:.0f} | {r['p99_us_1']:.0f} | {r['calls_s_concurrent']:.0f} | "
+                f"| {r['mode']} | {r['p50_us_1']:.0f} | {r['p99_us_1']:.0f} | {r['calls_s_concurrent']:.0f} "
+                "| "
                 f"{r['fsyncs']} | {r['bytes_per_op']:.0f} |"
                 for r in res["fsync"]
             ],
@@ -118,7 +122,8 @@ def print_report(res: dict[str, Any]) -> None:
             "used blocks (server / model) | naive retries without request_id: double appends |",
             [
                 f"| {r['ops']} | {r['injected_before']} | {r['injected_after']} | {r['dedupe_hits']} | "
-                f"{r['problems']} | {r['used_blocks']} / {r['model_blocks']} | {r['naive_double_applied']} of 10 |"
+                f"{r['problems']} | {r['used_blocks']} / {r['model_blocks']} | {r['naive_double_applied']} "
+                "of 10 |"
             ],
         )
     if "leases" in res:

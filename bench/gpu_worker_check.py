@@ -232,10 +232,10 @@ def _multi_process_check(device: str, dtype: str) -> dict:
             if k == swap_step:  # swap seq 0 out to CPU blocks and back in to other GPU blocks
                 used = -(-cached[0] // BLOCK)
                 new_table = list(range(30, 30 + 10))
-                ops = CacheOpsRequest(swap_out=list(zip(tables[0][:used], range(used))))
+                ops = CacheOpsRequest(swap_out=list(zip(tables[0][:used], range(used), strict=False)))
                 remote(stub_a, [], ops)
                 local([], ops)
-                ops = CacheOpsRequest(swap_in=list(zip(range(used), new_table[:used])))
+                ops = CacheOpsRequest(swap_in=list(zip(range(used), new_table[:used], strict=False)))
                 tables[0] = new_table
             step(stub_b if k < 2 * n_decode // 3 else stub_a, ops)
         result["tokens_equal"] = got_remote == got_local

@@ -46,10 +46,11 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from pagedkv.healthcheck import wait_healthy
-from pagedkv.ports import free_port
-from pagedkv.v1 import block_manager_pb2 as pb
-from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
+# After the sys.path line above: run as a script, the repository root must be importable first.
+from pagedkv.healthcheck import wait_healthy  # noqa: E402
+from pagedkv.ports import free_port  # noqa: E402
+from pagedkv.v1 import block_manager_pb2 as pb  # noqa: E402
+from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc  # noqa: E402
 
 STEP_SEQS = 256
 APPEND_SEQS = 256

@@ -26,6 +26,7 @@ Results: a markdown table on stdout (last) and, with ``--out DIR`` or ``$OUT``, 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -413,7 +414,7 @@ def section_write_kv(b: Bench) -> list[Row]:
         key = torch.randn((tokens, kv_heads, dim), dtype=dtype, device=b.device)
         value = torch.randn_like(key)
         slots = torch.randperm(num_blocks * block, device=b.device)[:tokens]
-        ms = b.time_ms(lambda: kernels.write_kv_cache(key, value, kc, vc, slots))
+        ms = b.time_ms(functools.partial(kernels.write_kv_cache, key, value, kc, vc, slots))
         nbytes = 2 * 2 * key.numel() * key.element_size()  # K and V, read + write
         rows.append(
             {"dtype": _dtype_name(dtype), "tokens": tokens, "ms": ms, "GB/s (r+w)": _gb_per_s(nbytes, ms)}
@@ -431,7 +432,7 @@ def section_copy_blocks(b: Bench) -> list[Row]:
         vcs = [big[i, 1] for i in range(layers)]
         perm = torch.randperm(num_blocks)
         pairs = torch.stack([perm[:pairs_n], perm[pairs_n : 2 * pairs_n]], dim=1).to(b.device)
-        ms = b.time_ms(lambda: kernels.copy_blocks(kcs, vcs, pairs))
+        ms = b.time_ms(functools.partial(kernels.copy_blocks, kcs, vcs, pairs))
         nbytes = 2 * layers * 2 * pairs_n * block * kv_heads * dim * big.element_size()
         rows.append(
             {
@@ -461,7 +462,7 @@ def section_swap(b: Bench) -> list[Row]:
         ("cpu->gpu", lambda: kernels.swap_blocks(cpu, gpu, pairs)),
     ):
         reps = 5
-        ms = b.elapsed_ms(lambda: [fn() for _ in range(reps)]) / reps
+        ms = b.elapsed_ms(lambda fn=fn, reps=reps: [fn() for _ in range(reps)]) / reps
         rows.append(
             {"direction": name, "blocks": n, "MiB": nbytes / 2**20, "ms": ms, "GB/s": _gb_per_s(nbytes, ms)}
         )

@@ -1,7 +1,8 @@
 """Worker layouts on one shared cache under a mixed workload: throughput, TTFT, TPOT.
 
     python bench/pd_bench.py                # the three layouts (and both thread settings of one worker)
-    python bench/pd_bench.py --memory       # also resident memory per worker, 1 and 2 workers, shared vs local weights
+    python bench/pd_bench.py --memory       # also resident memory per worker, 1 and 2 workers,
+                                            # shared vs local weights
     python bench/pd_bench.py --layouts mixed,prefill+decode   # a subset (mixed, the baseline, always)
 
 The workload (the same in every layout): ``--decoders`` short-prompt requests that decode
@@ -54,7 +55,8 @@ from pagedkv.ports import free_port_block  # noqa: E402
 
 # ------------------------------------------------------------------------------ the model
 def make_model(path: pathlib.Path, hidden: int, layers: int, vocab: int, seed: int = 0) -> pathlib.Path:
-    """A random Llama checkpoint (config.json + model.safetensors), written with pagedkv's own loader's names."""
+    """A random Llama checkpoint (config.json + model.safetensors), written with pagedkv's own
+    loader's names."""
     from safetensors.torch import save_file
 
     from worker_svc.model.config import ModelConfig
@@ -231,7 +233,7 @@ def drive(stack: Stack, arrivals: list[Arrival], layout: Layout, max_batch_token
             res.ttft_s.append(ts[0] - arrived[rid])
             if len(ts) >= 2:
                 res.tpot_s.append((ts[-1] - ts[0]) / (len(ts) - 1))
-                res.itl_s.extend(b - a for a, b in zip(ts, ts[1:]))
+                res.itl_s.extend(b - a for a, b in zip(ts, ts[1:], strict=False))
         st = engine.stats
         res.idle_ms = 1e3 * st.worker_idle_s / max(1, st.worker_idle_gaps)
         res.tokens = {rid: engine.outputs[rid].completions[0].token_ids for rid in times}
@@ -368,9 +370,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     base = max(singles, key=lambda r: r.tok_s)
     differ = max(sum(r.tokens[k] != base.tokens[k] for k in base.tokens) for r in results)
     print(
-        f"model hidden {args.hidden} x {args.layers} layers, vocab {args.vocab}, {args.dtype} on {args.device}, "
+        f"model hidden {args.hidden} x {args.layers} layers, vocab {args.vocab}, {args.dtype} on "
+        f"{args.device}, "
         f"{ncpu} CPUs; "
-        f"{args.decoders} decoders ({args.decode_prompt}+{args.decode_tokens} tokens) + {args.long} long prompts "
+        f"{args.decoders} decoders ({args.decode_prompt}+{args.decode_tokens} tokens) + {args.long} long "
+        "prompts "
         f"({args.long_prompt}+{args.long_tokens}) every {args.long_every_s}s; baseline = {base.layout}; "
         f"requests whose greedy tokens differ from the baseline's (most in any layout): {differ}"
     )
@@ -384,7 +388,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"| {r.layout} | {r.tok_s:.1f} | {r.tok_s / base.tok_s:.2f} | "
             f"{1e3 * pct(r.ttft_s, 50):.0f} / {1e3 * pct(r.ttft_s, 99):.0f} | "
             f"{1e3 * pct(r.tpot_s, 50):.1f} / {1e3 * pct(r.tpot_s, 99):.1f} | "
-            f"{pct(r.tpot_s, 99) / pct(base.tpot_s, 99):.2f} | {1e3 * pct(r.itl_s, 99):.0f} | {r.idle_ms:.2f} |"
+            f"{pct(r.tpot_s, 99) / pct(base.tpot_s, 99):.2f} | {1e3 * pct(r.itl_s, 99):.0f} | "
+            f"{r.idle_ms:.2f} |"
         )
     if mem:
         print()

@@ -485,9 +485,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         baseline = transformers_static(args.model, offline, args.baseline_batch_size, args.baseline_threads)
     print(
-        f"\npagedkv serve vs transformers: {args.num_requests} requests per run, {args.system_prompts} shared "
-        f"system prompts of {args.system_len} tokens, user turns ~{args.input_len} and outputs ~{args.output_len} "
-        f"tokens (lognormal, sigma {args.sigma}), model {args.model}; LD_PRELOAD of this process (the baseline's): "
+        f"\npagedkv serve vs transformers: {args.num_requests} requests per run, {args.system_prompts} "
+        "shared "
+        f"system prompts of {args.system_len} tokens, user turns ~{args.input_len} and outputs "
+        f"~{args.output_len} "
+        f"tokens (lognormal, sigma {args.sigma}), model {args.model}; LD_PRELOAD of this process (the "
+        "baseline's): "
         f"{os.environ.get('LD_PRELOAD') or 'none'}\n"
     )
     print(table(rows, baseline, alone))

@@ -381,7 +381,7 @@ def run_overload(
                 preempted, _ = bm.preempt(sid)
                 handle(preempted)
         failed = {e.seq_id for e in r.append_errors}
-        for sid, tok in zip(ids, new):
+        for sid, tok in zip(ids, new, strict=True):
             if sid in failed:
                 continue
             if sid in bm.seqs:
@@ -500,8 +500,10 @@ def report_overload_engine(seed: int, num: int, repeats: int = 2) -> bool:
     everything with the same tokens."""
     cal = calibrate_cost_model()
     print(
-        f"4. Overload through the engine, measured ({num} requests all queued at once, {ENGINE_GPU_BLOCKS} GPU "
-        f"blocks, {ENGINE_CPU_BLOCKS} CPU blocks; CPU backend, tiny model; cost model calibrated here: prefill "
+        f"4. Overload through the engine, measured ({num} requests all queued at once, {ENGINE_GPU_BLOCKS} "
+        "GPU "
+        f"blocks, {ENGINE_CPU_BLOCKS} CPU blocks; CPU backend, tiny model; cost model calibrated here: "
+        "prefill "
         f"{cal['prefill_tokens_per_s']:,.0f} tokens/s, host copy {cal['host_link_gb_per_s']:.1f} GB/s; "
         f"best of {repeats} runs)"
     )
@@ -534,7 +536,8 @@ def report_overload_engine(seed: int, num: int, repeats: int = 2) -> bool:
     fastest = min(res, key=lambda m: res[m]["wall_s"])  # type: ignore[arg-type, return-value]
     print(
         f"greedy tokens identical across the three modes: {'yes' if same else 'NO'}; all completed: "
-        f"{'yes' if done else 'NO'}; fastest measured: {fastest} (the planner is judged by this, not by its model; "
+        f"{'yes' if done else 'NO'}; fastest measured: {fastest} (the planner is judged by this, not by its "
+        "model; "
         "a shared machine makes wall times noisy)"
     )
     return same and done
@@ -611,7 +614,8 @@ def main(argv: list[str] | None = None) -> int:
         res = {pol: run_prefix(trace, pol, blocks, 8, args.seed, args.grpc) for pol in ("lru", "lru-size")}
         for pol, r in res.items():
             print(
-                f"| {trace.name:<13} | {blocks:>11} | {pol:<8} | {r['hit_rate']:>17.1%} | {r['req_hit']:>19.1%} |"
+                f"| {trace.name:<13} | {blocks:>11} | {pol:<8} | {r['hit_rate']:>17.1%} | "
+                f"{r['req_hit']:>19.1%} |"
             )
         need = 1.10 if trace.name.startswith("mixed") else 1.0
         passed = res["lru-size"]["hit_rate"] >= need * res["lru"]["hit_rate"]
@@ -626,7 +630,8 @@ def main(argv: list[str] | None = None) -> int:
     n_over = 120 if smoke else 400
     steps = 30_000
     print(
-        f"3. Overload ({n_over} requests all queued at once, 1024 GPU blocks, 512 CPU blocks; run to completion)"
+        f"3. Overload ({n_over} requests all queued at once, 1024 GPU blocks, 512 CPU blocks; run to "
+        "completion)"
     )
     print("| policy           | preemption cost (s) | swaps | recomputes | completed | steps |")
     print("|------------------|---------------------|-------|------------|-----------|-------|")

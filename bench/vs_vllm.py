@@ -644,7 +644,7 @@ def equality(results: dict[str, dict[str, Any]]) -> list[tuple[str, str, int, in
     for i, a in enumerate(names):
         for b in names[i + 1 :]:
             ta, tb = results[a]["tokens"], results[b]["tokens"]
-            pairs.append((a, b, sum(x == y for x, y in zip(ta, tb)), len(ta)))
+            pairs.append((a, b, sum(x == y for x, y in zip(ta, tb, strict=False)), len(ta)))
     return pairs
 
 

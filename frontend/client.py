@@ -12,8 +12,9 @@ What every call gets:
   (:mod:`pagedkv.retry` explains why this is a client-side loop and not
   gRPC's service-config retry policy). Reads always retry. Mutations
   (Allocate, Append, Fork, Free, Step, KeepAlive, SwapIn, Preempt) retry only when you pass a
-  ``request_id`` (Commit is idempotent by definition and always retries): a retried mutation that the server already applied would be
-  applied twice, and only request ids let the server recognise the repeat
+  ``request_id`` (Commit is idempotent by definition and always retries): a retried mutation that
+  the server already applied would be applied twice, and only request ids let the server recognise
+  the repeat
   and answer it from its dedupe table (docs/reliability.md).
 
 Methods mirror the RPCs and return the protobuf responses; errors raise
@@ -144,7 +145,7 @@ def new_blocks_by_sequence(response: pb.StepResponse, num_seqs: int) -> list[lis
     ``append_seq_ids`` (in order; a copy-on-write replacement comes first, see
     ``packed_replaced_index``)."""
     out: list[list[int]] = [[] for _ in range(num_seqs)]
-    for index, block_id in zip(response.packed_new_block_index, response.packed_new_block_ids):
+    for index, block_id in zip(response.packed_new_block_index, response.packed_new_block_ids, strict=False):
         out[index].append(block_id)
     return out
 

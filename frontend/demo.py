@@ -296,8 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model",
         default=None,
-        help="Hugging Face model directory or GGUF file (default: built-in tiny model); with a tokenizer and chat "
-        "template the workload is chat prompts and a few real answers are printed",
+        help="Hugging Face model directory or GGUF file (default: built-in tiny model); with a tokenizer "
+        "and chat template the workload is chat prompts and a few real answers are printed",
     )
     p.add_argument("--device", default="auto")
     p.add_argument("--local", action="store_true", help="run the stack and the server in this process")

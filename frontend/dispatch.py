@@ -18,7 +18,8 @@ about compute. The rules:
   ops-only step on one worker.
 - A worker that answers UNAVAILABLE / DEADLINE_EXCEEDED is benched for ``retry_after_s`` and its
   part is re-run on the next candidate (a step only rewrites the KV of its own tokens with the same
-  values, so a re-run is safe). FAILED_PRECONDITION with the CACHE_HOST_LOST error detail (pagedkv/errors.py) from every worker tried is
+  values, so a re-run is safe). FAILED_PRECONDITION with the CACHE_HOST_LOST error detail
+  (pagedkv/errors.py) from every worker tried is
   ``CacheLostEverywhere``, which the engine turns into ``CacheHostLost``.
 """
 
@@ -89,7 +90,8 @@ class WorkerPool:
         cls, clients: Sequence[WorkerClient], infos: Sequence[wpb.WorkerInfo | None], timeout_s: float = 120.0
     ) -> WorkerPool:
         slots = [
-            WorkerSlot(c, (i.role if i is not None and i.role else MIXED)) for c, i in zip(clients, infos)
+            WorkerSlot(c, (i.role if i is not None and i.role else MIXED))
+            for c, i in zip(clients, infos, strict=False)
         ]
         return cls(slots, timeout_s=timeout_s)
 
@@ -158,8 +160,8 @@ class WorkerPool:
         resps = [f.result() for f in futures]
         out = wpb.WorkerStepResponse()
         by_index: dict[int, wpb.SequenceOutput] = {}
-        for g, r in zip(groups, resps):
-            for i, o in zip(g, r.outputs):
+        for g, r in zip(groups, resps, strict=True):
+            for i, o in zip(g, r.outputs, strict=False):
                 by_index[i] = o
             out.num_tokens += r.num_tokens
             out.forward_ms = max(out.forward_ms, r.forward_ms)

@@ -214,8 +214,10 @@ def size_step_batch(step_size: int, num_tokens: int, block_size: int, budget: in
             return r
     raise LoadTestError(
         f"a Step batch of {step_size} sequences of {num_tokens}+ tokens needs "
-        f"{step_size * blocks_for(num_tokens + 1, block_size)} blocks per worker but only {budget} are available "
-        "per worker: lower --step-size, --num-tokens or --concurrency, or give the server more --num-gpu-blocks"
+        f"{step_size * blocks_for(num_tokens + 1, block_size)} blocks per worker but only {budget} are "
+        "available "
+        "per worker: lower --step-size, --num-tokens or --concurrency, or give the server more "
+        "--num-gpu-blocks"
     )
 
 
@@ -249,7 +251,8 @@ def make_plans(args: argparse.Namespace, available_blocks: int, block_size: int)
         max_live = min(args.max_live, unary_budget // need)
         if max_live < 1:
             raise LoadTestError(
-                f"each worker has {unary_budget} blocks for unary calls, less than the {need} one sequence of "
+                f"each worker has {unary_budget} blocks for unary calls, less than the {need} one sequence "
+                "of "
                 f"{args.num_tokens} tokens needs: lower --concurrency or --num-tokens, or give the server "
                 "more --num-gpu-blocks"
             )
@@ -651,7 +654,7 @@ def build_report(
         ]
     per_op: dict[int, list[int]] = {}
     per_op_err: Counter[int] = Counter()
-    for o, v, c in zip(ops, lats, codes):
+    for o, v, c in zip(ops, lats, codes, strict=False):
         per_op.setdefault(o, []).append(v)
         if c:
             per_op_err[o] += 1

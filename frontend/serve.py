@@ -106,7 +106,7 @@ class _Run:
         """Hand every prompt to the engine; raise ApiError if any is refused (others aborted)."""
         arrival = time.monotonic()
         p = self.parsed
-        for i, (rid, prompt) in enumerate(zip(self.request_ids, p.prompts)):
+        for i, (rid, prompt) in enumerate(zip(self.request_ids, p.prompts, strict=True)):
             req = GenerationRequest(
                 rid,
                 prompt,
@@ -211,7 +211,10 @@ class _Run:
         if not self.parsed.logprobs:
             return None
         strs = self._token_strings(ids)
-        alts = [list(zip(self._token_strings([t for t, _ in top]), (lp for _, lp in top))) for top in tops]
+        alts = [
+            list(zip(self._token_strings([t for t, _ in top]), (lp for _, lp in top), strict=True))
+            for top in tops
+        ]
         if self.kind == "chat":
             return {
                 "content": [
@@ -221,10 +224,12 @@ class _Run:
                         "bytes": self._bytes(t, s),
                         "top_logprobs": [
                             {"token": a, "logprob": alp, "bytes": self._bytes(at, a)}
-                            for (at, _), (a, alp) in zip(tops[i] if alts else (), alts[i] if alts else [])
+                            for (at, _), (a, alp) in zip(
+                                tops[i] if alts else (), alts[i] if alts else [], strict=True
+                            )
                         ],
                     }
-                    for i, (t, s, lp) in enumerate(zip(ids, strs, lps))
+                    for i, (t, s, lp) in enumerate(zip(ids, strs, lps, strict=False))
                 ]
             }
         offsets, pos = [], 0
@@ -515,8 +520,10 @@ class RunningServe:
 
         if not settings.tls_cert and not settings.allow_insecure and not is_loopback(settings.host):
             raise TlsConfigError(
-                f"refusing to serve plain HTTP on non-loopback address {settings.host!r}: set --tls-cert/--tls-key "
-                "(PAGEDKV_TLS_CERT/PAGEDKV_TLS_KEY), or pass --allow-insecure (PAGEDKV_ALLOW_INSECURE=true) on a "
+                f"refusing to serve plain HTTP on non-loopback address {settings.host!r}: set "
+                "--tls-cert/--tls-key "
+                "(PAGEDKV_TLS_CERT/PAGEDKV_TLS_KEY), or pass --allow-insecure (PAGEDKV_ALLOW_INSECURE=true) "
+                "on a "
                 "network you trust"
             )
         if bool(settings.tls_cert) != bool(settings.tls_key):

@@ -543,7 +543,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     print(
         f"pagedkv up: starting {len(stack.services)} services; block manager state in {stack.state_dir} "
-        f"({'temporary: removed at stop; --state-dir DIR keeps it' if stack.state_dir_is_temporary else 'kept'})",
+        + (
+            "(temporary: removed at stop; --state-dir DIR keeps it)"
+            if stack.state_dir_is_temporary
+            else "(kept)"
+        ),
         flush=True,
     )
     try:
@@ -568,7 +572,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             else ""
         )
         print(
-            f"pagedkv up: ready. Try:  pagedkv generate --url {url} --token-ids 1,2,3 --max-tokens 16{tls_flags}\n"
+            f"pagedkv up: ready. Try:  pagedkv generate --url {url} --token-ids 1,2,3 --max-tokens "
+            f"16{tls_flags}\n"
             f'            OpenAI-compatible API at {url}/v1 (e.g. the openai SDK with base_url="{url}/v1")\n'
             f"            The engine in the command itself:  {direct}\n"
             f"            Ctrl-C stops everything.",

@@ -76,7 +76,8 @@ class StackSecurity:
             missing = [n for n in TLS_FILES if not (pathlib.Path(sec.tls_dir) / n).is_file()]
             if missing:
                 raise StackSecurityError(
-                    f"--tls-dir {tls_dir}: missing {', '.join(missing)}; create a throwaway CA and certificates "
+                    f"--tls-dir {tls_dir}: missing {', '.join(missing)}; create a throwaway CA and "
+                    "certificates "
                     f"with `tools/make_certs.sh {tls_dir}` or put your own there under these names"
                 )
         if sec.auth_tokens_file:

@@ -7,7 +7,8 @@ these signatures (mypy checks a module against a Protocol); it receives argument
 ``kernels/__init__.py`` are generated from this class (same signature and docstring), and
 ``kernels/step.py`` calls a backend directly once a step's metadata was validated.
 
-Adding a backend is one module plus one line in ``MODULES`` (loaded through ``pagedkv/registry.py``). Which backend runs a call is decided in
+Adding a backend is one module plus one line in ``MODULES`` (loaded through ``pagedkv/registry.py``).
+Which backend runs a call is decided in
 ``kernels/dispatch.py`` (``resolve``), and only there.
 """
 
@@ -70,7 +71,8 @@ class KernelBackend(Protocol):
         out: torch.Tensor | None = None,
         plan: object | None = None,
     ) -> torch.Tensor:
-        """Attention of one new token per sequence over its cached context; returns ``[num_seqs, num_heads, head_dim]``.
+        """Attention of one new token per sequence over its cached context; returns
+        ``[num_seqs, num_heads, head_dim]``.
 
         ``seq_lens[i]`` counts the tokens to attend, including the new one (already written to the
         cache). Optional: ``max_seq_len`` (a host-side upper bound of ``seq_lens``, used to choose the

@@ -45,7 +45,7 @@ def int_dtype(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...] = INT
 
 def same_device(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> torch.device:
     dev = tensors[0].device
-    for n, t in zip(names, tensors):
+    for n, t in zip(names, tensors, strict=True):
         if t.device != dev:
             raise ValueError(f"{n} is on {t.device} but {names[0]} is on {dev}: all must share a device")
     return dev
@@ -274,7 +274,7 @@ def swap_blocks(a: Args) -> Where:
         raise ValueError(
             f"src and dst must hold the same non-zero number of caches ({len(srcs)} vs {len(dsts)})"
         )
-    for i, (s, d) in enumerate(zip(srcs, dsts)):
+    for i, (s, d) in enumerate(zip(srcs, dsts, strict=True)):
         tensor(f"src[{i}]", s)
         tensor(f"dst[{i}]", d)
         if s.dim() < 1 or tuple(s.shape[1:]) != tuple(d.shape[1:]) or s.dtype != d.dtype:

@@ -278,7 +278,7 @@ def plan_buckets(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size:
                 torch.tensor(host_tables[rows[0]][:nb], dtype=torch.int64),
             )
         )
-    rest = [n - o * block_size for n, o in zip(lens, offset)]
+    rest = [n - o * block_size for n, o in zip(lens, offset, strict=True)]
     width = tables.shape[1]
     buckets: list[_Bucket] = []
     for members, nb in decode_buckets(rest, block_size):

@@ -114,7 +114,7 @@ def paged_prefill_attention(
     Query j of a sequence sits at absolute position ``seq_len - q_len + j`` and sees keys
     ``0..that position``; so a chunk after a prefix-cache hit attends to the cached prefix too.
     """
-    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_heads = query.shape[1]
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
     if out is None:
@@ -155,7 +155,7 @@ def swap_blocks(
     pairs: torch.Tensor,
 ) -> None:
     """One block at a time (one transfer per block): the oracle; ``kernels/swap.py`` batches."""
-    for sc, dc in zip(as_list(src), as_list(dst)):
+    for sc, dc in zip(as_list(src), as_list(dst), strict=True):
         for s, d in pairs.tolist():
             dc[int(d)].copy_(sc[int(s)])
 

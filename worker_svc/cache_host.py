@@ -1,9 +1,9 @@
 """The cache host: allocates the shared KV cache once and tells workers how to attach.
 
 It is deliberately small and long-lived: no compute, and the model's weights only as one shared
-region it exports beside the KV cache (``shared_weights.py`` says why they live here). Workers come and go (crash,
-upgrade, scale between a prefill and a decode worker) while the host keeps the memory, so cached
-KV survives them. On exit (SIGTERM, SIGINT, normal return, or an exception) it unlinks its
+region it exports beside the KV cache (``shared_weights.py`` says why they live here). Workers
+come and go (crash, upgrade, scale between a prefill and a decode worker) while the host keeps the
+memory, so cached KV survives them. On exit (SIGTERM, SIGINT, normal return, or an exception) it unlinks its
 shared-memory segments / frees its CUDA allocation; with CUDA IPC, workers must be stopped before
 the host because the exporter has to outlive every importer.
 """

@@ -56,7 +56,8 @@ class _Closable(Protocol):
 
 @dataclass(slots=True)
 class SharedCache:
-    """The device cache ``[L, 2, num_gpu_blocks, ...]`` and the host swap pool ``[L, 2, num_cpu_blocks, ...]``."""
+    """The device cache ``[L, 2, num_gpu_blocks, ...]`` and the host swap pool
+    ``[L, 2, num_cpu_blocks, ...]``."""
 
     descriptor: CacheDescriptor
     gpu: torch.Tensor

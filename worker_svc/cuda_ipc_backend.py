@@ -40,7 +40,8 @@ def _cupy() -> Any:
             return cudart_fallback.load()
         except OSError as e2:
             raise RuntimeError(
-                "the CUDA backend needs CuPy: pip install 'pagedkv[gpu-cuda12]' or 'pagedkv[gpu-cuda13]' (CUDA 12 / 13)"
+                "the CUDA backend needs CuPy: pip install 'pagedkv[gpu-cuda12]' or 'pagedkv[gpu-cuda13]' "
+                "(CUDA 12 / 13)"
                 f" (and no libcudart for the fallback: {e2})"
             ) from e
     return cupy

@@ -64,7 +64,8 @@ def _find_libcudart() -> ctypes.CDLL:
             except OSError:
                 pass
     raise OSError(
-        "libcudart not found (tried the runtime torch loaded, the loader path and torch's bundled NVIDIA libraries)"
+        "libcudart not found (tried the runtime torch loaded, the loader path and torch's bundled NVIDIA "
+        "libraries)"
     )
 
 

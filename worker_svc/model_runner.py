@@ -154,7 +154,8 @@ class ModelRunner:
             )
         if tuple(gpu_cache.shape[4:]) != (cfg.num_kv_heads, cfg.head_dim):
             raise ValueError(
-                f"KV cache heads/head_dim {tuple(gpu_cache.shape[4:])} != model's ({cfg.num_kv_heads}, {cfg.head_dim})"
+                f"KV cache heads/head_dim {tuple(gpu_cache.shape[4:])} != model's ({cfg.num_kv_heads}, "
+                f"{cfg.head_dim})"
             )
         if gpu_cache.dtype != model.dtype:
             raise ValueError(f"KV cache dtype {gpu_cache.dtype} != model dtype {model.dtype}")

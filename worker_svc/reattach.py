@@ -60,7 +60,8 @@ def reattach(
     old = proc.cache.descriptor
     if desc.geometry != old.geometry or desc.dtype != old.dtype:
         raise GeometryMismatch(
-            f"the new cache host instance {desc.instance_id} has geometry {desc.geometry.as_dict()} {desc.dtype}, "
+            f"the new cache host instance {desc.instance_id} has geometry {desc.geometry.as_dict()} "
+            f"{desc.dtype}, "
             f"this worker runs with {old.geometry.as_dict()} {old.dtype}: restart the worker"
         )
     with lock:

@@ -166,7 +166,8 @@ def _share_weights(
     )
     del tensors
     if device.type == "cuda":
-        torch.cuda.empty_cache()  # the loading copies, else kept by torch's caching allocator: one copy per device
+        # The loading copies, else kept by torch's caching allocator: one copy per device.
+        torch.cuda.empty_cache()
     return shared
 
 

@@ -160,6 +160,6 @@ class WorkerSettings(_Common):
     )
     cache_host_reattach: bool = Field(
         True,
-        description="re-attach by itself to a new cache host instance at the same address (a restarted host); "
-        "when that fails, exit with code 3 at once",
+        description="re-attach by itself to a new cache host instance at the same address "
+        "(a restarted host); when that fails, exit with code 3 at once",
     )

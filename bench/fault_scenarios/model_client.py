@@ -177,7 +177,7 @@ class ModelClient:
                         del self.tables[s], self.tokens[s]
                         self.freed.append(s)
                 per: dict[int, list[int]] = {}
-                for i, b in zip(resp.packed_new_block_index, resp.packed_new_block_ids):
+                for i, b in zip(resp.packed_new_block_index, resp.packed_new_block_ids, strict=False):
                     per.setdefault(i, []).append(b)
                 replaced = set(resp.packed_replaced_index)
                 for i, s in enumerate(appends):

@@ -127,12 +127,12 @@ def step_delta(resp: pb.StepResponse, num_allocs: int) -> StepDelta:
     replaced = set(resp.packed_replaced_index)
     seen: set[int] = set()
     grown = []
-    for i, block in zip(resp.packed_new_block_index, resp.packed_new_block_ids):
+    for i, block in zip(resp.packed_new_block_index, resp.packed_new_block_ids, strict=False):
         first = i in replaced and i not in seen
         seen.add(i)
         grown.append((int(i), int(block), first))
     tables: list[list[int]] = [[] for _ in range(num_allocs)]
-    for i, block in zip(resp.packed_alloc_block_index, resp.packed_alloc_block_ids):
+    for i, block in zip(resp.packed_alloc_block_index, resp.packed_alloc_block_ids, strict=False):
         tables[i].append(int(block))
     return StepDelta(
         available_blocks=resp.num_available_blocks,
@@ -281,7 +281,8 @@ class BlockManagerSession:
                 if waited >= budget:
                     self.stats.longest_stall_s = max(self.stats.longest_stall_s, waited)
                     raise BlockManagerUnavailable(
-                        f"the block manager was unreachable for {waited:.1f} s (block_manager_outage_s={budget:g}): "
+                        f"the block manager was unreachable for {waited:.1f} s "
+                        f"(block_manager_outage_s={budget:g}): "
                         f"{e.code().name} {e.details()}"
                     ) from e
                 attempt += 1

@@ -654,7 +654,7 @@ class Engine:
         return victims
 
     def _apply_swap_ins(self, delta: StepDelta, asked: list[Seq]) -> None:
-        for _, members in zip(asked, delta.swap_ins):
+        for _, members in zip(asked, delta.swap_ins, strict=False):
             for seq_id, table in members:
                 s = self._seqs.get(seq_id)
                 if s is None or s.status is not SeqStatus.SWAPPED:
@@ -776,7 +776,7 @@ class Engine:
         self, batch: list[tuple[Seq, int, int]], resp: wpb.WorkerStepResponse
     ) -> list[TokenEvent]:
         events: list[TokenEvent] = []
-        for (s, _, k), out in zip(batch, resp.outputs):
+        for (s, _, k), out in zip(batch, resp.outputs, strict=False):
             s.num_computed += k
             self.stats.computed_tokens += k
             for c in s.children:

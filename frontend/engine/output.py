@@ -27,7 +27,7 @@ def accept_token(s: Seq, drawn: Drawn) -> TokenEvent:
     token, logprob = drawn.token_id, drawn.logprob
     top: tuple[tuple[int, float], ...] = ()
     if s.request.sampling.logprobs:
-        top = tuple(zip(drawn.top_token_ids, drawn.top_logprobs))
+        top = tuple(zip(drawn.top_token_ids, drawn.top_logprobs, strict=False))
         c.top_logprobs.append(top)
     c.token_ids.append(token)
     c.logprobs.append(logprob)
@@ -56,7 +56,7 @@ def fork_firsts(parent: Seq, samples: Sequence[wpb.Sample]) -> list[tuple[Seq, w
             f"{parent.seq_id} (a worker that predates SequenceInput.fork_sampling?)"
         )
     out = []
-    for child, drawn in zip(sent, samples):
+    for child, drawn in zip(sent, samples, strict=True):
         if not child.awaiting_parent or child.status is not SeqStatus.RUNNING:
             continue
         child.awaiting_parent = False

@@ -37,7 +37,9 @@ def _wheelhouse(path: Path) -> Path:
     files = {
         f"{name}/__init__.py": "VALUE = 42\n",
         f"{name}-{ver}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {ver}\n",
-        f"{name}-{ver}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+        f"{name}-{ver}.dist-info/WHEEL": (
+            "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        ),
     }
     record = "".join(f"{f},,\n" for f in files) + f"{name}-{ver}.dist-info/RECORD,,\n"
     with zipfile.ZipFile(path / f"{name}-{ver}-py3-none-any.whl", "w") as z:

@@ -34,8 +34,8 @@ def test_allocate_prefix_hit_and_stats(stub) -> None:  # type: ignore[no-untyped
 
 
 def test_contract_only_committed_blocks_are_hits_and_stats_agree_with_events(server_factory) -> None:  # type: ignore[no-untyped-def]
-    """Prefix hits are committed blocks: Allocate A; B with the same prefix gets 0 hits; Commit A; C gets the hits;
-    GetStats and WatchEvents agree (BlockStored only at commit)."""
+    """Prefix hits are committed blocks: Allocate A; B with the same prefix gets 0 hits; Commit A;
+    C gets the hits; GetStats and WatchEvents agree (BlockStored only at commit)."""
     server = server_factory(num_gpu_blocks=32, block_size=4, enable_kv_events=True)
     prompt = list(range(100, 114))  # 3 full blocks + 2 tokens
     with grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch:
@@ -325,7 +325,7 @@ def test_step_carries_a_whole_iteration_in_the_documented_order(stub) -> None:  
     ]
     assert list(r.alloc_num_cached_tokens) == [8, 0, 0]
     tables: dict[int, list[int]] = {}
-    for i, b in zip(r.packed_alloc_block_index, r.packed_alloc_block_ids):
+    for i, b in zip(r.packed_alloc_block_index, r.packed_alloc_block_ids, strict=False):
         tables.setdefault(i, []).append(b)
     run = stub.GetBlockTable(pb.GetBlockTableRequest(seq_id="run"))
     assert tables[0][:2] == list(run.block_ids[:2]) and len(tables[0]) == 3 and len(tables[1]) == 1

@@ -93,7 +93,7 @@ def chain(tokens: list[int]) -> dict[int, int]:
         raise ValueError(
             "a scripted sequence cannot repeat a token (the next token depends on the last only)"
         )
-    return dict(zip(tokens, tokens[1:]))
+    return dict(zip(tokens, tokens[1:], strict=False))
 
 
 # --- the scripts the text tests use --------------------------------------------------------------

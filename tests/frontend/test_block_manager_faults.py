@@ -143,7 +143,7 @@ def _run_through_restart(
         pass
     restarter.join(30)
     assert time.monotonic() - t0 < 20
-    for o, p in zip(outs, PROMPTS):
+    for o, p in zip(outs, PROMPTS, strict=True):
         assert o.completions[0].token_ids == greedy[tuple(p)], o.request_id
     assert eng.stats.bm_retries >= 1
     assert eng.stats.longest_stall_s >= 0.4  # it waited for the restart, and rode it out
@@ -203,7 +203,7 @@ def test_step_whose_reply_was_lost_is_not_applied_twice(stack: Stack, greedy: An
     for _ in eng.stream(max_steps=10_000):
         pass
     assert lose.lost == ["alloc", "append"]
-    for o, p in zip(outs, PROMPTS):
+    for o, p in zip(outs, PROMPTS, strict=True):
         assert o.completions[0].token_ids == greedy[tuple(p)], o.request_id
     # Each lost reply was answered from the dedupe table (an allocation applied twice would have been
     # refused as ALREADY_EXISTS; an append applied twice would leave the manager a token ahead).

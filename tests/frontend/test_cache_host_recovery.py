@@ -165,7 +165,7 @@ def test_lost_cache_host_raises_then_recovers_with_reprefill(stack: Stack, hf: H
     sup.join(60)
     assert not errors, errors
     assert eng.stats.cache_recoveries == 1
-    for o, p in zip(outs, PROMPTS):
+    for o, p in zip(outs, PROMPTS, strict=True):
         assert o.completions[0].token_ids == hf.greedy(p, 20), o.request_id
     stats = eng.bm.get_stats()
     # One reset by the first engine before it raised CacheHostLost (its committed blocks named dead

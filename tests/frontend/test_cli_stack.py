@@ -115,7 +115,8 @@ def test_up_serves_generate_and_stops_everything_on_ctrl_c() -> None:
         assert f"http://127.0.0.1:{http}/v1" in out
         workers = f"127.0.0.1:{w},127.0.0.1:{w + 1}"
         target = ["--block-manager", f"127.0.0.1:{bm}", "--workers", workers]
-        # Several generate processes at once on one block manager: unique request ids and sequence ids, all succeed.
+        # Several generate processes at once on one block manager: unique request ids and sequence ids,
+        # all succeed.
         prompt = ",".join(str(t) for t in [3, 1, 4, 1, 5] * 8)
         procs = [
             subprocess.Popen(

@@ -46,7 +46,7 @@ class FakeWorker:
 
 def pool(*roles: int, fail: dict[int, grpc.RpcError] | None = None) -> tuple[WorkerPool, list[FakeWorker]]:
     fakes = [FakeWorker(f"w{i}", (fail or {}).get(i)) for i in range(len(roles))]
-    return WorkerPool([WorkerSlot(f, r) for f, r in zip(fakes, roles)]), fakes  # type: ignore[arg-type]
+    return WorkerPool([WorkerSlot(f, r) for f, r in zip(fakes, roles, strict=True)]), fakes  # type: ignore[arg-type]
 
 
 def request(lengths: list[int], ops: bool = False) -> wpb.WorkerStepRequest:

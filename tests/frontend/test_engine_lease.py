@@ -77,7 +77,7 @@ def test_an_engine_idle_past_its_ttl_keeps_its_sequences_and_finishes_exactly(
         assert engine.stats.lease_renewals >= renewals + 3
         for _ in engine.stream():
             pass
-        for o, p in zip(outs, PROMPTS):
+        for o, p in zip(outs, PROMPTS, strict=True):
             assert o.completions[0].token_ids == hf.greedy(p, 8), o.request_id
         engine.close()
     assert held(stack) == (0, 0)

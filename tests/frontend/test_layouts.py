@@ -62,7 +62,7 @@ def test_layout_matches_transformers_with_prefixes_samples_and_preemption(
         core = st.block_manager.servicer._core  # noqa: SLF001 - white-box check
         core.check_invariants()
         assert core.stats().num_sequences == 0 and core.stats().num_used_blocks == 0
-    for p, out in zip(ps, outs):
+    for p, out in zip(ps, outs, strict=True):
         expected = hf.greedy(p, 12)
         assert [c.token_ids for c in out.completions] == [expected] * len(out.completions), out.request_id
     assert engine.stats.prefix_hit_tokens > 0
@@ -105,7 +105,7 @@ def test_a_worker_gone_mid_generation_leaves_outputs_exact(hf: HFModel, layout: 
             st._closers.append(st.workers[-1].close)  # noqa: SLF001
         for _ in engine.stream():
             pass
-    for p, out in zip(ps, outs):
+    for p, out in zip(ps, outs, strict=True):
         expected = hf.greedy(p, 12)
         assert [c.token_ids for c in out.completions] == [expected] * len(out.completions), out.request_id
     if len(roles) > 1:

@@ -62,7 +62,7 @@ def test_in_process_workers_compute_on_the_exporters_cache(hf: HFModel, no_self_
         st.workers[0].close()
         assert st.cache.gpu.numel() > 0 and bool(st.cache.gpu.abs().sum() > 0)
     assert written, "the steps wrote KV into the stack's own cache"
-    for p, out in zip(ps, outs):
+    for p, out in zip(ps, outs, strict=True):
         assert out.completions[0].token_ids == hf.greedy(p, 6), out.request_id
 
 

@@ -66,7 +66,7 @@ def test_shared_prefixes_two_samples_and_preemption_match_transformers(
     assert engine.stats.preempted_recompute + engine.stats.preempted_swap > 0
     assert engine.stats.prefix_hit_tokens > 0, "the shared system prompt should be reused"
     assert stats.num_sequences == 0 and stats.num_used_blocks == 0
-    for p, out in zip(ps, outs):
+    for p, out in zip(ps, outs, strict=True):
         expected = hf.greedy(p, 12)
         assert [c.token_ids for c in out.completions] == [expected] * len(out.completions), out.request_id
 

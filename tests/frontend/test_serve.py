@@ -71,7 +71,7 @@ def test_token_id_prompts_batch_and_usage(client, hf: HFModel, stack: LocalStack
     )
     assert r.object == "text_completion" and r.model == "tiny"
     assert [c.index for c in r.choices] == [0, 1]
-    for c, p in zip(r.choices, prompts):
+    for c, p in zip(r.choices, prompts, strict=True):
         assert c.token_ids == hf.greedy(p, 9)
         assert c.finish_reason == "length"
     assert r.usage.prompt_tokens == 17 and r.usage.completion_tokens == 18
@@ -130,7 +130,7 @@ def test_logprobs_n_returns_the_models_top_alternatives(client, hf: HFModel, ser
     ]
     assert len(chunks) == 5
     for c, alts in zip(
-        chunks, lp.top_logprobs
+        chunks, lp.top_logprobs, strict=False
     ):  # (the second run hits the prefix cache: fp32 rounding differs)
         got = c.choices[0].logprobs.top_logprobs[0]
         assert list(got) == list(alts) and list(got.values()) == pytest.approx(list(alts.values()), abs=1e-4)

@@ -185,7 +185,7 @@ def test_cache_host_sigkill_and_restart_under_serve(stack: Stack, server: Runnin
     stack.restart("worker-0")
     for t in threads:
         t.join(60)
-    for (status, body, _), p in zip(results, PROMPTS):
+    for (status, body, _), p in zip(results, PROMPTS, strict=False):
         assert status == 200, body
         assert body["choices"][0]["token_ids"] == hf.greedy(p, max_tokens)
     # Every request after it succeeds, with nothing restarted by hand.

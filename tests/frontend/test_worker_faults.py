@@ -73,7 +73,7 @@ def test_sigkill_one_worker_mid_generation_keeps_outputs_exact(hf: HFModel, tmp_
             for w in workers:
                 w.close()
         assert engine.stats.worker_retries >= 1, "the engine should have moved to worker-1"
-        for p, out in zip(prompts, outs):
+        for p, out in zip(prompts, outs, strict=True):
             assert out.completions[0].token_ids == hf.greedy(p, 12), out.request_id
     finally:
         leaked = stack.stop()

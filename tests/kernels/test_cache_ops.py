@@ -53,7 +53,7 @@ def test_copy_blocks_all_layers(layout: str) -> None:
     pairs = torch.tensor([[1, 7], [4, 2], [9, 0]], dtype=torch.int64)
     reference.copy_blocks(want_k, want_v, pairs)
     kernels.copy_blocks(kcs, vcs, pairs)
-    for got, want in zip(kcs + vcs, want_k + want_v):
+    for got, want in zip(kcs + vcs, want_k + want_v, strict=True):
         assert torch.equal(got, want)
 
 
@@ -97,10 +97,10 @@ def test_swap_blocks_many_layers_staging_path() -> None:
     p = torch.tensor([[11, 0], [3, 5], [7, 1], [0, 3], [5, 2], [9, 4]])
     assert len(swap.contiguous_runs(p.tolist())) > swap.MAX_DIRECT_RUNS
     wants = [d.clone() for d in dsts]
-    for s, w in zip(srcs, wants):
+    for s, w in zip(srcs, wants, strict=True):
         reference.swap_blocks(s, w, p)
     kernels.swap_blocks(srcs, dsts, p)
-    for d, w in zip(dsts, wants):
+    for d, w in zip(dsts, wants, strict=True):
         assert torch.equal(d, w)
 
 

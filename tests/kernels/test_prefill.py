@@ -51,7 +51,7 @@ RAGGED = [(1, 1), (16, 16), (17, 17), (40, 7), (33, 1), (70, 45)]
 @pytest.mark.parametrize("dtype", dtypes_cpu_gpu())
 @pytest.mark.parametrize("head_dim", [64, 80, 128, 256])
 def test_prefill_dtypes_and_head_dims(dtype: torch.dtype, head_dim: int) -> None:
-    lens, q_lens = zip(*RAGGED)
+    lens, q_lens = zip(*RAGGED, strict=True)
     case = make_paged(list(lens), 16, 1, head_dim, dtype, seed=head_dim)
     _run(case, list(q_lens), 2, dtype, seed=head_dim + 1)
 
@@ -59,7 +59,7 @@ def test_prefill_dtypes_and_head_dims(dtype: torch.dtype, head_dim: int) -> None
 @pytest.mark.parametrize("block_size", [8, 32, 64, 128])
 def test_prefill_block_sizes(block_size: int) -> None:
     pairs = [(1, 1), (block_size, block_size), (block_size + 1, 9), (2 * block_size + 5, block_size + 2)]
-    lens, q_lens = zip(*pairs)
+    lens, q_lens = zip(*pairs, strict=True)
     case = make_paged(list(lens), block_size, 1, 64, torch.float32, seed=block_size)
     _run(case, list(q_lens), 2, torch.float32, seed=3)
 

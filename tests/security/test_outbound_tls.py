@@ -88,8 +88,8 @@ def peers(certs: dict[str, str], other_ca: pathlib.Path) -> Iterator[Peers]:
             )
             hosts.append(serve_cache(cache, cfg.name, **kw))
         yield Peers(
-            bm={k: f"localhost:{r.port}" for k, r in zip(tls, bms)},
-            cache_host={k: f"localhost:{h.port}" for k, h in zip(tls, hosts)},
+            bm={k: f"localhost:{r.port}" for k, r in zip(tls, bms, strict=True)},
+            cache_host={k: f"localhost:{h.port}" for k, h in zip(tls, hosts, strict=True)},
         )
     finally:
         for r in bms:

@@ -244,7 +244,8 @@ def test_demo_and_loadtest_reach_the_secured_stack(
             "info", "console", cache=False
         )  # demo.main configured it for itself: the suite's again
     assert rc == 0 and "pagedkv demo results" in out.getvalue()
-    # An admin token: a tenant without a GPU quota is shown no free blocks, and loadtest sizes its run by them.
+    # An admin token: a tenant without a GPU quota is shown no free blocks, and loadtest sizes its run
+    # by them.
     monkeypatch.setenv("PAGEDKV_TOKEN", TOKENS["root"])
     report = tmp_path / "lt.json"
     rc = loadtest.main(

@@ -104,7 +104,7 @@ class Scheduler:
                 )
             )
         outs = self.step_fn(reqs, ops or CacheOpsRequest())
-        for sid, (tok, _) in zip(seq_ids, outs):
+        for sid, (tok, _) in zip(seq_ids, outs, strict=False):
             st = self.seqs[sid]
             st.num_cached = len(st.tokens)
             st.generated.append(tok)

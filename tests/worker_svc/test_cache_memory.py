@@ -27,7 +27,8 @@ def _shm_exists(name: str) -> bool:
 def _attach_in_child(
     desc: cache_memory.CacheDescriptor, body: str, kill: bool = False, device: str = "cpu"
 ) -> subprocess.CompletedProcess:
-    """Run `body` in a fresh interpreter that attached the cache as `cache` (then exits or SIGKILLs itself)."""
+    """Run `body` in a fresh interpreter that attached the cache as `cache` (then exits or SIGKILLs
+    itself)."""
     code = (
         textwrap.dedent(f"""
         import os, signal, torch
@@ -130,7 +131,8 @@ def test_cuda_backend_is_lazy_and_rounds_to_2mib() -> None:
     code = (
         "import sys, worker_svc.cache_memory, worker_svc.server, worker_svc.cuda_ipc_backend as c;"
         "assert 'cupy' not in sys.modules, 'cupy imported eagerly';"
-        "assert c.round_up(1) == 2 << 20 and c.round_up((2 << 20) + 1) == 4 << 20 and c.round_up(4 << 20) == 4 << 20"
+        "assert c.round_up(1) == 2 << 20 and c.round_up((2 << 20) + 1) == 4 << 20 and c.round_up(4 << 20) == "
+        "4 << 20"
     )
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr

@@ -78,6 +78,9 @@ def test_unknown_architectures_are_refused_by_name() -> None:
         ModelConfig.from_hf_dict({"architectures": ["GPT2LMHeadModel"], **RAW})
     with pytest.raises(
         ValueError,
-        match=r"unknown architecture 'GPT2LMHeadModel'; registered: \['LlamaForCausalLM', 'MistralForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM'\]",
+        match=(
+            r"unknown architecture 'GPT2LMHeadModel'; registered: "
+            r"\['LlamaForCausalLM', 'MistralForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM'\]"
+        ),
     ):
         registry.architecture("GPT2LMHeadModel")

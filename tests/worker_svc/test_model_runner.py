@@ -132,13 +132,13 @@ def test_swap_out_and_in_round_trip_preserves_kv(hf_llama: HFModel) -> None:
     old = sched.bm.block_table("a").block_ids
     assert len(old) == 4 and st.num_cached == 16
     cpu_ids = [6, 2, 7, 3]
-    runner.step([], CacheOpsRequest(swap_out=list(zip(old, cpu_ids))))
+    runner.step([], CacheOpsRequest(swap_out=list(zip(old, cpu_ids, strict=True))))
     runner.gpu_cache[:, :, old] = torch.randn_like(runner.gpu_cache[:, :, old])  # the blocks get reused
     new = [30, 21, 22, 25, 31, 29]  # the last two are fresh room for the next tokens
     # swap in to other GPU blocks as part of the next decode step (ops run before the forward)
     st.tokens.append(st.generated[-1])
     req = SequenceRequest("a", [st.tokens[-1]], new, st.num_cached)
-    out = runner.step([req], CacheOpsRequest(swap_in=list(zip(cpu_ids, new))))
+    out = runner.step([req], CacheOpsRequest(swap_in=list(zip(cpu_ids, new, strict=False))))
     tokens = [out.outputs[0].token_id]
     for _ in range(6):
         pos = len(st.tokens)
@@ -328,7 +328,7 @@ def test_fork_samples_draw_from_the_prompt_row_as_their_own_steps_would(runner: 
         for p in [parent, *forks]
     ]
     assert (out[0].token_id, out[0].logprob) == pytest.approx((alone[0].token_id, alone[0].logprob), abs=1e-5)
-    for drawn, ref in zip(out[0].fork_samples, alone[1:]):
+    for drawn, ref in zip(out[0].fork_samples, alone[1:], strict=True):
         tok, lp = drawn.token_id, drawn.logprob
         assert tok == ref.token_id
         assert lp == pytest.approx(ref.logprob, abs=1e-5)

@@ -2,9 +2,9 @@
 
 In process: a model built on views of the shared region (the fused tensors, no copy) computes the
 same logits as a privately loaded model, tied embeddings stay one tensor, and weights that do not
-fit the model are refused before anything is mapped. As processes: workers report ``shared_weights`` and their role,
-map (not load) the host's region, generate transformers' tokens, and a worker told to load other
-weights than the host shares refuses to start.
+fit the model are refused before anything is mapped. As processes: workers report
+``shared_weights`` and their role, map (not load) the host's region, generate transformers' tokens,
+and a worker told to load other weights than the host shares refuses to start.
 """
 
 from __future__ import annotations

@@ -58,7 +58,8 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any], name: str = "hf") -> ModelConfig:
-        """Build from a parsed ``config.json`` (transformers 4.x ``rope_scaling`` or 5.x ``rope_parameters``)."""
+        """Build from a parsed ``config.json`` (transformers 4.x ``rope_scaling`` or 5.x
+        ``rope_parameters``)."""
         arch = registry.pick(list(cfg.get("architectures") or []))
         registry.architecture(arch).check_hf_config(cfg)
         num_heads = int(cfg["num_attention_heads"])

@@ -5,8 +5,8 @@ Why read GGUF ourselves rather than convert: most small models people run locall
 from the file's metadata (``{arch}.block_count``, ``{arch}.attention.head_count``, ...), turned into
 a Hugging Face ``config.json`` dict so the architecture module checks it the way it checks a
 directory's; the tensors are memory-mapped and dequantized at load with the ``gguf`` package
-(``gguf.quants.dequantize``), one at a time (peak host memory near one fp32 tensor), to the serving dtype. Quantized
-kernels are out of scope: a Q4 file is served with dequantized weights.
+(``gguf.quants.dequantize``), one at a time (peak host memory near one fp32 tensor), to the serving
+dtype. Quantized kernels are out of scope: a Q4 file is served with dequantized weights.
 
 Two differences from a Hugging Face checkpoint are undone here:
 - tensor names (``blk.3.attn_q.weight`` is ``model.layers.3.self_attn.q_proj.weight``);

@@ -1,4 +1,5 @@
-"""The Llama architecture (``LlamaForCausalLM``): its checkpoint layout and its forward pass on a paged KV cache.
+"""The Llama architecture (``LlamaForCausalLM``): its checkpoint layout and its forward pass on a
+paged KV cache.
 
 Registered in ``registry.py``; what an architecture module provides is listed there
 (``check_hf_config``, ``expected_shapes``, ``FUSED``, ``build``).

@@ -134,7 +134,7 @@ def _top_logprobs(
     ids = ids.cpu().tolist()
     for j, i in enumerate(rows):
         n = params[i].num_top_logprobs
-        top[i] = list(zip(ids[j][:n], values[j][:n]))
+        top[i] = list(zip(ids[j][:n], values[j][:n], strict=True))
     return top
 
 

@@ -427,7 +427,7 @@ def test_step_equals_the_same_appends_one_by_one() -> None:
     for _ in range(30):
         tokens = [rng.randrange(5) for _ in ids]
         a.step(StepBatch(append_seq_ids=ids, append_token_ids=array("I", tokens)))
-        for sid, t in zip(ids, tokens):
+        for sid, t in zip(ids, tokens, strict=True):
             b.append(sid, 1, [t])
         for bm in (a, b):  # the engine's commits: everything but the newest token
             bm.step(
