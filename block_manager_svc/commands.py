@@ -44,11 +44,11 @@ class ReplayError(RuntimeError):
 
 
 class _Cmd(msgspec.Struct, tag=True, array_like=True, frozen=True):
-    pass
+    """Every command repeats ``frozen=True``: msgspec inherits it, type checkers do not."""
 
 
 # --- the core's commands -------------------------------------------------------------
-class Allocate(_Cmd):
+class Allocate(_Cmd, frozen=True):
     seq_id: str
     num_tokens: int
     token_ids: list[int] | None = None
@@ -57,40 +57,40 @@ class Allocate(_Cmd):
     tenant: str = ""
 
 
-class Append(_Cmd):
+class Append(_Cmd, frozen=True):
     seq_id: str
     num_tokens: int
     token_ids: list[int] | None = None
 
 
-class Commit(_Cmd):
+class Commit(_Cmd, frozen=True):
     seq_id: str
     num_computed_tokens: int
 
 
-class Fork(_Cmd):
+class Fork(_Cmd, frozen=True):
     parent_seq_id: str
     child_seq_id: str
 
 
-class Free(_Cmd):
+class Free(_Cmd, frozen=True):
     seq_id: str
 
 
-class SwapIn(_Cmd):
+class SwapIn(_Cmd, frozen=True):
     seq_id: str
 
 
-class Preempt(_Cmd):
+class Preempt(_Cmd, frozen=True):
     seq_id: str
     mode: str | None = None
 
 
-class ResetPrefixCache(_Cmd):
+class ResetPrefixCache(_Cmd, frozen=True):
     pass
 
 
-class Step(_Cmd):
+class Step(_Cmd, frozen=True):
     """A StepBatch as data (token ids as lists); see core/step_batch.py for the fields."""
 
     commit_seq_ids: list[str] = []
@@ -156,29 +156,29 @@ class Step(_Cmd):
 
 
 # --- the lease table's commands ----------------------------------------------------------
-class LeaseTouch(_Cmd):
+class LeaseTouch(_Cmd, frozen=True):
     lease_id: str
     ttl_s: float | None = None
 
 
-class LeaseAttach(_Cmd):
+class LeaseAttach(_Cmd, frozen=True):
     seq_id: str
     lease_id: str
 
 
-class LeaseDetach(_Cmd):
+class LeaseDetach(_Cmd, frozen=True):
     seq_id: str
 
 
-class LeaseDetachAll(_Cmd):
+class LeaseDetachAll(_Cmd, frozen=True):
     seq_ids: list[str]
 
 
-class LeaseDrop(_Cmd):
+class LeaseDrop(_Cmd, frozen=True):
     lease_id: str
 
 
-class LeaseNoteExpired(_Cmd):
+class LeaseNoteExpired(_Cmd, frozen=True):
     num_sequences: int
 
 
@@ -286,7 +286,7 @@ def decode_batch(body: bytes, name: str = RECORD_NAME) -> Batch:
 
 
 # --- the one migration: format 2 (generic calls) to these commands --------------------------
-_V2_CORE: dict[str, type[_Cmd]] = {
+_V2_CORE: dict[str, type[Command]] = {
     "allocate": Allocate,
     "append": Append,
     "commit": Commit,
@@ -296,7 +296,7 @@ _V2_CORE: dict[str, type[_Cmd]] = {
     "preempt": Preempt,
     "reset_prefix_cache": ResetPrefixCache,
 }
-_V2_LEASES: dict[str, type[_Cmd]] = {
+_V2_LEASES: dict[str, type[Command]] = {
     "touch": LeaseTouch,
     "attach": LeaseAttach,
     "detach": LeaseDetach,

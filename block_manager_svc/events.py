@@ -193,7 +193,12 @@ class EventHub:
             core.enable_events(True)
         log.info("event_watcher_connected", tenant=scope, snapshot_blocks=len(snapshot), version=version)
         done = threading.Event()
-        context.add_callback(lambda: (done.set(), self._leave(sub)))
+
+        def on_done() -> None:
+            done.set()
+            self._leave(sub)
+
+        context.add_callback(on_done)
         try:
             yield pb.KvEvent(version=version, tenant=scope or "", all_blocks_cleared=pb.AllBlocksCleared())
             for i in range(0, len(snapshot), 256):

@@ -116,7 +116,9 @@ def swap_in_to_proto(r: SwapInResult) -> pb.SwapInResponse:
     )
 
 
-def _item_error(kind: int, err: ItemError, index: int | None = None) -> pb.StepItemError:
+def _item_error(
+    kind: pb.StepItemError.Kind.ValueType, err: ItemError, index: int | None = None
+) -> pb.StepItemError:
     return pb.StepItemError(
         kind=kind,
         index=err.index if index is None else index,

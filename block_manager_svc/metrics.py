@@ -103,7 +103,7 @@ class CoreCollector(Collector):
         yield GaugeMetricFamily("pagedkv_event_watchers", "connected WatchEvents streams", value=watchers)
         yield CounterMetricFamily("pagedkv_kv_events", "KV events produced (the last version)", value=version)
         if tenants is not None:
-            fams = [
+            fams: list[GaugeMetricFamily | CounterMetricFamily] = [
                 GaugeMetricFamily(
                     "pagedkv_tenant_gpu_blocks", "GPU blocks charged to a tenant", labels=["tenant"]
                 ),

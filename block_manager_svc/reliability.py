@@ -249,9 +249,9 @@ class ReliableStage:
                 self._do(cmds.LeaseAttach(request.alloc_seq_ids[j], lid))
         failed_forks = {e.index for e in result.fork_errors}
         for j, child in enumerate(request.fork_child_seq_ids):
-            lid = leases.lease_of.get(request.fork_parent_seq_ids[j])
-            if lid and j not in failed_forks:
-                self._do(cmds.LeaseAttach(child, lid))
+            parent_lease = leases.lease_of.get(request.fork_parent_seq_ids[j])
+            if parent_lease and j not in failed_forks:
+                self._do(cmds.LeaseAttach(child, parent_lease))
 
     @contextmanager
     def _recording(self) -> Iterator[list[Command]]:

@@ -261,4 +261,5 @@ def _new_object(qualified: str) -> Any:
         raise StateError(f"the state names {qualified!r}, which this version does not have") from e
     if not isinstance(cls, type):
         raise StateError(f"the state names {qualified!r}, which is not a class")
-    return cls.__new__(cls)
+    core_cls: Any = cls  # known only at run time: its own __new__, whatever its signature
+    return core_cls.__new__(core_cls)

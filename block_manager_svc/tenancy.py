@@ -368,6 +368,6 @@ def _step_reply(resp: pb.StepResponse, p: str) -> None:
     for e in resp.errors:
         e.seq_id = e.seq_id[n:] if e.seq_id.startswith(p) else e.seq_id
         msg = e.message
-        for s in strip:
-            msg = msg.replace(s, "")
+        for text in strip:
+            msg = msg.replace(text, "")
         e.message = msg

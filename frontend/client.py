@@ -228,6 +228,7 @@ class _ClientBase:
     default deadline, the retry policy, the call metadata (bearer token)."""
 
     aio = False
+    _stub: Any  # the generated stub the subclass builds on ``channel``; ``_run`` looks methods up on it
 
     def __init__(
         self,

@@ -333,7 +333,7 @@ def _serve_here(
     from frontend.serve_settings import ServeSettings
     from frontend.worker_client import WorkerClient
 
-    with WorkerClient(workers[0], **conn) as w:  # type: ignore[arg-type]
+    with WorkerClient(workers[0], **conn) as w:
         info_vocab, bpt = w.get_info().vocab_size, _bytes_per_token(w)
     sampler = new_sampler(bpt)
     settings = ServeSettings(
@@ -433,13 +433,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         file=sys.stderr,
         flush=True,
     )
-    stack = Stack(opts, out=sys.stderr)
+    procs = Stack(opts, out=sys.stderr)
     try:
-        stack.start()
-        workers = [s.address for s in stack.services if s.name.startswith("worker-")]
-        _serve_here(args, stack.services[0].address, workers, client_kwargs(args))
+        procs.start()
+        workers = [s.address for s in procs.services if s.name.startswith("worker-")]
+        _serve_here(args, procs.services[0].address, workers, client_kwargs(args))
     finally:
-        leaked = stack.stop()
+        leaked = procs.stop()
     if leaked:
         print(f"pagedkv demo: shared memory left behind: {leaked}", file=sys.stderr)
         return 1

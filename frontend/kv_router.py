@@ -91,9 +91,9 @@ class PoolIndex:
                     parent = key
             elif isinstance(ev, BlockRemoved):
                 for h in ev.block_hashes:
-                    key = self.by_engine_hash.pop(h, None)
-                    if key is not None:
-                        self.keys.discard(key)
+                    gone = self.by_engine_hash.pop(h, None)
+                    if gone is not None:
+                        self.keys.discard(gone)
             else:
                 self.keys.clear()
                 self.by_engine_hash.clear()

@@ -100,10 +100,10 @@ class LocalStack:
                         block_manager=f"127.0.0.1:{self.block_manager.port}",
                         model=cfg.model,
                         device=str(device),
-                        dtype=cfg.dtype,  # type: ignore[arg-type]
-                        kernel_backend=cfg.kernel_backend,  # type: ignore[arg-type]
+                        dtype=cfg.dtype,
+                        kernel_backend=cfg.kernel_backend,
                         seed=cfg.seed,
-                        role=cfg.roles[i] if cfg.roles else "mixed",  # type: ignore[arg-type]
+                        role=cfg.roles[i] if cfg.roles else "mixed",
                         block_size=cfg.block_size,
                         num_gpu_blocks=cfg.num_gpu_blocks,
                         num_cpu_blocks=cfg.num_cpu_blocks,

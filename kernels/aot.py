@@ -31,6 +31,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
@@ -105,11 +106,11 @@ def all_configs() -> list[Config]:
 # --- the stand-in driver ---------------------------------------------------------------------------
 
 
-def _target_driver(arch: int):  # noqa: ANN202 - a triton DriverBase, imported lazily
+def _target_driver(arch: int) -> Any:  # a triton DriverBase, imported lazily (triton is untyped)
     from triton.backends.compiler import GPUTarget
     from triton.backends.driver import DriverBase
 
-    class TargetOnlyDriver(DriverBase):
+    class TargetOnlyDriver(DriverBase):  # type: ignore[misc]  # DriverBase is Any: triton is untyped
         """Reports a fixed target and a device key of its own; cannot load or launch anything."""
 
         DEVICE = f"aot-sm{arch}"  # its own key in each JITFunction's per-device caches
@@ -118,7 +119,7 @@ def _target_driver(arch: int):  # noqa: ANN202 - a triton DriverBase, imported l
         def is_active(cls) -> bool:
             return False
 
-        def get_current_target(self):  # noqa: ANN201
+        def get_current_target(self) -> Any:
             return GPUTarget("cuda", arch, 32)
 
         def get_current_device(self) -> str:
@@ -133,14 +134,14 @@ def _target_driver(arch: int):  # noqa: ANN202 - a triton DriverBase, imported l
         def map_python_to_cpp_type(self, ty: str) -> str:
             raise NotImplementedError("compile-only driver")
 
-        def get_benchmarker(self):  # noqa: ANN201
+        def get_benchmarker(self) -> Any:
             raise NotImplementedError("compile-only driver")
 
     return TargetOnlyDriver()
 
 
 @contextlib.contextmanager
-def compile_only(arch: int) -> Iterator[list]:
+def compile_only(arch: int) -> Iterator[list[Any]]:
     """Within the block, launching a Triton kernel compiles it for ``arch`` and launches nothing.
 
     Yields the list the compiled kernels are appended to (in launch order).
@@ -148,21 +149,21 @@ def compile_only(arch: int) -> Iterator[list]:
     from triton.runtime.driver import driver
     from triton.runtime.jit import JITFunction
 
-    compiled: list = []
+    compiled: list[Any] = []
     real_run = JITFunction.run
 
-    def warmup_run(self, *args, grid, warmup, **kwargs):  # noqa: ANN001, ANN202
+    def warmup_run(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
         kernel = real_run(self, *args, grid=grid, warmup=True, **kwargs)
         compiled.append(kernel)
         return kernel
 
     previous = driver._active  # None until something asked for a driver (none exists on CPU)
     driver.set_active(_target_driver(arch))
-    JITFunction.run = warmup_run  # type: ignore[method-assign]
+    JITFunction.run = warmup_run
     try:
         yield compiled
     finally:
-        JITFunction.run = real_run  # type: ignore[method-assign]
+        JITFunction.run = real_run
         driver._active = previous
 
 

@@ -38,6 +38,7 @@ import os
 import pathlib
 import threading
 from collections.abc import Sequence
+from typing import ClassVar
 
 import structlog
 import torch
@@ -58,7 +59,8 @@ MAX_GROUP_X_HEAD_DIM = 16384
 class _DecodeArgs(ctypes.Structure):
     """Mirrors ``DecodeArgs`` in csrc/paged_decode.c (its size is checked at load)."""
 
-    _fields_ = [
+    # Annotated: a mixed literal would be inferred as (str, type[object]) pairs.
+    _fields_: ClassVar[list[tuple[str, type[ctypes.c_int64 | ctypes.c_float | ctypes.c_int]]]] = [
         (name, ctypes.c_int64)
         for name in (
             "num_seqs",
@@ -515,4 +517,5 @@ def logsumexp_rows(logits: torch.Tensor) -> torch.Tensor:
         or library() is None
     ):
         return torch.logsumexp(logits, dim=-1)
-    return torch.ops.pagedkv.logsumexp_rows(logits)
+    out: torch.Tensor = torch.ops.pagedkv.logsumexp_rows(logits)  # torch.ops is untyped
+    return out

@@ -40,8 +40,10 @@ MAX_SPLITS = 64
 PROGRAMS_PER_SM = 4
 
 
-@triton.jit(do_not_specialize=["num_heads", "group", "num_splits", "min_split_tokens"])
-def _decode_split_kernel(
+# A Triton kernel, left unannotated: triton ships no types, and its compiler reads parameter
+# annotations (tl.constexpr), so Python types there would mean something else.
+@triton.jit(do_not_specialize=["num_heads", "group", "num_splits", "min_split_tokens"])  # type: ignore[untyped-decorator]
+def _decode_split_kernel(  # type: ignore[no-untyped-def]
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
@@ -180,8 +182,10 @@ def _decode_split_kernel(
         tl.store(part_lse_ptr + row, lse, mask=gmask)
 
 
-@triton.jit(do_not_specialize=["num_heads", "num_splits"])
-def _decode_reduce_kernel(
+# A Triton kernel, left unannotated: triton ships no types, and its compiler reads parameter
+# annotations (tl.constexpr), so Python types there would mean something else.
+@triton.jit(do_not_specialize=["num_heads", "num_splits"])  # type: ignore[untyped-decorator]
+def _decode_reduce_kernel(  # type: ignore[no-untyped-def]
     part_out_ptr,
     part_lse_ptr,
     out_ptr,

@@ -29,8 +29,10 @@ from kernels.tile import attend_tile, dot_precision
 LOG2E = 1.4426950408889634
 
 
-@triton.jit(do_not_specialize=["group", "block_q"])
-def _prefill_kernel(
+# A Triton kernel, left unannotated: triton ships no types, and its compiler reads parameter
+# annotations (tl.constexpr), so Python types there would mean something else.
+@triton.jit(do_not_specialize=["group", "block_q"])  # type: ignore[untyped-decorator]
+def _prefill_kernel(  # type: ignore[no-untyped-def]
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
@@ -161,7 +163,7 @@ def _prefill_kernel(
 
 def block_d(head_dim: int) -> int:
     """Padded head_dim tile: a power of two, at least 16 (``tl.dot`` needs K >= 16 on a GPU)."""
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, int(triton.next_power_of_2(head_dim)))  # triton is untyped
 
 
 def tile_config(

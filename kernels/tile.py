@@ -25,8 +25,10 @@ def dot_precision(interpreted: bool) -> str:
     return "ieee" if interpreted else "tf32x3"
 
 
-@triton.jit
-def _load_tile(ptrs, tmask, dmask, MASK_TAIL: tl.constexpr, FULL_D: tl.constexpr):
+# A Triton kernel, left unannotated: triton ships no types, and its compiler reads parameter
+# annotations (tl.constexpr), so Python types there would mean something else.
+@triton.jit  # type: ignore[untyped-decorator]
+def _load_tile(ptrs, tmask, dmask, MASK_TAIL: tl.constexpr, FULL_D: tl.constexpr):  # type: ignore[no-untyped-def]
     """Load a [BLOCK_N, BLOCK_D] K or V tile, masking only what can be out of range."""
     if MASK_TAIL:
         x = tl.load(ptrs, mask=tmask[:, None] & dmask[None, :], other=0.0)
@@ -37,8 +39,10 @@ def _load_tile(ptrs, tmask, dmask, MASK_TAIL: tl.constexpr, FULL_D: tl.constexpr
     return x
 
 
-@triton.jit
-def attend_tile(
+# A Triton kernel, left unannotated: triton ships no types, and its compiler reads parameter
+# annotations (tl.constexpr), so Python types there would mean something else.
+@triton.jit  # type: ignore[untyped-decorator]
+def attend_tile(  # type: ignore[no-untyped-def]
     acc,
     m_i,
     l_i,

@@ -52,7 +52,7 @@ def build_parser(cls: type[BaseSettings], prog: str, description: str) -> argpar
             )
         else:
             conv = annotation if annotation in (int, float, str) else str
-            parser.add_argument(_flag(name), dest=name, type=conv, default=None, help=help_)  # type: ignore[arg-type]
+            parser.add_argument(_flag(name), dest=name, type=conv, default=None, help=help_)
     return parser
 
 

@@ -17,7 +17,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict, cast
 
 import structlog
 import torch
@@ -444,6 +444,16 @@ def run_worker(settings: WorkerSettings) -> int:
     return code
 
 
-def _tls(settings: object) -> dict[str, object]:
+class _TlsArgs(TypedDict):
+    tls_cert: str
+    tls_key: str
+    tls_client_ca: str
+    allow_insecure: bool
+
+
+def _tls(settings: object) -> _TlsArgs:
     """The TLS keyword arguments of pagedkv.grpc_server.start_server from a role's settings."""
-    return {k: getattr(settings, k) for k in ("tls_cert", "tls_key", "tls_client_ca", "allow_insecure")}
+    return cast(
+        _TlsArgs,
+        {k: getattr(settings, k) for k in ("tls_cert", "tls_key", "tls_client_ca", "allow_insecure")},
+    )

@@ -106,12 +106,13 @@ _KINDS = {
 
 def step_request(plan: StepPlan, lease_id: str) -> pb.StepRequest:
     tokens = [t for _, t in plan.appends]
+    known = [t for t in tokens if t is not None]  # sent only when every append has its id
     return pb.StepRequest(
         commit_seq_ids=[s for s, _ in plan.commits],
         commit_num_computed_tokens=[n for _, n in plan.commits],
         free_seq_ids=plan.frees,
         append_seq_ids=[s for s, _ in plan.appends],
-        append_token_ids=tokens if tokens and all(t is not None for t in tokens) else [],
+        append_token_ids=known if tokens and len(known) == len(tokens) else [],
         alloc_seq_ids=[s for s, _, _ in plan.allocs],
         alloc_num_tokens=[len(t) for _, t, _ in plan.allocs],
         alloc_token_ids=[t for _, toks, _ in plan.allocs for t in toks],

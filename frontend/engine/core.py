@@ -75,6 +75,7 @@ from frontend.engine import output, recovery, scheduler
 from frontend.engine.bm_session import (
     RESOURCE_EXHAUSTED,
     BlockManagerSession,
+    ItemError,
     StepDelta,
     StepPlan,
     read_geometry,
@@ -569,7 +570,7 @@ class Engine:
         ops.swap_out.extend(delta.ops.swap_out)
         ops.swap_in.extend(delta.ops.swap_in)
         preempted = self._apply_preemptions(delta)
-        errors: dict[str, dict[int, object]] = collections.defaultdict(dict)
+        errors: dict[str, dict[int, ItemError]] = collections.defaultdict(dict)
         for err in delta.errors:
             errors[err.kind][err.index] = err
         self._apply_allocations(delta, admit or [], errors["alloc"])
@@ -596,7 +597,7 @@ class Engine:
             if i not in failed and s.status is SeqStatus.RUNNING:
                 s.needs_slot = False
 
-    def _apply_allocations(self, delta: StepDelta, admit: list[Seq], errors: dict) -> None:  # type: ignore[type-arg]
+    def _apply_allocations(self, delta: StepDelta, admit: list[Seq], errors: dict[int, ItemError]) -> None:
         for j, seq in enumerate(admit):
             err = errors.get(j)
             if err is not None:
@@ -613,7 +614,7 @@ class Engine:
             seq.status = SeqStatus.RUNNING
             self._running.append(seq)
 
-    def _apply_forks(self, forks: list[tuple[Seq, Seq]], errors: dict) -> None:  # type: ignore[type-arg]
+    def _apply_forks(self, forks: list[tuple[Seq, Seq]], errors: dict[int, ItemError]) -> None:
         for j, (parent, child) in enumerate(forks):
             err = errors.get(j)
             if err is not None and parent.status is not SeqStatus.RUNNING:

@@ -12,12 +12,17 @@ from pagedkv.v1 import worker_pb2 as wpb
 
 
 class Drawn(Protocol):
-    """A worker's sampled token: wpb.SequenceOutput or wpb.Sample."""
+    """A worker's sampled token: wpb.SequenceOutput or wpb.Sample (read-only members, so that the
+    messages' repeated fields, read-only properties, match)."""
 
-    token_id: int
-    logprob: float
-    top_token_ids: Sequence[int]
-    top_logprobs: Sequence[float]
+    @property
+    def token_id(self) -> int: ...
+    @property
+    def logprob(self) -> float: ...
+    @property
+    def top_token_ids(self) -> Sequence[int]: ...
+    @property
+    def top_logprobs(self) -> Sequence[float]: ...
 
 
 def accept_token(s: Seq, drawn: Drawn) -> TokenEvent:

@@ -129,9 +129,9 @@ def _top_logprobs(
         return top
     k = min(max(params[i].num_top_logprobs for i in rows), logits.shape[-1])
     index = torch.tensor(rows, device=logits.device)
-    values, ids = torch.topk(logits.index_select(0, index), k, dim=-1)
-    values = (values - log_norm.index_select(0, index)[:, None]).cpu().tolist()
-    ids = ids.cpu().tolist()
+    top_values, top_ids = torch.topk(logits.index_select(0, index), k, dim=-1)
+    values = (top_values - log_norm.index_select(0, index)[:, None]).cpu().tolist()
+    ids = top_ids.cpu().tolist()
     for j, i in enumerate(rows):
         n = params[i].num_top_logprobs
         top[i] = list(zip(ids[j][:n], values[j][:n], strict=True))
