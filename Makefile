@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo up block-manager test protos bench clean
+.PHONY: install demo up block-manager lint test protos bench clean
 
 install: $(STAMP)
 
@@ -36,8 +36,14 @@ up: $(STAMP)
 block-manager: $(STAMP)
 	$(BIN)/pagedkv block-manager
 
-## The whole test suite (also what CI runs).
-test: $(STAMP)
+## Lint and types over the whole tree (configured in pyproject.toml; pagedkv/v1 is generated).
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+## Lint, then the whole test suite (also what CI runs).
+test: lint
 	$(BIN)/python tools/gen_protos.py --check
 	$(BIN)/python -m pytest
 

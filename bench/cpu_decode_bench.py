@@ -27,6 +27,7 @@ Then, for GQA groups without a specialised copy before (3: SmolLM2's 9 query hea
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import random
 import statistics
@@ -35,6 +36,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -78,7 +80,9 @@ RULES: dict[str, tuple[dict[str, float], bool]] = {
 def batch(shape: Shape, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Block tables (groups start with the same physical blocks, as prefix hits do), lengths, blocks used."""
     rnd = random.Random(seed)
-    prefixes = [list(range(g * shape.shared_blocks, (g + 1) * shape.shared_blocks)) for g in range(shape.groups)]
+    prefixes = [
+        list(range(g * shape.shared_blocks, (g + 1) * shape.shared_blocks)) for g in range(shape.groups)
+    ]
     nxt = shape.groups * shape.shared_blocks
     tables, lens = [], []
     for i in range(shape.num_seqs):
@@ -114,7 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=15, help="timed rounds per rule set (median reported)")
     ap.add_argument("--head-dims", default="64,128")
-    ap.add_argument("--gqa-groups", default="3,5,6,7", help="groups for the specialised / generic table ('' skips)")
+    ap.add_argument(
+        "--gqa-groups", default="3,5,6,7", help="groups for the specialised / generic table ('' skips)"
+    )
     ap.add_argument("--only-gqa", action="store_true", help="only the specialised / generic table")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -131,9 +137,11 @@ GQA_SHAPES = [s for s in SHAPES if s.label.startswith(("chat burst, 48", "48 seq
 
 def gqa_table(args: argparse.Namespace, groups: list[int]) -> None:
     """The native kernel's specialised copy for (group, head_dim 64) against its generic copy."""
-    print(f"\n# native decode, {GQA_KV_HEADS} KV heads x head_dim {GQA_HEAD_DIM}, {LAYERS} layers, fp32, "
-          f"{args.threads} threads, variant {cpu_native.active_variant()}; median ms of {args.reps} "
-          f"round-robin rounds")
+    print(
+        f"\n# native decode, {GQA_KV_HEADS} KV heads x head_dim {GQA_HEAD_DIM}, {LAYERS} layers, fp32, "
+        f"{args.threads} threads, variant {cpu_native.active_variant()}; median ms of {args.reps} "
+        f"round-robin rounds"
+    )
     print("\n| group (heads) | batch | generic copy ms | specialised copy ms | specialised / generic |")
     print("|---|---|---|---|---|")
     with torch.inference_mode():
@@ -147,10 +155,14 @@ def gqa_table(args: argparse.Namespace, groups: list[int]) -> None:
                 out = torch.empty_like(q)
                 fns = {"generic": cpu_native.decode_generic_for_bench, "specialised": cpu_native.decode}
 
-                def step(fn: Callable[..., torch.Tensor]) -> torch.Tensor:
+                # The inputs are bound now (default argument), not looked up at call time (B023).
+                def step(
+                    fn: Callable[..., torch.Tensor],
+                    inputs: tuple[Any, ...] = (q, kc, vc, bt, lens, GQA_HEAD_DIM**-0.5, out),
+                ) -> torch.Tensor:
                     for _ in range(LAYERS):
-                        fn(q, kc, vc, bt, lens, GQA_HEAD_DIM**-0.5, out)
-                    return out
+                        fn(*inputs)
+                    return inputs[-1]
 
                 generic = step(fns["generic"]).clone()
                 torch.testing.assert_close(step(fns["specialised"]), generic, rtol=1e-5, atol=1e-5)
@@ -161,21 +173,40 @@ def gqa_table(args: argparse.Namespace, groups: list[int]) -> None:
                         step(fn)
                         times[name].append(time.perf_counter() - t0)
                 med = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
-                print(f"| {group} ({group * GQA_KV_HEADS}/{GQA_KV_HEADS}) | {shape.label} | {med['generic']:.2f} | "
-                      f"{med['specialised']:.2f} | {med['specialised'] / med['generic']:.2f}x |", flush=True)
+                print(
+                    f"| {group} ({group * GQA_KV_HEADS}/{GQA_KV_HEADS}) | {shape.label} | "
+                    f"{med['generic']:.2f} | "
+                    f"{med['specialised']:.2f} | {med['specialised'] / med['generic']:.2f}x |",
+                    flush=True,
+                )
 
 
 def bucket_table(args: argparse.Namespace) -> None:
-    print(f"# CPU decode attention, {LAYERS} layers + plan, {NUM_HEADS} heads / {NUM_KV_HEADS} KV heads, "
-          f"block {BLOCK}, fp32, {args.threads} threads; median ms of {args.reps} round-robin rounds")
+    print(
+        f"# CPU decode attention, {LAYERS} layers + plan, {NUM_HEADS} heads / {NUM_KV_HEADS} KV heads, "
+        f"block {BLOCK}, fp32, {args.threads} threads; median ms of {args.reps} round-robin rounds"
+    )
     if not cpu_native.available():
-        print(f"# the native kernels are unavailable ({cpu_native.kernel_path()} path, see the log): no native column", file=sys.stderr)
+        print(
+            f"# the native kernels are unavailable ({cpu_native.kernel_path()} path, see the log): no native "
+            "column",
+            file=sys.stderr,
+        )
         del RULES["native"]
-    print(f"# buckets: PAD_FRACTION={cpu.PAD_FRACTION} PAD_TOKENS={cpu.PAD_TOKENS} "
-          f"MIN_SHARED_BLOCKS={cpu.MIN_SHARED_BLOCKS} CASCADE_MIN_SAVED_TOKENS={cpu.CASCADE_MIN_SAVED_TOKENS}")
-    ratios = [("buckets", "flat"), ("buckets", "cascade-always")] + ([("native", "buckets")] if "native" in RULES else [])
-    print("\n| head_dim | batch | " + " | ".join(f"{r} ms (calls)" for r in RULES)
-          + " | " + " | ".join(f"{a} / {b}" for a, b in ratios) + " |")
+    print(
+        f"# buckets: PAD_FRACTION={cpu.PAD_FRACTION} PAD_TOKENS={cpu.PAD_TOKENS} "
+        f"MIN_SHARED_BLOCKS={cpu.MIN_SHARED_BLOCKS} CASCADE_MIN_SAVED_TOKENS={cpu.CASCADE_MIN_SAVED_TOKENS}"
+    )
+    ratios = [("buckets", "flat"), ("buckets", "cascade-always")] + (
+        [("native", "buckets")] if "native" in RULES else []
+    )
+    print(
+        "\n| head_dim | batch | "
+        + " | ".join(f"{r} ms (calls)" for r in RULES)
+        + " | "
+        + " | ".join(f"{a} / {b}" for a, b in ratios)
+        + " |"
+    )
     print("|---|---|" + "---|" * (len(RULES) + len(ratios)))
     with torch.inference_mode():
         for head_dim in (int(x) for x in args.head_dims.split(",")):
@@ -189,21 +220,35 @@ def bucket_table(args: argparse.Namespace) -> None:
                 calls: dict[str, str] = {}
                 steps: dict[str, Callable[[], None]] = {}
                 for name, rules in RULES.items():
-                    def step(rules: tuple[dict[str, float], bool] = rules) -> torch.Tensor:
+                    # Everything the step reads is bound now (default arguments), so a step called after
+                    # this loop runs on the inputs it was built for, whatever the loops did since (B023).
+                    def step(
+                        rules: tuple[dict[str, float], bool] = rules,
+                        inputs: tuple[Any, ...] = (q, kc, vc, bt, lens, head_dim),
+                    ) -> torch.Tensor:
+                        q, kc, vc, bt, lens, head_dim = inputs
+
                         def run() -> torch.Tensor:
                             plan = cpu.plan_decode(bt, lens, BLOCK)
                             out = torch.empty_like(q)
                             for _ in range(LAYERS):
-                                cpu.paged_decode_attention(q, kc, vc, bt, lens, head_dim**-0.5, out=out, plan=plan)
+                                cpu.paged_decode_attention(
+                                    q, kc, vc, bt, lens, head_dim**-0.5, out=out, plan=plan
+                                )
                             return out
+
                         return with_rules(rules, run)  # type: ignore[return-value]
+
                     got = step()
                     if want is None:
                         want = got
                     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)  # same attention, any rules
-                    plan = with_rules(rules, lambda: cpu.plan_decode(bt, lens, BLOCK))
-                    calls[name] = ("1" if plan.native_tables is not None  # type: ignore[attr-defined]
-                                   else f"{len(plan.buckets)}+{len(plan.shared)}")  # type: ignore[attr-defined]
+                    plan = with_rules(rules, functools.partial(cpu.plan_decode, bt, lens, BLOCK))
+                    calls[name] = (
+                        "1"
+                        if plan.native_tables is not None  # type: ignore[attr-defined]
+                        else f"{len(plan.buckets)}+{len(plan.shared)}"
+                    )  # type: ignore[attr-defined]
                     steps[name] = step
                 times: dict[str, list[float]] = {name: [] for name in RULES}
                 for _ in range(args.reps):

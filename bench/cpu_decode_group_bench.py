@@ -55,8 +55,10 @@ def main() -> int:
                 t = time.perf_counter()
                 kernels.paged_decode_attention(qs[g], k, v, tables, lens, HEAD_DIM**-0.5)
                 times[g].append(time.perf_counter() - t)
-    print(f"{args.seqs} seqs x {args.context} tokens, {KV_HEADS} KV heads, head_dim {HEAD_DIM}, fp32, "
-          f"{args.threads} threads, median of {args.reps}")
+    print(
+        f"{args.seqs} seqs x {args.context} tokens, {KV_HEADS} KV heads, head_dim {HEAD_DIM}, fp32, "
+        f"{args.threads} threads, median of {args.reps}"
+    )
     print(f"{'group':>5} {'query heads':>11} {'us/call':>9} {'us/query head':>14}")
     for g in groups:
         med = statistics.median(times[g]) * 1e6

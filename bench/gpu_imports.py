@@ -19,18 +19,28 @@ import traceback
 
 # module -> what needs it (the section(s))
 NEEDED = {
-    "torch": "every section", "triton": "pytest, bench, worker, pd", "numpy": "pytest, bench",
-    "pytest": "pytest, ipc", "safetensors": "worker, pd (checkpoints)",
-    "google.protobuf": "worker, pd (gRPC messages)", "grpc": "worker, pd",
+    "torch": "every section",
+    "triton": "pytest, bench, worker, pd",
+    "numpy": "pytest, bench",
+    "pytest": "pytest, ipc",
+    "safetensors": "worker, pd (checkpoints)",
+    "google.protobuf": "worker, pd (gRPC messages)",
+    "grpc": "worker, pd",
     "grpc_health.v1.health_pb2": "worker, pd (health service)",
     "grpc_reflection.v1alpha.reflection": "worker, pd (reflection)",
-    "structlog": "worker, pd (logging)", "pydantic": "worker, pd (settings)",
-    "pydantic_settings": "worker, pd (settings)", "prometheus_client": "worker, pd (metrics)",
-    "msgspec": "pd (block manager)", "zmq": "pd (block manager KV events)",
+    "structlog": "worker, pd (logging)",
+    "pydantic": "worker, pd (settings)",
+    "pydantic_settings": "worker, pd (settings)",
+    "prometheus_client": "worker, pd (metrics)",
+    "msgspec": "pd (block manager)",
+    "zmq": "pd (block manager KV events)",
     # the project's own modules: the protobuf runtime check and every service import chain
     "pagedkv.v1.worker_pb2": "worker, pd (protobuf runtime check)",
-    "kernels": "pytest, bench", "worker_svc.server": "worker, pd", "block_manager_svc.server": "pd",
-    "frontend.stack": "pd", "frontend.engine": "pd",
+    "kernels": "pytest, bench",
+    "worker_svc.server": "worker, pd",
+    "block_manager_svc.server": "pd",
+    "frontend.stack": "pd",
+    "frontend.engine": "pd",
 }
 GPU_ONLY = {"cupy": "ipc, worker, pd (CUDA IPC)"}
 

@@ -44,7 +44,7 @@ import torch  # noqa: E402
 BLOCK = 16
 T0 = time.monotonic()
 DEADLINE_S = 600.0  # set from --deadline-s
-LIVE: list["Proc"] = []  # roles started and not yet reaped: killed on SIGTERM / exit
+LIVE: list[Proc] = []  # roles started and not yet reaped: killed on SIGTERM / exit
 
 
 def time_left() -> float:
@@ -57,7 +57,11 @@ class Proc:
     def __init__(self, args: list[str], env: dict[str, str]) -> None:
         self.p = subprocess.Popen(
             [sys.executable, "-m", "pagedkv.cli", *args, "--log-format", "json"],
-            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         LIVE.append(self)
         self.records: list[dict] = []
@@ -112,9 +116,12 @@ def kill_all() -> None:
 def _step_request(seqs: list[tuple[str, list[int], list[int], int]]):  # noqa: ANN202
     from pagedkv.v1 import worker_pb2
 
-    return worker_pb2.WorkerStepRequest(sequences=[
-        worker_pb2.SequenceInput(seq_id=s, token_ids=t, block_ids=b, num_cached_tokens=c) for s, t, b, c in seqs
-    ])
+    return worker_pb2.WorkerStepRequest(
+        sequences=[
+            worker_pb2.SequenceInput(seq_id=s, token_ids=t, block_ids=b, num_cached_tokens=c)
+            for s, t, b, c in seqs
+        ]
+    )
 
 
 def multi_process_check(device: str, dtype: str) -> dict:
@@ -142,17 +149,31 @@ def _multi_process_check(device: str, dtype: str) -> dict:
     tdtype = getattr(torch, dtype)
     cfg = DEFAULT_MODEL_CONFIG
     model = load_model(None, cfg, tdtype, dev, seed=0)
-    gpu = torch.zeros((cfg.num_layers, 2, 64, BLOCK, cfg.num_kv_heads, cfg.head_dim), dtype=tdtype, device=dev)
+    gpu = torch.zeros(
+        (cfg.num_layers, 2, 64, BLOCK, cfg.num_kv_heads, cfg.head_dim), dtype=tdtype, device=dev
+    )
     cpu = torch.zeros((cfg.num_layers, 2, 16, BLOCK, cfg.num_kv_heads, cfg.head_dim), dtype=tdtype)
     runner = ModelRunner(model, gpu, cpu)
 
-    def local(seqs: list[tuple[str, list[int], list[int], int]], ops: CacheOpsRequest | None = None) -> list[int]:
+    def local(
+        seqs: list[tuple[str, list[int], list[int], int]], ops: CacheOpsRequest | None = None
+    ) -> list[int]:
         reqs = [SequenceRequest(s, t, b, c) for s, t, b, c in seqs]
         return [o.token_id for o in runner.step(reqs, ops).outputs]
 
     # --- the deployment: cache host + workers A, B (+ B') ------------------------------------------
-    common = ["--device", device, "--dtype", dtype, "--block-size", str(BLOCK), "--num-gpu-blocks", "64",
-              "--num-cpu-blocks", "16"]
+    common = [
+        "--device",
+        device,
+        "--dtype",
+        dtype,
+        "--block-size",
+        str(BLOCK),
+        "--num-gpu-blocks",
+        "64",
+        "--num-cpu-blocks",
+        "16",
+    ]
     host = Proc(["cache-host", "--port", "0", *common, "--shm-prefix", "pagedkv-gpucheck"], env)
     procs = [host]
     result: dict = {"ok": False}
@@ -163,17 +184,23 @@ def _multi_process_check(device: str, dtype: str) -> dict:
         a = Proc(["worker", "--port", "0", "--cache-host", target, *common], env)
         b = Proc(["worker", "--port", "0", "--cache-host", target, *common], env)
         procs += [a, b]
-        stub_a = worker_pb2_grpc.WorkerStub(grpc.insecure_channel(f"127.0.0.1:{a.wait_event('worker_ready')['port']}"))
-        stub_b = worker_pb2_grpc.WorkerStub(grpc.insecure_channel(f"127.0.0.1:{b.wait_event('worker_ready')['port']}"))
+        stub_a = worker_pb2_grpc.WorkerStub(
+            grpc.insecure_channel(f"127.0.0.1:{a.wait_event('worker_ready')['port']}")
+        )
+        stub_b = worker_pb2_grpc.WorkerStub(
+            grpc.insecure_channel(f"127.0.0.1:{b.wait_event('worker_ready')['port']}")
+        )
         result["backend"] = ready["backend"]
 
         def remote(stub, seqs, ops=None) -> list[int]:  # noqa: ANN001
             req = _step_request(seqs)
             if ops is not None:
-                req.ops.CopyFrom(block_manager_pb2.CacheOps(
-                    swap_out=[block_manager_pb2.BlockCopy(src=s, dst=d) for s, d in ops.swap_out],
-                    swap_in=[block_manager_pb2.BlockCopy(src=s, dst=d) for s, d in ops.swap_in],
-                ))
+                req.ops.CopyFrom(
+                    block_manager_pb2.CacheOps(
+                        swap_out=[block_manager_pb2.BlockCopy(src=s, dst=d) for s, d in ops.swap_out],
+                        swap_in=[block_manager_pb2.BlockCopy(src=s, dst=d) for s, d in ops.swap_in],
+                    )
+                )
             return [o.token_id for o in stub.Step(req, timeout=max(1.0, time_left())).outputs]
 
         hist = [list(p) for p in prompts]
@@ -183,7 +210,7 @@ def _multi_process_check(device: str, dtype: str) -> dict:
         swap_step = n_decode // 2
 
         def step(stub, ops=None) -> None:  # noqa: ANN001
-            seqs = [(f"s{i}", hist[i][cached[i]:], tables[i], cached[i]) for i in range(3)]
+            seqs = [(f"s{i}", hist[i][cached[i] :], tables[i], cached[i]) for i in range(3)]
             r = remote(stub, seqs, ops)
             loc = local(seqs, ops)
             for i in range(3):
@@ -199,15 +226,16 @@ def _multi_process_check(device: str, dtype: str) -> dict:
                 b = Proc(["worker", "--port", "0", "--cache-host", target, *common], env)
                 procs.append(b)
                 stub_b = worker_pb2_grpc.WorkerStub(
-                    grpc.insecure_channel(f"127.0.0.1:{b.wait_event('worker_ready')['port']}"))
+                    grpc.insecure_channel(f"127.0.0.1:{b.wait_event('worker_ready')['port']}")
+                )
             ops = None
             if k == swap_step:  # swap seq 0 out to CPU blocks and back in to other GPU blocks
                 used = -(-cached[0] // BLOCK)
                 new_table = list(range(30, 30 + 10))
-                ops = CacheOpsRequest(swap_out=list(zip(tables[0][:used], range(used))))
+                ops = CacheOpsRequest(swap_out=list(zip(tables[0][:used], range(used), strict=False)))
                 remote(stub_a, [], ops)
                 local([], ops)
-                ops = CacheOpsRequest(swap_in=list(zip(range(used), new_table[:used])))
+                ops = CacheOpsRequest(swap_in=list(zip(range(used), new_table[:used], strict=False)))
                 tables[0] = new_table
             step(stub_b if k < 2 * n_decode // 3 else stub_a, ops)
         result["tokens_equal"] = got_remote == got_local
@@ -217,7 +245,9 @@ def _multi_process_check(device: str, dtype: str) -> dict:
         result["host_rc"] = host.stop()
         time.sleep(0.2)
         result["leaked_segments"] = [s for s in segments if pathlib.Path("/dev/shm", s).exists()]
-        result["ok"] = bool(result["tokens_equal"] and result["host_rc"] == 0 and not result["leaked_segments"])
+        result["ok"] = bool(
+            result["tokens_equal"] and result["host_rc"] == 0 and not result["leaked_segments"]
+        )
     except Exception as e:  # noqa: BLE001 - report, don't crash the check
         result["error"] = f"{type(e).__name__}: {e}"
     finally:
@@ -227,8 +257,9 @@ def _multi_process_check(device: str, dtype: str) -> dict:
     return result
 
 
-def throughput(device: str, dtype: str, batches: list[int], ctx: int, steps: int, shape: dict,
-               on_row=None) -> list[dict]:  # noqa: ANN001
+def throughput(
+    device: str, dtype: str, batches: list[int], ctx: int, steps: int, shape: dict, on_row=None
+) -> list[dict]:  # noqa: ANN001
     """Decode step time per batch size; stops starting new batch sizes when the deadline is near."""
     from worker_svc.model.config import ModelConfig
     from worker_svc.model.llama import LlamaModel
@@ -241,14 +272,21 @@ def throughput(device: str, dtype: str, batches: list[int], ctx: int, steps: int
     shapes = expected_shapes(cfg)
     weights = {}
     for n in expected_names(cfg):
-        t = torch.randn(shapes[n], generator=gen, device=dev, dtype=torch.float32) * (0.02 if "norm" not in n else 0.0)
+        t = torch.randn(shapes[n], generator=gen, device=dev, dtype=torch.float32) * (
+            0.02 if "norm" not in n else 0.0
+        )
         weights[n] = (t + (1.0 if "norm" in n else 0.0)).to(tdtype)
     model = LlamaModel(cfg, weights)
     max_b = max(batches)
     blocks_per_seq = -(-(ctx + steps + 1) // BLOCK)
-    gpu = torch.zeros((cfg.num_layers, 2, max_b * blocks_per_seq, BLOCK, cfg.num_kv_heads, cfg.head_dim),
-                      dtype=tdtype, device=dev)
-    runner = ModelRunner(model, gpu, torch.zeros((cfg.num_layers, 2, 0, BLOCK, cfg.num_kv_heads, cfg.head_dim), dtype=tdtype))
+    gpu = torch.zeros(
+        (cfg.num_layers, 2, max_b * blocks_per_seq, BLOCK, cfg.num_kv_heads, cfg.head_dim),
+        dtype=tdtype,
+        device=dev,
+    )
+    runner = ModelRunner(
+        model, gpu, torch.zeros((cfg.num_layers, 2, 0, BLOCK, cfg.num_kv_heads, cfg.head_dim), dtype=tdtype)
+    )
     rows = []
     for bsz in batches:
         if rows and time_left() < 2 * rows[-1]["seconds"] + 5:
@@ -258,20 +296,33 @@ def throughput(device: str, dtype: str, batches: list[int], ctx: int, steps: int
         tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(bsz)]
         chunk = max(1, 8192 // ctx)
         for i0 in range(0, bsz, chunk):  # prefill in chunks to bound activation memory
-            runner.step([SequenceRequest(f"s{i}", [(i + j) % cfg.vocab_size for j in range(ctx)], tables[i], 0)
-                         for i in range(i0, min(bsz, i0 + chunk))])
+            runner.step(
+                [
+                    SequenceRequest(f"s{i}", [(i + j) % cfg.vocab_size for j in range(ctx)], tables[i], 0)
+                    for i in range(i0, min(bsz, i0 + chunk))
+                ]
+            )
         last = [1] * bsz
         times = []
         for k in range(steps):
             reqs = [SequenceRequest(f"s{i}", [last[i]], tables[i], ctx + k) for i in range(bsz)]
-            t0 = time.perf_counter()  # the previous step's work is done: step() returns its tokens on the host
+            t0 = (
+                time.perf_counter()
+            )  # the previous step's work is done: step() returns its tokens on the host
             res = runner.step(reqs)
             times.append(time.perf_counter() - t0)
             last = [o.token_id for o in res.outputs]
         times = sorted(times[2:]) or times  # drop warm-up
         med = times[len(times) // 2]
-        rows.append({"batch": bsz, "context": ctx, "step_ms_p50": med * 1e3, "tokens_per_s": bsz / med,
-                     "seconds": time.perf_counter() - t_batch})
+        rows.append(
+            {
+                "batch": bsz,
+                "context": ctx,
+                "step_ms_p50": med * 1e3,
+                "tokens_per_s": bsz / med,
+                "seconds": time.perf_counter() - t_batch,
+            }
+        )
         if on_row is not None:
             on_row(rows)
         print(f"batch {bsz:4d} ctx {ctx}: {med * 1e3:8.2f} ms/step  {bsz / med:10.0f} tok/s", flush=True)
@@ -282,13 +333,19 @@ def write_results(out: pathlib.Path, mp: dict, rows: list[dict]) -> None:
     """(Re)write worker_bench.md / .json with everything measured so far."""
     md = ["# worker GPU check", ""]
     if mp:
-        md += [f"multi-process shared cache over {mp.get('backend', '?')}: "
-               f"{'PASS' if mp['ok'] else 'FAIL'} {'' if mp['ok'] else mp.get('error', '') or mp}", ""]
+        md += [
+            f"multi-process shared cache over {mp.get('backend', '?')}: "
+            f"{'PASS' if mp['ok'] else 'FAIL'} {'' if mp['ok'] else mp.get('error', '') or mp}",
+            "",
+        ]
     else:
         md += ["multi-process shared cache: not finished", ""]
     if rows:
         md += ["| batch | context | step p50 (ms) | tokens/s |", "|---:|---:|---:|---:|"]
-        md += [f"| {r['batch']} | {r['context']} | {r['step_ms_p50']:.2f} | {r['tokens_per_s']:.0f} |" for r in rows]
+        md += [
+            f"| {r['batch']} | {r['context']} | {r['step_ms_p50']:.2f} | {r['tokens_per_s']:.0f} |"
+            for r in rows
+        ]
     (out / "worker_bench.md").write_text("\n".join(md) + "\n")
     (out / "worker_bench.json").write_text(json.dumps({"multi_process": mp, "throughput": rows}, indent=1))
 
@@ -303,8 +360,12 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=None)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--skip-throughput", action="store_true")
-    ap.add_argument("--deadline-s", type=float, default=600.0,
-                    help="every wait and phase ends within this many seconds of the start")
+    ap.add_argument(
+        "--deadline-s",
+        type=float,
+        default=600.0,
+        help="every wait and phase ends within this many seconds of the start",
+    )
     args = ap.parse_args()
     DEADLINE_S = args.deadline_s
     signal.signal(signal.SIGTERM, lambda *_: (kill_all(), sys.exit(124)))
@@ -320,16 +381,40 @@ def main() -> int:
         print(json.dumps({k: v for k, v in mp.items() if k != "tokens"}), flush=True)
         write_results(out, mp, rows)
         if not args.skip_throughput:
-            shape = (dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
-                          num_kv_heads=8, head_dim=64) if cuda else
-                     dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                          num_kv_heads=2, head_dim=16))
+            shape = (
+                dict(
+                    vocab_size=32000,
+                    hidden_size=2048,
+                    intermediate_size=8192,
+                    num_layers=16,
+                    num_heads=32,
+                    num_kv_heads=8,
+                    head_dim=64,
+                )
+                if cuda
+                else dict(
+                    vocab_size=256,
+                    hidden_size=64,
+                    intermediate_size=128,
+                    num_layers=2,
+                    num_heads=4,
+                    num_kv_heads=2,
+                    head_dim=16,
+                )
+            )
             batches = [int(x) for x in (args.batches or ("1,8,32,64,128,256" if cuda else "1,4")).split(",")]
             ctx = args.context or (512 if cuda else 32)
             print(f"== decode throughput ({args.device}, {dtype}, model {shape})", flush=True)
             try:
-                rows = throughput(args.device, dtype, batches, ctx, args.steps, shape,
-                                  on_row=lambda r: write_results(out, mp, r))
+                rows = throughput(
+                    args.device,
+                    dtype,
+                    batches,
+                    ctx,
+                    args.steps,
+                    shape,
+                    on_row=lambda r: write_results(out, mp, r),
+                )
             except Exception as e:  # noqa: BLE001 - keep the rows measured before the failure
                 print(f"throughput failed: {type(e).__name__}: {e}", flush=True)
                 rows = json.loads((out / "worker_bench.json").read_text())["throughput"]

@@ -46,10 +46,11 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from pagedkv.healthcheck import wait_healthy
-from pagedkv.ports import free_port
-from pagedkv.v1 import block_manager_pb2 as pb
-from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
+# After the sys.path line above: run as a script, the repository root must be importable first.
+from pagedkv.healthcheck import wait_healthy  # noqa: E402
+from pagedkv.ports import free_port  # noqa: E402
+from pagedkv.v1 import block_manager_pb2 as pb  # noqa: E402
+from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc  # noqa: E402
 
 STEP_SEQS = 256
 APPEND_SEQS = 256
@@ -80,9 +81,23 @@ def start_server(num_gpu_blocks: int, timeout_s: float = 30.0) -> tuple[subproce
     last_err = ""
     for _ in range(3):  # the port picked can be taken in between: try another one
         port = free_port()
-        cmd = [sys.executable, "-m", "pagedkv.cli", "block-manager", "--host", "127.0.0.1", "--port", str(port),
-               "--num-gpu-blocks", str(num_gpu_blocks), "--log-level", "warning"]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+        cmd = [
+            sys.executable,
+            "-m",
+            "pagedkv.cli",
+            "block-manager",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--num-gpu-blocks",
+            str(num_gpu_blocks),
+            "--log-level",
+            "warning",
+        ]
+        env = dict(
+            os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+        )
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         target = f"127.0.0.1:{port}"
         try:
@@ -123,17 +138,25 @@ class Workload:
         for seq in self.append_ids + self.step_ids:
             stub.Allocate(pb.AllocateRequest(seq_id=seq, num_tokens=16), timeout=5)
         for i, seq in enumerate(self.iter_ids):
-            stub.Allocate(pb.AllocateRequest(seq_id=seq, num_tokens=16, token_ids=[(i + j) % 30_000 for j in range(16)],
-                                             lease_id=LEASE), timeout=5)
+            stub.Allocate(
+                pb.AllocateRequest(
+                    seq_id=seq, num_tokens=16, token_ids=[(i + j) % 30_000 for j in range(16)], lease_id=LEASE
+                ),
+                timeout=5,
+            )
         self.iter_n = 0
         self.iter_tokens = [(7 * i) % 30_000 for i in range(STEP_SEQS)]
         self.iter_prefix = list(range(100, 100 + ITER_PROMPT - 16))
         self.appends = [pb.AppendRequest(seq_id=s, num_tokens=1) for s in self.append_ids]
         self.step_packed = pb.StepRequest(append_seq_ids=self.step_ids)
-        self.step_sub = pb.StepRequest(appends=[pb.AppendRequest(seq_id=s, num_tokens=1) for s in self.step_ids])
+        self.step_sub = pb.StepRequest(
+            appends=[pb.AppendRequest(seq_id=s, num_tokens=1) for s in self.step_ids]
+        )
         self.n = 0
 
-    def calls(self, bm: object, health: object) -> dict[str, Callable[[], tuple[Callable[..., object], object]]]:
+    def calls(
+        self, bm: object, health: object
+    ) -> dict[str, Callable[[], tuple[Callable[..., object], object]]]:
         """row -> function returning (stub method, request) for the next call."""
         check, stats = health.Check, bm.GetStats  # type: ignore[attr-defined]
         append, step = bm.Append, bm.Step  # type: ignore[attr-defined]
@@ -175,16 +198,21 @@ class Workload:
         for i in range(0, STEP_SEQS, 37):
             tokens[i] = (tokens[i] + n) % 30_000  # sampled tokens change every iteration
         return pb.StepRequest(
-            commit_seq_ids=commit_ids, commit_num_computed_tokens=[computed] * ITER_COMMITS,
+            commit_seq_ids=commit_ids,
+            commit_num_computed_tokens=[computed] * ITER_COMMITS,
             free_seq_ids=frees,
-            append_seq_ids=self.iter_ids, append_token_ids=tokens,
-            alloc_seq_ids=new_ids, alloc_num_tokens=[ITER_PROMPT] * ITER_FREES, alloc_token_ids=prompts,
+            append_seq_ids=self.iter_ids,
+            append_token_ids=tokens,
+            alloc_seq_ids=new_ids,
+            alloc_num_tokens=[ITER_PROMPT] * ITER_FREES,
+            alloc_token_ids=prompts,
             alloc_lease_ids=[LEASE] * ITER_FREES,
         )
 
 
-def run_sync(channel: grpc.Channel, work: Workload, window_s: float, rounds: int,
-             results: dict[str, Cell]) -> None:
+def run_sync(
+    channel: grpc.Channel, work: Workload, window_s: float, rounds: int, results: dict[str, Cell]
+) -> None:
     calls = work.calls(pb_grpc.BlockManagerStub(channel), health_pb2_grpc.HealthStub(channel))
     for name in ROWS:  # warm up
         end = time.perf_counter() + min(window_s, 0.1)
@@ -210,8 +238,9 @@ def run_sync(channel: grpc.Channel, work: Workload, window_s: float, rounds: int
             cell.seconds += (t - start) / 1e9
 
 
-async def run_async(target: str, work: Workload, window_s: float, rounds: int, in_flight: int,
-                    results: dict[str, Cell]) -> None:
+async def run_async(
+    target: str, work: Workload, window_s: float, rounds: int, in_flight: int, results: dict[str, Cell]
+) -> None:
     async with grpc.aio.insecure_channel(target) as channel:
         calls = work.calls(pb_grpc.BlockManagerStub(channel), health_pb2_grpc.HealthStub(channel))
         clock = time.perf_counter_ns
@@ -247,11 +276,17 @@ def render(table: dict[int, dict[str, Cell]], in_flight: int) -> tuple[str, dict
         for name in ROWS:
             c = cells[name]
             ratio = c.calls_per_s / floor if floor else 0.0
-            lines.append(f"{LABELS[name]:<44}{flight:>10}{c.calls_per_s:>10.0f}{c.pct_ms(50):>9.3f}"
-                         f"{c.pct_ms(99):>9.3f}{ratio:>10.2f}")
-            data[f"{name}@{flight}"] = {"calls_per_s": round(c.calls_per_s, 1), "p50_ms": round(c.pct_ms(50), 4),
-                                        "p99_ms": round(c.pct_ms(99), 4), "vs_floor": round(ratio, 3),
-                                        "count": len(c.latencies_ns)}
+            lines.append(
+                f"{LABELS[name]:<44}{flight:>10}{c.calls_per_s:>10.0f}{c.pct_ms(50):>9.3f}"
+                f"{c.pct_ms(99):>9.3f}{ratio:>10.2f}"
+            )
+            data[f"{name}@{flight}"] = {
+                "calls_per_s": round(c.calls_per_s, 1),
+                "p50_ms": round(c.pct_ms(50), 4),
+                "p99_ms": round(c.pct_ms(99), 4),
+                "vs_floor": round(ratio, 3),
+                "count": len(c.latencies_ns),
+            }
     lines.append("")
     lines.append("targets:")
     all_ok = True
@@ -260,8 +295,10 @@ def render(table: dict[int, dict[str, Cell]], in_flight: int) -> tuple[str, dict
         want = APPEND_TARGET_1 if flight == 1 else APPEND_TARGET_N
         ok = ratio >= want
         all_ok &= ok
-        lines.append(f"  unary Append calls/s >= {want:.0%} of the floor's, {flight:>2} in flight: {ratio:6.1%}  "
-                     f"{'ok' if ok else 'MISS'}")
+        lines.append(
+            f"  unary Append calls/s >= {want:.0%} of the floor's, {flight:>2} in flight: {ratio:6.1%}  "
+            f"{'ok' if ok else 'MISS'}"
+        )
     for name in ("Step/packed", "Step/sub"):
         p50 = table[1][name].pct_ms(50)
         ok = p50 < 2.0
@@ -271,8 +308,10 @@ def render(table: dict[int, dict[str, Cell]], in_flight: int) -> tuple[str, dict
     p50 = table[1]["Step/iteration"].pct_ms(50)
     ok = p50 <= ITERATION_P50_MS
     all_ok &= ok
-    lines.append(f"  {LABELS['Step/iteration']} p50 <= {ITERATION_P50_MS} ms, 1 in flight: {p50:.3f} ms  "
-                 f"{'ok' if ok else 'MISS'}")
+    lines.append(
+        f"  {LABELS['Step/iteration']} p50 <= {ITERATION_P50_MS} ms, 1 in flight: {p50:.3f} ms  "
+        f"{'ok' if ok else 'MISS'}"
+    )
     packed, sub = table[1]["Step/packed"].pct_ms(50), table[1]["Step/sub"].pct_ms(50)
     if packed:
         lines.append(f"  (sub-messages / packed p50 at 1 in flight: {sub / packed:.2f}x)")
@@ -294,15 +333,21 @@ def main(argv: list[str] | None = None) -> int:
     # Every Step grows 256 sequences by a token: room for a few thousand Steps at 16 tokens/block,
     # for each of the two 256-sequence Step rows, plus the iteration row's in-flight allocations.
     expected_steps = int(2 * rounds * window * 4000)
-    num_gpu_blocks = min(2**31 - 1, 4 * (APPEND_SEQS + 2 * STEP_SEQS) + 2 * STEP_SEQS * (expected_steps // 16 + 2)
-                         + 2 * ITER_LAG * ITER_FREES * (ITER_PROMPT // 16))
+    num_gpu_blocks = min(
+        2**31 - 1,
+        4 * (APPEND_SEQS + 2 * STEP_SEQS)
+        + 2 * STEP_SEQS * (expected_steps // 16 + 2)
+        + 2 * ITER_LAG * ITER_FREES * (ITER_PROMPT // 16),
+    )
     t0 = time.monotonic()
     proc, target = start_server(num_gpu_blocks)
     try:
         with grpc.insecure_channel(target) as channel:
             work = Workload(channel)
-            table: dict[int, dict[str, Cell]] = {1: {n: Cell() for n in ROWS},
-                                                 args.in_flight: {n: Cell() for n in ROWS}}
+            table: dict[int, dict[str, Cell]] = {
+                1: {n: Cell() for n in ROWS},
+                args.in_flight: {n: Cell() for n in ROWS},
+            }
             run_sync(channel, work, window, rounds, table[1])
         asyncio.run(run_async(target, work, window, rounds, args.in_flight, table[args.in_flight]))
     finally:
@@ -312,9 +357,11 @@ def main(argv: list[str] | None = None) -> int:
         except subprocess.TimeoutExpired:
             proc.kill()
     text, data, ok = render(table, args.in_flight)
-    print(f"block manager over gRPC on loopback ({target}; server and client in separate processes, "
-          f"{os.cpu_count()} CPUs; {rounds} round(s) x {window:.2f} s per row; sync stub at 1 in flight, "
-          f"grpc.aio at {args.in_flight})")
+    print(
+        f"block manager over gRPC on loopback ({target}; server and client in separate processes, "
+        f"{os.cpu_count()} CPUs; {rounds} round(s) x {window:.2f} s per row; sync stub at 1 in flight, "
+        f"grpc.aio at {args.in_flight})"
+    )
     print(text)
     print(f"wall time {time.monotonic() - t0:.1f} s")
     if args.json:

@@ -26,6 +26,7 @@ Results: a markdown table on stdout (last) and, with ``--out DIR`` or ``$OUT``, 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -168,7 +169,11 @@ def _sdpa_best(b: Bench, run: Callable[[], torch.Tensor]) -> tuple[float, str]:
 
 
 def _sdpa_fn(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, call: Callable[..., torch.Tensor],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    call: Callable[..., torch.Tensor],
     expand_ok: bool,
 ) -> Callable[[], torch.Tensor]:
     """SDPA with native GQA (enable_gqa) when this torch/backend takes it, else with K/V expanded
@@ -235,11 +240,15 @@ def section_decode(b: Bench) -> list[Row]:
     for dtype in b.dtypes:
         for batch, ctx in grid:
             if b.out_of_time():
-                rows.append({"dtype": _dtype_name(dtype), "batch": batch, "ctx": ctx, "note": "skipped: time budget"})
+                rows.append(
+                    {"dtype": _dtype_name(dtype), "batch": batch, "ctx": ctx, "note": "skipped: time budget"}
+                )
                 continue
             kv_bytes = 2 * batch * ctx * kv_heads * dim * torch.finfo(dtype).bits // 8
             if 2 * kv_bytes > b.max_gib * 2**30:  # paged + contiguous copies
-                rows.append({"dtype": _dtype_name(dtype), "batch": batch, "ctx": ctx, "note": "skipped: memory"})
+                rows.append(
+                    {"dtype": _dtype_name(dtype), "batch": batch, "ctx": ctx, "note": "skipped: memory"}
+                )
                 continue
             rows.append(_decode_case(b, batch, ctx, heads, kv_heads, dim, block, dtype, kv_bytes))
             b.free()
@@ -247,14 +256,23 @@ def section_decode(b: Bench) -> list[Row]:
 
 
 def _decode_case(
-    b: Bench, batch: int, ctx: int, heads: int, kv_heads: int, dim: int, block: int, dtype: torch.dtype,
+    b: Bench,
+    batch: int,
+    ctx: int,
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    block: int,
+    dtype: torch.dtype,
     kv_bytes: int,
 ) -> Row:
     x = _paged_decode_inputs(b, batch, ctx, heads, kv_heads, dim, block, dtype)
     scale = dim**-0.5
 
     def paged() -> torch.Tensor:
-        return kernels.paged_decode_attention(x["q"], x["kc"], x["vc"], x["bt"], x["seq_lens"], scale, max_seq_len=ctx)
+        return kernels.paged_decode_attention(
+            x["q"], x["kc"], x["vc"], x["bt"], x["seq_lens"], scale, max_seq_len=ctx
+        )
 
     row: Row = {"dtype": _dtype_name(dtype), "batch": batch, "ctx": ctx}
     if b.smoke:
@@ -281,7 +299,11 @@ def _decode_case(
 
     try:
         sdpa = _sdpa_fn(
-            q4, k, v, scale, lambda q_, k_, v_, **kw: F.scaled_dot_product_attention(q_, k_, v_, **kw),
+            q4,
+            k,
+            v,
+            scale,
+            lambda q_, k_, v_, **kw: F.scaled_dot_product_attention(q_, k_, v_, **kw),
             expand_ok=2 * kv_bytes * heads // kv_heads < b.max_gib * 2**30,
         )
         base = sdpa().squeeze(2)
@@ -308,8 +330,15 @@ def section_prefill(b: Bench) -> list[Row]:
     for dtype in b.dtypes:
         for batch, prefix, chunk in cases:
             if b.out_of_time():
-                rows.append({"dtype": _dtype_name(dtype), "batch": batch, "prefix": prefix, "chunk": chunk,
-                             "note": "skipped: time budget"})
+                rows.append(
+                    {
+                        "dtype": _dtype_name(dtype),
+                        "batch": batch,
+                        "prefix": prefix,
+                        "chunk": chunk,
+                        "note": "skipped: time budget",
+                    }
+                )
                 continue
             rows.append(_prefill_case(b, batch, prefix, chunk, heads, kv_heads, dim, block, dtype))
             b.free()
@@ -317,7 +346,14 @@ def section_prefill(b: Bench) -> list[Row]:
 
 
 def _prefill_case(
-    b: Bench, batch: int, prefix: int, chunk: int, heads: int, kv_heads: int, dim: int, block: int,
+    b: Bench,
+    batch: int,
+    prefix: int,
+    chunk: int,
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    block: int,
     dtype: torch.dtype,
 ) -> Row:
     seq = prefix + chunk
@@ -328,8 +364,9 @@ def _prefill_case(
     scale = dim**-0.5
 
     def paged() -> torch.Tensor:
-        return kernels.paged_prefill_attention(q, x["kc"], x["vc"], x["bt"], qsl, x["seq_lens"], scale,
-                                               max_query_len=chunk)
+        return kernels.paged_prefill_attention(
+            q, x["kc"], x["vc"], x["bt"], qsl, x["seq_lens"], scale, max_query_len=chunk
+        )
 
     row: Row = {"dtype": _dtype_name(dtype), "batch": batch, "prefix": prefix, "chunk": chunk}
     if b.smoke:
@@ -377,9 +414,11 @@ def section_write_kv(b: Bench) -> list[Row]:
         key = torch.randn((tokens, kv_heads, dim), dtype=dtype, device=b.device)
         value = torch.randn_like(key)
         slots = torch.randperm(num_blocks * block, device=b.device)[:tokens]
-        ms = b.time_ms(lambda: kernels.write_kv_cache(key, value, kc, vc, slots))
+        ms = b.time_ms(functools.partial(kernels.write_kv_cache, key, value, kc, vc, slots))
         nbytes = 2 * 2 * key.numel() * key.element_size()  # K and V, read + write
-        rows.append({"dtype": _dtype_name(dtype), "tokens": tokens, "ms": ms, "GB/s (r+w)": _gb_per_s(nbytes, ms)})
+        rows.append(
+            {"dtype": _dtype_name(dtype), "tokens": tokens, "ms": ms, "GB/s (r+w)": _gb_per_s(nbytes, ms)}
+        )
     return rows
 
 
@@ -393,10 +432,17 @@ def section_copy_blocks(b: Bench) -> list[Row]:
         vcs = [big[i, 1] for i in range(layers)]
         perm = torch.randperm(num_blocks)
         pairs = torch.stack([perm[:pairs_n], perm[pairs_n : 2 * pairs_n]], dim=1).to(b.device)
-        ms = b.time_ms(lambda: kernels.copy_blocks(kcs, vcs, pairs))
+        ms = b.time_ms(functools.partial(kernels.copy_blocks, kcs, vcs, pairs))
         nbytes = 2 * layers * 2 * pairs_n * block * kv_heads * dim * big.element_size()
-        rows.append({"dtype": _dtype_name(dtype), "layers": layers, "pairs": pairs_n, "ms": ms,
-                     "GB/s (r+w)": _gb_per_s(nbytes, ms)})
+        rows.append(
+            {
+                "dtype": _dtype_name(dtype),
+                "layers": layers,
+                "pairs": pairs_n,
+                "ms": ms,
+                "GB/s (r+w)": _gb_per_s(nbytes, ms),
+            }
+        )
     return rows
 
 
@@ -416,8 +462,10 @@ def section_swap(b: Bench) -> list[Row]:
         ("cpu->gpu", lambda: kernels.swap_blocks(cpu, gpu, pairs)),
     ):
         reps = 5
-        ms = b.elapsed_ms(lambda: [fn() for _ in range(reps)]) / reps
-        rows.append({"direction": name, "blocks": n, "MiB": nbytes / 2**20, "ms": ms, "GB/s": _gb_per_s(nbytes, ms)})
+        ms = b.elapsed_ms(lambda fn=fn, reps=reps: [fn() for _ in range(reps)]) / reps
+        rows.append(
+            {"direction": name, "blocks": n, "MiB": nbytes / 2**20, "ms": ms, "GB/s": _gb_per_s(nbytes, ms)}
+        )
     return rows
 
 
@@ -477,12 +525,18 @@ def section_deadline(now: float, end: float, sections_left: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on CPU: interpreter vs reference")
-    ap.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated subset of " + ",".join(SECTIONS))
+    ap.add_argument(
+        "--sections", default=",".join(SECTIONS), help="comma-separated subset of " + ",".join(SECTIONS)
+    )
     ap.add_argument("--dtypes", default=None, help="comma-separated: float16,bfloat16,float32")
     ap.add_argument("--max-gib", type=float, default=40.0, help="skip cases needing more device memory")
-    ap.add_argument("--time-budget", type=float, default=200.0,
-                    help="seconds for all sections: each gets an equal share of what is left when it starts "
-                    "and skips its remaining cases after that")
+    ap.add_argument(
+        "--time-budget",
+        type=float,
+        default=200.0,
+        help="seconds for all sections: each gets an equal share of what is left when it starts "
+        "and skips its remaining cases after that",
+    )
     ap.add_argument("--out", default=os.environ.get("OUT"), help="directory for results.md / results.json")
     args = ap.parse_args(argv)
 
@@ -515,8 +569,11 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "results.md").write_text(md + "\n")
-        (out / "results.json").write_text(json.dumps({"ceiling_gbs": b.ceiling_gbs, "tables": b.tables,
-                                                      "errors": b.errors}, indent=1, default=str))
+        (out / "results.json").write_text(
+            json.dumps(
+                {"ceiling_gbs": b.ceiling_gbs, "tables": b.tables, "errors": b.errors}, indent=1, default=str
+            )
+        )
     print(md)
     return 1 if b.errors else 0
 

@@ -79,9 +79,17 @@ def make_model(path: pathlib.Path, hidden: int, layers: int, vocab: int, seed: i
 
     torch.manual_seed(seed)
     heads = max(2, hidden // 32)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), head_dim=32,
-                      max_position_embeddings=4096, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        head_dim=32,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
     LlamaForCausalLM(cfg).eval().save_pretrained(path)
 
 
@@ -93,7 +101,9 @@ def make_workload(args: argparse.Namespace, vocab: int) -> list[Arrival]:
         for u in range(args.users):
             for turn in range(args.turns):
                 user = [rng.randrange(vocab) for _ in range(args.user_tokens)]
-                reqs.append(GenerationRequest(f"g{g}-u{u}-t{turn}", systems[g] + user, max_tokens=args.max_tokens))
+                reqs.append(
+                    GenerationRequest(f"g{g}-u{u}-t{turn}", systems[g] + user, max_tokens=args.max_tokens)
+                )
     rng.shuffle(reqs)
     t, out = 0.0, []
     for r in reqs:
@@ -107,13 +117,24 @@ class Pool:
 
     def __init__(self, name: str, args: argparse.Namespace, model: str) -> None:
         self.name = name
-        overrides = {"kv_events_endpoint": "tcp://127.0.0.1:*", "kv_events_replay_endpoint": "tcp://127.0.0.1:*",
-                     "kv_events_topic": f"kv@{name}@bench", "eviction_policy": args.eviction_policy}
-        self.stack = LocalStack(StackConfig(model=model, num_gpu_blocks=args.blocks_per_pool,
-                                            block_size=args.block_size, device="cpu",
-                                            block_manager_overrides=overrides))
-        self.engine = self.stack.engine(EngineConfig(max_num_seqs=args.max_num_seqs,
-                                                     max_batch_tokens=args.max_batch_tokens))
+        overrides = {
+            "kv_events_endpoint": "tcp://127.0.0.1:*",
+            "kv_events_replay_endpoint": "tcp://127.0.0.1:*",
+            "kv_events_topic": f"kv@{name}@bench",
+            "eviction_policy": args.eviction_policy,
+        }
+        self.stack = LocalStack(
+            StackConfig(
+                model=model,
+                num_gpu_blocks=args.blocks_per_pool,
+                block_size=args.block_size,
+                device="cpu",
+                block_manager_overrides=overrides,
+            )
+        )
+        self.engine = self.stack.engine(
+            EngineConfig(max_num_seqs=args.max_num_seqs, max_batch_tokens=args.max_batch_tokens)
+        )
         pub = self.stack.block_manager.kv_events
         assert pub is not None
         self.events = PoolSubscriber(pub.endpoint, pub.replay_endpoint, f"kv@{name}@bench")
@@ -127,7 +148,9 @@ class Pool:
 
     def warm_up(self, vocab: int) -> None:
         """Compile and allocate once before measuring (the warm-up's blocks are cleared after)."""
-        self.engine.generate([GenerationRequest(f"warm-{self.name}", list(range(min(vocab, 40))), max_tokens=2)])
+        self.engine.generate(
+            [GenerationRequest(f"warm-{self.name}", list(range(min(vocab, 40))), max_tokens=2)]
+        )
         self.stack.block_manager.servicer._core.reset_prefix_cache()
 
     def start(self) -> None:
@@ -163,14 +186,19 @@ class Pool:
         self.stack.close()
 
 
-def run_policy(policy: str, args: argparse.Namespace, model: str, vocab: int, workload: list[Arrival]) -> Result:
+def run_policy(
+    policy: str, args: argparse.Namespace, model: str, vocab: int, workload: list[Arrival]
+) -> Result:
     pools = [Pool(f"pool{i}", args, model) for i in range(args.pools)]
     try:
         for p in pools:
             p.warm_up(vocab)
         time.sleep(0.3)  # the warm-up's events (and the reset) reach the router
-        router = (RoundRobinRouter(len(pools)) if policy == "round-robin"
-                  else PrefixAwareRouter([p.events for p in pools], args.block_size))
+        router = (
+            RoundRobinRouter(len(pools))
+            if policy == "round-robin"
+            else PrefixAwareRouter([p.events for p in pools], args.block_size)
+        )
         for p in pools:
             p.start()
         res = Result(policy, per_pool=[0] * len(pools))
@@ -215,8 +243,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--rate", type=float, default=6.0, help="arrivals per second (Poisson)")
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--blocks-per-pool", type=int, default=80,
-                    help="KV blocks per pool (80: about 4 of the 8 system prompts fit beside running requests)")
+    ap.add_argument(
+        "--blocks-per-pool",
+        type=int,
+        default=80,
+        help="KV blocks per pool (80: about 4 of the 8 system prompts fit beside running requests)",
+    )
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--max-batch-tokens", type=int, default=512)
     ap.add_argument("--eviction-policy", default="lru", choices=["lru", "lru-size"])
@@ -243,15 +275,21 @@ def main(argv: list[str] | None = None) -> int:
         workload = make_workload(args, vocab)
         results = [run_policy(p, args, model, vocab, workload) for p in ("round-robin", "prefix-aware")]
 
-    print(f"{args.pools} pools x {args.blocks_per_pool} blocks of {args.block_size}; {args.groups} groups x "
-          f"{args.users} users x {args.turns} turns = {len(workload)} requests; system prompt "
-          f"{args.system_tokens} + user {args.user_tokens} tokens, {args.max_tokens} generated; "
-          f"Poisson {args.rate}/s; model hidden {args.hidden}, {args.layers} layers (CPU)")
-    print(f"{'policy':<14}{'hit rate':>10}{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}{'tok/s':>9}{'req/s':>8}"
-          f"  requests per pool")
+    print(
+        f"{args.pools} pools x {args.blocks_per_pool} blocks of {args.block_size}; {args.groups} groups x "
+        f"{args.users} users x {args.turns} turns = {len(workload)} requests; system prompt "
+        f"{args.system_tokens} + user {args.user_tokens} tokens, {args.max_tokens} generated; "
+        f"Poisson {args.rate}/s; model hidden {args.hidden}, {args.layers} layers (CPU)"
+    )
+    print(
+        f"{'policy':<14}{'hit rate':>10}{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}{'tok/s':>9}{'req/s':>8}"
+        f"  requests per pool"
+    )
     for r in results:
-        print(f"{r.policy:<14}{r.hit_rate:>10.1%}{r.ttft(0.5) * 1e3:>13.1f}{r.ttft(0.99) * 1e3:>13.1f}"
-              f"{r.generated_tokens / r.wall_s:>9.1f}{r.requests / r.wall_s:>8.2f}  {r.per_pool}")
+        print(
+            f"{r.policy:<14}{r.hit_rate:>10.1%}{r.ttft(0.5) * 1e3:>13.1f}{r.ttft(0.99) * 1e3:>13.1f}"
+            f"{r.generated_tokens / r.wall_s:>9.1f}{r.requests / r.wall_s:>8.2f}  {r.per_pool}"
+        )
     rr, pa = results
     ratio = pa.hit_rate / rr.hit_rate if rr.hit_rate else float("inf")
     print(f"prefix-aware / round-robin: hit rate x{ratio:.2f}, TTFT p99 x{pa.ttft(0.99) / rr.ttft(0.99):.2f}")

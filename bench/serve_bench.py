@@ -100,9 +100,16 @@ def make_model(path: Path, hidden: int, layers: int, vocab: int, seed: int) -> N
 
     torch.manual_seed(seed)
     heads = max(1, hidden // 64)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 8 // 3 // 64 * 64 or hidden * 2,
-                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
-                      max_position_embeddings=4096, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=hidden * 8 // 3 // 64 * 64 or hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
     LlamaForCausalLM(cfg).eval().save_pretrained(path)
 
 
@@ -113,7 +120,9 @@ class Workload:
         self.args = args
         self.vocab = vocab
         rng = random.Random(args.seed)
-        self.systems = [[rng.randrange(10, vocab) for _ in range(args.system_len)] for _ in range(args.system_prompts)]
+        self.systems = [
+            [rng.randrange(10, vocab) for _ in range(args.system_len)] for _ in range(args.system_prompts)
+        ]
 
     def _len(self, rng: random.Random, mean: float, lo: int, hi: int) -> int:
         sigma = self.args.sigma
@@ -127,21 +136,33 @@ class Workload:
         for _ in range(n):
             system = rng.choice(self.systems)
             user = self._len(rng, a.input_len, 4, a.input_len * 4)
-            out.append(Req(system + [rng.randrange(10, self.vocab) for _ in range(user)],
-                           self._len(rng, a.output_len, 2, a.output_len * 4)))
+            out.append(
+                Req(
+                    system + [rng.randrange(10, self.vocab) for _ in range(user)],
+                    self._len(rng, a.output_len, 2, a.output_len * 4),
+                )
+            )
         return out
 
 
 async def one_request(url: str, model: str, req: Req, api_key: str) -> Result:
-    body = {"model": model, "prompt": req.prompt, "max_tokens": req.output_len, "temperature": 0,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": req.prompt,
+        "max_tokens": req.output_len,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
     res = Result(prompt_tokens=len(req.prompt))
     start = time.perf_counter()
     last = start
     try:
         async for t, ev in stream_events(url + "/v1/completions", body, api_key=api_key):
             if ev.get("usage"):
-                res.cached_tokens = int((ev["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+                res.cached_tokens = int(
+                    (ev["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+                )
             for ch in ev.get("choices", []):
                 n = len(ch.get("token_ids") or [])
                 if not n:
@@ -161,8 +182,9 @@ async def one_request(url: str, model: str, req: Req, api_key: str) -> Result:
     return res
 
 
-async def run_load(url: str, model: str, reqs: list[Req], rate: float, concurrency: int, seed: int,
-                   api_key: str) -> tuple[list[Result], float]:
+async def run_load(
+    url: str, model: str, reqs: list[Req], rate: float, concurrency: int, seed: int, api_key: str
+) -> tuple[list[Result], float]:
     rng = random.Random(seed)
     sem = asyncio.Semaphore(concurrency) if concurrency > 0 else None
 
@@ -186,7 +208,11 @@ def row_from(name: str, results: list[Result], duration: float) -> Row:
     ok = [r for r in results if r.ok]
     prompt = sum(r.prompt_tokens for r in ok)
     return Row(
-        name, len(results), len(results) - len(ok), duration, sum(r.output_tokens for r in ok),
+        name,
+        len(results),
+        len(results) - len(ok),
+        duration,
+        sum(r.output_tokens for r in ok),
         [r.ttft for r in ok],
         [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1],
         [x for r in ok for x in r.itl],
@@ -212,12 +238,28 @@ def transformers_static(model_dir: str, reqs: list[Req], batch_size: int, thread
             ids = torch.tensor([[pad] * (width - len(r.prompt)) + r.prompt for r in batch])
             mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in batch])
             longest = max(r.output_len for r in batch)
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
-                           do_sample=False, pad_token_id=pad, eos_token_id=None)
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=longest,
+                min_new_tokens=longest,
+                do_sample=False,
+                pad_token_id=pad,
+                eos_token_id=None,
+            )
             useful += sum(r.output_len for r in batch)
     duration = time.perf_counter() - start
-    return Row(f"transformers static (batch {batch_size}, {torch.get_num_threads()} threads)", len(reqs), 0,
-               duration, useful, [], [], [], None)
+    return Row(
+        f"transformers static (batch {batch_size}, {torch.get_num_threads()} threads)",
+        len(reqs),
+        0,
+        duration,
+        useful,
+        [],
+        [],
+        [],
+        None,
+    )
 
 
 def prefill_alone(url: str, model: str, reqs: list[Req], api_key: str) -> list[float]:
@@ -239,42 +281,97 @@ def _stats(xs: list[float]) -> str:
 
 
 def table(rows: list[Row], baseline: Row | None, alone: list[float]) -> str:
-    head = ("run", "req", "fail", "req/s", "out tok/s", "vs transformers", "TTFT ms mean/p50/p99",
-            "TPOT ms mean/p50/p99", "ITL ms mean/p50/p99", "prefix hits")
+    head = (
+        "run",
+        "req",
+        "fail",
+        "req/s",
+        "out tok/s",
+        "vs transformers",
+        "TTFT ms mean/p50/p99",
+        "TPOT ms mean/p50/p99",
+        "ITL ms mean/p50/p99",
+        "prefix hits",
+    )
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows + ([baseline] if baseline else []):
         # Only the offline run has the baseline's very requests (and the baseline row itself: 1.00x).
         same = r is baseline or r.name.startswith("offline")
-        ratio = f"{r.out_tok_per_s / baseline.out_tok_per_s:.2f}x" if same and baseline and baseline.out_tok_per_s \
+        ratio = (
+            f"{r.out_tok_per_s / baseline.out_tok_per_s:.2f}x"
+            if same and baseline and baseline.out_tok_per_s
             else "-"
-        lines.append("| " + " | ".join([
-            r.name, str(r.requests), str(r.failed), f"{r.req_per_s:.2f}", f"{r.out_tok_per_s:.1f}", ratio,
-            _stats(r.ttft), _stats(r.tpot), _stats(r.itl), "-" if r.hit_rate is None else f"{r.hit_rate:.1%}",
-        ]) + " |")
+        )
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    r.name,
+                    str(r.requests),
+                    str(r.failed),
+                    f"{r.req_per_s:.2f}",
+                    f"{r.out_tok_per_s:.1f}",
+                    ratio,
+                    _stats(r.ttft),
+                    _stats(r.tpot),
+                    _stats(r.itl),
+                    "-" if r.hit_rate is None else f"{r.hit_rate:.1%}",
+                ]
+            )
+            + " |"
+        )
     if alone:
-        lines.append(f"\nprefill alone (one request at a time, max_tokens 1): TTFT p50 "
-                     f"{statistics.median(alone) * 1e3:.0f} ms over {len(alone)} requests")
+        lines.append(
+            f"\nprefill alone (one request at a time, max_tokens 1): TTFT p50 "
+            f"{statistics.median(alone) * 1e3:.0f} ms over {len(alone)} requests"
+        )
         low = next((r for r in rows if r.name.startswith("rate")), None)
         if low and low.ttft:
-            lines.append(f"lowest-rate run ({low.name}): TTFT p50 / prefill alone p50 = "
-                         f"{statistics.median(low.ttft) / statistics.median(alone):.2f}x (target <= 1.3x)")
+            lines.append(
+                f"lowest-rate run ({low.name}): TTFT p50 / prefill alone p50 = "
+                f"{statistics.median(low.ttft) / statistics.median(alone):.2f}x (target <= 1.3x)"
+            )
     return "\n".join(lines)
 
 
-def start_stack(model_dir: str, num_gpu_blocks: int, max_num_seqs: int, max_batch_tokens: int,  # type: ignore[no-untyped-def]
-                preload: bool = True):
+def start_stack(
+    model_dir: str,
+    num_gpu_blocks: int,
+    max_num_seqs: int,
+    max_batch_tokens: int,  # type: ignore[no-untyped-def]
+    preload: bool = True,
+):
     """A stack as local processes (block manager, cache host, one worker, pagedkv serve)."""
     from frontend.stack import Stack, StackOptions
     from pagedkv.ports import free_port as free
 
     log_dir = tempfile.mkdtemp(prefix="pagedkv-serve-bench-")
-    opts = StackOptions(block_manager_port=free(), cache_host_port=free(), worker_port=free(), num_workers=1,
-                        num_gpu_blocks=num_gpu_blocks, model=model_dir, device="cpu", dtype="float32",
-                        log_format="json", log_dir=log_dir, serve_port=free(), preload_runtime=preload)
+    opts = StackOptions(
+        block_manager_port=free(),
+        cache_host_port=free(),
+        worker_port=free(),
+        num_workers=1,
+        num_gpu_blocks=num_gpu_blocks,
+        model=model_dir,
+        device="cpu",
+        dtype="float32",
+        log_format="json",
+        log_dir=log_dir,
+        serve_port=free(),
+        preload_runtime=preload,
+    )
     stack = Stack(opts, out=sys.stderr)
     frontend = next(s for s in stack.services if s.name == "frontend")
-    frontend.args += ["--max-num-seqs", str(max_num_seqs), "--max-batch-tokens", str(max_batch_tokens),
-                      "--max-waiting", "100000", "--log-level", "warning"]
+    frontend.args += [
+        "--max-num-seqs",
+        str(max_num_seqs),
+        "--max-batch-tokens",
+        str(max_batch_tokens),
+        "--max-waiting",
+        "100000",
+        "--log-level",
+        "warning",
+    ]
     print(f"serve_bench: starting the stack (logs in {log_dir})", file=sys.stderr, flush=True)
     stack.start()
     return stack, frontend.health_url.removesuffix("/health")
@@ -302,11 +399,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, default=64, help="mean output tokens (lognormal)")
     p.add_argument("--sigma", type=float, default=0.5, help="lognormal sigma of both lengths")
     p.add_argument("--baseline-batch-size", type=int, default=16)
-    p.add_argument("--baseline-threads", type=int, default=0,
-                   help="torch threads of the transformers baseline (0 = torch's default, as the worker)")
+    p.add_argument(
+        "--baseline-threads",
+        type=int,
+        default=0,
+        help="torch threads of the transformers baseline (0 = torch's default, as the worker)",
+    )
     p.add_argument("--no-baseline", action="store_true")
-    p.add_argument("--no-preload", action="store_true",
-                   help="run the baseline and the stack's workers without tcmalloc / Intel OpenMP preloaded")
+    p.add_argument(
+        "--no-preload",
+        action="store_true",
+        help="run the baseline and the stack's workers without tcmalloc / Intel OpenMP preloaded",
+    )
     p.add_argument("--alone-requests", type=int, default=8, help="requests for the prefill-alone figure")
     p.add_argument("--num-gpu-blocks", type=int, default=2048, help="when the stack is started here")
     p.add_argument("--max-num-seqs", type=int, default=64, help="when the stack is started here")
@@ -337,8 +441,13 @@ def main(argv: list[str] | None = None) -> int:
     url = args.url.rstrip("/")
     try:
         if not url:
-            stack, url = start_stack(args.model, args.num_gpu_blocks, args.max_num_seqs, args.max_batch_tokens,
-                                     preload=not args.no_preload)
+            stack, url = start_stack(
+                args.model,
+                args.num_gpu_blocks,
+                args.max_num_seqs,
+                args.max_batch_tokens,
+                preload=not args.no_preload,
+            )
         models = json.loads(get_text(url + "/v1/models", api_key=api_key))
         model = models["data"][0]["id"]
         wl = Workload(args, vocab)
@@ -347,8 +456,10 @@ def main(argv: list[str] | None = None) -> int:
         alone = prefill_alone(url, model, wl.requests(args.alone_requests, 998), api_key)
         rows: list[Row] = []
         offline: list[Req] = []
-        runs = [(f"rate {r:g} req/s" if math.isfinite(r) else "offline (all at once)", r, 0)
-                for r in sorted(parse_rates(args.rates))]
+        runs = [
+            (f"rate {r:g} req/s" if math.isfinite(r) else "offline (all at once)", r, 0)
+            for r in sorted(parse_rates(args.rates))
+        ]
         if args.max_concurrency > 0:
             runs.append((f"max concurrency {args.max_concurrency}", math.inf, args.max_concurrency))
         for i, (name, rate, conc) in enumerate(runs):
@@ -367,18 +478,42 @@ def main(argv: list[str] | None = None) -> int:
             stack.stop()
     baseline = None
     if not args.no_baseline and offline:
-        print("serve_bench: transformers static batching on the offline run's requests", file=sys.stderr, flush=True)
+        print(
+            "serve_bench: transformers static batching on the offline run's requests",
+            file=sys.stderr,
+            flush=True,
+        )
         baseline = transformers_static(args.model, offline, args.baseline_batch_size, args.baseline_threads)
-    print(f"\npagedkv serve vs transformers: {args.num_requests} requests per run, {args.system_prompts} shared "
-          f"system prompts of {args.system_len} tokens, user turns ~{args.input_len} and outputs ~{args.output_len} "
-          f"tokens (lognormal, sigma {args.sigma}), model {args.model}; LD_PRELOAD of this process (the baseline's): "
-          f"{os.environ.get('LD_PRELOAD') or 'none'}\n")
+    print(
+        f"\npagedkv serve vs transformers: {args.num_requests} requests per run, {args.system_prompts} "
+        "shared "
+        f"system prompts of {args.system_len} tokens, user turns ~{args.input_len} and outputs "
+        f"~{args.output_len} "
+        f"tokens (lognormal, sigma {args.sigma}), model {args.model}; LD_PRELOAD of this process (the "
+        "baseline's): "
+        f"{os.environ.get('LD_PRELOAD') or 'none'}\n"
+    )
     print(table(rows, baseline, alone))
     if args.json:
-        Path(args.json).write_text(json.dumps([
-            {"name": r.name, "requests": r.requests, "failed": r.failed, "duration_s": r.duration_s,
-             "req_per_s": r.req_per_s, "out_tok_per_s": r.out_tok_per_s, "hit_rate": r.hit_rate,
-             "ttft": r.ttft, "tpot": r.tpot} for r in rows + ([baseline] if baseline else [])], indent=1))
+        Path(args.json).write_text(
+            json.dumps(
+                [
+                    {
+                        "name": r.name,
+                        "requests": r.requests,
+                        "failed": r.failed,
+                        "duration_s": r.duration_s,
+                        "req_per_s": r.req_per_s,
+                        "out_tok_per_s": r.out_tok_per_s,
+                        "hit_rate": r.hit_rate,
+                        "ttft": r.ttft,
+                        "tpot": r.tpot,
+                    }
+                    for r in rows + ([baseline] if baseline else [])
+                ],
+                indent=1,
+            )
+        )
     return 1 if any(r.failed for r in rows) else 0
 
 

@@ -66,6 +66,7 @@ def lognormal_with_mean(rng: random.Random, mean: float, sigma: float) -> float:
 
 # --- 1. utilization -------------------------------------------------------------
 
+
 def sharegpt_trace(seed: int, num: int, rate: float) -> list[tuple[int, int, int]]:
     """(arrival step, prompt length, output length) per request."""
     rng = random.Random(seed)
@@ -138,6 +139,7 @@ def run_utilization(seed: int, num: int, rate: float) -> dict[str, float]:
 
 
 # --- 2. prefix caching ------------------------------------------------------------
+
 
 @dataclass(slots=True)
 class PrefixTrace:
@@ -245,13 +247,18 @@ class LocalCore:
         self.bm.check_invariants()
 
 
-def run_prefix(trace: PrefixTrace, policy: str, num_blocks: int, concurrency: int, seed: int,
-               use_grpc: bool) -> dict[str, float]:
+def run_prefix(
+    trace: PrefixTrace, policy: str, num_blocks: int, concurrency: int, seed: int, use_grpc: bool
+) -> dict[str, float]:
     bs = 16
     if use_grpc:
         core: GrpcCore | LocalCore = GrpcCore(
-            num_gpu_blocks=num_blocks, block_size=bs, eviction_policy=policy, preemption_mode="off",
-            watermark_fraction=0.0, log_level="warning",
+            num_gpu_blocks=num_blocks,
+            block_size=bs,
+            eviction_policy=policy,
+            preemption_mode="off",
+            watermark_fraction=0.0,
+            log_level="warning",
         )
     else:
         core = LocalCore(num_gpu_blocks=num_blocks, block_size=bs, eviction_policy=policy)
@@ -287,6 +294,7 @@ def run_prefix(trace: PrefixTrace, policy: str, num_blocks: int, concurrency: in
 
 # --- 3. overload ------------------------------------------------------------------
 
+
 def overload_trace(seed: int, num: int) -> tuple[list[int], list[tuple[list[int], int]]]:
     rng = random.Random(seed)
     system = [rng.randrange(VOCAB) for _ in range(1024)]
@@ -300,12 +308,20 @@ def overload_trace(seed: int, num: int) -> tuple[list[int], list[tuple[list[int]
     return system, reqs
 
 
-def run_overload(mode: str, seed: int, num: int, num_blocks: int, num_cpu: int, steps: int) -> dict[str, float]:
+def run_overload(
+    mode: str, seed: int, num: int, num_blocks: int, num_cpu: int, steps: int
+) -> dict[str, float]:
     _, reqs = overload_trace(seed, num)
-    bm = BlockManager(CoreConfig(
-        num_gpu_blocks=num_blocks, block_size=16, num_cpu_blocks=num_cpu, preemption_mode=mode,
-        eviction_policy="lru-size", watermark_blocks=num_blocks // 100,
-    ))
+    bm = BlockManager(
+        CoreConfig(
+            num_gpu_blocks=num_blocks,
+            block_size=16,
+            num_cpu_blocks=num_cpu,
+            preemption_mode=mode,
+            eviction_policy="lru-size",
+            watermark_blocks=num_blocks // 100,
+        )
+    )
     rng = random.Random(seed + 3)
     waiting: deque[str] = deque()
     tokens: dict[str, list[int]] = {}
@@ -349,9 +365,14 @@ def run_overload(mode: str, seed: int, num: int, num_blocks: int, num_cpu: int, 
         ids = list(running)  # arrival order: earlier sequences grow (and preempt) first
         new = [rng.randrange(VOCAB) for _ in ids]
         # The last worker step computed everything but each sequence's newest token.
-        r = bm.step(StepBatch(append_seq_ids=ids, append_token_ids=encode_tokens(new), commit_seq_ids=ids,
-                              commit_num_computed_tokens=[bm.seqs[s].num_tokens - 1 if s in bm.seqs else 0
-                                                          for s in ids]))
+        r = bm.step(
+            StepBatch(
+                append_seq_ids=ids,
+                append_token_ids=encode_tokens(new),
+                commit_seq_ids=ids,
+                commit_num_computed_tokens=[bm.seqs[s].num_tokens - 1 if s in bm.seqs else 0 for s in ids],
+            )
+        )
         handle(r.preempted)
         for err in r.append_errors:
             sid = err.seq_id
@@ -360,7 +381,7 @@ def run_overload(mode: str, seed: int, num: int, num_blocks: int, num_cpu: int, 
                 preempted, _ = bm.preempt(sid)
                 handle(preempted)
         failed = {e.seq_id for e in r.append_errors}
-        for sid, tok in zip(ids, new):
+        for sid, tok in zip(ids, new, strict=True):
             if sid in failed:
                 continue
             if sid in bm.seqs:
@@ -429,7 +450,11 @@ def calibrate_cost_model() -> dict[str, float]:
             engine.generate([GenerationRequest(f"cal{i}", [1 + i] + prompt, max_tokens=1)])  # no prefix hit
             best = min(best, time.perf_counter() - t0)
         prefill = (len(prompt) + 1) / best
-    return {"kv_bytes_per_block": block_bytes, "host_link_gb_per_s": link / 1e9, "prefill_tokens_per_s": prefill}
+    return {
+        "kv_bytes_per_block": block_bytes,
+        "host_link_gb_per_s": link / 1e9,
+        "prefill_tokens_per_s": prefill,
+    }
 
 
 def run_overload_engine(mode: str, seed: int, num: int, cost_model: dict[str, float]) -> dict[str, object]:
@@ -437,20 +462,34 @@ def run_overload_engine(mode: str, seed: int, num: int, cost_model: dict[str, fl
     from frontend.local_stack import LocalStack, StackConfig
 
     overrides: dict[str, object] = {"preemption_mode": mode, "eviction_policy": "lru-size", **cost_model}
-    with LocalStack(StackConfig(num_gpu_blocks=ENGINE_GPU_BLOCKS, num_cpu_blocks=ENGINE_CPU_BLOCKS, device="cpu",
-                                kernel_backend="reference", block_manager_overrides=overrides)) as stack:
+    with LocalStack(
+        StackConfig(
+            num_gpu_blocks=ENGINE_GPU_BLOCKS,
+            num_cpu_blocks=ENGINE_CPU_BLOCKS,
+            device="cpu",
+            kernel_backend="reference",
+            block_manager_overrides=overrides,
+        )
+    ) as stack:
         engine = stack.engine(EngineConfig(max_num_seqs=64, max_batch_tokens=256))
-        reqs = [GenerationRequest(f"r{i}", p, max_tokens=n)
-                for i, (p, n) in enumerate(engine_overload_trace(seed, num, engine.vocab_size))]
+        reqs = [
+            GenerationRequest(f"r{i}", p, max_tokens=n)
+            for i, (p, n) in enumerate(engine_overload_trace(seed, num, engine.vocab_size))
+        ]
         t0 = time.perf_counter()
         outs = engine.generate(reqs)
         wall = time.perf_counter() - t0
         st = engine.stats
         model_cost = stack.block_manager.servicer._core.stats().preemption_cost_s
     return {
-        "wall_s": wall, "generated": st.generated_tokens, "computed": st.computed_tokens,
-        "swap": st.preempted_swap, "recompute": st.preempted_recompute, "model_cost_s": model_cost,
-        "completed": sum(1 for o in outs if o.finished), "steps": st.steps,
+        "wall_s": wall,
+        "generated": st.generated_tokens,
+        "computed": st.computed_tokens,
+        "swap": st.preempted_swap,
+        "recompute": st.preempted_recompute,
+        "model_cost_s": model_cost,
+        "completed": sum(1 for o in outs if o.finished),
+        "steps": st.steps,
         "tokens": [c.token_ids for o in outs for c in o.completions],
     }
 
@@ -460,44 +499,70 @@ def report_overload_engine(seed: int, num: int, repeats: int = 2) -> bool:
     the fastest run is the least disturbed by other load); True when every mode completed
     everything with the same tokens."""
     cal = calibrate_cost_model()
-    print(f"4. Overload through the engine, measured ({num} requests all queued at once, {ENGINE_GPU_BLOCKS} GPU "
-          f"blocks, {ENGINE_CPU_BLOCKS} CPU blocks; CPU backend, tiny model; cost model calibrated here: prefill "
-          f"{cal['prefill_tokens_per_s']:,.0f} tokens/s, host copy {cal['host_link_gb_per_s']:.1f} GB/s; "
-          f"best of {repeats} runs)")
-    print("| policy           | wall s | generated tokens/s | tokens computed | swaps | recomputes | "
-          "model cost (s) | completed |")
-    print("|------------------|--------|--------------------|-----------------|-------|------------|"
-          "----------------|-----------|")
+    print(
+        f"4. Overload through the engine, measured ({num} requests all queued at once, {ENGINE_GPU_BLOCKS} "
+        "GPU "
+        f"blocks, {ENGINE_CPU_BLOCKS} CPU blocks; CPU backend, tiny model; cost model calibrated here: "
+        "prefill "
+        f"{cal['prefill_tokens_per_s']:,.0f} tokens/s, host copy {cal['host_link_gb_per_s']:.1f} GB/s; "
+        f"best of {repeats} runs)"
+    )
+    print(
+        "| policy           | wall s | generated tokens/s | tokens computed | swaps | recomputes | "
+        "model cost (s) | completed |"
+    )
+    print(
+        "|------------------|--------|--------------------|-----------------|-------|------------|"
+        "----------------|-----------|"
+    )
     res = {}
-    for mode, label in (("recompute", "always recompute"), ("swap", "always swap"), ("auto", "planner (auto)")):
+    for mode, label in (
+        ("recompute", "always recompute"),
+        ("swap", "always swap"),
+        ("auto", "planner (auto)"),
+    ):
         runs = [run_overload_engine(mode, seed, num, cal) for _ in range(repeats)]
         r = res[mode] = min(runs, key=lambda x: x["wall_s"])  # type: ignore[arg-type, return-value]
         r["tokens_stable"] = all(x["tokens"] == runs[0]["tokens"] for x in runs)
-        print(f"| {label:<16} | {r['wall_s']:>6.2f} | {r['generated'] / r['wall_s']:>18,.0f} | "  # type: ignore[operator]
-              f"{r['computed']:>15} | {r['swap']:>5} | {r['recompute']:>10} | {r['model_cost_s']:>14.4f} | "
-              f"{r['completed']:>9} |")
+        print(
+            f"| {label:<16} | {r['wall_s']:>6.2f} | {r['generated'] / r['wall_s']:>18,.0f} | "  # type: ignore[operator]
+            f"{r['computed']:>15} | {r['swap']:>5} | {r['recompute']:>10} | {r['model_cost_s']:>14.4f} | "
+            f"{r['completed']:>9} |"
+        )
     same = res["recompute"]["tokens"] == res["swap"]["tokens"] == res["auto"]["tokens"] and all(
-        r["tokens_stable"] for r in res.values())
+        r["tokens_stable"] for r in res.values()
+    )
     done = all(r["completed"] == num for r in res.values())
     fastest = min(res, key=lambda m: res[m]["wall_s"])  # type: ignore[arg-type, return-value]
-    print(f"greedy tokens identical across the three modes: {'yes' if same else 'NO'}; all completed: "
-          f"{'yes' if done else 'NO'}; fastest measured: {fastest} (the planner is judged by this, not by its model; "
-          "a shared machine makes wall times noisy)")
+    print(
+        f"greedy tokens identical across the three modes: {'yes' if same else 'NO'}; all completed: "
+        f"{'yes' if done else 'NO'}; fastest measured: {fastest} (the planner is judged by this, not by its "
+        "model; "
+        "a shared machine makes wall times noisy)"
+    )
     return same and done
 
 
 # --- main -------------------------------------------------------------------------
 
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--smoke", action="store_true", help="tiny traces, for tests")
     parser.add_argument("--grpc", action="store_true", help="drive experiment 2 through a gRPC server")
-    parser.add_argument("--engine", action="store_true",
-                        help="also replay an overload trace through the engine on the CPU backend and time "
-                             "swap vs recompute vs planner (experiment 4)")
+    parser.add_argument(
+        "--engine",
+        action="store_true",
+        help="also replay an overload trace through the engine on the CPU backend and time "
+        "swap vs recompute vs planner (experiment 4)",
+    )
     parser.add_argument("--engine-requests", type=int, default=24, help="requests in experiment 4")
-    parser.add_argument("--engine-repeats", type=int, default=2, help="runs per mode in experiment 4 (best counts)")
+    parser.add_argument(
+        "--engine-repeats", type=int, default=2, help="runs per mode in experiment 4 (best counts)"
+    )
     args = parser.parse_args(argv)
     smoke = args.smoke
     ok = True
@@ -510,11 +575,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"1. KV utilization, ShareGPT-like trace ({num} requests, seed {args.seed}): tokens held / slots")
     print("| allocator                          | utilization | vLLM paper |")
     print("|------------------------------------|-------------|------------|")
-    paper = {"contiguous-max": "20.4%", "contiguous-pow2": "26.8%", "contiguous-oracle": "38.2%",
-             "paged-16": "96.3%"}
-    labels = {"contiguous-max": "contiguous, reserve 2048 (max)", "contiguous-pow2": "contiguous, next power of 2",
-              "contiguous-oracle": "contiguous, exact final length", "paged-8": "pagedkv, block 8",
-              "paged-16": "pagedkv, block 16", "paged-32": "pagedkv, block 32"}
+    paper = {
+        "contiguous-max": "20.4%",
+        "contiguous-pow2": "26.8%",
+        "contiguous-oracle": "38.2%",
+        "paged-16": "96.3%",
+    }
+    labels = {
+        "contiguous-max": "contiguous, reserve 2048 (max)",
+        "contiguous-pow2": "contiguous, next power of 2",
+        "contiguous-oracle": "contiguous, exact final length",
+        "paged-8": "pagedkv, block 8",
+        "paged-16": "pagedkv, block 16",
+        "paged-32": "pagedkv, block 32",
+    }
     for k in ("contiguous-max", "contiguous-pow2", "contiguous-oracle", "paged-8", "paged-16", "paged-32"):
         print(f"| {labels[k]:<34} | {util[k]:>10.1%} | {paper.get(k, ''):>10} |")
     passed = util["paged-16"] >= bar
@@ -528,8 +602,10 @@ def main(argv: list[str] | None = None) -> int:
         (prefix_trace("uniform sizes", args.seed, n_pre, n_req, "uniform"), 0.15),
         (prefix_trace("mixed sizes", args.seed + 1, n_pre, n_req, "mixed"), 0.15),
     ]
-    print(f"2. Prefix caching under memory pressure ({n_req} requests over {n_pre} prefixes, Zipf 1.0"
-          f"{', via gRPC' if args.grpc else ''})")
+    print(
+        f"2. Prefix caching under memory pressure ({n_req} requests over {n_pre} prefixes, Zipf 1.0"
+        f"{', via gRPC' if args.grpc else ''})"
+    )
     print("| trace         | pool blocks | policy   | hit rate (tokens) | requests with a hit |")
     print("|---------------|-------------|----------|-------------------|---------------------|")
     for trace, share in traces:
@@ -537,25 +613,39 @@ def main(argv: list[str] | None = None) -> int:
         blocks = max(MAX_LEN // 16 * 3, int(distinct * share))
         res = {pol: run_prefix(trace, pol, blocks, 8, args.seed, args.grpc) for pol in ("lru", "lru-size")}
         for pol, r in res.items():
-            print(f"| {trace.name:<13} | {blocks:>11} | {pol:<8} | {r['hit_rate']:>17.1%} | {r['req_hit']:>19.1%} |")
+            print(
+                f"| {trace.name:<13} | {blocks:>11} | {pol:<8} | {r['hit_rate']:>17.1%} | "
+                f"{r['req_hit']:>19.1%} |"
+            )
         need = 1.10 if trace.name.startswith("mixed") else 1.0
         passed = res["lru-size"]["hit_rate"] >= need * res["lru"]["hit_rate"]
         ok &= passed
-        print(f"target ({trace.name}): lru-size >= {need:.2f} x lru: "
-              f"{res['lru-size']['hit_rate'] / res['lru']['hit_rate']:.2f}x {'ok' if passed else 'MISS'}")
+        print(
+            f"target ({trace.name}): lru-size >= {need:.2f} x lru: "
+            f"{res['lru-size']['hit_rate'] / res['lru']['hit_rate']:.2f}x {'ok' if passed else 'MISS'}"
+        )
     print()
 
     # 3
     n_over = 120 if smoke else 400
     steps = 30_000
-    print(f"3. Overload ({n_over} requests all queued at once, 1024 GPU blocks, 512 CPU blocks; run to completion)")
+    print(
+        f"3. Overload ({n_over} requests all queued at once, 1024 GPU blocks, 512 CPU blocks; run to "
+        "completion)"
+    )
     print("| policy           | preemption cost (s) | swaps | recomputes | completed | steps |")
     print("|------------------|---------------------|-------|------------|-----------|-------|")
     over = {}
-    for mode, label in (("recompute", "always recompute"), ("swap", "always swap"), ("auto", "planner (auto)")):
+    for mode, label in (
+        ("recompute", "always recompute"),
+        ("swap", "always swap"),
+        ("auto", "planner (auto)"),
+    ):
         r = over[mode] = run_overload(mode, args.seed, n_over, 1024, 512, steps)
-        print(f"| {label:<16} | {r['cost_s']:>19.3f} | {r['swap']:>5} | {r['recompute']:>10} | "
-              f"{r['completed']:>9} | {r['steps']:>5} |")
+        print(
+            f"| {label:<16} | {r['cost_s']:>19.3f} | {r['swap']:>5} | {r['recompute']:>10} | "
+            f"{r['completed']:>9} | {r['steps']:>5} |"
+        )
     best = min(over["recompute"]["cost_s"], over["swap"]["cost_s"])
     passed = over["auto"]["cost_s"] <= best + 1e-9 and all(r["completed"] == n_over for r in over.values())
     ok &= passed

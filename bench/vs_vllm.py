@@ -81,6 +81,7 @@ ROPE_THETA: dict[str, float] = {"R": 100_000.0}
 def model_vocab(name: str) -> int:
     return MODEL_VOCAB.get(name, VOCAB)
 
+
 # name -> (model, requests, kind)
 WORKLOADS: dict[str, tuple[str, int, str]] = {
     "A": ("A", 48, "chat"),
@@ -89,8 +90,17 @@ WORKLOADS: dict[str, tuple[str, int, str]] = {
     "R": ("R", 32, "chat"),
     "tiny": ("tiny", 4, "chat"),
 }
-ALL_SYSTEMS = ("vllm", "vllm-eager", "pagedkv", "pagedkv-nopre", "pagedkv-proc", "pagedkv-overlap",
-               "pagedkv-proc-overlap", "pagedkv-bf16", "hf-static")
+ALL_SYSTEMS = (
+    "vllm",
+    "vllm-eager",
+    "pagedkv",
+    "pagedkv-nopre",
+    "pagedkv-proc",
+    "pagedkv-overlap",
+    "pagedkv-proc-overlap",
+    "pagedkv-bf16",
+    "hf-static",
+)
 
 
 # ----------------------------------------------------------------------------- the inputs
@@ -129,10 +139,20 @@ def model_config(name: str) -> Any:
 
     hidden, layers, heads, kv_heads, inter = MODELS[name]
     return LlamaConfig(
-        vocab_size=model_vocab(name), hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=2048,
-        tie_word_embeddings=name in TIED, initializer_range=0.2, rope_theta=ROPE_THETA.get(name, 10000.0),
-        torch_dtype="float32", bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        vocab_size=model_vocab(name),
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=2048,
+        tie_word_embeddings=name in TIED,
+        initializer_range=0.2,
+        rope_theta=ROPE_THETA.get(name, 10000.0),
+        torch_dtype="float32",
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
     )
 
 
@@ -164,8 +184,14 @@ def child_vllm(args: argparse.Namespace, reqs: list[dict[str, Any]], eager: bool
 
     t0 = time.perf_counter()
     llm = LLM(
-        model=args.model, skip_tokenizer_init=True, dtype="float32", seed=0, enforce_eager=eager,
-        max_num_batched_tokens=MAX_BATCH_TOKENS, max_num_seqs=MAX_NUM_SEQS, max_model_len=2048,
+        model=args.model,
+        skip_tokenizer_init=True,
+        dtype="float32",
+        seed=0,
+        enforce_eager=eager,
+        max_num_batched_tokens=MAX_BATCH_TOKENS,
+        max_num_seqs=MAX_NUM_SEQS,
+        max_model_len=2048,
         enable_prefix_caching=True,
     )
     startup = time.perf_counter() - t0
@@ -176,8 +202,11 @@ def child_vllm(args: argparse.Namespace, reqs: list[dict[str, Any]], eager: bool
     def once(batch: list[dict[str, Any]], tag: str) -> dict[str, Any]:
         for i, r in enumerate(batch):
             engine.add_request(
-                f"{tag}-{i}", TokensPrompt(prompt_token_ids=r["prompt"]),
-                SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True, detokenize=False),
+                f"{tag}-{i}",
+                TokensPrompt(prompt_token_ids=r["prompt"]),
+                SamplingParams(
+                    temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True, detokenize=False
+                ),
             )
         done: dict[str, Any] = {}
         steps = 0
@@ -257,9 +286,11 @@ def _instrument_inproc(t: PhaseTimers) -> None:
     # Attention and KV writes are timed inside the backend modules (the model's step and the public
     # wrappers both reach them through these module attributes), so nothing is counted twice.
     for mod in (kernels.cpu, kernels.reference):
-        for attr, name in (("paged_decode_attention", "attention_decode"),
-                           ("paged_prefill_attention", "attention_prefill"),
-                           ("write_kv_cache", "kv_write")):
+        for attr, name in (
+            ("paged_decode_attention", "attention_decode"),
+            ("paged_prefill_attention", "attention_prefill"),
+            ("write_kv_cache", "kv_write"),
+        ):
             t.wrap(mod, attr, name)
 
 
@@ -277,8 +308,10 @@ def breakdown_rows(ms: dict[str, float], steps: int) -> list[tuple[str, float]]:
         ("worker: KV writes", g("kv_write")),
         ("worker: rest of the forward", g("forward") - attention - g("kv_write") - g("attention_plans")),
         ("worker: sampling", g("sampling")),
-        ("worker: other (validation, cache ops, results)",
-         g("runner_step") - g("batch_build") - g("forward") - g("sampling")),
+        (
+            "worker: other (validation, cache ops, results)",
+            g("runner_step") - g("batch_build") - g("forward") - g("sampling"),
+        ),
         ("engine: own bookkeeping", g("engine_step") - g("block_manager_rpc") - g("worker_rpc")),
     ]
     n = max(1, steps)
@@ -288,7 +321,10 @@ def breakdown_rows(ms: dict[str, float], steps: int) -> list[tuple[str, float]]:
 def _pagedkv_requests(reqs: list[dict[str, Any]], tag: str) -> list[Any]:
     from frontend.engine import GenerationRequest
 
-    return [GenerationRequest(f"{tag}-{i}", list(r["prompt"]), max_tokens=r["max_tokens"]) for i, r in enumerate(reqs)]
+    return [
+        GenerationRequest(f"{tag}-{i}", list(r["prompt"]), max_tokens=r["max_tokens"])
+        for i, r in enumerate(reqs)
+    ]
 
 
 def _num_blocks(reqs: list[dict[str, Any]]) -> int:
@@ -306,8 +342,9 @@ def _run_engine(engine: Any, bm: Any, reqs: list[dict[str, Any]], tag: str) -> d
     }
 
 
-def _warm_then_time(engine: Any, bm: Any, args: argparse.Namespace,
-                    reqs: list[dict[str, Any]]) -> tuple[float, dict[str, Any]]:
+def _warm_then_time(
+    engine: Any, bm: Any, args: argparse.Namespace, reqs: list[dict[str, Any]]
+) -> tuple[float, dict[str, Any]]:
     """One warm-up batch, then the timed runs: (warm-up seconds, the runs' results)."""
     t0 = time.perf_counter()
     _run_engine(engine, bm, make_requests("chat", 6, seed=99, vocab=args.vocab), "warm")
@@ -322,12 +359,25 @@ def child_pagedkv(args: argparse.Namespace, reqs: list[dict[str, Any]]) -> dict[
 
     t0 = time.perf_counter()
     dtype = "bfloat16" if args.system.endswith("-bf16") else "float32"
-    stack = LocalStack(StackConfig(model=args.model, num_gpu_blocks=_num_blocks(reqs), block_size=BLOCK_SIZE,
-                                   num_workers=1, device="cpu", dtype=dtype))
+    stack = LocalStack(
+        StackConfig(
+            model=args.model,
+            num_gpu_blocks=_num_blocks(reqs),
+            block_size=BLOCK_SIZE,
+            num_workers=1,
+            device="cpu",
+            dtype=dtype,
+        )
+    )
     try:
-        engine = stack.engine(EngineConfig(max_num_seqs=MAX_NUM_SEQS, max_batch_tokens=MAX_BATCH_TOKENS,
-                                           overlap_block_manager=args.system.endswith("-overlap"),
-                                           timeout_s=600.0))
+        engine = stack.engine(
+            EngineConfig(
+                max_num_seqs=MAX_NUM_SEQS,
+                max_batch_tokens=MAX_BATCH_TOKENS,
+                overlap_block_manager=args.system.endswith("-overlap"),
+                timeout_s=600.0,
+            )
+        )
         bm = engine.bm
         startup = time.perf_counter() - t0
         warmup, res = _warm_then_time(engine, bm, args, reqs)
@@ -339,7 +389,13 @@ def child_pagedkv(args: argparse.Namespace, reqs: list[dict[str, Any]]) -> dict[
             finally:
                 timers.undo()
             res["breakdown"] = breakdown_rows(timers.ms, inst["steps"])
-        res.update(startup_s=startup, warmup_s=warmup, block_size=BLOCK_SIZE, kernel_backend=_backend_name(), dtype=dtype)
+        res.update(
+            startup_s=startup,
+            warmup_s=warmup,
+            block_size=BLOCK_SIZE,
+            kernel_backend=_backend_name(),
+            dtype=dtype,
+        )
         return res
     finally:
         stack.close()
@@ -362,19 +418,36 @@ def child_pagedkv_proc(args: argparse.Namespace, reqs: list[dict[str, Any]]) -> 
     from pagedkv.ports import free_ports
 
     bm_port, ch_port, w_port = free_ports(3)
-    opts = StackOptions(block_manager_port=bm_port, cache_host_port=ch_port, worker_port=w_port, num_workers=1,
-                        num_gpu_blocks=_num_blocks(reqs), num_cpu_blocks=0, block_size=BLOCK_SIZE,
-                        model=args.model, device="cpu", dtype="float32", log_format="json",
-                        log_dir=tempfile.mkdtemp(prefix="vs_vllm_logs_"))
+    opts = StackOptions(
+        block_manager_port=bm_port,
+        cache_host_port=ch_port,
+        worker_port=w_port,
+        num_workers=1,
+        num_gpu_blocks=_num_blocks(reqs),
+        num_cpu_blocks=0,
+        block_size=BLOCK_SIZE,
+        model=args.model,
+        device="cpu",
+        dtype="float32",
+        log_format="json",
+        log_dir=tempfile.mkdtemp(prefix="vs_vllm_logs_"),
+    )
     t0 = time.perf_counter()
     stack = Stack(opts, out=sys.stderr)
     stack.start()
     try:
         bm = BlockManagerClient(f"127.0.0.1:{bm_port}")
         worker = WorkerClient(f"127.0.0.1:{w_port}")
-        engine = Engine(bm, [worker], EngineConfig(max_num_seqs=MAX_NUM_SEQS, max_batch_tokens=MAX_BATCH_TOKENS,
-                                                   overlap_block_manager=args.system.endswith("-overlap"),
-                                                   timeout_s=600.0))
+        engine = Engine(
+            bm,
+            [worker],
+            EngineConfig(
+                max_num_seqs=MAX_NUM_SEQS,
+                max_batch_tokens=MAX_BATCH_TOKENS,
+                overlap_block_manager=args.system.endswith("-overlap"),
+                timeout_s=600.0,
+            ),
+        )
         startup = time.perf_counter() - t0
         warmup, res = _warm_then_time(engine, bm, args, reqs)
         if args.breakdown:
@@ -403,8 +476,10 @@ def child_pagedkv_proc(args: argparse.Namespace, reqs: list[dict[str, Any]]) -> 
                 ("block-manager RPCs", ms["block_manager_rpc"] / n),
                 ("worker RPC outside the model runner's step", (ms["worker_rpc"] - fwd["ms"]) / n),
                 ("worker: model runner step (cache ops + batch + forward + sampling)", fwd["ms"] / n),
-                ("engine: own bookkeeping",
-                 (ms["engine_step"] - ms["block_manager_rpc"] - ms["worker_rpc"]) / n),
+                (
+                    "engine: own bookkeeping",
+                    (ms["engine_step"] - ms["block_manager_rpc"] - ms["worker_rpc"]) / n,
+                ),
                 ("total (engine step)", ms["engine_step"] / n),
             ]
         bm.close()
@@ -435,12 +510,19 @@ def child_hf(args: argparse.Namespace, reqs: list[dict[str, Any]]) -> dict[str, 
             ids = torch.zeros(len(chunk), width, dtype=torch.int64)
             mask = torch.zeros(len(chunk), width, dtype=torch.int64)
             for j, r in enumerate(chunk):
-                ids[j, width - len(r["prompt"]):] = torch.tensor(r["prompt"])
-                mask[j, width - len(r["prompt"]):] = 1
+                ids[j, width - len(r["prompt"]) :] = torch.tensor(r["prompt"])
+                mask[j, width - len(r["prompt"]) :] = 1
             new = max(r["max_tokens"] for r in chunk)
             with torch.inference_mode():
-                out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                                     do_sample=False, pad_token_id=0, eos_token_id=None)
+                out = model.generate(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    max_new_tokens=new,
+                    min_new_tokens=new,
+                    do_sample=False,
+                    pad_token_id=0,
+                    eos_token_id=None,
+                )
             steps += new
             for j, r in enumerate(chunk):
                 tokens.append(out[j, width : width + r["max_tokens"]].tolist())
@@ -485,33 +567,68 @@ def find_preloads(vllm_python: str | None) -> list[str]:
             found.append(hits[0])
             break
     if vllm_python:
-        venv = pathlib.Path(vllm_python).absolute().parent.parent  # not resolve(): the venv python is a symlink
+        venv = (
+            pathlib.Path(vllm_python).absolute().parent.parent
+        )  # not resolve(): the venv python is a symlink
         hits = sorted(glob.glob(str(venv / "lib" / "libiomp5.so"))) or sorted(
-            glob.glob(str(venv / "lib" / "python3*" / "site-packages" / "**" / "libiomp5.so"), recursive=True))
+            glob.glob(str(venv / "lib" / "python3*" / "site-packages" / "**" / "libiomp5.so"), recursive=True)
+        )
         if hits:
             found.append(hits[0])
     return found
 
 
-def run_child(system: str, python: str, model_dir: pathlib.Path, req_file: pathlib.Path, args: argparse.Namespace,
-              preloads: list[str], vocab: int) -> dict[str, Any]:
+def run_child(
+    system: str,
+    python: str,
+    model_dir: pathlib.Path,
+    req_file: pathlib.Path,
+    args: argparse.Namespace,
+    preloads: list[str],
+    vocab: int,
+) -> dict[str, Any]:
     out = req_file.parent / f"{system}.json"
     env = dict(os.environ)
-    env.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false",
-               PYTHONPATH=str(ROOT))
+    env.update(
+        OMP_NUM_THREADS=str(args.threads),
+        MKL_NUM_THREADS=str(args.threads),
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONPATH=str(ROOT),
+    )
     env.pop("TRITON_INTERPRET", None)
     if system.startswith("vllm"):
-        env.update(VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}",
-                   VLLM_LOGGING_LEVEL="WARNING")
+        env.update(
+            VLLM_CPU_KVCACHE_SPACE="2",
+            VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}",
+            VLLM_LOGGING_LEVEL="WARNING",
+        )
     if preloads and system != "pagedkv-nopre":
         env["LD_PRELOAD"] = ":".join(preloads + [p for p in env.get("LD_PRELOAD", "").split(":") if p])
-    cmd = [python, str(pathlib.Path(__file__).resolve()), "--child", "--system", system, "--model", str(model_dir),
-           "--requests", str(req_file), "--out", str(out), "--runs", str(args.runs), "--threads", str(args.threads),
-           "--vocab", str(vocab)]
+    cmd = [
+        python,
+        str(pathlib.Path(__file__).resolve()),
+        "--child",
+        "--system",
+        system,
+        "--model",
+        str(model_dir),
+        "--requests",
+        str(req_file),
+        "--out",
+        str(out),
+        "--runs",
+        str(args.runs),
+        "--threads",
+        str(args.threads),
+        "--vocab",
+        str(vocab),
+    ]
     if not args.breakdown:
         cmd.append("--no-breakdown")
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=args.child_timeout_s)
+    proc = subprocess.run(
+        cmd, env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=args.child_timeout_s
+    )
     if proc.returncode != 0:
         return {"error": f"exit {proc.returncode}: {(proc.stderr or proc.stdout)[-1500:]}"}
     res = json.loads(out.read_text())
@@ -527,7 +644,7 @@ def equality(results: dict[str, dict[str, Any]]) -> list[tuple[str, str, int, in
     for i, a in enumerate(names):
         for b in names[i + 1 :]:
             ta, tb = results[a]["tokens"], results[b]["tokens"]
-            pairs.append((a, b, sum(x == y for x, y in zip(ta, tb)), len(ta)))
+            pairs.append((a, b, sum(x == y for x, y in zip(ta, tb, strict=False)), len(ta)))
     return pairs
 
 
@@ -536,17 +653,24 @@ def table(workload: str, reqs: list[dict[str, Any]], results: dict[str, dict[str
     prompt = sum(len(r["prompt"]) for r in reqs)
     model, n, kind = WORKLOADS[workload]
     hidden, layers, heads, kv_heads, _ = MODELS[model]
-    lines = [f"### workload {workload}: model {model} (hidden {hidden} x {layers} layers, head_dim "
-             f"{hidden // heads}, {kv_heads} KV heads), {n} {kind} requests, {prompt} prompt tokens, "
-             f"{gen} generated tokens", ""]
-    lines.append("| system | wall s (median) | generated tok/s | vs vLLM | steps | ms/step | prefix-hit tokens | "
-                 "start-up + warm-up s | preloads |")
+    lines = [
+        f"### workload {workload}: model {model} (hidden {hidden} x {layers} layers, head_dim "
+        f"{hidden // heads}, {kv_heads} KV heads), {n} {kind} requests, {prompt} prompt tokens, "
+        f"{gen} generated tokens",
+        "",
+    ]
+    lines.append(
+        "| system | wall s (median) | generated tok/s | vs vLLM | steps | ms/step | prefix-hit tokens | "
+        "start-up + warm-up s | preloads |"
+    )
     lines.append("|---|---|---|---|---|---|---|---|---|")
     base = results.get("vllm", {})
     base_tps = gen / statistics.median(base["walls"]) if "walls" in base else None
     for name, r in results.items():
         if "error" in r:
-            lines.append(f"| {name} | failed: {r['error'].splitlines()[-1][:120] if r['error'] else ''} |||||||")
+            lines.append(
+                f"| {name} | failed: {r['error'].splitlines()[-1][:120] if r['error'] else ''} |||||||"
+            )
             continue
         wall = statistics.median(r["walls"])
         tps = gen / wall
@@ -586,8 +710,16 @@ def parent_main(args: argparse.Namespace) -> int:
         systems = [s for s in systems if s != "pagedkv-nopre"]
     work = pathlib.Path(args.work_dir or tempfile.mkdtemp(prefix="vs_vllm_"))
     work.mkdir(parents=True, exist_ok=True)
-    print(f"# vs_vllm: threads={args.threads} runs={args.runs} preloads={preloads or 'none'} work={work}", flush=True)
-    report: dict[str, Any] = {"threads": args.threads, "runs": args.runs, "preloads": preloads, "workloads": {}}
+    print(
+        f"# vs_vllm: threads={args.threads} runs={args.runs} preloads={preloads or 'none'} work={work}",
+        flush=True,
+    )
+    report: dict[str, Any] = {
+        "threads": args.threads,
+        "runs": args.runs,
+        "preloads": preloads,
+        "workloads": {},
+    }
     built: set[str] = set()
     md: list[str] = []
     for wl in [w for w in args.workloads.split(",") if w]:
@@ -626,15 +758,23 @@ def parent_main(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--vllm-python", default=None, help="a Python with vllm-cpu installed (vLLM rows skipped without)")
+    p.add_argument(
+        "--vllm-python", default=None, help="a Python with vllm-cpu installed (vLLM rows skipped without)"
+    )
     p.add_argument("--vllm-eager", action="store_true", help="also run vLLM with enforce_eager=True")
     p.add_argument("--workloads", default="A,B,P", help="comma list of A, B, P, R (and tiny, for tests)")
     p.add_argument("--systems", default="vllm,pagedkv,pagedkv-nopre,pagedkv-proc,hf-static")
     p.add_argument("--runs", type=int, default=3, help="timed runs per system (median reported)")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--no-breakdown", dest="breakdown", action="store_false",
-                   help="skip the instrumented per-phase pagedkv run")
-    p.add_argument("--no-preload", action="store_true", help="no LD_PRELOAD of tcmalloc / libiomp5 for anyone")
+    p.add_argument(
+        "--no-breakdown",
+        dest="breakdown",
+        action="store_false",
+        help="skip the instrumented per-phase pagedkv run",
+    )
+    p.add_argument(
+        "--no-preload", action="store_true", help="no LD_PRELOAD of tcmalloc / libiomp5 for anyone"
+    )
     p.add_argument("--work-dir", default=None, help="where models and requests go (default: a temp dir)")
     p.add_argument("--json", default=None, help="write the results (without tokens) here")
     p.add_argument("--markdown", default=None, help="write the tables here")

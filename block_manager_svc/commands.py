@@ -44,11 +44,11 @@ class ReplayError(RuntimeError):
 
 
 class _Cmd(msgspec.Struct, tag=True, array_like=True, frozen=True):
-    pass
+    """Every command repeats ``frozen=True``: msgspec inherits it, type checkers do not."""
 
 
 # --- the core's commands -------------------------------------------------------------
-class Allocate(_Cmd):
+class Allocate(_Cmd, frozen=True):
     seq_id: str
     num_tokens: int
     token_ids: list[int] | None = None
@@ -57,40 +57,40 @@ class Allocate(_Cmd):
     tenant: str = ""
 
 
-class Append(_Cmd):
+class Append(_Cmd, frozen=True):
     seq_id: str
     num_tokens: int
     token_ids: list[int] | None = None
 
 
-class Commit(_Cmd):
+class Commit(_Cmd, frozen=True):
     seq_id: str
     num_computed_tokens: int
 
 
-class Fork(_Cmd):
+class Fork(_Cmd, frozen=True):
     parent_seq_id: str
     child_seq_id: str
 
 
-class Free(_Cmd):
+class Free(_Cmd, frozen=True):
     seq_id: str
 
 
-class SwapIn(_Cmd):
+class SwapIn(_Cmd, frozen=True):
     seq_id: str
 
 
-class Preempt(_Cmd):
+class Preempt(_Cmd, frozen=True):
     seq_id: str
     mode: str | None = None
 
 
-class ResetPrefixCache(_Cmd):
+class ResetPrefixCache(_Cmd, frozen=True):
     pass
 
 
-class Step(_Cmd):
+class Step(_Cmd, frozen=True):
     """A StepBatch as data (token ids as lists); see core/step_batch.py for the fields."""
 
     commit_seq_ids: list[str] = []
@@ -116,58 +116,88 @@ class Step(_Cmd):
             return None if x is None else list(x)
 
         return cls(
-            list(b.commit_seq_ids), list(b.commit_num_computed_tokens), list(b.free_seq_ids),
-            list(b.append_seq_ids), opt(b.append_num_tokens), opt(b.append_token_ids),
-            opt(b.append_tokens_known), list(b.alloc_seq_ids), list(b.alloc_num_tokens),
-            opt(b.alloc_token_ids), opt(b.alloc_priorities), opt(b.alloc_salts),
-            list(b.fork_parent_seq_ids), list(b.fork_child_seq_ids), list(b.swap_in_seq_ids), b.tenant,
+            list(b.commit_seq_ids),
+            list(b.commit_num_computed_tokens),
+            list(b.free_seq_ids),
+            list(b.append_seq_ids),
+            opt(b.append_num_tokens),
+            opt(b.append_token_ids),
+            opt(b.append_tokens_known),
+            list(b.alloc_seq_ids),
+            list(b.alloc_num_tokens),
+            opt(b.alloc_token_ids),
+            opt(b.alloc_priorities),
+            opt(b.alloc_salts),
+            list(b.fork_parent_seq_ids),
+            list(b.fork_child_seq_ids),
+            list(b.swap_in_seq_ids),
+            b.tenant,
         )
 
     def batch(self) -> StepBatch:
         return StepBatch(
-            commit_seq_ids=self.commit_seq_ids, commit_num_computed_tokens=self.commit_num_computed_tokens,
-            free_seq_ids=self.free_seq_ids, append_seq_ids=self.append_seq_ids,
+            commit_seq_ids=self.commit_seq_ids,
+            commit_num_computed_tokens=self.commit_num_computed_tokens,
+            free_seq_ids=self.free_seq_ids,
+            append_seq_ids=self.append_seq_ids,
             append_num_tokens=self.append_num_tokens,
             append_token_ids=None if self.append_token_ids is None else encode_tokens(self.append_token_ids),
-            append_tokens_known=self.append_tokens_known, alloc_seq_ids=self.alloc_seq_ids,
+            append_tokens_known=self.append_tokens_known,
+            alloc_seq_ids=self.alloc_seq_ids,
             alloc_num_tokens=self.alloc_num_tokens,
             alloc_token_ids=None if self.alloc_token_ids is None else encode_tokens(self.alloc_token_ids),
-            alloc_priorities=self.alloc_priorities, alloc_salts=self.alloc_salts,
-            fork_parent_seq_ids=self.fork_parent_seq_ids, fork_child_seq_ids=self.fork_child_seq_ids,
-            swap_in_seq_ids=self.swap_in_seq_ids, tenant=self.tenant,
+            alloc_priorities=self.alloc_priorities,
+            alloc_salts=self.alloc_salts,
+            fork_parent_seq_ids=self.fork_parent_seq_ids,
+            fork_child_seq_ids=self.fork_child_seq_ids,
+            swap_in_seq_ids=self.swap_in_seq_ids,
+            tenant=self.tenant,
         )
 
 
 # --- the lease table's commands ----------------------------------------------------------
-class LeaseTouch(_Cmd):
+class LeaseTouch(_Cmd, frozen=True):
     lease_id: str
     ttl_s: float | None = None
 
 
-class LeaseAttach(_Cmd):
+class LeaseAttach(_Cmd, frozen=True):
     seq_id: str
     lease_id: str
 
 
-class LeaseDetach(_Cmd):
+class LeaseDetach(_Cmd, frozen=True):
     seq_id: str
 
 
-class LeaseDetachAll(_Cmd):
+class LeaseDetachAll(_Cmd, frozen=True):
     seq_ids: list[str]
 
 
-class LeaseDrop(_Cmd):
+class LeaseDrop(_Cmd, frozen=True):
     lease_id: str
 
 
-class LeaseNoteExpired(_Cmd):
+class LeaseNoteExpired(_Cmd, frozen=True):
     num_sequences: int
 
 
 Command = (
-    Allocate | Append | Commit | Fork | Free | SwapIn | Preempt | ResetPrefixCache | Step
-    | LeaseTouch | LeaseAttach | LeaseDetach | LeaseDetachAll | LeaseDrop | LeaseNoteExpired
+    Allocate
+    | Append
+    | Commit
+    | Fork
+    | Free
+    | SwapIn
+    | Preempt
+    | ResetPrefixCache
+    | Step
+    | LeaseTouch
+    | LeaseAttach
+    | LeaseDetach
+    | LeaseDetachAll
+    | LeaseDrop
+    | LeaseNoteExpired
 )
 
 
@@ -193,8 +223,9 @@ def apply(cmd: Command, core: BlockManager, leases: LeaseTable) -> Any:
     CoreError, as the call would (the state is unchanged)."""
     match cmd:
         case Allocate():
-            return core.allocate(cmd.seq_id, cmd.num_tokens, cmd.token_ids, cmd.priority, cmd.salt,
-                                 cmd.tenant)
+            return core.allocate(
+                cmd.seq_id, cmd.num_tokens, cmd.token_ids, cmd.priority, cmd.salt, cmd.tenant
+            )
         case Append():
             return core.append(cmd.seq_id, cmd.num_tokens, cmd.token_ids)
         case Commit():
@@ -255,16 +286,30 @@ def decode_batch(body: bytes, name: str = RECORD_NAME) -> Batch:
 
 
 # --- the one migration: format 2 (generic calls) to these commands --------------------------
-_V2_CORE: dict[str, type[_Cmd]] = {
-    "allocate": Allocate, "append": Append, "commit": Commit, "fork": Fork, "free": Free, "swap_in": SwapIn,
-    "preempt": Preempt, "reset_prefix_cache": ResetPrefixCache,
+_V2_CORE: dict[str, type[Command]] = {
+    "allocate": Allocate,
+    "append": Append,
+    "commit": Commit,
+    "fork": Fork,
+    "free": Free,
+    "swap_in": SwapIn,
+    "preempt": Preempt,
+    "reset_prefix_cache": ResetPrefixCache,
 }
-_V2_LEASES: dict[str, type[_Cmd]] = {
-    "touch": LeaseTouch, "attach": LeaseAttach, "detach": LeaseDetach, "detach_all": LeaseDetachAll,
-    "drop": LeaseDrop, "note_expired": LeaseNoteExpired,
+_V2_LEASES: dict[str, type[Command]] = {
+    "touch": LeaseTouch,
+    "attach": LeaseAttach,
+    "detach": LeaseDetach,
+    "detach_all": LeaseDetachAll,
+    "drop": LeaseDrop,
+    "note_expired": LeaseNoteExpired,
 }
 _V2_STEP_POSITIONAL = (
-    "append_seq_ids", "append_num_tokens", "append_token_ids", "free_seq_ids", "swap_in_seq_ids",
+    "append_seq_ids",
+    "append_num_tokens",
+    "append_token_ids",
+    "free_seq_ids",
+    "swap_in_seq_ids",
 )
 
 
@@ -283,8 +328,9 @@ def _migrate_v2(doc: Any) -> Batch:
         try:
             out.append(kind(*args, **kwargs))
         except TypeError as e:
-            raise ReplayError(f"command {target}.{op} has arguments this version does not take: {e}") \
-                from None
+            raise ReplayError(
+                f"command {target}.{op} has arguments this version does not take: {e}"
+            ) from None
     return Batch(out, None if d is None else DedupeEntry(*d))
 
 

@@ -166,8 +166,10 @@ class EventHub:
     def watch(self, request: pb.WatchEventsRequest, context: grpc.ServicerContext) -> Iterator[pb.KvEvent]:
         t = current_tenant.get()
         if request.all_tenants and t is not None and not t.admin:
-            context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                          f"tenant {t.name!r} is not an admin: all_tenants is for admins")
+            context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"tenant {t.name!r} is not an admin: all_tenants is for admins",
+            )
         scope = None if (t is None or (t.admin and request.all_tenants)) else t.name
         if t is not None and t.admin and not request.all_tenants:
             scope = t.name
@@ -182,7 +184,8 @@ class EventHub:
             assert core is not None
             version = self.version
             snapshot = [
-                (h, b, core.pool.parent_hash[b]) for h, b in core.pool.index.items()
+                (h, b, core.pool.parent_hash[b])
+                for h, b in core.pool.index.items()
                 if scope is None or self.owner.get(h) == scope
             ]
             with self._mu:
@@ -190,7 +193,12 @@ class EventHub:
             core.enable_events(True)
         log.info("event_watcher_connected", tenant=scope, snapshot_blocks=len(snapshot), version=version)
         done = threading.Event()
-        context.add_callback(lambda: (done.set(), self._leave(sub)))
+
+        def on_done() -> None:
+            done.set()
+            self._leave(sub)
+
+        context.add_callback(on_done)
         try:
             yield pb.KvEvent(version=version, tenant=scope or "", all_blocks_cleared=pb.AllBlocksCleared())
             for i in range(0, len(snapshot), 256):
@@ -259,11 +267,17 @@ class EventHub:
             item = nxt
 
     @staticmethod
-    def _event(version: int, tenant: str, stored: bool, hashes: list[bytes], blocks: list[int],
-               parent: bytes | None) -> pb.KvEvent:
+    def _event(
+        version: int, tenant: str, stored: bool, hashes: list[bytes], blocks: list[int], parent: bytes | None
+    ) -> pb.KvEvent:
         if stored:
-            return pb.KvEvent(version=version, tenant=tenant, block_stored=pb.BlockStored(
-                block_hashes=hashes, parent_block_hash=parent or b"", block_ids=blocks))
+            return pb.KvEvent(
+                version=version,
+                tenant=tenant,
+                block_stored=pb.BlockStored(
+                    block_hashes=hashes, parent_block_hash=parent or b"", block_ids=blocks
+                ),
+            )
         return pb.KvEvent(version=version, tenant=tenant, block_removed=pb.BlockRemoved(block_hashes=hashes))
 
     def _leave(self, sub: _Subscriber) -> None:

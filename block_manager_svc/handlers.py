@@ -58,8 +58,9 @@ def rich_status(code: grpc.StatusCode, message: str, reason: str, seq_id: str = 
     `reason`, ERROR_DOMAIN and the sequence id) that grpcio-status sends in grpc-status-details-bin
     and every gRPC ecosystem client (grpcurl, `rpc_status.from_call`) decodes. The reasons are the
     core's (core/errors.py REASONS)."""
-    info = error_details_pb2.ErrorInfo(reason=reason, domain=ERROR_DOMAIN,
-                                       metadata={"seq_id": seq_id} if seq_id else {})
+    info = error_details_pb2.ErrorInfo(
+        reason=reason, domain=ERROR_DOMAIN, metadata={"seq_id": seq_id} if seq_id else {}
+    )
     detail = any_pb2.Any()
     detail.Pack(info)
     return rpc_status.to_status(status_pb2.Status(code=code.value[0], message=message, details=[detail]))
@@ -97,8 +98,11 @@ _PREEMPTION_MODE = {"swap": pb.Preemption.SWAP, "recompute": pb.Preemption.RECOM
 def preemptions_to_proto(items: list[Preemption]) -> list[pb.Preemption]:
     return [
         pb.Preemption(
-            seq_id=p.seq_id, mode=_PREEMPTION_MODE[p.mode], num_tokens=p.num_tokens,
-            num_blocks=p.num_blocks, cost_s=p.cost_s,
+            seq_id=p.seq_id,
+            mode=_PREEMPTION_MODE[p.mode],
+            num_tokens=p.num_tokens,
+            num_blocks=p.num_blocks,
+            cost_s=p.cost_s,
         )
         for p in items
     ]
@@ -112,7 +116,9 @@ def swap_in_to_proto(r: SwapInResult) -> pb.SwapInResponse:
     )
 
 
-def _item_error(kind: int, err: ItemError, index: int | None = None) -> pb.StepItemError:
+def _item_error(
+    kind: pb.StepItemError.Kind.ValueType, err: ItemError, index: int | None = None
+) -> pb.StepItemError:
     return pb.StepItemError(
         kind=kind,
         index=err.index if index is None else index,
@@ -147,8 +153,14 @@ class _SubAppends:
         self.bad: list[tuple[int, str, str]] = []
         for j, a in enumerate(request.appends):
             if a.token_ids and len(a.token_ids) != a.num_tokens:
-                self.bad.append((j, a.seq_id, f"token_ids has {len(a.token_ids)} entries but num_tokens is "
-                                              f"{a.num_tokens}; they must match"))
+                self.bad.append(
+                    (
+                        j,
+                        a.seq_id,
+                        f"token_ids has {len(a.token_ids)} entries but num_tokens is "
+                        f"{a.num_tokens}; they must match",
+                    )
+                )
                 continue
             self.map.append(j)
             ids.append(a.seq_id)
@@ -200,8 +212,15 @@ class _SubAppends:
     def errors(self, r: StepResult, errors: Any) -> None:
         n_sub = self.n_sub
         for j, seq_id, message in self.bad:
-            errors.append(pb.StepItemError(kind=pb.StepItemError.APPEND, index=j, seq_id=seq_id,
-                                           code=grpc.StatusCode.INVALID_ARGUMENT.value[0], message=message))
+            errors.append(
+                pb.StepItemError(
+                    kind=pb.StepItemError.APPEND,
+                    index=j,
+                    seq_id=seq_id,
+                    code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                    message=message,
+                )
+            )
         for err in r.append_errors:
             if err.index < n_sub:
                 errors.append(_item_error(pb.StepItemError.APPEND, err, self.map[err.index]))
@@ -231,8 +250,10 @@ def step_batch(request: pb.StepRequest, tenant: str, sub: _SubAppends | None, fr
         else:
             expected = sum(counts[i] for i in range(n) if known[i])
         if len(raw_tokens) != expected:
-            raise InvalidArgument(f"append_token_ids has {len(raw_tokens)} entries but the counts add up to "
-                                  f"{expected}; they must match")
+            raise InvalidArgument(
+                f"append_token_ids has {len(raw_tokens)} entries but the counts add up to "
+                f"{expected}; they must match"
+            )
         tokens = _token_array(raw_tokens, "append_token_ids")
     commits = request.commit_seq_ids
     if len(request.commit_num_computed_tokens) != len(commits):
@@ -245,8 +266,10 @@ def step_batch(request: pb.StepRequest, tenant: str, sub: _SubAppends | None, fr
     alloc_tokens = None
     priorities = salts = None
     if len(request.alloc_num_tokens) != na:
-        raise InvalidArgument(f"alloc_num_tokens has {len(request.alloc_num_tokens)} entries for {na} "
-                              "allocations; they must match")
+        raise InvalidArgument(
+            f"alloc_num_tokens has {len(request.alloc_num_tokens)} entries for {na} "
+            "allocations; they must match"
+        )
     for what, arr in (
         ("alloc_lease_ids", request.alloc_lease_ids),
         ("alloc_priorities", request.alloc_priorities),
@@ -260,20 +283,33 @@ def step_batch(request: pb.StepRequest, tenant: str, sub: _SubAppends | None, fr
         if request.alloc_token_ids:
             expected = sum(request.alloc_num_tokens)
             if len(request.alloc_token_ids) != expected:
-                raise InvalidArgument(f"alloc_token_ids has {len(request.alloc_token_ids)} entries but "
-                                      f"alloc_num_tokens adds up to {expected}; they must match")
+                raise InvalidArgument(
+                    f"alloc_token_ids has {len(request.alloc_token_ids)} entries but "
+                    f"alloc_num_tokens adds up to {expected}; they must match"
+                )
             alloc_tokens = _token_array(request.alloc_token_ids, "alloc_token_ids")
     if len(request.fork_child_seq_ids) != len(request.fork_parent_seq_ids):
-        raise InvalidArgument(f"fork_child_seq_ids has {len(request.fork_child_seq_ids)} entries for "
-                              f"{len(request.fork_parent_seq_ids)} parents; they must match")
+        raise InvalidArgument(
+            f"fork_child_seq_ids has {len(request.fork_child_seq_ids)} entries for "
+            f"{len(request.fork_parent_seq_ids)} parents; they must match"
+        )
     return StepBatch(
-        commit_seq_ids=commits, commit_num_computed_tokens=request.commit_num_computed_tokens,
+        commit_seq_ids=commits,
+        commit_num_computed_tokens=request.commit_num_computed_tokens,
         free_seq_ids=frees,
-        append_seq_ids=ids, append_num_tokens=counts, append_token_ids=tokens, append_tokens_known=known,
-        alloc_seq_ids=allocs, alloc_num_tokens=request.alloc_num_tokens, alloc_token_ids=alloc_tokens,
-        alloc_priorities=priorities, alloc_salts=salts,
-        fork_parent_seq_ids=request.fork_parent_seq_ids, fork_child_seq_ids=request.fork_child_seq_ids,
-        swap_in_seq_ids=request.swap_in_seq_ids, tenant=tenant,
+        append_seq_ids=ids,
+        append_num_tokens=counts,
+        append_token_ids=tokens,
+        append_tokens_known=known,
+        alloc_seq_ids=allocs,
+        alloc_num_tokens=request.alloc_num_tokens,
+        alloc_token_ids=alloc_tokens,
+        alloc_priorities=priorities,
+        alloc_salts=salts,
+        fork_parent_seq_ids=request.fork_parent_seq_ids,
+        fork_child_seq_ids=request.fork_child_seq_ids,
+        swap_in_seq_ids=request.swap_in_seq_ids,
+        tenant=tenant,
     )
 
 
@@ -312,8 +348,15 @@ class CoreStage:
     def _abort(
         self, context: grpc.ServicerContext, method: str, err: CoreError, seq_id: str, request: object = None
     ) -> NoReturn:
-        self.log_limit.info(log, "request_rejected", method=method, seq_id=seq_id, code=err.code.name,
-                            reason=err.message, request_id=request_id_of(context, request))
+        self.log_limit.info(
+            log,
+            "request_rejected",
+            method=method,
+            seq_id=seq_id,
+            code=err.code.name,
+            reason=err.message,
+            request_id=request_id_of(context, request),
+        )
         code = STATUS_BY_CODE[err.code]
         abort_with_status = getattr(context, "abort_with_status", None)
         if abort_with_status is None:  # a test double
@@ -327,12 +370,25 @@ class CoreStage:
     ) -> pb.AllocateResponse:
         try:
             with self.lock:
-                r = self.core.allocate(request.seq_id, request.num_tokens, request.token_ids or None,
-                                       request.priority, request.cache_salt, tenant or "")
+                r = self.core.allocate(
+                    request.seq_id,
+                    request.num_tokens,
+                    request.token_ids or None,
+                    request.priority,
+                    request.cache_salt,
+                    tenant or "",
+                )
                 if self.record is not None:
-                    self.record.append(cmds.Allocate(request.seq_id, request.num_tokens,
-                                                     list(request.token_ids) or None, request.priority,
-                                                     request.cache_salt, tenant or ""))
+                    self.record.append(
+                        cmds.Allocate(
+                            request.seq_id,
+                            request.num_tokens,
+                            list(request.token_ids) or None,
+                            request.priority,
+                            request.cache_salt,
+                            tenant or "",
+                        )
+                    )
                 self._drain_events(tenant)
         except CoreError as e:
             self._abort(context, "Allocate", e, request.seq_id, request)
@@ -343,8 +399,9 @@ class CoreStage:
             with self.lock:
                 r = self.core.append(request.seq_id, request.num_tokens, request.token_ids or None)
                 if self.record is not None:
-                    self.record.append(cmds.Append(request.seq_id, request.num_tokens,
-                                                   list(request.token_ids) or None))
+                    self.record.append(
+                        cmds.Append(request.seq_id, request.num_tokens, list(request.token_ids) or None)
+                    )
                 self._drain_events(tenant)
         except CoreError as e:
             self._abort(context, "Append", e, request.seq_id, request)
@@ -359,7 +416,9 @@ class CoreStage:
                 request_id=request_id_of(context, request),
             )
         return pb.AppendResponse(
-            new_block_ids=r.new_block_ids, ops=ops_to_proto(r.ops), replaced_last_block=r.replaced_last_block,
+            new_block_ids=r.new_block_ids,
+            ops=ops_to_proto(r.ops),
+            replaced_last_block=r.replaced_last_block,
             preempted=preemptions_to_proto(r.preempted),
         )
 
@@ -394,7 +453,9 @@ class CoreStage:
         except CoreError as e:
             self._abort(context, "GetBlockTable", e, request.seq_id, request)
         return pb.BlockTable(
-            block_ids=table.block_ids, num_tokens=table.num_tokens, swapped=table.swapped,
+            block_ids=table.block_ids,
+            num_tokens=table.num_tokens,
+            swapped=table.swapped,
             cpu_block_ids=table.cpu_block_ids,
         )
 
@@ -420,8 +481,13 @@ class CoreStage:
                 self._drain_events(tenant)
         except CoreError as e:
             self._abort(context, "Preempt", e, request.seq_id, request)
-        log.info("preempted", method="Preempt", seq_id=request.seq_id,
-                 victims=[(p.seq_id, p.mode) for p in preempted], request_id=request_id_of(context, request))
+        log.info(
+            "preempted",
+            method="Preempt",
+            seq_id=request.seq_id,
+            victims=[(p.seq_id, p.mode) for p in preempted],
+            request_id=request_id_of(context, request),
+        )
         return pb.PreemptResponse(preempted=preemptions_to_proto(preempted), ops=ops_to_proto(ops))
 
     def Commit(self, request: pb.CommitRequest, context: Any, tenant: str | None = None) -> pb.CommitResponse:
@@ -483,8 +549,12 @@ class CoreStage:
                 resp.swap_ins.append(swap_in_to_proto(swap_in))
         if r.preempted:
             resp.preempted.extend(preemptions_to_proto(r.preempted))
-            log.info("preempted", method="Step", victims=[(p.seq_id, p.mode) for p in r.preempted],
-                     request_id=request_id_of(context, request))
+            log.info(
+                "preempted",
+                method="Step",
+                victims=[(p.seq_id, p.mode) for p in r.preempted],
+                request_id=request_id_of(context, request),
+            )
         if ops:
             resp.ops.CopyFrom(ops_to_proto(ops))
         if r.alloc_num_cached_tokens:
@@ -494,13 +564,27 @@ class CoreStage:
         n_sub = len(request.frees)
         for released in r.released[:n_sub]:
             resp.frees.add(num_blocks_released=released)
-        if (r.commit_errors or r.free_errors or r.append_errors or r.alloc_errors or r.fork_errors
-                or r.swap_in_errors or (sub is not None and sub.bad)):
+        if (
+            r.commit_errors
+            or r.free_errors
+            or r.append_errors
+            or r.alloc_errors
+            or r.fork_errors
+            or r.swap_in_errors
+            or (sub is not None and sub.bad)
+        ):
             self._step_errors(request, context, r, sub, resp.errors, n_sub)
         return resp, r
 
-    def _step_errors(self, request: pb.StepRequest, context: Any, r: StepResult, sub: _SubAppends | None,
-                     errors: Any, n_sub: int) -> None:
+    def _step_errors(
+        self,
+        request: pb.StepRequest,
+        context: Any,
+        r: StepResult,
+        sub: _SubAppends | None,
+        errors: Any,
+        n_sub: int,
+    ) -> None:
         for err in r.commit_errors:
             errors.append(_item_error(pb.StepItemError.COMMIT, err))
         for err in r.free_errors:
@@ -519,8 +603,13 @@ class CoreStage:
             errors.append(_item_error(pb.StepItemError.FORK, err))
         for err in r.swap_in_errors:
             errors.append(_item_error(pb.StepItemError.SWAP_IN, err))
-        self.log_limit.info(log, "step_item_errors", count=len(errors), first=errors[0].message,
-                            request_id=request_id_of(context, request))
+        self.log_limit.info(
+            log,
+            "step_item_errors",
+            count=len(errors),
+            first=errors[0].message,
+            request_id=request_id_of(context, request),
+        )
 
     def GetStats(self, request: pb.GetStatsRequest, context: Any, tenant: str | None = None) -> pb.Stats:
         with self.lock:

@@ -222,8 +222,16 @@ class ZmqKvEventPublisher:
         bs = self.config.block_size
         if self.config.encoding == "array":
             return ["BlockStored", hashes, p, tokens, bs, None, MEDIUM]
-        return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": p, "token_ids": tokens,
-                "block_size": bs, "lora_id": None, "medium": MEDIUM, "lora_name": None}
+        return {
+            "type": "BlockStored",
+            "block_hashes": hashes,
+            "parent_block_hash": p,
+            "token_ids": tokens,
+            "block_size": bs,
+            "lora_id": None,
+            "medium": MEDIUM,
+            "lora_name": None,
+        }
 
     def _removed(self, hashes: list[int]) -> Any:
         if self.config.encoding == "array":

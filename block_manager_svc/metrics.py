@@ -43,9 +43,19 @@ class CoreCollector(Collector):
             s = core.stats()
             ledger = core.tenants
             tenants = (
-                {t: (u.gpu_blocks, u.cpu_blocks, u.sequences, u.prefix_query_tokens, u.prefix_hit_tokens,
-                     u.preemptions) for t, u in ledger.usage.items()}
-                if ledger is not None else None
+                {
+                    t: (
+                        u.gpu_blocks,
+                        u.cpu_blocks,
+                        u.sequences,
+                        u.prefix_query_tokens,
+                        u.prefix_hit_tokens,
+                        u.preemptions,
+                    )
+                    for t, u in ledger.usage.items()
+                }
+                if ledger is not None
+                else None
             )
             hub = sv.events_hub
             watchers = len(hub.subs) if hub is not None else 0
@@ -63,15 +73,19 @@ class CoreCollector(Collector):
         g.add_metric(["running"], s.num_sequences - s.num_swapped_sequences)
         g.add_metric(["swapped"], s.num_swapped_sequences)
         yield g
-        yield GaugeMetricFamily("pagedkv_hashed_blocks", "blocks findable in the prefix cache",
-                                value=s.num_hashed_blocks)
+        yield GaugeMetricFamily(
+            "pagedkv_hashed_blocks", "blocks findable in the prefix cache", value=s.num_hashed_blocks
+        )
         yield CounterMetricFamily(
             "pagedkv_prefix_query_tokens",
             "prompt tokens looked up in the prefix cache",
             value=s.prefix_query_tokens,
         )
-        yield CounterMetricFamily("pagedkv_prefix_hit_tokens", "prompt tokens served from the prefix cache",
-                                  value=s.prefix_hit_tokens)
+        yield CounterMetricFamily(
+            "pagedkv_prefix_hit_tokens",
+            "prompt tokens served from the prefix cache",
+            value=s.prefix_hit_tokens,
+        )
         yield CounterMetricFamily(
             "pagedkv_evicted_blocks", "cached blocks evicted", value=s.num_evicted_blocks
         )
@@ -89,7 +103,7 @@ class CoreCollector(Collector):
         yield GaugeMetricFamily("pagedkv_event_watchers", "connected WatchEvents streams", value=watchers)
         yield CounterMetricFamily("pagedkv_kv_events", "KV events produced (the last version)", value=version)
         if tenants is not None:
-            fams = [
+            fams: list[GaugeMetricFamily | CounterMetricFamily] = [
                 GaugeMetricFamily(
                     "pagedkv_tenant_gpu_blocks", "GPU blocks charged to a tenant", labels=["tenant"]
                 ),
@@ -120,10 +134,19 @@ class RpcMetricsInterceptor(grpc.ServerInterceptor):
     so rejections by later interceptors (UNAUTHENTICATED) are counted too."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.requests = Counter("pagedkv_rpc_requests", "RPCs handled, by method, status code and tenant",
-                                ["method", "code", "tenant"], registry=registry)
-        self.latency = Histogram("pagedkv_rpc_duration_seconds", "RPC handling time in the server, by method",
-                                 ["method"], buckets=LATENCY_BUCKETS, registry=registry)
+        self.requests = Counter(
+            "pagedkv_rpc_requests",
+            "RPCs handled, by method, status code and tenant",
+            ["method", "code", "tenant"],
+            registry=registry,
+        )
+        self.latency = Histogram(
+            "pagedkv_rpc_duration_seconds",
+            "RPC handling time in the server, by method",
+            ["method"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
         self._hist: dict[str, Any] = {}
         self._counters: dict[tuple[str, str, str], Any] = {}
 
@@ -143,8 +166,10 @@ class RpcMetricsInterceptor(grpc.ServerInterceptor):
         if hist is None:
             hist = self._hist[method] = self.latency.labels(method)
         count = self._count
-        kw = {"request_deserializer": handler.request_deserializer,
-              "response_serializer": handler.response_serializer}
+        kw = {
+            "request_deserializer": handler.request_deserializer,
+            "response_serializer": handler.response_serializer,
+        }
 
         def code_of(context: Any, exc: BaseException | None) -> str:
             code = context.code() if hasattr(context, "code") else None

@@ -134,8 +134,10 @@ class ReliableStage:
         remaining = context.time_remaining()
         if remaining is not None and remaining <= 0:
             self.num_deadline_skipped += 1
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                          f"{name}: the deadline passed before the request was processed; nothing changed")
+            context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"{name}: the deadline passed before the request was processed; nothing changed",
+            )
         rid = request.request_id
         journal = self.journal
         if not rid and journal is None and not self._needs_leases(name, request):
@@ -144,8 +146,10 @@ class ReliableStage:
         alloc_leases = request.alloc_lease_ids if name == "Step" else ()
         for lid in (lease_id, *alloc_leases) if alloc_leases else (lease_id,):
             if len(lid) > MAX_LEASE_ID_LEN:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"lease_id is {len(lid)} characters long; the limit is {MAX_LEASE_ID_LEN}")
+                context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"lease_id is {len(lid)} characters long; the limit is {MAX_LEASE_ID_LEN}",
+                )
         dig = b""
         if rid:
             dig = digest(name, request.SerializeToString())
@@ -245,9 +249,9 @@ class ReliableStage:
                 self._do(cmds.LeaseAttach(request.alloc_seq_ids[j], lid))
         failed_forks = {e.index for e in result.fork_errors}
         for j, child in enumerate(request.fork_child_seq_ids):
-            lid = leases.lease_of.get(request.fork_parent_seq_ids[j])
-            if lid and j not in failed_forks:
-                self._do(cmds.LeaseAttach(child, lid))
+            parent_lease = leases.lease_of.get(request.fork_parent_seq_ids[j])
+            if parent_lease and j not in failed_forks:
+                self._do(cmds.LeaseAttach(child, parent_lease))
 
     @contextmanager
     def _recording(self) -> Iterator[list[Command]]:
@@ -266,11 +270,15 @@ class ReliableStage:
         if not lid:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lease_id must not be empty")
         if len(lid) > MAX_LEASE_ID_LEN:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"lease_id is {len(lid)} characters long; the limit is {MAX_LEASE_ID_LEN}")
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"lease_id is {len(lid)} characters long; the limit is {MAX_LEASE_ID_LEN}",
+            )
         if request.ttl_ms > MAX_TTL_MS:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"ttl_ms is {request.ttl_ms}; the limit is {MAX_TTL_MS} (24 h)")
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"ttl_ms is {request.ttl_ms}; the limit is {MAX_TTL_MS} (24 h)",
+            )
         for s in request.attach_seq_ids:
             try:
                 self._core.block_table(s)

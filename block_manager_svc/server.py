@@ -95,8 +95,9 @@ def start_server(settings: BlockManagerSettings) -> RunningServer:
     if store is not None:
         servicer._core.enable_tenancy(ledger_from_store(store))
     if settings.enable_kv_events:
-        servicer.events_hub = EventHub(servicer._lock, settings.max_event_watchers, settings.event_queue_size,
-                                       tenancy=store is not None)
+        servicer.events_hub = EventHub(
+            servicer._lock, settings.max_event_watchers, settings.event_queue_size, tenancy=store is not None
+        )
         servicer.events_hub.attach(servicer._core)
     kv_events = metrics = None
     try:
@@ -138,18 +139,31 @@ def start_server(settings: BlockManagerSettings) -> RunningServer:
         if metrics is not None:
             metrics.stop()
         raise
-    return RunningServer(server=grpc_server.server, port=grpc_server.port, health=grpc_server.health,
-                         servicer=servicer, reliability=reliability, metrics=metrics, kv_events=kv_events)
+    return RunningServer(
+        server=grpc_server.server,
+        port=grpc_server.port,
+        health=grpc_server.health,
+        servicer=servicer,
+        reliability=reliability,
+        metrics=metrics,
+        kv_events=kv_events,
+    )
 
 
 def start_kv_events(settings: BlockManagerSettings, hub: EventHub | None) -> ZmqKvEventPublisher | None:
     """The vLLM-format ZeroMQ publisher, fed by the event hub (None when not configured)."""
     if not settings.kv_events_endpoint or hub is None:
         return None
-    publisher = ZmqKvEventPublisher(ZmqEventConfig(
-        endpoint=settings.kv_events_endpoint, replay_endpoint=settings.kv_events_replay_endpoint,
-        topic=settings.kv_events_topic, block_size=settings.block_size, encoding=settings.kv_events_encoding,
-        buffer_steps=settings.kv_events_buffer_steps))
+    publisher = ZmqKvEventPublisher(
+        ZmqEventConfig(
+            endpoint=settings.kv_events_endpoint,
+            replay_endpoint=settings.kv_events_replay_endpoint,
+            topic=settings.kv_events_topic,
+            block_size=settings.block_size,
+            encoding=settings.kv_events_encoding,
+            buffer_steps=settings.kv_events_buffer_steps,
+        )
+    )
     hub.add_sink(publisher)
     return publisher
 

@@ -35,12 +35,15 @@ class BlockManagerSettings(BaseSettings):
         "model), swap (to the CPU pool when it fits), recompute, or off (RESOURCE_EXHAUSTED)",
     )
     watermark_fraction: float = Field(
-        0.01, ge=0, lt=1,
+        0.01,
+        ge=0,
+        lt=1,
         description="share of GPU blocks Allocate and SwapIn leave free so admissions do not "
         "force preemption of running sequences (rounded down to whole blocks)",
     )
     kv_bytes_per_block: int = Field(
-        2 * 1024 * 1024, ge=1,
+        2 * 1024 * 1024,
+        ge=1,
         description="bytes of K+V in one block, all layers (cost model; 2 MiB = Llama-3-8B at 16 tokens)",
     )
     host_link_gb_per_s: float = Field(
@@ -90,8 +93,9 @@ class BlockManagerSettings(BaseSettings):
         False, description="allow plaintext gRPC on a non-loopback address (trusted networks only)"
     )
     auth_tokens_file: str = Field(
-        "", description="tenants and their sha256 token hashes (TOML/JSON): bearer-token auth, "
-        "tenant namespaces and quotas (empty = no auth)"
+        "",
+        description="tenants and their sha256 token hashes (TOML/JSON): bearer-token auth, "
+        "tenant namespaces and quotas (empty = no auth)",
     )
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics HTTP port (0 = off)")
     metrics_host: str = Field("127.0.0.1", description="address of the metrics HTTP server")
@@ -104,13 +108,15 @@ class BlockManagerSettings(BaseSettings):
     )
     # vLLM-format KV events over ZeroMQ for llm-d / Dynamo-style routers (docs/deploy.md).
     kv_events_endpoint: str = Field(
-        "", description="ZeroMQ PUB endpoint for KV events in vLLM's wire format, e.g. "
+        "",
+        description="ZeroMQ PUB endpoint for KV events in vLLM's wire format, e.g. "
         "tcp://127.0.0.1:5557; tcp://*:5557 binds EVERY interface (plaintext: needs --allow-insecure); "
-        "empty = off"
+        "empty = off",
     )
     kv_events_replay_endpoint: str = Field(
-        "", description="ZeroMQ ROUTER endpoint where subscribers ask for missed batches, e.g. "
-        "tcp://127.0.0.1:5558 (empty = no replay)"
+        "",
+        description="ZeroMQ ROUTER endpoint where subscribers ask for missed batches, e.g. "
+        "tcp://127.0.0.1:5558 (empty = no replay)",
     )
     kv_events_topic: str = Field(
         "kv-events", description="ZeroMQ topic of this pool's KV events (give each pool its own)"

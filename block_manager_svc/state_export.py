@@ -168,7 +168,6 @@ class _Encoder:
             return ["obj", n, f"{t.__module__}:{cls}", names, values]
         raise StateError(f"cannot export a {t.__module__}.{t.__qualname__} (not a core class or plain data)")
 
-
     def field(self, cls: str, name: str, value: Any) -> Any:
         if (cls, name) in _NOT_STATE and not isinstance(value, (list, type(None))):
             return None
@@ -232,10 +231,16 @@ def _null_ledger(obj: Any) -> Any:
 # documents written before the field existed lack. Before Commit existed, the manager registered
 # everything a sequence held, so all of it counts as committed.
 _FIELD_DEFAULTS: dict[str, tuple[tuple[str, Callable[[Any], Any]], ...]] = {
-    "SeqState": (("num_committed", lambda s: s.num_tokens), ("pending_hashes", lambda s: []),
-                 ("tenant", lambda s: "")),
-    "BlockManager": (("ledger", _null_ledger), ("num_prefix_cache_resets", lambda m: 0),
-                     ("num_committed_blocks", lambda m: 0)),
+    "SeqState": (
+        ("num_committed", lambda s: s.num_tokens),
+        ("pending_hashes", lambda s: []),
+        ("tenant", lambda s: ""),
+    ),
+    "BlockManager": (
+        ("ledger", _null_ledger),
+        ("num_prefix_cache_resets", lambda m: 0),
+        ("num_committed_blocks", lambda m: 0),
+    ),
     "BlockPool": (("events", lambda p: None),),
 }
 
@@ -256,4 +261,5 @@ def _new_object(qualified: str) -> Any:
         raise StateError(f"the state names {qualified!r}, which this version does not have") from e
     if not isinstance(cls, type):
         raise StateError(f"the state names {qualified!r}, which is not a class")
-    return cls.__new__(cls)
+    core_cls: Any = cls  # known only at run time: its own __new__, whatever its signature
+    return core_cls.__new__(core_cls)

@@ -92,9 +92,12 @@ class _Status(grpc.Status):
 
 
 def ledger_from_store(store: TokenStore) -> TenantLedger:
-    return TenantLedger(quotas={
-        name: Quota(t.max_gpu_blocks, t.max_cpu_blocks, t.max_sequences) for name, t in store.tenants.items()
-    })
+    return TenantLedger(
+        quotas={
+            name: Quota(t.max_gpu_blocks, t.max_cpu_blocks, t.max_sequences)
+            for name, t in store.tenants.items()
+        }
+    )
 
 
 @dataclass(slots=True)
@@ -141,9 +144,11 @@ class TenantScope:
         p = t.prefix
         if name == "ResetPrefixCache" and not t.admin:
             # Admins only: the cache host (and so every tenant's KV) is shared, and so is its loss.
-            context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                          f"tenant {t.name!r} is not an admin: ResetPrefixCache clears every tenant's "
-                          "prefix cache and is for admins")
+            context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"tenant {t.name!r} is not an admin: ResetPrefixCache clears every tenant's "
+                "prefix cache and is for admins",
+            )
         rewrite = _REWRITE.get(name)
         if rewrite is None:  # nothing to namespace (GetConfig, GetStats)
             return Scoped(request, context, t.name, p)
@@ -169,15 +174,20 @@ class TenantScope:
         if t.admin:
             return None
         if request.all_tenants:
-            context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                          f"tenant {t.name!r} is not an admin: all_tenants is for admins")
+            context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"tenant {t.name!r} is not an admin: all_tenants is for admins",
+            )
         with lock:
             ledger = core.tenants
             u = ledger.of(t.name) if ledger is not None else None
             swapped = sum(1 for s in core.swapped.values() if s.tenant == t.name) if core.swapped else 0
             q = ledger.quota(t.name) if ledger is not None else Quota()
-        s = pb.Stats(block_size=core.block_size, num_gpu_blocks=q.max_gpu_blocks or core.pool.num_blocks,
-                     num_cpu_blocks=q.max_cpu_blocks or core.cpu.num_blocks)
+        s = pb.Stats(
+            block_size=core.block_size,
+            num_gpu_blocks=q.max_gpu_blocks or core.pool.num_blocks,
+            num_cpu_blocks=q.max_cpu_blocks or core.cpu.num_blocks,
+        )
         if u is not None:
             s.num_used_blocks = u.gpu_blocks
             s.num_sequences = u.sequences
@@ -190,7 +200,6 @@ class TenantScope:
 
 
 Tenancy = TenantScope | NoTenancy
-
 
 
 # --- checks and namespacing -----------------------------------------------------------
@@ -295,8 +304,15 @@ def _keepalive(request: pb.KeepAliveRequest, context: Any, p: str) -> pb.KeepAli
 
 def _step(request: pb.StepRequest, context: Any, p: str) -> pb.StepRequest:
     req = _copy(request)
-    for field in ("append_seq_ids", "free_seq_ids", "swap_in_seq_ids", "commit_seq_ids", "alloc_seq_ids",
-                  "fork_parent_seq_ids", "fork_child_seq_ids"):
+    for field in (
+        "append_seq_ids",
+        "free_seq_ids",
+        "swap_in_seq_ids",
+        "commit_seq_ids",
+        "alloc_seq_ids",
+        "fork_parent_seq_ids",
+        "fork_child_seq_ids",
+    ):
         src = getattr(request, field)
         if src:
             dst = getattr(req, field)
@@ -352,6 +368,6 @@ def _step_reply(resp: pb.StepResponse, p: str) -> None:
     for e in resp.errors:
         e.seq_id = e.seq_id[n:] if e.seq_id.startswith(p) else e.seq_id
         msg = e.message
-        for s in strip:
-            msg = msg.replace(s, "")
+        for text in strip:
+            msg = msg.replace(text, "")
         e.message = msg

@@ -12,8 +12,9 @@ What every call gets:
   (:mod:`pagedkv.retry` explains why this is a client-side loop and not
   gRPC's service-config retry policy). Reads always retry. Mutations
   (Allocate, Append, Fork, Free, Step, KeepAlive, SwapIn, Preempt) retry only when you pass a
-  ``request_id`` (Commit is idempotent by definition and always retries): a retried mutation that the server already applied would be
-  applied twice, and only request ids let the server recognise the repeat
+  ``request_id`` (Commit is idempotent by definition and always retries): a retried mutation that
+  the server already applied would be applied twice, and only request ids let the server recognise
+  the repeat
   and answer it from its dedupe table (docs/reliability.md).
 
 Methods mirror the RPCs and return the protobuf responses; errors raise
@@ -35,8 +36,8 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagedkv.retry import RetryPolicy, async_call_with_retry, call_with_retry
 from pagedkv.dial import check_token_transport
+from pagedkv.retry import RetryPolicy, async_call_with_retry, call_with_retry
 from pagedkv.tls import auth_metadata
 from pagedkv.tls import channel as tls_channel
 from pagedkv.v1 import block_manager_pb2 as pb
@@ -99,16 +100,22 @@ def allocate_request(
     cache_salt: str | None = None,
 ) -> pb.AllocateRequest:
     return pb.AllocateRequest(
-        seq_id=seq_id, num_tokens=num_tokens, token_ids=token_ids or (), priority=priority,
-        request_id=request_id or "", lease_id=lease_id or "", cache_salt=cache_salt or "",
+        seq_id=seq_id,
+        num_tokens=num_tokens,
+        token_ids=token_ids or (),
+        priority=priority,
+        request_id=request_id or "",
+        lease_id=lease_id or "",
+        cache_salt=cache_salt or "",
     )
 
 
 def append_request(
     seq_id: str, num_tokens: int = 1, token_ids: Sequence[int] | None = None, request_id: str | None = None
 ) -> pb.AppendRequest:
-    return pb.AppendRequest(seq_id=seq_id, num_tokens=num_tokens, token_ids=token_ids or (),
-                            request_id=request_id or "")
+    return pb.AppendRequest(
+        seq_id=seq_id, num_tokens=num_tokens, token_ids=token_ids or (), request_id=request_id or ""
+    )
 
 
 def step_decode_request(
@@ -138,7 +145,7 @@ def new_blocks_by_sequence(response: pb.StepResponse, num_seqs: int) -> list[lis
     ``append_seq_ids`` (in order; a copy-on-write replacement comes first, see
     ``packed_replaced_index``)."""
     out: list[list[int]] = [[] for _ in range(num_seqs)]
-    for index, block_id in zip(response.packed_new_block_index, response.packed_new_block_ids):
+    for index, block_id in zip(response.packed_new_block_index, response.packed_new_block_ids, strict=False):
         out[index].append(block_id)
     return out
 
@@ -159,8 +166,12 @@ class Call:
 
 
 def fork_call(parent_seq_id: str, child_seq_id: str, request_id: str | None, lease_id: str | None) -> Call:
-    req = pb.ForkRequest(parent_seq_id=parent_seq_id, child_seq_id=child_seq_id, request_id=request_id or "",
-                         lease_id=lease_id or "")
+    req = pb.ForkRequest(
+        parent_seq_id=parent_seq_id,
+        child_seq_id=child_seq_id,
+        request_id=request_id or "",
+        lease_id=lease_id or "",
+    )
     return Call("Fork", req, True, request_id)
 
 
@@ -170,13 +181,18 @@ def free_call(seq_id: str, request_id: str | None) -> Call:
 
 def commit_call(seq_id: str, num_computed_tokens: int, request_id: str | None) -> Call:
     # Idempotent by definition: always retried, with or without a request id.
-    req = pb.CommitRequest(seq_id=seq_id, num_computed_tokens=num_computed_tokens, request_id=request_id or "")
+    req = pb.CommitRequest(
+        seq_id=seq_id, num_computed_tokens=num_computed_tokens, request_id=request_id or ""
+    )
     return Call("Commit", req, False, request_id)
 
 
-def keep_alive_call(lease_id: str, ttl_ms: int, attach_seq_ids: Sequence[str], request_id: str | None) -> Call:
-    req = pb.KeepAliveRequest(lease_id=lease_id, ttl_ms=ttl_ms, attach_seq_ids=attach_seq_ids,
-                              request_id=request_id or "")
+def keep_alive_call(
+    lease_id: str, ttl_ms: int, attach_seq_ids: Sequence[str], request_id: str | None
+) -> Call:
+    req = pb.KeepAliveRequest(
+        lease_id=lease_id, ttl_ms=ttl_ms, attach_seq_ids=attach_seq_ids, request_id=request_id or ""
+    )
     return Call("KeepAlive", req, True, request_id)
 
 
@@ -185,8 +201,9 @@ def swap_in_call(seq_id: str, request_id: str | None) -> Call:
 
 
 def preempt_call(seq_id: str, mode: str, request_id: str | None) -> Call:
-    return Call("Preempt", pb.PreemptRequest(seq_id=seq_id, mode=mode, request_id=request_id or ""), True,
-                request_id)
+    return Call(
+        "Preempt", pb.PreemptRequest(seq_id=seq_id, mode=mode, request_id=request_id or ""), True, request_id
+    )
 
 
 def reset_prefix_cache_call(request_id: str | None) -> Call:
@@ -211,6 +228,7 @@ class _ClientBase:
     default deadline, the retry policy, the call metadata (bearer token)."""
 
     aio = False
+    _stub: Any  # the generated stub the subclass builds on ``channel``; ``_run`` looks methods up on it
 
     def __init__(
         self,
@@ -235,8 +253,14 @@ class _ClientBase:
         self.metadata = tuple(metadata or ()) + auth_metadata(token) or None
         self._owns_channel = channel is None
         # TLS when any of tls_ca/tls_cert/tls_key is given (pagedkv/tls.py); token = bearer auth.
-        self.channel = channel or tls_channel(target, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
-                                              options=list(options or channel_options()), aio=self.aio)
+        self.channel = channel or tls_channel(
+            target,
+            tls_ca=tls_ca,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
+            options=list(options or channel_options()),
+            aio=self.aio,
+        )
         self._health = health_pb2_grpc.HealthStub(self.channel)
 
     def _retry_args(self, mutation: bool, request_id: str | None, timeout_s: float | None) -> dict[str, Any]:
@@ -251,13 +275,19 @@ class _ClientBase:
 class GrpcClient(_ClientBase):
     """Owns one channel, a default deadline and a retry policy (sync)."""
 
-    def _call(self, method: Any, request: Any, *, mutation: bool, request_id: str | None,
-              timeout_s: float | None) -> Any:
+    def _call(
+        self, method: Any, request: Any, *, mutation: bool, request_id: str | None, timeout_s: float | None
+    ) -> Any:
         return call_with_retry(method, request, **self._retry_args(mutation, request_id, timeout_s))
 
     def _run(self, call: Call, timeout_s: float | None) -> Any:
-        return self._call(getattr(self._stub, call.method), call.request, mutation=call.mutation,
-                          request_id=call.request_id, timeout_s=timeout_s)
+        return self._call(
+            getattr(self._stub, call.method),
+            call.request,
+            mutation=call.mutation,
+            request_id=call.request_id,
+            timeout_s=timeout_s,
+        )
 
     def wait_ready(self, timeout_s: float = 10.0) -> None:
         """Block until the channel connects; raises grpc.FutureTimeoutError."""
@@ -265,8 +295,13 @@ class GrpcClient(_ClientBase):
 
     def health(self, service: str = "", *, timeout_s: float | None = None) -> int:
         """grpc.health.v1 Check: a HealthCheckResponse.ServingStatus value (1 = SERVING)."""
-        resp = self._call(self._health.Check, health_pb2.HealthCheckRequest(service=service),
-                          mutation=False, request_id=None, timeout_s=timeout_s)
+        resp = self._call(
+            self._health.Check,
+            health_pb2.HealthCheckRequest(service=service),
+            mutation=False,
+            request_id=None,
+            timeout_s=timeout_s,
+        )
         return int(resp.status)
 
     def close(self) -> None:
@@ -289,13 +324,21 @@ class AsyncGrpcClient(_ClientBase):
 
     aio = True
 
-    async def _call(self, method: Any, request: Any, *, mutation: bool, request_id: str | None,
-                    timeout_s: float | None) -> Any:
-        return await async_call_with_retry(method, request, **self._retry_args(mutation, request_id, timeout_s))
+    async def _call(
+        self, method: Any, request: Any, *, mutation: bool, request_id: str | None, timeout_s: float | None
+    ) -> Any:
+        return await async_call_with_retry(
+            method, request, **self._retry_args(mutation, request_id, timeout_s)
+        )
 
     async def _run(self, call: Call, timeout_s: float | None) -> Any:
-        return await self._call(getattr(self._stub, call.method), call.request, mutation=call.mutation,
-                                request_id=call.request_id, timeout_s=timeout_s)
+        return await self._call(
+            getattr(self._stub, call.method),
+            call.request,
+            mutation=call.mutation,
+            request_id=call.request_id,
+            timeout_s=timeout_s,
+        )
 
     async def wait_ready(self, timeout_s: float = 10.0) -> None:
         import asyncio
@@ -303,8 +346,13 @@ class AsyncGrpcClient(_ClientBase):
         await asyncio.wait_for(self.channel.channel_ready(), timeout_s)
 
     async def health(self, service: str = "", *, timeout_s: float | None = None) -> int:
-        resp = await self._call(self._health.Check, health_pb2.HealthCheckRequest(service=service),
-                                mutation=False, request_id=None, timeout_s=timeout_s)
+        resp = await self._call(
+            self._health.Check,
+            health_pb2.HealthCheckRequest(service=service),
+            mutation=False,
+            request_id=None,
+            timeout_s=timeout_s,
+        )
         return int(resp.status)
 
     async def close(self) -> None:
@@ -329,27 +377,57 @@ class BlockManagerClient(GrpcClient):
         super().__init__(target, **kwargs)
         self._stub = pb_grpc.BlockManagerStub(self.channel)
 
-    def allocate(self, seq_id: str, num_tokens: int, token_ids: Sequence[int] | None = None, *,
-                 priority: int = 0, request_id: str | None = None, lease_id: str | None = None,
-                 timeout_s: float | None = None, cache_salt: str | None = None) -> pb.AllocateResponse:
+    def allocate(
+        self,
+        seq_id: str,
+        num_tokens: int,
+        token_ids: Sequence[int] | None = None,
+        *,
+        priority: int = 0,
+        request_id: str | None = None,
+        lease_id: str | None = None,
+        timeout_s: float | None = None,
+        cache_salt: str | None = None,
+    ) -> pb.AllocateResponse:
         req = allocate_request(seq_id, num_tokens, token_ids, priority, request_id, lease_id, cache_salt)
         return self._run(Call("Allocate", req, True, request_id), timeout_s)
 
-    def append(self, seq_id: str, num_tokens: int = 1, token_ids: Sequence[int] | None = None, *,
-               request_id: str | None = None, timeout_s: float | None = None) -> pb.AppendResponse:
+    def append(
+        self,
+        seq_id: str,
+        num_tokens: int = 1,
+        token_ids: Sequence[int] | None = None,
+        *,
+        request_id: str | None = None,
+        timeout_s: float | None = None,
+    ) -> pb.AppendResponse:
         req = append_request(seq_id, num_tokens, token_ids, request_id)
         return self._run(Call("Append", req, True, request_id), timeout_s)
 
-    def fork(self, parent_seq_id: str, child_seq_id: str, *, request_id: str | None = None,
-             lease_id: str | None = None, timeout_s: float | None = None) -> pb.ForkResponse:
+    def fork(
+        self,
+        parent_seq_id: str,
+        child_seq_id: str,
+        *,
+        request_id: str | None = None,
+        lease_id: str | None = None,
+        timeout_s: float | None = None,
+    ) -> pb.ForkResponse:
         return self._run(fork_call(parent_seq_id, child_seq_id, request_id, lease_id), timeout_s)
 
-    def free(self, seq_id: str, *, request_id: str | None = None,
-             timeout_s: float | None = None) -> pb.FreeResponse:
+    def free(
+        self, seq_id: str, *, request_id: str | None = None, timeout_s: float | None = None
+    ) -> pb.FreeResponse:
         return self._run(free_call(seq_id, request_id), timeout_s)
 
-    def commit(self, seq_id: str, num_computed_tokens: int, *, request_id: str | None = None,
-               timeout_s: float | None = None) -> pb.CommitResponse:
+    def commit(
+        self,
+        seq_id: str,
+        num_computed_tokens: int,
+        *,
+        request_id: str | None = None,
+        timeout_s: float | None = None,
+    ) -> pb.CommitResponse:
         """The KV of the first ``num_computed_tokens`` tokens is written: its full blocks become
         prefix-cache hits (idempotent, so retried even without a request id)."""
         return self._run(commit_call(seq_id, num_computed_tokens, request_id), timeout_s)
@@ -361,9 +439,15 @@ class BlockManagerClient(GrpcClient):
         """A general Step (sub-message and/or packed items); retried only if ``request.request_id``."""
         return self._run(step_call(request), timeout_s)
 
-    def step_decode(self, seq_ids: Sequence[str], token_ids: Sequence[int] | None = None,
-                    frees: Iterable[str] = (), *, request_id: str | None = None,
-                    timeout_s: float | None = None) -> pb.StepResponse:
+    def step_decode(
+        self,
+        seq_ids: Sequence[str],
+        token_ids: Sequence[int] | None = None,
+        frees: Iterable[str] = (),
+        *,
+        request_id: str | None = None,
+        timeout_s: float | None = None,
+    ) -> pb.StepResponse:
         """One decode step in the packed form; see :func:`step_decode_request` and
         :func:`new_blocks_by_sequence`. Per-item failures come back in ``.errors``."""
         return self.step(step_decode_request(seq_ids, token_ids, frees, request_id), timeout_s=timeout_s)
@@ -374,21 +458,31 @@ class BlockManagerClient(GrpcClient):
     def get_config(self, *, timeout_s: float | None = None) -> pb.Config:
         return self._run(read_call("GetConfig", pb.GetConfigRequest()), timeout_s)
 
-    def keep_alive(self, lease_id: str, *, ttl_ms: int = 0, attach_seq_ids: Sequence[str] = (),
-                   request_id: str | None = None, timeout_s: float | None = None) -> pb.KeepAliveResponse:
+    def keep_alive(
+        self,
+        lease_id: str,
+        *,
+        ttl_ms: int = 0,
+        attach_seq_ids: Sequence[str] = (),
+        request_id: str | None = None,
+        timeout_s: float | None = None,
+    ) -> pb.KeepAliveResponse:
         return self._run(keep_alive_call(lease_id, ttl_ms, attach_seq_ids, request_id), timeout_s)
 
-    def swap_in(self, seq_id: str, *, request_id: str | None = None,
-                timeout_s: float | None = None) -> pb.SwapInResponse:
+    def swap_in(
+        self, seq_id: str, *, request_id: str | None = None, timeout_s: float | None = None
+    ) -> pb.SwapInResponse:
         return self._run(swap_in_call(seq_id, request_id), timeout_s)
 
-    def reset_prefix_cache(self, *, request_id: str | None = None,
-                           timeout_s: float | None = None) -> pb.ResetPrefixCacheResponse:
+    def reset_prefix_cache(
+        self, *, request_id: str | None = None, timeout_s: float | None = None
+    ) -> pb.ResetPrefixCacheResponse:
         """Forget every prefix-cache hash (after a lost cache host); admin only with auth on."""
         return self._run(reset_prefix_cache_call(request_id), timeout_s)
 
-    def preempt(self, seq_id: str, mode: str = "", *, request_id: str | None = None,
-                timeout_s: float | None = None) -> pb.PreemptResponse:
+    def preempt(
+        self, seq_id: str, mode: str = "", *, request_id: str | None = None, timeout_s: float | None = None
+    ) -> pb.PreemptResponse:
         return self._run(preempt_call(seq_id, mode, request_id), timeout_s)
 
 
@@ -399,27 +493,57 @@ class AsyncBlockManagerClient(AsyncGrpcClient):
         super().__init__(target, **kwargs)
         self._stub = pb_grpc.BlockManagerStub(self.channel)
 
-    async def allocate(self, seq_id: str, num_tokens: int, token_ids: Sequence[int] | None = None, *,
-                       priority: int = 0, request_id: str | None = None, lease_id: str | None = None,
-                       timeout_s: float | None = None, cache_salt: str | None = None) -> pb.AllocateResponse:
+    async def allocate(
+        self,
+        seq_id: str,
+        num_tokens: int,
+        token_ids: Sequence[int] | None = None,
+        *,
+        priority: int = 0,
+        request_id: str | None = None,
+        lease_id: str | None = None,
+        timeout_s: float | None = None,
+        cache_salt: str | None = None,
+    ) -> pb.AllocateResponse:
         req = allocate_request(seq_id, num_tokens, token_ids, priority, request_id, lease_id, cache_salt)
         return await self._run(Call("Allocate", req, True, request_id), timeout_s)
 
-    async def append(self, seq_id: str, num_tokens: int = 1, token_ids: Sequence[int] | None = None, *,
-                     request_id: str | None = None, timeout_s: float | None = None) -> pb.AppendResponse:
+    async def append(
+        self,
+        seq_id: str,
+        num_tokens: int = 1,
+        token_ids: Sequence[int] | None = None,
+        *,
+        request_id: str | None = None,
+        timeout_s: float | None = None,
+    ) -> pb.AppendResponse:
         req = append_request(seq_id, num_tokens, token_ids, request_id)
         return await self._run(Call("Append", req, True, request_id), timeout_s)
 
-    async def fork(self, parent_seq_id: str, child_seq_id: str, *, request_id: str | None = None,
-                   lease_id: str | None = None, timeout_s: float | None = None) -> pb.ForkResponse:
+    async def fork(
+        self,
+        parent_seq_id: str,
+        child_seq_id: str,
+        *,
+        request_id: str | None = None,
+        lease_id: str | None = None,
+        timeout_s: float | None = None,
+    ) -> pb.ForkResponse:
         return await self._run(fork_call(parent_seq_id, child_seq_id, request_id, lease_id), timeout_s)
 
-    async def free(self, seq_id: str, *, request_id: str | None = None,
-                   timeout_s: float | None = None) -> pb.FreeResponse:
+    async def free(
+        self, seq_id: str, *, request_id: str | None = None, timeout_s: float | None = None
+    ) -> pb.FreeResponse:
         return await self._run(free_call(seq_id, request_id), timeout_s)
 
-    async def commit(self, seq_id: str, num_computed_tokens: int, *, request_id: str | None = None,
-                     timeout_s: float | None = None) -> pb.CommitResponse:
+    async def commit(
+        self,
+        seq_id: str,
+        num_computed_tokens: int,
+        *,
+        request_id: str | None = None,
+        timeout_s: float | None = None,
+    ) -> pb.CommitResponse:
         return await self._run(commit_call(seq_id, num_computed_tokens, request_id), timeout_s)
 
     async def get_block_table(self, seq_id: str, *, timeout_s: float | None = None) -> pb.BlockTable:
@@ -428,10 +552,18 @@ class AsyncBlockManagerClient(AsyncGrpcClient):
     async def step(self, request: pb.StepRequest, *, timeout_s: float | None = None) -> pb.StepResponse:
         return await self._run(step_call(request), timeout_s)
 
-    async def step_decode(self, seq_ids: Sequence[str], token_ids: Sequence[int] | None = None,
-                          frees: Iterable[str] = (), *, request_id: str | None = None,
-                          timeout_s: float | None = None) -> pb.StepResponse:
-        return await self.step(step_decode_request(seq_ids, token_ids, frees, request_id), timeout_s=timeout_s)
+    async def step_decode(
+        self,
+        seq_ids: Sequence[str],
+        token_ids: Sequence[int] | None = None,
+        frees: Iterable[str] = (),
+        *,
+        request_id: str | None = None,
+        timeout_s: float | None = None,
+    ) -> pb.StepResponse:
+        return await self.step(
+            step_decode_request(seq_ids, token_ids, frees, request_id), timeout_s=timeout_s
+        )
 
     async def get_stats(self, *, timeout_s: float | None = None) -> pb.Stats:
         return await self._run(read_call("GetStats", pb.GetStatsRequest()), timeout_s)
@@ -439,20 +571,30 @@ class AsyncBlockManagerClient(AsyncGrpcClient):
     async def get_config(self, *, timeout_s: float | None = None) -> pb.Config:
         return await self._run(read_call("GetConfig", pb.GetConfigRequest()), timeout_s)
 
-    async def keep_alive(self, lease_id: str, *, ttl_ms: int = 0, attach_seq_ids: Sequence[str] = (),
-                         request_id: str | None = None, timeout_s: float | None = None) -> pb.KeepAliveResponse:
+    async def keep_alive(
+        self,
+        lease_id: str,
+        *,
+        ttl_ms: int = 0,
+        attach_seq_ids: Sequence[str] = (),
+        request_id: str | None = None,
+        timeout_s: float | None = None,
+    ) -> pb.KeepAliveResponse:
         return await self._run(keep_alive_call(lease_id, ttl_ms, attach_seq_ids, request_id), timeout_s)
 
-    async def swap_in(self, seq_id: str, *, request_id: str | None = None,
-                      timeout_s: float | None = None) -> pb.SwapInResponse:
+    async def swap_in(
+        self, seq_id: str, *, request_id: str | None = None, timeout_s: float | None = None
+    ) -> pb.SwapInResponse:
         return await self._run(swap_in_call(seq_id, request_id), timeout_s)
 
-    async def reset_prefix_cache(self, *, request_id: str | None = None,
-                                 timeout_s: float | None = None) -> pb.ResetPrefixCacheResponse:
+    async def reset_prefix_cache(
+        self, *, request_id: str | None = None, timeout_s: float | None = None
+    ) -> pb.ResetPrefixCacheResponse:
         return await self._run(reset_prefix_cache_call(request_id), timeout_s)
 
-    async def preempt(self, seq_id: str, mode: str = "", *, request_id: str | None = None,
-                      timeout_s: float | None = None) -> pb.PreemptResponse:
+    async def preempt(
+        self, seq_id: str, mode: str = "", *, request_id: str | None = None, timeout_s: float | None = None
+    ) -> pb.PreemptResponse:
         return await self._run(preempt_call(seq_id, mode, request_id), timeout_s)
 
 

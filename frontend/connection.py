@@ -17,17 +17,32 @@ from pagedkv.dial import check_token_transport, read_token
 
 def add_connection_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("connection security (for a stack started with TLS / tokens)")
-    group.add_argument("--tls-ca", default=os.environ.get("PAGEDKV_TLS_CA", ""),
-                       help="CA bundle to verify the servers (turns TLS on) [env PAGEDKV_TLS_CA]")
-    group.add_argument("--tls-cert", default=os.environ.get("PAGEDKV_TLS_CLIENT_CERT", ""),
-                       help="client certificate for mutual TLS [env PAGEDKV_TLS_CLIENT_CERT]")
-    group.add_argument("--tls-key", default=os.environ.get("PAGEDKV_TLS_CLIENT_KEY", ""),
-                       help="client key for mutual TLS [env PAGEDKV_TLS_CLIENT_KEY]")
-    group.add_argument("--token-file", default=os.environ.get("PAGEDKV_TOKEN_FILE", ""),
-                       help="file holding the bearer token [env PAGEDKV_TOKEN_FILE; else the token is env PAGEDKV_TOKEN]")
-    group.add_argument("--allow-insecure", action="store_true",
-                       default=os.environ.get("PAGEDKV_ALLOW_INSECURE", "").lower() in ("1", "true", "yes", "on"),
-                       help="allow sending the token without TLS (trusted networks only) [env PAGEDKV_ALLOW_INSECURE]")
+    group.add_argument(
+        "--tls-ca",
+        default=os.environ.get("PAGEDKV_TLS_CA", ""),
+        help="CA bundle to verify the servers (turns TLS on) [env PAGEDKV_TLS_CA]",
+    )
+    group.add_argument(
+        "--tls-cert",
+        default=os.environ.get("PAGEDKV_TLS_CLIENT_CERT", ""),
+        help="client certificate for mutual TLS [env PAGEDKV_TLS_CLIENT_CERT]",
+    )
+    group.add_argument(
+        "--tls-key",
+        default=os.environ.get("PAGEDKV_TLS_CLIENT_KEY", ""),
+        help="client key for mutual TLS [env PAGEDKV_TLS_CLIENT_KEY]",
+    )
+    group.add_argument(
+        "--token-file",
+        default=os.environ.get("PAGEDKV_TOKEN_FILE", ""),
+        help="file holding the bearer token [env PAGEDKV_TOKEN_FILE; else the token is env PAGEDKV_TOKEN]",
+    )
+    group.add_argument(
+        "--allow-insecure",
+        action="store_true",
+        default=os.environ.get("PAGEDKV_ALLOW_INSECURE", "").lower() in ("1", "true", "yes", "on"),
+        help="allow sending the token without TLS (trusted networks only) [env PAGEDKV_ALLOW_INSECURE]",
+    )
 
 
 def client_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -36,5 +51,10 @@ def client_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     token without TLS and without --allow-insecure)."""
     token = read_token(args.token_file)
     check_token_transport(token, bool(args.tls_ca or args.tls_cert or args.tls_key), args.allow_insecure)
-    return {"tls_ca": args.tls_ca, "tls_cert": args.tls_cert, "tls_key": args.tls_key, "token": token,
-            "allow_insecure": args.allow_insecure}
+    return {
+        "tls_ca": args.tls_ca,
+        "tls_cert": args.tls_cert,
+        "tls_key": args.tls_key,
+        "token": token,
+        "allow_insecure": args.allow_insecure,
+    }

@@ -80,7 +80,9 @@ def make_workload(num_requests: int, vocab: int, seed: int) -> list[GenerationRe
                 system + [rng.randrange(1, vocab) for _ in range(user)],
                 max_tokens=out,
                 n=2 if rng.random() < 0.25 else 1,
-                sampling=SamplingOptions(temperature=0.8, top_p=0.95, seed=i) if sampled else SamplingOptions(),
+                sampling=SamplingOptions(temperature=0.8, top_p=0.95, seed=i)
+                if sampled
+                else SamplingOptions(),
             )
         )
     return reqs
@@ -136,8 +138,9 @@ class _Sampler:
             f.peak_saved_blocks = max(f.peak_saved_blocks, occ.logical_blocks - occ.physical_blocks)
         f.peak_paged_blocks = max(f.peak_paged_blocks, engine.bm.get_stats().num_used_blocks)
         live = {s.request.request_id: s.request for s in running}
-        f.peak_contiguous_tokens = max(f.peak_contiguous_tokens,
-                                       sum((len(r.prompt) + r.max_tokens) * r.n for r in live.values()))
+        f.peak_contiguous_tokens = max(
+            f.peak_contiguous_tokens, sum((len(r.prompt) + r.max_tokens) * r.n for r in live.values())
+        )
         f.preempted_recompute = engine.stats.preempted_recompute
         f.preempted_swap = engine.stats.preempted_swap
         f.steps = engine.stats.steps
@@ -151,16 +154,30 @@ def new_sampler(bytes_per_token: int = 0) -> _Sampler:
 
 def _body(model: str, r: GenerationRequest) -> dict[str, object]:
     s = r.sampling
-    body: dict[str, object] = {"model": model, "prompt": r.prompt, "max_tokens": r.max_tokens, "n": r.n,
-                               "temperature": s.temperature, "top_p": s.top_p, "ignore_eos": True,
-                               "stream_options": {"include_usage": True}}
+    body: dict[str, object] = {
+        "model": model,
+        "prompt": r.prompt,
+        "max_tokens": r.max_tokens,
+        "n": r.n,
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
     if s.seed is not None:
         body["seed"] = s.seed
     return body
 
 
-def run_workload(url: str, requests: list[GenerationRequest], concurrency: int, *, api_key: str = "",
-                 sampler: _Sampler | None = None, progress: bool = True) -> DemoFigures:
+def run_workload(
+    url: str,
+    requests: list[GenerationRequest],
+    concurrency: int,
+    *,
+    api_key: str = "",
+    sampler: _Sampler | None = None,
+    progress: bool = True,
+) -> DemoFigures:
     """``concurrency`` streaming clients send the requests to `pagedkv serve` at ``url`` over HTTP;
     the server batches them all in one engine. ``sampler`` (hooked into that engine) supplies the
     KV figures."""
@@ -217,33 +234,58 @@ def report(f: DemoFigures) -> str:
         ("prompt tokens / generated tokens", f"{f.prompt_tokens} / {f.generated_tokens}"),
         ("wall time", f"{f.wall_s:.1f} s"),
         ("throughput (generated)", f"{f.generated_tokens / f.wall_s:.1f} tokens/s" if f.wall_s else "-"),
-        ("throughput (prompt + generated)",
-         f"{(f.prompt_tokens + f.generated_tokens) / f.wall_s:.1f} tokens/s" if f.wall_s else "-"),
+        (
+            "throughput (prompt + generated)",
+            f"{(f.prompt_tokens + f.generated_tokens) / f.wall_s:.1f} tokens/s" if f.wall_s else "-",
+        ),
         ("prefix-cache hit rate (prompt tokens)", f"{f.hit_rate:.1%}"),
-        ("KV utilisation: live token slots / allocated slots (mean, min)", f"{f.util_mean:.1%}, {f.util_min:.1%}"),
-        ("KV memory saved by block sharing (mean, peak)",
-         f"{f.shared_mean:.1%} of block-table entries, peak {f.peak_saved_blocks} blocks "
-         f"({f.peak_saved_blocks * f.block_size * f.bytes_per_token / 2**20:.2f} MiB)"),
+        (
+            "KV utilisation: live token slots / allocated slots (mean, min)",
+            f"{f.util_mean:.1%}, {f.util_min:.1%}",
+        ),
+        (
+            "KV memory saved by block sharing (mean, peak)",
+            f"{f.shared_mean:.1%} of block-table entries, peak {f.peak_saved_blocks} blocks "
+            f"({f.peak_saved_blocks * f.block_size * f.bytes_per_token / 2**20:.2f} MiB)",
+        ),
         ("preemptions (recompute, swap)", f"{f.preempted_recompute}, {f.preempted_swap}"),
         ("peak KV memory, paged", f"{paged / 2**20:.2f} MiB ({f.peak_paged_blocks} blocks)"),
-        ("peak KV memory, contiguous reservation", f"{contiguous / 2**20:.2f} MiB (prompt + max_tokens, per sample)"),
+        (
+            "peak KV memory, contiguous reservation",
+            f"{contiguous / 2**20:.2f} MiB (prompt + max_tokens, per sample)",
+        ),
         ("contiguous / paged", f"{contiguous / paged:.2f}x" if paged else "-"),
         ("engine iterations", f"{f.steps}"),
-        ("block-manager round trips per iteration (Step)",
-         f"{f.bm_round_trips / f.steps:.2f} ({f.bm_round_trips} in all)" if f.steps else "-"),
-        ("worker steps per iteration", f"{f.worker_steps / f.steps:.2f} ({f.worker_steps} in all)" if f.steps else "-"),
+        (
+            "block-manager round trips per iteration (Step)",
+            f"{f.bm_round_trips / f.steps:.2f} ({f.bm_round_trips} in all)" if f.steps else "-",
+        ),
+        (
+            "worker steps per iteration",
+            f"{f.worker_steps / f.steps:.2f} ({f.worker_steps} in all)" if f.steps else "-",
+        ),
     ]
     if not f.peak_paged_blocks:  # --url: the server's engine was not sampled
-        rows = [(k, v if not k.startswith(("KV", "peak", "contiguous", "preemptions", "engine", "block-manager", "worker steps")) else
-                 "- (needs the engine: run the demo without --url)") for k, v in rows]
+        rows = [
+            (
+                k,
+                v
+                if not k.startswith(
+                    ("KV", "peak", "contiguous", "preemptions", "engine", "block-manager", "worker steps")
+                )
+                else "- (needs the engine: run the demo without --url)",
+            )
+            for k, v in rows
+        ]
     width = max(len(k) for k, _ in rows)
     lines = ["", "pagedkv demo results", ""] + [f"  {k:<{width}}  {v}" for k, v in rows]
     return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pagedkv demo", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="pagedkv demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--requests", type=int, default=160)
     p.add_argument("--concurrency", type=int, default=16, help="concurrent streaming HTTP clients")
     p.add_argument("--seed", type=int, default=0)
@@ -251,16 +293,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-workers", type=int, default=2, help="with --local: workers in the stack")
     p.add_argument("--max-num-seqs", type=int, default=32, help="the server's engine (not with --url)")
     p.add_argument("--max-batch-tokens", type=int, default=256, help="the server's engine (not with --url)")
-    p.add_argument("--model", default=None,
-                   help="Hugging Face model directory or GGUF file (default: built-in tiny model); with a tokenizer and chat "
-                        "template the workload is chat prompts and a few real answers are printed")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="Hugging Face model directory or GGUF file (default: built-in tiny model); with a tokenizer "
+        "and chat template the workload is chat prompts and a few real answers are printed",
+    )
     p.add_argument("--device", default="auto")
     p.add_argument("--local", action="store_true", help="run the stack and the server in this process")
     p.add_argument("--url", default=None, help="drive a running `pagedkv serve` (no KV figures)")
-    p.add_argument("--block-manager", default=None,
-                   help="a running stack without a frontend: run `pagedkv serve` here against this block manager")
-    p.add_argument("--workers", default=None, help="with --block-manager: comma-separated worker host:port list")
-    p.add_argument("--api-key-file", default="", help="with --url: the server's API key (default: env PAGEDKV_API_KEY)")
+    p.add_argument(
+        "--block-manager",
+        default=None,
+        help="a running stack without a frontend: run `pagedkv serve` here against this block manager",
+    )
+    p.add_argument(
+        "--workers", default=None, help="with --block-manager: comma-separated worker host:port list"
+    )
+    p.add_argument(
+        "--api-key-file", default="", help="with --url: the server's API key (default: env PAGEDKV_API_KEY)"
+    )
     p.add_argument("--vocab-size", type=int, default=128, help="with --url: token ids are drawn below this")
     p.add_argument("--no-progress", action="store_true")
     add_connection_args(p)
@@ -273,21 +325,32 @@ def _bytes_per_token(worker: object) -> int:
     return 2 * info.num_layers * info.num_kv_heads * info.head_dim * dtype_bytes
 
 
-def _serve_here(args: argparse.Namespace, block_manager: str, workers: list[str], conn: dict[str, object]) -> None:
+def _serve_here(
+    args: argparse.Namespace, block_manager: str, workers: list[str], conn: dict[str, object]
+) -> None:
     """`pagedkv serve` in this process, its engine sampled every iteration, driven over HTTP."""
     from frontend.serve import RunningServe
     from frontend.serve_settings import ServeSettings
     from frontend.worker_client import WorkerClient
 
-    with WorkerClient(workers[0], **conn) as w:  # type: ignore[arg-type]
+    with WorkerClient(workers[0], **conn) as w:
         info_vocab, bpt = w.get_info().vocab_size, _bytes_per_token(w)
     sampler = new_sampler(bpt)
-    settings = ServeSettings(port=0, block_manager=block_manager, workers=",".join(workers),
-                             max_num_seqs=args.max_num_seqs, max_batch_tokens=args.max_batch_tokens,
-                             max_waiting=args.requests + 1, log_level="warning", model=args.model or "",
-                             tls_ca=str(conn.get("tls_ca", "")), tls_client_cert=str(conn.get("tls_cert", "")),
-                             tls_client_key=str(conn.get("tls_key", "")), token=str(conn.get("token", "")),
-                             allow_insecure=bool(conn.get("allow_insecure", False)))
+    settings = ServeSettings(
+        port=0,
+        block_manager=block_manager,
+        workers=",".join(workers),
+        max_num_seqs=args.max_num_seqs,
+        max_batch_tokens=args.max_batch_tokens,
+        max_waiting=args.requests + 1,
+        log_level="warning",
+        model=args.model or "",
+        tls_ca=str(conn.get("tls_ca", "")),
+        tls_client_cert=str(conn.get("tls_cert", "")),
+        tls_client_key=str(conn.get("tls_key", "")),
+        token=str(conn.get("token", "")),
+        allow_insecure=bool(conn.get("allow_insecure", False)),
+    )
     with RunningServe(settings, on_iteration=sampler) as server:
         text = server.state.limits.text
         if text.has_chat_template:  # a real model: chat prompts, and real answers beside the figures
@@ -296,8 +359,13 @@ def _serve_here(args: argparse.Namespace, block_manager: str, workers: list[str]
             reqs = make_text_workload(args.requests, text, args.seed)
         else:
             reqs = make_workload(args.requests, info_vocab, args.seed)
-        print(report(run_workload(server.url, reqs, args.concurrency, sampler=sampler,
-                                  progress=not args.no_progress)))
+        print(
+            report(
+                run_workload(
+                    server.url, reqs, args.concurrency, sampler=sampler, progress=not args.no_progress
+                )
+            )
+        )
         if text.has_chat_template:
             print(format_answers(ask(server.url, SHOWN_QUESTIONS)))
 
@@ -315,8 +383,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.api_key_file:
             key = pathlib.Path(args.api_key_file).read_text().strip()
         reqs = make_workload(args.requests, args.vocab_size, args.seed)
-        print(report(run_workload(args.url.rstrip("/"), reqs, args.concurrency, api_key=key,
-                                  progress=not args.no_progress)))
+        print(
+            report(
+                run_workload(
+                    args.url.rstrip("/"), reqs, args.concurrency, api_key=key, progress=not args.no_progress
+                )
+            )
+        )
         return 0
     if args.block_manager:
         if not args.workers:
@@ -327,30 +400,46 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.local:
         from frontend.local_stack import LocalStack, StackConfig
 
-        with LocalStack(StackConfig(model=args.model, num_gpu_blocks=args.num_gpu_blocks,
-                                    num_workers=args.num_workers, device=args.device)) as stack:
+        with LocalStack(
+            StackConfig(
+                model=args.model,
+                num_gpu_blocks=args.num_gpu_blocks,
+                num_workers=args.num_workers,
+                device=args.device,
+            )
+        ) as stack:
             _serve_here(args, stack.block_manager_target, stack.worker_targets, {})
         return 0
 
-    from frontend.stack import Stack, StackOptions
-
     import tempfile
+
+    from frontend.stack import Stack, StackOptions
 
     log_dir = tempfile.mkdtemp(prefix="pagedkv-demo-logs-")
     opts = StackOptions(
-        block_manager_port=free_port(), cache_host_port=free_port(), worker_port=free_port(),
-        num_workers=1, num_gpu_blocks=args.num_gpu_blocks, model=args.model, device=args.device,
-        log_format="json", log_dir=log_dir,
+        block_manager_port=free_port(),
+        cache_host_port=free_port(),
+        worker_port=free_port(),
+        num_workers=1,
+        num_gpu_blocks=args.num_gpu_blocks,
+        model=args.model,
+        device=args.device,
+        log_format="json",
+        log_dir=log_dir,
     )
-    print(f"pagedkv demo: starting the stack (block manager, cache host, worker) as local processes, "
-          f"`pagedkv serve` in this process; their logs go to {log_dir}", file=sys.stderr, flush=True)
-    stack = Stack(opts, out=sys.stderr)
+    print(
+        f"pagedkv demo: starting the stack (block manager, cache host, worker) as local processes, "
+        f"`pagedkv serve` in this process; their logs go to {log_dir}",
+        file=sys.stderr,
+        flush=True,
+    )
+    procs = Stack(opts, out=sys.stderr)
     try:
-        stack.start()
-        workers = [s.address for s in stack.services if s.name.startswith("worker-")]
-        _serve_here(args, stack.services[0].address, workers, client_kwargs(args))
+        procs.start()
+        workers = [s.address for s in procs.services if s.name.startswith("worker-")]
+        _serve_here(args, procs.services[0].address, workers, client_kwargs(args))
     finally:
-        leaked = stack.stop()
+        leaked = procs.stop()
     if leaked:
         print(f"pagedkv demo: shared memory left behind: {leaked}", file=sys.stderr)
         return 1

@@ -18,7 +18,8 @@ about compute. The rules:
   ops-only step on one worker.
 - A worker that answers UNAVAILABLE / DEADLINE_EXCEEDED is benched for ``retry_after_s`` and its
   part is re-run on the next candidate (a step only rewrites the KV of its own tokens with the same
-  values, so a re-run is safe). FAILED_PRECONDITION with the CACHE_HOST_LOST error detail (pagedkv/errors.py) from every worker tried is
+  values, so a re-run is safe). FAILED_PRECONDITION with the CACHE_HOST_LOST error detail
+  (pagedkv/errors.py) from every worker tried is
   ``CacheLostEverywhere``, which the engine turns into ``CacheHostLost``.
 """
 
@@ -85,9 +86,13 @@ class WorkerPool:
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
-    def from_clients(cls, clients: Sequence[WorkerClient], infos: Sequence[wpb.WorkerInfo | None],
-                     timeout_s: float = 120.0) -> WorkerPool:
-        slots = [WorkerSlot(c, (i.role if i is not None and i.role else MIXED)) for c, i in zip(clients, infos)]
+    def from_clients(
+        cls, clients: Sequence[WorkerClient], infos: Sequence[wpb.WorkerInfo | None], timeout_s: float = 120.0
+    ) -> WorkerPool:
+        slots = [
+            WorkerSlot(c, (i.role if i is not None and i.role else MIXED))
+            for c, i in zip(clients, infos, strict=False)
+        ]
         return cls(slots, timeout_s=timeout_s)
 
     # -------------------------------------------------------------- who does what
@@ -134,13 +139,19 @@ class WorkerPool:
             return self.call(req, workers)
         has_ops = bool(len(req.ops.copies) or len(req.ops.swap_out) or len(req.ops.swap_in))
         if has_ops:
-            self.call(wpb.WorkerStepRequest(ops=req.ops, request_id=f"{req.request_id}-ops",
-                                            cache_instance_id=req.cache_instance_id), workers)
+            self.call(
+                wpb.WorkerStepRequest(
+                    ops=req.ops, request_id=f"{req.request_id}-ops", cache_instance_id=req.cache_instance_id
+                ),
+                workers,
+            )
             self.stats.ops_only_steps += 1
         groups = self.split([len(s.token_ids) for s in seqs], n)
         parts: list[wpb.WorkerStepRequest] = []
         for j, g in enumerate(groups):
-            part = wpb.WorkerStepRequest(request_id=f"{req.request_id}.{j}", cache_instance_id=req.cache_instance_id)
+            part = wpb.WorkerStepRequest(
+                request_id=f"{req.request_id}.{j}", cache_instance_id=req.cache_instance_id
+            )
             part.sequences.extend(seqs[i] for i in g)
             parts.append(part)
         order = list(workers)
@@ -149,8 +160,8 @@ class WorkerPool:
         resps = [f.result() for f in futures]
         out = wpb.WorkerStepResponse()
         by_index: dict[int, wpb.SequenceOutput] = {}
-        for g, r in zip(groups, resps):
-            for i, o in zip(g, r.outputs):
+        for g, r in zip(groups, resps, strict=True):
+            for i, o in zip(g, r.outputs, strict=False):
                 by_index[i] = o
             out.num_tokens += r.num_tokens
             out.forward_ms = max(out.forward_ms, r.forward_ms)
@@ -158,7 +169,9 @@ class WorkerPool:
         out.outputs.extend(by_index[i] for i in range(len(seqs)))
         return out
 
-    def submit_step(self, req: wpb.WorkerStepRequest, workers: Sequence[WorkerSlot]) -> Future[wpb.WorkerStepResponse]:
+    def submit_step(
+        self, req: wpb.WorkerStepRequest, workers: Sequence[WorkerSlot]
+    ) -> Future[wpb.WorkerStepResponse]:
         """``step`` on a pool thread (the engine's prefill pipeline): the caller goes on decoding."""
         return self._pool().submit(self.step, req, workers)
 
@@ -166,11 +179,14 @@ class WorkerPool:
         with self._lock:
             if self._executor is None:
                 # A step thread, its parts, and the decode pipeline's parts can all be running.
-                self._executor = ThreadPoolExecutor(max_workers=2 * len(self.slots) + 4,
-                                                    thread_name_prefix="worker-call")
+                self._executor = ThreadPoolExecutor(
+                    max_workers=2 * len(self.slots) + 4, thread_name_prefix="worker-call"
+                )
             return self._executor
 
-    def submit(self, req: wpb.WorkerStepRequest, workers: Sequence[WorkerSlot]) -> Future[wpb.WorkerStepResponse]:
+    def submit(
+        self, req: wpb.WorkerStepRequest, workers: Sequence[WorkerSlot]
+    ) -> Future[wpb.WorkerStepResponse]:
         """``call`` on a pool thread: the caller goes on while the worker computes."""
         return self._pool().submit(self.call, req, workers)
 
@@ -212,4 +228,3 @@ class WorkerPool:
             ex, self._executor = self._executor, None
         if ex is not None:
             ex.shutdown(wait=True)
-

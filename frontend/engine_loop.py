@@ -83,8 +83,13 @@ class _Tracked:
 class EngineLoop:
     """Owns ``engine``; call ``start()``, then ``submit``/``abort`` from any thread."""
 
-    def __init__(self, engine: Engine, metrics: ServeMetrics, idle_wait_s: float = 0.5,
-                 on_iteration: Callable[[Engine], None] | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        metrics: ServeMetrics,
+        idle_wait_s: float = 0.5,
+        on_iteration: Callable[[Engine], None] | None = None,
+    ) -> None:
         self.engine = engine
         self._on_iteration = on_iteration  # e.g. `pagedkv demo` sampling the block tables every iteration
         self.metrics = metrics
@@ -200,7 +205,11 @@ class EngineLoop:
         try:
             events = self.engine.step()
         except BlockManagerUnavailable as e:
-            log.error("block_manager_unavailable", error=str(e), action="failing requests in flight, refusing new ones")
+            log.error(
+                "block_manager_unavailable",
+                error=str(e),
+                action="failing requests in flight, refusing new ones",
+            )
             self.unavailable = f"the block manager is unreachable: {e}"
             self._fail_all(503, self.unavailable)
             return

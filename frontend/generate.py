@@ -42,16 +42,21 @@ def parse_token_ids(text: str) -> list[int]:
     if parts == [""]:
         raise argparse.ArgumentTypeError("at least one token id is needed")
     if any(p == "" for p in parts):
-        raise argparse.ArgumentTypeError(f"token ids must be comma-separated integers with no empty item, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"token ids must be comma-separated integers with no empty item, got {text!r}"
+        )
     try:
         return [int(t) for t in parts]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"token ids must be comma-separated integers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"token ids must be comma-separated integers, got {text!r}"
+        ) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pagedkv generate", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="pagedkv generate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--token-ids", type=parse_token_ids, required=True, help="prompt, e.g. 1,2,3")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--n", type=int, default=1, help="parallel samples (forked from the prompt)")
@@ -61,17 +66,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop-token-ids", type=parse_token_ids, default=None)
     p.add_argument("--url", default="http://127.0.0.1:8000", help="a running `pagedkv serve` [%(default)s]")
-    p.add_argument("--api-key-file", default="", help="file holding the server's API key (default: env PAGEDKV_API_KEY)")
+    p.add_argument(
+        "--api-key-file", default="", help="file holding the server's API key (default: env PAGEDKV_API_KEY)"
+    )
     p.add_argument("--local", action="store_true", help="run an in-process stack instead of connecting")
     p.add_argument("--model", default=None, help="with --local: Hugging Face model directory or GGUF file")
     p.add_argument("--num-gpu-blocks", type=int, default=512, help="with --local")
     p.add_argument("--block-size", type=int, default=16, help="with --local")
     p.add_argument("--device", default="auto", help="with --local: auto | cpu | cuda")
-    p.add_argument("--block-manager", default=None,
-                   help="run the engine here against this block manager host:port (instead of --url)")
-    p.add_argument("--workers", default="127.0.0.1:50053,127.0.0.1:50054",
-                   help="with --block-manager: comma-separated worker host:port list (default: the two "
-                   "workers `pagedkv up` starts)")
+    p.add_argument(
+        "--block-manager",
+        default=None,
+        help="run the engine here against this block manager host:port (instead of --url)",
+    )
+    p.add_argument(
+        "--workers",
+        default="127.0.0.1:50053,127.0.0.1:50054",
+        help="with --block-manager: comma-separated worker host:port list (default: the two "
+        "workers `pagedkv up` starts)",
+    )
     p.add_argument("--timeout-s", type=float, default=30.0)
     add_connection_args(p)
     return p
@@ -83,8 +96,12 @@ def output_json(out: RequestOutput) -> dict[str, object]:
         "prompt_token_ids": out.prompt,
         "num_cached_tokens": out.num_cached_tokens,
         "completions": [
-            {"index": c.index, "token_ids": c.token_ids, "logprobs": [round(x, 6) for x in c.logprobs],
-             "finish_reason": c.finish_reason}
+            {
+                "index": c.index,
+                "token_ids": c.token_ids,
+                "logprobs": [round(x, 6) for x in c.logprobs],
+                "finish_reason": c.finish_reason,
+            }
             for c in out.completions
         ],
     }
@@ -109,17 +126,34 @@ def via_server(args: argparse.Namespace, request: GenerationRequest) -> RequestO
             ctx.load_cert_chain(args.tls_cert, args.tls_key or None)
     s = request.sampling
     body: dict[str, object] = {
-        "prompt": request.prompt, "max_tokens": request.max_tokens, "n": request.n,
-        "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k or -1, "logprobs": 0,
-        "ignore_eos": True, "stop_token_ids": list(request.stop_token_ids),
+        "prompt": request.prompt,
+        "max_tokens": request.max_tokens,
+        "n": request.n,
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        "top_k": s.top_k or -1,
+        "logprobs": 0,
+        "ignore_eos": True,
+        "stop_token_ids": list(request.stop_token_ids),
     }
     if s.seed is not None:
         body["seed"] = s.seed
-    resp = post_json(args.url.rstrip("/") + "/v1/completions", body, api_key=key, timeout_s=args.timeout_s * 10,
-                     ssl_context=ctx)
-    comps = [Completion(index=c["index"], token_ids=list(c["token_ids"]),
-                        logprobs=list((c.get("logprobs") or {}).get("token_logprobs") or []),
-                        finish_reason=c["finish_reason"]) for c in sorted(resp["choices"], key=lambda c: c["index"])]
+    resp = post_json(
+        args.url.rstrip("/") + "/v1/completions",
+        body,
+        api_key=key,
+        timeout_s=args.timeout_s * 10,
+        ssl_context=ctx,
+    )
+    comps = [
+        Completion(
+            index=c["index"],
+            token_ids=list(c["token_ids"]),
+            logprobs=list((c.get("logprobs") or {}).get("token_logprobs") or []),
+            finish_reason=c["finish_reason"],
+        )
+        for c in sorted(resp["choices"], key=lambda c: c["index"])
+    ]
     cached = int((resp.get("usage", {}).get("prompt_tokens_details") or {}).get("cached_tokens", 0))
     return RequestOutput(str(resp["id"]), list(request.prompt), comps, cached)
 
@@ -133,15 +167,24 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     configure_logging("warning")
     request = GenerationRequest(
-        f"generate-{uuid.uuid4().hex[:12]}", args.token_ids, max_tokens=args.max_tokens, n=args.n,
+        f"generate-{uuid.uuid4().hex[:12]}",
+        args.token_ids,
+        max_tokens=args.max_tokens,
+        n=args.n,
         sampling=SamplingOptions(args.temperature, args.top_p, args.top_k, args.seed),
         stop_token_ids=tuple(args.stop_token_ids or ()),
     )
     try:
         request.validate()  # before anything is allocated or even connected
     except ValueError as e:
-        flag = next((f for f in ("temperature", "top_p", "top_k", "seed", "max_tokens", "n") if str(e).startswith(f)
-                     or f" {f} " in f" {e} "), None)
+        flag = next(
+            (
+                f
+                for f in ("temperature", "top_p", "top_k", "seed", "max_tokens", "n")
+                if str(e).startswith(f) or f" {f} " in f" {e} "
+            ),
+            None,
+        )
         name = f"--{flag.replace('_', '-')}: " if flag else ""
         print(f"pagedkv generate: {name}{e}", file=sys.stderr)
         return 2
@@ -150,8 +193,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.local:
             from frontend.local_stack import LocalStack, StackConfig
 
-            with LocalStack(StackConfig(model=args.model, num_gpu_blocks=args.num_gpu_blocks,
-                                        block_size=args.block_size, device=args.device)) as stack:
+            with LocalStack(
+                StackConfig(
+                    model=args.model,
+                    num_gpu_blocks=args.num_gpu_blocks,
+                    block_size=args.block_size,
+                    device=args.device,
+                )
+            ) as stack:
                 with stack.engine(config) as engine:
                     out = engine.generate([request])[0]
         elif args.block_manager is None:
@@ -159,8 +208,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             out = _generate_remote(args, request, config)
     except urllib.error.URLError as e:
-        print(f"pagedkv generate: cannot reach {args.url}: {e.reason} (is the server running? `pagedkv up`)",
-              file=sys.stderr)
+        print(
+            f"pagedkv generate: cannot reach {args.url}: {e.reason} (is the server running? `pagedkv up`)",
+            file=sys.stderr,
+        )
         return 1
     except (ValueError, OSError) as e:
         print(f"pagedkv generate: {e}", file=sys.stderr)
@@ -177,7 +228,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _generate_remote(args: argparse.Namespace, request: GenerationRequest, config: EngineConfig) -> RequestOutput:
+def _generate_remote(
+    args: argparse.Namespace, request: GenerationRequest, config: EngineConfig
+) -> RequestOutput:
     """One request on a running stack; the engine frees its sequences on every way out
     (success, error, Ctrl-C), and its lease covers a process killed outright."""
     from frontend.client import BlockManagerClient

@@ -43,10 +43,18 @@ def _headers(api_key: str) -> dict[str, str]:
     return h
 
 
-def post_json(url: str, body: dict[str, Any], *, api_key: str = "", timeout_s: float = 600.0,
-              ssl_context: ssl.SSLContext | None = None) -> dict[str, Any]:
+def post_json(
+    url: str,
+    body: dict[str, Any],
+    *,
+    api_key: str = "",
+    timeout_s: float = 600.0,
+    ssl_context: ssl.SSLContext | None = None,
+) -> dict[str, Any]:
     """POST ``body`` to ``url`` and return the JSON answer; raises HttpError or OSError."""
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=_headers(api_key), method="POST")
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers=_headers(api_key), method="POST"
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout_s, context=ssl_context) as r:  # noqa: S310
             return dict(json.loads(r.read()))
@@ -54,8 +62,9 @@ def post_json(url: str, body: dict[str, Any], *, api_key: str = "", timeout_s: f
         raise HttpError(e.code, _error_message(e.read())) from None
 
 
-def get_text(url: str, *, api_key: str = "", timeout_s: float = 30.0,
-             ssl_context: ssl.SSLContext | None = None) -> str:
+def get_text(
+    url: str, *, api_key: str = "", timeout_s: float = 30.0, ssl_context: ssl.SSLContext | None = None
+) -> str:
     req = urllib.request.Request(url, headers=_headers(api_key))
     try:
         with urllib.request.urlopen(req, timeout=timeout_s, context=ssl_context) as r:  # noqa: S310
@@ -64,8 +73,9 @@ def get_text(url: str, *, api_key: str = "", timeout_s: float = 30.0,
         raise HttpError(e.code, _error_message(e.read())) from None
 
 
-async def stream_events(url: str, body: dict[str, Any], *, api_key: str = "",
-                        ssl_context: ssl.SSLContext | None = None) -> AsyncIterator[tuple[float, dict[str, Any]]]:
+async def stream_events(
+    url: str, body: dict[str, Any], *, api_key: str = "", ssl_context: ssl.SSLContext | None = None
+) -> AsyncIterator[tuple[float, dict[str, Any]]]:
     """POST with ``stream: true`` and yield (arrival time.perf_counter(), event JSON) per SSE event,
     until ``data: [DONE]``."""
     u = urllib.parse.urlsplit(url)
@@ -77,8 +87,13 @@ async def stream_events(url: str, body: dict[str, Any], *, api_key: str = "",
     reader, writer = await asyncio.open_connection(u.hostname, port, ssl=ctx)
     try:
         payload = json.dumps({**body, "stream": True}).encode()
-        head = [f"POST {u.path or '/'} HTTP/1.1", f"Host: {u.hostname}:{port}", "Connection: close",
-                f"Content-Length: {len(payload)}", "Accept: text/event-stream"]
+        head = [
+            f"POST {u.path or '/'} HTTP/1.1",
+            f"Host: {u.hostname}:{port}",
+            "Connection: close",
+            f"Content-Length: {len(payload)}",
+            "Accept: text/event-stream",
+        ]
         head += [f"{k}: {v}" for k, v in _headers(api_key).items()]
         writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + payload)
         await writer.drain()

@@ -76,7 +76,11 @@ class PoolIndex:
     def apply(self, batch: EventBatch) -> None:
         for ev in batch.events:
             if isinstance(ev, BlockStored):
-                parent = ROOT_KEY if ev.parent_block_hash is None else self.by_engine_hash.get(ev.parent_block_hash)
+                parent = (
+                    ROOT_KEY
+                    if ev.parent_block_hash is None
+                    else self.by_engine_hash.get(ev.parent_block_hash)
+                )
                 bs = ev.block_size
                 for i, h in enumerate(ev.block_hashes):
                     if parent is None:  # parent unknown (missed): this chain cannot be keyed
@@ -87,9 +91,9 @@ class PoolIndex:
                     parent = key
             elif isinstance(ev, BlockRemoved):
                 for h in ev.block_hashes:
-                    key = self.by_engine_hash.pop(h, None)
-                    if key is not None:
-                        self.keys.discard(key)
+                    gone = self.by_engine_hash.pop(h, None)
+                    if gone is not None:
+                        self.keys.discard(gone)
             else:
                 self.keys.clear()
                 self.by_engine_hash.clear()
@@ -107,8 +111,13 @@ class PoolIndex:
 class PoolSubscriber:
     """Follows one pool's KV events on a background thread (ZeroMQ sockets stay on that thread)."""
 
-    def __init__(self, endpoint: str, replay_endpoint: str = "", topic: str = "kv-events",
-                 context: zmq.Context | None = None) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        replay_endpoint: str = "",
+        topic: str = "kv-events",
+        context: zmq.Context | None = None,
+    ) -> None:
         self.index = PoolIndex()
         self.lock = threading.Lock()
         self.last_seq = -1
@@ -178,8 +187,13 @@ class PoolSubscriber:
 class PrefixAwareRouter:
     """Pick a pool by expected prefix hit and load (llm-d-style weighted scorers)."""
 
-    def __init__(self, pools: Sequence[PoolSubscriber], block_size: int,
-                 prefix_weight: float = 3.0, load_weight: float = 2.0) -> None:
+    def __init__(
+        self,
+        pools: Sequence[PoolSubscriber],
+        block_size: int,
+        prefix_weight: float = 3.0,
+        load_weight: float = 2.0,
+    ) -> None:
         self.pools = list(pools)
         self.block_size = block_size
         self.prefix_weight = prefix_weight

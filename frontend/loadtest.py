@@ -52,8 +52,15 @@ from frontend.connection import add_connection_args, client_kwargs
 from pagedkv.dial import TokenError
 
 OPS = ("allocate", "append", "fork", "free", "step", "table", "stats")
-RPC_OF = {"allocate": "Allocate", "append": "Append", "fork": "Fork", "free": "Free", "step": "Step",
-          "table": "GetBlockTable", "stats": "GetStats"}
+RPC_OF = {
+    "allocate": "Allocate",
+    "append": "Append",
+    "fork": "Fork",
+    "free": "Free",
+    "step": "Step",
+    "table": "GetBlockTable",
+    "stats": "GetStats",
+}
 SCENARIOS: dict[str, str] = {
     # a bit of everything, Append-heavy like decoding without batching
     "mixed": "allocate=1,append=8,fork=1,free=1,step=1",
@@ -69,8 +76,13 @@ SCENARIOS: dict[str, str] = {
     "reads": "stats=1",
 }
 PERCENTILES = (10, 25, 50, 75, 90, 95, 99, 99.9)
-AMBIGUOUS = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
-             grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
+AMBIGUOUS = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL,
+}
 CODE_NAMES = {c.value[0]: c.name for c in grpc.StatusCode}
 
 
@@ -111,24 +123,44 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="scenarios: " + "; ".join(f"{k} = {v}" for k, v in SCENARIOS.items()),
     )
     p.add_argument("--target", default="127.0.0.1:50051", help="host:port of the block manager")
-    p.add_argument("-c", "--concurrency", type=int, default=16, help="calls in flight (workers), all connections")
-    p.add_argument("--connections", type=int, default=1,
-                   help="gRPC connections; each runs in its own process (beats the GIL)")
+    p.add_argument(
+        "-c", "--concurrency", type=int, default=16, help="calls in flight (workers), all connections"
+    )
+    p.add_argument(
+        "--connections",
+        type=int,
+        default=1,
+        help="gRPC connections; each runs in its own process (beats the GIL)",
+    )
     p.add_argument("--rps", type=float, default=0.0, help="rate limit in calls/s over all workers (0 = none)")
     bound = p.add_mutually_exclusive_group()
-    bound.add_argument("-n", "--total", type=int, default=None, help="stop after this many calls (default 1000)")
+    bound.add_argument(
+        "-n", "--total", type=int, default=None, help="stop after this many calls (default 1000)"
+    )
     bound.add_argument("-z", "--duration", type=float, default=None, help="stop after this many seconds")
-    p.add_argument("--mix", type=parse_mix, default=parse_mix("mixed"),
-                   help="call weights, e.g. allocate=1,append=8,free=1, or a scenario name (default: mixed)")
-    p.add_argument("--scenario", choices=sorted(SCENARIOS), default=None, help="a named mix (overrides --mix)")
+    p.add_argument(
+        "--mix",
+        type=parse_mix,
+        default=parse_mix("mixed"),
+        help="call weights, e.g. allocate=1,append=8,free=1, or a scenario name (default: mixed)",
+    )
+    p.add_argument(
+        "--scenario", choices=sorted(SCENARIOS), default=None, help="a named mix (overrides --mix)"
+    )
     p.add_argument("--num-tokens", type=int, default=32, help="prompt tokens per Allocate")
     p.add_argument("--step-size", type=int, default=64, help="sequences per Step (the decode batch)")
-    p.add_argument("--max-live", type=int, default=8, help="live unary-path sequences per worker (upper bound)")
+    p.add_argument(
+        "--max-live", type=int, default=8, help="live unary-path sequences per worker (upper bound)"
+    )
     p.add_argument("--timeout", type=float, default=5.0, help="deadline of each call, seconds")
     p.add_argument("--format", choices=("summary", "json"), default="summary", help="report format")
     p.add_argument("-o", "--output", default=None, help="write the report to this file instead of stdout")
-    p.add_argument("--no-pool-check", dest="pool_check", action="store_false",
-                   help="skip the end-of-run GetStats check (for a server that others use at the same time)")
+    p.add_argument(
+        "--no-pool-check",
+        dest="pool_check",
+        action="store_false",
+        help="skip the end-of-run GetStats check (for a server that others use at the same time)",
+    )
     p.add_argument("--seed", type=int, default=None, help="random seed of the call choice")
     add_connection_args(p)
     return p
@@ -182,8 +214,10 @@ def size_step_batch(step_size: int, num_tokens: int, block_size: int, budget: in
             return r
     raise LoadTestError(
         f"a Step batch of {step_size} sequences of {num_tokens}+ tokens needs "
-        f"{step_size * blocks_for(num_tokens + 1, block_size)} blocks per worker but only {budget} are available "
-        "per worker: lower --step-size, --num-tokens or --concurrency, or give the server more --num-gpu-blocks"
+        f"{step_size * blocks_for(num_tokens + 1, block_size)} blocks per worker but only {budget} are "
+        "available "
+        "per worker: lower --step-size, --num-tokens or --concurrency, or give the server more "
+        "--num-gpu-blocks"
     )
 
 
@@ -206,16 +240,22 @@ def make_plans(args: argparse.Namespace, available_blocks: int, block_size: int)
     # The Step batch takes what the unary path does not reserve: room for a few growing sequences.
     step_budget = per_worker - (min(args.max_live, 4) * need * 2 if unary else 0)
     rotate = size_step_batch(args.step_size, args.num_tokens, block_size, step_budget) if "step" in mix else 0
-    step_blocks = args.step_size * blocks_for(args.num_tokens + -(-args.step_size // rotate), block_size) if rotate else 0
+    step_blocks = (
+        args.step_size * blocks_for(args.num_tokens + -(-args.step_size // rotate), block_size)
+        if rotate
+        else 0
+    )
     unary_budget = per_worker - step_blocks
     max_live, max_seq_tokens = args.max_live, 0
     if unary:
         max_live = min(args.max_live, unary_budget // need)
         if max_live < 1:
             raise LoadTestError(
-                f"each worker has {unary_budget} blocks for unary calls, less than the {need} one sequence of "
+                f"each worker has {unary_budget} blocks for unary calls, less than the {need} one sequence "
+                "of "
                 f"{args.num_tokens} tokens needs: lower --concurrency or --num-tokens, or give the server "
-                "more --num-gpu-blocks")
+                "more --num-gpu-blocks"
+            )
         max_seq_tokens = (unary_budget // max_live) * block_size
     seed = args.seed if args.seed is not None else random.randrange(2**31)
     plans = []
@@ -225,12 +265,25 @@ def make_plans(args: argparse.Namespace, available_blocks: int, block_size: int)
         part_total = None
         if total is not None:
             part_total = total // args.connections + (1 if i < total % args.connections else 0)
-        plans.append(PartPlan(
-            target=args.target, index=i, workers=workers, worker_offset=offset, total=part_total,
-            duration=args.duration, rps_per_worker=(args.rps / args.concurrency) if args.rps > 0 else 0.0,
-            mix=dict(mix), num_tokens=args.num_tokens, step_size=args.step_size, step_rotate=rotate,
-            max_live=max_live, max_seq_tokens=max_seq_tokens, timeout_s=args.timeout, seed=seed + i,
-        ))
+        plans.append(
+            PartPlan(
+                target=args.target,
+                index=i,
+                workers=workers,
+                worker_offset=offset,
+                total=part_total,
+                duration=args.duration,
+                rps_per_worker=(args.rps / args.concurrency) if args.rps > 0 else 0.0,
+                mix=dict(mix),
+                num_tokens=args.num_tokens,
+                step_size=args.step_size,
+                step_rotate=rotate,
+                max_live=max_live,
+                max_seq_tokens=max_seq_tokens,
+                timeout_s=args.timeout,
+                seed=seed + i,
+            )
+        )
         offset += workers
     return plans
 
@@ -365,7 +418,9 @@ class _Worker:
             seq = self._new_id()
             calls += 1
             if timed:
-                ok = await self._timed("allocate", self.c.allocate(seq, self.plan.num_tokens), seq) is not None
+                ok = (
+                    await self._timed("allocate", self.c.allocate(seq, self.plan.num_tokens), seq) is not None
+                )
             else:
                 try:
                     await self.c.allocate(seq, self.plan.num_tokens)
@@ -434,10 +489,17 @@ async def _run_part(plan: PartPlan, wait_go: Any = None) -> PartResult:
     result = PartResult()
     rec = _Recorder()
     # ghz does not retry: the measured client reports every status as it came.
-    async with AsyncBlockManagerClient(plan.target, default_timeout_s=plan.timeout_s, retry=NO_RETRY,
-                                       **plan.conn) as client, \
-            AsyncBlockManagerClient(plan.target, default_timeout_s=30.0, **plan.conn,
-                                    retry=RetryPolicy(max_attempts=8, initial_backoff_s=0.05)) as cleanup_client:
+    async with (
+        AsyncBlockManagerClient(
+            plan.target, default_timeout_s=plan.timeout_s, retry=NO_RETRY, **plan.conn
+        ) as client,
+        AsyncBlockManagerClient(
+            plan.target,
+            default_timeout_s=30.0,
+            **plan.conn,
+            retry=RetryPolicy(max_attempts=8, initial_backoff_s=0.05),
+        ) as cleanup_client,
+    ):
         workers = [
             _Worker(client, plan, plan.worker_offset + w, rec, random.Random(plan.seed * 7919 + w))
             for w in range(plan.workers)
@@ -499,7 +561,9 @@ def run_parts(plans: list[PartPlan], start_timeout_s: float = 60.0) -> list[Part
                 if dead:
                     raise LoadTestError(f"a connection process exited with code {dead[0]}") from None
                 if time.monotonic() > deadline:
-                    raise LoadTestError(f"no answer from the connection processes in {timeout_s:.0f} s") from None
+                    raise LoadTestError(
+                        f"no answer from the connection processes in {timeout_s:.0f} s"
+                    ) from None
 
     try:
         for _ in plans:  # all connected and set up: start together
@@ -530,8 +594,9 @@ def _percentile(sorted_ns: Sequence[int], pct: float) -> int:
     return sorted_ns[min(rank, len(sorted_ns)) - 1]
 
 
-def build_report(results: list[PartResult], args: argparse.Namespace,
-                 pool: dict[str, Any] | None) -> dict[str, Any]:
+def build_report(
+    results: list[PartResult], args: argparse.Namespace, pool: dict[str, Any] | None
+) -> dict[str, Any]:
     ops, lats, codes = array("B"), array("q"), array("B")
     for r in results:
         ops.frombytes(r.ops)
@@ -545,9 +610,17 @@ def build_report(results: list[PartResult], args: argparse.Namespace,
     ms = 1e-6
     report: dict[str, Any] = {
         "target": args.target,
-        "options": {"concurrency": args.concurrency, "connections": args.connections, "rps": args.rps,
-                    "total": args.total, "duration": args.duration, "mix": args.mix,
-                    "num_tokens": args.num_tokens, "step_size": args.step_size, "timeout_s": args.timeout},
+        "options": {
+            "concurrency": args.concurrency,
+            "connections": args.connections,
+            "rps": args.rps,
+            "total": args.total,
+            "duration": args.duration,
+            "mix": args.mix,
+            "num_tokens": args.num_tokens,
+            "step_size": args.step_size,
+            "timeout_s": args.timeout,
+        },
         "count": count,
         "total_s": round(total_s, 4),
         "slowest_ms": round(ordered[-1] * ms, 3) if count else 0.0,
@@ -581,7 +654,7 @@ def build_report(results: list[PartResult], args: argparse.Namespace,
         ]
     per_op: dict[int, list[int]] = {}
     per_op_err: Counter[int] = Counter()
-    for o, v, c in zip(ops, lats, codes):
+    for o, v, c in zip(ops, lats, codes, strict=False):
         per_op.setdefault(o, []).append(v)
         if c:
             per_op_err[o] += 1
@@ -628,8 +701,10 @@ def format_summary(rep: dict[str, Any]) -> str:
     header = f"  {'call':<14}{'count':>8}{'calls/s':>10}{'avg ms':>9}{'p50 ms':>9}{'p99 ms':>9}{'errors':>8}"
     lines += ["", "Per call:", header]
     for name, c in rep["calls"].items():
-        lines.append(f"  {name:<14}{c['count']:>8}{c['rps']:>10.1f}{c['average_ms']:>9.3f}{c['p50_ms']:>9.3f}"
-                     f"{c['p99_ms']:>9.3f}{c['errors']:>8}")
+        lines.append(
+            f"  {name:<14}{c['count']:>8}{c['rps']:>10.1f}{c['average_ms']:>9.3f}{c['p50_ms']:>9.3f}"
+            f"{c['p99_ms']:>9.3f}{c['errors']:>8}"
+        )
     pool = rep["pool_check"]
     lines += ["", "Pool check:"]
     if pool is None:
@@ -637,8 +712,10 @@ def format_summary(rep: dict[str, Any]) -> str:
     else:
         b, a = pool["before"], pool["after"]
         verdict = "ok: pool back where it started" if pool["ok"] else "FAILED: pool not back where it started"
-        lines.append(f"  {verdict} (sequences {b['num_sequences']} -> {a['num_sequences']}, "
-                     f"used blocks {b['num_used_blocks']} -> {a['num_used_blocks']})")
+        lines.append(
+            f"  {verdict} (sequences {b['num_sequences']} -> {a['num_sequences']}, "
+            f"used blocks {b['num_used_blocks']} -> {a['num_used_blocks']})"
+        )
     for msg in rep["cleanup_errors"]:
         lines.append(f"  cleanup: {msg}")
     for msg in rep["fatal"]:
@@ -647,8 +724,12 @@ def format_summary(rep: dict[str, Any]) -> str:
 
 
 def _stats_dict(stats: Any) -> dict[str, int]:
-    return {"num_sequences": stats.num_sequences, "num_used_blocks": stats.num_used_blocks,
-            "num_free_blocks": stats.num_free_blocks, "num_cached_blocks": stats.num_cached_blocks}
+    return {
+        "num_sequences": stats.num_sequences,
+        "num_used_blocks": stats.num_used_blocks,
+        "num_free_blocks": stats.num_free_blocks,
+        "num_cached_blocks": stats.num_cached_blocks,
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -668,8 +749,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 bm.wait_ready(args.timeout)
                 cfg, before = bm.get_config(), bm.get_stats()
             except (grpc.RpcError, grpc.FutureTimeoutError) as e:
-                raise LoadTestError(f"cannot reach the block manager at {args.target}: "
-                                    f"{getattr(e, 'details', lambda: 'timed out')()}") from None
+                raise LoadTestError(
+                    f"cannot reach the block manager at {args.target}: "
+                    f"{getattr(e, 'details', lambda: 'timed out')()}"
+                ) from None
         plans = make_plans(args, before.num_free_blocks + before.num_cached_blocks, cfg.block_size)
         for plan in plans:
             plan.conn = conn

@@ -76,8 +76,12 @@ class LocalStack:
             dtype = resolve_dtype(cfg.dtype, device)
             model_cfg = load_model_config(cfg.model)
             geometry = CacheGeometry(
-                model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim,
-                cfg.block_size, cfg.num_gpu_blocks, cfg.num_cpu_blocks,
+                model_cfg.num_layers,
+                model_cfg.num_kv_heads,
+                model_cfg.head_dim,
+                cfg.block_size,
+                cfg.num_gpu_blocks,
+                cfg.num_cpu_blocks,
             )
             self.cache = cache_memory.create(geometry, dtype, device, shm_prefix="pagedkv-local")
             self._closers.append(self.cache.close)
@@ -85,7 +89,9 @@ class LocalStack:
             self._closers.append(lambda: self.cache_host.stop(0))
             self.workers: list[WorkerProcess] = []
             if cfg.roles and len(cfg.roles) != cfg.num_workers:
-                raise ValueError(f"roles {cfg.roles} name {len(cfg.roles)} workers, num_workers is {cfg.num_workers}")
+                raise ValueError(
+                    f"roles {cfg.roles} name {len(cfg.roles)} workers, num_workers is {cfg.num_workers}"
+                )
             for i in range(cfg.num_workers):
                 proc = start_worker(
                     WorkerSettings(
@@ -94,10 +100,10 @@ class LocalStack:
                         block_manager=f"127.0.0.1:{self.block_manager.port}",
                         model=cfg.model,
                         device=str(device),
-                        dtype=cfg.dtype,  # type: ignore[arg-type]
-                        kernel_backend=cfg.kernel_backend,  # type: ignore[arg-type]
+                        dtype=cfg.dtype,
+                        kernel_backend=cfg.kernel_backend,
                         seed=cfg.seed,
-                        role=cfg.roles[i] if cfg.roles else "mixed",  # type: ignore[arg-type]
+                        role=cfg.roles[i] if cfg.roles else "mixed",
                         block_size=cfg.block_size,
                         num_gpu_blocks=cfg.num_gpu_blocks,
                         num_cpu_blocks=cfg.num_cpu_blocks,

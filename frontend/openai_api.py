@@ -29,8 +29,14 @@ MAX_SEED = 2**63 - 1
 class ApiError(Exception):
     """An HTTP error in OpenAI's error JSON: {"error": {"message", "type", "param", "code"}}."""
 
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 type_: str = "invalid_request_error", code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        type_: str = "invalid_request_error",
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -147,8 +153,13 @@ def _pydantic_error(e: ValidationError) -> ApiError:
 
 def check_model(model: str | None, limits: Limits) -> None:
     if model is not None and model != limits.model_name:
-        raise ApiError(404, f"The model `{model}` does not exist (this server serves `{limits.model_name}`).",
-                       "model", "invalid_request_error", "model_not_found")
+        raise ApiError(
+            404,
+            f"The model `{model}` does not exist (this server serves `{limits.model_name}`).",
+            "model",
+            "invalid_request_error",
+            "model_not_found",
+        )
 
 
 def _token_list(value: Any, param: str, limits: Limits) -> list[int]:
@@ -164,11 +175,17 @@ def _prompts(prompt: Any, limits: Limits) -> list[list[int]]:
     """A string, a list of strings, a list of token ids, or a list of such lists."""
     if prompt is None:
         raise ApiError(400, "prompt: this field is required", "prompt")
-    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt)):
+    if isinstance(prompt, str) or (
+        isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt)
+    ):
         texts = [prompt] if isinstance(prompt, str) else prompt
         if limits.text.tokenizer is None:
-            raise ApiError(400, "prompt: text prompts need a tokenizer, and this server has none (start it with "
-                           "--model DIR for a model directory with a tokenizer, or send token ids)", "prompt")
+            raise ApiError(
+                400,
+                "prompt: text prompts need a tokenizer, and this server has none (start it with "
+                "--model DIR for a model directory with a tokenizer, or send token ids)",
+                "prompt",
+            )
         out = []
         for t in texts:
             if not t:
@@ -176,8 +193,11 @@ def _prompts(prompt: Any, limits: Limits) -> list[list[int]]:
             out.append(_token_list(limits.text.encode(t), "prompt", limits))
         return out
     if not isinstance(prompt, list):
-        raise ApiError(400, "prompt: expected a string, a list of strings, a list of token ids or a list of "
-                       "token-id lists", "prompt")
+        raise ApiError(
+            400,
+            "prompt: expected a string, a list of strings, a list of token ids or a list of token-id lists",
+            "prompt",
+        )
     if not prompt:
         raise ApiError(400, "prompt: the prompt is empty", "prompt")
     if all(isinstance(p, list) for p in prompt):
@@ -198,13 +218,20 @@ def _stop(stop: str | list[str] | None, limits: Limits) -> tuple[str, ...]:
     if any(not s for s in items):
         raise ApiError(400, "stop: stop strings must not be empty", "stop")
     if items and limits.text.tokenizer is None:
-        raise ApiError(400, "stop: stop strings need a tokenizer, and this server has none (use stop_token_ids)",
-                       "stop")
+        raise ApiError(
+            400, "stop: stop strings need a tokenizer, and this server has none (use stop_token_ids)", "stop"
+        )
     return tuple(items)
 
 
-def _common(body: _Sampling, prompts: list[list[int]], max_tokens: int | None, limits: Limits,
-            logprobs: bool, top_logprobs: int) -> Parsed:
+def _common(
+    body: _Sampling,
+    prompts: list[list[int]],
+    max_tokens: int | None,
+    limits: Limits,
+    logprobs: bool,
+    top_logprobs: int,
+) -> Parsed:
     for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
         if getattr(body, name) != neutral:
             raise ApiError(400, f"{name}: not supported by pagedkv (only {neutral:g}, no penalty)", name)
@@ -212,31 +239,58 @@ def _common(body: _Sampling, prompts: list[list[int]], max_tokens: int | None, l
         if not math.isfinite(getattr(body, name)):
             raise ApiError(400, f"{name}: must be a finite number", name)
     if body.top_k > limits.vocab_size:
-        raise ApiError(400, f"top_k: must be -1 (off) or at most the vocabulary size {limits.vocab_size}", "top_k")
-    stop_ids = tuple(_token_list(body.stop_token_ids, "stop_token_ids", limits)) if body.stop_token_ids else ()
+        raise ApiError(
+            400, f"top_k: must be -1 (off) or at most the vocabulary size {limits.vocab_size}", "top_k"
+        )
+    stop_ids = (
+        tuple(_token_list(body.stop_token_ids, "stop_token_ids", limits)) if body.stop_token_ids else ()
+    )
     stop = _stop(body.stop, limits)
     longest = max(len(p) for p in prompts)
     ctx = limits.max_context
     if longest >= ctx:
-        raise ApiError(400, f"prompt: {longest} tokens do not fit: this server holds at most {ctx} tokens per "
-                       f"sequence ({limits.num_gpu_blocks} blocks of {limits.block_size} tokens"
-                       + (f", model context {limits.text.max_model_len}" if limits.text.max_model_len else "")
-                       + ") including the output", "prompt")
+        raise ApiError(
+            400,
+            f"prompt: {longest} tokens do not fit: this server holds at most {ctx} tokens per "
+            f"sequence ({limits.num_gpu_blocks} blocks of {limits.block_size} tokens"
+            + (f", model context {limits.text.max_model_len}" if limits.text.max_model_len else "")
+            + ") including the output",
+            "prompt",
+        )
     param = "max_tokens"
     if max_tokens is None:
         max_tokens = ctx - longest
     elif longest + max_tokens > ctx:
-        raise ApiError(400, f"{param}: prompt ({longest} tokens) + max_tokens ({max_tokens}) = "
-                       f"{longest + max_tokens} exceeds the {ctx} tokens one sequence can hold", param)
+        raise ApiError(
+            400,
+            f"{param}: prompt ({longest} tokens) + max_tokens ({max_tokens}) = "
+            f"{longest + max_tokens} exceeds the {ctx} tokens one sequence can hold",
+            param,
+        )
     if not body.ignore_eos:
         stop_ids = tuple(dict.fromkeys(stop_ids + limits.text.eos_token_ids))
-    sampling = SamplingOptions(temperature=body.temperature, top_p=body.top_p,
-                               top_k=max(0, body.top_k), seed=body.seed, logprobs=top_logprobs)
+    sampling = SamplingOptions(
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=max(0, body.top_k),
+        seed=body.seed,
+        logprobs=top_logprobs,
+    )
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "stream_options: only allowed with stream: true", "stream_options")
-    return Parsed(prompts, max_tokens, body.n, sampling, stop_ids, stop, body.stream, include_usage, logprobs,
-                  top_logprobs)
+    return Parsed(
+        prompts,
+        max_tokens,
+        body.n,
+        sampling,
+        stop_ids,
+        stop,
+        body.stream,
+        include_usage,
+        logprobs,
+        top_logprobs,
+    )
 
 
 _Body = TypeVar("_Body", bound=_Sampling)
@@ -257,8 +311,9 @@ def _validated(raw: Any, model: type[_Body], limits: Limits) -> _Body:
 def parse_completion(raw: Any, limits: Limits) -> Parsed:
     body = _validated(raw, CompletionBody, limits)
     if body.echo and body.logprobs is not None:
-        raise ApiError(400, "echo: not supported together with logprobs (the prompt's logprobs are not "
-                       "computed)", "echo")
+        raise ApiError(
+            400, "echo: not supported together with logprobs (the prompt's logprobs are not computed)", "echo"
+        )
     if body.best_of is not None and body.best_of != body.n:
         raise ApiError(400, "best_of: only best_of == n is supported", "best_of")
     prompts = _prompts(body.prompt, limits)
@@ -284,8 +339,12 @@ def parse_chat(raw: Any, limits: Limits) -> Parsed:
     if body.top_logprobs and not body.logprobs:
         raise ApiError(400, "top_logprobs: requires logprobs: true", "top_logprobs")
     if not limits.text.has_chat_template:
-        raise ApiError(400, "messages: this model has no chat template (the model directory given with --model "
-                       "needs a tokenizer with chat_template); use /v1/completions", "messages")
+        raise ApiError(
+            400,
+            "messages: this model has no chat template (the model directory given with --model "
+            "needs a tokenizer with chat_template); use /v1/completions",
+            "messages",
+        )
     messages = []
     for i, m in enumerate(body.messages):
         if isinstance(m.content, str):
@@ -294,8 +353,9 @@ def parse_chat(raw: Any, limits: Limits) -> Parsed:
             parts = []
             for part in m.content:
                 if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ApiError(400, f"messages.{i}.content: only text parts are supported",
-                                   f"messages.{i}.content")
+                    raise ApiError(
+                        400, f"messages.{i}.content: only text parts are supported", f"messages.{i}.content"
+                    )
                 parts.append(part["text"])
             text = "".join(parts)
         messages.append({"role": m.role, "content": text})
@@ -307,7 +367,10 @@ def parse_chat(raw: Any, limits: Limits) -> Parsed:
         raise ApiError(400, "messages: the chat template produced an empty prompt", "messages")
     bad = next((t for t in prompt if t >= limits.vocab_size), None)
     if bad is not None:
-        raise ApiError(400, f"messages: the tokenizer produced token id {bad}, outside the model's vocabulary",
-                       "messages")
+        raise ApiError(
+            400,
+            f"messages: the tokenizer produced token id {bad}, outside the model's vocabulary",
+            "messages",
+        )
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     return _common(body, [prompt], max_tokens, limits, body.logprobs, body.top_logprobs or 0)

@@ -36,13 +36,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from frontend.detokenize import IncrementalText, token_bytes
 from frontend.engine import Engine, EngineConfig, GenerationRequest, TokenEvent
 from frontend.engine_loop import Admitted, EngineLoop, Failed, Finished
 from frontend.inbox import Inbox
 from frontend.openai_api import ApiError, Limits, Parsed, parse_chat, parse_completion
 from frontend.serve_metrics import ServeMetrics
 from frontend.serve_settings import ServeSettings, load_settings
-from frontend.detokenize import IncrementalText, token_bytes
 from frontend.text import load_model_text
 from pagedkv.tls import TlsConfigError, is_loopback
 
@@ -93,8 +93,11 @@ class _Run:
         self.request_ids = [f"{self.id}-{i}" for i in range(len(parsed.prompts))]
         self.queue: Inbox[tuple[int, object]] = Inbox(asyncio.get_running_loop())
         self.early: collections.deque[tuple[int, object]] = collections.deque()  # tokens seen during submit
-        self.choices = {(p, s): _Choice(p * parsed.n + s, IncrementalText(state.limits.text, parsed.stop))
-                        for p in range(len(parsed.prompts)) for s in range(parsed.n)}
+        self.choices = {
+            (p, s): _Choice(p * parsed.n + s, IncrementalText(state.limits.text, parsed.stop))
+            for p in range(len(parsed.prompts))
+            for s in range(parsed.n)
+        }
         self.cached_tokens = 0
         self.finished_prompts = 0
         self.active = False
@@ -103,9 +106,15 @@ class _Run:
         """Hand every prompt to the engine; raise ApiError if any is refused (others aborted)."""
         arrival = time.monotonic()
         p = self.parsed
-        for i, (rid, prompt) in enumerate(zip(self.request_ids, p.prompts)):
-            req = GenerationRequest(rid, prompt, max_tokens=p.max_tokens, n=p.n, sampling=p.sampling,
-                                    stop_token_ids=p.stop_token_ids)
+        for i, (rid, prompt) in enumerate(zip(self.request_ids, p.prompts, strict=True)):
+            req = GenerationRequest(
+                rid,
+                prompt,
+                max_tokens=p.max_tokens,
+                n=p.n,
+                sampling=p.sampling,
+                stop_token_ids=p.stop_token_ids,
+            )
 
             def sink(item: object, i: int = i) -> None:
                 self.queue.put((i, item))
@@ -121,8 +130,12 @@ class _Run:
                 continue
             if isinstance(item, Failed):
                 self.abort()
-                raise ApiError(item.status, item.message, None,
-                               "invalid_request_error" if item.status == 400 else "server_error")
+                raise ApiError(
+                    item.status,
+                    item.message,
+                    None,
+                    "invalid_request_error" if item.status == 400 else "server_error",
+                )
             if isinstance(item, Admitted):
                 admitted += 1
 
@@ -167,8 +180,12 @@ class _Run:
     def usage(self) -> dict[str, Any]:
         completion = sum(len(c.text.tokens) for c in self.choices.values())
         prompt = sum(len(p) for p in self.parsed.prompts)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
 
     # --- response shapes ---------------------------------------------------------------------
     def _token_strings(self, ids: list[int]) -> list[str]:
@@ -186,20 +203,35 @@ class _Run:
         tok = self.state.limits.text.tokenizer
         return token_bytes(tok, token_id) if tok is not None else list(shown.encode())
 
-    def _logprobs(self, ids: list[int], lps: list[float],
-                  tops: Sequence[tuple[tuple[int, float], ...]] = ()) -> dict[str, Any] | None:
+    def _logprobs(
+        self, ids: list[int], lps: list[float], tops: Sequence[tuple[tuple[int, float], ...]] = ()
+    ) -> dict[str, Any] | None:
         """OpenAI's logprobs object for these tokens; ``tops``: each token's alternatives
         (most likely first), present when the request asked for top logprobs."""
         if not self.parsed.logprobs:
             return None
         strs = self._token_strings(ids)
-        alts = [list(zip(self._token_strings([t for t, _ in top]), (lp for _, lp in top))) for top in tops]
+        alts = [
+            list(zip(self._token_strings([t for t, _ in top]), (lp for _, lp in top), strict=True))
+            for top in tops
+        ]
         if self.kind == "chat":
-            return {"content": [{"token": s, "logprob": lp, "bytes": self._bytes(t, s),
-                                 "top_logprobs": [{"token": a, "logprob": alp, "bytes": self._bytes(at, a)}
-                                                  for (at, _), (a, alp) in zip(tops[i] if alts else (),
-                                                                               alts[i] if alts else [])]}
-                                for i, (t, s, lp) in enumerate(zip(ids, strs, lps))]}
+            return {
+                "content": [
+                    {
+                        "token": s,
+                        "logprob": lp,
+                        "bytes": self._bytes(t, s),
+                        "top_logprobs": [
+                            {"token": a, "logprob": alp, "bytes": self._bytes(at, a)}
+                            for (at, _), (a, alp) in zip(
+                                tops[i] if alts else (), alts[i] if alts else [], strict=True
+                            )
+                        ],
+                    }
+                    for i, (t, s, lp) in enumerate(zip(ids, strs, lps, strict=False))
+                ]
+            }
         offsets, pos = [], 0
         for s in strs:
             offsets.append(pos)
@@ -212,23 +244,42 @@ class _Run:
         for c in sorted(self.choices.values(), key=lambda c: c.index):
             ids, lps = c.text.tokens, c.logprobs
             text = c.text.full
-            item: dict[str, Any] = {"index": c.index, "finish_reason": c.finish_reason, "token_ids": ids,
-                                    "logprobs": self._logprobs(ids, lps, c.top[: len(ids)])}
+            item: dict[str, Any] = {
+                "index": c.index,
+                "finish_reason": c.finish_reason,
+                "token_ids": ids,
+                "logprobs": self._logprobs(ids, lps, c.top[: len(ids)]),
+            }
             if self.kind == "chat":
                 item["message"] = {"role": "assistant", "content": text}
             else:
                 item["text"] = self._echo(c) + text
             choices.append(item)
-        return {"id": self.id, "object": "chat.completion" if self.kind == "chat" else "text_completion",
-                "created": self.created, "model": self.state.model_name, "choices": choices,
-                "usage": self.usage()}
+        return {
+            "id": self.id,
+            "object": "chat.completion" if self.kind == "chat" else "text_completion",
+            "created": self.created,
+            "model": self.state.model_name,
+            "choices": choices,
+            "usage": self.usage(),
+        }
 
-    def chunk(self, c: _Choice, token_ids: list[int], lps: list[float], first: bool,
-              tops: Sequence[tuple[tuple[int, float], ...]] = ()) -> dict[str, Any]:
+    def chunk(
+        self,
+        c: _Choice,
+        token_ids: list[int],
+        lps: list[float],
+        first: bool,
+        tops: Sequence[tuple[tuple[int, float], ...]] = (),
+    ) -> dict[str, Any]:
         final = c.finish_reason is not None
         text = c.text.delta(final=final)
-        item: dict[str, Any] = {"index": c.index, "finish_reason": c.finish_reason, "token_ids": token_ids,
-                                "logprobs": self._logprobs(token_ids, lps, tops)}
+        item: dict[str, Any] = {
+            "index": c.index,
+            "finish_reason": c.finish_reason,
+            "token_ids": token_ids,
+            "logprobs": self._logprobs(token_ids, lps, tops),
+        }
         if self.kind == "chat":
             delta: dict[str, Any] = {"content": text}
             if first:
@@ -236,9 +287,13 @@ class _Run:
             item["delta"] = delta
         else:
             item["text"] = (self._echo(c) if first else "") + text
-        out: dict[str, Any] = {"id": self.id,
-                               "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
-                               "created": self.created, "model": self.state.model_name, "choices": [item]}
+        out: dict[str, Any] = {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
+            "created": self.created,
+            "model": self.state.model_name,
+            "choices": [item],
+        }
         if self.parsed.include_usage:
             out["usage"] = None
         return out
@@ -265,8 +320,14 @@ async def _serve(state: ServerState, request: Request, parsed: Parsed, kind: str
     waiting = state.loop.num_waiting()
     if waiting + len(parsed.prompts) > state.max_waiting:
         state.metrics.reject(503)
-        raise ApiError(503, f"the server is busy: {waiting} requests are waiting (max_waiting "
-                       f"{state.max_waiting}); retry later", None, "server_error", "overloaded")
+        raise ApiError(
+            503,
+            f"the server is busy: {waiting} requests are waiting (max_waiting "
+            f"{state.max_waiting}); retry later",
+            None,
+            "server_error",
+            "overloaded",
+        )
     if not state.loop.alive:
         raise ApiError(503, "the engine is not running", None, "server_error")
     if state.loop.unavailable is not None:
@@ -279,8 +340,11 @@ async def _serve(state: ServerState, request: Request, parsed: Parsed, kind: str
         run.abort()
         raise
     if parsed.stream:
-        return StreamingResponse(_stream(run, request), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            _stream(run, request),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
     try:
         while not run.done:
             prompt, item = await _next(run, request)
@@ -309,8 +373,15 @@ async def _stream(run: _Run, request: Request) -> AsyncIterator[bytes]:
                 seen.add(c.index)
                 if c.finish_reason is not None:
                     closed.add(c.index)
-                yield _sse(run.chunk(c, [item.token_id], [item.logprob], first,
-                                     [item.top_logprobs] if run.parsed.top_logprobs else ()))
+                yield _sse(
+                    run.chunk(
+                        c,
+                        [item.token_id],
+                        [item.logprob],
+                        first,
+                        [item.top_logprobs] if run.parsed.top_logprobs else (),
+                    )
+                )
             elif isinstance(item, Finished):
                 run.on_finished(prompt, item)
                 # A sample that ended without a last token (aborted): its finish_reason, and the
@@ -325,9 +396,16 @@ async def _stream(run: _Run, request: Request) -> AsyncIterator[bytes]:
                 yield _sse(ApiError(item.status, item.message, None, "server_error").body())
                 return
         if run.parsed.include_usage:
-            yield _sse({"id": run.id, "object": "chat.completion.chunk" if run.kind == "chat" else "text_completion",
-                        "created": run.created, "model": run.state.model_name, "choices": [],
-                        "usage": run.usage()})
+            yield _sse(
+                {
+                    "id": run.id,
+                    "object": "chat.completion.chunk" if run.kind == "chat" else "text_completion",
+                    "created": run.created,
+                    "model": run.state.model_name,
+                    "choices": [],
+                    "usage": run.usage(),
+                }
+            )
         yield b"data: [DONE]\n\n"
     finally:
         run.abort()  # the client went away mid-stream: free its blocks in the next iteration
@@ -350,10 +428,17 @@ class ApiKeyMiddleware:
             if name == b"authorization":
                 got = value
         # Compare digests: constant time whatever the lengths.
-        ok = got.startswith(b"Bearer ") and hmac.compare_digest(hashlib.sha256(got[7:].strip()).digest(), self._key)
+        ok = got.startswith(b"Bearer ") and hmac.compare_digest(
+            hashlib.sha256(got[7:].strip()).digest(), self._key
+        )
         if not ok:
-            err = ApiError(401, "missing or wrong API key: send `Authorization: Bearer <key>`", None,
-                           "invalid_request_error", "invalid_api_key")
+            err = ApiError(
+                401,
+                "missing or wrong API key: send `Authorization: Bearer <key>`",
+                None,
+                "invalid_request_error",
+                "invalid_api_key",
+            )
             await JSONResponse(err.body(), status_code=401)(scope, receive, send)
             return
         await self.app(scope, receive, send)
@@ -390,17 +475,29 @@ def create_app(state: ServerState, api_key: str = "") -> Any:
     @app.get("/v1/models")
     async def models() -> JSONResponse:
         lim = state.limits
-        return JSONResponse({"object": "list", "data": [{
-            "id": lim.model_name, "object": "model", "created": 0, "owned_by": "pagedkv",
-            "max_model_len": lim.max_model_len}]})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": lim.model_name,
+                        "object": "model",
+                        "created": 0,
+                        "owned_by": "pagedkv",
+                        "max_model_len": lim.max_model_len,
+                    }
+                ],
+            }
+        )
 
     @app.get(HEALTH_PATH)
     async def health() -> JSONResponse:
         ok, detail = await asyncio.to_thread(state.health)
         if ok and not state.loop.alive:
             ok, detail = False, "the engine loop stopped"
-        return JSONResponse({"status": "ok" if ok else "unavailable", "detail": detail},
-                            status_code=200 if ok else 503)
+        return JSONResponse(
+            {"status": "ok" if ok else "unavailable", "detail": detail}, status_code=200 if ok else 503
+        )
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -423,9 +520,12 @@ class RunningServe:
 
         if not settings.tls_cert and not settings.allow_insecure and not is_loopback(settings.host):
             raise TlsConfigError(
-                f"refusing to serve plain HTTP on non-loopback address {settings.host!r}: set --tls-cert/--tls-key "
-                "(PAGEDKV_TLS_CERT/PAGEDKV_TLS_KEY), or pass --allow-insecure (PAGEDKV_ALLOW_INSECURE=true) on a "
-                "network you trust")
+                f"refusing to serve plain HTTP on non-loopback address {settings.host!r}: set "
+                "--tls-cert/--tls-key "
+                "(PAGEDKV_TLS_CERT/PAGEDKV_TLS_KEY), or pass --allow-insecure (PAGEDKV_ALLOW_INSECURE=true) "
+                "on a "
+                "network you trust"
+            )
         if bool(settings.tls_cert) != bool(settings.tls_key):
             raise TlsConfigError("TLS needs both --tls-cert and --tls-key")
         if settings.tls_client_ca and not settings.tls_cert:
@@ -442,21 +542,34 @@ class RunningServe:
         self._closers.extend(w.close for w in self.workers)
         try:
             # A lost cache host is recovered (wait for a re-attached worker, recompute), not fatal.
-            engine = Engine(self.bm, self.workers, EngineConfig(
-                max_num_seqs=settings.max_num_seqs, max_batch_tokens=settings.max_batch_tokens,
-                timeout_s=settings.timeout_s, recover_lost_cache=True,
-                block_manager_outage_s=settings.block_manager_outage_s))
+            engine = Engine(
+                self.bm,
+                self.workers,
+                EngineConfig(
+                    max_num_seqs=settings.max_num_seqs,
+                    max_batch_tokens=settings.max_batch_tokens,
+                    timeout_s=settings.timeout_s,
+                    recover_lost_cache=True,
+                    block_manager_outage_s=settings.block_manager_outage_s,
+                ),
+            )
             info = self.workers[0].get_info(timeout_s=settings.timeout_s)
             import pathlib
 
-            name = settings.model_name or (pathlib.Path(settings.model).name if settings.model else "") \
-                or info.model_name or "pagedkv"
+            name = (
+                settings.model_name
+                or (pathlib.Path(settings.model).name if settings.model else "")
+                or info.model_name
+                or "pagedkv"
+            )
             limits = Limits(name, engine.vocab_size, engine.block_size, engine.num_gpu_blocks, text)
-            self.metrics = ServeMetrics(name, self._pool_usage, settings.metrics_vllm_names,
-                                        engine_stats=lambda: engine.stats)
+            self.metrics = ServeMetrics(
+                name, self._pool_usage, settings.metrics_vllm_names, engine_stats=lambda: engine.stats
+            )
             self.loop = EngineLoop(engine, self.metrics, on_iteration=on_iteration)
-            self.state = ServerState(self.loop, limits, self.metrics, settings.max_waiting,
-                                     settings.retry_after_s, self._health)
+            self.state = ServerState(
+                self.loop, limits, self.metrics, settings.max_waiting, settings.retry_after_s, self._health
+            )
             app = create_app(self.state, settings.resolved_api_key())
             self._sock = socket.socket(socket.AF_INET6 if ":" in settings.host else socket.AF_INET)
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -465,8 +578,13 @@ class RunningServe:
             self.port = int(self._sock.getsockname()[1])
             self.scheme = "https" if settings.tls_cert else "http"
             config = uvicorn.Config(
-                app, log_config=None, access_log=False, log_level="warning", timeout_graceful_shutdown=5,
-                ssl_certfile=settings.tls_cert or None, ssl_keyfile=settings.tls_key or None,
+                app,
+                log_config=None,
+                access_log=False,
+                log_level="warning",
+                timeout_graceful_shutdown=5,
+                ssl_certfile=settings.tls_cert or None,
+                ssl_keyfile=settings.tls_key or None,
                 ssl_ca_certs=settings.tls_client_ca or None,
                 ssl_cert_reqs=ssl.CERT_REQUIRED if settings.tls_client_ca else ssl.CERT_NONE,
             )

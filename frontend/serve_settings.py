@@ -26,35 +26,65 @@ class ServeSettings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535, description="HTTP port (0 = pick a free one)")
     block_manager: str = Field("127.0.0.1:50051", description="block manager host:port")
     workers: str = Field("127.0.0.1:50053", description="comma-separated worker host:port list")
-    model: str = Field("", description="local model directory or GGUF file (the workers' --model): tokenizer, chat template, "
-                       "EOS ids and context length; never fetched from a hub (empty = token ids only)")
-    model_name: str = Field("", description="name clients use in `model` (default: the --model directory's or file's name, "
-                            "else the workers' model name)")
-    max_waiting: int = Field(256, ge=0, description="requests allowed to wait for admission; beyond that: 503 "
-                             "with Retry-After")
+    model: str = Field(
+        "",
+        description="local model directory or GGUF file (the workers' --model): tokenizer, chat template, "
+        "EOS ids and context length; never fetched from a hub (empty = token ids only)",
+    )
+    model_name: str = Field(
+        "",
+        description="name clients use in `model` (default: the --model directory's or file's name, "
+        "else the workers' model name)",
+    )
+    max_waiting: int = Field(
+        256, ge=0, description="requests allowed to wait for admission; beyond that: 503 with Retry-After"
+    )
     max_num_seqs: int = Field(64, ge=1, description="sequences the engine runs at once")
-    max_batch_tokens: int = Field(512, ge=1, description="tokens per engine iteration (decode + prefill chunks)")
-    timeout_s: float = Field(30.0, gt=0, description="deadline of each gRPC call to the block manager/workers")
+    max_batch_tokens: int = Field(
+        512, ge=1, description="tokens per engine iteration (decode + prefill chunks)"
+    )
+    timeout_s: float = Field(
+        30.0, gt=0, description="deadline of each gRPC call to the block manager/workers"
+    )
     retry_after_s: int = Field(1, ge=1, description="Retry-After seconds sent with 503")
-    block_manager_outage_s: float = Field(30.0, gt=0, description="how long the block manager may stay unreachable "
-                                          "(retried with backoff) before requests in flight end with 503")
-    metrics_vllm_names: bool = Field(False, description="also export vLLM's metric names (vllm:num_requests_waiting, "
-                                     "vllm:kv_cache_usage_perc, ...) for scrapers built for vLLM")
+    block_manager_outage_s: float = Field(
+        30.0,
+        gt=0,
+        description="how long the block manager may stay unreachable "
+        "(retried with backoff) before requests in flight end with 503",
+    )
+    metrics_vllm_names: bool = Field(
+        False,
+        description="also export vLLM's metric names (vllm:num_requests_waiting, "
+        "vllm:kv_cache_usage_perc, ...) for scrapers built for vLLM",
+    )
     # The HTTP server's own security.
-    api_key: SecretStr = Field(SecretStr(""), description="bearer key required on every route but /health "
-                               "(prefer PAGEDKV_API_KEY or --api-key-file)")
+    api_key: SecretStr = Field(
+        SecretStr(""),
+        description="bearer key required on every route but /health "
+        "(prefer PAGEDKV_API_KEY or --api-key-file)",
+    )
     api_key_file: str = Field("", description="file holding the API key")
     tls_cert: str = Field("", description="server certificate chain (PEM); with tls_key: serve HTTPS")
     tls_key: str = Field("", description="server private key (PEM)")
-    tls_client_ca: str = Field("", description="CA bundle (PEM) for client certificates: mutual TLS, required")
-    allow_insecure: bool = Field(False, description="allow plain HTTP on a non-loopback address, and sending "
-                                 "the bearer token to the block manager/workers without --tls-ca (trusted networks only)")
+    tls_client_ca: str = Field(
+        "", description="CA bundle (PEM) for client certificates: mutual TLS, required"
+    )
+    allow_insecure: bool = Field(
+        False,
+        description="allow plain HTTP on a non-loopback address, and sending "
+        "the bearer token to the block manager/workers without --tls-ca (trusted networks only)",
+    )
     # Outbound gRPC to the block manager and the workers.
     tls_ca: str = Field("", description="CA bundle to verify the block manager and workers (turns TLS on)")
-    tls_client_cert: str = Field("", description="client certificate for mutual TLS to the block manager/workers")
+    tls_client_cert: str = Field(
+        "", description="client certificate for mutual TLS to the block manager/workers"
+    )
     tls_client_key: str = Field("", description="client key for mutual TLS to the block manager/workers")
-    token: SecretStr = Field(SecretStr(""), description="bearer token for the block manager/workers "
-                             "(prefer PAGEDKV_TOKEN or --token-file)")
+    token: SecretStr = Field(
+        SecretStr(""),
+        description="bearer token for the block manager/workers (prefer PAGEDKV_TOKEN or --token-file)",
+    )
     token_file: str = Field("", description="file holding that bearer token")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log threshold")
     log_format: Literal["console", "json"] = Field("console", description="key=value or JSON lines")
@@ -69,8 +99,13 @@ class ServeSettings(BaseSettings):
         token = self.token.get_secret_value()
         if self.token_file:
             token = pathlib.Path(self.token_file).read_text().strip()
-        return {"tls_ca": self.tls_ca, "tls_cert": self.tls_client_cert, "tls_key": self.tls_client_key,
-                "token": token, "allow_insecure": self.allow_insecure}
+        return {
+            "tls_ca": self.tls_ca,
+            "tls_cert": self.tls_client_cert,
+            "tls_key": self.tls_client_key,
+            "token": token,
+            "allow_insecure": self.allow_insecure,
+        }
 
     @property
     def worker_targets(self) -> list[str]:

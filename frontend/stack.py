@@ -76,7 +76,9 @@ class StackOptions:
     # Give each worker its own share of this machine's CPUs (--cpu-affinity, --num-threads).
     pin_workers: bool = False
     worker_args: tuple[str, ...] = ()  # more flags for every worker (e.g. --num-threads 1)
-    share_weights: bool = True  # the cache host loads the weights once for every worker (else each loads its own)
+    share_weights: bool = (
+        True  # the cache host loads the weights once for every worker (else each loads its own)
+    )
     tls_dir: str | None = None  # ca.pem, server.pem/.key, client.pem/.key (tools/make_certs.sh DIR)
     auth_tokens_file: str | None = None  # bearer tokens of the stack's clients
     allow_insecure: bool = False  # tokens without --tls-dir: sent in plaintext between the roles
@@ -104,19 +106,47 @@ def plan(opts: StackOptions, security: StackSecurity | None = None, state_dir: s
     services = [
         Service(
             "block-manager",
-            _pagedkv("block-manager", "--host", opts.host, "--port", str(opts.block_manager_port),
-                     "--num-gpu-blocks", str(opts.num_gpu_blocks), "--num-cpu-blocks", str(opts.num_cpu_blocks),
-                     "--block-size", str(opts.block_size), *(["--state-dir", state_dir] if state_dir else []),
-                     *common),
-            bm, "pagedkv.v1.BlockManager",
+            _pagedkv(
+                "block-manager",
+                "--host",
+                opts.host,
+                "--port",
+                str(opts.block_manager_port),
+                "--num-gpu-blocks",
+                str(opts.num_gpu_blocks),
+                "--num-cpu-blocks",
+                str(opts.num_cpu_blocks),
+                "--block-size",
+                str(opts.block_size),
+                *(["--state-dir", state_dir] if state_dir else []),
+                *common,
+            ),
+            bm,
+            "pagedkv.v1.BlockManager",
         ),
         Service(
             "cache-host",
-            _pagedkv("cache-host", "--host", opts.host, "--port", str(opts.cache_host_port),
-                     "--block-manager", bm, "--device", opts.device, "--dtype", opts.dtype,
-                     "--shm-prefix", opts.shm_prefix, *([] if opts.share_weights else ["--no-share-weights"]),
-                     *model, *common, *dial),
-            ch, "pagedkv.v1.CacheHost",
+            _pagedkv(
+                "cache-host",
+                "--host",
+                opts.host,
+                "--port",
+                str(opts.cache_host_port),
+                "--block-manager",
+                bm,
+                "--device",
+                opts.device,
+                "--dtype",
+                opts.dtype,
+                "--shm-prefix",
+                opts.shm_prefix,
+                *([] if opts.share_weights else ["--no-share-weights"]),
+                *model,
+                *common,
+                *dial,
+            ),
+            ch,
+            "pagedkv.v1.CacheHost",
         ),
     ]
     roles = worker_roles(opts.roles, opts.num_workers)
@@ -124,15 +154,39 @@ def plan(opts: StackOptions, security: StackSecurity | None = None, state_dir: s
     cpus = split_cpus(sorted(os.sched_getaffinity(0)), opts.num_workers) if opts.pin_workers else []
     for i in range(opts.num_workers):
         port = opts.worker_port + i
-        placement = (["--cpu-affinity", ",".join(map(str, cpus[i])), "--num-threads", str(len(cpus[i]))]
-                     if cpus else [])
+        placement = (
+            ["--cpu-affinity", ",".join(map(str, cpus[i])), "--num-threads", str(len(cpus[i]))]
+            if cpus
+            else []
+        )
         services.append(
             Service(
                 f"worker-{i}",
-                _pagedkv("worker", "--host", opts.host, "--port", str(port), "--cache-host", ch,
-                         "--block-manager", bm, "--device", opts.device, "--dtype", opts.dtype,
-                         "--role", roles[i], *placement, *opts.worker_args, *model, *common, *dial),
-                f"{opts.host}:{port}", "pagedkv.v1.Worker", env=worker_env,
+                _pagedkv(
+                    "worker",
+                    "--host",
+                    opts.host,
+                    "--port",
+                    str(port),
+                    "--cache-host",
+                    ch,
+                    "--block-manager",
+                    bm,
+                    "--device",
+                    opts.device,
+                    "--dtype",
+                    opts.dtype,
+                    "--role",
+                    roles[i],
+                    *placement,
+                    *opts.worker_args,
+                    *model,
+                    *common,
+                    *dial,
+                ),
+                f"{opts.host}:{port}",
+                "pagedkv.v1.Worker",
+                env=worker_env,
             )
         )
     if opts.serve_port is not None:
@@ -142,9 +196,24 @@ def plan(opts: StackOptions, security: StackSecurity | None = None, state_dir: s
         services.append(
             Service(
                 "frontend",
-                _pagedkv("serve", "--host", opts.host, "--port", str(opts.serve_port), "--block-manager", bm,
-                         "--workers", workers, *model, "--log-format", opts.log_format, *sec.frontend_args()),
-                address, "http", health_url=f"{scheme}://{_loopback_for(opts.host)}:{opts.serve_port}/health",
+                _pagedkv(
+                    "serve",
+                    "--host",
+                    opts.host,
+                    "--port",
+                    str(opts.serve_port),
+                    "--block-manager",
+                    bm,
+                    "--workers",
+                    workers,
+                    *model,
+                    "--log-format",
+                    opts.log_format,
+                    *sec.frontend_args(),
+                ),
+                address,
+                "http",
+                health_url=f"{scheme}://{_loopback_for(opts.host)}:{opts.serve_port}/health",
                 env=sec.frontend_env(),
             )
         )
@@ -167,7 +236,9 @@ def worker_roles(roles: Sequence[str], num_workers: int) -> list[str]:
     if len(roles) == 1:
         return list(roles) * num_workers
     if len(roles) != num_workers:
-        raise ValueError(f"--roles names {len(roles)} roles for {num_workers} workers: give one, or one per worker")
+        raise ValueError(
+            f"--roles names {len(roles)} roles for {num_workers} workers: give one, or one per worker"
+        )
     return list(roles)
 
 
@@ -201,13 +272,20 @@ def _http_ok(url: str, tls: dict[str, str] | None = None) -> tuple[bool, str]:
         return False, str(e)
 
 
-def wait_serving(address: str, service: str, deadline: float, proc: subprocess.Popen[bytes],
-                 tls: dict[str, str] | None = None, health_url: str = "") -> None:
+def wait_serving(
+    address: str,
+    service: str,
+    deadline: float,
+    proc: subprocess.Popen[bytes],
+    tls: dict[str, str] | None = None,
+    health_url: str = "",
+) -> None:
     """pagedkv.healthcheck.wait_healthy on the gRPC health check (over ``tls``: tls_ca/tls_cert/
     tls_key), or on the HTTP one at ``health_url``, until `deadline` (monotonic)."""
     probe = (lambda: _http_ok(health_url, tls)) if health_url else None
-    wait_healthy(address, service, deadline - time.monotonic(), proc=proc, probe=probe, interval_s=0.2,
-                 **(tls or {}))
+    wait_healthy(
+        address, service, deadline - time.monotonic(), proc=proc, probe=probe, interval_s=0.2, **(tls or {})
+    )
 
 
 def leaked_segments(prefix: str) -> list[str]:
@@ -221,8 +299,9 @@ class Stack:
 
     def __init__(self, opts: StackOptions, out: object = sys.stdout) -> None:
         self.opts = opts
-        self.security = StackSecurity.prepare(opts.tls_dir, opts.auth_tokens_file,
-                                               opts.allow_insecure)  # StackSecurityError
+        self.security = StackSecurity.prepare(
+            opts.tls_dir, opts.auth_tokens_file, opts.allow_insecure
+        )  # StackSecurityError
         # The block manager's journal and snapshots: what lets a restarted one keep every sequence.
         self.state_dir_is_temporary = opts.state_dir is None
         if opts.state_dir is None:
@@ -252,10 +331,17 @@ class Stack:
                 stdout = stderr = None
                 if log_dir:
                     stdout = stderr = open(log_dir / f"{svc.name}.log", "ab")  # noqa: SIM115 - owned by the child
-                svc.process = subprocess.Popen(svc.args, env={**env, **svc.env}, stdout=stdout, stderr=stderr,
-                                               start_new_session=True)
-                wait_serving(svc.address, svc.health_service, deadline, svc.process, self.security.client_tls(),
-                             svc.health_url)
+                svc.process = subprocess.Popen(
+                    svc.args, env={**env, **svc.env}, stdout=stdout, stderr=stderr, start_new_session=True
+                )
+                wait_serving(
+                    svc.address,
+                    svc.health_service,
+                    deadline,
+                    svc.process,
+                    self.security.client_tls(),
+                    svc.health_url,
+                )
                 self._say(f"  {svc.name:<14} SERVING  {svc.address}  (pid {svc.process.pid})")
         except BaseException:
             self.stop()
@@ -271,13 +357,24 @@ class Stack:
         out = None
         if self.opts.log_dir:
             out = open(pathlib.Path(self.opts.log_dir) / f"{svc.name}.log", "ab")  # noqa: SIM115 - owned by the child
-        svc.process = subprocess.Popen(svc.args, env={**os.environ, **self.security.env(), **svc.env}, stdout=out,
-                                       stderr=out, start_new_session=True)
+        svc.process = subprocess.Popen(
+            svc.args,
+            env={**os.environ, **self.security.env(), **svc.env},
+            stdout=out,
+            stderr=out,
+            start_new_session=True,
+        )
         deadline = time.monotonic() + self.opts.ready_timeout_s
         while True:  # in slices, so that Ctrl-C during a restart is not held up by the readiness wait
             try:
-                wait_serving(svc.address, svc.health_service, min(deadline, time.monotonic() + 1.0), svc.process,
-                             self.security.client_tls(), svc.health_url)
+                wait_serving(
+                    svc.address,
+                    svc.health_service,
+                    min(deadline, time.monotonic() + 1.0),
+                    svc.process,
+                    self.security.client_tls(),
+                    svc.health_url,
+                )
                 return svc
             except TimeoutError:
                 if stop is not None and stop.is_set():
@@ -318,43 +415,80 @@ class Stack:
 
 def build_parser() -> argparse.ArgumentParser:
     d = StackOptions()
-    p = argparse.ArgumentParser(prog="pagedkv up", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="pagedkv up", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--host", default=d.host, help="address every service binds to [%(default)s]")
     p.add_argument("--block-manager-port", type=int, default=d.block_manager_port)
     p.add_argument("--cache-host-port", type=int, default=d.cache_host_port)
-    p.add_argument("--worker-port", type=int, default=d.worker_port, help="first worker's port; others follow")
+    p.add_argument(
+        "--worker-port", type=int, default=d.worker_port, help="first worker's port; others follow"
+    )
     p.add_argument("--num-workers", type=int, default=d.num_workers)
     p.add_argument("--num-gpu-blocks", type=int, default=d.num_gpu_blocks)
     p.add_argument("--num-cpu-blocks", type=int, default=d.num_cpu_blocks)
     p.add_argument("--block-size", type=int, default=d.block_size)
-    p.add_argument("--model", default=None, help="Hugging Face model directory or GGUF file (default: built-in tiny model)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="Hugging Face model directory or GGUF file (default: built-in tiny model)",
+    )
     p.add_argument("--device", default=d.device, help="auto | cpu | cuda (auto = CUDA when present)")
     p.add_argument("--dtype", default=d.dtype)
     p.add_argument("--log-format", choices=("console", "json"), default=d.log_format)
     p.add_argument("--log-dir", default=None, help="write each service's log to DIR/<name>.log")
     p.add_argument("--ready-timeout-s", type=float, default=d.ready_timeout_s)
-    p.add_argument("--roles", default="",
-                   help="worker roles, one for all or one per worker: e.g. prefill,decode [all mixed]")
-    p.add_argument("--no-preload-runtime", dest="preload_runtime", action="store_false",
-                   help="start CPU workers without tcmalloc / Intel OpenMP preloaded (default: preload when present)")
-    p.add_argument("--pin-workers", action="store_true",
-                   help="give each worker its own CPUs (--cpu-affinity) and as many torch threads")
-    p.add_argument("--tls-dir", default=None,
-                   help="mutual TLS everywhere with DIR/{ca,server,client}.pem and .key (tools/make_certs.sh DIR)")
-    p.add_argument("--auth-tokens-file", default=None,
-                   help="bearer tokens (docs/security.md) required by the block manager, cache host and workers")
-    p.add_argument("--allow-insecure", action="store_true",
-                   help="allow --auth-tokens-file without --tls-dir (tokens sent in plaintext: trusted networks only)")
-    p.add_argument("--serve-port", type=int, default=8000,
-                   help="port of the OpenAI-compatible frontend, `pagedkv serve` [%(default)s]")
+    p.add_argument(
+        "--roles",
+        default="",
+        help="worker roles, one for all or one per worker: e.g. prefill,decode [all mixed]",
+    )
+    p.add_argument(
+        "--no-preload-runtime",
+        dest="preload_runtime",
+        action="store_false",
+        help="start CPU workers without tcmalloc / Intel OpenMP preloaded (default: preload when present)",
+    )
+    p.add_argument(
+        "--pin-workers",
+        action="store_true",
+        help="give each worker its own CPUs (--cpu-affinity) and as many torch threads",
+    )
+    p.add_argument(
+        "--tls-dir",
+        default=None,
+        help="mutual TLS everywhere with DIR/{ca,server,client}.pem and .key (tools/make_certs.sh DIR)",
+    )
+    p.add_argument(
+        "--auth-tokens-file",
+        default=None,
+        help="bearer tokens (docs/security.md) required by the block manager, cache host and workers",
+    )
+    p.add_argument(
+        "--allow-insecure",
+        action="store_true",
+        help="allow --auth-tokens-file without --tls-dir (tokens sent in plaintext: trusted networks only)",
+    )
+    p.add_argument(
+        "--serve-port",
+        type=int,
+        default=8000,
+        help="port of the OpenAI-compatible frontend, `pagedkv serve` [%(default)s]",
+    )
     p.add_argument("--no-serve", action="store_true", help="start no frontend (gRPC services only)")
-    p.add_argument("--state-dir", default=None,
-                   help="the block manager's journal and snapshots, kept after the stack stops "
-                        "[a temporary directory, removed when the stack stops]")
-    p.add_argument("--max-restarts-per-minute", type=int, default=d.restart.max_restarts_per_minute,
-                   help="restart a service that exits at most this often a minute, then stop the stack "
-                        "(0 = stop the stack when any service exits) [%(default)s]")
+    p.add_argument(
+        "--state-dir",
+        default=None,
+        help="the block manager's journal and snapshots, kept after the stack stops "
+        "[a temporary directory, removed when the stack stops]",
+    )
+    p.add_argument(
+        "--max-restarts-per-minute",
+        type=int,
+        default=d.restart.max_restarts_per_minute,
+        help="restart a service that exits at most this often a minute, then stop the stack "
+        "(0 = stop the stack when any service exits) [%(default)s]",
+    )
     return p
 
 
@@ -369,13 +503,28 @@ def options_from_args(args: argparse.Namespace) -> StackOptions:
     except ValueError as e:
         raise SystemExit(f"pagedkv up: {e}") from e
     return StackOptions(
-        host=args.host, block_manager_port=args.block_manager_port, cache_host_port=args.cache_host_port,
-        worker_port=args.worker_port, num_workers=args.num_workers, num_gpu_blocks=args.num_gpu_blocks,
-        num_cpu_blocks=args.num_cpu_blocks, block_size=args.block_size, model=args.model, device=args.device,
-        dtype=args.dtype, log_format=args.log_format, log_dir=args.log_dir, ready_timeout_s=args.ready_timeout_s,
-        roles=roles, pin_workers=args.pin_workers, preload_runtime=args.preload_runtime,
-        tls_dir=args.tls_dir, auth_tokens_file=args.auth_tokens_file, allow_insecure=args.allow_insecure,
-        serve_port=None if args.no_serve else args.serve_port, state_dir=args.state_dir,
+        host=args.host,
+        block_manager_port=args.block_manager_port,
+        cache_host_port=args.cache_host_port,
+        worker_port=args.worker_port,
+        num_workers=args.num_workers,
+        num_gpu_blocks=args.num_gpu_blocks,
+        num_cpu_blocks=args.num_cpu_blocks,
+        block_size=args.block_size,
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        log_format=args.log_format,
+        log_dir=args.log_dir,
+        ready_timeout_s=args.ready_timeout_s,
+        roles=roles,
+        pin_workers=args.pin_workers,
+        preload_runtime=args.preload_runtime,
+        tls_dir=args.tls_dir,
+        auth_tokens_file=args.auth_tokens_file,
+        allow_insecure=args.allow_insecure,
+        serve_port=None if args.no_serve else args.serve_port,
+        state_dir=args.state_dir,
         restart=RestartPolicy(max_restarts_per_minute=args.max_restarts_per_minute),
     )
 
@@ -392,9 +541,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    print(f"pagedkv up: starting {len(stack.services)} services; block manager state in {stack.state_dir} "
-          f"({'temporary: removed at stop; --state-dir DIR keeps it' if stack.state_dir_is_temporary else 'kept'})",
-          flush=True)
+    print(
+        f"pagedkv up: starting {len(stack.services)} services; block manager state in {stack.state_dir} "
+        + (
+            "(temporary: removed at stop; --state-dir DIR keeps it)"
+            if stack.state_dir_is_temporary
+            else "(kept)"
+        ),
+        flush=True,
+    )
     try:
         stack.start()
     except (RuntimeError, TimeoutError) as e:
@@ -404,17 +559,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     workers = ",".join(s.address for s in stack.services if s.name.startswith("worker-"))
     secure = stack.security.client_flags()
     frontend = next((s for s in stack.services if s.name == "frontend"), None)
-    direct = (f"pagedkv generate --block-manager {bm} --workers {workers} --token-ids 1,2,3 --max-tokens 16"
-              f"{' ' + secure if secure else ''}")
+    direct = (
+        f"pagedkv generate --block-manager {bm} --workers {workers} --token-ids 1,2,3 --max-tokens 16"
+        f"{' ' + secure if secure else ''}"
+    )
     if frontend is not None:
         url = frontend.health_url.removesuffix("/health")
         tls = stack.security.client_tls()
-        tls_flags = (f" --tls-ca {tls['tls_ca']} --tls-cert {tls['tls_cert']} --tls-key {tls['tls_key']}"
-                     if tls else "")
-        print(f"pagedkv up: ready. Try:  pagedkv generate --url {url} --token-ids 1,2,3 --max-tokens 16{tls_flags}\n"
-              f"            OpenAI-compatible API at {url}/v1 (e.g. the openai SDK with base_url=\"{url}/v1\")\n"
-              f"            The engine in the command itself:  {direct}\n"
-              f"            Ctrl-C stops everything.", flush=True)
+        tls_flags = (
+            f" --tls-ca {tls['tls_ca']} --tls-cert {tls['tls_cert']} --tls-key {tls['tls_key']}"
+            if tls
+            else ""
+        )
+        print(
+            f"pagedkv up: ready. Try:  pagedkv generate --url {url} --token-ids 1,2,3 --max-tokens "
+            f"16{tls_flags}\n"
+            f'            OpenAI-compatible API at {url}/v1 (e.g. the openai SDK with base_url="{url}/v1")\n'
+            f"            The engine in the command itself:  {direct}\n"
+            f"            Ctrl-C stops everything.",
+            flush=True,
+        )
     else:
         print(f"pagedkv up: ready. Try:  {direct}\n            Ctrl-C stops everything.", flush=True)
     code = supervise(stack, stop, opts.restart)

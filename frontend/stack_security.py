@@ -58,21 +58,28 @@ class StackSecurity:
     _workdir: str = ""
 
     @classmethod
-    def prepare(cls, tls_dir: str | None, auth_tokens_file: str | None,
-                allow_insecure: bool = False) -> StackSecurity:
+    def prepare(
+        cls, tls_dir: str | None, auth_tokens_file: str | None, allow_insecure: bool = False
+    ) -> StackSecurity:
         """Check the files and, with tokens, write the private tokens file (call ``close`` after)."""
-        sec = cls(tls_dir=str(pathlib.Path(tls_dir).resolve()) if tls_dir else "",
-                  auth_tokens_file=auth_tokens_file or "", allow_insecure=allow_insecure)
+        sec = cls(
+            tls_dir=str(pathlib.Path(tls_dir).resolve()) if tls_dir else "",
+            auth_tokens_file=auth_tokens_file or "",
+            allow_insecure=allow_insecure,
+        )
         if sec.auth_tokens_file and not sec.tls_dir and not allow_insecure:
             raise StackSecurityError(
                 "--auth-tokens-file without --tls-dir would send the stack's bearer tokens in plaintext: add "
-                "--tls-dir DIR (tools/make_certs.sh DIR), or pass --allow-insecure on a network you trust")
+                "--tls-dir DIR (tools/make_certs.sh DIR), or pass --allow-insecure on a network you trust"
+            )
         if sec.tls_dir:
             missing = [n for n in TLS_FILES if not (pathlib.Path(sec.tls_dir) / n).is_file()]
             if missing:
                 raise StackSecurityError(
-                    f"--tls-dir {tls_dir}: missing {', '.join(missing)}; create a throwaway CA and certificates "
-                    f"with `tools/make_certs.sh {tls_dir}` or put your own there under these names")
+                    f"--tls-dir {tls_dir}: missing {', '.join(missing)}; create a throwaway CA and "
+                    "certificates "
+                    f"with `tools/make_certs.sh {tls_dir}` or put your own there under these names"
+                )
         if sec.auth_tokens_file:
             try:
                 data = read_tokens_file(sec.auth_tokens_file)
@@ -80,14 +87,23 @@ class StackSecurity:
             except TokenFileError as e:
                 raise StackSecurityError(str(e)) from None
             tenants = list(data["tenants"])
-            reserved = next((t.get("name") for t in tenants if t.get("name") in (STACK_TENANT, FRONTEND_TENANT)),
-                            None)
+            reserved = next(
+                (t.get("name") for t in tenants if t.get("name") in (STACK_TENANT, FRONTEND_TENANT)), None
+            )
             if reserved:
-                raise StackSecurityError(f"{sec.auth_tokens_file}: tenant name {reserved!r} is reserved for "
-                                         "the stack's own connections")
+                raise StackSecurityError(
+                    f"{sec.auth_tokens_file}: tenant name {reserved!r} is reserved for "
+                    "the stack's own connections"
+                )
             sec.role_token = secrets.token_urlsafe(32)
-            tenants.append({"name": STACK_TENANT, "token_sha256": hash_token(sec.role_token), "admin": True,
-                            "allow": list(STACK_METHODS)})
+            tenants.append(
+                {
+                    "name": STACK_TENANT,
+                    "token_sha256": hash_token(sec.role_token),
+                    "admin": True,
+                    "allow": list(STACK_METHODS),
+                }
+            )
             sec.frontend_token = secrets.token_urlsafe(32)
             tenants.append({"name": FRONTEND_TENANT, "token_sha256": hash_token(sec.frontend_token)})
             sec._workdir = tempfile.mkdtemp(prefix="pagedkv-up-auth-")  # mode 0700
@@ -105,8 +121,14 @@ class StackSecurity:
         """Flags of every role's own server: mutual TLS and the tokens file."""
         args: list[str] = []
         if self.tls_dir:
-            args += ["--tls-cert", self._tls("server.pem"), "--tls-key", self._tls("server.key"),
-                     "--tls-client-ca", self._tls("ca.pem")]
+            args += [
+                "--tls-cert",
+                self._tls("server.pem"),
+                "--tls-key",
+                self._tls("server.key"),
+                "--tls-client-ca",
+                self._tls("ca.pem"),
+            ]
         if self.role_tokens_file:
             args += ["--auth-tokens-file", self.role_tokens_file]
         return args
@@ -115,15 +137,28 @@ class StackSecurity:
         """Flags of a role that dials another (cache host, worker): client-side TLS."""
         if not self.tls_dir:
             return []
-        return ["--tls-ca", self._tls("ca.pem"), "--tls-client-cert", self._tls("client.pem"),
-                "--tls-client-key", self._tls("client.key")]
+        return [
+            "--tls-ca",
+            self._tls("ca.pem"),
+            "--tls-client-cert",
+            self._tls("client.pem"),
+            "--tls-client-key",
+            self._tls("client.key"),
+        ]
 
     def frontend_args(self) -> list[str]:
         """Flags of `pagedkv serve`: HTTPS with mutual TLS, and client TLS to the other roles."""
         if not self.tls_dir:
             return []
-        return ["--tls-cert", self._tls("server.pem"), "--tls-key", self._tls("server.key"),
-                "--tls-client-ca", self._tls("ca.pem"), *self.dial_args()]
+        return [
+            "--tls-cert",
+            self._tls("server.pem"),
+            "--tls-key",
+            self._tls("server.key"),
+            "--tls-client-ca",
+            self._tls("ca.pem"),
+            *self.dial_args(),
+        ]
 
     def frontend_env(self) -> dict[str, str]:
         """The frontend's own token (its engine calls every method), by environment variable."""
@@ -141,14 +176,20 @@ class StackSecurity:
         """tls_ca / tls_cert / tls_key for a client of this stack (health probes, demo's engine)."""
         if not self.tls_dir:
             return {}
-        return {"tls_ca": self._tls("ca.pem"), "tls_cert": self._tls("client.pem"), "tls_key": self._tls("client.key")}
+        return {
+            "tls_ca": self._tls("ca.pem"),
+            "tls_cert": self._tls("client.pem"),
+            "tls_key": self._tls("client.key"),
+        }
 
     def client_flags(self) -> str:
         """What `pagedkv generate / demo / loadtest` need to reach this stack, for the ready message."""
         parts = []
         if self.tls_dir:
-            parts.append(f"--tls-ca {self._tls('ca.pem')} --tls-cert {self._tls('client.pem')} "
-                         f"--tls-key {self._tls('client.key')}")
+            parts.append(
+                f"--tls-ca {self._tls('ca.pem')} --tls-cert {self._tls('client.pem')} "
+                f"--tls-key {self._tls('client.key')}"
+            )
         if self.auth_tokens_file:
             parts.append("--token-file FILE (or PAGEDKV_TOKEN; a token of " + self.auth_tokens_file + ")")
             if not self.tls_dir:  # the client's own rule: no token over plaintext unless allowed

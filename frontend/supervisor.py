@@ -73,8 +73,9 @@ def describe_exit(code: int | None) -> str:
     return str(code)
 
 
-def supervise(stack: Stack, stop: threading.Event, policy: RestartPolicy, err: TextIO = sys.stderr,
-              poll_s: float = 0.2) -> int:
+def supervise(
+    stack: Stack, stop: threading.Event, policy: RestartPolicy, err: TextIO = sys.stderr, poll_s: float = 0.2
+) -> int:
     """Watch ``stack`` until ``stop`` is set (returns 0) or a service's restart budget is spent
     (returns 1 after saying so on ``err``). The caller stops the stack either way."""
     budget = RestartBudget(policy)
@@ -87,16 +88,32 @@ def supervise(stack: Stack, stop: threading.Event, policy: RestartPolicy, err: T
         pause = budget.backoff(svc.name, now)
         if pause is None:
             n = budget.recent(svc.name, now)
-            log.error("service_gave_up", service=svc.name, exit_code=code, restarts=n, window_s=policy.window_s)
-            print(f"pagedkv up: {svc.name} exited with code {describe_exit(code)} after {n} restarts within "
-                  f"{policy.window_s:.0f} s (--max-restarts-per-minute {policy.max_restarts_per_minute}); "
-                  f"giving up: stopping the stack (see its log for why it exits)", file=err, flush=True)
+            log.error(
+                "service_gave_up", service=svc.name, exit_code=code, restarts=n, window_s=policy.window_s
+            )
+            print(
+                f"pagedkv up: {svc.name} exited with code {describe_exit(code)} after {n} restarts within "
+                f"{policy.window_s:.0f} s (--max-restarts-per-minute {policy.max_restarts_per_minute}); "
+                f"giving up: stopping the stack (see its log for why it exits)",
+                file=err,
+                flush=True,
+            )
             return 1
         attempt = budget.recent(svc.name, now) + 1
-        log.warning("service_exited", service=svc.name, exit_code=code, restart_in_s=pause, attempt=attempt,
-                    max_per_minute=policy.max_restarts_per_minute)
-        print(f"pagedkv up: {svc.name} exited with code {describe_exit(code)}; restarting it in {pause:g} s "
-              f"(restart {attempt} of at most {policy.max_restarts_per_minute} a minute)", file=err, flush=True)
+        log.warning(
+            "service_exited",
+            service=svc.name,
+            exit_code=code,
+            restart_in_s=pause,
+            attempt=attempt,
+            max_per_minute=policy.max_restarts_per_minute,
+        )
+        print(
+            f"pagedkv up: {svc.name} exited with code {describe_exit(code)}; restarting it in {pause:g} s "
+            f"(restart {attempt} of at most {policy.max_restarts_per_minute} a minute)",
+            file=err,
+            flush=True,
+        )
         if stop.wait(pause):
             return 0
         budget.record(svc.name, time.monotonic())
@@ -109,7 +126,14 @@ def supervise(stack: Stack, stop: threading.Event, policy: RestartPolicy, err: T
         if stop.is_set():
             return 0
         assert svc.process is not None
-        log.info("service_restarted", service=svc.name, pid=svc.process.pid, previous_exit_code=code,
-                 attempt=attempt)
-        print(f"pagedkv up: {svc.name} restarted, SERVING again (pid {svc.process.pid})", file=err, flush=True)
+        log.info(
+            "service_restarted",
+            service=svc.name,
+            pid=svc.process.pid,
+            previous_exit_code=code,
+            attempt=attempt,
+        )
+        print(
+            f"pagedkv up: {svc.name} restarted, SERVING again (pid {svc.process.pid})", file=err, flush=True
+        )
     return 0

@@ -76,12 +76,12 @@ def load_model_text(model_dir: str | None) -> ModelText:
         try:
             from transformers import AutoTokenizer
         except ImportError as e:
-            raise ValueError(f"{model_dir} has a tokenizer but transformers is not installed "
-                             "(pip install 'pagedkv[text]')") from e
+            raise ValueError(
+                f"{model_dir} has a tokenizer but transformers is not installed (pip install 'pagedkv[text]')"
+            ) from e
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         eos = stop_ids_of(tokenizer, eos)
     return ModelText(tokenizer=tokenizer, eos_token_ids=eos, max_model_len=max_len)
-
 
 
 def _gguf_model_text(model_file: str) -> ModelText:
@@ -92,12 +92,17 @@ def _gguf_model_text(model_file: str) -> ModelText:
 
     cfg = model_source.hf_config_dict(model_file)  # ValueError for a file that is not GGUF
     raw_eos = cfg.get("eos_token_id")
-    eos = tuple(int(e) for e in (raw_eos if isinstance(raw_eos, list) else [raw_eos])) if raw_eos is not None else ()
+    eos = (
+        tuple(int(e) for e in (raw_eos if isinstance(raw_eos, list) else [raw_eos]))
+        if raw_eos is not None
+        else ()
+    )
     tokenizer = model_source.load_tokenizer(model_file)
     if tokenizer is not None:
         eos = stop_ids_of(tokenizer, eos)
-    return ModelText(tokenizer=tokenizer, eos_token_ids=eos,
-                     max_model_len=int(cfg.get("max_position_embeddings") or 0))
+    return ModelText(
+        tokenizer=tokenizer, eos_token_ids=eos, max_model_len=int(cfg.get("max_position_embeddings") or 0)
+    )
 
 
 _TURN_MARK = "pagedkv-end-of-turn-probe"
@@ -120,7 +125,8 @@ def _template_turn_end(tokenizer: Any) -> tuple[int, ...]:
         return ()
     try:
         rendered = tokenizer.apply_chat_template(
-            [{"role": "user", "content": "?"}, {"role": "assistant", "content": _TURN_MARK}], tokenize=False)
+            [{"role": "user", "content": "?"}, {"role": "assistant", "content": _TURN_MARK}], tokenize=False
+        )
     except Exception:  # noqa: BLE001 - a template that needs other roles or fields: nothing learned
         return ()
     at = rendered.rfind(_TURN_MARK)
@@ -128,7 +134,7 @@ def _template_turn_end(tokenizer: Any) -> tuple[int, ...]:
         return ()
     special = {int(i) for i in tokenizer.all_special_ids}
     special |= {int(i) for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special}
-    after = tokenizer.encode(rendered[at + len(_TURN_MARK):], add_special_tokens=False)
+    after = tokenizer.encode(rendered[at + len(_TURN_MARK) :], add_special_tokens=False)
     for t in after[:4]:  # the turn's end comes right after the content (maybe after a space)
         if int(t) in special:
             return (int(t),)

@@ -28,9 +28,16 @@ class WorkerClient(GrpcClient):
     def __enter__(self) -> WorkerClient:
         return self
 
-    def step(self, request: wpb.WorkerStepRequest, *, timeout_s: float | None = None) -> wpb.WorkerStepResponse:
+    def step(
+        self, request: wpb.WorkerStepRequest, *, timeout_s: float | None = None
+    ) -> wpb.WorkerStepResponse:
         return self._call(self._stub.Step, request, mutation=False, request_id=None, timeout_s=timeout_s)
 
     def get_info(self, *, timeout_s: float | None = None) -> wpb.WorkerInfo:
-        return self._call(self._stub.GetWorkerInfo, wpb.GetWorkerInfoRequest(), mutation=False,
-                          request_id=None, timeout_s=timeout_s)
+        return self._call(
+            self._stub.GetWorkerInfo,
+            wpb.GetWorkerInfoRequest(),
+            mutation=False,
+            request_id=None,
+            timeout_s=timeout_s,
+        )

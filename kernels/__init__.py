@@ -1,4 +1,5 @@
-"""Paged-attention kernels: pure functions on tensors (Triton on GPU, fast torch on CPU, plain torch as reference).
+"""Paged-attention kernels: pure functions on tensors (Triton on GPU, fast torch on CPU, plain torch
+as reference).
 
 Public API (argument names, order and shapes are a contract; see docs/kernels.md). The five
 operations are declared once, with their full signatures and meaning, on
@@ -7,8 +8,10 @@ and docstring): validate the arguments (``kernels/checks.py``), pick the backend
 (``kernels/dispatch.py``), call it.
 
 - ``write_kv_cache(key, value, key_cache, value_cache, slot_mapping)``
-- ``paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, *, max_seq_len, num_splits, out) -> out``
-- ``paged_prefill_attention(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, *, max_query_len, out) -> out``
+- ``paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, *,
+  max_seq_len, num_splits, out) -> out``
+- ``paged_prefill_attention(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
+  scale, *, max_query_len, out) -> out``
 - ``copy_blocks(key_caches, value_caches, pairs)``
 - ``swap_blocks(src, dst, pairs)``
 - ``prepare_step(...) -> PagedStep``: a model step's attention metadata validated once, with the

@@ -31,6 +31,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
@@ -105,11 +106,11 @@ def all_configs() -> list[Config]:
 # --- the stand-in driver ---------------------------------------------------------------------------
 
 
-def _target_driver(arch: int):  # noqa: ANN202 - a triton DriverBase, imported lazily
+def _target_driver(arch: int) -> Any:  # a triton DriverBase, imported lazily (triton is untyped)
     from triton.backends.compiler import GPUTarget
     from triton.backends.driver import DriverBase
 
-    class TargetOnlyDriver(DriverBase):
+    class TargetOnlyDriver(DriverBase):  # type: ignore[misc]  # DriverBase is Any: triton is untyped
         """Reports a fixed target and a device key of its own; cannot load or launch anything."""
 
         DEVICE = f"aot-sm{arch}"  # its own key in each JITFunction's per-device caches
@@ -118,7 +119,7 @@ def _target_driver(arch: int):  # noqa: ANN202 - a triton DriverBase, imported l
         def is_active(cls) -> bool:
             return False
 
-        def get_current_target(self):  # noqa: ANN201
+        def get_current_target(self) -> Any:
             return GPUTarget("cuda", arch, 32)
 
         def get_current_device(self) -> str:
@@ -133,14 +134,14 @@ def _target_driver(arch: int):  # noqa: ANN202 - a triton DriverBase, imported l
         def map_python_to_cpp_type(self, ty: str) -> str:
             raise NotImplementedError("compile-only driver")
 
-        def get_benchmarker(self):  # noqa: ANN201
+        def get_benchmarker(self) -> Any:
             raise NotImplementedError("compile-only driver")
 
     return TargetOnlyDriver()
 
 
 @contextlib.contextmanager
-def compile_only(arch: int) -> Iterator[list]:
+def compile_only(arch: int) -> Iterator[list[Any]]:
     """Within the block, launching a Triton kernel compiles it for ``arch`` and launches nothing.
 
     Yields the list the compiled kernels are appended to (in launch order).
@@ -148,21 +149,21 @@ def compile_only(arch: int) -> Iterator[list]:
     from triton.runtime.driver import driver
     from triton.runtime.jit import JITFunction
 
-    compiled: list = []
+    compiled: list[Any] = []
     real_run = JITFunction.run
 
-    def warmup_run(self, *args, grid, warmup, **kwargs):  # noqa: ANN001, ANN202
+    def warmup_run(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
         kernel = real_run(self, *args, grid=grid, warmup=True, **kwargs)
         compiled.append(kernel)
         return kernel
 
     previous = driver._active  # None until something asked for a driver (none exists on CPU)
     driver.set_active(_target_driver(arch))
-    JITFunction.run = warmup_run  # type: ignore[method-assign]
+    JITFunction.run = warmup_run
     try:
         yield compiled
     finally:
-        JITFunction.run = real_run  # type: ignore[method-assign]
+        JITFunction.run = real_run
         driver._active = previous
 
 
@@ -216,8 +217,9 @@ def resource_usage(cubin: bytes) -> dict[str, tuple[int, int, int, int]]:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        text = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True,
-                              check=True).stdout
+        text = subprocess.run(
+            [tool, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True
+        ).stdout
     return {m[1]: (int(m[2]), int(m[3]), int(m[4]), int(m[5])) for m in _USAGE_RE.finditer(text)}
 
 
@@ -231,12 +233,17 @@ def compile_config(cfg: Config, arch: int = 90) -> Result:
         for k in compiled:
             usage = resource_usage(k.asm["cubin"])
             for name, (regs, stack, static_shared, local) in usage.items():
-                res.kernels.append(KernelUsage(
-                    kernel=name, registers=regs, local_bytes=max(local, stack),
-                    shared_bytes=int(k.metadata.shared) + static_shared,
-                    num_warps=int(k.metadata.num_warps), num_stages=int(k.metadata.num_stages),
-                    binary=str(k.hash),
-                ))
+                res.kernels.append(
+                    KernelUsage(
+                        kernel=name,
+                        registers=regs,
+                        local_bytes=max(local, stack),
+                        shared_bytes=int(k.metadata.shared) + static_shared,
+                        num_warps=int(k.metadata.num_warps),
+                        num_stages=int(k.metadata.num_stages),
+                        binary=str(k.hash),
+                    )
+                )
     except Exception as e:  # noqa: BLE001 - a compile error is a result, reported per config
         res.error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"[:500]
     res.seconds = time.perf_counter() - t0
@@ -290,16 +297,20 @@ def run(configs: list[Config], arch: int = 90, jobs: int = 1) -> list[Result]:
 
 def table(results: list[Result]) -> str:
     """A markdown table: one row per configuration, its heaviest kernel's resources."""
-    rows = ["| config | kernels | max regs | max local (B) | max shared (B) | warps/stages | s | error |",
-            "|---|---:|---:|---:|---:|---|---:|---|"]
+    rows = [
+        "| config | kernels | max regs | max local (B) | max shared (B) | warps/stages | s | error |",
+        "|---|---:|---:|---:|---:|---|---:|---|",
+    ]
     for r in results:
         ks = r.kernels
         regs = max((k.registers for k in ks), default=0)
         local = max((k.local_bytes for k in ks), default=0)
         shared = max((k.shared_bytes for k in ks), default=0)
         ws = ",".join(sorted({f"{k.num_warps}/{k.num_stages}" for k in ks}))
-        rows.append(f"| {r.config.name} | {len(ks)} | {regs} | {local} | {shared} | {ws} | {r.seconds:.2f} | "
-                    f"{r.error} |")
+        rows.append(
+            f"| {r.config.name} | {len(ks)} | {regs} | {local} | {shared} | {ws} | {r.seconds:.2f} | "
+            f"{r.error} |"
+        )
     return "\n".join(rows)
 
 
@@ -324,14 +335,25 @@ def main(argv: list[str] | None = None) -> int:
     bad = [p for r in results for p in problems(r, args.arch)]
     print(table(results))
     n_kernels = len({k.binary for r in results for k in r.kernels})
-    print(f"\n{len(results)} configurations for sm_{args.arch} in {wall:.1f} s with {args.jobs} processes; "
-          f"{n_kernels} distinct kernel binaries; {len(bad)} problems")
+    print(
+        f"\n{len(results)} configurations for sm_{args.arch} in {wall:.1f} s with {args.jobs} processes; "
+        f"{n_kernels} distinct kernel binaries; {len(bad)} problems"
+    )
     for p in bad:
         print("PROBLEM", p)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"arch": args.arch, "wall_s": wall, "jobs": args.jobs, "problems": bad,
-                       "results": [asdict(r) for r in results]}, f, indent=1)
+            json.dump(
+                {
+                    "arch": args.arch,
+                    "wall_s": wall,
+                    "jobs": args.jobs,
+                    "problems": bad,
+                    "results": [asdict(r) for r in results],
+                },
+                f,
+                indent=1,
+            )
     return 1 if bad else 0
 
 

@@ -7,7 +7,8 @@ these signatures (mypy checks a module against a Protocol); it receives argument
 ``kernels/__init__.py`` are generated from this class (same signature and docstring), and
 ``kernels/step.py`` calls a backend directly once a step's metadata was validated.
 
-Adding a backend is one module plus one line in ``MODULES`` (loaded through ``pagedkv/registry.py``). Which backend runs a call is decided in
+Adding a backend is one module plus one line in ``MODULES`` (loaded through ``pagedkv/registry.py``).
+Which backend runs a call is decided in
 ``kernels/dispatch.py`` (``resolve``), and only there.
 """
 
@@ -30,7 +31,11 @@ MODULES: dict[str, str] = {
 
 # The operations, in the order they are documented (docs/kernels.md).
 OPERATIONS: tuple[str, ...] = (
-    "write_kv_cache", "paged_decode_attention", "paged_prefill_attention", "copy_blocks", "swap_blocks",
+    "write_kv_cache",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "copy_blocks",
+    "swap_blocks",
 )
 
 
@@ -40,7 +45,11 @@ class KernelBackend(Protocol):
     contiguous); a token's slot is ``block_id * block_size + offset``."""
 
     def write_kv_cache(
-        self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
         """Write each token's K/V (``[num_tokens, num_kv_heads, head_dim]``) into its cache slot.
@@ -49,12 +58,21 @@ class KernelBackend(Protocol):
         """
 
     def paged_decode_attention(
-        self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-        block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
-        max_seq_len: int | None = None, num_splits: int | None = None, out: torch.Tensor | None = None,
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+        *,
+        max_seq_len: int | None = None,
+        num_splits: int | None = None,
+        out: torch.Tensor | None = None,
         plan: object | None = None,
     ) -> torch.Tensor:
-        """Attention of one new token per sequence over its cached context; returns ``[num_seqs, num_heads, head_dim]``.
+        """Attention of one new token per sequence over its cached context; returns
+        ``[num_seqs, num_heads, head_dim]``.
 
         ``seq_lens[i]`` counts the tokens to attend, including the new one (already written to the
         cache). Optional: ``max_seq_len`` (a host-side upper bound of ``seq_lens``, used to choose the
@@ -66,9 +84,18 @@ class KernelBackend(Protocol):
         ...
 
     def paged_prefill_attention(
-        self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-        block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
-        max_query_len: int | None = None, out: torch.Tensor | None = None, plan: object | None = None,
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+        *,
+        max_query_len: int | None = None,
+        out: torch.Tensor | None = None,
+        plan: object | None = None,
     ) -> torch.Tensor:
         """Causal attention for a ragged batch of query tokens ``[total_q, num_heads, head_dim]``.
 
@@ -89,7 +116,9 @@ class KernelBackend(Protocol):
         """
 
     def swap_blocks(
-        self, src: torch.Tensor | Sequence[torch.Tensor], dst: torch.Tensor | Sequence[torch.Tensor],
+        self,
+        src: torch.Tensor | Sequence[torch.Tensor],
+        dst: torch.Tensor | Sequence[torch.Tensor],
         pairs: torch.Tensor,
     ) -> None:
         """Copy blocks ``src[s] -> dst[d]`` between caches on different devices (swap out / in).
@@ -98,12 +127,18 @@ class KernelBackend(Protocol):
         head_dim]``) or equal-length sequences of them (per layer, K and V). Synchronous.
         """
 
-    def plan_decode(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> object | None:
+    def plan_decode(
+        self, block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int
+    ) -> object | None:
         """Host-side work that depends only on the step's decode metadata, done once for all layers
         (e.g. the CPU backend's length buckets); None when the backend needs none."""
 
     def plan_prefill(
-        self, block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
+        self,
+        block_tables: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_size: int,
         group: int,
     ) -> object | None:
         """The same for the step's prefill metadata (``group``: query heads per KV head)."""

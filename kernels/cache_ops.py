@@ -22,8 +22,10 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
-def _write_kv_kernel(
+# A Triton kernel, left unannotated: triton ships no types, and its compiler reads parameter
+# annotations (tl.constexpr), so Python types there would mean something else.
+@triton.jit  # type: ignore[untyped-decorator]
+def _write_kv_kernel(  # type: ignore[no-untyped-def]
     key_ptr,
     value_ptr,
     key_cache_ptr,
@@ -112,8 +114,10 @@ def write_kv_cache(
 COPY_CHUNK = 2048
 
 
-@triton.jit(do_not_specialize=["num_kv_heads", "head_dim", "block_numel"])
-def _copy_blocks_kernel(
+# A Triton kernel, left unannotated: triton ships no types, and its compiler reads parameter
+# annotations (tl.constexpr), so Python types there would mean something else.
+@triton.jit(do_not_specialize=["num_kv_heads", "head_dim", "block_numel"])  # type: ignore[untyped-decorator]
+def _copy_blocks_kernel(  # type: ignore[no-untyped-def]
     cache_ptrs,
     pairs_ptr,
     dtype_ref_ptr,
@@ -148,7 +152,9 @@ def _copy_blocks_kernel(
         tl.store(dst_base + offs, x, mask=mask)
 
 
-def copy_blocks(key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch.Tensor], pairs: torch.Tensor) -> None:
+def copy_blocks(
+    key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch.Tensor], pairs: torch.Tensor
+) -> None:
     caches = list(key_caches) + list(value_caches)
     n = pairs.shape[0]
     if n == 0 or not caches:

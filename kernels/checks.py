@@ -45,7 +45,7 @@ def int_dtype(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...] = INT
 
 def same_device(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> torch.device:
     dev = tensors[0].device
-    for n, t in zip(names, tensors):
+    for n, t in zip(names, tensors, strict=True):
         if t.device != dev:
             raise ValueError(f"{n} is on {t.device} but {names[0]} is on {dev}: all must share a device")
     return dev
@@ -75,7 +75,9 @@ def heads(num_heads: int, num_kv_heads: int) -> None:
         )
 
 
-def block_table_values(block_tables: torch.Tensor, seq_lens: torch.Tensor, num_blocks: int, block_size: int) -> None:
+def block_table_values(
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, num_blocks: int, block_size: int
+) -> None:
     """Value checks (CPU index tensors only): lengths fit the table, used block ids are in range."""
     if block_tables.device.type != "cpu" or seq_lens.device.type != "cpu":
         return
@@ -96,7 +98,9 @@ def block_table_values(block_tables: torch.Tensor, seq_lens: torch.Tensor, num_b
         raise ValueError(f"block_tables holds block ids outside [0, {num_blocks}) for used blocks")
 
 
-def pairs_tensor(pairs: object, num_blocks: int | None = None, dst_num_blocks: int | None = None) -> torch.Tensor:
+def pairs_tensor(
+    pairs: object, num_blocks: int | None = None, dst_num_blocks: int | None = None
+) -> torch.Tensor:
     p = tensor("pairs", pairs, 2)
     if p.shape[1] != 2:
         raise ValueError(f"pairs must have shape [n, 2] (src, dst), got {tuple(p.shape)}")
@@ -144,7 +148,9 @@ def query_start_loc(qsl: object, seq_lens: torch.Tensor, total_q: int) -> torch.
     t = tensor("query_start_loc", qsl, 1)
     int_dtype("query_start_loc", t)
     if t.shape[0] != seq_lens.shape[0] + 1:
-        raise ValueError(f"query_start_loc needs num_seqs + 1 = {seq_lens.shape[0] + 1} entries, has {t.shape[0]}")
+        raise ValueError(
+            f"query_start_loc needs num_seqs + 1 = {seq_lens.shape[0] + 1} entries, has {t.shape[0]}"
+        )
     if t.device.type == "cpu" and seq_lens.device.type == "cpu" and t.numel():
         q_lens = t[1:] - t[:-1]
         if int(t[0]) != 0 or int(t[-1]) != total_q or (q_lens.numel() and int(q_lens.min()) < 0):
@@ -154,7 +160,9 @@ def query_start_loc(qsl: object, seq_lens: torch.Tensor, total_q: int) -> torch.
     return t
 
 
-def _query(query: object, key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+def _query(
+    query: object, key_cache: torch.Tensor, value_cache: torch.Tensor
+) -> tuple[torch.Tensor, int, int]:
     """The query of an attention call against a layer's caches; returns it, num_blocks, block_size."""
     q = tensor("query", query, 3)
     float_dtype("query", q)
@@ -211,7 +219,8 @@ def _attention(a: Args) -> tuple[torch.Tensor, torch.Tensor, torch.device]:
     q, num_blocks, block_size = _query(a["query"], a["key_cache"], a["value_cache"])
     bt, sl = block_tables_and_lens(a["block_tables"], a["seq_lens"], num_blocks, block_size)
     dev = same_device(
-        ["query", "key_cache", "value_cache", "block_tables", "seq_lens"], [q, a["key_cache"], a["value_cache"], bt, sl]
+        ["query", "key_cache", "value_cache", "block_tables", "seq_lens"],
+        [q, a["key_cache"], a["value_cache"], bt, sl],
     )
     _out(a["out"], q)
     return q, sl, dev
@@ -236,7 +245,9 @@ def paged_prefill_attention(a: Args) -> Where:
 def copy_blocks(a: Args) -> Where:
     kcs, vcs = list(a["key_caches"]), list(a["value_caches"])
     if not kcs or len(kcs) != len(vcs):
-        raise ValueError(f"need equal, non-zero numbers of key and value caches, got {len(kcs)} and {len(vcs)}")
+        raise ValueError(
+            f"need equal, non-zero numbers of key and value caches, got {len(kcs)} and {len(vcs)}"
+        )
     caches = kcs + vcs
     shape = kv_cache_pair(kcs[0], vcs[0])
     for i, c in enumerate(caches):
@@ -260,8 +271,10 @@ def swap_blocks(a: Args) -> Where:
     srcs = [a["src"]] if isinstance(a["src"], torch.Tensor) else list(a["src"])
     dsts = [a["dst"]] if isinstance(a["dst"], torch.Tensor) else list(a["dst"])
     if len(srcs) != len(dsts) or not srcs:
-        raise ValueError(f"src and dst must hold the same non-zero number of caches ({len(srcs)} vs {len(dsts)})")
-    for i, (s, d) in enumerate(zip(srcs, dsts)):
+        raise ValueError(
+            f"src and dst must hold the same non-zero number of caches ({len(srcs)} vs {len(dsts)})"
+        )
+    for i, (s, d) in enumerate(zip(srcs, dsts, strict=True)):
         tensor(f"src[{i}]", s)
         tensor(f"dst[{i}]", d)
         if s.dim() < 1 or tuple(s.shape[1:]) != tuple(d.shape[1:]) or s.dtype != d.dtype:

@@ -55,8 +55,18 @@ from kernels.reference import copy_blocks
 from kernels.swap import swap_blocks
 
 __all__ = [
-    "write_kv_cache", "paged_decode_attention", "paged_prefill_attention", "copy_blocks", "swap_blocks",
-    "decode_buckets", "prefill_buckets", "DecodePlan", "PrefillPlan", "plan_decode", "plan_buckets", "plan_prefill",
+    "write_kv_cache",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "copy_blocks",
+    "swap_blocks",
+    "decode_buckets",
+    "prefill_buckets",
+    "DecodePlan",
+    "PrefillPlan",
+    "plan_decode",
+    "plan_buckets",
+    "plan_prefill",
     "plan_prefill_buckets",
 ]
 
@@ -98,14 +108,21 @@ def _slot_view(cache: torch.Tensor) -> torch.Tensor:
     """``[num_blocks * block_size, kv_heads, head_dim]`` view of one layer's cache (no copy)."""
     n, bs, h, d = cache.shape
     if cache.stride(0) == bs * cache.stride(1):
-        return cache.view(n * bs, h, d) if cache.is_contiguous() else cache.as_strided(
-            (n * bs, h, d), (cache.stride(1), cache.stride(2), cache.stride(3)), cache.storage_offset()
+        return (
+            cache.view(n * bs, h, d)
+            if cache.is_contiguous()
+            else cache.as_strided(
+                (n * bs, h, d), (cache.stride(1), cache.stride(2), cache.stride(3)), cache.storage_offset()
+            )
         )
     raise ValueError("cache blocks are not laid out back to back")  # not reachable from the worker
 
 
 def write_kv_cache(
-    key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
     """Store token i's K/V at slot ``slot_mapping[i]``; -1 skips the token."""
@@ -157,7 +174,9 @@ def decode_buckets(lens: list[int], block_size: int) -> list[tuple[list[int], in
 @dataclass(slots=True)
 class _Bucket:
     idx: torch.Tensor  # int64 [b]: rows of the batch in this bucket
-    ids: torch.Tensor  # int64 [b, nb]: their blocks past any shared prefix (padding columns -> block 0, masked)
+    ids: (
+        torch.Tensor
+    )  # int64 [b, nb]: their blocks past any shared prefix (padding columns -> block 0, masked)
     mask: torch.Tensor | None  # bool [b, 1, 1, nb * block_size], None when nothing is padding
     empty: torch.Tensor | None  # bool [b]: zero-length rows (attend to nothing), None when none
     k_buf: torch.Tensor | None = None  # gather buffers, allocated by the first layer, reused by the rest
@@ -227,11 +246,19 @@ def plan_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: 
         lens = seq_lens.tolist()
         saved = 0
         if sum(lens) >= NATIVE_MAX_SAVED_TOKENS:  # else no prefix can save that much: skip the search
-            saved = sum((len(rows) - 1) * nb * block_size
-                        for rows, nb in shared_prefixes(block_tables.tolist(), lens, block_size))
+            saved = sum(
+                (len(rows) - 1) * nb * block_size
+                for rows, nb in shared_prefixes(block_tables.tolist(), lens, block_size)
+            )
         if saved < NATIVE_MAX_SAVED_TOKENS:
-            return DecodePlan(len(lens), [], [], block_tables.to(torch.int32).contiguous(),
-                              seq_lens.to(torch.int32).contiguous(), bucketed=False)
+            return DecodePlan(
+                len(lens),
+                [],
+                [],
+                block_tables.to(torch.int32).contiguous(),
+                seq_lens.to(torch.int32).contiguous(),
+                bucketed=False,
+            )
     return plan_buckets(block_tables, seq_lens, block_size)
 
 
@@ -245,16 +272,22 @@ def plan_buckets(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size:
     for rows, nb in shared_prefixes(host_tables, lens, block_size):
         for r in rows:
             offset[r] = nb
-        shared.append(_SharedPrefix(torch.tensor(rows, dtype=torch.int64),
-                                    torch.tensor(host_tables[rows[0]][:nb], dtype=torch.int64)))
-    rest = [n - o * block_size for n, o in zip(lens, offset)]
+        shared.append(
+            _SharedPrefix(
+                torch.tensor(rows, dtype=torch.int64),
+                torch.tensor(host_tables[rows[0]][:nb], dtype=torch.int64),
+            )
+        )
+    rest = [n - o * block_size for n, o in zip(lens, offset, strict=True)]
     width = tables.shape[1]
     buckets: list[_Bucket] = []
     for members, nb in decode_buckets(rest, block_size):
         idx = torch.tensor(members, dtype=torch.int64)
         blens = torch.tensor([rest[m] for m in members], dtype=torch.int64)
         used = (blens + block_size - 1) // block_size
-        cols = torch.tensor([offset[m] for m in members], dtype=torch.int64)[:, None] + torch.arange(nb)[None, :]
+        cols = (
+            torch.tensor([offset[m] for m in members], dtype=torch.int64)[:, None] + torch.arange(nb)[None, :]
+        )
         ids = tables.index_select(0, idx).gather(1, cols.clamp_(max=width - 1))
         ids = ids.masked_fill(torch.arange(nb)[None, :] >= used[:, None], 0)
         t = nb * block_size
@@ -265,9 +298,17 @@ def plan_buckets(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size:
 
 
 def paged_decode_attention(
-    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, scale: float, *, max_seq_len: int | None = None, num_splits: int | None = None,
-    out: torch.Tensor | None = None, plan: object | None = None,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+    plan: object | None = None,
 ) -> torch.Tensor:
     """One query token per sequence over its cached context (see the module docstring)."""
     num_seqs, num_heads, head_dim = query.shape
@@ -279,9 +320,15 @@ def paged_decode_attention(
         return out
     if not isinstance(plan, DecodePlan):
         plan = plan_decode(block_tables, seq_lens, block_size)
-    if (plan.native_tables is not None and plan.native_lens is not None and out.stride(-1) == 1
-            and cpu_native.supports(query, key_cache, value_cache)):
-        return cpu_native.decode(query, key_cache, value_cache, plan.native_tables, plan.native_lens, scale, out)
+    if (
+        plan.native_tables is not None
+        and plan.native_lens is not None
+        and out.stride(-1) == 1
+        and cpu_native.supports(query, key_cache, value_cache)
+    ):
+        return cpu_native.decode(
+            query, key_cache, value_cache, plan.native_tables, plan.native_lens, scale, out
+        )
     if not plan.bucketed:  # planned for the native kernel, which cannot take this call
         built = plan_buckets(block_tables, seq_lens, block_size)
         plan.buckets, plan.shared, plan.bucketed = built.buckets, built.shared, True
@@ -324,14 +371,20 @@ def _attention_with_lse(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """SDPA's CPU flash kernel (what ``F.scaled_dot_product_attention`` runs here) with its row
     log-sum-exp of the scaled scores, which the public function does not return."""
-    res, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask,
-                                                                          scale=scale)
+    res, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, False, attn_mask=mask, scale=scale
+    )
     return res, lse.to(torch.float32)
 
 
 def _merge_shared_prefix(
-    sp: _SharedPrefix, q_all: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-    out_view: torch.Tensor, lse: torch.Tensor, scale: float,
+    sp: _SharedPrefix,
+    q_all: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    out_view: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float,
 ) -> None:
     """Attention of the group's queries over its shared blocks (one gather, one call: the group's
     queries are the rows of one problem), merged into each member's own-part result."""
@@ -354,7 +407,9 @@ def _merge_shared_prefix(
     out_view.index_copy_(0, sp.idx, merged.to(out_view.dtype))
 
 
-def prefill_buckets(seq_lens: list[int], q_lens: list[int], block_size: int) -> list[tuple[list[int], int, int]]:
+def prefill_buckets(
+    seq_lens: list[int], q_lens: list[int], block_size: int
+) -> list[tuple[list[int], int, int]]:
     """Group prefill sequences into (indices, blocks, query rows) buckets that share one SDPA call.
 
     Every member is padded to the bucket's longest context (``blocks``) and longest query chunk
@@ -420,7 +475,11 @@ class PrefillPlan:
 
 
 def plan_prefill(
-    block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_size: int, group: int
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    group: int,
 ) -> PrefillPlan:
     """The step's prefill plan: per-row native arguments when the native kernel is available (the
     buckets follow if a call cannot use them), else the buckets (``plan_prefill_buckets``)."""
@@ -429,14 +488,25 @@ def plan_prefill(
         seq_of_row = torch.repeat_interleave(torch.arange(seq_lens.shape[0]), q_lens)
         rows = torch.arange(seq_of_row.shape[0])
         # Row r of sequence s sits (query_start_loc[s + 1] - 1 - r) tokens before the sequence's end.
-        lens = seq_lens.to(torch.int64)[seq_of_row] - (query_start_loc.to(torch.int64)[seq_of_row + 1] - 1 - rows)
-        return PrefillPlan([], block_tables.to(torch.int32).index_select(0, seq_of_row).contiguous(),
-                           lens.to(torch.int32).contiguous(), int(seq_lens.max()), bucketed=False)
+        lens = seq_lens.to(torch.int64)[seq_of_row] - (
+            query_start_loc.to(torch.int64)[seq_of_row + 1] - 1 - rows
+        )
+        return PrefillPlan(
+            [],
+            block_tables.to(torch.int32).index_select(0, seq_of_row).contiguous(),
+            lens.to(torch.int32).contiguous(),
+            int(seq_lens.max()),
+            bucketed=False,
+        )
     return plan_prefill_buckets(block_tables, query_start_loc, seq_lens, block_size, group)
 
 
 def plan_prefill_buckets(
-    block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_size: int, group: int
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    group: int,
 ) -> PrefillPlan:
     """Prefill buckets, their query gathers and masks (the module docstring)."""
     starts = query_start_loc.tolist()
@@ -464,17 +534,31 @@ def plan_prefill_buckets(
         pos = pos.masked_fill(~real, 0)
         mask = torch.arange(t)[None, None, :] <= pos[:, :, None]  # [b, rows, t]
         mask = mask[:, None, :, :].expand(b, group, rows, t).reshape(b, 1, group * rows, t)
-        buckets.append(_PrefillBucket(
-            ids=ids.contiguous(), q_index=slot.reshape(-1), out_index=slot.reshape(-1)[flat_real],
-            keep=None if all_real else flat_real.nonzero().view(-1), rows=rows, mask=mask.contiguous(),
-        ))
+        buckets.append(
+            _PrefillBucket(
+                ids=ids.contiguous(),
+                q_index=slot.reshape(-1),
+                out_index=slot.reshape(-1)[flat_real],
+                keep=None if all_real else flat_real.nonzero().view(-1),
+                rows=rows,
+                mask=mask.contiguous(),
+            )
+        )
     return PrefillPlan(buckets)
 
 
 def paged_prefill_attention(
-    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, *, max_query_len: int | None = None,
-    out: torch.Tensor | None = None, plan: object | None = None,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    max_query_len: int | None = None,
+    out: torch.Tensor | None = None,
+    plan: object | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's last ``q_len`` tokens over its ``seq_len`` cached tokens."""
     num_heads, head_dim = query.shape[1], query.shape[2]
@@ -484,10 +568,16 @@ def paged_prefill_attention(
         out = torch.empty_like(query)
     if not isinstance(plan, PrefillPlan):
         plan = plan_prefill(block_tables, query_start_loc, seq_lens, block_size, group)
-    if (plan.native_tables is not None and plan.native_lens is not None and out.stride(-1) == 1
-            and plan.max_seq_len * head_dim <= NATIVE_PREFILL_MAX_CONTEXT
-            and cpu_native.supports(query, key_cache, value_cache)):
-        return cpu_native.decode(query, key_cache, value_cache, plan.native_tables, plan.native_lens, scale, out)
+    if (
+        plan.native_tables is not None
+        and plan.native_lens is not None
+        and out.stride(-1) == 1
+        and plan.max_seq_len * head_dim <= NATIVE_PREFILL_MAX_CONTEXT
+        and cpu_native.supports(query, key_cache, value_cache)
+    ):
+        return cpu_native.decode(
+            query, key_cache, value_cache, plan.native_tables, plan.native_lens, scale, out
+        )
     if not plan.bucketed:  # planned for the native kernel, which cannot take this call
         built = plan_prefill_buckets(block_tables, query_start_loc, seq_lens, block_size, group)
         plan.buckets, plan.bucketed = built.buckets, True
@@ -498,13 +588,20 @@ def paged_prefill_attention(
         k = key_cache.index_select(0, flat).view(b, t, num_kv_heads, head_dim).transpose(1, 2)
         v = value_cache.index_select(0, flat).view(b, t, num_kv_heads, head_dim).transpose(1, 2)
         # [b * rows, H, D] -> [b, Hkv, group * rows, D]: row (g, j) is query j of head kv * group + g.
-        q = query.index_select(0, bk.q_index).view(b, rows, num_kv_heads, group, head_dim).permute(
-            0, 2, 3, 1, 4).reshape(b, num_kv_heads, group * rows, head_dim)
+        q = (
+            query.index_select(0, bk.q_index)
+            .view(b, rows, num_kv_heads, group, head_dim)
+            .permute(0, 2, 3, 1, 4)
+            .reshape(b, num_kv_heads, group * rows, head_dim)
+        )
         if bk.mask_add is None or bk.mask_add.dtype != q.dtype:
             bk.mask_add = _additive(bk.mask, q.dtype)
         res = F.scaled_dot_product_attention(q, k, v, attn_mask=bk.mask_add, scale=scale)
-        res = res.view(b, num_kv_heads, group, rows, head_dim).permute(0, 3, 1, 2, 4).reshape(
-            b * rows, num_heads, head_dim)
+        res = (
+            res.view(b, num_kv_heads, group, rows, head_dim)
+            .permute(0, 3, 1, 2, 4)
+            .reshape(b * rows, num_heads, head_dim)
+        )
         if bk.keep is not None:
             res = res.index_select(0, bk.keep)
         out.index_copy_(0, bk.out_index, res.to(out.dtype))

@@ -38,6 +38,7 @@ import os
 import pathlib
 import threading
 from collections.abc import Sequence
+from typing import ClassVar
 
 import structlog
 import torch
@@ -58,11 +59,25 @@ MAX_GROUP_X_HEAD_DIM = 16384
 class _DecodeArgs(ctypes.Structure):
     """Mirrors ``DecodeArgs`` in csrc/paged_decode.c (its size is checked at load)."""
 
-    _fields_ = [(name, ctypes.c_int64) for name in (
-        "num_seqs", "num_heads", "num_kv_heads", "head_dim", "block_size",
-        "q_seq_stride", "q_head_stride", "o_seq_stride", "o_head_stride",
-        "c_block_stride", "c_slot_stride", "c_head_stride", "bt_stride",
-    )] + [("scale", ctypes.c_float), ("num_threads", ctypes.c_int), ("generic_only", ctypes.c_int)]
+    # Annotated: a mixed literal would be inferred as (str, type[object]) pairs.
+    _fields_: ClassVar[list[tuple[str, type[ctypes.c_int64 | ctypes.c_float | ctypes.c_int]]]] = [
+        (name, ctypes.c_int64)
+        for name in (
+            "num_seqs",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "block_size",
+            "q_seq_stride",
+            "q_head_stride",
+            "o_seq_stride",
+            "o_head_stride",
+            "c_block_stride",
+            "c_slot_stride",
+            "c_head_stride",
+            "bt_stride",
+        )
+    ] + [("scale", ctypes.c_float), ("num_threads", ctypes.c_int), ("generic_only", ctypes.c_int)]
 
 
 _lock = threading.Lock()
@@ -101,21 +116,27 @@ def cpu_level() -> int:
             lib = ctypes.CDLL(str(path))
             lib.pagedkv_cpu_level.restype = ctypes.c_int
             return int(lib.pagedkv_cpu_level())
-    raise OSError("the native kernels were not built at install (no C compiler then?): "
-                  "reinstall pagedkv with a C compiler present (gcc or clang with OpenMP)")
+    raise OSError(
+        "the native kernels were not built at install (no C compiler then?): "
+        "reinstall pagedkv with a C compiler present (gcc or clang with OpenMP)"
+    )
 
 
 def choose_variant(built: Sequence[str], level: int, requested: str) -> str:
     """The variant to load: ``requested`` (a name, or ``auto`` for the best built one the CPU runs).
     Raises OSError saying why none can be used."""
     if not built:
-        raise OSError("the native kernels were not built at install (no C compiler then?): "
-                      "reinstall pagedkv with a C compiler present (gcc or clang with OpenMP)")
+        raise OSError(
+            "the native kernels were not built at install (no C compiler then?): "
+            "reinstall pagedkv with a C compiler present (gcc or clang with OpenMP)"
+        )
     if requested != "auto":
         if requested not in VARIANTS:
             raise OSError(f"{ENV_SWITCH}={requested!r} is not auto, off or one of {sorted(VARIANTS)}")
         if requested not in built:
-            raise OSError(f"{ENV_SWITCH}={requested}: that variant was not built at install (built: {list(built)})")
+            raise OSError(
+                f"{ENV_SWITCH}={requested}: that variant was not built at install (built: {list(built)})"
+            )
         if VARIANTS[requested] > level:
             raise OSError(f"{ENV_SWITCH}={requested}: this CPU cannot run it (cpu level {level})")
         return requested
@@ -134,14 +155,22 @@ def _load() -> tuple[ctypes.CDLL, str]:
     lib = ctypes.CDLL(str(path))
     lib.pagedkv_decode_args_size.restype = ctypes.c_int64
     if lib.pagedkv_decode_args_size() != ctypes.sizeof(_DecodeArgs):
-        raise OSError(f"{path.name}: its argument layout does not match kernels/cpu_native.py (stale build: reinstall)")
+        raise OSError(
+            f"{path.name}: its argument layout does not match kernels/cpu_native.py (stale build: reinstall)"
+        )
     for name in ("pagedkv_decode_f32", "pagedkv_decode_bf16"):
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.POINTER(_DecodeArgs)] + [ctypes.c_void_p] * 6
     lib.pagedkv_logsumexp_f32.restype = None
-    lib.pagedkv_logsumexp_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                                          ctypes.c_void_p, ctypes.c_int]
+    lib.pagedkv_logsumexp_f32.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+        ctypes.c_int,
+    ]
     return lib, variant
 
 
@@ -158,8 +187,11 @@ def library() -> ctypes.CDLL | None:
                 _lib, _variant = _load()
                 log.info("native_kernels_loaded", variant=_variant, path=str(artifact(_variant)))
             except OSError as exc:
-                log.warning("native_kernel_unavailable", reason=str(exc),
-                            fallback="torch (gather + SDPA in kernels/cpu.py, torch.logsumexp)")
+                log.warning(
+                    "native_kernel_unavailable",
+                    reason=str(exc),
+                    fallback="torch (gather + SDPA in kernels/cpu.py, torch.logsumexp)",
+                )
                 _lib, _variant = None, None
             _tried = True
     return _lib
@@ -186,12 +218,22 @@ def supports(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
     Asked on every layer's call, hence the plain attribute reads (``is_cpu``, ``is`` on dtypes)."""
     qs, ks, dt = query.shape, key_cache.shape, query.dtype
     return (
-        query.is_cpu and key_cache.is_cpu and value_cache.is_cpu
-        and (dt is torch.float32 or dt is torch.bfloat16) and key_cache.dtype is dt and value_cache.dtype is dt
-        and len(qs) == 3 and len(ks) == 4 and qs[2] == ks[3]
-        and query.stride(-1) == 1 and key_cache.stride(-1) == 1
-        and value_cache.shape == ks and value_cache.stride() == key_cache.stride()
-        and ks[2] > 0 and qs[1] % ks[2] == 0 and qs[1] // ks[2] * qs[2] <= MAX_GROUP_X_HEAD_DIM
+        query.is_cpu
+        and key_cache.is_cpu
+        and value_cache.is_cpu
+        and (dt is torch.float32 or dt is torch.bfloat16)
+        and key_cache.dtype is dt
+        and value_cache.dtype is dt
+        and len(qs) == 3
+        and len(ks) == 4
+        and qs[2] == ks[3]
+        and query.stride(-1) == 1
+        and key_cache.stride(-1) == 1
+        and value_cache.shape == ks
+        and value_cache.stride() == key_cache.stride()
+        and ks[2] > 0
+        and qs[1] % ks[2] == 0
+        and qs[1] // ks[2] * qs[2] <= MAX_GROUP_X_HEAD_DIM
     )
 
 
@@ -210,8 +252,14 @@ def _tensor(name: str, t: object, dim: int, dtypes: tuple[torch.dtype, ...]) -> 
     return t
 
 
-def check_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                 block_tables: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor) -> None:
+def check_decode(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
     """Raise ``ValueError``/``TypeError`` naming the argument unless the decode kernel can index
     these tensors (what ``supports`` accepts, plus the index tensors and ``out``). Metadata only:
     the values of ``block_tables`` and ``seq_lens`` are validated by kernels/checks.py upstream.
@@ -222,24 +270,47 @@ def check_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     q, k, v, bt, sl, o = query, key_cache, value_cache, block_tables, seq_lens, out
     try:
         qs, ks, dt, i32 = q.shape, k.shape, q.dtype, torch.int32
-        if (q.is_cpu and k.is_cpu and v.is_cpu and bt.is_cpu and sl.is_cpu and o.is_cpu
-                and (dt is torch.float32 or dt is torch.bfloat16) and k.dtype is dt and v.dtype is dt
-                and o.dtype is dt and bt.dtype is i32 and sl.dtype is i32
-                and len(qs) == 3 and len(ks) == 4 and bt.dim() == 2 and sl.dim() == 1
-                and q.stride(-1) == 1 and k.stride(-1) == 1 and o.stride(-1) == 1 and bt.stride(-1) == 1
-                and sl.stride(-1) == 1
-                and v.shape == ks and v.stride() == k.stride() and o.shape == qs
-                and qs[2] == ks[3] and ks[2] > 0 and qs[1] % ks[2] == 0
-                and qs[1] // ks[2] * qs[2] <= MAX_GROUP_X_HEAD_DIM
-                and len(bt) == qs[0] and len(sl) == qs[0]):
+        if (
+            q.is_cpu
+            and k.is_cpu
+            and v.is_cpu
+            and bt.is_cpu
+            and sl.is_cpu
+            and o.is_cpu
+            and (dt is torch.float32 or dt is torch.bfloat16)
+            and k.dtype is dt
+            and v.dtype is dt
+            and o.dtype is dt
+            and bt.dtype is i32
+            and sl.dtype is i32
+            and len(qs) == 3
+            and len(ks) == 4
+            and bt.dim() == 2
+            and sl.dim() == 1
+            and q.stride(-1) == 1
+            and k.stride(-1) == 1
+            and o.stride(-1) == 1
+            and bt.stride(-1) == 1
+            and sl.stride(-1) == 1
+            and v.shape == ks
+            and v.stride() == k.stride()
+            and o.shape == qs
+            and qs[2] == ks[3]
+            and ks[2] > 0
+            and qs[1] % ks[2] == 0
+            and qs[1] // ks[2] * qs[2] <= MAX_GROUP_X_HEAD_DIM
+            and len(bt) == qs[0]
+            and len(sl) == qs[0]
+        ):
             return
     except (AttributeError, TypeError):
         pass
     _explain_decode(q, k, v, bt, sl, o)
 
 
-def _explain_decode(query: object, key_cache: object, value_cache: object, block_tables: object,
-                    seq_lens: object, out: object) -> None:
+def _explain_decode(
+    query: object, key_cache: object, value_cache: object, block_tables: object, seq_lens: object, out: object
+) -> None:
     """Raise the error naming the first argument ``check_decode`` rejects."""
     q = _tensor("query", query, 3, DTYPES)
     k = _tensor("key_cache", key_cache, 4, (q.dtype,))
@@ -251,59 +322,111 @@ def _explain_decode(query: object, key_cache: object, value_cache: object, block
     if k.shape[3] != head_dim:
         raise ValueError(f"key_cache head_dim {k.shape[3]} != query head_dim {head_dim}")
     if v.shape != k.shape or v.stride() != k.stride():
-        raise ValueError(f"value_cache must have key_cache's shape and strides, got {tuple(v.shape)} / "
-                         f"{v.stride()} vs {tuple(k.shape)} / {k.stride()}")
+        raise ValueError(
+            f"value_cache must have key_cache's shape and strides, got {tuple(v.shape)} / "
+            f"{v.stride()} vs {tuple(k.shape)} / {k.stride()}"
+        )
     if k.shape[2] == 0 or num_heads % k.shape[2]:
         raise ValueError(f"query's {num_heads} heads must be a multiple of key_cache's {k.shape[2]} KV heads")
     if num_heads // k.shape[2] * head_dim > MAX_GROUP_X_HEAD_DIM:
-        raise ValueError(f"query: GQA group x head_dim {num_heads // k.shape[2] * head_dim} exceeds "
-                         f"{MAX_GROUP_X_HEAD_DIM}")
+        raise ValueError(
+            f"query: GQA group x head_dim {num_heads // k.shape[2] * head_dim} exceeds {MAX_GROUP_X_HEAD_DIM}"
+        )
     if bt.shape[0] != num_seqs or sl.shape[0] != num_seqs:
-        raise ValueError(f"block_tables {tuple(bt.shape)} and seq_lens {tuple(sl.shape)} must have query's "
-                         f"{num_seqs} rows")
+        raise ValueError(
+            f"block_tables {tuple(bt.shape)} and seq_lens {tuple(sl.shape)} must have query's {num_seqs} rows"
+        )
     if o.shape != q.shape:
         raise ValueError(f"out must have query's shape {tuple(q.shape)}, got {tuple(o.shape)}")
     raise ValueError("native decode: arguments rejected")  # unreachable while the two checks agree
 
 
-def _paged_decode_impl(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+def _paged_decode_impl(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
     check_decode(query, key_cache, value_cache, block_tables, seq_lens, out)
     _call_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, out, generic_only=False)
 
 
-def _paged_decode_fake(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                       block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+def _paged_decode_fake(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
     check_decode(query, key_cache, value_cache, block_tables, seq_lens, out)
 
 
-def _call_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                 block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, out: torch.Tensor,
-                 *, generic_only: bool) -> None:
+def _call_decode(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    *,
+    generic_only: bool,
+) -> None:
     """The ctypes call, on checked arguments."""
     lib = library()
     if lib is None:
-        raise RuntimeError(f"the native CPU kernels are unavailable ({kernel_path()} path): check available()")
+        raise RuntimeError(
+            f"the native CPU kernels are unavailable ({kernel_path()} path): check available()"
+        )
     num_seqs, num_heads, head_dim = query.shape
     if num_seqs == 0:
         return
     _, block_size, num_kv_heads, _ = key_cache.shape
     args = _DecodeArgs(
-        num_seqs, num_heads, num_kv_heads, head_dim, block_size,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
-        scale, torch.get_num_threads(), int(generic_only),
+        num_seqs,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        block_tables.stride(0),
+        scale,
+        torch.get_num_threads(),
+        int(generic_only),
     )
     fn = lib.pagedkv_decode_f32 if query.dtype == torch.float32 else lib.pagedkv_decode_bf16
-    rc = fn(ctypes.byref(args), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
-            block_tables.data_ptr(), seq_lens.data_ptr(), out.data_ptr())
+    rc = fn(
+        ctypes.byref(args),
+        query.data_ptr(),
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        block_tables.data_ptr(),
+        seq_lens.data_ptr(),
+        out.data_ptr(),
+    )
     if rc != 0:
         raise MemoryError("native decode kernel: could not allocate its scratch memory")
 
 
 def decode(
-    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, scale: float, out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
 ) -> torch.Tensor:
     """Paged decode attention into ``out`` (``[num_seqs, num_heads, head_dim]``, the query's dtype),
     through ``torch.ops.pagedkv.paged_decode``; returns ``out``.
@@ -317,8 +440,13 @@ def decode(
 
 
 def decode_generic_for_bench(
-    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, scale: float, out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
 ) -> torch.Tensor:
     """``decode`` forced onto the kernel's generic (group, head_dim) copy: only for measuring and
     testing the specialised copies against it (bench/cpu_decode_bench.py, tests)."""
@@ -338,10 +466,18 @@ def _logsumexp_impl(logits: torch.Tensor) -> torch.Tensor:
     check_logsumexp(logits)
     lib = library()
     if lib is None:
-        raise RuntimeError(f"the native CPU kernels are unavailable ({kernel_path()} path): check available()")
+        raise RuntimeError(
+            f"the native CPU kernels are unavailable ({kernel_path()} path): check available()"
+        )
     out = torch.empty(logits.shape[0], dtype=torch.float32)
-    lib.pagedkv_logsumexp_f32(logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0),
-                              out.data_ptr(), torch.get_num_threads())
+    lib.pagedkv_logsumexp_f32(
+        logits.data_ptr(),
+        logits.shape[0],
+        logits.shape[1],
+        logits.stride(0),
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
     return out
 
 
@@ -357,8 +493,10 @@ def _logsumexp_fake(logits: torch.Tensor) -> torch.Tensor:
 # check_decode and gets its ValueError instead of a dispatcher error; the fake implementation
 # (register_fake, also used for meta tensors) gives torch.compile the output's metadata.
 _LIB = torch.library.Library("pagedkv", "DEF")
-_LIB.define("paged_decode(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
-            "Tensor seq_lens, float scale, Tensor(a!) out) -> ()")
+_LIB.define(
+    "paged_decode(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+    "Tensor seq_lens, float scale, Tensor(a!) out) -> ()"
+)
 _LIB.impl("paged_decode", _paged_decode_impl, "CompositeExplicitAutograd")
 torch.library.register_fake("pagedkv::paged_decode", _paged_decode_fake, lib=_LIB)
 _LIB.define("logsumexp_rows(Tensor logits) -> Tensor")
@@ -370,7 +508,14 @@ def logsumexp_rows(logits: torch.Tensor) -> torch.Tensor:
     """``torch.logsumexp(logits, dim=-1)`` of 2-D fp32 CPU logits (rows contiguous), by
     ``torch.ops.pagedkv.logsumexp_rows`` when the kernels are available, else by torch. Same value
     up to fp32 rounding."""
-    if (logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2
-            or logits.stride(1) != 1 or logits.shape[1] == 0 or library() is None):
+    if (
+        logits.device.type != "cpu"
+        or logits.dtype != torch.float32
+        or logits.dim() != 2
+        or logits.stride(1) != 1
+        or logits.shape[1] == 0
+        or library() is None
+    ):
         return torch.logsumexp(logits, dim=-1)
-    return torch.ops.pagedkv.logsumexp_rows(logits)
+    out: torch.Tensor = torch.ops.pagedkv.logsumexp_rows(logits)  # torch.ops is untyped
+    return out

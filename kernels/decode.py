@@ -40,8 +40,10 @@ MAX_SPLITS = 64
 PROGRAMS_PER_SM = 4
 
 
-@triton.jit(do_not_specialize=["num_heads", "group", "num_splits", "min_split_tokens"])
-def _decode_split_kernel(
+# A Triton kernel, left unannotated: triton ships no types, and its compiler reads parameter
+# annotations (tl.constexpr), so Python types there would mean something else.
+@triton.jit(do_not_specialize=["num_heads", "group", "num_splits", "min_split_tokens"])  # type: ignore[untyped-decorator]
+def _decode_split_kernel(  # type: ignore[no-untyped-def]
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
@@ -112,15 +114,55 @@ def _decode_split_kernel(
     full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
     for t in range(start, full_end, BLOCK_N):
         acc, m_i, l_i = attend_tile(
-            acc, m_i, l_i, q, k_base, v_base, bt_row, t, end, q_pos,
-            s_kb, s_ko, s_vb, s_vo, qk_scale,
-            BLOCK_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, False, False, UPCAST, PRECISION,
+            acc,
+            m_i,
+            l_i,
+            q,
+            k_base,
+            v_base,
+            bt_row,
+            t,
+            end,
+            q_pos,
+            s_kb,
+            s_ko,
+            s_vb,
+            s_vo,
+            qk_scale,
+            BLOCK_SIZE,
+            HEAD_DIM,
+            BLOCK_N,
+            BLOCK_D,
+            False,
+            False,
+            UPCAST,
+            PRECISION,
         )
     if full_end < end:
         acc, m_i, l_i = attend_tile(
-            acc, m_i, l_i, q, k_base, v_base, bt_row, full_end, end, q_pos,
-            s_kb, s_ko, s_vb, s_vo, qk_scale,
-            BLOCK_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, True, False, UPCAST, PRECISION,
+            acc,
+            m_i,
+            l_i,
+            q,
+            k_base,
+            v_base,
+            bt_row,
+            full_end,
+            end,
+            q_pos,
+            s_kb,
+            s_ko,
+            s_vb,
+            s_vo,
+            qk_scale,
+            BLOCK_SIZE,
+            HEAD_DIM,
+            BLOCK_N,
+            BLOCK_D,
+            True,
+            False,
+            UPCAST,
+            PRECISION,
         )
 
     # An empty range (unused split, or seq_len == 0) leaves l_i == 0: write zeros and lse = -inf.
@@ -128,7 +170,11 @@ def _decode_split_kernel(
     res = acc / safe_l[:, None]
     omask = gmask[:, None] & dmask[None, :]
     if SINGLE_SPLIT:
-        tl.store(out_ptr + seq * s_os + heads[:, None] * s_oh + d[None, :], res.to(out_ptr.dtype.element_ty), mask=omask)
+        tl.store(
+            out_ptr + seq * s_os + heads[:, None] * s_oh + d[None, :],
+            res.to(out_ptr.dtype.element_ty),
+            mask=omask,
+        )
     else:
         row = (seq * num_heads + heads) * num_splits + split  # [S, H, splits] layout
         tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], res, mask=omask)
@@ -136,8 +182,10 @@ def _decode_split_kernel(
         tl.store(part_lse_ptr + row, lse, mask=gmask)
 
 
-@triton.jit(do_not_specialize=["num_heads", "num_splits"])
-def _decode_reduce_kernel(
+# A Triton kernel, left unannotated: triton ships no types, and its compiler reads parameter
+# annotations (tl.constexpr), so Python types there would mean something else.
+@triton.jit(do_not_specialize=["num_heads", "num_splits"])  # type: ignore[untyped-decorator]
+def _decode_reduce_kernel(  # type: ignore[no-untyped-def]
     part_out_ptr,
     part_lse_ptr,
     out_ptr,
@@ -159,7 +207,11 @@ def _decode_reduce_kernel(
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)  # no tokens at all: every weight is 0
     w = tl.exp2(lse - m)
-    o = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=smask[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+    o = tl.load(
+        part_out_ptr + row[:, None] * HEAD_DIM + d[None, :],
+        mask=smask[:, None] & (d < HEAD_DIM)[None, :],
+        other=0.0,
+    )
     total = tl.sum(w, 0)
     res = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + seq * s_os + head * s_oh + d, res.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
@@ -245,24 +297,59 @@ def paged_decode_attention(
     if single:
         part_out = part_lse = out  # unused by the kernel
     else:
-        part_out = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device)
+        part_out = torch.empty(
+            (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device
+        )
         part_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device)
     grid = (num_seqs, num_kv_heads, num_splits)
     _decode_split_kernel[grid](
-        query, key_cache, value_cache, block_tables, seq_lens, out, part_out, part_lse,
-        float(scale) * LOG2E, num_heads, group, num_splits, min_split,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        out,
+        part_out,
+        part_lse,
+        float(scale) * LOG2E,
+        num_heads,
+        group,
+        num_splits,
+        min_split,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
         block_tables.stride(0),
-        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
-        SINGLE_SPLIT=single, UPCAST=upcast, PRECISION=dot_precision(interpreted),
-        num_warps=num_warps, num_stages=num_stages,
+        BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim,
+        BLOCK_G=block_g,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        SINGLE_SPLIT=single,
+        UPCAST=upcast,
+        PRECISION=dot_precision(interpreted),
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     if not single:
         _decode_reduce_kernel[(num_seqs, num_heads)](
-            part_out, part_lse, out, num_heads, num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            part_out,
+            part_lse,
+            out,
+            num_heads,
+            num_splits,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_D=block_d,
             num_warps=4,
         )
     return out

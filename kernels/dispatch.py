@@ -102,7 +102,7 @@ def resolve(device: torch.device, dtype: torch.dtype | None = None, requested: s
         return "cpu"
     if name == "triton":
         if not triton_available():
-            raise RuntimeError(f"kernel backend 'triton' requested but triton is not importable")
+            raise RuntimeError("kernel backend 'triton' requested but triton is not importable")
         if device.type == "cpu" and not triton_interpreted():
             raise RuntimeError(
                 "kernel backend 'triton' on CPU tensors needs TRITON_INTERPRET=1 set before kernels "

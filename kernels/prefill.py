@@ -29,8 +29,10 @@ from kernels.tile import attend_tile, dot_precision
 LOG2E = 1.4426950408889634
 
 
-@triton.jit(do_not_specialize=["group", "block_q"])
-def _prefill_kernel(
+# A Triton kernel, left unannotated: triton ships no types, and its compiler reads parameter
+# annotations (tl.constexpr), so Python types there would mean something else.
+@triton.jit(do_not_specialize=["group", "block_q"])  # type: ignore[untyped-decorator]
+def _prefill_kernel(  # type: ignore[no-untyped-def]
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
@@ -100,16 +102,56 @@ def _prefill_kernel(
     # Keys every row of the tile sees: no masks at all.
     for t in range(0, lo_diag, BLOCK_N):
         acc, m_i, l_i = attend_tile(
-            acc, m_i, l_i, q, k_base, v_base, bt_row, t, hi, q_pos,
-            s_kb, s_ko, s_vb, s_vo, qk_scale,
-            BLOCK_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, False, False, UPCAST, PRECISION,
+            acc,
+            m_i,
+            l_i,
+            q,
+            k_base,
+            v_base,
+            bt_row,
+            t,
+            hi,
+            q_pos,
+            s_kb,
+            s_ko,
+            s_vb,
+            s_vo,
+            qk_scale,
+            BLOCK_SIZE,
+            HEAD_DIM,
+            BLOCK_N,
+            BLOCK_D,
+            False,
+            False,
+            UPCAST,
+            PRECISION,
         )
     # The diagonal and the tail: causal + length masks.
     for t in range(lo_diag, hi, BLOCK_N):
         acc, m_i, l_i = attend_tile(
-            acc, m_i, l_i, q, k_base, v_base, bt_row, t, hi, q_pos,
-            s_kb, s_ko, s_vb, s_vo, qk_scale,
-            BLOCK_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, True, True, UPCAST, PRECISION,
+            acc,
+            m_i,
+            l_i,
+            q,
+            k_base,
+            v_base,
+            bt_row,
+            t,
+            hi,
+            q_pos,
+            s_kb,
+            s_ko,
+            s_vb,
+            s_vo,
+            qk_scale,
+            BLOCK_SIZE,
+            HEAD_DIM,
+            BLOCK_N,
+            BLOCK_D,
+            True,
+            True,
+            UPCAST,
+            PRECISION,
         )
     res = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
@@ -121,10 +163,12 @@ def _prefill_kernel(
 
 def block_d(head_dim: int) -> int:
     """Padded head_dim tile: a power of two, at least 16 (``tl.dot`` needs K >= 16 on a GPU)."""
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, int(triton.next_power_of_2(head_dim)))  # triton is untyped
 
 
-def tile_config(head_dim: int, max_rows: int, interpreted: bool, upcast: bool = False) -> tuple[int, int, int, int]:
+def tile_config(
+    head_dim: int, max_rows: int, interpreted: bool, upcast: bool = False
+) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages); BLOCK_M counts (query token, head) rows, and
     ``max_rows`` is the longest query run times the GQA group.
 
@@ -170,18 +214,42 @@ def paged_prefill_attention(
     if max_query_len <= 0:
         return out
     upcast = interpreted or query.dtype == torch.float32
-    block_m, block_n, num_warps, num_stages = tile_config(head_dim, max_query_len * group, interpreted, upcast)
+    block_m, block_n, num_warps, num_stages = tile_config(
+        head_dim, max_query_len * group, interpreted, upcast
+    )
     block_m = max(block_m, triton.next_power_of_2(group))  # at least one query token per tile
     block_q = block_m // group  # query tokens per tile (each brings its group of heads)
     grid = (triton.cdiv(max_query_len, block_q), num_kv_heads, num_seqs)
     _prefill_kernel[grid](
-        query, key_cache, value_cache, out, block_tables, query_start_loc, seq_lens,
-        float(scale) * LOG2E, group, block_q,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        query,
+        key_cache,
+        value_cache,
+        out,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        float(scale) * LOG2E,
+        group,
+        block_q,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
         block_tables.stride(0),
-        BLOCK_SIZE=key_cache.shape[1], HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d(head_dim),
-        UPCAST=upcast, PRECISION=dot_precision(interpreted), num_warps=num_warps, num_stages=num_stages,
+        BLOCK_SIZE=key_cache.shape[1],
+        HEAD_DIM=head_dim,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d(head_dim),
+        UPCAST=upcast,
+        PRECISION=dot_precision(interpreted),
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out

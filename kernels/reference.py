@@ -16,8 +16,13 @@ import torch
 from kernels.backend import as_list, plan_nothing
 
 __all__ = [
-    "write_kv_cache", "paged_decode_attention", "paged_prefill_attention", "copy_blocks", "swap_blocks",
-    "plan_decode", "plan_prefill",
+    "write_kv_cache",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "copy_blocks",
+    "swap_blocks",
+    "plan_decode",
+    "plan_prefill",
 ]
 
 
@@ -109,7 +114,7 @@ def paged_prefill_attention(
     Query j of a sequence sits at absolute position ``seq_len - q_len + j`` and sees keys
     ``0..that position``; so a chunk after a prefix-cache hit attends to the cached prefix too.
     """
-    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_heads = query.shape[1]
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
     if out is None:
@@ -133,7 +138,9 @@ def paged_prefill_attention(
     return out
 
 
-def copy_blocks(key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch.Tensor], pairs: torch.Tensor) -> None:
+def copy_blocks(
+    key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch.Tensor], pairs: torch.Tensor
+) -> None:
     """Copy block ``src`` over block ``dst`` in every layer's K and V cache (copy-on-write)."""
     if pairs.numel() == 0:
         return
@@ -143,10 +150,12 @@ def copy_blocks(key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch
 
 
 def swap_blocks(
-    src: torch.Tensor | Sequence[torch.Tensor], dst: torch.Tensor | Sequence[torch.Tensor], pairs: torch.Tensor
+    src: torch.Tensor | Sequence[torch.Tensor],
+    dst: torch.Tensor | Sequence[torch.Tensor],
+    pairs: torch.Tensor,
 ) -> None:
     """One block at a time (one transfer per block): the oracle; ``kernels/swap.py`` batches."""
-    for sc, dc in zip(as_list(src), as_list(dst)):
+    for sc, dc in zip(as_list(src), as_list(dst), strict=True):
         for s, d in pairs.tolist():
             dc[int(d)].copy_(sc[int(s)])
 

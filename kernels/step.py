@@ -52,20 +52,37 @@ class PagedStep:
     ) -> None:
         self.ops.write_kv_cache(key, value, key_cache, value_cache, self.slot_mapping)
 
-    def attention(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> torch.Tensor:
+    def attention(
+        self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor
+    ) -> torch.Tensor:
         """``[num_tokens, num_heads, head_dim]``: prefill and decode rows written into one output."""
         out = torch.empty_like(query)
         n = self.num_prefill_tokens
         if self.prefill is not None:
             p = self.prefill
             self.ops.paged_prefill_attention(
-                query[:n], key_cache, value_cache, p.block_tables, p.query_start_loc, p.seq_lens, self.scale,
-                max_query_len=p.max_query_len, out=out[:n], plan=p.plan,
+                query[:n],
+                key_cache,
+                value_cache,
+                p.block_tables,
+                p.query_start_loc,
+                p.seq_lens,
+                self.scale,
+                max_query_len=p.max_query_len,
+                out=out[:n],
+                plan=p.plan,
             )
         if self.decode is not None:
             d = self.decode
             self.ops.paged_decode_attention(
-                query[n:], key_cache, value_cache, d.block_tables, d.seq_lens, self.scale, out=out[n:], plan=d.plan,
+                query[n:],
+                key_cache,
+                value_cache,
+                d.block_tables,
+                d.seq_lens,
+                self.scale,
+                out=out[n:],
+                plan=d.plan,
             )
         return out
 
@@ -101,7 +118,9 @@ def prepare_step(
     checks.slot_mapping(sm, num_tokens, key_cache)
     tensors.append(("slot_mapping", sm))
     if not 0 <= num_prefill_tokens <= num_tokens:
-        raise ValueError(f"num_prefill_tokens {num_prefill_tokens} is not within the step's {num_tokens} tokens")
+        raise ValueError(
+            f"num_prefill_tokens {num_prefill_tokens} is not within the step's {num_tokens} tokens"
+        )
     pre = dec = None
     if prefill is not None:
         bt, sl = checks.block_tables_and_lens(prefill[0], prefill[2], num_blocks, block_size)
@@ -113,7 +132,9 @@ def prepare_step(
     if decode is not None:
         bt, sl = checks.block_tables_and_lens(decode[0], decode[1], num_blocks, block_size)
         if bt.shape[0] != num_tokens - num_prefill_tokens:
-            raise ValueError(f"{bt.shape[0]} decode sequences for {num_tokens - num_prefill_tokens} decode tokens")
+            raise ValueError(
+                f"{bt.shape[0]} decode sequences for {num_tokens - num_prefill_tokens} decode tokens"
+            )
         tensors += [("decode block_tables", bt), ("decode seq_lens", sl)]
         dec = _Decode(bt, sl, None)
     elif num_tokens > num_prefill_tokens:
@@ -122,8 +143,9 @@ def prepare_step(
     name = resolve(dev, cache.dtype)
     ops = backend.get(name)
     if pre is not None:
-        pre.plan = ops.plan_prefill(pre.block_tables, pre.query_start_loc, pre.seq_lens, block_size,
-                                    num_heads // num_kv_heads)
+        pre.plan = ops.plan_prefill(
+            pre.block_tables, pre.query_start_loc, pre.seq_lens, block_size, num_heads // num_kv_heads
+        )
     if dec is not None:
         dec.plan = ops.plan_decode(dec.block_tables, dec.seq_lens, block_size)
     return PagedStep(name, ops, sm, num_prefill_tokens, scale, pre, dec)

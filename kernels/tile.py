@@ -25,8 +25,10 @@ def dot_precision(interpreted: bool) -> str:
     return "ieee" if interpreted else "tf32x3"
 
 
-@triton.jit
-def _load_tile(ptrs, tmask, dmask, MASK_TAIL: tl.constexpr, FULL_D: tl.constexpr):
+# A Triton kernel, left unannotated: triton ships no types, and its compiler reads parameter
+# annotations (tl.constexpr), so Python types there would mean something else.
+@triton.jit  # type: ignore[untyped-decorator]
+def _load_tile(ptrs, tmask, dmask, MASK_TAIL: tl.constexpr, FULL_D: tl.constexpr):  # type: ignore[no-untyped-def]
     """Load a [BLOCK_N, BLOCK_D] K or V tile, masking only what can be out of range."""
     if MASK_TAIL:
         x = tl.load(ptrs, mask=tmask[:, None] & dmask[None, :], other=0.0)
@@ -37,8 +39,10 @@ def _load_tile(ptrs, tmask, dmask, MASK_TAIL: tl.constexpr, FULL_D: tl.constexpr
     return x
 
 
-@triton.jit
-def attend_tile(
+# A Triton kernel, left unannotated: triton ships no types, and its compiler reads parameter
+# annotations (tl.constexpr), so Python types there would mean something else.
+@triton.jit  # type: ignore[untyped-decorator]
+def attend_tile(  # type: ignore[no-untyped-def]
     acc,
     m_i,
     l_i,
@@ -80,8 +84,13 @@ def attend_tile(
         tmask = tok >= 0  # unused: full tiles are loaded without a token mask
         blk = tl.load(bt_row + tok // BLOCK_SIZE).to(tl.int64)
     off = (tok % BLOCK_SIZE).to(tl.int64)
-    k = _load_tile(k_base + blk[:, None] * s_kb + off[:, None] * s_ko + d[None, :], tmask, dmask,
-                   MASK_TAIL, HEAD_DIM == BLOCK_D)
+    k = _load_tile(
+        k_base + blk[:, None] * s_kb + off[:, None] * s_ko + d[None, :],
+        tmask,
+        dmask,
+        MASK_TAIL,
+        HEAD_DIM == BLOCK_D,
+    )
     if UPCAST:
         s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=PRECISION)
     else:
@@ -96,8 +105,13 @@ def attend_tile(
     alpha = tl.exp2(m_i - m_ref)
     p = tl.exp2(s - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = _load_tile(v_base + blk[:, None] * s_vb + off[:, None] * s_vo + d[None, :], tmask, dmask,
-                   MASK_TAIL, HEAD_DIM == BLOCK_D)
+    v = _load_tile(
+        v_base + blk[:, None] * s_vb + off[:, None] * s_vo + d[None, :],
+        tmask,
+        dmask,
+        MASK_TAIL,
+        HEAD_DIM == BLOCK_D,
+    )
     if UPCAST:
         acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
     else:

@@ -16,32 +16,69 @@ from kernels.cache_ops import copy_blocks, write_kv_cache
 from kernels.swap import swap_blocks
 
 __all__ = [
-    "write_kv_cache", "paged_decode_attention", "paged_prefill_attention", "copy_blocks", "swap_blocks",
-    "plan_decode", "plan_prefill",
+    "write_kv_cache",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "copy_blocks",
+    "swap_blocks",
+    "plan_decode",
+    "plan_prefill",
 ]
 
 INTERPRETED = cache_ops.INTERPRETED
 
 
 def paged_decode_attention(
-    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, scale: float, *, max_seq_len: int | None = None, num_splits: int | None = None,
-    out: torch.Tensor | None = None, plan: object | None = None,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+    plan: object | None = None,
 ) -> torch.Tensor:
     return decode.paged_decode_attention(
-        query, key_cache, value_cache, block_tables, seq_lens, scale,
-        max_seq_len=max_seq_len, num_splits=num_splits, interpreted=INTERPRETED, out=out,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        scale,
+        max_seq_len=max_seq_len,
+        num_splits=num_splits,
+        interpreted=INTERPRETED,
+        out=out,
     )
 
 
 def paged_prefill_attention(
-    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, *, max_query_len: int | None = None,
-    out: torch.Tensor | None = None, plan: object | None = None,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    max_query_len: int | None = None,
+    out: torch.Tensor | None = None,
+    plan: object | None = None,
 ) -> torch.Tensor:
     return prefill.paged_prefill_attention(
-        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
-        max_query_len=max_query_len, interpreted=INTERPRETED, out=out,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        scale,
+        max_query_len=max_query_len,
+        interpreted=INTERPRETED,
+        out=out,
     )
 
 

@@ -67,7 +67,9 @@ class Tenant:
 
 current_tenant: contextvars.ContextVar[Tenant | None] = contextvars.ContextVar("pagedkv_tenant", default=None)
 # Set by the metrics interceptor around a call so it can label it with the tenant found here.
-call_labels: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("pagedkv_call_labels", default=None)
+call_labels: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar(
+    "pagedkv_call_labels", default=None
+)
 
 
 def hash_token(token: str) -> str:
@@ -88,7 +90,9 @@ def read_tokens_file(path: str | Path) -> Any:
     try:
         return json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
     except (ValueError, tomllib.TOMLDecodeError) as e:
-        raise TokenFileError(f"tokens file {str(p)!r} is not valid {'JSON' if p.suffix == '.json' else 'TOML'}: {e}") from None
+        raise TokenFileError(
+            f"tokens file {str(p)!r} is not valid {'JSON' if p.suffix == '.json' else 'TOML'}: {e}"
+        ) from None
 
 
 class TokenStore:
@@ -112,7 +116,15 @@ class TokenStore:
         if not isinstance(items, list):
             raise TokenFileError(f"{where}: expected a list 'tenants'")
         entries: list[tuple[bytes, Tenant]] = []
-        known = {"name", "token_sha256", "admin", "max_gpu_blocks", "max_cpu_blocks", "max_sequences", "allow"}
+        known = {
+            "name",
+            "token_sha256",
+            "admin",
+            "max_gpu_blocks",
+            "max_cpu_blocks",
+            "max_sequences",
+            "allow",
+        }
         for i, item in enumerate(items):
             if not isinstance(item, dict):
                 raise TokenFileError(f"{where}: tenants[{i}] is not a table")
@@ -134,10 +146,17 @@ class TokenStore:
             allow = item.get("allow")
             if allow is not None and not (isinstance(allow, list) and all(isinstance(a, str) for a in allow)):
                 raise TokenFileError(f"{where}: tenants[{i}] ({name}): allow must be a list of method names")
-            entries.append((bytes.fromhex(digest), Tenant(
-                name=name, admin=bool(item.get("admin", False)),
-                allow=frozenset(allow) if allow is not None else None, **quotas,
-            )))
+            entries.append(
+                (
+                    bytes.fromhex(digest),
+                    Tenant(
+                        name=name,
+                        admin=bool(item.get("admin", False)),
+                        allow=frozenset(allow) if allow is not None else None,
+                        **quotas,
+                    ),
+                )
+            )
         return cls(entries)
 
     def authenticate(self, token: str) -> Tenant | None:
@@ -171,6 +190,7 @@ def _with_tenant(handler: grpc.RpcMethodHandler, tenant: Tenant) -> grpc.RpcMeth
                 return fn(request, context)
             finally:
                 current_tenant.reset(token)
+
         return run
 
     def bind_stream(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -180,6 +200,7 @@ def _with_tenant(handler: grpc.RpcMethodHandler, tenant: Tenant) -> grpc.RpcMeth
                 yield from fn(request, context)
             finally:
                 current_tenant.reset(token)
+
         return run
 
     return rewrap(handler, lambda kind, fn: bind_stream(fn) if kind.endswith("_stream") else bind(fn))
@@ -188,8 +209,12 @@ def _with_tenant(handler: grpc.RpcMethodHandler, tenant: Tenant) -> grpc.RpcMeth
 class AuthInterceptor(grpc.ServerInterceptor):
     """UNAUTHENTICATED without a valid bearer token; PERMISSION_DENIED outside ``allow``."""
 
-    def __init__(self, store: TokenStore, exempt_prefixes: tuple[str, ...] = (HEALTH_PREFIX,),
-                 limiter: LogLimiter | None = None) -> None:
+    def __init__(
+        self,
+        store: TokenStore,
+        exempt_prefixes: tuple[str, ...] = (HEALTH_PREFIX,),
+        limiter: LogLimiter | None = None,
+    ) -> None:
         self.store = store
         self.limiter = limiter or LogLimiter()  # a client without a token could flood the log
         self.exempt = exempt_prefixes
@@ -211,12 +236,18 @@ class AuthInterceptor(grpc.ServerInterceptor):
             self.num_rejected += 1
             # Never log the token (nor its hash): only that one was (not) present.
             self.limiter.info(log, "unauthenticated", method=method, token_present=bool(token))
-            return _aborting(handler, grpc.StatusCode.UNAUTHENTICATED,
-                             "missing or invalid bearer token (metadata 'authorization: Bearer <token>')")
+            return _aborting(
+                handler,
+                grpc.StatusCode.UNAUTHENTICATED,
+                "missing or invalid bearer token (metadata 'authorization: Bearer <token>')",
+            )
         if tenant.allow is not None and method.rsplit("/", 1)[-1] not in tenant.allow:
             self.limiter.info(log, "permission_denied", method=method, tenant=tenant.name)
-            return _aborting(handler, grpc.StatusCode.PERMISSION_DENIED,
-                             f"tenant {tenant.name!r} may not call {method.rsplit('/', 1)[-1]}")
+            return _aborting(
+                handler,
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"tenant {tenant.name!r} may not call {method.rsplit('/', 1)[-1]}",
+            )
         return _with_tenant(handler, tenant)
 
 

@@ -20,7 +20,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("frontend.serve:main", "OpenAI-compatible HTTP server over one continuous-batching engine"),
     "up": ("frontend.stack:main", "start block manager, cache host and workers as local processes"),
     "generate": ("frontend.generate:main", "one request through a running (or --local) stack, JSON out"),
-    "demo": ("frontend.demo:main", "a realistic workload with a progress bar, then throughput and memory figures"),
+    "demo": (
+        "frontend.demo:main",
+        "a realistic workload with a progress bar, then throughput and memory figures",
+    ),
 }
 
 

@@ -77,9 +77,13 @@ class Dialer:
         """From a role's settings (fields tls_ca, tls_client_cert, tls_client_key, token_file, token,
         allow_insecure); raises TokenError (InsecureTokenError: a token without TLS)."""
         token = settings.token.get_secret_value() if settings.token else ""
-        return cls(tls_ca=settings.tls_ca, tls_cert=settings.tls_client_cert, tls_key=settings.tls_client_key,
-                   token=read_token(settings.token_file, token),
-                   allow_insecure=bool(getattr(settings, "allow_insecure", False)))
+        return cls(
+            tls_ca=settings.tls_ca,
+            tls_cert=settings.tls_client_cert,
+            tls_key=settings.tls_client_key,
+            token=read_token(settings.token_file, token),
+            allow_insecure=bool(getattr(settings, "allow_insecure", False)),
+        )
 
     @property
     def secure(self) -> bool:

@@ -17,11 +17,20 @@ from pagedkv.v1.errors_pb2 import ErrorInfo, ErrorReason
 ERROR_INFO_KEY = "pagedkv-error-bin"  # "-bin": gRPC carries the value as bytes
 CACHE_HOST_LOST = ErrorReason.ERROR_REASON_CACHE_HOST_LOST
 
-__all__ = ["CACHE_HOST_LOST", "ERROR_INFO_KEY", "ErrorInfo", "ErrorReason", "abort", "error_info", "reason_of"]
+__all__ = [
+    "CACHE_HOST_LOST",
+    "ERROR_INFO_KEY",
+    "ErrorInfo",
+    "ErrorReason",
+    "abort",
+    "error_info",
+    "reason_of",
+]
 
 
-def abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str, reason: int,
-          **metadata: str) -> NoReturn:
+def abort(
+    context: grpc.ServicerContext, code: grpc.StatusCode, message: str, reason: int, **metadata: str
+) -> NoReturn:
     """``context.abort(code, message)`` with an ErrorInfo naming `reason` in the trailers."""
     info = ErrorInfo(reason=reason, metadata=metadata)  # type: ignore[arg-type]
     context.set_trailing_metadata(((ERROR_INFO_KEY, info.SerializeToString()),))

@@ -94,11 +94,22 @@ def start_server(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     if enable_reflection:
         reflection.enable_server_reflection(
-            (service_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            (
+                service_name,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
             server,
         )
-    bound = add_port(server, host, port, tls_cert=tls_cert, tls_key=tls_key, tls_client_ca=tls_client_ca,
-                     allow_insecure=allow_insecure)
+    bound = add_port(
+        server,
+        host,
+        port,
+        tls_cert=tls_cert,
+        tls_key=tls_key,
+        tls_client_ca=tls_client_ca,
+        allow_insecure=allow_insecure,
+    )
     server.start()
     for name in ("", service_name):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

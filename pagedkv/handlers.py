@@ -34,6 +34,9 @@ def rewrap(
     for kind, make in KINDS.items():
         fn = getattr(handler, kind)
         if fn is not None:
-            return make(wrap(kind, fn), request_deserializer=request_deserializer or handler.request_deserializer,
-                        response_serializer=handler.response_serializer)
+            return make(
+                wrap(kind, fn),
+                request_deserializer=request_deserializer or handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
     raise ValueError("the method handler has no behaviour")

@@ -28,15 +28,25 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pagedkv.tls import channel
 
 
-def check(target: str, service: str = "", timeout_s: float = 3.0, *, tls_ca: str = "", tls_cert: str = "",
-          tls_key: str = "", wait_for_ready: bool = True) -> tuple[bool, str]:
+def check(
+    target: str,
+    service: str = "",
+    timeout_s: float = 3.0,
+    *,
+    tls_ca: str = "",
+    tls_cert: str = "",
+    tls_key: str = "",
+    wait_for_ready: bool = True,
+) -> tuple[bool, str]:
     """(healthy, what was seen). With any TLS file the probe speaks TLS (mutual with cert + key);
     health needs no bearer token. `wait_for_ready`: wait up to `timeout_s` for the connection
     (a one-shot probe) rather than fail at once when nothing listens yet (a polling loop)."""
     try:
         with channel(target, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key) as ch:
             resp = health_pb2_grpc.HealthStub(ch).Check(
-                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s, wait_for_ready=wait_for_ready
+                health_pb2.HealthCheckRequest(service=service),
+                timeout=timeout_s,
+                wait_for_ready=wait_for_ready,
             )
     except grpc.RpcError as e:
         return False, f"{e.code().name}: {e.details()}"
@@ -73,8 +83,15 @@ def wait_healthy(
         if probe is not None:
             healthy, seen = probe()
         else:
-            healthy, seen = check(target, service, timeout_s=1.0, tls_ca=tls_ca, tls_cert=tls_cert,
-                                  tls_key=tls_key, wait_for_ready=False)
+            healthy, seen = check(
+                target,
+                service,
+                timeout_s=1.0,
+                tls_ca=tls_ca,
+                tls_cert=tls_cert,
+                tls_key=tls_key,
+                wait_for_ready=False,
+            )
         if healthy:
             return
         if time.monotonic() > deadline:
@@ -89,15 +106,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--service", default="", help="service name to check ('' = the whole server)")
     ap.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for an answer")
     ap.add_argument("-q", "--quiet", action="store_true", help="print nothing, only set the exit code")
-    ap.add_argument("--tls-ca", default=os.environ.get("PAGEDKV_TLS_CA", ""),
-                    help="CA bundle verifying the server: TLS [env PAGEDKV_TLS_CA]")
-    ap.add_argument("--tls-cert", default=os.environ.get("PAGEDKV_TLS_CLIENT_CERT", ""),
-                    help="client certificate for a mutual-TLS server [env PAGEDKV_TLS_CLIENT_CERT]")
-    ap.add_argument("--tls-key", default=os.environ.get("PAGEDKV_TLS_CLIENT_KEY", ""),
-                    help="client key [env PAGEDKV_TLS_CLIENT_KEY]")
+    ap.add_argument(
+        "--tls-ca",
+        default=os.environ.get("PAGEDKV_TLS_CA", ""),
+        help="CA bundle verifying the server: TLS [env PAGEDKV_TLS_CA]",
+    )
+    ap.add_argument(
+        "--tls-cert",
+        default=os.environ.get("PAGEDKV_TLS_CLIENT_CERT", ""),
+        help="client certificate for a mutual-TLS server [env PAGEDKV_TLS_CLIENT_CERT]",
+    )
+    ap.add_argument(
+        "--tls-key",
+        default=os.environ.get("PAGEDKV_TLS_CLIENT_KEY", ""),
+        help="client key [env PAGEDKV_TLS_CLIENT_KEY]",
+    )
     args = ap.parse_args(argv)
-    healthy, seen = check(args.target, args.service, args.timeout, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
-                          tls_key=args.tls_key)
+    healthy, seen = check(
+        args.target,
+        args.service,
+        args.timeout,
+        tls_ca=args.tls_ca,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+    )
     if not args.quiet:
         print(f"{args.target}: {seen}", file=sys.stdout if healthy else sys.stderr)
     return 0 if healthy else 1

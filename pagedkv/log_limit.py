@@ -19,8 +19,12 @@ DEFAULT_WINDOW_S = 10.0
 
 
 class LogLimiter:
-    def __init__(self, burst: int = DEFAULT_BURST, window_s: float = DEFAULT_WINDOW_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        burst: int = DEFAULT_BURST,
+        window_s: float = DEFAULT_WINDOW_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.burst = burst
         self.window_s = window_s
         self._clock = clock

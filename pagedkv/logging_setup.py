@@ -12,6 +12,7 @@ import sys
 
 import structlog
 
+
 class _CurrentStderr:
     """Whatever ``sys.stderr`` is when a line is written, not when logging was configured: a test
     harness (or an embedding program) that swaps and closes stderr must not leave every later log

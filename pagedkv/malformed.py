@@ -67,6 +67,7 @@ class MalformedRequestInterceptor(grpc.ServerInterceptor):
                 if isinstance(request, Malformed):
                     self._reject(method, request, context)
                 return fn(request, context)
+
             return run
 
         def checked(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
@@ -78,7 +79,11 @@ class MalformedRequestInterceptor(grpc.ServerInterceptor):
         def streaming(fn: Callable[..., Any]) -> Callable[..., Any]:
             def run(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
                 return fn(checked(requests, context), context)
+
             return run
 
-        return rewrap(handler, lambda kind, fn: streaming(fn) if kind.startswith("stream_") else unary(fn),
-                      request_deserializer=_safe(handler.request_deserializer))
+        return rewrap(
+            handler,
+            lambda kind, fn: streaming(fn) if kind.startswith("stream_") else unary(fn),
+            request_deserializer=_safe(handler.request_deserializer),
+        )

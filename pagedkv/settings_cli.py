@@ -43,14 +43,16 @@ def build_parser(cls: type[BaseSettings], prog: str, description: str) -> argpar
         annotation = _unwrap_optional(field.annotation)
         help_ = f"{field.description} [env PAGEDKV_{name.upper()}, default {field.default!r}]"
         if annotation is bool:
-            parser.add_argument(_flag(name), dest=name, action=argparse.BooleanOptionalAction, default=None,
-                                help=help_)
+            parser.add_argument(
+                _flag(name), dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_
+            )
         elif typing.get_origin(annotation) is Literal:
-            parser.add_argument(_flag(name), dest=name, choices=typing.get_args(annotation), default=None,
-                                help=help_)
+            parser.add_argument(
+                _flag(name), dest=name, choices=typing.get_args(annotation), default=None, help=help_
+            )
         else:
             conv = annotation if annotation in (int, float, str) else str
-            parser.add_argument(_flag(name), dest=name, type=conv, default=None, help=help_)  # type: ignore[arg-type]
+            parser.add_argument(_flag(name), dest=name, type=conv, default=None, help=help_)
     return parser
 
 

@@ -9,8 +9,8 @@ explicitly (see kernels' backend selection).
 from __future__ import annotations
 
 import os
-import sys
 import pathlib
+import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:

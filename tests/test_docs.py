@@ -16,8 +16,11 @@ def tracked(*patterns: str) -> list[pathlib.Path]:
 
 
 def test_nothing_links_outside_the_project() -> None:
-    offenders = [str(p.relative_to(ROOT)) for p in tracked("*.md", "*.py", "*.toml", "*.yml", "Makefile")
-                 if p.exists() and OUTSIDE in p.read_text(errors="replace")]
+    offenders = [
+        str(p.relative_to(ROOT))
+        for p in tracked("*.md", "*.py", "*.toml", "*.yml", "Makefile")
+        if p.exists() and OUTSIDE in p.read_text(errors="replace")
+    ]
     assert offenders == []
     assert "docs/architecture.md" in (ROOT / "README.md").read_text()
 
@@ -29,13 +32,23 @@ def test_architecture_table_names_modules_that_exist() -> None:
     assert len(paths) >= 20
     missing = [p for p in paths if not (ROOT / p).exists()]
     assert missing == []
-    for decision in ("allocation", "prefix caching", "eviction", "preemption", "swap or recompute", "tenancy",
-                     "persistence", "events"):
+    for decision in (
+        "allocation",
+        "prefix caching",
+        "eviction",
+        "preemption",
+        "swap or recompute",
+        "tenancy",
+        "persistence",
+        "events",
+    ):
         assert f"| {decision} |" in text
 
 
 def test_worker_grpcurl_walkthrough_allocates_before_it_steps() -> None:
     text = (ROOT / "docs" / "worker.md").read_text()
     block = next(b for b in re.findall(r"```bash\n(.*?)```", text, flags=re.S) if "Worker/Step" in b)
-    assert block.index("BlockManager/Allocate") < block.index("Worker/Step") < block.index("BlockManager/Free")
+    assert (
+        block.index("BlockManager/Allocate") < block.index("Worker/Step") < block.index("BlockManager/Free")
+    )
     assert not re.search(r'"block_ids":\s*\[\d', block)  # block ids come from Allocate, never made up

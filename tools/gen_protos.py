@@ -67,8 +67,11 @@ def main() -> int:
         target = ROOT / OUT_PKG
         committed = sorted(p for p in target.iterdir() if p.name.endswith(GENERATED_SUFFIXES))
         if args.check:
-            stale = [p.name for p in fresh if not (target / p.name).exists()
-                     or not filecmp.cmp(p, target / p.name, shallow=False)]
+            stale = [
+                p.name
+                for p in fresh
+                if not (target / p.name).exists() or not filecmp.cmp(p, target / p.name, shallow=False)
+            ]
             extra = sorted({p.name for p in committed} - {p.name for p in fresh})
             if stale or extra:
                 print(f"generated gRPC code is stale: {stale + extra}; run `make protos`", file=sys.stderr)

@@ -25,8 +25,9 @@ def _key() -> ec.EllipticCurvePrivateKey:
 
 
 def _pem_key(k: ec.EllipticCurvePrivateKey) -> bytes:
-    return k.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                           serialization.NoEncryption())
+    return k.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
 
 
 def _name(cn: str) -> x509.Name:
@@ -41,26 +42,41 @@ def make_certs(out: Path | str, days: int = 30) -> dict[str, Path]:
     until = now + dt.timedelta(days=days)
     ca_key = _key()
     ca = (
-        x509.CertificateBuilder().subject_name(_name("pagedkv test CA")).issuer_name(_name("pagedkv test CA"))
-        .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(now).not_valid_after(until)
+        x509.CertificateBuilder()
+        .subject_name(_name("pagedkv test CA"))
+        .issuer_name(_name("pagedkv test CA"))
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now)
+        .not_valid_after(until)
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .add_extension(x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True)
+        .add_extension(
+            x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True
+        )
         .sign(ca_key, hashes.SHA256())
     )
     paths = {"ca": out / "ca.pem", "ca_key": out / "ca.key"}
     paths["ca"].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
     paths["ca_key"].write_bytes(_pem_key(ca_key))
     for who, cn, eku, sans in (
-        ("server", "localhost", ExtendedKeyUsageOID.SERVER_AUTH,
-         [x509.DNSName(n) for n in SERVER_NAMES] + [x509.IPAddress(ipaddress.ip_address(i)) for i in SERVER_IPS]),
+        (
+            "server",
+            "localhost",
+            ExtendedKeyUsageOID.SERVER_AUTH,
+            [x509.DNSName(n) for n in SERVER_NAMES]
+            + [x509.IPAddress(ipaddress.ip_address(i)) for i in SERVER_IPS],
+        ),
         ("client", "pagedkv-client", ExtendedKeyUsageOID.CLIENT_AUTH, [x509.DNSName("pagedkv-client")]),
     ):
         key = _key()
         cert = (
-            x509.CertificateBuilder().subject_name(_name(cn)).issuer_name(ca.subject)
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now).not_valid_after(until)
+            x509.CertificateBuilder()
+            .subject_name(_name(cn))
+            .issuer_name(ca.subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now)
+            .not_valid_after(until)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(x509.ExtendedKeyUsage([eku]), critical=False)
             .add_extension(x509.SubjectAlternativeName(sans), critical=False)

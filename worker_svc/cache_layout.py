@@ -67,7 +67,8 @@ class CacheGeometry:
 def check_same(expected: CacheGeometry, actual: CacheGeometry, expected_from: str, actual_from: str) -> None:
     """Raise ``GeometryMismatch`` naming every field where ``actual`` differs from ``expected``."""
     diffs = [
-        f"{f.name}: {expected_from} has {getattr(expected, f.name)}, {actual_from} has {getattr(actual, f.name)}"
+        f"{f.name}: {expected_from} has {getattr(expected, f.name)}, {actual_from} has "
+        f"{getattr(actual, f.name)}"
         for f in fields(CacheGeometry)
         if getattr(expected, f.name) != getattr(actual, f.name)
     ]

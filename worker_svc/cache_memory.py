@@ -56,7 +56,8 @@ class _Closable(Protocol):
 
 @dataclass(slots=True)
 class SharedCache:
-    """The device cache ``[L, 2, num_gpu_blocks, ...]`` and the host swap pool ``[L, 2, num_cpu_blocks, ...]``."""
+    """The device cache ``[L, 2, num_gpu_blocks, ...]`` and the host swap pool
+    ``[L, 2, num_cpu_blocks, ...]``."""
 
     descriptor: CacheDescriptor
     gpu: torch.Tensor
@@ -87,8 +88,11 @@ def create(
         )
         resources.append(cpu_shm)
         cpu_desc = TensorDescriptor(
-            backend=BACKEND_SHM, shape=geometry.cpu_shape, dtype=dtype_name(dtype),
-            shm_name=cpu_shm.name, size=cpu_shm.nbytes,
+            backend=BACKEND_SHM,
+            shape=geometry.cpu_shape,
+            dtype=dtype_name(dtype),
+            shm_name=cpu_shm.name,
+            size=cpu_shm.nbytes,
         )
         if device.type == "cuda":
             from worker_svc import cuda_ipc_backend
@@ -100,8 +104,13 @@ def create(
                 resources.append(pin)
             gpu_tensor = exp.tensor
             gpu_desc = TensorDescriptor(
-                backend=BACKEND_CUDA_IPC, shape=geometry.gpu_shape, dtype=dtype_name(dtype),
-                ipc_handle=exp.handle, offset=exp.offset, size=exp.size, device_index=exp.device_index,
+                backend=BACKEND_CUDA_IPC,
+                shape=geometry.gpu_shape,
+                dtype=dtype_name(dtype),
+                ipc_handle=exp.handle,
+                offset=exp.offset,
+                size=exp.size,
+                device_index=exp.device_index,
             )
         else:
             gpu_shm = shm_backend.create(
@@ -110,16 +119,24 @@ def create(
             resources.append(gpu_shm)
             gpu_tensor = gpu_shm.tensor
             gpu_desc = TensorDescriptor(
-                backend=BACKEND_SHM, shape=geometry.gpu_shape, dtype=dtype_name(dtype),
-                shm_name=gpu_shm.name, size=gpu_shm.nbytes,
+                backend=BACKEND_SHM,
+                shape=geometry.gpu_shape,
+                dtype=dtype_name(dtype),
+                shm_name=gpu_shm.name,
+                size=gpu_shm.nbytes,
             )
     except BaseException:
         for r in reversed(resources):
             r.close()
         raise
     desc = CacheDescriptor(
-        backend=gpu_desc.backend, gpu=gpu_desc, cpu=cpu_desc, geometry=geometry,
-        dtype=dtype_name(dtype), instance_id=instance_id, host_pid=os.getpid(),
+        backend=gpu_desc.backend,
+        gpu=gpu_desc,
+        cpu=cpu_desc,
+        geometry=geometry,
+        dtype=dtype_name(dtype),
+        instance_id=instance_id,
+        host_pid=os.getpid(),
     )
     assert gpu_tensor is not None and cpu_shm.tensor is not None
     return SharedCache(descriptor=desc, gpu=gpu_tensor, cpu=cpu_shm.tensor, _resources=resources)

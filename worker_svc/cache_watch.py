@@ -75,8 +75,11 @@ class CacheHostWatcher:
             self._thread.join(timeout=self.interval_s + 2.0)
 
     def _info(self, stub: cache_host_pb2_grpc.CacheHostStub) -> cache_host_pb2.CacheInfo:
-        return stub.GetCacheInfo(cache_host_pb2.GetCacheInfoRequest(),
-                                 timeout=max(min(self.interval_s, 5.0), 0.5), metadata=self.dialer.metadata)
+        return stub.GetCacheInfo(
+            cache_host_pb2.GetCacheInfoRequest(),
+            timeout=max(min(self.interval_s, 5.0), 0.5),
+            metadata=self.dialer.metadata,
+        )
 
     def check(self, stub: cache_host_pb2_grpc.CacheHostStub, misses: int) -> tuple[int, str | None, str]:
         """One check: (consecutive misses, reason if lost, the new instance id if replaced)."""
@@ -85,13 +88,24 @@ class CacheHostWatcher:
         except grpc.RpcError as e:
             misses += 1
             if misses >= self.failures:
-                return misses, (f"the cache host at {self.target} is gone ({misses} consecutive checks "
-                                f"failed, last: {e.code().name}; instance {self.instance_id})"), ""
+                return (
+                    misses,
+                    (
+                        f"the cache host at {self.target} is gone ({misses} consecutive checks "
+                        f"failed, last: {e.code().name}; instance {self.instance_id})"
+                    ),
+                    "",
+                )
             return misses, None, ""
         if info.instance_id != self.instance_id:
-            return 0, (f"the cache host at {self.target} was replaced (instance {self.instance_id} -> "
-                       f"{info.instance_id}, pid {info.host_pid}): the new one holds new, empty memory"), \
-                info.instance_id
+            return (
+                0,
+                (
+                    f"the cache host at {self.target} was replaced (instance {self.instance_id} -> "
+                    f"{info.instance_id}, pid {info.host_pid}): the new one holds new, empty memory"
+                ),
+                info.instance_id,
+            )
         return 0, None, ""
 
     def _run(self) -> None:
@@ -128,8 +142,9 @@ class CacheHostWatcher:
                 try:
                     attached = self.on_replaced(info)
                 except Exception:  # noqa: BLE001 - logged; this instance is not tried again
-                    log.exception("cache_host_reattach_failed", cache_host=self.target,
-                                  new_instance_id=info.instance_id)
+                    log.exception(
+                        "cache_host_reattach_failed", cache_host=self.target, new_instance_id=info.instance_id
+                    )
                     attached = False
                 if attached:
                     self.instance_id = info.instance_id

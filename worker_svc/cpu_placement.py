@@ -41,7 +41,9 @@ def apply(cpu_affinity: str, num_threads: int) -> tuple[list[int], int]:
         allowed = os.sched_getaffinity(0)
         missing = sorted(want - allowed)
         if missing:
-            raise ValueError(f"--cpu-affinity {cpu_affinity!r}: CPU {missing[0]} is not available (have {sorted(allowed)})")
+            raise ValueError(
+                f"--cpu-affinity {cpu_affinity!r}: CPU {missing[0]} is not available (have {sorted(allowed)})"
+            )
         os.sched_setaffinity(0, want)
     cpus = sorted(os.sched_getaffinity(0))
     threads = num_threads or len(cpus)

@@ -40,7 +40,8 @@ def _cupy() -> Any:
             return cudart_fallback.load()
         except OSError as e2:
             raise RuntimeError(
-                "the CUDA backend needs CuPy: pip install 'pagedkv[gpu-cuda12]' or 'pagedkv[gpu-cuda13]' (CUDA 12 / 13)"
+                "the CUDA backend needs CuPy: pip install 'pagedkv[gpu-cuda12]' or 'pagedkv[gpu-cuda13]' "
+                "(CUDA 12 / 13)"
                 f" (and no libcudart for the fallback: {e2})"
             ) from e
     return cupy
@@ -54,7 +55,9 @@ def device_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def _wrap(cupy: Any, memptr: Any, nbytes: int, shape: tuple[int, ...], dtype: torch.dtype, dev: int) -> torch.Tensor:
+def _wrap(
+    cupy: Any, memptr: Any, nbytes: int, shape: tuple[int, ...], dtype: torch.dtype, dev: int
+) -> torch.Tensor:
     """A torch view of ``nbytes`` device bytes at ``memptr`` with the given shape/dtype, no copy."""
     raw = cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=memptr)
     flat = torch.as_tensor(raw, device=f"cuda:{dev}")
@@ -96,7 +99,14 @@ def export(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
         tensor = _wrap(cupy, cupy.cuda.MemoryPointer(mem, 0), nbytes, shape, dtype, dev)
         cupy.cuda.runtime.deviceSynchronize()
     return CudaExport(
-        handle=handle, size=size, offset=0, shape=shape, dtype=dtype, device_index=dev, tensor=tensor, _memory=mem
+        handle=handle,
+        size=size,
+        offset=0,
+        shape=shape,
+        dtype=dtype,
+        device_index=dev,
+        tensor=tensor,
+        _memory=mem,
     )
 
 

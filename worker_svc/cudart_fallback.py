@@ -56,12 +56,17 @@ def _find_libcudart() -> ctypes.CDLL:
             pass
     roots = [os.path.dirname(torch.__file__), os.path.join(os.path.dirname(torch.__file__), "..", "nvidia")]
     for root in roots:
-        for path in sorted(glob.glob(os.path.join(root, "**", "libcudart.so*"), recursive=True), reverse=True):
+        for path in sorted(
+            glob.glob(os.path.join(root, "**", "libcudart.so*"), recursive=True), reverse=True
+        ):
             try:
                 return ctypes.CDLL(path)
             except OSError:
                 pass
-    raise OSError("libcudart not found (tried the runtime torch loaded, the loader path and torch's bundled NVIDIA libraries)")
+    raise OSError(
+        "libcudart not found (tried the runtime torch loaded, the loader path and torch's bundled NVIDIA "
+        "libraries)"
+    )
 
 
 def load() -> Any:
@@ -95,7 +100,9 @@ def load() -> Any:
             ctypes.memmove(ctypes.addressof(h), handle, _IPC_HANDLE_BYTES)
             out = vp()
             lib.cudaIpcOpenMemHandle.argtypes = [ctypes.POINTER(vp), _IpcHandle, ctypes.c_uint]
-            check(lib.cudaIpcOpenMemHandle(ctypes.byref(out), h, ctypes.c_uint(flags)), "cudaIpcOpenMemHandle")
+            check(
+                lib.cudaIpcOpenMemHandle(ctypes.byref(out), h, ctypes.c_uint(flags)), "cudaIpcOpenMemHandle"
+            )
             return int(out.value or 0)
 
         @staticmethod
@@ -115,7 +122,7 @@ def load() -> Any:
             self.index = index
             self._prev = ctypes.c_int(0)
 
-        def __enter__(self) -> "Device":
+        def __enter__(self) -> Device:
             check(lib.cudaGetDevice(ctypes.byref(self._prev)), "cudaGetDevice")
             check(lib.cudaSetDevice(ctypes.c_int(self.index)), "cudaSetDevice")
             return self
@@ -148,15 +155,25 @@ def load() -> Any:
     class NDArray:
         """Only a __cuda_array_interface__ for torch.as_tensor; keeps its memory alive."""
 
-        def __init__(self, shape: tuple[int, ...], dtype: object = None, memptr: MemoryPointer | None = None) -> None:
+        def __init__(
+            self, shape: tuple[int, ...], dtype: object = None, memptr: MemoryPointer | None = None
+        ) -> None:
             assert memptr is not None
             self._memptr = memptr
             self.__cuda_array_interface__ = {
-                "shape": tuple(shape), "typestr": "|u1", "data": (memptr.ptr, False), "version": 3,
-                "strides": None, "stream": None,
+                "shape": tuple(shape),
+                "typestr": "|u1",
+                "data": (memptr.ptr, False),
+                "version": 3,
+                "strides": None,
+                "stream": None,
             }
 
     cuda = types.SimpleNamespace(
-        runtime=Runtime, Device=Device, Memory=Memory, UnownedMemory=UnownedMemory, MemoryPointer=MemoryPointer
+        runtime=Runtime,
+        Device=Device,
+        Memory=Memory,
+        UnownedMemory=UnownedMemory,
+        MemoryPointer=MemoryPointer,
     )
     return types.SimpleNamespace(cuda=cuda, ndarray=NDArray, uint8="uint8", FALLBACK=True)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
 from pagedkv.dial import PLAIN, Dialer
 from pagedkv.v1 import block_manager_pb2, block_manager_pb2_grpc
 from worker_svc.cache_layout import CacheGeometry, GeometryMismatch
@@ -42,9 +41,12 @@ def fetch_pool_config(target: str, timeout_s: float = 10.0, dialer: Dialer = PLA
     """Ask the block manager for its geometry (one attempt; worker_svc/peers.py retries)."""
     with dialer.channel(target) as channel:
         stub = block_manager_pb2_grpc.BlockManagerStub(channel)
-        cfg = stub.GetConfig(block_manager_pb2.GetConfigRequest(), timeout=timeout_s,
-                             metadata=dialer.metadata)
-    return PoolConfig(block_size=cfg.block_size, num_gpu_blocks=cfg.num_gpu_blocks, num_cpu_blocks=cfg.num_cpu_blocks)
+        cfg = stub.GetConfig(
+            block_manager_pb2.GetConfigRequest(), timeout=timeout_s, metadata=dialer.metadata
+        )
+    return PoolConfig(
+        block_size=cfg.block_size, num_gpu_blocks=cfg.num_gpu_blocks, num_cpu_blocks=cfg.num_cpu_blocks
+    )
 
 
 def known_values(settings: _Common, model: ModelConfig, pool: PoolConfig | None) -> dict[str, Sourced]:

@@ -135,7 +135,11 @@ class ModelRunner:
     """Owns the model and the views of the shared cache; runs one step at a time (thread-safe)."""
 
     def __init__(
-        self, model: Model, gpu_cache: torch.Tensor, cpu_cache: torch.Tensor, kernel_backend: str | None = None
+        self,
+        model: Model,
+        gpu_cache: torch.Tensor,
+        cpu_cache: torch.Tensor,
+        kernel_backend: str | None = None,
     ) -> None:
         """``kernel_backend``: the kernel backend of this runner's steps ("auto", "reference", "cpu",
         "triton"; a worker's ``--kernel-backend``), applied as a ``kernels.use_backend`` override
@@ -145,10 +149,13 @@ class ModelRunner:
         if kernel_backend is not None and kernel_backend not in kernels.BACKENDS:
             raise ValueError(f"unknown kernel backend {kernel_backend!r}; expected one of {kernels.BACKENDS}")
         if gpu_cache.dim() != 6 or gpu_cache.shape[0] != cfg.num_layers or gpu_cache.shape[1] != 2:
-            raise ValueError(f"KV cache shape {tuple(gpu_cache.shape)} is not [num_layers={cfg.num_layers}, 2, ...]")
+            raise ValueError(
+                f"KV cache shape {tuple(gpu_cache.shape)} is not [num_layers={cfg.num_layers}, 2, ...]"
+            )
         if tuple(gpu_cache.shape[4:]) != (cfg.num_kv_heads, cfg.head_dim):
             raise ValueError(
-                f"KV cache heads/head_dim {tuple(gpu_cache.shape[4:])} != model's ({cfg.num_kv_heads}, {cfg.head_dim})"
+                f"KV cache heads/head_dim {tuple(gpu_cache.shape[4:])} != model's ({cfg.num_kv_heads}, "
+                f"{cfg.head_dim})"
             )
         if gpu_cache.dtype != model.dtype:
             raise ValueError(f"KV cache dtype {gpu_cache.dtype} != model dtype {model.dtype}")
@@ -205,8 +212,9 @@ class ModelRunner:
                 if p.temperature < 0 or not 0.0 <= p.top_p <= 1.0 or p.top_k < 0:
                     raise InvalidStep(f"{where}: bad {what} params {p}")
                 if not 0 <= p.num_top_logprobs <= MAX_TOP_LOGPROBS:
-                    raise InvalidStep(f"{where}: {what}.num_top_logprobs {p.num_top_logprobs} is over "
-                                      f"{MAX_TOP_LOGPROBS}")
+                    raise InvalidStep(
+                        f"{where}: {what}.num_top_logprobs {p.num_top_logprobs} is over {MAX_TOP_LOGPROBS}"
+                    )
         self._check_pairs("ops.swap_out", ops.swap_out, self.num_gpu_blocks, self.num_cpu_blocks)
         self._check_pairs("ops.copies", ops.copies, self.num_gpu_blocks, self.num_gpu_blocks)
         sources = {s for s, _ in ops.copies}
@@ -271,7 +279,9 @@ class ModelRunner:
 
         def tables(idx: list[int]) -> torch.Tensor:
             width = max(-(-seqs[i].seq_len // bs) for i in idx)
-            rows = [seqs[i].block_ids[:width] + [0] * (width - min(width, len(seqs[i].block_ids))) for i in idx]
+            rows = [
+                seqs[i].block_ids[:width] + [0] * (width - min(width, len(seqs[i].block_ids))) for i in idx
+            ]
             return torch.tensor(rows, dtype=torch.int32, device=dev)
 
         pre_idx, dec_idx = order[:n_prefill_seqs], order[n_prefill_seqs:]
@@ -322,8 +332,13 @@ class ModelRunner:
                 # Forked samples draw from their parent's row: one sample() call over all rows.
                 fork_rows = [i for i, s in enumerate(seqs) for _ in s.fork_sampling]
                 logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
-                rows_sampled = logits.index_select(0, torch.tensor(
-                    list(range(len(seqs))) + fork_rows, device=logits.device)) if fork_rows else logits
+                rows_sampled = (
+                    logits.index_select(
+                        0, torch.tensor(list(range(len(seqs))) + fork_rows, device=logits.device)
+                    )
+                    if fork_rows
+                    else logits
+                )
                 result = sample(
                     rows_sampled,
                     [s.sampling for s in seqs] + [p for s in seqs for p in s.fork_sampling],
@@ -341,8 +356,10 @@ class ModelRunner:
                             token_id=int(token_ids[i]),
                             logprob=float(logprobs[i]),
                             logits=logits_cpu[i] if (logits_cpu is not None and s.return_logits) else None,
-                            fork_samples=[Drawn(int(token_ids[j]), float(logprobs[j]), result.top[j])
-                                          for j in range(k, k + n)],
+                            fork_samples=[
+                                Drawn(int(token_ids[j]), float(logprobs[j]), result.top[j])
+                                for j in range(k, k + n)
+                            ],
                             top=result.top[i],
                         )
                     )

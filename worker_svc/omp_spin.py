@@ -40,7 +40,7 @@ def _lookup() -> Callable[[int], object] | None:
         return None
     fn.argtypes = [ctypes.c_int]
     fn.restype = None
-    return fn  # type: ignore[no-any-return]
+    return fn
 
 
 def short_spin() -> bool:
@@ -51,8 +51,9 @@ def short_spin() -> bool:
         return bool(_done.value)
     if _setter is False:
         _setter = _lookup()
-    ok = _setter is not None
-    if ok:
-        _setter(BLOCKTIME_MS)  # type: ignore[operator]
+    setter = _setter if callable(_setter) else None  # looked up above: the call or None
+    ok = setter is not None
+    if setter is not None:
+        setter(BLOCKTIME_MS)
     _done.value = ok
     return ok

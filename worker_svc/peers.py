@@ -31,8 +31,9 @@ T = TypeVar("T")
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 ATTEMPT_TIMEOUT_S = 5.0
 # Until the deadline (or forever), backoff from 0.2 s doubling up to 5 s, with jitter.
-PEER_RETRY = RetryPolicy(max_attempts=sys.maxsize, initial_backoff_s=0.2, max_backoff_s=5.0,
-                         retryable_codes=frozenset(RETRYABLE))
+PEER_RETRY = RetryPolicy(
+    max_attempts=sys.maxsize, initial_backoff_s=0.2, max_backoff_s=5.0, retryable_codes=frozenset(RETRYABLE)
+)
 
 
 class StopRequested(Exception):
@@ -43,8 +44,9 @@ class PeerUnreachable(ConnectionError):
     """The peer refused the call for a reason retrying cannot fix (bad token, TLS, ...)."""
 
 
-def wait_for(peer: str, target: str, call: Callable[[float], T], timeout_s: float,
-             stop: threading.Event | None = None) -> T:
+def wait_for(
+    peer: str, target: str, call: Callable[[float], T], timeout_s: float, stop: threading.Event | None = None
+) -> T:
     """``call(attempt_timeout_s)`` retried with backoff (pagedkv/retry.py's rule, :data:`PEER_RETRY`)
     until it answers or ``timeout_s`` passes (0 = forever)."""
     attempts = Attempts(PEER_RETRY, None if timeout_s == 0 else timeout_s, retry_allowed=True)
@@ -60,28 +62,44 @@ def wait_for(peer: str, target: str, call: Callable[[float], T], timeout_s: floa
                 raise PeerUnreachable(f"{peer} at {target} refused the call: {last}") from e
             delay = attempts.pause_after(e)
             if delay is None:
-                raise TimeoutError(f"{peer} at {target} did not answer within {timeout_s:.0f} s "
-                                   f"({attempts.attempt} attempts, last: {last})") from e
+                raise TimeoutError(
+                    f"{peer} at {target} did not answer within {timeout_s:.0f} s "
+                    f"({attempts.attempt} attempts, last: {last})"
+                ) from e
             key = peer.replace(" ", "_")
-            log.info(f"waiting_for_{key}", **{key: target}, attempt=attempts.attempt, retry_in_s=round(delay, 2),
-                     reason=code.name)
+            log.info(
+                f"waiting_for_{key}",
+                **{key: target},
+                attempt=attempts.attempt,
+                retry_in_s=round(delay, 2),
+                reason=code.name,
+            )
             if stop is not None and stop.wait(delay):
                 raise StopRequested() from e
             if stop is None:
                 time.sleep(delay)
 
 
-def wait_for_cache_host(target: str, timeout_s: float, stop: threading.Event | None = None,
-                        dialer: Dialer = PLAIN) -> cache_host_pb2.CacheInfo:
+def wait_for_cache_host(
+    target: str, timeout_s: float, stop: threading.Event | None = None, dialer: Dialer = PLAIN
+) -> cache_host_pb2.CacheInfo:
     """The cache host's GetCacheInfo, waiting for it as above."""
     with dialer.channel(target) as channel:
         stub = cache_host_pb2_grpc.CacheHostStub(channel)
-        return wait_for("cache host", target, lambda t: stub.GetCacheInfo(
-            cache_host_pb2.GetCacheInfoRequest(), timeout=t, metadata=dialer.metadata), timeout_s, stop)
+        return wait_for(
+            "cache host",
+            target,
+            lambda t: stub.GetCacheInfo(
+                cache_host_pb2.GetCacheInfoRequest(), timeout=t, metadata=dialer.metadata
+            ),
+            timeout_s,
+            stop,
+        )
 
 
-def wait_for_block_manager(target: str, timeout_s: float, stop: threading.Event | None = None,
-                           dialer: Dialer = PLAIN) -> PoolConfig:
+def wait_for_block_manager(
+    target: str, timeout_s: float, stop: threading.Event | None = None, dialer: Dialer = PLAIN
+) -> PoolConfig:
     """The block manager's geometry (GetConfig), waiting for it as above."""
     return wait_for("block manager", target, lambda t: fetch_pool_config(target, t, dialer), timeout_s, stop)
 
@@ -96,13 +114,25 @@ def forget_stale_prefixes(target: str, instance_id: str, timeout_s: float, diale
     try:
         with dialer.channel(target) as channel:
             stub = block_manager_pb2_grpc.BlockManagerStub(channel)
-            reply = stub.ResetPrefixCache(block_manager_pb2.ResetPrefixCacheRequest(
-                request_id=f"cache-host-{instance_id}"), timeout=timeout_s, metadata=dialer.metadata)
+            reply = stub.ResetPrefixCache(
+                block_manager_pb2.ResetPrefixCacheRequest(request_id=f"cache-host-{instance_id}"),
+                timeout=timeout_s,
+                metadata=dialer.metadata,
+            )
     except grpc.RpcError as e:
-        log.warning("prefix_cache_reset_failed", block_manager=target, code=e.code().name, details=e.details(),
-                    hint="blocks committed on the previous cache host stay prefix hits until an engine resets "
-                         "them (give the cache host an admin token)")
+        log.warning(
+            "prefix_cache_reset_failed",
+            block_manager=target,
+            code=e.code().name,
+            details=e.details(),
+            hint="blocks committed on the previous cache host stay prefix hits until an engine resets "
+            "them (give the cache host an admin token)",
+        )
         return False
-    log.info("prefix_cache_reset", block_manager=target, instance_id=instance_id,
-             num_blocks_cleared=reply.num_blocks_cleared)
+    log.info(
+        "prefix_cache_reset",
+        block_manager=target,
+        instance_id=instance_id,
+        num_blocks_cleared=reply.num_blocks_cleared,
+    )
     return True

@@ -44,8 +44,14 @@ ModelFor = Callable[[torch.dtype, "WeightsDescriptor | None"], "tuple[Model, Sha
 RunnerFor = Callable[["Model", cache_memory.SharedCache], "ModelRunner"]
 
 
-def reattach(proc: WorkerProcess, info: cache_host_pb2.CacheInfo, device: torch.device, model_for: ModelFor,
-             runner_for: RunnerFor, lock: threading.Lock) -> None:
+def reattach(
+    proc: WorkerProcess,
+    info: cache_host_pb2.CacheInfo,
+    device: torch.device,
+    model_for: ModelFor,
+    runner_for: RunnerFor,
+    lock: threading.Lock,
+) -> None:
     """Move ``proc`` onto the cache host instance described by ``info`` (steps 1-4 above).
 
     Raises GeometryMismatch (nothing changed) when the new instance cannot serve this worker's
@@ -54,7 +60,8 @@ def reattach(proc: WorkerProcess, info: cache_host_pb2.CacheInfo, device: torch.
     old = proc.cache.descriptor
     if desc.geometry != old.geometry or desc.dtype != old.dtype:
         raise GeometryMismatch(
-            f"the new cache host instance {desc.instance_id} has geometry {desc.geometry.as_dict()} {desc.dtype}, "
+            f"the new cache host instance {desc.instance_id} has geometry {desc.geometry.as_dict()} "
+            f"{desc.dtype}, "
             f"this worker runs with {old.geometry.as_dict()} {old.dtype}: restart the worker"
         )
     with lock:
@@ -86,8 +93,12 @@ def reattach(proc: WorkerProcess, info: cache_host_pb2.CacheInfo, device: torch.
                 try:  # e.g. closing a CUDA IPC handle whose exporter died: the new attachment matters more
                     res.close()
                 except Exception as e:  # noqa: BLE001 - logged; what is left goes with the process
-                    log.warning("old_cache_host_release_failed", what=name, instance_id=old.instance_id,
-                                error=f"{type(e).__name__}: {e}")
+                    log.warning(
+                        "old_cache_host_release_failed",
+                        what=name,
+                        instance_id=old.instance_id,
+                        error=f"{type(e).__name__}: {e}",
+                    )
 
         old_runner.close(release=release)
         proc.cache, proc.weights = cache, weights
@@ -98,6 +109,12 @@ def reattach(proc: WorkerProcess, info: cache_host_pb2.CacheInfo, device: torch.
         winfo.cache_lost_reason = ""
         winfo.shared_weights = weights is not None
         servicer.attach(runner, winfo)
-    log.warning("cache_host_reattached", old_instance_id=old.instance_id, instance_id=desc.instance_id,
-                host_pid=desc.host_pid, backend=desc.backend, shared_weights=weights is not None,
-                action="serving again; every sequence must be re-prefilled")
+    log.warning(
+        "cache_host_reattached",
+        old_instance_id=old.instance_id,
+        instance_id=desc.instance_id,
+        host_pid=desc.host_pid,
+        backend=desc.backend,
+        shared_weights=weights is not None,
+        action="serving again; every sequence must be re-prefilled",
+    )

@@ -17,13 +17,14 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict, cast
 
-import torch
 import structlog
+import torch
 from grpc_health.v1 import health_pb2
 
 from pagedkv.dial import Dialer, TokenError
+from pagedkv.grpc_server import RunningServer, start_server, stop_event_on_signals
 from pagedkv.logging_setup import configure_logging
 from pagedkv.v1 import cache_host_pb2, worker_pb2, worker_pb2_grpc
 from worker_svc import cache_memory, cpu_placement, shared_weights
@@ -38,11 +39,11 @@ from worker_svc.cache_layout import GeometryMismatch, dtype_from_name, dtype_nam
 from worker_svc.cache_watch import EXIT_CACHE_LOST, CacheHostWatcher
 from worker_svc.devices import resolve_device, resolve_dtype
 from worker_svc.geometry import PoolConfig, check_against_host, host_geometry, known_values
-from pagedkv.grpc_server import RunningServer, start_server, stop_event_on_signals
 from worker_svc.model.config import ModelConfig, load_model_config
 from worker_svc.peers import StopRequested, forget_stale_prefixes, wait_for_block_manager, wait_for_cache_host
 from worker_svc.reattach import reattach
-from worker_svc.servicer import SERVICE_NAME as WORKER_SERVICE, WorkerServicer
+from worker_svc.servicer import SERVICE_NAME as WORKER_SERVICE
+from worker_svc.servicer import WorkerServicer
 from worker_svc.settings import CacheHostSettings, WorkerSettings
 from worker_svc.shared_weights import SharedWeights, WeightsDescriptor
 
@@ -63,8 +64,12 @@ EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2  # and EXIT_CACHE_LOST = 3 (cache_wa
 CONFIG_ERRORS = (GeometryMismatch, ValueError, FileNotFoundError, ConnectionError, TimeoutError, TokenError)
 
 
-def _pool(settings: CacheHostSettings | WorkerSettings, timeout_s: float, dialer: Dialer,
-          stop: threading.Event | None = None) -> PoolConfig | None:
+def _pool(
+    settings: CacheHostSettings | WorkerSettings,
+    timeout_s: float,
+    dialer: Dialer,
+    stop: threading.Event | None = None,
+) -> PoolConfig | None:
     """The block manager's geometry, waited for (a log line per attempt; the error names the address)."""
     if not settings.block_manager:
         return None
@@ -89,22 +94,32 @@ def run_cache_host(settings: CacheHostSettings) -> int:
         dtype = resolve_dtype(settings.dtype, device)
         model_cfg = load_model_config(settings.model)
         stop = stop_event_on_signals()
-        geometry = host_geometry(settings, model_cfg,
-                                 _pool(settings, settings.connect_timeout_s, Dialer.from_settings(settings), stop))
+        geometry = host_geometry(
+            settings,
+            model_cfg,
+            _pool(settings, settings.connect_timeout_s, Dialer.from_settings(settings), stop),
+        )
     except (StopRequested, *CONFIG_ERRORS) as e:
         return _start_refused(e)
     cache = cache_memory.create(geometry, dtype, device, settings.shm_prefix)
     owner = CacheOwner(cache)
     if settings.block_manager:  # before serving: nothing can attach and run on the manager's stale prefixes
-        forget_stale_prefixes(settings.block_manager, cache.descriptor.instance_id, 10.0,
-                              Dialer.from_settings(settings))
+        forget_stale_prefixes(
+            settings.block_manager, cache.descriptor.instance_id, 10.0, Dialer.from_settings(settings)
+        )
     try:
         weights = _share_weights(settings, model_cfg, dtype, device)
         if weights is not None:
             owner.also_close(weights)
-        running = serve_cache(cache, model_cfg.name, settings.host, settings.port,
-                              weights=weights.descriptor if weights is not None else None, **_tls(settings),
-                              auth_tokens_file=settings.auth_tokens_file)
+        running = serve_cache(
+            cache,
+            model_cfg.name,
+            settings.host,
+            settings.port,
+            weights=weights.descriptor if weights is not None else None,
+            **_tls(settings),
+            auth_tokens_file=settings.auth_tokens_file,
+        )
         desc = cache.descriptor
         log.info(
             "cache_host_ready",
@@ -151,12 +166,16 @@ def _share_weights(
     )
     del tensors
     if device.type == "cuda":
-        torch.cuda.empty_cache()  # the loading copies, else kept by torch's caching allocator: one copy per device
+        # The loading copies, else kept by torch's caching allocator: one copy per device.
+        torch.cuda.empty_cache()
     return shared
 
 
 def _model_for_worker(
-    settings: WorkerSettings, model_cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+    settings: WorkerSettings,
+    model_cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
     host_weights: WeightsDescriptor | None,
 ) -> tuple[Model, SharedWeights | None]:
     """The cache host's shared weights when there are some (and --weights allows), else a private load.
@@ -220,7 +239,8 @@ class WorkerProcess:
 
 
 def start_worker(
-    settings: WorkerSettings, stop: threading.Event | None = None,
+    settings: WorkerSettings,
+    stop: threading.Event | None = None,
     local_cache: cache_memory.SharedCache | None = None,
 ) -> WorkerProcess:
     """Everything up to SERVING. Raises GeometryMismatch / ValueError / TimeoutError on bad config.
@@ -240,7 +260,9 @@ def start_worker(
     desc = descriptor_from_proto(info)
     check_against_host(known, desc.geometry, f"the cache host at {settings.cache_host}")
     if settings.dtype != "auto" and settings.dtype != desc.dtype:
-        raise GeometryMismatch(f"cache dtype mismatch: settings have {settings.dtype}, the cache host has {desc.dtype}")
+        raise GeometryMismatch(
+            f"cache dtype mismatch: settings have {settings.dtype}, the cache host has {desc.dtype}"
+        )
     dtype = dtype_from_name(desc.dtype)
     if local_cache is not None:
         cache = cache_memory.borrow(local_cache, desc, device)
@@ -254,12 +276,20 @@ def start_worker(
         from kernels import cpu_native
 
         winfo = worker_pb2.WorkerInfo(
-            model_name=model_cfg.name, vocab_size=model_cfg.vocab_size, num_layers=model_cfg.num_layers,
-            num_heads=model_cfg.num_heads, num_kv_heads=model_cfg.num_kv_heads, head_dim=model_cfg.head_dim,
-            hidden_size=model_cfg.hidden_size, dtype=dtype_name(dtype), device=str(device),
-            geometry=geometry_to_proto(desc.geometry), cache_instance_id=desc.instance_id,
+            model_name=model_cfg.name,
+            vocab_size=model_cfg.vocab_size,
+            num_layers=model_cfg.num_layers,
+            num_heads=model_cfg.num_heads,
+            num_kv_heads=model_cfg.num_kv_heads,
+            head_dim=model_cfg.head_dim,
+            hidden_size=model_cfg.hidden_size,
+            dtype=dtype_name(dtype),
+            device=str(device),
+            geometry=geometry_to_proto(desc.geometry),
+            cache_instance_id=desc.instance_id,
             kernel_backend=kernels.backend_for(cache.gpu, settings.kernel_backend),
-            role=ROLES[settings.role], shared_weights=weights is not None,
+            role=ROLES[settings.role],
+            shared_weights=weights is not None,
             cpu_kernel_path=cpu_native.kernel_path() if device.type == "cpu" else "",
         )
         servicer = WorkerServicer(runner, winfo)
@@ -302,8 +332,14 @@ def start_worker(
     return proc
 
 
-def _watch_cache_host(proc: WorkerProcess, settings: WorkerSettings, instance_id: str, dialer: Dialer,
-                      device: torch.device, model_cfg: ModelConfig) -> None:
+def _watch_cache_host(
+    proc: WorkerProcess,
+    settings: WorkerSettings,
+    instance_id: str,
+    dialer: Dialer,
+    device: torch.device,
+    model_cfg: ModelConfig,
+) -> None:
     """Start the cache host watcher (cache_watch.py); a lost host turns the Worker service's health
     NOT_SERVING, a new instance at the same address is re-attached (reattach.py) and it turns
     SERVING again. The overall health ("") stays SERVING: the process is alive and recovering, so a
@@ -322,16 +358,27 @@ def _watch_cache_host(proc: WorkerProcess, settings: WorkerSettings, instance_id
         from worker_svc.model_runner import ModelRunner
 
         try:
-            reattach(proc, info, device,
-                     model_for=lambda dtype, host_weights: _model_for_worker(settings, model_cfg, dtype, device,
-                                                                             host_weights),
-                     runner_for=lambda model, cache: ModelRunner(model, cache.gpu, cache.cpu,
-                                                                 kernel_backend=settings.kernel_backend),
-                     lock=proc.attach_lock)
+            reattach(
+                proc,
+                info,
+                device,
+                model_for=lambda dtype, host_weights: _model_for_worker(
+                    settings, model_cfg, dtype, device, host_weights
+                ),
+                runner_for=lambda model, cache: ModelRunner(
+                    model, cache.gpu, cache.cpu, kernel_backend=settings.kernel_backend
+                ),
+                lock=proc.attach_lock,
+            )
         except Exception as e:  # noqa: BLE001 - e.g. another geometry, or its memory not visible here
-            log.error("cache_host_reattach_failed", cache_host=settings.cache_host, new_instance_id=info.instance_id,
-                      error=f"{type(e).__name__}: {e}", exit_code=EXIT_CACHE_LOST,
-                      hint="a restarted worker attaches afresh (and reports a real mismatch at start-up)")
+            log.error(
+                "cache_host_reattach_failed",
+                cache_host=settings.cache_host,
+                new_instance_id=info.instance_id,
+                error=f"{type(e).__name__}: {e}",
+                exit_code=EXIT_CACHE_LOST,
+                hint="a restarted worker attaches afresh (and reports a real mismatch at start-up)",
+            )
             proc.reattach_failed = True
             return False
         proc.lost_at = None
@@ -342,15 +389,26 @@ def _watch_cache_host(proc: WorkerProcess, settings: WorkerSettings, instance_id
         if proc.servicer.mark_cache_lost(reason):
             proc.lost_at = time.monotonic()
             exit_in = settings.cache_lost_exit_after_s
-            log.error("cache_host_lost", cache_host=settings.cache_host, reason=reason,
-                      instance_id=instance_id, new_instance_id=new_instance_id or None,
-                      exit_code=EXIT_CACHE_LOST if exit_in > 0 else None,
-                      exit_in_s=exit_in if exit_in > 0 else None,
-                      action="KV must be re-prefilled after re-attaching to a new cache host")
+            log.error(
+                "cache_host_lost",
+                cache_host=settings.cache_host,
+                reason=reason,
+                instance_id=instance_id,
+                new_instance_id=new_instance_id or None,
+                exit_code=EXIT_CACHE_LOST if exit_in > 0 else None,
+                exit_in_s=exit_in if exit_in > 0 else None,
+                action="KV must be re-prefilled after re-attaching to a new cache host",
+            )
 
-    proc.watcher = CacheHostWatcher(settings.cache_host, instance_id, settings.cache_host_check_interval_s,
-                                    settings.cache_host_failures, on_lost, dialer,
-                                    on_replaced=on_replaced if settings.cache_host_reattach else None).start()
+    proc.watcher = CacheHostWatcher(
+        settings.cache_host,
+        instance_id,
+        settings.cache_host_check_interval_s,
+        settings.cache_host_failures,
+        on_lost,
+        dialer,
+        on_replaced=on_replaced if settings.cache_host_reattach else None,
+    ).start()
 
 
 def run_worker(settings: WorkerSettings) -> int:
@@ -369,9 +427,14 @@ def run_worker(settings: WorkerSettings) -> int:
     try:
         while not stop.wait(0.2):
             if proc.reattach_failed or (
-                    proc.lost_at is not None and grace > 0 and time.monotonic() - proc.lost_at >= grace):
-                log.error("exiting_after_cache_host_lost", exit_code=EXIT_CACHE_LOST, grace_s=grace,
-                          hint="no new cache host was attached in time: restart this worker once one runs")
+                proc.lost_at is not None and grace > 0 and time.monotonic() - proc.lost_at >= grace
+            ):
+                log.error(
+                    "exiting_after_cache_host_lost",
+                    exit_code=EXIT_CACHE_LOST,
+                    grace_s=grace,
+                    hint="no new cache host was attached in time: restart this worker once one runs",
+                )
                 code = EXIT_CACHE_LOST
                 break
         log.info("shutting_down")
@@ -381,8 +444,16 @@ def run_worker(settings: WorkerSettings) -> int:
     return code
 
 
+class _TlsArgs(TypedDict):
+    tls_cert: str
+    tls_key: str
+    tls_client_ca: str
+    allow_insecure: bool
 
 
-def _tls(settings: object) -> dict[str, object]:
+def _tls(settings: object) -> _TlsArgs:
     """The TLS keyword arguments of pagedkv.grpc_server.start_server from a role's settings."""
-    return {k: getattr(settings, k) for k in ("tls_cert", "tls_key", "tls_client_ca", "allow_insecure")}
+    return cast(
+        _TlsArgs,
+        {k: getattr(settings, k) for k in ("tls_cert", "tls_key", "tls_client_ca", "allow_insecure")},
+    )

@@ -100,14 +100,25 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self, request: worker_pb2.WorkerStepRequest, context: grpc.ServicerContext
     ) -> worker_pb2.WorkerStepResponse:
         if self._lost_message is not None:
-            errors.abort(context, grpc.StatusCode.FAILED_PRECONDITION, self._lost_message, errors.CACHE_HOST_LOST,
-                         cache_instance_id=self._info.cache_instance_id)
+            errors.abort(
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                self._lost_message,
+                errors.CACHE_HOST_LOST,
+                cache_instance_id=self._info.cache_instance_id,
+            )
         want = request.cache_instance_id
         if want and want != self._info.cache_instance_id:
-            errors.abort(context, grpc.StatusCode.FAILED_PRECONDITION, lost_message(
-                f"the step expects cache host instance {want}, but this worker is attached to instance "
-                f"{self._info.cache_instance_id} (the cache host was replaced)"), errors.CACHE_HOST_LOST,
-                cache_instance_id=self._info.cache_instance_id)
+            errors.abort(
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                lost_message(
+                    f"the step expects cache host instance {want}, but this worker is attached to instance "
+                    f"{self._info.cache_instance_id} (the cache host was replaced)"
+                ),
+                errors.CACHE_HOST_LOST,
+                cache_instance_id=self._info.cache_instance_id,
+            )
         seqs = [sequence_from_proto(s) for s in request.sequences]
         ops = ops_from_proto(request.ops)
         try:
@@ -134,10 +145,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     token_id=o.token_id,
                     logprob=o.logprob,
                     logits=o.logits.tolist() if o.logits is not None else [],
-                    fork_samples=[worker_pb2.Sample(token_id=d.token_id, logprob=d.logprob,
-                                                    top_token_ids=[t for t, _ in d.top],
-                                                    top_logprobs=[lp for _, lp in d.top])
-                                  for d in o.fork_samples],
+                    fork_samples=[
+                        worker_pb2.Sample(
+                            token_id=d.token_id,
+                            logprob=d.logprob,
+                            top_token_ids=[t for t, _ in d.top],
+                            top_logprobs=[lp for _, lp in d.top],
+                        )
+                        for d in o.fork_samples
+                    ],
                     top_token_ids=[t for t, _ in o.top],
                     top_logprobs=[lp for _, lp in o.top],
                 )

@@ -37,13 +37,19 @@ class _Common(BaseSettings):
     num_cpu_blocks: int = Field(0, ge=0, description="blocks in the host swap pool (0 = none)")
     # Model geometry: from --model (a directory's config.json or a GGUF file's metadata), else the
     # built-in tiny default model.
-    model: str | None = Field(None, description="Hugging Face model directory (config.json + safetensors) or GGUF file")
+    model: str | None = Field(
+        None, description="Hugging Face model directory (config.json + safetensors) or GGUF file"
+    )
     num_layers: int | None = Field(None, ge=1, description="override/check the model's layer count")
     dtype: DType = Field("auto", description="cache/model dtype; auto = float32 on CPU, bfloat16 on CUDA")
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
-    block_manager: str | None = Field(None, description="host:port of the block manager to read geometry from")
+    block_manager: str | None = Field(
+        None, description="host:port of the block manager to read geometry from"
+    )
     connect_timeout_s: float = Field(
-        120.0, ge=0, description="how long to wait for the block manager (and a worker's cache host); 0 = forever"
+        120.0,
+        ge=0,
+        description="how long to wait for the block manager (and a worker's cache host); 0 = forever",
     )
     log_format: LogFormat = Field("console", description="structlog renderer: console (key=value) or json")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log threshold")
@@ -52,22 +58,33 @@ class _Common(BaseSettings):
     tls_cert: str = Field("", description="server certificate chain (PEM); with tls_key: serve TLS")
     tls_key: str = Field("", description="server private key (PEM)")
     tls_client_ca: str = Field("", description="CA bundle for client certificates: mutual TLS")
-    allow_insecure: bool = Field(False, description="allow plaintext gRPC on a non-loopback address, and "
-                                 "sending --token-file's token without --tls-ca (trusted networks only)")
+    allow_insecure: bool = Field(
+        False,
+        description="allow plaintext gRPC on a non-loopback address, and "
+        "sending --token-file's token without --tls-ca (trusted networks only)",
+    )
     # Bearer tokens for this role's API (pagedkv/auth.py's tokens file; health stays open). A worker
     # runs steps on any block table it is given, so whoever may call it can read any KV in the cache:
     # only the frontend should hold a worker token. The cache host's descriptor names the memory.
     auth_tokens_file: str = Field(
-        "", description="tokens file (SHA-256 hashes) whose tokens may call this role's API; empty = no tokens"
+        "",
+        description="tokens file (SHA-256 hashes) whose tokens may call this role's API; empty = no tokens",
     )
     # How this role dials others (cache host -> block manager; worker -> cache host and block
     # manager): pagedkv/dial.py. Same PAGEDKV_* names as the frontend's commands.
-    tls_ca: str = Field("", description="CA bundle (PEM) verifying the servers this role dials: TLS on its connections")
+    tls_ca: str = Field(
+        "", description="CA bundle (PEM) verifying the servers this role dials: TLS on its connections"
+    )
     tls_client_cert: str = Field("", description="client certificate (PEM) this role presents: mutual TLS")
     tls_client_key: str = Field("", description="private key (PEM) of --tls-client-cert")
-    token_file: str = Field("", description="file holding the bearer token this role sends (else PAGEDKV_TOKEN)")
-    token: SecretStr = Field(SecretStr(""), description="bearer token this role sends (environment only)",
-                             json_schema_extra={"flag": False})
+    token_file: str = Field(
+        "", description="file holding the bearer token this role sends (else PAGEDKV_TOKEN)"
+    )
+    token: SecretStr = Field(
+        SecretStr(""),
+        description="bearer token this role sends (environment only)",
+        json_schema_extra={"flag": False},
+    )
 
     @field_validator("device")
     @classmethod
@@ -87,7 +104,9 @@ class CacheHostSettings(_Common):
     share_weights: bool = Field(
         True, description="load the model's weights once and export them to workers beside the KV cache"
     )
-    seed: int = Field(0, description="seed of the built-in default model's random weights (with share_weights)")
+    seed: int = Field(
+        0, description="seed of the built-in default model's random weights (with share_weights)"
+    )
 
 
 class WorkerSettings(_Common):
@@ -106,6 +125,7 @@ class WorkerSettings(_Common):
         if v:
             parse_cpus(v)
         return v
+
     kernel_backend: Literal["auto", "reference", "triton", "cpu"] | None = Field(
         None, description="force the kernel backend (else PAGEDKV_KERNEL_BACKEND / auto)"
     )
@@ -133,10 +153,13 @@ class WorkerSettings(_Common):
         2, ge=1, description="consecutive failed checks after which the cache host counts as gone"
     )
     cache_lost_exit_after_s: float = Field(
-        30.0, ge=0, description="after a lost cache host, exit with code 3 when no new one was attached within this "
-        "grace (0 = stay up, NOT_SERVING)"
+        30.0,
+        ge=0,
+        description="after a lost cache host, exit with code 3 when no new one was attached within this "
+        "grace (0 = stay up, NOT_SERVING)",
     )
     cache_host_reattach: bool = Field(
-        True, description="re-attach by itself to a new cache host instance at the same address (a restarted host); "
-        "when that fails, exit with code 3 at once"
+        True,
+        description="re-attach by itself to a new cache host instance at the same address "
+        "(a restarted host); when that fails, exit with code 3 at once",
     )

@@ -81,7 +81,9 @@ def _layout(tensors: dict[str, torch.Tensor]) -> tuple[list[WeightEntry], int]:
     return entries, max(offset, 1)
 
 
-def _views(flat: torch.Tensor, entries: tuple[WeightEntry, ...] | list[WeightEntry]) -> dict[str, torch.Tensor]:
+def _views(
+    flat: torch.Tensor, entries: tuple[WeightEntry, ...] | list[WeightEntry]
+) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for e in entries:
         if e.alias_of:
@@ -108,14 +110,23 @@ def pack(
             resources.append(exp)
             flat = exp.tensor
             region = TensorDescriptor(
-                backend=BACKEND_CUDA_IPC, shape=(nbytes,), dtype="uint8", ipc_handle=exp.handle,
-                offset=exp.offset, size=exp.size, device_index=exp.device_index,
+                backend=BACKEND_CUDA_IPC,
+                shape=(nbytes,),
+                dtype="uint8",
+                ipc_handle=exp.handle,
+                offset=exp.offset,
+                size=exp.size,
+                device_index=exp.device_index,
             )
         else:
-            seg = shm_backend.create(shm_backend.new_segment_name(shm_prefix, "weights"), (nbytes,), torch.uint8)
+            seg = shm_backend.create(
+                shm_backend.new_segment_name(shm_prefix, "weights"), (nbytes,), torch.uint8
+            )
             resources.append(seg)
             flat = seg.tensor
-            region = TensorDescriptor(backend=BACKEND_SHM, shape=(nbytes,), dtype="uint8", shm_name=seg.name, size=nbytes)
+            region = TensorDescriptor(
+                backend=BACKEND_SHM, shape=(nbytes,), dtype="uint8", shm_name=seg.name, size=nbytes
+            )
         assert flat is not None
         views = _views(flat, entries)
         for e in entries:
@@ -131,7 +142,9 @@ def pack(
         for r in reversed(resources):
             r.close()
         raise
-    return SharedWeights(WeightsDescriptor(region=region, tensors=tuple(entries), source=source), views, resources)
+    return SharedWeights(
+        WeightsDescriptor(region=region, tensors=tuple(entries), source=source), views, resources
+    )
 
 
 # ------------------------------------------------------------------------------ the worker side
@@ -145,7 +158,9 @@ def bind(
     have = {e.name: e for e in desc.tensors}
     if set(shapes) != set(have):
         diff = sorted(set(shapes) ^ set(have))
-        raise ValueError(f"the cache host's shared weights do not fit this model: tensors differ, e.g. {diff[:3]}")
+        raise ValueError(
+            f"the cache host's shared weights do not fit this model: tensors differ, e.g. {diff[:3]}"
+        )
     for n, shape in shapes.items():
         e = have[n]
         if tuple(shape) != e.shape or dtype_name(dtype) != e.dtype:
@@ -158,7 +173,9 @@ def bind(
     try:
         if r.backend == BACKEND_CUDA_IPC:
             if device.type != "cuda":
-                raise ValueError(f"the cache host shares its weights on CUDA but this worker runs on {device}")
+                raise ValueError(
+                    f"the cache host shares its weights on CUDA but this worker runs on {device}"
+                )
             from worker_svc import cuda_ipc_backend
 
             imp = cuda_ipc_backend.attach(r.ipc_handle, r.offset, r.size, r.shape, torch.uint8, device)
@@ -166,7 +183,9 @@ def bind(
             flat = imp.tensor
         else:
             if device.type != "cpu":
-                raise ValueError(f"the cache host shares its weights in host memory but this worker runs on {device}")
+                raise ValueError(
+                    f"the cache host shares its weights in host memory but this worker runs on {device}"
+                )
             seg = shm_backend.attach(r.shm_name, r.shape, torch.uint8)
             resources.append(seg)
             flat = seg.tensor

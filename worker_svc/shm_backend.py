@@ -78,7 +78,9 @@ def create(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> ShmTensor:
     nbytes = numel(shape) * torch.empty((), dtype=dtype).element_size()
     shm = shared_memory.SharedMemory(name=name, create=True, size=max(nbytes, 1))
     _CREATED_HERE.add(name)
-    return ShmTensor(name=name, shape=shape, dtype=dtype, owner=True, _shm=shm, tensor=_tensor_on(shm, shape, dtype))
+    return ShmTensor(
+        name=name, shape=shape, dtype=dtype, owner=True, _shm=shm, tensor=_tensor_on(shm, shape, dtype)
+    )
 
 
 def attach(name: str, shape: tuple[int, ...], dtype: torch.dtype | str) -> ShmTensor:
@@ -90,5 +92,14 @@ def attach(name: str, shape: tuple[int, ...], dtype: torch.dtype | str) -> ShmTe
     need = numel(shape) * torch.empty((), dtype=dt).element_size()
     if shm.size < need:
         shm.close()
-        raise ValueError(f"shared memory {name!r} has {shm.size} bytes, the {dtype_name(dt)} {shape} cache needs {need}")
-    return ShmTensor(name=name, shape=tuple(shape), dtype=dt, owner=False, _shm=shm, tensor=_tensor_on(shm, tuple(shape), dt))
+        raise ValueError(
+            f"shared memory {name!r} has {shm.size} bytes, the {dtype_name(dt)} {shape} cache needs {need}"
+        )
+    return ShmTensor(
+        name=name,
+        shape=tuple(shape),
+        dtype=dt,
+        owner=False,
+        _shm=shm,
+        tensor=_tensor_on(shm, tuple(shape), dt),
+    )

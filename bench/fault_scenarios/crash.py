@@ -14,29 +14,69 @@ from typing import Any
 
 import grpc
 
+from bench.fault_scenarios.processes import FAULTS_PY, ROOT, ServerProcess, free_port, policy_flags
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
-from bench.fault_scenarios.processes import FAULTS_PY, ROOT, ServerProcess, free_port, policy_flags
 
 
-def run_crash(kills: int = 20, clients: int = 3, fsync: str = "always", gap_s: tuple[float, float] = (0.15, 0.5),
-              num_gpu_blocks: int = 512, block_size: int = 16, seed: int = 0,
-              workdir: Path | None = None) -> dict[str, Any]:
+def run_crash(
+    kills: int = 20,
+    clients: int = 3,
+    fsync: str = "always",
+    gap_s: tuple[float, float] = (0.15, 0.5),
+    num_gpu_blocks: int = 512,
+    block_size: int = 16,
+    seed: int = 0,
+    workdir: Path | None = None,
+) -> dict[str, Any]:
     rng = random.Random(seed)
     tmp = Path(workdir or tempfile.mkdtemp(prefix="pagedkv-crash-"))
     state = tmp / "state"
     port = free_port()
-    server = ServerProcess(port, ["--state-dir", str(state), "--fsync", fsync, "--num-gpu-blocks",
-                                  str(num_gpu_blocks), "--block-size", str(block_size),
-                                  "--snapshot-every-ops", "2000", *policy_flags()], tmp / "server.log")
+    server = ServerProcess(
+        port,
+        [
+            "--state-dir",
+            str(state),
+            "--fsync",
+            fsync,
+            "--num-gpu-blocks",
+            str(num_gpu_blocks),
+            "--block-size",
+            str(block_size),
+            "--snapshot-every-ops",
+            "2000",
+            *policy_flags(),
+        ],
+        tmp / "server.log",
+    )
     server.start()
     stop = tmp / "stop"
     procs = []
     for i in range(clients):
-        procs.append(subprocess.Popen(
-            [sys.executable, str(FAULTS_PY), "client", "--port", str(port), "--name", f"c{i}", "--block-size",
-             str(block_size), "--seed", str(seed * 100 + i), "--stop-file", str(stop), "--out",
-             str(tmp / f"c{i}.json"), "--free-all"], cwd=ROOT))
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    str(FAULTS_PY),
+                    "client",
+                    "--port",
+                    str(port),
+                    "--name",
+                    f"c{i}",
+                    "--block-size",
+                    str(block_size),
+                    "--seed",
+                    str(seed * 100 + i),
+                    "--stop-file",
+                    str(stop),
+                    "--out",
+                    str(tmp / f"c{i}.json"),
+                    "--free-all",
+                ],
+                cwd=ROOT,
+            )
+        )
     restart_s = []
     t_start = time.perf_counter()
     try:

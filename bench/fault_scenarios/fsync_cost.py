@@ -19,9 +19,13 @@ def run_fsync_cost(ops: int = 2000, threads: int = 8) -> list[dict[str, Any]]:
     from block_manager_svc.settings import BlockManagerSettings
 
     rows = []
-    for label, extra in (("memory (no --state-dir)", {}), ("memory + request_id", {"_rid": True}),
-                         ("--fsync off", {"fsync": "off"}), ("--fsync batch (5 ms)", {"fsync": "batch"}),
-                         ("--fsync always", {"fsync": "always"})):
+    for label, extra in (
+        ("memory (no --state-dir)", {}),
+        ("memory + request_id", {"_rid": True}),
+        ("--fsync off", {"fsync": "off"}),
+        ("--fsync batch (5 ms)", {"fsync": "batch"}),
+        ("--fsync always", {"fsync": "always"}),
+    ):
         use_rid = bool(extra.pop("_rid", False))
         tmp = tempfile.mkdtemp(prefix="pagedkv-fsync-")
         kw: dict[str, Any] = {"port": 0, "num_gpu_blocks": 65536, "block_size": 16, "log_level": "warning"}
@@ -54,11 +58,16 @@ def run_fsync_cost(ops: int = 2000, threads: int = 8) -> list[dict[str, Any]]:
                     t.join()
                 wall = time.perf_counter() - t0
                 j = running.servicer.reliable.journal
-                rows.append({"mode": label, "p50_us_1": lat[len(lat) // 2] * 1e6,
-                             "p99_us_1": lat[int(len(lat) * 0.99)] * 1e6,
-                             "calls_s_concurrent": (ops // threads) * threads / wall,
-                             "fsyncs": j.num_fsyncs if j else 0,
-                             "bytes_per_op": (j.bytes_written / max(j.last_seq, 1)) if j else 0})
+                rows.append(
+                    {
+                        "mode": label,
+                        "p50_us_1": lat[len(lat) // 2] * 1e6,
+                        "p99_us_1": lat[int(len(lat) * 0.99)] * 1e6,
+                        "calls_s_concurrent": (ops // threads) * threads / wall,
+                        "fsyncs": j.num_fsyncs if j else 0,
+                        "bytes_per_op": (j.bytes_written / max(j.last_seq, 1)) if j else 0,
+                    }
+                )
         finally:
             running.stop(0)
             shutil.rmtree(tmp, ignore_errors=True)

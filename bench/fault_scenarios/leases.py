@@ -11,9 +11,9 @@ from typing import Any
 
 import grpc
 
+from bench.fault_scenarios.processes import FAULTS_PY, ROOT
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
-from bench.fault_scenarios.processes import FAULTS_PY, ROOT
 
 
 def vanishing_client(port: int, lease: str, n: int) -> None:
@@ -33,15 +33,39 @@ def run_leases(ttl_s: float = 1.0, sweep_s: float = 0.2, clients: int = 2, seqs:
     from block_manager_svc.server import start_server
     from block_manager_svc.settings import BlockManagerSettings
 
-    running = start_server(BlockManagerSettings(port=0, num_gpu_blocks=256, block_size=16, lease_ttl_s=ttl_s,
-                                                lease_sweep_interval_s=sweep_s, log_level="warning"))
+    running = start_server(
+        BlockManagerSettings(
+            port=0,
+            num_gpu_blocks=256,
+            block_size=16,
+            lease_ttl_s=ttl_s,
+            lease_sweep_interval_s=sweep_s,
+            log_level="warning",
+        )
+    )
     try:
         with grpc.insecure_channel(f"127.0.0.1:{running.port}") as ch:
             stub = pb_grpc.BlockManagerStub(ch)
             stub.Allocate(pb.AllocateRequest(seq_id="unleased", num_tokens=40))
-            procs = [subprocess.Popen([sys.executable, str(FAULTS_PY), "vanish", "--port", str(running.port),
-                                       "--lease", f"L{i}", "--n", str(seqs)], cwd=ROOT, stdout=subprocess.PIPE,
-                                      text=True) for i in range(clients)]
+            procs = [
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        str(FAULTS_PY),
+                        "vanish",
+                        "--port",
+                        str(running.port),
+                        "--lease",
+                        f"L{i}",
+                        "--n",
+                        str(seqs),
+                    ],
+                    cwd=ROOT,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+                for i in range(clients)
+            ]
             for pr in procs:
                 assert pr.stdout is not None and pr.stdout.readline().strip() == "ready"
             time.sleep(ttl_s * 1.5)  # renewals keep them alive past one TTL
@@ -59,7 +83,8 @@ def run_leases(ttl_s: float = 1.0, sweep_s: float = 0.2, clients: int = 2, seqs:
                 time.sleep(0.02)
             reclaim = time.monotonic() - t_kill
             return {
-                "ttl_s": ttl_s, "sweep_s": sweep_s,
+                "ttl_s": ttl_s,
+                "sweep_s": sweep_s,
                 "sequences_while_alive": alive.num_sequences,
                 "sequences_after": s.num_sequences,
                 "used_blocks_after": s.num_used_blocks,

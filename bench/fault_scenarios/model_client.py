@@ -14,9 +14,9 @@ from typing import Any
 
 import grpc
 
+from bench.fault_scenarios.processes import TRANSIENT
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
-from bench.fault_scenarios.processes import TRANSIENT
 
 
 class ModelClient:
@@ -25,8 +25,17 @@ class ModelClient:
     each outage, every table against its own model. A lost acknowledged operation shows up
     as a mismatch (or an unexpected NOT_FOUND)."""
 
-    def __init__(self, stub: Any, name: str, block_size: int, seed: int, max_live: int = 12,
-                 call_timeout: float = 2.0, give_up_s: float = 60.0, sleep: Callable[[float], None] = time.sleep):
+    def __init__(
+        self,
+        stub: Any,
+        name: str,
+        block_size: int,
+        seed: int,
+        max_live: int = 12,
+        call_timeout: float = 2.0,
+        give_up_s: float = 60.0,
+        sleep: Callable[[float], None] = time.sleep,
+    ):
         self.stub = stub
         self.name = name
         self.bs = block_size
@@ -74,8 +83,10 @@ class ModelClient:
                 if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     self.rejected += 1
                     return None
-                self.problems.append(f"{method} {request.request_id if hasattr(request, 'request_id') else ''}: "
-                                     f"{code.name} {e.details()}")
+                self.problems.append(
+                    f"{method} {request.request_id if hasattr(request, 'request_id') else ''}: "
+                    f"{code.name} {e.details()}"
+                )
                 return None
 
     def _expect_blocks(self, seq: str) -> None:
@@ -102,8 +113,10 @@ class ModelClient:
             n = rng.randint(1, 6 * self.bs)
             prefix = rng.randrange(4)
             tokens = [(prefix * 1000 + i) if i < 2 * self.bs else rng.randrange(50_000) for i in range(n)]
-            resp = self.call("Allocate", pb.AllocateRequest(seq_id=seq, num_tokens=n, token_ids=tokens,
-                                                            request_id=self._rid()))
+            resp = self.call(
+                "Allocate",
+                pb.AllocateRequest(seq_id=seq, num_tokens=n, token_ids=tokens, request_id=self._rid()),
+            )
             if resp is not None:
                 self.tables[seq] = list(resp.block_ids)
                 self.tokens[seq] = n
@@ -112,21 +125,30 @@ class ModelClient:
         elif r < 0.60:
             seq = rng.choice(live)
             k = rng.choice((1, 1, 1, 2, self.bs))
-            resp = self.call("Append", pb.AppendRequest(seq_id=seq, num_tokens=k,
-                                                        token_ids=[rng.randrange(50_000) for _ in range(k)],
-                                                        request_id=self._rid()))
+            resp = self.call(
+                "Append",
+                pb.AppendRequest(
+                    seq_id=seq,
+                    num_tokens=k,
+                    token_ids=[rng.randrange(50_000) for _ in range(k)],
+                    request_id=self._rid(),
+                ),
+            )
             if resp is not None:
                 self.acked += 1
                 self._apply_append(seq, k, list(resp.new_block_ids), resp.replaced_last_block)
         elif r < 0.70 and len(live) < self.max_live:
             parent = rng.choice(live)
             child = f"{self.name}-s{self.n}"
-            resp = self.call("Fork", pb.ForkRequest(parent_seq_id=parent, child_seq_id=child,
-                                                    request_id=self._rid()))
+            resp = self.call(
+                "Fork", pb.ForkRequest(parent_seq_id=parent, child_seq_id=child, request_id=self._rid())
+            )
             if resp is not None:
                 self.acked += 1
                 if list(resp.block_ids) != self.tables[parent]:
-                    self.problems.append(f"fork {child}: {list(resp.block_ids)} != parent {self.tables[parent]}")
+                    self.problems.append(
+                        f"fork {child}: {list(resp.block_ids)} != parent {self.tables[parent]}"
+                    )
                 self.tables[child] = list(resp.block_ids)
                 self.tokens[child] = self.tokens[parent]
         elif r < 0.88:
@@ -140,19 +162,22 @@ class ModelClient:
             seqs = rng.sample(live, min(len(live), 4))
             frees = [s for s in seqs[:1] if rng.random() < 0.3]
             appends = [s for s in seqs if s not in frees]
-            resp = self.call("Step", pb.StepRequest(append_seq_ids=appends, free_seq_ids=frees,
-                                                    request_id=self._rid()))
+            resp = self.call(
+                "Step", pb.StepRequest(append_seq_ids=appends, free_seq_ids=frees, request_id=self._rid())
+            )
             if resp is not None:
                 self.acked += 1
                 errs = {(e.kind, e.index): e for e in resp.errors}
                 for j, s in enumerate(frees):
                     if (pb.StepItemError.PACKED_FREE, j) in errs:
-                        self.problems.append(f"step free {s}: {errs[(pb.StepItemError.PACKED_FREE, j)].message}")
+                        self.problems.append(
+                            f"step free {s}: {errs[(pb.StepItemError.PACKED_FREE, j)].message}"
+                        )
                     else:
                         del self.tables[s], self.tokens[s]
                         self.freed.append(s)
                 per: dict[int, list[int]] = {}
-                for i, b in zip(resp.packed_new_block_index, resp.packed_new_block_ids):
+                for i, b in zip(resp.packed_new_block_index, resp.packed_new_block_ids, strict=False):
                     per.setdefault(i, []).append(b)
                 replaced = set(resp.packed_replaced_index)
                 for i, s in enumerate(appends):
@@ -175,8 +200,10 @@ class ModelClient:
             if bt is None:
                 self.problems.append(f"verify {seq}: missing")
             elif list(bt.block_ids) != table or bt.num_tokens != self.tokens[seq]:
-                self.problems.append(f"verify {seq}: server {list(bt.block_ids)}/{bt.num_tokens} "
-                                     f"!= model {table}/{self.tokens[seq]}")
+                self.problems.append(
+                    f"verify {seq}: server {list(bt.block_ids)}/{bt.num_tokens} "
+                    f"!= model {table}/{self.tokens[seq]}"
+                )
         give_up = time.monotonic() + self.give_up_s
         for seq in self.freed[-5:]:
             while True:
@@ -198,10 +225,17 @@ class ModelClient:
                 del self.tables[seq], self.tokens[seq]
 
     def result(self) -> dict[str, Any]:
-        return {"name": self.name, "acked": self.acked, "rejected": self.rejected, "outages": self.outages,
-                "retried_calls": self.retried_calls, "verifications": self.verifications,
-                "problems": self.problems[:20], "num_problems": len(self.problems),
-                "live": {s: t for s, t in self.tables.items()}}
+        return {
+            "name": self.name,
+            "acked": self.acked,
+            "rejected": self.rejected,
+            "outages": self.outages,
+            "retried_calls": self.retried_calls,
+            "verifications": self.verifications,
+            "problems": self.problems[:20],
+            "num_problems": len(self.problems),
+            "live": {s: t for s, t in self.tables.items()},
+        }
 
 
 def client_main(argv: list[str]) -> int:
@@ -214,8 +248,11 @@ def client_main(argv: list[str]) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--free-all", action="store_true")
     a = p.parse_args(argv)
-    opts = [("grpc.initial_reconnect_backoff_ms", 20), ("grpc.min_reconnect_backoff_ms", 20),
-            ("grpc.max_reconnect_backoff_ms", 100)]
+    opts = [
+        ("grpc.initial_reconnect_backoff_ms", 20),
+        ("grpc.min_reconnect_backoff_ms", 20),
+        ("grpc.max_reconnect_backoff_ms", 100),
+    ]
     with grpc.insecure_channel(f"127.0.0.1:{a.port}", options=opts) as ch:
         c = ModelClient(pb_grpc.BlockManagerStub(ch), a.name, a.block_size, a.seed)
         stop = Path(a.stop_file)

@@ -48,13 +48,30 @@ class ServerProcess:
         t0 = time.perf_counter()
         with open(self.log_path, "a") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "pagedkv.cli", "block-manager", "--port", str(self.port),
-                 "--log-format", "json", *self.args],
-                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                [
+                    sys.executable,
+                    "-m",
+                    "pagedkv.cli",
+                    "block-manager",
+                    "--port",
+                    str(self.port),
+                    "--log-format",
+                    "json",
+                    *self.args,
+                ],
+                cwd=ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
             )
         self.starts += 1
-        wait_healthy(f"127.0.0.1:{self.port}", "pagedkv.v1.BlockManager", 30.0, proc=self.proc, interval_s=0.01,
-                     name="block manager")
+        wait_healthy(
+            f"127.0.0.1:{self.port}",
+            "pagedkv.v1.BlockManager",
+            30.0,
+            proc=self.proc,
+            interval_s=0.01,
+            name="block manager",
+        )
         return time.perf_counter() - t0
 
     def kill(self) -> None:

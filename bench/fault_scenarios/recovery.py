@@ -13,8 +13,8 @@ from pagedkv.v1 import block_manager_pb2 as pb
 
 
 def run_recovery(sizes: tuple[int, ...] = (1000, 10000, 50000)) -> list[dict[str, Any]]:
-    from block_manager_svc.core import CoreError  # noqa: F401
     from block_manager_svc import snapshot
+    from block_manager_svc.core import CoreError  # noqa: F401
     from block_manager_svc.journal import Journal
     from block_manager_svc.server import build_core
     from block_manager_svc.servicer import BlockManagerServicer
@@ -23,8 +23,14 @@ def run_recovery(sizes: tuple[int, ...] = (1000, 10000, 50000)) -> list[dict[str
     rows = []
     for n in sizes:
         tmp = Path(tempfile.mkdtemp(prefix="pagedkv-recovery-"))
-        settings = BlockManagerSettings(num_gpu_blocks=65536, block_size=16, state_dir=str(tmp), fsync="off",
-                                        snapshot_every_ops=0, snapshot_interval_s=0)
+        settings = BlockManagerSettings(
+            num_gpu_blocks=65536,
+            block_size=16,
+            state_dir=str(tmp),
+            fsync="off",
+            snapshot_every_ops=0,
+            snapshot_interval_s=0,
+        )
         s = BlockManagerServicer(build_core(settings))
         s.reliable.state_dir = tmp
         s.reliable.journal = Journal(tmp, 1, "off")
@@ -35,8 +41,12 @@ def run_recovery(sizes: tuple[int, ...] = (1000, 10000, 50000)) -> list[dict[str
             try:
                 if len(live) < 256 and (not live or rng.random() < 0.1):
                     live.append(f"s{i}")
-                    s.Allocate(pb.AllocateRequest(seq_id=live[-1], num_tokens=rng.randint(16, 1024),
-                                                  request_id=f"r{i}"), ctx)
+                    s.Allocate(
+                        pb.AllocateRequest(
+                            seq_id=live[-1], num_tokens=rng.randint(16, 1024), request_id=f"r{i}"
+                        ),
+                        ctx,
+                    )
                 elif rng.random() < 0.03:
                     s.Free(pb.FreeRequest(seq_id=live.pop(rng.randrange(len(live))), request_id=f"r{i}"), ctx)
                 else:
@@ -54,8 +64,17 @@ def run_recovery(sizes: tuple[int, ...] = (1000, 10000, 50000)) -> list[dict[str
         t0 = time.perf_counter()
         payload_len = len(snapshot.dumps(s2.reliable._state()))  # what snapshot_now does under the lock
         snap_s = time.perf_counter() - t0
-        rows.append({"records": n, "journal_mib": size / 2**20, "recovery_s": dt, "replayed": rep.replayed,
-                     "us_per_record": dt / n * 1e6, "snapshot_mib": payload_len / 2**20, "snapshot_export_s": snap_s})
+        rows.append(
+            {
+                "records": n,
+                "journal_mib": size / 2**20,
+                "recovery_s": dt,
+                "replayed": rep.replayed,
+                "us_per_record": dt / n * 1e6,
+                "snapshot_mib": payload_len / 2**20,
+                "snapshot_export_s": snap_s,
+            }
+        )
         shutil.rmtree(tmp, ignore_errors=True)
     return rows
 

@@ -10,10 +10,10 @@ from typing import Any
 
 import grpc
 
-from pagedkv.v1 import block_manager_pb2 as pb
-from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
 from bench.fault_scenarios.model_client import ModelClient
 from bench.fault_scenarios.processes import TRANSIENT
+from pagedkv.v1 import block_manager_pb2 as pb
+from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
 
 
 class _InjectedError(grpc.RpcError, grpc.Call):  # type: ignore[misc]
@@ -77,12 +77,15 @@ class FaultInjector(grpc.UnaryUnaryClientInterceptor):
         return outcome
 
 
-def run_retries(clients: int = 4, ops: int = 300, p_before: float = 0.15, p_after: float = 0.15,
-                seed: int = 0) -> dict[str, Any]:
+def run_retries(
+    clients: int = 4, ops: int = 300, p_before: float = 0.15, p_after: float = 0.15, seed: int = 0
+) -> dict[str, Any]:
     from block_manager_svc.server import start_server
     from block_manager_svc.settings import BlockManagerSettings
 
-    running = start_server(BlockManagerSettings(port=0, num_gpu_blocks=1024, block_size=16, log_level="warning"))
+    running = start_server(
+        BlockManagerSettings(port=0, num_gpu_blocks=1024, block_size=16, log_level="warning")
+    )
     try:
         target = f"127.0.0.1:{running.port}"
         inj = FaultInjector(p_before, p_after, seed, methods=("Allocate", "Append", "Fork", "Free", "Step"))

@@ -36,8 +36,13 @@ from pagedkv.ports import free_port_block
 
 # The manager without a state dir comes last: restarting it later from the state dir it left would
 # bring back sequences (and prefix-cache entries naming KV since overwritten) of an older state.
-FAULTS = ("none", "block manager SIGKILL, restart with its state dir", "cache host SIGKILL, restart",
-          "one of two workers SIGKILL", "block manager SIGKILL, restart without a state dir")
+FAULTS = (
+    "none",
+    "block manager SIGKILL, restart with its state dir",
+    "cache host SIGKILL, restart",
+    "one of two workers SIGKILL",
+    "block manager SIGKILL, restart without a state dir",
+)
 
 
 @dataclass(slots=True)
@@ -61,9 +66,17 @@ def tiny_model(path: Path, seed: int = 0) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      tie_word_embeddings=False, initializer_range=0.2)
+    cfg = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        initializer_range=0.2,
+    )
     LlamaForCausalLM(cfg).eval().save_pretrained(path)
     return path
 
@@ -99,7 +112,9 @@ class Supervisor:
                     if svc.name in self._restarting:
                         continue
                     self._restarting.add(svc.name)
-                threading.Thread(target=self._restart, args=(svc.name, svc.process.returncode), daemon=True).start()
+                threading.Thread(
+                    target=self._restart, args=(svc.name, svc.process.returncode), daemon=True
+                ).start()
 
     def _restart(self, name: str, code: int | None) -> None:
         try:
@@ -119,7 +134,9 @@ class Supervisor:
         while time.monotonic() < deadline:
             with self._lock:
                 busy = bool(self._restarting)
-            if not busy and all(s.process is not None and s.process.poll() is None for s in self.stack.services):
+            if not busy and all(
+                s.process is not None and s.process.poll() is None for s in self.stack.services
+            ):
                 return True
             time.sleep(0.1)
         return False
@@ -128,11 +145,19 @@ class Supervisor:
 def stream_completion(port: int, prompt: list[int], tokens: int, timeout_s: float = 300.0) -> dict[str, Any]:
     """One streamed completion: status, token ids, the longest gap between two tokens, error."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True}
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     out: dict[str, Any] = {"status": 0, "token_ids": [], "max_gap_s": 0.0, "error": ""}
     try:
-        conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        conn.request(
+            "POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"}
+        )
         r = conn.getresponse()
         out["status"] = r.status
         if r.status != 200:
@@ -170,7 +195,7 @@ def _inject(stack: Stack, fault: str) -> None:
         bm = _svc(stack, "block-manager")
         while "without" in fault and "--state-dir" in bm.args:  # the restart policy starts it with none
             i = bm.args.index("--state-dir")
-            del bm.args[i:i + 2]
+            del bm.args[i : i + 2]
         bm.process.send_signal(signal.SIGKILL)
     elif fault.startswith("cache host"):
         _svc(stack, "cache-host").process.send_signal(signal.SIGKILL)
@@ -178,8 +203,15 @@ def _inject(stack: Stack, fault: str) -> None:
         _svc(stack, "worker-1").process.send_signal(signal.SIGKILL)
 
 
-def run_one(stack: Stack, sup: Supervisor, fault: str, prompts: list[list[int]], tokens: int,
-            fault_after_s: float, reference: list[list[int]] | None) -> tuple[ServeFaultRow, list[list[int]]]:
+def run_one(
+    stack: Stack,
+    sup: Supervisor,
+    fault: str,
+    prompts: list[list[int]],
+    tokens: int,
+    fault_after_s: float,
+    reference: list[list[int]] | None,
+) -> tuple[ServeFaultRow, list[list[int]]]:
     port = stack.opts.serve_port
     assert port is not None
     row = ServeFaultRow(fault, len(prompts))
@@ -221,28 +253,47 @@ def run_one(stack: Stack, sup: Supervisor, fault: str, prompts: list[list[int]],
         row.leaked_blocks = row.leaked_sequences = -1
         row.errors.append(f"GetStats: {type(e).__name__}")
     later = stream_completion(port, prompts[0], min(tokens, 32))
-    row.later_request_ok = later["status"] == 200 and not later["error"] and (
-        reference is None or later["token_ids"] == reference[0][:min(tokens, 32)])
+    row.later_request_ok = (
+        later["status"] == 200
+        and not later["error"]
+        and (reference is None or later["token_ids"] == reference[0][: min(tokens, 32)])
+    )
     if not row.later_request_ok:
         row.errors.append(f"later request: HTTP {later['status']} {later['error']}")
     row.restarts = sup.restarts[restarts_before:]
     return row, [r.get("token_ids", []) for r in results]
 
 
-def run_serve_faults(tokens: int = 400, concurrency: int = 12, fault_after_s: float = 1.0,
-                     faults: tuple[str, ...] = FAULTS, log_dir: str | None = None) -> list[dict[str, Any]]:
+def run_serve_faults(
+    tokens: int = 400,
+    concurrency: int = 12,
+    fault_after_s: float = 1.0,
+    faults: tuple[str, ...] = FAULTS,
+    log_dir: str | None = None,
+) -> list[dict[str, Any]]:
     """Every fault of FAULTS (the first, "none", gives the reference tokens) on one stack."""
     work = Path(tempfile.mkdtemp(prefix="pagedkv-serve-faults-"))
     model = tiny_model(work / "tiny")  # the directory name is the served model name
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 128) for _ in range(rng.randrange(8, 48))] for _ in range(concurrency)]
     base = free_port_block(5)
-    opts = StackOptions(block_manager_port=base, cache_host_port=base + 1, worker_port=base + 2, num_workers=2,
-                        num_gpu_blocks=max(1024, concurrency * (48 + tokens) // 16 + 64), num_cpu_blocks=0,
-                        block_size=16, model=str(model), device="cpu", dtype="float32",
-                        log_dir=log_dir or str(work / "logs"), serve_port=base + 4,
-                        shm_prefix=f"pagedkv-sfb-{os.getpid()}", ready_timeout_s=180,
-                        state_dir=str(work / "bm-state"))
+    opts = StackOptions(
+        block_manager_port=base,
+        cache_host_port=base + 1,
+        worker_port=base + 2,
+        num_workers=2,
+        num_gpu_blocks=max(1024, concurrency * (48 + tokens) // 16 + 64),
+        num_cpu_blocks=0,
+        block_size=16,
+        model=str(model),
+        device="cpu",
+        dtype="float32",
+        log_dir=log_dir or str(work / "logs"),
+        serve_port=base + 4,
+        shm_prefix=f"pagedkv-sfb-{os.getpid()}",
+        ready_timeout_s=180,
+        state_dir=str(work / "bm-state"),
+    )
     stack = Stack(opts, out=open(os.devnull, "w"))  # noqa: SIM115
     rows: list[dict[str, Any]] = []
     stack.start()

@@ -151,7 +151,11 @@ class BlockPool:
 
     # --- prefix index ---------------------------------------------------------
     def register(
-        self, block: int, content_hash: bytes, parent: bytes | None = None, depth: int = 1,
+        self,
+        block: int,
+        content_hash: bytes,
+        parent: bytes | None = None,
+        depth: int = 1,
         tokens: array[int] | None = None,
     ) -> bool:
         """Make a full (referenced) block findable by its content hash.

@@ -98,9 +98,7 @@ class CoreConfig:
         if self.preemption_mode not in MODES:
             raise ValueError(f"preemption_mode must be one of {MODES}, got {self.preemption_mode!r}")
         if not 0 <= self.watermark_blocks < self.num_gpu_blocks:
-            raise ValueError(
-                f"watermark_blocks must be in [0, num_gpu_blocks), got {self.watermark_blocks}"
-            )
+            raise ValueError(f"watermark_blocks must be in [0, num_gpu_blocks), got {self.watermark_blocks}")
         if self.miss_cost_tokens < 0:
             raise ValueError(f"miss_cost_tokens must be >= 0, got {self.miss_cost_tokens}")
         CostModel(self.kv_bytes_per_block, self.host_link_bytes_per_s, self.prefill_tokens_per_s)
@@ -116,7 +114,6 @@ def _encode_token_ids(token_ids: SequenceT[int], num_tokens: int, what: str = "t
         return encode_tokens(token_ids)
     except (OverflowError, TypeError) as e:
         raise InvalidArgument(f"{what} must be integers in [0, 2**32): {e}") from None
-
 
 
 class BlockManager:
@@ -299,9 +296,7 @@ class BlockManager:
         return AllocateResult(block_ids=list(block_ids), num_cached_tokens=nh * bs)
 
     # --- Append -------------------------------------------------------------
-    def append(
-        self, seq_id: str, num_tokens: int, token_ids: SequenceT[int] | None = None
-    ) -> AppendResult:
+    def append(self, seq_id: str, num_tokens: int, token_ids: SequenceT[int] | None = None) -> AppendResult:
         """Room for `num_tokens` more tokens; copy-on-write if the tail is shared.
 
         With preemption enabled, a sequence that cannot grow preempts
@@ -433,8 +428,13 @@ class BlockManager:
             else:
                 h = chain_hash(h, pending[i : i + bs])
             depth += 1
-            if pool.register(seq.block_ids[depth - 1], h, parent if depth > 1 else None, depth,
-                             pending[i : i + bs] if with_tokens else None):
+            if pool.register(
+                seq.block_ids[depth - 1],
+                h,
+                parent if depth > 1 else None,
+                depth,
+                pending[i : i + bs] if with_tokens else None,
+            ):
                 self.num_committed_blocks += 1
             i += bs
         seq.num_hashed_blocks = depth
@@ -679,7 +679,12 @@ class BlockManager:
         return n
 
     def _step_append_item(
-        self, result: StepResult, i: int, seq_id: str, k: int, tokens: array[int] | None,
+        self,
+        result: StepResult,
+        i: int,
+        seq_id: str,
+        k: int,
+        tokens: array[int] | None,
         scope: StepScope | None,
     ) -> None:
         """Append item i the general way (new blocks, copy-on-write, preemption); a refusal
@@ -720,7 +725,9 @@ class BlockManager:
         swapped = self.swapped.get(seq_id)
         if swapped is not None:
             return BlockTable(
-                block_ids=[], num_tokens=swapped.num_tokens, swapped=True,
+                block_ids=[],
+                num_tokens=swapped.num_tokens,
+                swapped=True,
                 cpu_block_ids=list(swapped.cpu_block_ids or ()),
             )
         seq = self.get_running(seq_id)
@@ -810,4 +817,3 @@ class BlockManager:
     def check_invariants(self) -> None:
         """Raise AssertionError if the bookkeeping is inconsistent (core/invariants.py)."""
         check_invariants(self)
-

@@ -315,8 +315,9 @@ def swap_in(bm: BlockManager, seq_id: str) -> SwapInResult:
     if seq is None:
         check_seq_id(seq_id)
         if seq_id in bm.seqs:
-            raise FailedPrecondition(f"sequence {seq_id!r} is not swapped out (it is running)",
-                                     reason="SEQUENCE_NOT_SWAPPED_OUT")
+            raise FailedPrecondition(
+                f"sequence {seq_id!r} is not swapped out (it is running)", reason="SEQUENCE_NOT_SWAPPED_OUT"
+            )
         raise NotFound(f"sequence {seq_id!r} does not exist")
     members = group_of(bm, seq)
     distinct: dict[int, None] = {}

@@ -26,6 +26,7 @@ from block_manager_svc.core.errors import ResourceExhausted
 if TYPE_CHECKING:
     from block_manager_svc.core.sequence import SeqState
 
+
 @dataclass(slots=True, frozen=True)
 class Quota:
     """Limits of one tenant; 0 = unlimited."""
@@ -46,9 +47,7 @@ class Usage:
 
 
 def quota_message(tenant: str, what: str, used: int, needed: int, limit: int) -> str:
-    return (
-        f"tenant {tenant!r} quota {what}={limit} exceeded: {used} in use, this call needs {needed} more"
-    )
+    return f"tenant {tenant!r} quota {what}={limit} exceeded: {used} in use, this call needs {needed} more"
 
 
 def _over_quota(tenant: str, what: str, used: int, needed: int, limit: int) -> ResourceExhausted:

@@ -92,20 +92,27 @@ class StepDelta:
     swap_ins: list[list[tuple[str, list[int]]]]
 
 
-_KINDS = {pb.StepItemError.APPEND: "append", pb.StepItemError.PACKED_APPEND: "append",
-          pb.StepItemError.FREE: "free", pb.StepItemError.PACKED_FREE: "free",
-          pb.StepItemError.ALLOCATE: "alloc", pb.StepItemError.FORK: "fork",
-          pb.StepItemError.SWAP_IN: "swap_in", pb.StepItemError.COMMIT: "commit"}
+_KINDS = {
+    pb.StepItemError.APPEND: "append",
+    pb.StepItemError.PACKED_APPEND: "append",
+    pb.StepItemError.FREE: "free",
+    pb.StepItemError.PACKED_FREE: "free",
+    pb.StepItemError.ALLOCATE: "alloc",
+    pb.StepItemError.FORK: "fork",
+    pb.StepItemError.SWAP_IN: "swap_in",
+    pb.StepItemError.COMMIT: "commit",
+}
 
 
 def step_request(plan: StepPlan, lease_id: str) -> pb.StepRequest:
     tokens = [t for _, t in plan.appends]
+    known = [t for t in tokens if t is not None]  # sent only when every append has its id
     return pb.StepRequest(
         commit_seq_ids=[s for s, _ in plan.commits],
         commit_num_computed_tokens=[n for _, n in plan.commits],
         free_seq_ids=plan.frees,
         append_seq_ids=[s for s, _ in plan.appends],
-        append_token_ids=tokens if tokens and all(t is not None for t in tokens) else [],
+        append_token_ids=known if tokens and len(known) == len(tokens) else [],
         alloc_seq_ids=[s for s, _, _ in plan.allocs],
         alloc_num_tokens=[len(t) for _, t, _ in plan.allocs],
         alloc_token_ids=[t for _, toks, _ in plan.allocs for t in toks],
@@ -121,12 +128,12 @@ def step_delta(resp: pb.StepResponse, num_allocs: int) -> StepDelta:
     replaced = set(resp.packed_replaced_index)
     seen: set[int] = set()
     grown = []
-    for i, block in zip(resp.packed_new_block_index, resp.packed_new_block_ids):
+    for i, block in zip(resp.packed_new_block_index, resp.packed_new_block_ids, strict=False):
         first = i in replaced and i not in seen
         seen.add(i)
         grown.append((int(i), int(block), first))
     tables: list[list[int]] = [[] for _ in range(num_allocs)]
-    for i, block in zip(resp.packed_alloc_block_index, resp.packed_alloc_block_ids):
+    for i, block in zip(resp.packed_alloc_block_index, resp.packed_alloc_block_ids, strict=False):
         tables[i].append(int(block))
     return StepDelta(
         available_blocks=resp.num_available_blocks,
@@ -134,7 +141,10 @@ def step_delta(resp: pb.StepResponse, num_allocs: int) -> StepDelta:
         grown=grown,
         ops=resp.ops,
         preempted=[Preempted(p.seq_id, p.mode == pb.Preemption.SWAP, p.cost_s) for p in resp.preempted],
-        errors=[ItemError(_KINDS.get(e.kind, "unknown"), e.index, e.seq_id, e.code, e.message) for e in resp.errors],
+        errors=[
+            ItemError(_KINDS.get(e.kind, "unknown"), e.index, e.seq_id, e.code, e.message)
+            for e in resp.errors
+        ],
         alloc_tables=tables,
         alloc_cached=list(resp.alloc_num_cached_tokens) or [0] * num_allocs,
         swap_ins=[[(m.seq_id, list(m.block_ids)) for m in r.sequences] for r in resp.swap_ins],
@@ -145,8 +155,11 @@ def unknown_sequences(delta: StepDelta) -> list[str]:
     """Sequences the engine holds that the manager answered NOT_FOUND for (commits, appends,
     swap-ins; not a victim preempted in this very Step): it no longer has the engine's state."""
     victims = {p.seq_id for p in delta.preempted}
-    return [e.seq_id for e in delta.errors
-            if e.kind in ("commit", "append", "swap_in") and e.code == _NOT_FOUND and e.seq_id not in victims]
+    return [
+        e.seq_id
+        for e in delta.errors
+        if e.kind in ("commit", "append", "swap_in") and e.code == _NOT_FOUND and e.seq_id not in victims
+    ]
 
 
 @dataclass(slots=True, frozen=True)
@@ -183,7 +196,9 @@ def _renew_lease(ref: weakref.ref[BlockManagerSession], stop: threading.Event, i
 class BlockManagerSession:
     """One engine's session: its lease, its request ids, the outage budget."""
 
-    def __init__(self, bm: BlockManagerClient, lease_id: str, config: EngineConfig, stats: EngineStats) -> None:
+    def __init__(
+        self, bm: BlockManagerClient, lease_id: str, config: EngineConfig, stats: EngineStats
+    ) -> None:
         self.bm = bm
         self.lease_id = lease_id
         self.config = config
@@ -194,8 +209,10 @@ class BlockManagerSession:
         self.keep_alive(timeout_s=config.timeout_s, first=True)
         self._stop_renewal = threading.Event()
         self._renewer = threading.Thread(
-            target=_renew_lease, args=(weakref.ref(self), self._stop_renewal, config.lease_ttl_s / 3),
-            name=f"engine-lease-{lease_id}", daemon=True,
+            target=_renew_lease,
+            args=(weakref.ref(self), self._stop_renewal, config.lease_ttl_s / 3),
+            name=f"engine-lease-{lease_id}",
+            daemon=True,
         )
         self._renewer.start()
         weakref.finalize(self, self._stop_renewal.set)
@@ -209,8 +226,12 @@ class BlockManagerSession:
     def keep_alive(self, timeout_s: float, first: bool = False) -> None:
         """Renew the lease. One that *created* it means the manager forgot it, and with it this
         engine's sequences: ``lease_lost`` is set and the next step resyncs (``first``: expected)."""
-        resp = self.bm.keep_alive(self.lease_id, ttl_ms=round(self.config.lease_ttl_s * 1000),
-                                  request_id=self.request_id("lease"), timeout_s=timeout_s)
+        resp = self.bm.keep_alive(
+            self.lease_id,
+            ttl_ms=round(self.config.lease_ttl_s * 1000),
+            request_id=self.request_id("lease"),
+            timeout_s=timeout_s,
+        )
         self.stats.lease_renewals += 1
         if resp.created and not first:
             # (A renewal racing a resync may set this once more: one more resync, still correct.)
@@ -261,8 +282,10 @@ class BlockManagerSession:
                 if waited >= budget:
                     self.stats.longest_stall_s = max(self.stats.longest_stall_s, waited)
                     raise BlockManagerUnavailable(
-                        f"the block manager was unreachable for {waited:.1f} s (block_manager_outage_s={budget:g}): "
-                        f"{e.code().name} {e.details()}") from e
+                        f"the block manager was unreachable for {waited:.1f} s "
+                        f"(block_manager_outage_s={budget:g}): "
+                        f"{e.code().name} {e.details()}"
+                    ) from e
                 attempt += 1
                 self.stats.bm_retries += 1
                 cap = min(0.05 * 2 ** (attempt - 1), _MAX_BACKOFF_S)
@@ -288,8 +311,10 @@ class BlockManagerSession:
         if needs_state:
             lost = unknown_sequences(delta)
             if lost:
-                raise ManagerLostState(f"the block manager does not know {len(lost)} of this engine's sequences "
-                                       f"(e.g. {lost[0]}): it restarted without its state, or the lease expired")
+                raise ManagerLostState(
+                    f"the block manager does not know {len(lost)} of this engine's sequences "
+                    f"(e.g. {lost[0]}): it restarted without its state, or the lease expired"
+                )
         return delta
 
     def free(self, seq_ids: Sequence[str]) -> StepDelta:
@@ -304,5 +329,7 @@ class BlockManagerSession:
     def free_now(self, seq_ids: Sequence[str]) -> None:
         """One attempt, no outage budget (closing the engine: the lease frees the rest)."""
         if seq_ids:
-            self.bm.step(pb.StepRequest(free_seq_ids=list(seq_ids), request_id=self.request_id("close")),
-                         timeout_s=self.config.timeout_s)
+            self.bm.step(
+                pb.StepRequest(free_seq_ids=list(seq_ids), request_id=self.request_id("close")),
+                timeout_s=self.config.timeout_s,
+            )

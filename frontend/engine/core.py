@@ -72,7 +72,14 @@ import structlog
 from frontend.client import BlockManagerClient
 from frontend.dispatch import CacheLostEverywhere, WorkerPool, WorkerSlot
 from frontend.engine import output, recovery, scheduler
-from frontend.engine.bm_session import RESOURCE_EXHAUSTED, BlockManagerSession, StepDelta, StepPlan, read_geometry
+from frontend.engine.bm_session import (
+    RESOURCE_EXHAUSTED,
+    BlockManagerSession,
+    ItemError,
+    StepDelta,
+    StepPlan,
+    read_geometry,
+)
 from frontend.engine.scheduler import Limits, PoolView
 from frontend.engine.types import (
     BlockManagerUnavailable,
@@ -92,6 +99,7 @@ from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import worker_pb2 as wpb
 
 log = structlog.get_logger("pagedkv.engine")
+
 
 class Engine:
     def __init__(
@@ -134,14 +142,20 @@ class Engine:
         self._seqs: dict[str, Seq] = {}
         self._to_free: list[str] = []
         self._pending_ops = pb.CacheOps()
-        self._limits = Limits(self.config.max_num_seqs, self.config.max_batch_tokens, self.block_size,
-                              self._watermark, self._prefix_caching)
+        self._limits = Limits(
+            self.config.max_num_seqs,
+            self.config.max_batch_tokens,
+            self.block_size,
+            self._watermark,
+            self._prefix_caching,
+        )
         self._pool = PoolView(self.num_gpu_blocks, 0)  # from the last Step reply, for admission
         # What recently finished sequences committed: a hint for admission (frontend/admission.py),
         # each with the manager's prefix_cache_drops when it finished; trusted only while that
         # counter has not moved (nothing left the cache since, so their blocks are still cached).
         self._finished_prefixes: collections.deque[tuple[list[int], int, int]] = collections.deque(
-            maxlen=self.config.max_num_seqs)
+            maxlen=self.config.max_num_seqs
+        )
         self._step_ids = itertools.count()
         # The prefill pipeline's chunk in flight: its future and (sequence, num_computed at launch, tokens).
         self._prefill: tuple[Future[wpb.WorkerStepResponse], list[tuple[Seq, int, int]]] | None = None
@@ -194,8 +208,10 @@ class Engine:
         if max(request.prompt) >= self.vocab_size or min(request.prompt) < 0:
             raise ValueError(f"request {request.request_id}: token ids must be in [0, {self.vocab_size})")
         if request.n > self.config.max_num_seqs:
-            raise ValueError(f"request {request.request_id}: n={request.n} samples can never run together "
-                             f"(max_num_seqs={self.config.max_num_seqs})")
+            raise ValueError(
+                f"request {request.request_id}: n={request.n} samples can never run together "
+                f"(max_num_seqs={self.config.max_num_seqs})"
+            )
         total = len(request.prompt) + request.max_tokens
         if -(-total // self.block_size) > self.num_gpu_blocks:
             raise ValueError(
@@ -208,8 +224,9 @@ class Engine:
                 f"request {request.request_id}: its {len(request.prompt)}-token prompt can never be admitted "
                 f"(the pool has {self.num_gpu_blocks} blocks, {self._watermark} held back by the watermark)"
             )
-        out = RequestOutput(request.request_id, list(request.prompt),
-                            [Completion(index=i) for i in range(request.n)])
+        out = RequestOutput(
+            request.request_id, list(request.prompt), [Completion(index=i) for i in range(request.n)]
+        )
         self.outputs[request.request_id] = out
         seq = Seq(self._seq_id(request.request_id, 0), request, out, 0, list(request.prompt))
         self._seqs[seq.seq_id] = seq
@@ -281,7 +298,9 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self._waiting or self._running or self._swapped or self._to_free)
 
-    def generate(self, requests: Iterable[GenerationRequest], max_steps: int = 1_000_000) -> list[RequestOutput]:
+    def generate(
+        self, requests: Iterable[GenerationRequest], max_steps: int = 1_000_000
+    ) -> list[RequestOutput]:
         """Run requests to completion; outputs in the order given."""
         outs = [self.add_request(r) for r in requests]
         for _ in self.stream(max_steps):
@@ -326,14 +345,21 @@ class Engine:
         except BlockManagerUnavailable:
             self._pending_ops = ops  # still owed to the workers
             raise
-        if self._prefill is not None and any(s.status is not SeqStatus.RUNNING for s, _, _ in self._prefill[1]):
+        if self._prefill is not None and any(
+            s.status is not SeqStatus.RUNNING for s, _, _ in self._prefill[1]
+        ):
             # A sequence being prefilled was preempted: its blocks may be reused or swapped out by
             # this iteration's steps, so its writes must be over first.
             events += self._harvest_prefill(wait=True)
         # Data parallel: max_batch_tokens bounds each worker's step, so N workers take N times as much.
         share = 1 if disaggregated else len(self.pool.workers())
-        decode, prefill = scheduler.batches(self._running, self._limits, separate_budgets=disaggregated,
-                                            num_workers=share, prefill_busy=self._prefill is not None)
+        decode, prefill = scheduler.batches(
+            self._running,
+            self._limits,
+            separate_budgets=disaggregated,
+            num_workers=share,
+            prefill_busy=self._prefill is not None,
+        )
         if disaggregated:
             return events + self._step_disaggregated(decode, prefill, ops)
         batch = decode + prefill
@@ -347,8 +373,13 @@ class Engine:
         self._last_call_end = None
         if self._pending_ops_nonempty(ops):
             self._pending_ops = ops  # carry the ops to the next step
-        elif (self._waiting and not self._running and not self._swapped and not self._to_free
-              and self._prefill is None):
+        elif (
+            self._waiting
+            and not self._running
+            and not self._swapped
+            and not self._to_free
+            and self._prefill is None
+        ):
             head = self._waiting[0]
             need = self._prompt_blocks(head.tokens)  # samples fork from the prompt and share it
             if need > self.num_gpu_blocks - self._watermark:
@@ -381,7 +412,9 @@ class Engine:
         if launch:
             self._launch_prefill(prefill)
         if self._prefill is not None:
-            return events + self._harvest_prefill(wait=True)  # nothing to decode: wait for the prompt, no spinning
+            return events + self._harvest_prefill(
+                wait=True
+            )  # nothing to decode: wait for the prompt, no spinning
         self._idle(pb.CacheOps())
         return events
 
@@ -396,8 +429,16 @@ class Engine:
     def _admissions(self, grow: list[Seq], swap_in: list[Seq]) -> list[Seq]:
         if self._prefix_caching and self._waiting and self._finished_prefixes and not self._running:
             self._refresh_prefix_cache_drops()
-        admit, held = scheduler.admissions(self._waiting, self._running, self._finishing(), grow, len(swap_in),
-                                           self._pool, self._limits, self._finished_prefixes)
+        admit, held = scheduler.admissions(
+            self._waiting,
+            self._running,
+            self._finishing(),
+            grow,
+            len(swap_in),
+            self._pool,
+            self._limits,
+            self._finished_prefixes,
+        )
         self.stats.admissions_held += held
         return admit
 
@@ -422,12 +463,24 @@ class Engine:
         for seq in admit:
             if seq.index == 0 and seq.request.n > 1 and not seq.forked:
                 for i in range(1, seq.request.n):
-                    child = Seq(self._seq_id(seq.request.request_id, i), seq.request, seq.output, i,
-                                list(seq.tokens), forked=True, awaiting_parent=True)
+                    child = Seq(
+                        self._seq_id(seq.request.request_id, i),
+                        seq.request,
+                        seq.output,
+                        i,
+                        list(seq.tokens),
+                        forked=True,
+                        awaiting_parent=True,
+                    )
                     forks.append((seq, child))
-        plan = StepPlan(commits=commits, frees=frees, appends=[(s.seq_id, s.tokens[-1]) for s in grow],
-                        allocs=[(s.seq_id, s.tokens, s.request.priority) for s in admit],
-                        forks=[(p.seq_id, c.seq_id) for p, c in forks], swap_ins=[s.seq_id for s in swap_in])
+        plan = StepPlan(
+            commits=commits,
+            frees=frees,
+            appends=[(s.seq_id, s.tokens[-1]) for s in grow],
+            allocs=[(s.seq_id, s.tokens, s.request.priority) for s in admit],
+            forks=[(p.seq_id, c.seq_id) for p, c in forks],
+            swap_ins=[s.seq_id for s in swap_in],
+        )
         created = [s.seq_id for s in admit] + [c.seq_id for _, c in forks]
         try:
             delta = self.session.step(plan)
@@ -453,11 +506,15 @@ class Engine:
         sharing a system prompt then got almost no hits). Sequences that finish by length, and
         parents whose samples wait for this step's logits, are left out too; one that stops on a
         stop token frees its reservation with itself."""
-        early = [s for s, k in batch
-                 if s.num_computed + k == len(s.tokens) and not s.needs_slot
-                 and s.completion.token_ids
-                 and len(s.completion.token_ids) + 1 < s.request.max_tokens
-                 and not any(c.awaiting_parent for c in s.children)]
+        early = [
+            s
+            for s, k in batch
+            if s.num_computed + k == len(s.tokens)
+            and not s.needs_slot
+            and s.completion.token_ids
+            and len(s.completion.token_ids) + 1 < s.request.max_tokens
+            and not any(c.awaiting_parent for c in s.children)
+        ]
         if not early:
             return [], None
         delta = self.session.step(StepPlan(appends=[(s.seq_id, None) for s in early]))
@@ -494,8 +551,13 @@ class Engine:
         self._finished_prefixes.clear()
 
     def _apply_bm_step(
-        self, delta: StepDelta, grow: list[Seq], swap_in: list[Seq], ops: pb.CacheOps,
-        admit: list[Seq] | None = None, forks: list[tuple[Seq, Seq]] | None = None,
+        self,
+        delta: StepDelta,
+        grow: list[Seq],
+        swap_in: list[Seq],
+        ops: pb.CacheOps,
+        admit: list[Seq] | None = None,
+        forks: list[tuple[Seq, Seq]] | None = None,
     ) -> None:
         """Block tables, cache ops, preemptions, allocations, forks and swap-ins of one Step reply."""
         self._pool = PoolView(delta.available_blocks, delta.prefix_cache_drops)
@@ -508,7 +570,7 @@ class Engine:
         ops.swap_out.extend(delta.ops.swap_out)
         ops.swap_in.extend(delta.ops.swap_in)
         preempted = self._apply_preemptions(delta)
-        errors: dict[str, dict[int, object]] = collections.defaultdict(dict)
+        errors: dict[str, dict[int, ItemError]] = collections.defaultdict(dict)
         for err in delta.errors:
             errors[err.kind][err.index] = err
         self._apply_allocations(delta, admit or [], errors["alloc"])
@@ -535,7 +597,7 @@ class Engine:
             if i not in failed and s.status is SeqStatus.RUNNING:
                 s.needs_slot = False
 
-    def _apply_allocations(self, delta: StepDelta, admit: list[Seq], errors: dict) -> None:  # type: ignore[type-arg]
+    def _apply_allocations(self, delta: StepDelta, admit: list[Seq], errors: dict[int, ItemError]) -> None:
         for j, seq in enumerate(admit):
             err = errors.get(j)
             if err is not None:
@@ -552,7 +614,7 @@ class Engine:
             seq.status = SeqStatus.RUNNING
             self._running.append(seq)
 
-    def _apply_forks(self, forks: list[tuple[Seq, Seq]], errors: dict) -> None:  # type: ignore[type-arg]
+    def _apply_forks(self, forks: list[tuple[Seq, Seq]], errors: dict[int, ItemError]) -> None:
         for j, (parent, child) in enumerate(forks):
             err = errors.get(j)
             if err is not None and parent.status is not SeqStatus.RUNNING:
@@ -593,7 +655,7 @@ class Engine:
         return victims
 
     def _apply_swap_ins(self, delta: StepDelta, asked: list[Seq]) -> None:
-        for _, members in zip(asked, delta.swap_ins):
+        for _, members in zip(asked, delta.swap_ins, strict=False):
             for seq_id, table in members:
                 s = self._seqs.get(seq_id)
                 if s is None or s.status is not SeqStatus.SWAPPED:
@@ -623,8 +685,10 @@ class Engine:
         self._waiting.appendleft(seq)
 
     def _step_request(self, batch: list[tuple[Seq, int]], ops: pb.CacheOps | None) -> wpb.WorkerStepRequest:
-        req = wpb.WorkerStepRequest(request_id=f"step-{self.instance_id}-{next(self._step_ids)}",
-                                    cache_instance_id=self._cache_instance)
+        req = wpb.WorkerStepRequest(
+            request_id=f"step-{self.instance_id}-{next(self._step_ids)}",
+            cache_instance_id=self._cache_instance,
+        )
         if ops is not None:
             req.ops.CopyFrom(ops)
         for s, k in batch:
@@ -700,14 +764,20 @@ class Engine:
             raise recovery.cache_host_lost(e) from e
         self.stats.worker_steps += 1
         # A sequence preempted while its chunk ran has been reset: its results are dropped.
-        keep = [(i, it) for i, it in enumerate(items) if it[0].status is SeqStatus.RUNNING and it[0].num_computed == it[1]]
+        keep = [
+            (i, it)
+            for i, it in enumerate(items)
+            if it[0].status is SeqStatus.RUNNING and it[0].num_computed == it[1]
+        ]
         out = wpb.WorkerStepResponse()
         out.outputs.extend(resp.outputs[i] for i, _ in keep)
         return self._apply_outputs([it for _, it in keep], out)
 
-    def _apply_outputs(self, batch: list[tuple[Seq, int, int]], resp: wpb.WorkerStepResponse) -> list[TokenEvent]:
+    def _apply_outputs(
+        self, batch: list[tuple[Seq, int, int]], resp: wpb.WorkerStepResponse
+    ) -> list[TokenEvent]:
         events: list[TokenEvent] = []
-        for (s, _, k), out in zip(batch, resp.outputs):
+        for (s, _, k), out in zip(batch, resp.outputs, strict=False):
             s.num_computed += k
             self.stats.computed_tokens += k
             for c in s.children:
@@ -736,4 +806,3 @@ class Engine:
                 self._block_manager_step(pb.CacheOps(), full=False)
             except ManagerLostState as e:
                 recovery.resync(self, e)
-

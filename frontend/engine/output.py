@@ -12,12 +12,17 @@ from pagedkv.v1 import worker_pb2 as wpb
 
 
 class Drawn(Protocol):
-    """A worker's sampled token: wpb.SequenceOutput or wpb.Sample."""
+    """A worker's sampled token: wpb.SequenceOutput or wpb.Sample (read-only members, so that the
+    messages' repeated fields, read-only properties, match)."""
 
-    token_id: int
-    logprob: float
-    top_token_ids: Sequence[int]
-    top_logprobs: Sequence[float]
+    @property
+    def token_id(self) -> int: ...
+    @property
+    def logprob(self) -> float: ...
+    @property
+    def top_token_ids(self) -> Sequence[int]: ...
+    @property
+    def top_logprobs(self) -> Sequence[float]: ...
 
 
 def accept_token(s: Seq, drawn: Drawn) -> TokenEvent:
@@ -27,7 +32,7 @@ def accept_token(s: Seq, drawn: Drawn) -> TokenEvent:
     token, logprob = drawn.token_id, drawn.logprob
     top: tuple[tuple[int, float], ...] = ()
     if s.request.sampling.logprobs:
-        top = tuple(zip(drawn.top_token_ids, drawn.top_logprobs))
+        top = tuple(zip(drawn.top_token_ids, drawn.top_logprobs, strict=False))
         c.top_logprobs.append(top)
     c.token_ids.append(token)
     c.logprobs.append(logprob)
@@ -51,10 +56,12 @@ def fork_firsts(parent: Seq, samples: Sequence[wpb.Sample]) -> list[tuple[Seq, w
     out (it re-prefills as a request of its own)."""
     sent, parent.forks_sent = parent.forks_sent, []
     if len(samples) != len(sent):  # else those samples would wait for a first token forever
-        raise RuntimeError(f"the worker drew {len(samples)} first tokens for the {len(sent)} samples forked from "
-                           f"{parent.seq_id} (a worker that predates SequenceInput.fork_sampling?)")
+        raise RuntimeError(
+            f"the worker drew {len(samples)} first tokens for the {len(sent)} samples forked from "
+            f"{parent.seq_id} (a worker that predates SequenceInput.fork_sampling?)"
+        )
     out = []
-    for child, drawn in zip(sent, samples):
+    for child, drawn in zip(sent, samples, strict=True):
         if not child.awaiting_parent or child.status is not SeqStatus.RUNNING:
             continue
         child.awaiting_parent = False

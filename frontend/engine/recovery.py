@@ -62,7 +62,11 @@ def _new_cache_instance(engine: Engine, old: str) -> str:
                 info = w.get_info(timeout_s=2.0)
             except grpc.RpcError:
                 continue
-            if info.cache_instance_id and info.cache_instance_id != old and info.cache_state != wpb.CACHE_STATE_LOST:
+            if (
+                info.cache_instance_id
+                and info.cache_instance_id != old
+                and info.cache_state != wpb.CACHE_STATE_LOST
+            ):
                 return info.cache_instance_id
         if time.monotonic() > deadline:
             raise CacheHostLost(
@@ -79,8 +83,12 @@ def recover_lost_cache(engine: Engine) -> None:
     sequence from its prompt + generated tokens."""
     engine._drop_prefill_in_flight()  # its KV went with the cache host
     old = engine._cache_instance
-    log.warning("cache_host_lost", cache_instance_id=old, action="waiting for a re-attached worker",
-                timeout_s=engine.config.cache_recovery_timeout_s)
+    log.warning(
+        "cache_host_lost",
+        cache_instance_id=old,
+        action="waiting for a re-attached worker",
+        timeout_s=engine.config.cache_recovery_timeout_s,
+    )
     new = _new_cache_instance(engine, old)
     # Finished ones too: what they computed died with the cache host and must never be committed.
     victims, frees = engine._take_held()
@@ -90,8 +98,13 @@ def recover_lost_cache(engine: Engine) -> None:
     engine._requeue_all(victims)
     engine._cache_instance = new
     engine.stats.cache_recoveries += 1
-    log.warning("cache_recovered", old_cache_instance_id=old, cache_instance_id=new,
-                requeued=len(victims), action="re-prefilling")
+    log.warning(
+        "cache_recovered",
+        old_cache_instance_id=old,
+        cache_instance_id=new,
+        requeued=len(victims),
+        action="re-prefilling",
+    )
 
 
 def resync(engine: Engine, lost: ManagerLostState) -> None:
@@ -114,5 +127,10 @@ def resync(engine: Engine, lost: ManagerLostState) -> None:
     engine._pool = PoolView(delta.available_blocks, delta.prefix_cache_drops)
     engine._requeue_all(victims)
     engine.stats.bm_resyncs += 1
-    log.warning("block_manager_resync", reason=str(lost), requeued=len(victims), freed=len(frees),
-                action="re-allocating and recomputing")
+    log.warning(
+        "block_manager_resync",
+        reason=str(lost),
+        requeued=len(victims),
+        freed=len(frees),
+        action="re-allocating and recomputing",
+    )

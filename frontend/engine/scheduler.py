@@ -55,8 +55,13 @@ def swap_ins(swapped: Iterable[Seq], num_running: int, limits: Limits) -> list[S
 
 
 def admissions(
-    waiting: Iterable[Seq], running: Sequence[Seq], finishing: Sequence[Seq], grow: Sequence[Seq],
-    num_swap_in: int, pool: PoolView, limits: Limits,
+    waiting: Iterable[Seq],
+    running: Sequence[Seq],
+    finishing: Sequence[Seq],
+    grow: Sequence[Seq],
+    num_swap_in: int,
+    pool: PoolView,
+    limits: Limits,
     finished_prefixes: Iterable[tuple[list[int], int, int]] = (),
 ) -> tuple[list[Seq], int]:
     """Waiting sequences to allocate in this Step, and how many were held back: FIFO within
@@ -95,7 +100,11 @@ def admissions(
 
 
 def batches(
-    running: Sequence[Seq], limits: Limits, *, separate_budgets: bool = False, num_workers: int = 1,
+    running: Sequence[Seq],
+    limits: Limits,
+    *,
+    separate_budgets: bool = False,
+    num_workers: int = 1,
     prefill_busy: bool = False,
 ) -> tuple[list[tuple[Seq, int]], list[tuple[Seq, int]]]:
     """(sequence, number of tokens to compute) for this iteration: the decode batch and the
@@ -105,9 +114,14 @@ def batches(
     (one sequence's chunk runs on one worker). Sequences whose prefill is in flight wait, and with
     ``prefill_busy`` (the prefill pipeline has a chunk in flight) no prefill is planned."""
     budget = limits.max_batch_tokens * num_workers
-    decode = [s for s in running
-              if s.num_computed == len(s.tokens) - 1 and not s.needs_slot and not s.awaiting_parent
-              and not s.in_flight]
+    decode = [
+        s
+        for s in running
+        if s.num_computed == len(s.tokens) - 1
+        and not s.needs_slot
+        and not s.awaiting_parent
+        and not s.in_flight
+    ]
     decode_batch = [(s, 1) for s in decode[:budget]]
     budget = budget if separate_budgets else budget - len(decode_batch)
     if separate_budgets and prefill_busy:

@@ -30,7 +30,9 @@ def test_every_allocator_counts_the_same_ops_on_the_same_trace(bench) -> None:  
     assert naive["block_ops"] == paged["block_ops"] > 0
     # Only the timed steps count: the initial fill of 256 prompts (~40 blocks each) alone is more
     # than 30 steps of appends, frees and re-admissions add.
-    fill = sum(bench.blocks_for(len(bench.Workload(3, False).next_request()[0])) for _ in range(bench.RUNNING))
+    fill = sum(
+        bench.blocks_for(len(bench.Workload(3, False).next_request()[0])) for _ in range(bench.RUNNING)
+    )
     assert paged["block_ops"] < fill
 
 
@@ -72,10 +74,14 @@ def test_vllm_rows_or_a_clear_skip(bench, capsys) -> None:  # type: ignore[no-un
     naive_mean = float(rows[labels[0]][0])
     missed = False
     for label, (mean, p50, p99, ops, vs, _hit, target) in rows.items():
-        assert float(mean) > 0 and 0 < float(p50) <= float(p99) and float(ops.replace(",", "")) > 0, (label, out)
+        assert float(mean) > 0 and 0 < float(p50) <= float(p99) and float(ops.replace(",", "")) > 0, (
+            label,
+            out,
+        )
         ratio = float(mean) / naive_mean  # both printed to 0.1 µs, the ratio to 0.01
-        assert abs(float(vs.rstrip("x")) - ratio) <= 0.006 + ratio * (0.05 / naive_mean + 0.05 / float(mean)), \
-            (label, vs, mean, naive_mean)
+        assert abs(float(vs.rstrip("x")) - ratio) <= 0.006 + ratio * (
+            0.05 / naive_mean + 0.05 / float(mean)
+        ), (label, vs, mean, naive_mean)
         if target:  # "<300 ok" / "<300 MISS": the verdict is the mean against the bound
             bound, verdict = target[1:].split()
             assert verdict == ("ok" if float(mean) < float(bound) else "MISS"), (label, mean, target)

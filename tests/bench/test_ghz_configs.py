@@ -29,13 +29,55 @@ GHZ = Path(__file__).resolve().parents[2] / "bench" / "ghz"
 ORDER = ["allocate", "append", "fork", "step", "free"]
 # JSON names of ghz's runner.Config (github.com/bojand/ghz/runner/config.go).
 GHZ_KEYS = {
-    "proto", "protoset", "call", "cacert", "cert", "key", "skipTLS", "skipFirst", "cname", "authority",
-    "insecure", "total", "async", "concurrency", "concurrency-schedule", "concurrency-start",
-    "concurrency-end", "concurrency-step", "concurrency-step-duration", "concurrency-max-duration",
-    "connections", "rps", "duration", "duration-stop", "max-duration", "timeout", "data", "data-file",
-    "binary-file", "metadata", "metadata-file", "stream-interval", "output", "format", "connect-timeout",
-    "keepalive", "cpus", "import-paths", "name", "tags", "reflect-metadata", "debug", "host",
-    "enable-compression", "load-schedule", "load-start", "load-end", "load-step", "load-step-duration",
+    "proto",
+    "protoset",
+    "call",
+    "cacert",
+    "cert",
+    "key",
+    "skipTLS",
+    "skipFirst",
+    "cname",
+    "authority",
+    "insecure",
+    "total",
+    "async",
+    "concurrency",
+    "concurrency-schedule",
+    "concurrency-start",
+    "concurrency-end",
+    "concurrency-step",
+    "concurrency-step-duration",
+    "concurrency-max-duration",
+    "connections",
+    "rps",
+    "duration",
+    "duration-stop",
+    "max-duration",
+    "timeout",
+    "data",
+    "data-file",
+    "binary-file",
+    "metadata",
+    "metadata-file",
+    "stream-interval",
+    "output",
+    "format",
+    "connect-timeout",
+    "keepalive",
+    "cpus",
+    "import-paths",
+    "name",
+    "tags",
+    "reflect-metadata",
+    "debug",
+    "host",
+    "enable-compression",
+    "load-schedule",
+    "load-start",
+    "load-end",
+    "load-step",
+    "load-step-duration",
     "load-max-duration",
 }
 SERVICE = pb.DESCRIPTOR.services_by_name["BlockManager"]
@@ -62,7 +104,10 @@ def render(value: Any, n: int) -> Any:
 
 
 SPRIG = {
-    "add": lambda a, b: a + b, "mul": lambda a, b: a * b, "div": lambda a, b: a // b, "mod": lambda a, b: a % b,
+    "add": lambda a, b: a + b,
+    "mul": lambda a, b: a * b,
+    "div": lambda a, b: a // b,
+    "mod": lambda a, b: a % b,
 }
 
 
@@ -151,7 +196,9 @@ def test_documented_order_runs_clean_and_restores_the_pool() -> None:
             stub = bm._stub
             for name, cfg in configs().items():
                 method = getattr(stub, cfg["call"].rsplit("/", 1)[1])
-                input_cls = getattr(pb, SERVICE.methods_by_name[cfg["call"].rsplit("/", 1)[1]].input_type.name)
+                input_cls = getattr(
+                    pb, SERVICE.methods_by_name[cfg["call"].rsplit("/", 1)[1]].input_type.name
+                )
                 for n in range(min(cfg["total"], limits.get(name, cfg["total"]))):
                     resp = method(json_format.ParseDict(render(cfg["data"], n), input_cls()), timeout=5)
                     if name == "step":
@@ -167,8 +214,12 @@ def test_documented_order_runs_clean_and_restores_the_pool() -> None:
 @pytest.mark.parametrize("start", [0, 1])
 def test_id_coverage_does_not_depend_on_where_request_numbers_start(start: int) -> None:
     cfg = configs()
-    allocated = {render(cfg["allocate"]["data"], n)["seq_id"] for n in range(start, start + cfg["allocate"]["total"])}
-    children = {render(cfg["fork"]["data"], n)["child_seq_id"] for n in range(start, start + cfg["fork"]["total"])}
+    allocated = {
+        render(cfg["allocate"]["data"], n)["seq_id"] for n in range(start, start + cfg["allocate"]["total"])
+    }
+    children = {
+        render(cfg["fork"]["data"], n)["child_seq_id"] for n in range(start, start + cfg["fork"]["total"])
+    }
     freed = {render(cfg["free"]["data"], n)["seq_id"] for n in range(start, start + cfg["free"]["total"])}
     assert len(allocated) == 512 and len(children) == 512 and not allocated & children
     assert freed == allocated | children

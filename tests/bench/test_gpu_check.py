@@ -37,7 +37,9 @@ def _wheelhouse(path: Path) -> Path:
     files = {
         f"{name}/__init__.py": "VALUE = 42\n",
         f"{name}-{ver}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {ver}\n",
-        f"{name}-{ver}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+        f"{name}-{ver}.dist-info/WHEEL": (
+            "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        ),
     }
     record = "".join(f"{f},,\n" for f in files) + f"{name}-{ver}.dist-info/RECORD,,\n"
     with zipfile.ZipFile(path / f"{name}-{ver}-py3-none-any.whl", "w") as z:
@@ -49,14 +51,29 @@ def _wheelhouse(path: Path) -> Path:
 
 
 def _env(tmp_path: Path, **env: str) -> dict[str, str]:
-    return {**os.environ, "OUT": str(tmp_path / "out"), "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": "",
-            "WHEELHOUSE": str(tmp_path / "wheels"), "PYDEPS": str(tmp_path / "pydeps"), **env}
+    return {
+        **os.environ,
+        "OUT": str(tmp_path / "out"),
+        "PYTHON": sys.executable,
+        "CUDA_VISIBLE_DEVICES": "",
+        "WHEELHOUSE": str(tmp_path / "wheels"),
+        "PYDEPS": str(tmp_path / "pydeps"),
+        **env,
+    }
 
 
-def _run(tmp_path: Path, *args: str, timeout: float = 120, **env: str) -> tuple[subprocess.CompletedProcess[str], Path, float]:
+def _run(
+    tmp_path: Path, *args: str, timeout: float = 120, **env: str
+) -> tuple[subprocess.CompletedProcess[str], Path, float]:
     t0 = time.monotonic()
-    proc = subprocess.run(["bash", str(SCRIPT), *args], cwd=tmp_path, env=_env(tmp_path, **env), capture_output=True,
-                          text=True, timeout=timeout)
+    proc = subprocess.run(
+        ["bash", str(SCRIPT), *args],
+        cwd=tmp_path,
+        env=_env(tmp_path, **env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     return proc, tmp_path / "out", time.monotonic() - t0
 
 
@@ -113,24 +130,43 @@ def test_rehearsal_runs_every_section_on_cpu_within_its_budget(tmp_path: Path) -
     # REHEARSAL_SLACK: this test shares 2 cores with other work; on a quiet machine the rehearsal
     # fits the GPU budgets themselves (docs/gpu.md has a quiet run's times).
     slack = int(os.environ.get("PAGEDKV_TEST_REHEARSAL_SLACK", "3"))
-    proc, out, took = _run(tmp_path, "--rehearse", timeout=sum(BUDGETS.values()) * slack + 60,
-                           REHEARSAL_SLACK=str(slack))
+    proc, out, took = _run(
+        tmp_path, "--rehearse", timeout=sum(BUDGETS.values()) * slack + 60, REHEARSAL_SLACK=str(slack)
+    )
     status = (out / "status.md").read_text()
     assert proc.returncode == 0, status + proc.stdout[-3000:] + proc.stderr[-3000:]
     assert sorted(p.name for p in out.iterdir()) == ["gpu_check.tar.gz", "results.md", "status.md"]
     rows = _rows(status)
-    assert {k: v[0] for k, v in rows.items()} == {"wheels": "ok", "env": "ok",
-                                                  **{s: "ok (CPU rehearsal)" for s in GPU_SECTIONS}}, status
+    assert {k: v[0] for k, v in rows.items()} == {
+        "wheels": "ok",
+        "env": "ok",
+        **{s: "ok (CPU rehearsal)" for s in GPU_SECTIONS},
+    }, status
     for name, (_, secs) in rows.items():
         assert secs <= BUDGETS[name] * slack, (name, secs)
     assert took < sum(BUDGETS.values()) * slack + 30
     assert "mode: rehearsal; GPU: no GPU" in status
-    for name in ("kernel ", "python ", "torch ", "triton ", "numpy ", "grpcio ", "protobuf ", "cupy ", "cuda: no GPU",
-                 "google.protobuf.__version__ ", "grpc "):
+    for name in (
+        "kernel ",
+        "python ",
+        "torch ",
+        "triton ",
+        "numpy ",
+        "grpcio ",
+        "protobuf ",
+        "cupy ",
+        "cuda: no GPU",
+        "google.protobuf.__version__ ",
+        "grpc ",
+    ):
         assert f"\n{name}" in status, name
     # The wheelhouse was installed offline into PYDEPS, importable the way the sections import it.
-    check = subprocess.run([sys.executable, "-c", "import pagedkv_rehearsal as m; print(m.VALUE)"],
-                           env=dict(os.environ, PYTHONPATH=str(tmp_path / "pydeps")), capture_output=True, text=True)
+    check = subprocess.run(
+        [sys.executable, "-c", "import pagedkv_rehearsal as m; print(m.VALUE)"],
+        env=dict(os.environ, PYTHONPATH=str(tmp_path / "pydeps")),
+        capture_output=True,
+        text=True,
+    )
     assert check.stdout.strip() == "42", check.stderr
     assert "imports ok" in _log(out, "wheels.txt")
     # Each rehearsal really ran its section's selection: the kernel tests collected with loadfile's
@@ -143,7 +179,9 @@ def test_rehearsal_runs_every_section_on_cpu_within_its_budget(tmp_path: Path) -
     assert "skipped: time budget" not in results
     assert "multi-process shared cache over shm: PASS" in results
     assert "| mixed x1 (t" in results and "| prefill+decode |" in results
-    assert proc.stdout.rstrip().endswith(results.rstrip().splitlines()[-1])  # status then results are printed last
+    assert proc.stdout.rstrip().endswith(
+        results.rstrip().splitlines()[-1]
+    )  # status then results are printed last
 
 
 def test_deadline_skips_what_does_not_fit_and_no_gpu_fails_outside_rehearsal(tmp_path: Path) -> None:
@@ -166,14 +204,18 @@ def test_deadline_skips_what_does_not_fit_and_no_gpu_fails_outside_rehearsal(tmp
 def image_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An interpreter with this venv's packages minus structlog and pydantic: the GPU image's situation."""
     base = tmp_path_factory.mktemp("image")
-    subprocess.run([getattr(sys, "_base_executable", sys.executable), "-m", "venv", "--without-pip", str(base / "venv")],
-                   check=True)
+    subprocess.run(
+        [getattr(sys, "_base_executable", sys.executable), "-m", "venv", "--without-pip", str(base / "venv")],
+        check=True,
+    )
     site = next((base / "venv" / "lib").glob("python3*/site-packages"))
     pkgs = base / "image-packages"
     pkgs.mkdir()
     mine = next(Path(p) for p in sys.path if p.endswith("site-packages") and Path(p).is_dir())
     for entry in mine.iterdir():
-        if entry.name.split("-")[0].split(".")[0].lower() not in IMAGE_LACKS and not entry.name.startswith("__editable__"):
+        if entry.name.split("-")[0].split(".")[0].lower() not in IMAGE_LACKS and not entry.name.startswith(
+            "__editable__"
+        ):
             (pkgs / entry.name).symlink_to(entry)
     (site / "image.pth").write_text(f"{pkgs}\n")
     py = base / "venv" / "bin" / "python"
@@ -183,7 +225,9 @@ def image_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.timeout(300)
-def test_full_mode_fails_the_wheels_section_on_an_incomplete_wheelhouse(tmp_path: Path, image_python: Path) -> None:
+def test_full_mode_fails_the_wheels_section_on_an_incomplete_wheelhouse(
+    tmp_path: Path, image_python: Path
+) -> None:
     _wheelhouse(tmp_path / "wheels")  # installs fine, but holds none of the services' dependencies
     proc, out, _ = _run(tmp_path, PYTHON=str(image_python), GPU_CHECK_ONLY="wheels,env")
     rows = _rows((out / "status.md").read_text())
@@ -195,9 +239,14 @@ def test_full_mode_fails_the_wheels_section_on_an_incomplete_wheelhouse(tmp_path
 
 @pytest.mark.timeout(300)
 def test_full_mode_passes_with_the_wheelhouse_gpu_wheels_builds(tmp_path: Path, image_python: Path) -> None:
-    build = subprocess.run(["bash", str(ROOT / "tools" / "gpu_wheels.sh"), "--native", str(tmp_path / "wheels")],
-                           cwd=tmp_path, capture_output=True, text=True, timeout=240,
-                           env={k: v for k, v in os.environ.items() if k != "PYTHON"})
+    build = subprocess.run(
+        ["bash", str(ROOT / "tools" / "gpu_wheels.sh"), "--native", str(tmp_path / "wheels")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={k: v for k, v in os.environ.items() if k != "PYTHON"},
+    )
     assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-2000:]
     proc, out, _ = _run(tmp_path, PYTHON=str(image_python), GPU_CHECK_ONLY="wheels,env", timeout=240)
     status = (out / "status.md").read_text()
@@ -208,7 +257,7 @@ def test_full_mode_passes_with_the_wheelhouse_gpu_wheels_builds(tmp_path: Path, 
     assert "google.protobuf " in log and " from " in log
     # What the sections import is the wheelhouse's copy, reported with its version and file.
     assert "\nstructlog MISSING" not in status and "\npydantic MISSING" not in status, status
-    assert f"google.protobuf.__version__ " in status and f"from {tmp_path / 'pydeps'}" in status, status
+    assert "google.protobuf.__version__ " in status and f"from {tmp_path / 'pydeps'}" in status, status
 
 
 def test_gpu_wheels_reads_versions_from_the_project_venv_not_path(tmp_path: Path) -> None:
@@ -220,10 +269,18 @@ def test_gpu_wheels_reads_versions_from_the_project_venv_not_path(tmp_path: Path
     env["PATH"] = f"{fake}:{env['PATH']}"
     # --native against a missing package index would download; the versions step comes first and is
     # what this checks: it must name the project's venv interpreter.
-    proc = subprocess.run(["bash", str(ROOT / "tools" / "gpu_wheels.sh"), "--native", str(tmp_path / "w")],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        ["bash", str(ROOT / "tools" / "gpu_wheels.sh"), "--native", str(tmp_path / "w")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert "the first python on PATH" not in proc.stderr
-    assert f"versions from {ROOT / '.venv' / 'bin' / 'python'}" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert f"versions from {ROOT / '.venv' / 'bin' / 'python'}" in proc.stdout, (
+        proc.stdout[-2000:] + proc.stderr[-2000:]
+    )
 
 
 @pytest.mark.timeout(300)
@@ -231,10 +288,21 @@ def test_a_timed_out_section_leaves_no_process_behind(tmp_path: Path) -> None:
     """The pd rehearsal starts real stacks (services in sessions of their own) and is cut off mid-run."""
     run_id = uuid.uuid4().hex[:12]
     tag = f"{run_id}-pd"
-    env = _env(tmp_path, GPU_CHECK_ONLY="pd", GPU_CHECK_RUN_ID=run_id, PD_TIMEOUT_S="45",
-               PD_ARGS="--decode-tokens 3000 --decoders 8 --num-gpu-blocks 2048")  # far longer than the timeout
-    p = subprocess.Popen(["bash", str(SCRIPT), "--rehearse"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True)
+    env = _env(
+        tmp_path,
+        GPU_CHECK_ONLY="pd",
+        GPU_CHECK_RUN_ID=run_id,
+        PD_TIMEOUT_S="45",
+        PD_ARGS="--decode-tokens 3000 --decoders 8 --num-gpu-blocks 2048",
+    )  # far longer than the timeout
+    p = subprocess.Popen(
+        ["bash", str(SCRIPT), "--rehearse"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     services_seen: set[int] = set()
     own_session: set[int] = set()
     while p.poll() is None:

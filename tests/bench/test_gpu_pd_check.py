@@ -22,7 +22,11 @@ def test_short_form_is_small_two_layouts_and_no_overlap() -> None:
     args = gpu_pd_check.pd_args(["--short"])
     assert "--overlap" not in args and "--short" not in args
     assert _opt(args, "--layouts").split(",") == ["mixed", "prefill+decode"]
-    hidden, layers, vocab = int(_opt(args, "--hidden")), int(_opt(args, "--layers")), int(_opt(args, "--vocab"))
+    hidden, layers, vocab = (
+        int(_opt(args, "--hidden")),
+        int(_opt(args, "--layers")),
+        int(_opt(args, "--vocab")),
+    )
     params = layers * 12 * hidden * hidden + 2 * vocab * hidden  # Llama-shaped: about 12 h^2 per layer
     assert params * 4 < 100e6, "the short form's fp32 checkpoint must stay under 100 MB"
     assert _opt(args, "--device") == "cuda"

@@ -14,14 +14,36 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_grpc_bench_quick(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "grpc_bench.py"), "--quick", "--window", "0.1",
-         "--in-flight", "16", "--json", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=60, check=False,
+        [
+            sys.executable,
+            str(ROOT / "bench" / "grpc_bench.py"),
+            "--quick",
+            "--window",
+            "0.1",
+            "--in-flight",
+            "16",
+            "--json",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for label in ("Check (health, empty RPC: floor)", "Append (unary, 1 token)", "Step 256 seqs, packed arrays",
-                  "Step 256 seqs, sub-messages", "Step engine iteration (256+c/f/a)", "targets:",
-                  "80% of the floor", "100% of the floor", "p50 < 2 ms", "p50 <= 1.3 ms"):
+    for label in (
+        "Check (health, empty RPC: floor)",
+        "Append (unary, 1 token)",
+        "Step 256 seqs, packed arrays",
+        "Step 256 seqs, sub-messages",
+        "Step engine iteration (256+c/f/a)",
+        "targets:",
+        "80% of the floor",
+        "100% of the floor",
+        "p50 < 2 ms",
+        "p50 <= 1.3 ms",
+    ):
         assert label in proc.stdout
     data = json.loads(out.read_text())
     for row in ("Check", "GetStats", "Append", "Step/packed", "Step/sub", "Step/iteration"):
@@ -31,12 +53,17 @@ def test_grpc_bench_quick(tmp_path: Path) -> None:
             assert 0 < cell["p50_ms"] <= cell["p99_ms"]
             # vs_floor is this row's calls/s over the floor's (Check) of the same run
             floor = data[f"Check@{flight}"]["calls_per_s"]
-            assert abs(cell["vs_floor"] - cell["calls_per_s"] / floor) < 0.002 + 0.001 * cell["vs_floor"], (row, cell)
+            assert abs(cell["vs_floor"] - cell["calls_per_s"] / floor) < 0.002 + 0.001 * cell["vs_floor"], (
+                row,
+                cell,
+            )
     assert data["targets_ok"] == targets_from_numbers(data), data
     # The printed verdicts are the same numbers' (one line per target, "ok" or "MISS").
     verdicts = re.findall(r"^  .*(?:ok|MISS)$", proc.stdout, re.M)
     assert len(verdicts) == 5, proc.stdout
-    assert all(v.endswith("ok") for v in verdicts if "sub-messages" not in v) == data["targets_ok"], proc.stdout
+    assert all(v.endswith("ok") for v in verdicts if "sub-messages" not in v) == data["targets_ok"], (
+        proc.stdout
+    )
 
 
 def targets_from_numbers(data: dict) -> bool:  # type: ignore[type-arg]
@@ -44,7 +71,9 @@ def targets_from_numbers(data: dict) -> bool:  # type: ignore[type-arg]
     both concurrencies, and at 1 in flight Step/packed p50 < 2 ms and the engine iteration p50 < 1.5 ms
     (the sub-messages row is shown, not a target)."""
     flights = sorted({int(k.rsplit("@", 1)[1]) for k in data if "@" in k})
-    append_ok = all(data[f"Append@{f}"]["calls_per_s"] >= 0.8 * data[f"Check@{f}"]["calls_per_s"] for f in flights)
+    append_ok = all(
+        data[f"Append@{f}"]["calls_per_s"] >= 0.8 * data[f"Check@{f}"]["calls_per_s"] for f in flights
+    )
     return append_ok and data["Step/packed@1"]["p50_ms"] < 2.0 and data["Step/iteration@1"]["p50_ms"] < 1.5
 
 
@@ -71,7 +100,11 @@ def test_targets_ok_is_what_the_numbers_say() -> None:
         rows["Step/iteration"] = cell(1000, iter_ms)
         return {1: rows, 16: {n: cell(1000, 0.5) for n in bench.ROWS}}
 
-    for args, want in (((0.9, 1.0, 1.0), True), ((0.7, 1.0, 1.0), False), ((0.9, 2.5, 1.0), False),
-                       ((0.9, 1.0, 1.6), False)):
+    for args, want in (
+        ((0.9, 1.0, 1.0), True),
+        ((0.7, 1.0, 1.0), False),
+        ((0.9, 2.5, 1.0), False),
+        ((0.9, 1.0, 1.6), False),
+    ):
         _, data, ok = bench.render(table(*args), 16)
         assert ok is want and data["targets_ok"] is want and targets_from_numbers(data) is want, args

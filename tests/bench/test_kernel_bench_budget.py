@@ -26,7 +26,9 @@ def test_section_deadline_is_an_equal_share_of_what_is_left() -> None:
 def test_a_greedy_section_leaves_time_for_the_next(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     measured: dict[str, int] = {}
 
-    def greedy(b: kernel_bench.Bench) -> list[dict[str, object]]:  # like the decode grid: cases until out of time
+    def greedy(
+        b: kernel_bench.Bench,
+    ) -> list[dict[str, object]]:  # like the decode grid: cases until out of time
         rows: list[dict[str, object]] = []
         for i in range(10_000):
             if b.out_of_time():
@@ -48,9 +50,13 @@ def test_a_greedy_section_leaves_time_for_the_next(monkeypatch: pytest.MonkeyPat
 
     monkeypatch.setattr(kernel_bench, "SECTIONS", {"decode": greedy, "prefill": small})
     t0 = time.monotonic()
-    rc = kernel_bench.main(["--smoke", "--sections", "decode,prefill", "--time-budget", "0.6", "--out", str(tmp_path)])
+    rc = kernel_bench.main(
+        ["--smoke", "--sections", "decode,prefill", "--time-budget", "0.6", "--out", str(tmp_path)]
+    )
     assert rc == 0
     assert time.monotonic() - t0 < 2.0
     assert measured["decode"] >= 5, measured
-    assert measured["prefill"] == 3, f"prefill rows skipped: the decode grid took the whole budget ({measured})"
+    assert measured["prefill"] == 3, (
+        f"prefill rows skipped: the decode grid took the whole budget ({measured})"
+    )
     assert "skipped: time budget" not in (tmp_path / "results.md").read_text().split("## prefill")[1]

@@ -19,13 +19,23 @@ def test_multipool_bench_smoke() -> None:
     # Not the suite's TRITON_INTERPRET=1 (tests/conftest.py): the CPU workers use the torch
     # reference kernels, as in a real CPU run.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "multipool_bench.py"), "--smoke"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=240, check=False, env=env)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "multipool_bench.py"), "--smoke"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     rows = {}
     for policy in ("round-robin", "prefix-aware"):
-        m = re.search(rf"^{policy}\s+([\d.]+)%\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+\[(.*)\]$",
-                      proc.stdout, re.M)
+        m = re.search(
+            rf"^{policy}\s+([\d.]+)%\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+\[(.*)\]$",
+            proc.stdout,
+            re.M,
+        )
         assert m, proc.stdout
         rows[policy] = m
         assert 0 < float(m[2]) <= float(m[3])  # TTFT p50 <= p99

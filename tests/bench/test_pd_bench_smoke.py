@@ -24,13 +24,31 @@ def test_pd_bench_model_workload_and_drive(tmp_path: Path, monkeypatch: pytest.M
     model = pd_bench.make_model(tmp_path / "m", hidden=64, layers=2, vocab=128)
     cfg = load_model_config(str(model))
     assert (cfg.hidden_size, cfg.num_layers, cfg.vocab_size, cfg.num_heads) == (64, 2, 128, 1)
-    args = argparse.Namespace(seed=0, decoders=3, decode_prompt=5, decode_tokens=4, long=2, long_prompt=20,
-                              long_tokens=2, long_start_s=0.05, long_every_s=0.05)
+    args = argparse.Namespace(
+        seed=0,
+        decoders=3,
+        decode_prompt=5,
+        decode_tokens=4,
+        long=2,
+        long_prompt=20,
+        long_tokens=2,
+        long_start_s=0.05,
+        long_every_s=0.05,
+    )
     arrivals = pd_bench.workload(args, cfg.vocab_size)
     assert [a.at_s for a in arrivals] == [0.0, 0.0, 0.0, 0.05, 0.1]
     assert [len(a.request.prompt) for a in arrivals] == [5, 5, 5, 20, 20]
-    with LocalStack(StackConfig(model=str(model), device="cpu", dtype="float32", block_size=4, num_gpu_blocks=64,
-                                num_workers=2, roles=("prefill", "decode"))) as st:
+    with LocalStack(
+        StackConfig(
+            model=str(model),
+            device="cpu",
+            dtype="float32",
+            block_size=4,
+            num_gpu_blocks=64,
+            num_workers=2,
+            roles=("prefill", "decode"),
+        )
+    ) as st:
         addresses = [st.block_manager_target, "cache-host-unused", *st.worker_targets]
         stack = types.SimpleNamespace(services=[types.SimpleNamespace(address=a) for a in addresses])
         res = pd_bench.drive(stack, arrivals, pd_bench.Layout("p+d", 2, ("prefill", "decode")), 16)  # type: ignore[arg-type]

@@ -31,14 +31,46 @@ def test_serve_bench_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     hf = build_hf_model(tmp_path / "model", seed=1)
     out = tmp_path / "rows.json"
     with LocalStack(stack_config(hf, num_gpu_blocks=256)) as st, serving(st, model_name="tiny") as srv:
-        code = bench.main(["--url", srv.url, "--model", str(hf.path), "--num-requests", "8", "--rates", "20,inf",
-                           "--max-concurrency", "4", "--system-len", "16", "--input-len", "8", "--output-len", "6",
-                           "--alone-requests", "2", "--baseline-batch-size", "4", "--json", str(out)])
+        code = bench.main(
+            [
+                "--url",
+                srv.url,
+                "--model",
+                str(hf.path),
+                "--num-requests",
+                "8",
+                "--rates",
+                "20,inf",
+                "--max-concurrency",
+                "4",
+                "--system-len",
+                "16",
+                "--input-len",
+                "8",
+                "--output-len",
+                "6",
+                "--alone-requests",
+                "2",
+                "--baseline-batch-size",
+                "4",
+                "--json",
+                str(out),
+            ]
+        )
     text = capsys.readouterr().out
     assert code == 0, text
-    for label in ("rate 20 req/s", "offline (all at once)", "max concurrency 4", "transformers static (batch 4",
-                  "TTFT ms mean/p50/p99", "TPOT ms mean/p50/p99", "ITL ms mean/p50/p99", "prefix hits",
-                  "prefill alone", "target <= 1.3x"):
+    for label in (
+        "rate 20 req/s",
+        "offline (all at once)",
+        "max concurrency 4",
+        "transformers static (batch 4",
+        "TTFT ms mean/p50/p99",
+        "TPOT ms mean/p50/p99",
+        "ITL ms mean/p50/p99",
+        "prefix hits",
+        "prefill alone",
+        "target <= 1.3x",
+    ):
         assert label in text, label
     rows = {r["name"]: r for r in json.loads(out.read_text())}
     offline = rows["offline (all at once)"]

@@ -39,12 +39,20 @@ def test_workload_r_has_the_real_small_model_shape() -> None:
     49,152, tied embeddings, rope theta 100,000; 32 chat requests."""
     assert vs_vllm.WORKLOADS["R"] == ("R", 32, "chat")
     cfg = vs_vllm.model_config("R")
-    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads) == (30, 576, 9, 3)
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads) == (
+        30,
+        576,
+        9,
+        3,
+    )
     assert cfg.hidden_size // cfg.num_attention_heads == 64 and cfg.intermediate_size == 1536
     assert cfg.vocab_size == 49_152 and cfg.tie_word_embeddings
     theta = getattr(cfg, "rope_parameters", None) or {"rope_theta": cfg.rope_theta}
     assert theta["rope_theta"] == 100_000.0
-    assert vs_vllm.model_config("A").tie_word_embeddings is False and vs_vllm.model_config("A").vocab_size == vs_vllm.VOCAB
+    assert (
+        vs_vllm.model_config("A").tie_word_embeddings is False
+        and vs_vllm.model_config("A").vocab_size == vs_vllm.VOCAB
+    )
 
 
 def test_equality_counts_identical_requests_per_pair() -> None:
@@ -58,13 +66,35 @@ def test_tiny_run_pagedkv_matches_transformers(tmp_path: Path) -> None:
     # worker's kernel_backend setting) may have left in this process's environment.
     env = {k: v for k, v in os.environ.items() if k not in ("PAGEDKV_KERNEL_BACKEND", "TRITON_INTERPRET")}
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "vs_vllm.py"), "--workloads", "tiny", "--systems", "pagedkv,hf-static",
-         "--runs", "1", "--work-dir", str(tmp_path), "--json", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240, check=False,
+        [
+            sys.executable,
+            str(ROOT / "bench" / "vs_vllm.py"),
+            "--workloads",
+            "tiny",
+            "--systems",
+            "pagedkv,hf-static",
+            "--runs",
+            "1",
+            "--work-dir",
+            str(tmp_path),
+            "--json",
+            str(out),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "pagedkv = hf-static: 4/4" in proc.stdout
-    for label in ("block-manager RPCs", "worker: decode attention", "worker: rest of the forward", "worker: sampling"):
+    for label in (
+        "block-manager RPCs",
+        "worker: decode attention",
+        "worker: rest of the forward",
+        "worker: sampling",
+    ):
         assert label in proc.stdout
     data = json.loads(out.read_text())["workloads"]["tiny"]
     for system in ("pagedkv", "hf-static"):

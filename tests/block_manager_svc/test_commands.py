@@ -31,8 +31,15 @@ def _view(core: BlockManager) -> tuple:
 
 def test_the_journal_holds_explicit_commands_that_rebuild_the_same_state(tmp_path: Path) -> None:
     state = tmp_path / "state"
-    settings = BlockManagerSettings(port=0, num_gpu_blocks=16, block_size=4, num_cpu_blocks=4,
-                                    preemption_mode="swap", state_dir=str(state), fsync="off")
+    settings = BlockManagerSettings(
+        port=0,
+        num_gpu_blocks=16,
+        block_size=4,
+        num_cpu_blocks=4,
+        preemption_mode="swap",
+        state_dir=str(state),
+        fsync="off",
+    )
     running = start_server(settings)
     try:
         sv = running.servicer
@@ -54,18 +61,33 @@ def test_the_journal_holds_explicit_commands_that_rebuild_the_same_state(tmp_pat
         sv.Append(pb.AppendRequest(seq_id="b", num_tokens=3, token_ids=[7, 8, 9], request_id="r1"), ctx)
         with pytest.raises(RuntimeError):
             sv.Free(pb.FreeRequest(seq_id="nope"), ctx)  # refused: changed nothing, so nothing is recorded
-        sv.Step(pb.StepRequest(append_seq_ids=["a"], append_token_ids=[5], free_seq_ids=["b"],
-                               commit_seq_ids=["a"], commit_num_computed_tokens=[9],
-                               alloc_seq_ids=["n"], alloc_num_tokens=[5], alloc_token_ids=[1, 2, 3, 4, 5],
-                               alloc_lease_ids=["M"]), ctx)
+        sv.Step(
+            pb.StepRequest(
+                append_seq_ids=["a"],
+                append_token_ids=[5],
+                free_seq_ids=["b"],
+                commit_seq_ids=["a"],
+                commit_num_computed_tokens=[9],
+                alloc_seq_ids=["n"],
+                alloc_num_tokens=[5],
+                alloc_token_ids=[1, 2, 3, 4, 5],
+                alloc_lease_ids=["M"],
+            ),
+            ctx,
+        )
         live_core = sv._core
         live_leases = sv.reliable.leases
         records = list(scan(state, 0, ScanReport(), repair=False))
         assert {r.name for r in records} == {cmds.RECORD_NAME}
         batches = [decode_batch(r.body) for r in records]
         kinds = [[type(c).__name__ for c in b.commands] for b in batches]
-        assert kinds == [["Allocate", "LeaseAttach"], ["Commit"], ["Fork", "LeaseAttach"], ["Append"],
-                         ["Step", "LeaseDetachAll", "LeaseAttach"]]
+        assert kinds == [
+            ["Allocate", "LeaseAttach"],
+            ["Commit"],
+            ["Fork", "LeaseAttach"],
+            ["Append"],
+            ["Step", "LeaseDetachAll", "LeaseAttach"],
+        ]
         assert batches[3].commands[0] == cmds.Append("b", 3, [7, 8, 9])
         assert batches[3].dedupe is not None and batches[3].dedupe.request_id == "r1"
         fresh, fresh_leases = _core(), LeaseTable()
@@ -80,8 +102,10 @@ def test_the_journal_holds_explicit_commands_that_rebuild_the_same_state(tmp_pat
 
 
 def test_a_batch_round_trips_and_decoding_builds_only_command_types() -> None:
-    batch = Batch([cmds.Allocate("a", 5, [1, 2, 3, 4, 5]), cmds.LeaseTouch("L", 2.5), cmds.ResetPrefixCache()],
-                  DedupeEntry("r1", "Step", b"d" * 16, b"reply", 1.5))
+    batch = Batch(
+        [cmds.Allocate("a", 5, [1, 2, 3, 4, 5]), cmds.LeaseTouch("L", 2.5), cmds.ResetPrefixCache()],
+        DedupeEntry("r1", "Step", b"d" * 16, b"reply", 1.5),
+    )
     assert decode_batch(encode_batch(batch)) == batch
     bogus = msgspec.msgpack.encode([[["System", "rm -rf /"]], None])
     with pytest.raises(ReplayError, match="does not hold a command batch"):
@@ -95,6 +119,7 @@ def test_a_batch_round_trips_and_decoding_builds_only_command_types() -> None:
 def test_format_2_records_are_migrated_to_the_same_commands() -> None:
     """Records written before the explicit commands hold generic (target, method, args, kwargs)
     calls, and Step as its old parallel-array parameters; commands.py migrates them."""
+
     def setup(core: BlockManager) -> None:
         core.allocate("a", 7, list(range(7)))
         core.allocate("b", 3)
@@ -103,19 +128,41 @@ def test_format_2_records_are_migrated_to_the_same_commands() -> None:
     live, old_form = _core(), _core()
     setup(live)
     setup(old_form)
-    live.step(StepBatch(append_seq_ids=["a", "c"], append_num_tokens=[2, 1],
-                        append_token_ids=array("I", [8, 9, 4]), free_seq_ids=["b"], commit_seq_ids=["a"],
-                        commit_num_computed_tokens=[6], alloc_seq_ids=["n"], alloc_num_tokens=[5],
-                        alloc_token_ids=array("I", [1, 2, 3, 4, 5])))
+    live.step(
+        StepBatch(
+            append_seq_ids=["a", "c"],
+            append_num_tokens=[2, 1],
+            append_token_ids=array("I", [8, 9, 4]),
+            free_seq_ids=["b"],
+            commit_seq_ids=["a"],
+            commit_num_computed_tokens=[6],
+            alloc_seq_ids=["n"],
+            alloc_num_tokens=[5],
+            alloc_token_ids=array("I", [1, 2, 3, 4, 5]),
+        )
+    )
     live_leases = LeaseTable()
     live_leases.attach("n", "L")
     live.fork("n", "n2")
     old_calls = [
-        ("core", "step", [["a", "c"], [2, 1], [8, 9, 4], ["b"], []],
-         {"append_tokens_known": None, "commit_seq_ids": ["a"], "commit_num_computed_tokens": [6],
-          "alloc_seq_ids": ["n"], "alloc_num_tokens": [5], "alloc_token_ids": [1, 2, 3, 4, 5],
-          "alloc_priorities": [], "alloc_salts": [], "fork_parent_seq_ids": [], "fork_child_seq_ids": [],
-          "tenant": ""}),
+        (
+            "core",
+            "step",
+            [["a", "c"], [2, 1], [8, 9, 4], ["b"], []],
+            {
+                "append_tokens_known": None,
+                "commit_seq_ids": ["a"],
+                "commit_num_computed_tokens": [6],
+                "alloc_seq_ids": ["n"],
+                "alloc_num_tokens": [5],
+                "alloc_token_ids": [1, 2, 3, 4, 5],
+                "alloc_priorities": [],
+                "alloc_salts": [],
+                "fork_parent_seq_ids": [],
+                "fork_child_seq_ids": [],
+                "tenant": "",
+            },
+        ),
         ("leases", "attach", ["n", "L"], {}),
         ("core", "fork", ["n", "n2"], {}),
     ]
@@ -127,8 +174,11 @@ def test_format_2_records_are_migrated_to_the_same_commands() -> None:
     for c in batch.commands:
         replay(c, old_form, old_leases)
     assert _view(old_form) == _view(live) and old_leases.lease_of == live_leases.lease_of
-    for bad in ([("os", "system", ["x"], {})], [("core", "check_invariants", [], {})],
-                [("core", "step", [{"no_such_field": []}], {})]):
+    for bad in (
+        [("os", "system", ["x"], {})],
+        [("core", "check_invariants", [], {})],
+        [("core", "step", [{"no_such_field": []}], {})],
+    ):
         with pytest.raises(ReplayError, match="not a known state change|unknown fields"):
             decode_batch(msgspec.msgpack.encode([bad, None]), cmds.RECORD_NAME_V2)
 
@@ -139,5 +189,7 @@ def test_a_journal_of_requests_from_an_older_version_is_refused_with_what_to_do(
     j = Journal(state, 1, "off")
     j.append("Allocate", pb.AllocateRequest(seq_id="a", num_tokens=5).SerializeToString(), time.time())
     j.close()
-    with pytest.raises(ReplayError, match=r"record 1 \(Allocate\) was written by an older version.*stop it cleanly"):
+    with pytest.raises(
+        ReplayError, match=r"record 1 \(Allocate\) was written by an older version.*stop it cleanly"
+    ):
         start_server(BlockManagerSettings(port=0, num_gpu_blocks=16, block_size=4, state_dir=str(state)))

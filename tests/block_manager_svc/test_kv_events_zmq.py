@@ -11,8 +11,8 @@ that index equals the block manager's own.
 from __future__ import annotations
 
 import random
-from array import array
 import time
+from array import array
 from typing import Any
 
 import msgspec
@@ -209,10 +209,15 @@ def run_workload(bm: BlockManagerClient, rng: random.Random) -> list[list[int]]:
 
 @pytest.mark.parametrize("encoding,batch_type", [("map", MapBatch), ("array", ArrayBatch)])
 def test_subscriber_rebuilds_the_prefix_index(server_factory, encoding, batch_type) -> None:  # type: ignore[no-untyped-def]
-    running = server_factory(num_gpu_blocks=16, block_size=BLOCK_SIZE, watermark_fraction=0,
-                             kv_events_endpoint="tcp://127.0.0.1:*",
-                             kv_events_replay_endpoint="tcp://127.0.0.1:*",
-                             kv_events_topic="kv@pool-a@tiny", kv_events_encoding=encoding)
+    running = server_factory(
+        num_gpu_blocks=16,
+        block_size=BLOCK_SIZE,
+        watermark_fraction=0,
+        kv_events_endpoint="tcp://127.0.0.1:*",
+        kv_events_replay_endpoint="tcp://127.0.0.1:*",
+        kv_events_topic="kv@pool-a@tiny",
+        kv_events_encoding=encoding,
+    )
     pub = running.kv_events
     assert pub is not None
     sub = Subscriber(pub.endpoint, pub.replay_endpoint, "kv@pool-a@tiny", batch_type)
@@ -242,9 +247,13 @@ def test_subscriber_rebuilds_the_prefix_index(server_factory, encoding, batch_ty
 
 def test_replay_serves_missed_batches(server_factory) -> None:  # type: ignore[no-untyped-def]
     """A subscriber that connects late gets the whole history by replay, then live batches."""
-    running = server_factory(num_gpu_blocks=16, block_size=BLOCK_SIZE, watermark_fraction=0,
-                             kv_events_endpoint="tcp://127.0.0.1:*",
-                             kv_events_replay_endpoint="tcp://127.0.0.1:*")
+    running = server_factory(
+        num_gpu_blocks=16,
+        block_size=BLOCK_SIZE,
+        watermark_fraction=0,
+        kv_events_endpoint="tcp://127.0.0.1:*",
+        kv_events_replay_endpoint="tcp://127.0.0.1:*",
+    )
     pub = running.kv_events
     assert pub is not None
     with BlockManagerClient(f"127.0.0.1:{running.port}") as bm:
@@ -301,8 +310,14 @@ def test_overflow_is_followed_by_all_blocks_cleared() -> None:
 
     from block_manager_svc.kv_events_zmq import ZmqEventConfig, ZmqKvEventPublisher
 
-    pub = ZmqKvEventPublisher(ZmqEventConfig(endpoint="tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*",
-                                             block_size=BLOCK_SIZE, queue_size=16))
+    pub = ZmqKvEventPublisher(
+        ZmqEventConfig(
+            endpoint="tcp://127.0.0.1:*",
+            replay_endpoint="tcp://127.0.0.1:*",
+            block_size=BLOCK_SIZE,
+            queue_size=16,
+        )
+    )
     sub = Subscriber(pub.endpoint, pub.replay_endpoint, "kv-events", MapBatch)
     try:
         time.sleep(0.2)
@@ -310,15 +325,24 @@ def test_overflow_is_followed_by_all_blocks_cleared() -> None:
         sys.setswitchinterval(1.0)  # keep the publisher thread off the GIL while the queue fills
         try:
             for i in range(200):  # 200 stored blocks of one chain, far more than the queue holds
-                pub(i + 1, PoolBlockStored(i, (i + 1).to_bytes(16, "big"), i.to_bytes(16, "big") if i else None,
-                                           array("I", [i] * BLOCK_SIZE)))
+                pub(
+                    i + 1,
+                    PoolBlockStored(
+                        i,
+                        (i + 1).to_bytes(16, "big"),
+                        i.to_bytes(16, "big") if i else None,
+                        array("I", [i] * BLOCK_SIZE),
+                    ),
+                )
         finally:
             sys.setswitchinterval(interval)
         assert pub.num_lost_events > 0
         deadline = time.monotonic() + 5
         while pub._lost and time.monotonic() < deadline:
             time.sleep(0.01)
-        pub(500, PoolBlockStored(7, (500).to_bytes(16, "big"), None, array("I", [9] * BLOCK_SIZE)))  # after recovery
+        pub(
+            500, PoolBlockStored(7, (500).to_bytes(16, "big"), None, array("I", [9] * BLOCK_SIZE))
+        )  # after recovery
         sub.drain()
         assert sub.num_cleared == 2  # the publisher's first batch, then the one after the overflow
         assert set(sub.index) == {500}  # what was known before the loss is forgotten, not kept stale

@@ -52,7 +52,11 @@ def process() -> object:
         full_env = {**os.environ, **(env or {})}
         p = subprocess.Popen(
             [sys.executable, "-m", "pagedkv.cli", "block-manager", *args],
-            cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            cwd=ROOT,
+            env=full_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         procs.append(p)
         return p
@@ -66,8 +70,10 @@ def process() -> object:
 
 def test_serves_health_reflection_and_stops_gracefully_on_sigterm(process) -> None:  # type: ignore[no-untyped-def]
     port = free_port()
-    p = process(["--port", str(port), "--block-size", "8", "--log-format", "json"],
-                env={"PAGEDKV_NUM_GPU_BLOCKS": "123"})
+    p = process(
+        ["--port", str(port), "--block-size", "8", "--log-format", "json"],
+        env={"PAGEDKV_NUM_GPU_BLOCKS": "123"},
+    )
     wait_healthy(f"127.0.0.1:{port}", "pagedkv.v1.BlockManager", 20.0)
     with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
         cfg = pb_grpc.BlockManagerStub(ch).GetConfig(pb.GetConfigRequest(), timeout=5)
@@ -104,9 +110,11 @@ def test_port_in_use_is_reported(process) -> None:  # type: ignore[no-untyped-de
 
 
 def test_cli_lists_commands() -> None:
-    out = subprocess.run([sys.executable, "-m", "pagedkv.cli", "--help"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        [sys.executable, "-m", "pagedkv.cli", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=30
+    )
     assert out.returncode == 0 and "block-manager" in out.stdout
-    bad = subprocess.run([sys.executable, "-m", "pagedkv.cli", "nope"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=30)
+    bad = subprocess.run(
+        [sys.executable, "-m", "pagedkv.cli", "nope"], cwd=ROOT, capture_output=True, text=True, timeout=30
+    )
     assert bad.returncode == 2 and "unknown command" in bad.stderr

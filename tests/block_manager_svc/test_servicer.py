@@ -34,8 +34,8 @@ def test_allocate_prefix_hit_and_stats(stub) -> None:  # type: ignore[no-untyped
 
 
 def test_contract_only_committed_blocks_are_hits_and_stats_agree_with_events(server_factory) -> None:  # type: ignore[no-untyped-def]
-    """Prefix hits are committed blocks: Allocate A; B with the same prefix gets 0 hits; Commit A; C gets the hits;
-    GetStats and WatchEvents agree (BlockStored only at commit)."""
+    """Prefix hits are committed blocks: Allocate A; B with the same prefix gets 0 hits; Commit A;
+    C gets the hits; GetStats and WatchEvents agree (BlockStored only at commit)."""
     server = server_factory(num_gpu_blocks=32, block_size=4, enable_kv_events=True)
     prompt = list(range(100, 114))  # 3 full blocks + 2 tokens
     with grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch:
@@ -49,9 +49,18 @@ def test_contract_only_committed_blocks_are_hits_and_stats_agree_with_events(ser
         s = stats(stub)
         assert s.num_hashed_blocks == 0 and s.num_committed_blocks == 0 and s.prefix_hit_tokens == 0
         # A partial commit enters only the full blocks it covers.
-        assert stub.Commit(pb.CommitRequest(seq_id="A", num_computed_tokens=9), timeout=5).num_committed_blocks == 2
-        assert stub.Commit(pb.CommitRequest(seq_id="A", num_computed_tokens=14), timeout=5).num_committed_blocks == 3
-        assert stub.Commit(pb.CommitRequest(seq_id="A", num_computed_tokens=5), timeout=5).num_committed_blocks == 3
+        assert (
+            stub.Commit(pb.CommitRequest(seq_id="A", num_computed_tokens=9), timeout=5).num_committed_blocks
+            == 2
+        )
+        assert (
+            stub.Commit(pb.CommitRequest(seq_id="A", num_computed_tokens=14), timeout=5).num_committed_blocks
+            == 3
+        )
+        assert (
+            stub.Commit(pb.CommitRequest(seq_id="A", num_computed_tokens=5), timeout=5).num_committed_blocks
+            == 3
+        )
         c = stub.Allocate(pb.AllocateRequest(seq_id="C", num_tokens=14, token_ids=prompt), timeout=5)
         assert c.num_cached_tokens == 12 and list(c.block_ids[:3]) == list(a.block_ids[:3])
         s = stats(stub)
@@ -59,7 +68,9 @@ def test_contract_only_committed_blocks_are_hits_and_stats_agree_with_events(ser
         assert s.prefix_query_tokens == 42 and s.prefix_hit_tokens == 12
         events = [next(stream), next(stream)]
         stream.cancel()
-    stored = [(list(e.block_stored.block_ids), [bytes(h) for h in e.block_stored.block_hashes]) for e in events]
+    stored = [
+        (list(e.block_stored.block_ids), [bytes(h) for h in e.block_stored.block_hashes]) for e in events
+    ]
     assert all(e.WhichOneof("event") == "block_stored" for e in events)
     assert [b for ids, _ in stored for b in ids] == list(a.block_ids[:3])  # A's blocks, at its commits
     assert len({h for _, hs in stored for h in hs}) == s.num_hashed_blocks
@@ -93,48 +104,140 @@ def test_free_releases_and_cached_blocks_stay_findable(stub) -> None:  # type: i
     "method, request_, code, fragment",
     [
         ("Allocate", pb.AllocateRequest(seq_id="", num_tokens=1), grpc.StatusCode.INVALID_ARGUMENT, "empty"),
-        ("Allocate", pb.AllocateRequest(seq_id="z", num_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "num_tokens"),
-        ("Allocate", pb.AllocateRequest(seq_id="z", num_tokens=3, token_ids=[1, 2]),
-         grpc.StatusCode.INVALID_ARGUMENT, "token_ids has 2"),
-        ("Allocate", pb.AllocateRequest(seq_id="z", num_tokens=65), grpc.StatusCode.INVALID_ARGUMENT, "whole pool"),
+        (
+            "Allocate",
+            pb.AllocateRequest(seq_id="z", num_tokens=0),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "num_tokens",
+        ),
+        (
+            "Allocate",
+            pb.AllocateRequest(seq_id="z", num_tokens=3, token_ids=[1, 2]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "token_ids has 2",
+        ),
+        (
+            "Allocate",
+            pb.AllocateRequest(seq_id="z", num_tokens=65),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "whole pool",
+        ),
         ("Allocate", pb.AllocateRequest(seq_id="live", num_tokens=1), grpc.StatusCode.ALREADY_EXISTS, "live"),
-        ("Allocate", pb.AllocateRequest(seq_id="z", num_tokens=60), grpc.StatusCode.RESOURCE_EXHAUSTED,
-         "needs 15 blocks"),
+        (
+            "Allocate",
+            pb.AllocateRequest(seq_id="z", num_tokens=60),
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "needs 15 blocks",
+        ),
         ("Append", pb.AppendRequest(seq_id="nope", num_tokens=1), grpc.StatusCode.NOT_FOUND, "nope"),
-        ("Append", pb.AppendRequest(seq_id="live", num_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "num_tokens"),
-        ("Append", pb.AppendRequest(seq_id="live", num_tokens=1, token_ids=[1, 2]),
-         grpc.StatusCode.INVALID_ARGUMENT, "token_ids"),
-        ("Append", pb.AppendRequest(seq_id="live", num_tokens=60), grpc.StatusCode.INVALID_ARGUMENT, "whole pool"),
+        (
+            "Append",
+            pb.AppendRequest(seq_id="live", num_tokens=0),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "num_tokens",
+        ),
+        (
+            "Append",
+            pb.AppendRequest(seq_id="live", num_tokens=1, token_ids=[1, 2]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "token_ids",
+        ),
+        (
+            "Append",
+            pb.AppendRequest(seq_id="live", num_tokens=60),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "whole pool",
+        ),
         ("Fork", pb.ForkRequest(parent_seq_id="nope", child_seq_id="c"), grpc.StatusCode.NOT_FOUND, "nope"),
-        ("Fork", pb.ForkRequest(parent_seq_id="live", child_seq_id="live"), grpc.StatusCode.ALREADY_EXISTS, "live"),
-        ("Fork", pb.ForkRequest(parent_seq_id="live", child_seq_id=""), grpc.StatusCode.INVALID_ARGUMENT, "child"),
+        (
+            "Fork",
+            pb.ForkRequest(parent_seq_id="live", child_seq_id="live"),
+            grpc.StatusCode.ALREADY_EXISTS,
+            "live",
+        ),
+        (
+            "Fork",
+            pb.ForkRequest(parent_seq_id="live", child_seq_id=""),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "child",
+        ),
         ("Free", pb.FreeRequest(seq_id="nope"), grpc.StatusCode.NOT_FOUND, "nope"),
         ("Free", pb.FreeRequest(seq_id=""), grpc.StatusCode.INVALID_ARGUMENT, "empty"),
         ("GetBlockTable", pb.GetBlockTableRequest(seq_id="nope"), grpc.StatusCode.NOT_FOUND, "nope"),
-        ("Step", pb.StepRequest(append_seq_ids=["live"], append_num_tokens=[1, 1]),
-         grpc.StatusCode.INVALID_ARGUMENT, "append_num_tokens"),
-        ("Commit", pb.CommitRequest(seq_id="live", num_computed_tokens=6), grpc.StatusCode.INVALID_ARGUMENT,
-         "more than the 5 tokens"),
+        (
+            "Step",
+            pb.StepRequest(append_seq_ids=["live"], append_num_tokens=[1, 1]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "append_num_tokens",
+        ),
+        (
+            "Commit",
+            pb.CommitRequest(seq_id="live", num_computed_tokens=6),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "more than the 5 tokens",
+        ),
         ("Commit", pb.CommitRequest(seq_id="nope", num_computed_tokens=1), grpc.StatusCode.NOT_FOUND, "nope"),
-        ("Commit", pb.CommitRequest(seq_id="", num_computed_tokens=1), grpc.StatusCode.INVALID_ARGUMENT, "empty"),
-        ("Step", pb.StepRequest(commit_seq_ids=["live"], commit_num_computed_tokens=[1, 2]),
-         grpc.StatusCode.INVALID_ARGUMENT, "commit_num_computed_tokens"),
-        ("Step", pb.StepRequest(alloc_seq_ids=["x", "y"], alloc_num_tokens=[1]),
-         grpc.StatusCode.INVALID_ARGUMENT, "alloc_num_tokens"),
-        ("Step", pb.StepRequest(alloc_seq_ids=["x"], alloc_num_tokens=[2], alloc_token_ids=[1]),
-         grpc.StatusCode.INVALID_ARGUMENT, "alloc_token_ids"),
-        ("Step", pb.StepRequest(alloc_seq_ids=["x"], alloc_num_tokens=[2], alloc_lease_ids=["l", "m"]),
-         grpc.StatusCode.INVALID_ARGUMENT, "alloc_lease_ids"),
-        ("Step", pb.StepRequest(fork_parent_seq_ids=["live"]), grpc.StatusCode.INVALID_ARGUMENT, "fork_child"),
+        (
+            "Commit",
+            pb.CommitRequest(seq_id="", num_computed_tokens=1),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "empty",
+        ),
+        (
+            "Step",
+            pb.StepRequest(commit_seq_ids=["live"], commit_num_computed_tokens=[1, 2]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "commit_num_computed_tokens",
+        ),
+        (
+            "Step",
+            pb.StepRequest(alloc_seq_ids=["x", "y"], alloc_num_tokens=[1]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "alloc_num_tokens",
+        ),
+        (
+            "Step",
+            pb.StepRequest(alloc_seq_ids=["x"], alloc_num_tokens=[2], alloc_token_ids=[1]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "alloc_token_ids",
+        ),
+        (
+            "Step",
+            pb.StepRequest(alloc_seq_ids=["x"], alloc_num_tokens=[2], alloc_lease_ids=["l", "m"]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "alloc_lease_ids",
+        ),
+        (
+            "Step",
+            pb.StepRequest(fork_parent_seq_ids=["live"]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "fork_child",
+        ),
         # Wire shapes are the handler's to check (the core takes a well-formed StepBatch).
-        ("Step", pb.StepRequest(append_seq_ids=["live"], append_num_tokens=[2], append_token_ids=[1]),
-         grpc.StatusCode.INVALID_ARGUMENT, "append_token_ids has 1 entries but the counts add up to 2"),
-        ("Step", pb.StepRequest(append_seq_ids=["live"], append_token_ids=[1, 2], free_seq_ids=["live"]),
-         grpc.StatusCode.INVALID_ARGUMENT, "append_token_ids has 2 entries"),
-        ("Step", pb.StepRequest(alloc_seq_ids=["x"], alloc_num_tokens=[2], alloc_priorities=[1, 2]),
-         grpc.StatusCode.INVALID_ARGUMENT, "alloc_priorities has 2 entries for 1 allocations"),
-        ("Step", pb.StepRequest(alloc_seq_ids=["x"], alloc_num_tokens=[2], alloc_cache_salts=["a", "b"]),
-         grpc.StatusCode.INVALID_ARGUMENT, "alloc_cache_salts has 2 entries"),
+        (
+            "Step",
+            pb.StepRequest(append_seq_ids=["live"], append_num_tokens=[2], append_token_ids=[1]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "append_token_ids has 1 entries but the counts add up to 2",
+        ),
+        (
+            "Step",
+            pb.StepRequest(append_seq_ids=["live"], append_token_ids=[1, 2], free_seq_ids=["live"]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "append_token_ids has 2 entries",
+        ),
+        (
+            "Step",
+            pb.StepRequest(alloc_seq_ids=["x"], alloc_num_tokens=[2], alloc_priorities=[1, 2]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "alloc_priorities has 2 entries for 1 allocations",
+        ),
+        (
+            "Step",
+            pb.StepRequest(alloc_seq_ids=["x"], alloc_num_tokens=[2], alloc_cache_salts=["a", "b"]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "alloc_cache_salts has 2 entries",
+        ),
     ],
 )
 def test_bad_requests_get_precise_status_and_change_nothing(stub, method, request_, code, fragment) -> None:  # type: ignore[no-untyped-def]
@@ -178,7 +281,10 @@ def test_step_submessage_form_has_one_result_per_item(stub) -> None:  # type: ig
     stub.Allocate(pb.AllocateRequest(seq_id="x", num_tokens=1))
     r = stub.Step(
         pb.StepRequest(
-            appends=[pb.AppendRequest(seq_id="a", num_tokens=1), pb.AppendRequest(seq_id="nope", num_tokens=1)],
+            appends=[
+                pb.AppendRequest(seq_id="a", num_tokens=1),
+                pb.AppendRequest(seq_id="nope", num_tokens=1),
+            ],
             frees=[pb.FreeRequest(seq_id="x"), pb.FreeRequest(seq_id="nope")],
         )
     )
@@ -196,14 +302,21 @@ def test_step_carries_a_whole_iteration_in_the_documented_order(stub) -> None:  
     prompt = list(range(1, 10))  # 2 full blocks of 4 + 1
     stub.Allocate(pb.AllocateRequest(seq_id="run", num_tokens=9, token_ids=prompt))
     stub.Allocate(pb.AllocateRequest(seq_id="done", num_tokens=2))
-    r = stub.Step(pb.StepRequest(
-        commit_seq_ids=["run", "ghost"], commit_num_computed_tokens=[9, 1],
-        free_seq_ids=["done"],
-        append_seq_ids=["run"], append_token_ids=[50],
-        alloc_seq_ids=["new", "dup", "bad"], alloc_num_tokens=[9, 1, 0],
-        alloc_token_ids=prompt + [7], alloc_priorities=[1, 0, 0],
-        fork_parent_seq_ids=["new", "nope"], fork_child_seq_ids=["new/1", "c"],
-    ))
+    r = stub.Step(
+        pb.StepRequest(
+            commit_seq_ids=["run", "ghost"],
+            commit_num_computed_tokens=[9, 1],
+            free_seq_ids=["done"],
+            append_seq_ids=["run"],
+            append_token_ids=[50],
+            alloc_seq_ids=["new", "dup", "bad"],
+            alloc_num_tokens=[9, 1, 0],
+            alloc_token_ids=prompt + [7],
+            alloc_priorities=[1, 0, 0],
+            fork_parent_seq_ids=["new", "nope"],
+            fork_child_seq_ids=["new/1", "c"],
+        )
+    )
     kinds = sorted((e.kind, e.index, e.seq_id) for e in r.errors)
     assert kinds == [
         (pb.StepItemError.COMMIT, 1, "ghost"),
@@ -212,20 +325,26 @@ def test_step_carries_a_whole_iteration_in_the_documented_order(stub) -> None:  
     ]
     assert list(r.alloc_num_cached_tokens) == [8, 0, 0]
     tables: dict[int, list[int]] = {}
-    for i, b in zip(r.packed_alloc_block_index, r.packed_alloc_block_ids):
+    for i, b in zip(r.packed_alloc_block_index, r.packed_alloc_block_ids, strict=False):
         tables.setdefault(i, []).append(b)
     run = stub.GetBlockTable(pb.GetBlockTableRequest(seq_id="run"))
     assert tables[0][:2] == list(run.block_ids[:2]) and len(tables[0]) == 3 and len(tables[1]) == 1
     assert list(stub.GetBlockTable(pb.GetBlockTableRequest(seq_id="new/1")).block_ids) == tables[0]
     assert r.num_blocks_released == 1 and run.num_tokens == 10
     # Mixed sub-message + packed appends: sub-messages first, results mapped back to each form.
-    r = stub.Step(pb.StepRequest(
-        appends=[pb.AppendRequest(seq_id="new/1", num_tokens=1, token_ids=[5]),
-                 pb.AppendRequest(seq_id="dup", num_tokens=2, token_ids=[1])],
-        append_seq_ids=["new", "ghost"],
-    ))
-    assert [(e.kind, e.index) for e in r.errors] == [(pb.StepItemError.APPEND, 1),
-                                                    (pb.StepItemError.PACKED_APPEND, 1)]
+    r = stub.Step(
+        pb.StepRequest(
+            appends=[
+                pb.AppendRequest(seq_id="new/1", num_tokens=1, token_ids=[5]),
+                pb.AppendRequest(seq_id="dup", num_tokens=2, token_ids=[1]),
+            ],
+            append_seq_ids=["new", "ghost"],
+        )
+    )
+    assert [(e.kind, e.index) for e in r.errors] == [
+        (pb.StepItemError.APPEND, 1),
+        (pb.StepItemError.PACKED_APPEND, 1),
+    ]
     assert r.appends[0].replaced_last_block and len(r.appends) == 2 and not r.appends[1].new_block_ids
     assert list(r.packed_replaced_index) == [] and list(r.packed_new_block_index) == []  # "new" owns it now
     assert len(r.ops.copies) == 1
@@ -252,7 +371,9 @@ def test_concurrent_clients_never_share_a_block(server_factory) -> None:  # type
                     r = s.Allocate(pb.AllocateRequest(seq_id=sid, num_tokens=5), timeout=10)
                     blocks = list(r.block_ids)
                     for _ in range(4):
-                        blocks += list(s.Append(pb.AppendRequest(seq_id=sid, num_tokens=3), timeout=10).new_block_ids)
+                        blocks += list(
+                            s.Append(pb.AppendRequest(seq_id=sid, num_tokens=3), timeout=10).new_block_ids
+                        )
                     if i % 3 == 0:
                         s.Free(pb.FreeRequest(seq_id=sid), timeout=10)
                     else:
@@ -277,6 +398,7 @@ def test_step_reply_counts_prefix_cache_drops(stub) -> None:  # type: ignore[no-
     """StepResponse.prefix_cache_drops moves exactly when registered blocks leave the prefix cache
     (an eviction or a ResetPrefixCache): the engine trusts its finished sequences' prefixes only
     while it has not moved."""
+
     def drops() -> int:
         return stub.Step(pb.StepRequest(), timeout=5).prefix_cache_drops
 
@@ -309,7 +431,10 @@ def test_errors_carry_the_standard_rich_status_with_a_reason(stub) -> None:  # t
     err = call_error(stub.Append, pb.AppendRequest(seq_id="nope", num_tokens=1))
     _, info = _error_info(err)
     assert (info.reason, info.domain, dict(info.metadata)) == (
-        "SEQUENCE_NOT_FOUND", "pagedkv.block_manager", {"seq_id": "nope"})
+        "SEQUENCE_NOT_FOUND",
+        "pagedkv.block_manager",
+        {"seq_id": "nope"},
+    )
     stub.Allocate(pb.AllocateRequest(seq_id="big", num_tokens=60))
     err = call_error(stub.Allocate, pb.AllocateRequest(seq_id="more", num_tokens=16))
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -334,11 +459,17 @@ def test_the_tenant_namespace_is_taken_off_the_rich_status_too() -> None:
 
     ctx = Ctx()
     prefix = "alice\x1f"
-    _ScopedContext(ctx, prefix).abort_with_status(rich_status(
-        grpc.StatusCode.NOT_FOUND, f"sequence {prefix + 's1'!r} does not exist", "SEQUENCE_NOT_FOUND", prefix + "s1"))
+    _ScopedContext(ctx, prefix).abort_with_status(
+        rich_status(
+            grpc.StatusCode.NOT_FOUND,
+            f"sequence {prefix + 's1'!r} does not exist",
+            "SEQUENCE_NOT_FOUND",
+            prefix + "s1",
+        )
+    )
     got = ctx.got
     assert got.code == grpc.StatusCode.NOT_FOUND and got.details == "sequence 's1' does not exist"  # type: ignore[attr-defined]
-    (key, value), = got.trailing_metadata  # type: ignore[attr-defined]
+    ((key, value),) = got.trailing_metadata  # type: ignore[attr-defined]
     status = status_pb2.Status.FromString(value)
     info = error_details_pb2.ErrorInfo()
     assert key == "grpc-status-details-bin" and status.details[0].Unpack(info)

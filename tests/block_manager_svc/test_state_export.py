@@ -15,16 +15,18 @@ from block_manager_svc import snapshot, state_export
 from block_manager_svc.core import BlockManager, CoreConfig
 from block_manager_svc.core.tenants import TenantLedger
 from block_manager_svc.leases import LeaseTable
-from block_manager_svc.server import build_core, start_server
+from block_manager_svc.server import start_server
 from block_manager_svc.settings import BlockManagerSettings
-from pagedkv.v1 import block_manager_pb2 as pb
 
 from .reliability.test_recovery import canonical
 
 
 def _busy_core(policy: str = "lru-size") -> BlockManager:
-    bm = BlockManager(CoreConfig(num_gpu_blocks=12, block_size=4, num_cpu_blocks=6, preemption_mode="swap",
-                                 eviction_policy=policy))
+    bm = BlockManager(
+        CoreConfig(
+            num_gpu_blocks=12, block_size=4, num_cpu_blocks=6, preemption_mode="swap", eviction_policy=policy
+        )
+    )
     bm.allocate("a", 10, list(range(10)))
     bm.commit("a", 10)
     bm.fork("a", "b")
@@ -113,9 +115,11 @@ def test_an_export_written_before_a_field_existed_is_migrated_in_state_export() 
         if isinstance(node, list):
             if node and node[0] == "obj":
                 cls = node[2].rpartition(":")[2]
-                drop = {"SeqState": {"num_committed", "pending_hashes", "tenant"},
-                        "BlockManager": {"ledger", "num_prefix_cache_resets", "num_committed_blocks"},
-                        "BlockPool": {"events"}}.get(cls, set())
+                drop = {
+                    "SeqState": {"num_committed", "pending_hashes", "tenant"},
+                    "BlockManager": {"ledger", "num_prefix_cache_resets", "num_committed_blocks"},
+                    "BlockPool": {"events"},
+                }.get(cls, set())
                 keep = [i for i, n in enumerate(node[3]) if n not in drop]
                 node[3] = [node[3][i] for i in keep]
                 node[4] = [node[4][i] for i in keep]

@@ -14,11 +14,11 @@ import re
 import shutil
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 from typing import Any
 
 import pytest
+import tomllib
 
 yaml = pytest.importorskip("yaml", reason="PyYAML is needed to read the compose files")
 
@@ -66,8 +66,13 @@ def check_jsonschema() -> str:
 
 
 def validate(path: Path) -> None:
-    proc = subprocess.run([check_jsonschema(), "--builtin-schema", "vendor.compose-spec", str(path)],
-                          capture_output=True, text=True, timeout=60, check=False)
+    proc = subprocess.run(
+        [check_jsonschema(), "--builtin-schema", "vendor.compose-spec", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -90,10 +95,19 @@ def test_compose_v1_config_accepts_the_files(tmp_path: Path) -> None:
     merged.write_text(json.dumps(merge(load(BASE), load(CPU))))
     pd = tmp_path / "pd-merged.yml"
     pd.write_text(json.dumps(merge(load(BASE), load(ROOT / "docker-compose.pd.yml"))))
-    for args in (["-f", str(BASE)], ["--project-directory", str(ROOT), "-f", str(merged)],
-                 ["--project-directory", str(ROOT), "-f", str(pd)]):
-        proc = subprocess.run(["docker-compose", *args, "config", "-q"], capture_output=True, text=True,
-                              timeout=60, cwd=ROOT, check=False)
+    for args in (
+        ["-f", str(BASE)],
+        ["--project-directory", str(ROOT), "-f", str(merged)],
+        ["--project-directory", str(ROOT), "-f", str(pd)],
+    ):
+        proc = subprocess.run(
+            ["docker-compose", *args, "config", "-q"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+            check=False,
+        )
         assert proc.returncode == 0, proc.stderr
 
 
@@ -123,8 +137,10 @@ def test_gpu_ipc_health_and_ports_wiring() -> None:
     assert services["worker"]["pid"] == "service:cache-host"
     assert services["worker"]["environment"]["PAGEDKV_CACHE_HOST"] == "cache-host:50052"
     assert services["cache-host"]["depends_on"] == {"block-manager": {"condition": "service_healthy"}}
-    assert services["worker"]["depends_on"] == {"cache-host": {"condition": "service_healthy"},
-                                                "block-manager": {"condition": "service_healthy"}}
+    assert services["worker"]["depends_on"] == {
+        "cache-host": {"condition": "service_healthy"},
+        "block-manager": {"condition": "service_healthy"},
+    }
     assert {s["environment"]["PAGEDKV_PORT"] for s in services.values()} == {"50051", "50052", "50053"}
     # The OpenAI-compatible frontend: HTTP /health, loopback-published, after a healthy worker.
     assert frontend["command"] == ["serve"]
@@ -190,7 +206,11 @@ def test_dockerfile_uses_one_cuda_major_throughout() -> None:
     major = re.search(r"^ARG CUDA_MAJOR=(\d+)$", text, re.M)
     index = re.search(r"^ARG TORCH_CUDA_INDEX=https://download\.pytorch\.org/whl/cu(\d+)$", text, re.M)
     assert base and major and index, "BASE_IMAGE, CUDA_MAJOR and TORCH_CUDA_INDEX must be declared"
-    assert base.group(1) == major.group(1) == index.group(1)[:-1], (base.group(1), major.group(1), index.group(1))
+    assert base.group(1) == major.group(1) == index.group(1)[:-1], (
+        base.group(1),
+        major.group(1),
+        index.group(1),
+    )
     assert '--index-url "${TORCH_CUDA_INDEX}"' in text, "torch's CUDA wheel from the index of that major"
     assert 'extras="worker,gpu-cuda${CUDA_MAJOR},text"' in text
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
@@ -221,16 +241,26 @@ def test_prefill_decode_layout_merges_valid_and_wires_roles_and_mps(tmp_path: Pa
     validate(merged)
     services = merged_doc["services"]
     prefill, decode = services["worker"], services["worker-decode"]
-    assert prefill["environment"]["PAGEDKV_ROLE"] == "prefill" and decode["environment"]["PAGEDKV_ROLE"] == "decode"
+    assert (
+        prefill["environment"]["PAGEDKV_ROLE"] == "prefill"
+        and decode["environment"]["PAGEDKV_ROLE"] == "decode"
+    )
     assert prefill["environment"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "${PAGEDKV_PREFILL_SM_PERCENT:-30}"
     assert decode["environment"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "${PAGEDKV_DECODE_SM_PERCENT:-70}"
     for name in ("cache-host", "worker", "worker-decode"):  # one MPS server for every GPU process
         svc = services[name]
-        assert svc["ipc"] == "host" and svc["environment"]["CUDA_MPS_PIPE_DIRECTORY"] == "/tmp/nvidia-mps", name
+        assert svc["ipc"] == "host" and svc["environment"]["CUDA_MPS_PIPE_DIRECTORY"] == "/tmp/nvidia-mps", (
+            name
+        )
         assert any(v.endswith(":/tmp/nvidia-mps") for v in svc["volumes"]), name
-        assert _gpu_devices(svc)[0]["device_ids"] == _gpu_devices(services["cache-host"])[0]["device_ids"], name
+        assert _gpu_devices(svc)[0]["device_ids"] == _gpu_devices(services["cache-host"])[0]["device_ids"], (
+            name
+        )
     assert prefill["environment"]["PAGEDKV_HOST"] == "0.0.0.0"  # merged onto the main file's settings
-    assert decode["pid"] == "service:cache-host" and decode["environment"]["PAGEDKV_CACHE_HOST"] == "cache-host:50052"
+    assert (
+        decode["pid"] == "service:cache-host"
+        and decode["environment"]["PAGEDKV_CACHE_HOST"] == "cache-host:50052"
+    )
     assert decode["environment"]["PAGEDKV_PORT"] == "50054"
     # An MPS server only serves clients of its own UID: the daemon runs as the image's user, so does
     # every GPU service, explicitly; and shm_size (inert with ipc: host) is said to be so.

@@ -32,9 +32,15 @@ def test_serving_unknown_service_and_unreachable(capsys) -> None:  # type: ignor
 def test_module_entry_point_uses_pagedkv_port() -> None:
     running = start_server(BlockManagerSettings(port=0, log_level="warning"))
     try:
-        proc = subprocess.run([sys.executable, "-m", "pagedkv.healthcheck"], cwd=ROOT, capture_output=True,
-                              text=True, timeout=20, check=False,
-                              env={"PAGEDKV_PORT": str(running.port), "PATH": ""})
+        proc = subprocess.run(
+            [sys.executable, "-m", "pagedkv.healthcheck"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=False,
+            env={"PAGEDKV_PORT": str(running.port), "PATH": ""},
+        )
         assert proc.returncode == 0, proc.stderr
         assert f"127.0.0.1:{running.port}: SERVING" in proc.stdout
     finally:

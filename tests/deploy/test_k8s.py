@@ -30,10 +30,22 @@ K8S_VERSION = "1.37"
 KUSTOMIZATIONS = ["overlays/cpu", "overlays/gpu", "overlays/cpu-tls", "inference-gateway"]
 
 _LABELS = {"type": "object", "additionalProperties": {"type": "string"}}
-_META = {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}, "labels": _LABELS,
-                                                               "annotations": _LABELS, "namespace": {"type": "string"}}}
-_PORT = {"type": "object", "required": ["number"], "additionalProperties": False,
-         "properties": {"number": {"type": "integer", "minimum": 1, "maximum": 65535}}}
+_META = {
+    "type": "object",
+    "required": ["name"],
+    "properties": {
+        "name": {"type": "string"},
+        "labels": _LABELS,
+        "annotations": _LABELS,
+        "namespace": {"type": "string"},
+    },
+}
+_PORT = {
+    "type": "object",
+    "required": ["number"],
+    "additionalProperties": False,
+    "properties": {"number": {"type": "integer", "minimum": 1, "maximum": 65535}},
+}
 INFERENCE_POOL_V1 = {
     "type": "object",
     "required": ["apiVersion", "kind", "metadata", "spec"],
@@ -46,12 +58,18 @@ INFERENCE_POOL_V1 = {
             "required": ["selector", "targetPorts", "endpointPickerRef"],
             "additionalProperties": False,
             "properties": {
-                "selector": {"type": "object", "required": ["matchLabels"], "additionalProperties": False,
-                             "properties": {"matchLabels": {**_LABELS, "minProperties": 1}}},
+                "selector": {
+                    "type": "object",
+                    "required": ["matchLabels"],
+                    "additionalProperties": False,
+                    "properties": {"matchLabels": {**_LABELS, "minProperties": 1}},
+                },
                 "targetPorts": {"type": "array", "minItems": 1, "maxItems": 8, "items": _PORT},
                 "appProtocol": {"enum": ["http", "kubernetes.io/h2c"]},
                 "endpointPickerRef": {
-                    "type": "object", "required": ["name"], "additionalProperties": False,
+                    "type": "object",
+                    "required": ["name"],
+                    "additionalProperties": False,
                     "properties": {
                         "group": {"type": "string", "maxLength": 253},
                         "kind": {"type": "string", "minLength": 1, "maxLength": 63},
@@ -64,10 +82,20 @@ INFERENCE_POOL_V1 = {
         },
     },
 }
-_REF = {"type": "object", "required": ["name"], "additionalProperties": False,
-        "properties": {"group": {"type": "string"}, "kind": {"type": "string"}, "name": {"type": "string"},
-                       "namespace": {"type": "string"}, "port": {"type": "integer"},
-                       "sectionName": {"type": "string"}, "weight": {"type": "integer"}}}
+_REF = {
+    "type": "object",
+    "required": ["name"],
+    "additionalProperties": False,
+    "properties": {
+        "group": {"type": "string"},
+        "kind": {"type": "string"},
+        "name": {"type": "string"},
+        "namespace": {"type": "string"},
+        "port": {"type": "integer"},
+        "sectionName": {"type": "string"},
+        "weight": {"type": "integer"},
+    },
+}
 HTTP_ROUTE_V1 = {
     "type": "object",
     "required": ["apiVersion", "kind", "metadata", "spec"],
@@ -76,35 +104,65 @@ HTTP_ROUTE_V1 = {
         "kind": {"const": "HTTPRoute"},
         "metadata": _META,
         "spec": {
-            "type": "object", "additionalProperties": False,
+            "type": "object",
+            "additionalProperties": False,
             "properties": {
                 "parentRefs": {"type": "array", "items": _REF},
                 "hostnames": {"type": "array", "items": {"type": "string"}},
-                "rules": {"type": "array", "items": {
-                    "type": "object", "additionalProperties": False,
-                    "properties": {
-                        "matches": {"type": "array", "items": {
-                            "type": "object", "additionalProperties": False,
-                            "properties": {"path": {
-                                "type": "object", "additionalProperties": False,
-                                "properties": {"type": {"enum": ["Exact", "PathPrefix", "RegularExpression"]},
-                                               "value": {"type": "string"}}}}}},
-                        "backendRefs": {"type": "array", "minItems": 1, "items": _REF},
-                        "timeouts": {"type": "object", "additionalProperties": False,
-                                     "properties": {"request": {"type": "string"},
-                                                    "backendRequest": {"type": "string"}}},
-                    }}},
+                "rules": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "properties": {
+                            "matches": {
+                                "type": "array",
+                                "items": {
+                                    "type": "object",
+                                    "additionalProperties": False,
+                                    "properties": {
+                                        "path": {
+                                            "type": "object",
+                                            "additionalProperties": False,
+                                            "properties": {
+                                                "type": {
+                                                    "enum": ["Exact", "PathPrefix", "RegularExpression"]
+                                                },
+                                                "value": {"type": "string"},
+                                            },
+                                        }
+                                    },
+                                },
+                            },
+                            "backendRefs": {"type": "array", "minItems": 1, "items": _REF},
+                            "timeouts": {
+                                "type": "object",
+                                "additionalProperties": False,
+                                "properties": {
+                                    "request": {"type": "string"},
+                                    "backendRequest": {"type": "string"},
+                                },
+                            },
+                        },
+                    },
+                },
             },
         },
     },
 }
-CRD_SCHEMAS = {("inference.networking.k8s.io/v1", "InferencePool"): INFERENCE_POOL_V1,
-               ("gateway.networking.k8s.io/v1", "HTTPRoute"): HTTP_ROUTE_V1}
+CRD_SCHEMAS = {
+    ("inference.networking.k8s.io/v1", "InferencePool"): INFERENCE_POOL_V1,
+    ("gateway.networking.k8s.io/v1", "HTTPRoute"): HTTP_ROUTE_V1,
+}
 
 
 def render(kustomization: str) -> list[dict[str, Any]]:
-    out = subprocess.run([str(kubectl_path()), "kustomize", str(K8S / kustomization)],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [str(kubectl_path()), "kustomize", str(K8S / kustomization)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 
@@ -180,9 +238,11 @@ def test_one_pod_holds_a_whole_pool(rendered, kustomization: str) -> None:  # ty
     assert sorted(cs) == ["block-manager", "cache-host", "serve", "worker"]
     assert pod["shareProcessNamespace"] is True  # CUDA IPC: the exporter must be visible
     # Native gRPC probes against each role's health service, on its own port.
-    for name, port, service in [("block-manager", 50051, "pagedkv.v1.BlockManager"),
-                                ("cache-host", 50052, "pagedkv.v1.CacheHost"),
-                                ("worker", 50053, "pagedkv.v1.Worker")]:
+    for name, port, service in [
+        ("block-manager", 50051, "pagedkv.v1.BlockManager"),
+        ("cache-host", 50052, "pagedkv.v1.CacheHost"),
+        ("worker", 50053, "pagedkv.v1.Worker"),
+    ]:
         c = cs[name]
         assert c["args"] == [name]
         assert env(c)["PAGEDKV_PORT"] == str(port)
@@ -202,7 +262,9 @@ def test_one_pod_holds_a_whole_pool(rendered, kustomization: str) -> None:  # ty
     assert mounts[env(bm)["PAGEDKV_STATE_DIR"]] in {v["name"] for v in pod["volumes"]}
     # KV events: a topic per pool (the pod IP), the ports the NetworkPolicy admits.
     assert env(bm)["PAGEDKV_KV_EVENTS_TOPIC"] == "kv@$(POD_IP)@$(PAGEDKV_MODEL_NAME)"
-    assert [e for e in bm["env"] if e["name"] == "POD_IP"][0]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert [e for e in bm["env"] if e["name"] == "POD_IP"][0]["valueFrom"]["fieldRef"][
+        "fieldPath"
+    ] == "status.podIP"
     policy = one(docs, "NetworkPolicy")["spec"]
     admitted = sorted(p["port"] for rule in policy["ingress"] for p in rule["ports"])
     assert admitted == [5557, 5558, 8000]  # never the plaintext gRPC ports
@@ -246,15 +308,25 @@ def test_env_vars_are_real_settings(rendered, kustomization: str) -> None:  # ty
     and the values the role gets parse."""
     cs = containers(rendered[kustomization])
     config = one(rendered[kustomization], "ConfigMap")["data"]
-    for name, settings in [("block-manager", BlockManagerSettings), ("cache-host", CacheHostSettings),
-                           ("worker", WorkerSettings)]:
+    for name, settings in [
+        ("block-manager", BlockManagerSettings),
+        ("cache-host", CacheHostSettings),
+        ("worker", WorkerSettings),
+    ]:
         names = {k for k in env(cs[name]) if k.startswith("PAGEDKV_")}
         fields = {f"PAGEDKV_{f.upper()}" for f in settings.model_fields}
         assert names <= fields, (name, names - fields)
-        values = {k.removeprefix("PAGEDKV_").lower(): v for k, v in {**config, **env(cs[name])}.items()
-                  if k.startswith("PAGEDKV_") and k in fields}
-        values = {k: v.replace("$(POD_IP)", "10.0.0.7").replace("$(PAGEDKV_MODEL_NAME)", config["PAGEDKV_MODEL_NAME"])
-                  for k, v in values.items()}
+        values = {
+            k.removeprefix("PAGEDKV_").lower(): v
+            for k, v in {**config, **env(cs[name])}.items()
+            if k.startswith("PAGEDKV_") and k in fields
+        }
+        values = {
+            k: v.replace("$(POD_IP)", "10.0.0.7").replace(
+                "$(PAGEDKV_MODEL_NAME)", config["PAGEDKV_MODEL_NAME"]
+            )
+            for k, v in values.items()
+        }
         settings(**values)  # type: ignore[arg-type]
 
 
@@ -301,6 +373,9 @@ def test_inference_pool_selects_the_pool_pods_on_serve_port(rendered) -> None:  
     assert pool["spec"]["targetPorts"] == [{"number": 8000}]
     backend = route["spec"]["rules"][0]["backendRefs"][0]
     assert (backend["group"], backend["kind"], backend["name"]) == (
-        "inference.networking.k8s.io", "InferencePool", pool["metadata"]["name"])
+        "inference.networking.k8s.io",
+        "InferencePool",
+        pool["metadata"]["name"],
+    )
     service = one(rendered["overlays/gpu"], "Service")
     assert service["spec"]["selector"].items() <= labels.items()

@@ -31,12 +31,22 @@ def main() -> None:
     for _ in engine.stream():
         n += 1
         print(json.dumps({"tokens": n}), flush=True)
-    print(json.dumps({
-        "outputs": [{"id": o.request_id, "tokens": o.completions[0].token_ids, "cached": o.num_cached_tokens}
-                    for o in outs],
-        "stats": {"steps": engine.stats.steps, "bm_round_trips": engine.stats.bm_round_trips,
-                  "worker_steps": engine.stats.worker_steps},
-    }), flush=True)
+    print(
+        json.dumps(
+            {
+                "outputs": [
+                    {"id": o.request_id, "tokens": o.completions[0].token_ids, "cached": o.num_cached_tokens}
+                    for o in outs
+                ],
+                "stats": {
+                    "steps": engine.stats.steps,
+                    "bm_round_trips": engine.stats.bm_round_trips,
+                    "worker_steps": engine.stats.worker_steps,
+                },
+            }
+        ),
+        flush=True,
+    )
     engine.close()
 
 

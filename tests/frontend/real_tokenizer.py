@@ -51,17 +51,27 @@ def byte_tokens(tokenizer: object, text: str) -> list[int]:
     return ids
 
 
-def build_scripted_model(path: pathlib.Path, vocab_size: int, successor: dict[int, int], *,
-                         eos_token_id: int = EOS_ID):  # -> transformers.LlamaForCausalLM
+def build_scripted_model(
+    path: pathlib.Path, vocab_size: int, successor: dict[int, int], *, eos_token_id: int = EOS_ID
+):  # -> transformers.LlamaForCausalLM
     """Save to ``path`` a Llama whose greedy next token after ``a`` is ``successor[a]`` (any token
     outside the script is followed by token 0)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if len(successor) > HIDDEN:
         raise ValueError(f"at most {HIDDEN} scripted tokens, got {len(successor)}")
-    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
-                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=eos_token_id)
+    cfg = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=HIDDEN,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=eos_token_id,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
@@ -80,14 +90,24 @@ def build_scripted_model(path: pathlib.Path, vocab_size: int, successor: dict[in
 def chain(tokens: list[int]) -> dict[int, int]:
     """Successor map that makes the model continue ``tokens[0]`` with ``tokens[1:]`` (no repeats)."""
     if len(set(tokens)) != len(tokens):
-        raise ValueError("a scripted sequence cannot repeat a token (the next token depends on the last only)")
-    return dict(zip(tokens, tokens[1:]))
+        raise ValueError(
+            "a scripted sequence cannot repeat a token (the next token depends on the last only)"
+        )
+    return dict(zip(tokens, tokens[1:], strict=False))
 
 
 # --- the scripts the text tests use --------------------------------------------------------------
 # (text, as one token per byte?) pieces; the tests check that the tokens decode to the joined text.
-MULTIBYTE = [("Caf", False), ("é", True), (" au lait", False), (" ", False), ("🙂", True),
-             (" in Tokyo:", False), ("東京", True), ("!", False)]
+MULTIBYTE = [
+    ("Caf", False),
+    ("é", True),
+    (" au lait", False),
+    (" ", False),
+    ("🙂", True),
+    (" in Tokyo:", False),
+    ("東京", True),
+    ("!", False),
+]
 MULTIBYTE_TEXT = "Café au lait 🙂 in Tokyo:東京!"
 WORDS_TEXT = "Hello world, the END comes soon"
 CHAT_ANSWER = "The capital of France is Paris."  # what any chat prompt gets (it ends with "assistant\n")
@@ -121,12 +141,18 @@ def build_script(tokenizer_dir: pathlib.Path, path: pathlib.Path) -> Script:
     multibyte = pieces(tok, MULTIBYTE)
     words = tok.encode(WORDS_TEXT, add_special_tokens=False)
     chat = tok.encode(CHAT_ANSWER, add_special_tokens=False)
-    mb_start, w_start = tok.encode("Menu", add_special_tokens=False)[0], tok.encode("Say", add_special_tokens=False)[0]
+    mb_start, w_start = (
+        tok.encode("Menu", add_special_tokens=False)[0],
+        tok.encode("Say", add_special_tokens=False)[0],
+    )
     # The chat template's generation prompt ends with "assistant\n": the answer follows that "\n".
     newline = tok.encode("\n", add_special_tokens=False)
     assert len(newline) == 1
-    successor = {**chain([mb_start, *multibyte, EOS_ID]), **chain([w_start, *words, EOS_ID]),
-                 **chain([newline[0], *chat, EOS_ID])}
+    successor = {
+        **chain([mb_start, *multibyte, EOS_ID]),
+        **chain([w_start, *words, EOS_ID]),
+        **chain([newline[0], *chat, EOS_ID]),
+    }
     assert len(successor) == 3 + len(multibyte) + len(words) + len(chat), "the scripts share a token"
     # The config's (and the saved tokenizer's) EOS is <|endoftext|> (id 0), as in base models: only
     # the chat template says that a turn ends with <|im_end|> (id 2).

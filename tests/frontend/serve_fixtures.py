@@ -43,16 +43,23 @@ def model_with_tokenizer(path: pathlib.Path, seed: int = 3) -> HFModel:
 
 
 def stack_config(hf: HFModel, **kw: object) -> StackConfig:
-    cfg = dict(model=str(hf.path), device="cpu", dtype="float32", block_size=4, num_gpu_blocks=128,
-               kernel_backend="reference")
+    cfg = dict(
+        model=str(hf.path),
+        device="cpu",
+        dtype="float32",
+        block_size=4,
+        num_gpu_blocks=128,
+        kernel_backend="reference",
+    )
     cfg.update(kw)
     return StackConfig(**cfg)  # type: ignore[arg-type]
 
 
 @contextlib.contextmanager
 def serving(stack: LocalStack, **settings: object) -> Iterator[RunningServe]:
-    s = ServeSettings(port=0, block_manager=stack.block_manager_target, workers=",".join(stack.worker_targets),
-                      **settings)  # type: ignore[arg-type]
+    s = ServeSettings(
+        port=0, block_manager=stack.block_manager_target, workers=",".join(stack.worker_targets), **settings
+    )  # type: ignore[arg-type]
     with RunningServe(s) as server:
         yield server
 
@@ -63,5 +70,5 @@ def metric_samples(text: str, name: str) -> dict[str, float]:
     for line in text.splitlines():
         if line.startswith(name) and not line.startswith("#"):
             key, _, value = line.rpartition(" ")
-            out[key[len(name):]] = float(value)
+            out[key[len(name) :]] = float(value)
     return out

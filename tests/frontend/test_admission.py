@@ -20,7 +20,9 @@ def test_shared_full_blocks_counts_whole_equal_blocks_only() -> None:
     assert shared_full_blocks(a, a, BS, 1) == 1  # capped
 
 
-@given(st.lists(st.integers(0, 3), min_size=0, max_size=24), st.lists(st.integers(0, 3), min_size=0, max_size=24))
+@given(
+    st.lists(st.integers(0, 3), min_size=0, max_size=24), st.lists(st.integers(0, 3), min_size=0, max_size=24)
+)
 def test_shared_full_blocks_agrees_with_a_token_by_token_count(a: list[int], b: list[int]) -> None:
     common = 0
     while common < min(len(a), len(b)) and a[common] == b[common]:

@@ -31,8 +31,12 @@ from frontend.worker_client import WorkerClient
 from pagedkv.ports import free_ports
 from tests.worker_svc.conftest import HFModel, build_hf_model
 
-PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [5, 6, 7, 8, 20, 21], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50],
-           [3, 1, 4, 1, 5, 9, 2, 6]]
+PROMPTS = [
+    [5, 6, 7, 8, 9, 10, 11, 12, 13],
+    [5, 6, 7, 8, 20, 21],
+    [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50],
+    [3, 1, 4, 1, 5, 9, 2, 6],
+]
 MAX_TOKENS = 24
 
 
@@ -50,11 +54,22 @@ def greedy(hf: HFModel) -> dict[tuple[int, ...], list[int]]:
 def stack(hf: HFModel, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     os.environ["PAGEDKV_KERNEL_BACKEND"] = "reference"
     bm, ch, w = free_ports(3)
-    opts = StackOptions(block_manager_port=bm, cache_host_port=ch, worker_port=w, num_workers=1,
-                        num_gpu_blocks=128, num_cpu_blocks=0, block_size=4, model=str(hf.path), device="cpu",
-                        dtype="float32", log_dir=str(tmp_path_factory.mktemp("logs")), ready_timeout_s=90,
-                        shm_prefix=f"pagedkv-bmf-{os.getpid()}",
-                        state_dir=str(tmp_path_factory.mktemp("bm-state")))
+    opts = StackOptions(
+        block_manager_port=bm,
+        cache_host_port=ch,
+        worker_port=w,
+        num_workers=1,
+        num_gpu_blocks=128,
+        num_cpu_blocks=0,
+        block_size=4,
+        model=str(hf.path),
+        device="cpu",
+        dtype="float32",
+        log_dir=str(tmp_path_factory.mktemp("logs")),
+        ready_timeout_s=90,
+        shm_prefix=f"pagedkv-bmf-{os.getpid()}",
+        state_dir=str(tmp_path_factory.mktemp("bm-state")),
+    )
     s = Stack(opts, out=open(os.devnull, "w"))  # noqa: SIM115
     try:
         s.start()
@@ -80,7 +95,7 @@ def _restart_bm(stack: Stack, *, keep_state: bool, down_s: float) -> threading.T
     svc.process.wait(10)
     while not keep_state and "--state-dir" in svc.args:
         i = svc.args.index("--state-dir")
-        del svc.args[i:i + 2]
+        del svc.args[i : i + 2]
 
     def later() -> None:
         time.sleep(down_s)
@@ -98,7 +113,10 @@ def _engine(stack: Stack, bm: BlockManagerClient | None = None) -> Engine:
 
 
 def _add(engine: Engine, tag: str) -> list[RequestOutput]:
-    return [engine.add_request(GenerationRequest(f"{tag}{i}", p, max_tokens=MAX_TOKENS)) for i, p in enumerate(PROMPTS)]
+    return [
+        engine.add_request(GenerationRequest(f"{tag}{i}", p, max_tokens=MAX_TOKENS))
+        for i, p in enumerate(PROMPTS)
+    ]
 
 
 def _check_clean_and_new_request(engine: Engine, greedy: dict[tuple[int, ...], list[int]], tag: str) -> None:
@@ -110,8 +128,9 @@ def _check_clean_and_new_request(engine: Engine, greedy: dict[tuple[int, ...], l
     assert (stats.num_sequences, stats.num_used_blocks) == (0, 0), stats
 
 
-def _run_through_restart(stack: Stack, greedy: dict[tuple[int, ...], list[int]], keep_state: bool,
-                         tag: str) -> Engine:
+def _run_through_restart(
+    stack: Stack, greedy: dict[tuple[int, ...], list[int]], keep_state: bool, tag: str
+) -> Engine:
     eng = _engine(stack)
     outs = _add(eng, tag)
     for _ in range(6):
@@ -124,7 +143,7 @@ def _run_through_restart(stack: Stack, greedy: dict[tuple[int, ...], list[int]],
         pass
     restarter.join(30)
     assert time.monotonic() - t0 < 20
-    for o, p in zip(outs, PROMPTS):
+    for o, p in zip(outs, PROMPTS, strict=True):
         assert o.completions[0].token_ids == greedy[tuple(p)], o.request_id
     assert eng.stats.bm_retries >= 1
     assert eng.stats.longest_stall_s >= 0.4  # it waited for the restart, and rode it out
@@ -176,13 +195,15 @@ class _LoseStepReplies(grpc.UnaryUnaryClientInterceptor):
 def test_step_whose_reply_was_lost_is_not_applied_twice(stack: Stack, greedy: Any) -> None:
     before = BlockManagerClient(_bm(stack).address).get_stats().num_dedupe_hits
     lose = _LoseStepReplies()
-    channel = grpc.intercept_channel(grpc.insecure_channel(_bm(stack).address, options=channel_options()), lose)
+    channel = grpc.intercept_channel(
+        grpc.insecure_channel(_bm(stack).address, options=channel_options()), lose
+    )
     eng = _engine(stack, BlockManagerClient(_bm(stack).address, channel=channel))
     outs = _add(eng, "lost")
     for _ in eng.stream(max_steps=10_000):
         pass
     assert lose.lost == ["alloc", "append"]
-    for o, p in zip(outs, PROMPTS):
+    for o, p in zip(outs, PROMPTS, strict=True):
         assert o.completions[0].token_ids == greedy[tuple(p)], o.request_id
     # Each lost reply was answered from the dedupe table (an allocation applied twice would have been
     # refused as ALREADY_EXISTS; an append applied twice would leave the manager a token ahead).

@@ -34,14 +34,28 @@ def hf(tmp_path_factory: pytest.TempPathFactory) -> HFModel:
 
 @pytest.fixture(scope="module")
 def stack(hf: HFModel, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    env = {"PAGEDKV_KERNEL_BACKEND": "reference", "PAGEDKV_CACHE_HOST_CHECK_INTERVAL_S": "0.2",
-           "PAGEDKV_LOG_LEVEL": "warning"}
+    env = {
+        "PAGEDKV_KERNEL_BACKEND": "reference",
+        "PAGEDKV_CACHE_HOST_CHECK_INTERVAL_S": "0.2",
+        "PAGEDKV_LOG_LEVEL": "warning",
+    }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     bm, ch, w = free_ports(3)
-    opts = StackOptions(block_manager_port=bm, cache_host_port=ch, worker_port=w, num_workers=1,
-                        num_gpu_blocks=256, num_cpu_blocks=0, block_size=4, model=str(hf.path), device="cpu",
-                        dtype="float32", log_dir=str(tmp_path_factory.mktemp("logs")), ready_timeout_s=90)
+    opts = StackOptions(
+        block_manager_port=bm,
+        cache_host_port=ch,
+        worker_port=w,
+        num_workers=1,
+        num_gpu_blocks=256,
+        num_cpu_blocks=0,
+        block_size=4,
+        model=str(hf.path),
+        device="cpu",
+        dtype="float32",
+        log_dir=str(tmp_path_factory.mktemp("logs")),
+        ready_timeout_s=90,
+    )
     s = Stack(opts, out=open(os.devnull, "w"))  # noqa: SIM115
     try:
         s.start()
@@ -73,8 +87,10 @@ def _kill_cache_host(stack: Stack) -> None:
     with grpc.insecure_channel(_svc(stack, "worker-0").address) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         deadline = time.monotonic() + 10
-        while stub.Check(health_pb2.HealthCheckRequest(service="pagedkv.v1.Worker"), timeout=2).status != \
-                health_pb2.HealthCheckResponse.NOT_SERVING:
+        while (
+            stub.Check(health_pb2.HealthCheckRequest(service="pagedkv.v1.Worker"), timeout=2).status
+            != health_pb2.HealthCheckResponse.NOT_SERVING
+        ):
             assert time.monotonic() < deadline, "the worker did not notice the dead cache host"
             time.sleep(0.05)
 
@@ -85,7 +101,9 @@ def _supervise(stack: Stack, errors: list[BaseException]) -> None:
     try:
         worker = _svc(stack, "worker-0")
         stack.restart("cache-host")
-        wait_healthy(worker.address, "pagedkv.v1.Worker", 30, proc=worker.process)  # re-attached: SERVING again
+        wait_healthy(
+            worker.address, "pagedkv.v1.Worker", 30, proc=worker.process
+        )  # re-attached: SERVING again
         assert worker.process.poll() is None  # the same process: it neither exited nor was restarted
     except BaseException as e:  # noqa: BLE001 - reported by the test
         errors.append(e)
@@ -104,7 +122,11 @@ def held(stack: Stack) -> tuple[int, int]:
     return s.num_sequences, s.num_used_blocks
 
 
-PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [5, 6, 7, 8, 20, 21], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50]]
+PROMPTS = [
+    [5, 6, 7, 8, 9, 10, 11, 12, 13],
+    [5, 6, 7, 8, 20, 21],
+    [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50],
+]
 
 
 def test_lost_cache_host_raises_then_recovers_with_reprefill(stack: Stack, hf: HFModel) -> None:
@@ -143,7 +165,7 @@ def test_lost_cache_host_raises_then_recovers_with_reprefill(stack: Stack, hf: H
     sup.join(60)
     assert not errors, errors
     assert eng.stats.cache_recoveries == 1
-    for o, p in zip(outs, PROMPTS):
+    for o, p in zip(outs, PROMPTS, strict=True):
         assert o.completions[0].token_ids == hf.greedy(p, 20), o.request_id
     stats = eng.bm.get_stats()
     # One reset by the first engine before it raised CacheHostLost (its committed blocks named dead

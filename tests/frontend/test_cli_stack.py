@@ -18,8 +18,14 @@ ENV = {**os.environ, "PAGEDKV_KERNEL_BACKEND": "reference"}
 
 
 def pagedkv(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pagedkv.cli", *args], cwd=ROOT, env=ENV,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "pagedkv.cli", *args],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def pid_alive(pid: int) -> bool:
@@ -27,13 +33,17 @@ def pid_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    return pathlib.Path(f"/proc/{pid}").exists() and "zombie" not in pathlib.Path(
-        f"/proc/{pid}/status").read_text().lower()
+    return (
+        pathlib.Path(f"/proc/{pid}").exists()
+        and "zombie" not in pathlib.Path(f"/proc/{pid}/status").read_text().lower()
+    )
 
 
 def test_generate_local_prints_json_and_is_deterministic() -> None:
-    runs = [pagedkv("generate", "--token-ids", "5,6,7,8,9", "--max-tokens", "6", "--n", "2", "--local")
-            for _ in range(2)]
+    runs = [
+        pagedkv("generate", "--token-ids", "5,6,7,8,9", "--max-tokens", "6", "--n", "2", "--local")
+        for _ in range(2)
+    ]
     for r in runs:
         assert r.returncode == 0, r.stderr
     first, second = (json.loads(r.stdout) for r in runs)
@@ -61,10 +71,31 @@ def test_generate_reports_bad_input_and_a_missing_stack() -> None:
 def test_up_serves_generate_and_stops_everything_on_ctrl_c() -> None:
     bm, ch, w, http = free_ports(4)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pagedkv.cli", "up", "--block-manager-port", str(bm), "--cache-host-port", str(ch),
-         "--worker-port", str(w), "--num-workers", "2", "--num-gpu-blocks", "128", "--log-format", "json",
-         "--serve-port", str(http)],
-        cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        [
+            sys.executable,
+            "-m",
+            "pagedkv.cli",
+            "up",
+            "--block-manager-port",
+            str(bm),
+            "--cache-host-port",
+            str(ch),
+            "--worker-port",
+            str(w),
+            "--num-workers",
+            "2",
+            "--num-gpu-blocks",
+            "128",
+            "--log-format",
+            "json",
+            "--serve-port",
+            str(http),
+        ],
+        cwd=ROOT,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
         start_new_session=True,
     )
     lines: list[str] = []
@@ -84,11 +115,30 @@ def test_up_serves_generate_and_stops_everything_on_ctrl_c() -> None:
         assert f"http://127.0.0.1:{http}/v1" in out
         workers = f"127.0.0.1:{w},127.0.0.1:{w + 1}"
         target = ["--block-manager", f"127.0.0.1:{bm}", "--workers", workers]
-        # Several generate processes at once on one block manager: unique request ids and sequence ids, all succeed.
+        # Several generate processes at once on one block manager: unique request ids and sequence ids,
+        # all succeed.
         prompt = ",".join(str(t) for t in [3, 1, 4, 1, 5] * 8)
-        procs = [subprocess.Popen([sys.executable, "-m", "pagedkv.cli", "generate", "--token-ids", prompt,
-                                   "--max-tokens", "5", *target], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True) for _ in range(3)]
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "pagedkv.cli",
+                    "generate",
+                    "--token-ids",
+                    prompt,
+                    "--max-tokens",
+                    "5",
+                    *target,
+                ],
+                cwd=ROOT,
+                env=ENV,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for _ in range(3)
+        ]
         results = [p.communicate(timeout=120) for p in procs]
         assert all(p.returncode == 0 for p in procs), [err for _, err in results]
         outs = [json.loads(out) for out, _ in results]
@@ -103,8 +153,17 @@ def test_up_serves_generate_and_stops_everything_on_ctrl_c() -> None:
         assert r.returncode == 2 and "empty item" in r.stderr
         direct = outs[0]
         # The default: an HTTP client of the stack's `pagedkv serve`; same JSON, same greedy tokens.
-        r = pagedkv("generate", "--url", f"http://127.0.0.1:{http}", "--token-ids", prompt, "--max-tokens", "5",
-                    "--n", "2")
+        r = pagedkv(
+            "generate",
+            "--url",
+            f"http://127.0.0.1:{http}",
+            "--token-ids",
+            prompt,
+            "--max-tokens",
+            "5",
+            "--n",
+            "2",
+        )
         assert r.returncode == 0, r.stderr
         served = json.loads(r.stdout)
         assert set(served) == set(direct)
@@ -126,8 +185,9 @@ def test_up_serves_generate_and_stops_everything_on_ctrl_c() -> None:
 def demo_figures(out: str) -> dict[str, str]:
     """{label: value} of the demo's results block."""
     block = out.split("pagedkv demo results", 1)[1]
-    return {m.group(1).strip(): m.group(2).strip()
-            for m in re.finditer(r"^  (\S.*?)\s{2,}(\S.*)$", block, re.M)}
+    return {
+        m.group(1).strip(): m.group(2).strip() for m in re.finditer(r"^  (\S.*?)\s{2,}(\S.*)$", block, re.M)
+    }
 
 
 def nums(text: str) -> list[float]:
@@ -138,10 +198,17 @@ def test_demo_local_prints_the_figures() -> None:
     r = pagedkv("demo", "--local", "--requests", "12", "--no-progress", timeout=180)
     assert r.returncode == 0, r.stderr
     f = demo_figures(r.stdout)
-    for label in ("throughput (generated)", "prefix-cache hit rate (prompt tokens)",
-                  "KV utilisation: live token slots / allocated slots (mean, min)", "preemptions (recompute, swap)",
-                  "peak KV memory, paged", "peak KV memory, contiguous reservation", "contiguous / paged",
-                  "block-manager round trips per iteration (Step)", "worker steps per iteration"):
+    for label in (
+        "throughput (generated)",
+        "prefix-cache hit rate (prompt tokens)",
+        "KV utilisation: live token slots / allocated slots (mean, min)",
+        "preemptions (recompute, swap)",
+        "peak KV memory, paged",
+        "peak KV memory, contiguous reservation",
+        "contiguous / paged",
+        "block-manager round trips per iteration (Step)",
+        "worker steps per iteration",
+    ):
         assert label in f, (label, r.stdout)
     # Every figure is a number that means what its label says, and they agree with each other.
     assert nums(f["requests"]) == [12]
@@ -149,9 +216,17 @@ def test_demo_local_prints_the_figures() -> None:
     assert prompt > 0 and generated > 0
     (wall,) = nums(f["wall time"])  # printed to 0.1 s
     assert wall > 0
-    for label, tokens in (("throughput (generated)", generated), ("throughput (prompt + generated)", prompt + generated)):
+    for label, tokens in (
+        ("throughput (generated)", generated),
+        ("throughput (prompt + generated)", prompt + generated),
+    ):
         (tps,) = nums(f[label])
-        assert tokens / (wall + 0.05) - 0.05 <= tps <= tokens / max(wall - 0.05, 1e-9) + 0.05, (label, tps, tokens, wall)
+        assert tokens / (wall + 0.05) - 0.05 <= tps <= tokens / max(wall - 0.05, 1e-9) + 0.05, (
+            label,
+            tps,
+            tokens,
+            wall,
+        )
     (hit,) = nums(f["prefix-cache hit rate (prompt tokens)"])
     assert 0 <= hit <= 100
     util_mean, util_min = nums(f["KV utilisation: live token slots / allocated slots (mean, min)"])
@@ -161,7 +236,11 @@ def test_demo_local_prints_the_figures() -> None:
     contiguous_mib = nums(f["peak KV memory, contiguous reservation"])[0]
     assert paged_mib > 0 and paged_blocks > 0 and contiguous_mib > 0
     (ratio,) = nums(f["contiguous / paged"])
-    assert abs(ratio - contiguous_mib / paged_mib) <= 0.006 + ratio * 0.005 / paged_mib * 2, (ratio, contiguous_mib, paged_mib)
+    assert abs(ratio - contiguous_mib / paged_mib) <= 0.006 + ratio * 0.005 / paged_mib * 2, (
+        ratio,
+        contiguous_mib,
+        paged_mib,
+    )
     (iterations,) = nums(f["engine iterations"])
     assert iterations > 0
     for label in ("block-manager round trips per iteration (Step)", "worker steps per iteration"):
@@ -184,7 +263,9 @@ def test_roles_and_cpu_pinning_plan() -> None:
         worker_roles(("both",), 1)
     assert split_cpus([0, 1], 2) == [[0], [1]] and split_cpus([0, 1, 2, 3], 2) == [[0, 1], [2, 3]]
     assert split_cpus([0, 1], 3) == [[0], [1], [0]]
-    services = plan(StackOptions(num_workers=2, roles=("prefill", "decode"), pin_workers=True, share_weights=False))
+    services = plan(
+        StackOptions(num_workers=2, roles=("prefill", "decode"), pin_workers=True, share_weights=False)
+    )
     w0, w1 = services[2].args, services[3].args
     assert w0[w0.index("--role") + 1] == "prefill" and w1[w1.index("--role") + 1] == "decode"
     assert w0[w0.index("--num-threads") + 1] == str(len(split_cpus(sorted(os.sched_getaffinity(0)), 2)[0]))

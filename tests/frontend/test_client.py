@@ -25,8 +25,8 @@ from frontend.client import (
     new_blocks_by_sequence,
     step_decode_request,
 )
-from pagedkv.retry import RetryPolicy
 from pagedkv.ports import free_port
+from pagedkv.retry import RetryPolicy
 from pagedkv.v1 import block_manager_pb2_grpc
 
 FAST_RETRY = RetryPolicy(max_attempts=4, initial_backoff_s=0.01, max_backoff_s=0.05)
@@ -52,6 +52,7 @@ class FaultInjector(grpc.ServerInterceptor):
         if delay:
             time.sleep(delay)
         if failing:
+
             def _unavailable(request, context):  # type: ignore[no-untyped-def]
                 context.abort(grpc.StatusCode.UNAVAILABLE, "injected fault")
 
@@ -239,7 +240,9 @@ def test_async_client_round_trip_retry_and_deadline(server) -> None:  # type: ig
 def test_leases_preempt_swap_in_and_request_id_dedupe_on_the_real_server() -> None:
     from block_manager_svc.server import start_server
 
-    running = start_server(BlockManagerSettings(port=0, num_gpu_blocks=256, num_cpu_blocks=64, log_level="warning"))
+    running = start_server(
+        BlockManagerSettings(port=0, num_gpu_blocks=256, num_cpu_blocks=64, log_level="warning")
+    )
     try:
         with BlockManagerClient(f"127.0.0.1:{running.port}", retry=FAST_RETRY) as bm:
             assert bm.keep_alive("lease-1", ttl_ms=60_000).ttl_ms > 0

@@ -7,8 +7,9 @@ from frontend.engine import SeqStatus
 
 
 class Seq:
-    def __init__(self, tokens: int, table: list[int], needs_slot: bool = False,
-                 status: SeqStatus = SeqStatus.RUNNING) -> None:
+    def __init__(
+        self, tokens: int, table: list[int], needs_slot: bool = False, status: SeqStatus = SeqStatus.RUNNING
+    ) -> None:
         self.tokens = list(range(tokens))
         self.block_table = table
         self.needs_slot = needs_slot
@@ -37,9 +38,20 @@ def test_forked_partial_block_and_finished_sequences() -> None:
 
 
 def test_report_prints_utilisation_and_sharing_on_their_own_lines() -> None:
-    f = DemoFigures(requests=1, generated_tokens=1, prompt_tokens=1, wall_s=1.0, util_mean=0.9, util_min=0.8,
-                    shared_mean=0.25, peak_saved_blocks=10, peak_paged_blocks=20, peak_contiguous_tokens=640,
-                    bytes_per_token=1024, block_size=16)
+    f = DemoFigures(
+        requests=1,
+        generated_tokens=1,
+        prompt_tokens=1,
+        wall_s=1.0,
+        util_mean=0.9,
+        util_min=0.8,
+        shared_mean=0.25,
+        peak_saved_blocks=10,
+        peak_paged_blocks=20,
+        peak_contiguous_tokens=640,
+        bytes_per_token=1024,
+        block_size=16,
+    )
     text = report(f)
     assert "KV utilisation: live token slots / allocated slots (mean, min)  90.0%, 80.0%" in text
     assert "KV memory saved by block sharing (mean, peak)" in text and "peak 10 blocks (0.16 MiB)" in text

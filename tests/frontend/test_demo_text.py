@@ -30,13 +30,27 @@ def test_text_workload_is_chat_prompts_sharing_system_prompts(scripted_smollm2: 
     assert max(map(len, systems)) > 5 * min(map(len, systems))
 
 
-def test_demo_with_a_real_tokenizer_prints_figures_and_answers(scripted_smollm2: Script,
-                                                               monkeypatch: pytest.MonkeyPatch,
-                                                               capsys: pytest.CaptureFixture[str]) -> None:
+def test_demo_with_a_real_tokenizer_prints_figures_and_answers(
+    scripted_smollm2: Script, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setenv("PAGEDKV_KERNEL_BACKEND", "reference")
     try:
-        rc = demo.main(["--model", str(scripted_smollm2.path), "--local", "--num-workers", "1", "--requests", "6",
-                        "--concurrency", "3", "--no-progress", "--device", "cpu"])
+        rc = demo.main(
+            [
+                "--model",
+                str(scripted_smollm2.path),
+                "--local",
+                "--num-workers",
+                "1",
+                "--requests",
+                "6",
+                "--concurrency",
+                "3",
+                "--no-progress",
+                "--device",
+                "cpu",
+            ]
+        )
     finally:
         from pagedkv.logging_setup import configure_logging
 

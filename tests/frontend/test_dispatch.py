@@ -6,8 +6,8 @@ import grpc
 import pytest
 
 from frontend.dispatch import DECODE, MIXED, PREFILL, CacheLostEverywhere, WorkerPool, WorkerSlot
-from pagedkv.v1 import worker_pb2 as wpb
 from pagedkv import errors
+from pagedkv.v1 import worker_pb2 as wpb
 
 
 class _Err(grpc.RpcError):
@@ -40,12 +40,13 @@ class FakeWorker:
             raise self.fail
         return wpb.WorkerStepResponse(
             outputs=[wpb.SequenceOutput(seq_id=s.seq_id, token_id=len(s.token_ids)) for s in req.sequences],
-            num_tokens=sum(len(s.token_ids) for s in req.sequences))
+            num_tokens=sum(len(s.token_ids) for s in req.sequences),
+        )
 
 
 def pool(*roles: int, fail: dict[int, grpc.RpcError] | None = None) -> tuple[WorkerPool, list[FakeWorker]]:
     fakes = [FakeWorker(f"w{i}", (fail or {}).get(i)) for i in range(len(roles))]
-    return WorkerPool([WorkerSlot(f, r) for f, r in zip(fakes, roles)]), fakes  # type: ignore[arg-type]
+    return WorkerPool([WorkerSlot(f, r) for f, r in zip(fakes, roles, strict=True)]), fakes  # type: ignore[arg-type]
 
 
 def request(lengths: list[int], ops: bool = False) -> wpb.WorkerStepRequest:
@@ -67,7 +68,9 @@ def test_split_balances_tokens_longest_first() -> None:
 def test_roles_decide_the_pipelines_and_failover_ignores_them() -> None:
     p, _ = pool(PREFILL, DECODE)
     assert p.disaggregated()
-    assert [s.role for s in p.prefill_workers()] == [PREFILL] and [s.role for s in p.decode_workers()] == [DECODE]
+    assert [s.role for s in p.prefill_workers()] == [PREFILL] and [s.role for s in p.decode_workers()] == [
+        DECODE
+    ]
     p.slots[1].benched_until = float("inf")  # the decode worker is gone: the prefill worker does everything
     assert not p.disaggregated() and p.decode_workers() == [p.slots[0]]
     m, _ = pool(MIXED, MIXED)

@@ -48,7 +48,7 @@ def test_greedy_batch_with_shared_prefixes_and_two_samples_matches_transformers(
         outs = [first] + engine.generate(reqs[1:])
         bm_stats = st.block_manager.servicer._core.stats()  # noqa: SLF001 - white-box check
         assert engine.stats.bm_round_trips <= engine.stats.steps  # never more than one per iteration
-    for p, out in zip(ps, outs):
+    for p, out in zip(ps, outs, strict=True):
         expected = hf.greedy(p, 10)
         for c in out.completions:
             assert c.token_ids == expected, out.request_id
@@ -70,7 +70,7 @@ def test_chunked_prefill_and_forced_preemption_keep_outputs_exact(hf: HFModel) -
         bm.check_invariants()
         assert bm.stats().num_sequences == 0
     assert engine.stats.preempted_recompute + engine.stats.preempted_swap > 0
-    for p, out in zip(ps, outs):
+    for p, out in zip(ps, outs, strict=True):
         expected = hf.greedy(p, 14)
         assert [c.token_ids for c in out.completions] == [expected] * len(out.completions), out.request_id
 
@@ -119,8 +119,9 @@ def test_a_prompt_above_the_watermark_is_refused_at_add_not_in_the_iteration(hf:
 def test_swap_preemption_round_trips_through_the_cpu_pool(hf: HFModel, mode: str) -> None:
     ps = prompts(4, 5)
     reqs = [GenerationRequest(f"w{i}", p, max_tokens=14, n=2 if i == 1 else 1) for i, p in enumerate(ps)]
-    with stack(hf, num_gpu_blocks=20, num_cpu_blocks=64,
-               block_manager_overrides={"preemption_mode": mode}) as st:
+    with stack(
+        hf, num_gpu_blocks=20, num_cpu_blocks=64, block_manager_overrides={"preemption_mode": mode}
+    ) as st:
         engine = st.engine(EngineConfig(max_batch_tokens=8))
         outs = engine.generate(reqs)
         bm = st.block_manager.servicer._core  # noqa: SLF001
@@ -128,7 +129,7 @@ def test_swap_preemption_round_trips_through_the_cpu_pool(hf: HFModel, mode: str
         stats = bm.stats()
     assert engine.stats.preempted_swap > 0
     assert stats.num_swapped_out_blocks > 0 and stats.num_swapped_in_blocks > 0
-    for p, out in zip(ps, outs):
+    for p, out in zip(ps, outs, strict=True):
         expected = hf.greedy(p, 14)
         assert [c.token_ids for c in out.completions] == [expected] * len(out.completions), out.request_id
 

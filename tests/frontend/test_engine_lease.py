@@ -38,8 +38,15 @@ def hf(tmp_path_factory: pytest.TempPathFactory) -> HFModel:
 
 @pytest.fixture(scope="module")
 def stack(hf: HFModel) -> Iterator[LocalStack]:
-    cfg = StackConfig(model=str(hf.path), device="cpu", dtype="float32", block_size=4, num_gpu_blocks=128,
-                      kernel_backend="reference", block_manager_overrides={"lease_sweep_interval_s": SWEEP_S})
+    cfg = StackConfig(
+        model=str(hf.path),
+        device="cpu",
+        dtype="float32",
+        block_size=4,
+        num_gpu_blocks=128,
+        kernel_backend="reference",
+        block_manager_overrides={"lease_sweep_interval_s": SWEEP_S},
+    )
     with LocalStack(cfg) as st:
         yield st
 
@@ -50,13 +57,15 @@ def held(stack: LocalStack) -> tuple[int, int]:
     return s.num_sequences, s.num_used_blocks
 
 
-def test_an_engine_idle_past_its_ttl_keeps_its_sequences_and_finishes_exactly(stack: LocalStack,
-                                                                               hf: HFModel) -> None:
+def test_an_engine_idle_past_its_ttl_keeps_its_sequences_and_finishes_exactly(
+    stack: LocalStack, hf: HFModel
+) -> None:
     assert held(stack) == (0, 0)
-    with BlockManagerClient(stack.block_manager_target) as bm, \
-            WorkerClient(stack.worker_targets[0]) as w:
+    with BlockManagerClient(stack.block_manager_target) as bm, WorkerClient(stack.worker_targets[0]) as w:
         engine = Engine(bm, [w], EngineConfig(lease_ttl_s=TTL_S))
-        outs = [engine.add_request(GenerationRequest(f"r{i}", p, max_tokens=8)) for i, p in enumerate(PROMPTS)]
+        outs = [
+            engine.add_request(GenerationRequest(f"r{i}", p, max_tokens=8)) for i, p in enumerate(PROMPTS)
+        ]
         for _ in range(3):
             engine.step()
         assert all(o.completions[0].token_ids for o in outs)  # prefilled, mid-generation
@@ -68,20 +77,31 @@ def test_an_engine_idle_past_its_ttl_keeps_its_sequences_and_finishes_exactly(st
         assert engine.stats.lease_renewals >= renewals + 3
         for _ in engine.stream():
             pass
-        for o, p in zip(outs, PROMPTS):
+        for o, p in zip(outs, PROMPTS, strict=True):
             assert o.completions[0].token_ids == hf.greedy(p, 8), o.request_id
         engine.close()
     assert held(stack) == (0, 0)
 
 
 def test_an_engine_whose_renewal_stops_loses_its_sequences_within_the_ttl(stack: LocalStack) -> None:
-    job = {"block_manager": stack.block_manager_target, "workers": stack.worker_targets, "lease_ttl_s": TTL_S,
-           "requests": [{"id": "k0", "prompt": PROMPTS[0], "max_tokens": 300}]}
+    job = {
+        "block_manager": stack.block_manager_target,
+        "workers": stack.worker_targets,
+        "lease_ttl_s": TTL_S,
+        "requests": [{"id": "k0", "prompt": PROMPTS[0], "max_tokens": 300}],
+    }
     env = {**os.environ, "PAGEDKV_KERNEL_BACKEND": "reference"}
-    proc = subprocess.Popen([sys.executable, "-m", "tests.frontend.engine_proc", json.dumps(job)], cwd=ROOT,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.frontend.engine_proc", json.dumps(job)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout is not None
+
         def line() -> dict:
             text = proc.stdout.readline()  # type: ignore[union-attr]
             assert text, proc.stderr.read()  # type: ignore[union-attr]
@@ -94,8 +114,9 @@ def test_an_engine_whose_renewal_stops_loses_its_sequences_within_the_ttl(stack:
         proc.send_signal(signal.SIGSTOP)  # alive, connected, but no longer renewing
         stopped = time.monotonic()
         while held(stack) != (0, 0):
-            assert time.monotonic() - stopped < TTL_S + 2 * SWEEP_S + 0.5, \
+            assert time.monotonic() - stopped < TTL_S + 2 * SWEEP_S + 0.5, (
                 f"a stopped engine's sequences outlived its lease: {held(stack)}"
+            )
             time.sleep(0.02)
         # Not before the TTL: the lease was renewed until the stop (at most TTL/3 before it).
         assert time.monotonic() - stopped >= TTL_S * 2 / 3 - 0.05

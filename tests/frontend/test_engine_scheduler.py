@@ -15,7 +15,9 @@ from frontend.engine.types import Completion, GenerationRequest, RequestOutput, 
 
 
 def _seq(i: int, prompt_len: int, n: int = 1, max_tokens: int = 8) -> Seq:
-    req = GenerationRequest(f"r{i}", [1 + (i + j) % 50 for j in range(prompt_len)], max_tokens=max_tokens, n=n)
+    req = GenerationRequest(
+        f"r{i}", [1 + (i + j) % 50 for j in range(prompt_len)], max_tokens=max_tokens, n=n
+    )
     out = RequestOutput(req.request_id, list(req.prompt), [Completion(index=k) for k in range(n)])
     return Seq(f"e:r{i}/0", req, out, 0, list(req.prompt))
 
@@ -24,10 +26,18 @@ seq_state = st.tuples(st.integers(1, 40), st.integers(0, 39), st.booleans(), st.
 
 
 @settings(max_examples=300, deadline=None)
-@given(states=st.lists(seq_state, max_size=30), max_batch_tokens=st.integers(1, 64),
-       num_workers=st.integers(1, 3), separate=st.booleans(), prefill_busy=st.booleans())
+@given(
+    states=st.lists(seq_state, max_size=30),
+    max_batch_tokens=st.integers(1, 64),
+    num_workers=st.integers(1, 3),
+    separate=st.booleans(),
+    prefill_busy=st.booleans(),
+)
 def test_batches_respect_the_token_budget_and_never_repeat_a_sequence(
-    states: list[tuple[int, int, bool, bool, bool]], max_batch_tokens: int, num_workers: int, separate: bool,
+    states: list[tuple[int, int, bool, bool, bool]],
+    max_batch_tokens: int,
+    num_workers: int,
+    separate: bool,
     prefill_busy: bool,
 ) -> None:
     running = []
@@ -37,10 +47,12 @@ def test_batches_respect_the_token_budget_and_never_repeat_a_sequence(
         s.num_computed = min(computed, length - 1)
         s.needs_slot, s.in_flight, s.awaiting_parent = needs_slot, in_flight, awaiting
         running.append(s)
-    limits = Limits(max_num_seqs=64, max_batch_tokens=max_batch_tokens, block_size=4, watermark=0,
-                    prefix_caching=False)
-    decode, prefill = scheduler.batches(running, limits, separate_budgets=separate, num_workers=num_workers,
-                                        prefill_busy=prefill_busy)
+    limits = Limits(
+        max_num_seqs=64, max_batch_tokens=max_batch_tokens, block_size=4, watermark=0, prefix_caching=False
+    )
+    decode, prefill = scheduler.batches(
+        running, limits, separate_budgets=separate, num_workers=num_workers, prefill_busy=prefill_busy
+    )
     budget = max_batch_tokens * num_workers
     chosen = [s for s, _ in decode + prefill]
     assert len(chosen) == len(set(map(id, chosen))), "a sequence scheduled twice"
@@ -62,36 +74,61 @@ def test_batches_respect_the_token_budget_and_never_repeat_a_sequence(
 
 
 @settings(max_examples=300, deadline=None)
-@given(widths=st.lists(st.tuples(st.integers(1, 4), st.integers(1, 30)), max_size=20),
-       num_running=st.integers(0, 12), num_swap_in=st.integers(0, 3), available=st.integers(0, 60),
-       max_num_seqs=st.integers(1, 16))
+@given(
+    widths=st.lists(st.tuples(st.integers(1, 4), st.integers(1, 30)), max_size=20),
+    num_running=st.integers(0, 12),
+    num_swap_in=st.integers(0, 3),
+    available=st.integers(0, 60),
+    max_num_seqs=st.integers(1, 16),
+)
 def test_admissions_are_fifo_within_max_num_seqs_and_free_blocks(
-    widths: list[tuple[int, int]], num_running: int, num_swap_in: int, available: int, max_num_seqs: int,
+    widths: list[tuple[int, int]],
+    num_running: int,
+    num_swap_in: int,
+    available: int,
+    max_num_seqs: int,
 ) -> None:
-    limits = Limits(max_num_seqs=max_num_seqs, max_batch_tokens=64, block_size=4, watermark=2, prefix_caching=False)
+    limits = Limits(
+        max_num_seqs=max_num_seqs, max_batch_tokens=64, block_size=4, watermark=2, prefix_caching=False
+    )
     running = [_seq(100 + i, 4) for i in range(num_running)]
     waiting = collections.deque(_seq(i, length, n=n) for i, (n, length) in enumerate(widths))
     admit, held = scheduler.admissions(waiting, running, [], [], num_swap_in, PoolView(available, 0), limits)
     assert held == 0
-    assert admit == list(waiting)[:len(admit)], "admissions must be the head of the queue, in order"
-    assert num_running + num_swap_in + sum(s.request.n for s in admit) <= max(max_num_seqs, num_running + num_swap_in)
+    assert admit == list(waiting)[: len(admit)], "admissions must be the head of the queue, in order"
+    assert num_running + num_swap_in + sum(s.request.n for s in admit) <= max(
+        max_num_seqs, num_running + num_swap_in
+    )
     need = [-(-len(s.tokens) // 4) for s in admit]
     assert sum(need[1:]) <= max(available - limits.watermark, 0) or len(admit) <= 1
 
 
 @settings(max_examples=100, deadline=None)
-@given(events=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 9), st.booleans(), st.booleans()),
-                       min_size=1, max_size=60),
-       max_num_seqs=st.integers(1, 6), max_batch_tokens=st.integers(1, 24), num_blocks=st.integers(20, 80))
+@given(
+    events=st.lists(
+        st.tuples(st.integers(0, 3), st.integers(0, 9), st.booleans(), st.booleans()), min_size=1, max_size=60
+    ),
+    max_num_seqs=st.integers(1, 6),
+    max_batch_tokens=st.integers(1, 24),
+    num_blocks=st.integers(20, 80),
+)
 def test_random_schedule_never_drops_or_duplicates_a_sequence(
-    events: list[tuple[int, int, bool, bool]], max_num_seqs: int, max_batch_tokens: int, num_blocks: int,
+    events: list[tuple[int, int, bool, bool]],
+    max_num_seqs: int,
+    max_batch_tokens: int,
+    num_blocks: int,
 ) -> None:
     """Arrivals, iterations (plan, allocate what fits, compute, sample), finishes and recompute
     preemptions at random, against a toy pool: every sequence is always in exactly one of
     waiting / running / finished, running never exceeds max_num_seqs, no step exceeds the budget."""
     bs = 4
-    limits = Limits(max_num_seqs=max_num_seqs, max_batch_tokens=max_batch_tokens, block_size=bs, watermark=1,
-                    prefix_caching=False)
+    limits = Limits(
+        max_num_seqs=max_num_seqs,
+        max_batch_tokens=max_batch_tokens,
+        block_size=bs,
+        watermark=1,
+        prefix_caching=False,
+    )
     waiting: collections.deque[Seq] = collections.deque()
     running: list[Seq] = []
     finished: list[Seq] = []

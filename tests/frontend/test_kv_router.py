@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
-from frontend.kv_router import (AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, PoolIndex,
-                                PrefixAwareRouter, chain_keys)
+from frontend.kv_router import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    PoolIndex,
+    PrefixAwareRouter,
+    chain_keys,
+)
 
 BS = 4
 

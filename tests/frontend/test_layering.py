@@ -15,7 +15,8 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 MODULES = sorted(
     ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
-    for p in (ROOT / "frontend").rglob("*.py") if p.relative_to(ROOT).parts[1:] != ("__init__.py",)
+    for p in (ROOT / "frontend").rglob("*.py")
+    if p.relative_to(ROOT).parts[1:] != ("__init__.py",)
 )
 BLOCKED = ("torch", "worker_svc")
 
@@ -49,13 +50,19 @@ sys.exit(1 if failed or leaked else 0)
 
 def test_every_frontend_module_imports_without_torch_or_worker_modules() -> None:
     assert {"frontend.engine", "frontend.engine.scheduler", "frontend.local_stack"} <= set(MODULES)
-    res = subprocess.run([sys.executable, "-c", GUARD, *MODULES], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-c", GUARD, *MODULES], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert res.returncode == 0, res.stdout + res.stderr
 
 
 def test_the_guard_catches_a_torch_import() -> None:
     """The same guard fails a module that does import torch (the test above can fail)."""
-    res = subprocess.run([sys.executable, "-c", GUARD, "worker_svc.model.sampling"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-c", GUARD, "worker_svc.model.sampling"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 1 and "blocked for this test" in res.stdout

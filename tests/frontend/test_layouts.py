@@ -33,12 +33,22 @@ def _reference_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def stack(hf: HFModel, roles: tuple[str, ...], **kw: object) -> LocalStack:
-    return LocalStack(StackConfig(model=str(hf.path), device="cpu", dtype="float32", block_size=4,
-                                  num_workers=len(roles), roles=roles, **kw))  # type: ignore[arg-type]
+    return LocalStack(
+        StackConfig(
+            model=str(hf.path),
+            device="cpu",
+            dtype="float32",
+            block_size=4,
+            num_workers=len(roles),
+            roles=roles,
+            **kw,
+        )
+    )  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize(("layout", "overlap"), [(name, False) for name in LAYOUTS]
-                         + [("mixed", True), ("prefill+decode", True)])
+@pytest.mark.parametrize(
+    ("layout", "overlap"), [(name, False) for name in LAYOUTS] + [("mixed", True), ("prefill+decode", True)]
+)
 def test_layout_matches_transformers_with_prefixes_samples_and_preemption(
     hf: HFModel, layout: str, overlap: bool
 ) -> None:
@@ -52,7 +62,7 @@ def test_layout_matches_transformers_with_prefixes_samples_and_preemption(
         core = st.block_manager.servicer._core  # noqa: SLF001 - white-box check
         core.check_invariants()
         assert core.stats().num_sequences == 0 and core.stats().num_used_blocks == 0
-    for p, out in zip(ps, outs):
+    for p, out in zip(ps, outs, strict=True):
         expected = hf.greedy(p, 12)
         assert [c.token_ids for c in out.completions] == [expected] * len(out.completions), out.request_id
     assert engine.stats.prefix_hit_tokens > 0
@@ -80,13 +90,22 @@ def test_a_worker_gone_mid_generation_leaves_outputs_exact(hf: HFModel, layout: 
         port = victim.running.port
         victim.close()
         if len(roles) == 1:  # a lone worker: its replacement attaches to the same cache, no KV lost
-            st.workers[-1] = start_worker(WorkerSettings(
-                port=port, cache_host=f"127.0.0.1:{st.cache_host.port}", model=str(hf.path), device="cpu",
-                dtype="float32", block_size=4, num_gpu_blocks=96), local_cache=st.cache)
+            st.workers[-1] = start_worker(
+                WorkerSettings(
+                    port=port,
+                    cache_host=f"127.0.0.1:{st.cache_host.port}",
+                    model=str(hf.path),
+                    device="cpu",
+                    dtype="float32",
+                    block_size=4,
+                    num_gpu_blocks=96,
+                ),
+                local_cache=st.cache,
+            )
             st._closers.append(st.workers[-1].close)  # noqa: SLF001
         for _ in engine.stream():
             pass
-    for p, out in zip(ps, outs):
+    for p, out in zip(ps, outs, strict=True):
         expected = hf.greedy(p, 12)
         assert [c.token_ids for c in out.completions] == [expected] * len(out.completions), out.request_id
     if len(roles) > 1:

@@ -50,9 +50,17 @@ def test_summary_format_and_duration_bound(target, capsys) -> None:  # type: ign
     rc = loadtest.main(["--target", target, "--duration", "0.5", "-c", "4", "--scenario", "lifecycle"])
     out = capsys.readouterr().out
     assert rc == 0
-    for heading in ("Summary:", "Requests/sec:", "Response time histogram:", "Latency distribution:",
-                    "99.9 % in", "Status code distribution:", "[OK]", "Per call:",
-                    "ok: pool back where it started"):
+    for heading in (
+        "Summary:",
+        "Requests/sec:",
+        "Response time histogram:",
+        "Latency distribution:",
+        "99.9 % in",
+        "Status code distribution:",
+        "[OK]",
+        "Per call:",
+        "ok: pool back where it started",
+    ):
         assert heading in out
     total_ms = float(out.split("Total:")[1].split("ms")[0])
     assert 450 < total_ms < 3000
@@ -84,7 +92,10 @@ def test_a_leak_fails_the_pool_check(target, tmp_path, monkeypatch) -> None:  # 
 
 
 def test_configuration_errors_exit_2_before_any_load(target, capsys) -> None:  # type: ignore[no-untyped-def]
-    assert loadtest.main(["--target", target, "--total", "10", "--scenario", "decode", "--step-size", "4096"]) == 2
+    assert (
+        loadtest.main(["--target", target, "--total", "10", "--scenario", "decode", "--step-size", "4096"])
+        == 2
+    )
     assert "--num-gpu-blocks" in capsys.readouterr().err
     assert loadtest.main(["--target", "127.0.0.1:1", "--total", "10", "--timeout", "0.3"]) == 2
     assert "cannot reach" in capsys.readouterr().err
@@ -111,9 +122,23 @@ def test_step_rotation_fits_the_budget() -> None:
 
 def test_connection_processes_report_a_failed_setup_quickly() -> None:
     plans = [
-        loadtest.PartPlan(target="127.0.0.1:1", index=i, workers=1, worker_offset=i, total=10, duration=None,
-                          rps_per_worker=0.0, mix={"stats": 1.0}, num_tokens=4, step_size=1, step_rotate=0,
-                          max_live=1, max_seq_tokens=16, timeout_s=0.3, seed=1)
+        loadtest.PartPlan(
+            target="127.0.0.1:1",
+            index=i,
+            workers=1,
+            worker_offset=i,
+            total=10,
+            duration=None,
+            rps_per_worker=0.0,
+            mix={"stats": 1.0},
+            num_tokens=4,
+            step_size=1,
+            step_rotate=0,
+            max_live=1,
+            max_seq_tokens=16,
+            timeout_s=0.3,
+            seed=1,
+        )
         for i in range(2)
     ]
     results = loadtest.run_parts(plans, start_timeout_s=20)

@@ -47,8 +47,11 @@ def no_self_attach(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_in_process_workers_compute_on_the_exporters_cache(hf: HFModel, no_self_attach: None) -> None:
     ps = prompts(5, 3)
-    with LocalStack(StackConfig(model=str(hf.path), device="cpu", dtype="float32", block_size=4,
-                                num_gpu_blocks=64, num_workers=2)) as st:
+    with LocalStack(
+        StackConfig(
+            model=str(hf.path), device="cpu", dtype="float32", block_size=4, num_gpu_blocks=64, num_workers=2
+        )
+    ) as st:
         for w in st.workers:
             assert w.cache.gpu.data_ptr() == st.cache.gpu.data_ptr(), "the worker maps its own copy"
             assert w.cache.cpu.data_ptr() == st.cache.cpu.data_ptr()
@@ -59,17 +62,24 @@ def test_in_process_workers_compute_on_the_exporters_cache(hf: HFModel, no_self_
         st.workers[0].close()
         assert st.cache.gpu.numel() > 0 and bool(st.cache.gpu.abs().sum() > 0)
     assert written, "the steps wrote KV into the stack's own cache"
-    for p, out in zip(ps, outs):
+    for p, out in zip(ps, outs, strict=True):
         assert out.completions[0].token_ids == hf.greedy(p, 6), out.request_id
 
 
 def test_borrow_refuses_a_descriptor_of_another_cache(hf: HFModel) -> None:
-    with LocalStack(StackConfig(model=str(hf.path), device="cpu", dtype="float32", block_size=4,
-                                num_gpu_blocks=16, num_workers=1)) as st:
+    with LocalStack(
+        StackConfig(
+            model=str(hf.path), device="cpu", dtype="float32", block_size=4, num_gpu_blocks=16, num_workers=1
+        )
+    ) as st:
         desc = st.cache.descriptor
-        other = CacheDescriptor(desc.backend, desc.gpu, desc.cpu, desc.geometry, desc.dtype, "0" * 16, desc.host_pid)
+        other = CacheDescriptor(
+            desc.backend, desc.gpu, desc.cpu, desc.geometry, desc.dtype, "0" * 16, desc.host_pid
+        )
         with pytest.raises(ValueError, match="not the one the cache host serves"):
             cache_memory.borrow(st.cache, other, torch.device("cpu"))
         borrowed = cache_memory.borrow(st.cache, desc, torch.device("cpu"))
         borrowed.close()
-        assert borrowed.gpu.numel() == 0 and st.cache.gpu.numel() > 0, "closing a borrowed cache frees nothing"
+        assert borrowed.gpu.numel() == 0 and st.cache.gpu.numel() > 0, (
+            "closing a borrowed cache frees nothing"
+        )

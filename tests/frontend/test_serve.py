@@ -58,22 +58,27 @@ def wait_pool_empty(stack: LocalStack, timeout_s: float = 10.0) -> None:
         s = bm_stats(stack)
         if s.num_sequences == 0 and s.num_used_blocks == 0:
             return
-        assert time.monotonic() < deadline, f"still allocated: {s.num_sequences} seqs, {s.num_used_blocks} blocks"
+        assert time.monotonic() < deadline, (
+            f"still allocated: {s.num_sequences} seqs, {s.num_used_blocks} blocks"
+        )
         time.sleep(0.05)
 
 
 def test_token_id_prompts_batch_and_usage(client, hf: HFModel, stack: LocalStack) -> None:
     prompts = [[5, 9, 17, 33, 2, 64, 7], [5, 9, 17, 33, 2, 64, 7, 100, 101, 11]]
-    r = client.completions.create(model="tiny", prompt=prompts, max_tokens=9, temperature=0, extra_body=NO_EOS)
+    r = client.completions.create(
+        model="tiny", prompt=prompts, max_tokens=9, temperature=0, extra_body=NO_EOS
+    )
     assert r.object == "text_completion" and r.model == "tiny"
     assert [c.index for c in r.choices] == [0, 1]
-    for c, p in zip(r.choices, prompts):
+    for c, p in zip(r.choices, prompts, strict=True):
         assert c.token_ids == hf.greedy(p, 9)
         assert c.finish_reason == "length"
     assert r.usage.prompt_tokens == 17 and r.usage.completion_tokens == 18
     # The second prompt extends the first: its first full blocks are prefix-cache hits.
-    again = client.completions.create(model="tiny", prompt=prompts[1], max_tokens=2, temperature=0,
-                                      extra_body=NO_EOS)
+    again = client.completions.create(
+        model="tiny", prompt=prompts[1], max_tokens=2, temperature=0, extra_body=NO_EOS
+    )
     assert again.usage.prompt_tokens_details.cached_tokens >= 4
     wait_pool_empty(stack)
 
@@ -83,7 +88,9 @@ def test_n2_greedy_samples_both_match_and_seeded_sampling_reproduces(client, hf:
     r = client.completions.create(model="tiny", prompt=p, max_tokens=8, n=2, temperature=0, extra_body=NO_EOS)
     assert sorted(c.index for c in r.choices) == [0, 1]
     assert [c.token_ids for c in r.choices] == [hf.greedy(p, 8)] * 2
-    kw = dict(model="tiny", prompt=p, max_tokens=8, n=2, temperature=1.0, top_p=0.9, seed=7, extra_body=NO_EOS)
+    kw = dict(
+        model="tiny", prompt=p, max_tokens=8, n=2, temperature=1.0, top_p=0.9, seed=7, extra_body=NO_EOS
+    )
     a = client.completions.create(**kw)
     b = client.completions.create(**kw)
     assert [c.token_ids for c in a.choices] == [c.token_ids for c in b.choices]
@@ -96,8 +103,9 @@ def test_logprobs_n_returns_the_models_top_alternatives(client, hf: HFModel, ser
     import torch
 
     p = [4, 8, 15, 16, 23, 42]
-    r = client.completions.create(model="tiny", prompt=p, max_tokens=5, temperature=0, logprobs=3,
-                                  extra_body=NO_EOS)
+    r = client.completions.create(
+        model="tiny", prompt=p, max_tokens=5, temperature=0, logprobs=3, extra_body=NO_EOS
+    )
     ids = r.choices[0].token_ids
     assert ids == hf.greedy(p, 5)
     lp = r.choices[0].logprobs
@@ -108,21 +116,39 @@ def test_logprobs_n_returns_the_models_top_alternatives(client, hf: HFModel, ser
     assert len(lp.top_logprobs) == 5
     for i, alts in enumerate(lp.top_logprobs):
         want_lp, want_ids = ref[i].topk(3)
-        assert list(alts) == [tok.decode([t]) for t in want_ids.tolist()] or len(set(alts)) < 3  # same strings
+        assert (
+            list(alts) == [tok.decode([t]) for t in want_ids.tolist()] or len(set(alts)) < 3
+        )  # same strings
         assert sorted(alts.values(), reverse=True) == pytest.approx(want_lp.tolist(), abs=1e-4)
         assert max(alts.values()) == pytest.approx(lp.token_logprobs[i], abs=1e-5)  # greedy: the top one
-    chunks = [c for c in client.completions.create(model="tiny", prompt=p, max_tokens=5, temperature=0, logprobs=3,
-                                                    stream=True, extra_body=NO_EOS) if c.choices]
+    chunks = [
+        c
+        for c in client.completions.create(
+            model="tiny", prompt=p, max_tokens=5, temperature=0, logprobs=3, stream=True, extra_body=NO_EOS
+        )
+        if c.choices
+    ]
     assert len(chunks) == 5
-    for c, alts in zip(chunks, lp.top_logprobs):  # (the second run hits the prefix cache: fp32 rounding differs)
+    for c, alts in zip(
+        chunks, lp.top_logprobs, strict=False
+    ):  # (the second run hits the prefix cache: fp32 rounding differs)
         got = c.choices[0].logprobs.top_logprobs[0]
         assert list(got) == list(alts) and list(got.values()) == pytest.approx(list(alts.values()), abs=1e-4)
 
 
 def test_streaming_one_token_per_chunk(client, hf: HFModel, server: RunningServe) -> None:
     p = [7, 7, 8, 21, 34, 55, 89]
-    chunks = list(client.completions.create(model="tiny", prompt=p, max_tokens=10, temperature=0, stream=True,
-                                            stream_options={"include_usage": True}, extra_body=NO_EOS))
+    chunks = list(
+        client.completions.create(
+            model="tiny",
+            prompt=p,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=NO_EOS,
+        )
+    )
     token_chunks = [c for c in chunks if c.choices]
     assert [c.choices[0].token_ids for c in token_chunks] == [[t] for t in hf.greedy(p, 10)]
     assert [c.choices[0].finish_reason for c in token_chunks] == [None] * 9 + ["length"]
@@ -144,27 +170,43 @@ def test_text_prompt_stop_string_and_chat(client, hf: HFModel, server: RunningSe
     # A stop string: the text ends before it, finish_reason "stop", nothing generated past it.
     stop_at = next(i for i, t in enumerate(expected) if t >= 6 and i >= 2)
     stop = f"w{expected[stop_at]}"
-    s = client.completions.create(model="tiny", prompt=text, max_tokens=8, temperature=0, stop=[stop],
-                                  extra_body=NO_EOS)
+    s = client.completions.create(
+        model="tiny", prompt=text, max_tokens=8, temperature=0, stop=[stop], extra_body=NO_EOS
+    )
     assert s.choices[0].finish_reason == "stop"
     assert s.choices[0].token_ids == expected[: stop_at + 1]
     assert s.choices[0].text == tok.decode(expected[:stop_at], skip_special_tokens=True) + " "
     # Chat: the template's prompt, then the same greedy tokens as transformers on it.
     messages = [{"role": "system", "content": "w10 w11"}, {"role": "user", "content": "w50 w51 w52"}]
-    chat_ids = [int(t) for t in tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                        return_dict=False)]
-    c = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
-                                       extra_body=NO_EOS)
+    chat_ids = [
+        int(t)
+        for t in tok.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    ]
+    c = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=6, temperature=0, extra_body=NO_EOS
+    )
     assert c.object == "chat.completion"
     assert c.choices[0].message.role == "assistant"
     assert c.choices[0].token_ids == hf.greedy(chat_ids, 6)
     assert c.choices[0].message.content == tok.decode(hf.greedy(chat_ids, 6), skip_special_tokens=True)
-    stream = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
-                                                 stream=True, extra_body=NO_EOS))
+    stream = list(
+        client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=6, temperature=0, stream=True, extra_body=NO_EOS
+        )
+    )
     assert "".join(ch.choices[0].delta.content or "" for ch in stream) == c.choices[0].message.content
     # Chat logprobs with top_logprobs: the chosen token is the most likely alternative (greedy).
-    lc = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0, logprobs=True,
-                                        top_logprobs=2, extra_body=NO_EOS)
+    lc = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body=NO_EOS,
+    )
     content = lc.choices[0].logprobs.content
     assert [e.token for e in content] == [tok.decode([t]) for t in hf.greedy(chat_ids, 6)]
     for e in content:
@@ -181,16 +223,23 @@ def test_models_health_and_eos(client, hf: HFModel, server: RunningServe) -> Non
     # Without ignore_eos the config's eos_token_id (2) stops generation, as transformers would.
     p = [5, 9, 17, 33]
     with_eos = hf.model.generate(  # type: ignore[attr-defined]
-        __import__("torch").tensor([p]), max_new_tokens=40, do_sample=False, eos_token_id=2, pad_token_id=0,
-    )[0, len(p):].tolist()
+        __import__("torch").tensor([p]),
+        max_new_tokens=40,
+        do_sample=False,
+        eos_token_id=2,
+        pad_token_id=0,
+    )[0, len(p) :].tolist()
     r = client.completions.create(model="tiny", prompt=p, max_tokens=40, temperature=0)
     assert r.choices[0].token_ids == with_eos
     assert r.choices[0].finish_reason == ("stop" if with_eos[-1] == 2 else "length")
 
 
-def test_16_concurrent_streaming_clients_are_batched(server: RunningServe, hf: HFModel, stack: LocalStack) -> None:
-    before = metric_samples(urllib.request.urlopen(server.url + "/metrics").read().decode(),
-                            "pagedkv_iteration_requests_bucket")
+def test_16_concurrent_streaming_clients_are_batched(
+    server: RunningServe, hf: HFModel, stack: LocalStack
+) -> None:
+    before = metric_samples(
+        urllib.request.urlopen(server.url + "/metrics").read().decode(), "pagedkv_iteration_requests_bucket"
+    )
     prompts = [[(i * 7 + j * 3) % 120 + 6 for j in range(5 + i % 7)] for i in range(16)]
     results: dict[int, list[int]] = {}
     errors: list[BaseException] = []
@@ -201,8 +250,9 @@ def test_16_concurrent_streaming_clients_are_batched(server: RunningServe, hf: H
             c = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
             start.wait()
             toks: list[int] = []
-            for ch in c.completions.create(model="tiny", prompt=prompts[i], max_tokens=12, temperature=0,
-                                           stream=True, extra_body=NO_EOS):
+            for ch in c.completions.create(
+                model="tiny", prompt=prompts[i], max_tokens=12, temperature=0, stream=True, extra_body=NO_EOS
+            ):
                 toks.extend(ch.choices[0].token_ids)
             results[i] = toks
         except BaseException as e:  # noqa: BLE001
@@ -216,22 +266,31 @@ def test_16_concurrent_streaming_clients_are_batched(server: RunningServe, hf: H
     assert not errors, errors
     for i, p in enumerate(prompts):
         assert results[i] == hf.greedy(p, 12), i
-    after = metric_samples(urllib.request.urlopen(server.url + "/metrics").read().decode(),
-                           "pagedkv_iteration_requests_bucket")
+    after = metric_samples(
+        urllib.request.urlopen(server.url + "/metrics").read().decode(), "pagedkv_iteration_requests_bucket"
+    )
     total = after['{le="+Inf",model_name="tiny"}'] - before.get('{le="+Inf",model_name="tiny"}', 0)
     single = after['{le="1.0",model_name="tiny"}'] - before.get('{le="1.0",model_name="tiny"}', 0)
     assert total - single > 0, "no engine iteration gave tokens to more than one request"
-    assert after['{le="4.0",model_name="tiny"}'] < after['{le="+Inf",model_name="tiny"}'], \
+    assert after['{le="4.0",model_name="tiny"}'] < after['{le="+Inf",model_name="tiny"}'], (
         "16 concurrent clients should share iterations with more than 4 requests"
+    )
     wait_pool_empty(stack)
 
 
 def test_metrics_names_and_vllm_names(stack: LocalStack, server: RunningServe) -> None:
     text = urllib.request.urlopen(server.url + "/metrics").read().decode()
-    for name in ("pagedkv_num_requests_waiting", "pagedkv_num_requests_running", "pagedkv_kv_cache_usage_perc",
-                 "pagedkv_time_to_first_token_seconds_bucket", "pagedkv_time_per_output_token_seconds_bucket",
-                 "pagedkv_e2e_request_latency_seconds_bucket", "pagedkv_kv_cache_used_blocks",
-                 "pagedkv_prefix_cache_hits_total", "pagedkv_prefix_cache_queries_total"):
+    for name in (
+        "pagedkv_num_requests_waiting",
+        "pagedkv_num_requests_running",
+        "pagedkv_kv_cache_usage_perc",
+        "pagedkv_time_to_first_token_seconds_bucket",
+        "pagedkv_time_per_output_token_seconds_bucket",
+        "pagedkv_e2e_request_latency_seconds_bucket",
+        "pagedkv_kv_cache_used_blocks",
+        "pagedkv_prefix_cache_hits_total",
+        "pagedkv_prefix_cache_queries_total",
+    ):
         assert name in text, name
     assert "vllm:" not in text
     usage = metric_samples(text, "pagedkv_kv_cache_usage_perc")
@@ -240,9 +299,14 @@ def test_metrics_names_and_vllm_names(stack: LocalStack, server: RunningServe) -
         c = openai.OpenAI(base_url=other.url + "/v1", api_key="unused", max_retries=0)
         c.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=3, temperature=0, extra_body=NO_EOS)
         text = urllib.request.urlopen(other.url + "/metrics").read().decode()
-    for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
-                 "vllm:time_to_first_token_seconds_count", "vllm:time_per_output_token_seconds_count",
-                 "vllm:e2e_request_latency_seconds_count"):
+    for name in (
+        "vllm:num_requests_waiting",
+        "vllm:num_requests_running",
+        "vllm:kv_cache_usage_perc",
+        "vllm:time_to_first_token_seconds_count",
+        "vllm:time_per_output_token_seconds_count",
+        "vllm:e2e_request_latency_seconds_count",
+    ):
         assert name in text, name
     assert metric_samples(text, "vllm:e2e_request_latency_seconds_count") == {'{model_name="tiny"}': 1.0}
 
@@ -252,9 +316,14 @@ def test_readme_openai_example_runs(server: RunningServe, capsys: pytest.Capture
     import re
 
     readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
-    snippet = next(b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S)
-                   if "from openai" in b and "token_ids" in b)
-    code = snippet.replace("http://127.0.0.1:8000", server.url).replace('model="pagedkv-tiny-default"', 'model="tiny"')
+    snippet = next(
+        b
+        for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S)
+        if "from openai" in b and "token_ids" in b
+    )
+    code = snippet.replace("http://127.0.0.1:8000", server.url).replace(
+        'model="pagedkv-tiny-default"', 'model="tiny"'
+    )
     exec(compile(code, "README.md", "exec"), {})  # noqa: S102 - our own documentation
     lines = capsys.readouterr().out.splitlines()
     # One token per chunk; up to 16 (the tiny model may sample its EOS, id 2, earlier).

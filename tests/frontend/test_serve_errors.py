@@ -40,11 +40,18 @@ def server(stack: LocalStack) -> Iterator[RunningServe]:
         yield srv
 
 
-def post(server: RunningServe, path: str, body: object, headers: dict[str, str] | None = None,
-         raw: bytes | None = None) -> tuple[int, dict, dict]:
+def post(
+    server: RunningServe,
+    path: str,
+    body: object,
+    headers: dict[str, str] | None = None,
+    raw: bytes | None = None,
+) -> tuple[int, dict, dict]:
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
     data = raw if raw is not None else json.dumps(body).encode()
-    conn.request("POST", path, body=data, headers={"Content-Type": "application/json", **AUTH, **(headers or {})})
+    conn.request(
+        "POST", path, body=data, headers={"Content-Type": "application/json", **AUTH, **(headers or {})}
+    )
     r = conn.getresponse()
     payload = json.loads(r.read() or b"{}")
     conn.close()
@@ -67,7 +74,9 @@ def assert_pool_empty(stack: LocalStack, timeout_s: float = 10.0) -> None:
             s = bm.get_stats()
             if s.num_sequences == 0 and s.num_used_blocks == 0:
                 return
-            assert time.monotonic() < deadline, f"left allocated: {s.num_sequences} seqs, {s.num_used_blocks} blocks"
+            assert time.monotonic() < deadline, (
+                f"left allocated: {s.num_sequences} seqs, {s.num_used_blocks} blocks"
+            )
             time.sleep(0.05)
 
 
@@ -122,7 +131,9 @@ BAD_FIELDS = [
 ]
 
 
-@pytest.mark.parametrize("override,param,words", BAD_FIELDS, ids=[f"{p}-{i}" for i, (_, p, _) in enumerate(BAD_FIELDS)])
+@pytest.mark.parametrize(
+    "override,param,words", BAD_FIELDS, ids=[f"{p}-{i}" for i, (_, p, _) in enumerate(BAD_FIELDS)]
+)
 def test_bad_field_is_400_naming_it(server: RunningServe, override: dict, param: str, words: str) -> None:
     status, body, _ = post(server, "/v1/completions", {**GOOD, **override})
     assert status == 400, body
@@ -134,8 +145,10 @@ def test_bad_field_is_400_naming_it(server: RunningServe, override: dict, param:
 
 def test_neutral_penalties_and_echo_false_are_accepted(server: RunningServe) -> None:
     """The values that change nothing (what clients send by default) are served, ints included."""
-    for neutral in ({"presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1},
-                    {"repetition_penalty": 1.0, "echo": False}):
+    for neutral in (
+        {"presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1},
+        {"repetition_penalty": 1.0, "echo": False},
+    ):
         status, body, _ = post(server, "/v1/completions", {**GOOD, **neutral})
         assert status == 200, body
         assert len(body["choices"][0]["token_ids"]) >= 1
@@ -147,16 +160,34 @@ def test_bad_requests_leave_nothing_allocated(server: RunningServe, stack: Local
     for raw in (b"{not json", b"[1, 2]", b""):
         status, body, _ = post(server, "/v1/completions", None, raw=raw)
         assert status == 400 and body["error"]["message"], raw
-    status, body, _ = post(server, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user",
-                                                                                         "content": "hi"}]})
-    assert status == 400 and body["error"]["param"] == "messages" and "chat template" in body["error"]["message"]
+    status, body, _ = post(
+        server, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+    )
+    assert (
+        status == 400 and body["error"]["param"] == "messages" and "chat template" in body["error"]["message"]
+    )
     status, body, _ = post(server, "/v1/chat/completions", {"model": "tiny", "messages": []})
     assert status == 400 and body["error"]["param"] == "messages"
-    status, body, _ = post(server, "/v1/chat/completions", {"model": "tiny", "top_logprobs": 2, "messages": [
-        {"role": "user", "content": "hi"}]})
-    assert status == 400 and body["error"]["param"] == "top_logprobs" and "logprobs: true" in body["error"]["message"]
-    status, body, _ = post(server, "/v1/chat/completions", {"model": "tiny", "logprobs": True, "top_logprobs": 21,
-                                                            "messages": [{"role": "user", "content": "hi"}]})
+    status, body, _ = post(
+        server,
+        "/v1/chat/completions",
+        {"model": "tiny", "top_logprobs": 2, "messages": [{"role": "user", "content": "hi"}]},
+    )
+    assert (
+        status == 400
+        and body["error"]["param"] == "top_logprobs"
+        and "logprobs: true" in body["error"]["message"]
+    )
+    status, body, _ = post(
+        server,
+        "/v1/chat/completions",
+        {
+            "model": "tiny",
+            "logprobs": True,
+            "top_logprobs": 21,
+            "messages": [{"role": "user", "content": "hi"}],
+        },
+    )
     assert status == 400 and body["error"]["param"] == "top_logprobs"
     assert_pool_empty(stack)
     # And the server still serves.
@@ -167,7 +198,9 @@ def test_bad_requests_leave_nothing_allocated(server: RunningServe, stack: Local
 
 def test_unknown_model_is_404_and_openai_client_sees_the_errors(server: RunningServe) -> None:
     status, body, _ = post(server, "/v1/completions", {**GOOD, "model": "gpt-4"})
-    assert status == 404 and body["error"]["code"] == "model_not_found" and "gpt-4" in body["error"]["message"]
+    assert (
+        status == 404 and body["error"]["code"] == "model_not_found" and "gpt-4" in body["error"]["message"]
+    )
     c = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
     with pytest.raises(openai.NotFoundError):
         c.completions.create(model="nope", prompt=[1, 2], max_tokens=2)
@@ -192,8 +225,11 @@ def open_stream(server: RunningServe, body: dict) -> socket.socket:
     """A raw streaming request; returns the socket after the first token chunk arrived."""
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
     data = json.dumps({**body, "stream": True}).encode()
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
     got = b""
     while b"data: {" not in got:
         chunk = sock.recv(4096)
@@ -211,8 +247,17 @@ def counter(server: RunningServe, name: str, label: str = "") -> float:
 def test_disconnect_mid_stream_aborts_and_frees(server: RunningServe, stack: LocalStack) -> None:
     before = counter(server, "pagedkv_generation_tokens_total")
     aborts = counter(server, "pagedkv_request_success_total", 'finished_reason="abort"')
-    sock = open_stream(server, {"model": "tiny", "prompt": [4, 5, 6, 7, 8], "max_tokens": 240,
-                                "temperature": 0, "ignore_eos": True, "n": 2})
+    sock = open_stream(
+        server,
+        {
+            "model": "tiny",
+            "prompt": [4, 5, 6, 7, 8],
+            "max_tokens": 240,
+            "temperature": 0,
+            "ignore_eos": True,
+            "n": 2,
+        },
+    )
     sock.close()
     assert_pool_empty(stack)
     produced = counter(server, "pagedkv_generation_tokens_total") - before
@@ -229,8 +274,9 @@ def test_over_max_waiting_is_503_with_retry_after(stack: LocalStack) -> None:
         long = {"model": "tiny", "prompt": [9, 9, 9], "max_tokens": 200, "temperature": 0, "ignore_eos": True}
         sock = open_stream(srv, long)  # runs: the one sequence slot is taken
         waiter_status: list[int] = []
-        t = threading.Thread(target=lambda: waiter_status.append(
-            post(srv, "/v1/completions", {**GOOD, "temperature": 0})[0]))
+        t = threading.Thread(
+            target=lambda: waiter_status.append(post(srv, "/v1/completions", {**GOOD, "temperature": 0})[0])
+        )
         t.start()
         deadline = time.monotonic() + 10
         while srv.loop.num_waiting() < 1:
@@ -247,25 +293,44 @@ def test_over_max_waiting_is_503_with_retry_after(stack: LocalStack) -> None:
 
 
 def test_tls_and_mutual_tls_and_no_plaintext_off_loopback(stack: LocalStack, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    import ssl
-
-    from frontend.serve_settings import ServeSettings
-    from pagedkv.tls import TlsConfigError
     import shutil
+    import ssl
     import subprocess
     from pathlib import Path
 
+    from frontend.serve_settings import ServeSettings
+    from pagedkv.tls import TlsConfigError
+
     with pytest.raises(TlsConfigError, match="non-loopback"):
-        RunningServe(ServeSettings(host="0.0.0.0", port=0, block_manager=stack.block_manager_target,
-                                   workers=",".join(stack.worker_targets)))
+        RunningServe(
+            ServeSettings(
+                host="0.0.0.0",
+                port=0,
+                block_manager=stack.block_manager_target,
+                workers=",".join(stack.worker_targets),
+            )
+        )
     if shutil.which("openssl") is None:
         pytest.importorskip("cryptography")
     tools = Path(__file__).resolve().parents[2] / "tools"
     subprocess.run(["bash", str(tools / "make_certs.sh"), str(tmp_path)], check=True, capture_output=True)
-    c = {k: tmp_path / v for k, v in {"ca": "ca.pem", "server": "server.pem", "server_key": "server.key",
-                                        "client": "client.pem", "client_key": "client.key"}.items()}
-    with serving(stack, model_name="tiny", tls_cert=str(c["server"]), tls_key=str(c["server_key"]),
-                 tls_client_ca=str(c["ca"])) as srv:
+    c = {
+        k: tmp_path / v
+        for k, v in {
+            "ca": "ca.pem",
+            "server": "server.pem",
+            "server_key": "server.key",
+            "client": "client.pem",
+            "client_key": "client.key",
+        }.items()
+    }
+    with serving(
+        stack,
+        model_name="tiny",
+        tls_cert=str(c["server"]),
+        tls_key=str(c["server_key"]),
+        tls_client_ca=str(c["ca"]),
+    ) as srv:
         assert srv.url.startswith("https://")
         ctx = ssl.create_default_context(cafile=str(c["ca"]))
         ctx.load_cert_chain(str(c["client"]), str(c["client_key"]))
@@ -282,7 +347,9 @@ def test_tls_and_mutual_tls_and_no_plaintext_off_loopback(stack: LocalStack, tmp
         conn.close()
 
 
-def test_outbound_bearer_token_to_the_block_manager(stack: LocalStack, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+def test_outbound_bearer_token_to_the_block_manager(
+    stack: LocalStack, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
     """The server's own gRPC connections take the client token (PAGEDKV_TOKEN / --token-file)."""
     from frontend.serve_settings import ServeSettings
     from pagedkv.auth import hash_token
@@ -297,8 +364,14 @@ def test_outbound_bearer_token_to_the_block_manager(stack: LocalStack, tmp_path,
     # The stack's workers keep their own (open) block manager; the frontend's engine allocates from a
     # second one with the same geometry that requires a token (only the engine talks to it).
     geometry = stack.block_manager.servicer._core.stats()  # noqa: SLF001 - same geometry
-    bm = start_server(BlockManagerSettings(port=0, num_gpu_blocks=geometry.num_gpu_blocks,
-                                           block_size=geometry.block_size, auth_tokens_file=str(tokens)))
+    bm = start_server(
+        BlockManagerSettings(
+            port=0,
+            num_gpu_blocks=geometry.num_gpu_blocks,
+            block_size=geometry.block_size,
+            auth_tokens_file=str(tokens),
+        )
+    )
     try:
         common = dict(port=0, block_manager=f"127.0.0.1:{bm.port}", workers=",".join(stack.worker_targets))
         with pytest.raises(Exception, match="UNAUTHENTICATED"):
@@ -313,4 +386,3 @@ def test_outbound_bearer_token_to_the_block_manager(stack: LocalStack, tmp_path,
             assert status == 200 and len(body["choices"][0]["token_ids"]) == 3
     finally:
         bm.stop(0)
-

@@ -22,9 +22,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from frontend.client import BlockManagerClient
 from frontend.serve import RunningServe
@@ -35,8 +33,12 @@ from tests.frontend.serve_fixtures import metric_samples
 from tests.worker_svc.conftest import HFModel, build_hf_model
 
 EXIT_CACHE_LOST = 3
-PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [5, 6, 7, 8, 20, 21], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50],
-           [3, 1, 4, 1, 5, 9, 2, 6]]
+PROMPTS = [
+    [5, 6, 7, 8, 9, 10, 11, 12, 13],
+    [5, 6, 7, 8, 20, 21],
+    [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50],
+    [3, 1, 4, 1, 5, 9, 2, 6],
+]
 
 
 @pytest.fixture(scope="module")
@@ -46,16 +48,31 @@ def hf(tmp_path_factory: pytest.TempPathFactory) -> HFModel:
 
 @pytest.fixture(scope="module")
 def stack(hf: HFModel, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    env = {"PAGEDKV_KERNEL_BACKEND": "reference", "PAGEDKV_CACHE_HOST_CHECK_INTERVAL_S": "0.2",
-           "PAGEDKV_CACHE_LOST_EXIT_AFTER_S": "1", "PAGEDKV_LOG_LEVEL": "warning"}
+    env = {
+        "PAGEDKV_KERNEL_BACKEND": "reference",
+        "PAGEDKV_CACHE_HOST_CHECK_INTERVAL_S": "0.2",
+        "PAGEDKV_CACHE_LOST_EXIT_AFTER_S": "1",
+        "PAGEDKV_LOG_LEVEL": "warning",
+    }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     bm, ch, w = free_ports(3)
-    opts = StackOptions(block_manager_port=bm, cache_host_port=ch, worker_port=w, num_workers=1,
-                        num_gpu_blocks=128, num_cpu_blocks=0, block_size=4, model=str(hf.path), device="cpu",
-                        dtype="float32", log_dir=str(tmp_path_factory.mktemp("logs")), ready_timeout_s=90,
-                        shm_prefix=f"pagedkv-sf-{os.getpid()}",
-                        state_dir=str(tmp_path_factory.mktemp("bm-state")))
+    opts = StackOptions(
+        block_manager_port=bm,
+        cache_host_port=ch,
+        worker_port=w,
+        num_workers=1,
+        num_gpu_blocks=128,
+        num_cpu_blocks=0,
+        block_size=4,
+        model=str(hf.path),
+        device="cpu",
+        dtype="float32",
+        log_dir=str(tmp_path_factory.mktemp("logs")),
+        ready_timeout_s=90,
+        shm_prefix=f"pagedkv-sf-{os.getpid()}",
+        state_dir=str(tmp_path_factory.mktemp("bm-state")),
+    )
     s = Stack(opts, out=open(os.devnull, "w"))  # noqa: SIM115
     try:
         s.start()
@@ -75,9 +92,13 @@ def stack(hf: HFModel, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sta
 
 @pytest.fixture(scope="module")
 def server(stack: Stack) -> Iterator[RunningServe]:
-    settings = ServeSettings(port=0, block_manager=_svc(stack, "block-manager").address,
-                             workers=_svc(stack, "worker-0").address, block_manager_outage_s=2.0,
-                             max_batch_tokens=64)
+    settings = ServeSettings(
+        port=0,
+        block_manager=_svc(stack, "block-manager").address,
+        workers=_svc(stack, "worker-0").address,
+        block_manager_outage_s=2.0,
+        max_batch_tokens=64,
+    )
     with RunningServe(settings) as srv:
         yield srv
 
@@ -88,9 +109,16 @@ def _svc(stack: Stack, name: str) -> Any:
 
 def _post(server: RunningServe, prompt: list[int], max_tokens: int) -> tuple[int, dict, dict]:
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
-    body = {"model": server.state.model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True}
-    conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    body = {
+        "model": server.state.model_name,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    conn.request(
+        "POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"}
+    )
     r = conn.getresponse()
     payload = json.loads(r.read() or b"{}")
     conn.close()
@@ -157,7 +185,7 @@ def test_cache_host_sigkill_and_restart_under_serve(stack: Stack, server: Runnin
     stack.restart("worker-0")
     for t in threads:
         t.join(60)
-    for (status, body, _), p in zip(results, PROMPTS):
+    for (status, body, _), p in zip(results, PROMPTS, strict=False):
         assert status == 200, body
         assert body["choices"][0]["token_ids"] == hf.greedy(p, max_tokens)
     # Every request after it succeeds, with nothing restarted by hand.
@@ -171,8 +199,9 @@ def test_cache_host_sigkill_and_restart_under_serve(stack: Stack, server: Runnin
     assert time.monotonic() - t0 < 60  # about 17 s alone; generous for shared CI machines
 
 
-def test_block_manager_outage_past_budget_503_then_recovers(stack: Stack, server: RunningServe,
-                                                            hf: HFModel) -> None:
+def test_block_manager_outage_past_budget_503_then_recovers(
+    stack: Stack, server: RunningServe, hf: HFModel
+) -> None:
     threads, results = _concurrent(server, 400)
     _wait_running(server, len(PROMPTS), results)
     bm = _svc(stack, "block-manager")

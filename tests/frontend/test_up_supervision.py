@@ -36,10 +36,37 @@ class Up:
         self.log_dir = tmp / "logs"
         env = {**ENV, "PAGEDKV_CACHE_HOST_CHECK_INTERVAL_S": "0.2", "PAGEDKV_LOG_LEVEL": "info"}
         self.p = subprocess.Popen(
-            [sys.executable, "-m", "pagedkv.cli", "up", "--block-manager-port", str(self.bm), "--cache-host-port",
-             str(self.ch), "--worker-port", str(self.w), "--num-workers", str(num_workers), "--num-gpu-blocks", "64",
-             "--block-size", "4", "--no-serve", "--device", "cpu", "--log-dir", str(self.log_dir), *extra],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "pagedkv.cli",
+                "up",
+                "--block-manager-port",
+                str(self.bm),
+                "--cache-host-port",
+                str(self.ch),
+                "--worker-port",
+                str(self.w),
+                "--num-workers",
+                str(num_workers),
+                "--num-gpu-blocks",
+                "64",
+                "--block-size",
+                "4",
+                "--no-serve",
+                "--device",
+                "cpu",
+                "--log-dir",
+                str(self.log_dir),
+                *extra,
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         self.lines: list[str] = []
         self._cv = threading.Condition()
         threading.Thread(target=self._read, daemon=True).start()
@@ -62,7 +89,9 @@ class Up:
                     if m:
                         return m
                 if time.monotonic() > deadline or self.p.poll() is not None and self.p.stdout.closed:  # type: ignore[union-attr]
-                    raise AssertionError(f"no line matching {pattern!r}; output:\n{''.join(self.lines)[-4000:]}")
+                    raise AssertionError(
+                        f"no line matching {pattern!r}; output:\n{''.join(self.lines)[-4000:]}"
+                    )
                 self._cv.wait(0.5)
 
     def pid(self, name: str) -> int:
@@ -74,9 +103,28 @@ class Up:
         return pids[-1]
 
     def generate(self) -> dict:
-        r = subprocess.run([sys.executable, "-m", "pagedkv.cli", "generate", "--token-ids", PROMPT, "--max-tokens", "6",
-                            "--block-manager", f"127.0.0.1:{self.bm}", "--workers", f"127.0.0.1:{self.w}"],
-                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120, check=False)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pagedkv.cli",
+                "generate",
+                "--token-ids",
+                PROMPT,
+                "--max-tokens",
+                "6",
+                "--block-manager",
+                f"127.0.0.1:{self.bm}",
+                "--workers",
+                f"127.0.0.1:{self.w}",
+            ],
+            cwd=ROOT,
+            env=ENV,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
         assert r.returncode == 0, r.stderr
         return json.loads(r.stdout)
 
@@ -161,8 +209,11 @@ def test_restart_budget_spent_stops_the_stack_naming_the_role(tmp_path: pathlib.
     _kill(up, "worker-0")
     mark = len(up.lines)
     os.kill(up.pid("worker-0"), signal.SIGKILL)
-    up.wait_for(r"worker-0 exited with code -9 \(SIGKILL\) after 1 restarts within 60 s "
-                r"\(--max-restarts-per-minute 1\); giving up: stopping the stack", start=mark)
+    up.wait_for(
+        r"worker-0 exited with code -9 \(SIGKILL\) after 1 restarts within 60 s "
+        r"\(--max-restarts-per-minute 1\); giving up: stopping the stack",
+        start=mark,
+    )
     out = up.stop()
     assert up.p.returncode == 1, out
     # The structlog lines too: each restart with its exit code, then giving up.

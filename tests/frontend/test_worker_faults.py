@@ -25,9 +25,19 @@ def hf(tmp_path_factory: pytest.TempPathFactory) -> HFModel:
 def test_sigkill_one_worker_mid_generation_keeps_outputs_exact(hf: HFModel, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setenv("PAGEDKV_KERNEL_BACKEND", "reference")
     base = free_port_block(4)
-    opts = StackOptions(block_manager_port=base, cache_host_port=base + 1, worker_port=base + 2, num_workers=2,
-                        num_gpu_blocks=64, block_size=4, model=str(hf.path), device="cpu", dtype="float32",
-                        log_dir=str(tmp_path / "logs"), shm_prefix=f"pagedkv-fault-{os.getpid()}")
+    opts = StackOptions(
+        block_manager_port=base,
+        cache_host_port=base + 1,
+        worker_port=base + 2,
+        num_workers=2,
+        num_gpu_blocks=64,
+        block_size=4,
+        model=str(hf.path),
+        device="cpu",
+        dtype="float32",
+        log_dir=str(tmp_path / "logs"),
+        shm_prefix=f"pagedkv-fault-{os.getpid()}",
+    )
     stack = Stack(opts, out=io.StringIO())
     stack.start()
     try:
@@ -35,7 +45,10 @@ def test_sigkill_one_worker_mid_generation_keeps_outputs_exact(hf: HFModel, tmp_
         with BlockManagerClient(stack.services[0].address) as bm:
             workers = [WorkerClient(s.address, default_timeout_s=30) for s in stack.services[2:]]
             engine = Engine(bm, workers, EngineConfig(timeout_s=10))
-            outs = [engine.add_request(GenerationRequest(f"r{i}", p, max_tokens=12)) for i, p in enumerate(prompts)]
+            outs = [
+                engine.add_request(GenerationRequest(f"r{i}", p, max_tokens=12))
+                for i, p in enumerate(prompts)
+            ]
             for _ in range(5):  # prefill and a few decode steps on worker-0
                 engine.step()
             assert engine.stats.worker_retries == 0
@@ -60,7 +73,7 @@ def test_sigkill_one_worker_mid_generation_keeps_outputs_exact(hf: HFModel, tmp_
             for w in workers:
                 w.close()
         assert engine.stats.worker_retries >= 1, "the engine should have moved to worker-1"
-        for p, out in zip(prompts, outs):
+        for p, out in zip(prompts, outs, strict=True):
             assert out.completions[0].token_ids == hf.greedy(p, 12), out.request_id
     finally:
         leaked = stack.stop()

@@ -100,7 +100,9 @@ def make_caches(
     raise ValueError(layout)
 
 
-def make_block_tables(seq_lens: list[int], block_size: int, num_blocks: int, gen: torch.Generator) -> torch.Tensor:
+def make_block_tables(
+    seq_lens: list[int], block_size: int, num_blocks: int, gen: torch.Generator
+) -> torch.Tensor:
     """Shuffled, distinct physical blocks per sequence; unused entries hold PAD_BLOCK."""
     need = [max(1, math.ceil(n / block_size)) for n in seq_lens]
     assert sum(need) <= num_blocks, "cache too small for the case"
@@ -153,11 +155,13 @@ def check_decode_group(num_heads: int, dtype: torch.dtype, lens: list[int], seed
     case = make_paged(lens, 16, GQA_NUM_KV_HEADS, 64, dtype, seed=seed)
     q = randn((len(lens), num_heads, 64), dtype, generator(seed + 1))
     out = poisoned_like(q)
-    got = kernels.paged_decode_attention(q, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
-                                         0.125, out=out)
+    got = kernels.paged_decode_attention(
+        q, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, 0.125, out=out
+    )
     assert got is out
-    want = reference.paged_decode_attention(q, case.key_cache, case.value_cache, case.block_tables,
-                                            case.seq_lens, 0.125)
+    want = reference.paged_decode_attention(
+        q, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, 0.125
+    )
     assert_close(got, want, dtype)
 
 
@@ -169,9 +173,11 @@ def check_prefill_group(num_heads: int, dtype: torch.dtype, shape: list[tuple[in
     qsl = torch.tensor(starts, dtype=torch.int32, device=DEVICE)
     q = randn((starts[-1], num_heads, 64), dtype, generator(seed + 1))
     out = poisoned_like(q)
-    got = kernels.paged_prefill_attention(q, case.key_cache, case.value_cache, case.block_tables, qsl,
-                                          case.seq_lens, 0.125, out=out)
+    got = kernels.paged_prefill_attention(
+        q, case.key_cache, case.value_cache, case.block_tables, qsl, case.seq_lens, 0.125, out=out
+    )
     assert got is out
-    want = reference.paged_prefill_attention(q, case.key_cache, case.value_cache, case.block_tables, qsl,
-                                             case.seq_lens, 0.125)
+    want = reference.paged_prefill_attention(
+        q, case.key_cache, case.value_cache, case.block_tables, qsl, case.seq_lens, 0.125
+    )
     assert_close(got, want, dtype)

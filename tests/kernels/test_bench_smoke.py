@@ -13,15 +13,28 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU smoke test of the interpreter; on a GPU the bench runs for real")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="CPU smoke test of the interpreter; on a GPU the bench runs for real"
+)
 def test_kernel_bench_smoke(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")  # smoke mode is for CPU
     env.pop("PAGEDKV_KERNEL_BACKEND", None)
     env["TRITON_INTERPRET"] = "1"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "kernel_bench.py"), "--smoke", "--dtypes", "float32",
-         "--out", str(tmp_path)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240,
+        [
+            sys.executable,
+            str(ROOT / "bench" / "kernel_bench.py"),
+            "--smoke",
+            "--dtypes",
+            "float32",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     md = (tmp_path / "results.md").read_text()

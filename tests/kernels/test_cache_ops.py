@@ -29,7 +29,9 @@ def test_write_kv_cache_skips_padding(dtype: torch.dtype, layout: str) -> None:
     assert torch.equal(kc.reshape(56, 2, 80)[written].cpu(), key[slots >= 0].cpu())
 
 
-def _layer_views(layout: str, gen: torch.Generator, layers: int = 3) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _layer_views(
+    layout: str, gen: torch.Generator, layers: int = 3
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     if layout == "6d":
         big = randn((layers, 2, 10, 16, 2, 64), torch.float16, gen)
         return [big[i, 0] for i in range(layers)], [big[i, 1] for i in range(layers)]
@@ -51,7 +53,7 @@ def test_copy_blocks_all_layers(layout: str) -> None:
     pairs = torch.tensor([[1, 7], [4, 2], [9, 0]], dtype=torch.int64)
     reference.copy_blocks(want_k, want_v, pairs)
     kernels.copy_blocks(kcs, vcs, pairs)
-    for got, want in zip(kcs + vcs, want_k + want_v):
+    for got, want in zip(kcs + vcs, want_k + want_v, strict=True):
         assert torch.equal(got, want)
 
 
@@ -95,15 +97,19 @@ def test_swap_blocks_many_layers_staging_path() -> None:
     p = torch.tensor([[11, 0], [3, 5], [7, 1], [0, 3], [5, 2], [9, 4]])
     assert len(swap.contiguous_runs(p.tolist())) > swap.MAX_DIRECT_RUNS
     wants = [d.clone() for d in dsts]
-    for s, w in zip(srcs, wants):
+    for s, w in zip(srcs, wants, strict=True):
         reference.swap_blocks(s, w, p)
     kernels.swap_blocks(srcs, dsts, p)
-    for d, w in zip(dsts, wants):
+    for d, w in zip(dsts, wants, strict=True):
         assert torch.equal(d, w)
 
 
 def test_contiguous_runs() -> None:
-    assert swap.contiguous_runs([[2, 5], [3, 6], [4, 7], [9, 1], [10, 2], [0, 0]]) == [(2, 5, 3), (9, 1, 2), (0, 0, 1)]
+    assert swap.contiguous_runs([[2, 5], [3, 6], [4, 7], [9, 1], [10, 2], [0, 0]]) == [
+        (2, 5, 3),
+        (9, 1, 2),
+        (0, 0, 1),
+    ]
 
 
 def test_contiguous_pieces_of_block_major_views() -> None:

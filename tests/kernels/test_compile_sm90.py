@@ -34,7 +34,9 @@ def _cuobjdump_available() -> bool:
         return False
 
 
-needs_nvidia_tools = pytest.mark.skipif(not _cuobjdump_available(), reason="triton without its NVIDIA backend tools")
+needs_nvidia_tools = pytest.mark.skipif(
+    not _cuobjdump_available(), reason="triton without its NVIDIA backend tools"
+)
 
 
 def _env(tmp_path: Path) -> dict[str, str]:
@@ -52,7 +54,11 @@ def test_every_dispatch_configuration_compiles_for_sm90(tmp_path: Path) -> None:
     out = tmp_path / "aot.json"
     proc = subprocess.run(
         [sys.executable, "-m", "kernels.aot", "--arch", "90", "--jobs", str(jobs), "--json", str(out)],
-        cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True, timeout=1150,
+        cwd=ROOT,
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=1150,
     )
     report = json.loads(out.read_text()) if out.exists() else {}
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
@@ -84,7 +90,8 @@ def test_every_dispatch_configuration_compiles_for_sm90(tmp_path: Path) -> None:
 def test_a_dot_with_k_below_16_is_reported_as_a_compile_error(tmp_path: Path) -> None:
     """The bug class this check exists for: the interpreter runs it, sm_90 cannot compile it."""
     script = tmp_path / "bad_dot.py"
-    script.write_text(textwrap.dedent('''
+    script.write_text(
+        textwrap.dedent("""
         import json, sys, torch, triton, triton.language as tl
         from kernels import aot
 
@@ -104,9 +111,16 @@ def test_a_dot_with_k_below_16_is_reported_as_a_compile_error(tmp_path: Path) ->
             r = aot.compile_config(aot.Config("decode", "float16", k))
             out[k] = {"error": r.error, "problems": aot.problems(r), "kernels": len(r.kernels)}
         json.dump(out, sys.stdout)
-    '''))
-    proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=_env(tmp_path), capture_output=True,
-                          text=True, timeout=280)
+    """)
+    )
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=ROOT,
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     assert res["8"]["error"] and res["8"]["problems"] and res["8"]["kernels"] == 0
@@ -114,8 +128,14 @@ def test_a_dot_with_k_below_16_is_reported_as_a_compile_error(tmp_path: Path) ->
 
 
 def _result(dtype: str, **usage: int) -> aot.Result:
-    k = aot.KernelUsage(kernel="_k", registers=usage.get("registers", 100), local_bytes=usage.get("local", 0),
-                        shared_bytes=usage.get("shared", 1024), num_warps=4, num_stages=3)
+    k = aot.KernelUsage(
+        kernel="_k",
+        registers=usage.get("registers", 100),
+        local_bytes=usage.get("local", 0),
+        shared_bytes=usage.get("shared", 1024),
+        num_warps=4,
+        num_stages=3,
+    )
     return aot.Result(aot.Config("prefill", dtype, 128, 4, "long"), 1.0, [k])
 
 
@@ -125,7 +145,10 @@ def test_problems_names_each_limit() -> None:
     assert "232449 B shared memory > 232448 B" in aot.problems(_result("bfloat16", shared=232449))[0]
     assert "spills (8 B" in aot.problems(_result("float16", local=8))[0]
     assert aot.problems(_result("float32", local=1024)) == []  # float32 may spill: reported, not failed
-    assert "compile error: boom" in aot.problems(aot.Result(aot.Config("write_kv", "float16", 64), 0.0, error="boom"))[0]
+    assert (
+        "compile error: boom"
+        in aot.problems(aot.Result(aot.Config("write_kv", "float16", 64), 0.0, error="boom"))[0]
+    )
     assert "nothing was compiled" in aot.problems(aot.Result(aot.Config("write_kv", "float16", 64), 0.0))[0]
 
 

@@ -16,7 +16,15 @@ import torch
 
 import kernels
 from kernels import cpu, cpu_native, reference
-from tests.kernels.cases import assert_close, generator, make_caches, make_paged, poisoned_like, ragged_lens, randn
+from tests.kernels.cases import (
+    assert_close,
+    generator,
+    make_caches,
+    make_paged,
+    poisoned_like,
+    ragged_lens,
+    randn,
+)
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU backend cases (CPU tensors)")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -42,7 +50,9 @@ def test_plan_follows_the_path(cpu_path: str) -> None:
     case = make_paged([40, 3, 200], 16, 2, 64, torch.float32, seed=1)
     plan = cpu.plan_decode(case.block_tables, case.seq_lens, 16)
     if cpu_path == "native":
-        assert plan.native_tables is not None and plan.native_tables.dtype == torch.int32 and not plan.bucketed
+        assert (
+            plan.native_tables is not None and plan.native_tables.dtype == torch.int32 and not plan.bucketed
+        )
     else:
         assert plan.native_tables is None and plan.bucketed and plan.buckets
 
@@ -51,17 +61,21 @@ def _decode(case, num_heads: int, dtype: torch.dtype, seed: int) -> None:  # typ
     n, d = case.seq_lens.shape[0], case.key_cache.shape[3]
     q = randn((n, num_heads, d), dtype, generator(seed))
     out = poisoned_like(q)
-    got = kernels.paged_decode_attention(q, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
-                                         d**-0.5, out=out)
+    got = kernels.paged_decode_attention(
+        q, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, d**-0.5, out=out
+    )
     assert got is out
-    want = reference.paged_decode_attention(q, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
-                                            d**-0.5)
+    want = reference.paged_decode_attention(
+        q, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, d**-0.5
+    )
     assert_close(got, want, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(8, 2), (4, 1), (4, 4)])
-def test_decode_matches_reference(dtype: torch.dtype, num_heads: int, num_kv_heads: int, cpu_path: str) -> None:
+def test_decode_matches_reference(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, cpu_path: str
+) -> None:
     case = make_paged(ragged_lens(16, 150) + [33, 97, 2], 16, num_kv_heads, 64, dtype, seed=num_heads)
     _decode(case, num_heads, dtype, seed=5)
 
@@ -89,18 +103,24 @@ def test_decode_many_buckets_and_a_zero_length(cpu_path: str) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(8, 2), (4, 1), (2, 2)])
-def test_prefill_matches_reference(dtype: torch.dtype, num_heads: int, num_kv_heads: int, cpu_path: str) -> None:
+def test_prefill_matches_reference(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, cpu_path: str
+) -> None:
     # (seq_len, q_len): whole prompts, chunks after a cached prefix, one token, an empty entry.
     shape = [(40, 40), (70, 23), (16, 1), (33, 0), (129, 17)]
     case = make_paged([s for s, _ in shape], 16, num_kv_heads, 64, dtype, seed=num_heads + 7)
-    qsl = torch.tensor([0] + [sum(q for _, q in shape[: i + 1]) for i in range(len(shape))], dtype=torch.int32)
+    qsl = torch.tensor(
+        [0] + [sum(q for _, q in shape[: i + 1]) for i in range(len(shape))], dtype=torch.int32
+    )
     q = randn((int(qsl[-1]), num_heads, 64), dtype, generator(9))
     out = poisoned_like(q)
-    got = kernels.paged_prefill_attention(q, case.key_cache, case.value_cache, case.block_tables, qsl,
-                                          case.seq_lens, 0.125, out=out)
+    got = kernels.paged_prefill_attention(
+        q, case.key_cache, case.value_cache, case.block_tables, qsl, case.seq_lens, 0.125, out=out
+    )
     assert got is out
-    want = reference.paged_prefill_attention(q, case.key_cache, case.value_cache, case.block_tables, qsl,
-                                             case.seq_lens, 0.125)
+    want = reference.paged_prefill_attention(
+        q, case.key_cache, case.value_cache, case.block_tables, qsl, case.seq_lens, 0.125
+    )
     assert_close(got, want, dtype)
 
 
@@ -126,7 +146,9 @@ def _shared_prefix_case(dtype: torch.dtype, seed: int):  # type: ignore[no-untyp
         nxt += len(tables[-1])
     width = max(len(t) for t in tables)
     order = torch.randperm(nxt + 5, generator=generator(seed))  # physical ids scattered over the cache
-    bt = torch.tensor([[int(order[b]) for b in t] + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    bt = torch.tensor(
+        [[int(order[b]) for b in t] + [0] * (width - len(t)) for t in tables], dtype=torch.int32
+    )
     case = make_paged([16] * (nxt + 5), 16, 2, 64, dtype, seed=seed)  # just for caches of nxt + 5 blocks
     return case.key_cache[: nxt + 5], case.value_cache[: nxt + 5], bt, torch.tensor(lens, dtype=torch.int32)
 
@@ -184,15 +206,21 @@ def test_prefill_buckets_cover_every_chunk_once_with_bounded_padding() -> None:
 def test_prefill_burst_in_shared_buckets_matches_reference(dtype: torch.dtype, cpu_path: str) -> None:
     rnd = random.Random(8)
     shape = [(rnd.randint(100, 140), rnd.randint(3, 12)) for _ in range(20)] + [(64, 64), (17, 1), (150, 0)]
-    assert any(len(m) > 4 for m, _, _ in cpu.prefill_buckets([s for s, _ in shape], [q for _, q in shape], 16))
+    assert any(
+        len(m) > 4 for m, _, _ in cpu.prefill_buckets([s for s, _ in shape], [q for _, q in shape], 16)
+    )
     case = make_paged([s for s, _ in shape], 16, 2, 64, dtype, seed=31)
-    qsl = torch.tensor([0] + [sum(q for _, q in shape[: i + 1]) for i in range(len(shape))], dtype=torch.int32)
+    qsl = torch.tensor(
+        [0] + [sum(q for _, q in shape[: i + 1]) for i in range(len(shape))], dtype=torch.int32
+    )
     q = randn((int(qsl[-1]), 8, 64), dtype, generator(32))
     out = poisoned_like(q)
-    got = kernels.paged_prefill_attention(q, case.key_cache, case.value_cache, case.block_tables, qsl,
-                                          case.seq_lens, 0.125, out=out)
-    want = reference.paged_prefill_attention(q, case.key_cache, case.value_cache, case.block_tables, qsl,
-                                             case.seq_lens, 0.125)
+    got = kernels.paged_prefill_attention(
+        q, case.key_cache, case.value_cache, case.block_tables, qsl, case.seq_lens, 0.125, out=out
+    )
+    want = reference.paged_prefill_attention(
+        q, case.key_cache, case.value_cache, case.block_tables, qsl, case.seq_lens, 0.125
+    )
     assert_close(got, want, dtype)
 
 
@@ -223,8 +251,10 @@ def test_long_shared_prefixes_go_to_the_cascade_not_the_native_kernel(cpu_path: 
     """The native kernel reads a shared prefix once per member; when the cascade would save
     NATIVE_MAX_SAVED_TOKENS or more, the plan is the buckets with the prefix attended once."""
     members, block = 3, 16
-    for shared, native in ((cpu.NATIVE_MAX_SAVED_TOKENS // ((members - 1) * block), False),
-                           (cpu.NATIVE_MAX_SAVED_TOKENS // ((members - 1) * block) - 1, True)):
+    for shared, native in (
+        (cpu.NATIVE_MAX_SAVED_TOKENS // ((members - 1) * block), False),
+        (cpu.NATIVE_MAX_SAVED_TOKENS // ((members - 1) * block) - 1, True),
+    ):
         tables = [list(range(shared)) + [shared + i] for i in range(members)]
         bt = torch.tensor(tables, dtype=torch.int32)
         lens = torch.tensor([shared * block + 3] * members, dtype=torch.int32)
@@ -251,7 +281,9 @@ def test_native_prefill_rows_are_causal_decode_queries(cpu_path: str) -> None:
     assert torch.equal(plan.native_tables, case.block_tables.to(torch.int32)[rows_of])
 
 
-def test_prefill_over_long_contexts_goes_to_the_buckets(cpu_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_prefill_over_long_contexts_goes_to_the_buckets(
+    cpu_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Past NATIVE_PREFILL_MAX_CONTEXT (context x head_dim) the rows would re-read a context that
     no longer fits in cache: SDPA's buckets take the call, built on demand, same result."""
     monkeypatch.setattr(cpu, "NATIVE_PREFILL_MAX_CONTEXT", 64 * 64)  # contexts over 64 tokens at head_dim 64
@@ -260,9 +292,19 @@ def test_prefill_over_long_contexts_goes_to_the_buckets(cpu_path: str, monkeypat
     qsl = torch.tensor([0, 30, 70], dtype=torch.int32)
     q = randn((70, 8, 64), torch.float32, generator(7))
     plan = cpu.plan_prefill(case.block_tables, qsl, case.seq_lens, 16, 4)
-    got = cpu.paged_prefill_attention(q, case.key_cache, case.value_cache, case.block_tables, qsl, case.seq_lens,
-                                      0.125, out=poisoned_like(q), plan=plan)
+    got = cpu.paged_prefill_attention(
+        q,
+        case.key_cache,
+        case.value_cache,
+        case.block_tables,
+        qsl,
+        case.seq_lens,
+        0.125,
+        out=poisoned_like(q),
+        plan=plan,
+    )
     assert plan.bucketed and plan.buckets
-    want = reference.paged_prefill_attention(q, case.key_cache, case.value_cache, case.block_tables, qsl,
-                                             case.seq_lens, 0.125)
+    want = reference.paged_prefill_attention(
+        q, case.key_cache, case.value_cache, case.block_tables, qsl, case.seq_lens, 0.125
+    )
     assert_close(got, want, torch.float32)

@@ -16,7 +16,9 @@ from kernels import cpu, cpu_native, reference
 from tests.kernels import cases
 from tests.kernels.cases import assert_close, generator, make_paged, poisoned_like, ragged_lens, randn
 
-pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="the native kernels were not built at install")
+pytestmark = pytest.mark.skipif(
+    not cpu_native.available(), reason="the native kernels were not built at install"
+)
 
 
 @pytest.fixture(autouse=True)
@@ -34,15 +36,22 @@ def _check(case, num_heads: int, dtype: torch.dtype, seed: int, q_scale: float =
     assert cpu_native.supports(q, case.key_cache, case.value_cache)
     got = cpu_native.decode(q, case.key_cache, case.value_cache, tables, lens, d**-0.5, out)
     assert got is out
-    want = reference.paged_decode_attention(q, case.key_cache, case.value_cache, case.block_tables,
-                                            case.seq_lens, d**-0.5)
+    want = reference.paged_decode_attention(
+        q, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, d**-0.5
+    )
     assert_close(got, want, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(8, 2, 64), (8, 8, 128), (8, 1, 80), (4, 2, 128)])
-def test_decode_matches_reference(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
-    case = make_paged(ragged_lens(16, 200) + [1, 15, 16, 17], 16, num_kv_heads, head_dim, dtype, seed=head_dim)
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"), [(8, 2, 64), (8, 8, 128), (8, 1, 80), (4, 2, 128)]
+)
+def test_decode_matches_reference(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int
+) -> None:
+    case = make_paged(
+        ragged_lens(16, 200) + [1, 15, 16, 17], 16, num_kv_heads, head_dim, dtype, seed=head_dim
+    )
     _check(case, num_heads, dtype, seed=num_heads)
 
 
@@ -78,10 +87,18 @@ def test_long_contexts_with_sharp_scores_and_empty_rows() -> None:
     float64 computation: the kernel may be at most twice as far from it as the reference is."""
     case = make_paged([3000, 0, 1, 2047, 0, 513], 32, 2, 64, torch.float32, seed=3)
     q = randn((6, 8, 64), torch.float32, generator(4)) * 30.0
-    got = cpu_native.decode(q, case.key_cache, case.value_cache, case.block_tables.to(torch.int32).contiguous(),
-                            case.seq_lens.to(torch.int32).contiguous(), 0.125, poisoned_like(q))
-    want = reference.paged_decode_attention(q, case.key_cache, case.value_cache, case.block_tables,
-                                            case.seq_lens, 0.125)
+    got = cpu_native.decode(
+        q,
+        case.key_cache,
+        case.value_cache,
+        case.block_tables.to(torch.int32).contiguous(),
+        case.seq_lens.to(torch.int32).contiguous(),
+        0.125,
+        poisoned_like(q),
+    )
+    want = reference.paged_decode_attention(
+        q, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, 0.125
+    )
     truth = _fp64_attention(q, case, 0.125)
     assert not torch.isnan(got).any()
     assert torch.equal(got[1], torch.zeros_like(got[1])) and torch.equal(got[4], torch.zeros_like(got[4]))
@@ -148,10 +165,12 @@ def test_without_a_compiler_the_bucket_path_runs(fresh: None, monkeypatch: pytes
     plan = cpu.plan_decode(case.block_tables, case.seq_lens, 16)
     assert plan.native_tables is None and plan.buckets
     q = randn((2, 8, 64), torch.float32, generator(6))
-    got = cpu.paged_decode_attention(q, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
-                                     0.125, plan=plan)
-    want = reference.paged_decode_attention(q, case.key_cache, case.value_cache, case.block_tables,
-                                            case.seq_lens, 0.125)
+    got = cpu.paged_decode_attention(
+        q, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, 0.125, plan=plan
+    )
+    want = reference.paged_decode_attention(
+        q, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, 0.125
+    )
     assert_close(got, want, torch.float32)
 
 

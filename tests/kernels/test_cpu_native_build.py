@@ -27,8 +27,9 @@ X86 = platform.machine().lower() in ("x86_64", "amd64")
 COMPILER = shutil.which("cc") or shutil.which("gcc")
 
 
-def _paged(lens: list[int], block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-           seed: int) -> PagedCache:
+def _paged(
+    lens: list[int], block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int
+) -> PagedCache:
     """A case on CPU tensors, also where ``cases.DEVICE`` is another device (the GPU image, or its
     rehearsal's meta device): some cases are built at collection, before any fixture runs."""
     saved, cases.DEVICE = cases.DEVICE, torch.device("cpu")
@@ -52,7 +53,9 @@ def fresh(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cpu_native, "_tried", False)
 
 
-needs_native = pytest.mark.skipif(not cpu_native.available(), reason="the native kernels were not built at install")
+needs_native = pytest.mark.skipif(
+    not cpu_native.available(), reason="the native kernels were not built at install"
+)
 
 
 # --- built at install, chosen by CPU features ---------------------------------------------------------
@@ -114,7 +117,9 @@ def test_choose_variant_rules() -> None:
 
 @needs_native
 @pytest.mark.parametrize("variant", list(cpu_native.VARIANTS))
-def test_each_variant_matches_the_reference(variant: str, fresh: None, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_each_variant_matches_the_reference(
+    variant: str, fresh: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     if variant not in cpu_native.built_variants():
         pytest.skip(f"{variant} is not built on this architecture")
     if cpu_native.VARIANTS[variant] > cpu_native.cpu_level():
@@ -124,17 +129,23 @@ def test_each_variant_matches_the_reference(variant: str, fresh: None, monkeypat
     for dtype in (torch.float32, torch.bfloat16):
         case = _paged([1, 16, 17, 250, 0, 77], 16, 2, 64, dtype, seed=11)
         q = _query(6, 8, 64, dtype, seed=12)
-        got = cpu_native.decode(q, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, 0.125,
-                                poisoned_like(q))
-        want = reference.paged_decode_attention(q, case.key_cache, case.value_cache, case.block_tables,
-                                                case.seq_lens, 0.125)
+        got = cpu_native.decode(
+            q, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, 0.125, poisoned_like(q)
+        )
+        want = reference.paged_decode_attention(
+            q, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, 0.125
+        )
         assert_close(got, want, dtype)
     logits = torch.randn(7, 5000, generator=torch.Generator().manual_seed(13)) * 10
-    torch.testing.assert_close(cpu_native.logsumexp_rows(logits), torch.logsumexp(logits, -1), rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(
+        cpu_native.logsumexp_rows(logits), torch.logsumexp(logits, -1), rtol=1e-6, atol=1e-5
+    )
 
 
 @needs_native
-def test_a_forced_variant_the_cpu_cannot_run_falls_back_to_torch(fresh: None, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_forced_variant_the_cpu_cannot_run_falls_back_to_torch(
+    fresh: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(cpu_native, "cpu_level", lambda: 0)  # a CPU without AVX2
     monkeypatch.setenv(cpu_native.ENV_SWITCH, "avx2" if X86 else "avx512")
     assert not cpu_native.available() and cpu_native.kernel_path() == "torch"
@@ -145,9 +156,21 @@ def test_building_without_a_compiler_succeeds_and_builds_nothing(tmp_path: pathl
     every variant is optional, so the build succeeds and installs no library."""
     env = {**os.environ, "CC": str(tmp_path / "no-such-cc"), "LDSHARED": str(tmp_path / "no-such-cc -shared")}
     done = subprocess.run(
-        [sys.executable, "setup.py", "-q", "build_ext", "--build-lib", str(tmp_path / "lib"),
-         "--build-temp", str(tmp_path / "tmp")],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "setup.py",
+            "-q",
+            "build_ext",
+            "--build-lib",
+            str(tmp_path / "lib"),
+            "--build-temp",
+            str(tmp_path / "tmp"),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert not list((tmp_path / "lib").rglob("*.so"))
@@ -164,16 +187,26 @@ def test_artifact_missing_keeps_the_torch_path(fresh: None, monkeypatch: pytest.
     plan = cpu.plan_decode(case.block_tables, case.seq_lens, 16)
     assert plan.native_tables is None and plan.bucketed
     q = _query(3, 9, 64, torch.float32, seed=6)
-    got = cpu.paged_decode_attention(q, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
-                                     0.125, out=poisoned_like(q), plan=plan)
-    want = reference.paged_decode_attention(q, case.key_cache, case.value_cache, case.block_tables,
-                                            case.seq_lens, 0.125)
+    got = cpu.paged_decode_attention(
+        q,
+        case.key_cache,
+        case.value_cache,
+        case.block_tables,
+        case.seq_lens,
+        0.125,
+        out=poisoned_like(q),
+        plan=plan,
+    )
+    want = reference.paged_decode_attention(
+        q, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, 0.125
+    )
     assert_close(got, want, torch.float32)
     logits = torch.randn(4, 100, generator=torch.Generator().manual_seed(1))
     assert torch.equal(cpu_native.logsumexp_rows(logits), torch.logsumexp(logits, -1))
     with pytest.raises(RuntimeError, match="unavailable"):
-        cpu_native.decode(q, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, 0.125,
-                          poisoned_like(q))
+        cpu_native.decode(
+            q, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, 0.125, poisoned_like(q)
+        )
 
 
 # --- argument checks -----------------------------------------------------------------------------------
@@ -182,8 +215,14 @@ def test_artifact_missing_keeps_the_torch_path(fresh: None, monkeypatch: pytest.
 def _good() -> dict[str, torch.Tensor]:
     case = _paged([20, 33], 16, 2, 64, torch.float32, seed=3)
     q = _query(2, 6, 64, torch.float32, seed=4)
-    return {"query": q, "key_cache": case.key_cache, "value_cache": case.value_cache,
-            "block_tables": case.block_tables, "seq_lens": case.seq_lens, "out": poisoned_like(q)}
+    return {
+        "query": q,
+        "key_cache": case.key_cache,
+        "value_cache": case.value_cache,
+        "block_tables": case.block_tables,
+        "seq_lens": case.seq_lens,
+        "out": poisoned_like(q),
+    }
 
 
 def _bad_cases() -> list[tuple[str, str, object]]:
@@ -212,8 +251,11 @@ def _bad_cases() -> list[tuple[str, str, object]]:
     ]
 
 
-@pytest.mark.parametrize(("name", "words", "bad"), _bad_cases(),
-                         ids=[f"{n}-{w.replace(' ', '_').replace('.', '_')}" for n, w, _ in _bad_cases()])
+@pytest.mark.parametrize(
+    ("name", "words", "bad"),
+    _bad_cases(),
+    ids=[f"{n}-{w.replace(' ', '_').replace('.', '_')}" for n, w, _ in _bad_cases()],
+)
 def test_decode_rejects_what_the_kernel_cannot_index(name: str, words: str, bad: object) -> None:
     """Each wrong argument raises naming it, before any memory is touched: the output stays poisoned.
     Meta tensors stand in for device tensors (their data pointer is not host memory)."""
@@ -228,8 +270,15 @@ def test_decode_rejects_what_the_kernel_cannot_index(name: str, words: str, bad:
         # Through the op: a non-tensor is refused by torch's dispatcher (the schema), naming it too.
         via_op = err if isinstance(bad, torch.Tensor) else RuntimeError
         with pytest.raises(via_op, match=name):
-            cpu_native.decode(args["query"], args["key_cache"], args["value_cache"], args["block_tables"],
-                              args["seq_lens"], 0.125, args["out"])
+            cpu_native.decode(
+                args["query"],
+                args["key_cache"],
+                args["value_cache"],
+                args["block_tables"],
+                args["seq_lens"],
+                0.125,
+                args["out"],
+            )
         assert torch.isnan(out).all()
 
 
@@ -246,14 +295,25 @@ def test_fake_cuda_tensors_are_refused_without_reading_them() -> None:
         except (RuntimeError, AssertionError) as exc:
             pytest.skip(f"fake CUDA tensors unavailable in this torch build: {exc}")
         with pytest.raises(ValueError, match="query must be a CPU tensor"):
-            torch.ops.pagedkv.paged_decode(fake["query"], fake["key_cache"], fake["value_cache"],
-                                           fake["block_tables"], fake["seq_lens"], 0.125, fake["out"])
+            torch.ops.pagedkv.paged_decode(
+                fake["query"],
+                fake["key_cache"],
+                fake["value_cache"],
+                fake["block_tables"],
+                fake["seq_lens"],
+                0.125,
+                fake["out"],
+            )
 
 
 def test_logsumexp_rejects_what_the_kernel_cannot_read() -> None:
-    for bad, words in ((torch.randn(3, 4).to("meta"), "device meta"), (torch.randn(3, 4).double(), "dtype"),
-                       (torch.randn(3, 4, 2), "dimensions"), (torch.randn(4, 3).t(), "contiguous"),
-                       (torch.empty(3, 0), "column")):
+    for bad, words in (
+        (torch.randn(3, 4).to("meta"), "device meta"),
+        (torch.randn(3, 4).double(), "dtype"),
+        (torch.randn(3, 4, 2), "dimensions"),
+        (torch.randn(4, 3).t(), "contiguous"),
+        (torch.empty(3, 0), "column"),
+    ):
         with pytest.raises(ValueError, match="logits") as info:
             cpu_native.check_logsumexp(bad)
         assert words in str(info.value)
@@ -268,35 +328,45 @@ def test_logsumexp_rejects_what_the_kernel_cannot_read() -> None:
 def test_ops_run_by_name_and_show_in_the_profiler() -> None:
     g = _good()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        torch.ops.pagedkv.paged_decode(g["query"], g["key_cache"], g["value_cache"], g["block_tables"],
-                                       g["seq_lens"], 0.125, g["out"])
+        torch.ops.pagedkv.paged_decode(
+            g["query"], g["key_cache"], g["value_cache"], g["block_tables"], g["seq_lens"], 0.125, g["out"]
+        )
         lse = torch.ops.pagedkv.logsumexp_rows(g["query"][0])
     names = {e.key for e in prof.key_averages()}
     assert {"pagedkv::paged_decode", "pagedkv::logsumexp_rows"} <= names, sorted(names)
-    want = reference.paged_decode_attention(g["query"], g["key_cache"], g["value_cache"], g["block_tables"],
-                                            g["seq_lens"], 0.125)
+    want = reference.paged_decode_attention(
+        g["query"], g["key_cache"], g["value_cache"], g["block_tables"], g["seq_lens"], 0.125
+    )
     assert_close(g["out"], want, torch.float32)
     torch.testing.assert_close(lse, torch.logsumexp(g["query"][0], -1))
 
 
 @needs_native
-@pytest.mark.skipif("cases.PRETENDED_CUDA", reason="opcheck saves the CUDA RNG state: the GPU-image rehearsal only pretends CUDA")
+@pytest.mark.skipif(
+    "cases.PRETENDED_CUDA",
+    reason="opcheck saves the CUDA RNG state: the GPU-image rehearsal only pretends CUDA",
+)
 def test_ops_pass_torch_library_opcheck() -> None:
     """Schema, fake implementation and the tracing paths torch.compile uses (opcheck)."""
     g = _good()
-    torch.library.opcheck(torch.ops.pagedkv.paged_decode.default,
-                          (g["query"], g["key_cache"], g["value_cache"], g["block_tables"], g["seq_lens"], 0.125,
-                           g["out"]))
+    torch.library.opcheck(
+        torch.ops.pagedkv.paged_decode.default,
+        (g["query"], g["key_cache"], g["value_cache"], g["block_tables"], g["seq_lens"], 0.125, g["out"]),
+    )
     torch.library.opcheck(torch.ops.pagedkv.logsumexp_rows.default, (torch.randn(5, 300),))
 
 
 @needs_native
-@pytest.mark.skipif("cases.PRETENDED_CUDA", reason="dynamo asks the CUDA runtime: the GPU-image rehearsal only pretends CUDA")
+@pytest.mark.skipif(
+    "cases.PRETENDED_CUDA", reason="dynamo asks the CUDA runtime: the GPU-image rehearsal only pretends CUDA"
+)
 def test_ops_compose_with_torch_compile() -> None:
     g = _good()
 
     def step(q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        cpu_native.decode(q * 2.0, g["key_cache"], g["value_cache"], g["block_tables"], g["seq_lens"], 0.125, out)
+        cpu_native.decode(
+            q * 2.0, g["key_cache"], g["value_cache"], g["block_tables"], g["seq_lens"], 0.125, out
+        )
         return out + cpu_native.logsumexp_rows(out.flatten(1))[:, None, None]
 
     compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
@@ -316,14 +386,19 @@ def test_odd_gqa_groups_match_the_reference_on_both_copies(group: int, dtype: to
     the generic one against the reference, fresh random inputs, NaN-poisoned outputs, ragged lengths
     around the sixteen-key chunks, a zero-length row."""
     kv_heads = 3
-    case = _paged([1, 15, 16, 17, 161, 0, 333], 16, kv_heads, 64, dtype, seed=group * 10 + (dtype == torch.float32))
+    case = _paged(
+        [1, 15, 16, 17, 161, 0, 333], 16, kv_heads, 64, dtype, seed=group * 10 + (dtype == torch.float32)
+    )
     q = _query(7, group * kv_heads, 64, dtype, seed=group)
-    want = reference.paged_decode_attention(q, case.key_cache, case.value_cache, case.block_tables,
-                                            case.seq_lens, 0.125)
-    special = cpu_native.decode(q, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, 0.125,
-                                poisoned_like(q))
-    generic = cpu_native.decode_generic_for_bench(q, case.key_cache, case.value_cache, case.block_tables,
-                                                  case.seq_lens, 0.125, poisoned_like(q))
+    want = reference.paged_decode_attention(
+        q, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, 0.125
+    )
+    special = cpu_native.decode(
+        q, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, 0.125, poisoned_like(q)
+    )
+    generic = cpu_native.decode_generic_for_bench(
+        q, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, 0.125, poisoned_like(q)
+    )
     assert_close(special, want, dtype)
     assert_close(generic, want, dtype)
     assert torch.equal(special[5], torch.zeros_like(special[5]))

@@ -49,7 +49,9 @@ def test_decode_dtypes_and_head_dims(dtype: torch.dtype, head_dim: int) -> None:
 
 @pytest.mark.parametrize("block_size", [8, 16, 32, 64, 128])
 def test_decode_block_sizes(block_size: int) -> None:
-    case = make_paged(ragged_lens(block_size, 2 * block_size + 3), block_size, 2, 64, torch.float32, seed=block_size)
+    case = make_paged(
+        ragged_lens(block_size, 2 * block_size + 3), block_size, 2, 64, torch.float32, seed=block_size
+    )
     _run(case, 4, torch.float32, seed=7)
 
 

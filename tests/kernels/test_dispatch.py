@@ -56,7 +56,9 @@ def test_reference_override_runs_without_the_interpreter() -> None:
     case = make_paged([5, 20], 16, 1, 64, torch.float32, seed=1)
     q = torch.randn(2, 2, 64)
     with kernels.use_backend("reference"):
-        out = kernels.paged_decode_attention(q, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, 0.1)
+        out = kernels.paged_decode_attention(
+            q, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, 0.1
+        )
     ref = kernels.reference.paged_decode_attention(
         q, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, 0.1
     )
@@ -88,11 +90,18 @@ def test_validation_messages() -> None:
             kernels.write_kv_cache(q[:, :2], q[:, :2], kc, vc, torch.tensor([0, 10**6]))
         with pytest.raises(ValueError, match="more queries than"):
             kernels.paged_prefill_attention(
-                torch.randn(9, 4, 64), kc, vc, bt, torch.tensor([0, 6, 9], dtype=torch.int32),
-                torch.tensor([5, 3], dtype=torch.int32), 0.1,
+                torch.randn(9, 4, 64),
+                kc,
+                vc,
+                bt,
+                torch.tensor([0, 6, 9], dtype=torch.int32),
+                torch.tensor([5, 3], dtype=torch.int32),
+                0.1,
             )
     with pytest.raises(ValueError, match="query_start_loc needs"):
-        kernels.paged_prefill_attention(q, kc, vc, bt, torch.tensor([0, 2], dtype=torch.int32, device=kc.device), sl, 0.1)
+        kernels.paged_prefill_attention(
+            q, kc, vc, bt, torch.tensor([0, 2], dtype=torch.int32, device=kc.device), sl, 0.1
+        )
     with pytest.raises(ValueError, match=r"pairs must have shape \[n, 2\]"):
         kernels.copy_blocks([kc], [vc], torch.tensor([1, 2]).view(1, 2, 1)[0])
     with pytest.raises(ValueError, match="block shape"):

@@ -19,8 +19,11 @@ CPU_ONLY = re.compile(r"\bcpu_native\b|from kernels import [^\n]*\bcpu\b")
 
 
 def _cpu_feature_modules() -> list[Path]:
-    return sorted(p for p in (ROOT / "tests" / "kernels").glob("test_*.py")
-                  if p.name != Path(__file__).name and CPU_ONLY.search(p.read_text()))
+    return sorted(
+        p
+        for p in (ROOT / "tests" / "kernels").glob("test_*.py")
+        if p.name != Path(__file__).name and CPU_ONLY.search(p.read_text())
+    )
 
 
 def test_cpu_only_kernel_tests_hold_on_the_gpu_image() -> None:
@@ -29,9 +32,24 @@ def test_cpu_only_kernel_tests_hold_on_the_gpu_image() -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     env.pop("PAGEDKV_KERNEL_BACKEND", None)
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.kernels.gpu_image_plugin",
-         "-k", "not compile_sm90", *map(str, modules)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "tests.kernels.gpu_image_plugin",
+            "-k",
+            "not compile_sm90",
+            *map(str, modules),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert re.search(r"\d+ passed", proc.stdout), proc.stdout[-2000:]

@@ -41,4 +41,6 @@ def test_cpucheck_decode_group(group: int, dtype: torch.dtype, cpu_backend: str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("group", GROUPS)
 def test_cpucheck_prefill_group(group: int, dtype: torch.dtype, cpu_backend: str) -> None:
-    check_prefill_group(group * NUM_KV_HEADS, dtype, [(40, 40), (70, 23), (16, 1), (33, 0), (129, 17)], seed=group + 20)
+    check_prefill_group(
+        group * NUM_KV_HEADS, dtype, [(40, 40), (70, 23), (16, 1), (33, 0), (129, 17)], seed=group + 20
+    )

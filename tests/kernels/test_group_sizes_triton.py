@@ -5,7 +5,6 @@ outputs, against the torch reference."""
 from __future__ import annotations
 
 import pytest
-
 import torch
 
 from tests.kernels.cases import GQA_GROUPS as GROUPS

@@ -11,7 +11,15 @@ import torch
 
 import kernels
 from kernels import reference
-from tests.kernels.cases import DEVICE, assert_close, dtypes_cpu_gpu, generator, make_paged, poisoned_like, randn
+from tests.kernels.cases import (
+    DEVICE,
+    assert_close,
+    dtypes_cpu_gpu,
+    generator,
+    make_paged,
+    poisoned_like,
+    randn,
+)
 
 pytestmark = pytest.mark.usefixtures("triton_backend")
 
@@ -43,7 +51,7 @@ RAGGED = [(1, 1), (16, 16), (17, 17), (40, 7), (33, 1), (70, 45)]
 @pytest.mark.parametrize("dtype", dtypes_cpu_gpu())
 @pytest.mark.parametrize("head_dim", [64, 80, 128, 256])
 def test_prefill_dtypes_and_head_dims(dtype: torch.dtype, head_dim: int) -> None:
-    lens, q_lens = zip(*RAGGED)
+    lens, q_lens = zip(*RAGGED, strict=True)
     case = make_paged(list(lens), 16, 1, head_dim, dtype, seed=head_dim)
     _run(case, list(q_lens), 2, dtype, seed=head_dim + 1)
 
@@ -51,12 +59,14 @@ def test_prefill_dtypes_and_head_dims(dtype: torch.dtype, head_dim: int) -> None
 @pytest.mark.parametrize("block_size", [8, 32, 64, 128])
 def test_prefill_block_sizes(block_size: int) -> None:
     pairs = [(1, 1), (block_size, block_size), (block_size + 1, 9), (2 * block_size + 5, block_size + 2)]
-    lens, q_lens = zip(*pairs)
+    lens, q_lens = zip(*pairs, strict=True)
     case = make_paged(list(lens), block_size, 1, 64, torch.float32, seed=block_size)
     _run(case, list(q_lens), 2, torch.float32, seed=3)
 
 
-@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (6, 2), (8, 1), (64, 1)], ids=["mha", "gqa4", "gqa3", "mqa8", "mqa64"])
+@pytest.mark.parametrize(
+    "heads", [(4, 4), (8, 2), (6, 2), (8, 1), (64, 1)], ids=["mha", "gqa4", "gqa3", "mqa8", "mqa64"]
+)
 def test_prefill_gqa_mqa(heads: tuple[int, int]) -> None:
     """A KV head's query heads are packed into one tile's rows: groups that divide the tile, one
     that does not (3: padding rows), and one larger than the interpreter's 32-row tile (64)."""
@@ -97,13 +107,22 @@ def test_chunked_prefill_equals_whole_prompt() -> None:
         q, case.key_cache, case.value_cache, case.block_tables, qsl, case.seq_lens, 0.125
     )
     first = kernels.paged_prefill_attention(
-        q[:cut], case.key_cache, case.value_cache, case.block_tables,
+        q[:cut],
+        case.key_cache,
+        case.value_cache,
+        case.block_tables,
         torch.tensor([0, cut], dtype=torch.int32, device=DEVICE),
-        torch.tensor([cut], dtype=torch.int32, device=DEVICE), 0.125,
+        torch.tensor([cut], dtype=torch.int32, device=DEVICE),
+        0.125,
     )
     second = kernels.paged_prefill_attention(
-        q[cut:], case.key_cache, case.value_cache, case.block_tables,
-        torch.tensor([0, n - cut], dtype=torch.int32, device=DEVICE), case.seq_lens, 0.125,
+        q[cut:],
+        case.key_cache,
+        case.value_cache,
+        case.block_tables,
+        torch.tensor([0, n - cut], dtype=torch.int32, device=DEVICE),
+        case.seq_lens,
+        0.125,
     )
     torch.testing.assert_close(torch.cat([first, second]), whole, rtol=1e-5, atol=1e-5)
 

@@ -44,7 +44,9 @@ def test_reference_decode_matches_sdpa(heads: tuple[int, int], head_dim: int) ->
     case = _on_cpu(case)
     q = randn((4, h, head_dim), torch.float32, generator(2)).cpu()
     scale = head_dim**-0.5
-    out = reference.paged_decode_attention(q, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, scale)
+    out = reference.paged_decode_attention(
+        q, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, scale
+    )
     for i, n in enumerate(case.seq_lens.tolist()):
         k = _dense_kv(case.key_cache, case.block_tables[i], n)
         v = _dense_kv(case.value_cache, case.block_tables[i], n)
@@ -62,7 +64,7 @@ def test_reference_prefill_matches_sdpa(heads: tuple[int, int]) -> None:
     out = reference.paged_prefill_attention(
         q, case.key_cache, case.value_cache, case.block_tables, qsl, case.seq_lens, 0.2
     )
-    for i, (n, m) in enumerate(zip(lens, q_lens)):
+    for i, (n, m) in enumerate(zip(lens, q_lens, strict=True)):
         k = _dense_kv(case.key_cache, case.block_tables[i], n)
         v = _dense_kv(case.value_cache, case.block_tables[i], n)
         want = _sdpa(q[int(qsl[i]) : int(qsl[i + 1])], k, v, 0.2, n - m)

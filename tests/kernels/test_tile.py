@@ -22,8 +22,20 @@ from kernels.tile import attend_tile, dot_precision  # noqa: E402 - needs triton
 
 
 @triton.jit
-def _one_tile(q_ptr, k_ptr, v_ptr, bt_ptr, limit, acc_ptr, m_ptr, l_ptr,
-              M: tl.constexpr, D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+def _one_tile(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    bt_ptr,
+    limit,
+    acc_ptr,
+    m_ptr,
+    l_ptr,
+    M: tl.constexpr,
+    D: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     r = tl.arange(0, M)
     d = tl.arange(0, D)
     q = tl.load(q_ptr + r[:, None] * D + d[None, :])
@@ -34,8 +46,31 @@ def _one_tile(q_ptr, k_ptr, v_ptr, bt_ptr, limit, acc_ptr, m_ptr, l_ptr,
     l_i = tl.zeros([M], dtype=tl.float32)
     # Rows 0..M/2-1 may see every token; rows M/2.. have q_pos = -1: causally masked everywhere.
     q_pos = tl.where(r < M // 2, 1000, -1)
-    acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, bt_ptr, 0, limit, q_pos,
-                                16 * D, D, 16 * D, D, 1.0, 16, D, 16, D, True, True, UPCAST, PRECISION)
+    acc, m_i, l_i = attend_tile(
+        acc,
+        m_i,
+        l_i,
+        q,
+        k_ptr,
+        v_ptr,
+        bt_ptr,
+        0,
+        limit,
+        q_pos,
+        16 * D,
+        D,
+        16 * D,
+        D,
+        1.0,
+        16,
+        D,
+        16,
+        D,
+        True,
+        True,
+        UPCAST,
+        PRECISION,
+    )
     tl.store(acc_ptr + r[:, None] * D + d[None, :], acc)
     tl.store(m_ptr + r, m_i)
     tl.store(l_ptr + r, l_i)
@@ -52,8 +87,20 @@ def test_fully_masked_rows_stay_finite_and_empty(limit: int) -> None:
     acc = torch.full((m, d), float("nan"), device=DEVICE)
     mx = torch.full((m,), float("nan"), device=DEVICE)
     ls = torch.full((m,), float("nan"), device=DEVICE)
-    _one_tile[(1,)](q, k, v, bt, limit, acc, mx, ls, M=m, D=d, UPCAST=True,
-                    PRECISION=dot_precision(dispatch.triton_interpreted()))
+    _one_tile[(1,)](
+        q,
+        k,
+        v,
+        bt,
+        limit,
+        acc,
+        mx,
+        ls,
+        M=m,
+        D=d,
+        UPCAST=True,
+        PRECISION=dot_precision(dispatch.triton_interpreted()),
+    )
     acc, mx, ls = acc.cpu(), mx.cpu(), ls.cpu()
     assert not acc.isnan().any() and not ls.isnan().any()
     masked = slice(m // 2, m)

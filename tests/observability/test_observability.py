@@ -27,15 +27,22 @@ def test_metrics_are_scraped_with_rpc_and_pool_numbers(tmp_path) -> None:  # typ
     tokens = tmp_path / "t.json"
     tokens.write_text(json.dumps({"tenants": [{"name": "acme", "token_sha256": hash_token("t-acme")}]}))
     mport = free_port()
-    r = start_server(BlockManagerSettings(port=0, num_gpu_blocks=32, block_size=4, metrics_port=mport,
-                                          auth_tokens_file=str(tokens)))
+    r = start_server(
+        BlockManagerSettings(
+            port=0, num_gpu_blocks=32, block_size=4, metrics_port=mport, auth_tokens_file=str(tokens)
+        )
+    )
     try:
         md = (("authorization", "Bearer t-acme"),)
         with grpc.insecure_channel(f"127.0.0.1:{r.port}") as ch:
             stub = pb_grpc.BlockManagerStub(ch)
-            stub.Allocate(pb.AllocateRequest(seq_id="a", num_tokens=10, token_ids=list(range(10))), metadata=md)
+            stub.Allocate(
+                pb.AllocateRequest(seq_id="a", num_tokens=10, token_ids=list(range(10))), metadata=md
+            )
             stub.Commit(pb.CommitRequest(seq_id="a", num_computed_tokens=10), metadata=md)
-            stub.Allocate(pb.AllocateRequest(seq_id="b", num_tokens=10, token_ids=list(range(10))), metadata=md)
+            stub.Allocate(
+                pb.AllocateRequest(seq_id="b", num_tokens=10, token_ids=list(range(10))), metadata=md
+            )
             with pytest.raises(grpc.RpcError):
                 stub.Free(pb.FreeRequest(seq_id="nope"), metadata=md)
             with pytest.raises(grpc.RpcError):
@@ -104,7 +111,12 @@ def test_watch_events_snapshot_then_stored_and_removed() -> None:
             assert done.wait(10)
             stream.cancel()
         kinds = [e.WhichOneof("event") for e in events]
-        removed = [h for e in events if e.WhichOneof("event") == "block_removed" for h in e.block_removed.block_hashes]
+        removed = [
+            h
+            for e in events
+            if e.WhichOneof("event") == "block_removed"
+            for h in e.block_removed.block_hashes
+        ]
         stored = [e for e in events if e.WhichOneof("event") == "block_stored"]
         assert set(removed) == snap, kinds
         assert len(stored) == 1 and len(stored[0].block_stored.block_hashes) == 4  # one chain, one event
@@ -120,11 +132,27 @@ def test_watch_events_snapshot_then_stored_and_removed() -> None:
 
 def test_watchers_see_only_their_tenant_and_slow_ones_are_dropped(tmp_path) -> None:  # type: ignore[no-untyped-def]
     tokens = tmp_path / "t.json"
-    tokens.write_text(json.dumps({"tenants": [
-        {"name": "a", "token_sha256": hash_token("ta")}, {"name": "b", "token_sha256": hash_token("tb")},
-        {"name": "root", "token_sha256": hash_token("tr"), "admin": True}]}))
-    r = start_server(BlockManagerSettings(port=0, num_gpu_blocks=256, block_size=4, auth_tokens_file=str(tokens),
-                                          event_queue_size=16, max_event_watchers=2))
+    tokens.write_text(
+        json.dumps(
+            {
+                "tenants": [
+                    {"name": "a", "token_sha256": hash_token("ta")},
+                    {"name": "b", "token_sha256": hash_token("tb")},
+                    {"name": "root", "token_sha256": hash_token("tr"), "admin": True},
+                ]
+            }
+        )
+    )
+    r = start_server(
+        BlockManagerSettings(
+            port=0,
+            num_gpu_blocks=256,
+            block_size=4,
+            auth_tokens_file=str(tokens),
+            event_queue_size=16,
+            max_event_watchers=2,
+        )
+    )
     md = {k: (("authorization", f"Bearer {v}"),) for k, v in (("a", "ta"), ("b", "tb"), ("root", "tr"))}
     try:
         with grpc.insecure_channel(f"127.0.0.1:{r.port}") as ch:

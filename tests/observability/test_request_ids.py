@@ -31,7 +31,9 @@ def test_rejections_are_logged_with_the_request_id() -> None:
             with pytest.raises(grpc.RpcError):
                 stub.Free(pb.FreeRequest(seq_id="ghost", request_id="req-field-42"), timeout=5)
             with pytest.raises(grpc.RpcError):
-                stub.Free(pb.FreeRequest(seq_id="ghost2"), metadata=[("x-request-id", "req-meta-7")], timeout=5)
+                stub.Free(
+                    pb.FreeRequest(seq_id="ghost2"), metadata=[("x-request-id", "req-meta-7")], timeout=5
+                )
             with pytest.raises(grpc.RpcError):
                 stub.GetBlockTable(pb.GetBlockTableRequest(seq_id="ghost3"), timeout=5)
     rejected = {e["seq_id"]: e["request_id"] for e in logs if e["event"] == "request_rejected"}

@@ -28,32 +28,54 @@ def test_only_present_libraries_are_named(monkeypatch: pytest.MonkeyPatch, tmp_p
     assert cpu_runtime.preload_env({"LD_PRELOAD": f"{iomp} {tc}"}) == {}
     # Another copy of the same library (e.g. another venv's libiomp5.so) counts as there.
     assert cpu_runtime.preload_env({"LD_PRELOAD": "/other/venv/lib/libiomp5.so"}) == {
-        "LD_PRELOAD": f"{tc}:/other/venv/lib/libiomp5.so"}
+        "LD_PRELOAD": f"{tc}:/other/venv/lib/libiomp5.so"
+    }
 
 
 def test_launcher_preloads_cpu_workers_only(monkeypatch: pytest.MonkeyPatch) -> None:
     from frontend import stack
 
     monkeypatch.setattr(stack, "preload_env", lambda: {"LD_PRELOAD": "/lib/fast.so"})
-    workers = [s for s in stack.plan(stack.StackOptions(num_workers=2, device="cpu")) if s.name.startswith("worker")]
+    workers = [
+        s for s in stack.plan(stack.StackOptions(num_workers=2, device="cpu")) if s.name.startswith("worker")
+    ]
     assert [w.env for w in workers] == [{"LD_PRELOAD": "/lib/fast.so"}] * 2
-    others = [s for s in stack.plan(stack.StackOptions(device="cpu", serve_port=8000)) if not s.name.startswith("worker")]
+    others = [
+        s
+        for s in stack.plan(stack.StackOptions(device="cpu", serve_port=8000))
+        if not s.name.startswith("worker")
+    ]
     assert all("LD_PRELOAD" not in s.env for s in others)
-    assert all(not s.env for s in stack.plan(stack.StackOptions(device="cuda")) if s.name.startswith("worker"))
+    assert all(
+        not s.env for s in stack.plan(stack.StackOptions(device="cuda")) if s.name.startswith("worker")
+    )
     opts = stack.StackOptions(device="cpu", preload_runtime=False)
     assert all(not s.env for s in stack.plan(opts) if s.name.startswith("worker"))
     args = stack.build_parser().parse_args(["--no-preload-runtime"])
     assert stack.options_from_args(args).preload_runtime is False
 
 
-@pytest.mark.skipif(not cpu_runtime.runtime_libraries(), reason="neither tcmalloc nor intel-openmp is installed")
+@pytest.mark.skipif(
+    not cpu_runtime.runtime_libraries(), reason="neither tcmalloc nor intel-openmp is installed"
+)
 def test_a_worker_started_by_the_launcher_maps_the_runtime_libraries(tmp_path: Path) -> None:
     from frontend.stack import Stack, StackOptions
     from pagedkv.ports import free_ports
 
     bm, ch, w = free_ports(3)
-    st = Stack(StackOptions(block_manager_port=bm, cache_host_port=ch, worker_port=w, num_workers=1,
-                            num_gpu_blocks=64, num_cpu_blocks=0, device="cpu", log_dir=str(tmp_path)), out=sys.stderr)
+    st = Stack(
+        StackOptions(
+            block_manager_port=bm,
+            cache_host_port=ch,
+            worker_port=w,
+            num_workers=1,
+            num_gpu_blocks=64,
+            num_cpu_blocks=0,
+            device="cpu",
+            log_dir=str(tmp_path),
+        ),
+        out=sys.stderr,
+    )
     st.start()
     try:
         worker = next(s for s in st.services if s.name == "worker-0")

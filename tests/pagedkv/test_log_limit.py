@@ -47,7 +47,9 @@ def test_burst_per_window_then_the_suppressed_count() -> None:
 
 def test_a_flood_of_unauthenticated_and_rejected_calls_logs_a_bounded_number_of_lines(tmp_path) -> None:  # type: ignore[no-untyped-def]
     tokens = tmp_path / "tokens.json"
-    tokens.write_text(json.dumps({"tenants": [{"name": "a", "token_sha256": hash_token("tok-a-0123456789")}]}))
+    tokens.write_text(
+        json.dumps({"tenants": [{"name": "a", "token_sha256": hash_token("tok-a-0123456789")}]})
+    )
     running = start_server(BlockManagerSettings(port=0, num_gpu_blocks=8, auth_tokens_file=str(tokens)))
     try:
         with capture_logs() as logs, grpc.insecure_channel(f"127.0.0.1:{running.port}") as ch:

@@ -19,8 +19,12 @@ from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
 
 TOOLS = Path(__file__).resolve().parents[2] / "tools"
 
-TOKENS = {"alice": "tok-alice-0123456789", "bob": "tok-bob-0123456789", "root": "tok-root-0123456789",
-          "reader": "tok-reader-0123456789"}
+TOKENS = {
+    "alice": "tok-alice-0123456789",
+    "bob": "tok-bob-0123456789",
+    "root": "tok-root-0123456789",
+    "reader": "tok-reader-0123456789",
+}
 
 
 @pytest.fixture(scope="session")
@@ -30,8 +34,13 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     if shutil.which("openssl") is None:
         pytest.importorskip("cryptography")
     subprocess.run(["bash", str(TOOLS / "make_certs.sh"), str(out)], check=True, capture_output=True)
-    names = {"ca": "ca.pem", "server": "server.pem", "server_key": "server.key", "client": "client.pem",
-             "client_key": "client.key"}
+    names = {
+        "ca": "ca.pem",
+        "server": "server.pem",
+        "server_key": "server.key",
+        "client": "client.pem",
+        "client_key": "client.key",
+    }
     return {k: str(out / v) for k, v in names.items()}
 
 
@@ -69,7 +78,9 @@ def secure_factory(certs: dict[str, str], tmp_path: Path) -> Iterator[object]:
 
 def open_channel(certs: dict[str, str], port: int, client_cert: bool = True) -> grpc.Channel:
     if client_cert:
-        return channel(f"localhost:{port}", tls_ca=certs["ca"], tls_cert=certs["client"], tls_key=certs["client_key"])
+        return channel(
+            f"localhost:{port}", tls_ca=certs["ca"], tls_cert=certs["client"], tls_key=certs["client_key"]
+        )
     return channel(f"localhost:{port}", tls_ca=certs["ca"])
 
 

@@ -36,15 +36,23 @@ SCALE = int(os.environ.get("FUZZ_SCALE", "1"))
 EXAMPLES = 120 * SCALE  # per RPC and server mode
 WIRE_CASES = 60 * SCALE  # random byte strings per RPC
 SERVICE = pb.DESCRIPTOR.services_by_name["BlockManager"]
-HANDLED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
-           grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.RESOURCE_EXHAUSTED,
-           grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.PERMISSION_DENIED}
+HANDLED = {
+    grpc.StatusCode.OK,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.ALREADY_EXISTS,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.PERMISSION_DENIED,
+}
 CASES: Counter[str] = Counter()
 
 U32 = st.one_of(st.integers(0, 40), st.integers(0, 2**32 - 1), st.sampled_from([2**31 - 1, 2**31, 2**32 - 1]))
 I32 = st.one_of(st.integers(-3, 3), st.integers(-(2**31), 2**31 - 1))
 IDS = st.one_of(
-    st.sampled_from(["s0", "s1", "s2", "s3", "", "a" * 256, "a" * 257, "x\x00y", "\x1f", "s0\x1fs1", "é", "🦀"]),
+    st.sampled_from(
+        ["s0", "s1", "s2", "s3", "", "a" * 256, "a" * 257, "x\x00y", "\x1f", "s0\x1fs1", "é", "🦀"]
+    ),
     st.text(max_size=300),
 )
 OPT = st.one_of(st.just(""), IDS)
@@ -55,39 +63,71 @@ MODES = st.one_of(st.sampled_from(["", "auto", "swap", "recompute", "off"]), st.
 @st.composite
 def coherent_allocate(draw: st.DrawFn) -> pb.AllocateRequest:
     tokens = draw(st.lists(st.integers(0, 5), min_size=1, max_size=40))
-    return pb.AllocateRequest(seq_id=draw(IDS), num_tokens=len(tokens), token_ids=tokens,
-                              priority=draw(I32), cache_salt=draw(st.sampled_from(["", "x"])))
+    return pb.AllocateRequest(
+        seq_id=draw(IDS),
+        num_tokens=len(tokens),
+        token_ids=tokens,
+        priority=draw(I32),
+        cache_salt=draw(st.sampled_from(["", "x"])),
+    )
 
 
 REQUESTS = {
-    "Allocate": st.one_of(coherent_allocate(), st.builds(
-        pb.AllocateRequest, seq_id=IDS, num_tokens=U32, token_ids=TOKENS, priority=I32, request_id=OPT,
-        lease_id=OPT, cache_salt=OPT)),
+    "Allocate": st.one_of(
+        coherent_allocate(),
+        st.builds(
+            pb.AllocateRequest,
+            seq_id=IDS,
+            num_tokens=U32,
+            token_ids=TOKENS,
+            priority=I32,
+            request_id=OPT,
+            lease_id=OPT,
+            cache_salt=OPT,
+        ),
+    ),
     "Append": st.builds(pb.AppendRequest, seq_id=IDS, num_tokens=U32, token_ids=TOKENS, request_id=OPT),
     "Fork": st.builds(pb.ForkRequest, parent_seq_id=IDS, child_seq_id=IDS, request_id=OPT, lease_id=OPT),
     "Free": st.builds(pb.FreeRequest, seq_id=IDS, request_id=OPT),
-    "Commit": st.builds(pb.CommitRequest, seq_id=IDS, num_computed_tokens=st.one_of(st.integers(0, 50), U32),
-                        request_id=OPT),
+    "Commit": st.builds(
+        pb.CommitRequest, seq_id=IDS, num_computed_tokens=st.one_of(st.integers(0, 50), U32), request_id=OPT
+    ),
     "GetBlockTable": st.builds(pb.GetBlockTableRequest, seq_id=IDS),
     "SwapIn": st.builds(pb.SwapInRequest, seq_id=IDS, request_id=OPT),
     "Preempt": st.builds(pb.PreemptRequest, seq_id=IDS, mode=MODES, request_id=OPT),
     "Step": st.builds(
         pb.StepRequest,
-        appends=st.lists(st.builds(pb.AppendRequest, seq_id=IDS, num_tokens=U32, token_ids=TOKENS), max_size=4),
+        appends=st.lists(
+            st.builds(pb.AppendRequest, seq_id=IDS, num_tokens=U32, token_ids=TOKENS), max_size=4
+        ),
         frees=st.lists(st.builds(pb.FreeRequest, seq_id=IDS), max_size=3),
-        append_seq_ids=st.lists(IDS, max_size=6), append_num_tokens=st.lists(U32, max_size=6),
-        append_token_ids=TOKENS, free_seq_ids=st.lists(IDS, max_size=3), request_id=OPT,
+        append_seq_ids=st.lists(IDS, max_size=6),
+        append_num_tokens=st.lists(U32, max_size=6),
+        append_token_ids=TOKENS,
+        free_seq_ids=st.lists(IDS, max_size=3),
+        request_id=OPT,
         swap_in_seq_ids=st.lists(IDS, max_size=3),
-        commit_seq_ids=st.lists(IDS, max_size=3), commit_num_computed_tokens=st.lists(st.integers(0, 50), max_size=3),
-        alloc_seq_ids=st.lists(IDS, max_size=3), alloc_num_tokens=st.lists(st.integers(0, 20), max_size=3),
-        alloc_token_ids=TOKENS, alloc_priorities=st.lists(I32, max_size=3),
-        alloc_lease_ids=st.lists(OPT, max_size=3), alloc_cache_salts=st.lists(OPT, max_size=3),
-        fork_parent_seq_ids=st.lists(IDS, max_size=2), fork_child_seq_ids=st.lists(IDS, max_size=2)),
+        commit_seq_ids=st.lists(IDS, max_size=3),
+        commit_num_computed_tokens=st.lists(st.integers(0, 50), max_size=3),
+        alloc_seq_ids=st.lists(IDS, max_size=3),
+        alloc_num_tokens=st.lists(st.integers(0, 20), max_size=3),
+        alloc_token_ids=TOKENS,
+        alloc_priorities=st.lists(I32, max_size=3),
+        alloc_lease_ids=st.lists(OPT, max_size=3),
+        alloc_cache_salts=st.lists(OPT, max_size=3),
+        fork_parent_seq_ids=st.lists(IDS, max_size=2),
+        fork_child_seq_ids=st.lists(IDS, max_size=2),
+    ),
     "GetStats": st.builds(pb.GetStatsRequest, all_tenants=st.booleans()),
     "ResetPrefixCache": st.builds(pb.ResetPrefixCacheRequest, request_id=OPT),
     "GetConfig": st.just(pb.GetConfigRequest()),
-    "KeepAlive": st.builds(pb.KeepAliveRequest, lease_id=IDS, ttl_ms=st.one_of(st.integers(0, 10**6), U32),
-                           attach_seq_ids=st.lists(IDS, max_size=3), request_id=OPT),
+    "KeepAlive": st.builds(
+        pb.KeepAliveRequest,
+        lease_id=IDS,
+        ttl_ms=st.one_of(st.integers(0, 10**6), U32),
+        attach_seq_ids=st.lists(IDS, max_size=3),
+        request_id=OPT,
+    ),
 }
 STREAMS = {"WatchEvents"}
 
@@ -103,27 +143,55 @@ def fingerprint(servicer) -> tuple:  # type: ignore[no-untyped-def]
     return (
         tuple((k, tuple(v.block_ids), v.num_tokens) for k, v in sorted(core.seqs.items())),
         tuple((k, tuple(v.cpu_block_ids or ()), v.num_tokens) for k, v in sorted(core.swapped.items())),
-        tuple(pool.ref_counts), tuple(sorted(pool.free_list)), frozenset(pool.index.items()),
+        tuple(pool.ref_counts),
+        tuple(sorted(pool.free_list)),
+        frozenset(pool.index.items()),
         tuple(core.cpu.ref_counts),
-        tuple(sorted((lid, tuple(sorted(lease.seq_ids))) for lid, lease in servicer.reliable.leases.leases.items())),
+        tuple(
+            sorted(
+                (lid, tuple(sorted(lease.seq_ids))) for lid, lease in servicer.reliable.leases.leases.items()
+            )
+        ),
         tuple(sorted((t, u.gpu_blocks, u.cpu_blocks, u.sequences) for t, u in usage.items())),
     )
 
 
 @pytest.fixture(scope="module", params=["plain", "tenants"])
 def fuzz_server(request, tmp_path_factory):  # type: ignore[no-untyped-def]
-    kw: dict = {"port": 0, "num_gpu_blocks": 24, "block_size": 4, "num_cpu_blocks": 8, "preemption_mode": "auto",
-                    "lease_sweep_interval_s": 3600.0}  # no expiry between two fingerprints
+    kw: dict = {
+        "port": 0,
+        "num_gpu_blocks": 24,
+        "block_size": 4,
+        "num_cpu_blocks": 8,
+        "preemption_mode": "auto",
+        "lease_sweep_interval_s": 3600.0,
+    }  # no expiry between two fingerprints
     md: list = [()]
     if request.param == "tenants":
         p = tmp_path_factory.mktemp("fuzz") / "tokens.json"
-        p.write_text(json.dumps({"tenants": [
-            {"name": "a", "token_sha256": hash_token("ta"), "max_gpu_blocks": 16, "max_sequences": 6,
-             "max_cpu_blocks": 4},
-            {"name": "b", "token_sha256": hash_token("tb"), "admin": True}]}))
+        p.write_text(
+            json.dumps(
+                {
+                    "tenants": [
+                        {
+                            "name": "a",
+                            "token_sha256": hash_token("ta"),
+                            "max_gpu_blocks": 16,
+                            "max_sequences": 6,
+                            "max_cpu_blocks": 4,
+                        },
+                        {"name": "b", "token_sha256": hash_token("tb"), "admin": True},
+                    ]
+                }
+            )
+        )
         kw["auth_tokens_file"] = str(p)
-        md = [(("authorization", "Bearer ta"),), (("authorization", "Bearer tb"),), (),
-              (("authorization", "Bearer wrong"),)]
+        md = [
+            (("authorization", "Bearer ta"),),
+            (("authorization", "Bearer tb"),),
+            (),
+            (("authorization", "Bearer wrong"),),
+        ]
     r = start_server(BlockManagerSettings(**kw))
     ch = grpc.insecure_channel(f"127.0.0.1:{r.port}")
     yield r, ch, md, request.param
@@ -137,8 +205,13 @@ def test_fuzz_rpc_fields(fuzz_server, method: str) -> None:  # type: ignore[no-u
     call = getattr(pb_grpc.BlockManagerStub(ch), method)
     sv = running.servicer
 
-    @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=EXAMPLES,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(req=REQUESTS[method], setup=st.lists(coherent_allocate(), max_size=2), who=st.integers(0, 3))
     def run(req, setup, who) -> None:  # type: ignore[no-untyped-def]
         md = mds[who % len(mds)]
@@ -172,8 +245,9 @@ def test_fuzz_malformed_bytes_at_the_wire(fuzz_server, method: str) -> None:  # 
     rng = random.Random(f"{mode}:{method}")
     path = f"/{SERVICE.full_name}/{method}"
     streaming = SERVICE.methods_by_name[method].server_streaming
-    raw = (ch.unary_stream if streaming else ch.unary_unary)(path, request_serializer=None,
-                                                              response_deserializer=None)
+    raw = (ch.unary_stream if streaming else ch.unary_unary)(
+        path, request_serializer=None, response_deserializer=None
+    )
     codes: Counter[str] = Counter()
     sv = running.servicer
     for i in range(WIRE_CASES):
@@ -210,12 +284,20 @@ def test_report_case_counts() -> None:
     case). Fails when the cases did not run, so a selection that skips them (``-k report``, a
     collection error, a skip) cannot pass as a fuzzing run."""
     total = sum(CASES.values())
-    print(f"\nfuzz cases: {total} ({sum(v for k, v in CASES.items() if ':wire:' not in k)} field cases, "
-          f"{sum(v for k, v in CASES.items() if ':wire:' in k)} wire cases)")
+    print(
+        f"\nfuzz cases: {total} ({sum(v for k, v in CASES.items() if ':wire:' not in k)} field cases, "
+        f"{sum(v for k, v in CASES.items() if ':wire:' in k)} wire cases)"
+    )
     assert CASES, "no fuzz case ran: run the whole module (this test reports what its cases did)"
     modes = ("plain", "tenants")
-    few = {f"{m}:{r}": CASES[f"{m}:{r}"] for m in modes for r in REQUESTS if CASES[f"{m}:{r}"] < EXAMPLES // 2}
+    few = {
+        f"{m}:{r}": CASES[f"{m}:{r}"] for m in modes for r in REQUESTS if CASES[f"{m}:{r}"] < EXAMPLES // 2
+    }
     assert not few, f"RPCs fuzzed with fewer than {EXAMPLES // 2} field cases: {few}"
-    wire = {f"{m}:wire:{r}": CASES[f"{m}:wire:{r}"] for m in modes for r in SERVICE.methods_by_name
-            if CASES[f"{m}:wire:{r}"] != WIRE_CASES}
+    wire = {
+        f"{m}:wire:{r}": CASES[f"{m}:wire:{r}"]
+        for m in modes
+        for r in SERVICE.methods_by_name
+        if CASES[f"{m}:wire:{r}"] != WIRE_CASES
+    }
     assert not wire, f"RPCs not given all {WIRE_CASES} wire cases: {wire}"

@@ -35,12 +35,14 @@ from pagedkv.v1 import (
     worker_pb2_grpc,
 )
 from tests.frontend.test_cli_stack import free_ports
-from tests.security.conftest import TOOLS, TOKENS, write_tokens
+from tests.security.conftest import TOKENS, TOOLS, write_tokens
 from tests.worker_svc.conftest import HFModel, build_hf_model
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PROMPT = [3, 17, 42, 9, 88, 5, 61, 23, 7, 101, 12, 64, 30, 2, 77, 45, 19]  # crosses a block boundary
-ENV = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDKV_")} | {"PAGEDKV_KERNEL_BACKEND": "reference"}
+ENV = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDKV_")} | {
+    "PAGEDKV_KERNEL_BACKEND": "reference"
+}
 
 
 @pytest.fixture(scope="module")
@@ -57,17 +59,50 @@ def other_ca(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 
 
 @pytest.fixture(scope="module")
-def stack(hf: HFModel, certs: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+def stack(
+    hf: HFModel, certs: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, str]]:
     tmp = tmp_path_factory.mktemp("secure-stack")
     tokens = write_tokens(tmp / "tokens.json")
     bm, ch, w, http = free_ports(4)
     tls_dir = str(pathlib.Path(certs["ca"]).parent)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pagedkv.cli", "up", "--block-manager-port", str(bm), "--cache-host-port", str(ch),
-         "--worker-port", str(w), "--num-workers", "1", "--num-gpu-blocks", "256", "--device", "cpu",
-         "--model", str(hf.path), "--log-format", "json", "--log-dir", str(tmp / "logs"),
-         "--tls-dir", tls_dir, "--auth-tokens-file", tokens, "--serve-port", str(http)],
-        cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "pagedkv.cli",
+            "up",
+            "--block-manager-port",
+            str(bm),
+            "--cache-host-port",
+            str(ch),
+            "--worker-port",
+            str(w),
+            "--num-workers",
+            "1",
+            "--num-gpu-blocks",
+            "256",
+            "--device",
+            "cpu",
+            "--model",
+            str(hf.path),
+            "--log-format",
+            "json",
+            "--log-dir",
+            str(tmp / "logs"),
+            "--tls-dir",
+            tls_dir,
+            "--auth-tokens-file",
+            tokens,
+            "--serve-port",
+            str(http),
+        ],
+        cwd=ROOT,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
     lines: list[str] = []
     try:
@@ -80,9 +115,15 @@ def stack(hf: HFModel, certs: dict[str, str], tmp_path_factory: pytest.TempPathF
             if "Ctrl-C stops everything" in line:  # the end of the ready message
                 break
         assert any("ready. Try:" in x for x in lines), "".join(lines) + proc.stderr.read()  # type: ignore[union-attr]
-        yield {"bm": f"localhost:{bm}", "cache_host": f"localhost:{ch}", "worker": f"localhost:{w}",
-               "url": f"https://127.0.0.1:{http}",
-               "ready": "".join(lines), "logs": str(tmp / "logs"), "tls_dir": tls_dir}
+        yield {
+            "bm": f"localhost:{bm}",
+            "cache_host": f"localhost:{ch}",
+            "worker": f"localhost:{w}",
+            "url": f"https://127.0.0.1:{http}",
+            "ready": "".join(lines),
+            "logs": str(tmp / "logs"),
+            "tls_dir": tls_dir,
+        }
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -106,15 +147,39 @@ def test_up_with_tls_and_tokens_tells_clients_how_to_connect(stack: dict[str, st
     assert TOKENS["alice"] not in bm_log
     # The cache host's start-up ResetPrefixCache (an admin method) is allowed to the stack's token.
     ch_log = (pathlib.Path(stack["logs"]) / "cache-host.log").read_text()
-    assert '"event": "prefix_cache_reset"' in ch_log and "prefix_cache_reset_failed" not in ch_log, ch_log[-2000:]
+    assert '"event": "prefix_cache_reset"' in ch_log and "prefix_cache_reset_failed" not in ch_log, ch_log[
+        -2000:
+    ]
 
 
-def test_generate_through_the_secured_stack_matches_transformers(stack: dict[str, str], certs, hf: HFModel) -> None:  # type: ignore[no-untyped-def]
-    args = [sys.executable, "-m", "pagedkv.cli", "generate", "--token-ids", ",".join(map(str, PROMPT)),
-            "--max-tokens", "6", "--block-manager", stack["bm"], "--workers", stack["worker"], "--timeout-s", "20",
-            *client_flags(certs)]
-    ok = subprocess.run(args, cwd=ROOT, env=ENV | {"PAGEDKV_TOKEN": TOKENS["alice"]}, capture_output=True,
-                        text=True, timeout=120)
+def test_generate_through_the_secured_stack_matches_transformers(
+    stack: dict[str, str], certs, hf: HFModel
+) -> None:  # type: ignore[no-untyped-def]
+    args = [
+        sys.executable,
+        "-m",
+        "pagedkv.cli",
+        "generate",
+        "--token-ids",
+        ",".join(map(str, PROMPT)),
+        "--max-tokens",
+        "6",
+        "--block-manager",
+        stack["bm"],
+        "--workers",
+        stack["worker"],
+        "--timeout-s",
+        "20",
+        *client_flags(certs),
+    ]
+    ok = subprocess.run(
+        args,
+        cwd=ROOT,
+        env=ENV | {"PAGEDKV_TOKEN": TOKENS["alice"]},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert ok.returncode == 0, ok.stderr
     assert json.loads(ok.stdout)["completions"][0]["token_ids"] == hf.greedy(PROMPT, 6)
     assert TOKENS["alice"] not in ok.stderr
@@ -122,39 +187,86 @@ def test_generate_through_the_secured_stack_matches_transformers(stack: dict[str
     assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr
 
 
-def test_the_frontend_serves_https_with_mutual_tls_and_its_own_token(stack: dict[str, str], certs,  # type: ignore[no-untyped-def]
-                                                                     hf: HFModel) -> None:
+def test_the_frontend_serves_https_with_mutual_tls_and_its_own_token(
+    stack: dict[str, str],
+    certs,  # type: ignore[no-untyped-def]
+    hf: HFModel,
+) -> None:
     """`pagedkv serve` in the secured stack: HTTPS + client certificates, and its engine reaches the
     token-guarded block manager and worker with the token `up` made for it."""
     assert f"pagedkv generate --url {stack['url']}" in stack["ready"]
-    args = [sys.executable, "-m", "pagedkv.cli", "generate", "--url", stack["url"], "--token-ids",
-            ",".join(map(str, PROMPT)), "--max-tokens", "6"]
-    ok = subprocess.run([*args, *client_flags(certs)], cwd=ROOT, env=ENV, capture_output=True, text=True,
-                        timeout=120)
+    args = [
+        sys.executable,
+        "-m",
+        "pagedkv.cli",
+        "generate",
+        "--url",
+        stack["url"],
+        "--token-ids",
+        ",".join(map(str, PROMPT)),
+        "--max-tokens",
+        "6",
+    ]
+    ok = subprocess.run(
+        [*args, *client_flags(certs)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120
+    )
     assert ok.returncode == 0, ok.stderr
     assert json.loads(ok.stdout)["completions"][0]["token_ids"] == hf.greedy(PROMPT, 6)
-    no_cert = subprocess.run([*args, "--tls-ca", certs["ca"]], cwd=ROOT, env=ENV, capture_output=True, text=True,
-                             timeout=120)
+    no_cert = subprocess.run(
+        [*args, "--tls-ca", certs["ca"]], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120
+    )
     assert no_cert.returncode != 0
 
 
-def test_demo_and_loadtest_reach_the_secured_stack(stack: dict[str, str], certs, monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_demo_and_loadtest_reach_the_secured_stack(
+    stack: dict[str, str], certs, monkeypatch, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
     from frontend import demo, loadtest
 
     monkeypatch.setenv("PAGEDKV_TOKEN", TOKENS["alice"])
     out = io.StringIO()
     try:
         with contextlib.redirect_stdout(out):
-            rc = demo.main(["--block-manager", stack["bm"], "--workers", stack["worker"], "--requests", "3",
-                            "--no-progress", *client_flags(certs)])
+            rc = demo.main(
+                [
+                    "--block-manager",
+                    stack["bm"],
+                    "--workers",
+                    stack["worker"],
+                    "--requests",
+                    "3",
+                    "--no-progress",
+                    *client_flags(certs),
+                ]
+            )
     finally:
-        configure_logging("info", "console", cache=False)  # demo.main configured it for itself: the suite's again
+        configure_logging(
+            "info", "console", cache=False
+        )  # demo.main configured it for itself: the suite's again
     assert rc == 0 and "pagedkv demo results" in out.getvalue()
-    # An admin token: a tenant without a GPU quota is shown no free blocks, and loadtest sizes its run by them.
+    # An admin token: a tenant without a GPU quota is shown no free blocks, and loadtest sizes its run
+    # by them.
     monkeypatch.setenv("PAGEDKV_TOKEN", TOKENS["root"])
     report = tmp_path / "lt.json"
-    rc = loadtest.main(["--target", stack["bm"], "--scenario", "lifecycle", "-c", "2", "--total", "40",
-                        "--num-tokens", "16", "--format", "json", "--output", str(report), *client_flags(certs)])
+    rc = loadtest.main(
+        [
+            "--target",
+            stack["bm"],
+            "--scenario",
+            "lifecycle",
+            "-c",
+            "2",
+            "--total",
+            "40",
+            "--num-tokens",
+            "16",
+            "--format",
+            "json",
+            "--output",
+            str(report),
+            *client_flags(certs),
+        ]
+    )
     rep = json.loads(report.read_text())
     assert rc == 0 and rep["status_code_distribution"] == {"OK": rep["count"]} and rep["pool_check"]["ok"]
 
@@ -162,12 +274,16 @@ def test_demo_and_loadtest_reach_the_secured_stack(stack: dict[str, str], certs,
 def _calls(target: str, ch: grpc.Channel, md: tuple) -> object:
     """One real RPC of the server at ``target`` (not health, which is open by design)."""
     if target == "bm":
-        return block_manager_pb2_grpc.BlockManagerStub(ch).GetConfig(block_manager_pb2.GetConfigRequest(),
-                                                                     metadata=md, timeout=10)
+        return block_manager_pb2_grpc.BlockManagerStub(ch).GetConfig(
+            block_manager_pb2.GetConfigRequest(), metadata=md, timeout=10
+        )
     if target == "cache_host":
-        return cache_host_pb2_grpc.CacheHostStub(ch).GetCacheInfo(cache_host_pb2.GetCacheInfoRequest(),
-                                                                  metadata=md, timeout=10)
-    return worker_pb2_grpc.WorkerStub(ch).GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), metadata=md, timeout=10)
+        return cache_host_pb2_grpc.CacheHostStub(ch).GetCacheInfo(
+            cache_host_pb2.GetCacheInfoRequest(), metadata=md, timeout=10
+        )
+    return worker_pb2_grpc.WorkerStub(ch).GetWorkerInfo(
+        worker_pb2.GetWorkerInfoRequest(), metadata=md, timeout=10
+    )
 
 
 @pytest.mark.parametrize("server", ["bm", "cache_host", "worker"])
@@ -185,7 +301,11 @@ def test_every_server_refuses_plaintext_tokenless_and_foreign_ca_clients(
     with grpc.insecure_channel(address) as ch, pytest.raises(grpc.RpcError) as e:
         _calls(server, ch, token)
     assert e.value.code() is grpc.StatusCode.UNAVAILABLE
-    foreign = {"tls_ca": certs["ca"], "tls_cert": str(other_ca / "client.pem"), "tls_key": str(other_ca / "client.key")}
+    foreign = {
+        "tls_ca": certs["ca"],
+        "tls_cert": str(other_ca / "client.pem"),
+        "tls_key": str(other_ca / "client.key"),
+    }
     with channel(address, **foreign) as ch, pytest.raises(grpc.RpcError) as e:
         _calls(server, ch, token)
     assert e.value.code() is grpc.StatusCode.UNAVAILABLE
@@ -196,10 +316,15 @@ def test_up_refuses_missing_certificates_and_a_reserved_tenant(tmp_path, capsys,
 
     assert up.main(["--tls-dir", str(tmp_path / "nope")]) == 2
     err = capsys.readouterr().err
-    assert "missing ca.pem, server.pem, server.key, client.pem, client.key" in err and "tools/make_certs.sh" in err
+    assert (
+        "missing ca.pem, server.pem, server.key, client.pem, client.key" in err
+        and "tools/make_certs.sh" in err
+    )
     tokens = tmp_path / "tokens.json"
     tokens.write_text(json.dumps({"tenants": [{"name": "pagedkv-stack", "token_sha256": "0" * 64}]}))
-    assert up.main(["--tls-dir", str(pathlib.Path(certs["ca"]).parent), "--auth-tokens-file", str(tokens)]) == 2
+    assert (
+        up.main(["--tls-dir", str(pathlib.Path(certs["ca"]).parent), "--auth-tokens-file", str(tokens)]) == 2
+    )
     assert "reserved" in capsys.readouterr().err
     # Tokens without TLS would travel in plaintext between the roles: refused, naming the way out.
     ok_tokens = write_tokens(tmp_path / "ok.json")
@@ -214,8 +339,11 @@ def _https_get(url: str, context: object, path: str = "/health") -> int:
     import urllib.parse
 
     u = urllib.parse.urlsplit(url)
-    conn = (http.client.HTTPSConnection(u.hostname, u.port, context=context, timeout=20) if context is not None
-            else http.client.HTTPConnection(u.hostname, u.port, timeout=20))
+    conn = (
+        http.client.HTTPSConnection(u.hostname, u.port, context=context, timeout=20)
+        if context is not None
+        else http.client.HTTPConnection(u.hostname, u.port, timeout=20)
+    )
     try:
         conn.request("GET", path)
         return conn.getresponse().status

@@ -48,8 +48,13 @@ def test_mtls_requires_a_client_certificate(secure_factory, certs) -> None:  # t
 
 def test_client_library_speaks_tls_and_tokens(secure_factory, certs) -> None:  # type: ignore[no-untyped-def]
     r = secure_factory()
-    with BlockManagerClient(f"localhost:{r.port}", tls_ca=certs["ca"], tls_cert=certs["client"],
-                            tls_key=certs["client_key"], token=TOKENS["alice"]) as c:
+    with BlockManagerClient(
+        f"localhost:{r.port}",
+        tls_ca=certs["ca"],
+        tls_cert=certs["client"],
+        tls_key=certs["client_key"],
+        token=TOKENS["alice"],
+    ) as c:
         assert list(c.allocate("s", 20).block_ids) == [0, 1]
         assert c.health() == 1
 
@@ -74,7 +79,9 @@ def test_missing_or_invalid_token_is_unauthenticated_health_stays_open(secure_fa
     with open_channel(certs, r.port) as ch:
         assert _code(pb_stats, ch) == CODE.UNAUTHENTICATED
         assert _code(pb_stats, ch, md=(("authorization", "Bearer wrong"),)) == CODE.UNAUTHENTICATED
-        assert _code(pb_stats, ch, md=(("authorization", TOKENS["alice"]),)) == CODE.UNAUTHENTICATED  # no "Bearer"
+        assert (
+            _code(pb_stats, ch, md=(("authorization", TOKENS["alice"]),)) == CODE.UNAUTHENTICATED
+        )  # no "Bearer"
         anon = Caller(ch, None)
         assert _code(anon.Allocate, pb.AllocateRequest(seq_id="s", num_tokens=4)) == CODE.UNAUTHENTICATED
         health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
@@ -161,10 +168,19 @@ def test_prefix_cache_is_salted_per_tenant_and_per_cache_salt(secure_factory, ce
     prompt = list(range(50))
     with open_channel(certs, r.port) as ch:
         alice, bob = Caller(ch, "alice"), Caller(ch, "bob")
-        assert alice.Allocate(pb.AllocateRequest(seq_id="a1", num_tokens=50, token_ids=prompt)).num_cached_tokens == 0
+        assert (
+            alice.Allocate(pb.AllocateRequest(seq_id="a1", num_tokens=50, token_ids=prompt)).num_cached_tokens
+            == 0
+        )
         alice.Commit(pb.CommitRequest(seq_id="a1", num_computed_tokens=50))
-        assert alice.Allocate(pb.AllocateRequest(seq_id="a2", num_tokens=50, token_ids=prompt)).num_cached_tokens == 48
-        assert bob.Allocate(pb.AllocateRequest(seq_id="b1", num_tokens=50, token_ids=prompt)).num_cached_tokens == 0
+        assert (
+            alice.Allocate(pb.AllocateRequest(seq_id="a2", num_tokens=50, token_ids=prompt)).num_cached_tokens
+            == 48
+        )
+        assert (
+            bob.Allocate(pb.AllocateRequest(seq_id="b1", num_tokens=50, token_ids=prompt)).num_cached_tokens
+            == 0
+        )
         salted = pb.AllocateRequest(seq_id="a3", num_tokens=50, token_ids=prompt, cache_salt="user-7")
         assert alice.Allocate(salted).num_cached_tokens == 0
         alice.Step(pb.StepRequest(commit_seq_ids=["a3"], commit_num_computed_tokens=[50]))
@@ -175,7 +191,9 @@ def test_prefix_cache_is_salted_per_tenant_and_per_cache_salt(secure_factory, ce
 
 # --- quotas ---------------------------------------------------------------------------------------
 def test_quotas_name_the_limit_and_change_nothing(secure_factory, certs) -> None:  # type: ignore[no-untyped-def]
-    r = secure_factory(quotas={"alice": {"max_sequences": 2, "max_gpu_blocks": 5}}, block_size=4, num_gpu_blocks=64)
+    r = secure_factory(
+        quotas={"alice": {"max_sequences": 2, "max_gpu_blocks": 5}}, block_size=4, num_gpu_blocks=64
+    )
     with open_channel(certs, r.port) as ch:
         alice = Caller(ch, "alice")
         alice.Allocate(pb.AllocateRequest(seq_id="a", num_tokens=12))  # 3 blocks
@@ -201,8 +219,14 @@ def test_quotas_name_the_limit_and_change_nothing(secure_factory, certs) -> None
 
 
 def test_preemption_never_crosses_tenants(secure_factory, certs) -> None:  # type: ignore[no-untyped-def]
-    r = secure_factory(quotas={"bob": {"max_gpu_blocks": 10}}, block_size=4, num_gpu_blocks=13,
-                       num_cpu_blocks=8, watermark_fraction=0.0, preemption_mode="swap")
+    r = secure_factory(
+        quotas={"bob": {"max_gpu_blocks": 10}},
+        block_size=4,
+        num_gpu_blocks=13,
+        num_cpu_blocks=8,
+        watermark_fraction=0.0,
+        preemption_mode="swap",
+    )
     with open_channel(certs, r.port) as ch:
         alice, bob = Caller(ch, "alice"), Caller(ch, "bob")
         alice.Allocate(pb.AllocateRequest(seq_id="low", num_tokens=16, priority=-50))  # the lowest rank
@@ -227,8 +251,14 @@ def test_preemption_never_crosses_tenants(secure_factory, certs) -> None:  # typ
 def test_tenant_state_survives_a_restart(certs, tmp_path) -> None:  # type: ignore[no-untyped-def]
     from tests.security.conftest import write_tokens
 
-    kw = {"port": 0, "tls_cert": certs["server"], "tls_key": certs["server_key"], "state_dir": str(tmp_path / "st"),
-              "auth_tokens_file": write_tokens(tmp_path / "t.json"), "fsync": "off"}
+    kw = {
+        "port": 0,
+        "tls_cert": certs["server"],
+        "tls_key": certs["server_key"],
+        "state_dir": str(tmp_path / "st"),
+        "auth_tokens_file": write_tokens(tmp_path / "t.json"),
+        "fsync": "off",
+    }
     r = start_server(BlockManagerSettings(**kw))
     with open_channel(certs, r.port) as ch:
         Caller(ch, "alice").Allocate(pb.AllocateRequest(seq_id="s", num_tokens=40, token_ids=list(range(40))))
@@ -241,7 +271,9 @@ def test_tenant_state_survives_a_restart(certs, tmp_path) -> None:  # type: igno
             assert len(Caller(ch, "alice").GetBlockTable(pb.GetBlockTableRequest(seq_id="s")).block_ids) == 3
             assert len(Caller(ch, "bob").GetBlockTable(pb.GetBlockTableRequest(seq_id="s")).block_ids) == 1
             assert Caller(ch, "alice").GetStats(pb.GetStatsRequest()).num_used_blocks == 3
-            hit = Caller(ch, "alice").Allocate(pb.AllocateRequest(seq_id="t", num_tokens=40, token_ids=list(range(40))))
+            hit = Caller(ch, "alice").Allocate(
+                pb.AllocateRequest(seq_id="t", num_tokens=40, token_ids=list(range(40)))
+            )
             assert hit.num_cached_tokens == 32
         r.servicer._core.check_invariants()
     finally:
@@ -254,9 +286,16 @@ def test_tenant_state_survives_a_crash_through_journal_replay(certs, tmp_path) -
     from tests.block_manager_svc.reliability.conftest import crash
     from tests.security.conftest import write_tokens
 
-    kw = {"port": 0, "tls_cert": certs["server"], "tls_key": certs["server_key"], "state_dir": str(tmp_path / "st"),
-          "auth_tokens_file": write_tokens(tmp_path / "t.json"), "fsync": "always", "snapshot_every_ops": 0,
-          "snapshot_interval_s": 0}
+    kw = {
+        "port": 0,
+        "tls_cert": certs["server"],
+        "tls_key": certs["server_key"],
+        "state_dir": str(tmp_path / "st"),
+        "auth_tokens_file": write_tokens(tmp_path / "t.json"),
+        "fsync": "always",
+        "snapshot_every_ops": 0,
+        "snapshot_interval_s": 0,
+    }
     r = start_server(BlockManagerSettings(**kw))
     with open_channel(certs, r.port) as ch:
         Caller(ch, "alice").Allocate(pb.AllocateRequest(seq_id="s", num_tokens=40, token_ids=list(range(40))))
@@ -272,10 +311,18 @@ def test_tenant_state_survives_a_crash_through_journal_replay(certs, tmp_path) -
             assert Caller(ch, "alice").GetStats(pb.GetStatsRequest()).num_used_blocks == 3
             assert Caller(ch, "bob").GetStats(pb.GetStatsRequest()).num_used_blocks == 1
             prompt = list(range(40))
-            assert Caller(ch, "bob").Allocate(pb.AllocateRequest(seq_id="t", num_tokens=40, token_ids=prompt)
-                                              ).num_cached_tokens == 0
-            assert Caller(ch, "alice").Allocate(pb.AllocateRequest(seq_id="t", num_tokens=40, token_ids=prompt)
-                                                ).num_cached_tokens == 32
+            assert (
+                Caller(ch, "bob")
+                .Allocate(pb.AllocateRequest(seq_id="t", num_tokens=40, token_ids=prompt))
+                .num_cached_tokens
+                == 0
+            )
+            assert (
+                Caller(ch, "alice")
+                .Allocate(pb.AllocateRequest(seq_id="t", num_tokens=40, token_ids=prompt))
+                .num_cached_tokens
+                == 32
+            )
         core.check_invariants()
     finally:
         r.stop(0)
@@ -284,15 +331,24 @@ def test_tenant_state_survives_a_crash_through_journal_replay(certs, tmp_path) -
 def test_cache_host_and_worker_servers_speak_mtls(certs) -> None:  # type: ignore[no-untyped-def]
     from pagedkv.grpc_server import start_server as start_worker_server
 
-    r = start_worker_server("127.0.0.1", 0, lambda s: None, "pagedkv.v1.Worker", tls_cert=certs["server"],
-                            tls_key=certs["server_key"], tls_client_ca=certs["ca"])
+    r = start_worker_server(
+        "127.0.0.1",
+        0,
+        lambda s: None,
+        "pagedkv.v1.Worker",
+        tls_cert=certs["server"],
+        tls_key=certs["server_key"],
+        tls_client_ca=certs["ca"],
+    )
     try:
         with open_channel(certs, r.port) as ch:
             resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
             assert resp.status == health_pb2.HealthCheckResponse.SERVING
         with open_channel(certs, r.port, client_cert=False) as ch:
-            assert _code(health_pb2_grpc.HealthStub(ch).Check, health_pb2.HealthCheckRequest(),
-                         timeout=3) == CODE.UNAVAILABLE
+            assert (
+                _code(health_pb2_grpc.HealthStub(ch).Check, health_pb2.HealthCheckRequest(), timeout=3)
+                == CODE.UNAVAILABLE
+            )
     finally:
         r.stop(0)
     with pytest.raises(TlsConfigError):

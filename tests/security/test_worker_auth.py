@@ -29,10 +29,17 @@ def worker_target(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[s
     geometry = CacheGeometry(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 16, 32, 0)
     cache = cache_memory.create(geometry, torch.float32, torch.device("cpu"), shm_prefix="pagedkv-wauth")
     host = serve_cache(cache, cfg.name)
-    worker = start_worker(WorkerSettings(
-        port=0, cache_host=f"127.0.0.1:{host.port}", device="cpu", block_size=16, num_gpu_blocks=32,
-        auth_tokens_file=write_tokens(tmp_path / "tokens.json"), cache_host_check_interval_s=0,
-    ))
+    worker = start_worker(
+        WorkerSettings(
+            port=0,
+            cache_host=f"127.0.0.1:{host.port}",
+            device="cpu",
+            block_size=16,
+            num_gpu_blocks=32,
+            auth_tokens_file=write_tokens(tmp_path / "tokens.json"),
+            cache_host_check_interval_s=0,
+        )
+    )
     try:
         yield f"127.0.0.1:{worker.running.port}"
     finally:
@@ -42,7 +49,9 @@ def worker_target(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[s
 
 
 def step_request() -> wpb.WorkerStepRequest:
-    return wpb.WorkerStepRequest(sequences=[wpb.SequenceInput(seq_id="s", token_ids=[1, 2, 3], block_ids=[0])])
+    return wpb.WorkerStepRequest(
+        sequences=[wpb.SequenceInput(seq_id="s", token_ids=[1, 2, 3], block_ids=[0])]
+    )
 
 
 def test_worker_steps_need_a_valid_token(worker_target: str) -> None:
@@ -57,7 +66,9 @@ def test_worker_steps_need_a_valid_token(worker_target: str) -> None:
         with pytest.raises(grpc.RpcError) as info:
             forged.get_info(timeout_s=10)
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    with WorkerClient(worker_target, token=TOKENS["reader"], allow_insecure=True) as reader:  # allowed GetStats/GetConfig only
+    with WorkerClient(
+        worker_target, token=TOKENS["reader"], allow_insecure=True
+    ) as reader:  # allowed GetStats/GetConfig only
         with pytest.raises(grpc.RpcError) as info:
             reader.step(step_request(), timeout_s=10)
         assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED

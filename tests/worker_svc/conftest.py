@@ -53,10 +53,14 @@ class HFModel:
         """transformers' own greedy generation with its dense cache."""
         with torch.inference_mode():
             out = self.model.generate(  # type: ignore[attr-defined]
-                torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
-                pad_token_id=None, eos_token_id=None,
+                torch.tensor([prompt]),
+                max_new_tokens=n,
+                do_sample=False,
+                min_new_tokens=n,
+                pad_token_id=None,
+                eos_token_id=None,
             )
-        return out[0, len(prompt):].tolist()
+        return out[0, len(prompt) :].tolist()
 
     def last_logits(self, tokens: list[int]) -> torch.Tensor:
         with torch.inference_mode():

@@ -19,21 +19,47 @@ import torch
 from tests.worker_svc.conftest import VOCAB, HFModel
 
 FAMILIES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
-GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-             "Qwen3ForCausalLM": "qwen3"}
+GGUF_ARCH = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
 
-_COMMON: dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                               max_position_embeddings=512, initializer_range=0.2, rope_theta=10000.0)
+_COMMON: dict[str, Any] = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    max_position_embeddings=512,
+    initializer_range=0.2,
+    rope_theta=10000.0,
+)
 # Per family: what its real models look like, shrunk; GQA groups 3 (SmolLM2), 2, 4.
 _FAMILY: dict[str, dict[str, Any]] = {
-    "LlamaForCausalLM": dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=True,
-                             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
-    "Qwen2ForCausalLM": dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=False),
+    "LlamaForCausalLM": dict(
+        hidden_size=96,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+    ),
+    "Qwen2ForCausalLM": dict(
+        hidden_size=96, num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=False
+    ),
     # head_dim 32 != hidden 64 / 4 heads: Qwen3 takes head_dim from the config.
-    "Qwen3ForCausalLM": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True),
-    "MistralForCausalLM": dict(num_attention_heads=8, num_key_value_heads=2, sliding_window=None,
-                               tie_word_embeddings=False),
+    "Qwen3ForCausalLM": dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True
+    ),
+    "MistralForCausalLM": dict(
+        num_attention_heads=8, num_key_value_heads=2, sliding_window=None, tie_word_embeddings=False
+    ),
 }
 
 
@@ -68,15 +94,27 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-_LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-          "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
-          "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
-          "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+_LAYER = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
 
 
 def _gguf_name(name: str) -> str:
-    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
+    top = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
     if name in top:
         return top[name]
     _, _, rest = name.partition("model.layers.")
@@ -140,7 +178,9 @@ def write_gguf(hf: HFModel, path: pathlib.Path, qtype: str = "F32") -> dict[str,
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
         scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
-        base = 1.0 / (rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        base = 1.0 / (
+            rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+        )
         w.add_tensor("rope_freqs.weight", (base / scaled).numpy().astype(np.float32))
     held: dict[str, torch.Tensor] = {}
     state = model.state_dict()

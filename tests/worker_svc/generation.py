@@ -31,10 +31,14 @@ def grpc_step(stub: object) -> StepFn:
         req = worker_pb2.WorkerStepRequest(
             sequences=[
                 worker_pb2.SequenceInput(
-                    seq_id=s.seq_id, token_ids=s.token_ids, block_ids=s.block_ids,
+                    seq_id=s.seq_id,
+                    token_ids=s.token_ids,
+                    block_ids=s.block_ids,
                     num_cached_tokens=s.num_cached_tokens,
                     sampling=worker_pb2.SamplingParams(
-                        temperature=s.sampling.temperature, top_p=s.sampling.top_p, top_k=s.sampling.top_k,
+                        temperature=s.sampling.temperature,
+                        top_p=s.sampling.top_p,
+                        top_k=s.sampling.top_k,
                         seed=s.sampling.seed,
                     ),
                 )
@@ -74,13 +78,17 @@ class Scheduler:
     def fork(self, parent: str, child: str) -> None:
         self.bm.fork(parent, child)
         p = self.seqs[parent]
-        self.seqs[child] = SeqState(tokens=list(p.tokens), num_cached=p.num_cached, generated=list(p.generated))
+        self.seqs[child] = SeqState(
+            tokens=list(p.tokens), num_cached=p.num_cached, generated=list(p.generated)
+        )
 
     def push(self, seq_id: str, token: int) -> CacheOpsRequest:
         """Append a token chosen by the caller (not yet in the cache); returns the step's ops."""
         res = self.bm.append(seq_id, 1, token_ids=[token])
         self.seqs[seq_id].tokens.append(token)
-        return CacheOpsRequest(copies=list(res.ops.copies), swap_out=list(res.ops.swap_out), swap_in=list(res.ops.swap_in))
+        return CacheOpsRequest(
+            copies=list(res.ops.copies), swap_out=list(res.ops.swap_out), swap_in=list(res.ops.swap_in)
+        )
 
     def run(self, seq_ids: list[str], ops: CacheOpsRequest | None = None) -> list[tuple[int, float]]:
         """One worker step for these sequences: each sends its not-yet-cached tokens."""
@@ -89,12 +97,14 @@ class Scheduler:
             st = self.seqs[sid]
             reqs.append(
                 SequenceRequest(
-                    seq_id=sid, token_ids=st.tokens[st.num_cached:],
-                    block_ids=self.bm.block_table(sid).block_ids, num_cached_tokens=st.num_cached,
+                    seq_id=sid,
+                    token_ids=st.tokens[st.num_cached :],
+                    block_ids=self.bm.block_table(sid).block_ids,
+                    num_cached_tokens=st.num_cached,
                 )
             )
         outs = self.step_fn(reqs, ops or CacheOpsRequest())
-        for sid, (tok, _) in zip(seq_ids, outs):
+        for sid, (tok, _) in zip(seq_ids, outs, strict=False):
             st = self.seqs[sid]
             st.num_cached = len(st.tokens)
             st.generated.append(tok)

@@ -33,7 +33,9 @@ class Host:
     def __init__(self, port: int = 0, num_gpu_blocks: int = 32) -> None:
         cfg = load_model_config(None)
         geometry = CacheGeometry(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 4, num_gpu_blocks, 0)
-        self.cache = cache_memory.create(geometry, torch.float32, torch.device("cpu"), shm_prefix="pagedkv-test-loss")
+        self.cache = cache_memory.create(
+            geometry, torch.float32, torch.device("cpu"), shm_prefix="pagedkv-test-loss"
+        )
         self.running = serve_cache(self.cache, cfg.name, port=port)
         self.port = self.running.port
         self.instance_id = self.cache.descriptor.instance_id
@@ -56,16 +58,26 @@ def hosts() -> Iterator[list[Host]]:
 
 
 def _worker(port: int, failures: int = 2, reattach: bool = True):  # type: ignore[no-untyped-def]
-    return start_worker(WorkerSettings(
-        port=0, cache_host=f"127.0.0.1:{port}", device="cpu", kernel_backend="reference",
-        cache_host_check_interval_s=INTERVAL, cache_host_failures=failures, connect_timeout_s=10,
-        cache_host_reattach=reattach,
-    ))
+    return start_worker(
+        WorkerSettings(
+            port=0,
+            cache_host=f"127.0.0.1:{port}",
+            device="cpu",
+            kernel_backend="reference",
+            cache_host_check_interval_s=INTERVAL,
+            cache_host_failures=failures,
+            connect_timeout_s=10,
+            cache_host_reattach=reattach,
+        )
+    )
 
 
 def _health(ch: grpc.Channel) -> int:
-    return health_pb2_grpc.HealthStub(ch).Check(
-        health_pb2.HealthCheckRequest(service="pagedkv.v1.Worker"), timeout=2).status
+    return (
+        health_pb2_grpc.HealthStub(ch)
+        .Check(health_pb2.HealthCheckRequest(service="pagedkv.v1.Worker"), timeout=2)
+        .status
+    )
 
 
 def _wait_not_serving(ch: grpc.Channel, within_s: float) -> float:
@@ -77,7 +89,9 @@ def _wait_not_serving(ch: grpc.Channel, within_s: float) -> float:
     raise AssertionError(f"worker still SERVING {within_s} s after its cache host went away")
 
 
-STEP = worker_pb2.WorkerStepRequest(sequences=[worker_pb2.SequenceInput(seq_id="s", token_ids=[1, 2, 3], block_ids=[0])])
+STEP = worker_pb2.WorkerStepRequest(
+    sequences=[worker_pb2.SequenceInput(seq_id="s", token_ids=[1, 2, 3], block_ids=[0])]
+)
 
 
 def test_dead_cache_host_is_detected_and_reported(hosts: list[Host]) -> None:
@@ -89,7 +103,10 @@ def test_dead_cache_host_is_detected_and_reported(hosts: list[Host]) -> None:
             stub = worker_pb2_grpc.WorkerStub(ch)
             assert stub.Step(STEP, timeout=30).outputs
             info = stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), timeout=5)
-            assert info.cache_state == worker_pb2.CACHE_STATE_ATTACHED and info.cache_instance_id == host.instance_id
+            assert (
+                info.cache_state == worker_pb2.CACHE_STATE_ATTACHED
+                and info.cache_instance_id == host.instance_id
+            )
             assert _health(ch) == health_pb2.HealthCheckResponse.SERVING
             host.stop()
             # 2 failed checks at 0.2 s; allow for slow shared CI cores.
@@ -171,7 +188,9 @@ def test_a_new_host_that_cannot_be_attached_makes_the_worker_exit(hosts: list[Ho
                 assert time.monotonic() < deadline, "the mismatching host was not refused"
                 time.sleep(0.05)
             info = stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), timeout=5)
-            assert info.cache_state == worker_pb2.CACHE_STATE_LOST and info.cache_instance_id == old.instance_id
+            assert (
+                info.cache_state == worker_pb2.CACHE_STATE_LOST and info.cache_instance_id == old.instance_id
+            )
             assert _health(ch) == health_pb2.HealthCheckResponse.NOT_SERVING
             assert proc.cache.descriptor.instance_id == old.instance_id  # nothing of the new one was kept
     finally:

@@ -15,7 +15,9 @@ from worker_svc import cache_memory, shm_backend
 from worker_svc.cache_layout import CacheGeometry, GeometryMismatch, check_same
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-GEOM = CacheGeometry(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, num_gpu_blocks=16, num_cpu_blocks=4)
+GEOM = CacheGeometry(
+    num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, num_gpu_blocks=16, num_cpu_blocks=4
+)
 
 
 def _shm_exists(name: str) -> bool:
@@ -25,15 +27,20 @@ def _shm_exists(name: str) -> bool:
 def _attach_in_child(
     desc: cache_memory.CacheDescriptor, body: str, kill: bool = False, device: str = "cpu"
 ) -> subprocess.CompletedProcess:
-    """Run `body` in a fresh interpreter that attached the cache as `cache` (then exits or SIGKILLs itself)."""
-    code = textwrap.dedent(f"""
+    """Run `body` in a fresh interpreter that attached the cache as `cache` (then exits or SIGKILLs
+    itself)."""
+    code = (
+        textwrap.dedent(f"""
         import os, signal, torch
         from worker_svc import cache_memory
         from worker_svc.cache_layout import CacheGeometry
         from worker_svc.cache_memory import CacheDescriptor, TensorDescriptor
         desc = {desc!r}
         cache = cache_memory.attach(desc, torch.device("{device}"))
-    """) + textwrap.dedent(body) + ("\nos.kill(os.getpid(), signal.SIGKILL)\n" if kill else "\ncache.close()\n")
+    """)
+        + textwrap.dedent(body)
+        + ("\nos.kill(os.getpid(), signal.SIGKILL)\n" if kill else "\ncache.close()\n")
+    )
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
 
 
@@ -53,17 +60,22 @@ def test_create_gives_zeroed_tensors_of_the_geometry(host: cache_memory.SharedCa
 
 def test_writes_are_visible_across_processes_both_ways(host: cache_memory.SharedCache) -> None:
     host.gpu[1, 0, 3] = 7.5
-    res = _attach_in_child(host.descriptor, """
+    res = _attach_in_child(
+        host.descriptor,
+        """
         assert float(cache.gpu[1, 0, 3].mean()) == 7.5
         cache.gpu[0, 1, 5] = -2.0
         cache.cpu[1, 1, 2] = 3.0
-    """)
+    """,
+    )
     assert res.returncode == 0, res.stderr
     assert bool((host.gpu[0, 1, 5] == -2.0).all()) and bool((host.cpu[1, 1, 2] == 3.0).all())
 
 
 @pytest.mark.parametrize("kill", [False, True], ids=["exit", "sigkill"])
-def test_an_attached_process_dying_does_not_unlink_the_segments(host: cache_memory.SharedCache, kill: bool) -> None:
+def test_an_attached_process_dying_does_not_unlink_the_segments(
+    host: cache_memory.SharedCache, kill: bool
+) -> None:
     host.gpu[0, 0, 0] = 1.0
     res = _attach_in_child(host.descriptor, "cache.gpu[0, 0, 1] = 2.0", kill=kill)
     assert res.returncode == (-signal.SIGKILL if kill else 0), res.stderr
@@ -93,7 +105,9 @@ def test_attach_checks_size_and_device(host: cache_memory.SharedCache) -> None:
 
 
 def test_zero_cpu_blocks_is_allowed() -> None:
-    g = CacheGeometry(num_layers=1, num_kv_heads=1, head_dim=4, block_size=2, num_gpu_blocks=2, num_cpu_blocks=0)
+    g = CacheGeometry(
+        num_layers=1, num_kv_heads=1, head_dim=4, block_size=2, num_gpu_blocks=2, num_cpu_blocks=0
+    )
     cache = cache_memory.create(g, torch.float32, torch.device("cpu"), shm_prefix="pagedkv-test")
     try:
         att = cache_memory.attach(cache.descriptor, torch.device("cpu"))
@@ -104,8 +118,12 @@ def test_zero_cpu_blocks_is_allowed() -> None:
 
 
 def test_check_same_names_every_differing_value() -> None:
-    other = CacheGeometry(num_layers=2, num_kv_heads=2, head_dim=8, block_size=8, num_gpu_blocks=16, num_cpu_blocks=5)
-    with pytest.raises(GeometryMismatch, match=r"block_size: a has 4, b has 8; num_cpu_blocks: a has 4, b has 5"):
+    other = CacheGeometry(
+        num_layers=2, num_kv_heads=2, head_dim=8, block_size=8, num_gpu_blocks=16, num_cpu_blocks=5
+    )
+    with pytest.raises(
+        GeometryMismatch, match=r"block_size: a has 4, b has 8; num_cpu_blocks: a has 4, b has 5"
+    ):
         check_same(GEOM, other, "a", "b")
 
 
@@ -113,7 +131,8 @@ def test_cuda_backend_is_lazy_and_rounds_to_2mib() -> None:
     code = (
         "import sys, worker_svc.cache_memory, worker_svc.server, worker_svc.cuda_ipc_backend as c;"
         "assert 'cupy' not in sys.modules, 'cupy imported eagerly';"
-        "assert c.round_up(1) == 2 << 20 and c.round_up((2 << 20) + 1) == 4 << 20 and c.round_up(4 << 20) == 4 << 20"
+        "assert c.round_up(1) == 2 << 20 and c.round_up((2 << 20) + 1) == 4 << 20 and c.round_up(4 << 20) == "
+        "4 << 20"
     )
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
@@ -126,12 +145,16 @@ def test_cuda_ipc_round_trip_across_processes() -> None:  # pragma: no cover - G
     try:
         cache.gpu[1, 1, 2] = 4.0
         torch.cuda.synchronize()
-        res = _attach_in_child(cache.descriptor, """
+        res = _attach_in_child(
+            cache.descriptor,
+            """
             assert float(cache.gpu[1, 1, 2].float().mean()) == 4.0
             cache.gpu[0, 0, 7] = -1.0
             cache.cpu[0, 1, 1] = 2.0
             torch.cuda.synchronize()
-        """, device="cuda")
+        """,
+            device="cuda",
+        )
         assert res.returncode == 0, res.stderr
         assert bool((cache.gpu[0, 0, 7] == -1.0).all()) and bool((cache.cpu[0, 1, 1] == 2.0).all())
     finally:

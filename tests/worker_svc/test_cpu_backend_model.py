@@ -47,7 +47,9 @@ def test_linears_are_packed_where_mkl_allows(runner: ModelRunner) -> None:
     torch.testing.assert_close(layer.qkv(x), torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
-def test_ragged_batch_with_mixed_prefill_and_decode_matches_generate(runner: ModelRunner, hf_llama: HFModel) -> None:
+def test_ragged_batch_with_mixed_prefill_and_decode_matches_generate(
+    runner: ModelRunner, hf_llama: HFModel
+) -> None:
     rnd = random.Random(3)
     prompts = {f"s{i}": [rnd.randrange(1, 128) for _ in range(rnd.randint(1, 40))] for i in range(10)}
     sched = Scheduler(runner_step(runner), num_gpu_blocks=160, block_size=BLOCK)
@@ -94,7 +96,9 @@ def test_decode_over_shared_prefix_blocks_matches_generate(
 
     monkeypatch.setattr(cpu, "_merge_shared_prefix", counting)
     monkeypatch.setattr(cpu, "CASCADE_MIN_SAVED_TOKENS", 0)  # a tiny model's short prompt: force the cascade
-    monkeypatch.setenv("PAGEDKV_CPU_NATIVE", "0")  # the cascade is the bucket path's (decode without the native kernel)
+    monkeypatch.setenv(
+        "PAGEDKV_CPU_NATIVE", "0"
+    )  # the cascade is the bucket path's (decode without the native kernel)
 
     rnd = random.Random(11)
     system = [rnd.randrange(1, 128) for _ in range(6 * BLOCK + 1)]  # 6 full blocks, past MIN_SHARED_BLOCKS

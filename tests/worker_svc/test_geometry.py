@@ -21,7 +21,9 @@ def test_block_manager_values_are_taken() -> None:
     assert (g.block_size, g.num_gpu_blocks, g.num_cpu_blocks) == (8, 100, 7)
 
 
-def test_env_setting_that_disagrees_with_the_block_manager_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_env_setting_that_disagrees_with_the_block_manager_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setenv("PAGEDKV_NUM_CPU_BLOCKS", "9")
     with pytest.raises(GeometryMismatch, match="num_cpu_blocks: settings .* have 9, the block manager has 7"):
         host_geometry(CacheHostSettings(), M, PoolConfig(block_size=8, num_gpu_blocks=100, num_cpu_blocks=7))

@@ -55,8 +55,15 @@ def test_quantized_file_generates_what_transformers_does_on_its_dequantized_weig
 def test_every_supported_type_loads_as_gguf_dequantizes_it(qtype: str, tmp_path: pathlib.Path) -> None:
     """A Llama (hidden 256: K-quant rows are 256-weight super-blocks) with every matrix of ``qtype``
     generates what transformers does on the weights the gguf package dequantizes from the file."""
-    hf = build("LlamaForCausalLM", tmp_path / "hf", seed=3, hidden_size=256, intermediate_size=256,
-               num_attention_heads=4, num_key_value_heads=2)
+    hf = build(
+        "LlamaForCausalLM",
+        tmp_path / "hf",
+        seed=3,
+        hidden_size=256,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     path = tmp_path / f"m.{qtype}.gguf"
     held = write_gguf(hf, path, qtype)
     assert all(torch.isfinite(t).all() and t.std() > 0.01 for t in held.values() if t.dim() == 2), qtype
@@ -76,14 +83,27 @@ def test_f32_file_holds_exactly_the_checkpoint_and_the_config(tmp_path: pathlib.
     write_gguf(hf, path, "F32")
     from_dir, from_file = ModelConfig.from_dir(hf.path), load_model_config(str(path))
     assert from_file.name == "llama.gguf" and from_file.architecture == "LlamaForCausalLM"
-    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-                  "head_dim", "tie_word_embeddings", "max_position_embeddings"):
+    for field in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "tie_word_embeddings",
+        "max_position_embeddings",
+    ):
         assert getattr(from_file, field) == getattr(from_dir, field), field
     assert from_file.rms_norm_eps == pytest.approx(from_dir.rms_norm_eps)
     from worker_svc.model.rope import inverse_frequencies
 
-    torch.testing.assert_close(inverse_frequencies(from_file.rope, from_file.head_dim),
-                               inverse_frequencies(from_dir.rope, from_dir.head_dim), rtol=1e-6, atol=0)
+    torch.testing.assert_close(
+        inverse_frequencies(from_file.rope, from_file.head_dim),
+        inverse_frequencies(from_dir.rope, from_dir.head_dim),
+        rtol=1e-6,
+        atol=0,
+    )
     a = load_checkpoint(str(hf.path), from_dir, torch.float32, torch.device("cpu"))
     b = load_checkpoint(str(path), from_file, torch.float32, torch.device("cpu"))
     assert set(a) == set(b)
@@ -114,8 +134,11 @@ def _tiny_file(path: pathlib.Path, arch: str = "llama", qtype: str = "F32", **me
     q = gguf.GGMLQuantizationType[qtype]
     block, size = gguf.GGML_QUANT_SIZES[q]
     raw = np.zeros((8, 256 // block * size), dtype=np.uint8)
-    w.add_tensor("token_embd.weight", raw if qtype != "F32" else np.zeros((8, 256), np.float32),
-                 raw_dtype=q if qtype != "F32" else None)
+    w.add_tensor(
+        "token_embd.weight",
+        raw if qtype != "F32" else np.zeros((8, 256), np.float32),
+        raw_dtype=q if qtype != "F32" else None,
+    )
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -125,7 +148,9 @@ def _tiny_file(path: pathlib.Path, arch: str = "llama", qtype: str = "F32", **me
 
 def test_unsupported_tensor_types_are_refused_naming_the_type(tmp_path: pathlib.Path) -> None:
     for qtype in ("Q2_K", "IQ4_NL", "Q3_K"):
-        with pytest.raises(ValueError, match=rf"token_embd.weight has type {qtype}.*supported: F32, F16, BF16, Q4_0"):
+        with pytest.raises(
+            ValueError, match=rf"token_embd.weight has type {qtype}.*supported: F32, F16, BF16, Q4_0"
+        ):
             load_model_config(str(_tiny_file(tmp_path / f"{qtype}.gguf", qtype=qtype)))
 
 
@@ -146,28 +171,39 @@ def test_what_the_decoder_cannot_run_is_refused_naming_the_field(tmp_path: pathl
         load_model_config(str(tmp_path / "missing.gguf"))
 
 
-RAW = {"vocab_size": 10, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-       "num_attention_heads": 4, "max_position_embeddings": 128}
+RAW = {
+    "vocab_size": 10,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 128,
+}
 
 
-@pytest.mark.parametrize(("arch", "extra", "field"), [
-    ("MistralForCausalLM", {"sliding_window": 64}, "sliding_window=64"),
-    ("Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 64}, "use_sliding_window=true"),
-    ("Qwen3ForCausalLM", {"layer_types": ["sliding_attention"]}, "layer_types has sliding_attention"),
-    ("Qwen2ForCausalLM", {"num_experts": 4}, "num_experts=4"),
-    ("MistralForCausalLM", {"num_local_experts": 8}, "num_local_experts=8"),
-    ("Qwen3ForCausalLM", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
-    ("Qwen2ForCausalLM", {"hidden_act": "gelu"}, "hidden_act 'gelu'"),
-])
+@pytest.mark.parametrize(
+    ("arch", "extra", "field"),
+    [
+        ("MistralForCausalLM", {"sliding_window": 64}, "sliding_window=64"),
+        ("Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 64}, "use_sliding_window=true"),
+        ("Qwen3ForCausalLM", {"layer_types": ["sliding_attention"]}, "layer_types has sliding_attention"),
+        ("Qwen2ForCausalLM", {"num_experts": 4}, "num_experts=4"),
+        ("MistralForCausalLM", {"num_local_experts": 8}, "num_local_experts=8"),
+        ("Qwen3ForCausalLM", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
+        ("Qwen2ForCausalLM", {"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ],
+)
 def test_configs_the_families_cannot_run_are_refused(arch: str, extra: dict[str, object], field: str) -> None:
     with pytest.raises(ValueError, match=field):
         ModelConfig.from_hf_dict({"architectures": [arch], **RAW, **extra})
 
 
 def test_windows_that_never_drop_a_token_are_accepted() -> None:
-    for arch, extra in [("MistralForCausalLM", {"sliding_window": None}),
-                        ("MistralForCausalLM", {"sliding_window": 128}),
-                        ("Qwen2ForCausalLM", {"use_sliding_window": False, "sliding_window": 16})]:
+    for arch, extra in [
+        ("MistralForCausalLM", {"sliding_window": None}),
+        ("MistralForCausalLM", {"sliding_window": 128}),
+        ("Qwen2ForCausalLM", {"use_sliding_window": False, "sliding_window": 16}),
+    ]:
         assert ModelConfig.from_hf_dict({"architectures": [arch], **RAW, **extra}).architecture == arch
 
 
@@ -212,7 +248,9 @@ def test_cache_host_shares_a_gguf_files_weights_with_worker_processes(tmp_path: 
         assert w_ready["shared_weights"] is True
         assert bad.p.wait(60) == 2 and "weights mismatch" in bad.wait_event("config_error")["error"]
         with grpc.insecure_channel(f"127.0.0.1:{w_ready['port']}") as ch:
-            sched = Scheduler(grpc_step(worker_pb2_grpc.WorkerStub(ch)), num_gpu_blocks=GPU_BLOCKS, block_size=BLOCK)
+            sched = Scheduler(
+                grpc_step(worker_pb2_grpc.WorkerStub(ch)), num_gpu_blocks=GPU_BLOCKS, block_size=BLOCK
+            )
             sched.add("s", PROMPT)
             sched.generate(["s"], 10)
         assert sched.seqs["s"].generated == oracle.greedy(PROMPT, 10)

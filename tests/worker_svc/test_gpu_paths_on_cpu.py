@@ -91,8 +91,9 @@ def test_steps_run_inside_the_workers_device_scope_on_any_thread(
 
     monkeypatch.setattr(model_runner, "device_scope", scope)
     monkeypatch.setattr(runner.model, "forward", forward)
-    seq = SequenceRequest(seq_id=1, token_ids=PROMPT, block_ids=[0, 1, 2], num_cached_tokens=0,
-                          sampling=SamplingParams())
+    seq = SequenceRequest(
+        seq_id=1, token_ids=PROMPT, block_ids=[0, 1, 2], num_cached_tokens=0, sampling=SamplingParams()
+    )
     t = threading.Thread(target=runner.step, args=([seq],))  # like a gRPC pool thread
     t.start()
     t.join()
@@ -109,6 +110,11 @@ MAPS = (
 
 
 def test_cudart_prefers_the_runtime_torch_loaded_then_torchs_major() -> None:
-    assert cudart_fallback.candidates(MAPS, "13.0") == [TORCH_CUDART, "libcudart.so.13", "libcudart.so.12", "libcudart.so"]
+    assert cudart_fallback.candidates(MAPS, "13.0") == [
+        TORCH_CUDART,
+        "libcudart.so.13",
+        "libcudart.so.12",
+        "libcudart.so",
+    ]
     assert cudart_fallback.candidates("", "12.8") == ["libcudart.so.12", "libcudart.so.13", "libcudart.so"]
     assert cudart_fallback.candidates("", None) == ["libcudart.so.13", "libcudart.so.12", "libcudart.so"]

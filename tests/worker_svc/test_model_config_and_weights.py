@@ -23,10 +23,20 @@ def test_config_from_transformers_5_rope_parameters(hf_llama: HFModel) -> None:
 
 def test_config_from_transformers_4_style_rope_scaling() -> None:
     raw = {
-        "architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 32, "intermediate_size": 64,
-        "num_hidden_layers": 1, "num_attention_heads": 4, "rope_theta": 500000.0,
-        "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 8192},
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 10,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
     }
     cfg = ModelConfig.from_hf_dict(raw)
     assert cfg.head_dim == 8 and cfg.num_kv_heads == 4  # derived defaults
@@ -42,14 +52,31 @@ def test_config_from_transformers_4_style_rope_scaling() -> None:
     ],
 )
 def test_config_rejects_what_the_runner_cannot_run(patch: dict, match: str) -> None:
-    raw = {"vocab_size": 10, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-           "num_attention_heads": 4, **patch}
+    raw = {
+        "vocab_size": 10,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        **patch,
+    }
     with pytest.raises(ValueError, match=match):
         ModelConfig.from_hf_dict(raw)
 
 
-@pytest.mark.parametrize("rope_scaling", [None, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 32}])
+@pytest.mark.parametrize(
+    "rope_scaling",
+    [
+        None,
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+    ],
+)
 def test_inverse_frequencies_equal_transformers(rope_scaling: dict | None) -> None:
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 

@@ -13,8 +13,13 @@ from worker_svc.model import llama, registry
 from worker_svc.model.config import DEFAULT_MODEL_CONFIG, ModelConfig
 from worker_svc.model.weights import expected_names, fuse, fused_shapes, load_model, random_weights
 
-RAW = {"vocab_size": 10, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-       "num_attention_heads": 4}
+RAW = {
+    "vocab_size": 10,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 4,
+}
 
 
 def test_llama_is_registered_and_is_the_default() -> None:
@@ -38,8 +43,11 @@ def test_a_second_architecture_is_one_module(monkeypatch: pytest.MonkeyPatch) ->
             raise ValueError("FakeForCausalLM uses gelu")
 
     def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-        return {"embed.weight": (cfg.vocab_size, cfg.hidden_size), "w.0.a.weight": (2, cfg.hidden_size),
-                "w.0.b.weight": (3, cfg.hidden_size)}
+        return {
+            "embed.weight": (cfg.vocab_size, cfg.hidden_size),
+            "w.0.a.weight": (2, cfg.hidden_size),
+            "w.0.b.weight": (3, cfg.hidden_size),
+        }
 
     mod.check_hf_config = check_hf_config  # type: ignore[attr-defined]
     mod.expected_shapes = expected_shapes  # type: ignore[attr-defined]
@@ -50,18 +58,29 @@ def test_a_second_architecture_is_one_module(monkeypatch: pytest.MonkeyPatch) ->
 
     with pytest.raises(ValueError, match="uses gelu"):
         ModelConfig.from_hf_dict({"architectures": ["FakeForCausalLM"], **RAW})
-    cfg = ModelConfig.from_hf_dict({"architectures": ["SomethingElse", "FakeForCausalLM"], "hidden_act": "gelu", **RAW})
+    cfg = ModelConfig.from_hf_dict(
+        {"architectures": ["SomethingElse", "FakeForCausalLM"], "hidden_act": "gelu", **RAW}
+    )
     assert cfg.architecture == "FakeForCausalLM" and seen == ["check", "check"]
     assert expected_names(cfg) == ["embed.weight", "w.0.a.weight", "w.0.b.weight"]
     w = random_weights(cfg, torch.float32, torch.device("cpu"))
     assert {n: tuple(t.shape) for n, t in w.items()} == expected_shapes(cfg) == fused_shapes(cfg)
     assert set(fuse(w, cfg)) == set(w)
     assert load_model(None, cfg, torch.float32, torch.device("cpu")) == (
-        "fake model", "FakeForCausalLM", ["embed.weight", "w.0.a.weight", "w.0.b.weight"])
+        "fake model",
+        "FakeForCausalLM",
+        ["embed.weight", "w.0.a.weight", "w.0.b.weight"],
+    )
 
 
 def test_unknown_architectures_are_refused_by_name() -> None:
     with pytest.raises(ValueError, match=r"unsupported architecture \['GPT2LMHeadModel'\].*LlamaForCausalLM"):
         ModelConfig.from_hf_dict({"architectures": ["GPT2LMHeadModel"], **RAW})
-    with pytest.raises(ValueError, match=r"unknown architecture 'GPT2LMHeadModel'; registered: \['LlamaForCausalLM', 'MistralForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM'\]"):
+    with pytest.raises(
+        ValueError,
+        match=(
+            r"unknown architecture 'GPT2LMHeadModel'; registered: "
+            r"\['LlamaForCausalLM', 'MistralForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM'\]"
+        ),
+    ):
         registry.architecture("GPT2LMHeadModel")

@@ -44,7 +44,9 @@ def test_prefill_logits_and_logprob_match_transformers(runner: ModelRunner, hf_l
     assert out.logprob == pytest.approx(float(torch.log_softmax(ref, -1)[out.token_id]), abs=1e-4)
 
 
-def test_greedy_decode_across_block_boundaries_matches_generate(runner: ModelRunner, hf_llama: HFModel) -> None:
+def test_greedy_decode_across_block_boundaries_matches_generate(
+    runner: ModelRunner, hf_llama: HFModel
+) -> None:
     sched = Scheduler(runner_step(runner), block_size=BLOCK)
     sched.add("a", PROMPT)
     sched.generate(["a"], 30)  # 40 tokens = 10 blocks
@@ -59,8 +61,9 @@ def test_decode_logits_match_transformers_on_full_history(runner: ModelRunner, h
     st = sched.seqs["a"]
     st.tokens.append(st.generated[-1])
     sched.bm.append("a", 1, token_ids=[st.generated[-1]])
-    req = SequenceRequest("a", [st.tokens[-1]], sched.bm.block_table("a").block_ids, len(st.tokens) - 1,
-                          return_logits=True)
+    req = SequenceRequest(
+        "a", [st.tokens[-1]], sched.bm.block_table("a").block_ids, len(st.tokens) - 1, return_logits=True
+    )
     out = runner.step([req]).outputs[0]
     torch.testing.assert_close(out.logits, hf_llama.last_logits(st.tokens), atol=1e-4, rtol=1e-4)
 
@@ -129,13 +132,13 @@ def test_swap_out_and_in_round_trip_preserves_kv(hf_llama: HFModel) -> None:
     old = sched.bm.block_table("a").block_ids
     assert len(old) == 4 and st.num_cached == 16
     cpu_ids = [6, 2, 7, 3]
-    runner.step([], CacheOpsRequest(swap_out=list(zip(old, cpu_ids))))
+    runner.step([], CacheOpsRequest(swap_out=list(zip(old, cpu_ids, strict=True))))
     runner.gpu_cache[:, :, old] = torch.randn_like(runner.gpu_cache[:, :, old])  # the blocks get reused
     new = [30, 21, 22, 25, 31, 29]  # the last two are fresh room for the next tokens
     # swap in to other GPU blocks as part of the next decode step (ops run before the forward)
     st.tokens.append(st.generated[-1])
     req = SequenceRequest("a", [st.tokens[-1]], new, st.num_cached)
-    out = runner.step([req], CacheOpsRequest(swap_in=list(zip(cpu_ids, new))))
+    out = runner.step([req], CacheOpsRequest(swap_in=list(zip(cpu_ids, new, strict=False))))
     tokens = [out.outputs[0].token_id]
     for _ in range(6):
         pos = len(st.tokens)
@@ -166,8 +169,11 @@ def test_swap_out_copy_swap_in_in_one_step_run_in_that_order(runner: ModelRunner
         (SequenceRequest("x", [1], [0], 0), CacheOpsRequest(swap_in=[(16, 0)]), "ops.swap_in"),
         (SequenceRequest("x", [1], [0], 0), CacheOpsRequest(copies=[(1, 3), (2, 3)]), "twice"),
         # after a swap-out, so "before anything runs" covers the ops too
-        (SequenceRequest("x", [1], [0], 0), CacheOpsRequest(swap_out=[(5, 0)], copies=[(1, 3), (3, 4)]),
-         "also a source"),
+        (
+            SequenceRequest("x", [1], [0], 0),
+            CacheOpsRequest(swap_out=[(5, 0)], copies=[(1, 3), (3, 4)]),
+            "also a source",
+        ),
     ],
 )
 def test_invalid_steps_are_rejected_before_anything_runs(
@@ -190,7 +196,9 @@ def test_tied_head_model(tmp_path: object) -> None:
     assert sched.seqs["a"].generated == hf.greedy(PROMPT, 12)
 
 
-def test_triton_kernels_in_the_interpreter_agree_with_reference(hf_llama: HFModel, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_triton_kernels_in_the_interpreter_agree_with_reference(
+    hf_llama: HFModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """One tiny run through the Triton kernels (interpreted on CPU): same tokens, close logits."""
     import os
 
@@ -207,14 +215,25 @@ def test_triton_kernels_in_the_interpreter_agree_with_reference(hf_llama: HFMode
         sched.add("a", PROMPT[:6])
         sched.generate(["a"], 3)
         st = sched.seqs["a"]
-        last = r.step([SequenceRequest("a", [st.generated[-1]], sched.bm.block_table("a").block_ids + [7],
-                                       len(st.tokens), return_logits=True)]).outputs[0]
+        last = r.step(
+            [
+                SequenceRequest(
+                    "a",
+                    [st.generated[-1]],
+                    sched.bm.block_table("a").block_ids + [7],
+                    len(st.tokens),
+                    return_logits=True,
+                )
+            ]
+        ).outputs[0]
         results[backend] = (st.generated, last.logits)
     assert results["triton"][0] == results["reference"][0]
     torch.testing.assert_close(results["triton"][1], results["reference"][1], atol=1e-4, rtol=1e-4)
 
 
-def test_prefill_gets_max_query_len_from_the_host(runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_prefill_gets_max_query_len_from_the_host(
+    runner: ModelRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Each layer's prefill call is told the longest query run, so it never reads it off the device."""
     import kernels
     from kernels import backend
@@ -228,8 +247,13 @@ def test_prefill_gets_max_query_len_from_the_host(runner: ModelRunner, monkeypat
         return real(*args, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(ops, "paged_prefill_attention", spy)
-    runner.step([SequenceRequest("p", PROMPT, [20, 21, 22], 0), SequenceRequest("q", [4, 5, 6], [23], 0),
-                 SequenceRequest("d", [9], [24], 3)])
+    runner.step(
+        [
+            SequenceRequest("p", PROMPT, [20, 21, 22], 0),
+            SequenceRequest("q", [4, 5, 6], [23], 0),
+            SequenceRequest("d", [9], [24], 3),
+        ]
+    )
     assert seen == [len(PROMPT)] * runner.model.cfg.num_layers
 
 
@@ -292,15 +316,26 @@ def test_fork_samples_draw_from_the_prompt_row_as_their_own_steps_would(runner: 
 
     parent = SamplingParams(temperature=1.0, seed=7)
     forks = [SamplingParams(temperature=1.0, seed=s) for s in (8, 9, 10)] + [SamplingParams()]
-    out = runner.step([SequenceRequest("p", PROMPT, [20, 21, 22], 0, sampling=parent, fork_sampling=forks),
-                       SequenceRequest("q", PROMPT[:5], [23, 24], 0)]).outputs
+    out = runner.step(
+        [
+            SequenceRequest("p", PROMPT, [20, 21, 22], 0, sampling=parent, fork_sampling=forks),
+            SequenceRequest("q", PROMPT[:5], [23, 24], 0),
+        ]
+    ).outputs
     assert len(out[0].fork_samples) == len(forks) and out[1].fork_samples == []
-    alone = [runner.step([SequenceRequest("x", PROMPT, [30, 31, 32], 0, sampling=p)]).outputs[0] for p in [parent, *forks]]
+    alone = [
+        runner.step([SequenceRequest("x", PROMPT, [30, 31, 32], 0, sampling=p)]).outputs[0]
+        for p in [parent, *forks]
+    ]
     assert (out[0].token_id, out[0].logprob) == pytest.approx((alone[0].token_id, alone[0].logprob), abs=1e-5)
-    for drawn, ref in zip(out[0].fork_samples, alone[1:]):
+    for drawn, ref in zip(out[0].fork_samples, alone[1:], strict=True):
         tok, lp = drawn.token_id, drawn.logprob
         assert tok == ref.token_id
         assert lp == pytest.approx(ref.logprob, abs=1e-5)
-    assert len({d.token_id for d in out[0].fork_samples[:3]}) > 1, "different seeds draw different tokens here"
+    assert len({d.token_id for d in out[0].fork_samples[:3]}) > 1, (
+        "different seeds draw different tokens here"
+    )
     with pytest.raises(InvalidStep, match=r"fork_sampling\[0\]"):
-        runner.step([SequenceRequest("p", PROMPT, [20, 21, 22], 0, fork_sampling=[SamplingParams(temperature=-1)])])
+        runner.step(
+            [SequenceRequest("p", PROMPT, [20, 21, 22], 0, fork_sampling=[SamplingParams(temperature=-1)])]
+        )

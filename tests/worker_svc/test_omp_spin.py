@@ -35,7 +35,9 @@ print(out[0])
 def _probe(mode: str, env: dict[str, str]) -> tuple[bool | None, float]:
     full = {k: v for k, v in os.environ.items() if k not in ("KMP_BLOCKTIME", "LD_PRELOAD")}
     full.update(env, PYTHONPATH=str(Path(__file__).resolve().parents[2]), OMP_NUM_THREADS="2")
-    out = subprocess.run([sys.executable, "-c", PROBE, mode], env=full, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, mode], env=full, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     return eval(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return] # noqa: S307 - our probe's tuple
 

@@ -39,7 +39,11 @@ class Proc:
         env = dict(os.environ, PAGEDKV_KERNEL_BACKEND="reference", PYTHONUNBUFFERED="1")
         self.p = subprocess.Popen(
             [sys.executable, "-m", "pagedkv.cli", *args, "--log-format", "json"],
-            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         self.lines: list[dict] = []
         self.raw: list[str] = []
@@ -68,7 +72,9 @@ class Proc:
                         return rec
                 left = deadline - time.monotonic()
                 if left <= 0 or (self.p.poll() is not None and not self._reader_pending()):
-                    raise AssertionError(f"no {event!r} log line; rc={self.p.poll()} stderr:\n{''.join(self.raw)[-3000:]}")
+                    raise AssertionError(
+                        f"no {event!r} log line; rc={self.p.poll()} stderr:\n{''.join(self.raw)[-3000:]}"
+                    )
                 self._cv.wait(min(left, 0.5))
 
     def _reader_pending(self) -> bool:
@@ -80,16 +86,48 @@ class Proc:
         return self.p.wait(timeout)
 
 
-def start_cache_host(model: pathlib.Path, port: int = 0, prefix: str = "pagedkv-proc-test") -> tuple[Proc, dict]:
-    proc = Proc(["cache-host", "--port", str(port), "--device", "cpu", "--model", str(model),
-                 "--block-size", str(BLOCK), "--num-gpu-blocks", str(GPU_BLOCKS),
-                 "--num-cpu-blocks", str(CPU_BLOCKS), "--shm-prefix", prefix], "cache-host")
+def start_cache_host(
+    model: pathlib.Path, port: int = 0, prefix: str = "pagedkv-proc-test"
+) -> tuple[Proc, dict]:
+    proc = Proc(
+        [
+            "cache-host",
+            "--port",
+            str(port),
+            "--device",
+            "cpu",
+            "--model",
+            str(model),
+            "--block-size",
+            str(BLOCK),
+            "--num-gpu-blocks",
+            str(GPU_BLOCKS),
+            "--num-cpu-blocks",
+            str(CPU_BLOCKS),
+            "--shm-prefix",
+            prefix,
+        ],
+        "cache-host",
+    )
     return proc, proc.wait_event("cache_host_ready")
 
 
 def start_worker(model: pathlib.Path, cache_host_port: int, *extra: str) -> Proc:
-    return Proc(["worker", "--port", "0", "--device", "cpu", "--model", str(model),
-                 "--cache-host", f"127.0.0.1:{cache_host_port}", *extra], "worker")
+    return Proc(
+        [
+            "worker",
+            "--port",
+            "0",
+            "--device",
+            "cpu",
+            "--model",
+            str(model),
+            "--cache-host",
+            f"127.0.0.1:{cache_host_port}",
+            *extra,
+        ],
+        "worker",
+    )
 
 
 def _segments(ready: dict) -> list[pathlib.Path]:
@@ -105,9 +143,7 @@ def procs() -> Iterator[list[Proc]]:
             p.stop(signal.SIGKILL)
 
 
-def test_two_workers_share_one_cache_and_a_crash_loses_no_kv(
-    hf_llama: HFModel, procs: list[Proc]
-) -> None:
+def test_two_workers_share_one_cache_and_a_crash_loses_no_kv(hf_llama: HFModel, procs: list[Proc]) -> None:
     host, ready = start_cache_host(hf_llama.path)
     procs.append(host)
     a = start_worker(hf_llama.path, ready["port"])
@@ -117,7 +153,9 @@ def test_two_workers_share_one_cache_and_a_crash_loses_no_kv(
     assert all(s.exists() for s in _segments(ready))
 
     ch_a, ch_b = grpc.insecure_channel(f"127.0.0.1:{port_a}"), grpc.insecure_channel(f"127.0.0.1:{port_b}")
-    sched = Scheduler(grpc_step(worker_pb2_grpc.WorkerStub(ch_a)), num_gpu_blocks=GPU_BLOCKS, block_size=BLOCK)
+    sched = Scheduler(
+        grpc_step(worker_pb2_grpc.WorkerStub(ch_a)), num_gpu_blocks=GPU_BLOCKS, block_size=BLOCK
+    )
     sched.add("s", PROMPT)
     sched.run(["s"])  # prefill on worker A
     sched.step_fn = grpc_step(worker_pb2_grpc.WorkerStub(ch_b))
@@ -160,7 +198,9 @@ def test_worker_started_first_waits_for_the_cache_host(hf_llama: HFModel, procs:
     w_ready = w.wait_event("worker_ready")
     assert w_ready["cache_instance_id"] == ready["instance_id"]
     with grpc.insecure_channel(f"127.0.0.1:{w_ready['port']}") as ch:
-        sched = Scheduler(grpc_step(worker_pb2_grpc.WorkerStub(ch)), num_gpu_blocks=GPU_BLOCKS, block_size=BLOCK)
+        sched = Scheduler(
+            grpc_step(worker_pb2_grpc.WorkerStub(ch)), num_gpu_blocks=GPU_BLOCKS, block_size=BLOCK
+        )
         sched.add("s", PROMPT)
         sched.generate(["s"], 5)
     assert sched.seqs["s"].generated == hf_llama.greedy(PROMPT, 5)
@@ -184,9 +224,24 @@ def test_cache_host_logs_each_attempt_to_reach_the_block_manager_and_names_it(
     hf_llama: HFModel, procs: list[Proc]
 ) -> None:
     port = free_port()  # nothing listens there
-    host = Proc(["cache-host", "--port", "0", "--device", "cpu", "--model", str(hf_llama.path),
-                 "--block-manager", f"127.0.0.1:{port}", "--connect-timeout-s", "2",
-                 "--shm-prefix", "pagedkv-proc-nobm"], "cache-host")
+    host = Proc(
+        [
+            "cache-host",
+            "--port",
+            "0",
+            "--device",
+            "cpu",
+            "--model",
+            str(hf_llama.path),
+            "--block-manager",
+            f"127.0.0.1:{port}",
+            "--connect-timeout-s",
+            "2",
+            "--shm-prefix",
+            "pagedkv-proc-nobm",
+        ],
+        "cache-host",
+    )
     procs.append(host)
     assert host.p.wait(60) == 2
     waiting = [r for r in host.lines if r.get("event") == "waiting_for_block_manager"]

@@ -52,7 +52,9 @@ def test_worker_reattaches_to_a_restarted_cache_host(hf_llama: HFModel, procs: l
     port = free_port()
     host, ready = start_cache_host(hf_llama.path, port=port, prefix=PREFIX)
     procs.append(host)
-    w = start_worker(hf_llama.path, port, "--cache-host-check-interval-s", "0.2", "--cache-lost-exit-after-s", "60")
+    w = start_worker(
+        hf_llama.path, port, "--cache-host-check-interval-s", "0.2", "--cache-lost-exit-after-s", "60"
+    )
     procs.append(w)
     w_ready = w.wait_event("worker_ready")
     assert w_ready["cache_instance_id"] == ready["instance_id"] and w_ready["shared_weights"]
@@ -71,26 +73,37 @@ def test_worker_reattaches_to_a_restarted_cache_host(hf_llama: HFModel, procs: l
         assert ready["instance_id"] in lost["instance_id"]
         assert _health(health) == health_pb2.HealthCheckResponse.NOT_SERVING
         # Alive and recovering: the overall health (a liveness probe's) stays SERVING.
-        assert health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2).status == \
-            health_pb2.HealthCheckResponse.SERVING
+        assert (
+            health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2).status
+            == health_pb2.HealthCheckResponse.SERVING
+        )
 
         host2, ready2 = start_cache_host(hf_llama.path, port=port, prefix=PREFIX)
         procs.insert(0, host2)
         again = w.wait_event("cache_host_reattached", timeout=20)
-        assert again["old_instance_id"] == ready["instance_id"] and again["instance_id"] == ready2["instance_id"]
+        assert (
+            again["old_instance_id"] == ready["instance_id"] and again["instance_id"] == ready2["instance_id"]
+        )
         assert w.p.poll() is None  # the same worker process, not a restarted one
         info = stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), timeout=5)
-        assert info.cache_instance_id == ready2["instance_id"] and info.cache_state == worker_pb2.CACHE_STATE_ATTACHED
+        assert (
+            info.cache_instance_id == ready2["instance_id"]
+            and info.cache_state == worker_pb2.CACHE_STATE_ATTACHED
+        )
         assert info.shared_weights and not info.cache_lost_reason
         assert _health(health) == health_pb2.HealthCheckResponse.SERVING
 
         # A step for the dead instance is refused; the engine's next step names the new one.
-        stale = worker_pb2.WorkerStepRequest(cache_instance_id=ready["instance_id"], sequences=[
-            worker_pb2.SequenceInput(seq_id="x", token_ids=PROMPT, block_ids=[0, 1, 2])])
+        stale = worker_pb2.WorkerStepRequest(
+            cache_instance_id=ready["instance_id"],
+            sequences=[worker_pb2.SequenceInput(seq_id="x", token_ids=PROMPT, block_ids=[0, 1, 2])],
+        )
         with pytest.raises(grpc.RpcError) as e:
             stub.Step(stale, timeout=10)
         assert errors.reason_of(e.value) == errors.CACHE_HOST_LOST
-        fresh = Scheduler(grpc_step(stub), num_gpu_blocks=GPU_BLOCKS, block_size=BLOCK)  # the KV is gone: re-prefill
+        fresh = Scheduler(
+            grpc_step(stub), num_gpu_blocks=GPU_BLOCKS, block_size=BLOCK
+        )  # the KV is gone: re-prefill
         fresh.add("after", PROMPT)
         fresh.generate(["after"], 5)
         assert fresh.seqs["after"].generated == expected

@@ -23,8 +23,11 @@ def test_seeded_draw_depends_on_seed_and_position_not_on_the_batch() -> None:
     logits = _logits()
     p = SamplingParams(temperature=1.0, seed=1234)
     alone = sample(logits[2:3], [p], [17]).token_ids[0]
-    batched = sample(logits, [SamplingParams(), SamplingParams(temperature=0.7, seed=9), p, SamplingParams()],
-                     [5, 6, 17, 8]).token_ids[2]
+    batched = sample(
+        logits,
+        [SamplingParams(), SamplingParams(temperature=0.7, seed=9), p, SamplingParams()],
+        [5, 6, 17, 8],
+    ).token_ids[2]
     assert alone == batched
     # different positions give different draws: over 40 steps more than one token appears
     draws = {int(sample(logits[2:3], [p], [pos]).token_ids[0]) for pos in range(40)}
@@ -35,12 +38,18 @@ def test_top_k_and_top_p_restrict_the_support() -> None:
     logits = _logits(rows=1, vocab=30, seed=3)
     order = logits[0].argsort(descending=True)
     top3 = set(order[:3].tolist())
-    got_k = {int(sample(logits, [SamplingParams(temperature=2.0, top_k=3, seed=1)], [i]).token_ids[0]) for i in range(200)}
+    got_k = {
+        int(sample(logits, [SamplingParams(temperature=2.0, top_k=3, seed=1)], [i]).token_ids[0])
+        for i in range(200)
+    }
     assert got_k <= top3 and len(got_k) > 1
     probs = torch.softmax(logits[0], -1)[order]
     nucleus = int((torch.cumsum(probs, 0) < 0.6).sum()) + 1  # smallest prefix reaching 0.6
     allowed = set(order[:nucleus].tolist())
-    got_p = {int(sample(logits, [SamplingParams(temperature=1.0, top_p=0.6, seed=2)], [i]).token_ids[0]) for i in range(200)}
+    got_p = {
+        int(sample(logits, [SamplingParams(temperature=1.0, top_p=0.6, seed=2)], [i]).token_ids[0])
+        for i in range(200)
+    }
     assert got_p <= allowed
 
 
@@ -61,8 +70,11 @@ def test_top_k_one_is_greedy() -> None:
 
 def test_top_logprobs_are_the_most_likely_tokens_per_row_with_model_logprobs() -> None:
     logits = _logits(rows=3, vocab=40, seed=5)
-    params = [SamplingParams(num_top_logprobs=3), SamplingParams(),
-              SamplingParams(temperature=1.0, seed=2, num_top_logprobs=5)]
+    params = [
+        SamplingParams(num_top_logprobs=3),
+        SamplingParams(),
+        SamplingParams(temperature=1.0, seed=2, num_top_logprobs=5),
+    ]
     res = sample(logits, params, [0, 1, 2])
     ref = torch.log_softmax(logits, -1)
     assert res.top[1] == []

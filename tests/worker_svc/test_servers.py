@@ -11,13 +11,13 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from pagedkv.grpc_server import RunningServer
 from pagedkv.v1 import cache_host_pb2, cache_host_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.worker_svc.conftest import HFModel
 from tests.worker_svc.generation import Scheduler, grpc_step
 from worker_svc import cache_memory
 from worker_svc.cache_host import serve_cache
 from worker_svc.cache_layout import CacheGeometry, GeometryMismatch
-from pagedkv.grpc_server import RunningServer
 from worker_svc.model.config import ModelConfig
 from worker_svc.server import start_worker, wait_for_cache_host
 from worker_svc.settings import WorkerSettings
@@ -67,7 +67,9 @@ def test_cache_info_describes_the_shared_memory(host: Host) -> None:
     assert info.geometry.num_cpu_blocks == CPU_BLOCKS and info.instance_id
 
 
-def test_generation_through_grpc_matches_transformers(worker: worker_pb2_grpc.WorkerStub, hf_llama: HFModel) -> None:
+def test_generation_through_grpc_matches_transformers(
+    worker: worker_pb2_grpc.WorkerStub, hf_llama: HFModel
+) -> None:
     sched = Scheduler(grpc_step(worker), num_gpu_blocks=GPU_BLOCKS, block_size=BLOCK)
     sched.add("a", [3, 1, 4, 1, 5, 9, 2, 6])
     sched.add("b", [2, 7, 1, 8, 2, 8])
@@ -76,11 +78,17 @@ def test_generation_through_grpc_matches_transformers(worker: worker_pb2_grpc.Wo
     assert sched.seqs["b"].generated == hf_llama.greedy([2, 7, 1, 8, 2, 8], 12)
 
 
-def test_step_returns_logits_and_logprob_on_request(worker: worker_pb2_grpc.WorkerStub, hf_llama: HFModel) -> None:
+def test_step_returns_logits_and_logprob_on_request(
+    worker: worker_pb2_grpc.WorkerStub, hf_llama: HFModel
+) -> None:
     prompt = [10, 20, 30, 40, 50]
-    resp = worker.Step(worker_pb2.WorkerStepRequest(sequences=[
-        worker_pb2.SequenceInput(seq_id="x", token_ids=prompt, block_ids=[40, 41], return_logits=True)
-    ]))
+    resp = worker.Step(
+        worker_pb2.WorkerStepRequest(
+            sequences=[
+                worker_pb2.SequenceInput(seq_id="x", token_ids=prompt, block_ids=[40, 41], return_logits=True)
+            ]
+        )
+    )
     ref = hf_llama.last_logits(prompt)
     out = resp.outputs[0]
     torch.testing.assert_close(torch.tensor(list(out.logits)), ref, atol=1e-4, rtol=1e-4)
@@ -91,11 +99,17 @@ def test_step_returns_logits_and_logprob_on_request(worker: worker_pb2_grpc.Work
 
 def test_seeded_sampling_is_reproducible(worker: worker_pb2_grpc.WorkerStub) -> None:
     def draw(seed: int) -> list[int]:
-        req = worker_pb2.WorkerStepRequest(sequences=[
-            worker_pb2.SequenceInput(seq_id=f"s{i}", token_ids=[1, 2, 3], block_ids=[42 + i],
-                                     sampling=worker_pb2.SamplingParams(temperature=1.5, top_k=50, seed=seed))
-            for i in range(4)
-        ])
+        req = worker_pb2.WorkerStepRequest(
+            sequences=[
+                worker_pb2.SequenceInput(
+                    seq_id=f"s{i}",
+                    token_ids=[1, 2, 3],
+                    block_ids=[42 + i],
+                    sampling=worker_pb2.SamplingParams(temperature=1.5, top_k=50, seed=seed),
+                )
+                for i in range(4)
+            ]
+        )
         return [o.token_id for o in worker.Step(req).outputs]
 
     assert draw(11) == draw(11)
@@ -104,9 +118,11 @@ def test_seeded_sampling_is_reproducible(worker: worker_pb2_grpc.WorkerStub) -> 
 
 def test_invalid_step_is_invalid_argument(worker: worker_pb2_grpc.WorkerStub) -> None:
     with pytest.raises(grpc.RpcError) as err:
-        worker.Step(worker_pb2.WorkerStepRequest(sequences=[
-            worker_pb2.SequenceInput(seq_id="x", token_ids=[1, 2, 3, 4, 5], block_ids=[1])
-        ]))
+        worker.Step(
+            worker_pb2.WorkerStepRequest(
+                sequences=[worker_pb2.SequenceInput(seq_id="x", token_ids=[1, 2, 3, 4, 5], block_ids=[1])]
+            )
+        )
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "need 2 blocks" in err.value.details()
 
@@ -118,18 +134,27 @@ def test_worker_info(worker: worker_pb2_grpc.WorkerStub, host: Host) -> None:
     # The CPU kernel path of the worker's process (here the test process): native-<variant> or torch.
     from kernels import cpu_native
 
-    assert info.cpu_kernel_path == cpu_native.kernel_path() and info.cpu_kernel_path.startswith(("native-", "torch"))
+    assert info.cpu_kernel_path == cpu_native.kernel_path() and info.cpu_kernel_path.startswith(
+        ("native-", "torch")
+    )
 
 
 def test_health_and_reflection_on_both_services(host: Host, hf_llama: HFModel) -> None:
     proc = start_worker(worker_settings(host, hf_llama))
     try:
-        for port, service in ((proc.running.port, "pagedkv.v1.Worker"), (host.running.port, "pagedkv.v1.CacheHost")):
+        for port, service in (
+            (proc.running.port, "pagedkv.v1.Worker"),
+            (host.running.port, "pagedkv.v1.CacheHost"),
+        ):
             with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
                 status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service))
                 assert status.status == health_pb2.HealthCheckResponse.SERVING
                 refl = reflection_pb2_grpc.ServerReflectionStub(ch)
-                resp = next(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+                resp = next(
+                    refl.ServerReflectionInfo(
+                        iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+                    )
+                )
                 names = {s.name for s in resp.list_services_response.service}
                 assert service in names and "grpc.health.v1.Health" in names
     finally:
@@ -168,14 +193,22 @@ def test_block_manager_geometry_is_read_and_checked(host: Host, hf_llama: HFMode
     from block_manager_svc.server import start_server as start_bm
     from block_manager_svc.settings import BlockManagerSettings
 
-    bm = start_bm(BlockManagerSettings(port=0, block_size=BLOCK, num_gpu_blocks=GPU_BLOCKS, num_cpu_blocks=CPU_BLOCKS))
-    bad_bm = start_bm(BlockManagerSettings(port=0, block_size=BLOCK, num_gpu_blocks=64, num_cpu_blocks=CPU_BLOCKS))
+    bm = start_bm(
+        BlockManagerSettings(port=0, block_size=BLOCK, num_gpu_blocks=GPU_BLOCKS, num_cpu_blocks=CPU_BLOCKS)
+    )
+    bad_bm = start_bm(
+        BlockManagerSettings(port=0, block_size=BLOCK, num_gpu_blocks=64, num_cpu_blocks=CPU_BLOCKS)
+    )
     try:
         proc = start_worker(worker_settings(host, hf_llama, block_manager=f"127.0.0.1:{bm.port}"))
         proc.close()
-        with pytest.raises(GeometryMismatch, match=r"num_gpu_blocks: the block manager has 64, the cache host .* has 48"):
+        with pytest.raises(
+            GeometryMismatch, match=r"num_gpu_blocks: the block manager has 64, the cache host .* has 48"
+        ):
             start_worker(worker_settings(host, hf_llama, block_manager=f"127.0.0.1:{bad_bm.port}"))
-        with pytest.raises(GeometryMismatch, match=r"block_size: settings .* have 16, the block manager has 4"):
+        with pytest.raises(
+            GeometryMismatch, match=r"block_size: settings .* have 16, the block manager has 4"
+        ):
             start_worker(worker_settings(host, hf_llama, block_size=16, block_manager=f"127.0.0.1:{bm.port}"))
     finally:
         bm.stop(0)
@@ -218,8 +251,11 @@ def test_a_workers_kernel_backend_is_its_own_not_the_process_environment(
         with grpc.insecure_channel(f"127.0.0.1:{proc.running.port}") as ch:
             info = worker_pb2_grpc.WorkerStub(ch).GetWorkerInfo(worker_pb2.GetWorkerInfoRequest())
             assert info.kernel_backend == "reference"
-            worker_pb2_grpc.WorkerStub(ch).Step(worker_pb2.WorkerStepRequest(
-                sequences=[worker_pb2.SequenceInput(seq_id="k", token_ids=[3, 1, 4], block_ids=[44])]))
+            worker_pb2_grpc.WorkerStub(ch).Step(
+                worker_pb2.WorkerStepRequest(
+                    sequences=[worker_pb2.SequenceInput(seq_id="k", token_ids=[3, 1, 4], block_ids=[44])]
+                )
+            )
         layers = proc.servicer._runner.model.cfg.num_layers
         assert calls == {"reference": layers, default: 0}
         other = ModelRunner(proc.servicer._runner.model, host.cache.gpu, host.cache.cpu)

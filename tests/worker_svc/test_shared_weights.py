@@ -2,9 +2,9 @@
 
 In process: a model built on views of the shared region (the fused tensors, no copy) computes the
 same logits as a privately loaded model, tied embeddings stay one tensor, and weights that do not
-fit the model are refused before anything is mapped. As processes: workers report ``shared_weights`` and their role,
-map (not load) the host's region, generate transformers' tokens, and a worker told to load other
-weights than the host shares refuses to start.
+fit the model are refused before anything is mapped. As processes: workers report
+``shared_weights`` and their role, map (not load) the host's region, generate transformers' tokens,
+and a worker told to load other weights than the host shares refuses to start.
 """
 
 from __future__ import annotations
@@ -18,7 +18,15 @@ import torch
 from pagedkv.v1 import worker_pb2, worker_pb2_grpc
 from tests.worker_svc.conftest import HFModel, build_hf_model
 from tests.worker_svc.generation import Scheduler, grpc_step
-from tests.worker_svc.test_processes import BLOCK, GPU_BLOCKS, PROMPT, Proc, procs, start_cache_host, start_worker
+from tests.worker_svc.test_processes import (
+    BLOCK,
+    GPU_BLOCKS,
+    PROMPT,
+    Proc,
+    procs,
+    start_cache_host,
+    start_worker,
+)
 from worker_svc import shared_weights
 from worker_svc.cache_layout import CacheGeometry
 from worker_svc.cache_memory import create
@@ -62,10 +70,18 @@ def test_a_model_on_the_shared_region_computes_what_a_private_model_computes(tmp
             region = mapped.tensors["model.embed_tokens.weight"].untyped_storage().data_ptr()
             layer = model.layers[0]
             # (A linear prepacked for oneDNN on CPU keeps its packed copy privately, beside the view.)
-            for t in (model.embed, model.lm_head.weight, model.norm, layer.qkv.weight, layer.gate_up.weight,
-                      layer.down.weight):
+            for t in (
+                model.embed,
+                model.lm_head.weight,
+                model.norm,
+                layer.qkv.weight,
+                layer.gate_up.weight,
+                layer.down.weight,
+            ):
                 assert t.untyped_storage().data_ptr() == region
-            assert (model.lm_head.weight.data_ptr() == model.embed.data_ptr()) is tied  # one copy of a tied head
+            assert (
+                model.lm_head.weight.data_ptr() == model.embed.data_ptr()
+            ) is tied  # one copy of a tied head
             torch.testing.assert_close(_logits(model, cfg), expected, rtol=0, atol=0)
             # Host and worker share memory: a write through one shows in the other.
             host.tensors["model.norm.weight"][0] += 1.0
@@ -86,7 +102,9 @@ def test_weights_that_do_not_fit_are_refused(tmp_path) -> None:
             shared_weights.bind(host.descriptor, CPU, fused_shapes(cfg), torch.float16)
         other = build_hf_model(tmp_path / "o", seed=1, num_hidden_layers=3)
         with pytest.raises(ValueError, match="tensors differ"):
-            shared_weights.bind(host.descriptor, CPU, fused_shapes(load_model_config(str(other.path))), torch.float32)
+            shared_weights.bind(
+                host.descriptor, CPU, fused_shapes(load_model_config(str(other.path))), torch.float32
+            )
     finally:
         host.close()
 
@@ -102,7 +120,9 @@ def test_role_workers_map_the_hosts_weights_and_generate_exactly(
     host, ready = start_cache_host(hf_llama.path)
     procs.append(host)
     assert ready["weights_bytes"] > 0 and ready["weights_source"] == f"model:{hf_llama.path.name}"
-    p = start_worker(hf_llama.path, ready["port"], "--role", "prefill", "--cpu-affinity", "0", "--num-threads", "1")
+    p = start_worker(
+        hf_llama.path, ready["port"], "--role", "prefill", "--cpu-affinity", "0", "--num-threads", "1"
+    )
     d = start_worker(hf_llama.path, ready["port"], "--role", "decode")
     procs += [p, d]
     p_ready, d_ready = p.wait_event("worker_ready"), d.wait_event("worker_ready")
@@ -112,9 +132,13 @@ def test_role_workers_map_the_hosts_weights_and_generate_exactly(
     assert (pi.role, di.role) == (worker_pb2.WORKER_ROLE_PREFILL, worker_pb2.WORKER_ROLE_DECODE)
     assert pi.shared_weights and di.shared_weights
     # Prompt on the prefill worker, decode on the decode worker: one cache, one copy of the weights.
-    with grpc.insecure_channel(f"127.0.0.1:{p_ready['port']}") as cp, \
-            grpc.insecure_channel(f"127.0.0.1:{d_ready['port']}") as cd:
-        sched = Scheduler(grpc_step(worker_pb2_grpc.WorkerStub(cp)), num_gpu_blocks=GPU_BLOCKS, block_size=BLOCK)
+    with (
+        grpc.insecure_channel(f"127.0.0.1:{p_ready['port']}") as cp,
+        grpc.insecure_channel(f"127.0.0.1:{d_ready['port']}") as cd,
+    ):
+        sched = Scheduler(
+            grpc_step(worker_pb2_grpc.WorkerStub(cp)), num_gpu_blocks=GPU_BLOCKS, block_size=BLOCK
+        )
         sched.add("s", PROMPT)
         sched.run(["s"])
         sched.step_fn = grpc_step(worker_pb2_grpc.WorkerStub(cd))

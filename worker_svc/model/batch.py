@@ -45,6 +45,12 @@ class AttentionBatch:
             assert self.decode_seq_lens is not None
             decode = (self.decode_block_tables, self.decode_seq_lens)
         return kernels.prepare_step(
-            kv_cache, num_heads, scale, self.slot_mapping, self.num_prefill_tokens,
-            prefill=prefill, max_query_len=self.prefill_max_query_len or None, decode=decode,
+            kv_cache,
+            num_heads,
+            scale,
+            self.slot_mapping,
+            self.num_prefill_tokens,
+            prefill=prefill,
+            max_query_len=self.prefill_max_query_len or None,
+            decode=decode,
         )

@@ -57,8 +57,9 @@ class ModelConfig:
             )
 
     @classmethod
-    def from_hf_dict(cls, cfg: dict[str, Any], name: str = "hf") -> "ModelConfig":
-        """Build from a parsed ``config.json`` (transformers 4.x ``rope_scaling`` or 5.x ``rope_parameters``)."""
+    def from_hf_dict(cls, cfg: dict[str, Any], name: str = "hf") -> ModelConfig:
+        """Build from a parsed ``config.json`` (transformers 4.x ``rope_scaling`` or 5.x
+        ``rope_parameters``)."""
         arch = registry.pick(list(cfg.get("architectures") or []))
         registry.architecture(arch).check_hf_config(cfg)
         num_heads = int(cfg["num_attention_heads"])
@@ -83,7 +84,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_dir(cls, model_dir: str | pathlib.Path) -> "ModelConfig":
+    def from_dir(cls, model_dir: str | pathlib.Path) -> ModelConfig:
         path = pathlib.Path(model_dir)
         config_path = path / "config.json"
         if not config_path.is_file():
@@ -91,7 +92,7 @@ class ModelConfig:
         return cls.from_hf_dict(json.loads(config_path.read_text()), name=path.name or str(path))
 
     @classmethod
-    def from_gguf(cls, gguf_path: str | pathlib.Path) -> "ModelConfig":
+    def from_gguf(cls, gguf_path: str | pathlib.Path) -> ModelConfig:
         """From a GGUF file's metadata (gguf_file.py), checked like a config.json."""
         from dataclasses import replace
 
@@ -102,12 +103,14 @@ class ModelConfig:
         cfg = cls.from_hf_dict(raw, name=path.name)
         if freq_factors:
             if len(freq_factors) != cfg.head_dim // 2:
-                raise ValueError(f"GGUF rope_freqs.weight has {len(freq_factors)} factors, expected {cfg.head_dim // 2}")
+                raise ValueError(
+                    f"GGUF rope_freqs.weight has {len(freq_factors)} factors, expected {cfg.head_dim // 2}"
+                )
             cfg = replace(cfg, rope=replace(cfg.rope, freq_factors=freq_factors))
         return cfg
 
     @classmethod
-    def from_path(cls, model: str | pathlib.Path) -> "ModelConfig":
+    def from_path(cls, model: str | pathlib.Path) -> ModelConfig:
         """``--model``: a Hugging Face directory or a GGUF file (model_source.py decides which)."""
         from worker_svc.model import model_source
 

@@ -5,8 +5,8 @@ Why read GGUF ourselves rather than convert: most small models people run locall
 from the file's metadata (``{arch}.block_count``, ``{arch}.attention.head_count``, ...), turned into
 a Hugging Face ``config.json`` dict so the architecture module checks it the way it checks a
 directory's; the tensors are memory-mapped and dequantized at load with the ``gguf`` package
-(``gguf.quants.dequantize``), one at a time (peak host memory near one fp32 tensor), to the serving dtype. Quantized
-kernels are out of scope: a Q4 file is served with dequantized weights.
+(``gguf.quants.dequantize``), one at a time (peak host memory near one fp32 tensor), to the serving
+dtype. Quantized kernels are out of scope: a Q4 file is served with dequantized weights.
 
 Two differences from a Hugging Face checkpoint are undone here:
 - tensor names (``blk.3.attn_q.weight`` is ``model.layers.3.self_attn.q_proj.weight``);
@@ -98,16 +98,35 @@ class Header:
 
 
 # GGUF value types (spec): struct format of the scalars; 8 = string, 9 = array.
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_SCALARS = {
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
 # The tokenizer's vocabulary and merges: skipped here (the tokenizer reads them, load_tokenizer).
-_SKIPPED = {"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.scores", "tokenizer.ggml.token_type"}
+_SKIPPED = {
+    "tokenizer.ggml.tokens",
+    "tokenizer.ggml.merges",
+    "tokenizer.ggml.scores",
+    "tokenizer.ggml.token_type",
+}
 
 
 def _gguf() -> Any:
     try:
         import gguf
     except ImportError as e:  # only GGUF models need it
-        raise ValueError("--model is a GGUF file: install the gguf package (pip install 'pagedkv[worker]')") from e
+        raise ValueError(
+            "--model is a GGUF file: install the gguf package (pip install 'pagedkv[worker]')"
+        ) from e
     return gguf
 
 
@@ -189,8 +208,10 @@ def check_types(header: Header) -> None:
     """Refuse a file holding a tensor type outside SUPPORTED_TYPES, naming the type and the tensor."""
     for t in header.tensors.values():
         if t.type_name not in SUPPORTED_TYPES:
-            raise ValueError(f"GGUF tensor {t.name} has type {t.type_name}, which pagedkv cannot dequantize; "
-                             f"supported: {', '.join(SUPPORTED_TYPES)}")
+            raise ValueError(
+                f"GGUF tensor {t.name} has type {t.type_name}, which pagedkv cannot dequantize; "
+                f"supported: {', '.join(SUPPORTED_TYPES)}"
+            )
 
 
 def hf_config(path: str | pathlib.Path) -> tuple[dict[str, Any], tuple[float, ...]]:
@@ -201,7 +222,9 @@ def hf_config(path: str | pathlib.Path) -> tuple[dict[str, Any], tuple[float, ..
     meta = header.metadata
     arch = str(meta.get("general.architecture", ""))
     if arch not in ARCHITECTURES:
-        raise ValueError(f"GGUF general.architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
+        raise ValueError(
+            f"GGUF general.architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}"
+        )
     tensors = header.tensors
     if "token_embd.weight" not in tensors:
         raise ValueError(f"GGUF file {path} has no token_embd.weight")
@@ -222,8 +245,10 @@ def hf_config(path: str | pathlib.Path) -> tuple[dict[str, Any], tuple[float, ..
     head_dim = int(key("attention.key_length", hidden // num_heads))
     rope_dims = key("rope.dimension_count")
     if rope_dims is not None and int(rope_dims) != head_dim:
-        raise ValueError(f"GGUF {arch}.rope.dimension_count is {rope_dims}, not head_dim {head_dim} "
-                         "(partial rotary is not supported)")
+        raise ValueError(
+            f"GGUF {arch}.rope.dimension_count is {rope_dims}, not head_dim {head_dim} "
+            "(partial rotary is not supported)"
+        )
     vocab = int(tensors["token_embd.weight"].shape[1])  # GGML order: [hidden, vocab]
     cfg: dict[str, Any] = {
         "architectures": [ARCHITECTURES[arch]],
@@ -263,8 +288,9 @@ def _dequantize(path: str | pathlib.Path, tensor: TensorInfo) -> np.ndarray:
     from gguf.quants import dequantize
 
     if tensor.type_name not in SUPPORTED_TYPES:
-        raise ValueError(f"GGUF tensor {tensor.name} has type {tensor.type_name}; "
-                         f"supported: {', '.join(SUPPORTED_TYPES)}")
+        raise ValueError(
+            f"GGUF tensor {tensor.name} has type {tensor.type_name}; supported: {', '.join(SUPPORTED_TYPES)}"
+        )
     qtype = GGMLQuantizationType(tensor.qtype)
     block, type_size = GGML_QUANT_SIZES[qtype]
     shape = tuple(reversed(tensor.shape))  # numpy order
@@ -283,7 +309,9 @@ def permute_back(t: torch.Tensor, num_heads: int) -> torch.Tensor:
     return t.reshape(num_heads, rows // num_heads // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
 
 
-def iter_tensors(path: str | pathlib.Path, num_heads: int, num_kv_heads: int) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_tensors(
+    path: str | pathlib.Path, num_heads: int, num_kv_heads: int
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, fp32 tensor) of every tensor with an HF counterpart, one at a time."""
     header = read_header(path)
     check_types(header)

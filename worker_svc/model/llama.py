@@ -1,4 +1,5 @@
-"""The Llama architecture (``LlamaForCausalLM``): its checkpoint layout and its forward pass on a paged KV cache.
+"""The Llama architecture (``LlamaForCausalLM``): its checkpoint layout and its forward pass on a
+paged KV cache.
 
 Registered in ``registry.py``; what an architecture module provides is listed there
 (``check_hf_config``, ``expected_shapes``, ``FUSED``, ``build``).
@@ -70,13 +71,17 @@ def refuse_unsupported(cfg: dict[str, Any], family: str) -> None:
         if cfg.get(moe):
             raise ValueError(f"{moe}={cfg[moe]}: mixture-of-experts models are not supported")
     if "sliding_attention" in (cfg.get("layer_types") or []):
-        raise ValueError("layer_types has sliding_attention layers: sliding-window attention is not supported")
+        raise ValueError(
+            "layer_types has sliding_attention layers: sliding-window attention is not supported"
+        )
     if cfg.get("use_sliding_window"):  # Qwen2/Qwen3: sliding_window only counts when this is set
         raise ValueError("use_sliding_window=true: sliding-window attention is not supported")
     window, max_len = cfg.get("sliding_window"), int(cfg.get("max_position_embeddings", 4096))
     if "use_sliding_window" not in cfg and window is not None and int(window) < max_len:
-        raise ValueError(f"sliding_window={window} (< max_position_embeddings {max_len}): sliding-window "
-                         "attention is not supported")
+        raise ValueError(
+            f"sliding_window={window} (< max_position_embeddings {max_len}): sliding-window "
+            "attention is not supported"
+        )
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -85,7 +90,9 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return checkpoint_shapes(cfg, qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, qk_norm=False)
 
 
-def checkpoint_shapes(cfg: ModelConfig, *, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> dict[str, tuple[int, ...]]:
+def checkpoint_shapes(
+    cfg: ModelConfig, *, qkv_bias: bool, o_bias: bool, qk_norm: bool
+) -> dict[str, tuple[int, ...]]:
     """The decoder's tensors with the variations the Llama-like families differ by: biases on
     q/k/v (Qwen2) or on all four attention projections (Llama's attention_bias), and per-head q/k
     RMSNorm weights (Qwen3)."""
@@ -94,9 +101,17 @@ def checkpoint_shapes(cfg: ModelConfig, *, qkv_bias: bool, o_bias: bool, qk_norm
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,)}
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (vocab, h)
-    attn = {"q_proj": (q, h, qkv_bias), "k_proj": (kv, h, qkv_bias), "v_proj": (kv, h, qkv_bias),
-            "o_proj": (h, q, o_bias)}
-    mlp = {"gate_proj": (i, h, cfg.mlp_bias), "up_proj": (i, h, cfg.mlp_bias), "down_proj": (h, i, cfg.mlp_bias)}
+    attn = {
+        "q_proj": (q, h, qkv_bias),
+        "k_proj": (kv, h, qkv_bias),
+        "v_proj": (kv, h, qkv_bias),
+        "o_proj": (h, q, o_bias),
+    }
+    mlp = {
+        "gate_proj": (i, h, cfg.mlp_bias),
+        "up_proj": (i, h, cfg.mlp_bias),
+        "down_proj": (h, i, cfg.mlp_bias),
+    }
     for layer in range(cfg.num_layers):
         p = f"model.layers.{layer}."
         shapes[p + "input_layernorm.weight"] = (h,)

@@ -29,8 +29,10 @@ def resolve(model: str | pathlib.Path) -> ModelSource:
     if gguf_file.is_gguf(path):
         return ModelSource(path, "gguf")
     if path.is_file():
-        raise ValueError(f"--model {model}: a file that is not GGUF (no GGUF magic); give a GGUF file or a "
-                         "Hugging Face model directory")
+        raise ValueError(
+            f"--model {model}: a file that is not GGUF (no GGUF magic); give a GGUF file or a "
+            "Hugging Face model directory"
+        )
     raise FileNotFoundError(f"--model {model}: no such directory or GGUF file")
 
 
@@ -42,7 +44,9 @@ def load_tokenizer(model: str | pathlib.Path) -> Any | None:
     src = resolve(model)
     if src.kind == "gguf":
         return gguf_file.load_tokenizer(src.path)
-    if not any((src.path / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+    if not any(
+        (src.path / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    ):
         return None
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer

@@ -35,7 +35,9 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``[num_tokens, head_dim]`` cos and sin for the given absolute positions."""
     freqs = positions[:, None].to(torch.float32) * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)

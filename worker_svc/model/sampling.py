@@ -114,8 +114,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
         )
         tokens[rows] = _sample_filtered(sub / temps[:, None], top_ks, top_ps, uniforms)
     chosen_logprobs = logits.gather(1, tokens[:, None]).squeeze(1) - log_norm
-    return SampleResult(token_ids=tokens.cpu(), logprobs=chosen_logprobs.cpu(),
-                        top=_top_logprobs(logits, log_norm, params))
+    return SampleResult(
+        token_ids=tokens.cpu(), logprobs=chosen_logprobs.cpu(), top=_top_logprobs(logits, log_norm, params)
+    )
 
 
 def _top_logprobs(
@@ -128,12 +129,12 @@ def _top_logprobs(
         return top
     k = min(max(params[i].num_top_logprobs for i in rows), logits.shape[-1])
     index = torch.tensor(rows, device=logits.device)
-    values, ids = torch.topk(logits.index_select(0, index), k, dim=-1)
-    values = (values - log_norm.index_select(0, index)[:, None]).cpu().tolist()
-    ids = ids.cpu().tolist()
+    top_values, top_ids = torch.topk(logits.index_select(0, index), k, dim=-1)
+    values = (top_values - log_norm.index_select(0, index)[:, None]).cpu().tolist()
+    ids = top_ids.cpu().tolist()
     for j, i in enumerate(rows):
         n = params[i].num_top_logprobs
-        top[i] = list(zip(ids[j][:n], values[j][:n]))
+        top[i] = list(zip(ids[j][:n], values[j][:n], strict=True))
     return top
 
 

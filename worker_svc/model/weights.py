@@ -1,4 +1,5 @@
-"""Weights: read a Hugging Face safetensors checkpoint or a GGUF file, or make the default model's random ones.
+"""Weights: read a Hugging Face safetensors checkpoint or a GGUF file, or make the default model's
+random ones.
 
 The checkpoint is read tensor by tensor with ``safetensors.safe_open`` (memory-mapped), cast to the
 target dtype and moved to the device one at a time, so peak host memory stays near one tensor.

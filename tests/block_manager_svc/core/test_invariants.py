@@ -24,19 +24,18 @@ import copy
 from array import array
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-import pytest
-
 from block_manager_svc.core import (
-    StepBatch,
     AlreadyExists,
     BlockManager,
     CoreConfig,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
+    StepBatch,
 )
 from block_manager_svc.core.invariants import check_invariants
 
@@ -69,7 +68,9 @@ class AllocatorMachine(RuleBasedStateMachine):
                 for other, seq in self.bm.seqs.items():
                     if pos // BS < len(seq.block_ids) and seq.block_ids[pos // BS] == block:
                         theirs = self.tokens[other]
-                        assert pos >= len(theirs) or theirs[pos] == toks[pos], f"write into shared block {block}"
+                        assert pos >= len(theirs) or theirs[pos] == toks[pos], (
+                            f"write into shared block {block}"
+                        )
             slot = self.phys.setdefault(block, [None] * BS)
             slot[pos % BS] = toks[pos]
         self.computed[seq_id] = len(toks)
@@ -110,7 +111,9 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.tokens[seq_id] = list(prompt)
         # Hit blocks must already hold exactly these tokens: check, don't write.
         for i in range(r.num_cached_tokens // BS):
-            assert self.phys.get(r.block_ids[i]) == prompt[i * BS : (i + 1) * BS], "hit on unwritten or wrong KV"
+            assert self.phys.get(r.block_ids[i]) == prompt[i * BS : (i + 1) * BS], (
+                "hit on unwritten or wrong KV"
+            )
         self.computed[seq_id] = r.num_cached_tokens
 
     @rule(seq_id=NAMES, new=st.lists(TOKEN, min_size=1, max_size=BS + 1), with_ids=st.booleans())
@@ -180,9 +183,15 @@ class AllocatorMachine(RuleBasedStateMachine):
         appends = [s for s in appends if s not in frees]
         new = data.draw(st.lists(TOKEN, min_size=len(appends), max_size=len(appends)))
         commits = [s for s in sorted(self.tokens) if data.draw(st.booleans())]
-        r = self.bm.step(StepBatch(append_seq_ids=appends, append_token_ids=array("I", new), free_seq_ids=frees,
-                                   commit_seq_ids=commits,
-                                   commit_num_computed_tokens=[self.computed[s] for s in commits]))
+        r = self.bm.step(
+            StepBatch(
+                append_seq_ids=appends,
+                append_token_ids=array("I", new),
+                free_seq_ids=frees,
+                commit_seq_ids=commits,
+                commit_num_computed_tokens=[self.computed[s] for s in commits],
+            )
+        )
         assert not r.commit_errors
         failed_frees = {e.seq_id for e in r.free_errors}
         for s in frees:
@@ -243,14 +252,17 @@ def _committed_core() -> BlockManager:
     return bm
 
 
-@pytest.mark.parametrize("corrupt, message", [
-    (lambda bm: bm.pool.ref_counts.__setitem__(bm.seqs["a"].block_ids[0], 1), "ref counts differ"),
-    (lambda bm: bm.seqs["a"].pending_hashes.__setitem__(0, b"x" * 16), "kept stale hashes"),
-    (lambda bm: bm.seqs["a"].pending_hashes.extend([b"y" * 16] * 3), "more hashes than full pending"),
-    (lambda bm: bm.groups[bm.seqs["a"].group].discard("b"), "has 1 members"),
-    (lambda bm: bm.pool.free_list.append(bm.pool.free_list[0]), "free list twice"),
-    (lambda bm: bm.victims.discard("b"), None),
-])
+@pytest.mark.parametrize(
+    "corrupt, message",
+    [
+        (lambda bm: bm.pool.ref_counts.__setitem__(bm.seqs["a"].block_ids[0], 1), "ref counts differ"),
+        (lambda bm: bm.seqs["a"].pending_hashes.__setitem__(0, b"x" * 16), "kept stale hashes"),
+        (lambda bm: bm.seqs["a"].pending_hashes.extend([b"y" * 16] * 3), "more hashes than full pending"),
+        (lambda bm: bm.groups[bm.seqs["a"].group].discard("b"), "has 1 members"),
+        (lambda bm: bm.pool.free_list.append(bm.pool.free_list[0]), "free list twice"),
+        (lambda bm: bm.victims.discard("b"), None),
+    ],
+)
 def test_the_checker_catches_corruption(corrupt, message) -> None:  # type: ignore[no-untyped-def]
     bm = _committed_core()
     corrupt(bm)

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from array import array
 import copy
 import random
+from array import array
 
 import pytest
 
 from block_manager_svc.core import (
-    StepBatch,
     AlreadyExists,
     BlockManager,
     CoreConfig,
@@ -17,6 +16,7 @@ from block_manager_svc.core import (
     InvalidArgument,
     NotFound,
     ResourceExhausted,
+    StepBatch,
 )
 
 BS = 4
@@ -31,8 +31,16 @@ def snapshot(bm: BlockManager) -> object:
     pool = bm.pool
     return copy.deepcopy(
         (
-            {k: (list(s.block_ids), s.num_tokens, None if s.pending_tokens is None else list(s.pending_tokens),
-                 s.last_hash, s.num_hashed_blocks) for k, s in bm.seqs.items()},
+            {
+                k: (
+                    list(s.block_ids),
+                    s.num_tokens,
+                    None if s.pending_tokens is None else list(s.pending_tokens),
+                    s.last_hash,
+                    s.num_hashed_blocks,
+                )
+                for k, s in bm.seqs.items()
+            },
             list(pool.ref_counts),
             list(pool.free_list),
             list(pool.block_hash),
@@ -48,6 +56,7 @@ def toks(n: int, start: int = 0) -> list[int]:
 
 
 # --- Allocate ------------------------------------------------------------------
+
 
 def test_allocate_rounds_up_to_whole_blocks() -> None:
     bm = make()
@@ -170,6 +179,7 @@ def test_exhaustion_accounts_for_hits_that_come_out_of_the_evictable_set() -> No
 
 # --- Append --------------------------------------------------------------------
 
+
 def test_append_adds_a_block_at_each_boundary() -> None:
     bm = make()
     bm.allocate("a", 3)
@@ -263,6 +273,7 @@ def test_cow_needs_room_and_fails_cleanly_without_it() -> None:
 
 # --- Fork / Free ---------------------------------------------------------------
 
+
 def test_fork_shares_every_block() -> None:
     bm = make()
     a = bm.allocate("a", 9)
@@ -306,13 +317,19 @@ def test_everything_free_after_all_sequences_are_freed() -> None:
 
 # --- Step ----------------------------------------------------------------------
 
+
 def test_step_packed_appends_and_frees_with_per_item_errors() -> None:
     bm = make(num_blocks=8)
     bm.allocate("a", 4, toks(4))
     bm.allocate("b", 3)
     bm.allocate("gone", 4)
-    r = bm.step(StepBatch(append_seq_ids=["a", "missing", "b"], append_token_ids=array("I", [7, 8, 9]),
-                         free_seq_ids=["gone", "never"]))
+    r = bm.step(
+        StepBatch(
+            append_seq_ids=["a", "missing", "b"],
+            append_token_ids=array("I", [7, 8, 9]),
+            free_seq_ids=["gone", "never"],
+        )
+    )
     assert r.released == [1, 0]
     assert [(e.index, e.code) for e in r.free_errors] == [(1, ErrorCode.NOT_FOUND)]
     assert [(e.index, e.seq_id, e.code) for e in r.append_errors] == [(1, "missing", ErrorCode.NOT_FOUND)]
@@ -358,8 +375,14 @@ def test_step_reports_copy_on_write() -> None:
 def test_step_packed_allocations_and_forks_come_back_as_deltas() -> None:
     bm = make()
     bm.allocate("a", 4)
-    r = bm.step(StepBatch(alloc_seq_ids=["n", "a", "m"], alloc_num_tokens=[5, 1, 2],
-                          fork_parent_seq_ids=["n", "m"], fork_child_seq_ids=["n/1", "a"]))
+    r = bm.step(
+        StepBatch(
+            alloc_seq_ids=["n", "a", "m"],
+            alloc_num_tokens=[5, 1, 2],
+            fork_parent_seq_ids=["n", "m"],
+            fork_child_seq_ids=["n/1", "a"],
+        )
+    )
     assert r.alloc_num_cached_tokens == [0, 0, 0]
     assert [(e.index, e.code) for e in r.alloc_errors] == [(1, ErrorCode.ALREADY_EXISTS)]
     assert [(e.index, e.code) for e in r.fork_errors] == [(1, ErrorCode.ALREADY_EXISTS)]
@@ -404,10 +427,13 @@ def test_step_equals_the_same_appends_one_by_one() -> None:
     for _ in range(30):
         tokens = [rng.randrange(5) for _ in ids]
         a.step(StepBatch(append_seq_ids=ids, append_token_ids=array("I", tokens)))
-        for sid, t in zip(ids, tokens):
+        for sid, t in zip(ids, tokens, strict=True):
             b.append(sid, 1, [t])
         for bm in (a, b):  # the engine's commits: everything but the newest token
-            bm.step(StepBatch(commit_seq_ids=ids,
-                              commit_num_computed_tokens=[bm.seqs[s].num_tokens - 1 for s in ids]))
+            bm.step(
+                StepBatch(
+                    commit_seq_ids=ids, commit_num_computed_tokens=[bm.seqs[s].num_tokens - 1 for s in ids]
+                )
+            )
     assert snapshot(a) == snapshot(b)
     a.check_invariants()

@@ -41,7 +41,10 @@ def test_stable_across_processes_and_hash_seeds() -> None:
         out = subprocess.run(
             [sys.executable, "-c", SNIPPET],
             env={**os.environ, "PYTHONHASHSEED": seed},
-            capture_output=True, text=True, check=True, timeout=60,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
         )
         assert out.stdout.strip() == here
 

@@ -187,7 +187,9 @@ def test_tenants_reset_is_admin_only(tmp_path) -> None:  # type: ignore[no-untyp
             stub = pb_grpc.BlockManagerStub(ch)
             alice = (("authorization", f"Bearer {TOKENS['alice']}"),)
             root = (("authorization", f"Bearer {TOKENS['root']}"),)
-            stub.Allocate(pb.AllocateRequest(seq_id="s", num_tokens=8, token_ids=list(range(8))), metadata=alice)
+            stub.Allocate(
+                pb.AllocateRequest(seq_id="s", num_tokens=8, token_ids=list(range(8))), metadata=alice
+            )
             stub.Commit(pb.CommitRequest(seq_id="s", num_computed_tokens=8), metadata=alice)
             with pytest.raises(grpc.RpcError) as e:
                 stub.ResetPrefixCache(pb.ResetPrefixCacheRequest(request_id="x"), metadata=alice)
@@ -197,7 +199,9 @@ def test_tenants_reset_is_admin_only(tmp_path) -> None:  # type: ignore[no-untyp
             resp = stub.ResetPrefixCache(pb.ResetPrefixCacheRequest(request_id="x"), metadata=root)
             assert resp.num_blocks_cleared == 2
             r.servicer._core.check_invariants()
-            hit = stub.Allocate(pb.AllocateRequest(seq_id="t", num_tokens=8, token_ids=list(range(8))), metadata=alice)
+            hit = stub.Allocate(
+                pb.AllocateRequest(seq_id="t", num_tokens=8, token_ids=list(range(8))), metadata=alice
+            )
             assert hit.num_cached_tokens == 0
     finally:
         r.stop(0)

@@ -19,8 +19,15 @@ def core(**kw: object) -> BlockManager:
 
 
 def test_the_tenant_and_the_salt_are_separate_hash_keys() -> None:
-    keys = [root_hash(), root_hash(b"s"), root_hash(b"", b"t"), root_hash(b"s", b"t"), root_hash(b"", b"ts"),
-            root_hash(b"t", b"s"), root_hash(b"\x00\x01ts")]
+    keys = [
+        root_hash(),
+        root_hash(b"s"),
+        root_hash(b"", b"t"),
+        root_hash(b"s", b"t"),
+        root_hash(b"", b"ts"),
+        root_hash(b"t", b"s"),
+        root_hash(b"\x00\x01ts"),
+    ]
     assert len(set(keys)) == len(keys) and keys[0] == ROOT_HASH
 
 

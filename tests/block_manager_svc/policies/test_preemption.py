@@ -7,13 +7,13 @@ import copy
 import pytest
 
 from block_manager_svc.core import (
-    StepBatch,
     BlockManager,
     CoreConfig,
     ErrorCode,
     FailedPrecondition,
     NotFound,
     ResourceExhausted,
+    StepBatch,
 )
 from block_manager_svc.core.preemption import VictimQueue
 
@@ -21,18 +21,31 @@ BS = 4
 
 
 def make(num_blocks: int = 8, mode: str = "auto", cpu: int = 16, **kw: object) -> BlockManager:
-    return BlockManager(CoreConfig(num_gpu_blocks=num_blocks, block_size=BS, num_cpu_blocks=cpu,
-                                   preemption_mode=mode, eviction_policy="lru-size", **kw))  # type: ignore[arg-type]
+    return BlockManager(
+        CoreConfig(
+            num_gpu_blocks=num_blocks,
+            block_size=BS,
+            num_cpu_blocks=cpu,
+            preemption_mode=mode,
+            eviction_policy="lru-size",
+            **kw,
+        )
+    )  # type: ignore[arg-type]
 
 
 def snapshot(bm: BlockManager) -> object:
     pool = bm.pool
-    return copy.deepcopy((
-        {k: (list(s.block_ids), s.num_tokens) for k, s in bm.seqs.items()},
-        {k: (list(s.cpu_block_ids or ()), s.num_tokens) for k, s in bm.swapped.items()},
-        list(pool.ref_counts), sorted(pool.free_list), dict(pool.index), list(bm.cpu.ref_counts),
-        bm.stats(),
-    ))
+    return copy.deepcopy(
+        (
+            {k: (list(s.block_ids), s.num_tokens) for k, s in bm.seqs.items()},
+            {k: (list(s.cpu_block_ids or ()), s.num_tokens) for k, s in bm.swapped.items()},
+            list(pool.ref_counts),
+            sorted(pool.free_list),
+            dict(pool.index),
+            list(bm.cpu.ref_counts),
+            bm.stats(),
+        )
+    )
 
 
 def test_victim_queue_orders_by_priority_then_latest_arrival() -> None:

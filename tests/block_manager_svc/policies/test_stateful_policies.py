@@ -28,22 +28,39 @@ class PolicyMachine(RuleBasedStateMachine):
         self.model: dict[str, tuple[int, bool]] = {}  # seq -> (tokens, swapped)
 
     @precondition(lambda self: self.bm is None)
-    @rule(policy=st.sampled_from(["lru", "lru-size"]), mode=st.sampled_from(["auto", "swap", "recompute"]),
-          cpu=st.integers(0, 6), watermark=st.integers(0, 2))
+    @rule(
+        policy=st.sampled_from(["lru", "lru-size"]),
+        mode=st.sampled_from(["auto", "swap", "recompute"]),
+        cpu=st.integers(0, 6),
+        watermark=st.integers(0, 2),
+    )
     def configure(self, policy: str, mode: str, cpu: int, watermark: int) -> None:
-        self.bm = BlockManager(CoreConfig(num_gpu_blocks=8, block_size=BS, num_cpu_blocks=cpu,
-                                          eviction_policy=policy, preemption_mode=mode,
-                                          watermark_blocks=watermark, miss_cost_tokens=4))
+        self.bm = BlockManager(
+            CoreConfig(
+                num_gpu_blocks=8,
+                block_size=BS,
+                num_cpu_blocks=cpu,
+                eviction_policy=policy,
+                preemption_mode=mode,
+                watermark_blocks=watermark,
+                miss_cost_tokens=4,
+            )
+        )
 
     def _state(self) -> object:
         bm = self.bm
         assert bm is not None
-        return copy.deepcopy((
-            {k: (list(s.block_ids), s.num_tokens) for k, s in bm.seqs.items()},
-            {k: (list(s.cpu_block_ids or ()), s.num_tokens) for k, s in bm.swapped.items()},
-            list(bm.pool.ref_counts), sorted(bm.pool.free_list), dict(bm.pool.index),
-            list(bm.cpu.ref_counts), bm.stats(),
-        ))
+        return copy.deepcopy(
+            (
+                {k: (list(s.block_ids), s.num_tokens) for k, s in bm.seqs.items()},
+                {k: (list(s.cpu_block_ids or ()), s.num_tokens) for k, s in bm.swapped.items()},
+                list(bm.pool.ref_counts),
+                sorted(bm.pool.free_list),
+                dict(bm.pool.index),
+                list(bm.cpu.ref_counts),
+                bm.stats(),
+            )
+        )
 
     def _apply_preempted(self, preempted) -> None:  # type: ignore[no-untyped-def]
         for p in preempted:
@@ -119,13 +136,23 @@ class PolicyMachine(RuleBasedStateMachine):
             self._apply_preempted(r[0])
 
     @precondition(lambda self: self.bm is not None)
-    @rule(ids=st.lists(NAMES, max_size=5, unique=True), frees=st.lists(NAMES, max_size=2, unique=True),
-          swap_ins=st.lists(NAMES, max_size=2, unique=True), k=st.integers(1, BS + 1))
+    @rule(
+        ids=st.lists(NAMES, max_size=5, unique=True),
+        frees=st.lists(NAMES, max_size=2, unique=True),
+        swap_ins=st.lists(NAMES, max_size=2, unique=True),
+        k=st.integers(1, BS + 1),
+    )
     def step(self, ids: list[str], frees: list[str], swap_ins: list[str], k: int) -> None:
         bm = self.bm
         assert bm is not None
-        r = bm.step(StepBatch(append_seq_ids=ids, append_num_tokens=[k] * len(ids), free_seq_ids=frees,
-                              swap_in_seq_ids=swap_ins))
+        r = bm.step(
+            StepBatch(
+                append_seq_ids=ids,
+                append_num_tokens=[k] * len(ids),
+                free_seq_ids=frees,
+                swap_in_seq_ids=swap_ins,
+            )
+        )
         failed_frees = {e.seq_id for e in r.free_errors}
         for sid in frees:
             if sid not in failed_frees:
@@ -156,5 +183,6 @@ class PolicyMachine(RuleBasedStateMachine):
 
 
 TestPolicies = PolicyMachine.TestCase
-TestPolicies.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
-                                 suppress_health_check=[HealthCheck.too_slow])
+TestPolicies.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)

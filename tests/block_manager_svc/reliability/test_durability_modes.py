@@ -65,12 +65,14 @@ def spy(monkeypatch: pytest.MonkeyPatch) -> Iterator[FsyncSpy]:
 
 
 def _allocate(stub, i: int) -> None:  # type: ignore[no-untyped-def]
-    stub.Allocate(pb.AllocateRequest(seq_id=f"s{i}", num_tokens=5, token_ids=[i, 1, 2, 3, 4],
-                                     request_id=f"r{i}"))
+    stub.Allocate(
+        pb.AllocateRequest(seq_id=f"s{i}", num_tokens=5, token_ids=[i, 1, 2, 3, 4], request_id=f"r{i}")
+    )
 
 
-def test_always_fsyncs_every_acknowledged_mutation_before_its_reply(servers: Servers, state_dir: str,
-                                                                    spy: FsyncSpy) -> None:
+def test_always_fsyncs_every_acknowledged_mutation_before_its_reply(
+    servers: Servers, state_dir: str, spy: FsyncSpy
+) -> None:
     _, stub = servers.start(state_dir=state_dir, fsync="always")
     for i in range(N):
         before = spy.count()
@@ -86,8 +88,9 @@ def test_always_fsyncs_every_acknowledged_mutation_before_its_reply(servers: Ser
         fut.result(timeout=10)
 
 
-def test_batch_replies_without_waiting_and_syncs_within_the_interval(servers: Servers, state_dir: str,
-                                                                     spy: FsyncSpy) -> None:
+def test_batch_replies_without_waiting_and_syncs_within_the_interval(
+    servers: Servers, state_dir: str, spy: FsyncSpy
+) -> None:
     _, stub = servers.start(state_dir=state_dir, fsync="batch", fsync_interval_ms=20)
     spy.gate.clear()  # the flusher's fsync blocks; replies must not
     t0 = time.monotonic()

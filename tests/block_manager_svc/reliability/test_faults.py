@@ -24,8 +24,9 @@ def faults():
 
 
 def test_sigkill_under_load_loses_no_acknowledged_op(faults, tmp_path: Path) -> None:
-    r = faults.run_crash(kills=20, clients=2, fsync="always", gap_s=(0.05, 0.25), num_gpu_blocks=256,
-                         workdir=tmp_path)
+    r = faults.run_crash(
+        kills=20, clients=2, fsync="always", gap_s=(0.05, 0.25), num_gpu_blocks=256, workdir=tmp_path
+    )
     assert r["restarts_ok"] == 20
     assert r["lost_or_mismatched"] == 0, r["problems"]
     assert r["acked_ops"] > 500 and r["calls_hit_by_kill"] > 0 and r["verifications"] >= 2

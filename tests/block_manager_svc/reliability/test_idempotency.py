@@ -52,7 +52,10 @@ def test_reused_id_with_another_request_is_invalid_argument(servers: Servers) ->
         assert "already used for a different request body" in e.value.details()
     with pytest.raises(grpc.RpcError) as e:
         stub.Free(pb.FreeRequest(seq_id="a", request_id="x"))
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "another method (Allocate)" in e.value.details()
+    assert (
+        e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        and "another method (Allocate)" in e.value.details()
+    )
     assert stats(stub).num_sequences == 1
 
 
@@ -150,4 +153,6 @@ def test_concurrent_duplicates_never_double_allocate(servers: Servers) -> None:
     for t in ts:
         t.join()
     assert not errors
-    assert [stub.GetBlockTable(pb.GetBlockTableRequest(seq_id=f"s{i}")).num_tokens for i in range(3)] == [44] * 3
+    assert [stub.GetBlockTable(pb.GetBlockTableRequest(seq_id=f"s{i}")).num_tokens for i in range(3)] == [
+        44
+    ] * 3

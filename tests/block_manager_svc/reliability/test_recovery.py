@@ -29,14 +29,23 @@ def workload(stub, rng: random.Random, n: int, tag: str = "") -> list[tuple[str,
                 s = f"{tag}s{i}"
                 k = rng.randint(1, 20)
                 toks = [rng.randrange(3) * 100 + j if j < 8 else rng.randrange(1000) for j in range(k)]
-                req = pb.AllocateRequest(seq_id=s, num_tokens=k, token_ids=toks, request_id=rid,
-                                         lease_id="L1" if rng.random() < 0.2 else "")
+                req = pb.AllocateRequest(
+                    seq_id=s,
+                    num_tokens=k,
+                    token_ids=toks,
+                    request_id=rid,
+                    lease_id="L1" if rng.random() < 0.2 else "",
+                )
                 acked.append(("Allocate", req, stub.Allocate(req)))
                 live.append(s)
             elif r < 0.55:
                 k = rng.randint(1, 5)
-                req = pb.AppendRequest(seq_id=rng.choice(live), num_tokens=k,
-                                       token_ids=[rng.randrange(1000) for _ in range(k)], request_id=rid)
+                req = pb.AppendRequest(
+                    seq_id=rng.choice(live),
+                    num_tokens=k,
+                    token_ids=[rng.randrange(1000) for _ in range(k)],
+                    request_id=rid,
+                )
                 acked.append(("Append", req, stub.Append(req)))
             elif r < 0.65:
                 c = f"{tag}f{i}"
@@ -60,10 +69,16 @@ def workload(stub, rng: random.Random, n: int, tag: str = "") -> list[tuple[str,
                 commit = rng.sample(live, min(2, len(live)))
                 counts = [stub.GetBlockTable(pb.GetBlockTableRequest(seq_id=x)).num_tokens for x in commit]
                 req = pb.StepRequest(
-                    commit_seq_ids=commit, commit_num_computed_tokens=counts,
-                    alloc_seq_ids=[s], alloc_num_tokens=[k], alloc_token_ids=[rng.randrange(3) * 100 + j for j in range(k)],
+                    commit_seq_ids=commit,
+                    commit_num_computed_tokens=counts,
+                    alloc_seq_ids=[s],
+                    alloc_num_tokens=[k],
+                    alloc_token_ids=[rng.randrange(3) * 100 + j for j in range(k)],
                     alloc_lease_ids=["L1" if rng.random() < 0.5 else ""],
-                    fork_parent_seq_ids=[s], fork_child_seq_ids=[c], request_id=rid)
+                    fork_parent_seq_ids=[s],
+                    fork_child_seq_ids=[c],
+                    request_id=rid,
+                )
                 resp = stub.Step(req)
                 acked.append(("Step", req, resp))
                 if not resp.errors:
@@ -91,7 +106,10 @@ def canonical(obj: object, depth: int = 0) -> object:
     if hasattr(obj, "tobytes"):  # array.array
         return ("array", obj.tobytes())
     if hasattr(obj, "__getstate__") and type(obj).__module__.startswith("collections"):
-        return (type(obj).__name__, canonical(list(obj.items()) if hasattr(obj, "items") else list(obj), depth + 1))
+        return (
+            type(obj).__name__,
+            canonical(list(obj.items()) if hasattr(obj, "items") else list(obj), depth + 1),
+        )
     names: list[str] = []
     for klass in type(obj).__mro__:
         names += [n for n in getattr(klass, "__slots__", ()) if n not in names]
@@ -189,7 +207,10 @@ def test_snapshot_deletes_covered_segments(servers: Servers, state_dir: str) -> 
     before = state_bytes(running)
     crash(running)
     running2, _ = servers.start(state_dir=state_dir)
-    assert running2.servicer.reliable.recovery.replayed == 0 and running2.servicer.reliable.recovery.snapshot_seq == seq
+    assert (
+        running2.servicer.reliable.recovery.replayed == 0
+        and running2.servicer.reliable.recovery.snapshot_seq == seq
+    )
     assert state_bytes(running2) == before
 
 
