@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo up block-manager lint test protos bench clean
+.PHONY: install demo up block-manager lint test test-fast protos bench clean
 
 install: $(STAMP)
 
@@ -46,6 +46,11 @@ lint: $(STAMP)
 test: lint
 	$(BIN)/python tools/gen_protos.py --check
 	$(BIN)/python -m pytest
+
+## The fast tier for the edit-test loop: no process stacks, no ahead-of-time compiles, no bench
+## scripts (tests/conftest.py, SLOW_MODULES), no lint; under 2 minutes on 2 cores.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
 
 ## Regenerate pagedkv/v1 from protos/ (commit the result).
 protos: $(STAMP)

@@ -40,3 +40,49 @@ if structlog is not None:
     from pagedkv.logging_setup import configure_logging
 
     configure_logging("info", "console", cache=False)
+
+
+# The fast tier (`make test-fast`, `pytest -m "not slow"`): everything but the modules below and
+# tests/bench/, which start process stacks (block manager, cache host, workers, serve), kill and
+# restart them, compile kernels ahead of time, or run a benchmark script. One list, here: a module
+# that starts processes belongs in it. `make test` (CI) runs every test, these included.
+SLOW_MODULES = frozenset(
+    {
+        "tests/block_manager_svc/reliability/test_faults.py",
+        "tests/frontend/test_block_manager_faults.py",
+        "tests/frontend/test_cache_host_recovery.py",
+        "tests/frontend/test_cli_stack.py",
+        "tests/frontend/test_demo_text.py",
+        "tests/frontend/test_layouts.py",
+        "tests/frontend/test_model_families.py",
+        "tests/frontend/test_real_model.py",
+        "tests/frontend/test_serve_errors.py",
+        "tests/frontend/test_serve_faults.py",
+        "tests/frontend/test_serve_sampling.py",
+        "tests/frontend/test_shared_block_manager.py",
+        "tests/frontend/test_up_supervision.py",
+        "tests/frontend/test_worker_faults.py",
+        "tests/kernels/test_bench_smoke.py",
+        "tests/kernels/test_compile_sm90.py",
+        "tests/kernels/test_gpu_selection.py",
+        "tests/pagedkv/test_cpu_runtime.py",
+        "tests/security/test_fuzz.py",
+        "tests/security/test_outbound_tls.py",
+        "tests/security/test_secure_stack.py",
+        "tests/worker_svc/test_cache_host_loss.py",
+        "tests/worker_svc/test_gguf.py",
+        "tests/worker_svc/test_omp_spin.py",
+        "tests/worker_svc/test_processes.py",
+        "tests/worker_svc/test_reattach.py",
+        "tests/worker_svc/test_shared_weights.py",
+    }
+)
+
+
+def pytest_collection_modifyitems(config: object, items: list) -> None:  # type: ignore[type-arg]
+    import pytest
+
+    for item in items:
+        rel = pathlib.Path(str(item.fspath)).resolve().relative_to(ROOT).as_posix()
+        if rel.startswith("tests/bench/") or rel in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)

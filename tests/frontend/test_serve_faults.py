@@ -194,7 +194,13 @@ def test_cache_host_sigkill_and_restart_under_serve(stack: Stack, server: Runnin
         assert status == 200 and body["choices"][0]["token_ids"] == hf.greedy(p, 8), body
     m = _metrics(server)
     assert metric_samples(m, "pagedkv_cache_host_recoveries_total")[""] == 1
-    assert metric_samples(m, "pagedkv_recomputed_tokens_total")[""] > 0
+    # What was recomputed: the sequences still running when the loss was seen. On the CPU backend a
+    # worker keeps computing on its mapping of the dead host's memory until its watcher sees the loss,
+    # so how many tokens that is depends on timing (0 when all had finished but one just admitted):
+    # the metric must say exactly what the engine counted.
+    assert (
+        metric_samples(m, "pagedkv_recomputed_tokens_total")[""] == server.loop.engine.stats.recomputed_tokens
+    )
     _assert_clean(stack)
     assert time.monotonic() - t0 < 60  # about 17 s alone; generous for shared CI machines
 
