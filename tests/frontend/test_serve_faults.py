@@ -52,6 +52,9 @@ def stack(hf: HFModel, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sta
         "PAGEDKV_KERNEL_BACKEND": "reference",
         "PAGEDKV_CACHE_HOST_CHECK_INTERVAL_S": "0.2",
         "PAGEDKV_CACHE_LOST_EXIT_AFTER_S": "1",
+        # The worker exits (code 3) and a supervisor restarts it, deterministically: re-attaching to
+        # the new host by itself is tests/worker_svc/test_reattach.py's (and bench/faults.py serve's).
+        "PAGEDKV_CACHE_HOST_REATTACH": "false",
         "PAGEDKV_LOG_LEVEL": "warning",
     }
     saved = {k: os.environ.get(k) for k in env}
