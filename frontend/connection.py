@@ -13,25 +13,12 @@ import os
 from typing import Any
 
 from pagedkv.dial import check_token_transport, read_token
+from pagedkv.tls import add_client_tls_args
 
 
 def add_connection_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("connection security (for a stack started with TLS / tokens)")
-    group.add_argument(
-        "--tls-ca",
-        default=os.environ.get("PAGEDKV_TLS_CA", ""),
-        help="CA bundle to verify the servers (turns TLS on) [env PAGEDKV_TLS_CA]",
-    )
-    group.add_argument(
-        "--tls-cert",
-        default=os.environ.get("PAGEDKV_TLS_CLIENT_CERT", ""),
-        help="client certificate for mutual TLS [env PAGEDKV_TLS_CLIENT_CERT]",
-    )
-    group.add_argument(
-        "--tls-key",
-        default=os.environ.get("PAGEDKV_TLS_CLIENT_KEY", ""),
-        help="client key for mutual TLS [env PAGEDKV_TLS_CLIENT_KEY]",
-    )
+    add_client_tls_args(group)
     group.add_argument(
         "--token-file",
         default=os.environ.get("PAGEDKV_TOKEN_FILE", ""),

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagedkv.tls import channel
+from pagedkv.tls import add_client_tls_args, channel
 
 
 def check(
@@ -106,21 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--service", default="", help="service name to check ('' = the whole server)")
     ap.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for an answer")
     ap.add_argument("-q", "--quiet", action="store_true", help="print nothing, only set the exit code")
-    ap.add_argument(
-        "--tls-ca",
-        default=os.environ.get("PAGEDKV_TLS_CA", ""),
-        help="CA bundle verifying the server: TLS [env PAGEDKV_TLS_CA]",
-    )
-    ap.add_argument(
-        "--tls-cert",
-        default=os.environ.get("PAGEDKV_TLS_CLIENT_CERT", ""),
-        help="client certificate for a mutual-TLS server [env PAGEDKV_TLS_CLIENT_CERT]",
-    )
-    ap.add_argument(
-        "--tls-key",
-        default=os.environ.get("PAGEDKV_TLS_CLIENT_KEY", ""),
-        help="client key [env PAGEDKV_TLS_CLIENT_KEY]",
-    )
+    add_client_tls_args(ap)
     args = ap.parse_args(argv)
     healthy, seen = check(
         args.target,

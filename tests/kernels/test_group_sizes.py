@@ -27,7 +27,7 @@ def cpu_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
     if request.param == "buckets":
         monkeypatch.setenv(cpu_native.ENV_SWITCH, "0")
     elif not cpu_native.available():
-        pytest.skip("no C compiler: the native decode kernel cannot be built here")
+        pytest.skip("the native kernels were not built at install (no C compiler then)")
     with kernels.use_backend("cpu"):
         yield request.param
 
