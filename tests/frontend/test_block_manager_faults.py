@@ -26,9 +26,9 @@ import pytest
 
 from frontend.client import BlockManagerClient, channel_options
 from frontend.engine import Engine, EngineConfig, GenerationRequest, RequestOutput
-from frontend.stack import Stack, StackOptions
+from frontend.stack import Stack
 from frontend.worker_client import WorkerClient
-from pagedkv.ports import free_ports
+from tests.frontend.process_stack import tiny_process_stack
 from tests.worker_svc.conftest import HFModel, build_hf_model
 
 PROMPTS = [
@@ -52,35 +52,14 @@ def greedy(hf: HFModel) -> dict[tuple[int, ...], list[int]]:
 
 @pytest.fixture(scope="module")
 def stack(hf: HFModel, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    os.environ["PAGEDKV_KERNEL_BACKEND"] = "reference"
-    bm, ch, w = free_ports(3)
-    opts = StackOptions(
-        block_manager_port=bm,
-        cache_host_port=ch,
-        worker_port=w,
-        num_workers=1,
-        num_gpu_blocks=128,
-        num_cpu_blocks=0,
-        block_size=4,
-        model=str(hf.path),
-        device="cpu",
-        dtype="float32",
-        log_dir=str(tmp_path_factory.mktemp("logs")),
-        ready_timeout_s=90,
+    with tiny_process_stack(
+        str(hf.path),
+        tmp_path_factory,
+        {"PAGEDKV_KERNEL_BACKEND": "reference"},
         shm_prefix=f"pagedkv-bmf-{os.getpid()}",
         state_dir=str(tmp_path_factory.mktemp("bm-state")),
-    )
-    s = Stack(opts, out=open(os.devnull, "w"))  # noqa: SIM115
-    try:
-        s.start()
+    ) as s:
         yield s
-    finally:
-        leaked = s.stop()
-        for name in leaked:
-            try:
-                os.unlink(f"/dev/shm/{name}")
-            except FileNotFoundError:
-                pass
 
 
 def _bm(stack: Stack) -> Any:

@@ -8,7 +8,6 @@ prefix cache, re-prefills every sequence, and the outputs still equal transforme
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 import time
@@ -20,10 +19,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from frontend.client import BlockManagerClient
 from frontend.engine import CacheHostLost, Engine, EngineConfig, GenerationRequest
-from frontend.stack import Stack, StackOptions
+from frontend.stack import Stack
 from frontend.worker_client import WorkerClient
 from pagedkv.healthcheck import wait_healthy
-from pagedkv.ports import free_ports
+from tests.frontend.process_stack import tiny_process_stack
 from tests.worker_svc.conftest import HFModel, build_hf_model
 
 
@@ -39,39 +38,8 @@ def stack(hf: HFModel, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sta
         "PAGEDKV_CACHE_HOST_CHECK_INTERVAL_S": "0.2",
         "PAGEDKV_LOG_LEVEL": "warning",
     }
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    bm, ch, w = free_ports(3)
-    opts = StackOptions(
-        block_manager_port=bm,
-        cache_host_port=ch,
-        worker_port=w,
-        num_workers=1,
-        num_gpu_blocks=256,
-        num_cpu_blocks=0,
-        block_size=4,
-        model=str(hf.path),
-        device="cpu",
-        dtype="float32",
-        log_dir=str(tmp_path_factory.mktemp("logs")),
-        ready_timeout_s=90,
-    )
-    s = Stack(opts, out=open(os.devnull, "w"))  # noqa: SIM115
-    try:
-        s.start()
+    with tiny_process_stack(str(hf.path), tmp_path_factory, env, num_gpu_blocks=256) as s:
         yield s
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        leaked = s.stop()
-        for name in leaked:  # the SIGKILLed hosts could not unlink their segments
-            try:
-                os.unlink(f"/dev/shm/{name}")
-            except FileNotFoundError:
-                pass
 
 
 def _svc(stack: Stack, name: str):  # type: ignore[no-untyped-def]

@@ -27,8 +27,8 @@ import pytest
 from frontend.client import BlockManagerClient
 from frontend.serve import RunningServe
 from frontend.serve_settings import ServeSettings
-from frontend.stack import Stack, StackOptions
-from pagedkv.ports import free_ports
+from frontend.stack import Stack
+from tests.frontend.process_stack import tiny_process_stack
 from tests.frontend.serve_fixtures import metric_samples
 from tests.worker_svc.conftest import HFModel, build_hf_model
 
@@ -57,40 +57,14 @@ def stack(hf: HFModel, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sta
         "PAGEDKV_CACHE_HOST_REATTACH": "false",
         "PAGEDKV_LOG_LEVEL": "warning",
     }
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    bm, ch, w = free_ports(3)
-    opts = StackOptions(
-        block_manager_port=bm,
-        cache_host_port=ch,
-        worker_port=w,
-        num_workers=1,
-        num_gpu_blocks=128,
-        num_cpu_blocks=0,
-        block_size=4,
-        model=str(hf.path),
-        device="cpu",
-        dtype="float32",
-        log_dir=str(tmp_path_factory.mktemp("logs")),
-        ready_timeout_s=90,
+    with tiny_process_stack(
+        str(hf.path),
+        tmp_path_factory,
+        env,
         shm_prefix=f"pagedkv-sf-{os.getpid()}",
         state_dir=str(tmp_path_factory.mktemp("bm-state")),
-    )
-    s = Stack(opts, out=open(os.devnull, "w"))  # noqa: SIM115
-    try:
-        s.start()
+    ) as s:
         yield s
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        for name in s.stop():
-            try:
-                os.unlink(f"/dev/shm/{name}")
-            except FileNotFoundError:
-                pass
 
 
 @pytest.fixture(scope="module")
