@@ -67,14 +67,15 @@ def test_grpc_bench_quick(tmp_path: Path) -> None:
 
 
 def targets_from_numbers(data: dict) -> bool:  # type: ignore[type-arg]
-    """bench/grpc_bench.py's targets recomputed from its JSON: Append >= 80% of the floor's calls/s at
-    both concurrencies, and at 1 in flight Step/packed p50 < 2 ms and the engine iteration p50 < 1.5 ms
-    (the sub-messages row is shown, not a target)."""
+    """bench/grpc_bench.py's targets (issue 27) recomputed from its JSON: Append >= 80% of the floor's
+    calls/s at 1 in flight and >= 100% of it at the concurrent level, and at 1 in flight Step/packed
+    p50 < 2 ms and the engine iteration p50 <= 1.3 ms (the sub-messages row is shown, not a target)."""
     flights = sorted({int(k.rsplit("@", 1)[1]) for k in data if "@" in k})
     append_ok = all(
-        data[f"Append@{f}"]["calls_per_s"] >= 0.8 * data[f"Check@{f}"]["calls_per_s"] for f in flights
+        data[f"Append@{f}"]["calls_per_s"] / data[f"Check@{f}"]["calls_per_s"] >= (0.8 if f == 1 else 1.0)
+        for f in flights
     )
-    return append_ok and data["Step/packed@1"]["p50_ms"] < 2.0 and data["Step/iteration@1"]["p50_ms"] < 1.5
+    return append_ok and data["Step/packed@1"]["p50_ms"] < 2.0 and data["Step/iteration@1"]["p50_ms"] <= 1.3
 
 
 def test_targets_ok_is_what_the_numbers_say() -> None:
@@ -93,18 +94,25 @@ def test_targets_ok_is_what_the_numbers_say() -> None:
         c.seconds = 1.0
         return c
 
-    def table(append_ratio: float, packed_ms: float, iter_ms: float) -> dict:  # type: ignore[type-arg]
+    def table(  # type: ignore[type-arg]
+        append_ratio: float, packed_ms: float, iter_ms: float, append_ratio_n: float = 1.0
+    ) -> dict:
         rows = {n: cell(1000, 0.5) for n in bench.ROWS}
         rows["Append"] = cell(int(1000 * append_ratio), 0.5)
         rows["Step/packed"] = cell(1000, packed_ms)
         rows["Step/iteration"] = cell(1000, iter_ms)
-        return {1: rows, 16: {n: cell(1000, 0.5) for n in bench.ROWS}}
+        rows_n = {n: cell(1000, 0.5) for n in bench.ROWS}
+        rows_n["Append"] = cell(int(1000 * append_ratio_n), 0.5)
+        return {1: rows, 16: rows_n}
 
     for args, want in (
         ((0.9, 1.0, 1.0), True),
         ((0.7, 1.0, 1.0), False),
         ((0.9, 2.5, 1.0), False),
         ((0.9, 1.0, 1.6), False),
+        ((0.9, 1.0, 1.35), False),
+        ((0.9, 1.0, 1.0, 0.95), False),
+        ((0.9, 1.0, 1.0, 1.1), True),
     ):
         _, data, ok = bench.render(table(*args), 16)
         assert ok is want and data["targets_ok"] is want and targets_from_numbers(data) is want, args
