@@ -250,8 +250,10 @@ class ModelRunner:
             kernels.swap_blocks(_block_major(self.cpu_cache), _block_major(self.gpu_cache), pairs)
 
     # ---------------------------------------------------------------- batch assembly
-    def build_batch(self, seqs: Sequence[SequenceRequest]) -> tuple[torch.Tensor, AttentionBatch, list[int]]:
-        """Flat token ids, the attention metadata, and each request's row in the logits."""
+    def build_batch(self, seqs: Sequence[SequenceRequest]) -> tuple[torch.Tensor, AttentionBatch]:
+        """Flat token ids and the attention metadata. The flat layout puts prefill sequences first;
+        ``logits_indices`` follows the requests' order, so logits row i is ``seqs[i]``'s (the output
+        layer reorders its few hidden rows instead of the step reordering ``[num_seqs, vocab]``)."""
         bs = self.block_size
         order = [i for i, s in enumerate(seqs) if len(s.token_ids) > 1]
         n_prefill_seqs = len(order)
@@ -291,7 +293,9 @@ class ModelRunner:
         batch = AttentionBatch(
             positions=torch.tensor(positions, dtype=torch.int64, device=dev),
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            logits_indices=torch.tensor(ends, dtype=torch.int64, device=dev),
+            logits_indices=torch.tensor(
+                [ends[last_index[i]] for i in range(len(seqs))], dtype=torch.int64, device=dev
+            ),
             num_prefill_tokens=n_prefill_tokens,
             prefill_block_tables=tables(pre_idx) if pre_idx else None,
             prefill_query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev) if pre_idx else None,
@@ -305,7 +309,7 @@ class ModelRunner:
             prefill_max_query_len=max((len(seqs[i].token_ids) for i in pre_idx), default=0),
         )
         token_tensor = torch.tensor(tokens, dtype=torch.int64, device=dev)
-        return token_tensor, batch, last_index
+        return token_tensor, batch
 
     # ---------------------------------------------------------------- the step
     def _kernel_backend(self) -> contextlib.AbstractContextManager[None]:
@@ -327,11 +331,10 @@ class ModelRunner:
             clock.mark()
             outputs: list[SequenceResult] = []
             if seqs:
-                token_tensor, batch, rows = self.build_batch(seqs)
-                logits = self.model.forward(token_tensor, batch, self.gpu_cache)
+                token_tensor, batch = self.build_batch(seqs)
+                logits = self.model.forward(token_tensor, batch, self.gpu_cache)  # row i: seqs[i]
                 # Forked samples draw from their parent's row: one sample() call over all rows.
                 fork_rows = [i for i, s in enumerate(seqs) for _ in s.fork_sampling]
-                logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
                 rows_sampled = (
                     logits.index_select(
                         0, torch.tensor(list(range(len(seqs))) + fork_rows, device=logits.device)
