@@ -20,7 +20,12 @@ import platform
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-SOURCES = ["kernels/csrc/paged_decode.c", "kernels/csrc/logsumexp.c", "kernels/csrc/cpu_features.c"]
+SOURCES = [
+    "kernels/csrc/paged_decode.c",
+    "kernels/csrc/logsumexp.c",
+    "kernels/csrc/layer_ops.c",
+    "kernels/csrc/cpu_features.c",
+]
 DEPENDS = ["kernels/csrc/fastexp.h"]
 COMMON = ["-O3", "-std=gnu11", "-fopenmp", "-fno-strict-aliasing", "-Wno-psabi"]
 

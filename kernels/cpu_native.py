@@ -2,7 +2,9 @@
 
 Two kernels: paged decode attention (``csrc/paged_decode.c``, used by ``kernels/cpu.py``) and the
 row-wise log-sum-exp of a step's logits (``csrc/logsumexp.c``, used by the worker's sampling for
-each token's log-probability).
+each token's log-probability); and the fused elementwise parts of a decoder layer
+(``csrc/layer_ops.c``: RMSNorm with the residual add, SiLU-and-multiply, rotary embedding with the
+KV write), wrapped by ``kernels/cpu_layer_ops.py``.
 
 **Built at install** by ``setup.py`` (setuptools ``Extension``), one shared library per
 instruction-set variant: on x86-64 ``x86_64`` (baseline), ``avx2`` (AVX2 + FMA) and ``avx512``
@@ -162,6 +164,21 @@ def _load() -> tuple[ctypes.CDLL, str]:
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.POINTER(_DecodeArgs)] + [ctypes.c_void_p] * 6
+    i64, ptr, f32, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+    # The fused layer operations (csrc/layer_ops.c, kernels/cpu_layer_ops.py).
+    layer_ops = {
+        "pagedkv_rms_norm_f32": [i64, i64, ptr, i64, ptr, i64, ptr, ptr, i64, f32, cint],
+        "pagedkv_silu_mul_f32": [i64, i64, ptr, i64, ptr, i64, cint],
+        "pagedkv_rope_store_f32": [i64, i64, i64, i64, ptr, i64, ptr, ptr, i64, ptr]
+        + [ptr, ptr, i64, i64, i64, i64, ptr, cint],
+    }
+    for name, argtypes in layer_ops.items():
+        try:
+            fn = getattr(lib, name)
+        except AttributeError:
+            raise OSError(f"{path.name} lacks {name} (stale build: reinstall)") from None
+        fn.restype = None
+        fn.argtypes = argtypes
     lib.pagedkv_logsumexp_f32.restype = None
     lib.pagedkv_logsumexp_f32.argtypes = [
         ctypes.c_void_p,

@@ -24,7 +24,8 @@ class AttentionBatch:
 
     positions: torch.Tensor  # int64 [num_tokens]: absolute position of each token
     slot_mapping: torch.Tensor  # int64 [num_tokens]: block_id * block_size + offset
-    logits_indices: torch.Tensor  # int64 [num_seqs]: flat index of each sequence's last token, in request order
+    # int64 [num_seqs]: flat index of each sequence's last token, in the requests' order
+    logits_indices: torch.Tensor
     num_prefill_tokens: int
     prefill_block_tables: torch.Tensor | None  # int32 [num_prefill_seqs, max_blocks]
     prefill_query_start_loc: torch.Tensor | None  # int32 [num_prefill_seqs + 1]

@@ -6,10 +6,11 @@ Registered in ``registry.py``; what an architecture module provides is listed th
 
 One call processes a flat batch of tokens from many sequences at once: the prefill sequences'
 tokens first, then the decode sequences' (one token each), as laid out by ``model_runner``. Dense
-layers run on all tokens together; per layer the new K/V are written into the shared cache with
-``kernels.write_kv_cache`` and attention reads the cache through block tables with
-``kernels.paged_prefill_attention`` (causal, queries are the last tokens of each sequence) and
-``kernels.paged_decode_attention`` (one query per sequence).
+layers run on all tokens together, their elementwise parts (RMSNorm with the residual add, RoPE
+with the KV write, SiLU-and-multiply) through ``layer_ops.py`` (fused native kernels on CPU fp32);
+per layer the new K/V are written into the shared cache and attention reads the cache through
+block tables with ``kernels.paged_prefill_attention`` (causal, queries are the last tokens of each
+sequence) and ``kernels.paged_decode_attention`` (one query per sequence).
 
 Why a plain class holding tensors instead of ``nn.Module``: there is no training, no state dict
 round trip and no hooks; fused weight matrices (QKV, gate+up) are built once at load, and packed
@@ -28,8 +29,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from worker_svc.model import layer_ops
 from worker_svc.model.batch import AttentionBatch
 from worker_svc.model.config import ModelConfig
+from worker_svc.model.layer_ops import torch_rms_norm
 from worker_svc.model.linear import Linear
 from worker_svc.model.rope import apply_rotary, cos_sin, inverse_frequencies
 
@@ -141,13 +144,6 @@ def fused_tensor(w: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
     return torch.cat(parts).contiguous()  # type: ignore[arg-type]
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Llama's RMSNorm: statistics in fp32, scale in the input dtype (as Hugging Face does)."""
-    xf = x.to(torch.float32)
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
 class LlamaModel:
     """Weights plus ``forward(token_ids, batch, kv_cache) -> logits of each sequence's last token``.
 
@@ -197,31 +193,29 @@ class LlamaModel:
         cfg = self.cfg
         n_tok = token_ids.shape[0]
         h, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q_size, kv_size = h * d, hkv * d
+        eps = cfg.rms_norm_eps
         cos, sin = cos_sin(batch.positions, self.inv_freq, self.dtype)
         step = batch.kernels_step(kv_cache, h, self.scale)
-        x = F.embedding(token_ids, self.embed)
+        x = F.embedding(token_ids, self.embed)  # the residual stream: each rms_norm(delta=) adds to it
+        ops = layer_ops.choose(x, step)
+        delta: torch.Tensor | None = None
         for li, layer in enumerate(self.layers):
             key_cache, value_cache = kv_cache[li, 0], kv_cache[li, 1]
-            hs = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
-            qkv = layer.qkv(hs)
-            q = qkv[:, :q_size].reshape(n_tok, h, d)
-            k = qkv[:, q_size : q_size + kv_size].reshape(n_tok, hkv, d)
-            v = qkv[:, q_size + kv_size :].reshape(n_tok, hkv, d)
-            if layer.q_norm is not None and layer.k_norm is not None:
-                q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
-                k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
-            q = apply_rotary(q, cos, sin)
-            k = apply_rotary(k, cos, sin)
-            step.write_kv_cache(k, v, key_cache, value_cache)
+            qkv = layer.qkv(ops.rms_norm(x, layer.input_norm, eps, delta))
+            if layer.q_norm is not None and layer.k_norm is not None:  # Qwen3: q/k norm before RoPE
+                q, k, v = layer_ops.split_qkv(qkv, h, hkv, d)
+                q = apply_rotary(torch_rms_norm(q, layer.q_norm, eps), cos, sin)
+                k = apply_rotary(torch_rms_norm(k, layer.k_norm, eps), cos, sin)
+                step.write_kv_cache(k, v, key_cache, value_cache)
+            else:
+                q = ops.rope_store(qkv, cos, sin, h, hkv, d, key_cache, value_cache, step)
             attn = step.attention(q, key_cache, value_cache)
-            x = x + layer.o(attn.reshape(n_tok, q_size))
-            hs = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
-            gate_up = layer.gate_up(hs)
-            gate, up = gate_up.chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
+            hs = ops.rms_norm(x, layer.post_norm, eps, layer.o(attn.reshape(n_tok, h * d)))
+            delta = layer.down(ops.silu_mul(layer.gate_up(hs)))
+        if delta is not None:
+            x.add_(delta)
         last = x.index_select(0, batch.logits_indices)
-        last = rms_norm(last, self.norm, cfg.rms_norm_eps)
+        last = ops.rms_norm(last, self.norm, eps)
         return self.lm_head(last).to(torch.float32)
 
 
