@@ -24,17 +24,20 @@ Versions (:data:`VERSION`, the ``version`` field of :class:`StateRecord`):
 
 * 1: a pickle (``PKVSNAP1``): refused by snapshot.py, never unpickled.
 * 2: a reflective export of the core objects' attributes (tagged nodes naming
-  core classes); refused here with advice (it named private attributes of a
-  layout this version no longer has).
+  core classes, see :func:`_v2_node`): migrated by :func:`_migrate_v2`, which
+  reads the nodes as data (it never looks a class up) and knows that layout's
+  field names, including the defaults for fields older version-2 documents lack.
 * 3: these records.
 
 A later version that changes a record adds its migration to :data:`MIGRATIONS`
 (from version N's plain document to N+1's), and :func:`decode` runs them in
-order before building the records.
+order before building the records. This module is the only place that knows
+any old format.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -526,34 +529,36 @@ _version_decoder = msgspec.msgpack.Decoder(_Version)
 _state_decoder = msgspec.msgpack.Decoder(StateRecord)
 _plain_decoder = msgspec.msgpack.Decoder()
 
-# version N -> a function from version N's plain document to version N+1's. Empty: version 3
-# is the first of these records; versions 1 and 2 named code or private attributes and are refused.
-MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {}
-_REFUSED = {
-    1: "a pickle, which a state file must never be",
-    2: "a reflective export of the core's attributes, whose layout this version no longer has",
-}
+_REFUSED = {1: "a pickle, which a state file must never be"}
 
 
 def encode(state: StateRecord) -> bytes:
     return _encoder.encode(state)
 
 
-def decode(payload: bytes) -> StateRecord:
-    """The records in a snapshot payload. Raises StateError naming the version when this version
-    cannot load it, or what is malformed."""
+def version_of(payload: bytes) -> int | None:
+    """The format version a snapshot payload was written in (before any migration)."""
     try:
-        version = _version_decoder.decode(payload).version
+        return _version_decoder.decode(payload).version
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise StateError(f"the state is not a versioned state document: {e}") from None
+
+
+def decode(payload: bytes) -> StateRecord:
+    """The records in a snapshot payload, migrated to this version. Raises StateError naming the
+    version when this version cannot load it, or what is malformed."""
+    version = version_of(payload)
     if version in _REFUSED:
         raise StateError(
             f"the state is format version {version} ({_REFUSED[version]}); this version reads "
-            f"version {VERSION}. Start the release that wrote it and drain it (free every sequence), "
-            "then start this one on a new --state-dir"
+            f"versions {sorted((*MIGRATIONS, VERSION))}. Start the release that wrote it and drain it "
+            "(free every sequence), then start this one on a new --state-dir"
         )
     if version != VERSION and version not in MIGRATIONS:
-        raise StateError(f"unknown state format version {version!r} (this version reads {VERSION})")
+        raise StateError(
+            f"unknown state format version {version!r} (this version reads {VERSION} and migrates "
+            f"{', '.join(map(str, sorted(MIGRATIONS)))})"
+        )
     try:
         if version == VERSION:
             return _state_decoder.decode(payload)
@@ -561,5 +566,177 @@ def decode(payload: bytes) -> StateRecord:
         while doc["version"] != VERSION:
             doc = MIGRATIONS[doc["version"]](doc)
         return msgspec.convert(doc, StateRecord)
-    except (msgspec.DecodeError, msgspec.ValidationError, KeyError, TypeError) as e:
-        raise StateError(f"the version-{version} state is malformed: {e}") from None
+    except (msgspec.DecodeError, msgspec.ValidationError, KeyError, TypeError, ValueError, IndexError) as e:
+        raise StateError(f"the version-{version} state is malformed: {e!r}") from None
+
+
+# --- version 2 -> 3 ------------------------------------------------------------------------------
+_V2_ARRAY_TYPECODES = frozenset("bBhHiIlLqQ")  # token ids were packed as unsigned ints ("I")
+
+
+def _v2_node(x: Any, seen: dict[int, Any]) -> Any:
+    """A version-2 node as plain data: containers as lists, dicts and bytes, a core object as a
+    dict of its fields by name (``"__class__"``: its class name, only ever compared, never looked
+    up). ``["ref", id]`` is the container or object first written with that id."""
+    if not isinstance(x, list):
+        return x
+    tag = x[0]
+    if tag == "ref":
+        return seen[x[1]]
+    if tag == "tuple":
+        return tuple(_v2_node(v, seen) for v in x[1])
+    if tag == "array":
+        if x[1] not in _V2_ARRAY_TYPECODES:
+            raise ValueError(f"array typecode {x[1]!r}")
+        return array(x[1], x[2]).tolist()
+    if tag == "bytearray":
+        seen[x[1]] = out = bytes(x[2])
+        return out
+    if tag in ("list", "set"):
+        items: list[Any] = []
+        seen[x[1]] = items
+        items.extend(_v2_node(v, seen) for v in x[2])
+        return items
+    if tag in ("dict", "odict"):
+        d: dict[Any, Any] = {}
+        seen[x[1]] = d
+        d.update(zip((_v2_node(k, seen) for k in x[2]), (_v2_node(v, seen) for v in x[3]), strict=True))
+        return d
+    if tag == "obj":
+        seen[x[1]] = obj = {"__class__": str(x[2]).rpartition(":")[2]}
+        obj.update(zip(x[3], (_v2_node(v, seen) for v in x[4]), strict=True))
+        return obj
+    raise ValueError(f"unknown node tag {tag!r}")
+
+
+def _v2_seq(s: dict[str, Any]) -> SeqRecord:
+    # Before Commit existed the manager registered everything a sequence held: all of it counts
+    # as committed. Before tenancy, every sequence was the one tenant "".
+    return SeqRecord(
+        seq_id=s["seq_id"],
+        block_ids=s["block_ids"],
+        num_tokens=s["num_tokens"],
+        pending_tokens=s["pending_tokens"],
+        last_hash=s["last_hash"],
+        num_hashed_blocks=s["num_hashed_blocks"],
+        priority=s["priority"],
+        arrival=s["arrival"],
+        group=s["group"],
+        cpu_block_ids=s["cpu_block_ids"],
+        num_committed=s.get("num_committed", s["num_tokens"]),
+        pending_hashes=s.get("pending_hashes", []),
+        tenant=s.get("tenant", ""),
+    )
+
+
+def _v2_eviction(p: dict[str, Any]) -> EvictionRecord:
+    if p["__class__"] == "LruEviction":
+        return LruRecord(list(p["_order"]), list(p["_aside"]))
+    if p["__class__"] == "LruSizeEviction":
+        return LruSizeRecord(
+            clock=p["clock"],
+            score=p["_score"],
+            hits=p["_hits"],
+            state=p["_state"],
+            gen=p["_gen"],
+            tick=p["_tick"],
+            leaves=[tuple(e) for e in p["_leaves"]],
+            pending=None if p["_pending"] is None else tuple(p["_pending"]),
+            inner=list(p["_inner"]),
+            length=p["_len"],
+        )
+    raise ValueError(f"eviction policy {p['__class__']!r}")
+
+
+def _v2_quota(q: dict[str, Any]) -> QuotaRecord:
+    return QuotaRecord(q["max_gpu_blocks"], q["max_cpu_blocks"], q["max_sequences"])
+
+
+def _v2_ledger(led: dict[str, Any] | None) -> LedgerRecord | None:
+    if led is None or led["__class__"] != "TenantLedger":
+        return None  # the null ledger, or a document from before tenancy
+    return LedgerRecord(
+        quotas=[(t, _v2_quota(q)) for t, q in led["quotas"].items()],
+        default_quota=_v2_quota(led["default_quota"]),
+        usage=[
+            (
+                t,
+                UsageRecord(
+                    u["gpu_blocks"],
+                    u["cpu_blocks"],
+                    u["sequences"],
+                    u["prefix_query_tokens"],
+                    u["prefix_hit_tokens"],
+                    u["preemptions"],
+                ),
+            )
+            for t, u in led["usage"].items()
+        ],
+    )
+
+
+def _migrate_v2(doc: dict[str, Any]) -> dict[str, Any]:
+    """Version 2 (the reflective export) to version 3: the same state, field by field. In version
+    2 the preemption state was the manager's own attributes; here it is the Preempter's record."""
+    seen: dict[int, Any] = {}
+    bm = _v2_node(doc["core"], seen)
+    if not isinstance(bm, dict) or bm.get("__class__") != "BlockManager":
+        raise ValueError("the version-2 core is not a BlockManager")
+    pool, cpu, victims = bm["pool"], bm["cpu"], bm["victims"]
+    core = CoreRecord(
+        pool=PoolRecord(
+            ref_counts=pool["ref_counts"],
+            free_list=pool["free_list"],
+            block_hash=pool["block_hash"],
+            parent_hash=pool["parent_hash"],
+            depth=pool["depth"],
+            child_count=list(pool["child_count"].items()),
+            index=list(pool["index"].items()),
+            eviction=_v2_eviction(pool["eviction_policy"]),
+            num_evicted=pool["num_evicted"],
+            events_enabled=pool.get("events") is not None,
+        ),
+        cpu=CpuPoolRecord(cpu["ref_counts"], cpu["free_list"]),
+        running=[_v2_seq(s) for s in bm["seqs"].values()],
+        swapped=[_v2_seq(s) for s in bm["swapped"].values()],
+        groups=[(g, sorted(members)) for g, members in bm["groups"].items()],
+        preemption=PreemptionRecord(
+            victims=VictimQueueRecord(
+                [tuple(e) for e in victims["_heap"]], list(victims["_live"].items()), victims["_tick"]
+            ),
+            requeued=list(bm["requeued"].items()),
+            recently_preempted=list(bm["recently_preempted"].items()),
+            num_preemptions_swap=bm["num_preemptions_swap"],
+            num_preemptions_recompute=bm["num_preemptions_recompute"],
+            num_swapped_out_blocks=bm["num_swapped_out_blocks"],
+            num_swapped_in_blocks=bm["num_swapped_in_blocks"],
+            preemption_cost_s=bm["preemption_cost_s"],
+        ),
+        arrivals=bm["_arrivals"],
+        prefix_query_tokens=bm["prefix_query_tokens"],
+        prefix_hit_tokens=bm["prefix_hit_tokens"],
+        num_committed_blocks=bm.get("num_committed_blocks", 0),
+        num_cow_copies=bm["num_cow_copies"],
+        num_prefix_cache_resets=bm.get("num_prefix_cache_resets", 0),
+        ledger=_v2_ledger(bm.get("ledger")),
+    )
+    leases = _v2_node(doc["leases"], seen)
+    dedupe = _v2_node(doc["dedupe"], seen)
+    # Fields CoreConfig gained after a document was written take CoreConfig's defaults, as in version 2.
+    config = CoreConfig(**{f: v for f, v in doc["config"].items() if f in ConfigRecord.__struct_fields__})
+    state = StateRecord(
+        version=3,
+        config=config_record(config),
+        core=core,
+        leases=LeaseTableRecord(
+            leases=[LeaseRecord(lid, ttl, list(seqs)) for lid, (ttl, seqs) in leases["leases"].items()],
+            num_expired=leases["num_expired"],
+            num_expired_sequences=leases["num_expired_sequences"],
+        ),
+        dedupe=[DedupeEntry(*entry) for entry in dedupe],
+    )
+    return msgspec.to_builtins(state, builtin_types=(bytes,))
+
+
+# version N -> a function from version N's plain document to version N+1's.
+MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {2: _migrate_v2}

@@ -382,7 +382,7 @@ class ReliableStage:
             records.restore_leases(self.leases, st.leases)
             records.restore_dedupe(self.dedupe, st.dedupe)
             report.snapshot_seq = loaded.seq
-            report.snapshot_version = st.version
+            report.snapshot_version = records.version_of(loaded.payload) or 0  # as written: 2 is rewritten
             report.snapshot_bytes = loaded.size
         scan_report = ScanReport()
         for rec in scan(state_dir, report.snapshot_seq, scan_report):

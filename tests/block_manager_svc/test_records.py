@@ -1,7 +1,7 @@
 """Snapshots as explicit records (block_manager_svc/records.py): a round trip rebuilds the core
-exactly, every attribute of the core is either persisted or knowingly derived, and a file of an
-old, unknown, malformed or inconsistent version is refused with a precise error (a format-1
-pickle is never unpickled)."""
+exactly, every attribute of the core is either persisted or knowingly derived, a version-2 state
+written by the previous release is migrated to the same core, and a file of an unknown, malformed
+or inconsistent version is refused with a precise error (a format-1 pickle is never unpickled)."""
 
 from __future__ import annotations
 
@@ -17,10 +17,11 @@ from hypothesis import strategies as st
 
 from block_manager_svc import records, snapshot
 from block_manager_svc.core import BlockManager, CoreConfig, CoreError
-from block_manager_svc.core.tenants import TenantLedger
+from block_manager_svc.core.tenants import Quota, TenantLedger
 from block_manager_svc.idempotency import DedupeTable
 from block_manager_svc.leases import LeaseTable
 from block_manager_svc.server import start_server
+from block_manager_svc.servicer import BlockManagerServicer
 from block_manager_svc.settings import BlockManagerSettings
 
 from .reliability.test_recovery import canonical
@@ -198,15 +199,13 @@ def test_after_random_operations_a_round_trip_is_identical_and_behaves_the_same(
 def test_unknown_old_malformed_and_inconsistent_states_are_refused_precisely() -> None:
     payload = records.encode(records.to_record(_busy_core(), LeaseTable(), DedupeTable()))
     doc = msgspec.msgpack.decode(payload)
-    with pytest.raises(records.StateError, match=r"unknown state format version 99 \(this version reads 3\)"):
+    with pytest.raises(
+        records.StateError, match=r"unknown state format version 99 \(this version reads 3 and migrates 2\)"
+    ):
         records.decode(msgspec.msgpack.encode(dict(doc, version=99)))
-    # Version 2, the reflective export, as it looked (tagged nodes naming core classes).
-    v2 = {
-        "version": 2,
-        "config": doc["config"],
-        "core": ["obj", 0, "block_manager_svc.core.manager:BlockManager"],
-    }
-    with pytest.raises(records.StateError, match="format version 2 .a reflective export"):
+    # Version 2 whose core is not what version 2 wrote: refused, and nothing is looked up by name.
+    v2 = {"version": 2, "config": {}, "core": ["obj", 0, "os:system", [], []], "leases": {}, "dedupe": []}
+    with pytest.raises(records.StateError, match="version-2 state is malformed.*not a BlockManager"):
         records.decode(msgspec.msgpack.encode(v2))
     with pytest.raises(records.StateError, match="not a versioned state document"):
         records.decode(b"\x93\x01\x02")  # an array, not a document
@@ -271,3 +270,104 @@ def test_a_version_1_pickled_snapshot_is_refused_without_unpickling(tmp_path: Pa
     with pytest.raises(snapshot.SnapshotError, match="format-1"):
         start_server(_settings(state))
     assert CALLS == []
+
+
+# --- version 2 (the previous release's reflective export) ---------------------------------------
+DATA = Path(__file__).parent / "data"
+
+
+def _v2_workload(policy: str) -> tuple[BlockManager, LeaseTable]:
+    """What wrote data/state_v2_<policy>.msgpack, run by the release before records.py (c89a06b:
+    the same calls, then ``state_export.export(bm, leases.export(), [("r1", "Free", b"d" * 16,
+    b"reply", 2e9)])`` encoded with msgpack)."""
+    bm = BlockManager(
+        CoreConfig(
+            num_gpu_blocks=12, block_size=4, num_cpu_blocks=6, preemption_mode="swap", eviction_policy=policy
+        )
+    )
+    bm.enable_tenancy(TenantLedger(quotas={"t": Quota(max_gpu_blocks=10)}))
+    bm.allocate("a", 10, list(range(10)), tenant="t")
+    bm.commit("a", 10)
+    bm.fork("a", "b")
+    bm.append("b", 3, [1, 2, 3])
+    bm.allocate("c", 8, [9] * 8, 1, tenant="t")
+    bm.commit("c", 8)
+    bm.free("c")
+    bm.preempt("b", "swap")
+    bm.allocate("d", 5, [4] * 5, tenant="t")
+    bm.allocate("e", 3, [7] * 3, tenant="t")
+    bm.preempt("e", "recompute")
+    bm.reset_prefix_cache()
+    bm.allocate("f", 6, [5] * 6, tenant="t")
+    bm.commit("f", 4)
+    leases = LeaseTable()
+    leases.attach("a", "L")
+    leases.touch("M", 5.0)
+    return bm, leases
+
+
+@pytest.mark.parametrize("policy", ["lru", "lru-size"])
+def test_a_version_2_state_of_the_previous_release_is_migrated_to_the_same_core(policy: str) -> None:
+    want, leases = _v2_workload(policy)
+    st_ = records.decode((DATA / f"state_v2_{policy}.msgpack").read_bytes())
+    assert st_.version == 3 and records.config_of(st_.config) == want.config
+    core = records.core_from_record(records.config_of(st_.config), st_.core)
+    assert canonical(core) == canonical(want)
+    assert core.preemption.requeued == {"e": 5} and core.tenants is not None
+    back = LeaseTable()
+    records.restore_leases(back, st_.leases)
+    assert back.export() == leases.export()
+    assert [msgspec.structs.astuple(d) for d in st_.dedupe] == [("r1", "Free", b"d" * 16, b"reply", 2e9)]
+    later = [("alloc", 1, 9, 2), ("swap_in", 0, 1, 1), ("append", 3, 5, 1)]
+    assert _run(core, later) == _run(want, later)
+    assert canonical(core) == canonical(want)
+
+
+def test_a_version_2_state_written_before_later_fields_gets_their_old_meaning() -> None:
+    """Version-2 documents from before Commit, tenancy, KV events and the reset counter lack those
+    fields; the migration gives them what they meant then (all of a sequence committed, tenant "")."""
+    doc = msgspec.msgpack.decode((DATA / "state_v2_lru.msgpack").read_bytes())
+    drop = {
+        "SeqState": {"num_committed", "pending_hashes", "tenant"},
+        "BlockManager": {"ledger", "num_prefix_cache_resets", "num_committed_blocks"},
+        "BlockPool": {"events"},
+    }
+
+    def strip(node: object) -> None:
+        if isinstance(node, list):
+            if node and node[0] == "obj":
+                gone = drop.get(node[2].rpartition(":")[2], set())
+                keep = [i for i, n in enumerate(node[3]) if n not in gone]
+                node[3] = [node[3][i] for i in keep]
+                node[4] = [node[4][i] for i in keep]
+            for item in node:
+                strip(item)
+
+    strip(doc["core"])
+    st_ = records.decode(msgspec.msgpack.encode(doc))
+    seqs = [*st_.core.running, *st_.core.swapped]
+    assert seqs and all(s.num_committed == s.num_tokens for s in seqs)
+    assert all(s.tenant == "" and s.pending_hashes == [] for s in seqs)
+    assert st_.core.ledger is None and st_.core.num_prefix_cache_resets == 0
+    assert st_.core.num_committed_blocks == 0 and not st_.core.pool.events_enabled
+
+
+def test_a_state_dir_with_a_version_2_snapshot_recovers(tmp_path: Path) -> None:
+    """The path a restart takes: the snapshot file, the migration, the geometry check, the core."""
+    state = tmp_path / "state"
+    state.mkdir()
+    _write_snapshot(state, 7, (DATA / "state_v2_lru-size.msgpack").read_bytes())
+    want, _ = _v2_workload("lru-size")
+    servicer = BlockManagerServicer(BlockManager(want.config))
+    report = servicer.reliable.recover(state)
+    assert (report.snapshot_seq, report.snapshot_version) == (7, 2)
+    assert canonical(servicer._core) == canonical(want)  # noqa: SLF001
+    # Starting on it rewrites the snapshot in this version's format, and that reads back the same.
+    settings = BlockManagerSettings(port=0, num_gpu_blocks=12, block_size=4, state_dir=str(state))
+    fresh = BlockManagerServicer(BlockManager(want.config))
+    fresh.reliable.start(settings).close()
+    latest = snapshot.load_latest(state)
+    assert latest is not None and records.version_of(latest.payload) == 3
+    again = BlockManagerServicer(BlockManager(want.config))
+    assert again.reliable.recover(state).snapshot_version == 3
+    assert canonical(again._core) == canonical(want)  # noqa: SLF001
