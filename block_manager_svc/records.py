@@ -2,11 +2,15 @@
 
 Next to commands.py (the state *changes* the journal records), this module is the
 state itself: one hand-written msgspec struct per piece of the core and the
-reliability stage, :func:`to_record` / :func:`from_record` that copy each
-field by name, and the migrations, in one place. Nothing is found by
-reflection: a field the core gains is persisted only when it is added here
-(tests/block_manager_svc/test_records.py fails until it is), and a state file
-can only ever build these types (no pickle, no class names).
+reliability stage, :func:`to_record` / :func:`core_from_record` (and the lease
+and dedupe counterparts) that copy each field by name, and the migrations, in
+one place. Nothing is found by reflection: a field the core gains is persisted
+only when it is added here (tests/block_manager_svc/test_records.py fails until
+it is), and a state file can only ever build these types (no pickle, no class
+names). This module names the private attributes of the eviction policies and
+the victim queue on purpose: their exact order is state (a restored pool must
+evict and preempt in the same order), and this is the one module allowed to
+know them.
 
 What is state and what is not:
 
