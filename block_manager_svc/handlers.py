@@ -23,14 +23,12 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import grpc
 import structlog
-from google.protobuf import any_pb2
-from google.rpc import error_details_pb2, status_pb2
-from grpc_status import rpc_status
 
 from block_manager_svc import commands as cmds
 from block_manager_svc.core import BlockManager, CoreError, ErrorCode, InvalidArgument, ItemError, StepBatch
 from block_manager_svc.core.prefix_cache import encode_tokens
 from block_manager_svc.core.results import CacheOps, Preemption, StepResult, SwapInResult
+from pagedkv.errors import rich_status as standard_rich_status
 from pagedkv.log_limit import LogLimiter
 from pagedkv.v1 import block_manager_pb2 as pb
 
@@ -54,16 +52,9 @@ log = structlog.get_logger("pagedkv.block_manager")
 
 
 def rich_status(code: grpc.StatusCode, message: str, reason: str, seq_id: str = "") -> grpc.Status:
-    """The standard rich error model: a google.rpc.Status (code, message, and an ErrorInfo with
-    `reason`, ERROR_DOMAIN and the sequence id) that grpcio-status sends in grpc-status-details-bin
-    and every gRPC ecosystem client (grpcurl, `rpc_status.from_call`) decodes. The reasons are the
-    core's (core/errors.py REASONS)."""
-    info = error_details_pb2.ErrorInfo(
-        reason=reason, domain=ERROR_DOMAIN, metadata={"seq_id": seq_id} if seq_id else {}
-    )
-    detail = any_pb2.Any()
-    detail.Pack(info)
-    return rpc_status.to_status(status_pb2.Status(code=code.value[0], message=message, details=[detail]))
+    """The standard rich error model (pagedkv/errors.py): an ErrorInfo with `reason`, ERROR_DOMAIN
+    and the sequence id. The reasons are the core's (core/errors.py REASONS)."""
+    return standard_rich_status(code, message, reason, ERROR_DOMAIN, {"seq_id": seq_id} if seq_id else None)
 
 
 def request_id_of(context: grpc.ServicerContext | None, request: object = None) -> str:

@@ -94,24 +94,29 @@ class LeaseTable:
         self.num_expired += 1
         self.num_expired_sequences += num_sequences
 
-    # --- snapshots: ttl and members only; deadlines restart fresh -------------------
+    # --- snapshots (block_manager_svc/records.py): ttl and members; deadlines restart fresh ----
     def export(self) -> dict:
+        """The table as plain data, for comparing states (tests, fault scenarios)."""
         return {
             "leases": {lid: (lease.ttl_s, sorted(lease.seq_ids)) for lid, lease in self.leases.items()},
             "num_expired": self.num_expired,
             "num_expired_sequences": self.num_expired_sequences,
         }
 
-    def restore(self, state: dict) -> None:
+    def restore(
+        self, leases: Iterable[tuple[str, float, Iterable[str]]], num_expired: int, num_expired_sequences: int
+    ) -> None:
+        """Replace the table with (lease id, ttl, members) from a snapshot (records.py); every
+        lease gets a fresh full TTL."""
         now = self.clock()
         self.leases.clear()
         self.lease_of.clear()
-        for lid, (ttl, seqs) in state["leases"].items():
+        for lid, ttl, seqs in leases:
             self.leases[lid] = Lease(lid, ttl, now + ttl, set(seqs))
             for s in seqs:
                 self.lease_of[s] = lid
-        self.num_expired = state["num_expired"]
-        self.num_expired_sequences = state["num_expired_sequences"]
+        self.num_expired = num_expired
+        self.num_expired_sequences = num_expired_sequences
 
     def refresh_all(self) -> None:
         """Give every lease a fresh full TTL (after recovery)."""

@@ -25,8 +25,8 @@ step 1 and one branch are all that is added to the core stage.
 The journal records what a request did, not the request: the explicit core and
 lease commands it applied (block_manager_svc/commands.py; the core stage records
 its core calls, `_do` this stage's lease bookkeeping) and, for a request with an
-id, the reply it got. Recovery loads the snapshot (an explicit state export,
-block_manager_svc/snapshot.py) and applies the same commands again, so block
+id, the reply it got. Recovery loads the snapshot (explicit, versioned state
+records, block_manager_svc/records.py and snapshot.py) and applies the same commands again, so block
 tables, ref counts, the prefix index, eviction order and the dedupe window come
 back exactly.
 """
@@ -47,8 +47,8 @@ import grpc
 import structlog
 
 from block_manager_svc import commands as cmds
+from block_manager_svc import records
 from block_manager_svc import snapshot as snap
-from block_manager_svc import state_export
 from block_manager_svc.commands import Batch, Command, DedupeEntry, ReplayError
 from block_manager_svc.core import CoreError
 from block_manager_svc.core.results import StepResult
@@ -82,7 +82,7 @@ __all__ = ["MUTATIONS", "RecoveryReport", "Reliability", "ReliableStage", "Repla
 class RecoveryReport:
     snapshot_seq: int = 0
     snapshot_bytes: int = 0
-    snapshot_version: int = 0  # the format it was written in (state_export.py)
+    snapshot_version: int = 0  # the format it was written in (records.py)
     replayed: int = 0
     journal_bytes: int = 0
     dropped_bytes: int = 0
@@ -339,8 +339,8 @@ class ReliableStage:
         return s
 
     # --- snapshots and recovery -----------------------------------------------------------
-    def _state(self) -> dict[str, Any]:
-        return state_export.export(self._core, self.leases.export(), self.dedupe.export())
+    def _state(self) -> records.StateRecord:
+        return records.to_record(self._core, self.leases, self.dedupe)
 
     def snapshot_now(self, rewrite: bool = False) -> int:
         """Write a snapshot covering every journaled record; returns its seq.
@@ -351,7 +351,7 @@ class ReliableStage:
             with self._lock:
                 if journal.last_seq == self.last_snapshot_seq and self.last_snapshot_seq and not rewrite:
                     return self.last_snapshot_seq
-                payload = snap.dumps(self._state())
+                payload = records.encode(self._state())
                 seq = journal.rotate()
             t0 = time.perf_counter()
             snap.write(state_dir, seq, payload, sync=journal.policy != "off")
@@ -368,19 +368,21 @@ class ReliableStage:
         report = RecoveryReport()
         loaded = snap.load_latest(state_dir)
         if loaded is not None:
-            doc = loaded.state
             try:
-                if isinstance(doc, dict) and doc.get("version") == state_export.VERSION:
-                    self._check_geometry(state_export.config_of(doc), state_dir)  # before building the core
-                st = state_export.restore(doc)
-            except (state_export.StateError, KeyError, TypeError, ValueError) as e:
+                st = records.decode(loaded.payload)
+                config = records.config_of(st.config)
+            except (records.StateError, ValueError) as e:
                 raise snap.SnapshotError(f"the snapshot in {state_dir} cannot be loaded: {e}") from e
-            self._check_geometry(st.core.config, state_dir)
-            self._core = st.core
-            self.leases.restore(st.leases)
-            self.dedupe.restore(st.dedupe)
+            self._check_geometry(config, state_dir)  # before building the core
+            try:
+                core = records.core_from_record(config, st.core)
+            except records.StateError as e:
+                raise snap.SnapshotError(f"the snapshot in {state_dir} cannot be loaded: {e}") from e
+            self._core = core
+            records.restore_leases(self.leases, st.leases)
+            records.restore_dedupe(self.dedupe, st.dedupe)
             report.snapshot_seq = loaded.seq
-            report.snapshot_version = doc["version"]
+            report.snapshot_version = records.version_of(loaded.payload) or 0  # as written: 2 is rewritten
             report.snapshot_bytes = loaded.size
         scan_report = ScanReport()
         for rec in scan(state_dir, report.snapshot_seq, scan_report):
@@ -445,7 +447,7 @@ class ReliableStage:
             self.state_dir = state_dir
             self.journal = Journal(state_dir, report.last_seq + 1, settings.fsync, settings.fsync_interval_ms)
             self.snapshot_every_ops = settings.snapshot_every_ops
-            old_format = report.snapshot_bytes and report.snapshot_version != state_export.VERSION
+            old_format = report.snapshot_bytes and report.snapshot_version != records.VERSION
             if report.replayed or not report.snapshot_bytes or old_format:
                 self.snapshot_now(rewrite=bool(old_format))  # bounds the next recovery, records the geometry
             log.info(

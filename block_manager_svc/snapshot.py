@@ -1,19 +1,18 @@
 """Atomic, checksummed snapshots of the whole block-manager state.
 
-A snapshot is the state export of block_manager_svc/state_export.py (core,
-leases, dedupe table as versioned plain data, msgpack-encoded) taken under the
-state lock, tagged with the journal sequence number it covers. It is written
+A snapshot is the state as explicit, versioned records (block_manager_svc/records.py:
+core, leases, dedupe table, msgpack-encoded) taken under the state lock, tagged
+with the journal sequence number it covers. It is written
 to a temporary file, fsynced, renamed over its final name and the directory
 fsynced, so a crash leaves either the old or the new snapshot, never half of
 one. After it is durable, journal segments it covers and older snapshots are
 deleted.
 
 File layout: ``MAGIC | u64 seq | u32 crc32(payload) | u64 len(payload) | payload``.
-``PKVSNAP2``: the payload is the msgpack document. ``PKVSNAP1`` (versions
-before the export) was a pickle of the manager objects; it is refused, never
-unpickled: a state file must not be able to name code to run. Such a state
-dir is upgraded by starting the release that wrote it once and stopping it
-cleanly (its final snapshot is format 2).
+``PKVSNAP2``: the payload is a msgpack state document whose ``version`` field
+records.py reads first (and refuses or migrates there). ``PKVSNAP1`` (the first
+versions) was a pickle of the manager objects; it is refused, never unpickled: a
+state file must not be able to name code to run.
 """
 
 from __future__ import annotations
@@ -24,9 +23,6 @@ import struct
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import msgspec
 
 from block_manager_svc.journal import fsync_dir, list_numbered
 
@@ -43,7 +39,7 @@ class SnapshotError(RuntimeError):
 @dataclass(slots=True, frozen=True)
 class Snapshot:
     seq: int
-    state: Any
+    payload: bytes  # checked against its checksum; records.decode reads it
     size: int
 
 
@@ -53,11 +49,6 @@ def snapshot_name(seq: int) -> str:
 
 def list_snapshots(state_dir: Path) -> list[tuple[int, Path]]:
     return list_numbered(state_dir, SNAP_RE)
-
-
-def dumps(state: Any) -> bytes:
-    """Plain data (state_export.export's document) as the payload of a snapshot."""
-    return msgspec.msgpack.encode(state)
 
 
 def write(state_dir: Path, seq: int, payload: bytes, sync: bool = True) -> Path:
@@ -96,13 +87,9 @@ def load_latest(state_dir: Path) -> Snapshot | None:
     if magic == MAGIC_PICKLE:
         raise SnapshotError(
             f"{path} is a format-1 snapshot (a pickle), which this version does not load: a state file must "
-            "not be able to name code to run. Start the release that wrote it on this state dir and stop it "
-            "cleanly (its final snapshot is format 2), then start this one"
+            "not be able to name code to run. Start the release that wrote it and drain it (free every "
+            "sequence), then start this one on a new --state-dir"
         )
     if magic != MAGIC or hdr_seq != seq or length != len(payload) or zlib.crc32(payload) != crc:
         raise SnapshotError(f"{path} is corrupt (bad header or checksum)")
-    try:
-        state = msgspec.msgpack.decode(payload)
-    except Exception as e:
-        raise SnapshotError(f"{path} cannot be loaded by this version: {e!r}") from e
-    return Snapshot(seq=seq, state=state, size=len(buf))
+    return Snapshot(seq=seq, payload=payload, size=len(buf))

@@ -30,10 +30,12 @@ Backends are registered by name in ``kernels/backend.py`` ("reference", "cpu", "
 picks one from its tensors' device:
 
 - CUDA tensors run the Triton kernels.
-- CPU tensors run the CPU backend (``kernels/cpu.py``: length-bucketed gathers + torch's fused SDPA,
-  GQA folded per KV head; the reference's block copies, the batched swap), unless ``TRITON_INTERPRET=1`` was
-  set before ``kernels`` was imported, in which case the Triton kernels run in Triton's interpreter
-  (how CI tests them). bf16 on CPU always uses the CPU backend (the interpreter cannot do bf16 math).
+- CPU tensors run the CPU backend (``kernels/cpu.py``: the native C kernels of
+  ``kernels/cpu_native.py`` where they were built at install, else length-bucketed gathers + torch's
+  fused SDPA, GQA folded per KV head; the reference's block copies, the batched swap), unless
+  ``TRITON_INTERPRET=1`` was set before ``kernels`` was imported, in which case the Triton kernels
+  run in Triton's interpreter (how CI tests them). bf16 on CPU always uses the CPU backend (the
+  interpreter cannot do bf16 math).
 
 Override (innermost wins): the context manager ``kernels.use_backend(name)`` (a worker's model
 runner wraps each step in it with its ``--kernel-backend``), or the environment variable

@@ -25,7 +25,9 @@ from pagedkv.registry import load as load_registered
 # when its backend is chosen.
 MODULES: dict[str, str] = {
     "reference": "kernels.reference",  # plain torch, the oracle
-    "cpu": "kernels.cpu",  # length-bucketed gathers + torch's fused SDPA: the CPU fast path
+    # The CPU fast path: the native C kernels (kernels/cpu_native.py) where built, else
+    # length-bucketed gathers + torch's fused SDPA (kernels/cpu.py decides per call).
+    "cpu": "kernels.cpu",
     "triton": "kernels.triton_backend",  # Triton kernels: CUDA, or CPU in Triton's interpreter
 }
 

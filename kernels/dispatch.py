@@ -2,8 +2,10 @@
 
 Three backends exist: Triton kernels (fast on a GPU, and runnable on CPU in Triton's interpreter,
 which is how CI checks them), a plain-torch reference (the oracle), and the CPU backend
-(``kernels/cpu.py``: length-bucketed gathers and torch's fused SDPA, the fast path on CPU). This
-module decides between them, from these inputs:
+(``kernels/cpu.py``, the fast path on CPU: the native C kernels of ``kernels/cpu_native.py``, built
+at install, where they are available, else length-bucketed gathers and torch's fused SDPA; that
+second choice is made per call inside ``kernels/cpu.py``). This module decides between the
+backends, from these inputs:
 
 0. a name passed explicitly (``resolve(..., requested=name)``, ``kernels.backend_for(t, name)``);
 1. otherwise an override set with the ``use_backend(name)`` context manager (innermost wins; it is

@@ -13,7 +13,7 @@ from pagedkv.v1 import block_manager_pb2 as pb
 
 
 def run_recovery(sizes: tuple[int, ...] = (1000, 10000, 50000)) -> list[dict[str, Any]]:
-    from block_manager_svc import snapshot
+    from block_manager_svc import records
     from block_manager_svc.core import CoreError  # noqa: F401
     from block_manager_svc.journal import Journal
     from block_manager_svc.server import build_core
@@ -62,7 +62,7 @@ def run_recovery(sizes: tuple[int, ...] = (1000, 10000, 50000)) -> list[dict[str
         rep = s2.reliable.recover(tmp)
         dt = time.perf_counter() - t0
         t0 = time.perf_counter()
-        payload_len = len(snapshot.dumps(s2.reliable._state()))  # what snapshot_now does under the lock
+        payload_len = len(records.encode(s2.reliable._state()))  # what snapshot_now does under the lock
         snap_s = time.perf_counter() - t0
         rows.append(
             {

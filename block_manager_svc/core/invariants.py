@@ -119,7 +119,8 @@ def _check_swap_and_groups(bm: BlockManager) -> None:
             states.add(m in bm.swapped)
         assert len(states) == 1, f"group {g} is partly swapped"
     if bm.preempt_on:
-        assert len(bm.victims) == len(bm.seqs) and all(s in bm.victims for s in bm.seqs)
+        victims = bm.preemption.victims
+        assert len(victims) == len(bm.seqs) and all(s in victims for s in bm.seqs)
 
 
 def _check_prefix_tree(bm: BlockManager) -> None:

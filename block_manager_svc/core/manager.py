@@ -22,7 +22,6 @@ from array import array
 from collections.abc import Sequence as SequenceT
 from dataclasses import dataclass
 
-from block_manager_svc.core import preemption
 from block_manager_svc.core.block_pool import BlockPool
 from block_manager_svc.core.cpu_pool import CpuPool
 from block_manager_svc.core.errors import (
@@ -36,7 +35,7 @@ from block_manager_svc.core.errors import (
 from block_manager_svc.core.eviction import DEFAULT_MISS_COST_TOKENS, POLICIES, make_eviction_policy
 from block_manager_svc.core.invariants import check_invariants
 from block_manager_svc.core.kv_events import PoolEvent
-from block_manager_svc.core.preemption import StepScope, VictimQueue
+from block_manager_svc.core.preemption import Preempter, PreemptionPlan, StepScope
 from block_manager_svc.core.prefix_cache import ROOT_HASH, chain_hash, chain_hashes, encode_tokens, root_hash
 from block_manager_svc.core.results import (
     AllocateResult,
@@ -135,23 +134,28 @@ class BlockManager:
         )
         self.seqs: dict[str, SeqState] = {}  # running: blocks on the GPU
         self.swapped: dict[str, SeqState] = {}  # preempted by swap: blocks in the CPU pool
-        self.victims = VictimQueue()  # running sequences in preemption order (when enabled)
         self.groups: dict[int, set[str]] = {}  # fork group id -> members (groups of two or more)
-        self.preempt_on = config.preemption_mode != "off"
-        self.recently_preempted: dict[str, str] = {}  # by the current call, for messages
-        # Recompute victims' arrivals, restored when the frontend re-Allocates
-        # them under the same id (core/preemption.py). Bounded.
-        self.requeued: dict[str, int] = {}
+        # Who yields and how, and swap-in (core/preemption.py): it owns the victim queue and the
+        # preemption counters, and sees of this manager only what its constructor is given.
+        self.preemption = Preempter(
+            mode=config.preemption_mode,
+            block_size=config.block_size,
+            watermark_blocks=config.watermark_blocks,
+            cost_model=self.cost_model,
+            pool=self.pool,
+            cpu=self.cpu,
+            seqs=self.seqs,
+            swapped=self.swapped,
+            groups=self.groups,
+            release=self.free,
+            exhausted=self.exhausted,
+        )
+        self.preempt_on = self.preemption.enabled
         self._arrivals = 0
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self.num_committed_blocks = 0
         self.num_cow_copies = 0
-        self.num_preemptions_swap = 0
-        self.num_preemptions_recompute = 0
-        self.num_swapped_out_blocks = 0
-        self.num_swapped_in_blocks = 0
-        self.preemption_cost_s = 0.0
         # Per-tenant usage and quotas (core/tenants.py); the null ledger = tenancy off.
         self.ledger: Ledger = NULL_LEDGER
         self.num_prefix_cache_resets = 0
@@ -166,7 +170,7 @@ class BlockManager:
                 raise FailedPrecondition(
                     f"sequence {seq_id!r} is swapped out to the CPU pool; SwapIn it before growing it"
                 )
-            how = self.recently_preempted.get(seq_id)
+            how = self.preemption.recently_preempted.get(seq_id)
             if how is not None:
                 raise NotFound(
                     f"sequence {seq_id!r} does not exist: it was preempted for {how} earlier in this "
@@ -274,9 +278,7 @@ class BlockManager:
                 num_hashed = nh
                 del hashes[:nh]  # the rest are the pending full blocks' hashes
         self._arrivals += 1
-        arrival = self._arrivals
-        if self.requeued:
-            arrival = self.requeued.pop(seq_id, arrival)
+        arrival = self.preemption.arrival_for(seq_id, self._arrivals)
         self.seqs[seq_id] = SeqState(
             seq_id=seq_id,
             block_ids=block_ids,
@@ -292,7 +294,7 @@ class BlockManager:
             tenant=tenant,
         )
         if self.preempt_on:
-            self.victims.push(seq_id, priority, arrival)
+            self.preemption.running(seq_id, priority, arrival)
         return AllocateResult(block_ids=list(block_ids), num_cached_tokens=nh * bs)
 
     # --- Append -------------------------------------------------------------
@@ -302,15 +304,14 @@ class BlockManager:
         With preemption enabled, a sequence that cannot grow preempts
         lower-ranked sequences (core/preemption.py); they are listed in the
         result and their swap_out ops come first in `ops`."""
-        if self.recently_preempted:
-            self.recently_preempted.clear()
+        self.preemption.new_call()
         seq = self.get_running(seq_id)
         tokens = None
         if token_ids is not None and len(token_ids) > 0:
             tokens = _encode_token_ids(token_ids, num_tokens)
         cow, needed, plan = self._plan_append(seq, num_tokens)
         ops = CacheOps()
-        preempted = preemption.apply(self, plan, ops) if plan is not None else []
+        preempted = self.preemption.apply(plan, ops) if plan is not None else []
         new_blocks, copy = self._apply_append(seq, num_tokens, tokens, cow, needed)
         if copy:
             ops.copies.append(copy)
@@ -320,7 +321,7 @@ class BlockManager:
 
     def _plan_append(
         self, seq: SeqState, num_tokens: int, scope: StepScope | None = None, pos: int = 0
-    ) -> tuple[bool, int, preemption.PreemptionPlan | None]:
+    ) -> tuple[bool, int, PreemptionPlan | None]:
         """(copy_on_write, blocks needed, preemptions) for growing `seq`; raises if it cannot.
 
         When the pool is short and preemption is enabled, the plan names the
@@ -345,7 +346,7 @@ class BlockManager:
             return cow, needed, None
         if self.preempt_on:
             grown = scope.grown_groups(pos) if scope is not None else None
-            plan = preemption.plan(self, seq, needed - available, grown)
+            plan = self.preemption.plan(seq, needed - available, grown)
             if plan is not None:
                 return cow, needed, plan
         raise self.exhausted(f"appending {num_tokens} tokens to {seq.seq_id!r}", needed, available)
@@ -481,7 +482,7 @@ class BlockManager:
         else:
             members.add(child_seq_id)
         if self.preempt_on:
-            self.victims.push(child_seq_id, parent.priority, self._arrivals)
+            self.preemption.running(child_seq_id, parent.priority, self._arrivals)
         return list(parent.block_ids)
 
     def free(self, seq_id: str) -> int:
@@ -503,7 +504,7 @@ class BlockManager:
             self.ledger.released(seq.tenant, 0, dropped)
             return 0
         if self.preempt_on:
-            self.victims.discard(seq_id)
+            self.preemption.gone(seq_id)
         if seq.group in self.groups:
             self._leave_group(seq)
         decref = self.pool.decref
@@ -541,8 +542,7 @@ class BlockManager:
         in the result and changes nothing, the others still apply.
         """
         result = StepResult()
-        if self.recently_preempted:
-            self.recently_preempted.clear()
+        self.preemption.new_call()
         counts = batch.commit_num_computed_tokens
         for j, seq_id in enumerate(batch.commit_seq_ids):
             try:
@@ -697,7 +697,7 @@ class BlockManager:
             return
         if plan is not None:
             before = len(result.preempted)
-            result.preempted.extend(preemption.apply(self, plan, result.ops))
+            result.preempted.extend(self.preemption.apply(plan, result.ops))
             result.preempted_by.extend([i] * (len(result.preempted) - before))
         blocks, copy = self._apply_append(seq, k, tokens, cow, needed)
         if copy is not None:
@@ -714,11 +714,20 @@ class BlockManager:
         For the frontend's own decisions (e.g. the growing sequence itself is
         the lowest-ranked one and Append said RESOURCE_EXHAUSTED). `mode`
         overrides the configured mode ("auto", "swap" or "recompute")."""
-        return preemption.preempt(self, seq_id, mode)
+        return self.preemption.preempt(self.get_running(seq_id), mode)
 
     def swap_in(self, seq_id: str) -> SwapInResult:
         """Bring a swapped sequence and its swapped fork group back to the GPU."""
-        return preemption.swap_in(self, seq_id)
+        seq = self.swapped.get(seq_id)
+        if seq is None:
+            check_seq_id(seq_id)
+            if seq_id in self.seqs:
+                raise FailedPrecondition(
+                    f"sequence {seq_id!r} is not swapped out (it is running)",
+                    reason="SEQUENCE_NOT_SWAPPED_OUT",
+                )
+            raise NotFound(f"sequence {seq_id!r} does not exist")
+        return self.preemption.swap_in(seq)
 
     # --- queries ------------------------------------------------------------
     def block_table(self, seq_id: str) -> BlockTable:
@@ -734,7 +743,7 @@ class BlockManager:
         return BlockTable(block_ids=list(seq.block_ids), num_tokens=seq.num_tokens)
 
     def stats(self) -> Stats:
-        pool = self.pool
+        pool, pre = self.pool, self.preemption
         free, cached = pool.num_free, pool.num_cached
         return Stats(
             block_size=self.block_size,
@@ -751,11 +760,11 @@ class BlockManager:
             num_cpu_blocks=self.cpu.num_blocks,
             num_free_cpu_blocks=self.cpu.num_free,
             num_swapped_sequences=len(self.swapped),
-            num_preemptions_swap=self.num_preemptions_swap,
-            num_preemptions_recompute=self.num_preemptions_recompute,
-            num_swapped_out_blocks=self.num_swapped_out_blocks,
-            num_swapped_in_blocks=self.num_swapped_in_blocks,
-            preemption_cost_s=self.preemption_cost_s,
+            num_preemptions_swap=pre.num_preemptions_swap,
+            num_preemptions_recompute=pre.num_preemptions_recompute,
+            num_swapped_out_blocks=pre.num_swapped_out_blocks,
+            num_swapped_in_blocks=pre.num_swapped_in_blocks,
+            preemption_cost_s=pre.preemption_cost_s,
             num_prefix_cache_resets=self.num_prefix_cache_resets,
             num_committed_blocks=self.num_committed_blocks,
         )
@@ -806,7 +815,7 @@ class BlockManager:
         """Charge tenants from now on; usage is recomputed from the tables by
         each sequence's tenant (O(pool))."""
         ledger.usage = ledger.recount(self.seqs, self.swapped)
-        self.ledger = ledger
+        self.ledger = self.preemption.ledger = ledger
 
     @property
     def tenants(self) -> TenantLedger | None:

@@ -29,18 +29,23 @@ import heapq
 from collections.abc import Callable, Generator
 from collections.abc import Sequence as SequenceT
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from block_manager_svc.core.errors import FailedPrecondition, InvalidArgument, NotFound
+from block_manager_svc.core.block_pool import BlockPool
+from block_manager_svc.core.cpu_pool import CpuPool
+from block_manager_svc.core.errors import InvalidArgument, ResourceExhausted
 from block_manager_svc.core.results import CacheOps, Preemption, SwapInResult
-from block_manager_svc.core.sequence import check_seq_id
-from block_manager_svc.core.swap_planner import MODES, PreemptionMode, SwapDecision, decide
-
-if TYPE_CHECKING:
-    from block_manager_svc.core.manager import BlockManager
-    from block_manager_svc.core.sequence import SeqState
+from block_manager_svc.core.sequence import SeqState
+from block_manager_svc.core.swap_planner import MODES, CostModel, PreemptionMode, SwapDecision, decide
+from block_manager_svc.core.tenants import NULL_LEDGER, Ledger
 
 MAX_REQUEUED = 65_536  # recompute victims whose arrival is remembered for re-admission
+
+
+def rank(priority: int, arrival: int) -> tuple[int, int]:
+    """Who yields: the sequence with the smaller rank is preempted first (lowest priority, then
+    latest arrival: vLLM's order). The only definition of the order; the victim queue keeps its
+    entries by it and a plan takes only victims ranked below the grower."""
+    return priority, -arrival
 
 
 class VictimQueue:
@@ -56,7 +61,7 @@ class VictimQueue:
     def push(self, seq_id: str, priority: int, arrival: int) -> None:
         self._tick += 1
         self._live[seq_id] = self._tick
-        heapq.heappush(self._heap, (priority, -arrival, self._tick, seq_id))
+        heapq.heappush(self._heap, (*rank(priority, arrival), self._tick, seq_id))
         if len(self._heap) > 2 * len(self._live) + 64:
             heap = [e for e in self._heap if self._live.get(e[3]) == e[2]]
             heapq.heapify(heap)
@@ -135,234 +140,321 @@ class StepScope:
         return groups
 
 
-# --- planning (pure) -------------------------------------------------------------------
-def group_of(bm: BlockManager, seq: SeqState) -> list[str]:
-    members = bm.groups.get(seq.group)
-    return sorted(members) if members is not None else [seq.seq_id]
+class Preempter:
+    """Preemption and swap-in for one manager, behind a narrow interface.
 
+    What it owns (its own state, persisted by block_manager_svc/records.py): the victim queue,
+    the arrivals of recompute victims (`requeued`), the sequences preempted by the current call
+    (`recently_preempted`, for error messages) and the preemption counters.
 
-def price_group(
-    bm: BlockManager, members: list[str], drop: dict[int, int], mode: str, cpu_free: int
-) -> tuple[Victim, int]:
-    """(the group as a victim, blocks its preemption frees), given the references
-    already dropped by earlier victims in `drop` (updated in place)."""
-    seqs, ref_counts = bm.seqs, bm.pool.ref_counts
-    distinct: set[int] = set()
-    freed = 0
-    for m in members:
-        for b in seqs[m].block_ids:
-            d = drop.get(b, 0) + 1
-            drop[b] = d
-            if d == ref_counts[b]:
-                freed += 1
-            distinct.add(b)
-    # Tokens the re-prefill cannot get from the prefix cache: everything but
-    # the leading hashed blocks that other (non-victim) sequences keep referenced.
-    bs, block_hash = bm.block_size, bm.pool.block_hash
-    recompute = 0
-    for m in members:
-        seq = seqs[m]
-        kept = 0
-        for b in seq.block_ids[: seq.num_hashed_blocks]:
-            if block_hash[b] is None or ref_counts[b] <= drop[b]:
-                break
-            kept += 1
-        recompute += seq.num_tokens - kept * bs
-    decision = decide(mode, bm.cost_model, len(distinct), recompute, cpu_free)
-    return Victim(members, decision, len(distinct)), freed
+    What it reads: the running and swapped tables and the fork groups (the manager's dicts,
+    shared, never replaced), the GPU pool's ref counts and hashes, the CPU pool's free count, the
+    ledger's room and victim filter, and the cost model.
 
+    What it may change, and nothing else: it moves victims from the running table to the
+    swapped one (swap) and back (swap-in), with their GPU and CPU block references and the
+    ledger's charges for them, and releases recompute victims through `release` (the manager's
+    Free, so a dropped sequence is released exactly as a freed one).
 
-def _cpu_free_for(bm: BlockManager, tenant: str) -> int:
-    cpu_free = bm.cpu.num_free
-    room = bm.ledger.cpu_room(tenant)
-    return cpu_free if room is None else min(cpu_free, room)
+    Who yields is decided in one place: `rank` orders the victim queue and `plan` takes, in that
+    order, only sequences ranked below the grower; `preempt` (the frontend's own decision) names
+    its victim and only prices it.
+    """
 
+    __slots__ = (
+        "enabled",
+        "mode",
+        "block_size",
+        "watermark_blocks",
+        "cost_model",
+        "pool",
+        "cpu",
+        "seqs",
+        "swapped",
+        "groups",
+        "release",
+        "exhausted",
+        "ledger",
+        "victims",
+        "requeued",
+        "recently_preempted",
+        "num_preemptions_swap",
+        "num_preemptions_recompute",
+        "num_swapped_out_blocks",
+        "num_swapped_in_blocks",
+        "preemption_cost_s",
+    )
 
-def plan(
-    bm: BlockManager, grower: SeqState, shortfall: int, grown_groups: set[int] | None
-) -> PreemptionPlan | None:
-    """Victims that free at least `shortfall` blocks, or None.
+    def __init__(
+        self,
+        *,
+        mode: str,
+        block_size: int,
+        watermark_blocks: int,
+        cost_model: CostModel,
+        pool: BlockPool,
+        cpu: CpuPool,
+        seqs: dict[str, SeqState],
+        swapped: dict[str, SeqState],
+        groups: dict[int, set[str]],
+        release: Callable[[str], int],
+        exhausted: Callable[[str, int, int, int], ResourceExhausted],
+    ) -> None:
+        self.enabled = mode != "off"  # "off": growing never preempts (an explicit Preempt still does)
+        self.mode = mode
+        self.block_size = block_size
+        self.watermark_blocks = watermark_blocks
+        self.cost_model = cost_model
+        self.pool = pool
+        self.cpu = cpu
+        self.seqs = seqs
+        self.swapped = swapped
+        self.groups = groups
+        self.release = release
+        self.exhausted = exhausted
+        self.ledger: Ledger = NULL_LEDGER  # the manager sets its own (enable_tenancy)
+        self.victims = VictimQueue()  # running sequences in preemption order (when enabled)
+        # Recompute victims' arrivals, restored when the frontend re-Allocates them under the
+        # same id (see `_drop_group`). Bounded by MAX_REQUEUED.
+        self.requeued: dict[str, int] = {}
+        self.recently_preempted: dict[str, str] = {}  # by the current call: seq_id -> "swap"/"recompute"
+        self.num_preemptions_swap = 0
+        self.num_preemptions_recompute = 0
+        self.num_swapped_out_blocks = 0
+        self.num_swapped_in_blocks = 0
+        self.preemption_cost_s = 0.0
 
-    Candidates rank below the grower (lower priority, or the same priority
-    and a later arrival: vLLM's order), are not in its fork group and have
-    not grown earlier in this step; each candidate's whole fork group goes.
-    Pure: computes on the side, applies nothing."""
-    key = (grower.priority, -grower.arrival)
-    seqs = bm.seqs
-    excluded = {grower.group}
-    if grown_groups:
-        excluded |= grown_groups
-    victims: list[Victim] = []
-    drop: dict[int, int] = {}
-    gain = 0
-    tenant = grower.tenant
-    cpu_free = _cpu_free_for(bm, tenant)
-    mode = bm.config.preemption_mode
-    candidates = bm.victims.candidates(bm.ledger.victim_filter(seqs, tenant))
-    try:
-        for sid in candidates:
-            seq = seqs[sid]
-            if (seq.priority, -seq.arrival) >= key:
-                break  # everyone after ranks above the grower
-            if seq.group in excluded:
-                continue
-            excluded.add(seq.group)
-            victim, freed = price_group(bm, group_of(bm, seq), drop, mode, cpu_free)
-            if victim.decision.mode is PreemptionMode.SWAP:
-                cpu_free -= victim.num_distinct_blocks
-            victims.append(victim)
-            gain += freed
-            if gain >= shortfall:
-                return PreemptionPlan(victims)
-    finally:
-        candidates.close()
-    return None
+    # --- what the manager tells it ------------------------------------------------------
+    def new_call(self) -> None:
+        """A new mutating call starts: forget who the previous one preempted."""
+        if self.recently_preempted:
+            self.recently_preempted.clear()
 
+    def arrival_for(self, seq_id: str, arrival: int) -> int:
+        """The arrival a newly admitted `seq_id` ranks with: its own from before, if it is a
+        recompute victim coming back, else `arrival`."""
+        if self.requeued:
+            return self.requeued.pop(seq_id, arrival)
+        return arrival
 
-# --- applying ------------------------------------------------------------------------------
-def apply(bm: BlockManager, plan: PreemptionPlan, ops: CacheOps) -> list[Preemption]:
-    out: list[Preemption] = []
-    for v in plan.victims:
-        bm.preemption_cost_s += v.decision.cost_s
-        share = v.decision.cost_s / len(v.members)
-        if v.decision.mode is PreemptionMode.SWAP:
-            out.extend(_swap_out_group(bm, v.members, ops, share))
-            bm.num_swapped_out_blocks += v.num_distinct_blocks
-        else:
-            out.extend(_drop_group(bm, v.members, share))
-    return out
+    def running(self, seq_id: str, priority: int, arrival: int) -> None:
+        """`seq_id` runs on the GPU now (admitted, forked or swapped in): it can be a victim."""
+        if self.enabled:
+            self.victims.push(seq_id, priority, arrival)
 
+    def gone(self, seq_id: str) -> None:
+        """`seq_id` no longer runs (freed): it cannot be a victim."""
+        if self.enabled:
+            self.victims.discard(seq_id)
 
-def _swap_out_group(bm: BlockManager, members: list[str], ops: CacheOps, share: float) -> list[Preemption]:
-    """Copy the group's blocks to the CPU pool (one CPU block per distinct
-    GPU block, shared as on the GPU) and release the GPU blocks.
+    # --- planning (pure) -------------------------------------------------------------------
+    def group_of(self, seq: SeqState) -> list[str]:
+        members = self.groups.get(seq.group)
+        return sorted(members) if members is not None else [seq.seq_id]
 
-    A released block is reusable in this same reply: workers run the
-    reply's swap_out ops before its copies, swap-ins and forward pass."""
-    cpu, pool = bm.cpu, bm.pool
-    memo: dict[int, int] = {}
-    out = []
-    gpu_released = 0
-    tenant = ""
-    for m in members:
-        seq = bm.seqs.pop(m)
-        tenant = seq.tenant
-        bm.victims.discard(m)
-        cpu_ids = []
-        for b in seq.block_ids:
-            c = memo.get(b)
-            if c is None:
-                c = memo[b] = cpu.take_one()
-                ops.swap_out.append((b, c))
+    def price_group(
+        self, members: list[str], drop: dict[int, int], mode: str, cpu_free: int
+    ) -> tuple[Victim, int]:
+        """(the group as a victim, blocks its preemption frees), given the references
+        already dropped by earlier victims in `drop` (updated in place)."""
+        seqs, ref_counts = self.seqs, self.pool.ref_counts
+        distinct: set[int] = set()
+        freed = 0
+        for m in members:
+            for b in seqs[m].block_ids:
+                d = drop.get(b, 0) + 1
+                drop[b] = d
+                if d == ref_counts[b]:
+                    freed += 1
+                distinct.add(b)
+        # Tokens the re-prefill cannot get from the prefix cache: everything but
+        # the leading hashed blocks that other (non-victim) sequences keep referenced.
+        bs, block_hash = self.block_size, self.pool.block_hash
+        recompute = 0
+        for m in members:
+            seq = seqs[m]
+            kept = 0
+            for b in seq.block_ids[: seq.num_hashed_blocks]:
+                if block_hash[b] is None or ref_counts[b] <= drop[b]:
+                    break
+                kept += 1
+            recompute += seq.num_tokens - kept * bs
+        decision = decide(mode, self.cost_model, len(distinct), recompute, cpu_free)
+        return Victim(members, decision, len(distinct)), freed
+
+    def _cpu_free_for(self, tenant: str) -> int:
+        cpu_free = self.cpu.num_free
+        room = self.ledger.cpu_room(tenant)
+        return cpu_free if room is None else min(cpu_free, room)
+
+    def plan(self, grower: SeqState, shortfall: int, grown_groups: set[int] | None) -> PreemptionPlan | None:
+        """Victims that free at least `shortfall` blocks, or None.
+
+        Candidates rank below the grower (`rank`), are not in its fork group and have not grown
+        earlier in this step; each candidate's whole fork group goes. With tenancy, only the
+        grower's tenant's sequences. Pure: computes on the side, applies nothing."""
+        key = rank(grower.priority, grower.arrival)
+        seqs = self.seqs
+        excluded = {grower.group}
+        if grown_groups:
+            excluded |= grown_groups
+        victims: list[Victim] = []
+        drop: dict[int, int] = {}
+        gain = 0
+        tenant = grower.tenant
+        cpu_free = self._cpu_free_for(tenant)
+        candidates = self.victims.candidates(self.ledger.victim_filter(seqs, tenant))
+        try:
+            for sid in candidates:
+                seq = seqs[sid]
+                if rank(seq.priority, seq.arrival) >= key:
+                    break  # everyone after ranks above the grower
+                if seq.group in excluded:
+                    continue
+                excluded.add(seq.group)
+                victim, freed = self.price_group(self.group_of(seq), drop, self.mode, cpu_free)
+                if victim.decision.mode is PreemptionMode.SWAP:
+                    cpu_free -= victim.num_distinct_blocks
+                victims.append(victim)
+                gain += freed
+                if gain >= shortfall:
+                    return PreemptionPlan(victims)
+        finally:
+            candidates.close()
+        return None
+
+    # --- applying ------------------------------------------------------------------------------
+    def apply(self, plan: PreemptionPlan, ops: CacheOps) -> list[Preemption]:
+        out: list[Preemption] = []
+        for v in plan.victims:
+            self.preemption_cost_s += v.decision.cost_s
+            share = v.decision.cost_s / len(v.members)
+            if v.decision.mode is PreemptionMode.SWAP:
+                out.extend(self._swap_out_group(v.members, ops, share))
+                self.num_swapped_out_blocks += v.num_distinct_blocks
             else:
-                cpu.incref(c)
-            cpu_ids.append(c)
-        for b in reversed(seq.block_ids):
-            gpu_released += pool.decref(b)
-        out.append(Preemption(m, PreemptionMode.SWAP.value, seq.num_tokens, len(seq.block_ids), share))
-        seq.block_ids = []
-        seq.cpu_block_ids = cpu_ids
-        bm.swapped[m] = seq
-        bm.recently_preempted[m] = "swap"
-    bm.num_preemptions_swap += len(members)
-    bm.ledger.swapped_out(tenant, gpu_released, len(memo), len(members))
-    return out
+                out.extend(self._drop_group(v.members, share))
+        return out
 
+    def _swap_out_group(self, members: list[str], ops: CacheOps, share: float) -> list[Preemption]:
+        """Copy the group's blocks to the CPU pool (one CPU block per distinct
+        GPU block, shared as on the GPU) and release the GPU blocks.
 
-def _drop_group(bm: BlockManager, members: list[str], share: float) -> list[Preemption]:
-    """Release the group's blocks and forget it; full hashed blocks stay in
-    the prefix cache, so the frontend's re-prefill may hit them. The victims'
-    arrivals are remembered so a re-Allocate under the same id keeps its place
-    in the preemption order (vLLM keeps a request's arrival across preemption)."""
-    out = []
-    requeued = bm.requeued
-    tenant = ""
-    for m in members:
-        seq = bm.seqs[m]
-        tenant = seq.tenant
-        bm.free(m)
-        out.append(Preemption(m, PreemptionMode.RECOMPUTE.value, seq.num_tokens, len(seq.block_ids), share))
-        bm.recently_preempted[m] = "recompute"
-        if len(requeued) >= MAX_REQUEUED:
-            del requeued[next(iter(requeued))]
-        requeued[m] = seq.arrival
-    bm.num_preemptions_recompute += len(members)
-    bm.ledger.preempted(tenant, len(members))
-    return out
+        A released block is reusable in this same reply: workers run the
+        reply's swap_out ops before its copies, swap-ins and forward pass."""
+        cpu, pool = self.cpu, self.pool
+        memo: dict[int, int] = {}
+        out = []
+        gpu_released = 0
+        tenant = ""
+        for m in members:
+            seq = self.seqs.pop(m)
+            tenant = seq.tenant
+            self.victims.discard(m)
+            cpu_ids = []
+            for b in seq.block_ids:
+                c = memo.get(b)
+                if c is None:
+                    c = memo[b] = cpu.take_one()
+                    ops.swap_out.append((b, c))
+                else:
+                    cpu.incref(c)
+                cpu_ids.append(c)
+            for b in reversed(seq.block_ids):
+                gpu_released += pool.decref(b)
+            out.append(Preemption(m, PreemptionMode.SWAP.value, seq.num_tokens, len(seq.block_ids), share))
+            seq.block_ids = []
+            seq.cpu_block_ids = cpu_ids
+            self.swapped[m] = seq
+            self.recently_preempted[m] = "swap"
+        self.num_preemptions_swap += len(members)
+        self.ledger.swapped_out(tenant, gpu_released, len(memo), len(members))
+        return out
 
-
-# --- the public operations -------------------------------------------------------------------
-def preempt(bm: BlockManager, seq_id: str, mode: str | None = None) -> tuple[list[Preemption], CacheOps]:
-    """Preempt a running sequence and its fork group now, by the cost model
-    (`mode` overrides the configured one; "off" means "auto" here)."""
-    seq = bm.get_running(seq_id)
-    mode = mode or bm.config.preemption_mode
-    if mode == "off":
-        mode = "auto"
-    if mode not in MODES:
-        raise InvalidArgument(f"mode must be one of {MODES[:3]}, got {mode!r}")
-    bm.recently_preempted.clear()
-    victim, _ = price_group(bm, group_of(bm, seq), {}, mode, _cpu_free_for(bm, seq.tenant))
-    ops = CacheOps()
-    return apply(bm, PreemptionPlan([victim]), ops), ops
-
-
-def swap_in(bm: BlockManager, seq_id: str) -> SwapInResult:
-    """Bring a swapped sequence, with the rest of its swapped fork group,
-    back to the GPU: new GPU blocks, swap_in ops cpu->gpu. Needs room above
-    the admission watermark; never preempts and never evicts past it."""
-    seq = bm.swapped.get(seq_id)
-    if seq is None:
-        check_seq_id(seq_id)
-        if seq_id in bm.seqs:
-            raise FailedPrecondition(
-                f"sequence {seq_id!r} is not swapped out (it is running)", reason="SEQUENCE_NOT_SWAPPED_OUT"
+    def _drop_group(self, members: list[str], share: float) -> list[Preemption]:
+        """Release the group's blocks and forget it; full hashed blocks stay in
+        the prefix cache, so the frontend's re-prefill may hit them. The victims'
+        arrivals are remembered so a re-Allocate under the same id keeps its place
+        in the preemption order (vLLM keeps a request's arrival across preemption)."""
+        out = []
+        requeued = self.requeued
+        tenant = ""
+        for m in members:
+            seq = self.seqs[m]
+            tenant = seq.tenant
+            self.release(m)
+            out.append(
+                Preemption(m, PreemptionMode.RECOMPUTE.value, seq.num_tokens, len(seq.block_ids), share)
             )
-        raise NotFound(f"sequence {seq_id!r} does not exist")
-    members = group_of(bm, seq)
-    distinct: dict[int, None] = {}
-    for m in members:
-        for c in bm.swapped[m].cpu_block_ids or ():
-            distinct[c] = None
-    pool = bm.pool
-    watermark = bm.config.watermark_blocks
-    available = pool.num_available - watermark
-    if len(distinct) > available:
-        raise bm.exhausted(
-            f"swapping in {seq_id!r}"
-            + (f" and its fork group ({len(members)} sequences)" if len(members) > 1 else ""),
-            len(distinct),
-            max(available, 0),
-            watermark,
-        )
-    bm.ledger.check_gpu(seq.tenant, len(distinct))
-    ops = CacheOps()
-    memo: dict[int, int] = {}
-    for c in distinct:
-        g = memo[c] = pool.take_one()
-        ops.swap_in.append((c, g))
-    first = set(memo.values())
-    tables: dict[str, list[int]] = {}
-    cpu = bm.cpu
-    cpu_released = 0
-    preempt_on = bm.preempt_on
-    for m in members:
-        s = bm.swapped.pop(m)
-        blocks = []
-        for c in s.cpu_block_ids or ():
-            g = memo[c]
-            if g in first:
-                first.discard(g)  # take_one already counted this reference
-            else:
-                pool.incref(g)
-            blocks.append(g)
-            cpu_released += cpu.decref(c)
-        s.block_ids = blocks
-        s.cpu_block_ids = None
-        bm.seqs[m] = s
-        if preempt_on:
-            bm.victims.push(m, s.priority, s.arrival)
-        tables[m] = list(blocks)
-    bm.num_swapped_in_blocks += len(distinct)
-    bm.ledger.swapped_in(seq.tenant, len(distinct), cpu_released)
-    return SwapInResult(seq_id=seq_id, block_ids=list(tables[seq_id]), ops=ops, tables=tables)
+            self.recently_preempted[m] = "recompute"
+            if len(requeued) >= MAX_REQUEUED:
+                del requeued[next(iter(requeued))]
+            requeued[m] = seq.arrival
+        self.num_preemptions_recompute += len(members)
+        self.ledger.preempted(tenant, len(members))
+        return out
+
+    # --- the public operations -------------------------------------------------------------------
+    def preempt(self, seq: SeqState, mode: str | None = None) -> tuple[list[Preemption], CacheOps]:
+        """Preempt running `seq` and its fork group now, by the cost model
+        (`mode` overrides the configured one; "off" means "auto" here)."""
+        mode = mode or self.mode
+        if mode == "off":
+            mode = "auto"
+        if mode not in MODES:
+            raise InvalidArgument(f"mode must be one of {MODES[:3]}, got {mode!r}")
+        self.recently_preempted.clear()
+        victim, _ = self.price_group(self.group_of(seq), {}, mode, self._cpu_free_for(seq.tenant))
+        ops = CacheOps()
+        return self.apply(PreemptionPlan([victim]), ops), ops
+
+    def swap_in(self, seq: SeqState) -> SwapInResult:
+        """Bring swapped `seq`, with the rest of its swapped fork group, back to the GPU: new GPU
+        blocks, swap_in ops cpu->gpu. Needs room above the admission watermark; never preempts
+        and never evicts past it."""
+        seq_id = seq.seq_id
+        members = self.group_of(seq)
+        distinct: dict[int, None] = {}
+        for m in members:
+            for c in self.swapped[m].cpu_block_ids or ():
+                distinct[c] = None
+        pool = self.pool
+        watermark = self.watermark_blocks
+        available = pool.num_available - watermark
+        if len(distinct) > available:
+            raise self.exhausted(
+                f"swapping in {seq_id!r}"
+                + (f" and its fork group ({len(members)} sequences)" if len(members) > 1 else ""),
+                len(distinct),
+                max(available, 0),
+                watermark,
+            )
+        self.ledger.check_gpu(seq.tenant, len(distinct))
+        ops = CacheOps()
+        memo: dict[int, int] = {}
+        for c in distinct:
+            g = memo[c] = pool.take_one()
+            ops.swap_in.append((c, g))
+        first = set(memo.values())
+        tables: dict[str, list[int]] = {}
+        cpu = self.cpu
+        cpu_released = 0
+        for m in members:
+            s = self.swapped.pop(m)
+            blocks = []
+            for c in s.cpu_block_ids or ():
+                g = memo[c]
+                if g in first:
+                    first.discard(g)  # take_one already counted this reference
+                else:
+                    pool.incref(g)
+                blocks.append(g)
+                cpu_released += cpu.decref(c)
+            s.block_ids = blocks
+            s.cpu_block_ids = None
+            self.seqs[m] = s
+            self.running(m, s.priority, s.arrival)
+            tables[m] = list(blocks)
+        self.num_swapped_in_blocks += len(distinct)
+        self.ledger.swapped_in(seq.tenant, len(distinct), cpu_released)
+        return SwapInResult(seq_id=seq_id, block_ids=list(tables[seq_id]), ops=ops, tables=tables)

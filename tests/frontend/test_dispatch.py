@@ -11,10 +11,10 @@ from pagedkv.v1 import worker_pb2 as wpb
 
 
 class _Err(grpc.RpcError):
-    def __init__(self, code: grpc.StatusCode, details: str = "", reason: int = 0) -> None:
+    def __init__(self, code: grpc.StatusCode, details: str = "", reason: str = "") -> None:
         self._code, self._details = code, details
-        info = errors.ErrorInfo(reason=reason).SerializeToString()
-        self._trailers = ((errors.ERROR_INFO_KEY, info),) if reason else ()
+        status = errors.rich_status(code, details, reason, errors.WORKER_DOMAIN)
+        self._trailers = status.trailing_metadata if reason else ()
 
     def code(self) -> grpc.StatusCode:
         return self._code

@@ -14,7 +14,9 @@ from collections.abc import Iterator
 import grpc
 import pytest
 import torch
+from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_status import rpc_status
 
 from pagedkv import errors
 from pagedkv.v1 import worker_pb2, worker_pb2_grpc
@@ -166,6 +168,14 @@ def test_step_for_another_cache_instance_is_refused(hosts: list[Host]) -> None:
             info = errors.error_info(e.value)
             assert info is not None and info.reason == errors.CACHE_HOST_LOST
             assert info.metadata["cache_instance_id"] == host.instance_id
+            # The standard rich error model, as grpcurl and every ecosystem client decode it.
+            status = rpc_status.from_call(e.value)
+            assert status is not None and status.code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
+            detail = error_details_pb2.ErrorInfo()
+            assert len(status.details) == 1 and status.details[0].Unpack(detail)
+            assert (detail.reason, detail.domain) == ("CACHE_HOST_LOST", "pagedkv.worker")
+            assert detail.metadata["cache_instance_id"] == host.instance_id
+            assert "pagedkv-error-bin" not in dict(e.value.trailing_metadata())  # no custom trailer
             assert _health(ch) == health_pb2.HealthCheckResponse.SERVING  # the worker itself is fine
     finally:
         proc.close()

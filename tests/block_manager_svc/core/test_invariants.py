@@ -260,7 +260,7 @@ def _committed_core() -> BlockManager:
         (lambda bm: bm.seqs["a"].pending_hashes.extend([b"y" * 16] * 3), "more hashes than full pending"),
         (lambda bm: bm.groups[bm.seqs["a"].group].discard("b"), "has 1 members"),
         (lambda bm: bm.pool.free_list.append(bm.pool.free_list[0]), "free list twice"),
-        (lambda bm: bm.victims.discard("b"), None),
+        (lambda bm: bm.preemption.victims.discard("b"), None),
     ],
 )
 def test_the_checker_catches_corruption(corrupt, message) -> None:  # type: ignore[no-untyped-def]

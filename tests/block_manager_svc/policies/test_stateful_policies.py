@@ -1,5 +1,8 @@
 """Model-checked property test: allocate/append/fork/free/step/swap_in/preempt
 under a tiny pool with eviction and preemption; invariants after every rule.
+A snapshot round trip (block_manager_svc/records.py) is one more rule: the
+machine goes on with the restored core, so every later rule checks that it
+behaves as the original would.
 
 The model is each live sequence's token count and whether it is swapped; a
 recompute victim leaves the model (the frontend would re-Allocate it). Any
@@ -14,7 +17,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from block_manager_svc import records
 from block_manager_svc.core import BlockManager, CoreConfig, CoreError, StepBatch
+from block_manager_svc.idempotency import DedupeTable
+from block_manager_svc.leases import LeaseTable
 
 BS = 2
 NAMES = st.sampled_from([f"s{i}" for i in range(7)])
@@ -170,6 +176,19 @@ class PolicyMachine(RuleBasedStateMachine):
             if res is not None:
                 for sid in res.tables:
                     self.model[sid] = (self.model[sid][0], False)
+
+    @precondition(lambda self: self.bm is not None)
+    @rule()
+    def snapshot_and_restore(self) -> None:
+        """Through the bytes a snapshot holds; the restored core replaces the original."""
+        bm = self.bm
+        assert bm is not None
+        before = self._state()
+        doc = records.decode(records.encode(records.to_record(bm, LeaseTable(), DedupeTable())))
+        restored = records.core_from_record(records.config_of(doc.config), doc.core)
+        assert records.core_record(restored) == records.core_record(bm)
+        self.bm = restored
+        assert self._state() == before
 
     @invariant()
     def consistent(self) -> None:
