@@ -16,16 +16,16 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from pagedkv import settings_cli
+from pagedkv import defaults, settings_cli
 
 
 class ServeSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="PAGEDKV_", extra="forbid")
 
-    host: str = Field("127.0.0.1", description="address to listen on (127.0.0.1 = this machine only)")
-    port: int = Field(8000, ge=0, le=65535, description="HTTP port (0 = pick a free one)")
-    block_manager: str = Field("127.0.0.1:50051", description="block manager host:port")
-    workers: str = Field("127.0.0.1:50053", description="comma-separated worker host:port list")
+    host: str = Field(defaults.HOST, description="address to listen on (127.0.0.1 = this machine only)")
+    port: int = Field(defaults.SERVE_PORT, ge=0, le=65535, description="HTTP port (0 = pick a free one)")
+    block_manager: str = Field(defaults.BLOCK_MANAGER_ADDRESS, description="block manager host:port")
+    workers: str = Field(defaults.WORKER_ADDRESS, description="comma-separated worker host:port list")
     model: str = Field(
         "",
         description="local model directory or GGUF file (the workers' --model): tokenizer, chat template, "

@@ -59,6 +59,7 @@ from block_manager_svc.core.swap_planner import (
     CostModel,
 )
 from block_manager_svc.core.tenants import NULL_LEDGER, Ledger, NullLedger, TenantLedger
+from pagedkv import defaults
 
 __all__ = ["MAX_SEQ_ID_LEN", "MAX_TOKEN_ID", "BlockManager", "CoreConfig"]
 
@@ -68,14 +69,13 @@ MAX_TOKEN_ID = 2**32 - 1
 @dataclass(slots=True, frozen=True)
 class CoreConfig:
     num_gpu_blocks: int
-    block_size: int = 16
+    block_size: int = defaults.BLOCK_SIZE
     num_cpu_blocks: int = 0
     eviction_policy: str = "lru"
     enable_prefix_caching: bool = True
-    # Memory policies (docs/policies.md). "off" = a sequence that cannot grow
-    # gets RESOURCE_EXHAUSTED and nothing is preempted (the core's default;
-    # the service defaults to "auto").
-    preemption_mode: str = "off"
+    # Memory policies (docs/policies.md): the service's default (pagedkv/defaults.py). "off" = a
+    # sequence that cannot grow gets RESOURCE_EXHAUSTED and nothing is preempted.
+    preemption_mode: str = defaults.PREEMPTION_MODE
     # Free + evictable blocks Allocate and SwapIn must leave untouched, so that
     # admitting new work does not immediately force preemption of running work.
     watermark_blocks: int = 0
