@@ -54,6 +54,11 @@ PREEMPTION_MODE: Final = "auto"
 WATERMARK_FRACTION = 0.01
 """Share of GPU blocks Allocate and SwapIn leave free (``pagedkv.watermark`` turns it into blocks)."""
 
+# --- Limits both the frontend and the workers enforce -------------------------------------------
+MAX_TOP_LOGPROBS = 20
+"""Most alternatives per position a worker returns and a request may ask for: OpenAI's limit for
+``top_logprobs`` (and vLLM's default ``max_logprobs``)."""
+
 # --- Ports and addresses -------------------------------------------------------------------------
 HOST = "127.0.0.1"
 """Every server binds loopback unless told otherwise (security by default)."""

@@ -60,6 +60,7 @@ from block_manager_svc.core.swap_planner import (
 )
 from block_manager_svc.core.tenants import NULL_LEDGER, Ledger, NullLedger, TenantLedger
 from pagedkv import defaults
+from pagedkv.watermark import admission_room
 
 __all__ = ["MAX_SEQ_ID_LEN", "MAX_TOKEN_ID", "BlockManager", "CoreConfig"]
 
@@ -246,7 +247,7 @@ class BlockManager:
         hits_from_cache = sum(1 for b in hits if ref_counts[b] == 0)
         needed = total_blocks - len(hits)
         watermark = self.config.watermark_blocks
-        available = pool.num_available - hits_from_cache - watermark
+        available = admission_room(pool.num_available - hits_from_cache, watermark)
         if needed > available:
             raise self.exhausted(
                 f"allocating {num_tokens} tokens for {seq_id!r}", needed, max(available, 0), watermark

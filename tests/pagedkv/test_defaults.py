@@ -122,3 +122,15 @@ def test_the_literal_scan_sees_a_literal() -> None:
     assert LITERAL.search('p.add_argument("--num-gpu-blocks", type=int, default=256)')
     assert LITERAL.search('target = "127.0.0.1:50051"')
     assert not LITERAL.search("    num_gpu_blocks: int = defaults.NUM_GPU_BLOCKS")
+
+
+def test_the_watermark_arithmetic_is_shared() -> None:
+    """The block manager turns the fraction into blocks and the engine plans admissions with the
+    same two functions (pagedkv/watermark.py)."""
+    from pagedkv.watermark import admission_room, watermark_blocks
+
+    assert watermark_blocks(0.01, 4096) == 40  # rounded down
+    assert watermark_blocks(0.9, 2) == 1  # always one block left to admit into
+    assert admission_room(10, 3) == 7 and admission_room(2, 3) == -1
+    settings = BlockManagerSettings(num_gpu_blocks=1000, watermark_fraction=0.05)
+    assert build_core(settings).config.watermark_blocks == watermark_blocks(0.05, 1000) == 50
