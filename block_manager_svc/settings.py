@@ -13,6 +13,12 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+# The cost model's defaults are the core's (one value for CoreConfig and the service).
+from block_manager_svc.core.swap_planner import (
+    DEFAULT_HOST_LINK_BYTES_PER_S,
+    DEFAULT_KV_BYTES_PER_BLOCK,
+    DEFAULT_PREFILL_TOKENS_PER_S,
+)
 from pagedkv import defaults, settings_cli
 
 
@@ -48,15 +54,19 @@ class BlockManagerSettings(BaseSettings):
         "force preemption of running sequences (rounded down to whole blocks)",
     )
     kv_bytes_per_block: int = Field(
-        2 * 1024 * 1024,
+        DEFAULT_KV_BYTES_PER_BLOCK,
         ge=1,
         description="bytes of K+V in one block, all layers (cost model; 2 MiB = Llama-3-8B at 16 tokens)",
     )
     host_link_gb_per_s: float = Field(
-        25.0, gt=0, description="effective GPU<->host copy bandwidth in GB/s (cost model; PCIe 5 x16)"
+        DEFAULT_HOST_LINK_BYTES_PER_S / 1e9,
+        gt=0,
+        description="effective GPU<->host copy bandwidth in GB/s (cost model; PCIe 5 x16)",
     )
     prefill_tokens_per_s: float = Field(
-        10_000.0, gt=0, description="prefill throughput in tokens/s (cost model of recompute)"
+        DEFAULT_PREFILL_TOKENS_PER_S,
+        gt=0,
+        description="prefill throughput in tokens/s (cost model of recompute)",
     )
     enable_prefix_caching: bool = Field(
         True, description="look up and register prompt blocks by content hash"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import tokenize
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ from frontend import demo, generate, loadtest, stack
 from frontend.local_stack import StackConfig
 from frontend.serve_settings import ServeSettings
 from pagedkv import defaults
+from tests.pagedkv.source_scan import code_lines
 from worker_svc.settings import CacheHostSettings, WorkerSettings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,26 +75,6 @@ def test_commands_take_their_pool_from_the_named_constants() -> None:
     assert StackConfig().num_gpu_blocks == defaults.LOCAL_NUM_GPU_BLOCKS
 
 
-def _code_lines(path: Path) -> list[tuple[int, str]]:
-    """The file's lines with comments and docstrings blanked (a docstring may quote a command line)."""
-    lines = path.read_text().splitlines()
-    prev = tokenize.NEWLINE
-    with path.open("rb") as f:
-        for tok in tokenize.tokenize(f.readline):
-            docstring = tok.type == tokenize.STRING and prev in (
-                tokenize.NEWLINE,
-                tokenize.INDENT,
-                tokenize.DEDENT,
-                tokenize.ENCODING,
-            )
-            if tok.type == tokenize.COMMENT or docstring:
-                for row in range(tok.start[0], tok.end[0] + 1):
-                    lines[row - 1] = ""
-            if tok.type not in (tokenize.NL, tokenize.COMMENT):
-                prev = tok.type
-    return list(enumerate(lines, 1))
-
-
 # Pool sizes and the well-known ports: the values that drifted.
 LITERAL = re.compile(
     r"\b(num_gpu_blocks|num_cpu_blocks|block_size)\s*(:\s*int\s*)?=\s*(Field\()?[1-9]"
@@ -112,7 +92,7 @@ def test_no_role_writes_its_own_pool_or_port_literal(path: str) -> None:
         rel = f.relative_to(ROOT).as_posix()
         if rel.startswith("pagedkv/v1/") or rel == "pagedkv/defaults.py":
             continue
-        bad += [f"{rel}:{n}: {line.strip()}" for n, line in _code_lines(f) if LITERAL.search(line)]
+        bad += [f"{rel}:{n}: {line.strip()}" for n, line in code_lines(f) if LITERAL.search(line)]
     assert not bad, "\n".join(bad)
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import tokenize
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ import pytest
 from block_manager_svc.settings import BlockManagerSettings
 from frontend.serve_settings import ServeSettings
 from pagedkv import envs
+from tests.pagedkv.source_scan import code_lines
 from worker_svc.settings import CacheHostSettings, WorkerSettings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,33 +33,13 @@ def _sources() -> list[Path]:
     return out
 
 
-def _code(path: Path) -> list[tuple[int, str]]:
-    """Lines with comments and docstrings blanked; other strings kept (a variable's name is one)."""
-    lines = path.read_text().splitlines()
-    prev = tokenize.NEWLINE
-    with path.open("rb") as f:
-        for tok in tokenize.tokenize(f.readline):
-            doc = tok.type == tokenize.STRING and prev in (
-                tokenize.NEWLINE,
-                tokenize.INDENT,
-                tokenize.DEDENT,
-                tokenize.ENCODING,
-            )
-            if tok.type == tokenize.COMMENT or doc:
-                for row in range(tok.start[0], tok.end[0] + 1):
-                    lines[row - 1] = ""
-            if tok.type not in (tokenize.NL, tokenize.COMMENT):
-                prev = tok.type
-    return list(enumerate(lines, 1))
-
-
 def test_code_reads_the_environment_only_through_the_registry() -> None:
     allowed = {"pagedkv/envs.py", "setup.py"}  # setup.py runs before the package is importable
     bad = [
         f"{p.relative_to(ROOT)}:{n}: {line.strip()}"
         for p in _sources()
         if p.relative_to(ROOT).as_posix() not in allowed
-        for n, line in _code(p)
+        for n, line in code_lines(p)
         if DIRECT_READ.search(line)
     ]
     assert not bad, "read these through pagedkv.envs:\n" + "\n".join(bad)
@@ -71,7 +51,7 @@ def test_every_variable_the_code_names_is_declared() -> None:
         (m.group(1), f"{p.relative_to(ROOT)}:{n}")
         for p in _sources()
         if p.name != "envs.py" or p.parent.name != "pagedkv"  # the declarations themselves
-        for n, line in _code(p)
+        for n, line in code_lines(p)
         for m in NAMED.finditer(line)
     }
     undeclared = sorted(
