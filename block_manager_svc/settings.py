@@ -37,7 +37,7 @@ class BlockManagerSettings(BaseSettings):
         defaults.NUM_CPU_BLOCKS, ge=0, le=2**31 - 1, description="blocks in the CPU swap pool (0 = none)"
     )
     eviction_policy: Literal["lru", "lru-size"] = Field(
-        "lru-size",
+        defaults.EVICTION_POLICY,
         description="prefix-cache eviction order: lru (vLLM's) or lru-size (GDSF: recency, hits, "
         "run size and miss cost; docs/policies.md)",
     )

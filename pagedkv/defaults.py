@@ -47,6 +47,9 @@ DEMO_NUM_CPU_BLOCKS = UP_NUM_CPU_BLOCKS
 """``pagedkv demo`` as processes: the same swap pool as ``pagedkv up``."""
 
 # --- Memory policies (docs/policies.md) ----------------------------------------------------------
+EVICTION_POLICY: Final = "lru-size"
+"""Prefix-cache eviction order: GDSF over recency, hits, run size and miss cost (``lru`` is vLLM's)."""
+
 PREEMPTION_MODE: Final = "auto"
 """When a running sequence cannot grow: preempt lower-ranked ones by the swap-or-recompute cost model
 (the service's and the core's default alike)."""

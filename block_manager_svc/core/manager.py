@@ -72,7 +72,7 @@ class CoreConfig:
     num_gpu_blocks: int
     block_size: int = defaults.BLOCK_SIZE
     num_cpu_blocks: int = 0
-    eviction_policy: str = "lru"
+    eviction_policy: str = defaults.EVICTION_POLICY
     enable_prefix_caching: bool = True
     # Memory policies (docs/policies.md): the service's default (pagedkv/defaults.py). "off" = a
     # sequence that cannot grow gets RESOURCE_EXHAUSTED and nothing is preempted.

@@ -42,11 +42,18 @@ def test_every_role_has_the_same_pool_and_ports_by_default() -> None:
 
 
 def test_the_core_and_the_service_agree_on_the_memory_policies() -> None:
-    """CoreConfig once defaulted to preemption "off" while the service said "auto"."""
+    """CoreConfig once defaulted to preemption "off" and eviction "lru" while the service said
+    "auto" and "lru-size"."""
     settings = BlockManagerSettings()
     core = CoreConfig(num_gpu_blocks=settings.num_gpu_blocks)
     assert core.preemption_mode == settings.preemption_mode == defaults.PREEMPTION_MODE == "auto"
+    assert core.eviction_policy == settings.eviction_policy == defaults.EVICTION_POLICY
     assert core.block_size == settings.block_size
+    assert (core.kv_bytes_per_block, core.host_link_bytes_per_s, core.prefill_tokens_per_s) == (
+        settings.kv_bytes_per_block,
+        settings.host_link_gb_per_s * 1e9,
+        settings.prefill_tokens_per_s,
+    )
     assert settings.watermark_fraction == defaults.WATERMARK_FRACTION
     assert build_core(settings).config.preemption_mode == core.preemption_mode
 

@@ -24,7 +24,11 @@ BS = 4
 
 def make(num_blocks: int = 16, **kw: object) -> BlockManager:
     return BlockManager(
-        CoreConfig(num_gpu_blocks=num_blocks, block_size=BS, **{"preemption_mode": "off", **kw})
+        CoreConfig(
+            num_gpu_blocks=num_blocks,
+            block_size=BS,
+            **{"preemption_mode": "off", "eviction_policy": "lru", **kw},
+        )
     )  # type: ignore[arg-type]
 
 
