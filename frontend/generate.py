@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --block-manager: comma-separated worker host:port list (default: the two "
         "workers `pagedkv up` starts)",
     )
-    p.add_argument("--timeout-s", type=float, default=30.0)
+    p.add_argument("--timeout-s", type=float, default=EngineConfig().timeout_s)
     add_connection_args(p)
     return p
 

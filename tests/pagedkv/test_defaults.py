@@ -121,3 +121,12 @@ def test_the_watermark_arithmetic_is_shared() -> None:
     assert admission_room(10, 3) == 7 and admission_room(2, 3) == -1
     settings = BlockManagerSettings(num_gpu_blocks=1000, watermark_fraction=0.05)
     assert build_core(settings).config.watermark_blocks == watermark_blocks(0.05, 1000) == 50
+
+
+def test_pagedkv_serve_runs_the_engine_with_the_engines_defaults() -> None:
+    from frontend.engine import EngineConfig
+
+    engine, serve = EngineConfig(), ServeSettings()
+    for name in ("max_num_seqs", "max_batch_tokens", "timeout_s", "block_manager_outage_s"):
+        assert getattr(serve, name) == getattr(engine, name), name
+    assert generate.build_parser().parse_args(["--token-ids", "1"]).timeout_s == engine.timeout_s
