@@ -130,3 +130,14 @@ def test_pagedkv_serve_runs_the_engine_with_the_engines_defaults() -> None:
     for name in ("max_num_seqs", "max_batch_tokens", "timeout_s", "block_manager_outage_s"):
         assert getattr(serve, name) == getattr(engine, name), name
     assert generate.build_parser().parse_args(["--token-ids", "1"]).timeout_s == engine.timeout_s
+
+
+def test_the_readme_states_the_pools_as_they_are() -> None:
+    text = " ".join((ROOT / "README.md").read_text().split())
+    d = defaults
+    assert f"A deployed role defaults to {d.NUM_GPU_BLOCKS} GPU blocks" in text
+    assert (
+        f"`pagedkv up` {d.UP_NUM_GPU_BLOCKS} (and {d.UP_NUM_CPU_BLOCKS} CPU blocks, "
+        f"{d.UP_NUM_WORKERS} workers), the in-process stack and `generate --local` "
+        f"{d.LOCAL_NUM_GPU_BLOCKS}, `demo` {d.DEMO_NUM_GPU_BLOCKS}."
+    ) in text
