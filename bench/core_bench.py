@@ -149,7 +149,12 @@ class PagedKv:
 
     def __init__(self, use_ids: bool, eviction_policy: str) -> None:
         self.core = BlockManager(
-            CoreConfig(num_gpu_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, eviction_policy=eviction_policy)
+            CoreConfig(
+                num_gpu_blocks=NUM_BLOCKS,
+                block_size=BLOCK_SIZE,
+                eviction_policy=eviction_policy,
+                preemption_mode="off",
+            )
         )
         self.use_ids = use_ids
 

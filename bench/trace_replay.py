@@ -89,7 +89,11 @@ def run_utilization(seed: int, num: int, rate: float) -> dict[str, float]:
     results: dict[str, float] = {}
     baselines = {"max": 0.0, "pow2": 0.0, "oracle": 0.0}
     for bs in (8, 16, 32):
-        bm = BlockManager(CoreConfig(num_gpu_blocks=2_000_000 // bs, block_size=bs))
+        bm = BlockManager(
+            CoreConfig(
+                num_gpu_blocks=2_000_000 // bs, block_size=bs, preemption_mode="off", eviction_policy="lru"
+            )
+        )
         pending = deque(enumerate(trace))
         # Sample the steady state: after warm-up, while requests still arrive
         # (the drain at the end holds only the longest requests).
@@ -261,7 +265,9 @@ def run_prefix(
             log_level="warning",
         )
     else:
-        core = LocalCore(num_gpu_blocks=num_blocks, block_size=bs, eviction_policy=policy)
+        core = LocalCore(
+            num_gpu_blocks=num_blocks, block_size=bs, eviction_policy=policy, preemption_mode="off"
+        )
     rng = random.Random(seed + 7)
     inflight: deque[str] = deque()
     any_hit = 0

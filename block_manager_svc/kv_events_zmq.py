@@ -51,6 +51,7 @@ import structlog
 import zmq
 
 from block_manager_svc.core.kv_events import ALL_BLOCKS_CLEARED, AllBlocksCleared, BlockStored, PoolEvent
+from pagedkv import defaults
 from pagedkv.tls import is_loopback
 
 log = structlog.get_logger("pagedkv.block_manager")
@@ -88,7 +89,7 @@ class ZmqEventConfig:
     endpoint: str
     replay_endpoint: str = ""
     topic: str = "kv-events"
-    block_size: int = 16
+    block_size: int = defaults.BLOCK_SIZE
     encoding: str = "map"  # "map" (vLLM >= PR #42892) or "array" (older vLLM)
     buffer_steps: int = 10_000  # batches kept for replay
     hwm: int = 100_000  # ZeroMQ send high-water mark (messages)

@@ -32,6 +32,7 @@ from pagedkv.grpc_server import graceful_stop
 from pagedkv.grpc_server import start_server as start_grpc_server
 from pagedkv.logging_setup import configure_logging
 from pagedkv.v1 import block_manager_pb2, block_manager_pb2_grpc
+from pagedkv.watermark import watermark_blocks
 
 SERVICE_NAME = block_manager_pb2.DESCRIPTOR.services_by_name["BlockManager"].full_name
 log = structlog.get_logger("pagedkv.block_manager")
@@ -71,9 +72,7 @@ def build_core(settings: BlockManagerSettings) -> BlockManager:
             eviction_policy=settings.eviction_policy,
             enable_prefix_caching=settings.enable_prefix_caching,
             preemption_mode=settings.preemption_mode,
-            watermark_blocks=min(
-                int(settings.watermark_fraction * settings.num_gpu_blocks), settings.num_gpu_blocks - 1
-            ),
+            watermark_blocks=watermark_blocks(settings.watermark_fraction, settings.num_gpu_blocks),
             kv_bytes_per_block=settings.kv_bytes_per_block,
             host_link_bytes_per_s=settings.host_link_gb_per_s * 1e9,
             prefill_tokens_per_s=settings.prefill_tokens_per_s,

@@ -13,44 +13,60 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from pagedkv import settings_cli
+# The cost model's defaults are the core's (one value for CoreConfig and the service).
+from block_manager_svc.core.swap_planner import (
+    DEFAULT_HOST_LINK_BYTES_PER_S,
+    DEFAULT_KV_BYTES_PER_BLOCK,
+    DEFAULT_PREFILL_TOKENS_PER_S,
+)
+from pagedkv import defaults, settings_cli
 
 
 class BlockManagerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="PAGEDKV_", extra="forbid")
 
-    host: str = Field("127.0.0.1", description="address to listen on (127.0.0.1 = this machine only)")
-    port: int = Field(50051, ge=0, le=65535, description="port to listen on (0 = pick a free one)")
-    num_gpu_blocks: int = Field(4096, ge=1, le=2**31 - 1, description="blocks in the GPU pool")
-    block_size: int = Field(16, ge=1, le=4096, description="tokens per block")
-    num_cpu_blocks: int = Field(0, ge=0, le=2**31 - 1, description="blocks in the CPU swap pool (0 = none)")
+    host: str = Field(defaults.HOST, description="address to listen on (127.0.0.1 = this machine only)")
+    port: int = Field(
+        defaults.BLOCK_MANAGER_PORT, ge=0, le=65535, description="port to listen on (0 = pick a free one)"
+    )
+    num_gpu_blocks: int = Field(
+        defaults.NUM_GPU_BLOCKS, ge=1, le=2**31 - 1, description="blocks in the GPU pool"
+    )
+    block_size: int = Field(defaults.BLOCK_SIZE, ge=1, le=4096, description="tokens per block")
+    num_cpu_blocks: int = Field(
+        defaults.NUM_CPU_BLOCKS, ge=0, le=2**31 - 1, description="blocks in the CPU swap pool (0 = none)"
+    )
     eviction_policy: Literal["lru", "lru-size"] = Field(
-        "lru-size",
+        defaults.EVICTION_POLICY,
         description="prefix-cache eviction order: lru (vLLM's) or lru-size (GDSF: recency, hits, "
         "run size and miss cost; docs/policies.md)",
     )
     preemption_mode: Literal["auto", "swap", "recompute", "off"] = Field(
-        "auto",
+        defaults.PREEMPTION_MODE,
         description="when a running sequence cannot grow, preempt lower-ranked ones by: auto (cost "
         "model), swap (to the CPU pool when it fits), recompute, or off (RESOURCE_EXHAUSTED)",
     )
     watermark_fraction: float = Field(
-        0.01,
+        defaults.WATERMARK_FRACTION,
         ge=0,
         lt=1,
         description="share of GPU blocks Allocate and SwapIn leave free so admissions do not "
         "force preemption of running sequences (rounded down to whole blocks)",
     )
     kv_bytes_per_block: int = Field(
-        2 * 1024 * 1024,
+        DEFAULT_KV_BYTES_PER_BLOCK,
         ge=1,
         description="bytes of K+V in one block, all layers (cost model; 2 MiB = Llama-3-8B at 16 tokens)",
     )
     host_link_gb_per_s: float = Field(
-        25.0, gt=0, description="effective GPU<->host copy bandwidth in GB/s (cost model; PCIe 5 x16)"
+        DEFAULT_HOST_LINK_BYTES_PER_S / 1e9,
+        gt=0,
+        description="effective GPU<->host copy bandwidth in GB/s (cost model; PCIe 5 x16)",
     )
     prefill_tokens_per_s: float = Field(
-        10_000.0, gt=0, description="prefill throughput in tokens/s (cost model of recompute)"
+        DEFAULT_PREFILL_TOKENS_PER_S,
+        gt=0,
+        description="prefill throughput in tokens/s (cost model of recompute)",
     )
     enable_prefix_caching: bool = Field(
         True, description="look up and register prompt blocks by content hash"
@@ -98,7 +114,7 @@ class BlockManagerSettings(BaseSettings):
         "tenant namespaces and quotas (empty = no auth)",
     )
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics HTTP port (0 = off)")
-    metrics_host: str = Field("127.0.0.1", description="address of the metrics HTTP server")
+    metrics_host: str = Field(defaults.HOST, description="address of the metrics HTTP server")
     enable_kv_events: bool = Field(True, description="serve WatchEvents (KV cache events for routers)")
     max_event_watchers: int = Field(
         4, ge=0, le=64, description="concurrent WatchEvents streams (each holds a server thread)"

@@ -9,9 +9,9 @@ read for their own outbound connections (pagedkv/dial.py).
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Any
 
+from pagedkv import envs
 from pagedkv.dial import check_token_transport, read_token
 from pagedkv.tls import add_client_tls_args
 
@@ -21,13 +21,13 @@ def add_connection_args(parser: argparse.ArgumentParser) -> None:
     add_client_tls_args(group)
     group.add_argument(
         "--token-file",
-        default=os.environ.get("PAGEDKV_TOKEN_FILE", ""),
+        default=envs.get_str("PAGEDKV_TOKEN_FILE"),
         help="file holding the bearer token [env PAGEDKV_TOKEN_FILE; else the token is env PAGEDKV_TOKEN]",
     )
     group.add_argument(
         "--allow-insecure",
         action="store_true",
-        default=os.environ.get("PAGEDKV_ALLOW_INSECURE", "").lower() in ("1", "true", "yes", "on"),
+        default=envs.get_bool("PAGEDKV_ALLOW_INSECURE"),
         help="allow sending the token without TLS (trusted networks only) [env PAGEDKV_ALLOW_INSECURE]",
     )
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 from frontend.connection import add_connection_args, client_kwargs
 from frontend.engine import Engine, GenerationRequest, SamplingOptions
+from pagedkv import defaults, envs
 from pagedkv.ports import free_port
 
 
@@ -58,7 +59,7 @@ class DemoFigures:
     peak_paged_blocks: int = 0
     peak_contiguous_tokens: int = 0
     bytes_per_token: int = 0
-    block_size: int = 16
+    block_size: int = defaults.BLOCK_SIZE
     steps: int = 0  # engine iterations
     bm_round_trips: int = 0  # the engine's block-manager Steps (the demo's own GetStats not counted)
     worker_steps: int = 0
@@ -289,7 +290,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, default=160)
     p.add_argument("--concurrency", type=int, default=16, help="concurrent streaming HTTP clients")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--num-gpu-blocks", type=int, default=256, help="when the demo starts the stack")
+    p.add_argument(
+        "--num-gpu-blocks",
+        type=int,
+        default=defaults.DEMO_NUM_GPU_BLOCKS,
+        help="when the demo starts the stack [%(default)s]",
+    )
     p.add_argument("--num-workers", type=int, default=2, help="with --local: workers in the stack")
     p.add_argument("--max-num-seqs", type=int, default=32, help="the server's engine (not with --url)")
     p.add_argument("--max-batch-tokens", type=int, default=256, help="the server's engine (not with --url)")
@@ -376,10 +382,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     configure_logging("warning")
     if args.url:
-        import os
         import pathlib
 
-        key = os.environ.get("PAGEDKV_API_KEY", "")
+        key = envs.get_str("PAGEDKV_API_KEY")
         if args.api_key_file:
             key = pathlib.Path(args.api_key_file).read_text().strip()
         reqs = make_workload(args.requests, args.vocab_size, args.seed)
@@ -422,6 +427,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         worker_port=free_port(),
         num_workers=1,
         num_gpu_blocks=args.num_gpu_blocks,
+        num_cpu_blocks=defaults.DEMO_NUM_CPU_BLOCKS,
         model=args.model,
         device=args.device,
         log_format="json",

@@ -34,6 +34,7 @@ import grpc
 from frontend.connection import add_connection_args, client_kwargs
 from frontend.engine import EngineConfig, GenerationRequest, RequestOutput, SamplingOptions
 from frontend.http_client import HttpError
+from pagedkv import defaults, envs
 
 
 def parse_token_ids(text: str) -> list[int]:
@@ -65,14 +66,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop-token-ids", type=parse_token_ids, default=None)
-    p.add_argument("--url", default="http://127.0.0.1:8000", help="a running `pagedkv serve` [%(default)s]")
+    p.add_argument("--url", default=defaults.SERVE_URL, help="a running `pagedkv serve` [%(default)s]")
     p.add_argument(
         "--api-key-file", default="", help="file holding the server's API key (default: env PAGEDKV_API_KEY)"
     )
     p.add_argument("--local", action="store_true", help="run an in-process stack instead of connecting")
     p.add_argument("--model", default=None, help="with --local: Hugging Face model directory or GGUF file")
-    p.add_argument("--num-gpu-blocks", type=int, default=512, help="with --local")
-    p.add_argument("--block-size", type=int, default=16, help="with --local")
+    p.add_argument(
+        "--num-gpu-blocks", type=int, default=defaults.LOCAL_NUM_GPU_BLOCKS, help="with --local [%(default)s]"
+    )
+    p.add_argument("--block-size", type=int, default=defaults.BLOCK_SIZE, help="with --local [%(default)s]")
     p.add_argument("--device", default="auto", help="with --local: auto | cpu | cuda")
     p.add_argument(
         "--block-manager",
@@ -81,11 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--workers",
-        default="127.0.0.1:50053,127.0.0.1:50054",
+        default=defaults.worker_addresses(defaults.UP_NUM_WORKERS),
         help="with --block-manager: comma-separated worker host:port list (default: the two "
         "workers `pagedkv up` starts)",
     )
-    p.add_argument("--timeout-s", type=float, default=30.0)
+    p.add_argument("--timeout-s", type=float, default=EngineConfig().timeout_s)
     add_connection_args(p)
     return p
 
@@ -109,14 +112,13 @@ def output_json(out: RequestOutput) -> dict[str, object]:
 
 def via_server(args: argparse.Namespace, request: GenerationRequest) -> RequestOutput:
     """The request as an OpenAI completion on a running `pagedkv serve`; the same RequestOutput."""
-    import os
     import pathlib
     import ssl
 
     from frontend.engine import Completion
     from frontend.http_client import post_json
 
-    key = os.environ.get("PAGEDKV_API_KEY", "")
+    key = envs.get_str("PAGEDKV_API_KEY")
     if args.api_key_file:
         key = pathlib.Path(args.api_key_file).read_text().strip()
     ctx = None

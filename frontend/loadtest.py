@@ -49,6 +49,7 @@ from typing import Any
 import grpc
 
 from frontend.connection import add_connection_args, client_kwargs
+from pagedkv import defaults
 from pagedkv.dial import TokenError
 
 OPS = ("allocate", "append", "fork", "free", "step", "table", "stats")
@@ -122,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
         "unique ids and all freed at the end; the pool is checked to be back where it started.",
         epilog="scenarios: " + "; ".join(f"{k} = {v}" for k, v in SCENARIOS.items()),
     )
-    p.add_argument("--target", default="127.0.0.1:50051", help="host:port of the block manager")
+    p.add_argument("--target", default=defaults.BLOCK_MANAGER_ADDRESS, help="host:port of the block manager")
     p.add_argument(
         "-c", "--concurrency", type=int, default=16, help="calls in flight (workers), all connections"
     )

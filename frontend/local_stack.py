@@ -15,7 +15,6 @@ It is the one frontend module that runs workers: the worker modules (and torch) 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from block_manager_svc.server import RunningServer as BlockManagerServer
@@ -23,31 +22,21 @@ from block_manager_svc.server import start_server as start_block_manager
 from block_manager_svc.settings import BlockManagerSettings
 from frontend.client import BlockManagerClient
 from frontend.engine import Engine, EngineConfig
+from frontend.stack_config import StackConfig, worker_roles
 from frontend.worker_client import WorkerClient
+
+__all__ = ["LocalStack", "StackConfig"]  # StackConfig: the one description of a stack (stack_config.py)
 
 if TYPE_CHECKING:
     from pagedkv.grpc_server import RunningServer
     from worker_svc.server import WorkerProcess
 
 
-@dataclass(slots=True)
-class StackConfig:
-    model: str | None = None
-    num_gpu_blocks: int = 512
-    num_cpu_blocks: int = 0
-    block_size: int = 16
-    num_workers: int = 1
-    device: str = "auto"
-    dtype: str = "auto"
-    kernel_backend: str | None = None
-    seed: int = 0
-    # Worker i's --role (prefill | decode | mixed); empty = all mixed (frontend/dispatch.py).
-    roles: tuple[str, ...] = ()
-    block_manager_overrides: dict[str, object] = field(default_factory=dict)
-
-
 class LocalStack:
-    """Block manager + cache host + workers in this process. Use as a context manager."""
+    """Block manager + cache host + workers in this process. Use as a context manager.
+
+    Of ``StackConfig`` it uses the stack's own fields; the processes-only ones (ports, logs,
+    security, restarts) do not apply: every server binds an ephemeral loopback port."""
 
     def __init__(self, config: StackConfig | None = None) -> None:
         # The in-process workers: imported here, not at module level (see the module docstring).
@@ -88,10 +77,7 @@ class LocalStack:
             self.cache_host: RunningServer = serve_cache(self.cache, model_cfg.name)
             self._closers.append(lambda: self.cache_host.stop(0))
             self.workers: list[WorkerProcess] = []
-            if cfg.roles and len(cfg.roles) != cfg.num_workers:
-                raise ValueError(
-                    f"roles {cfg.roles} name {len(cfg.roles)} workers, num_workers is {cfg.num_workers}"
-                )
+            roles = worker_roles(cfg.roles, cfg.num_workers)  # ValueError on a bad list
             for i in range(cfg.num_workers):
                 proc = start_worker(
                     WorkerSettings(
@@ -103,7 +89,7 @@ class LocalStack:
                         dtype=cfg.dtype,
                         kernel_backend=cfg.kernel_backend,
                         seed=cfg.seed,
-                        role=cfg.roles[i] if cfg.roles else "mixed",
+                        role=roles[i],
                         block_size=cfg.block_size,
                         num_gpu_blocks=cfg.num_gpu_blocks,
                         num_cpu_blocks=cfg.num_cpu_blocks,

@@ -16,16 +16,20 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from pagedkv import settings_cli
+from frontend.engine import EngineConfig
+from pagedkv import defaults, settings_cli
+
+# The engine's own defaults (frontend/engine/types.py) are the server's: written once, there.
+_ENGINE = EngineConfig()
 
 
 class ServeSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="PAGEDKV_", extra="forbid")
 
-    host: str = Field("127.0.0.1", description="address to listen on (127.0.0.1 = this machine only)")
-    port: int = Field(8000, ge=0, le=65535, description="HTTP port (0 = pick a free one)")
-    block_manager: str = Field("127.0.0.1:50051", description="block manager host:port")
-    workers: str = Field("127.0.0.1:50053", description="comma-separated worker host:port list")
+    host: str = Field(defaults.HOST, description="address to listen on (127.0.0.1 = this machine only)")
+    port: int = Field(defaults.SERVE_PORT, ge=0, le=65535, description="HTTP port (0 = pick a free one)")
+    block_manager: str = Field(defaults.BLOCK_MANAGER_ADDRESS, description="block manager host:port")
+    workers: str = Field(defaults.WORKER_ADDRESS, description="comma-separated worker host:port list")
     model: str = Field(
         "",
         description="local model directory or GGUF file (the workers' --model): tokenizer, chat template, "
@@ -39,16 +43,16 @@ class ServeSettings(BaseSettings):
     max_waiting: int = Field(
         256, ge=0, description="requests allowed to wait for admission; beyond that: 503 with Retry-After"
     )
-    max_num_seqs: int = Field(64, ge=1, description="sequences the engine runs at once")
+    max_num_seqs: int = Field(_ENGINE.max_num_seqs, ge=1, description="sequences the engine runs at once")
     max_batch_tokens: int = Field(
-        512, ge=1, description="tokens per engine iteration (decode + prefill chunks)"
+        _ENGINE.max_batch_tokens, ge=1, description="tokens per engine iteration (decode + prefill chunks)"
     )
     timeout_s: float = Field(
-        30.0, gt=0, description="deadline of each gRPC call to the block manager/workers"
+        _ENGINE.timeout_s, gt=0, description="deadline of each gRPC call to the block manager/workers"
     )
     retry_after_s: int = Field(1, ge=1, description="Retry-After seconds sent with 503")
     block_manager_outage_s: float = Field(
-        30.0,
+        _ENGINE.block_manager_outage_s,
         gt=0,
         description="how long the block manager may stay unreachable "
         "(retried with backoff) before requests in flight end with 503",

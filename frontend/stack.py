@@ -34,8 +34,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from frontend.stack_config import StackConfig, override_flags, worker_roles
 from frontend.stack_security import StackSecurity, StackSecurityError
 from frontend.supervisor import RestartPolicy, supervise
+from pagedkv import defaults
 from pagedkv.cpu_runtime import preload_env
 from pagedkv.healthcheck import wait_healthy
 from pagedkv.logging_setup import configure_logging
@@ -54,41 +56,10 @@ class Service:
     env: dict[str, str] = field(default_factory=dict)  # on top of the stack's environment
 
 
-@dataclass(slots=True)
-class StackOptions:
-    host: str = "127.0.0.1"
-    block_manager_port: int = 50051
-    cache_host_port: int = 50052
-    worker_port: int = 50053
-    num_workers: int = 2
-    num_gpu_blocks: int = 1024
-    num_cpu_blocks: int = 256
-    block_size: int = 16
-    model: str | None = None
-    device: str = "auto"
-    dtype: str = "auto"
-    log_format: str = "console"
-    log_dir: str | None = None
-    shm_prefix: str = field(default_factory=lambda: f"pagedkv-up-{os.getpid()}")
-    ready_timeout_s: float = 180.0
-    # Worker i's --role; one role applies to every worker; empty = all mixed (docs/worker.md "Roles").
-    roles: tuple[str, ...] = ()
-    # Give each worker its own share of this machine's CPUs (--cpu-affinity, --num-threads).
-    pin_workers: bool = False
-    worker_args: tuple[str, ...] = ()  # more flags for every worker (e.g. --num-threads 1)
-    share_weights: bool = (
-        True  # the cache host loads the weights once for every worker (else each loads its own)
-    )
-    tls_dir: str | None = None  # ca.pem, server.pem/.key, client.pem/.key (tools/make_certs.sh DIR)
-    auth_tokens_file: str | None = None  # bearer tokens of the stack's clients
-    allow_insecure: bool = False  # tokens without --tls-dir: sent in plaintext between the roles
-    # `pagedkv serve` on this port after the workers (None = no frontend; `pagedkv up` default 8000).
-    serve_port: int | None = None
-    # CPU workers start with tcmalloc and Intel OpenMP preloaded when present (pagedkv/cpu_runtime.py).
-    preload_runtime: bool = True
-    # The block manager's --state-dir (kept); None = a temporary one, removed when the stack stops.
-    state_dir: str | None = None
-    restart: RestartPolicy = field(default_factory=RestartPolicy)
+# One description of a stack for `pagedkv up` and the in-process stack (frontend/stack_config.py);
+# StackOptions is its name here.
+StackOptions = StackConfig
+__all__ = ["Stack", "StackOptions", "plan", "split_cpus", "worker_roles"]
 
 
 def _pagedkv(*args: str) -> list[str]:
@@ -103,6 +74,8 @@ def plan(opts: StackOptions, security: StackSecurity | None = None, state_dir: s
     common = ["--log-format", opts.log_format, *sec.server_args()]
     dial = sec.dial_args()
     model = ["--model", opts.model] if opts.model else []
+    seed = ["--seed", str(opts.seed)]
+    backend = ["--kernel-backend", opts.kernel_backend] if opts.kernel_backend else []
     services = [
         Service(
             "block-manager",
@@ -119,6 +92,7 @@ def plan(opts: StackOptions, security: StackSecurity | None = None, state_dir: s
                 "--block-size",
                 str(opts.block_size),
                 *(["--state-dir", state_dir] if state_dir else []),
+                *override_flags(opts.block_manager_overrides),
                 *common,
             ),
             bm,
@@ -141,6 +115,7 @@ def plan(opts: StackOptions, security: StackSecurity | None = None, state_dir: s
                 "--shm-prefix",
                 opts.shm_prefix,
                 *([] if opts.share_weights else ["--no-share-weights"]),
+                *seed,
                 *model,
                 *common,
                 *dial,
@@ -179,6 +154,8 @@ def plan(opts: StackOptions, security: StackSecurity | None = None, state_dir: s
                     "--role",
                     roles[i],
                     *placement,
+                    *seed,
+                    *backend,
                     *opts.worker_args,
                     *model,
                     *common,
@@ -224,22 +201,6 @@ def _cpu_workers(device: str) -> bool:
     """Whether the workers will compute on the CPU: ``cpu``, or ``auto`` on a host without an
     NVIDIA driver (the preloads are for CPU compute; GPU workers keep torch's own runtime)."""
     return device == "cpu" or (device == "auto" and not pathlib.Path("/dev/nvidiactl").exists())
-
-
-def worker_roles(roles: Sequence[str], num_workers: int) -> list[str]:
-    """--roles prefill,decode -> one role per worker (one role for all; none = mixed)."""
-    for r in roles:
-        if r not in ("mixed", "prefill", "decode"):
-            raise ValueError(f"unknown worker role {r!r}: use mixed, prefill or decode")
-    if not roles:
-        return ["mixed"] * num_workers
-    if len(roles) == 1:
-        return list(roles) * num_workers
-    if len(roles) != num_workers:
-        raise ValueError(
-            f"--roles names {len(roles)} roles for {num_workers} workers: give one, or one per worker"
-        )
-    return list(roles)
 
 
 def split_cpus(cpus: Sequence[int], n: int) -> list[list[int]]:
@@ -414,7 +375,7 @@ class Stack:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    d = StackOptions()
+    d = StackOptions()  # the shared defaults; `up` runs a bigger stack than the in-process one
     p = argparse.ArgumentParser(
         prog="pagedkv up", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -424,9 +385,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--worker-port", type=int, default=d.worker_port, help="first worker's port; others follow"
     )
-    p.add_argument("--num-workers", type=int, default=d.num_workers)
-    p.add_argument("--num-gpu-blocks", type=int, default=d.num_gpu_blocks)
-    p.add_argument("--num-cpu-blocks", type=int, default=d.num_cpu_blocks)
+    p.add_argument("--num-workers", type=int, default=defaults.UP_NUM_WORKERS)
+    p.add_argument("--num-gpu-blocks", type=int, default=defaults.UP_NUM_GPU_BLOCKS)
+    p.add_argument("--num-cpu-blocks", type=int, default=defaults.UP_NUM_CPU_BLOCKS)
     p.add_argument("--block-size", type=int, default=d.block_size)
     p.add_argument(
         "--model",
@@ -472,7 +433,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--serve-port",
         type=int,
-        default=8000,
+        default=defaults.SERVE_PORT,
         help="port of the OpenAI-compatible frontend, `pagedkv serve` [%(default)s]",
     )
     p.add_argument("--no-serve", action="store_true", help="start no frontend (gRPC services only)")

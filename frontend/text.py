@@ -9,10 +9,11 @@ prompts, stop strings and chat completions then answer 400.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 from dataclasses import dataclass
 from typing import Any
+
+from pagedkv import envs
 
 
 @dataclass(slots=True)
@@ -72,7 +73,7 @@ def load_model_text(model_dir: str | None) -> ModelText:
     eos = _eos_from(path)
     tokenizer = None
     if any((path / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        envs.set_default("HF_HUB_OFFLINE", "1")
         try:
             from transformers import AutoTokenizer
         except ImportError as e:

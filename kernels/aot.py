@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from pagedkv import envs
+
 # Usable shared memory per block (opt-in maximum) by compute capability, in bytes.
 MAX_SHARED = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -267,7 +269,7 @@ def problems(res: Result, arch: int = 90) -> list[str]:
 
 
 def _worker_init() -> None:
-    if os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes"):
+    if envs.get_bool("TRITON_INTERPRET"):
         raise RuntimeError("kernels.aot needs TRITON_INTERPRET unset (compiled, not interpreted, kernels)")
 
 
@@ -325,10 +327,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.only:
         keys = args.only.split(",")
         cfgs = [c for c in cfgs if any(k in c.name for k in keys)]
-    own_cache = "TRITON_CACHE_DIR" not in os.environ
+    own_cache = not envs.is_set("TRITON_CACHE_DIR")
     with tempfile.TemporaryDirectory(prefix="pagedkv-aot-") as tmp:
         if own_cache:
-            os.environ["TRITON_CACHE_DIR"] = tmp  # inherited by the worker processes
+            envs.set_default("TRITON_CACHE_DIR", tmp)  # inherited by the worker processes
         t0 = time.perf_counter()
         results = run(cfgs, args.arch, args.jobs)
         wall = time.perf_counter() - t0

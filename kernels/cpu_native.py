@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
-import os
 import pathlib
 import threading
 from collections.abc import Sequence
@@ -44,6 +43,8 @@ from typing import ClassVar
 
 import structlog
 import torch
+
+from pagedkv import envs
 
 log = structlog.get_logger(__name__)
 
@@ -90,7 +91,7 @@ _tried = False
 
 def enabled() -> bool:
     """Whether the environment allows the native kernels (``PAGEDKV_CPU_NATIVE``, read per call)."""
-    value = os.environ.get(ENV_SWITCH, "auto").strip().lower()
+    value = envs.get_str(ENV_SWITCH).lower()
     return value not in ("0", "off", "false", "no")
 
 
@@ -151,7 +152,7 @@ def choose_variant(built: Sequence[str], level: int, requested: str) -> str:
 def _load() -> tuple[ctypes.CDLL, str]:
     built = built_variants()
     level = cpu_level() if built else 0
-    variant = choose_variant(built, level, os.environ.get(ENV_SWITCH, "auto").strip().lower())
+    variant = choose_variant(built, level, envs.get_str(ENV_SWITCH).lower())
     path = artifact(variant)
     assert path is not None
     lib = ctypes.CDLL(str(path))

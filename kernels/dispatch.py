@@ -28,11 +28,12 @@ import contextlib
 import contextvars
 import functools
 import importlib
-import os
 from collections.abc import Iterator
 from typing import Literal
 
 import torch
+
+from pagedkv import envs
 
 BackendName = Literal["auto", "reference", "triton", "cpu"]
 BACKENDS: tuple[str, ...] = ("auto", "reference", "triton", "cpu")
@@ -66,13 +67,12 @@ def requested_backend() -> str:
     name = _override.get()
     if name is not None:
         return name
-    env = os.environ.get(ENV_VAR, "").strip().lower()
-    return _check_name(env, ENV_VAR) if env else "auto"
+    return _check_name(envs.get_str(ENV_VAR).lower() or "auto", ENV_VAR)
 
 
 def interpret_requested() -> bool:
     """Whether TRITON_INTERPRET asks for Triton's interpreter (as Triton itself parses it)."""
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+    return envs.get_bool("TRITON_INTERPRET")
 
 
 @functools.lru_cache(maxsize=1)

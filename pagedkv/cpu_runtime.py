@@ -16,9 +16,10 @@ that exist are named, so a machine without them runs as before: tcmalloc from th
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
+
+from pagedkv import envs
 
 TCMALLOC_CANDIDATES = (
     "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
@@ -41,7 +42,7 @@ def preload_env(base: dict[str, str] | None = None) -> dict[str, str]:
     (default: this process's environment); empty when none is present or all are there already.
     A library counts as there when a file of the same name is preloaded from anywhere (two copies
     of the OpenMP runtime in one process abort it)."""
-    current = (base if base is not None else os.environ).get("LD_PRELOAD", "")
+    current = envs.get_str("LD_PRELOAD", base)
     have = [p for p in current.replace(" ", ":").split(":") if p]
     names = {Path(p).name for p in have}
     add = [p for p in runtime_libraries() if Path(p).name not in names]

@@ -18,13 +18,13 @@ the one place that rule lives; every client of every role goes through it.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
 
+from pagedkv import envs
 from pagedkv.tls import auth_metadata, channel
 
 
@@ -56,7 +56,7 @@ def read_token(token_file: str = "", env_token: str | None = None) -> str:
         if not token:
             raise TokenError(f"token file {token_file!r} is empty")
         return token
-    return (os.environ.get("PAGEDKV_TOKEN", "") if env_token is None else env_token).strip()
+    return (envs.get_str("PAGEDKV_TOKEN") if env_token is None else env_token).strip()
 
 
 @dataclass(slots=True, frozen=True)

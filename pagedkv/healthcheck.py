@@ -16,7 +16,6 @@ stack launcher, benchmarks and tests poll a freshly started service with it.
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from collections.abc import Callable, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pagedkv import defaults, envs
 from pagedkv.tls import add_client_tls_args, channel
 
 
@@ -100,7 +100,7 @@ def wait_healthy(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    default_target = f"127.0.0.1:{os.environ.get('PAGEDKV_PORT', '50051')}"
+    default_target = f"{defaults.HOST}:{envs.get_str('PAGEDKV_PORT')}"
     ap = argparse.ArgumentParser(prog="python -m pagedkv.healthcheck", description=__doc__.split("\n\n")[0])
     ap.add_argument("target", nargs="?", default=default_target, help=f"host:port (default {default_target})")
     ap.add_argument("--service", default="", help="service name to check ('' = the whole server)")

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import grpc
+
+from pagedkv import envs
 
 
 class TlsConfigError(RuntimeError):
@@ -127,16 +128,16 @@ def add_client_tls_args(parser: argparse.ArgumentParser | argparse._ArgumentGrou
     (``frontend/connection.py``, ``pagedkv/healthcheck.py``), so the flags and variables never drift."""
     parser.add_argument(
         "--tls-ca",
-        default=os.environ.get("PAGEDKV_TLS_CA", ""),
+        default=envs.get_str("PAGEDKV_TLS_CA"),
         help="CA bundle to verify the servers (turns TLS on) [env PAGEDKV_TLS_CA]",
     )
     parser.add_argument(
         "--tls-cert",
-        default=os.environ.get("PAGEDKV_TLS_CLIENT_CERT", ""),
+        default=envs.get_str("PAGEDKV_TLS_CLIENT_CERT"),
         help="client certificate for mutual TLS [env PAGEDKV_TLS_CLIENT_CERT]",
     )
     parser.add_argument(
         "--tls-key",
-        default=os.environ.get("PAGEDKV_TLS_CLIENT_KEY", ""),
+        default=envs.get_str("PAGEDKV_TLS_CLIENT_KEY"),
         help="client key for mutual TLS [env PAGEDKV_TLS_CLIENT_KEY]",
     )

@@ -20,9 +20,10 @@ call and already sleeps after a short spin, so there this does nothing.
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 from collections.abc import Callable
+
+from pagedkv import envs
 
 BLOCKTIME_MS = 5  # vLLM's choice for its CPU worker; 5-20 measured alike here
 
@@ -32,7 +33,7 @@ _setter: Callable[[int], object] | None | bool = False  # False: not looked up y
 
 def _lookup() -> Callable[[int], object] | None:
     """The loaded runtime's ``kmp_set_blocktime`` (libiomp5 / LLVM libomp), or None."""
-    if "KMP_BLOCKTIME" in os.environ:
+    if envs.is_set("KMP_BLOCKTIME"):
         return None
     try:
         fn = ctypes.CDLL(None).kmp_set_blocktime

@@ -17,8 +17,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-DEFAULT_CACHE_HOST_PORT = 50052
-DEFAULT_WORKER_PORT = 50053
+from pagedkv import defaults
 
 Device = Literal["auto", "cpu", "cuda"]
 DType = Literal["auto", "float32", "float16", "bfloat16"]
@@ -30,11 +29,13 @@ class _Common(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="PAGEDKV_", extra="ignore")
 
-    host: str = Field("127.0.0.1", description="address to bind the gRPC server to")
-    # Geometry; the defaults match the block manager's defaults.
-    block_size: int = Field(16, ge=1, description="tokens per KV block")
-    num_gpu_blocks: int = Field(4096, ge=1, description="blocks in the device KV cache")
-    num_cpu_blocks: int = Field(0, ge=0, description="blocks in the host swap pool (0 = none)")
+    host: str = Field(defaults.HOST, description="address to bind the gRPC server to")
+    # Geometry; the same defaults as the block manager's (pagedkv/defaults.py).
+    block_size: int = Field(defaults.BLOCK_SIZE, ge=1, description="tokens per KV block")
+    num_gpu_blocks: int = Field(defaults.NUM_GPU_BLOCKS, ge=1, description="blocks in the device KV cache")
+    num_cpu_blocks: int = Field(
+        defaults.NUM_CPU_BLOCKS, ge=0, description="blocks in the host swap pool (0 = none)"
+    )
     # Model geometry: from --model (a directory's config.json or a GGUF file's metadata), else the
     # built-in tiny default model.
     model: str | None = Field(
@@ -98,7 +99,7 @@ class _Common(BaseSettings):
 class CacheHostSettings(_Common):
     """The cache host: allocates the shared KV cache once and serves its descriptor."""
 
-    port: int = Field(DEFAULT_CACHE_HOST_PORT, ge=0, le=65535, description="gRPC port")
+    port: int = Field(defaults.CACHE_HOST_PORT, ge=0, le=65535, description="gRPC port")
     shm_prefix: str = Field("pagedkv", description="prefix of the POSIX shared-memory segment names")
     # Shared weights (worker_svc/shared_weights.py): loaded once here, mapped by every worker.
     share_weights: bool = Field(
@@ -112,8 +113,8 @@ class CacheHostSettings(_Common):
 class WorkerSettings(_Common):
     """A compute worker: attaches to the cache host's memory and serves the Worker API."""
 
-    port: int = Field(DEFAULT_WORKER_PORT, ge=0, le=65535, description="gRPC port")
-    cache_host: str = Field(f"127.0.0.1:{DEFAULT_CACHE_HOST_PORT}", description="host:port of the cache host")
+    port: int = Field(defaults.WORKER_PORT, ge=0, le=65535, description="gRPC port")
+    cache_host: str = Field(defaults.CACHE_HOST_ADDRESS, description="host:port of the cache host")
     max_workers: int = Field(4, ge=1, description="gRPC server threads")
 
     @field_validator("cpu_affinity")

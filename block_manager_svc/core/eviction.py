@@ -37,6 +37,8 @@ import heapq
 from collections import OrderedDict
 from typing import Protocol
 
+from pagedkv import defaults
+
 DEFAULT_MISS_COST_TOKENS = 64
 
 
@@ -154,7 +156,10 @@ class LruSizeEviction:
     exact_leaves = True
 
     def __init__(
-        self, num_blocks: int, block_size: int = 16, miss_cost_tokens: float = DEFAULT_MISS_COST_TOKENS
+        self,
+        num_blocks: int,
+        block_size: int = defaults.BLOCK_SIZE,
+        miss_cost_tokens: float = DEFAULT_MISS_COST_TOKENS,
     ) -> None:
         self.block_size = block_size
         self.miss_cost_tokens = miss_cost_tokens
@@ -263,7 +268,10 @@ POLICIES = ("lru", "lru-size")
 
 
 def make_eviction_policy(
-    name: str, num_blocks: int = 0, block_size: int = 16, miss_cost_tokens: float = DEFAULT_MISS_COST_TOKENS
+    name: str,
+    num_blocks: int = 0,
+    block_size: int = defaults.BLOCK_SIZE,
+    miss_cost_tokens: float = DEFAULT_MISS_COST_TOKENS,
 ) -> EvictionPolicy:
     if name == "lru":
         return LruEviction(num_blocks)

@@ -58,6 +58,8 @@ from block_manager_svc.core.swap_planner import (
     CostModel,
 )
 from block_manager_svc.core.tenants import NULL_LEDGER, Ledger, NullLedger, TenantLedger
+from pagedkv import defaults
+from pagedkv.watermark import admission_room
 
 __all__ = ["MAX_SEQ_ID_LEN", "MAX_TOKEN_ID", "BlockManager", "CoreConfig"]
 
@@ -67,14 +69,13 @@ MAX_TOKEN_ID = 2**32 - 1
 @dataclass(slots=True, frozen=True)
 class CoreConfig:
     num_gpu_blocks: int
-    block_size: int = 16
+    block_size: int = defaults.BLOCK_SIZE
     num_cpu_blocks: int = 0
-    eviction_policy: str = "lru"
+    eviction_policy: str = defaults.EVICTION_POLICY
     enable_prefix_caching: bool = True
-    # Memory policies (docs/policies.md). "off" = a sequence that cannot grow
-    # gets RESOURCE_EXHAUSTED and nothing is preempted (the core's default;
-    # the service defaults to "auto").
-    preemption_mode: str = "off"
+    # Memory policies (docs/policies.md): the service's default (pagedkv/defaults.py). "off" = a
+    # sequence that cannot grow gets RESOURCE_EXHAUSTED and nothing is preempted.
+    preemption_mode: str = defaults.PREEMPTION_MODE
     # Free + evictable blocks Allocate and SwapIn must leave untouched, so that
     # admitting new work does not immediately force preemption of running work.
     watermark_blocks: int = 0
@@ -250,7 +251,7 @@ class BlockManager:
         hits_from_cache = sum(1 for b in hits if ref_counts[b] == 0)
         needed = total_blocks - len(hits)
         watermark = self.config.watermark_blocks
-        available = pool.num_available - hits_from_cache - watermark
+        available = admission_room(pool.num_available - hits_from_cache, watermark)
         if needed > available:
             raise self.exhausted(
                 f"allocating {num_tokens} tokens for {seq_id!r}", needed, max(available, 0), watermark

@@ -97,6 +97,7 @@ from frontend.engine.types import (
 from frontend.worker_client import WorkerClient
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import worker_pb2 as wpb
+from pagedkv.watermark import admission_room
 
 log = structlog.get_logger("pagedkv.engine")
 
@@ -219,7 +220,7 @@ class Engine:
             )
         # The block manager admits a prompt only above its watermark; a prompt that needs more than
         # that would wait forever, so refuse it here rather than fail the iteration later.
-        if self._prompt_blocks(request.prompt) > self.num_gpu_blocks - self._watermark:
+        if self._prompt_blocks(request.prompt) > admission_room(self.num_gpu_blocks, self._watermark):
             raise ValueError(
                 f"request {request.request_id}: its {len(request.prompt)}-token prompt can never be admitted "
                 f"(the pool has {self.num_gpu_blocks} blocks, {self._watermark} held back by the watermark)"
@@ -382,7 +383,7 @@ class Engine:
         ):
             head = self._waiting[0]
             need = self._prompt_blocks(head.tokens)  # samples fork from the prompt and share it
-            if need > self.num_gpu_blocks - self._watermark:
+            if need > admission_room(self.num_gpu_blocks, self._watermark):
                 raise RuntimeError(
                     f"request {head.request.request_id} cannot be admitted: it needs {need} blocks and "
                     f"the pool has {self.num_gpu_blocks} ({self._watermark} held back by the watermark)"

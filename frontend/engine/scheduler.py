@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from frontend.admission import PrefixProgress
 from frontend.engine.types import Seq
+from pagedkv.watermark import admission_room
 
 
 @dataclass(slots=True, frozen=True)
@@ -72,7 +73,8 @@ def admissions(
     recorded) hints of what finished sequences committed."""
     bs = limits.block_size
     room = limits.max_num_seqs - len(running) - num_swap_in
-    budget = pool.available - limits.watermark - sum(1 for s in grow if (len(s.tokens) - 1) % bs == 0)
+    growth = sum(1 for s in grow if (len(s.tokens) - 1) % bs == 0)  # blocks the running take first
+    budget = admission_room(pool.available - growth, limits.watermark)
     out: list[Seq] = []
     held = 0
     progress: PrefixProgress | None = None

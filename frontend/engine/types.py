@@ -8,7 +8,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-MAX_TOP_LOGPROBS = 20  # what a worker returns at most per position (worker_svc/model/sampling.py)
+from pagedkv import defaults
+
+MAX_TOP_LOGPROBS = defaults.MAX_TOP_LOGPROBS  # what a worker returns at most per position
 
 
 class CacheHostLost(RuntimeError):
@@ -212,11 +214,3 @@ class EngineStats:
     bm_resyncs: int = 0
     recomputed_tokens: int = 0
     longest_stall_s: float = 0.0
-
-    @property
-    def bm_round_trips_per_step(self) -> float:
-        return self.bm_round_trips / self.steps if self.steps else 0.0
-
-    @property
-    def worker_steps_per_step(self) -> float:
-        return self.worker_steps / self.steps if self.steps else 0.0

@@ -32,7 +32,7 @@ class Ctx:
 
 
 def _servicer(tenancy: object) -> BlockManagerServicer:
-    core = BlockManager(CoreConfig(num_gpu_blocks=16, block_size=4))
+    core = BlockManager(CoreConfig(num_gpu_blocks=16, block_size=4, preemption_mode="off"))
     sv = BlockManagerServicer(core, tenancy=tenancy)  # type: ignore[arg-type]
     if tenancy is not NO_TENANCY:
         core.enable_tenancy(TenantLedger())

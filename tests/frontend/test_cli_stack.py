@@ -270,3 +270,26 @@ def test_roles_and_cpu_pinning_plan() -> None:
     assert w0[w0.index("--role") + 1] == "prefill" and w1[w1.index("--role") + 1] == "decode"
     assert w0[w0.index("--num-threads") + 1] == str(len(split_cpus(sorted(os.sched_getaffinity(0)), 2)[0]))
     assert "--no-share-weights" in services[1].args
+
+
+def test_one_stack_description_for_processes_and_in_process() -> None:
+    """StackOptions (processes) and StackConfig (in-process) are one class; the fields that once only
+    the in-process stack had reach the processes as flags, and those flags parse as the settings."""
+    from block_manager_svc.settings import load_settings
+    from frontend.local_stack import StackConfig
+    from frontend.stack import StackOptions, plan
+    from worker_svc.settings import WorkerSettings
+
+    assert StackOptions is StackConfig
+    opts = StackOptions(
+        seed=7,
+        kernel_backend="reference",
+        block_manager_overrides={"preemption_mode": "swap", "enable_prefix_caching": False},
+    )
+    bm, host, worker = plan(opts)[:3]
+    settings = load_settings(bm.args[bm.args.index("block-manager") + 1 :])
+    assert settings.preemption_mode == "swap" and settings.enable_prefix_caching is False
+    assert host.args[host.args.index("--seed") + 1] == "7"
+    w = worker.args
+    assert w[w.index("--seed") + 1] == "7" and w[w.index("--kernel-backend") + 1] == "reference"
+    assert WorkerSettings(kernel_backend=w[w.index("--kernel-backend") + 1]).kernel_backend == "reference"

@@ -184,7 +184,7 @@ def test_a_slow_watcher_is_dropped_and_never_blocks_the_producer() -> None:
     from block_manager_svc.events import _END, EventHub, _Subscriber
 
     hub = EventHub(threading.RLock(), max_watchers=1, queue_size=16)
-    core = BlockManager(CoreConfig(num_gpu_blocks=64, block_size=4))
+    core = BlockManager(CoreConfig(num_gpu_blocks=64, block_size=4, preemption_mode="off"))
     hub.attach(core)
     assert core.pool.events is None  # no watcher, no tenancy: the core pays nothing
     sub = _Subscriber(None, 16)

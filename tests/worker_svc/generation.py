@@ -65,7 +65,9 @@ class SeqState:
 
 class Scheduler:
     def __init__(self, step: StepFn, num_gpu_blocks: int = 64, block_size: int = 4) -> None:
-        self.bm = BlockManager(CoreConfig(num_gpu_blocks=num_gpu_blocks, block_size=block_size))
+        self.bm = BlockManager(
+            CoreConfig(num_gpu_blocks=num_gpu_blocks, block_size=block_size, preemption_mode="off")
+        )
         self.step_fn = step
         self.seqs: dict[str, SeqState] = {}
 

@@ -330,9 +330,9 @@ def iter_tensors(
 
 def load_tokenizer(path: str | pathlib.Path) -> Any:
     """The file's tokenizer (transformers builds it from the GGUF metadata, offline)."""
-    import os
+    from pagedkv import envs
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    envs.set_default("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
 
     p = pathlib.Path(path).resolve()

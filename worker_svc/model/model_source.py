@@ -39,7 +39,7 @@ def resolve(model: str | pathlib.Path) -> ModelSource:
 def load_tokenizer(model: str | pathlib.Path) -> Any | None:
     """The model's tokenizer, offline: a GGUF file's (from its metadata) or a directory's
     tokenizer files (None when the directory has none). Needs transformers."""
-    import os
+    from pagedkv import envs
 
     src = resolve(model)
     if src.kind == "gguf":
@@ -48,7 +48,7 @@ def load_tokenizer(model: str | pathlib.Path) -> Any | None:
         (src.path / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
     ):
         return None
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    envs.set_default("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(src.path), local_files_only=True)

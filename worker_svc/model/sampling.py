@@ -15,11 +15,12 @@ from dataclasses import dataclass
 import torch
 
 from kernels import cpu_native
+from pagedkv import defaults
 
 _MASK64 = (1 << 64) - 1
 
 
-MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs (and vLLM's default max_logprobs)
+MAX_TOP_LOGPROBS = defaults.MAX_TOP_LOGPROBS  # one value for the frontend and the workers
 
 
 @dataclass(slots=True, frozen=True)

@@ -49,7 +49,7 @@ TOKEN = st.integers(0, 1)
 class AllocatorMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.bm = BlockManager(CoreConfig(num_gpu_blocks=NUM_BLOCKS, block_size=BS))
+        self.bm = BlockManager(CoreConfig(num_gpu_blocks=NUM_BLOCKS, block_size=BS, preemption_mode="off"))
         self.tokens: dict[str, list[int]] = {}  # the model: each sequence's tokens
         self.computed: dict[str, int] = {}  # leading tokens whose KV was written (by it or a sharer)
         self.phys: dict[int, list[int | None]] = {}  # what each physical block holds

@@ -23,7 +23,13 @@ BS = 4
 
 
 def make(num_blocks: int = 16, **kw: object) -> BlockManager:
-    return BlockManager(CoreConfig(num_gpu_blocks=num_blocks, block_size=BS, **kw))  # type: ignore[arg-type]
+    return BlockManager(
+        CoreConfig(
+            num_gpu_blocks=num_blocks,
+            block_size=BS,
+            **{"preemption_mode": "off", "eviction_policy": "lru", **kw},
+        )
+    )  # type: ignore[arg-type]
 
 
 def snapshot(bm: BlockManager) -> object:

@@ -56,7 +56,7 @@ def test_commit_registers_the_hashes_allocate_computed_without_hashing_again(mon
     calls = []
     real = manager.chain_hash
     monkeypatch.setattr(manager, "chain_hash", lambda h, t: calls.append(1) or real(h, t))
-    bm = BlockManager(CoreConfig(num_gpu_blocks=16, block_size=4))
+    bm = BlockManager(CoreConfig(num_gpu_blocks=16, block_size=4, preemption_mode="off"))
     prompt = list(range(13))
     bm.allocate("a", 13, prompt)
     assert len(bm.seqs["a"].pending_hashes) == 3

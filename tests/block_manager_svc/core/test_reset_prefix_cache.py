@@ -20,7 +20,7 @@ from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
 
 
 def _core(**kw: object) -> BlockManager:
-    return BlockManager(CoreConfig(num_gpu_blocks=16, block_size=4, **kw))  # type: ignore[arg-type]
+    return BlockManager(CoreConfig(num_gpu_blocks=16, block_size=4, **{"preemption_mode": "off", **kw}))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("policy", ["lru", "lru-size"])

@@ -11,7 +11,14 @@ BS = 4
 
 
 def make(policy: str, num_blocks: int = 16, **kw: object) -> BlockManager:
-    return BlockManager(CoreConfig(num_gpu_blocks=num_blocks, block_size=BS, eviction_policy=policy, **kw))  # type: ignore[arg-type]
+    return BlockManager(
+        CoreConfig(
+            num_gpu_blocks=num_blocks,
+            block_size=BS,
+            eviction_policy=policy,
+            **{"preemption_mode": "off", **kw},
+        )
+    )  # type: ignore[arg-type]
 
 
 def toks(n: int, start: int = 0) -> list[int]:
