@@ -37,6 +37,7 @@ from block_manager_svc.core.results import CacheOps, Preemption, SwapInResult
 from block_manager_svc.core.sequence import SeqState
 from block_manager_svc.core.swap_planner import MODES, CostModel, PreemptionMode, SwapDecision, decide
 from block_manager_svc.core.tenants import NULL_LEDGER, Ledger
+from pagedkv.watermark import admission_room
 
 MAX_REQUEUED = 65_536  # recompute victims whose arrival is remembered for re-admission
 
@@ -420,7 +421,7 @@ class Preempter:
                 distinct[c] = None
         pool = self.pool
         watermark = self.watermark_blocks
-        available = pool.num_available - watermark
+        available = admission_room(pool.num_available, watermark)
         if len(distinct) > available:
             raise self.exhausted(
                 f"swapping in {seq_id!r}"
