@@ -55,6 +55,24 @@ def test_decode_matches_reference(
     _check(case, num_heads, dtype, seed=num_heads)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+@pytest.mark.parametrize(("num_seqs", "num_kv_heads"), [(1, 3), (2, 8), (5, 3), (40, 3)])
+def test_heads_split_over_tasks_when_sequences_are_few(
+    threads: int, num_seqs: int, num_kv_heads: int
+) -> None:
+    """A task takes all of a sequence's KV heads unless there are fewer than four sequences per
+    thread; then the heads are split over tasks (csrc/paged_decode.c, heads_per_task). Every split,
+    including uneven ones, must write each head's rows where they belong."""
+    lens = [17 + 37 * i for i in range(num_seqs)]
+    case = make_paged(lens, 16, num_kv_heads, 64, torch.float32, seed=num_seqs)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _check(case, 3 * num_kv_heads, torch.float32, seed=threads)
+    finally:
+        torch.set_num_threads(before)
+
+
 def _fp64_attention(q: torch.Tensor, case, scale: float) -> torch.Tensor:  # type: ignore[no-untyped-def]
     """Decode attention in float64, one (sequence, head) at a time: the ground truth."""
     out = torch.zeros(q.shape, dtype=torch.float64)
