@@ -50,6 +50,8 @@ import torch
 from worker_svc.model.batch import AttentionBatch
 
 if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE
+
     from worker_svc.model.registry import Model
 
 log = structlog.get_logger("pagedkv.worker")
@@ -126,11 +128,17 @@ class CaptureBackend(Protocol):
 
 class CudaCapture:
     """``torch.cuda.CUDAGraph``: one warm-up run on a side stream (Triton compiles there, never
-    inside the capture), then the capture. Each graph has its own memory pool: graphs are captured
-    lazily in any order, and a private pool never hands one graph's live output to another."""
+    inside the capture), then the capture.
+
+    All graphs share one memory pool, so their temporaries take the memory of the largest one, not
+    the sum (a vocabulary of 128k makes the logits alone 0.5 MiB per row). That is safe here because
+    graphs never run concurrently (steps are serialised) and no graph reads another's memory: each
+    graph's output stays allocated (it is held in ``_Graph.logits``), so no later capture is handed
+    it, and the runner copies the rows it needs out of it before the next replay."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.pool: _POOL_HANDLE | None = None  # made at the first capture
 
     def capture(self, forward: Callable[[], torch.Tensor]) -> tuple[Replayable, torch.Tensor]:
         current = torch.cuda.current_stream(self.device)
@@ -139,8 +147,10 @@ class CudaCapture:
         with torch.cuda.stream(side):
             forward()
         current.wait_stream(side)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, pool=self.pool):
             out = forward()
         return graph, out
 
