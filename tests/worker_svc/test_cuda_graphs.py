@@ -222,7 +222,7 @@ def test_a_new_cache_or_model_drops_the_graphs_and_captures_again(model: Model) 
     with structlog.testing.capture_logs() as logs:
         moved.step(_decode(3))
     assert backend.sizes() == [4, 4]
-    assert [e["event"] for e in logs] == ["cuda_graphs_invalidated"]
+    assert [e["event"] for e in logs] == ["cuda_graphs_invalidated", "cuda_graph_captured"]
     moved.step(_decode(3))
     assert backend.sizes() == [4, 4]  # same cache: replayed, not captured again
     # New weights (e.g. the new host's shared weights) on the same cache.

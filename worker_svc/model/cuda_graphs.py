@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import bisect
 import enum
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -299,6 +300,7 @@ class DecodeGraphs:
         assert inputs is not None
         inputs.pad_from(0)  # the warm-up runs for real: all padding, so it writes no KV
         tokens, batch = inputs.view(size)
+        t0 = time.perf_counter()
         try:
             graph, logits = self.backend.capture(lambda: model.forward(tokens, batch, kv_cache))
         except Exception as e:  # noqa: BLE001 - any failure: eager from now on, said once
@@ -313,7 +315,12 @@ class DecodeGraphs:
             return None
         self.graphs[size] = _Graph(graph, logits)
         self.stats["captured"] += 1
-        log.debug("cuda_graph_captured", size=size, max_blocks=self.max_blocks)
+        log.info(
+            "cuda_graph_captured",
+            size=size,
+            max_blocks=self.max_blocks,
+            seconds=round(time.perf_counter() - t0, 3),  # warm-up (Triton compiles) + capture
+        )
         return self.graphs[size]
 
 
