@@ -21,6 +21,7 @@ from worker_svc.model import cuda_graphs
 from worker_svc.model.config import DEFAULT_MODEL_CONFIG
 from worker_svc.model.cuda_graphs import DecodeGraphs, Fallback, bucket_for, capture_sizes
 from worker_svc.model.registry import Model
+from worker_svc.model.sampling import SamplingParams
 from worker_svc.model.weights import load_model
 from worker_svc.model_runner import ModelRunner, SequenceRequest
 
@@ -177,6 +178,35 @@ def test_padded_graph_path_gives_the_eager_tokens(model: Model, n_seqs: int) -> 
     for sid, (tokens, lps) in eager.items():
         assert replayed[sid][0] == tokens
         assert replayed[sid][1] == pytest.approx(lps, abs=1e-4)
+
+
+def test_sampling_options_forks_and_returned_logits_are_the_same_with_graphs(model: Model) -> None:
+    """Only the forward pass is captured: everything after the logits runs as in an eager step."""
+    graphs = _graphs(FakeCapture())
+    eager, replayed = _runner(model), _runner(model, graphs)  # equal caches (same seed)
+
+    def seqs() -> list[SequenceRequest]:
+        out = _decode(3, cached=2)
+        out[0].sampling = SamplingParams(temperature=0.8, top_k=20, seed=7, num_top_logprobs=3)
+        out[1].sampling = SamplingParams(temperature=1.0, top_p=0.9, seed=3)
+        out[1].fork_sampling = [SamplingParams(temperature=1.0, seed=11), SamplingParams(num_top_logprobs=2)]
+        out[2].return_logits = True
+        return out
+
+    want, got = eager.step(seqs()).outputs, replayed.step(seqs()).outputs
+    assert graphs.stats["replayed"] == 1
+    for w, g in zip(want, got, strict=True):
+        assert (g.seq_id, g.token_id) == (w.seq_id, w.token_id)
+        assert [t for t, _ in g.top] == [t for t, _ in w.top] and len(w.top) == (3 if w.seq_id == "s0" else 0)
+        assert [f.token_id for f in g.fork_samples] == [f.token_id for f in w.fork_samples]
+        assert [t for f in g.fork_samples for t, _ in f.top] == [t for f in w.fork_samples for t, _ in f.top]
+        got_lps = [g.logprob, *(lp for _, lp in g.top), *(f.logprob for f in g.fork_samples)]
+        want_lps = [w.logprob, *(lp for _, lp in w.top), *(f.logprob for f in w.fork_samples)]
+        assert got_lps == pytest.approx(want_lps, abs=1e-5)
+    assert len(got[1].fork_samples) == 2 and len(got[1].fork_samples[1].top) == 2
+    assert got[2].logits is not None and want[2].logits is not None
+    torch.testing.assert_close(got[2].logits, want[2].logits, atol=1e-5, rtol=1e-5)
+    assert got[2].logits.shape == (DEFAULT_MODEL_CONFIG.vocab_size,)
 
 
 # ------------------------------------------------------------------ eager fallbacks
