@@ -151,7 +151,10 @@ class CudaCapture:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: a capture-unsafe call (a sync, an allocation outside the pool) in THIS thread
+        # fails the capture, while other threads of the process (several in-process workers of a
+        # LocalStack, each with its own lock) keep running their steps instead of failing with it.
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             out = forward()
         return graph, out
 
