@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# One-call GPU check: every GPU number pagedkv needs, in one shot of at most 7 minutes.
+# One-call GPU check: every GPU number pagedkv needs, in one shot of at most 8 minutes.
 #
 #   bash bench/gpu_check.sh              # from anywhere, on the GPU machine (repo = this checkout)
 #   bash bench/gpu_check.sh --rehearse   # rehearsal on CPU: every section's CPU form, same budgets
 #
 # Built for a borrowed machine (docs/gpu.md): python3 with torch/triton/cupy preinstalled, no
 # network, at most 8 files brought back from $OUT. So:
-# - one global deadline (DEADLINE_S, default 420 s): each section's timeout is clamped to what is
+# - one global deadline (DEADLINE_S, default 460 s): each section's timeout is clamped to what is
 #   left (minus RESERVE_S for packing); a section with no time left is SKIPPED (deadline);
 # - $OUT only ever holds three plain files, rewritten after EVERY section (a run cut short still
 #   brings back what finished): status.md (the status table + versions), results.md (every result
@@ -15,24 +15,26 @@
 #   offline into $PYDEPS (put on PYTHONPATH), never from the network;
 # - full mode needs the wheelhouse: without it, or with a module the sections import still missing
 #   after installing it (bench/gpu_imports.py in a clean interpreter), the wheels section FAILS;
-# - the GPU sections (kernel tests, CUDA IPC round trip, kernel bench, worker check, pd) need a CUDA
+# - the GPU sections (kernel tests, CUDA IPC round trip, kernel bench, worker check, CUDA graphs, pd) need a CUDA
 #   device; without one they report "no GPU" and the script exits 1, unless --rehearse;
 #
 # - --rehearse without a GPU runs every GPU section's CPU form under the SAME timeout: pytest and ipc
 #   collect their exact selection (same flags), bench runs kernel_bench --smoke with the same budget,
-#   worker runs gpu_worker_check --device cpu, pd runs the short form on CPU; so what would fail on
+#   worker runs gpu_worker_check --device cpu, graphs runs cuda_graph_bench --device cpu, pd runs the
+#   short form on CPU; so what would fail on
 #   the GPU (a selection, an import, the wheelhouse, a budget, cleanup) fails here first;
 # - every section runs in its own process group with PAGEDKV_GPU_CHECK_TAG=<run>-<section> in its
 #   environment; when it ends (done, timed out, or gpu_check itself is stopped) every process still
 #   carrying the tag gets SIGTERM, then SIGKILL after 5 s: services that started sessions of their
 #   own (frontend/stack.py) cannot outlive their section and keep holding GPU memory.
 #
-# Sections and their default timeouts (env knobs, seconds; their sum fits the 420 s deadline):
+# Sections and their default timeouts (env knobs, seconds; their sum fits the 460 s deadline):
 #   wheels 40 (WHEELS_TIMEOUT_S), env 20 (ENV_TIMEOUT_S), pytest 110 (PYTEST_TIMEOUT_S),
 #   ipc 40 (IPC_TIMEOUT_S), bench 70 (BENCH_TIMEOUT_S; BENCH_BUDGET_S 50 shared by its sections),
-#   worker 50 (WORKER_TIMEOUT_S), pd 85 (PD_TIMEOUT_S: bench/gpu_pd_check.py --short).
+#   worker 50 (WORKER_TIMEOUT_S), graphs 40 (GRAPHS_TIMEOUT_S: bench/cuda_graph_bench.py), pd 85
+#   (PD_TIMEOUT_S: bench/gpu_pd_check.py --short).
 # Other knobs: PYTHON (python3), OUT (results/gpu_check), WHEELHOUSE (.gpu_wheels), PYDEPS
-# (.gpu_pydeps), PYTEST_WORKERS (4, when pytest-xdist is importable), BENCH_ARGS, WORKER_ARGS, PD_ARGS,
+# (.gpu_pydeps), PYTEST_WORKERS (4, when pytest-xdist is importable), BENCH_ARGS, WORKER_ARGS, GRAPHS_ARGS, PD_ARGS,
 # GPU_CHECK_ONLY (comma-separated sections to run; the others read "not selected"),
 # GPU_CHECK_RUN_ID (the tag's run part; default this script's PID), REHEARSAL_SLACK (whole number,
 # default 1: under --rehearse, every timeout and the deadline are multiplied by it; only for a CPU
@@ -50,7 +52,7 @@ done
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 ROOT="$PWD"
 T0=$(date +%s)
-DEADLINE_S="${DEADLINE_S:-420}"
+DEADLINE_S="${DEADLINE_S:-460}"
 SLACK=1
 if [ "$REHEARSE" = 1 ]; then SLACK="${REHEARSAL_SLACK:-1}"; fi
 DEADLINE_S=$(( DEADLINE_S * SLACK ))
@@ -104,7 +106,7 @@ publish() {
   } > "$WORK/status.md"
   {
     echo "# gpu_check results"
-    for f in results.md worker_bench.md; do
+    for f in results.md worker_bench.md cuda_graphs.md; do
       if [ -f "$WORK/$f" ]; then echo; cat "$WORK/$f"; fi
     done
     if grep -q '^| layout' "$WORK/pd.txt" 2>/dev/null; then
@@ -285,14 +287,16 @@ wheels_section() {
     PAGEDKV_GPU_CHECK_TAG="$PAGEDKV_GPU_CHECK_TAG" PYTHONPATH="$ROOT:$PYDEPS" "$PY" -s bench/gpu_imports.py $gpu_flag
 }
 
-# --- pytest: the kernel tests compiled on CUDA (bf16 included) -----------------------------------
+# --- pytest: the kernel tests compiled on CUDA (bf16 included), and real CUDA graphs -------------
 # test_compile_sm90 is deselected: here every test compiles for the real device anyway (it runs in
 # CPU CI); the interpreter smoke test skips itself on CUDA. --dist loadfile: one file's tests on one
 # worker, so a kernel is compiled once, not on every worker at once (a cold Triton cache).
+# GRAPHS_TEST: decode steps replayed from captured CUDA graphs give the eager greedy tokens.
+GRAPHS_TEST="tests/worker_svc/test_cuda_graphs.py::test_graphs_give_the_eager_greedy_tokens_on_cuda"
 pytest_args() {
   local xdist=""
   if "$PY" -c "import xdist" >/dev/null 2>&1; then xdist="-n $1 --dist loadfile"; fi
-  echo "tests/kernels -q -ra -p no:cacheprovider $xdist -o console_output_style=classic"
+  echo "tests/kernels $GRAPHS_TEST -q -ra -p no:cacheprovider $xdist -o console_output_style=classic"
 }
 pytest_section() {
   # shellcheck disable=SC2046
@@ -335,6 +339,17 @@ worker_section_rehearse() {
   "$PY" bench/gpu_worker_check.py --device cpu --out "$WORK" --deadline-s "$(( CURRENT_LIMIT - 5 ))" ${WORKER_ARGS:-}
 }
 
+# --- graphs: decode step time, eager vs CUDA graphs, side by side -------------------------------
+graphs_section() {
+  # shellcheck disable=SC2086
+  "$PY" bench/cuda_graph_bench.py --out "$WORK" --deadline-s "$(( CURRENT_LIMIT - 5 ))" ${GRAPHS_ARGS:-}
+}
+graphs_section_rehearse() {  # the same flow on CPU, a tiny model; the "graphs" column replays eagerly
+  # shellcheck disable=SC2086
+  "$PY" bench/cuda_graph_bench.py --device cpu --context 64 --steps 10 --out "$WORK" \
+    --deadline-s "$(( CURRENT_LIMIT - 5 ))" ${GRAPHS_ARGS:-}
+}
+
 # --- pd: the worker layouts (mixed x1, prefill + decode) on one GPU, one cache --------------------
 # The short form (bench/gpu_pd_check.py --short): a small model, two layouts, no --overlap.
 # shellcheck disable=SC2086
@@ -347,9 +362,9 @@ pd_section_rehearse() {
 }
 
 export -f env_section wheels_section pytest_args pytest_section pytest_section_rehearse ipc_section \
-  ipc_section_rehearse bench_section bench_section_rehearse worker_section worker_section_rehearse pd_section \
-  pd_section_rehearse
-export PY WORK WHEELHOUSE PYDEPS HAS_GPU REHEARSE ROOT IPC_TEST
+  ipc_section_rehearse bench_section bench_section_rehearse worker_section worker_section_rehearse \
+  graphs_section graphs_section_rehearse pd_section pd_section_rehearse
+export PY WORK WHEELHOUSE PYDEPS HAS_GPU REHEARSE ROOT IPC_TEST GRAPHS_TEST
 # wheels first, so that env records the versions the sections will really import
 run_section wheels "${WHEELS_TIMEOUT_S:-40}" 0 wheels_section
 run_section env "${ENV_TIMEOUT_S:-20}" 0 env_section
@@ -357,6 +372,7 @@ run_section pytest "${PYTEST_TIMEOUT_S:-110}" 1 pytest_section
 run_section ipc "${IPC_TIMEOUT_S:-40}" 1 ipc_section
 run_section bench "${BENCH_TIMEOUT_S:-70}" 1 bench_section
 run_section worker "${WORKER_TIMEOUT_S:-50}" 1 worker_section
+run_section graphs "${GRAPHS_TIMEOUT_S:-40}" 1 graphs_section
 run_section pd "${PD_TIMEOUT_S:-85}" 1 pd_section
 
 publish

@@ -20,7 +20,7 @@ import traceback
 # module -> what needs it (the section(s))
 NEEDED = {
     "torch": "every section",
-    "triton": "pytest, bench, worker, pd",
+    "triton": "pytest, bench, worker, graphs, pd",
     "numpy": "pytest, bench",
     "pytest": "pytest, ipc",
     "safetensors": "worker, pd (checkpoints)",
@@ -28,7 +28,7 @@ NEEDED = {
     "grpc": "worker, pd",
     "grpc_health.v1.health_pb2": "worker, pd (health service)",
     "grpc_reflection.v1alpha.reflection": "worker, pd (reflection)",
-    "structlog": "worker, pd (logging)",
+    "structlog": "pytest (CUDA graphs test), worker, graphs, pd (logging)",
     "pydantic": "worker, pd (settings)",
     "pydantic_settings": "worker, pd (settings)",
     "prometheus_client": "worker, pd (metrics)",
@@ -38,6 +38,9 @@ NEEDED = {
     "pagedkv.v1.worker_pb2": "worker, pd (protobuf runtime check)",
     "kernels": "pytest, bench",
     "worker_svc.server": "worker, pd",
+    "worker_svc.model.cuda_graphs": "pytest (CUDA graphs test), graphs",
+    "worker_svc.model_runner": "pytest (CUDA graphs test), worker, graphs",
+    "block_manager_svc.core": "pytest (CUDA graphs test: block tables)",
     "block_manager_svc.server": "pd",
     "frontend.stack": "pd",
     "frontend.engine": "pd",

@@ -25,6 +25,7 @@ from kernels import cpu_native
 from worker_svc import omp_spin
 from worker_svc.devices import device_scope
 from worker_svc.model.batch import AttentionBatch
+from worker_svc.model.cuda_graphs import DecodeGraphs
 from worker_svc.model.registry import Model
 from worker_svc.model.sampling import MAX_TOP_LOGPROBS, SamplingParams, sample
 
@@ -140,11 +141,15 @@ class ModelRunner:
         gpu_cache: torch.Tensor,
         cpu_cache: torch.Tensor,
         kernel_backend: str | None = None,
+        decode_graphs: DecodeGraphs | None = None,
     ) -> None:
         """``kernel_backend``: the kernel backend of this runner's steps ("auto", "reference", "cpu",
         "triton"; a worker's ``--kernel-backend``), applied as a ``kernels.use_backend`` override
         around each step, so it never leaks to other runners in the process. None: the environment
-        variable PAGEDKV_KERNEL_BACKEND, else "auto" (kernels/dispatch.py)."""
+        variable PAGEDKV_KERNEL_BACKEND, else "auto" (kernels/dispatch.py).
+
+        ``decode_graphs``: replay decode steps' forward passes from CUDA graphs
+        (``worker_svc/model/cuda_graphs.py``); None: every step runs eagerly."""
         cfg = model.cfg
         if kernel_backend is not None and kernel_backend not in kernels.BACKENDS:
             raise ValueError(f"unknown kernel backend {kernel_backend!r}; expected one of {kernels.BACKENDS}")
@@ -167,6 +172,7 @@ class ModelRunner:
         self.num_cpu_blocks = int(cpu_cache.shape[2]) if cpu_cache.dim() == 6 else 0
         self.device = gpu_cache.device
         self.kernel_backend = kernel_backend
+        self.decode_graphs = decode_graphs
         self._lock = threading.Lock()
         self._closed = False
         if self.device.type == "cpu":
@@ -181,6 +187,8 @@ class ModelRunner:
         """
         with self._lock:
             self._closed = True
+            if self.decode_graphs is not None:  # they hold the cache's addresses: never replay them
+                self.decode_graphs.clear()
             self.gpu_cache = self.cpu_cache = torch.empty(0)
             if release is not None:
                 release()
@@ -332,7 +340,10 @@ class ModelRunner:
             outputs: list[SequenceResult] = []
             if seqs:
                 token_tensor, batch = self.build_batch(seqs)
-                logits = self.model.forward(token_tensor, batch, self.gpu_cache)  # row i: seqs[i]
+                if self.decode_graphs is not None:
+                    logits = self.decode_graphs.forward(self.model, token_tensor, batch, self.gpu_cache)
+                else:
+                    logits = self.model.forward(token_tensor, batch, self.gpu_cache)  # row i: seqs[i]
                 # Forked samples draw from their parent's row: one sample() call over all rows.
                 fork_rows = [i for i, s in enumerate(seqs) for _ in s.fork_sampling]
                 rows_sampled = (

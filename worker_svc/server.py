@@ -49,6 +49,7 @@ from worker_svc.shared_weights import SharedWeights, WeightsDescriptor
 
 if TYPE_CHECKING:
     from worker_svc.model.registry import Model
+    from worker_svc.model_runner import ModelRunner
 
 # --role -> WorkerInfo.role
 ROLES = {
@@ -202,6 +203,24 @@ def _model_for_worker(
     return build_model(model_cfg, shared.tensors), shared
 
 
+def _runner(settings: WorkerSettings, model: Model, cache: cache_memory.SharedCache) -> ModelRunner:
+    """A worker's model runner on ``cache``, with decode graphs of its own when they are on: a
+    runner built for a re-attached cache captures them again (the old ones hold the old addresses)."""
+    from worker_svc.model import cuda_graphs
+    from worker_svc.model_runner import ModelRunner
+
+    gpu = cache.gpu
+    graphs = cuda_graphs.for_worker(
+        settings.cuda_graphs,
+        settings.cuda_graph_max_batch,
+        settings.cuda_graph_max_context,
+        gpu.device,
+        block_size=int(gpu.shape[3]),
+        num_gpu_blocks=int(gpu.shape[2]),
+    )
+    return ModelRunner(model, gpu, cache.cpu, kernel_backend=settings.kernel_backend, decode_graphs=graphs)
+
+
 @dataclass(slots=True)
 class WorkerProcess:
     """A started worker: its server, runner and attached cache (used by the CLI and by tests)."""
@@ -249,8 +268,6 @@ def start_worker(
     The worker then uses that object (``cache_memory.borrow``) instead of mapping the descriptor the
     host serves: CUDA refuses to open a process's own IPC handle. Everything else (geometry checks,
     the cache host watcher) still goes through the host's gRPC API, as for a worker in its own process."""
-    from worker_svc.model_runner import ModelRunner
-
     cpus, threads = cpu_placement.apply(settings.cpu_affinity, settings.num_threads)
     device = resolve_device(settings.device)
     model_cfg = load_model_config(settings.model)
@@ -271,7 +288,7 @@ def start_worker(
     weights: SharedWeights | None = None
     try:
         model, weights = _model_for_worker(settings, model_cfg, dtype, device, weights_from_proto(info))
-        runner = ModelRunner(model, cache.gpu, cache.cpu, kernel_backend=settings.kernel_backend)
+        runner = _runner(settings, model, cache)
         import kernels
         from kernels import cpu_native
 
@@ -291,6 +308,7 @@ def start_worker(
             role=ROLES[settings.role],
             shared_weights=weights is not None,
             cpu_kernel_path=cpu_native.kernel_path() if device.type == "cpu" else "",
+            cuda_graph_sizes=runner.decode_graphs.sizes if runner.decode_graphs is not None else (),
         )
         servicer = WorkerServicer(runner, winfo)
         running = start_server(
@@ -325,6 +343,7 @@ def start_worker(
         cpu_kernel_path=winfo.cpu_kernel_path,
         role=settings.role,
         shared_weights=weights is not None,
+        cuda_graph_sizes=list(winfo.cuda_graph_sizes),
         cpus=cpus,
         threads=threads,
         **desc.geometry.as_dict(),
@@ -355,8 +374,6 @@ def _watch_cache_host(
     proc.servicer.on_cache_lost = lambda: set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
 
     def on_replaced(info: cache_host_pb2.CacheInfo) -> bool:
-        from worker_svc.model_runner import ModelRunner
-
         try:
             reattach(
                 proc,
@@ -365,9 +382,7 @@ def _watch_cache_host(
                 model_for=lambda dtype, host_weights: _model_for_worker(
                     settings, model_cfg, dtype, device, host_weights
                 ),
-                runner_for=lambda model, cache: ModelRunner(
-                    model, cache.gpu, cache.cpu, kernel_backend=settings.kernel_backend
-                ),
+                runner_for=lambda model, cache: _runner(settings, model, cache),  # new graphs too
                 lock=proc.attach_lock,
             )
         except Exception as e:  # noqa: BLE001 - e.g. another geometry, or its memory not visible here

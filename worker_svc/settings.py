@@ -159,6 +159,18 @@ class WorkerSettings(_Common):
         description="after a lost cache host, exit with code 3 when no new one was attached within this "
         "grace (0 = stay up, NOT_SERVING)",
     )
+    # Decode steps replayed from CUDA graphs (worker_svc/model/cuda_graphs.py; docs/gpu.md).
+    cuda_graphs: bool = Field(
+        True,
+        description="capture decode steps' forward passes in CUDA graphs and replay them (CUDA only; "
+        "prefill, mixed and larger steps run eagerly)",
+    )
+    cuda_graph_max_batch: int = Field(
+        128, ge=1, description="largest decode batch captured (sizes 1, 2, 4, 8, 16, 24, ... up to it)"
+    )
+    cuda_graph_max_context: int = Field(
+        8192, ge=1, description="longest context (tokens) a captured decode step serves; longer runs eagerly"
+    )
     cache_host_reattach: bool = Field(
         True,
         description="re-attach by itself to a new cache host instance at the same address "

@@ -357,6 +357,7 @@ class WorkerInfo(_message.Message):
     ROLE_FIELD_NUMBER: _builtins.int
     SHARED_WEIGHTS_FIELD_NUMBER: _builtins.int
     CPU_KERNEL_PATH_FIELD_NUMBER: _builtins.int
+    CUDA_GRAPH_SIZES_FIELD_NUMBER: _builtins.int
     model_name: _builtins.str
     vocab_size: _builtins.int
     num_layers: _builtins.int
@@ -391,6 +392,13 @@ class WorkerInfo(_message.Message):
     """
     @_builtins.property
     def geometry(self) -> _cache_host_pb2.CacheGeometry: ...
+    @_builtins.property
+    def cuda_graph_sizes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The decode batch sizes this worker replays from CUDA graphs (captured on
+        first use; a step is padded to the next size). Empty: graphs are off (a
+        CPU worker, or --no-cuda-graphs) and every step runs eagerly.
+        """
+
     def __init__(
         self,
         *,
@@ -411,10 +419,11 @@ class WorkerInfo(_message.Message):
         role: Global___WorkerRole.ValueType = ...,
         shared_weights: _builtins.bool = ...,
         cpu_kernel_path: _builtins.str = ...,
+        cuda_graph_sizes: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["geometry", b"geometry"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_instance_id", b"cache_instance_id", "cache_lost_reason", b"cache_lost_reason", "cache_state", b"cache_state", "cpu_kernel_path", b"cpu_kernel_path", "device", b"device", "dtype", b"dtype", "geometry", b"geometry", "head_dim", b"head_dim", "hidden_size", b"hidden_size", "kernel_backend", b"kernel_backend", "model_name", b"model_name", "num_heads", b"num_heads", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "role", b"role", "shared_weights", b"shared_weights", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_instance_id", b"cache_instance_id", "cache_lost_reason", b"cache_lost_reason", "cache_state", b"cache_state", "cpu_kernel_path", b"cpu_kernel_path", "cuda_graph_sizes", b"cuda_graph_sizes", "device", b"device", "dtype", b"dtype", "geometry", b"geometry", "head_dim", b"head_dim", "hidden_size", b"hidden_size", "kernel_backend", b"kernel_backend", "model_name", b"model_name", "num_heads", b"num_heads", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "role", b"role", "shared_weights", b"shared_weights", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

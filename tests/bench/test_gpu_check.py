@@ -25,8 +25,17 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_check.sh"
-GPU_SECTIONS = ("pytest", "ipc", "bench", "worker", "pd")
-BUDGETS = {"wheels": 40, "env": 20, "pytest": 110, "ipc": 40, "bench": 70, "worker": 50, "pd": 85}
+GPU_SECTIONS = ("pytest", "ipc", "bench", "worker", "graphs", "pd")
+BUDGETS = {
+    "wheels": 40,
+    "env": 20,
+    "pytest": 110,
+    "ipc": 40,
+    "bench": 70,
+    "worker": 50,
+    "graphs": 40,
+    "pd": 85,
+}
 IMAGE_LACKS = ("structlog", "pydantic", "pydantic_core", "pydantic_settings")  # as the GPU image does
 
 
@@ -172,12 +181,14 @@ def test_rehearsal_runs_every_section_on_cpu_within_its_budget(tmp_path: Path) -
     # Each rehearsal really ran its section's selection: the kernel tests collected with loadfile's
     # flags, the IPC test id found, both kernel_bench tables, the CPU worker check, both pd layouts.
     assert "tests collected" in _log(out, "pytest.txt")
+    assert "test_graphs_give_the_eager_greedy_tokens_on_cuda" in _log(out, "pytest.txt")
     assert "1 test collected" in _log(out, "ipc.txt")
     results = (out / "results.md").read_text()
     assert results.startswith("# gpu_check results")
     assert "## decode" in results and "## prefill" in results
     assert "skipped: time budget" not in results
     assert "multi-process shared cache over shm: PASS" in results
+    assert "## decode step time, eager vs CUDA graphs (cpu;" in results
     assert "| mixed x1 (t" in results and "| prefill+decode |" in results
     assert proc.stdout.rstrip().endswith(
         results.rstrip().splitlines()[-1]

@@ -137,6 +137,7 @@ def test_worker_info(worker: worker_pb2_grpc.WorkerStub, host: Host) -> None:
     assert info.cpu_kernel_path == cpu_native.kernel_path() and info.cpu_kernel_path.startswith(
         ("native-", "torch")
     )
+    assert list(info.cuda_graph_sizes) == []  # CUDA graphs are for CUDA workers: every step eager
 
 
 def test_health_and_reflection_on_both_services(host: Host, hf_llama: HFModel) -> None:
