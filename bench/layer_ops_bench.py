@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     fused_choice = layer_ops.choose
 
     def torch_choice(x: torch.Tensor, step: object) -> layer_ops.LayerOps:
-        return layer_ops.LayerOps(fused=False)
+        return layer_ops.LayerOps(kernels=None)
 
     print(
         f"# decode step, {cfg.num_layers} layers x hidden 576, ctx {args.ctx}, {args.threads} threads, "

@@ -34,24 +34,25 @@ def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 
 @dataclass(slots=True, frozen=True)
 class LayerOps:
-    """The layer's elementwise operations, fused (native, CPU fp32) or as torch operators."""
+    """The layer's elementwise operations: fused (``kernels`` bound to the native library, on CPU
+    fp32) or, with ``kernels`` None, as torch operators."""
 
-    fused: bool
+    kernels: cpu_layer_ops.LayerKernels | None
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None
     ) -> torch.Tensor:
         """``x += delta`` in place when ``delta`` is given, then RMSNorm(x) as a new tensor."""
-        if self.fused:
-            return cpu_layer_ops.rms_norm(x, weight, eps, delta)
+        if self.kernels is not None:
+            return self.kernels.rms_norm(x, weight, eps, delta)
         if delta is not None:
             x.add_(delta)
         return torch_rms_norm(x, weight, eps)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` of fused ``[n, 2 * inter]`` rows."""
-        if self.fused:
-            return cpu_layer_ops.silu_mul(gate_up)
+        if self.kernels is not None:
+            return self.kernels.silu_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
@@ -68,8 +69,8 @@ class LayerOps:
         step: PagedStep,
     ) -> torch.Tensor:
         """Rotated q ``[n, num_heads, head_dim]``; rotated k and v written to the step's cache slots."""
-        if self.fused:
-            return cpu_layer_ops.rope_store(
+        if self.kernels is not None:
+            return self.kernels.rope_store(
                 qkv, cos, sin, num_heads, num_kv_heads, key_cache, value_cache, step.slot_mapping
             )
         q, k, v = split_qkv(qkv, num_heads, num_kv_heads, head_dim)
@@ -91,10 +92,10 @@ def split_qkv(
 
 def choose(x: torch.Tensor, step: PagedStep) -> LayerOps:
     """Fused when the step runs on the CPU backend in fp32 and the native library is loaded."""
-    return LayerOps(
-        fused=x.is_cpu
+    fusable = (
+        x.is_cpu
         and x.dtype is torch.float32
         and step.backend_name == "cpu"
         and step.slot_mapping.dtype is torch.int64
-        and cpu_layer_ops.available()
     )
+    return LayerOps(kernels=cpu_layer_ops.load() if fusable else None)
