@@ -2,29 +2,15 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench.tables import data_rows, run_bench
 
 
 def test_dense_bench_quick() -> None:
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "dense_bench.py"), "--rows", "1,4", "--layers", "2"]
-        + ["--threads", "1", "--reps", "2"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
-    assert [r.split("|")[1].strip() for r in rows] == ["1", "4"]
+    out = run_bench("dense_bench.py", "--rows", "1,4", "--layers", "2", "--threads", "1", "--reps", "2")
+    rows = data_rows(out)
+    assert [r[0] for r in rows] == ["1", "4"]
     weights = 2 * (960 * 576 + 576 * 576 + 3072 * 576 + 576 * 1536)
-    for row in rows:
-        cells = [c.strip() for c in row.strip("|").split("|")]
-        n, cold_ms, cold_gflops, cold_gbs, hot_ms, hot_gflops, ratio = cells
+    for n, cold_ms, cold_gflops, cold_gbs, hot_ms, hot_gflops, ratio in rows:
         c, h = float(cold_ms) / 1e3, float(hot_ms) / 1e3
         assert abs(float(cold_gflops) - 2 * int(n) * weights / c / 1e9) <= 1 + 0.05 * float(cold_gflops)
         assert abs(float(cold_gbs) - 4 * weights / c / 1e9) <= 0.2 + 0.05 * float(cold_gbs)

@@ -1,0 +1,31 @@
+"""Running a bench/ script the way its smoke test does, and reading its markdown table back."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_bench(script: str, *args: str, timeout: float = 120) -> str:
+    """``python bench/<script> args...``; its stdout, after asserting it exited 0."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout
+
+
+def data_rows(stdout: str) -> list[list[str]]:
+    """The cells of each markdown table row whose first cell is a number (header and rule skipped)."""
+    return [
+        [c.strip() for c in line.strip().strip("|").split("|")]
+        for line in stdout.splitlines()
+        if line.startswith("| ") and line[2].isdigit()
+    ]
