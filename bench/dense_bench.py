@@ -24,10 +24,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from layer_ops_bench import small_model_shape  # noqa: E402  (this folder: the one SmolLM2 shape)
+
 from worker_svc.model.linear import Linear  # noqa: E402
 
-# SmolLM2-135M: fused QKV (9 + 2 x 3 heads of 64), O, fused gate/up (2 x 1536), down; hidden 576.
-SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+# The fused QKV, O, fused gate/up and down matrices ([out, in]) of one layer of that shape.
+_CFG = small_model_shape(layers=1)
+_Q, _KV = _CFG.num_heads * _CFG.head_dim, _CFG.num_kv_heads * _CFG.head_dim
+SHAPES = {
+    "qkv": (_Q + 2 * _KV, _CFG.hidden_size),
+    "o": (_CFG.hidden_size, _Q),
+    "gate_up": (2 * _CFG.intermediate_size, _CFG.hidden_size),
+    "down": (_CFG.hidden_size, _CFG.intermediate_size),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
