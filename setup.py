@@ -24,6 +24,7 @@ SOURCES = [
     "kernels/csrc/paged_decode.c",
     "kernels/csrc/logsumexp.c",
     "kernels/csrc/layer_ops.c",
+    "kernels/csrc/linear.c",
     "kernels/csrc/cpu_features.c",
 ]
 DEPENDS = ["kernels/csrc/fastexp.h"]

@@ -1,15 +1,16 @@
 """The dense layers of a real small-model shape, alone: how fast their GEMMs run at a decode step's
-row counts, with the weights read from memory as in a real step, and from cache.
+row counts, on the native packed path against oneDNN's, side by side in one run.
 
 Why: on CPU a decode step of a 30-layer model multiplies a few dozen rows by every weight matrix,
 so it reads all the weights (SmolLM2-135M in fp32: 425 MB of layers and a 113 MB output layer)
-for little arithmetic. This measures where that leaves the GEMMs: "cold" runs the 30 layers'
-matrices in order, each a separate copy (what a forward pass does: every weight comes from DRAM),
-"hot" runs one layer's matrices 30 times (its weights stay in cache). Both use the worker's
-``Linear`` (weights prepacked for oneDNN, worker_svc/model/linear.py). GFLOP/s counts 2 x rows x
-weights; GB/s counts the weight bytes read once per layer call.
+for little arithmetic. Each pass runs the 30 layers' four matrices in order, each a separate copy,
+then the output layer: what a forward pass does, every weight coming from DRAM. Both paths are the
+worker's ``Linear`` (worker_svc/model/linear.py): "native" is ``kernels/cpu_linear.py`` (what the
+worker uses for fp32), "oneDNN" the prepacked oneDNN linear (what it used before, and still uses
+for bf16 or without the native library). Passes alternate between the two, so machine noise hits
+both alike. GFLOP/s counts 2 x rows x weights; GB/s counts the weight bytes read once per pass.
 
-    python bench/dense_bench.py [--rows 1,8,32,64] [--threads 2] [--reps 8]
+    python bench/dense_bench.py [--rows 1,4,8,16,32,64,256] [--threads 2] [--reps 8]
 """
 
 from __future__ import annotations
@@ -37,55 +38,63 @@ SHAPES = {
     "gate_up": (2 * _CFG.intermediate_size, _CFG.hidden_size),
     "down": (_CFG.hidden_size, _CFG.intermediate_size),
 }
+OUTPUT = (_CFG.vocab_size, _CFG.hidden_size)  # the output layer: [vocabulary, hidden]
+PATHS = ("native", "oneDNN")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rows", default="1,8,32,64", help="rows per GEMM (a step's tokens), comma-separated")
+    ap.add_argument(
+        "--rows", default="1,4,8,16,32,64,256", help="rows per GEMM (a step's tokens), comma-separated"
+    )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--vocab", type=int, default=OUTPUT[0], help="output layer rows (0: none)")
     ap.add_argument("--reps", type=int, default=8, help="timed passes per cell (median)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
-    layers = [
-        {name: Linear.build(0.05 * torch.randn(o, i, generator=gen)) for name, (o, i) in SHAPES.items()}
-        for _ in range(args.layers)
-    ]
-    weights = sum(o * i for o, i in SHAPES.values()) * args.layers
+    shapes = [shape for _ in range(args.layers) for shape in SHAPES.values()]
+    if args.vocab:
+        shapes.append((args.vocab, OUTPUT[1]))
+    matrices = [0.05 * torch.randn(o, i, generator=gen) for o, i in shapes]
+    layers = {
+        "native": [Linear.build(w) for w in matrices],
+        "oneDNN": [Linear.build(w, native=False) for w in matrices],
+    }
+    if layers["native"][0].path != "native" or layers["oneDNN"][0].path != "onednn":
+        print("# the native library or oneDNN is unavailable here: nothing to compare", file=sys.stderr)
+        return 1
+    weights = sum(o * i for o, i in shapes)
     print(
-        f"# {args.layers} layers x (qkv, o, gate_up, down) of hidden 576, fp32, {args.threads} threads, "
-        f"{weights * 4 / 1e6:.0f} MB of weights a pass; median of {args.reps} passes"
+        f"# {args.layers} layers x (qkv, o, gate_up, down) of hidden 576 + a {args.vocab}-row output layer, "
+        f"fp32, {args.threads} threads, {weights * 4 / 1e6:.0f} MB of weights a pass; "
+        f"median of {args.reps} alternating passes"
     )
-    print("| rows | cold ms | cold GFLOP/s | cold weight GB/s | hot ms | hot GFLOP/s | cold / hot |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| rows | native ms | native GFLOP/s | native weight GB/s | oneDNN ms | oneDNN GFLOP/s "
+        "| oneDNN weight GB/s | oneDNN / native |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for rows in (int(r) for r in args.rows.split(",")):
-        xs = {name: torch.randn(rows, i, generator=gen) for name, (_, i) in SHAPES.items()}
-
-        def cold(xs: dict[str, torch.Tensor] = xs) -> None:
-            for layer in layers:
-                for name, lin in layer.items():
-                    lin(xs[name])
-
-        def hot(xs: dict[str, torch.Tensor] = xs) -> None:
-            for _ in layers:
-                for name, lin in layers[0].items():
-                    lin(xs[name])
-
-        times = {}
-        for label, fn in (("cold", cold), ("hot", hot)):
-            fn()
-            samples = []
-            for _ in range(args.reps):
+        xs = [torch.randn(rows, i, generator=gen) for _, i in shapes]
+        for i in range(min(4, len(shapes))):  # the two paths compute the same products
+            torch.testing.assert_close(
+                layers["native"][i](xs[i]), layers["oneDNN"][i](xs[i]), rtol=1e-4, atol=1e-4
+            )
+        samples: dict[str, list[float]] = {p: [] for p in PATHS}
+        for rep in range(args.reps + 1):
+            for path in PATHS:
                 start = time.perf_counter()
-                fn()
-                samples.append(time.perf_counter() - start)
-            times[label] = statistics.median(samples)
+                for lin, x in zip(layers[path], xs, strict=True):
+                    lin(x)
+                if rep:  # the first pass of each warms up
+                    samples[path].append(time.perf_counter() - start)
+        n, o = statistics.median(samples["native"]), statistics.median(samples["oneDNN"])
         flop = 2 * rows * weights
-        c, h = times["cold"], times["hot"]
         print(
-            f"| {rows} | {c * 1e3:.3f} | {flop / c / 1e9:.0f} | {weights * 4 / c / 1e9:.1f} | {h * 1e3:.3f} "
-            f"| {flop / h / 1e9:.0f} | {c / h:.2f}x |"
+            f"| {rows} | {n * 1e3:.2f} | {flop / n / 1e9:.0f} | {weights * 4 / n / 1e9:.1f} "
+            f"| {o * 1e3:.2f} | {flop / o / 1e9:.0f} | {weights * 4 / o / 1e9:.1f} | {o / n:.2f}x |"
         )
     return 0
 

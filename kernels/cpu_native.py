@@ -4,7 +4,8 @@ Two kernels: paged decode attention (``csrc/paged_decode.c``, used by ``kernels/
 row-wise log-sum-exp of a step's logits (``csrc/logsumexp.c``, used by the worker's sampling for
 each token's log-probability); and the fused elementwise parts of a decoder layer
 (``csrc/layer_ops.c``: RMSNorm with the residual add, SiLU-and-multiply, rotary embedding with the
-KV write), wrapped by ``kernels/cpu_layer_ops.py``.
+KV write), wrapped by ``kernels/cpu_layer_ops.py``; and the fp32 linear layer over weights packed at
+load (``csrc/linear.c``), wrapped by ``kernels/cpu_linear.py``.
 
 **Built at install** by ``setup.py`` (setuptools ``Extension``), one shared library per
 instruction-set variant: on x86-64 ``x86_64`` (baseline), ``avx2`` (AVX2 + FMA) and ``avx512``
@@ -166,19 +167,23 @@ def _load() -> tuple[ctypes.CDLL, str]:
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.POINTER(_DecodeArgs)] + [ctypes.c_void_p] * 6
     i64, ptr, f32, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
-    # The fused layer operations (csrc/layer_ops.c, kernels/cpu_layer_ops.py).
-    layer_ops = {
+    functions = {
+        # The fused layer operations (csrc/layer_ops.c, kernels/cpu_layer_ops.py).
         "pagedkv_rms_norm_f32": [i64, i64, ptr, i64, ptr, i64, ptr, ptr, i64, f32, cint],
         "pagedkv_silu_mul_f32": [i64, i64, ptr, i64, ptr, i64, cint],
         "pagedkv_rope_store_f32": [i64, i64, i64, i64, ptr, i64, ptr, ptr, i64, ptr]
         + [ptr, ptr, i64, i64, i64, i64, ptr, cint],
+        # The packed-weight linear layer (csrc/linear.c, kernels/cpu_linear.py).
+        "pagedkv_linear_pack_f32": [i64, i64, ptr, i64, ptr, cint],
+        "pagedkv_linear_f32": [i64, i64, i64, ptr, i64, ptr, ptr, ptr, i64, cint],
+        "pagedkv_linear_packed_numel": [i64, i64],
     }
-    for name, argtypes in layer_ops.items():
+    for name, argtypes in functions.items():
         try:
             fn = getattr(lib, name)
         except AttributeError:
             raise OSError(f"{path.name} lacks {name} (stale build: reinstall)") from None
-        fn.restype = None
+        fn.restype = ctypes.c_int64 if name == "pagedkv_linear_packed_numel" else None
         fn.argtypes = argtypes
     lib.pagedkv_logsumexp_f32.restype = None
     lib.pagedkv_logsumexp_f32.argtypes = [

@@ -39,10 +39,14 @@ def runner(hf_llama: HFModel) -> ModelRunner:
     return make_runner(hf_llama.path, num_gpu_blocks=160)
 
 
-def test_linears_are_packed_where_mkl_allows(runner: ModelRunner) -> None:
+def test_linears_take_the_native_packed_path_else_onednn(hf_llama: HFModel) -> None:
+    runner = make_runner(hf_llama.path, num_gpu_blocks=16)  # loaded under this parameter's setting
     layer = runner.model.layers[0]
     w = layer.qkv.weight
-    assert (layer.qkv.packed is not None) == linear.packing_enabled(w)
+    expected = "native" if cpu_native.available() else "onednn" if linear.packing_enabled(w) else "torch"
+    assert {lin.path for lin in (layer.qkv, layer.o, layer.gate_up, layer.down, runner.model.lm_head)} == {
+        expected
+    }
     x = torch.randn(5, w.shape[1])
     torch.testing.assert_close(layer.qkv(x), torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-5)
 

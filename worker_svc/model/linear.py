@@ -1,20 +1,25 @@
-"""Linear layers with weights prepacked once at load for oneDNN, on CPU.
+"""Linear layers with weights packed once at load, on CPU.
 
 Why: a decode step multiplies a few dozen token rows by every weight matrix, which makes its GEMMs
 bound by reading the weights. ``F.linear`` (MKL ``sgemm``) repacks the weight matrix into its
-blocked layout on every call, so each weight is read, written and read again per step. oneDNN's
-prepacked linear (``torch.ops.mkldnn._reorder_linear_weight`` once at load, then
-``torch.ops.mkldnn._linear_pointwise``: what inductor's weight freezing emits on CPU) reads only the
-packed copy. Measured on these 2-core hosts (best of 15, shared machine): hidden 1024 -> 3072 at 16
-and 64 rows 1.2-2.3x faster than ``F.linear``, the 32000-row output layer 1.1-1.4x; at 256+ rows
-(prefill-heavy steps) within noise of ``F.linear``. MKL's own packed GEMM (``_mkl_linear``) was not
-used: it only uses the packed weight when the row count equals the one it was packed for, so with
-a step's varying batch it silently falls back to ``F.linear``.
+blocked layout on every call, so each weight is read, written and read again per step. Two packed
+paths read only a copy laid out for them, made once here:
 
-Used wherever it applies (CPU, fp32 or bf16, a torch built with oneDNN); everything else, and any
-failure to pack, keeps ``F.linear``.
-Results equal ``F.linear``'s up to fp32 summation order (tests/worker_svc/test_cpu_backend_model.py);
-greedy tokens stay those of transformers (tests/worker_svc/test_model_runner.py).
+- fp32 with the native library loaded: ``kernels/cpu_linear.py`` (``csrc/linear.c``), 32-column
+  panels streamed at the memory's rate. On the 2-core development host the layers and output layer
+  of SmolLM2-135M's shape run 1.3-1.6x faster than oneDNN's prepacked linear at a decode step's
+  1-16 rows and level with it at a prefill's hundreds (``bench/dense_bench.py``, side by side).
+- otherwise (bf16, or no native library): oneDNN's prepacked linear
+  (``torch.ops.mkldnn._reorder_linear_weight`` once, then ``torch.ops.mkldnn._linear_pointwise``:
+  what inductor's weight freezing emits on CPU), 1.2-2.3x faster than ``F.linear`` at 16 and 64
+  rows. MKL's own packed GEMM (``_mkl_linear``) was not used: it only uses the packed weight when
+  the row count equals the one it was packed for, so with a step's varying batch it silently falls
+  back to ``F.linear``.
+
+Everything else (CUDA, other dtypes, a torch without oneDNN, a failure to pack) keeps ``F.linear``.
+Results equal ``F.linear``'s up to fp32 summation order (tests/kernels/test_cpu_linear.py,
+tests/worker_svc/test_cpu_backend_model.py); greedy tokens stay those of transformers
+(tests/worker_svc/test_model_runner.py).
 """
 
 from __future__ import annotations
@@ -24,11 +29,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu_linear import PackedLinear
+
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def packing_enabled(weight: torch.Tensor) -> bool:
-    """Whether ``weight`` gets a oneDNN-packed copy: CPU, fp32/bf16, a torch built with oneDNN."""
+    """Whether ``weight`` gets a oneDNN-packed copy (when the native path does not take it): CPU,
+    fp32/bf16, a torch built with oneDNN."""
     return (
         weight.device.type == "cpu"
         and weight.dtype in PACKED_DTYPES
@@ -40,15 +48,21 @@ def packing_enabled(weight: torch.Tensor) -> bool:
 
 @dataclass(slots=True)
 class Linear:
-    """``y = x @ weight.T + bias`` with an optional prepacked weight."""
+    """``y = x @ weight.T + bias`` through the native packed layer, a oneDNN-packed weight, or
+    ``F.linear``: whichever ``build`` could make, in that order."""
 
     weight: torch.Tensor  # [out, in]
     bias: torch.Tensor | None = None
-    packed: torch.Tensor | None = None  # oneDNN tensor (opaque layout), or None: F.linear
+    packed: torch.Tensor | None = None  # oneDNN tensor (opaque layout), or None
+    native: PackedLinear | None = None  # the native packed layer (fp32), or None
 
     @classmethod
-    def build(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+    def build(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, *, native: bool = True) -> Linear:
+        """The best path that applies; ``native=False`` skips the native one (benchmarks compare)."""
         weight = weight.contiguous()
+        layer = PackedLinear.pack(weight, bias) if native else None
+        if layer is not None:
+            return cls(weight, bias, None, layer)
         packed = None
         if packing_enabled(weight):
             try:
@@ -57,7 +71,18 @@ class Linear:
                 packed = None
         return cls(weight, bias, packed)
 
+    @property
+    def path(self) -> str:
+        """Which implementation runs: ``native``, ``onednn`` or ``torch``."""
+        return "native" if self.native is not None else "onednn" if self.packed is not None else "torch"
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is None or x.dtype != self.weight.dtype or x.shape[0] == 0:
+        if x.dtype != self.weight.dtype or x.shape[0] == 0 or x.dim() != 2:
             return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [None], "")
+        if self.native is not None:
+            return self.native(x if x.stride(1) == 1 else x.contiguous())
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(
+                x.contiguous(), self.packed, self.bias, "none", [None], ""
+            )
+        return F.linear(x, self.weight, self.bias)

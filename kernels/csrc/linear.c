@@ -1,0 +1,117 @@
+/* y = x @ W^T (+ bias) for fp32 on CPU, with W packed once at load into column panels.
+ *
+ * Why: on CPU a decode step multiplies a few dozen rows by every weight matrix of the model, so its
+ * GEMMs are bound by reading the weights: the time is the weight bytes over the memory bandwidth.
+ * oneDNN's prepacked linear reaches about 17 GB/s of weights on a decode step's rows on the 2-core
+ * development host, where a plain sum streams at 25 GB/s; this kernel streams the packed panels at
+ * the memory's rate for few rows and stays level with oneDNN for many (bench/dense_bench.py
+ * measures both, side by side).
+ *
+ * Layout: W [n, k] (out, in) is packed as ceil(n / 32) panels of [k][32] floats, zero padded past
+ * row n. A panel is read front to back, one 128-byte line pair per k, so the hardware prefetchers
+ * see one sequential stream per thread. For each panel and each tile of up to 8 rows of x, 16
+ * vector accumulators (8 rows x 2 vectors of 16 columns) take x[r, k] (broadcast) times the two
+ * vectors of W[k]; a tile's panel comes from DRAM once and from cache for the tile's other rows.
+ * Each output is one sequential sum over k (fused multiply-add where the variant has it), so the
+ * result differs from a BLAS's only by summation order and rounding. The bias is added last, as
+ * torch's addmm does.
+ *
+ * Threads: (panel, 64-row block) work items split statically over OpenMP threads; consecutive items
+ * share a panel, so a thread reuses it from its cache. Called through ctypes (kernels/cpu_linear.py
+ * checks the arguments first).
+ */
+#include <stdint.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define PANEL 32       /* columns of W per panel: two 16-float vectors */
+#define TILE_ROWS 8    /* rows of x per register tile: 16 accumulators */
+#define BLOCK_ROWS 64  /* rows of x per work item */
+/* Below this many multiply-adds a parallel region costs more than it saves. */
+#define PARALLEL_MIN_MACS 65536
+
+typedef float vec16 __attribute__((vector_size(64)));
+
+int64_t pagedkv_linear_packed_numel(int64_t n, int64_t k) { return (n + PANEL - 1) / PANEL * k * PANEL; }
+
+void pagedkv_linear_pack_f32(int64_t n, int64_t k, const float *w, int64_t w_stride, float *out, int num_threads) {
+    const int64_t panels = (n + PANEL - 1) / PANEL;
+    #pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t p = 0; p < panels; p++) {
+        float *restrict o = out + p * k * PANEL;
+        for (int64_t kk = 0; kk < k; kk++) {
+            for (int j = 0; j < PANEL; j++) {
+                const int64_t row = p * PANEL + j;
+                o[kk * PANEL + j] = row < n ? w[row * w_stride + kk] : 0.0f;
+            }
+        }
+    }
+}
+
+/* rows x[0..ROWS) times one panel into y[0..ROWS)[0..cols). One function per ROWS (the macro below),
+ * so each has exactly ROWS pairs of accumulators and the compiler keeps them all in registers (with
+ * a shared maximum-size array it spilled the smaller tiles' accumulators to the stack: 1.5x slower). */
+#define DEFINE_TILE(ROWS)                                                                                 \
+    static void tile_##ROWS(int64_t k, const float *restrict x, int64_t x_stride, const float *restrict panel, \
+                            const float *restrict bias, float *restrict y, int64_t y_stride, int cols) {      \
+        vec16 lo[ROWS], hi[ROWS];                                                                          \
+        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) {                                          \
+            lo[r] = (vec16){0};                                                                            \
+            hi[r] = (vec16){0};                                                                            \
+        }                                                                                                  \
+        for (int64_t kk = 0; kk < k; kk++) {                                                               \
+            vec16 w_lo, w_hi;                                                                              \
+            memcpy(&w_lo, panel + kk * PANEL, sizeof w_lo);                                                \
+            memcpy(&w_hi, panel + kk * PANEL + 16, sizeof w_hi);                                           \
+            _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) {                                      \
+                const float xv = x[r * x_stride + kk];                                                     \
+                lo[r] += xv * w_lo;                                                                        \
+                hi[r] += xv * w_hi;                                                                        \
+            }                                                                                              \
+        }                                                                                                  \
+        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) {                                          \
+            float out[PANEL] __attribute__((aligned(64)));                                                 \
+            memcpy(out, &lo[r], sizeof lo[r]);                                                             \
+            memcpy(out + 16, &hi[r], sizeof hi[r]);                                                        \
+            if (bias) {                                                                                    \
+                for (int j = 0; j < cols; j++) out[j] += bias[j];                                          \
+            }                                                                                              \
+            memcpy(y + r * y_stride, out, (size_t)cols * sizeof(float));                                   \
+        }                                                                                                  \
+    }
+DEFINE_TILE(1)
+DEFINE_TILE(2)
+DEFINE_TILE(3)
+DEFINE_TILE(4)
+DEFINE_TILE(5)
+DEFINE_TILE(6)
+DEFINE_TILE(7)
+DEFINE_TILE(8)
+
+typedef void (*tile_fn)(int64_t, const float *, int64_t, const float *, const float *, float *, int64_t, int);
+static const tile_fn TILES[TILE_ROWS + 1] = {NULL, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6, tile_7, tile_8};
+
+/* m rows of x times one panel: tiles of TILE_ROWS rows, then one tile of the rest. */
+static void rows_by_panel(int64_t m, int64_t k, const float *x, int64_t x_stride, const float *panel,
+                          const float *bias, float *y, int64_t y_stride, int cols) {
+    for (int64_t r0 = 0; r0 < m; r0 += TILE_ROWS) {
+        const int64_t rows = m - r0 < TILE_ROWS ? m - r0 : TILE_ROWS;
+        TILES[rows](k, x + r0 * x_stride, x_stride, panel, bias, y + r0 * y_stride, y_stride, cols);
+    }
+}
+
+void pagedkv_linear_f32(int64_t m, int64_t n, int64_t k, const float *x, int64_t x_stride, const float *packed,
+                        const float *bias, float *y, int64_t y_stride, int num_threads) {
+    const int64_t panels = (n + PANEL - 1) / PANEL;
+    const int64_t blocks = (m + BLOCK_ROWS - 1) / BLOCK_ROWS;
+    #pragma omp parallel for schedule(static) num_threads(num_threads) if (m * n * k >= PARALLEL_MIN_MACS)
+    for (int64_t item = 0; item < panels * blocks; item++) {
+        const int64_t p = item / blocks, b = item % blocks;
+        const int64_t r0 = b * BLOCK_ROWS, rows = m - r0 < BLOCK_ROWS ? m - r0 : BLOCK_ROWS;
+        const int cols = (int)(n - p * PANEL < PANEL ? n - p * PANEL : PANEL);
+        rows_by_panel(rows, k, x + r0 * x_stride, x_stride, packed + p * k * PANEL, bias ? bias + p * PANEL : NULL,
+                      y + r0 * y_stride + p * PANEL, y_stride, cols);
+    }
+}
