@@ -341,6 +341,7 @@ def start_worker(
         model=model_cfg.name,
         kernel_backend=winfo.kernel_backend,
         cpu_kernel_path=winfo.cpu_kernel_path,
+        linear_path=runner.model.linear_path,
         role=settings.role,
         shared_weights=weights is not None,
         cuda_graph_sizes=list(winfo.cuda_graph_sizes),

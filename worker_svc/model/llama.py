@@ -183,6 +183,11 @@ class LlamaModel:
                 )
             )
 
+    @property
+    def linear_path(self) -> str:
+        """Which linear layer runs the matrices: every one is built alike, the output layer included."""
+        return self.lm_head.path
+
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, batch: AttentionBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         """Run all layers; return fp32 logits ``[num_seqs, vocab]`` at ``batch.logits_indices``.

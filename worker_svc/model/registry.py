@@ -46,6 +46,12 @@ class Model(Protocol):
         """fp32 logits ``[num_seqs, vocab]`` of each sequence's last token (``batch.logits_indices``)."""
         ...
 
+    @property
+    def linear_path(self) -> str:
+        """Which linear layer runs the model's matrices (``worker_svc/model/linear.py``: ``native``,
+        ``onednn`` or ``torch``), for the worker's start-up log."""
+        ...
+
 
 class Architecture(Protocol):
     FUSED: dict[str, tuple[str, ...]]
