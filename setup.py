@@ -22,6 +22,7 @@ from setuptools.command.build_ext import build_ext
 
 SOURCES = [
     "kernels/csrc/paged_decode.c",
+    "kernels/csrc/paged_prefill.c",
     "kernels/csrc/logsumexp.c",
     "kernels/csrc/layer_ops.c",
     "kernels/csrc/linear.c",

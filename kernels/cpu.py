@@ -7,9 +7,11 @@ measurement (the attention rows of bench/vs_vllm.py's breakdown, bench/cpu_decod
 docs/kernels.md):
 
 - **The native kernel first** (``kernels/cpu_native.py``, small C kernels built at install): decode
-  reads K/V in place from the blocks, one task per (sequence, KV head); prefill runs on it too, each
-  query row a decode query over its causal prefix, while contexts are short enough
-  (``NATIVE_PREFILL_MAX_CONTEXT``). The plans below are built only when it is unavailable (no
+  reads K/V in place from the blocks, one task per (sequence, KV head); prefill runs on the native
+  prefill kernel (fp32, head_dim a multiple of 16: 16 or 32 rows of a sequence per task, both
+  products as register-tiled small matrix products, 2-3x the per-row path below) or, for bf16, on
+  the decode kernel with each query row a decode query over its causal prefix, while contexts are
+  short enough (``NATIVE_PREFILL_MAX_CONTEXT``). The plans below are built only when it is unavailable (no
   compiler at install, ``PAGEDKV_CPU_NATIVE=0``, an fp16 cache), when a decode batch's shared prefixes would
   save ``NATIVE_MAX_SAVED_TOKENS`` (the cascade reads a prefix once, the kernel once per member),
   or when a prefill context is longer than that bound.
@@ -465,11 +467,16 @@ class PrefillPlan:
     ``seq_len - q_len + j + 1`` tokens up to and including itself, which is the causal mask with
     nothing padded or gathered.
     ``native_tables`` / ``native_lens`` hold those per-row tables and lengths; the buckets are built
-    only for a call that cannot use them (``bucketed``)."""
+    only for a call that cannot use them (``bucketed``). The native prefill kernel (fp32) takes the
+    sequences' own tables, starts and lengths as int32 (``seq_tables``, ``query_start``,
+    ``seq_lens``)."""
 
     buckets: list[_PrefillBucket]
     native_tables: torch.Tensor | None = None  # int32 [prefill tokens, max blocks]
     native_lens: torch.Tensor | None = None  # int32 [prefill tokens]
+    seq_tables: torch.Tensor | None = None  # int32 [sequences, max blocks]
+    query_start: torch.Tensor | None = None  # int32 [sequences + 1]
+    seq_lens: torch.Tensor | None = None  # int32 [sequences]
     max_seq_len: int = 0
     bucketed: bool = True
 
@@ -491,11 +498,15 @@ def plan_prefill(
         lens = seq_lens.to(torch.int64)[seq_of_row] - (
             query_start_loc.to(torch.int64)[seq_of_row + 1] - 1 - rows
         )
+        tables32 = block_tables.to(torch.int32).contiguous()
         return PrefillPlan(
             [],
-            block_tables.to(torch.int32).index_select(0, seq_of_row).contiguous(),
+            tables32.index_select(0, seq_of_row),
             lens.to(torch.int32).contiguous(),
-            int(seq_lens.max()),
+            tables32,
+            query_start_loc.to(torch.int32).contiguous(),
+            seq_lens.to(torch.int32).contiguous(),
+            max_seq_len=int(seq_lens.max()),
             bucketed=False,
         )
     return plan_prefill_buckets(block_tables, query_start_loc, seq_lens, block_size, group)
@@ -568,11 +579,21 @@ def paged_prefill_attention(
         out = torch.empty_like(query)
     if not isinstance(plan, PrefillPlan):
         plan = plan_prefill(block_tables, query_start_loc, seq_lens, block_size, group)
+    native_fits = out.stride(-1) == 1 and plan.max_seq_len * head_dim <= NATIVE_PREFILL_MAX_CONTEXT
     if (
-        plan.native_tables is not None
+        native_fits
+        and plan.seq_tables is not None
+        and plan.query_start is not None
+        and plan.seq_lens is not None
+        and cpu_native.prefill_supports(query, key_cache, value_cache)
+    ):
+        return cpu_native.prefill(
+            query, key_cache, value_cache, plan.seq_tables, plan.query_start, plan.seq_lens, scale, out
+        )
+    if (
+        native_fits
+        and plan.native_tables is not None
         and plan.native_lens is not None
-        and out.stride(-1) == 1
-        and plan.max_seq_len * head_dim <= NATIVE_PREFILL_MAX_CONTEXT
         and cpu_native.supports(query, key_cache, value_cache)
     ):
         return cpu_native.decode(

@@ -166,6 +166,11 @@ def _load() -> tuple[ctypes.CDLL, str]:
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.POINTER(_DecodeArgs)] + [ctypes.c_void_p] * 6
+    try:
+        lib.pagedkv_prefill_f32.restype = ctypes.c_int
+        lib.pagedkv_prefill_f32.argtypes = [ctypes.POINTER(_DecodeArgs)] + [ctypes.c_void_p] * 7
+    except AttributeError:
+        raise OSError(f"{path.name} lacks pagedkv_prefill_f32 (stale build: reinstall)") from None
     i64, ptr, f32, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
     functions = {
         # The fused layer operations (csrc/layer_ops.c, kernels/cpu_layer_ops.py).
@@ -459,6 +464,94 @@ def decode(
     ``ValueError``/``TypeError`` for tensors the kernel cannot take, ``RuntimeError`` when the
     kernels are unavailable (callers check ``supports`` and ``available`` and keep torch's path)."""
     torch.ops.pagedkv.paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, out)
+    return out
+
+
+def prefill_supports(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+    """Whether ``prefill`` takes these tensors: what the decode kernel takes, fp32, head_dim a
+    multiple of 16 (csrc/paged_prefill.c reads rows 16 floats at a time)."""
+    return (
+        query.dtype is torch.float32
+        and query.dim() == 3
+        and query.shape[2] % 16 == 0
+        and supports(query, key_cache, value_cache)
+    )
+
+
+def prefill(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Causal paged prefill attention (``csrc/paged_prefill.c``) into ``out``; returns ``out``.
+
+    ``query``/``out``: ``[tokens, num_heads, head_dim]`` fp32, sequence ``i``'s rows at
+    ``query_start_loc[i]:query_start_loc[i + 1]`` (int32, ``num_seqs + 1``); ``block_tables``
+    ``[num_seqs, max_blocks]`` and ``seq_lens`` ``[num_seqs]`` int32 with dense rows; each sequence's
+    rows are its last ones, so row ``r`` of ``q_len`` sees ``seq_len - q_len + r + 1`` keys. The
+    index values are validated once per step upstream (kernels/checks.py); this checks the tensors
+    (``ValueError``/``TypeError`` naming the argument). A ctypes call, not a torch op: it runs once per
+    layer of a prefill step and needs no dispatcher."""
+    if not prefill_supports(query, key_cache, value_cache):
+        raise ValueError(
+            "native prefill takes fp32 CPU tensors with head_dim a multiple of 16 and the decode "
+            f"kernel's layouts; got query {query.dtype} {tuple(query.shape)}"
+        )
+    bt = _tensor("block_tables", block_tables, 2, (torch.int32,))
+    qsl = _tensor("query_start_loc", query_start_loc, 1, (torch.int32,))
+    sl = _tensor("seq_lens", seq_lens, 1, (torch.int32,))
+    o = _tensor("out", out, 3, (torch.float32,))
+    if o.shape != query.shape:
+        raise ValueError(f"out must have query's shape {tuple(query.shape)}, got {tuple(o.shape)}")
+    num_seqs = sl.shape[0]
+    if bt.shape[0] != num_seqs or qsl.shape[0] != num_seqs + 1:
+        raise ValueError(
+            f"block_tables {tuple(bt.shape)} and query_start_loc {tuple(qsl.shape)} must match seq_lens' "
+            f"{num_seqs} sequences (query_start_loc has one more entry)"
+        )
+    lib = library()
+    if lib is None:
+        raise RuntimeError(
+            f"the native CPU kernels are unavailable ({kernel_path()} path): check available()"
+        )
+    if num_seqs == 0 or query.shape[0] == 0:
+        return out
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    args = _DecodeArgs(
+        num_seqs,
+        query.shape[1],
+        num_kv_heads,
+        query.shape[2],
+        block_size,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        bt.stride(0),
+        scale,
+        torch.get_num_threads(),
+        0,
+    )
+    rc = lib.pagedkv_prefill_f32(
+        ctypes.byref(args),
+        query.data_ptr(),
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        bt.data_ptr(),
+        qsl.data_ptr(),
+        sl.data_ptr(),
+        out.data_ptr(),
+    )
+    if rc != 0:
+        raise MemoryError("native prefill kernel: could not allocate its scratch memory")
     return out
 
 

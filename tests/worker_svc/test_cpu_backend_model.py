@@ -120,3 +120,31 @@ def test_decode_over_shared_prefix_blocks_matches_generate(
     assert merges and max(merges) == 5  # every decode step attended to the shared blocks once for all five
     for sid, p in prompts.items():
         assert sched.seqs[sid].generated == hf_llama.greedy(p, 7), sid
+
+
+def test_prefill_runs_on_the_native_prefill_kernel(
+    runner: ModelRunner, hf_llama: HFModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fp32 prefill rows go through kernels/csrc/paged_prefill.c (a spy sees every layer's call) and
+    the greedy tokens stay transformers'."""
+    if not cpu_native.available():
+        pytest.skip("the native kernels are off in this parameter")
+    calls: list[int] = []
+    real = cpu_native.prefill
+
+    def spy(query: torch.Tensor, *args: object) -> torch.Tensor:
+        calls.append(query.shape[0])
+        return real(query, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cpu_native, "prefill", spy)
+    rnd = random.Random(11)
+    prompts = {f"p{i}": [rnd.randrange(1, 128) for _ in range(n)] for i, n in enumerate((45, 17, 3))}
+    sched = Scheduler(runner_step(runner), num_gpu_blocks=160, block_size=BLOCK)
+    for sid, prompt in prompts.items():
+        sched.add(sid, prompt)
+    sched.run(list(prompts))
+    assert calls and calls[0] == sum(len(p) for p in prompts.values())
+    assert len(calls) % runner.model.cfg.num_layers == 0
+    sched.generate(list(prompts), 4)
+    for sid, prompt in prompts.items():
+        assert sched.seqs[sid].generated == hf_llama.greedy(prompt, len(sched.seqs[sid].generated)), sid

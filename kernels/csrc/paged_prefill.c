@@ -1,0 +1,212 @@
+/* Paged prefill attention on CPU (fp32): the new rows of each sequence against its cached keys and
+ * values, causally, many rows at once.
+ *
+ * Why not the decode kernel once per row (what prefill used before): a prefill step has tens to
+ * hundreds of new rows per sequence, all against the same keys. One row at a time, each key's dot
+ * products are a horizontal sum per (row, head) and each row reads the whole context again. Here a
+ * task takes up to 16 consecutive rows of one sequence and one KV head, i.e. 16 x G query vectors
+ * (G = the GQA group), and makes both products small matrix products held in vector registers:
+ *
+ * - q . k: the task's query vectors are transposed once into lanes (qt[d][v]); for 8 keys at a
+ *   time, each of the key's elements is broadcast against 16 or 32 query lanes, so 8 keys x 32
+ *   lanes are 16 vector accumulators with no horizontal sums. Scores land as s[key][v].
+ * - softmax per query vector across keys, in those lanes; row r sees keys [0, ctx_r) with
+ *   ctx_r = seq_len - q_len + r + 1, the rest get probability exactly 0.
+ * - p . v: 4 query vectors x 64 elements of the value row (or fewer: head_dim is cut in pieces of
+ *   up to 64) are 16 accumulators; each value row is read once per 4 query vectors, from cache.
+ *
+ * Results equal the reference (kernels/reference.py) within fp32 rounding (tests/kernels/
+ * test_cpu_prefill_native.py). Used by kernels/cpu.py for fp32 caches whose head_dim is a multiple of
+ * 16; the per-row decode kernel still serves bf16 and other head sizes. Called through ctypes with the decode kernel's
+ * argument struct (num_seqs = sequences, q/out strides per token row); kernels/cpu_native.py
+ * checks the tensors first and kernels/checks.py the index values once per step.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "fastexp.h"
+
+typedef struct {  /* the same layout as paged_decode.c's DecodeArgs (checked at load, through it) */
+    int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size;
+    int64_t q_seq_stride, q_head_stride;
+    int64_t o_seq_stride, o_head_stride;
+    int64_t c_block_stride, c_slot_stride, c_head_stride;
+    int64_t bt_stride;
+    float scale;
+    int num_threads;
+    int generic_only;
+} PrefillArgs;
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));
+
+/* Rows per task: 16, or 32 when 16 rows' query vectors would leave lanes of the last 32 unused
+ * (an odd group: 16 x 3 = 48 of 64 lanes; 32 x 3 = 96 fills three pairs). */
+static inline int64_t rows_per_task(int64_t G) { return G % 2 ? 32 : 16; }
+#define KEYS 8 /* keys per q.k register tile */
+/* query lanes are padded to a multiple of 32 (qk_tile's two vectors) */
+
+typedef struct { int64_t seq, head, row0; } Task;
+
+/* s[t][lanes c*16 .. c*16 + 16*Z) for keys t0 .. t0+KEYS (rows `keys[]`), Z = 1 or 2 lane vectors. */
+static inline __attribute__((always_inline)) void qk_tile(const int Z, const float *restrict qt, int64_t lanes,
+                                                          const float *const keys[KEYS], int64_t D,
+                                                          float *restrict s, int64_t t0, int64_t c) {
+    v16 acc[KEYS][2];
+    for (int j = 0; j < KEYS; j++)
+        for (int z = 0; z < Z; z++) acc[j][z] = (v16){0};
+    for (int64_t d = 0; d < D; d++) {
+        v16 qv[2];
+        for (int z = 0; z < Z; z++) qv[z] = *(const v16 *)(qt + d * lanes + (c + z) * 16);
+        #pragma GCC unroll 8
+        for (int j = 0; j < KEYS; j++) {
+            const float kd = keys[j][d];
+            for (int z = 0; z < Z; z++) acc[j][z] += kd * qv[z];
+        }
+    }
+    for (int j = 0; j < KEYS; j++)
+        for (int z = 0; z < Z; z++) *(v16 *)(s + (t0 + j) * lanes + (c + z) * 16) = acc[j][z];
+}
+
+/* out vectors v0 .. v0+4 (probabilities in s[t][v]) over values: elements d0 .. d0 + 16 * ZD of each
+ * value row (ZD, 1 to 4, a constant at each call site: the accumulators stay in registers). */
+static inline __attribute__((always_inline)) void pv_tile(const int ZD, const float *restrict s, int64_t lanes,
+                                                          int64_t ctx, const float *restrict v_cache,
+                                                          const int32_t *restrict table, const PrefillArgs *a,
+                                                          int64_t head, int64_t v0, int64_t d0,
+                                                          float *restrict acc_out /* [4][64] */) {
+    v16 acc[4][4];
+    for (int i = 0; i < 4; i++)
+        for (int z = 0; z < ZD; z++) acc[i][z] = (v16){0};
+    const int64_t BS = a->block_size;
+    for (int64_t t = 0; t < ctx; t++) {
+        const float *vr = v_cache + (int64_t)table[t / BS] * a->c_block_stride + (t % BS) * a->c_slot_stride
+            + head * a->c_head_stride + d0;
+        v16 vv[4];
+        for (int z = 0; z < ZD; z++) vv[z] = *(const v16u *)(vr + z * 16);
+        const float *p = s + t * lanes + v0;
+        #pragma GCC unroll 4
+        for (int i = 0; i < 4; i++) {
+            const float pi = p[i];
+            for (int z = 0; z < ZD; z++) acc[i][z] += pi * vv[z];
+        }
+    }
+    for (int i = 0; i < 4; i++)
+        for (int z = 0; z < ZD; z++) *(v16u *)(acc_out + i * 64 + z * 16) = acc[i][z];
+}
+
+static void run_task(const PrefillArgs *a, const Task *task, const float *q, const float *k_cache,
+                     const float *v_cache, const int32_t *block_tables, const int32_t *query_start_loc,
+                     const int32_t *seq_lens, float *out, float *work, int64_t max_ctx) {
+    const int64_t G = a->num_heads / a->num_kv_heads, D = a->head_dim, BS = a->block_size;
+    const int64_t s_idx = task->seq, h = task->head, r0 = task->row0;
+    const int64_t q_begin = query_start_loc[s_idx], q_len = query_start_loc[s_idx + 1] - q_begin;
+    const int64_t RT = rows_per_task(G);
+    const int64_t L = seq_lens[s_idx], rows = q_len - r0 < RT ? q_len - r0 : RT;
+    const int64_t nv = rows * G, lanes = (nv + 31) / 32 * 32;
+    const int64_t ctx = L - q_len + r0 + rows;          /* the last row's context */
+    const int64_t first_masked = L - q_len + r0 + 1;     /* keys from here are hidden from some rows */
+    const int32_t *table = block_tables + s_idx * a->bt_stride;
+    float *qt = work, *s = qt + D * lanes, *m = s + (max_ctx + KEYS) * lanes, *sum = m + lanes;
+    float *acc = sum + lanes; /* [4][64] */
+
+    /* query vectors (row r, head g) -> lanes v = r * G + g, scaled; padded lanes are 0 */
+    memset(qt, 0, sizeof(float) * D * lanes);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t g = 0; g < G; g++) {
+            const float *qr = q + (q_begin + r0 + r) * a->q_seq_stride + (h * G + g) * a->q_head_stride;
+            for (int64_t d = 0; d < D; d++) qt[d * lanes + r * G + g] = qr[d] * a->scale;
+        }
+    /* scores, KEYS keys at a time (past ctx: the last key again; those rows of s are never read,
+     * and s has room for them: max_ctx + KEYS rows) */
+    for (int64_t t0 = 0; t0 < ctx; t0 += KEYS) {
+        const float *keys[KEYS];
+        for (int j = 0; j < KEYS; j++) {
+            const int64_t t = t0 + j < ctx ? t0 + j : ctx - 1;
+            keys[j] = k_cache + (int64_t)table[t / BS] * a->c_block_stride + (t % BS) * a->c_slot_stride
+                + h * a->c_head_stride;
+        }
+        for (int64_t c = 0; c < lanes / 16; c += 2) qk_tile(2, qt, lanes, keys, D, s, t0, c);
+    }
+    /* causal mask, softmax per lane */
+    for (int64_t v = 0; v < lanes; v++) { m[v] = -INFINITY; sum[v] = 0.0f; }
+    for (int64_t t = first_masked; t < ctx; t++)
+        for (int64_t r = 0; r < rows; r++)
+            if (t >= L - q_len + r0 + r + 1)
+                for (int64_t g = 0; g < G; g++) s[t * lanes + r * G + g] = -INFINITY;
+    for (int64_t t = 0; t < ctx; t++) {
+        const float *st = s + t * lanes;
+        #pragma omp simd
+        for (int64_t v = 0; v < lanes; v++) m[v] = st[v] > m[v] ? st[v] : m[v];
+    }
+    for (int64_t t = 0; t < ctx; t++) {
+        float *st = s + t * lanes;
+        #pragma omp simd
+        for (int64_t v = 0; v < lanes; v++) {
+            const float e = st[v] == -INFINITY ? 0.0f : exp_nonpos(st[v] - m[v]);
+            st[v] = e;
+            sum[v] += e;
+        }
+    }
+    /* probabilities x values, 4 query vectors x 64 elements at a time */
+    for (int64_t v0 = 0; v0 < nv; v0 += 4) {
+        for (int64_t d0 = 0; d0 < D; d0 += 64) {
+            const int64_t width = D - d0 < 64 ? D - d0 : 64; /* a multiple of 16 */
+            switch (width / 16) {
+                case 1: pv_tile(1, s, lanes, ctx, v_cache, table, a, h, v0, d0, acc); break;
+                case 2: pv_tile(2, s, lanes, ctx, v_cache, table, a, h, v0, d0, acc); break;
+                case 3: pv_tile(3, s, lanes, ctx, v_cache, table, a, h, v0, d0, acc); break;
+                default: pv_tile(4, s, lanes, ctx, v_cache, table, a, h, v0, d0, acc); break;
+            }
+            for (int64_t i = 0; i < 4 && v0 + i < nv; i++) {
+                const int64_t v = v0 + i, r = v / G, g = v % G;
+                float *o = out + (q_begin + r0 + r) * a->o_seq_stride + (h * G + g) * a->o_head_stride + d0;
+                const float inv = 1.0f / sum[v];
+                for (int64_t d = 0; d < width; d++) o[d] = acc[i * 64 + d] * inv;
+            }
+        }
+    }
+}
+
+/* Returns 0, or -1 when scratch memory could not be allocated (nothing written then). */
+int pagedkv_prefill_f32(const PrefillArgs *a, const float *q, const float *k_cache, const float *v_cache,
+                        const int32_t *block_tables, const int32_t *query_start_loc, const int32_t *seq_lens,
+                        float *out) {
+    const int64_t G = a->num_heads / a->num_kv_heads, D = a->head_dim, HKV = a->num_kv_heads;
+    const int64_t RT = rows_per_task(G);
+    int64_t max_ctx = 1, num_tasks = 0;
+    for (int64_t s = 0; s < a->num_seqs; s++) {
+        max_ctx = seq_lens[s] > max_ctx ? seq_lens[s] : max_ctx;
+        num_tasks += HKV * ((query_start_loc[s + 1] - query_start_loc[s] + RT - 1) / RT);
+    }
+    if (num_tasks == 0) return 0;
+    const int64_t lanes = (RT * G + 31) / 32 * 32;
+    /* floats per thread: qt, s, m and sum, acc; every part a multiple of 16 floats, so each thread's
+     * buffers stay 64-byte aligned for the vector loads */
+    const int64_t per = D * lanes + (max_ctx + KEYS) * lanes + 2 * lanes + 4 * 64;
+    const int threads = a->num_threads > 0 ? a->num_threads : 1;
+    float *work = (float *)aligned_alloc(64, (size_t)(per * threads * sizeof(float) + 63) / 64 * 64);
+    Task *tasks = (Task *)malloc(sizeof(Task) * (size_t)num_tasks);
+    if (!work || !tasks) { free(work); free(tasks); return -1; }
+    int64_t n = 0;
+    for (int64_t s = 0; s < a->num_seqs; s++)
+        for (int64_t r0 = 0; r0 < query_start_loc[s + 1] - query_start_loc[s]; r0 += RT)
+            for (int64_t h = 0; h < HKV; h++) tasks[n++] = (Task){s, h, r0};
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t i = 0; i < num_tasks; i++) {
+#ifdef _OPENMP
+        float *w = work + per * omp_get_thread_num();
+#else
+        float *w = work;
+#endif
+        run_task(a, &tasks[i], q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, w, max_ctx);
+    }
+    free(work);
+    free(tasks);
+    return 0;
+}
