@@ -97,6 +97,11 @@ NATIVE_MAX_SAVED_TOKENS = 32768
 # measured (0.57-0.74x for a burst's short chunks over a cached prompt) and 1.15x on the twelfth
 # (4 sequences of 100-200 new tokens, head_dim 64).
 NATIVE_PREFILL_MAX_CONTEXT = 131072
+# The native prefill kernel (fp32) reads a sequence's context once per 16 or 32 rows and keeps each
+# task's scores ([context, 32 x group lanes] floats per thread), so it takes contexts up to this
+# many tokens (16 MB of scores per thread at group 4): 1.4-1.7x faster than the buckets at 2,000-8,000
+# tokens (bench/cpu_prefill_bench.py's shapes, longer), 1.7-2.6x within the bound above.
+NATIVE_PREFILL_KERNEL_MAX_TOKENS = 32768
 
 
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -579,9 +584,9 @@ def paged_prefill_attention(
         out = torch.empty_like(query)
     if not isinstance(plan, PrefillPlan):
         plan = plan_prefill(block_tables, query_start_loc, seq_lens, block_size, group)
-    native_fits = out.stride(-1) == 1 and plan.max_seq_len * head_dim <= NATIVE_PREFILL_MAX_CONTEXT
     if (
-        native_fits
+        out.stride(-1) == 1
+        and plan.max_seq_len <= NATIVE_PREFILL_KERNEL_MAX_TOKENS
         and plan.seq_tables is not None
         and plan.query_start is not None
         and plan.seq_lens is not None
@@ -591,7 +596,8 @@ def paged_prefill_attention(
             query, key_cache, value_cache, plan.seq_tables, plan.query_start, plan.seq_lens, scale, out
         )
     if (
-        native_fits
+        out.stride(-1) == 1
+        and plan.max_seq_len * head_dim <= NATIVE_PREFILL_MAX_CONTEXT
         and plan.native_tables is not None
         and plan.native_lens is not None
         and cpu_native.supports(query, key_cache, value_cache)

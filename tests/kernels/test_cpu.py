@@ -285,8 +285,10 @@ def test_prefill_over_long_contexts_goes_to_the_buckets(
     cpu_path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Past NATIVE_PREFILL_MAX_CONTEXT (context x head_dim) the rows would re-read a context that
-    no longer fits in cache: SDPA's buckets take the call, built on demand, same result."""
+    no longer fits in cache, and past NATIVE_PREFILL_KERNEL_MAX_TOKENS the prefill kernel's scores
+    would not fit its scratch: SDPA's buckets take the call, built on demand, same result."""
     monkeypatch.setattr(cpu, "NATIVE_PREFILL_MAX_CONTEXT", 64 * 64)  # contexts over 64 tokens at head_dim 64
+    monkeypatch.setattr(cpu, "NATIVE_PREFILL_KERNEL_MAX_TOKENS", 64)
     shape = [(100, 30), (40, 40)]
     case = make_paged([n for n, _ in shape], 16, 2, 64, torch.float32, seed=6)
     qsl = torch.tensor([0, 30, 70], dtype=torch.int32)

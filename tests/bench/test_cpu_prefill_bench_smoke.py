@@ -1,0 +1,20 @@
+"""bench/cpu_prefill_bench.py runs end to end (its outputs agree, it checks that first) and its ratio
+columns are its own times' arithmetic."""
+
+from __future__ import annotations
+
+import pytest
+
+from kernels import cpu_native
+from tests.bench.tables import data_rows, run_bench
+
+
+@pytest.mark.skipif(not cpu_native.available(), reason="native kernels not built: nothing to compare")
+def test_cpu_prefill_bench_quick() -> None:
+    out = run_bench("cpu_prefill_bench.py", "--threads", "1", "--reps", "1", "--layers", "1", "--shapes", "2")
+    rows = data_rows(out)
+    assert [r[1] for r in rows] == ["20 x 24", "10 x 48"]
+    for row in rows:
+        kernel, per_row, buckets = (float(c) for c in row[3:6])
+        assert abs(float(row[6].rstrip("x")) - per_row / kernel) <= 0.01 + 0.01 * per_row / kernel
+        assert abs(float(row[7].rstrip("x")) - buckets / kernel) <= 0.01 + 0.01 * buckets / kernel
