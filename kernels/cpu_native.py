@@ -394,28 +394,21 @@ def _paged_decode_fake(
     check_decode(query, key_cache, value_cache, block_tables, seq_lens, out)
 
 
-def _call_decode(
+def _kernel_args(
+    num_seqs: int,
     query: torch.Tensor,
     key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
     block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor,
     *,
     generic_only: bool,
-) -> None:
-    """The ctypes call, on checked arguments."""
-    lib = library()
-    if lib is None:
-        raise RuntimeError(
-            f"the native CPU kernels are unavailable ({kernel_path()} path): check available()"
-        )
-    num_seqs, num_heads, head_dim = query.shape
-    if num_seqs == 0:
-        return
+) -> _DecodeArgs:
+    """The argument struct both kernels take (``csrc/paged_decode.c``, ``csrc/paged_prefill.c``):
+    shapes and strides of checked tensors; ``query``/``out`` strides are per token row."""
+    _, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
-    args = _DecodeArgs(
+    return _DecodeArgs(
         num_seqs,
         num_heads,
         num_kv_heads,
@@ -433,6 +426,29 @@ def _call_decode(
         torch.get_num_threads(),
         int(generic_only),
     )
+
+
+def _call_decode(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    *,
+    generic_only: bool,
+) -> None:
+    """The ctypes call, on checked arguments."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError(
+            f"the native CPU kernels are unavailable ({kernel_path()} path): check available()"
+        )
+    num_seqs = query.shape[0]
+    if num_seqs == 0:
+        return
+    args = _kernel_args(num_seqs, query, key_cache, block_tables, scale, out, generic_only=generic_only)
     fn = lib.pagedkv_decode_f32 if query.dtype == torch.float32 else lib.pagedkv_decode_bf16
     rc = fn(
         ctypes.byref(args),
@@ -521,25 +537,7 @@ def prefill(
         )
     if num_seqs == 0 or query.shape[0] == 0:
         return out
-    _, block_size, num_kv_heads, _ = key_cache.shape
-    args = _DecodeArgs(
-        num_seqs,
-        query.shape[1],
-        num_kv_heads,
-        query.shape[2],
-        block_size,
-        query.stride(0),
-        query.stride(1),
-        out.stride(0),
-        out.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
-        bt.stride(0),
-        scale,
-        torch.get_num_threads(),
-        0,
-    )
+    args = _kernel_args(num_seqs, query, key_cache, bt, scale, out, generic_only=False)
     rc = lib.pagedkv_prefill_f32(
         ctypes.byref(args),
         query.data_ptr(),
