@@ -537,6 +537,8 @@ def prefill(
         )
     if num_seqs == 0 or query.shape[0] == 0:
         return out
+    if int(qsl[0]) < 0 or int(qsl[-1]) > query.shape[0]:
+        raise ValueError(f"query_start_loc must lie within query's {query.shape[0]} rows, got {qsl.tolist()}")
     args = _kernel_args(num_seqs, query, key_cache, bt, scale, out, generic_only=False)
     rc = lib.pagedkv_prefill_f32(
         ctypes.byref(args),
@@ -548,6 +550,10 @@ def prefill(
         sl.data_ptr(),
         out.data_ptr(),
     )
+    if rc == -2:
+        raise ValueError(
+            "query_start_loc/seq_lens: a sequence has more new rows than tokens, or fewer than 0"
+        )
     if rc != 0:
         raise MemoryError("native prefill kernel: could not allocate its scratch memory")
     return out

@@ -173,7 +173,8 @@ static void run_task(const PrefillArgs *a, const Task *task, const float *q, con
     }
 }
 
-/* Returns 0, or -1 when scratch memory could not be allocated (nothing written then). */
+/* Returns 0; -1 when scratch memory could not be allocated, -2 when a sequence has fewer cached tokens
+ * than new rows or a negative row count (nothing written then). */
 int pagedkv_prefill_f32(const PrefillArgs *a, const float *q, const float *k_cache, const float *v_cache,
                         const int32_t *block_tables, const int32_t *query_start_loc, const int32_t *seq_lens,
                         float *out) {
@@ -181,6 +182,8 @@ int pagedkv_prefill_f32(const PrefillArgs *a, const float *q, const float *k_cac
     const int64_t RT = rows_per_task(G);
     int64_t max_ctx = 1, num_tasks = 0;
     for (int64_t s = 0; s < a->num_seqs; s++) {
+        const int64_t q_len = query_start_loc[s + 1] - query_start_loc[s];
+        if (q_len < 0 || q_len > seq_lens[s]) return -2;
         max_ctx = seq_lens[s] > max_ctx ? seq_lens[s] : max_ctx;
         num_tasks += HKV * ((query_start_loc[s + 1] - query_start_loc[s] + RT - 1) / RT);
     }

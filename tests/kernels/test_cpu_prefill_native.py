@@ -116,4 +116,9 @@ def test_bad_arguments_raise_and_write_nothing() -> None:
             cpu_native.prefill(*args, 0.125, out)
     with pytest.raises(ValueError, match="out"):
         cpu_native.prefill(query, kc, vc, tables, qsl, lens, 0.125, out[:-1])
+    with pytest.raises(ValueError, match="more new rows than tokens"):  # 4 new rows, 3 tokens
+        cpu_native.prefill(query, kc, vc, tables, qsl, torch.tensor([3, 3], dtype=torch.int32), 0.125, out)
+    with pytest.raises(ValueError, match="within query's 7 rows"):
+        bad_starts = torch.tensor([0, 4, 9], dtype=torch.int32)
+        cpu_native.prefill(query, kc, vc, tables, bad_starts, lens, 0.125, out)
     assert out.isnan().all()
