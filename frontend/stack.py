@@ -91,7 +91,7 @@ def plan(opts: StackOptions, security: StackSecurity | None = None, state_dir: s
                 str(opts.num_cpu_blocks),
                 "--block-size",
                 str(opts.block_size),
-                *(["--state-dir", state_dir] if state_dir else []),
+                *(["--state-dir", state_dir, "--fsync", opts.fsync] if state_dir else []),
                 *override_flags(opts.block_manager_overrides),
                 *common,
             ),
@@ -444,6 +444,14 @@ def build_parser() -> argparse.ArgumentParser:
         "[a temporary directory, removed when the stack stops]",
     )
     p.add_argument(
+        "--fsync",
+        choices=("always", "batch", "off"),
+        default=d.fsync,
+        help="the block manager's journal fsync (docs/reliability.md): off is enough on one host, where "
+        "a journal write survives a SIGKILL of the block manager and a power loss takes the KV with it "
+        "[%(default)s]",
+    )
+    p.add_argument(
         "--max-restarts-per-minute",
         type=int,
         default=d.restart.max_restarts_per_minute,
@@ -486,6 +494,7 @@ def options_from_args(args: argparse.Namespace) -> StackOptions:
         allow_insecure=args.allow_insecure,
         serve_port=None if args.no_serve else args.serve_port,
         state_dir=args.state_dir,
+        fsync=args.fsync,
         restart=RestartPolicy(max_restarts_per_minute=args.max_restarts_per_minute),
     )
 

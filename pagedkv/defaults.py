@@ -35,6 +35,11 @@ UP_NUM_CPU_BLOCKS = 256
 UP_NUM_WORKERS = 2
 """``pagedkv up``: two workers share one cache (what the stack demonstrates)."""
 
+UP_FSYNC = "off"
+"""``pagedkv up``: the block manager's journal fsync. Every role runs on one host there: a record the OS
+holds survives a SIGKILL of the block manager, and a power loss takes the KV with it (the block
+manager's own default, for a state dir that may outlive the cache hosts, is ``always``)."""
+
 LOCAL_NUM_GPU_BLOCKS = 512
 """The in-process stack (``frontend.local_stack``, ``pagedkv generate --local``, tests): one process
 holds every role, so a smaller cache."""

@@ -11,6 +11,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from pagedkv.ports import free_ports
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -293,3 +295,17 @@ def test_one_stack_description_for_processes_and_in_process() -> None:
     w = worker.args
     assert w[w.index("--seed") + 1] == "7" and w[w.index("--kernel-backend") + 1] == "reference"
     assert WorkerSettings(kernel_backend=w[w.index("--kernel-backend") + 1]).kernel_backend == "reference"
+
+
+def test_up_fsync_flag_reaches_the_block_manager_settings() -> None:
+    """`pagedkv up --fsync` (default off: one host) becomes the block manager's journal fsync."""
+    from block_manager_svc.settings import load_settings
+    from frontend.stack import build_parser, options_from_args, plan
+
+    for argv, want in (([], "off"), (["--fsync", "always"], "always"), (["--fsync", "batch"], "batch")):
+        opts = options_from_args(build_parser().parse_args(argv))
+        bm = plan(opts, state_dir="/var/x")[0]
+        settings = load_settings(bm.args[bm.args.index("block-manager") + 1 :])
+        assert settings.fsync == want and settings.state_dir == "/var/x"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--fsync", "sometimes"])

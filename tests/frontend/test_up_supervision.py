@@ -246,6 +246,10 @@ def test_plan_gives_the_block_manager_the_state_dir(tmp_path: pathlib.Path) -> N
     bm = plan(StackOptions(), state_dir="/var/x")[0]
     assert bm.name == "block-manager" and bm.args[bm.args.index("--state-dir") + 1] == "/var/x"
     assert "--state-dir" not in plan(StackOptions())[0].args
+    # One host: the journal is written to the OS, not fsynced per mutation, unless asked.
+    assert bm.args[bm.args.index("--fsync") + 1] == "off"
+    durable = plan(StackOptions(fsync="always"), state_dir="/var/x")[0]
+    assert durable.args[durable.args.index("--fsync") + 1] == "always"
     kept = tmp_path / "a" / "b"
     s = Stack(StackOptions(state_dir=str(kept)), out=open(os.devnull, "w"))  # noqa: SIM115
     assert kept.is_dir() and not s.state_dir_is_temporary  # created
