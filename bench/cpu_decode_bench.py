@@ -5,16 +5,19 @@ in place from the paged cache. Without it, a step is planned once: which sequenc
 gather + SDPA call (length buckets) and which shared prefixes are attended once for all their
 members (cascade); every call has a fixed cost (a gather, an SDPA launch, Python), and the cascade
 adds a merge, so those rules trade padding and duplicated prefix work against calls. This prints,
-per batch shape, the time of a 4-layer step's decode attention (plan included) on four paths,
-measured round-robin in one run (the machine is noisy):
+per batch shape, the time of a 4-layer step's decode attention (plan included) on five paths,
+measured round-robin in one run, in a fresh random order each round (the machine is noisy):
 
 - ``flat``: buckets bounded by ``PAD_FRACTION`` only, no cascade (the first CPU backend);
 - ``cascade-always``: the same buckets plus a cascade for every group sharing ``MIN_SHARED_BLOCKS``;
 - ``buckets``: the bucket rules ``kernels/cpu.py`` uses without the native kernel (``PAD_TOKENS``
   of padding always allowed, a cascade only when it saves ``CASCADE_MIN_SAVED_TOKENS``);
-- ``native``: the CPU backend's path with the native kernel available (what it runs when it can build
-  it): one kernel call per layer, or the ``buckets`` plan where long shared prefixes make the plan pick
-  it (``NATIVE_MAX_SAVED_TOKENS``).
+- ``native-flat``: the native decode kernel alone, one call per layer, every member of a group
+  computing its shared prefix again (the prefix's K/V read from cache after the first member);
+- ``native``: the CPU backend's path with the native kernels available (what it runs when it can
+  build them): the decode kernel, plus the native cascade when groups share prefixes that save
+  ``NATIVE_CASCADE_MIN_SAVED_TOKENS``: each group's prefix once on the prefill kernel, merged into the
+  members' own parts (two calls a layer).
 
 Then, for GQA groups without a specialised copy before (3: SmolLM2's 9 query heads over 3 KV heads;
 5, 6, 7), the native kernel's specialised (group, head_dim 64) copy against its generic copy
@@ -73,6 +76,7 @@ RULES: dict[str, tuple[dict[str, float], bool]] = {
     "flat": ({"PAD_TOKENS": 0, "MIN_SHARED_BLOCKS": 10**9, "CASCADE_MIN_SAVED_TOKENS": 0}, False),
     "cascade-always": ({"PAD_TOKENS": 0, "CASCADE_MIN_SAVED_TOKENS": 0}, False),
     "buckets": ({}, False),
+    "native-flat": ({"NATIVE_CASCADE_MIN_SAVED_TOKENS": 10**9}, True),
     "native": ({}, True),
 }
 
@@ -192,13 +196,13 @@ def bucket_table(args: argparse.Namespace) -> None:
             "column",
             file=sys.stderr,
         )
-        del RULES["native"]
+        del RULES["native"], RULES["native-flat"]
     print(
         f"# buckets: PAD_FRACTION={cpu.PAD_FRACTION} PAD_TOKENS={cpu.PAD_TOKENS} "
         f"MIN_SHARED_BLOCKS={cpu.MIN_SHARED_BLOCKS} CASCADE_MIN_SAVED_TOKENS={cpu.CASCADE_MIN_SAVED_TOKENS}"
     )
     ratios = [("buckets", "flat"), ("buckets", "cascade-always")] + (
-        [("native", "buckets")] if "native" in RULES else []
+        [("native", "buckets"), ("native", "native-flat")] if "native" in RULES else []
     )
     print(
         "\n| head_dim | batch | "
@@ -245,14 +249,19 @@ def bucket_table(args: argparse.Namespace) -> None:
                     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)  # same attention, any rules
                     plan = with_rules(rules, functools.partial(cpu.plan_decode, bt, lens, BLOCK))
                     calls[name] = (
-                        "1"
+                        ("2" if plan.cascade is not None else "1")  # type: ignore[attr-defined]
                         if plan.native_tables is not None  # type: ignore[attr-defined]
-                        else f"{len(plan.buckets)}+{len(plan.shared)}"
-                    )  # type: ignore[attr-defined]
+                        else f"{len(plan.buckets)}+{len(plan.shared)}"  # type: ignore[attr-defined]
+                    )
                     steps[name] = step
                 times: dict[str, list[float]] = {name: [] for name in RULES}
+                order = list(steps.items())
+                rnd = random.Random(head_dim)
                 for _ in range(args.reps):
-                    for name, step in steps.items():
+                    # A fresh order each round: a path that always ran after another one's gathers (or
+                    # after the same data) would always find the caches in the same state.
+                    rnd.shuffle(order)
+                    for name, step in order:
                         t0 = time.perf_counter()
                         step()
                         times[name].append(time.perf_counter() - t0)
@@ -260,7 +269,9 @@ def bucket_table(args: argparse.Namespace) -> None:
                 cells = " | ".join(f"{med[n]:.2f} ({calls[n]})" for n in RULES)
                 cells += " | " + " | ".join(f"{med[a] / med[b]:.2f}x" for a, b in ratios)
                 print(f"| {head_dim} | {shape.label} | {cells} |", flush=True)
-    print("\n(calls per layer: buckets + cascaded prefixes; the native kernel is one call)")
+    print(
+        "\n(calls per layer: buckets + cascaded prefixes; the native kernels one call, two with the cascade)"
+    )
 
 
 if __name__ == "__main__":

@@ -11,10 +11,15 @@ docs/kernels.md):
   prefill kernel (fp32, head_dim a multiple of 16: 16 or 32 rows of a sequence per task, both
   products as register-tiled small matrix products, 2-3x the per-row path below) or, for bf16, on
   the decode kernel with each query row a decode query over its causal prefix, while contexts are
-  short enough (``NATIVE_PREFILL_MAX_CONTEXT``). The plans below are built only when it is unavailable (no
-  compiler at install, ``PAGEDKV_CPU_NATIVE=0``, an fp16 cache), when a decode batch's shared prefixes would
-  save ``NATIVE_MAX_SAVED_TOKENS`` (the cascade reads a prefix once, the kernel once per member),
-  or when a prefill context is longer than that bound.
+  short enough (``NATIVE_PREFILL_MAX_CONTEXT``). Decode sequences whose tables start with the same
+  blocks (a shared system prompt) run as a native cascade when a group saves
+  ``NATIVE_CASCADE_MIN_SAVED_TOKENS`` (fp32): the decode kernel over each member's own blocks with its
+  log-sum-exps, then the prefill kernel over each shared prefix once, every member's query a row of
+  it, merged in place (``cpu_native.cascade``). The plans below are built only when the native
+  kernels are unavailable (no compiler at install, ``PAGEDKV_CPU_NATIVE=0``, an fp16 cache), when a
+  non-fp32 decode batch's shared prefixes would save ``NATIVE_MAX_SAVED_TOKENS`` (their cascade
+  reads a prefix once, the decode kernel once per member), or when a prefill context is longer than
+  that bound.
 
 Without it, torch's fused SDPA over gathered blocks:
 
@@ -89,6 +94,15 @@ CASCADE_MIN_SAVED_TOKENS = 4096
 # but 1.2-1.4x the cascade's with 48 sequences on a 1,024-token prefix (48K saved):
 # bench/cpu_decode_bench.py. Between the two, it stays on the native kernel.
 NATIVE_MAX_SAVED_TOKENS = 32768
+# With fp32 caches (head_dim a multiple of 16) the native kernels run the cascade themselves
+# (``cpu_native.cascade``): each shared prefix once per group on the prefill kernel, merged into the
+# decode kernel's own parts. A group is attended that way when it saves at least this many K/V tokens
+# of per-member attention ((members - 1) x shared tokens). bench/cpu_decode_bench.py: 0.58-0.68x the
+# plain kernel's time from 64 sequences on 432-token prefixes (6,480 saved a group) to 2,048-token
+# prefixes; level at 1,300-2,900 saved; 1.2-1.3x slower at a few hundred (a second call and thread
+# team a layer for little work). On vs_vllm's workload R (groups saving about 1,900) a threshold of
+# 256-2,048 made the whole run 4-7% slower, so only groups past this one take it.
+NATIVE_CASCADE_MIN_SAVED_TOKENS = 4096
 # Prefill rows run on the native kernel (each row a decode query over its causal prefix) while
 # every prefill sequence's context x head_dim stays at most this: 2,048 tokens at head_dim 64,
 # 1,024 at 128, about where one KV head's context stops fitting in a core's L2. The kernel reads
@@ -219,12 +233,61 @@ class DecodePlan:
     native_tables: torch.Tensor | None = None
     native_lens: torch.Tensor | None = None
     bucketed: bool = True
+    # The native cascade's arguments when sequences share prefixes (None: none worth it); a call the
+    # cascade cannot take (not fp32) runs the plain native kernel, or the buckets when
+    # ``buckets_first`` (its shared prefixes save NATIVE_MAX_SAVED_TOKENS or more).
+    cascade: _NativeCascade | None = None
+    buckets_first: bool = False
 
 
-def shared_prefixes(tables: list[list[int]], lens: list[int], block_size: int) -> list[tuple[list[int], int]]:
+@dataclass(slots=True)
+class _NativeCascade:
+    """``cpu_native.cascade``'s index tensors (int32): each row's table and length past its group's
+    shared prefix, and per group its prefix blocks, token count and member rows."""
+
+    own_tables: torch.Tensor  # [num_seqs, width]
+    own_lens: torch.Tensor  # [num_seqs]
+    prefix_tables: torch.Tensor  # [groups, longest prefix in blocks]
+    prefix_starts: torch.Tensor  # [groups + 1]: group i's members are row_map[starts[i]:starts[i + 1]]
+    prefix_lens: torch.Tensor  # [groups]
+    row_map: torch.Tensor  # [members]
+
+
+def _native_cascade(
+    tables: list[list[int]], lens: list[int], groups: list[tuple[list[int], int]], block_size: int
+) -> _NativeCascade:
+    offset = [0] * len(lens)
+    row_map: list[int] = []
+    starts = [0]
+    prefixes: list[list[int]] = []
+    for rows, nb in groups:
+        for r in rows:
+            offset[r] = nb
+        row_map += rows
+        starts.append(len(row_map))
+        prefixes.append(tables[rows[0]][:nb])
+    longest = max(len(p) for p in prefixes)
+    i32 = torch.int32
+    return _NativeCascade(
+        torch.tensor([t[o:] + [0] * o for t, o in zip(tables, offset, strict=True)], dtype=i32),
+        torch.tensor([n - o * block_size for n, o in zip(lens, offset, strict=True)], dtype=i32),
+        torch.tensor([p + [0] * (longest - len(p)) for p in prefixes], dtype=i32),
+        torch.tensor(starts, dtype=i32),
+        torch.tensor([len(p) * block_size for p in prefixes], dtype=i32),
+        torch.tensor(row_map, dtype=i32),
+    )
+
+
+def shared_prefixes(
+    tables: list[list[int]], lens: list[int], block_size: int, min_saved: int | None = None
+) -> list[tuple[list[int], int]]:
     """(rows, blocks): groups of at least two sequences whose first ``MIN_SHARED_BLOCKS`` block ids
-    are equal, with the number of leading blocks ALL members share. Every member keeps at least one
-    token past the shared blocks (its own new token's position), so each part is non-empty."""
+    are equal, with the number of leading blocks ALL members share, that save at least ``min_saved``
+    tokens of attention. Every member keeps at least one token past the shared blocks (its own new
+    token's position), so each part is non-empty. ``min_saved`` defaults to ``CASCADE_MIN_SAVED_TOKENS``
+    (the bucket path's rule)."""
+    if min_saved is None:
+        min_saved = CASCADE_MIN_SAVED_TOKENS
     groups: dict[tuple[int, ...], list[int]] = {}
     for i, n in enumerate(lens):
         if n > MIN_SHARED_BLOCKS * block_size:
@@ -239,7 +302,7 @@ def shared_prefixes(tables: list[list[int]], lens: list[int], block_size: int) -
         while n < cap and all(tables[r][n] == first[n] for r in rows):
             n += 1
         n = min(n, cap)
-        if (len(rows) - 1) * n * block_size >= CASCADE_MIN_SAVED_TOKENS:
+        if (len(rows) - 1) * n * block_size >= min_saved:
             out.append((rows, n))
     return out
 
@@ -251,21 +314,28 @@ def plan_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: 
     attends a prefix once for all its members; the native kernel reads it once per member)."""
     if cpu_native.available():
         lens = seq_lens.tolist()
-        saved = 0
-        if sum(lens) >= NATIVE_MAX_SAVED_TOKENS:  # else no prefix can save that much: skip the search
-            saved = sum(
-                (len(rows) - 1) * nb * block_size
-                for rows, nb in shared_prefixes(block_tables.tolist(), lens, block_size)
-            )
-        if saved < NATIVE_MAX_SAVED_TOKENS:
-            return DecodePlan(
-                len(lens),
-                [],
-                [],
-                block_tables.to(torch.int32).contiguous(),
-                seq_lens.to(torch.int32).contiguous(),
-                bucketed=False,
-            )
+        plan = DecodePlan(
+            len(lens),
+            [],
+            [],
+            block_tables.to(torch.int32).contiguous(),
+            seq_lens.to(torch.int32).contiguous(),
+            bucketed=False,
+        )
+        if sum(lens) > NATIVE_CASCADE_MIN_SAVED_TOKENS:  # else no prefix can save enough: no search
+            tables = block_tables.tolist()
+            groups = shared_prefixes(tables, lens, block_size, NATIVE_CASCADE_MIN_SAVED_TOKENS)
+            if groups:
+                plan.cascade = _native_cascade(tables, lens, groups, block_size)
+                big = [
+                    (rows, nb)
+                    for rows, nb in groups
+                    if (len(rows) - 1) * nb * block_size >= CASCADE_MIN_SAVED_TOKENS
+                ]
+                plan.buckets_first = (
+                    sum((len(r) - 1) * nb * block_size for r, nb in big) >= NATIVE_MAX_SAVED_TOKENS
+                )
+        return plan
     return plan_buckets(block_tables, seq_lens, block_size)
 
 
@@ -327,9 +397,25 @@ def paged_decode_attention(
         return out
     if not isinstance(plan, DecodePlan):
         plan = plan_decode(block_tables, seq_lens, block_size)
+    nc = plan.cascade
+    if nc is not None and out.stride(-1) == 1 and cpu_native.prefill_supports(query, key_cache, value_cache):
+        return cpu_native.cascade(
+            query,
+            key_cache,
+            value_cache,
+            nc.own_tables,
+            nc.own_lens,
+            nc.prefix_tables,
+            nc.prefix_starts,
+            nc.prefix_lens,
+            nc.row_map,
+            scale,
+            out,
+        )
     if (
         plan.native_tables is not None
         and plan.native_lens is not None
+        and not plan.buckets_first
         and out.stride(-1) == 1
         and cpu_native.supports(query, key_cache, value_cache)
     ):

@@ -166,11 +166,18 @@ def _load() -> tuple[ctypes.CDLL, str]:
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.POINTER(_DecodeArgs)] + [ctypes.c_void_p] * 6
-    try:
-        lib.pagedkv_prefill_f32.restype = ctypes.c_int
-        lib.pagedkv_prefill_f32.argtypes = [ctypes.POINTER(_DecodeArgs)] + [ctypes.c_void_p] * 7
-    except AttributeError:
-        raise OSError(f"{path.name} lacks pagedkv_prefill_f32 (stale build: reinstall)") from None
+    # Entry points: the argument struct, then this many pointers.
+    for name, pointers in (
+        ("pagedkv_prefill_f32", 7),
+        ("pagedkv_decode_f32_lse", 7),
+        ("pagedkv_prefill_prefix_f32", 9),
+    ):
+        try:
+            fn = getattr(lib, name)
+        except AttributeError:
+            raise OSError(f"{path.name} lacks {name} (stale build: reinstall)") from None
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.POINTER(_DecodeArgs)] + [ctypes.c_void_p] * pointers
     i64, ptr, f32, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
     functions = {
         # The fused layer operations (csrc/layer_ops.c, kernels/cpu_layer_ops.py).
@@ -554,6 +561,94 @@ def prefill(
         raise ValueError(
             "query_start_loc/seq_lens: a sequence has more new rows than tokens, or fewer than 0"
         )
+    if rc != 0:
+        raise MemoryError("native prefill kernel: could not allocate its scratch memory")
+    return out
+
+
+def cascade(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    own_tables: torch.Tensor,
+    own_lens: torch.Tensor,
+    prefix_tables: torch.Tensor,
+    prefix_starts: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    row_map: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Decode attention with shared prefixes attended once per group (cascade); returns ``out``.
+
+    Every sequence's own part first: the decode kernel over ``own_tables``/``own_lens`` (each row's
+    blocks past its group's prefix, its whole table when it is in no group), with each (row, head)'s
+    log-sum-exp. Then each group's prefix: prefix ``i`` (``prefix_tables[i]``, ``prefix_lens[i]``
+    tokens) is a "sequence" of the prefill kernel whose query rows are ``row_map[prefix_starts[i]:
+    prefix_starts[i + 1]]``, every row seeing every prefix key (its queries come after the prefix), its
+    result merged into ``out[row]`` by the two log-sum-exps. The prefix's K/V is read once for the group
+    and its products run as small matrix products, where the decode kernel computed them per member.
+    Same tensors as ``prefill`` takes (``prefill_supports``); index tensors int32 with dense rows."""
+    if not prefill_supports(query, key_cache, value_cache):
+        raise ValueError(
+            "native cascade takes fp32 CPU tensors with head_dim a multiple of 16 and the decode "
+            f"kernel's layouts; got query {query.dtype} {tuple(query.shape)}"
+        )
+    check_decode(query, key_cache, value_cache, own_tables, own_lens, out)
+    pt = _tensor("prefix_tables", prefix_tables, 2, (torch.int32,))
+    ps = _tensor("prefix_starts", prefix_starts, 1, (torch.int32,))
+    pl = _tensor("prefix_lens", prefix_lens, 1, (torch.int32,))
+    rm = _tensor("row_map", row_map, 1, (torch.int32,))
+    groups, num_seqs = pl.shape[0], query.shape[0]
+    if pt.shape[0] != groups or ps.shape[0] != groups + 1:
+        raise ValueError(
+            f"prefix_tables {tuple(pt.shape)} and prefix_starts {tuple(ps.shape)} must match prefix_lens' "
+            f"{groups} prefixes (prefix_starts has one more entry)"
+        )
+    if groups and (int(ps[0]) != 0 or int(ps[-1]) != rm.shape[0]):
+        raise ValueError(f"prefix_starts must run from 0 to row_map's {rm.shape[0]} rows, got {ps.tolist()}")
+    if groups and int(pl.min()) < 1:
+        raise ValueError(f"prefix_lens: a prefix is empty, got {pl.tolist()}")
+    if rm.shape[0] and (int(rm.min()) < 0 or int(rm.max()) >= num_seqs):
+        raise ValueError(f"row_map must name rows of query's {num_seqs}, got {rm.tolist()}")
+    lib = library()
+    if lib is None:
+        raise RuntimeError(
+            f"the native CPU kernels are unavailable ({kernel_path()} path): check available()"
+        )
+    if num_seqs == 0:
+        return out
+    lse = torch.empty(num_seqs, query.shape[1], dtype=torch.float32)
+    args = _kernel_args(num_seqs, query, key_cache, own_tables, scale, out, generic_only=False)
+    rc = lib.pagedkv_decode_f32_lse(
+        ctypes.byref(args),
+        query.data_ptr(),
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        own_tables.data_ptr(),
+        own_lens.data_ptr(),
+        out.data_ptr(),
+        lse.data_ptr(),
+    )
+    if rc != 0:
+        raise MemoryError("native decode kernel: could not allocate its scratch memory")
+    if groups == 0:
+        return out
+    args = _kernel_args(groups, query, key_cache, pt, scale, out, generic_only=False)
+    rc = lib.pagedkv_prefill_prefix_f32(
+        ctypes.byref(args),
+        query.data_ptr(),
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        pt.data_ptr(),
+        ps.data_ptr(),
+        pl.data_ptr(),
+        out.data_ptr(),
+        rm.data_ptr(),
+        lse.data_ptr(),
+    )
+    if rc == -2:
+        raise ValueError("prefix_starts/prefix_lens: a prefix is empty or has a negative row count")
     if rc != 0:
         raise MemoryError("native prefill kernel: could not allocate its scratch memory")
     return out

@@ -111,8 +111,8 @@ static inline void prefetch_rows(const char *p, int64_t rows, int64_t slot_bytes
 static inline __attribute__((always_inline)) void attend(
         const DecodeArgs *restrict a, const void *restrict q, const void *restrict k_cache,
         const void *restrict v_cache, const int32_t *restrict block_tables, int64_t ctx, void *restrict out,
-        float *restrict scores, float *restrict qf, float *restrict acc, int64_t s, int64_t h0, int64_t h1,
-        const int64_t G, const int64_t D, const int bf16) {
+        float *restrict scores, float *restrict qf, float *restrict acc, float *restrict lse, int64_t s, int64_t h0,
+        int64_t h1, const int64_t G, const int64_t D, const int bf16) {
     const int64_t BS = a->block_size, NH = h1 - h0, esz = bf16 ? 2 : 4;
     const int64_t nblocks = (ctx + BS - 1) / BS;
     const int64_t slot_bytes = a->c_slot_stride * esz, span = ((NH - 1) * a->c_head_stride + D) * esz;
@@ -173,6 +173,7 @@ static inline __attribute__((always_inline)) void attend(
         for (int64_t t = 0; t < ctx; t++) { float e = exp_nonpos(sg[t] - m); sg[t] = e; sum += e; }
         const float inv = 1.0f / sum;
         for (int64_t t = 0; t < ctx; t++) sg[t] *= inv;
+        if (lse) lse[s * a->num_heads + h0 * G + r] = m + logf(sum);  /* for a cascade's merge */
     }
     /* probabilities x values, all heads of the task, block by block */
     for (int64_t i = 0; i < NH * G * D; i++) acc[i] = 0.0f;
@@ -210,12 +211,12 @@ static inline __attribute__((always_inline)) void attend(
 /* The specialised (G, D) pairs, else the generic copy. */
 static void attend_any(const DecodeArgs *a, const void *q, const void *k_cache, const void *v_cache,
                        const int32_t *block_tables, int64_t ctx, void *out, float *scores, float *qf, float *acc,
-                       int64_t s, int64_t h0, int64_t h1, int bf16) {
+                       float *lse, int64_t s, int64_t h0, int64_t h1, int bf16) {
     const int64_t G = a->num_heads / a->num_kv_heads, D = a->head_dim;
 #define CASE(GC, DC)                                                                                   \
     if (G == GC && D == DC) {                                                                          \
-        if (bf16) attend(a, q, k_cache, v_cache, block_tables, ctx, out, scores, qf, acc, s, h0, h1, GC, DC, 1); \
-        else attend(a, q, k_cache, v_cache, block_tables, ctx, out, scores, qf, acc, s, h0, h1, GC, DC, 0);      \
+        if (bf16) attend(a, q, k_cache, v_cache, block_tables, ctx, out, scores, qf, acc, lse, s, h0, h1, GC, DC, 1); \
+        else attend(a, q, k_cache, v_cache, block_tables, ctx, out, scores, qf, acc, lse, s, h0, h1, GC, DC, 0);      \
         return;                                                                                        \
     }
     if (!a->generic_only) {
@@ -223,8 +224,8 @@ static void attend_any(const DecodeArgs *a, const void *q, const void *k_cache, 
         CASE(1, 128) CASE(2, 128) CASE(4, 128) CASE(8, 128)
     }
 #undef CASE
-    if (bf16) attend(a, q, k_cache, v_cache, block_tables, ctx, out, scores, qf, acc, s, h0, h1, G, D, 1);
-    else attend(a, q, k_cache, v_cache, block_tables, ctx, out, scores, qf, acc, s, h0, h1, G, D, 0);
+    if (bf16) attend(a, q, k_cache, v_cache, block_tables, ctx, out, scores, qf, acc, lse, s, h0, h1, G, D, 1);
+    else attend(a, q, k_cache, v_cache, block_tables, ctx, out, scores, qf, acc, lse, s, h0, h1, G, D, 0);
 }
 
 /* Sequences ordered by their first block (then index): sequences sharing a cached prefix run one
@@ -251,7 +252,7 @@ static int64_t heads_per_task(int64_t num_seqs, int64_t num_kv_heads, int thread
 /* Returns 0, or -1 when scratch memory could not be allocated (nothing written then). A sequence
  * of length 0 gets zeros (it attends to nothing). */
 static int decode(const DecodeArgs *a, const void *q, const void *k_cache, const void *v_cache,
-                  const int32_t *block_tables, const int32_t *seq_lens, void *out, int bf16) {
+                  const int32_t *block_tables, const int32_t *seq_lens, void *out, float *lse, int bf16) {
     const int64_t G = a->num_heads / a->num_kv_heads, D = a->head_dim, HKV = a->num_kv_heads;
     int64_t max_ctx = 1;
     for (int64_t s = 0; s < a->num_seqs; s++) max_ctx = seq_lens[s] > max_ctx ? seq_lens[s] : max_ctx;
@@ -279,13 +280,15 @@ static int decode(const DecodeArgs *a, const void *q, const void *k_cache, const
 #endif
         float *qf = scores + hpt * G * max_ctx, *acc = qf + hpt * G * D;
         if (seq_lens[s] > 0) {
-            attend_any(a, q, k_cache, v_cache, block_tables, seq_lens[s], out, scores, qf, acc, s, h0, h1, bf16);
+            attend_any(a, q, k_cache, v_cache, block_tables, seq_lens[s], out, scores, qf, acc, lse, s, h0, h1,
+                       bf16);
         } else {
             for (int64_t h = h0; h < h1; h++)
                 for (int64_t g = 0; g < G; g++) {
                     const int64_t o = s * a->o_seq_stride + (h * G + g) * a->o_head_stride;
                     if (bf16) memset((uint16_t *)out + o, 0, sizeof(uint16_t) * D);
                     else memset((float *)out + o, 0, sizeof(float) * D);
+                    if (lse) lse[s * a->num_heads + h * G + g] = -INFINITY;  /* no keys: weight 0 in a merge */
                 }
         }
     }
@@ -296,12 +299,19 @@ static int decode(const DecodeArgs *a, const void *q, const void *k_cache, const
 
 int pagedkv_decode_f32(const DecodeArgs *a, const float *q, const float *k_cache, const float *v_cache,
                        const int32_t *block_tables, const int32_t *seq_lens, float *out) {
-    return decode(a, q, k_cache, v_cache, block_tables, seq_lens, out, 0);
+    return decode(a, q, k_cache, v_cache, block_tables, seq_lens, out, NULL, 0);
+}
+/* fp32 decode that also writes each (sequence, head)'s log-sum-exp of its scaled scores into
+ * lse [num_seqs, num_heads] (-inf for a sequence of length 0): the own part of a cascade, merged
+ * with its shared prefix's part by pagedkv_prefill_prefix_f32 (kernels/cpu.py). */
+int pagedkv_decode_f32_lse(const DecodeArgs *a, const float *q, const float *k_cache, const float *v_cache,
+                           const int32_t *block_tables, const int32_t *seq_lens, float *out, float *lse) {
+    return decode(a, q, k_cache, v_cache, block_tables, seq_lens, out, lse, 0);
 }
 
 int pagedkv_decode_bf16(const DecodeArgs *a, const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
                         const int32_t *block_tables, const int32_t *seq_lens, uint16_t *out) {
-    return decode(a, q, k_cache, v_cache, block_tables, seq_lens, out, 1);
+    return decode(a, q, k_cache, v_cache, block_tables, seq_lens, out, NULL, 1);
 }
 
 /* The struct layout the Python side must mirror (checked at load). */

@@ -100,17 +100,26 @@ static inline __attribute__((always_inline)) void pv_tile(const int ZD, const fl
         for (int z = 0; z < ZD; z++) *(v16u *)(acc_out + i * 64 + z * 16) = acc[i][z];
 }
 
+/* The q / out row of the task's row r: itself, or through a prefix problem's row map. */
+static inline int64_t row_of(const int32_t *row_map, int64_t i) { return row_map ? row_map[i] : i; }
+
+/* `row_map` NULL: causal prefill, as described above. Else a shared prefix (cascade): the "rows" of
+ * sequence s_idx are query rows row_map[query_start_loc[s_idx] ..] of other sequences, each past the
+ * prefix, so every row sees all seq_len keys (no mask), and each result is merged into that row's
+ * own-part output already in `out` by the two parts' log-sum-exps (own_lse [rows, num_heads]). */
 static void run_task(const PrefillArgs *a, const Task *task, const float *q, const float *k_cache,
                      const float *v_cache, const int32_t *block_tables, const int32_t *query_start_loc,
-                     const int32_t *seq_lens, float *out, float *work, int64_t max_ctx) {
+                     const int32_t *seq_lens, float *out, float *work, int64_t max_ctx, const int32_t *row_map,
+                     const float *own_lse) {
     const int64_t G = a->num_heads / a->num_kv_heads, D = a->head_dim, BS = a->block_size;
     const int64_t s_idx = task->seq, h = task->head, r0 = task->row0;
     const int64_t q_begin = query_start_loc[s_idx], q_len = query_start_loc[s_idx + 1] - q_begin;
     const int64_t RT = rows_per_task(G);
     const int64_t L = seq_lens[s_idx], rows = q_len - r0 < RT ? q_len - r0 : RT;
     const int64_t nv = rows * G, lanes = (nv + 31) / 32 * 32;
-    const int64_t ctx = L - q_len + r0 + rows;          /* the last row's context */
-    const int64_t first_masked = L - q_len + r0 + 1;     /* keys from here are hidden from some rows */
+    /* the last row's context, and the first key hidden from some rows (none for a prefix) */
+    const int64_t ctx = row_map ? L : L - q_len + r0 + rows;
+    const int64_t first_masked = row_map ? L : L - q_len + r0 + 1;
     const int32_t *table = block_tables + s_idx * a->bt_stride;
     float *qt = work, *s = qt + D * lanes, *m = s + (max_ctx + KEYS) * lanes, *sum = m + lanes;
     float *acc = sum + lanes; /* [4][64] */
@@ -119,7 +128,7 @@ static void run_task(const PrefillArgs *a, const Task *task, const float *q, con
     memset(qt, 0, sizeof(float) * D * lanes);
     for (int64_t r = 0; r < rows; r++)
         for (int64_t g = 0; g < G; g++) {
-            const float *qr = q + (q_begin + r0 + r) * a->q_seq_stride + (h * G + g) * a->q_head_stride;
+            const float *qr = q + row_of(row_map, q_begin + r0 + r) * a->q_seq_stride + (h * G + g) * a->q_head_stride;
             for (int64_t d = 0; d < D; d++) qt[d * lanes + r * G + g] = qr[d] * a->scale;
         }
     /* scores, KEYS keys at a time (past ctx: the last key again; those rows of s are never read,
@@ -164,26 +173,32 @@ static void run_task(const PrefillArgs *a, const Task *task, const float *q, con
                 default: pv_tile(4, s, lanes, ctx, v_cache, table, a, h, v0, d0, acc); break;
             }
             for (int64_t i = 0; i < 4 && v0 + i < nv; i++) {
-                const int64_t v = v0 + i, r = v / G, g = v % G;
-                float *o = out + (q_begin + r0 + r) * a->o_seq_stride + (h * G + g) * a->o_head_stride + d0;
+                const int64_t v = v0 + i, r = v / G, g = v % G, row = row_of(row_map, q_begin + r0 + r);
+                float *o = out + row * a->o_seq_stride + (h * G + g) * a->o_head_stride + d0;
                 const float inv = 1.0f / sum[v];
-                for (int64_t d = 0; d < width; d++) o[d] = acc[i * 64 + d] * inv;
+                if (!own_lse) {
+                    for (int64_t d = 0; d < width; d++) o[d] = acc[i * 64 + d] * inv;
+                    continue;
+                }
+                /* softmax over prefix + own keys = the two parts weighted by their normalisers */
+                const float lp = m[v] + logf(sum[v]), lo = own_lse[row * a->num_heads + h * G + g];
+                const float top = lp > lo ? lp : lo, wp = expf(lp - top), wo = expf(lo - top);
+                const float cp = wp * inv / (wp + wo), co = wo / (wp + wo);
+                for (int64_t d = 0; d < width; d++) o[d] = acc[i * 64 + d] * cp + o[d] * co;
             }
         }
     }
 }
 
-/* Returns 0; -1 when scratch memory could not be allocated, -2 when a sequence has fewer cached tokens
- * than new rows or a negative row count (nothing written then). */
-int pagedkv_prefill_f32(const PrefillArgs *a, const float *q, const float *k_cache, const float *v_cache,
-                        const int32_t *block_tables, const int32_t *query_start_loc, const int32_t *seq_lens,
-                        float *out) {
+static int prefill(const PrefillArgs *a, const float *q, const float *k_cache, const float *v_cache,
+                   const int32_t *block_tables, const int32_t *query_start_loc, const int32_t *seq_lens, float *out,
+                   const int32_t *row_map, const float *own_lse) {
     const int64_t G = a->num_heads / a->num_kv_heads, D = a->head_dim, HKV = a->num_kv_heads;
     const int64_t RT = rows_per_task(G);
     int64_t max_ctx = 1, num_tasks = 0;
     for (int64_t s = 0; s < a->num_seqs; s++) {
         const int64_t q_len = query_start_loc[s + 1] - query_start_loc[s];
-        if (q_len < 0 || q_len > seq_lens[s]) return -2;
+        if (q_len < 0 || (row_map ? seq_lens[s] < 1 : q_len > seq_lens[s])) return -2;
         max_ctx = seq_lens[s] > max_ctx ? seq_lens[s] : max_ctx;
         num_tasks += HKV * ((query_start_loc[s + 1] - query_start_loc[s] + RT - 1) / RT);
     }
@@ -207,9 +222,30 @@ int pagedkv_prefill_f32(const PrefillArgs *a, const float *q, const float *k_cac
 #else
         float *w = work;
 #endif
-        run_task(a, &tasks[i], q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, w, max_ctx);
+        run_task(a, &tasks[i], q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, w, max_ctx,
+                 row_map, own_lse);
     }
     free(work);
     free(tasks);
     return 0;
+}
+
+/* Returns 0; -1 when scratch memory could not be allocated, -2 when a sequence has fewer cached tokens
+ * than new rows or a negative row count (nothing written then). */
+int pagedkv_prefill_f32(const PrefillArgs *a, const float *q, const float *k_cache, const float *v_cache,
+                        const int32_t *block_tables, const int32_t *query_start_loc, const int32_t *seq_lens,
+                        float *out) {
+    return prefill(a, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, NULL, NULL);
+}
+
+/* A cascade's shared-prefix part (kernels/cpu.py): "sequence" i is a prefix of seq_lens[i] >= 1 tokens
+ * (block_tables row i) and its rows are the query rows row_map[query_start_loc[i] .. query_start_loc[i+1])
+ * of the decode batch whose sequences share it; each row attends to all of the prefix, and the result
+ * is merged into out[row], which holds the row's own part with its log-sum-exps in own_lse
+ * [rows, num_heads] (pagedkv_decode_f32_lse). Returns 0, -1 (no scratch memory), -2 (a negative row
+ * count or an empty prefix; nothing written then). */
+int pagedkv_prefill_prefix_f32(const PrefillArgs *a, const float *q, const float *k_cache, const float *v_cache,
+                               const int32_t *block_tables, const int32_t *query_start_loc, const int32_t *seq_lens,
+                               float *out, const int32_t *row_map, const float *own_lse) {
+    return prefill(a, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, row_map, own_lse);
 }

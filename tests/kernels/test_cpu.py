@@ -247,22 +247,35 @@ def test_auto_picks_cpu_backend_without_the_interpreter(monkeypatch: pytest.Monk
         assert kernels.backend_for(torch.empty(1, dtype=torch.bfloat16)) == "cpu"
 
 
-def test_long_shared_prefixes_go_to_the_cascade_not_the_native_kernel(cpu_path: str) -> None:
-    """The native kernel reads a shared prefix once per member; when the cascade would save
-    NATIVE_MAX_SAVED_TOKENS or more, the plan is the buckets with the prefix attended once."""
+def test_long_shared_prefixes_are_attended_once(cpu_path: str) -> None:
+    """Shared prefixes are attended once per group: with the native kernels by their cascade (fp32);
+    a call it cannot take (bf16) runs the plain native kernel, which reads a prefix once per member,
+    unless the saving reaches NATIVE_MAX_SAVED_TOKENS: then the buckets' cascade. Without the native
+    kernels, the buckets' cascade."""
     members, block = 3, 16
-    for shared, native in (
-        (cpu.NATIVE_MAX_SAVED_TOKENS // ((members - 1) * block), False),
-        (cpu.NATIVE_MAX_SAVED_TOKENS // ((members - 1) * block) - 1, True),
+    for shared, big in (
+        (cpu.NATIVE_MAX_SAVED_TOKENS // ((members - 1) * block), True),
+        (cpu.NATIVE_MAX_SAVED_TOKENS // ((members - 1) * block) - 1, False),
     ):
         tables = [list(range(shared)) + [shared + i] for i in range(members)]
         bt = torch.tensor(tables, dtype=torch.int32)
         lens = torch.tensor([shared * block + 3] * members, dtype=torch.int32)
         plan = cpu.plan_decode(bt, lens, block)
-        uses_native = cpu_path == "native" and native
-        assert (plan.native_tables is not None) == uses_native
-        if not uses_native:
+        if cpu_path != "native":
+            assert plan.native_tables is None and [sp.idx.tolist() for sp in plan.shared] == [[0, 1, 2]]
+            continue
+        assert plan.cascade is not None and plan.cascade.row_map.tolist() == [0, 1, 2]
+        assert plan.cascade.prefix_lens.tolist() == [shared * block]
+        assert plan.buckets_first == big and not plan.bucketed
+        g = generator(shared)
+        kc = randn((shared + members, block, 2, 64), torch.bfloat16, g)
+        vc = randn((shared + members, block, 2, 64), torch.bfloat16, g)
+        q = randn((members, 8, 64), torch.bfloat16, g)
+        got = cpu.paged_decode_attention(q, kc, vc, bt, lens, 0.125, plan=plan)
+        assert plan.bucketed == big  # the buckets were built for this call only when the saving is big
+        if big:
             assert [sp.idx.tolist() for sp in plan.shared] == [[0, 1, 2]]
+        assert_close(got, reference.paged_decode_attention(q, kc, vc, bt, lens, 0.125), torch.bfloat16)
 
 
 def test_native_prefill_rows_are_causal_decode_queries(cpu_path: str) -> None:
