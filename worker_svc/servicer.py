@@ -41,10 +41,12 @@ def sampling_from_proto(p: worker_pb2.SamplingParams) -> SamplingParams:
 
 
 def sequence_from_proto(s: worker_pb2.SequenceInput) -> SequenceRequest:
+    # A slice copies a repeated field into a list at about twice list()'s speed (upb): this runs for
+    # every sequence of every step.
     return SequenceRequest(
         seq_id=s.seq_id,
-        token_ids=list(s.token_ids),
-        block_ids=list(s.block_ids),
+        token_ids=s.token_ids[:],
+        block_ids=s.block_ids[:],
         num_cached_tokens=s.num_cached_tokens,
         sampling=sampling_from_proto(s.sampling),
         return_logits=s.return_logits,
