@@ -24,7 +24,7 @@ Then, for GQA groups without a specialised copy before (3: SmolLM2's 9 query hea
 (``cpu_native.decode_generic_for_bench``) on the same batches, round-robin in the same run.
 
     python bench/cpu_decode_bench.py [--threads 2] [--reps 15] [--head-dims 64,128] [--gqa-groups 3,5,6,7]
-                                     [--only-gqa]
+                                     [--only-gqa] [--shapes N]
 """
 
 from __future__ import annotations
@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         "--gqa-groups", default="3,5,6,7", help="groups for the specialised / generic table ('' skips)"
     )
     ap.add_argument("--only-gqa", action="store_true", help="only the specialised / generic table")
+    ap.add_argument("--shapes", type=int, default=len(SHAPES), help="only the first N batch shapes")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     if not args.only_gqa:
@@ -214,7 +215,7 @@ def bucket_table(args: argparse.Namespace) -> None:
     print("|---|---|" + "---|" * (len(RULES) + len(ratios)))
     with torch.inference_mode():
         for head_dim in (int(x) for x in args.head_dims.split(",")):
-            for shape in SHAPES:
+            for shape in SHAPES[: args.shapes]:
                 bt, lens, used = batch(shape)
                 gen = torch.Generator().manual_seed(head_dim)
                 kc = torch.randn(used + 1, BLOCK, NUM_KV_HEADS, head_dim, generator=gen)
