@@ -40,7 +40,7 @@ import importlib.util
 import pathlib
 import threading
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import structlog
 import torch
@@ -435,6 +435,27 @@ def _kernel_args(
     )
 
 
+def _required_library() -> ctypes.CDLL:
+    """The loaded library, or RuntimeError for a caller that did not check ``available()``."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError(
+            f"the native CPU kernels are unavailable ({kernel_path()} path): check available()"
+        )
+    return lib
+
+
+def _launch(fn: Any, args: _DecodeArgs, *tensors: torch.Tensor, invalid: str = "") -> None:
+    """One attention kernel call on checked tensors: its return code as an exception (-1: scratch
+    memory could not be allocated; -2: index values it refused, ``invalid`` says which; nothing
+    written either way)."""
+    rc = fn(ctypes.byref(args), *(t.data_ptr() for t in tensors))
+    if rc == -2:
+        raise ValueError(invalid)
+    if rc != 0:
+        raise MemoryError(f"native kernel {fn.__name__}: could not allocate its scratch memory")
+
+
 def _call_decode(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -447,27 +468,13 @@ def _call_decode(
     generic_only: bool,
 ) -> None:
     """The ctypes call, on checked arguments."""
-    lib = library()
-    if lib is None:
-        raise RuntimeError(
-            f"the native CPU kernels are unavailable ({kernel_path()} path): check available()"
-        )
+    lib = _required_library()
     num_seqs = query.shape[0]
     if num_seqs == 0:
         return
     args = _kernel_args(num_seqs, query, key_cache, block_tables, scale, out, generic_only=generic_only)
     fn = lib.pagedkv_decode_f32 if query.dtype == torch.float32 else lib.pagedkv_decode_bf16
-    rc = fn(
-        ctypes.byref(args),
-        query.data_ptr(),
-        key_cache.data_ptr(),
-        value_cache.data_ptr(),
-        block_tables.data_ptr(),
-        seq_lens.data_ptr(),
-        out.data_ptr(),
-    )
-    if rc != 0:
-        raise MemoryError("native decode kernel: could not allocate its scratch memory")
+    _launch(fn, args, query, key_cache, value_cache, block_tables, seq_lens, out)
 
 
 def decode(
@@ -537,32 +544,24 @@ def prefill(
             f"block_tables {tuple(bt.shape)} and query_start_loc {tuple(qsl.shape)} must match seq_lens' "
             f"{num_seqs} sequences (query_start_loc has one more entry)"
         )
-    lib = library()
-    if lib is None:
-        raise RuntimeError(
-            f"the native CPU kernels are unavailable ({kernel_path()} path): check available()"
-        )
+    lib = _required_library()
     if num_seqs == 0 or query.shape[0] == 0:
         return out
     if int(qsl[0]) < 0 or int(qsl[-1]) > query.shape[0]:
         raise ValueError(f"query_start_loc must lie within query's {query.shape[0]} rows, got {qsl.tolist()}")
     args = _kernel_args(num_seqs, query, key_cache, bt, scale, out, generic_only=False)
-    rc = lib.pagedkv_prefill_f32(
-        ctypes.byref(args),
-        query.data_ptr(),
-        key_cache.data_ptr(),
-        value_cache.data_ptr(),
-        bt.data_ptr(),
-        qsl.data_ptr(),
-        sl.data_ptr(),
-        out.data_ptr(),
+    _launch(
+        lib.pagedkv_prefill_f32,
+        args,
+        query,
+        key_cache,
+        value_cache,
+        bt,
+        qsl,
+        sl,
+        out,
+        invalid="query_start_loc/seq_lens: a sequence has more new rows than tokens, or fewer than 0",
     )
-    if rc == -2:
-        raise ValueError(
-            "query_start_loc/seq_lens: a sequence has more new rows than tokens, or fewer than 0"
-        )
-    if rc != 0:
-        raise MemoryError("native prefill kernel: could not allocate its scratch memory")
     return out
 
 
@@ -611,46 +610,29 @@ def cascade(
         raise ValueError(f"prefix_lens: a prefix is empty, got {pl.tolist()}")
     if rm.shape[0] and (int(rm.min()) < 0 or int(rm.max()) >= num_seqs):
         raise ValueError(f"row_map must name rows of query's {num_seqs}, got {rm.tolist()}")
-    lib = library()
-    if lib is None:
-        raise RuntimeError(
-            f"the native CPU kernels are unavailable ({kernel_path()} path): check available()"
-        )
+    lib = _required_library()
     if num_seqs == 0:
         return out
     lse = torch.empty(num_seqs, query.shape[1], dtype=torch.float32)
     args = _kernel_args(num_seqs, query, key_cache, own_tables, scale, out, generic_only=False)
-    rc = lib.pagedkv_decode_f32_lse(
-        ctypes.byref(args),
-        query.data_ptr(),
-        key_cache.data_ptr(),
-        value_cache.data_ptr(),
-        own_tables.data_ptr(),
-        own_lens.data_ptr(),
-        out.data_ptr(),
-        lse.data_ptr(),
-    )
-    if rc != 0:
-        raise MemoryError("native decode kernel: could not allocate its scratch memory")
+    _launch(lib.pagedkv_decode_f32_lse, args, query, key_cache, value_cache, own_tables, own_lens, out, lse)
     if groups == 0:
         return out
     args = _kernel_args(groups, query, key_cache, pt, scale, out, generic_only=False)
-    rc = lib.pagedkv_prefill_prefix_f32(
-        ctypes.byref(args),
-        query.data_ptr(),
-        key_cache.data_ptr(),
-        value_cache.data_ptr(),
-        pt.data_ptr(),
-        ps.data_ptr(),
-        pl.data_ptr(),
-        out.data_ptr(),
-        rm.data_ptr(),
-        lse.data_ptr(),
+    _launch(
+        lib.pagedkv_prefill_prefix_f32,
+        args,
+        query,
+        key_cache,
+        value_cache,
+        pt,
+        ps,
+        pl,
+        out,
+        rm,
+        lse,
+        invalid="prefix_starts/prefix_lens: a prefix is empty or has a negative row count",
     )
-    if rc == -2:
-        raise ValueError("prefix_starts/prefix_lens: a prefix is empty or has a negative row count")
-    if rc != 0:
-        raise MemoryError("native prefill kernel: could not allocate its scratch memory")
     return out
 
 
@@ -679,11 +661,7 @@ def check_logsumexp(logits: torch.Tensor) -> None:
 
 def _logsumexp_impl(logits: torch.Tensor) -> torch.Tensor:
     check_logsumexp(logits)
-    lib = library()
-    if lib is None:
-        raise RuntimeError(
-            f"the native CPU kernels are unavailable ({kernel_path()} path): check available()"
-        )
+    lib = _required_library()
     out = torch.empty(logits.shape[0], dtype=torch.float32)
     lib.pagedkv_logsumexp_f32(
         logits.data_ptr(),
