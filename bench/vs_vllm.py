@@ -28,12 +28,20 @@ Workloads (all requests submitted at once, greedy, ``ignore_eos``):
   over 3 KV heads (GQA group 3), intermediate 1536, vocabulary 49,152, tied embeddings, rope theta
   100,000, random weights; 32 chat requests.
 
-Printed per workload: wall time (median of ``--runs`` timed runs after a warm-up; start-up and
-compilation excluded and shown separately), generated tokens/s (tokens the requests asked for, all
-systems counted alike), ratio to vLLM, engine steps and ms/step, prompt tokens served from the
-prefix cache, token equality between every pair of systems, and a per-phase breakdown of one extra
-instrumented pagedkv run (timers wrapped around the block-manager RPCs, the worker RPC, batch
-building, attention, KV writes, the forward and sampling; that run is not in the timed figures).
+Every system of a workload is started (and warmed up) one at a time and stays up; then ``--runs``
+rounds each time one pass of every system, one after the other, the first system rotating from
+round to round. Before each pass the bench waits until the other systems are idle (vLLM polls for a
+second or two after its last request), and it reports the CPU seconds they used anyway. This VM's
+speed drifts by a third over minutes, so passes of two systems in the same round see the same
+machine; systems run one after the other for all their passes would not.
+
+Printed per workload: wall time (median of the rounds' passes; start-up and compilation excluded
+and shown separately), generated tokens/s (tokens the requests asked for, all systems counted
+alike), ratio to vLLM (the median of the per-round ratios, each listed), engine steps and ms/step,
+prompt tokens served from the prefix cache, token equality between every pair of systems, and a
+per-phase breakdown of one extra instrumented pagedkv run after the rounds (timers wrapped around
+the block-manager RPCs, the worker RPC, batch building, attention, KV writes, the forward and
+sampling; that run is not in the timed figures).
 
     python bench/vs_vllm.py --vllm-python /work/vllm-venv/bin/python [--workloads A,B,P,R] [--runs 3]
         [--threads 2] [--systems vllm,pagedkv,pagedkv-nopre,pagedkv-proc,hf-static] [--json out.json]
@@ -54,6 +62,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -166,19 +175,42 @@ def build_model(name: str, path: pathlib.Path, seed: int = 0) -> None:
 
 
 # ----------------------------------------------------------------------------- child side
-def _timed_runs(runs: int, once: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """Run ``once`` ``runs`` times; keep every wall time and the last run's tokens and counters."""
-    walls: list[float] = []
-    last: dict[str, Any] = {}
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        last = once()
-        walls.append(time.perf_counter() - t0)
-    last["walls"] = walls
-    return last
+def _serve(
+    args: argparse.Namespace,
+    info: dict[str, Any],
+    timed: Callable[[], dict[str, Any]],
+    breakdown: Callable[[], list[tuple[str, float]]] | None = None,
+) -> None:
+    """The child's side of the rounds: report ``info`` (start-up, warm-up), then do what the parent asks.
+
+    Every system stays up for the whole workload and runs one timed pass when told (``run``), so the
+    parent can alternate the systems pass by pass: this VM's speed drifts by a third over minutes,
+    and systems timed one after the other would each get a different machine. Replies are one JSON
+    line each on ``--reply-fd`` (the libraries' own output goes to the child's log).
+    """
+    reply = os.fdopen(args.reply_fd, "w")
+
+    def send(obj: dict[str, Any]) -> None:
+        reply.write(json.dumps(obj) + "\n")
+        reply.flush()
+
+    send({"ready": info})
+    for line in sys.stdin:
+        cmd = line.strip()
+        if cmd == "run":
+            t0 = time.perf_counter()
+            res = timed()
+            res["wall"] = time.perf_counter() - t0
+            send(res)
+        elif cmd == "breakdown":
+            send({"breakdown": breakdown() if breakdown else None})
+        elif cmd == "quit":
+            break
+        else:
+            send({"error": f"unknown command {cmd!r}"})
 
 
-def child_vllm(args: argparse.Namespace, reqs: list[dict[str, Any]], eager: bool) -> dict[str, Any]:
+def child_vllm(args: argparse.Namespace, reqs: list[dict[str, Any]], eager: bool) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -232,9 +264,7 @@ def child_vllm(args: argparse.Namespace, reqs: list[dict[str, Any]], eager: bool
         llm.reset_prefix_cache()
         return once(reqs, f"run{next(counter)}")
 
-    res = _timed_runs(args.runs, timed)
-    res.update(startup_s=startup, warmup_s=warmup, block_size=block_size)
-    return res
+    _serve(args, {"startup_s": startup, "warmup_s": warmup, "block_size": block_size}, timed)
 
 
 class PhaseTimers:
@@ -342,21 +372,25 @@ def _run_engine(engine: Any, bm: Any, reqs: list[dict[str, Any]], tag: str) -> d
     }
 
 
-def _warm_then_time(
+def _warm(
     engine: Any, bm: Any, args: argparse.Namespace, reqs: list[dict[str, Any]]
-) -> tuple[float, dict[str, Any]]:
-    """One warm-up batch, then the timed runs: (warm-up seconds, the runs' results)."""
+) -> tuple[float, Callable[[], dict[str, Any]]]:
+    """One warm-up batch: (its seconds, the timed pass over the workload's requests)."""
     t0 = time.perf_counter()
     _run_engine(engine, bm, make_requests("chat", 6, seed=99, vocab=args.vocab), "warm")
     warmup = time.perf_counter() - t0
     counter = iter(range(1_000_000))
-    return warmup, _timed_runs(args.runs, lambda: _run_engine(engine, bm, reqs, f"run{next(counter)}"))
+    return warmup, lambda: _run_engine(engine, bm, reqs, f"run{next(counter)}")
 
 
-def child_pagedkv(args: argparse.Namespace, reqs: list[dict[str, Any]]) -> dict[str, Any]:
+def child_pagedkv(args: argparse.Namespace, reqs: list[dict[str, Any]]) -> None:
     from frontend.engine import EngineConfig
     from frontend.local_stack import LocalStack, StackConfig
+    from pagedkv.logging_setup import configure_logging
 
+    # As `pagedkv up`'s services log: info and up (unconfigured, structlog would render every
+    # step's debug event, which no deployment pays).
+    configure_logging("info")
     t0 = time.perf_counter()
     dtype = "bfloat16" if args.system.endswith("-bf16") else "float32"
     stack = LocalStack(
@@ -380,23 +414,25 @@ def child_pagedkv(args: argparse.Namespace, reqs: list[dict[str, Any]]) -> dict[
         )
         bm = engine.bm
         startup = time.perf_counter() - t0
-        warmup, res = _warm_then_time(engine, bm, args, reqs)
-        if args.breakdown:
+        warmup, timed = _warm(engine, bm, args, reqs)
+
+        def breakdown() -> list[tuple[str, float]]:
             timers = PhaseTimers()
             _instrument_inproc(timers)
             try:
                 inst = _run_engine(engine, bm, reqs, "instrumented")
             finally:
                 timers.undo()
-            res["breakdown"] = breakdown_rows(timers.ms, inst["steps"])
-        res.update(
-            startup_s=startup,
-            warmup_s=warmup,
-            block_size=BLOCK_SIZE,
-            kernel_backend=_backend_name(),
-            dtype=dtype,
-        )
-        return res
+            return breakdown_rows(timers.ms, inst["steps"])
+
+        info = {
+            "startup_s": startup,
+            "warmup_s": warmup,
+            "block_size": BLOCK_SIZE,
+            "kernel_backend": _backend_name(),
+            "dtype": dtype,
+        }
+        _serve(args, info, timed, breakdown)
     finally:
         stack.close()
 
@@ -409,7 +445,7 @@ def _backend_name() -> str:
     return kernels.backend_for(torch.empty(0))
 
 
-def child_pagedkv_proc(args: argparse.Namespace, reqs: list[dict[str, Any]]) -> dict[str, Any]:
+def child_pagedkv_proc(args: argparse.Namespace, reqs: list[dict[str, Any]]) -> None:
     """`pagedkv up` (one process per service, 127.0.0.1, free ports) driven by an engine here."""
     from frontend.client import BlockManagerClient
     from frontend.engine import Engine, EngineConfig
@@ -449,8 +485,9 @@ def child_pagedkv_proc(args: argparse.Namespace, reqs: list[dict[str, Any]]) -> 
             ),
         )
         startup = time.perf_counter() - t0
-        warmup, res = _warm_then_time(engine, bm, args, reqs)
-        if args.breakdown:
+        warmup, timed = _warm(engine, bm, args, reqs)
+
+        def breakdown() -> list[tuple[str, float]]:
             timers = PhaseTimers()
             timers.wrap(Engine, "step", "engine_step")
             timers.wrap(BlockManagerClient, "_call", "block_manager_rpc")
@@ -472,7 +509,7 @@ def child_pagedkv_proc(args: argparse.Namespace, reqs: list[dict[str, Any]]) -> 
                 timers.undo()
             n = max(1, inst["steps"])
             ms = timers.ms
-            res["breakdown"] = [
+            return [
                 ("block-manager RPCs", ms["block_manager_rpc"] / n),
                 ("worker RPC outside the model runner's step", (ms["worker_rpc"] - fwd["ms"]) / n),
                 ("worker: model runner step (cache ops + batch + forward + sampling)", fwd["ms"] / n),
@@ -482,17 +519,17 @@ def child_pagedkv_proc(args: argparse.Namespace, reqs: list[dict[str, Any]]) -> 
                 ),
                 ("total (engine step)", ms["engine_step"] / n),
             ]
+
+        _serve(args, {"startup_s": startup, "warmup_s": warmup, "block_size": BLOCK_SIZE}, timed, breakdown)
         bm.close()
         worker.close()
-        res.update(startup_s=startup, warmup_s=warmup, block_size=BLOCK_SIZE)
-        return res
     finally:
         leaked = stack.stop()
         if leaked:
             print(f"vs_vllm: shared memory left behind: {leaked}", file=sys.stderr)
 
 
-def child_hf(args: argparse.Namespace, reqs: list[dict[str, Any]]) -> dict[str, Any]:
+def child_hf(args: argparse.Namespace, reqs: list[dict[str, Any]]) -> None:
     """transformers' generate() on static batches of 16 in submission order, left-padded."""
     import torch
     from transformers import LlamaForCausalLM
@@ -531,29 +568,26 @@ def child_hf(args: argparse.Namespace, reqs: list[dict[str, Any]]) -> dict[str, 
     t0 = time.perf_counter()
     run(make_requests("chat", 4, seed=99, vocab=args.vocab))
     warmup = time.perf_counter() - t0
-    res = _timed_runs(args.runs, lambda: run(reqs))
-    res.update(startup_s=startup, warmup_s=warmup, block_size=None)
-    return res
+    _serve(args, {"startup_s": startup, "warmup_s": warmup, "block_size": None}, lambda: run(reqs))
 
 
 def child_main(args: argparse.Namespace) -> int:
     reqs = json.loads(pathlib.Path(args.requests).read_text())
     if args.system.startswith("vllm"):
-        res = child_vllm(args, reqs, eager=args.system == "vllm-eager")
-    else:
-        import torch
+        child_vllm(args, reqs, eager=args.system == "vllm-eager")
+        return 0
+    import torch
 
-        torch.set_num_threads(args.threads)
-        sys.path.insert(0, str(ROOT))
-        if args.system.startswith("pagedkv-proc"):
-            res = child_pagedkv_proc(args, reqs)
-        elif args.system.startswith("pagedkv"):
-            res = child_pagedkv(args, reqs)
-        elif args.system == "hf-static":
-            res = child_hf(args, reqs)
-        else:
-            raise SystemExit(f"unknown system {args.system}")
-    pathlib.Path(args.out).write_text(json.dumps(res))
+    torch.set_num_threads(args.threads)
+    sys.path.insert(0, str(ROOT))
+    if args.system.startswith("pagedkv-proc"):
+        child_pagedkv_proc(args, reqs)
+    elif args.system.startswith("pagedkv"):
+        child_pagedkv(args, reqs)
+    elif args.system == "hf-static":
+        child_hf(args, reqs)
+    else:
+        raise SystemExit(f"unknown system {args.system}")
     return 0
 
 
@@ -578,63 +612,195 @@ def find_preloads(vllm_python: str | None) -> list[str]:
     return found
 
 
-def run_child(
-    system: str,
-    python: str,
-    model_dir: pathlib.Path,
-    req_file: pathlib.Path,
-    args: argparse.Namespace,
-    preloads: list[str],
-    vocab: int,
-) -> dict[str, Any]:
-    out = req_file.parent / f"{system}.json"
-    env = dict(os.environ)
-    env.update(
-        OMP_NUM_THREADS=str(args.threads),
-        MKL_NUM_THREADS=str(args.threads),
-        TOKENIZERS_PARALLELISM="false",
-        PYTHONPATH=str(ROOT),
-    )
-    env.pop("TRITON_INTERPRET", None)
-    if system.startswith("vllm"):
+class ChildFailed(RuntimeError):
+    """A system's process exited, hung past ``--child-timeout-s`` or answered with an error."""
+
+
+class Child:
+    """One system in its own process for a whole workload: started once, then told to run a pass."""
+
+    def __init__(
+        self,
+        system: str,
+        python: str,
+        model_dir: pathlib.Path,
+        req_file: pathlib.Path,
+        args: argparse.Namespace,
+        preloads: list[str],
+        vocab: int,
+    ) -> None:
+        self.system = system
+        self.timeout_s = args.child_timeout_s
+        self.info: dict[str, Any] = {}
+        self.error: str | None = None
+        env = dict(os.environ)
         env.update(
-            VLLM_CPU_KVCACHE_SPACE="2",
-            VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}",
-            VLLM_LOGGING_LEVEL="WARNING",
+            OMP_NUM_THREADS=str(args.threads),
+            MKL_NUM_THREADS=str(args.threads),
+            TOKENIZERS_PARALLELISM="false",
+            PYTHONPATH=str(ROOT),
         )
-    if preloads and system != "pagedkv-nopre":
-        env["LD_PRELOAD"] = ":".join(preloads + [p for p in env.get("LD_PRELOAD", "").split(":") if p])
-    cmd = [
-        python,
-        str(pathlib.Path(__file__).resolve()),
-        "--child",
-        "--system",
-        system,
-        "--model",
-        str(model_dir),
-        "--requests",
-        str(req_file),
-        "--out",
-        str(out),
-        "--runs",
-        str(args.runs),
-        "--threads",
-        str(args.threads),
-        "--vocab",
-        str(vocab),
-    ]
-    if not args.breakdown:
-        cmd.append("--no-breakdown")
-    t0 = time.perf_counter()
-    proc = subprocess.run(
-        cmd, env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=args.child_timeout_s
-    )
-    if proc.returncode != 0:
-        return {"error": f"exit {proc.returncode}: {(proc.stderr or proc.stdout)[-1500:]}"}
-    res = json.loads(out.read_text())
-    res["process_s"] = time.perf_counter() - t0
-    res["preloaded"] = "LD_PRELOAD" in env and bool(preloads) and system != "pagedkv-nopre"
-    return res
+        env.pop("TRITON_INTERPRET", None)
+        if system.startswith("vllm"):
+            env.update(
+                VLLM_CPU_KVCACHE_SPACE="2",
+                VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}",
+                VLLM_LOGGING_LEVEL="WARNING",
+            )
+        self.preloaded = bool(preloads) and system != "pagedkv-nopre"
+        if self.preloaded:
+            env["LD_PRELOAD"] = ":".join(preloads + [p for p in env.get("LD_PRELOAD", "").split(":") if p])
+        read_fd, write_fd = os.pipe()
+        cmd = [
+            python,
+            str(pathlib.Path(__file__).resolve()),
+            "--child",
+            "--system",
+            system,
+            "--model",
+            str(model_dir),
+            "--requests",
+            str(req_file),
+            "--threads",
+            str(args.threads),
+            "--vocab",
+            str(vocab),
+            "--reply-fd",
+            str(write_fd),
+        ]
+        self.log_path = req_file.parent / f"{system}.log"
+        self._log = self.log_path.open("w")
+        self.proc = subprocess.Popen(
+            cmd,
+            env=env,
+            cwd=str(ROOT),
+            stdin=subprocess.PIPE,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            pass_fds=(write_fd,),
+            text=True,
+        )
+        os.close(write_fd)
+        self._replies = os.fdopen(read_fd)
+
+    def tail(self) -> str:
+        return self.log_path.read_text(errors="replace")[-1500:]
+
+    def _reply(self) -> dict[str, Any]:
+        """The next reply line, or ChildFailed once the process is gone or past its time."""
+        timer = threading.Timer(self.timeout_s, self.proc.kill)
+        timer.start()
+        try:
+            line = self._replies.readline()
+        finally:
+            timer.cancel()
+        if not line:
+            self.proc.wait()
+            raise ChildFailed(f"exit {self.proc.returncode}: {self.tail()}")
+        reply: dict[str, Any] = json.loads(line)
+        if "error" in reply:
+            raise ChildFailed(reply["error"])
+        return reply
+
+    def wait_ready(self) -> None:
+        """Wait for start-up and warm-up to finish: ``info`` gets their seconds (and the system's
+        settings), or ``error`` what went wrong."""
+        try:
+            self.info = self._reply()["ready"]
+        except ChildFailed as e:
+            self.error = str(e)
+
+    def ask(self, command: str) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(command + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            pass  # the reply read below reports the exit
+        return self._reply()
+
+    def close(self) -> None:
+        try:
+            if self.proc.poll() is None and self.proc.stdin is not None:
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.close()
+            self.proc.wait(timeout=120)
+        except (BrokenPipeError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait()
+        self._replies.close()
+        self._log.close()
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) used so far by a process and all its descendants (Linux /proc)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            fields = pathlib.Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+            for task in pathlib.Path(f"/proc/{p}/task").iterdir():
+                todo.extend(int(c) for c in (task / "children").read_text().split())
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile, or no /proc
+    return total
+
+
+def wait_quiet(pids: list[int], settle_s: float, limit_s: float = 15.0) -> None:
+    """Wait until the processes (with their descendants) used under 2% of a core over ``settle_s``.
+
+    vLLM's engine keeps polling for a second or two after its last request (0.5 CPU s in the 3 s
+    after a pass, measured here), and OpenMP threads spin after a parallel region: a pass started
+    meanwhile would share the cores with them.
+    """
+    deadline = time.monotonic() + limit_s
+    before = sum(tree_cpu_s(pid) for pid in pids)
+    while time.monotonic() < deadline:
+        time.sleep(settle_s)
+        now = sum(tree_cpu_s(pid) for pid in pids)
+        if now - before < 0.02 * settle_s:
+            return
+        before = now
+
+
+def run_rounds(children: dict[str, Child], runs: int, settle_s: float) -> dict[str, dict[str, Any]]:
+    """``runs`` rounds, each one timed pass of every system, alternately; the round's first system
+    rotates. Each system's result: its walls (one per round, ``None`` for rounds it missed), the last
+    pass's tokens and counters, and its start-up info; or ``{"error": ...}``."""
+    results: dict[str, dict[str, Any]] = {}
+    for name, child in children.items():
+        if child.error is not None:
+            results[name] = {"error": child.error}
+        else:
+            results[name] = {**child.info, "walls": [None] * runs, "preloaded": child.preloaded}
+    names = [n for n in children if "error" not in results[n]]
+    for k in range(runs):
+        for name in names[k % len(names) :] + names[: k % len(names)] if names else []:
+            if "error" in results[name]:
+                continue
+            idle = [c.proc.pid for n, c in children.items() if n != name and c.proc.poll() is None]
+            wait_quiet(idle, settle_s)
+            idle_before = sum(tree_cpu_s(pid) for pid in idle)
+            try:
+                res = children[name].ask("run")
+            except ChildFailed as e:
+                results[name] = {"error": str(e)}
+                continue
+            results[name]["walls"][k] = res.pop("wall")
+            # What the waiting systems used meanwhile: it should be ~0, or this pass shared the cores.
+            others = sum(tree_cpu_s(pid) for pid in idle) - idle_before
+            results[name]["others_cpu_s"] = max(results[name].get("others_cpu_s", 0.0), others)
+            results[name].update(res)
+    return results
+
+
+def per_round_ratios(results: dict[str, dict[str, Any]], name: str) -> list[float]:
+    """vLLM's wall over this system's, round by round (the rounds both finished)."""
+    base = results.get("vllm", {}).get("walls") or []
+    own = results.get(name, {}).get("walls") or []
+    return [b / w for b, w in zip(base, own, strict=False) if b and w]
 
 
 def equality(results: dict[str, dict[str, Any]]) -> list[tuple[str, str, int, int]]:
@@ -660,25 +826,34 @@ def table(workload: str, reqs: list[dict[str, Any]], results: dict[str, dict[str
         "",
     ]
     lines.append(
-        "| system | wall s (median) | generated tok/s | vs vLLM | steps | ms/step | prefix-hit tokens | "
-        "start-up + warm-up s | preloads |"
+        "| system | wall s (median) | generated tok/s | vs vLLM (median of rounds) | per round | steps | "
+        "ms/step | prefix-hit tokens | start-up + warm-up s | preloads |"
     )
-    lines.append("|---|---|---|---|---|---|---|---|---|")
-    base = results.get("vllm", {})
-    base_tps = gen / statistics.median(base["walls"]) if "walls" in base else None
+    lines.append("|---|---|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
         if "error" in r:
             lines.append(
-                f"| {name} | failed: {r['error'].splitlines()[-1][:120] if r['error'] else ''} |||||||"
+                f"| {name} | failed: {r['error'].splitlines()[-1][:120] if r['error'] else ''} ||||||||"
             )
             continue
-        wall = statistics.median(r["walls"])
-        tps = gen / wall
-        ratio = f"{tps / base_tps:.2f}x" if base_tps else "-"
+        walls = [w for w in r["walls"] if w]
+        wall = statistics.median(walls)
+        ratios = per_round_ratios(results, name) if "vllm" in results else []
+        ratio = f"{statistics.median(ratios):.2f}x" if ratios else "-"
+        rounds = ", ".join(f"{x:.2f}" for x in ratios) if ratios else "-"
         lines.append(
-            f"| {name} | {wall:.2f} ({', '.join(f'{w:.2f}' for w in r['walls'])}) | {tps:,.0f} | {ratio} | "
-            f"{r['steps']} | {wall / max(1, r['steps']) * 1e3:.1f} | {r['prefix_hit_tokens']:,} | "
-            f"{r['startup_s']:.1f} + {r['warmup_s']:.1f} | {'yes' if r.get('preloaded') else 'no'} |"
+            f"| {name} | {wall:.2f} ({', '.join(f'{w:.2f}' if w else 'failed' for w in r['walls'])}) | "
+            f"{gen / wall:,.0f} | {ratio} | {rounds} | {r['steps']} | "
+            f"{wall / max(1, r['steps']) * 1e3:.1f} | "
+            f"{r['prefix_hit_tokens']:,} | {r['startup_s']:.1f} + {r['warmup_s']:.1f} | "
+            f"{'yes' if r.get('preloaded') else 'no'} |"
+        )
+    busy = {n: r["others_cpu_s"] for n, r in results.items() if "others_cpu_s" in r}
+    if busy:
+        lines.append("")
+        lines.append(
+            "CPU seconds the waiting systems used during a pass (most in any round): "
+            + ", ".join(f"{n} {v:.2f}" for n, v in busy.items())
         )
     lines.append("")
     lines.append("Token equality (requests whose greedy tokens are identical):")
@@ -687,7 +862,7 @@ def table(workload: str, reqs: list[dict[str, Any]], results: dict[str, dict[str
     for name, r in results.items():
         if r.get("breakdown"):
             lines.append("")
-            lines.append(f"Per-step breakdown of {name} (one instrumented run, ms/step):")
+            lines.append(f"Per-step breakdown of {name} (one instrumented run after the rounds, ms/step):")
             lines.append("")
             lines.append("| phase | ms/step |")
             lines.append("|---|---|")
@@ -734,13 +909,28 @@ def parent_main(args: argparse.Namespace) -> int:
         wl_dir.mkdir(exist_ok=True)
         req_file = wl_dir / "requests.json"
         req_file.write_text(json.dumps(reqs))
-        results: dict[str, dict[str, Any]] = {}
-        for system in systems:
-            python = args.vllm_python if system.startswith("vllm") else sys.executable
-            print(f"# {wl}: running {system} ...", flush=True)
-            results[system] = run_child(system, python, model_dir, req_file, args, preloads, vocab)
-            if "error" in results[system]:
-                print(f"#   {system} failed: {results[system]['error'][-800:]}", flush=True)
+        print(f"# {wl}: starting {', '.join(systems)} (one at a time) ...", flush=True)
+        children: dict[str, Child] = {}
+        try:
+            for system in systems:
+                python = args.vllm_python if system.startswith("vllm") else sys.executable
+                children[system] = Child(system, python, model_dir, req_file, args, preloads, vocab)
+                # Start-up and warm-up one system at a time, so that neither is timed on a busy machine.
+                children[system].wait_ready()
+            print(f"# {wl}: {args.runs} rounds, every system once a round ...", flush=True)
+            results = run_rounds(children, args.runs, args.settle_s)
+            for system, child in children.items():
+                if args.breakdown and system.startswith("pagedkv") and "error" not in results[system]:
+                    try:
+                        results[system]["breakdown"] = child.ask("breakdown")["breakdown"]
+                    except ChildFailed as e:
+                        print(f"#   {system}'s breakdown failed: {str(e)[-800:]}", flush=True)
+        finally:
+            for child in children.values():
+                child.close()
+        for system, res in results.items():
+            if "error" in res:
+                print(f"#   {system} failed: {res['error'][-800:]}", flush=True)
         lines = table(wl, reqs, results)
         print("\n".join(lines), flush=True)
         md.extend(lines)
@@ -764,7 +954,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vllm-eager", action="store_true", help="also run vLLM with enforce_eager=True")
     p.add_argument("--workloads", default="A,B,P", help="comma list of A, B, P, R (and tiny, for tests)")
     p.add_argument("--systems", default="vllm,pagedkv,pagedkv-nopre,pagedkv-proc,hf-static")
-    p.add_argument("--runs", type=int, default=3, help="timed runs per system (median reported)")
+    p.add_argument(
+        "--runs",
+        type=int,
+        default=3,
+        help="rounds: each a timed pass of every system, one after the other (medians reported)",
+    )
+    p.add_argument(
+        "--settle-s",
+        type=float,
+        default=0.5,
+        help="before each timed pass, wait for a window this long in which the other systems were idle",
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument(
         "--no-breakdown",
@@ -784,7 +985,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--requests", help=argparse.SUPPRESS)
-    p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--reply-fd", type=int, help=argparse.SUPPRESS)
     p.add_argument("--vocab", type=int, default=VOCAB, help=argparse.SUPPRESS)
     return p
 

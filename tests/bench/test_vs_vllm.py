@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,6 +61,28 @@ def test_equality_counts_identical_requests_per_pair() -> None:
     assert vs_vllm.equality(res) == [("a", "b", 1, 2)]
 
 
+def test_per_round_ratios_pair_each_round_with_vllms_and_skip_missed_rounds() -> None:
+    results = {"vllm": {"walls": [2.0, 4.0, 3.0]}, "x": {"walls": [1.0, None, 2.0]}}
+    assert vs_vllm.per_round_ratios(results, "x") == [2.0, 1.5]
+    assert vs_vllm.per_round_ratios({"x": {"walls": [1.0]}}, "x") == []
+
+
+SPIN = "import time\nt = time.time()\nwhile time.time() - t < 2.0:\n    pass\n"
+
+
+def test_tree_cpu_s_counts_a_busy_grandchild() -> None:
+    """The waiting systems' CPU use is measured over a process and all its descendants."""
+    parent = subprocess.Popen(
+        [sys.executable, "-c", f"import subprocess, sys; subprocess.run([sys.executable, '-c', {SPIN!r}])"]
+    )
+    try:
+        time.sleep(1.2)
+        used = vs_vllm.tree_cpu_s(parent.pid)
+        assert used >= 0.2, used  # the grandchild's spin is counted, not just the waiting parent
+    finally:
+        parent.wait(timeout=30)
+
+
 def test_tiny_run_pagedkv_matches_transformers(tmp_path: Path) -> None:
     out = tmp_path / "r.json"
     # The bench measures the product's default backend choice: drop what other tests (or an in-process
@@ -74,7 +97,7 @@ def test_tiny_run_pagedkv_matches_transformers(tmp_path: Path) -> None:
             "--systems",
             "pagedkv,hf-static",
             "--runs",
-            "1",
+            "2",
             "--work-dir",
             str(tmp_path),
             "--json",
@@ -99,6 +122,8 @@ def test_tiny_run_pagedkv_matches_transformers(tmp_path: Path) -> None:
     data = json.loads(out.read_text())["workloads"]["tiny"]
     for system in ("pagedkv", "hf-static"):
         r = data["results"][system]
-        assert r["walls"][0] > 0 and r["steps"] > 0
+        # One timed pass a round, both systems in every round.
+        assert len(r["walls"]) == 2 and all(w > 0 for w in r["walls"]) and r["steps"] > 0
+        assert r["others_cpu_s"] >= 0.0
     assert isinstance(data["results"]["pagedkv"]["prefix_hit_tokens"], int)
     assert data["results"]["pagedkv"]["kernel_backend"] == "cpu"
