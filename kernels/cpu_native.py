@@ -189,6 +189,8 @@ def _load() -> tuple[ctypes.CDLL, str]:
         "pagedkv_linear_pack_f32": [i64, i64, ptr, i64, ptr, cint],
         "pagedkv_linear_f32": [i64, i64, i64, ptr, i64, ptr, ptr, ptr, i64, cint],
         "pagedkv_linear_packed_numel": [i64, i64],
+        # Row-wise log-sum-exp, with each row's argmax when asked (csrc/logsumexp.c).
+        "pagedkv_logsumexp_argmax_f32": [ptr, i64, i64, i64, ptr, ptr, cint],
     }
     for name, argtypes in functions.items():
         try:
@@ -197,15 +199,6 @@ def _load() -> tuple[ctypes.CDLL, str]:
             raise OSError(f"{path.name} lacks {name} (stale build: reinstall)") from None
         fn.restype = ctypes.c_int64 if name == "pagedkv_linear_packed_numel" else None
         fn.argtypes = argtypes
-    lib.pagedkv_logsumexp_f32.restype = None
-    lib.pagedkv_logsumexp_f32.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_int64,
-        ctypes.c_int64,
-        ctypes.c_int64,
-        ctypes.c_void_p,
-        ctypes.c_int,
-    ]
     return lib, variant
 
 
@@ -659,19 +652,36 @@ def check_logsumexp(logits: torch.Tensor) -> None:
         raise ValueError("logits must have at least one column")
 
 
-def _logsumexp_impl(logits: torch.Tensor) -> torch.Tensor:
-    check_logsumexp(logits)
+def _call_logsumexp(logits: torch.Tensor, argmax: torch.Tensor | None) -> torch.Tensor:
+    """The ctypes call on checked logits: the rows' log-sum-exp (and their argmax into ``argmax``)."""
     lib = _required_library()
     out = torch.empty(logits.shape[0], dtype=torch.float32)
-    lib.pagedkv_logsumexp_f32(
+    lib.pagedkv_logsumexp_argmax_f32(
         logits.data_ptr(),
         logits.shape[0],
         logits.shape[1],
         logits.stride(0),
         out.data_ptr(),
+        None if argmax is None else argmax.data_ptr(),
         torch.get_num_threads(),
     )
     return out
+
+
+def _logsumexp_impl(logits: torch.Tensor) -> torch.Tensor:
+    check_logsumexp(logits)
+    return _call_logsumexp(logits, None)
+
+
+def _logsumexp_argmax_impl(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    check_logsumexp(logits)
+    argmax = torch.empty(logits.shape[0], dtype=torch.int64)
+    return _call_logsumexp(logits, argmax), argmax
+
+
+def _logsumexp_argmax_fake(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    check_logsumexp(logits)
+    return logits.new_empty(logits.shape[0]), logits.new_empty(logits.shape[0], dtype=torch.int64)
 
 
 def _logsumexp_fake(logits: torch.Tensor) -> torch.Tensor:
@@ -695,20 +705,39 @@ torch.library.register_fake("pagedkv::paged_decode", _paged_decode_fake, lib=_LI
 _LIB.define("logsumexp_rows(Tensor logits) -> Tensor")
 _LIB.impl("logsumexp_rows", _logsumexp_impl, "CompositeExplicitAutograd")
 torch.library.register_fake("pagedkv::logsumexp_rows", _logsumexp_fake, lib=_LIB)
+_LIB.define("logsumexp_argmax_rows(Tensor logits) -> (Tensor, Tensor)")
+_LIB.impl("logsumexp_argmax_rows", _logsumexp_argmax_impl, "CompositeExplicitAutograd")
+torch.library.register_fake("pagedkv::logsumexp_argmax_rows", _logsumexp_argmax_fake, lib=_LIB)
+
+
+def _native_rows(logits: torch.Tensor) -> bool:
+    """Whether the row kernels take these logits: 2-D fp32 on CPU, rows contiguous, the library there."""
+    return (
+        logits.device.type == "cpu"
+        and logits.dtype == torch.float32
+        and logits.dim() == 2
+        and logits.stride(1) == 1
+        and logits.shape[1] > 0
+        and library() is not None
+    )
 
 
 def logsumexp_rows(logits: torch.Tensor) -> torch.Tensor:
     """``torch.logsumexp(logits, dim=-1)`` of 2-D fp32 CPU logits (rows contiguous), by
     ``torch.ops.pagedkv.logsumexp_rows`` when the kernels are available, else by torch. Same value
     up to fp32 rounding."""
-    if (
-        logits.device.type != "cpu"
-        or logits.dtype != torch.float32
-        or logits.dim() != 2
-        or logits.stride(1) != 1
-        or logits.shape[1] == 0
-        or library() is None
-    ):
+    if not _native_rows(logits):
         return torch.logsumexp(logits, dim=-1)
     out: torch.Tensor = torch.ops.pagedkv.logsumexp_rows(logits)  # torch.ops is untyped
     return out
+
+
+def logsumexp_argmax_rows(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(torch.logsumexp(logits, -1), torch.argmax(logits, -1))`` from the same two passes over
+    each row, by ``torch.ops.pagedkv.logsumexp_argmax_rows``; None where the kernels cannot take
+    the logits (then the caller computes both its own way). The argmax is exactly torch's (first
+    index of the maximum; the first NaN of a row holding one), the log-sum-exp up to fp32 rounding."""
+    if not _native_rows(logits):
+        return None
+    lse, idx = torch.ops.pagedkv.logsumexp_argmax_rows(logits)  # torch.ops is untyped
+    return lse, idx

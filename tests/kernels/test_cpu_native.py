@@ -167,6 +167,43 @@ def test_logsumexp_rows_leaves_other_inputs_to_torch() -> None:
     assert torch.equal(cpu_native.logsumexp_rows(column), torch.logsumexp(column, dim=-1))
 
 
+@pytest.mark.parametrize("cols", [7, 256, 1000, 32_000, 49_153])
+def test_logsumexp_argmax_rows_is_torchs_argmax_and_logsumexp(cols: int) -> None:
+    big = randn((41, cols + 5), torch.float32, generator(cols)) * 8.0
+    logits = big[1:40, 2 : 2 + cols]  # rows strided inside a bigger tensor
+    fused = cpu_native.logsumexp_argmax_rows(logits)
+    assert fused is not None
+    lse, idx = fused
+    assert idx.dtype == torch.int64 and torch.equal(idx, torch.argmax(logits, dim=-1))
+    torch.testing.assert_close(lse, torch.logsumexp(logits, dim=-1), rtol=1e-6, atol=1e-5)
+
+
+def test_logsumexp_argmax_rows_ties_infinities_and_nan_as_torch() -> None:
+    """torch.argmax's first index of the maximum, across and inside the kernel's 256-column chunks."""
+    logits = randn((9, 1000), torch.float32, generator(5))
+    logits[0, [300, 700]] = 50.0  # tie in two chunks: the first
+    logits[1, [257, 260]] = 50.0  # tie inside one chunk: the first
+    logits[2, [999, 998]] = 50.0  # in the ragged last chunk
+    logits[3] = 3.0  # all equal: 0
+    logits[4] = float("-inf")  # all -inf: 0, and -inf
+    logits[5, [5, 600]] = float("inf")  # +inf twice: the first, and +inf
+    logits[6, [800, 3]] = float("nan")  # NaN: the first NaN, and NaN
+    logits[7, 0] = 50.0  # the very first column
+    logits[8, 10:999] = float("-inf")  # mostly -inf
+    fused = cpu_native.logsumexp_argmax_rows(logits)
+    assert fused is not None
+    lse, idx = fused
+    assert idx.tolist() == torch.argmax(logits, dim=-1).tolist()
+    assert idx[:8].tolist() == [300, 257, 998, 0, 0, 5, 3, 0]
+    torch.testing.assert_close(lse, torch.logsumexp(logits, dim=-1), rtol=1e-6, atol=1e-5, equal_nan=True)
+
+
+def test_logsumexp_argmax_rows_leaves_other_inputs_to_the_caller() -> None:
+    assert cpu_native.logsumexp_argmax_rows(torch.randn(3, 100, dtype=torch.float64)) is None
+    assert cpu_native.logsumexp_argmax_rows(torch.randn(100, 3).t()) is None  # rows not contiguous
+    assert cpu_native.logsumexp_argmax_rows(torch.empty(3, 0)) is None
+
+
 @pytest.fixture
 def fresh(monkeypatch: pytest.MonkeyPatch) -> None:
     """Forget the loaded library so the next call looks for (and chooses) a variant again."""

@@ -319,6 +319,8 @@ def test_logsumexp_rejects_what_the_kernel_cannot_read() -> None:
         assert words in str(info.value)
     with pytest.raises(ValueError, match="logits"):
         torch.ops.pagedkv.logsumexp_rows(torch.randn(3, 4).double())
+    with pytest.raises(ValueError, match="logits"):
+        torch.ops.pagedkv.logsumexp_argmax_rows(torch.randn(4, 3).t())
 
 
 # --- torch ops ----------------------------------------------------------------------------------------
@@ -354,6 +356,7 @@ def test_ops_pass_torch_library_opcheck() -> None:
         (g["query"], g["key_cache"], g["value_cache"], g["block_tables"], g["seq_lens"], 0.125, g["out"]),
     )
     torch.library.opcheck(torch.ops.pagedkv.logsumexp_rows.default, (torch.randn(5, 300),))
+    torch.library.opcheck(torch.ops.pagedkv.logsumexp_argmax_rows.default, (torch.randn(5, 300),))
 
 
 @needs_native

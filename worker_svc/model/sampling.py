@@ -90,10 +90,15 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
     ``positions[i]`` is the position the chosen token will take in sequence i (its length so far):
     the "step" that, with the seed, fixes the random draw.
     """
-    # log p(token) = logit - logsumexp(row): no [num_seqs, vocab] log-softmax tensor is written
-    # (on CPU by the native kernel, kernels/cpu_native.py: 0.47 ms instead of torch's 0.89 at 48 x 32,000).
-    log_norm = cpu_native.logsumexp_rows(logits)
-    tokens = argmax_rows(logits)
+    # log p(token) = logit - logsumexp(row): no [num_seqs, vocab] log-softmax tensor is written.
+    # On CPU the native kernel gives the log-sum-exp and the greedy token from the same two passes
+    # over each row (kernels/csrc/logsumexp.c: 0.31 ms at 48 x 32,000 against 0.31 + 0.17 ms
+    # for the log-sum-exp and argmax_rows apart; torch's logsumexp alone takes 0.89 ms).
+    fused = cpu_native.logsumexp_argmax_rows(logits)
+    if fused is not None:
+        log_norm, tokens = fused
+    else:
+        log_norm, tokens = cpu_native.logsumexp_rows(logits), argmax_rows(logits)
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
     if sampled_rows:
         rows = torch.tensor(sampled_rows, device=logits.device)
