@@ -16,7 +16,14 @@ from pagedkv import errors
 from pagedkv.v1 import block_manager_pb2, worker_pb2, worker_pb2_grpc
 from worker_svc.cache_watch import lost_message
 from worker_svc.model.sampling import SamplingParams
-from worker_svc.model_runner import CacheOpsRequest, InvalidStep, ModelRunner, RunnerClosed, SequenceRequest
+from worker_svc.model_runner import (
+    CacheOpsRequest,
+    InvalidStep,
+    ModelRunner,
+    RunnerClosed,
+    SequenceRequest,
+    SequenceResult,
+)
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 log = structlog.get_logger("pagedkv.worker")
@@ -40,24 +47,69 @@ def sampling_from_proto(p: worker_pb2.SamplingParams) -> SamplingParams:
     )
 
 
-def sequence_from_proto(s: worker_pb2.SequenceInput) -> SequenceRequest:
+class SamplingMemo:
+    """The parsed ``SamplingParams`` of each distinct message, by its bytes.
+
+    Why: a sequence sends the same sampling message with every step, and five field reads plus a
+    frozen dataclass cost about 1.6 us a sequence (78 us for a 48-sequence step), a serialisation
+    and a lookup about 0.4. ``SamplingParams`` is immutable, so one object serves every sequence
+    and step that sends those bytes. Bounded: emptied past ``limit`` entries (a seed per request
+    makes most messages distinct over a server's life)."""
+
+    def __init__(self, limit: int = 4096) -> None:
+        self._limit = limit
+        self._parsed: dict[bytes, SamplingParams] = {}
+
+    def get(self, p: worker_pb2.SamplingParams) -> SamplingParams:
+        key = p.SerializeToString()
+        got = self._parsed.get(key)
+        if got is None:
+            if len(self._parsed) >= self._limit:
+                self._parsed.clear()
+            got = self._parsed[key] = sampling_from_proto(p)
+        return got
+
+
+def sequence_from_proto(s: worker_pb2.SequenceInput, memo: SamplingMemo | None = None) -> SequenceRequest:
     # A slice copies a repeated field into a list at about twice list()'s speed (upb): this runs for
     # every sequence of every step.
+    parse = sampling_from_proto if memo is None else memo.get
+    forks = s.fork_sampling
     return SequenceRequest(
         seq_id=s.seq_id,
         token_ids=s.token_ids[:],
         block_ids=s.block_ids[:],
         num_cached_tokens=s.num_cached_tokens,
-        sampling=sampling_from_proto(s.sampling),
+        sampling=parse(s.sampling),
         return_logits=s.return_logits,
-        fork_sampling=[sampling_from_proto(p) for p in s.fork_sampling],
+        fork_sampling=[parse(p) for p in forks] if forks else [],
     )
+
+
+def output_to_proto(resp: worker_pb2.WorkerStepResponse, o: SequenceResult) -> None:
+    """Append ``o`` to ``resp.outputs``. Why ``add`` with only the fields that are set: a
+    greedy step's outputs carry no logits, forks or top logprobs, and passing their empty lists to
+    the constructor cost 88 us for 48 sequences against 17 us this way."""
+    msg = resp.outputs.add(seq_id=o.seq_id, token_id=o.token_id, logprob=o.logprob)
+    if o.logits is not None:
+        msg.logits.extend(o.logits.tolist())
+    for d in o.fork_samples:
+        msg.fork_samples.add(
+            token_id=d.token_id,
+            logprob=d.logprob,
+            top_token_ids=[t for t, _ in d.top],
+            top_logprobs=[lp for _, lp in d.top],
+        )
+    if o.top:
+        msg.top_token_ids.extend(t for t, _ in o.top)
+        msg.top_logprobs.extend(lp for _, lp in o.top)
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, runner: ModelRunner, info: worker_pb2.WorkerInfo) -> None:
         self._runner = runner
         self._info = info
+        self._sampling = SamplingMemo()
         if not info.cache_state:
             info.cache_state = worker_pb2.CACHE_STATE_ATTACHED
         self._lost_message: str | None = None  # set once the cache host is lost (cache_watch.py)
@@ -121,7 +173,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 errors.CACHE_HOST_LOST,
                 cache_instance_id=self._info.cache_instance_id,
             )
-        seqs = [sequence_from_proto(s) for s in request.sequences]
+        seqs = [sequence_from_proto(s, self._sampling) for s in request.sequences]
         ops = ops_from_proto(request.ops)
         try:
             result = self._runner.step(seqs, ops)
@@ -140,31 +192,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             cache_ops_ms=round(result.cache_ops_ms, 3),
             forward_ms=round(result.forward_ms, 3),
         )
-        return worker_pb2.WorkerStepResponse(
-            outputs=[
-                worker_pb2.SequenceOutput(
-                    seq_id=o.seq_id,
-                    token_id=o.token_id,
-                    logprob=o.logprob,
-                    logits=o.logits.tolist() if o.logits is not None else [],
-                    fork_samples=[
-                        worker_pb2.Sample(
-                            token_id=d.token_id,
-                            logprob=d.logprob,
-                            top_token_ids=[t for t, _ in d.top],
-                            top_logprobs=[lp for _, lp in d.top],
-                        )
-                        for d in o.fork_samples
-                    ],
-                    top_token_ids=[t for t, _ in o.top],
-                    top_logprobs=[lp for _, lp in o.top],
-                )
-                for o in result.outputs
-            ],
+        resp = worker_pb2.WorkerStepResponse(
             num_tokens=result.num_tokens,
             cache_ops_ms=result.cache_ops_ms,
             forward_ms=result.forward_ms,
         )
+        for o in result.outputs:
+            output_to_proto(resp, o)
+        return resp
 
     def GetWorkerInfo(  # noqa: N802 - gRPC method name
         self, request: worker_pb2.GetWorkerInfoRequest, context: grpc.ServicerContext

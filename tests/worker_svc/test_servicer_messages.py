@@ -1,0 +1,81 @@
+"""The worker servicer's message conversions (worker_svc/servicer.py), without a server: what a
+step's sequences become, the sampling memo, and what a step's results become on the wire."""
+
+from __future__ import annotations
+
+import torch
+
+from pagedkv.v1 import worker_pb2
+from worker_svc.model.sampling import SamplingParams
+from worker_svc.model_runner import Drawn, SequenceResult
+from worker_svc.servicer import SamplingMemo, output_to_proto, sampling_from_proto, sequence_from_proto
+
+
+def _input(seed: int | None, temperature: float = 0.0, forks: int = 0) -> worker_pb2.SequenceInput:
+    msg = worker_pb2.SequenceInput(seq_id="r-0", token_ids=[5, 6], block_ids=[3, 9], num_cached_tokens=32)
+    msg.sampling.temperature = temperature
+    msg.sampling.top_p = 0.5  # exact in fp32
+    if seed is not None:
+        msg.sampling.seed = seed
+    for i in range(forks):
+        msg.fork_sampling.add(temperature=1.0, seed=100 + i)
+    return msg
+
+
+def test_memo_gives_the_same_params_as_parsing_and_one_object_per_distinct_message() -> None:
+    memo = SamplingMemo()
+    a, b, c = _input(7), _input(7), _input(8)
+    got_a = sequence_from_proto(a, memo)
+    assert got_a == sequence_from_proto(a)  # the memo changes nothing in the result
+    assert got_a.sampling == SamplingParams(temperature=0.0, top_p=0.5, seed=7)
+    assert sequence_from_proto(b, memo).sampling is got_a.sampling  # same bytes: the same object
+    got_c = sequence_from_proto(c, memo).sampling
+    assert got_c.seed == 8 and got_c is not got_a.sampling
+    unset = sequence_from_proto(_input(None), memo).sampling
+    assert unset.seed is None and unset == sampling_from_proto(_input(None).sampling)
+
+
+def test_memo_is_bounded() -> None:
+    memo = SamplingMemo(limit=3)
+    first = memo.get(_input(0).sampling)
+    for seed in range(1, 5):
+        memo.get(_input(seed).sampling)
+    assert len(memo._parsed) <= 3
+    again = memo.get(_input(0).sampling)
+    assert again == first  # emptied and parsed again: equal, a new object
+
+
+def test_fork_sampling_is_parsed_in_order_and_empty_without_forks() -> None:
+    memo = SamplingMemo()
+    got = sequence_from_proto(_input(1, forks=2), memo)
+    assert [p.seed for p in got.fork_sampling] == [100, 101]
+    assert all(p.temperature == 1.0 for p in got.fork_sampling)
+    assert sequence_from_proto(_input(1), memo).fork_sampling == []
+    assert got.token_ids == [5, 6] and got.block_ids == [3, 9] and got.num_cached_tokens == 32
+
+
+def test_output_to_proto_sets_only_what_a_result_has() -> None:
+    resp = worker_pb2.WorkerStepResponse()
+    output_to_proto(resp, SequenceResult(seq_id="g", token_id=4, logprob=-0.5))
+    output_to_proto(
+        resp,
+        SequenceResult(
+            seq_id="f",
+            token_id=9,
+            logprob=-1.25,
+            logits=torch.tensor([0.5, -2.0]),
+            fork_samples=[Drawn(token_id=3, logprob=-2.0, top=[(3, -2.0), (1, -2.5)])],
+            top=[(9, -1.25), (2, -3.0)],
+        ),
+    )
+    greedy, full = resp.outputs
+    assert (greedy.seq_id, greedy.token_id, greedy.logprob) == ("g", 4, -0.5)
+    assert not greedy.logits and not greedy.fork_samples and not greedy.top_token_ids
+    assert (full.seq_id, full.token_id, full.logprob) == ("f", 9, -1.25)
+    assert list(full.logits) == [0.5, -2.0]
+    assert [
+        (s.token_id, s.logprob, list(s.top_token_ids), list(s.top_logprobs)) for s in full.fork_samples
+    ] == [(3, -2.0, [3, 1], [-2.0, -2.5])]
+    assert list(full.top_token_ids) == [9, 2] and list(full.top_logprobs) == [-1.25, -3.0]
+    parsed = worker_pb2.WorkerStepResponse.FromString(resp.SerializeToString())
+    assert parsed == resp
