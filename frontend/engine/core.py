@@ -302,10 +302,16 @@ class Engine:
     def generate(
         self, requests: Iterable[GenerationRequest], max_steps: int = 1_000_000
     ) -> list[RequestOutput]:
-        """Run requests to completion; outputs in the order given."""
+        """Run requests to completion; outputs in the order given.
+
+        The engine then forgets them (``release_request``): the caller holds the outputs, and an
+        engine that runs batch after batch must not keep every earlier request's bookkeeping.
+        """
         outs = [self.add_request(r) for r in requests]
         for _ in self.stream(max_steps):
             pass
+        for o in outs:
+            self.release_request(o.request_id)
         return outs
 
     def stream(self, max_steps: int = 1_000_000) -> Iterator[TokenEvent]:
