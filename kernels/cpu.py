@@ -297,6 +297,8 @@ def shared_prefixes(
         if len(rows) < 2:
             continue
         cap = min((lens[r] - 1) // block_size for r in rows)
+        if (len(rows) - 1) * cap * block_size < min_saved:
+            continue  # even sharing every block it can would not save enough: no comparing
         first = tables[rows[0]]
         n = MIN_SHARED_BLOCKS
         while n < cap and all(tables[r][n] == first[n] for r in rows):
