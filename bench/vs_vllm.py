@@ -695,8 +695,7 @@ class Child:
         finally:
             timer.cancel()
         if not line:
-            self.proc.wait()
-            raise ChildFailed(f"exit {self.proc.returncode}: {self.tail()}")
+            raise self._exited()
         reply: dict[str, Any] = json.loads(line)
         if "error" in reply:
             raise ChildFailed(reply["error"])
@@ -716,8 +715,13 @@ class Child:
             self.proc.stdin.write(command + "\n")
             self.proc.stdin.flush()
         except BrokenPipeError:
-            pass  # the reply read below reports the exit
+            raise self._exited() from None
         return self._reply()
+
+    def _exited(self) -> ChildFailed:
+        """The process is gone (its pipe closed): its exit code and the end of its log."""
+        self.proc.wait()
+        return ChildFailed(f"exit {self.proc.returncode}: {self.tail()}")
 
     def close(self) -> None:
         try:

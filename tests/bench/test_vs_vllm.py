@@ -83,6 +83,27 @@ def test_tree_cpu_s_counts_a_busy_grandchild() -> None:
         parent.wait(timeout=30)
 
 
+def test_a_child_that_cannot_start_is_reported_with_its_exit_and_log(tmp_path: Path) -> None:
+    """A system whose process dies at start-up: an error with its exit code and its log's end, at
+    start-up and again if asked to run (no hang, no traceback from the bench)."""
+    req_file = tmp_path / "requests.json"
+    req_file.write_text(json.dumps(vs_vllm.make_requests("chat", 2, seed=1, vocab=128)))
+    args = vs_vllm.build_parser().parse_args(["--child-timeout-s", "120"])
+    child = vs_vllm.Child("pagedkv", sys.executable, tmp_path / "no-model", req_file, args, [], 128)
+    try:
+        child.wait_ready()
+        assert child.error is not None and child.error.startswith("exit 1:"), child.error
+        assert "no-model" in child.error  # the end of the child's own log says what failed
+        try:
+            child.ask("run")
+        except vs_vllm.ChildFailed as e:
+            assert str(e).startswith("exit 1:")
+        else:
+            raise AssertionError("a dead child answered")
+    finally:
+        child.close()
+
+
 def test_tiny_run_pagedkv_matches_transformers(tmp_path: Path) -> None:
     out = tmp_path / "r.json"
     # The bench measures the product's default backend choice: drop what other tests (or an in-process
