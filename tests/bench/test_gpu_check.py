@@ -303,9 +303,12 @@ def test_a_timed_out_section_leaves_no_process_behind(tmp_path: Path) -> None:
         tmp_path,
         GPU_CHECK_ONLY="pd",
         GPU_CHECK_RUN_ID=run_id,
-        PD_TIMEOUT_S="45",
-        PD_ARGS="--decode-tokens 3000 --decoders 8 --num-gpu-blocks 2048",
-    )  # far longer than the timeout
+        PD_TIMEOUT_S="30",
+        # Both layouts at these sizes took 120 s uncut on the 2-core machine, so the cut always
+        # comes mid-run. (3,000 tokens x 8 decoders took 44 s there once the worker got faster:
+        # a 45 s timeout let it finish.) 4,000 + 32 prompt tokens stays inside the model's 4,096.
+        PD_ARGS="--decode-tokens 4000 --decoders 16 --num-gpu-blocks 4500",
+    )
     p = subprocess.Popen(
         ["bash", str(SCRIPT), "--rehearse"],
         cwd=tmp_path,
