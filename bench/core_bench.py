@@ -5,7 +5,7 @@
 to each running sequence through `BlockManager.step` (the call the gRPC Step
 makes), and finished sequences are freed and replaced by new ones in the same
 step. Each step also commits what the previous step computed, as
-frontend/engine/core.py does: every sequence (finished ones included, before their
+frontend/engine/engine.py does: every sequence (finished ones included, before their
 free) whose slotted tokens crossed a block boundary since its last commit is
 committed up to its length, so its full blocks enter the prefix cache (hashed
 and registered) there and then. Only time inside the allocator is measured: the

@@ -8,7 +8,7 @@ about compute. The rules:
   the wanted kind is left, every live worker is a candidate (failover beats role purity: a dead
   decode worker's share runs on the prefill worker, outputs stay exact).
 - ``disaggregated()``: the live prefill set and decode set are disjoint (e.g. one prefill and one
-  decode worker). The engine then runs two independent pipelines (frontend/engine/core.py), so a decode
+  decode worker). The engine then runs two independent pipelines (frontend/engine/engine.py), so a decode
   step never waits for a prefill chunk.
 - Otherwise the iteration's sequences are split across the candidates, balanced by tokens (longest
   first onto the least loaded worker), and the calls run in parallel threads (gRPC releases the

@@ -1,9 +1,10 @@
-"""The continuous-batching engine (frontend/engine/core.py), split by job: scheduler.py (the
-iteration's plan, pure), bm_session.py (the block-manager conversation), output.py (tokens, stop
-checks), recovery.py (lost cache host, block manager restarted without the engine's state),
-types.py (the values). What other code imports comes from here."""
+"""The continuous-batching engine (frontend/engine/engine.py: plan, call, apply), split by job:
+scheduler.py (the queues and every transition), policy.py (who goes this iteration, pure),
+bm_session.py (the block-manager conversation), step_messages.py (the Step's values and wire form),
+output.py (tokens, stop checks), recovery.py (lost cache host, block manager restarted without the
+engine's state), types.py (the values). What other code imports comes from here."""
 
-from frontend.engine.core import Engine
+from frontend.engine.engine import Engine
 from frontend.engine.types import (
     MAX_TOP_LOGPROBS,
     BlockManagerUnavailable,

@@ -1,13 +1,15 @@
-"""What a worker step's results do to a sequence: its new token (with logprobs), the stop checks
-(a stop token, max_tokens), the token event streamed to the caller, and the first tokens of the
-samples forked from it (n > 1). The engine moves a finished sequence out of its queues."""
+"""The worker step's messages: the request for a batch (:func:`worker_request`), and what its
+results do to a sequence: its new token (with logprobs), the stop checks (a stop token,
+max_tokens), the token event streamed to the caller, and the first tokens of the samples forked
+from it (n > 1). The scheduler moves a finished sequence out of its queues."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from frontend.engine.types import SamplingOptions, Seq, SeqStatus, TokenEvent
+from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import worker_pb2 as wpb
 
 
@@ -27,7 +29,7 @@ class Drawn(Protocol):
 
 def accept_token(s: Seq, drawn: Drawn) -> TokenEvent:
     """Append the token to the sample's completion and check the stop conditions: a finished
-    sequence is FINISHED (with its finish reason), else it needs a slot for the next token."""
+    sequence is FINISHED (with its finish reason); else the token now needs a slot (``Seq.needs_slot``)."""
     c = s.completion
     token, logprob = drawn.token_id, drawn.logprob
     top: tuple[tuple[int, float], ...] = ()
@@ -42,9 +44,7 @@ def accept_token(s: Seq, drawn: Drawn) -> TokenEvent:
         reason = "stop"
     elif len(c.token_ids) >= s.request.max_tokens:
         reason = "length"
-    if reason is None:
-        s.needs_slot = True
-    else:
+    if reason is not None:
         c.finish_reason = reason
         s.status = SeqStatus.FINISHED
     return TokenEvent(s.request.request_id, s.index, token, logprob, reason, top)
@@ -64,7 +64,7 @@ def fork_firsts(parent: Seq, samples: Sequence[wpb.Sample]) -> list[tuple[Seq, w
     for child, drawn in zip(sent, samples, strict=True):
         if not child.awaiting_parent or child.status is not SeqStatus.RUNNING:
             continue
-        child.awaiting_parent = False
+        child.parent = None
         child.num_computed = parent.num_computed
         out.append((child, drawn))
     return out
@@ -77,3 +77,30 @@ def fill_sampling(msg: wpb.SamplingParams, opts: SamplingOptions, seed: int | No
     msg.num_top_logprobs = opts.logprobs
     if seed is not None:
         msg.seed = seed
+
+
+def worker_request(
+    batch: Sequence[tuple[Seq, int]],
+    ops: pb.CacheOps | None,
+    request_id: str,
+    cache_instance_id: str,
+    fork_draws: Callable[[Seq, int], list[Seq]],
+) -> wpb.WorkerStepRequest:
+    """The step of ``batch`` ((sequence, tokens to compute) pairs) on the cache named, with the cache
+    ops owed; ``fork_draws`` names the samples whose first token each sequence's step draws."""
+    req = wpb.WorkerStepRequest(request_id=request_id, cache_instance_id=cache_instance_id)
+    if ops is not None:
+        req.ops.CopyFrom(ops)
+    for s, k in batch:
+        start = s.num_computed
+        item = req.sequences.add(
+            seq_id=s.seq_id,
+            token_ids=s.tokens[start : start + k],
+            block_ids=s.block_table,
+            num_cached_tokens=start,
+        )
+        fill_sampling(item.sampling, s.request.sampling, s.seed)
+        # n > 1: the worker draws the forked samples' first tokens from the prompt's last position.
+        for c in fork_draws(s, k):
+            fill_sampling(item.fork_sampling.add(), s.request.sampling, c.seed)
+    return req

@@ -16,18 +16,17 @@ Recomputing is the recompute-preemption path: prompt + tokens so far, so greedy 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
 
 import grpc
 import structlog
 
 from frontend.dispatch import CacheLostEverywhere
-from frontend.engine.scheduler import PoolView
-from frontend.engine.types import BlockManagerUnavailable, CacheHostLost, ManagerLostState
+from frontend.engine.bm_session import BlockManagerSession
+from frontend.engine.scheduler import Scheduler
+from frontend.engine.types import BlockManagerUnavailable, CacheHostLost, EngineConfig, ManagerLostState
+from frontend.worker_client import WorkerClient
 from pagedkv.v1 import worker_pb2 as wpb
-
-if TYPE_CHECKING:
-    from frontend.engine.core import Engine
 
 log = structlog.get_logger("pagedkv.engine")
 
@@ -43,21 +42,21 @@ def cache_host_lost(e: CacheLostEverywhere) -> CacheHostLost:
     )
 
 
-def forget_lost_cache(engine: Engine) -> None:
+def forget_lost_cache(close: Callable[[], None], session: BlockManagerSession) -> None:
     """Before CacheHostLost reaches the caller: the committed blocks name KV that died, so drop
     them from the shared prefix cache (or a later frontend would hit garbage), and free this
-    engine's sequences. Best effort: the caller gets CacheHostLost either way."""
+    engine's sequences (``close``, the engine's). Best effort: the caller gets CacheHostLost either way."""
     try:
-        engine.close()
-        engine.session.reset_prefix_cache()
+        close()
+        session.reset_prefix_cache()
     except (grpc.RpcError, BlockManagerUnavailable) as e:
         log.warning("prefix_cache_reset_failed", error=str(e))
 
 
-def _new_cache_instance(engine: Engine, old: str) -> str:
-    deadline = time.monotonic() + engine.config.cache_recovery_timeout_s
+def _new_cache_instance(workers: Sequence[WorkerClient], old: str, timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
     while True:
-        for w in engine.workers:
+        for w in workers:
             try:
                 info = w.get_info(timeout_s=2.0)
             except grpc.RpcError:
@@ -71,33 +70,37 @@ def _new_cache_instance(engine: Engine, old: str) -> str:
         if time.monotonic() > deadline:
             raise CacheHostLost(
                 f"the cache host (instance {old}) was lost and no worker re-attached to a new one "
-                f"within {engine.config.cache_recovery_timeout_s:.0f} s (cache_recovery_timeout_s): restart "
+                f"within {timeout_s:.0f} s (cache_recovery_timeout_s): restart "
                 "the cache host and the workers"
             )
         time.sleep(0.2)
 
 
-def recover_lost_cache(engine: Engine) -> None:
-    """After CacheHostLost: wait for a worker on a new cache instance, forget all cached KV
-    (the block manager's prefix cache, pending ops) and recompute every running and swapped
-    sequence from its prompt + generated tokens."""
-    engine._drop_prefill_in_flight()  # its KV went with the cache host
-    old = engine._cache_instance
+def recover_lost_cache(
+    scheduler: Scheduler,
+    session: BlockManagerSession,
+    workers: Sequence[WorkerClient],
+    old: str,
+    config: EngineConfig,
+) -> str:
+    """After CacheHostLost (the prefill in flight already dropped): wait for a worker on a new
+    cache instance, forget all cached KV (the block manager's prefix cache, pending ops) and
+    recompute every running and swapped sequence from its prompt + generated tokens. Returns the
+    new cache instance."""
     log.warning(
         "cache_host_lost",
         cache_instance_id=old,
         action="waiting for a re-attached worker",
-        timeout_s=engine.config.cache_recovery_timeout_s,
+        timeout_s=config.cache_recovery_timeout_s,
     )
-    new = _new_cache_instance(engine, old)
+    new = _new_cache_instance(workers, old, config.cache_recovery_timeout_s)
     # Finished ones too: what they computed died with the cache host and must never be committed.
-    victims, frees = engine._take_held()
+    victims, frees = scheduler.take_block_holders()
     if frees:
-        engine.session.free(frees)  # a sequence the block manager no longer has is simply reported
-    engine.session.reset_prefix_cache()
-    engine._requeue_all(victims)
-    engine._cache_instance = new
-    engine.stats.cache_recoveries += 1
+        session.free(frees)  # a sequence the block manager no longer has is simply reported
+    session.reset_prefix_cache()
+    scheduler.requeue_all(victims)
+    scheduler.stats.cache_recoveries += 1
     log.warning(
         "cache_recovered",
         old_cache_instance_id=old,
@@ -105,28 +108,27 @@ def recover_lost_cache(engine: Engine) -> None:
         requeued=len(victims),
         action="re-prefilling",
     )
+    return new
 
 
-def resync(engine: Engine, lost: ManagerLostState) -> None:
-    """The block manager lost this engine's sequences: free whatever it may still hold of them
-    (a Step that reached the new manager may have allocated some), renew the lease, and requeue
-    every running and swapped sequence for recompute."""
-    engine._drop_prefill_in_flight()
-    victims, frees = engine._take_held()
+def resync(scheduler: Scheduler, session: BlockManagerSession, lost: ManagerLostState) -> None:
+    """The block manager lost this engine's sequences (the prefill in flight already dropped):
+    free whatever it may still hold of them (a Step that reached the new manager may have
+    allocated some), renew the lease, and requeue every running and swapped sequence for recompute."""
+    victims, frees = scheduler.take_block_holders()
     frees += lost.seq_ids
-    session = engine.session
     session.lease_lost.clear()
     try:
         # Renew first (creating the lease is expected here), then free what the manager may hold.
         session.call(lambda t: session.keep_alive(timeout_s=t, first=True), needs_state=False)
         delta = session.free(frees)
     except BlockManagerUnavailable:
-        engine._maybe_held = frees  # freed by the first Step that gets through
+        scheduler.unconfirmed = frees  # freed by the first Step that gets through
         session.lease_lost.set()  # and the resync starts over then
         raise
-    engine._pool = PoolView(delta.available_blocks, delta.prefix_cache_drops)
-    engine._requeue_all(victims)
-    engine.stats.bm_resyncs += 1
+    scheduler.note_pool(delta)
+    scheduler.requeue_all(victims)
+    scheduler.stats.bm_resyncs += 1
     log.warning(
         "block_manager_resync",
         reason=str(lost),

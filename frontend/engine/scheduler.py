@@ -1,141 +1,486 @@
-"""One iteration's plan, from the engine's sequences and the last block-manager reply: which
-commits, which waiting sequences to admit, which swapped ones to bring back, and the worker
-batches (decode tokens first, then prefill chunks within the token budget: chunked prefill).
+"""The engine's queues and every move of a sequence between them (vLLM v1's Scheduler, without I/O).
 
-Pure: no gRPC, no protobuf, no clock. The engine (frontend/engine/core.py) turns the plan into a
-block-manager Step (frontend/engine/bm_session.py) and worker steps; tests/frontend/
-test_engine_scheduler.py checks the plan's limits without any server.
+The scheduler owns the waiting, running and swapped queues, the sequences of every request the
+engine has not released, what it owes the block manager (finished sequences to free, sequences an
+unanswered Step may have created) and what it owes the workers (cache ops). Each iteration the
+engine (frontend/engine/engine.py) asks it for a block-manager plan (:meth:`Scheduler.plan`),
+sends it, hands the reply back (:meth:`Scheduler.apply_block_manager`), asks for the worker batches
+(:meth:`Scheduler.batches`), runs them and hands the results back (:meth:`Scheduler.apply_outputs`).
+
+No gRPC calls, no threads, no clock: every transition is testable against the block manager's core
+in-process (tests/frontend/engine/test_scheduler.py). Which sequences go is policy.py's (pure);
+what a sampled token does to a sequence is output.py's.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
-from frontend.admission import PrefixProgress
-from frontend.engine.types import Seq
-from pagedkv.watermark import admission_room
+import structlog
 
+from frontend.engine import output, policy
+from frontend.engine.policy import Limits, PoolView
+from frontend.engine.step_messages import RESOURCE_EXHAUSTED, ItemError, StepDelta, StepPlan
+from frontend.engine.types import (
+    Completion,
+    EngineStats,
+    GenerationRequest,
+    RequestOutput,
+    Seq,
+    SeqStatus,
+    TokenEvent,
+)
+from pagedkv.v1 import block_manager_pb2 as pb
+from pagedkv.v1 import worker_pb2 as wpb
 
-@dataclass(slots=True, frozen=True)
-class Limits:
-    """The engine's batch limits and the pool's geometry (EngineConfig + the manager's Config)."""
-
-    max_num_seqs: int
-    max_batch_tokens: int
-    block_size: int
-    watermark: int
-    prefix_caching: bool
-
-
-@dataclass(slots=True, frozen=True)
-class PoolView:
-    """What the last Step reply said about the pool: free + cached blocks, and how many cached
-    blocks ever left the prefix cache (a finished sequence's prefix is trusted while it has not moved)."""
-
-    available: int
-    prefix_cache_drops: int
+log = structlog.get_logger("pagedkv.engine")
 
 
-def commits(holding: Iterable[Seq], block_size: int) -> list[tuple[str, int]]:
-    """(seq id, computed tokens) of sequences whose computed KV grew past a block boundary since
-    their last commit (only full blocks enter the prefix cache), finished ones included (commits
-    apply before frees). Marks them committed."""
-    out = []
-    for s in holding:
-        if s.num_computed // block_size > s.num_committed // block_size:
-            out.append((s.seq_id, s.num_computed))
-            s.num_committed = s.num_computed
-    return out
+@dataclass(slots=True)
+class BlockManagerPlan:
+    """One Step's worth of work, with the sequences its reply is applied to: the ones that grow by
+    a slot, come back from the CPU pool, are admitted, and the samples forked from the admitted."""
+
+    step: StepPlan
+    grow: list[Seq] = field(default_factory=list)
+    swap_in: list[Seq] = field(default_factory=list)
+    admit: list[Seq] = field(default_factory=list)
+    forks: list[tuple[Seq, Seq]] = field(default_factory=list)
+
+    @property
+    def created(self) -> list[str]:
+        """Sequences this Step creates in the block manager (admitted and forked)."""
+        return [s.seq_id for s in self.admit] + [c.seq_id for _, c in self.forks]
 
 
-def swap_ins(swapped: Iterable[Seq], num_running: int, limits: Limits) -> list[Seq]:
-    """Swapped sequences to bring back, oldest first, while max_num_seqs leaves room."""
-    return list(itertools.islice(swapped, max(0, limits.max_num_seqs - num_running)))
+@dataclass(slots=True)
+class PrefillItem:
+    """A prefill chunk in flight on a prefill worker: the sequence, where the chunk starts, its length."""
+
+    seq: Seq
+    start: int
+    tokens: int
 
 
-def admissions(
-    waiting: Iterable[Seq],
-    running: Sequence[Seq],
-    finishing: Sequence[Seq],
-    grow: Sequence[Seq],
-    num_swap_in: int,
-    pool: PoolView,
-    limits: Limits,
-    finished_prefixes: Iterable[tuple[list[int], int, int]] = (),
-) -> tuple[list[Seq], int]:
-    """Waiting sequences to allocate in this Step, and how many were held back: FIFO within
-    max_num_seqs (an n > 1 request takes n places at once) and the blocks the last reply said are
-    available above the watermark (without hits; the head is always tried). With prefix caching,
-    a request whose prefix one of this engine's sequences is still computing waits for it
-    (frontend/admission.py); ``finished_prefixes`` are (tokens, computed, prefix_cache_drops when
-    recorded) hints of what finished sequences committed."""
-    bs = limits.block_size
-    room = limits.max_num_seqs - len(running) - num_swap_in
-    growth = sum(1 for s in grow if (len(s.tokens) - 1) % bs == 0)  # blocks the running take first
-    budget = admission_room(pool.available - growth, limits.watermark)
-    out: list[Seq] = []
-    held = 0
-    progress: PrefixProgress | None = None
-    for seq in waiting:
-        width = seq.request.n if seq.index == 0 and not seq.forked else 1
-        need = -(-len(seq.tokens) // bs)
-        if width > room or (out and need > budget):
-            break
-        if limits.prefix_caching:
-            if progress is None:
-                progress = PrefixProgress(bs)
-                for s in itertools.chain(running, finishing):
-                    progress.add(s.tokens, s.num_computed)
-                for tokens, computed, drops in finished_prefixes:
-                    if drops == pool.prefix_cache_drops:  # nothing left the cache since
-                        progress.add(tokens, computed)
-            if progress.should_hold(seq.tokens):
-                held += 1
+class Scheduler:
+    def __init__(self, limits: Limits, num_gpu_blocks: int, id_prefix: str, stats: EngineStats) -> None:
+        self.limits = limits
+        self.num_gpu_blocks = num_gpu_blocks
+        self.id_prefix = id_prefix  # sequence ids are unique per engine: many engines share a manager
+        self.stats = stats
+        self.outputs: dict[str, RequestOutput] = {}
+        self.seqs: dict[str, Seq] = {}
+        self.waiting: collections.deque[Seq] = collections.deque()
+        self.running: list[Seq] = []
+        self.swapped: collections.deque[Seq] = collections.deque()
+        self.to_free: list[str] = []  # finished: freed in the next Step (after their commits)
+        # Sequences a Step that got no answer may have created: freed in the next Step that does.
+        self.unconfirmed: list[str] = []
+        self.pending_ops = pb.CacheOps()  # cache ops owed to the workers, sent with the next worker step
+        self.blocks = PoolView(num_gpu_blocks, 0)  # what the last Step reply said about the block pool
+        # What recently finished sequences committed: a hint for admission (frontend/admission.py),
+        # each with the manager's prefix_cache_drops when it finished; trusted only while that
+        # counter has not moved (nothing left the cache since, so their blocks are still cached).
+        self.finished_prefixes: collections.deque[tuple[list[int], int, int]] = collections.deque(
+            maxlen=limits.max_num_seqs
+        )
+
+    # --- requests ------------------------------------------------------------------
+    def seq_id(self, request_id: str, index: int) -> str:
+        return f"{self.id_prefix}:{request_id}/{index}"
+
+    def add(self, request: GenerationRequest) -> RequestOutput:
+        """Queue a validated request (its first sample; the others fork from it at admission)."""
+        out = RequestOutput(
+            request.request_id, list(request.prompt), [Completion(index=i) for i in range(request.n)]
+        )
+        self.outputs[request.request_id] = out
+        seq = Seq(self.seq_id(request.request_id, 0), request, out, 0, list(request.prompt), width=request.n)
+        self.seqs[seq.seq_id] = seq
+        self.waiting.append(seq)
+        self.stats.prompt_tokens += len(request.prompt)
+        return out
+
+    def abort(self, request_id: str, index: int | None = None, reason: str = "abort") -> bool:
+        """Finish a request (or one of its samples) now: its sequences leave the queues and the
+        ones holding blocks are freed in the next Step. False when nothing was left to finish."""
+        found = False
+        for seq in [s for s in self.seqs.values() if s.request.request_id == request_id]:
+            if index is not None and seq.index != index:
                 continue
-            progress.add(seq.tokens, 0)  # its hits are unknown until the reply
-        out.append(seq)
-        room -= width
-        budget -= need
-    return out, held
+            if seq.status is SeqStatus.FINISHED:
+                continue
+            found = True
+            if seq.status is SeqStatus.WAITING:
+                self.waiting.remove(seq)
+            else:
+                if seq.running:
+                    self.running.remove(seq)
+                else:
+                    self.swapped.remove(seq)
+                self.to_free.append(seq.seq_id)
+            seq.status = SeqStatus.FINISHED
+            seq.completion.finish_reason = reason
+        out = self.outputs.get(request_id)
+        if out is not None and index is None:
+            for c in out.completions:  # samples not forked yet never will be
+                if c.finish_reason is None:
+                    c.finish_reason = reason
+        return found
 
+    def release(self, request_id: str) -> bool:
+        """Forget a finished request once its blocks were freed. False (and everything kept) while
+        any of its sequences is unfinished or waits for its Free in the next Step."""
+        seqs = [s for s in self.seqs.values() if s.request.request_id == request_id]
+        pending = set(self.to_free)
+        if any(s.status is not SeqStatus.FINISHED or s.seq_id in pending for s in seqs):
+            return False
+        for s in seqs:
+            del self.seqs[s.seq_id]
+        self.outputs.pop(request_id, None)
+        return True
 
-def batches(
-    running: Sequence[Seq],
-    limits: Limits,
-    *,
-    separate_budgets: bool = False,
-    num_workers: int = 1,
-    prefill_busy: bool = False,
-) -> tuple[list[tuple[Seq, int]], list[tuple[Seq, int]]]:
-    """(sequence, number of tokens to compute) for this iteration: the decode batch and the
-    prefill chunks. ``separate_budgets``: each gets max_batch_tokens (they run on different
-    workers); else they share it, decode first. ``num_workers`` mixed workers split the iteration,
-    so the budget is that many times max_batch_tokens, and no chunk exceeds max_batch_tokens
-    (one sequence's chunk runs on one worker). Sequences whose prefill is in flight wait, and with
-    ``prefill_busy`` (the prefill pipeline has a chunk in flight) no prefill is planned."""
-    budget = limits.max_batch_tokens * num_workers
-    decode = [
-        s
-        for s in running
-        if s.num_computed == len(s.tokens) - 1
-        and not s.needs_slot
-        and not s.awaiting_parent
-        and not s.in_flight
-    ]
-    decode_batch = [(s, 1) for s in decode[:budget]]
-    budget = budget if separate_budgets else budget - len(decode_batch)
-    if separate_budgets and prefill_busy:
-        return decode_batch, []
-    batch: list[tuple[Seq, int]] = []
-    for s in running:
-        if s.needs_slot or s.awaiting_parent or s.in_flight or budget <= 0:
-            continue
-        remaining = len(s.tokens) - s.num_computed
-        if remaining <= 1:
-            continue
-        chunk = min(remaining, budget, limits.max_batch_tokens)
-        batch.append((s, chunk))
-        budget -= chunk
-    return decode_batch, batch
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped or self.to_free)
+
+    def num_requests(self) -> tuple[int, int]:
+        """(waiting, running) requests: running while any sample holds blocks (running or swapped)."""
+        running = {s.request.request_id for s in self.running}
+        running.update(s.request.request_id for s in self.swapped)
+        waiting = {s.request.request_id for s in self.waiting} - running
+        return len(waiting), len(running)
+
+    def finishing(self) -> list[Seq]:
+        """Finished sequences whose Free goes into the next Step (their commits go first)."""
+        return [self.seqs[x] for x in self.to_free]
+
+    def prompt_blocks(self, tokens: Sequence[int]) -> int:
+        return -(-len(tokens) // self.limits.block_size)
+
+    # --- the block-manager Step ----------------------------------------------------
+    def needs_pool_refresh(self) -> bool:
+        """Would admission trust finished sequences' hints on an old reply? (An idle engine's last
+        reply may predate another frontend's evictions: the engine reads the pool afresh first.)"""
+        return bool(
+            self.limits.prefix_caching and self.waiting and self.finished_prefixes and not self.running
+        )
+
+    def plan(self, *, full: bool = True) -> BlockManagerPlan | None:
+        """The iteration's Step: commits, frees, appends, allocations, forks, swap-ins, in the
+        manager's apply order; None when there is nothing to ask. ``full=False`` (a flush): commits
+        and frees only. Commits are marked as sent here."""
+        grow = [s for s in self.running if s.needs_slot] if full else []
+        swap_in = policy.swap_ins(self.swapped, len(self.running), self.limits) if full else []
+        admit: list[Seq] = []
+        if full:
+            admit, held = policy.admissions(
+                self.waiting,
+                self.running,
+                self.finishing(),
+                grow,
+                len(swap_in),
+                self.blocks,
+                self.limits,
+                self.finished_prefixes,
+            )
+            self.stats.admissions_held += held
+        commits = self._commits()
+        frees = self.to_free + self.unconfirmed
+        if not (grow or frees or swap_in or admit or commits):
+            return None
+        forks = [
+            (seq, self._sample_of(seq, i)) for seq in admit if seq.width > 1 for i in range(1, seq.request.n)
+        ]
+        step = StepPlan(
+            commits=commits,
+            frees=frees,
+            appends=[(s.seq_id, s.tokens[-1]) for s in grow],
+            allocs=[(s.seq_id, s.tokens, s.request.priority) for s in admit],
+            forks=[(p.seq_id, c.seq_id) for p, c in forks],
+            swap_ins=[s.seq_id for s in swap_in],
+        )
+        return BlockManagerPlan(step, grow, swap_in, admit, forks)
+
+    def _sample_of(self, parent: Seq, index: int) -> Seq:
+        """Sample ``index`` of the parent's request, forked at its admission from its prompt."""
+        return Seq(
+            self.seq_id(parent.request.request_id, index),
+            parent.request,
+            parent.output,
+            index,
+            list(parent.tokens),
+            parent=parent,
+        )
+
+    def _commits(self) -> list[tuple[str, int]]:
+        """(seq id, computed tokens) of sequences whose computed KV grew past a block boundary since
+        their last commit (only full blocks enter the prefix cache), finished ones included."""
+        bs = self.limits.block_size
+        out = []
+        for s in itertools.chain(self.running, self.finishing()):
+            if s.num_computed // bs > s.num_committed // bs:
+                out.append((s.seq_id, s.num_computed))
+                s.num_committed = s.num_computed
+        return out
+
+    def step_unanswered(self, plan: BlockManagerPlan) -> None:
+        """The Step got no answer: what it may have created is freed by the first one that does."""
+        self.unconfirmed.extend(plan.created)
+
+    def note_pool(self, delta: StepDelta) -> None:
+        self.blocks = PoolView(delta.available_blocks, delta.prefix_cache_drops)
+
+    def apply_block_manager(self, plan: BlockManagerPlan, delta: StepDelta) -> None:
+        """A Step reply: block tables, cache ops (owed to the workers), preemptions, allocations,
+        forks and swap-ins. What the plan freed is gone from the manager now."""
+        if plan.step.frees:
+            self.to_free, self.unconfirmed = [], []
+        self.note_pool(delta)
+        grow = plan.grow
+        for i, block, replaces_last in delta.grown:
+            if replaces_last:
+                grow[i].block_table[-1] = block
+            else:
+                grow[i].block_table.append(block)
+        self.pending_ops.copies.extend(delta.ops.copies)
+        self.pending_ops.swap_out.extend(delta.ops.swap_out)
+        self.pending_ops.swap_in.extend(delta.ops.swap_in)
+        preempted = self._apply_preemptions(delta)
+        errors: dict[str, dict[int, ItemError]] = collections.defaultdict(dict)
+        for err in delta.errors:
+            errors[err.kind][err.index] = err
+        self._apply_allocations(delta, plan.admit, errors["alloc"])
+        self._apply_forks(plan.forks, errors["fork"])
+        self._apply_swap_ins(delta, plan.swap_in)
+        failed: set[int] = set()
+        for err in delta.errors:
+            if err.kind in ("alloc", "fork", "swap_in"):
+                continue  # handled above (a swap-in without room stays swapped)
+            if err.seq_id in preempted:
+                failed.add(err.index)
+                continue  # its own later item: expected after its preemption
+            if err.kind != "append":
+                log.warning("step_item_error", kind=err.kind, seq_id=err.seq_id, message=err.message)
+                continue
+            failed.add(err.index)
+            if err.code == RESOURCE_EXHAUSTED:
+                # Nothing left to preempt for it: preempt it ourselves (freed in the next Step,
+                # before its re-allocation there, so it may hit its own committed blocks).
+                self._preempt_self(grow[err.index])
+            else:
+                raise RuntimeError(f"block manager refused to grow {err.seq_id}: {err.message}")
+        for i, s in enumerate(grow):
+            if i not in failed and s.running:
+                s.num_slots += 1
+
+    def _apply_allocations(self, delta: StepDelta, admit: list[Seq], errors: dict[int, ItemError]) -> None:
+        for j, seq in enumerate(admit):
+            err = errors.get(j)
+            if err is not None:
+                if err.code == RESOURCE_EXHAUSTED:
+                    continue  # no room yet: it keeps its place in the queue
+                raise RuntimeError(f"block manager refused to allocate {err.seq_id}: {err.message}")
+            self.waiting.remove(seq)
+            seq.block_table = delta.alloc_tables[j]
+            cached = delta.alloc_cached[j]
+            seq.num_computed = seq.num_committed = cached
+            seq.num_slots = len(seq.tokens)
+            if seq.index == 0 and not seq.output.completions[0].token_ids:
+                seq.output.num_cached_tokens = cached
+            self.stats.prefix_hit_tokens += cached
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+
+    def _apply_forks(self, forks: list[tuple[Seq, Seq]], errors: dict[int, ItemError]) -> None:
+        for j, (parent, child) in enumerate(forks):
+            err = errors.get(j)
+            if err is not None and not parent.running:
+                continue  # the parent was not admitted: it forks again when it is
+            parent.width = 1
+            if err is not None:
+                # E.g. a tenant's sequence quota: this sample becomes a request of its own, later.
+                log.info("fork_refused", seq_id=child.seq_id, code=err.code, message=err.message)
+                child.parent = None
+                self.seqs[child.seq_id] = child
+                self.waiting.append(child)
+                continue
+            parent.children.append(child)
+            child.block_table = list(parent.block_table)
+            child.num_computed = child.num_committed = parent.num_computed
+            child.num_slots = parent.num_slots
+            child.status = SeqStatus.RUNNING
+            self.seqs[child.seq_id] = child
+            self.running.append(child)
+
+    def _apply_preemptions(self, delta: StepDelta) -> set[str]:
+        """Follow the block manager's preemption decisions; returns the victims' ids."""
+        victims: set[str] = set()
+        for p in delta.preempted:
+            victims.add(p.seq_id)
+            seq = self.seqs.get(p.seq_id)
+            if seq is None or not seq.running:
+                continue
+            if p.swap:
+                self.running.remove(seq)
+                seq.status = SeqStatus.SWAPPED
+                seq.block_table = []
+                self.swapped.append(seq)
+                self.stats.preempted_swap += 1
+            else:
+                self._requeue(seq)
+                self.stats.preempted_recompute += 1
+            log.info("preempted", seq_id=seq.seq_id, mode="SWAP" if p.swap else "RECOMPUTE", cost_s=p.cost_s)
+        return victims
+
+    def _apply_swap_ins(self, delta: StepDelta, asked: list[Seq]) -> None:
+        for _, members in zip(asked, delta.swap_ins, strict=False):
+            for seq_id, table in members:
+                s = self.seqs.get(seq_id)
+                if s is None or s.status is not SeqStatus.SWAPPED:
+                    continue
+                s.block_table = table
+                s.status = SeqStatus.RUNNING
+                self.swapped.remove(s)
+                self.running.append(s)
+
+    def _preempt_self(self, seq: Seq) -> None:
+        """Recompute it later: its Free goes into the next Step, ahead of its re-allocation."""
+        self.to_free.append(seq.seq_id)
+        self._requeue(seq)
+        self.stats.preempted_recompute += 1
+        log.info("preempted", seq_id=seq.seq_id, mode="RECOMPUTE", by="engine")
+
+    def _requeue(self, seq: Seq) -> None:
+        """Back to the front of the queue; everything generated so far becomes its prompt.
+        A sample still waiting for its parent's prompt becomes a request of its own."""
+        if seq.running:
+            self.running.remove(seq)
+        seq.status = SeqStatus.WAITING
+        seq.block_table = []
+        seq.num_computed = seq.num_committed = seq.num_slots = 0
+        seq.parent = None
+        self.waiting.appendleft(seq)
+
+    # --- faults --------------------------------------------------------------------
+    def take_block_holders(self) -> tuple[list[Seq], list[str]]:
+        """Every running and swapped sequence, and the ids of everything this engine may hold in
+        the block manager (those, finished ones, what an unanswered Step may have created)."""
+        victims = list(self.running) + list(self.swapped)
+        frees = [s.seq_id for s in victims] + self.to_free + self.unconfirmed
+        self.to_free, self.unconfirmed = [], []
+        return victims, frees
+
+    def requeue_all(self, victims: list[Seq]) -> None:
+        """Every running and swapped sequence back to the head of the queue, in order, to be
+        recomputed; no cache op of the old tables may run any more, and no hint of what finished
+        sequences committed holds."""
+        for s in reversed(victims):  # appendleft: keep their order at the head of the queue
+            self.stats.recomputed_tokens += s.num_computed
+            if s.status is SeqStatus.SWAPPED:
+                self.swapped.remove(s)
+            self._requeue(s)
+        self.pending_ops = pb.CacheOps()
+        self.finished_prefixes.clear()
+
+    def forget_all(self) -> list[str]:
+        """Closing: every running and swapped sequence leaves the queues; the ids to free."""
+        victims, frees = self.take_block_holders()
+        self.running = []
+        self.swapped.clear()
+        return frees
+
+    # --- the worker step -----------------------------------------------------------
+    def batches(
+        self, *, separate_budgets: bool, num_workers: int, prefill_busy: bool
+    ) -> tuple[list[tuple[Seq, int]], list[tuple[Seq, int]]]:
+        """(sequence, tokens to compute) of this iteration's decode batch and prefill chunks."""
+        return policy.batches(
+            self.running,
+            self.limits,
+            separate_budgets=separate_budgets,
+            num_workers=num_workers,
+            prefill_busy=prefill_busy,
+        )
+
+    def take_ops(self) -> pb.CacheOps:
+        """The cache ops owed to the workers, for the worker step about to be sent."""
+        ops, self.pending_ops = self.pending_ops, pb.CacheOps()
+        return ops
+
+    def has_pending_ops(self) -> bool:
+        ops = self.pending_ops
+        return bool(len(ops.copies) or len(ops.swap_out) or len(ops.swap_in))
+
+    def start_prefill(self, chunks: list[tuple[Seq, int]]) -> list[PrefillItem]:
+        """The chunks a prefill worker computes while the engine goes on decoding."""
+        for s, _ in chunks:
+            s.status = SeqStatus.PREFILLING
+        return [PrefillItem(s, s.num_computed, k) for s, k in chunks]
+
+    def end_prefill(self, items: list[PrefillItem]) -> list[PrefillItem]:
+        """A prefill came back (or was dropped): its sequences compute here again. Returns the items
+        whose results still apply (a sequence preempted while its chunk ran has been reset)."""
+        for it in items:
+            if it.seq.status is SeqStatus.PREFILLING:
+                it.seq.status = SeqStatus.RUNNING
+        return [it for it in items if it.seq.status is SeqStatus.RUNNING and it.seq.num_computed == it.start]
+
+    def fork_draws(self, s: Seq, tokens: int) -> list[Seq]:
+        """The samples whose first token the worker draws in this step of ``s`` (n > 1: from the
+        prompt's last position, so only with the prompt's final chunk)."""
+        final = s.num_computed + tokens == len(s.tokens)
+        s.forks_sent = [c for c in s.children if c.awaiting_parent] if final else []
+        return s.forks_sent
+
+    def apply_outputs(
+        self, items: Sequence[PrefillItem], outputs: Sequence[wpb.SequenceOutput]
+    ) -> list[TokenEvent]:
+        """A worker step's results: the computed chunks, and for every sequence whose prompt is now
+        computed its sampled token (and its forked samples' first tokens)."""
+        events: list[TokenEvent] = []
+        for it, out in zip(items, outputs, strict=False):
+            s = it.seq
+            s.num_computed += it.tokens
+            self.stats.computed_tokens += it.tokens
+            for c in s.children:
+                if c.awaiting_parent:
+                    c.num_computed = s.num_computed  # their shared prompt blocks were just written
+            if s.num_computed < len(s.tokens):
+                continue  # a prefill chunk: its sampled token is meaningless
+            for child, drawn in output.fork_firsts(s, out.fork_samples):
+                events.append(self._accept_token(child, drawn))
+            events.append(self._accept_token(s, out))
+        return events
+
+    def _accept_token(self, s: Seq, drawn: output.Drawn) -> TokenEvent:
+        ev = output.accept_token(s, drawn)
+        self.stats.generated_tokens += 1
+        if ev.finish_reason is not None:
+            self.running.remove(s)
+            self.to_free.append(s.seq_id)
+            self.finished_prefixes.append((s.tokens, s.num_computed, self.blocks.prefix_cache_drops))
+        return ev
+
+    def reservable(self, batch: list[tuple[Seq, int]]) -> list[Seq]:
+        """Overlap: the sequences of this worker step that will go on after it, whose next slot
+        may be reserved while it computes (a sequence whose prompt's last chunk is in this step,
+        one that finishes by length, and a parent whose samples wait for this step are left out)."""
+        return [
+            s
+            for s, k in batch
+            if s.num_computed + k == len(s.tokens)
+            and not s.needs_slot
+            and s.completion.token_ids
+            and len(s.completion.token_ids) + 1 < s.request.max_tokens
+            and not any(c.awaiting_parent for c in s.children)
+        ]
+
+    def apply_reservations(self, seqs: list[Seq], delta: StepDelta) -> None:
+        """The reply to an overlapped Step that reserved ``seqs``' next slots."""
+        self.stats.slots_reserved_ahead += len(seqs)
+        self.apply_block_manager(
+            BlockManagerPlan(StepPlan(appends=[(s.seq_id, None) for s in seqs]), grow=seqs), delta
+        )

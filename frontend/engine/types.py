@@ -124,10 +124,17 @@ class RequestOutput:
 
 
 class SeqStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    SWAPPED = "swapped"
-    FINISHED = "finished"
+    """Where a sequence is in its life, one state at a time (frontend/engine/scheduler.py moves it).
+
+    The facts that are not states are counted or linked, not flagged: a running sequence needs a
+    slot while ``num_slots < len(tokens)`` (its last sampled token has no room in the block manager
+    yet), and a sample forked at admission awaits its first token while it has a ``parent``."""
+
+    WAITING = "waiting"  # queued; holds no blocks
+    RUNNING = "running"  # holds blocks and is scheduled every iteration it can compute
+    PREFILLING = "prefilling"  # holds blocks; its prefill chunk runs on a prefill worker right now
+    SWAPPED = "swapped"  # its blocks are in the CPU pool until it is swapped back in
+    FINISHED = "finished"  # done (stop, length or abort); freed in the next Step
 
 
 @dataclass(slots=True, eq=False)
@@ -141,15 +148,16 @@ class Seq:
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0  # leading tokens whose KV is in the cache
     num_committed: int = 0  # what the block manager was told is computed (Commit)
-    needs_slot: bool = False  # last token sampled but not yet reserved in the block manager
-    forked: bool = False  # n > 1 samples already forked from this sequence
-    # An n > 1 sample forked at admission: shares the parent's prompt blocks and
-    # waits for the parent's prefill, whose worker step draws its first token.
-    awaiting_parent: bool = False
+    num_slots: int = 0  # token slots the block manager holds for it (allocated + appended)
+    # Sequences admitting this one starts: the request's n for its first sequence until its other
+    # samples exist (forked at admission, or queued on their own when a fork is refused), else 1.
+    width: int = 1
+    # An n > 1 sample forked at admission shares its parent's prompt blocks; the parent's prefill
+    # step draws its first token (SequenceInput.fork_sampling). None once it runs on its own.
+    parent: Seq | None = None
     children: list[Seq] = field(default_factory=list)
     # The children whose first token the last worker request asked this sequence's step to draw.
     forks_sent: list[Seq] = field(default_factory=list)
-    in_flight: bool = False  # its prefill chunk is running on a prefill worker right now
 
     @property
     def completion(self) -> Completion:
@@ -159,6 +167,21 @@ class Seq:
     def seed(self) -> int | None:
         s = self.request.sampling.seed
         return None if s is None else s + self.index
+
+    @property
+    def running(self) -> bool:
+        """In the running queue (holding blocks on the GPU pool), whether or not it computes now."""
+        return self.status is SeqStatus.RUNNING or self.status is SeqStatus.PREFILLING
+
+    @property
+    def needs_slot(self) -> bool:
+        """Its last sampled token has no slot in the block manager yet (the next Step appends one)."""
+        return self.running and self.num_slots < len(self.tokens)
+
+    @property
+    def awaiting_parent(self) -> bool:
+        """A sample forked at admission whose first token the parent's prefill has not drawn yet."""
+        return self.parent is not None
 
 
 @dataclass(slots=True)

@@ -234,10 +234,10 @@ def test_generate_forgets_its_requests_so_batch_after_batch_does_not_grow(hf: HF
     with stack(hf, num_gpu_blocks=96) as st:
         engine = st.engine()
         first = engine.generate([GenerationRequest(f"r{i}", p, max_tokens=4) for i, p in enumerate(ps)])
-        assert engine.outputs == {} and engine._seqs == {}  # noqa: SLF001 - white-box check
+        assert engine.outputs == {} and engine.scheduler.seqs == {}
         # The caller keeps the outputs; the same ids can run again, with the same tokens.
         again = engine.generate([GenerationRequest(f"r{i}", p, max_tokens=4) for i, p in enumerate(ps)])
-        assert engine.outputs == {} and engine._seqs == {}  # noqa: SLF001
+        assert engine.outputs == {} and engine.scheduler.seqs == {}
         assert st.block_manager.servicer._core.stats().num_sequences == 0  # noqa: SLF001
     for a, b, p in zip(first, again, ps, strict=True):
         assert a.completions[0].token_ids == b.completions[0].token_ids == hf.greedy(p, 4)

@@ -1,0 +1,129 @@
+"""The scheduling policy, as pure functions of the queues and the last block-manager reply: which
+waiting sequences to admit, which swapped ones to bring back, and the worker batches (decode
+tokens first, then prefill chunks within the token budget: chunked prefill).
+
+Pure: no gRPC, no protobuf, no clock, and nothing it is given is changed. The scheduler
+(frontend/engine/scheduler.py) owns the queues and applies what these functions choose;
+tests/frontend/engine/test_policy.py checks their limits without any server.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from frontend.admission import PrefixProgress
+from frontend.engine.types import Seq, SeqStatus
+from pagedkv.watermark import admission_room
+
+
+@dataclass(slots=True, frozen=True)
+class Limits:
+    """The engine's batch limits and the pool's geometry (EngineConfig + the manager's Config)."""
+
+    max_num_seqs: int
+    max_batch_tokens: int
+    block_size: int
+    watermark: int
+    prefix_caching: bool
+
+
+@dataclass(slots=True, frozen=True)
+class PoolView:
+    """What the last Step reply said about the pool: free + cached blocks, and how many cached
+    blocks ever left the prefix cache (a finished sequence's prefix is trusted while it has not moved)."""
+
+    available: int
+    prefix_cache_drops: int
+
+
+def swap_ins(swapped: Iterable[Seq], num_running: int, limits: Limits) -> list[Seq]:
+    """Swapped sequences to bring back, oldest first, while max_num_seqs leaves room."""
+    return list(itertools.islice(swapped, max(0, limits.max_num_seqs - num_running)))
+
+
+def admissions(
+    waiting: Iterable[Seq],
+    running: Sequence[Seq],
+    finishing: Sequence[Seq],
+    grow: Sequence[Seq],
+    num_swap_in: int,
+    pool: PoolView,
+    limits: Limits,
+    finished_prefixes: Iterable[tuple[list[int], int, int]] = (),
+) -> tuple[list[Seq], int]:
+    """Waiting sequences to allocate in this Step, and how many were held back: FIFO within
+    max_num_seqs (an n > 1 request takes n places at once) and the blocks the last reply said are
+    available above the watermark (without hits; the head is always tried). With prefix caching,
+    a request whose prefix one of this engine's sequences is still computing waits for it
+    (frontend/admission.py); ``finished_prefixes`` are (tokens, computed, prefix_cache_drops when
+    recorded) hints of what finished sequences committed."""
+    bs = limits.block_size
+    room = limits.max_num_seqs - len(running) - num_swap_in
+    growth = sum(1 for s in grow if (len(s.tokens) - 1) % bs == 0)  # blocks the running take first
+    budget = admission_room(pool.available - growth, limits.watermark)
+    out: list[Seq] = []
+    held = 0
+    progress: PrefixProgress | None = None
+    for seq in waiting:
+        width = seq.width
+        need = -(-len(seq.tokens) // bs)
+        if width > room or (out and need > budget):
+            break
+        if limits.prefix_caching:
+            if progress is None:
+                progress = PrefixProgress(bs)
+                for s in itertools.chain(running, finishing):
+                    progress.add(s.tokens, s.num_computed)
+                for tokens, computed, drops in finished_prefixes:
+                    if drops == pool.prefix_cache_drops:  # nothing left the cache since
+                        progress.add(tokens, computed)
+            if progress.should_hold(seq.tokens):
+                held += 1
+                continue
+            progress.add(seq.tokens, 0)  # its hits are unknown until the reply
+        out.append(seq)
+        room -= width
+        budget -= need
+    return out, held
+
+
+def batches(
+    running: Sequence[Seq],
+    limits: Limits,
+    *,
+    separate_budgets: bool = False,
+    num_workers: int = 1,
+    prefill_busy: bool = False,
+) -> tuple[list[tuple[Seq, int]], list[tuple[Seq, int]]]:
+    """(sequence, number of tokens to compute) for this iteration: the decode batch and the
+    prefill chunks. ``separate_budgets``: each gets max_batch_tokens (they run on different
+    workers); else they share it, decode first. ``num_workers`` mixed workers split the iteration,
+    so the budget is that many times max_batch_tokens, and no chunk exceeds max_batch_tokens
+    (one sequence's chunk runs on one worker). Sequences whose prefill is in flight (PREFILLING)
+    wait, and with ``prefill_busy`` (the prefill pipeline has a chunk in flight) no prefill is planned."""
+    budget = limits.max_batch_tokens * num_workers
+    decode = [
+        s
+        for s in running
+        if s.status is SeqStatus.RUNNING
+        and s.num_computed == len(s.tokens) - 1
+        and not s.needs_slot
+        and not s.awaiting_parent
+    ]
+    decode_batch = [(s, 1) for s in decode[:budget]]
+    budget = budget if separate_budgets else budget - len(decode_batch)
+    if separate_budgets and prefill_busy:
+        return decode_batch, []
+    batch: list[tuple[Seq, int]] = []
+    for s in running:
+        if s.status is not SeqStatus.RUNNING or s.needs_slot or s.awaiting_parent or budget <= 0:
+            continue
+        remaining = len(s.tokens) - s.num_computed
+        if remaining <= 1:
+            continue
+        chunk = min(remaining, budget, limits.max_batch_tokens)
+        batch.append((s, chunk))
+        budget -= chunk
+    return decode_batch, batch

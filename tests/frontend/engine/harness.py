@@ -1,0 +1,152 @@
+"""The scheduler without servers: the block manager's real core and Step handler in-process, and a
+deterministic stand-in for the workers, driven the way the engine drives them (plan, call, apply).
+
+The stand-in "model" samples each token as a function of every token before it, so a sequence
+that is preempted and recomputed must come out with exactly the tokens it would have had."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from block_manager_svc.core import BlockManager, CoreConfig
+from block_manager_svc.handlers import CoreStage
+from frontend.engine.policy import Limits
+from frontend.engine.scheduler import PrefillItem, Scheduler
+from frontend.engine.step_messages import StepDelta, StepPlan, step_delta, step_request
+from frontend.engine.types import EngineStats, GenerationRequest, SamplingOptions, TokenEvent
+from pagedkv.v1 import worker_pb2 as wpb
+
+VOCAB = 97
+
+
+def next_token(tokens: list[int], seed: int = 0) -> int:
+    """The stand-in model: a pure function of the context (and the sample's seed)."""
+    h = seed * 1_000_003
+    for t in tokens:
+        h = (h * 31 + t + 1) % 1_000_000_007
+    return h % VOCAB
+
+
+def expected(prompt: list[int], max_tokens: int, seed: int = 0) -> list[int]:
+    """What a request generates with nothing in the way (no preemption, no fault)."""
+    ctx, out = list(prompt), []
+    for _ in range(max_tokens):
+        t = next_token(ctx, seed)
+        out.append(t)
+        ctx.append(t)
+    return out
+
+
+class _Context:
+    """Enough of a gRPC context for the handler to refuse a whole request."""
+
+    def abort(self, code: object, message: str) -> None:
+        raise RuntimeError(f"{code}: {message}")
+
+
+class CoreBlockManager:
+    """The block manager's core behind its own Step handler (block_manager_svc/handlers.py), with
+    the engine's own wire translation (step_messages.py) on both sides: no server, no gRPC."""
+
+    def __init__(self, **config: object) -> None:
+        self.core = BlockManager(CoreConfig(**config))  # type: ignore[arg-type]
+        self.stage = CoreStage(self.core, threading.RLock())
+        self.steps: list[StepPlan] = []
+
+    def step(self, plan: StepPlan) -> StepDelta:
+        self.steps.append(plan)
+        resp = self.stage.Step(step_request(plan, "lease-test"), _Context())
+        return step_delta(resp, len(plan.allocs))
+
+    def num_sequences(self) -> int:
+        return self.core.stats().num_sequences
+
+    def blocks_in_use(self) -> int:
+        """Blocks some sequence references (cached, unreferenced blocks are available)."""
+        return self.core.config.num_gpu_blocks - self.core.pool.num_available
+
+
+@dataclass
+class Driver:
+    """One engine iteration at a time: the block-manager Step, then one worker step."""
+
+    scheduler: Scheduler
+    bm: CoreBlockManager
+    events: list[TokenEvent] = field(default_factory=list)
+    worker_steps: list[list[tuple[str, int]]] = field(default_factory=list)
+    ops_sent: int = 0
+
+    @classmethod
+    def make(
+        cls, *, num_gpu_blocks: int, block_size: int = 4, max_num_seqs: int = 8, max_batch_tokens: int = 64,
+        watermark: int = 0, prefix_caching: bool = True, **core: object,
+    ) -> Driver:  # fmt: skip
+        bm = CoreBlockManager(
+            num_gpu_blocks=num_gpu_blocks,
+            block_size=block_size,
+            watermark_blocks=watermark,
+            enable_prefix_caching=prefix_caching,
+            **core,
+        )
+        limits = Limits(max_num_seqs, max_batch_tokens, block_size, watermark, prefix_caching)
+        return cls(Scheduler(limits, num_gpu_blocks, "test", EngineStats()), bm)
+
+    def add(
+        self, rid: str, prompt: list[int], max_tokens: int = 4, n: int = 1, seed: int | None = None
+    ) -> None:
+        sampling = SamplingOptions(temperature=0.0 if seed is None else 1.0, seed=seed)
+        self.scheduler.add(GenerationRequest(rid, prompt, max_tokens=max_tokens, n=n, sampling=sampling))
+
+    def block_manager_step(self) -> StepDelta | None:
+        plan = self.scheduler.plan()
+        if plan is None:
+            return None
+        delta = self.bm.step(plan.step)
+        self.scheduler.apply_block_manager(plan, delta)
+        return delta
+
+    def worker_step(self) -> list[TokenEvent]:
+        sched = self.scheduler
+        decode, prefill = sched.batches(separate_budgets=False, num_workers=1, prefill_busy=False)
+        batch = decode + prefill
+        ops = sched.take_ops()
+        self.ops_sent += len(ops.copies) + len(ops.swap_out) + len(ops.swap_in)
+        if not batch:
+            return []
+        self.worker_steps.append([(s.seq_id, k) for s, k in batch])
+        items = [PrefillItem(s, s.num_computed, k) for s, k in batch]
+        outputs = []
+        for s, k in batch:
+            context = s.tokens[: s.num_computed + k]
+            draws = sched.fork_draws(s, k)
+            out = wpb.SequenceOutput(token_id=next_token(context, s.seed or 0))
+            for child in draws:
+                out.fork_samples.add(token_id=next_token(context, child.seed or 0))
+            outputs.append(out)
+        events = sched.apply_outputs(items, outputs)
+        self.events += events
+        return events
+
+    def iterate(self) -> list[TokenEvent]:
+        self.block_manager_step()
+        return self.worker_step()
+
+    def run(self, max_iterations: int = 500) -> None:
+        for _ in range(max_iterations):
+            if not self.scheduler.has_work():
+                return
+            self.iterate()
+        raise AssertionError(f"still running after {max_iterations} iterations")
+
+    def tokens(self, rid: str, index: int = 0) -> list[int]:
+        return self.scheduler.outputs[rid].completions[index].token_ids
+
+    def assert_nothing_held(self) -> None:
+        """Everything finished was freed: the manager holds no sequence and no referenced block."""
+        plan = self.scheduler.plan(full=False)  # the frees of the last iteration (a flush)
+        if plan is not None:
+            self.scheduler.apply_block_manager(plan, self.bm.step(plan.step))
+        assert self.bm.num_sequences() == 0
+        assert self.bm.blocks_in_use() == 0
+        self.bm.core.check_invariants()

@@ -1,0 +1,241 @@
+"""Every transition of the scheduler (frontend/engine/scheduler.py), driven as the engine drives it
+against the block manager's real core in-process (harness.py): admission, allocation failure,
+fork, preemption by recompute and by swap, swap-in, abort mid-prefill, and the recovery paths.
+Each run ends with the fault-free tokens and nothing held in the manager."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from frontend.engine.types import SeqStatus
+from tests.frontend.engine.harness import Driver, expected
+
+
+def _prompt(i: int, length: int) -> list[int]:
+    return [(7 * i + j) % 50 + 1 for j in range(length)]
+
+
+def test_requests_generate_their_tokens_and_free_everything() -> None:
+    d = Driver.make(num_gpu_blocks=32)
+    for i in range(4):
+        d.add(f"r{i}", _prompt(i, 5 + i), max_tokens=6)
+    d.run()
+    for i in range(4):
+        assert d.tokens(f"r{i}") == expected(_prompt(i, 5 + i), 6)
+        assert d.scheduler.outputs[f"r{i}"].completions[0].finish_reason == "length"
+    d.assert_nothing_held()
+
+
+def test_an_admission_leaves_the_block_a_running_sequence_crosses_into() -> None:
+    """A running sequence crosses a block boundary in the same Step that two requests wait, with
+    exactly enough blocks for the growth and one of them: the second is held back (not even
+    asked for), and nothing is preempted."""
+    d = Driver.make(num_gpu_blocks=4, prefix_caching=False, preemption_mode="recompute")
+    d.add("a", _prompt(0, 4), max_tokens=8)  # 4 tokens: its 5th needs a second block
+    d.add("c", _prompt(1, 3), max_tokens=3)  # 3 tokens: its 4th fits its block
+    d.iterate()
+    a = d.scheduler.seqs["test:a/0"]
+    assert a.needs_slot and len(a.tokens) == 5 and d.bm.core.pool.num_available == 2
+    d.add("w0", _prompt(2, 4), max_tokens=2)  # one block each
+    d.add("w1", _prompt(3, 4), max_tokens=2)
+    delta = d.block_manager_step()
+    assert delta is not None
+    step = d.bm.steps[-1]
+    assert [s for s, _ in step.appends] == ["test:a/0", "test:c/0"]
+    assert [s for s, _, _ in step.allocs] == ["test:w0/0"], "w1 must wait: a's growth takes its block"
+    assert delta.preempted == [] and not delta.errors
+    assert len(a.block_table) == 2 and not a.needs_slot
+    assert d.scheduler.seqs["test:w1/0"].status is SeqStatus.WAITING
+    assert d.scheduler.stats.preempted_recompute == 0
+    d.worker_step()
+    d.run()
+    for rid, i, n in (("a", 0, 8), ("c", 1, 3), ("w0", 2, 2), ("w1", 3, 2)):
+        assert d.tokens(rid) == expected(_prompt(i, 4 if rid != "c" else 3), n)
+    d.assert_nothing_held()
+
+
+def test_an_allocation_without_room_keeps_its_place_and_runs_later() -> None:
+    d = Driver.make(num_gpu_blocks=6, prefix_caching=False, preemption_mode="off")
+    d.add("big", _prompt(0, 16), max_tokens=4)  # 4 blocks + growth
+    d.iterate()
+    d.add("next", _prompt(1, 12), max_tokens=2)  # 3 blocks: not there while "big" runs
+    d.add("after", _prompt(2, 2), max_tokens=2)
+    d.iterate()
+    assert d.scheduler.seqs["test:next/0"].status is SeqStatus.WAITING
+    assert list(d.scheduler.waiting)[0].seq_id == "test:next/0", "it keeps the head of the queue"
+    d.run()
+    assert d.tokens("next") == expected(_prompt(1, 12), 2)
+    assert d.tokens("big") == expected(_prompt(0, 16), 4)
+    assert d.tokens("after") == expected(_prompt(2, 2), 2)
+    d.assert_nothing_held()
+
+
+def test_samples_fork_from_the_prompt_and_draw_their_first_tokens_from_its_prefill() -> None:
+    d = Driver.make(num_gpu_blocks=16)
+    prompt = _prompt(0, 9)
+    d.add("r", prompt, max_tokens=5, n=3, seed=11)
+    d.iterate()
+    seqs = [d.scheduler.seqs[f"test:r/{i}"] for i in range(3)]
+    assert [s.status for s in seqs] == [SeqStatus.RUNNING] * 3
+    assert seqs[1].block_table == seqs[0].block_table, "a sample shares its parent's prompt blocks"
+    assert all(len(s.tokens) == 10 and not s.awaiting_parent for s in seqs)
+    assert len(d.bm.steps[0].forks) == 2 and len(d.worker_steps[0]) == 1, "one prefill, three first tokens"
+    d.run()
+    for i in range(3):
+        assert d.tokens("r", i) == expected(prompt, 5, seed=11 + i)
+    d.assert_nothing_held()
+
+
+def _contended(mode: str, num_cpu_blocks: int = 0) -> Driver:
+    d = Driver.make(
+        num_gpu_blocks=10,
+        max_num_seqs=4,
+        prefix_caching=False,
+        preemption_mode=mode,
+        num_cpu_blocks=num_cpu_blocks,
+    )
+    for i in range(4):
+        d.add(f"r{i}", _prompt(i, 6), max_tokens=10)  # 2 blocks each now, 4 each by the end
+    return d
+
+
+def test_preemption_by_recompute_gives_the_same_tokens() -> None:
+    d = _contended("recompute")
+    d.run()
+    assert d.scheduler.stats.preempted_recompute > 0
+    assert d.scheduler.stats.preempted_swap == 0
+    for i in range(4):
+        assert d.tokens(f"r{i}") == expected(_prompt(i, 6), 10)
+    d.assert_nothing_held()
+
+
+def test_preemption_by_swap_and_swap_in_give_the_same_tokens() -> None:
+    d = _contended("swap", num_cpu_blocks=32)
+    swapped_seen = False
+    for _ in range(200):
+        if not d.scheduler.has_work():
+            break
+        d.iterate()
+        swapped_seen |= bool(d.scheduler.swapped)
+    assert swapped_seen and d.scheduler.stats.preempted_swap > 0
+    assert d.ops_sent > 0, "swap-out and swap-in ops reached the workers"
+    for i in range(4):
+        assert d.tokens(f"r{i}") == expected(_prompt(i, 6), 10)
+    d.assert_nothing_held()
+
+
+def test_abort_mid_prefill_frees_its_blocks_and_spares_the_others() -> None:
+    d = Driver.make(num_gpu_blocks=32, max_batch_tokens=8)
+    d.add("long", _prompt(0, 30), max_tokens=4)
+    d.add("short", _prompt(1, 3), max_tokens=4)
+    d.iterate()
+    long_seq = d.scheduler.seqs["test:long/0"]
+    assert 0 < long_seq.num_computed < 30, "its prefill is chunked over several steps"
+    assert d.scheduler.abort("long")
+    assert long_seq.status is SeqStatus.FINISHED and d.scheduler.outputs["long"].finished
+    d.block_manager_step()
+    assert "test:long/0" in d.bm.steps[-1].frees
+    d.worker_step()
+    d.run()
+    assert d.tokens("short") == expected(_prompt(1, 3), 4)
+    assert d.scheduler.release("long") and d.scheduler.release("short")
+    assert d.scheduler.seqs == {} and d.scheduler.outputs == {}
+    d.assert_nothing_held()
+
+
+def test_cache_host_recovery_requeues_everything_and_recomputes_the_same_tokens() -> None:
+    """What recovery.recover_lost_cache does with the scheduler: everything held is freed, every
+    running and swapped sequence recomputes from its prompt and the tokens so far."""
+    d = Driver.make(num_gpu_blocks=32)
+    for i in range(3):
+        d.add(f"r{i}", _prompt(i, 5), max_tokens=8)
+    for _ in range(4):
+        d.iterate()
+    victims, frees = d.scheduler.take_block_holders()
+    assert {s.seq_id for s in victims} <= set(frees) and len(victims) == 3
+    d.scheduler.note_pool(d.bm.step(_frees(frees)))
+    d.scheduler.requeue_all(victims)
+    assert [s.seq_id for s in d.scheduler.waiting] == [s.seq_id for s in victims]
+    assert d.scheduler.stats.recomputed_tokens > 0 and not d.scheduler.has_pending_ops()
+    assert d.bm.num_sequences() == 0
+    d.run()
+    for i in range(3):
+        assert d.tokens(f"r{i}") == expected(_prompt(i, 5), 8)
+    d.assert_nothing_held()
+
+
+def test_a_step_whose_reply_was_lost_frees_what_it_created_in_the_next() -> None:
+    """The manager applied the Step (allocated the admitted sequences) but the engine never heard:
+    the next Step frees them before allocating them again, so nothing leaks."""
+    d = Driver.make(num_gpu_blocks=16)
+    d.add("r", _prompt(0, 6), max_tokens=3, n=2, seed=3)
+    plan = d.scheduler.plan()
+    assert plan is not None and plan.created == ["test:r/0", "test:r/1"]
+    d.bm.step(plan.step)  # applied, reply lost
+    d.scheduler.step_unanswered(plan)
+    assert d.bm.num_sequences() == 2
+    d.iterate()
+    retry = d.bm.steps[-1]
+    assert retry.frees == ["test:r/0", "test:r/1"] and [s for s, _, _ in retry.allocs] == ["test:r/0"]
+    d.run()
+    for i in range(2):
+        assert d.tokens("r", i) == expected(_prompt(0, 6), 3, seed=3 + i)
+    d.assert_nothing_held()
+
+
+def _frees(ids: list[str]):  # type: ignore[no-untyped-def]
+    from frontend.engine.step_messages import StepPlan
+
+    return StepPlan(frees=list(ids))
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    arrivals=st.lists(
+        st.tuples(st.integers(1, 14), st.integers(1, 8), st.integers(1, 2)), min_size=1, max_size=8
+    ),
+    aborts=st.lists(st.integers(0, 7), max_size=3),
+    mode=st.sampled_from(["recompute", "swap"]),
+    num_gpu_blocks=st.integers(8, 20),
+    max_batch_tokens=st.integers(4, 32),
+)
+def test_random_traffic_keeps_every_sequence_in_one_place_and_its_tokens(
+    arrivals: list[tuple[int, int, int]],
+    aborts: list[int],
+    mode: str,
+    num_gpu_blocks: int,
+    max_batch_tokens: int,
+) -> None:
+    """Arrivals, aborts and whatever preemptions a small pool forces: each sequence is in exactly
+    one queue at every step, finished requests have the fault-free tokens, nothing stays held."""
+    d = Driver.make(
+        num_gpu_blocks=num_gpu_blocks,
+        max_num_seqs=4,
+        max_batch_tokens=max_batch_tokens,
+        preemption_mode=mode,
+        num_cpu_blocks=32 if mode == "swap" else 0,
+    )
+    sched = d.scheduler
+    for step in range(400):
+        if step < len(arrivals):
+            length, max_tokens, n = arrivals[step]
+            d.add(f"r{step}", _prompt(step, length), max_tokens=max_tokens, n=n, seed=step)
+        if step in aborts and f"r{step - 1}" in sched.outputs:
+            sched.abort(f"r{step - 1}")
+        d.iterate()
+        places = [s.seq_id for s in list(sched.waiting) + sched.running + list(sched.swapped)]
+        assert len(places) == len(set(places)), "a sequence is in two queues"
+        for s in sched.seqs.values():
+            in_queue = s.seq_id in places
+            assert in_queue == (s.status is not SeqStatus.FINISHED), (s.seq_id, s.status)
+        assert len(sched.running) + len(sched.swapped) <= 4 + 1  # n=2 forks may briefly share a slot
+        if step >= len(arrivals) and not sched.has_work():
+            break
+    assert not sched.has_work()
+    for step, (length, max_tokens, _) in enumerate(arrivals):
+        out = sched.outputs[f"r{step}"]
+        for i, c in enumerate(out.completions):
+            if c.finish_reason == "length":
+                assert c.token_ids == expected(_prompt(step, length), max_tokens, seed=step + i)
+    d.assert_nothing_held()
