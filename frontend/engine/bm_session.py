@@ -30,7 +30,7 @@ from typing import TypeVar
 import grpc
 import structlog
 
-from frontend.client import BlockManagerClient
+from frontend.clients.block_manager import BlockManagerClient
 from frontend.engine.types import BlockManagerUnavailable, EngineConfig, EngineStats, ManagerLostState
 from pagedkv.v1 import block_manager_pb2 as pb
 

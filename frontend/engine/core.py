@@ -16,7 +16,7 @@ and one worker step per pipeline (EngineStats counts both; with
    prefill chunks in arrival order within a token budget (chunked prefill: a
    long prompt never stalls decoding), with all cache ops of the iteration. A
    request admitted in this iteration's Step is prefilled in this iteration.
-   Which workers run it is frontend/dispatch.py's decision: several mixed
+   Which workers run it is frontend/engine/dispatch.py's decision: several mixed
    workers split the iteration's sequences by tokens and compute at once on the
    one shared cache; with prefill and decode workers (disjoint roles) the
    engine runs two independent pipelines: the prefill chunk is launched on the
@@ -32,7 +32,7 @@ and one worker step per pipeline (EngineStats counts both; with
 The block manager is the one place that knows which KV exists: a prefix hit is
 a committed block, so the engine keeps no shadow of it. A request whose prefix
 another of this engine's sequences is still computing waits until that part is
-committed, then hits it (frontend/admission.py); requests of other engines that
+committed, then hits it (frontend/engine/admission.py); requests of other engines that
 arrive meanwhile compute it themselves.
 
 Many engines may share one block manager: sequence ids carry a random
@@ -69,8 +69,8 @@ from concurrent.futures import Future
 import grpc
 import structlog
 
-from frontend.client import BlockManagerClient
-from frontend.dispatch import CacheLostEverywhere, WorkerPool, WorkerSlot
+from frontend.clients.block_manager import BlockManagerClient
+from frontend.clients.worker import WorkerClient
 from frontend.engine import output, recovery, scheduler
 from frontend.engine.bm_session import (
     RESOURCE_EXHAUSTED,
@@ -80,6 +80,7 @@ from frontend.engine.bm_session import (
     StepPlan,
     read_geometry,
 )
+from frontend.engine.dispatch import CacheLostEverywhere, WorkerPool, WorkerSlot
 from frontend.engine.scheduler import Limits, PoolView
 from frontend.engine.types import (
     BlockManagerUnavailable,
@@ -94,7 +95,6 @@ from frontend.engine.types import (
     SeqStatus,
     TokenEvent,
 )
-from frontend.worker_client import WorkerClient
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import worker_pb2 as wpb
 from pagedkv.watermark import admission_room
@@ -151,7 +151,7 @@ class Engine:
             self._prefix_caching,
         )
         self._pool = PoolView(self.num_gpu_blocks, 0)  # from the last Step reply, for admission
-        # What recently finished sequences committed: a hint for admission (frontend/admission.py),
+        # What recently finished sequences committed: a hint for admission (frontend/engine/admission.py),
         # each with the manager's prefix_cache_drops when it finished; trusted only while that
         # counter has not moved (nothing left the cache since, so their blocks are still cached).
         self._finished_prefixes: collections.deque[tuple[list[int], int, int]] = collections.deque(

@@ -9,7 +9,7 @@
   renew the lease, recompute every running and swapped sequence (re-allocated in the next Step,
   with prefix hits where the manager still has committed blocks).
 
-A lost worker is frontend/dispatch.py's: its share moves to another worker on the same cache.
+A lost worker is frontend/engine/dispatch.py's: its share moves to another worker on the same cache.
 Recomputing is the recompute-preemption path: prompt + tokens so far, so greedy outputs are the same.
 """
 
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import grpc
 import structlog
 
-from frontend.dispatch import CacheLostEverywhere
+from frontend.engine.dispatch import CacheLostEverywhere
 from frontend.engine.scheduler import PoolView
 from frontend.engine.types import BlockManagerUnavailable, CacheHostLost, ManagerLostState
 from pagedkv.v1 import worker_pb2 as wpb

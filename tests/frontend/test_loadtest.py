@@ -10,7 +10,7 @@ import pytest
 from block_manager_svc.server import start_server
 from block_manager_svc.settings import BlockManagerSettings
 from frontend import loadtest
-from frontend.client import BlockManagerClient
+from frontend.clients.block_manager import BlockManagerClient
 
 
 @pytest.fixture()
