@@ -26,7 +26,7 @@
 # - every section runs in its own process group with PAGEDKV_GPU_CHECK_TAG=<run>-<section> in its
 #   environment; when it ends (done, timed out, or gpu_check itself is stopped) every process still
 #   carrying the tag gets SIGTERM, then SIGKILL after 5 s: services that started sessions of their
-#   own (frontend/stack.py) cannot outlive their section and keep holding GPU memory.
+#   own (frontend/launch/processes.py) cannot outlive their section and keep holding GPU memory.
 #
 # Sections and their default timeouts (env knobs, seconds; their sum fits the 460 s deadline):
 #   wheels 40 (WHEELS_TIMEOUT_S), env 20 (ENV_TIMEOUT_S), pytest 110 (PYTEST_TIMEOUT_S),

@@ -42,7 +42,7 @@ NEEDED = {
     "worker_svc.model_runner": "pytest (CUDA graphs test), worker, graphs",
     "block_manager_svc.core": "pytest (CUDA graphs test: block tables)",
     "block_manager_svc.server": "pd",
-    "frontend.stack": "pd",
+    "frontend.launch.processes": "pd",
     "frontend.engine": "pd",
 }
 GPU_ONLY = {"cupy": "ipc, worker, pd (CUDA IPC)"}

@@ -1,9 +1,9 @@
 """Several pagedkv pools on this machine, routed round-robin vs by cached-prefix overlap.
 
-Each pool is a whole stack (block manager, cache host, worker: frontend/local_stack.py, CPU
+Each pool is a whole stack (block manager, cache host, worker: frontend/launch/local_stack.py, CPU
 backend) driven in-process by its own continuous-batching engine on its own thread; each pool's
 block manager publishes its KV events over ZeroMQ in vLLM's wire format
-(block_manager_svc/kv_events_zmq.py), and the prefix-aware router (frontend/kv_router.py)
+(block_manager_svc/kv_events_zmq.py), and the prefix-aware router (bench/kv_router.py)
 consumes them, as llm-d's KV-cache indexer would: it scores each pool by how many leading blocks
 of the prompt that pool holds (weight 3) and by load (weight 2).
 
@@ -40,9 +40,10 @@ from dataclasses import dataclass, field
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
+from bench.kv_router import PoolSubscriber, PrefixAwareRouter, RoundRobinRouter  # noqa: E402
 from frontend.engine import EngineConfig, GenerationRequest  # noqa: E402
-from frontend.kv_router import PoolSubscriber, PrefixAwareRouter, RoundRobinRouter  # noqa: E402
-from frontend.local_stack import LocalStack, StackConfig  # noqa: E402
+from frontend.launch.config import StackConfig  # noqa: E402
+from frontend.launch.local_stack import LocalStack  # noqa: E402
 from pagedkv.logging_setup import configure_logging  # noqa: E402
 
 

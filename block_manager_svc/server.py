@@ -39,7 +39,7 @@ log = structlog.get_logger("pagedkv.block_manager")
 
 
 @dataclass(slots=True)
-class RunningServer:
+class BlockManagerServer:
     """A started server and what tests and the CLI need to drive it."""
 
     server: grpc.Server
@@ -80,7 +80,7 @@ def build_core(settings: BlockManagerSettings) -> BlockManager:
     )
 
 
-def start_server(settings: BlockManagerSettings) -> RunningServer:
+def start_server(settings: BlockManagerSettings) -> BlockManagerServer:
     """Build and start the server; raises RuntimeError if the port is taken."""
     # Security and observability (docs/security.md, docs/observability.md): all off by default.
     store = TokenStore.load(settings.auth_tokens_file) if settings.auth_tokens_file else None
@@ -138,7 +138,7 @@ def start_server(settings: BlockManagerSettings) -> RunningServer:
         if metrics is not None:
             metrics.stop()
         raise
-    return RunningServer(
+    return BlockManagerServer(
         server=grpc_server.server,
         port=grpc_server.port,
         health=grpc_server.health,

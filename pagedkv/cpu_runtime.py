@@ -7,7 +7,7 @@ vLLM's CPU docs ask for ``LD_PRELOAD`` of tcmalloc and ``libiomp5``. Measured on
 medians 6.4 s with neither, 5.8 s with tcmalloc, 5.3 s with Intel OpenMP, 4.3 s with both.
 
 A preload must be in the environment when the process starts, so the launcher (``pagedkv up``,
-``frontend/stack.py``) sets it for the worker processes it starts on a CPU; one started by hand, in
+``frontend/launch/processes.py``) sets it for the worker processes it starts on a CPU; one started by hand, in
 compose or in Kubernetes gets the same through its environment (docs/worker.md). Only libraries
 that exist are named, so a machine without them runs as before: tcmalloc from the system (Debian's
 ``libtcmalloc-minimal4``), ``libiomp5.so`` from the ``intel-openmp`` wheel in this Python's prefix

@@ -4,7 +4,7 @@ Why one module: the block manager, the cache host, the workers, ``pagedkv serve`
 the in-process stack, ``generate`` and ``demo`` all describe the same pool and the same ports; when
 each wrote its own literal they drifted (six different ``num_gpu_blocks`` defaults). The settings
 objects (``block_manager_svc/settings.py``, ``worker_svc/settings.py``,
-``frontend/serve_settings.py``) and the commands' parsers read their defaults from here.
+``frontend/serve/settings.py``) and the commands' parsers read their defaults from here.
 
 A command that legitimately wants a smaller pool than a deployed service (a laptop demo, a test
 stack) gets a named constant below saying why, never a literal of its own. This module imports
@@ -41,7 +41,7 @@ holds survives a SIGKILL of the block manager, and a power loss takes the KV wit
 manager's own default, for a state dir that may outlive the cache hosts, is ``always``)."""
 
 LOCAL_NUM_GPU_BLOCKS = 512
-"""The in-process stack (``frontend.local_stack``, ``pagedkv generate --local``, tests): one process
+"""The in-process stack (``frontend.launch.local_stack``, ``pagedkv generate --local``, tests): one process
 holds every role, so a smaller cache."""
 
 DEMO_NUM_GPU_BLOCKS = 256

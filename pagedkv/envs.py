@@ -8,7 +8,7 @@ the environment any other way. The README's table is this registry:
 ``python -m pagedkv.envs --markdown`` prints it and a test checks that the two are equal.
 
 Not listed here: the settings fields of the roles (``PAGEDKV_<FIELD>`` of
-``block_manager_svc/settings.py``, ``worker_svc/settings.py``, ``frontend/serve_settings.py``),
+``block_manager_svc/settings.py``, ``worker_svc/settings.py``, ``frontend/serve/settings.py``),
 which pydantic-settings reads and which are documented with their flags. Variables that belong
 to a third-party library (Triton, Hugging Face, OpenMP, the dynamic loader) are listed when pagedkv
 reads or sets them, with the library named.

@@ -36,7 +36,7 @@ def graceful_stop(server: grpc.Server, health_servicer: health.HealthServicer, g
 
 
 @dataclass(slots=True)
-class RunningServer:
+class GrpcServer:
     server: grpc.Server
     port: int
     health: health.HealthServicer
@@ -64,7 +64,7 @@ def start_server(
     max_message_bytes: int = MAX_MESSAGE_BYTES,
     maximum_concurrent_rpcs: int | None = None,
     enable_reflection: bool = True,
-) -> RunningServer:
+) -> GrpcServer:
     """Start a server with ``register``'s servicer, health and (unless told not to) reflection;
     SERVING at once. Raises RuntimeError when the address cannot be bound (nothing is left running).
 
@@ -113,7 +113,7 @@ def start_server(
     server.start()
     for name in ("", service_name):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return RunningServer(server=server, port=bound, health=health_servicer)
+    return GrpcServer(server=server, port=bound, health=health_servicer)
 
 
 def stop_event_on_signals() -> threading.Event:

@@ -125,7 +125,8 @@ def auth_metadata(token: str) -> tuple[tuple[str, str], ...]:
 def add_client_tls_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """``--tls-ca/--tls-cert/--tls-key`` (defaults from ``PAGEDKV_TLS_CA`` / ``PAGEDKV_TLS_CLIENT_CERT``
     / ``PAGEDKV_TLS_CLIENT_KEY``) for a command that dials a role: one definition for every client
-    (``frontend/connection.py``, ``pagedkv/healthcheck.py``), so the flags and variables never drift."""
+    (``frontend/clients/connection.py``, ``pagedkv/healthcheck.py``), so the flags and variables never
+    drift."""
     parser.add_argument(
         "--tls-ca",
         default=envs.get_str("PAGEDKV_TLS_CA"),

@@ -16,7 +16,7 @@ from typing import Protocol
 import grpc
 import structlog
 
-from pagedkv.grpc_server import RunningServer, start_server
+from pagedkv.grpc_server import GrpcServer, start_server
 from pagedkv.v1 import cache_host_pb2, cache_host_pb2_grpc
 from worker_svc.cache_layout import CacheGeometry
 from worker_svc.cache_memory import CacheDescriptor, SharedCache, TensorDescriptor
@@ -155,7 +155,7 @@ def serve_cache(
     port: int = 0,
     weights: WeightsDescriptor | None = None,
     **tls: object,
-) -> RunningServer:
+) -> GrpcServer:
     """Serve ``cache``'s descriptor (CacheHost API, health, reflection) on host:port.
 
     ``weights``: the shared weights region to advertise beside the cache (shared_weights.pack).

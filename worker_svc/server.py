@@ -24,7 +24,7 @@ import torch
 from grpc_health.v1 import health_pb2
 
 from pagedkv.dial import Dialer, TokenError
-from pagedkv.grpc_server import RunningServer, start_server, stop_event_on_signals
+from pagedkv.grpc_server import GrpcServer, start_server, stop_event_on_signals
 from pagedkv.logging_setup import configure_logging
 from pagedkv.v1 import cache_host_pb2, worker_pb2, worker_pb2_grpc
 from worker_svc import cache_memory, cpu_placement, shared_weights
@@ -225,7 +225,7 @@ def _runner(settings: WorkerSettings, model: Model, cache: cache_memory.SharedCa
 class WorkerProcess:
     """A started worker: its server, runner and attached cache (used by the CLI and by tests)."""
 
-    running: RunningServer
+    running: GrpcServer
     servicer: WorkerServicer
     cache: cache_memory.SharedCache
     weights: SharedWeights | None = None  # the cache host's shared weights, when mapped

@@ -30,8 +30,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from frontend.client import BlockManagerClient
-from frontend.stack import Stack, StackOptions
+from frontend.clients.block_manager import BlockManagerClient
+from frontend.launch.config import StackConfig
+from frontend.launch.processes import Stack
 from pagedkv.ports import free_port_block
 
 # The manager without a state dir comes last: restarting it later from the state dir it left would
@@ -277,7 +278,7 @@ def run_serve_faults(
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 128) for _ in range(rng.randrange(8, 48))] for _ in range(concurrency)]
     base = free_port_block(5)
-    opts = StackOptions(
+    opts = StackConfig(
         block_manager_port=base,
         cache_host_port=base + 1,
         worker_port=base + 2,

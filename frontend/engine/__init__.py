@@ -1,8 +1,9 @@
 """The continuous-batching engine (frontend/engine/engine.py: plan, call, apply), split by job:
 scheduler.py (the queues and every transition), policy.py (who goes this iteration, pure),
 bm_session.py (the block-manager conversation), step_messages.py (the Step's values and wire form),
-output.py (tokens, stop checks), recovery.py (lost cache host, block manager restarted without the
-engine's state), types.py (the values). What other code imports comes from here."""
+output.py (the worker's messages, tokens, stop checks), recovery.py (lost cache host, block manager
+restarted without the engine's state), types.py (the values), dispatch.py (which workers run a step),
+admission.py (which waiting requests start). What other code imports comes from here."""
 
 from frontend.engine.engine import Engine
 from frontend.engine.types import (

@@ -9,7 +9,7 @@ Each `step()` is one iteration, conducted as vLLM v1's ``EngineCore.step()`` is:
    lease), *forks* (the other samples of an `n > 1` request share its prompt blocks), *swap-ins*.
    Copy-on-write ops, preemptions and the new block tables come back as deltas.
 2. **Worker step**: decode tokens first, then prefill chunks within a token budget (chunked
-   prefill), with the iteration's cache ops. Which workers run it is frontend/dispatch.py's
+   prefill), with the iteration's cache ops. Which workers run it is frontend/engine/dispatch.py's
    decision: mixed workers split the iteration and compute at once on the one shared cache; with
    prefill and decode workers the engine runs two pipelines, and a sequence joins the decode batch
    at the first iteration after its prefill came back. With `overlap_block_manager`, a second Step
@@ -19,7 +19,7 @@ Each `step()` is one iteration, conducted as vLLM v1's ``EngineCore.step()`` is:
 
 The block manager is the one place that knows which KV exists: the engine keeps no shadow of the
 prefix cache (a request whose prefix another of its sequences is still computing waits until it is
-committed: frontend/admission.py). Sequence ids carry a per-engine prefix and every sequence is
+committed: frontend/engine/admission.py). Sequence ids carry a per-engine prefix and every sequence is
 under this engine's lease, renewed in the background, so many engines share one manager. Every
 mutation carries a request id and is retried within `block_manager_outage_s`; a manager that lost
 this engine's state is resynced, and a lost cache host recovered (recovery.py, docs/reliability.md).
@@ -40,10 +40,11 @@ from concurrent.futures import Future
 import grpc
 import structlog
 
-from frontend.client import BlockManagerClient
-from frontend.dispatch import CacheLostEverywhere, WorkerPool, WorkerSlot
+from frontend.clients.block_manager import BlockManagerClient
+from frontend.clients.worker import WorkerClient
 from frontend.engine import output, recovery
 from frontend.engine.bm_session import BlockManagerSession, read_geometry
+from frontend.engine.dispatch import CacheLostEverywhere, WorkerPool, WorkerSlot
 from frontend.engine.policy import Limits
 from frontend.engine.scheduler import PrefillItem, Scheduler
 from frontend.engine.step_messages import StepDelta, StepPlan
@@ -59,7 +60,6 @@ from frontend.engine.types import (
     SeqStatus,
     TokenEvent,
 )
-from frontend.worker_client import WorkerClient
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import worker_pb2 as wpb
 from pagedkv.watermark import admission_room

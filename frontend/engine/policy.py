@@ -13,7 +13,7 @@ import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from frontend.admission import PrefixProgress
+from frontend.engine.admission import PrefixProgress
 from frontend.engine.types import Seq, SeqStatus
 from pagedkv.watermark import admission_room
 
@@ -57,7 +57,7 @@ def admissions(
     max_num_seqs (an n > 1 request takes n places at once) and the blocks the last reply said are
     available above the watermark (without hits; the head is always tried). With prefix caching,
     a request whose prefix one of this engine's sequences is still computing waits for it
-    (frontend/admission.py); ``finished_prefixes`` are (tokens, computed, prefix_cache_drops when
+    (frontend/engine/admission.py); ``finished_prefixes`` are (tokens, computed, prefix_cache_drops when
     recorded) hints of what finished sequences committed."""
     bs = limits.block_size
     room = limits.max_num_seqs - len(running) - num_swap_in

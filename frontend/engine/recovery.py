@@ -9,7 +9,7 @@
   renew the lease, recompute every running and swapped sequence (re-allocated in the next Step,
   with prefix hits where the manager still has committed blocks).
 
-A lost worker is frontend/dispatch.py's: its share moves to another worker on the same cache.
+A lost worker is frontend/engine/dispatch.py's: its share moves to another worker on the same cache.
 Recomputing is the recompute-preemption path: prompt + tokens so far, so greedy outputs are the same.
 """
 
@@ -21,11 +21,11 @@ from collections.abc import Callable, Sequence
 import grpc
 import structlog
 
-from frontend.dispatch import CacheLostEverywhere
+from frontend.clients.worker import WorkerClient
 from frontend.engine.bm_session import BlockManagerSession
+from frontend.engine.dispatch import CacheLostEverywhere
 from frontend.engine.scheduler import Scheduler
 from frontend.engine.types import BlockManagerUnavailable, CacheHostLost, EngineConfig, ManagerLostState
-from frontend.worker_client import WorkerClient
 from pagedkv.v1 import worker_pb2 as wpb
 
 log = structlog.get_logger("pagedkv.engine")

@@ -81,7 +81,7 @@ class Scheduler:
         self.unconfirmed: list[str] = []
         self.pending_ops = pb.CacheOps()  # cache ops owed to the workers, sent with the next worker step
         self.blocks = PoolView(num_gpu_blocks, 0)  # what the last Step reply said about the block pool
-        # What recently finished sequences committed: a hint for admission (frontend/admission.py),
+        # What recently finished sequences committed: a hint for admission (frontend/engine/admission.py),
         # each with the manager's prefix_cache_drops when it finished; trusted only while that
         # counter has not moved (nothing left the cache since, so their blocks are still cached).
         self.finished_prefixes: collections.deque[tuple[list[int], int, int]] = collections.deque(

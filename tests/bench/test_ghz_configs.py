@@ -22,7 +22,7 @@ from google.protobuf import json_format
 
 from block_manager_svc.server import start_server
 from block_manager_svc.settings import BlockManagerSettings
-from frontend.client import BlockManagerClient
+from frontend.clients.block_manager import BlockManagerClient
 from pagedkv.v1 import block_manager_pb2 as pb
 
 GHZ = Path(__file__).resolve().parents[2] / "bench" / "ghz"

@@ -15,7 +15,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import pd_bench  # noqa: E402
 
-from frontend.local_stack import LocalStack, StackConfig  # noqa: E402
+from frontend.launch.config import StackConfig  # noqa: E402
+from frontend.launch.local_stack import LocalStack  # noqa: E402
 from worker_svc.model.config import load_model_config  # noqa: E402
 
 

@@ -25,7 +25,7 @@ def load_bench():  # type: ignore[no-untyped-def]
 
 
 def test_serve_bench_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from frontend.local_stack import LocalStack
+    from frontend.launch.local_stack import LocalStack
 
     bench = load_bench()
     hf = build_hf_model(tmp_path / "model", seed=1)

@@ -21,7 +21,7 @@ import zmq
 
 from block_manager_svc.core.kv_events import BlockStored as PoolBlockStored
 from block_manager_svc.settings import BlockManagerSettings
-from frontend.client import BlockManagerClient
+from frontend.clients.block_manager import BlockManagerClient
 
 BLOCK_SIZE = 4
 

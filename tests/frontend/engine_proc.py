@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 import sys
 
-from frontend.client import BlockManagerClient
+from frontend.clients.block_manager import BlockManagerClient
+from frontend.clients.worker import WorkerClient
 from frontend.engine import Engine, EngineConfig, GenerationRequest
-from frontend.worker_client import WorkerClient
 
 
 def main() -> None:

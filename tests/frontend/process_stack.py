@@ -1,6 +1,6 @@
 """One tiny process stack for the fault tests: block manager, cache host and one worker as real
-processes (``frontend/stack.py``), on a random tiny Llama, with the environment the test asks for set
-while it runs and restored after, and the shared memory of SIGKILLed roles removed at the end."""
+processes (``frontend/launch/processes.py``), on a random tiny Llama, with the environment the test asks
+for set while it runs and restored after, and the shared memory of SIGKILLed roles removed at the end."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from frontend.stack import Stack, StackOptions
+from frontend.launch.config import StackConfig
+from frontend.launch.processes import Stack
 from pagedkv.ports import free_ports
 
 
@@ -19,7 +20,7 @@ from pagedkv.ports import free_ports
 def tiny_process_stack(
     model: str, tmp_path_factory: pytest.TempPathFactory, env: dict[str, str], **options: Any
 ) -> Iterator[Stack]:
-    """Started and healthy on yield; ``options`` override the StackOptions below (e.g. ``state_dir``)."""
+    """Started and healthy on yield; ``options`` override the StackConfig below (e.g. ``state_dir``)."""
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     bm, ch, w = free_ports(3)
@@ -38,7 +39,7 @@ def tiny_process_stack(
         "ready_timeout_s": 90,
     }
     fields.update(options)
-    s = Stack(StackOptions(**fields), out=open(os.devnull, "w"))  # noqa: SIM115
+    s = Stack(StackConfig(**fields), out=open(os.devnull, "w"))  # noqa: SIM115
     try:
         s.start()
         yield s

@@ -11,9 +11,10 @@ import contextlib
 import pathlib
 from collections.abc import Iterator
 
-from frontend.local_stack import LocalStack, StackConfig
-from frontend.serve import RunningServe
-from frontend.serve_settings import ServeSettings
+from frontend.launch.config import StackConfig
+from frontend.launch.local_stack import LocalStack
+from frontend.serve.server import OpenAIServer
+from frontend.serve.settings import ServeSettings
 from tests.worker_svc.conftest import VOCAB, HFModel, build_hf_model
 
 CHAT_TEMPLATE = (
@@ -56,11 +57,11 @@ def stack_config(hf: HFModel, **kw: object) -> StackConfig:
 
 
 @contextlib.contextmanager
-def serving(stack: LocalStack, **settings: object) -> Iterator[RunningServe]:
+def serving(stack: LocalStack, **settings: object) -> Iterator[OpenAIServer]:
     s = ServeSettings(
         port=0, block_manager=stack.block_manager_target, workers=",".join(stack.worker_targets), **settings
     )  # type: ignore[arg-type]
-    with RunningServe(s) as server:
+    with OpenAIServer(s) as server:
         yield server
 
 

@@ -1,4 +1,5 @@
-"""frontend/admission.py: when a waiting request is held back for a prefix another sequence computes."""
+"""frontend/engine/admission.py: when a waiting request is held back for a prefix another sequence
+computes."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import random
 from hypothesis import given
 from hypothesis import strategies as st
 
-from frontend.admission import PrefixProgress, shared_full_blocks
+from frontend.engine.admission import PrefixProgress, shared_full_blocks
 
 BS = 4
 

@@ -17,10 +17,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from frontend.client import BlockManagerClient
+from frontend.clients.block_manager import BlockManagerClient
+from frontend.clients.worker import WorkerClient
 from frontend.engine import CacheHostLost, Engine, EngineConfig, GenerationRequest
-from frontend.stack import Stack
-from frontend.worker_client import WorkerClient
+from frontend.launch.processes import Stack
 from pagedkv.healthcheck import wait_healthy
 from tests.frontend.process_stack import tiny_process_stack
 from tests.worker_svc.conftest import HFModel, build_hf_model

@@ -171,7 +171,7 @@ def test_up_serves_generate_and_stops_everything_on_ctrl_c() -> None:
         assert set(served) == set(direct)
         assert [c["token_ids"] for c in served["completions"]] == [direct["completions"][0]["token_ids"]] * 2
         assert all(len(c["logprobs"]) == 5 for c in served["completions"])
-        from frontend.client import BlockManagerClient
+        from frontend.clients.block_manager import BlockManagerClient
 
         with BlockManagerClient(f"127.0.0.1:{bm}") as client:
             stats = client.get_stats()
@@ -254,7 +254,8 @@ def test_demo_local_prints_the_figures() -> None:
 def test_roles_and_cpu_pinning_plan() -> None:
     import pytest
 
-    from frontend.stack import StackOptions, plan, split_cpus, worker_roles
+    from frontend.launch.config import StackConfig, worker_roles
+    from frontend.launch.processes import plan, split_cpus
 
     assert worker_roles((), 2) == ["mixed", "mixed"]
     assert worker_roles(("decode",), 3) == ["decode"] * 3
@@ -266,7 +267,7 @@ def test_roles_and_cpu_pinning_plan() -> None:
     assert split_cpus([0, 1], 2) == [[0], [1]] and split_cpus([0, 1, 2, 3], 2) == [[0, 1], [2, 3]]
     assert split_cpus([0, 1], 3) == [[0], [1], [0]]
     services = plan(
-        StackOptions(num_workers=2, roles=("prefill", "decode"), pin_workers=True, share_weights=False)
+        StackConfig(num_workers=2, roles=("prefill", "decode"), pin_workers=True, share_weights=False)
     )
     w0, w1 = services[2].args, services[3].args
     assert w0[w0.index("--role") + 1] == "prefill" and w1[w1.index("--role") + 1] == "decode"
@@ -275,15 +276,14 @@ def test_roles_and_cpu_pinning_plan() -> None:
 
 
 def test_one_stack_description_for_processes_and_in_process() -> None:
-    """StackOptions (processes) and StackConfig (in-process) are one class; the fields that once only
-    the in-process stack had reach the processes as flags, and those flags parse as the settings."""
+    """One StackConfig describes both stacks; the fields that once only the in-process stack had
+    reach the processes as flags, and those flags parse as the settings."""
     from block_manager_svc.settings import load_settings
-    from frontend.local_stack import StackConfig
-    from frontend.stack import StackOptions, plan
+    from frontend.launch.config import StackConfig
+    from frontend.launch.processes import plan
     from worker_svc.settings import WorkerSettings
 
-    assert StackOptions is StackConfig
-    opts = StackOptions(
+    opts = StackConfig(
         seed=7,
         kernel_backend="reference",
         block_manager_overrides={"preemption_mode": "swap", "enable_prefix_caching": False},
@@ -300,7 +300,7 @@ def test_one_stack_description_for_processes_and_in_process() -> None:
 def test_up_fsync_flag_reaches_the_block_manager_settings() -> None:
     """`pagedkv up --fsync` (default off: one host) becomes the block manager's journal fsync."""
     from block_manager_svc.settings import load_settings
-    from frontend.stack import build_parser, options_from_args, plan
+    from frontend.launch.processes import build_parser, options_from_args, plan
 
     for argv, want in (([], "off"), (["--fsync", "always"], "always"), (["--fsync", "batch"], "batch")):
         opts = options_from_args(build_parser().parse_args(argv))

@@ -19,7 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from block_manager_svc.server import build_core
 from block_manager_svc.servicer import BlockManagerServicer
 from block_manager_svc.settings import BlockManagerSettings
-from frontend.client import (
+from frontend.clients.block_manager import (
     AsyncBlockManagerClient,
     BlockManagerClient,
     new_blocks_by_sequence,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from frontend.demo import DemoFigures, kv_occupancy, report
+from frontend.apps.demo import DemoFigures, kv_occupancy, report
 from frontend.engine import SeqStatus
 
 

@@ -8,9 +8,9 @@ import re
 
 import pytest
 
-from frontend import demo
-from frontend.demo_text import SHOWN_QUESTIONS, make_text_workload
-from frontend.text import load_model_text
+from frontend.apps import demo
+from frontend.apps.demo_text import SHOWN_QUESTIONS, make_text_workload
+from frontend.serve.text import load_model_text
 from tests.frontend.real_tokenizer import CHAT_ANSWER, Script
 
 

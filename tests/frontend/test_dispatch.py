@@ -1,11 +1,11 @@
-"""frontend/dispatch.py without servers: who gets what, balance by tokens, failover and cache loss."""
+"""frontend/engine/dispatch.py without servers: who gets what, balance by tokens, failover and cache loss."""
 
 from __future__ import annotations
 
 import grpc
 import pytest
 
-from frontend.dispatch import DECODE, MIXED, PREFILL, CacheLostEverywhere, WorkerPool, WorkerSlot
+from frontend.engine.dispatch import DECODE, MIXED, PREFILL, CacheLostEverywhere, WorkerPool, WorkerSlot
 from pagedkv import errors
 from pagedkv.v1 import worker_pb2 as wpb
 

@@ -12,7 +12,8 @@ import random
 import pytest
 
 from frontend.engine import EngineConfig, GenerationRequest
-from frontend.local_stack import LocalStack, StackConfig
+from frontend.launch.config import StackConfig
+from frontend.launch.local_stack import LocalStack
 from tests.worker_svc.conftest import HFModel, build_hf_model
 
 
@@ -136,7 +137,7 @@ def test_swap_preemption_round_trips_through_the_cpu_pool(hf: HFModel, mode: str
 
 def test_burst_with_one_new_prefix_computes_it_once_and_the_rest_hit_it(hf: HFModel) -> None:
     """Requests arriving together with the same new prefix: the first computes it, the others are
-    held back (frontend/admission.py) until it is committed and then hit it; a request with another
+    held back (frontend/engine/admission.py) until it is committed and then hit it; a request with another
     prefix behind them is not held. Only committed KV is a hit, so nothing reads unwritten blocks:
     outputs equal transformers'. One Step and at most one worker step per iteration."""
     p = prompts(5, 1)[0] + [7, 8, 9, 10, 11]  # 3+ full blocks of 4

@@ -19,10 +19,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from frontend.client import BlockManagerClient
+from frontend.clients.block_manager import BlockManagerClient
+from frontend.clients.worker import WorkerClient
 from frontend.engine import Engine, EngineConfig, GenerationRequest
-from frontend.local_stack import LocalStack, StackConfig
-from frontend.worker_client import WorkerClient
+from frontend.launch.config import StackConfig
+from frontend.launch.local_stack import LocalStack
 from tests.worker_svc.conftest import HFModel, build_hf_model
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

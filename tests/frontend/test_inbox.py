@@ -1,4 +1,4 @@
-"""frontend/inbox.py: nothing lost or reordered across threads, wake-ups coalesced, timeouts."""
+"""frontend/serve/inbox.py: nothing lost or reordered across threads, wake-ups coalesced, timeouts."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from frontend.inbox import Inbox
+from frontend.serve.inbox import Inbox
 
 
 def test_items_from_another_thread_arrive_all_and_in_order_with_fewer_wakeups() -> None:

@@ -1,8 +1,8 @@
-"""frontend/kv_router.py: the router's per-pool index follows stored/removed/cleared events."""
+"""bench/kv_router.py: the router's per-pool index follows stored/removed/cleared events."""
 
 from __future__ import annotations
 
-from frontend.kv_router import (
+from bench.kv_router import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

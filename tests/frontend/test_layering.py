@@ -1,13 +1,18 @@
-"""The frontend talks to workers over gRPC only: no frontend module imports torch or a worker module.
+"""The frontend talks to the services over gRPC only.
+
+No frontend module imports torch or a worker module at import time, and no frontend module names
+a service's internals (``block_manager_svc``, ``worker_svc``) at all, except the in-process
+launcher, which runs the services in its own process.
 
 Each frontend module is imported in a fresh interpreter where a meta-path finder refuses ``torch``
 and ``worker_svc`` (and everything under them), so an import at module level anywhere in the
-module's import graph fails the test. ``frontend/local_stack.py`` runs workers in-process and
+module's import graph fails the test. ``frontend/launch/local_stack.py`` runs workers in-process and
 imports them inside ``LocalStack.__init__``: importing it is covered here like any other module.
 """
 
 from __future__ import annotations
 
+import ast
 import pathlib
 import subprocess
 import sys
@@ -53,7 +58,7 @@ def test_every_frontend_module_imports_without_torch_or_worker_modules() -> None
         "frontend.engine",
         "frontend.engine.scheduler",
         "frontend.engine.policy",
-        "frontend.local_stack",
+        "frontend.launch.local_stack",
     } <= set(MODULES)
     res = subprocess.run(
         [sys.executable, "-c", GUARD, *MODULES], cwd=ROOT, capture_output=True, text=True, timeout=120
@@ -71,3 +76,56 @@ def test_the_guard_catches_a_torch_import() -> None:
         timeout=120,
     )
     assert res.returncode == 1 and "blocked for this test" in res.stdout
+
+
+SERVICES = ("block_manager_svc", "worker_svc")
+# The one frontend module that may import service code: it starts the services in-process.
+LAUNCHER = "frontend/launch/local_stack.py"
+# Other (module, service module) pairs, each with its reason.
+SERVICE_IMPORTS_ALLOWED = {
+    # A GGUF file's tokenizer and context length: the file format has one reader, the worker's
+    # (imported inside the function that needs it, so the module still imports without torch).
+    ("frontend/serve/text.py", "worker_svc.model.model_source"),
+}
+
+
+def service_imports(path: pathlib.Path) -> set[str]:
+    """The service modules ``path`` imports, anywhere in it (also inside functions)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+    return {n for n in names if n.split(".")[0] in SERVICES}
+
+
+def _owner(name: str) -> str:
+    """``worker_svc.model.model_source`` for ``from worker_svc.model import model_source``, and
+    the module itself for ``from worker_svc.model.model_source import x``."""
+    parts = name.split(".")
+    while parts and not (ROOT.joinpath(*parts).with_suffix(".py").exists() or ROOT.joinpath(*parts).is_dir()):
+        parts.pop()
+    return ".".join(parts)
+
+
+def test_only_the_in_process_launcher_imports_service_internals() -> None:
+    found = {
+        (str(p.relative_to(ROOT)), _owner(n))
+        for p in (ROOT / "frontend").rglob("*.py")
+        if str(p.relative_to(ROOT)) != LAUNCHER
+        for n in service_imports(p)
+    }
+    assert found == SERVICE_IMPORTS_ALLOWED
+    assert service_imports(ROOT / LAUNCHER), "the launcher should be what starts the services"
+
+
+def test_the_service_scan_sees_imports_inside_functions(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "m.py"
+    path.write_text(
+        "def f():\n    from block_manager_svc.core import manager\n    import worker_svc.server\n"
+    )
+    assert {_owner(n) for n in service_imports(path)} == {
+        "block_manager_svc.core.manager",
+        "worker_svc.server",
+    }

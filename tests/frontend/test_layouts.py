@@ -1,4 +1,4 @@
-"""Every worker layout computes exact outputs on the one shared cache (frontend/dispatch.py).
+"""Every worker layout computes exact outputs on the one shared cache (frontend/engine/dispatch.py).
 
 Layouts: one mixed worker; two mixed workers (each iteration's sequences split by tokens, the
 calls in flight at once); one prefill + one decode worker (two independent pipelines: prefill
@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 
 from frontend.engine import EngineConfig, GenerationRequest
-from frontend.local_stack import LocalStack, StackConfig
+from frontend.launch.config import StackConfig
+from frontend.launch.local_stack import LocalStack
 from tests.frontend.test_engine import prompts
 from tests.worker_svc.conftest import HFModel, build_hf_model
 from worker_svc.server import start_worker

@@ -9,8 +9,8 @@ import pytest
 
 from block_manager_svc.server import start_server
 from block_manager_svc.settings import BlockManagerSettings
-from frontend import loadtest
-from frontend.client import BlockManagerClient
+from frontend.apps import loadtest
+from frontend.clients.block_manager import BlockManagerClient
 
 
 @pytest.fixture()

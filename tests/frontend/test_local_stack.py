@@ -1,4 +1,4 @@
-"""The in-process stack hands its workers the cache host's own cache object (frontend/local_stack.py).
+"""The in-process stack hands its workers the cache host's own cache object (frontend/launch/local_stack.py).
 
 Why it matters on a GPU: the cache is exported over CUDA IPC, and CUDA forbids a process to open its
 own IPC handle, so a worker in the exporter's process that attached the descriptor like a remote
@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from frontend.engine import GenerationRequest
-from frontend.local_stack import LocalStack, StackConfig
+from frontend.launch.config import StackConfig
+from frontend.launch.local_stack import LocalStack
 from tests.frontend.test_engine import prompts
 from tests.worker_svc.conftest import HFModel, build_hf_model
 from worker_svc import cache_memory

@@ -17,7 +17,8 @@ import random
 import pytest
 
 from frontend.engine import EngineConfig, GenerationRequest
-from frontend.local_stack import LocalStack, StackConfig
+from frontend.launch.config import StackConfig
+from frontend.launch.local_stack import LocalStack
 from tests.worker_svc.conftest import HFModel
 from tests.worker_svc.families import FAMILIES, build, write_gguf
 

@@ -14,9 +14,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from frontend.client import BlockManagerClient
-from frontend.local_stack import LocalStack
-from frontend.serve import RunningServe
+from frontend.clients.block_manager import BlockManagerClient
+from frontend.launch.local_stack import LocalStack
+from frontend.serve.server import OpenAIServer
 from tests.frontend.serve_fixtures import metric_samples, model_with_tokenizer, serving, stack_config
 from tests.worker_svc.conftest import HFModel
 
@@ -37,13 +37,13 @@ def stack(hf: HFModel) -> Iterator[LocalStack]:
 
 
 @pytest.fixture(scope="module")
-def server(stack: LocalStack, hf: HFModel) -> Iterator[RunningServe]:
+def server(stack: LocalStack, hf: HFModel) -> Iterator[OpenAIServer]:
     with serving(stack, model=str(hf.path), model_name="tiny", max_num_seqs=32) as srv:
         yield srv
 
 
 @pytest.fixture(scope="module")
-def client(server: RunningServe) -> object:
+def client(server: OpenAIServer) -> object:
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
@@ -97,7 +97,7 @@ def test_n2_greedy_samples_both_match_and_seeded_sampling_reproduces(client, hf:
     assert all(len(c.token_ids) == 8 for c in a.choices)
 
 
-def test_logprobs_n_returns_the_models_top_alternatives(client, hf: HFModel, server: RunningServe) -> None:
+def test_logprobs_n_returns_the_models_top_alternatives(client, hf: HFModel, server: OpenAIServer) -> None:
     """logprobs=3 (completions) and top_logprobs=3: each position's 3 most likely tokens with their
     log-probabilities under transformers' model; streaming gives the same per chunk."""
     import torch
@@ -136,7 +136,7 @@ def test_logprobs_n_returns_the_models_top_alternatives(client, hf: HFModel, ser
         assert list(got) == list(alts) and list(got.values()) == pytest.approx(list(alts.values()), abs=1e-4)
 
 
-def test_streaming_one_token_per_chunk(client, hf: HFModel, server: RunningServe) -> None:
+def test_streaming_one_token_per_chunk(client, hf: HFModel, server: OpenAIServer) -> None:
     p = [7, 7, 8, 21, 34, 55, 89]
     chunks = list(
         client.completions.create(
@@ -158,7 +158,7 @@ def test_streaming_one_token_per_chunk(client, hf: HFModel, server: RunningServe
     assert text == tok.decode(hf.greedy(p, 10), skip_special_tokens=True)
 
 
-def test_text_prompt_stop_string_and_chat(client, hf: HFModel, server: RunningServe) -> None:
+def test_text_prompt_stop_string_and_chat(client, hf: HFModel, server: OpenAIServer) -> None:
     tok = server.state.limits.text.tokenizer
     text = "w40 w41 w99 w7 w8 w77"
     ids = tok.encode(text)
@@ -215,7 +215,7 @@ def test_text_prompt_stop_string_and_chat(client, hf: HFModel, server: RunningSe
         assert e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob
 
 
-def test_models_health_and_eos(client, hf: HFModel, server: RunningServe) -> None:
+def test_models_health_and_eos(client, hf: HFModel, server: OpenAIServer) -> None:
     models = client.models.list()
     assert [m.id for m in models.data] == ["tiny"]
     with urllib.request.urlopen(server.url + "/health") as r:
@@ -235,7 +235,7 @@ def test_models_health_and_eos(client, hf: HFModel, server: RunningServe) -> Non
 
 
 def test_16_concurrent_streaming_clients_are_batched(
-    server: RunningServe, hf: HFModel, stack: LocalStack
+    server: OpenAIServer, hf: HFModel, stack: LocalStack
 ) -> None:
     before = metric_samples(
         urllib.request.urlopen(server.url + "/metrics").read().decode(), "pagedkv_iteration_requests_bucket"
@@ -278,7 +278,7 @@ def test_16_concurrent_streaming_clients_are_batched(
     wait_pool_empty(stack)
 
 
-def test_metrics_names_and_vllm_names(stack: LocalStack, server: RunningServe) -> None:
+def test_metrics_names_and_vllm_names(stack: LocalStack, server: OpenAIServer) -> None:
     text = urllib.request.urlopen(server.url + "/metrics").read().decode()
     for name in (
         "pagedkv_num_requests_waiting",
@@ -311,7 +311,7 @@ def test_metrics_names_and_vllm_names(stack: LocalStack, server: RunningServe) -
     assert metric_samples(text, "vllm:e2e_request_latency_seconds_count") == {'{model_name="tiny"}': 1.0}
 
 
-def test_readme_openai_example_runs(server: RunningServe, capsys: pytest.CaptureFixture[str]) -> None:
+def test_readme_openai_example_runs(server: OpenAIServer, capsys: pytest.CaptureFixture[str]) -> None:
     import pathlib
     import re
 

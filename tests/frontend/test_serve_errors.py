@@ -16,9 +16,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from frontend.client import BlockManagerClient
-from frontend.local_stack import LocalStack
-from frontend.serve import RunningServe
+from frontend.clients.block_manager import BlockManagerClient
+from frontend.launch.local_stack import LocalStack
+from frontend.serve.server import OpenAIServer
 from tests.frontend.serve_fixtures import metric_samples, serving, stack_config
 from tests.worker_svc.conftest import HFModel, build_hf_model
 
@@ -35,13 +35,13 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
 
 
 @pytest.fixture(scope="module")
-def server(stack: LocalStack) -> Iterator[RunningServe]:
+def server(stack: LocalStack) -> Iterator[OpenAIServer]:
     with serving(stack, model_name="tiny", api_key=KEY) as srv:
         yield srv
 
 
 def post(
-    server: RunningServe,
+    server: OpenAIServer,
     path: str,
     body: object,
     headers: dict[str, str] | None = None,
@@ -58,7 +58,7 @@ def post(
     return r.status, payload, {k.lower(): v for k, v in r.getheaders()}
 
 
-def get(server: RunningServe, path: str, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+def get(server: OpenAIServer, path: str, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
     conn.request("GET", path, headers=headers or {})
     r = conn.getresponse()
@@ -134,7 +134,7 @@ BAD_FIELDS = [
 @pytest.mark.parametrize(
     "override,param,words", BAD_FIELDS, ids=[f"{p}-{i}" for i, (_, p, _) in enumerate(BAD_FIELDS)]
 )
-def test_bad_field_is_400_naming_it(server: RunningServe, override: dict, param: str, words: str) -> None:
+def test_bad_field_is_400_naming_it(server: OpenAIServer, override: dict, param: str, words: str) -> None:
     status, body, _ = post(server, "/v1/completions", {**GOOD, **override})
     assert status == 400, body
     assert body["error"]["param"] == param
@@ -143,7 +143,7 @@ def test_bad_field_is_400_naming_it(server: RunningServe, override: dict, param:
     assert body["error"]["message"].startswith(param)
 
 
-def test_neutral_penalties_and_echo_false_are_accepted(server: RunningServe) -> None:
+def test_neutral_penalties_and_echo_false_are_accepted(server: OpenAIServer) -> None:
     """The values that change nothing (what clients send by default) are served, ints included."""
     for neutral in (
         {"presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1},
@@ -154,7 +154,7 @@ def test_neutral_penalties_and_echo_false_are_accepted(server: RunningServe) -> 
         assert len(body["choices"][0]["token_ids"]) >= 1
 
 
-def test_bad_requests_leave_nothing_allocated(server: RunningServe, stack: LocalStack) -> None:
+def test_bad_requests_leave_nothing_allocated(server: OpenAIServer, stack: LocalStack) -> None:
     for override, _, _ in BAD_FIELDS:
         post(server, "/v1/completions", {**GOOD, **override, "stream": override.get("stream", False)})
     for raw in (b"{not json", b"[1, 2]", b""):
@@ -196,7 +196,7 @@ def test_bad_requests_leave_nothing_allocated(server: RunningServe, stack: Local
     assert_pool_empty(stack)
 
 
-def test_unknown_model_is_404_and_openai_client_sees_the_errors(server: RunningServe) -> None:
+def test_unknown_model_is_404_and_openai_client_sees_the_errors(server: OpenAIServer) -> None:
     status, body, _ = post(server, "/v1/completions", {**GOOD, "model": "gpt-4"})
     assert (
         status == 404 and body["error"]["code"] == "model_not_found" and "gpt-4" in body["error"]["message"]
@@ -209,7 +209,7 @@ def test_unknown_model_is_404_and_openai_client_sees_the_errors(server: RunningS
     assert "temperature" in str(e.value)
 
 
-def test_api_key_on_every_route_but_health(server: RunningServe) -> None:
+def test_api_key_on_every_route_but_health(server: OpenAIServer) -> None:
     for path in ("/v1/models", "/metrics"):
         assert get(server, path)[0] == 401
         assert get(server, path, {"Authorization": "Bearer wrong"})[0] == 401
@@ -221,7 +221,7 @@ def test_api_key_on_every_route_but_health(server: RunningServe) -> None:
         openai.OpenAI(base_url=server.url + "/v1", api_key="bad", max_retries=0).models.list()
 
 
-def open_stream(server: RunningServe, body: dict) -> socket.socket:
+def open_stream(server: OpenAIServer, body: dict) -> socket.socket:
     """A raw streaming request; returns the socket after the first token chunk arrived."""
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
     data = json.dumps({**body, "stream": True}).encode()
@@ -239,12 +239,12 @@ def open_stream(server: RunningServe, body: dict) -> socket.socket:
     return sock
 
 
-def counter(server: RunningServe, name: str, label: str = "") -> float:
+def counter(server: OpenAIServer, name: str, label: str = "") -> float:
     text = get(server, "/metrics", AUTH)[1].decode()
     return sum(v for k, v in metric_samples(text, name).items() if label in k)
 
 
-def test_disconnect_mid_stream_aborts_and_frees(server: RunningServe, stack: LocalStack) -> None:
+def test_disconnect_mid_stream_aborts_and_frees(server: OpenAIServer, stack: LocalStack) -> None:
     before = counter(server, "pagedkv_generation_tokens_total")
     aborts = counter(server, "pagedkv_request_success_total", 'finished_reason="abort"')
     sock = open_stream(
@@ -298,11 +298,11 @@ def test_tls_and_mutual_tls_and_no_plaintext_off_loopback(stack: LocalStack, tmp
     import subprocess
     from pathlib import Path
 
-    from frontend.serve_settings import ServeSettings
+    from frontend.serve.settings import ServeSettings
     from pagedkv.tls import TlsConfigError
 
     with pytest.raises(TlsConfigError, match="non-loopback"):
-        RunningServe(
+        OpenAIServer(
             ServeSettings(
                 host="0.0.0.0",
                 port=0,
@@ -351,7 +351,7 @@ def test_outbound_bearer_token_to_the_block_manager(
     stack: LocalStack, tmp_path, monkeypatch: pytest.MonkeyPatch
 ) -> None:  # type: ignore[no-untyped-def]
     """The server's own gRPC connections take the client token (PAGEDKV_TOKEN / --token-file)."""
-    from frontend.serve_settings import ServeSettings
+    from frontend.serve.settings import ServeSettings
     from pagedkv.auth import hash_token
     from pagedkv.dial import InsecureTokenError
 
@@ -375,13 +375,13 @@ def test_outbound_bearer_token_to_the_block_manager(
     try:
         common = dict(port=0, block_manager=f"127.0.0.1:{bm.port}", workers=",".join(stack.worker_targets))
         with pytest.raises(Exception, match="UNAUTHENTICATED"):
-            RunningServe(ServeSettings(**common))  # type: ignore[arg-type]
+            OpenAIServer(ServeSettings(**common))  # type: ignore[arg-type]
         (tmp_path / "token").write_text(token + "\n")
         monkeypatch.setenv("PAGEDKV_TOKEN_FILE", str(tmp_path / "token"))
         # A token over plaintext gRPC is refused unless explicitly allowed (pagedkv/dial.py).
         with pytest.raises(InsecureTokenError, match="--allow-insecure"):
-            RunningServe(ServeSettings(**common))  # type: ignore[arg-type]
-        with RunningServe(ServeSettings(**common, allow_insecure=True)) as srv:  # type: ignore[arg-type]
+            OpenAIServer(ServeSettings(**common))  # type: ignore[arg-type]
+        with OpenAIServer(ServeSettings(**common, allow_insecure=True)) as srv:  # type: ignore[arg-type]
             status, body, _ = post(srv, "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 3})
             assert status == 200 and len(body["choices"][0]["token_ids"]) == 3
     finally:

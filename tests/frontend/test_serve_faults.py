@@ -24,10 +24,10 @@ from typing import Any
 
 import pytest
 
-from frontend.client import BlockManagerClient
-from frontend.serve import RunningServe
-from frontend.serve_settings import ServeSettings
-from frontend.stack import Stack
+from frontend.clients.block_manager import BlockManagerClient
+from frontend.launch.processes import Stack
+from frontend.serve.server import OpenAIServer
+from frontend.serve.settings import ServeSettings
 from tests.frontend.process_stack import tiny_process_stack
 from tests.frontend.serve_fixtures import metric_samples
 from tests.worker_svc.conftest import HFModel, build_hf_model
@@ -68,7 +68,7 @@ def stack(hf: HFModel, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sta
 
 
 @pytest.fixture(scope="module")
-def server(stack: Stack) -> Iterator[RunningServe]:
+def server(stack: Stack) -> Iterator[OpenAIServer]:
     settings = ServeSettings(
         port=0,
         block_manager=_svc(stack, "block-manager").address,
@@ -76,7 +76,7 @@ def server(stack: Stack) -> Iterator[RunningServe]:
         block_manager_outage_s=2.0,
         max_batch_tokens=64,
     )
-    with RunningServe(settings) as srv:
+    with OpenAIServer(settings) as srv:
         yield srv
 
 
@@ -84,7 +84,7 @@ def _svc(stack: Stack, name: str) -> Any:
     return next(s for s in stack.services if s.name == name)
 
 
-def _post(server: RunningServe, prompt: list[int], max_tokens: int) -> tuple[int, dict, dict]:
+def _post(server: OpenAIServer, prompt: list[int], max_tokens: int) -> tuple[int, dict, dict]:
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
     body = {
         "model": server.state.model_name,
@@ -102,7 +102,7 @@ def _post(server: RunningServe, prompt: list[int], max_tokens: int) -> tuple[int
     return r.status, payload, {k.lower(): v for k, v in r.getheaders()}
 
 
-def _get(server: RunningServe, path: str) -> tuple[int, bytes]:
+def _get(server: OpenAIServer, path: str) -> tuple[int, bytes]:
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
     conn.request("GET", path)
     r = conn.getresponse()
@@ -111,7 +111,7 @@ def _get(server: RunningServe, path: str) -> tuple[int, bytes]:
     return out
 
 
-def _concurrent(server: RunningServe, max_tokens: int) -> tuple[list[threading.Thread], list[Any]]:
+def _concurrent(server: OpenAIServer, max_tokens: int) -> tuple[list[threading.Thread], list[Any]]:
     results: list[Any] = [None] * len(PROMPTS)
 
     def one(i: int) -> None:
@@ -123,7 +123,7 @@ def _concurrent(server: RunningServe, max_tokens: int) -> tuple[list[threading.T
     return threads, results
 
 
-def _wait_running(server: RunningServe, n: int, results: list[Any], timeout_s: float = 20) -> None:
+def _wait_running(server: OpenAIServer, n: int, results: list[Any], timeout_s: float = 20) -> None:
     """Until ``n`` requests hold blocks and got tokens (the fault must hit mid-generation)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -145,11 +145,11 @@ def _assert_clean(stack: Stack) -> None:
     assert (st.num_sequences, st.num_used_blocks) == (0, 0), st
 
 
-def _metrics(server: RunningServe) -> str:
+def _metrics(server: OpenAIServer) -> str:
     return _get(server, "/metrics")[1].decode()
 
 
-def test_cache_host_sigkill_and_restart_under_serve(stack: Stack, server: RunningServe, hf: HFModel) -> None:
+def test_cache_host_sigkill_and_restart_under_serve(stack: Stack, server: OpenAIServer, hf: HFModel) -> None:
     max_tokens = 32
     t0 = time.monotonic()
     threads, results = _concurrent(server, max_tokens)
@@ -183,7 +183,7 @@ def test_cache_host_sigkill_and_restart_under_serve(stack: Stack, server: Runnin
 
 
 def test_block_manager_outage_past_budget_503_then_recovers(
-    stack: Stack, server: RunningServe, hf: HFModel
+    stack: Stack, server: OpenAIServer, hf: HFModel
 ) -> None:
     threads, results = _concurrent(server, 400)
     _wait_running(server, len(PROMPTS), results)

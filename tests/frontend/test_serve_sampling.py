@@ -22,8 +22,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from frontend.local_stack import LocalStack
-from frontend.serve import RunningServe
+from frontend.launch.local_stack import LocalStack
+from frontend.serve.server import OpenAIServer
 from tests.frontend.serve_fixtures import model_with_tokenizer, serving, stack_config
 from tests.worker_svc.conftest import HFModel
 
@@ -42,7 +42,7 @@ def hf(tmp_path_factory: pytest.TempPathFactory) -> HFModel:
 
 
 @pytest.fixture(scope="module")
-def server(hf: HFModel) -> Iterator[RunningServe]:
+def server(hf: HFModel) -> Iterator[OpenAIServer]:
     with (
         LocalStack(stack_config(hf, num_gpu_blocks=160)) as stack,
         serving(stack, model=str(hf.path), model_name="tiny", max_num_seqs=64) as srv,
@@ -51,7 +51,7 @@ def server(hf: HFModel) -> Iterator[RunningServe]:
 
 
 @pytest.fixture(scope="module")
-def client(server: RunningServe) -> object:
+def client(server: OpenAIServer) -> object:
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 

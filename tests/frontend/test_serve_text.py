@@ -17,10 +17,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from frontend.detokenize import IncrementalText
-from frontend.local_stack import LocalStack
-from frontend.serve import RunningServe
-from frontend.text import ModelText, load_model_text
+from frontend.launch.local_stack import LocalStack
+from frontend.serve.detokenize import IncrementalText
+from frontend.serve.server import OpenAIServer
+from frontend.serve.text import ModelText, load_model_text
 from tests.frontend.real_tokenizer import (
     CHAT_ANSWER,
     CONTEXT,
@@ -42,7 +42,7 @@ def script(scripted_smollm2: Script) -> Script:
 
 
 @pytest.fixture(scope="module")
-def server(scripted_smollm2: Script) -> Iterator[RunningServe]:
+def server(scripted_smollm2: Script) -> Iterator[OpenAIServer]:
     from tests.worker_svc.conftest import HFModel
 
     hf = HFModel(scripted_smollm2.path, scripted_smollm2.model)
@@ -54,7 +54,7 @@ def server(scripted_smollm2: Script) -> Iterator[RunningServe]:
 
 
 @pytest.fixture(scope="module")
-def client(server: RunningServe) -> object:
+def client(server: OpenAIServer) -> object:
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
@@ -152,7 +152,7 @@ def test_stop_prefixes_are_held_back_then_released(client, script: Script) -> No
 
 
 def test_chat_template_special_tokens_and_its_end_of_turn(
-    client, script: Script, server: RunningServe
+    client, script: Script, server: OpenAIServer
 ) -> None:
     """The prompt's <|im_start|>/<|im_end|> are single special tokens; the answer stops at the
     template's <|im_end|> although the config's and the tokenizer's EOS is <|endoftext|>, and none of
@@ -176,7 +176,7 @@ def test_chat_template_special_tokens_and_its_end_of_turn(
     assert "".join(texts) == CHAT_ANSWER and ids == script.chat + [EOS_ID] and reasons[-1] == "stop"
 
 
-def test_models_reports_the_models_context_length(server: RunningServe) -> None:
+def test_models_reports_the_models_context_length(server: OpenAIServer) -> None:
     with urllib.request.urlopen(server.url + "/v1/models") as resp:
         data = json.loads(resp.read())["data"][0]
     assert data["id"] == "smol-scripted" and data["max_model_len"] == CONTEXT
@@ -213,13 +213,13 @@ def test_incremental_text_unfinished_character_at_the_end_is_what_a_full_decode_
     assert streamed.endswith("\ufffd")
 
 
-def test_load_model_text_adds_the_templates_end_of_turn(script: Script, server: RunningServe) -> None:
+def test_load_model_text_adds_the_templates_end_of_turn(script: Script, server: OpenAIServer) -> None:
     text = load_model_text(str(script.path))
     assert text.eos_token_ids[0] == 0 and EOS_ID in text.eos_token_ids
     assert text.max_model_len == CONTEXT
 
 
-def test_readme_real_model_commands_run(server: RunningServe, capsys: pytest.CaptureFixture[str]) -> None:
+def test_readme_real_model_commands_run(server: OpenAIServer, capsys: pytest.CaptureFixture[str]) -> None:
     """The README's "Real model" curl body and SDK snippet, against this server (whose scripted model
     answers every chat prompt with the sentence the README says SmolLM2 answers)."""
     import re
@@ -244,7 +244,7 @@ def test_readme_real_model_commands_run(server: RunningServe, capsys: pytest.Cap
 def test_chat_logprobs_bytes_are_the_tokens_own_bytes(client, script: Script) -> None:
     """A token holding part of a character decodes alone to U+FFFD; its `bytes` are its real bytes, so
     that the bytes of consecutive tokens join to the text's UTF-8."""
-    from frontend.detokenize import token_bytes
+    from frontend.serve.detokenize import token_bytes
 
     tok = script.tokenizer
     emoji = pieces(tok, [("🙂", True)])

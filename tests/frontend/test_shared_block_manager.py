@@ -19,8 +19,9 @@ import time
 
 import pytest
 
-from frontend.client import BlockManagerClient
-from frontend.local_stack import LocalStack, StackConfig
+from frontend.clients.block_manager import BlockManagerClient
+from frontend.launch.config import StackConfig
+from frontend.launch.local_stack import LocalStack
 from tests.worker_svc.conftest import HFModel, build_hf_model
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

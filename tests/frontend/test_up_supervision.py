@@ -224,7 +224,7 @@ def test_restart_budget_spent_stops_the_stack_naming_the_role(tmp_path: pathlib.
 
 
 def test_restart_budget_backs_off_and_forgets_after_a_minute() -> None:
-    from frontend.supervisor import RestartBudget, RestartPolicy, describe_exit
+    from frontend.launch.supervisor import RestartBudget, RestartPolicy, describe_exit
 
     budget = RestartBudget(RestartPolicy(max_restarts_per_minute=3, initial_backoff_s=0.5, max_backoff_s=1.5))
     pauses = []
@@ -241,21 +241,22 @@ def test_restart_budget_backs_off_and_forgets_after_a_minute() -> None:
 
 
 def test_plan_gives_the_block_manager_the_state_dir(tmp_path: pathlib.Path) -> None:
-    from frontend.stack import Stack, StackOptions, plan
+    from frontend.launch.config import StackConfig
+    from frontend.launch.processes import Stack, plan
 
-    bm = plan(StackOptions(), state_dir="/var/x")[0]
+    bm = plan(StackConfig(), state_dir="/var/x")[0]
     assert bm.name == "block-manager" and bm.args[bm.args.index("--state-dir") + 1] == "/var/x"
-    assert "--state-dir" not in plan(StackOptions())[0].args
+    assert "--state-dir" not in plan(StackConfig())[0].args
     # One host: the journal is written to the OS, not fsynced per mutation, unless asked.
     assert bm.args[bm.args.index("--fsync") + 1] == "off"
-    durable = plan(StackOptions(fsync="always"), state_dir="/var/x")[0]
+    durable = plan(StackConfig(fsync="always"), state_dir="/var/x")[0]
     assert durable.args[durable.args.index("--fsync") + 1] == "always"
     kept = tmp_path / "a" / "b"
-    s = Stack(StackOptions(state_dir=str(kept)), out=open(os.devnull, "w"))  # noqa: SIM115
+    s = Stack(StackConfig(state_dir=str(kept)), out=open(os.devnull, "w"))  # noqa: SIM115
     assert kept.is_dir() and not s.state_dir_is_temporary  # created
     s.stop()
     assert kept.is_dir()  # kept
-    s = Stack(StackOptions(), out=open(os.devnull, "w"))  # noqa: SIM115
+    s = Stack(StackConfig(), out=open(os.devnull, "w"))  # noqa: SIM115
     temp = s.state_dir
     assert temp.is_dir() and s.state_dir_is_temporary and temp.name.startswith("pagedkv-up-state-")
     s.stop()

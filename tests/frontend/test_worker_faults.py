@@ -9,10 +9,11 @@ import signal
 
 import pytest
 
-from frontend.client import BlockManagerClient
+from frontend.clients.block_manager import BlockManagerClient
+from frontend.clients.worker import WorkerClient
 from frontend.engine import Engine, EngineConfig, GenerationRequest
-from frontend.stack import Stack, StackOptions
-from frontend.worker_client import WorkerClient
+from frontend.launch.config import StackConfig
+from frontend.launch.processes import Stack
 from pagedkv.ports import free_port_block
 from tests.worker_svc.conftest import HFModel, build_hf_model
 
@@ -25,7 +26,7 @@ def hf(tmp_path_factory: pytest.TempPathFactory) -> HFModel:
 def test_sigkill_one_worker_mid_generation_keeps_outputs_exact(hf: HFModel, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setenv("PAGEDKV_KERNEL_BACKEND", "reference")
     base = free_port_block(4)
-    opts = StackOptions(
+    opts = StackConfig(
         block_manager_port=base,
         cache_host_port=base + 1,
         worker_port=base + 2,

@@ -9,14 +9,14 @@ import grpc
 import pytest
 from structlog.testing import capture_logs
 
-from block_manager_svc.server import RunningServer, start_server
+from block_manager_svc.server import BlockManagerServer, start_server
 from block_manager_svc.settings import BlockManagerSettings
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
 
 
 @contextlib.contextmanager
-def running_until_done(running: RunningServer) -> Iterator[None]:
+def running_until_done(running: BlockManagerServer) -> Iterator[None]:
     try:
         yield
     finally:

@@ -33,23 +33,21 @@ def test_only_present_libraries_are_named(monkeypatch: pytest.MonkeyPatch, tmp_p
 
 
 def test_launcher_preloads_cpu_workers_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    from frontend import stack
+    from frontend.launch import processes as stack
 
     monkeypatch.setattr(stack, "preload_env", lambda: {"LD_PRELOAD": "/lib/fast.so"})
     workers = [
-        s for s in stack.plan(stack.StackOptions(num_workers=2, device="cpu")) if s.name.startswith("worker")
+        s for s in stack.plan(stack.StackConfig(num_workers=2, device="cpu")) if s.name.startswith("worker")
     ]
     assert [w.env for w in workers] == [{"LD_PRELOAD": "/lib/fast.so"}] * 2
     others = [
         s
-        for s in stack.plan(stack.StackOptions(device="cpu", serve_port=8000))
+        for s in stack.plan(stack.StackConfig(device="cpu", serve_port=8000))
         if not s.name.startswith("worker")
     ]
     assert all("LD_PRELOAD" not in s.env for s in others)
-    assert all(
-        not s.env for s in stack.plan(stack.StackOptions(device="cuda")) if s.name.startswith("worker")
-    )
-    opts = stack.StackOptions(device="cpu", preload_runtime=False)
+    assert all(not s.env for s in stack.plan(stack.StackConfig(device="cuda")) if s.name.startswith("worker"))
+    opts = stack.StackConfig(device="cpu", preload_runtime=False)
     assert all(not s.env for s in stack.plan(opts) if s.name.startswith("worker"))
     args = stack.build_parser().parse_args(["--no-preload-runtime"])
     assert stack.options_from_args(args).preload_runtime is False
@@ -59,12 +57,13 @@ def test_launcher_preloads_cpu_workers_only(monkeypatch: pytest.MonkeyPatch) -> 
     not cpu_runtime.runtime_libraries(), reason="neither tcmalloc nor intel-openmp is installed"
 )
 def test_a_worker_started_by_the_launcher_maps_the_runtime_libraries(tmp_path: Path) -> None:
-    from frontend.stack import Stack, StackOptions
+    from frontend.launch.config import StackConfig
+    from frontend.launch.processes import Stack
     from pagedkv.ports import free_ports
 
     bm, ch, w = free_ports(3)
     st = Stack(
-        StackOptions(
+        StackConfig(
             block_manager_port=bm,
             cache_host_port=ch,
             worker_port=w,

@@ -10,9 +10,10 @@ import pytest
 from block_manager_svc.core.manager import CoreConfig
 from block_manager_svc.server import build_core
 from block_manager_svc.settings import BlockManagerSettings
-from frontend import demo, generate, loadtest, stack
-from frontend.local_stack import StackConfig
-from frontend.serve_settings import ServeSettings
+from frontend.apps import demo, generate, loadtest
+from frontend.launch import processes as stack
+from frontend.launch.config import StackConfig
+from frontend.serve.settings import ServeSettings
 from pagedkv import defaults
 from tests.pagedkv.source_scan import code_lines
 from worker_svc.settings import CacheHostSettings, WorkerSettings

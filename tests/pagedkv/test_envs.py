@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from block_manager_svc.settings import BlockManagerSettings
-from frontend.serve_settings import ServeSettings
+from frontend.serve.settings import ServeSettings
 from pagedkv import envs
 from tests.pagedkv.source_scan import code_lines
 from worker_svc.settings import CacheHostSettings, WorkerSettings

@@ -11,7 +11,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from block_manager_svc.server import RunningServer, start_server
+from block_manager_svc.server import BlockManagerServer, start_server
 from block_manager_svc.settings import BlockManagerSettings
 from pagedkv.auth import hash_token
 from pagedkv.tls import channel
@@ -57,8 +57,8 @@ def write_tokens(path: Path, **quotas: dict) -> str:
 
 @pytest.fixture
 def secure_factory(certs: dict[str, str], tmp_path: Path) -> Iterator[object]:
-    """make(quotas=..., mtls=True, **settings) -> (RunningServer, open_channel(client_cert=True))."""
-    started: list[RunningServer] = []
+    """make(quotas=..., mtls=True, **settings) -> (BlockManagerServer, open_channel(client_cert=True))."""
+    started: list[BlockManagerServer] = []
 
     def make(quotas: dict | None = None, mtls: bool = True, auth: bool = True, **overrides: object):  # type: ignore[no-untyped-def]
         kw: dict = {"port": 0, "tls_cert": certs["server"], "tls_key": certs["server_key"]}

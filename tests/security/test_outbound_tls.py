@@ -24,11 +24,11 @@ import pytest
 import torch
 from pydantic import SecretStr
 
-from block_manager_svc.server import RunningServer, start_server
+from block_manager_svc.server import BlockManagerServer, start_server
 from block_manager_svc.settings import BlockManagerSettings
-from frontend.client import BlockManagerClient
-from frontend.serve import RunningServe
-from frontend.serve_settings import ServeSettings
+from frontend.clients.block_manager import BlockManagerClient
+from frontend.serve.server import OpenAIServer
+from frontend.serve.settings import ServeSettings
 from pagedkv.dial import InsecureTokenError
 from tests.security.conftest import TOOLS
 from worker_svc import cache_memory
@@ -77,7 +77,7 @@ def peers(certs: dict[str, str], other_ca: pathlib.Path) -> Iterator[Peers]:
         torch.device("cpu"),
         shm_prefix=f"pagedkv-otls-{os.getpid()}",
     )
-    bms: list[RunningServer] = []
+    bms: list[BlockManagerServer] = []
     hosts = []
     try:
         for kw in tls.values():
@@ -194,7 +194,7 @@ def test_the_frontend_with_a_ca_refuses_an_unverifiable_block_manager(
         timeout_s=1.0,
     )
     with pytest.raises(grpc.RpcError) as e:
-        RunningServe(settings)
+        OpenAIServer(settings)
     assert e.value.code() is grpc.StatusCode.UNAVAILABLE and reason in e.value.details()  # type: ignore[attr-defined]
     with BlockManagerClient(peers.bm["ours"], tls_ca=certs["ca"]) as ok:  # the control
         assert ok.get_config().num_gpu_blocks == NUM_BLOCKS
@@ -242,7 +242,7 @@ def test_the_frontend_and_clients_with_a_token_and_no_tls_refuse_unless_allowed(
         token=SecretStr("tok-frontend-123"),
     )
     with pytest.raises(InsecureTokenError, match="--allow-insecure"):
-        RunningServe(ServeSettings(**common))  # type: ignore[arg-type]
+        OpenAIServer(ServeSettings(**common))  # type: ignore[arg-type]
     with pytest.raises(InsecureTokenError, match="--allow-insecure"):
         BlockManagerClient(peers.bm["plain"], token="tok-client-123")
     with BlockManagerClient(peers.bm["plain"], token="tok-client-123", allow_insecure=True) as c:

@@ -8,7 +8,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from block_manager_svc.server import start_server
 from block_manager_svc.settings import BlockManagerSettings
-from frontend.client import BlockManagerClient
+from frontend.clients.block_manager import BlockManagerClient
 from pagedkv.auth import TokenFileError, TokenStore, hash_token
 from pagedkv.tls import TlsConfigError, is_loopback
 from pagedkv.v1 import block_manager_pb2 as pb

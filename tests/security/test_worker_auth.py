@@ -10,7 +10,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from frontend.worker_client import WorkerClient
+from frontend.clients.worker import WorkerClient
 from pagedkv.dial import InsecureTokenError
 from pagedkv.v1 import worker_pb2 as wpb
 from tests.security.conftest import TOKENS, write_tokens

@@ -11,7 +11,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from pagedkv.grpc_server import RunningServer
+from pagedkv.grpc_server import GrpcServer
 from pagedkv.v1 import cache_host_pb2, cache_host_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.worker_svc.conftest import HFModel
 from tests.worker_svc.generation import Scheduler, grpc_step
@@ -28,7 +28,7 @@ BLOCK, GPU_BLOCKS, CPU_BLOCKS = 4, 48, 8
 @dataclass(slots=True)
 class Host:
     cache: cache_memory.SharedCache
-    running: RunningServer
+    running: GrpcServer
 
     @property
     def target(self) -> str:

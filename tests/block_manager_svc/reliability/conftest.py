@@ -11,12 +11,12 @@ from typing import Any
 import grpc
 import pytest
 
-from block_manager_svc.server import RunningServer, start_server
+from block_manager_svc.server import BlockManagerServer, start_server
 from block_manager_svc.settings import BlockManagerSettings
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
 
 
-def crash(running: RunningServer) -> None:
+def crash(running: BlockManagerServer) -> None:
     """Stop like a SIGKILL would: no final snapshot, journal files dropped unsynced, lock released."""
     rel = running.reliability
     assert rel is not None
@@ -33,10 +33,10 @@ def crash(running: RunningServer) -> None:
 
 class Servers:
     def __init__(self) -> None:
-        self.running: list[RunningServer] = []
+        self.running: list[BlockManagerServer] = []
         self.channels: list[grpc.Channel] = []
 
-    def start(self, **overrides: Any) -> tuple[RunningServer, pb_grpc.BlockManagerStub]:
+    def start(self, **overrides: Any) -> tuple[BlockManagerServer, pb_grpc.BlockManagerStub]:
         overrides.setdefault("num_gpu_blocks", 64)
         overrides.setdefault("block_size", 4)
         running = start_server(BlockManagerSettings(port=0, **overrides))

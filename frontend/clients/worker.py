@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from frontend.client import GrpcClient
+from frontend.clients.block_manager import GrpcClient
 from pagedkv.v1 import worker_pb2 as wpb
 from pagedkv.v1 import worker_pb2_grpc as wpb_grpc
 

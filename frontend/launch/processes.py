@@ -9,14 +9,14 @@ reverse order (frontend, workers, cache host, block manager) and checks that no
 shared memory segment was left behind in /dev/shm. Last comes the OpenAI-compatible
 frontend, `pagedkv serve` on port 8000 (docs/serve.md), checked on its HTTP /health.
 
-A service that exits is restarted (frontend/supervisor.py: backoff, at most
+A service that exits is restarted (frontend/launch/supervisor.py: backoff, at most
 --max-restarts-per-minute restarts of one service, then the stack stops naming it). The block
 manager journals to a state dir (--state-dir DIR, kept; by default a temporary one, removed when
 `up` stops), so a restarted block manager comes back with every sequence and block.
 
 `--tls-dir DIR --auth-tokens-file FILE` secures the whole stack: every server mutual TLS, every
 server with tokens, and every connection between the roles with a client certificate and a token
-(frontend/stack_security.py, docs/security.md); the frontend serves HTTPS with mutual TLS.
+(frontend/launch/security.py, docs/security.md); the frontend serves HTTPS with mutual TLS.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from frontend.stack_config import StackConfig, override_flags, worker_roles
-from frontend.stack_security import StackSecurity, StackSecurityError
-from frontend.supervisor import RestartPolicy, supervise
+from frontend.launch.config import StackConfig, override_flags, worker_roles
+from frontend.launch.security import StackSecurity, StackSecurityError
+from frontend.launch.supervisor import RestartPolicy, supervise
 from pagedkv import defaults
 from pagedkv.cpu_runtime import preload_env
 from pagedkv.healthcheck import wait_healthy
@@ -56,17 +56,11 @@ class Service:
     env: dict[str, str] = field(default_factory=dict)  # on top of the stack's environment
 
 
-# One description of a stack for `pagedkv up` and the in-process stack (frontend/stack_config.py);
-# StackOptions is its name here.
-StackOptions = StackConfig
-__all__ = ["Stack", "StackOptions", "plan", "split_cpus", "worker_roles"]
-
-
 def _pagedkv(*args: str) -> list[str]:
     return [sys.executable, "-m", "pagedkv.cli", *args]
 
 
-def plan(opts: StackOptions, security: StackSecurity | None = None, state_dir: str = "") -> list[Service]:
+def plan(opts: StackConfig, security: StackSecurity | None = None, state_dir: str = "") -> list[Service]:
     """The processes to start, in start order (``state_dir``: the block manager's, when given)."""
     sec = security or StackSecurity()
     bm = f"{opts.host}:{opts.block_manager_port}"
@@ -258,7 +252,7 @@ def leaked_segments(prefix: str) -> list[str]:
 class Stack:
     """Start, watch and stop the services of one `pagedkv up`."""
 
-    def __init__(self, opts: StackOptions, out: object = sys.stdout) -> None:
+    def __init__(self, opts: StackConfig, out: object = sys.stdout) -> None:
         self.opts = opts
         self.security = StackSecurity.prepare(
             opts.tls_dir, opts.auth_tokens_file, opts.allow_insecure
@@ -310,7 +304,7 @@ class Stack:
 
     def restart(self, name: str, stop: threading.Event | None = None) -> Service:
         """Start service `name` again (it must have exited) and wait until it is SERVING, or until
-        ``stop`` is set: what a supervisor does (frontend/supervisor.py), e.g. for a cache host that
+        ``stop`` is set: what a supervisor does (frontend/launch/supervisor.py), e.g. for a cache host that
         died and the workers that then exit (code 3)."""
         svc = next(s for s in self.services if s.name == name)
         if svc.process is not None and svc.process.poll() is None:
@@ -375,7 +369,7 @@ class Stack:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    d = StackOptions()  # the shared defaults; `up` runs a bigger stack than the in-process one
+    d = StackConfig()  # the shared defaults; `up` runs a bigger stack than the in-process one
     p = argparse.ArgumentParser(
         prog="pagedkv up", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -461,7 +455,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def options_from_args(args: argparse.Namespace) -> StackOptions:
+def options_from_args(args: argparse.Namespace) -> StackConfig:
     if args.num_workers < 1:
         raise SystemExit("pagedkv up: --num-workers must be at least 1")
     if args.max_restarts_per_minute < 0:
@@ -471,7 +465,7 @@ def options_from_args(args: argparse.Namespace) -> StackOptions:
         worker_roles(roles, args.num_workers)
     except ValueError as e:
         raise SystemExit(f"pagedkv up: {e}") from e
-    return StackOptions(
+    return StackConfig(
         host=args.host,
         block_manager_port=args.block_manager_port,
         cache_host_port=args.cache_host_port,

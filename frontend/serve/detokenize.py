@@ -24,7 +24,7 @@ import functools
 import re
 from typing import Any
 
-from frontend.text import ModelText
+from frontend.serve.text import ModelText
 
 REPLACEMENT = "\ufffd"
 

@@ -19,7 +19,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from frontend.engine import MAX_TOP_LOGPROBS, SamplingOptions
-from frontend.text import ModelText
+from frontend.serve.text import ModelText
 
 MAX_N = 64
 MAX_STOP = 16
@@ -96,7 +96,7 @@ class ChatBody(_Sampling):
 
 
 @dataclass(slots=True)
-class Limits:
+class RequestLimits:
     """What a request is checked against: the served model and the pool."""
 
     model_name: str
@@ -151,7 +151,7 @@ def _pydantic_error(e: ValidationError) -> ApiError:
     return ApiError(400, f"{param}: {msg}" if param else msg, param)
 
 
-def check_model(model: str | None, limits: Limits) -> None:
+def check_model(model: str | None, limits: RequestLimits) -> None:
     if model is not None and model != limits.model_name:
         raise ApiError(
             404,
@@ -162,7 +162,7 @@ def check_model(model: str | None, limits: Limits) -> None:
         )
 
 
-def _token_list(value: Any, param: str, limits: Limits) -> list[int]:
+def _token_list(value: Any, param: str, limits: RequestLimits) -> list[int]:
     if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         raise ApiError(400, f"{param}: expected a list of integer token ids", param)
     bad = next((t for t in value if t < 0 or t >= limits.vocab_size), None)
@@ -171,7 +171,7 @@ def _token_list(value: Any, param: str, limits: Limits) -> list[int]:
     return list(value)
 
 
-def _prompts(prompt: Any, limits: Limits) -> list[list[int]]:
+def _prompts(prompt: Any, limits: RequestLimits) -> list[list[int]]:
     """A string, a list of strings, a list of token ids, or a list of such lists."""
     if prompt is None:
         raise ApiError(400, "prompt: this field is required", "prompt")
@@ -209,7 +209,7 @@ def _prompts(prompt: Any, limits: Limits) -> list[list[int]]:
     return out
 
 
-def _stop(stop: str | list[str] | None, limits: Limits) -> tuple[str, ...]:
+def _stop(stop: str | list[str] | None, limits: RequestLimits) -> tuple[str, ...]:
     if stop is None:
         return ()
     items = [stop] if isinstance(stop, str) else stop
@@ -228,7 +228,7 @@ def _common(
     body: _Sampling,
     prompts: list[list[int]],
     max_tokens: int | None,
-    limits: Limits,
+    limits: RequestLimits,
     logprobs: bool,
     top_logprobs: int,
 ) -> Parsed:
@@ -296,7 +296,7 @@ def _common(
 _Body = TypeVar("_Body", bound=_Sampling)
 
 
-def _validated(raw: Any, model: type[_Body], limits: Limits) -> _Body:
+def _validated(raw: Any, model: type[_Body], limits: RequestLimits) -> _Body:
     """The request body as ``model``, for the served model; a 400 naming the first bad field."""
     if not isinstance(raw, dict):
         raise ApiError(400, "the request body must be a JSON object")
@@ -308,7 +308,7 @@ def _validated(raw: Any, model: type[_Body], limits: Limits) -> _Body:
     return body
 
 
-def parse_completion(raw: Any, limits: Limits) -> Parsed:
+def parse_completion(raw: Any, limits: RequestLimits) -> Parsed:
     body = _validated(raw, CompletionBody, limits)
     if body.echo and body.logprobs is not None:
         raise ApiError(
@@ -323,7 +323,7 @@ def parse_completion(raw: Any, limits: Limits) -> Parsed:
     return parsed
 
 
-def _echo_texts(prompt: Any, prompts: list[list[int]], limits: Limits) -> tuple[str, ...]:
+def _echo_texts(prompt: Any, prompts: list[list[int]], limits: RequestLimits) -> tuple[str, ...]:
     """What echo repeats: a text prompt as sent; token ids as the tokenizer decodes them (special
     tokens included: they are part of the prompt), nothing without a tokenizer."""
     if isinstance(prompt, str):
@@ -334,7 +334,7 @@ def _echo_texts(prompt: Any, prompts: list[list[int]], limits: Limits) -> tuple[
     return tuple(str(tok.decode(p)) if tok is not None else "" for p in prompts)
 
 
-def parse_chat(raw: Any, limits: Limits) -> Parsed:
+def parse_chat(raw: Any, limits: RequestLimits) -> Parsed:
     body = _validated(raw, ChatBody, limits)
     if body.top_logprobs and not body.logprobs:
         raise ApiError(400, "top_logprobs: requires logprobs: true", "top_logprobs")

@@ -10,7 +10,7 @@ prefix-cache hit rate, KV utilisation, the memory block sharing saved,
 preemptions, and the memory a contiguous per-request reservation would have
 needed for the same work. With `--model` naming a real model with a chat template, the prompts are
 chat prompts (system prompt + question through the template) and a few greedy question/answer pairs
-are printed beside the figures (frontend/demo_text.py).
+are printed beside the figures (frontend/apps/demo_text.py).
 
 KV utilisation is the vLLM paper's: token slots holding live tokens / token
 slots of the allocated blocks, each physical block counted once (a block shared
@@ -37,7 +37,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from frontend.connection import add_connection_args, client_kwargs
+from frontend.clients.connection import add_connection_args, client_kwargs
 from frontend.engine import Engine, GenerationRequest, SamplingOptions
 from pagedkv import defaults, envs
 from pagedkv.ports import free_port
@@ -187,7 +187,7 @@ def run_workload(
 
     from tqdm import tqdm
 
-    from frontend.http_client import get_text, stream_events
+    from frontend.clients.http import get_text, stream_events
 
     model = json.loads(get_text(url + "/v1/models", api_key=api_key))["data"][0]["id"]
     figs = sampler.figs if sampler is not None else DemoFigures()
@@ -335,9 +335,9 @@ def _serve_here(
     args: argparse.Namespace, block_manager: str, workers: list[str], conn: dict[str, object]
 ) -> None:
     """`pagedkv serve` in this process, its engine sampled every iteration, driven over HTTP."""
-    from frontend.serve import RunningServe
-    from frontend.serve_settings import ServeSettings
-    from frontend.worker_client import WorkerClient
+    from frontend.clients.worker import WorkerClient
+    from frontend.serve.server import OpenAIServer
+    from frontend.serve.settings import ServeSettings
 
     with WorkerClient(workers[0], **conn) as w:
         info_vocab, bpt = w.get_info().vocab_size, _bytes_per_token(w)
@@ -357,10 +357,10 @@ def _serve_here(
         token=str(conn.get("token", "")),
         allow_insecure=bool(conn.get("allow_insecure", False)),
     )
-    with RunningServe(settings, on_iteration=sampler) as server:
+    with OpenAIServer(settings, on_iteration=sampler) as server:
         text = server.state.limits.text
         if text.has_chat_template:  # a real model: chat prompts, and real answers beside the figures
-            from frontend.demo_text import SHOWN_QUESTIONS, ask, format_answers, make_text_workload
+            from frontend.apps.demo_text import SHOWN_QUESTIONS, ask, format_answers, make_text_workload
 
             reqs = make_text_workload(args.requests, text, args.seed)
         else:
@@ -403,7 +403,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _serve_here(args, args.block_manager, [t for t in args.workers.split(",") if t], client_kwargs(args))
         return 0
     if args.local:
-        from frontend.local_stack import LocalStack, StackConfig
+        from frontend.launch.config import StackConfig
+        from frontend.launch.local_stack import LocalStack
 
         with LocalStack(
             StackConfig(
@@ -418,10 +419,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import tempfile
 
-    from frontend.stack import Stack, StackOptions
+    from frontend.launch.config import StackConfig
+    from frontend.launch.processes import Stack
 
     log_dir = tempfile.mkdtemp(prefix="pagedkv-demo-logs-")
-    opts = StackOptions(
+    opts = StackConfig(
         block_manager_port=free_port(),
         cache_host_port=free_port(),
         worker_port=free_port(),

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from frontend.engine import BlockManagerUnavailable, Engine, GenerationRequest, TokenEvent
-from frontend.serve_metrics import ServeMetrics
+from frontend.serve.metrics import ServeMetrics
 
 log = structlog.get_logger("pagedkv.serve.loop")
 

@@ -17,18 +17,18 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from block_manager_svc.server import RunningServer as BlockManagerServer
+from block_manager_svc.server import BlockManagerServer
 from block_manager_svc.server import start_server as start_block_manager
 from block_manager_svc.settings import BlockManagerSettings
-from frontend.client import BlockManagerClient
+from frontend.clients.block_manager import BlockManagerClient
+from frontend.clients.worker import WorkerClient
 from frontend.engine import Engine, EngineConfig
-from frontend.stack_config import StackConfig, worker_roles
-from frontend.worker_client import WorkerClient
+from frontend.launch.config import StackConfig, worker_roles
 
-__all__ = ["LocalStack", "StackConfig"]  # StackConfig: the one description of a stack (stack_config.py)
+__all__ = ["LocalStack"]
 
 if TYPE_CHECKING:
-    from pagedkv.grpc_server import RunningServer
+    from pagedkv.grpc_server import GrpcServer
     from worker_svc.server import WorkerProcess
 
 
@@ -74,7 +74,7 @@ class LocalStack:
             )
             self.cache = cache_memory.create(geometry, dtype, device, shm_prefix="pagedkv-local")
             self._closers.append(self.cache.close)
-            self.cache_host: RunningServer = serve_cache(self.cache, model_cfg.name)
+            self.cache_host: GrpcServer = serve_cache(self.cache, model_cfg.name)
             self._closers.append(lambda: self.cache_host.stop(0))
             self.workers: list[WorkerProcess] = []
             roles = worker_roles(cfg.roles, cfg.num_workers)  # ValueError on a bad list

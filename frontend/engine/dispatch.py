@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import grpc
 import structlog
 
-from frontend.worker_client import WorkerClient
+from frontend.clients.worker import WorkerClient
 from pagedkv import errors
 from pagedkv.v1 import worker_pb2 as wpb
 

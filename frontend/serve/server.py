@@ -1,8 +1,8 @@
 """`pagedkv serve`: an OpenAI-compatible HTTP front door over one continuous-batching engine.
 
 One process, one engine, many users: every request from every client goes into the same engine,
-whose thread (frontend/engine_loop.py) batches them iteration by iteration. This module is only
-the HTTP side (FastAPI + uvicorn): parse and validate (frontend/openai_api.py), submit, stream
+whose thread (frontend/serve/engine_loop.py) batches them iteration by iteration. This module is only
+the HTTP side (FastAPI + uvicorn): parse and validate (frontend/serve/openai_api.py), submit, stream
 tokens back as they are produced, abort on disconnect, and serve /v1/models, /health and
 /metrics. Routes:
 
@@ -10,7 +10,7 @@ tokens back as they are produced, abort on disconnect, and serve /v1/models, /he
     POST /v1/chat/completions   when the tokenizer has a chat template
     GET  /v1/models
     GET  /health                200 only when the block manager and a worker answer (no API key)
-    GET  /metrics               Prometheus (frontend/serve_metrics.py)
+    GET  /metrics               Prometheus (frontend/serve/metrics.py)
 
 See docs/serve.md.
 """
@@ -36,14 +36,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from frontend.detokenize import IncrementalText, token_bytes
 from frontend.engine import Engine, EngineConfig, GenerationRequest, TokenEvent
-from frontend.engine_loop import Admitted, EngineLoop, Failed, Finished
-from frontend.inbox import Inbox
-from frontend.openai_api import ApiError, Limits, Parsed, parse_chat, parse_completion
-from frontend.serve_metrics import ServeMetrics
-from frontend.serve_settings import ServeSettings, load_settings
-from frontend.text import load_model_text
+from frontend.serve.detokenize import IncrementalText, token_bytes
+from frontend.serve.engine_loop import Admitted, EngineLoop, Failed, Finished
+from frontend.serve.inbox import Inbox
+from frontend.serve.metrics import ServeMetrics
+from frontend.serve.openai_api import ApiError, Parsed, RequestLimits, parse_chat, parse_completion
+from frontend.serve.settings import ServeSettings, load_settings
+from frontend.serve.text import load_model_text
 from pagedkv.tls import TlsConfigError, is_loopback
 
 log = structlog.get_logger("pagedkv.serve")
@@ -60,7 +60,7 @@ class ServerState:
     """What the routes share: the engine loop, the limits requests are checked against."""
 
     loop: EngineLoop
-    limits: Limits
+    limits: RequestLimits
     metrics: ServeMetrics
     max_waiting: int
     retry_after_s: int
@@ -508,15 +508,15 @@ def create_app(state: ServerState, api_key: str = "") -> Any:
 
 
 # --- running it --------------------------------------------------------------------------------------
-class RunningServe:
+class OpenAIServer:
     """A started server: engine loop + uvicorn on its own thread. ``stop()`` ends both and frees."""
 
     def __init__(self, settings: ServeSettings, on_iteration: Any = None) -> None:
         """``on_iteration(engine)`` runs on the engine thread after every iteration (monitoring hooks)."""
         import uvicorn
 
-        from frontend.client import BlockManagerClient
-        from frontend.worker_client import WorkerClient
+        from frontend.clients.block_manager import BlockManagerClient
+        from frontend.clients.worker import WorkerClient
 
         if not settings.tls_cert and not settings.allow_insecure and not is_loopback(settings.host):
             raise TlsConfigError(
@@ -562,7 +562,7 @@ class RunningServe:
                 or info.model_name
                 or "pagedkv"
             )
-            limits = Limits(name, engine.vocab_size, engine.block_size, engine.num_gpu_blocks, text)
+            limits = RequestLimits(name, engine.vocab_size, engine.block_size, engine.num_gpu_blocks, text)
             self.metrics = ServeMetrics(
                 name, self._pool_usage, settings.metrics_vllm_names, engine_stats=lambda: engine.stats
             )
@@ -626,7 +626,7 @@ class RunningServe:
         host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
         return f"{self.scheme}://{host}:{self.port}"
 
-    def start(self, timeout_s: float = 30.0) -> RunningServe:
+    def start(self, timeout_s: float = 30.0) -> OpenAIServer:
         self.loop.start()
         self._thread.start()
         deadline = time.monotonic() + timeout_s
@@ -657,7 +657,7 @@ class RunningServe:
             except Exception:  # noqa: BLE001
                 pass
 
-    def __enter__(self) -> RunningServe:
+    def __enter__(self) -> OpenAIServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -673,7 +673,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = load_settings(argv)
     configure_logging(settings.log_level, settings.log_format)
     try:
-        server = RunningServe(settings)
+        server = OpenAIServer(settings)
         server.start()
     except (TlsConfigError, ValueError, OSError, RuntimeError) as e:
         print(f"pagedkv serve: {e}", file=sys.stderr)

@@ -17,17 +17,15 @@ that stayed up re-attaches to the restarted cache host by itself (worker_svc/rea
 from __future__ import annotations
 
 import signal
+import subprocess
 import sys
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TextIO
+from typing import Protocol, TextIO
 
 import structlog
-
-if TYPE_CHECKING:
-    from frontend.stack import Stack
 
 log = structlog.get_logger("pagedkv.up")
 
@@ -64,6 +62,27 @@ class RestartBudget:
         self._times.setdefault(name, deque()).append(now)
 
 
+class WatchedProcess(Protocol):
+    """One supervised service, as the supervisor sees it: a name and its process (None while down)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def process(self) -> subprocess.Popen[bytes] | None: ...
+
+
+class Supervised(Protocol):
+    """What ``supervise`` drives: the process stack (frontend/launch/processes.py) or any set of
+    services that can say which one exited, restart one by name and kill one by name."""
+
+    def first_exited(self) -> WatchedProcess | None: ...
+
+    def restart(self, name: str, stop: threading.Event | None = None) -> object: ...
+
+    def kill(self, name: str) -> None: ...
+
+
 def describe_exit(code: int | None) -> str:
     if code is not None and code < 0:
         try:
@@ -74,7 +93,11 @@ def describe_exit(code: int | None) -> str:
 
 
 def supervise(
-    stack: Stack, stop: threading.Event, policy: RestartPolicy, err: TextIO = sys.stderr, poll_s: float = 0.2
+    stack: Supervised,
+    stop: threading.Event,
+    policy: RestartPolicy,
+    err: TextIO = sys.stderr,
+    poll_s: float = 0.2,
 ) -> int:
     """Watch ``stack`` until ``stop`` is set (returns 0) or a service's restart budget is spent
     (returns 1 after saying so on ``err``). The caller stops the stack either way."""

@@ -31,9 +31,9 @@ from collections.abc import Sequence
 
 import grpc
 
-from frontend.connection import add_connection_args, client_kwargs
+from frontend.clients.connection import add_connection_args, client_kwargs
+from frontend.clients.http import HttpError
 from frontend.engine import EngineConfig, GenerationRequest, RequestOutput, SamplingOptions
-from frontend.http_client import HttpError
 from pagedkv import defaults, envs
 
 
@@ -115,8 +115,8 @@ def via_server(args: argparse.Namespace, request: GenerationRequest) -> RequestO
     import pathlib
     import ssl
 
+    from frontend.clients.http import post_json
     from frontend.engine import Completion
-    from frontend.http_client import post_json
 
     key = envs.get_str("PAGEDKV_API_KEY")
     if args.api_key_file:
@@ -193,7 +193,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = EngineConfig(timeout_s=args.timeout_s)
     try:
         if args.local:
-            from frontend.local_stack import LocalStack, StackConfig
+            from frontend.launch.config import StackConfig
+            from frontend.launch.local_stack import LocalStack
 
             with LocalStack(
                 StackConfig(
@@ -235,9 +236,9 @@ def _generate_remote(
 ) -> RequestOutput:
     """One request on a running stack; the engine frees its sequences on every way out
     (success, error, Ctrl-C), and its lease covers a process killed outright."""
-    from frontend.client import BlockManagerClient
+    from frontend.clients.block_manager import BlockManagerClient
+    from frontend.clients.worker import WorkerClient
     from frontend.engine import Engine
-    from frontend.worker_client import WorkerClient
 
     conn = client_kwargs(args)
     with BlockManagerClient(args.block_manager, **conn) as bm:

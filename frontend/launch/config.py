@@ -1,14 +1,12 @@
 """What a whole stack is: one description for both ways of running it.
 
-``pagedkv up`` (``frontend/stack.py``) runs each role as a local process; the in-process stack
-(``frontend/local_stack.py``: ``generate --local``, ``demo --local``, the tests) runs every role in
+``pagedkv up`` (``frontend/launch/processes.py``) runs each role as a local process; the in-process stack
+(``frontend/launch/local_stack.py``: ``generate --local``, ``demo --local``, the tests) runs every role in
 one process. Both describe the same thing (the model, the pool, the workers and their roles, the
 device), so they take this one dataclass, and each default is written once (``pagedkv/defaults.py``).
 
 The fields under "processes only" say how to launch and watch separate processes (ports, logs,
 security, restarts); the in-process stack binds ephemeral loopback ports and ignores them.
-``StackOptions`` (frontend/stack.py) and ``StackConfig`` (frontend/local_stack.py) are this class's
-names there.
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from frontend.supervisor import RestartPolicy
+from frontend.launch.supervisor import RestartPolicy
 from pagedkv import defaults
 
 
@@ -34,12 +32,12 @@ class StackConfig:
     kernel_backend: str | None = None  # the workers' --kernel-backend (None = theirs: auto)
     seed: int = 0  # the built-in default model's random weights
     # Worker i's --role (prefill | decode | mixed); one role applies to every worker (processes);
-    # empty = all mixed (docs/worker.md "Roles", frontend/dispatch.py).
+    # empty = all mixed (docs/worker.md "Roles", frontend/engine/dispatch.py).
     roles: tuple[str, ...] = ()
     # More block manager settings by field name, e.g. {"preemption_mode": "swap"} (flags for processes).
     block_manager_overrides: dict[str, object] = field(default_factory=dict)
 
-    # --- Processes only (`pagedkv up`, frontend/stack.py) ---
+    # --- Processes only (`pagedkv up`, frontend/launch/processes.py) ---
     host: str = defaults.HOST
     block_manager_port: int = defaults.BLOCK_MANAGER_PORT
     cache_host_port: int = defaults.CACHE_HOST_PORT

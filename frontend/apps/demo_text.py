@@ -1,7 +1,7 @@
 """`pagedkv demo --model` on a model with a chat template: the workload as real chat prompts, and a few
 real question/answer pairs printed beside the figures.
 
-The workload keeps the shape of the token-id one (frontend/demo.py): a few shared system prompts of
+The workload keeps the shape of the token-id one (frontend/apps/demo.py): a few shared system prompts of
 very different lengths, the short one the most popular (so the prefix cache pays), lognormal output
 lengths, some `n = 2` and sampled requests. Only the prompts change: a system prompt and a user
 question rendered by the tokenizer's chat template, so a real model sees text it can answer. The
@@ -15,7 +15,7 @@ import math
 import random
 
 from frontend.engine import GenerationRequest, SamplingOptions
-from frontend.text import ModelText
+from frontend.serve.text import ModelText
 
 SYSTEM_PROMPTS = [
     "You are a helpful assistant.",
@@ -92,7 +92,7 @@ def ask(url: str, questions: list[str], *, api_key: str = "") -> list[tuple[str,
     """Each question as a greedy chat request; (question, answer) pairs."""
     import json
 
-    from frontend.http_client import get_text, post_json
+    from frontend.clients.http import get_text, post_json
 
     model = json.loads(get_text(url + "/v1/models", api_key=api_key))["data"][0]["id"]
     pairs = []

@@ -48,7 +48,7 @@ from typing import Any
 
 import grpc
 
-from frontend.connection import add_connection_args, client_kwargs
+from frontend.clients.connection import add_connection_args, client_kwargs
 from pagedkv import defaults
 from pagedkv.dial import TokenError
 
@@ -186,7 +186,8 @@ class PartPlan:
     max_seq_tokens: int
     timeout_s: float
     seed: int
-    # TLS files and bearer token (frontend/connection.py): for a secured stack (`pagedkv up --tls-dir`).
+    # TLS files and bearer token (frontend/clients/connection.py): for a secured stack
+    # (`pagedkv up --tls-dir`).
     conn: dict[str, str] = field(default_factory=dict, repr=False)
 
 
@@ -484,7 +485,7 @@ class _Worker:
 
 
 async def _run_part(plan: PartPlan, wait_go: Any = None) -> PartResult:
-    from frontend.client import AsyncBlockManagerClient
+    from frontend.clients.block_manager import AsyncBlockManagerClient
     from pagedkv.retry import NO_RETRY, RetryPolicy
 
     result = PartResult()
@@ -734,7 +735,7 @@ def _stats_dict(stats: Any) -> dict[str, int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from frontend.client import BlockManagerClient
+    from frontend.clients.block_manager import BlockManagerClient
 
     args = build_parser().parse_args(sys.argv[1:] if argv is None else list(argv))
     if args.scenario:

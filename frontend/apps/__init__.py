@@ -1,0 +1,1 @@
+"""Programs built on the engine, the server and the launchers: demo, generate, loadtest."""

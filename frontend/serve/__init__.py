@@ -1,0 +1,1 @@
+"""``pagedkv serve``: the OpenAI-compatible HTTP server (server.py) and what only it uses."""
