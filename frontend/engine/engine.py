@@ -107,7 +107,9 @@ class Engine:
             self._watermark,
             geometry.prefix_caching,
         )
-        self.scheduler = Scheduler(limits, self.num_gpu_blocks, self.instance_id, self.stats)
+        self.scheduler = Scheduler(
+            limits, self.num_gpu_blocks, self.instance_id, self.stats, defer_appends=self.config.defer_appends
+        )
         self._step_ids = itertools.count()
         # The prefill pipeline's chunk in flight: its future and its items.
         self._prefill: tuple[Future[wpb.WorkerStepResponse], list[PrefillItem]] | None = None

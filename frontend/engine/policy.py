@@ -61,7 +61,8 @@ def admissions(
     recorded) hints of what finished sequences committed."""
     bs = limits.block_size
     room = limits.max_num_seqs - len(running) - num_swap_in
-    growth = sum(1 for s in grow if (len(s.tokens) - 1) % bs == 0)  # blocks the running take first
+    # Blocks the growing sequences take first (their tokens past the blocks they hold).
+    growth = sum(max(0, -(-len(s.tokens) // bs) - len(s.block_table)) for s in grow)
     budget = admission_room(pool.available - growth, limits.watermark)
     out: list[Seq] = []
     held = 0
@@ -109,7 +110,7 @@ def batches(
         for s in running
         if s.status is SeqStatus.RUNNING
         and s.num_computed == len(s.tokens) - 1
-        and not s.needs_slot
+        and s.has_room(limits.block_size)
         and not s.awaiting_parent
     ]
     decode_batch = [(s, 1) for s in decode[:budget]]

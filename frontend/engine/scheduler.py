@@ -66,8 +66,17 @@ class PrefillItem:
 
 
 class Scheduler:
-    def __init__(self, limits: Limits, num_gpu_blocks: int, id_prefix: str, stats: EngineStats) -> None:
+    def __init__(
+        self,
+        limits: Limits,
+        num_gpu_blocks: int,
+        id_prefix: str,
+        stats: EngineStats,
+        *,
+        defer_appends: bool = True,
+    ) -> None:
         self.limits = limits
+        self.defer_appends = defer_appends  # EngineConfig.defer_appends
         self.num_gpu_blocks = num_gpu_blocks
         self.id_prefix = id_prefix  # sequence ids are unique per engine: many engines share a manager
         self.stats = stats
@@ -171,7 +180,11 @@ class Scheduler:
     def plan(self, *, full: bool = True) -> BlockManagerPlan | None:
         """The iteration's Step: commits, frees, appends, allocations, forks, swap-ins, in the
         manager's apply order; None when there is nothing to ask. ``full=False`` (a flush): commits
-        and frees only. Commits are marked as sent here."""
+        and frees only. Commits are marked as sent here.
+
+        With ``defer_appends``, appends that fit the blocks their sequence holds, and commits, wait
+        for the next Step something else needs; that Step carries every deferred token id."""
+        bs = self.limits.block_size
         grow = [s for s in self.running if s.needs_slot] if full else []
         swap_in = policy.swap_ins(self.swapped, len(self.running), self.limits) if full else []
         admit: list[Seq] = []
@@ -189,20 +202,26 @@ class Scheduler:
             self.stats.admissions_held += held
         commits = self._commits()
         frees = self.to_free + self.unconfirmed
-        if not (grow or frees or swap_in or admit or commits):
+        lazy = self.defer_appends and full
+        must_grow = [s for s in grow if not s.has_room(bs)] if lazy else grow
+        if not (must_grow or frees or swap_in or admit or (commits and not lazy)):
             return None
+        for s, n in commits:
+            s.num_committed = n
         forks = [
             (seq, self._sample_of(seq, i)) for seq in admit if seq.width > 1 for i in range(1, seq.request.n)
         ]
+        # One append per token the manager has no slot for yet (its id: hashed for the prefix cache).
+        items = [(s, t) for s in grow for t in s.tokens[s.num_slots :]]
         step = StepPlan(
-            commits=commits,
+            commits=[(s.seq_id, n) for s, n in commits],
             frees=frees,
-            appends=[(s.seq_id, s.tokens[-1]) for s in grow],
+            appends=[(s.seq_id, t) for s, t in items],
             allocs=[(s.seq_id, s.tokens, s.request.priority) for s in admit],
             forks=[(p.seq_id, c.seq_id) for p, c in forks],
             swap_ins=[s.seq_id for s in swap_in],
         )
-        return BlockManagerPlan(step, grow, swap_in, admit, forks)
+        return BlockManagerPlan(step, [s for s, _ in items], swap_in, admit, forks)
 
     def _sample_of(self, parent: Seq, index: int) -> Seq:
         """Sample ``index`` of the parent's request, forked at its admission from its prompt."""
@@ -215,15 +234,16 @@ class Scheduler:
             parent=parent,
         )
 
-    def _commits(self) -> list[tuple[str, int]]:
-        """(seq id, computed tokens) of sequences whose computed KV grew past a block boundary since
-        their last commit (only full blocks enter the prefix cache), finished ones included."""
+    def _commits(self) -> list[tuple[Seq, int]]:
+        """(sequence, computed tokens) of sequences whose computed KV grew past a block boundary since
+        their last commit (only full blocks enter the prefix cache), finished ones included; never
+        past the slots the manager holds (it applies commits before this Step's appends)."""
         bs = self.limits.block_size
         out = []
         for s in itertools.chain(self.running, self.finishing()):
-            if s.num_computed // bs > s.num_committed // bs:
-                out.append((s.seq_id, s.num_computed))
-                s.num_committed = s.num_computed
+            n = min(s.num_computed, s.num_slots)
+            if n // bs > s.num_committed // bs:
+                out.append((s, n))
         return out
 
     def step_unanswered(self, plan: BlockManagerPlan) -> None:
@@ -269,12 +289,14 @@ class Scheduler:
             if err.code == RESOURCE_EXHAUSTED:
                 # Nothing left to preempt for it: preempt it ourselves (freed in the next Step,
                 # before its re-allocation there, so it may hit its own committed blocks).
-                self._preempt_self(grow[err.index])
+                if grow[err.index].running:  # (once: a sequence may have several appends)
+                    self._preempt_self(grow[err.index])
             else:
                 raise RuntimeError(f"block manager refused to grow {err.seq_id}: {err.message}")
         for i, s in enumerate(grow):
             if i not in failed and s.running:
                 s.num_slots += 1
+                s.tail_shared = False  # the manager copied a shared tail on this write
 
     def _apply_allocations(self, delta: StepDelta, admit: list[Seq], errors: dict[int, ItemError]) -> None:
         for j, seq in enumerate(admit):
@@ -308,6 +330,7 @@ class Scheduler:
                 self.waiting.append(child)
                 continue
             parent.children.append(child)
+            parent.tail_shared = child.tail_shared = True
             child.block_table = list(parent.block_table)
             child.num_computed = child.num_committed = parent.num_computed
             child.num_slots = parent.num_slots
@@ -362,6 +385,7 @@ class Scheduler:
         seq.block_table = []
         seq.num_computed = seq.num_committed = seq.num_slots = 0
         seq.parent = None
+        seq.tail_shared = False
         self.waiting.appendleft(seq)
 
     # --- faults --------------------------------------------------------------------

@@ -149,6 +149,9 @@ class Seq:
     num_computed: int = 0  # leading tokens whose KV is in the cache
     num_committed: int = 0  # what the block manager was told is computed (Commit)
     num_slots: int = 0  # token slots the block manager holds for it (allocated + appended)
+    # Its last block may be shared with fork siblings (until an append of its own went through the
+    # block manager, which copies a shared tail on write): its appends cannot wait.
+    tail_shared: bool = False
     # Sequences admitting this one starts: the request's n for its first sequence until its other
     # samples exist (forked at admission, or queued on their own when a fork is refused), else 1.
     width: int = 1
@@ -178,6 +181,13 @@ class Seq:
         """Its last sampled token has no slot in the block manager yet (the next Step appends one)."""
         return self.running and self.num_slots < len(self.tokens)
 
+    def has_room(self, block_size: int) -> bool:
+        """May it compute its last token now? Yes once the block manager holds a slot for it, or
+        while its tokens fit the blocks it holds in a private tail (the appends wait for a Step)."""
+        if not self.needs_slot:
+            return True
+        return not self.tail_shared and len(self.tokens) <= len(self.block_table) * block_size
+
     @property
     def awaiting_parent(self) -> bool:
         """A sample forked at admission whose first token the parent's prefill has not drawn yet."""
@@ -200,6 +210,10 @@ class EngineConfig:
     # Reserve the next decode slots in the block manager while the workers compute (no append round
     # trip between two worker steps); generated tokens' blocks are then not prefix-cached.
     overlap_block_manager: bool = False
+    # Appends that fit the blocks a sequence holds wait for the next Step that is needed anyway (a
+    # new block, a copy-on-write, an admission, a free, a swap-in), carrying every deferred token
+    # id: an iteration in which no block table changes makes no block-manager round trip.
+    defer_appends: bool = True
     # How long the block manager may stay unreachable (UNAVAILABLE / DEADLINE_EXCEEDED, retried with
     # backoff) before step() raises BlockManagerUnavailable (`pagedkv serve --block-manager-outage-s`).
     block_manager_outage_s: float = 30.0

@@ -139,7 +139,7 @@ def test_burst_with_one_new_prefix_computes_it_once_and_the_rest_hit_it(hf: HFMo
     """Requests arriving together with the same new prefix: the first computes it, the others are
     held back (frontend/engine/admission.py) until it is committed and then hit it; a request with another
     prefix behind them is not held. Only committed KV is a hit, so nothing reads unwritten blocks:
-    outputs equal transformers'. One Step and at most one worker step per iteration."""
+    outputs equal transformers'. At most one Step and one worker step per iteration."""
     p = prompts(5, 1)[0] + [7, 8, 9, 10, 11]  # 3+ full blocks of 4
     other = [(t + 50) % 120 + 1 for t in p]  # shares no first block with p
     with stack(hf, num_gpu_blocks=64) as st:
@@ -162,7 +162,7 @@ def test_burst_with_one_new_prefix_computes_it_once_and_the_rest_hit_it(hf: HFMo
     assert unrelated.completions[0].token_ids == hf.greedy(other, 4)
     s = engine.stats
     assert s.prefix_hit_tokens == 2 * hit
-    assert s.bm_round_trips == s.steps and s.worker_steps <= s.steps
+    assert s.bm_round_trips <= s.steps and s.worker_steps <= s.steps
 
 
 def test_finished_prefix_hint_is_not_trusted_after_the_cache_dropped_blocks(hf: HFModel) -> None:

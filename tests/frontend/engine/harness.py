@@ -80,7 +80,7 @@ class Driver:
     @classmethod
     def make(
         cls, *, num_gpu_blocks: int, block_size: int = 4, max_num_seqs: int = 8, max_batch_tokens: int = 64,
-        watermark: int = 0, prefix_caching: bool = True, **core: object,
+        watermark: int = 0, prefix_caching: bool = True, defer_appends: bool = True, **core: object,
     ) -> Driver:  # fmt: skip
         bm = CoreBlockManager(
             num_gpu_blocks=num_gpu_blocks,
@@ -90,7 +90,8 @@ class Driver:
             **core,
         )
         limits = Limits(max_num_seqs, max_batch_tokens, block_size, watermark, prefix_caching)
-        return cls(Scheduler(limits, num_gpu_blocks, "test", EngineStats()), bm)
+        stats = EngineStats()
+        return cls(Scheduler(limits, num_gpu_blocks, "test", stats, defer_appends=defer_appends), bm)
 
     def add(
         self, rid: str, prompt: list[int], max_tokens: int = 4, n: int = 1, seed: int | None = None

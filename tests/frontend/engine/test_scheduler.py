@@ -5,6 +5,7 @@ Each run ends with the fault-free tokens and nothing held in the manager."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -55,6 +56,42 @@ def test_an_admission_leaves_the_block_a_running_sequence_crosses_into() -> None
     d.assert_nothing_held()
 
 
+def test_appends_inside_a_block_wait_for_the_step_that_needs_a_block() -> None:
+    """One sequence decoding: a Step only when it crosses into a new block (and to allocate and to
+    free), each carrying the deferred token ids, which the prefix cache then hashes: a second
+    request whose prompt is the first one's whole text hits the generated blocks."""
+    d = Driver.make(num_gpu_blocks=16, block_size=4)
+    prompt = _prompt(0, 6)
+    d.add("r", prompt, max_tokens=14)
+    iterations = 0
+    while d.scheduler.has_work():
+        d.iterate()
+        iterations += 1
+    assert d.tokens("r") == expected(prompt, 14)
+    assert iterations == 15  # 14 tokens, then the Free
+    # allocate, the crossings into blocks 3, 4 and 5 (tokens 8, 12 and 16) with every token deferred
+    # since the last one, and the free
+    assert [len(st.appends) for st in d.bm.steps] == [0, 3, 4, 4, 0]
+    assert [len(st.allocs) for st in d.bm.steps] == [1, 0, 0, 0, 0] and d.bm.steps[-1].frees == ["test:r/0"]
+    d.assert_nothing_held()
+    text = prompt + d.tokens("r")
+    d.add("again", text[:17], max_tokens=1)
+    d.iterate()
+    assert d.scheduler.outputs["again"].num_cached_tokens == 16, "the generated blocks were hashed"
+    d.run()
+    d.assert_nothing_held()
+
+
+def test_without_deferral_every_decode_iteration_makes_a_step() -> None:
+    d = Driver.make(num_gpu_blocks=16, block_size=4, defer_appends=False)
+    d.add("r", _prompt(0, 6), max_tokens=8)
+    d.run()
+    assert d.tokens("r") == expected(_prompt(0, 6), 8)
+    # allocate, an append for each generated token but the last, and the free
+    assert [len(st.appends) for st in d.bm.steps] == [0] + [1] * 7 + [0]
+    d.assert_nothing_held()
+
+
 def test_an_allocation_without_room_keeps_its_place_and_runs_later() -> None:
     d = Driver.make(num_gpu_blocks=6, prefix_caching=False, preemption_mode="off")
     d.add("big", _prompt(0, 16), max_tokens=4)  # 4 blocks + growth
@@ -87,8 +124,9 @@ def test_samples_fork_from_the_prompt_and_draw_their_first_tokens_from_its_prefi
     d.assert_nothing_held()
 
 
-def _contended(mode: str, num_cpu_blocks: int = 0) -> Driver:
+def _contended(mode: str, num_cpu_blocks: int = 0, defer_appends: bool = True) -> Driver:
     d = Driver.make(
+        defer_appends=defer_appends,
         num_gpu_blocks=10,
         max_num_seqs=4,
         prefix_caching=False,
@@ -100,8 +138,9 @@ def _contended(mode: str, num_cpu_blocks: int = 0) -> Driver:
     return d
 
 
-def test_preemption_by_recompute_gives_the_same_tokens() -> None:
-    d = _contended("recompute")
+@pytest.mark.parametrize("defer_appends", [True, False])
+def test_preemption_by_recompute_gives_the_same_tokens(defer_appends: bool) -> None:
+    d = _contended("recompute", defer_appends=defer_appends)
     d.run()
     assert d.scheduler.stats.preempted_recompute > 0
     assert d.scheduler.stats.preempted_swap == 0
@@ -110,8 +149,9 @@ def test_preemption_by_recompute_gives_the_same_tokens() -> None:
     d.assert_nothing_held()
 
 
-def test_preemption_by_swap_and_swap_in_give_the_same_tokens() -> None:
-    d = _contended("swap", num_cpu_blocks=32)
+@pytest.mark.parametrize("defer_appends", [True, False])
+def test_preemption_by_swap_and_swap_in_give_the_same_tokens(defer_appends: bool) -> None:
+    d = _contended("swap", num_cpu_blocks=32, defer_appends=defer_appends)
     swapped_seen = False
     for _ in range(200):
         if not d.scheduler.has_work():
@@ -190,13 +230,14 @@ def _frees(ids: list[str]):  # type: ignore[no-untyped-def]
     return StepPlan(frees=list(ids))
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(
     arrivals=st.lists(
         st.tuples(st.integers(1, 14), st.integers(1, 8), st.integers(1, 2)), min_size=1, max_size=8
     ),
     aborts=st.lists(st.integers(0, 7), max_size=3),
     mode=st.sampled_from(["recompute", "swap"]),
+    defer_appends=st.booleans(),
     num_gpu_blocks=st.integers(8, 20),
     max_batch_tokens=st.integers(4, 32),
 )
@@ -204,6 +245,7 @@ def test_random_traffic_keeps_every_sequence_in_one_place_and_its_tokens(
     arrivals: list[tuple[int, int, int]],
     aborts: list[int],
     mode: str,
+    defer_appends: bool,
     num_gpu_blocks: int,
     max_batch_tokens: int,
 ) -> None:
@@ -215,6 +257,7 @@ def test_random_traffic_keeps_every_sequence_in_one_place_and_its_tokens(
         max_batch_tokens=max_batch_tokens,
         preemption_mode=mode,
         num_cpu_blocks=32 if mode == "swap" else 0,
+        defer_appends=defer_appends,
     )
     sched = d.scheduler
     for step in range(400):
