@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from frontend.launch.config import StackConfig, override_flags, worker_roles
+from frontend.launch.ready import ReadyService, StackReady
 from frontend.launch.security import StackSecurity, StackSecurityError
 from frontend.launch.supervisor import RestartPolicy, supervise
 from pagedkv import defaults
@@ -234,13 +235,54 @@ def wait_serving(
     proc: subprocess.Popen[bytes],
     tls: dict[str, str] | None = None,
     health_url: str = "",
+    interval_s: float = 0.2,
 ) -> None:
     """pagedkv.healthcheck.wait_healthy on the gRPC health check (over ``tls``: tls_ca/tls_cert/
-    tls_key), or on the HTTP one at ``health_url``, until `deadline` (monotonic)."""
+    tls_key), or on the HTTP one at ``health_url``, until `deadline` (monotonic), asking every
+    ``interval_s``."""
     probe = (lambda: _http_ok(health_url, tls)) if health_url else None
     wait_healthy(
-        address, service, deadline - time.monotonic(), proc=proc, probe=probe, interval_s=0.2, **(tls or {})
+        address,
+        service,
+        deadline - time.monotonic(),
+        proc=proc,
+        probe=probe,
+        interval_s=interval_s,
+        **(tls or {}),
     )
+
+
+def launch(svc: Service, env: dict[str, str], log_path: pathlib.Path | None = None) -> None:
+    """Start ``svc``'s process (``svc.process``) in a session of its own, so that a Ctrl-C meant for
+    the starter is not also delivered to it; its output appended to ``log_path`` when given."""
+    out = open(log_path, "ab") if log_path is not None else None  # noqa: SIM115 - owned by the child
+    try:
+        svc.process = subprocess.Popen(
+            svc.args, env={**env, **svc.env}, stdout=out, stderr=out, start_new_session=True
+        )
+    finally:
+        if out is not None:
+            out.close()  # the child has its own copy
+
+
+def kill(svc: Service) -> None:
+    """SIGKILL ``svc`` (if it runs) and reap it."""
+    if svc.process is not None and svc.process.poll() is None:
+        svc.process.kill()
+        svc.process.wait()
+
+
+def terminate(svc: Service, timeout_s: float) -> None:
+    """SIGTERM ``svc`` (if it runs) and reap it; SIGKILL after ``timeout_s``."""
+    p = svc.process
+    if p is None or p.poll() is not None:
+        return
+    p.send_signal(signal.SIGTERM)
+    try:
+        p.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
 
 
 def leaked_segments(prefix: str) -> list[str]:
@@ -275,20 +317,18 @@ class Stack:
     def _say(self, line: str) -> None:
         print(line, file=self.out, flush=True)  # type: ignore[call-overload]
 
+    def _log_path(self, svc: Service) -> pathlib.Path | None:
+        return pathlib.Path(self.opts.log_dir) / f"{svc.name}.log" if self.opts.log_dir else None
+
     def start(self) -> None:
         env = {**os.environ, **self.security.env()}
-        log_dir = pathlib.Path(self.opts.log_dir) if self.opts.log_dir else None
-        if log_dir:
-            log_dir.mkdir(parents=True, exist_ok=True)
+        if self.opts.log_dir:
+            pathlib.Path(self.opts.log_dir).mkdir(parents=True, exist_ok=True)
         deadline = time.monotonic() + self.opts.ready_timeout_s
         try:
             for svc in self.services:
-                stdout = stderr = None
-                if log_dir:
-                    stdout = stderr = open(log_dir / f"{svc.name}.log", "ab")  # noqa: SIM115 - owned by the child
-                svc.process = subprocess.Popen(
-                    svc.args, env={**env, **svc.env}, stdout=stdout, stderr=stderr, start_new_session=True
-                )
+                launch(svc, env, self._log_path(svc))
+                assert svc.process is not None
                 wait_serving(
                     svc.address,
                     svc.health_service,
@@ -309,16 +349,8 @@ class Stack:
         svc = next(s for s in self.services if s.name == name)
         if svc.process is not None and svc.process.poll() is None:
             raise RuntimeError(f"{name} is still running (pid {svc.process.pid})")
-        out = None
-        if self.opts.log_dir:
-            out = open(pathlib.Path(self.opts.log_dir) / f"{svc.name}.log", "ab")  # noqa: SIM115 - owned by the child
-        svc.process = subprocess.Popen(
-            svc.args,
-            env={**os.environ, **self.security.env(), **svc.env},
-            stdout=out,
-            stderr=out,
-            start_new_session=True,
-        )
+        launch(svc, {**os.environ, **self.security.env()}, self._log_path(svc))
+        assert svc.process is not None
         deadline = time.monotonic() + self.opts.ready_timeout_s
         while True:  # in slices, so that Ctrl-C during a restart is not held up by the readiness wait
             try:
@@ -337,12 +369,20 @@ class Stack:
                 if time.monotonic() >= deadline:
                     raise
 
+    def ready(self) -> StackReady:
+        """Where each started service listens, and its pid (``--ready-file``)."""
+        frontend = next((s for s in self.services if s.name == "frontend"), None)
+        return StackReady(
+            services=tuple(
+                ReadyService(s.name, s.address, s.process.pid) for s in self.services if s.process is not None
+            ),
+            url=frontend.health_url.removesuffix("/health") if frontend is not None else "",
+            state_dir=str(self.state_dir),
+        )
+
     def kill(self, name: str) -> None:
         """SIGKILL service `name` (one that hung while starting) and reap it."""
-        svc = next(s for s in self.services if s.name == name)
-        if svc.process is not None and svc.process.poll() is None:
-            svc.process.kill()
-            svc.process.wait()
+        kill(next(s for s in self.services if s.name == name))
 
     def first_exited(self) -> Service | None:
         for svc in self.services:
@@ -353,15 +393,7 @@ class Stack:
     def stop(self, timeout_s: float = 15.0) -> list[str]:
         """Stop in reverse order; returns shared-memory segments left behind (should be none)."""
         for svc in reversed(self.services):
-            p = svc.process
-            if p is None or p.poll() is not None:
-                continue
-            p.send_signal(signal.SIGTERM)
-            try:
-                p.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+            terminate(svc, timeout_s)
         self.security.close()
         if self.state_dir_is_temporary:
             shutil.rmtree(self.state_dir, ignore_errors=True)
@@ -392,6 +424,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=d.dtype)
     p.add_argument("--log-format", choices=("console", "json"), default=d.log_format)
     p.add_argument("--log-dir", default=None, help="write each service's log to DIR/<name>.log")
+    p.add_argument(
+        "--ready-file",
+        default=None,
+        metavar="PATH",
+        help="once every service is SERVING, write PATH (JSON: each service's name, address and pid, "
+        "the OpenAI base URL); removed when up stops (frontend/launch/ready.py)",
+    )
     p.add_argument("--ready-timeout-s", type=float, default=d.ready_timeout_s)
     p.add_argument(
         "--roles",
@@ -545,7 +584,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     else:
         print(f"pagedkv up: ready. Try:  {direct}\n            Ctrl-C stops everything.", flush=True)
-    code = supervise(stack, stop, opts.restart)
+    ready_file = pathlib.Path(args.ready_file) if args.ready_file else None
+    if ready_file is not None:
+        stack.ready().write(ready_file)
+    try:
+        code = supervise(stack, stop, opts.restart)
+    finally:
+        if ready_file is not None:
+            ready_file.unlink(missing_ok=True)
     print("pagedkv up: stopping", flush=True)
     leaked = stack.stop()
     if leaked:

@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol, TextIO
 
@@ -98,9 +99,11 @@ def supervise(
     policy: RestartPolicy,
     err: TextIO = sys.stderr,
     poll_s: float = 0.2,
+    on_restart: Callable[[str, int | None], None] | None = None,
 ) -> int:
     """Watch ``stack`` until ``stop`` is set (returns 0) or a service's restart budget is spent
-    (returns 1 after saying so on ``err``). The caller stops the stack either way."""
+    (returns 1 after saying so on ``err``). The caller stops the stack either way.
+    ``on_restart(name, previous exit code)`` runs once a restarted service is SERVING again."""
     budget = RestartBudget(policy)
     while not stop.wait(poll_s):
         svc = stack.first_exited()
@@ -159,4 +162,6 @@ def supervise(
         print(
             f"pagedkv up: {svc.name} restarted, SERVING again (pid {svc.process.pid})", file=err, flush=True
         )
+        if on_restart is not None:
+            on_restart(svc.name, code)
     return 0

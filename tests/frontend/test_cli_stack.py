@@ -6,14 +6,13 @@ import json
 import os
 import pathlib
 import re
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 from pagedkv.ports import free_ports
+from tests.frontend.up_process import UpProcess
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PAGEDKV_KERNEL_BACKEND": "reference"}
@@ -70,52 +69,28 @@ def test_generate_reports_bad_input_and_a_missing_stack() -> None:
     assert r.returncode == 1 and "cannot reach" in r.stderr and "pagedkv up" in r.stderr
 
 
-def test_up_serves_generate_and_stops_everything_on_ctrl_c() -> None:
+def test_up_serves_generate_and_stops_everything_on_ctrl_c(tmp_path: pathlib.Path) -> None:
     bm, ch, w, http = free_ports(4)
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "pagedkv.cli",
-            "up",
-            "--block-manager-port",
-            str(bm),
-            "--cache-host-port",
-            str(ch),
-            "--worker-port",
-            str(w),
-            "--num-workers",
-            "2",
-            "--num-gpu-blocks",
-            "128",
-            "--log-format",
-            "json",
-            "--serve-port",
-            str(http),
-        ],
-        cwd=ROOT,
-        env=ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        start_new_session=True,
-    )
-    lines: list[str] = []
+    args = ["--block-manager-port", str(bm), "--cache-host-port", str(ch), "--worker-port", str(w)]
+    args += [
+        "--num-workers",
+        "2",
+        "--num-gpu-blocks",
+        "128",
+        "--log-format",
+        "json",
+        "--serve-port",
+        str(http),
+    ]
+    up = UpProcess(args, tmp_path, ENV)
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()  # type: ignore[union-attr]
-            if not line:
-                break
-            lines.append(line)
-            if "Ctrl-C stops everything" in line:  # the end of the ready message
-                break
-        out = "".join(lines)
-        assert "ready" in out, out
-        pids = [int(p) for p in re.findall(r"pid (\d+)", out)]
+        ready = up.wait_ready(120)
+        assert ready.url == f"http://127.0.0.1:{http}" and ready.address("block-manager") == f"127.0.0.1:{bm}"
+        pids = [s.pid for s in ready.services]
         assert len(pids) == 5 and all(pid_alive(p) for p in pids)  # + the OpenAI-compatible frontend
-        assert f"http://127.0.0.1:{http}/v1" in out
-        workers = f"127.0.0.1:{w},127.0.0.1:{w + 1}"
+        up.wait_for(rf"OpenAI-compatible API at http://127\.0\.0\.1:{http}/v1")  # what a person reads
+        workers = ",".join(ready.workers)
+        assert workers == f"127.0.0.1:{w},127.0.0.1:{w + 1}"
         target = ["--block-manager", f"127.0.0.1:{bm}", "--workers", workers]
         # Several generate processes at once on one block manager: unique request ids and sequence ids,
         # all succeed.
@@ -177,10 +152,10 @@ def test_up_serves_generate_and_stops_everything_on_ctrl_c() -> None:
             stats = client.get_stats()
         assert stats.num_sequences == 0 and stats.num_used_blocks == 0, stats
     finally:
-        proc.send_signal(signal.SIGINT)
-        rest, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 0, rest
+        rest = up.stop()
+    assert up.p.returncode == 0, rest
     assert "nothing left running, no shared memory left behind" in rest
+    assert not up.ready_file.exists()  # removed at stop: its presence means "serving now"
     assert not any(pid_alive(p) for p in pids)
 
 

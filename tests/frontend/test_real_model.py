@@ -13,16 +13,13 @@ from __future__ import annotations
 import importlib.util
 import os
 import pathlib
-import signal
-import subprocess
-import sys
 import threading
-import time
 from typing import Any
 
 import pytest
 
 from pagedkv.ports import free_ports
+from tests.frontend.up_process import UpProcess
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -98,19 +95,15 @@ class Oracle:
         return self.result
 
 
-def test_up_serves_the_packaged_gguf_like_transformers() -> None:
+def test_up_serves_the_packaged_gguf_like_transformers(tmp_path: pathlib.Path) -> None:
     import openai
 
     assert GGUF is not None
     oracle = Oracle(GGUF)
     bm, ch, w, http = free_ports(4)
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen(
+    up = UpProcess(
         [
-            sys.executable,
-            "-m",
-            "pagedkv.cli",
-            "up",
             "--model",
             str(GGUF),
             "--block-manager-port",
@@ -130,24 +123,11 @@ def test_up_serves_the_packaged_gguf_like_transformers() -> None:
             "--ready-timeout-s",
             "400",
         ],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        start_new_session=True,
+        tmp_path,
+        env,
     )
-    lines: list[str] = []
     try:
-        deadline = time.monotonic() + 400
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()  # type: ignore[union-attr]
-            if not line:
-                break
-            lines.append(line)
-            if "Ctrl-C stops everything" in line:
-                break
-        assert "ready" in "".join(lines), "".join(lines)
+        up.wait_ready(400)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{http}/v1", api_key="unused", timeout=120)
         model = client.models.list().data[0].id
         chat = client.chat.completions.create(
@@ -164,6 +144,5 @@ def test_up_serves_the_packaged_gguf_like_transformers() -> None:
         assert completion.choices[0].text == want["completion"]
         assert "Paris" in want["completion"] + want["chat"]  # a real model answering, not noise
     finally:
-        proc.send_signal(signal.SIGINT)
-        rest, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0, rest
+        rest = up.stop(120)
+    assert up.p.returncode == 0, rest

@@ -9,6 +9,7 @@ temporary one removed at stop; `--state-dir DIR` is used and kept.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pathlib
@@ -19,88 +20,40 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import pytest
 
 from pagedkv.ports import free_ports
-from tests.frontend.test_cli_stack import ENV, ROOT, pid_alive
+from tests.frontend.test_cli_stack import ENV, pid_alive
+from tests.frontend.up_process import ROOT, UpProcess
 
 PROMPT = "3,1,4,1,5,9,2,6,5,3,5,8,9,7,9,3"
 
 
-class Up:
-    """One `pagedkv up` (no frontend) with its output collected line by line."""
+class Up(UpProcess):
+    """One `pagedkv up` (no frontend) on the tiny model, and what these tests ask of it."""
 
     def __init__(self, tmp: pathlib.Path, *extra: str, num_workers: int = 1) -> None:
         self.bm, self.ch, self.w = free_ports(3)
         self.log_dir = tmp / "logs"
         env = {**ENV, "PAGEDKV_CACHE_HOST_CHECK_INTERVAL_S": "0.2", "PAGEDKV_LOG_LEVEL": "info"}
-        self.p = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "pagedkv.cli",
-                "up",
-                "--block-manager-port",
-                str(self.bm),
-                "--cache-host-port",
-                str(self.ch),
-                "--worker-port",
-                str(self.w),
-                "--num-workers",
-                str(num_workers),
-                "--num-gpu-blocks",
-                "64",
-                "--block-size",
-                "4",
-                "--no-serve",
-                "--device",
-                "cpu",
-                "--log-dir",
-                str(self.log_dir),
-                *extra,
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        self.lines: list[str] = []
-        self._cv = threading.Condition()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.p.stdout is not None
-        for line in self.p.stdout:
-            with self._cv:
-                self.lines.append(line)
-                self._cv.notify_all()
-        with self._cv:
-            self._cv.notify_all()
-
-    def wait_for(self, pattern: str, timeout: float = 90.0, start: int = 0) -> re.Match[str]:
-        deadline = time.monotonic() + timeout
-        with self._cv:
-            while True:
-                for line in self.lines[start:]:
-                    m = re.search(pattern, line)
-                    if m:
-                        return m
-                if time.monotonic() > deadline or self.p.poll() is not None and self.p.stdout.closed:  # type: ignore[union-attr]
-                    raise AssertionError(
-                        f"no line matching {pattern!r}; output:\n{''.join(self.lines)[-4000:]}"
-                    )
-                self._cv.wait(0.5)
+        args = ["--block-manager-port", str(self.bm), "--cache-host-port", str(self.ch)]
+        args += ["--worker-port", str(self.w), "--num-workers", str(num_workers)]
+        args += ["--num-gpu-blocks", "64", "--block-size", "4", "--no-serve", "--device", "cpu"]
+        super().__init__([*args, "--log-dir", str(self.log_dir), *extra], tmp, env)
+        try:
+            self.ready = self.wait_ready(90)
+        except BaseException:
+            self.stop(30)
+            raise
 
     def pid(self, name: str) -> int:
-        """The role's current pid (from the last SERVING or restarted line naming it)."""
-        pattern = re.compile(rf"{name}\s+SERVING .*\(pid (\d+)\)|{name} restarted.*\(pid (\d+)\)")
+        """The role's current pid: the ready file's, or the last "restarted" line's naming it."""
+        pattern = re.compile(rf"{name} restarted.*\(pid (\d+)\)")
         with self._cv:
-            pids = [int(m.group(1) or m.group(2)) for line in self.lines if (m := pattern.search(line))]
-        assert pids, f"no pid for {name}"
-        return pids[-1]
+            pids = [int(m.group(1)) for line in self.lines if (m := pattern.search(line))]
+        return pids[-1] if pids else self.ready.service(name).pid
 
     def generate(self) -> dict:
         r = subprocess.run(
@@ -128,25 +81,13 @@ class Up:
         assert r.returncode == 0, r.stderr
         return json.loads(r.stdout)
 
-    def stop(self) -> str:
-        if self.p.poll() is None:
-            self.p.send_signal(signal.SIGINT)
-        self.p.wait(60)
-        time.sleep(0.1)
-        return "".join(self.lines)
-
 
 @pytest.fixture
 def ups() -> Iterator[list[Up]]:
     made: list[Up] = []
     yield made
     for u in made:  # after a failure: a clean stop first (it removes the temporary state dir)
-        if u.p.poll() is None:
-            u.p.send_signal(signal.SIGINT)
-            try:
-                u.p.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(u.p.pid, signal.SIGKILL)
+        u.stop(30)
 
 
 def _kill(up: Up, name: str) -> tuple[int, int]:
@@ -164,9 +105,8 @@ def _kill(up: Up, name: str) -> tuple[int, int]:
 def test_up_restarts_killed_roles_and_answers_again(tmp_path: pathlib.Path, ups: list[Up]) -> None:
     up = Up(tmp_path)
     ups.append(up)
-    m = up.wait_for(r"block manager state in (\S+) \(temporary")
-    state = pathlib.Path(m.group(1))
-    up.wait_for("Ctrl-C stops everything")
+    up.wait_for(r"block manager state in \S+ \(temporary")
+    state = pathlib.Path(up.ready.state_dir)
     assert state.is_dir()
     first = up.generate()
     before = first["completions"][0]["token_ids"]
@@ -204,7 +144,7 @@ def test_restart_budget_spent_stops_the_stack_naming_the_role(tmp_path: pathlib.
     up = Up(tmp_path, "--max-restarts-per-minute", "1", "--state-dir", str(kept))
     ups.append(up)
     up.wait_for(rf"block manager state in {re.escape(str(kept))} \(kept\)")
-    up.wait_for("Ctrl-C stops everything")
+    assert up.ready.state_dir == str(kept)
     pids = [up.pid(n) for n in ("block-manager", "cache-host", "worker-0")]
     _kill(up, "worker-0")
     mark = len(up.lines)
@@ -261,3 +201,48 @@ def test_plan_gives_the_block_manager_the_state_dir(tmp_path: pathlib.Path) -> N
     assert temp.is_dir() and s.state_dir_is_temporary and temp.name.startswith("pagedkv-up-state-")
     s.stop()
     assert not temp.exists()
+
+
+@dataclass(slots=True)
+class _FakeService:
+    name: str
+    process: subprocess.Popen[bytes] | None
+
+
+class _FakeStack:
+    """One service whose process exits once; a restart starts a process that stays up."""
+
+    def __init__(self) -> None:
+        self.svc = _FakeService("svc", subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"]))
+        self.svc.process.wait()  # type: ignore[union-attr]
+
+    def first_exited(self) -> _FakeService | None:
+        p = self.svc.process
+        return self.svc if p is not None and p.poll() is not None else None
+
+    def restart(self, name: str, stop: threading.Event | None = None) -> object:
+        self.svc.process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+        return self.svc
+
+    def kill(self, name: str) -> None:
+        raise AssertionError("a restart that works kills nothing")
+
+
+def test_supervise_reports_each_restart_once_the_service_is_back() -> None:
+    from frontend.launch.supervisor import RestartPolicy, supervise
+
+    stack, stop = _FakeStack(), threading.Event()
+    seen: list[tuple[str, int | None]] = []
+
+    def restarted(name: str, code: int | None) -> None:
+        seen.append((name, code))
+        stop.set()
+
+    policy = RestartPolicy(initial_backoff_s=0.01)
+    try:
+        assert supervise(stack, stop, policy, err=io.StringIO(), poll_s=0.01, on_restart=restarted) == 0
+        assert seen == [("svc", 3)] and stack.svc.process is not None and stack.svc.process.poll() is None
+    finally:
+        if stack.svc.process is not None:
+            stack.svc.process.kill()
+            stack.svc.process.wait()

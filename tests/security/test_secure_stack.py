@@ -15,10 +15,8 @@ import io
 import json
 import os
 import pathlib
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 
 import grpc
@@ -35,6 +33,7 @@ from pagedkv.v1 import (
     worker_pb2_grpc,
 )
 from tests.frontend.test_cli_stack import free_ports
+from tests.frontend.up_process import UpProcess
 from tests.security.conftest import TOKENS, TOOLS, write_tokens
 from tests.worker_svc.conftest import HFModel, build_hf_model
 
@@ -66,12 +65,8 @@ def stack(
     tokens = write_tokens(tmp / "tokens.json")
     bm, ch, w, http = free_ports(4)
     tls_dir = str(pathlib.Path(certs["ca"]).parent)
-    proc = subprocess.Popen(
+    up = UpProcess(
         [
-            sys.executable,
-            "-m",
-            "pagedkv.cli",
-            "up",
             "--block-manager-port",
             str(bm),
             "--cache-host-port",
@@ -97,41 +92,24 @@ def stack(
             "--serve-port",
             str(http),
         ],
-        cwd=ROOT,
-        env=ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
+        tmp,
+        ENV,
     )
-    lines: list[str] = []
     try:
-        deadline = time.monotonic() + 150
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()  # type: ignore[union-attr]
-            if not line:
-                break
-            lines.append(line)
-            if "Ctrl-C stops everything" in line:  # the end of the ready message
-                break
-        assert any("ready. Try:" in x for x in lines), "".join(lines) + proc.stderr.read()  # type: ignore[union-attr]
+        up.wait_ready(150)
+        up.wait_for("Ctrl-C stops everything")  # the whole message for people, which tests below read
         yield {
             "bm": f"localhost:{bm}",
             "cache_host": f"localhost:{ch}",
             "worker": f"localhost:{w}",
             "url": f"https://127.0.0.1:{http}",
-            "ready": "".join(lines),
+            "ready": up.output(),
             "logs": str(tmp / "logs"),
             "tls_dir": tls_dir,
         }
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            out, err = proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
-    assert proc.returncode == 0, out + err
+        out = up.stop()
+    assert up.p.returncode == 0, out
     assert "no shared memory left behind" in out
 
 
