@@ -57,8 +57,8 @@ protos: $(STAMP)
 	$(BIN)/python tools/gen_protos.py
 
 bench: $(STAMP)
-	$(BIN)/python bench/core_bench.py
-	$(BIN)/python bench/grpc_bench.py
+	$(BIN)/python -m bench.core_bench
+	$(BIN)/python -m bench.grpc_bench
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info

@@ -43,7 +43,7 @@ cache manager's; no hashing) happens outside the timed region. Its prefix-cachin
 default block hash (sha256 over pickled tokens) and its LRU free-block queue;
 pagedkv's comparable rows are the `lru` ones.
 
-    python bench/core_bench.py [--steps 2000] [--seed 0] [--vllm]
+    python -m bench.core_bench [--steps 2000] [--seed 0] [--vllm]
 """
 
 from __future__ import annotations
@@ -51,7 +51,6 @@ from __future__ import annotations
 import argparse
 import gc
 import math
-import pathlib
 import random
 import statistics
 import sys
@@ -60,10 +59,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-
-from block_manager_svc.core import BlockManager, CoreConfig, StepBatch  # noqa: E402
-from block_manager_svc.core.prefix_cache import encode_tokens  # noqa: E402
+from block_manager_svc.core import BlockManager, CoreConfig, StepBatch
+from block_manager_svc.core.prefix_cache import encode_tokens
 
 NUM_BLOCKS = 65_536
 BLOCK_SIZE = 16

@@ -23,7 +23,7 @@ Then, for GQA groups without a specialised copy before (3: SmolLM2's 9 query hea
 5, 6, 7), the native kernel's specialised (group, head_dim 64) copy against its generic copy
 (``cpu_native.decode_generic_for_bench``) on the same batches, round-robin in the same run.
 
-    python bench/cpu_decode_bench.py [--threads 2] [--reps 15] [--head-dims 64,128] [--gqa-groups 3,5,6,7]
+    python -m bench.cpu_decode_bench [--threads 2] [--reps 15] [--head-dims 64,128] [--gqa-groups 3,5,6,7]
                                      [--only-gqa] [--shapes N]
 """
 
@@ -38,14 +38,11 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kernels import cpu, cpu_native  # noqa: E402
+from kernels import cpu, cpu_native
 
 BLOCK = 16
 NUM_KV_HEADS, NUM_HEADS, LAYERS = 2, 8, 4

@@ -4,23 +4,19 @@ generic path) against group 4 (a specialised copy), everything else equal.
 One decode attention call per layer on the CPU backend with the native kernel (fp32, head_dim
 64, 3 KV heads, block 16): median time per call and per query head, measured round-robin.
 
-    python bench/cpu_decode_group_bench.py [--threads 2] [--reps 30] [--seqs 32] [--context 512]
+    python -m bench.cpu_decode_group_bench [--threads 2] [--reps 30] [--seqs 32] [--context 512]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import kernels  # noqa: E402
-from kernels import cpu_native  # noqa: E402
+import kernels
+from kernels import cpu_native
 
 BLOCK, KV_HEADS, HEAD_DIM = 16, 3, 64
 

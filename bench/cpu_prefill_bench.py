@@ -14,7 +14,7 @@ measured round-robin in one run so machine noise hits the three alike; outputs a
 first. Shapes: chunks after a cached prompt the way the chat and prefix workloads of
 ``bench/vs_vllm.py`` send them, and a whole 512-token prompt.
 
-    python bench/cpu_prefill_bench.py [--threads 2] [--reps 7] [--layers 4]
+    python -m bench.cpu_prefill_bench [--threads 2] [--reps 7] [--layers 4]
 """
 
 from __future__ import annotations
@@ -25,13 +25,10 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from kernels import cpu, cpu_native  # noqa: E402
+from kernels import cpu, cpu_native
 
 BLOCK = 16
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Decode step time, eager vs CUDA graphs, at a few batch sizes side by side.
 
-    python bench/cuda_graph_bench.py [--out DIR] [--batches 1,6,32] [--steps 30]
+    python -m bench.cuda_graph_bench [--out DIR] [--batches 1,6,32] [--steps 30]
 
 A Llama-shaped model with random weights (many thin layers: the shape where launch overhead counts)
 and one ModelRunner per mode over its own cache, both with the Triton kernels. Each batch size first
@@ -27,10 +27,7 @@ import sys
 import time
 from collections.abc import Callable
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
+import torch
 
 BLOCK = 16
 GPU_SHAPE = dict(

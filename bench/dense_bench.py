@@ -10,7 +10,7 @@ worker uses for fp32), "oneDNN" the prepacked oneDNN linear (what it used before
 for bf16 or without the native library). Passes alternate between the two, so machine noise hits
 both alike. GFLOP/s counts 2 x rows x weights; GB/s counts the weight bytes read once per pass.
 
-    python bench/dense_bench.py [--rows 1,4,8,16,32,64,256] [--threads 2] [--reps 8]
+    python -m bench.dense_bench [--rows 1,4,8,16,32,64,256] [--threads 2] [--reps 8]
 """
 
 from __future__ import annotations
@@ -19,15 +19,11 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from layer_ops_bench import small_model_shape  # noqa: E402  (this folder: the one SmolLM2 shape)
-
-from worker_svc.model.linear import Linear  # noqa: E402
+from bench.layer_ops_bench import small_model_shape
+from worker_svc.model.linear import Linear
 
 # The fused QKV, O, fused gate/up and down matrices ([out, in]) of one layer of that shape.
 _CFG = small_model_shape(layers=1)

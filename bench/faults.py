@@ -1,11 +1,11 @@
 """Fault benchmarks for the block manager: crash/SIGKILL recovery, injected retries, leases of
 vanished clients, a bounded soak, journal cost, recovery time.
 
-    python bench/faults.py all            # the full run (10-minute soak), prints the table
-    python bench/faults.py all --quick    # a few seconds per section
-    python bench/faults.py crash --kills 20 --fsync always
-    python bench/faults.py retries | leases | soak --minutes 10 | fsync-cost | recovery
-    python bench/faults.py serve [--tokens 400] [--concurrency 12]   # `pagedkv serve` through each fault
+    python -m bench.faults all            # the full run (10-minute soak), prints the table
+    python -m bench.faults all --quick    # a few seconds per section
+    python -m bench.faults crash --kills 20 --fsync always
+    python -m bench.faults retries | leases | soak --minutes 10 | fsync-cost | recovery
+    python -m bench.faults serve [--tokens 400] [--concurrency 12]   # `pagedkv serve` through each fault
 
 This file is the CLI and the table; each scenario is a module of ``bench/fault_scenarios/`` over
 the shared process helpers there (``processes.py``). The same functions run (with small sizes) in
@@ -22,18 +22,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from bench.fault_scenarios.crash import run_crash  # noqa: E402
-from bench.fault_scenarios.fsync_cost import run_fsync_cost  # noqa: E402
-from bench.fault_scenarios.leases import run_leases, vanishing_client  # noqa: E402
-from bench.fault_scenarios.model_client import ModelClient, client_main  # noqa: E402
-from bench.fault_scenarios.recovery import run_recovery  # noqa: E402
-from bench.fault_scenarios.retries import FaultInjector, run_retries  # noqa: E402
-from bench.fault_scenarios.serve_faults import run_serve_faults  # noqa: E402
-from bench.fault_scenarios.soak import run_soak  # noqa: E402
+from bench.fault_scenarios.crash import run_crash
+from bench.fault_scenarios.fsync_cost import run_fsync_cost
+from bench.fault_scenarios.leases import run_leases, vanishing_client
+from bench.fault_scenarios.model_client import ModelClient, client_main
+from bench.fault_scenarios.recovery import run_recovery
+from bench.fault_scenarios.retries import FaultInjector, run_retries
+from bench.fault_scenarios.serve_faults import run_serve_faults
+from bench.fault_scenarios.soak import run_soak
 
 __all__ = [
     "run_serve_faults",

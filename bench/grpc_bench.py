@@ -22,8 +22,8 @@ floor's calls/s with one call in flight and >= 100 % with N in flight; the
 256-sequence packed Step p50 under 2 ms and the engine's iteration Step p50 at
 most 1.3 ms (one call in flight).
 
-    python bench/grpc_bench.py            # about 30-40 s
-    python bench/grpc_bench.py --quick    # a few seconds (the smoke test)
+    python -m bench.grpc_bench            # about 30-40 s
+    python -m bench.grpc_bench --quick    # a few seconds (the smoke test)
 """
 
 from __future__ import annotations
@@ -42,15 +42,12 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from pagedkv.healthcheck import wait_healthy
+from pagedkv.ports import free_port
+from pagedkv.v1 import block_manager_pb2 as pb
+from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
 
-# After the sys.path line above: run as a script, the repository root must be importable first.
-from pagedkv.healthcheck import wait_healthy  # noqa: E402
-from pagedkv.ports import free_port  # noqa: E402
-from pagedkv.v1 import block_manager_pb2 as pb  # noqa: E402
-from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 STEP_SEQS = 256
 APPEND_SEQS = 256
@@ -61,7 +58,7 @@ ITER_FREES = 4  # = allocations per iteration
 ITER_PROMPT = 64
 ITER_LAG = 256  # an iteration's allocations are freed this many calls later (> calls in flight)
 LEASE = "bench-engine"
-# Targets (issue 27): unary Append calls/s as a share of the floor's, at 1 and at N in flight;
+# Targets: unary Append calls/s as a share of the floor's, at 1 and at N in flight;
 # the engine's iteration Step p50 at 1 in flight.
 APPEND_TARGET_1 = 0.8
 APPEND_TARGET_N = 1.0

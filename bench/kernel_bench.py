@@ -39,19 +39,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
+import torch
+import torch.nn.functional as F
 
 if not torch.cuda.is_available():
     # The interpreter must be chosen before the kernels' @triton.jit decorators run.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import torch.nn.functional as F  # noqa: E402
-
-import kernels  # noqa: E402
+import kernels  # noqa: E402 - after TRITON_INTERPRET is chosen
 
 Row = dict[str, Any]
 

@@ -6,7 +6,7 @@ sequences decoding one token over ``--ctx`` cached tokens, through the worker's 
 the CPU backend. The two configurations alternate step by step (the machine is noisy), and the
 table gives each one's median and best step time over ``--rounds`` steps, and their ratio:
 
-    python bench/layer_ops_bench.py [--batch 32,8] [--ctx 300] [--threads 2] [--rounds 12]
+    python -m bench.layer_ops_bench [--batch 32,8] [--ctx 300] [--threads 2] [--rounds 12]
 
 "fused" is what the worker runs (worker_svc/model/layer_ops.py: kernels/csrc/layer_ops.c);
 "torch" is the same forward with the torch composition of RMSNorm, RoPE + KV write and SiLU-mul.
@@ -18,18 +18,15 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from kernels import cpu_layer_ops  # noqa: E402
-from worker_svc.model import layer_ops  # noqa: E402
-from worker_svc.model.config import ModelConfig, RopeConfig  # noqa: E402
-from worker_svc.model.registry import build_model  # noqa: E402
-from worker_svc.model.weights import fuse, random_weights  # noqa: E402
-from worker_svc.model_runner import ModelRunner, SequenceRequest  # noqa: E402
+from kernels import cpu_layer_ops
+from worker_svc.model import layer_ops
+from worker_svc.model.config import ModelConfig, RopeConfig
+from worker_svc.model.registry import build_model
+from worker_svc.model.weights import fuse, random_weights
+from worker_svc.model_runner import ModelRunner, SequenceRequest
 
 BLOCK = 16
 

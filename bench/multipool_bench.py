@@ -20,7 +20,7 @@ the first token), and throughput (generated tokens and requests per second of wa
 first arrival to the last completion). Target: prefix-aware >= 1.5x round-robin's hit rate and a
 lower TTFT p99. Exit status 1 when a target is missed.
 
-    python bench/multipool_bench.py [--pools 2] [--groups 8] [--users 6] [--rate 6] [--smoke]
+    python -m bench.multipool_bench [--pools 2] [--groups 8] [--users 6] [--rate 6] [--smoke]
 
 The pools share this machine's cores (they are not separate hosts): absolute times are this
 machine's, under whatever else runs on it.
@@ -38,13 +38,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-
-from bench.kv_router import PoolSubscriber, PrefixAwareRouter, RoundRobinRouter  # noqa: E402
-from frontend.engine import EngineConfig, GenerationRequest  # noqa: E402
-from frontend.launch.config import StackConfig  # noqa: E402
-from frontend.launch.local_stack import LocalStack  # noqa: E402
-from pagedkv.logging_setup import configure_logging  # noqa: E402
+from bench.kv_router import PoolSubscriber, PrefixAwareRouter, RoundRobinRouter
+from bench.models import llama_config, save_random_llama
+from frontend.engine import EngineConfig, GenerationRequest
+from frontend.launch.config import StackConfig
+from frontend.launch.local_stack import LocalStack
+from pagedkv.logging_setup import configure_logging
 
 
 @dataclass(slots=True)
@@ -75,23 +74,17 @@ class Result:
 
 def make_model(path: pathlib.Path, hidden: int, layers: int, vocab: int, seed: int) -> None:
     """A random Llama (transformers, offline) large enough that prefill costs real compute."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
     heads = max(2, hidden // 32)
-    cfg = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=max(1, heads // 2),
+    cfg = llama_config(
+        vocab=vocab,
+        hidden=hidden,
+        layers=layers,
+        heads=heads,
+        kv_heads=max(1, heads // 2),
+        intermediate=2 * hidden,
         head_dim=32,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
     )
-    LlamaForCausalLM(cfg).eval().save_pretrained(path)
+    save_random_llama(path, cfg, seed)
 
 
 def make_workload(args: argparse.Namespace, vocab: int) -> list[Arrival]:

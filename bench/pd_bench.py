@@ -1,9 +1,9 @@
 """Worker layouts on one shared cache under a mixed workload: throughput, TTFT, TPOT.
 
-    python bench/pd_bench.py                # the three layouts (and both thread settings of one worker)
-    python bench/pd_bench.py --memory       # also resident memory per worker, 1 and 2 workers,
+    python -m bench.pd_bench                # the three layouts (and both thread settings of one worker)
+    python -m bench.pd_bench --memory       # also resident memory per worker, 1 and 2 workers,
                                             # shared vs local weights
-    python bench/pd_bench.py --layouts mixed,prefill+decode   # a subset (mixed, the baseline, always)
+    python -m bench.pd_bench --layouts mixed,prefill+decode   # a subset (mixed, the baseline, always)
 
 The workload (the same in every layout): ``--decoders`` short-prompt requests that decode
 ``--decode-tokens`` tokens each start at t=0; while they decode, ``--long`` long prompts
@@ -41,17 +41,14 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-
-from frontend.clients.block_manager import BlockManagerClient  # noqa: E402
-from frontend.clients.worker import WorkerClient  # noqa: E402
-from frontend.engine import Engine, EngineConfig, GenerationRequest  # noqa: E402
-from frontend.launch.config import StackConfig  # noqa: E402
-from frontend.launch.processes import Stack  # noqa: E402
-from pagedkv.ports import free_port_block  # noqa: E402
+from frontend.clients.block_manager import BlockManagerClient
+from frontend.clients.worker import WorkerClient
+from frontend.engine import Engine, EngineConfig, GenerationRequest
+from frontend.launch.config import StackConfig
+from frontend.launch.processes import Stack
+from pagedkv.ports import free_port_block
 
 
 # ------------------------------------------------------------------------------ the model

@@ -26,11 +26,11 @@ Each run gets fresh user turns (same system prompts, same distributions), so a l
 hit an earlier run's whole prompts in the prefix cache.
 
     # a random Llama (hidden 512, 6 layers) and the whole comparison, stack started here:
-    python bench/serve_bench.py --make-model /tmp/llama512 --hidden 512 --layers 6
+    python -m bench.serve_bench --make-model /tmp/llama512 --hidden 512 --layers 6
     # against a running server (`pagedkv up --model DIR`), same model directory for the baseline:
-    python bench/serve_bench.py --url http://127.0.0.1:8000 --model DIR
+    python -m bench.serve_bench --url http://127.0.0.1:8000 --model DIR
     # quick check that it runs:
-    python bench/serve_bench.py --make-model /tmp/llama-small --hidden 128 --layers 2 --quick
+    python -m bench.serve_bench --make-model /tmp/llama-small --hidden 128 --layers 2 --quick
 """
 
 from __future__ import annotations
@@ -47,11 +47,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from frontend.clients.http import get_text, stream_events  # noqa: E402
+from bench.models import llama_config, save_random_llama
+from frontend.clients.http import get_text, stream_events
 
 
 @dataclass(slots=True)
@@ -95,22 +92,16 @@ class Row:
 
 def make_model(path: Path, hidden: int, layers: int, vocab: int, seed: int) -> None:
     """A random Llama saved the Hugging Face way (no download)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
     heads = max(1, hidden // 64)
-    cfg = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=hidden * 8 // 3 // 64 * 64 or hidden * 2,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=max(1, heads // 2),
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
+    cfg = llama_config(
+        vocab=vocab,
+        hidden=hidden,
+        layers=layers,
+        heads=heads,
+        kv_heads=max(1, heads // 2),
+        intermediate=hidden * 8 // 3 // 64 * 64 or hidden * 2,
     )
-    LlamaForCausalLM(cfg).eval().save_pretrained(path)
+    save_random_llama(path, cfg, seed)
 
 
 class Workload:

@@ -33,7 +33,7 @@ status is non-zero when a target is missed.
    (prefill tokens/s and host-copy bandwidth of the tiny model's blocks) so
    the planner decides with real numbers. A few seconds to a minute.
 
-    python bench/trace_replay.py [--seed 0] [--smoke] [--grpc] [--engine]
+    python -m bench.trace_replay [--seed 0] [--smoke] [--grpc] [--engine]
 
 --smoke runs tiny traces (for the test suite; targets still checked, with a
 looser utilization bar); --grpc drives experiment 2 through an in-process
@@ -44,17 +44,14 @@ from __future__ import annotations
 
 import argparse
 import math
-import pathlib
 import random
 import sys
 import time
 from collections import deque
 from dataclasses import dataclass
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-
-from block_manager_svc.core import BlockManager, CoreConfig, ResourceExhausted, StepBatch  # noqa: E402
-from block_manager_svc.core.prefix_cache import encode_tokens  # noqa: E402
+from block_manager_svc.core import BlockManager, CoreConfig, ResourceExhausted, StepBatch
+from block_manager_svc.core.prefix_cache import encode_tokens
 
 VOCAB = 32_000
 MAX_LEN = 2048

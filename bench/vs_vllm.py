@@ -43,7 +43,7 @@ per-phase breakdown of one extra instrumented pagedkv run after the rounds (time
 the block-manager RPCs, the worker RPC, batch building, attention, KV writes, the forward and
 sampling; that run is not in the timed figures).
 
-    python bench/vs_vllm.py --vllm-python /work/vllm-venv/bin/python [--workloads A,B,P,R] [--runs 3]
+    python -m bench.vs_vllm --vllm-python /work/vllm-venv/bin/python [--workloads A,B,P,R] [--runs 3]
         [--threads 2] [--systems vllm,pagedkv,pagedkv-nopre,pagedkv-proc,hf-static] [--json out.json]
 
 docs/benchmarks.md says how to build the vLLM venv and shows the latest table.
@@ -66,6 +66,8 @@ import threading
 import time
 from collections.abc import Callable
 from typing import Any
+
+from bench.models import llama_config, save_random_llama
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 VOCAB = 32_000
@@ -144,17 +146,15 @@ def make_requests(kind: str, n: int, seed: int = 0, vocab: int = VOCAB) -> list[
 
 def model_config(name: str) -> Any:
     """The ``LlamaConfig`` of one of ``MODELS`` (fp32, no special tokens)."""
-    from transformers import LlamaConfig
-
     hidden, layers, heads, kv_heads, inter = MODELS[name]
-    return LlamaConfig(
-        vocab_size=model_vocab(name),
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=2048,
+    return llama_config(
+        vocab=model_vocab(name),
+        hidden=hidden,
+        layers=layers,
+        heads=heads,
+        kv_heads=kv_heads,
+        intermediate=inter,
+        max_positions=2048,
         tie_word_embeddings=name in TIED,
         initializer_range=0.2,
         rope_theta=ROPE_THETA.get(name, 10000.0),
@@ -167,11 +167,7 @@ def model_config(name: str) -> Any:
 
 def build_model(name: str, path: pathlib.Path, seed: int = 0) -> None:
     """A random fp32 Llama saved the Hugging Face way (config.json + safetensors, no tokenizer)."""
-    import torch
-    from transformers import LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    LlamaForCausalLM(model_config(name)).eval().save_pretrained(path)
+    save_random_llama(path, model_config(name), seed)
 
 
 # ----------------------------------------------------------------------------- child side
@@ -289,24 +285,36 @@ class PhaseTimers:
         setattr(owner, attr, timed)
         self._undo.append(lambda: setattr(owner, attr, orig))
 
+    def observe(self, client: Any, name: str, on_response: Callable[[Any], None] | None = None) -> None:
+        """Time every RPC of ``client`` (frontend/clients: its ``on_call`` hook) as ``name``."""
+        ms = self.ms
+        ms.setdefault(name, 0.0)
+
+        def seen(seconds: float, response: Any) -> None:
+            ms[name] += seconds * 1e3
+            if on_response is not None and response is not None:
+                on_response(response)
+
+        client.on_call = seen
+        self._undo.append(lambda: setattr(client, "on_call", None))
+
     def undo(self) -> None:
         while self._undo:
             self._undo.pop()()
 
 
-def _instrument_inproc(t: PhaseTimers) -> None:
+def _instrument_inproc(t: PhaseTimers, engine: Any) -> None:
     import kernels
     import kernels.cpu
     import kernels.reference
     import worker_svc.model.llama as llama_mod
     import worker_svc.model_runner as runner_mod
-    from frontend.clients.block_manager import BlockManagerClient
-    from frontend.clients.worker import WorkerClient
     from frontend.engine import Engine
 
     t.wrap(Engine, "step", "engine_step")
-    t.wrap(BlockManagerClient, "_call", "block_manager_rpc")
-    t.wrap(WorkerClient, "step", "worker_rpc")
+    t.observe(engine.bm, "block_manager_rpc")
+    for worker in engine.workers:
+        t.observe(worker, "worker_rpc")
     t.wrap(runner_mod.ModelRunner, "step", "runner_step")
     t.wrap(runner_mod.ModelRunner, "build_batch", "batch_build")
     t.wrap(runner_mod, "sample", "sampling")
@@ -419,7 +427,7 @@ def child_pagedkv(args: argparse.Namespace, reqs: list[dict[str, Any]]) -> None:
 
         def breakdown() -> list[tuple[str, float]]:
             timers = PhaseTimers()
-            _instrument_inproc(timers)
+            _instrument_inproc(timers, engine)
             try:
                 inst = _run_engine(engine, bm, reqs, "instrumented")
             finally:
@@ -492,22 +500,16 @@ def child_pagedkv_proc(args: argparse.Namespace, reqs: list[dict[str, Any]]) -> 
         def breakdown() -> list[tuple[str, float]]:
             timers = PhaseTimers()
             timers.wrap(Engine, "step", "engine_step")
-            timers.wrap(BlockManagerClient, "_call", "block_manager_rpc")
+            timers.observe(bm, "block_manager_rpc")
             fwd = {"ms": 0.0}
-            orig_step = WorkerClient.step
 
-            def step(self: Any, request: Any, **kw: Any) -> Any:
-                t = time.perf_counter()
-                resp = orig_step(self, request, **kw)
-                timers.ms["worker_rpc"] = timers.ms.get("worker_rpc", 0.0) + (time.perf_counter() - t) * 1e3
+            def runner_time(resp: Any) -> None:
                 fwd["ms"] += resp.forward_ms + resp.cache_ops_ms
-                return resp
 
-            WorkerClient.step = step  # type: ignore[method-assign]
+            timers.observe(worker, "worker_rpc", runner_time)
             try:
                 inst = _run_engine(engine, bm, reqs, "instrumented")
             finally:
-                WorkerClient.step = orig_step  # type: ignore[method-assign]
                 timers.undo()
             n = max(1, inst["steps"])
             ms = timers.ms
@@ -581,7 +583,6 @@ def child_main(args: argparse.Namespace) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    sys.path.insert(0, str(ROOT))
     if args.system.startswith("pagedkv-proc"):
         child_pagedkv_proc(args, reqs)
     elif args.system.startswith("pagedkv"):
@@ -655,7 +656,8 @@ class Child:
         read_fd, write_fd = os.pipe()
         cmd = [
             python,
-            str(pathlib.Path(__file__).resolve()),
+            "-m",
+            "bench.vs_vllm",
             "--child",
             "--system",
             system,

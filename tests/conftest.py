@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import os
 import pathlib
-import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 
 def _has_cuda() -> bool:

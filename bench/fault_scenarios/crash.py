@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import random
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -14,7 +13,7 @@ from typing import Any
 
 import grpc
 
-from bench.fault_scenarios.processes import FAULTS_PY, ROOT, ServerProcess, free_port, policy_flags
+from bench.fault_scenarios.processes import FAULTS, ROOT, ServerProcess, free_port, policy_flags
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
 
@@ -57,8 +56,7 @@ def run_crash(
         procs.append(
             subprocess.Popen(
                 [
-                    sys.executable,
-                    str(FAULTS_PY),
+                    *FAULTS,
                     "client",
                     "--port",
                     str(port),

@@ -11,7 +11,7 @@ from typing import Any
 
 import grpc
 
-from bench.fault_scenarios.processes import FAULTS_PY, ROOT
+from bench.fault_scenarios.processes import FAULTS, ROOT
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
 
@@ -50,8 +50,7 @@ def run_leases(ttl_s: float = 1.0, sweep_s: float = 0.2, clients: int = 2, seqs:
             procs = [
                 subprocess.Popen(
                     [
-                        sys.executable,
-                        str(FAULTS_PY),
+                        *FAULTS,
                         "vanish",
                         "--port",
                         str(running.port),

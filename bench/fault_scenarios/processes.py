@@ -1,14 +1,14 @@
-"""Process helpers shared by the fault scenarios: a block manager as a restartable child process,
-a process's RSS, and the flags that keep tables stable (free ports and the health wait are the
-tree's own: pagedkv/ports.py, pagedkv.healthcheck.wait_healthy).
+"""Process helpers shared by the fault scenarios: a block manager as a restartable child process
+(on the product's process helpers, frontend/launch/processes.py), a process's RSS, and the flags
+that keep tables stable (free ports are the tree's own: pagedkv/ports.py).
 
-Everything binds 127.0.0.1. ``FAULTS_PY`` is the CLI the scenarios re-run as child processes (its
-``client`` and ``vanish`` subcommands)."""
+Everything binds 127.0.0.1. ``FAULTS`` is the CLI module the scenarios re-run as child processes
+(its ``client`` and ``vanish`` subcommands): ``python -m bench.faults``."""
 
 from __future__ import annotations
 
 import json
-import signal
+import os
 import subprocess
 import sys
 import time
@@ -17,11 +17,11 @@ from typing import Any
 
 import grpc
 
-from pagedkv.healthcheck import wait_healthy
+from frontend.launch.processes import Service, kill, launch, terminate, wait_serving
 from pagedkv.ports import free_port  # noqa: F401 - the scenarios import it from here
 
 ROOT = Path(__file__).resolve().parents[2]
-FAULTS_PY = ROOT / "bench" / "faults.py"
+FAULTS = [sys.executable, "-m", "bench.faults"]
 
 TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
@@ -35,59 +35,55 @@ def rss_kib(pid: int) -> int:
 
 
 class ServerProcess:
-    """`pagedkv block-manager` as a child process, restartable on the same port and state dir."""
+    """`pagedkv block-manager` as a child process, restartable on the same port and state dir:
+    started, waited for, killed and stopped the way `pagedkv up` does (frontend/launch/processes.py),
+    its health asked every 10 ms so that the recovery times measure the manager, not the wait."""
 
     def __init__(self, port: int, args: list[str], log_path: Path) -> None:
         self.port = port
-        self.args = args
         self.log_path = log_path
-        self.proc: subprocess.Popen | None = None
+        self.service = Service(
+            name="block-manager",
+            args=[
+                sys.executable,
+                "-m",
+                "pagedkv.cli",
+                "block-manager",
+                "--port",
+                str(port),
+                "--log-format",
+                "json",
+                *args,
+            ],
+            address=f"127.0.0.1:{port}",
+            health_service="pagedkv.v1.BlockManager",
+        )
         self.starts = 0
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes] | None:
+        return self.service.process
 
     def start(self) -> float:
         t0 = time.perf_counter()
-        with open(self.log_path, "a") as log:
-            self.proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "pagedkv.cli",
-                    "block-manager",
-                    "--port",
-                    str(self.port),
-                    "--log-format",
-                    "json",
-                    *self.args,
-                ],
-                cwd=ROOT,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
+        launch(self.service, dict(os.environ), self.log_path)
+        assert self.service.process is not None
         self.starts += 1
-        wait_healthy(
-            f"127.0.0.1:{self.port}",
-            "pagedkv.v1.BlockManager",
-            30.0,
-            proc=self.proc,
+        wait_serving(
+            self.service.address,
+            self.service.health_service,
+            time.monotonic() + 30.0,
+            self.service.process,
             interval_s=0.01,
-            name="block manager",
         )
         return time.perf_counter() - t0
 
     def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait()
+        kill(self.service)
 
     def stop(self) -> int:
-        if self.proc is None or self.proc.poll() is not None:
-            return self.proc.returncode if self.proc else 0
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
+        terminate(self.service, timeout_s=20)
+        return self.proc.returncode if self.proc is not None else 0
 
     def recoveries(self) -> list[dict[str, Any]]:
         out = []

@@ -1,7 +1,7 @@
 """`pagedkv serve` under load through each fault, with every role a real process started the way
 docker-compose.yml starts them (block manager with a state dir, cache host, two workers, then
-`pagedkv serve`) and a supervisor thread that restarts whatever exits one second later, like
-`restart: unless-stopped` or a Kubernetes container restart.
+`pagedkv serve`) and `pagedkv up`'s supervisor on a thread, restarting whatever exits one second
+later, like `restart: unless-stopped` or a Kubernetes container restart.
 
 For each fault: ``concurrency`` concurrent streamed /v1/completions of ``tokens`` tokens each
 (greedy, ignore_eos), the fault ``fault_after_s`` into the run, then
@@ -19,6 +19,7 @@ recovery, not speed.
 from __future__ import annotations
 
 import http.client
+import io
 import json
 import os
 import random
@@ -30,9 +31,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.models import tiny_llama
 from frontend.clients.block_manager import BlockManagerClient
 from frontend.launch.config import StackConfig
-from frontend.launch.processes import Stack
+from frontend.launch.processes import Stack, wait_serving
+from frontend.launch.supervisor import RestartPolicy, supervise
 from pagedkv.ports import free_port_block
 
 # The manager without a state dir comes last: restarting it later from the state dir it left would
@@ -61,41 +64,39 @@ class ServeFaultRow:
     wall_s: float = 0.0
 
 
-def tiny_model(path: Path, seed: int = 0) -> Path:
-    """A random tiny Llama saved with transformers (sharp next-token distributions: no greedy ties)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        initializer_range=0.2,
-    )
-    LlamaForCausalLM(cfg).eval().save_pretrained(path)
-    return path
-
-
-class Supervisor:
-    """Restart any service that exited, ``delay_s`` after noticing (a restart policy); each restart
-    on its own thread, so one service waiting for another (a worker for the block manager) never
-    holds up that other's restart."""
+class Supervision:
+    """The product's supervisor (frontend/launch/supervisor.py, what `pagedkv up` runs) on a thread:
+    whatever exits is restarted ``delay_s`` later, like `restart: unless-stopped` or a Kubernetes
+    container restart, with a budget no scenario reaches."""
 
     def __init__(self, stack: Stack, delay_s: float = 1.0) -> None:
         self.stack = stack
-        self.delay_s = delay_s
         self.restarts: list[str] = []
         self.errors: list[str] = []
-        self._restarting: set[str] = set()
-        self._lock = threading.Lock()
+        self._policy = RestartPolicy(
+            max_restarts_per_minute=1000, initial_backoff_s=delay_s, max_backoff_s=delay_s
+        )
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
+        # Each service's process as last started and SERVING (by the stack, then by the supervisor):
+        # a process not in here is a restart still in progress.
+        self._settled_pids = {s.name: self._pid(s.name) for s in stack.services}
+        self._lock = threading.Lock()
+
+    def _pid(self, name: str) -> int | None:
+        svc = next(s for s in self.stack.services if s.name == name)
+        return svc.process.pid if svc.process is not None else None
+
+    def _run(self) -> None:
+        said = io.StringIO()  # the supervisor's lines for people; the restarts come from on_restart
+
+        def restarted(name: str, code: int | None) -> None:
+            with self._lock:
+                self.restarts.append(f"{name} (exit {code})")
+                self._settled_pids[name] = self._pid(name)
+
+        if supervise(self.stack, self._stop, self._policy, err=said, poll_s=0.05, on_restart=restarted):
+            self.errors.append(said.getvalue().strip().splitlines()[-1])
 
     def start(self) -> None:
         self._thread.start()
@@ -104,41 +105,26 @@ class Supervisor:
         self._stop.set()
         self._thread.join(60)
 
-    def _run(self) -> None:
-        while not self._stop.wait(0.05):
-            for svc in self.stack.services:
-                if svc.process is None or svc.process.poll() is None:
-                    continue
-                with self._lock:
-                    if svc.name in self._restarting:
-                        continue
-                    self._restarting.add(svc.name)
-                threading.Thread(
-                    target=self._restart, args=(svc.name, svc.process.returncode), daemon=True
-                ).start()
-
-    def _restart(self, name: str, code: int | None) -> None:
-        try:
-            if self._stop.wait(self.delay_s):
-                return
-            self.stack.restart(name)  # returns once it is SERVING
-            self.restarts.append(f"{name} (exit {code})")
-        except Exception as e:  # noqa: BLE001 - reported in the table
-            self.errors.append(f"restart {name}: {e}")
-        finally:
-            with self._lock:
-                self._restarting.discard(name)
-
     def settled(self, timeout_s: float = 120.0) -> bool:
-        """Every service running again and no restart still waiting for its service to serve."""
+        """Every service running again, its restart (if any) reported done, answering its health
+        check."""
         deadline = time.monotonic() + timeout_s
+        tls = self.stack.security.client_tls()
         while time.monotonic() < deadline:
+            services = self.stack.services
             with self._lock:
-                busy = bool(self._restarting)
-            if not busy and all(
-                s.process is not None and s.process.poll() is None for s in self.stack.services
+                known = dict(self._settled_pids)
+            if all(
+                s.process is not None and s.process.poll() is None and known[s.name] == s.process.pid
+                for s in services
             ):
-                return True
+                try:
+                    for s in services:
+                        assert s.process is not None
+                        wait_serving(s.address, s.health_service, deadline, s.process, tls, s.health_url)
+                    return True
+                except (RuntimeError, TimeoutError):
+                    pass  # one exited again, or is still starting: the supervisor is on it
             time.sleep(0.1)
         return False
 
@@ -206,7 +192,7 @@ def _inject(stack: Stack, fault: str) -> None:
 
 def run_one(
     stack: Stack,
-    sup: Supervisor,
+    sup: Supervision,
     fault: str,
     prompts: list[list[int]],
     tokens: int,
@@ -274,7 +260,7 @@ def run_serve_faults(
 ) -> list[dict[str, Any]]:
     """Every fault of FAULTS (the first, "none", gives the reference tokens) on one stack."""
     work = Path(tempfile.mkdtemp(prefix="pagedkv-serve-faults-"))
-    model = tiny_model(work / "tiny")  # the directory name is the served model name
+    model = tiny_llama(work / "tiny")  # the directory name is the served model name
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 128) for _ in range(rng.randrange(8, 48))] for _ in range(concurrency)]
     base = free_port_block(5)
@@ -298,7 +284,7 @@ def run_serve_faults(
     stack = Stack(opts, out=open(os.devnull, "w"))  # noqa: SIM115
     rows: list[dict[str, Any]] = []
     stack.start()
-    sup = Supervisor(stack)
+    sup = Supervision(stack)
     sup.start()
     try:
         reference: list[list[int]] | None = None  # the fault-free run's tokens

@@ -29,7 +29,8 @@ and one ``self._call(...)`` per method).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -273,12 +274,26 @@ class _ClientBase:
 
 
 class GrpcClient(_ClientBase):
-    """Owns one channel, a default deadline and a retry policy (sync)."""
+    """Owns one channel, a default deadline and a retry policy (sync).
+
+    ``on_call``, when set, is called after every RPC of this client (retries included in its time)
+    with the wall time in seconds and the response (None when the call raised): how a benchmark
+    times one client's RPCs without reaching into it."""
+
+    on_call: Callable[[float, Any], None] | None = None
 
     def _call(
         self, method: Any, request: Any, *, mutation: bool, request_id: str | None, timeout_s: float | None
     ) -> Any:
-        return call_with_retry(method, request, **self._retry_args(mutation, request_id, timeout_s))
+        observe = self.on_call
+        if observe is None:
+            return call_with_retry(method, request, **self._retry_args(mutation, request_id, timeout_s))
+        t0, response = time.perf_counter(), None
+        try:
+            response = call_with_retry(method, request, **self._retry_args(mutation, request_id, timeout_s))
+            return response
+        finally:
+            observe(time.perf_counter() - t0, response)
 
     def _run(self, call: Call, timeout_s: float | None) -> Any:
         return self._call(

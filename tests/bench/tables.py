@@ -9,10 +9,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_bench(script: str, *args: str, timeout: float = 120) -> str:
-    """``python bench/<script> args...``; its stdout, after asserting it exited 0."""
+def run_bench(module: str, *args: str, timeout: float = 120) -> str:
+    """``python -m bench.<module> args...`` from the repository root; its stdout, after asserting it
+    exited 0."""
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / script), *args],
+        [sys.executable, "-m", f"bench.{module}", *args],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -4,24 +4,16 @@ clearly why it cannot."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from bench import core_bench
 
 
 @pytest.fixture(scope="module")
 def bench():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("core_bench", ROOT / "bench" / "core_bench.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["core_bench"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return core_bench
 
 
 def test_every_allocator_counts_the_same_ops_on_the_same_trace(bench) -> None:  # type: ignore[no-untyped-def]

@@ -13,7 +13,7 @@ from tests.bench.tables import data_rows, run_bench
 @pytest.mark.skipif(not cpu_native.available(), reason="native kernels not built: nothing to compare")
 def test_cpu_decode_bench_quick() -> None:
     out = run_bench(
-        "cpu_decode_bench.py",
+        "cpu_decode_bench",
         "--threads",
         "1",
         "--reps",

@@ -11,7 +11,7 @@ from tests.bench.tables import data_rows, run_bench
 
 @pytest.mark.skipif(not cpu_native.available(), reason="native kernels not built: nothing to compare")
 def test_cpu_prefill_bench_quick() -> None:
-    out = run_bench("cpu_prefill_bench.py", "--threads", "1", "--reps", "1", "--layers", "1", "--shapes", "2")
+    out = run_bench("cpu_prefill_bench", "--threads", "1", "--reps", "1", "--layers", "1", "--shapes", "2")
     rows = data_rows(out)
     assert [r[1] for r in rows] == ["20 x 24", "10 x 48"]
     for row in rows:

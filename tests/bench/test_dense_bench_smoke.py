@@ -11,7 +11,7 @@ from tests.bench.tables import data_rows, run_bench
 @pytest.mark.skipif(not cpu_native.available(), reason="native kernels not built: nothing to compare")
 def test_dense_bench_quick() -> None:
     out = run_bench(
-        "dense_bench.py", "--rows", "1,9", "--layers", "2", "--vocab", "100", "--threads", "1", "--reps", "2"
+        "dense_bench", "--rows", "1,9", "--layers", "2", "--vocab", "100", "--threads", "1", "--reps", "2"
     )
     rows = data_rows(out)
     assert [r[0] for r in rows] == ["1", "9"]

@@ -16,7 +16,8 @@ def test_grpc_bench_quick(tmp_path: Path) -> None:
     proc = subprocess.run(
         [
             sys.executable,
-            str(ROOT / "bench" / "grpc_bench.py"),
+            "-m",
+            "bench.grpc_bench",
             "--quick",
             "--window",
             "0.1",
@@ -67,7 +68,7 @@ def test_grpc_bench_quick(tmp_path: Path) -> None:
 
 
 def targets_from_numbers(data: dict) -> bool:  # type: ignore[type-arg]
-    """bench/grpc_bench.py's targets (issue 27) recomputed from its JSON: Append >= 80% of the floor's
+    """bench/grpc_bench.py's targets recomputed from its JSON: Append >= 80% of the floor's
     calls/s at 1 in flight and >= 100% of it at the concurrent level, and at 1 in flight Step/packed
     p50 < 2 ms and the engine iteration p50 <= 1.3 ms (the sub-messages row is shown, not a target)."""
     flights = sorted({int(k.rsplit("@", 1)[1]) for k in data if "@" in k})
@@ -80,13 +81,7 @@ def targets_from_numbers(data: dict) -> bool:  # type: ignore[type-arg]
 
 def test_targets_ok_is_what_the_numbers_say() -> None:
     """The verdict function on numbers made to pass and to miss each target."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("grpc_bench", ROOT / "bench" / "grpc_bench.py")
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules["grpc_bench"] = bench
-    spec.loader.exec_module(bench)
+    from bench import grpc_bench as bench
 
     def cell(calls: int, ms: float) -> object:
         c = bench.Cell()

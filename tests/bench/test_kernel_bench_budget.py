@@ -6,15 +6,12 @@ row read "skipped: time budget". Each section now gets an equal share of what is
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-import kernel_bench  # noqa: E402
+from bench import kernel_bench
 
 
 def test_section_deadline_is_an_equal_share_of_what_is_left() -> None:

@@ -11,7 +11,7 @@ from tests.bench.tables import data_rows, run_bench
 @pytest.mark.skipif(not cpu_layer_ops.available(), reason="native kernels not built")
 def test_layer_ops_bench_quick() -> None:
     out = run_bench(
-        "layer_ops_bench.py",
+        "layer_ops_bench",
         "--layers",
         "2",
         "--rounds",

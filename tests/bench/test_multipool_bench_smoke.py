@@ -20,7 +20,7 @@ def test_multipool_bench_smoke() -> None:
     # reference kernels, as in a real CPU run.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "multipool_bench.py"), "--smoke"],
+        [sys.executable, "-m", "bench.multipool_bench", "--smoke"],
         cwd=ROOT,
         capture_output=True,
         text=True,

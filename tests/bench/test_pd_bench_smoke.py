@@ -4,20 +4,15 @@ long prompts arriving after the decoders, and ``drive`` times every token of eve
 from __future__ import annotations
 
 import argparse
-import sys
 import types
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
-
-import pd_bench  # noqa: E402
-
-from frontend.launch.config import StackConfig  # noqa: E402
-from frontend.launch.local_stack import LocalStack  # noqa: E402
-from worker_svc.model.config import load_model_config  # noqa: E402
+from bench import pd_bench
+from frontend.launch.config import StackConfig
+from frontend.launch.local_stack import LocalStack
+from worker_svc.model.config import load_model_config
 
 
 def test_pd_bench_model_workload_and_drive(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

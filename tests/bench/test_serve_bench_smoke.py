@@ -3,31 +3,20 @@ the prefill-alone line and the transformers baseline row with its ratio."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
+from bench import serve_bench
 from tests.frontend.serve_fixtures import serving, stack_config
 from tests.worker_svc.conftest import build_hf_model
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def load_bench():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("serve_bench", ROOT / "bench" / "serve_bench.py")
-    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    sys.modules["serve_bench"] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)  # type: ignore[union-attr]
-    return mod
 
 
 def test_serve_bench_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from frontend.launch.local_stack import LocalStack
 
-    bench = load_bench()
+    bench = serve_bench
     hf = build_hf_model(tmp_path / "model", seed=1)
     out = tmp_path / "rows.json"
     with LocalStack(stack_config(hf, num_gpu_blocks=256)) as st, serving(st, model_name="tiny") as srv:

@@ -14,10 +14,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
+from bench import vs_vllm
 
-import vs_vllm  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_chat_requests_share_three_system_prompts_and_are_deterministic() -> None:
@@ -112,7 +111,8 @@ def test_tiny_run_pagedkv_matches_transformers(tmp_path: Path) -> None:
     proc = subprocess.run(
         [
             sys.executable,
-            str(ROOT / "bench" / "vs_vllm.py"),
+            "-m",
+            "bench.vs_vllm",
             "--workloads",
             "tiny",
             "--systems",

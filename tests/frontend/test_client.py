@@ -108,6 +108,26 @@ def test_server_errors_surface_as_status_codes_without_retry(server) -> None:  #
         assert faults.calls["Free"] == 1  # only UNAVAILABLE is retried
 
 
+def test_on_call_times_every_rpc_of_the_client_retries_included(server) -> None:  # type: ignore[no-untyped-def]
+    """The timing hook (what a benchmark uses instead of wrapping the client's methods): one call per
+    RPC with its wall time and response, retries inside one call, None when the RPC raised."""
+    target, faults = server
+    seen: list[tuple[float, object]] = []
+    faults.fail["GetStats"] = 2
+    faults.delay["GetConfig"] = 0.05
+    with BlockManagerClient(target, retry=FAST_RETRY) as bm:
+        bm.on_call = lambda seconds, response: seen.append((seconds, response))
+        stats = bm.get_stats()
+        config = bm.get_config()
+        with pytest.raises(grpc.RpcError):
+            bm.free("nope")
+        bm.on_call = None
+        bm.get_stats()
+    assert faults.calls["GetStats"] == 4  # two failed attempts, the retry, the untimed call
+    assert [r for _, r in seen] == [stats, config, None]
+    assert seen[1][0] >= 0.05 and all(t > 0 for t, _ in seen)
+
+
 def test_reads_retry_on_unavailable(server) -> None:  # type: ignore[no-untyped-def]
     target, faults = server
     faults.fail["GetStats"] = 2

@@ -23,7 +23,8 @@ def test_kernel_bench_smoke(tmp_path: Path) -> None:
     proc = subprocess.run(
         [
             sys.executable,
-            str(ROOT / "bench" / "kernel_bench.py"),
+            "-m",
+            "bench.kernel_bench",
             "--smoke",
             "--dtypes",
             "float32",

@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-import pathlib
-import sys
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3] / "bench"))
-
-import trace_replay  # noqa: E402
+from bench import trace_replay
 
 
 def test_smoke_run_meets_targets(capsys) -> None:  # type: ignore[no-untyped-def]

@@ -1,10 +1,8 @@
 """CI-sized runs of bench/faults.py: SIGKILL under load (20 kills), injected retries, vanishing
-lease holders, and a short soak. The full-size runs are `python bench/faults.py all`."""
+lease holders, and a short soak. The full-size runs are `python -m bench.faults all`."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import tempfile
 from pathlib import Path
 
@@ -14,13 +12,10 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")
-def faults():
-    spec = importlib.util.spec_from_file_location("bench_faults", ROOT / "bench" / "faults.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_faults"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+def faults():  # type: ignore[no-untyped-def]
+    from bench import faults
+
+    return faults
 
 
 def test_sigkill_under_load_loses_no_acknowledged_op(faults, tmp_path: Path) -> None:
