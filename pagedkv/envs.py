@@ -4,7 +4,7 @@ Why a registry: the kernels, the commands and the worker used to read variables 
 its own parsing of "true" and its own default, and nothing listed them. Here each variable has a
 type, a default and a doc; code reads it only through ``get_str``/``get_bool``/``is_set`` (a name
 that is not declared raises ``KeyError``), and ``tests/pagedkv/test_envs.py`` fails when code reads
-the environment any other way. The README's table is this registry:
+the environment any other way. docs/usage.md's table is this registry:
 ``python -m pagedkv.envs --markdown`` prints it and a test checks that the two are equal.
 
 Not listed here: the settings fields of the roles (``PAGEDKV_<FIELD>`` of
@@ -188,7 +188,7 @@ def set_default(name: str, value: str, env: MutableMapping[str, str] | None = No
 
 
 def markdown() -> str:
-    """The README's table of these variables."""
+    """docs/usage.md's table of these variables."""
     rows = ["| variable | type | default | read by | meaning |", "|---|---|---|---|---|"]
     for v in _VARS:
         default = f"`{v.default}`" if v.default else "unset"
@@ -198,7 +198,7 @@ def markdown() -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pagedkv.envs", description=__doc__.split("\n")[0])
-    p.add_argument("--markdown", action="store_true", help="print the README's table")
+    p.add_argument("--markdown", action="store_true", help="print docs/usage.md's table")
     args = p.parse_args(argv)
     if args.markdown:
         sys.stdout.write(markdown())

@@ -6,6 +6,7 @@ import ast
 import pathlib
 import re
 import subprocess
+import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 OUTSIDE = "../" + "shared/"  # the workspace folder a clone does not have
@@ -44,6 +45,16 @@ def test_architecture_table_names_modules_that_exist() -> None:
         "events",
     ):
         assert f"| {decision} |" in text
+
+
+def test_block_manager_settings_table_lists_every_setting() -> None:
+    from block_manager_svc.settings import BlockManagerSettings
+
+    text = (ROOT / "docs" / "block_manager.md").read_text()
+    for name in BlockManagerSettings.model_fields:
+        assert f"PAGEDKV_{name.upper()}" in text, (
+            f"docs/block_manager.md does not document PAGEDKV_{name.upper()}"
+        )
 
 
 def test_worker_grpcurl_walkthrough_allocates_before_it_steps() -> None:
@@ -116,3 +127,97 @@ def test_architecture_table_names_functions_its_modules_define() -> None:
     assert missing_names(renamed) == [
         "allocation: block_manager_svc/core/manager.py does not define BlockManager.allocate_renamed"
     ]
+
+
+# --- Every path and every call the prose names exists --------------------------------------------
+# Prose goes stale silently: a module moves, a function is renamed, and a doc or a comment still
+# sends the reader to it. The docs (README.md, docs/, bench/ghz/README.md) and the comments and
+# docstrings of every Python file are scanned for a repository path ending in ``.py`` and for a call
+# written as code (`name()`, `Class.method(args)`); each path must exist and each called name must be
+# defined somewhere in the tree (Python, or the C kernels' sources).
+TOP_DIRS = ("block_manager_svc", "worker_svc", "kernels", "frontend", "pagedkv", "bench", "tests", "tools")
+PATH_IN_PROSE = re.compile(r"(?<![\w./-])((?:" + "|".join(TOP_DIRS) + r")/(?:[\w.-]+/)*[\w-]+\.py)\b")
+CALL_IN_PROSE = re.compile(r"`{1,2}((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*)\([^`()]*\)`{1,2}")
+# Calls of other projects' code that the prose names: by the module they are called on, or by name.
+OTHER_PROJECTS = frozenset(
+    {"torch", "transformers", "vllm", "triton", "tl", "grpc", "np", "numpy", "cupy", "openai"}
+)
+OTHER_PROJECTS_CALLS = {
+    "allocate_slots": "vLLM's KVCacheManager (bench/core_bench.py drives it)",
+    "GPUTarget": "Triton's compile target",
+    "log2": "Triton's tl.log2",
+    "cat": "torch.cat",
+    "copy_": "torch.Tensor.copy_",
+}
+
+
+def _prose_files() -> tuple[list[pathlib.Path], list[pathlib.Path]]:
+    files = [p for p in tracked("*.md", "*.py") if p.exists() and "pagedkv/v1/" not in p.as_posix()]
+    return [p for p in files if p.suffix == ".md"], [p for p in files if p.suffix == ".py"]
+
+
+def _prose_of_python(path: pathlib.Path) -> list[tuple[int, str]]:
+    """The comments and docstrings (triple-quoted strings) of a Python file, with their lines."""
+    import io
+    import tokenize
+
+    out = []
+    for tok in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):
+        if tok.type == tokenize.COMMENT or (
+            tok.type == tokenize.STRING and tok.string.lstrip("rbuRBU").startswith(('"""', "'''"))
+        ):
+            out.append((tok.start[0], tok.string))
+    return out
+
+
+def _names_defined_in_the_tree(py_files: list[pathlib.Path]) -> set[str]:
+    """Functions, classes and parameters (a callable parameter such as ``on_restart()``) of every
+    Python file, the C kernels' functions, Python's builtins."""
+    import builtins
+
+    names = set(dir(builtins))
+    for path in py_files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                names.add(node.name)
+            elif isinstance(node, ast.arg):
+                names.add(node.arg)
+    for c in (ROOT / "kernels" / "csrc").glob("*.[ch]"):
+        names.update(re.findall(r"^\w[\w\s*]*?\b(\w+)\(", c.read_text(), flags=re.M))
+    return names
+
+
+def stale_references(texts: list[tuple[str, str]], defined: set[str]) -> list[str]:
+    """``where: what`` for each path that does not exist and each call of an undefined name."""
+    problems = []
+    for where, text in texts:
+        problems += [f"{where}: {p}" for p in PATH_IN_PROSE.findall(text) if not (ROOT / p).exists()]
+        for call in CALL_IN_PROSE.findall(text):
+            parts = call.split(".")
+            if parts[0] in OTHER_PROJECTS or (len(parts) > 1 and parts[0] in sys.stdlib_module_names):
+                continue
+            if parts[-1] not in defined and parts[-1] not in OTHER_PROJECTS_CALLS:
+                problems.append(f"{where}: {call}()")
+    return problems
+
+
+def test_every_path_and_call_the_docs_and_comments_name_exists() -> None:
+    md, py = _prose_files()
+    texts = [
+        (f"{p.relative_to(ROOT)}:{i}", line)
+        for p in md
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+    ]
+    texts += [(f"{p.relative_to(ROOT)}:{i}", s) for p in py for i, s in _prose_of_python(p)]
+    assert len(md) >= 15 and len(py) >= 200
+    defined = _names_defined_in_the_tree(py)
+    assert stale_references(texts, defined) == []
+    # The check bites: a moved module, a renamed function (also in a comment), a C function.
+    assert stale_references(
+        [
+            ("a", "see frontend/serve.py"),
+            ("b", "# ``Engine.step_renamed()``"),
+            ("c", "`pagedkv_cpu_level()`"),
+        ],
+        defined,
+    ) == ["a: frontend/serve.py", "b: Engine.step_renamed()"]

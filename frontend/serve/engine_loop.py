@@ -4,8 +4,8 @@ The engine is not thread-safe and its `step()` blocks on gRPC, so it never runs 
 loop. Requests and aborts arrive through one thread-safe queue; the thread drains it between
 iterations (so an abort frees a request's blocks in the very next block-manager round trip), steps
 the engine while it has work, and hands every token to the request's sink (a callable that is safe
-to call from this thread: the server's sinks put into an asyncio queue with
-``call_soon_threadsafe``).
+to call from this thread: the server's sinks put into the request's ``Inbox``, frontend/serve/inbox.py,
+which wakes the event loop at most once for everything that arrived since it last looked).
 
 A block manager that is unreachable is the engine's to ride out (it retries within
 ``EngineConfig.block_manager_outage_s``); past that budget the engine raises

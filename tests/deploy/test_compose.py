@@ -155,9 +155,9 @@ PD = ROOT / "docker-compose.pd.yml"
 
 
 def test_services_come_back_after_a_crash_in_order() -> None:
-    """Restart policies, the block manager's state volume, and the order the roles come back in
-    (issue 24): every long-running role restarts unless stopped; the block manager journals to a
-    named volume; workers (here and in the PD file) start after a healthy cache host. (Compose's
+    """Restart policies, the block manager's state volume, and the order the roles come back in:
+    every long-running role restarts unless stopped; the block manager journals to a named volume;
+    workers (here and in the PD file) start after a healthy cache host. (Compose's
     `depends_on.restart` would restart them with it on `docker compose restart`, but Compose v1
     rejects the key; after a crash, restart policies and the worker's own wait / re-attach order them.)"""
     doc = load(BASE)

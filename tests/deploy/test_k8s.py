@@ -272,7 +272,7 @@ def test_one_pod_holds_a_whole_pool(rendered, kustomization: str) -> None:  # ty
 
 @pytest.mark.parametrize("kustomization", ["overlays/cpu", "overlays/gpu", "overlays/cpu-tls"])
 def test_probes_and_restarts_fit_recovery(rendered, kustomization: str) -> None:  # type: ignore[no-untyped-def]
-    """Issue 24: containers restart one by one inside the pod and recover; probes must route around
+    """Containers restart one by one inside the pod and recover; probes must route around
     a recovering role (readiness) without killing it (liveness)."""
     docs = rendered[kustomization]
     pod = one(docs, "Deployment")["spec"]["template"]["spec"]

@@ -2,11 +2,11 @@
 the model's distribution.
 
 Each request asks for n=64 samples of ONE token of the same prompt with a seed: sample i of a
-request is drawn with seed + i (frontend/engine.py), so requests with seeds 0, 64, 128, ... give
-independent seeded draws from the distribution at the prompt's last position. Their counts are
-compared with transformers' softmax of the same logits (temperature, top-k and top-p applied by
-this test's own filter, not the server's) by a chi-square test. The seeds are fixed, so the test
-is deterministic: the same draws every run.
+request is drawn with seed + i (``Seq.seed``, frontend/engine/types.py), so requests with seeds 0,
+64, 128, ... give independent seeded draws from the distribution at the prompt's last position.
+Their counts are compared with transformers' softmax of the same logits (temperature, top-k and
+top-p applied by this test's own filter, not the server's) by a chi-square test. The seeds are
+fixed, so the test is deterministic: the same draws every run.
 
 What this catches (each verified by breaking the code on purpose, docs/testing.md): a temperature
 dropped or forced to 0 (greedy: one token every time), a top-k or a top-p ignored (tokens outside

@@ -133,8 +133,8 @@ def test_pagedkv_serve_runs_the_engine_with_the_engines_defaults() -> None:
     assert generate.build_parser().parse_args(["--token-ids", "1"]).timeout_s == engine.timeout_s
 
 
-def test_the_readme_states_the_pools_as_they_are() -> None:
-    text = " ".join((ROOT / "README.md").read_text().split())
+def test_the_docs_state_the_pools_as_they_are() -> None:
+    text = " ".join((ROOT / "docs" / "usage.md").read_text().split())
     d = defaults
     assert f"A deployed role defaults to {d.NUM_GPU_BLOCKS} GPU blocks" in text
     assert (

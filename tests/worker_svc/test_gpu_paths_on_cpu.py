@@ -1,4 +1,4 @@
-"""GPU-path details that can be checked without a GPU (issue: the first real gpu_check run).
+"""GPU-path details that can be checked without a GPU (each found by a real gpu_check run).
 
 - ``shared_weights.pack`` waits for its copies explicitly before the region is served;
 - a worker's steps run inside its device's scope (CUDA's current device is per thread, and steps
