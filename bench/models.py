@@ -52,6 +52,30 @@ def save_random_llama(path: pathlib.Path, config: Any, seed: int = 0) -> pathlib
     return path
 
 
+def gqa_llama(
+    path: pathlib.Path,
+    *,
+    vocab: int,
+    hidden: int,
+    layers: int,
+    heads: int,
+    intermediate: int,
+    seed: int = 0,
+    **extra: Any,
+) -> pathlib.Path:
+    """A Llama with half as many KV heads as query heads (at least one), saved to ``path``."""
+    cfg = llama_config(
+        vocab=vocab,
+        hidden=hidden,
+        layers=layers,
+        heads=heads,
+        kv_heads=max(1, heads // 2),
+        intermediate=intermediate,
+        **extra,
+    )
+    return save_random_llama(path, cfg, seed)
+
+
 def tiny_llama(path: pathlib.Path, seed: int = 0) -> pathlib.Path:
     """The smallest model the stack benchmarks run (2 layers, hidden 64, vocab 128, GQA 4:2), with
     sharp distributions: the fault scenarios compare tokens across runs."""

@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass, field
 
 from bench.kv_router import PoolSubscriber, PrefixAwareRouter, RoundRobinRouter
-from bench.models import llama_config, save_random_llama
+from bench.models import gqa_llama
 from frontend.engine import EngineConfig, GenerationRequest
 from frontend.launch.config import StackConfig
 from frontend.launch.local_stack import LocalStack
@@ -75,16 +75,16 @@ class Result:
 def make_model(path: pathlib.Path, hidden: int, layers: int, vocab: int, seed: int) -> None:
     """A random Llama (transformers, offline) large enough that prefill costs real compute."""
     heads = max(2, hidden // 32)
-    cfg = llama_config(
+    gqa_llama(
+        path,
         vocab=vocab,
         hidden=hidden,
         layers=layers,
         heads=heads,
-        kv_heads=max(1, heads // 2),
         intermediate=2 * hidden,
+        seed=seed,
         head_dim=32,
     )
-    save_random_llama(path, cfg, seed)
 
 
 def make_workload(args: argparse.Namespace, vocab: int) -> list[Arrival]:

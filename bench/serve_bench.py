@@ -47,7 +47,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.models import llama_config, save_random_llama
+from bench.models import gqa_llama
+from bench.transformers_baseline import generate_static_batch
 from frontend.clients.http import get_text, stream_events
 
 
@@ -92,16 +93,16 @@ class Row:
 
 def make_model(path: Path, hidden: int, layers: int, vocab: int, seed: int) -> None:
     """A random Llama saved the Hugging Face way (no download)."""
-    heads = max(1, hidden // 64)
-    cfg = llama_config(
+    intermediate = hidden * 8 // 3 // 64 * 64 or hidden * 2
+    gqa_llama(
+        path,
         vocab=vocab,
         hidden=hidden,
         layers=layers,
-        heads=heads,
-        kv_heads=max(1, heads // 2),
-        intermediate=hidden * 8 // 3 // 64 * 64 or hidden * 2,
+        heads=max(1, hidden // 64),
+        intermediate=intermediate,
+        seed=seed,
     )
-    save_random_llama(path, cfg, seed)
 
 
 class Workload:
@@ -219,26 +220,12 @@ def transformers_static(model_dir: str, reqs: list[Req], batch_size: int, thread
     if threads:
         torch.set_num_threads(threads)
     model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
-    pad = 0
     useful = 0
     start = time.perf_counter()
-    with torch.inference_mode():
-        for i in range(0, len(reqs), batch_size):
-            batch = reqs[i : i + batch_size]
-            width = max(len(r.prompt) for r in batch)
-            ids = torch.tensor([[pad] * (width - len(r.prompt)) + r.prompt for r in batch])
-            mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in batch])
-            longest = max(r.output_len for r in batch)
-            model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                max_new_tokens=longest,
-                min_new_tokens=longest,
-                do_sample=False,
-                pad_token_id=pad,
-                eos_token_id=None,
-            )
-            useful += sum(r.output_len for r in batch)
+    for i in range(0, len(reqs), batch_size):
+        batch = reqs[i : i + batch_size]
+        generate_static_batch(model, [r.prompt for r in batch], max(r.output_len for r in batch))
+        useful += sum(r.output_len for r in batch)
     duration = time.perf_counter() - start
     return Row(
         f"transformers static (batch {batch_size}, {torch.get_num_threads()} threads)",

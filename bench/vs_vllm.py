@@ -68,6 +68,7 @@ from collections.abc import Callable
 from typing import Any
 
 from bench.models import llama_config, save_random_llama
+from bench.transformers_baseline import generate_static_batch
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 VOCAB = 32_000
@@ -548,22 +549,8 @@ def child_hf(args: argparse.Namespace, reqs: list[dict[str, Any]]) -> None:
         for b in range(0, len(batch_reqs), HF_BATCH):
             chunk = batch_reqs[b : b + HF_BATCH]
             width = max(len(r["prompt"]) for r in chunk)
-            ids = torch.zeros(len(chunk), width, dtype=torch.int64)
-            mask = torch.zeros(len(chunk), width, dtype=torch.int64)
-            for j, r in enumerate(chunk):
-                ids[j, width - len(r["prompt"]) :] = torch.tensor(r["prompt"])
-                mask[j, width - len(r["prompt"]) :] = 1
             new = max(r["max_tokens"] for r in chunk)
-            with torch.inference_mode():
-                out = model.generate(
-                    input_ids=ids,
-                    attention_mask=mask,
-                    max_new_tokens=new,
-                    min_new_tokens=new,
-                    do_sample=False,
-                    pad_token_id=0,
-                    eos_token_id=None,
-                )
+            out = generate_static_batch(model, [r["prompt"] for r in chunk], new)
             steps += new
             for j, r in enumerate(chunk):
                 tokens.append(out[j, width : width + r["max_tokens"]].tolist())
