@@ -28,9 +28,16 @@ Threading: :meth:`Journal.append` is called under the servicer's state lock
 order and never interleave); :meth:`Journal.wait_durable` is called *after*
 the lock is released. With ``always`` it group-commits: the first waiter runs
 one ``fsync`` that covers every record written so far, the others wait for
-it. A write error is fatal (fail-stop via ``on_fatal``): the in-memory state
-would otherwise hold a change the journal does not, and recovery from the
-journal is the only way back to a consistent, acknowledged-only state.
+it.
+
+A write or fsync error (a full disk: ENOSPC; a failing one: EIO) *fails* the
+journal: that call raises :class:`JournalFailed` and so does every later
+``append`` and ``wait_durable`` (after a failed fsync the kernel may have
+dropped the dirty pages, so a later fsync that succeeds would prove nothing).
+The caller (reliability.py) then rolls its in-memory state back to what the
+files hold and opens a new journal once the disk takes writes again. A failed
+journal is never written to again, so a torn record can only be its last one,
+which recovery drops.
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ import re
 import struct
 import threading
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -55,6 +62,10 @@ MAX_RECORD_BYTES = 256 * 1024 * 1024
 SEGMENT_RE = re.compile(r"^journal-(\d{20})\.log$")
 
 log = structlog.get_logger("pagedkv.block_manager.journal")
+
+
+class JournalFailed(OSError):
+    """A journal write or fsync failed: the journal takes no more records."""
 
 
 def segment_name(first_seq: int) -> str:
@@ -188,12 +199,11 @@ class Journal:
         next_seq: int,
         policy: FsyncPolicy = "always",
         interval_ms: float = 5.0,
-        on_fatal: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.state_dir = state_dir
         self.policy = policy
         self.interval_s = max(interval_ms, 0.1) / 1000.0
-        self._on_fatal = on_fatal or _fail_stop
+        self.failed: JournalFailed | None = None  # set by the first failed write or fsync
         self._next_seq = next_seq
         self.last_seq = next_seq - 1  # written (handed to the OS)
         self._durable = next_seq - 1
@@ -216,24 +226,40 @@ class Journal:
     # --- writing (under the state lock) ---------------------------------------
     def _open_segment(self, first_seq: int) -> None:
         path = self.state_dir / segment_name(first_seq)
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            if self.policy != "off":
+                fsync_dir(self.state_dir)  # the new name must survive a crash too
+        except OSError:
+            os.close(fd)
+            raise
+        self._fd = fd
         self.segment_first_seq = first_seq
         self.records_since_rotate = 0
-        if self.policy != "off":
-            fsync_dir(self.state_dir)  # the new name must survive a crash too
+
+    def _fail(self, what: str, err: BaseException) -> JournalFailed:
+        """Mark the journal failed (the first error is kept) and return the error to raise."""
+        if self.failed is None:
+            self.failed = JournalFailed(f"journal {what} failed: {err}")
+            log.error("journal_failed", what=what, error=repr(err), last_seq=self.last_seq)
+        return self.failed
 
     def append(self, name: str, body: bytes, wall_time: float) -> int:
-        """Write one record (call under the state lock); returns its seq."""
+        """Write one record (call under the state lock); returns its seq. Raises JournalFailed
+        (and takes no more records) if the write fails: part of the record may be on disk."""
+        if self.failed is not None:
+            raise self.failed
         seq = self._next_seq
         frame = encode_record(seq, wall_time, name, body)
         try:
-            n = os.write(self._fd, frame)
-            if n != len(frame):
-                raise OSError(f"short write to the journal ({n} of {len(frame)} bytes)")
-        except BaseException as e:
-            log.critical("journal_write_failed", error=repr(e), seq=seq)
-            self._on_fatal(e)
-            raise
+            view, done = memoryview(frame), 0
+            while done < len(frame):  # after a short write the next one says why (ENOSPC, EIO)
+                n = os.write(self._fd, view[done:])
+                if n <= 0:
+                    raise OSError(f"short write to the journal ({done} of {len(frame)} bytes)")
+                done += n
+        except OSError as e:
+            raise self._fail("write", e) from e
         self._next_seq = seq + 1
         self.last_seq = seq
         self.bytes_written += len(frame)
@@ -241,19 +267,23 @@ class Journal:
         return seq
 
     def rotate(self) -> int:
-        """Start a new segment (call under the state lock); returns the last seq of the old ones."""
+        """Start a new segment (call under the state lock); returns the last seq of the old ones.
+        If the new segment cannot be created the journal goes on in the old one."""
+        if self.failed is not None:
+            raise self.failed
         old = self._fd
+        self._open_segment(self._next_seq)
         with self._cv:
             if self.policy == "off":
                 os.close(old)
             else:
                 self._retired.append(old)
-        self._open_segment(self._next_seq)
         return self._next_seq - 1
 
     # --- durability (outside the state lock) -----------------------------------
     def wait_durable(self, seq: int) -> None:
-        """Return once record `seq` is on disk (``always``); immediately otherwise."""
+        """Return once record `seq` is on disk (``always``); immediately otherwise.
+        Raises JournalFailed if the journal failed before `seq` was on disk."""
         if self.policy != "always":
             return
         self._sync_upto(seq)
@@ -262,6 +292,8 @@ class Journal:
         cv = self._cv
         with cv:
             while self._durable < seq:
+                if self.failed is not None:
+                    raise self.failed
                 if self._syncing:
                     cv.wait()
                     continue
@@ -280,13 +312,12 @@ class Journal:
                     self._syncing = False
                     cv.notify_all()
                 if err is not None:
-                    log.critical("journal_fsync_failed", error=repr(err))
-                    self._on_fatal(err)
-                    raise err
+                    raise self._fail("fsync", err) from err
                 self.num_fsyncs += 1
                 for fd in fds[:-1]:
-                    self._retired.remove(fd)
-                    os.close(fd)
+                    if fd in self._retired:  # (drop_retired may have closed it)
+                        self._retired.remove(fd)
+                        os.close(fd)
                 self._durable = max(self._durable, target)
 
     def _flush_loop(self) -> None:
@@ -295,7 +326,17 @@ class Journal:
                 try:
                     self._sync_upto(self.last_seq)
                 except OSError:
-                    return
+                    return  # failed: the next append raises
+
+    def drop_retired(self) -> None:
+        """Close rotated segments without syncing them: a durable snapshot covers them (their files
+        are deleted, and a full disk gets their space back only once they are closed)."""
+        with self._cv:
+            while self._syncing:
+                self._cv.wait()
+            for fd in self._retired:
+                os.close(fd)
+            self._retired.clear()
 
     def delete_segments_before(self, first_seq: int) -> int:
         """Remove segments that start before `first_seq` (a snapshot covers them)."""
@@ -309,15 +350,22 @@ class Journal:
         return removed
 
     def abandon(self) -> None:
-        """Drop the files without syncing (tests use this to stand in for a crash)."""
+        """Close the files without syncing and take no more records (after a failure; tests use it
+        to stand in for a crash). Waits for an fsync in progress, so no fd is closed under it."""
         self._closed = True
         if self._flusher is not None:
             self._stop.set()
-            self._flusher.join()
+            if self._flusher is not threading.current_thread():
+                self._flusher.join()
         with self._cv:
+            while self._syncing:
+                self._cv.wait()
+            if self.failed is None:
+                self.failed = JournalFailed("journal closed")
             for fd in [*self._retired, self._fd]:
                 os.close(fd)
             self._retired.clear()
+            self._cv.notify_all()
 
     def close(self) -> None:
         if self._closed:
@@ -326,17 +374,10 @@ class Journal:
         if self._flusher is not None:
             self._stop.set()
             self._flusher.join()
-        if self.policy != "off":
+        if self.policy != "off" and self.failed is None:
             self._sync_upto(self.last_seq)
         with self._cv:
             for fd in self._retired:
                 os.close(fd)
             self._retired.clear()
             os.close(self._fd)
-
-
-def _fail_stop(err: BaseException) -> None:
-    # A mutation is applied in memory but not journaled: continuing would
-    # acknowledge state that a restart cannot reproduce. Exit; recovery from
-    # the journal rebuilds the last acknowledged state.
-    os._exit(70)

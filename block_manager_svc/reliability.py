@@ -19,6 +19,12 @@ exactly. Every mutation runs through one path, :meth:`ReliableStage.run`:
 4. after the lock is released: wait until the record is durable (fsync
    policy ``always``; group commit), then reply.
 
+A journal that cannot be written (a full disk, a failed fsync) does not stop
+the process: the state is rolled back to what the state dir holds (the same
+recovery a restart runs, `_journal_failed`), mutations are refused with
+UNAVAILABLE while reads go on, and the snapshot thread retries until a snapshot
+of that state and a new journal segment can be written (`try_resume`).
+
 With no ``--state-dir``, no ``request_id``, no lease in use and none named,
 step 1 and one branch are all that is added to the core stage.
 
@@ -41,7 +47,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import grpc
 import structlog
@@ -50,11 +56,11 @@ from block_manager_svc import commands as cmds
 from block_manager_svc import records
 from block_manager_svc import snapshot as snap
 from block_manager_svc.commands import Batch, Command, DedupeEntry, ReplayError
-from block_manager_svc.core import CoreError
+from block_manager_svc.core import BlockManager, CoreError
 from block_manager_svc.core.results import StepResult
 from block_manager_svc.handlers import MUTATIONS, CoreStage
 from block_manager_svc.idempotency import DedupeTable, RequestIdReused, WaitTimeout, digest
-from block_manager_svc.journal import Journal, Record, ScanReport, scan
+from block_manager_svc.journal import Journal, JournalFailed, Record, ScanReport, scan
 from block_manager_svc.leases import MAX_LEASE_ID_LEN, LeaseTable
 from pagedkv.v1 import block_manager_pb2 as pb
 
@@ -64,6 +70,8 @@ if TYPE_CHECKING:
 log = structlog.get_logger("pagedkv.block_manager")
 
 MAX_TTL_MS = 24 * 3600 * 1000
+# While the journal cannot be written: how often the snapshot thread tries to write again.
+JOURNAL_RETRY_S = 0.5
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["BlockManager"]
 # Mutations that never add or remove a sequence's lease (with no request id and no journal,
@@ -118,6 +126,11 @@ class ReliableStage:
         self.last_snapshot_seq = 0
         self.recovery: RecoveryReport | None = None
         self.num_deadline_skipped = 0
+        self.fsync_interval_ms = 5.0
+        # Why mutations are refused (the journal cannot be written), or None; set and cleared under
+        # the state lock.
+        self.journal_error: str | None = None
+        self.num_journal_failures = 0
 
     @property
     def _core(self) -> Any:
@@ -142,6 +155,8 @@ class ReliableStage:
         journal = self.journal
         if not rid and journal is None and not self._needs_leases(name, request):
             return self.core_stage.handlers[name](request, context, tenant)  # the hot path: nothing to add
+        if self.journal_error is not None:
+            self._refuse_unwritable(context, name, applied=False)
         lease_id = getattr(request, "lease_id", "")
         alloc_leases = request.alloc_lease_ids if name == "Step" else ()
         for lid in (lease_id, *alloc_leases) if alloc_leases else (lease_id,):
@@ -162,11 +177,16 @@ class ReliableStage:
             except WaitTimeout as e:
                 context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
             if cached is not None:
+                if self.journal_error is not None:  # the reply's record may not be on disk
+                    self._refuse_unwritable(context, name, applied=False)
                 log.debug("retry_answered_from_dedupe", method=name, request_id=rid)
                 return _response_type(name).FromString(cached)
         try:
             seq = 0
             with self._lock:
+                journal = self.journal  # a new one after a journal failure
+                if self.journal_error is not None:
+                    self._refuse_unwritable(context, name, applied=False)
                 if journal is None:
                     response, changed = self._apply(name, request, context, tenant)
                     commands: list[Command] = []
@@ -177,17 +197,38 @@ class ReliableStage:
                 reply = response.SerializeToString() if rid and changed else b""
                 if journal is not None and changed:
                     entry = DedupeEntry(rid, name, dig, reply, now) if rid else None
-                    seq = journal.append(cmds.RECORD_NAME, cmds.encode_batch(Batch(commands, entry)), now)
+                    try:
+                        seq = journal.append(cmds.RECORD_NAME, cmds.encode_batch(Batch(commands, entry)), now)
+                    except JournalFailed as e:
+                        self._journal_failed(journal, e)  # rolls this request back
+                        self._refuse_unwritable(context, name, applied=False)
                 if rid and changed:  # a pure lease renewal is not remembered: re-running it is harmless
                     self.dedupe.put(rid, name, dig, reply, now)
             if seq:
-                journal.wait_durable(seq)  # type: ignore[union-attr]
+                try:
+                    journal.wait_durable(seq)  # type: ignore[union-attr]
+                except JournalFailed as e:
+                    self._journal_failed(journal, e)  # type: ignore[arg-type]
+                    self._refuse_unwritable(context, name, applied=True)
                 if self.snapshot_every_ops and journal.records_since_rotate >= self.snapshot_every_ops:  # type: ignore[union-attr]
                     self._snapshot_wanted.set()
             return response
         finally:
             if rid:
                 self.dedupe.end(rid)
+
+    def _refuse_unwritable(self, context: Any, name: str, applied: bool) -> NoReturn:
+        what = (
+            "the request may have been applied (its record was written but could not be made durable)"
+            if applied
+            else "nothing changed"
+        )
+        context.abort(
+            grpc.StatusCode.UNAVAILABLE,
+            f"{name}: the block manager cannot write its journal ({self.journal_error}); {what}; "
+            "reads are served; retry with the same request_id",
+        )
+        raise AssertionError("unreachable")  # aborting raises
 
     def _needs_leases(self, name: str, request: Any) -> bool:
         """Whether mutation `name` has lease bookkeeping to do (see `_apply`): it names a
@@ -311,20 +352,100 @@ class ReliableStage:
         """Expire every lease past its deadline; returns how many expired."""
         seq = 0
         with self._lock:
+            journal = self.journal
+            if self.journal_error is not None:
+                return 0  # an expiry is a mutation: it waits for the journal (leases renew on resume)
             expired = self.leases.expired()
             for lid in expired:
-                if self.journal is None:
+                if journal is None:
                     freed, released = self._expire_lease(lid)
                 else:
                     with self._recording() as commands:
                         freed, released = self._expire_lease(lid)
-                    seq = self.journal.append(
-                        cmds.RECORD_NAME, cmds.encode_batch(Batch(commands)), time.time()
-                    )
+                    try:
+                        body = cmds.encode_batch(Batch(commands))
+                        seq = journal.append(cmds.RECORD_NAME, body, time.time())
+                    except JournalFailed as e:
+                        self._journal_failed(journal, e)
+                        return 0
                 log.info("lease_expired", lease_id=lid, sequences_freed=freed, blocks_released=released)
         if seq:
-            self.journal.wait_durable(seq)  # type: ignore[union-attr]
+            try:
+                journal.wait_durable(seq)  # type: ignore[union-attr]
+            except JournalFailed as e:
+                self._journal_failed(journal, e)  # type: ignore[arg-type]
         return len(expired)
+
+    # --- a journal that cannot be written ---------------------------------------------------
+    def _journal_failed(self, journal: Journal, err: JournalFailed) -> None:
+        """Roll the state back to what the state dir holds and refuse mutations until
+        `try_resume` succeeds. The state may hold changes the journal does not (a write failed
+        after the core applied them) or that are not durable (an fsync failed): reloading the
+        snapshot and the journal, as a restart would, leaves exactly what is on disk, which holds
+        every acknowledged mutation."""
+        with self._lock:
+            if journal is not self.journal or self.journal_error is not None:
+                return  # already rolled back (another request saw the same failure first)
+            self.journal_error = str(err)
+            self.num_journal_failures += 1
+            journal.abandon()
+            try:
+                report = self._reload()
+            except BaseException as e:  # noqa: BLE001
+                # The files cannot be read back either: only a restart can recover.
+                log.critical("journal_reload_failed", error=repr(e))
+                os._exit(70)
+            log.error(
+                "journal_unwritable",
+                reason=self.journal_error,
+                rolled_back_to_seq=report.last_seq,
+                dropped_bytes=report.dropped_bytes,
+                sequences=len(self._core.seqs),
+            )
+        self._snapshot_wanted.set()  # the snapshot thread tries to write again
+
+    def _reload(self) -> RecoveryReport:
+        """Under the state lock: the state from the state dir, as at start."""
+        assert self.state_dir is not None
+        old = self._core
+        self._core = BlockManager(old.config)  # replaced by the snapshot's core
+        report = self.recover(self.state_dir)
+        ledger = old.tenants
+        if ledger is not None:
+            self._core.enable_tenancy(ledger)
+        hub = self.core_stage.events_hub
+        if hub is not None:
+            hub.attach(self._core)
+        return report
+
+    def try_resume(self) -> bool:
+        """After a journal failure: write a snapshot of the rolled-back state (which makes it
+        durable) and open a new journal segment; on success mutations are accepted again."""
+        journal, state_dir, recovery = self.journal, self.state_dir, self.recovery
+        assert journal is not None and state_dir is not None and recovery is not None
+        with self._snapshot_mu:
+            with self._lock:
+                if self.journal_error is None:
+                    return True
+                seq = recovery.last_seq
+                payload = records.encode(self._state())
+            try:
+                snap.write(state_dir, seq, payload, sync=journal.policy != "off")
+                fresh = Journal(state_dir, seq + 1, journal.policy, self.fsync_interval_ms)
+            except OSError as e:
+                log.debug("journal_still_unwritable", error=repr(e))
+                return False
+            with self._lock:
+                self.journal = fresh
+                self.journal_error = None
+                self.last_snapshot_seq = seq
+                self.leases.refresh_all()  # holders could not renew while refused
+            try:
+                fresh.delete_segments_before(seq + 1)
+            except OSError as e:
+                log.warning("journal_cleanup_failed", error=repr(e))
+            log.info("journal_writable", seq=seq, snapshot_bytes=len(payload))
+            return True
 
     # --- stats --------------------------------------------------------------------------
     def add_stats(self, s: pb.Stats) -> pb.Stats:
@@ -356,6 +477,7 @@ class ReliableStage:
             t0 = time.perf_counter()
             snap.write(state_dir, seq, payload, sync=journal.policy != "off")
             journal.delete_segments_before(seq + 1)
+            journal.drop_retired()
             self.last_snapshot_seq = seq
             log.debug(
                 "snapshot_written", seq=seq, bytes=len(payload), seconds=round(time.perf_counter() - t0, 4)
@@ -445,6 +567,7 @@ class ReliableStage:
                 rel.close()  # release the state dir for a corrected restart
                 raise
             self.state_dir = state_dir
+            self.fsync_interval_ms = settings.fsync_interval_ms
             self.journal = Journal(state_dir, report.last_seq + 1, settings.fsync, settings.fsync_interval_ms)
             self.snapshot_every_ops = settings.snapshot_every_ops
             old_format = report.snapshot_bytes and report.snapshot_version != records.VERSION
@@ -507,12 +630,15 @@ class Reliability:
         s = self.servicer
         interval = self.snapshot_interval_s or None
         while not self._stop.is_set():
-            s._snapshot_wanted.wait(interval)
+            s._snapshot_wanted.wait(JOURNAL_RETRY_S if s.journal_error is not None else interval)
             s._snapshot_wanted.clear()
             if self._stop.is_set():
                 return
             try:
-                s.snapshot_now()
+                if s.journal_error is not None:
+                    s.try_resume()
+                else:
+                    s.snapshot_now()
             except Exception:
                 log.exception("snapshot_failed")
 
@@ -525,7 +651,10 @@ class Reliability:
         s = self.servicer
         if s.journal is not None:
             try:
-                s.snapshot_now()
+                if s.journal_error is None:
+                    s.snapshot_now()
+                elif not s.try_resume():
+                    log.warning("final_snapshot_skipped", reason=s.journal_error)  # the files hold the state
             finally:
                 s.journal.close()
                 s.journal = None

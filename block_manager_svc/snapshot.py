@@ -56,12 +56,16 @@ def write(state_dir: Path, seq: int, payload: bytes, sync: bool = True) -> Path:
     final = state_dir / snapshot_name(seq)
     tmp = final.with_suffix(".tmp")
     header = HEADER.pack(MAGIC, seq, zlib.crc32(payload), len(payload))
-    with open(tmp, "wb") as f:
-        f.write(header)
-        f.write(payload)
-        f.flush()
-        if sync:
-            os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            f.write(header)
+            f.write(payload)
+            f.flush()
+            if sync:
+                os.fsync(f.fileno())
+    except OSError:
+        tmp.unlink(missing_ok=True)  # a full disk gets its space back
+        raise
     os.replace(tmp, final)
     if sync:
         fsync_dir(state_dir)

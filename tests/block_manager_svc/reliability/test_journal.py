@@ -9,7 +9,15 @@ from pathlib import Path
 import pytest
 
 from block_manager_svc import snapshot
-from block_manager_svc.journal import Journal, ScanReport, encode_record, list_segments, scan, segment_name
+from block_manager_svc.journal import (
+    Journal,
+    JournalFailed,
+    ScanReport,
+    encode_record,
+    list_segments,
+    scan,
+    segment_name,
+)
 
 
 def _write(tmp: Path, n: int, policy: str = "off") -> Journal:
@@ -93,13 +101,23 @@ def test_group_commit_covers_concurrent_writers(tmp_path: Path) -> None:
     assert len(_records(tmp_path)[0]) == 320
 
 
-def test_write_failure_is_fail_stop(tmp_path: Path) -> None:
-    seen: list[BaseException] = []
-    j = Journal(tmp_path, 1, "off", on_fatal=seen.append)
-    os.close(j._fd)  # the next write fails
-    with pytest.raises(OSError):
+def test_write_failure_fails_the_journal_for_good(tmp_path: Path) -> None:
+    j = Journal(tmp_path, 1, "always")
+    j.append("Free", b"a", 0.0)
+    real_fd = j._fd
+    j._fd = os.open(tmp_path / "elsewhere", os.O_RDONLY | os.O_CREAT)  # the next write fails (EBADF)
+    with pytest.raises(JournalFailed, match="journal write failed"):
         j.append("Free", b"x", 0.0)
-    assert seen and j.last_seq == 0
+    os.close(j._fd)
+    j._fd = real_fd
+    # Failed for good: no later record, and no durability promise, even if the disk looks fine again.
+    with pytest.raises(JournalFailed):
+        j.append("Free", b"y", 0.0)
+    with pytest.raises(JournalFailed):
+        j.wait_durable(1)
+    assert j.last_seq == 1
+    j.abandon()
+    assert [r.body for r in _records(tmp_path)[0]] == [b"a"]
 
 
 def test_snapshot_atomic_and_checked(tmp_path: Path) -> None:
