@@ -53,16 +53,19 @@ DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # the block manager's default limi
 
 def channel_options(
     *,
-    keepalive_time_s: float = 30.0,
-    keepalive_timeout_s: float = 10.0,
+    keepalive_time_s: float = 10.0,
+    keepalive_timeout_s: float = 5.0,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     max_reconnect_backoff_s: float = 1.0,
 ) -> list[tuple[str, Any]]:
     """Channel arguments used by the clients.
 
     Keepalive pings are sent only while calls are in flight
-    (``keepalive_permit_without_calls=0``): a gRPC server by default answers
-    more frequent pings on idle connections with GOAWAY (too_many_pings).
+    (``keepalive_permit_without_calls=0``), every 10 s, and a connection whose ping is not answered
+    within 5 s is closed: a silent (half-open) link fails its calls with UNAVAILABLE within 15 s
+    instead of hanging them until their deadlines, and the retry reconnects. pagedkv's servers accept
+    pings down to 1 s apart (pagedkv/grpc_server.py); a stock gRPC server answers pings more frequent
+    than every 5 minutes on a connection without data with GOAWAY (too_many_pings).
     gRPC's own transparent retries stay on; our policy adds the backoff loop.
     Reconnection backs off from 0.1 s to at most ``max_reconnect_backoff_s``
     (gRPC's default grows to 120 s): a peer that restarts, e.g. the block
@@ -72,6 +75,10 @@ def channel_options(
     return [
         ("grpc.keepalive_time_ms", int(keepalive_time_s * 1000)),
         ("grpc.keepalive_timeout_ms", int(keepalive_timeout_s * 1000)),
+        # Any unanswered ping (keepalive's, or the flow-control probe that may already be in flight
+        # when a link goes silent: keepalive then waits for it) closes the connection this soon,
+        # not after gRPC's default minute.
+        ("grpc.http2.ping_timeout_ms", int(keepalive_timeout_s * 1000)),
         ("grpc.keepalive_permit_without_calls", 0),
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),

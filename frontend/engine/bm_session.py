@@ -5,7 +5,9 @@
   was lost is answered from its dedupe table, never applied twice.
 - **Outage budget.** UNAVAILABLE and DEADLINE_EXCEEDED are retried with capped exponential backoff
   (full jitter, at most 1 s) until ``EngineConfig.block_manager_outage_s`` has passed since the first
-  failed call; then BlockManagerUnavailable.
+  failed call; then BlockManagerUnavailable. Each call's deadline is
+  ``EngineConfig.block_manager_timeout_s`` (5 s): a hung manager or a silent link costs at most that
+  before the same request is sent again.
 - **The lease.** A background thread renews it every third of its TTL. A KeepAlive that *created*
   it (from that thread, or the renewal before each retry) means the manager lost this engine's
   sequences (restarted without a state dir, or the lease expired): ``lease_lost`` is set, and a
@@ -139,7 +141,7 @@ class BlockManagerSession:
         while True:
             now = time.monotonic()
             left = budget if outage_start is None else budget - (now - outage_start)
-            timeout_s = max(min(self.config.timeout_s, left), 0.5)
+            timeout_s = max(min(self.config.block_manager_timeout_s, left), 0.5)
             began = now
             try:
                 if outage_start is not None:

@@ -217,6 +217,9 @@ class EngineConfig:
     # How long the block manager may stay unreachable (UNAVAILABLE / DEADLINE_EXCEEDED, retried with
     # backoff) before step() raises BlockManagerUnavailable (`pagedkv serve --block-manager-outage-s`).
     block_manager_outage_s: float = 30.0
+    # The deadline of one block-manager call (its own Steps take milliseconds): a hung manager or a
+    # silent link is retried (same request id) after this, within block_manager_outage_s.
+    block_manager_timeout_s: float = 5.0
 
 
 @dataclass(slots=True)
