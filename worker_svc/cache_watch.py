@@ -3,10 +3,19 @@
 The cache host's memory is the KV cache: when the host dies, or a new one (new ``instance_id``,
 new empty memory) answers at its address, every block this worker could read is gone or stale.
 A daemon thread polls ``CacheHost.GetCacheInfo`` every ``interval_s`` and calls ``on_lost`` once,
-with a reason, when the host stops answering for ``failures`` consecutive checks or answers with
-another instance id. The servicer then turns health NOT_SERVING and refuses steps with
-FAILED_PRECONDITION carrying the CACHE_HOST_LOST error detail (pagedkv/errors.py), which is what the
-engine recognises; the message (prefix :data:`CACHE_LOST_PREFIX`) is for people.
+with a reason, when the host is unreachable (UNAVAILABLE: its port refuses, it is gone) for
+``failures`` consecutive checks or answers with another instance id.
+
+Hung is not dead. A check that gets no answer in time (DEADLINE_EXCEEDED: the host accepted the
+call and is silent, as a paused process, a stalled disk or a swap storm is) is not a loss: its
+memory, the KV, is intact as long as its process lives, so the worker goes on computing and logs
+``cache_host_not_answering`` / ``cache_host_answering``. And when a loss was declared but the SAME
+instance answers again (a pause long enough for keepalive to close the connection, a dropped link),
+``on_resumed`` un-declares it: the memory never went away.
+
+On a loss the servicer turns health NOT_SERVING and refuses steps with FAILED_PRECONDITION
+carrying the CACHE_HOST_LOST error detail (pagedkv/errors.py), which is what the engine recognises;
+the message (prefix :data:`CACHE_LOST_PREFIX`) is for people.
 
 With ``on_replaced`` the thread keeps polling after a loss: as soon as a cache host with another
 instance id answers at the same address (a supervisor restarted it), ``on_replaced(info)`` re-attaches
@@ -18,6 +27,7 @@ restarts a process that did not exit) would otherwise refuse every step until re
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 import grpc
@@ -54,6 +64,7 @@ class CacheHostWatcher:
         on_lost: Callable[[str, str], None],
         dialer: Dialer = PLAIN,
         on_replaced: Callable[[cache_host_pb2.CacheInfo], bool] | None = None,
+        on_resumed: Callable[[], None] | None = None,
     ) -> None:
         self.target = target
         self.dialer = dialer
@@ -62,6 +73,8 @@ class CacheHostWatcher:
         self.failures = max(1, failures)
         self.on_lost = on_lost
         self.on_replaced = on_replaced
+        self.on_resumed = on_resumed
+        self.silent_since: float | None = None  # monotonic; set while the host does not answer
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cache-host-watch", daemon=True)
 
@@ -86,6 +99,13 @@ class CacheHostWatcher:
         try:
             info = self._info(stub)
         except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # hung, not dead: wait for it
+                if self.silent_since is None:
+                    self.silent_since = time.monotonic()
+                    log.warning(
+                        "cache_host_not_answering", cache_host=self.target, instance_id=self.instance_id
+                    )
+                return misses, None, ""
             misses += 1
             if misses >= self.failures:
                 return (
@@ -97,6 +117,14 @@ class CacheHostWatcher:
                     "",
                 )
             return misses, None, ""
+        if self.silent_since is not None:
+            log.info(
+                "cache_host_answering",
+                cache_host=self.target,
+                silent_s=round(time.monotonic() - self.silent_since, 2),
+                same_instance=info.instance_id == self.instance_id,
+            )
+            self.silent_since = None
         if info.instance_id != self.instance_id:
             return (
                 0,
@@ -120,25 +148,37 @@ class CacheHostWatcher:
                     self.on_lost(reason, new_id)
                 except Exception:  # a watcher must not die silently
                     log.exception("cache_host_lost_handler_failed")
-                if self.on_replaced is None or not self._await_replacement(stub, immediately=bool(new_id)):
+                if self.on_replaced is None and self.on_resumed is None:
+                    return
+                if not self._await_replacement(stub, immediately=bool(new_id)):
                     return
                 misses = 0
 
     def _await_replacement(self, stub: cache_host_pb2_grpc.CacheHostStub, immediately: bool) -> bool:
-        """Poll until a cache host with a new instance id answers and ``on_replaced`` took it
-        (True: watch that instance now), or the watcher is stopped (False). An instance that could not
+        """Poll until a cache host with a new instance id answers and ``on_replaced`` took it, or the
+        lost instance itself answers again and ``on_resumed`` took it back (True: watch that instance
+        now), or the watcher is stopped (False). An instance that could not
         be attached (say, another geometry) is not tried again: the worker stays NOT_SERVING and exits
         after its grace, and a restarted worker reports the mismatch at start-up."""
-        assert self.on_replaced is not None
         if not immediately and self._stop.wait(self.interval_s):
             return False
         refused: set[str] = set()
+        replaced = immediately  # another instance answered already: the lost one cannot come back
         while True:
             try:
                 info = self._info(stub)
             except grpc.RpcError:
                 info = None
-            if info is not None and info.instance_id and info.instance_id not in (self.instance_id, *refused):
+            if info is not None and info.instance_id == self.instance_id and not replaced:
+                if self.on_resumed is not None:
+                    log.warning("cache_host_resumed", cache_host=self.target, instance_id=self.instance_id)
+                    self.on_resumed()
+                    return True
+            elif info is not None and info.instance_id not in ("", self.instance_id, *refused):
+                replaced = True
+                if self.on_replaced is None:
+                    refused.add(info.instance_id)
+                    continue
                 try:
                     attached = self.on_replaced(info)
                 except Exception:  # noqa: BLE001 - logged; this instance is not tried again

@@ -401,6 +401,11 @@ def _watch_cache_host(
         set_health(health_pb2.HealthCheckResponse.SERVING)
         return True
 
+    def on_resumed() -> None:
+        proc.servicer.resume_cache()
+        proc.lost_at = None
+        set_health(health_pb2.HealthCheckResponse.SERVING)
+
     def on_lost(reason: str, new_instance_id: str) -> None:
         if proc.servicer.mark_cache_lost(reason):
             proc.lost_at = time.monotonic()
@@ -424,6 +429,7 @@ def _watch_cache_host(
         on_lost,
         dialer,
         on_replaced=on_replaced if settings.cache_host_reattach else None,
+        on_resumed=on_resumed,
     ).start()
 
 

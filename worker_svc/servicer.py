@@ -129,6 +129,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self.on_cache_lost()
         return True
 
+    def resume_cache(self) -> None:
+        """The cache host declared lost answered again as the SAME instance: its memory, and the
+        KV in it, never went away, so steps are served again on the same mapping."""
+        info = worker_pb2.WorkerInfo()
+        info.CopyFrom(self._info)
+        info.cache_state = worker_pb2.CACHE_STATE_ATTACHED
+        info.cache_lost_reason = ""
+        self._info = info
+        self._lost_message = None
+
     @property
     def cache_lost(self) -> bool:
         return self._lost_message is not None

@@ -151,7 +151,10 @@ class WorkerSettings(_Common):
         2.0, ge=0, description="poll the cache host's GetCacheInfo this often; 0 = do not watch it"
     )
     cache_host_failures: int = Field(
-        2, ge=1, description="consecutive failed checks after which the cache host counts as gone"
+        2,
+        ge=1,
+        description="consecutive unreachable checks (UNAVAILABLE) after which the cache host counts as "
+        "gone; a check that times out (a hung host) is not counted",
     )
     cache_lost_exit_after_s: float = Field(
         30.0,

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from frontend.clients.block_manager import GrpcClient
+from frontend.clients.block_manager import GrpcClient, channel_options
 from pagedkv.v1 import worker_pb2 as wpb
 from pagedkv.v1 import worker_pb2_grpc as wpb_grpc
 
 DEFAULT_STEP_TIMEOUT_S = 120.0
+KEEPALIVE_S = 2.0
 
 
 class WorkerClient(GrpcClient):
@@ -22,6 +23,12 @@ class WorkerClient(GrpcClient):
 
     def __init__(self, target: str, **kwargs: Any) -> None:
         kwargs.setdefault("default_timeout_s", DEFAULT_STEP_TIMEOUT_S)
+        # A step may compute for long, but a worker that is alive answers keepalive pings meanwhile
+        # (gRPC's own threads do): one that does not within KEEPALIVE_S + KEEPALIVE_S is hung, and
+        # the engine moves its work to another worker (frontend/dispatch.py).
+        kwargs.setdefault(
+            "options", channel_options(keepalive_time_s=KEEPALIVE_S, keepalive_timeout_s=KEEPALIVE_S)
+        )
         super().__init__(target, **kwargs)
         self._stub = wpb_grpc.WorkerStub(self.channel)
 

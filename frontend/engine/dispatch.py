@@ -16,9 +16,13 @@ about compute. The rules:
 - Cache ops (copy-on-write copies, swaps) must finish before any step that reads their blocks, and
   the workers of one iteration run concurrently: with more than one part, the ops go first as an
   ops-only step on one worker.
-- A worker that answers UNAVAILABLE / DEADLINE_EXCEEDED is benched for ``retry_after_s`` and its
-  part is re-run on the next candidate (a step only rewrites the KV of its own tokens with the same
-  values, so a re-run is safe). FAILED_PRECONDITION with the CACHE_HOST_LOST error detail
+- A worker that answers UNAVAILABLE / DEADLINE_EXCEEDED (dead, or hung: its channel's keepalive
+  closes a connection whose pings go unanswered, frontend/worker_client.py) is benched and its part
+  is re-run on the next candidate (a step only rewrites the KV of its own tokens with the same
+  values, so a re-run is safe). A benched worker is taken back when it answers again: a thread
+  probes it (GetWorkerInfo, ``probe_timeout_s``) every ``probe_interval_s``. With every worker
+  benched, all are tried again (requests wait for one to return rather than fail).
+  FAILED_PRECONDITION with the CACHE_HOST_LOST error detail
   (pagedkv/errors.py) from every worker tried is
   ``CacheLostEverywhere``, which the engine turns into ``CacheHostLost``.
 """
@@ -55,7 +59,7 @@ class CacheLostEverywhere(RuntimeError):
 class WorkerSlot:
     client: WorkerClient
     role: int = MIXED
-    benched_until: float = 0.0  # monotonic; a failed worker is skipped until then
+    benched: bool = False  # it failed a step; skipped until it answers a probe
     busy_s: float = 0.0  # time inside Step calls, for utilisation figures
     steps: int = 0
 
@@ -63,8 +67,8 @@ class WorkerSlot:
     def target(self) -> str:
         return self.client.target
 
-    def alive(self, now: float) -> bool:
-        return now >= self.benched_until
+    def alive(self) -> bool:
+        return not self.benched
 
 
 @dataclass(slots=True)
@@ -80,10 +84,13 @@ class WorkerPool:
 
     slots: list[WorkerSlot]
     timeout_s: float = 120.0
-    retry_after_s: float = 2.0
+    probe_interval_s: float = 0.5
+    probe_timeout_s: float = 1.0
     stats: DispatchStats = field(default_factory=DispatchStats)
     _executor: ThreadPoolExecutor | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _prober: threading.Thread | None = None
+    _closed: threading.Event = field(default_factory=threading.Event)
 
     @classmethod
     def from_clients(
@@ -97,9 +104,30 @@ class WorkerPool:
 
     # -------------------------------------------------------------- who does what
     def _alive(self) -> list[WorkerSlot]:
-        now = time.monotonic()
-        alive = [s for s in self.slots if s.alive(now)]
+        alive = [s for s in self.slots if s.alive()]
         return alive or list(self.slots)  # all benched: try them all again rather than give up
+
+    def bench(self, slot: WorkerSlot, reason: str) -> None:
+        """Take a worker that did not answer out of the pool until it answers a probe."""
+        with self._lock:
+            if not slot.benched:
+                slot.benched = True
+                log.warning("worker_benched", worker=slot.target, reason=reason)
+            if self._prober is None and not self._closed.is_set():
+                self._prober = threading.Thread(target=self._probe_loop, name="worker-probe", daemon=True)
+                self._prober.start()
+
+    def _probe_loop(self) -> None:
+        while not self._closed.wait(self.probe_interval_s):
+            for slot in [s for s in self.slots if s.benched]:
+                try:
+                    slot.client.get_info(timeout_s=self.probe_timeout_s)
+                except grpc.RpcError:
+                    continue
+                except ValueError:  # its channel was closed: the engine is shutting down
+                    return
+                slot.benched = False
+                log.warning("worker_back", worker=slot.target)
 
     def workers(self) -> list[WorkerSlot]:
         """Every live worker (all of them when every one is benched)."""
@@ -211,9 +239,8 @@ class WorkerPool:
                 if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise
                 last = e
-                slot.benched_until = time.monotonic() + self.retry_after_s
                 self.stats.retries += 1
-                log.warning("worker_unavailable", worker=slot.target, code=e.code().name)
+                self.bench(slot, e.code().name)
                 continue
             slot.busy_s += time.perf_counter() - t0
             slot.steps += 1
@@ -224,6 +251,7 @@ class WorkerPool:
         raise last
 
     def close(self) -> None:
+        self._closed.set()
         with self._lock:
             ex, self._executor = self._executor, None
         if ex is not None:

@@ -2,8 +2,11 @@
 
 - **cache host lost** (every worker says so): without ``recover_lost_cache``, forget the dead KV
   (free the sequences, reset the prefix cache) and raise CacheHostLost with what to do; with it,
-  wait for a worker attached to a new cache host, free every sequence, reset the prefix cache and
-  recompute every running and swapped sequence;
+  wait for a worker attached to a cache host again, free every sequence and recompute every running
+  and swapped sequence. A NEW instance has empty memory: the prefix cache is reset first. The SAME
+  instance answering again (it only hung: a pause, a silent link) still holds the KV: the prefix
+  cache is kept, so the recompute re-allocates what was committed as prefix hits and computes only
+  the rest (the failed step's cache ops and the prefill in flight are redone that way);
 - **block manager lost the engine's sequences** (restarted without a state dir, or the lease
   expired; frontend/engine/bm_session.py detects it): free whatever it may still hold of them,
   renew the lease, recompute every running and swapped sequence (re-allocated in the next Step,
@@ -53,7 +56,9 @@ def forget_lost_cache(close: Callable[[], None], session: BlockManagerSession) -
         log.warning("prefix_cache_reset_failed", error=str(e))
 
 
-def _new_cache_instance(workers: Sequence[WorkerClient], old: str, timeout_s: float) -> str:
+def attached_instance(workers: Sequence[WorkerClient], old: str, timeout_s: float) -> str:
+    """The cache instance a worker is attached to again: a new one, or ``old`` itself when the
+    worker found the same instance answering again (worker_svc/cache_watch.py ``on_resumed``)."""
     deadline = time.monotonic() + timeout_s
     while True:
         for w in workers:
@@ -61,16 +66,12 @@ def _new_cache_instance(workers: Sequence[WorkerClient], old: str, timeout_s: fl
                 info = w.get_info(timeout_s=2.0)
             except grpc.RpcError:
                 continue
-            if (
-                info.cache_instance_id
-                and info.cache_instance_id != old
-                and info.cache_state != wpb.CACHE_STATE_LOST
-            ):
+            if info.cache_instance_id and info.cache_state != wpb.CACHE_STATE_LOST:
                 return info.cache_instance_id
         if time.monotonic() > deadline:
             raise CacheHostLost(
-                f"the cache host (instance {old}) was lost and no worker re-attached to a new one "
-                f"within {timeout_s:.0f} s (cache_recovery_timeout_s): restart "
+                f"the cache host (instance {old}) was lost and no worker re-attached to it or to a new "
+                f"one within {timeout_s:.0f} s (cache_recovery_timeout_s): restart "
                 "the cache host and the workers"
             )
         time.sleep(0.2)
@@ -83,30 +84,32 @@ def recover_lost_cache(
     old: str,
     config: EngineConfig,
 ) -> str:
-    """After CacheHostLost (the prefill in flight already dropped): wait for a worker on a new
-    cache instance, forget all cached KV (the block manager's prefix cache, pending ops) and
+    """After CacheHostLost (the prefill in flight already dropped): wait for a worker attached
+    again, forget all cached KV if it is a new instance (the block manager's prefix cache), and
     recompute every running and swapped sequence from its prompt + generated tokens. Returns the
-    new cache instance."""
+    cache instance attached now."""
     log.warning(
         "cache_host_lost",
         cache_instance_id=old,
         action="waiting for a re-attached worker",
         timeout_s=config.cache_recovery_timeout_s,
     )
-    new = _new_cache_instance(workers, old, config.cache_recovery_timeout_s)
+    new = attached_instance(workers, old, config.cache_recovery_timeout_s)
+    resumed = new == old  # it only hung: its memory, and the committed KV, are intact
     # Finished ones too: what they computed died with the cache host and must never be committed.
     victims, frees = scheduler.take_block_holders()
     if frees:
         session.free(frees)  # a sequence the block manager no longer has is simply reported
-    session.reset_prefix_cache()
+    if not resumed:
+        session.reset_prefix_cache()
     scheduler.requeue_all(victims)
     scheduler.stats.cache_recoveries += 1
     log.warning(
-        "cache_recovered",
+        "cache_host_resumed" if resumed else "cache_recovered",
         old_cache_instance_id=old,
         cache_instance_id=new,
         requeued=len(victims),
-        action="re-prefilling",
+        action="re-establishing with prefix hits" if resumed else "re-prefilling",
     )
     return new
 

@@ -71,7 +71,7 @@ def test_roles_decide_the_pipelines_and_failover_ignores_them() -> None:
     assert [s.role for s in p.prefill_workers()] == [PREFILL] and [s.role for s in p.decode_workers()] == [
         DECODE
     ]
-    p.slots[1].benched_until = float("inf")  # the decode worker is gone: the prefill worker does everything
+    p.slots[1].benched = True  # the decode worker is gone: the prefill worker does everything
     assert not p.disaggregated() and p.decode_workers() == [p.slots[0]]
     m, _ = pool(MIXED, MIXED)
     assert not m.disaggregated() and len(m.decode_workers()) == len(m.prefill_workers()) == 2
