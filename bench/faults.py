@@ -6,6 +6,7 @@ vanished clients, a bounded soak, journal cost, recovery time.
     python -m bench.faults crash --kills 20 --fsync always
     python -m bench.faults retries | leases | soak --minutes 10 | fsync-cost | recovery
     python -m bench.faults serve [--tokens 400] [--concurrency 12]   # `pagedkv serve` through each fault
+    python -m bench.faults serve --chaos [--seconds 60]   # random dead and gray faults under 12 clients
 
 This file is the CLI and the table; each scenario is a module of ``bench/fault_scenarios/`` over
 the shared process helpers there (``processes.py``). The same functions run (with small sizes) in
@@ -28,11 +29,12 @@ from bench.fault_scenarios.leases import run_leases, vanishing_client
 from bench.fault_scenarios.model_client import ModelClient, client_main
 from bench.fault_scenarios.recovery import run_recovery
 from bench.fault_scenarios.retries import FaultInjector, run_retries
-from bench.fault_scenarios.serve_faults import run_serve_faults
+from bench.fault_scenarios.serve_faults import run_chaos, run_serve_faults
 from bench.fault_scenarios.soak import run_soak
 
 __all__ = [
     "run_serve_faults",
+    "run_chaos",
     "run_crash",
     "run_retries",
     "run_leases",
@@ -61,7 +63,7 @@ def print_report(res: dict[str, Any]) -> None:
         n = rows[0]["requests"] if rows else 0
         _table(
             f"`pagedkv serve` through faults ({n} concurrent streamed completions, greedy, ignore_eos; "
-            "each fault ~1 s in, restarted 1 s later by a supervisor)",
+            "each fault ~1 s in; a killed role restarted 1 s later by a supervisor)",
             "| fault | completed | identical to fault-free | longest stall s | leaked blocks / sequences | "
             "later request | restarts |",
             [
@@ -74,6 +76,23 @@ def print_report(res: dict[str, Any]) -> None:
         for r in rows:
             for e in r["errors"][:3]:
                 sys.stdout.write(f"  {r['fault']}: {e}\n")
+    if "chaos" in res:
+        c = res["chaos"]
+        _table(
+            f"`pagedkv serve` chaos: a random fault every few seconds for {c['seconds']:.0f} s "
+            f"({len(c['faults'])} faults), clients sending request after request",
+            "| requests | completed | identical to fault-free | longest stall s | "
+            "leaked blocks / sequences | later request |",
+            [
+                f"| {c['requests']} | {c['completed']} | {c['identical']} | {c['longest_stall_s']:.2f} | "
+                f"{c['leaked_blocks']} / {c['leaked_sequences']} | "
+                f"{'ok' if c['later_request_ok'] else 'FAILED'} |"
+            ],
+        )
+        sys.stdout.write("  faults: " + "; ".join(c["faults"]) + "\n")
+        sys.stdout.write("  restarts: " + ", ".join(c["restarts"]) + "\n")
+        for e in c["errors"][:5]:
+            sys.stdout.write(f"  {e}\n")
     for c in res.get("crash", []):
         _table(
             f"Crash: SIGKILL under load (--fsync {c['fsync']}, {c['wall_s']:.0f} s)",
@@ -178,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         "--tokens", type=int, default=400, help="serve: tokens per request (fewer for a quick run)"
     )
     p.add_argument("--concurrency", type=int, default=12, help="serve: concurrent requests")
+    p.add_argument("--chaos", action="store_true", help="serve: random faults of every kind instead of rows")
+    p.add_argument("--seconds", type=float, default=60.0, help="serve --chaos: how long")
     a = p.parse_args(argv)
     res: dict[str, Any] = {}
     quick = a.quick
@@ -200,7 +221,9 @@ def main(argv: list[str] | None = None) -> int:
         section("retries", lambda: run_retries(ops=100 if quick else 500))
     if a.what in ("all", "leases"):
         section("leases", run_leases)
-    if a.what == "serve":  # not part of "all": it loads a model into real workers
+    if a.what == "serve" and a.chaos:
+        section("chaos", lambda: run_chaos(seconds=a.seconds, tokens=a.tokens, concurrency=a.concurrency))
+    elif a.what == "serve":  # not part of "all": it loads a model into real workers
         section("serve", lambda: run_serve_faults(tokens=a.tokens, concurrency=a.concurrency))
     if a.what in ("all", "soak"):
         section(
@@ -213,6 +236,10 @@ def main(argv: list[str] | None = None) -> int:
     bad |= any(
         r["identical"] != r["requests"] or r["leaked_blocks"] or not r["later_request_ok"]
         for r in res.get("serve", [])
+    )
+    chaos = res.get("chaos")
+    bad |= bool(chaos) and (
+        chaos["identical"] != chaos["requests"] or chaos["leaked_blocks"] or not chaos["later_request_ok"]
     )
     return 1 if bad else 0
 

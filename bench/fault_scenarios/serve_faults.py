@@ -12,25 +12,38 @@ For each fault: ``concurrency`` concurrent streamed /v1/completions of ``tokens`
 - leaked: blocks (and sequences) the block manager still holds once every request ended;
 - later request: one more request after the fault, 200 with the fault-free tokens.
 
+Faults: SIGKILL of a role (the supervisor restarts it), and the gray ones: SIGSTOP of a role for
+``pause_s`` then SIGCONT (a long VM pause, a swap storm), the frontend's block-manager link
+black-holed for ``blackhole_s`` (bench/fault_scenarios/link_proxy.py sits on that link for every
+run), and the block manager's journal disk full (ENOSPC) for ``enospc_s`` (its state dir is on a
+small tmpfs; only as root, the row is left out otherwise). ``run_chaos``: random faults of every
+kind, dead and gray, every few seconds while ``concurrency`` clients send requests in waves.
+
 The model is a random tiny Llama (transformers, built locally, no download): the figures are about
 recovery, not speed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import http.client
 import io
 import json
 import os
 import random
+import shutil
 import signal
+import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.fault_scenarios.link_proxy import LinkProxy
 from bench.models import tiny_llama
 from frontend.clients.block_manager import BlockManagerClient
 from frontend.launch.config import StackConfig
@@ -38,15 +51,33 @@ from frontend.launch.processes import Stack, wait_serving
 from frontend.launch.supervisor import RestartPolicy, supervise
 from pagedkv.ports import free_port_block
 
-# The manager without a state dir comes last: restarting it later from the state dir it left would
-# bring back sequences (and prefix-cache entries naming KV since overwritten) of an older state.
-FAULTS = (
-    "none",
-    "block manager SIGKILL, restart with its state dir",
-    "cache host SIGKILL, restart",
-    "one of two workers SIGKILL",
-    "block manager SIGKILL, restart without a state dir",
-)
+PAUSE_S = 8.0
+BLACKHOLE_S = 10.0
+ENOSPC_S = 5.0
+STATE_TMPFS = "16m"  # the block manager's state dir when the journal-full row runs
+
+
+def fault_names(
+    pause_s: float = PAUSE_S, blackhole_s: float = BLACKHOLE_S, enospc_s: float = ENOSPC_S
+) -> tuple[str, ...]:
+    """The rows, in order. The manager without a state dir comes last: restarting it later from the
+    state dir it left would bring back sequences (and prefix-cache entries naming KV since
+    overwritten) of an older state."""
+    return (
+        "none",
+        "block manager SIGKILL, restart with its state dir",
+        "cache host SIGKILL, restart",
+        "one of two workers SIGKILL",
+        f"block manager SIGSTOP {pause_s:g} s",
+        f"cache host SIGSTOP {pause_s:g} s",
+        f"one of two workers SIGSTOP {pause_s:g} s",
+        f"block-manager link black-holed {blackhole_s:g} s",
+        f"block manager journal ENOSPC {enospc_s:g} s",
+        "block manager SIGKILL, restart without a state dir",
+    )
+
+
+FAULTS = fault_names()
 
 
 @dataclass(slots=True)
@@ -62,6 +93,7 @@ class ServeFaultRow:
     restarts: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     wall_s: float = 0.0
+    in_flight_at_fault: int = 0  # requests not finished when the fault was injected
 
 
 class Supervision:
@@ -177,17 +209,111 @@ def _svc(stack: Stack, name: str) -> Any:
     return next(s for s in stack.services if s.name == name)
 
 
-def _inject(stack: Stack, fault: str) -> None:
+class StateDisk:
+    """The block manager's state dir on a small tmpfs of its own (mounting needs root), filled up
+    (ENOSPC) on demand by a filler file, and freed by deleting it."""
+
+    def __init__(self, root: Path) -> None:
+        self.mount = root / "state-tmpfs"
+        self.mount.mkdir()
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={STATE_TMPFS}", "tmpfs", str(self.mount)], check=True
+        )
+        self.state_dir = self.mount / "bm-state"
+
+    @staticmethod
+    def possible() -> bool:
+        return os.geteuid() == 0 and shutil.which("mount") is not None
+
+    def fill(self) -> None:
+        with open(self.mount / "filler", "wb", buffering=0) as f:
+            for chunk in (1 << 20, 65536, 4096):
+                with contextlib.suppress(OSError):
+                    while f.write(b"\0" * chunk):
+                        pass
+
+    def free(self) -> None:
+        (self.mount / "filler").unlink(missing_ok=True)
+
+    def close(self) -> None:
+        subprocess.run(["umount", "-l", str(self.mount)], check=False)
+
+
+@dataclass(slots=True)
+class Faults:
+    """How to inject each kind of fault into one stack; gray ones undo themselves after their time."""
+
+    stack: Stack
+    proxy: LinkProxy
+    disk: StateDisk | None
+    pause_s: float = PAUSE_S
+    blackhole_s: float = BLACKHOLE_S
+    enospc_s: float = ENOSPC_S
+
+    def _later(self, seconds: float, undo: Callable[[], None]) -> None:
+        t = threading.Timer(seconds, undo)
+        t.daemon = True
+        t.start()
+
+    def kill(self, name: str) -> None:
+        self.stack_process(name).send_signal(signal.SIGKILL)
+
+    def pause(self, name: str) -> None:
+        proc = self.stack_process(name)
+        proc.send_signal(signal.SIGSTOP)
+        self._later(self.pause_s, lambda: proc.send_signal(signal.SIGCONT))
+
+    def blackhole(self) -> None:
+        self.proxy.blackhole()
+        self._later(self.blackhole_s, self.proxy.heal)
+
+    def journal_full(self) -> None:
+        assert self.disk is not None
+        self.disk.fill()
+        self._later(self.enospc_s, self.disk.free)
+
+    def stack_process(self, name: str) -> Any:
+        return _svc(self.stack, name).process
+
+    def inject(self, fault: str) -> None:
+        """The fault a row of fault_names() names."""
+        if "SIGSTOP" in fault:
+            self.pause(_role(fault))
+        elif "black-holed" in fault:
+            self.blackhole()
+        elif "ENOSPC" in fault:
+            self.journal_full()
+        elif "SIGKILL" in fault:
+            if "without a state dir" in fault:  # the restart policy starts it with none
+                bm = _svc(self.stack, "block-manager")
+                while "--state-dir" in bm.args:
+                    i = bm.args.index("--state-dir")
+                    del bm.args[i : i + 2]
+            self.kill(_role(fault))
+
+    def random_fault(self, rng: random.Random) -> tuple[str, float]:
+        """One random fault of every kind above (chaos): (what, seconds it lasts)."""
+        kinds: list[tuple[str, float, Callable[[], None]]] = []
+        for name in ("block-manager", "cache-host", "worker-0", "worker-1"):
+            kinds.append((f"{name} SIGKILL", 0.0, functools.partial(self.kill, name)))
+            kinds.append(
+                (f"{name} SIGSTOP {self.pause_s:g} s", self.pause_s, functools.partial(self.pause, name))
+            )
+        link = f"block-manager link black-holed {self.blackhole_s:g} s"
+        kinds.append((link, self.blackhole_s, self.blackhole))
+        if self.disk is not None:
+            kinds.append((f"journal ENOSPC {self.enospc_s:g} s", self.enospc_s, self.journal_full))
+        what, lasts, act = rng.choice(kinds)
+        act()
+        return what, lasts
+
+
+def _role(fault: str) -> str:
     if fault.startswith("block manager"):
-        bm = _svc(stack, "block-manager")
-        while "without" in fault and "--state-dir" in bm.args:  # the restart policy starts it with none
-            i = bm.args.index("--state-dir")
-            del bm.args[i : i + 2]
-        bm.process.send_signal(signal.SIGKILL)
-    elif fault.startswith("cache host"):
-        _svc(stack, "cache-host").process.send_signal(signal.SIGKILL)
-    elif fault.startswith("one of two workers"):
-        _svc(stack, "worker-1").process.send_signal(signal.SIGKILL)
+        return "block-manager"
+    if fault.startswith("cache host"):
+        return "cache-host"
+    return "worker-1"
 
 
 def run_one(
@@ -198,6 +324,7 @@ def run_one(
     tokens: int,
     fault_after_s: float,
     reference: list[list[int]] | None,
+    faults: Faults | None = None,
 ) -> tuple[ServeFaultRow, list[list[int]]]:
     port = stack.opts.serve_port
     assert port is not None
@@ -213,8 +340,10 @@ def run_one(
     for t in threads:
         t.start()
     time.sleep(fault_after_s)
+    row.in_flight_at_fault = sum(t.is_alive() for t in threads)
     if fault != "none":
-        _inject(stack, fault)
+        assert faults is not None
+        faults.inject(fault)
     for t in threads:
         t.join(600)
     row.wall_s = time.monotonic() - t0
@@ -227,42 +356,79 @@ def run_one(
             row.errors.append(f"request {i}: HTTP {r.get('status')} {r.get('error', '')}")
     if not sup.settled():
         row.errors.append("the services did not all come back")
-    try:
-        with BlockManagerClient(_svc(stack, "block-manager").address) as bm:
-            deadline = time.monotonic() + 15
-            while True:
-                st = bm.get_stats(timeout_s=10)
-                if (st.num_sequences, st.num_used_blocks) == (0, 0) or time.monotonic() > deadline:
-                    break
-                time.sleep(0.1)
-            row.leaked_blocks, row.leaked_sequences = int(st.num_used_blocks), int(st.num_sequences)
-    except Exception as e:  # noqa: BLE001 - reported in the table
-        row.leaked_blocks = row.leaked_sequences = -1
-        row.errors.append(f"GetStats: {type(e).__name__}")
-    later = stream_completion(port, prompts[0], min(tokens, 32))
-    row.later_request_ok = (
-        later["status"] == 200
-        and not later["error"]
-        and (reference is None or later["token_ids"] == reference[0][: min(tokens, 32)])
-    )
-    if not row.later_request_ok:
-        row.errors.append(f"later request: HTTP {later['status']} {later['error']}")
+    row.leaked_blocks, row.leaked_sequences = _leaked(stack, row.errors)
+    row.later_request_ok = _later_request(port, prompts[0], tokens, reference, row.errors)
     row.restarts = sup.restarts[restarts_before:]
     return row, [r.get("token_ids", []) for r in results]
 
 
-def run_serve_faults(
-    tokens: int = 400,
-    concurrency: int = 12,
-    fault_after_s: float = 1.0,
-    faults: tuple[str, ...] = FAULTS,
-    log_dir: str | None = None,
-) -> list[dict[str, Any]]:
-    """Every fault of FAULTS (the first, "none", gives the reference tokens) on one stack."""
+def _leaked(stack: Stack, errors: list[str]) -> tuple[int, int]:
+    """(blocks, sequences) the block manager still holds once every request ended."""
+    last = ""
+    with BlockManagerClient(_svc(stack, "block-manager").address) as bm:
+        deadline = time.monotonic() + 30  # a paused manager answers again within its pause
+        while time.monotonic() < deadline:
+            try:
+                st = bm.get_stats(timeout_s=5)
+            except Exception as e:  # noqa: BLE001 - reported in the table
+                last = f"{type(e).__name__}: {e}"[:200]
+                time.sleep(0.2)
+                continue
+            if (st.num_sequences, st.num_used_blocks) == (0, 0) or time.monotonic() > deadline - 15:
+                return int(st.num_used_blocks), int(st.num_sequences)
+            time.sleep(0.1)
+    errors.append(f"GetStats: {last}")
+    return -1, -1
+
+
+def _later_request(
+    port: int, prompt: list[int], tokens: int, reference: list[list[int]] | None, errors: list[str]
+) -> bool:
+    later = stream_completion(port, prompt, min(tokens, 32))
+    ok = (
+        later["status"] == 200
+        and not later["error"]
+        and (reference is None or later["token_ids"] == reference[0][: min(tokens, 32)])
+    )
+    if not ok:
+        errors.append(f"later request: HTTP {later['status']} {later['error']}")
+    return bool(ok)
+
+
+@dataclass(slots=True)
+class ChaosRow:
+    seconds: float
+    requests: int = 0
+    completed: int = 0
+    identical: int = 0
+    longest_stall_s: float = 0.0
+    leaked_blocks: int = 0
+    leaked_sequences: int = 0
+    later_request_ok: bool = False
+    faults: list[str] = field(default_factory=list)
+    restarts: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def serving_stack(
+    tokens: int,
+    concurrency: int,
+    log_dir: str | None,
+    worker_args: tuple[str, ...],
+    journal_disk: bool,
+    pause_s: float,
+    blackhole_s: float,
+    enospc_s: float,
+) -> Any:
+    """Every role as a process, a supervisor, a link proxy between `pagedkv serve` and the block
+    manager, and (``journal_disk``, as root) the manager's state dir on a tmpfs of its own:
+    yields (stack, supervisor, faults, prompts)."""
     work = Path(tempfile.mkdtemp(prefix="pagedkv-serve-faults-"))
     model = tiny_llama(work / "tiny")  # the directory name is the served model name
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 128) for _ in range(rng.randrange(8, 48))] for _ in range(concurrency)]
+    disk = StateDisk(work) if journal_disk and StateDisk.possible() else None
     base = free_port_block(5)
     opts = StackConfig(
         block_manager_port=base,
@@ -279,29 +445,128 @@ def run_serve_faults(
         serve_port=base + 4,
         shm_prefix=f"pagedkv-sfb-{os.getpid()}",
         ready_timeout_s=180,
-        state_dir=str(work / "bm-state"),
+        state_dir=str(disk.state_dir if disk is not None else work / "bm-state"),
+        worker_args=worker_args,
     )
     stack = Stack(opts, out=open(os.devnull, "w"))  # noqa: SIM115
-    rows: list[dict[str, Any]] = []
-    stack.start()
-    sup = Supervision(stack)
-    sup.start()
+    bm = _svc(stack, "block-manager")
+    proxy = LinkProxy(bm.address).start()
+    frontend = _svc(stack, "frontend")
+    frontend.args[frontend.args.index("--block-manager") + 1] = proxy.address  # serve -> proxy -> manager
+    sup: Supervision | None = None
     try:
+        stack.start()
+        sup = Supervision(stack)
+        sup.start()
+        yield stack, sup, Faults(stack, proxy, disk, pause_s, blackhole_s, enospc_s), prompts
+    finally:
+        if sup is not None:
+            sup.stop()
+        for name in stack.stop():
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"/dev/shm/{name}")
+        proxy.close()
+        if disk is not None:
+            disk.close()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def run_serve_faults(
+    tokens: int = 400,
+    concurrency: int = 12,
+    fault_after_s: float = 1.0,
+    faults: tuple[str, ...] | None = None,
+    log_dir: str | None = None,
+    pause_s: float = PAUSE_S,
+    blackhole_s: float = BLACKHOLE_S,
+    enospc_s: float = ENOSPC_S,
+    worker_args: tuple[str, ...] = (),
+) -> list[dict[str, Any]]:
+    """Every fault of ``faults`` (default: all of fault_names(); the first, "none", gives the
+    reference tokens) on one stack. The journal-full row is left out when this process may not mount
+    a tmpfs."""
+    names = faults or fault_names(pause_s, blackhole_s, enospc_s)
+    rows: list[dict[str, Any]] = []
+    wants_disk = any("ENOSPC" in f for f in names)
+    with serving_stack(
+        tokens, concurrency, log_dir, worker_args, wants_disk, pause_s, blackhole_s, enospc_s
+    ) as (stack, sup, inject, prompts):
+        if inject.disk is None:
+            names = tuple(f for f in names if "ENOSPC" not in f)
         reference: list[list[int]] | None = None  # the fault-free run's tokens
-        for fault in faults:
-            row, got = run_one(stack, sup, fault, prompts, tokens, fault_after_s, reference)
+        for fault in names:
+            row, got = run_one(stack, sup, fault, prompts, tokens, fault_after_s, reference, inject)
             rows.append(asdict(row))
             if fault == "none":
                 if row.completed != len(prompts):
                     raise RuntimeError(f"the fault-free run did not complete: {row.errors}")
                 reference = got
-    finally:
-        sup.stop()
-        for name in stack.stop():
-            try:
-                os.unlink(f"/dev/shm/{name}")
-            except FileNotFoundError:
-                pass
     for r in rows:
         r["supervisor_errors"] = sup.errors
     return rows
+
+
+def run_chaos(
+    seconds: float = 60.0,
+    tokens: int = 64,
+    concurrency: int = 12,
+    every_s: tuple[float, float] = (3.0, 6.0),
+    pause_s: float = PAUSE_S,
+    blackhole_s: float = BLACKHOLE_S,
+    enospc_s: float = ENOSPC_S,
+    seed: int = 0,
+    log_dir: str | None = None,
+) -> dict[str, Any]:
+    """Random faults of every kind (SIGKILL and SIGSTOP of each role, the black-holed link, a full
+    journal disk as root) every ``every_s`` seconds (after the last one ended) for ``seconds``, while
+    ``concurrency`` clients each send request after request (``tokens`` tokens). Every request must
+    finish with its fault-free tokens."""
+    rng = random.Random(seed)
+    row = ChaosRow(seconds)
+    with serving_stack(tokens, concurrency, log_dir, (), True, pause_s, blackhole_s, enospc_s) as (
+        stack,
+        sup,
+        inject,
+        prompts,
+    ):
+        port = stack.opts.serve_port
+        assert port is not None
+        reference = [stream_completion(port, p, tokens)["token_ids"] for p in prompts]
+        if any(len(r) != tokens for r in reference):
+            raise RuntimeError("the fault-free requests did not complete")
+        stop = threading.Event()
+        lock = threading.Lock()
+
+        def client(i: int) -> None:
+            while not stop.is_set():
+                r = stream_completion(port, prompts[i], tokens)
+                ok = r["status"] == 200 and not r["error"] and len(r["token_ids"]) == tokens
+                with lock:
+                    row.requests += 1
+                    row.completed += ok
+                    row.identical += ok and r["token_ids"] == reference[i]
+                    row.longest_stall_s = max(row.longest_stall_s, r["max_gap_s"])
+                    if not ok or r["token_ids"] != reference[i]:
+                        row.errors.append(f"client {i}: HTTP {r['status']} {r['error'] or 'other tokens'}")
+
+        restarts_before = len(sup.restarts)
+        clients = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(concurrency)]
+        for t in clients:
+            t.start()
+        t0 = time.monotonic()
+        while True:
+            time.sleep(rng.uniform(*every_s))
+            if time.monotonic() - t0 >= seconds:
+                break
+            what, lasts = inject.random_fault(rng)
+            row.faults.append(f"{time.monotonic() - t0:.0f}s {what}")
+            time.sleep(lasts)
+        stop.set()
+        for t in clients:
+            t.join(600)
+        if not sup.settled():
+            row.errors.append("the services did not all come back")
+        row.leaked_blocks, row.leaked_sequences = _leaked(stack, row.errors)
+        row.later_request_ok = _later_request(port, prompts[0], tokens, reference, row.errors)
+        row.restarts = sup.restarts[restarts_before:]
+    return asdict(row)

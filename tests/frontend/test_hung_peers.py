@@ -1,4 +1,5 @@
-"""Hung is not dead, for the engine (in-process stack, tests/link_proxy.py in front of a worker):
+"""Hung is not dead, for the engine (in-process stack, bench/fault_scenarios/link_proxy.py in front
+of a worker):
 
 - a worker that stops answering (its link black-holed: connection open, nothing answered, as a
   paused process) is benched once keepalive finds it, its share runs on the other worker, and it is
@@ -14,6 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from bench.fault_scenarios.link_proxy import LinkProxy
 from frontend.clients.block_manager import BlockManagerClient
 from frontend.clients.worker import KEEPALIVE_S, WorkerClient
 from frontend.engine import Engine, EngineConfig, GenerationRequest
@@ -21,7 +23,6 @@ from frontend.engine.recovery import attached_instance
 from frontend.launch.config import StackConfig
 from frontend.launch.local_stack import LocalStack
 from pagedkv.v1 import worker_pb2 as wpb
-from tests.link_proxy import LinkProxy
 from tests.worker_svc.conftest import HFModel, build_hf_model
 
 PROMPTS = [[3, 9, 27, 81, 11, 5, 7], [4, 16, 64, 2, 8], [7, 7, 1, 2, 3, 4, 5, 6, 9], [2, 4, 6, 8, 10]]

@@ -1,8 +1,8 @@
-"""Silent links between the engine and the block manager (in-process stack, tests/link_proxy.py in
-between): a black-holed link (a partition: nothing answered, nothing refused) and a half-open one
-(the connection silently dead). Requests complete with transformers' greedy tokens once the link is
-back, by deadline and retry with the same request ids, and a half-open connection is found by
-keepalive, not waited on forever."""
+"""Silent links between the engine and the block manager (in-process stack,
+bench/fault_scenarios/link_proxy.py in between): a black-holed link (a partition: nothing answered,
+nothing refused) and a half-open one (the connection silently dead). Requests complete with
+transformers' greedy tokens once the link is back, by deadline and retry with the same request ids,
+and a half-open connection is found by keepalive, not waited on forever."""
 
 from __future__ import annotations
 
@@ -12,11 +12,12 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from frontend.client import BlockManagerClient, channel_options
+from bench.fault_scenarios.link_proxy import LinkProxy
+from frontend.clients.block_manager import BlockManagerClient, channel_options
+from frontend.clients.worker import WorkerClient
 from frontend.engine import Engine, EngineConfig, GenerationRequest
-from frontend.local_stack import LocalStack, StackConfig
-from frontend.worker_client import WorkerClient
-from tests.link_proxy import LinkProxy
+from frontend.launch.config import StackConfig
+from frontend.launch.local_stack import LocalStack
 from tests.worker_svc.conftest import HFModel, build_hf_model
 
 PROMPTS = [[3, 9, 27, 81, 11, 5, 7], [4, 16, 64, 2, 8], [7, 7, 1, 2, 3, 4, 5, 6, 9]]
