@@ -178,7 +178,10 @@ def scan(state_dir: Path, after_seq: int, report: ScanReport, repair: bool = Tru
                 with open(path, "r+b") as f:
                     f.truncate(pos)
                     f.flush()
-                    os.fsync(f.fileno())
+                    try:
+                        os.fsync(f.fileno())
+                    except OSError as e:  # a failing disk: the tail is dropped again at the next start
+                        log.warning("journal_truncate_not_synced", segment=path.name, error=repr(e))
             for _, later in segments[i + 1 :]:
                 report.dropped_bytes += later.stat().st_size
                 report.dropped_segments.append(later.name)
@@ -186,7 +189,10 @@ def scan(state_dir: Path, after_seq: int, report: ScanReport, repair: bool = Tru
                 if repair:
                     later.rename(later.with_suffix(".corrupt"))
             if repair:
-                fsync_dir(state_dir)
+                try:
+                    fsync_dir(state_dir)
+                except OSError as e:
+                    log.warning("journal_dir_not_synced", error=repr(e))
             return
 
 
