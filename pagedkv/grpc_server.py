@@ -86,7 +86,8 @@ def start_server(
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.so_reuseport", 0),
             # Clients ping every few seconds while calls are in flight, to find a silent (half-open)
-            # link (frontend/client.py channel_options): answer them, never GOAWAY too_many_pings.
+            # link (frontend/clients/block_manager.py channel_options): answer them, never GOAWAY
+            # too_many_pings.
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
             ("grpc.http2.max_ping_strikes", 0),

@@ -25,7 +25,7 @@ class WorkerClient(GrpcClient):
         kwargs.setdefault("default_timeout_s", DEFAULT_STEP_TIMEOUT_S)
         # A step may compute for long, but a worker that is alive answers keepalive pings meanwhile
         # (gRPC's own threads do): one that does not within KEEPALIVE_S + KEEPALIVE_S is hung, and
-        # the engine moves its work to another worker (frontend/dispatch.py).
+        # the engine moves its work to another worker (frontend/engine/dispatch.py).
         kwargs.setdefault(
             "options", channel_options(keepalive_time_s=KEEPALIVE_S, keepalive_timeout_s=KEEPALIVE_S)
         )

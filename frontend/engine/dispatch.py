@@ -17,7 +17,7 @@ about compute. The rules:
   the workers of one iteration run concurrently: with more than one part, the ops go first as an
   ops-only step on one worker.
 - A worker that answers UNAVAILABLE / DEADLINE_EXCEEDED (dead, or hung: its channel's keepalive
-  closes a connection whose pings go unanswered, frontend/worker_client.py) is benched and its part
+  closes a connection whose pings go unanswered, frontend/clients/worker.py) is benched and its part
   is re-run on the next candidate (a step only rewrites the KV of its own tokens with the same
   values, so a re-run is safe). A benched worker is taken back when it answers again: a thread
   probes it (GetWorkerInfo, ``probe_timeout_s``) every ``probe_interval_s``. With every worker
