@@ -8,7 +8,7 @@ fault-free tokens, nothing stays allocated, a later request succeeds, and nothin
 The workers watch their cache host every 0.5 s, so a 3 s pause is six missed checks: before hung was
 told from dead, the host was declared lost and the requests waited for a new instance that never came.
 The full-size rows (8 s pauses, 10 s link, 5 s disk, 12 clients) and the chaos mode are
-`python bench/faults.py serve [--chaos]`."""
+`python -m bench.faults serve [--chaos]`."""
 
 from __future__ import annotations
 
