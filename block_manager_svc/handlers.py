@@ -651,4 +651,7 @@ class CoreStage:
             preemption_mode=cfg.preemption_mode,
             watermark_blocks=cfg.watermark_blocks,
             enable_prefix_caching=cfg.enable_prefix_caching,
+            kv_cache_dtype=cfg.kv_cache_dtype,
+            kv_bytes_per_block=cfg.kv_bytes_per_block,
+            kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
         )

@@ -65,6 +65,21 @@ class CoreCollector(Collector):
         g.add_metric(["cached"], s.num_cached_blocks)
         g.add_metric(["used"], s.num_used_blocks)
         yield g
+        per_block, kv_dtype = core.config.kv_bytes_per_block, core.config.kv_cache_dtype
+        g = GaugeMetricFamily(
+            "pagedkv_kv_cache_bytes",
+            "GPU KV cache bytes by block state: blocks x bytes per block (scales included)",
+            labels=["state"],
+        )
+        g.add_metric(["free"], s.num_free_blocks * per_block)
+        g.add_metric(["cached"], s.num_cached_blocks * per_block)
+        g.add_metric(["used"], s.num_used_blocks * per_block)
+        yield g
+        g = GaugeMetricFamily(
+            "pagedkv_kv_bytes_per_block", "bytes of one block, all layers, K and V", labels=["kv_cache_dtype"]
+        )
+        g.add_metric([kv_dtype], per_block)
+        yield g
         g = GaugeMetricFamily("pagedkv_cpu_blocks", "CPU swap-pool blocks by state", labels=["state"])
         g.add_metric(["free"], s.num_free_cpu_blocks)
         g.add_metric(["used"], s.num_cpu_blocks - s.num_free_cpu_blocks)

@@ -84,6 +84,9 @@ class ConfigRecord(msgspec.Struct, frozen=True):
     host_link_bytes_per_s: float
     prefill_tokens_per_s: float
     miss_cost_tokens: float
+    # Capacity as bytes; the defaults are what a state written before them meant.
+    kv_cache_dtype: str = "auto"
+    kv_cache_memory_bytes: int = 0
 
 
 class LruRecord(_Rec, frozen=True, tag="lru"):
@@ -239,6 +242,8 @@ def config_record(c: CoreConfig) -> ConfigRecord:
         host_link_bytes_per_s=c.host_link_bytes_per_s,
         prefill_tokens_per_s=c.prefill_tokens_per_s,
         miss_cost_tokens=c.miss_cost_tokens,
+        kv_cache_dtype=c.kv_cache_dtype,
+        kv_cache_memory_bytes=c.kv_cache_memory_bytes,
     )
 
 
@@ -385,6 +390,8 @@ def config_of(r: ConfigRecord) -> CoreConfig:
         host_link_bytes_per_s=r.host_link_bytes_per_s,
         prefill_tokens_per_s=r.prefill_tokens_per_s,
         miss_cost_tokens=r.miss_cost_tokens,
+        kv_cache_dtype=r.kv_cache_dtype,
+        kv_cache_memory_bytes=r.kv_cache_memory_bytes,
     )
 
 

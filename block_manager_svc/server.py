@@ -30,6 +30,7 @@ from block_manager_svc.tenancy import NO_TENANCY, TenantScope, ledger_from_store
 from pagedkv.auth import TokenStore
 from pagedkv.grpc_server import graceful_stop
 from pagedkv.grpc_server import start_server as start_grpc_server
+from pagedkv.kv_capacity import memory_bytes
 from pagedkv.logging_setup import configure_logging
 from pagedkv.v1 import block_manager_pb2, block_manager_pb2_grpc
 from pagedkv.watermark import watermark_blocks
@@ -76,6 +77,8 @@ def build_core(settings: BlockManagerSettings) -> BlockManager:
             kv_bytes_per_block=settings.kv_bytes_per_block,
             host_link_bytes_per_s=settings.host_link_gb_per_s * 1e9,
             prefill_tokens_per_s=settings.prefill_tokens_per_s,
+            kv_cache_dtype=settings.kv_cache_dtype,
+            kv_cache_memory_bytes=memory_bytes(settings.kv_cache_memory),
         )
     )
 

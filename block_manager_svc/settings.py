@@ -20,6 +20,7 @@ from block_manager_svc.core.swap_planner import (
     DEFAULT_PREFILL_TOKENS_PER_S,
 )
 from pagedkv import defaults, settings_cli
+from pagedkv.kv_capacity import KvCacheDtype, blocks_for_memory, memory_bytes
 
 
 class BlockManagerSettings(BaseSettings):
@@ -56,7 +57,25 @@ class BlockManagerSettings(BaseSettings):
     kv_bytes_per_block: int = Field(
         DEFAULT_KV_BYTES_PER_BLOCK,
         ge=1,
-        description="bytes of K+V in one block, all layers (cost model; 2 MiB = Llama-3-8B at 16 tokens)",
+        description="bytes of K+V in one block, all layers, scales included (pool size with "
+        "--kv-cache-memory, and the cost model; 2 MiB = Llama-3-8B at 16 tokens in bf16)",
+    )
+    kv_cache_dtype: KvCacheDtype = Field(
+        "auto",
+        description="KV dtype every cache host and worker must use: auto (the model's), int8 or "
+        "fp8_e4m3 (8-bit values with per-token scales)",
+    )
+    kv_cache_memory: float = Field(
+        0.0,
+        ge=0,
+        description="GiB of KV cache: the GPU pool is this budget over --kv-bytes-per-block "
+        "(0 = --num-gpu-blocks counts it)",
+    )
+    kv_swap_memory: float = Field(
+        0.0,
+        ge=0,
+        description="GiB of CPU swap pool: --num-cpu-blocks from this budget over --kv-bytes-per-block "
+        "(0 = --num-cpu-blocks counts it)",
     )
     host_link_gb_per_s: float = Field(
         DEFAULT_HOST_LINK_BYTES_PER_S / 1e9,
@@ -146,6 +165,8 @@ class BlockManagerSettings(BaseSettings):
     def _check_geometry(self) -> BlockManagerSettings:
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        self._pool_from_memory("kv_cache_memory", "num_gpu_blocks", 1)
+        self._pool_from_memory("kv_swap_memory", "num_cpu_blocks", 0)
         if (self.kv_events_endpoint or self.kv_events_replay_endpoint) and not self.enable_kv_events:
             raise ValueError("kv_events_endpoint needs enable_kv_events (KV events are off)")
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
@@ -156,6 +177,28 @@ class BlockManagerSettings(BaseSettings):
             if endpoint:
                 check_endpoint(endpoint, self.allow_insecure)
         return self
+
+    def _pool_from_memory(self, budget_field: str, blocks_field: str, least: int) -> None:
+        """A pool counted in GiB: its blocks are the budget over the bytes per block, which must then
+        be given (it is the model's: ``pagedkv up`` computes it, docs/policies.md says how)."""
+        gib = getattr(self, budget_field)
+        if not gib:
+            return
+        flag, blocks_flag = budget_field.replace("_", "-"), blocks_field.replace("_", "-")
+        if blocks_field in self.model_fields_set:
+            raise ValueError(f"give --{flag} or --{blocks_flag}, not both")
+        if "kv_bytes_per_block" not in self.model_fields_set:
+            raise ValueError(
+                f"--{flag} needs --kv-bytes-per-block (the cache's bytes per block for this model and "
+                "--kv-cache-dtype; pagedkv up computes it)"
+            )
+        n = blocks_for_memory(memory_bytes(gib), self.kv_bytes_per_block)
+        if not least <= n <= 2**31 - 1:
+            raise ValueError(
+                f"--{flag} {gib} GiB holds {n} blocks of {self.kv_bytes_per_block} bytes; "
+                f"it must hold {least} to 2**31-1"
+            )
+        setattr(self, blocks_field, n)
 
 
 DESCRIPTION = (

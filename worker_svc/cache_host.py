@@ -32,7 +32,15 @@ log = structlog.get_logger("pagedkv.cache_host")
 
 
 def geometry_to_proto(g: CacheGeometry) -> cache_host_pb2.CacheGeometry:
-    return cache_host_pb2.CacheGeometry(**g.as_dict())
+    return cache_host_pb2.CacheGeometry(
+        num_layers=g.num_layers,
+        num_kv_heads=g.num_kv_heads,
+        head_dim=g.head_dim,
+        block_size=g.block_size,
+        num_gpu_blocks=g.num_gpu_blocks,
+        num_cpu_blocks=g.num_cpu_blocks,
+        kv_cache_dtype=g.kv_cache_dtype,
+    )
 
 
 def geometry_from_proto(g: cache_host_pb2.CacheGeometry) -> CacheGeometry:
@@ -43,6 +51,7 @@ def geometry_from_proto(g: cache_host_pb2.CacheGeometry) -> CacheGeometry:
         block_size=g.block_size,
         num_gpu_blocks=g.num_gpu_blocks,
         num_cpu_blocks=g.num_cpu_blocks,
+        kv_cache_dtype=g.kv_cache_dtype or "auto",  # an older host sends none
     )
 
 

@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 
+from pagedkv import kv_capacity
+
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -42,6 +44,11 @@ class CacheGeometry:
     block_size: int
     num_gpu_blocks: int
     num_cpu_blocks: int
+    # "auto" (K/V in the model's dtype), "int8" or "fp8_e4m3" (pagedkv/kv_capacity.py).
+    kv_cache_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        kv_capacity.check_kv_cache_dtype(self.kv_cache_dtype)
 
     def shape(self, num_blocks: int) -> tuple[int, int, int, int, int, int]:
         """``[num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]``."""
@@ -56,11 +63,17 @@ class CacheGeometry:
         return self.shape(self.num_cpu_blocks)
 
     def block_bytes(self, dtype: torch.dtype) -> int:
-        """Bytes of one block across all layers, K and V."""
-        elem = torch.empty((), dtype=dtype).element_size()
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+        """Bytes of one block across all layers, K and V, scales included, for a model in ``dtype``."""
+        return kv_capacity.block_bytes(
+            self.num_layers,
+            self.num_kv_heads,
+            self.head_dim,
+            self.block_size,
+            self.kv_cache_dtype,
+            torch.empty((), dtype=dtype).element_size(),
+        )
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, int | str]:
         return asdict(self)
 
 

@@ -1,8 +1,9 @@
 """Deciding the cache geometry at start-up, from up to four sources that must agree.
 
 Sources: the model (layers, KV heads, head size), this process's settings (flags / ``PAGEDKV_*``),
-the block manager (``GetConfig``: block size, GPU and CPU block counts) and, for a worker, the
-cache host (``GetCacheInfo``). A value given explicitly in the settings must equal the block
+the block manager (``GetConfig``: block size, GPU and CPU block counts, KV dtype, and the bytes per
+block when it sized its pool from a memory budget) and, for a worker, the cache host
+(``GetCacheInfo``). A value given explicitly in the settings must equal the block
 manager's; the cache host's must equal whatever the worker knows. Any disagreement refuses the
 start with ``GeometryMismatch`` naming the value and where each side got it.
 """
@@ -11,13 +12,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from pagedkv.dial import PLAIN, Dialer
 from pagedkv.v1 import block_manager_pb2, block_manager_pb2_grpc
 from worker_svc.cache_layout import CacheGeometry, GeometryMismatch
 from worker_svc.model.config import ModelConfig
 from worker_svc.settings import _Common
 
-POOL_FIELDS = ("block_size", "num_gpu_blocks", "num_cpu_blocks")
+POOL_FIELDS = ("block_size", "num_gpu_blocks", "num_cpu_blocks", "kv_cache_dtype")
 
 
 @dataclass(slots=True, frozen=True)
@@ -27,13 +30,18 @@ class PoolConfig:
     block_size: int
     num_gpu_blocks: int
     num_cpu_blocks: int
+    kv_cache_dtype: str = "auto"
+    # What it divided its memory budget by, and the budget (0: the pool is counted in blocks and
+    # kv_bytes_per_block is only its cost model's estimate, so nothing is checked against it).
+    kv_bytes_per_block: int = 0
+    kv_cache_memory_bytes: int = 0
 
 
 @dataclass(slots=True, frozen=True)
 class Sourced:
     """A value and where it came from, for error messages."""
 
-    value: int
+    value: int | str
     source: str
 
 
@@ -45,7 +53,12 @@ def fetch_pool_config(target: str, timeout_s: float = 10.0, dialer: Dialer = PLA
             block_manager_pb2.GetConfigRequest(), timeout=timeout_s, metadata=dialer.metadata
         )
     return PoolConfig(
-        block_size=cfg.block_size, num_gpu_blocks=cfg.num_gpu_blocks, num_cpu_blocks=cfg.num_cpu_blocks
+        block_size=cfg.block_size,
+        num_gpu_blocks=cfg.num_gpu_blocks,
+        num_cpu_blocks=cfg.num_cpu_blocks,
+        kv_cache_dtype=cfg.kv_cache_dtype or "auto",  # an older manager sends none
+        kv_bytes_per_block=cfg.kv_bytes_per_block,
+        kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
     )
 
 
@@ -87,8 +100,31 @@ def host_geometry(settings: _Common, model: ModelConfig, pool: PoolConfig | None
     known = known_values(settings, model, pool)
     values = {name: (known[name].value if name in known else getattr(settings, name)) for name in POOL_FIELDS}
     return CacheGeometry(
-        num_layers=model.num_layers, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim, **values
+        num_layers=model.num_layers,
+        num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim,
+        block_size=int(values["block_size"]),
+        num_gpu_blocks=int(values["num_gpu_blocks"]),
+        num_cpu_blocks=int(values["num_cpu_blocks"]),
+        kv_cache_dtype=str(values["kv_cache_dtype"]),
     )
+
+
+def check_block_bytes(pool: PoolConfig | None, geometry: CacheGeometry, dtype: torch.dtype, who: str) -> None:
+    """When the block manager sized its pool from a memory budget, the bytes per block it divided by
+    must be this cache's (model dims x KV dtype, scales included), or the pool would not be the
+    memory the budget says."""
+    if pool is None or not pool.kv_cache_memory_bytes:
+        return
+    mine = geometry.block_bytes(dtype)
+    if mine != pool.kv_bytes_per_block:
+        raise GeometryMismatch(
+            f"cache geometry mismatch: kv_bytes_per_block: the block manager has {pool.kv_bytes_per_block} "
+            f"(--kv-bytes-per-block), {who} has {mine} ({geometry.num_layers} layers x 2 x "
+            f"{geometry.block_size} tokens x {geometry.num_kv_heads} KV heads x head_dim "
+            f"{geometry.head_dim}, "
+            f"kv_cache_dtype {geometry.kv_cache_dtype}, model dtype {str(dtype).removeprefix('torch.')})"
+        )
 
 
 def check_against_host(known: dict[str, Sourced], host: CacheGeometry, host_name: str) -> None:

@@ -25,6 +25,7 @@ from grpc_health.v1 import health_pb2
 
 from pagedkv.dial import Dialer, TokenError
 from pagedkv.grpc_server import GrpcServer, start_server, stop_event_on_signals
+from pagedkv.kv_capacity import is_quantized
 from pagedkv.logging_setup import configure_logging
 from pagedkv.v1 import cache_host_pb2, worker_pb2, worker_pb2_grpc
 from worker_svc import cache_memory, cpu_placement, shared_weights
@@ -38,7 +39,7 @@ from worker_svc.cache_host import (
 from worker_svc.cache_layout import GeometryMismatch, dtype_from_name, dtype_name
 from worker_svc.cache_watch import EXIT_CACHE_LOST, CacheHostWatcher
 from worker_svc.devices import resolve_device, resolve_dtype
-from worker_svc.geometry import PoolConfig, check_against_host, host_geometry, known_values
+from worker_svc.geometry import PoolConfig, check_against_host, check_block_bytes, host_geometry, known_values
 from worker_svc.model.config import ModelConfig, load_model_config
 from worker_svc.peers import StopRequested, forget_stale_prefixes, wait_for_block_manager, wait_for_cache_host
 from worker_svc.reattach import reattach
@@ -95,11 +96,14 @@ def run_cache_host(settings: CacheHostSettings) -> int:
         dtype = resolve_dtype(settings.dtype, device)
         model_cfg = load_model_config(settings.model)
         stop = stop_event_on_signals()
-        geometry = host_geometry(
-            settings,
-            model_cfg,
-            _pool(settings, settings.connect_timeout_s, Dialer.from_settings(settings), stop),
-        )
+        pool = _pool(settings, settings.connect_timeout_s, Dialer.from_settings(settings), stop)
+        geometry = host_geometry(settings, model_cfg, pool)
+        check_block_bytes(pool, geometry, dtype, f"this cache host (model {model_cfg.name})")
+        if is_quantized(geometry.kv_cache_dtype):
+            raise ValueError(
+                f"kv_cache_dtype {geometry.kv_cache_dtype}: this cache host allocates only model-dtype "
+                "caches (auto)"
+            )
     except (StopRequested, *CONFIG_ERRORS) as e:
         return _start_refused(e)
     cache = cache_memory.create(geometry, dtype, device, settings.shm_prefix)
@@ -272,7 +276,8 @@ def start_worker(
     device = resolve_device(settings.device)
     model_cfg = load_model_config(settings.model)
     dialer = Dialer.from_settings(settings)
-    known = known_values(settings, model_cfg, _pool(settings, settings.connect_timeout_s, dialer, stop))
+    pool = _pool(settings, settings.connect_timeout_s, dialer, stop)
+    known = known_values(settings, model_cfg, pool)
     info = wait_for_cache_host(settings.cache_host, settings.connect_timeout_s, stop, dialer)
     desc = descriptor_from_proto(info)
     check_against_host(known, desc.geometry, f"the cache host at {settings.cache_host}")
@@ -281,6 +286,7 @@ def start_worker(
             f"cache dtype mismatch: settings have {settings.dtype}, the cache host has {desc.dtype}"
         )
     dtype = dtype_from_name(desc.dtype)
+    check_block_bytes(pool, desc.geometry, dtype, f"the cache host at {settings.cache_host}")
     if local_cache is not None:
         cache = cache_memory.borrow(local_cache, desc, device)
     else:

@@ -18,6 +18,7 @@ from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pagedkv import defaults
+from pagedkv.kv_capacity import KvCacheDtype
 
 Device = Literal["auto", "cpu", "cuda"]
 DType = Literal["auto", "float32", "float16", "bfloat16"]
@@ -35,6 +36,11 @@ class _Common(BaseSettings):
     num_gpu_blocks: int = Field(defaults.NUM_GPU_BLOCKS, ge=1, description="blocks in the device KV cache")
     num_cpu_blocks: int = Field(
         defaults.NUM_CPU_BLOCKS, ge=0, description="blocks in the host swap pool (0 = none)"
+    )
+    kv_cache_dtype: KvCacheDtype = Field(
+        "auto",
+        description="KV dtype: auto (the model's), int8 or fp8_e4m3 (8-bit with per-token scales); "
+        "must equal the block manager's",
     )
     # Model geometry: from --model (a directory's config.json or a GGUF file's metadata), else the
     # built-in tiny default model.

@@ -59,6 +59,7 @@ from block_manager_svc.core.swap_planner import (
 )
 from block_manager_svc.core.tenants import NULL_LEDGER, Ledger, NullLedger, TenantLedger
 from pagedkv import defaults
+from pagedkv.kv_capacity import blocks_for_memory, check_kv_cache_dtype
 from pagedkv.watermark import admission_room
 
 __all__ = ["MAX_SEQ_ID_LEN", "MAX_TOKEN_ID", "BlockManager", "CoreConfig"]
@@ -85,6 +86,11 @@ class CoreConfig:
     prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S
     # lru-size only: the fixed cost of a prefix miss, in tokens (core/eviction.py).
     miss_cost_tokens: float = DEFAULT_MISS_COST_TOKENS
+    # Capacity as bytes (pagedkv/kv_capacity.py): the KV dtype every cache host and worker must use,
+    # and the budget the GPU pool was sized from (num_gpu_blocks = budget // kv_bytes_per_block;
+    # 0 = counted in blocks, kv_bytes_per_block then only feeds the cost model).
+    kv_cache_dtype: str = "auto"
+    kv_cache_memory_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.num_gpu_blocks < 1:
@@ -101,6 +107,14 @@ class CoreConfig:
             raise ValueError(f"watermark_blocks must be in [0, num_gpu_blocks), got {self.watermark_blocks}")
         if self.miss_cost_tokens < 0:
             raise ValueError(f"miss_cost_tokens must be >= 0, got {self.miss_cost_tokens}")
+        check_kv_cache_dtype(self.kv_cache_dtype)
+        if self.kv_cache_memory_bytes and (
+            blocks_for_memory(self.kv_cache_memory_bytes, self.kv_bytes_per_block) != self.num_gpu_blocks
+        ):
+            raise ValueError(
+                f"num_gpu_blocks {self.num_gpu_blocks} is not the {self.kv_cache_memory_bytes}-byte budget "
+                f"over {self.kv_bytes_per_block} bytes per block"
+            )
         CostModel(self.kv_bytes_per_block, self.host_link_bytes_per_s, self.prefill_tokens_per_s)
 
 

@@ -1171,6 +1171,9 @@ class Config(_message.Message):
     PREEMPTION_MODE_FIELD_NUMBER: _builtins.int
     WATERMARK_BLOCKS_FIELD_NUMBER: _builtins.int
     ENABLE_PREFIX_CACHING_FIELD_NUMBER: _builtins.int
+    KV_CACHE_DTYPE_FIELD_NUMBER: _builtins.int
+    KV_BYTES_PER_BLOCK_FIELD_NUMBER: _builtins.int
+    KV_CACHE_MEMORY_BYTES_FIELD_NUMBER: _builtins.int
     block_size: _builtins.int
     num_gpu_blocks: _builtins.int
     num_cpu_blocks: _builtins.int
@@ -1180,6 +1183,17 @@ class Config(_message.Message):
     watermark_blocks: _builtins.int
     enable_prefix_caching: _builtins.bool
     """Prompt blocks are looked up and registered by content hash (prefix caching)."""
+    kv_cache_dtype: _builtins.str
+    """The KV dtype every cache host and worker must use: "auto" (the model's),
+    "int8" or "fp8_e4m3" (8-bit values with a scale per token and KV head).
+    """
+    kv_bytes_per_block: _builtins.int
+    """Bytes of one block over all layers, K and V, scales included."""
+    kv_cache_memory_bytes: _builtins.int
+    """The budget num_gpu_blocks was sized from (num_gpu_blocks =
+    kv_cache_memory_bytes / kv_bytes_per_block); 0 = counted in blocks, and
+    kv_bytes_per_block is then the cost model's estimate only.
+    """
     def __init__(
         self,
         *,
@@ -1190,10 +1204,13 @@ class Config(_message.Message):
         preemption_mode: _builtins.str = ...,
         watermark_blocks: _builtins.int = ...,
         enable_prefix_caching: _builtins.bool = ...,
+        kv_cache_dtype: _builtins.str = ...,
+        kv_bytes_per_block: _builtins.int = ...,
+        kv_cache_memory_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "enable_prefix_caching", b"enable_prefix_caching", "eviction_policy", b"eviction_policy", "num_cpu_blocks", b"num_cpu_blocks", "num_gpu_blocks", b"num_gpu_blocks", "preemption_mode", b"preemption_mode", "watermark_blocks", b"watermark_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "enable_prefix_caching", b"enable_prefix_caching", "eviction_policy", b"eviction_policy", "kv_bytes_per_block", b"kv_bytes_per_block", "kv_cache_dtype", b"kv_cache_dtype", "kv_cache_memory_bytes", b"kv_cache_memory_bytes", "num_cpu_blocks", b"num_cpu_blocks", "num_gpu_blocks", b"num_gpu_blocks", "preemption_mode", b"preemption_mode", "watermark_blocks", b"watermark_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

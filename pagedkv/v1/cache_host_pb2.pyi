@@ -35,12 +35,17 @@ class CacheGeometry(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _builtins.int
     NUM_GPU_BLOCKS_FIELD_NUMBER: _builtins.int
     NUM_CPU_BLOCKS_FIELD_NUMBER: _builtins.int
+    KV_CACHE_DTYPE_FIELD_NUMBER: _builtins.int
     num_layers: _builtins.int
     num_kv_heads: _builtins.int
     head_dim: _builtins.int
     block_size: _builtins.int
     num_gpu_blocks: _builtins.int
     num_cpu_blocks: _builtins.int
+    kv_cache_dtype: _builtins.str
+    """"auto" (K/V in the model's dtype), "int8" or "fp8_e4m3" (8-bit rows, each
+    followed by its fp32 scale); empty from an older host means "auto".
+    """
     def __init__(
         self,
         *,
@@ -50,10 +55,11 @@ class CacheGeometry(_message.Message):
         block_size: _builtins.int = ...,
         num_gpu_blocks: _builtins.int = ...,
         num_cpu_blocks: _builtins.int = ...,
+        kv_cache_dtype: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "head_dim", b"head_dim", "num_cpu_blocks", b"num_cpu_blocks", "num_gpu_blocks", b"num_gpu_blocks", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "head_dim", b"head_dim", "kv_cache_dtype", b"kv_cache_dtype", "num_cpu_blocks", b"num_cpu_blocks", "num_gpu_blocks", b"num_gpu_blocks", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
+import torch
 
 from worker_svc.cache_layout import GeometryMismatch
-from worker_svc.geometry import PoolConfig, host_geometry
+from worker_svc.geometry import PoolConfig, check_against_host, check_block_bytes, host_geometry, known_values
 from worker_svc.model.config import DEFAULT_MODEL_CONFIG as M
-from worker_svc.settings import CacheHostSettings
+from worker_svc.settings import CacheHostSettings, WorkerSettings
 
 
 def test_defaults_without_a_block_manager() -> None:
@@ -35,3 +38,40 @@ def test_env_setting_that_disagrees_with_the_block_manager_is_refused(
 def test_num_layers_flag_must_match_the_model() -> None:
     with pytest.raises(GeometryMismatch, match="num_layers"):
         host_geometry(CacheHostSettings(num_layers=M.num_layers + 1), M, None)
+
+
+def test_kv_dtype_comes_from_the_block_manager_and_an_explicit_other_one_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pool = PoolConfig(block_size=8, num_gpu_blocks=100, num_cpu_blocks=0, kv_cache_dtype="int8")
+    assert host_geometry(CacheHostSettings(), M, pool).kv_cache_dtype == "int8"
+    monkeypatch.setenv("PAGEDKV_KV_CACHE_DTYPE", "auto")
+    with pytest.raises(
+        GeometryMismatch, match="kv_cache_dtype: settings .* have auto, the block manager has int8"
+    ):
+        host_geometry(CacheHostSettings(), M, pool)
+
+
+def test_a_cache_host_with_another_kv_dtype_is_refused_naming_both() -> None:
+    pool = PoolConfig(block_size=8, num_gpu_blocks=100, num_cpu_blocks=0, kv_cache_dtype="int8")
+    known = known_values(WorkerSettings(), M, pool)
+    host = replace(host_geometry(CacheHostSettings(), M, pool), kv_cache_dtype="auto")
+    with pytest.raises(
+        GeometryMismatch, match="kv_cache_dtype: the block manager has int8, the cache host at h:1 has auto"
+    ):
+        check_against_host(known, host, "the cache host at h:1")
+    check_against_host(known, replace(host, kv_cache_dtype="int8"), "the cache host at h:1")
+
+
+def test_bytes_per_block_are_checked_when_the_pool_was_sized_from_a_budget() -> None:
+    g = host_geometry(CacheHostSettings(), M, PoolConfig(16, 10, 0, "int8"))
+    mine = g.block_bytes(torch.float32)
+    assert mine == M.num_layers * 2 * 16 * M.num_kv_heads * (M.head_dim + 4)
+    sized = PoolConfig(16, 10, 0, "int8", kv_bytes_per_block=mine + 1, kv_cache_memory_bytes=10 * (mine + 1))
+    with pytest.raises(GeometryMismatch, match=f"the block manager has {mine + 1} .*, this host has {mine}"):
+        check_block_bytes(sized, g, torch.float32, "this host")
+    check_block_bytes(replace(sized, kv_bytes_per_block=mine), g, torch.float32, "this host")
+    check_block_bytes(
+        replace(sized, kv_cache_memory_bytes=0), g, torch.float32, "this host"
+    )  # counted in blocks
+    check_block_bytes(None, g, torch.float32, "this host")
