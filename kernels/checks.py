@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from kernels import quant
+
 Args = dict[str, Any]
 # Where a call runs (device and dtype pick the backend), or None when there is nothing to do.
 Where = tuple[torch.device, torch.dtype] | None
@@ -52,17 +54,26 @@ def same_device(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> torch.
 
 
 def kv_cache_pair(key_cache: object, value_cache: object) -> tuple[int, int, int, int]:
-    """Check a layer's caches; return (num_blocks, block_size, num_kv_heads, head_dim)."""
+    """Check a layer's caches; return (num_blocks, block_size, num_kv_heads, head_dim), head_dim
+    without an 8-bit row's scale bytes (kernels/quant.py)."""
     kc = tensor("key_cache", key_cache, 4)
     vc = tensor("value_cache", value_cache, 4)
-    float_dtype("key_cache", kc)
+    if quant.is_quantized(kc):
+        if kc.shape[-1] <= quant.SCALE_BYTES or kc.shape[-1] % 4:
+            raise ValueError(
+                f"an 8-bit key_cache's rows are head_dim values + a 4-byte scale, head_dim a multiple of 4; "
+                f"got rows of {kc.shape[-1]}"
+            )
+    else:
+        float_dtype("key_cache", kc)
     if vc.shape != kc.shape:
         raise ValueError(f"value_cache shape {tuple(vc.shape)} != key_cache shape {tuple(kc.shape)}")
     if vc.dtype != kc.dtype:
         raise ValueError(f"value_cache dtype {vc.dtype} != key_cache dtype {kc.dtype}")
     if kc.stride(-1) != 1 or vc.stride(-1) != 1:
         raise ValueError("key_cache/value_cache must be contiguous along head_dim (stride(-1) == 1)")
-    nb, bs, hkv, d = (int(x) for x in kc.shape)
+    nb, bs, hkv, _ = (int(x) for x in kc.shape)
+    d = quant.head_dim(kc)
     if nb < 1 or bs < 1 or hkv < 1 or d < 1:
         raise ValueError(f"empty KV cache shape {tuple(kc.shape)}")
     return nb, bs, hkv, d
@@ -167,7 +178,7 @@ def _query(
     q = tensor("query", query, 3)
     float_dtype("query", q)
     num_blocks, block_size, num_kv_heads, head_dim = kv_cache_pair(key_cache, value_cache)
-    if q.dtype != key_cache.dtype:
+    if q.dtype != key_cache.dtype and not quant.is_quantized(key_cache):
         raise ValueError(f"query dtype {q.dtype} != cache dtype {key_cache.dtype}")
     if q.shape[2] != head_dim:
         raise ValueError(f"query head_dim {q.shape[2]} != cache head_dim {head_dim}")
@@ -195,15 +206,15 @@ def write_kv_cache(a: Args) -> Where:
     k = tensor("key", a["key"], 3)
     v = tensor("value", a["value"], 3)
     key_cache, value_cache = a["key_cache"], a["value_cache"]
-    kv_cache_pair(key_cache, value_cache)
+    _, _, num_kv_heads, head_dim = kv_cache_pair(key_cache, value_cache)
     float_dtype("key", k)
     float_dtype("value", v)
     if k.shape != v.shape:
         raise ValueError(f"key shape {tuple(k.shape)} != value shape {tuple(v.shape)}")
-    if tuple(k.shape[1:]) != tuple(key_cache.shape[2:]):
+    if tuple(k.shape[1:]) != (num_kv_heads, head_dim):
         raise ValueError(
             f"key is [num_tokens, {k.shape[1]}, {k.shape[2]}] but the cache holds "
-            f"[..., {key_cache.shape[2]}, {key_cache.shape[3]}] (num_kv_heads, head_dim)"
+            f"[..., {num_kv_heads}, {head_dim}] (num_kv_heads, head_dim)"
         )
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("key/value must be contiguous along head_dim")
@@ -232,14 +243,19 @@ def paged_decode_attention(a: Args) -> Where:
         raise ValueError(f"query has {q.shape[0]} sequences but block_tables has {sl.shape[0]}")
     if a["num_splits"] is not None and a["num_splits"] < 1:
         raise ValueError(f"num_splits must be >= 1, got {a['num_splits']}")
-    return dev, q.dtype
+    return dev, _routing_dtype(q, a["key_cache"])
 
 
 def paged_prefill_attention(a: Args) -> Where:
     q, sl, dev = _attention(a)
     qsl = query_start_loc(a["query_start_loc"], sl, q.shape[0])
     same_device(["query", "query_start_loc"], [q, qsl])
-    return dev, q.dtype
+    return dev, _routing_dtype(q, a["key_cache"])
+
+
+def _routing_dtype(query: torch.Tensor, key_cache: torch.Tensor) -> torch.dtype:
+    """The dtype dispatch routes an attention call by: an 8-bit cache's, else the query's."""
+    return key_cache.dtype if quant.is_quantized(key_cache) else query.dtype
 
 
 def copy_blocks(a: Args) -> Where:

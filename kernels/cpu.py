@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_native
+from kernels import cpu_native, quant, reference
 from kernels.reference import copy_blocks
 from kernels.swap import swap_blocks
 
@@ -146,8 +146,21 @@ def write_kv_cache(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Store token i's K/V at slot ``slot_mapping[i]``; -1 skips the token."""
+    """Store token i's K/V at slot ``slot_mapping[i]``; -1 skips the token. 8-bit caches quantize
+    (kernels/quant.py): int8 from fp32 in the native kernel, anything else in torch (same bytes)."""
     slots = slot_mapping.to(torch.int64)
+    if quant.is_quantized(key_cache):
+        if (
+            key_cache.dtype is torch.int8
+            and key.dtype is torch.float32
+            and value.dtype is torch.float32
+            and key_cache.stride() == value_cache.stride()
+            and cpu_native.available()
+        ):
+            cpu_native.write_kv_i8(key, value, key_cache, value_cache, slots)
+        else:
+            reference.write_kv_cache(key, value, key_cache, value_cache, slots)
+        return
     if slots.numel() and int(slots.min()) < 0:
         keep = slots >= 0
         slots, key, value = slots[keep], key[keep], value[keep]
@@ -424,6 +437,10 @@ def paged_decode_attention(
         return cpu_native.decode(
             query, key_cache, value_cache, plan.native_tables, plan.native_lens, scale, out
         )
+    if quant.is_quantized(key_cache):  # an 8-bit cache the native kernel cannot take: dequantized
+        return reference.paged_decode_attention(
+            query, key_cache, value_cache, block_tables, seq_lens, scale, out=out
+        )
     if not plan.bucketed:  # planned for the native kernel, which cannot take this call
         built = plan_buckets(block_tables, seq_lens, block_size)
         plan.buckets, plan.shared, plan.bucketed = built.buckets, built.shared, True
@@ -692,6 +709,10 @@ def paged_prefill_attention(
     ):
         return cpu_native.decode(
             query, key_cache, value_cache, plan.native_tables, plan.native_lens, scale, out
+        )
+    if quant.is_quantized(key_cache):  # an 8-bit cache the native kernels cannot take: dequantized
+        return reference.paged_prefill_attention(
+            query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, out=out
         )
     if not plan.bucketed:  # planned for the native kernel, which cannot take this call
         built = plan_prefill_buckets(block_tables, query_start_loc, seq_lens, block_size, group)

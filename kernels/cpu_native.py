@@ -58,6 +58,8 @@ TORCH_PATH = "torch"
 # The kernel keeps one task's query and accumulator rows on its thread's stack (2 x group x head_dim
 # floats): a bound well under the smallest OpenMP thread stack.
 MAX_GROUP_X_HEAD_DIM = 16384
+# An int8 cache row's bytes past head_dim: its fp32 scale (kernels/quant.py).
+SCALE_BYTES = 4
 
 
 class _DecodeArgs(ctypes.Structure):
@@ -171,6 +173,11 @@ def _load() -> tuple[ctypes.CDLL, str]:
         ("pagedkv_prefill_f32", 7),
         ("pagedkv_decode_f32_lse", 7),
         ("pagedkv_prefill_prefix_f32", 9),
+        # int8 caches (kernels/quant.py)
+        ("pagedkv_decode_i8", 6),
+        ("pagedkv_decode_i8_lse", 7),
+        ("pagedkv_prefill_i8", 7),
+        ("pagedkv_prefill_prefix_i8", 9),
     ):
         try:
             fn = getattr(lib, name)
@@ -189,6 +196,9 @@ def _load() -> tuple[ctypes.CDLL, str]:
         "pagedkv_linear_pack_f32": [i64, i64, ptr, i64, ptr, cint],
         "pagedkv_linear_f32": [i64, i64, i64, ptr, i64, ptr, ptr, ptr, i64, cint],
         "pagedkv_linear_packed_numel": [i64, i64],
+        # Quantize on write into an int8 cache (csrc/paged_decode.c).
+        "pagedkv_write_kv_i8": [i64, i64, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, i64]
+        + [ptr, cint],
         # Row-wise log-sum-exp, with each row's argmax when asked (csrc/logsumexp.c).
         "pagedkv_logsumexp_argmax_f32": [ptr, i64, i64, i64, ptr, ptr, cint],
     }
@@ -240,21 +250,32 @@ def kernel_path() -> str:
     return f"native-{variant}" if variant else TORCH_PATH
 
 
+def _cache_ok(dt: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """A cache dtype the kernels read with this query dtype: the same, or int8 rows with fp32."""
+    return cache_dtype is dt or (cache_dtype is torch.int8 and dt is torch.float32)
+
+
+def _row_extra(cache: torch.Tensor) -> int:
+    """Bytes an int8 cache row holds past head_dim (its scale); 0 for a float cache."""
+    return SCALE_BYTES if cache.dtype is torch.int8 else 0
+
+
 def supports(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
-    """Whether ``decode`` takes these tensors: CPU, one dtype it knows, head_dim contiguous, the two
-    caches laid out alike (the planned index tensors are the caller's, and right by construction).
-    Asked on every layer's call, hence the plain attribute reads (``is_cpu``, ``is`` on dtypes)."""
+    """Whether ``decode`` takes these tensors: CPU, one dtype it knows (or an int8 cache, kernels/
+    quant.py, with an fp32 query), head_dim contiguous, the two caches laid out alike (the planned
+    index tensors are the caller's, and right by construction). Asked on every layer's call, hence the
+    plain attribute reads (``is_cpu``, ``is`` on dtypes)."""
     qs, ks, dt = query.shape, key_cache.shape, query.dtype
     return (
         query.is_cpu
         and key_cache.is_cpu
         and value_cache.is_cpu
         and (dt is torch.float32 or dt is torch.bfloat16)
-        and key_cache.dtype is dt
-        and value_cache.dtype is dt
+        and _cache_ok(dt, key_cache.dtype)
+        and value_cache.dtype is key_cache.dtype
         and len(qs) == 3
         and len(ks) == 4
-        and qs[2] == ks[3]
+        and qs[2] == ks[3] - _row_extra(key_cache)
         and query.stride(-1) == 1
         and key_cache.stride(-1) == 1
         and value_cache.shape == ks
@@ -306,8 +327,8 @@ def check_decode(
             and sl.is_cpu
             and o.is_cpu
             and (dt is torch.float32 or dt is torch.bfloat16)
-            and k.dtype is dt
-            and v.dtype is dt
+            and _cache_ok(dt, k.dtype)
+            and v.dtype is k.dtype
             and o.dtype is dt
             and bt.dtype is i32
             and sl.dtype is i32
@@ -323,7 +344,7 @@ def check_decode(
             and v.shape == ks
             and v.stride() == k.stride()
             and o.shape == qs
-            and qs[2] == ks[3]
+            and qs[2] == ks[3] - _row_extra(k)
             and ks[2] > 0
             and qs[1] % ks[2] == 0
             and qs[1] // ks[2] * qs[2] <= MAX_GROUP_X_HEAD_DIM
@@ -341,14 +362,15 @@ def _explain_decode(
 ) -> None:
     """Raise the error naming the first argument ``check_decode`` rejects."""
     q = _tensor("query", query, 3, DTYPES)
-    k = _tensor("key_cache", key_cache, 4, (q.dtype,))
-    v = _tensor("value_cache", value_cache, 4, (q.dtype,))
+    cache_dtypes = (q.dtype, torch.int8) if q.dtype is torch.float32 else (q.dtype,)
+    k = _tensor("key_cache", key_cache, 4, cache_dtypes)
+    v = _tensor("value_cache", value_cache, 4, (k.dtype,))
     bt = _tensor("block_tables", block_tables, 2, (torch.int32,))
     sl = _tensor("seq_lens", seq_lens, 1, (torch.int32,))
     o = _tensor("out", out, 3, (q.dtype,))
     num_seqs, num_heads, head_dim = q.shape
-    if k.shape[3] != head_dim:
-        raise ValueError(f"key_cache head_dim {k.shape[3]} != query head_dim {head_dim}")
+    if k.shape[3] - _row_extra(k) != head_dim:
+        raise ValueError(f"key_cache head_dim {k.shape[3] - _row_extra(k)} != query head_dim {head_dim}")
     if v.shape != k.shape or v.stride() != k.stride():
         raise ValueError(
             f"value_cache must have key_cache's shape and strides, got {tuple(v.shape)} / "
@@ -466,7 +488,10 @@ def _call_decode(
     if num_seqs == 0:
         return
     args = _kernel_args(num_seqs, query, key_cache, block_tables, scale, out, generic_only=generic_only)
-    fn = lib.pagedkv_decode_f32 if query.dtype == torch.float32 else lib.pagedkv_decode_bf16
+    if key_cache.dtype is torch.int8:
+        fn = lib.pagedkv_decode_i8
+    else:
+        fn = lib.pagedkv_decode_f32 if query.dtype == torch.float32 else lib.pagedkv_decode_bf16
     _launch(fn, args, query, key_cache, value_cache, block_tables, seq_lens, out)
 
 
@@ -522,8 +547,8 @@ def prefill(
     layer of a prefill step and needs no dispatcher."""
     if not prefill_supports(query, key_cache, value_cache):
         raise ValueError(
-            "native prefill takes fp32 CPU tensors with head_dim a multiple of 16 and the decode "
-            f"kernel's layouts; got query {query.dtype} {tuple(query.shape)}"
+            "native prefill takes fp32 CPU tensors (or int8 caches) with head_dim a multiple of 16 and "
+            f"the decode kernel's layouts; got query {query.dtype} {tuple(query.shape)}"
         )
     bt = _tensor("block_tables", block_tables, 2, (torch.int32,))
     qsl = _tensor("query_start_loc", query_start_loc, 1, (torch.int32,))
@@ -544,7 +569,7 @@ def prefill(
         raise ValueError(f"query_start_loc must lie within query's {query.shape[0]} rows, got {qsl.tolist()}")
     args = _kernel_args(num_seqs, query, key_cache, bt, scale, out, generic_only=False)
     _launch(
-        lib.pagedkv_prefill_f32,
+        lib.pagedkv_prefill_i8 if key_cache.dtype is torch.int8 else lib.pagedkv_prefill_f32,
         args,
         query,
         key_cache,
@@ -583,9 +608,10 @@ def cascade(
     Same tensors as ``prefill`` takes (``prefill_supports``); index tensors int32 with dense rows."""
     if not prefill_supports(query, key_cache, value_cache):
         raise ValueError(
-            "native cascade takes fp32 CPU tensors with head_dim a multiple of 16 and the decode "
-            f"kernel's layouts; got query {query.dtype} {tuple(query.shape)}"
+            "native cascade takes fp32 CPU tensors (or int8 caches) with head_dim a multiple of 16 and "
+            f"the decode kernel's layouts; got query {query.dtype} {tuple(query.shape)}"
         )
+    i8 = key_cache.dtype is torch.int8
     check_decode(query, key_cache, value_cache, own_tables, own_lens, out)
     pt = _tensor("prefix_tables", prefix_tables, 2, (torch.int32,))
     ps = _tensor("prefix_starts", prefix_starts, 1, (torch.int32,))
@@ -608,12 +634,13 @@ def cascade(
         return out
     lse = torch.empty(num_seqs, query.shape[1], dtype=torch.float32)
     args = _kernel_args(num_seqs, query, key_cache, own_tables, scale, out, generic_only=False)
-    _launch(lib.pagedkv_decode_f32_lse, args, query, key_cache, value_cache, own_tables, own_lens, out, lse)
+    own = lib.pagedkv_decode_i8_lse if i8 else lib.pagedkv_decode_f32_lse
+    _launch(own, args, query, key_cache, value_cache, own_tables, own_lens, out, lse)
     if groups == 0:
         return out
     args = _kernel_args(groups, query, key_cache, pt, scale, out, generic_only=False)
     _launch(
-        lib.pagedkv_prefill_prefix_f32,
+        lib.pagedkv_prefill_prefix_i8 if i8 else lib.pagedkv_prefill_prefix_f32,
         args,
         query,
         key_cache,
@@ -627,6 +654,42 @@ def cascade(
         invalid="prefix_starts/prefix_lens: a prefix is empty or has a negative row count",
     )
     return out
+
+
+def write_kv_i8(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    """Quantize token i's K/V rows into int8 cache slot ``slots[i]`` (int64; -1 skips), each row's
+    values and scale as ``kernels/quant.py`` computes them (the same bytes). ``key``/``value`` fp32
+    ``[tokens, kv_heads, head_dim]`` with dense rows; the caches one layer's int8
+    ``[blocks, block_size, kv_heads, head_dim + 4]``, laid out alike. Validated upstream
+    (kernels/checks.py); the library must be available."""
+    lib = _required_library()
+    n, h, d = key.shape
+    sl = slots.contiguous()
+    lib.pagedkv_write_kv_i8(
+        n,
+        h,
+        d,
+        key_cache.shape[1],
+        key.data_ptr(),
+        key.stride(0),
+        key.stride(1),
+        value.data_ptr(),
+        value.stride(0),
+        value.stride(1),
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        sl.data_ptr(),
+        torch.get_num_threads(),
+    )
 
 
 def decode_generic_for_bench(

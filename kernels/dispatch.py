@@ -39,6 +39,9 @@ BackendName = Literal["auto", "reference", "triton", "cpu"]
 BACKENDS: tuple[str, ...] = ("auto", "reference", "triton", "cpu")
 ENV_VAR = "PAGEDKV_KERNEL_BACKEND"
 
+# 8-bit cache dtypes (kernels/quant.py) the Triton kernels do not read: "auto" never sends them there.
+EIGHT_BIT_WITHOUT_TRITON: frozenset[torch.dtype] = frozenset({torch.int8, torch.float8_e4m3fn})
+
 _override: contextvars.ContextVar[str | None] = contextvars.ContextVar("pagedkv_kernel_backend", default=None)
 
 
@@ -105,6 +108,11 @@ def resolve(device: torch.device, dtype: torch.dtype | None = None, requested: s
     if name == "triton":
         if not triton_available():
             raise RuntimeError("kernel backend 'triton' requested but triton is not importable")
+        if dtype in EIGHT_BIT_WITHOUT_TRITON:
+            raise RuntimeError(
+                f"kernel backend 'triton' requested for a {dtype} (8-bit) KV cache, which the Triton kernels "
+                "do not read: use 'cpu' or 'reference'"
+            )
         if device.type == "cpu" and not triton_interpreted():
             raise RuntimeError(
                 "kernel backend 'triton' on CPU tensors needs TRITON_INTERPRET=1 set before kernels "
@@ -112,6 +120,8 @@ def resolve(device: torch.device, dtype: torch.dtype | None = None, requested: s
             )
         return "triton"
     # auto
+    if dtype in EIGHT_BIT_WITHOUT_TRITON:  # 8-bit caches: the CPU backend's kernels, the reference elsewhere
+        return "cpu" if device.type == "cpu" else "reference"
     if device.type == "cuda":
         return "triton" if triton_available() else "reference"
     if device.type == "cpu" and dtype is not torch.bfloat16 and interpret_requested() and triton_available():

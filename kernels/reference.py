@@ -4,7 +4,8 @@ Why it exists: it is the oracle the Triton and CPU backends are checked against.
 each sequence's blocks into contiguous K/V and does softmax in float32, so the result is the
 "exact" answer that the kernels' online softmax must match; block swaps go one block at a time.
 Arguments are validated before they get here (``kernels/checks.py``); the contract of each
-operation is documented once, on ``KernelBackend``.
+operation is documented once, on ``KernelBackend``. 8-bit caches (``kernels/quant.py``) are quantized
+on write and dequantized to fp32 on read; block copies and swaps move their rows, scales included.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kernels import quant
 from kernels.backend import as_list, plan_nothing
 
 __all__ = [
@@ -40,8 +42,20 @@ def write_kv_cache(
     slots = slots[keep]
     blocks, offsets = slots // block_size, slots % block_size
     # Advanced-index assignment writes through strided views (e.g. a layer of a 6-D cache).
-    key_cache[blocks, offsets] = key[keep].to(key_cache.dtype)
-    value_cache[blocks, offsets] = value[keep].to(value_cache.dtype)
+    key_cache[blocks, offsets] = _rows(key[keep], key_cache.dtype)
+    value_cache[blocks, offsets] = _rows(value[keep], value_cache.dtype)
+
+
+def _rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Tokens' K or V as the cache stores them: cast, or quantized with their scales."""
+    if quant.is_quantized(dtype):
+        return quant.pack(*quant.quantize(x, dtype))
+    return x.to(dtype)
+
+
+def _f32(rows: torch.Tensor) -> torch.Tensor:
+    """Gathered cache rows as fp32 ``[..., head_dim]`` (8-bit ones dequantized)."""
+    return quant.dequantize(rows) if quant.is_quantized(rows) else rows.float()
 
 
 def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -49,7 +63,7 @@ def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> t
     block_size = cache.shape[1]
     n_blocks = (length + block_size - 1) // block_size
     ids = block_table[:n_blocks].to(device=cache.device, dtype=torch.int64)
-    return cache[ids].reshape(n_blocks * block_size, *cache.shape[2:])[:length].float()
+    return _f32(cache[ids]).reshape(n_blocks * block_size, cache.shape[2], -1)[:length]
 
 
 def paged_decode_attention(
@@ -84,13 +98,15 @@ def paged_decode_attention(
     # Padding entries of a block table may hold garbage: clamp so the gather stays in bounds;
     # the tokens they hold are masked out below.
     ids = ids.clamp(0, key_cache.shape[0] - 1)
-    k = key_cache[ids].reshape(num_seqs, n_blocks * block_size, num_kv_heads, head_dim).float()
-    v = value_cache[ids].reshape(num_seqs, n_blocks * block_size, num_kv_heads, head_dim).float()
+    k = _f32(key_cache[ids]).reshape(num_seqs, n_blocks * block_size, num_kv_heads, head_dim)
+    v = _f32(value_cache[ids]).reshape(num_seqs, n_blocks * block_size, num_kv_heads, head_dim)
     q = query.float().view(num_seqs, num_kv_heads, group, head_dim)
     scores = torch.einsum("skgd,stkd->skgt", q, k) * scale
     valid = torch.arange(n_blocks * block_size, device=query.device).unsqueeze(0) < lens.unsqueeze(1)
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a zero-length row attends to nothing
+    # Slots past a sequence's length may hold anything (NaN included): probability 0 must mean 0.
+    v = v.masked_fill(~valid[:, :, None, None], 0.0)
     res = torch.einsum("skgt,stkd->skgd", probs, v)
     out.copy_(res.reshape(num_seqs, num_heads, head_dim))
     return out

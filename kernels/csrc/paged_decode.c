@@ -13,7 +13,9 @@
  * generic elsewhere), the variant chosen at run time by kernels/cpu_native.py, which calls it through
  * ctypes with raw pointers; tasks are spread over OpenMP threads (torch's own OpenMP runtime,
  * already loaded in the process). fp32 and bf16 (bf16 widened to fp32 on read; scores and sums
- * in fp32, the output rounded once). The common (group, head_dim) pairs get specialised copies
+ * in fp32, the output rounded once), and 8-bit int8 caches with fp32 queries (kernels/quant.py: each
+ * row's head_dim int8 values, then its fp32 scale; a row is widened once and its scale folded into
+ * the dot product for K and into the probability for V). The common (group, head_dim) pairs get specialised copies
  * (constants let the compiler keep the accumulators in registers: 1.4x at head_dim 64 and 128;
  * groups 3, 5, 6 and 7 at head_dim 64 for models such as SmolLM2's 9 query over 3 KV heads),
  * and fp32 keys are scored sixteen at a time with one butterfly sum for the sixteen dot products
@@ -77,11 +79,27 @@ static inline v16 sum16(v16 p[16]) {
     return __builtin_shuffle(c[0], c[1], m4a) + __builtin_shuffle(c[0], c[1], m4b);
 }
 
-/* A K or V row as fp32: in place for fp32 caches, widened into `buf` for bf16. */
-static inline const float *row_f32(const void *base, int64_t offset, float *buf, int64_t D, int bf16) {
-    if (!bf16) return (const float *)base + offset;
-    const uint16_t *p = (const uint16_t *)base + offset;
-    for (int64_t d = 0; d < D; d++) buf[d] = bf16_to_f32(p[d]);
+/* What the cache holds (the query and output are bf16 for KIND_BF16, else fp32). */
+#define KIND_F32 0
+#define KIND_BF16 1
+#define KIND_I8 2 /* int8 rows of head_dim values + an fp32 scale (kernels/quant.py) */
+
+/* A K or V row as fp32 and its scale: in place for fp32 caches (scale 1), widened into `buf` for bf16
+ * (scale 1) and int8 (the row's own scale, applied by the caller: once per dot product or probability
+ * rather than once per element). */
+static inline const float *row_f32(const void *base, int64_t offset, float *buf, int64_t D, int kind,
+                                   float *scale) {
+    *scale = 1.0f;
+    if (kind == KIND_F32) return (const float *)base + offset;
+    if (kind == KIND_BF16) {
+        const uint16_t *p = (const uint16_t *)base + offset;
+        for (int64_t d = 0; d < D; d++) buf[d] = bf16_to_f32(p[d]);
+        return buf;
+    }
+    const int8_t *p = (const int8_t *)base + offset;
+    memcpy(scale, p + D, sizeof(float));
+    #pragma omp simd
+    for (int64_t d = 0; d < D; d++) buf[d] = (float)p[d];
     return buf;
 }
 
@@ -112,8 +130,9 @@ static inline __attribute__((always_inline)) void attend(
         const DecodeArgs *restrict a, const void *restrict q, const void *restrict k_cache,
         const void *restrict v_cache, const int32_t *restrict block_tables, int64_t ctx, void *restrict out,
         float *restrict scores, float *restrict qf, float *restrict acc, float *restrict lse, int64_t s, int64_t h0,
-        int64_t h1, const int64_t G, const int64_t D, const int bf16) {
-    const int64_t BS = a->block_size, NH = h1 - h0, esz = bf16 ? 2 : 4;
+        int64_t h1, const int64_t G, const int64_t D, const int kind) {
+    const int bf16 = kind == KIND_BF16;
+    const int64_t BS = a->block_size, NH = h1 - h0, esz = kind == KIND_BF16 ? 2 : kind == KIND_I8 ? 1 : 4;
     const int64_t nblocks = (ctx + BS - 1) / BS;
     const int64_t slot_bytes = a->c_slot_stride * esz, span = ((NH - 1) * a->c_head_stride + D) * esz;
     const int64_t head0 = h0 * a->c_head_stride;
@@ -132,7 +151,7 @@ static inline __attribute__((always_inline)) void attend(
             ? (const char *)k_cache + ((int64_t)table[b + PREFETCH_BLOCKS] * a->c_block_stride + head0) * esz
             : 0;
         int64_t j = 0;
-        if (!bf16 && D % 16 == 0) {  /* sixteen keys at a time, their dot products summed together */
+        if (kind == KIND_F32 && D % 16 == 0) {  /* sixteen keys at a time, their dot products summed together */
             for (; j + 16 <= n; j += 16) {
                 if (ahead) prefetch_rows(ahead + j * slot_bytes, 16, slot_bytes, span);
                 for (int64_t hh = 0; hh < NH; hh++) {
@@ -154,14 +173,15 @@ static inline __attribute__((always_inline)) void attend(
         for (; j < n; j++) {
             if (ahead) prefetch_rows(ahead + j * slot_bytes, 1, slot_bytes, span);
             for (int64_t hh = 0; hh < NH; hh++) {
+                float ks;
                 const float *restrict k =
-                    row_f32(k_cache, base + j * a->c_slot_stride + hh * a->c_head_stride, row, D, bf16);
+                    row_f32(k_cache, base + j * a->c_slot_stride + hh * a->c_head_stride, row, D, kind, &ks);
                 for (int64_t g = 0; g < G; g++) {
                     const float *qg = qf + (hh * G + g) * D;
                     float dot = 0.0f;
                     #pragma omp simd reduction(+:dot)
                     for (int64_t d = 0; d < D; d++) dot += qg[d] * k[d];
-                    scores[(hh * G + g) * ctx + t0 + j] = dot;
+                    scores[(hh * G + g) * ctx + t0 + j] = dot * ks;
                 }
             }
         }
@@ -186,10 +206,11 @@ static inline __attribute__((always_inline)) void attend(
         for (int64_t j = 0; j < n; j++) {
             if (ahead) prefetch_rows(ahead + j * slot_bytes, 1, slot_bytes, span);
             for (int64_t hh = 0; hh < NH; hh++) {
+                float vs;
                 const float *restrict v =
-                    row_f32(v_cache, base + j * a->c_slot_stride + hh * a->c_head_stride, row, D, bf16);
+                    row_f32(v_cache, base + j * a->c_slot_stride + hh * a->c_head_stride, row, D, kind, &vs);
                 for (int64_t g = 0; g < G; g++) {
-                    const float p = scores[(hh * G + g) * ctx + t0 + j];
+                    const float p = scores[(hh * G + g) * ctx + t0 + j] * vs;
                     float *restrict ag = acc + (hh * G + g) * D;
                     #pragma omp simd
                     for (int64_t d = 0; d < D; d++) ag[d] += p * v[d];
@@ -211,12 +232,14 @@ static inline __attribute__((always_inline)) void attend(
 /* The specialised (G, D) pairs, else the generic copy. */
 static void attend_any(const DecodeArgs *a, const void *q, const void *k_cache, const void *v_cache,
                        const int32_t *block_tables, int64_t ctx, void *out, float *scores, float *qf, float *acc,
-                       float *lse, int64_t s, int64_t h0, int64_t h1, int bf16) {
+                       float *lse, int64_t s, int64_t h0, int64_t h1, int kind) {
     const int64_t G = a->num_heads / a->num_kv_heads, D = a->head_dim;
+#define ATTEND(GC, DC, K) attend(a, q, k_cache, v_cache, block_tables, ctx, out, scores, qf, acc, lse, s, h0, h1, GC, DC, K)
 #define CASE(GC, DC)                                                                                   \
     if (G == GC && D == DC) {                                                                          \
-        if (bf16) attend(a, q, k_cache, v_cache, block_tables, ctx, out, scores, qf, acc, lse, s, h0, h1, GC, DC, 1); \
-        else attend(a, q, k_cache, v_cache, block_tables, ctx, out, scores, qf, acc, lse, s, h0, h1, GC, DC, 0);      \
+        if (kind == KIND_BF16) ATTEND(GC, DC, KIND_BF16);                                              \
+        else if (kind == KIND_I8) ATTEND(GC, DC, KIND_I8);                                             \
+        else ATTEND(GC, DC, KIND_F32);                                                                 \
         return;                                                                                        \
     }
     if (!a->generic_only) {
@@ -224,8 +247,10 @@ static void attend_any(const DecodeArgs *a, const void *q, const void *k_cache, 
         CASE(1, 128) CASE(2, 128) CASE(4, 128) CASE(8, 128)
     }
 #undef CASE
-    if (bf16) attend(a, q, k_cache, v_cache, block_tables, ctx, out, scores, qf, acc, lse, s, h0, h1, G, D, 1);
-    else attend(a, q, k_cache, v_cache, block_tables, ctx, out, scores, qf, acc, lse, s, h0, h1, G, D, 0);
+    if (kind == KIND_BF16) ATTEND(G, D, KIND_BF16);
+    else if (kind == KIND_I8) ATTEND(G, D, KIND_I8);
+    else ATTEND(G, D, KIND_F32);
+#undef ATTEND
 }
 
 /* Sequences ordered by their first block (then index): sequences sharing a cached prefix run one
@@ -252,7 +277,8 @@ static int64_t heads_per_task(int64_t num_seqs, int64_t num_kv_heads, int thread
 /* Returns 0, or -1 when scratch memory could not be allocated (nothing written then). A sequence
  * of length 0 gets zeros (it attends to nothing). */
 static int decode(const DecodeArgs *a, const void *q, const void *k_cache, const void *v_cache,
-                  const int32_t *block_tables, const int32_t *seq_lens, void *out, float *lse, int bf16) {
+                  const int32_t *block_tables, const int32_t *seq_lens, void *out, float *lse, int kind) {
+    const int bf16 = kind == KIND_BF16;
     const int64_t G = a->num_heads / a->num_kv_heads, D = a->head_dim, HKV = a->num_kv_heads;
     int64_t max_ctx = 1;
     for (int64_t s = 0; s < a->num_seqs; s++) max_ctx = seq_lens[s] > max_ctx ? seq_lens[s] : max_ctx;
@@ -281,7 +307,7 @@ static int decode(const DecodeArgs *a, const void *q, const void *k_cache, const
         float *qf = scores + hpt * G * max_ctx, *acc = qf + hpt * G * D;
         if (seq_lens[s] > 0) {
             attend_any(a, q, k_cache, v_cache, block_tables, seq_lens[s], out, scores, qf, acc, lse, s, h0, h1,
-                       bf16);
+                       kind);
         } else {
             for (int64_t h = h0; h < h1; h++)
                 for (int64_t g = 0; g < G; g++) {
@@ -299,19 +325,66 @@ static int decode(const DecodeArgs *a, const void *q, const void *k_cache, const
 
 int pagedkv_decode_f32(const DecodeArgs *a, const float *q, const float *k_cache, const float *v_cache,
                        const int32_t *block_tables, const int32_t *seq_lens, float *out) {
-    return decode(a, q, k_cache, v_cache, block_tables, seq_lens, out, NULL, 0);
+    return decode(a, q, k_cache, v_cache, block_tables, seq_lens, out, NULL, KIND_F32);
 }
 /* fp32 decode that also writes each (sequence, head)'s log-sum-exp of its scaled scores into
  * lse [num_seqs, num_heads] (-inf for a sequence of length 0): the own part of a cascade, merged
  * with its shared prefix's part by pagedkv_prefill_prefix_f32 (kernels/cpu.py). */
 int pagedkv_decode_f32_lse(const DecodeArgs *a, const float *q, const float *k_cache, const float *v_cache,
                            const int32_t *block_tables, const int32_t *seq_lens, float *out, float *lse) {
-    return decode(a, q, k_cache, v_cache, block_tables, seq_lens, out, lse, 0);
+    return decode(a, q, k_cache, v_cache, block_tables, seq_lens, out, lse, KIND_F32);
 }
 
 int pagedkv_decode_bf16(const DecodeArgs *a, const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
                         const int32_t *block_tables, const int32_t *seq_lens, uint16_t *out) {
-    return decode(a, q, k_cache, v_cache, block_tables, seq_lens, out, NULL, 1);
+    return decode(a, q, k_cache, v_cache, block_tables, seq_lens, out, NULL, KIND_BF16);
+}
+
+/* int8 caches (rows of head_dim values + an fp32 scale; strides in bytes), fp32 query and output;
+ * the _lse form as pagedkv_decode_f32_lse, for a cascade over an int8 cache. */
+int pagedkv_decode_i8(const DecodeArgs *a, const float *q, const int8_t *k_cache, const int8_t *v_cache,
+                      const int32_t *block_tables, const int32_t *seq_lens, float *out) {
+    return decode(a, q, k_cache, v_cache, block_tables, seq_lens, out, NULL, KIND_I8);
+}
+int pagedkv_decode_i8_lse(const DecodeArgs *a, const float *q, const int8_t *k_cache, const int8_t *v_cache,
+                          const int32_t *block_tables, const int32_t *seq_lens, float *out, float *lse) {
+    return decode(a, q, k_cache, v_cache, block_tables, seq_lens, out, lse, KIND_I8);
+}
+
+/* Quantize on write: token i's K and V rows (fp32 [num_tokens, num_kv_heads, head_dim], row strides
+ * in floats) into int8 cache slot slots[i] (-1: skipped), each (token, KV head) row as round-to-nearest-
+ * even(x / scale) in [-127, 127] with scale = amax / 127 (0 for an all-zero row), then the scale;
+ * the division and rounding are torch's (kernels/quant.py), so both write the same bytes. Cache
+ * strides in bytes. */
+void pagedkv_write_kv_i8(int64_t num_tokens, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                         const float *key, int64_t k_tok_stride, int64_t k_head_stride, const float *value,
+                         int64_t v_tok_stride, int64_t v_head_stride, int8_t *k_cache, int8_t *v_cache,
+                         int64_t c_block_stride, int64_t c_slot_stride, int64_t c_head_stride, const int64_t *slots,
+                         int num_threads) {
+    #pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1)
+    for (int64_t i = 0; i < num_tokens; i++) {
+        const int64_t slot = slots[i];
+        if (slot < 0) continue;
+        const int64_t at = (slot / block_size) * c_block_stride + (slot % block_size) * c_slot_stride;
+        for (int which = 0; which < 2; which++) {
+            const float *x0 = which ? value + i * v_tok_stride : key + i * k_tok_stride;
+            const int64_t hs = which ? v_head_stride : k_head_stride;
+            int8_t *c0 = (which ? v_cache : k_cache) + at;
+            for (int64_t h = 0; h < num_kv_heads; h++) {
+                const float *x = x0 + h * hs;
+                int8_t *row = c0 + h * c_head_stride;
+                float amax = 0.0f;
+                for (int64_t d = 0; d < head_dim; d++) amax = fabsf(x[d]) > amax ? fabsf(x[d]) : amax;
+                const float scale = amax / 127.0f, div = scale > 0.0f ? scale : 1.0f;
+                for (int64_t d = 0; d < head_dim; d++) {
+                    float y = nearbyintf(x[d] / div);
+                    y = y > 127.0f ? 127.0f : y < -127.0f ? -127.0f : y;
+                    row[d] = (int8_t)y;
+                }
+                memcpy(row + head_dim, &scale, sizeof(float));
+            }
+        }
+    }
 }
 
 /* The struct layout the Python side must mirror (checked at load). */

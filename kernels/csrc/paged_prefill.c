@@ -17,7 +17,8 @@
  *
  * Results equal the reference (kernels/reference.py) within fp32 rounding (tests/kernels/
  * test_cpu_prefill_native.py). Used by kernels/cpu.py for fp32 caches whose head_dim is a multiple of
- * 16; the per-row decode kernel still serves bf16 and other head sizes. Called through ctypes with the decode kernel's
+ * 16, and for int8 caches (kernels/quant.py: each row head_dim int8 values then its fp32 scale) with
+ * fp32 queries: each tile's 8 keys are widened and scaled once, each value row as it is read; the per-row decode kernel still serves bf16 and other head sizes. Called through ctypes with the decode kernel's
  * argument struct (num_seqs = sequences, q/out strides per token row); kernels/cpu_native.py
  * checks the tensors first and kernels/checks.py the index values once per step.
  */
@@ -44,6 +45,7 @@ typedef struct {  /* the same layout as paged_decode.c's DecodeArgs (checked at 
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef float v16u __attribute__((vector_size(64), aligned(4)));
+typedef int8_t c16u __attribute__((vector_size(16), aligned(1)));
 
 /* Rows per task: 16, or 32 when 16 rows' query vectors would leave lanes of the last 32 unused
  * (an odd group: 16 x 3 = 48 of 64 lanes; 32 x 3 = 96 fills three pairs). */
@@ -75,8 +77,8 @@ static inline __attribute__((always_inline)) void qk_tile(const int Z, const flo
 
 /* out vectors v0 .. v0+4 (probabilities in s[t][v]) over values: elements d0 .. d0 + 16 * ZD of each
  * value row (ZD, 1 to 4, a constant at each call site: the accumulators stay in registers). */
-static inline __attribute__((always_inline)) void pv_tile(const int ZD, const float *restrict s, int64_t lanes,
-                                                          int64_t ctx, const float *restrict v_cache,
+static inline __attribute__((always_inline)) void pv_tile(const int ZD, const int I8, const float *restrict s,
+                                                          int64_t lanes, int64_t ctx, const void *restrict v_cache,
                                                           const int32_t *restrict table, const PrefillArgs *a,
                                                           int64_t head, int64_t v0, int64_t d0,
                                                           float *restrict acc_out /* [4][64] */) {
@@ -85,10 +87,18 @@ static inline __attribute__((always_inline)) void pv_tile(const int ZD, const fl
         for (int z = 0; z < ZD; z++) acc[i][z] = (v16){0};
     const int64_t BS = a->block_size;
     for (int64_t t = 0; t < ctx; t++) {
-        const float *vr = v_cache + (int64_t)table[t / BS] * a->c_block_stride + (t % BS) * a->c_slot_stride
-            + head * a->c_head_stride + d0;
+        const int64_t at = (int64_t)table[t / BS] * a->c_block_stride + (t % BS) * a->c_slot_stride
+            + head * a->c_head_stride;
         v16 vv[4];
-        for (int z = 0; z < ZD; z++) vv[z] = *(const v16u *)(vr + z * 16);
+        if (I8) { /* the row's int8 values widened, times its scale (after the head_dim values) */
+            const int8_t *vr = (const int8_t *)v_cache + at;
+            float vs;
+            memcpy(&vs, vr + a->head_dim, sizeof(float));
+            for (int z = 0; z < ZD; z++) vv[z] = __builtin_convertvector(*(const c16u *)(vr + d0 + z * 16), v16) * vs;
+        } else {
+            const float *vr = (const float *)v_cache + at + d0;
+            for (int z = 0; z < ZD; z++) vv[z] = *(const v16u *)(vr + z * 16);
+        }
         const float *p = s + t * lanes + v0;
         #pragma GCC unroll 4
         for (int i = 0; i < 4; i++) {
@@ -107,10 +117,10 @@ static inline int64_t row_of(const int32_t *row_map, int64_t i) { return row_map
  * sequence s_idx are query rows row_map[query_start_loc[s_idx] ..] of other sequences, each past the
  * prefix, so every row sees all seq_len keys (no mask), and each result is merged into that row's
  * own-part output already in `out` by the two parts' log-sum-exps (own_lse [rows, num_heads]). */
-static void run_task(const PrefillArgs *a, const Task *task, const float *q, const float *k_cache,
-                     const float *v_cache, const int32_t *block_tables, const int32_t *query_start_loc,
-                     const int32_t *seq_lens, float *out, float *work, int64_t max_ctx, const int32_t *row_map,
-                     const float *own_lse) {
+static inline __attribute__((always_inline)) void run_task(
+        const PrefillArgs *a, const Task *task, const float *q, const void *k_cache, const void *v_cache,
+        const int32_t *block_tables, const int32_t *query_start_loc, const int32_t *seq_lens, float *out, float *work,
+        int64_t max_ctx, const int32_t *row_map, const float *own_lse, const int I8) {
     const int64_t G = a->num_heads / a->num_kv_heads, D = a->head_dim, BS = a->block_size;
     const int64_t s_idx = task->seq, h = task->head, r0 = task->row0;
     const int64_t q_begin = query_start_loc[s_idx], q_len = query_start_loc[s_idx + 1] - q_begin;
@@ -133,12 +143,23 @@ static void run_task(const PrefillArgs *a, const Task *task, const float *q, con
         }
     /* scores, KEYS keys at a time (past ctx: the last key again; those rows of s are never read,
      * and s has room for them: max_ctx + KEYS rows) */
+    float kbuf[I8 ? KEYS : 1][I8 ? D : 1]; /* int8: the tile's keys widened and scaled */
     for (int64_t t0 = 0; t0 < ctx; t0 += KEYS) {
         const float *keys[KEYS];
         for (int j = 0; j < KEYS; j++) {
             const int64_t t = t0 + j < ctx ? t0 + j : ctx - 1;
-            keys[j] = k_cache + (int64_t)table[t / BS] * a->c_block_stride + (t % BS) * a->c_slot_stride
+            const int64_t at = (int64_t)table[t / BS] * a->c_block_stride + (t % BS) * a->c_slot_stride
                 + h * a->c_head_stride;
+            if (I8) {
+                const int8_t *kr = (const int8_t *)k_cache + at;
+                float ks;
+                memcpy(&ks, kr + D, sizeof(float));
+                #pragma omp simd
+                for (int64_t d = 0; d < D; d++) kbuf[j][d] = (float)kr[d] * ks;
+                keys[j] = kbuf[j];
+            } else {
+                keys[j] = (const float *)k_cache + at;
+            }
         }
         for (int64_t c = 0; c < lanes / 16; c += 2) qk_tile(2, qt, lanes, keys, D, s, t0, c);
     }
@@ -167,10 +188,10 @@ static void run_task(const PrefillArgs *a, const Task *task, const float *q, con
         for (int64_t d0 = 0; d0 < D; d0 += 64) {
             const int64_t width = D - d0 < 64 ? D - d0 : 64; /* a multiple of 16 */
             switch (width / 16) {
-                case 1: pv_tile(1, s, lanes, ctx, v_cache, table, a, h, v0, d0, acc); break;
-                case 2: pv_tile(2, s, lanes, ctx, v_cache, table, a, h, v0, d0, acc); break;
-                case 3: pv_tile(3, s, lanes, ctx, v_cache, table, a, h, v0, d0, acc); break;
-                default: pv_tile(4, s, lanes, ctx, v_cache, table, a, h, v0, d0, acc); break;
+                case 1: pv_tile(1, I8, s, lanes, ctx, v_cache, table, a, h, v0, d0, acc); break;
+                case 2: pv_tile(2, I8, s, lanes, ctx, v_cache, table, a, h, v0, d0, acc); break;
+                case 3: pv_tile(3, I8, s, lanes, ctx, v_cache, table, a, h, v0, d0, acc); break;
+                default: pv_tile(4, I8, s, lanes, ctx, v_cache, table, a, h, v0, d0, acc); break;
             }
             for (int64_t i = 0; i < 4 && v0 + i < nv; i++) {
                 const int64_t v = v0 + i, r = v / G, g = v % G, row = row_of(row_map, q_begin + r0 + r);
@@ -190,9 +211,25 @@ static void run_task(const PrefillArgs *a, const Task *task, const float *q, con
     }
 }
 
-static int prefill(const PrefillArgs *a, const float *q, const float *k_cache, const float *v_cache,
+static void run_task_f32(const PrefillArgs *a, const Task *task, const float *q, const void *k_cache,
+                         const void *v_cache, const int32_t *block_tables, const int32_t *query_start_loc,
+                         const int32_t *seq_lens, float *out, float *work, int64_t max_ctx, const int32_t *row_map,
+                         const float *own_lse) {
+    run_task(a, task, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, work, max_ctx, row_map,
+             own_lse, 0);
+}
+
+static void run_task_i8(const PrefillArgs *a, const Task *task, const float *q, const void *k_cache,
+                        const void *v_cache, const int32_t *block_tables, const int32_t *query_start_loc,
+                        const int32_t *seq_lens, float *out, float *work, int64_t max_ctx, const int32_t *row_map,
+                        const float *own_lse) {
+    run_task(a, task, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, work, max_ctx, row_map,
+             own_lse, 1);
+}
+
+static int prefill(const PrefillArgs *a, const float *q, const void *k_cache, const void *v_cache,
                    const int32_t *block_tables, const int32_t *query_start_loc, const int32_t *seq_lens, float *out,
-                   const int32_t *row_map, const float *own_lse) {
+                   const int32_t *row_map, const float *own_lse, int i8) {
     const int64_t G = a->num_heads / a->num_kv_heads, D = a->head_dim, HKV = a->num_kv_heads;
     const int64_t RT = rows_per_task(G);
     int64_t max_ctx = 1, num_tasks = 0;
@@ -222,8 +259,12 @@ static int prefill(const PrefillArgs *a, const float *q, const float *k_cache, c
 #else
         float *w = work;
 #endif
-        run_task(a, &tasks[i], q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, w, max_ctx,
-                 row_map, own_lse);
+        if (i8)
+            run_task_i8(a, &tasks[i], q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, w, max_ctx,
+                        row_map, own_lse);
+        else
+            run_task_f32(a, &tasks[i], q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, w,
+                         max_ctx, row_map, own_lse);
     }
     free(work);
     free(tasks);
@@ -235,7 +276,7 @@ static int prefill(const PrefillArgs *a, const float *q, const float *k_cache, c
 int pagedkv_prefill_f32(const PrefillArgs *a, const float *q, const float *k_cache, const float *v_cache,
                         const int32_t *block_tables, const int32_t *query_start_loc, const int32_t *seq_lens,
                         float *out) {
-    return prefill(a, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, NULL, NULL);
+    return prefill(a, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, NULL, NULL, 0);
 }
 
 /* A cascade's shared-prefix part (kernels/cpu.py): "sequence" i is a prefix of seq_lens[i] >= 1 tokens
@@ -247,5 +288,17 @@ int pagedkv_prefill_f32(const PrefillArgs *a, const float *q, const float *k_cac
 int pagedkv_prefill_prefix_f32(const PrefillArgs *a, const float *q, const float *k_cache, const float *v_cache,
                                const int32_t *block_tables, const int32_t *query_start_loc, const int32_t *seq_lens,
                                float *out, const int32_t *row_map, const float *own_lse) {
-    return prefill(a, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, row_map, own_lse);
+    return prefill(a, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, row_map, own_lse, 0);
+}
+
+/* The same two on int8 caches (rows of head_dim values + an fp32 scale; cache strides in bytes). */
+int pagedkv_prefill_i8(const PrefillArgs *a, const float *q, const int8_t *k_cache, const int8_t *v_cache,
+                       const int32_t *block_tables, const int32_t *query_start_loc, const int32_t *seq_lens,
+                       float *out) {
+    return prefill(a, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, NULL, NULL, 1);
+}
+int pagedkv_prefill_prefix_i8(const PrefillArgs *a, const float *q, const int8_t *k_cache, const int8_t *v_cache,
+                              const int32_t *block_tables, const int32_t *query_start_loc, const int32_t *seq_lens,
+                              float *out, const int32_t *row_map, const float *own_lse) {
+    return prefill(a, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, row_map, own_lse, 1);
 }
