@@ -19,6 +19,10 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
+# What a cache tensor may hold beyond the model dtypes: the 8-bit KV rows (kernels/quant.py).
+STORAGE_DTYPES: dict[str, torch.dtype] = {**DTYPES, "int8": torch.int8, "float8_e4m3fn": torch.float8_e4m3fn}
+# --kv-cache-dtype -> the cache tensor's dtype ("auto": the model's).
+KV_STORAGE: dict[str, torch.dtype] = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
 
 
 class GeometryMismatch(ValueError):
@@ -30,6 +34,16 @@ def dtype_from_name(name: str) -> torch.dtype:
         return DTYPES[name.removeprefix("torch.")]
     except KeyError:
         raise ValueError(f"unsupported dtype {name!r}; expected one of {sorted(DTYPES)}") from None
+
+
+def storage_dtype_from_name(name: str) -> torch.dtype:
+    """A cache tensor's dtype by name: a model dtype or an 8-bit KV storage dtype."""
+    try:
+        return STORAGE_DTYPES[name.removeprefix("torch.")]
+    except KeyError:
+        raise ValueError(
+            f"unsupported cache dtype {name!r}; expected one of {sorted(STORAGE_DTYPES)}"
+        ) from None
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -51,8 +65,14 @@ class CacheGeometry:
         kv_capacity.check_kv_cache_dtype(self.kv_cache_dtype)
 
     def shape(self, num_blocks: int) -> tuple[int, int, int, int, int, int]:
-        """``[num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]``."""
-        return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        """``[num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, row]``: ``row`` is head_dim,
+        or head_dim + 4 for 8-bit KV (the values, then the row's fp32 scale: kernels/quant.py)."""
+        row = kv_capacity.row_bytes(self.head_dim, self.kv_cache_dtype, 1)
+        return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, row)
+
+    def storage_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The cache tensor's dtype: the model's, or the 8-bit KV dtype's storage."""
+        return KV_STORAGE.get(self.kv_cache_dtype, model_dtype)
 
     @property
     def gpu_shape(self) -> tuple[int, int, int, int, int, int]:

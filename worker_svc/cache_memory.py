@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import torch
 
 from worker_svc import shm_backend
-from worker_svc.cache_layout import CacheGeometry, dtype_from_name, dtype_name
+from worker_svc.cache_layout import CacheGeometry, dtype_name, storage_dtype_from_name
 
 BACKEND_SHM = "shm"
 BACKEND_CUDA_IPC = "cuda_ipc"
@@ -79,7 +79,9 @@ def resolve_backend(device: torch.device) -> str:
 def create(
     geometry: CacheGeometry, dtype: torch.dtype, device: torch.device, shm_prefix: str = "pagedkv"
 ) -> SharedCache:
-    """Allocate the cache once (the cache host's job). Zero-filled."""
+    """Allocate the cache once (the cache host's job). Zero-filled. ``dtype`` is the model's; the
+    tensors hold it, or the 8-bit KV rows ``geometry.kv_cache_dtype`` asks for (kernels/quant.py)."""
+    model_dtype, dtype = dtype, geometry.storage_dtype(dtype)
     instance_id = secrets.token_hex(8)
     resources: list[Any] = []
     try:
@@ -134,7 +136,7 @@ def create(
         gpu=gpu_desc,
         cpu=cpu_desc,
         geometry=geometry,
-        dtype=dtype_name(dtype),
+        dtype=dtype_name(model_dtype),
         instance_id=instance_id,
         host_pid=os.getpid(),
     )
@@ -162,7 +164,7 @@ def borrow(cache: SharedCache, desc: CacheDescriptor, device: torch.device) -> S
 
 def attach(desc: CacheDescriptor, device: torch.device) -> SharedCache:
     """Map the cache host's memory into this process without copying (a worker's job)."""
-    dtype = dtype_from_name(desc.dtype)
+    dtype = storage_dtype_from_name(desc.gpu.dtype)  # the tensors' own dtype (8-bit KV: not the model's)
     if desc.backend != resolve_backend(device):
         raise ValueError(
             f"cache host exports a {desc.backend!r} cache but this worker runs on {device}: "

@@ -136,3 +136,17 @@ def check_against_host(known: dict[str, Sourced], host: CacheGeometry, host_name
     ]
     if diffs:
         raise GeometryMismatch("cache geometry mismatch: " + "; ".join(diffs))
+
+
+def model_block_bytes(
+    model: str | None, dtype: str, device: str, block_size: int, kv_cache_dtype: str
+) -> int:
+    """Bytes of one cache block for this model, dtype setting, device and KV dtype: what a launcher
+    (``pagedkv up``, the in-process stack) gives the block manager with a ``--kv-cache-memory`` budget,
+    computed exactly as the cache host will check it."""
+    from worker_svc.devices import resolve_device, resolve_dtype
+    from worker_svc.model.config import load_model_config
+
+    cfg = load_model_config(model)
+    geometry = CacheGeometry(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, 1, 0, kv_cache_dtype)
+    return geometry.block_bytes(resolve_dtype(dtype, resolve_device(device)))

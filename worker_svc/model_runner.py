@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 import kernels
-from kernels import cpu_native
+from kernels import cpu_native, quant
 from worker_svc import omp_spin
 from worker_svc.devices import device_scope
 from worker_svc.model.batch import AttentionBatch
@@ -157,12 +157,12 @@ class ModelRunner:
             raise ValueError(
                 f"KV cache shape {tuple(gpu_cache.shape)} is not [num_layers={cfg.num_layers}, 2, ...]"
             )
-        if tuple(gpu_cache.shape[4:]) != (cfg.num_kv_heads, cfg.head_dim):
+        if (gpu_cache.shape[4], quant.head_dim(gpu_cache)) != (cfg.num_kv_heads, cfg.head_dim):
             raise ValueError(
-                f"KV cache heads/head_dim {tuple(gpu_cache.shape[4:])} != model's ({cfg.num_kv_heads}, "
-                f"{cfg.head_dim})"
+                f"KV cache heads/head_dim {(gpu_cache.shape[4], quant.head_dim(gpu_cache))} != model's "
+                f"({cfg.num_kv_heads}, {cfg.head_dim})"
             )
-        if gpu_cache.dtype != model.dtype:
+        if gpu_cache.dtype != model.dtype and not quant.is_quantized(gpu_cache):  # 8-bit KV: any model dtype
             raise ValueError(f"KV cache dtype {gpu_cache.dtype} != model dtype {model.dtype}")
         self.model = model
         self.gpu_cache = gpu_cache

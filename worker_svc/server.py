@@ -25,7 +25,6 @@ from grpc_health.v1 import health_pb2
 
 from pagedkv.dial import Dialer, TokenError
 from pagedkv.grpc_server import GrpcServer, start_server, stop_event_on_signals
-from pagedkv.kv_capacity import is_quantized
 from pagedkv.logging_setup import configure_logging
 from pagedkv.v1 import cache_host_pb2, worker_pb2, worker_pb2_grpc
 from worker_svc import cache_memory, cpu_placement, shared_weights
@@ -99,11 +98,6 @@ def run_cache_host(settings: CacheHostSettings) -> int:
         pool = _pool(settings, settings.connect_timeout_s, Dialer.from_settings(settings), stop)
         geometry = host_geometry(settings, model_cfg, pool)
         check_block_bytes(pool, geometry, dtype, f"this cache host (model {model_cfg.name})")
-        if is_quantized(geometry.kv_cache_dtype):
-            raise ValueError(
-                f"kv_cache_dtype {geometry.kv_cache_dtype}: this cache host allocates only model-dtype "
-                "caches (auto)"
-            )
     except (StopRequested, *CONFIG_ERRORS) as e:
         return _start_refused(e)
     cache = cache_memory.create(geometry, dtype, device, settings.shm_prefix)

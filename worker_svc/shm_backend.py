@@ -16,7 +16,7 @@ from multiprocessing import resource_tracker, shared_memory
 
 import torch
 
-from worker_svc.cache_layout import dtype_from_name, dtype_name, numel
+from worker_svc.cache_layout import dtype_name, numel, storage_dtype_from_name
 
 
 @dataclass(slots=True)
@@ -85,7 +85,7 @@ def create(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> ShmTensor:
 
 def attach(name: str, shape: tuple[int, ...], dtype: torch.dtype | str) -> ShmTensor:
     """Map an existing segment without taking ownership (the creator unlinks it)."""
-    dt = dtype_from_name(dtype) if isinstance(dtype, str) else dtype
+    dt = storage_dtype_from_name(dtype) if isinstance(dtype, str) else dtype
     shm = shared_memory.SharedMemory(name=name, create=False)
     if sys.version_info < (3, 13) and name not in _CREATED_HERE:
         resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]

@@ -34,6 +34,11 @@ class StackConfig:
     # Worker i's --role (prefill | decode | mixed); one role applies to every worker (processes);
     # empty = all mixed (docs/worker.md "Roles", frontend/engine/dispatch.py).
     roles: tuple[str, ...] = ()
+    # The KV cache's dtype ("auto" = the model's, "int8", "fp8_e4m3") and its budget in GiB: with a
+    # budget the pool holds as many blocks as fit (the bytes per block from the model and the dtype,
+    # pagedkv/kv_capacity.py) and num_gpu_blocks is not used; 0 = num_gpu_blocks counts it.
+    kv_cache_dtype: str = "auto"
+    kv_cache_memory: float = 0.0
     # More block manager settings by field name, e.g. {"preemption_mode": "swap"} (flags for processes).
     block_manager_overrides: dict[str, object] = field(default_factory=dict)
 

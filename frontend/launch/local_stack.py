@@ -44,6 +44,7 @@ class LocalStack:
         from worker_svc.cache_host import serve_cache
         from worker_svc.cache_layout import CacheGeometry
         from worker_svc.devices import resolve_device, resolve_dtype
+        from worker_svc.geometry import model_block_bytes
         from worker_svc.model.config import load_model_config
         from worker_svc.server import start_worker
         from worker_svc.settings import WorkerSettings
@@ -51,15 +52,24 @@ class LocalStack:
         self.config = cfg = config or StackConfig()
         self._closers: list[object] = []
         try:
-            self.block_manager: BlockManagerServer = start_block_manager(
-                BlockManagerSettings(
-                    port=0,
-                    num_gpu_blocks=cfg.num_gpu_blocks,
-                    block_size=cfg.block_size,
-                    num_cpu_blocks=cfg.num_cpu_blocks,
-                    **cfg.block_manager_overrides,  # type: ignore[arg-type]
-                )
+            pool: dict[str, object] = {"num_gpu_blocks": cfg.num_gpu_blocks}
+            if cfg.kv_cache_memory:  # the pool from a budget over this model's bytes per block
+                pool = {
+                    "kv_cache_memory": cfg.kv_cache_memory,
+                    "kv_bytes_per_block": model_block_bytes(
+                        cfg.model, cfg.dtype, cfg.device, cfg.block_size, cfg.kv_cache_dtype
+                    ),
+                }
+            bm_settings = BlockManagerSettings(
+                port=0,
+                block_size=cfg.block_size,
+                num_cpu_blocks=cfg.num_cpu_blocks,
+                kv_cache_dtype=cfg.kv_cache_dtype,
+                **pool,  # type: ignore[arg-type]
+                **cfg.block_manager_overrides,  # type: ignore[arg-type]
             )
+            num_gpu_blocks = bm_settings.num_gpu_blocks
+            self.block_manager: BlockManagerServer = start_block_manager(bm_settings)
             self._closers.append(lambda: self.block_manager.stop(0))
             device = resolve_device(cfg.device)
             dtype = resolve_dtype(cfg.dtype, device)
@@ -69,8 +79,9 @@ class LocalStack:
                 model_cfg.num_kv_heads,
                 model_cfg.head_dim,
                 cfg.block_size,
-                cfg.num_gpu_blocks,
+                num_gpu_blocks,
                 cfg.num_cpu_blocks,
+                cfg.kv_cache_dtype,
             )
             self.cache = cache_memory.create(geometry, dtype, device, shm_prefix="pagedkv-local")
             self._closers.append(self.cache.close)
@@ -91,8 +102,9 @@ class LocalStack:
                         seed=cfg.seed,
                         role=roles[i],
                         block_size=cfg.block_size,
-                        num_gpu_blocks=cfg.num_gpu_blocks,
+                        num_gpu_blocks=num_gpu_blocks,
                         num_cpu_blocks=cfg.num_cpu_blocks,
+                        kv_cache_dtype=cfg.kv_cache_dtype,
                     ),
                     local_cache=self.cache,  # this process exported it: no IPC round trip (CUDA forbids it)
                 )

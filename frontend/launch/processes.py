@@ -80,8 +80,7 @@ def plan(opts: StackConfig, security: StackSecurity | None = None, state_dir: st
                 opts.host,
                 "--port",
                 str(opts.block_manager_port),
-                "--num-gpu-blocks",
-                str(opts.num_gpu_blocks),
+                *_pool_args(opts),
                 "--num-cpu-blocks",
                 str(opts.num_cpu_blocks),
                 "--block-size",
@@ -109,6 +108,8 @@ def plan(opts: StackConfig, security: StackSecurity | None = None, state_dir: st
                 opts.dtype,
                 "--shm-prefix",
                 opts.shm_prefix,
+                "--kv-cache-dtype",
+                opts.kv_cache_dtype,
                 *([] if opts.share_weights else ["--no-share-weights"]),
                 *seed,
                 *model,
@@ -148,6 +149,8 @@ def plan(opts: StackConfig, security: StackSecurity | None = None, state_dir: st
                     opts.dtype,
                     "--role",
                     roles[i],
+                    "--kv-cache-dtype",
+                    opts.kv_cache_dtype,
                     *placement,
                     *seed,
                     *backend,
@@ -178,6 +181,8 @@ def plan(opts: StackConfig, security: StackSecurity | None = None, state_dir: st
                     bm,
                     "--workers",
                     workers,
+                    "--kv-cache-dtype",
+                    opts.kv_cache_dtype,
                     *model,
                     "--log-format",
                     opts.log_format,
@@ -190,6 +195,18 @@ def plan(opts: StackConfig, security: StackSecurity | None = None, state_dir: st
             )
         )
     return services
+
+
+def _pool_args(opts: StackOptions) -> list[str]:
+    """The block manager's pool: its KV dtype, and a block count or a budget over this model's bytes
+    per block (computed as the cache host checks it: worker_svc/geometry.py, imported only then)."""
+    kv = ["--kv-cache-dtype", opts.kv_cache_dtype]
+    if not opts.kv_cache_memory:
+        return [*kv, "--num-gpu-blocks", str(opts.num_gpu_blocks)]
+    from worker_svc.geometry import model_block_bytes
+
+    per_block = model_block_bytes(opts.model, opts.dtype, opts.device, opts.block_size, opts.kv_cache_dtype)
+    return [*kv, "--kv-cache-memory", str(opts.kv_cache_memory), "--kv-bytes-per-block", str(per_block)]
 
 
 def _cpu_workers(device: str) -> bool:
@@ -414,6 +431,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-workers", type=int, default=defaults.UP_NUM_WORKERS)
     p.add_argument("--num-gpu-blocks", type=int, default=defaults.UP_NUM_GPU_BLOCKS)
     p.add_argument("--num-cpu-blocks", type=int, default=defaults.UP_NUM_CPU_BLOCKS)
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=("auto", "int8", "fp8_e4m3"),
+        default=d.kv_cache_dtype,
+        help="KV cache dtype: auto (the model's), int8 or fp8_e4m3 (8-bit, per-token scales) [%(default)s]",
+    )
+    p.add_argument(
+        "--kv-cache-memory",
+        type=float,
+        default=d.kv_cache_memory,
+        help="GiB of KV cache: as many blocks as fit, instead of --num-gpu-blocks (0 = use it) [%(default)s]",
+    )
     p.add_argument("--block-size", type=int, default=d.block_size)
     p.add_argument(
         "--model",
@@ -512,6 +541,8 @@ def options_from_args(args: argparse.Namespace) -> StackConfig:
         num_workers=args.num_workers,
         num_gpu_blocks=args.num_gpu_blocks,
         num_cpu_blocks=args.num_cpu_blocks,
+        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_memory=args.kv_cache_memory,
         block_size=args.block_size,
         model=args.model,
         device=args.device,

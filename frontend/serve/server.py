@@ -553,6 +553,14 @@ class OpenAIServer:
                     block_manager_outage_s=settings.block_manager_outage_s,
                 ),
             )
+            if settings.kv_cache_dtype is not None:
+                pool_kv = self.bm.get_config(timeout_s=settings.timeout_s).kv_cache_dtype or "auto"
+                if pool_kv != settings.kv_cache_dtype:
+                    raise ValueError(
+                        "KV cache dtype mismatch: settings (--kv-cache-dtype) have "
+                        f"{settings.kv_cache_dtype}, the block manager at {settings.block_manager} "
+                        f"has {pool_kv}"
+                    )
             info = self.workers[0].get_info(timeout_s=settings.timeout_s)
             import pathlib
 

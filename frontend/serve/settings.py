@@ -40,6 +40,11 @@ class ServeSettings(BaseSettings):
         description="name clients use in `model` (default: the --model directory's or file's name, "
         "else the workers' model name)",
     )
+    kv_cache_dtype: Literal["auto", "int8", "fp8_e4m3"] | None = Field(
+        None,
+        description="the pool's KV dtype this frontend expects: start refused when the block manager has "
+        "another (unset = any)",
+    )
     max_waiting: int = Field(
         256, ge=0, description="requests allowed to wait for admission; beyond that: 503 with Retry-After"
     )

@@ -69,7 +69,7 @@ class LayerOps:
         step: PagedStep,
     ) -> torch.Tensor:
         """Rotated q ``[n, num_heads, head_dim]``; rotated k and v written to the step's cache slots."""
-        if self.kernels is not None:
+        if self.kernels is not None and key_cache.dtype is qkv.dtype:  # an 8-bit cache quantizes below
             return self.kernels.rope_store(
                 qkv, cos, sin, num_heads, num_kv_heads, key_cache, value_cache, step.slot_mapping
             )
