@@ -287,7 +287,8 @@ def _tokenizer(gguf: pathlib.Path) -> object:
 
 def _greedy(gguf: pathlib.Path, kv: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     from frontend.engine import EngineConfig, GenerationRequest
-    from frontend.local_stack import LocalStack, StackConfig
+    from frontend.launch.config import StackConfig
+    from frontend.launch.local_stack import LocalStack
 
     need = sum(-(-(len(p) + max_tokens) // BLOCK) for p in prompts) + 16
     with LocalStack(

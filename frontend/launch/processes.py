@@ -197,7 +197,7 @@ def plan(opts: StackConfig, security: StackSecurity | None = None, state_dir: st
     return services
 
 
-def _pool_args(opts: StackOptions) -> list[str]:
+def _pool_args(opts: StackConfig) -> list[str]:
     """The block manager's pool: its KV dtype, and a block count or a budget over this model's bytes
     per block (computed as the cache host checks it: worker_svc/geometry.py, imported only then)."""
     kv = ["--kv-cache-dtype", opts.kv_cache_dtype]

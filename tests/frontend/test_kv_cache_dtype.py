@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from frontend.client import BlockManagerClient
+from frontend.clients.block_manager import BlockManagerClient
 from frontend.engine import GenerationRequest
-from frontend.local_stack import LocalStack, StackConfig
+from frontend.launch.config import StackConfig
+from frontend.launch.local_stack import LocalStack
 from pagedkv import kv_capacity
 from tests.frontend.test_engine import prompts
 from tests.worker_svc.conftest import HFModel, build_hf_model
@@ -22,7 +23,7 @@ def hf(tmp_path_factory: pytest.TempPathFactory) -> HFModel:
 
 def test_up_sizes_the_pool_from_the_budget_and_the_models_bytes_per_block() -> None:
     from block_manager_svc.settings import load_settings
-    from frontend.stack import build_parser, options_from_args, plan
+    from frontend.launch.processes import build_parser, options_from_args, plan
     from worker_svc.model.config import DEFAULT_MODEL_CONFIG as M
 
     argv = ["--kv-cache-dtype", "int8", "--kv-cache-memory", "0.01", "--device", "cpu", "--dtype", "float32"]
@@ -87,8 +88,8 @@ def test_greedy_generation_on_an_int8_cache(hf: HFModel) -> None:
 
 
 def test_serve_refuses_a_pool_of_another_kv_dtype(hf: HFModel) -> None:
-    from frontend.serve import RunningServe
-    from frontend.serve_settings import ServeSettings
+    from frontend.serve.server import OpenAIServer
+    from frontend.serve.settings import ServeSettings
 
     with LocalStack(
         StackConfig(
@@ -104,5 +105,5 @@ def test_serve_refuses_a_pool_of_another_kv_dtype(hf: HFModel) -> None:
         with pytest.raises(
             ValueError, match="settings \\(--kv-cache-dtype\\) have auto, the block manager at .* has int8"
         ):
-            RunningServe(ServeSettings(kv_cache_dtype="auto", **common))  # type: ignore[arg-type]
-        RunningServe(ServeSettings(kv_cache_dtype="int8", **common)).stop()  # type: ignore[arg-type]
+            OpenAIServer(ServeSettings(kv_cache_dtype="auto", **common))  # type: ignore[arg-type]
+        OpenAIServer(ServeSettings(kv_cache_dtype="int8", **common)).stop()  # type: ignore[arg-type]
