@@ -285,7 +285,9 @@ def _tokenizer(gguf: pathlib.Path) -> object:
     return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
 
 
-def _greedy(gguf: pathlib.Path, kv: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+def _greedy(
+    gguf: pathlib.Path, kv: str, prompts: list[list[int]], max_tokens: int, threads: int
+) -> list[list[int]]:
     from frontend.engine import EngineConfig, GenerationRequest
     from frontend.launch.config import StackConfig
     from frontend.launch.local_stack import LocalStack
@@ -301,6 +303,7 @@ def _greedy(gguf: pathlib.Path, kv: str, prompts: list[list[int]], max_tokens: i
             kernel_backend="cpu",
         )
     ) as st:
+        torch.set_num_threads(threads)  # the in-process worker set one per CPU; the bench's choice wins
         outs = st.engine(EngineConfig(timeout_s=600.0)).generate(
             [GenerationRequest(f"p{i}", p, max_tokens=max_tokens) for i, p in enumerate(prompts)]
         )
@@ -358,8 +361,9 @@ def accuracy(num_prompts: int, max_tokens: int, ppl_tokens: int) -> None:
         start = rng.randrange(0, len(words) - 40)
         prompts.append(tok.encode(" ".join(words[start : start + rng.randint(12, 40)])))  # type: ignore[attr-defined]
     t0 = time.perf_counter()
-    wide = _greedy(gguf, "auto", prompts, max_tokens)
-    narrow = _greedy(gguf, "int8", prompts, max_tokens)
+    threads = torch.get_num_threads()
+    wide = _greedy(gguf, "auto", prompts, max_tokens, threads)
+    narrow = _greedy(gguf, "int8", prompts, max_tokens, threads)
     secs = time.perf_counter() - t0
     positions = sum(len(w) for w in wide)
     same = sum(a == b for w, n in zip(wide, narrow, strict=True) for a, b in zip(w, n, strict=False))
