@@ -17,7 +17,7 @@ Three parts, each printing a table (every figure is what its label says):
   sequences identical to the end), and perplexity on a fixed text, teacher-forced one token per step
   so every position attends over the cache it wrote (fp32 vs int8 vs fp8_e4m3).
 
-    python bench/kv_dtype_bench.py [--parts capacity,decode,accuracy] [--threads 2] [--rounds 7]
+    python -m bench.kv_dtype_bench [--parts capacity,decode,accuracy] [--threads 2] [--rounds 7]
                                    [--contexts 1024,2048,4096,8192] [--batch 4] [--prompts 32]
                                    [--max-tokens 128] [--ppl-tokens 512]
 """
@@ -30,16 +30,13 @@ import math
 import pathlib
 import random
 import statistics
-import sys
 import time
 from collections.abc import Callable
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
-from kernels import cpu, cpu_native  # noqa: E402
-from pagedkv import kv_capacity  # noqa: E402
+from kernels import cpu, cpu_native
+from pagedkv import kv_capacity
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # (name, layers, KV heads, head_dim, query heads)
@@ -114,9 +111,7 @@ def trace(budget_mib: int, num_requests: int) -> None:
     a question and an answer each) replayed through the block manager's core with the pool a
     ``budget_mib`` budget gives each KV dtype: as many requests run at once as fit (a request that
     cannot get its blocks waits for the oldest running one to finish)."""
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-    from trace_replay import VOCAB, LocalCore, prefix_trace
-
+    from bench.trace_replay import VOCAB, LocalCore, prefix_trace
     from block_manager_svc.core import ResourceExhausted
 
     name, layers, kvh, d, _ = MODELS[0]
@@ -383,7 +378,7 @@ def accuracy(num_prompts: int, max_tokens: int, ppl_tokens: int) -> None:
         f"{same}/{positions} = {same / positions:.1%}"
     )
     print(f"  sequences identical to the end:                         {identical}/{num_prompts}")
-    print(f"  median position of the first difference (128 = none):  {statistics.median(first):.0f}")
+    print(f"  median position of the first difference ({max_tokens} = none): {statistics.median(first):.0f}")
     ids = tok.encode(TEXT)  # type: ignore[attr-defined]
     ids = ids[:ppl_tokens]
     streams = 4
