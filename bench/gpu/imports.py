@@ -150,9 +150,14 @@ def _imports(path: Path) -> Iterable[str]:
     yield from walk(ast.parse(path.read_text(), str(path)))
 
 
-def _expand(entry: str) -> list[Path | str]:
+def _expand(section: str, entry: str) -> list[Path | str]:
+    """An entry's files (a path or glob in the checkout), or the outside module it names. A path
+    that matches nothing is an error: a file moved without updating ENTRIES would drop its imports."""
     if "/" in entry or entry.endswith(".py"):
-        return sorted(ROOT.glob(entry))
+        found: list[Path | str] = list(sorted(ROOT.glob(entry)))
+        if not found:
+            raise FileNotFoundError(f"the {section} section's entry {entry} matches no file")
+        return found
     return [entry]
 
 
@@ -163,7 +168,7 @@ def collect(sections: Iterable[str] | None = None) -> dict[str, Needed]:
     for section in sections or ENTRIES:
         seen: set[Path] = set()
         todo: list[tuple[Path | str, str]] = [
-            (e, f"{section} section") for x in ENTRIES[section] for e in _expand(x)
+            (e, f"{section} section") for x in ENTRIES[section] for e in _expand(section, x)
         ]
         while todo:
             item, by = todo.pop()

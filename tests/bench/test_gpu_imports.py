@@ -38,6 +38,12 @@ def test_the_modules_the_old_list_missed_are_found_with_the_sections_that_need_t
     assert "cupy" in imports.GPU_ONLY
 
 
+def test_an_entry_that_matches_no_file_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(imports.ENTRIES, "pd", ("frontend/stack.py",))  # moved to frontend/launch/
+    with pytest.raises(FileNotFoundError, match="the pd section's entry frontend/stack.py matches no file"):
+        imports.collect(["pd"])
+
+
 def test_the_wheelhouse_list_holds_every_outside_distribution_and_none_of_the_images() -> None:
     dists = {d.lower().replace("_", "-") for d in imports.distributions()}
     assert dists >= {
