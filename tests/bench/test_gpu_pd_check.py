@@ -1,4 +1,4 @@
-"""bench/gpu_pd_check.py's short form (what gpu_check.sh's pd section runs) fits its budget by design.
+"""bench/gpu/pd_check.py's short form (what gpu_check.sh's pd section runs) fits its budget by design.
 
 The old short form still passed --overlap (six stacks, each loading a 2.2 GB fp32 checkpoint). The
 short form: a small model, two layouts, no --overlap; the full form keeps all of them.
@@ -6,12 +6,7 @@ short form: a small model, two layouts, no --overlap; the full form keeps all of
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-import gpu_pd_check  # noqa: E402
+from bench.gpu import pd_check
 
 
 def _opt(args: list[str], name: str) -> str:
@@ -19,7 +14,7 @@ def _opt(args: list[str], name: str) -> str:
 
 
 def test_short_form_is_small_two_layouts_and_no_overlap() -> None:
-    args = gpu_pd_check.pd_args(["--short"])
+    args = pd_check.pd_args(["--short"])
     assert "--overlap" not in args and "--short" not in args
     assert _opt(args, "--layouts").split(",") == ["mixed", "prefill+decode"]
     hidden, layers, vocab = (
@@ -33,7 +28,7 @@ def test_short_form_is_small_two_layouts_and_no_overlap() -> None:
 
 
 def test_full_form_keeps_every_layout_and_overlap_and_extra_args_override() -> None:
-    full = gpu_pd_check.pd_args([])
+    full = pd_check.pd_args([])
     assert "--overlap" in full and "--layouts" not in full and int(_opt(full, "--hidden")) == 2048
-    rehearse = gpu_pd_check.pd_args(["--short", "--device", "cpu"])
+    rehearse = pd_check.pd_args(["--short", "--device", "cpu"])
     assert _opt(rehearse, "--device") == "cpu"

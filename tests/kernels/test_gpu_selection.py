@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,11 +27,26 @@ def _cpu_feature_modules() -> list[Path]:
     )
 
 
+def inner_env(outer: Mapping[str, str]) -> dict[str, str]:
+    """The inner pytest's environment: the checkout first, then the inherited PYTHONPATH (on the GPU
+    image that is where gpu_check.sh put the wheelhouse, structlog included)."""
+    inherited = outer.get("PYTHONPATH", "")
+    env = dict(outer, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), inherited) if p), OMP_NUM_THREADS="1")
+    env.pop("PAGEDKV_KERNEL_BACKEND", None)
+    return env
+
+
+def test_the_inner_pytest_keeps_the_inherited_pythonpath() -> None:
+    env = inner_env({"PYTHONPATH": "/wheelhouse/deps:/more", "PAGEDKV_KERNEL_BACKEND": "cpu"})
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(ROOT), "/wheelhouse/deps", "/more"]
+    assert "PAGEDKV_KERNEL_BACKEND" not in env
+    assert inner_env({})["PYTHONPATH"] == str(ROOT)
+
+
 def test_cpu_only_kernel_tests_hold_on_the_gpu_image() -> None:
     modules = _cpu_feature_modules()
     assert {p.name for p in modules} >= {"test_cpu.py", "test_cpu_native.py"}
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    env.pop("PAGEDKV_KERNEL_BACKEND", None)
+    env = inner_env(os.environ)
     proc = subprocess.run(
         [
             sys.executable,

@@ -138,7 +138,7 @@ def test_cuda_backend_is_lazy_and_rounds_to_2mib() -> None:
     assert res.returncode == 0, res.stderr
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (bench/gpu_worker_check.py runs it)")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (gpu_check.sh's ipc section runs it)")
 def test_cuda_ipc_round_trip_across_processes() -> None:  # pragma: no cover - GPU only
     pytest.importorskip("cupy")
     cache = cache_memory.create(GEOM, torch.float16, torch.device("cuda"))

@@ -2,7 +2,7 @@
 """GPU check for the worker: one KV cache shared over CUDA IPC by separate processes, and decode
 throughput.
 
-    python bench/gpu_worker_check.py [--out results/gpu_check] [--dtype bfloat16]
+    python -m bench.gpu.worker_check [--out results/gpu_check] [--dtype bfloat16]
 
 1. Multi-process (the same scenario as tests/worker_svc/test_processes.py, on CUDA): a cache host
    (`pagedkv cache-host --device cuda`) and two workers attached by CUDA IPC. Worker A prefills
@@ -36,10 +36,9 @@ import sys
 import threading
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 BLOCK = 16
 T0 = time.monotonic()

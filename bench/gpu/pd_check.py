@@ -1,7 +1,7 @@
 """The worker layouts on a GPU: one mixed worker, two mixed workers, prefill + decode, on one cache.
 
-    python bench/gpu_pd_check.py            # on a GPU machine; about 3-5 minutes
-    python bench/gpu_pd_check.py --short    # the form bench/gpu_check.sh runs: well inside its 85 s
+    python -m bench.gpu.pd_check            # on a GPU machine; about 3-5 minutes
+    python -m bench.gpu.pd_check --short    # the form bench/gpu_check.sh runs
 
 A thin wrapper over bench/pd_bench.py with ``--device cuda --dtype bfloat16``. The full form uses a
 model big enough for the GPU to matter (hidden 2048, 8 layers: a 2.2 GB fp32 checkpoint written
@@ -20,12 +20,9 @@ Without MPS the role processes time-slice the GPU; with the MPS control daemon r
 
 from __future__ import annotations
 
-import pathlib
 import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-
-import pd_bench  # noqa: E402
+from bench import pd_bench
 
 FULL = [
     "--device",
