@@ -5,6 +5,7 @@ from it (n > 1). The scheduler moves a finished sequence out of its queues."""
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -77,6 +78,27 @@ def fill_sampling(msg: wpb.SamplingParams, opts: SamplingOptions, seed: int | No
     msg.num_top_logprobs = opts.logprobs
     if seed is not None:
         msg.seed = seed
+    msg.presence_penalty = opts.presence_penalty
+    msg.frequency_penalty = opts.frequency_penalty
+    msg.repetition_penalty = opts.repetition_penalty
+    msg.min_p = opts.min_p
+    if opts.logit_bias:
+        msg.logit_bias_token_ids.extend(t for t, _ in opts.logit_bias)
+        msg.logit_bias_values.extend(b for _, b in opts.logit_bias)
+
+
+def fill_history(msg: wpb.SequenceInput, s: Seq) -> None:
+    """The token history a penalized sequence's sampling needs (nothing for the others): its
+    distinct generated tokens with their counts and, for repetition_penalty, its prompt's distinct
+    tokens. Rebuilt every step from the sequence (the worker keeps no state between steps)."""
+    opts = s.request.sampling
+    if not opts.penalized:
+        return
+    counts = collections.Counter(s.completion.token_ids)
+    msg.output_token_ids.extend(counts.keys())
+    msg.output_token_counts.extend(counts.values())
+    if opts.repetition_penalty != 1.0:
+        msg.prompt_token_ids.extend(dict.fromkeys(s.request.prompt))
 
 
 def worker_request(
@@ -100,6 +122,7 @@ def worker_request(
             num_cached_tokens=start,
         )
         fill_sampling(item.sampling, s.request.sampling, s.seed)
+        fill_history(item, s)
         # n > 1: the worker draws the forked samples' first tokens from the prompt's last position.
         for c in fork_draws(s, k):
             fill_sampling(item.fork_sampling.add(), s.request.sampling, c.seed)

@@ -2,12 +2,11 @@
 
 Every check happens here, before anything reaches the engine, so a bad request is answered 400
 with the offending field named (``param``) and nothing is allocated. Types are strict (``"5"`` is
-not a number, ``true`` is not an integer), ranges are OpenAI's (temperature 0..2, top_p (0, 1]),
-plus vLLM's extensions ``top_k``, ``stop_token_ids`` and ``ignore_eos``. Unknown fields are
-ignored as OpenAI does; known fields pagedkv cannot honour are refused with their name rather than
-silently dropped: ``presence_penalty``/``frequency_penalty`` other than 0, vLLM's
-``repetition_penalty`` other than 1 (the engine samples without penalties), ``echo`` with
-``logprobs`` (no prompt logprobs) and ``best_of != n``.
+not a number, ``true`` is not an integer), ranges are OpenAI's (temperature 0..2, top_p (0, 1],
+penalties -2..2, logit_bias -100..100), plus vLLM's extensions ``top_k``, ``min_p``,
+``repetition_penalty``, ``stop_token_ids`` and ``ignore_eos``. Unknown fields are ignored as OpenAI
+does; known fields pagedkv cannot honour are refused with their name rather than silently dropped:
+``echo`` with ``logprobs`` (no prompt logprobs) and ``best_of != n``.
 """
 
 from __future__ import annotations
@@ -67,9 +66,11 @@ class _Sampling(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0  # vLLM's extension
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    repetition_penalty: float = Field(1.0, gt=0.0)  # vLLM's extension
+    min_p: float = Field(0.0, ge=0.0, le=1.0)  # vLLM's extension
     user: str | None = None
 
 
@@ -224,6 +225,31 @@ def _stop(stop: str | list[str] | None, limits: RequestLimits) -> tuple[str, ...
     return tuple(items)
 
 
+MAX_LOGIT_BIAS = 100.0
+# JSON parsing accepts NaN and Infinity: numbers that must be finite.
+_FINITE = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
+
+
+def _logit_bias(bias: dict[str, float] | None, limits: Limits) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias: token ids (as JSON object keys) to a bias in -100..100."""
+    if not bias:
+        return ()
+    out = []
+    for key, value in bias.items():
+        if not key.strip().isdigit() or not 0 <= int(key) < limits.vocab_size:
+            raise ApiError(
+                400,
+                f"logit_bias: key {key!r} is not a token id in [0, {limits.vocab_size})",
+                "logit_bias",
+            )
+        if not (math.isfinite(value) and -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):
+            raise ApiError(400, f"logit_bias: the bias of token {key} must be in [-100, 100]", "logit_bias")
+        out.append((int(key), float(value)))
+    if len({t for t, _ in out}) != len(out):
+        raise ApiError(400, "logit_bias: a token id appears twice", "logit_bias")
+    return tuple(out)
+
+
 def _common(
     body: _Sampling,
     prompts: list[list[int]],
@@ -232,10 +258,14 @@ def _common(
     logprobs: bool,
     top_logprobs: int,
 ) -> Parsed:
-    for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
-        if getattr(body, name) != neutral:
-            raise ApiError(400, f"{name}: not supported by pagedkv (only {neutral:g}, no penalty)", name)
-    for name in ("temperature", "top_p"):
+    for name in (
+        "temperature",
+        "top_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "min_p",
+    ):
         if not math.isfinite(getattr(body, name)):
             raise ApiError(400, f"{name}: must be a finite number", name)
     if body.top_k > limits.vocab_size:
@@ -275,6 +305,11 @@ def _common(
         top_k=max(0, body.top_k),
         seed=body.seed,
         logprobs=top_logprobs,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
+        min_p=body.min_p,
+        logit_bias=_logit_bias(body.logit_bias, limits),
     )
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     if body.stream_options is not None and not body.stream:

@@ -13,6 +13,7 @@ import urllib.request
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 from frontend.clients.block_manager import BlockManagerClient
 from frontend.launch.local_stack import LocalStack
@@ -95,6 +96,50 @@ def test_n2_greedy_samples_both_match_and_seeded_sampling_reproduces(client, hf:
     b = client.completions.create(**kw)
     assert [c.token_ids for c in a.choices] == [c.token_ids for c in b.choices]
     assert all(len(c.token_ids) == 8 for c in a.choices)
+
+
+def test_penalties_logit_bias_and_min_p_reach_the_sampler(client, hf: HFModel, stack: LocalStack) -> None:
+    """The SDK's own fields (presence/frequency penalty, logit_bias) and vLLM's (repetition_penalty,
+    min_p) change what is generated as the reference says; nothing stays allocated."""
+    p = [3, 14, 15, 92, 65, 35]
+    plain = hf.greedy(p, 10)
+    r = client.completions.create(
+        model="tiny",
+        prompt=p,
+        max_tokens=10,
+        temperature=0,
+        frequency_penalty=-1.5,
+        presence_penalty=-0.5,
+        extra_body=NO_EOS,
+    )
+    want: list[int] = []
+    for _ in range(10):
+        logits = hf.last_logits(p + want).clone()
+        for t in set(want):
+            logits[t] -= -1.5 * want.count(t) - 0.5  # negative: repeating is encouraged
+        want.append(int(logits.argmax()))
+    assert r.choices[0].token_ids == want, (r.choices[0].token_ids, want, plain)
+    assert want != plain
+    forced = client.completions.create(
+        model="tiny", prompt=p, max_tokens=4, temperature=1.0, logit_bias={"77": 100}, extra_body=NO_EOS
+    )
+    assert forced.choices[0].token_ids == [77] * 4
+    rep = client.completions.create(
+        model="tiny", prompt=p, max_tokens=10, temperature=0, extra_body={**NO_EOS, "repetition_penalty": 0.3}
+    )
+    want = []
+    for _ in range(10):  # < 1: the prompt's and the output's tokens are favoured
+        logits = hf.last_logits(p + want).clone()
+        seen = list(set(p + want))
+        logits[seen] = torch.where(logits[seen] > 0, logits[seen] / 0.3, logits[seen] * 0.3)
+        want.append(int(logits.argmax()))
+    assert rep.choices[0].token_ids == want and want != plain
+    # min_p = 1 keeps only the most likely token: sampling becomes greedy.
+    top = client.completions.create(
+        model="tiny", prompt=p, max_tokens=10, temperature=1.5, seed=3, extra_body={**NO_EOS, "min_p": 1.0}
+    )
+    assert top.choices[0].token_ids == plain
+    wait_pool_empty(stack)
 
 
 def test_logprobs_n_returns_the_models_top_alternatives(client, hf: HFModel, server: OpenAIServer) -> None:

@@ -121,10 +121,15 @@ BAD_FIELDS = [
     ({"stop_token_ids": [500]}, "stop_token_ids", "out of range"),
     ({"stop_token_ids": "1"}, "stop_token_ids", "list"),
     ({"ignore_eos": "no"}, "ignore_eos", "boolean"),
-    ({"presence_penalty": 0.5}, "presence_penalty", "not supported"),
-    ({"frequency_penalty": -0.5}, "frequency_penalty", "not supported"),
-    ({"repetition_penalty": 1.2}, "repetition_penalty", "not supported"),
+    ({"presence_penalty": 2.5}, "presence_penalty", "less than or equal to 2"),
+    ({"frequency_penalty": -2.5}, "frequency_penalty", "greater than or equal to -2"),
+    ({"repetition_penalty": 0}, "repetition_penalty", "greater than 0"),
     ({"repetition_penalty": "1"}, "repetition_penalty", "number"),
+    ({"min_p": 1.5}, "min_p", "less than or equal to 1"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias", "not a token id"),
+    ({"logit_bias": {"128": 1}}, "logit_bias", "not a token id"),
+    ({"logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
+    ({"logit_bias": [1, 2]}, "logit_bias", "dictionary"),
     ({"echo": True, "logprobs": 1}, "echo", "not supported together with logprobs"),
     ({"best_of": 3}, "best_of", "best_of == n"),
     ({"model": 7}, "model", "string"),
@@ -143,11 +148,14 @@ def test_bad_field_is_400_naming_it(server: OpenAIServer, override: dict, param:
     assert body["error"]["message"].startswith(param)
 
 
-def test_neutral_penalties_and_echo_false_are_accepted(server: OpenAIServer) -> None:
-    """The values that change nothing (what clients send by default) are served, ints included."""
+def test_penalties_and_echo_false_are_accepted(server: OpenAIServer) -> None:
+    """Penalties, min_p and logit_bias are served, the neutral values (what clients send by default)
+    and ints included."""
     for neutral in (
         {"presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1},
         {"repetition_penalty": 1.0, "echo": False},
+        {"presence_penalty": 1, "frequency_penalty": -0.5, "repetition_penalty": 1.3, "min_p": 0.1},
+        {"logit_bias": {"5": -100, "7": 2.5}, "temperature": 1.0, "seed": 1},
     ):
         status, body, _ = post(server, "/v1/completions", {**GOOD, **neutral})
         assert status == 200, body
