@@ -4,20 +4,32 @@ Every check happens here, before anything reaches the engine, so a bad request i
 with the offending field named (``param``) and nothing is allocated. Types are strict (``"5"`` is
 not a number, ``true`` is not an integer), ranges are OpenAI's (temperature 0..2, top_p (0, 1],
 penalties -2..2, logit_bias -100..100), plus vLLM's extensions ``top_k``, ``min_p``,
-``repetition_penalty``, ``stop_token_ids`` and ``ignore_eos``. Unknown fields are ignored as OpenAI
-does; known fields pagedkv cannot honour are refused with their name rather than silently dropped:
-``echo`` with ``logprobs`` (no prompt logprobs) and ``best_of != n``.
+``repetition_penalty``, ``stop_token_ids`` and ``ignore_eos``. Nothing is silently dropped: a field
+the request models here do not implement is refused or ignored as frontend/serve/openai_fields.py says
+(ignored only where the response cannot differ), and any other field is refused as unknown.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from frontend.engine import MAX_TOP_LOGPROBS, SamplingOptions
+from frontend.serve.openai_fields import (
+    CHAT,
+    COMPLETION,
+    CONTENT_PART,
+    MESSAGE,
+    STREAM_OPTIONS,
+    FieldRefused,
+    Ignored,
+    Refused,
+    screen,
+)
 from frontend.serve.text import ModelText
 
 MAX_N = 64
@@ -48,12 +60,13 @@ class ApiError(Exception):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
     include_usage: bool = False
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # Every field is implemented here or listed in frontend/serve/openai_fields.py; the rest are unknown.
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     model: str | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -71,7 +84,6 @@ class _Sampling(BaseModel):
     logit_bias: dict[str, float] | None = None
     repetition_penalty: float = Field(1.0, gt=0.0)  # vLLM's extension
     min_p: float = Field(0.0, ge=0.0, le=1.0)  # vLLM's extension
-    user: str | None = None
 
 
 class CompletionBody(_Sampling):
@@ -83,9 +95,13 @@ class CompletionBody(_Sampling):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict[str, Any]]
+    content: str | list[dict[str, Any]] | None = None
+    # Given to the chat template with the message (rendered where the template uses them).
+    name: str | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None  # an assistant's earlier refusal: its text when content is null
 
 
 class ChatBody(_Sampling):
@@ -149,6 +165,11 @@ def _pydantic_error(e: ValidationError) -> ApiError:
     msg = err["msg"]
     if err["type"] == "missing":
         msg = "this field is required"
+    elif err["type"] == "extra_forbidden":
+        msg = (
+            "unknown field: not a field of OpenAI's or vLLM's request that pagedkv implements "
+            "(docs/serve.md says what happens to each)"
+        )
     return ApiError(400, f"{param}: {msg}" if param else msg, param)
 
 
@@ -230,7 +251,7 @@ MAX_LOGIT_BIAS = 100.0
 _FINITE = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
 
 
-def _logit_bias(bias: dict[str, float] | None, limits: Limits) -> tuple[tuple[int, float], ...]:
+def _logit_bias(bias: dict[str, float] | None, limits: RequestLimits) -> tuple[tuple[int, float], ...]:
     """OpenAI's logit_bias: token ids (as JSON object keys) to a bias in -100..100."""
     if not bias:
         return ()
@@ -331,12 +352,30 @@ def _common(
 _Body = TypeVar("_Body", bound=_Sampling)
 
 
-def _validated(raw: Any, model: type[_Body], limits: RequestLimits) -> _Body:
+def _screened(raw: dict[str, Any], policy: Mapping[str, Ignored | Refused]) -> dict[str, Any]:
+    """The body without the fields frontend/serve/openai_fields.py ignores (or refuses, with a 400),
+    in the body, its stream_options and each message."""
+    out = screen(raw, policy)
+    if isinstance(out.get("stream_options"), dict):
+        out["stream_options"] = screen(out["stream_options"], STREAM_OPTIONS, "stream_options.")
+    if isinstance(out.get("messages"), list):
+        out["messages"] = [
+            screen(m, MESSAGE, f"messages.{i}.") if isinstance(m, dict) else m
+            for i, m in enumerate(out["messages"])
+        ]
+    return out
+
+
+def _validated(
+    raw: Any, model: type[_Body], limits: RequestLimits, policy: Mapping[str, Ignored | Refused]
+) -> _Body:
     """The request body as ``model``, for the served model; a 400 naming the first bad field."""
     if not isinstance(raw, dict):
         raise ApiError(400, "the request body must be a JSON object")
     try:
-        body = model.model_validate(raw)
+        body = model.model_validate(_screened(raw, policy))
+    except FieldRefused as e:
+        raise ApiError(400, str(e), e.param) from None
     except ValidationError as e:
         raise _pydantic_error(e) from None
     check_model(body.model, limits)
@@ -344,7 +383,7 @@ def _validated(raw: Any, model: type[_Body], limits: RequestLimits) -> _Body:
 
 
 def parse_completion(raw: Any, limits: RequestLimits) -> Parsed:
-    body = _validated(raw, CompletionBody, limits)
+    body = _validated(raw, CompletionBody, limits, COMPLETION)
     if body.echo and body.logprobs is not None:
         raise ApiError(
             400, "echo: not supported together with logprobs (the prompt's logprobs are not computed)", "echo"
@@ -369,8 +408,25 @@ def _echo_texts(prompt: Any, prompts: list[list[int]], limits: RequestLimits) ->
     return tuple(str(tok.decode(p)) if tok is not None else "" for p in prompts)
 
 
+def _part_text(part: dict[str, Any], where: str) -> str:
+    """A content part's text: a text part, or an (assistant's) refusal part; others are refused."""
+    try:
+        part = screen(part, CONTENT_PART, f"{where}.")
+    except FieldRefused as e:
+        raise ApiError(400, str(e), e.param) from None
+    kind = part.get("type")
+    if kind not in ("text", "refusal"):
+        raise ApiError(400, f"{where}.type: only text parts are supported (got {kind!r})", f"{where}.type")
+    extra = next((k for k in part if k not in ("type", kind)), None)
+    if extra is not None:
+        raise ApiError(400, f"{where}.{extra}: unknown field of a {kind} part", f"{where}.{extra}")
+    if not isinstance(part.get(kind), str):
+        raise ApiError(400, f"{where}.{kind}: expected a string", f"{where}.{kind}")
+    return str(part[kind])
+
+
 def parse_chat(raw: Any, limits: RequestLimits) -> Parsed:
-    body = _validated(raw, ChatBody, limits)
+    body = _validated(raw, ChatBody, limits, CHAT)
     if body.top_logprobs and not body.logprobs:
         raise ApiError(400, "top_logprobs: requires logprobs: true", "top_logprobs")
     if not limits.text.has_chat_template:
@@ -382,18 +438,19 @@ def parse_chat(raw: Any, limits: RequestLimits) -> Parsed:
         )
     messages = []
     for i, m in enumerate(body.messages):
-        if isinstance(m.content, str):
-            text = m.content
+        if m.content is None and m.refusal is None:
+            raise ApiError(400, f"messages.{i}.content: this field is required", f"messages.{i}.content")
+        if isinstance(m.content, list):
+            text = "".join(_part_text(part, f"messages.{i}.content.{j}") for j, part in enumerate(m.content))
         else:
-            parts = []
-            for part in m.content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ApiError(
-                        400, f"messages.{i}.content: only text parts are supported", f"messages.{i}.content"
-                    )
-                parts.append(part["text"])
-            text = "".join(parts)
-        messages.append({"role": m.role, "content": text})
+            text = m.content or ""
+        text += m.refusal or ""
+        msg = {"role": m.role, "content": text}
+        if m.name is not None:
+            msg["name"] = m.name
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        messages.append(msg)
     try:
         prompt = limits.text.chat_prompt(messages)
     except Exception as e:  # noqa: BLE001 - a template that rejects these messages is the caller's input
