@@ -84,6 +84,41 @@ def test_token_id_prompts_batch_and_usage(client, hf: HFModel, stack: LocalStack
     wait_pool_empty(stack)
 
 
+def test_cached_tokens_of_a_multi_prompt_request_is_the_sum_over_its_prompts(
+    client, stack: LocalStack
+) -> None:
+    """Two prompts, each already in the prefix cache by a different amount: one request with both
+    reports the sum (not the first's, the last's or the largest)."""
+    a = [7, 21, 33, 45, 57, 69, 81, 93, 105, 117, 12, 24, 36]  # 3 full blocks of 4 + 1
+    b = [8, 22, 34, 46, 58, 70, 82, 94, 106]  # 2 full blocks + 1
+    alone = []
+    for p in (a, b):
+        client.completions.create(model="tiny", prompt=p, max_tokens=1, temperature=0, extra_body=NO_EOS)
+        again = client.completions.create(
+            model="tiny", prompt=p, max_tokens=1, temperature=0, extra_body=NO_EOS
+        )
+        alone.append(again.usage.prompt_tokens_details.cached_tokens)
+    assert alone[0] != alone[1] and min(alone) > 0, alone
+    both = client.completions.create(
+        model="tiny", prompt=[a, b], max_tokens=1, temperature=0, extra_body=NO_EOS
+    )
+    assert both.usage.prompt_tokens_details.cached_tokens == sum(alone)
+    assert both.usage.prompt_tokens == len(a) + len(b)
+    streamed = list(
+        client.completions.create(
+            model="tiny",
+            prompt=[a, b],
+            max_tokens=1,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=NO_EOS,
+        )
+    )
+    assert streamed[-1].usage.prompt_tokens_details.cached_tokens == sum(alone)
+    wait_pool_empty(stack)
+
+
 def test_n2_greedy_samples_both_match_and_seeded_sampling_reproduces(client, hf: HFModel) -> None:
     p = [3, 14, 15, 92, 65, 35]
     r = client.completions.create(model="tiny", prompt=p, max_tokens=8, n=2, temperature=0, extra_body=NO_EOS)

@@ -162,6 +162,20 @@ def test_penalties_and_echo_false_are_accepted(server: OpenAIServer) -> None:
         assert len(body["choices"][0]["token_ids"]) >= 1
 
 
+def test_a_request_filling_the_context_exactly_runs_one_more_token_is_refused(
+    server: OpenAIServer, stack: LocalStack
+) -> None:
+    """64 blocks x 4 = 256 tokens per sequence: prompt 200 + max_tokens 56 runs to its end."""
+    body = {**GOOD, "prompt": [1 + i % 100 for i in range(200)], "ignore_eos": True, "temperature": 0}
+    status, out, _ = post(server, "/v1/completions", {**body, "max_tokens": 56})
+    assert status == 200, out
+    assert len(out["choices"][0]["token_ids"]) == 56 and out["choices"][0]["finish_reason"] == "length"
+    status, out, _ = post(server, "/v1/completions", {**body, "max_tokens": 57})
+    assert status == 400 and out["error"]["param"] == "max_tokens", out
+    assert "257 exceeds the 256 tokens" in out["error"]["message"]
+    assert_pool_empty(stack)
+
+
 def test_bad_requests_leave_nothing_allocated(server: OpenAIServer, stack: LocalStack) -> None:
     for override, _, _ in BAD_FIELDS:
         post(server, "/v1/completions", {**GOOD, **override, "stream": override.get("stream", False)})

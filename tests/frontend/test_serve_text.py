@@ -286,3 +286,34 @@ def test_echo_puts_the_prompt_before_the_completion(client, script: Script) -> N
     assert [c.text for c in sorted(both.choices, key=lambda c: c.index)] == [say + WORDS_TEXT] * 2 + [
         "Menu" + MULTIBYTE_TEXT
     ] * 2
+
+
+@pytest.mark.parametrize("max_tokens", [3, 64], ids=["completing-token-is-the-last", "more-tokens-follow"])
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_stop_string_whose_last_character_comes_alone_in_the_final_token(
+    client, script: Script, max_tokens: int, chat: bool
+) -> None:
+    """Tokens "Hello", " world", ",", " the": stop " world," completes with the token "," alone;
+    with max_tokens 3 that token is also the sample's last (the engine says "length"). Either
+    way: the text before the stop string, finish_reason "stop", streamed and not."""
+    tok, words = script.tokenizer, script.words
+    assert [tok.decode([t]) for t in words[:4]] == ["Hello", " world", ",", " the"]  # type: ignore[attr-defined]
+    kw = dict(model="smol-scripted", max_tokens=max_tokens, temperature=0, stop=[" world,"])
+    if chat:  # the chat answer's "." (its last token) completes " Paris."
+        assert tok.decode(script.chat[-1:]) == "."  # type: ignore[attr-defined]
+        kw["stop"] = [" Paris."]
+        kw["messages"] = [{"role": "user", "content": "Where?"}]
+        kw["max_tokens"] = len(script.chat) if max_tokens == 3 else max_tokens
+        r = client.chat.completions.create(**kw)
+        chunks = list(client.chat.completions.create(stream=True, **kw))
+        got = r.choices[0].message.content
+        want_text, want_ids = "The capital of France is", script.chat
+    else:
+        r = client.completions.create(prompt=[script.words_start], **kw)
+        chunks = list(client.completions.create(prompt=[script.words_start], stream=True, **kw))
+        got = r.choices[0].text
+        want_text, want_ids = "Hello", words[:3]
+    texts, ids, reasons = _stream_text(chunks, chat=chat)
+    assert got == want_text and r.choices[0].finish_reason == "stop"
+    assert r.choices[0].token_ids == want_ids == ids
+    assert "".join(texts) == want_text and reasons[-1] == "stop", (texts, reasons)
