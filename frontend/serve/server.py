@@ -49,9 +49,8 @@ from pagedkv.tls import TlsConfigError, is_loopback
 log = structlog.get_logger("pagedkv.serve")
 
 HEALTH_PATH = "/health"
-# A non-streaming request asks this often whether its client left. uvicorn stops reading a connection
-# once the request body is in, so in practice it notices only when it answers; a streaming request is
-# aborted as soon as a token cannot be sent.
+# A streaming request asks this often whether its client left (besides failing to send a token);
+# a non-streaming one has a task waiting for the disconnect (_watch_client).
 DISCONNECT_POLL_S = 0.5
 
 
@@ -303,8 +302,25 @@ def _sse(obj: object) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
+class _ClientGone:
+    """Put in a non-streaming run's queue when its client disconnected."""
+
+
+CLIENT_GONE = _ClientGone()
+
+
+async def _watch_client(request: Request, run: _Run) -> None:
+    """Abort ``run`` when the client of a non-streaming request disconnects. Once the body is read,
+    uvicorn answers ``receive()`` only when the connection is lost (or the response went out, and
+    this task is cancelled before that), reading the socket meanwhile, so it sees the client go."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    run.abort()
+    run.queue.put((-1, CLIENT_GONE))
+
+
 async def _next(run: _Run, request: Request) -> tuple[int, object]:
-    """The next item for this run; aborts it (and raises) when the client went away."""
+    """The next item for this run; aborts it (and raises) when a streaming client went away."""
     if run.early:
         return run.early.popleft()
     while True:
@@ -345,6 +361,7 @@ async def _serve(state: ServerState, request: Request, parsed: Parsed, kind: str
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
+    watcher = asyncio.create_task(_watch_client(request, run))
     try:
         while not run.done:
             prompt, item = await _next(run, request)
@@ -354,7 +371,11 @@ async def _serve(state: ServerState, request: Request, parsed: Parsed, kind: str
                 run.on_finished(prompt, item)
             elif isinstance(item, Failed):
                 raise ApiError(item.status, item.message, None, "server_error")
+            elif item is CLIENT_GONE:
+                log.info("client_gone", request_id=run.id)
+                return Response(status_code=499)  # nobody reads it: the connection is closed
     finally:
+        watcher.cancel()
         run.abort()  # no-op once done
     return JSONResponse(run.response())
 

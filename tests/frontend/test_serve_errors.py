@@ -287,6 +287,41 @@ def test_disconnect_mid_stream_aborts_and_frees(server: OpenAIServer, stack: Loc
     assert counter(server, "pagedkv_request_success_total", 'finished_reason="abort"') == aborts + 1
 
 
+def test_disconnect_during_a_non_streaming_request_aborts_and_frees(
+    server: RunningServe, stack: LocalStack
+) -> None:
+    """No token can fail to send here: the server must see the connection close while it waits."""
+    before = counter(server, "pagedkv_generation_tokens_total")
+    aborts = counter(server, "pagedkv_request_success_total", 'finished_reason="abort"')
+    body = {
+        "model": "tiny",
+        "prompt": [4, 5, 6, 7, 9],
+        "max_tokens": 240,
+        "temperature": 0,
+        "ignore_eos": True,
+        "n": 2,
+    }
+    data = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
+    deadline = time.monotonic() + 30
+    while counter(server, "pagedkv_generation_tokens_total") == before:  # it runs
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    sock.close()
+    assert_pool_empty(stack)
+    produced = counter(server, "pagedkv_generation_tokens_total") - before
+    assert produced < 2 * 240, f"the request ran to the end ({produced} tokens) instead of being aborted"
+    assert counter(server, "pagedkv_request_success_total", 'finished_reason="abort"') == aborts + 1
+    # The server still answers (the aborted handler ended cleanly).
+    status, out, _ = post(server, "/v1/completions", GOOD)
+    assert status == 200, out
+
+
 def test_over_max_waiting_is_503_with_retry_after(stack: LocalStack) -> None:
     with serving(stack, model_name="tiny", max_num_seqs=1, max_waiting=1) as srv:
         # The tiny model makes 200 tokens in well under a second: pace the engine (10 ms an
