@@ -156,7 +156,7 @@ class Parsed:
     echo: tuple[str, ...] = ()  # completions with echo: each prompt's text, put before its choices' text
 
 
-def _pydantic_error(e: ValidationError) -> ApiError:
+def validation_error(e: ValidationError) -> ApiError:
     err = e.errors()[0]
     loc = [str(p) for p in err["loc"]]
     # Union members show up in the location (e.g. stop.str / stop.list[str]); keep the field path.
@@ -377,7 +377,7 @@ def _validated(
     except FieldRefused as e:
         raise ApiError(400, str(e), e.param) from None
     except ValidationError as e:
-        raise _pydantic_error(e) from None
+        raise validation_error(e) from None
     check_model(body.model, limits)
     return body
 
@@ -429,6 +429,15 @@ def parse_chat(raw: Any, limits: RequestLimits) -> Parsed:
     body = _validated(raw, ChatBody, limits, CHAT)
     if body.top_logprobs and not body.logprobs:
         raise ApiError(400, "top_logprobs: requires logprobs: true", "top_logprobs")
+    prompt = chat_prompt(body.messages, limits)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    return _common(body, [prompt], max_tokens, limits, body.logprobs, body.top_logprobs or 0)
+
+
+def chat_prompt(
+    messages: list[ChatMessage], limits: RequestLimits, add_generation_prompt: bool = True
+) -> list[int]:
+    """The messages rendered by the chat template and tokenized (special tokens as their ids)."""
     if not limits.text.has_chat_template:
         raise ApiError(
             400,
@@ -436,8 +445,8 @@ def parse_chat(raw: Any, limits: RequestLimits) -> Parsed:
             "needs a tokenizer with chat_template); use /v1/completions",
             "messages",
         )
-    messages = []
-    for i, m in enumerate(body.messages):
+    rendered = []
+    for i, m in enumerate(messages):
         if m.content is None and m.refusal is None:
             raise ApiError(400, f"messages.{i}.content: this field is required", f"messages.{i}.content")
         if isinstance(m.content, list):
@@ -450,9 +459,9 @@ def parse_chat(raw: Any, limits: RequestLimits) -> Parsed:
             msg["name"] = m.name
         if m.tool_call_id is not None:
             msg["tool_call_id"] = m.tool_call_id
-        messages.append(msg)
+        rendered.append(msg)
     try:
-        prompt = limits.text.chat_prompt(messages)
+        prompt = limits.text.chat_prompt(rendered, add_generation_prompt)
     except Exception as e:  # noqa: BLE001 - a template that rejects these messages is the caller's input
         raise ApiError(400, f"messages: the chat template rejected them: {e}", "messages") from None
     if not prompt:
@@ -464,5 +473,4 @@ def parse_chat(raw: Any, limits: RequestLimits) -> Parsed:
             f"messages: the tokenizer produced token id {bad}, outside the model's vocabulary",
             "messages",
         )
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    return _common(body, [prompt], max_tokens, limits, body.logprobs, body.top_logprobs or 0)
+    return prompt

@@ -8,6 +8,7 @@ tokens back as they are produced, abort on disconnect, and serve /v1/models, /he
 
     POST /v1/completions        prompt: token ids, lists of them, or text (with a tokenizer)
     POST /v1/chat/completions   when the tokenizer has a chat template
+    POST /tokenize, /detokenize vLLM's shapes (frontend/serve/tokenize_api.py)
     GET  /v1/models
     GET  /health                200 only when the block manager and a worker answer (no API key)
     GET  /metrics               Prometheus (frontend/serve/metrics.py)
@@ -44,6 +45,7 @@ from frontend.serve.metrics import ServeMetrics
 from frontend.serve.openai_api import ApiError, Parsed, RequestLimits, parse_chat, parse_completion
 from frontend.serve.settings import ServeSettings, load_settings
 from frontend.serve.text import load_model_text
+from frontend.serve.tokenize_api import detokenize, tokenize
 from pagedkv.tls import TlsConfigError, is_loopback
 
 log = structlog.get_logger("pagedkv.serve")
@@ -473,7 +475,9 @@ async def _json_body(request: Request) -> Any:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
 
 
-def create_app(state: ServerState, api_key: str = "") -> Any:
+def create_app(state: ServerState, api_key: str = "", allowed_origins: Sequence[str] = ()) -> Any:
+    """The ASGI app: routes, behind the API key (when set), behind CORS (when origins are allowed:
+    outermost, so that a browser's preflight, which carries no key, is answered, and so are 401s)."""
     app = FastAPI(title="pagedkv", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(ApiError)
@@ -492,6 +496,14 @@ def create_app(state: ServerState, api_key: str = "") -> Any:
     async def chat(request: Request) -> Response:
         parsed = parse_chat(await _json_body(request), state.limits)
         return await _serve(state, request, parsed, "chat")
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request) -> JSONResponse:
+        return JSONResponse(tokenize(await _json_body(request), state.limits))
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request) -> JSONResponse:
+        return JSONResponse(detokenize(await _json_body(request), state.limits))
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
@@ -525,7 +537,18 @@ def create_app(state: ServerState, api_key: str = "") -> Any:
         body = await asyncio.to_thread(generate_latest, state.metrics.registry)
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
-    return ApiKeyMiddleware(app, api_key) if api_key else app
+    guarded: Any = ApiKeyMiddleware(app, api_key) if api_key else app
+    if not allowed_origins:
+        return guarded
+    from starlette.middleware.cors import CORSMiddleware
+
+    return CORSMiddleware(
+        guarded,
+        allow_origins=list(allowed_origins),
+        allow_methods=["GET", "POST", "OPTIONS"],
+        allow_headers=["Authorization", "Content-Type"],
+        max_age=600,
+    )
 
 
 # --- running it --------------------------------------------------------------------------------------
@@ -591,7 +614,7 @@ class OpenAIServer:
             self.state = ServerState(
                 self.loop, limits, self.metrics, settings.max_waiting, settings.retry_after_s, self._health
             )
-            app = create_app(self.state, settings.resolved_api_key())
+            app = create_app(self.state, settings.resolved_api_key(), settings.origins)
             self._sock = socket.socket(socket.AF_INET6 if ":" in settings.host else socket.AF_INET)
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             self._sock.bind((settings.host, settings.port))

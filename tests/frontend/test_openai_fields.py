@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from frontend.serve import openai_fields
-from frontend.serve.openai_api import ApiError, RequestLimits, Parsed, parse_chat, parse_completion
+from frontend.serve.openai_api import ApiError, Parsed, RequestLimits, parse_chat, parse_completion
 from frontend.serve.text import load_model_text
 from tests.frontend.serve_fixtures import save_tokenizer
 

@@ -7,8 +7,10 @@ oracle (which never stops at EOS) and the server generate the same number of tok
 
 from __future__ import annotations
 
+import json
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 
@@ -312,6 +314,48 @@ def test_models_health_and_eos(client, hf: HFModel, server: OpenAIServer) -> Non
     r = client.completions.create(model="tiny", prompt=p, max_tokens=40, temperature=0)
     assert r.choices[0].token_ids == with_eos
     assert r.choices[0].finish_reason == ("stop" if with_eos[-1] == 2 else "length")
+
+
+def _post_json(server: OpenAIServer, path: str, body: object) -> tuple[int, dict]:
+    req = urllib.request.Request(
+        server.url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_tokenize_and_detokenize_in_vllms_shapes(client, server: OpenAIServer) -> None:
+    """The server's own tokenizer and chat template: a chat tokenized here is the prompt a chat
+    request is charged for (usage.prompt_tokens)."""
+    status, out = _post_json(
+        server, "/tokenize", {"model": "tiny", "prompt": "w7 w8 w9", "return_token_strs": True}
+    )
+    assert status == 200, out
+    assert out == {"count": 3, "max_model_len": 512, "tokens": [7, 8, 9], "token_strs": ["w7", "w8", "w9"]}
+    _, plain = _post_json(server, "/tokenize", {"prompt": "w7 w8 w9", "add_special_tokens": False})
+    assert plain["tokens"] == [7, 8, 9] and plain["token_strs"] is None  # this tokenizer adds no BOS
+    messages = [{"role": "system", "content": "w5"}, {"role": "user", "content": "w7 w8"}]
+    _, chat = _post_json(server, "/tokenize", {"model": "tiny", "messages": messages})
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=1, temperature=0)
+    assert chat["count"] == len(chat["tokens"]) == r.usage.prompt_tokens
+    _, no_gen = _post_json(server, "/tokenize", {"messages": messages, "add_generation_prompt": False})
+    assert no_gen["tokens"] == chat["tokens"][:-1]  # the template's "assistant"
+    status, out = _post_json(server, "/detokenize", {"model": "tiny", "tokens": [7, 8, 9]})
+    assert status == 200 and out == {"prompt": "w7 w8 w9"}
+    for path, body, param in (
+        ("/detokenize", {"tokens": [7, 128]}, "tokens"),
+        ("/detokenize", {"tokens": "7"}, "tokens"),
+        ("/tokenize", {"prompt": "w7", "messages": messages}, "prompt"),
+        ("/tokenize", {}, "prompt"),
+        ("/tokenize", {"prompt": "w7", "continue_final_message": True}, "continue_final_message"),
+        ("/tokenize", {"messages": messages, "add_special_tokens": True}, "add_special_tokens"),
+        ("/tokenize", {"model": "other", "prompt": "w7"}, "model"),
+    ):
+        status, out = _post_json(server, path, body)
+        assert status in (400, 404) and out["error"]["param"] == param, (path, body, out)
 
 
 def test_16_concurrent_streaming_clients_are_batched(

@@ -288,7 +288,7 @@ def test_disconnect_mid_stream_aborts_and_frees(server: OpenAIServer, stack: Loc
 
 
 def test_disconnect_during_a_non_streaming_request_aborts_and_frees(
-    server: RunningServe, stack: LocalStack
+    server: OpenAIServer, stack: LocalStack
 ) -> None:
     """No token can fail to send here: the server must see the connection close while it waits."""
     before = counter(server, "pagedkv_generation_tokens_total")
@@ -320,6 +320,54 @@ def test_disconnect_during_a_non_streaming_request_aborts_and_frees(
     # The server still answers (the aborted handler ended cleanly).
     status, out, _ = post(server, "/v1/completions", GOOD)
     assert status == 200, out
+
+
+def _request(
+    server: OpenAIServer, method: str, path: str, headers: dict[str, str], body: bytes = b""
+) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn.request(method, path, body=body or None, headers=headers)
+    r = conn.getresponse()
+    r.read()
+    conn.close()
+    return r.status, {k.lower(): v for k, v in r.getheaders()}
+
+
+def test_cors_only_for_the_allowed_origins(stack: LocalStack, server: OpenAIServer) -> None:
+    app, other = "https://app.example.com", "https://evil.example.com"
+    preflight = {
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type",
+    }
+    body = json.dumps(GOOD).encode()
+    post_headers = {"Content-Type": "application/json", "Origin": app}
+    with serving(stack, model_name="tiny", api_key=KEY, allowed_origins=f"{app}, https://b.example") as srv:
+        # The browser's preflight carries no key: answered, for the allowed origin only.
+        status, h = _request(srv, "OPTIONS", "/v1/completions", {"Origin": app, **preflight})
+        assert status == 200 and h["access-control-allow-origin"] == app
+        assert "authorization" in h["access-control-allow-headers"].lower()
+        status, h = _request(srv, "OPTIONS", "/v1/completions", {"Origin": other, **preflight})
+        assert status == 400 and "access-control-allow-origin" not in h
+        status, h = _request(srv, "POST", "/v1/completions", {**post_headers, **AUTH}, body)
+        assert status == 200 and h["access-control-allow-origin"] == app
+        status, h = _request(
+            srv, "POST", "/v1/completions", post_headers, body
+        )  # no key: the page can read the 401
+        assert status == 401 and h["access-control-allow-origin"] == app
+        status, h = _request(srv, "POST", "/v1/completions", {**post_headers, **AUTH, "Origin": other}, body)
+        assert status == 200 and "access-control-allow-origin" not in h
+    # Without --allowed-origins: no CORS headers; a preflight is just an unauthenticated request.
+    status, h = _request(server, "OPTIONS", "/v1/completions", {"Origin": app, **preflight})
+    assert status == 401 and "access-control-allow-origin" not in h
+    status, h = _request(server, "POST", "/v1/completions", {**post_headers, **AUTH}, body)
+    assert status == 200 and "access-control-allow-origin" not in h
+
+
+def test_tokenize_without_a_tokenizer_is_400(server: OpenAIServer) -> None:
+    status, body, _ = post(server, "/tokenize", {"prompt": "hello"})
+    assert status == 400 and "no tokenizer" in body["error"]["message"]
+    status, body, _ = post(server, "/detokenize", {"tokens": [1, 2]})
+    assert status == 400 and "no tokenizer" in body["error"]["message"]
 
 
 def test_over_max_waiting_is_503_with_retry_after(stack: LocalStack) -> None:
