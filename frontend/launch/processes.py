@@ -478,7 +478,7 @@ def build_parser() -> argparse.ArgumentParser:
         frontend.add_argument(
             "--" + name.replace("_", "-"),
             dest=f"serve_{name}",
-            type=spec.annotation if spec.annotation in (int, float) else str,
+            type=int if spec.annotation is int else str,
             default=None,
             metavar=name.upper(),
             help=str(spec.description) + (f" [{spec.default}]" if spec.default not in ("", None) else ""),
