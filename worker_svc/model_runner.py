@@ -56,6 +56,8 @@ class SequenceRequest:
     fork_sampling: list[SamplingParams] = field(default_factory=list)
     # The token history the penalties need (sent only when the sampling sets one); forks share it.
     history: TokenHistory | None = None
+    # Grammar-constrained decoding: the tokens this step may choose (bitmask; b"" = any); forks too.
+    allowed_token_mask: bytes = b""
 
     @property
     def seq_len(self) -> int:
@@ -234,6 +236,15 @@ class ModelRunner:
                 bad_knob = sampling_knob_error(p, vocab)
                 if bad_knob:
                     raise InvalidStep(f"{where}: {what}.{bad_knob}")
+            if s.allowed_token_mask:
+                want = 4 * ((vocab + 31) // 32)
+                if len(s.allowed_token_mask) != want:
+                    raise InvalidStep(
+                        f"{where}: allowed_token_mask has {len(s.allowed_token_mask)} bytes, "
+                        f"the vocabulary of {vocab} needs {want}"
+                    )
+                if not any(s.allowed_token_mask):
+                    raise InvalidStep(f"{where}: allowed_token_mask allows no token")
             if s.history is not None:
                 ids = [*s.history.output_ids, *s.history.prompt_ids]
                 if ids and max(ids) >= vocab:
@@ -377,6 +388,7 @@ class ModelRunner:
                     [s.sampling for s in seqs] + [p for s in seqs for p in s.fork_sampling],
                     [s.seq_len for s in seqs] + [seqs[i].seq_len for i in fork_rows],
                     [s.history for s in seqs] + [seqs[i].history for i in fork_rows],
+                    [s.allowed_token_mask for s in seqs] + [seqs[i].allowed_token_mask for i in fork_rows],
                 )
                 token_ids, logprobs = result.token_ids.tolist(), result.logprobs.tolist()
                 want_logits = any(s.return_logits for s in seqs)

@@ -101,6 +101,7 @@ def sequence_from_proto(s: worker_pb2.SequenceInput, memo: SamplingMemo | None =
         history=TokenHistory(s.output_token_ids[:], s.output_token_counts[:], s.prompt_token_ids[:])
         if s.output_token_ids or s.prompt_token_ids
         else None,
+        allowed_token_mask=s.allowed_token_mask,
     )
 
 

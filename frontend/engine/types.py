@@ -7,6 +7,7 @@ import enum
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedkv import defaults
 
@@ -54,6 +55,8 @@ class SamplingOptions:
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Grammar-constrained decoding (frontend/serve/grammar.py Grammar): each sample's tokens follow it.
+    grammar: Any = None
 
     @property
     def penalized(self) -> bool:
@@ -187,6 +190,8 @@ class Seq:
     children: list[Seq] = field(default_factory=list)
     # The children whose first token the last worker request asked this sequence's step to draw.
     forks_sent: list[Seq] = field(default_factory=list)
+    # SamplingOptions.grammar: this sample's place in it (frontend/serve/grammar.py Matcher).
+    matcher: Any = None
 
     @property
     def completion(self) -> Completion:

@@ -19,6 +19,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from frontend.engine import MAX_TOP_LOGPROBS, SamplingOptions
+from frontend.serve.grammar import Grammar, GrammarCompiler
 from frontend.serve.openai_fields import (
     CHAT,
     COMPLETION,
@@ -30,6 +31,7 @@ from frontend.serve.openai_fields import (
     Refused,
     screen,
 )
+from frontend.serve.structured_output import ResponseFormat, StructuredOutputError, requested_grammar
 from frontend.serve.text import ModelText
 
 MAX_N = 64
@@ -84,6 +86,10 @@ class _Sampling(BaseModel):
     logit_bias: dict[str, float] | None = None
     repetition_penalty: float = Field(1.0, gt=0.0)  # vLLM's extension
     min_p: float = Field(0.0, ge=0.0, le=1.0)  # vLLM's extension
+    # Structured output (frontend/serve/structured_output.py): vLLM's extensions.
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
 
 
 class CompletionBody(_Sampling):
@@ -105,6 +111,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatBody(_Sampling):
+    response_format: ResponseFormat | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -121,6 +128,13 @@ class RequestLimits:
     block_size: int
     num_gpu_blocks: int
     text: ModelText
+    grammars: GrammarCompiler | None = None  # built on first use (needs the tokenizer)
+
+    def grammar_compiler(self) -> GrammarCompiler | None:
+        """Compiles structured-output grammars for this model; None without a tokenizer."""
+        if self.grammars is None and self.text.tokenizer is not None:
+            self.grammars = GrammarCompiler(self.text.tokenizer, self.vocab_size, self.text.eos_token_ids)
+        return self.grammars
 
     @property
     def max_tokens_in_pool(self) -> int:
@@ -271,6 +285,19 @@ def _logit_bias(bias: dict[str, float] | None, limits: RequestLimits) -> tuple[t
     return tuple(out)
 
 
+def _grammar(body: _Sampling, limits: RequestLimits) -> Grammar | None:
+    try:
+        return requested_grammar(
+            limits.grammar_compiler() if limits.text.tokenizer is not None else None,
+            getattr(body, "response_format", None),
+            body.guided_json,
+            body.guided_regex,
+            body.guided_choice,
+        )
+    except StructuredOutputError as e:
+        raise ApiError(400, str(e), e.param) from None
+
+
 def _common(
     body: _Sampling,
     prompts: list[list[int]],
@@ -331,6 +358,7 @@ def _common(
         repetition_penalty=body.repetition_penalty,
         min_p=body.min_p,
         logit_bias=_logit_bias(body.logit_bias, limits),
+        grammar=_grammar(body, limits),
     )
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     if body.stream_options is not None and not body.stream:

@@ -78,7 +78,6 @@ CHAT: Policy = {
     "prompt_cache_options": _CACHE_HINT,
     "safety_identifier": _USER_ID,
     "service_tier": Ignored("one tier: every request goes to the same engine, in arrival order"),
-    "response_format": Refused("structured output is not supported", (None, {"type": "text"})),
     "tools": Refused("tool calling is not supported", (None, [])),
     "tool_choice": Refused("tool calling is not supported", (None, "none")),
     "parallel_tool_calls": Ignored("it only matters with tools, which are refused"),

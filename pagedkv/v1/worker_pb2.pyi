@@ -158,11 +158,18 @@ class SequenceInput(_message.Message):
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     OUTPUT_TOKEN_COUNTS_FIELD_NUMBER: _builtins.int
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    ALLOWED_TOKEN_MASK_FIELD_NUMBER: _builtins.int
     seq_id: _builtins.str
     num_cached_tokens: _builtins.int
     """Tokens of this sequence whose KV is already in the cache, before token_ids."""
     return_logits: _builtins.bool
     """Also return the full logits of the last position (for tests and debugging)."""
+    allowed_token_mask: _builtins.bytes
+    """Grammar-constrained decoding: the tokens this step may choose, a bitmask
+    (bit t % 32 of little-endian 32-bit word t / 32 set = token t allowed;
+    ceil(vocab_size / 32) words). Empty = no constraint. The forked samples'
+    first tokens obey it too.
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The new tokens: the prompt (or its uncached part) for prefill, one token
@@ -209,10 +216,11 @@ class SequenceInput(_message.Message):
         output_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         output_token_counts: _abc.Iterable[_builtins.int] | None = ...,
         prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        allowed_token_mask: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "fork_sampling", b"fork_sampling", "num_cached_tokens", b"num_cached_tokens", "output_token_counts", b"output_token_counts", "output_token_ids", b"output_token_ids", "prompt_token_ids", b"prompt_token_ids", "return_logits", b"return_logits", "sampling", b"sampling", "seq_id", b"seq_id", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allowed_token_mask", b"allowed_token_mask", "block_ids", b"block_ids", "fork_sampling", b"fork_sampling", "num_cached_tokens", b"num_cached_tokens", "output_token_counts", b"output_token_counts", "output_token_ids", b"output_token_ids", "prompt_token_ids", b"prompt_token_ids", "return_logits", b"return_logits", "sampling", b"sampling", "seq_id", b"seq_id", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -178,6 +178,12 @@ def test_swap_out_copy_swap_in_in_one_step_run_in_that_order(runner: ModelRunner
             CacheOpsRequest(),
             "sampling.presence_penalty",
         ),
+        (SequenceRequest("x", [1], [0], 0, allowed_token_mask=b"\xff" * 4), CacheOpsRequest(), "needs 16"),
+        (
+            SequenceRequest("x", [1], [0], 0, allowed_token_mask=bytes(16)),
+            CacheOpsRequest(),
+            "allows no token",
+        ),
         (
             SequenceRequest("x", [1], [0], 0, history=TokenHistory((4, 4), (1, 2))),
             CacheOpsRequest(),
@@ -379,3 +385,29 @@ def test_a_step_applies_each_sequences_penalties_with_its_history_forks_included
     assert out[0].token_id == want and out[0].fork_samples[0].token_id == want
     assert out[1].token_id == top2[0]
     assert out[0].logprob == pytest.approx(float(torch.log_softmax(plain.logits, -1)[want]), abs=1e-5)
+
+
+def test_a_grammar_mask_constrains_the_sequence_and_its_forks_only(runner: ModelRunner) -> None:
+    plain = runner.step([SequenceRequest("a", PROMPT, [40, 41, 42], 0, return_logits=True)]).outputs[0]
+    assert plain.logits is not None
+    order = plain.logits.argsort(descending=True).tolist()
+    allowed = {order[5], order[9]}  # not the model's favourite
+    words = [0] * 4
+    for t in allowed:
+        words[t // 32] |= 1 << (t % 32)
+    mask = b"".join(w.to_bytes(4, "little") for w in words)
+    out = runner.step(
+        [
+            SequenceRequest(
+                "p",
+                PROMPT,
+                [20, 21, 22],
+                0,
+                fork_sampling=[SamplingParams(temperature=1.0, seed=1)],
+                allowed_token_mask=mask,
+            ),
+            SequenceRequest("q", PROMPT, [23, 24, 25], 0),
+        ]
+    ).outputs
+    assert out[0].token_id == order[5] and out[0].fork_samples[0].token_id in allowed
+    assert out[1].token_id == order[0]

@@ -12,6 +12,7 @@ from worker_svc.model.sampling import (
     SamplingParams,
     TokenHistory,
     adjust_logits,
+    allowed_tokens,
     argmax_rows,
     draw_uniform,
     sample,
@@ -239,3 +240,48 @@ def test_out_of_range_knobs_are_named(params: SamplingParams, why: str) -> None:
     err = sampling_knob_error(params, vocab_size=50)
     assert err is not None and why in err
     assert sampling_knob_error(_KNOBS["all_together"], vocab_size=50) is None
+
+
+def _mask(allowed: set[int], vocab: int) -> bytes:
+    """The step message's bitmask, built as the frontend builds it: int32 words, bit t % 32 of
+    word t // 32 (xgrammar's layout), little-endian bytes."""
+    words = [0] * ((vocab + 31) // 32)
+    for t in allowed:
+        words[t // 32] |= 1 << (t % 32)
+    return (
+        torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32)
+        .numpy()
+        .tobytes()
+    )
+
+
+def test_allowed_tokens_unpacks_the_bitmask_layout() -> None:
+    allowed = {0, 5, 31, 32, 63, 64, 99}
+    got = allowed_tokens(_mask(allowed, 100), 100, torch.device("cpu"))
+    assert got.shape == (100,) and set(got.nonzero().flatten().tolist()) == allowed
+
+
+def test_grammar_mask_restricts_greedy_and_sampled_tokens_to_the_allowed_ones() -> None:
+    """Greedy: the most likely allowed token; sampled: the model's distribution renormalised over
+    the allowed tokens (exact draws for the same uniforms, and frequencies), with penalties too."""
+    logits = torch.tensor([[2.0, 1.5, 1.0, 0.4, 0.0, -0.5, -1.0, -2.0]])
+    allowed = {1, 3, 4, 6}
+    mask = _mask(allowed, 8)
+    greedy = sample(logits.expand(3, 8), [SamplingParams()] * 3, [0, 1, 2], None, [mask, None, mask])
+    assert greedy.token_ids.tolist() == [1, 0, 1]
+    torch.testing.assert_close(greedy.logprobs[0], torch.log_softmax(logits[0], -1)[1])  # the model's
+    for p in (SamplingParams(temperature=1.0, seed=4), dataclasses.replace(_KNOBS["all_together"], seed=4)):
+        masked = [
+            x if t in allowed else float("-inf")
+            for t, x in enumerate(_reference_logits(logits[0].tolist(), p, _HISTORY))
+        ]
+        probs = _reference_probs(masked, p)
+        n = 2000
+        tokens = sample(
+            logits.expand(n, 8), [p] * n, list(range(n)), [_HISTORY] * n, [mask] * n
+        ).token_ids.tolist()
+        assert set(tokens) <= allowed
+        for pos in range(300):
+            assert tokens[pos] == _reference_draw(probs, draw_uniform(p.seed, pos)), pos
+        counts = torch.bincount(torch.tensor(tokens), minlength=8).float()
+        torch.testing.assert_close(counts / n, torch.tensor(probs), atol=0.035, rtol=0)

@@ -105,6 +105,8 @@ def test_penalties_min_p_logit_bias_and_history_are_parsed() -> None:
         logit_bias=((7, -100.0), (2, 2.5)),
     )
     assert got.history == TokenHistory([4, 9], [2, 1], [5, 6])
+    msg.allowed_token_mask = b"\x01\x00\x00\x80"
+    assert sequence_from_proto(msg).allowed_token_mask == b"\x01\x00\x00\x80"
     # Unset: no penalty (repetition_penalty 0 on the wire means off), no history.
     plain = sequence_from_proto(_input(3))
     assert plain.sampling.repetition_penalty == 1.0 and not plain.sampling.adjusts

@@ -148,12 +148,15 @@ def sample(
     params: list[SamplingParams],
     positions: list[int],
     histories: Sequence[TokenHistory | None] | None = None,
+    masks: Sequence[bytes | None] | None = None,
 ) -> SampleResult:
     """Pick one token per row of fp32 ``logits [num_seqs, vocab]``.
 
     ``positions[i]`` is the position the chosen token will take in sequence i (its length so far):
     the "step" that, with the seed, fixes the random draw. ``histories[i]``: row i's token history,
-    needed (else taken as empty) when its parameters set a penalty.
+    needed (else taken as empty) when its parameters set a penalty. ``masks[i]``: row i's
+    allowed-token bitmask (grammar-constrained decoding, ``allowed_token_mask`` of the step
+    message), or None.
     """
     # log p(token) = logit - logsumexp(row): no [num_seqs, vocab] log-softmax tensor is written.
     # On CPU the native kernel gives the log-sum-exp and the greedy token from the same two passes
@@ -165,7 +168,7 @@ def sample(
     else:
         log_norm, tokens = cpu_native.logsumexp_rows(logits), argmax_rows(logits)
     # Rows whose logits a bias or penalty changes: adjusted copies of just those rows.
-    adjusted_rows = [i for i, p in enumerate(params) if p.adjusts]
+    adjusted_rows = [i for i, p in enumerate(params) if p.adjusts or (masks is not None and masks[i])]
     adjusted: dict[int, torch.Tensor] = {}
     if adjusted_rows:
         index = torch.tensor(adjusted_rows, device=logits.device)
@@ -173,6 +176,7 @@ def sample(
             logits.index_select(0, index),
             [params[i] for i in adjusted_rows],
             [histories[i] if histories is not None else None for i in adjusted_rows],
+            [masks[i] if masks is not None else None for i in adjusted_rows],
         )
         adjusted = {row: adj[j] for j, row in enumerate(adjusted_rows)}
         greedy_adjusted = [j for j, row in enumerate(adjusted_rows) if params[row].greedy]
@@ -230,15 +234,31 @@ def _top_logprobs(
     return top
 
 
+def allowed_tokens(mask: bytes, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """A bool ``[vocab_size]`` from an allowed-token bitmask (bit t % 32 of 32-bit little-endian
+    word t // 32)."""
+    words = torch.frombuffer(bytearray(mask), dtype=torch.uint8).to(device)
+    bits = (words[:, None] >> torch.arange(8, dtype=torch.uint8, device=device)) & 1
+    return bits.reshape(-1)[:vocab_size].bool()
+
+
 def adjust_logits(
-    logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[TokenHistory | None]
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    histories: Sequence[TokenHistory | None],
+    masks: Sequence[bytes | None] | None = None,
 ) -> torch.Tensor:
     """A new tensor: ``logits [rows, vocab]`` with each row's logit bias, then its repetition
     penalty (tokens of the prompt or the output: a positive logit divided by it, a negative one
-    multiplied), then its frequency (times the count) and presence penalties subtracted."""
+    multiplied), then its frequency (times the count) and presence penalties subtracted. Tokens its
+    grammar mask does not allow are -inf (set first: no adjustment brings them back)."""
     out = logits.clone()
     rows, vocab = out.shape
     dev = out.device
+    if masks is not None:
+        for r, mask in enumerate(masks):
+            if mask:
+                out[r].masked_fill_(~allowed_tokens(mask, vocab, dev), float("-inf"))
     for r, (p, h) in enumerate(zip(params, histories, strict=True)):
         if p.logit_bias:
             ids = torch.tensor([t for t, _ in p.logit_bias], device=dev, dtype=torch.long)
