@@ -6,6 +6,10 @@ fill the next token's bitmask, then accept the token. Printed per library: compi
 mean / p50 / p99 microseconds per token of the fill and of the accept (the frontend pays both for
 every token of a constrained sample), and whether every token of the document was allowed.
 
+Then what a mask adds to a step: the bytes one constrained sequence adds to the worker's step
+message, and the worker's ``sample()`` over a batch of rows (greedy and sampled) with and without
+every row masked, median of ``--repeats`` x 20 calls.
+
     python -m bench.grammar_mask_bench [--model SmolLM2.gguf] [--repeats 5]
 
 `pip install llguidance` (or xgrammar) to compare: a library that is missing is reported as such.
@@ -134,7 +138,44 @@ def main() -> int:
             f"{'':10s}  fill   us/token  {_stats(r['fill'])}\n"
             f"{'':10s}  accept us/token  {_stats(r['accept'])}"
         )
+    step_cost(vocab, args.repeats)
     return 0
+
+
+def step_cost(vocab: int, repeats: int) -> None:
+    import torch
+
+    from pagedkv.v1 import worker_pb2
+    from worker_svc.model.sampling import SamplingParams, sample
+
+    seq = worker_pb2.SequenceInput(
+        seq_id="r-0", token_ids=[5], block_ids=list(range(32)), num_cached_tokens=500
+    )
+    plain = len(seq.SerializeToString())
+    mask = bytes([0b10110101]) * (4 * ((vocab + 31) // 32))
+    seq.allowed_token_mask = mask
+    added = len(seq.SerializeToString()) - plain
+    print(f"step message: +{added} bytes per constrained sequence ({plain} without)")
+    gen = torch.Generator().manual_seed(0)
+    for rows in (1, 8, 32):
+        logits = torch.randn(rows, vocab, generator=gen)
+        for name, params in (
+            ("greedy", [SamplingParams()] * rows),
+            ("sampled", [SamplingParams(temperature=0.8, top_p=0.95, seed=1)] * rows),
+        ):
+            cost = {}
+            for label, masks in (("plain", None), ("masked", [mask] * rows)):
+                times = []
+                for _ in range(repeats * 20):
+                    t0 = time.perf_counter()
+                    sample(logits, params, list(range(rows)), None, masks)
+                    times.append(time.perf_counter() - t0)
+                cost[label] = statistics.median(times) * 1e6
+            print(
+                f"sample() {rows:2d} rows {name:7s}: {cost['plain']:8.0f} us plain, {cost['masked']:8.0f} us "
+                f"every row masked (+{cost['masked'] - cost['plain']:.0f} us, "
+                f"+{(cost['masked'] - cost['plain']) / rows:.0f} per row)"
+            )
 
 
 if __name__ == "__main__":

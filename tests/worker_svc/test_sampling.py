@@ -257,8 +257,13 @@ def _mask(allowed: set[int], vocab: int) -> bytes:
 
 def test_allowed_tokens_unpacks_the_bitmask_layout() -> None:
     allowed = {0, 5, 31, 32, 63, 64, 99}
-    got = allowed_tokens(_mask(allowed, 100), 100, torch.device("cpu"))
-    assert got.shape == (100,) and set(got.nonzero().flatten().tolist()) == allowed
+    other = {1, 40, 98}
+    got = allowed_tokens([_mask(allowed, 100), _mask(other, 100)], 100, torch.device("cpu"))
+    assert got.shape == (2, 100)
+    assert (
+        set(got[0].nonzero().flatten().tolist()) == allowed
+        and set(got[1].nonzero().flatten().tolist()) == other
+    )
 
 
 def test_grammar_mask_restricts_greedy_and_sampled_tokens_to_the_allowed_ones() -> None:

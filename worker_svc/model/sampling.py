@@ -234,12 +234,12 @@ def _top_logprobs(
     return top
 
 
-def allowed_tokens(mask: bytes, vocab_size: int, device: torch.device) -> torch.Tensor:
-    """A bool ``[vocab_size]`` from an allowed-token bitmask (bit t % 32 of 32-bit little-endian
-    word t // 32)."""
-    words = torch.frombuffer(bytearray(mask), dtype=torch.uint8).to(device)
-    bits = (words[:, None] >> torch.arange(8, dtype=torch.uint8, device=device)) & 1
-    return bits.reshape(-1)[:vocab_size].bool()
+def allowed_tokens(masks: Sequence[bytes], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """A bool ``[len(masks), vocab_size]`` from allowed-token bitmasks of equal length (bit t % 32
+    of 32-bit little-endian word t // 32), unpacked in one batched operation."""
+    packed = torch.frombuffer(bytearray(b"".join(masks)), dtype=torch.uint8).view(len(masks), -1).to(device)
+    bits = (packed[:, :, None] >> torch.arange(8, dtype=torch.uint8, device=device)) & 1
+    return bits.view(len(masks), -1)[:, :vocab_size].bool()
 
 
 def adjust_logits(
@@ -255,10 +255,14 @@ def adjust_logits(
     out = logits.clone()
     rows, vocab = out.shape
     dev = out.device
-    if masks is not None:
-        for r, mask in enumerate(masks):
-            if mask:
-                out[r].masked_fill_(~allowed_tokens(mask, vocab, dev), float("-inf"))
+    masked = [r for r, mask in enumerate(masks or ()) if mask]
+    if masks is not None and masked:
+        allowed = allowed_tokens([masks[r] for r in masked], vocab, dev)
+        if len(masked) == rows:
+            out.masked_fill_(~allowed, float("-inf"))
+        else:
+            index = torch.tensor(masked, device=dev)
+            out[index] = out[index].masked_fill(~allowed, float("-inf"))
     for r, (p, h) in enumerate(zip(params, histories, strict=True)):
         if p.logit_bias:
             ids = torch.tensor([t for t, _ in p.logit_bias], device=dev, dtype=torch.long)
