@@ -1,4 +1,4 @@
-"""Request parsing limits (frontend/openai_api.py), without processes: a prompt plus max_tokens
+"""Request parsing limits (frontend/serve/openai_api.py), without processes: a prompt plus max_tokens
 may fill exactly what one sequence can hold (the model's context, or the pool when it holds
 less), and not one token more."""
 

@@ -255,9 +255,10 @@ def adjust_logits(
     out = logits.clone()
     rows, vocab = out.shape
     dev = out.device
-    masked = [r for r, mask in enumerate(masks or ()) if mask]
-    if masks is not None and masked:
-        allowed = allowed_tokens([masks[r] for r in masked], vocab, dev)
+    given = [(r, mask) for r, mask in enumerate(masks or ()) if mask]
+    masked = [r for r, _ in given]
+    if given:
+        allowed = allowed_tokens([mask for _, mask in given], vocab, dev)
         if len(masked) == rows:
             out.masked_fill_(~allowed, float("-inf"))
         else:
