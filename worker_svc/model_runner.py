@@ -27,7 +27,13 @@ from worker_svc.devices import device_scope
 from worker_svc.model.batch import AttentionBatch
 from worker_svc.model.cuda_graphs import DecodeGraphs
 from worker_svc.model.registry import Model
-from worker_svc.model.sampling import MAX_TOP_LOGPROBS, SamplingParams, sample
+from worker_svc.model.sampling import (
+    MAX_TOP_LOGPROBS,
+    SamplingParams,
+    TokenHistory,
+    sample,
+    sampling_knob_error,
+)
 
 
 class InvalidStep(ValueError):
@@ -48,6 +54,10 @@ class SequenceRequest:
     return_logits: bool = False
     # n > 1: the forked samples' parameters; each draws one token from this sequence's last position.
     fork_sampling: list[SamplingParams] = field(default_factory=list)
+    # The token history the penalties need (sent only when the sampling sets one); forks share it.
+    history: TokenHistory | None = None
+    # Grammar-constrained decoding: the tokens this step may choose (bitmask; b"" = any); forks too.
+    allowed_token_mask: bytes = b""
 
     @property
     def seq_len(self) -> int:
@@ -223,6 +233,26 @@ class ModelRunner:
                     raise InvalidStep(
                         f"{where}: {what}.num_top_logprobs {p.num_top_logprobs} is over {MAX_TOP_LOGPROBS}"
                     )
+                bad_knob = sampling_knob_error(p, vocab)
+                if bad_knob:
+                    raise InvalidStep(f"{where}: {what}.{bad_knob}")
+            if s.allowed_token_mask:
+                want = 4 * ((vocab + 31) // 32)
+                if len(s.allowed_token_mask) != want:
+                    raise InvalidStep(
+                        f"{where}: allowed_token_mask has {len(s.allowed_token_mask)} bytes, "
+                        f"the vocabulary of {vocab} needs {want}"
+                    )
+                if not any(s.allowed_token_mask):
+                    raise InvalidStep(f"{where}: allowed_token_mask allows no token")
+            if s.history is not None:
+                ids = [*s.history.output_ids, *s.history.prompt_ids]
+                if ids and max(ids) >= vocab:
+                    raise InvalidStep(f"{where}: history token id {max(ids)} >= vocab_size {vocab}")
+                if len(set(s.history.output_ids)) != len(s.history.output_ids):
+                    raise InvalidStep(f"{where}: output_token_ids repeats a token")
+                if any(c < 1 for c in s.history.output_counts):
+                    raise InvalidStep(f"{where}: output_token_counts must be >= 1")
         self._check_pairs("ops.swap_out", ops.swap_out, self.num_gpu_blocks, self.num_cpu_blocks)
         self._check_pairs("ops.copies", ops.copies, self.num_gpu_blocks, self.num_gpu_blocks)
         sources = {s for s, _ in ops.copies}
@@ -357,6 +387,8 @@ class ModelRunner:
                     rows_sampled,
                     [s.sampling for s in seqs] + [p for s in seqs for p in s.fork_sampling],
                     [s.seq_len for s in seqs] + [seqs[i].seq_len for i in fork_rows],
+                    [s.history for s in seqs] + [seqs[i].history for i in fork_rows],
+                    [s.allowed_token_mask for s in seqs] + [seqs[i].allowed_token_mask for i in fork_rows],
                 )
                 token_ids, logprobs = result.token_ids.tolist(), result.logprobs.tolist()
                 want_logits = any(s.return_logits for s in seqs)

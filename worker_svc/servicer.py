@@ -15,7 +15,7 @@ import structlog
 from pagedkv import errors
 from pagedkv.v1 import block_manager_pb2, worker_pb2, worker_pb2_grpc
 from worker_svc.cache_watch import lost_message
-from worker_svc.model.sampling import SamplingParams
+from worker_svc.model.sampling import SamplingParams, TokenHistory
 from worker_svc.model_runner import (
     CacheOpsRequest,
     InvalidStep,
@@ -38,12 +38,22 @@ def ops_from_proto(ops: block_manager_pb2.CacheOps) -> CacheOpsRequest:
 
 
 def sampling_from_proto(p: worker_pb2.SamplingParams) -> SamplingParams:
+    if len(p.logit_bias_token_ids) != len(p.logit_bias_values):
+        raise InvalidStep(
+            f"sampling: {len(p.logit_bias_token_ids)} logit_bias_token_ids but "
+            f"{len(p.logit_bias_values)} logit_bias_values"
+        )
     return SamplingParams(
         temperature=p.temperature,
         top_p=p.top_p if p.top_p > 0 else 1.0,
         top_k=p.top_k,
         seed=p.seed if p.HasField("seed") else None,
         num_top_logprobs=p.num_top_logprobs,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty if p.repetition_penalty > 0 else 1.0,
+        min_p=p.min_p,
+        logit_bias=tuple(zip(p.logit_bias_token_ids, p.logit_bias_values, strict=True)),
     )
 
 
@@ -75,6 +85,11 @@ def sequence_from_proto(s: worker_pb2.SequenceInput, memo: SamplingMemo | None =
     # every sequence of every step.
     parse = sampling_from_proto if memo is None else memo.get
     forks = s.fork_sampling
+    if len(s.output_token_ids) != len(s.output_token_counts):
+        raise InvalidStep(
+            f"sequence {s.seq_id!r}: {len(s.output_token_ids)} output_token_ids but "
+            f"{len(s.output_token_counts)} output_token_counts"
+        )
     return SequenceRequest(
         seq_id=s.seq_id,
         token_ids=s.token_ids[:],
@@ -83,6 +98,10 @@ def sequence_from_proto(s: worker_pb2.SequenceInput, memo: SamplingMemo | None =
         sampling=parse(s.sampling),
         return_logits=s.return_logits,
         fork_sampling=[parse(p) for p in forks] if forks else [],
+        history=TokenHistory(s.output_token_ids[:], s.output_token_counts[:], s.prompt_token_ids[:])
+        if s.output_token_ids or s.prompt_token_ids
+        else None,
+        allowed_token_mask=s.allowed_token_mask,
     )
 
 
@@ -183,9 +202,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 errors.CACHE_HOST_LOST,
                 cache_instance_id=self._info.cache_instance_id,
             )
-        seqs = [sequence_from_proto(s, self._sampling) for s in request.sequences]
-        ops = ops_from_proto(request.ops)
+        seqs: list[SequenceRequest] = []
         try:
+            seqs = [sequence_from_proto(s, self._sampling) for s in request.sequences]
+            ops = ops_from_proto(request.ops)
             result = self._runner.step(seqs, ops)
         except InvalidStep as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

@@ -5,8 +5,9 @@ from it (n > 1). The scheduler moves a finished sequence out of its queues."""
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from frontend.engine.types import SamplingOptions, Seq, SeqStatus, TokenEvent
 from pagedkv.v1 import block_manager_pb2 as pb
@@ -40,7 +41,16 @@ def accept_token(s: Seq, drawn: Drawn) -> TokenEvent:
     c.logprobs.append(logprob)
     s.tokens.append(token)
     reason = None
-    if token in s.request.stop_token_ids:
+    done_grammar = False
+    if s.request.sampling.grammar is not None:
+        m = _matcher(s)
+        if not m.accept(token):
+            raise RuntimeError(
+                f"{s.seq_id}: the worker chose token {token}, which its grammar does not allow "
+                "(a worker that predates SequenceInput.allowed_token_mask?)"
+            )
+        done_grammar = m.terminated  # a stop token ended the grammar: nothing else may follow
+    if token in s.request.stop_token_ids or done_grammar:
         reason = "stop"
     elif len(c.token_ids) >= s.request.max_tokens:
         reason = "length"
@@ -77,6 +87,41 @@ def fill_sampling(msg: wpb.SamplingParams, opts: SamplingOptions, seed: int | No
     msg.num_top_logprobs = opts.logprobs
     if seed is not None:
         msg.seed = seed
+    msg.presence_penalty = opts.presence_penalty
+    msg.frequency_penalty = opts.frequency_penalty
+    msg.repetition_penalty = opts.repetition_penalty
+    msg.min_p = opts.min_p
+    if opts.logit_bias:
+        msg.logit_bias_token_ids.extend(t for t, _ in opts.logit_bias)
+        msg.logit_bias_values.extend(b for _, b in opts.logit_bias)
+
+
+def _matcher(s: Seq) -> Any:
+    if s.matcher is None:
+        s.matcher = s.request.sampling.grammar.matcher()
+    return s.matcher
+
+
+def fill_sequence_state(msg: wpb.SequenceInput, s: Seq) -> None:
+    """What the sequence's sampling needs beyond its parameters (the worker keeps no state between
+    steps): its grammar's allowed tokens, and the token history of a penalized sequence."""
+    opts = s.request.sampling
+    if opts.grammar is not None:
+        msg.allowed_token_mask = _matcher(s).mask()
+    if opts.penalized:
+        fill_history(msg, s)
+
+
+def fill_history(msg: wpb.SequenceInput, s: Seq) -> None:
+    """The token history a penalized sequence's sampling needs: its distinct generated tokens with
+    their counts and, for repetition_penalty, its prompt's distinct tokens. Rebuilt every step
+    from the sequence."""
+    opts = s.request.sampling
+    counts = collections.Counter(s.completion.token_ids)
+    msg.output_token_ids.extend(counts.keys())
+    msg.output_token_counts.extend(counts.values())
+    if opts.repetition_penalty != 1.0:
+        msg.prompt_token_ids.extend(dict.fromkeys(s.request.prompt))
 
 
 def worker_request(
@@ -100,6 +145,7 @@ def worker_request(
             num_cached_tokens=start,
         )
         fill_sampling(item.sampling, s.request.sampling, s.seed)
+        fill_sequence_state(item, s)
         # n > 1: the worker draws the forked samples' first tokens from the prompt's last position.
         for c in fork_draws(s, k):
             fill_sampling(item.fork_sampling.add(), s.request.sampling, c.seed)

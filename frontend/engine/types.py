@@ -7,6 +7,7 @@ import enum
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedkv import defaults
 
@@ -46,6 +47,21 @@ class SamplingOptions:
     # Also report this many most likely tokens (with logprobs) at every position: OpenAI's
     # logprobs=N / top_logprobs, vLLM's SamplingParams.logprobs. 0 = only the chosen token's.
     logprobs: int = 0
+    # Logit adjustments (worker_svc/model/sampling.py): OpenAI's presence/frequency penalties
+    # (-2..2) and logit_bias ((token id, -100..100) pairs), vLLM's repetition_penalty (> 0, 1 = off)
+    # and min_p (0..1, 0 = off).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # Grammar-constrained decoding (frontend/serve/grammar.py Grammar): each sample's tokens follow it.
+    grammar: Any = None
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the worker needs the sequence's token history (sent with each step only then)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     def validate(self) -> None:
         """Reject what a worker would refuse, before anything is allocated (the option is named)."""
@@ -59,6 +75,19 @@ class SamplingOptions:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and -2.0 <= v <= 2.0):
+                raise ValueError(f"{name} must be in [-2, 2], got {v}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        ids = [t for t, _ in self.logit_bias]
+        if len(set(ids)) != len(ids) or any(t < 0 for t in ids):
+            raise ValueError("logit_bias: token ids must be distinct and >= 0")
+        if any(not -100.0 <= b <= 100.0 for _, b in self.logit_bias):
+            raise ValueError("logit_bias: values must be in [-100, 100]")
 
 
 @dataclass(slots=True)
@@ -161,6 +190,8 @@ class Seq:
     children: list[Seq] = field(default_factory=list)
     # The children whose first token the last worker request asked this sequence's step to draw.
     forks_sent: list[Seq] = field(default_factory=list)
+    # SamplingOptions.grammar: this sample's place in it (frontend/serve/grammar.py Matcher).
+    matcher: Any = None
 
     @property
     def completion(self) -> Completion:

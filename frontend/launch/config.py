@@ -61,6 +61,8 @@ class StackConfig:
     allow_insecure: bool = False  # tokens without --tls-dir: sent in plaintext between the roles
     # `pagedkv serve` on this port after the workers (None = no frontend; `pagedkv up`: SERVE_PORT).
     serve_port: int | None = None
+    # More `pagedkv serve` flags (served name, API key file, limits: `pagedkv up`'s frontend group).
+    serve_args: tuple[str, ...] = ()
     # CPU workers start with tcmalloc and Intel OpenMP preloaded when present (pagedkv/cpu_runtime.py).
     preload_runtime: bool = True
     # The block manager's --state-dir (kept); None = a temporary one, removed when the stack stops.

@@ -38,6 +38,7 @@ from frontend.launch.config import StackConfig, override_flags, worker_roles
 from frontend.launch.ready import ReadyService, StackReady
 from frontend.launch.security import StackSecurity, StackSecurityError
 from frontend.launch.supervisor import RestartPolicy, supervise
+from frontend.serve.settings import ServeSettings
 from pagedkv import defaults
 from pagedkv.cpu_runtime import preload_env
 from pagedkv.healthcheck import wait_healthy
@@ -187,6 +188,7 @@ def plan(opts: StackConfig, security: StackSecurity | None = None, state_dir: st
                     "--log-format",
                     opts.log_format,
                     *sec.frontend_args(),
+                    *opts.serve_args,
                 ),
                 address,
                 "http",
@@ -499,6 +501,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="port of the OpenAI-compatible frontend, `pagedkv serve` [%(default)s]",
     )
     p.add_argument("--no-serve", action="store_true", help="start no frontend (gRPC services only)")
+    frontend = p.add_argument_group("frontend", "forwarded to `pagedkv serve` (docs/serve.md)")
+    for name in SERVE_FLAGS:
+        spec = ServeSettings.model_fields[name]
+        frontend.add_argument(
+            "--" + name.replace("_", "-"),
+            dest=f"serve_{name}",
+            type=int if spec.annotation is int else str,
+            default=None,
+            metavar=name.upper(),
+            help=str(spec.description) + (f" [{spec.default}]" if spec.default not in ("", None) else ""),
+        )
     p.add_argument(
         "--state-dir",
         default=None,
@@ -521,6 +534,34 @@ def build_parser() -> argparse.ArgumentParser:
         "(0 = stop the stack when any service exits) [%(default)s]",
     )
     return p
+
+
+# `pagedkv serve` settings that `pagedkv up` forwards (the rest are the stack's own: addresses, model,
+# TLS). Secrets only as a file: a flag's value shows in the process list.
+SERVE_FLAGS = (
+    "model_name",
+    "api_key_file",
+    "allowed_origins",
+    "max_waiting",
+    "max_num_seqs",
+    "max_batch_tokens",
+)
+
+
+def serve_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """The frontend group's flags that were given, as `pagedkv serve` flags (checked as serve would)."""
+    given = {name: getattr(args, f"serve_{name}") for name in SERVE_FLAGS}
+    given = {k: v for k, v in given.items() if v is not None}
+    try:
+        ServeSettings.model_validate(given)
+    except ValueError as e:
+        raise SystemExit(f"pagedkv up: {e}") from e
+    if given.get("api_key_file") and not pathlib.Path(given["api_key_file"]).is_file():
+        raise SystemExit(f"pagedkv up: --api-key-file {given['api_key_file']}: no such file")
+    out: list[str] = []
+    for name, value in given.items():
+        out += ["--" + name.replace("_", "-"), str(value)]
+    return tuple(out)
 
 
 def options_from_args(args: argparse.Namespace) -> StackConfig:
@@ -557,6 +598,7 @@ def options_from_args(args: argparse.Namespace) -> StackConfig:
         auth_tokens_file=args.auth_tokens_file,
         allow_insecure=args.allow_insecure,
         serve_port=None if args.no_serve else args.serve_port,
+        serve_args=serve_args(args),
         state_dir=args.state_dir,
         fsync=args.fsync,
         restart=RestartPolicy(max_restarts_per_minute=args.max_restarts_per_minute),

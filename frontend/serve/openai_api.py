@@ -2,23 +2,36 @@
 
 Every check happens here, before anything reaches the engine, so a bad request is answered 400
 with the offending field named (``param``) and nothing is allocated. Types are strict (``"5"`` is
-not a number, ``true`` is not an integer), ranges are OpenAI's (temperature 0..2, top_p (0, 1]),
-plus vLLM's extensions ``top_k``, ``stop_token_ids`` and ``ignore_eos``. Unknown fields are
-ignored as OpenAI does; known fields pagedkv cannot honour are refused with their name rather than
-silently dropped: ``presence_penalty``/``frequency_penalty`` other than 0, vLLM's
-``repetition_penalty`` other than 1 (the engine samples without penalties), ``echo`` with
-``logprobs`` (no prompt logprobs) and ``best_of != n``.
+not a number, ``true`` is not an integer), ranges are OpenAI's (temperature 0..2, top_p (0, 1],
+penalties -2..2, logit_bias -100..100), plus vLLM's extensions ``top_k``, ``min_p``,
+``repetition_penalty``, ``stop_token_ids`` and ``ignore_eos``. Nothing is silently dropped: a field
+the request models here do not implement is refused or ignored as frontend/serve/openai_fields.py says
+(ignored only where the response cannot differ), and any other field is refused as unknown.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from frontend.engine import MAX_TOP_LOGPROBS, SamplingOptions
+from frontend.serve.grammar import Grammar, GrammarCompiler
+from frontend.serve.openai_fields import (
+    CHAT,
+    COMPLETION,
+    CONTENT_PART,
+    MESSAGE,
+    STREAM_OPTIONS,
+    FieldRefused,
+    Ignored,
+    Refused,
+    screen,
+)
+from frontend.serve.structured_output import ResponseFormat, StructuredOutputError, requested_grammar
 from frontend.serve.text import ModelText
 
 MAX_N = 64
@@ -49,12 +62,13 @@ class ApiError(Exception):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
     include_usage: bool = False
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # Every field is implemented here or listed in frontend/serve/openai_fields.py; the rest are unknown.
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     model: str | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -67,10 +81,15 @@ class _Sampling(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0  # vLLM's extension
-    user: str | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    repetition_penalty: float = Field(1.0, gt=0.0)  # vLLM's extension
+    min_p: float = Field(0.0, ge=0.0, le=1.0)  # vLLM's extension
+    # Structured output (frontend/serve/structured_output.py): vLLM's extensions.
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
 
 
 class CompletionBody(_Sampling):
@@ -82,12 +101,17 @@ class CompletionBody(_Sampling):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict[str, Any]]
+    content: str | list[dict[str, Any]] | None = None
+    # Given to the chat template with the message (rendered where the template uses them).
+    name: str | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None  # an assistant's earlier refusal: its text when content is null
 
 
 class ChatBody(_Sampling):
+    response_format: ResponseFormat | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -104,6 +128,13 @@ class RequestLimits:
     block_size: int
     num_gpu_blocks: int
     text: ModelText
+    grammars: GrammarCompiler | None = None  # built on first use (needs the tokenizer)
+
+    def grammar_compiler(self) -> GrammarCompiler | None:
+        """Compiles structured-output grammars for this model; None without a tokenizer."""
+        if self.grammars is None and self.text.tokenizer is not None:
+            self.grammars = GrammarCompiler(self.text.tokenizer, self.vocab_size, self.text.eos_token_ids)
+        return self.grammars
 
     @property
     def max_tokens_in_pool(self) -> int:
@@ -139,7 +170,7 @@ class Parsed:
     echo: tuple[str, ...] = ()  # completions with echo: each prompt's text, put before its choices' text
 
 
-def _pydantic_error(e: ValidationError) -> ApiError:
+def validation_error(e: ValidationError) -> ApiError:
     err = e.errors()[0]
     loc = [str(p) for p in err["loc"]]
     # Union members show up in the location (e.g. stop.str / stop.list[str]); keep the field path.
@@ -148,6 +179,11 @@ def _pydantic_error(e: ValidationError) -> ApiError:
     msg = err["msg"]
     if err["type"] == "missing":
         msg = "this field is required"
+    elif err["type"] == "extra_forbidden":
+        msg = (
+            "unknown field: not a field of OpenAI's or vLLM's request that pagedkv implements "
+            "(docs/serve.md says what happens to each)"
+        )
     return ApiError(400, f"{param}: {msg}" if param else msg, param)
 
 
@@ -224,6 +260,44 @@ def _stop(stop: str | list[str] | None, limits: RequestLimits) -> tuple[str, ...
     return tuple(items)
 
 
+MAX_LOGIT_BIAS = 100.0
+# JSON parsing accepts NaN and Infinity: numbers that must be finite.
+_FINITE = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
+
+
+def _logit_bias(bias: dict[str, float] | None, limits: RequestLimits) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias: token ids (as JSON object keys) to a bias in -100..100."""
+    if not bias:
+        return ()
+    out = []
+    for key, value in bias.items():
+        if not key.strip().isdigit() or not 0 <= int(key) < limits.vocab_size:
+            raise ApiError(
+                400,
+                f"logit_bias: key {key!r} is not a token id in [0, {limits.vocab_size})",
+                "logit_bias",
+            )
+        if not (math.isfinite(value) and -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):
+            raise ApiError(400, f"logit_bias: the bias of token {key} must be in [-100, 100]", "logit_bias")
+        out.append((int(key), float(value)))
+    if len({t for t, _ in out}) != len(out):
+        raise ApiError(400, "logit_bias: a token id appears twice", "logit_bias")
+    return tuple(out)
+
+
+def _grammar(body: _Sampling, limits: RequestLimits) -> Grammar | None:
+    try:
+        return requested_grammar(
+            limits.grammar_compiler() if limits.text.tokenizer is not None else None,
+            getattr(body, "response_format", None),
+            body.guided_json,
+            body.guided_regex,
+            body.guided_choice,
+        )
+    except StructuredOutputError as e:
+        raise ApiError(400, str(e), e.param) from None
+
+
 def _common(
     body: _Sampling,
     prompts: list[list[int]],
@@ -232,10 +306,14 @@ def _common(
     logprobs: bool,
     top_logprobs: int,
 ) -> Parsed:
-    for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
-        if getattr(body, name) != neutral:
-            raise ApiError(400, f"{name}: not supported by pagedkv (only {neutral:g}, no penalty)", name)
-    for name in ("temperature", "top_p"):
+    for name in (
+        "temperature",
+        "top_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "min_p",
+    ):
         if not math.isfinite(getattr(body, name)):
             raise ApiError(400, f"{name}: must be a finite number", name)
     if body.top_k > limits.vocab_size:
@@ -275,6 +353,12 @@ def _common(
         top_k=max(0, body.top_k),
         seed=body.seed,
         logprobs=top_logprobs,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
+        min_p=body.min_p,
+        logit_bias=_logit_bias(body.logit_bias, limits),
+        grammar=_grammar(body, limits),
     )
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     if body.stream_options is not None and not body.stream:
@@ -296,20 +380,38 @@ def _common(
 _Body = TypeVar("_Body", bound=_Sampling)
 
 
-def _validated(raw: Any, model: type[_Body], limits: RequestLimits) -> _Body:
+def _screened(raw: dict[str, Any], policy: Mapping[str, Ignored | Refused]) -> dict[str, Any]:
+    """The body without the fields frontend/serve/openai_fields.py ignores (or refuses, with a 400),
+    in the body, its stream_options and each message."""
+    out = screen(raw, policy)
+    if isinstance(out.get("stream_options"), dict):
+        out["stream_options"] = screen(out["stream_options"], STREAM_OPTIONS, "stream_options.")
+    if isinstance(out.get("messages"), list):
+        out["messages"] = [
+            screen(m, MESSAGE, f"messages.{i}.") if isinstance(m, dict) else m
+            for i, m in enumerate(out["messages"])
+        ]
+    return out
+
+
+def _validated(
+    raw: Any, model: type[_Body], limits: RequestLimits, policy: Mapping[str, Ignored | Refused]
+) -> _Body:
     """The request body as ``model``, for the served model; a 400 naming the first bad field."""
     if not isinstance(raw, dict):
         raise ApiError(400, "the request body must be a JSON object")
     try:
-        body = model.model_validate(raw)
+        body = model.model_validate(_screened(raw, policy))
+    except FieldRefused as e:
+        raise ApiError(400, str(e), e.param) from None
     except ValidationError as e:
-        raise _pydantic_error(e) from None
+        raise validation_error(e) from None
     check_model(body.model, limits)
     return body
 
 
 def parse_completion(raw: Any, limits: RequestLimits) -> Parsed:
-    body = _validated(raw, CompletionBody, limits)
+    body = _validated(raw, CompletionBody, limits, COMPLETION)
     if body.echo and body.logprobs is not None:
         raise ApiError(
             400, "echo: not supported together with logprobs (the prompt's logprobs are not computed)", "echo"
@@ -334,10 +436,36 @@ def _echo_texts(prompt: Any, prompts: list[list[int]], limits: RequestLimits) ->
     return tuple(str(tok.decode(p)) if tok is not None else "" for p in prompts)
 
 
+def _part_text(part: dict[str, Any], where: str) -> str:
+    """A content part's text: a text part, or an (assistant's) refusal part; others are refused."""
+    try:
+        part = screen(part, CONTENT_PART, f"{where}.")
+    except FieldRefused as e:
+        raise ApiError(400, str(e), e.param) from None
+    kind = part.get("type")
+    if kind not in ("text", "refusal"):
+        raise ApiError(400, f"{where}.type: only text parts are supported (got {kind!r})", f"{where}.type")
+    extra = next((k for k in part if k not in ("type", kind)), None)
+    if extra is not None:
+        raise ApiError(400, f"{where}.{extra}: unknown field of a {kind} part", f"{where}.{extra}")
+    if not isinstance(part.get(kind), str):
+        raise ApiError(400, f"{where}.{kind}: expected a string", f"{where}.{kind}")
+    return str(part[kind])
+
+
 def parse_chat(raw: Any, limits: RequestLimits) -> Parsed:
-    body = _validated(raw, ChatBody, limits)
+    body = _validated(raw, ChatBody, limits, CHAT)
     if body.top_logprobs and not body.logprobs:
         raise ApiError(400, "top_logprobs: requires logprobs: true", "top_logprobs")
+    prompt = chat_prompt(body.messages, limits)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    return _common(body, [prompt], max_tokens, limits, body.logprobs, body.top_logprobs or 0)
+
+
+def chat_prompt(
+    messages: list[ChatMessage], limits: RequestLimits, add_generation_prompt: bool = True
+) -> list[int]:
+    """The messages rendered by the chat template and tokenized (special tokens as their ids)."""
     if not limits.text.has_chat_template:
         raise ApiError(
             400,
@@ -345,22 +473,23 @@ def parse_chat(raw: Any, limits: RequestLimits) -> Parsed:
             "needs a tokenizer with chat_template); use /v1/completions",
             "messages",
         )
-    messages = []
-    for i, m in enumerate(body.messages):
-        if isinstance(m.content, str):
-            text = m.content
+    rendered = []
+    for i, m in enumerate(messages):
+        if m.content is None and m.refusal is None:
+            raise ApiError(400, f"messages.{i}.content: this field is required", f"messages.{i}.content")
+        if isinstance(m.content, list):
+            text = "".join(_part_text(part, f"messages.{i}.content.{j}") for j, part in enumerate(m.content))
         else:
-            parts = []
-            for part in m.content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ApiError(
-                        400, f"messages.{i}.content: only text parts are supported", f"messages.{i}.content"
-                    )
-                parts.append(part["text"])
-            text = "".join(parts)
-        messages.append({"role": m.role, "content": text})
+            text = m.content or ""
+        text += m.refusal or ""
+        msg = {"role": m.role, "content": text}
+        if m.name is not None:
+            msg["name"] = m.name
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        rendered.append(msg)
     try:
-        prompt = limits.text.chat_prompt(messages)
+        prompt = limits.text.chat_prompt(rendered, add_generation_prompt)
     except Exception as e:  # noqa: BLE001 - a template that rejects these messages is the caller's input
         raise ApiError(400, f"messages: the chat template rejected them: {e}", "messages") from None
     if not prompt:
@@ -372,5 +501,4 @@ def parse_chat(raw: Any, limits: RequestLimits) -> Parsed:
             f"messages: the tokenizer produced token id {bad}, outside the model's vocabulary",
             "messages",
         )
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    return _common(body, [prompt], max_tokens, limits, body.logprobs, body.top_logprobs or 0)
+    return prompt

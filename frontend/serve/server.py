@@ -8,6 +8,7 @@ tokens back as they are produced, abort on disconnect, and serve /v1/models, /he
 
     POST /v1/completions        prompt: token ids, lists of them, or text (with a tokenizer)
     POST /v1/chat/completions   when the tokenizer has a chat template
+    POST /tokenize, /detokenize vLLM's shapes (frontend/serve/tokenize_api.py)
     GET  /v1/models
     GET  /health                200 only when the block manager and a worker answer (no API key)
     GET  /metrics               Prometheus (frontend/serve/metrics.py)
@@ -44,14 +45,14 @@ from frontend.serve.metrics import ServeMetrics
 from frontend.serve.openai_api import ApiError, Parsed, RequestLimits, parse_chat, parse_completion
 from frontend.serve.settings import ServeSettings, load_settings
 from frontend.serve.text import load_model_text
+from frontend.serve.tokenize_api import detokenize, tokenize
 from pagedkv.tls import TlsConfigError, is_loopback
 
 log = structlog.get_logger("pagedkv.serve")
 
 HEALTH_PATH = "/health"
-# A non-streaming request asks this often whether its client left. uvicorn stops reading a connection
-# once the request body is in, so in practice it notices only when it answers; a streaming request is
-# aborted as soon as a token cannot be sent.
+# A streaming request asks this often whether its client left (besides failing to send a token);
+# a non-streaming one has a task waiting for the disconnect (_watch_client).
 DISCONNECT_POLL_S = 0.5
 
 
@@ -303,8 +304,25 @@ def _sse(obj: object) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
+class _ClientGone:
+    """Put in a non-streaming run's queue when its client disconnected."""
+
+
+CLIENT_GONE = _ClientGone()
+
+
+async def _watch_client(request: Request, run: _Run) -> None:
+    """Abort ``run`` when the client of a non-streaming request disconnects. Once the body is read,
+    uvicorn answers ``receive()`` only when the connection is lost (or the response went out, and
+    this task is cancelled before that), reading the socket meanwhile, so it sees the client go."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    run.abort()
+    run.queue.put((-1, CLIENT_GONE))
+
+
 async def _next(run: _Run, request: Request) -> tuple[int, object]:
-    """The next item for this run; aborts it (and raises) when the client went away."""
+    """The next item for this run; aborts it (and raises) when a streaming client went away."""
     if run.early:
         return run.early.popleft()
     while True:
@@ -345,6 +363,7 @@ async def _serve(state: ServerState, request: Request, parsed: Parsed, kind: str
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
+    watcher = asyncio.create_task(_watch_client(request, run))
     try:
         while not run.done:
             prompt, item = await _next(run, request)
@@ -354,7 +373,11 @@ async def _serve(state: ServerState, request: Request, parsed: Parsed, kind: str
                 run.on_finished(prompt, item)
             elif isinstance(item, Failed):
                 raise ApiError(item.status, item.message, None, "server_error")
+            elif item is CLIENT_GONE:
+                log.info("client_gone", request_id=run.id)
+                return Response(status_code=499)  # nobody reads it: the connection is closed
     finally:
+        watcher.cancel()
         run.abort()  # no-op once done
     return JSONResponse(run.response())
 
@@ -452,7 +475,9 @@ async def _json_body(request: Request) -> Any:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
 
 
-def create_app(state: ServerState, api_key: str = "") -> Any:
+def create_app(state: ServerState, api_key: str = "", allowed_origins: Sequence[str] = ()) -> Any:
+    """The ASGI app: routes, behind the API key (when set), behind CORS (when origins are allowed:
+    outermost, so that a browser's preflight, which carries no key, is answered, and so are 401s)."""
     app = FastAPI(title="pagedkv", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(ApiError)
@@ -471,6 +496,14 @@ def create_app(state: ServerState, api_key: str = "") -> Any:
     async def chat(request: Request) -> Response:
         parsed = parse_chat(await _json_body(request), state.limits)
         return await _serve(state, request, parsed, "chat")
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request) -> JSONResponse:
+        return JSONResponse(tokenize(await _json_body(request), state.limits))
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request) -> JSONResponse:
+        return JSONResponse(detokenize(await _json_body(request), state.limits))
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
@@ -504,7 +537,18 @@ def create_app(state: ServerState, api_key: str = "") -> Any:
         body = await asyncio.to_thread(generate_latest, state.metrics.registry)
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
-    return ApiKeyMiddleware(app, api_key) if api_key else app
+    guarded: Any = ApiKeyMiddleware(app, api_key) if api_key else app
+    if not allowed_origins:
+        return guarded
+    from starlette.middleware.cors import CORSMiddleware
+
+    return CORSMiddleware(
+        guarded,
+        allow_origins=list(allowed_origins),
+        allow_methods=["GET", "POST", "OPTIONS"],
+        allow_headers=["Authorization", "Content-Type"],
+        max_age=600,
+    )
 
 
 # --- running it --------------------------------------------------------------------------------------
@@ -578,7 +622,7 @@ class OpenAIServer:
             self.state = ServerState(
                 self.loop, limits, self.metrics, settings.max_waiting, settings.retry_after_s, self._health
             )
-            app = create_app(self.state, settings.resolved_api_key())
+            app = create_app(self.state, settings.resolved_api_key(), settings.origins)
             self._sock = socket.socket(socket.AF_INET6 if ":" in settings.host else socket.AF_INET)
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             self._sock.bind((settings.host, settings.port))

@@ -74,6 +74,11 @@ class ServeSettings(BaseSettings):
         "(prefer PAGEDKV_API_KEY or --api-key-file)",
     )
     api_key_file: str = Field("", description="file holding the API key")
+    allowed_origins: str = Field(
+        "",
+        description="comma-separated origins (https://app.example.com) whose browser pages may call "
+        "this server (CORS); * = any; empty = none",
+    )
     tls_cert: str = Field("", description="server certificate chain (PEM); with tls_key: serve HTTPS")
     tls_key: str = Field("", description="server private key (PEM)")
     tls_client_ca: str = Field(
@@ -115,6 +120,10 @@ class ServeSettings(BaseSettings):
             "token": token,
             "allow_insecure": self.allow_insecure,
         }
+
+    @property
+    def origins(self) -> list[str]:
+        return [o.strip() for o in self.allowed_origins.split(",") if o.strip()]
 
     @property
     def worker_targets(self) -> list[str]:

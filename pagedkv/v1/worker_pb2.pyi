@@ -74,6 +74,12 @@ class SamplingParams(_message.Message):
     TOP_K_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
     NUM_TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    PRESENCE_PENALTY_FIELD_NUMBER: _builtins.int
+    FREQUENCY_PENALTY_FIELD_NUMBER: _builtins.int
+    REPETITION_PENALTY_FIELD_NUMBER: _builtins.int
+    MIN_P_FIELD_NUMBER: _builtins.int
+    LOGIT_BIAS_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    LOGIT_BIAS_VALUES_FIELD_NUMBER: _builtins.int
     temperature: _builtins.float
     """0 means greedy (argmax)."""
     top_p: _builtins.float
@@ -90,6 +96,29 @@ class SamplingParams(_message.Message):
     """Also return this many most likely tokens of the position with their
     log-probabilities (OpenAI's logprobs=N / top_logprobs); 0 = none, at most 20.
     """
+    presence_penalty: _builtins.float
+    """Penalties, as OpenAI and vLLM define them; each needs the sequence's token
+    history (SequenceInput.output_token_ids/_counts, prompt_token_ids).
+    presence: subtract it from the logit of every token generated at least
+    once; frequency: subtract it times the token's count; both -2..2, 0 = off.
+    """
+    frequency_penalty: _builtins.float
+    repetition_penalty: _builtins.float
+    """Divide a positive logit (multiply a negative one) of every token of the
+    prompt or the output by it; > 0, 0 or 1 = off.
+    """
+    min_p: _builtins.float
+    """Drop tokens whose probability (after temperature) is below min_p times the
+    most likely token's; 0..1, 0 = off.
+    """
+    @_builtins.property
+    def logit_bias_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Added to these tokens' logits before anything else (OpenAI's logit_bias,
+        -100..100): pairs, same length, distinct ids.
+        """
+
+    @_builtins.property
+    def logit_bias_values(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
     def __init__(
         self,
         *,
@@ -98,10 +127,16 @@ class SamplingParams(_message.Message):
         top_k: _builtins.int = ...,
         seed: _builtins.int | None = ...,
         num_top_logprobs: _builtins.int = ...,
+        presence_penalty: _builtins.float = ...,
+        frequency_penalty: _builtins.float = ...,
+        repetition_penalty: _builtins.float = ...,
+        min_p: _builtins.float = ...,
+        logit_bias_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        logit_bias_values: _abc.Iterable[_builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "seed", b"seed"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "num_top_logprobs", b"num_top_logprobs", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "frequency_penalty", b"frequency_penalty", "logit_bias_token_ids", b"logit_bias_token_ids", "logit_bias_values", b"logit_bias_values", "min_p", b"min_p", "num_top_logprobs", b"num_top_logprobs", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
@@ -120,11 +155,21 @@ class SequenceInput(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     RETURN_LOGITS_FIELD_NUMBER: _builtins.int
     FORK_SAMPLING_FIELD_NUMBER: _builtins.int
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    OUTPUT_TOKEN_COUNTS_FIELD_NUMBER: _builtins.int
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    ALLOWED_TOKEN_MASK_FIELD_NUMBER: _builtins.int
     seq_id: _builtins.str
     num_cached_tokens: _builtins.int
     """Tokens of this sequence whose KV is already in the cache, before token_ids."""
     return_logits: _builtins.bool
     """Also return the full logits of the last position (for tests and debugging)."""
+    allowed_token_mask: _builtins.bytes
+    """Grammar-constrained decoding: the tokens this step may choose, a bitmask
+    (bit t % 32 of little-endian 32-bit word t / 32 set = token t allowed;
+    ceil(vocab_size / 32) words). Empty = no constraint. The forked samples'
+    first tokens obey it too.
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The new tokens: the prompt (or its uncached part) for prefill, one token
@@ -146,6 +191,18 @@ class SequenceInput(_message.Message):
         SequenceOutput.fork_samples, one per entry, same order.
         """
 
+    @_builtins.property
+    def output_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The token history the penalties of SamplingParams need, sent only when the
+        sequence's sampling sets one: the distinct tokens generated so far with how
+        many times each (pairs, same length), and (repetition_penalty) the distinct
+        tokens of the prompt. The forked samples' first tokens see the same history.
+        """
+
+    @_builtins.property
+    def output_token_counts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
         self,
         *,
@@ -156,10 +213,14 @@ class SequenceInput(_message.Message):
         sampling: Global___SamplingParams | None = ...,
         return_logits: _builtins.bool = ...,
         fork_sampling: _abc.Iterable[Global___SamplingParams] | None = ...,
+        output_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        output_token_counts: _abc.Iterable[_builtins.int] | None = ...,
+        prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        allowed_token_mask: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "fork_sampling", b"fork_sampling", "num_cached_tokens", b"num_cached_tokens", "return_logits", b"return_logits", "sampling", b"sampling", "seq_id", b"seq_id", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allowed_token_mask", b"allowed_token_mask", "block_ids", b"block_ids", "fork_sampling", b"fork_sampling", "num_cached_tokens", b"num_cached_tokens", "output_token_counts", b"output_token_counts", "output_token_ids", b"output_token_ids", "prompt_token_ids", b"prompt_token_ids", "return_logits", b"return_logits", "sampling", b"sampling", "seq_id", b"seq_id", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -284,3 +284,30 @@ def test_up_fsync_flag_reaches_the_block_manager_settings() -> None:
         assert settings.fsync == want and settings.state_dir == "/var/x"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--fsync", "sometimes"])
+
+
+def test_up_forwards_the_frontend_flags_to_serve(tmp_path: pathlib.Path) -> None:
+    """Served name, API key file, CORS origins and limits given to `pagedkv up` become the same
+    `pagedkv serve` settings (parsed by serve's own loader); none given: serve's defaults."""
+    from frontend.launch.processes import build_parser, options_from_args, plan
+    from frontend.serve.settings import load_settings
+
+    key = tmp_path / "key"
+    key.write_text("k-0123456789\n")
+    argv = [
+        "--model-name", "smol", "--api-key-file", str(key), "--allowed-origins", "https://a.example",
+        "--max-waiting", "7", "--max-num-seqs", "5", "--max-batch-tokens", "96",
+    ]  # fmt: skip
+    frontend = plan(options_from_args(build_parser().parse_args(argv)))[-1]
+    assert frontend.name == "frontend"
+    settings = load_settings(frontend.args[frontend.args.index("serve") + 1 :])
+    assert settings.model_name == "smol" and settings.resolved_api_key() == "k-0123456789"
+    assert settings.origins == ["https://a.example"]
+    assert (settings.max_waiting, settings.max_num_seqs, settings.max_batch_tokens) == (7, 5, 96)
+    assert "k-0123456789" not in " ".join(frontend.args)  # the key itself never on a command line
+    plain = plan(options_from_args(build_parser().parse_args([])))[-1]
+    default = load_settings(plain.args[plain.args.index("serve") + 1 :])
+    assert (default.model_name, default.max_num_seqs, default.api_key_file) == ("", 64, "")
+    for bad in (["--max-num-seqs", "0"], ["--api-key-file", str(tmp_path / "missing")]):
+        with pytest.raises(SystemExit):
+            options_from_args(build_parser().parse_args(bad))

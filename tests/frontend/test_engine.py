@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from frontend.engine import EngineConfig, GenerationRequest
 from frontend.launch.config import StackConfig
@@ -242,3 +243,53 @@ def test_generate_forgets_its_requests_so_batch_after_batch_does_not_grow(hf: HF
         assert st.block_manager.servicer._core.stats().num_sequences == 0  # noqa: SLF001
     for a, b, p in zip(first, again, ps, strict=True):
         assert a.completions[0].token_ids == b.completions[0].token_ids == hf.greedy(p, 4)
+
+
+def _penalized_greedy(hf: HFModel, prompt: list[int], n: int, freq: float, presence: float) -> list[int]:
+    """Greedy decoding with OpenAI's frequency/presence penalties over transformers' logits."""
+    out: list[int] = []
+    for _ in range(n):
+        logits = hf.last_logits(prompt + out).clone()
+        for t in set(out):
+            logits[t] -= freq * out.count(t) + presence
+        out.append(int(logits.argmax()))
+    return out
+
+
+def test_penalties_and_logit_bias_through_the_engine_match_transformers(hf: HFModel) -> None:
+    """The token history reaches the worker every step (penalized requests only): greedy output
+    equals transformers' generate with its repetition penalty, and a reference loop applying
+    frequency and presence penalties; a logit bias of -100 keeps a token out."""
+    from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
+
+    from frontend.engine import SamplingOptions
+
+    p = prompts(5, 1)[0]
+    plain = hf.greedy(p, 12)
+    rep = SamplingOptions(repetition_penalty=1.6)
+    freq = SamplingOptions(frequency_penalty=1.5, presence_penalty=0.5)
+    banned = plain[0]
+    bias = SamplingOptions(logit_bias=((banned, -100.0),))
+    reqs = [
+        GenerationRequest("rep", p, max_tokens=12, sampling=rep),
+        GenerationRequest("freq", p, max_tokens=12, sampling=freq),
+        GenerationRequest("bias", p, max_tokens=12, sampling=bias),
+        GenerationRequest("plain", p, max_tokens=12),
+    ]
+    with stack(hf, num_gpu_blocks=96) as st:
+        outs = {o.request_id: o.completions[0].token_ids for o in st.engine().generate(reqs)}
+    with torch.inference_mode():
+        want_rep = hf.model.generate(  # type: ignore[attr-defined]
+            torch.tensor([p]),
+            max_new_tokens=12,
+            min_new_tokens=12,
+            do_sample=False,
+            logits_processor=LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.6)]),
+            pad_token_id=None,
+            eos_token_id=None,
+        )[0, len(p) :].tolist()
+    want_freq = _penalized_greedy(hf, p, 12, 1.5, 0.5)
+    assert outs["plain"] == plain
+    assert outs["rep"] == want_rep and want_rep != plain
+    assert outs["freq"] == want_freq and want_freq != plain
+    assert banned not in outs["bias"]

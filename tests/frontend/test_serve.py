@@ -7,12 +7,15 @@ oracle (which never stops at EOS) and the server generate the same number of tok
 
 from __future__ import annotations
 
+import json
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 from frontend.clients.block_manager import BlockManagerClient
 from frontend.launch.local_stack import LocalStack
@@ -83,6 +86,41 @@ def test_token_id_prompts_batch_and_usage(client, hf: HFModel, stack: LocalStack
     wait_pool_empty(stack)
 
 
+def test_cached_tokens_of_a_multi_prompt_request_is_the_sum_over_its_prompts(
+    client, stack: LocalStack
+) -> None:
+    """Two prompts, each already in the prefix cache by a different amount: one request with both
+    reports the sum (not the first's, the last's or the largest)."""
+    a = [7, 21, 33, 45, 57, 69, 81, 93, 105, 117, 12, 24, 36]  # 3 full blocks of 4 + 1
+    b = [8, 22, 34, 46, 58, 70, 82, 94, 106]  # 2 full blocks + 1
+    alone = []
+    for p in (a, b):
+        client.completions.create(model="tiny", prompt=p, max_tokens=1, temperature=0, extra_body=NO_EOS)
+        again = client.completions.create(
+            model="tiny", prompt=p, max_tokens=1, temperature=0, extra_body=NO_EOS
+        )
+        alone.append(again.usage.prompt_tokens_details.cached_tokens)
+    assert alone[0] != alone[1] and min(alone) > 0, alone
+    both = client.completions.create(
+        model="tiny", prompt=[a, b], max_tokens=1, temperature=0, extra_body=NO_EOS
+    )
+    assert both.usage.prompt_tokens_details.cached_tokens == sum(alone)
+    assert both.usage.prompt_tokens == len(a) + len(b)
+    streamed = list(
+        client.completions.create(
+            model="tiny",
+            prompt=[a, b],
+            max_tokens=1,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=NO_EOS,
+        )
+    )
+    assert streamed[-1].usage.prompt_tokens_details.cached_tokens == sum(alone)
+    wait_pool_empty(stack)
+
+
 def test_n2_greedy_samples_both_match_and_seeded_sampling_reproduces(client, hf: HFModel) -> None:
     p = [3, 14, 15, 92, 65, 35]
     r = client.completions.create(model="tiny", prompt=p, max_tokens=8, n=2, temperature=0, extra_body=NO_EOS)
@@ -95,6 +133,50 @@ def test_n2_greedy_samples_both_match_and_seeded_sampling_reproduces(client, hf:
     b = client.completions.create(**kw)
     assert [c.token_ids for c in a.choices] == [c.token_ids for c in b.choices]
     assert all(len(c.token_ids) == 8 for c in a.choices)
+
+
+def test_penalties_logit_bias_and_min_p_reach_the_sampler(client, hf: HFModel, stack: LocalStack) -> None:
+    """The SDK's own fields (presence/frequency penalty, logit_bias) and vLLM's (repetition_penalty,
+    min_p) change what is generated as the reference says; nothing stays allocated."""
+    p = [3, 14, 15, 92, 65, 35]
+    plain = hf.greedy(p, 10)
+    r = client.completions.create(
+        model="tiny",
+        prompt=p,
+        max_tokens=10,
+        temperature=0,
+        frequency_penalty=-1.5,
+        presence_penalty=-0.5,
+        extra_body=NO_EOS,
+    )
+    want: list[int] = []
+    for _ in range(10):
+        logits = hf.last_logits(p + want).clone()
+        for t in set(want):
+            logits[t] -= -1.5 * want.count(t) - 0.5  # negative: repeating is encouraged
+        want.append(int(logits.argmax()))
+    assert r.choices[0].token_ids == want, (r.choices[0].token_ids, want, plain)
+    assert want != plain
+    forced = client.completions.create(
+        model="tiny", prompt=p, max_tokens=4, temperature=1.0, logit_bias={"77": 100}, extra_body=NO_EOS
+    )
+    assert forced.choices[0].token_ids == [77] * 4
+    rep = client.completions.create(
+        model="tiny", prompt=p, max_tokens=10, temperature=0, extra_body={**NO_EOS, "repetition_penalty": 0.3}
+    )
+    want = []
+    for _ in range(10):  # < 1: the prompt's and the output's tokens are favoured
+        logits = hf.last_logits(p + want).clone()
+        seen = list(set(p + want))
+        logits[seen] = torch.where(logits[seen] > 0, logits[seen] / 0.3, logits[seen] * 0.3)
+        want.append(int(logits.argmax()))
+    assert rep.choices[0].token_ids == want and want != plain
+    # min_p = 1 keeps only the most likely token: sampling becomes greedy.
+    top = client.completions.create(
+        model="tiny", prompt=p, max_tokens=10, temperature=1.5, seed=3, extra_body={**NO_EOS, "min_p": 1.0}
+    )
+    assert top.choices[0].token_ids == plain
+    wait_pool_empty(stack)
 
 
 def test_logprobs_n_returns_the_models_top_alternatives(client, hf: HFModel, server: OpenAIServer) -> None:
@@ -232,6 +314,48 @@ def test_models_health_and_eos(client, hf: HFModel, server: OpenAIServer) -> Non
     r = client.completions.create(model="tiny", prompt=p, max_tokens=40, temperature=0)
     assert r.choices[0].token_ids == with_eos
     assert r.choices[0].finish_reason == ("stop" if with_eos[-1] == 2 else "length")
+
+
+def _post_json(server: OpenAIServer, path: str, body: object) -> tuple[int, dict]:
+    req = urllib.request.Request(
+        server.url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_tokenize_and_detokenize_in_vllms_shapes(client, server: OpenAIServer) -> None:
+    """The server's own tokenizer and chat template: a chat tokenized here is the prompt a chat
+    request is charged for (usage.prompt_tokens)."""
+    status, out = _post_json(
+        server, "/tokenize", {"model": "tiny", "prompt": "w7 w8 w9", "return_token_strs": True}
+    )
+    assert status == 200, out
+    assert out == {"count": 3, "max_model_len": 512, "tokens": [7, 8, 9], "token_strs": ["w7", "w8", "w9"]}
+    _, plain = _post_json(server, "/tokenize", {"prompt": "w7 w8 w9", "add_special_tokens": False})
+    assert plain["tokens"] == [7, 8, 9] and plain["token_strs"] is None  # this tokenizer adds no BOS
+    messages = [{"role": "system", "content": "w5"}, {"role": "user", "content": "w7 w8"}]
+    _, chat = _post_json(server, "/tokenize", {"model": "tiny", "messages": messages})
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=1, temperature=0)
+    assert chat["count"] == len(chat["tokens"]) == r.usage.prompt_tokens
+    _, no_gen = _post_json(server, "/tokenize", {"messages": messages, "add_generation_prompt": False})
+    assert no_gen["tokens"] == chat["tokens"][:-1]  # the template's "assistant"
+    status, out = _post_json(server, "/detokenize", {"model": "tiny", "tokens": [7, 8, 9]})
+    assert status == 200 and out == {"prompt": "w7 w8 w9"}
+    for path, body, param in (
+        ("/detokenize", {"tokens": [7, 128]}, "tokens"),
+        ("/detokenize", {"tokens": "7"}, "tokens"),
+        ("/tokenize", {"prompt": "w7", "messages": messages}, "prompt"),
+        ("/tokenize", {}, "prompt"),
+        ("/tokenize", {"prompt": "w7", "continue_final_message": True}, "continue_final_message"),
+        ("/tokenize", {"messages": messages, "add_special_tokens": True}, "add_special_tokens"),
+        ("/tokenize", {"model": "other", "prompt": "w7"}, "model"),
+    ):
+        status, out = _post_json(server, path, body)
+        assert status in (400, 404) and out["error"]["param"] == param, (path, body, out)
 
 
 def test_16_concurrent_streaming_clients_are_batched(

@@ -121,10 +121,15 @@ BAD_FIELDS = [
     ({"stop_token_ids": [500]}, "stop_token_ids", "out of range"),
     ({"stop_token_ids": "1"}, "stop_token_ids", "list"),
     ({"ignore_eos": "no"}, "ignore_eos", "boolean"),
-    ({"presence_penalty": 0.5}, "presence_penalty", "not supported"),
-    ({"frequency_penalty": -0.5}, "frequency_penalty", "not supported"),
-    ({"repetition_penalty": 1.2}, "repetition_penalty", "not supported"),
+    ({"presence_penalty": 2.5}, "presence_penalty", "less than or equal to 2"),
+    ({"frequency_penalty": -2.5}, "frequency_penalty", "greater than or equal to -2"),
+    ({"repetition_penalty": 0}, "repetition_penalty", "greater than 0"),
     ({"repetition_penalty": "1"}, "repetition_penalty", "number"),
+    ({"min_p": 1.5}, "min_p", "less than or equal to 1"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias", "not a token id"),
+    ({"logit_bias": {"128": 1}}, "logit_bias", "not a token id"),
+    ({"logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
+    ({"logit_bias": [1, 2]}, "logit_bias", "dictionary"),
     ({"echo": True, "logprobs": 1}, "echo", "not supported together with logprobs"),
     ({"best_of": 3}, "best_of", "best_of == n"),
     ({"model": 7}, "model", "string"),
@@ -143,15 +148,32 @@ def test_bad_field_is_400_naming_it(server: OpenAIServer, override: dict, param:
     assert body["error"]["message"].startswith(param)
 
 
-def test_neutral_penalties_and_echo_false_are_accepted(server: OpenAIServer) -> None:
-    """The values that change nothing (what clients send by default) are served, ints included."""
+def test_penalties_and_echo_false_are_accepted(server: OpenAIServer) -> None:
+    """Penalties, min_p and logit_bias are served, the neutral values (what clients send by default)
+    and ints included."""
     for neutral in (
         {"presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1},
         {"repetition_penalty": 1.0, "echo": False},
+        {"presence_penalty": 1, "frequency_penalty": -0.5, "repetition_penalty": 1.3, "min_p": 0.1},
+        {"logit_bias": {"5": -100, "7": 2.5}, "temperature": 1.0, "seed": 1},
     ):
         status, body, _ = post(server, "/v1/completions", {**GOOD, **neutral})
         assert status == 200, body
         assert len(body["choices"][0]["token_ids"]) >= 1
+
+
+def test_a_request_filling_the_context_exactly_runs_one_more_token_is_refused(
+    server: OpenAIServer, stack: LocalStack
+) -> None:
+    """64 blocks x 4 = 256 tokens per sequence: prompt 200 + max_tokens 56 runs to its end."""
+    body = {**GOOD, "prompt": [1 + i % 100 for i in range(200)], "ignore_eos": True, "temperature": 0}
+    status, out, _ = post(server, "/v1/completions", {**body, "max_tokens": 56})
+    assert status == 200, out
+    assert len(out["choices"][0]["token_ids"]) == 56 and out["choices"][0]["finish_reason"] == "length"
+    status, out, _ = post(server, "/v1/completions", {**body, "max_tokens": 57})
+    assert status == 400 and out["error"]["param"] == "max_tokens", out
+    assert "257 exceeds the 256 tokens" in out["error"]["message"]
+    assert_pool_empty(stack)
 
 
 def test_bad_requests_leave_nothing_allocated(server: OpenAIServer, stack: LocalStack) -> None:
@@ -263,6 +285,89 @@ def test_disconnect_mid_stream_aborts_and_frees(server: OpenAIServer, stack: Loc
     produced = counter(server, "pagedkv_generation_tokens_total") - before
     assert produced < 2 * 240, f"the request ran to the end ({produced} tokens) instead of being aborted"
     assert counter(server, "pagedkv_request_success_total", 'finished_reason="abort"') == aborts + 1
+
+
+def test_disconnect_during_a_non_streaming_request_aborts_and_frees(
+    server: OpenAIServer, stack: LocalStack
+) -> None:
+    """No token can fail to send here: the server must see the connection close while it waits."""
+    before = counter(server, "pagedkv_generation_tokens_total")
+    aborts = counter(server, "pagedkv_request_success_total", 'finished_reason="abort"')
+    body = {
+        "model": "tiny",
+        "prompt": [4, 5, 6, 7, 9],
+        "max_tokens": 240,
+        "temperature": 0,
+        "ignore_eos": True,
+        "n": 2,
+    }
+    data = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
+    deadline = time.monotonic() + 30
+    while counter(server, "pagedkv_generation_tokens_total") == before:  # it runs
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    sock.close()
+    assert_pool_empty(stack)
+    produced = counter(server, "pagedkv_generation_tokens_total") - before
+    assert produced < 2 * 240, f"the request ran to the end ({produced} tokens) instead of being aborted"
+    assert counter(server, "pagedkv_request_success_total", 'finished_reason="abort"') == aborts + 1
+    # The server still answers (the aborted handler ended cleanly).
+    status, out, _ = post(server, "/v1/completions", GOOD)
+    assert status == 200, out
+
+
+def _request(
+    server: OpenAIServer, method: str, path: str, headers: dict[str, str], body: bytes = b""
+) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn.request(method, path, body=body or None, headers=headers)
+    r = conn.getresponse()
+    r.read()
+    conn.close()
+    return r.status, {k.lower(): v for k, v in r.getheaders()}
+
+
+def test_cors_only_for_the_allowed_origins(stack: LocalStack, server: OpenAIServer) -> None:
+    app, other = "https://app.example.com", "https://evil.example.com"
+    preflight = {
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type",
+    }
+    body = json.dumps(GOOD).encode()
+    post_headers = {"Content-Type": "application/json", "Origin": app}
+    with serving(stack, model_name="tiny", api_key=KEY, allowed_origins=f"{app}, https://b.example") as srv:
+        # The browser's preflight carries no key: answered, for the allowed origin only.
+        status, h = _request(srv, "OPTIONS", "/v1/completions", {"Origin": app, **preflight})
+        assert status == 200 and h["access-control-allow-origin"] == app
+        assert "authorization" in h["access-control-allow-headers"].lower()
+        status, h = _request(srv, "OPTIONS", "/v1/completions", {"Origin": other, **preflight})
+        assert status == 400 and "access-control-allow-origin" not in h
+        status, h = _request(srv, "POST", "/v1/completions", {**post_headers, **AUTH}, body)
+        assert status == 200 and h["access-control-allow-origin"] == app
+        status, h = _request(
+            srv, "POST", "/v1/completions", post_headers, body
+        )  # no key: the page can read the 401
+        assert status == 401 and h["access-control-allow-origin"] == app
+        status, h = _request(srv, "POST", "/v1/completions", {**post_headers, **AUTH, "Origin": other}, body)
+        assert status == 200 and "access-control-allow-origin" not in h
+    # Without --allowed-origins: no CORS headers; a preflight is just an unauthenticated request.
+    status, h = _request(server, "OPTIONS", "/v1/completions", {"Origin": app, **preflight})
+    assert status == 401 and "access-control-allow-origin" not in h
+    status, h = _request(server, "POST", "/v1/completions", {**post_headers, **AUTH}, body)
+    assert status == 200 and "access-control-allow-origin" not in h
+
+
+def test_tokenize_without_a_tokenizer_is_400(server: OpenAIServer) -> None:
+    status, body, _ = post(server, "/tokenize", {"prompt": "hello"})
+    assert status == 400 and "no tokenizer" in body["error"]["message"]
+    status, body, _ = post(server, "/detokenize", {"tokens": [1, 2]})
+    assert status == 400 and "no tokenizer" in body["error"]["message"]
 
 
 def test_over_max_waiting_is_503_with_retry_after(stack: LocalStack) -> None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 
@@ -286,3 +288,117 @@ def test_echo_puts_the_prompt_before_the_completion(client, script: Script) -> N
     assert [c.text for c in sorted(both.choices, key=lambda c: c.index)] == [say + WORDS_TEXT] * 2 + [
         "Menu" + MULTIBYTE_TEXT
     ] * 2
+
+
+@pytest.mark.parametrize("max_tokens", [3, 64], ids=["completing-token-is-the-last", "more-tokens-follow"])
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_stop_string_whose_last_character_comes_alone_in_the_final_token(
+    client, script: Script, max_tokens: int, chat: bool
+) -> None:
+    """Tokens "Hello", " world", ",", " the": stop " world," completes with the token "," alone;
+    with max_tokens 3 that token is also the sample's last (the engine says "length"). Either
+    way: the text before the stop string, finish_reason "stop", streamed and not."""
+    tok, words = script.tokenizer, script.words
+    assert [tok.decode([t]) for t in words[:4]] == ["Hello", " world", ",", " the"]  # type: ignore[attr-defined]
+    kw = dict(model="smol-scripted", max_tokens=max_tokens, temperature=0, stop=[" world,"])
+    if chat:  # the chat answer's "." (its last token) completes " Paris."
+        assert tok.decode(script.chat[-1:]) == "."  # type: ignore[attr-defined]
+        kw["stop"] = [" Paris."]
+        kw["messages"] = [{"role": "user", "content": "Where?"}]
+        kw["max_tokens"] = len(script.chat) if max_tokens == 3 else max_tokens
+        r = client.chat.completions.create(**kw)
+        chunks = list(client.chat.completions.create(stream=True, **kw))
+        got = r.choices[0].message.content
+        want_text, want_ids = "The capital of France is", script.chat
+    else:
+        r = client.completions.create(prompt=[script.words_start], **kw)
+        chunks = list(client.completions.create(prompt=[script.words_start], stream=True, **kw))
+        got = r.choices[0].text
+        want_text, want_ids = "Hello", words[:3]
+    texts, ids, reasons = _stream_text(chunks, chat=chat)
+    assert got == want_text and r.choices[0].finish_reason == "stop"
+    assert r.choices[0].token_ids == want_ids == ids
+    assert "".join(texts) == want_text and reasons[-1] == "stop", (texts, reasons)
+
+
+BOUNDED_SCHEMA = {  # every answer is finite whatever the model prefers: enums, bounded integers, booleans
+    "type": "object",
+    "properties": {
+        "role": {"enum": ["admin", "user", "guest"]},
+        "level": {"type": "integer", "minimum": 1, "maximum": 9},
+        "flags": {"type": "array", "items": {"type": "boolean"}, "minItems": 1, "maxItems": 2},
+        "owner": {
+            "type": "object",
+            "properties": {"active": {"type": "boolean"}},
+            "required": ["active"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["role", "level", "flags", "owner"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_structured_output_overrides_what_the_model_would_say(
+    client, script: Script, temperature: float
+) -> None:
+    """The scripted model wants to say "The capital of France is Paris."; each constraint makes it
+    answer within the grammar instead, greedy and sampled, streamed and not, then stop."""
+    import jsonschema
+
+    messages = [{"role": "user", "content": "Where?"}]
+    # Under the mask the scripted model spells its answers with one-character tokens: room for ~85.
+    kw: dict = dict(
+        model="smol-scripted", messages=messages, max_tokens=150, temperature=temperature, seed=5, n=2
+    )
+    r = client.chat.completions.create(
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "who", "schema": BOUNDED_SCHEMA, "strict": True},
+        },
+        **kw,
+    )
+    for c in r.choices:
+        assert c.finish_reason == "stop", c.message.content
+        jsonschema.validate(json.loads(c.message.content), BOUNDED_SCHEMA)
+        assert c.finish_reason == "stop"
+    streamed = client.chat.completions.create(
+        stream=True, extra_body={"guided_json": BOUNDED_SCHEMA}, **{**kw, "n": 1}
+    )
+    text = "".join(ch.choices[0].delta.content or "" for ch in streamed if ch.choices)
+    jsonschema.validate(json.loads(text), BOUNDED_SCHEMA)
+    choice = client.chat.completions.create(extra_body={"guided_choice": ["yes", "no", "maybe not"]}, **kw)
+    assert all(c.message.content in ("yes", "no", "maybe not") for c in choice.choices)
+    regex = client.completions.create(
+        model="smol-scripted", prompt=[script.words_start], max_tokens=20, temperature=temperature, seed=3,
+        extra_body={"guided_regex": "[0-9]{2}-[a-z]{3}"},
+    )  # fmt: skip
+    assert re.fullmatch("[0-9]{2}-[a-z]{3}", regex.choices[0].text), regex.choices[0].text
+    plain = client.chat.completions.create(**{**kw, "temperature": 0.0, "n": 1})
+    assert plain.choices[0].message.content == CHAT_ANSWER  # unconstrained: the script
+
+
+def test_structured_output_errors_name_the_field(server: OpenAIServer) -> None:
+    def post(body: dict) -> tuple[int, dict]:
+        req = urllib.request.Request(
+            server.url + "/v1/chat/completions",
+            data=json.dumps(
+                {"model": "smol-scripted", "messages": [{"role": "user", "content": "x"}], **body}
+            ).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(req) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    for body, param in (
+        ({"response_format": {"type": "yaml"}}, "response_format.type"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        ({"guided_regex": "([a-z"}, "guided_regex"),
+        ({"guided_json": {"type": "object"}, "guided_choice": ["a"]}, "guided_json"),
+    ):
+        status, out = post(body)
+        assert status == 400 and out["error"]["param"] == param, (body, out)

@@ -114,3 +114,21 @@ def test_default_model_is_deterministic_and_offline() -> None:
     c = random_weights(DEFAULT_MODEL_CONFIG, torch.float32, torch.device("cpu"), seed=1)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not torch.equal(a["lm_head.weight"], c["lm_head.weight"])
+
+
+def test_loading_logs_tensors_loaded_of_total(hf_llama: HFModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Progress while reading (every PROGRESS_EVERY_S; 0 here: after each tensor), then the total."""
+    from structlog.testing import capture_logs
+
+    from worker_svc.model import weights
+
+    monkeypatch.setattr(weights, "PROGRESS_EVERY_S", 0.0)
+    cfg = ModelConfig.from_dir(hf_llama.path)
+    with capture_logs() as logs:
+        loaded = load_weights(hf_llama.path, cfg, torch.float32, torch.device("cpu"))
+    progress = [e for e in logs if e["event"] == "weights_loading"]
+    total = len(loaded)
+    assert [e["loaded"] for e in progress] == list(range(1, total + 1))
+    assert all(e["total"] == total for e in progress)
+    done = [e for e in logs if e["event"] == "weights_loaded"]
+    assert len(done) == 1 and done[0]["loaded"] == done[0]["total"] == total

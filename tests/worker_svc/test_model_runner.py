@@ -13,6 +13,7 @@ import torch
 from tests.worker_svc.conftest import HFModel
 from tests.worker_svc.generation import Scheduler, runner_step
 from worker_svc.model.config import ModelConfig
+from worker_svc.model.sampling import SamplingParams, TokenHistory, adjust_logits
 from worker_svc.model.weights import load_model
 from worker_svc.model_runner import CacheOpsRequest, InvalidStep, ModelRunner, RunnerClosed, SequenceRequest
 
@@ -167,6 +168,32 @@ def test_swap_out_copy_swap_in_in_one_step_run_in_that_order(runner: ModelRunner
         (SequenceRequest("x", [500], [0], 0), CacheOpsRequest(), "vocab_size"),
         (SequenceRequest("x", [], [0], 0), CacheOpsRequest(), "no new token"),
         (SequenceRequest("x", [1], [0], 0), CacheOpsRequest(swap_in=[(16, 0)]), "ops.swap_in"),
+        (
+            SequenceRequest("x", [1], [0], 0, sampling=SamplingParams(logit_bias=((500, 1.0),))),
+            CacheOpsRequest(),
+            "sampling.logit_bias token id 500",
+        ),
+        (
+            SequenceRequest("x", [1], [0], 0, sampling=SamplingParams(presence_penalty=3.0)),
+            CacheOpsRequest(),
+            "sampling.presence_penalty",
+        ),
+        (SequenceRequest("x", [1], [0], 0, allowed_token_mask=b"\xff" * 4), CacheOpsRequest(), "needs 16"),
+        (
+            SequenceRequest("x", [1], [0], 0, allowed_token_mask=bytes(16)),
+            CacheOpsRequest(),
+            "allows no token",
+        ),
+        (
+            SequenceRequest("x", [1], [0], 0, history=TokenHistory((4, 4), (1, 2))),
+            CacheOpsRequest(),
+            "repeats a token",
+        ),
+        (
+            SequenceRequest("x", [1], [0], 0, history=TokenHistory((4,), (1,), (600,))),
+            CacheOpsRequest(),
+            "history token id 600",
+        ),
         (SequenceRequest("x", [1], [0], 0), CacheOpsRequest(copies=[(1, 3), (2, 3)]), "twice"),
         # after a swap-out, so "before anything runs" covers the ops too
         (
@@ -312,8 +339,6 @@ def test_close_waits_for_the_step_in_flight_then_refuses_steps(hf_llama: HFModel
 def test_fork_samples_draw_from_the_prompt_row_as_their_own_steps_would(runner: ModelRunner) -> None:
     """n > 1: each forked sample's first token is what a step of its own (same prompt, its own seed)
     would draw; the parent's own token is unchanged by the forks."""
-    from worker_svc.model.sampling import SamplingParams
-
     parent = SamplingParams(temperature=1.0, seed=7)
     forks = [SamplingParams(temperature=1.0, seed=s) for s in (8, 9, 10)] + [SamplingParams()]
     out = runner.step(
@@ -339,3 +364,50 @@ def test_fork_samples_draw_from_the_prompt_row_as_their_own_steps_would(runner: 
         runner.step(
             [SequenceRequest("p", PROMPT, [20, 21, 22], 0, fork_sampling=[SamplingParams(temperature=-1)])]
         )
+
+
+def test_a_step_applies_each_sequences_penalties_with_its_history_forks_included(runner: ModelRunner) -> None:
+    """Greedy with penalties: the token is the argmax of the step's own logits adjusted with the
+    history sent along; a forked sample sees its parent's history; a plain neighbour is unaffected."""
+    plain = runner.step([SequenceRequest("a", PROMPT, [40, 41, 42], 0, return_logits=True)]).outputs[0]
+    assert plain.logits is not None
+    top2 = plain.logits.topk(2).indices.tolist()
+    history = TokenHistory(output_ids=(top2[0],), output_counts=(3,), prompt_ids=tuple(PROMPT))
+    pen = SamplingParams(frequency_penalty=2.0, repetition_penalty=1.5)
+    out = runner.step(
+        [
+            SequenceRequest("p", PROMPT, [20, 21, 22], 0, sampling=pen, fork_sampling=[pen], history=history),
+            SequenceRequest("q", PROMPT, [23, 24, 25], 0),
+        ]
+    ).outputs
+    want = int(adjust_logits(plain.logits[None], [pen], [history])[0].argmax())
+    assert want != top2[0]  # the penalty moved the choice (else this test could not fail)
+    assert out[0].token_id == want and out[0].fork_samples[0].token_id == want
+    assert out[1].token_id == top2[0]
+    assert out[0].logprob == pytest.approx(float(torch.log_softmax(plain.logits, -1)[want]), abs=1e-5)
+
+
+def test_a_grammar_mask_constrains_the_sequence_and_its_forks_only(runner: ModelRunner) -> None:
+    plain = runner.step([SequenceRequest("a", PROMPT, [40, 41, 42], 0, return_logits=True)]).outputs[0]
+    assert plain.logits is not None
+    order = plain.logits.argsort(descending=True).tolist()
+    allowed = {order[5], order[9]}  # not the model's favourite
+    words = [0] * 4
+    for t in allowed:
+        words[t // 32] |= 1 << (t % 32)
+    mask = b"".join(w.to_bytes(4, "little") for w in words)
+    out = runner.step(
+        [
+            SequenceRequest(
+                "p",
+                PROMPT,
+                [20, 21, 22],
+                0,
+                fork_sampling=[SamplingParams(temperature=1.0, seed=1)],
+                allowed_token_mask=mask,
+            ),
+            SequenceRequest("q", PROMPT, [23, 24, 25], 0),
+        ]
+    ).outputs
+    assert out[0].token_id == order[5] and out[0].fork_samples[0].token_id in allowed
+    assert out[1].token_id == order[0]

@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import pytest
 import torch
 
-from worker_svc.model.sampling import SamplingParams, argmax_rows, sample
+from worker_svc.model.sampling import (
+    SamplingParams,
+    TokenHistory,
+    adjust_logits,
+    allowed_tokens,
+    argmax_rows,
+    draw_uniform,
+    sample,
+    sampling_knob_error,
+)
 
 
 def _logits(rows: int = 4, vocab: int = 50, seed: int = 0) -> torch.Tensor:
@@ -104,3 +116,177 @@ def test_argmax_rows_equals_torch_argmax_with_ties_infinities_and_nan(vocab: int
     fresh = torch.randn(rows, vocab, generator=gen)
     assert torch.equal(argmax_rows(fresh), torch.argmax(fresh, dim=-1))
     assert argmax_rows(torch.empty(0, vocab)).shape == (0,)
+
+
+# --- logit bias, penalties, min-p: each against a reference computed from the same logits ----------
+def _reference_logits(row: list[float], p: SamplingParams, h: TokenHistory) -> list[float]:
+    """The adjustments written out token by token, in vLLM's order: bias, repetition, frequency and
+    presence."""
+    out = list(row)
+    for t, b in p.logit_bias:
+        out[t] += b
+    counts = dict(zip(h.output_ids, h.output_counts, strict=True))
+    seen = set(counts) | set(h.prompt_ids)
+    for t in range(len(out)):
+        if t in seen and p.repetition_penalty != 1.0:
+            out[t] = out[t] / p.repetition_penalty if out[t] > 0 else out[t] * p.repetition_penalty
+        if t in counts:
+            out[t] -= p.frequency_penalty * counts[t] + p.presence_penalty
+    return out
+
+
+def _reference_probs(adjusted: list[float], p: SamplingParams) -> list[float]:
+    """Temperature, then min-p against the most likely token, renormalised."""
+    scaled = [x / p.temperature for x in adjusted]
+    top = max(scaled)
+    weights = [math.exp(x - top) for x in scaled]
+    kept = [w if w >= p.min_p * 1.0 else 0.0 for w in weights]  # w = p / p_max
+    total = sum(kept)
+    return [w / total for w in kept]
+
+
+def _reference_draw(probs: list[float], u: float) -> int:
+    """Inverse CDF over the tokens sorted by probability (stable), as the sampler draws."""
+    order = sorted(range(len(probs)), key=lambda t: -probs[t])
+    acc = 0.0
+    for t in order:
+        acc += probs[t]
+        if probs[t] > 0 and acc > u:
+            return t
+    return next(t for t in reversed(order) if probs[t] > 0)
+
+
+_HISTORY = TokenHistory(output_ids=(0, 3, 5), output_counts=(4, 1, 2), prompt_ids=(1, 3, 7))
+_KNOBS = {
+    "presence_penalty": SamplingParams(temperature=1.0, presence_penalty=1.5),
+    "negative_presence_penalty": SamplingParams(temperature=1.0, presence_penalty=-1.0),
+    "frequency_penalty": SamplingParams(temperature=1.0, frequency_penalty=0.7),
+    "repetition_penalty": SamplingParams(temperature=1.0, repetition_penalty=1.8),
+    "min_p": SamplingParams(temperature=1.0, min_p=0.2),
+    "logit_bias": SamplingParams(temperature=1.0, logit_bias=((2, 3.0), (5, -100.0), (6, 1.5))),
+    "all_together": SamplingParams(
+        temperature=0.8,
+        presence_penalty=0.5,
+        frequency_penalty=0.3,
+        repetition_penalty=1.3,
+        min_p=0.05,
+        logit_bias=((4, 2.0),),
+    ),
+}
+
+
+@pytest.mark.parametrize("knob", list(_KNOBS))
+def test_adjusted_logits_equal_the_token_by_token_reference(knob: str) -> None:
+    logits = _logits(rows=2, vocab=12, seed=11)
+    p = dataclasses.replace(_KNOBS[knob], seed=5)
+    got = adjust_logits(logits, [p, p], [_HISTORY, TokenHistory()])
+    torch.testing.assert_close(got[0], torch.tensor(_reference_logits(logits[0].tolist(), p, _HISTORY)))
+    torch.testing.assert_close(got[1], torch.tensor(_reference_logits(logits[1].tolist(), p, TokenHistory())))
+    assert not torch.equal(logits, got) or knob == "min_p"  # min-p is no logit adjustment
+
+
+@pytest.mark.parametrize("knob", list(_KNOBS))
+def test_each_knob_draws_the_reference_token_and_follows_its_distribution(knob: str) -> None:
+    logits = torch.tensor([[2.0, 1.5, 1.0, 0.4, 0.0, -0.5, -1.0, -2.0]])
+    p = dataclasses.replace(_KNOBS[knob], seed=21)
+    probs = _reference_probs(_reference_logits(logits[0].tolist(), p, _HISTORY), p)
+    n = 2000
+    # One batch of n rows, one per position: each row its own seeded draw.
+    tokens = sample(logits.expand(n, 8), [p] * n, list(range(n)), [_HISTORY] * n).token_ids.tolist()
+    counts = torch.bincount(torch.tensor(tokens), minlength=8).float()
+    for pos in range(300):  # the exact token for the same uniform, drawn from the reference distribution
+        assert tokens[pos] == _reference_draw(probs, draw_uniform(p.seed, pos)), pos
+    torch.testing.assert_close(counts / n, torch.tensor(probs), atol=0.035, rtol=0)
+    assert all(counts[t] == 0 for t in range(8) if probs[t] == 0.0)  # min-p / -100 bias: never drawn
+    # The knob changed the distribution (else this test could not fail).
+    plain = _reference_probs(logits[0].tolist(), SamplingParams(temperature=p.temperature))
+    assert max(abs(a - b) for a, b in zip(probs, plain, strict=True)) > 0.05
+
+
+@pytest.mark.parametrize("knob", [k for k in _KNOBS if k != "min_p"])
+def test_greedy_picks_the_argmax_of_the_adjusted_logits_and_reports_the_model_logprob(knob: str) -> None:
+    logits = _logits(rows=3, vocab=12, seed=13)
+    p = dataclasses.replace(_KNOBS[knob], temperature=0.0)
+    res = sample(logits, [SamplingParams(), p, p], [0, 1, 2], [None, _HISTORY, TokenHistory()])
+    for row, h in ((1, _HISTORY), (2, TokenHistory())):
+        ref = _reference_logits(logits[row].tolist(), p, h)
+        assert int(res.token_ids[row]) == max(range(12), key=lambda t: ref[t])
+    assert int(res.token_ids[0]) == int(logits[0].argmax())
+    model_lp = torch.log_softmax(logits, -1).gather(1, res.token_ids[:, None]).squeeze(1)
+    torch.testing.assert_close(res.logprobs, model_lp)
+
+
+def test_penalties_without_a_history_change_nothing_and_a_bias_can_force_a_token() -> None:
+    logits = _logits(rows=1, vocab=30, seed=4)
+    p = SamplingParams(presence_penalty=2.0, frequency_penalty=2.0, repetition_penalty=3.0)
+    assert int(sample(logits, [p], [0]).token_ids[0]) == int(logits.argmax())
+    forced = SamplingParams(temperature=1.5, seed=3, logit_bias=((17, 100.0),))
+    assert {int(sample(logits, [forced], [i]).token_ids[0]) for i in range(50)} == {17}
+
+
+@pytest.mark.parametrize(
+    ("params", "why"),
+    [
+        (SamplingParams(presence_penalty=2.5), "presence_penalty"),
+        (SamplingParams(frequency_penalty=float("nan")), "frequency_penalty"),
+        (SamplingParams(repetition_penalty=-1.0), "repetition_penalty"),
+        (SamplingParams(min_p=1.5), "min_p"),
+        (SamplingParams(logit_bias=((3, 1.0), (3, 2.0))), "repeats"),
+        (SamplingParams(logit_bias=((50, 1.0),)), "vocab_size"),
+        (SamplingParams(logit_bias=((3, 101.0),)), "value"),
+    ],
+)
+def test_out_of_range_knobs_are_named(params: SamplingParams, why: str) -> None:
+    err = sampling_knob_error(params, vocab_size=50)
+    assert err is not None and why in err
+    assert sampling_knob_error(_KNOBS["all_together"], vocab_size=50) is None
+
+
+def _mask(allowed: set[int], vocab: int) -> bytes:
+    """The step message's bitmask, built as the frontend builds it: int32 words, bit t % 32 of
+    word t // 32 (xgrammar's layout), little-endian bytes."""
+    words = [0] * ((vocab + 31) // 32)
+    for t in allowed:
+        words[t // 32] |= 1 << (t % 32)
+    return (
+        torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32)
+        .numpy()
+        .tobytes()
+    )
+
+
+def test_allowed_tokens_unpacks_the_bitmask_layout() -> None:
+    allowed = {0, 5, 31, 32, 63, 64, 99}
+    other = {1, 40, 98}
+    got = allowed_tokens([_mask(allowed, 100), _mask(other, 100)], 100, torch.device("cpu"))
+    assert got.shape == (2, 100)
+    assert (
+        set(got[0].nonzero().flatten().tolist()) == allowed
+        and set(got[1].nonzero().flatten().tolist()) == other
+    )
+
+
+def test_grammar_mask_restricts_greedy_and_sampled_tokens_to_the_allowed_ones() -> None:
+    """Greedy: the most likely allowed token; sampled: the model's distribution renormalised over
+    the allowed tokens (exact draws for the same uniforms, and frequencies), with penalties too."""
+    logits = torch.tensor([[2.0, 1.5, 1.0, 0.4, 0.0, -0.5, -1.0, -2.0]])
+    allowed = {1, 3, 4, 6}
+    mask = _mask(allowed, 8)
+    greedy = sample(logits.expand(3, 8), [SamplingParams()] * 3, [0, 1, 2], None, [mask, None, mask])
+    assert greedy.token_ids.tolist() == [1, 0, 1]
+    torch.testing.assert_close(greedy.logprobs[0], torch.log_softmax(logits[0], -1)[1])  # the model's
+    for p in (SamplingParams(temperature=1.0, seed=4), dataclasses.replace(_KNOBS["all_together"], seed=4)):
+        masked = [
+            x if t in allowed else float("-inf")
+            for t, x in enumerate(_reference_logits(logits[0].tolist(), p, _HISTORY))
+        ]
+        probs = _reference_probs(masked, p)
+        n = 2000
+        tokens = sample(
+            logits.expand(n, 8), [p] * n, list(range(n)), [_HISTORY] * n, [mask] * n
+        ).token_ids.tolist()
+        assert set(tokens) <= allowed
+        for pos in range(300):
+            assert tokens[pos] == _reference_draw(probs, draw_uniform(p.seed, pos)), pos
+        counts = torch.bincount(torch.tensor(tokens), minlength=8).float()
+        torch.testing.assert_close(counts / n, torch.tensor(probs), atol=0.035, rtol=0)

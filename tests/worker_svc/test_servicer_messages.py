@@ -3,11 +3,12 @@ step's sequences become, the sampling memo, and what a step's results become on 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pagedkv.v1 import worker_pb2
-from worker_svc.model.sampling import SamplingParams
-from worker_svc.model_runner import Drawn, SequenceResult
+from worker_svc.model.sampling import SamplingParams, TokenHistory
+from worker_svc.model_runner import Drawn, InvalidStep, SequenceResult
 from worker_svc.servicer import SamplingMemo, output_to_proto, sampling_from_proto, sequence_from_proto
 
 
@@ -79,3 +80,46 @@ def test_output_to_proto_sets_only_what_a_result_has() -> None:
     assert list(full.top_token_ids) == [9, 2] and list(full.top_logprobs) == [-1.25, -3.0]
     parsed = worker_pb2.WorkerStepResponse.FromString(resp.SerializeToString())
     assert parsed == resp
+
+
+def test_penalties_min_p_logit_bias_and_history_are_parsed() -> None:
+    msg = _input(3, temperature=1.0)
+    msg.sampling.presence_penalty = 0.5
+    msg.sampling.frequency_penalty = -0.25
+    msg.sampling.repetition_penalty = 1.5
+    msg.sampling.min_p = 0.125
+    msg.sampling.logit_bias_token_ids.extend([7, 2])
+    msg.sampling.logit_bias_values.extend([-100.0, 2.5])
+    msg.output_token_ids.extend([4, 9])
+    msg.output_token_counts.extend([2, 1])
+    msg.prompt_token_ids.extend([5, 6])
+    got = sequence_from_proto(msg, SamplingMemo())
+    assert got.sampling == SamplingParams(
+        temperature=1.0,
+        top_p=0.5,
+        seed=3,
+        presence_penalty=0.5,
+        frequency_penalty=-0.25,
+        repetition_penalty=1.5,
+        min_p=0.125,
+        logit_bias=((7, -100.0), (2, 2.5)),
+    )
+    assert got.history == TokenHistory([4, 9], [2, 1], [5, 6])
+    msg.allowed_token_mask = b"\x01\x00\x00\x80"
+    assert sequence_from_proto(msg).allowed_token_mask == b"\x01\x00\x00\x80"
+    # Unset: no penalty (repetition_penalty 0 on the wire means off), no history.
+    plain = sequence_from_proto(_input(3))
+    assert plain.sampling.repetition_penalty == 1.0 and not plain.sampling.adjusts
+    assert plain.history is None
+
+
+def test_unpaired_bias_or_counts_are_refused() -> None:
+    msg = _input(1)
+    msg.sampling.logit_bias_token_ids.append(3)
+    with pytest.raises(InvalidStep, match="logit_bias_values"):
+        sequence_from_proto(msg)
+    msg = _input(1)
+    msg.output_token_ids.extend([3, 4])
+    msg.output_token_counts.append(1)
+    with pytest.raises(InvalidStep, match="output_token_counts"):
+        sequence_from_proto(msg)

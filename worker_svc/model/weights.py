@@ -5,15 +5,18 @@ The checkpoint is read tensor by tensor with ``safetensors.safe_open`` (memory-m
 target dtype and moved to the device one at a time, so peak host memory stays near one tensor.
 Sharded checkpoints are found through ``model.safetensors.index.json``. A GGUF file
 (``gguf_file.py``) is read the same way: each tensor dequantized, renamed to its Hugging Face name,
-cast and moved before the next is read.
+cast and moved before the next is read. A large checkpoint takes minutes to read: the load logs
+its progress (``weights_loading loaded=N total=M``) every ``PROGRESS_EVERY_S`` and when done.
 """
 
 from __future__ import annotations
 
 import json
 import pathlib
+import time
 from collections.abc import Iterator
 
+import structlog
 import torch
 
 from worker_svc.model import gguf_file, model_source
@@ -22,6 +25,9 @@ from worker_svc.model.registry import Model, architecture, build_model
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+PROGRESS_EVERY_S = 2.0
+
+log = structlog.get_logger("pagedkv.weights")
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -69,12 +75,23 @@ def load_weights(
     wanted = set(expected_names(cfg))
     shapes = expected_shapes(cfg)
     out: dict[str, torch.Tensor] = {}
+    start = last = time.monotonic()
     for name, t in _iter_checkpoint(pathlib.Path(model_dir), cfg):
         if name not in wanted:
             continue  # e.g. rotary_emb.inv_freq in old checkpoints, or a tied lm_head
         if tuple(t.shape) != shapes[name]:
             raise ValueError(f"weight {name} has shape {tuple(t.shape)}, expected {shapes[name]}")
         out[name] = t.to(device=device, dtype=dtype)
+        if time.monotonic() - last >= PROGRESS_EVERY_S:
+            last = time.monotonic()
+            log.info("weights_loading", loaded=len(out), total=len(wanted), model=str(model_dir))
+    log.info(
+        "weights_loaded",
+        loaded=len(out),
+        total=len(wanted),
+        model=str(model_dir),
+        seconds=round(time.monotonic() - start, 2),
+    )
     missing = sorted(wanted - out.keys())
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks {len(missing)} weights, e.g. {missing[:3]}")

@@ -1,0 +1,119 @@
+"""Grammar-constrained decoding, the frontend's half: compile a request's constraint (a JSON
+schema, any JSON object, a regular expression, a choice of strings) against the model's vocabulary,
+and keep one matcher per sample that says which tokens may come next.
+
+Each step, a constrained sequence sends the worker its matcher's allowed-token bitmask
+(``SequenceInput.allowed_token_mask``: bit ``t % 32`` of little-endian 32-bit word ``t // 32`` set =
+token ``t`` allowed; 6 KiB for a 49k vocabulary); the worker masks the other logits out before it
+chooses (worker_svc/model/sampling.py), greedy or sampled, and the token it returns is then
+accepted by the matcher here. Once the grammar is complete only the model's stop tokens are
+allowed, so the sample ends there.
+
+The library is xgrammar, chosen over llguidance by bench/grammar_mask_bench.py (SmolLM2's 49k
+vocabulary, a nested JSON schema, 2 shared cores): filling a mask took 4.6 us per token on mean
+(p99 20 us) against llguidance's 111 us (p99 8 ms); compiling took 22 ms against 2 ms, paid once
+per distinct schema (the compiler caches).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+
+class GrammarError(ValueError):
+    """The constraint does not compile (a bad schema or regular expression): the caller's input."""
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Grammar:
+    """A compiled constraint; ``matcher()`` gives a fresh per-sample state."""
+
+    compiled: Any  # xgrammar.CompiledGrammar
+    vocab_size: int
+    description: str  # for logs and errors: "json_schema", "regex", ...
+
+    def matcher(self) -> Matcher:
+        import xgrammar as xgr
+
+        return Matcher(xgr.GrammarMatcher(self.compiled), self.vocab_size)
+
+
+class Matcher:
+    """One sample's place in the grammar."""
+
+    __slots__ = ("_m", "_mask")
+
+    def __init__(self, matcher: Any, vocab_size: int) -> None:
+        import xgrammar as xgr
+
+        self._m = matcher
+        self._mask = xgr.allocate_token_bitmask(1, vocab_size)
+
+    def mask(self) -> bytes:
+        """The tokens allowed next, as the step message's bitmask."""
+        self._m.fill_next_token_bitmask(self._mask, 0)
+        return bytes(self._mask[0].numpy().tobytes())
+
+    def accept(self, token_id: int) -> bool:
+        """Advance past ``token_id``; False if the grammar does not allow it (it stays where it was)."""
+        return bool(self._m.accept_token(token_id))
+
+    @property
+    def terminated(self) -> bool:
+        return bool(self._m.is_terminated())
+
+
+def mask_bytes(vocab_size: int) -> int:
+    """Length of an allowed-token bitmask for this vocabulary."""
+    return 4 * ((vocab_size + 31) // 32)
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer and vocabulary (thread-safe; compiled grammars are
+    cached by xgrammar, so a schema sent with every request compiles once)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...]) -> None:
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._stop = list(stop_token_ids)
+        self._compiler: Any = None
+        self._lock = threading.Lock()
+
+    def _get(self) -> Any:
+        """Built on first use: reading the vocabulary takes a while, and most servers never need it."""
+        with self._lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+
+                info = xgr.TokenizerInfo.from_huggingface(
+                    self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self._stop or None
+                )
+                self._compiler = xgr.GrammarCompiler(info)
+            return self._compiler
+
+    def _compile(self, description: str, build: Any) -> Grammar:
+        try:
+            compiled = build(self._get())
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise GrammarError(
+                str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            ) from None
+        return Grammar(compiled, self.vocab_size, description)
+
+    def json_schema(self, schema: dict[str, Any] | bool) -> Grammar:
+        text = json.dumps(schema)
+        return self._compile("json_schema", lambda c: c.compile_json_schema(text, any_whitespace=False))
+
+    def json_object(self) -> Grammar:
+        return self._compile("json_object", lambda c: c.compile_builtin_json_grammar())
+
+    def regex(self, pattern: str) -> Grammar:
+        return self._compile("regex", lambda c: c.compile_regex(pattern))
+
+    def choice(self, choices: list[str]) -> Grammar:
+        # EBNF string literals take JSON's escapes: each choice exactly, quotes and newlines included.
+        rule = "root ::= " + " | ".join(json.dumps(c) for c in choices)
+        return self._compile("choice", lambda c: c.compile_grammar(rule))

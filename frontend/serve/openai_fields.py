@@ -1,0 +1,119 @@
+"""What `pagedkv serve` does with each request field it does not implement: nothing is dropped
+silently.
+
+A field is implemented (a member of a request model in frontend/serve/openai_api.py), or listed here:
+``Refused`` (400 naming it, unless its value is one of the neutral ones that ask for nothing, e.g.
+``store: false``), or ``Ignored`` with the reason ignoring it cannot change what the client gets
+back. Any other field is refused as unknown (the request models forbid extras). docs/serve.md's
+field table says the same for every field of OpenAI's completions and chat requests, and
+tests/frontend/test_openai_fields.py walks the `openai` SDK's request types to check each one is
+honoured or refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+class FieldRefused(ValueError):
+    """A refused field that asked for something: ``param`` names it (frontend/serve/openai_api.py
+    answers 400 with it)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True, slots=True)
+class Ignored:
+    """Accepted and not acted on; ``reason`` says why the response cannot differ."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """400 naming the field unless its value is in ``neutral`` (values that ask for nothing)."""
+
+    reason: str
+    neutral: tuple[Any, ...] = (None,)
+
+
+Policy = Mapping[str, Ignored | Refused]
+
+_CACHE_HINT = Ignored(
+    "a prompt-caching hint: the prefix cache is automatic and shared, and usage's cached_tokens "
+    "reports what it found"
+)
+_USER_ID = Ignored("an end-user id for OpenAI's abuse monitoring; pagedkv neither uses nor logs it")
+
+COMMON: Policy = {
+    "user": _USER_ID,
+}
+
+COMPLETION: Policy = {
+    **COMMON,
+    "suffix": Refused("text after the completion (insertion) is not supported", (None, "")),
+}
+
+CHAT: Policy = {
+    **COMMON,
+    "audio": Refused("audio output is not supported: pagedkv generates text"),
+    "modalities": Refused("only text output is supported", (None, ["text"])),
+    "functions": Refused("deprecated by OpenAI and not supported: send tools"),
+    "function_call": Refused("deprecated by OpenAI and not supported: send tool_choice"),
+    "moderation": Refused("pagedkv runs no moderation model"),
+    "reasoning_effort": Refused("the served model has no reasoning-effort control"),
+    "verbosity": Refused("only max_tokens bounds the output's length"),
+    "web_search_options": Refused("pagedkv has no web search"),
+    "store": Refused("pagedkv stores no completions", (None, False)),
+    "metadata": Ignored("it tags stored completions, and pagedkv stores none (store: true is refused)"),
+    "prediction": Ignored(
+        "predicted output only lets a server skip ahead; the output is the same without it"
+    ),
+    "prompt_cache_key": _CACHE_HINT,
+    "prompt_cache_retention": _CACHE_HINT,
+    "prompt_cache_options": _CACHE_HINT,
+    "safety_identifier": _USER_ID,
+    "service_tier": Ignored("one tier: every request goes to the same engine, in arrival order"),
+    "tools": Refused("tool calling is not supported", (None, [])),
+    "tool_choice": Refused("tool calling is not supported", (None, "none")),
+    "parallel_tool_calls": Ignored("it only matters with tools, which are refused"),
+}
+
+STREAM_OPTIONS: Policy = {
+    "include_obfuscation": Ignored(
+        "obfuscation pads chunks against length side channels on OpenAI's network; pagedkv adds no "
+        "padding either way"
+    ),
+}
+
+# Per content part of a message.
+CONTENT_PART: Policy = {"prompt_cache_breakpoint": _CACHE_HINT}
+
+# Per message (every role): what a field not given to the chat template does.
+MESSAGE: Policy = {
+    "audio": Refused("audio is not supported"),
+    "function_call": Refused("deprecated by OpenAI and not supported: send tool_calls"),
+    "tool_calls": Refused("tool calling is not supported", (None, [])),
+}
+
+
+def screen(
+    raw: Mapping[str, Any], policy: Mapping[str, Ignored | Refused], where: str = ""
+) -> dict[str, Any]:
+    """``raw`` without the ignored fields and the neutral refused ones; 400 for a refused field
+    that asks for something (``where`` prefixes the field in ``param``, e.g. ``messages.2.``)."""
+    out = {}
+    for name, value in raw.items():
+        rule = policy.get(name)
+        if rule is None:
+            out[name] = value
+        elif isinstance(rule, Refused) and not any(
+            value == n and type(value) is type(n) for n in rule.neutral
+        ):
+            param = f"{where}{name}"
+            raise FieldRefused(param, f"{param}: not supported by pagedkv ({rule.reason})")
+    return out
