@@ -182,7 +182,7 @@ def _model_for_worker(
     Two different models on one cache would mix their KV: a worker whose own settings name other
     weights than the host's refuses to start (GeometryMismatch: a configuration error)."""
     from worker_svc.model.registry import build_model
-    from worker_svc.model.weights import fused_shapes, load_model, weights_source
+    from worker_svc.model.weights import fused_spec, load_model, weights_source
 
     if settings.weights == "local" or (settings.weights == "auto" and host_weights is None):
         return load_model(settings.model, model_cfg, dtype, device, seed=settings.seed), None
@@ -197,7 +197,7 @@ def _model_for_worker(
             f"weights mismatch: this worker would load {mine!r}, the cache host at {settings.cache_host} "
             f"shares {host_weights.source!r} (give both the same --model / --seed, or --weights local)"
         )
-    shared = shared_weights.bind(host_weights, device, fused_shapes(model_cfg), dtype)
+    shared = shared_weights.bind(host_weights, device, fused_spec(settings.model, model_cfg, dtype))
     return build_model(model_cfg, shared.tensors), shared
 
 

@@ -7,7 +7,8 @@ simple (the exporter outlives every importer) with one process to order, not two
 cheap to start, crash and restart: they map the region and own nothing but activations.
 
 What is shared is the tensors the model computes with (``weights.fuse``: QKV and gate/up already
-fused), not the checkpoint's: ``registry.build_model(cfg, views)`` then copies nothing, and each worker's
+fused; a quantized matrix as its packed integers and fp32 scales), not the checkpoint's:
+``registry.build_model(cfg, views)`` then copies nothing, and each worker's
 model is built straight on views of its mapping. (A model that repacks weights for its kernels,
 e.g. for oneDNN on CPU, holds that packed copy privately; the shared region is still one copy.)
 
@@ -23,10 +24,18 @@ from typing import Any
 import torch
 
 from worker_svc import shm_backend
-from worker_svc.cache_layout import dtype_from_name, dtype_name, numel
+from worker_svc.cache_layout import DTYPES, dtype_name, numel
 from worker_svc.cache_memory import BACKEND_CUDA_IPC, BACKEND_SHM, TensorDescriptor
 
 ALIGN = 64  # bytes: every tensor starts on a cache line (and on its element size)
+# Dense weights in a cache dtype; quantized matrices as uint8 (packed int4) / int8 beside fp32 scales.
+WEIGHT_DTYPES: dict[str, torch.dtype] = {**DTYPES, "uint8": torch.uint8, "int8": torch.int8}
+
+
+def _weight_dtype(name: str) -> torch.dtype:
+    if name not in WEIGHT_DTYPES:
+        raise ValueError(f"unsupported shared weight dtype {name!r}; expected one of {sorted(WEIGHT_DTYPES)}")
+    return WEIGHT_DTYPES[name]
 
 
 @dataclass(slots=True, frozen=True)
@@ -89,7 +98,7 @@ def _views(
         if e.alias_of:
             out[e.name] = out[e.alias_of]
             continue
-        dt = dtype_from_name(e.dtype)
+        dt = _weight_dtype(e.dtype)
         nbytes = numel(e.shape) * torch.empty((), dtype=dt).element_size()
         out[e.name] = flat[e.offset : e.offset + nbytes].view(dt).view(e.shape)
     return out
@@ -149,19 +158,20 @@ def pack(
 
 # ------------------------------------------------------------------------------ the worker side
 def bind(
-    desc: WeightsDescriptor, device: torch.device, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype
+    desc: WeightsDescriptor, device: torch.device, spec: dict[str, tuple[tuple[int, ...], torch.dtype]]
 ) -> SharedWeights:
     """Map the host's region; ``SharedWeights.tensors`` are views of it, no copy.
 
-    ``shapes`` and ``dtype`` are what this worker's model needs (``weights.fused_shapes``): a region
-    with other names, shapes or dtype (another model) is a ValueError, and nothing is mapped."""
+    ``spec`` is what this worker's model needs, name -> (shape, dtype) (``weights.fused_spec``:
+    quantized matrices are integer tensors beside fp32 scales): a region with other names, shapes
+    or dtypes (another model, or other weight forms) is a ValueError, and nothing is mapped."""
     have = {e.name: e for e in desc.tensors}
-    if set(shapes) != set(have):
-        diff = sorted(set(shapes) ^ set(have))
+    if set(spec) != set(have):
+        diff = sorted(set(spec) ^ set(have))
         raise ValueError(
             f"the cache host's shared weights do not fit this model: tensors differ, e.g. {diff[:3]}"
         )
-    for n, shape in shapes.items():
+    for n, (shape, dtype) in spec.items():
         e = have[n]
         if tuple(shape) != e.shape or dtype_name(dtype) != e.dtype:
             raise ValueError(

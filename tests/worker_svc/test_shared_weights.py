@@ -32,7 +32,7 @@ from worker_svc.cache_layout import CacheGeometry
 from worker_svc.cache_memory import create
 from worker_svc.model.config import load_model_config
 from worker_svc.model.llama import LlamaModel
-from worker_svc.model.weights import fuse, fused_shapes, load_checkpoint, load_model
+from worker_svc.model.weights import fuse, fused_shapes, fused_spec, load_checkpoint, load_model
 from worker_svc.model_runner import ModelRunner, SequenceRequest
 
 __all__ = ["procs"]  # the fixture, re-exported for pytest
@@ -63,7 +63,7 @@ def test_a_model_on_the_shared_region_computes_what_a_private_model_computes(tmp
     assert {n: tuple(t.shape) for n, t in state.items()} == fused_shapes(cfg)
     host = shared_weights.pack(state, CPU, "model:m", shm_prefix="pagedkv-sw-test")
     try:
-        mapped = shared_weights.bind(host.descriptor, CPU, fused_shapes(cfg), torch.float32)
+        mapped = shared_weights.bind(host.descriptor, CPU, fused_spec(None, cfg, torch.float32))
         try:
             model = LlamaModel(cfg, mapped.tensors)
             # Built on the views: every tensor the model computes with lives in the region.
@@ -99,11 +99,11 @@ def test_weights_that_do_not_fit_are_refused(tmp_path) -> None:
     host = shared_weights.pack(state, CPU, "x", "pagedkv-sw-test")
     try:
         with pytest.raises(ValueError, match="float16"):
-            shared_weights.bind(host.descriptor, CPU, fused_shapes(cfg), torch.float16)
+            shared_weights.bind(host.descriptor, CPU, fused_spec(None, cfg, torch.float16))
         other = build_hf_model(tmp_path / "o", seed=1, num_hidden_layers=3)
         with pytest.raises(ValueError, match="tensors differ"):
             shared_weights.bind(
-                host.descriptor, CPU, fused_shapes(load_model_config(str(other.path))), torch.float32
+                host.descriptor, CPU, fused_spec(None, load_model_config(str(other.path)), torch.float32)
             )
     finally:
         host.close()

@@ -4,9 +4,10 @@ Why read GGUF ourselves rather than convert: most small models people run locall
 (llama.cpp's format). ``--model FILE.gguf`` serves one with no conversion step: the config comes
 from the file's metadata (``{arch}.block_count``, ``{arch}.attention.head_count``, ...), turned into
 a Hugging Face ``config.json`` dict so the architecture module checks it the way it checks a
-directory's; the tensors are memory-mapped and dequantized at load with the ``gguf`` package
-(``gguf.quants.dequantize``), one at a time (peak host memory near one fp32 tensor), to the serving
-dtype. Quantized kernels are out of scope: a Q4 file is served with dequantized weights.
+directory's; the tensors are memory-mapped and read one at a time: either dequantized with the
+``gguf`` package (``gguf.quants.dequantize``) to the serving dtype (``iter_tensors``), or held in
+the file's own quantization as integers for the CPU's quantized matmuls (``iter_held``,
+``gguf_quant.py``).
 
 Two differences from a Hugging Face checkpoint are undone here:
 - tensor names (``blk.3.attn_q.weight`` is ``model.layers.3.self_attn.q_proj.weight``);
@@ -28,7 +29,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import structlog
 import torch
+
+from worker_svc.model import gguf_quant
+
+_log = structlog.get_logger("pagedkv.worker")
 
 GGUF_MAGIC = b"GGUF"
 
@@ -282,22 +288,37 @@ def hf_config(path: str | pathlib.Path) -> tuple[dict[str, Any], tuple[float, ..
     return cfg, freq_factors
 
 
-def _dequantize(path: str | pathlib.Path, tensor: TensorInfo) -> np.ndarray:
-    """fp32 numpy array in numpy (row-major, HF) order: ``[out, in]`` for a matrix."""
+def _raw(path: str | pathlib.Path, tensor: TensorInfo) -> np.ndarray:
+    """The tensor's bytes, memory-mapped, as uint8 ``[rows, row_bytes]`` (rows in numpy order)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-    from gguf.quants import dequantize
 
     if tensor.type_name not in SUPPORTED_TYPES:
         raise ValueError(
             f"GGUF tensor {tensor.name} has type {tensor.type_name}; supported: {', '.join(SUPPORTED_TYPES)}"
         )
-    qtype = GGMLQuantizationType(tensor.qtype)
-    block, type_size = GGML_QUANT_SIZES[qtype]
+    block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(tensor.qtype)]
     shape = tuple(reversed(tensor.shape))  # numpy order
     row_bytes = shape[-1] // block * type_size
     rows = int(np.prod(shape[:-1], dtype=np.int64))
-    raw = np.memmap(path, dtype=np.uint8, mode="r", offset=tensor.offset, shape=(rows, row_bytes))
-    out = dequantize(raw, qtype)
+    return np.memmap(path, dtype=np.uint8, mode="r", offset=tensor.offset, shape=(rows, row_bytes))
+
+
+def tensor_bytes(tensor: TensorInfo) -> int:
+    """The bytes the tensor's data takes in the file."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(tensor.qtype)]
+    return int(np.prod(tensor.shape, dtype=np.int64)) // block * type_size
+
+
+def _dequantize(path: str | pathlib.Path, tensor: TensorInfo) -> np.ndarray:
+    """fp32 numpy array in numpy (row-major, HF) order: ``[out, in]`` for a matrix."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    raw = _raw(path, tensor)
+    shape = tuple(reversed(tensor.shape))
+    out = dequantize(raw, GGMLQuantizationType(tensor.qtype))
     if out.dtype != np.float32 or not out.flags.writeable:  # F32 comes back as a view of the mapped file
         out = np.array(out, dtype=np.float32)
     return out.reshape(shape)
@@ -325,6 +346,53 @@ def iter_tensors(
             x = permute_back(x, num_heads)
         elif arch in PERMUTED_QK and ".self_attn.k_proj." in name:
             x = permute_back(x, num_kv_heads)
+        yield name, x
+
+
+def _row_order(rows: int, num_heads: int) -> torch.Tensor:
+    """The row index ``permute_back`` applies, for permuting quantized rows (and their scales)."""
+    return permute_back(torch.arange(rows), num_heads)
+
+
+def iter_held(
+    path: str | pathlib.Path, num_heads: int, num_kv_heads: int
+) -> Iterator[tuple[str, torch.Tensor | gguf_quant.Unpacked]]:
+    """(Hugging Face name, tensor) of every tensor with an HF counterpart, each in the form the file's
+    own quantization is held in (``gguf_quant.form_of``): fp32 tensors for dense ones, integers
+    (``gguf_quant.Unpacked``) for quantized matrices. A matrix converted to int8 rows logs its
+    error against the file's weights (``gguf_weight_converted``)."""
+    header = read_header(path)
+    check_types(header)
+    arch = str(header.metadata.get("general.architecture", ""))
+    for t in header.tensors.values():
+        name = hf_name(t.name)
+        if name is None:
+            continue
+        shape = tuple(reversed(t.shape))
+        form = gguf_quant.form_of(t.type_name, name, shape)
+        x: torch.Tensor | gguf_quant.Unpacked
+        if form == "int4":
+            x = gguf_quant.int4_parts(_raw(path, t), t.type_name, (shape[0], shape[1]))
+        else:
+            dense = torch.from_numpy(_dequantize(path, t))
+            x = dense
+            if form == "int8":
+                x = gguf_quant.to_int8(dense)
+                err = gguf_quant.conversion_error(name, x, dense)
+                _log.info(
+                    "gguf_weight_converted",
+                    tensor=t.name,
+                    type=t.type_name,
+                    form=err.form,
+                    max_abs_error=round(err.max_abs, 6),
+                    rel_rms_error=round(err.rel_rms, 6),
+                )
+        heads = num_heads if ".self_attn.q_proj." in name else num_kv_heads
+        if arch in PERMUTED_QK and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
+            if isinstance(x, torch.Tensor):
+                x = permute_back(x, heads)
+            else:
+                x = x.take_rows(_row_order(x.shape[0], heads))
         yield name, x
 
 

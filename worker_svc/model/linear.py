@@ -16,6 +16,10 @@ paths read only a copy laid out for them, made once here:
   the row count equals the one it was packed for, so with a step's varying batch it silently falls
   back to ``F.linear``.
 
+A quantized matrix (``kernels.quant_linear.QuantizedMatrix``: int4 groups or int8 rows) runs
+PyTorch's weight-packed int4 / int8 matmul on its integers (``int4`` / ``int8`` paths), fp32 in
+and out.
+
 Everything else (CUDA, other dtypes, a torch without oneDNN, a failure to pack) keeps ``F.linear``.
 Results equal ``F.linear``'s up to fp32 summation order (tests/kernels/test_cpu_linear.py,
 tests/worker_svc/test_cpu_backend_model.py); greedy tokens stay those of transformers
@@ -30,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu_linear import PackedLinear
+from kernels.quant_linear import QuantizedMatrix
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -55,10 +60,15 @@ class Linear:
     bias: torch.Tensor | None = None
     packed: torch.Tensor | None = None  # oneDNN tensor (opaque layout), or None
     native: PackedLinear | None = None  # the native packed layer (fp32), or None
+    quantized: QuantizedMatrix | None = None  # integer weights (then ``weight`` is their qweight)
 
     @classmethod
-    def build(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, *, native: bool = True) -> Linear:
+    def build(
+        cls, weight: torch.Tensor | QuantizedMatrix, bias: torch.Tensor | None = None, *, native: bool = True
+    ) -> Linear:
         """The best path that applies; ``native=False`` skips the native one (benchmarks compare)."""
+        if isinstance(weight, QuantizedMatrix):
+            return cls(weight.qweight, bias, quantized=weight)
         weight = weight.contiguous()
         layer = PackedLinear.pack(weight, bias) if native else None
         if layer is not None:
@@ -73,10 +83,23 @@ class Linear:
 
     @property
     def path(self) -> str:
-        """Which implementation runs: ``native``, ``onednn`` or ``torch``."""
+        """Which implementation runs: ``int4``, ``int8``, ``native``, ``onednn`` or ``torch``."""
+        if self.quantized is not None:
+            return self.quantized.kind
         return "native" if self.native is not None else "onednn" if self.packed is not None else "torch"
 
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the weights this layer reads (integers and scales when quantized, plus the bias)."""
+        bias = self.bias.numel() * self.bias.element_size() if self.bias is not None else 0
+        if self.quantized is not None:
+            return self.quantized.nbytes + bias
+        return self.weight.numel() * self.weight.element_size() + bias
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            y = self.quantized(x)
+            return y if self.bias is None else y.add_(self.bias)
         if x.dtype != self.weight.dtype or x.shape[0] == 0 or x.dim() != 2:
             return F.linear(x, self.weight, self.bias)
         if self.native is not None:

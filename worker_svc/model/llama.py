@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kernels.quant_linear import QuantizedMatrix
 from worker_svc.model import layer_ops
 from worker_svc.model.batch import AttentionBatch
 from worker_svc.model.config import ModelConfig
@@ -144,6 +145,15 @@ def fused_tensor(w: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
     return torch.cat(parts).contiguous()  # type: ignore[arg-type]
 
 
+def matrix(w: dict[str, torch.Tensor], name: str, out_features: int) -> torch.Tensor | QuantizedMatrix | None:
+    """The weight matrix ``name`` (``...qkv_proj.weight``): integers when the dict holds it quantized
+    (``X.qweight`` + ``X.qscale``, weights.fuse), else the dense tensor (fused when given in parts)."""
+    base = name.removesuffix("weight")
+    if base + "qweight" in w:
+        return QuantizedMatrix(w[base + "qweight"], w[base + "qscale"], out_features)
+    return fused_tensor(w, name) if ".layers." in name else w.get(name)
+
+
 class LlamaModel:
     """Weights plus ``forward(token_ids, batch, kv_cache) -> logits of each sequence's last token``.
 
@@ -153,11 +163,17 @@ class LlamaModel:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
         self.cfg = cfg
         w = weights
-        self.embed = w["model.embed_tokens.weight"]
+        h, hkv, d, inter = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+        embed = matrix(w, "model.embed_tokens.weight", cfg.vocab_size)
+        assert embed is not None
+        self.embed = embed
         self.norm = w["model.norm.weight"]
-        self.lm_head = Linear.build(self.embed if cfg.tie_word_embeddings else w["lm_head.weight"])
-        self.dtype = self.embed.dtype
-        self.device = self.embed.device
+        head = embed if cfg.tie_word_embeddings else matrix(w, "lm_head.weight", cfg.vocab_size)
+        assert head is not None
+        self.lm_head = Linear.build(head)
+        # Quantized weights compute in fp32 (the integer matmuls' activations); dense ones in their dtype.
+        self.dtype = self.norm.dtype if isinstance(embed, QuantizedMatrix) else embed.dtype
+        self.device = self.norm.device
         self.inv_freq = inverse_frequencies(cfg.rope, cfg.head_dim).to(self.device)
         self.scale = cfg.head_dim**-0.5
         self.layers: list[_Layer] = []
@@ -167,17 +183,19 @@ class LlamaModel:
             def bias(name: str, p: str = p) -> torch.Tensor | None:
                 return w.get(p + name)
 
-            w_qkv = fused_tensor(w, p + "self_attn.qkv_proj.weight")
-            w_gate_up = fused_tensor(w, p + "mlp.gate_up_proj.weight")
-            assert w_qkv is not None and w_gate_up is not None
+            w_qkv = matrix(w, p + "self_attn.qkv_proj.weight", (h + 2 * hkv) * d)
+            w_gate_up = matrix(w, p + "mlp.gate_up_proj.weight", 2 * inter)
+            w_o = matrix(w, p + "self_attn.o_proj.weight", cfg.hidden_size)
+            w_down = matrix(w, p + "mlp.down_proj.weight", cfg.hidden_size)
+            assert w_qkv is not None and w_gate_up is not None and w_o is not None and w_down is not None
             self.layers.append(
                 _Layer(
                     input_norm=w[p + "input_layernorm.weight"],
                     post_norm=w[p + "post_attention_layernorm.weight"],
                     qkv=Linear.build(w_qkv, fused_tensor(w, p + "self_attn.qkv_proj.bias")),
-                    o=Linear.build(w[p + "self_attn.o_proj.weight"], bias("self_attn.o_proj.bias")),
+                    o=Linear.build(w_o, bias("self_attn.o_proj.bias")),
                     gate_up=Linear.build(w_gate_up, fused_tensor(w, p + "mlp.gate_up_proj.bias")),
-                    down=Linear.build(w[p + "mlp.down_proj.weight"], bias("mlp.down_proj.bias")),
+                    down=Linear.build(w_down, bias("mlp.down_proj.bias")),
                     q_norm=w.get(p + "self_attn.q_norm.weight"),
                     k_norm=w.get(p + "self_attn.k_norm.weight"),
                 )
@@ -185,8 +203,42 @@ class LlamaModel:
 
     @property
     def linear_path(self) -> str:
-        """Which linear layer runs the matrices: every one is built alike, the output layer included."""
-        return self.lm_head.path
+        """Which linear layers run the matrices: one path, or the distinct paths joined by ``+``
+        (a quantized file may mix int4 layers with an int8 output layer), the output layer's first."""
+        paths = [self.lm_head.path]
+        for layer in self.layers:
+            for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                if lin.path not in paths:
+                    paths.append(lin.path)
+        return "+".join(paths)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the weights the model computes with (each tensor once; a tied head is the
+        embedding). Private packed copies (the native fp32 panels, oneDNN's) are not counted."""
+        seen: dict[int, int] = {}
+
+        def add(t: torch.Tensor | None) -> None:
+            if t is not None:
+                seen[t.data_ptr()] = t.numel() * t.element_size()
+
+        def add_matrix(m: torch.Tensor | QuantizedMatrix) -> None:
+            if isinstance(m, QuantizedMatrix):
+                add(m.qweight)
+                add(m.qscale)
+            else:
+                add(m)
+
+        add_matrix(self.embed)
+        add(self.norm)
+        add_matrix(self.lm_head.quantized if self.lm_head.quantized is not None else self.lm_head.weight)
+        for layer in self.layers:
+            for t in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm):
+                add(t)
+            for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                add_matrix(lin.quantized if lin.quantized is not None else lin.weight)
+                add(lin.bias)
+        return sum(seen.values())
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, batch: AttentionBatch, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -201,7 +253,11 @@ class LlamaModel:
         eps = cfg.rms_norm_eps
         cos, sin = cos_sin(batch.positions, self.inv_freq, self.dtype)
         step = batch.kernels_step(kv_cache, h, self.scale)
-        x = F.embedding(token_ids, self.embed)  # the residual stream: each rms_norm(delta=) adds to it
+        # The residual stream: each rms_norm(delta=) adds to it.
+        if isinstance(self.embed, QuantizedMatrix):
+            x = self.embed.rows(token_ids)
+        else:
+            x = F.embedding(token_ids, self.embed)
         ops = layer_ops.choose(x, step)
         delta: torch.Tensor | None = None
         for li, layer in enumerate(self.layers):

@@ -49,7 +49,13 @@ class Model(Protocol):
     @property
     def linear_path(self) -> str:
         """Which linear layer runs the model's matrices (``worker_svc/model/linear.py``: ``native``,
-        ``onednn`` or ``torch``), for the worker's start-up log."""
+        ``onednn``, ``torch``, ``int4`` or ``int8``; distinct ones joined by ``+``), for the
+        worker's start-up log."""
+        ...
+
+    @property
+    def weight_bytes(self) -> int:
+        """Resident bytes of the weights the model computes with (each tensor once)."""
         ...
 
 

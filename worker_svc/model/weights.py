@@ -19,9 +19,16 @@ from collections.abc import Iterator
 import structlog
 import torch
 
-from worker_svc.model import gguf_file, model_source
+from kernels import quant_linear
+from worker_svc.model import gguf_file, gguf_quant, model_source
 from worker_svc.model.config import ModelConfig
+from worker_svc.model.gguf_quant import Unpacked
 from worker_svc.model.registry import Model, architecture, build_model
+
+# How the weights are held (weight_format.py resolves the flag): dense in the serving dtype, a GGUF
+# file's own quantization ("file"), or every matrix of a checkpoint quantized at load.
+HELD_FORMS = ("dense", "file", "int8", "int4")
+Held = torch.Tensor | Unpacked
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -54,10 +61,15 @@ def _checkpoint_files(model_dir: pathlib.Path) -> list[pathlib.Path]:
     return files
 
 
-def _iter_checkpoint(model: pathlib.Path, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_checkpoint(
+    model: pathlib.Path, cfg: ModelConfig, held: str = "dense"
+) -> Iterator[tuple[str, Held]]:
     src = model_source.resolve(model)
     if src.kind == "gguf":
-        yield from gguf_file.iter_tensors(src.path, cfg.num_heads, cfg.num_kv_heads)
+        if held == "file":
+            yield from gguf_file.iter_held(src.path, cfg.num_heads, cfg.num_kv_heads)
+        else:
+            yield from gguf_file.iter_tensors(src.path, cfg.num_heads, cfg.num_kv_heads)
         return
     from safetensors import safe_open
 
@@ -68,20 +80,52 @@ def _iter_checkpoint(model: pathlib.Path, cfg: ModelConfig) -> Iterator[tuple[st
                 yield name, f.get_tensor(name)
 
 
+def _is_matrix(name: str, shape: tuple[int, ...]) -> bool:
+    return len(shape) == 2 and name.endswith(".weight")
+
+
+def load_time_form(name: str, shape: tuple[int, ...], held: str) -> str:
+    """The form a checkpoint tensor takes when ``held`` is ``int8`` / ``int4``: vectors stay dense;
+    the embedding (its rows are looked up) and matrices whose inputs are not a multiple of 32 take
+    int8 rows."""
+    if held not in ("int8", "int4") or not _is_matrix(name, shape):
+        return "dense"
+    if held == "int4" and name != gguf_quant.EMBEDDING and shape[1] % quant_linear.GROUP == 0:
+        return "int4"
+    return "int8"
+
+
+def quantize_at_load(name: str, w: torch.Tensor, held: str) -> Held:
+    """A checkpoint tensor in its ``load_time_form``."""
+    form = load_time_form(name, tuple(w.shape), held)
+    if form == "int4":
+        return gguf_quant.quantize_int4_groups(w)
+    return gguf_quant.to_int8(w) if form == "int8" else w
+
+
 def load_weights(
-    model_dir: str | pathlib.Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device
-) -> dict[str, torch.Tensor]:
-    """Read every expected tensor; fail naming the first missing or mis-shaped one."""
+    model_dir: str | pathlib.Path,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    held: str = "dense",
+) -> dict[str, Held]:
+    """Read every expected tensor; fail naming the first missing or mis-shaped one. Quantized
+    matrices (``held`` other than dense) stay integers on the CPU; everything else is cast and moved."""
+    if held not in HELD_FORMS:
+        raise ValueError(f"unknown weight form {held!r}; one of {', '.join(HELD_FORMS)}")
     wanted = set(expected_names(cfg))
     shapes = expected_shapes(cfg)
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, Held] = {}
     start = last = time.monotonic()
-    for name, t in _iter_checkpoint(pathlib.Path(model_dir), cfg):
+    for name, t in _iter_checkpoint(pathlib.Path(model_dir), cfg, held):
         if name not in wanted:
             continue  # e.g. rotary_emb.inv_freq in old checkpoints, or a tied lm_head
         if tuple(t.shape) != shapes[name]:
             raise ValueError(f"weight {name} has shape {tuple(t.shape)}, expected {shapes[name]}")
-        out[name] = t.to(device=device, dtype=dtype)
+        if isinstance(t, torch.Tensor):
+            t = quantize_at_load(name, t.to(torch.float32), held) if held in ("int8", "int4") else t
+        out[name] = t.to(device=device, dtype=dtype) if isinstance(t, torch.Tensor) else t
         if time.monotonic() - last >= PROGRESS_EVERY_S:
             last = time.monotonic()
             log.info("weights_loading", loaded=len(out), total=len(wanted), model=str(model_dir))
@@ -143,40 +187,105 @@ def _fused_layout(names: list[str], cfg: ModelConfig) -> tuple[list[str], dict[s
     return keep, fused
 
 
-def fuse(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+def fuse(weights: dict[str, Held], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Checkpoint tensors -> the tensors the model computes with (QKV and gate/up fused, named
-    ``...self_attn.qkv_proj.*`` / ``...mlp.gate_up_proj.*``; a tied head is not repeated).
+    ``...self_attn.qkv_proj.*`` / ``...mlp.gate_up_proj.*``; a tied head is not repeated), each
+    quantized matrix ``X.weight`` packed as ``X.qweight`` + ``X.qscale`` (``kernels/quant_linear.py``).
 
     What the cache host shares: ``build_model(cfg, fuse(w, cfg))`` copies nothing, so workers build
     their model straight on views of the shared region."""
     keep, fused = _fused_layout(list(weights), cfg)
-    out = {n: weights[n] for n in keep}
+    held: dict[str, Held] = {n: weights[n] for n in keep}
     for name, srcs in fused.items():
-        out[name] = torch.cat([weights[x] for x in srcs]).contiguous()
+        held[name] = gguf_quant.concat([weights[x] for x in srcs])
+    out: dict[str, torch.Tensor] = {}
+    for name, t in held.items():
+        if isinstance(t, Unpacked):
+            m = t.pack()
+            base = name.removesuffix("weight")
+            out[base + "qweight"], out[base + "qscale"] = m.qweight, m.qscale
+        else:
+            out[name] = t
+    return out
+
+
+def held_forms(model_dir: str | None, cfg: ModelConfig, held: str) -> dict[str, str]:
+    """Checkpoint name -> ``dense`` / ``int4`` / ``int8``: the form ``load_weights(..., held)``
+    gives each tensor, known without reading the tensors (a GGUF's header says its types)."""
+    shapes = expected_shapes(cfg)
+    if held == "dense" or model_dir is None:
+        return {n: "dense" for n in shapes}
+    if held == "file":
+        src = model_source.resolve(pathlib.Path(model_dir))
+        if src.kind != "gguf":
+            return {n: "dense" for n in shapes}
+        header = gguf_file.read_header(src.path)
+        forms = {n: "dense" for n in shapes}
+        for t in header.tensors.values():
+            name = gguf_file.hf_name(t.name)
+            if name in shapes:
+                forms[name] = gguf_quant.form_of(t.type_name, name, shapes[name])
+        return forms
+    return {n: load_time_form(n, shape, held) for n, shape in shapes.items()}
+
+
+def fused_spec(
+    model_dir: str | None, cfg: ModelConfig, dtype: torch.dtype, held: str = "dense"
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Name -> (shape, dtype) of every tensor ``fuse`` yields for this model and weight form: what
+    a worker checks the cache host's shared weights against before mapping them."""
+    shapes = expected_shapes(cfg)
+    forms = held_forms(model_dir, cfg, held)
+    keep, fused = _fused_layout(expected_names(cfg), cfg)
+    out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    items = [(n, shapes[n], forms[n]) for n in keep]
+    for name, srcs in fused.items():
+        shape = (sum(shapes[x][0] for x in srcs), *shapes[srcs[0]][1:])
+        items.append((name, shape, gguf_quant.fused_form([forms[x] for x in srcs])))
+    for name, shape, form in items:
+        base = name.removesuffix("weight")
+        if form == "int4":
+            rows = gguf_quant.padded_rows(shape[0])
+            out[base + "qweight"] = ((rows, shape[1] // 2), torch.uint8)
+            out[base + "qscale"] = ((shape[1] // quant_linear.GROUP, rows, 2), torch.float32)
+        elif form == "int8":
+            out[base + "qweight"] = (shape, torch.int8)
+            out[base + "qscale"] = ((shape[0],), torch.float32)
+        else:
+            out[name] = (shape, dtype)
     return out
 
 
 def fused_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every tensor ``fuse`` yields for this config (what shared weights must hold)."""
-    shapes = expected_shapes(cfg)
-    keep, fused = _fused_layout(expected_names(cfg), cfg)
-    out = {n: shapes[n] for n in keep}
-    for name, srcs in fused.items():
-        out[name] = (sum(shapes[x][0] for x in srcs), *shapes[srcs[0]][1:])
-    return out
+    """Name -> shape of every tensor ``fuse`` yields for this config with dense weights."""
+    return {n: shape for n, (shape, _) in fused_spec(None, cfg, torch.float32).items()}
 
 
 def load_model(
-    model_dir: str | None, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0
+    model_dir: str | None,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int = 0,
+    held: str = "dense",
 ) -> Model:
     """The model of ``--model DIR|FILE.gguf``, or the built-in default with seeded random weights."""
-    return build_model(cfg, load_checkpoint(model_dir, cfg, dtype, device, seed))
+    return build_model(cfg, fuse(load_checkpoint(model_dir, cfg, dtype, device, seed, held), cfg))
 
 
 def load_checkpoint(
-    model_dir: str | None, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0
-) -> dict[str, torch.Tensor]:
-    """The checkpoint tensors of ``--model DIR|FILE.gguf``, or the built-in default's seeded random ones."""
+    model_dir: str | None,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int = 0,
+    held: str = "dense",
+) -> dict[str, Held]:
+    """The checkpoint tensors of ``--model DIR|FILE.gguf``, or the built-in default's seeded random
+    ones (quantized at load too when ``held`` is int8 / int4)."""
     if model_dir:
-        return load_weights(model_dir, cfg, dtype, device)
-    return random_weights(cfg, dtype, device, seed=seed)
+        return load_weights(model_dir, cfg, dtype, device, held)
+    w = random_weights(cfg, dtype, device, seed=seed)
+    if held in ("int8", "int4"):
+        return {n: quantize_at_load(n, t.to(torch.float32), held) for n, t in w.items()}
+    return dict(w)

@@ -1,0 +1,191 @@
+"""A GGUF file's quantized matrices held as integers (worker_svc/model/gguf_quant.py) against the
+gguf package's own dequantization: Q4_0 / Q4_1 / Q4_K exactly (up to fp32 rounding) as int4
+groups, Q8_0 / Q5_* / Q6_K as int8 rows within half a step; a model held that way generates what
+transformers does on the weights it holds, at about the file's size, and the cache host shares it."""
+
+from __future__ import annotations
+
+import pathlib
+
+import numpy as np
+import pytest
+import torch
+
+from tests.worker_svc.families import build, oracle_on, random_k_blocks, write_gguf
+from tests.worker_svc.generation import Scheduler, runner_step
+from worker_svc import shared_weights
+from worker_svc.model import gguf_file, gguf_quant
+from worker_svc.model.config import load_model_config
+from worker_svc.model.weights import fuse, fused_spec, load_checkpoint, load_model
+from worker_svc.model_runner import ModelRunner
+
+gguf = pytest.importorskip("gguf")
+CPU = torch.device("cpu")
+PROMPT = [5, 17, 99, 3, 64, 12, 7, 88, 41, 2]
+
+
+def _blocks(qtype: str, rows: int, cols: int, seed: int) -> np.ndarray:
+    """Raw blocks of ``qtype`` for a random ``[rows, cols]`` matrix (random valid K-quant blocks)."""
+    if qtype in ("Q4_K", "Q5_K", "Q6_K"):
+        return random_k_blocks((rows, cols), qtype, seed)
+    w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32) * 0.1
+    return gguf.quants.quantize(w, gguf.GGMLQuantizationType[qtype])
+
+
+def _file_weights(raw: np.ndarray, qtype: str, shape: tuple[int, int]) -> torch.Tensor:
+    out = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype])
+    return torch.from_numpy(np.asarray(out, dtype=np.float32).reshape(shape))
+
+
+@pytest.mark.parametrize("qtype", gguf_quant.INT4_TYPES)
+@pytest.mark.parametrize("rows", [40, 7])
+def test_int4_types_are_held_exactly(qtype: str, rows: int) -> None:
+    cols = 512
+    raw = _blocks(qtype, rows, cols, seed=rows)
+    ref = _file_weights(raw, qtype, (rows, cols))
+    parts = gguf_quant.int4_parts(raw, qtype, (rows, cols))
+    assert parts.kind == "int4" and parts.q.max() <= 15
+    scale_of_w = float(ref.abs().max())
+    torch.testing.assert_close(parts.dequantize(), ref, rtol=0, atol=4e-7 * scale_of_w)
+    m = parts.pack()
+    torch.testing.assert_close(m.dequantize(), ref, rtol=0, atol=1e-6 * scale_of_w)
+    x = torch.randn((3, cols), generator=torch.Generator().manual_seed(1))
+    y = m(x)
+    torch.testing.assert_close(y.double(), x.double() @ ref.double().t(), rtol=1e-4, atol=1e-4 * scale_of_w)
+    # A group scale read from the wrong block turns the comparison red.
+    wrong = gguf_quant.Unpacked(parts.q, parts.scale.roll(1, dims=1), parts.offset)
+    assert (wrong.dequantize() - ref).abs().max() > 100 * 4e-7 * scale_of_w
+
+
+@pytest.mark.parametrize("qtype", gguf_quant.INT8_TYPES)
+def test_other_types_are_requantized_to_int8_rows_within_half_a_step(qtype: str) -> None:
+    rows, cols = 24, 256
+    raw = _blocks(qtype, rows, cols, seed=3)
+    ref = _file_weights(raw, qtype, (rows, cols))
+    held = gguf_quant.to_int8(ref)
+    step = ref.abs().amax(dim=1, keepdim=True) / 127
+    assert ((held.dequantize() - ref).abs() <= step / 2 + 1e-7).all()
+    err = gguf_quant.conversion_error("w", held, ref)
+    assert err.form == "int8" and 0 < err.rel_rms < 0.02 and err.max_abs <= float(step.max()) / 2 + 1e-7
+
+
+def test_mixed_parts_of_a_fused_matrix_become_int8_rows() -> None:
+    a = gguf_quant.int4_parts(_blocks("Q4_0", 16, 64, 1), "Q4_0", (16, 64))
+    b = torch.randn(8, 64)
+    both = gguf_quant.concat([a, b])
+    assert isinstance(both, gguf_quant.Unpacked) and both.kind == "int8" and both.shape == (24, 64)
+    assert gguf_quant.fused_form(["int4", "dense"]) == "int8" == gguf_quant.fused_form(["int8", "int4"])
+    same = gguf_quant.concat([a, a])
+    assert isinstance(same, gguf_quant.Unpacked) and same.kind == "int4"
+    torch.testing.assert_close(same.dequantize(), torch.cat([a.dequantize()] * 2), rtol=0, atol=0)
+
+
+def _runner(path: pathlib.Path, held: str) -> ModelRunner:
+    cfg = load_model_config(str(path))
+    model = load_model(str(path), cfg, torch.float32, CPU, held=held)
+    shape = (cfg.num_layers, 2, 32, 4, cfg.num_kv_heads, cfg.head_dim)
+    return ModelRunner(model, torch.zeros(shape), torch.zeros((*shape[:2], 8, *shape[3:])))
+
+
+def _held_state(path: pathlib.Path) -> dict[str, torch.Tensor]:
+    """What the model computes with, as fp32 in HF names (oracle weights)."""
+    cfg = load_model_config(str(path))
+    w = load_checkpoint(str(path), cfg, torch.float32, CPU, held="file")
+    return {n: t.dequantize() if isinstance(t, gguf_quant.Unpacked) else t for n, t in w.items()}
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K", "Q8_0"])
+def test_a_quantized_file_held_as_integers_generates_what_transformers_does(
+    qtype: str, tmp_path: pathlib.Path
+) -> None:
+    """A Llama (hidden 256, 40 KV rows: padded int4 rows) with every matrix of ``qtype``, held in
+    the file's own quantization, generates transformers' greedy tokens on the weights it holds
+    (for int4 types: the file's weights), and holds them at about the file's size."""
+    hf = build(
+        "LlamaForCausalLM",
+        tmp_path / "hf",
+        seed=3,
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=300,
+    )
+    path = tmp_path / f"m.{qtype}.gguf"
+    file_state = write_gguf(hf, path, qtype)
+    held = _held_state(path)
+    if qtype in gguf_quant.INT4_TYPES:
+        for n, t in file_state.items():
+            if n != gguf_quant.EMBEDDING:
+                torch.testing.assert_close(held[n], t, rtol=0, atol=1e-6 * float(t.abs().max()), msg=n)
+    oracle = oracle_on(hf, held, tmp_path / "hf")
+    runner = _runner(path, "file")
+    assert runner.model.linear_path == ("int8+int4" if qtype in gguf_quant.INT4_TYPES else "int8")
+    sched = Scheduler(runner_step(runner), block_size=4)
+    sched.add("a", PROMPT)
+    sched.generate(["a"], 8)
+    assert sched.seqs["a"].generated == oracle.greedy(PROMPT, 8)
+    # Resident: exactly the packed tensors (16 B of nibbles + 8 B of fp32 scale and offset per 32
+    # weights for int4, 1 B a weight + a scale a row for int8), about the file's size, not 4-8x.
+    spec = fused_spec(str(path), load_model_config(str(path)), torch.float32, "file")
+    assert runner.model.weight_bytes == sum(
+        int(np.prod(shape)) * torch.empty((), dtype=dt).element_size() for shape, dt in spec.values()
+    )
+    header = gguf_file.read_header(path)
+    file_bytes = sum(gguf_file.tensor_bytes(t) for t in header.tensors.values())
+    dense_bytes = sum(4 * int(np.prod(t.shape)) for t in header.tensors.values())
+    assert runner.model.weight_bytes < 0.45 * dense_bytes and runner.model.weight_bytes < 1.8 * file_bytes
+
+
+def test_the_cache_host_shares_the_integers(tmp_path: pathlib.Path) -> None:
+    """The fused, packed tensors fit ``fused_spec`` (known from the header alone) and a model built
+    on views of the shared region computes what a privately loaded one does, bit for bit."""
+    from worker_svc.model.llama import LlamaModel
+
+    hf = build(
+        "LlamaForCausalLM",
+        tmp_path / "hf",
+        seed=2,
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=300,
+    )
+    path = tmp_path / "m.Q4_1.gguf"
+    write_gguf(hf, path, "Q4_1")
+    cfg = load_model_config(str(path))
+    state = fuse(load_checkpoint(str(path), cfg, torch.float32, CPU, held="file"), cfg)
+    spec = fused_spec(str(path), cfg, torch.float32, "file")
+    assert {n: (tuple(t.shape), t.dtype) for n, t in state.items()} == spec
+    assert state["model.layers.0.self_attn.qkv_proj.qweight"].dtype is torch.uint8
+    host = shared_weights.pack(state, CPU, "model:m", shm_prefix="pagedkv-gq-test")
+    try:
+        mapped = shared_weights.bind(host.descriptor, CPU, spec)
+        try:
+            shared, private = (
+                LlamaModel(cfg, mapped.tensors),
+                load_model(str(path), cfg, torch.float32, CPU, held="file"),
+            )
+            qkv = shared.layers[0].qkv.quantized
+            assert qkv is not None and qkv.qweight.untyped_storage().data_ptr() == (
+                mapped.tensors["model.embed_tokens.qweight"].untyped_storage().data_ptr()
+            )
+            a = _runner_logits(shared, cfg)
+            torch.testing.assert_close(a, _runner_logits(private, cfg), rtol=0, atol=0)
+            with pytest.raises(ValueError, match="tensors differ"):
+                shared_weights.bind(host.descriptor, CPU, fused_spec(str(path), cfg, torch.float32, "dense"))
+        finally:
+            mapped.close()
+    finally:
+        host.close()
+
+
+def _runner_logits(model: object, cfg: object) -> torch.Tensor:
+    from worker_svc.model_runner import SequenceRequest
+
+    shape = (cfg.num_layers, 2, 8, 4, cfg.num_kv_heads, cfg.head_dim)  # type: ignore[attr-defined]
+    runner = ModelRunner(model, torch.zeros(shape), torch.zeros(shape))  # type: ignore[arg-type]
+    out = runner.step([SequenceRequest("s", PROMPT, [0, 1, 2], 0, return_logits=True)]).outputs[0]
+    assert out.logits is not None
+    return out.logits.clone()
