@@ -27,7 +27,7 @@ from pagedkv.dial import Dialer, TokenError
 from pagedkv.grpc_server import GrpcServer, start_server, stop_event_on_signals
 from pagedkv.logging_setup import configure_logging
 from pagedkv.v1 import cache_host_pb2, worker_pb2, worker_pb2_grpc
-from worker_svc import cache_memory, cpu_placement, shared_weights
+from worker_svc import cache_memory, cpu_placement, heap, shared_weights
 from worker_svc.cache_host import (
     CacheOwner,
     descriptor_from_proto,
@@ -133,6 +133,7 @@ def run_cache_host(settings: CacheHostSettings) -> int:
             kv_bytes=geometry.num_gpu_blocks * geometry.block_bytes(dtype),
             swap_bytes=geometry.num_cpu_blocks * geometry.block_bytes(dtype),
             weights_bytes=weights.nbytes if weights is not None else 0,
+            weight_format=settings.weight_format,
             weights_source=weights.descriptor.source if weights is not None else None,
             **geometry.as_dict(),
         )
@@ -157,13 +158,16 @@ def _share_weights(
     """Load the weights once, fused as the model uses them, into one exported region (shared_weights.py)."""
     if not settings.share_weights:
         return None
+    from worker_svc.model import weight_format
     from worker_svc.model.weights import fuse, load_checkpoint, weights_source
 
-    tensors = fuse(load_checkpoint(settings.model, model_cfg, dtype, device, settings.seed), model_cfg)
+    held = weight_format.resolve(settings.weight_format, settings.model, device, dtype)
+    tensors = fuse(load_checkpoint(settings.model, model_cfg, dtype, device, settings.seed, held), model_cfg)
     shared = shared_weights.pack(
-        tensors, device, weights_source(settings.model, model_cfg, settings.seed), settings.shm_prefix
+        tensors, device, weights_source(settings.model, model_cfg, settings.seed, held), settings.shm_prefix
     )
     del tensors
+    heap.release_free_memory()  # the loading temporaries (heap.py)
     if device.type == "cuda":
         # The loading copies, else kept by torch's caching allocator: one copy per device.
         torch.cuda.empty_cache()
@@ -181,23 +185,28 @@ def _model_for_worker(
 
     Two different models on one cache would mix their KV: a worker whose own settings name other
     weights than the host's refuses to start (GeometryMismatch: a configuration error)."""
+    from worker_svc.model import weight_format
     from worker_svc.model.registry import build_model
     from worker_svc.model.weights import fused_spec, load_model, weights_source
 
+    held = weight_format.resolve(settings.weight_format, settings.model, device, dtype)
     if settings.weights == "local" or (settings.weights == "auto" and host_weights is None):
-        return load_model(settings.model, model_cfg, dtype, device, seed=settings.seed), None
+        model = load_model(settings.model, model_cfg, dtype, device, seed=settings.seed, held=held)
+        heap.release_free_memory()  # the loading temporaries (heap.py)
+        return model, None
     if host_weights is None:
         raise GeometryMismatch(
             f"--weights shared, but the cache host at {settings.cache_host} exports no weights "
             "(start it with --share-weights)"
         )
-    mine = weights_source(settings.model, model_cfg, settings.seed)
+    mine = weights_source(settings.model, model_cfg, settings.seed, held)
     if host_weights.source != mine:
         raise GeometryMismatch(
             f"weights mismatch: this worker would load {mine!r}, the cache host at {settings.cache_host} "
-            f"shares {host_weights.source!r} (give both the same --model / --seed, or --weights local)"
+            f"shares {host_weights.source!r} (give both the same --model / --seed / --weight-format, "
+            "or --weights local)"
         )
-    shared = shared_weights.bind(host_weights, device, fused_spec(settings.model, model_cfg, dtype))
+    shared = shared_weights.bind(host_weights, device, fused_spec(settings.model, model_cfg, dtype, held))
     return build_model(model_cfg, shared.tensors), shared
 
 
@@ -309,6 +318,9 @@ def start_worker(
             shared_weights=weights is not None,
             cpu_kernel_path=cpu_native.kernel_path() if device.type == "cpu" else "",
             cuda_graph_sizes=runner.decode_graphs.sizes if runner.decode_graphs is not None else (),
+            weight_bytes=model.weight_bytes,
+            weight_format=settings.weight_format,
+            linear_path=model.linear_path,
         )
         servicer = WorkerServicer(runner, winfo)
         running = start_server(
@@ -341,7 +353,9 @@ def start_worker(
         model=model_cfg.name,
         kernel_backend=winfo.kernel_backend,
         cpu_kernel_path=winfo.cpu_kernel_path,
-        linear_path=runner.model.linear_path,
+        linear_path=winfo.linear_path,
+        weight_format=settings.weight_format,
+        weight_bytes=winfo.weight_bytes,
         role=settings.role,
         shared_weights=weights is not None,
         cuda_graph_sizes=list(winfo.cuda_graph_sizes),

@@ -22,6 +22,7 @@ from pagedkv.kv_capacity import KvCacheDtype
 
 Device = Literal["auto", "cpu", "cuda"]
 DType = Literal["auto", "float32", "float16", "bfloat16"]
+WeightFormat = Literal["auto", "fp32", "bf16", "int8", "int4"]  # worker_svc/model/weight_format.py
 LogFormat = Literal["console", "json"]
 
 
@@ -49,6 +50,12 @@ class _Common(BaseSettings):
     )
     num_layers: int | None = Field(None, ge=1, description="override/check the model's layer count")
     dtype: DType = Field("auto", description="cache/model dtype; auto = float32 on CPU, bfloat16 on CUDA")
+    weight_format: WeightFormat = Field(
+        "auto",
+        description="how the weights are held: auto = a GGUF file's own quantization on CPU float32, "
+        "else dense; fp32 | bf16 = dense in that dtype (= --dtype); int8 | int4 = a Hugging Face "
+        "directory quantized at load (CPU, float32)",
+    )
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
     block_manager: str | None = Field(
         None, description="host:port of the block manager to read geometry from"

@@ -36,11 +36,13 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import get_args
 
 from frontend.clients.connection import add_connection_args, client_kwargs
 from frontend.engine import Engine, GenerationRequest, SamplingOptions
 from pagedkv import defaults, envs
 from pagedkv.ports import free_port
+from worker_svc.settings import WeightFormat
 
 
 @dataclass(slots=True)
@@ -306,6 +308,13 @@ def build_parser() -> argparse.ArgumentParser:
         "and chat template the workload is chat prompts and a few real answers are printed",
     )
     p.add_argument("--device", default="auto")
+    p.add_argument(
+        "--weight-format",
+        choices=get_args(WeightFormat),
+        default="auto",
+        help="how the stack holds the weights (auto = a GGUF file's own quantization on CPU; "
+        "fp32 | bf16 dense; int8 | int4 a Hugging Face directory quantized at load)",
+    )
     p.add_argument("--local", action="store_true", help="run the stack and the server in this process")
     p.add_argument("--url", default=None, help="drive a running `pagedkv serve` (no KV figures)")
     p.add_argument(
@@ -412,6 +421,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 num_gpu_blocks=args.num_gpu_blocks,
                 num_workers=args.num_workers,
                 device=args.device,
+                weight_format=args.weight_format,
             )
         ) as stack:
             _serve_here(args, stack.block_manager_target, stack.worker_targets, {})
@@ -432,6 +442,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         num_cpu_blocks=defaults.DEMO_NUM_CPU_BLOCKS,
         model=args.model,
         device=args.device,
+        weight_format=args.weight_format,
         log_format="json",
         log_dir=log_dir,
     )

@@ -29,6 +29,8 @@ class StackConfig:
     num_workers: int = 1
     device: str = "auto"
     dtype: str = "auto"
+    # How the weights are held: auto | fp32 | bf16 | int8 | int4 (worker_svc/model/weight_format.py).
+    weight_format: str = "auto"
     kernel_backend: str | None = None  # the workers' --kernel-backend (None = theirs: auto)
     seed: int = 0  # the built-in default model's random weights
     # Worker i's --role (prefill | decode | mixed); one role applies to every worker (processes);

@@ -98,6 +98,7 @@ class LocalStack:
                         model=cfg.model,
                         device=str(device),
                         dtype=cfg.dtype,
+                        weight_format=cfg.weight_format,
                         kernel_backend=cfg.kernel_backend,
                         seed=cfg.seed,
                         role=roles[i],

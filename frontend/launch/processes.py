@@ -33,6 +33,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import get_args
 
 from frontend.launch.config import StackConfig, override_flags, worker_roles
 from frontend.launch.ready import ReadyService, StackReady
@@ -43,6 +44,7 @@ from pagedkv import defaults
 from pagedkv.cpu_runtime import preload_env
 from pagedkv.healthcheck import wait_healthy
 from pagedkv.logging_setup import configure_logging
+from worker_svc.settings import WeightFormat
 
 SHM_DIR = pathlib.Path("/dev/shm")
 
@@ -107,6 +109,8 @@ def plan(opts: StackConfig, security: StackSecurity | None = None, state_dir: st
                 opts.device,
                 "--dtype",
                 opts.dtype,
+                "--weight-format",
+                opts.weight_format,
                 "--shm-prefix",
                 opts.shm_prefix,
                 "--kv-cache-dtype",
@@ -148,6 +152,8 @@ def plan(opts: StackConfig, security: StackSecurity | None = None, state_dir: st
                     opts.device,
                     "--dtype",
                     opts.dtype,
+                    "--weight-format",
+                    opts.weight_format,
                     "--role",
                     roles[i],
                     "--kv-cache-dtype",
@@ -453,6 +459,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--device", default=d.device, help="auto | cpu | cuda (auto = CUDA when present)")
     p.add_argument("--dtype", default=d.dtype)
+    p.add_argument(
+        "--weight-format",
+        choices=get_args(WeightFormat),
+        default=d.weight_format,
+        help="how the cache host and workers hold the weights: auto = a GGUF file's own quantization "
+        "on CPU, fp32 | bf16 dense, int8 | int4 a Hugging Face directory quantized at load",
+    )
     p.add_argument("--log-format", choices=("console", "json"), default=d.log_format)
     p.add_argument("--log-dir", default=None, help="write each service's log to DIR/<name>.log")
     p.add_argument(
@@ -588,6 +601,7 @@ def options_from_args(args: argparse.Namespace) -> StackConfig:
         model=args.model,
         device=args.device,
         dtype=args.dtype,
+        weight_format=args.weight_format,
         log_format=args.log_format,
         log_dir=args.log_dir,
         ready_timeout_s=args.ready_timeout_s,

@@ -13,10 +13,11 @@ Meanings (as in vLLM):
 - time_to_first_token: arrival at the server to the first token of the request.
 - time_per_output_token: each gap between two consecutive tokens of one sample (after the first).
 - e2e_request_latency: arrival to the last token.
-Own additions: KV blocks used, prefix-cache queries/hits (prompt tokens), engine iterations and
-how many requests got a token in each (proves batching), tokens and finished requests by reason,
-and the faults the engine rode out (block-manager retries/resyncs, cache-host recoveries, recomputed
-tokens, the longest stall).
+Own additions: the model's resident weight bytes (from the first worker's GetWorkerInfo at
+start-up, labelled with its --weight-format), KV blocks used, prefix-cache queries/hits (prompt
+tokens), engine iterations and how many requests got a token in each (proves batching), tokens
+and finished requests by reason, and the faults the engine rode out (block-manager
+retries/resyncs, cache-host recoveries, recomputed tokens, the longest stall).
 """
 
 from __future__ import annotations
@@ -232,6 +233,13 @@ class ServeMetrics:
             "Requests that received a token in one engine iteration",
             labels,
             buckets=BATCH_BUCKETS,
+            registry=r,
+        )
+        self.weight_bytes = Gauge(
+            "pagedkv_model_weight_bytes",
+            "Resident bytes of the model weights a worker computes with (packed integers and scales "
+            "when quantized; one copy when the cache host shares them)",
+            labels + ["weight_format"],
             registry=r,
         )
         r.register(_PoolCollector(pool, vllm_names))

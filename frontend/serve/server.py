@@ -618,6 +618,7 @@ class OpenAIServer:
             self.metrics = ServeMetrics(
                 name, self._pool_usage, settings.metrics_vllm_names, engine_stats=lambda: engine.stats
             )
+            self.metrics.weight_bytes.labels(name, info.weight_format or "auto").set(info.weight_bytes)
             self.loop = EngineLoop(engine, self.metrics, on_iteration=on_iteration)
             self.state = ServerState(
                 self.loop, limits, self.metrics, settings.max_waiting, settings.retry_after_s, self._health

@@ -419,6 +419,9 @@ class WorkerInfo(_message.Message):
     SHARED_WEIGHTS_FIELD_NUMBER: _builtins.int
     CPU_KERNEL_PATH_FIELD_NUMBER: _builtins.int
     CUDA_GRAPH_SIZES_FIELD_NUMBER: _builtins.int
+    WEIGHT_BYTES_FIELD_NUMBER: _builtins.int
+    WEIGHT_FORMAT_FIELD_NUMBER: _builtins.int
+    LINEAR_PATH_FIELD_NUMBER: _builtins.int
     model_name: _builtins.str
     vocab_size: _builtins.int
     num_layers: _builtins.int
@@ -451,6 +454,16 @@ class WorkerInfo(_message.Message):
     native kernels built at install: avx512, avx2, x86_64 or generic) or
     "torch" (none usable); empty on a GPU worker (docs/kernels.md).
     """
+    weight_bytes: _builtins.int
+    """Resident bytes of the weights the model computes with (each tensor once:
+    packed integers and their scales for quantized matrices; a worker mapping
+    the cache host's shared weights counts that one copy).
+    """
+    weight_format: _builtins.str
+    """How the weights are held (--weight-format as given: auto, fp32, bf16,
+    int8, int4) and the linear paths that run them ("int8+int4", "native", ...).
+    """
+    linear_path: _builtins.str
     @_builtins.property
     def geometry(self) -> _cache_host_pb2.CacheGeometry: ...
     @_builtins.property
@@ -481,10 +494,13 @@ class WorkerInfo(_message.Message):
         shared_weights: _builtins.bool = ...,
         cpu_kernel_path: _builtins.str = ...,
         cuda_graph_sizes: _abc.Iterable[_builtins.int] | None = ...,
+        weight_bytes: _builtins.int = ...,
+        weight_format: _builtins.str = ...,
+        linear_path: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["geometry", b"geometry"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_instance_id", b"cache_instance_id", "cache_lost_reason", b"cache_lost_reason", "cache_state", b"cache_state", "cpu_kernel_path", b"cpu_kernel_path", "cuda_graph_sizes", b"cuda_graph_sizes", "device", b"device", "dtype", b"dtype", "geometry", b"geometry", "head_dim", b"head_dim", "hidden_size", b"hidden_size", "kernel_backend", b"kernel_backend", "model_name", b"model_name", "num_heads", b"num_heads", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "role", b"role", "shared_weights", b"shared_weights", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_instance_id", b"cache_instance_id", "cache_lost_reason", b"cache_lost_reason", "cache_state", b"cache_state", "cpu_kernel_path", b"cpu_kernel_path", "cuda_graph_sizes", b"cuda_graph_sizes", "device", b"device", "dtype", b"dtype", "geometry", b"geometry", "head_dim", b"head_dim", "hidden_size", b"hidden_size", "kernel_backend", b"kernel_backend", "linear_path", b"linear_path", "model_name", b"model_name", "num_heads", b"num_heads", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "role", b"role", "shared_weights", b"shared_weights", "vocab_size", b"vocab_size", "weight_bytes", b"weight_bytes", "weight_format", b"weight_format"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

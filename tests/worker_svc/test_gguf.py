@@ -222,9 +222,10 @@ def test_each_family_loads_its_checkpoint_layout(tmp_path: pathlib.Path) -> None
 
 
 def test_cache_host_shares_a_gguf_files_weights_with_worker_processes(tmp_path: pathlib.Path) -> None:
-    """`pagedkv cache-host --model FILE.gguf` loads (dequantizes) once and exports the weights; a
-    worker given the same file maps them instead of loading, and generates transformers' tokens
-    on the dequantized weights; a worker given another file refuses to start (exit code 2)."""
+    """`pagedkv cache-host --model FILE.gguf --weight-format fp32` loads (dequantizes) once and
+    exports the weights; a worker given the same file maps them instead of loading, and generates
+    transformers' tokens on the dequantized weights; a worker given another file refuses to start
+    (exit code 2). (The file's own quantization, the default: test_gguf_quant.py.)"""
     import grpc
 
     from pagedkv.v1 import worker_pb2_grpc
@@ -238,11 +239,11 @@ def test_cache_host_shares_a_gguf_files_weights_with_worker_processes(tmp_path: 
     write_gguf(hf, other, "F32")
     procs: list[Proc] = []
     try:
-        host, ready = start_cache_host(path, prefix="pagedkv-gguf-test")
+        host, ready = start_cache_host(path, 0, "pagedkv-gguf-test", "--weight-format", "fp32")
         procs.append(host)
         assert ready["weights_bytes"] > 0 and ready["weights_source"] == "model:qwen2.Q8_0.gguf"
-        w = start_worker(path, ready["port"])
-        bad = start_worker(other, ready["port"])
+        w = start_worker(path, ready["port"], "--weight-format", "fp32")
+        bad = start_worker(other, ready["port"], "--weight-format", "fp32")
         procs += [w, bad]
         w_ready = w.wait_event("worker_ready")
         assert w_ready["shared_weights"] is True

@@ -80,6 +80,10 @@ def test_mixed_parts_of_a_fused_matrix_become_int8_rows() -> None:
     torch.testing.assert_close(same.dequantize(), torch.cat([a.dequantize()] * 2), rtol=0, atol=0)
 
 
+def _nbytes(spec: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> int:
+    return sum(int(np.prod(shape)) * torch.empty((), dtype=dt).element_size() for shape, dt in spec.values())
+
+
 def _runner(path: pathlib.Path, held: str) -> ModelRunner:
     cfg = load_model_config(str(path))
     model = load_model(str(path), cfg, torch.float32, CPU, held=held)
@@ -128,9 +132,7 @@ def test_a_quantized_file_held_as_integers_generates_what_transformers_does(
     # Resident: exactly the packed tensors (16 B of nibbles + 8 B of fp32 scale and offset per 32
     # weights for int4, 1 B a weight + a scale a row for int8), about the file's size, not 4-8x.
     spec = fused_spec(str(path), load_model_config(str(path)), torch.float32, "file")
-    assert runner.model.weight_bytes == sum(
-        int(np.prod(shape)) * torch.empty((), dtype=dt).element_size() for shape, dt in spec.values()
-    )
+    assert runner.model.weight_bytes == _nbytes(spec)
     header = gguf_file.read_header(path)
     file_bytes = sum(gguf_file.tensor_bytes(t) for t in header.tensors.values())
     dense_bytes = sum(4 * int(np.prod(t.shape)) for t in header.tensors.values())
@@ -189,3 +191,63 @@ def _runner_logits(model: object, cfg: object) -> torch.Tensor:
     out = runner.step([SequenceRequest("s", PROMPT, [0, 1, 2], 0, return_logits=True)]).outputs[0]
     assert out.logits is not None
     return out.logits.clone()
+
+
+def test_processes_hold_a_gguf_in_its_own_quantization_by_default(tmp_path: pathlib.Path) -> None:
+    """`pagedkv cache-host --model FILE.gguf` (no flag) shares the file's integers; a worker maps
+    them, says so in `worker_ready` (weight bytes, int4 / int8 paths) and generates transformers'
+    tokens on the weights held; a worker asking for fp32 weights refuses that host (exit code 2)."""
+    import grpc
+
+    from pagedkv.v1 import worker_pb2_grpc
+    from tests.worker_svc.generation import grpc_step
+    from tests.worker_svc.test_processes import GPU_BLOCKS, Proc, start_cache_host, start_worker
+
+    hf = build(
+        "LlamaForCausalLM",
+        tmp_path / "hf",
+        seed=4,
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=300,
+    )
+    path = tmp_path / "llama.Q4_1.gguf"
+    write_gguf(hf, path, "Q4_1")
+    oracle = oracle_on(hf, _held_state(path), tmp_path / "hf")
+    cfg = load_model_config(str(path))
+    spec = fused_spec(str(path), cfg, torch.float32, "file")
+    spec_bytes = sum(
+        int(np.prod(shape)) * torch.empty((), dtype=dt).element_size() for shape, dt in spec.values()
+    )
+    procs: list[Proc] = []
+    try:
+        host, ready = start_cache_host(path, 0, "pagedkv-gguf-quant-test")
+        procs.append(host)
+        assert ready["weights_source"] == "model:llama.Q4_1.gguf;held=file"
+        assert (
+            spec_bytes
+            <= ready["weights_bytes"]
+            < spec_bytes + 64 * len(fused_spec(str(path), cfg, torch.float32, "file"))
+        )
+        w = start_worker(path, ready["port"])
+        dense = start_worker(path, ready["port"], "--weight-format", "fp32")
+        procs += [w, dense]
+        w_ready = w.wait_event("worker_ready")
+        assert w_ready["shared_weights"] is True and w_ready["weight_format"] == "auto"
+        assert w_ready["weight_bytes"] == spec_bytes and w_ready["linear_path"] == "int8+int4"
+        assert dense.p.wait(60) == 2 and "held=file" in dense.wait_event("config_error")["error"]
+        with grpc.insecure_channel(f"127.0.0.1:{w_ready['port']}") as ch:
+            sched = Scheduler(
+                grpc_step(worker_pb2_grpc.WorkerStub(ch)), num_gpu_blocks=GPU_BLOCKS, block_size=4
+            )
+            sched.add("s", PROMPT)
+            sched.generate(["s"], 8)
+        assert sched.seqs["s"].generated == oracle.greedy(PROMPT, 8)
+        assert w.stop() == 0
+        assert host.stop() == 0
+    finally:
+        for p in procs:
+            if p.p.poll() is None:
+                p.p.kill()

@@ -88,7 +88,7 @@ class Proc:
 
 
 def start_cache_host(
-    model: pathlib.Path, port: int = 0, prefix: str = "pagedkv-proc-test"
+    model: pathlib.Path, port: int = 0, prefix: str = "pagedkv-proc-test", *extra: str
 ) -> tuple[Proc, dict]:
     proc = Proc(
         [
@@ -107,6 +107,7 @@ def start_cache_host(
             str(CPU_BLOCKS),
             "--shm-prefix",
             prefix,
+            *extra,
         ],
         "cache-host",
     )

@@ -165,9 +165,11 @@ def random_weights(
     return out
 
 
-def weights_source(model_dir: str | None, cfg: ModelConfig, seed: int) -> str:
-    """Names the weights a role would load: equal strings mean the same weights (shared_weights.py)."""
-    return f"model:{cfg.name}" if model_dir else f"random:seed={seed}"
+def weights_source(model_dir: str | None, cfg: ModelConfig, seed: int, held: str = "dense") -> str:
+    """Names the weights a role would load, and the form it holds them in: equal strings mean the
+    same tensors (shared_weights.py)."""
+    name = f"model:{cfg.name}" if model_dir else f"random:seed={seed}"
+    return name if held == "dense" else f"{name};held={held}"
 
 
 def _fused_layout(names: list[str], cfg: ModelConfig) -> tuple[list[str], dict[str, list[str]]]:
