@@ -68,3 +68,15 @@ def test_a_directory_quantized_at_load_generates_what_transformers_does_on_its_w
     sched.add("a", PROMPT)
     sched.generate(["a"], 8)
     assert sched.seqs["a"].generated == oracle.greedy(PROMPT, 8)
+
+
+@pytest.mark.parametrize("held", ["int8", "int4"])
+def test_the_built_in_model_quantized_at_load_fits_the_spec_workers_check(held: str) -> None:
+    """The cache host packs the built-in model's random weights; a worker checks them against
+    ``fused_spec`` (names, shapes, dtypes) before mapping them."""
+    from worker_svc.model.weights import fuse, fused_spec
+
+    cfg = load_model_config(None)
+    state = fuse(load_checkpoint(None, cfg, F32, CPU, seed=0, held=held), cfg)
+    assert {n: (tuple(t.shape), t.dtype) for n, t in state.items()} == fused_spec(None, cfg, F32, held)
+    assert any(t.dtype is (torch.uint8 if held == "int4" else torch.int8) for t in state.values())

@@ -215,11 +215,11 @@ def held_forms(model_dir: str | None, cfg: ModelConfig, held: str) -> dict[str, 
     """Checkpoint name -> ``dense`` / ``int4`` / ``int8``: the form ``load_weights(..., held)``
     gives each tensor, known without reading the tensors (a GGUF's header says its types)."""
     shapes = expected_shapes(cfg)
-    if held == "dense" or model_dir is None:
+    if held == "dense":
         return {n: "dense" for n in shapes}
     if held == "file":
-        src = model_source.resolve(pathlib.Path(model_dir))
-        if src.kind != "gguf":
+        src = model_source.resolve(pathlib.Path(model_dir)) if model_dir else None
+        if src is None or src.kind != "gguf":
             return {n: "dense" for n in shapes}
         header = gguf_file.read_header(src.path)
         forms = {n: "dense" for n in shapes}
