@@ -19,10 +19,11 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pagedkv import defaults
 from pagedkv.kv_capacity import KvCacheDtype
+from pagedkv.weight_formats import WeightFormat
 
 Device = Literal["auto", "cpu", "cuda"]
 DType = Literal["auto", "float32", "float16", "bfloat16"]
-WeightFormat = Literal["auto", "fp32", "bf16", "int8", "int4"]  # worker_svc/model/weight_format.py
+
 LogFormat = Literal["console", "json"]
 
 

@@ -42,7 +42,7 @@ from frontend.clients.connection import add_connection_args, client_kwargs
 from frontend.engine import Engine, GenerationRequest, SamplingOptions
 from pagedkv import defaults, envs
 from pagedkv.ports import free_port
-from worker_svc.settings import WeightFormat
+from pagedkv.weight_formats import WeightFormat
 
 
 @dataclass(slots=True)

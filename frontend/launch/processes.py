@@ -44,7 +44,7 @@ from pagedkv import defaults
 from pagedkv.cpu_runtime import preload_env
 from pagedkv.healthcheck import wait_healthy
 from pagedkv.logging_setup import configure_logging
-from worker_svc.settings import WeightFormat
+from pagedkv.weight_formats import WeightFormat
 
 SHM_DIR = pathlib.Path("/dev/shm")
 

@@ -117,15 +117,21 @@ def test_default_model_is_deterministic_and_offline() -> None:
 
 
 def test_loading_logs_tensors_loaded_of_total(hf_llama: HFModel, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Progress while reading (every PROGRESS_EVERY_S; 0 here: after each tensor), then the total."""
-    from structlog.testing import capture_logs
-
+    """Progress while reading (every PROGRESS_EVERY_S; 0 here: after each tensor), then the total.
+    The module's logger is replaced by a recorder: structlog's capture_logs misses a logger that an
+    earlier test's configuration already cached."""
     from worker_svc.model import weights
 
+    logs: list[dict[str, object]] = []
+
+    class Recorder:
+        def __getattr__(self, level: str) -> object:
+            return lambda event, **kw: logs.append({"event": event, "level": level, **kw})
+
     monkeypatch.setattr(weights, "PROGRESS_EVERY_S", 0.0)
+    monkeypatch.setattr(weights, "log", Recorder())
     cfg = ModelConfig.from_dir(hf_llama.path)
-    with capture_logs() as logs:
-        loaded = load_weights(hf_llama.path, cfg, torch.float32, torch.device("cpu"))
+    loaded = load_weights(hf_llama.path, cfg, torch.float32, torch.device("cpu"))
     progress = [e for e in logs if e["event"] == "weights_loading"]
     total = len(loaded)
     assert [e["loaded"] for e in progress] == list(range(1, total + 1))
