@@ -48,7 +48,7 @@ test: lint
 	$(BIN)/python -m pytest
 
 ## The fast tier for the edit-test loop: no process stacks, no ahead-of-time compiles, no bench
-## scripts (tests/conftest.py, SLOW_MODULES), no lint; under 2 minutes on 2 cores.
+## scripts (tests/conftest.py, SLOW_MODULES), no lint; a few minutes on 2 cores.
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
 
