@@ -558,6 +558,8 @@ SERVE_FLAGS = (
     "max_waiting",
     "max_num_seqs",
     "max_batch_tokens",
+    "timeout_s",
+    "block_manager_outage_s",
 )
 
 
