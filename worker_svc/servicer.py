@@ -24,6 +24,7 @@ from worker_svc.model_runner import (
     SequenceRequest,
     SequenceResult,
 )
+from worker_svc.step_fence import StepFence
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 log = structlog.get_logger("pagedkv.worker")
@@ -133,6 +134,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             info.cache_state = worker_pb2.CACHE_STATE_ATTACHED
         self._lost_message: str | None = None  # set once the cache host is lost (cache_watch.py)
         self.on_cache_lost: Callable[[], None] | None = None  # e.g. turn health NOT_SERVING
+        self.fence = StepFence()  # steps running now, and the ones an engine gave up on (Fence)
 
     def mark_cache_lost(self, reason: str) -> bool:
         """Refuse every later step; True the first time (the caller logs it once)."""
@@ -202,6 +204,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 errors.CACHE_HOST_LOST,
                 cache_instance_id=self._info.cache_instance_id,
             )
+        rid = request.request_id
+        if not self.fence.begin(rid):
+            # The engine gave up on this step and ran it elsewhere (Fence): running it now could
+            # write KV into blocks that other sequences hold by now.
+            context.abort(
+                grpc.StatusCode.ABORTED,
+                f"step {rid!r} was fenced: the engine stopped waiting for it and ran it on another worker",
+            )
         seqs: list[SequenceRequest] = []
         try:
             seqs = [sequence_from_proto(s, self._sampling) for s in request.sequences]
@@ -214,6 +224,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except Exception as e:  # noqa: BLE001 - turn into a status, keep the trace in the log
             log.exception("step_failed", request_id=request.request_id, num_seqs=len(seqs))
             context.abort(grpc.StatusCode.INTERNAL, f"step failed: {type(e).__name__}: {e}")
+        finally:
+            self.fence.end(rid)
         log.debug(
             "step",
             request_id=request.request_id,
@@ -235,3 +247,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self, request: worker_pb2.GetWorkerInfoRequest, context: grpc.ServicerContext
     ) -> worker_pb2.WorkerInfo:
         return self._info
+
+    def Fence(  # noqa: N802 - gRPC method name
+        self, request: worker_pb2.FenceRequest, context: grpc.ServicerContext
+    ) -> worker_pb2.FenceReply:
+        running = self.fence.fence(request.request_ids)
+        if running:
+            log.warning("fenced_steps_running", request_ids=running)
+        return worker_pb2.FenceReply(running_request_ids=running)

@@ -48,3 +48,14 @@ class WorkerClient(GrpcClient):
             request_id=None,
             timeout_s=timeout_s,
         )
+
+    def fence(self, request_ids: list[str], *, timeout_s: float | None = None) -> wpb.FenceReply:
+        """Tell the worker never to start these steps; the reply lists those it is running now.
+        Safe to repeat (a read, as far as retries go)."""
+        return self._call(
+            self._stub.Fence,
+            wpb.FenceRequest(request_ids=request_ids),
+            mutation=False,
+            request_id=None,
+            timeout_s=timeout_s,
+        )

@@ -19,9 +19,12 @@ about compute. The rules:
 - A worker that answers UNAVAILABLE / DEADLINE_EXCEEDED (dead, or hung: its channel's keepalive
   closes a connection whose pings go unanswered, frontend/clients/worker.py) is benched and its part
   is re-run on the next candidate (a step only rewrites the KV of its own tokens with the same
-  values, so a re-run is safe). A benched worker is taken back when it answers again: a thread
-  probes it (GetWorkerInfo, ``probe_timeout_s``) every ``probe_interval_s``. With every worker
-  benched, all are tried again (requests wait for one to return rather than fail).
+  values, so a re-run is safe). The unanswered step is fenced (frontend/engine/fencing.py): the
+  worker may still run it, so its sequences' blocks are not freed until the worker says it runs
+  no such step, or nothing listens at its address any more. A benched worker is taken back when
+  it answers again: a thread probes it (GetWorkerInfo, ``probe_timeout_s``) every
+  ``probe_interval_s``. With every worker benched, all are tried again (requests wait for one to
+  return rather than fail).
   FAILED_PRECONDITION with the CACHE_HOST_LOST error detail
   (pagedkv/errors.py) from every worker tried is
   ``CacheLostEverywhere``, which the engine turns into ``CacheHostLost``.
@@ -39,6 +42,7 @@ import grpc
 import structlog
 
 from frontend.clients.worker import WorkerClient
+from frontend.engine.fencing import Fences
 from pagedkv import errors
 from pagedkv.v1 import worker_pb2 as wpb
 
@@ -87,6 +91,7 @@ class WorkerPool:
     probe_interval_s: float = 0.5
     probe_timeout_s: float = 1.0
     stats: DispatchStats = field(default_factory=DispatchStats)
+    fences: Fences = field(default_factory=Fences)
     _executor: ThreadPoolExecutor | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _prober: threading.Thread | None = None
@@ -113,12 +118,21 @@ class WorkerPool:
             if not slot.benched:
                 slot.benched = True
                 log.warning("worker_benched", worker=slot.target, reason=reason)
+        self._ensure_prober()
+
+    def _ensure_prober(self) -> None:
+        with self._lock:
             if self._prober is None and not self._closed.is_set():
                 self._prober = threading.Thread(target=self._probe_loop, name="worker-probe", daemon=True)
                 self._prober.start()
 
     def _probe_loop(self) -> None:
         while not self._closed.wait(self.probe_interval_s):
+            for client in self.fences.clients():
+                try:
+                    self.fences.check(client, self.probe_timeout_s)
+                except ValueError:  # its channel was closed: the engine is shutting down
+                    return
             for slot in [s for s in self.slots if s.benched]:
                 try:
                     slot.client.get_info(timeout_s=self.probe_timeout_s)
@@ -172,6 +186,7 @@ class WorkerPool:
                     ops=req.ops, request_id=f"{req.request_id}-ops", cache_instance_id=req.cache_instance_id
                 ),
                 workers,
+                holds=[s.seq_id for s in seqs],  # the ops' blocks belong to the step's sequences
             )
             self.stats.ops_only_steps += 1
         groups = self.split([len(s.token_ids) for s in seqs], n)
@@ -218,8 +233,16 @@ class WorkerPool:
         """``call`` on a pool thread: the caller goes on while the worker computes."""
         return self._pool().submit(self.call, req, workers)
 
-    def call(self, req: wpb.WorkerStepRequest, workers: Sequence[WorkerSlot]) -> wpb.WorkerStepResponse:
-        """One step on the first of ``workers`` that answers, then on any other live worker."""
+    def call(
+        self,
+        req: wpb.WorkerStepRequest,
+        workers: Sequence[WorkerSlot],
+        holds: Sequence[str] | None = None,
+    ) -> wpb.WorkerStepResponse:
+        """One step on the first of ``workers`` that answers, then on any other live worker.
+
+        A worker that did not answer may still run the step: it is fenced, holding the blocks of
+        ``holds`` (default: the step's sequences) until that worker is known not to run it."""
         tried: set[int] = set()
         lost: list[str] = []
         last: grpc.RpcError | None = None
@@ -240,6 +263,11 @@ class WorkerPool:
                     raise
                 last = e
                 self.stats.retries += 1
+                self.fences.note(
+                    slot.client,
+                    req.request_id,
+                    holds if holds is not None else [s.seq_id for s in req.sequences],
+                )
                 self.bench(slot, e.code().name)
                 continue
             slot.busy_s += time.perf_counter() - t0

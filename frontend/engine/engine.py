@@ -280,6 +280,7 @@ class Engine:
         """The iteration's one round trip: commits, frees, appends, allocations, forks, swap-ins.
         `full=False` (flush): commits and frees only."""
         sched = self.scheduler
+        sched.held = self.pool.fences.held()  # a fenced step's sequences keep their blocks
         if full and sched.needs_pool_refresh():
             sched.note_pool(self.session.step(StepPlan()))  # one empty Step reads the counter again
         plan = sched.plan(full=full)
@@ -301,11 +302,15 @@ class Engine:
         sched = self.scheduler
         if sched.has_pending_ops():
             return
+        held_only = bool(sched.to_free) and not sched.frees_due()  # Frees wait for a fenced worker
+        if held_only and not sched.waiting and not sched.running and not sched.swapped:
+            time.sleep(0.01)  # nothing to do but wait for the fence to lift: no spinning
+            return
         if (
             sched.waiting
             and not sched.running
             and not sched.swapped
-            and not sched.to_free
+            and not sched.frees_due()
             and self._prefill is None
         ):
             head = sched.waiting[0]

@@ -86,6 +86,9 @@ class Scheduler:
         self.running: list[Seq] = []
         self.swapped: collections.deque[Seq] = collections.deque()
         self.to_free: list[str] = []  # finished: freed in the next Step (after their commits)
+        # Sequences whose blocks a step a worker did not answer may still write (frontend/engine/
+        # fencing.py): a finished one among them stays in to_free until the engine clears it here.
+        self.held: set[str] = set()
         # Sequences a Step that got no answer may have created: freed in the next Step that does.
         self.unconfirmed: list[str] = []
         self.pending_ops = pb.CacheOps()  # cache ops owed to the workers, sent with the next worker step
@@ -152,6 +155,14 @@ class Scheduler:
         self.outputs.pop(request_id, None)
         return True
 
+    def frees_due(self) -> list[str]:
+        """The Frees the next Step sends: ``to_free`` but the finished sequences held by a fence
+        (a sequence requeued for recompute is freed at once: it is allocated again under its id)."""
+        held = self.held
+        if not held:
+            return list(self.to_free)
+        return [x for x in self.to_free if x not in held or self.seqs[x].status is not SeqStatus.FINISHED]
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped or self.to_free)
 
@@ -201,7 +212,7 @@ class Scheduler:
             )
             self.stats.admissions_held += held
         commits = self._commits()
-        frees = self.to_free + self.unconfirmed
+        frees = self.frees_due() + self.unconfirmed
         lazy = self.defer_appends and full
         must_grow = [s for s in grow if not s.has_room(bs)] if lazy else grow
         if not (must_grow or frees or swap_in or admit or (commits and not lazy)):
@@ -257,7 +268,9 @@ class Scheduler:
         """A Step reply: block tables, cache ops (owed to the workers), preemptions, allocations,
         forks and swap-ins. What the plan freed is gone from the manager now."""
         if plan.step.frees:
-            self.to_free, self.unconfirmed = [], []
+            sent = set(plan.step.frees)
+            self.to_free = [x for x in self.to_free if x not in sent]
+            self.unconfirmed = []
         self.note_pool(delta)
         grow = plan.grow
         for i, block, replaces_last in delta.grown:

@@ -505,3 +505,52 @@ class WorkerInfo(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___WorkerInfo: _TypeAlias = WorkerInfo  # noqa: Y015
+
+@_typing.final
+class FenceRequest(_message.Message):
+    """Fence: the engine gave up on these steps (their calls got no answer in time)
+    and ran them elsewhere. From now on the worker refuses to start them
+    (ABORTED), and the reply lists those of them still running, whose KV writes
+    may still land: the engine keeps their blocks from being reused until a
+    Fence answers that none of them runs (docs/reliability.md, "Fencing").
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_IDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        request_ids: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_ids", b"request_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FenceRequest: _TypeAlias = FenceRequest  # noqa: Y015
+
+@_typing.final
+class FenceReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUNNING_REQUEST_IDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def running_request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The ids of FenceRequest.request_ids that this worker is running now."""
+
+    def __init__(
+        self,
+        *,
+        running_request_ids: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["running_request_ids", b"running_request_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FenceReply: _TypeAlias = FenceReply  # noqa: Y015

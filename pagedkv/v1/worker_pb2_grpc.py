@@ -44,6 +44,11 @@ class WorkerStub:
                 request_serializer=pagedkv_dot_v1_dot_worker__pb2.GetWorkerInfoRequest.SerializeToString,
                 response_deserializer=pagedkv_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
                 _registered_method=True)
+        self.Fence = channel.unary_unary(
+                '/pagedkv.v1.Worker/Fence',
+                request_serializer=pagedkv_dot_v1_dot_worker__pb2.FenceRequest.SerializeToString,
+                response_deserializer=pagedkv_dot_v1_dot_worker__pb2.FenceReply.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -61,6 +66,12 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Fence(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -73,6 +84,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.GetWorkerInfo,
                     request_deserializer=pagedkv_dot_v1_dot_worker__pb2.GetWorkerInfoRequest.FromString,
                     response_serializer=pagedkv_dot_v1_dot_worker__pb2.WorkerInfo.SerializeToString,
+            ),
+            'Fence': grpc.unary_unary_rpc_method_handler(
+                    servicer.Fence,
+                    request_deserializer=pagedkv_dot_v1_dot_worker__pb2.FenceRequest.FromString,
+                    response_serializer=pagedkv_dot_v1_dot_worker__pb2.FenceReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -129,6 +145,33 @@ class Worker:
             '/pagedkv.v1.Worker/GetWorkerInfo',
             pagedkv_dot_v1_dot_worker__pb2.GetWorkerInfoRequest.SerializeToString,
             pagedkv_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Fence(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedkv.v1.Worker/Fence',
+            pagedkv_dot_v1_dot_worker__pb2.FenceRequest.SerializeToString,
+            pagedkv_dot_v1_dot_worker__pb2.FenceReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -35,12 +35,14 @@ class WorkerStub:
     def __new__(cls, channel: _aio.Channel) -> WorkerAsyncStub: ...
     Step: _grpc.UnaryUnaryMultiCallable[_worker_pb2.WorkerStepRequest, _worker_pb2.WorkerStepResponse]
     GetWorkerInfo: _grpc.UnaryUnaryMultiCallable[_worker_pb2.GetWorkerInfoRequest, _worker_pb2.WorkerInfo]
+    Fence: _grpc.UnaryUnaryMultiCallable[_worker_pb2.FenceRequest, _worker_pb2.FenceReply]
 
 @_typing.type_check_only
 class WorkerAsyncStub(WorkerStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     Step: _aio.UnaryUnaryMultiCallable[_worker_pb2.WorkerStepRequest, _worker_pb2.WorkerStepResponse]  # type: ignore[assignment]
     GetWorkerInfo: _aio.UnaryUnaryMultiCallable[_worker_pb2.GetWorkerInfoRequest, _worker_pb2.WorkerInfo]  # type: ignore[assignment]
+    Fence: _aio.UnaryUnaryMultiCallable[_worker_pb2.FenceRequest, _worker_pb2.FenceReply]  # type: ignore[assignment]
 
 class WorkerServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -56,5 +58,12 @@ class WorkerServicer(metaclass=_abc_1.ABCMeta):
         request: _worker_pb2.GetWorkerInfoRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_worker_pb2.WorkerInfo, _abc.Awaitable[_worker_pb2.WorkerInfo]]: ...
+
+    @_abc_1.abstractmethod
+    def Fence(
+        self,
+        request: _worker_pb2.FenceRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_worker_pb2.FenceReply, _abc.Awaitable[_worker_pb2.FenceReply]]: ...
 
 def add_WorkerServicer_to_server(servicer: WorkerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
