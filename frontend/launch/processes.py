@@ -520,7 +520,7 @@ def build_parser() -> argparse.ArgumentParser:
         frontend.add_argument(
             "--" + name.replace("_", "-"),
             dest=f"serve_{name}",
-            type=int if spec.annotation is int else str,
+            type=int if spec.annotation is int else float if spec.annotation is float else str,
             default=None,
             metavar=name.upper(),
             help=str(spec.description) + (f" [{spec.default}]" if spec.default not in ("", None) else ""),
@@ -560,6 +560,7 @@ SERVE_FLAGS = (
     "max_batch_tokens",
     "timeout_s",
     "block_manager_outage_s",
+    "block_manager_timeout_s",
 )
 
 

@@ -37,7 +37,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from frontend.engine import Engine, EngineConfig, GenerationRequest, TokenEvent
+from frontend.engine import Engine, GenerationRequest, TokenEvent
 from frontend.serve.detokenize import IncrementalText, token_bytes
 from frontend.serve.engine_loop import Admitted, EngineLoop, Failed, Finished
 from frontend.serve.inbox import Inbox
@@ -585,18 +585,7 @@ class OpenAIServer:
         self.workers = [WorkerClient(t, **conn) for t in workers]
         self._closers.extend(w.close for w in self.workers)
         try:
-            # A lost cache host is recovered (wait for a re-attached worker, recompute), not fatal.
-            engine = Engine(
-                self.bm,
-                self.workers,
-                EngineConfig(
-                    max_num_seqs=settings.max_num_seqs,
-                    max_batch_tokens=settings.max_batch_tokens,
-                    timeout_s=settings.timeout_s,
-                    recover_lost_cache=True,
-                    block_manager_outage_s=settings.block_manager_outage_s,
-                ),
-            )
+            engine = Engine(self.bm, self.workers, settings.engine_config())
             if settings.kv_cache_dtype is not None:
                 pool_kv = self.bm.get_config(timeout_s=settings.timeout_s).kv_cache_dtype or "auto"
                 if pool_kv != settings.kv_cache_dtype:

@@ -62,6 +62,12 @@ class ServeSettings(BaseSettings):
         description="how long the block manager may stay unreachable "
         "(retried with backoff) before requests in flight end with 503",
     )
+    block_manager_timeout_s: float = Field(
+        _ENGINE.block_manager_timeout_s,
+        gt=0,
+        description="deadline of each block-manager call (it answers in milliseconds); past it the "
+        "same request is sent again, within --block-manager-outage-s",
+    )
     metrics_vllm_names: bool = Field(
         False,
         description="also export vLLM's metric names (vllm:num_requests_waiting, "
@@ -120,6 +126,18 @@ class ServeSettings(BaseSettings):
             "token": token,
             "allow_insecure": self.allow_insecure,
         }
+
+    def engine_config(self) -> EngineConfig:
+        """The engine this server runs: its limits and deadlines from these settings; a lost cache
+        host is recovered (wait for a re-attached worker, recompute), not fatal."""
+        return EngineConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_batch_tokens=self.max_batch_tokens,
+            timeout_s=self.timeout_s,
+            recover_lost_cache=True,
+            block_manager_outage_s=self.block_manager_outage_s,
+            block_manager_timeout_s=self.block_manager_timeout_s,
+        )
 
     @property
     def origins(self) -> list[str]:
