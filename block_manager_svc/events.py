@@ -24,6 +24,14 @@ Every stream starts with AllBlocksCleared and a BlockStored snapshot of what
 is cached now, then live events; versions rise by one per event.
 ResetPrefixCache sends AllBlocksCleared to every watcher (the hashes it
 named are gone: the cache host that held their KV was replaced).
+
+Only what stays applied is published. While a request is journaled its events
+are held (``hold``) and fanned out once its record is written (``release``);
+a request whose write fails is rolled back and its events are dropped. A
+rollback (block_manager_svc/reliability.py, a journal that cannot be written)
+may also undo what watchers were already told (a record written whose fsync
+then failed), so it ends with ``resync``: AllBlocksCleared and a BlockStored
+for every block cached in the restored state, what a new stream starts with.
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import structlog
 
-from block_manager_svc.core.kv_events import AllBlocksCleared, BlockStored, PoolEvent
+from block_manager_svc.core.kv_events import ALL_BLOCKS_CLEARED, AllBlocksCleared, BlockStored, PoolEvent
 from pagedkv.auth import current_tenant  # the consumer side: which tenant is watching
 from pagedkv.v1 import block_manager_pb2 as pb
 
@@ -78,6 +86,8 @@ class EventHub:
         self.num_dropped = 0
         self._core: BlockManager | None = None
         self._mu = threading.Lock()  # subscriber list changes (also taken under `lock`)
+        # Events of the request being journaled, held until its record is written (see `hold`).
+        self._held: list[tuple[list[PoolEvent], str | None]] | None = None
 
     # --- wiring -----------------------------------------------------------------
     def attach(self, core: BlockManager) -> None:
@@ -110,8 +120,40 @@ class EventHub:
     def publish(self, events: list[PoolEvent], tenant: str | None) -> None:
         """Events one core call produced, in order; `tenant` made the call (None:
         authentication off, or an internal call such as a lease expiry)."""
+        if self._held is not None:
+            self._held.append((events, tenant))
+            return
         for ev in events:
             self._one(ev, tenant)
+
+    def hold(self) -> None:
+        """Keep what `publish` gets until `release`: a journaled request's events wait for its
+        record to be written (under the state lock, like `publish`)."""
+        self._held = []
+
+    def release(self, publish: bool) -> None:
+        """End `hold`: fan the held events out (the record was written), or drop them (the
+        request was rolled back: watchers must never hear of what did not stay applied)."""
+        held, self._held = self._held, None
+        if publish and held:
+            for events, tenant in held:
+                for ev in events:
+                    self._one(ev, tenant)
+
+    def resync(self, core: BlockManager) -> None:
+        """After the state was rolled back to `core`: tell every watcher and sink to forget what
+        it was told (AllBlocksCleared) and what is cached now (a BlockStored per block, chained
+        as in the index; token ids are not kept for cached blocks, so a sink gets none)."""
+        with self.lock:
+            self._held = None
+            self._one(ALL_BLOCKS_CLEARED, None)
+            self.attach(core)  # with tenancy: who owns each cached hash, from the restored state
+            pool = core.pool
+            if not (self.subs or self.sinks):
+                return
+            owners = dict(self.owner)
+            for h, b in pool.index.items():
+                self._one(BlockStored(b, h, pool.parent_hash[b]), owners.get(h, UNKNOWN_TENANT))
 
     def _one(self, ev: PoolEvent, caller: str | None) -> None:
         self.version += 1

@@ -187,12 +187,20 @@ class ReliableStage:
                 journal = self.journal  # a new one after a journal failure
                 if self.journal_error is not None:
                     self._refuse_unwritable(context, name, applied=False)
+                hub = self.core_stage.events_hub if journal is not None else None
                 if journal is None:
                     response, changed = self._apply(name, request, context, tenant)
                     commands: list[Command] = []
                 else:
-                    with self._recording() as commands:
-                        response, changed = self._apply(name, request, context, tenant)
+                    if hub is not None:
+                        hub.hold()  # its KV events go out once its record is written
+                    try:
+                        with self._recording() as commands:
+                            response, changed = self._apply(name, request, context, tenant)
+                    except BaseException:
+                        if hub is not None:
+                            hub.release(publish=False)  # refused: it changed nothing
+                        raise
                 now = time.time()
                 reply = response.SerializeToString() if rid and changed else b""
                 if journal is not None and changed:
@@ -200,8 +208,12 @@ class ReliableStage:
                     try:
                         seq = journal.append(cmds.RECORD_NAME, cmds.encode_batch(Batch(commands, entry)), now)
                     except JournalFailed as e:
+                        if hub is not None:
+                            hub.release(publish=False)  # rolled back below: never heard of
                         self._journal_failed(journal, e)  # rolls this request back
                         self._refuse_unwritable(context, name, applied=False)
+                if hub is not None:
+                    hub.release(publish=True)
                 if rid and changed:  # a pure lease renewal is not remembered: re-running it is harmless
                     self.dedupe.put(rid, name, dig, reply, now)
             if seq:
@@ -415,7 +427,7 @@ class ReliableStage:
             self._core.enable_tenancy(ledger)
         hub = self.core_stage.events_hub
         if hub is not None:
-            hub.attach(self._core)
+            hub.resync(self._core)  # watchers may have been told of what the rollback undid
         return report
 
     def try_resume(self) -> bool:

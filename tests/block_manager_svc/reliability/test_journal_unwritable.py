@@ -4,9 +4,11 @@ does; and a journal cut at any byte of its last record restarts without it."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -162,3 +164,84 @@ def test_journal_cut_at_every_byte_of_its_last_record_restarts(servers: Servers,
         assert state_bytes(r) == (after if cut == len(data) else before), cut
         crash(r)
         servers.running.remove(r)
+
+
+class EventView:
+    """What a WatchEvents stream says is cached: its events applied in order, on a thread."""
+
+    def __init__(self, stub) -> None:  # type: ignore[no-untyped-def]
+        self.cached: set[bytes] = set()
+        self.named: set[bytes] = set()  # every hash a BlockStored ever named
+        self._stream = stub.WatchEvents(pb.WatchEventsRequest())
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        with contextlib.suppress(grpc.RpcError):
+            for ev in self._stream:
+                kind = ev.WhichOneof("event")
+                if kind == "all_blocks_cleared":
+                    self.cached.clear()
+                elif kind == "block_stored":
+                    self.cached.update(ev.block_stored.block_hashes)
+                    self.named.update(ev.block_stored.block_hashes)
+                elif kind == "block_removed":
+                    self.cached.difference_update(ev.block_removed.block_hashes)
+
+    def close(self) -> None:
+        self._stream.cancel()
+
+
+def _cached(running) -> set[bytes]:  # type: ignore[no-untyped-def]
+    return set(running.servicer._core.pool.index)
+
+
+def test_kv_event_watchers_never_keep_what_a_journal_rollback_undid(
+    servers: Servers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    disk = FullDisk(tmp_path, monkeypatch, real=False)  # journal writes fail with ENOSPC while full
+    running, stub = servers.start(state_dir=str(disk.state_dir), snapshot_interval_s=0, fsync="always")
+    view = EventView(stub)
+    try:
+        stub.Allocate(pb.AllocateRequest(seq_id="kept", num_tokens=8, token_ids=[1, 2, 3, 4, 5, 6, 7, 8]))
+        stub.Commit(pb.CommitRequest(seq_id="kept", num_computed_tokens=8, request_id="c-kept"))
+        stub.Allocate(pb.AllocateRequest(seq_id="undone", num_tokens=8, token_ids=[9, 9, 9, 9, 8, 8, 8, 8]))
+        _until(lambda: view.cached == _cached(running) and len(view.cached) == 2)
+        kept = set(view.cached)
+
+        # A write that fails: the Commit is rolled back, and its blocks were never announced.
+        disk.fill()
+        with pytest.raises(grpc.RpcError) as ei:
+            stub.Commit(pb.CommitRequest(seq_id="undone", num_computed_tokens=8, request_id="c-undone"))
+        assert ei.value.code() == grpc.StatusCode.UNAVAILABLE and "nothing changed" in (
+            ei.value.details() or ""
+        )
+        assert _cached(running) == kept
+        _until(lambda: view.cached == kept)
+        time.sleep(0.3)  # anything still in flight to the watcher has arrived
+        assert view.cached == kept and view.named == kept
+        disk.free()
+        _until(_retry_succeeds(stub, pb.AllocateRequest(seq_id="x", num_tokens=1, request_id="x")))
+        stub.Commit(pb.CommitRequest(seq_id="undone", num_computed_tokens=8, request_id="c-undone"))
+        _until(lambda: view.cached == _cached(running) and len(view.cached) == 4)
+
+        # A record written whose fsync fails: watchers may have heard of it; the rollback corrects them.
+        stub.Allocate(
+            pb.AllocateRequest(seq_id="maybe", num_tokens=4, token_ids=[5, 5, 5, 5], request_id="m")
+        )
+        real = os.fsync
+        failing = True
+
+        def fsync(fd: int) -> None:
+            if failing and fd_path(fd).startswith(str(disk.state_dir)):
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+            real(fd)
+
+        monkeypatch.setattr(os, "fsync", fsync)
+        with pytest.raises(grpc.RpcError) as ei:
+            stub.Commit(pb.CommitRequest(seq_id="maybe", num_computed_tokens=4, request_id="c-maybe"))
+        assert "may have been applied" in (ei.value.details() or "")
+        _until(lambda: view.cached == _cached(running))
+        failing = False
+    finally:
+        view.close()
