@@ -6,7 +6,7 @@ vanished clients, a bounded soak, journal cost, recovery time.
     python -m bench.faults crash --kills 20 --fsync always
     python -m bench.faults retries | leases | soak --minutes 10 | fsync-cost | recovery
     python -m bench.faults serve [--tokens 400] [--concurrency 12]   # `pagedkv serve` through each fault
-    python -m bench.faults serve --chaos [--seconds 60]   # random dead and gray faults under 12 clients
+    python -m bench.faults serve --chaos [--seconds 60] [--seed N]   # seeded random faults, 12 clients
 
 This file is the CLI and the table; each scenario is a module of ``bench/fault_scenarios/`` over
 the shared process helpers there (``processes.py``). The same functions run (with small sizes) in
@@ -80,7 +80,7 @@ def print_report(res: dict[str, Any]) -> None:
         c = res["chaos"]
         _table(
             f"`pagedkv serve` chaos: a random fault every few seconds for {c['seconds']:.0f} s "
-            f"({len(c['faults'])} faults), clients sending request after request",
+            f"({len(c['faults'])} faults, --seed {c['seed']}), clients sending request after request",
             "| requests | completed | identical to fault-free | longest stall s | "
             "leaked blocks / sequences | later request |",
             [
@@ -89,6 +89,7 @@ def print_report(res: dict[str, Any]) -> None:
                 f"{'ok' if c['later_request_ok'] else 'FAILED'} |"
             ],
         )
+        sys.stdout.write("  " + c["schedule"] + "\n")
         sys.stdout.write("  faults: " + "; ".join(c["faults"]) + "\n")
         sys.stdout.write("  restarts: " + ", ".join(c["restarts"]) + "\n")
         for e in c["errors"][:5]:
@@ -199,6 +200,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=12, help="serve: concurrent requests")
     p.add_argument("--chaos", action="store_true", help="serve: random faults of every kind instead of rows")
     p.add_argument("--seconds", type=float, default=60.0, help="serve --chaos: how long")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="serve --chaos: seed of the fault schedule (drawn and printed before the run) [%(default)s]",
+    )
     a = p.parse_args(argv)
     res: dict[str, Any] = {}
     quick = a.quick
@@ -222,7 +229,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.what in ("all", "leases"):
         section("leases", run_leases)
     if a.what == "serve" and a.chaos:
-        section("chaos", lambda: run_chaos(seconds=a.seconds, tokens=a.tokens, concurrency=a.concurrency))
+        section(
+            "chaos",
+            lambda: run_chaos(seconds=a.seconds, tokens=a.tokens, concurrency=a.concurrency, seed=a.seed),
+        )
     elif a.what == "serve":  # not part of "all": it loads a model into real workers
         section("serve", lambda: run_serve_faults(tokens=a.tokens, concurrency=a.concurrency))
     if a.what in ("all", "soak"):

@@ -35,6 +35,7 @@ import random
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -291,21 +292,53 @@ class Faults:
                     del bm.args[i : i + 2]
             self.kill(_role(fault))
 
-    def random_fault(self, rng: random.Random) -> tuple[str, float]:
-        """One random fault of every kind above (chaos): (what, seconds it lasts)."""
-        kinds: list[tuple[str, float, Callable[[], None]]] = []
+    def kinds(self) -> dict[str, tuple[float, Callable[[], None]]]:
+        """Every fault chaos draws from, in a fixed order: what -> (seconds it lasts, inject it)."""
+        kinds: dict[str, tuple[float, Callable[[], None]]] = {}
         for name in ("block-manager", "cache-host", "worker-0", "worker-1"):
-            kinds.append((f"{name} SIGKILL", 0.0, functools.partial(self.kill, name)))
-            kinds.append(
-                (f"{name} SIGSTOP {self.pause_s:g} s", self.pause_s, functools.partial(self.pause, name))
-            )
-        link = f"block-manager link black-holed {self.blackhole_s:g} s"
-        kinds.append((link, self.blackhole_s, self.blackhole))
+            kinds[f"{name} SIGKILL"] = (0.0, functools.partial(self.kill, name))
+            kinds[f"{name} SIGSTOP {self.pause_s:g} s"] = (self.pause_s, functools.partial(self.pause, name))
+        kinds[f"block-manager link black-holed {self.blackhole_s:g} s"] = (self.blackhole_s, self.blackhole)
         if self.disk is not None:
-            kinds.append((f"journal ENOSPC {self.enospc_s:g} s", self.enospc_s, self.journal_full))
-        what, lasts, act = rng.choice(kinds)
-        act()
-        return what, lasts
+            kinds[f"journal ENOSPC {self.enospc_s:g} s"] = (self.enospc_s, self.journal_full)
+        return kinds
+
+
+@dataclass(slots=True, frozen=True)
+class PlannedFault:
+    """One fault of a chaos schedule: when (seconds into the run, if every fault took no time to
+    inject), the wait before it, and what."""
+
+    at_s: float
+    wait_s: float
+    what: str
+
+
+def chaos_schedule(
+    seed: int, lasts: dict[str, float], seconds: float, every_s: tuple[float, float]
+) -> list[PlannedFault]:
+    """The faults a chaos run injects, drawn from ``random.Random(seed)`` before it starts, so that
+    the same seed (and the same kinds: the journal fault exists only as root) injects the same
+    faults after the same waits: a wait of ``every_s`` after the previous fault ended, then a fault
+    of any kind, until ``seconds``."""
+    rng = random.Random(seed)
+    names = list(lasts)
+    plan: list[PlannedFault] = []
+    t = 0.0
+    while True:
+        wait = rng.uniform(*every_s)
+        t += wait
+        if t >= seconds:
+            return plan
+        what = rng.choice(names)
+        plan.append(PlannedFault(round(t, 2), round(wait, 2), what))
+        t += lasts[what]
+
+
+def describe_schedule(seed: int, plan: list[PlannedFault]) -> str:
+    return f"chaos schedule (--seed {seed}): " + (
+        "; ".join(f"{f.at_s:.1f} s {f.what}" for f in plan) or "no fault"
+    )
 
 
 def _role(fault: str) -> str:
@@ -408,6 +441,8 @@ class ChaosRow:
     faults: list[str] = field(default_factory=list)
     restarts: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    seed: int = 0
+    schedule: str = ""  # the planned faults (describe_schedule), printed before the run
 
 
 @contextlib.contextmanager
@@ -520,9 +555,10 @@ def run_chaos(
     """Random faults of every kind (SIGKILL and SIGSTOP of each role, the black-holed link, a full
     journal disk as root) every ``every_s`` seconds (after the last one ended) for ``seconds``, while
     ``concurrency`` clients each send request after request (``tokens`` tokens). Every request must
-    finish with its fault-free tokens."""
-    rng = random.Random(seed)
-    row = ChaosRow(seconds)
+    finish with its fault-free tokens. The faults and the waits between them come from
+    ``chaos_schedule(seed, ...)``, drawn and printed before the clients start: a run is repeated
+    with the same ``seed``."""
+    row = ChaosRow(seconds, seed=seed)
     with serving_stack(tokens, concurrency, log_dir, (), True, pause_s, blackhole_s, enospc_s) as (
         stack,
         sup,
@@ -549,17 +585,23 @@ def run_chaos(
                     if not ok or r["token_ids"] != reference[i]:
                         row.errors.append(f"client {i}: HTTP {r['status']} {r['error'] or 'other tokens'}")
 
+        kinds = inject.kinds()
+        plan = chaos_schedule(seed, {k: v[0] for k, v in kinds.items()}, seconds, every_s)
+        row.schedule = describe_schedule(seed, plan)
+        sys.stdout.write(row.schedule + "\n")
+        sys.stdout.flush()
         restarts_before = len(sup.restarts)
         clients = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(concurrency)]
         for t in clients:
             t.start()
         t0 = time.monotonic()
-        while True:
-            time.sleep(rng.uniform(*every_s))
+        for fault in plan:
+            time.sleep(fault.wait_s)
             if time.monotonic() - t0 >= seconds:
                 break
-            what, lasts = inject.random_fault(rng)
-            row.faults.append(f"{time.monotonic() - t0:.0f}s {what}")
+            lasts, act = kinds[fault.what]
+            act()
+            row.faults.append(f"{time.monotonic() - t0:.0f}s {fault.what}")
             time.sleep(lasts)
         stop.set()
         for t in clients:

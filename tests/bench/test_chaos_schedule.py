@@ -1,0 +1,42 @@
+"""`bench.faults serve --chaos --seed N`: the fault schedule comes from the seed alone, so a chaos run
+can be repeated (bench/fault_scenarios/serve_faults.py ``chaos_schedule``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import faults
+from bench.fault_scenarios.serve_faults import chaos_schedule, describe_schedule
+
+LASTS = {
+    "block-manager SIGKILL": 0.0,
+    "worker-0 SIGSTOP 8 s": 8.0,
+    "block-manager link black-holed 10 s": 10.0,
+}
+
+
+def test_the_same_seed_gives_the_same_schedule_and_another_seed_another() -> None:
+    one = chaos_schedule(7, LASTS, 120.0, (3.0, 6.0))
+    assert one == chaos_schedule(7, LASTS, 120.0, (3.0, 6.0))
+    assert one != chaos_schedule(8, LASTS, 120.0, (3.0, 6.0))
+    assert len(one) >= 5
+    t = 0.0
+    for f in one:  # each fault a wait of 3-6 s after the previous one ended, all within the run
+        assert 3.0 <= f.wait_s <= 6.0 and f.what in LASTS
+        assert f.at_s == pytest.approx(t + f.wait_s, abs=0.02) and f.at_s < 120.0
+        t = f.at_s + LASTS[f.what]
+    text = describe_schedule(7, one)
+    assert text.startswith("chaos schedule (--seed 7): ") and text.count(";") == len(one) - 1
+
+
+def test_the_cli_takes_the_seed(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: dict[str, object] = {}
+
+    def run_chaos(**kw: object) -> dict[str, object]:
+        seen.update(kw)
+        raise SystemExit(0)  # stop before anything would start
+
+    monkeypatch.setattr(faults, "run_chaos", run_chaos)
+    with pytest.raises(SystemExit):
+        faults.main(["serve", "--chaos", "--seconds", "5", "--seed", "3"])
+    assert seen["seed"] == 3 and seen["seconds"] == 5.0
