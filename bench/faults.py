@@ -91,6 +91,10 @@ def print_report(res: dict[str, Any]) -> None:
         )
         sys.stdout.write("  " + c["schedule"] + "\n")
         sys.stdout.write("  faults: " + "; ".join(c["faults"]) + "\n")
+        sys.stdout.write(
+            f"  worker steps fenced (a paused or dead worker's unanswered step, its blocks held): "
+            f"{c['fenced_steps']}, released: {c['fences_released']}\n"
+        )
         sys.stdout.write("  restarts: " + ", ".join(c["restarts"]) + "\n")
         for e in c["errors"][:5]:
             sys.stdout.write(f"  {e}\n")

@@ -443,6 +443,8 @@ class ChaosRow:
     errors: list[str] = field(default_factory=list)
     seed: int = 0
     schedule: str = ""  # the planned faults (describe_schedule), printed before the run
+    fenced_steps: int = 0  # worker steps the engine gave up on and fenced (frontend log: step_fenced)
+    fences_released: int = 0  # of them, released (fence_released): the worker ran none of them any more
 
 
 @contextlib.contextmanager
@@ -611,4 +613,19 @@ def run_chaos(
         row.leaked_blocks, row.leaked_sequences = _leaked(stack, row.errors)
         row.later_request_ok = _later_request(port, prompts[0], tokens, reference, row.errors)
         row.restarts = sup.restarts[restarts_before:]
+        row.fenced_steps, row.fences_released = _fence_events(stack)
     return asdict(row)
+
+
+def _fence_events(stack: Stack) -> tuple[int, int]:
+    """(step_fenced, fence_released) events in `pagedkv serve`'s log (frontend/engine/fencing.py)."""
+    log = Path(stack.opts.log_dir or ".") / "frontend.log"
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return -1, -1
+    lines = text.splitlines()
+    fenced = sum(1 for line in lines if "step_fenced" in line)
+    # One fence_released line names every step it released (request ids are "step-<engine>-<n>").
+    released = sum(line.count("'step-") + line.count('"step-') for line in lines if "fence_released" in line)
+    return fenced, released

@@ -40,3 +40,21 @@ def test_the_cli_takes_the_seed(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(SystemExit):
         faults.main(["serve", "--chaos", "--seconds", "5", "--seed", "3"])
     assert seen["seed"] == 3 and seen["seconds"] == 5.0
+
+
+def test_fence_events_are_counted_from_the_frontend_log(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from types import SimpleNamespace
+
+    from bench.fault_scenarios.serve_faults import _fence_events
+
+    (tmp_path / "frontend.log").write_text(
+        "timestamp='t' level='warning' event='step_fenced' worker='127.0.0.1:5' request_id='step-a-1.0'\n"
+        "timestamp='t' level='warning' event='step_fenced' worker='127.0.0.1:5' request_id='step-a-2'\n"
+        "timestamp='t' level='warning' event='worker_benched' worker='127.0.0.1:5' reason='UNAVAILABLE'\n"
+        "timestamp='t' level='warning' event='fence_released' worker='127.0.0.1:5' "
+        "request_ids=['step-a-1.0', 'step-a-2'] held_s=4.1 reason='answered'\n"
+    )
+    stack = SimpleNamespace(opts=SimpleNamespace(log_dir=str(tmp_path)))
+    assert _fence_events(stack) == (2, 2)  # type: ignore[arg-type]
+    missing = SimpleNamespace(opts=SimpleNamespace(log_dir=str(tmp_path / "none")))
+    assert _fence_events(missing) == (-1, -1)  # type: ignore[arg-type]
