@@ -46,6 +46,13 @@ SMALL_HEAD_DIMS = (8,)
 GROUPS = (1, 4, 8)
 BLOCK_SIZE = 16
 NUM_KV_HEADS = 2
+# 8-bit caches (kernels/quant.py). The GQA group and the head_dims between 64 and 128 change no
+# 8-bit code path (the group is not specialised on; 80 and 96 are the 16-bit configurations' masks),
+# so 8-bit attention compiles at group 4, head_dim 64/128/256, with bf16 queries (a GPU model's
+# default dtype), plus fp16 queries over int8 at 128: each configuration costs seconds of ptxas.
+KV_DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
+KV_HEAD_DIMS = (64, 128, 256)
+KV_EXTRA = (("float16", "int8", 128),)  # (query dtype, KV dtype, head_dim) beyond the bf16 ones
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,10 +64,11 @@ class Config:
     head_dim: int
     group: int = 1
     variant: str = ""  # decode: single|split; prefill: short|long; copy_blocks: contiguous|strided
+    kv: str = "auto"  # the cache: "auto" (the query's dtype) or an 8-bit KV dtype (int8, fp8_e4m3)
 
     @property
     def name(self) -> str:
-        parts = [self.op, self.dtype, f"d{self.head_dim}"]
+        parts = [self.op, self.dtype if self.kv == "auto" else f"{self.dtype}+{self.kv}", f"d{self.head_dim}"]
         if self.op in ("decode", "prefill"):
             parts.append(f"g{self.group}")
         if self.variant:
@@ -102,6 +110,13 @@ def all_configs() -> list[Config]:
         for d in SMALL_HEAD_DIMS:
             out += [Config("decode", dt, d, 4, v) for v in ("single", "split")]
             out.append(Config("prefill", dt, d, 4, "short"))
+    attention = [("bfloat16", kv, d) for kv in KV_DTYPES for d in KV_HEAD_DIMS] + list(KV_EXTRA)
+    for dt, kv, d in attention:
+        out += [Config("decode", dt, d, 4, v, kv) for v in ("single", "split")]
+        out += [Config("prefill", dt, d, 4, v, kv) for v in ("short", "long")]
+    for kv in KV_DTYPES:
+        out += [Config("write_kv", dt, d, kv=kv) for d in KV_HEAD_DIMS for dt in DTYPES]
+        out.append(Config("copy_blocks", "float16", 128, 1, "contiguous", kv))
     return out
 
 
@@ -179,7 +194,10 @@ def _call(cfg: Config) -> None:
     dt = DTYPES[cfg.dtype]
     hkv, d = NUM_KV_HEADS, cfg.head_dim
     num_blocks = 64
-    kc = torch.empty((num_blocks, BLOCK_SIZE, hkv, d), dtype=dt)
+    if cfg.kv == "auto":
+        kc = torch.empty((num_blocks, BLOCK_SIZE, hkv, d), dtype=dt)
+    else:  # rows of head_dim 8-bit values and a 4-byte fp32 scale
+        kc = torch.empty((num_blocks, BLOCK_SIZE, hkv, d + 4), dtype=KV_DTYPES[cfg.kv])
     vc = torch.empty_like(kc)
     if cfg.op == "decode":
         seqs = 2
@@ -201,7 +219,7 @@ def _call(cfg: Config) -> None:
         cache_ops.write_kv_cache(k, torch.empty_like(k), kc, vc, torch.arange(8, dtype=torch.int64))
     elif cfg.op == "copy_blocks":
         if cfg.variant == "strided":  # a head-major cache seen token-major: not contiguous per block
-            kc = torch.empty((num_blocks, hkv, BLOCK_SIZE, d), dtype=dt).transpose(1, 2)
+            kc = torch.empty((num_blocks, hkv, BLOCK_SIZE, kc.shape[-1]), dtype=kc.dtype).transpose(1, 2)
             vc = torch.empty_like(kc)
         cache_ops.copy_blocks([kc], [vc], torch.tensor([[0, 1], [2, 3]], dtype=torch.int64))
     else:

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.tile import attend_tile, dot_precision
+from kernels.tile import attend_tile, dot_precision, scale_args
 
 LOG2E = 1.4426950408889634
 # Tuning knobs (see docs/kernels.md). A split covers at least this many tokens: below it the
@@ -68,6 +68,14 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]
     s_vo,
     s_vh,
     s_bt,
+    k_scale_ptr,
+    v_scale_ptr,
+    s_ksb,
+    s_kso,
+    s_ksh,
+    s_vsb,
+    s_vso,
+    s_vsh,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_G: tl.constexpr,
@@ -76,6 +84,7 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]
     SINGLE_SPLIT: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1).to(tl.int64)
@@ -107,6 +116,8 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     k_base = k_cache_ptr + kvh * s_kh
     v_base = v_cache_ptr + kvh * s_vh
+    ks_base = k_scale_ptr + kvh * s_ksh  # unused unless QUANT
+    vs_base = v_scale_ptr + kvh * s_vsh
     bt_row = block_tables_ptr + seq * s_bt
     q_pos = g  # unused: decode needs no causal mask (the query is the last token)
 
@@ -128,6 +139,12 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]
             s_ko,
             s_vb,
             s_vo,
+            ks_base,
+            vs_base,
+            s_ksb,
+            s_kso,
+            s_vsb,
+            s_vso,
             qk_scale,
             BLOCK_SIZE,
             HEAD_DIM,
@@ -137,6 +154,7 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]
             False,
             UPCAST,
             PRECISION,
+            QUANT,
         )
     if full_end < end:
         acc, m_i, l_i = attend_tile(
@@ -154,6 +172,12 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]
             s_ko,
             s_vb,
             s_vo,
+            ks_base,
+            vs_base,
+            s_ksb,
+            s_kso,
+            s_vsb,
+            s_vso,
             qk_scale,
             BLOCK_SIZE,
             HEAD_DIM,
@@ -163,6 +187,7 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]
             False,
             UPCAST,
             PRECISION,
+            QUANT,
         )
 
     # An empty range (unused split, or seq_len == 0) leaves l_i == 0: write zeros and lse = -inf.
@@ -243,17 +268,24 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, sms: i
     return max(1, min(want, useful, MAX_SPLITS))
 
 
-def tile_config(head_dim: int, interpreted: bool, upcast: bool = False) -> tuple[int, int, int]:
+def tile_config(
+    head_dim: int, interpreted: bool, upcast: bool = False, quantized: bool = False
+) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) for the split kernel.
 
     float32 on the GPU (``upcast``, tf32x3 dots) needs about three times the registers of a 16-bit
     tile: smaller tiles and one stage keep its spills small and its compile short (float32 is a
     correctness path, not a serving dtype; ``python -m kernels.aot`` prints what it uses).
+    8-bit caches (``quantized``) widen each tile in registers and read its scales: shorter tiles
+    above head_dim 64 keep sm_90 from spilling (64 keys spilled 56 B per thread at 128; at 256, 32
+    keys spilled 120 B, and 16 keys over 4 warps still 8 B in some dtypes, over 8 warps none).
     """
     if interpreted:
         return 64, 4, 1
     if upcast:
         return (32, 4, 1) if head_dim <= 128 else (16, 8, 1)
+    if quantized:
+        return (64, 4, 3) if head_dim <= 64 else (32, 4, 3) if head_dim <= 128 else (16, 8, 2)
     if head_dim > 128:
         return 32, 4, 2
     if head_dim <= 32:  # tiny rows: longer tiles (64 made ptxas spill at head_dim 8 on sm_90)
@@ -288,7 +320,8 @@ def paged_decode_attention(
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms(query.device))
     num_splits = max(1, int(num_splits))
     upcast = interpreted or query.dtype == torch.float32 or key_cache.dtype == torch.float32
-    block_n, num_warps, num_stages = tile_config(head_dim, interpreted, upcast)
+    scales, quantized = scale_args(key_cache, value_cache)  # 8-bit rows: their fp32 scales
+    block_n, num_warps, num_stages = tile_config(head_dim, interpreted, upcast, quantized)
     block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16 on a GPU
     block_g = max(16, triton.next_power_of_2(group))
     single = num_splits == 1
@@ -327,6 +360,7 @@ def paged_decode_attention(
         value_cache.stride(1),
         value_cache.stride(2),
         block_tables.stride(0),
+        *scales,
         BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim,
         BLOCK_G=block_g,
@@ -335,6 +369,7 @@ def paged_decode_attention(
         SINGLE_SPLIT=single,
         UPCAST=upcast,
         PRECISION=dot_precision(interpreted),
+        QUANT=quantized,
         num_warps=num_warps,
         num_stages=num_stages,
     )

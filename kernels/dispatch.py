@@ -16,7 +16,9 @@ backends, from these inputs:
    monkeypatch it);
 3. ``"auto"`` (the default): CUDA tensors -> Triton; CPU tensors -> Triton in the interpreter when
    ``TRITON_INTERPRET=1`` was set before the kernels were imported, else the CPU backend. bf16 on
-   CPU always goes to the CPU backend under "auto" because the interpreter cannot do bf16 math.
+   CPU always goes to the CPU backend under "auto" because the interpreter cannot do bf16 math, and
+   so do 8-bit caches (``kernels/quant.py``): on CPU their fast path is the native kernels, and the
+   interpreter (how CI checks the Triton 8-bit path) is asked for by name, ``"triton"``.
 
 Triton is imported lazily, only when the Triton backend is chosen, so ``import kernels`` works on a
 machine without Triton (everything then runs on the reference).
@@ -39,8 +41,11 @@ BackendName = Literal["auto", "reference", "triton", "cpu"]
 BACKENDS: tuple[str, ...] = ("auto", "reference", "triton", "cpu")
 ENV_VAR = "PAGEDKV_KERNEL_BACKEND"
 
-# 8-bit cache dtypes (kernels/quant.py) the Triton kernels do not read: "auto" never sends them there.
-EIGHT_BIT_WITHOUT_TRITON: frozenset[torch.dtype] = frozenset({torch.int8, torch.float8_e4m3fn})
+# 8-bit cache dtypes (kernels/quant.py): "auto" keeps them off the interpreter on CPU.
+EIGHT_BIT: frozenset[torch.dtype] = frozenset({torch.int8, torch.float8_e4m3fn})
+
+# Dtypes "auto" never sends to the interpreter: bf16 (no bf16 math there) and the 8-bit caches.
+CPU_ONLY_UNDER_AUTO: frozenset[torch.dtype] = EIGHT_BIT | {torch.bfloat16}
 
 _override: contextvars.ContextVar[str | None] = contextvars.ContextVar("pagedkv_kernel_backend", default=None)
 
@@ -108,11 +113,6 @@ def resolve(device: torch.device, dtype: torch.dtype | None = None, requested: s
     if name == "triton":
         if not triton_available():
             raise RuntimeError("kernel backend 'triton' requested but triton is not importable")
-        if dtype in EIGHT_BIT_WITHOUT_TRITON:
-            raise RuntimeError(
-                f"kernel backend 'triton' requested for a {dtype} (8-bit) KV cache, which the Triton kernels "
-                "do not read: use 'cpu' or 'reference'"
-            )
         if device.type == "cpu" and not triton_interpreted():
             raise RuntimeError(
                 "kernel backend 'triton' on CPU tensors needs TRITON_INTERPRET=1 set before kernels "
@@ -120,10 +120,13 @@ def resolve(device: torch.device, dtype: torch.dtype | None = None, requested: s
             )
         return "triton"
     # auto
-    if dtype in EIGHT_BIT_WITHOUT_TRITON:  # 8-bit caches: the CPU backend's kernels, the reference elsewhere
-        return "cpu" if device.type == "cpu" else "reference"
     if device.type == "cuda":
         return "triton" if triton_available() else "reference"
-    if device.type == "cpu" and dtype is not torch.bfloat16 and interpret_requested() and triton_available():
+    if (
+        device.type == "cpu"
+        and dtype not in CPU_ONLY_UNDER_AUTO
+        and interpret_requested()
+        and triton_available()
+    ):
         return "triton" if triton_interpreted() else "cpu"
     return "cpu" if device.type == "cpu" else "reference"

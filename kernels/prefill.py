@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.tile import attend_tile, dot_precision
+from kernels.tile import attend_tile, dot_precision, scale_args
 
 LOG2E = 1.4426950408889634
 
@@ -54,6 +54,14 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
     s_vo,
     s_vh,
     s_bt,
+    k_scale_ptr,
+    v_scale_ptr,
+    s_ksb,
+    s_kso,
+    s_ksh,
+    s_vsb,
+    s_vso,
+    s_vsh,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -61,6 +69,7 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
     BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     kvh = tl.program_id(1).to(tl.int64)
@@ -90,6 +99,8 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
 
     k_base = k_cache_ptr + kvh * s_kh
     v_base = v_cache_ptr + kvh * s_vh
+    ks_base = k_scale_ptr + kvh * s_ksh  # unused unless QUANT
+    vs_base = v_scale_ptr + kvh * s_vsh
     bt_row = block_tables_ptr + seq * s_bt
 
     first_pos = ctx + tile * block_q
@@ -116,6 +127,12 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
             s_ko,
             s_vb,
             s_vo,
+            ks_base,
+            vs_base,
+            s_ksb,
+            s_kso,
+            s_vsb,
+            s_vso,
             qk_scale,
             BLOCK_SIZE,
             HEAD_DIM,
@@ -125,6 +142,7 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
             False,
             UPCAST,
             PRECISION,
+            QUANT,
         )
     # The diagonal and the tail: causal + length masks.
     for t in range(lo_diag, hi, BLOCK_N):
@@ -143,6 +161,12 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
             s_ko,
             s_vb,
             s_vo,
+            ks_base,
+            vs_base,
+            s_ksb,
+            s_kso,
+            s_vsb,
+            s_vso,
             qk_scale,
             BLOCK_SIZE,
             HEAD_DIM,
@@ -152,6 +176,7 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
             True,
             UPCAST,
             PRECISION,
+            QUANT,
         )
     res = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
@@ -167,7 +192,7 @@ def block_d(head_dim: int) -> int:
 
 
 def tile_config(
-    head_dim: int, max_rows: int, interpreted: bool, upcast: bool = False
+    head_dim: int, max_rows: int, interpreted: bool, upcast: bool = False, quantized: bool = False
 ) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages); BLOCK_M counts (query token, head) rows, and
     ``max_rows`` is the longest query run times the GQA group.
@@ -175,11 +200,17 @@ def tile_config(
     float32 (``upcast``: tf32x3 dots, three tensor-core products each) gets small 16x16 tiles and
     one stage: 64-128-row tiles spill kilobytes per thread on sm_90 and compile 3-5x slower (see
     ``python -m kernels.aot``; 16x16 does not spill up to head_dim 128).
+    8-bit caches (``quantized``) widen each K/V tile in registers: above head_dim 64 they take
+    64 x 64 tiles over 8 warps (128 x 64 spilled 160-200 B per thread at 128) and 32 x 32 above 128.
     """
     if interpreted:
         return 32, 32, 4, 1
     if upcast:
         return (16, 16, 4, 1) if head_dim <= 128 else (16, 16, 8, 1)
+    if quantized and head_dim > 128:
+        return 32, 32, 4, 2
+    if quantized and head_dim > 64:
+        return 64, 64, 8, 3
     if head_dim > 128:
         return 64, 32, 8, 2
     if max_rows <= 64:
@@ -214,8 +245,9 @@ def paged_prefill_attention(
     if max_query_len <= 0:
         return out
     upcast = interpreted or query.dtype == torch.float32
+    scales, quantized = scale_args(key_cache, value_cache)  # 8-bit rows: their fp32 scales
     block_m, block_n, num_warps, num_stages = tile_config(
-        head_dim, max_query_len * group, interpreted, upcast
+        head_dim, max_query_len * group, interpreted, upcast, quantized
     )
     block_m = max(block_m, triton.next_power_of_2(group))  # at least one query token per tile
     block_q = block_m // group  # query tokens per tile (each brings its group of heads)
@@ -242,6 +274,7 @@ def paged_prefill_attention(
         value_cache.stride(1),
         value_cache.stride(2),
         block_tables.stride(0),
+        *scales,
         BLOCK_SIZE=key_cache.shape[1],
         HEAD_DIM=head_dim,
         BLOCK_M=block_m,
@@ -249,6 +282,7 @@ def paged_prefill_attention(
         BLOCK_D=block_d(head_dim),
         UPCAST=upcast,
         PRECISION=dot_precision(interpreted),
+        QUANT=quantized,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -9,6 +9,9 @@ The host-side staging buffer is pinned (when CUDA exists) and reused between cal
 
 The call is synchronous: when it returns, the destination holds the data (the worker runs swaps
 before compute, and a synchronous contract keeps the reused staging buffer safe).
+
+8-bit caches (``kernels/quant.py``) move as bytes (a ``uint8`` view of the same rows): whole rows,
+so each row's scale travels with its values, and no gather or scatter has to support fp8.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import threading
 from collections.abc import Iterator, Sequence
 
 import torch
+
+from kernels import quant
 
 # At most this many contiguous runs are copied directly; more go through the staging buffer.
 MAX_DIRECT_RUNS = 4
@@ -83,6 +88,8 @@ def _swap_one(src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor) -> None
     n = pairs.shape[0]
     if n == 0:
         return
+    if quant.is_quantized(src):
+        src, dst = src.view(torch.uint8), dst.view(torch.uint8)
     if src.device == dst.device:
         s = pairs[:, 0].to(device=src.device, dtype=torch.int64)
         d = pairs[:, 1].to(device=dst.device, dtype=torch.int64)

@@ -71,6 +71,7 @@ def test_every_dispatch_configuration_compiles_for_sm90(tmp_path: Path) -> None:
     assert {c.dtype for c in expected} == {"float16", "bfloat16", "float32"}
     assert {c.head_dim for c in expected} >= {8, 64, 80, 96, 128, 256}
     assert {c.group for c in expected if c.op == "prefill"} >= {1, 4, 8}
+    assert {c.kv for c in expected} == {"auto", "int8", "fp8_e4m3"}
     for c in expected:
         r = by_name[c.name]
         assert not r["error"], (c.name, r["error"])
@@ -164,3 +165,23 @@ def test_configs_cover_the_dispatch_matrix() -> None:
                     assert aot.Config("prefill", dt, d, g, v) in cfgs
             assert aot.Config("write_kv", dt, d) in cfgs
             assert aot.Config("copy_blocks", dt, d, 1, "strided") in cfgs
+
+
+def test_configs_cover_the_8bit_caches() -> None:
+    """Decode (single, split), prefill (short, long tiles), the quantizing write and the byte copy on
+    int8 and fp8_e4m3 caches, with bf16 queries at every 8-bit head_dim and fp16 ones over int8."""
+    cfgs = aot.all_configs()
+    for kv in ("int8", "fp8_e4m3"):
+        for d in (64, 128, 256):
+            for v in ("single", "split"):
+                assert aot.Config("decode", "bfloat16", d, 4, v, kv) in cfgs
+            for v in ("short", "long"):
+                assert aot.Config("prefill", "bfloat16", d, 4, v, kv) in cfgs
+            for dt in ("float16", "bfloat16", "float32"):
+                assert aot.Config("write_kv", dt, d, kv=kv) in cfgs
+        assert aot.Config("copy_blocks", "float16", 128, 1, "contiguous", kv) in cfgs
+    assert aot.Config("decode", "float16", 128, 4, "split", "int8") in cfgs
+    assert (
+        aot.Config("prefill", "bfloat16", 64, 4, "long", "fp8_e4m3").name
+        == "prefill/bfloat16+fp8_e4m3/d64/g4/long"
+    )

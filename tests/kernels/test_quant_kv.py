@@ -1,7 +1,8 @@
 """The 8-bit KV cache (kernels/quant.py) against a float64 oracle on the dequantized values.
 
-Every backend that reads 8-bit caches (the torch reference; the CPU backend: native C kernels for int8,
-the dequantizing fallback otherwise) on fresh random inputs whose tokens differ in magnitude (so a
+The CPU-side backends that read 8-bit caches (the torch reference; the CPU backend: native C kernels
+for int8, the dequantizing fallback otherwise; the Triton kernels are held to the same oracle in
+test_quant_kv_triton.py) on fresh random inputs whose tokens differ in magnitude (so a
 scale read from the wrong token or head is a visible error), shuffled block tables, odd lengths, NaN
 in the output before the call and NaN scales in every slot no sequence owns. The oracle is plain
 float64 attention over ``values * scales`` gathered one token at a time; the mutation tests show that
@@ -10,145 +11,19 @@ a kernel reading a neighbouring row's scale is far outside the tolerance.
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 import kernels
 from kernels import cpu, cpu_native, quant, reference
+from tests.kernels.quant_cases import CASES, DTYPES, oracle, q_lens_of
+from tests.kernels.quant_cases import batch as _batch
+from tests.kernels.quant_cases import decode as _decode
+from tests.kernels.quant_cases import prefill as _prefill
+from tests.kernels.quant_cases import tables_tensor as _tables_tensor
 
-DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
 BACKENDS = ["reference", "cpu"]
 TOL = 5e-4  # fp32 kernels against the float64 oracle on the same dequantized values (|v| up to ~80)
-
-
-def _deq64(cache: torch.Tensor) -> torch.Tensor:
-    return quant.values(cache).double() * quant.scales(cache).double().unsqueeze(-1)
-
-
-def _slot(table: list[int], t: int, block_size: int) -> tuple[int, int]:
-    return table[t // block_size], t % block_size
-
-
-def oracle(
-    query: torch.Tensor,
-    kc: torch.Tensor,
-    vc: torch.Tensor,
-    tables: list[list[int]],
-    seq_lens: list[int],
-    q_lens: list[int],
-    scale: float,
-) -> torch.Tensor:
-    """float64 causal attention of each sequence's last ``q_len`` rows over its dequantized K/V."""
-    k64, v64 = _deq64(kc), _deq64(vc)
-    bs, hkv = kc.shape[1], kc.shape[2]
-    group = query.shape[1] // hkv
-    out = torch.zeros(query.shape, dtype=torch.float64)
-    heads_kv = torch.arange(query.shape[1]) // group  # query head h reads KV head h // group
-    row = 0
-    for table, n, ql in zip(tables, seq_lens, q_lens, strict=True):
-        slots = [_slot(table, t, bs) for t in range(n)]
-        k = torch.stack([k64[s] for s in slots])[:, heads_kv] if n else None  # [n, heads, head_dim]
-        v = torch.stack([v64[s] for s in slots])[:, heads_kv] if n else None
-        for j in range(ql):
-            seen = n - ql + j + 1
-            if seen == 0 or k is None or v is None:
-                continue
-            s = torch.einsum("thd,hd->ht", k[:seen], query[row + j].double()) * scale
-            out[row + j] = torch.einsum("ht,thd->hd", torch.softmax(s, -1), v[:seen])
-        row += ql
-    return out
-
-
-def _batch(
-    seed: int,
-    kv: str,
-    lens: list[int],
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
-    block_size: int,
-    shared: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor, list[list[int]]]:
-    """An 8-bit cache with ``lens`` sequences written through the reference writer, block ids shuffled;
-    the first ``shared`` blocks of every table are the same physical blocks (prefix hits). Tokens
-    differ in magnitude (x 0.05 to 20); every slot no sequence owns holds random values and a NaN scale."""
-    rnd, g = random.Random(seed), torch.Generator().manual_seed(seed)
-    need = [-(-n // block_size) for n in lens]
-    num_blocks = shared + sum(max(0, b - shared) for b in need) + 3
-    free = list(range(num_blocks))
-    rnd.shuffle(free)
-    prefix = [free.pop() for _ in range(shared)]
-    tables = [prefix[: min(shared, b)] + [free.pop() for _ in range(max(0, b - shared))] for b in need]
-    dt = DTYPES[kv]
-    kc = torch.randint(-127, 128, (num_blocks, block_size, kv_heads, head_dim + 4), generator=g).to(
-        torch.int8
-    )
-    kc = kc.view(dt) if dt is not torch.int8 else kc
-    vc = kc.clone()
-    quant.scales(kc).fill_(float("nan"))
-    quant.scales(vc).fill_(float("nan"))
-    written: set[tuple[int, int]] = set()
-    for table, n in zip(tables, lens, strict=True):
-        slots = [b * block_size + o for t in range(n) for b, o in [_slot(table, t, block_size)]]
-        fresh = [s for s in slots if (s // block_size, s % block_size) not in written]
-        written |= {(s // block_size, s % block_size) for s in fresh}
-        mag = torch.rand(len(fresh), kv_heads, 1, generator=g) * 20 + 0.05
-        k = torch.randn(len(fresh), kv_heads, head_dim, generator=g) * mag
-        v = torch.randn(len(fresh), kv_heads, head_dim, generator=g) * mag.flip(0)
-        reference.write_kv_cache(k, v, kc, vc, torch.tensor(fresh, dtype=torch.int64))
-    return kc, vc, tables
-
-
-def _tables_tensor(tables: list[list[int]]) -> torch.Tensor:
-    width = max(1, *(len(t) for t in tables))
-    return torch.tensor(
-        [t + [2**30] * (width - len(t)) for t in tables], dtype=torch.int32
-    )  # garbage padding
-
-
-def _decode(
-    backend: str,
-    q: torch.Tensor,
-    kc: torch.Tensor,
-    vc: torch.Tensor,
-    tables: list[list[int]],
-    lens: list[int],
-    scale: float,
-) -> torch.Tensor:
-    out = torch.full_like(q, float("nan"))
-    with kernels.use_backend(backend):  # type: ignore[arg-type]
-        kernels.paged_decode_attention(
-            q, kc, vc, _tables_tensor(tables), torch.tensor(lens, dtype=torch.int32), scale, out=out
-        )
-    return out
-
-
-def _prefill(
-    backend: str,
-    q: torch.Tensor,
-    kc: torch.Tensor,
-    vc: torch.Tensor,
-    tables: list[list[int]],
-    lens: list[int],
-    q_lens: list[int],
-    scale: float,
-) -> torch.Tensor:
-    out = torch.full_like(q, float("nan"))
-    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    with kernels.use_backend(backend):  # type: ignore[arg-type]
-        kernels.paged_prefill_attention(
-            q, kc, vc, _tables_tensor(tables), qsl, torch.tensor(lens, dtype=torch.int32), scale, out=out
-        )
-    return out
-
-
-CASES = [  # heads, kv_heads, head_dim, block_size, lens
-    (9, 3, 64, 16, [1, 17, 33, 70, 5]),  # SmolLM2's group of 3
-    (4, 4, 32, 8, [3, 40, 9]),
-    (8, 2, 128, 16, [129, 1]),
-]
 
 
 @pytest.mark.parametrize("kv", list(DTYPES))
@@ -169,9 +44,7 @@ def test_decode_matches_the_float64_oracle(kv: str, backend: str, case: int) -> 
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_prefill_matches_the_float64_oracle(kv: str, backend: str, case: int) -> None:
     heads, kvh, d, bs, lens = CASES[case]
-    q_lens = [
-        max(1, n // 3) if i % 2 else n for i, n in enumerate(lens)
-    ]  # whole prompts and chunks after a hit
+    q_lens = q_lens_of(lens)  # whole prompts and chunks after a hit
     kc, vc, tables = _batch(case, kv, lens, heads, kvh, d, bs)
     q = torch.randn(sum(q_lens), heads, d, generator=torch.Generator().manual_seed(200 + case))
     want = oracle(q, kc, vc, tables, lens, q_lens, d**-0.5)
@@ -300,14 +173,17 @@ def test_8bit_caches_are_checked_by_name() -> None:
         )
 
 
-def test_8bit_caches_never_reach_the_triton_kernels() -> None:
-    """auto sends them to the CPU backend (even under TRITON_INTERPRET) or the reference; asking for
-    Triton is refused by name."""
+def test_8bit_caches_go_to_triton_on_cuda_and_to_the_native_kernels_on_cpu() -> None:
+    """auto: CUDA 8-bit caches run the Triton kernels (the GPU worker's path, a model step included),
+    CPU ones the CPU backend even under TRITON_INTERPRET (its native kernels are the CPU's fast path);
+    the interpreter runs them when asked for by name (tests/kernels/test_quant_kv_triton.py)."""
     from kernels.dispatch import resolve
 
     for dt in DTYPES.values():
         assert resolve(torch.device("cpu"), dt, "auto") == "cpu"
-        assert resolve(torch.device("cuda"), dt, "auto") == "reference"
         if kernels.dispatch.triton_available():
-            with pytest.raises(RuntimeError, match="8-bit"):
-                resolve(torch.device("cpu"), dt, "triton")
+            assert resolve(torch.device("cuda"), dt, "auto") == "triton"
+            if kernels.dispatch.triton_interpreted():
+                assert resolve(torch.device("cpu"), dt, "triton") == "triton"
+        else:
+            assert resolve(torch.device("cuda"), dt, "auto") == "reference"

@@ -61,6 +61,12 @@ def _one_tile(
         D,
         16 * D,
         D,
+        k_ptr,  # the scale pointers and strides: unused without QUANT
+        v_ptr,
+        0,
+        0,
+        0,
+        0,
         1.0,
         16,
         D,
@@ -70,6 +76,7 @@ def _one_tile(
         True,
         UPCAST,
         PRECISION,
+        False,
     )
     tl.store(acc_ptr + r[:, None] * D + d[None, :], acc)
     tl.store(m_ptr + r, m_i)
