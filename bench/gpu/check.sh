@@ -338,7 +338,7 @@ PYEOF
 # test_compile_sm90 is deselected: here every test compiles for the real device anyway (it runs in
 # CPU CI). --dist loadfile: one file's tests on one worker, so a kernel is compiled once, not on
 # every worker at once (a cold Triton cache). GRAPHS_TEST: decode steps replayed from captured CUDA
-# graphs give the eager greedy tokens. The rehearsal runs the same selection for real on CPU (the
+# graphs give the eager greedy tokens (over model-dtype, int8 and fp8_e4m3 caches: all its cases). The rehearsal runs the same selection for real on CPU (the
 # Triton interpreter; the CUDA-only tests skip themselves), with as many workers as there are CPUs,
 # each test function once (bench/gpu/one_case.py: its first case; the interpreter's numerics for
 # every case take minutes on two cores).

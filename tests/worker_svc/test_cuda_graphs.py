@@ -4,7 +4,7 @@ On CPU the capture is a fake that records capture/replay calls and "replays" by 
 forward pass eagerly on the static buffers: the bookkeeping (which batch size maps to which graph),
 the padding (rows that write no KV, outputs dropped), invalidation and the eager fallbacks are all
 real code paths, and padded eager must give the unpadded eager run's tokens. The one CUDA test
-captures real graphs (bench/gpu_check.sh's pytest section runs it).
+captures real graphs, over model-dtype and 8-bit caches (bench/gpu_check.sh's pytest section runs it).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import pytest
 import structlog
 import torch
 
+from kernels import quant
 from tests.worker_svc.generation import Scheduler, runner_step
 from worker_svc.model import cuda_graphs
 from worker_svc.model.config import DEFAULT_MODEL_CONFIG
@@ -72,11 +73,18 @@ def model() -> Model:
     return load_model(None, DEFAULT_MODEL_CONFIG, torch.float32, torch.device("cpu"))
 
 
-def _cache(model: Model, seed: int = 0, device: str = "cpu", blocks: int = NUM_BLOCKS) -> torch.Tensor:
+def _cache(
+    model: Model, seed: int = 0, device: str = "cpu", blocks: int = NUM_BLOCKS, kv: str = "auto"
+) -> torch.Tensor:
+    """A random cache (never zeros: a stray write shows) in the model's dtype, or 8-bit rows with
+    their scales for ``kv`` int8 / fp8_e4m3 (kernels/quant.py)."""
     cfg = model.cfg
-    gen = torch.Generator().manual_seed(seed)  # random, never zeros: a stray write shows
+    gen = torch.Generator().manual_seed(seed)
     shape = (cfg.num_layers, 2, blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim)
-    return torch.randn(shape, generator=gen).to(device=device, dtype=model.dtype)
+    x = torch.randn(shape, generator=gen)
+    if kv != "auto":
+        return quant.pack(*quant.quantize(x, quant.QUANT_DTYPES[kv])).to(device)
+    return x.to(device=device, dtype=model.dtype)
 
 
 def _runner(
@@ -299,14 +307,31 @@ def test_worker_flags_turn_graphs_off_and_size_them() -> None:
 
 # ------------------------------------------------------------------ CUDA: real graphs
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: bench/gpu_check.sh runs it")
-def test_graphs_give_the_eager_greedy_tokens_on_cuda() -> None:
+@pytest.mark.parametrize("kv", ["auto", "int8", "fp8_e4m3"])
+def test_graphs_give_the_eager_greedy_tokens_on_cuda(kv: str) -> None:
+    """Also over 8-bit caches, with the backend left to ``auto``: it must be Triton there (the
+    reference reads lengths back to the host, and a capture with it fails), and the first step's
+    log-probabilities must be the reference's."""
     dev = torch.device("cuda")
     m = load_model(None, DEFAULT_MODEL_CONFIG, torch.float32, dev)
 
-    def runner(graphs: DecodeGraphs | None, seed: int = 0) -> ModelRunner:
-        gpu = _cache(m, seed=seed, device="cuda")
+    def runner(graphs: DecodeGraphs | None, seed: int = 0, backend: str | None = None) -> ModelRunner:
+        gpu = _cache(m, seed=seed, device="cuda", kv=kv)
         cpu = torch.zeros((*gpu.shape[:2], 0, *gpu.shape[3:]), dtype=gpu.dtype)
-        return ModelRunner(m, gpu, cpu, kernel_backend="triton", decode_graphs=graphs)
+        if backend is None:
+            backend = "triton" if kv == "auto" else None  # None: auto, the GPU worker's default
+        return ModelRunner(m, gpu, cpu, kernel_backend=backend, decode_graphs=graphs)
+
+    if kv != "auto":
+        # Within 2e-2: layer 0's tiny differences (tf32x3 dots) move some of layer 1's K/V values
+        # across a rounding boundary of the 8-bit grid (e4m3's steps are 1/16 of a value); in the
+        # interpreter, with exact dots, the step-1 log-probabilities differed by 1e-6 (int8) and
+        # 9e-4 (fp8_e4m3). A wrong scale is far outside it.
+        ref = _generate(runner(None, backend="reference"), 3, steps=1)
+        ours = _generate(runner(None), 3, steps=1)
+        assert {k: v[0] for k, v in ours.items()} == {k: v[0] for k, v in ref.items()}
+        for k, (_, lp) in ours.items():
+            assert abs(lp[0] - ref[k][1][0]) < 2e-2, (k, lp, ref[k][1])
 
     graphs = cuda_graphs.for_worker(True, 8, 256, dev, BLOCK, NUM_BLOCKS)
     assert graphs is not None
