@@ -18,7 +18,8 @@ backends, from these inputs:
    ``TRITON_INTERPRET=1`` was set before the kernels were imported, else the CPU backend. bf16 on
    CPU always goes to the CPU backend under "auto" because the interpreter cannot do bf16 math, and
    so do 8-bit caches (``kernels/quant.py``): on CPU their fast path is the native kernels, and the
-   interpreter (how CI checks the Triton 8-bit path) is asked for by name, ``"triton"``.
+   interpreter (how CI checks the Triton 8-bit path) is asked for by name, ``"triton"``. An
+   fp8_e4m3 cache on a GPU older than sm_89 (no e4m3 in Triton there) takes the reference.
 
 Triton is imported lazily, only when the Triton backend is chosen, so ``import kernels`` works on a
 machine without Triton (everything then runs on the reference).
@@ -98,6 +99,28 @@ def triton_interpreted() -> bool:
     return bool(importlib.import_module("kernels.triton_backend").INTERPRETED)
 
 
+# Triton's e4m3 type (tl.float8e4nv) compiles for compute capability 8.9 (Ada) and newer only.
+FP8_E4M3_MIN_CAPABILITY = (8, 9)
+
+
+@functools.lru_cache(maxsize=16)
+def _capability_of(device_index: int) -> tuple[int, int]:
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return int(major), int(minor)
+
+
+def capability(device: torch.device) -> tuple[int, int]:
+    """A CUDA device's compute capability (read once per device)."""
+    return _capability_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def triton_lacks_fp8(device: torch.device, dtype: torch.dtype | None) -> bool:
+    """Whether ``dtype`` is the e4m3 cache on a CUDA device older than sm_89, where Triton has no e4m3."""
+    if dtype is not torch.float8_e4m3fn or device.type != "cuda":
+        return False
+    return capability(device) < FP8_E4M3_MIN_CAPABILITY
+
+
 def resolve(device: torch.device, dtype: torch.dtype | None = None, requested: str | None = None) -> str:
     """Return "triton", "cpu" or "reference" for a call on tensors living on ``device``.
 
@@ -118,9 +141,17 @@ def resolve(device: torch.device, dtype: torch.dtype | None = None, requested: s
                 "kernel backend 'triton' on CPU tensors needs TRITON_INTERPRET=1 set before kernels "
                 "are imported (the compiled kernels only run on CUDA tensors)"
             )
+        if triton_lacks_fp8(device, dtype):
+            raise RuntimeError(
+                f"kernel backend 'triton' requested for an fp8_e4m3 KV cache on {device} (compute capability "
+                f"{'.'.join(map(str, capability(device)))}): Triton's e4m3 needs 8.9 or newer; use int8, "
+                "or the 'reference' backend"
+            )
         return "triton"
     # auto
     if device.type == "cuda":
+        if triton_lacks_fp8(device, dtype):  # correct but slow: the reference dequantizes in torch
+            return "reference"
         return "triton" if triton_available() else "reference"
     if (
         device.type == "cpu"

@@ -173,17 +173,33 @@ def test_8bit_caches_are_checked_by_name() -> None:
         )
 
 
-def test_8bit_caches_go_to_triton_on_cuda_and_to_the_native_kernels_on_cpu() -> None:
+@pytest.mark.parametrize("sm", [(9, 0), (8, 0)])
+def test_8bit_caches_go_to_triton_on_cuda_and_to_the_native_kernels_on_cpu(
+    sm: tuple[int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """auto: CUDA 8-bit caches run the Triton kernels (the GPU worker's path, a model step included),
-    CPU ones the CPU backend even under TRITON_INTERPRET (its native kernels are the CPU's fast path);
-    the interpreter runs them when asked for by name (tests/kernels/test_quant_kv_triton.py)."""
-    from kernels.dispatch import resolve
+    except fp8_e4m3 below sm_89, where Triton has no e4m3 (the reference then; asking for Triton is
+    refused naming the capability); CPU ones take the CPU backend even under TRITON_INTERPRET (its
+    native kernels are the CPU's fast path); the interpreter runs them when asked for by name
+    (tests/kernels/test_quant_kv_triton.py)."""
+    from kernels import dispatch
 
+    monkeypatch.setattr(dispatch, "capability", lambda device: sm)
+    cuda = torch.device("cuda")
     for dt in DTYPES.values():
-        assert resolve(torch.device("cpu"), dt, "auto") == "cpu"
-        if kernels.dispatch.triton_available():
-            assert resolve(torch.device("cuda"), dt, "auto") == "triton"
-            if kernels.dispatch.triton_interpreted():
-                assert resolve(torch.device("cpu"), dt, "triton") == "triton"
+        assert dispatch.resolve(torch.device("cpu"), dt, "auto") == "cpu"
+        if not dispatch.triton_available():
+            assert dispatch.resolve(cuda, dt, "auto") == "reference"
+            continue
+        if dt is torch.float8_e4m3fn and sm < (8, 9):
+            assert dispatch.resolve(cuda, dt, "auto") == "reference"
+            with pytest.raises(RuntimeError, match=r"fp8_e4m3 KV cache on cuda \(compute capability 8.0\)"):
+                dispatch.resolve(cuda, dt, "triton")
         else:
-            assert resolve(torch.device("cuda"), dt, "auto") == "reference"
+            assert dispatch.resolve(cuda, dt, "auto") == "triton"
+            assert dispatch.resolve(cuda, dt, "triton") == "triton"
+        if dispatch.triton_interpreted():
+            assert dispatch.resolve(torch.device("cpu"), dt, "triton") == "triton"
+    assert dispatch.resolve(cuda, torch.bfloat16, "auto") == (
+        "triton" if dispatch.triton_available() else "reference"
+    )
