@@ -200,17 +200,21 @@ def tile_config(
     float32 (``upcast``: tf32x3 dots, three tensor-core products each) gets small 16x16 tiles and
     one stage: 64-128-row tiles spill kilobytes per thread on sm_90 and compile 3-5x slower (see
     ``python -m kernels.aot``; 16x16 does not spill up to head_dim 128).
-    8-bit caches (``quantized``) widen each K/V tile in registers: above head_dim 64 they take
-    64 x 64 tiles over 8 warps (128 x 64 spilled 160-200 B per thread at 128) and 32 x 32 above 128.
+    8-bit caches (``quantized``) widen each K/V tile in registers, and smaller tiles keep sm_90 from
+    spilling with both triton 3.6 (the GPU image's) and 3.7: 64 x 64 up to head_dim 64 (over 8 warps
+    past 64 rows: 128 x 64 spilled 120-192 B per thread), 32 x 32 above (64 x 64 spilled 24-88 B at
+    head_dim 128 with triton 3.6, and 8 warps at 256).
     """
     if interpreted:
         return 32, 32, 4, 1
     if upcast:
         return (16, 16, 4, 1) if head_dim <= 128 else (16, 16, 8, 1)
-    if quantized and head_dim > 128:
-        return 32, 32, 4, 2
-    if quantized and head_dim > 64:
-        return 64, 64, 8, 3
+    if quantized:
+        if head_dim > 128:
+            return 32, 32, 8, 2
+        if head_dim > 64:
+            return 32, 32, 4, 2
+        return (64, 64, 4, 3) if max_rows <= 64 else (64, 64, 8, 3)
     if head_dim > 128:
         return 64, 32, 8, 2
     if max_rows <= 64:
