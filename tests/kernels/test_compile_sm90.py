@@ -47,7 +47,9 @@ def _env(tmp_path: Path) -> dict[str, str]:
 
 
 @needs_nvidia_tools
-@pytest.mark.slow  # about 110 s of CPU (ptxas) split over the cores; deselect with -m "not slow"
+# 282 configurations: 367 s with 2 processes on 2 cores shared with other work (the 48 8-bit ones
+# alone 150 s); deselect with -m "not slow"
+@pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_every_dispatch_configuration_compiles_for_sm90(tmp_path: Path) -> None:
     jobs = max(1, min(4, os.cpu_count() or 1))
