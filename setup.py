@@ -26,6 +26,7 @@ SOURCES = [
     "kernels/csrc/logsumexp.c",
     "kernels/csrc/layer_ops.c",
     "kernels/csrc/linear.c",
+    "kernels/csrc/quant_linear.c",
     "kernels/csrc/cpu_features.c",
 ]
 DEPENDS = ["kernels/csrc/fastexp.h"]

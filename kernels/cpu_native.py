@@ -5,7 +5,8 @@ row-wise log-sum-exp of a step's logits (``csrc/logsumexp.c``, used by the worke
 each token's log-probability); and the fused elementwise parts of a decoder layer
 (``csrc/layer_ops.c``: RMSNorm with the residual add, SiLU-and-multiply, rotary embedding with the
 KV write), wrapped by ``kernels/cpu_layer_ops.py``; and the fp32 linear layer over weights packed at
-load (``csrc/linear.c``), wrapped by ``kernels/cpu_linear.py``.
+load (``csrc/linear.c``), wrapped by ``kernels/cpu_linear.py``; and the quantized linear layer over
+int4 / int8 weights (``csrc/quant_linear.c``), wrapped by ``kernels/cpu_quant_linear.py``.
 
 **Built at install** by ``setup.py`` (setuptools ``Extension``), one shared library per
 instruction-set variant: on x86-64 ``x86_64`` (baseline), ``avx2`` (AVX2 + FMA) and ``avx512``
@@ -196,18 +197,28 @@ def _load() -> tuple[ctypes.CDLL, str]:
         "pagedkv_linear_pack_f32": [i64, i64, ptr, i64, ptr, cint],
         "pagedkv_linear_f32": [i64, i64, i64, ptr, i64, ptr, ptr, ptr, i64, cint],
         "pagedkv_linear_packed_numel": [i64, i64],
+        # The quantized linear layer (csrc/quant_linear.c, kernels/cpu_quant_linear.py).
+        "pagedkv_q4_linear": [i64, i64, i64, ptr, i64, ptr, ptr, ptr, i64, cint],
+        "pagedkv_q8_linear": [i64, i64, i64, ptr, i64, ptr, i64, ptr, ptr, i64, cint],
+        "pagedkv_quant_linear_simd": [],
         # Quantize on write into an int8 cache (csrc/paged_decode.c).
         "pagedkv_write_kv_i8": [i64, i64, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, i64]
         + [ptr, cint],
         # Row-wise log-sum-exp, with each row's argmax when asked (csrc/logsumexp.c).
         "pagedkv_logsumexp_argmax_f32": [ptr, i64, i64, i64, ptr, ptr, cint],
     }
+    # What the functions return (the rest return nothing): a size, or a status / flag.
+    results = {"pagedkv_linear_packed_numel": ctypes.c_int64} | {
+        name: ctypes.c_int
+        for name in functions
+        if name in ("pagedkv_q4_linear", "pagedkv_q8_linear", "pagedkv_quant_linear_simd")
+    }
     for name, argtypes in functions.items():
         try:
             fn = getattr(lib, name)
         except AttributeError:
             raise OSError(f"{path.name} lacks {name} (stale build: reinstall)") from None
-        fn.restype = ctypes.c_int64 if name == "pagedkv_linear_packed_numel" else None
+        fn.restype = results.get(name)
         fn.argtypes = argtypes
     return lib, variant
 

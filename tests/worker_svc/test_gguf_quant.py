@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from kernels import cpu_native
 from tests.worker_svc.families import build, oracle_on, random_k_blocks, write_gguf
 from tests.worker_svc.generation import Scheduler, runner_step
 from worker_svc import shared_weights
@@ -22,6 +23,11 @@ from worker_svc.model_runner import ModelRunner
 gguf = pytest.importorskip("gguf")
 CPU = torch.device("cpu")
 PROMPT = [5, 17, 99, 3, 64, 12, 7, 88, 41, 2]
+
+
+def _paths(*kinds: str) -> str:
+    """The linear path a model of these matrix kinds reports: the native kernels where loaded."""
+    return "+".join(f"native-{k}" if cpu_native.available() else k for k in kinds)
 
 
 def _blocks(qtype: str, rows: int, cols: int, seed: int) -> np.ndarray:
@@ -124,7 +130,8 @@ def test_a_quantized_file_held_as_integers_generates_what_transformers_does(
                 torch.testing.assert_close(held[n], t, rtol=0, atol=1e-6 * float(t.abs().max()), msg=n)
     oracle = oracle_on(hf, held, tmp_path / "hf")
     runner = _runner(path, "file")
-    assert runner.model.linear_path == ("int8+int4" if qtype in gguf_quant.INT4_TYPES else "int8")
+    kinds = ("int8", "int4") if qtype in gguf_quant.INT4_TYPES else ("int8",)
+    assert runner.model.linear_path == _paths(*kinds)
     sched = Scheduler(runner_step(runner), block_size=4)
     sched.add("a", PROMPT)
     sched.generate(["a"], 8)
@@ -236,7 +243,7 @@ def test_processes_hold_a_gguf_in_its_own_quantization_by_default(tmp_path: path
         procs += [w, dense]
         w_ready = w.wait_event("worker_ready")
         assert w_ready["shared_weights"] is True and w_ready["weight_format"] == "auto"
-        assert w_ready["weight_bytes"] == spec_bytes and w_ready["linear_path"] == "int8+int4"
+        assert w_ready["weight_bytes"] == spec_bytes and w_ready["linear_path"] == _paths("int8", "int4")
         assert dense.p.wait(60) == 2 and "held=file" in dense.wait_event("config_error")["error"]
         with grpc.insecure_channel(f"127.0.0.1:{w_ready['port']}") as ch:
             sched = Scheduler(

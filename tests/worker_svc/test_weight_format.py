@@ -9,6 +9,7 @@ import pathlib
 import pytest
 import torch
 
+from kernels import cpu_native
 from tests.worker_svc.conftest import build_hf_model
 from tests.worker_svc.families import oracle_on, write_gguf
 from tests.worker_svc.generation import Scheduler, runner_step
@@ -62,7 +63,8 @@ def test_a_directory_quantized_at_load_generates_what_transformers_does_on_its_w
     assert 0 < worst < (0.02 if held == "int8" else 0.2)
     oracle = oracle_on(hf, held_state, tmp_path / "hf")
     model = load_model(str(hf.path), cfg, F32, CPU, held=held)
-    assert model.linear_path == held  # untied: the embedding's int8 rows are only looked up
+    # untied: the embedding's int8 rows are only looked up
+    assert model.linear_path == (f"native-{held}" if cpu_native.available() else held)
     shape = (cfg.num_layers, 2, 32, 4, cfg.num_kv_heads, cfg.head_dim)
     sched = Scheduler(runner_step(ModelRunner(model, torch.zeros(shape), torch.zeros(shape))), block_size=4)
     sched.add("a", PROMPT)

@@ -23,7 +23,6 @@ the bit layout stays the package's.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -191,11 +190,6 @@ def conversion_error(name: str, held: Unpacked, reference: torch.Tensor) -> Conv
         float(diff.abs().max()) if diff.numel() else 0.0,
         float(diff.norm()) / norm if norm > 0 else 0.0,
     )
-
-
-def padded_rows(rows: int) -> int:
-    """Output rows of a packed int4 matrix (the operator wants a multiple of 16)."""
-    return math.ceil(rows / quant_linear.ROW_MULTIPLE) * quant_linear.ROW_MULTIPLE
 
 
 def quantize_int4_groups(w: torch.Tensor) -> Unpacked:

@@ -16,9 +16,11 @@ paths read only a copy laid out for them, made once here:
   the row count equals the one it was packed for, so with a step's varying batch it silently falls
   back to ``F.linear``.
 
-A quantized matrix (``kernels.quant_linear.QuantizedMatrix``: int4 groups or int8 rows) runs
-PyTorch's weight-packed int4 / int8 matmul on its integers (``int4`` / ``int8`` paths), fp32 in
-and out.
+A quantized matrix (``kernels.quant_linear.QuantizedMatrix``: int4 groups or int8 rows) runs the
+native int4 / int8 kernels on its integers where the library is loaded (``native-int4`` /
+``native-int8``: a decode step's rows read the integers at the memory's rate,
+``kernels/cpu_quant_linear.py``), else PyTorch's weight-packed matmuls (``int4`` / ``int8``), fp32
+in and out.
 
 Everything else (CUDA, other dtypes, a torch without oneDNN, a failure to pack) keeps ``F.linear``.
 Results equal ``F.linear``'s up to fp32 summation order (tests/kernels/test_cpu_linear.py,
@@ -34,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu_linear import PackedLinear
-from kernels.quant_linear import QuantizedMatrix
+from kernels.quant_linear import QuantizedLinear, QuantizedMatrix
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -61,6 +63,7 @@ class Linear:
     packed: torch.Tensor | None = None  # oneDNN tensor (opaque layout), or None
     native: PackedLinear | None = None  # the native packed layer (fp32), or None
     quantized: QuantizedMatrix | None = None  # integer weights (then ``weight`` is their qweight)
+    qlinear: QuantizedLinear | None = None  # the kernel that multiplies by them
 
     @classmethod
     def build(
@@ -68,7 +71,8 @@ class Linear:
     ) -> Linear:
         """The best path that applies; ``native=False`` skips the native one (benchmarks compare)."""
         if isinstance(weight, QuantizedMatrix):
-            return cls(weight.qweight, bias, quantized=weight)
+            qlinear = QuantizedLinear.build(weight, "auto" if native else "torch")
+            return cls(weight.qweight, bias, quantized=weight, qlinear=qlinear)
         weight = weight.contiguous()
         layer = PackedLinear.pack(weight, bias) if native else None
         if layer is not None:
@@ -83,9 +87,10 @@ class Linear:
 
     @property
     def path(self) -> str:
-        """Which implementation runs: ``int4``, ``int8``, ``native``, ``onednn`` or ``torch``."""
-        if self.quantized is not None:
-            return self.quantized.kind
+        """Which implementation runs: ``native-int4``, ``native-int8``, ``int4``, ``int8`` (PyTorch's
+        integer matmuls), ``native``, ``onednn`` or ``torch``."""
+        if self.qlinear is not None:
+            return self.qlinear.path
         return "native" if self.native is not None else "onednn" if self.packed is not None else "torch"
 
     @property
@@ -97,8 +102,8 @@ class Linear:
         return self.weight.numel() * self.weight.element_size() + bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quantized is not None:
-            y = self.quantized(x)
+        if self.qlinear is not None:
+            y = self.qlinear(x)
             return y if self.bias is None else y.add_(self.bias)
         if x.dtype != self.weight.dtype or x.shape[0] == 0 or x.dim() != 2:
             return F.linear(x, self.weight, self.bias)

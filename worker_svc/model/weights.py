@@ -247,9 +247,9 @@ def fused_spec(
     for name, shape, form in items:
         base = name.removesuffix("weight")
         if form == "int4":
-            rows = gguf_quant.padded_rows(shape[0])
-            out[base + "qweight"] = ((rows, shape[1] // 2), torch.uint8)
-            out[base + "qscale"] = ((shape[1] // quant_linear.GROUP, rows, 2), torch.float32)
+            qweight, qscale = quant_linear.int4_shapes(shape[0], shape[1])
+            out[base + "qweight"] = (qweight, torch.uint8)
+            out[base + "qscale"] = (qscale, torch.float32)
         elif form == "int8":
             out[base + "qweight"] = (shape, torch.int8)
             out[base + "qscale"] = ((shape[0],), torch.float32)

@@ -1,0 +1,133 @@
+"""The quantized linear layer's native kernels (``csrc/quant_linear.c``): int4 groups and int8 rows.
+
+Why: a decode step's linear layers are bound by reading the weights, and PyTorch's weight-packed
+int4 / int8 matmuls read them at about 0.5 GB/s at one row on the AVX2 development host (6.7x
+slower per byte than the native fp32 kernel), so a model held as integers decoded slower than in
+fp32 at a fifth of the bytes. These kernels read the integers where they lie (the layouts are
+``kernels/quant_linear.py``'s) at the memory's rate: each weight widened once and multiplied into
+the accumulators of a tile of rows, an int4 group's scale applied once per group. They serve every
+row count: at 1-256 rows they measured 14-50x faster than PyTorch's operators (docs/kernels.md).
+
+Called through ctypes, like ``kernels/cpu_linear.py`` (which says why). ``x`` is checked before any
+pointer is used; the matrix's own tensors are checked here too (they may come from a shared region
+another process filled).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kernels import cpu_native
+
+if TYPE_CHECKING:
+    from kernels.quant_linear import QuantizedMatrix
+
+GROUP, PANEL, CHUNK = 32, 16, 256  # kernels/quant_linear.py's int4 layout (csrc/quant_linear.c's too)
+
+
+def simd() -> bool:
+    """Whether the loaded variant runs the AVX2 + FMA code (else the plain C loops)."""
+    lib = cpu_native.library()
+    return lib is not None and bool(lib.pagedkv_quant_linear_simd())
+
+
+def check_matrix(m: QuantizedMatrix) -> None:
+    """Raise ValueError unless ``m``'s tensors are CPU, dense and shaped as its form says."""
+    w, s, n = m.qweight, m.qscale, m.out_features
+    ok_cpu = w.is_cpu and s.is_cpu and w.is_contiguous() and s.is_contiguous() and s.dtype is torch.float32
+    if m.kind == "int4":
+        panels = -(-n // PANEL)
+        ok = (
+            ok_cpu
+            and w.dim() == 3
+            and w.shape[0] == panels
+            and w.shape[2] == CHUNK
+            and tuple(s.shape) == (panels, w.shape[1], 2 * PANEL)
+        )
+        want = f"uint8 [{panels}, groups, {CHUNK}] and fp32 [{panels}, groups, {2 * PANEL}]"
+    else:
+        ok = ok_cpu and w.dtype is torch.int8 and w.dim() == 2 and w.shape[0] == n and tuple(s.shape) == (n,)
+        want = f"int8 [{n}, in] and fp32 [{n}]"
+    if not ok:
+        raise ValueError(
+            f"a {m.kind} matrix of {n} rows needs dense CPU tensors {want}, got {w.dtype} {tuple(w.shape)} "
+            f"and {s.dtype} {tuple(s.shape)}"
+        )
+
+
+@dataclass(slots=True, frozen=True)
+class NativeMatmul:
+    """One matrix's kernel with its arguments resolved once (the matrix checked at ``prepare``),
+    so a call pays only for checking ``x``: a decode step makes about 120 of them."""
+
+    matrix: QuantizedMatrix
+    fn: Any  # the ctypes function
+    weights: tuple[int, ...]  # the pointer (and stride) arguments after x's
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` fp32 ``[rows, in]`` (dense columns) times the matrix transposed -> ``[rows, out]``,
+        into ``out`` when given (dense columns, rows not overlapping, not sharing ``x``'s memory)."""
+        k, n = self.matrix.in_features, self.matrix.out_features
+        if not (isinstance(x, torch.Tensor) and x.is_cpu and x.dtype is torch.float32 and x.dim() == 2):
+            raise ValueError(f"x must be a 2-D fp32 CPU tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+        rows = x.shape[0]
+        if x.shape[1] != k or (rows and x.stride(1) != 1 and k > 1):
+            raise ValueError(
+                f"x must be [rows, {k}] with dense columns, got {tuple(x.shape)} strides {x.stride()}"
+            )
+        if out is None:
+            y = torch.empty((rows, n), dtype=torch.float32)
+        else:
+            if not (
+                isinstance(out, torch.Tensor)
+                and out.is_cpu
+                and out.dtype is torch.float32
+                and out.shape == (rows, n)
+                and (n <= 1 or out.stride(1) == 1)
+            ):
+                raise ValueError(
+                    f"out must be fp32 [{rows}, {n}] with dense columns, got {out.dtype} {tuple(out.shape)}"
+                )
+            if rows > 1 and out.stride(0) < n:
+                raise ValueError(f"out's rows overlap (row stride {out.stride(0)})")
+            if out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+                raise ValueError("out must not share memory with x")
+            y = out
+        if rows == 0 or n == 0:
+            return y
+        status = self.fn(
+            rows,
+            n,
+            k,
+            x.data_ptr(),
+            x.stride(0),
+            *self.weights,
+            y.data_ptr(),
+            y.stride(0),
+            torch.get_num_threads(),
+        )
+        if status != 0:
+            raise MemoryError(f"the {self.matrix.kind} kernel could not allocate its scratch ({rows} x {k})")
+        return y
+
+
+def prepare(m: QuantizedMatrix) -> NativeMatmul:
+    """``m``'s native kernel. Raises RuntimeError when the native library is not loaded and
+    ValueError when ``m``'s tensors are not what its form says."""
+    lib = cpu_native.library()
+    if lib is None:
+        raise RuntimeError("the native kernels are not loaded (kernels/cpu_native.py says why in the log)")
+    check_matrix(m)
+    if m.kind == "int4":
+        return NativeMatmul(m, lib.pagedkv_q4_linear, (m.qweight.data_ptr(), m.qscale.data_ptr()))
+    return NativeMatmul(
+        m, lib.pagedkv_q8_linear, (m.qweight.data_ptr(), m.qweight.stride(0), m.qscale.data_ptr())
+    )
+
+
+def matmul(m: QuantizedMatrix, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``prepare(m)(x, out)``: one call (tests, benchmarks); a model prepares once."""
+    return prepare(m)(x, out)

@@ -1,0 +1,252 @@
+"""The native int4 / int8 linear kernels (kernels/csrc/quant_linear.c through
+kernels/cpu_quant_linear.py) against float64 products of the weights the integers stand for, in
+every variant this CPU runs (the AVX2 code and the plain C fallback): fresh random inputs read from
+NaN-poisoned buffers, outputs written into NaN-poisoned buffers, odd shapes, padded rows whose
+scales are NaN; a packing with one wrong scale, group or nibble turns the comparison red; GGUF
+blocks (Q4_0, Q4_1, Q8_0) against the gguf package's own dequantization; which kernel the model's
+layers take."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kernels import cpu_native, cpu_quant_linear, quant_linear
+from kernels.quant_linear import GROUP, PANEL, QuantizedLinear, QuantizedMatrix
+from worker_svc.model import gguf_quant, linear
+
+pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="native kernels not built")
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture(params=["avx2", "x86_64"])
+def variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each variant the CPU runs, loaded afresh (monkeypatch puts the loaded one back after)."""
+    name = str(request.param)
+    if name not in cpu_native.built_variants() or cpu_native.VARIANTS[name] > cpu_native.cpu_level():
+        pytest.skip(f"{name} is not built or this CPU cannot run it")
+    monkeypatch.setattr(cpu_native, "_lib", None)
+    monkeypatch.setattr(cpu_native, "_variant", None)
+    monkeypatch.setattr(cpu_native, "_tried", False)
+    monkeypatch.setenv(cpu_native.ENV_SWITCH, name)
+    assert cpu_native.active_variant() == name
+    assert cpu_quant_linear.simd() == (name == "avx2")  # the AVX2 code, or the plain C loops
+    return name
+
+
+def _int4(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = _gen(seed)
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    scale = 0.01 + 0.05 * torch.rand((n, k // GROUP), generator=g)
+    offset = 0.2 * torch.randn((n, k // GROUP), generator=g)
+    return q, scale, offset
+
+
+def _dense4(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    s, z = scale.double().repeat_interleave(GROUP, 1), offset.double().repeat_interleave(GROUP, 1)
+    return (q.double() - 8) * s + z
+
+
+def _poisoned_rows(rows: int, cols: int, seed: int) -> torch.Tensor:
+    """``[rows, cols]`` random rows, a view into a buffer whose other columns are NaN."""
+    buf = torch.full((rows, cols + 7), float("nan"))
+    buf[:, 3 : 3 + cols] = torch.randn((rows, cols), generator=_gen(seed))
+    return buf[:, 3 : 3 + cols]
+
+
+def _run(m: QuantizedMatrix, x: torch.Tensor) -> torch.Tensor:
+    """The kernel into a NaN-filled view of a wider buffer; the columns around it stay NaN."""
+    rows, n = x.shape[0], m.out_features
+    buf = torch.full((rows, n + 5), float("nan"))
+    y = cpu_quant_linear.matmul(m, x, out=buf[:, 2 : 2 + n])
+    assert y.data_ptr() == buf[:, 2:].data_ptr()
+    assert torch.isnan(buf[:, :2]).all() and torch.isnan(buf[:, 2 + n :]).all()
+    assert torch.isfinite(y).all()
+    return y
+
+
+def _poison_padding(m: QuantizedMatrix) -> None:
+    """NaN scales and offsets in the padded rows of the last panel: they must never reach an output."""
+    used = m.out_features - (m.qscale.shape[0] - 1) * PANEL
+    m.qscale[-1, :, used:PANEL] = float("nan")
+    m.qscale[-1, :, PANEL + used :] = float("nan")
+
+
+def _tolerance(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """fp32 rounding of a sum over k: a few ulps of sum |x| |w| per output."""
+    return 1e-6 * (x.double().abs() @ w.abs().t()) + 1e-6
+
+
+# rows across the 2-row register tiles (and a prefill's many rows); outputs across the 16-row panel;
+# groups from 1 to 18.
+SHAPES4 = [
+    (1, 32, 1),
+    (7, 32, 2),
+    (17, 96, 3),
+    (33, 160, 5),
+    (40, 96, 8),
+    (64, 256, 9),
+    (31, 544, 17),
+    (960, 576, 1),
+]
+
+
+@pytest.mark.parametrize(("n", "k", "rows"), SHAPES4)
+def test_int4_matches_the_float64_product_of_its_groups(variant: str, n: int, k: int, rows: int) -> None:
+    q, scale, offset = _int4(n, k, seed=n + k)
+    m = quant_linear.pack_int4(q, scale, offset)
+    assert (
+        m.qweight.shape == (-(-n // PANEL), k // GROUP, 256)
+        and m.nbytes == m.qweight.numel() + 4 * m.qscale.numel()
+    )
+    _poison_padding(m)
+    w = _dense4(q, scale, offset)
+    x = _poisoned_rows(rows, k, seed=rows)
+    ref = x.double() @ w.t()
+    err = (_run(m, x).double() - ref).abs()
+    assert (err <= _tolerance(x, w)).all(), float(err.max())
+
+
+SHAPES8 = [
+    (1, 1, 1),
+    (7, 37, 2),
+    (5, 8, 3),
+    (33, 577, 5),
+    (128, 17, 8),
+    (64, 576, 9),
+    (49, 1536, 1),
+    (30, 100, 70),
+]
+
+
+@pytest.mark.parametrize(("n", "k", "rows"), SHAPES8)
+def test_int8_matches_the_float64_product_of_its_rows(variant: str, n: int, k: int, rows: int) -> None:
+    m = quant_linear.quantize_int8_rows(torch.randn((n, k), generator=_gen(k)))
+    w = m.qweight.double() * m.qscale.double()[:, None]
+    x = _poisoned_rows(rows, k, seed=rows)
+    ref = x.double() @ w.t()
+    err = (_run(m, x).double() - ref).abs()
+    assert (err <= _tolerance(x, w)).all(), float(err.max())
+
+
+def test_a_wrong_scale_group_or_nibble_in_the_packing_is_caught() -> None:
+    """Each mutation of a correct packing (what a packing or indexing bug would do) puts the
+    kernels' outputs far outside the tolerance the tests above hold them to."""
+    n, k = 40, 128
+    q, scale, offset = _int4(n, k, seed=5)
+    w = _dense4(q, scale, offset)
+    x = torch.randn((3, k), generator=_gen(2))
+    ref, tol = x.double() @ w.t(), _tolerance(x, w)
+
+    def swap_group_scales(m: QuantizedMatrix) -> None:
+        m.qscale[0, [0, 1], :PANEL] = m.qscale[0, [1, 0], :PANEL].clone()
+
+    def offsets_one_row_off(m: QuantizedMatrix) -> None:
+        m.qscale[1, 2, PANEL:] = m.qscale[1, 2, PANEL:].roll(1)
+
+    def nibbles_one_group_off(m: QuantizedMatrix) -> None:
+        m.qweight.copy_(m.qweight.roll(1, dims=1))
+
+    def half_panels_swapped(m: QuantizedMatrix) -> None:
+        m.qweight.copy_((m.qweight >> 4) | (m.qweight << 4))
+
+    def inputs_one_off(m: QuantizedMatrix) -> None:
+        m.qweight[0, 0] = m.qweight[0, 0].reshape(GROUP, 8).roll(1, dims=0).reshape(-1)
+
+    def mutants() -> list[QuantizedMatrix]:
+        out = []
+        for mutate in (
+            swap_group_scales,
+            offsets_one_row_off,
+            nibbles_one_group_off,
+            half_panels_swapped,
+            inputs_one_off,
+        ):
+            m = quant_linear.pack_int4(q, scale, offset)
+            mutate(m)
+            out.append(m)
+        return out
+
+    assert ((_run(quant_linear.pack_int4(q, scale, offset), x).double() - ref).abs() <= tol).all()
+    for m in mutants():
+        assert ((cpu_quant_linear.matmul(m, x).double() - ref).abs() > 100 * tol).any()
+    m8 = quant_linear.quantize_int8_rows(torch.randn((n, k), generator=_gen(6)))
+    w8 = m8.qweight.double() * m8.qscale.double()[:, None]
+    ref8, tol8 = x.double() @ w8.t(), _tolerance(x, w8)
+    assert ((_run(m8, x).double() - ref8).abs() <= tol8).all()
+    wrong = QuantizedMatrix(m8.qweight, m8.qscale.roll(1), n)  # each row read with its neighbour's scale
+    assert ((cpu_quant_linear.matmul(wrong, x).double() - ref8).abs() > 100 * tol8).any()
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_blocks_through_the_kernels_match_the_gguf_packages_dequantization(qtype: str) -> None:
+    """GGUF blocks as the model holds them (Q4_0 / Q4_1 as int4 groups, exactly; Q8_0 requantized to
+    int8 rows, each weight within half a step) times fresh inputs, against float64 products of
+    ``gguf.quants.dequantize``'s weights."""
+    gguf = pytest.importorskip("gguf")
+    n, k = 45, 320
+    w = np.random.default_rng(7).standard_normal((n, k)).astype(np.float32) * 0.1
+    qt = gguf.GGMLQuantizationType[qtype]
+    raw = gguf.quants.quantize(w, qt)
+    file_w = torch.from_numpy(
+        np.asarray(gguf.quants.dequantize(raw, qt), dtype=np.float32).reshape(n, k)
+    ).double()
+    held = (
+        gguf_quant.int4_parts(raw, qtype, (n, k)) if qtype != "Q8_0" else gguf_quant.to_int8(file_w.float())
+    )
+    m = held.pack()
+    x = _poisoned_rows(4, k, seed=8)
+    if qtype == "Q8_0":
+        step = file_w.abs().amax(dim=1, keepdim=True) / 127  # the requantization's half step, per weight
+        tol = x.double().abs() @ (step / 2).expand(n, k).t() + _tolerance(x, file_w)
+    else:
+        tol = 1e-6 * (x.double().abs() @ file_w.abs().t()) + 1e-6
+    ref = x.double() @ file_w.t()
+    err = (_run(m, x).double() - ref).abs()
+    assert (err <= tol).all(), float(err.max())
+
+
+def test_bad_arguments_are_refused_naming_the_problem() -> None:
+    q, scale, offset = _int4(16, 64, seed=0)
+    m = quant_linear.pack_int4(q, scale, offset)
+    with pytest.raises(ValueError, match="positive multiple of 32"):
+        quant_linear.pack_int4(q[:, :48], scale, offset)  # int4 groups need whole groups of inputs
+    with pytest.raises(ValueError, match=r"\[rows, 64\] with dense columns"):
+        cpu_quant_linear.matmul(m, torch.randn(2, 32))
+    with pytest.raises(ValueError, match="dense columns"):
+        cpu_quant_linear.matmul(m, torch.randn(64, 2).t())
+    with pytest.raises(ValueError, match="2-D fp32 CPU tensor"):
+        cpu_quant_linear.matmul(m, torch.randn(2, 64, dtype=torch.float64))
+    x = torch.randn(3, 64)
+    with pytest.raises(ValueError, match="overlap"):
+        cpu_quant_linear.matmul(m, x, out=torch.empty(32).as_strided((3, 16), (1, 1)))
+    with pytest.raises(ValueError, match="a int4 matrix of 16 rows needs"):
+        cpu_quant_linear.matmul(QuantizedMatrix(m.qweight[:, :1], m.qscale, 16), x)
+    with pytest.raises(ValueError, match="a int8 matrix of 5 rows needs"):
+        cpu_quant_linear.prepare(QuantizedMatrix(torch.zeros(5, 8, dtype=torch.int8), torch.ones(4), 5))
+
+    buf = torch.randn(3, 80)
+    with pytest.raises(ValueError, match="share memory"):
+        cpu_quant_linear.matmul(m, buf[:, :64], out=buf[:, 64:])
+
+
+def test_the_model_takes_the_native_kernels_at_every_row_count() -> None:
+    q, scale, offset = _int4(24, 96, seed=9)
+    m = quant_linear.pack_int4(q, scale, offset)
+    layer = linear.Linear.build(m)
+    assert layer.path == "native-int4" and linear.Linear.build(m, native=False).path == "int4"
+    m8 = quant_linear.quantize_int8_rows(torch.randn(24, 96))
+    assert linear.Linear.build(m8).path == "native-int8"
+    assert linear.Linear.build(m8, native=False).path == "int8"
+    for rows in (1, 8, 300):
+        x = torch.randn(rows, 96, generator=_gen(rows))
+        assert torch.equal(layer(x), cpu_quant_linear.matmul(m, x))
+    torch_path = QuantizedLinear.build(m, "torch")
+    assert torch_path.path == "int4" and torch_path.private_bytes > 0
+    x = torch.randn(5, 96, generator=_gen(1))
+    want = x.double() @ _dense4(q, scale, offset).t()
+    torch.testing.assert_close(torch_path(x).double(), want, rtol=1e-5, atol=1e-5)
