@@ -1,15 +1,20 @@
-"""Batch-1 decode time per output token against the weight-read floor, per weight form.
+"""Batch-1 decode time per output token against the weight-read floor, per weight form and linear kernel.
 
 The floor: a decode step of one sequence reads every weight once, so it cannot take less than the
 resident weight bytes over the memory's read bandwidth. The bandwidth is measured here, on the
 same machine in the same run (the best of ``--reps`` sums over a 512 MiB fp32 buffer, torch's
-threads). Each weight form (``--forms``: dense = the file dequantized to fp32, file = its own
-quantization) is then timed on the product's model runner: one sequence, a short prompt, then
-``--tokens`` decode steps (median step). A third figure, the linear layers alone (every matrix
-of the model once at one row, the median of ``--reps`` passes), says how much of a step is the
-weight-packed matmuls.
+threads). Then, in one process and alternating round by round (this VM's speed drifts):
 
-    python -m bench.decode_floor --model FILE.gguf [--forms dense file] [--threads 2]
+- **decode**: each model (``--forms``: ``dense`` = the file dequantized to fp32 on the native fp32
+  linear kernel; ``file`` = its own quantization on the native int4 / int8 kernels, and again on
+  PyTorch's weight-packed int4 / int8 operators) runs one sequence, a short prompt, then
+  ``--tokens`` decode steps per round through the product's model runner (median step);
+- **linear layers**: every matrix of a kind once at ``--rows`` rows (median pass), per kernel:
+  the fp32 native kernel on the dense model's matrices, the native int4 kernel and PyTorch's int4
+  operator on the file's int4 layers, the native int8 kernel and PyTorch's int8 operator on its
+  int8 output layer. GB/s = the matrices' resident bytes / the pass.
+
+    python -m bench.decode_floor --model FILE.gguf [--forms dense file] [--threads 2] [--rows 1 8 64]
 
 The development VM's 2 cores are shared with other jobs: compare the rows of one run, not runs.
 """
@@ -17,12 +22,16 @@ The development VM's 2 cores are shared with other jobs: compare the rows of one
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
+from kernels import cpu_quant_linear
+from kernels.quant_linear import QuantizedLinear, QuantizedMatrix
 from worker_svc.model.config import load_model_config
 from worker_svc.model.linear import Linear
 from worker_svc.model.llama import LlamaModel
@@ -30,6 +39,7 @@ from worker_svc.model.weights import load_model
 from worker_svc.model_runner import ModelRunner, SequenceRequest
 
 BLOCK = 16
+PROMPT_LEN = 32
 
 
 def read_bandwidth(reps: int) -> float:
@@ -43,64 +53,186 @@ def read_bandwidth(reps: int) -> float:
     return buf.numel() * 4 / best
 
 
-def decode_ms(model: LlamaModel, tokens: int, prompt_len: int = 32) -> float:
-    cfg = model.cfg
-    blocks = -(-(prompt_len + tokens + 1) // BLOCK)
-    shape = (cfg.num_layers, 2, blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim)
-    runner = ModelRunner(model, torch.zeros(shape), torch.zeros((*shape[:2], 1, *shape[3:])))
-    table = list(range(blocks))
-    prompt = [(7 * i + 3) % cfg.vocab_size for i in range(prompt_len)]
-    out = runner.step([SequenceRequest("s", prompt, table, 0)]).outputs[0].token_id
-    seq_len, times = prompt_len, []
-    for _ in range(tokens):
-        t0 = time.perf_counter()
-        out = runner.step([SequenceRequest("s", [out], table, seq_len)]).outputs[0].token_id
-        times.append(time.perf_counter() - t0)
-        seq_len += 1
-    return statistics.median(times) * 1e3
+def with_torch_ops(model: LlamaModel) -> LlamaModel:
+    """A copy of a quantized ``model`` whose linear layers run PyTorch's int4 / int8 operators (the
+    same integers; int4 also in torch's own layout, a private copy counted in no resident figure)."""
+    copy = object.__new__(LlamaModel)
+    for name in vars(model):
+        setattr(copy, name, getattr(model, name))
 
+    def torch_ops(lin: Linear) -> Linear:
+        return Linear.build(lin.quantized, lin.bias, native=False) if lin.quantized is not None else lin
 
-def linears_ms(model: LlamaModel, reps: int) -> float:
-    layers: list[Linear] = [model.lm_head]
-    for layer in model.layers:
-        layers += [layer.qkv, layer.o, layer.gate_up, layer.down]
-    xs = [
-        torch.randn(1, lin.quantized.in_features if lin.quantized else lin.weight.shape[1]) for lin in layers
+    copy.lm_head = torch_ops(model.lm_head)
+    copy.layers = [
+        dataclasses.replace(
+            layer, **{k: torch_ops(getattr(layer, k)) for k in ("qkv", "o", "gate_up", "down")}
+        )
+        for layer in model.layers
     ]
-    times = []
-    for _ in range(reps):
+    return copy
+
+
+@dataclass(slots=True)
+class Decoder:
+    """One sequence decoding on one model, a few steps per round."""
+
+    label: str
+    model: LlamaModel
+    max_tokens: int
+    runner: ModelRunner = field(init=False)
+    table: list[int] = field(init=False)
+    seq_len: int = PROMPT_LEN
+    token: int = 0
+    times: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        cfg = self.model.cfg
+        blocks = -(-(PROMPT_LEN + self.max_tokens + 1) // BLOCK)
+        shape = (cfg.num_layers, 2, blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim)
+        self.runner = ModelRunner(self.model, torch.zeros(shape), torch.zeros((*shape[:2], 1, *shape[3:])))
+        self.table = list(range(blocks))
+        prompt = [(7 * i + 3) % cfg.vocab_size for i in range(PROMPT_LEN)]
+        self.token = self.runner.step([SequenceRequest("s", prompt, self.table, 0)]).outputs[0].token_id
+
+    def steps(self, n: int) -> list[int]:
+        out = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            req = SequenceRequest("s", [self.token], self.table, self.seq_len)
+            self.token = self.runner.step([req]).outputs[0].token_id
+            self.times.append(time.perf_counter() - t0)
+            self.seq_len += 1
+            out.append(self.token)
+        return out
+
+
+@dataclass(slots=True)
+class LinearPass:
+    """Every matrix of one kind once, through one kernel, at ``rows`` rows."""
+
+    label: str
+    nbytes: int
+    calls: list[tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]]
+    times: list[float] = field(default_factory=list)
+
+    def run(self) -> None:
         t0 = time.perf_counter()
-        for lin, x in zip(layers, xs, strict=True):
-            lin(x)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+        for fn, x in self.calls:
+            fn(x)
+        self.times.append(time.perf_counter() - t0)
+
+
+def linears(model: LlamaModel) -> list[Linear]:
+    out = [model.lm_head]
+    for layer in model.layers:
+        out += [layer.qkv, layer.o, layer.gate_up, layer.down]
+    return out
+
+
+def linear_passes(dense: LlamaModel | None, quant: LlamaModel | None, rows: int) -> list[LinearPass]:
+    """Per kernel, every matrix of the kind it takes (module docstring)."""
+    passes: list[LinearPass] = []
+    gen = torch.Generator().manual_seed(rows)
+
+    def x_for(k: int) -> torch.Tensor:
+        return torch.randn((rows, k), generator=gen)
+
+    if dense is not None:
+        lins = [lin for lin in linears(dense) if lin.native is not None]
+        nbytes = sum(lin.weight.numel() * 4 for lin in lins)
+        passes.append(
+            LinearPass(
+                f"native fp32 ({len(lins)} matrices)",
+                nbytes,
+                [(lin, x_for(lin.weight.shape[1])) for lin in lins],
+            )
+        )
+    if quant is not None:
+        seen: set[int] = set()
+        mats: list[QuantizedMatrix] = []
+        for lin in linears(quant):
+            if lin.quantized is not None and lin.quantized.qweight.data_ptr() not in seen:
+                seen.add(lin.quantized.qweight.data_ptr())
+                mats.append(lin.quantized)
+        for kind in ("int4", "int8"):
+            ms = [m for m in mats if m.kind == kind]
+            if not ms:
+                continue
+            nbytes = sum(m.nbytes for m in ms)
+            xs = [x_for(m.in_features) for m in ms]
+            what = f"{len(ms)} matrices"
+            native = [cpu_quant_linear.prepare(m) for m in ms]
+            passes.append(LinearPass(f"native {kind} ({what})", nbytes, list(zip(native, xs, strict=True))))
+            ops = [QuantizedLinear.build(m, "torch") for m in ms]
+            passes.append(LinearPass(f"torch {kind} op ({what})", nbytes, list(zip(ops, xs, strict=True))))
+    return passes
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
-    p.add_argument("--forms", nargs="+", default=["dense", "file"])
-    p.add_argument("--tokens", type=int, default=32)
-    p.add_argument("--reps", type=int, default=9)
+    p.add_argument("--forms", nargs="+", default=["dense", "file"], choices=["dense", "file"])
+    p.add_argument("--tokens", type=int, default=8, help="decode steps per model per round")
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--reps", type=int, default=5, help="bandwidth sums; linear passes per round")
+    p.add_argument("--rows", type=int, nargs="+", default=[1], help="rows of the linear-layer passes")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
     cfg = load_model_config(args.model)
-    bw = read_bandwidth(args.reps)
-    print(f"read bandwidth {bw / 1e9:.1f} GB/s ({args.threads} threads, best of {args.reps})")
-    print("| weights | linear path | resident MB | floor ms | decode ms/token | / floor | linears ms |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    models: dict[str, LlamaModel] = {}
     for form in args.forms:
         model = load_model(args.model, cfg, torch.float32, torch.device("cpu"), held=form)
         assert isinstance(model, LlamaModel)
-        floor = model.weight_bytes / bw * 1e3
-        step = decode_ms(model, args.tokens)
-        lin = linears_ms(model, args.reps)
+        models[form] = model
+    max_tokens = args.tokens * args.rounds
+    decoders = []
+    if "dense" in models:
+        decoders.append(Decoder("fp32 (dense)", models["dense"], max_tokens))
+    if "file" in models:
+        decoders.append(Decoder("the file's own quantization", models["file"], max_tokens))
+        decoders.append(Decoder("the file's own quantization", with_torch_ops(models["file"]), max_tokens))
+    passes = {rows: linear_passes(models.get("dense"), models.get("file"), rows) for rows in args.rows}
+    bw = read_bandwidth(args.reps)
+    tokens: dict[int, list[int]] = {id(d): [] for d in decoders}
+    for _ in range(args.rounds):
+        for d in decoders:
+            tokens[id(d)] += d.steps(args.tokens)
+        for rows in args.rows:
+            for _ in range(args.reps):
+                for lp in passes[rows]:
+                    lp.run()
+    bw = max(bw, read_bandwidth(args.reps))
+    print(
+        f"read bandwidth {bw / 1e9:.1f} GB/s ({args.threads} threads, best of 2 x {args.reps}); "
+        f"{args.rounds} rounds, alternating"
+    )
+    print()
+    print("| weights | linear path | resident MB | floor ms | decode ms/token | / floor | weight GB/s |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for d in decoders:
+        floor = d.model.weight_bytes / bw * 1e3
+        step = statistics.median(d.times) * 1e3
         print(
-            f"| {form} | {model.linear_path} | {model.weight_bytes / 1e6:.1f} | {floor:.2f} | "
-            f"{step:.2f} | {step / floor:.1f}x | {lin:.2f} |"
+            f"| {d.label} | {d.model.linear_path} | {d.model.weight_bytes / 1e6:.1f} | {floor:.2f} | "
+            f"{step:.2f} | {step / floor:.2f}x | {d.model.weight_bytes / step / 1e6:.2f} |"
         )
+    quantized = [tokens[id(d)] for d in decoders if d.model.linear_path != "native"]
+    if len(quantized) == 2:
+        same = quantized[0] == quantized[1]
+        print(f"\nthe file's model, native kernels vs torch's operators, same greedy tokens: {same}")
+    print()
+    print("| linear kernel (the matrices it takes) | rows | resident MB | ms per pass | GB/s | / floor |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for rows in args.rows:
+        for lp in passes[rows]:
+            t = statistics.median(lp.times)
+            print(
+                f"| {lp.label} | {rows} | {lp.nbytes / 1e6:.1f} | {t * 1e3:.2f} | "
+                f"{lp.nbytes / t / 1e9:.2f} | {t / (lp.nbytes / bw):.2f}x |"
+            )
     return 0
 
 

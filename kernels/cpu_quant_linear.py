@@ -6,7 +6,7 @@ slower per byte than the native fp32 kernel), so a model held as integers decode
 fp32 at a fifth of the bytes. These kernels read the integers where they lie (the layouts are
 ``kernels/quant_linear.py``'s) at the memory's rate: each weight widened once and multiplied into
 the accumulators of a tile of rows, an int4 group's scale applied once per group. They serve every
-row count: at 1-256 rows they measured 14-50x faster than PyTorch's operators (docs/kernels.md).
+row count: they were faster than PyTorch's operators at each one measured (docs/kernels.md).
 
 Called through ctypes, like ``kernels/cpu_linear.py`` (which says why). ``x`` is checked before any
 pointer is used; the matrix's own tensors are checked here too (they may come from a shared region

@@ -15,8 +15,8 @@ Two forms, both ``y = x @ W.T`` with ``x`` fp32 ``[rows, in]``:
   at load, with the error measured (docs/kernels.md).
 
 Which kernel (``QuantizedLinear``): the native ones (``kernels/cpu_quant_linear.py``,
-``csrc/quant_linear.c``) when the library is loaded, at every row count (at 1-256 rows they
-measured 14-50x faster than PyTorch's operators on the AVX2 development host). Without the native
+``csrc/quant_linear.c``) when the library is loaded, at every row count (they were faster than
+PyTorch's operators at each row count measured, docs/kernels.md). Without the native
 library, PyTorch's weight-packed matmuls (``_weight_int8pack_mm`` on the same int8 bytes;
 ``_weight_int4pack_mm_for_cpu`` on a private copy in its own layout, made once). Measured side by
 side by ``python -m bench.decode_floor`` (docs/benchmarks.md).

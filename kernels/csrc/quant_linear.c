@@ -17,7 +17,7 @@
  *   y += s * (sum(q x) - 8 sum(x)) + z * sum(x), with sum(x) per group computed once per call.
  *   Rows of x go through in register tiles of 2 (each widened weight feeds both), the panel's
  *   bytes staying in L1 between tiles, so many rows (a prefill) cost little more than their
- *   multiply-adds: no separate many-row kernel was faster (docs/kernels.md).
+ *   multiply-adds (a dequantize-to-fp32-panel kernel for many rows measured slower and was dropped).
  * int8 (W = q * s, one fp32 scale per output row), row-major [n][k] (the embedding's rows are
  *   looked up in the same matrix): 4 output rows at a time share each 8-float load of x; one
  *   horizontal sum per row at the end, times its scale.
