@@ -216,7 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         floor = d.model.weight_bytes / bw * 1e3
         step = statistics.median(d.times) * 1e3
         print(
-            f"| {d.label} | {d.model.linear_path} | {d.model.weight_bytes / 1e6:.1f} | {floor:.2f} | "
+            f"| {d.label} | {d.model.linear_path} | {d.model.weight_bytes / 1e6:.2f} | {floor:.3f} | "
             f"{step:.2f} | {step / floor:.2f}x | {d.model.weight_bytes / step / 1e6:.2f} |"
         )
     quantized = [tokens[id(d)] for d in decoders if d.model.linear_path != "native"]
@@ -230,7 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for lp in passes[rows]:
             t = statistics.median(lp.times)
             print(
-                f"| {lp.label} | {rows} | {lp.nbytes / 1e6:.1f} | {t * 1e3:.2f} | "
+                f"| {lp.label} | {rows} | {lp.nbytes / 1e6:.2f} | {t * 1e3:.3f} | "
                 f"{lp.nbytes / t / 1e9:.2f} | {t / (lp.nbytes / bw):.2f}x |"
             )
     return 0

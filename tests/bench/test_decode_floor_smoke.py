@@ -1,0 +1,66 @@
+"""bench/decode_floor.py runs end to end on a small Q4_1 GGUF, its derived columns are its own
+figures' arithmetic, and the file's model gives the same greedy tokens on either integer kernel."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import pytest
+
+from kernels import cpu_native
+from tests.bench.tables import run_bench
+from tests.worker_svc.families import build, write_gguf
+
+pytest.importorskip("gguf")
+
+
+def _table(stdout: str, header: str) -> list[list[str]]:
+    """The data rows of the markdown table whose header starts with ``header``."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"| {header}"))
+    rows = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("| "):
+            break
+        rows.append([c.strip() for c in line.strip().strip("|").split("|")])
+    return rows
+
+
+@pytest.mark.skipif(not cpu_native.available(), reason="native kernels not built: nothing to compare")
+def test_decode_floor_quick(tmp_path: pathlib.Path) -> None:
+    hf = build(
+        "LlamaForCausalLM",
+        tmp_path / "hf",
+        seed=3,
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=300,
+    )
+    path = tmp_path / "m.Q4_1.gguf"
+    write_gguf(hf, path, "Q4_1")
+    out = run_bench(
+        "decode_floor",
+        *("--model", str(path), "--threads", "1", "--tokens", "2", "--rounds", "2", "--reps", "1"),
+        *("--rows", "1", "3"),
+        timeout=300,
+    )
+    bw = float(re.search(r"read bandwidth ([\d.]+) GB/s", out).group(1))  # type: ignore[union-attr]
+    steps = _table(out, "weights")
+    assert [r[1] for r in steps] == ["native", "native-int8+native-int4", "int8+int4"]
+    for _, _, mb, floor_ms, step_ms, ratio, gbs in steps:
+        assert abs(float(floor_ms) - float(mb) / bw) <= 0.01 + 0.06 * float(floor_ms)  # MB / (GB/s) = ms
+        assert abs(float(ratio.rstrip("x")) - float(step_ms) / float(floor_ms)) <= 0.01 + 0.06 * float(
+            ratio[:-1]
+        )
+        assert abs(float(gbs) - float(mb) / float(step_ms)) <= 0.01 + 0.06 * float(gbs)
+    assert "native kernels vs torch's operators, same greedy tokens: True" in out
+    kernels = _table(out, "linear kernel")
+    labels = [r[0].split(" (")[0] for r in kernels]
+    each = ["native fp32", "native int4", "torch int4 op", "native int8", "torch int8 op"]
+    assert labels == each * 2 and [r[1] for r in kernels] == ["1"] * 5 + ["3"] * 5
+    for _, _, mb, ms, gbs, ratio in kernels:
+        assert abs(float(gbs) - float(mb) / float(ms)) <= 0.01 + 0.06 * float(gbs)
+        assert abs(float(ratio.rstrip("x")) - float(ms) / (float(mb) / bw)) <= 0.01 + 0.06 * float(ratio[:-1])
