@@ -16,14 +16,27 @@ another process filled).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from kernels import cpu_native
 
-if TYPE_CHECKING:
-    from kernels.quant_linear import QuantizedMatrix
+
+class QuantizedMatrix(Protocol):
+    """What the kernels read of ``kernels.quant_linear.QuantizedMatrix`` (which imports this module)."""
+
+    @property
+    def qweight(self) -> torch.Tensor: ...
+    @property
+    def qscale(self) -> torch.Tensor: ...
+    @property
+    def out_features(self) -> int: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def in_features(self) -> int: ...
+
 
 GROUP, PANEL, CHUNK = 32, 16, 256  # kernels/quant_linear.py's int4 layout (csrc/quant_linear.c's too)
 
