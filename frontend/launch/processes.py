@@ -561,6 +561,7 @@ SERVE_FLAGS = (
     "timeout_s",
     "block_manager_outage_s",
     "block_manager_timeout_s",
+    "tool_call_parser",
 )
 
 

@@ -11,6 +11,7 @@ the request models here do not implement is refused or ignored as frontend/serve
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -33,6 +34,18 @@ from frontend.serve.openai_fields import (
 )
 from frontend.serve.structured_output import ResponseFormat, StructuredOutputError, requested_grammar
 from frontend.serve.text import ModelText
+from frontend.serve.tools import (
+    AUTO_PARSER,
+    ToolCalling,
+    ToolCallParam,
+    ToolDef,
+    ToolError,
+    ToolRequest,
+    calls_as_text,
+    renders_tool_calls,
+    template_source,
+    tool_request,
+)
 
 MAX_N = 64
 MAX_STOP = 16
@@ -108,6 +121,7 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_call_id: str | None = None
     refusal: str | None = None  # an assistant's earlier refusal: its text when content is null
+    tool_calls: list[ToolCallParam] | None = None  # an assistant's earlier calls (frontend/serve/tools.py)
 
 
 class ChatBody(_Sampling):
@@ -117,6 +131,10 @@ class ChatBody(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # Tool calling (frontend/serve/tools.py).
+    tools: list[ToolDef] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # checked by frontend/serve/tools.py
+    parallel_tool_calls: bool | None = None
 
 
 @dataclass(slots=True)
@@ -129,6 +147,7 @@ class RequestLimits:
     num_gpu_blocks: int
     text: ModelText
     grammars: GrammarCompiler | None = None  # built on first use (needs the tokenizer)
+    tool_call_parser: str = AUTO_PARSER  # --tool-call-parser: the family of `auto` tool calls
 
     def grammar_compiler(self) -> GrammarCompiler | None:
         """Compiles structured-output grammars for this model; None without a tokenizer."""
@@ -168,6 +187,7 @@ class Parsed:
     logprobs: bool
     top_logprobs: int = 0  # alternatives per token (completions: logprobs=N; chat: top_logprobs)
     echo: tuple[str, ...] = ()  # completions with echo: each prompt's text, put before its choices' text
+    tools: ToolCalling | None = None  # chat with tools: how each answer is read for tool calls
 
 
 def validation_error(e: ValidationError) -> ApiError:
@@ -298,6 +318,24 @@ def _grammar(body: _Sampling, limits: RequestLimits) -> Grammar | None:
         raise ApiError(400, str(e), e.param) from None
 
 
+def _forced_or_asked(forced: Grammar | None, body: _Sampling, limits: RequestLimits) -> Grammar | None:
+    asked = _grammar(body, limits)
+    if forced is None:
+        return asked
+    if asked is not None:
+        names = [
+            n
+            for n in ("response_format", "guided_json", "guided_regex", "guided_choice")
+            if getattr(body, n, None) is not None
+        ]
+        raise ApiError(
+            400,
+            f"{names[0]}: not with a tool_choice that forces a call (the call's shape is the constraint)",
+            names[0],
+        )
+    return forced
+
+
 def _common(
     body: _Sampling,
     prompts: list[list[int]],
@@ -305,7 +343,9 @@ def _common(
     limits: RequestLimits,
     logprobs: bool,
     top_logprobs: int,
+    forced: Grammar | None = None,
 ) -> Parsed:
+    """``forced``: a grammar the request's tool_choice imposes (no structured output beside it)."""
     for name in (
         "temperature",
         "top_p",
@@ -358,7 +398,7 @@ def _common(
         repetition_penalty=body.repetition_penalty,
         min_p=body.min_p,
         logit_bias=_logit_bias(body.logit_bias, limits),
-        grammar=_grammar(body, limits),
+        grammar=_forced_or_asked(forced, body, limits),
     )
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     if body.stream_options is not None and not body.stream:
@@ -457,15 +497,36 @@ def parse_chat(raw: Any, limits: RequestLimits) -> Parsed:
     body = _validated(raw, ChatBody, limits, CHAT)
     if body.top_logprobs and not body.logprobs:
         raise ApiError(400, "top_logprobs: requires logprobs: true", "top_logprobs")
-    prompt = chat_prompt(body.messages, limits)
+    tools = _tools(body, limits)
+    prompt = chat_prompt(body.messages, limits, tools=tools)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    return _common(body, [prompt], max_tokens, limits, body.logprobs, body.top_logprobs or 0)
+    parsed = _common(body, [prompt], max_tokens, limits, body.logprobs, body.top_logprobs or 0, tools.grammar)
+    parsed.tools = tools.calling
+    return parsed
+
+
+def _tools(body: ChatBody, limits: RequestLimits) -> ToolRequest:
+    try:
+        return tool_request(
+            body.tools,
+            body.tool_choice,
+            body.parallel_tool_calls,
+            template_source(limits.text.tokenizer),
+            limits.tool_call_parser,
+            limits.grammar_compiler() if limits.text.tokenizer is not None and body.tools else None,
+        )
+    except ToolError as e:
+        raise ApiError(400, str(e), e.param) from None
 
 
 def chat_prompt(
-    messages: list[ChatMessage], limits: RequestLimits, add_generation_prompt: bool = True
+    messages: list[ChatMessage],
+    limits: RequestLimits,
+    add_generation_prompt: bool = True,
+    tools: ToolRequest | None = None,
 ) -> list[int]:
-    """The messages rendered by the chat template and tokenized (special tokens as their ids)."""
+    """The messages (and the tools, as frontend/serve/tools.py decided) rendered by the chat template
+    and tokenized (special tokens as their ids)."""
     if not limits.text.has_chat_template:
         raise ApiError(
             400,
@@ -473,23 +534,33 @@ def chat_prompt(
             "needs a tokenizer with chat_template); use /v1/completions",
             "messages",
         )
-    rendered = []
+    template = template_source(limits.text.tokenizer)
+    rendered: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
-        if m.content is None and m.refusal is None:
+        if m.content is None and m.refusal is None and not m.tool_calls:
             raise ApiError(400, f"messages.{i}.content: this field is required", f"messages.{i}.content")
         if isinstance(m.content, list):
             text = "".join(_part_text(part, f"messages.{i}.content.{j}") for j, part in enumerate(m.content))
         else:
             text = m.content or ""
         text += m.refusal or ""
-        msg = {"role": m.role, "content": text}
+        msg: dict[str, Any] = {"role": m.role, "content": text}
         if m.name is not None:
             msg["name"] = m.name
         if m.tool_call_id is not None:
             msg["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            _add_tool_calls(msg, m.tool_calls, f"messages.{i}.tool_calls", renders_tool_calls(template))
         rendered.append(msg)
+    if tools is not None and tools.system_text is not None:
+        if rendered[0]["role"] == "system":
+            rendered[0] = {**rendered[0], "content": f"{rendered[0]['content']}\n\n{tools.system_text}"}
+        else:
+            rendered.insert(0, {"role": "system", "content": tools.system_text})
     try:
-        prompt = limits.text.chat_prompt(rendered, add_generation_prompt)
+        prompt = limits.text.chat_prompt(
+            rendered, add_generation_prompt, tools.template_tools if tools is not None else None
+        )
     except Exception as e:  # noqa: BLE001 - a template that rejects these messages is the caller's input
         raise ApiError(400, f"messages: the chat template rejected them: {e}", "messages") from None
     if not prompt:
@@ -502,3 +573,25 @@ def chat_prompt(
             "messages",
         )
     return prompt
+
+
+def _add_tool_calls(msg: dict[str, Any], calls: list[ToolCallParam], where: str, in_template: bool) -> None:
+    """An assistant's earlier calls, for the template: as ``tool_calls`` with the arguments parsed
+    (what transformers' templates expect) where the template renders them, else as the text
+    frontend/serve/tools.py's fallback asks a model to write."""
+    if msg["role"] != "assistant":
+        raise ApiError(400, f"{where}: only assistant messages carry tool calls", where)
+    arguments = []
+    for j, call in enumerate(calls):
+        param = f"{where}.{j}.function.arguments"
+        try:
+            arguments.append(json.loads(call.function.arguments))
+        except ValueError as e:
+            raise ApiError(400, f"{param}: not JSON: {e}", param) from None
+    if in_template:
+        msg["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": a}}
+            for c, a in zip(calls, arguments, strict=True)
+        ]
+    else:
+        msg["content"] = (msg["content"] + "\n" if msg["content"] else "") + calls_as_text(calls, arguments)

@@ -78,9 +78,6 @@ CHAT: Policy = {
     "prompt_cache_options": _CACHE_HINT,
     "safety_identifier": _USER_ID,
     "service_tier": Ignored("one tier: every request goes to the same engine, in arrival order"),
-    "tools": Refused("tool calling is not supported", (None, [])),
-    "tool_choice": Refused("tool calling is not supported", (None, "none")),
-    "parallel_tool_calls": Ignored("it only matters with tools, which are refused"),
 }
 
 STREAM_OPTIONS: Policy = {
@@ -97,7 +94,6 @@ CONTENT_PART: Policy = {"prompt_cache_breakpoint": _CACHE_HINT}
 MESSAGE: Policy = {
     "audio": Refused("audio is not supported"),
     "function_call": Refused("deprecated by OpenAI and not supported: send tool_calls"),
-    "tool_calls": Refused("tool calling is not supported", (None, [])),
 }
 
 

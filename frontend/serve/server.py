@@ -46,6 +46,7 @@ from frontend.serve.openai_api import ApiError, Parsed, RequestLimits, parse_cha
 from frontend.serve.settings import ServeSettings, load_settings
 from frontend.serve.text import load_model_text
 from frontend.serve.tokenize_api import detokenize, tokenize
+from frontend.serve.tool_parsers import ToolCallStream, parser_by_name
 from pagedkv.tls import TlsConfigError, is_loopback
 
 log = structlog.get_logger("pagedkv.serve")
@@ -80,6 +81,14 @@ class _Choice:
     logprobs: list[float] = field(default_factory=list)
     top: list[tuple[tuple[int, float], ...]] = field(default_factory=list)  # when top_logprobs was asked
     finish_reason: str | None = None
+    calls: ToolCallStream | None = None  # chat with tools: the text read for tool calls
+
+    @property
+    def openai_finish_reason(self) -> str | None:
+        """``tool_calls`` for a sample that ended by itself (not cut by length) having made calls."""
+        if self.finish_reason == "stop" and self.calls is not None and self.calls.calls:
+            return "tool_calls"
+        return self.finish_reason
 
 
 class _Run:
@@ -94,8 +103,13 @@ class _Run:
         self.request_ids = [f"{self.id}-{i}" for i in range(len(parsed.prompts))]
         self.queue: Inbox[tuple[int, object]] = Inbox(asyncio.get_running_loop())
         self.early: collections.deque[tuple[int, object]] = collections.deque()  # tokens seen during submit
+        tools = parsed.tools
         self.choices = {
-            (p, s): _Choice(p * parsed.n + s, IncrementalText(state.limits.text, parsed.stop))
+            (p, s): _Choice(
+                p * parsed.n + s,
+                IncrementalText(state.limits.text, parsed.stop),
+                calls=ToolCallStream(parser_by_name(tools.parser), tools.max_calls) if tools else None,
+            )
             for p in range(len(parsed.prompts))
             for s in range(parsed.n)
         }
@@ -245,14 +259,18 @@ class _Run:
         for c in sorted(self.choices.values(), key=lambda c: c.index):
             ids, lps = c.text.tokens, c.logprobs
             text = c.text.full
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if c.calls is not None:
+                c.calls.feed(text, final=True)
+                message = _with_calls(message, c.calls)
             item: dict[str, Any] = {
                 "index": c.index,
-                "finish_reason": c.finish_reason,
+                "finish_reason": c.openai_finish_reason,
                 "token_ids": ids,
                 "logprobs": self._logprobs(ids, lps, c.top[: len(ids)]),
             }
             if self.kind == "chat":
-                item["message"] = {"role": "assistant", "content": text}
+                item["message"] = message
             else:
                 item["text"] = self._echo(c) + text
             choices.append(item)
@@ -275,14 +293,19 @@ class _Run:
     ) -> dict[str, Any]:
         final = c.finish_reason is not None
         text = c.text.delta(final=final)
+        delta: dict[str, Any] = {"content": text}
+        if c.calls is not None:
+            content, calls = c.calls.feed(text, final)
+            delta = {"content": content or None}
+            if calls:
+                delta["tool_calls"] = [d.openai() for d in calls]
         item: dict[str, Any] = {
             "index": c.index,
-            "finish_reason": c.finish_reason,
+            "finish_reason": c.openai_finish_reason,
             "token_ids": token_ids,
             "logprobs": self._logprobs(token_ids, lps, tops),
         }
         if self.kind == "chat":
-            delta: dict[str, Any] = {"content": text}
             if first:
                 delta["role"] = "assistant"
             item["delta"] = delta
@@ -298,6 +321,18 @@ class _Run:
         if self.parsed.include_usage:
             out["usage"] = None
         return out
+
+
+def _with_calls(message: dict[str, Any], calls: ToolCallStream) -> dict[str, Any]:
+    """The assistant message of a chat with tools: its content (null when it is only calls or
+    whitespace around them) and its calls."""
+    if not calls.calls:
+        return {**message, "content": calls.content}
+    return {
+        **message,
+        "content": calls.content if calls.content.strip() else None,
+        "tool_calls": [c.openai() for c in calls.calls],
+    }
 
 
 def _sse(obj: object) -> bytes:
@@ -603,7 +638,14 @@ class OpenAIServer:
                 or info.model_name
                 or "pagedkv"
             )
-            limits = RequestLimits(name, engine.vocab_size, engine.block_size, engine.num_gpu_blocks, text)
+            limits = RequestLimits(
+                name,
+                engine.vocab_size,
+                engine.block_size,
+                engine.num_gpu_blocks,
+                text,
+                tool_call_parser=settings.tool_call_parser,
+            )
             self.metrics = ServeMetrics(
                 name, self._pool_usage, settings.metrics_vllm_names, engine_stats=lambda: engine.stats
             )

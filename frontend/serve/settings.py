@@ -40,6 +40,12 @@ class ServeSettings(BaseSettings):
         description="name clients use in `model` (default: the --model directory's or file's name, "
         "else the workers' model name)",
     )
+    tool_call_parser: Literal["auto", "hermes", "llama3_json"] = Field(
+        "auto",
+        description="how tool calls are read from answers with tool_choice auto: hermes "
+        "(<tool_call>{...}</tool_call>: Hermes, Qwen), llama3_json (Llama 3.1+), "
+        "auto = from the chat template",
+    )
     kv_cache_dtype: Literal["auto", "int8", "fp8_e4m3"] | None = Field(
         None,
         description="the pool's KV dtype this frontend expects: start refused when the block manager has "

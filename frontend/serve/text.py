@@ -37,10 +37,16 @@ class ModelText:
             return ""
         return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
 
-    def chat_prompt(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    def chat_prompt(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
+        """The messages (and ``tools``, for a template that renders them) through the chat template."""
         assert self.tokenizer is not None
         ids = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=True
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True, tools=tools
         )
         if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
             ids = ids["input_ids"]

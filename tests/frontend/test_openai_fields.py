@@ -26,10 +26,13 @@ from openai.types import completion_create_params as completion_params  # noqa: 
 from openai.types.chat import completion_create_params as chat_params  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-# Renders every message key the server gives the template, so a dropped one changes the prompt.
+# Renders every message key the server gives the template, so a dropped one changes the prompt
+# (and the tools, so that it is a template that renders tools).
 TEMPLATE = (
+    "{% if tools %}system w14 {% endif %}"
     "{% for m in messages %}{{ m['role'] }} {{ m['content'] }}"
     "{% if m['name'] is defined %} w{{ m['name'] }}{% endif %}"
+    "{% if m['tool_calls'] is defined %} w15{% endif %}"
     "{% if m['tool_call_id'] is defined %} w{{ m['tool_call_id'] }}{% endif %} {% endfor %}"
     "{% if add_generation_prompt %}assistant{% endif %}"
 )
@@ -41,7 +44,7 @@ def limits(tmp_path_factory: pytest.TempPathFactory) -> RequestLimits:
     save_tokenizer(path)
     text = load_model_text(str(path))
     text.tokenizer.chat_template = TEMPLATE
-    return RequestLimits("tiny", 128, 4, 64, text)
+    return RequestLimits("tiny", 128, 4, 64, text, tool_call_parser="hermes")
 
 
 def sdk_fields(typed_dict: type) -> list[str]:
@@ -69,7 +72,7 @@ CHAT_SAMPLES: dict[str, tuple[Any, dict[str, Any]]] = {
     "model": ("another-model", {}),
     "moderation": ({"model": "omni-moderation-latest"}, {}),
     "n": (2, {}),
-    "parallel_tool_calls": (False, {}),
+    "parallel_tool_calls": (False, {"tools": [TOOL]}),
     "prediction": ({"type": "content", "content": "w9"}, {}),
     "presence_penalty": (0.5, {}),
     "prompt_cache_key": ("k", {}),
@@ -85,7 +88,7 @@ CHAT_SAMPLES: dict[str, tuple[Any, dict[str, Any]]] = {
     "stream": (True, {}),
     "stream_options": ({"include_usage": True}, {"stream": True}),
     "temperature": (0.5, {}),
-    "tool_choice": ("required", {}),
+    "tool_choice": ("required", {"tools": [TOOL]}),
     "tools": ([TOOL], {}),
     "top_logprobs": (3, {"logprobs": True}),
     "top_p": (0.5, {}),

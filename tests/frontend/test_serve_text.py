@@ -402,3 +402,104 @@ def test_structured_output_errors_name_the_field(server: OpenAIServer) -> None:
     ):
         status, out = post(body)
         assert status == 400 and out["error"]["param"] == param, (body, out)
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather of a city",
+        "parameters": {  # bounded, like BOUNDED_SCHEMA: the scripted model has no preference here
+            "type": "object",
+            "properties": {
+                "city": {"enum": ["Paris", "Tokyo"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"utc": {"type": "boolean"}},
+            "required": ["utc"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_tool_choice_required_and_named_force_a_valid_call(client, temperature: float) -> None:
+    """The scripted model wants to say "The capital of France is Paris."; tool_choice required (or a
+    named function) makes its answer a call whose arguments validate against the function's
+    parameters, in OpenAI's shape, streamed as OpenAI streams calls."""
+    import jsonschema
+
+    tools = [WEATHER_TOOL, TIME_TOOL]
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    kw: dict = dict(
+        model="smol-scripted",
+        messages=[{"role": "user", "content": "Weather?"}],
+        tools=tools,
+        max_tokens=150,
+        temperature=temperature,
+        seed=7,
+    )
+    r = client.chat.completions.create(tool_choice="required", parallel_tool_calls=False, n=2, **kw)
+    for c in r.choices:
+        assert c.finish_reason == "tool_calls" and c.message.content is None, c
+        (call,) = c.message.tool_calls
+        assert call.type == "function" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), params[call.function.name])
+    named = {"type": "function", "function": {"name": "get_time"}}
+    whole = client.chat.completions.create(tool_choice=named, **kw)
+    (call,) = whole.choices[0].message.tool_calls
+    assert call.function.name == "get_time" and whole.choices[0].finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(call.function.arguments), params["get_time"])
+    chunks = [ch for ch in client.chat.completions.create(tool_choice=named, stream=True, **kw) if ch.choices]
+    deltas = [d for ch in chunks for d in ch.choices[0].delta.tool_calls or []]
+    first, rest = deltas[0], deltas[1:]
+    assert (first.index, first.type, first.function.name, first.function.arguments) == (
+        0,
+        "function",
+        "get_time",
+        "",
+    )
+    assert (
+        first.id.startswith("call_") and rest and all(d.id is None and d.function.name is None for d in rest)
+    )
+    arguments = "".join(d.function.arguments for d in rest)
+    jsonschema.validate(json.loads(arguments), params["get_time"])
+    if temperature == 0.0:
+        assert arguments == call.function.arguments  # greedy: the same call, streamed or not
+    assert all(ch.choices[0].delta.content is None for ch in chunks)
+    assert [ch.choices[0].finish_reason for ch in chunks][-1] == "tool_calls"
+
+
+def test_tool_requests_errors_name_the_field(client) -> None:
+    kw: dict = dict(model="smol-scripted", messages=[{"role": "user", "content": "x"}], max_tokens=5)
+    bad_schema = {
+        "type": "function",
+        "function": {"name": "f", "parameters": {"type": "object", "properties": 3}},
+    }
+    for extra, param, words in (
+        ({"tools": [WEATHER_TOOL]}, "tools", "renders tools"),  # auto: SmolLM2's template shows no tools
+        ({"tools": [WEATHER_TOOL], "tool_choice": "auto"}, "tool_choice", "renders tools"),
+        (
+            {"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice.function.name",
+            "not one of",
+        ),
+        ({"tools": [bad_schema], "tool_choice": "required"}, "tools.0.function.parameters", "JSON schema"),
+        ({"tool_choice": "required"}, "tool_choice", "only allowed with tools"),
+    ):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(**kw, **extra)
+        err = e.value.body
+        assert err["param"] == param and words in err["message"], (extra, err)

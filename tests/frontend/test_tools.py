@@ -1,0 +1,226 @@
+"""Tool calling in chat requests (frontend/serve/tools.py, openai_api.py), no processes: tools and
+tool_choice are checked naming the bad field; the template renders the tools where it can, and a
+template that cannot gets them as a system message (SmolLM2's, the packaged model's); an
+assistant's calls and tool results reach the template; the grammar that ``required`` and a named
+function impose lets exactly the valid calls through, token by token, on SmolLM2's vocabulary."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any
+
+import pytest
+
+from frontend.serve.grammar import Matcher
+from frontend.serve.openai_api import ApiError, RequestLimits, parse_chat
+from frontend.serve.text import load_model_text
+from frontend.serve.tools import ToolCalling
+
+pytest.importorskip("xgrammar")
+EOS = 2  # <|im_end|>
+CITY = {
+    "type": "object",
+    "properties": {
+        "city": {"enum": ["Paris", "Tokyo"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city"],
+    "additionalProperties": False,
+}
+WEATHER = {
+    "type": "function",
+    "function": {"name": "get_weather", "description": "Weather", "parameters": CITY},
+}
+NOW = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}
+USER = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+def fn(name: str, parameters: Any = None) -> dict[str, Any]:
+    f = {"name": name} if parameters is None else {"name": name, "parameters": parameters}
+    return {"type": "function", "function": f}
+
+
+def called(role: str, arguments: str) -> dict[str, Any]:
+    """A message of ``role`` carrying one earlier call of get_weather."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+    return {"role": role, "content": None, "tool_calls": [call]}
+
+
+HISTORY = [
+    *USER,
+    called("assistant", '{"city": "Paris"}'),
+    {"role": "tool", "tool_call_id": "call_1", "content": "22 C"},
+]
+NAMED_NOW = {"type": "function", "function": {"name": "now"}}
+NAMED_WEATHER = {"type": "function", "function": {"name": "get_weather"}}
+ONE_NOW = '{"name": "now", "arguments": {}}'
+PARIS = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+# A template that renders tools and earlier calls the way Qwen's and Hermes' do (JSON in <tool_call>).
+HERMES_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools:{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n"
+    'Call as <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>\n{% endif %}'
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{% if m.tool_calls %}{% for c in m.tool_calls %}<tool_call>{{ c.function | tojson }}</tool_call>"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_tokenizer_dir: pathlib.Path) -> RequestLimits:
+    return RequestLimits("smol", 49152, 16, 256, load_model_text(str(smollm2_tokenizer_dir)))
+
+
+@pytest.fixture(scope="module")
+def hermes(smollm2_tokenizer_dir: pathlib.Path) -> RequestLimits:
+    text = load_model_text(str(smollm2_tokenizer_dir))
+    text.tokenizer.chat_template = HERMES_TEMPLATE
+    return RequestLimits("smol", 49152, 16, 256, text)
+
+
+def prompt_text(limits: RequestLimits, body: dict[str, Any]) -> str:
+    parsed = parse_chat({"messages": USER, **body}, limits)
+    return str(limits.text.tokenizer.decode(parsed.prompts[0]))
+
+
+def refused(limits: RequestLimits, body: dict[str, Any]) -> ApiError:
+    with pytest.raises(ApiError) as e:
+        parse_chat({"messages": USER, **body}, limits)
+    assert e.value.status == 400 and e.value.message.startswith(f"{e.value.param}: ")
+    return e.value
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        ({"tools": [{"type": "custom", "custom": {"name": "f"}}]}, "tools.0.type", "function"),
+        ({"tools": [fn("no spaces")]}, "tools.0.function.name", "pattern"),
+        ({"tools": [fn("f", {"type": "string"})]}, "tools.0.function.parameters", "must be 'object'"),
+        ({"tools": [fn("f", {"properties": {"a": {"type": "nope"}}})]},
+         "tools.0.function.parameters", "not a valid JSON schema at properties/a/type"),
+        ({"tools": [WEATHER, NOW, WEATHER]}, "tools.2.function.name", "given twice"),
+        ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice", "expected one of"),
+        ({"tools": [WEATHER], "tool_choice": NAMED_NOW}, "tool_choice.function.name", "'now' is not one of"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {}}},
+         "tool_choice.function.name", "required"),
+        ({"tool_choice": "required"}, "tool_choice", "only allowed with tools"),
+        ({"tools": [WEATHER], "tool_choice": "required", "guided_json": CITY}, "guided_json", "forces"),
+        ({"tools": [WEATHER], "parallel_tool_calls": "no"}, "parallel_tool_calls", ""),
+        ({"messages": [called("user", "{}")]}, "messages.0.tool_calls", "only assistant messages"),
+        ({"messages": [called("assistant", "{oops")]},
+         "messages.0.tool_calls.0.function.arguments", "not JSON"),
+    ],
+)  # fmt: skip
+def test_bad_tool_fields_are_refused_naming_them(
+    hermes: RequestLimits, body: dict[str, Any], param: str, words: str
+) -> None:
+    e = refused(hermes, body)
+    assert e.param == param and words in e.message, e.message
+
+
+def test_auto_needs_a_template_that_renders_tools(smol: RequestLimits, hermes: RequestLimits) -> None:
+    assert refused(smol, {"tools": [WEATHER]}).param == "tools"  # auto by default
+    e = refused(smol, {"tools": [WEATHER], "tool_choice": "auto"})
+    assert e.param == "tool_choice" and "renders tools" in e.message
+    unknown = RequestLimits("smol", 49152, 16, 256, hermes.text)
+    unknown.text = load_model_text(str(pathlib.Path(hermes.text.tokenizer.name_or_path)))
+    unknown.text.tokenizer.chat_template = HERMES_TEMPLATE.replace("<tool_call>", "[CALL]")
+    assert "--tool-call-parser" in refused(unknown, {"tools": [WEATHER]}).message
+    unknown.tool_call_parser = "hermes"
+    assert parse_chat({"messages": USER, "tools": [WEATHER]}, unknown).tools == ToolCalling(
+        "hermes", None, False
+    )
+
+
+def test_a_template_that_renders_tools_gets_them_and_the_calls(hermes: RequestLimits) -> None:
+    p = parse_chat({"messages": USER, "tools": [WEATHER, NOW], "parallel_tool_calls": False}, hermes)
+    assert p.tools == ToolCalling("hermes", 1, False) and p.sampling.grammar is None  # auto: unconstrained
+    text = prompt_text(hermes, {"tools": [WEATHER]})
+    assert json.dumps(WEATHER["function"]["parameters"]) in text.replace("\n", "")
+    text = prompt_text(hermes, {"messages": HISTORY, "tools": [WEATHER], "tool_choice": "none"})
+    # The arguments reach the template as an object (it serializes them itself), the result as a tool turn.
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in text
+    assert "<|im_start|>tool\n22 C<|im_end|>" in text
+    none = parse_chat({"messages": USER, "tools": [WEATHER], "tool_choice": "none"}, hermes)
+    assert none.tools is None and none.sampling.grammar is None
+
+
+def test_a_template_without_tools_gets_a_system_message_describing_them(smol: RequestLimits) -> None:
+    """SmolLM2's template (ChatML, no tools): required/named describe the functions in a system
+    message, which replaces the template's default one (or follows a system message given)."""
+    plain = prompt_text(smol, {})
+    assert "You are a helpful AI assistant named SmolLM" in plain and "get_weather" not in plain
+    text = prompt_text(smol, {"tools": [WEATHER, NOW], "tool_choice": "required"})
+    assert text.startswith("<|im_start|>system\nYou can call these functions:\n")
+    assert json.dumps(CITY) in text and '"name": "now"' in text and "JSON array" in text
+    named = prompt_text(
+        smol, {"tools": [WEATHER, NOW], "tool_choice": {"type": "function", "function": {"name": "now"}}}
+    )
+    assert '"name": "now"' in named and "get_weather" not in named and "JSON array" not in named
+    given = prompt_text(
+        smol,
+        {
+            "messages": [{"role": "system", "content": "Be brief."}, *USER],
+            "tools": [NOW],
+            "tool_choice": "required",
+        },
+    )
+    assert given.startswith("<|im_start|>system\nBe brief.\n\nYou can call these functions:")
+    text = prompt_text(smol, {"messages": HISTORY})
+    assert '<|im_start|>assistant\n{"name": "get_weather", "arguments": {"city": "Paris"}}<|im_end|>' in text
+    assert "<|im_start|>tool\n22 C<|im_end|>" in text
+
+
+def allowed(m: Matcher) -> set[int]:
+    return {i * 8 + b for i, byte in enumerate(m.mask()) for b in range(8) if byte >> b & 1}
+
+
+def walks(limits: RequestLimits, body: dict[str, Any], answer: str) -> bool:
+    """Whether the request's grammar lets ``answer`` through, token by token, then only the end."""
+    grammar = parse_chat({"messages": USER, **body}, limits).sampling.grammar
+    m = grammar.matcher()
+    for t in limits.text.tokenizer.encode(answer, add_special_tokens=False):
+        if t not in allowed(m):
+            return False
+        assert m.accept(t)
+    return allowed(m) == {EOS}
+
+
+@pytest.mark.parametrize(
+    ("body", "ok", "bad"),
+    [
+        (
+            {"tools": [WEATHER, NOW], "tool_choice": "required", "parallel_tool_calls": False},
+            ['{"name": "get_weather", "arguments": {"city": "Tokyo", "days": 3}}', ONE_NOW],
+            [
+                '{"name": "get_weather", "arguments": {"city": "Rome"}}',  # not in the enum
+                '{"name": "get_weather", "arguments": {"days": 3}}',  # a required argument missing
+                '{"name": "get_weather", "arguments": {"city": "Paris", "days": 8}}',  # above the maximum
+                '{"name": "weather", "arguments": {}}',  # no such function
+                '[{"name": "now", "arguments": {}}]',  # one call only
+                "Sure, let me check.",
+            ],
+        ),
+        (
+            {"tools": [WEATHER, NOW], "tool_choice": "required"},
+            [f"[{ONE_NOW}]", f"[{ONE_NOW}, {PARIS}]"],
+            ["[]", ONE_NOW],
+        ),
+        (
+            {"tools": [WEATHER, NOW], "tool_choice": NAMED_WEATHER},
+            [PARIS],
+            [ONE_NOW, f"[{PARIS}]"],
+        ),
+    ],
+    ids=["required-one", "required-parallel", "named"],
+)  # fmt: skip
+def test_forced_calls_follow_the_functions_schemas(
+    smol: RequestLimits, body: dict[str, Any], ok: list[str], bad: list[str]
+) -> None:
+    p = parse_chat({"messages": USER, **body}, smol)
+    assert p.tools is not None and p.tools.forced and p.tools.parser == "json"
+    for answer in ok:
+        assert walks(smol, body, answer), answer
+    for answer in bad:
+        assert not walks(smol, body, answer), answer
