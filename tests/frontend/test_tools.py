@@ -224,3 +224,84 @@ def test_forced_calls_follow_the_functions_schemas(
         assert walks(smol, body, answer), answer
     for answer in bad:
         assert not walks(smol, body, answer), answer
+
+
+# --- the server's answers (frontend/serve/server.py), fed tokens as the engine would give them ---
+def answer(limits: RequestLimits, body: dict[str, Any], text: str, stream: bool) -> Any:
+    """The response (or the chunks) of a chat request whose sample writes ``text`` then ends."""
+    import asyncio
+
+    from frontend.engine import TokenEvent
+    from frontend.serve.server import ServerState, _Run
+
+    async def run() -> Any:
+        parsed = parse_chat({"messages": USER, **body}, limits)
+        state = ServerState(None, limits, None, 0, 1, None)  # type: ignore[arg-type]
+        r = _Run(state, parsed, "chat")
+        ids = [*limits.text.tokenizer.encode(text, add_special_tokens=False), EOS]
+        chunks = []
+        for k, t in enumerate(ids):
+            c = r.on_token(0, TokenEvent(r.request_ids[0], 0, t, 0.0, "stop" if k == len(ids) - 1 else None))
+            assert c is not None
+            if stream:
+                chunks.append(r.chunk(c, [t], [0.0], first=k == 0)["choices"][0])
+        return chunks if stream else r.response()["choices"][0]
+
+    return asyncio.run(run())
+
+
+def joined(chunks: list[dict[str, Any]]) -> tuple[str | None, list[dict[str, Any]], str | None]:
+    """Content, calls and finish reason, put together from the deltas as a client does."""
+    content, calls = None, []
+    for ch in chunks:
+        delta = ch["delta"]
+        if delta["content"] is not None:
+            content = (content or "") + delta["content"]
+        for d in delta.get("tool_calls", []):
+            if "id" in d:
+                assert (
+                    d["index"] == len(calls) and d["type"] == "function" and d["function"]["arguments"] == ""
+                )
+                calls.append({"id": d["id"], "type": "function", "function": dict(d["function"])})
+            else:
+                calls[d["index"]]["function"]["arguments"] += d["function"]["arguments"]
+    return content, calls, chunks[-1]["finish_reason"]
+
+
+PARIS_ARGS = '{"city": "Paris"}'
+CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize(
+    ("parser", "body", "text", "content", "calls"),
+    [
+        ("hermes", {}, "It is sunny.", "It is sunny.", []),
+        ("hermes", {}, f"Let me check.\n{CALL_TEXT}", "Let me check.\n", [("get_weather", PARIS_ARGS)]),
+        ("hermes", {"parallel_tool_calls": False}, CALL_TEXT + CALL_TEXT.replace("Paris", "Tokyo"), None,
+         [("get_weather", PARIS_ARGS)]),
+        ("llama3_json", {}, '{"name": "now", "parameters": {}}', None, [("now", "{}")]),
+        ("llama3_json", {}, "{1, 2} are numbers", "{1, 2} are numbers", []),
+    ],
+)  # fmt: skip
+def test_auto_answers_streamed_and_not_carry_the_same_calls(
+    hermes: RequestLimits,
+    parser: str,
+    body: dict[str, Any],
+    text: str,
+    content: str | None,
+    calls: list[tuple[str, str]],
+) -> None:
+    limits = RequestLimits("smol", 49152, 16, 256, hermes.text, tool_call_parser=parser)
+    body = {"tools": [WEATHER, NOW], **body}
+    whole = answer(limits, body, text, stream=False)
+    message = whole["message"]
+    got = [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])]
+    assert (message["content"], got) == (content, calls)
+    assert whole["finish_reason"] == ("tool_calls" if calls else "stop")
+    chunks = answer(limits, body, text, stream=True)
+    s_content, s_calls, s_reason = joined(chunks)
+    assert s_reason == whole["finish_reason"]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in s_calls] == calls
+    assert s_content == content  # the deltas join to the non-streamed content
+    assert not any("<tool" in (ch["delta"]["content"] or "") for ch in chunks)  # held back, never streamed
+    assert all(c["id"].startswith("call_") for c in s_calls + message.get("tool_calls", []))
