@@ -177,16 +177,16 @@ def fallback_system_text(functions: list[FunctionDef], parallel: bool) -> str:
     lines = [
         json.dumps(
             {"name": fn.name, "description": fn.description or "", "parameters": fn.parameters or {}},
-            separators=(", ", ": "),
+            ensure_ascii=False,
         )
         for fn in functions
     ]
-    shape = '{"name": <function name>, "arguments": <the arguments as a JSON object>}'
-    several = " To call several at once, answer with a JSON array of such objects." if parallel else ""
+    # Short: a small model's context (and a CPU's prefill) pays for every token of it.
+    several = ", or a JSON array of such objects to call several" if parallel else ""
     return (
-        "You can call these functions:\n"
+        "Functions you can call:\n"
         + "\n".join(lines)
-        + f"\nTo call a function, answer with only a JSON object {shape}.{several}"
+        + f'\nTo call one, answer only {{"name": <function name>, "arguments": <JSON object>}}{several}.'
     )
 
 

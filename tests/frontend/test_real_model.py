@@ -136,6 +136,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             "json",
             "--ready-timeout-s",
             "400",
+            "--timeout-s",  # serve's per-call deadline: a worker step on 2 shared cores can be slow
+            "120",
         ],
         tmp_path_factory.mktemp("up"),
         env,
@@ -210,13 +212,10 @@ def test_the_packaged_gguf_held_as_integers_answers_the_same_on_either_kernel() 
     assert set(answers.values()) == {"The capital of France is Paris."}, answers
 
 
-WEATHER_PARAMETERS = {
+WEATHER_PARAMETERS = {  # small: the prompt describing it stays short (a loaded CPU prefills slowly)
     "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 24},
-        "unit": {"enum": ["celsius", "fahrenheit"]},
-    },
-    "required": ["city", "unit"],
+    "properties": {"city": {"type": "string", "maxLength": 24}},
+    "required": ["city"],
     "additionalProperties": False,
 }
 # One function: the prompt describing it (a system message: the template renders no tools) is the
@@ -226,7 +225,7 @@ TOOLS = [
         "type": "function",
         "function": {
             "name": "get_weather",
-            "description": "Current weather in a city",
+            "description": "Weather in a city",
             "parameters": WEATHER_PARAMETERS,
         },
     }
@@ -241,7 +240,8 @@ def test_tool_call_round_trip_through_the_sdk(served: str) -> None:
     import jsonschema
     import openai
 
-    client = openai.OpenAI(base_url=served, api_key="unused", timeout=120)
+    # No retries: a retried slow request only doubles the work of a loaded machine.
+    client = openai.OpenAI(base_url=served, api_key="unused", timeout=300, max_retries=0)
     model = client.models.list().data[0].id
     messages: list[Any] = [{"role": "user", "content": "What is the weather like in Paris?"}]
     first = client.chat.completions.create(

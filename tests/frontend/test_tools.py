@@ -152,7 +152,7 @@ def test_a_template_without_tools_gets_a_system_message_describing_them(smol: Re
     plain = prompt_text(smol, {})
     assert "You are a helpful AI assistant named SmolLM" in plain and "get_weather" not in plain
     text = prompt_text(smol, {"tools": [WEATHER, NOW], "tool_choice": "required"})
-    assert text.startswith("<|im_start|>system\nYou can call these functions:\n")
+    assert text.startswith("<|im_start|>system\nFunctions you can call:\n")
     assert json.dumps(CITY) in text and '"name": "now"' in text and "JSON array" in text
     named = prompt_text(
         smol, {"tools": [WEATHER, NOW], "tool_choice": {"type": "function", "function": {"name": "now"}}}
@@ -166,7 +166,7 @@ def test_a_template_without_tools_gets_a_system_message_describing_them(smol: Re
             "tool_choice": "required",
         },
     )
-    assert given.startswith("<|im_start|>system\nBe brief.\n\nYou can call these functions:")
+    assert given.startswith("<|im_start|>system\nBe brief.\n\nFunctions you can call:")
     text = prompt_text(smol, {"messages": HISTORY})
     assert '<|im_start|>assistant\n{"name": "get_weather", "arguments": {"city": "Paris"}}<|im_end|>' in text
     assert "<|im_start|>tool\n22 C<|im_end|>" in text
