@@ -176,6 +176,7 @@ def test_the_packaged_gguf_held_as_integers_answers_the_same_on_either_kernel() 
     int4 / int8 kernels give the same greedy tokens as PyTorch's integer operators."""
     import torch
 
+    import kernels
     from frontend.serve.text import load_model_text
     from kernels import cpu_native
     from worker_svc.model.config import load_model_config
@@ -189,24 +190,27 @@ def test_the_packaged_gguf_held_as_integers_answers_the_same_on_either_kernel() 
     cfg = load_model_config(str(GGUF))
     model = load_model(str(GGUF), cfg, torch.float32, torch.device("cpu"), held="file")
     answers = {}
-    for native in (True, False):
-        for layer in model.layers:
-            for name in ("qkv", "o", "gate_up", "down"):
-                lin = getattr(layer, name)
-                setattr(layer, name, Linear.build(lin.quantized, lin.bias, native=native))
-        model.lm_head = Linear.build(model.lm_head.quantized, native=native)
-        shape = (cfg.num_layers, 2, 8, 16, cfg.num_kv_heads, cfg.head_dim)
-        runner = ModelRunner(model, torch.zeros(shape), torch.zeros((*shape[:2], 1, *shape[3:])))
-        table, ids = list(range(8)), []
-        token = runner.step([SequenceRequest("s", prompt, table, 0)]).outputs[0].token_id
-        while len(ids) < 12 and token not in text.eos_token_ids:
-            ids.append(token)
-            token = (
-                runner.step([SequenceRequest("s", [token], table, len(prompt) + len(ids) - 1)])
-                .outputs[0]
-                .token_id
-            )
-        answers[model.linear_path] = text.decode(ids)
+    # The CPU backend's attention, as a worker runs it (the suite's TRITON_INTERPRET would send
+    # "auto" to the interpreter): the kernels compared here are the linear layers'.
+    with kernels.use_backend("cpu"):
+        for native in (True, False):
+            for layer in model.layers:
+                for name in ("qkv", "o", "gate_up", "down"):
+                    lin = getattr(layer, name)
+                    setattr(layer, name, Linear.build(lin.quantized, lin.bias, native=native))
+            model.lm_head = Linear.build(model.lm_head.quantized, native=native)
+            shape = (cfg.num_layers, 2, 8, 16, cfg.num_kv_heads, cfg.head_dim)
+            runner = ModelRunner(model, torch.zeros(shape), torch.zeros((*shape[:2], 1, *shape[3:])))
+            table, ids = list(range(8)), []
+            token = runner.step([SequenceRequest("s", prompt, table, 0)]).outputs[0].token_id
+            while len(ids) < 12 and token not in text.eos_token_ids:
+                ids.append(token)
+                token = (
+                    runner.step([SequenceRequest("s", [token], table, len(prompt) + len(ids) - 1)])
+                    .outputs[0]
+                    .token_id
+                )
+            answers[model.linear_path] = text.decode(ids)
     native_path = ["native-int8+native-int4"] if cpu_native.available() else []
     assert list(answers) == [*native_path, "int8+int4"]
     assert set(answers.values()) == {"The capital of France is Paris."}, answers

@@ -19,6 +19,13 @@ from frontend.launch.ready import StackReady, wait_ready_file
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
+def _as_users_run_it(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` without TRITON_INTERPRET: the suite sets it for the in-process kernel tests
+    (tests/conftest.py), and a stack inheriting it would run attention in Triton's interpreter on
+    CPU, hundreds of times slower than the native kernels a user's stack runs."""
+    return {k: v for k, v in env.items() if k != "TRITON_INTERPRET"}
+
+
 class UpProcess:
     """``pagedkv up ARGS --ready-file DIR/ready.json``; ``with`` stops it (SIGINT, then SIGKILL)."""
 
@@ -29,7 +36,7 @@ class UpProcess:
         self.p = subprocess.Popen(
             [sys.executable, "-m", "pagedkv.cli", "up", *args, "--ready-file", str(self.ready_file)],
             cwd=ROOT,
-            env=dict(env if env is not None else os.environ),
+            env=_as_users_run_it(env if env is not None else os.environ),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
