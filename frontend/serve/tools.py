@@ -3,7 +3,7 @@ the tool turns of a conversation (an assistant's ``tool_calls``, ``tool`` result
 
 - The tools are validated here (a function name OpenAI would accept, ``parameters`` a JSON schema of
   an object, no name twice) and given to the chat template, which renders them where it supports
-  tools (its source mentions ``tools``), as transformers' ``apply_chat_template(tools=...)`` does.
+  tools (its source mentions ``tools``), as transformers does when its chat templating is given ``tools``.
 - ``auto``: the model decides; its answer is read for calls in its family's syntax
   (frontend/serve/tool_parsers.py, the family from ``--tool-call-parser`` or the template). A
   template that renders no tools cannot show them to the model: 400.

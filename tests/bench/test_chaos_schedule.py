@@ -37,6 +37,9 @@ def test_the_cli_takes_the_seed(monkeypatch: pytest.MonkeyPatch) -> None:
         raise SystemExit(0)  # stop before anything would start
 
     monkeypatch.setattr(faults, "run_chaos", run_chaos)
+    # main() configures logging for a run (warning level, loggers cached): in-process that would
+    # silence every later test's captured info events.
+    monkeypatch.setattr("pagedkv.logging_setup.configure_logging", lambda *a, **k: None)
     with pytest.raises(SystemExit):
         faults.main(["serve", "--chaos", "--seconds", "5", "--seed", "3"])
     assert seen["seed"] == 3 and seen["seconds"] == 5.0

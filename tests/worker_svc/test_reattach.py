@@ -91,6 +91,10 @@ def test_worker_reattaches_to_a_restarted_cache_host(hf_llama: HFModel, procs: l
             and info.cache_state == worker_pb2.CACHE_STATE_ATTACHED
         )
         assert info.shared_weights and not info.cache_lost_reason
+        # SERVING is set just after the re-attach logs its event: give it a moment on a loaded machine.
+        deadline = time.monotonic() + 5
+        while _health(health) != health_pb2.HealthCheckResponse.SERVING and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert _health(health) == health_pb2.HealthCheckResponse.SERVING
 
         # A step for the dead instance is refused; the engine's next step names the new one.
