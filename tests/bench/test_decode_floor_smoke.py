@@ -10,7 +10,7 @@ import pytest
 
 from kernels import cpu_native
 from tests.bench.tables import run_bench
-from tests.worker_svc.families import build, write_gguf
+from tests.worker_svc.families import small_q4_1_llama
 
 pytest.importorskip("gguf")
 
@@ -29,18 +29,7 @@ def _table(stdout: str, header: str) -> list[list[str]]:
 
 @pytest.mark.skipif(not cpu_native.available(), reason="native kernels not built: nothing to compare")
 def test_decode_floor_quick(tmp_path: pathlib.Path) -> None:
-    hf = build(
-        "LlamaForCausalLM",
-        tmp_path / "hf",
-        seed=3,
-        hidden_size=256,
-        intermediate_size=512,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=300,
-    )
-    path = tmp_path / "m.Q4_1.gguf"
-    write_gguf(hf, path, "Q4_1")
+    hf, path = small_q4_1_llama(tmp_path, 3, "m.Q4_1.gguf")
     out = run_bench(
         "decode_floor",
         *("--model", str(path), "--threads", "1", "--tokens", "2", "--rounds", "2", "--reps", "1"),

@@ -228,3 +228,21 @@ def oracle_on(hf: HFModel, state: dict[str, torch.Tensor], path: pathlib.Path) -
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     return HFModel(path=path, model=model)
+
+
+def small_q4_1_llama(dir: pathlib.Path, seed: int, name: str = "m.Q4_1.gguf") -> tuple[HFModel, pathlib.Path]:
+    """A random Llama with 256-wide layers (whole int4 groups and panels) written as a Q4_1 GGUF:
+    the smallest file the integer paths take as they take a real one."""
+    hf = build(
+        "LlamaForCausalLM",
+        dir / "hf",
+        seed=seed,
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=300,
+    )
+    path = dir / name
+    write_gguf(hf, path, "Q4_1")
+    return hf, path

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kernels import cpu_native
-from tests.worker_svc.families import build, oracle_on, random_k_blocks, write_gguf
+from tests.worker_svc.families import build, oracle_on, random_k_blocks, small_q4_1_llama, write_gguf
 from tests.worker_svc.generation import Scheduler, runner_step
 from worker_svc import shared_weights
 from worker_svc.model import gguf_file, gguf_quant
@@ -151,18 +151,7 @@ def test_the_cache_host_shares_the_integers(tmp_path: pathlib.Path) -> None:
     on views of the shared region computes what a privately loaded one does, bit for bit."""
     from worker_svc.model.llama import LlamaModel
 
-    hf = build(
-        "LlamaForCausalLM",
-        tmp_path / "hf",
-        seed=2,
-        hidden_size=256,
-        intermediate_size=512,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=300,
-    )
-    path = tmp_path / "m.Q4_1.gguf"
-    write_gguf(hf, path, "Q4_1")
+    hf, path = small_q4_1_llama(tmp_path, 2, "m.Q4_1.gguf")
     cfg = load_model_config(str(path))
     state = fuse(load_checkpoint(str(path), cfg, torch.float32, CPU, held="file"), cfg)
     spec = fused_spec(str(path), cfg, torch.float32, "file")
@@ -210,18 +199,7 @@ def test_processes_hold_a_gguf_in_its_own_quantization_by_default(tmp_path: path
     from tests.worker_svc.generation import grpc_step
     from tests.worker_svc.test_processes import GPU_BLOCKS, Proc, start_cache_host, start_worker
 
-    hf = build(
-        "LlamaForCausalLM",
-        tmp_path / "hf",
-        seed=4,
-        hidden_size=256,
-        intermediate_size=512,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=300,
-    )
-    path = tmp_path / "llama.Q4_1.gguf"
-    write_gguf(hf, path, "Q4_1")
+    hf, path = small_q4_1_llama(tmp_path, 4, "llama.Q4_1.gguf")
     oracle = oracle_on(hf, _held_state(path), tmp_path / "hf")
     cfg = load_model_config(str(path))
     spec = fused_spec(str(path), cfg, torch.float32, "file")
