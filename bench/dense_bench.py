@@ -6,9 +6,10 @@ so it reads all the weights (SmolLM2-135M in fp32: 425 MB of layers and a 113 MB
 for little arithmetic. Each pass runs the 30 layers' four matrices in order, each a separate copy,
 then the output layer: what a forward pass does, every weight coming from DRAM. Both paths are the
 worker's ``Linear`` (worker_svc/model/linear.py): "native" is ``kernels/cpu_linear.py`` (what the
-worker uses for fp32), "oneDNN" the prepacked oneDNN linear (what it used before, and still uses
-for bf16 or without the native library). Passes alternate between the two, so machine noise hits
-both alike. GFLOP/s counts 2 x rows x weights; GB/s counts the weight bytes read once per pass.
+worker uses for fp32 where its AVX-512 build loads), "oneDNN" the prepacked oneDNN linear (what it
+uses for fp32 elsewhere, for bf16, and without the native library). Passes alternate between the
+two, so machine noise hits both alike. GFLOP/s counts 2 x rows x weights; GB/s counts the weight
+bytes read once per pass.
 
     python -m bench.dense_bench [--rows 1,4,8,16,32,64,256] [--threads 2] [--reps 8]
 """
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         shapes.append((args.vocab, OUTPUT[1]))
     matrices = [0.05 * torch.randn(o, i, generator=gen) for o, i in shapes]
     layers = {
-        "native": [Linear.build(w) for w in matrices],
+        "native": [Linear.build(w, native=True) for w in matrices],
         "oneDNN": [Linear.build(w, native=False) for w in matrices],
     }
     if layers["native"][0].path != "native" or layers["oneDNN"][0].path != "onednn":

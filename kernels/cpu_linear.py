@@ -4,8 +4,15 @@ Why: a decode step's GEMMs multiply a few dozen rows by every weight matrix, so 
 reading the weights. Packed into 32-column panels, each read front to back, the weights stream at
 the memory's rate: on the 2-core development host the 30 layers and output layer of SmolLM2-135M's
 shape run 1.3-1.6x faster than oneDNN's prepacked linear at 1-16 rows and level with it at a
-prefill's hundreds (``bench/dense_bench.py`` measures both side by side). The model uses it through
-``worker_svc/model/linear.py`` for every fp32 linear layer on CPU when the native library is loaded.
+prefill's hundreds (``bench/dense_bench.py`` measures both side by side).
+
+Only its AVX-512 build is that kernel: 16 accumulator pairs of 16-float vectors fit AVX-512's 32
+registers. Compiled for AVX2 (16 registers of 8 floats) the same source spills every accumulator to
+the stack on each multiply-add, and on an AVX2-only host it ran 3.5x (1 row) to 50x (256 rows)
+slower than oneDNN (dense_bench, 30 layers and the output layer, one thread). So the model uses it
+(``worker_svc/model/linear.py``) only where ``preferred()`` says so: the AVX-512 variant is loaded.
+Elsewhere fp32 layers take oneDNN's prepacked linear, which reads a decode step's weights at the
+memory's rate there.
 
 Called through ctypes, as the fused layer operations are (``kernels/cpu_layer_ops.py`` says why):
 about 150 calls a step on a 30-layer model. ``x`` is checked before any pointer is used
@@ -20,6 +27,15 @@ from typing import Any
 import torch
 
 from kernels import cpu_native
+
+# The variants whose build of csrc/linear.c beats oneDNN (measured side by side, see above).
+FASTER_THAN_ONEDNN = frozenset({"avx512"})
+
+
+def preferred() -> bool:
+    """Whether the model's fp32 layers should take this kernel rather than oneDNN's: the loaded
+    native variant is one it was measured faster on."""
+    return cpu_native.active_variant() in FASTER_THAN_ONEDNN
 
 
 @dataclass(slots=True, frozen=True)

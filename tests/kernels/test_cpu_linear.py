@@ -130,8 +130,16 @@ def test_the_model_linear_picks_native_then_onednn_then_torch(monkeypatch: pytes
         torch.randn(6, 40, generator=g),
     )
     ref = _reference(x, w, bias)
-    native = linear.Linear.build(w, bias)
+    native = linear.Linear.build(w, bias, native=True)
     assert native.path == "native" and native.packed is None
+    # By default fp32 takes the native kernel only where its build beats oneDNN (AVX-512).
+    default = linear.Linear.build(w, bias)
+    assert default.path == ("native" if cpu_native.active_variant() == "avx512" else native_or_onednn(w))
+    monkeypatch.setattr(cpu_linear, "preferred", lambda: True)
+    assert linear.Linear.build(w, bias).path == "native"
+    monkeypatch.setattr(cpu_linear, "preferred", lambda: False)
+    assert linear.Linear.build(w, bias).path == native_or_onednn(w)
+    monkeypatch.undo()
     onednn = linear.Linear.build(w, bias, native=False)
     assert onednn.path == ("onednn" if linear.packing_enabled(w) else "torch")
     bf16 = linear.Linear.build(w.to(torch.bfloat16))
@@ -143,4 +151,9 @@ def test_the_model_linear_picks_native_then_onednn_then_torch(monkeypatch: pytes
         xt = torch.randn(40, 6, generator=g).t()
         torch.testing.assert_close(layer(xt).double(), _reference(xt, w, bias), rtol=1e-5, atol=1e-4)
     monkeypatch.setenv("PAGEDKV_CPU_NATIVE", "0")
-    assert linear.Linear.build(w, bias).path == ("onednn" if linear.packing_enabled(w) else "torch")
+    assert linear.Linear.build(w, bias, native=True).path == native_or_onednn(w)
+
+
+def native_or_onednn(w: torch.Tensor) -> str:
+    """The path fp32 takes without the native kernel."""
+    return "onednn" if linear.packing_enabled(w) else "torch"

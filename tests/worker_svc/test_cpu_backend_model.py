@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import kernels
-from kernels import cpu_native
+from kernels import cpu_linear, cpu_native
 from tests.worker_svc.conftest import HFModel
 from tests.worker_svc.generation import Scheduler, runner_step
 from tests.worker_svc.test_model_runner import BLOCK, PROMPT, make_runner
@@ -39,11 +39,12 @@ def runner(hf_llama: HFModel) -> ModelRunner:
     return make_runner(hf_llama.path, num_gpu_blocks=160)
 
 
-def test_linears_take_the_native_packed_path_else_onednn(hf_llama: HFModel) -> None:
+def test_linears_take_the_native_packed_path_where_preferred_else_onednn(hf_llama: HFModel) -> None:
     runner = make_runner(hf_llama.path, num_gpu_blocks=16)  # loaded under this parameter's setting
     layer = runner.model.layers[0]
     w = layer.qkv.weight
-    expected = "native" if cpu_native.available() else "onednn" if linear.packing_enabled(w) else "torch"
+    # native where its build beats oneDNN (cpu_linear.preferred: the AVX-512 variant)
+    expected = "native" if cpu_linear.preferred() else "onednn" if linear.packing_enabled(w) else "torch"
     assert {lin.path for lin in (layer.qkv, layer.o, layer.gate_up, layer.down, runner.model.lm_head)} == {
         expected
     }

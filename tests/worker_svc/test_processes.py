@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from kernels import cpu_native
+from kernels import cpu_linear
 from pagedkv.ports import free_port
 from pagedkv.v1 import worker_pb2_grpc
 from tests.worker_svc.conftest import HFModel
@@ -200,7 +200,7 @@ def test_worker_started_first_waits_for_the_cache_host(hf_llama: HFModel, procs:
     w_ready = w.wait_event("worker_ready")
     assert w_ready["cache_instance_id"] == ready["instance_id"]
     # the worker is a process like this one: the native library it loads is the one loaded here
-    assert w_ready["linear_path"] == ("native" if cpu_native.available() else "onednn")
+    assert w_ready["linear_path"] == ("native" if cpu_linear.preferred() else "onednn")
     with grpc.insecure_channel(f"127.0.0.1:{w_ready['port']}") as ch:
         sched = Scheduler(
             grpc_step(worker_pb2_grpc.WorkerStub(ch)), num_gpu_blocks=GPU_BLOCKS, block_size=BLOCK

@@ -5,11 +5,13 @@ bound by reading the weights. ``F.linear`` (MKL ``sgemm``) repacks the weight ma
 blocked layout on every call, so each weight is read, written and read again per step. Two packed
 paths read only a copy laid out for them, made once here:
 
-- fp32 with the native library loaded: ``kernels/cpu_linear.py`` (``csrc/linear.c``), 32-column
-  panels streamed at the memory's rate. On the 2-core development host the layers and output layer
-  of SmolLM2-135M's shape run 1.3-1.6x faster than oneDNN's prepacked linear at a decode step's
-  1-16 rows and level with it at a prefill's hundreds (``bench/dense_bench.py``, side by side).
-- otherwise (bf16, or no native library): oneDNN's prepacked linear
+- fp32 where the native library's AVX-512 build is loaded: ``kernels/cpu_linear.py``
+  (``csrc/linear.c``), 32-column panels streamed at the memory's rate. On an AVX-512 host the
+  layers and output layer of SmolLM2-135M's shape ran 1.3-1.6x faster than oneDNN's prepacked linear
+  at a decode step's 1-16 rows and level with it at a prefill's hundreds (``bench/dense_bench.py``,
+  side by side). Its AVX2 build is 3.5-50x slower than oneDNN, so AVX2 hosts do not use it
+  (``cpu_linear.preferred()``).
+- otherwise (bf16, an AVX2-only CPU, or no native library): oneDNN's prepacked linear
   (``torch.ops.mkldnn._reorder_linear_weight`` once, then ``torch.ops.mkldnn._linear_pointwise``:
   what inductor's weight freezing emits on CPU), 1.2-2.3x faster than ``F.linear`` at 16 and 64
   rows. MKL's own packed GEMM (``_mkl_linear``) was not used: it only uses the packed weight when
@@ -35,6 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_linear
 from kernels.cpu_linear import PackedLinear
 from kernels.quant_linear import QuantizedLinear, QuantizedMatrix
 
@@ -67,14 +70,21 @@ class Linear:
 
     @classmethod
     def build(
-        cls, weight: torch.Tensor | QuantizedMatrix, bias: torch.Tensor | None = None, *, native: bool = True
+        cls,
+        weight: torch.Tensor | QuantizedMatrix,
+        bias: torch.Tensor | None = None,
+        *,
+        native: bool | None = None,
     ) -> Linear:
-        """The best path that applies; ``native=False`` skips the native one (benchmarks compare)."""
+        """The best path that applies. ``native``: None (the default) takes the native kernels where
+        they are the faster path (integer weights always; fp32 on ``cpu_linear.preferred()``), True
+        takes them wherever they load and False never (benchmarks compare the paths)."""
         if isinstance(weight, QuantizedMatrix):
-            qlinear = QuantizedLinear.build(weight, "auto" if native else "torch")
+            qlinear = QuantizedLinear.build(weight, "torch" if native is False else "auto")
             return cls(weight.qweight, bias, quantized=weight, qlinear=qlinear)
         weight = weight.contiguous()
-        layer = PackedLinear.pack(weight, bias) if native else None
+        use_native = cpu_linear.preferred() if native is None else native
+        layer = PackedLinear.pack(weight, bias) if use_native else None
         if layer is not None:
             return cls(weight, bias, None, layer)
         packed = None
