@@ -1,0 +1,70 @@
+"""bench/vs_llamacpp.py: its requests, its table's arithmetic, and a clean skip without llama.cpp.
+
+The comparison itself needs a llama-server binary built from source (docs/benchmarks.md), which CI
+does not have; what CI checks is what the table claims from the passes it is given."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from bench import vs_llamacpp
+from bench.vs_llamacpp import Pass, Req, Server
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_requests_share_three_system_prompts_and_stay_within_their_bounds() -> None:
+    reqs = vs_llamacpp.make_requests(32, 49152, seed=0)
+    assert reqs == vs_llamacpp.make_requests(32, 49152, seed=0)
+    assert reqs != vs_llamacpp.make_requests(32, 49152, seed=1)
+    for i, r in enumerate(reqs):
+        head = vs_llamacpp.SYSTEM_PROMPTS[i % 3]
+        assert r.prompt[:head] == reqs[i % 3].prompt[:head]
+        assert 4 <= len(r.prompt) - head <= 200 and 8 <= r.max_tokens <= 128
+        assert all(vs_llamacpp.FIRST_ID <= t < 49152 for t in r.prompt)
+    # three different system prompts, and user turns that differ
+    assert len({tuple(r.prompt[:64]) for r in reqs}) == 3
+    assert len({tuple(r.prompt) for r in reqs}) == 32
+
+
+def _server(name: str, weights: str) -> Server:
+    return Server(name, weights, lambda r: [], lambda: [], lambda: None)
+
+
+def test_the_table_gives_medians_and_per_round_ratios_of_its_own_passes() -> None:
+    servers = [_server("llama.cpp Q", "Q"), _server("llama.cpp F32", "F32"), _server("pagedkv Q", "Q")]
+    outs = [[1, 2, 3], [4, 5]]
+    passes = {
+        # tok/s 10, 20, 40
+        "llama.cpp Q": [Pass(1.0, 10, outs), Pass(0.5, 10, outs), Pass(0.25, 10, outs)],
+        # tok/s 5, 5, 5
+        "llama.cpp F32": [Pass(2.0, 10, outs), Pass(2.0, 10, outs), Pass(2.0, 10, outs)],
+        # tok/s 30, 10, 20: per round vs Q 3.0, 0.5, 0.5 (median 0.5, where the medians' quotient is
+        # 1.0); vs F32 6, 2, 4 (median 4)
+        "pagedkv Q": [Pass(1 / 3, 10, [[1, 2, 9], [4, 5]]), Pass(1.0, 10, outs), Pass(0.5, 10, outs)],
+    }
+    reqs = [Req([7] * 5, 3), Req([8] * 6, 2)]
+    lines = vs_llamacpp.table("2 in flight", reqs, passes, servers, {s.name: 2048 for s in servers})
+    assert "2 requests, 11 prompt tokens, 5 generated" in lines[0]
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in lines[4:]}
+    assert rows["llama.cpp Q"][:2] == ["Q", "20.0"]
+    assert rows["llama.cpp F32"][1] == "5.0"
+    assert rows["pagedkv Q"] == ["Q", "20.0", "30.0, 10.0, 20.0", "0.50x", "4.00x", "2", "4/5 = 80.0%"]
+
+
+def test_without_a_llama_server_binary_it_says_so_and_exits_zero(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("PAGEDKV_LLAMA_SERVER",)}
+    env["PATH"] = str(tmp_path)  # no llama-server on it
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.vs_llamacpp"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "skipped: no llama-server binary" in proc.stdout
