@@ -38,6 +38,7 @@ from collections.abc import Callable
 import torch
 
 from kernels import cpu, cpu_native
+from kernels.dispatch import BackendName
 from pagedkv import kv_capacity
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -283,7 +284,12 @@ def _tokenizer(gguf: pathlib.Path) -> object:
 
 
 def _greedy(
-    gguf: pathlib.Path, kv: str, prompts: list[list[int]], max_tokens: int, threads: int
+    gguf: pathlib.Path,
+    kv: str,
+    prompts: list[list[int]],
+    max_tokens: int,
+    threads: int,
+    backend: BackendName = "cpu",
 ) -> list[list[int]]:
     from frontend.engine import EngineConfig, GenerationRequest
     from frontend.launch.config import StackConfig
@@ -298,7 +304,7 @@ def _greedy(
             weight_format="fp32",  # the weights held equal on both sides: only the KV cache differs
             num_gpu_blocks=need,
             kv_cache_dtype=kv,
-            kernel_backend="cpu",
+            kernel_backend=backend,
         )
     ) as st:
         torch.set_num_threads(threads)  # the in-process worker set one per CPU; the bench's choice wins
@@ -308,7 +314,9 @@ def _greedy(
     return [o.completions[0].token_ids for o in outs]
 
 
-def _teacher_forced(gguf: pathlib.Path, kv: str, seqs: list[list[int]]) -> tuple[list[list[int]], float]:
+def _teacher_forced(
+    gguf: pathlib.Path, kv: str, seqs: list[list[int]], backend: BackendName = "cpu"
+) -> tuple[list[list[int]], float]:
     """Each of ``seqs`` fed one token per step through the worker's model and a ``kv`` cache (all
     streams at once; shorter ones padded, the padding never read back): per stream, the greedy token
     after every position but the last, and exp(mean NLL) of the streams' own next tokens. Every
@@ -329,7 +337,7 @@ def _teacher_forced(gguf: pathlib.Path, kv: str, seqs: list[list[int]]) -> tuple
     tables = torch.arange(streams * per, dtype=torch.int32).view(streams, per)
     greedy: list[list[int]] = [[] for _ in seqs]
     nll, count = 0.0, 0
-    with kernels.use_backend("cpu"), torch.inference_mode():
+    with kernels.use_backend(backend), torch.inference_mode():
         for t in range(n - 1):
             pos = torch.full((streams,), t, dtype=torch.int64)
             batch = AttentionBatch(
@@ -376,37 +384,46 @@ def accuracy(num_prompts: int, max_tokens: int, ppl_tokens: int) -> None:
     threads = torch.get_num_threads()
     wide = _greedy(gguf, "auto", prompts, max_tokens, threads)
     narrow = _greedy(gguf, "int8", prompts, max_tokens, threads)
+    # The rounding floor: the same fp32 cache with attention from the plain-torch reference kernels
+    # instead of the native ones. Exact up to fp32 summation order, so whatever it loses is what any
+    # change to attention's rounding loses on this workload, before any quantization.
+    floor = _greedy(gguf, "auto", prompts, max_tokens, threads, backend="reference")
     secs = time.perf_counter() - t0
-    positions = sum(len(w) for w in wide)
-    same = sum(a == b for w, n in zip(wide, narrow, strict=True) for a, b in zip(w, n, strict=False))
-    identical = sum(w == n for w, n in zip(wide, narrow, strict=True))
-    first = [
-        next((i for i, (a, b) in enumerate(zip(w, n, strict=False)) if a != b), len(w))
-        for w, n in zip(wide, narrow, strict=True)
-    ]
     print(
         f"\naccuracy: SmolLM2-135M-Instruct ({gguf.name}, fp32 weights), {num_prompts} prompts of "
         f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens x {max_tokens} greedy tokens, "
-        "in-process stack "
-        f"({secs:.0f} s for both runs)"
+        f"in-process stack ({secs:.0f} s for the three runs); against the fp32 cache on the native kernels:"
     )
-    print(
-        "  greedy tokens equal to the fp32 cache's, by position:   "
-        f"{same}/{positions} = {same / positions:.1%}"
-    )
-    print(f"  sequences identical to the end:                         {identical}/{num_prompts}")
-    print(f"  median position of the first difference ({max_tokens} = none): {statistics.median(first):.0f}")
-    # The same positions with the context held equal: each prompt + the fp32 run's tokens fed to both
-    # caches, the greedy token after each position compared (one difference no longer shifts the rest).
     forced = [p + w for p, w in zip(prompts, wide, strict=True)]
-    tf = {kv: _teacher_forced(gguf, kv, forced)[0] for kv in ("auto", "int8")}
     gen = [range(len(p) - 1, len(f) - 1) for p, f in zip(prompts, forced, strict=True)]
-    tf_same = sum(tf["auto"][i][j] == tf["int8"][i][j] for i, r in enumerate(gen) for j in r)
-    tf_all = sum(len(r) for r in gen)
+    tf_wide = _teacher_forced(gguf, "auto", forced)[0]
+    runs: dict[str, tuple[list[list[int]], tuple[str, BackendName]]] = {
+        "int8 cache": (narrow, ("int8", "cpu")),
+        "fp32 cache, reference attention": (floor, ("auto", "reference")),
+    }
     print(
-        "  same, teacher-forced on the fp32 run's tokens:          "
-        f"{tf_same}/{tf_all} = {tf_same / tf_all:.1%}"
+        "| run | greedy tokens equal, by position | sequences identical | median first difference "
+        "| equal, teacher-forced on the fp32 run's tokens |"
     )
+    print("|---|---:|---:|---:|---:|")
+    for name, (outs, (kv, backend)) in runs.items():
+        positions = sum(len(w) for w in wide)
+        same = sum(a == b for w, n in zip(wide, outs, strict=True) for a, b in zip(w, n, strict=False))
+        identical = sum(w == n for w, n in zip(wide, outs, strict=True))
+        first = [
+            next((i for i, (a, b) in enumerate(zip(w, n, strict=False)) if a != b), len(w))
+            for w, n in zip(wide, outs, strict=True)
+        ]
+        # The same positions with the context held equal: each prompt + the fp32 run's tokens fed to
+        # both, the greedy token after each position compared (one difference no longer shifts the rest).
+        tf = _teacher_forced(gguf, kv, forced, backend)[0]
+        tf_same = sum(tf_wide[i][j] == tf[i][j] for i, r in enumerate(gen) for j in r)
+        tf_all = sum(len(r) for r in gen)
+        print(
+            f"| {name} | {same}/{positions} = {same / positions:.1%} | {identical}/{num_prompts} "
+            f"| {statistics.median(first):.0f} of {max_tokens} "
+            f"| {tf_same}/{tf_all} = {tf_same / tf_all:.1%} |"
+        )
     ids = tok.encode(TEXT)  # type: ignore[attr-defined]
     ids = ids[:ppl_tokens]
     streams = 4
