@@ -42,15 +42,21 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-## Lint, then the whole test suite (also what CI runs).
+## Lint, then the whole test suite (also what CI runs): the fast tier spread over TEST_JOBS
+## processes (in-process tests only, so they share nothing but the CPUs), then the slow tier in one
+## process (process stacks, deadlines and timed budgets: they would see each other's load). Both
+## tiers run even when the first fails; the exit status is a failure if either failed.
+TEST_JOBS ?= auto
 test: lint
 	$(BIN)/python tools/gen_protos.py --check
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -m "not slow" -n $(TEST_JOBS); fast=$$?; \
+	$(BIN)/python -m pytest -m slow; slow=$$?; \
+	test $$fast -eq 0 -a $$slow -eq 0
 
 ## The fast tier for the edit-test loop: no process stacks, no ahead-of-time compiles, no bench
 ## scripts (tests/conftest.py, SLOW_MODULES), no lint; a few minutes on 2 cores.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow" -n $(TEST_JOBS)
 
 ## Regenerate pagedkv/v1 from protos/ (commit the result).
 protos: $(STAMP)
