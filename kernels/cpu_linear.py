@@ -6,13 +6,13 @@ the memory's rate: on the 2-core development host the 30 layers and output layer
 shape run 1.3-1.6x faster than oneDNN's prepacked linear at 1-16 rows and level with it at a
 prefill's hundreds (``bench/dense_bench.py`` measures both side by side).
 
-Only its AVX-512 build is that kernel: 16 accumulator pairs of 16-float vectors fit AVX-512's 32
-registers. Compiled for AVX2 (16 registers of 8 floats) the same source spills every accumulator to
-the stack on each multiply-add, and on an AVX2-only host it ran 3.5x (1 row) to 50x (256 rows)
-slower than oneDNN (dense_bench, 30 layers and the output layer, one thread). So the model uses it
-(``worker_svc/model/linear.py``) only where ``preferred()`` says so: the AVX-512 variant is loaded.
-Elsewhere fp32 layers take oneDNN's prepacked linear, which reads a decode step's weights at the
-memory's rate there.
+Its register tile follows the variant's vector registers (AVX-512: 8 rows x 2 vectors of 16 floats;
+AVX2: 3 rows x 4 vectors of 8). Before the AVX2 tile existed, that build compiled the AVX-512 tile,
+kept every accumulator on the stack and ran 3.5-50x slower than oneDNN; with its own tile it runs
+1.1-1.4x faster than oneDNN at 1-256 rows on the AVX2 development VM (``bench/dense_bench.py``,
+docs/kernels.md). The model uses it (``worker_svc/model/linear.py``) where ``preferred()`` says so:
+a variant it was measured faster on is loaded. Elsewhere (the baseline x86-64 build, whose 16 SSE
+registers of 4 floats cannot hold the AVX2 tile) fp32 layers take oneDNN's prepacked linear.
 
 Called through ctypes, as the fused layer operations are (``kernels/cpu_layer_ops.py`` says why):
 about 150 calls a step on a 30-layer model. ``x`` is checked before any pointer is used
@@ -29,7 +29,7 @@ import torch
 from kernels import cpu_native
 
 # The variants whose build of csrc/linear.c beats oneDNN (measured side by side, see above).
-FASTER_THAN_ONEDNN = frozenset({"avx512"})
+FASTER_THAN_ONEDNN = frozenset({"avx512", "avx2"})
 
 
 def preferred() -> bool:

@@ -9,9 +9,10 @@
  *
  * Layout: W [n, k] (out, in) is packed as ceil(n / 32) panels of [k][32] floats, zero padded past
  * row n. A panel is read front to back, one 128-byte line pair per k, so the hardware prefetchers
- * see one sequential stream per thread. For each panel and each tile of up to 8 rows of x, 16
- * vector accumulators (8 rows x 2 vectors of 16 columns) take x[r, k] (broadcast) times the two
- * vectors of W[k]; a tile's panel comes from DRAM once and from cache for the tile's other rows.
+ * see one sequential stream per thread. For each panel and each tile of up to 8 rows of x (AVX-512:
+ * 8 rows x 2 vectors of 16 columns; AVX2: 3 rows x 4 vectors of 8), the vector accumulators take
+ * x[r, k] (broadcast) times the vectors of W[k]; a tile's panel comes from DRAM once and from cache
+ * for the tile's other rows.
  * Each output is one sequential sum over k (fused multiply-add where the variant has it), so the
  * result differs from a BLAS's only by summation order and rounding. The bias is added last, as
  * torch's addmm does.
@@ -26,13 +27,26 @@
 #include <omp.h>
 #endif
 
-#define PANEL 32       /* columns of W per panel: two 16-float vectors */
-#define TILE_ROWS 8    /* rows of x per register tile: 16 accumulators */
+#define PANEL 32       /* columns of W per panel */
 #define BLOCK_ROWS 64  /* rows of x per work item */
 /* Below this many multiply-adds a parallel region costs more than it saves. */
 #define PARALLEL_MIN_MACS 65536
 
-typedef float vec16 __attribute__((vector_size(64)));
+/* The register tile follows the vector registers the variant has. AVX-512: 32 registers of 16 floats,
+ * a panel row is 2 vectors and 8 rows of x take 16 accumulators. AVX2 (and the baseline build): 16
+ * registers of 8 floats, a panel row is 4 vectors, so 3 rows take 12 accumulators and leave room for
+ * the broadcast and a weight vector. Written for AVX-512's shape everywhere, the AVX2 build kept
+ * every accumulator on the stack and ran 3.5-50x slower than oneDNN (docs/kernels.md). */
+#if defined(__AVX512F__)
+#define VW 16
+#define TILE_ROWS 8
+#else
+#define VW 8
+#define TILE_ROWS 3
+#endif
+#define NV (PANEL / VW) /* vectors per panel row */
+
+typedef float vecw __attribute__((vector_size(VW * sizeof(float))));
 
 int64_t pagedkv_linear_packed_numel(int64_t n, int64_t k) { return (n + PANEL - 1) / PANEL * k * PANEL; }
 
@@ -51,30 +65,30 @@ void pagedkv_linear_pack_f32(int64_t n, int64_t k, const float *w, int64_t w_str
 }
 
 /* rows x[0..ROWS) times one panel into y[0..ROWS)[0..cols). One function per ROWS (the macro below),
- * so each has exactly ROWS pairs of accumulators and the compiler keeps them all in registers (with
- * a shared maximum-size array it spilled the smaller tiles' accumulators to the stack: 1.5x slower). */
+ * so each has exactly ROWS x NV accumulators and the compiler keeps them all in registers (with a
+ * shared maximum-size array it spilled the smaller tiles' accumulators to the stack: 1.5x slower). */
 #define DEFINE_TILE(ROWS)                                                                                 \
     static void tile_##ROWS(int64_t k, const float *restrict x, int64_t x_stride, const float *restrict panel, \
                             const float *restrict bias, float *restrict y, int64_t y_stride, int cols) {      \
-        vec16 lo[ROWS], hi[ROWS];                                                                          \
+        vecw acc[ROWS][NV];                                                                                \
         _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) {                                          \
-            lo[r] = (vec16){0};                                                                            \
-            hi[r] = (vec16){0};                                                                            \
+            _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) acc[r][v] = (vecw){0};                  \
         }                                                                                                  \
         for (int64_t kk = 0; kk < k; kk++) {                                                               \
-            vec16 w_lo, w_hi;                                                                              \
-            memcpy(&w_lo, panel + kk * PANEL, sizeof w_lo);                                                \
-            memcpy(&w_hi, panel + kk * PANEL + 16, sizeof w_hi);                                           \
+            vecw w[NV];                                                                                    \
+            _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) {                                        \
+                memcpy(&w[v], panel + kk * PANEL + v * VW, sizeof w[v]);                                   \
+            }                                                                                              \
             _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) {                                      \
                 const float xv = x[r * x_stride + kk];                                                     \
-                lo[r] += xv * w_lo;                                                                        \
-                hi[r] += xv * w_hi;                                                                        \
+                _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) acc[r][v] += xv * w[v];              \
             }                                                                                              \
         }                                                                                                  \
         _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) {                                          \
             float out[PANEL] __attribute__((aligned(64)));                                                 \
-            memcpy(out, &lo[r], sizeof lo[r]);                                                             \
-            memcpy(out + 16, &hi[r], sizeof hi[r]);                                                        \
+            _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) {                                        \
+                memcpy(out + v * VW, &acc[r][v], sizeof acc[r][v]);                                        \
+            }                                                                                              \
             if (bias) {                                                                                    \
                 for (int j = 0; j < cols; j++) out[j] += bias[j];                                          \
             }                                                                                              \
@@ -91,7 +105,7 @@ DEFINE_TILE(7)
 DEFINE_TILE(8)
 
 typedef void (*tile_fn)(int64_t, const float *, int64_t, const float *, const float *, float *, int64_t, int);
-static const tile_fn TILES[TILE_ROWS + 1] = {NULL, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6, tile_7, tile_8};
+static const tile_fn TILES[8 + 1] = {NULL, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6, tile_7, tile_8};
 
 /* m rows of x times one panel: tiles of TILE_ROWS rows, then one tile of the rest. */
 static void rows_by_panel(int64_t m, int64_t k, const float *x, int64_t x_stride, const float *panel,

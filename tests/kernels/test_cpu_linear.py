@@ -23,7 +23,8 @@ def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> t
     return F.linear(x.double(), w.double(), bias.double() if bias is not None else None)
 
 
-# rows across the 8-row tile and 64-row block edges; outputs across the 32-column panel edge.
+# rows across the 3-row (AVX2) and 8-row (AVX-512) tiles and the 64-row block edges; outputs across the
+# 32-column panel edge.
 @pytest.mark.parametrize(
     ("rows", "n", "k"),
     [
@@ -132,9 +133,10 @@ def test_the_model_linear_picks_native_then_onednn_then_torch(monkeypatch: pytes
     ref = _reference(x, w, bias)
     native = linear.Linear.build(w, bias, native=True)
     assert native.path == "native" and native.packed is None
-    # By default fp32 takes the native kernel only where its build beats oneDNN (AVX-512).
+    # By default fp32 takes the native kernel only where its build beats oneDNN (AVX-512, AVX2).
     default = linear.Linear.build(w, bias)
-    assert default.path == ("native" if cpu_native.active_variant() == "avx512" else native_or_onednn(w))
+    faster = cpu_native.active_variant() in ("avx512", "avx2")
+    assert default.path == ("native" if faster else native_or_onednn(w))
     monkeypatch.setattr(cpu_linear, "preferred", lambda: True)
     assert linear.Linear.build(w, bias).path == "native"
     monkeypatch.setattr(cpu_linear, "preferred", lambda: False)

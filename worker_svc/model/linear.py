@@ -5,13 +5,12 @@ bound by reading the weights. ``F.linear`` (MKL ``sgemm``) repacks the weight ma
 blocked layout on every call, so each weight is read, written and read again per step. Two packed
 paths read only a copy laid out for them, made once here:
 
-- fp32 where the native library's AVX-512 build is loaded: ``kernels/cpu_linear.py``
-  (``csrc/linear.c``), 32-column panels streamed at the memory's rate. On an AVX-512 host the
-  layers and output layer of SmolLM2-135M's shape ran 1.3-1.6x faster than oneDNN's prepacked linear
-  at a decode step's 1-16 rows and level with it at a prefill's hundreds (``bench/dense_bench.py``,
-  side by side). Its AVX2 build is 3.5-50x slower than oneDNN, so AVX2 hosts do not use it
-  (``cpu_linear.preferred()``).
-- otherwise (bf16, an AVX2-only CPU, or no native library): oneDNN's prepacked linear
+- fp32 where the native library's AVX-512 or AVX2 build is loaded (``cpu_linear.preferred()``):
+  ``kernels/cpu_linear.py`` (``csrc/linear.c``), 32-column panels streamed at the memory's rate. The
+  layers and output layer of SmolLM2-135M's shape ran 1.3-1.6x faster than oneDNN's prepacked
+  linear at a decode step's 1-16 rows on an AVX-512 host, and 1.1-1.4x faster at 1-256 rows on an
+  AVX2 one (``bench/dense_bench.py``, side by side).
+- otherwise (bf16, the baseline x86-64 build, or no native library): oneDNN's prepacked linear
   (``torch.ops.mkldnn._reorder_linear_weight`` once, then ``torch.ops.mkldnn._linear_pointwise``:
   what inductor's weight freezing emits on CPU), 1.2-2.3x faster than ``F.linear`` at 16 and 64
   rows. MKL's own packed GEMM (``_mkl_linear``) was not used: it only uses the packed weight when
