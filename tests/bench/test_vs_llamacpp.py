@@ -28,6 +28,11 @@ def test_requests_share_three_system_prompts_and_stay_within_their_bounds() -> N
     # three different system prompts, and user turns that differ
     assert len({tuple(r.prompt[:64]) for r in reqs}) == 3
     assert len({tuple(r.prompt) for r in reqs}) == 32
+    # another round: the same system prompts, new user turns (no whole prompt repeats from round 0)
+    again = vs_llamacpp.make_requests(32, 49152, seed=0, turn=1)
+    for i, (a, b) in enumerate(zip(reqs, again, strict=True)):
+        head = vs_llamacpp.SYSTEM_PROMPTS[i % 3]
+        assert a.prompt[:head] == b.prompt[:head] and a.prompt != b.prompt
 
 
 def _server(name: str, weights: str) -> Server:
@@ -48,7 +53,7 @@ def test_the_table_gives_medians_and_per_round_ratios_of_its_own_passes() -> Non
     }
     reqs = [Req([7] * 5, 3), Req([8] * 6, 2)]
     lines = vs_llamacpp.table("2 in flight", reqs, passes, servers, {s.name: 2048 for s in servers})
-    assert "2 requests, 11 prompt tokens, 5 generated" in lines[0]
+    assert "2 requests a round (round 1: 11 prompt tokens, 5 generated" in lines[0]
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in lines[4:]}
     assert rows["llama.cpp Q"][:2] == ["Q", "20.0"]
     assert rows["llama.cpp F32"][1] == "5.0"
