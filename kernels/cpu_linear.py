@@ -7,8 +7,8 @@ shape run 1.3-1.6x faster than oneDNN's prepacked linear at 1-16 rows and level 
 prefill's hundreds (``bench/dense_bench.py`` measures both side by side).
 
 Its register tile follows the variant's vector registers (AVX-512: 8 rows x 2 vectors of 16 floats;
-AVX2: 3 rows x 4 vectors of 8). Before the AVX2 tile existed, that build compiled the AVX-512 tile,
-kept every accumulator on the stack and ran 3.5-50x slower than oneDNN; with its own tile it runs
+AVX2: 3 rows x 4 vectors of 8). The AVX-512 tile compiled for AVX2 keeps every accumulator on the stack
+and runs 3.5-50x slower than oneDNN; with its own tile the AVX2 build runs
 1.1-1.4x faster than oneDNN at 1-256 rows on the AVX2 development VM (``bench/dense_bench.py``,
 docs/kernels.md). The model uses it (``worker_svc/model/linear.py``) where ``preferred()`` says so:
 a variant it was measured faster on is loaded. Elsewhere (the baseline x86-64 build, whose 16 SSE

@@ -35,8 +35,8 @@
 /* The register tile follows the vector registers the variant has. AVX-512: 32 registers of 16 floats,
  * a panel row is 2 vectors and 8 rows of x take 16 accumulators. AVX2 (and the baseline build): 16
  * registers of 8 floats, a panel row is 4 vectors, so 3 rows take 12 accumulators and leave room for
- * the broadcast and a weight vector. Written for AVX-512's shape everywhere, the AVX2 build kept
- * every accumulator on the stack and ran 3.5-50x slower than oneDNN (docs/kernels.md). */
+ * the broadcast and a weight vector. The AVX-512 tile compiled for AVX2 keeps every accumulator
+ * on the stack and runs 3.5-50x slower than oneDNN (docs/kernels.md). */
 #if defined(__AVX512F__)
 #define VW 16
 #define TILE_ROWS 8
