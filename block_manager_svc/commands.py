@@ -109,6 +109,7 @@ class Step(_Cmd, frozen=True):
     fork_child_seq_ids: list[str] = []
     swap_in_seq_ids: list[str] = []
     tenant: str = ""
+    grant_seq_ids: list[str] = []  # last: records written before grants existed lack it
 
     @classmethod
     def of(cls, b: StepBatch) -> Step:
@@ -132,6 +133,7 @@ class Step(_Cmd, frozen=True):
             list(b.fork_child_seq_ids),
             list(b.swap_in_seq_ids),
             b.tenant,
+            list(b.grant_seq_ids),
         )
 
     def batch(self) -> StepBatch:
@@ -152,6 +154,7 @@ class Step(_Cmd, frozen=True):
             fork_child_seq_ids=self.fork_child_seq_ids,
             swap_in_seq_ids=self.swap_in_seq_ids,
             tenant=self.tenant,
+            grant_seq_ids=self.grant_seq_ids,
         )
 
 

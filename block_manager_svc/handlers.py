@@ -301,6 +301,7 @@ def step_batch(request: pb.StepRequest, tenant: str, sub: _SubAppends | None, fr
         fork_child_seq_ids=request.fork_child_seq_ids,
         swap_in_seq_ids=request.swap_in_seq_ids,
         tenant=tenant,
+        grant_seq_ids=request.grant_seq_ids,
     )
 
 
@@ -552,6 +553,9 @@ class CoreStage:
             resp.alloc_num_cached_tokens.extend(r.alloc_num_cached_tokens)
             resp.packed_alloc_block_index.extend(r.alloc_block_index)
             resp.packed_alloc_block_ids.extend(r.alloc_block_ids)
+        if r.grant_block_ids:
+            resp.packed_grant_index.extend(r.grant_index)
+            resp.packed_grant_block_ids.extend(r.grant_block_ids)
         n_sub = len(request.frees)
         for released in r.released[:n_sub]:
             resp.frees.add(num_blocks_released=released)
@@ -562,6 +566,7 @@ class CoreStage:
             or r.alloc_errors
             or r.fork_errors
             or r.swap_in_errors
+            or r.grant_errors
             or (sub is not None and sub.bad)
         ):
             self._step_errors(request, context, r, sub, resp.errors, n_sub)
@@ -594,6 +599,8 @@ class CoreStage:
             errors.append(_item_error(pb.StepItemError.FORK, err))
         for err in r.swap_in_errors:
             errors.append(_item_error(pb.StepItemError.SWAP_IN, err))
+        for err in r.grant_errors:
+            errors.append(_item_error(pb.StepItemError.GRANT, err))
         self.log_limit.info(
             log,
             "step_item_errors",

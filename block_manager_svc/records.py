@@ -150,6 +150,8 @@ class SeqRecord(_Rec, frozen=True):
     num_committed: int
     pending_hashes: list[bytes]
     tenant: str
+    # Later than the first version-3 documents: a record without it holds no block ahead.
+    ahead_block: int = -1
 
 
 class VictimQueueRecord(_Rec, frozen=True):
@@ -281,6 +283,7 @@ def _seq_record(s: SeqState) -> SeqRecord:
         num_committed=s.num_committed,
         pending_hashes=list(s.pending_hashes),
         tenant=s.tenant,
+        ahead_block=s.ahead_block,
     )
 
 
@@ -437,6 +440,7 @@ def _seq(r: SeqRecord) -> SeqState:
         num_committed=r.num_committed,
         pending_hashes=list(r.pending_hashes),
         tenant=r.tenant,
+        ahead_block=r.ahead_block,
     )
 
 

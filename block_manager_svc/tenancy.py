@@ -312,6 +312,7 @@ def _step(request: pb.StepRequest, context: Any, p: str) -> pb.StepRequest:
         "alloc_seq_ids",
         "fork_parent_seq_ids",
         "fork_child_seq_ids",
+        "grant_seq_ids",
     ):
         src = getattr(request, field)
         if src:

@@ -5,7 +5,8 @@ request path. `check_invariants(bm)` raises AssertionError naming the first
 inconsistency:
 
 * every block is exactly one of free, cached (evictable) or referenced, and the
-  reference counts equal the block tables;
+  reference counts equal the block tables and the blocks granted ahead (each
+  private to a running sequence, outside its table, unhashed);
 * the prefix index, the blocks' hashes, the parent/child counts and the leaf
   flags the eviction policy keeps agree; every hashed block is committed KV;
 * the hashes a sequence kept from Allocate are its pending blocks' chain;
@@ -58,6 +59,12 @@ def _check_gpu_pool(bm: BlockManager) -> None:
         assert seq.cpu_block_ids is None, f"running {seq.seq_id} has CPU blocks"
         for b in seq.block_ids:
             counts[b] += 1
+        if seq.ahead_block >= 0:
+            assert seq.ahead_block not in seq.block_ids, f"{seq.seq_id}'s block ahead is in its table"
+            assert pool.block_hash[seq.ahead_block] is None, f"{seq.seq_id}'s block ahead is hashed"
+            counts[seq.ahead_block] += 1
+    for seq in bm.swapped.values():
+        assert seq.ahead_block < 0, f"swapped {seq.seq_id} holds a block ahead"
     assert counts == pool.ref_counts, "ref counts differ from the tables"
     free = set(pool.free_list)
     assert len(free) == len(pool.free_list), "a block is on the free list twice"

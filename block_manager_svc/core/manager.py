@@ -354,24 +354,25 @@ class BlockManager:
             )
         cow = cur % bs != 0 and pool.ref_counts[seq.block_ids[-1]] > 1
         needed = after - len(seq.block_ids) + cow
-        if needed:
-            self.ledger.check_gpu(seq.tenant, needed)
+        # A block granted ahead is the first new block the growth takes (never the copy-on-write
+        # copy: the frontend may already have written the next block's KV into it).
+        from_pool = needed - (seq.ahead_block >= 0 and after > len(seq.block_ids))
+        if from_pool:
+            self.ledger.check_gpu(seq.tenant, from_pool)
         available = pool.num_available
-        if needed <= available:
+        if from_pool <= available:
             return cow, needed, None
         if self.preempt_on:
             grown = scope.grown_groups(pos) if scope is not None else None
-            plan = self.preemption.plan(seq, needed - available, grown)
+            plan = self.preemption.plan(seq, from_pool - available, grown)
             if plan is not None:
                 return cow, needed, plan
-        raise self.exhausted(f"appending {num_tokens} tokens to {seq.seq_id!r}", needed, available)
+        raise self.exhausted(f"appending {num_tokens} tokens to {seq.seq_id!r}", from_pool, available)
 
     def _apply_append(
         self, seq: SeqState, num_tokens: int, token_ids: array[int] | None, cow: bool, needed: int
     ) -> tuple[list[int], tuple[int, int] | None]:
         pool = self.pool
-        if needed:
-            self.ledger.charge_gpu(seq.tenant, needed)
         copy: tuple[int, int] | None = None
         new_blocks: list[int] = []
         if cow:
@@ -382,9 +383,15 @@ class BlockManager:
             copy = (old, fresh)
             new_blocks.append(fresh)
             self.num_cow_copies += 1
+            self.ledger.charge_gpu(seq.tenant, 1)
             needed -= 1
         if needed:
-            grown = pool.take(needed)
+            grown = []
+            if seq.ahead_block >= 0:  # already charged at its grant
+                grown.append(seq.ahead_block)
+                seq.ahead_block = -1
+            self.ledger.charge_gpu(seq.tenant, needed - len(grown))
+            grown.extend(pool.take(needed - len(grown)))
             seq.block_ids.extend(grown)
             new_blocks.extend(grown)
         seq.num_tokens += num_tokens
@@ -523,9 +530,46 @@ class BlockManager:
         if seq.group in self.groups:
             self._leave_group(seq)
         decref = self.pool.decref
-        released = sum(1 for b in reversed(seq.block_ids) if decref(b))
+        released = self.drop_ahead(seq)
+        released += sum(1 for b in reversed(seq.block_ids) if decref(b))
         self.ledger.released(seq.tenant, released, 0)
         return released
+
+    # --- Grant ----------------------------------------------------------------
+    def grant(self, seq_id: str) -> int:
+        """Hold the running sequence's next block for it now, ahead of need; returns its id.
+
+        A frontend that knows the block its sequence grows into may compute the next block's
+        tokens before telling the manager of them (their appends wait for a Step it makes anyway),
+        so an iteration that only appends needs no round trip at all. One block ahead at most:
+        a sequence that holds one gets the same one back. A grant never preempts and never takes
+        the admission watermark's blocks (like Allocate): without that room it is refused."""
+        seq = self.get_running(seq_id)
+        if seq.ahead_block >= 0:
+            return seq.ahead_block
+        pool = self.pool
+        if len(seq.block_ids) + 1 > pool.num_blocks:
+            raise InvalidArgument(
+                f"sequence {seq_id!r} holds {len(seq.block_ids)} blocks; one more is more than the "
+                f"whole pool ({pool.num_blocks} blocks)"
+            )
+        self.ledger.check_gpu(seq.tenant, 1)
+        watermark = self.config.watermark_blocks
+        available = admission_room(pool.num_available, watermark)
+        if available < 1:
+            raise self.exhausted(f"granting {seq_id!r} a block ahead", 1, max(available, 0), watermark)
+        self.ledger.charge_gpu(seq.tenant, 1)
+        seq.ahead_block = pool.take_one()
+        return seq.ahead_block
+
+    def drop_ahead(self, seq: SeqState) -> int:
+        """Give back the sequence's block granted ahead, if any; returns the blocks freed (0 or 1).
+        The caller accounts it to the tenant (free and swap-out release blocks together)."""
+        b = seq.ahead_block
+        if b < 0:
+            return 0
+        seq.ahead_block = -1
+        return int(self.pool.decref(b))
 
     def _leave_group(self, seq: SeqState) -> None:
         members = self.groups.get(seq.group)
@@ -539,7 +583,8 @@ class BlockManager:
         """Everything one engine iteration needs, as a loop over the
         single-sequence operations in this order: commits (what the last worker
         step computed), frees (they make room), appends, allocations (new
-        requests), forks, swap-ins.
+        requests), forks, swap-ins, grants (blocks held ahead of need, last so
+        that they take no room the others need).
 
         `batch` is packed parallel arrays (core/step_batch.py), because that is
         what the wire carries cheaply and what a scheduler holds; its shapes are
@@ -614,6 +659,13 @@ class BlockManager:
             except CoreError as e:
                 result.swap_in_results.append(None)
                 result.swap_in_errors.append(ItemError(j, seq_id, e.code, e.message))
+
+        for j, seq_id in enumerate(batch.grant_seq_ids):
+            try:
+                result.grant_block_ids.append(self.grant(seq_id))
+                result.grant_index.append(j)
+            except CoreError as e:
+                result.grant_errors.append(ItemError(j, seq_id, e.code, e.message))
         return result
 
     def _step_appends(self, result: StepResult, batch: StepBatch) -> None:

@@ -268,6 +268,7 @@ class Preempter:
                 if d == ref_counts[b]:
                     freed += 1
                 distinct.add(b)
+            freed += seqs[m].ahead_block >= 0  # private; released, never swapped
         # Tokens the re-prefill cannot get from the prefix cache: everything but
         # the leading hashed blocks that other (non-victim) sequences keep referenced.
         bs, block_hash = self.block_size, self.pool.block_hash
@@ -361,6 +362,9 @@ class Preempter:
                 else:
                     cpu.incref(c)
                 cpu_ids.append(c)
+            if seq.ahead_block >= 0:  # a block granted ahead holds no KV worth keeping
+                gpu_released += pool.decref(seq.ahead_block)
+                seq.ahead_block = -1
             for b in reversed(seq.block_ids):
                 gpu_released += pool.decref(b)
             out.append(Preemption(m, PreemptionMode.SWAP.value, seq.num_tokens, len(seq.block_ids), share))

@@ -139,6 +139,10 @@ class StepResult:
     # One result per requested swap-in (None on error), applied last.
     swap_in_results: list[SwapInResult | None] = field(default_factory=list)
     swap_in_errors: list[ItemError] = field(default_factory=list)
+    # Grants, applied after the swap-ins: the block each granted item holds ahead, by item index.
+    grant_index: list[int] = field(default_factory=list)
+    grant_block_ids: list[int] = field(default_factory=list)
+    grant_errors: list[ItemError] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -59,6 +59,14 @@ class SeqState:
 
     `tenant` is who the sequence is charged to ("" with tenancy off); it is
     set once at admission and inherited by forks.
+
+    `ahead_block` is a block granted ahead of need (Grant, -1: none): private,
+    charged to the sequence and freed with it, but not in `block_ids` (so
+    `len(block_ids)` stays the blocks its tokens fill). The first append that
+    needs a new block takes it instead of a block from the pool, so the
+    frontend, which was told its id, may write the next block's KV before
+    telling the manager of those tokens. It is never shared (a fork does not
+    inherit it) and never swapped (swap-out releases it).
     """
 
     seq_id: str
@@ -76,3 +84,4 @@ class SeqState:
     num_committed: int = 0
     pending_hashes: list[bytes] = field(default_factory=list)
     tenant: str = ""
+    ahead_block: int = -1

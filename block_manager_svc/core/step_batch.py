@@ -18,7 +18,7 @@ from dataclasses import dataclass
 @dataclass(slots=True)
 class StepBatch:
     """Everything one Step applies, in the order the core applies it: commits, frees,
-    appends, allocations, forks, swap-ins. Every item belongs to `tenant` ("" = tenancy off).
+    appends, allocations, forks, swap-ins, grants. Every item belongs to `tenant` ("" = tenancy off).
 
     Shapes the builder guarantees: each group's parallel arrays have one entry per item;
     `append_token_ids` holds the ids of the items whose ids are known, concatenated, as
@@ -41,3 +41,4 @@ class StepBatch:
     fork_child_seq_ids: Sequence[str] = ()
     swap_in_seq_ids: Sequence[str] = ()
     tenant: str = ""
+    grant_seq_ids: Sequence[str] = ()

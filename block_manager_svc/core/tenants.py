@@ -161,7 +161,10 @@ class TenantLedger:
                         u.preemptions = prev.preemptions
                 u.sequences += 1
                 blocks: Iterable[int] = seq.block_ids if table is gpu else seq.cpu_block_ids or ()
-                table.setdefault(t, set()).update(blocks)
+                held = table.setdefault(t, set())
+                held.update(blocks)
+                if seq.ahead_block >= 0:
+                    held.add(seq.ahead_block)
         for t, blocks in gpu.items():
             usage[t].gpu_blocks = len(blocks)
         for t, blocks in cpu.items():

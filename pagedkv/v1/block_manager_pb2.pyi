@@ -657,6 +657,8 @@ class StepItemError(_message.Message):
         """index into StepRequest.alloc_seq_ids"""
         FORK: StepItemError._Kind.ValueType  # 8
         """index into StepRequest.fork_parent_seq_ids (seq_id: the child)"""
+        GRANT: StepItemError._Kind.ValueType  # 9
+        """index into StepRequest.grant_seq_ids"""
 
     class Kind(_Kind, metaclass=_KindEnumTypeWrapper): ...
     KIND_UNSPECIFIED: StepItemError.Kind.ValueType  # 0
@@ -676,6 +678,8 @@ class StepItemError(_message.Message):
     """index into StepRequest.alloc_seq_ids"""
     FORK: StepItemError.Kind.ValueType  # 8
     """index into StepRequest.fork_parent_seq_ids (seq_id: the child)"""
+    GRANT: StepItemError.Kind.ValueType  # 9
+    """index into StepRequest.grant_seq_ids"""
 
     KIND_FIELD_NUMBER: _builtins.int
     INDEX_FIELD_NUMBER: _builtins.int
@@ -711,7 +715,7 @@ class StepRequest(_message.Message):
     do for it, as packed parallel arrays.
 
     Apply order: commits (what the previous worker step computed), frees (they
-    make room), appends, allocations (new requests), forks, swap-ins. Items are
+    make room), appends, allocations (new requests), forks, swap-ins, grants. Items are
     applied one by one, each atomically: a failed item is reported in
     StepResponse.errors and changes nothing; the other items still apply. Arrays
     whose lengths do not match reject the whole Step (INVALID_ARGUMENT).
@@ -742,6 +746,7 @@ class StepRequest(_message.Message):
     ALLOC_CACHE_SALTS_FIELD_NUMBER: _builtins.int
     FORK_PARENT_SEQ_IDS_FIELD_NUMBER: _builtins.int
     FORK_CHILD_SEQ_IDS_FIELD_NUMBER: _builtins.int
+    GRANT_SEQ_IDS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     @_builtins.property
     def appends(self) -> _containers.RepeatedCompositeFieldContainer[Global___AppendRequest]: ...
@@ -805,6 +810,19 @@ class StepRequest(_message.Message):
 
     @_builtins.property
     def fork_child_seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def grant_seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Running sequences to grant their next block ahead of need, applied last.
+        The block is held for the sequence (charged to it, freed with it, released
+        if it is swapped out) and becomes its table's next entry at the first
+        append that needs a new block: that append reports it as a new block like
+        any other. So a client told the id may compute the next block's tokens
+        before sending their appends, and an iteration that only appends needs no
+        Step. One block ahead at most: a sequence that holds one gets the same id
+        again. Grants never preempt and need room above the admission watermark
+        (otherwise the item fails with RESOURCE_EXHAUSTED).
+        """
+
     def __init__(
         self,
         *,
@@ -826,10 +844,11 @@ class StepRequest(_message.Message):
         alloc_cache_salts: _abc.Iterable[_builtins.str] | None = ...,
         fork_parent_seq_ids: _abc.Iterable[_builtins.str] | None = ...,
         fork_child_seq_ids: _abc.Iterable[_builtins.str] | None = ...,
+        grant_seq_ids: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["alloc_cache_salts", b"alloc_cache_salts", "alloc_lease_ids", b"alloc_lease_ids", "alloc_num_tokens", b"alloc_num_tokens", "alloc_priorities", b"alloc_priorities", "alloc_seq_ids", b"alloc_seq_ids", "alloc_token_ids", b"alloc_token_ids", "append_num_tokens", b"append_num_tokens", "append_seq_ids", b"append_seq_ids", "append_token_ids", b"append_token_ids", "appends", b"appends", "commit_num_computed_tokens", b"commit_num_computed_tokens", "commit_seq_ids", b"commit_seq_ids", "fork_child_seq_ids", b"fork_child_seq_ids", "fork_parent_seq_ids", b"fork_parent_seq_ids", "free_seq_ids", b"free_seq_ids", "frees", b"frees", "request_id", b"request_id", "swap_in_seq_ids", b"swap_in_seq_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alloc_cache_salts", b"alloc_cache_salts", "alloc_lease_ids", b"alloc_lease_ids", "alloc_num_tokens", b"alloc_num_tokens", "alloc_priorities", b"alloc_priorities", "alloc_seq_ids", b"alloc_seq_ids", "alloc_token_ids", b"alloc_token_ids", "append_num_tokens", b"append_num_tokens", "append_seq_ids", b"append_seq_ids", "append_token_ids", b"append_token_ids", "appends", b"appends", "commit_num_computed_tokens", b"commit_num_computed_tokens", "commit_seq_ids", b"commit_seq_ids", "fork_child_seq_ids", b"fork_child_seq_ids", "fork_parent_seq_ids", b"fork_parent_seq_ids", "free_seq_ids", b"free_seq_ids", "frees", b"frees", "grant_seq_ids", b"grant_seq_ids", "request_id", b"request_id", "swap_in_seq_ids", b"swap_in_seq_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -854,6 +873,8 @@ class StepResponse(_message.Message):
     PACKED_ALLOC_BLOCK_INDEX_FIELD_NUMBER: _builtins.int
     PACKED_ALLOC_BLOCK_IDS_FIELD_NUMBER: _builtins.int
     PREFIX_CACHE_DROPS_FIELD_NUMBER: _builtins.int
+    PACKED_GRANT_INDEX_FIELD_NUMBER: _builtins.int
+    PACKED_GRANT_BLOCK_IDS_FIELD_NUMBER: _builtins.int
     num_blocks_released: _builtins.int
     """Blocks released by the frees of this step (sub-message and packed)."""
     num_available_blocks: _builtins.int
@@ -918,6 +939,14 @@ class StepResponse(_message.Message):
     def packed_alloc_block_index(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
     def packed_alloc_block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def packed_grant_index(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Packed grant results: (index into grant_seq_ids, the block held ahead)
+        for every grant that applied.
+        """
+
+    @_builtins.property
+    def packed_grant_block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
         self,
         *,
@@ -936,10 +965,12 @@ class StepResponse(_message.Message):
         packed_alloc_block_index: _abc.Iterable[_builtins.int] | None = ...,
         packed_alloc_block_ids: _abc.Iterable[_builtins.int] | None = ...,
         prefix_cache_drops: _builtins.int = ...,
+        packed_grant_index: _abc.Iterable[_builtins.int] | None = ...,
+        packed_grant_block_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["ops", b"ops"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["alloc_num_cached_tokens", b"alloc_num_cached_tokens", "appends", b"appends", "errors", b"errors", "frees", b"frees", "num_available_blocks", b"num_available_blocks", "num_blocks_released", b"num_blocks_released", "ops", b"ops", "packed_alloc_block_ids", b"packed_alloc_block_ids", "packed_alloc_block_index", b"packed_alloc_block_index", "packed_new_block_ids", b"packed_new_block_ids", "packed_new_block_index", b"packed_new_block_index", "packed_replaced_index", b"packed_replaced_index", "preempted", b"preempted", "prefix_cache_drops", b"prefix_cache_drops", "swap_ins", b"swap_ins"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alloc_num_cached_tokens", b"alloc_num_cached_tokens", "appends", b"appends", "errors", b"errors", "frees", b"frees", "num_available_blocks", b"num_available_blocks", "num_blocks_released", b"num_blocks_released", "ops", b"ops", "packed_alloc_block_ids", b"packed_alloc_block_ids", "packed_alloc_block_index", b"packed_alloc_block_index", "packed_grant_block_ids", b"packed_grant_block_ids", "packed_grant_index", b"packed_grant_index", "packed_new_block_ids", b"packed_new_block_ids", "packed_new_block_index", b"packed_new_block_index", "packed_replaced_index", b"packed_replaced_index", "preempted", b"preempted", "prefix_cache_drops", b"prefix_cache_drops", "swap_ins", b"swap_ins"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -25,8 +25,14 @@ def _core() -> BlockManager:
 
 
 def _view(core: BlockManager) -> tuple:
-    tables = {s: (list(q.block_ids), q.num_tokens, q.num_committed) for s, q in core.seqs.items()}
+    tables = {
+        s: (list(q.block_ids), q.num_tokens, q.num_committed, q.ahead_block) for s, q in core.seqs.items()
+    }
     return tables, list(core.pool.ref_counts), dict(core.pool.index), list(core.pool.free_list), core.stats()
+
+
+def live_ahead(core: BlockManager) -> set[str]:
+    return {s for s, q in core.seqs.items() if q.ahead_block >= 0}
 
 
 def test_the_journal_holds_explicit_commands_that_rebuild_the_same_state(tmp_path: Path) -> None:
@@ -72,9 +78,11 @@ def test_the_journal_holds_explicit_commands_that_rebuild_the_same_state(tmp_pat
                 alloc_num_tokens=[5],
                 alloc_token_ids=[1, 2, 3, 4, 5],
                 alloc_lease_ids=["M"],
+                grant_seq_ids=["n", "ghost"],  # one granted, one refused: both replayed alike
             ),
             ctx,
         )
+        assert live_ahead(sv._core) == {"n"}
         live_core = sv._core
         live_leases = sv.reliable.leases
         records = list(scan(state, 0, ScanReport(), repair=False))

@@ -42,6 +42,7 @@ def _busy_core(policy: str = "lru-size") -> BlockManager:
     bm.free("c")  # cached blocks in the eviction policy
     bm.preempt("b", "swap")  # a swapped group on the CPU pool
     bm.allocate("d", 5, [4] * 5)
+    bm.grant("d")  # a block held ahead of need
     bm.enable_tenancy(TenantLedger())
     return bm
 
@@ -109,7 +110,7 @@ _KNOWN = {
     ),
     "SeqState": (
         "seq_id block_ids num_tokens pending_tokens last_hash num_hashed_blocks priority arrival group "
-        "cpu_block_ids num_committed pending_hashes tenant",
+        "cpu_block_ids num_committed pending_hashes tenant ahead_block",
         "",
     ),
 }
@@ -121,6 +122,24 @@ def _attributes(obj: object) -> set[str]:
         slots = klass.__dict__.get("__slots__", ())
         names.update((slots,) if isinstance(slots, str) else slots)
     return names - {"__weakref__", "__dict__"}
+
+
+def test_a_state_written_before_blocks_were_granted_ahead_holds_none() -> None:
+    """A version-3 sequence record without the trailing ``ahead_block`` (written before grants
+    existed) reads as a sequence holding no block ahead."""
+    bm = BlockManager(CoreConfig(num_gpu_blocks=12, block_size=4, num_cpu_blocks=6, preemption_mode="swap"))
+    bm.allocate("x", 10, list(range(10)))
+    bm.allocate("y", 3, [7, 8, 9])
+    bm.preempt("y", "swap")
+    doc = msgspec.msgpack.decode(records.encode(records.to_record(bm, LeaseTable(), DedupeTable())))
+    running = doc["core"][2]
+    assert running and doc["core"][3] and all(r[-1] == -1 for r in running + doc["core"][3])
+    for r in running + doc["core"][3]:
+        del r[-1]
+    old = records.decode(msgspec.msgpack.encode(doc))
+    core = records.core_from_record(records.config_of(old.config), old.core)
+    assert all(s.ahead_block == -1 for s in core.seqs.values())
+    assert canonical(core) == canonical(bm)
 
 
 @pytest.mark.parametrize("policy", ["lru", "lru-size"])
@@ -135,7 +154,9 @@ def test_every_core_attribute_is_persisted_or_derived(policy: str) -> None:
 # --- random operations, then a round trip, then the same operations on both ---------------------
 OPS = st.lists(
     st.tuples(
-        st.sampled_from(["alloc", "append", "commit", "fork", "free", "preempt", "swap_in", "reset"]),
+        st.sampled_from(
+            ["alloc", "append", "commit", "fork", "free", "preempt", "swap_in", "reset", "grant"]
+        ),
         st.integers(0, 3),  # sequence (few: operations meet the same sequences)
         st.integers(1, 9),  # tokens
         st.integers(0, 2),  # token value / priority
@@ -165,6 +186,8 @@ def _run(bm: BlockManager, ops: list[tuple[str, int, int, int]]) -> list[object]
                 out.append(bm.preempt(s))
             elif op == "swap_in":
                 out.append(bm.swap_in(s))
+            elif op == "grant":
+                out.append(bm.grant(s))
             else:
                 out.append(bm.reset_prefix_cache())
         except CoreError as e:

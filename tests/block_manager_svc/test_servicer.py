@@ -275,6 +275,50 @@ def test_step_packed_form_returns_only_deltas(stub) -> None:  # type: ignore[no-
     assert r.num_available_blocks == stats(stub).num_free_blocks
 
 
+def test_a_block_granted_ahead_is_the_one_the_sequence_grows_into(stub) -> None:  # type: ignore[no-untyped-def]
+    """Grant: the block is held now (used blocks count it), a second grant returns the same id, the
+    append that crosses the boundary reports that block, a refused grant changes nothing, and a
+    free returns it to the pool."""
+    a = stub.Allocate(pb.AllocateRequest(seq_id="a", num_tokens=3, token_ids=[1, 2, 3]))
+    used = stats(stub).num_used_blocks
+    r = stub.Step(pb.StepRequest(grant_seq_ids=["a", "ghost"]))
+    assert list(r.packed_grant_index) == [0] and len(r.packed_grant_block_ids) == 1
+    ahead = r.packed_grant_block_ids[0]
+    assert ahead not in a.block_ids and stats(stub).num_used_blocks == used + 1
+    assert [(e.kind, e.index, e.seq_id, e.code) for e in r.errors] == [
+        (pb.StepItemError.GRANT, 1, "ghost", grpc.StatusCode.NOT_FOUND.value[0])
+    ]
+    again = stub.Step(pb.StepRequest(grant_seq_ids=["a"]))
+    assert list(again.packed_grant_block_ids) == [ahead] and stats(stub).num_used_blocks == used + 1
+    # Five tokens: one fills the last block, four go into the block granted ahead.
+    r = stub.Step(
+        pb.StepRequest(append_seq_ids=["a"], append_num_tokens=[5], append_token_ids=[4, 5, 6, 7, 8])
+    )
+    assert not r.errors and list(r.packed_new_block_ids) == [ahead]
+    assert list(stub.GetBlockTable(pb.GetBlockTableRequest(seq_id="a")).block_ids) == [*a.block_ids, ahead]
+    assert stats(stub).num_used_blocks == used + 1
+    stub.Step(pb.StepRequest(grant_seq_ids=["a"]))
+    assert stats(stub).num_used_blocks == used + 2
+    stub.Free(pb.FreeRequest(seq_id="a"))
+    assert stats(stub).num_used_blocks == 0
+
+
+def test_a_grant_never_takes_the_last_blocks_or_preempts(server_factory) -> None:  # type: ignore[no-untyped-def]
+    bm = server_factory(num_gpu_blocks=4, block_size=4)
+    with grpc.insecure_channel(f"127.0.0.1:{bm.port}") as channel:
+        stub = pb_grpc.BlockManagerStub(channel)
+        stub.Allocate(pb.AllocateRequest(seq_id="a", num_tokens=12))
+        stub.Allocate(pb.AllocateRequest(seq_id="b", num_tokens=1))
+        before = stats(stub)
+        r = stub.Step(pb.StepRequest(grant_seq_ids=["b"]))
+        assert not r.packed_grant_block_ids and not r.preempted
+        assert [(e.kind, e.code) for e in r.errors] == [
+            (pb.StepItemError.GRANT, grpc.StatusCode.RESOURCE_EXHAUSTED.value[0])
+        ]
+        assert "granting" in r.errors[0].message
+        assert stats(stub) == before
+
+
 def test_step_submessage_form_has_one_result_per_item(stub) -> None:  # type: ignore[no-untyped-def]
     a = stub.Allocate(pb.AllocateRequest(seq_id="a", num_tokens=2))
     stub.Fork(pb.ForkRequest(parent_seq_id="a", child_seq_id="b"))

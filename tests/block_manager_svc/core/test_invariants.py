@@ -13,6 +13,10 @@ by `check_invariants` each step.
 Commits are modelled the way an engine works: allocating or appending
 reserves slots but writes nothing; `compute` writes a sequence's pending
 tokens (a worker step); `commit` tells the manager up to where KV was written.
+A block granted ahead is used the way the engine uses it: `write_ahead`
+writes new tokens past the sequence's slots, into its private tail and the
+granted block, before appending them; the append must then hand out that very
+block, so the tokens read back.
 A prefix hit on a block whose KV was never written reads back None instead of
 the prompt, so "a hit never points at an uncommitted block" is checked on
 every Allocate.
@@ -53,6 +57,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.tokens: dict[str, list[int]] = {}  # the model: each sequence's tokens
         self.computed: dict[str, int] = {}  # leading tokens whose KV was written (by it or a sharer)
         self.phys: dict[int, list[int | None]] = {}  # what each physical block holds
+        self.ahead: dict[str, int] = {}  # blocks granted ahead, as the grants answered
 
     # --- the model's data plane -------------------------------------------------
     def _write(self, seq_id: str, start: int) -> None:
@@ -119,6 +124,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     @rule(seq_id=NAMES, new=st.lists(TOKEN, min_size=1, max_size=BS + 1), with_ids=st.booleans())
     def append(self, seq_id: str, new: list[int], with_ids: bool) -> None:
         before = self._snapshot()
+        table = list(self.bm.seqs[seq_id].block_ids) if seq_id in self.bm.seqs else []
         try:
             r = self.bm.append(seq_id, len(new), new if with_ids else None)
         except NotFound:
@@ -129,7 +135,55 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert self._snapshot() == before
             return
         self._apply_copies(r.ops.copies)
+        self._grown(seq_id, table, self.bm.seqs[seq_id].block_ids)
         self.tokens[seq_id].extend(new)
+
+    def _grown(self, seq_id: str, before: list[int], after: list[int]) -> None:
+        """The append grew ``seq_id`` from table ``before`` to ``after``: its first new block is the
+        one granted ahead, if it held one (which is then spent)."""
+        if len(after) > len(before) and seq_id in self.ahead:
+            assert after[len(before)] == self.ahead.pop(seq_id), "the append skipped the block granted ahead"
+
+    @rule(seq_id=NAMES)
+    def grant(self, seq_id: str) -> None:
+        before = self._snapshot()
+        try:
+            b = self.bm.grant(seq_id)
+        except NotFound:
+            assert seq_id not in self.tokens
+            assert self._snapshot() == before
+            return
+        except ResourceExhausted:
+            assert seq_id not in self.ahead
+            assert self._snapshot() == before
+            return
+        assert self.ahead.setdefault(seq_id, b) == b, "a second grant gave another block"
+        assert b not in self.bm.seqs[seq_id].block_ids and self.bm.pool.ref_counts[b] == 1
+        self.phys[b] = [None] * BS  # a fresh block holds nothing yet
+
+    @precondition(lambda self: bool(self.ahead))
+    @rule(data=st.data())
+    def write_ahead(self, data: st.DataObject) -> None:
+        """The engine computes new tokens before appending them: into the free slots of its private
+        tail, then the granted block; then it appends them (with their ids or not)."""
+        seq_id = data.draw(st.sampled_from(sorted(self.ahead)))
+        seq = self.bm.seqs[seq_id]
+        toks = self.tokens[seq_id]
+        if self.computed[seq_id] != len(toks):
+            return  # the engine computes a sequence's pending tokens first
+        room = len(seq.block_ids) * BS - len(toks)
+        if room and self.bm.pool.ref_counts[seq.block_ids[-1]] > 1:
+            return  # a shared tail's appends never wait (they copy on write)
+        new = data.draw(st.lists(TOKEN, min_size=1, max_size=room + BS))
+        table = [*seq.block_ids, self.ahead[seq_id]]
+        for pos, t in enumerate(new, start=len(toks)):
+            self.phys.setdefault(table[pos // BS], [None] * BS)[pos % BS] = t
+        before_table = list(seq.block_ids)
+        r = self.bm.append(seq_id, len(new), new if data.draw(st.booleans()) else None)
+        assert not r.ops.copies and not r.preempted
+        self._grown(seq_id, before_table, self.bm.seqs[seq_id].block_ids)
+        toks.extend(new)
+        self.computed[seq_id] = len(toks)
 
     @rule(parent=NAMES, child=NAMES)
     def fork(self, parent: str, child: str) -> None:
@@ -151,6 +205,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         except NotFound:
             assert seq_id not in self.tokens
             return
+        self.ahead.pop(seq_id, None)
         del self.tokens[seq_id]
         del self.computed[seq_id]
 
@@ -183,6 +238,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         appends = [s for s in appends if s not in frees]
         new = data.draw(st.lists(TOKEN, min_size=len(appends), max_size=len(appends)))
         commits = [s for s in sorted(self.tokens) if data.draw(st.booleans())]
+        grants = data.draw(st.lists(st.sampled_from(names), unique=True, max_size=3))
+        tables = {s: list(self.bm.seqs[s].block_ids) for s in appends if s in self.bm.seqs}
         r = self.bm.step(
             StepBatch(
                 append_seq_ids=appends,
@@ -190,6 +247,7 @@ class AllocatorMachine(RuleBasedStateMachine):
                 free_seq_ids=frees,
                 commit_seq_ids=commits,
                 commit_num_computed_tokens=[self.computed[s] for s in commits],
+                grant_seq_ids=grants,
             )
         )
         assert not r.commit_errors
@@ -198,6 +256,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             if s in failed_frees:
                 assert s not in self.tokens
             else:
+                self.ahead.pop(s, None)
                 del self.tokens[s]
                 del self.computed[s]
         self._apply_copies(r.ops.copies)
@@ -205,13 +264,23 @@ class AllocatorMachine(RuleBasedStateMachine):
         for i, s in enumerate(appends):
             if i in failed:
                 continue
+            self._grown(s, tables[s], self.bm.seqs[s].block_ids)
             self.tokens[s].append(new[i])
+        refused = {e.index for e in r.grant_errors}
+        assert r.grant_index == [j for j in range(len(grants)) if j not in refused]
+        for j, b in zip(r.grant_index, r.grant_block_ids, strict=True):
+            if self.ahead.setdefault(grants[j], b) != b:
+                raise AssertionError("a second grant gave another block")
+            self.phys.setdefault(b, [None] * BS)
+        for e in r.grant_errors:
+            assert e.seq_id == "ghost" or e.seq_id in frees or self.bm.pool.num_available == 0, e
 
     @precondition(lambda self: bool(self.tokens))
     @rule()
     def free_everything(self) -> None:
         for s in list(self.tokens):
             self.bm.free(s)
+        self.ahead.clear()
         self.tokens.clear()
         self.computed.clear()
         st_ = self.bm.stats()

@@ -56,7 +56,11 @@ def workload(stub, rng: random.Random, n: int, tag: str = "") -> list[tuple[str,
                 req = pb.FreeRequest(seq_id=live.pop(rng.randrange(len(live))), request_id=rid)
                 acked.append(("Free", req, stub.Free(req)))
             elif r < 0.85:
-                req = pb.StepRequest(append_seq_ids=rng.sample(live, min(3, len(live))), request_id=rid)
+                req = pb.StepRequest(
+                    append_seq_ids=rng.sample(live, min(3, len(live))),
+                    grant_seq_ids=rng.sample(live, min(2, len(live))),
+                    request_id=rid,
+                )
                 acked.append(("Step", req, stub.Step(req)))
             elif r < 0.9:  # a Commit of some of what the sequence holds (recovery keeps the cache)
                 s = rng.choice(live)
