@@ -1,10 +1,14 @@
-"""Block-manager round trips per engine iteration, with and without deferred appends.
+"""Block-manager round trips per engine iteration: every iteration, deferred appends, and deferred
+appends with blocks granted ahead.
 
 Every decode iteration used to make one block-manager Step, only to append a slot per sequence.
 With ``EngineConfig.defer_appends`` (the default) an iteration in which no block table changes
-makes none: this counts Steps and iterations for one sequence and for many, on the in-process
+makes none; with ``EngineConfig.grant_ahead_tokens`` (on by default) a Step made anyway also grants
+the sequences near the end of their blocks their next block, so crossing a block boundary needs no
+Step either. This counts Steps and iterations for one sequence and for many, on the in-process
 stack with the built-in tiny model (the count does not depend on the model), each request a random
-prompt and the same number of generated tokens.
+prompt and the same number of generated tokens. The modes run one after the other on one stack per
+row group, on the same requests, with the prefix cache emptied between them.
 
     python -m bench.bm_round_trips [--sequences 1,32] [--max-tokens 128] [--block-size 16]
 """
@@ -20,37 +24,52 @@ from frontend.launch.config import StackConfig
 from frontend.launch.local_stack import LocalStack
 from pagedkv.logging_setup import configure_logging
 
+# (label, EngineConfig fields): the three ways an engine can talk to the block manager.
+MODES: dict[str, dict[str, object]] = {
+    "every iteration": {"defer_appends": False},
+    "deferred appends": {"defer_appends": True, "grant_ahead_tokens": 0},
+    "deferred + granted ahead": {"defer_appends": True},
+}
+
 
 @dataclass(slots=True, frozen=True)
 class Row:
     sequences: int
-    defer_appends: bool
+    mode: str
     iterations: int
     steps: int
+    blocks_granted: int
 
     @property
     def per_iteration(self) -> float:
         return self.steps / self.iterations
 
 
-def measure(sequences: int, defer_appends: bool, max_tokens: int, block_size: int, seed: int = 0) -> Row:
+def requests(sequences: int, max_tokens: int, seed: int = 0) -> list[GenerationRequest]:
     rng = random.Random(seed)
-    blocks = sequences * -(-(200 + max_tokens) // block_size) + 64
+    return [
+        GenerationRequest(
+            f"r{i}", [rng.randrange(1, 200) for _ in range(rng.randrange(20, 200))], max_tokens=max_tokens
+        )
+        for i in range(sequences)
+    ]
+
+
+def measure(sequences: int, max_tokens: int, block_size: int, modes: list[str]) -> list[Row]:
+    """Each mode's engine on one stack, the same requests, the prefix cache emptied before each."""
+    blocks = sequences * (-(-(200 + max_tokens) // block_size) + 1) + 64
+    rows = []
     with LocalStack(StackConfig(num_gpu_blocks=blocks, block_size=block_size)) as stack:
-        engine = stack.engine(EngineConfig(max_num_seqs=max(sequences, 1), defer_appends=defer_appends))
-        try:
-            requests = [
-                GenerationRequest(
-                    f"r{i}",
-                    [rng.randrange(1, 200) for _ in range(rng.randrange(20, 200))],
-                    max_tokens=max_tokens,
-                )
-                for i in range(sequences)
-            ]
-            engine.generate(requests)
-            return Row(sequences, defer_appends, engine.stats.steps, engine.stats.bm_round_trips)
-        finally:
-            engine.close()
+        for mode in modes:
+            engine = stack.engine(EngineConfig(max_num_seqs=max(sequences, 1), **MODES[mode]))  # type: ignore[arg-type]
+            try:
+                engine.bm.reset_prefix_cache()
+                engine.generate(requests(sequences, max_tokens))
+                s = engine.stats
+                rows.append(Row(sequences, mode, s.steps, s.bm_round_trips, s.blocks_granted_ahead))
+            finally:
+                engine.close()
+    return rows
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -58,15 +77,23 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sequences", default="1,32", help="comma-separated numbers of requests run at once")
     ap.add_argument("--max-tokens", type=int, default=128, help="tokens each request generates")
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of: {', '.join(MODES)}")
     args = ap.parse_args(argv)
+    modes = [m.strip() for m in args.modes.split(",")]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        ap.error(f"unknown mode(s) {unknown}; choose from {list(MODES)}")
     configure_logging("warning", "console")
-    print("| sequences | defer_appends | engine iterations | block-manager Steps | Steps per iteration |")
-    print("|---|---|---|---|---|")
+    print(
+        "| sequences | block-manager calls | engine iterations | block-manager Steps | Steps per iteration "
+        "| blocks granted ahead |"
+    )
+    print("|---|---|---|---|---|---|")
     for n in (int(x) for x in args.sequences.split(",")):
-        for defer in (False, True):
-            r = measure(n, defer, args.max_tokens, args.block_size)
+        for r in measure(n, args.max_tokens, args.block_size, modes):
             print(
-                f"| {r.sequences} | {r.defer_appends} | {r.iterations} | {r.steps} | {r.per_iteration:.3f} |"
+                f"| {r.sequences} | {r.mode} | {r.iterations} | {r.steps} | {r.per_iteration:.3f} "
+                f"| {r.blocks_granted} |"
             )
 
 

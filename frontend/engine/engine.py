@@ -108,7 +108,12 @@ class Engine:
             geometry.prefix_caching,
         )
         self.scheduler = Scheduler(
-            limits, self.num_gpu_blocks, self.instance_id, self.stats, defer_appends=self.config.defer_appends
+            limits,
+            self.num_gpu_blocks,
+            self.instance_id,
+            self.stats,
+            defer_appends=self.config.defer_appends,
+            grant_ahead_tokens=self.config.grant_ahead_tokens,
         )
         self._step_ids = itertools.count()
         # The prefill pipeline's chunk in flight: its future and its items.
@@ -434,8 +439,11 @@ class Engine:
         self._last_call_end = None
 
     def flush(self) -> None:
-        """Free what finished in the last step (also done at the start of the next step)."""
-        if self.scheduler.to_free:
+        """Free what finished in the last step (also done at the start of the next step): two
+        Steps when a finished sequence's deferred appends must go before its commit."""
+        for _ in range(2):
+            if not self.scheduler.frees_due():
+                return
             try:
                 self._block_manager_step(full=False)
             except ManagerLostState as e:

@@ -141,7 +141,7 @@ def worker_request(
         item = req.sequences.add(
             seq_id=s.seq_id,
             token_ids=s.tokens[start : start + k],
-            block_ids=s.block_table,
+            block_ids=s.step_blocks,
             num_cached_tokens=start,
         )
         fill_sampling(item.sampling, s.request.sampling, s.seed)

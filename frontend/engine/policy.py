@@ -62,7 +62,7 @@ def admissions(
     bs = limits.block_size
     room = limits.max_num_seqs - len(running) - num_swap_in
     # Blocks the growing sequences take first (their tokens past the blocks they hold).
-    growth = sum(max(0, -(-len(s.tokens) // bs) - len(s.block_table)) for s in grow)
+    growth = sum(max(0, -(-len(s.tokens) // bs) - s.blocks_held) for s in grow)
     budget = admission_room(pool.available - growth, limits.watermark)
     out: list[Seq] = []
     held = 0
@@ -88,6 +88,31 @@ def admissions(
         room -= width
         budget -= need
     return out, held
+
+
+def grants(running: Sequence[Seq], spare: int, limits: Limits, ahead_tokens: int) -> list[Seq]:
+    """Running sequences to grant their next block ahead in a Step made anyway, at most ``spare``:
+    those whose held blocks have room for fewer than ``ahead_tokens`` more tokens and that will
+    generate past them, nearest the boundary first. Not a sequence sharing its tail (its next
+    append copies on write, in a Step of its own) nor one that waits for its parent's prefill.
+    A sequence whose tokens have passed into its block granted ahead may have the next one: the
+    Step's appends (before its grants) make that block a table entry."""
+    if ahead_tokens <= 0 or spare <= 0:
+        return []
+    bs = limits.block_size
+    out: list[tuple[int, Seq]] = []
+    for s in running:
+        if s.tail_shared or s.awaiting_parent:
+            continue
+        held = max(len(s.block_table), -(-len(s.tokens) // bs))  # after this Step's appends
+        if s.ahead_block is not None and held == len(s.block_table):
+            continue  # its block ahead is still ahead
+        room = held * bs - len(s.tokens)
+        left = s.request.max_tokens - len(s.completion.token_ids)
+        if room < ahead_tokens and left > room:
+            out.append((room, s))
+    out.sort(key=lambda x: x[0])
+    return [s for _, s in out[:spare]]
 
 
 def batches(

@@ -49,6 +49,7 @@ class BlockManagerPlan:
     swap_in: list[Seq] = field(default_factory=list)
     admit: list[Seq] = field(default_factory=list)
     forks: list[tuple[Seq, Seq]] = field(default_factory=list)
+    grant: list[Seq] = field(default_factory=list)
 
     @property
     def created(self) -> list[str]:
@@ -74,9 +75,12 @@ class Scheduler:
         stats: EngineStats,
         *,
         defer_appends: bool = True,
+        grant_ahead_tokens: int | None = None,
     ) -> None:
         self.limits = limits
         self.defer_appends = defer_appends  # EngineConfig.defer_appends
+        # EngineConfig.grant_ahead_tokens (None: the block size)
+        self.grant_ahead_tokens = limits.block_size if grant_ahead_tokens is None else grant_ahead_tokens
         self.num_gpu_blocks = num_gpu_blocks
         self.id_prefix = id_prefix  # sequence ids are unique per engine: many engines share a manager
         self.stats = stats
@@ -91,6 +95,9 @@ class Scheduler:
         self.held: set[str] = set()
         # Sequences a Step that got no answer may have created: freed in the next Step that does.
         self.unconfirmed: list[str] = []
+        # Finished sequences the manager preempted before their Free: nothing of theirs can be
+        # appended or committed any more (a recompute victim is gone, a swapped one is on the CPU).
+        self.preempted_finished: set[str] = set()
         self.pending_ops = pb.CacheOps()  # cache ops owed to the workers, sent with the next worker step
         self.blocks = PoolView(num_gpu_blocks, 0)  # what the last Step reply said about the block pool
         # What recently finished sequences committed: a hint for admission (frontend/engine/admission.py),
@@ -194,7 +201,9 @@ class Scheduler:
         and frees only. Commits are marked as sent here.
 
         With ``defer_appends``, appends that fit the blocks their sequence holds, and commits, wait
-        for the next Step something else needs; that Step carries every deferred token id."""
+        for the next Step something else needs; that Step carries every deferred token id, and
+        grants the sequences near the end of their blocks their next block ahead (policy.grants),
+        so that crossing a block boundary does not need a Step of its own either."""
         bs = self.limits.block_size
         grow = [s for s in self.running if s.needs_slot] if full else []
         swap_in = policy.swap_ins(self.swapped, len(self.running), self.limits) if full else []
@@ -213,9 +222,13 @@ class Scheduler:
             self.stats.admissions_held += held
         commits = self._commits()
         frees = self.frees_due() + self.unconfirmed
+        owed = self._owed_slots(frees)
+        if owed:  # their appends first; their commits and Frees in the next Step
+            sent = {s.seq_id for s in owed}
+            frees = [x for x in frees if x not in sent]
         lazy = self.defer_appends and full
         must_grow = [s for s in grow if not s.has_room(bs)] if lazy else grow
-        if not (must_grow or frees or swap_in or admit or (commits and not lazy)):
+        if not (must_grow or frees or swap_in or admit or owed or (commits and not lazy)):
             return None
         for s, n in commits:
             s.num_committed = n
@@ -224,6 +237,19 @@ class Scheduler:
         ]
         # One append per token the manager has no slot for yet (its id: hashed for the prefix cache).
         items = [(s, t) for s in grow for t in s.tokens[s.num_slots :]]
+        items += [(s, t) for s in owed for t in s.tokens[s.num_slots : s.num_computed // bs * bs]]
+        grant: list[Seq] = []
+        if lazy:
+            bs = self.limits.block_size
+            spare = (
+                self.blocks.available
+                - self.limits.watermark
+                - sum(self.prompt_blocks(s.tokens) for s in admit)
+                - sum(max(0, -(-len(s.tokens) // bs) - s.blocks_held) for s in grow)
+            )
+            # Admitted ones too: the manager applies grants after this Step's allocations.
+            candidates = [*self.running, *(s for s in admit if s.width == 1)]
+            grant = policy.grants(candidates, spare, self.limits, self.grant_ahead_tokens)
         step = StepPlan(
             commits=[(s.seq_id, n) for s, n in commits],
             frees=frees,
@@ -231,8 +257,28 @@ class Scheduler:
             allocs=[(s.seq_id, s.tokens, s.request.priority) for s in admit],
             forks=[(p.seq_id, c.seq_id) for p, c in forks],
             swap_ins=[s.seq_id for s in swap_in],
+            grants=[s.seq_id for s in grant],
         )
-        return BlockManagerPlan(step, [s for s, _ in items], swap_in, admit, forks)
+        return BlockManagerPlan(step, [s for s, _ in items], swap_in, admit, forks, grant)
+
+    def _owed_slots(self, frees: list[str]) -> list[Seq]:
+        """Finished sequences about to be freed whose computed KV fills a block the manager has no
+        slots for yet (their appends were deferred, into blocks they held: the block granted ahead
+        among them). Committing that block first needs those appends, and the manager applies a
+        Step's commits before its appends: so this Step appends, and the next commits and frees
+        (else generated text would never reach the prefix cache, for the next turn of a chat)."""
+        if not self.defer_appends or not self.limits.prefix_caching:
+            return []
+        bs = self.limits.block_size
+        due = set(frees)
+        return [
+            s
+            for s in self.finishing()
+            if s.seq_id in due
+            and s.status is SeqStatus.FINISHED
+            and s.seq_id not in self.preempted_finished
+            and s.num_computed // bs > min(s.num_computed, s.num_slots) // bs
+        ]
 
     def _sample_of(self, parent: Seq, index: int) -> Seq:
         """Sample ``index`` of the parent's request, forked at its admission from its prompt."""
@@ -252,6 +298,8 @@ class Scheduler:
         bs = self.limits.block_size
         out = []
         for s in itertools.chain(self.running, self.finishing()):
+            if s.seq_id in self.preempted_finished:
+                continue
             n = min(s.num_computed, s.num_slots)
             if n // bs > s.num_committed // bs:
                 out.append((s, n))
@@ -271,13 +319,22 @@ class Scheduler:
             sent = set(plan.step.frees)
             self.to_free = [x for x in self.to_free if x not in sent]
             self.unconfirmed = []
+            self.preempted_finished -= sent
         self.note_pool(delta)
         grow = plan.grow
         for i, block, replaces_last in delta.grown:
+            s = grow[i]
             if replaces_last:
-                grow[i].block_table[-1] = block
-            else:
-                grow[i].block_table.append(block)
+                s.block_table[-1] = block
+                continue
+            if s.ahead_block is not None:
+                if block != s.ahead_block:  # its KV may already be in the granted block
+                    raise RuntimeError(
+                        f"block manager grew {s.seq_id} into block {block}, not block {s.ahead_block} "
+                        "it granted ahead"
+                    )
+                s.ahead_block = None
+            s.block_table.append(block)
         self.pending_ops.copies.extend(delta.ops.copies)
         self.pending_ops.swap_out.extend(delta.ops.swap_out)
         self.pending_ops.swap_in.extend(delta.ops.swap_in)
@@ -288,9 +345,13 @@ class Scheduler:
         self._apply_allocations(delta, plan.admit, errors["alloc"])
         self._apply_forks(plan.forks, errors["fork"])
         self._apply_swap_ins(delta, plan.swap_in)
+        for j, block in delta.granted:  # (a refused grant changes nothing: it is asked again later)
+            if plan.grant[j].running:
+                plan.grant[j].ahead_block = block
+                self.stats.blocks_granted_ahead += 1
         failed: set[int] = set()
         for err in delta.errors:
-            if err.kind in ("alloc", "fork", "swap_in"):
+            if err.kind in ("alloc", "fork", "swap_in", "grant"):
                 continue  # handled above (a swap-in without room stays swapped)
             if err.seq_id in preempted:
                 failed.add(err.index)
@@ -307,7 +368,7 @@ class Scheduler:
             else:
                 raise RuntimeError(f"block manager refused to grow {err.seq_id}: {err.message}")
         for i, s in enumerate(grow):
-            if i not in failed and s.running:
+            if i not in failed and (s.running or s.status is SeqStatus.FINISHED):  # (owed slots)
                 s.num_slots += 1
                 s.tail_shared = False  # the manager copied a shared tail on this write
 
@@ -357,12 +418,18 @@ class Scheduler:
         for p in delta.preempted:
             victims.add(p.seq_id)
             seq = self.seqs.get(p.seq_id)
+            if seq is not None and seq.status is SeqStatus.FINISHED:
+                self.preempted_finished.add(
+                    seq.seq_id
+                )  # its Free still goes (a swapped one holds CPU blocks)
+                continue
             if seq is None or not seq.running:
                 continue
             if p.swap:
                 self.running.remove(seq)
                 seq.status = SeqStatus.SWAPPED
                 seq.block_table = []
+                seq.ahead_block = None  # released by the swap-out
                 self.swapped.append(seq)
                 self.stats.preempted_swap += 1
             else:
@@ -396,6 +463,7 @@ class Scheduler:
             self.running.remove(seq)
         seq.status = SeqStatus.WAITING
         seq.block_table = []
+        seq.ahead_block = None
         seq.num_computed = seq.num_committed = seq.num_slots = 0
         seq.parent = None
         seq.tail_shared = False
@@ -408,6 +476,7 @@ class Scheduler:
         victims = list(self.running) + list(self.swapped)
         frees = [s.seq_id for s in victims] + self.to_free + self.unconfirmed
         self.to_free, self.unconfirmed = [], []
+        self.preempted_finished.clear()
         return victims, frees
 
     def requeue_all(self, victims: list[Seq]) -> None:

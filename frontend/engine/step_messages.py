@@ -29,13 +29,14 @@ class StepPlan:
     allocs: list[tuple[str, list[int], int]] = field(default_factory=list)  # (seq id, tokens, priority)
     forks: list[tuple[str, str]] = field(default_factory=list)  # (parent, child)
     swap_ins: list[str] = field(default_factory=list)
+    grants: list[str] = field(default_factory=list)  # a block ahead of need, applied last
 
 
 @dataclass(slots=True, frozen=True)
 class ItemError:
     """One item of a Step the manager refused (nothing of it applied). ``code``: a grpc.StatusCode value."""
 
-    kind: str  # "append", "free", "alloc", "fork", "swap_in", "commit"
+    kind: str  # "append", "free", "alloc", "fork", "swap_in", "commit", "grant"
     index: int
     seq_id: str
     code: int
@@ -64,6 +65,7 @@ class StepDelta:
     alloc_tables: list[list[int]]
     alloc_cached: list[int]
     swap_ins: list[list[tuple[str, list[int]]]]
+    granted: list[tuple[int, int]] = field(default_factory=list)  # (grant index, block ahead)
 
 
 _KINDS = {
@@ -75,6 +77,7 @@ _KINDS = {
     pb.StepItemError.FORK: "fork",
     pb.StepItemError.SWAP_IN: "swap_in",
     pb.StepItemError.COMMIT: "commit",
+    pb.StepItemError.GRANT: "grant",
 }
 
 
@@ -95,6 +98,7 @@ def step_request(plan: StepPlan, lease_id: str) -> pb.StepRequest:
         fork_parent_seq_ids=[p for p, _ in plan.forks],
         fork_child_seq_ids=[c for _, c in plan.forks],
         swap_in_seq_ids=plan.swap_ins,
+        grant_seq_ids=plan.grants,
     )
 
 
@@ -122,15 +126,21 @@ def step_delta(resp: pb.StepResponse, num_allocs: int) -> StepDelta:
         alloc_tables=tables,
         alloc_cached=list(resp.alloc_num_cached_tokens) or [0] * num_allocs,
         swap_ins=[[(m.seq_id, list(m.block_ids)) for m in r.sequences] for r in resp.swap_ins],
+        granted=[
+            (int(i), int(b))
+            for i, b in zip(resp.packed_grant_index, resp.packed_grant_block_ids, strict=False)
+        ],
     )
 
 
 def unknown_sequences(delta: StepDelta) -> list[str]:
     """Sequences the engine holds that the manager answered NOT_FOUND for (commits, appends,
-    swap-ins; not a victim preempted in this very Step): it no longer has the engine's state."""
+    swap-ins, grants; not a victim preempted in this very Step): it no longer has the engine's state."""
     victims = {p.seq_id for p in delta.preempted}
     return [
         e.seq_id
         for e in delta.errors
-        if e.kind in ("commit", "append", "swap_in") and e.code == NOT_FOUND and e.seq_id not in victims
+        if e.kind in ("commit", "append", "swap_in", "grant")
+        and e.code == NOT_FOUND
+        and e.seq_id not in victims
     ]

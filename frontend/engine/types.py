@@ -192,6 +192,9 @@ class Seq:
     forks_sent: list[Seq] = field(default_factory=list)
     # SamplingOptions.grammar: this sample's place in it (frontend/serve/grammar.py Matcher).
     matcher: Any = None
+    # The block the manager granted it ahead of need (Step grant_seq_ids): its table's next entry
+    # once its tokens pass the blocks in the table, so it computes into it before any Step says so.
+    ahead_block: int | None = None
 
     @property
     def completion(self) -> Completion:
@@ -212,12 +215,24 @@ class Seq:
         """Its last sampled token has no slot in the block manager yet (the next Step appends one)."""
         return self.running and self.num_slots < len(self.tokens)
 
+    @property
+    def blocks_held(self) -> int:
+        """Blocks the manager holds for it: its table and the block granted ahead."""
+        return len(self.block_table) + (self.ahead_block is not None)
+
+    @property
+    def step_blocks(self) -> list[int]:
+        """The table a worker step gets: with the block granted ahead, which the step writes into
+        once the tokens pass the table (the manager makes it the next entry at that append)."""
+        return self.block_table if self.ahead_block is None else [*self.block_table, self.ahead_block]
+
     def has_room(self, block_size: int) -> bool:
         """May it compute its last token now? Yes once the block manager holds a slot for it, or
-        while its tokens fit the blocks it holds in a private tail (the appends wait for a Step)."""
+        while its tokens fit the blocks it holds (the block granted ahead too) in a private tail
+        (the appends wait for a Step)."""
         if not self.needs_slot:
             return True
-        return not self.tail_shared and len(self.tokens) <= len(self.block_table) * block_size
+        return not self.tail_shared and len(self.tokens) <= self.blocks_held * block_size
 
     @property
     def awaiting_parent(self) -> bool:
@@ -245,6 +260,11 @@ class EngineConfig:
     # new block, a copy-on-write, an admission, a free, a swap-in), carrying every deferred token
     # id: an iteration in which no block table changes makes no block-manager round trip.
     defer_appends: bool = True
+    # With defer_appends: a Step made anyway also grants each running sequence whose held blocks
+    # have room for fewer than this many more tokens (and that will generate past them) its next
+    # block ahead, so crossing a block boundary needs no Step either. None: the block size;
+    # 0: never. Costs at most one block per running sequence, and only above the watermark.
+    grant_ahead_tokens: int | None = None
     # How long the block manager may stay unreachable (UNAVAILABLE / DEADLINE_EXCEEDED, retried with
     # backoff) before step() raises BlockManagerUnavailable (`pagedkv serve --block-manager-outage-s`).
     block_manager_outage_s: float = 30.0
@@ -275,6 +295,7 @@ class EngineStats:
     worker_idle_gaps: int = 0
     prefill_launches: int = 0  # async prefill chunks sent to prefill workers (disaggregated layout)
     slots_reserved_ahead: int = 0  # decode slots reserved while the workers computed (overlap)
+    blocks_granted_ahead: int = 0  # blocks the manager granted running sequences ahead of need
     # Admissions deferred by one iteration because another sequence was computing their prefix.
     admissions_held: int = 0
     # Faults (docs/reliability.md): block-manager calls retried after UNAVAILABLE/DEADLINE_EXCEEDED;

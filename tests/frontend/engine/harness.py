@@ -2,7 +2,10 @@
 deterministic stand-in for the workers, driven the way the engine drives them (plan, call, apply).
 
 The stand-in "model" samples each token as a function of every token before it, so a sequence
-that is preempted and recomputed must come out with exactly the tokens it would have had."""
+that is preempted and recomputed must come out with exactly the tokens it would have had. Its
+"KV cache" is real bookkeeping: each step writes its tokens into the slots its block table names
+(after the cache ops: swap-out, copies, swap-in) and reads the whole context back through that
+table, so a wrong table, a missed copy or a block used ahead of the manager's say changes tokens."""
 
 from __future__ import annotations
 
@@ -76,11 +79,14 @@ class Driver:
     events: list[TokenEvent] = field(default_factory=list)
     worker_steps: list[list[tuple[str, int]]] = field(default_factory=list)
     ops_sent: int = 0
+    gpu: dict[int, dict[int, int]] = field(default_factory=dict)  # block -> slot -> token written
+    cpu: dict[int, dict[int, int]] = field(default_factory=dict)
 
     @classmethod
     def make(
         cls, *, num_gpu_blocks: int, block_size: int = 4, max_num_seqs: int = 8, max_batch_tokens: int = 64,
-        watermark: int = 0, prefix_caching: bool = True, defer_appends: bool = True, **core: object,
+        watermark: int = 0, prefix_caching: bool = True, defer_appends: bool = True,
+        grant_ahead_tokens: int | None = None, **core: object,
     ) -> Driver:  # fmt: skip
         bm = CoreBlockManager(
             num_gpu_blocks=num_gpu_blocks,
@@ -91,7 +97,15 @@ class Driver:
         )
         limits = Limits(max_num_seqs, max_batch_tokens, block_size, watermark, prefix_caching)
         stats = EngineStats()
-        return cls(Scheduler(limits, num_gpu_blocks, "test", stats, defer_appends=defer_appends), bm)
+        scheduler = Scheduler(
+            limits,
+            num_gpu_blocks,
+            "test",
+            stats,
+            defer_appends=defer_appends,
+            grant_ahead_tokens=grant_ahead_tokens,
+        )
+        return cls(scheduler, bm)
 
     def add(
         self, rid: str, prompt: list[int], max_tokens: int = 4, n: int = 1, seed: int | None = None
@@ -113,13 +127,23 @@ class Driver:
         batch = decode + prefill
         ops = sched.take_ops()
         self.ops_sent += len(ops.copies) + len(ops.swap_out) + len(ops.swap_in)
+        for src, dst in ((c.src, c.dst) for c in ops.swap_out):
+            self.cpu[dst] = dict(self.gpu.get(src, {}))
+        for src, dst in ((c.src, c.dst) for c in ops.copies):
+            self.gpu[dst] = dict(self.gpu.get(src, {}))
+        for src, dst in ((c.src, c.dst) for c in ops.swap_in):
+            self.gpu[dst] = dict(self.cpu.get(src, {}))
         if not batch:
             return []
         self.worker_steps.append([(s.seq_id, k) for s, k in batch])
         items = [PrefillItem(s, s.num_computed, k) for s, k in batch]
         outputs = []
+        bs = sched.limits.block_size
         for s, k in batch:
-            context = s.tokens[: s.num_computed + k]
+            table = s.step_blocks  # what the worker request carries
+            for pos in range(s.num_computed, s.num_computed + k):
+                self.gpu.setdefault(table[pos // bs], {})[pos % bs] = s.tokens[pos]
+            context = [self.gpu[table[pos // bs]].get(pos % bs, -1) for pos in range(s.num_computed + k)]
             draws = sched.fork_draws(s, k)
             out = wpb.SequenceOutput(token_id=next_token(context, s.seed or 0))
             for child in draws:
@@ -145,9 +169,10 @@ class Driver:
 
     def assert_nothing_held(self) -> None:
         """Everything finished was freed: the manager holds no sequence and no referenced block."""
-        plan = self.scheduler.plan(full=False)  # the frees of the last iteration (a flush)
-        if plan is not None:
-            self.scheduler.apply_block_manager(plan, self.bm.step(plan.step))
+        for _ in range(2):  # the frees of the last iteration (a flush: their owed appends first)
+            plan = self.scheduler.plan(full=False)
+            if plan is not None:
+                self.scheduler.apply_block_manager(plan, self.bm.step(plan.step))
         assert self.bm.num_sequences() == 0
         assert self.bm.blocks_in_use() == 0
         self.bm.core.check_invariants()

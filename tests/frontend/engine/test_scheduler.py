@@ -32,7 +32,7 @@ def test_an_admission_leaves_the_block_a_running_sequence_crosses_into() -> None
     """A running sequence crosses a block boundary in the same Step that two requests wait, with
     exactly enough blocks for the growth and one of them: the second is held back (not even
     asked for), and nothing is preempted."""
-    d = Driver.make(num_gpu_blocks=4, prefix_caching=False, preemption_mode="recompute")
+    d = Driver.make(num_gpu_blocks=4, prefix_caching=False, preemption_mode="recompute", grant_ahead_tokens=0)
     d.add("a", _prompt(0, 4), max_tokens=8)  # 4 tokens: its 5th needs a second block
     d.add("c", _prompt(1, 3), max_tokens=3)  # 3 tokens: its 4th fits its block
     d.iterate()
@@ -60,7 +60,7 @@ def test_appends_inside_a_block_wait_for_the_step_that_needs_a_block() -> None:
     """One sequence decoding: a Step only when it crosses into a new block (and to allocate and to
     free), each carrying the deferred token ids, which the prefix cache then hashes: a second
     request whose prompt is the first one's whole text hits the generated blocks."""
-    d = Driver.make(num_gpu_blocks=16, block_size=4)
+    d = Driver.make(num_gpu_blocks=16, block_size=4, grant_ahead_tokens=0)
     prompt = _prompt(0, 6)
     d.add("r", prompt, max_tokens=14)
     iterations = 0
@@ -80,6 +80,65 @@ def test_appends_inside_a_block_wait_for_the_step_that_needs_a_block() -> None:
     assert d.scheduler.outputs["again"].num_cached_tokens == 16, "the generated blocks were hashed"
     d.run()
     d.assert_nothing_held()
+
+
+def test_a_block_granted_ahead_takes_the_boundary_crossing_off_the_step_path() -> None:
+    """With grants, the allocation's Step also grants block 3, so crossing into it needs no Step;
+    the crossing into block 4 does, carrying the seven deferred token ids and granting block 5, into
+    which the last tokens go without a Step. Once it finished, one Step appends the deferred tokens
+    that complete block 4 and the next commits and frees it. The worker stand-in wrote tokens into
+    each granted block before the manager put it in the table, and read them back through the
+    table: the tokens are the fault-free ones, the prefix cache hashes them, and nothing stays held."""
+    d = Driver.make(num_gpu_blocks=16, block_size=4)
+    prompt = _prompt(0, 6)
+    d.add("r", prompt, max_tokens=14)
+    while d.scheduler.has_work():
+        d.iterate()
+    assert d.tokens("r") == expected(prompt, 14)
+    assert [len(st.appends) for st in d.bm.steps] == [0, 7, 3, 0]
+    assert [len(st.grants) for st in d.bm.steps] == [1, 1, 0, 0]
+    assert [len(st.frees) for st in d.bm.steps] == [0, 0, 0, 1]
+    d.assert_nothing_held()
+    text = prompt + d.tokens("r")
+    d.add("again", text[:17], max_tokens=1)
+    d.iterate()
+    assert d.scheduler.outputs["again"].num_cached_tokens == 16, "the generated blocks were hashed"
+    d.run()
+    d.assert_nothing_held()
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 13), min_size=2, max_size=6),
+    max_tokens=st.lists(st.integers(1, 17), min_size=6, max_size=6),
+    num_gpu_blocks=st.integers(16, 40),  # one request always fits (30 tokens in 2-token blocks)
+    ahead=st.sampled_from([None, 0, 1, 2, 3]),
+)
+def test_grants_change_no_token_and_cut_steps(
+    lengths: list[int], max_tokens: list[int], num_gpu_blocks: int, ahead: int | None
+) -> None:
+    """Any mix of requests, pool sizes (preempting by recompute under pressure) and grant thresholds:
+    the tokens are the fault-free ones, nothing stays held, and granting never makes more Steps."""
+
+    def run(grant: int | None) -> tuple[dict[str, list[int]], int]:
+        d = Driver.make(
+            num_gpu_blocks=num_gpu_blocks, block_size=2, preemption_mode="recompute", grant_ahead_tokens=grant
+        )
+        for i, n in enumerate(lengths):
+            d.add(f"r{i}", _prompt(i, n), max_tokens=max_tokens[i])
+        d.run()
+        d.assert_nothing_held()
+        return {f"r{i}": d.tokens(f"r{i}") for i in range(len(lengths))}, len(d.bm.steps)
+
+    with_grants, steps = run(ahead)
+    without, base_steps = run(0)
+    assert (
+        with_grants
+        == without
+        == {f"r{i}": expected(_prompt(i, n), max_tokens[i]) for i, n in enumerate(lengths)}
+    )
+    if ahead != 0:
+        assert steps <= base_steps + 1
 
 
 def test_without_deferral_every_decode_iteration_makes_a_step() -> None:
