@@ -19,6 +19,7 @@ import tarfile
 import time
 import uuid
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -56,20 +57,39 @@ def image_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return py
 
 
+@dataclass(frozen=True)
+class Wheelhouse:
+    path: Path
+    build: subprocess.CompletedProcess[str]  # what tools/gpu_wheels.sh printed building it
+
+
 @pytest.fixture(scope="module")
-def wheelhouse(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The rehearsal's wheelhouse, built the documented way (a plain pip download)."""
-    path = tmp_path_factory.mktemp("wheels") / "native"
+def wheels(tmp_path_factory: pytest.TempPathFactory) -> Wheelhouse:
+    """The rehearsal's wheelhouse, built the documented way (a plain pip download), with a first
+    ``python`` on PATH that fails: the script must read the versions from the project's venv."""
+    tmp = tmp_path_factory.mktemp("wheels")
+    fake = tmp / "bin"
+    fake.mkdir()
+    (fake / "python").write_text("#!/bin/sh\necho 'the first python on PATH' >&2; exit 3\n")
+    (fake / "python").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHON"}
+    env["PATH"] = f"{fake}:{env['PATH']}"
+    path = tmp / "native"
     build = subprocess.run(
         ["bash", str(ROOT / "tools" / "gpu_wheels.sh"), "--native", str(path)],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=300,
-        env={k: v for k, v in os.environ.items() if k != "PYTHON"},
+        env=env,
     )
     assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-2000:]
-    return path
+    return Wheelhouse(path, build)
+
+
+@pytest.fixture(scope="module")
+def wheelhouse(wheels: Wheelhouse) -> Path:
+    return wheels.path
 
 
 def _env(tmp_path: Path, **env: str) -> dict[str, str]:
@@ -292,22 +312,10 @@ def test_gpu_detection_falls_back_to_torch_without_nvidia_smi(tmp_path: Path, sm
     assert rows["preflight"][0].startswith("FAILED") and rows["env"][0] == "not run (preflight failed)"
 
 
-def test_gpu_wheels_reads_versions_from_the_project_venv_not_path(tmp_path: Path) -> None:
-    fake = tmp_path / "bin"
-    fake.mkdir()
-    (fake / "python").write_text("#!/bin/sh\necho 'the first python on PATH' >&2; exit 3\n")
-    (fake / "python").chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHON"}
-    env["PATH"] = f"{fake}:{env['PATH']}"
-    # Only the versions step is checked here (it comes before any download): it names the venv.
-    proc = subprocess.run(
-        ["bash", str(ROOT / "tools" / "gpu_wheels.sh"), "--native", str(tmp_path / "w")],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+def test_gpu_wheels_reads_versions_from_the_project_venv_not_path(wheels: Wheelhouse) -> None:
+    """The wheelhouse fixture built with a failing ``python`` first on PATH: never called, the
+    versions come from the venv (checked on that build rather than downloading a second time)."""
+    proc = wheels.build
     assert "the first python on PATH" not in proc.stderr
     assert f"versions from {ROOT / '.venv' / 'bin' / 'python'}" in proc.stdout.replace(
         "./", str(ROOT) + "/"
@@ -328,7 +336,7 @@ def test_a_timed_out_section_leaves_no_process_behind(
         WHEELHOUSE=str(wheelhouse),
         GPU_CHECK_ONLY="pd",
         GPU_CHECK_RUN_ID=run_id,
-        PD_TIMEOUT_S="30",
+        PD_TIMEOUT_S="20",
         PREFLIGHT_TIMEOUT_S="60",
         # Both layouts at these sizes took 120 s uncut on the 2-core machine, so the cut always
         # comes mid-run. 4,000 + 32 prompt tokens stays inside the model's 4,096.
