@@ -160,10 +160,21 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
     return out
 
 
-def peer_uid(sock: socket.socket) -> int:
-    """The uid of the process at the other end of a Unix socket (SO_PEERCRED: pid, uid, gid)."""
+def peer_pid_uid(sock: socket.socket) -> tuple[int, int]:
+    """The pid and uid of the process at the other end of a Unix socket (SO_PEERCRED)."""
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return int(struct.unpack("3i", creds)[1])
+    pid, uid, _gid = struct.unpack("3i", creds)
+    return int(pid), int(uid)
+
+
+def process_stopped(pid: int) -> bool:
+    """True when process ``pid`` (on this host) is stopped (SIGSTOP, a debugger): /proc says T or t."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] in (b"T", b"t")
 
 
 class StepChannelError(grpc.RpcError):

@@ -199,7 +199,7 @@ class StepChannelServer:
             except OSError:
                 return  # closed
             try:
-                uid = wire.peer_uid(sock)
+                _pid, uid = wire.peer_pid_uid(sock)
                 with self._lock:
                     full = len(self._conns) >= MAX_CONNECTIONS
                 if uid != os.getuid() or full or self._closed:

@@ -118,6 +118,7 @@ class StepChannel:
         self._lock = threading.Lock()
         self._idle: list[_Connection] = []
         self._closed = False
+        self.peer_pid = 0  # the worker's pid, from the last connection (SO_PEERCRED)
 
     def _connect(self, deadline: float) -> _Connection:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -129,7 +130,19 @@ class StepChannel:
             raise ChannelUnusable(f"step channel {self.path}: {e}") from e
         conn = _Connection(sock)
         try:
-            conn.wait(wire.NEW_SEGMENT, deadline, self.keepalive_s)  # the hello: the first segment
+            pid, _uid = wire.peer_pid_uid(sock)
+            self.peer_pid = pid
+            if wire.process_stopped(pid):
+                # A stopped process's listening socket still accepts (the kernel does): fail at once,
+                # as a gRPC channel whose connection died fails its calls until it reconnects.
+                raise _unavailable(f"the worker process {pid} is stopped")
+            # A live worker's acceptor answers at once: a hello slower than a keepalive round is a hang.
+            conn.wait(wire.NEW_SEGMENT, min(deadline, time.monotonic() + self.keepalive_s), self.keepalive_s)
+        except wire.StepChannelError as e:
+            conn.close()
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() < deadline:
+                raise _unavailable(f"the worker sent no hello within {self.keepalive_s} s") from e
+            raise
         except BaseException:
             conn.close()
             raise

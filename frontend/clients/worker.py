@@ -23,6 +23,7 @@ import structlog
 
 from frontend.clients.block_manager import GrpcClient, channel_options
 from frontend.clients.step_channel import DEFAULT_SPIN_US, ChannelUnusable, StepChannel
+from pagedkv.step_channel import StepChannelError
 from pagedkv.v1 import worker_pb2 as wpb
 from pagedkv.v1 import worker_pb2_grpc as wpb_grpc
 
@@ -126,8 +127,8 @@ class WorkerClient(GrpcClient):
                 return self._call(channel, request, mutation=False, request_id=None, timeout_s=timeout_s)
             except ChannelUnusable as e:
                 self._drop_channel(channel, str(e))
-                if self.step_transport == "shm":
-                    raise StepChannelMissing(f"worker {self.target}: {e}") from e
+                if self.step_transport == "shm":  # it advertised one, nothing answers there: gone
+                    raise StepChannelError(grpc.StatusCode.UNAVAILABLE, str(e)) from e
         return self._call(self._stub.Step, request, mutation=False, request_id=None, timeout_s=timeout_s)
 
     def get_info(self, *, timeout_s: float | None = None) -> wpb.WorkerInfo:

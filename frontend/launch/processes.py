@@ -562,6 +562,7 @@ SERVE_FLAGS = (
     "block_manager_outage_s",
     "block_manager_timeout_s",
     "tool_call_parser",
+    "step_transport",
 )
 
 

@@ -617,7 +617,7 @@ class OpenAIServer:
         self._closers: list[Any] = []
         self.bm = BlockManagerClient(settings.block_manager, **conn)
         self._closers.append(self.bm.close)
-        self.workers = [WorkerClient(t, **conn) for t in workers]
+        self.workers = [WorkerClient(t, step_transport=settings.step_transport, **conn) for t in workers]
         self._closers.extend(w.close for w in self.workers)
         try:
             engine = Engine(self.bm, self.workers, settings.engine_config())

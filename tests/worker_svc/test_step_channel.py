@@ -1,12 +1,12 @@
 """The one-host step channel (pagedkv/step_channel.py, worker_svc/step_channel.py,
-frontend/clients/step_channel.py): messages of every size, the same statuses as gRPC, a dead or
-paused worker as gRPC reports them, no late reply read as another step's, clean-up and modes."""
+frontend/clients/step_channel.py): messages of every size, the same statuses as gRPC, no late reply
+read as another step's, private files removed on close. A killed or paused worker process:
+test_step_channel_processes.py."""
 
 from __future__ import annotations
 
 import os
 import shutil
-import signal
 import stat
 import subprocess
 import sys
@@ -25,7 +25,7 @@ from pagedkv import errors
 from pagedkv import step_channel as wire
 from pagedkv.v1 import worker_pb2 as wpb
 from worker_svc.servicer import StepRefused
-from worker_svc.step_channel import StepChannelServer, base_dir, sweep_stale
+from worker_svc.step_channel import StepChannelServer, base_dir
 
 
 @pytest.fixture()
@@ -178,67 +178,3 @@ def test_another_user_cannot_connect(base: Path) -> None:
         assert subprocess.run([sys.executable, "-c", code, server.path], timeout=30).returncode == 3
     finally:
         server.close()
-
-
-def _peer(base: Path) -> tuple[subprocess.Popen[str], str]:
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.worker_svc.step_channel_peer", str(base)],
-        stdout=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    assert proc.stdout is not None
-    for line in proc.stdout:  # its log lines first
-        if line.startswith("PATH="):
-            return proc, line.strip().removeprefix("PATH=")
-    raise AssertionError("the peer did not start")
-
-
-def test_sigkill_mid_step_is_unavailable_and_the_next_start_sweeps(base: Path) -> None:
-    proc, path = _peer(base)
-    client = StepChannel(path)
-    try:
-        assert client(request(6), timeout=10).num_tokens == 6
-        threading.Timer(0.3, proc.send_signal, (signal.SIGKILL,)).start()
-        t0 = time.monotonic()
-        with pytest.raises(grpc.RpcError) as dead:
-            client(request(6, sleep_ms=20_000), timeout=30)
-        assert dead.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert time.monotonic() - t0 < 3.0
-        proc.wait(10)
-        with pytest.raises(ChannelUnusable):  # nothing listens: the client goes back to gRPC
-            client(request(1), timeout=2)
-    finally:
-        client.close()
-        proc.kill()
-        proc.wait(10)
-    left = Path(path).parent
-    assert left.exists()  # a SIGKILLed worker removes nothing; the segments died with it (memfds)
-    assert sweep_stale(base) == [left]
-    assert not left.exists()
-    server = StepChannelServer(echo, base=base)  # and a new worker start sweeps the same way
-    server.close()
-
-
-def test_sigstop_past_keepalive_is_unavailable_then_resumes(base: Path) -> None:
-    proc, path = _peer(base)
-    client = StepChannel(path, keepalive_s=0.5)
-    try:
-        assert client(request(2), timeout=10).num_tokens == 2
-        threading.Timer(0.2, proc.send_signal, (signal.SIGSTOP,)).start()
-        t0 = time.monotonic()
-        with pytest.raises(grpc.RpcError) as hung:
-            client(request(6, sleep_ms=600), timeout=30)
-        took = time.monotonic() - t0
-        assert hung.value.code() == grpc.StatusCode.UNAVAILABLE  # as gRPC's keepalive says of a hung peer
-        assert 0.9 <= took < 3.0
-        with pytest.raises(grpc.RpcError) as deadline:  # a deadline shorter than keepalive: DEADLINE_EXCEEDED
-            client(request(3), timeout=0.3)
-        assert deadline.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        proc.send_signal(signal.SIGCONT)
-        assert client(request(7), timeout=10).num_tokens == 7  # the same process answers again
-    finally:
-        client.close()
-        proc.kill()
-        proc.wait(10)
