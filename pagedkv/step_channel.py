@@ -14,8 +14,10 @@ Choices, and why:
   reader whose writer died mid-step and needs a second one for replies. A socket gives a blocking
   wait that burns no core (the host has 2 cores: a spinning reader takes them from the forward), an
   EOF the moment the peer process is gone (dead worker -> UNAVAILABLE), the peer's uid
-  (SO_PEERCRED, checked) and fd passing. Its wake-up costs tens of microseconds; a short spin on the
-  reply header (``spin_us``) before blocking catches replies that are already there.
+  (SO_PEERCRED, checked) and fd passing. Its wake-up costs tens of microseconds. A spin on the
+  reply header before blocking is there (``WorkerClient(step_spin_us=...)``) but off by default:
+  a step's reply follows a forward pass of milliseconds, so the spin never catches it and only
+  takes CPU from the worker (measured in bench/step_channel_bench.py: slower with it).
 - The segments are memfds passed over that socket (SCM_RIGHTS), not named POSIX shm: they have no
   name anyone else can open, and nothing outlives the two processes: a SIGKILLed worker leaves no
   segment behind. The only thing on the file system is the socket, in a 0700 directory of the

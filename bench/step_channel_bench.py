@@ -1,0 +1,185 @@
+"""A worker step's round trip over gRPC and over the one-host step channel (shared memory), side by side.
+
+The worker runs in its own process: the real Worker servicer (worker_svc/servicer.py) behind the
+real gRPC server (pagedkv/grpc_server.py, the worker's 4 threads) and the real step channel
+(worker_svc/step_channel.py), both calling the same ``run_step``. Its model runner is a stand-in
+that answers at once (one greedy token per sequence): the figures are what the transport costs a
+step, not the forward pass. This process sends the engine's own decode step message
+(frontend/engine/output.py ``worker_request``: 512-token contexts in 16-token blocks, greedy
+sampling) for 1 and for 32 sequences through ``WorkerClient`` with ``step_transport`` grpc, shm
+(the default: no spin) and shm with a 50 us spin on the reply, one call in flight, in
+alternating rounds so that a noisy neighbour on a shared host hits every row alike.
+
+    python -m bench.step_channel_bench            # about 20 s
+    python -m bench.step_channel_bench --quick    # a few seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from frontend.clients.worker import WorkerClient
+from frontend.engine.output import worker_request
+from frontend.engine.types import Completion, GenerationRequest, RequestOutput, Seq
+from pagedkv.v1 import worker_pb2 as wpb
+
+ROOT = Path(__file__).resolve().parent.parent
+CONTEXT = 512
+BLOCK = 16
+CACHE_ID = "cafe0123"
+ROWS = (("grpc", "grpc", 0.0), ("shm", "shm", 0.0), ("shm, 50us spin", "shm", 50.0))
+
+
+class _InstantRunner:
+    """A model runner that computes nothing: one token per sequence, at once."""
+
+    def step(self, seqs: Any, ops: Any) -> Any:
+        from worker_svc.model_runner import SequenceResult, StepResult
+
+        outs = [
+            SequenceResult(seq_id=s.seq_id, token_id=(len(s.token_ids) * 31) % 32000, logprob=-0.5)
+            for s in seqs
+        ]
+        return StepResult(
+            outputs=outs, num_tokens=sum(len(s.token_ids) for s in seqs), cache_ops_ms=0.0, forward_ms=0.0
+        )
+
+
+def serve() -> None:
+    """The worker side (``--serve``): prints ``READY <port> <channel path>``, serves until stdin closes."""
+    from pagedkv.grpc_server import start_server
+    from pagedkv.v1 import worker_pb2_grpc
+    from worker_svc.servicer import SERVICE_NAME, WorkerServicer
+    from worker_svc.step_channel import StepChannelServer
+
+    servicer = WorkerServicer(
+        _InstantRunner(), wpb.WorkerInfo(model_name="instant", cache_instance_id=CACHE_ID)
+    )  # type: ignore[arg-type]
+    channel = StepChannelServer(servicer.run_step)
+    servicer.info.step_channel = channel.path
+    running = start_server(
+        "127.0.0.1", 0, lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(servicer, s), SERVICE_NAME
+    )
+    print(f"READY {running.port} {channel.path}", flush=True)
+    sys.stdin.read()
+    channel.close()
+    running.stop(grace=0.5)
+
+
+def decode_step(num_seqs: int, step: int) -> wpb.WorkerStepRequest:
+    """The engine's decode step for ``num_seqs`` sequences at a 512-token context."""
+    batch: list[tuple[Seq, int]] = []
+    for i in range(num_seqs):
+        prompt = [(7 * i + 13 * t) % 32000 for t in range(CONTEXT)]
+        req = GenerationRequest(f"bench-{i}", prompt, max_tokens=256)
+        seq = Seq(
+            seq_id=f"engine-0123456789ab-{i}-0",
+            request=req,
+            output=RequestOutput(req.request_id, prompt, [Completion(0)]),
+            index=0,
+            tokens=[*prompt, 11],
+            block_table=list(range(i * (CONTEXT // BLOCK + 1), (i + 1) * (CONTEXT // BLOCK + 1))),
+            num_computed=CONTEXT,
+        )
+        batch.append((seq, 1))
+    return worker_request(batch, None, f"step-bench-{step}", CACHE_ID, lambda s, k: [])
+
+
+@dataclass(slots=True)
+class Row:
+    label: str
+    num_seqs: int
+    times_ms: list[float] = field(default_factory=list)
+
+    def pct(self, q: float) -> float:
+        xs = sorted(self.times_ms)
+        return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--calls", type=int, default=100, help="calls per row per round")
+    ap.add_argument("--quick", action="store_true", help="3 rounds of 30 calls")
+    args = ap.parse_args()
+    if args.serve:
+        serve()
+        return
+    if args.quick:
+        args.rounds, args.calls = 3, 30
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bench.step_channel_bench", "--serve"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert proc.stdout is not None and proc.stdin is not None
+    try:
+        port = ""
+        for line in proc.stdout:
+            if line.startswith("READY "):
+                port = line.split()[1]
+                break
+        if not port:
+            raise SystemExit("the worker process did not start")
+        threading.Thread(target=proc.stdout.read, daemon=True).start()  # its log lines
+        target = f"127.0.0.1:{port}"
+        clients = {
+            label: WorkerClient(target, step_transport=transport, step_spin_us=spin)
+            for label, transport, spin in ROWS
+        }
+        for label, c in clients.items():
+            c.get_info(timeout_s=10)
+            assert c.transport == dict((r[0], r[1]) for r in ROWS)[label], (label, c.transport)
+        rows = {(label, n): Row(label, n) for n in (1, 32) for label, _, _ in ROWS}
+        msgs = {n: [decode_step(n, k) for k in range(8)] for n in (1, 32)}
+        sizes = {n: len(msgs[n][0].SerializeToString()) for n in (1, 32)}
+        for c in clients.values():  # warm-up: connections, segments, code paths
+            for n in (1, 32):
+                for m in msgs[n]:
+                    c.step(m, timeout_s=10)
+        for r in range(args.rounds):
+            order = list(ROWS) if r % 2 == 0 else list(reversed(ROWS))
+            for label, _, _ in order:
+                for n in (1, 32):
+                    row, client = rows[(label, n)], clients[label]
+                    for k in range(args.calls):
+                        t0 = time.perf_counter()
+                        client.step(msgs[n][k % 8], timeout_s=10)
+                        row.times_ms.append((time.perf_counter() - t0) * 1e3)
+        cpus = os.cpu_count()
+        print(
+            "Worker step round trip, one call in flight, worker in its own process with a model that "
+            f"computes nothing ({cpus} CPUs, shared with other jobs; {args.rounds} alternating rounds "
+            f"x {args.calls} calls)"
+        )
+        print(f"{'transport':<14} {'seqs':>4} {'request B':>9} {'p50 ms':>8} {'p99 ms':>8} {'mean ms':>8}")
+        for (label, n), row in rows.items():
+            print(
+                f"{label:<14} {n:>4} {sizes[n]:>9} {row.pct(0.5):>8.3f} {row.pct(0.99):>8.3f} "
+                f"{statistics.fmean(row.times_ms):>8.3f}"
+            )
+        for c in clients.values():
+            c.close()
+    finally:
+        proc.stdin.close()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+if __name__ == "__main__":
+    main()
