@@ -45,10 +45,13 @@ from __future__ import annotations
 
 import mmap
 import os
+import shutil
 import socket
 import struct
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
@@ -177,6 +180,38 @@ def process_stopped(pid: int) -> bool:
     except OSError:
         return False
     return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] in (b"T", b"t")
+
+
+def base_dir() -> Path:
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() and os.access(shm, os.W_OK | os.X_OK) else Path(tempfile.gettempdir())
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_stale(base: Path | None = None) -> list[Path]:
+    """Remove this user's step-channel directories whose worker process is gone; return them."""
+    base = base or base_dir()
+    prefix = f"{DIR_PREFIX}{os.getuid()}-"
+    removed = []
+    for d in base.glob(prefix + "*"):
+        pid_text = d.name[len(prefix) :].split("-", 1)[0]
+        try:
+            if not pid_text.isdigit() or d.lstat().st_uid != os.getuid() or _pid_alive(int(pid_text)):
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(d)
+    return removed
 
 
 class StepChannelError(grpc.RpcError):

@@ -9,9 +9,10 @@ computes, as gRPC's own threads answer keepalive pings: a client tells a hung wo
 a busy one the same way on both transports.
 
 Clean-up: ``close`` removes the directory. After a SIGKILL nothing but the directory and its socket
-file is left (the segments are memfds, gone with the processes); ``sweep_stale`` (called before a
-worker creates its own) removes this user's directories whose process no longer exists, so the
-next worker start on the host cleans up (``pagedkv up`` restarts an exited worker at once).
+file is left (the segments are memfds, gone with the processes); ``sweep_stale``
+(pagedkv/step_channel.py) removes this user's directories whose process no longer exists, and runs
+at every worker start (``pagedkv up`` restarts an exited worker at once) and when ``pagedkv up``
+stops.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import grpc
 import structlog
 
 from pagedkv import step_channel as wire
+from pagedkv.step_channel import base_dir, sweep_stale
 from pagedkv.v1 import worker_pb2
 from worker_svc.servicer import StepRefused
 
@@ -37,40 +39,6 @@ log = structlog.get_logger("pagedkv.worker")
 
 Handler = Callable[[worker_pb2.WorkerStepRequest], worker_pb2.WorkerStepResponse]
 MAX_CONNECTIONS = 64  # each is two threads, a socket and a segment
-
-
-def base_dir() -> Path:
-    shm = Path("/dev/shm")
-    return shm if shm.is_dir() and os.access(shm, os.W_OK | os.X_OK) else Path(tempfile.gettempdir())
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def sweep_stale(base: Path | None = None) -> list[Path]:
-    """Remove this user's step-channel directories whose worker process is gone; return them."""
-    base = base or base_dir()
-    prefix = f"{wire.DIR_PREFIX}{os.getuid()}-"
-    removed = []
-    for d in base.glob(prefix + "*"):
-        pid_text = d.name[len(prefix) :].split("-", 1)[0]
-        try:
-            if not pid_text.isdigit() or d.lstat().st_uid != os.getuid() or _pid_alive(int(pid_text)):
-                continue
-        except OSError:
-            continue
-        shutil.rmtree(d, ignore_errors=True)
-        removed.append(d)
-    if removed:
-        log.info("step_channel_swept", dirs=[str(d) for d in removed])
-    return removed
 
 
 class _Connection:
@@ -168,7 +136,9 @@ class StepChannelServer:
 
     def __init__(self, handler: Handler, base: Path | None = None) -> None:
         base = base or base_dir()
-        sweep_stale(base)
+        swept = sweep_stale(base)
+        if swept:
+            log.info("step_channel_swept", dirs=[str(d) for d in swept])
         self.dir = Path(tempfile.mkdtemp(prefix=f"{wire.DIR_PREFIX}{os.getuid()}-{os.getpid()}-", dir=base))
         os.chmod(self.dir, 0o700)  # mkdtemp's mode already; said once more, it is the access control
         self.path = str(self.dir / wire.SOCKET_NAME)

@@ -23,9 +23,10 @@ import pytest
 from frontend.clients.step_channel import ChannelUnusable, StepChannel
 from pagedkv import errors
 from pagedkv import step_channel as wire
+from pagedkv.step_channel import base_dir
 from pagedkv.v1 import worker_pb2 as wpb
 from worker_svc.servicer import StepRefused
-from worker_svc.step_channel import StepChannelServer, base_dir
+from worker_svc.step_channel import StepChannelServer
 
 
 @pytest.fixture()

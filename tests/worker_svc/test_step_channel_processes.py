@@ -16,8 +16,9 @@ import grpc
 import pytest
 
 from frontend.clients.step_channel import ChannelUnusable, StepChannel
+from pagedkv.step_channel import sweep_stale
 from tests.worker_svc.test_step_channel import base, echo, request
-from worker_svc.step_channel import StepChannelServer, sweep_stale
+from worker_svc.step_channel import StepChannelServer
 
 __all__ = ["base"]  # the fixture
 
