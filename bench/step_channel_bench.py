@@ -10,8 +10,15 @@ sampling) for 1 and for 32 sequences through ``WorkerClient`` with ``step_transp
 (the default: no spin) and shm with a 50 us spin on the reply, one call in flight, in
 alternating rounds so that a noisy neighbour on a shared host hits every row alike.
 
+End to end (``--e2e``): ``pagedkv up`` with the built-in tiny model and one worker, whose frontend
+uses ``--step-transport shm``, and a second ``pagedkv serve`` on the same block manager and worker
+with ``--step-transport grpc``; one request at a time (greedy, ``ignore_eos``, streamed), alternating
+between the two frontends; per transport the time per output token after the first (TPOT:
+(last token - first token) / (tokens - 1)), p50 and mean over the requests.
+
     python -m bench.step_channel_bench            # about 20 s
     python -m bench.step_channel_bench --quick    # a few seconds
+    python -m bench.step_channel_bench --e2e      # about 2 minutes
 """
 
 from __future__ import annotations
@@ -105,15 +112,88 @@ class Row:
         return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
+def e2e(rounds: int, max_tokens: int) -> None:
+    """TPOT through ``pagedkv up`` (frontend on shm) and a second frontend on gRPC, alternating."""
+    import asyncio
+    import dataclasses
+    import json
+    import tempfile
+    import urllib.request
+
+    from bench.serve_bench import Req, one_request
+    from frontend.launch.config import StackConfig
+    from frontend.launch.processes import Stack
+    from pagedkv.ports import free_port
+
+    ports = {"shm": free_port(), "grpc": free_port()}
+    opts = StackConfig(
+        block_manager_port=free_port(),
+        cache_host_port=free_port(),
+        worker_port=free_port(),
+        num_workers=1,
+        device="cpu",
+        log_format="json",
+        log_dir=tempfile.mkdtemp(prefix="pagedkv-step-e2e-"),
+        serve_port=ports["shm"],
+        serve_args=("--step-transport", "shm"),
+    )
+    stack = Stack(opts, out=sys.stderr)
+    shm_fe = next(s for s in stack.services if s.name == "frontend")
+    args = list(shm_fe.args)
+    args[args.index("--port") + 1] = str(ports["grpc"])
+    args[args.index("--step-transport") + 1] = "grpc"
+    stack.services.append(
+        dataclasses.replace(
+            shm_fe,
+            name="frontend-grpc",
+            args=args,
+            address=f"{opts.host}:{ports['grpc']}",
+            health_url=shm_fe.health_url.replace(str(ports["shm"]), str(ports["grpc"])),
+            process=None,
+        )
+    )
+    stack.start()
+    try:
+        urls = {t: f"http://127.0.0.1:{p}" for t, p in ports.items()}
+        with urllib.request.urlopen(urls["shm"] + "/v1/models", timeout=10) as r:
+            model = json.load(r)["data"][0]["id"]
+        tpot: dict[str, list[float]] = {"grpc": [], "shm": []}
+        for r in range(rounds + 1):
+            order = ["grpc", "shm"] if r % 2 == 0 else ["shm", "grpc"]
+            for t in order:
+                prompt = [(5 * r + 3 * i + (t == "shm")) % 200 + 1 for i in range(16)]
+                res = asyncio.run(one_request(urls[t], model, Req(prompt, max_tokens), ""))
+                if not res.ok:
+                    raise SystemExit(f"{t}: {res.error}")
+                if r > 0:  # round 0 warms both up
+                    tpot[t].append((res.e2e - res.ttft) / (res.output_tokens - 1) * 1e3)
+        print(
+            "End to end through `pagedkv up` (built-in tiny model, 1 CPU worker; "
+            f"{os.cpu_count()} CPUs shared with other jobs): one request at a time, {max_tokens} tokens "
+            f"each, {rounds} per transport, alternating"
+        )
+        print(f"{'transport':<10} {'TPOT p50 ms':>12} {'TPOT mean ms':>13}")
+        for t in ("grpc", "shm"):
+            print(f"{t:<10} {statistics.median(tpot[t]):>12.2f} {statistics.fmean(tpot[t]):>13.2f}")
+    finally:
+        stack.stop()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--calls", type=int, default=100, help="calls per row per round")
     ap.add_argument("--quick", action="store_true", help="3 rounds of 30 calls")
+    ap.add_argument("--e2e", action="store_true", help="end to end through `pagedkv up` instead")
+    ap.add_argument("--e2e-requests", type=int, default=20, help="requests per transport (--e2e)")
+    ap.add_argument("--e2e-tokens", type=int, default=64, help="output tokens per request (--e2e)")
     args = ap.parse_args()
     if args.serve:
         serve()
+        return
+    if args.e2e:
+        e2e(args.e2e_requests, args.e2e_tokens)
         return
     if args.quick:
         args.rounds, args.calls = 3, 30
