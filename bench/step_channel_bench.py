@@ -19,6 +19,14 @@ between the two frontends; per transport the time per output token after the fir
     python -m bench.step_channel_bench            # about 20 s
     python -m bench.step_channel_bench --quick    # a few seconds
     python -m bench.step_channel_bench --e2e      # about 2 minutes
+    python -m bench.step_channel_bench --engine   # about 1 minute
+
+``--engine``: the same stack as processes without a frontend, and two ``Engine``s in this process
+(one per transport) on its one worker, one request at a time, alternating: ms per output token after
+the first as the engine produces them, the p50 of the engine's worker step calls (its
+``WorkerClient.on_call``) and of the same calls less the compute time the worker reports
+(``forward_ms`` + ``cache_ops_ms``): what the transport and the servicer cost a step, without HTTP
+in between.
 """
 
 from __future__ import annotations
@@ -179,6 +187,82 @@ def e2e(rounds: int, max_tokens: int) -> None:
         stack.stop()
 
 
+def engine_rows(rounds: int, max_tokens: int) -> None:
+    """ms per token with an Engine per transport on one worker process, alternating (no HTTP)."""
+    import io
+    import tempfile
+
+    from frontend.clients.block_manager import BlockManagerClient
+    from frontend.engine import Engine, EngineConfig, GenerationRequest
+    from frontend.launch.config import StackConfig
+    from frontend.launch.processes import Stack
+    from pagedkv.ports import free_port
+
+    opts = StackConfig(
+        block_manager_port=free_port(),
+        cache_host_port=free_port(),
+        worker_port=free_port(),
+        num_workers=1,
+        device="cpu",
+        log_dir=tempfile.mkdtemp(prefix="pagedkv-step-engine-"),
+    )
+    stack = Stack(opts, out=io.StringIO())
+    stack.start()
+    try:
+        bm = BlockManagerClient(stack.services[0].address)
+        engines: dict[str, Engine] = {}
+        calls: dict[str, list[float]] = {}
+        outside: dict[str, list[float]] = {}  # call time less the worker's own compute time
+
+        def observer(t: str) -> Any:
+            def seen(dt: float, resp: Any) -> None:
+                if isinstance(resp, wpb.WorkerStepResponse):
+                    calls[t].append(dt * 1e3)
+                    outside[t].append(dt * 1e3 - resp.forward_ms - resp.cache_ops_ms)
+
+            return seen
+
+        for t in ("grpc", "shm"):
+            w = WorkerClient(stack.services[2].address, step_transport=t)
+            calls[t], outside[t] = [], []
+            w.on_call = observer(t)
+            engines[t] = Engine(bm, [w], EngineConfig())
+            assert w.transport == t, (t, w.transport)
+        per: dict[str, list[float]] = {"grpc": [], "shm": []}
+        for r in range(rounds + 1):
+            for t in ("grpc", "shm") if r % 2 == 0 else ("shm", "grpc"):
+                eng = engines[t]
+                out = eng.add_request(
+                    GenerationRequest(f"{t}{r}", [5 + r, 7, 9, 11, 13], max_tokens=max_tokens)
+                )
+                eng.step()  # the prompt and the first token
+                n0 = len(out.completions[0].token_ids)
+                t0 = time.perf_counter()
+                while not out.finished:
+                    eng.step()
+                if r > 0:  # round 0 warms both up
+                    per[t].append((time.perf_counter() - t0) / (len(out.completions[0].token_ids) - n0) * 1e3)
+        print(
+            "Engine in this process on a worker process (built-in tiny model; "
+            f"{os.cpu_count()} CPUs shared with other jobs): one request at a time, {max_tokens} tokens "
+            f"each, {rounds} per transport, alternating"
+        )
+        print(
+            f"{'transport':<10} {'ms/token p50':>13} {'ms/token mean':>14} {'step call p50 ms':>17} "
+            f"{'call - worker compute p50 ms':>29}"
+        )
+        for t in ("grpc", "shm"):
+            print(
+                f"{t:<10} {statistics.median(per[t]):>13.2f} {statistics.fmean(per[t]):>14.2f} "
+                f"{statistics.median(calls[t]):>17.2f} {statistics.median(outside[t]):>29.2f}"
+            )
+        for e in engines.values():
+            e.close()
+        bm.close()
+    finally:
+        stack.stop()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
@@ -186,9 +270,13 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=100, help="calls per row per round")
     ap.add_argument("--quick", action="store_true", help="3 rounds of 30 calls")
     ap.add_argument("--e2e", action="store_true", help="end to end through `pagedkv up` instead")
-    ap.add_argument("--e2e-requests", type=int, default=20, help="requests per transport (--e2e)")
-    ap.add_argument("--e2e-tokens", type=int, default=64, help="output tokens per request (--e2e)")
+    ap.add_argument("--e2e-requests", type=int, default=20, help="requests per transport (--e2e, --engine)")
+    ap.add_argument("--e2e-tokens", type=int, default=64, help="output tokens per request (--e2e, --engine)")
+    ap.add_argument("--engine", action="store_true", help="Engines in this process instead (no HTTP)")
     args = ap.parse_args()
+    if args.engine:
+        engine_rows(args.e2e_requests, args.e2e_tokens)
+        return
     if args.serve:
         serve()
         return
