@@ -60,6 +60,7 @@ HEADER_BYTES = 64
 assert HEADER.size == HEADER_BYTES
 GROW = struct.Struct("<Q")
 INITIAL_BYTES = 1 << 20  # a 32-sequence decode step and its reply are a few KiB
+MAX_BYTES = 64 * 1024 * 1024  # the largest message either side accepts, as gRPC's (pagedkv/grpc_server.py)
 
 STEP, PING, GROW_TAG = b"S", b"P", b"G"
 NEW_SEGMENT, REPLY, PONG = b"N", b"R", b"p"
@@ -197,8 +198,26 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _listened(path: Path) -> bool:
+    """True when a process accepts connections on the Unix socket ``path`` (a stopped one does too:
+    the kernel accepts for it)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(1.0)
+        try:
+            s.connect(str(path))
+        except (ConnectionRefusedError, FileNotFoundError):
+            return False
+        except OSError:
+            return True  # cannot tell (e.g. a full backlog): keep it
+    return True
+
+
 def sweep_stale(base: Path | None = None) -> list[Path]:
-    """Remove this user's step-channel directories whose worker process is gone; return them."""
+    """Remove this user's step-channel directories whose worker is gone; return them.
+
+    Gone: the pid in the name is not alive here AND nothing listens on its socket. The second test
+    keeps a live worker's directory when that pid is not visible from here (another PID namespace
+    sharing /dev/shm) or was reused."""
     base = base or base_dir()
     prefix = f"{DIR_PREFIX}{os.getuid()}-"
     removed = []
@@ -208,6 +227,8 @@ def sweep_stale(base: Path | None = None) -> list[Path]:
             if not pid_text.isdigit() or d.lstat().st_uid != os.getuid() or _pid_alive(int(pid_text)):
                 continue
         except OSError:
+            continue
+        if _listened(d / SOCKET_NAME):
             continue
         shutil.rmtree(d, ignore_errors=True)
         removed.append(d)
@@ -225,6 +246,7 @@ class StepChannelError(grpc.RpcError):
         self._code = code
         self._details = details
         self._status_bin = status_bin
+        self.answered = False  # True: the worker answered with this status (the exchange completed)
 
     def code(self) -> grpc.StatusCode:
         return self._code

@@ -86,6 +86,9 @@ class _Connection:
                     self._send(wire.PONG)
                 elif tag == wire.GROW_TAG:
                     (size,) = wire.GROW.unpack(wire.recv_exact(self.sock, wire.GROW.size))
+                    if size > wire.HEADER_BYTES + wire.MAX_BYTES:
+                        log.warning("step_channel_grow_refused", size=size, max_bytes=wire.MAX_BYTES)
+                        break  # the client never asks for it (it refuses such a request itself)
                     self._replace(wire.size_for(size - wire.HEADER_BYTES))
                 else:
                     log.warning("step_channel_bad_frame", tag=tag.hex())
@@ -177,13 +180,21 @@ class StepChannelServer:
                     sock.close()
                     continue
                 conn = _Connection(sock, self._handler, self._forget)
-                with self._lock:
-                    self._conns.add(conn)
-                conn.start()
             except OSError as e:
                 log.warning("step_channel_accept_failed", error=str(e))
                 with contextlib.suppress(OSError):
                     sock.close()
+                continue
+            with self._lock:
+                self._conns.add(conn)
+            try:
+                conn.start()
+            except OSError as e:  # the client left before its hello: nothing started, all released
+                log.warning("step_channel_accept_failed", error=str(e))
+                with contextlib.suppress(OSError):
+                    sock.close()
+                conn.segment.close()
+                self._forget(conn)
 
     def _forget(self, conn: _Connection) -> None:
         with self._lock:

@@ -172,14 +172,22 @@ class StepChannel:
     ) -> wpb.WorkerStepResponse:
         deadline = time.monotonic() + (timeout if timeout is not None else 365 * 86400.0)
         payload = request.SerializeToString()
+        if len(payload) > wire.MAX_BYTES:  # as gRPC refuses a message over its limit
+            raise wire.StepChannelError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"Sent message larger than max ({len(payload)} vs. {wire.MAX_BYTES})",
+            )
         conn = self._acquire(deadline)
-        ok = False
+        answered = False  # a reply or a status came back: the connection is clean
         try:
             reply = self._step(conn, payload, deadline)
-            ok = True
+            answered = True
             return reply
+        except wire.StepChannelError as e:
+            answered = e.answered
+            raise
         finally:
-            if ok:
+            if answered:
                 self._release(conn)
             else:
                 conn.close()  # its step may still run and answer late: never read from it again
@@ -212,8 +220,9 @@ class StepChannel:
             return wpb.WorkerStepResponse.FromString(body)
         code = wire.CODES.get(h.rep_code, grpc.StatusCode.UNKNOWN)
         status = status_pb2.Status.FromString(body)
-        detail_bin = body if len(status.details) else b""
-        raise wire.StepChannelError(code, status.message, detail_bin)
+        refused = wire.StepChannelError(code, status.message, body if len(status.details) else b"")
+        refused.answered = True  # the worker's own status: this connection can carry the next step
+        raise refused
 
     def close(self) -> None:
         with self._lock:

@@ -23,7 +23,7 @@ import pytest
 from frontend.clients.step_channel import ChannelUnusable, StepChannel
 from pagedkv import errors
 from pagedkv import step_channel as wire
-from pagedkv.step_channel import base_dir
+from pagedkv.step_channel import base_dir, sweep_stale
 from pagedkv.v1 import worker_pb2 as wpb
 from worker_svc.servicer import StepRefused
 from worker_svc.step_channel import StepChannelServer
@@ -179,3 +179,43 @@ def test_another_user_cannot_connect(base: Path) -> None:
         assert subprocess.run([sys.executable, "-c", code, server.path], timeout=30).returncode == 3
     finally:
         server.close()
+
+
+def test_a_status_reply_keeps_the_connection_and_oversize_is_refused(base: Path) -> None:
+    def picky(req: wpb.WorkerStepRequest) -> wpb.WorkerStepResponse:
+        if req.request_id == "bad":
+            raise StepRefused(grpc.StatusCode.INVALID_ARGUMENT, "no")
+        return echo(req)
+
+    server = StepChannelServer(picky, base=base)
+    client = StepChannel(server.path)
+    try:
+        for _ in range(3):
+            with pytest.raises(grpc.RpcError):
+                client(wpb.WorkerStepRequest(request_id="bad"), timeout=10)
+        assert server.connections == 1  # a status is a complete exchange: the connection is reused
+        assert client(request(3), timeout=10) == echo(request(3))
+        huge = wpb.WorkerStepRequest(request_id="x" * (wire.MAX_BYTES + 1))
+        with pytest.raises(grpc.RpcError) as big:
+            client(huge, timeout=10)
+        assert big.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert server.connections == 1
+    finally:
+        client.close()
+        server.close()
+
+
+def test_sweep_keeps_a_directory_whose_socket_still_listens(base: Path) -> None:
+    server = StepChannelServer(echo, base=base)
+    try:
+        live = Path(server.path).parent
+        looks_dead = live.with_name(f"{wire.DIR_PREFIX}{os.getuid()}-999999999-x")  # a pid no process has
+        live.rename(looks_dead)  # the listening socket moves with its directory
+        assert sweep_stale(base) == []
+        assert looks_dead.exists()
+        looks_dead.rename(live)
+    finally:
+        server.close()
+    stale = base / f"{wire.DIR_PREFIX}{os.getuid()}-999999999-y"
+    stale.mkdir(mode=0o700)
+    assert sweep_stale(base) == [stale]
