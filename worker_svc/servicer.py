@@ -1,5 +1,9 @@
 """The Worker gRPC servicer: translate messages, call the model runner, map errors to statuses.
 
+``run_step`` is the step itself, for both transports: gRPC ``Step`` and the one-host step channel
+(worker_svc/step_channel.py) call it, so the cache checks, the step fence and the statuses
+(``StepRefused``) are the same whichever way a step came.
+
 Validation lives in ``ModelRunner.validate``; an ``InvalidStep`` becomes INVALID_ARGUMENT with its
 message and nothing is run (cache ops included). Anything else unexpected is logged with its
 traceback and returned as INTERNAL.
