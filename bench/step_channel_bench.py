@@ -26,7 +26,8 @@ between the two frontends; per transport the time per output token after the fir
 the first as the engine produces them, the p50 of the engine's worker step calls (its
 ``WorkerClient.on_call``) and of the same calls less the compute time the worker reports
 (``forward_ms`` + ``cache_ops_ms``): what the transport and the servicer cost a step, without HTTP
-in between.
+in between; and the worker process's CPU time per token (all its threads, /proc), the mean over the
+requests.
 """
 
 from __future__ import annotations
@@ -187,6 +188,13 @@ def e2e(rounds: int, max_tokens: int) -> None:
         stack.stop()
 
 
+def _cpu_ms(pid: int) -> float:
+    """CPU time (user + system, all threads) process ``pid`` has used, in ms (/proc/PID/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) * 1e3 / os.sysconf("SC_CLK_TCK")
+
+
 def engine_rows(rounds: int, max_tokens: int) -> None:
     """ms per token with an Engine per transport on one worker process, alternating (no HTTP)."""
     import io
@@ -229,6 +237,9 @@ def engine_rows(rounds: int, max_tokens: int) -> None:
             engines[t] = Engine(bm, [w], EngineConfig())
             assert w.transport == t, (t, w.transport)
         per: dict[str, list[float]] = {"grpc": [], "shm": []}
+        cpu: dict[str, list[float]] = {"grpc": [], "shm": []}  # the worker process's CPU ms per token
+        worker = stack.services[2].process
+        assert worker is not None
         for r in range(rounds + 1):
             for t in ("grpc", "shm") if r % 2 == 0 else ("shm", "grpc"):
                 eng = engines[t]
@@ -237,11 +248,13 @@ def engine_rows(rounds: int, max_tokens: int) -> None:
                 )
                 eng.step()  # the prompt and the first token
                 n0 = len(out.completions[0].token_ids)
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), _cpu_ms(worker.pid)
                 while not out.finished:
                     eng.step()
+                n = len(out.completions[0].token_ids) - n0
                 if r > 0:  # round 0 warms both up
-                    per[t].append((time.perf_counter() - t0) / (len(out.completions[0].token_ids) - n0) * 1e3)
+                    per[t].append((time.perf_counter() - t0) / n * 1e3)
+                    cpu[t].append((_cpu_ms(worker.pid) - c0) / n)
         print(
             "Engine in this process on a worker process (built-in tiny model; "
             f"{os.cpu_count()} CPUs shared with other jobs): one request at a time, {max_tokens} tokens "
@@ -249,12 +262,13 @@ def engine_rows(rounds: int, max_tokens: int) -> None:
         )
         print(
             f"{'transport':<10} {'ms/token p50':>13} {'ms/token mean':>14} {'step call p50 ms':>17} "
-            f"{'call - worker compute p50 ms':>29}"
+            f"{'call - worker compute p50 ms':>29} {'worker CPU ms/token':>20}"
         )
         for t in ("grpc", "shm"):
             print(
                 f"{t:<10} {statistics.median(per[t]):>13.2f} {statistics.fmean(per[t]):>14.2f} "
-                f"{statistics.median(calls[t]):>17.2f} {statistics.median(outside[t]):>29.2f}"
+                f"{statistics.median(calls[t]):>17.2f} {statistics.median(outside[t]):>29.2f} "
+                f"{statistics.fmean(cpu[t]):>20.2f}"
             )
         for e in engines.values():
             e.close()
