@@ -72,6 +72,7 @@ SLOW_MODULES = frozenset(
         "tests/worker_svc/test_processes.py",
         "tests/worker_svc/test_reattach.py",
         "tests/worker_svc/test_shared_weights.py",
+        "tests/worker_svc/test_step_channel_processes.py",
     }
 )
 

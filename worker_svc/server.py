@@ -46,6 +46,7 @@ from worker_svc.servicer import SERVICE_NAME as WORKER_SERVICE
 from worker_svc.servicer import WorkerServicer
 from worker_svc.settings import CacheHostSettings, WorkerSettings
 from worker_svc.shared_weights import SharedWeights, WeightsDescriptor
+from worker_svc.step_channel import StepChannelServer
 
 if TYPE_CHECKING:
     from worker_svc.model.registry import Model
@@ -237,6 +238,7 @@ class WorkerProcess:
     cache: cache_memory.SharedCache
     weights: SharedWeights | None = None  # the cache host's shared weights, when mapped
     watcher: CacheHostWatcher | None = None
+    step_channel: StepChannelServer | None = None  # the one-host step transport, when on
     lost_at: float | None = None  # monotonic time the cache host was declared lost (None: attached)
     reattach_failed: bool = False  # a new cache host answered but could not be attached: exit with code 3 now
     closed: bool = False
@@ -246,6 +248,8 @@ class WorkerProcess:
     def close(self) -> None:
         if self.watcher is not None:
             self.watcher.stop()
+        if self.step_channel is not None:
+            self.step_channel.close()
         self.running.stop(grace=1.0)
         with self.attach_lock:
             self.closed = True
@@ -295,6 +299,7 @@ def start_worker(
     else:
         cache = cache_memory.attach(desc, device)
     weights: SharedWeights | None = None
+    channel: StepChannelServer | None = None
     try:
         model, weights = _model_for_worker(settings, model_cfg, dtype, device, weights_from_proto(info))
         runner = _runner(settings, model, cache)
@@ -323,6 +328,12 @@ def start_worker(
             linear_path=model.linear_path,
         )
         servicer = WorkerServicer(runner, winfo)
+        if settings.step_channel:
+            try:
+                channel = StepChannelServer(servicer.run_step)
+                winfo.step_channel = channel.path
+            except OSError as e:  # no usable directory: clients use gRPC, as with --no-step-channel
+                log.warning("step_channel_unavailable", error=str(e))
         running = start_server(
             settings.host,
             settings.port,
@@ -334,11 +345,15 @@ def start_worker(
             **_tls(settings),
         )
     except BaseException:
+        if channel is not None:
+            channel.close()
         cache.close()
         if weights is not None:
             weights.close()
         raise
-    proc = WorkerProcess(running=running, servicer=servicer, cache=cache, weights=weights)
+    proc = WorkerProcess(
+        running=running, servicer=servicer, cache=cache, weights=weights, step_channel=channel
+    )
     _watch_cache_host(proc, settings, desc.instance_id, dialer, device, model_cfg)
     log.info(
         "worker_ready",
@@ -357,6 +372,7 @@ def start_worker(
         weight_format=settings.weight_format,
         weight_bytes=winfo.weight_bytes,
         role=settings.role,
+        step_channel=winfo.step_channel,
         shared_weights=weights is not None,
         cuda_graph_sizes=list(winfo.cuda_graph_sizes),
         cpus=cpus,

@@ -1,5 +1,9 @@
 """The Worker gRPC servicer: translate messages, call the model runner, map errors to statuses.
 
+``run_step`` is the step itself, for both transports: gRPC ``Step`` and the one-host step channel
+(worker_svc/step_channel.py) call it, so the cache checks, the step fence and the statuses
+(``StepRefused``) are the same whichever way a step came.
+
 Validation lives in ``ModelRunner.validate``; an ``InvalidStep`` becomes INVALID_ARGUMENT with its
 message and nothing is run (cache ops included). Anything else unexpected is logged with its
 traceback and returned as INTERNAL.
@@ -11,6 +15,7 @@ from collections.abc import Callable
 
 import grpc
 import structlog
+from google.rpc import error_details_pb2, status_pb2
 
 from pagedkv import errors
 from pagedkv.v1 import block_manager_pb2, worker_pb2, worker_pb2_grpc
@@ -125,6 +130,32 @@ def output_to_proto(resp: worker_pb2.WorkerStepResponse, o: SequenceResult) -> N
         msg.top_logprobs.extend(lp for _, lp in o.top)
 
 
+class StepRefused(Exception):
+    """A step answered with a status instead of outputs: its gRPC code, message, and the
+    ErrorInfo ``reason`` (+ metadata) when the engine must tell this cause from others."""
+
+    def __init__(
+        self, code: grpc.StatusCode, message: str, reason: str = "", metadata: dict[str, str] | None = None
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.reason = reason
+        self.metadata = metadata or {}
+
+    def status(self) -> status_pb2.Status:
+        """As the ``google.rpc.Status`` gRPC would carry (grpc-status-details-bin when ``reason``)."""
+        out = status_pb2.Status(code=self.code.value[0], message=self.message)
+        if self.reason:
+            detail = out.details.add()
+            detail.Pack(
+                error_details_pb2.ErrorInfo(
+                    reason=self.reason, domain=errors.WORKER_DOMAIN, metadata=self.metadata
+                )
+            )
+        return out
+
+
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, runner: ModelRunner, info: worker_pb2.WorkerInfo) -> None:
         self._runner = runner
@@ -181,34 +212,33 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._info = info
         self._lost_message = None
 
-    def Step(  # noqa: N802 - gRPC method name
-        self, request: worker_pb2.WorkerStepRequest, context: grpc.ServicerContext
-    ) -> worker_pb2.WorkerStepResponse:
+    def run_step(self, request: worker_pb2.WorkerStepRequest) -> worker_pb2.WorkerStepResponse:
+        """One step, whichever transport brought it (gRPC ``Step`` or the one-host step channel,
+        worker_svc/step_channel.py): the cache checks, the step fence and the error mapping are the
+        same for both. Raises ``StepRefused`` with the status the caller must answer."""
         if self._lost_message is not None:
-            errors.abort(
-                context,
+            raise StepRefused(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 self._lost_message,
                 errors.CACHE_HOST_LOST,
-                cache_instance_id=self._info.cache_instance_id,
+                {"cache_instance_id": self._info.cache_instance_id},
             )
         want = request.cache_instance_id
         if want and want != self._info.cache_instance_id:
-            errors.abort(
-                context,
+            raise StepRefused(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 lost_message(
                     f"the step expects cache host instance {want}, but this worker is attached to instance "
                     f"{self._info.cache_instance_id} (the cache host was replaced)"
                 ),
                 errors.CACHE_HOST_LOST,
-                cache_instance_id=self._info.cache_instance_id,
+                {"cache_instance_id": self._info.cache_instance_id},
             )
         rid = request.request_id
         if not self.fence.begin(rid):
             # The engine gave up on this step and ran it elsewhere (Fence): running it now could
             # write KV into blocks that other sequences hold by now.
-            context.abort(
+            raise StepRefused(
                 grpc.StatusCode.ABORTED,
                 f"step {rid!r} was fenced: the engine stopped waiting for it and ran it on another worker",
             )
@@ -218,12 +248,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             ops = ops_from_proto(request.ops)
             result = self._runner.step(seqs, ops)
         except InvalidStep as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise StepRefused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
         except RunnerClosed as e:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            raise StepRefused(grpc.StatusCode.UNAVAILABLE, str(e)) from e
         except Exception as e:  # noqa: BLE001 - turn into a status, keep the trace in the log
             log.exception("step_failed", request_id=request.request_id, num_seqs=len(seqs))
-            context.abort(grpc.StatusCode.INTERNAL, f"step failed: {type(e).__name__}: {e}")
+            raise StepRefused(grpc.StatusCode.INTERNAL, f"step failed: {type(e).__name__}: {e}") from e
         finally:
             self.fence.end(rid)
         log.debug(
@@ -242,6 +272,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         for o in result.outputs:
             output_to_proto(resp, o)
         return resp
+
+    def Step(  # noqa: N802 - gRPC method name
+        self, request: worker_pb2.WorkerStepRequest, context: grpc.ServicerContext
+    ) -> worker_pb2.WorkerStepResponse:
+        try:
+            return self.run_step(request)
+        except StepRefused as e:
+            if e.reason:
+                errors.abort(context, e.code, e.message, e.reason, **e.metadata)
+            context.abort(e.code, e.message)
+            raise AssertionError("unreachable") from e  # abort raises
 
     def GetWorkerInfo(  # noqa: N802 - gRPC method name
         self, request: worker_pb2.GetWorkerInfoRequest, context: grpc.ServicerContext

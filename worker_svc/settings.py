@@ -193,3 +193,9 @@ class WorkerSettings(_Common):
         description="re-attach by itself to a new cache host instance at the same address "
         "(a restarted host); when that fails, exit with code 3 at once",
     )
+    # The one-host step channel (worker_svc/step_channel.py; docs/worker.md "Step transport").
+    step_channel: bool = Field(
+        True,
+        description="also take Step through shared memory from clients on this host and user (a Unix "
+        "socket in a 0700 directory, no network port); --no-step-channel: gRPC only",
+    )

@@ -21,7 +21,7 @@ from block_manager_svc.server import BlockManagerServer
 from block_manager_svc.server import start_server as start_block_manager
 from block_manager_svc.settings import BlockManagerSettings
 from frontend.clients.block_manager import BlockManagerClient
-from frontend.clients.worker import WorkerClient
+from frontend.clients.worker import StepTransport, WorkerClient
 from frontend.engine import Engine, EngineConfig
 from frontend.launch.config import StackConfig, worker_roles
 
@@ -123,10 +123,11 @@ class LocalStack:
     def worker_targets(self) -> list[str]:
         return [f"127.0.0.1:{w.running.port}" for w in self.workers]
 
-    def engine(self, config: EngineConfig | None = None) -> Engine:
-        """An engine with its own clients on this stack (closed with the stack)."""
+    def engine(self, config: EngineConfig | None = None, step_transport: StepTransport = "auto") -> Engine:
+        """An engine with its own clients on this stack (closed with the stack); ``step_transport``
+        as WorkerClient's (the workers run in this process: ``auto`` takes the step channel)."""
         bm = BlockManagerClient(self.block_manager_target)
-        workers = [WorkerClient(t) for t in self.worker_targets]
+        workers = [WorkerClient(t, step_transport=step_transport) for t in self.worker_targets]
         self._closers.append(bm.close)
         self._closers.extend(w.close for w in workers)
         engine = Engine(bm, workers, config)

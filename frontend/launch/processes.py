@@ -44,6 +44,7 @@ from pagedkv import defaults
 from pagedkv.cpu_runtime import preload_env
 from pagedkv.healthcheck import wait_healthy
 from pagedkv.logging_setup import configure_logging
+from pagedkv.step_channel import sweep_stale
 from pagedkv.weight_formats import WeightFormat
 
 SHM_DIR = pathlib.Path("/dev/shm")
@@ -422,6 +423,7 @@ class Stack:
         self.security.close()
         if self.state_dir_is_temporary:
             shutil.rmtree(self.state_dir, ignore_errors=True)
+        sweep_stale()  # the step-channel directory of a worker that was killed and not restarted
         return leaked_segments(self.opts.shm_prefix)
 
 
@@ -562,6 +564,7 @@ SERVE_FLAGS = (
     "block_manager_outage_s",
     "block_manager_timeout_s",
     "tool_call_parser",
+    "step_transport",
 )
 
 

@@ -617,10 +617,16 @@ class OpenAIServer:
         self._closers: list[Any] = []
         self.bm = BlockManagerClient(settings.block_manager, **conn)
         self._closers.append(self.bm.close)
-        self.workers = [WorkerClient(t, **conn) for t in workers]
+        self.workers = [WorkerClient(t, step_transport=settings.step_transport, **conn) for t in workers]
         self._closers.extend(w.close for w in self.workers)
         try:
             engine = Engine(self.bm, self.workers, settings.engine_config())
+            # What each worker's steps travel on (the engine read every WorkerInfo): shm or grpc.
+            log.info(
+                "worker_step_transport",
+                setting=settings.step_transport,
+                **{w.target: w.transport for w in self.workers},
+            )
             if settings.kv_cache_dtype is not None:
                 pool_kv = self.bm.get_config(timeout_s=settings.timeout_s).kv_cache_dtype or "auto"
                 if pool_kv != settings.kv_cache_dtype:

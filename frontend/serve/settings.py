@@ -61,6 +61,12 @@ class ServeSettings(BaseSettings):
     timeout_s: float = Field(
         _ENGINE.timeout_s, gt=0, description="deadline of each gRPC call to the block manager/workers"
     )
+    step_transport: Literal["auto", "grpc", "shm"] = Field(
+        "auto",
+        description="how worker steps travel: shm = through the worker's one-host step channel (shared "
+        "memory, same host and user), grpc = always gRPC, auto = shm where the worker offers it and "
+        'this process can open it, else gRPC (docs/worker.md "Step transport")',
+    )
     retry_after_s: int = Field(1, ge=1, description="Retry-After seconds sent with 503")
     block_manager_outage_s: float = Field(
         _ENGINE.block_manager_outage_s,

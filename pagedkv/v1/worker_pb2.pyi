@@ -422,6 +422,7 @@ class WorkerInfo(_message.Message):
     WEIGHT_BYTES_FIELD_NUMBER: _builtins.int
     WEIGHT_FORMAT_FIELD_NUMBER: _builtins.int
     LINEAR_PATH_FIELD_NUMBER: _builtins.int
+    STEP_CHANNEL_FIELD_NUMBER: _builtins.int
     model_name: _builtins.str
     vocab_size: _builtins.int
     num_layers: _builtins.int
@@ -464,6 +465,12 @@ class WorkerInfo(_message.Message):
     int8, int4) and the linear paths that run them ("int8+int4", "native", ...).
     """
     linear_path: _builtins.str
+    step_channel: _builtins.str
+    """The one-host step channel (docs/worker.md "Step transport"): the path of
+    the Unix socket, in a 0700 directory of the worker's user, through which a
+    client on this host and user sends Step through shared memory instead of
+    gRPC. Empty: the worker offers none (--no-step-channel).
+    """
     @_builtins.property
     def geometry(self) -> _cache_host_pb2.CacheGeometry: ...
     @_builtins.property
@@ -497,10 +504,11 @@ class WorkerInfo(_message.Message):
         weight_bytes: _builtins.int = ...,
         weight_format: _builtins.str = ...,
         linear_path: _builtins.str = ...,
+        step_channel: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["geometry", b"geometry"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_instance_id", b"cache_instance_id", "cache_lost_reason", b"cache_lost_reason", "cache_state", b"cache_state", "cpu_kernel_path", b"cpu_kernel_path", "cuda_graph_sizes", b"cuda_graph_sizes", "device", b"device", "dtype", b"dtype", "geometry", b"geometry", "head_dim", b"head_dim", "hidden_size", b"hidden_size", "kernel_backend", b"kernel_backend", "linear_path", b"linear_path", "model_name", b"model_name", "num_heads", b"num_heads", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "role", b"role", "shared_weights", b"shared_weights", "vocab_size", b"vocab_size", "weight_bytes", b"weight_bytes", "weight_format", b"weight_format"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_instance_id", b"cache_instance_id", "cache_lost_reason", b"cache_lost_reason", "cache_state", b"cache_state", "cpu_kernel_path", b"cpu_kernel_path", "cuda_graph_sizes", b"cuda_graph_sizes", "device", b"device", "dtype", b"dtype", "geometry", b"geometry", "head_dim", b"head_dim", "hidden_size", b"hidden_size", "kernel_backend", b"kernel_backend", "linear_path", b"linear_path", "model_name", b"model_name", "num_heads", b"num_heads", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "role", b"role", "shared_weights", b"shared_weights", "step_channel", b"step_channel", "vocab_size", b"vocab_size", "weight_bytes", b"weight_bytes", "weight_format", b"weight_format"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -299,7 +299,7 @@ def test_up_forwards_the_frontend_flags_to_serve(tmp_path: pathlib.Path) -> None
         "--model-name", "smol", "--api-key-file", str(key), "--allowed-origins", "https://a.example",
         "--max-waiting", "7", "--max-num-seqs", "5", "--max-batch-tokens", "96",
         "--timeout-s", "90", "--block-manager-outage-s", "12.5", "--block-manager-timeout-s", "2.5",
-        "--tool-call-parser", "hermes",
+        "--tool-call-parser", "hermes", "--step-transport", "grpc",
     ]  # fmt: skip
     frontend = plan(options_from_args(build_parser().parse_args(argv)))[-1]
     assert frontend.name == "frontend"
@@ -310,18 +310,21 @@ def test_up_forwards_the_frontend_flags_to_serve(tmp_path: pathlib.Path) -> None
     assert (settings.timeout_s, settings.block_manager_outage_s) == (90.0, 12.5)
     assert settings.engine_config().block_manager_timeout_s == 2.5  # what the engine waits per call
     assert settings.tool_call_parser == "hermes"
+    assert settings.step_transport == "grpc"
     assert "k-0123456789" not in " ".join(frontend.args)  # the key itself never on a command line
     plain = plan(options_from_args(build_parser().parse_args([])))[-1]
     default = load_settings(plain.args[plain.args.index("serve") + 1 :])
     assert (default.model_name, default.max_num_seqs, default.api_key_file) == ("", 64, "")
     assert default.engine_config().block_manager_timeout_s == EngineConfig().block_manager_timeout_s
     assert default.tool_call_parser == "auto"
+    assert default.step_transport == "auto"
     for bad in (
         ["--max-num-seqs", "0"],
         ["--timeout-s", "0"],
         ["--block-manager-timeout-s", "0"],
         ["--api-key-file", str(tmp_path / "missing")],
         ["--tool-call-parser", "mistral"],
+        ["--step-transport", "udp"],
     ):
         with pytest.raises(SystemExit):
             options_from_args(build_parser().parse_args(bad))

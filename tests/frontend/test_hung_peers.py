@@ -50,7 +50,7 @@ def test_a_hung_worker_leaves_the_pool_and_comes_back_when_it_answers(stack: Loc
     with LinkProxy(hung) as proxy:
         eng = Engine(
             BlockManagerClient(stack.block_manager_target),
-            [WorkerClient(direct), WorkerClient(proxy.address)],
+            [WorkerClient(direct), WorkerClient(proxy.address, step_transport="grpc")],  # the link under test
             EngineConfig(max_batch_tokens=64),
         )
         try:

@@ -84,3 +84,26 @@ def test_borrow_refuses_a_descriptor_of_another_cache(hf: HFModel) -> None:
         assert borrowed.gpu.numel() == 0 and st.cache.gpu.numel() > 0, (
             "closing a borrowed cache frees nothing"
         )
+
+
+def test_steps_over_the_step_channel_give_the_grpc_tokens(hf: HFModel) -> None:
+    """The same requests over gRPC and over the one-host step channel (shared memory): transformers'
+    greedy tokens both times, and the channel really carried the second run's steps."""
+    ps = prompts(4, 5)
+    cfg = StackConfig(
+        model=str(hf.path), device="cpu", dtype="float32", block_size=4, num_gpu_blocks=64, num_workers=2
+    )
+    with LocalStack(cfg) as st:
+        for transport in ("grpc", "shm"):
+            eng = st.engine(step_transport=transport)
+            assert [w.transport for w in eng.workers] == [transport] * 2
+            outs = eng.generate(
+                [GenerationRequest(f"{transport}{i}", p, max_tokens=7) for i, p in enumerate(ps)]
+            )
+            for p, out in zip(ps, outs, strict=True):
+                assert out.completions[0].token_ids == hf.greedy(p, 7), out.request_id
+            used = [w.step_channel.connections for w in st.workers if w.step_channel is not None]
+            assert (sum(used) > 0) == (transport == "shm"), used
+            eng.close()
+            for w in eng.workers:
+                w.close()

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import pytest
 
 from pagedkv.ports import free_ports
+from pagedkv.step_channel import DIR_PREFIX, base_dir
 from tests.frontend.test_cli_stack import ENV, pid_alive
 from tests.frontend.up_process import ROOT, UpProcess
 
@@ -112,8 +113,13 @@ def test_up_restarts_killed_roles_and_answers_again(tmp_path: pathlib.Path, ups:
     before = first["completions"][0]["token_ids"]
     assert len(before) == 6 and first["num_cached_tokens"] == 0
 
+    killed = up.pid("worker-0")
+    channel_dirs = f"{DIR_PREFIX}{os.getuid()}-{killed}-*"
+    assert list(pathlib.Path(base_dir()).glob(channel_dirs))  # the worker offers the step channel
     _kill(up, "worker-0")
     assert up.generate()["completions"][0]["token_ids"] == before
+    # The restarted worker swept the killed one's step-channel directory (its segments died with it).
+    assert not list(pathlib.Path(base_dir()).glob(channel_dirs))
 
     worker = up.pid("worker-0")
     _kill(up, "cache-host")

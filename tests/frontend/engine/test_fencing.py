@@ -21,6 +21,7 @@ from typing import Any
 import grpc
 import pytest
 
+from frontend.clients.worker import StepTransport
 from frontend.engine import EngineConfig, GenerationRequest
 from frontend.engine.fencing import Fences, nothing_listens
 from frontend.launch.config import StackConfig
@@ -74,14 +75,18 @@ class PausedFirstStep:
         return getattr(self.runner, name)
 
 
-def test_a_paused_workers_late_step_never_writes_into_reused_blocks(stack: LocalStack, hf: HFModel) -> None:
+@pytest.mark.parametrize("transport", ["grpc", "shm"])
+def test_a_paused_workers_late_step_never_writes_into_reused_blocks(
+    stack: LocalStack, hf: HFModel, transport: StepTransport
+) -> None:
     servicer = stack.workers[0].servicer
     real = servicer.runner
     paused = PausedFirstStep(real)
     servicer.attach(paused, servicer.info)  # type: ignore[arg-type]
-    eng = stack.engine(EngineConfig(max_batch_tokens=64))
+    eng = stack.engine(EngineConfig(max_batch_tokens=64), step_transport=transport)
     eng.pool.timeout_s = STEP_DEADLINE_S
     try:
+        assert [w.transport for w in eng.workers] == [transport, transport]
         first = eng.add_request(GenerationRequest("first", FIRST, max_tokens=2))
         while not first.finished:
             eng.step()
@@ -101,6 +106,8 @@ def test_a_paused_workers_late_step_never_writes_into_reused_blocks(stack: Local
             assert time.monotonic() - t0 < 30
         assert second.completions[0].token_ids == hf.greedy(SECOND, SECOND_TOKENS)
         assert eng.pool.fences.released == eng.pool.fences.fenced == 1
+        channel = stack.workers[1].step_channel
+        assert channel is not None and channel.connections == (1 if transport == "shm" else 0)
         eng.flush()
         stats = eng.bm.get_stats()
         assert (stats.num_sequences, stats.num_used_blocks) == (0, 0)
