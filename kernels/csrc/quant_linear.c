@@ -1,5 +1,6 @@
-/* y = x @ W^T for fp32 rows x on CPU, with W held as integers: int4 groups or int8 rows
- * (kernels/quant_linear.py owns both formats; kernels/cpu_quant_linear.py calls these).
+/* y = x @ W^T for fp32 rows x on CPU, with W held as integers: int4 groups, int8 rows, or GGUF's
+ * Q4_K / Q6_K super-blocks as the file holds them (kernels/quant_linear.py owns the formats;
+ * kernels/cpu_quant_linear.py calls these; the K-quant part is at the end of this file).
  *
  * Why: a decode step multiplies a few rows by every weight matrix, so its time is the weight bytes
  * over the memory bandwidth. PyTorch's weight-packed int4 / int8 matmuls read their bytes at about
