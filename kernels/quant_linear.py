@@ -111,7 +111,7 @@ class QuantizedMatrix:
                 cpu_quant_linear.kquant_rows(self, ids) if cpu_native.available() else _kquant_rows(self, ids)
             )
         if self.kind != "int8":
-            raise ValueError("row lookup needs the int8 or kquant form")
+            raise ValueError("row lookup needs the int8 form (or kquant)")
         return self.qweight.index_select(0, ids).to(torch.float32) * self.qscale.index_select(0, ids)[:, None]
 
     def unpack_int4(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
