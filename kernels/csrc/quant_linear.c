@@ -278,7 +278,8 @@ int pagedkv_q8_linear(int64_t m, int64_t n, int64_t k, const float *x, int64_t x
  * One x row (decode): each sub-block's integers are multiplied into fp32 accumulators and its scale
  * applied once (Q4_K's minimums through x's per-32 sums), so the bytes are read once, as stored.
  * Four or more rows (prefill): a panel of 16 output rows is dequantized once into fp32 (per thread,
- * k x 16 floats) and the rows of x go through it in register tiles of 4.
+ * 16 x k floats, row by row) and the rows of x go through it in register tiles of 4 x rows by 2
+ * weight rows.
  */
 
 #define KQ_BLOCK 256
@@ -470,31 +471,86 @@ static float q6k_dot(int64_t blocks, const uint8_t *w, const float *x) {
     return hsum(_mm256_add_ps(y0, y1));
 }
 
-/* Rows r .. r + 4 of x (rows past m repeat the last) times a dequantized panel (k x 16 floats). */
-static void kq_panel_tile(int64_t k, const float *const xr[KQ_TILE], const float *panel, float out[KQ_TILE][KQ_PANEL]) {
-    __m256 acc[KQ_TILE][2];
-    for (int i = 0; i < KQ_TILE; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-    for (int64_t kk = 0; kk < k; kk++) {
-        const __m256 w0 = _mm256_load_ps(panel + kk * KQ_PANEL), w1 = _mm256_load_ps(panel + kk * KQ_PANEL + 8);
+/* One row's super-blocks dequantized into out[k] (fused multiply-subtract: within an fp32 rounding
+ * of kq_dequant_block's values), for the panel path. */
+static void kq_dequant_row(int32_t type, int64_t blocks, const uint8_t *w, float *out) {
+    const __m256i low = _mm256_set1_epi32(15), top = _mm256_set1_epi32(0x30), bias = _mm256_set1_epi32(32);
+    float dsc[8] __attribute__((aligned(32))), dmn[8] __attribute__((aligned(32)));
+    for (int64_t bi = 0; bi < blocks; bi++) {
+        float *o = out + bi * KQ_BLOCK;
+        if (type == KQ_Q4_K) {
+            const uint8_t *b = w + bi * 144, *qs = b + 16;
+            uint8_t sc[8], mn[8];
+            q4k_scales_x4(b + 4, sc, mn);
+            _mm256_store_ps(dsc, _mm256_mul_ps(_mm256_set1_ps(kq_half_simd(b)), kq_widen(sc)));
+            _mm256_store_ps(dmn, _mm256_mul_ps(_mm256_set1_ps(kq_half_simd(b + 2)), kq_widen(mn)));
+            for (int c = 0; c < 4; c++) {
+                const __m256 s0 = _mm256_broadcast_ss(dsc + 2 * c), s1 = _mm256_broadcast_ss(dsc + 2 * c + 1);
+                const __m256 m0 = _mm256_broadcast_ss(dmn + 2 * c), m1 = _mm256_broadcast_ss(dmn + 2 * c + 1);
+                for (int t = 0; t < 4; t++) {
+                    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 32 * c + 8 * t)));
+                    _mm256_storeu_ps(o + 64 * c + 8 * t, _mm256_fmsub_ps(s0, _mm256_cvtepi32_ps(_mm256_and_si256(v, low)), m0));
+                    _mm256_storeu_ps(o + 64 * c + 32 + 8 * t, _mm256_fmsub_ps(s1, _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), m1));
+                }
+            }
+        } else {
+            const uint8_t *b = w + bi * 210;
+            const int8_t *sc = (const int8_t *)(b + 192);
+            const float d = kq_half_simd(b + 208);
+            for (int h = 0; h < 2; h++) {
+                const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
+                for (int i = 0; i < 32; i += 8) {
+                    const __m256i A = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ql + i)));
+                    const __m256i B = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ql + 32 + i)));
+                    const __m256i H = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qh + i)));
+                    __m256i q[4];
+                    q[0] = _mm256_or_si256(_mm256_and_si256(A, low), _mm256_and_si256(_mm256_slli_epi32(H, 4), top));
+                    q[1] = _mm256_or_si256(_mm256_and_si256(B, low), _mm256_and_si256(_mm256_slli_epi32(H, 2), top));
+                    q[2] = _mm256_or_si256(_mm256_srli_epi32(A, 4), _mm256_and_si256(H, top));
+                    q[3] = _mm256_or_si256(_mm256_srli_epi32(B, 4), _mm256_and_si256(_mm256_srli_epi32(H, 2), top));
+                    for (int c = 0; c < 4; c++) {
+                        const int idx = 128 * h + 32 * c + i;
+                        const __m256 s = _mm256_set1_ps(d * (float)sc[idx / 16]);
+                        _mm256_storeu_ps(o + idx, _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_sub_epi32(q[c], bias))));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/* Rows xr[0..4) of x times two dequantized weight rows w0, w1 (k floats each): out[i][j]. */
+static void kq_tile(int64_t k, const float *const xr[KQ_TILE], const float *w0, const float *w1, float out[KQ_TILE][2]) {
+    __m256 a[KQ_TILE][2];
+    for (int i = 0; i < KQ_TILE; i++) a[i][0] = a[i][1] = _mm256_setzero_ps();
+    for (int64_t kk = 0; kk < k; kk += 8) {
+        const __m256 v0 = _mm256_loadu_ps(w0 + kk), v1 = _mm256_loadu_ps(w1 + kk);
         for (int i = 0; i < KQ_TILE; i++) {
-            const __m256 xv = _mm256_broadcast_ss(xr[i] + kk);
-            acc[i][0] = _mm256_fmadd_ps(w0, xv, acc[i][0]);
-            acc[i][1] = _mm256_fmadd_ps(w1, xv, acc[i][1]);
+            const __m256 xv = _mm256_loadu_ps(xr[i] + kk);
+            a[i][0] = _mm256_fmadd_ps(v0, xv, a[i][0]);
+            a[i][1] = _mm256_fmadd_ps(v1, xv, a[i][1]);
         }
     }
     for (int i = 0; i < KQ_TILE; i++) {
-        _mm256_storeu_ps(out[i], acc[i][0]);
-        _mm256_storeu_ps(out[i] + 8, acc[i][1]);
+        out[i][0] = hsum(a[i][0]);
+        out[i][1] = hsum(a[i][1]);
     }
 }
 #else
-static void kq_panel_tile(int64_t k, const float *const xr[KQ_TILE], const float *panel, float out[KQ_TILE][KQ_PANEL]) {
+static void kq_dequant_row(int32_t type, int64_t blocks, const uint8_t *w, float *out) {
+    const int64_t bb = kq_block_bytes(type);
+    for (int64_t bi = 0; bi < blocks; bi++) kq_dequant_block(type, w + bi * bb, out + bi * KQ_BLOCK);
+}
+
+static void kq_tile(int64_t k, const float *const xr[KQ_TILE], const float *w0, const float *w1, float out[KQ_TILE][2]) {
     for (int i = 0; i < KQ_TILE; i++) {
-        for (int j = 0; j < KQ_PANEL; j++) out[i][j] = 0.0f;
+        float s0 = 0.0f, s1 = 0.0f;
         for (int64_t kk = 0; kk < k; kk++) {
-            const float xv = xr[i][kk];
-            for (int j = 0; j < KQ_PANEL; j++) out[i][j] += panel[kk * KQ_PANEL + j] * xv;
+            s0 += w0[kk] * xr[i][kk];
+            s1 += w1[kk] * xr[i][kk];
         }
+        out[i][0] = s0;
+        out[i][1] = s1;
     }
 }
 #endif
@@ -548,7 +604,6 @@ int pagedkv_kq_linear(int64_t m, int64_t n, int64_t k, const float *x, int64_t x
     #pragma omp parallel num_threads(num_threads) if (par)
     {
         float *panel = aligned_alloc(32, (size_t)k * KQ_PANEL * sizeof(float));
-        float tmp[KQ_BLOCK];
         if (!panel) {
             #pragma omp atomic write
             failed = 1;
@@ -557,23 +612,24 @@ int pagedkv_kq_linear(int64_t m, int64_t n, int64_t k, const float *x, int64_t x
         for (int64_t p = 0; p < panels; p++) {
             if (!panel) continue;
             const int cols = (int)(n - p * KQ_PANEL < KQ_PANEL ? n - p * KQ_PANEL : KQ_PANEL);
-            if (cols < KQ_PANEL) memset(panel, 0, (size_t)k * KQ_PANEL * sizeof(float));
             for (int j = 0; j < cols; j++) {
                 int32_t type;
                 const uint8_t *row = kq_row(&mat, p * KQ_PANEL + j, &type);
-                const int64_t bb = kq_block_bytes(type);
-                for (int64_t bi = 0; bi < mat.blocks; bi++) {
-                    kq_dequant_block(type, row + bi * bb, tmp);
-                    for (int i = 0; i < KQ_BLOCK; i++) panel[(bi * KQ_BLOCK + i) * KQ_PANEL + j] = tmp[i];
-                }
+                kq_dequant_row(type, mat.blocks, row, panel + (int64_t)j * k);
             }
             for (int64_t r = 0; r < m; r += KQ_TILE) {
                 const float *xr[KQ_TILE];
-                float out[KQ_TILE][KQ_PANEL];
                 for (int i = 0; i < KQ_TILE; i++) xr[i] = x + (r + i < m ? r + i : m - 1) * x_stride;
-                kq_panel_tile(k, xr, panel, out);
-                for (int i = 0; i < KQ_TILE && r + i < m; i++)
-                    memcpy(y + (r + i) * y_stride + p * KQ_PANEL, out[i], (size_t)cols * sizeof(float));
+                for (int j = 0; j < cols; j += 2) {
+                    float out[KQ_TILE][2];
+                    const float *w0 = panel + (int64_t)j * k, *w1 = j + 1 < cols ? w0 + k : w0;
+                    kq_tile(k, xr, w0, w1, out);
+                    for (int i = 0; i < KQ_TILE && r + i < m; i++) {
+                        float *yr = y + (r + i) * y_stride + p * KQ_PANEL + j;
+                        yr[0] = out[i][0];
+                        if (j + 1 < cols) yr[1] = out[i][1];
+                    }
+                }
             }
         }
         free(panel);
