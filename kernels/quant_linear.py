@@ -11,7 +11,7 @@ Two forms, both ``y = x @ W.T`` with ``x`` fp32 ``[rows, in]``:
   ``[panels, in / 32, 32]`` (the group's 16 scales, then its 16 offsets). Half a byte a weight plus
   8 bytes a group; rows past ``out_features`` (up to the panel) are padding, never part of an output.
 - ``int8``: signed 8-bit values, row-major ``[out, in]``, with one fp32 scale per output row,
-  ``W = q * s``. Formats with per-group scales (GGUF's Q8_0, Q5_*, Q6_K) are requantized to it once
+  ``W = q * s``. Formats with per-group scales (GGUF's Q8_0, Q5_*) are requantized to it once
   at load, with the error measured (docs/kernels.md).
 - ``kquant``: GGUF's Q4_K and Q6_K super-blocks exactly as the file holds them (256 weights in 144
   / 210 bytes: 4.5 / 6.56 bits a weight), rows one after another: ``qweight`` uint8

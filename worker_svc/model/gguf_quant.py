@@ -41,7 +41,7 @@ from kernels.quant_linear import QuantizedMatrix
 
 KQUANT_TYPES = tuple(quant_linear.KQUANT_TYPES)  # Q4_K, Q6_K: held as the file's blocks
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # what int4_parts reads
-INT8_TYPES = ("Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K")
+INT8_TYPES = ("Q8_0", "Q5_0", "Q5_1", "Q5_K")
 DENSE_TYPES = ("F32", "F16", "BF16")
 EMBEDDING = "model.embed_tokens.weight"
 
