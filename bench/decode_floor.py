@@ -6,13 +6,15 @@ same machine in the same run (the best of ``--reps`` sums over a 512 MiB fp32 bu
 threads). Then, in one process and alternating round by round (this VM's speed drifts):
 
 - **decode**: each model (``--forms``: ``dense`` = the file dequantized to fp32 on the native fp32
-  linear kernel; ``file`` = its own quantization on the native int4 / int8 kernels, and again on
-  PyTorch's weight-packed int4 / int8 operators) runs one sequence, a short prompt, then
+  linear kernel; ``file`` = its own quantization on the native int4 / int8 / K-quant kernels, and
+  again with PyTorch's weight-packed int4 / int8 operators where it has one: K-quant matrices stay
+  on the native kernel there, PyTorch has no K-quant operator) runs one sequence, a short prompt, then
   ``--tokens`` decode steps per round through the product's model runner (median step);
 - **linear layers**: every matrix of a kind once at ``--rows`` rows (median pass), per kernel:
   the fp32 native kernel on the dense model's matrices, the native int4 kernel and PyTorch's int4
   operator on the file's int4 layers, the native int8 kernel and PyTorch's int8 operator on its
-  int8 output layer. GB/s = the matrices' resident bytes / the pass.
+  int8 output layer, the native K-quant kernel on its Q4_K / Q6_K matrices (all Q4_K_M's).
+  GB/s = the matrices' resident bytes / the pass.
 
     python -m bench.decode_floor --model FILE.gguf [--forms dense file] [--threads 2] [--rows 1 8 64]
 
@@ -61,7 +63,9 @@ def with_torch_ops(model: LlamaModel) -> LlamaModel:
         setattr(copy, name, getattr(model, name))
 
     def torch_ops(lin: Linear) -> Linear:
-        return Linear.build(lin.quantized, lin.bias, native=False) if lin.quantized is not None else lin
+        if lin.quantized is None or lin.quantized.kind == "kquant":  # no torch operator for K-quants
+            return lin
+        return Linear.build(lin.quantized, lin.bias, native=False)
 
     copy.lm_head = torch_ops(model.lm_head)
     copy.layers = [
@@ -155,7 +159,7 @@ def linear_passes(dense: LlamaModel | None, quant: LlamaModel | None, rows: int)
             if lin.quantized is not None and lin.quantized.qweight.data_ptr() not in seen:
                 seen.add(lin.quantized.qweight.data_ptr())
                 mats.append(lin.quantized)
-        for kind in ("int4", "int8"):
+        for kind in ("int4", "int8", "kquant"):
             ms = [m for m in mats if m.kind == kind]
             if not ms:
                 continue
@@ -164,6 +168,8 @@ def linear_passes(dense: LlamaModel | None, quant: LlamaModel | None, rows: int)
             what = f"{len(ms)} matrices"
             native = [cpu_quant_linear.prepare(m) for m in ms]
             passes.append(LinearPass(f"native {kind} ({what})", nbytes, list(zip(native, xs, strict=True))))
+            if kind == "kquant":
+                continue
             ops = [QuantizedLinear.build(m, "torch") for m in ms]
             passes.append(LinearPass(f"torch {kind} op ({what})", nbytes, list(zip(ops, xs, strict=True))))
     return passes
@@ -193,7 +199,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         decoders.append(Decoder("fp32 (dense)", models["dense"], max_tokens))
     if "file" in models:
         decoders.append(Decoder("the file's own quantization", models["file"], max_tokens))
-        decoders.append(Decoder("the file's own quantization", with_torch_ops(models["file"]), max_tokens))
+        torch_has_op = any(
+            lin.quantized is not None and lin.quantized.kind != "kquant" for lin in linears(models["file"])
+        )
+        if torch_has_op:  # else the copy would be the same model
+            decoders.append(
+                Decoder("the file's own quantization", with_torch_ops(models["file"]), max_tokens)
+            )
     passes = {rows: linear_passes(models.get("dense"), models.get("file"), rows) for rows in args.rows}
     bw = read_bandwidth(args.reps)
     tokens: dict[int, list[int]] = {id(d): [] for d in decoders}

@@ -200,6 +200,8 @@ def _load() -> tuple[ctypes.CDLL, str]:
         # The quantized linear layer (csrc/quant_linear.c, kernels/cpu_quant_linear.py).
         "pagedkv_q4_linear": [i64, i64, i64, ptr, i64, ptr, ptr, ptr, i64, cint],
         "pagedkv_q8_linear": [i64, i64, i64, ptr, i64, ptr, i64, ptr, ptr, i64, cint],
+        "pagedkv_kq_linear": [i64, i64, i64, ptr, i64, ptr, ptr, i64, ptr, i64, cint],
+        "pagedkv_kq_rows": [i64, ptr, i64, ptr, ptr, i64, ptr, i64],
         "pagedkv_quant_linear_simd": [],
         # Quantize on write into an int8 cache (csrc/paged_decode.c).
         "pagedkv_write_kv_i8": [i64, i64, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, i64]
@@ -211,7 +213,8 @@ def _load() -> tuple[ctypes.CDLL, str]:
     results = {"pagedkv_linear_packed_numel": ctypes.c_int64} | {
         name: ctypes.c_int
         for name in functions
-        if name in ("pagedkv_q4_linear", "pagedkv_q8_linear", "pagedkv_quant_linear_simd")
+        if name
+        in ("pagedkv_q4_linear", "pagedkv_q8_linear", "pagedkv_kq_linear", "pagedkv_quant_linear_simd")
     }
     for name, argtypes in functions.items():
         try:

@@ -1,4 +1,5 @@
-"""The quantized linear layer's native kernels (``csrc/quant_linear.c``): int4 groups and int8 rows.
+"""The quantized linear layer's native kernels (``csrc/quant_linear.c``): int4 groups, int8 rows and
+GGUF K-quant super-blocks (Q4_K, Q6_K) as the file holds them.
 
 Why: a decode step's linear layers are bound by reading the weights, and PyTorch's weight-packed
 int4 / int8 matmuls read them at about 0.5 GB/s at one row on the AVX2 development host (6.7x
@@ -39,6 +40,7 @@ class QuantizedMatrix(Protocol):
 
 
 GROUP, PANEL, CHUNK = 32, 16, 256  # kernels/quant_linear.py's int4 layout (csrc/quant_linear.c's too)
+KQ_BLOCK, KQ_BLOCK_BYTES = 256, {12: 144, 14: 210}  # kquant: GGML type id -> bytes per super-block
 
 
 def simd() -> bool:
@@ -50,6 +52,9 @@ def simd() -> bool:
 def check_matrix(m: QuantizedMatrix) -> None:
     """Raise ValueError unless ``m``'s tensors are CPU, dense and shaped as its form says."""
     w, s, n = m.qweight, m.qscale, m.out_features
+    if m.kind == "kquant":
+        _check_kquant(w, s, n)
+        return
     ok_cpu = w.is_cpu and s.is_cpu and w.is_contiguous() and s.is_contiguous() and s.dtype is torch.float32
     if m.kind == "int4":
         panels = -(-n // PANEL)
@@ -68,6 +73,39 @@ def check_matrix(m: QuantizedMatrix) -> None:
         raise ValueError(
             f"a {m.kind} matrix of {n} rows needs dense CPU tensors {want}, got {w.dtype} {tuple(w.shape)} "
             f"and {s.dtype} {tuple(s.shape)}"
+        )
+
+
+def _check_kquant(w: torch.Tensor, s: torch.Tensor, n: int) -> None:
+    """A kquant matrix: uint8 bytes, int32 ``[segments, 2]`` (known type, positive rows) whose rows
+    sum to ``n`` and whose bytes are a whole number of super-block columns."""
+    ok = (
+        w.is_cpu
+        and s.is_cpu
+        and w.is_contiguous()
+        and s.is_contiguous()
+        and w.dtype is torch.uint8
+        and w.dim() == 1
+        and s.dtype is torch.int32
+        and s.dim() == 2
+        and s.shape[0] > 0
+        and s.shape[1] == 2
+    )
+    segs = s.tolist() if ok else []
+    per_block = sum(r * KQ_BLOCK_BYTES.get(t, 0) for t, r in segs)
+    ok = (
+        ok
+        and all(t in KQ_BLOCK_BYTES and r > 0 for t, r in segs)
+        and sum(r for _, r in segs) == n
+        and w.numel() > 0
+        and w.numel() % per_block == 0
+    )
+    if not ok:
+        raise ValueError(
+            f"a kquant matrix of {n} rows needs dense CPU tensors uint8 [bytes] and int32 [segments, 2] "
+            f"of (type {sorted(KQ_BLOCK_BYTES)}, rows > 0) summing to {n} rows, bytes a whole number of "
+            f"super-blocks per row; got {w.dtype} {tuple(w.shape)} and "
+            f"{s.dtype} {segs if segs else tuple(s.shape)}"
         )
 
 
@@ -136,6 +174,9 @@ def prepare(m: QuantizedMatrix) -> NativeMatmul:
     check_matrix(m)
     if m.kind == "int4":
         return NativeMatmul(m, lib.pagedkv_q4_linear, (m.qweight.data_ptr(), m.qscale.data_ptr()))
+    if m.kind == "kquant":
+        weights = (m.qweight.data_ptr(), m.qscale.data_ptr(), m.qscale.shape[0])
+        return NativeMatmul(m, lib.pagedkv_kq_linear, weights)
     return NativeMatmul(
         m, lib.pagedkv_q8_linear, (m.qweight.data_ptr(), m.qweight.stride(0), m.qscale.data_ptr())
     )
@@ -144,3 +185,30 @@ def prepare(m: QuantizedMatrix) -> NativeMatmul:
 def matmul(m: QuantizedMatrix, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``prepare(m)(x, out)``: one call (tests, benchmarks); a model prepares once."""
     return prepare(m)(x, out)
+
+
+def kquant_rows(m: QuantizedMatrix, ids: torch.Tensor) -> torch.Tensor:
+    """fp32 rows ``W[ids]`` of a kquant matrix, each weight as the gguf package dequantizes it (an
+    embedding lookup). Raises ValueError for an id outside the matrix (before any pointer is used)."""
+    lib = cpu_native.library()
+    if lib is None:
+        raise RuntimeError("the native kernels are not loaded (kernels/cpu_native.py says why in the log)")
+    check_matrix(m)
+    ids = ids.to(device="cpu", dtype=torch.int64).contiguous().flatten()
+    n = m.out_features
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n):
+        raise ValueError(f"row ids must lie in 0..{n - 1}")
+    k = m.in_features
+    out = torch.empty((ids.numel(), k), dtype=torch.float32)
+    if ids.numel():
+        lib.pagedkv_kq_rows(
+            ids.numel(),
+            ids.data_ptr(),
+            k,
+            m.qweight.data_ptr(),
+            m.qscale.data_ptr(),
+            m.qscale.shape[0],
+            out.data_ptr(),
+            k,
+        )
+    return out

@@ -28,8 +28,14 @@ from worker_svc.cache_layout import DTYPES, dtype_name, numel
 from worker_svc.cache_memory import BACKEND_CUDA_IPC, BACKEND_SHM, TensorDescriptor
 
 ALIGN = 64  # bytes: every tensor starts on a cache line (and on its element size)
-# Dense weights in a cache dtype; quantized matrices as uint8 (packed int4) / int8 beside fp32 scales.
-WEIGHT_DTYPES: dict[str, torch.dtype] = {**DTYPES, "uint8": torch.uint8, "int8": torch.int8}
+# Dense weights in a cache dtype; quantized matrices as uint8 (packed int4, K-quant blocks) / int8
+# beside fp32 scales (int32 row segments for K-quant blocks).
+WEIGHT_DTYPES: dict[str, torch.dtype] = {
+    **DTYPES,
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+    "int32": torch.int32,
+}
 
 
 def _weight_dtype(name: str) -> torch.dtype:

@@ -1,5 +1,6 @@
-/* y = x @ W^T for fp32 rows x on CPU, with W held as integers: int4 groups or int8 rows
- * (kernels/quant_linear.py owns both formats; kernels/cpu_quant_linear.py calls these).
+/* y = x @ W^T for fp32 rows x on CPU, with W held as integers: int4 groups, int8 rows, or GGUF's
+ * Q4_K / Q6_K super-blocks as the file holds them (kernels/quant_linear.py owns the formats;
+ * kernels/cpu_quant_linear.py calls these; the K-quant part is at the end of this file).
  *
  * Why: a decode step multiplies a few rows by every weight matrix, so its time is the weight bytes
  * over the memory bandwidth. PyTorch's weight-packed int4 / int8 matmuls read their bytes at about
@@ -261,4 +262,389 @@ int pagedkv_q8_linear(int64_t m, int64_t n, int64_t k, const float *x, int64_t x
                      NULL);
     }
     return 0;
+}
+
+/* ---- GGUF K-quant blocks (Q4_K, Q6_K) held as the file holds them ---------------------------------
+ *
+ * W's rows are the file's 256-weight super-blocks, row after row, in row segments of one GGML type
+ * each (a fused matrix may join Q4_K and Q6_K parts): segs[2 s] is segment s's type (12: Q4_K,
+ * 14: Q6_K), segs[2 s + 1] its row count. The block layouts (GGML's, little-endian):
+ *   Q4_K, 144 bytes: fp16 d, fp16 dmin, 12 bytes of 6-bit sub-scales sc[8] and minimums mn[8],
+ *     128 bytes of nibbles. Weight i of sub-block j (32 each) is d * sc[j] * q - dmin * mn[j]; the
+ *     nibbles of sub-blocks 2c and 2c + 1 share bytes 32c .. 32c + 31 (low, high nibble).
+ *   Q6_K, 210 bytes: 128 bytes of low nibbles ql, 64 bytes of high 2-bit pairs qh, 16 int8 scales,
+ *     fp16 d. Weight 128 h + 32 c + i (h < 2, c < 4, i < 32) is d * sc[(128 h + 32 c + i) / 16] *
+ *     (q - 32), q = nibble (c >> 1) of ql[64 h + 32 (c & 1) + i] | ((qh[32 h + i] >> 2c) & 3) << 4.
+ * One x row (decode): each sub-block's integers are multiplied into fp32 accumulators and its scale
+ * applied once (Q4_K's minimums through x's per-32 sums), so the bytes are read once, as stored.
+ * Four or more rows (prefill): a panel of 16 output rows is dequantized once into fp32 (per thread,
+ * 16 x k floats, row by row) and the rows of x go through it in register tiles of 4 x rows by 2
+ * weight rows.
+ */
+
+#define KQ_BLOCK 256
+#define KQ_Q4_K 12
+#define KQ_Q6_K 14
+#define KQ_PANEL 16
+#define KQ_TILE 4
+
+static int64_t kq_block_bytes(int32_t type) { return type == KQ_Q4_K ? 144 : type == KQ_Q6_K ? 210 : 0; }
+
+static inline float kq_half(const uint8_t *p) {
+    const uint32_t h = (uint32_t)p[0] | ((uint32_t)p[1] << 8);
+    const uint32_t sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1f, man = h & 0x3ff;
+    uint32_t bits;
+    if (e == 0x1f) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (e != 0) {
+        bits = sign | ((e + 112) << 23) | (man << 13);
+    } else {
+        const float f = (float)man * 5.9604644775390625e-8f; /* man * 2^-24, exact */
+        return sign ? -f : f;
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline void q4k_scales(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = s[j] & 63;
+        mn[j] = s[j + 4] & 63;
+        sc[j + 4] = (uint8_t)((s[j + 8] & 15) | ((s[j] >> 6) << 4));
+        mn[j + 4] = (uint8_t)((s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4));
+    }
+}
+
+/* One super-block's 256 weights in fp32, each rounded as the gguf package computes it
+ * ((d * sc) * q - dmin * mn, no fused multiply-add), so a row lookup is exact. */
+__attribute__((optimize("fp-contract=off"))) static void kq_dequant_block(int32_t type, const uint8_t *b, float *out) {
+    if (type == KQ_Q4_K) {
+        const float d = kq_half(b), dmin = kq_half(b + 2);
+        uint8_t sc[8], mn[8];
+        q4k_scales(b + 4, sc, mn);
+        const uint8_t *qs = b + 16;
+        for (int c = 0; c < 4; c++) {
+            const float d0 = d * (float)sc[2 * c], m0 = dmin * (float)mn[2 * c];
+            const float d1 = d * (float)sc[2 * c + 1], m1 = dmin * (float)mn[2 * c + 1];
+            for (int i = 0; i < 32; i++) {
+                const float lo = d0 * (float)(qs[32 * c + i] & 15), hi = d1 * (float)(qs[32 * c + i] >> 4);
+                out[64 * c + i] = lo - m0;
+                out[64 * c + 32 + i] = hi - m1;
+            }
+        }
+    } else {
+        const uint8_t *ql = b, *qh = b + 128;
+        const int8_t *sc = (const int8_t *)(b + 192);
+        const float d = kq_half(b + 208);
+        for (int h = 0; h < 2; h++) {
+            for (int c = 0; c < 4; c++) {
+                for (int i = 0; i < 32; i++) {
+                    const int idx = 128 * h + 32 * c + i;
+                    const uint8_t l = ql[64 * h + 32 * (c & 1) + i];
+                    const int q = ((c >> 1) ? l >> 4 : l & 15) | (((qh[32 * h + i] >> (2 * c)) & 3) << 4);
+                    out[idx] = (d * (float)sc[idx / 16]) * (float)(q - 32);
+                }
+            }
+        }
+    }
+}
+
+/* Where each row's blocks start: row r lies in the segment s with first[s] <= r < first[s + 1]. */
+typedef struct {
+    int64_t nsegs, blocks;
+    const int32_t *segs;
+    const uint8_t *w;
+} KQMatrix;
+
+static inline const uint8_t *kq_row(const KQMatrix *mat, int64_t r, int32_t *type) {
+    const uint8_t *p = mat->w;
+    int64_t first = 0;
+    for (int64_t s = 0; s < mat->nsegs; s++) {
+        const int32_t t = mat->segs[2 * s];
+        const int64_t rows = mat->segs[2 * s + 1], row_bytes = mat->blocks * kq_block_bytes(t);
+        if (r < first + rows) {
+            *type = t;
+            return p + (r - first) * row_bytes;
+        }
+        p += rows * row_bytes;
+        first += rows;
+    }
+    *type = 0;
+    return NULL;
+}
+
+#if Q_SIMD
+static inline __m256 kq_widen(const uint8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
+
+/* The Q4_K sub-scales and minimums, 8 bytes each, from the 12 packed bytes, four at a time. */
+static inline void q4k_scales_x4(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
+    uint32_t a, b, c, v;
+    memcpy(&a, s, 4);
+    memcpy(&b, s + 4, 4);
+    memcpy(&c, s + 8, 4);
+    v = a & 0x3f3f3f3fu;
+    memcpy(sc, &v, 4);
+    v = (c & 0x0f0f0f0fu) | ((a >> 2) & 0x30303030u);
+    memcpy(sc + 4, &v, 4);
+    v = b & 0x3f3f3f3fu;
+    memcpy(mn, &v, 4);
+    v = ((c >> 4) & 0x0f0f0f0fu) | ((b >> 2) & 0x30303030u);
+    memcpy(mn + 4, &v, 4);
+}
+
+static inline float kq_half_simd(const uint8_t *p) {
+#ifdef __F16C__
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+#else
+    return kq_half(p);
+#endif
+}
+
+/* One Q4_K row times one x row; xs holds x's per-32 sums. */
+static float q4k_dot(int64_t blocks, const uint8_t *w, const float *x, const float *xs) {
+    __m256 y0 = _mm256_setzero_ps(), y1 = _mm256_setzero_ps(), mins = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi32(15);
+    float dsc[8] __attribute__((aligned(32)));
+    for (int64_t bi = 0; bi < blocks; bi++) {
+        const uint8_t *b = w + bi * 144, *qs = b + 16;
+        const float *xb = x + bi * KQ_BLOCK;
+        uint8_t sc[8], mn[8];
+        q4k_scales_x4(b + 4, sc, mn);
+        _mm256_store_ps(dsc, _mm256_mul_ps(_mm256_set1_ps(kq_half_simd(b)), kq_widen(sc)));
+        mins = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(kq_half_simd(b + 2)), kq_widen(mn)),
+                               _mm256_loadu_ps(xs + bi * 8), mins);
+        for (int c = 0; c < 4; c++) {
+            __m256 a = _mm256_setzero_ps(), h = _mm256_setzero_ps();
+            for (int t = 0; t < 4; t++) {
+                const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 32 * c + 8 * t)));
+                a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, low)), _mm256_loadu_ps(xb + 64 * c + 8 * t), a);
+                h = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), _mm256_loadu_ps(xb + 64 * c + 32 + 8 * t), h);
+            }
+            y0 = _mm256_fmadd_ps(_mm256_broadcast_ss(dsc + 2 * c), a, y0);
+            y1 = _mm256_fmadd_ps(_mm256_broadcast_ss(dsc + 2 * c + 1), h, y1);
+        }
+    }
+    return hsum(_mm256_add_ps(y0, y1)) - hsum(mins);
+}
+
+/* One Q6_K row times one x row. */
+static float q6k_dot(int64_t blocks, const uint8_t *w, const float *x) {
+    __m256 y0 = _mm256_setzero_ps(), y1 = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi32(15), top = _mm256_set1_epi32(0x30), bias = _mm256_set1_epi32(32);
+    for (int64_t bi = 0; bi < blocks; bi++) {
+        const uint8_t *b = w + bi * 210;
+        const int8_t *sc = (const int8_t *)(b + 192);
+        const float d = kq_half_simd(b + 208);
+        const float *xb = x + bi * KQ_BLOCK;
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
+            const float *xh = xb + 128 * h;
+            for (int i0 = 0; i0 < 32; i0 += 16) {
+                __m256 acc[4];
+                for (int c = 0; c < 4; c++) acc[c] = _mm256_setzero_ps();
+                for (int i = i0; i < i0 + 16; i += 8) {
+                    const __m256i A = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ql + i)));
+                    const __m256i B = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ql + 32 + i)));
+                    const __m256i H = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qh + i)));
+                    __m256i q[4];
+                    q[0] = _mm256_or_si256(_mm256_and_si256(A, low), _mm256_and_si256(_mm256_slli_epi32(H, 4), top));
+                    q[1] = _mm256_or_si256(_mm256_and_si256(B, low), _mm256_and_si256(_mm256_slli_epi32(H, 2), top));
+                    q[2] = _mm256_or_si256(_mm256_srli_epi32(A, 4), _mm256_and_si256(H, top));
+                    q[3] = _mm256_or_si256(_mm256_srli_epi32(B, 4), _mm256_and_si256(_mm256_srli_epi32(H, 2), top));
+                    for (int c = 0; c < 4; c++)
+                        acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q[c], bias)), _mm256_loadu_ps(xh + 32 * c + i),
+                                                 acc[c]);
+                }
+                for (int c = 0; c < 4; c++) {
+                    const __m256 s = _mm256_set1_ps(d * (float)sc[8 * h + 2 * c + i0 / 16]);
+                    if (c & 1)
+                        y1 = _mm256_fmadd_ps(s, acc[c], y1);
+                    else
+                        y0 = _mm256_fmadd_ps(s, acc[c], y0);
+                }
+            }
+        }
+    }
+    return hsum(_mm256_add_ps(y0, y1));
+}
+
+/* One row's super-blocks dequantized into out[k] (fused multiply-subtract: within an fp32 rounding
+ * of kq_dequant_block's values), for the panel path. */
+static void kq_dequant_row(int32_t type, int64_t blocks, const uint8_t *w, float *out) {
+    const __m256i low = _mm256_set1_epi32(15), top = _mm256_set1_epi32(0x30), bias = _mm256_set1_epi32(32);
+    float dsc[8] __attribute__((aligned(32))), dmn[8] __attribute__((aligned(32)));
+    for (int64_t bi = 0; bi < blocks; bi++) {
+        float *o = out + bi * KQ_BLOCK;
+        if (type == KQ_Q4_K) {
+            const uint8_t *b = w + bi * 144, *qs = b + 16;
+            uint8_t sc[8], mn[8];
+            q4k_scales_x4(b + 4, sc, mn);
+            _mm256_store_ps(dsc, _mm256_mul_ps(_mm256_set1_ps(kq_half_simd(b)), kq_widen(sc)));
+            _mm256_store_ps(dmn, _mm256_mul_ps(_mm256_set1_ps(kq_half_simd(b + 2)), kq_widen(mn)));
+            for (int c = 0; c < 4; c++) {
+                const __m256 s0 = _mm256_broadcast_ss(dsc + 2 * c), s1 = _mm256_broadcast_ss(dsc + 2 * c + 1);
+                const __m256 m0 = _mm256_broadcast_ss(dmn + 2 * c), m1 = _mm256_broadcast_ss(dmn + 2 * c + 1);
+                for (int t = 0; t < 4; t++) {
+                    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 32 * c + 8 * t)));
+                    _mm256_storeu_ps(o + 64 * c + 8 * t, _mm256_fmsub_ps(s0, _mm256_cvtepi32_ps(_mm256_and_si256(v, low)), m0));
+                    _mm256_storeu_ps(o + 64 * c + 32 + 8 * t, _mm256_fmsub_ps(s1, _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), m1));
+                }
+            }
+        } else {
+            const uint8_t *b = w + bi * 210;
+            const int8_t *sc = (const int8_t *)(b + 192);
+            const float d = kq_half_simd(b + 208);
+            for (int h = 0; h < 2; h++) {
+                const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
+                for (int i = 0; i < 32; i += 8) {
+                    const __m256i A = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ql + i)));
+                    const __m256i B = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ql + 32 + i)));
+                    const __m256i H = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qh + i)));
+                    __m256i q[4];
+                    q[0] = _mm256_or_si256(_mm256_and_si256(A, low), _mm256_and_si256(_mm256_slli_epi32(H, 4), top));
+                    q[1] = _mm256_or_si256(_mm256_and_si256(B, low), _mm256_and_si256(_mm256_slli_epi32(H, 2), top));
+                    q[2] = _mm256_or_si256(_mm256_srli_epi32(A, 4), _mm256_and_si256(H, top));
+                    q[3] = _mm256_or_si256(_mm256_srli_epi32(B, 4), _mm256_and_si256(_mm256_srli_epi32(H, 2), top));
+                    for (int c = 0; c < 4; c++) {
+                        const int idx = 128 * h + 32 * c + i;
+                        const __m256 s = _mm256_set1_ps(d * (float)sc[idx / 16]);
+                        _mm256_storeu_ps(o + idx, _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_sub_epi32(q[c], bias))));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/* Rows xr[0..4) of x times two dequantized weight rows w0, w1 (k floats each): out[i][j]. */
+static void kq_tile(int64_t k, const float *const xr[KQ_TILE], const float *w0, const float *w1, float out[KQ_TILE][2]) {
+    __m256 a[KQ_TILE][2];
+    for (int i = 0; i < KQ_TILE; i++) a[i][0] = a[i][1] = _mm256_setzero_ps();
+    for (int64_t kk = 0; kk < k; kk += 8) {
+        const __m256 v0 = _mm256_loadu_ps(w0 + kk), v1 = _mm256_loadu_ps(w1 + kk);
+        for (int i = 0; i < KQ_TILE; i++) {
+            const __m256 xv = _mm256_loadu_ps(xr[i] + kk);
+            a[i][0] = _mm256_fmadd_ps(v0, xv, a[i][0]);
+            a[i][1] = _mm256_fmadd_ps(v1, xv, a[i][1]);
+        }
+    }
+    for (int i = 0; i < KQ_TILE; i++) {
+        out[i][0] = hsum(a[i][0]);
+        out[i][1] = hsum(a[i][1]);
+    }
+}
+#else
+static void kq_dequant_row(int32_t type, int64_t blocks, const uint8_t *w, float *out) {
+    const int64_t bb = kq_block_bytes(type);
+    for (int64_t bi = 0; bi < blocks; bi++) kq_dequant_block(type, w + bi * bb, out + bi * KQ_BLOCK);
+}
+
+static void kq_tile(int64_t k, const float *const xr[KQ_TILE], const float *w0, const float *w1, float out[KQ_TILE][2]) {
+    for (int i = 0; i < KQ_TILE; i++) {
+        float s0 = 0.0f, s1 = 0.0f;
+        for (int64_t kk = 0; kk < k; kk++) {
+            s0 += w0[kk] * xr[i][kk];
+            s1 += w1[kk] * xr[i][kk];
+        }
+        out[i][0] = s0;
+        out[i][1] = s1;
+    }
+}
+#endif
+
+#if !Q_SIMD
+/* One output row times one x row, the super-blocks dequantized one at a time (the plain C path). */
+static float kq_dot_plain(int32_t type, int64_t blocks, const uint8_t *w, const float *x) {
+    float tmp[KQ_BLOCK], acc = 0.0f;
+    const int64_t bb = kq_block_bytes(type);
+    for (int64_t bi = 0; bi < blocks; bi++) {
+        kq_dequant_block(type, w + bi * bb, tmp);
+        float s = 0.0f;
+        for (int i = 0; i < KQ_BLOCK; i++) s += tmp[i] * x[bi * KQ_BLOCK + i];
+        acc += s;
+    }
+    return acc;
+}
+#endif
+
+static float kq_dot(int32_t type, int64_t blocks, const uint8_t *w, const float *x, const float *xs) {
+#if Q_SIMD
+    if (type == KQ_Q4_K) return q4k_dot(blocks, w, x, xs);
+    return q6k_dot(blocks, w, x);
+#else
+    (void)xs;
+    return kq_dot_plain(type, blocks, w, x);
+#endif
+}
+
+/* m rows of x times the K-quant matrix W [n, k] (segs: nsegs (type, rows) pairs summing to n). */
+int pagedkv_kq_linear(int64_t m, int64_t n, int64_t k, const float *x, int64_t x_stride, const uint8_t *w,
+                      const int32_t *segs, int64_t nsegs, float *y, int64_t y_stride, int num_threads) {
+    const KQMatrix mat = {nsegs, k / KQ_BLOCK, segs, w};
+    const int par = m * n * k >= PARALLEL_MIN_MACS;
+    if (m < KQ_TILE) {
+        const int64_t groups = k / Q4_GROUP;
+        float *xs = malloc((size_t)(m * groups > 0 ? m * groups : 1) * sizeof(float));
+        if (!xs) return -1;
+        group_sums(m, groups, x, x_stride, xs);
+        #pragma omp parallel for schedule(static) num_threads(num_threads) if (par)
+        for (int64_t j = 0; j < n; j++) {
+            int32_t type;
+            const uint8_t *row = kq_row(&mat, j, &type);
+            for (int64_t r = 0; r < m; r++) y[r * y_stride + j] = kq_dot(type, mat.blocks, row, x + r * x_stride, xs + r * groups);
+        }
+        free(xs);
+        return 0;
+    }
+    const int64_t panels = (n + KQ_PANEL - 1) / KQ_PANEL;
+    int failed = 0;
+    #pragma omp parallel num_threads(num_threads) if (par)
+    {
+        float *panel = aligned_alloc(32, (size_t)k * KQ_PANEL * sizeof(float));
+        if (!panel) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; p++) {
+            if (!panel) continue;
+            const int cols = (int)(n - p * KQ_PANEL < KQ_PANEL ? n - p * KQ_PANEL : KQ_PANEL);
+            for (int j = 0; j < cols; j++) {
+                int32_t type;
+                const uint8_t *row = kq_row(&mat, p * KQ_PANEL + j, &type);
+                kq_dequant_row(type, mat.blocks, row, panel + (int64_t)j * k);
+            }
+            for (int64_t r = 0; r < m; r += KQ_TILE) {
+                const float *xr[KQ_TILE];
+                for (int i = 0; i < KQ_TILE; i++) xr[i] = x + (r + i < m ? r + i : m - 1) * x_stride;
+                for (int j = 0; j < cols; j += 2) {
+                    float out[KQ_TILE][2];
+                    const float *w0 = panel + (int64_t)j * k, *w1 = j + 1 < cols ? w0 + k : w0;
+                    kq_tile(k, xr, w0, w1, out);
+                    for (int i = 0; i < KQ_TILE && r + i < m; i++) {
+                        float *yr = y + (r + i) * y_stride + p * KQ_PANEL + j;
+                        yr[0] = out[i][0];
+                        if (j + 1 < cols) yr[1] = out[i][1];
+                    }
+                }
+            }
+        }
+        free(panel);
+    }
+    return failed ? -1 : 0;
+}
+
+/* out[i, :] = row ids[i] of W in fp32, as the gguf package dequantizes it (an embedding lookup). */
+void pagedkv_kq_rows(int64_t count, const int64_t *ids, int64_t k, const uint8_t *w, const int32_t *segs, int64_t nsegs,
+                     float *out, int64_t out_stride) {
+    const KQMatrix mat = {nsegs, k / KQ_BLOCK, segs, w};
+    for (int64_t i = 0; i < count; i++) {
+        int32_t type;
+        const uint8_t *row = kq_row(&mat, ids[i], &type);
+        const int64_t bb = kq_block_bytes(type);
+        for (int64_t bi = 0; bi < mat.blocks; bi++) kq_dequant_block(type, row + bi * bb, out + i * out_stride + bi * KQ_BLOCK);
+    }
 }

@@ -11,11 +11,13 @@ fails the oracle tests instead of cancelling out.
 from __future__ import annotations
 
 import pathlib
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
+from tests.kernels import kquant_cases
 from tests.worker_svc.conftest import VOCAB, HFModel
 
 FAMILIES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
@@ -145,10 +147,14 @@ def random_k_blocks(shape: tuple[int, ...], qtype: str, seed: int) -> np.ndarray
     return data.reshape(rows, -1)
 
 
-def write_gguf(hf: HFModel, path: pathlib.Path, qtype: str = "F32") -> dict[str, torch.Tensor]:
+def write_gguf(
+    hf: HFModel, path: pathlib.Path, qtype: str = "F32", qtype_of: Callable[[str], str] | None = None
+) -> dict[str, torch.Tensor]:
     """Write ``hf``'s weights to a GGUF file, 2-D weights as ``qtype`` (F32, F16, a type the gguf
-    package can quantize, e.g. Q8_0, or a K-quant, whose blocks are random: random_k_blocks),
-    1-D ones as F32 (as llama.cpp does).
+    package can quantize, e.g. Q8_0, or a K-quant, whose blocks are random: random_k_blocks), or
+    as ``qtype_of(HF name)`` when given (a mixture, like llama-quantize's Q4_K_M; Q4_K / Q6_K
+    then hold the weights rounded by tests/kernels/kquant_cases.py), 1-D ones as F32 (as llama.cpp
+    does).
 
     Returns the state dict as the file holds it (quantized then dequantized, in HF layout), for an
     oracle on exactly those weights."""
@@ -183,6 +189,7 @@ def write_gguf(hf: HFModel, path: pathlib.Path, qtype: str = "F32") -> dict[str,
         )
         w.add_tensor("rope_freqs.weight", (base / scaled).numpy().astype(np.float32))
     held: dict[str, torch.Tensor] = {}
+    default_qtype = qtype
     state = model.state_dict()
     for name, t in state.items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -192,6 +199,7 @@ def write_gguf(hf: HFModel, path: pathlib.Path, qtype: str = "F32") -> dict[str,
             arr = _permute(arr, cfg.num_attention_heads)
         elif arch == "llama" and ".self_attn.k_proj." in name:
             arr = _permute(arr, cfg.num_key_value_heads)
+        qtype = qtype_of(name) if qtype_of is not None and arr.ndim == 2 else default_qtype
         if arr.ndim == 1 or qtype == "F32":
             w.add_tensor(_gguf_name(name), np.ascontiguousarray(arr, dtype=np.float32))
             stored = arr
@@ -200,7 +208,9 @@ def write_gguf(hf: HFModel, path: pathlib.Path, qtype: str = "F32") -> dict[str,
             stored = arr.astype(np.float16).astype(np.float32)
         else:
             q = gguf.GGMLQuantizationType[qtype]
-            if qtype in K_QUANT_SCALES:  # gguf cannot quantize these: random valid blocks instead
+            if qtype_of is not None and qtype in kquant_cases.QUANTIZE:  # the weights, rounded
+                data = kquant_cases.quantize(arr, qtype)
+            elif qtype in K_QUANT_SCALES:  # gguf cannot quantize these: random valid blocks instead
                 data = random_k_blocks(arr.shape, qtype, seed=len(held))
             else:
                 data = gguf.quants.quantize(np.ascontiguousarray(arr, dtype=np.float32), q)
@@ -245,4 +255,31 @@ def small_q4_1_llama(dir: pathlib.Path, seed: int, name: str = "m.Q4_1.gguf") ->
     )
     path = dir / name
     write_gguf(hf, path, "Q4_1")
+    return hf, path
+
+
+def q4_k_m_type(name: str) -> str:
+    """The type llama-quantize's Q4_K_M gives a matrix, simplified: the output layer, the value
+    rows and the MLP's down projection Q6_K, every other matrix (the embedding too) Q4_K."""
+    return "Q6_K" if name == "lm_head.weight" or ".v_proj." in name or ".down_proj." in name else "Q4_K"
+
+
+def small_q4_k_m_llama(
+    dir: pathlib.Path, seed: int, name: str = "m.Q4_K_M.gguf"
+) -> tuple[HFModel, pathlib.Path]:
+    """A random Llama with 256-wide layers (whole K-quant super-blocks) written as a Q4_K_M-like
+    GGUF (q4_k_m_type): fused QKV of Q4_K and Q6_K parts, a Q6_K output layer."""
+    hf = build(
+        "LlamaForCausalLM",
+        dir / "hf",
+        seed=seed,
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=300,
+        tie_word_embeddings=False,
+    )
+    path = dir / name
+    write_gguf(hf, path, qtype_of=q4_k_m_type)
     return hf, path

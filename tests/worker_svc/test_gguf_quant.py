@@ -1,7 +1,8 @@
 """A GGUF file's quantized matrices held as integers (worker_svc/model/gguf_quant.py) against the
-gguf package's own dequantization: Q4_0 / Q4_1 / Q4_K exactly (up to fp32 rounding) as int4
-groups, Q8_0 / Q5_* / Q6_K as int8 rows within half a step; a model held that way generates what
-transformers does on the weights it holds, at about the file's size, and the cache host shares it."""
+gguf package's own dequantization: Q4_K / Q6_K as the file's own blocks (exactly), Q4_0 / Q4_1
+exactly (up to fp32 rounding) as int4 groups, Q8_0 / Q5_* as int8 rows within half a step; a model
+held that way generates what transformers does on the weights it holds, at about the file's size
+(a Q4_K_M-like file at its size), and the cache host shares it."""
 
 from __future__ import annotations
 
@@ -12,7 +13,14 @@ import pytest
 import torch
 
 from kernels import cpu_native
-from tests.worker_svc.families import build, oracle_on, random_k_blocks, small_q4_1_llama, write_gguf
+from tests.worker_svc.families import (
+    build,
+    oracle_on,
+    random_k_blocks,
+    small_q4_1_llama,
+    small_q4_k_m_llama,
+    write_gguf,
+)
 from tests.worker_svc.generation import Scheduler, runner_step
 from worker_svc import shared_weights
 from worker_svc.model import gguf_file, gguf_quant
@@ -101,7 +109,10 @@ def _held_state(path: pathlib.Path) -> dict[str, torch.Tensor]:
     """What the model computes with, as fp32 in HF names (oracle weights)."""
     cfg = load_model_config(str(path))
     w = load_checkpoint(str(path), cfg, torch.float32, CPU, held="file")
-    return {n: t.dequantize() if isinstance(t, gguf_quant.Unpacked) else t for n, t in w.items()}
+    return {
+        n: t.dequantize() if isinstance(t, (gguf_quant.Unpacked, gguf_quant.KBlocks)) else t
+        for n, t in w.items()
+    }
 
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K", "Q8_0"])
@@ -110,7 +121,7 @@ def test_a_quantized_file_held_as_integers_generates_what_transformers_does(
 ) -> None:
     """A Llama (hidden 256, 40 KV rows: padded int4 rows) with every matrix of ``qtype``, held in
     the file's own quantization, generates transformers' greedy tokens on the weights it holds
-    (for int4 types: the file's weights), and holds them at about the file's size."""
+    (for int4 and K-quant types: the file's weights), and holds them at about the file's size."""
     hf = build(
         "LlamaForCausalLM",
         tmp_path / "hf",
@@ -124,13 +135,22 @@ def test_a_quantized_file_held_as_integers_generates_what_transformers_does(
     path = tmp_path / f"m.{qtype}.gguf"
     file_state = write_gguf(hf, path, qtype)
     held = _held_state(path)
-    if qtype in gguf_quant.INT4_TYPES:
+    if qtype in gguf_quant.KQUANT_TYPES:  # the file's blocks: every weight exactly the file's
+        for n, t in file_state.items():
+            torch.testing.assert_close(held[n], t, rtol=0, atol=0, msg=n)
+    elif qtype in gguf_quant.INT4_TYPES:
         for n, t in file_state.items():
             if n != gguf_quant.EMBEDDING:
                 torch.testing.assert_close(held[n], t, rtol=0, atol=1e-6 * float(t.abs().max()), msg=n)
     oracle = oracle_on(hf, held, tmp_path / "hf")
     runner = _runner(path, "file")
-    kinds = ("int8", "int4") if qtype in gguf_quant.INT4_TYPES else ("int8",)
+    kinds = (
+        ("kquant",)
+        if qtype in gguf_quant.KQUANT_TYPES
+        else ("int8", "int4")
+        if qtype in gguf_quant.INT4_TYPES
+        else ("int8",)
+    )
     assert runner.model.linear_path == _paths(*kinds)
     sched = Scheduler(runner_step(runner), block_size=4)
     sched.add("a", PROMPT)
@@ -146,12 +166,55 @@ def test_a_quantized_file_held_as_integers_generates_what_transformers_does(
     assert runner.model.weight_bytes < 0.45 * dense_bytes and runner.model.weight_bytes < 1.8 * file_bytes
 
 
-def test_the_cache_host_shares_the_integers(tmp_path: pathlib.Path) -> None:
+def test_a_q4_k_m_file_is_held_at_its_size_and_generates_the_dequantized_files_tokens(
+    tmp_path: pathlib.Path,
+) -> None:
+    """A Q4_K_M-like file (Q4_K matrices, Q6_K value rows, down projections and output layer; the
+    fused QKV joins both types) is held as its own blocks: every weight exactly the gguf package's,
+    at most 1.15x the file's tensor bytes (in fact the file's bytes plus 8 bytes a row segment),
+    and it generates the greedy tokens of the same file dequantized to fp32, both pagedkv's dense
+    path and transformers on those weights."""
+    hf, path = small_q4_k_m_llama(tmp_path, 5)
+    cfg = load_model_config(str(path))
+    header = gguf_file.read_header(path)
+    types = {t.type_name for t in header.tensors.values()}
+    assert {"Q4_K", "Q6_K"} <= types
+    held = _held_state(path)
+    dense = load_checkpoint(str(path), cfg, torch.float32, CPU, held="dense")
+    for n, t in dense.items():
+        torch.testing.assert_close(held[n], t, rtol=0, atol=0, msg=n)
+    runner, dense_runner = _runner(path, "file"), _runner(path, "dense")
+    assert runner.model.linear_path == _paths("kquant")
+    qkv = runner.model.layers[0].qkv.quantized
+    assert qkv is not None and qkv.qscale.tolist() == [[12, 256], [12, 128], [14, 128]]  # Q4_K, Q4_K, Q6_K
+    file_bytes = sum(gguf_file.tensor_bytes(t) for t in header.tensors.values())
+    model_bytes = sum(  # the file's tensors but rope_freqs.weight (the rotary table, not a weight)
+        gguf_file.tensor_bytes(t) for t in header.tensors.values() if gguf_file.hf_name(t.name) is not None
+    )
+    segments = sum(
+        int(t.numel())
+        for n, t in fuse(load_checkpoint(str(path), cfg, torch.float32, CPU, held="file"), cfg).items()
+        if n.endswith(".qscale")
+    )
+    assert runner.model.weight_bytes == model_bytes + 4 * segments <= 1.15 * file_bytes
+    oracle = oracle_on(hf, held, tmp_path / "hf")
+    tokens = {}
+    for name, r in (("kquant", runner), ("dense", dense_runner)):
+        sched = Scheduler(runner_step(r), block_size=4)
+        sched.add("a", PROMPT)
+        sched.generate(["a"], 12)
+        tokens[name] = sched.seqs["a"].generated
+    assert tokens["kquant"] == tokens["dense"] == oracle.greedy(PROMPT, 12)
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_K_M"])
+def test_the_cache_host_shares_the_integers(kind: str, tmp_path: pathlib.Path) -> None:
     """The fused, packed tensors fit ``fused_spec`` (known from the header alone) and a model built
     on views of the shared region computes what a privately loaded one does, bit for bit."""
     from worker_svc.model.llama import LlamaModel
 
-    hf, path = small_q4_1_llama(tmp_path, 2, "m.Q4_1.gguf")
+    make = small_q4_1_llama if kind == "Q4_1" else small_q4_k_m_llama
+    hf, path = make(tmp_path, 2, f"m.{kind}.gguf")
     cfg = load_model_config(str(path))
     state = fuse(load_checkpoint(str(path), cfg, torch.float32, CPU, held="file"), cfg)
     spec = fused_spec(str(path), cfg, torch.float32, "file")
@@ -189,17 +252,20 @@ def _runner_logits(model: object, cfg: object) -> torch.Tensor:
     return out.logits.clone()
 
 
-def test_processes_hold_a_gguf_in_its_own_quantization_by_default(tmp_path: pathlib.Path) -> None:
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_K_M"])
+def test_processes_hold_a_gguf_in_its_own_quantization_by_default(kind: str, tmp_path: pathlib.Path) -> None:
     """`pagedkv cache-host --model FILE.gguf` (no flag) shares the file's integers; a worker maps
-    them, says so in `worker_ready` (weight bytes, int4 / int8 paths) and generates transformers'
-    tokens on the weights held; a worker asking for fp32 weights refuses that host (exit code 2)."""
+    them, says so in `worker_ready` (weight bytes, int4 / int8 / kquant paths) and generates
+    transformers' tokens on the weights held; a worker asking for fp32 weights refuses that host
+    (exit code 2)."""
     import grpc
 
     from pagedkv.v1 import worker_pb2_grpc
     from tests.worker_svc.generation import grpc_step
     from tests.worker_svc.test_processes import GPU_BLOCKS, Proc, start_cache_host, start_worker
 
-    hf, path = small_q4_1_llama(tmp_path, 4, "llama.Q4_1.gguf")
+    make = small_q4_1_llama if kind == "Q4_1" else small_q4_k_m_llama
+    hf, path = make(tmp_path, 4, f"llama.{kind}.gguf")
     oracle = oracle_on(hf, _held_state(path), tmp_path / "hf")
     cfg = load_model_config(str(path))
     spec = fused_spec(str(path), cfg, torch.float32, "file")
@@ -210,7 +276,7 @@ def test_processes_hold_a_gguf_in_its_own_quantization_by_default(tmp_path: path
     try:
         host, ready = start_cache_host(path, 0, "pagedkv-gguf-quant-test")
         procs.append(host)
-        assert ready["weights_source"] == "model:llama.Q4_1.gguf;held=file"
+        assert ready["weights_source"] == f"model:llama.{kind}.gguf;held=file"
         assert (
             spec_bytes
             <= ready["weights_bytes"]
@@ -221,7 +287,9 @@ def test_processes_hold_a_gguf_in_its_own_quantization_by_default(tmp_path: path
         procs += [w, dense]
         w_ready = w.wait_event("worker_ready")
         assert w_ready["shared_weights"] is True and w_ready["weight_format"] == "auto"
-        assert w_ready["weight_bytes"] == spec_bytes and w_ready["linear_path"] == _paths("int8", "int4")
+        assert w_ready["weight_bytes"] == spec_bytes and w_ready["linear_path"] == (
+            _paths("int8", "int4") if kind == "Q4_1" else _paths("kquant")
+        )
         assert dense.p.wait(60) == 2 and "held=file" in dense.wait_event("config_error")["error"]
         with grpc.insecure_channel(f"127.0.0.1:{w_ready['port']}") as ch:
             sched = Scheduler(

@@ -356,11 +356,11 @@ def _row_order(rows: int, num_heads: int) -> torch.Tensor:
 
 def iter_held(
     path: str | pathlib.Path, num_heads: int, num_kv_heads: int
-) -> Iterator[tuple[str, torch.Tensor | gguf_quant.Unpacked]]:
+) -> Iterator[tuple[str, torch.Tensor | gguf_quant.Held]]:
     """(Hugging Face name, tensor) of every tensor with an HF counterpart, each in the form the file's
-    own quantization is held in (``gguf_quant.form_of``): fp32 tensors for dense ones, integers
-    (``gguf_quant.Unpacked``) for quantized matrices. A matrix converted to int8 rows logs its
-    error against the file's weights (``gguf_weight_converted``)."""
+    own quantization is held in (``gguf_quant.form_of``): fp32 tensors for dense ones, the file's
+    blocks (``gguf_quant.KBlocks``) or integers (``gguf_quant.Unpacked``) for quantized matrices.
+    A matrix converted to int8 rows logs its error against the file's weights (``gguf_weight_converted``)."""
     header = read_header(path)
     check_types(header)
     arch = str(header.metadata.get("general.architecture", ""))
@@ -370,8 +370,10 @@ def iter_held(
             continue
         shape = tuple(reversed(t.shape))
         form = gguf_quant.form_of(t.type_name, name, shape)
-        x: torch.Tensor | gguf_quant.Unpacked
-        if form == "int4":
+        x: torch.Tensor | gguf_quant.Held
+        if form == "kquant":
+            x = gguf_quant.KBlocks.from_raw(_raw(path, t), t.type_name, (shape[0], shape[1]))
+        elif form == "int4":
             x = gguf_quant.int4_parts(_raw(path, t), t.type_name, (shape[0], shape[1]))
         else:
             dense = torch.from_numpy(_dequantize(path, t))

@@ -3,16 +3,24 @@
 
 Which form each GGUF type takes (``form_of``):
 
-- Q4_0, Q4_1, Q4_K: ``int4``, exactly. Each is 4-bit values with one scale and one offset per 32
-  weights (Q4_0: ``d * (q - 8)``; Q4_1: ``d * q + m``; Q4_K: ``d * sc * q - dmin * m`` per 32-weight
-  sub-block), i.e. ``(q - 8) * s + z`` with ``s``, ``z`` per group of 32: the same integers, the
-  scale and offset computed once in fp32 (equal to the gguf package's dequantization up to fp32
-  rounding of ``z``; tests/worker_svc/test_gguf_quant.py).
-- Q8_0, Q5_0, Q5_1, Q5_K, Q6_K: ``int8`` with one scale per row, requantized from the gguf
+- Q4_K, Q6_K: ``kquant``, the file's super-blocks byte for byte (``KBlocks``; the native kernels
+  read them as they are, ``kernels/quant_linear.py``), so nothing is converted and the matrix takes
+  the file's bytes. This includes the token embedding (its rows are dequantized when looked up).
+- Q4_0, Q4_1: ``int4``, exactly (``int4_parts`` reads Q4_K into this form too; a GGUF K-quant
+  matrix's rows are always whole super-blocks, so ``form_of`` never picks it for Q4_K). Each is
+  4-bit values with one scale and one offset per 32 weights (Q4_0: ``d * (q - 8)``; Q4_1:
+  ``d * q + m``; Q4_K: ``d * sc * q - dmin * m`` per 32-weight sub-block), i.e. ``(q - 8) * s + z``
+  with ``s``, ``z`` per group of 32: the same integers, the scale and offset computed once in fp32
+  (equal to the gguf package's dequantization up to fp32 rounding of ``z``;
+  tests/worker_svc/test_gguf_quant.py).
+- Q8_0, Q5_0, Q5_1, Q5_K: ``int8`` with one scale per row, requantized from the gguf
   package's dequantization once at load. PyTorch's int8 operator has no per-group scales, so this is
   a conversion with an error, measured per matrix (``ConversionError``) and written down in
   docs/kernels.md.
-- The token embedding is always ``int8`` (rows are looked up, and the int4 layout is blocked).
+- A fused matrix (QKV, gate/up) of K-quant parts is one ``kquant`` matrix of row segments, even
+  when its parts' types differ (a Q4_K_M file's Q4_K query beside its Q6_K value rows); parts of
+  different forms otherwise become ``int8`` rows.
+- The token embedding is otherwise ``int8`` (rows are looked up, and the int4 layout is blocked).
 - F32, F16, BF16 and every vector (norms, biases) stay dense (fp32).
 
 How the integers are read without parsing the block formats here: the gguf package's own
@@ -31,8 +39,9 @@ import torch
 from kernels import quant_linear
 from kernels.quant_linear import QuantizedMatrix
 
-INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
-INT8_TYPES = ("Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K")
+KQUANT_TYPES = tuple(quant_linear.KQUANT_TYPES)  # Q4_K, Q6_K: held as the file's blocks
+INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # what int4_parts reads
+INT8_TYPES = ("Q8_0", "Q5_0", "Q5_1", "Q5_K")
 DENSE_TYPES = ("F32", "F16", "BF16")
 EMBEDDING = "model.embed_tokens.weight"
 
@@ -41,9 +50,12 @@ _ZERO_F16 = np.zeros(2, dtype=np.uint8)
 
 
 def form_of(type_name: str, hf_name: str, shape: tuple[int, ...]) -> str:
-    """``int4``, ``int8`` or ``dense``: how a tensor of this GGUF type is held (module docstring)."""
+    """``kquant``, ``int4``, ``int8`` or ``dense``: how a tensor of this GGUF type is held (module
+    docstring)."""
     if len(shape) != 2 or type_name in DENSE_TYPES:
         return "dense"
+    if type_name in KQUANT_TYPES and shape[1] % quant_linear.KQ_BLOCK == 0:
+        return "kquant"
     if hf_name == EMBEDDING:
         return "int8"
     if type_name in INT4_TYPES and shape[1] % quant_linear.GROUP == 0:
@@ -88,20 +100,66 @@ class Unpacked:
         return quant_linear.pack_int4(self.q, self.scale, self.offset)
 
 
-def to_int8(x: Unpacked | torch.Tensor) -> Unpacked:
+@dataclass(slots=True)
+class KBlocks:
+    """A K-quant matrix as the file holds it: row segments ``(GGUF type, uint8 [rows, row_bytes])``
+    of 256-weight super-blocks (one segment per file tensor; a fused matrix joins several)."""
+
+    segments: list[tuple[str, torch.Tensor]]
+
+    @classmethod
+    def from_raw(cls, raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> KBlocks:
+        """``raw`` uint8 ``[rows, row_bytes]`` (e.g. a memory-mapped tensor), copied once."""
+        if type_name not in KQUANT_TYPES or shape[1] % quant_linear.KQ_BLOCK:
+            raise ValueError(f"{type_name} {shape} is not held as kquant (types {', '.join(KQUANT_TYPES)})")
+        return cls([(type_name, torch.from_numpy(np.array(raw, dtype=np.uint8)).reshape(shape[0], -1))])
+
+    @property
+    def kind(self) -> str:
+        return "kquant"
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        name, raw = self.segments[0]
+        size = quant_linear.KQ_BLOCK_BYTES[quant_linear.KQUANT_TYPES[name]]
+        rows = sum(int(r.shape[0]) for _, r in self.segments)
+        return (rows, int(raw.shape[1]) // size * quant_linear.KQ_BLOCK)
+
+    def take_rows(self, index: torch.Tensor) -> KBlocks:
+        """Rows ``index`` (a permutation of a single-segment matrix's rows, e.g. llama's Q/K order)."""
+        if len(self.segments) != 1:
+            raise ValueError("take_rows needs a single-segment kquant matrix")
+        name, raw = self.segments[0]
+        return KBlocks([(name, raw.index_select(0, index))])
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 matrix, by the gguf package's own dequantization."""
+        return self.pack().dequantize()
+
+    def pack(self) -> QuantizedMatrix:
+        return quant_linear.pack_kquant(self.segments)
+
+
+Held = Unpacked | KBlocks
+
+
+def to_int8(x: Held | torch.Tensor) -> Unpacked:
     """Requantize to int8 rows (for fusing parts of different forms)."""
     if isinstance(x, Unpacked) and x.kind == "int8":
         return x
-    w = x.dequantize() if isinstance(x, Unpacked) else x
+    w = x.dequantize() if isinstance(x, (Unpacked, KBlocks)) else x
     m = quant_linear.quantize_int8_rows(w)
     return Unpacked(m.qweight, m.qscale, None)
 
 
-def concat(parts: list[Unpacked | torch.Tensor]) -> Unpacked | torch.Tensor:
-    """Row-concatenate the parts of a fused matrix; mixed forms are all requantized to int8 rows."""
+def concat(parts: list[Held | torch.Tensor]) -> Held | torch.Tensor:
+    """Row-concatenate the parts of a fused matrix: K-quant parts as row segments, int4 parts as
+    int4; mixed forms are all requantized to int8 rows."""
     if all(isinstance(p, torch.Tensor) for p in parts):
         return torch.cat(parts).contiguous()  # type: ignore[arg-type]
-    kinds = {p.kind if isinstance(p, Unpacked) else "dense" for p in parts}
+    if all(isinstance(p, KBlocks) for p in parts):
+        return KBlocks([seg for p in parts if isinstance(p, KBlocks) for seg in p.segments])
+    kinds = {p.kind if isinstance(p, (Unpacked, KBlocks)) else "dense" for p in parts}
     us = [p for p in parts if isinstance(p, Unpacked)] if kinds == {"int4"} else [to_int8(p) for p in parts]
     offsets = [u.offset for u in us]
     return Unpacked(
@@ -181,7 +239,7 @@ class ConversionError:
     rel_rms: float  # ||held - file|| / ||file||
 
 
-def conversion_error(name: str, held: Unpacked, reference: torch.Tensor) -> ConversionError:
+def conversion_error(name: str, held: Held, reference: torch.Tensor) -> ConversionError:
     diff = held.dequantize() - reference
     norm = float(reference.norm())
     return ConversionError(

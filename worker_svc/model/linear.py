@@ -17,11 +17,12 @@ paths read only a copy laid out for them, made once here:
   the row count equals the one it was packed for, so with a step's varying batch it silently falls
   back to ``F.linear``.
 
-A quantized matrix (``kernels.quant_linear.QuantizedMatrix``: int4 groups or int8 rows) runs the
-native int4 / int8 kernels on its integers where the library is loaded (``native-int4`` /
-``native-int8``: a decode step's rows read the integers at the memory's rate,
-``kernels/cpu_quant_linear.py``), else PyTorch's weight-packed matmuls (``int4`` / ``int8``), fp32
-in and out.
+A quantized matrix (``kernels.quant_linear.QuantizedMatrix``: int4 groups, int8 rows or a GGUF's
+Q4_K / Q6_K blocks) runs the native int4 / int8 / K-quant kernels on its integers where the library
+is loaded (``native-int4`` / ``native-int8`` / ``native-kquant``: a decode step's rows read the
+integers where they lie, ``kernels/cpu_quant_linear.py``), else PyTorch's weight-packed matmuls
+(``int4`` / ``int8``; ``kquant``: a private fp32 copy, PyTorch having no K-quant operator), fp32 in
+and out.
 
 Everything else (CUDA, other dtypes, a torch without oneDNN, a failure to pack) keeps ``F.linear``.
 Results equal ``F.linear``'s up to fp32 summation order (tests/kernels/test_cpu_linear.py,
@@ -96,8 +97,9 @@ class Linear:
 
     @property
     def path(self) -> str:
-        """Which implementation runs: ``native-int4``, ``native-int8``, ``int4``, ``int8`` (PyTorch's
-        integer matmuls), ``native``, ``onednn`` or ``torch``."""
+        """Which implementation runs: ``native-int4``, ``native-int8``, ``native-kquant``, ``int4``,
+        ``int8`` (PyTorch's integer matmuls), ``kquant`` (an fp32 copy), ``native``, ``onednn`` or
+        ``torch``."""
         if self.qlinear is not None:
             return self.qlinear.path
         return "native" if self.native is not None else "onednn" if self.packed is not None else "torch"

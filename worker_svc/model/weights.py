@@ -22,13 +22,13 @@ import torch
 from kernels import quant_linear
 from worker_svc.model import gguf_file, gguf_quant, model_source
 from worker_svc.model.config import ModelConfig
-from worker_svc.model.gguf_quant import Unpacked
+from worker_svc.model.gguf_quant import KBlocks, Unpacked
 from worker_svc.model.registry import Model, architecture, build_model
 
 # How the weights are held (weight_format.py resolves the flag): dense in the serving dtype, a GGUF
 # file's own quantization ("file"), or every matrix of a checkpoint quantized at load.
 HELD_FORMS = ("dense", "file", "int8", "int4")
-Held = torch.Tensor | Unpacked
+Held = torch.Tensor | Unpacked | KBlocks
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -202,7 +202,7 @@ def fuse(weights: dict[str, Held], cfg: ModelConfig) -> dict[str, torch.Tensor]:
         held[name] = gguf_quant.concat([weights[x] for x in srcs])
     out: dict[str, torch.Tensor] = {}
     for name, t in held.items():
-        if isinstance(t, Unpacked):
+        if isinstance(t, (Unpacked, KBlocks)):
             m = t.pack()
             base = name.removesuffix("weight")
             out[base + "qweight"], out[base + "qscale"] = m.qweight, m.qscale
@@ -211,22 +211,28 @@ def fuse(weights: dict[str, Held], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     return out
 
 
+def _file_types(model_dir: str | None, cfg: ModelConfig) -> dict[str, str]:
+    """Checkpoint name -> GGUF tensor type of a GGUF file's tensors (empty for anything else)."""
+    src = model_source.resolve(pathlib.Path(model_dir)) if model_dir else None
+    if src is None or src.kind != "gguf":
+        return {}
+    shapes = expected_shapes(cfg)
+    header = gguf_file.read_header(src.path)
+    names = ((gguf_file.hf_name(t.name), t.type_name) for t in header.tensors.values())
+    return {name: type_name for name, type_name in names if name is not None and name in shapes}
+
+
 def held_forms(model_dir: str | None, cfg: ModelConfig, held: str) -> dict[str, str]:
-    """Checkpoint name -> ``dense`` / ``int4`` / ``int8``: the form ``load_weights(..., held)``
-    gives each tensor, known without reading the tensors (a GGUF's header says its types)."""
+    """Checkpoint name -> ``dense`` / ``kquant`` / ``int4`` / ``int8``: the form
+    ``load_weights(..., held)`` gives each tensor, known without reading the tensors (a GGUF's
+    header says its types)."""
     shapes = expected_shapes(cfg)
     if held == "dense":
         return {n: "dense" for n in shapes}
     if held == "file":
-        src = model_source.resolve(pathlib.Path(model_dir)) if model_dir else None
-        if src is None or src.kind != "gguf":
-            return {n: "dense" for n in shapes}
-        header = gguf_file.read_header(src.path)
         forms = {n: "dense" for n in shapes}
-        for t in header.tensors.values():
-            name = gguf_file.hf_name(t.name)
-            if name in shapes:
-                forms[name] = gguf_quant.form_of(t.type_name, name, shapes[name])
+        for name, type_name in _file_types(model_dir, cfg).items():
+            forms[name] = gguf_quant.form_of(type_name, name, shapes[name])
         return forms
     return {n: load_time_form(n, shape, held) for n, shape in shapes.items()}
 
@@ -238,15 +244,21 @@ def fused_spec(
     a worker checks the cache host's shared weights against before mapping them."""
     shapes = expected_shapes(cfg)
     forms = held_forms(model_dir, cfg, held)
+    types = _file_types(model_dir, cfg) if "kquant" in forms.values() else {}
     keep, fused = _fused_layout(expected_names(cfg), cfg)
     out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-    items = [(n, shapes[n], forms[n]) for n in keep]
+    items = [(n, shapes[n], forms[n], [n]) for n in keep]
     for name, srcs in fused.items():
         shape = (sum(shapes[x][0] for x in srcs), *shapes[srcs[0]][1:])
-        items.append((name, shape, gguf_quant.fused_form([forms[x] for x in srcs])))
-    for name, shape, form in items:
+        items.append((name, shape, gguf_quant.fused_form([forms[x] for x in srcs]), srcs))
+    for name, shape, form, srcs in items:
         base = name.removesuffix("weight")
-        if form == "int4":
+        if form == "kquant":  # one row segment per part (gguf_quant.concat)
+            segments = [(types[x], shapes[x][0]) for x in srcs]
+            kq_bytes, kq_segments = quant_linear.kquant_shapes(segments, shape[1])
+            out[base + "qweight"] = (kq_bytes, torch.uint8)
+            out[base + "qscale"] = (kq_segments, torch.int32)
+        elif form == "int4":
             qweight, qscale = quant_linear.int4_shapes(shape[0], shape[1])
             out[base + "qweight"] = (qweight, torch.uint8)
             out[base + "qscale"] = (qscale, torch.float32)
