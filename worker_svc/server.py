@@ -328,7 +328,11 @@ def start_worker(
             linear_path=model.linear_path,
         )
         servicer = WorkerServicer(runner, winfo)
-        if settings.step_channel:
+        if settings.step_channel and settings.auth_tokens_file:
+            # The channel checks the peer's uid, not a bearer token: a worker that requires tokens
+            # takes steps over gRPC only (docs/worker.md, "Step transport").
+            log.info("step_channel_off", reason="--auth-tokens-file: steps must carry a token")
+        elif settings.step_channel:
             try:
                 channel = StepChannelServer(servicer.run_step)
                 winfo.step_channel = channel.path

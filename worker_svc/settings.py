@@ -197,5 +197,6 @@ class WorkerSettings(_Common):
     step_channel: bool = Field(
         True,
         description="also take Step through shared memory from clients on this host and user (a Unix "
-        "socket in a 0700 directory, no network port); --no-step-channel: gRPC only",
+        "socket in a 0700 directory, no network port; off when --auth-tokens-file is set, as it "
+        "checks no token); --no-step-channel: gRPC only",
     )

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import pytest
@@ -160,6 +163,24 @@ def test_health_and_reflection_on_both_services(host: Host, hf_llama: HFModel) -
                 assert service in names and "grpc.health.v1.Health" in names
     finally:
         proc.close()
+
+
+def test_a_worker_that_requires_tokens_offers_no_step_channel(
+    host: Host, hf_llama: HFModel, tmp_path: Path
+) -> None:
+    """The step channel checks the peer's uid, not a bearer token: with --auth-tokens-file every
+    step goes over gRPC, where the token is checked. Without it the worker offers the channel."""
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(
+        json.dumps({"tenants": [{"name": "f", "token_sha256": hashlib.sha256(b"t").hexdigest()}]})
+    )
+    for kw, offered in (({}, True), ({"auth_tokens_file": str(tokens)}, False)):
+        proc = start_worker(worker_settings(host, hf_llama, kernel_backend="reference", **kw))
+        try:
+            assert (proc.step_channel is not None) == offered, kw
+            assert bool(proc.servicer._info.step_channel) == offered, kw  # noqa: SLF001 - what GetWorkerInfo says
+        finally:
+            proc.close()
 
 
 @pytest.mark.parametrize(
