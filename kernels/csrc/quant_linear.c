@@ -30,6 +30,7 @@
  */
 #include <stdint.h>
 #include <stdlib.h>
+#include <math.h>
 #include <string.h>
 
 #ifdef _OPENMP
@@ -275,18 +276,14 @@ int pagedkv_q8_linear(int64_t m, int64_t n, int64_t k, const float *x, int64_t x
  *   Q6_K, 210 bytes: 128 bytes of low nibbles ql, 64 bytes of high 2-bit pairs qh, 16 int8 scales,
  *     fp16 d. Weight 128 h + 32 c + i (h < 2, c < 4, i < 32) is d * sc[(128 h + 32 c + i) / 16] *
  *     (q - 32), q = nibble (c >> 1) of ql[64 h + 32 (c & 1) + i] | ((qh[32 h + i] >> 2c) & 3) << 4.
- * One x row (decode): each sub-block's integers are multiplied into fp32 accumulators and its scale
- * applied once (Q4_K's minimums through x's per-32 sums), so the bytes are read once, as stored.
- * Four or more rows (prefill): a panel of 16 output rows is dequantized once into fp32 (per thread,
- * 16 x k floats, row by row) and the rows of x go through it in register tiles of 4 x rows by 2
- * weight rows.
+ * x's rows are rounded to 8-bit integers first (below), so the products are integer ones; each
+ * weight row is read once, as stored, and its unpacked bytes meet up to four rows of x (a prefill's
+ * rows four at a time, the row's bytes staying in L1 between them).
  */
 
 #define KQ_BLOCK 256
 #define KQ_Q4_K 12
 #define KQ_Q6_K 14
-#define KQ_PANEL 16
-#define KQ_TILE 4
 
 static int64_t kq_block_bytes(int32_t type) { return type == KQ_Q4_K ? 144 : type == KQ_Q6_K ? 210 : 0; }
 
@@ -375,8 +372,6 @@ static inline const uint8_t *kq_row(const KQMatrix *mat, int64_t r, int32_t *typ
 }
 
 #if Q_SIMD
-static inline __m256 kq_widen(const uint8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
-
 /* The Q4_K sub-scales and minimums, 8 bytes each, from the 12 packed bytes, four at a time. */
 static inline void q4k_scales_x4(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
     uint32_t a, b, c, v;
@@ -403,238 +398,272 @@ static inline float kq_half_simd(const uint8_t *p) {
 #endif
 }
 
-/* One Q4_K row times one x row; xs holds x's per-32 sums. */
-static float q4k_dot(int64_t blocks, const uint8_t *w, const float *x, const float *xs) {
-    __m256 y0 = _mm256_setzero_ps(), y1 = _mm256_setzero_ps(), mins = _mm256_setzero_ps();
-    const __m256i low = _mm256_set1_epi32(15);
-    float dsc[8] __attribute__((aligned(32)));
+#endif
+
+/* ---- x rows as 8-bit integers: the K-quant products in integer arithmetic -------------------------
+ *
+ * Each 256 inputs of an x row become one KQ8Block: q = round(x * 127 / max|x|) in int8, the scale
+ * d = max|x| / 127, and the sums of q over each 16 inputs (Q4_K's minimums and Q6_K's offset of 32
+ * act on those sums). A super-block's product is then integers all the way down: AVX2's
+ * unsigned-by-signed byte multiply (maddubs) takes 32 weights a time where an fp32 product widens 8
+ * to floats (which left the one-row kernel compute-bound at 2-2.6x its memory floor), and only the
+ * block's two scales are applied in floating point. The cost is one rounding
+ * of x per 256 inputs (a relative error of at most 1/254 of the block's largest |x| per input, the
+ * same trade llama.cpp makes for its own K-quant products; docs/kernels.md measures what it does to
+ * perplexity). Rounding is nearest-even in both variants (cvtps and lrintf under the default
+ * rounding mode), so the AVX2 and plain C paths quantize x to the same integers.
+ */
+
+typedef struct {
+    int8_t q[KQ_BLOCK];
+    int16_t sum16[KQ_BLOCK / 16]; /* q summed over each 16 inputs (Q6_K's groups) */
+    int16_t sum32[KQ_BLOCK / 32]; /* and each 32 (Q4_K's sub-blocks) */
+    float d;
+} KQ8Block;
+
+#define KQ_ROWS 4 /* x rows that share each unpacked weight vector */
+
+static void kq8_quantize_row(int64_t blocks, const float *x, KQ8Block *out) {
     for (int64_t bi = 0; bi < blocks; bi++) {
-        const uint8_t *b = w + bi * 144, *qs = b + 16;
         const float *xb = x + bi * KQ_BLOCK;
-        uint8_t sc[8], mn[8];
-        q4k_scales_x4(b + 4, sc, mn);
-        _mm256_store_ps(dsc, _mm256_mul_ps(_mm256_set1_ps(kq_half_simd(b)), kq_widen(sc)));
-        mins = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(kq_half_simd(b + 2)), kq_widen(mn)),
-                               _mm256_loadu_ps(xs + bi * 8), mins);
-        for (int c = 0; c < 4; c++) {
-            __m256 a = _mm256_setzero_ps(), h = _mm256_setzero_ps();
-            for (int t = 0; t < 4; t++) {
-                const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 32 * c + 8 * t)));
-                a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, low)), _mm256_loadu_ps(xb + 64 * c + 8 * t), a);
-                h = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), _mm256_loadu_ps(xb + 64 * c + 32 + 8 * t), h);
-            }
-            y0 = _mm256_fmadd_ps(_mm256_broadcast_ss(dsc + 2 * c), a, y0);
-            y1 = _mm256_fmadd_ps(_mm256_broadcast_ss(dsc + 2 * c + 1), h, y1);
+        KQ8Block *o = out + bi;
+        float amax = 0.0f;
+#if Q_SIMD
+        __m256 mx = _mm256_setzero_ps();
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        for (int i = 0; i < KQ_BLOCK; i += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + i)));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        amax = _mm_cvtss_f32(m4);
+#else
+        for (int i = 0; i < KQ_BLOCK; i++) {
+            const float a = xb[i] < 0 ? -xb[i] : xb[i];
+            if (a > amax) amax = a;
         }
+#endif
+        const float iscale = amax > 0.0f ? 127.0f / amax : 0.0f;
+        o->d = amax / 127.0f;
+#if Q_SIMD
+        const __m256 is = _mm256_set1_ps(iscale);
+        const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        for (int i = 0; i < KQ_BLOCK; i += 32) {
+            const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i), is));
+            const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i + 8), is));
+            const __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i + 16), is));
+            const __m256i e = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i + 24), is));
+            const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(c, e));
+            _mm256_storeu_si256((__m256i *)(o->q + i), _mm256_permutevar8x32_epi32(bytes, order));
+        }
+#else
+        for (int i = 0; i < KQ_BLOCK; i++) o->q[i] = (int8_t)lrintf(xb[i] * iscale);
+#endif
+        for (int g = 0; g < KQ_BLOCK / 16; g++) {
+            int s = 0;
+            for (int i = 0; i < 16; i++) s += o->q[16 * g + i];
+            o->sum16[g] = (int16_t)s;
+        }
+        for (int j = 0; j < KQ_BLOCK / 32; j++) o->sum32[j] = (int16_t)(o->sum16[2 * j] + o->sum16[2 * j + 1]);
     }
-    return hsum(_mm256_add_ps(y0, y1)) - hsum(mins);
 }
 
-/* One Q6_K row times one x row. */
-static float q6k_dot(int64_t blocks, const uint8_t *w, const float *x) {
-    __m256 y0 = _mm256_setzero_ps(), y1 = _mm256_setzero_ps();
-    const __m256i low = _mm256_set1_epi32(15), top = _mm256_set1_epi32(0x30), bias = _mm256_set1_epi32(32);
+#if Q_SIMD
+static inline float hsum128(__m128 s) {
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* One Q4_K row times nr (1..4) quantized x rows: acc[r]. Per super-block and row, the sub-scaled
+ * integer sums go to fp32 lanes once (times d * dx) and the minimums, mn[j] * sum32[j] in four
+ * int32 lanes, once (times dmin * dx); one horizontal sum per row at the end. */
+static inline __attribute__((always_inline)) void q4k_dot_q8(int64_t blocks, const uint8_t *w,
+                                                             const KQ8Block *const xr[KQ_ROWS], int nr,
+                                                             float acc[KQ_ROWS]) {
+    const __m256i low = _mm256_set1_epi8(15);
+    __m256 ys[KQ_ROWS];
+    __m128 ms[KQ_ROWS];
+    for (int r = 0; r < KQ_ROWS; r++) {
+        ys[r] = _mm256_setzero_ps();
+        ms[r] = _mm_setzero_ps();
+    }
+    for (int64_t bi = 0; bi < blocks; bi++) {
+        const uint8_t *b = w + bi * 144, *qs = b + 16;
+        const float d = kq_half_simd(b), dmin = kq_half_simd(b + 2);
+        uint8_t sc[8], mn[8];
+        q4k_scales_x4(b + 4, sc, mn);
+        const __m128i mn16 = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)mn));
+        __m256i s[KQ_ROWS];
+        for (int r = 0; r < KQ_ROWS; r++) s[r] = _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+            const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            const __m256i s_lo = _mm256_set1_epi16(sc[2 * c]), s_hi = _mm256_set1_epi16(sc[2 * c + 1]);
+            for (int r = 0; r < nr; r++) {
+                const int8_t *xq = xr[r][bi].q + 64 * c;
+                const __m256i p_lo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)xq));
+                const __m256i p_hi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xq + 32)));
+                s[r] = _mm256_add_epi32(s[r], _mm256_add_epi32(_mm256_madd_epi16(p_lo, s_lo), _mm256_madd_epi16(p_hi, s_hi)));
+            }
+        }
+        for (int r = 0; r < nr; r++) {
+            const KQ8Block *xb = xr[r] + bi;
+            ys[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xb->d), _mm256_cvtepi32_ps(s[r]), ys[r]);
+            const __m128i mins = _mm_madd_epi16(mn16, _mm_loadu_si128((const __m128i *)xb->sum32));
+            ms[r] = _mm_fmadd_ps(_mm_set1_ps(dmin * xb->d), _mm_cvtepi32_ps(mins), ms[r]);
+        }
+    }
+    for (int r = 0; r < nr; r++) acc[r] = hsum(ys[r]) - hsum128(ms[r]);
+}
+
+/* One Q6_K row times nr (1..4) quantized x rows: acc[r]. The 6-bit weights go in unsigned (0..63,
+ * so the byte products cannot saturate) and the offset of 32 comes off in the integers, through
+ * the group sums of x. */
+static inline __attribute__((always_inline)) void q6k_dot_q8(int64_t blocks, const uint8_t *w,
+                                                             const KQ8Block *const xr[KQ_ROWS], int nr,
+                                                             float acc[KQ_ROWS]) {
+    const __m256i low = _mm256_set1_epi8(15), pair = _mm256_set1_epi8(3);
+    __m256 ys[KQ_ROWS];
+    for (int r = 0; r < KQ_ROWS; r++) ys[r] = _mm256_setzero_ps();
     for (int64_t bi = 0; bi < blocks; bi++) {
         const uint8_t *b = w + bi * 210;
         const int8_t *sc = (const int8_t *)(b + 192);
         const float d = kq_half_simd(b + 208);
-        const float *xb = x + bi * KQ_BLOCK;
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
+        __m256i s[KQ_ROWS];
+        for (int r = 0; r < nr; r++)
+            s[r] = _mm256_slli_epi32(_mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)xr[r][bi].sum16)), 5);
+        for (int r = 0; r < nr; r++) s[r] = _mm256_sub_epi32(_mm256_setzero_si256(), s[r]);
         for (int h = 0; h < 2; h++) {
-            const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
-            const float *xh = xb + 128 * h;
-            for (int i0 = 0; i0 < 32; i0 += 16) {
-                __m256 acc[4];
-                for (int c = 0; c < 4; c++) acc[c] = _mm256_setzero_ps();
-                for (int i = i0; i < i0 + 16; i += 8) {
-                    const __m256i A = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ql + i)));
-                    const __m256i B = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ql + 32 + i)));
-                    const __m256i H = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qh + i)));
-                    __m256i q[4];
-                    q[0] = _mm256_or_si256(_mm256_and_si256(A, low), _mm256_and_si256(_mm256_slli_epi32(H, 4), top));
-                    q[1] = _mm256_or_si256(_mm256_and_si256(B, low), _mm256_and_si256(_mm256_slli_epi32(H, 2), top));
-                    q[2] = _mm256_or_si256(_mm256_srli_epi32(A, 4), _mm256_and_si256(H, top));
-                    q[3] = _mm256_or_si256(_mm256_srli_epi32(B, 4), _mm256_and_si256(_mm256_srli_epi32(H, 2), top));
-                    for (int c = 0; c < 4; c++)
-                        acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q[c], bias)), _mm256_loadu_ps(xh + 32 * c + i),
-                                                 acc[c]);
-                }
-                for (int c = 0; c < 4; c++) {
-                    const __m256 s = _mm256_set1_ps(d * (float)sc[8 * h + 2 * c + i0 / 16]);
-                    if (c & 1)
-                        y1 = _mm256_fmadd_ps(s, acc[c], y1);
-                    else
-                        y0 = _mm256_fmadd_ps(s, acc[c], y0);
-                }
-            }
-        }
-    }
-    return hsum(_mm256_add_ps(y0, y1));
-}
-
-/* One row's super-blocks dequantized into out[k] (fused multiply-subtract: within an fp32 rounding
- * of kq_dequant_block's values), for the panel path. */
-static void kq_dequant_row(int32_t type, int64_t blocks, const uint8_t *w, float *out) {
-    const __m256i low = _mm256_set1_epi32(15), top = _mm256_set1_epi32(0x30), bias = _mm256_set1_epi32(32);
-    float dsc[8] __attribute__((aligned(32))), dmn[8] __attribute__((aligned(32)));
-    for (int64_t bi = 0; bi < blocks; bi++) {
-        float *o = out + bi * KQ_BLOCK;
-        if (type == KQ_Q4_K) {
-            const uint8_t *b = w + bi * 144, *qs = b + 16;
-            uint8_t sc[8], mn[8];
-            q4k_scales_x4(b + 4, sc, mn);
-            _mm256_store_ps(dsc, _mm256_mul_ps(_mm256_set1_ps(kq_half_simd(b)), kq_widen(sc)));
-            _mm256_store_ps(dmn, _mm256_mul_ps(_mm256_set1_ps(kq_half_simd(b + 2)), kq_widen(mn)));
+            const __m256i A = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
+            const __m256i B = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
+            const __m256i H = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+            __m256i q[4];
+            q[0] = _mm256_or_si256(_mm256_and_si256(A, low), _mm256_slli_epi16(_mm256_and_si256(H, pair), 4));
+            q[1] = _mm256_or_si256(_mm256_and_si256(B, low), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 2), pair), 4));
+            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A, 4), low),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 4), pair), 4));
+            q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(B, 4), low),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 6), pair), 4));
             for (int c = 0; c < 4; c++) {
-                const __m256 s0 = _mm256_broadcast_ss(dsc + 2 * c), s1 = _mm256_broadcast_ss(dsc + 2 * c + 1);
-                const __m256 m0 = _mm256_broadcast_ss(dmn + 2 * c), m1 = _mm256_broadcast_ss(dmn + 2 * c + 1);
-                for (int t = 0; t < 4; t++) {
-                    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 32 * c + 8 * t)));
-                    _mm256_storeu_ps(o + 64 * c + 8 * t, _mm256_fmsub_ps(s0, _mm256_cvtepi32_ps(_mm256_and_si256(v, low)), m0));
-                    _mm256_storeu_ps(o + 64 * c + 32 + 8 * t, _mm256_fmsub_ps(s1, _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), m1));
-                }
-            }
-        } else {
-            const uint8_t *b = w + bi * 210;
-            const int8_t *sc = (const int8_t *)(b + 192);
-            const float d = kq_half_simd(b + 208);
-            for (int h = 0; h < 2; h++) {
-                const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
-                for (int i = 0; i < 32; i += 8) {
-                    const __m256i A = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ql + i)));
-                    const __m256i B = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ql + 32 + i)));
-                    const __m256i H = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qh + i)));
-                    __m256i q[4];
-                    q[0] = _mm256_or_si256(_mm256_and_si256(A, low), _mm256_and_si256(_mm256_slli_epi32(H, 4), top));
-                    q[1] = _mm256_or_si256(_mm256_and_si256(B, low), _mm256_and_si256(_mm256_slli_epi32(H, 2), top));
-                    q[2] = _mm256_or_si256(_mm256_srli_epi32(A, 4), _mm256_and_si256(H, top));
-                    q[3] = _mm256_or_si256(_mm256_srli_epi32(B, 4), _mm256_and_si256(_mm256_srli_epi32(H, 2), top));
-                    for (int c = 0; c < 4; c++) {
-                        const int idx = 128 * h + 32 * c + i;
-                        const __m256 s = _mm256_set1_ps(d * (float)sc[idx / 16]);
-                        _mm256_storeu_ps(o + idx, _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_sub_epi32(q[c], bias))));
-                    }
+                const int g = 8 * h + 2 * c; /* bytes 0..15 are group g, 16..31 group g + 1 */
+                const __m256i scv = _mm256_set_m128i(_mm_set1_epi16(sc[g + 1]), _mm_set1_epi16(sc[g]));
+                for (int r = 0; r < nr; r++) {
+                    const __m256i xq = _mm256_loadu_si256((const __m256i *)(xr[r][bi].q + 128 * h + 32 * c));
+                    s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(_mm256_maddubs_epi16(q[c], xq), scv));
                 }
             }
         }
+        for (int r = 0; r < nr; r++) ys[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xr[r][bi].d), _mm256_cvtepi32_ps(s[r]), ys[r]);
     }
-}
-
-/* Rows xr[0..4) of x times two dequantized weight rows w0, w1 (k floats each): out[i][j]. */
-static void kq_tile(int64_t k, const float *const xr[KQ_TILE], const float *w0, const float *w1, float out[KQ_TILE][2]) {
-    __m256 a[KQ_TILE][2];
-    for (int i = 0; i < KQ_TILE; i++) a[i][0] = a[i][1] = _mm256_setzero_ps();
-    for (int64_t kk = 0; kk < k; kk += 8) {
-        const __m256 v0 = _mm256_loadu_ps(w0 + kk), v1 = _mm256_loadu_ps(w1 + kk);
-        for (int i = 0; i < KQ_TILE; i++) {
-            const __m256 xv = _mm256_loadu_ps(xr[i] + kk);
-            a[i][0] = _mm256_fmadd_ps(v0, xv, a[i][0]);
-            a[i][1] = _mm256_fmadd_ps(v1, xv, a[i][1]);
-        }
-    }
-    for (int i = 0; i < KQ_TILE; i++) {
-        out[i][0] = hsum(a[i][0]);
-        out[i][1] = hsum(a[i][1]);
-    }
+    for (int r = 0; r < nr; r++) acc[r] = hsum(ys[r]);
 }
 #else
-static void kq_dequant_row(int32_t type, int64_t blocks, const uint8_t *w, float *out) {
-    const int64_t bb = kq_block_bytes(type);
-    for (int64_t bi = 0; bi < blocks; bi++) kq_dequant_block(type, w + bi * bb, out + bi * KQ_BLOCK);
+/* Q4_K's minimums: sum over its 8 sub-blocks of mn[j] * (sum of q over sub-block j). */
+static inline int32_t q4k_min_dot(const uint8_t mn[8], const KQ8Block *x) {
+    int32_t s = 0;
+    for (int j = 0; j < 8; j++) s += (int32_t)mn[j] * x->sum32[j];
+    return s;
 }
 
-static void kq_tile(int64_t k, const float *const xr[KQ_TILE], const float *w0, const float *w1, float out[KQ_TILE][2]) {
-    for (int i = 0; i < KQ_TILE; i++) {
-        float s0 = 0.0f, s1 = 0.0f;
-        for (int64_t kk = 0; kk < k; kk++) {
-            s0 += w0[kk] * xr[i][kk];
-            s1 += w1[kk] * xr[i][kk];
-        }
-        out[i][0] = s0;
-        out[i][1] = s1;
-    }
+/* Q6_K's offset: sum over its 16 groups of sc[g] * (sum of q over group g). */
+static inline int32_t q6k_offset_dot(const int8_t sc[16], const KQ8Block *x) {
+    int32_t s = 0;
+    for (int g = 0; g < 16; g++) s += (int32_t)sc[g] * x->sum16[g];
+    return s;
 }
-#endif
 
-#if !Q_SIMD
-/* One output row times one x row, the super-blocks dequantized one at a time (the plain C path). */
-static float kq_dot_plain(int32_t type, int64_t blocks, const uint8_t *w, const float *x) {
-    float tmp[KQ_BLOCK], acc = 0.0f;
-    const int64_t bb = kq_block_bytes(type);
+/* One super-block's contribution in floating point, from its exact integer sums. */
+static inline float kq8_combine(float acc, float d, float dm, float dx, int32_t isum, int32_t imin) {
+    return acc + ((d * dx) * (float)isum - (dm * dx) * (float)imin);
+}
+
+/* The plain C products: the same integers (the floating-point sums in another order). */
+static inline __attribute__((always_inline)) void q4k_dot_q8(int64_t blocks, const uint8_t *w, const KQ8Block *const xr[KQ_ROWS], int nr, float acc[KQ_ROWS]) {
     for (int64_t bi = 0; bi < blocks; bi++) {
-        kq_dequant_block(type, w + bi * bb, tmp);
-        float s = 0.0f;
-        for (int i = 0; i < KQ_BLOCK; i++) s += tmp[i] * x[bi * KQ_BLOCK + i];
-        acc += s;
+        const uint8_t *b = w + bi * 144, *qs = b + 16;
+        const float d = kq_half(b), dmin = kq_half(b + 2);
+        uint8_t sc[8], mn[8];
+        q4k_scales(b + 4, sc, mn);
+        for (int r = 0; r < nr; r++) {
+            const int8_t *xq = xr[r][bi].q;
+            int32_t s = 0;
+            for (int c = 0; c < 4; c++) {
+                int32_t lo = 0, hi = 0;
+                for (int i = 0; i < 32; i++) {
+                    lo += (qs[32 * c + i] & 15) * xq[64 * c + i];
+                    hi += (qs[32 * c + i] >> 4) * xq[64 * c + 32 + i];
+                }
+                s += sc[2 * c] * lo + sc[2 * c + 1] * hi;
+            }
+            acc[r] = kq8_combine(acc[r], d, dmin, xr[r][bi].d, s, q4k_min_dot(mn, xr[r] + bi));
+        }
     }
-    return acc;
+}
+
+static inline __attribute__((always_inline)) void q6k_dot_q8(int64_t blocks, const uint8_t *w, const KQ8Block *const xr[KQ_ROWS], int nr, float acc[KQ_ROWS]) {
+    for (int64_t bi = 0; bi < blocks; bi++) {
+        const uint8_t *b = w + bi * 210, *ql = b, *qh = b + 128;
+        const int8_t *sc = (const int8_t *)(b + 192);
+        const float d = kq_half(b + 208);
+        for (int r = 0; r < nr; r++) {
+            const int8_t *xq = xr[r][bi].q;
+            int32_t s = 0;
+            for (int g = 0; g < 16; g++) {
+                int32_t t = 0;
+                for (int i = 16 * g; i < 16 * g + 16; i++) {
+                    const int h = i / 128, c = (i % 128) / 32, j = i % 32;
+                    const uint8_t l = ql[64 * h + 32 * (c & 1) + j];
+                    const int q = ((c >> 1) ? l >> 4 : l & 15) | (((qh[32 * h + j] >> (2 * c)) & 3) << 4);
+                    t += q * xq[i];
+                }
+                s += sc[g] * t;
+            }
+            acc[r] = kq8_combine(acc[r], d, 0.0f, xr[r][bi].d, s - 32 * q6k_offset_dot(sc, xr[r] + bi), 0);
+        }
+    }
 }
 #endif
 
-static float kq_dot(int32_t type, int64_t blocks, const uint8_t *w, const float *x, const float *xs) {
-#if Q_SIMD
-    if (type == KQ_Q4_K) return q4k_dot(blocks, w, x, xs);
-    return q6k_dot(blocks, w, x);
-#else
-    (void)xs;
-    return kq_dot_plain(type, blocks, w, x);
-#endif
+/* The row count as a constant in each call, so the compiler keeps each row's sums in registers. */
+static void kq_dot_q8(int32_t type, int64_t blocks, const uint8_t *w, const KQ8Block *const xr[KQ_ROWS], int nr,
+                      float acc[KQ_ROWS]) {
+#define KQ_DOT(N) (type == KQ_Q4_K ? q4k_dot_q8(blocks, w, xr, N, acc) : q6k_dot_q8(blocks, w, xr, N, acc))
+    switch (nr) {
+    case 1: KQ_DOT(1); break;
+    case 2: KQ_DOT(2); break;
+    case 3: KQ_DOT(3); break;
+    default: KQ_DOT(KQ_ROWS); break;
+    }
+#undef KQ_DOT
 }
 
-/* m rows of x times the K-quant matrix W [n, k] (segs: nsegs (type, rows) pairs summing to n). */
+/* m rows of x times the K-quant matrix W [n, k] (segs: nsegs (type, rows) pairs summing to n): x's
+ * rows quantized to KQ8Blocks once, then each weight row, unpacked once per super-block, meets up to
+ * KQ_ROWS of them. */
 int pagedkv_kq_linear(int64_t m, int64_t n, int64_t k, const float *x, int64_t x_stride, const uint8_t *w,
                       const int32_t *segs, int64_t nsegs, float *y, int64_t y_stride, int num_threads) {
     const KQMatrix mat = {nsegs, k / KQ_BLOCK, segs, w};
     const int par = m * n * k >= PARALLEL_MIN_MACS;
-    if (m < KQ_TILE) {
-        const int64_t groups = k / Q4_GROUP;
-        float *xs = malloc((size_t)(m * groups > 0 ? m * groups : 1) * sizeof(float));
-        if (!xs) return -1;
-        group_sums(m, groups, x, x_stride, xs);
-        #pragma omp parallel for schedule(static) num_threads(num_threads) if (par)
-        for (int64_t j = 0; j < n; j++) {
-            int32_t type;
-            const uint8_t *row = kq_row(&mat, j, &type);
-            for (int64_t r = 0; r < m; r++) y[r * y_stride + j] = kq_dot(type, mat.blocks, row, x + r * x_stride, xs + r * groups);
+    KQ8Block *xq = malloc((size_t)(m * mat.blocks > 0 ? m * mat.blocks : 1) * sizeof(KQ8Block));
+    if (!xq) return -1;
+    #pragma omp parallel for schedule(static) num_threads(num_threads) if (par && m > 1)
+    for (int64_t r = 0; r < m; r++) kq8_quantize_row(mat.blocks, x + r * x_stride, xq + r * mat.blocks);
+    #pragma omp parallel for schedule(static) num_threads(num_threads) if (par)
+    for (int64_t j = 0; j < n; j++) {
+        int32_t type;
+        const uint8_t *row = kq_row(&mat, j, &type);
+        for (int64_t r0 = 0; r0 < m; r0 += KQ_ROWS) {
+            const int nr = (int)(m - r0 < KQ_ROWS ? m - r0 : KQ_ROWS);
+            const KQ8Block *xr[KQ_ROWS];
+            float acc[KQ_ROWS] = {0};
+            for (int r = 0; r < KQ_ROWS; r++) xr[r] = xq + (r0 + (r < nr ? r : 0)) * mat.blocks;
+            kq_dot_q8(type, mat.blocks, row, xr, nr, acc);
+            for (int r = 0; r < nr; r++) y[(r0 + r) * y_stride + j] = acc[r];
         }
-        free(xs);
-        return 0;
     }
-    const int64_t panels = (n + KQ_PANEL - 1) / KQ_PANEL;
-    int failed = 0;
-    #pragma omp parallel num_threads(num_threads) if (par)
-    {
-        float *panel = aligned_alloc(32, (size_t)k * KQ_PANEL * sizeof(float));
-        if (!panel) {
-            #pragma omp atomic write
-            failed = 1;
-        }
-        #pragma omp for schedule(static)
-        for (int64_t p = 0; p < panels; p++) {
-            if (!panel) continue;
-            const int cols = (int)(n - p * KQ_PANEL < KQ_PANEL ? n - p * KQ_PANEL : KQ_PANEL);
-            for (int j = 0; j < cols; j++) {
-                int32_t type;
-                const uint8_t *row = kq_row(&mat, p * KQ_PANEL + j, &type);
-                kq_dequant_row(type, mat.blocks, row, panel + (int64_t)j * k);
-            }
-            for (int64_t r = 0; r < m; r += KQ_TILE) {
-                const float *xr[KQ_TILE];
-                for (int i = 0; i < KQ_TILE; i++) xr[i] = x + (r + i < m ? r + i : m - 1) * x_stride;
-                for (int j = 0; j < cols; j += 2) {
-                    float out[KQ_TILE][2];
-                    const float *w0 = panel + (int64_t)j * k, *w1 = j + 1 < cols ? w0 + k : w0;
-                    kq_tile(k, xr, w0, w1, out);
-                    for (int i = 0; i < KQ_TILE && r + i < m; i++) {
-                        float *yr = y + (r + i) * y_stride + p * KQ_PANEL + j;
-                        yr[0] = out[i][0];
-                        if (j + 1 < cols) yr[1] = out[i][1];
-                    }
-                }
-            }
-        }
-        free(panel);
-    }
-    return failed ? -1 : 0;
+    free(xq);
+    return 0;
 }
 
 /* out[i, :] = row ids[i] of W in fp32, as the gguf package dequantizes it (an embedding lookup). */

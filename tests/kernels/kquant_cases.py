@@ -12,6 +12,7 @@ rounding (no search for the best scales, as llama-quantize does): exactness agai
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 QK = 256
 
@@ -106,3 +107,16 @@ def dequantize(raw: np.ndarray, qtype: str) -> np.ndarray:
 
     w = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype])
     return np.asarray(w, dtype=np.float32).reshape(raw.shape[0], -1)
+
+
+def round_inputs_as_the_kernel_does(x: torch.Tensor) -> torch.Tensor:
+    """x (``[..., k]``, k a multiple of 256) as the native K-quant kernel multiplies it, in x's dtype:
+    each 256 inputs rounded to q * d with d = max|x| / 127 and q = x * (127 / max|x|) rounded to
+    nearest-even, in fp32 (an all-zero block stays zero). Written from the documented rule
+    (kernels/csrc/quant_linear.c), not from the kernel, for references and oracles."""
+    xf = x.float().reshape(*x.shape[:-1], -1, QK)
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    iscale = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(xf * iscale)
+    assert bool((q.abs() <= 127).all())
+    return (q * (amax / 127.0)).reshape(x.shape).to(x.dtype)

@@ -4,7 +4,12 @@ package's own dequantization, in every variant this CPU runs (the AVX2 code and 
 fallback): blocks quantized from random weights and blocks of random bytes, matrices joining Q4_K
 and Q6_K row segments, odd row counts (1 and 7 included, across the one-row and the 4-row panel
 paths), inputs read from and outputs written into NaN-poisoned buffers; row lookups exact; a
-mutated scale byte, sub-block or segment turns the comparison red."""
+mutated scale byte, sub-block or segment turns the comparison red.
+
+The kernel multiplies x rounded to 8-bit integers per 256 inputs (one scale max|x| / 127 per
+super-block of inputs), so the float64 reference takes x rounded the same way
+(``kquant_cases.round_inputs_as_the_kernel_does``, written from the rule, not from the kernel); a
+separate test bounds what that rounding costs against the exact x."""
 
 from __future__ import annotations
 
@@ -78,6 +83,10 @@ def _run(m: QuantizedMatrix, x: torch.Tensor) -> torch.Tensor:
     return y
 
 
+def _kernel_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return kquant_cases.round_inputs_as_the_kernel_does(x).double() @ w.t()
+
+
 def _tolerance(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """fp32 rounding of a sum over k (and of Q4_K's d * sc * q - dmin * m, fused or not): a few
     ulps of sum |x| |w| per output."""
@@ -111,8 +120,30 @@ def test_kquant_matches_the_float64_product_of_the_gguf_weights(
     w = _reference(segs)
     torch.testing.assert_close(m.dequantize().double(), w, rtol=0, atol=0)
     x = _poisoned_rows(rows, k, seed=rows)
-    err = (_run(m, x).double() - x.double() @ w.t()).abs()
+    err = (_run(m, x).double() - _kernel_reference(x, w)).abs()
     assert (err <= _tolerance(x, w)).all(), float(err.max())
+
+
+@pytest.mark.parametrize("layout", [[("Q4_K", 48)], [("Q6_K", 48)]])
+def test_rounding_x_to_8_bits_costs_at_most_half_a_step_per_input(
+    variant: str, layout: list[tuple[str, int]]
+) -> None:
+    """Against the exact x, each output is off by at most sum_i |w_i| * d_block(i) / 2 (half of x's
+    integer step in its block), and on random inputs the outputs' error is a fraction of a percent
+    of their size: the trade the 8-bit products make."""
+    k = 1024
+    segs = _segments(layout, k, seed=31, source="quantized")
+    m, w = _pack(segs), _reference(segs)
+    x = torch.randn((5, k), generator=_gen(6))
+    x[1, :256] *= 1e-3  # blocks of very different sizes in one row
+    x[2, 256:512] = 0.0  # and an all-zero block
+    y = _run(m, x).double()
+    exact = x.double() @ w.t()
+    step = (x.float().reshape(5, -1, 256).abs().amax(dim=2) / 127).double().repeat_interleave(256, dim=1)
+    bound = (step / 2) @ w.abs().t() + _tolerance(x, w)
+    assert ((y - exact).abs() <= bound).all()
+    rel = float((y - exact).norm() / exact.norm())
+    assert 1e-5 < rel < 1e-2, rel  # rounded (not exact), and by little
 
 
 def test_many_rows_over_threads_match_one_thread() -> None:
@@ -130,7 +161,7 @@ def test_many_rows_over_threads_match_one_thread() -> None:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
     w = _reference(segs)
-    assert ((one.double() - x.double() @ w.t()).abs() <= _tolerance(x, w)).all()
+    assert ((one.double() - _kernel_reference(x, w)).abs() <= _tolerance(x, w)).all()
 
 
 def test_row_lookup_is_the_gguf_packages_dequantization_exactly(variant: str) -> None:
@@ -177,8 +208,8 @@ def test_a_wrong_scale_sub_block_or_segment_is_caught() -> None:
         m, w_mut = _pack(mutated), _reference(mutated)
         for xs in (x, x4):
             y = cpu_quant_linear.matmul(m, xs).double()
-            assert ((y - xs.double() @ w.t()).abs() > 100 * _tolerance(xs, w)).any(), mutate.__name__
-            assert ((y - xs.double() @ w_mut.t()).abs() <= _tolerance(xs, w_mut)).all(), mutate.__name__
+            assert ((y - _kernel_reference(xs, w)).abs() > 100 * _tolerance(xs, w)).any(), mutate.__name__
+            assert ((y - _kernel_reference(xs, w_mut)).abs() <= _tolerance(xs, w_mut)).all(), mutate.__name__
     # The segments read as another type: its rows are other bytes entirely.
     m = _pack(segs)
     one_more_q4 = QuantizedMatrix(m.qweight, torch.tensor([[12, 10], [14, 6]], dtype=torch.int32), 16)
@@ -210,5 +241,6 @@ def test_the_model_layers_take_the_native_kquant_kernel_and_torch_without_it() -
     assert (native.path, plain.path) == ("native-kquant", "kquant")
     assert QuantizedLinear.build(m).private_bytes == 0 and plain.qlinear is not None
     assert plain.qlinear.private_bytes == 4 * w.numel()  # torch has no K-quant op: an fp32 copy
-    for layer in (native, plain):
-        assert ((layer(x).double() - x.double() @ w.t()).abs() <= _tolerance(x, w)).all(), layer.path
+    # The native kernel multiplies x rounded to 8 bits; torch's path multiplies the exact x.
+    for layer, ref in ((native, _kernel_reference(x, w)), (plain, x.double() @ w.t())):
+        assert ((layer(x).double() - ref).abs() <= _tolerance(x, w)).all(), layer.path

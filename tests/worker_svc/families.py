@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kernels import cpu_native
 from tests.kernels import kquant_cases
 from tests.worker_svc.conftest import VOCAB, HFModel
 
@@ -230,13 +231,30 @@ def write_gguf(
     return held
 
 
-def oracle_on(hf: HFModel, state: dict[str, torch.Tensor], path: pathlib.Path) -> HFModel:
-    """A copy of ``hf``'s model holding ``state`` (e.g. a GGUF file's dequantized weights)."""
+def _round_like_the_kquant_kernel(
+    _module: torch.nn.Module, args: tuple[torch.Tensor, ...]
+) -> tuple[torch.Tensor]:
+    return (kquant_cases.round_inputs_as_the_kernel_does(args[0]),)
+
+
+def oracle_on(
+    hf: HFModel, state: dict[str, torch.Tensor], path: pathlib.Path, kquant_inputs: bool = False
+) -> HFModel:
+    """A copy of ``hf``'s model holding ``state`` (e.g. a GGUF file's dequantized weights).
+
+    ``kquant_inputs``: the model is held as K-quant blocks (all its linear layers 256-multiple
+    wide), whose native kernel multiplies inputs rounded to 8 bits per 256: every such linear
+    layer of the oracle rounds its input the same way (kquant_cases' rule) before its fp32
+    product, so the oracle computes what the kernel is documented to compute."""
     import copy
 
     model: Any = copy.deepcopy(hf.model)
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    if kquant_inputs and cpu_native.available():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear) and module.in_features % 256 == 0:
+                module.register_forward_pre_hook(_round_like_the_kquant_kernel)
     return HFModel(path=path, model=model)
 
 
