@@ -493,12 +493,16 @@ static inline __attribute__((always_inline)) void q4k_dot_q8(int64_t blocks, con
         uint8_t sc[8], mn[8];
         q4k_scales_x4(b + 4, sc, mn);
         const __m128i mn16 = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)mn));
+        /* the 8 sub-scales as 16-bit words, in both 128-bit halves; per c, one shuffle each spreads
+         * sc[2c] and sc[2c + 1] over all 16 words */
+        const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)sc)));
         __m256i s[KQ_ROWS];
         for (int r = 0; r < KQ_ROWS; r++) s[r] = _mm256_setzero_si256();
         for (int c = 0; c < 4; c++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
             const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-            const __m256i s_lo = _mm256_set1_epi16(sc[2 * c]), s_hi = _mm256_set1_epi16(sc[2 * c + 1]);
+            const __m256i s_lo = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16((int16_t)(0x0100 + 0x0404 * c)));
+            const __m256i s_hi = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16((int16_t)(0x0302 + 0x0404 * c)));
             for (int r = 0; r < nr; r++) {
                 const int8_t *xq = xr[r][bi].q + 64 * c;
                 const __m256i p_lo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)xq));
