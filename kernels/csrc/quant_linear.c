@@ -427,23 +427,31 @@ static void kq8_quantize_row(int64_t blocks, const float *x, KQ8Block *out) {
     for (int64_t bi = 0; bi < blocks; bi++) {
         const float *xb = x + bi * KQ_BLOCK;
         KQ8Block *o = out + bi;
-        float amax = 0.0f;
+        /* bad: 0, or NaN when an input is NaN or infinite (x * 0), so that its block's scale is
+         * NaN and so is every output of the row, as an fp32 product's would be */
+        float amax = 0.0f, bad = 0.0f;
 #if Q_SIMD
-        __m256 mx = _mm256_setzero_ps();
+        __m256 mx = _mm256_setzero_ps(), nf = _mm256_setzero_ps();
         const __m256 sign = _mm256_set1_ps(-0.0f);
-        for (int i = 0; i < KQ_BLOCK; i += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + i)));
+        for (int i = 0; i < KQ_BLOCK; i += 8) {
+            const __m256 v = _mm256_loadu_ps(xb + i);
+            mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v));
+            nf = _mm256_add_ps(nf, _mm256_mul_ps(v, _mm256_setzero_ps()));
+        }
         __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
         m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
         m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
         amax = _mm_cvtss_f32(m4);
+        bad = hsum(nf);
 #else
         for (int i = 0; i < KQ_BLOCK; i++) {
             const float a = xb[i] < 0 ? -xb[i] : xb[i];
             if (a > amax) amax = a;
+            bad += xb[i] * 0.0f;
         }
 #endif
-        const float iscale = amax > 0.0f ? 127.0f / amax : 0.0f;
-        o->d = amax / 127.0f;
+        const float iscale = amax > 0.0f && bad == 0.0f ? 127.0f / amax : 0.0f;
+        o->d = amax / 127.0f + bad;
 #if Q_SIMD
         const __m256 is = _mm256_set1_ps(iscale);
         const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);

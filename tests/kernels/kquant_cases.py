@@ -114,7 +114,7 @@ def round_inputs_as_the_kernel_does(x: torch.Tensor) -> torch.Tensor:
     each 256 inputs rounded to q * d with d = max|x| / 127 and q = x * (127 / max|x|) rounded to
     nearest-even, in fp32 (an all-zero block stays zero). Written from the documented rule
     (kernels/csrc/quant_linear.c), not from the kernel, for references and oracles."""
-    xf = x.float().reshape(*x.shape[:-1], -1, QK)
+    xf = x.float().reshape(*x.shape[:-1], x.shape[-1] // QK, QK)
     amax = xf.abs().amax(dim=-1, keepdim=True)
     iscale = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
     q = torch.round(xf * iscale)

@@ -146,6 +146,21 @@ def test_rounding_x_to_8_bits_costs_at_most_half_a_step_per_input(
     assert 1e-5 < rel < 1e-2, rel  # rounded (not exact), and by little
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_nan_or_inf_input_makes_its_rows_outputs_nan_and_only_its(variant: str, bad: float) -> None:
+    """Rounding x to integers must not hide a NaN or an infinity (as an fp32 product would not):
+    the row holding one gets NaN outputs; the other rows are computed as usual."""
+    segs = _segments([("Q4_K", 6), ("Q6_K", 5)], 512, seed=12, source="quantized")
+    m, w = _pack(segs), _reference(segs)
+    for rows in (1, 6):  # the one-row call and a four-row group
+        x = torch.randn((rows, 512), generator=_gen(rows))
+        x[rows // 2, 300] = bad
+        y = cpu_quant_linear.matmul(m, x).double()
+        assert torch.isnan(y[rows // 2]).all()
+        ok = [r for r in range(rows) if r != rows // 2]
+        assert ((y[ok] - _kernel_reference(x[ok], w)).abs() <= _tolerance(x[ok], w)).all()
+
+
 def test_many_rows_over_threads_match_one_thread() -> None:
     """A prefill's rows split over threads (the panels) give what one thread gives, bit for bit."""
     segs = _segments([("Q4_K", 70), ("Q6_K", 30)], 512, seed=3, source="quantized")
