@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 
 import kernels
-from kernels import dispatch
+from kernels import cpu_native, cpu_quant_linear, dispatch
 
 
 @pytest.fixture
@@ -17,3 +17,19 @@ def triton_backend() -> Iterator[None]:
         pytest.skip("triton is not installed")
     with kernels.use_backend("triton"):
         yield
+
+
+@pytest.fixture(params=["avx2", "x86_64"])
+def variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each native CPU variant this machine runs, loaded afresh (monkeypatch puts the loaded one
+    back after): the quantized linear kernels' AVX2 code, then their plain C loops."""
+    name = str(request.param)
+    if name not in cpu_native.built_variants() or cpu_native.VARIANTS[name] > cpu_native.cpu_level():
+        pytest.skip(f"{name} is not built or this CPU cannot run it")
+    monkeypatch.setattr(cpu_native, "_lib", None)
+    monkeypatch.setattr(cpu_native, "_variant", None)
+    monkeypatch.setattr(cpu_native, "_tried", False)
+    monkeypatch.setenv(cpu_native.ENV_SWITCH, name)
+    assert cpu_native.active_variant() == name
+    assert cpu_quant_linear.simd() == (name == "avx2")  # the AVX2 code, or the plain C loops
+    return name

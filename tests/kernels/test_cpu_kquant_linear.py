@@ -19,30 +19,11 @@ import torch
 
 from kernels import cpu_native, cpu_quant_linear, quant_linear
 from kernels.quant_linear import QuantizedLinear, QuantizedMatrix
-from tests.kernels import kquant_cases
+from tests.kernels import kquant_cases, poisoned_io
 from worker_svc.model import linear
 
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="native kernels not built")
 gguf = pytest.importorskip("gguf")
-
-
-def _gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-@pytest.fixture(params=["avx2", "x86_64"])
-def variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Each variant the CPU runs, loaded afresh (monkeypatch puts the loaded one back after)."""
-    name = str(request.param)
-    if name not in cpu_native.built_variants() or cpu_native.VARIANTS[name] > cpu_native.cpu_level():
-        pytest.skip(f"{name} is not built or this CPU cannot run it")
-    monkeypatch.setattr(cpu_native, "_lib", None)
-    monkeypatch.setattr(cpu_native, "_variant", None)
-    monkeypatch.setattr(cpu_native, "_tried", False)
-    monkeypatch.setenv(cpu_native.ENV_SWITCH, name)
-    assert cpu_native.active_variant() == name
-    assert cpu_quant_linear.simd() == (name == "avx2")
-    return name
 
 
 def _segments(layout: list[tuple[str, int]], k: int, seed: int, source: str) -> list[tuple[str, np.ndarray]]:
@@ -63,24 +44,6 @@ def _pack(segs: list[tuple[str, np.ndarray]]) -> QuantizedMatrix:
 def _reference(segs: list[tuple[str, np.ndarray]]) -> torch.Tensor:
     """float64 ``[n, k]``: the gguf package's weights of each segment, stacked."""
     return torch.from_numpy(np.concatenate([kquant_cases.dequantize(raw, t) for t, raw in segs])).double()
-
-
-def _poisoned_rows(rows: int, cols: int, seed: int) -> torch.Tensor:
-    """``[rows, cols]`` random rows, a view into a buffer whose other columns are NaN."""
-    buf = torch.full((rows, cols + 7), float("nan"))
-    buf[:, 3 : 3 + cols] = torch.randn((rows, cols), generator=_gen(seed))
-    return buf[:, 3 : 3 + cols]
-
-
-def _run(m: QuantizedMatrix, x: torch.Tensor) -> torch.Tensor:
-    """The kernel into a NaN-filled view of a wider buffer; the columns around it stay NaN."""
-    rows, n = x.shape[0], m.out_features
-    buf = torch.full((rows, n + 5), float("nan"))
-    y = cpu_quant_linear.matmul(m, x, out=buf[:, 2 : 2 + n])
-    assert y.data_ptr() == buf[:, 2:].data_ptr()
-    assert torch.isnan(buf[:, :2]).all() and torch.isnan(buf[:, 2 + n :]).all()
-    assert torch.isfinite(y).all()
-    return y
 
 
 def _kernel_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -119,8 +82,8 @@ def test_kquant_matches_the_float64_product_of_the_gguf_weights(
     assert m.qweight.numel() == sum(raw.size for _, raw in segs)  # the file's bytes, nothing more
     w = _reference(segs)
     torch.testing.assert_close(m.dequantize().double(), w, rtol=0, atol=0)
-    x = _poisoned_rows(rows, k, seed=rows)
-    err = (_run(m, x).double() - _kernel_reference(x, w)).abs()
+    x = poisoned_io.poisoned_rows(rows, k, seed=rows)
+    err = (poisoned_io.run(m, x).double() - _kernel_reference(x, w)).abs()
     assert (err <= _tolerance(x, w)).all(), float(err.max())
 
 
@@ -134,10 +97,10 @@ def test_rounding_x_to_8_bits_costs_at_most_half_a_step_per_input(
     k = 1024
     segs = _segments(layout, k, seed=31, source="quantized")
     m, w = _pack(segs), _reference(segs)
-    x = torch.randn((5, k), generator=_gen(6))
+    x = torch.randn((5, k), generator=poisoned_io.gen(6))
     x[1, :256] *= 1e-3  # blocks of very different sizes in one row
     x[2, 256:512] = 0.0  # and an all-zero block
-    y = _run(m, x).double()
+    y = poisoned_io.run(m, x).double()
     exact = x.double() @ w.t()
     step = (x.float().reshape(5, -1, 256).abs().amax(dim=2) / 127).double().repeat_interleave(256, dim=1)
     bound = (step / 2) @ w.abs().t() + _tolerance(x, w)
@@ -153,7 +116,7 @@ def test_a_nan_or_inf_input_makes_its_rows_outputs_nan_and_only_its(variant: str
     segs = _segments([("Q4_K", 6), ("Q6_K", 5)], 512, seed=12, source="quantized")
     m, w = _pack(segs), _reference(segs)
     for rows in (1, 6):  # the one-row call and a four-row group
-        x = torch.randn((rows, 512), generator=_gen(rows))
+        x = torch.randn((rows, 512), generator=poisoned_io.gen(rows))
         x[rows // 2, 300] = bad
         y = cpu_quant_linear.matmul(m, x).double()
         assert torch.isnan(y[rows // 2]).all()
@@ -165,7 +128,7 @@ def test_many_rows_over_threads_match_one_thread() -> None:
     """A prefill's rows split over threads (the panels) give what one thread gives, bit for bit."""
     segs = _segments([("Q4_K", 70), ("Q6_K", 30)], 512, seed=3, source="quantized")
     m = _pack(segs)
-    x = torch.randn((37, 512), generator=_gen(4))
+    x = torch.randn((37, 512), generator=poisoned_io.gen(4))
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -197,8 +160,8 @@ def test_a_wrong_scale_sub_block_or_segment_is_caught() -> None:
     k = 512
     segs = _segments([("Q4_K", 9), ("Q6_K", 7)], k, seed=5, source="quantized")
     w = _reference(segs)
-    x = torch.randn((1, k), generator=_gen(2))
-    x4 = torch.randn((5, k), generator=_gen(3))
+    x = torch.randn((1, k), generator=poisoned_io.gen(2))
+    x4 = torch.randn((5, k), generator=poisoned_io.gen(3))
 
     def q4k_scale_byte(raw: list[np.ndarray]) -> None:
         raw[0][2, 4 + 1] ^= 0x05  # a 6-bit sub-scale of row 2's first super-block
@@ -251,7 +214,7 @@ def test_the_model_layers_take_the_native_kquant_kernel_and_torch_without_it() -
     segs = _segments([("Q4_K", 24), ("Q6_K", 8)], 256, seed=2, source="quantized")
     m = _pack(segs)
     w = _reference(segs)
-    x = torch.randn((3, 256), generator=_gen(8))
+    x = torch.randn((3, 256), generator=poisoned_io.gen(8))
     native, plain = linear.Linear.build(m), linear.Linear.build(m, native=False)
     assert (native.path, plain.path) == ("native-kquant", "kquant")
     assert QuantizedLinear.build(m).private_bytes == 0 and plain.qlinear is not None

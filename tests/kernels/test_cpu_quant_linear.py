@@ -14,32 +14,14 @@ import torch
 
 from kernels import cpu_native, cpu_quant_linear, quant_linear
 from kernels.quant_linear import GROUP, PANEL, QuantizedLinear, QuantizedMatrix
+from tests.kernels import poisoned_io
 from worker_svc.model import gguf_quant, linear
 
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="native kernels not built")
 
 
-def _gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-@pytest.fixture(params=["avx2", "x86_64"])
-def variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Each variant the CPU runs, loaded afresh (monkeypatch puts the loaded one back after)."""
-    name = str(request.param)
-    if name not in cpu_native.built_variants() or cpu_native.VARIANTS[name] > cpu_native.cpu_level():
-        pytest.skip(f"{name} is not built or this CPU cannot run it")
-    monkeypatch.setattr(cpu_native, "_lib", None)
-    monkeypatch.setattr(cpu_native, "_variant", None)
-    monkeypatch.setattr(cpu_native, "_tried", False)
-    monkeypatch.setenv(cpu_native.ENV_SWITCH, name)
-    assert cpu_native.active_variant() == name
-    assert cpu_quant_linear.simd() == (name == "avx2")  # the AVX2 code, or the plain C loops
-    return name
-
-
 def _int4(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    g = _gen(seed)
+    g = poisoned_io.gen(seed)
     q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
     scale = 0.01 + 0.05 * torch.rand((n, k // GROUP), generator=g)
     offset = 0.2 * torch.randn((n, k // GROUP), generator=g)
@@ -49,24 +31,6 @@ def _int4(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.
 def _dense4(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
     s, z = scale.double().repeat_interleave(GROUP, 1), offset.double().repeat_interleave(GROUP, 1)
     return (q.double() - 8) * s + z
-
-
-def _poisoned_rows(rows: int, cols: int, seed: int) -> torch.Tensor:
-    """``[rows, cols]`` random rows, a view into a buffer whose other columns are NaN."""
-    buf = torch.full((rows, cols + 7), float("nan"))
-    buf[:, 3 : 3 + cols] = torch.randn((rows, cols), generator=_gen(seed))
-    return buf[:, 3 : 3 + cols]
-
-
-def _run(m: QuantizedMatrix, x: torch.Tensor) -> torch.Tensor:
-    """The kernel into a NaN-filled view of a wider buffer; the columns around it stay NaN."""
-    rows, n = x.shape[0], m.out_features
-    buf = torch.full((rows, n + 5), float("nan"))
-    y = cpu_quant_linear.matmul(m, x, out=buf[:, 2 : 2 + n])
-    assert y.data_ptr() == buf[:, 2:].data_ptr()
-    assert torch.isnan(buf[:, :2]).all() and torch.isnan(buf[:, 2 + n :]).all()
-    assert torch.isfinite(y).all()
-    return y
 
 
 def _poison_padding(m: QuantizedMatrix) -> None:
@@ -105,9 +69,9 @@ def test_int4_matches_the_float64_product_of_its_groups(variant: str, n: int, k:
     )
     _poison_padding(m)
     w = _dense4(q, scale, offset)
-    x = _poisoned_rows(rows, k, seed=rows)
+    x = poisoned_io.poisoned_rows(rows, k, seed=rows)
     ref = x.double() @ w.t()
-    err = (_run(m, x).double() - ref).abs()
+    err = (poisoned_io.run(m, x).double() - ref).abs()
     assert (err <= _tolerance(x, w)).all(), float(err.max())
 
 
@@ -125,11 +89,11 @@ SHAPES8 = [
 
 @pytest.mark.parametrize(("n", "k", "rows"), SHAPES8)
 def test_int8_matches_the_float64_product_of_its_rows(variant: str, n: int, k: int, rows: int) -> None:
-    m = quant_linear.quantize_int8_rows(torch.randn((n, k), generator=_gen(k)))
+    m = quant_linear.quantize_int8_rows(torch.randn((n, k), generator=poisoned_io.gen(k)))
     w = m.qweight.double() * m.qscale.double()[:, None]
-    x = _poisoned_rows(rows, k, seed=rows)
+    x = poisoned_io.poisoned_rows(rows, k, seed=rows)
     ref = x.double() @ w.t()
-    err = (_run(m, x).double() - ref).abs()
+    err = (poisoned_io.run(m, x).double() - ref).abs()
     assert (err <= _tolerance(x, w)).all(), float(err.max())
 
 
@@ -139,7 +103,7 @@ def test_a_wrong_scale_group_or_nibble_in_the_packing_is_caught() -> None:
     n, k = 40, 128
     q, scale, offset = _int4(n, k, seed=5)
     w = _dense4(q, scale, offset)
-    x = torch.randn((3, k), generator=_gen(2))
+    x = torch.randn((3, k), generator=poisoned_io.gen(2))
     ref, tol = x.double() @ w.t(), _tolerance(x, w)
 
     def swap_group_scales(m: QuantizedMatrix) -> None:
@@ -171,13 +135,13 @@ def test_a_wrong_scale_group_or_nibble_in_the_packing_is_caught() -> None:
             out.append(m)
         return out
 
-    assert ((_run(quant_linear.pack_int4(q, scale, offset), x).double() - ref).abs() <= tol).all()
+    assert ((poisoned_io.run(quant_linear.pack_int4(q, scale, offset), x).double() - ref).abs() <= tol).all()
     for m in mutants():
         assert ((cpu_quant_linear.matmul(m, x).double() - ref).abs() > 100 * tol).any()
-    m8 = quant_linear.quantize_int8_rows(torch.randn((n, k), generator=_gen(6)))
+    m8 = quant_linear.quantize_int8_rows(torch.randn((n, k), generator=poisoned_io.gen(6)))
     w8 = m8.qweight.double() * m8.qscale.double()[:, None]
     ref8, tol8 = x.double() @ w8.t(), _tolerance(x, w8)
-    assert ((_run(m8, x).double() - ref8).abs() <= tol8).all()
+    assert ((poisoned_io.run(m8, x).double() - ref8).abs() <= tol8).all()
     wrong = QuantizedMatrix(m8.qweight, m8.qscale.roll(1), n)  # each row read with its neighbour's scale
     assert ((cpu_quant_linear.matmul(wrong, x).double() - ref8).abs() > 100 * tol8).any()
 
@@ -199,14 +163,14 @@ def test_gguf_blocks_through_the_kernels_match_the_gguf_packages_dequantization(
         gguf_quant.int4_parts(raw, qtype, (n, k)) if qtype != "Q8_0" else gguf_quant.to_int8(file_w.float())
     )
     m = held.pack()
-    x = _poisoned_rows(4, k, seed=8)
+    x = poisoned_io.poisoned_rows(4, k, seed=8)
     if qtype == "Q8_0":
         step = file_w.abs().amax(dim=1, keepdim=True) / 127  # the requantization's half step, per weight
         tol = x.double().abs() @ (step / 2).expand(n, k).t() + _tolerance(x, file_w)
     else:
         tol = 1e-6 * (x.double().abs() @ file_w.abs().t()) + 1e-6
     ref = x.double() @ file_w.t()
-    err = (_run(m, x).double() - ref).abs()
+    err = (poisoned_io.run(m, x).double() - ref).abs()
     assert (err <= tol).all(), float(err.max())
 
 
@@ -243,10 +207,10 @@ def test_the_model_takes_the_native_kernels_at_every_row_count() -> None:
     assert linear.Linear.build(m8).path == "native-int8"
     assert linear.Linear.build(m8, native=False).path == "int8"
     for rows in (1, 8, 300):
-        x = torch.randn(rows, 96, generator=_gen(rows))
+        x = torch.randn(rows, 96, generator=poisoned_io.gen(rows))
         assert torch.equal(layer(x), cpu_quant_linear.matmul(m, x))
     torch_path = QuantizedLinear.build(m, "torch")
     assert torch_path.path == "int4" and torch_path.private_bytes > 0
-    x = torch.randn(5, 96, generator=_gen(1))
+    x = torch.randn(5, 96, generator=poisoned_io.gen(1))
     want = x.double() @ _dense4(q, scale, offset).t()
     torch.testing.assert_close(torch_path(x).double(), want, rtol=1e-5, atol=1e-5)
