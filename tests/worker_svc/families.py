@@ -258,10 +258,9 @@ def oracle_on(
     return HFModel(path=path, model=model)
 
 
-def small_q4_1_llama(dir: pathlib.Path, seed: int, name: str = "m.Q4_1.gguf") -> tuple[HFModel, pathlib.Path]:
-    """A random Llama with 256-wide layers (whole int4 groups and panels) written as a Q4_1 GGUF:
-    the smallest file the integer paths take as they take a real one."""
-    hf = build(
+def _small_llama(dir: pathlib.Path, seed: int, **overrides: Any) -> HFModel:
+    """A random Llama with 256-wide layers: whole int4 groups and panels, whole K-quant super-blocks."""
+    return build(
         "LlamaForCausalLM",
         dir / "hf",
         seed=seed,
@@ -270,7 +269,14 @@ def small_q4_1_llama(dir: pathlib.Path, seed: int, name: str = "m.Q4_1.gguf") ->
         num_attention_heads=4,
         num_key_value_heads=2,
         vocab_size=300,
+        **overrides,
     )
+
+
+def small_q4_1_llama(dir: pathlib.Path, seed: int, name: str = "m.Q4_1.gguf") -> tuple[HFModel, pathlib.Path]:
+    """A random Llama with 256-wide layers (whole int4 groups and panels) written as a Q4_1 GGUF:
+    the smallest file the integer paths take as they take a real one."""
+    hf = _small_llama(dir, seed)
     path = dir / name
     write_gguf(hf, path, "Q4_1")
     return hf, path
@@ -287,17 +293,7 @@ def small_q4_k_m_llama(
 ) -> tuple[HFModel, pathlib.Path]:
     """A random Llama with 256-wide layers (whole K-quant super-blocks) written as a Q4_K_M-like
     GGUF (q4_k_m_type): fused QKV of Q4_K and Q6_K parts, a Q6_K output layer."""
-    hf = build(
-        "LlamaForCausalLM",
-        dir / "hf",
-        seed=seed,
-        hidden_size=256,
-        intermediate_size=512,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=300,
-        tie_word_embeddings=False,
-    )
+    hf = _small_llama(dir, seed, tie_word_embeddings=False)
     path = dir / name
     write_gguf(hf, path, qtype_of=q4_k_m_type)
     return hf, path
