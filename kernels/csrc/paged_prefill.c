@@ -7,18 +7,19 @@
  * task takes up to 16 consecutive rows of one sequence and one KV head, i.e. 16 x G query vectors
  * (G = the GQA group), and makes both products small matrix products held in vector registers:
  *
- * - q . k: the task's query vectors are transposed once into lanes (qt[d][v]); for 8 keys at a
- *   time, each of the key's elements is broadcast against 16 or 32 query lanes, so 8 keys x 32
- *   lanes are 16 vector accumulators with no horizontal sums. Scores land as s[key][v].
+ * - q . k: the task's query vectors are transposed once into lanes (qt[d][v]); for KEYS keys at a
+ *   time, each of the key's elements is broadcast against two vectors of query lanes, so KEYS x 2
+ *   vector accumulators with no horizontal sums (AVX-512: 8 keys x 32 lanes; AVX2: 6 x 16). Scores
+ *   land as s[key][v].
  * - softmax per query vector across keys, in those lanes; row r sees keys [0, ctx_r) with
  *   ctx_r = seq_len - q_len + r + 1, the rest get probability exactly 0.
- * - p . v: 4 query vectors x 64 elements of the value row (or fewer: head_dim is cut in pieces of
- *   up to 64) are 16 accumulators; each value row is read once per 4 query vectors, from cache.
+ * - p . v: 4 query vectors x PIECE elements of the value row (AVX-512: 64, head_dim cut in pieces
+ *   of up to 64; AVX2: 16) are the accumulators; each value row is read once per 4 query vectors.
  *
  * Results equal the reference (kernels/reference.py) within fp32 rounding (tests/kernels/
  * test_cpu_prefill_native.py). Used by kernels/cpu.py for fp32 caches whose head_dim is a multiple of
  * 16, and for int8 caches (kernels/quant.py: each row head_dim int8 values then its fp32 scale) with
- * fp32 queries: each tile's 8 keys are widened and scaled once, each value row as it is read; the per-row decode kernel still serves bf16 and other head sizes. Called through ctypes with the decode kernel's
+ * fp32 queries: each tile's keys are widened and scaled once, each value row as it is read; the per-row decode kernel still serves bf16 and other head sizes. Called through ctypes with the decode kernel's
  * argument struct (num_seqs = sequences, q/out strides per token row); kernels/cpu_native.py
  * checks the tensors first and kernels/checks.py the index values once per step.
  */
@@ -43,28 +44,47 @@ typedef struct {  /* the same layout as paged_decode.c's DecodeArgs (checked at 
     int generic_only;
 } PrefillArgs;
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4)));
-typedef int8_t c16u __attribute__((vector_size(16), aligned(1)));
+/* Register tiles sized to the build's vector registers, so every accumulator stays in one (the
+ * compiler splits a wider vector type into pieces and, past the register file, spills them to the
+ * stack on every multiply-add: 16-float tiles of 8 keys x 2 vectors and 4 x 4 vectors, written for
+ * AVX-512's 32 registers, ran 10-40x slower than torch's SDPA on an AVX2 build).
+ * - VW: floats per vector (AVX-512 16, AVX2 8, SSE 4);
+ * - KEYS: keys per q.k tile, KEYS x 2 accumulators (AVX-512 8 x 2 of 32 registers; else 6 x 2 of 16);
+ * - PIECE: value elements per p.v tile, 4 x PIECE / VW accumulators (AVX-512 4 x 4; else 4 x 2). */
+#if defined(__AVX512F__)
+#define VW 16
+#define KEYS 8
+#define PIECE 64
+#elif defined(__AVX__)
+#define VW 8
+#define KEYS 6
+#define PIECE 16
+#else
+#define VW 4
+#define KEYS 6
+#define PIECE 8
+#endif
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef float vfu __attribute__((vector_size(VW * 4), aligned(4)));
+typedef int8_t cvu __attribute__((vector_size(VW), aligned(1)));
 
 /* Rows per task: 16, or 32 when 16 rows' query vectors would leave lanes of the last 32 unused
  * (an odd group: 16 x 3 = 48 of 64 lanes; 32 x 3 = 96 fills three pairs). */
 static inline int64_t rows_per_task(int64_t G) { return G % 2 ? 32 : 16; }
-#define KEYS 8 /* keys per q.k register tile */
 /* query lanes are padded to a multiple of 32 (qk_tile's two vectors) */
 
 typedef struct { int64_t seq, head, row0; } Task;
 
-/* s[t][lanes c*16 .. c*16 + 16*Z) for keys t0 .. t0+KEYS (rows `keys[]`), Z = 1 or 2 lane vectors. */
+/* s[t][lanes c*VW .. (c + Z)*VW) for keys t0 .. t0+KEYS (rows `keys[]`), Z = 1 or 2 lane vectors. */
 static inline __attribute__((always_inline)) void qk_tile(const int Z, const float *restrict qt, int64_t lanes,
                                                           const float *const keys[KEYS], int64_t D,
                                                           float *restrict s, int64_t t0, int64_t c) {
-    v16 acc[KEYS][2];
+    vf acc[KEYS][2];
     for (int j = 0; j < KEYS; j++)
-        for (int z = 0; z < Z; z++) acc[j][z] = (v16){0};
+        for (int z = 0; z < Z; z++) acc[j][z] = (vf){0};
     for (int64_t d = 0; d < D; d++) {
-        v16 qv[2];
-        for (int z = 0; z < Z; z++) qv[z] = *(const v16 *)(qt + d * lanes + (c + z) * 16);
+        vf qv[2];
+        for (int z = 0; z < Z; z++) qv[z] = *(const vf *)(qt + d * lanes + (c + z) * VW);
         #pragma GCC unroll 8
         for (int j = 0; j < KEYS; j++) {
             const float kd = keys[j][d];
@@ -72,32 +92,32 @@ static inline __attribute__((always_inline)) void qk_tile(const int Z, const flo
         }
     }
     for (int j = 0; j < KEYS; j++)
-        for (int z = 0; z < Z; z++) *(v16 *)(s + (t0 + j) * lanes + (c + z) * 16) = acc[j][z];
+        for (int z = 0; z < Z; z++) *(vf *)(s + (t0 + j) * lanes + (c + z) * VW) = acc[j][z];
 }
 
-/* out vectors v0 .. v0+4 (probabilities in s[t][v]) over values: elements d0 .. d0 + 16 * ZD of each
- * value row (ZD, 1 to 4, a constant at each call site: the accumulators stay in registers). */
+/* out vectors v0 .. v0+4 (probabilities in s[t][v]) over values: elements d0 .. d0 + VW * ZD of each
+ * value row (ZD, 1 to PIECE / VW, a constant at each call site: the accumulators stay in registers). */
 static inline __attribute__((always_inline)) void pv_tile(const int ZD, const int I8, const float *restrict s,
                                                           int64_t lanes, int64_t ctx, const void *restrict v_cache,
                                                           const int32_t *restrict table, const PrefillArgs *a,
                                                           int64_t head, int64_t v0, int64_t d0,
-                                                          float *restrict acc_out /* [4][64] */) {
-    v16 acc[4][4];
+                                                          float *restrict acc_out /* [4][PIECE] */) {
+    vf acc[4][PIECE / VW];
     for (int i = 0; i < 4; i++)
-        for (int z = 0; z < ZD; z++) acc[i][z] = (v16){0};
+        for (int z = 0; z < ZD; z++) acc[i][z] = (vf){0};
     const int64_t BS = a->block_size;
     for (int64_t t = 0; t < ctx; t++) {
         const int64_t at = (int64_t)table[t / BS] * a->c_block_stride + (t % BS) * a->c_slot_stride
             + head * a->c_head_stride;
-        v16 vv[4];
+        vf vv[PIECE / VW];
         if (I8) { /* the row's int8 values widened, times its scale (after the head_dim values) */
             const int8_t *vr = (const int8_t *)v_cache + at;
             float vs;
             memcpy(&vs, vr + a->head_dim, sizeof(float));
-            for (int z = 0; z < ZD; z++) vv[z] = __builtin_convertvector(*(const c16u *)(vr + d0 + z * 16), v16) * vs;
+            for (int z = 0; z < ZD; z++) vv[z] = __builtin_convertvector(*(const cvu *)(vr + d0 + z * VW), vf) * vs;
         } else {
             const float *vr = (const float *)v_cache + at + d0;
-            for (int z = 0; z < ZD; z++) vv[z] = *(const v16u *)(vr + z * 16);
+            for (int z = 0; z < ZD; z++) vv[z] = *(const vfu *)(vr + z * VW);
         }
         const float *p = s + t * lanes + v0;
         #pragma GCC unroll 4
@@ -107,7 +127,7 @@ static inline __attribute__((always_inline)) void pv_tile(const int ZD, const in
         }
     }
     for (int i = 0; i < 4; i++)
-        for (int z = 0; z < ZD; z++) *(v16u *)(acc_out + i * 64 + z * 16) = acc[i][z];
+        for (int z = 0; z < ZD; z++) *(vfu *)(acc_out + i * PIECE + z * VW) = acc[i][z];
 }
 
 /* The q / out row of the task's row r: itself, or through a prefix problem's row map. */
@@ -132,7 +152,7 @@ static inline __attribute__((always_inline)) void run_task(
     const int64_t first_masked = row_map ? L : L - q_len + r0 + 1;
     const int32_t *table = block_tables + s_idx * a->bt_stride;
     float *qt = work, *s = qt + D * lanes, *m = s + (max_ctx + KEYS) * lanes, *sum = m + lanes;
-    float *acc = sum + lanes; /* [4][64] */
+    float *acc = sum + lanes; /* [4][PIECE] */
 
     /* query vectors (row r, head g) -> lanes v = r * G + g, scaled; padded lanes are 0 */
     memset(qt, 0, sizeof(float) * D * lanes);
@@ -161,7 +181,7 @@ static inline __attribute__((always_inline)) void run_task(
                 keys[j] = (const float *)k_cache + at;
             }
         }
-        for (int64_t c = 0; c < lanes / 16; c += 2) qk_tile(2, qt, lanes, keys, D, s, t0, c);
+        for (int64_t c = 0; c < lanes / VW; c += 2) qk_tile(2, qt, lanes, keys, D, s, t0, c);
     }
     /* causal mask, softmax per lane */
     for (int64_t v = 0; v < lanes; v++) { m[v] = -INFINITY; sum[v] = 0.0f; }
@@ -183,29 +203,33 @@ static inline __attribute__((always_inline)) void run_task(
             sum[v] += e;
         }
     }
-    /* probabilities x values, 4 query vectors x 64 elements at a time */
+    /* probabilities x values, 4 query vectors x PIECE elements at a time */
     for (int64_t v0 = 0; v0 < nv; v0 += 4) {
-        for (int64_t d0 = 0; d0 < D; d0 += 64) {
-            const int64_t width = D - d0 < 64 ? D - d0 : 64; /* a multiple of 16 */
-            switch (width / 16) {
+        for (int64_t d0 = 0; d0 < D; d0 += PIECE) {
+            const int64_t width = D - d0 < PIECE ? D - d0 : PIECE; /* head_dim is a multiple of 16 */
+#if PIECE == 64
+            switch (width / VW) {
                 case 1: pv_tile(1, I8, s, lanes, ctx, v_cache, table, a, h, v0, d0, acc); break;
                 case 2: pv_tile(2, I8, s, lanes, ctx, v_cache, table, a, h, v0, d0, acc); break;
                 case 3: pv_tile(3, I8, s, lanes, ctx, v_cache, table, a, h, v0, d0, acc); break;
                 default: pv_tile(4, I8, s, lanes, ctx, v_cache, table, a, h, v0, d0, acc); break;
             }
+#else /* PIECE divides 16, so every piece is whole */
+            pv_tile(PIECE / VW, I8, s, lanes, ctx, v_cache, table, a, h, v0, d0, acc);
+#endif
             for (int64_t i = 0; i < 4 && v0 + i < nv; i++) {
                 const int64_t v = v0 + i, r = v / G, g = v % G, row = row_of(row_map, q_begin + r0 + r);
                 float *o = out + row * a->o_seq_stride + (h * G + g) * a->o_head_stride + d0;
                 const float inv = 1.0f / sum[v];
                 if (!own_lse) {
-                    for (int64_t d = 0; d < width; d++) o[d] = acc[i * 64 + d] * inv;
+                    for (int64_t d = 0; d < width; d++) o[d] = acc[i * PIECE + d] * inv;
                     continue;
                 }
                 /* softmax over prefix + own keys = the two parts weighted by their normalisers */
                 const float lp = m[v] + logf(sum[v]), lo = own_lse[row * a->num_heads + h * G + g];
                 const float top = lp > lo ? lp : lo, wp = expf(lp - top), wo = expf(lo - top);
                 const float cp = wp * inv / (wp + wo), co = wo / (wp + wo);
-                for (int64_t d = 0; d < width; d++) o[d] = acc[i * 64 + d] * cp + o[d] * co;
+                for (int64_t d = 0; d < width; d++) o[d] = acc[i * PIECE + d] * cp + o[d] * co;
             }
         }
     }

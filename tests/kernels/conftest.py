@@ -22,7 +22,8 @@ def triton_backend() -> Iterator[None]:
 @pytest.fixture(params=["avx2", "x86_64"])
 def variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Each native CPU variant this machine runs, loaded afresh (monkeypatch puts the loaded one
-    back after): the quantized linear kernels' AVX2 code, then their plain C loops."""
+    back after): the AVX2 build (the quantized linear kernels' intrinsics, 8-float attention tiles),
+    then the baseline x86-64 build (plain C loops, 4-float tiles)."""
     name = str(request.param)
     if name not in cpu_native.built_variants() or cpu_native.VARIANTS[name] > cpu_native.cpu_level():
         pytest.skip(f"{name} is not built or this CPU cannot run it")

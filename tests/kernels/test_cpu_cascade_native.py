@@ -83,7 +83,13 @@ SHAPES = [(8, 2, 64, 16), (9, 3, 64, 16), (4, 4, 64, 8), (16, 2, 128, 16), (6, 3
     [([(3, 16)], 0), ([(16, 27), (16, 27), (5, 12)], 3), ([(3, 64)], 2), ([(40, 8), (2, 40)], 5)],
 )
 def test_the_backend_cascade_matches_the_reference(
-    heads: int, kv_heads: int, head_dim: int, block_size: int, groups: list[tuple[int, int]], loners: int
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    groups: list[tuple[int, int]],
+    loners: int,
+    variant: str,  # each build's register tiles
 ) -> None:
     query, kc, vc, bt, lens = _batch(
         heads + head_dim + len(groups), groups, loners, heads, kv_heads, head_dim, block_size

@@ -64,7 +64,13 @@ def _case(
     [([1], [0]), ([5, 16, 17], [0, 20, 3]), ([40, 33], [200, 100]), ([16, 1, 70], [16, 300, 0])],
 )
 def test_matches_the_reference(
-    heads: int, kv_heads: int, head_dim: int, block_size: int, q_lens: list[int], ctx_extra: list[int]
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    q_lens: list[int],
+    ctx_extra: list[int],
+    variant: str,  # each build's register tiles
 ) -> None:
     query, kc, vc, tables, qsl, lens = _case(
         sum(q_lens) + heads + block_size, q_lens, ctx_extra, heads, kv_heads, head_dim, block_size

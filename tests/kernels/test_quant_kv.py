@@ -42,7 +42,8 @@ def test_decode_matches_the_float64_oracle(kv: str, backend: str, case: int) -> 
 @pytest.mark.parametrize("kv", list(DTYPES))
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_prefill_matches_the_float64_oracle(kv: str, backend: str, case: int) -> None:
+def test_prefill_matches_the_float64_oracle(kv: str, backend: str, case: int, variant: str) -> None:
+    """(``variant``: the native int8 path in each build's register tiles.)"""
     heads, kvh, d, bs, lens = CASES[case]
     q_lens = q_lens_of(lens)  # whole prompts and chunks after a hit
     kc, vc, tables = _batch(case, kv, lens, heads, kvh, d, bs)
