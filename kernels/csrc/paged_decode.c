@@ -18,7 +18,7 @@
  * the dot product for K and into the probability for V). The common (group, head_dim) pairs get specialised copies
  * (constants let the compiler keep the accumulators in registers: 1.4x at head_dim 64 and 128;
  * groups 3, 5, 6 and 7 at head_dim 64 for models such as SmolLM2's 9 query over 3 KV heads),
- * and fp32 keys are scored sixteen at a time with one butterfly sum for the sixteen dot products
+ * and fp32 keys are scored a vector's width (VW) at a time with one butterfly sum for their dot products
  * (another 1.3-1.6x): bench/cpu_decode_bench.py.
  * Arguments are validated in Python before the call (kernels/cpu_native.py, check_decode).
  */
@@ -57,26 +57,55 @@ static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torc
     return (uint16_t)(u.i >> 16);
 }
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4)));  /* unaligned loads */
-typedef int32_t i16v __attribute__((vector_size(64)));
+/* Keys scored per batch: one vector of the build's width (AVX-512 16 floats, AVX2 8, SSE 4), each
+ * key's dot product a vector accumulator, the batch's accumulators reduced together by one butterfly.
+ * Sized to the build so the batch's accumulators and the butterfly's shuffles stay in registers: the
+ * AVX2 build once ran the AVX-512 batch of sixteen 16-float vectors, which it split into twice its
+ * registers and whose two-vector shuffles it could not map onto its own, at several times the
+ * time of this one (docs/kernels.md). */
+#if defined(__AVX512F__)
+#define VW 16
+#elif defined(__AVX__)
+#define VW 8
+#else
+#define VW 4
+#endif
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef float vfu __attribute__((vector_size(VW * 4), aligned(4)));  /* unaligned loads */
+typedef int32_t vi __attribute__((vector_size(VW * 4)));
 
-/* Sixteen vectors -> one vector whose lane j is the sum of p[j]'s lanes: a butterfly of
- * shuffles (15 steps) instead of sixteen horizontal sums. */
-static inline v16 sum16(v16 p[16]) {
-    const i16v m1a = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-    const i16v m1b = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
-    const i16v m2a = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
-    const i16v m2b = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
-    const i16v m3a = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
-    const i16v m3b = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
-    const i16v m4a = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
-    const i16v m4b = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
-    v16 a[8], b[4], c[2];
+/* VW vectors -> one vector whose lane j is the sum of p[j]'s lanes: a butterfly of shuffles
+ * (VW - 1 steps) instead of VW horizontal sums. Each level adds the two halves of every part. */
+static inline vf sum_lanes(vf p[VW]) {
+#if VW == 16
+    const vi m1a = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const vi m1b = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    const vi m2a = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+    const vi m2b = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+    const vi m3a = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+    const vi m3b = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+    const vi m4a = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+    const vi m4b = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+    vf a[8], b[4], c[2];
     for (int i = 0; i < 8; i++) a[i] = __builtin_shuffle(p[2 * i], p[2 * i + 1], m1a) + __builtin_shuffle(p[2 * i], p[2 * i + 1], m1b);
     for (int i = 0; i < 4; i++) b[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], m2a) + __builtin_shuffle(a[2 * i], a[2 * i + 1], m2b);
     for (int i = 0; i < 2; i++) c[i] = __builtin_shuffle(b[2 * i], b[2 * i + 1], m3a) + __builtin_shuffle(b[2 * i], b[2 * i + 1], m3b);
     return __builtin_shuffle(c[0], c[1], m4a) + __builtin_shuffle(c[0], c[1], m4b);
+#elif VW == 8
+    const vi m1a = {0, 1, 2, 3, 8, 9, 10, 11}, m1b = {4, 5, 6, 7, 12, 13, 14, 15};
+    const vi m2a = {0, 1, 4, 5, 8, 9, 12, 13}, m2b = {2, 3, 6, 7, 10, 11, 14, 15};
+    const vi m3a = {0, 2, 4, 6, 8, 10, 12, 14}, m3b = {1, 3, 5, 7, 9, 11, 13, 15};
+    vf a[4], b[2];
+    for (int i = 0; i < 4; i++) a[i] = __builtin_shuffle(p[2 * i], p[2 * i + 1], m1a) + __builtin_shuffle(p[2 * i], p[2 * i + 1], m1b);
+    for (int i = 0; i < 2; i++) b[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], m2a) + __builtin_shuffle(a[2 * i], a[2 * i + 1], m2b);
+    return __builtin_shuffle(b[0], b[1], m3a) + __builtin_shuffle(b[0], b[1], m3b);
+#else
+    const vi m1a = {0, 1, 4, 5}, m1b = {2, 3, 6, 7};
+    const vi m2a = {0, 2, 4, 6}, m2b = {1, 3, 5, 7};
+    vf a[2];
+    for (int i = 0; i < 2; i++) a[i] = __builtin_shuffle(p[2 * i], p[2 * i + 1], m1a) + __builtin_shuffle(p[2 * i], p[2 * i + 1], m1b);
+    return __builtin_shuffle(a[0], a[1], m2a) + __builtin_shuffle(a[0], a[1], m2b);
+#endif
 }
 
 /* What the cache holds (the query and output are bf16 for KIND_BF16, else fp32). */
@@ -151,49 +180,49 @@ static inline __attribute__((always_inline)) void attend(
             ? (const char *)k_cache + ((int64_t)table[b + PREFETCH_BLOCKS] * a->c_block_stride + head0) * esz
             : 0;
         int64_t j = 0;
-        if (kind == KIND_I8 && D % 16 == 0) {  /* the same sixteen at a time: rows widened once, scales last */
-            for (; j + 16 <= n; j += 16) {
-                if (ahead) prefetch_rows(ahead + j * slot_bytes, 16, slot_bytes, span);
+        if (kind == KIND_I8 && D % 16 == 0) {  /* the same VW at a time: rows widened once, scales last */
+            for (; j + VW <= n; j += VW) {
+                if (ahead) prefetch_rows(ahead + j * slot_bytes, VW, slot_bytes, span);
                 for (int64_t hh = 0; hh < NH; hh++) {
-                    float kw[16 * D] __attribute__((aligned(64)));
-                    float ksc[16] __attribute__((aligned(64)));
-                    for (int jj = 0; jj < 16; jj++) {
+                    float kw[VW * D] __attribute__((aligned(64)));
+                    float ksc[VW] __attribute__((aligned(64)));
+                    for (int jj = 0; jj < VW; jj++) {
                         const int8_t *k8 = (const int8_t *)k_cache + base + (j + jj) * a->c_slot_stride
                             + hh * a->c_head_stride;
                         memcpy(&ksc[jj], k8 + D, sizeof(float));
                         #pragma omp simd
                         for (int64_t d = 0; d < D; d++) kw[jj * D + d] = (float)k8[d];
                     }
-                    const v16 kscale = *(const v16 *)ksc;
+                    const vf kscale = *(const vf *)ksc;
                     for (int64_t g = 0; g < G; g++) {
                         const float *qg = qf + (hh * G + g) * D;
-                        v16 part[16];
-                        for (int jj = 0; jj < 16; jj++) {
-                            v16 acc16 = {0};
-                            for (int64_t d = 0; d < D; d += 16)
-                                acc16 += *(const v16u *)(qg + d) * *(const v16 *)(kw + jj * D + d);
-                            part[jj] = acc16;
+                        vf part[VW];
+                        for (int jj = 0; jj < VW; jj++) {
+                            vf accv = {0};
+                            for (int64_t d = 0; d < D; d += VW)
+                                accv += *(const vfu *)(qg + d) * *(const vf *)(kw + jj * D + d);
+                            part[jj] = accv;
                         }
-                        *(v16u *)(scores + (hh * G + g) * ctx + t0 + j) = sum16(part) * kscale;
+                        *(vfu *)(scores + (hh * G + g) * ctx + t0 + j) = sum_lanes(part) * kscale;
                     }
                 }
             }
         }
-        if (kind == KIND_F32 && D % 16 == 0) {  /* sixteen keys at a time, their dot products summed together */
-            for (; j + 16 <= n; j += 16) {
-                if (ahead) prefetch_rows(ahead + j * slot_bytes, 16, slot_bytes, span);
+        if (kind == KIND_F32 && D % 16 == 0) {  /* VW keys at a time, their dot products summed together */
+            for (; j + VW <= n; j += VW) {
+                if (ahead) prefetch_rows(ahead + j * slot_bytes, VW, slot_bytes, span);
                 for (int64_t hh = 0; hh < NH; hh++) {
                     for (int64_t g = 0; g < G; g++) {
                         const float *qg = qf + (hh * G + g) * D;
-                        v16 part[16];
-                        for (int jj = 0; jj < 16; jj++) {
+                        vf part[VW];
+                        for (int jj = 0; jj < VW; jj++) {
                             const float *k = (const float *)k_cache + base + (j + jj) * a->c_slot_stride
                                 + hh * a->c_head_stride;
-                            v16 acc16 = {0};
-                            for (int64_t d = 0; d < D; d += 16) acc16 += *(const v16u *)(qg + d) * *(const v16u *)(k + d);
-                            part[jj] = acc16;
+                            vf accv = {0};
+                            for (int64_t d = 0; d < D; d += VW) accv += *(const vfu *)(qg + d) * *(const vfu *)(k + d);
+                            part[jj] = accv;
                         }
-                        *(v16u *)(scores + (hh * G + g) * ctx + t0 + j) = sum16(part);
+                        *(vfu *)(scores + (hh * G + g) * ctx + t0 + j) = sum_lanes(part);
                     }
                 }
             }

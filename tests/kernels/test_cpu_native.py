@@ -47,8 +47,9 @@ def _check(case, num_heads: int, dtype: torch.dtype, seed: int, q_scale: float =
     ("num_heads", "num_kv_heads", "head_dim"), [(8, 2, 64), (8, 8, 128), (8, 1, 80), (4, 2, 128)]
 )
 def test_decode_matches_reference(
-    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, variant: str
 ) -> None:
+    """(``variant``: each build's key batch and butterfly sum.)"""
     case = make_paged(
         ragged_lens(16, 200) + [1, 15, 16, 17], 16, num_kv_heads, head_dim, dtype, seed=head_dim
     )
@@ -58,7 +59,7 @@ def test_decode_matches_reference(
 @pytest.mark.parametrize("threads", [1, 2, 3, 8])
 @pytest.mark.parametrize(("num_seqs", "num_kv_heads"), [(1, 3), (2, 8), (5, 3), (40, 3)])
 def test_heads_split_over_tasks_when_sequences_are_few(
-    threads: int, num_seqs: int, num_kv_heads: int
+    threads: int, num_seqs: int, num_kv_heads: int, variant: str
 ) -> None:
     """A task takes all of a sequence's KV heads unless there are fewer than four sequences per
     thread; then the heads are split over tasks (csrc/paged_decode.c, heads_per_task). Every split,
@@ -91,9 +92,10 @@ def _fp64_attention(q: torch.Tensor, case, scale: float) -> torch.Tensor:  # typ
 
 
 @pytest.mark.parametrize("block_size", [8, 64])
-def test_block_sizes_around_the_sixteen_key_chunks(block_size: int) -> None:
-    """Blocks smaller than the sixteen keys scored together (every key one at a time) and larger
-    (several chunks per block, a ragged last one)."""
+def test_block_sizes_around_the_key_batches(block_size: int, variant: str) -> None:
+    """Blocks smaller than the keys scored together (a vector's width: 16 keys on AVX-512, where
+    every key of an 8-slot block goes one at a time; 8 on AVX2; 4 on the baseline build) and
+    larger (several batches per block, a ragged last one)."""
     case = make_paged([1, 7, 16, 33, 250, 129], block_size, 2, 64, torch.float32, seed=block_size)
     _check(case, 8, torch.float32, seed=7)
 

@@ -29,7 +29,8 @@ TOL = 5e-4  # fp32 kernels against the float64 oracle on the same dequantized va
 @pytest.mark.parametrize("kv", list(DTYPES))
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_decode_matches_the_float64_oracle(kv: str, backend: str, case: int) -> None:
+def test_decode_matches_the_float64_oracle(kv: str, backend: str, case: int, variant: str) -> None:
+    """(``variant``: the native int8 path in each build's key batches.)"""
     heads, kvh, d, bs, lens = CASES[case]
     kc, vc, tables = _batch(case, kv, lens, heads, kvh, d, bs)
     q = torch.randn(len(lens), heads, d, generator=torch.Generator().manual_seed(100 + case))
