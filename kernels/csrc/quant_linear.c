@@ -17,8 +17,9 @@
  *   per group the accumulators hold sum(q * x) and the group's scale is applied once:
  *   y += s * (sum(q x) - 8 sum(x)) + z * sum(x), with sum(x) per group computed once per call.
  *   Rows of x go through in register tiles of 2 (each widened weight feeds both), the panel's
- *   bytes staying in L1 between tiles, so many rows (a prefill) cost little more than their
- *   multiply-adds (a dequantize-to-fp32-panel kernel for many rows measured slower and was dropped).
+ *   bytes staying in L1 between tiles. From Q4_DEQ_MIN_ROWS rows (a prefill) each (panel, group)
+ *   is widened once per block of rows into fp32 weights instead (q4_many_rows): a whole panel
+ *   dequantized at once left L1 and measured slower, one group's 2 KiB stays in it.
  * int8 (W = q * s, one fp32 scale per output row), row-major [n][k] (the embedding's rows are
  *   looked up in the same matrix): 4 output rows at a time share each 8-float load of x; one
  *   horizontal sum per row at the end, times its scale.
@@ -50,6 +51,8 @@
 #define Q8_ROWS 4                    /* int8 output rows per block */
 #define TILE 2                       /* x rows per register tile */
 #define PARALLEL_MIN_MACS 65536      /* below this many multiply-adds a parallel region costs more */
+#define Q4_DEQ_MIN_ROWS 8            /* from this many rows int4 groups are dequantized first (below) */
+#define Q4_ROW_BLOCK 64              /* rows whose inputs stay in cache across a thread's panels */
 
 int pagedkv_quant_linear_simd(void) { return Q_SIMD; }
 
@@ -148,6 +151,87 @@ static void q4_rows_by_panel(int64_t m, int64_t groups, const float *x, int64_t 
         q4_tile2(groups, x + r * x_stride, x_stride, xs + r * groups, w, sz, y + r * y_stride, y_stride, cols);
     if (r < m) q4_tile1(groups, x + r * x_stride, xs + r * groups, w, sz, y + r * y_stride, cols);
 }
+
+/* Many rows (a prefill). Widening nibbles costs more instructions than the multiply-adds they feed,
+ * and the row tiles above widen every weight once per 2 rows; here each (panel, group) is widened
+ * and scaled once per block of Q4_ROW_BLOCK rows into 512 fp32 weights in L1,
+ * wf[kk * 16 + j] = (q - 8) s_j + z_j, computed as q s_j + (z_j - 8 s_j), and 4 rows at a time run
+ * through them as an fp32 GEMM's inner loop (8 accumulators, two weight loads and four broadcasts
+ * per 8 multiply-adds), adding into y. Within a thread the row blocks go outermost, so a block's
+ * inputs stay in cache across the thread's panels. Whole panels only: the caller takes a last
+ * partial one through q4_rows_by_panel. */
+static inline void q4_dequantize_group(const uint8_t *c, const float *sz, float *restrict wf) {
+    const __m256 eight = _mm256_set1_ps(8.0f);
+    const __m256 s_lo = _mm256_loadu_ps(sz), s_hi = _mm256_loadu_ps(sz + 8);
+    const __m256 b_lo = _mm256_fnmadd_ps(eight, s_lo, _mm256_loadu_ps(sz + 16));
+    const __m256 b_hi = _mm256_fnmadd_ps(eight, s_hi, _mm256_loadu_ps(sz + 24));
+    for (int kk = 0; kk < Q4_GROUP; kk++) {
+        __m256 lo, hi;
+        q4_widen(c + kk * 8, &lo, &hi);
+        _mm256_store_ps(wf + kk * Q4_PANEL, _mm256_fmadd_ps(lo, s_lo, b_lo));
+        _mm256_store_ps(wf + kk * Q4_PANEL + 8, _mm256_fmadd_ps(hi, s_hi, b_hi));
+    }
+}
+
+/* y[r][0..16) += x[r][0..32) @ wf for 4 rows r (6-row tiles, 12 accumulators, measured no faster). */
+static inline void q4_deq_tile4(const float *x, int64_t x_stride, const float *restrict wf, float *y, int64_t y_stride) {
+    __m256 lo[4], hi[4];
+    for (int r = 0; r < 4; r++) {
+        lo[r] = _mm256_loadu_ps(y + r * y_stride);
+        hi[r] = _mm256_loadu_ps(y + r * y_stride + 8);
+    }
+    for (int kk = 0; kk < Q4_GROUP; kk++) {
+        const __m256 w_lo = _mm256_load_ps(wf + kk * Q4_PANEL), w_hi = _mm256_load_ps(wf + kk * Q4_PANEL + 8);
+        for (int r = 0; r < 4; r++) {
+            const __m256 xv = _mm256_broadcast_ss(x + r * x_stride + kk);
+            lo[r] = _mm256_fmadd_ps(w_lo, xv, lo[r]);
+            hi[r] = _mm256_fmadd_ps(w_hi, xv, hi[r]);
+        }
+    }
+    for (int r = 0; r < 4; r++) {
+        _mm256_storeu_ps(y + r * y_stride, lo[r]);
+        _mm256_storeu_ps(y + r * y_stride + 8, hi[r]);
+    }
+}
+
+static inline void q4_deq_row(const float *x, const float *restrict wf, float *y) {
+    __m256 lo = _mm256_loadu_ps(y), hi = _mm256_loadu_ps(y + 8);
+    for (int kk = 0; kk < Q4_GROUP; kk++) {
+        const __m256 xv = _mm256_broadcast_ss(x + kk);
+        lo = _mm256_fmadd_ps(_mm256_load_ps(wf + kk * Q4_PANEL), xv, lo);
+        hi = _mm256_fmadd_ps(_mm256_load_ps(wf + kk * Q4_PANEL + 8), xv, hi);
+    }
+    _mm256_storeu_ps(y, lo);
+    _mm256_storeu_ps(y + 8, hi);
+}
+
+static void q4_many_rows(int64_t m, int64_t panels, int64_t groups, const float *x, int64_t x_stride,
+                         const uint8_t *qweight, const float *qscale, float *y, int64_t y_stride, int num_threads) {
+    #pragma omp parallel num_threads(num_threads)
+    {
+#ifdef _OPENMP
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+        const int64_t t = 0, nt = 1;
+#endif
+        const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
+        float wf[Q4_GROUP * Q4_PANEL] __attribute__((aligned(32)));
+        for (int64_t r0 = 0; r0 < m; r0 += Q4_ROW_BLOCK) {
+            const int64_t rows = m - r0 < Q4_ROW_BLOCK ? m - r0 : Q4_ROW_BLOCK;
+            for (int64_t p = p0; p < p1; p++) {
+                float *yp = y + r0 * y_stride + p * Q4_PANEL;
+                for (int64_t r = 0; r < rows; r++) memset(yp + r * y_stride, 0, Q4_PANEL * sizeof(float));
+                for (int64_t g = 0; g < groups; g++) {
+                    q4_dequantize_group(qweight + (p * groups + g) * Q4_CHUNK, qscale + (p * groups + g) * Q4_SCALES, wf);
+                    const float *xg = x + r0 * x_stride + g * Q4_GROUP;
+                    int64_t r = 0;
+                    for (; r + 4 <= rows; r += 4) q4_deq_tile4(xg + r * x_stride, x_stride, wf, yp + r * y_stride, y_stride);
+                    for (; r < rows; r++) q4_deq_row(xg + r * x_stride, wf, yp + r * y_stride);
+                }
+            }
+        }
+    }
+}
 #else
 static void q4_rows_by_panel(int64_t m, int64_t groups, const float *x, int64_t x_stride, const float *xs,
                              const uint8_t *w, const float *sz, float *y, int64_t y_stride, int cols) {
@@ -175,11 +259,20 @@ static void q4_rows_by_panel(int64_t m, int64_t groups, const float *x, int64_t 
 int pagedkv_q4_linear(int64_t m, int64_t n, int64_t k, const float *x, int64_t x_stride, const uint8_t *qweight,
                              const float *qscale, float *y, int64_t y_stride, int num_threads) {
     const int64_t groups = k / Q4_GROUP, panels = (n + Q4_PANEL - 1) / Q4_PANEL;
+    int64_t first = 0; /* panels done by q4_many_rows */
+#if Q_SIMD
+    if (m >= Q4_DEQ_MIN_ROWS) {
+        first = n / Q4_PANEL;
+        q4_many_rows(m, first, groups, x, x_stride, qweight, qscale, y, y_stride,
+                     m * n * k >= PARALLEL_MIN_MACS ? num_threads : 1);
+        if (first == panels) return 0;
+    }
+#endif
     float *xs = malloc((size_t)(m * groups > 0 ? m * groups : 1) * sizeof(float));
     if (!xs) return -1;
     group_sums(m, groups, x, x_stride, xs);
     #pragma omp parallel for schedule(static) num_threads(num_threads) if (m * n * k >= PARALLEL_MIN_MACS)
-    for (int64_t p = 0; p < panels; p++) {
+    for (int64_t p = first; p < panels; p++) {
         const int cols = (int)(n - p * Q4_PANEL < Q4_PANEL ? n - p * Q4_PANEL : Q4_PANEL);
         q4_rows_by_panel(m, groups, x, x_stride, xs, qweight + p * groups * Q4_CHUNK, qscale + p * groups * Q4_SCALES,
                          y + p * Q4_PANEL, y_stride, cols);

@@ -56,6 +56,8 @@ SHAPES4 = [
     (64, 256, 9),
     (31, 544, 17),
     (960, 576, 1),
+    (48, 96, 70),  # many rows: groups dequantized first, two row blocks, a 2-row tail
+    (100, 576, 131),  # and a last partial panel through the row tiles
 ]
 
 
