@@ -117,11 +117,13 @@ class NativeMatmul:
     matrix: QuantizedMatrix
     fn: Any  # the ctypes function
     weights: tuple[int, ...]  # the pointer (and stride) arguments after x's
+    k: int  # the matrix's in_features and out_features, read once (properties of its tensors' shapes)
+    n: int
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` fp32 ``[rows, in]`` (dense columns) times the matrix transposed -> ``[rows, out]``,
         into ``out`` when given (dense columns, rows not overlapping, not sharing ``x``'s memory)."""
-        k, n = self.matrix.in_features, self.matrix.out_features
+        k, n = self.k, self.n
         if not (isinstance(x, torch.Tensor) and x.is_cpu and x.dtype is torch.float32 and x.dim() == 2):
             raise ValueError(f"x must be a 2-D fp32 CPU tensor, got {getattr(x, 'dtype', type(x).__name__)}")
         rows = x.shape[0]
@@ -172,14 +174,14 @@ def prepare(m: QuantizedMatrix) -> NativeMatmul:
     if lib is None:
         raise RuntimeError("the native kernels are not loaded (kernels/cpu_native.py says why in the log)")
     check_matrix(m)
+    k, n = m.in_features, m.out_features
     if m.kind == "int4":
-        return NativeMatmul(m, lib.pagedkv_q4_linear, (m.qweight.data_ptr(), m.qscale.data_ptr()))
+        return NativeMatmul(m, lib.pagedkv_q4_linear, (m.qweight.data_ptr(), m.qscale.data_ptr()), k, n)
     if m.kind == "kquant":
         weights = (m.qweight.data_ptr(), m.qscale.data_ptr(), m.qscale.shape[0])
-        return NativeMatmul(m, lib.pagedkv_kq_linear, weights)
-    return NativeMatmul(
-        m, lib.pagedkv_q8_linear, (m.qweight.data_ptr(), m.qweight.stride(0), m.qscale.data_ptr())
-    )
+        return NativeMatmul(m, lib.pagedkv_kq_linear, weights, k, n)
+    weights = (m.qweight.data_ptr(), m.qweight.stride(0), m.qscale.data_ptr())
+    return NativeMatmul(m, lib.pagedkv_q8_linear, weights, k, n)
 
 
 def matmul(m: QuantizedMatrix, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -182,11 +182,15 @@ class QuantizedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` fp32 ``[rows, in]`` -> fp32 ``[rows, out]``."""
-        m = self.matrix
-        if x.dtype is not torch.float32 or x.dim() != 2 or x.shape[1] != m.in_features:
-            raise ValueError(f"x must be fp32 [rows, {m.in_features}], got {x.dtype} {tuple(x.shape)}")
-        if self.native is not None:
-            return self.native(x if x.stride(1) == 1 else x.contiguous())
+        native, m = self.native, self.matrix
+        k = native.k if native is not None else m.in_features  # read once: a decode step makes ~120 calls
+        if not (
+            isinstance(x, torch.Tensor) and x.dtype is torch.float32 and x.dim() == 2 and x.shape[1] == k
+        ):
+            got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"x must be fp32 [rows, {k}], got {got}")
+        if native is not None:
+            return native(x if x.stride(1) == 1 else x.contiguous())
         x = x.contiguous()
         y: torch.Tensor
         if m.kind == "int8":
