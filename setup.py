@@ -29,7 +29,7 @@ SOURCES = [
     "kernels/csrc/quant_linear.c",
     "kernels/csrc/cpu_features.c",
 ]
-DEPENDS = ["kernels/csrc/fastexp.h"]
+DEPENDS = ["kernels/csrc/fastexp.h", "kernels/csrc/vector_width.h"]
 COMMON = ["-O3", "-std=gnu11", "-fopenmp", "-fno-strict-aliasing", "-Wno-psabi"]
 
 # variant -> compiler flags. Names must match kernels/cpu_native.py's VARIANTS.

@@ -14,7 +14,7 @@ measured round-robin in one run so machine noise hits the three alike; outputs a
 first. Shapes: chunks after a cached prompt the way the chat and prefix workloads of
 ``bench/vs_vllm.py`` send them, and a whole 512-token prompt.
 
-    python -m bench.cpu_prefill_bench [--threads 2] [--reps 7] [--layers 4]
+    python -m bench.cpu_prefill_bench [--threads 2] [--reps 7] [--layers 4] [--long]
 """
 
 from __future__ import annotations
@@ -52,6 +52,12 @@ SHAPES = [
     Shape(9, 3, 64, 4, 128, 272),
     Shape(9, 3, 64, 1, 512, 0),  # a whole prompt
     Shape(8, 2, 128, 8, 64, 192),  # model B
+]
+# --long: contexts of thousands of tokens, where a task's scores no longer fit in a core's cache
+LONG_SHAPES = [
+    Shape(32, 8, 64, 1, 256, 4000),  # a 1B model's heads, a chunk after a long cached prompt
+    Shape(16, 2, 128, 2, 256, 2000),
+    Shape(9, 3, 64, 1, 2048, 6144),
 ]
 
 
@@ -116,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=7, help="timed rounds per shape (median)")
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--shapes", type=int, default=len(SHAPES), help="only the first N shapes")
+    ap.add_argument("--shapes", type=int, default=None, help="only the first N shapes")
+    ap.add_argument("--long", action="store_true", help="the long-context shapes instead")
     args = ap.parse_args(argv)
     if not cpu_native.available():
         print("# the native kernels are not built here: nothing to compare", file=sys.stderr)
@@ -131,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         "| per-row decode ms | buckets ms | per-row / kernel | buckets / kernel |"
     )
     print("|---|---|---|---|---|---|---|---|")
-    for shape in SHAPES[: args.shapes]:
+    for shape in (LONG_SHAPES if args.long else SHAPES)[: args.shapes]:
         fns = paths(shape, build(shape, args.layers, gen))
         outs = {name: fn() for name, fn in fns.items()}  # also the warm-up
         for name, out in outs.items():

@@ -114,8 +114,8 @@ NATIVE_PREFILL_MAX_CONTEXT = 131072
 # The native prefill kernel (fp32) reads a sequence's context once per 16 or 32 rows and keeps each
 # task's scores ([context, 32 x group lanes] floats per thread), so it takes contexts up to this
 # many tokens (16 MB of scores per thread at group 4). On an AVX2 build (bench/cpu_prefill_bench.py,
-# docs/kernels.md) it is level with the buckets on chat-sized chunks (0.73-1.09x their time up to
-# 512 rows over 440 cached tokens) and 1.4-2.2x slower at 256-2,048 rows over 2,000-6,144 cached
+# docs/kernels.md) it is about level with the buckets on chat-sized chunks (0.92-1.22x their time up
+# to 512 rows over 440 cached tokens) and 1.4-2.2x slower at 256-2,048 rows over 2,000-6,144 cached
 # tokens, where its scores no longer fit in cache; it also serves int8 caches and the cascade.
 NATIVE_PREFILL_KERNEL_MAX_TOKENS = 32768
 

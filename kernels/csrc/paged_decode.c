@@ -31,6 +31,7 @@
 #endif
 
 #include "fastexp.h"
+#include "vector_width.h"
 
 typedef struct {
     int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size;
@@ -57,21 +58,9 @@ static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torc
     return (uint16_t)(u.i >> 16);
 }
 
-/* Keys scored per batch: one vector of the build's width (AVX-512 16 floats, AVX2 8, SSE 4), each
- * key's dot product a vector accumulator, the batch's accumulators reduced together by one butterfly.
- * Sized to the build so the batch's accumulators and the butterfly's shuffles stay in registers: the
- * AVX2 build once ran the AVX-512 batch of sixteen 16-float vectors, which it split into twice its
- * registers and whose two-vector shuffles it could not map onto its own, at several times the
- * time of this one (docs/kernels.md). */
-#if defined(__AVX512F__)
-#define VW 16
-#elif defined(__AVX__)
-#define VW 8
-#else
-#define VW 4
-#endif
-typedef float vf __attribute__((vector_size(VW * 4)));
-typedef float vfu __attribute__((vector_size(VW * 4), aligned(4)));  /* unaligned loads */
+/* Keys scored per batch: VW, one vector of the build's width (vector_width.h), each key's dot
+ * product a vector accumulator, the batch's accumulators reduced together by one butterfly. A
+ * 16-key batch of 16-float vectors on the AVX2 build took 1.1-1.2x this one's time (docs/kernels.md). */
 typedef int32_t vi __attribute__((vector_size(VW * 4)));
 
 /* VW vectors -> one vector whose lane j is the sum of p[j]'s lanes: a butterfly of shuffles

@@ -32,6 +32,7 @@
 #endif
 
 #include "fastexp.h"
+#include "vector_width.h"
 
 typedef struct {  /* the same layout as paged_decode.c's DecodeArgs (checked at load, through it) */
     int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size;
@@ -44,28 +45,18 @@ typedef struct {  /* the same layout as paged_decode.c's DecodeArgs (checked at 
     int generic_only;
 } PrefillArgs;
 
-/* Register tiles sized to the build's vector registers, so every accumulator stays in one (the
- * compiler splits a wider vector type into pieces and, past the register file, spills them to the
- * stack on every multiply-add: 16-float tiles of 8 keys x 2 vectors and 4 x 4 vectors, written for
- * AVX-512's 32 registers, ran 10-40x slower than torch's SDPA on an AVX2 build).
- * - VW: floats per vector (AVX-512 16, AVX2 8, SSE 4);
+/* Register tiles in vectors of the build's width (VW, vector_width.h), sized so every accumulator
+ * has a register of its own (16-float tiles written for AVX-512's 32 registers spilled on the AVX2
+ * build and ran 14-20x slower than torch's SDPA):
  * - KEYS: keys per q.k tile, KEYS x 2 accumulators (AVX-512 8 x 2 of 32 registers; else 6 x 2 of 16);
  * - PIECE: value elements per p.v tile, 4 x PIECE / VW accumulators (AVX-512 4 x 4; else 4 x 2). */
-#if defined(__AVX512F__)
-#define VW 16
+#if VW == 16
 #define KEYS 8
 #define PIECE 64
-#elif defined(__AVX__)
-#define VW 8
-#define KEYS 6
-#define PIECE 16
 #else
-#define VW 4
 #define KEYS 6
-#define PIECE 8
+#define PIECE (2 * VW)
 #endif
-typedef float vf __attribute__((vector_size(VW * 4)));
-typedef float vfu __attribute__((vector_size(VW * 4), aligned(4)));
 typedef int8_t cvu __attribute__((vector_size(VW), aligned(1)));
 
 /* Rows per task: 16, or 32 when 16 rows' query vectors would leave lanes of the last 32 unused
