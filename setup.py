@@ -27,9 +27,10 @@ SOURCES = [
     "kernels/csrc/layer_ops.c",
     "kernels/csrc/linear.c",
     "kernels/csrc/quant_linear.c",
+    "kernels/csrc/decode_layers.c",
     "kernels/csrc/cpu_features.c",
 ]
-DEPENDS = ["kernels/csrc/fastexp.h", "kernels/csrc/vector_width.h"]
+DEPENDS = ["kernels/csrc/fastexp.h", "kernels/csrc/vector_width.h", "kernels/csrc/decode_args.h"]
 COMMON = ["-O3", "-std=gnu11", "-fopenmp", "-fno-strict-aliasing", "-Wno-psabi"]
 
 # variant -> compiler flags. Names must match kernels/cpu_native.py's VARIANTS.

@@ -206,6 +206,8 @@ def _load() -> tuple[ctypes.CDLL, str]:
         # Quantize on write into an int8 cache (csrc/paged_decode.c).
         "pagedkv_write_kv_i8": [i64, i64, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, i64]
         + [ptr, cint],
+        # A decode step's decoder layers in one call (csrc/decode_layers.c, kernels/cpu_decode_layers.py).
+        "pagedkv_decode_layers_f32": [ptr, ptr, ptr, ptr],
         # Row-wise log-sum-exp, with each row's argmax when asked (csrc/logsumexp.c).
         "pagedkv_logsumexp_argmax_f32": [ptr, i64, i64, i64, ptr, ptr, cint],
     }
@@ -214,7 +216,13 @@ def _load() -> tuple[ctypes.CDLL, str]:
         name: ctypes.c_int
         for name in functions
         if name
-        in ("pagedkv_q4_linear", "pagedkv_q8_linear", "pagedkv_kq_linear", "pagedkv_quant_linear_simd")
+        in (
+            "pagedkv_q4_linear",
+            "pagedkv_q8_linear",
+            "pagedkv_kq_linear",
+            "pagedkv_quant_linear_simd",
+            "pagedkv_decode_layers_f32",
+        )
     }
     for name, argtypes in functions.items():
         try:

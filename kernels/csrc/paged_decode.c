@@ -30,19 +30,10 @@
 #include <omp.h>
 #endif
 
+#include "decode_args.h"
 #include "fastexp.h"
 #include "vector_width.h"
 
-typedef struct {
-    int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size;
-    int64_t q_seq_stride, q_head_stride;                   /* query [num_seqs, num_heads, head_dim] */
-    int64_t o_seq_stride, o_head_stride;                   /* out, same shape */
-    int64_t c_block_stride, c_slot_stride, c_head_stride;  /* each cache [blocks, block_size, kv_heads, head_dim] */
-    int64_t bt_stride;                                     /* block_tables [num_seqs, max_blocks] int32 */
-    float scale;
-    int num_threads;
-    int generic_only;  /* 1: skip the specialised copies (for measuring them against the generic one) */
-} DecodeArgs;
 
 static inline float bf16_to_f32(uint16_t h) {
     union { uint32_t i; float f; } u;

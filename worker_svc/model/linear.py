@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from kernels import cpu_linear
 from kernels.cpu_linear import PackedLinear
+from kernels.cpu_quant_linear import NativeMatmul
 from kernels.quant_linear import QuantizedLinear, QuantizedMatrix
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
@@ -103,6 +104,14 @@ class Linear:
         if self.qlinear is not None:
             return self.qlinear.path
         return "native" if self.native is not None else "onednn" if self.packed is not None else "torch"
+
+    def native_projection(self) -> tuple[PackedLinear | NativeMatmul, torch.Tensor | None] | None:
+        """The native kernel this layer runs with the bias to add after it (a packed fp32 layer adds
+        its own), or None when it runs another path: what a decode chain
+        (kernels/cpu_decode_layers.py) calls in its place."""
+        if self.qlinear is not None:
+            return (self.qlinear.native, self.bias) if self.qlinear.native is not None else None
+        return (self.native, None) if self.native is not None else None
 
     @property
     def weight_bytes(self) -> int:

@@ -19,6 +19,11 @@ for oneDNN there on CPU (``linear.py``).
 The step's attention metadata is validated, its kernel backend chosen and the backend's plans
 (e.g. the CPU backend's length buckets and masks) built once per forward
 (``AttentionBatch.kernels_step``, ``kernels/step.py``); every layer then calls the backend directly.
+
+A decode step whose layers all run native CPU kernels goes through them in one native call instead
+(``kernels/cpu_decode_layers.py``: the same kernels, arguments and order, so the same results to the
+bit, without a Python call per kernel); every other step, and the per-call reference, is the loop
+below.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu_decode_layers import DecodeChain, LayerWeights
 from kernels.quant_linear import QuantizedMatrix
 from worker_svc.model import layer_ops
 from worker_svc.model.batch import AttentionBatch
@@ -176,6 +182,12 @@ class LlamaModel:
         self.device = self.norm.device
         self.inv_freq = inverse_frequencies(cfg.rope, cfg.head_dim).to(self.device)
         self.scale = cfg.head_dim**-0.5
+        # Decode steps through one native call where the layers allow it (``decode_chain``); off,
+        # every step runs the per-call loop (benchmarks compare the two).
+        self.chain_decode = True
+        # The projections the chain was built from: held, so that identity means the same objects.
+        self._chain_for: list[Any] = []
+        self._chain: DecodeChain | None = None
         self.layers: list[_Layer] = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
@@ -200,6 +212,37 @@ class LlamaModel:
                     k_norm=w.get(p + "self_attn.k_norm.weight"),
                 )
             )
+
+    def decode_chain(self) -> DecodeChain | None:
+        """The layers as one native decode call, built on first use and again whenever a layer's
+        projections were replaced (benchmarks and tests swap them); None when some layer does not
+        run native kernels or has q/k norms (Qwen3), or ``chain_decode`` is off."""
+        if not self.chain_decode:
+            return None
+        lins = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        old = self._chain_for
+        if len(lins) != len(old) or any(a is not b for a, b in zip(lins, old, strict=True)):
+            self._chain_for, self._chain = lins, self._build_chain()
+        return self._chain
+
+    def _build_chain(self) -> DecodeChain | None:
+        cfg, layers = self.cfg, []
+        for layer in self.layers:
+            parts = [lin.native_projection() for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+            if layer.q_norm is not None or layer.k_norm is not None or any(p is None for p in parts):
+                return None
+            qkv, o, gate_up, down = parts
+            assert qkv is not None and o is not None and gate_up is not None and down is not None
+            layers.append(LayerWeights(layer.input_norm, layer.post_norm, qkv, o, gate_up, down))
+        return DecodeChain.build(
+            layers,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.hidden_size,
+            cfg.intermediate_size,
+            cfg.rms_norm_eps,
+        )
 
     @property
     def linear_path(self) -> str:
@@ -260,7 +303,11 @@ class LlamaModel:
             x = F.embedding(token_ids, self.embed)
         ops = layer_ops.choose(x, step)
         delta: torch.Tensor | None = None
-        for li, layer in enumerate(self.layers):
+        chain = self.decode_chain() if ops.kernels is not None else None
+        layers = self.layers
+        if chain is not None and chain.takes(step, x, kv_cache):
+            delta, layers = chain(x, cos, sin, step, kv_cache), []
+        for li, layer in enumerate(layers):
             key_cache, value_cache = kv_cache[li, 0], kv_cache[li, 1]
             qkv = layer.qkv(ops.rms_norm(x, layer.input_norm, eps, delta))
             if layer.q_norm is not None and layer.k_norm is not None:  # Qwen3: q/k norm before RoPE
