@@ -31,7 +31,11 @@ SOURCES = [
     "kernels/csrc/cpu_features.c",
 ]
 DEPENDS = ["kernels/csrc/fastexp.h", "kernels/csrc/vector_width.h", "kernels/csrc/decode_args.h"]
-COMMON = ["-O3", "-std=gnu11", "-fopenmp", "-fno-strict-aliasing", "-Wno-psabi"]
+# -fno-trapping-math: the kernels never enable floating-point traps, and without this flag GCC keeps
+# any loop with a select in it (a clamp, a sign test) scalar, fastexp.h's exp among them: the
+# sampling's log-sum-exp, SiLU and the prefill's softmax. It changes no value (clang's default);
+# what it allows is evaluating both sides of a select.
+COMMON = ["-O3", "-std=gnu11", "-fopenmp", "-fno-strict-aliasing", "-fno-trapping-math", "-Wno-psabi"]
 
 # variant -> compiler flags. Names must match kernels/cpu_native.py's VARIANTS.
 X86_VARIANTS = {
