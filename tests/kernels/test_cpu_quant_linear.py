@@ -86,6 +86,10 @@ SHAPES8 = [
     (64, 576, 9),
     (49, 1536, 1),
     (30, 100, 70),
+    # one row (a decode step's output layer) has a path of its own: 32-input steps, 8-input steps
+    # and a scalar tail, over enough rows for every thread
+    (33, 577, 1),
+    (2048, 45, 1),
 ]
 
 
@@ -146,6 +150,9 @@ def test_a_wrong_scale_group_or_nibble_in_the_packing_is_caught() -> None:
     assert ((poisoned_io.run(m8, x).double() - ref8).abs() <= tol8).all()
     wrong = QuantizedMatrix(m8.qweight, m8.qscale.roll(1), n)  # each row read with its neighbour's scale
     assert ((cpu_quant_linear.matmul(wrong, x).double() - ref8).abs() > 100 * tol8).any()
+    assert ((cpu_quant_linear.matmul(wrong, x[:1]).double() - ref8[:1]).abs() > 100 * tol8[:1]).any()
+    shifted = QuantizedMatrix(m8.qweight.roll(1, dims=1), m8.qscale, n)  # inputs one off within a row
+    assert ((cpu_quant_linear.matmul(shifted, x[:1]).double() - ref8[:1]).abs() > 100 * tol8[:1]).any()
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
