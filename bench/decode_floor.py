@@ -77,6 +77,16 @@ def with_torch_ops(model: LlamaModel) -> LlamaModel:
     return copy
 
 
+def per_call(model: LlamaModel) -> LlamaModel:
+    """A copy of ``model`` (the same weights) whose decode steps call every kernel from Python, one
+    call each, instead of running the layers in one native call (``LlamaModel.chain_decode``)."""
+    copy = object.__new__(LlamaModel)
+    for name in vars(model):
+        setattr(copy, name, getattr(model, name))
+    copy.chain_decode = False
+    return copy
+
+
 @dataclass(slots=True)
 class Decoder:
     """One sequence decoding on one model, a few steps per round."""
@@ -199,6 +209,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         decoders.append(Decoder("fp32 (dense)", models["dense"], max_tokens))
     if "file" in models:
         decoders.append(Decoder("the file's own quantization", models["file"], max_tokens))
+        decoders.append(
+            Decoder("the file's own quantization, per-call layers", per_call(models["file"]), max_tokens)
+        )
         torch_has_op = any(
             lin.quantized is not None and lin.quantized.kind != "kquant" for lin in linears(models["file"])
         )
@@ -232,9 +245,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{step:.2f} | {step / floor:.2f}x | {d.model.weight_bytes / step / 1e6:.2f} |"
         )
     quantized = [tokens[id(d)] for d in decoders if d.model.linear_path != "native"]
-    if len(quantized) == 2:
-        same = quantized[0] == quantized[1]
-        print(f"\nthe file's model, native kernels vs torch's operators, same greedy tokens: {same}")
+    if len(quantized) > 1:
+        same = all(q == quantized[0] for q in quantized)
+        print(
+            f"\nthe file's model on every path (one call, per call, torch's ops), same greedy tokens: {same}"
+        )
     print()
     print("| linear kernel (the matrices it takes) | rows | resident MB | ms per pass | GB/s | / floor |")
     print("|---|---:|---:|---:|---:|---:|")

@@ -79,6 +79,9 @@ class Server:
     send: Callable[[Req], list[int]]  # the generated token ids
     pids: Callable[[], list[int]]
     stop: Callable[[], None]
+    url: str = ""  # its HTTP base (bench/batch1_breakdown.py streams from it)
+    block_manager: str = ""  # pagedkv: its block manager's and worker's gRPC targets (another
+    worker: str = ""  # frontend can drive the same services: bench/batch1_breakdown.py)
 
 
 @dataclass(slots=True)
@@ -188,7 +191,7 @@ def start_llama(binary: str, gguf: pathlib.Path, name: str, weights: str, args: 
         )
         return [int(t) for t in out["tokens"]]
 
-    return Server(name, weights, send, lambda: [proc.pid], stop)
+    return Server(name, weights, send, lambda: [proc.pid], stop, url=url)
 
 
 # ----------------------------------------------------------------------------- pagedkv
@@ -239,7 +242,16 @@ def start_pagedkv(gguf: pathlib.Path, name: str, weight_format: str, args: argpa
         if leaked:
             print(f"# {name}: shared memory left behind: {leaked}", file=sys.stderr)
 
-    return Server(name, "Q" if weight_format == "auto" else "F32", send, pids, stop)
+    return Server(
+        name,
+        "Q" if weight_format == "auto" else "F32",
+        send,
+        pids,
+        stop,
+        url=url,
+        block_manager=f"127.0.0.1:{base}",
+        worker=f"127.0.0.1:{base + 2}",
+    )
 
 
 # ----------------------------------------------------------------------------- the runs

@@ -38,14 +38,23 @@ def test_decode_floor_quick(tmp_path: pathlib.Path) -> None:
     )
     bw = float(re.search(r"read bandwidth ([\d.]+) GB/s", out).group(1))  # type: ignore[union-attr]
     steps = _table(out, "weights")
-    assert [r[1] for r in steps] == ["native", "native-int8+native-int4", "int8+int4"]
+    assert [r[1] for r in steps] == [
+        "native",
+        "native-int8+native-int4",
+        "native-int8+native-int4",
+        "int8+int4",
+    ]
+    assert [r[0] for r in steps][1:3] == [
+        "the file's own quantization",
+        "the file's own quantization, per-call layers",
+    ]
     for _, _, mb, floor_ms, step_ms, ratio, gbs in steps:
         assert abs(float(floor_ms) - float(mb) / bw) <= 0.01 + 0.06 * float(floor_ms)  # MB / (GB/s) = ms
         assert abs(float(ratio.rstrip("x")) - float(step_ms) / float(floor_ms)) <= 0.01 + 0.06 * float(
             ratio[:-1]
         )
         assert abs(float(gbs) - float(mb) / float(step_ms)) <= 0.01 + 0.06 * float(gbs)
-    assert "native kernels vs torch's operators, same greedy tokens: True" in out
+    assert "every path (one call, per call, torch's ops), same greedy tokens: True" in out
     kernels = _table(out, "linear kernel")
     labels = [r[0].split(" (")[0] for r in kernels]
     each = ["native fp32", "native int4", "torch int4 op", "native int8", "torch int8 op"]
