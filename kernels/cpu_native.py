@@ -6,7 +6,9 @@ each token's log-probability); and the fused elementwise parts of a decoder laye
 (``csrc/layer_ops.c``: RMSNorm with the residual add, SiLU-and-multiply, rotary embedding with the
 KV write), wrapped by ``kernels/cpu_layer_ops.py``; and the fp32 linear layer over weights packed at
 load (``csrc/linear.c``), wrapped by ``kernels/cpu_linear.py``; and the quantized linear layer over
-int4 / int8 weights (``csrc/quant_linear.c``), wrapped by ``kernels/cpu_quant_linear.py``.
+int4 / int8 / K-quant weights (``csrc/quant_linear.c``), wrapped by ``kernels/cpu_quant_linear.py``;
+and a decode step's decoder layers chained in one call over those same kernels
+(``csrc/decode_layers.c``), set up by ``kernels/cpu_decode_layers.py``.
 
 **Built at install** by ``setup.py`` (setuptools ``Extension``), one shared library per
 instruction-set variant: on x86-64 ``x86_64`` (baseline), ``avx2`` (AVX2 + FMA) and ``avx512``
