@@ -1,6 +1,6 @@
 """The CPU backend's native kernels (``csrc/``): built at install, chosen by CPU features, torch ops.
 
-Two kernels: paged decode attention (``csrc/paged_decode.c``, used by ``kernels/cpu.py``) and the
+The kernels: paged decode attention (``csrc/paged_decode.c``, used by ``kernels/cpu.py``) and the
 row-wise log-sum-exp of a step's logits (``csrc/logsumexp.c``, used by the worker's sampling for
 each token's log-probability); and the fused elementwise parts of a decoder layer
 (``csrc/layer_ops.c``: RMSNorm with the residual add, SiLU-and-multiply, rotary embedding with the

@@ -24,6 +24,10 @@ from worker_svc.model.weights import load_model
 from worker_svc.model_runner import ModelRunner, SequenceRequest
 
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="native kernels not built")
+# The test models are written with transformers and the gguf package (tests/worker_svc/families.py),
+# which the GPU image's kernel run (bench/gpu_check.sh) does not install.
+pytest.importorskip("transformers")
+pytest.importorskip("gguf")
 
 BLOCK, BLOCKS_PER_SEQ = 4, 12
 CPU = torch.device("cpu")
