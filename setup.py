@@ -30,7 +30,12 @@ SOURCES = [
     "kernels/csrc/decode_layers.c",
     "kernels/csrc/cpu_features.c",
 ]
-DEPENDS = ["kernels/csrc/fastexp.h", "kernels/csrc/vector_width.h", "kernels/csrc/decode_args.h"]
+DEPENDS = [
+    "kernels/csrc/fastexp.h",
+    "kernels/csrc/vector_width.h",
+    "kernels/csrc/decode_args.h",
+    "kernels/csrc/linear_panel.h",
+]
 # -fno-trapping-math: the kernels never enable floating-point traps, and without this flag GCC keeps
 # any loop with a select in it (a clamp, a sign test) scalar, fastexp.h's exp among them: the
 # sampling's log-sum-exp, SiLU and the prefill's softmax. It changes no value (clang's default);

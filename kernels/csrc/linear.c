@@ -27,7 +27,9 @@
 #include <omp.h>
 #endif
 
-#define PANEL 32       /* columns of W per panel */
+#include "linear_panel.h"
+
+#define PANEL LINEAR_PANEL /* columns of W per panel */
 #define BLOCK_ROWS 64  /* rows of x per work item */
 /* Below this many multiply-adds a parallel region costs more than it saves. */
 #define PARALLEL_MIN_MACS 65536
@@ -114,6 +116,11 @@ static void rows_by_panel(int64_t m, int64_t k, const float *x, int64_t x_stride
         const int64_t rows = m - r0 < TILE_ROWS ? m - r0 : TILE_ROWS;
         TILES[rows](k, x + r0 * x_stride, x_stride, panel, bias, y + r0 * y_stride, y_stride, cols);
     }
+}
+
+void pagedkv_linear_panel(int64_t m, int64_t k, const float *x, int64_t x_stride, const float *panel,
+                          const float *bias, float *y, int64_t y_stride, int cols) {
+    rows_by_panel(m, k, x, x_stride, panel, bias, y, y_stride, cols);
 }
 
 void pagedkv_linear_f32(int64_t m, int64_t n, int64_t k, const float *x, int64_t x_stride, const float *packed,

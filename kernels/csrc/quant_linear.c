@@ -17,12 +17,14 @@
  *   per group the accumulators hold sum(q * x) and the group's scale is applied once:
  *   y += s * (sum(q x) - 8 sum(x)) + z * sum(x), with sum(x) per group computed once per call.
  *   Rows of x go through in register tiles of 2 (each widened weight feeds both), the panel's
- *   bytes staying in L1 between tiles. From Q4_DEQ_MIN_ROWS rows (a prefill) each (panel, group)
- *   is widened once per block of rows into fp32 weights instead (q4_many_rows): a whole panel
- *   dequantized at once left L1 and measured slower, one group's 2 KiB stays in it.
+ *   bytes staying in L1 between tiles. From Q4_DEQ_MIN_ROWS rows (a prefill, a decode step of many
+ *   sequences) two panels at a time are dequantized once per call into linear.c's fp32 panel and
+ *   every row runs through linear.c's register tiles instead (q4_many_rows).
  * int8 (W = q * s, one fp32 scale per output row), row-major [n][k] (the embedding's rows are
- *   looked up in the same matrix): 4 output rows at a time share each 8-float load of x; one
- *   horizontal sum per row at the end, times its scale.
+ *   looked up in the same matrix): one row of x streams each weight row once (q8_dot1); a few rows
+ *   share each 8-float load of x between 4 output rows; from Q8_DEQ_MIN_ROWS rows each block of 4
+ *   weight rows is widened once per call and meets every row of x (q8_many_rows). One
+ *   horizontal sum per output at the end, times its scale.
  *
  * AVX2 + FMA where the variant is compiled with them (setup.py's avx2 and avx512 builds); otherwise
  * plain C loops with the same arithmetic (pagedkv_quant_linear_simd() says which). Threads:
@@ -33,6 +35,8 @@
 #include <stdlib.h>
 #include <math.h>
 #include <string.h>
+
+#include "linear_panel.h"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -52,9 +56,10 @@
 #define Q8_PREFETCH 4096             /* bytes a one-row int8 product reads ahead */
 #define TILE 2                       /* x rows per register tile */
 #define PARALLEL_MIN_MACS 65536      /* below this many multiply-adds a parallel region costs more */
+#define WIDE_ROWS 4                  /* int8 weight rows widened at a time by q8_many_rows */
+#define Q8_DEQ_MIN_ROWS 4            /* from this many rows int8 panels are dequantized first */
 #define Q4_DEQ_MIN_ROWS 8            /* from this many rows int4 groups are dequantized first (below) */
 #define Q4_PREFETCH 4096             /* nibble bytes read ahead by the row tiles (16 groups) */
-#define Q4_ROW_BLOCK 64              /* rows whose inputs stay in cache across a thread's panels */
 
 int pagedkv_quant_linear_simd(void) { return Q_SIMD; }
 
@@ -166,14 +171,15 @@ static void q4_rows_by_panel(int64_t m, int64_t groups, const float *x, int64_t 
     if (r < m) q4_tile1(groups, x + r * x_stride, xs + r * groups, w, sz, y + r * y_stride, cols);
 }
 
-/* Many rows (a prefill). Widening nibbles costs more instructions than the multiply-adds they feed,
- * and the row tiles above widen every weight once per 2 rows; here each (panel, group) is widened
- * and scaled once per block of Q4_ROW_BLOCK rows into 512 fp32 weights in L1,
- * wf[kk * 16 + j] = (q - 8) s_j + z_j, computed as q s_j + (z_j - 8 s_j), and 4 rows at a time run
- * through them as an fp32 GEMM's inner loop (8 accumulators, two weight loads and four broadcasts
- * per 8 multiply-adds), adding into y. Within a thread the row blocks go outermost, so a block's
- * inputs stay in cache across the thread's panels. Whole panels only: the caller takes a last
- * partial one through q4_rows_by_panel. */
+/* Many rows (a prefill, or a decode step of many sequences). Widening nibbles costs more
+ * instructions than the multiply-adds they feed, and the row tiles above widen every weight once per
+ * 2 rows, with 4 accumulators where the multiply-add's latency wants 10 or more. Here two panels
+ * (32 output rows) are dequantized once per call into linear.c's fp32 panel layout,
+ * wf[kk * 32 + j] = (q - 8) s_j + z_j computed as q s_j + (z_j - 8 s_j), and every row of x goes
+ * through linear.c's register tiles (AVX2: 3 rows x 32 columns, 12 accumulators), the same inner
+ * loop as an fp32 weight's. The panel (k x 128 bytes: 72 KiB at k = 576) stays in L2 while the
+ * rows stream past it; dequantizing is then a few percent of the work from 8 rows on. Whole
+ * 16-row panels only: the caller takes a last partial one through q4_rows_by_panel. */
 static inline void q4_dequantize_group(const uint8_t *c, const float *sz, float *restrict wf) {
     const __m256 eight = _mm256_set1_ps(8.0f);
     const __m256 s_lo = _mm256_loadu_ps(sz), s_hi = _mm256_loadu_ps(sz + 8);
@@ -182,69 +188,47 @@ static inline void q4_dequantize_group(const uint8_t *c, const float *sz, float 
     for (int kk = 0; kk < Q4_GROUP; kk++) {
         __m256 lo, hi;
         q4_widen(c + kk * 8, &lo, &hi);
-        _mm256_store_ps(wf + kk * Q4_PANEL, _mm256_fmadd_ps(lo, s_lo, b_lo));
-        _mm256_store_ps(wf + kk * Q4_PANEL + 8, _mm256_fmadd_ps(hi, s_hi, b_hi));
+        _mm256_storeu_ps(wf + kk * LINEAR_PANEL, _mm256_fmadd_ps(lo, s_lo, b_lo));
+        _mm256_storeu_ps(wf + kk * LINEAR_PANEL + 8, _mm256_fmadd_ps(hi, s_hi, b_hi));
     }
 }
 
-/* y[r][0..16) += x[r][0..32) @ wf for 4 rows r (6-row tiles, 12 accumulators, measured no faster). */
-static inline void q4_deq_tile4(const float *x, int64_t x_stride, const float *restrict wf, float *y, int64_t y_stride) {
-    __m256 lo[4], hi[4];
-    for (int r = 0; r < 4; r++) {
-        lo[r] = _mm256_loadu_ps(y + r * y_stride);
-        hi[r] = _mm256_loadu_ps(y + r * y_stride + 8);
-    }
-    for (int kk = 0; kk < Q4_GROUP; kk++) {
-        const __m256 w_lo = _mm256_load_ps(wf + kk * Q4_PANEL), w_hi = _mm256_load_ps(wf + kk * Q4_PANEL + 8);
-        for (int r = 0; r < 4; r++) {
-            const __m256 xv = _mm256_broadcast_ss(x + r * x_stride + kk);
-            lo[r] = _mm256_fmadd_ps(w_lo, xv, lo[r]);
-            hi[r] = _mm256_fmadd_ps(w_hi, xv, hi[r]);
-        }
-    }
-    for (int r = 0; r < 4; r++) {
-        _mm256_storeu_ps(y + r * y_stride, lo[r]);
-        _mm256_storeu_ps(y + r * y_stride + 8, hi[r]);
-    }
+/* 16-row panel p of the int4 matrix into columns [half * 16, half * 16 + 16) of wf. */
+static void q4_dequantize_panel(int64_t groups, const uint8_t *qweight, const float *qscale, int64_t p, int half,
+                                float *wf) {
+    for (int64_t g = 0; g < groups; g++)
+        q4_dequantize_group(qweight + (p * groups + g) * Q4_CHUNK, qscale + (p * groups + g) * Q4_SCALES,
+                            wf + g * Q4_GROUP * LINEAR_PANEL + half * Q4_PANEL);
 }
 
-static inline void q4_deq_row(const float *x, const float *restrict wf, float *y) {
-    __m256 lo = _mm256_loadu_ps(y), hi = _mm256_loadu_ps(y + 8);
-    for (int kk = 0; kk < Q4_GROUP; kk++) {
-        const __m256 xv = _mm256_broadcast_ss(x + kk);
-        lo = _mm256_fmadd_ps(_mm256_load_ps(wf + kk * Q4_PANEL), xv, lo);
-        hi = _mm256_fmadd_ps(_mm256_load_ps(wf + kk * Q4_PANEL + 8), xv, hi);
-    }
-    _mm256_storeu_ps(y, lo);
-    _mm256_storeu_ps(y + 8, hi);
-}
-
-static void q4_many_rows(int64_t m, int64_t panels, int64_t groups, const float *x, int64_t x_stride,
-                         const uint8_t *qweight, const float *qscale, float *y, int64_t y_stride, int num_threads) {
-    #pragma omp parallel num_threads(num_threads)
+static int q4_many_rows(int64_t m, int64_t panels, int64_t groups, const float *x, int64_t x_stride,
+                        const uint8_t *qweight, const float *qscale, float *y, int64_t y_stride, int num_threads) {
+    const int64_t k = groups * Q4_GROUP, pairs = (panels + 1) / 2;
+    const int nt = num_threads > 0 ? num_threads : 1;
+    float *scratch = malloc((size_t)(nt * k * LINEAR_PANEL > 0 ? nt * k * LINEAR_PANEL : 1) * sizeof(float));
+    if (!scratch) return -1;
+    #pragma omp parallel num_threads(nt)
     {
 #ifdef _OPENMP
-        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        float *wf = scratch + (int64_t)omp_get_thread_num() * k * LINEAR_PANEL;
 #else
-        const int64_t t = 0, nt = 1;
+        float *wf = scratch;
 #endif
-        const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
-        float wf[Q4_GROUP * Q4_PANEL] __attribute__((aligned(32)));
-        for (int64_t r0 = 0; r0 < m; r0 += Q4_ROW_BLOCK) {
-            const int64_t rows = m - r0 < Q4_ROW_BLOCK ? m - r0 : Q4_ROW_BLOCK;
-            for (int64_t p = p0; p < p1; p++) {
-                float *yp = y + r0 * y_stride + p * Q4_PANEL;
-                for (int64_t r = 0; r < rows; r++) memset(yp + r * y_stride, 0, Q4_PANEL * sizeof(float));
-                for (int64_t g = 0; g < groups; g++) {
-                    q4_dequantize_group(qweight + (p * groups + g) * Q4_CHUNK, qscale + (p * groups + g) * Q4_SCALES, wf);
-                    const float *xg = x + r0 * x_stride + g * Q4_GROUP;
-                    int64_t r = 0;
-                    for (; r + 4 <= rows; r += 4) q4_deq_tile4(xg + r * x_stride, x_stride, wf, yp + r * y_stride, y_stride);
-                    for (; r < rows; r++) q4_deq_row(xg + r * x_stride, wf, yp + r * y_stride);
-                }
+        #pragma omp for schedule(static)
+        for (int64_t pp = 0; pp < pairs; pp++) {
+            const int64_t p = 2 * pp;
+            const int two = p + 1 < panels;
+            q4_dequantize_panel(groups, qweight, qscale, p, 0, wf);
+            if (two) {
+                q4_dequantize_panel(groups, qweight, qscale, p + 1, 1, wf);
+            } else {
+                for (int64_t kk = 0; kk < k; kk++) memset(wf + kk * LINEAR_PANEL + Q4_PANEL, 0, Q4_PANEL * sizeof(float));
             }
+            pagedkv_linear_panel(m, k, x, x_stride, wf, NULL, y + p * Q4_PANEL, y_stride, two ? 2 * Q4_PANEL : Q4_PANEL);
         }
     }
+    free(scratch);
+    return 0;
 }
 #else
 static void q4_rows_by_panel(int64_t m, int64_t groups, const float *x, int64_t x_stride, const float *xs,
@@ -277,8 +261,9 @@ int pagedkv_q4_linear(int64_t m, int64_t n, int64_t k, const float *x, int64_t x
 #if Q_SIMD
     if (m >= Q4_DEQ_MIN_ROWS) {
         first = n / Q4_PANEL;
-        q4_many_rows(m, first, groups, x, x_stride, qweight, qscale, y, y_stride,
-                     m * n * k >= PARALLEL_MIN_MACS ? num_threads : 1);
+        if (q4_many_rows(m, first, groups, x, x_stride, qweight, qscale, y, y_stride,
+                         m * n * k >= PARALLEL_MIN_MACS ? num_threads : 1))
+            return -1;
         if (first == panels) return 0;
     }
 #endif
@@ -377,6 +362,91 @@ static inline float q8_dot1(int64_t k, const float *x, const int8_t *w) {
     return s;
 }
 
+/* ---- int8, many rows: weight rows widened to fp32 once per call -----------------------------------
+ *
+ * Why: the blocks above widen every weight once per 2 rows of x, and their 8 accumulators leave the
+ * multiply-add's latency exposed, so at a decode step of many sequences they ran 1.3-1.5x slower
+ * than the fp32 kernel on the same matrix dequantized. Here each block of 4 weight rows is widened
+ * to fp32 once per call (4 x k floats, in L1) and every row of x meets it in tiles of 3 rows x 4
+ * weight rows: 12 accumulators, 7 loads per 12 multiply-adds, the balance of linear.c's fp32 tiles.
+ * The same arithmetic as the blocks, sum(x q) * s. Threads take the weight-row blocks statically.
+ * Every variant takes this path (the plain C build with plain loops), so which arithmetic a row
+ * count gets does not depend on the CPU. */
+
+/* y[r][j] = sum(x[r] * wf[j]) * scale[j] for xr (<= 3) rows of x and wr (<= 4) widened weight rows
+ * wf[j] (32-byte aligned, row stride wf_stride); rows past xr / wr repeat the first and are not
+ * stored. */
+static inline void q8_wide_tile(int64_t k, const float *x, int64_t x_stride, int xr, const float *wf,
+                                int64_t wf_stride, int wr, const float *scale, float *y, int64_t y_stride) {
+    const float *xp[3], *wp[WIDE_ROWS];
+    for (int r = 0; r < 3; r++) xp[r] = x + (r < xr ? r : 0) * x_stride;
+    for (int j = 0; j < WIDE_ROWS; j++) wp[j] = wf + (j < wr ? j : 0) * wf_stride;
+    float part[3][WIDE_ROWS] = {{0}};
+    int64_t kk = 0;
+#if Q_SIMD
+    __m256 acc[3][WIDE_ROWS];
+    for (int r = 0; r < 3; r++)
+        for (int j = 0; j < WIDE_ROWS; j++) acc[r][j] = _mm256_setzero_ps();
+    for (; kk + 8 <= k; kk += 8) {
+        const __m256 w0 = _mm256_load_ps(wp[0] + kk), w1 = _mm256_load_ps(wp[1] + kk);
+        const __m256 w2 = _mm256_load_ps(wp[2] + kk), w3 = _mm256_load_ps(wp[3] + kk);
+        for (int r = 0; r < 3; r++) {
+            const __m256 xv = _mm256_loadu_ps(xp[r] + kk);
+            acc[r][0] = _mm256_fmadd_ps(w0, xv, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(w1, xv, acc[r][1]);
+            acc[r][2] = _mm256_fmadd_ps(w2, xv, acc[r][2]);
+            acc[r][3] = _mm256_fmadd_ps(w3, xv, acc[r][3]);
+        }
+    }
+    for (int r = 0; r < 3; r++)
+        for (int j = 0; j < WIDE_ROWS; j++) part[r][j] = hsum(acc[r][j]);
+#endif
+    for (int r = 0; r < xr; r++) {
+        for (int j = 0; j < wr; j++) {
+            float sum = part[r][j];
+            for (int64_t t = kk; t < k; t++) sum += wp[j][t] * xp[r][t];
+            y[r * y_stride + j] = sum * scale[j];
+        }
+    }
+}
+
+static int q8_many_rows(int64_t m, int64_t n, int64_t k, const float *x, int64_t x_stride, const int8_t *qweight,
+                        int64_t w_stride, const float *scale, float *y, int64_t y_stride, int num_threads) {
+    const int64_t blocks = (n + WIDE_ROWS - 1) / WIDE_ROWS, k8 = (k + 7) / 8 * 8;
+    const int nt = num_threads > 0 ? num_threads : 1;
+    float *scratch = aligned_alloc(32, (size_t)nt * WIDE_ROWS * (size_t)k8 * sizeof(float));
+    if (!scratch) return -1;
+    #pragma omp parallel num_threads(nt)
+    {
+#ifdef _OPENMP
+        float *wf = scratch + (int64_t)omp_get_thread_num() * WIDE_ROWS * k8;
+#else
+        float *wf = scratch;
+#endif
+        #pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t n0 = b * WIDE_ROWS;
+            const int rows = (int)(n - n0 < WIDE_ROWS ? n - n0 : WIDE_ROWS);
+            for (int j = 0; j < rows; j++) {
+                const int8_t *wr = qweight + (n0 + j) * w_stride;
+                float *out = wf + j * k8;
+                int64_t kk = 0;
+#if Q_SIMD
+                for (; kk + 8 <= k; kk += 8) _mm256_store_ps(out + kk, q8_widen(wr + kk));
+#endif
+                for (; kk < k; kk++) out[kk] = (float)wr[kk];
+            }
+            for (int64_t r = 0; r < m; r += 3) {
+                const int xr = (int)(m - r < 3 ? m - r : 3);
+                q8_wide_tile(k, x + r * x_stride, x_stride, xr, wf, k8, rows, scale + n0, y + r * y_stride + n0,
+                             y_stride);
+            }
+        }
+    }
+    free(scratch);
+    return 0;
+}
+
 int pagedkv_q8_linear(int64_t m, int64_t n, int64_t k, const float *x, int64_t x_stride, const int8_t *qweight,
                               int64_t w_stride, const float *scale, float *y, int64_t y_stride, int num_threads) {
     if (m == 1) {
@@ -384,6 +454,9 @@ int pagedkv_q8_linear(int64_t m, int64_t n, int64_t k, const float *x, int64_t x
         for (int64_t j = 0; j < n; j++) y[j] = q8_dot1(k, x, qweight + j * w_stride) * scale[j];
         return 0;
     }
+    if (m >= Q8_DEQ_MIN_ROWS)
+        return q8_many_rows(m, n, k, x, x_stride, qweight, w_stride, scale, y, y_stride,
+                            m * n * k >= PARALLEL_MIN_MACS ? num_threads : 1);
     const int64_t blocks = (n + Q8_ROWS - 1) / Q8_ROWS;
     #pragma omp parallel for schedule(static) num_threads(num_threads) if (m * n * k >= PARALLEL_MIN_MACS)
     for (int64_t b = 0; b < blocks; b++) {

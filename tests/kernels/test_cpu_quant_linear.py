@@ -56,8 +56,8 @@ SHAPES4 = [
     (64, 256, 9),
     (31, 544, 17),
     (960, 576, 1),
-    (48, 96, 70),  # many rows: groups dequantized first, two row blocks, a 2-row tail
-    (100, 576, 131),  # and a last partial panel through the row tiles
+    (48, 96, 70),  # many rows: panels dequantized in pairs, an unpaired third, a 1-row tail tile
+    (100, 576, 131),  # three pairs and a last partial panel through the row tiles
 ]
 
 
@@ -77,10 +77,13 @@ def test_int4_matches_the_float64_product_of_its_groups(variant: str, n: int, k:
     assert (err <= _tolerance(x, w)).all(), float(err.max())
 
 
+# rows 2-3 through the 4-row blocks; from 4 rows blocks of 4 weight rows widened once, tiles of 3
+# rows (5 and 70 leave a tail), odd widths (577, 17, 37) past the 8-input steps.
 SHAPES8 = [
     (1, 1, 1),
     (7, 37, 2),
     (5, 8, 3),
+    (6, 37, 4),
     (33, 577, 5),
     (128, 17, 8),
     (64, 576, 9),
