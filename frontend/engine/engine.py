@@ -382,7 +382,7 @@ class Engine:
         if self._last_call_end is not None:
             self.stats.worker_idle_s += t0 - self._last_call_end
             self.stats.worker_idle_gaps += 1
-        items = [PrefillItem(s, s.num_computed, k) for s, k in batch]
+        items = [PrefillItem(s, s.num_computed, k, s.attempt) for s, k in batch]
         self._reserved = None
         try:
             if self.config.overlap_block_manager and batch:

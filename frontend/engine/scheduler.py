@@ -59,11 +59,13 @@ class BlockManagerPlan:
 
 @dataclass(slots=True)
 class PrefillItem:
-    """A prefill chunk in flight on a prefill worker: the sequence, where the chunk starts, its length."""
+    """A prefill chunk in flight on a prefill worker: the sequence, where the chunk starts, its length,
+    and the sequence's attempt when it was sent (Seq.attempt)."""
 
     seq: Seq
     start: int
     tokens: int
+    attempt: int = 0
 
 
 class Scheduler:
@@ -462,6 +464,7 @@ class Scheduler:
         if seq.running:
             self.running.remove(seq)
         seq.status = SeqStatus.WAITING
+        seq.attempt += 1
         seq.block_table = []
         seq.ahead_block = None
         seq.num_computed = seq.num_committed = seq.num_slots = 0
@@ -524,15 +527,23 @@ class Scheduler:
         """The chunks a prefill worker computes while the engine goes on decoding."""
         for s, _ in chunks:
             s.status = SeqStatus.PREFILLING
-        return [PrefillItem(s, s.num_computed, k) for s, k in chunks]
+        return [PrefillItem(s, s.num_computed, k, s.attempt) for s, k in chunks]
 
     def end_prefill(self, items: list[PrefillItem]) -> list[PrefillItem]:
         """A prefill came back (or was dropped): its sequences compute here again. Returns the items
-        whose results still apply (a sequence preempted while its chunk ran has been reset)."""
+        whose results still apply: not those of a sequence preempted while its chunk ran, even one
+        admitted again since (an overlapped Step's preemption, then the next Step's admission) at the
+        same start: its chunk wrote into the blocks of its earlier attempt."""
         for it in items:
             if it.seq.status is SeqStatus.PREFILLING:
                 it.seq.status = SeqStatus.RUNNING
-        return [it for it in items if it.seq.status is SeqStatus.RUNNING and it.seq.num_computed == it.start]
+        return [
+            it
+            for it in items
+            if it.seq.status is SeqStatus.RUNNING
+            and it.seq.num_computed == it.start
+            and it.seq.attempt == it.attempt
+        ]
 
     def fork_draws(self, s: Seq, tokens: int) -> list[Seq]:
         """The samples whose first token the worker draws in this step of ``s`` (n > 1: from the

@@ -178,6 +178,10 @@ class Seq:
     num_computed: int = 0  # leading tokens whose KV is in the cache
     num_committed: int = 0  # what the block manager was told is computed (Commit)
     num_slots: int = 0  # token slots the block manager holds for it (allocated + appended)
+    # Bumped each time it is requeued (preempted to recompute, or every sequence after a fault): a
+    # prefill chunk launched under an earlier attempt wrote into blocks it no longer holds, so its
+    # results must not count even when the new attempt starts at the same token.
+    attempt: int = 0
     # Its last block may be shared with fork siblings (until an append of its own went through the
     # block manager, which copies a shared tail on write): its appends cannot wait.
     tail_shared: bool = False

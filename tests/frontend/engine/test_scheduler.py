@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from frontend.engine.step_messages import StepPlan
 from frontend.engine.types import SeqStatus
 from tests.frontend.engine.harness import Driver, expected
 
@@ -240,6 +241,27 @@ def test_abort_mid_prefill_frees_its_blocks_and_spares_the_others() -> None:
     assert d.tokens("short") == expected(_prompt(1, 3), 4)
     assert d.scheduler.release("long") and d.scheduler.release("short")
     assert d.scheduler.seqs == {} and d.scheduler.outputs == {}
+    d.assert_nothing_held()
+
+
+def test_a_prefill_chunk_sent_before_a_requeue_never_counts_for_the_new_attempt() -> None:
+    """A sequence requeued while its prefill chunk runs on a prefill worker (an overlapped Step's
+    preemption) and admitted again before the chunk is harvested starts at the same token with
+    other blocks: the old chunk wrote into the blocks it held before, so its results must be
+    dropped (taking them skipped the prompt's KV: right first token, wrong ones after)."""
+    d = Driver.make(num_gpu_blocks=32)
+    d.add("r", _prompt(0, 6), max_tokens=4)
+    d.block_manager_step()
+    seq = d.scheduler.seqs["test:r/0"]
+    items = d.scheduler.start_prefill([(seq, 6)])
+    victims, frees = d.scheduler.take_block_holders()
+    d.scheduler.requeue_all(victims)
+    d.bm.step(StepPlan(frees=frees))
+    d.block_manager_step()  # admitted again
+    assert seq.status is SeqStatus.RUNNING and seq.num_computed == items[0].start == 0
+    assert d.scheduler.end_prefill(items) == []
+    d.run()
+    assert d.tokens("r") == expected(_prompt(0, 6), 4)
     d.assert_nothing_held()
 
 
