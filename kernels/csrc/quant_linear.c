@@ -57,8 +57,8 @@
 #define TILE 2                       /* x rows per register tile */
 #define PARALLEL_MIN_MACS 65536      /* below this many multiply-adds a parallel region costs more */
 #define WIDE_ROWS 4                  /* int8 weight rows widened at a time by q8_many_rows */
-#define Q8_DEQ_MIN_ROWS 4            /* from this many rows int8 panels are dequantized first */
-#define Q4_DEQ_MIN_ROWS 8            /* from this many rows int4 groups are dequantized first (below) */
+#define Q8_DEQ_MIN_ROWS 4            /* from this many rows int8 weight rows are widened first */
+#define Q4_DEQ_MIN_ROWS 8            /* from this many rows int4 panels are dequantized first */
 #define Q4_PREFETCH 4096             /* nibble bytes read ahead by the row tiles (16 groups) */
 
 int pagedkv_quant_linear_simd(void) { return Q_SIMD; }
