@@ -75,6 +75,23 @@ static void group_sums(int64_t m, int64_t groups, const float *x, int64_t x_stri
     }
 }
 
+/* One scratch buffer of `floats` floats per thread, 32-byte aligned (many-rows paths below); NULL
+ * when out of memory. thread_scratch() is the calling thread's own one, inside the parallel region. */
+static int64_t scratch_stride(int64_t floats) { return floats > 0 ? (floats + 7) / 8 * 8 : 8; }
+
+static float *scratch_per_thread(int nt, int64_t floats) {
+    return aligned_alloc(32, (size_t)nt * (size_t)scratch_stride(floats) * sizeof(float));
+}
+
+static inline float *thread_scratch(float *scratch, int64_t floats) {
+#ifdef _OPENMP
+    return scratch + (int64_t)omp_get_thread_num() * scratch_stride(floats);
+#else
+    (void)floats;
+    return scratch;
+#endif
+}
+
 /* ---- int4: rows x one panel (all groups) --------------------------------------------------------- */
 
 #if Q_SIMD
@@ -205,15 +222,11 @@ static int q4_many_rows(int64_t m, int64_t panels, int64_t groups, const float *
                         const uint8_t *qweight, const float *qscale, float *y, int64_t y_stride, int num_threads) {
     const int64_t k = groups * Q4_GROUP, pairs = (panels + 1) / 2;
     const int nt = num_threads > 0 ? num_threads : 1;
-    float *scratch = malloc((size_t)(nt * k * LINEAR_PANEL > 0 ? nt * k * LINEAR_PANEL : 1) * sizeof(float));
+    float *scratch = scratch_per_thread(nt, k * LINEAR_PANEL);
     if (!scratch) return -1;
     #pragma omp parallel num_threads(nt)
     {
-#ifdef _OPENMP
-        float *wf = scratch + (int64_t)omp_get_thread_num() * k * LINEAR_PANEL;
-#else
-        float *wf = scratch;
-#endif
+        float *wf = thread_scratch(scratch, k * LINEAR_PANEL);
         #pragma omp for schedule(static)
         for (int64_t pp = 0; pp < pairs; pp++) {
             const int64_t p = 2 * pp;
@@ -414,15 +427,11 @@ static int q8_many_rows(int64_t m, int64_t n, int64_t k, const float *x, int64_t
                         int64_t w_stride, const float *scale, float *y, int64_t y_stride, int num_threads) {
     const int64_t blocks = (n + WIDE_ROWS - 1) / WIDE_ROWS, k8 = (k + 7) / 8 * 8;
     const int nt = num_threads > 0 ? num_threads : 1;
-    float *scratch = aligned_alloc(32, (size_t)nt * WIDE_ROWS * (size_t)k8 * sizeof(float));
+    float *scratch = scratch_per_thread(nt, WIDE_ROWS * k8);
     if (!scratch) return -1;
     #pragma omp parallel num_threads(nt)
     {
-#ifdef _OPENMP
-        float *wf = scratch + (int64_t)omp_get_thread_num() * WIDE_ROWS * k8;
-#else
-        float *wf = scratch;
-#endif
+        float *wf = thread_scratch(scratch, WIDE_ROWS * k8);
         #pragma omp for schedule(static)
         for (int64_t b = 0; b < blocks; b++) {
             const int64_t n0 = b * WIDE_ROWS;
