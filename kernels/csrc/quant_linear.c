@@ -495,8 +495,9 @@ int pagedkv_q8_linear(int64_t m, int64_t n, int64_t k, const float *x, int64_t x
  *     fp16 d. Weight 128 h + 32 c + i (h < 2, c < 4, i < 32) is d * sc[(128 h + 32 c + i) / 16] *
  *     (q - 32), q = nibble (c >> 1) of ql[64 h + 32 (c & 1) + i] | ((qh[32 h + i] >> 2c) & 3) << 4.
  * x's rows are rounded to 8-bit integers first (below), so the products are integer ones; each
- * weight row is read once, as stored, and its unpacked bytes meet up to four rows of x (a prefill's
- * rows four at a time, the row's bytes staying in L1 between them).
+ * weight row is read once, as stored, and its unpacked bytes meet up to four rows of x (2-5 rows
+ * four at a time, the row's bytes staying in L1 between them; from KQ_T_MIN_ROWS rows x's rows go
+ * side by side instead, kq_many_rows below).
  */
 
 #define KQ_BLOCK 256
@@ -868,9 +869,239 @@ static void kq_dot_q8(int32_t type, int64_t blocks, const uint8_t *w, const KQ8B
 #undef KQ_DOT
 }
 
+#if Q_SIMD
+/* ---- K-quant at many rows: x rows side by side, each weight broadcast -----------------------------
+ *
+ * From KQ_T_MIN_ROWS rows of x the product runs the other way round: x's quantized rows are laid
+ * eight side by side (KQ8T: 4 bytes of each of 8 rows per 256-bit vector, lane r = row r), and
+ * each 4 unpacked weight bytes are broadcast to all lanes. One maddubs then makes 32 products for
+ * 8 rows of x at once and needs no horizontal sum. Its 16-bit pair sums stay in 16 bits for a
+ * whole sub-block before one madd applies the sub-block's scale (Q4_K: 8 broadcasts of 4 weights
+ * of 0..15 times 127 is at most 30,480; Q6_K's 0..63 allow 2), so a product costs about one
+ * maddubs and one 16-bit add per 32 multiply-adds where the row-by-row kernel above spends a
+ * maddubs, a madd and an add. Each thread unpacks KQ_T_ROWS weight rows at a time into bytes (its
+ * L1 scratch) and runs them against every 8-row group of x; the integers are the same as the
+ * row-by-row kernel's, only the floating-point sums differ in order.
+ */
+#define KQ_T_ROWS 4      /* weight rows unpacked together, each broadcast against the same x vector */
+#define KQ_T_MIN_ROWS 6  /* from this many rows of x (at 4 the 4-row kernel above is faster) */
+
+typedef struct {
+    int32_t q[KQ_BLOCK / 4][8]; /* 4 quantized inputs of each of 8 rows */
+    int32_t s16[8][8];          /* sum16 pairs (2p, 2p + 1) of each row, as two int16 */
+    int32_t s32[4][8];          /* sum32 pairs */
+    float d[8];                 /* each row's scale (0 for a row past m) */
+} KQ8T;
+
+typedef struct {
+    float d, dm;       /* the block's scale d; Q4_K's dmin */
+    int16_t sc[16];    /* Q4_K: 8 sub-block scales; Q6_K: 16 group scales */
+    int16_t mn[8];     /* Q4_K: 8 sub-block minimums */
+} KQMeta;
+
+/* One super-block row of x groups g (8 rows from r0) as KQ8T; rows past m are zeros. */
+static void kq8_transpose(int64_t m, int64_t blocks, const KQ8Block *xq, int64_t r0, int64_t bi, KQ8T *out) {
+    for (int r = 0; r < 8; r++) {
+        if (r0 + r < m) {
+            const KQ8Block *b = xq + (r0 + r) * blocks + bi;
+            for (int u = 0; u < KQ_BLOCK / 4; u++) memcpy(&out->q[u][r], b->q + 4 * u, 4);
+            for (int p = 0; p < 8; p++) memcpy(&out->s16[p][r], b->sum16 + 2 * p, 4);
+            for (int p = 0; p < 4; p++) memcpy(&out->s32[p][r], b->sum32 + 2 * p, 4);
+            out->d[r] = b->d;
+        } else {
+            for (int u = 0; u < KQ_BLOCK / 4; u++) out->q[u][r] = 0;
+            for (int p = 0; p < 8; p++) out->s16[p][r] = 0;
+            for (int p = 0; p < 4; p++) out->s32[p][r] = 0;
+            out->d[r] = 0.0f;
+        }
+    }
+}
+
+/* One weight row's super-blocks as bytes in input order (wq, 256 per block) and their scales. */
+static void kq_unpack_row(int32_t type, int64_t blocks, const uint8_t *row, uint8_t *wq, KQMeta *meta) {
+    const __m256i low = _mm256_set1_epi8(15), pair = _mm256_set1_epi8(3);
+    for (int64_t bi = 0; bi < blocks; bi++) {
+        uint8_t *o = wq + bi * KQ_BLOCK;
+        KQMeta *mt = meta + bi;
+        if (type == KQ_Q4_K) {
+            const uint8_t *b = row + bi * 144, *qs = b + 16;
+            uint8_t sc[8], mn[8];
+            mt->d = kq_half_simd(b);
+            mt->dm = kq_half_simd(b + 2);
+            q4k_scales_x4(b + 4, sc, mn);
+            for (int j = 0; j < 8; j++) {
+                mt->sc[j] = sc[j];
+                mt->mn[j] = mn[j];
+            }
+            for (int c = 0; c < 4; c++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+                _mm256_store_si256((__m256i *)(o + 64 * c), _mm256_and_si256(v, low));
+                _mm256_store_si256((__m256i *)(o + 64 * c + 32), _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
+            }
+        } else {
+            const uint8_t *b = row + bi * 210;
+            const int8_t *sc = (const int8_t *)(b + 192);
+            mt->d = kq_half_simd(b + 208);
+            mt->dm = 0.0f;
+            for (int g = 0; g < 16; g++) mt->sc[g] = sc[g];
+            for (int h = 0; h < 2; h++) {
+                const __m256i A = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
+                const __m256i B = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
+                const __m256i H = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+                uint8_t *oh = o + 128 * h;
+                _mm256_store_si256((__m256i *)oh,
+                                   _mm256_or_si256(_mm256_and_si256(A, low), _mm256_slli_epi16(_mm256_and_si256(H, pair), 4)));
+                _mm256_store_si256((__m256i *)(oh + 32),
+                                   _mm256_or_si256(_mm256_and_si256(B, low),
+                                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 2), pair), 4)));
+                _mm256_store_si256((__m256i *)(oh + 64),
+                                   _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A, 4), low),
+                                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 4), pair), 4)));
+                _mm256_store_si256((__m256i *)(oh + 96),
+                                   _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(B, 4), low),
+                                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 6), pair), 4)));
+            }
+        }
+    }
+}
+
+static inline __m256i kq_bcast4(const uint8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* KQ_T_ROWS unpacked weight rows of one type times one KQ8T group of x: out[w][r]. */
+static inline __attribute__((always_inline)) void kq_tile(int32_t type, int64_t blocks, const uint8_t *wq,
+                                                          const KQMeta *meta, const KQ8T *xt, __m256 ys[KQ_T_ROWS]) {
+    for (int w = 0; w < KQ_T_ROWS; w++) ys[w] = _mm256_setzero_ps();
+    for (int64_t bi = 0; bi < blocks; bi++) {
+        const KQ8T *xb = xt + bi;
+        __m256i acc[KQ_T_ROWS], off[KQ_T_ROWS];
+        for (int w = 0; w < KQ_T_ROWS; w++) acc[w] = off[w] = _mm256_setzero_si256();
+        if (type == KQ_Q4_K) {
+            for (int s = 0; s < 8; s++) {
+                __m256i a16[KQ_T_ROWS];
+                for (int w = 0; w < KQ_T_ROWS; w++) a16[w] = _mm256_setzero_si256();
+                for (int u = 0; u < 8; u++) {
+                    const __m256i xv = _mm256_load_si256((const __m256i *)xb->q[8 * s + u]);
+                    for (int w = 0; w < KQ_T_ROWS; w++) {
+                        const __m256i wv = kq_bcast4(wq + (w * blocks + bi) * KQ_BLOCK + 32 * s + 4 * u);
+                        a16[w] = _mm256_add_epi16(a16[w], _mm256_maddubs_epi16(wv, xv));
+                        /* the sums in this order: GCC otherwise regroups the 8 adds into a tree whose
+                         * 32 partial products spill to the stack (measured 1.3x slower) */
+                        __asm__("" : "+x"(a16[w]));
+                    }
+                }
+                for (int w = 0; w < KQ_T_ROWS; w++)
+                    acc[w] = _mm256_add_epi32(acc[w], _mm256_madd_epi16(a16[w], _mm256_set1_epi16(meta[w * blocks + bi].sc[s])));
+            }
+            for (int p = 0; p < 4; p++) {
+                const __m256i xs = _mm256_load_si256((const __m256i *)xb->s32[p]);
+                for (int w = 0; w < KQ_T_ROWS; w++) {
+                    int32_t mp;
+                    memcpy(&mp, meta[w * blocks + bi].mn + 2 * p, 4);
+                    off[w] = _mm256_add_epi32(off[w], _mm256_madd_epi16(_mm256_set1_epi32(mp), xs));
+                }
+            }
+        } else {
+            for (int h = 0; h < 32; h++) { /* 8 inputs (2 broadcasts) per half group */
+                __m256i a16[KQ_T_ROWS];
+                const __m256i x0 = _mm256_load_si256((const __m256i *)xb->q[2 * h]);
+                const __m256i x1 = _mm256_load_si256((const __m256i *)xb->q[2 * h + 1]);
+                for (int w = 0; w < KQ_T_ROWS; w++) {
+                    const uint8_t *p = wq + (w * blocks + bi) * KQ_BLOCK + 8 * h;
+                    a16[w] = _mm256_add_epi16(_mm256_maddubs_epi16(kq_bcast4(p), x0), _mm256_maddubs_epi16(kq_bcast4(p + 4), x1));
+                    acc[w] = _mm256_add_epi32(acc[w], _mm256_madd_epi16(a16[w], _mm256_set1_epi16(meta[w * blocks + bi].sc[h / 2])));
+                }
+            }
+            for (int p = 0; p < 8; p++) {
+                const __m256i xs = _mm256_load_si256((const __m256i *)xb->s16[p]);
+                for (int w = 0; w < KQ_T_ROWS; w++) {
+                    int32_t sp;
+                    memcpy(&sp, meta[w * blocks + bi].sc + 2 * p, 4);
+                    off[w] = _mm256_add_epi32(off[w], _mm256_madd_epi16(_mm256_set1_epi32(sp), xs));
+                }
+            }
+            for (int w = 0; w < KQ_T_ROWS; w++) acc[w] = _mm256_sub_epi32(acc[w], _mm256_slli_epi32(off[w], 5));
+        }
+        const __m256 xd = _mm256_load_ps(xb->d);
+        for (int w = 0; w < KQ_T_ROWS; w++) {
+            const KQMeta *mt = meta + w * blocks + bi;
+            ys[w] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(mt->d), xd), _mm256_cvtepi32_ps(acc[w]), ys[w]);
+            if (type == KQ_Q4_K)
+                ys[w] = _mm256_fnmadd_ps(_mm256_mul_ps(_mm256_set1_ps(mt->dm), xd), _mm256_cvtepi32_ps(off[w]), ys[w]);
+        }
+    }
+}
+
+/* The many-rows product: x quantized (xq, m rows of blocks), then laid 8 rows side by side; the
+ * weight rows go to the threads KQ_T_ROWS at a time, never a tile across two segments (a short
+ * tile repeats its last row and stores only its own). -1 when out of memory. */
+static int kq_many_rows(int64_t m, int64_t n, const KQMatrix *mat, const KQ8Block *xq, float *y, int64_t y_stride,
+                        int num_threads) {
+    const int64_t blocks = mat->blocks, groups = (m + 7) / 8;
+    const int nt = num_threads > 0 ? num_threads : 1;
+    /* tiles: per segment, ceil(rows / KQ_T_ROWS) */
+    int64_t tiles = 0;
+    for (int64_t s = 0; s < mat->nsegs; s++) tiles += (mat->segs[2 * s + 1] + KQ_T_ROWS - 1) / KQ_T_ROWS;
+    KQ8T *xt = aligned_alloc(32, (size_t)(groups * blocks > 0 ? groups * blocks : 1) * sizeof(KQ8T));
+    const int64_t wbytes = KQ_T_ROWS * blocks * KQ_BLOCK, per_thread = wbytes + KQ_T_ROWS * blocks * (int64_t)sizeof(KQMeta);
+    float *scratch = scratch_per_thread(nt, (per_thread + 3) / 4);
+    if (!xt || !scratch) {
+        free(xt);
+        free(scratch);
+        return -1;
+    }
+    #pragma omp parallel num_threads(nt)
+    {
+        #pragma omp for schedule(static)
+        for (int64_t i = 0; i < groups * blocks; i++) kq8_transpose(m, blocks, xq, (i / blocks) * 8, i % blocks, xt + i);
+        uint8_t *wq = (uint8_t *)thread_scratch(scratch, (per_thread + 3) / 4);
+        KQMeta *meta = (KQMeta *)(wq + wbytes);
+        #pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            /* the tile's segment, first row and row count */
+            int64_t seg = 0, first = 0, tt = t, j0 = 0;
+            for (; seg < mat->nsegs; seg++) {
+                const int64_t rows = mat->segs[2 * seg + 1], st = (rows + KQ_T_ROWS - 1) / KQ_T_ROWS;
+                if (tt < st) {
+                    j0 = first + tt * KQ_T_ROWS;
+                    break;
+                }
+                tt -= st;
+                first += rows;
+            }
+            const int64_t seg_end = first + mat->segs[2 * seg + 1];
+            const int nr = (int)(seg_end - j0 < KQ_T_ROWS ? seg_end - j0 : KQ_T_ROWS);
+            int32_t type = 0;
+            for (int w = 0; w < KQ_T_ROWS; w++) {
+                const uint8_t *row = kq_row(mat, j0 + (w < nr ? w : nr - 1), &type);
+                kq_unpack_row(type, blocks, row, wq + w * blocks * KQ_BLOCK, meta + w * blocks);
+            }
+            for (int64_t g = 0; g < groups; g++) {
+                __m256 ys[KQ_T_ROWS];
+                if (type == KQ_Q4_K)
+                    kq_tile(KQ_Q4_K, blocks, wq, meta, xt + g * blocks, ys);
+                else
+                    kq_tile(KQ_Q6_K, blocks, wq, meta, xt + g * blocks, ys);
+                float out[KQ_T_ROWS][8];
+                for (int w = 0; w < KQ_T_ROWS; w++) _mm256_storeu_ps(out[w], ys[w]);
+                const int rows = (int)(m - 8 * g < 8 ? m - 8 * g : 8);
+                for (int r = 0; r < rows; r++)
+                    for (int w = 0; w < nr; w++) y[(8 * g + r) * y_stride + j0 + w] = out[w][r];
+            }
+        }
+    }
+    free(xt);
+    free(scratch);
+    return 0;
+}
+#endif
+
 /* m rows of x times the K-quant matrix W [n, k] (segs: nsegs (type, rows) pairs summing to n): x's
  * rows quantized to KQ8Blocks once, then each weight row, unpacked once per super-block, meets up to
- * KQ_ROWS of them. */
+ * KQ_ROWS of them (or, from KQ_T_MIN_ROWS rows with AVX2, kq_many_rows). */
 int pagedkv_kq_linear(int64_t m, int64_t n, int64_t k, const float *x, int64_t x_stride, const uint8_t *w,
                       const int32_t *segs, int64_t nsegs, float *y, int64_t y_stride, int num_threads) {
     const KQMatrix mat = {nsegs, k / KQ_BLOCK, segs, w};
@@ -879,6 +1110,13 @@ int pagedkv_kq_linear(int64_t m, int64_t n, int64_t k, const float *x, int64_t x
     if (!xq) return -1;
     #pragma omp parallel for schedule(static) num_threads(num_threads) if (par && m > 1)
     for (int64_t r = 0; r < m; r++) kq8_quantize_row(mat.blocks, x + r * x_stride, xq + r * mat.blocks);
+#if Q_SIMD
+    if (m >= KQ_T_MIN_ROWS) {
+        const int status = kq_many_rows(m, n, &mat, xq, y, y_stride, num_threads);
+        free(xq);
+        return status;
+    }
+#endif
     #pragma omp parallel for schedule(static) num_threads(num_threads) if (par)
     for (int64_t j = 0; j < n; j++) {
         int32_t type;

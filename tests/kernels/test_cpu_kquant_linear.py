@@ -56,17 +56,23 @@ def _tolerance(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return 2e-6 * (x.double().abs() @ w.abs().t()) + 1e-6
 
 
-# (segments, k, rows): rows 1-3 take the one-row path, 4 and more the 16-output panels (with a
-# tail of 1-3 rows); outputs not a multiple of the panel; one to three super-blocks per row.
+# (segments, k, rows): rows 1-5 take the row-by-row kernel (one row, or 4-row groups with a tail of
+# 1-3), 6 and more the rows-side-by-side kernel (x in groups of 8 rows, the last one partial, the
+# weight rows in tiles of 4 that never cross a segment, so a segment of 1-3 or 4j + 1..3 rows ends
+# in a short tile); one to three super-blocks per row.
 CASES = [
     ([("Q4_K", 1)], 256, 1),
-    ([("Q4_K", 17)], 512, 7),
+    ([("Q4_K", 17)], 512, 5),
     ([("Q6_K", 40)], 768, 1),
     ([("Q6_K", 9)], 256, 4),
     ([("Q4_K", 20), ("Q6_K", 13)], 512, 1),
     ([("Q4_K", 16), ("Q4_K", 3), ("Q6_K", 8)], 256, 3),
     ([("Q6_K", 5), ("Q4_K", 30)], 768, 7),
     ([("Q4_K", 33), ("Q6_K", 31)], 256, 21),
+    ([("Q4_K", 2), ("Q6_K", 6), ("Q4_K", 7)], 512, 6),
+    ([("Q6_K", 1), ("Q4_K", 4), ("Q6_K", 3)], 768, 8),
+    ([("Q4_K", 9)], 256, 16),
+    ([("Q6_K", 10), ("Q4_K", 1)], 256, 17),
 ]
 
 
@@ -87,9 +93,10 @@ def test_kquant_matches_the_float64_product_of_the_gguf_weights(
     assert (err <= _tolerance(x, w)).all(), float(err.max())
 
 
+@pytest.mark.parametrize("rows", [5, 9])  # row by row, rows side by side
 @pytest.mark.parametrize("layout", [[("Q4_K", 48)], [("Q6_K", 48)]])
 def test_rounding_x_to_8_bits_costs_at_most_half_a_step_per_input(
-    variant: str, layout: list[tuple[str, int]]
+    variant: str, layout: list[tuple[str, int]], rows: int
 ) -> None:
     """Against the exact x, each output is off by at most sum_i |w_i| * d_block(i) / 2 (half of x's
     integer step in its block), and on random inputs the outputs' error is a fraction of a percent
@@ -97,12 +104,12 @@ def test_rounding_x_to_8_bits_costs_at_most_half_a_step_per_input(
     k = 1024
     segs = _segments(layout, k, seed=31, source="quantized")
     m, w = _pack(segs), _reference(segs)
-    x = torch.randn((5, k), generator=poisoned_io.gen(6))
+    x = torch.randn((rows, k), generator=poisoned_io.gen(6))
     x[1, :256] *= 1e-3  # blocks of very different sizes in one row
     x[2, 256:512] = 0.0  # and an all-zero block
     y = poisoned_io.run(m, x).double()
     exact = x.double() @ w.t()
-    step = (x.float().reshape(5, -1, 256).abs().amax(dim=2) / 127).double().repeat_interleave(256, dim=1)
+    step = (x.float().reshape(rows, -1, 256).abs().amax(dim=2) / 127).double().repeat_interleave(256, dim=1)
     bound = (step / 2) @ w.abs().t() + _tolerance(x, w)
     assert ((y - exact).abs() <= bound).all()
     rel = float((y - exact).norm() / exact.norm())
@@ -115,7 +122,7 @@ def test_a_nan_or_inf_input_makes_its_rows_outputs_nan_and_only_its(variant: str
     the row holding one gets NaN outputs; the other rows are computed as usual."""
     segs = _segments([("Q4_K", 6), ("Q6_K", 5)], 512, seed=12, source="quantized")
     m, w = _pack(segs), _reference(segs)
-    for rows in (1, 6):  # the one-row call and a four-row group
+    for rows in (1, 5, 11):  # the one-row call, a four-row group and its tail, rows side by side
         x = torch.randn((rows, 512), generator=poisoned_io.gen(rows))
         x[rows // 2, 300] = bad
         y = cpu_quant_linear.matmul(m, x).double()
@@ -162,6 +169,7 @@ def test_a_wrong_scale_sub_block_or_segment_is_caught() -> None:
     w = _reference(segs)
     x = torch.randn((1, k), generator=poisoned_io.gen(2))
     x4 = torch.randn((5, k), generator=poisoned_io.gen(3))
+    x9 = torch.randn((9, k), generator=poisoned_io.gen(4))  # rows side by side
 
     def q4k_scale_byte(raw: list[np.ndarray]) -> None:
         raw[0][2, 4 + 1] ^= 0x05  # a 6-bit sub-scale of row 2's first super-block
@@ -184,7 +192,7 @@ def test_a_wrong_scale_sub_block_or_segment_is_caught() -> None:
         mutate(raw)
         mutated = [(t, r) for (t, _), r in zip(segs, raw, strict=True)]
         m, w_mut = _pack(mutated), _reference(mutated)
-        for xs in (x, x4):
+        for xs in (x, x4, x9):
             y = cpu_quant_linear.matmul(m, xs).double()
             assert ((y - _kernel_reference(xs, w)).abs() > 100 * _tolerance(xs, w)).any(), mutate.__name__
             assert ((y - _kernel_reference(xs, w_mut)).abs() <= _tolerance(xs, w_mut)).all(), mutate.__name__
