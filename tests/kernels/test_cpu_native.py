@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu, cpu_native, reference
+from kernels import cpu, cpu_native, quant, reference
 from tests.kernels import cases
 from tests.kernels.cases import assert_close, generator, make_paged, poisoned_like, ragged_lens, randn
 
@@ -125,6 +125,68 @@ def test_long_contexts_with_sharp_scores_and_empty_rows() -> None:
     kernel_err = (got.double() - truth).abs().max().item()
     reference_err = (want.double() - truth).abs().max().item()
     assert kernel_err <= 2 * reference_err + 1e-6, (kernel_err, reference_err)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8])
+@pytest.mark.parametrize("lens", [[40], [300, 0], [17, 130, 1, 600], [64, 65]])
+def test_a_few_sequences_contexts_run_in_parts_and_merge(lens: list[int], kv_dtype: torch.dtype) -> None:
+    """Up to four sequences, each context of 4 blocks or more is cut into two runs of whole blocks
+    (here 3 blocks -> one run; 4, 5, 9, 19 and 38 -> two, the odd ones cut unevenly), each run
+    attended over its KV heads in one task or, with more threads than runs, in head groups, and
+    the runs merged by their log-sum-exps (csrc/paged_decode.c, decode_split). Sharp scores (most
+    terms of a run underflow, so a wrong merge weight shows) against float64: the kernel at most
+    twice as far from it as the torch reference; a row of length 0 comes back as zeros with
+    log-sum-exp -inf; the log-sum-exp a cascade merges with is the float64 one; and the cut
+    depends on the shapes only, so 1 to 4 threads give the same bits."""
+    scale = 0.125
+    if kv_dtype is torch.int8:
+        dense = make_paged(lens, 16, 3, 64, torch.float32, seed=len(lens))
+        kc = quant.pack(*quant.quantize(dense.key_cache, torch.int8))
+        vc = quant.pack(*quant.quantize(dense.value_cache, torch.int8))
+        case = cases.PagedCache(kc, vc, dense.block_tables, dense.seq_lens)
+        truth_case = cases.PagedCache(
+            quant.dequantize(kc), quant.dequantize(vc), dense.block_tables, dense.seq_lens
+        )
+    else:
+        case = truth_case = make_paged(lens, 16, 3, 64, torch.float32, seed=len(lens))
+    n = len(lens)
+    q = randn((n, 9, 64), torch.float32, generator(n)) * 20.0
+    tables, seq_lens = (
+        case.block_tables.to(torch.int32).contiguous(),
+        case.seq_lens.to(torch.int32).contiguous(),
+    )
+    lib = cpu_native.library()
+    assert lib is not None
+    fn = lib.pagedkv_decode_i8_lse if kv_dtype is torch.int8 else lib.pagedkv_decode_f32_lse
+    results = []
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3, 4):
+            torch.set_num_threads(threads)
+            out, lse = poisoned_like(q), torch.full((n, 9), float("nan"))
+            args = cpu_native._kernel_args(n, q, case.key_cache, tables, scale, out, generic_only=False)
+            cpu_native._launch(fn, args, q, case.key_cache, case.value_cache, tables, seq_lens, out, lse)
+            results.append((out, lse))
+    finally:
+        torch.set_num_threads(before)
+    for out, lse in results[1:]:
+        assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
+    got, lse = results[0]
+    truth = _fp64_attention(q, truth_case, scale)
+    want = reference.paged_decode_attention(
+        q, truth_case.key_cache, truth_case.value_cache, case.block_tables, case.seq_lens, scale
+    )
+    kernel_err = (got.double() - truth).abs().max().item()
+    reference_err = (want.double() - truth).abs().max().item()
+    assert kernel_err <= 2 * reference_err + 1e-6, (kernel_err, reference_err)
+    for s, length in enumerate(lens):
+        if length == 0:
+            assert torch.equal(got[s], torch.zeros_like(got[s])) and bool((lse[s] == -torch.inf).all())
+            continue
+        blocks = truth_case.block_tables[s, : -(-length // 16)].long()
+        k = truth_case.key_cache[blocks].reshape(-1, 3, 64)[:length].double()
+        scores = torch.einsum("hd,thd->ht", q[s].double(), k.repeat_interleave(3, 1))
+        assert torch.allclose(lse[s].double(), torch.logsumexp(scores * scale, 1), rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("layout", ["layers", "blocks_outer"])
