@@ -337,6 +337,7 @@ static int64_t context_parts(int64_t ctx, int64_t block_size) {
 
 static int decode_split(const DecodeArgs *a, const void *q, const void *k_cache, const void *v_cache,
                         const int32_t *block_tables, const int32_t *seq_lens, float *out, float *lse, int kind) {
+    if (a->num_seqs <= 0) return 0; /* no runs to share out (the callers return before, too) */
     const int64_t H = a->num_heads, HKV = a->num_kv_heads, D = a->head_dim, BS = a->block_size;
     const int threads = a->num_threads > 0 ? a->num_threads : 1;
     int64_t first[SPLIT_MAX_SEQS + 1], parts[SPLIT_MAX_SEQS], max_run = 1;
