@@ -4,7 +4,8 @@
  * so the Python path (kernels/cpu.py) first copies every sequence's blocks into gather buffers,
  * bucketed by length, which costs more than the attention itself at decode (a few hundred tokens
  * per sequence, one query each). Here each sequence is one task (its KV heads split over a few
- * tasks only when there are too few sequences for the threads): every query head is scored
+ * tasks only when there are too few sequences for the threads; one to four sequences with fp32
+ * outputs have their contexts cut in runs instead, decode_split): every query head is scored
  * against each cached key row where it lies, softmaxed, and the value rows summed, so every K/V
  * element is read once, block by block with all the task's heads together, and nothing is
  * copied or padded. Rows two blocks ahead are prefetched as the kernel goes.
