@@ -312,6 +312,29 @@ static int64_t heads_per_task(int64_t num_seqs, int64_t num_kv_heads, int thread
     return per < 1 ? 1 : per;
 }
 
+/* The calling thread's `per` floats of `work` (inside a parallel region). */
+static inline float *thread_work(float *work, int64_t per) {
+#ifdef _OPENMP
+    return work + per * omp_get_thread_num();
+#else
+    (void)per;
+    return work;
+#endif
+}
+
+/* Sequence s attends to nothing (length 0): zeros for query heads of KV heads [h0, h1), and a
+ * log-sum-exp of -inf (weight 0 in a merge). */
+static void no_keys(const DecodeArgs *a, void *out, float *lse, int64_t s, int64_t h0, int64_t h1, int bf16) {
+    const int64_t G = a->num_heads / a->num_kv_heads, D = a->head_dim;
+    for (int64_t h = h0; h < h1; h++)
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t o = s * a->o_seq_stride + (h * G + g) * a->o_head_stride;
+            if (bf16) memset((uint16_t *)out + o, 0, sizeof(uint16_t) * D);
+            else memset((float *)out + o, 0, sizeof(float) * D);
+            if (lse) lse[s * a->num_heads + h * G + g] = -INFINITY;
+        }
+}
+
 /* A few sequences (one user chatting) give too few tasks to share out: SmolLM2's 3 KV heads were 3
  * tasks for 2 threads, so the step took two heads' time, each thread reading its head's rows from
  * memory alone. Up to SPLIT_MAX_SEQS sequences, each sequence's context is cut instead into
@@ -372,24 +395,19 @@ static int decode_split(const DecodeArgs *a, const void *q, const void *k_cache,
         const int64_t c = r - first[s], p = parts[s], nb = (seq_lens[s] + BS - 1) / BS;
         const int64_t b0 = nb * c / p, b1 = nb * (c + 1) / p;
         const int64_t end = b1 * BS < seq_lens[s] ? b1 * BS : seq_lens[s];
-#ifdef _OPENMP
-        float *scores = work + per * omp_get_thread_num();
-#else
-        float *scores = work;
-#endif
+        float *scores = thread_work(work, per);
         float *qf = scores + hpt * G * max_run, *acc = qf + hpt * G * D;
         attend_any(&ac, (const char *)q + s * a->q_seq_stride * esz, k_cache, v_cache,
                    block_tables + s * a->bt_stride + b0, end - b0 * BS, run_out + r * H * D, scores, qf, acc,
                    run_lse + r * H, 0, h0, h1, kind);
     }
-    for (int64_t s = 0; s < a->num_seqs; s++)
+    for (int64_t s = 0; s < a->num_seqs; s++) {
+        if (seq_lens[s] <= 0) {
+            no_keys(a, out, lse, s, 0, HKV, 0);
+            continue;
+        }
         for (int64_t h = 0; h < H; h++) {
             float *o = out + s * a->o_seq_stride + h * a->o_head_stride;
-            if (seq_lens[s] <= 0) {
-                memset(o, 0, sizeof(float) * D);
-                if (lse) lse[s * H + h] = -INFINITY; /* no keys: weight 0 in a merge */
-                continue;
-            }
             float m = -INFINITY, sum = 0.0f, w[SPLIT_PARTS];
             for (int64_t c = 0; c < parts[s]; c++) m = fmaxf(m, run_lse[(first[s] + c) * H + h]);
             for (int64_t c = 0; c < parts[s]; c++) sum += w[c] = expf(run_lse[(first[s] + c) * H + h] - m);
@@ -401,6 +419,7 @@ static int decode_split(const DecodeArgs *a, const void *q, const void *k_cache,
             }
             if (lse) lse[s * H + h] = m + logf(sum);
         }
+    }
     free(work);
     return 0;
 }
@@ -432,23 +451,13 @@ static int decode(const DecodeArgs *a, const void *q, const void *k_cache, const
     for (int64_t task = 0; task < tasks; task++) {
         const int64_t s = order[task / groups].seq, h0 = (task % groups) * hpt;
         const int64_t h1 = h0 + hpt < HKV ? h0 + hpt : HKV;
-#ifdef _OPENMP
-        float *scores = work + per * omp_get_thread_num();
-#else
-        float *scores = work;
-#endif
+        float *scores = thread_work(work, per);
         float *qf = scores + hpt * G * max_ctx, *acc = qf + hpt * G * D;
         if (seq_lens[s] > 0) {
             attend_any(a, q, k_cache, v_cache, block_tables, seq_lens[s], out, scores, qf, acc, lse, s, h0, h1,
                        kind);
         } else {
-            for (int64_t h = h0; h < h1; h++)
-                for (int64_t g = 0; g < G; g++) {
-                    const int64_t o = s * a->o_seq_stride + (h * G + g) * a->o_head_stride;
-                    if (bf16) memset((uint16_t *)out + o, 0, sizeof(uint16_t) * D);
-                    else memset((float *)out + o, 0, sizeof(float) * D);
-                    if (lse) lse[s * a->num_heads + h * G + g] = -INFINITY;  /* no keys: weight 0 in a merge */
-                }
+            no_keys(a, out, lse, s, h0, h1, bf16);
         }
     }
     free(work);

@@ -747,13 +747,27 @@ static inline __attribute__((always_inline)) void q4k_dot_q8(int64_t blocks, con
     for (int r = 0; r < nr; r++) acc[r] = hsum(ys[r]) - hsum128(ms[r]);
 }
 
+/* Q6_K super-block b's 128 weights of half h as bytes 0..63 in input order: q[c] holds inputs
+ * 128h + 32c .. 128h + 32c + 31 (low 4 bits from ql, high 2 from qh). */
+static inline void q6k_half(const uint8_t *b, int h, __m256i q[4]) {
+    const __m256i low = _mm256_set1_epi8(15), pair = _mm256_set1_epi8(3);
+    const __m256i A = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
+    const __m256i B = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
+    const __m256i H = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+    q[0] = _mm256_or_si256(_mm256_and_si256(A, low), _mm256_slli_epi16(_mm256_and_si256(H, pair), 4));
+    q[1] = _mm256_or_si256(_mm256_and_si256(B, low), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 2), pair), 4));
+    q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A, 4), low),
+                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 4), pair), 4));
+    q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(B, 4), low),
+                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 6), pair), 4));
+}
+
 /* One Q6_K row times nr (1..4) quantized x rows: acc[r]. The 6-bit weights go in unsigned (0..63,
  * so the byte products cannot saturate) and the offset of 32 comes off in the integers, through
  * the group sums of x. */
 static inline __attribute__((always_inline)) void q6k_dot_q8(int64_t blocks, const uint8_t *w,
                                                              const KQ8Block *const xr[KQ_ROWS], int nr,
                                                              float acc[KQ_ROWS]) {
-    const __m256i low = _mm256_set1_epi8(15), pair = _mm256_set1_epi8(3);
     __m256 ys[KQ_ROWS];
     for (int r = 0; r < KQ_ROWS; r++) ys[r] = _mm256_setzero_ps();
     for (int64_t bi = 0; bi < blocks; bi++) {
@@ -766,16 +780,8 @@ static inline __attribute__((always_inline)) void q6k_dot_q8(int64_t blocks, con
             s[r] = _mm256_slli_epi32(_mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)xr[r][bi].sum16)), 5);
         for (int r = 0; r < nr; r++) s[r] = _mm256_sub_epi32(_mm256_setzero_si256(), s[r]);
         for (int h = 0; h < 2; h++) {
-            const __m256i A = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
-            const __m256i B = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
-            const __m256i H = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
             __m256i q[4];
-            q[0] = _mm256_or_si256(_mm256_and_si256(A, low), _mm256_slli_epi16(_mm256_and_si256(H, pair), 4));
-            q[1] = _mm256_or_si256(_mm256_and_si256(B, low), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 2), pair), 4));
-            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A, 4), low),
-                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 4), pair), 4));
-            q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(B, 4), low),
-                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 6), pair), 4));
+            q6k_half(b, h, q);
             for (int c = 0; c < 4; c++) {
                 const int g = 8 * h + 2 * c; /* bytes 0..15 are group g, 16..31 group g + 1 */
                 const __m256i scv = _mm256_set_m128i(_mm_set1_epi16(sc[g + 1]), _mm_set1_epi16(sc[g]));
@@ -919,7 +925,7 @@ static void kq8_transpose(int64_t m, int64_t blocks, const KQ8Block *xq, int64_t
 
 /* One weight row's super-blocks as bytes in input order (wq, 256 per block) and their scales. */
 static void kq_unpack_row(int32_t type, int64_t blocks, const uint8_t *row, uint8_t *wq, KQMeta *meta) {
-    const __m256i low = _mm256_set1_epi8(15), pair = _mm256_set1_epi8(3);
+    const __m256i low = _mm256_set1_epi8(15);
     for (int64_t bi = 0; bi < blocks; bi++) {
         uint8_t *o = wq + bi * KQ_BLOCK;
         KQMeta *mt = meta + bi;
@@ -945,21 +951,9 @@ static void kq_unpack_row(int32_t type, int64_t blocks, const uint8_t *row, uint
             mt->dm = 0.0f;
             for (int g = 0; g < 16; g++) mt->sc[g] = sc[g];
             for (int h = 0; h < 2; h++) {
-                const __m256i A = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
-                const __m256i B = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
-                const __m256i H = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
-                uint8_t *oh = o + 128 * h;
-                _mm256_store_si256((__m256i *)oh,
-                                   _mm256_or_si256(_mm256_and_si256(A, low), _mm256_slli_epi16(_mm256_and_si256(H, pair), 4)));
-                _mm256_store_si256((__m256i *)(oh + 32),
-                                   _mm256_or_si256(_mm256_and_si256(B, low),
-                                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 2), pair), 4)));
-                _mm256_store_si256((__m256i *)(oh + 64),
-                                   _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A, 4), low),
-                                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 4), pair), 4)));
-                _mm256_store_si256((__m256i *)(oh + 96),
-                                   _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(B, 4), low),
-                                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 6), pair), 4)));
+                __m256i q[4];
+                q6k_half(b, h, q);
+                for (int c = 0; c < 4; c++) _mm256_store_si256((__m256i *)(o + 128 * h + 32 * c), q[c]);
             }
         }
     }
@@ -971,6 +965,18 @@ static inline __m256i kq_bcast4(const uint8_t *p) {
     return _mm256_set1_epi32(v);
 }
 
+/* Per lane r: sum over p < pairs of coef[2p] * x_r[2p] + coef[2p + 1] * x_r[2p + 1], xs[p] holding
+ * each row's pair of 16-bit sums (Q4_K's minimums against sum32, Q6_K's scales against sum16). */
+static inline __m256i kq_pair_dot(const int16_t *coef, const int32_t (*xs)[8], int pairs) {
+    __m256i s = _mm256_setzero_si256();
+    for (int p = 0; p < pairs; p++) {
+        int32_t c;
+        memcpy(&c, coef + 2 * p, 4);
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_set1_epi32(c), _mm256_load_si256((const __m256i *)xs[p])));
+    }
+    return s;
+}
+
 /* KQ_T_ROWS unpacked weight rows of one type times one KQ8T group of x: out[w][r]. */
 static inline __attribute__((always_inline)) void kq_tile(int32_t type, int64_t blocks, const uint8_t *wq,
                                                           const KQMeta *meta, const KQ8T *xt, __m256 ys[KQ_T_ROWS]) {
@@ -978,7 +984,7 @@ static inline __attribute__((always_inline)) void kq_tile(int32_t type, int64_t 
     for (int64_t bi = 0; bi < blocks; bi++) {
         const KQ8T *xb = xt + bi;
         __m256i acc[KQ_T_ROWS], off[KQ_T_ROWS];
-        for (int w = 0; w < KQ_T_ROWS; w++) acc[w] = off[w] = _mm256_setzero_si256();
+        for (int w = 0; w < KQ_T_ROWS; w++) acc[w] = _mm256_setzero_si256();
         if (type == KQ_Q4_K) {
             for (int s = 0; s < 8; s++) {
                 __m256i a16[KQ_T_ROWS];
@@ -996,14 +1002,7 @@ static inline __attribute__((always_inline)) void kq_tile(int32_t type, int64_t 
                 for (int w = 0; w < KQ_T_ROWS; w++)
                     acc[w] = _mm256_add_epi32(acc[w], _mm256_madd_epi16(a16[w], _mm256_set1_epi16(meta[w * blocks + bi].sc[s])));
             }
-            for (int p = 0; p < 4; p++) {
-                const __m256i xs = _mm256_load_si256((const __m256i *)xb->s32[p]);
-                for (int w = 0; w < KQ_T_ROWS; w++) {
-                    int32_t mp;
-                    memcpy(&mp, meta[w * blocks + bi].mn + 2 * p, 4);
-                    off[w] = _mm256_add_epi32(off[w], _mm256_madd_epi16(_mm256_set1_epi32(mp), xs));
-                }
-            }
+            for (int w = 0; w < KQ_T_ROWS; w++) off[w] = kq_pair_dot(meta[w * blocks + bi].mn, xb->s32, 4);
         } else {
             for (int h = 0; h < 32; h++) { /* 8 inputs (2 broadcasts) per half group */
                 __m256i a16[KQ_T_ROWS];
@@ -1015,15 +1014,10 @@ static inline __attribute__((always_inline)) void kq_tile(int32_t type, int64_t 
                     acc[w] = _mm256_add_epi32(acc[w], _mm256_madd_epi16(a16[w], _mm256_set1_epi16(meta[w * blocks + bi].sc[h / 2])));
                 }
             }
-            for (int p = 0; p < 8; p++) {
-                const __m256i xs = _mm256_load_si256((const __m256i *)xb->s16[p]);
-                for (int w = 0; w < KQ_T_ROWS; w++) {
-                    int32_t sp;
-                    memcpy(&sp, meta[w * blocks + bi].sc + 2 * p, 4);
-                    off[w] = _mm256_add_epi32(off[w], _mm256_madd_epi16(_mm256_set1_epi32(sp), xs));
-                }
+            for (int w = 0; w < KQ_T_ROWS; w++) {
+                off[w] = kq_pair_dot(meta[w * blocks + bi].sc, xb->s16, 8);
+                acc[w] = _mm256_sub_epi32(acc[w], _mm256_slli_epi32(off[w], 5));
             }
-            for (int w = 0; w < KQ_T_ROWS; w++) acc[w] = _mm256_sub_epi32(acc[w], _mm256_slli_epi32(off[w], 5));
         }
         const __m256 xd = _mm256_load_ps(xb->d);
         for (int w = 0; w < KQ_T_ROWS; w++) {
