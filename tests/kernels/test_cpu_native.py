@@ -133,11 +133,14 @@ def test_a_few_sequences_contexts_run_in_parts_and_merge(lens: list[int], kv_dty
     """Up to four sequences, each context of 4 blocks or more is cut into two runs of whole blocks
     (here 3 blocks -> one run; 4, 5, 9, 19 and 38 -> two, the odd ones cut unevenly), each run
     attended over its KV heads in one task or, with more threads than runs, in head groups, and
-    the runs merged by their log-sum-exps (csrc/paged_decode.c, decode_split). Sharp scores (most
-    terms of a run underflow, so a wrong merge weight shows) against float64: the kernel at most
-    twice as far from it as the torch reference; a row of length 0 comes back as zeros with
-    log-sum-exp -inf; the log-sum-exp a cascade merges with is the float64 one; and the cut
-    depends on the shapes only, so 1 to 4 threads give the same bits."""
+    the runs merged by their largest scores and sums (csrc/paged_decode.c, decode_split). Sharp
+    scores (most terms of a run underflow, so a wrong merge weight shows) against float64: the
+    split kernel no further from it than the same sequences unsplit (among empty ones past the
+    split's four sequences), so cutting a context costs no accuracy (the torch reference is no
+    yardstick here: its error on sharp scores ranges over 10x with the summation order of its
+    dot products, and the kernel's with the build's vector width); a row of length 0 comes back
+    as zeros with log-sum-exp -inf; the log-sum-exp a cascade merges with is the float64 one; and
+    the cut depends on the shapes only, so 1 to 4 threads give the same bits."""
     scale = 0.125
     if kv_dtype is torch.int8:
         dense = make_paged(lens, 16, 3, 64, torch.float32, seed=len(lens))
@@ -158,27 +161,34 @@ def test_a_few_sequences_contexts_run_in_parts_and_merge(lens: list[int], kv_dty
     lib = cpu_native.library()
     assert lib is not None
     fn = lib.pagedkv_decode_i8_lse if kv_dtype is torch.int8 else lib.pagedkv_decode_f32_lse
+
+    def run(q: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse = poisoned_like(q), torch.full((q.shape[0], 9), float("nan"))
+        args = cpu_native._kernel_args(q.shape[0], q, case.key_cache, tables, scale, out, generic_only=False)
+        cpu_native._launch(fn, args, q, case.key_cache, case.value_cache, tables, seq_lens, out, lse)
+        return out, lse
+
     results = []
     before = torch.get_num_threads()
     try:
         for threads in (1, 2, 3, 4):
             torch.set_num_threads(threads)
-            out, lse = poisoned_like(q), torch.full((n, 9), float("nan"))
-            args = cpu_native._kernel_args(n, q, case.key_cache, tables, scale, out, generic_only=False)
-            cpu_native._launch(fn, args, q, case.key_cache, case.value_cache, tables, seq_lens, out, lse)
-            results.append((out, lse))
+            results.append(run(q, tables, seq_lens))
+        pad = 5 - n  # empty sequences past the split's limit: the same rows, unsplit
+        unsplit, _ = run(
+            torch.cat([q, randn((pad, 9, 64), torch.float32, generator(99))]),
+            torch.cat([tables, torch.zeros((pad, tables.shape[1]), dtype=torch.int32)]),
+            torch.cat([seq_lens, torch.zeros(pad, dtype=torch.int32)]),
+        )
     finally:
         torch.set_num_threads(before)
     for out, lse in results[1:]:
         assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
     got, lse = results[0]
     truth = _fp64_attention(q, truth_case, scale)
-    want = reference.paged_decode_attention(
-        q, truth_case.key_cache, truth_case.value_cache, case.block_tables, case.seq_lens, scale
-    )
     kernel_err = (got.double() - truth).abs().max().item()
-    reference_err = (want.double() - truth).abs().max().item()
-    assert kernel_err <= 2 * reference_err + 1e-6, (kernel_err, reference_err)
+    unsplit_err = (unsplit[:n].double() - truth).abs().max().item()
+    assert kernel_err <= 1.5 * unsplit_err + 1e-6 and kernel_err < 1e-4, (kernel_err, unsplit_err)
     for s, length in enumerate(lens):
         if length == 0:
             assert torch.equal(got[s], torch.zeros_like(got[s])) and bool((lse[s] == -torch.inf).all())
