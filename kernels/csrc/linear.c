@@ -71,12 +71,16 @@ void pagedkv_linear_pack_f32(int64_t n, int64_t k, const float *w, int64_t w_str
  * shared maximum-size array it spilled the smaller tiles' accumulators to the stack: 1.5x slower). */
 #define DEFINE_TILE(ROWS)                                                                                 \
     static void tile_##ROWS(int64_t k, const float *restrict x, int64_t x_stride, const float *restrict panel, \
-                            const float *restrict bias, float *restrict y, int64_t y_stride, int cols) {      \
+                            const float *restrict bias, float *restrict y, int64_t y_stride, int cols,         \
+                            const char *pf, int64_t pf_lines) {                                              \
         vecw acc[ROWS][NV];                                                                                \
+        int64_t pf_due = 0;                                                                                \
         _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) {                                          \
             _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) acc[r][v] = (vecw){0};                  \
         }                                                                                                  \
         for (int64_t kk = 0; kk < k; kk++) {                                                               \
+            /* pf_lines lines of the next panel spread over the k steps (into L2: a panel outgrows L1) */ \
+            for (pf_due += pf_lines; pf_due >= k; pf_due -= k, pf += 64) __builtin_prefetch(pf, 0, 2);   \
             vecw w[NV];                                                                                    \
             _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) {                                        \
                 memcpy(&w[v], panel + kk * PANEL + v * VW, sizeof w[v]);                                   \
@@ -106,21 +110,29 @@ DEFINE_TILE(6)
 DEFINE_TILE(7)
 DEFINE_TILE(8)
 
-typedef void (*tile_fn)(int64_t, const float *, int64_t, const float *, const float *, float *, int64_t, int);
+typedef void (*tile_fn)(int64_t, const float *, int64_t, const float *, const float *, float *, int64_t, int,
+                        const char *, int64_t);
 static const tile_fn TILES[8 + 1] = {NULL, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6, tile_7, tile_8};
 
-/* m rows of x times one panel: tiles of TILE_ROWS rows, then one tile of the rest. */
+/* m rows of x times one panel: tiles of TILE_ROWS rows, then one tile of the rest. `next` (or NULL):
+ * the panel this thread takes next, prefetched into L2 a share per tile while the tiles compute. A
+ * panel (k x 128 bytes, 72 KiB at k = 576) comes from DRAM in the first tile that reads it, and from
+ * cache in the others: without the prefetch the first tile waits on memory and the others leave it
+ * idle, where with it the next panel arrives during this one's arithmetic. */
 static void rows_by_panel(int64_t m, int64_t k, const float *x, int64_t x_stride, const float *panel,
-                          const float *bias, float *y, int64_t y_stride, int cols) {
-    for (int64_t r0 = 0; r0 < m; r0 += TILE_ROWS) {
+                          const float *bias, float *y, int64_t y_stride, int cols, const float *next) {
+    const int64_t tiles = (m + TILE_ROWS - 1) / TILE_ROWS, lines = next ? k * PANEL * 4 / 64 : 0;
+    for (int64_t r0 = 0, t = 0; r0 < m; r0 += TILE_ROWS, t++) {
         const int64_t rows = m - r0 < TILE_ROWS ? m - r0 : TILE_ROWS;
-        TILES[rows](k, x + r0 * x_stride, x_stride, panel, bias, y + r0 * y_stride, y_stride, cols);
+        const int64_t l0 = lines * t / tiles, l1 = lines * (t + 1) / tiles;
+        TILES[rows](k, x + r0 * x_stride, x_stride, panel, bias, y + r0 * y_stride, y_stride, cols,
+                    next ? (const char *)next + l0 * 64 : NULL, l1 - l0);
     }
 }
 
 void pagedkv_linear_panel(int64_t m, int64_t k, const float *x, int64_t x_stride, const float *panel,
                           const float *bias, float *y, int64_t y_stride, int cols) {
-    rows_by_panel(m, k, x, x_stride, panel, bias, y, y_stride, cols);
+    rows_by_panel(m, k, x, x_stride, panel, bias, y, y_stride, cols, NULL);
 }
 
 void pagedkv_linear_f32(int64_t m, int64_t n, int64_t k, const float *x, int64_t x_stride, const float *packed,
@@ -132,7 +144,10 @@ void pagedkv_linear_f32(int64_t m, int64_t n, int64_t k, const float *x, int64_t
         const int64_t p = item / blocks, b = item % blocks;
         const int64_t r0 = b * BLOCK_ROWS, rows = m - r0 < BLOCK_ROWS ? m - r0 : BLOCK_ROWS;
         const int cols = (int)(n - p * PANEL < PANEL ? n - p * PANEL : PANEL);
+        /* the next item's panel when it is another one (the last item's "next" is past this
+         * thread's range or the matrix: a prefetch never faults, and the pointer is not read) */
+        const float *next = b == blocks - 1 && p + 1 < panels ? packed + (p + 1) * k * PANEL : NULL;
         rows_by_panel(rows, k, x + r0 * x_stride, x_stride, packed + p * k * PANEL, bias ? bias + p * PANEL : NULL,
-                      y + r0 * y_stride + p * PANEL, y_stride, cols);
+                      y + r0 * y_stride + p * PANEL, y_stride, cols, next);
     }
 }
