@@ -445,6 +445,11 @@ static int q8_many_rows(int64_t m, int64_t n, int64_t k, const float *x, int64_t
 #endif
                 for (; kk < k; kk++) out[kk] = (float)wr[kk];
             }
+            if (b + 1 < blocks) { /* the next block's rows arrive while these meet every row of x */
+                const char *next = (const char *)(qweight + (n0 + WIDE_ROWS) * w_stride);
+                const int64_t bytes = (n - n0 - WIDE_ROWS < WIDE_ROWS ? n - n0 - WIDE_ROWS : WIDE_ROWS) * w_stride;
+                for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(next + i, 0, 2);
+            }
             for (int64_t r = 0; r < m; r += 3) {
                 const int xr = (int)(m - r < 3 ? m - r : 3);
                 q8_wide_tile(k, x + r * x_stride, x_stride, xr, wf, k8, rows, scale + n0, y + r * y_stride + n0,
@@ -1072,6 +1077,13 @@ static int kq_many_rows(int64_t m, int64_t n, const KQMatrix *mat, const KQ8Bloc
             for (int w = 0; w < KQ_T_ROWS; w++) {
                 const uint8_t *row = kq_row(mat, j0 + (w < nr ? w : nr - 1), &type);
                 kq_unpack_row(type, blocks, row, wq + w * blocks * KQ_BLOCK, meta + w * blocks);
+            }
+            /* the next tile's rows (they start where this tile's end, in this segment or the next)
+             * arrive while these meet every row of x */
+            for (int w = 0; w < KQ_T_ROWS && j0 + nr + w < n; w++) {
+                int32_t next_type = 0;
+                const uint8_t *row = kq_row(mat, j0 + nr + w, &next_type);
+                for (int64_t i = 0; i < blocks * kq_block_bytes(next_type); i += 64) __builtin_prefetch(row + i, 0, 2);
             }
             for (int64_t g = 0; g < groups; g++) {
                 __m256 ys[KQ_T_ROWS];
