@@ -162,7 +162,9 @@ def test_a_few_sequences_contexts_run_in_parts_and_merge(lens: list[int], kv_dty
     assert lib is not None
     fn = lib.pagedkv_decode_i8_lse if kv_dtype is torch.int8 else lib.pagedkv_decode_f32_lse
 
-    def run(q: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(
+        q: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         out, lse = poisoned_like(q), torch.full((q.shape[0], 9), float("nan"))
         args = cpu_native._kernel_args(q.shape[0], q, case.key_cache, tables, scale, out, generic_only=False)
         cpu_native._launch(fn, args, q, case.key_cache, case.value_cache, tables, seq_lens, out, lse)
