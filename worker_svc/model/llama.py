@@ -255,15 +255,17 @@ class LlamaModel:
                     paths.append(lin.path)
         return "+".join(paths)
 
-    @property
-    def weight_bytes(self) -> int:
-        """Bytes of the weights the model computes with (each tensor once; a tied head is the
-        embedding). Private packed copies (the native fp32 panels, oneDNN's) are not counted."""
-        seen: dict[int, int] = {}
+    def weight_tensors(self) -> list[torch.Tensor]:
+        """The weights the model computes with, each tensor once (a tied head is the embedding), in
+        the order a decode step reads them: the embedding (its one row a token; listed last when the
+        output layer is the same matrix), each layer's norms and matrices, the last norm, the output
+        layer. Private packed copies (the native fp32 panels, oneDNN's) are not listed.
+        ``bench/decode_floor.py`` reads them in this order as a step's plain weight read."""
+        seen: dict[int, torch.Tensor] = {}
 
         def add(t: torch.Tensor | None) -> None:
             if t is not None:
-                seen[t.data_ptr()] = t.numel() * t.element_size()
+                seen.setdefault(t.data_ptr(), t)
 
         def add_matrix(m: torch.Tensor | QuantizedMatrix) -> None:
             if isinstance(m, QuantizedMatrix):
@@ -272,16 +274,31 @@ class LlamaModel:
             else:
                 add(m)
 
-        add_matrix(self.embed)
-        add(self.norm)
-        add_matrix(self.lm_head.quantized if self.lm_head.quantized is not None else self.lm_head.weight)
+        def add_linear(lin: Linear) -> None:
+            add_matrix(lin.quantized if lin.quantized is not None else lin.weight)
+            add(lin.bias)
+
+        head = self.lm_head.quantized if self.lm_head.quantized is not None else self.lm_head.weight
+        embed = self.embed.qweight if isinstance(self.embed, QuantizedMatrix) else self.embed
+        if embed.data_ptr() != (head.qweight if isinstance(head, QuantizedMatrix) else head).data_ptr():
+            add_matrix(self.embed)
         for layer in self.layers:
-            for t in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm):
-                add(t)
-            for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
-                add_matrix(lin.quantized if lin.quantized is not None else lin.weight)
-                add(lin.bias)
-        return sum(seen.values())
+            add(layer.input_norm)
+            add_linear(layer.qkv)
+            add(layer.q_norm)
+            add(layer.k_norm)
+            add_linear(layer.o)
+            add(layer.post_norm)
+            add_linear(layer.gate_up)
+            add_linear(layer.down)
+        add(self.norm)
+        add_linear(self.lm_head)
+        return list(seen.values())
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of ``weight_tensors()``: the weights the model computes with, each tensor once."""
+        return sum(t.numel() * t.element_size() for t in self.weight_tensors())
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, batch: AttentionBatch, kv_cache: torch.Tensor) -> torch.Tensor:
