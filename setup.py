@@ -28,6 +28,7 @@ SOURCES = [
     "kernels/csrc/linear.c",
     "kernels/csrc/quant_linear.c",
     "kernels/csrc/decode_layers.c",
+    "kernels/csrc/read_spans.c",
     "kernels/csrc/cpu_features.c",
 ]
 DEPENDS = [

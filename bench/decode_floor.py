@@ -10,6 +10,13 @@ threads). Then, in one process and alternating round by round (this VM's speed d
   again with PyTorch's weight-packed int4 / int8 operators where it has one: K-quant matrices stay
   on the native kernel there, PyTorch has no K-quant operator) runs one sequence, a short prompt, then
   ``--tokens`` decode steps per round through the product's model runner (median step);
+- **plain read**: after each model's steps, its weight tensors (the bytes the floor counts) read
+  ``--reps`` times with no arithmetic, tensor after tensor in a decode step's order, each split
+  over the same threads, in one native call (``cpu_native.read_spans``; median). It is what
+  streaming exactly the step's weights costs, a host's cache included: a model smaller than the
+  last-level cache reads faster than the floor, one larger reads at about its rate. "/ plain read"
+  is then the step against its own weights' streaming: the kernels' arithmetic slowing the
+  stream, and the work between matrices (attention, norms, the runner, sampling);
 - **linear layers**: every matrix of a kind once at ``--rows`` rows (median pass), per kernel:
   the fp32 native kernel on the dense model's matrices, the native int4 kernel and PyTorch's int4
   operator on the file's int4 layers, the native int8 kernel and PyTorch's int8 operator on its
@@ -32,7 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels import cpu_quant_linear
+from kernels import cpu_native, cpu_quant_linear
 from kernels.quant_linear import QuantizedLinear, QuantizedMatrix
 from worker_svc.model.config import load_model_config
 from worker_svc.model.linear import Linear
@@ -99,6 +106,7 @@ class Decoder:
     seq_len: int = PROMPT_LEN
     token: int = 0
     times: list[float] = field(default_factory=list)
+    reads: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         cfg = self.model.cfg
@@ -119,6 +127,16 @@ class Decoder:
             self.seq_len += 1
             out.append(self.token)
         return out
+
+    def plain_reads(self, reps: int, threads: int) -> None:
+        """Read the model's weight tensors ``reps`` times with no arithmetic, in a step's order, in
+        one native call each (``cpu_native.read_spans``): the time the step's weights take to
+        stream, the same bytes the floor counts, read as the step reads them."""
+        tensors = self.model.weight_tensors()
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            cpu_native.read_spans(tensors, threads)
+            self.reads.append(time.perf_counter() - t0)
 
 
 @dataclass(slots=True)
@@ -225,6 +243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for _ in range(args.rounds):
         for d in decoders:
             tokens[id(d)] += d.steps(args.tokens)
+            d.plain_reads(args.reps, args.threads)
         for rows in args.rows:
             for _ in range(args.reps):
                 for lp in passes[rows]:
@@ -235,14 +254,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{args.rounds} rounds, alternating"
     )
     print()
-    print("| weights | linear path | resident MB | floor ms | decode ms/token | / floor | weight GB/s |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print(
+        "| weights | linear path | resident MB | floor ms | plain read ms | decode ms/token | / floor "
+        "| / plain read | weight GB/s |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for d in decoders:
         floor = d.model.weight_bytes / bw * 1e3
         step = statistics.median(d.times) * 1e3
+        read = statistics.median(d.reads) * 1e3
         print(
             f"| {d.label} | {d.model.linear_path} | {d.model.weight_bytes / 1e6:.2f} | {floor:.3f} | "
-            f"{step:.2f} | {step / floor:.2f}x | {d.model.weight_bytes / step / 1e6:.2f} |"
+            f"{read:.3f} | {step:.2f} | {step / floor:.2f}x | {step / read:.2f}x | "
+            f"{d.model.weight_bytes / step / 1e6:.2f} |"
         )
     quantized = [tokens[id(d)] for d in decoders if d.model.linear_path != "native"]
     if len(quantized) > 1:

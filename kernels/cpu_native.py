@@ -212,9 +212,11 @@ def _load() -> tuple[ctypes.CDLL, str]:
         "pagedkv_decode_layers_f32": [ptr, ptr, ptr, ptr],
         # Row-wise log-sum-exp, with each row's argmax when asked (csrc/logsumexp.c).
         "pagedkv_logsumexp_argmax_f32": [ptr, i64, i64, i64, ptr, ptr, cint],
+        # A plain read of memory spans (csrc/read_spans.c, bench/decode_floor.py).
+        "pagedkv_read_spans": [i64, ptr, ptr, cint],
     }
     # What the functions return (the rest return nothing): a size, or a status / flag.
-    results = {"pagedkv_linear_packed_numel": ctypes.c_int64} | {
+    results = {"pagedkv_linear_packed_numel": ctypes.c_int64, "pagedkv_read_spans": ctypes.c_uint64} | {
         name: ctypes.c_int
         for name in functions
         if name
@@ -828,3 +830,19 @@ def logsumexp_argmax_rows(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
         return None
     lse, idx = torch.ops.pagedkv.logsumexp_argmax_rows(logits)  # torch.ops is untyped
     return lse, idx
+
+
+def read_spans(tensors: Sequence[torch.Tensor], num_threads: int) -> int:
+    """Read every byte of ``tensors`` (CPU, contiguous), in order, each split over ``num_threads``
+    threads, with no arithmetic but a wrapping sum of 64-bit words (plus tail bytes), returned so the
+    reads happen (``csrc/read_spans.c``). For benchmarks: the time a decode step's weight tensors
+    take to stream (``bench/decode_floor.py``). RuntimeError without the library; ValueError for a
+    tensor the kernel cannot read."""
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError(f"tensors[{i}] must be a contiguous CPU tensor")
+    lib = _required_library()
+    n = len(tensors)
+    ptrs = (ctypes.c_void_p * max(n, 1))(*(t.data_ptr() for t in tensors))
+    sizes = (ctypes.c_int64 * max(n, 1))(*(t.numel() * t.element_size() for t in tensors))
+    return int(lib.pagedkv_read_spans(n, ptrs, sizes, num_threads))

@@ -310,3 +310,34 @@ def test_switched_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> Non
     assert cpu_native.library() is None
     case = make_paged([40], 16, 2, 64, torch.float32, seed=5)
     assert cpu.plan_decode(case.block_tables, case.seq_lens, 16).native_tables is None
+
+
+def _word_sum(tensors: list[torch.Tensor]) -> int:
+    """read_spans' checksum written out: each tensor's bytes as little-endian 64-bit words plus its
+    tail bytes, all summed modulo 2**64."""
+    total = 0
+    for t in tensors:
+        b = bytes(t.reshape(-1).view(torch.uint8).numpy())
+        words = len(b) // 8
+        total += sum(int.from_bytes(b[8 * i : 8 * i + 8], "little") for i in range(words))
+        total += sum(b[8 * words :])
+    return total % 2**64
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_read_spans_reads_every_byte_of_each_span(threads: int) -> None:
+    """Odd sizes (tails of 1-7 bytes), a span past the serial threshold, fp32 and int8 tensors and an
+    unaligned view: the checksum is the words and tails of every byte, so a skipped or repeated
+    byte (a thread's share, a tail) changes it."""
+    gen = generator(5)
+    sizes = (1, 7, 8, 9, 4099, 70_001 * 8 + 3)
+    tensors = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen) for n in sizes]
+    tensors.append(randn((333, 17), torch.float32, gen))
+    tensors.append(torch.randint(-128, 128, (1000,), dtype=torch.int8, generator=gen)[3:])  # unaligned view
+    assert cpu_native.read_spans(tensors, threads) == _word_sum(tensors)
+    assert cpu_native.read_spans([], threads) == 0
+
+
+def test_read_spans_refuses_what_it_cannot_read() -> None:
+    with pytest.raises(ValueError, match=r"tensors\[1\] must be a contiguous CPU tensor"):
+        cpu_native.read_spans([torch.zeros(4), torch.zeros(4, 4).t()], 2)
