@@ -12,11 +12,14 @@ threads). Then, in one process and alternating round by round (this VM's speed d
   ``--tokens`` decode steps per round through the product's model runner (median step);
 - **plain read**: after each model's steps, its weight tensors (the bytes the floor counts) read
   ``--reps`` times with no arithmetic, tensor after tensor in a decode step's order, each split
-  over the same threads, in one native call (``cpu_native.read_spans``; median). It is what
-  streaming exactly the step's weights costs, a host's cache included: a model smaller than the
-  last-level cache reads faster than the floor, one larger reads at about its rate. "/ plain read"
-  is then the step against its own weights' streaming: the kernels' arithmetic slowing the
-  stream, and the work between matrices (attention, norms, the runner, sampling);
+  over the same threads, in one native call (``cpu_native.read_spans``; median): what streaming
+  exactly the step's weights costs, as the step reads them. Beside it, the same bytes copied once
+  into one buffer and read as one span: against the floor, what the host's cache gives a model of
+  this size (one smaller than the last-level cache reads faster than the floor); against the
+  tensor-by-tensor read, what reading ~120 separate matrices (two arrays each when quantized)
+  costs over one stream. "/ plain read" is the step against its weights' tensor-by-tensor read:
+  the kernels' arithmetic slowing the stream, and the work between the matrices (attention,
+  norms, the runner, sampling);
 - **linear layers**: every matrix of a kind once at ``--rows`` rows (median pass), per kernel:
   the fp32 native kernel on the dense model's matrices, the native int4 kernel and PyTorch's int4
   operator on the file's int4 layers, the native int8 kernel and PyTorch's int8 operator on its
@@ -107,6 +110,7 @@ class Decoder:
     token: int = 0
     times: list[float] = field(default_factory=list)
     reads: list[float] = field(default_factory=list)
+    flat_reads: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         cfg = self.model.cfg
@@ -128,15 +132,28 @@ class Decoder:
             out.append(self.token)
         return out
 
-    def plain_reads(self, reps: int, threads: int) -> None:
+    def plain_reads(self, reps: int, threads: int, flat: torch.Tensor) -> None:
         """Read the model's weight tensors ``reps`` times with no arithmetic, in a step's order, in
         one native call each (``cpu_native.read_spans``): the time the step's weights take to
-        stream, the same bytes the floor counts, read as the step reads them."""
+        stream, the same bytes the floor counts, read as the step reads them; then the same bytes
+        copied into one buffer (``flat``), read as one span the same number of times."""
         tensors = self.model.weight_tensors()
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            cpu_native.read_spans(tensors, threads)
-            self.reads.append(time.perf_counter() - t0)
+        for spans, times in (([flat], self.flat_reads), (tensors, self.reads)):
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                cpu_native.read_spans(spans, threads)
+                times.append(time.perf_counter() - t0)
+
+
+def weights_key(model: LlamaModel) -> int:
+    """Which weights a model holds: its first tensor's address (the per-call and torch-op copies of a
+    model hold the same tensors)."""
+    return model.weight_tensors()[0].data_ptr()
+
+
+def flat_copy(model: LlamaModel) -> torch.Tensor:
+    """The bytes of ``model.weight_tensors()`` one after another in one new buffer."""
+    return torch.cat([t.reshape(-1).view(torch.uint8) for t in model.weight_tensors()])
 
 
 @dataclass(slots=True)
@@ -238,12 +255,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 Decoder("the file's own quantization", with_torch_ops(models["file"]), max_tokens)
             )
     passes = {rows: linear_passes(models.get("dense"), models.get("file"), rows) for rows in args.rows}
+    flats: dict[int, torch.Tensor] = {}  # one flat copy per set of weights (the model copies share theirs)
+    for d in decoders:
+        flats.setdefault(weights_key(d.model), flat_copy(d.model))
     bw = read_bandwidth(args.reps)
     tokens: dict[int, list[int]] = {id(d): [] for d in decoders}
     for _ in range(args.rounds):
         for d in decoders:
             tokens[id(d)] += d.steps(args.tokens)
-            d.plain_reads(args.reps, args.threads)
+            d.plain_reads(args.reps, args.threads, flats[weights_key(d.model)])
         for rows in args.rows:
             for _ in range(args.reps):
                 for lp in passes[rows]:
@@ -255,17 +275,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print()
     print(
-        "| weights | linear path | resident MB | floor ms | plain read ms | decode ms/token | / floor "
-        "| / plain read | weight GB/s |"
+        "| weights | linear path | resident MB | floor ms | plain read, one buffer ms "
+        "| plain read, tensor by tensor ms | decode ms/token | / floor | / plain read | weight GB/s |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for d in decoders:
         floor = d.model.weight_bytes / bw * 1e3
         step = statistics.median(d.times) * 1e3
         read = statistics.median(d.reads) * 1e3
+        flat = statistics.median(d.flat_reads) * 1e3
         print(
             f"| {d.label} | {d.model.linear_path} | {d.model.weight_bytes / 1e6:.2f} | {floor:.3f} | "
-            f"{read:.3f} | {step:.2f} | {step / floor:.2f}x | {step / read:.2f}x | "
+            f"{flat:.3f} | {read:.3f} | {step:.2f} | {step / floor:.2f}x | {step / read:.2f}x | "
             f"{d.model.weight_bytes / step / 1e6:.2f} |"
         )
     quantized = [tokens[id(d)] for d in decoders if d.model.linear_path != "native"]

@@ -48,12 +48,12 @@ def test_decode_floor_quick(tmp_path: pathlib.Path) -> None:
         "the file's own quantization",
         "the file's own quantization, per-call layers",
     ]
-    for _, _, mb, floor_ms, read_ms, step_ms, ratio, read_ratio, gbs in steps:
+    for _, _, mb, floor_ms, flat_ms, read_ms, step_ms, ratio, read_ratio, gbs in steps:
         assert abs(float(floor_ms) - float(mb) / bw) <= 0.01 + 0.06 * float(floor_ms)  # MB / (GB/s) = ms
         assert abs(float(ratio.rstrip("x")) - float(step_ms) / float(floor_ms)) <= 0.01 + 0.06 * float(
             ratio[:-1]
         )
-        assert float(read_ms) > 0
+        assert float(read_ms) > 0 and float(flat_ms) > 0
         assert abs(float(read_ratio.rstrip("x")) - float(step_ms) / float(read_ms)) <= 0.01 + 0.06 * float(
             read_ratio[:-1]
         )
