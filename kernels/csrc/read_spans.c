@@ -5,8 +5,9 @@
  * Why a kernel of its own: the weight-read floor divides the weight bytes by the rate a sum over a
  * large buffer reads, but a decode step reads about 120 separate tensors of a few hundred KiB, one
  * after another, and a host's last-level cache may hold part of a small model between steps. This
- * reads exactly those tensors, in the step's order, through the same OpenMP threads and static
- * split as the kernels, so "step / plain read" is the part of the step that is not reading weights.
+ * reads exactly those tensors, in the step's order, each split statically over the same OpenMP
+ * threads as the kernels split theirs, so "step / plain read" says how much more than streaming its
+ * own weights a step costs (the kernels' arithmetic, and the work between the matrices).
  *
  * The sum is of 64-bit words (wrapping) plus any tail bytes, returned so that the reads cannot be
  * elided; it is a checksum a test can recompute, not a meaningful value. No software prefetch:
