@@ -278,9 +278,7 @@ class LlamaModel:
             add_matrix(lin.quantized if lin.quantized is not None else lin.weight)
             add(lin.bias)
 
-        head = self.lm_head.quantized if self.lm_head.quantized is not None else self.lm_head.weight
-        embed = self.embed.qweight if isinstance(self.embed, QuantizedMatrix) else self.embed
-        if embed.data_ptr() != (head.qweight if isinstance(head, QuantizedMatrix) else head).data_ptr():
+        if not self.cfg.tie_word_embeddings:  # a tied head is the embedding: read (all of it) last
             add_matrix(self.embed)
         for layer in self.layers:
             add(layer.input_norm)
