@@ -43,10 +43,38 @@ GROUP, PANEL, CHUNK = 32, 16, 256  # kernels/quant_linear.py's int4 layout (csrc
 KQ_BLOCK, KQ_BLOCK_BYTES = 256, {12: 144, 14: 210}  # kquant: GGML type id -> bytes per super-block
 
 
+@dataclass(slots=True, frozen=True)
+class InputRounding:
+    """How a native integer kernel rounds x before its integer products (csrc/quant_linear.c says
+    why): each ``block`` inputs of a row to q * d, with d = max|x| / ``top`` and q = x * (top /
+    max|x|) rounded to nearest-even in fp32. The product it computes is W times x so rounded."""
+
+    block: int
+    top: int
+
+
+# int4: 16-bit x per group of 32 (an error of at most 1/65534 of the group's largest |x| per
+# input); K-quant blocks: 8-bit x per super-block, as llama.cpp's own K-quant products. int8 rows
+# multiply x as it is.
+INPUT_ROUNDING = {"int4": InputRounding(GROUP, 32767), "kquant": InputRounding(KQ_BLOCK, 127)}
+
+
 def simd() -> bool:
     """Whether the loaded variant runs the AVX2 + FMA code (else the plain C loops)."""
     lib = cpu_native.library()
     return lib is not None and bool(lib.pagedkv_quant_linear_simd())
+
+
+def int4_word_products(enable: bool | None = None) -> bool:
+    """Whether int4 products of 1-7 rows of x run as 16-bit integer multiply-adds (AVX-512 VNNI and
+    VBMI, asked of the CPU at run time; csrc/quant_linear.c) rather than fp32 ones on the same
+    rounded x. On by default where the CPU has them; ``enable`` turns them on or off for this
+    process (tests and benchmarks compare the two), None only asks. False without the native
+    library."""
+    lib = cpu_native.library()
+    if lib is None:
+        return False
+    return bool(lib.pagedkv_q4_vnni(-1 if enable is None else int(enable)))
 
 
 def check_matrix(m: QuantizedMatrix) -> None:

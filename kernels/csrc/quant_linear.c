@@ -92,6 +92,73 @@ static inline float *thread_scratch(float *scratch, int64_t floats) {
 #endif
 }
 
+/* ---- x rounded to 16 bits per int4 group --------------------------------------------------------
+ *
+ * The int4 product multiplies x as x^: each Q4_GROUP inputs of a row rounded to q * d, with
+ * d = max|x| / 32767 and q = x * (32767 / max|x|) rounded to nearest-even (an all-zero group stays
+ * zero), an error of at most 1/65534 of the group's largest |x| per input. Why: with x in 16-bit
+ * integers a one-row product is word multiply-adds (q4_words_panel: 128 weights in four
+ * instructions) where fp32 widens every nibble to a float (16 a step), which left the one-row
+ * kernel compute-bound at about the memory's rate (21 GB/s with its weights already in cache, 2
+ * threads of the AVX-512 host). 16 bits and not the K-quant kernel's 8: 8-bit x cost SmolLM2's
+ * Q4_1 file 1.1% of perplexity and changed its answers (docs/kernels.md). Every path of
+ * pagedkv_q4_linear (the word products, the fp32 row tiles, the dequantized panels of many rows,
+ * the plain C loops) multiplies the same x^, so a row's result does not depend on which path its
+ * batch took, beyond fp32 rounding. A NaN or infinity in a group makes its d NaN, and so every
+ * output of its row, as an fp32 product's would be. */
+#define Q4_XTOP 32767.0f
+
+static float q4_round_group(const float *x, int16_t *q) {
+    float amax = 0.0f, bad = 0.0f; /* bad: 0, or NaN when an input is NaN or infinite (x * 0) */
+#if Q_SIMD
+    __m256 mx = _mm256_setzero_ps(), nf = _mm256_setzero_ps();
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int i = 0; i < Q4_GROUP; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v));
+        nf = _mm256_add_ps(nf, _mm256_mul_ps(v, _mm256_setzero_ps()));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    __m128 n4 = _mm_add_ps(_mm256_castps256_ps128(nf), _mm256_extractf128_ps(nf, 1));
+    n4 = _mm_add_ps(n4, _mm_movehl_ps(n4, n4));
+    bad = _mm_cvtss_f32(_mm_add_ss(n4, _mm_movehdup_ps(n4)));
+#else
+    for (int i = 0; i < Q4_GROUP; i++) {
+        const float a = x[i] < 0 ? -x[i] : x[i];
+        if (a > amax) amax = a;
+        bad += x[i] * 0.0f;
+    }
+#endif
+    const float iscale = amax > 0.0f && bad == 0.0f ? Q4_XTOP / amax : 0.0f;
+#if Q_SIMD
+    const __m256 is = _mm256_set1_ps(iscale);
+    for (int i = 0; i < Q4_GROUP; i += 16) {
+        const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i), is));
+        const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8), is));
+        /* packs works within 128-bit halves: a0-3 b0-3 a4-7 b4-7, put back in order */
+        const __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
+        _mm256_storeu_si256((__m256i *)(q + i), w);
+    }
+#else
+    for (int i = 0; i < Q4_GROUP; i++) q[i] = (int16_t)lrintf(x[i] * iscale);
+#endif
+    return amax / Q4_XTOP + bad;
+}
+
+/* x^ of m rows as fp32 into xh (dense rows of groups * Q4_GROUP): what the fp32 paths multiply. */
+static void q4_round_rows(int64_t m, int64_t groups, const float *x, int64_t x_stride, float *xh) {
+    int16_t q[Q4_GROUP];
+    for (int64_t r = 0; r < m; r++) {
+        for (int64_t g = 0; g < groups; g++) {
+            const float d = q4_round_group(x + r * x_stride + g * Q4_GROUP, q);
+            float *out = xh + (r * groups + g) * Q4_GROUP;
+            for (int i = 0; i < Q4_GROUP; i++) out[i] = (float)q[i] * d;
+        }
+    }
+}
+
 /* ---- int4: rows x one panel (all groups) --------------------------------------------------------- */
 
 #if Q_SIMD
@@ -266,22 +333,157 @@ static void q4_rows_by_panel(int64_t m, int64_t groups, const float *x, int64_t 
 }
 #endif
 
+/* ---- int4 x 16-bit x: word multiply-adds (AVX-512 VNNI + VBMI, checked at run time) ---------------
+ *
+ * A group's 256 nibble bytes are four 64-byte vectors of 8 inputs x 8 bytes. One byte permute
+ * (vpermb) lays each vector out as 16 dwords, dword 8h + j holding inputs e = 4h..4h+3 of byte
+ * column j (row j in the low nibbles, row j + 8 in the high ones). Read as 16-bit words, a mask
+ * gives inputs e0 and e2 of row j in each dword, a shift by 8 and a mask e1 and e3, a shift by 4
+ * and a mask e0 and e2 of row j + 8, a shift by 12 e1 and e3: vpdpwssd multiplies each pair by the
+ * matching pair of rounded inputs and adds, 32 products an instruction into one int32 per row and
+ * half. Per group, the halves h = 0, 1 are added (16 sums, one per row), and the group's scales
+ * apply once: y += s * (d * sum(q x_q) - 8 * xsum) + z * xsum, xsum = d * sum(x_q) (the sum of the
+ * group's x^). A group's sums stay under 2^24 (15 * 32767 * 32), exact in the int32 lanes and in
+ * their conversion to fp32. */
+#if Q_SIMD && defined(__AVX512F__) && defined(__AVX512BW__) && (defined(__GNUC__) || defined(__clang__))
+#define Q4_WORDS 1
+#define Q4_WORDS_TARGET __attribute__((target("avx512f,avx512bw,avx512vnni,avx512vbmi")))
+#define Q4_XV (2 * Q4_CHUNK) /* bytes of rounded x a group takes in the word layout */
+
+static int q4_words_state = -1; /* -1: not asked yet; 0 off; 1 on */
+
+static int q4_words_supported(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi");
+}
+
+/* Row r of x in the layout q4_words_panel reads: per group and 8 inputs b, two vectors of 16
+ * dwords, dword 8h + j of the first holding rounded inputs (8b + 4h, 8b + 4h + 2) and of the second
+ * (8b + 4h + 1, 8b + 4h + 3) (the same for every j); then per group d and the sum of its x^. */
+static void q4_words_prepare(int64_t groups, const float *x, int16_t *xv, float *d, float *xsum) {
+    int16_t q[Q4_GROUP];
+    for (int64_t g = 0; g < groups; g++) {
+        d[g] = q4_round_group(x + g * Q4_GROUP, q);
+        int isum = 0;
+        for (int i = 0; i < Q4_GROUP; i++) isum += q[i];
+        xsum[g] = d[g] * (float)isum;
+        int16_t *out = xv + g * (Q4_XV / 2);
+        for (int b = 0; b < 4; b++) {
+            for (int t = 0; t < 16; t++) {
+                const int e = 8 * b + 4 * (t >> 3);
+                int16_t *first = out + 64 * b + 2 * t, *second = first + 32;
+                first[0] = q[e], first[1] = q[e + 2];
+                second[0] = q[e + 1], second[1] = q[e + 3];
+            }
+        }
+    }
+}
+
+Q4_WORDS_TARGET static void q4_words_panel(int64_t m, int64_t groups, const int16_t *xv, const float *d,
+                                           const float *xsum, const uint8_t *w, const float *sz, float *y,
+                                           int64_t y_stride, int cols) {
+    uint8_t order[64];
+    for (int p = 0; p < 64; p++) { /* destination byte 4t + e, t = 8h + j <- input 4h + e, column j */
+        const int t = p >> 2, e = p & 3;
+        order[p] = (uint8_t)((4 * (t >> 3) + e) * 8 + (t & 7));
+    }
+    const __m512i perm = _mm512_loadu_si512(order), low = _mm512_set1_epi16(15);
+    const __m512 eight = _mm512_set1_ps(8.0f);
+    for (int64_t r = 0; r < m; r++) {
+        const int16_t *xr = xv + r * groups * (Q4_XV / 2);
+        const float *dr = d + r * groups, *sr = xsum + r * groups;
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t g = 0; g < groups; g++) {
+            if (r == 0) q4_prefetch(w + g * Q4_CHUNK, sz + g * Q4_SCALES);
+            const uint8_t *c = w + g * Q4_CHUNK;
+            const int16_t *xg = xr + g * (Q4_XV / 2);
+            __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+            for (int b = 0; b < 4; b++) {
+                const __m512i v = _mm512_permutexvar_epi8(perm, _mm512_loadu_si512(c + 64 * b));
+                const __m512i x02 = _mm512_loadu_si512(xg + 64 * b), x13 = _mm512_loadu_si512(xg + 64 * b + 32);
+                lo = _mm512_dpwssd_epi32(lo, _mm512_and_si512(v, low), x02);
+                lo = _mm512_dpwssd_epi32(lo, _mm512_and_si512(_mm512_srli_epi16(v, 8), low), x13);
+                hi = _mm512_dpwssd_epi32(hi, _mm512_and_si512(_mm512_srli_epi16(v, 4), low), x02);
+                hi = _mm512_dpwssd_epi32(hi, _mm512_srli_epi16(v, 12), x13);
+            }
+            const __m512i isum = _mm512_add_epi32(_mm512_shuffle_i64x2(lo, hi, 0x44), _mm512_shuffle_i64x2(lo, hi, 0xEE));
+            const __m512 xs = _mm512_set1_ps(sr[g]);
+            const __m512 t = _mm512_fmsub_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(dr[g]), _mm512_mul_ps(eight, xs));
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(sz + g * Q4_SCALES), t, acc);
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(sz + g * Q4_SCALES + Q4_PANEL), xs, acc);
+        }
+        _mm512_mask_storeu_ps(y + r * y_stride, (__mmask16)((1u << cols) - 1u), acc);
+    }
+}
+
+static int q4_words_rows(int64_t m, int64_t n, int64_t groups, const float *x, int64_t x_stride,
+                         const uint8_t *qweight, const float *qscale, float *y, int64_t y_stride, int num_threads) {
+    const int64_t panels = (n + Q4_PANEL - 1) / Q4_PANEL, k = groups * Q4_GROUP;
+    int16_t *xv = aligned_alloc(64, (size_t)(m * groups * Q4_XV));
+    float *d = malloc((size_t)(2 * m * groups) * sizeof(float));
+    if (!xv || !d) {
+        free(xv);
+        free(d);
+        return -1;
+    }
+    for (int64_t r = 0; r < m; r++)
+        q4_words_prepare(groups, x + r * x_stride, xv + r * groups * (Q4_XV / 2), d + r * groups,
+                         d + (m + r) * groups);
+    #pragma omp parallel for schedule(static) num_threads(num_threads) if (m * n * k >= PARALLEL_MIN_MACS)
+    for (int64_t p = 0; p < panels; p++) {
+        const int cols = (int)(n - p * Q4_PANEL < Q4_PANEL ? n - p * Q4_PANEL : Q4_PANEL);
+        q4_words_panel(m, groups, xv, d, d + m * groups, qweight + p * groups * Q4_CHUNK,
+                       qscale + p * groups * Q4_SCALES, y + p * Q4_PANEL, y_stride, cols);
+    }
+    free(xv);
+    free(d);
+    return 0;
+}
+#endif
+
+/* Whether one- to few-row int4 products take the word multiply-adds: want 0 turns them off, 1 on
+ * where the CPU has them, -1 only asks. Returns the state after (0 or 1; always 0 in a build
+ * without AVX-512). Tests and benchmarks compare the two paths in one process. */
+int pagedkv_q4_vnni(int want) {
+#ifdef Q4_WORDS
+    if (q4_words_state < 0 || want >= 0) q4_words_state = want != 0 && q4_words_supported();
+    return q4_words_state;
+#else
+    (void)want;
+    return 0;
+#endif
+}
+
 /* m rows x the int4 matrix (n outputs of n_pad = 16 * panels, k = 32 * groups inputs). */
 int pagedkv_q4_linear(int64_t m, int64_t n, int64_t k, const float *x, int64_t x_stride, const uint8_t *qweight,
                              const float *qscale, float *y, int64_t y_stride, int num_threads) {
     const int64_t groups = k / Q4_GROUP, panels = (n + Q4_PANEL - 1) / Q4_PANEL;
     int64_t first = 0; /* panels done by q4_many_rows */
+#ifdef Q4_WORDS
+    if (m < Q4_DEQ_MIN_ROWS && pagedkv_q4_vnni(-1))
+        return q4_words_rows(m, n, groups, x, x_stride, qweight, qscale, y, y_stride, num_threads);
+#endif
+    float *xh = malloc((size_t)(m * k > 0 ? m * k : 1) * sizeof(float)); /* x^ (see q4_round_group) */
+    float *xs = malloc((size_t)(m * groups > 0 ? m * groups : 1) * sizeof(float));
+    int rc = 0;
+    if (!xh || !xs) {
+        rc = -1;
+        goto done;
+    }
+    q4_round_rows(m, groups, x, x_stride, xh);
+    x = xh;
+    x_stride = k;
 #if Q_SIMD
     if (m >= Q4_DEQ_MIN_ROWS) {
         first = n / Q4_PANEL;
         if (q4_many_rows(m, first, groups, x, x_stride, qweight, qscale, y, y_stride,
-                         m * n * k >= PARALLEL_MIN_MACS ? num_threads : 1))
-            return -1;
-        if (first == panels) return 0;
+                         m * n * k >= PARALLEL_MIN_MACS ? num_threads : 1)) {
+            rc = -1;
+            goto done;
+        }
+        if (first == panels) goto done;
     }
 #endif
-    float *xs = malloc((size_t)(m * groups > 0 ? m * groups : 1) * sizeof(float));
-    if (!xs) return -1;
     group_sums(m, groups, x, x_stride, xs);
     #pragma omp parallel for schedule(static) num_threads(num_threads) if (m * n * k >= PARALLEL_MIN_MACS)
     for (int64_t p = first; p < panels; p++) {
@@ -289,8 +491,10 @@ int pagedkv_q4_linear(int64_t m, int64_t n, int64_t k, const float *x, int64_t x
         q4_rows_by_panel(m, groups, x, x_stride, xs, qweight + p * groups * Q4_CHUNK, qscale + p * groups * Q4_SCALES,
                          y + p * Q4_PANEL, y_stride, cols);
     }
+done:
+    free(xh);
     free(xs);
-    return 0;
+    return rc;
 }
 
 /* ---- int8 rows: 4 output rows share each load of x ----------------------------------------------- */

@@ -19,12 +19,8 @@ def triton_backend() -> Iterator[None]:
         yield
 
 
-@pytest.fixture(params=["avx2", "x86_64"])
-def variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Each native CPU variant this machine runs, loaded afresh (monkeypatch puts the loaded one
-    back after): the AVX2 build (the quantized linear kernels' intrinsics, 8-float attention tiles),
-    then the baseline x86-64 build (plain C loops, 4-float tiles)."""
-    name = str(request.param)
+def _load_variant(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Load native variant ``name`` afresh (monkeypatch puts the loaded one back after), or skip."""
     if name not in cpu_native.built_variants() or cpu_native.VARIANTS[name] > cpu_native.cpu_level():
         pytest.skip(f"{name} is not built or this CPU cannot run it")
     monkeypatch.setattr(cpu_native, "_lib", None)
@@ -32,5 +28,31 @@ def variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(cpu_native, "_tried", False)
     monkeypatch.setenv(cpu_native.ENV_SWITCH, name)
     assert cpu_native.active_variant() == name
-    assert cpu_quant_linear.simd() == (name == "avx2")  # the AVX2 code, or the plain C loops
+    assert cpu_quant_linear.simd() == (name != "x86_64")  # the AVX2 code, or the plain C loops
+
+
+@pytest.fixture(params=["avx2", "x86_64"])
+def variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each native CPU variant this machine runs, loaded afresh: the AVX2 build (the quantized
+    linear kernels' intrinsics, 8-float attention tiles), then the baseline x86-64 build (plain C
+    loops, 4-float tiles)."""
+    name = str(request.param)
+    _load_variant(name, monkeypatch)
     return name
+
+
+@pytest.fixture(params=["avx512-words", "avx512-fp32", "avx2", "x86_64"])
+def int4_variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Each way this machine runs an int4 product of a few rows: the AVX-512 build's 16-bit
+    integer multiply-adds (where the CPU has VNNI and VBMI) and its fp32 tiles with them turned off, the
+    AVX2 build's fp32 tiles and the plain C loops; all on the same rounded x."""
+    name = str(request.param)
+    _load_variant(name.split("-")[0], monkeypatch)
+    if name == "avx512-words" and not cpu_quant_linear.int4_word_products(True):
+        pytest.skip("this CPU has no AVX-512 VNNI + VBMI")
+    if name == "avx512-fp32":
+        assert not cpu_quant_linear.int4_word_products(False)
+    if name in ("avx2", "x86_64"):
+        assert not cpu_quant_linear.int4_word_products()  # built without them
+    yield name
+    cpu_quant_linear.int4_word_products(True)  # the default (the library stays loaded)

@@ -109,14 +109,19 @@ def dequantize(raw: np.ndarray, qtype: str) -> np.ndarray:
     return np.asarray(w, dtype=np.float32).reshape(raw.shape[0], -1)
 
 
-def round_inputs_as_the_kernel_does(x: torch.Tensor) -> torch.Tensor:
-    """x (``[..., k]``, k a multiple of 256) as the native K-quant kernel multiplies it, in x's dtype:
-    each 256 inputs rounded to q * d with d = max|x| / 127 and q = x * (127 / max|x|) rounded to
-    nearest-even, in fp32 (an all-zero block stays zero). Written from the documented rule
-    (kernels/csrc/quant_linear.c), not from the kernel, for references and oracles."""
-    xf = x.float().reshape(*x.shape[:-1], x.shape[-1] // QK, QK)
+def round_inputs_as_the_kernel_does(x: torch.Tensor, block: int = QK, top: int = 127) -> torch.Tensor:
+    """x (``[..., k]``, k a multiple of ``block``) as a native integer kernel multiplies it, in x's
+    dtype: each ``block`` inputs rounded to q * d with d = max|x| / ``top`` and q = x * (top /
+    max|x|) rounded to nearest-even, in fp32 (an all-zero block stays zero). The K-quant kernel:
+    256 inputs to 8 bits (the defaults); int4: 32 to 16 bits (``INPUT_ROUNDING`` of
+    kernels/cpu_quant_linear.py). Written from the documented rule (kernels/csrc/quant_linear.c),
+    not from the kernel, for references and oracles."""
+    xf = x.float().reshape(*x.shape[:-1], x.shape[-1] // block, block)
     amax = xf.abs().amax(dim=-1, keepdim=True)
-    iscale = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # A tensor divided by a tensor: ``top / amax`` with a Python number on the left is not IEEE
+    # division in torch (a quarter of such quotients are an ulp off), and at 16 bits an ulp of
+    # the scale moves x * scale across a rounding boundary now and then.
+    iscale = torch.where(amax > 0, torch.full_like(amax, float(top)) / amax, torch.zeros_like(amax))
     q = torch.round(xf * iscale)
-    assert bool((q.abs() <= 127).all())
-    return (q * (amax / 127.0)).reshape(x.shape).to(x.dtype)
+    assert bool((q.abs() <= top).all())
+    return (q * (amax / float(top))).reshape(x.shape).to(x.dtype)

@@ -1,6 +1,8 @@
 """The native int4 / int8 linear kernels (kernels/csrc/quant_linear.c through
-kernels/cpu_quant_linear.py) against float64 products of the weights the integers stand for, in
-every variant this CPU runs (the AVX2 code and the plain C fallback): fresh random inputs read from
+kernels/cpu_quant_linear.py) against float64 products of the weights the integers stand for (int4:
+times x rounded to 16 bits per 32 inputs, as the kernel is documented to multiply it), in every
+variant this CPU runs (the AVX-512 word multiply-adds, the AVX2 code and the plain C fallback):
+fresh random inputs read from
 NaN-poisoned buffers, outputs written into NaN-poisoned buffers, odd shapes, padded rows whose
 scales are NaN; a packing with one wrong scale, group or nibble turns the comparison red; GGUF
 blocks (Q4_0, Q4_1, Q8_0) against the gguf package's own dequantization; which kernel the model's
@@ -14,7 +16,7 @@ import torch
 
 from kernels import cpu_native, cpu_quant_linear, quant_linear
 from kernels.quant_linear import GROUP, PANEL, QuantizedLinear, QuantizedMatrix
-from tests.kernels import poisoned_io
+from tests.kernels import kquant_cases, poisoned_io
 from worker_svc.model import gguf_quant, linear
 
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="native kernels not built")
@@ -40,6 +42,12 @@ def _poison_padding(m: QuantizedMatrix) -> None:
     m.qscale[-1, :, PANEL + used :] = float("nan")
 
 
+def _rounded(x: torch.Tensor) -> torch.Tensor:
+    """x as the int4 kernel multiplies it (its documented rule, written in the test helpers)."""
+    r = cpu_quant_linear.INPUT_ROUNDING["int4"]
+    return kquant_cases.round_inputs_as_the_kernel_does(x, r.block, r.top)
+
+
 def _tolerance(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """fp32 rounding of a sum over k: a few ulps of sum |x| |w| per output."""
     return 1e-6 * (x.double().abs() @ w.abs().t()) + 1e-6
@@ -62,7 +70,7 @@ SHAPES4 = [
 
 
 @pytest.mark.parametrize(("n", "k", "rows"), SHAPES4)
-def test_int4_matches_the_float64_product_of_its_groups(variant: str, n: int, k: int, rows: int) -> None:
+def test_int4_matches_the_float64_product_of_its_groups(int4_variant: str, n: int, k: int, rows: int) -> None:
     q, scale, offset = _int4(n, k, seed=n + k)
     m = quant_linear.pack_int4(q, scale, offset)
     assert (
@@ -72,9 +80,60 @@ def test_int4_matches_the_float64_product_of_its_groups(variant: str, n: int, k:
     _poison_padding(m)
     w = _dense4(q, scale, offset)
     x = poisoned_io.poisoned_rows(rows, k, seed=rows)
-    ref = x.double() @ w.t()
+    ref = _rounded(x).double() @ w.t()
     err = (poisoned_io.run(m, x).double() - ref).abs()
     assert (err <= _tolerance(x, w)).all(), float(err.max())
+
+
+@pytest.mark.parametrize("rows", [1, 3, 9])  # word products (or fp32 tiles), dequantized panels
+def test_rounding_x_costs_at_most_half_a_step_per_input(int4_variant: str, rows: int) -> None:
+    """Against the exact x, each output is off by at most sum_i |w_i| * d_group(i) / 2 (half of x's
+    integer step in its group of 32), and on random inputs by a few parts in 100,000 of the
+    outputs' size: the trade the 16-bit products make. Groups of very different sizes, and an
+    all-zero one, in one row."""
+    n, k = 70, 576
+    q, scale, offset = _int4(n, k, seed=4)
+    m, w = quant_linear.pack_int4(q, scale, offset), _dense4(q, scale, offset)
+    x = torch.randn((rows, k), generator=poisoned_io.gen(6))
+    x[0, :64] *= 1e-3
+    x[-1, 64:96] = 0.0
+    y = poisoned_io.run(m, x).double()
+    exact = x.double() @ w.t()
+    top = cpu_quant_linear.INPUT_ROUNDING["int4"].top
+    step = (x.reshape(rows, -1, GROUP).abs().amax(dim=2) / top).double().repeat_interleave(GROUP, dim=1)
+    assert ((y - exact).abs() <= (step / 2) @ w.abs().t() + _tolerance(x, w)).all()
+    rel = float((y - exact).norm() / exact.norm())
+    assert 1e-6 < rel < 1e-4, rel  # rounded (not exact), and by little
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_nan_or_inf_input_makes_its_rows_int4_outputs_nan(int4_variant: str, bad: float) -> None:
+    """Rounding x to integers must not hide a NaN or an infinity (an fp32 product would not): the
+    row holding one gets NaN outputs, the other rows are computed as usual."""
+    n, k = 40, 96
+    q, scale, offset = _int4(n, k, seed=2)
+    m, w = quant_linear.pack_int4(q, scale, offset), _dense4(q, scale, offset)
+    for rows in (1, 3, 9):
+        x = torch.randn((rows, k), generator=poisoned_io.gen(rows))
+        x[rows // 2, 50] = bad
+        y = cpu_quant_linear.matmul(m, x).double()
+        assert torch.isnan(y[rows // 2]).all()
+        ok = [r for r in range(rows) if r != rows // 2]
+        assert ((y[ok] - _rounded(x[ok]).double() @ w.t()).abs() <= _tolerance(x[ok], w)).all()
+
+
+def test_a_rows_int4_result_does_not_depend_on_its_batch() -> None:
+    """One row alone (word products where the CPU has them), beside 6 others, and among 9 (the
+    dequantized panels) multiplies the same rounded x: results within fp32 rounding of each other,
+    so a sequence's tokens do not depend on how many others share its step."""
+    n, k = 100, 576
+    q, scale, offset = _int4(n, k, seed=8)
+    m, w = quant_linear.pack_int4(q, scale, offset), _dense4(q, scale, offset)
+    x = torch.randn((9, k), generator=poisoned_io.gen(3))
+    alone = cpu_quant_linear.matmul(m, x[:1]).double()
+    tol = 2 * _tolerance(x[:1], w)
+    for rows in (7, 9):
+        assert ((cpu_quant_linear.matmul(m, x[:rows]).double()[:1] - alone).abs() <= tol).all()
 
 
 # rows 2-3 through the 4-row blocks; from 4 rows blocks of 4 weight rows widened once, tiles of 3
@@ -113,7 +172,7 @@ def test_a_wrong_scale_group_or_nibble_in_the_packing_is_caught() -> None:
     q, scale, offset = _int4(n, k, seed=5)
     w = _dense4(q, scale, offset)
     x = torch.randn((3, k), generator=poisoned_io.gen(2))
-    ref, tol = x.double() @ w.t(), _tolerance(x, w)
+    ref, tol = _rounded(x).double() @ w.t(), _tolerance(x, w)
 
     def swap_group_scales(m: QuantizedMatrix) -> None:
         m.qscale[0, [0, 1], :PANEL] = m.qscale[0, [1, 0], :PANEL].clone()
@@ -179,9 +238,10 @@ def test_gguf_blocks_through_the_kernels_match_the_gguf_packages_dequantization(
     if qtype == "Q8_0":
         step = file_w.abs().amax(dim=1, keepdim=True) / 127  # the requantization's half step, per weight
         tol = x.double().abs() @ (step / 2).expand(n, k).t() + _tolerance(x, file_w)
+        ref = x.double() @ file_w.t()
     else:
         tol = 1e-6 * (x.double().abs() @ file_w.abs().t()) + 1e-6
-    ref = x.double() @ file_w.t()
+        ref = _rounded(x).double() @ file_w.t()  # what the int4 kernel multiplies
     err = (poisoned_io.run(m, x).double() - ref).abs()
     assert (err <= tol).all(), float(err.max())
 

@@ -17,7 +17,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from kernels import cpu_native
 from tests.kernels import kquant_cases
 from tests.worker_svc.conftest import VOCAB, HFModel
 
@@ -231,30 +230,59 @@ def write_gguf(
     return held
 
 
-def _round_like_the_kquant_kernel(
-    _module: torch.nn.Module, args: tuple[torch.Tensor, ...]
-) -> tuple[torch.Tensor]:
-    return (kquant_cases.round_inputs_as_the_kernel_does(args[0]),)
+HF_PARTS = {  # a pagedkv decoder layer's matrices -> the Hugging Face linear modules they hold
+    "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "o": ("self_attn.o_proj",),
+    "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+    "down": ("mlp.down_proj",),
+}
+
+
+def rounded_inputs(model: Any) -> dict[str, Any]:
+    """Hugging Face linear module name -> how the native integer kernel running it in ``model`` (a
+    pagedkv model) rounds its input (``cpu_quant_linear.INPUT_ROUNDING``: int4 to 16 bits per 32
+    inputs, K-quant blocks to 8 bits per 256); modules whose matrix multiplies x as it is are left
+    out."""
+    from kernels.cpu_quant_linear import INPUT_ROUNDING
+
+    def block(lin: Any) -> Any:
+        path = str(lin.path)
+        return INPUT_ROUNDING.get(path.removeprefix("native-")) if path.startswith("native-") else None
+
+    out: dict[str, Any] = {}
+    for i, layer in enumerate(model.layers):
+        for attr, names in HF_PARTS.items():
+            b = block(getattr(layer, attr))
+            if b is not None:
+                out.update({f"model.layers.{i}.{n}": b for n in names})
+    b = block(model.lm_head)
+    if b is not None:
+        out["lm_head"] = b
+    return out
 
 
 def oracle_on(
-    hf: HFModel, state: dict[str, torch.Tensor], path: pathlib.Path, kquant_inputs: bool = False
+    hf: HFModel, state: dict[str, torch.Tensor], path: pathlib.Path, rounded: dict[str, Any] | None = None
 ) -> HFModel:
     """A copy of ``hf``'s model holding ``state`` (e.g. a GGUF file's dequantized weights).
 
-    ``kquant_inputs``: the model is held as K-quant blocks (all its linear layers 256-multiple
-    wide), whose native kernel multiplies inputs rounded to 8 bits per 256: every such linear
-    layer of the oracle rounds its input the same way (kquant_cases' rule) before its fp32
-    product, so the oracle computes what the kernel is documented to compute."""
+    ``rounded`` (``rounded_inputs`` of the model under test): the linear modules whose native
+    kernel multiplies rounded inputs round theirs the same way (kquant_cases' rule) before their
+    fp32 product, so the oracle computes what the kernels are documented to compute."""
     import copy
 
     model: Any = copy.deepcopy(hf.model)
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
-    if kquant_inputs and cpu_native.available():
-        for module in model.modules():
-            if isinstance(module, torch.nn.Linear) and module.in_features % 256 == 0:
-                module.register_forward_pre_hook(_round_like_the_kquant_kernel)
+    modules = dict(model.named_modules())
+    for name, rule in (rounded or {}).items():
+
+        def round_input(
+            _module: torch.nn.Module, args: tuple[torch.Tensor, ...], rule: Any = rule
+        ) -> tuple[torch.Tensor]:
+            return (kquant_cases.round_inputs_as_the_kernel_does(args[0], rule.block, rule.top),)
+
+        modules[name].register_forward_pre_hook(round_input)
     return HFModel(path=path, model=model)
 
 

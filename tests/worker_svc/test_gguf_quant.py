@@ -13,10 +13,14 @@ import pytest
 import torch
 
 from kernels import cpu_native
+from kernels.cpu_quant_linear import INPUT_ROUNDING
+from kernels.quant_linear import QuantizedLinear
+from tests.kernels import kquant_cases
 from tests.worker_svc.families import (
     build,
     oracle_on,
     random_k_blocks,
+    rounded_inputs,
     small_q4_1_llama,
     small_q4_k_m_llama,
     write_gguf,
@@ -64,7 +68,11 @@ def test_int4_types_are_held_exactly(qtype: str, rows: int) -> None:
     m = parts.pack()
     torch.testing.assert_close(m.dequantize(), ref, rtol=0, atol=1e-6 * scale_of_w)
     x = torch.randn((3, cols), generator=torch.Generator().manual_seed(1))
-    y = m(x)
+    layer = QuantizedLinear.build(m)
+    y = layer(x)
+    if layer.path == "native-int4":  # the kernel multiplies x rounded to 16 bits per 32 inputs
+        r = INPUT_ROUNDING["int4"]
+        x = kquant_cases.round_inputs_as_the_kernel_does(x, r.block, r.top)
     torch.testing.assert_close(y.double(), x.double() @ ref.double().t(), rtol=1e-4, atol=1e-4 * scale_of_w)
     # A group scale read from the wrong block turns the comparison red.
     wrong = gguf_quant.Unpacked(parts.q, parts.scale.roll(1, dims=1), parts.offset)
@@ -142,8 +150,8 @@ def test_a_quantized_file_held_as_integers_generates_what_transformers_does(
         for n, t in file_state.items():
             if n != gguf_quant.EMBEDDING:
                 torch.testing.assert_close(held[n], t, rtol=0, atol=1e-6 * float(t.abs().max()), msg=n)
-    oracle = oracle_on(hf, held, tmp_path / "hf")
     runner = _runner(path, "file")
+    oracle = oracle_on(hf, held, tmp_path / "hf", rounded_inputs(runner.model))
     kinds = (
         ("kquant",)
         if qtype in gguf_quant.KQUANT_TYPES
@@ -205,7 +213,8 @@ def test_a_q4_k_m_file_is_held_at_its_size_and_generates_the_dequantized_files_t
         sched.generate(["a"], 12)
         tokens[name] = sched.seqs["a"].generated
     assert tokens["dense"] == oracle_on(hf, held, tmp_path / "hf").greedy(PROMPT, 12)
-    assert tokens["kquant"] == oracle_on(hf, held, tmp_path / "hf", kquant_inputs=True).greedy(PROMPT, 12)
+    rounded = oracle_on(hf, held, tmp_path / "hf", rounded_inputs(runner.model))
+    assert tokens["kquant"] == rounded.greedy(PROMPT, 12)
 
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q4_K_M"])
@@ -267,8 +276,9 @@ def test_processes_hold_a_gguf_in_its_own_quantization_by_default(kind: str, tmp
 
     make = small_q4_1_llama if kind == "Q4_1" else small_q4_k_m_llama
     hf, path = make(tmp_path, 4, f"llama.{kind}.gguf")
-    oracle = oracle_on(hf, _held_state(path), tmp_path / "hf", kquant_inputs=kind == "Q4_K_M")
     cfg = load_model_config(str(path))
+    rounded = rounded_inputs(load_model(str(path), cfg, torch.float32, CPU, held="file"))
+    oracle = oracle_on(hf, _held_state(path), tmp_path / "hf", rounded)
     spec = fused_spec(str(path), cfg, torch.float32, "file")
     spec_bytes = sum(
         int(np.prod(shape)) * torch.empty((), dtype=dt).element_size() for shape, dt in spec.values()

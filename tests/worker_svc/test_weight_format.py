@@ -11,7 +11,7 @@ import torch
 
 from kernels import cpu_native
 from tests.worker_svc.conftest import build_hf_model
-from tests.worker_svc.families import oracle_on, write_gguf
+from tests.worker_svc.families import oracle_on, rounded_inputs, write_gguf
 from tests.worker_svc.generation import Scheduler, runner_step
 from worker_svc.model import gguf_quant, weight_format
 from worker_svc.model.config import load_model_config
@@ -61,8 +61,8 @@ def test_a_directory_quantized_at_load_generates_what_transformers_does_on_its_w
     dense = hf.model.state_dict()  # type: ignore[attr-defined]
     worst = max(float((held_state[n] - dense[n]).norm() / dense[n].norm()) for n in kinds)
     assert 0 < worst < (0.02 if held == "int8" else 0.2)
-    oracle = oracle_on(hf, held_state, tmp_path / "hf")
     model = load_model(str(hf.path), cfg, F32, CPU, held=held)
+    oracle = oracle_on(hf, held_state, tmp_path / "hf", rounded_inputs(model))
     # untied: the embedding's int8 rows are only looked up
     assert model.linear_path == (f"native-{held}" if cpu_native.available() else held)
     shape = (cfg.num_layers, 2, 32, 4, cfg.num_kv_heads, cfg.head_dim)
