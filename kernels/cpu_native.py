@@ -205,7 +205,7 @@ def _load() -> tuple[ctypes.CDLL, str]:
         "pagedkv_kq_linear": [i64, i64, i64, ptr, i64, ptr, ptr, i64, ptr, i64, cint],
         "pagedkv_kq_rows": [i64, ptr, i64, ptr, ptr, i64, ptr, i64],
         "pagedkv_quant_linear_simd": [],
-        "pagedkv_q4_vnni": [cint],
+        "pagedkv_quant_words": [cint],
         # Quantize on write into an int8 cache (csrc/paged_decode.c).
         "pagedkv_write_kv_i8": [i64, i64, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, i64]
         + [ptr, cint],
@@ -226,7 +226,7 @@ def _load() -> tuple[ctypes.CDLL, str]:
             "pagedkv_q8_linear",
             "pagedkv_kq_linear",
             "pagedkv_quant_linear_simd",
-            "pagedkv_q4_vnni",
+            "pagedkv_quant_words",
             "pagedkv_decode_layers_f32",
         )
     }

@@ -53,10 +53,14 @@ class InputRounding:
     top: int
 
 
-# int4: 16-bit x per group of 32 (an error of at most 1/65534 of the group's largest |x| per
-# input); K-quant blocks: 8-bit x per super-block, as llama.cpp's own K-quant products. int8 rows
-# multiply x as it is.
-INPUT_ROUNDING = {"int4": InputRounding(GROUP, 32767), "kquant": InputRounding(KQ_BLOCK, 127)}
+# int4 and int8: 16-bit x per group of 32 (an error of at most 1/65534 of the group's largest |x|
+# per input; int8's last group of a row whose width is not a multiple of 32 is the inputs left);
+# K-quant blocks: 8-bit x per super-block, as llama.cpp's own K-quant products.
+INPUT_ROUNDING = {
+    "int4": InputRounding(GROUP, 32767),
+    "int8": InputRounding(GROUP, 32767),
+    "kquant": InputRounding(KQ_BLOCK, 127),
+}
 
 
 def simd() -> bool:
@@ -65,16 +69,16 @@ def simd() -> bool:
     return lib is not None and bool(lib.pagedkv_quant_linear_simd())
 
 
-def int4_word_products(enable: bool | None = None) -> bool:
-    """Whether int4 products of 1-7 rows of x run as 16-bit integer multiply-adds (AVX-512 VNNI and
-    VBMI, asked of the CPU at run time; csrc/quant_linear.c) rather than fp32 ones on the same
-    rounded x. On by default where the CPU has them; ``enable`` turns them on or off for this
-    process (tests and benchmarks compare the two), None only asks. False without the native
-    library."""
+def word_products(enable: bool | None = None) -> bool:
+    """Whether int4 products of 1-7 rows of x and int8 products of one row (of a width that is a
+    multiple of 32) run as 16-bit integer multiply-adds (AVX-512 VNNI and VBMI, asked of the CPU at
+    run time; csrc/quant_linear.c) rather than fp32 ones on the same rounded x. On by default where
+    the CPU has them; ``enable`` turns them on or off for this process (tests and benchmarks compare
+    the two), None only asks. False without the native library."""
     lib = cpu_native.library()
     if lib is None:
         return False
-    return bool(lib.pagedkv_q4_vnni(-1 if enable is None else int(enable)))
+    return bool(lib.pagedkv_quant_words(-1 if enable is None else int(enable)))
 
 
 def check_matrix(m: QuantizedMatrix) -> None:

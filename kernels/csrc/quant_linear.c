@@ -441,10 +441,10 @@ static int q4_words_rows(int64_t m, int64_t n, int64_t groups, const float *x, i
 }
 #endif
 
-/* Whether one- to few-row int4 products take the word multiply-adds: want 0 turns them off, 1 on
- * where the CPU has them, -1 only asks. Returns the state after (0 or 1; always 0 in a build
+/* Whether one- to few-row int4 products and one-row int8 ones take the word multiply-adds: want 0
+ * turns them off, 1 on where the CPU has them, -1 only asks. Returns the state after (0 or 1; always 0 in a build
  * without AVX-512). Tests and benchmarks compare the two paths in one process. */
-int pagedkv_q4_vnni(int want) {
+int pagedkv_quant_words(int want) {
 #ifdef Q4_WORDS
     if (q4_words_state < 0 || want >= 0) q4_words_state = want != 0 && q4_words_supported();
     return q4_words_state;
@@ -460,7 +460,7 @@ int pagedkv_q4_linear(int64_t m, int64_t n, int64_t k, const float *x, int64_t x
     const int64_t groups = k / Q4_GROUP, panels = (n + Q4_PANEL - 1) / Q4_PANEL;
     int64_t first = 0; /* panels done by q4_many_rows */
 #ifdef Q4_WORDS
-    if (m < Q4_DEQ_MIN_ROWS && pagedkv_q4_vnni(-1))
+    if (m < Q4_DEQ_MIN_ROWS && pagedkv_quant_words(-1))
         return q4_words_rows(m, n, groups, x, x_stride, qweight, qscale, y, y_stride, num_threads);
 #endif
     float *xh = malloc((size_t)(m * k > 0 ? m * k : 1) * sizeof(float)); /* x^ (see q4_round_group) */
@@ -509,6 +509,68 @@ static inline float hsum(__m256 v) {
 
 static inline __m256 q8_widen(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+#endif
+
+/* x^ for int8 rows: the int4 rule (q4_round_group) over each 32 inputs of a row, a last group
+ * shorter than 32 (k not a multiple of 32) over its own inputs; the same integers on every build. */
+static float q8_round_span(const float *x, int len, int16_t *q) {
+    if (len == Q4_GROUP) return q4_round_group(x, q);
+    float amax = 0.0f, bad = 0.0f;
+    for (int i = 0; i < len; i++) {
+        const float a = x[i] < 0 ? -x[i] : x[i];
+        if (a > amax) amax = a;
+        bad += x[i] * 0.0f;
+    }
+    const float iscale = amax > 0.0f && bad == 0.0f ? Q4_XTOP / amax : 0.0f;
+    for (int i = 0; i < len; i++) q[i] = (int16_t)lrintf(x[i] * iscale);
+    return amax / Q4_XTOP + bad;
+}
+
+/* x^ of m rows as fp32 into xh (dense rows of k): what the fp32 int8 paths multiply. */
+static void q8_round_rows(int64_t m, int64_t k, const float *x, int64_t x_stride, float *xh) {
+    int16_t q[Q4_GROUP];
+    for (int64_t r = 0; r < m; r++) {
+        for (int64_t g0 = 0; g0 < k; g0 += Q4_GROUP) {
+            const int len = (int)(k - g0 < Q4_GROUP ? k - g0 : Q4_GROUP);
+            const float d = q8_round_span(x + r * x_stride + g0, len, q);
+            for (int i = 0; i < len; i++) xh[r * k + g0 + i] = (float)q[i] * d;
+        }
+    }
+}
+
+#ifdef Q4_WORDS
+/* One x row (rounded: xq, d per group of 32) times one int8 weight row, read front to back once:
+ * per group its 32 weights widened to 16 bits (vpmovsxbw) and multiplied pairwise with the
+ * rounded inputs (vpmaddwd: 16 int32 sums of 2 products), then into fp32 times the group's d. The
+ * same one-stream order as q8_dot1 (which says why one row at a time). */
+Q4_WORDS_TARGET static float q8_words_dot(int64_t groups, const int16_t *xq, const float *d, const int8_t *w) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        if (!(g & 1)) _mm_prefetch((const char *)(w + g * Q4_GROUP + Q8_PREFETCH), _MM_HINT_T0);
+        const __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + g * Q4_GROUP)));
+        const __m512i dot = _mm512_madd_epi16(wv, _mm512_loadu_si512(xq + g * Q4_GROUP));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(d[g]), acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+static int q8_words_row(int64_t n, int64_t k, const float *x, const int8_t *qweight, int64_t w_stride,
+                        const float *scale, float *y, int num_threads) {
+    const int64_t groups = k / Q4_GROUP;
+    int16_t *xq = aligned_alloc(64, (size_t)(groups * Q4_GROUP * 2 + 64) / 64 * 64);
+    float *d = malloc((size_t)(groups > 0 ? groups : 1) * sizeof(float));
+    if (!xq || !d) {
+        free(xq);
+        free(d);
+        return -1;
+    }
+    for (int64_t g = 0; g < groups; g++) d[g] = q4_round_group(x + g * Q4_GROUP, xq + g * Q4_GROUP);
+    #pragma omp parallel for schedule(static) num_threads(num_threads) if (n * k >= PARALLEL_MIN_MACS)
+    for (int64_t j = 0; j < n; j++) y[j] = q8_words_dot(groups, xq, d, qweight + j * w_stride) * scale[j];
+    free(xq);
+    free(d);
+    return 0;
 }
 #endif
 
@@ -667,29 +729,40 @@ static int q8_many_rows(int64_t m, int64_t n, int64_t k, const float *x, int64_t
 
 int pagedkv_q8_linear(int64_t m, int64_t n, int64_t k, const float *x, int64_t x_stride, const int8_t *qweight,
                               int64_t w_stride, const float *scale, float *y, int64_t y_stride, int num_threads) {
+#ifdef Q4_WORDS
+    if (m == 1 && k % Q4_GROUP == 0 && pagedkv_quant_words(-1))
+        return q8_words_row(n, k, x, qweight, w_stride, scale, y, num_threads);
+#endif
+    float *xh = malloc((size_t)(m * k > 0 ? m * k : 1) * sizeof(float)); /* x^ (see q4_round_group) */
+    if (!xh) return -1;
+    q8_round_rows(m, k, x, x_stride, xh);
+    x = xh;
+    x_stride = k;
+    int rc = 0;
     if (m == 1) {
         #pragma omp parallel for schedule(static) num_threads(num_threads) if (n * k >= PARALLEL_MIN_MACS)
         for (int64_t j = 0; j < n; j++) y[j] = q8_dot1(k, x, qweight + j * w_stride) * scale[j];
-        return 0;
-    }
-    if (m >= Q8_DEQ_MIN_ROWS)
-        return q8_many_rows(m, n, k, x, x_stride, qweight, w_stride, scale, y, y_stride,
-                            m * n * k >= PARALLEL_MIN_MACS ? num_threads : 1);
-    const int64_t blocks = (n + Q8_ROWS - 1) / Q8_ROWS;
-    #pragma omp parallel for schedule(static) num_threads(num_threads) if (m * n * k >= PARALLEL_MIN_MACS)
-    for (int64_t b = 0; b < blocks; b++) {
-        const int64_t n0 = b * Q8_ROWS;
-        const int rows = (int)(n - n0 < Q8_ROWS ? n - n0 : Q8_ROWS);
-        int64_t r = 0;
-        for (; r + TILE <= m; r += TILE) {
-            q8_block(k, x + r * x_stride, x + (r + 1) * x_stride, qweight + n0 * w_stride, w_stride, scale + n0, rows,
-                     y + r * y_stride + n0, y + (r + 1) * y_stride + n0);
+    } else if (m >= Q8_DEQ_MIN_ROWS) {
+        rc = q8_many_rows(m, n, k, x, x_stride, qweight, w_stride, scale, y, y_stride,
+                          m * n * k >= PARALLEL_MIN_MACS ? num_threads : 1);
+    } else {
+        const int64_t blocks = (n + Q8_ROWS - 1) / Q8_ROWS;
+        #pragma omp parallel for schedule(static) num_threads(num_threads) if (m * n * k >= PARALLEL_MIN_MACS)
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t n0 = b * Q8_ROWS;
+            const int rows = (int)(n - n0 < Q8_ROWS ? n - n0 : Q8_ROWS);
+            int64_t r = 0;
+            for (; r + TILE <= m; r += TILE) {
+                q8_block(k, x + r * x_stride, x + (r + 1) * x_stride, qweight + n0 * w_stride, w_stride, scale + n0,
+                         rows, y + r * y_stride + n0, y + (r + 1) * y_stride + n0);
+            }
+            if (r < m)
+                q8_block(k, x + r * x_stride, NULL, qweight + n0 * w_stride, w_stride, scale + n0, rows,
+                         y + r * y_stride + n0, NULL);
         }
-        if (r < m)
-            q8_block(k, x + r * x_stride, NULL, qweight + n0 * w_stride, w_stride, scale + n0, rows, y + r * y_stride + n0,
-                     NULL);
     }
-    return 0;
+    free(xh);
+    return rc;
 }
 
 /* ---- GGUF K-quant blocks (Q4_K, Q6_K) held as the file holds them ---------------------------------

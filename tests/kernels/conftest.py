@@ -42,17 +42,17 @@ def variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
 
 
 @pytest.fixture(params=["avx512-words", "avx512-fp32", "avx2", "x86_64"])
-def int4_variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """Each way this machine runs an int4 product of a few rows: the AVX-512 build's 16-bit
-    integer multiply-adds (where the CPU has VNNI and VBMI) and its fp32 tiles with them turned off, the
-    AVX2 build's fp32 tiles and the plain C loops; all on the same rounded x."""
+def quant_variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Each way this machine runs an int4 or int8 product of a few rows: the AVX-512 build's 16-bit
+    integer multiply-adds (where the CPU has VNNI and VBMI) and its fp32 code with them turned off,
+    the AVX2 build's fp32 code and the plain C loops; all on the same rounded x."""
     name = str(request.param)
     _load_variant(name.split("-")[0], monkeypatch)
-    if name == "avx512-words" and not cpu_quant_linear.int4_word_products(True):
+    if name == "avx512-words" and not cpu_quant_linear.word_products(True):
         pytest.skip("this CPU has no AVX-512 VNNI + VBMI")
     if name == "avx512-fp32":
-        assert not cpu_quant_linear.int4_word_products(False)
+        assert not cpu_quant_linear.word_products(False)
     if name in ("avx2", "x86_64"):
-        assert not cpu_quant_linear.int4_word_products()  # built without them
+        assert not cpu_quant_linear.word_products()  # built without them
     yield name
-    cpu_quant_linear.int4_word_products(True)  # the default (the library stays loaded)
+    cpu_quant_linear.word_products(True)  # the default (the library stays loaded)

@@ -110,13 +110,15 @@ def dequantize(raw: np.ndarray, qtype: str) -> np.ndarray:
 
 
 def round_inputs_as_the_kernel_does(x: torch.Tensor, block: int = QK, top: int = 127) -> torch.Tensor:
-    """x (``[..., k]``, k a multiple of ``block``) as a native integer kernel multiplies it, in x's
-    dtype: each ``block`` inputs rounded to q * d with d = max|x| / ``top`` and q = x * (top /
-    max|x|) rounded to nearest-even, in fp32 (an all-zero block stays zero). The K-quant kernel:
-    256 inputs to 8 bits (the defaults); int4: 32 to 16 bits (``INPUT_ROUNDING`` of
-    kernels/cpu_quant_linear.py). Written from the documented rule (kernels/csrc/quant_linear.c),
-    not from the kernel, for references and oracles."""
-    xf = x.float().reshape(*x.shape[:-1], x.shape[-1] // block, block)
+    """x (``[..., k]``) as a native integer kernel multiplies it, in x's dtype: each ``block``
+    inputs (a last block of fewer: the inputs left) rounded to q * d with d = max|x| / ``top`` and
+    q = x * (top / max|x|) rounded to nearest-even, in fp32 (an all-zero block stays zero). The
+    K-quant kernel: 256 inputs to 8 bits (the defaults); int4 and int8: 32 to 16 bits
+    (``INPUT_ROUNDING`` of kernels/cpu_quant_linear.py). Written from the documented rule
+    (kernels/csrc/quant_linear.c), not from the kernel, for references and oracles."""
+    k = x.shape[-1]
+    xf = torch.nn.functional.pad(x.float(), (0, -k % block))  # a short last block: zeros round to 0
+    xf = xf.reshape(*x.shape[:-1], -(-k // block), block)
     amax = xf.abs().amax(dim=-1, keepdim=True)
     # A tensor divided by a tensor: ``top / amax`` with a Python number on the left is not IEEE
     # division in torch (a quarter of such quotients are an ulp off), and at 16 bits an ulp of
@@ -124,4 +126,4 @@ def round_inputs_as_the_kernel_does(x: torch.Tensor, block: int = QK, top: int =
     iscale = torch.where(amax > 0, torch.full_like(amax, float(top)) / amax, torch.zeros_like(amax))
     q = torch.round(xf * iscale)
     assert bool((q.abs() <= top).all())
-    return (q * (amax / float(top))).reshape(x.shape).to(x.dtype)
+    return (q * (amax / float(top))).reshape(*x.shape[:-1], xf.shape[-2] * block)[..., :k].to(x.dtype)

@@ -42,9 +42,9 @@ def _poison_padding(m: QuantizedMatrix) -> None:
     m.qscale[-1, :, PANEL + used :] = float("nan")
 
 
-def _rounded(x: torch.Tensor) -> torch.Tensor:
-    """x as the int4 kernel multiplies it (its documented rule, written in the test helpers)."""
-    r = cpu_quant_linear.INPUT_ROUNDING["int4"]
+def _rounded(x: torch.Tensor, kind: str = "int4") -> torch.Tensor:
+    """x as the ``kind`` kernel multiplies it (its documented rule, written in the test helpers)."""
+    r = cpu_quant_linear.INPUT_ROUNDING[kind]
     return kquant_cases.round_inputs_as_the_kernel_does(x, r.block, r.top)
 
 
@@ -70,7 +70,9 @@ SHAPES4 = [
 
 
 @pytest.mark.parametrize(("n", "k", "rows"), SHAPES4)
-def test_int4_matches_the_float64_product_of_its_groups(int4_variant: str, n: int, k: int, rows: int) -> None:
+def test_int4_matches_the_float64_product_of_its_groups(
+    quant_variant: str, n: int, k: int, rows: int
+) -> None:
     q, scale, offset = _int4(n, k, seed=n + k)
     m = quant_linear.pack_int4(q, scale, offset)
     assert (
@@ -86,7 +88,7 @@ def test_int4_matches_the_float64_product_of_its_groups(int4_variant: str, n: in
 
 
 @pytest.mark.parametrize("rows", [1, 3, 9])  # word products (or fp32 tiles), dequantized panels
-def test_rounding_x_costs_at_most_half_a_step_per_input(int4_variant: str, rows: int) -> None:
+def test_rounding_x_costs_at_most_half_a_step_per_input(quant_variant: str, rows: int) -> None:
     """Against the exact x, each output is off by at most sum_i |w_i| * d_group(i) / 2 (half of x's
     integer step in its group of 32), and on random inputs by a few parts in 100,000 of the
     outputs' size: the trade the 16-bit products make. Groups of very different sizes, and an
@@ -106,33 +108,42 @@ def test_rounding_x_costs_at_most_half_a_step_per_input(int4_variant: str, rows:
     assert 1e-6 < rel < 1e-4, rel  # rounded (not exact), and by little
 
 
+def _matrix(kind: str, n: int, k: int, seed: int) -> tuple[QuantizedMatrix, torch.Tensor]:
+    """A random int4 or int8 matrix and the float64 weights it stands for."""
+    if kind == "int4":
+        q, scale, offset = _int4(n, k, seed=seed)
+        return quant_linear.pack_int4(q, scale, offset), _dense4(q, scale, offset)
+    m = quant_linear.quantize_int8_rows(torch.randn((n, k), generator=poisoned_io.gen(seed)))
+    return m, m.qweight.double() * m.qscale.double()[:, None]
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_a_nan_or_inf_input_makes_its_rows_int4_outputs_nan(int4_variant: str, bad: float) -> None:
+def test_a_nan_or_inf_input_makes_its_rows_outputs_nan(quant_variant: str, bad: float, kind: str) -> None:
     """Rounding x to integers must not hide a NaN or an infinity (an fp32 product would not): the
     row holding one gets NaN outputs, the other rows are computed as usual."""
     n, k = 40, 96
-    q, scale, offset = _int4(n, k, seed=2)
-    m, w = quant_linear.pack_int4(q, scale, offset), _dense4(q, scale, offset)
+    m, w = _matrix(kind, n, k, seed=2)
     for rows in (1, 3, 9):
         x = torch.randn((rows, k), generator=poisoned_io.gen(rows))
         x[rows // 2, 50] = bad
         y = cpu_quant_linear.matmul(m, x).double()
         assert torch.isnan(y[rows // 2]).all()
         ok = [r for r in range(rows) if r != rows // 2]
-        assert ((y[ok] - _rounded(x[ok]).double() @ w.t()).abs() <= _tolerance(x[ok], w)).all()
+        assert ((y[ok] - _rounded(x[ok], kind).double() @ w.t()).abs() <= _tolerance(x[ok], w)).all()
 
 
-def test_a_rows_int4_result_does_not_depend_on_its_batch() -> None:
-    """One row alone (word products where the CPU has them), beside 6 others, and among 9 (the
-    dequantized panels) multiplies the same rounded x: results within fp32 rounding of each other,
-    so a sequence's tokens do not depend on how many others share its step."""
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_a_rows_result_does_not_depend_on_its_batch(kind: str) -> None:
+    """One row alone (word products where the CPU has them), beside a few others, and among 9 (the
+    many-rows paths) multiplies the same rounded x: results within fp32 rounding of each other, so
+    a sequence's tokens do not depend on how many others share its step."""
     n, k = 100, 576
-    q, scale, offset = _int4(n, k, seed=8)
-    m, w = quant_linear.pack_int4(q, scale, offset), _dense4(q, scale, offset)
+    m, w = _matrix(kind, n, k, seed=8)
     x = torch.randn((9, k), generator=poisoned_io.gen(3))
     alone = cpu_quant_linear.matmul(m, x[:1]).double()
     tol = 2 * _tolerance(x[:1], w)
-    for rows in (7, 9):
+    for rows in (3, 7, 9):
         assert ((cpu_quant_linear.matmul(m, x[:rows]).double()[:1] - alone).abs() <= tol).all()
 
 
@@ -152,15 +163,15 @@ SHAPES8 = [
     # and a scalar tail, over enough rows for every thread
     (33, 577, 1),
     (2048, 45, 1),
+    (300, 576, 1),  # 16-bit products where the CPU has them (a width of whole groups of 32)
 ]
 
 
 @pytest.mark.parametrize(("n", "k", "rows"), SHAPES8)
-def test_int8_matches_the_float64_product_of_its_rows(variant: str, n: int, k: int, rows: int) -> None:
-    m = quant_linear.quantize_int8_rows(torch.randn((n, k), generator=poisoned_io.gen(k)))
-    w = m.qweight.double() * m.qscale.double()[:, None]
+def test_int8_matches_the_float64_product_of_its_rows(quant_variant: str, n: int, k: int, rows: int) -> None:
+    m, w = _matrix("int8", n, k, seed=k)
     x = poisoned_io.poisoned_rows(rows, k, seed=rows)
-    ref = x.double() @ w.t()
+    ref = _rounded(x, "int8").double() @ w.t()
     err = (poisoned_io.run(m, x).double() - ref).abs()
     assert (err <= _tolerance(x, w)).all(), float(err.max())
 
@@ -208,7 +219,7 @@ def test_a_wrong_scale_group_or_nibble_in_the_packing_is_caught() -> None:
         assert ((cpu_quant_linear.matmul(m, x).double() - ref).abs() > 100 * tol).any()
     m8 = quant_linear.quantize_int8_rows(torch.randn((n, k), generator=poisoned_io.gen(6)))
     w8 = m8.qweight.double() * m8.qscale.double()[:, None]
-    ref8, tol8 = x.double() @ w8.t(), _tolerance(x, w8)
+    ref8, tol8 = _rounded(x, "int8").double() @ w8.t(), _tolerance(x, w8)
     assert ((poisoned_io.run(m8, x).double() - ref8).abs() <= tol8).all()
     wrong = QuantizedMatrix(m8.qweight, m8.qscale.roll(1), n)  # each row read with its neighbour's scale
     assert ((cpu_quant_linear.matmul(wrong, x).double() - ref8).abs() > 100 * tol8).any()
@@ -238,10 +249,10 @@ def test_gguf_blocks_through_the_kernels_match_the_gguf_packages_dequantization(
     if qtype == "Q8_0":
         step = file_w.abs().amax(dim=1, keepdim=True) / 127  # the requantization's half step, per weight
         tol = x.double().abs() @ (step / 2).expand(n, k).t() + _tolerance(x, file_w)
-        ref = x.double() @ file_w.t()
+        ref = _rounded(x, "int8").double() @ file_w.t()
     else:
         tol = 1e-6 * (x.double().abs() @ file_w.abs().t()) + 1e-6
-        ref = _rounded(x).double() @ file_w.t()  # what the int4 kernel multiplies
+        ref = _rounded(x).double() @ file_w.t()
     err = (poisoned_io.run(m, x).double() - ref).abs()
     assert (err <= tol).all(), float(err.max())
 
