@@ -8,7 +8,9 @@ threads). Then, in one process and alternating round by round (this VM's speed d
 - **decode**: each model (``--forms``: ``dense`` = the file dequantized to fp32 on the native fp32
   linear kernel; ``file`` = its own quantization on the native int4 / int8 / K-quant kernels, and
   again with PyTorch's weight-packed int4 / int8 operators where it has one: K-quant matrices stay
-  on the native kernel there, PyTorch has no K-quant operator) runs one sequence, a short prompt, then
+  on the native kernel there, PyTorch has no K-quant operator; and, where the CPU has AVX-512
+  VNNI, with the int4 / int8 kernels' 16-bit integer products turned off, the fp32 products on
+  the same rounded x: ``cpu_quant_linear.word_products``) runs one sequence, a short prompt, then
   ``--tokens`` decode steps per round through the product's model runner (median step);
 - **plain read**: after each model's steps, its weight tensors (the bytes the floor counts) read
   ``--reps`` times with no arithmetic, tensor after tensor in a decode step's order, each split
@@ -106,6 +108,7 @@ class Decoder:
     max_tokens: int
     runner: ModelRunner = field(init=False)
     table: list[int] = field(init=False)
+    word_products: bool = True  # int4 / int8 as 16-bit integer products where the CPU has them
     seq_len: int = PROMPT_LEN
     token: int = 0
     times: list[float] = field(default_factory=list)
@@ -123,6 +126,7 @@ class Decoder:
 
     def steps(self, n: int) -> list[int]:
         out = []
+        cpu_quant_linear.word_products(self.word_products)
         for _ in range(n):
             t0 = time.perf_counter()
             req = SequenceRequest("s", [self.token], self.table, self.seq_len)
@@ -130,6 +134,7 @@ class Decoder:
             self.times.append(time.perf_counter() - t0)
             self.seq_len += 1
             out.append(self.token)
+        cpu_quant_linear.word_products(True)
         return out
 
     def plain_reads(self, reps: int, threads: int, flat: torch.Tensor) -> None:
@@ -247,6 +252,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         decoders.append(
             Decoder("the file's own quantization, per-call layers", per_call(models["file"]), max_tokens)
         )
+        int_layers = any(
+            lin.quantized is not None and lin.quantized.kind in ("int4", "int8")
+            for lin in linears(models["file"])
+        )
+        if int_layers and cpu_quant_linear.word_products():  # the same model, fp32 products on the same x
+            decoders.append(
+                Decoder(
+                    "the file's own quantization, fp32 products",
+                    models["file"],
+                    max_tokens,
+                    word_products=False,
+                )
+            )
         torch_has_op = any(
             lin.quantized is not None and lin.quantized.kind != "kquant" for lin in linears(models["file"])
         )
@@ -293,7 +311,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(quantized) > 1:
         same = all(q == quantized[0] for q in quantized)
         print(
-            f"\nthe file's model on every path (one call, per call, torch's ops), same greedy tokens: {same}"
+            f"\nthe file's model on every path (one call, per call, fp32 products, torch's ops), "
+            f"same greedy tokens: {same}"
         )
     print()
     print("| linear kernel (the matrices it takes) | rows | resident MB | ms per pass | GB/s | / floor |")

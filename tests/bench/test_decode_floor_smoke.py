@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from kernels import cpu_native
+from kernels import cpu_native, cpu_quant_linear
 from tests.bench.tables import run_bench
 from tests.worker_svc.families import small_q4_1_llama
 
@@ -38,15 +38,18 @@ def test_decode_floor_quick(tmp_path: pathlib.Path) -> None:
     )
     bw = float(re.search(r"read bandwidth ([\d.]+) GB/s", out).group(1))  # type: ignore[union-attr]
     steps = _table(out, "weights")
+    words = cpu_quant_linear.word_products()  # then a row with them off: fp32 products, same x
     assert [r[1] for r in steps] == [
         "native",
         "native-int8+native-int4",
         "native-int8+native-int4",
+        *(["native-int8+native-int4"] if words else []),
         "int8+int4",
     ]
-    assert [r[0] for r in steps][1:3] == [
+    assert [r[0] for r in steps][1 : 4 if words else 3] == [
         "the file's own quantization",
         "the file's own quantization, per-call layers",
+        *(["the file's own quantization, fp32 products"] if words else []),
     ]
     for _, _, mb, floor_ms, flat_ms, read_ms, step_ms, ratio, read_ratio, gbs in steps:
         assert abs(float(floor_ms) - float(mb) / bw) <= 0.01 + 0.06 * float(floor_ms)  # MB / (GB/s) = ms
@@ -58,7 +61,7 @@ def test_decode_floor_quick(tmp_path: pathlib.Path) -> None:
             read_ratio[:-1]
         )
         assert abs(float(gbs) - float(mb) / float(step_ms)) <= 0.01 + 0.06 * float(gbs)
-    assert "every path (one call, per call, torch's ops), same greedy tokens: True" in out
+    assert "every path (one call, per call, fp32 products, torch's ops), same greedy tokens: True" in out
     kernels = _table(out, "linear kernel")
     labels = [r[0].split(" (")[0] for r in kernels]
     each = ["native fp32", "native int4", "torch int4 op", "native int8", "torch int8 op"]
