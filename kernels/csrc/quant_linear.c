@@ -103,58 +103,73 @@ static inline float *thread_scratch(float *scratch, int64_t floats) {
  * threads of the AVX-512 host). 16 bits and not the K-quant kernel's 8: 8-bit x cost SmolLM2's
  * Q4_1 file 1.1% of perplexity and changed its answers (docs/kernels.md). Every path of
  * pagedkv_q4_linear (the word products, the fp32 row tiles, the dequantized panels of many rows,
- * the plain C loops) multiplies the same x^, so a row's result does not depend on which path its
+ * the plain C loops), and of pagedkv_q8_linear, multiplies the same x^, so a row's result does not depend on which path its
  * batch took, beyond fp32 rounding. A NaN or infinity in a group makes its d NaN, and so every
  * output of its row, as an fp32 product's would be. */
 #define Q4_XTOP 32767.0f
 
-static float q4_round_group(const float *x, int16_t *q) {
-    float amax = 0.0f, bad = 0.0f; /* bad: 0, or NaN when an input is NaN or infinite (x * 0) */
+/* max|x| over n inputs, and *bad: 0, or NaN when an input is NaN or infinite (x * 0), so that a
+ * scale built from them is NaN and so is every output of the row, as an fp32 product's would be.
+ * The AVX2 path needs n a multiple of 8. Shared by both roundings of x (16 bits per 32 inputs
+ * here, 8 bits per 256 for K-quant blocks below). */
+static float abs_max(const float *x, int n, float *bad) {
+    float amax = 0.0f, nf_sum = 0.0f;
 #if Q_SIMD
-    __m256 mx = _mm256_setzero_ps(), nf = _mm256_setzero_ps();
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    for (int i = 0; i < Q4_GROUP; i += 8) {
-        const __m256 v = _mm256_loadu_ps(x + i);
-        mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v));
-        nf = _mm256_add_ps(nf, _mm256_mul_ps(v, _mm256_setzero_ps()));
-    }
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-    __m128 n4 = _mm_add_ps(_mm256_castps256_ps128(nf), _mm256_extractf128_ps(nf, 1));
-    n4 = _mm_add_ps(n4, _mm_movehl_ps(n4, n4));
-    bad = _mm_cvtss_f32(_mm_add_ss(n4, _mm_movehdup_ps(n4)));
-#else
-    for (int i = 0; i < Q4_GROUP; i++) {
-        const float a = x[i] < 0 ? -x[i] : x[i];
-        if (a > amax) amax = a;
-        bad += x[i] * 0.0f;
+    if (n % 8 == 0) {
+        __m256 mx = _mm256_setzero_ps(), nf = _mm256_setzero_ps();
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        for (int i = 0; i < n; i += 8) {
+            const __m256 v = _mm256_loadu_ps(x + i);
+            mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v));
+            nf = _mm256_add_ps(nf, _mm256_mul_ps(v, _mm256_setzero_ps()));
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        __m128 n4 = _mm_add_ps(_mm256_castps256_ps128(nf), _mm256_extractf128_ps(nf, 1));
+        n4 = _mm_add_ps(n4, _mm_movehl_ps(n4, n4));
+        *bad = _mm_cvtss_f32(_mm_add_ss(n4, _mm_movehdup_ps(n4)));
+        return _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
     }
 #endif
+    for (int i = 0; i < n; i++) {
+        const float a = x[i] < 0 ? -x[i] : x[i];
+        if (a > amax) amax = a;
+        nf_sum += x[i] * 0.0f;
+    }
+    *bad = nf_sum;
+    return amax;
+}
+
+/* len (1..Q4_GROUP) inputs rounded to q; returns their d. The same integers on every build
+ * (cvtps and lrintf both round to nearest-even under the default rounding mode). */
+static float round_group(const float *x, int len, int16_t *q) {
+    float bad;
+    const float amax = abs_max(x, len, &bad);
     const float iscale = amax > 0.0f && bad == 0.0f ? Q4_XTOP / amax : 0.0f;
+    int i = 0;
 #if Q_SIMD
     const __m256 is = _mm256_set1_ps(iscale);
-    for (int i = 0; i < Q4_GROUP; i += 16) {
+    for (; i + 16 <= len; i += 16) {
         const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i), is));
         const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8), is));
         /* packs works within 128-bit halves: a0-3 b0-3 a4-7 b4-7, put back in order */
         const __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
         _mm256_storeu_si256((__m256i *)(q + i), w);
     }
-#else
-    for (int i = 0; i < Q4_GROUP; i++) q[i] = (int16_t)lrintf(x[i] * iscale);
 #endif
+    for (; i < len; i++) q[i] = (int16_t)lrintf(x[i] * iscale);
     return amax / Q4_XTOP + bad;
 }
 
-/* x^ of m rows as fp32 into xh (dense rows of groups * Q4_GROUP): what the fp32 paths multiply. */
-static void q4_round_rows(int64_t m, int64_t groups, const float *x, int64_t x_stride, float *xh) {
+/* x^ of m rows as fp32 into xh (dense rows of k): what the fp32 paths multiply. A last group
+ * shorter than 32 (int8 rows of other widths) is rounded over the inputs left. */
+static void round_rows(int64_t m, int64_t k, const float *x, int64_t x_stride, float *xh) {
     int16_t q[Q4_GROUP];
     for (int64_t r = 0; r < m; r++) {
-        for (int64_t g = 0; g < groups; g++) {
-            const float d = q4_round_group(x + r * x_stride + g * Q4_GROUP, q);
-            float *out = xh + (r * groups + g) * Q4_GROUP;
-            for (int i = 0; i < Q4_GROUP; i++) out[i] = (float)q[i] * d;
+        for (int64_t g0 = 0; g0 < k; g0 += Q4_GROUP) {
+            const int len = (int)(k - g0 < Q4_GROUP ? k - g0 : Q4_GROUP);
+            const float d = round_group(x + r * x_stride + g0, len, q);
+            for (int i = 0; i < len; i++) xh[r * k + g0 + i] = (float)q[i] * d;
         }
     }
 }
@@ -363,7 +378,7 @@ static int q4_words_supported(void) {
 static void q4_words_prepare(int64_t groups, const float *x, int16_t *xv, float *d, float *xsum) {
     int16_t q[Q4_GROUP];
     for (int64_t g = 0; g < groups; g++) {
-        d[g] = q4_round_group(x + g * Q4_GROUP, q);
+        d[g] = round_group(x + g * Q4_GROUP, Q4_GROUP, q);
         int isum = 0;
         for (int i = 0; i < Q4_GROUP; i++) isum += q[i];
         xsum[g] = d[g] * (float)isum;
@@ -380,13 +395,8 @@ static void q4_words_prepare(int64_t groups, const float *x, int16_t *xv, float 
 }
 
 Q4_WORDS_TARGET static void q4_words_panel(int64_t m, int64_t groups, const int16_t *xv, const float *d,
-                                           const float *xsum, const uint8_t *w, const float *sz, float *y,
-                                           int64_t y_stride, int cols) {
-    uint8_t order[64];
-    for (int p = 0; p < 64; p++) { /* destination byte 4t + e, t = 8h + j <- input 4h + e, column j */
-        const int t = p >> 2, e = p & 3;
-        order[p] = (uint8_t)((4 * (t >> 3) + e) * 8 + (t & 7));
-    }
+                                           const float *xsum, const uint8_t *order, const uint8_t *w,
+                                           const float *sz, float *y, int64_t y_stride, int cols) {
     const __m512i perm = _mm512_loadu_si512(order), low = _mm512_set1_epi16(15);
     const __m512 eight = _mm512_set1_ps(8.0f);
     for (int64_t r = 0; r < m; r++) {
@@ -429,10 +439,12 @@ static int q4_words_rows(int64_t m, int64_t n, int64_t groups, const float *x, i
     for (int64_t r = 0; r < m; r++)
         q4_words_prepare(groups, x + r * x_stride, xv + r * groups * (Q4_XV / 2), d + r * groups,
                          d + (m + r) * groups);
+    uint8_t order[64]; /* vpermb's table: destination byte 4t + e, t = 8h + j <- input 4h + e, column j */
+    for (int p = 0; p < 64; p++) order[p] = (uint8_t)((4 * (p >> 5) + (p & 3)) * 8 + ((p >> 2) & 7));
     #pragma omp parallel for schedule(static) num_threads(num_threads) if (m * n * k >= PARALLEL_MIN_MACS)
     for (int64_t p = 0; p < panels; p++) {
         const int cols = (int)(n - p * Q4_PANEL < Q4_PANEL ? n - p * Q4_PANEL : Q4_PANEL);
-        q4_words_panel(m, groups, xv, d, d + m * groups, qweight + p * groups * Q4_CHUNK,
+        q4_words_panel(m, groups, xv, d, d + m * groups, order, qweight + p * groups * Q4_CHUNK,
                        qscale + p * groups * Q4_SCALES, y + p * Q4_PANEL, y_stride, cols);
     }
     free(xv);
@@ -442,8 +454,8 @@ static int q4_words_rows(int64_t m, int64_t n, int64_t groups, const float *x, i
 #endif
 
 /* Whether one- to few-row int4 products and one-row int8 ones take the word multiply-adds: want 0
- * turns them off, 1 on where the CPU has them, -1 only asks. Returns the state after (0 or 1; always 0 in a build
- * without AVX-512). Tests and benchmarks compare the two paths in one process. */
+ * turns them off, 1 on where the CPU has them, -1 only asks. Returns the state after (0 or 1;
+ * always 0 in a build without AVX-512). Tests and benchmarks compare the two paths in one process. */
 int pagedkv_quant_words(int want) {
 #ifdef Q4_WORDS
     if (q4_words_state < 0 || want >= 0) q4_words_state = want != 0 && q4_words_supported();
@@ -463,14 +475,14 @@ int pagedkv_q4_linear(int64_t m, int64_t n, int64_t k, const float *x, int64_t x
     if (m < Q4_DEQ_MIN_ROWS && pagedkv_quant_words(-1))
         return q4_words_rows(m, n, groups, x, x_stride, qweight, qscale, y, y_stride, num_threads);
 #endif
-    float *xh = malloc((size_t)(m * k > 0 ? m * k : 1) * sizeof(float)); /* x^ (see q4_round_group) */
+    float *xh = malloc((size_t)(m * k > 0 ? m * k : 1) * sizeof(float)); /* x^ (see round_group) */
     float *xs = malloc((size_t)(m * groups > 0 ? m * groups : 1) * sizeof(float));
     int rc = 0;
     if (!xh || !xs) {
         rc = -1;
         goto done;
     }
-    q4_round_rows(m, groups, x, x_stride, xh);
+    round_rows(m, k, x, x_stride, xh);
     x = xh;
     x_stride = k;
 #if Q_SIMD
@@ -512,33 +524,6 @@ static inline __m256 q8_widen(const int8_t *p) {
 }
 #endif
 
-/* x^ for int8 rows: the int4 rule (q4_round_group) over each 32 inputs of a row, a last group
- * shorter than 32 (k not a multiple of 32) over its own inputs; the same integers on every build. */
-static float q8_round_span(const float *x, int len, int16_t *q) {
-    if (len == Q4_GROUP) return q4_round_group(x, q);
-    float amax = 0.0f, bad = 0.0f;
-    for (int i = 0; i < len; i++) {
-        const float a = x[i] < 0 ? -x[i] : x[i];
-        if (a > amax) amax = a;
-        bad += x[i] * 0.0f;
-    }
-    const float iscale = amax > 0.0f && bad == 0.0f ? Q4_XTOP / amax : 0.0f;
-    for (int i = 0; i < len; i++) q[i] = (int16_t)lrintf(x[i] * iscale);
-    return amax / Q4_XTOP + bad;
-}
-
-/* x^ of m rows as fp32 into xh (dense rows of k): what the fp32 int8 paths multiply. */
-static void q8_round_rows(int64_t m, int64_t k, const float *x, int64_t x_stride, float *xh) {
-    int16_t q[Q4_GROUP];
-    for (int64_t r = 0; r < m; r++) {
-        for (int64_t g0 = 0; g0 < k; g0 += Q4_GROUP) {
-            const int len = (int)(k - g0 < Q4_GROUP ? k - g0 : Q4_GROUP);
-            const float d = q8_round_span(x + r * x_stride + g0, len, q);
-            for (int i = 0; i < len; i++) xh[r * k + g0 + i] = (float)q[i] * d;
-        }
-    }
-}
-
 #ifdef Q4_WORDS
 /* One x row (rounded: xq, d per group of 32) times one int8 weight row, read front to back once:
  * per group its 32 weights widened to 16 bits (vpmovsxbw) and multiplied pairwise with the
@@ -565,7 +550,7 @@ static int q8_words_row(int64_t n, int64_t k, const float *x, const int8_t *qwei
         free(d);
         return -1;
     }
-    for (int64_t g = 0; g < groups; g++) d[g] = q4_round_group(x + g * Q4_GROUP, xq + g * Q4_GROUP);
+    for (int64_t g = 0; g < groups; g++) d[g] = round_group(x + g * Q4_GROUP, Q4_GROUP, xq + g * Q4_GROUP);
     #pragma omp parallel for schedule(static) num_threads(num_threads) if (n * k >= PARALLEL_MIN_MACS)
     for (int64_t j = 0; j < n; j++) y[j] = q8_words_dot(groups, xq, d, qweight + j * w_stride) * scale[j];
     free(xq);
@@ -733,9 +718,9 @@ int pagedkv_q8_linear(int64_t m, int64_t n, int64_t k, const float *x, int64_t x
     if (m == 1 && k % Q4_GROUP == 0 && pagedkv_quant_words(-1))
         return q8_words_row(n, k, x, qweight, w_stride, scale, y, num_threads);
 #endif
-    float *xh = malloc((size_t)(m * k > 0 ? m * k : 1) * sizeof(float)); /* x^ (see q4_round_group) */
+    float *xh = malloc((size_t)(m * k > 0 ? m * k : 1) * sizeof(float)); /* x^ (see round_group) */
     if (!xh) return -1;
-    q8_round_rows(m, k, x, x_stride, xh);
+    round_rows(m, k, x, x_stride, xh);
     x = xh;
     x_stride = k;
     int rc = 0;
@@ -949,29 +934,8 @@ static void kq8_quantize_row(int64_t blocks, const float *x, KQ8Block *out) {
     for (int64_t bi = 0; bi < blocks; bi++) {
         const float *xb = x + bi * KQ_BLOCK;
         KQ8Block *o = out + bi;
-        /* bad: 0, or NaN when an input is NaN or infinite (x * 0), so that its block's scale is
-         * NaN and so is every output of the row, as an fp32 product's would be */
-        float amax = 0.0f, bad = 0.0f;
-#if Q_SIMD
-        __m256 mx = _mm256_setzero_ps(), nf = _mm256_setzero_ps();
-        const __m256 sign = _mm256_set1_ps(-0.0f);
-        for (int i = 0; i < KQ_BLOCK; i += 8) {
-            const __m256 v = _mm256_loadu_ps(xb + i);
-            mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v));
-            nf = _mm256_add_ps(nf, _mm256_mul_ps(v, _mm256_setzero_ps()));
-        }
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-        amax = _mm_cvtss_f32(m4);
-        bad = hsum(nf);
-#else
-        for (int i = 0; i < KQ_BLOCK; i++) {
-            const float a = xb[i] < 0 ? -xb[i] : xb[i];
-            if (a > amax) amax = a;
-            bad += xb[i] * 0.0f;
-        }
-#endif
+        float bad;
+        const float amax = abs_max(xb, KQ_BLOCK, &bad);
         const float iscale = amax > 0.0f && bad == 0.0f ? 127.0f / amax : 0.0f;
         o->d = amax / 127.0f + bad;
 #if Q_SIMD
