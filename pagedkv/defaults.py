@@ -67,6 +67,13 @@ MAX_TOP_LOGPROBS = 20
 """Most alternatives per position a worker returns and a request may ask for: OpenAI's limit for
 ``top_logprobs`` (and vLLM's default ``max_logprobs``)."""
 
+MAX_DECODE_STEPS = 64
+"""Most decode steps one worker call runs (multi-step decode, ``--decode-steps``): bounds a call's
+latency, and the tokens a request aborted meanwhile may cost."""
+
+DECODE_STEPS = 4
+"""Decode steps per worker call while no request waits (``pagedkv serve --decode-steps``)."""
+
 # --- Ports and addresses -------------------------------------------------------------------------
 HOST = "127.0.0.1"
 """Every server binds loopback unless told otherwise (security by default)."""

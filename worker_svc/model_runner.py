@@ -22,6 +22,7 @@ import torch
 
 import kernels
 from kernels import cpu_native, quant
+from pagedkv.defaults import MAX_DECODE_STEPS
 from worker_svc import omp_spin
 from worker_svc.devices import device_scope
 from worker_svc.model.batch import AttentionBatch
@@ -58,6 +59,10 @@ class SequenceRequest:
     history: TokenHistory | None = None
     # Grammar-constrained decoding: the tokens this step may choose (bitmask; b"" = any); forks too.
     allowed_token_mask: bytes = b""
+    # Multi-step decode: decode steps to run in this call, each next one on the token the last one
+    # drew (1 = one); they stop early after drawing one of ``stop_token_ids``.
+    decode_steps: int = 1
+    stop_token_ids: frozenset[int] = frozenset()
 
     @property
     def seq_len(self) -> int:
@@ -94,6 +99,7 @@ class SequenceResult:
     logits: torch.Tensor | None = None  # fp32 [vocab] on CPU, when asked for
     fork_samples: list[Drawn] = field(default_factory=list)  # one per SequenceRequest.fork_sampling
     top: list[tuple[int, float]] = field(default_factory=list)  # sampling.num_top_logprobs (token, logprob)
+    next_samples: list[Drawn] = field(default_factory=list)  # decode_steps > 1: the later steps' tokens
 
 
 @dataclass(slots=True)
@@ -222,6 +228,9 @@ class ModelRunner:
                     f"{where}: {s.seq_len} tokens need {need} blocks of {self.block_size}, "
                     f"block table has {len(s.block_ids)}"
                 )
+            if s.decode_steps != 1:
+                self._check_decode_steps(where, s)
+                need = -(-(s.num_cached_tokens + s.decode_steps) // self.block_size)
             bad = [b for b in s.block_ids[:need] if b >= self.num_gpu_blocks]
             if bad:
                 raise InvalidStep(f"{where}: block id {bad[0]} >= num_gpu_blocks {self.num_gpu_blocks}")
@@ -259,6 +268,35 @@ class ModelRunner:
         if any(d in sources for _, d in ops.copies):  # all copies run at once, in parallel
             raise InvalidStep("ops.copies: a destination block is also a source")
         self._check_pairs("ops.swap_in", ops.swap_in, self.num_cpu_blocks, self.num_gpu_blocks)
+
+    def _check_decode_steps(self, where: str, s: SequenceRequest) -> None:
+        """Multi-step decode runs on what the worker knows: a sequence whose sampling needs state only
+        the engine updates (logits to return, forks, penalties' history, a grammar's mask) cannot."""
+        if not 1 <= s.decode_steps <= MAX_DECODE_STEPS:
+            raise InvalidStep(f"{where}: decode_steps {s.decode_steps} is not in [1, {MAX_DECODE_STEPS}]")
+        if len(s.token_ids) != 1:
+            raise InvalidStep(
+                f"{where}: decode_steps {s.decode_steps} needs one new token, got {len(s.token_ids)}"
+            )
+        why = (
+            "return_logits"
+            if s.return_logits
+            else "fork_sampling"
+            if s.fork_sampling
+            else "a token history (penalties)"
+            if s.history is not None
+            else "an allowed_token_mask"
+            if s.allowed_token_mask
+            else ""
+        )
+        if why:
+            raise InvalidStep(f"{where}: decode_steps {s.decode_steps} cannot be combined with {why}")
+        end = s.num_cached_tokens + s.decode_steps
+        if len(s.block_ids) * self.block_size < end:
+            raise InvalidStep(
+                f"{where}: {s.decode_steps} decode steps write up to {end} tokens, its "
+                f"{len(s.block_ids)} blocks of {self.block_size} hold {len(s.block_ids) * self.block_size}"
+            )
 
     @staticmethod
     def _check_pairs(name: str, pairs: list[tuple[int, int]], n_src: int, n_dst: int) -> None:
@@ -349,6 +387,75 @@ class ModelRunner:
         token_tensor = torch.tensor(tokens, dtype=torch.int64, device=dev)
         return token_tensor, batch
 
+    def _forward_and_sample(self, seqs: Sequence[SequenceRequest]) -> list[SequenceResult]:
+        """One forward pass over ``seqs`` and their samples (the step's work; the caller holds the lock)."""
+        outputs: list[SequenceResult] = []
+        token_tensor, batch = self.build_batch(seqs)
+        if self.decode_graphs is not None:
+            logits = self.decode_graphs.forward(self.model, token_tensor, batch, self.gpu_cache)
+        else:
+            logits = self.model.forward(token_tensor, batch, self.gpu_cache)  # row i: seqs[i]
+        # Forked samples draw from their parent's row: one sample() call over all rows.
+        fork_rows = [i for i, s in enumerate(seqs) for _ in s.fork_sampling]
+        rows_sampled = (
+            logits.index_select(0, torch.tensor(list(range(len(seqs))) + fork_rows, device=logits.device))
+            if fork_rows
+            else logits
+        )
+        result = sample(
+            rows_sampled,
+            [s.sampling for s in seqs] + [p for s in seqs for p in s.fork_sampling],
+            [s.seq_len for s in seqs] + [seqs[i].seq_len for i in fork_rows],
+            [s.history for s in seqs] + [seqs[i].history for i in fork_rows],
+            [s.allowed_token_mask for s in seqs] + [seqs[i].allowed_token_mask for i in fork_rows],
+        )
+        token_ids, logprobs = result.token_ids.tolist(), result.logprobs.tolist()
+        want_logits = any(s.return_logits for s in seqs)
+        logits_cpu = logits.cpu() if want_logits else None
+        k = len(seqs)
+        for i, s in enumerate(seqs):
+            n = len(s.fork_sampling)
+            outputs.append(
+                SequenceResult(
+                    seq_id=s.seq_id,
+                    token_id=int(token_ids[i]),
+                    logprob=float(logprobs[i]),
+                    logits=logits_cpu[i] if (logits_cpu is not None and s.return_logits) else None,
+                    fork_samples=[
+                        Drawn(int(token_ids[j]), float(logprobs[j]), result.top[j]) for j in range(k, k + n)
+                    ],
+                    top=result.top[i],
+                )
+            )
+            k += n
+        return outputs
+
+    def _more_decode_steps(self, seqs: Sequence[SequenceRequest], outputs: list[SequenceResult]) -> None:
+        """Multi-step decode (``decode_steps``): each further step feeds every sequence still going
+        the token its last step drew, at the next position, until its steps are done or it drew a
+        stop token. Why here: one engine round trip (block manager, step transport, the engine's own
+        work) then serves several tokens; the KV and tokens are those of as many single steps."""
+        last = {i: o.token_id for i, o in enumerate(outputs) if o.token_id not in seqs[i].stop_token_ids}
+        for j in range(1, max(s.decode_steps for s in seqs)):
+            going = [i for i in last if seqs[i].decode_steps > j]
+            if not going:
+                return
+            batch = [
+                SequenceRequest(
+                    seq_id=seqs[i].seq_id,
+                    token_ids=[last[i]],
+                    block_ids=seqs[i].block_ids,
+                    num_cached_tokens=seqs[i].num_cached_tokens + j,
+                    sampling=seqs[i].sampling,
+                )
+                for i in going
+            ]
+            last = {}
+            for i, r in zip(going, self._forward_and_sample(batch), strict=True):
+                outputs[i].next_samples.append(Drawn(r.token_id, r.logprob, r.top))
+                if r.token_id not in seqs[i].stop_token_ids:
+                    last[i] = r.token_id
+
     # ---------------------------------------------------------------- the step
     def _kernel_backend(self) -> contextlib.AbstractContextManager[None]:
         """This runner's kernel backend for the calls of one step (none: the process default)."""
@@ -367,49 +474,9 @@ class ModelRunner:
             clock = _StepClock(self.device)
             self.run_cache_ops(ops)
             clock.mark()
-            outputs: list[SequenceResult] = []
-            if seqs:
-                token_tensor, batch = self.build_batch(seqs)
-                if self.decode_graphs is not None:
-                    logits = self.decode_graphs.forward(self.model, token_tensor, batch, self.gpu_cache)
-                else:
-                    logits = self.model.forward(token_tensor, batch, self.gpu_cache)  # row i: seqs[i]
-                # Forked samples draw from their parent's row: one sample() call over all rows.
-                fork_rows = [i for i, s in enumerate(seqs) for _ in s.fork_sampling]
-                rows_sampled = (
-                    logits.index_select(
-                        0, torch.tensor(list(range(len(seqs))) + fork_rows, device=logits.device)
-                    )
-                    if fork_rows
-                    else logits
-                )
-                result = sample(
-                    rows_sampled,
-                    [s.sampling for s in seqs] + [p for s in seqs for p in s.fork_sampling],
-                    [s.seq_len for s in seqs] + [seqs[i].seq_len for i in fork_rows],
-                    [s.history for s in seqs] + [seqs[i].history for i in fork_rows],
-                    [s.allowed_token_mask for s in seqs] + [seqs[i].allowed_token_mask for i in fork_rows],
-                )
-                token_ids, logprobs = result.token_ids.tolist(), result.logprobs.tolist()
-                want_logits = any(s.return_logits for s in seqs)
-                logits_cpu = logits.cpu() if want_logits else None
-                k = len(seqs)
-                for i, s in enumerate(seqs):
-                    n = len(s.fork_sampling)
-                    outputs.append(
-                        SequenceResult(
-                            seq_id=s.seq_id,
-                            token_id=int(token_ids[i]),
-                            logprob=float(logprobs[i]),
-                            logits=logits_cpu[i] if (logits_cpu is not None and s.return_logits) else None,
-                            fork_samples=[
-                                Drawn(int(token_ids[j]), float(logprobs[j]), result.top[j])
-                                for j in range(k, k + n)
-                            ],
-                            top=result.top[i],
-                        )
-                    )
-                    k += n
+            outputs = self._forward_and_sample(seqs) if seqs else []
+            if any(s.decode_steps > 1 for s in seqs):
+                self._more_decode_steps(seqs, outputs)
             # Cross-process visibility: other workers read this cache through their own CUDA
             # contexts and streams, so every cache write (cache ops and the forward's KV writes,
             # all on this stream) must be complete before the RPC replies. The sampled tokens
@@ -418,7 +485,7 @@ class ModelRunner:
             cache_ops_ms, forward_ms = clock.done()
         return StepResult(
             outputs=outputs,
-            num_tokens=sum(len(s.token_ids) for s in seqs),
+            num_tokens=sum(len(s.token_ids) for s in seqs) + sum(len(o.next_samples) for o in outputs),
             cache_ops_ms=cache_ops_ms,
             forward_ms=forward_ms,
         )

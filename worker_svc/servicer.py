@@ -108,6 +108,8 @@ def sequence_from_proto(s: worker_pb2.SequenceInput, memo: SamplingMemo | None =
         if s.output_token_ids or s.prompt_token_ids
         else None,
         allowed_token_mask=s.allowed_token_mask,
+        decode_steps=s.decode_steps or 1,
+        stop_token_ids=frozenset(s.stop_token_ids) if s.stop_token_ids else frozenset(),
     )
 
 
@@ -128,6 +130,11 @@ def output_to_proto(resp: worker_pb2.WorkerStepResponse, o: SequenceResult) -> N
     if o.top:
         msg.top_token_ids.extend(t for t, _ in o.top)
         msg.top_logprobs.extend(lp for _, lp in o.top)
+    for d in o.next_samples:
+        nxt = msg.next_samples.add(token_id=d.token_id, logprob=d.logprob)
+        if d.top:
+            nxt.top_token_ids.extend(t for t, _ in d.top)
+            nxt.top_logprobs.extend(lp for _, lp in d.top)
 
 
 class StepRefused(Exception):

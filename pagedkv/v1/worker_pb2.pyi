@@ -159,6 +159,8 @@ class SequenceInput(_message.Message):
     OUTPUT_TOKEN_COUNTS_FIELD_NUMBER: _builtins.int
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     ALLOWED_TOKEN_MASK_FIELD_NUMBER: _builtins.int
+    DECODE_STEPS_FIELD_NUMBER: _builtins.int
+    STOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     seq_id: _builtins.str
     num_cached_tokens: _builtins.int
     """Tokens of this sequence whose KV is already in the cache, before token_ids."""
@@ -169,6 +171,16 @@ class SequenceInput(_message.Message):
     (bit t % 32 of little-endian 32-bit word t / 32 set = token t allowed;
     ceil(vocab_size / 32) words). Empty = no constraint. The forked samples'
     first tokens obey it too.
+    """
+    decode_steps: _builtins.int
+    """Multi-step decode: run this many decode steps of the sequence in this one
+    call (0 or 1 = one), each next one on the token the last one drew, as
+    SGLang's continuous decode steps do; the tokens after the first come back
+    in SequenceOutput.next_samples. Only for one new token, with block_ids
+    holding every position the steps write (num_cached_tokens + decode_steps
+    tokens), and without return_logits, fork_sampling, a token history or an
+    allowed_token_mask (those change with every token, and only the engine
+    knows how). At most 64.
     """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -203,6 +215,12 @@ class SequenceInput(_message.Message):
     def output_token_counts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def stop_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """With decode_steps: a token that ends the sequence; its steps stop after
+        drawing one (the engine still applies every stop rule itself).
+        """
+
     def __init__(
         self,
         *,
@@ -217,10 +235,12 @@ class SequenceInput(_message.Message):
         output_token_counts: _abc.Iterable[_builtins.int] | None = ...,
         prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         allowed_token_mask: _builtins.bytes = ...,
+        decode_steps: _builtins.int = ...,
+        stop_token_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allowed_token_mask", b"allowed_token_mask", "block_ids", b"block_ids", "fork_sampling", b"fork_sampling", "num_cached_tokens", b"num_cached_tokens", "output_token_counts", b"output_token_counts", "output_token_ids", b"output_token_ids", "prompt_token_ids", b"prompt_token_ids", "return_logits", b"return_logits", "sampling", b"sampling", "seq_id", b"seq_id", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allowed_token_mask", b"allowed_token_mask", "block_ids", b"block_ids", "decode_steps", b"decode_steps", "fork_sampling", b"fork_sampling", "num_cached_tokens", b"num_cached_tokens", "output_token_counts", b"output_token_counts", "output_token_ids", b"output_token_ids", "prompt_token_ids", b"prompt_token_ids", "return_logits", b"return_logits", "sampling", b"sampling", "seq_id", b"seq_id", "stop_token_ids", b"stop_token_ids", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -308,6 +328,7 @@ class SequenceOutput(_message.Message):
     FORK_SAMPLES_FIELD_NUMBER: _builtins.int
     TOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    NEXT_SAMPLES_FIELD_NUMBER: _builtins.int
     seq_id: _builtins.str
     token_id: _builtins.int
     """The next token."""
@@ -331,6 +352,12 @@ class SequenceOutput(_message.Message):
 
     @_builtins.property
     def top_logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    @_builtins.property
+    def next_samples(self) -> _containers.RepeatedCompositeFieldContainer[Global___Sample]:
+        """SequenceInput.decode_steps: the tokens the steps after the first drew, in
+        order (fewer than decode_steps - 1 when one drew a stop token).
+        """
+
     def __init__(
         self,
         *,
@@ -341,10 +368,11 @@ class SequenceOutput(_message.Message):
         fork_samples: _abc.Iterable[Global___Sample] | None = ...,
         top_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         top_logprobs: _abc.Iterable[_builtins.float] | None = ...,
+        next_samples: _abc.Iterable[Global___Sample] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fork_samples", b"fork_samples", "logits", b"logits", "logprob", b"logprob", "seq_id", b"seq_id", "token_id", b"token_id", "top_logprobs", b"top_logprobs", "top_token_ids", b"top_token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fork_samples", b"fork_samples", "logits", b"logits", "logprob", b"logprob", "next_samples", b"next_samples", "seq_id", b"seq_id", "token_id", b"token_id", "top_logprobs", b"top_logprobs", "top_token_ids", b"top_token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

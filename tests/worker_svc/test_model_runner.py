@@ -195,6 +195,24 @@ def test_swap_out_copy_swap_in_in_one_step_run_in_that_order(runner: ModelRunner
             "history token id 600",
         ),
         (SequenceRequest("x", [1], [0], 0), CacheOpsRequest(copies=[(1, 3), (2, 3)]), "twice"),
+        (SequenceRequest("x", [1], [0], 0, decode_steps=65), CacheOpsRequest(), r"not in \[1, 64\]"),
+        (SequenceRequest("x", [1, 2], [0], 0, decode_steps=2), CacheOpsRequest(), "needs one new token"),
+        (SequenceRequest("x", [1], [0], 2, decode_steps=3), CacheOpsRequest(), "write up to 5 tokens"),
+        (
+            SequenceRequest("x", [1], [0], 0, decode_steps=2, return_logits=True),
+            CacheOpsRequest(),
+            "combined with return_logits",
+        ),
+        (
+            SequenceRequest("x", [1], [0], 0, decode_steps=2, history=TokenHistory((4,), (1,))),
+            CacheOpsRequest(),
+            "combined with a token history",
+        ),
+        (
+            SequenceRequest("x", [1], [0], 0, decode_steps=2, allowed_token_mask=b"\xff" * 16),
+            CacheOpsRequest(),
+            "combined with an allowed_token_mask",
+        ),
         # after a swap-out, so "before anything runs" covers the ops too
         (
             SequenceRequest("x", [1], [0], 0),
@@ -411,3 +429,49 @@ def test_a_grammar_mask_constrains_the_sequence_and_its_forks_only(runner: Model
     ).outputs
     assert out[0].token_id == order[5] and out[0].fork_samples[0].token_id in allowed
     assert out[1].token_id == order[0]
+
+
+def test_multi_step_decode_equals_as_many_single_steps(hf_llama: HFModel) -> None:
+    """decode_steps: one call runs each sequence's decode steps on the tokens it draws; tokens,
+    logprobs, top logprobs and the KV written are those of as many single steps (greedy, and seeded
+    sampling, which draws by position), each sequence going as far as its own count; a stop token
+    ends a sequence's steps at once, and the step counts the tokens it computed."""
+    one, many = make_runner(hf_llama.path), make_runner(hf_llama.path)
+    seeded = SamplingParams(temperature=0.9, seed=11, num_top_logprobs=3)
+    prompts = {"g": (PROMPT, SamplingParams(), [0, 1, 2, 3]), "s": (PROMPT[:7], seeded, [4, 5, 6])}
+    for r in (one, many):  # the prompts, one step each
+        r.step([SequenceRequest(k, p[:-1], b, 0, sampling=sp) for k, (p, sp, b) in prompts.items()])
+    singles: dict[str, list[tuple[int, float, list[tuple[int, float]]]]] = {"g": [], "s": []}
+    counts = {"g": 5, "s": 3}
+    for k, (p, sp, b) in prompts.items():
+        last, pos = p[-1], len(p) - 1
+        for _ in range(counts[k]):
+            o = one.step([SequenceRequest(k, [last], b, pos, sampling=sp)]).outputs[0]
+            singles[k].append((o.token_id, o.logprob, o.top))
+            last, pos = o.token_id, pos + 1
+    res = many.step(
+        [
+            SequenceRequest(k, [p[-1]], b, len(p) - 1, sampling=sp, decode_steps=counts[k])
+            for k, (p, sp, b) in prompts.items()
+        ]
+    )
+    assert res.num_tokens == 5 + 3
+    for k, o in zip(prompts, res.outputs, strict=True):
+        got = [(o.token_id, o.logprob, o.top)] + [(d.token_id, d.logprob, d.top) for d in o.next_samples]
+        assert [g[0] for g in got] == [s[0] for s in singles[k]]
+        for g, s in zip(got, singles[k], strict=True):
+            assert g[1] == pytest.approx(s[1], abs=1e-5)
+            assert [t for t, _ in g[2]] == [t for t, _ in s[2]]
+    assert len(res.outputs[1].top) == 3
+    torch.testing.assert_close(many.gpu_cache[:, :, :7], one.gpu_cache[:, :, :7])
+    # A stop token: the sequence's steps end with the token that matched.
+    p, sp, b = prompts["g"]
+    stop = singles["g"][2][0]
+    fresh = make_runner(hf_llama.path)
+    fresh.step([SequenceRequest("g", p[:-1], b, 0)])
+    o = fresh.step(
+        [SequenceRequest("g", [p[-1]], b, len(p) - 1, decode_steps=5, stop_token_ids=frozenset({stop}))]
+    )
+    drawn = [o.outputs[0].token_id] + [d.token_id for d in o.outputs[0].next_samples]
+    assert drawn == [s[0] for s in singles["g"]][: drawn.index(stop) + 1] and drawn[-1] == stop
+    assert o.num_tokens == len(drawn)

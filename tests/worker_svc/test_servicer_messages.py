@@ -123,3 +123,31 @@ def test_unpaired_bias_or_counts_are_refused() -> None:
     msg.output_token_counts.append(1)
     with pytest.raises(InvalidStep, match="output_token_counts"):
         sequence_from_proto(msg)
+
+
+def test_multi_step_decode_fields_round_trip() -> None:
+    """decode_steps and stop_token_ids reach the runner (unset: one step, no stop ids); the tokens
+    of the later steps go out in next_samples, in order, with their top logprobs when they have any."""
+    plain = sequence_from_proto(_input(None))
+    assert (plain.decode_steps, plain.stop_token_ids) == (1, frozenset())
+    msg = _input(None)
+    msg.decode_steps = 4
+    msg.stop_token_ids.extend([2, 7, 2])
+    got = sequence_from_proto(msg)
+    assert (got.decode_steps, got.stop_token_ids) == (4, frozenset({2, 7}))
+    resp = worker_pb2.WorkerStepResponse()
+    output_to_proto(
+        resp,
+        SequenceResult(
+            seq_id="m",
+            token_id=4,
+            logprob=-0.5,
+            next_samples=[Drawn(6, -1.0), Drawn(7, -0.25, top=[(7, -0.25), (1, -2.0)])],
+        ),
+    )
+    (out,) = resp.outputs
+    assert [(s.token_id, s.logprob, list(s.top_token_ids)) for s in out.next_samples] == [
+        (6, -1.0, []),
+        (7, -0.25, [7, 1]),
+    ]
+    assert list(out.next_samples[1].top_logprobs) == [-0.25, -2.0]
