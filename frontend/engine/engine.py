@@ -13,7 +13,9 @@ Each `step()` is one iteration, conducted as vLLM v1's ``EngineCore.step()`` is:
    decision: mixed workers split the iteration and compute at once on the one shared cache; with
    prefill and decode workers the engine runs two pipelines, and a sequence joins the decode batch
    at the first iteration after its prefill came back. With `overlap_block_manager`, a second Step
-   reserves the next slots while the workers compute.
+   reserves the next slots while the workers compute. An iteration of decode tokens alone, with
+   nobody waiting for admission, runs up to `decode_steps` decode steps in the one worker call
+   (multi-step decode: Scheduler.decode_steps, policy.decode_steps).
 3. Sampled tokens come back as `TokenEvent`s; an `n > 1` request's samples get their first token
    from the prompt's last position in the parent's prefill step (`SequenceInput.fork_sampling`).
 
@@ -60,6 +62,7 @@ from frontend.engine.types import (
     SeqStatus,
     TokenEvent,
 )
+from pagedkv.defaults import MAX_DECODE_STEPS
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import worker_pb2 as wpb
 from pagedkv.watermark import admission_room
@@ -81,6 +84,10 @@ class Engine:
         self.config = config or EngineConfig()
         if not self.config.lease_ttl_s > 0:
             raise ValueError(f"lease_ttl_s must be > 0, got {self.config.lease_ttl_s}")
+        if not 1 <= self.config.decode_steps <= MAX_DECODE_STEPS:
+            raise ValueError(
+                f"decode_steps must be in [1, {MAX_DECODE_STEPS}], got {self.config.decode_steps}"
+            )
         geometry = read_geometry(self.bm, self.config.timeout_s)
         self.block_size = geometry.block_size
         self.num_gpu_blocks = geometry.num_gpu_blocks
@@ -279,7 +286,14 @@ class Engine:
         if not batch:
             self._idle()
             return events
-        return events + self._run_worker(batch, self.pool.workers())
+        return events + self._run_worker(batch, self.pool.workers(), self._decode_steps(batch))
+
+    def _decode_steps(self, batch: list[tuple[Seq, int]]) -> list[int] | None:
+        """Multi-step decode (EngineConfig.decode_steps, Scheduler.decode_steps): not while a
+        prefill is in flight, nor with overlap_block_manager (its reservation covers one slot)."""
+        if self.config.overlap_block_manager or self._prefill is not None:
+            return None
+        return self.scheduler.decode_steps(batch, self.config.decode_steps)
 
     def _block_manager_step(self, *, full: bool = True) -> None:
         """The iteration's one round trip: commits, frees, appends, allocations, forks, swap-ins.
@@ -370,14 +384,18 @@ class Engine:
         if early:
             self._reserved = (early, self.session.step(StepPlan(appends=[(s.seq_id, None) for s in early])))
 
-    def _worker_request(self, batch: list[tuple[Seq, int]], ops: pb.CacheOps | None) -> wpb.WorkerStepRequest:
+    def _worker_request(
+        self, batch: list[tuple[Seq, int]], ops: pb.CacheOps | None, steps: list[int] | None = None
+    ) -> wpb.WorkerStepRequest:
         rid = f"step-{self.instance_id}-{next(self._step_ids)}"
-        return output.worker_request(batch, ops, rid, self.cache_instance, self.scheduler.fork_draws)
+        return output.worker_request(batch, ops, rid, self.cache_instance, self.scheduler.fork_draws, steps)
 
-    def _run_worker(self, batch: list[tuple[Seq, int]], workers: list[WorkerSlot]) -> list[TokenEvent]:
+    def _run_worker(
+        self, batch: list[tuple[Seq, int]], workers: list[WorkerSlot], steps: list[int] | None = None
+    ) -> list[TokenEvent]:
         """One synchronous step (split over ``workers`` by dispatch) with the cache ops owed, then
-        its results."""
-        req = self._worker_request(batch, self.scheduler.take_ops())
+        its results; ``steps``: decode steps per sequence (multi-step decode)."""
+        req = self._worker_request(batch, self.scheduler.take_ops(), steps)
         t0 = time.perf_counter()
         if self._last_call_end is not None:
             self.stats.worker_idle_s += t0 - self._last_call_end
@@ -396,6 +414,7 @@ class Engine:
         except CacheLostEverywhere as e:
             raise recovery.cache_host_lost(e) from e
         self.stats.worker_steps += 1
+        self.stats.multi_step_calls += steps is not None
         self._last_call_end = time.perf_counter()
         events = self.scheduler.apply_outputs(items, resp.outputs)
         if self._reserved is not None:

@@ -130,13 +130,15 @@ def worker_request(
     request_id: str,
     cache_instance_id: str,
     fork_draws: Callable[[Seq, int], list[Seq]],
+    decode_steps: Sequence[int] | None = None,
 ) -> wpb.WorkerStepRequest:
     """The step of ``batch`` ((sequence, tokens to compute) pairs) on the cache named, with the cache
-    ops owed; ``fork_draws`` names the samples whose first token each sequence's step draws."""
+    ops owed; ``fork_draws`` names the samples whose first token each sequence's step draws, and
+    ``decode_steps`` (policy.decode_steps) how many decode steps each one runs."""
     req = wpb.WorkerStepRequest(request_id=request_id, cache_instance_id=cache_instance_id)
     if ops is not None:
         req.ops.CopyFrom(ops)
-    for s, k in batch:
+    for j, (s, k) in enumerate(batch):
         start = s.num_computed
         item = req.sequences.add(
             seq_id=s.seq_id,
@@ -149,4 +151,7 @@ def worker_request(
         # n > 1: the worker draws the forked samples' first tokens from the prompt's last position.
         for c in fork_draws(s, k):
             fill_sampling(item.fork_sampling.add(), s.request.sampling, c.seed)
+        if decode_steps is not None and decode_steps[j] > 1:
+            item.decode_steps = decode_steps[j]
+            item.stop_token_ids.extend(s.request.stop_token_ids)
     return req

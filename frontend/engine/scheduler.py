@@ -514,6 +514,14 @@ class Scheduler:
             prefill_busy=prefill_busy,
         )
 
+    def decode_steps(self, batch: list[tuple[Seq, int]], want: int) -> list[int] | None:
+        """Decode steps per sequence of ``batch`` in one worker call (policy.decode_steps), or None
+        for one: also while a sequence waits for admission or a swap-in (it would wait for the
+        whole call)."""
+        if want <= 1 or self.waiting or self.swapped:
+            return None
+        return policy.decode_steps(batch, want, self.limits.block_size)
+
     def take_ops(self) -> pb.CacheOps:
         """The cache ops owed to the workers, for the worker step about to be sent."""
         ops, self.pending_ops = self.pending_ops, pb.CacheOps()
@@ -570,6 +578,23 @@ class Scheduler:
             for child, drawn in output.fork_firsts(s, out.fork_samples):
                 events.append(self._accept_token(child, drawn))
             events.append(self._accept_token(s, out))
+            if out.next_samples:
+                events += self._accept_next(s, out.next_samples)
+        return events
+
+    def _accept_next(self, s: Seq, samples: Sequence[wpb.Sample]) -> list[TokenEvent]:
+        """Multi-step decode: the tokens the steps after the first drew, each computed on the one
+        before it. They count until one finishes the sequence (a stop string the caller matches
+        aborts it later, as with single steps); what the worker computed past that is dropped with
+        the sequence's blocks."""
+        events = []
+        for drawn in samples:
+            if s.status is not SeqStatus.RUNNING:
+                break
+            s.num_computed += 1  # the token the last step drew is in the cache now
+            self.stats.computed_tokens += 1
+            self.stats.multi_step_tokens += 1
+            events.append(self._accept_token(s, drawn))
         return events
 
     def _accept_token(self, s: Seq, drawn: output.Drawn) -> TokenEvent:

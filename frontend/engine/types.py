@@ -269,6 +269,12 @@ class EngineConfig:
     # block ahead, so crossing a block boundary needs no Step either. None: the block size;
     # 0: never. Costs at most one block per running sequence, and only above the watermark.
     grant_ahead_tokens: int | None = None
+    # Multi-step decode: a worker call of decode tokens alone runs up to this many decode steps,
+    # each next one on the token the last one drew (SGLang's --num-continuous-decode-steps), while
+    # no request waits for admission. Each iteration's fixed cost (block-manager plan, step
+    # transport, the engine's own work) is then paid once for that many tokens, which reach the
+    # caller that many at a time. 1: one step per iteration.
+    decode_steps: int = defaults.DECODE_STEPS
     # How long the block manager may stay unreachable (UNAVAILABLE / DEADLINE_EXCEEDED, retried with
     # backoff) before step() raises BlockManagerUnavailable (`pagedkv serve --block-manager-outage-s`).
     block_manager_outage_s: float = 30.0
@@ -299,6 +305,10 @@ class EngineStats:
     worker_idle_gaps: int = 0
     prefill_launches: int = 0  # async prefill chunks sent to prefill workers (disaggregated layout)
     slots_reserved_ahead: int = 0  # decode slots reserved while the workers computed (overlap)
+    # Multi-step decode: worker calls that ran more than one decode step, and the tokens drawn by
+    # the steps after each sequence's first (tokens that needed no iteration of their own).
+    multi_step_calls: int = 0
+    multi_step_tokens: int = 0
     blocks_granted_ahead: int = 0  # blocks the manager granted running sequences ahead of need
     # Admissions deferred by one iteration because another sequence was computing their prefix.
     admissions_held: int = 0

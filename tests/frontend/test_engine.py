@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from frontend.engine import EngineConfig, GenerationRequest
+from frontend.engine import EngineConfig, GenerationRequest, SamplingOptions
 from frontend.launch.config import StackConfig
 from frontend.launch.local_stack import LocalStack
 from tests.worker_svc.conftest import HFModel, build_hf_model
@@ -77,17 +77,54 @@ def test_chunked_prefill_and_forced_preemption_keep_outputs_exact(hf: HFModel) -
         assert [c.token_ids for c in out.completions] == [expected] * len(out.completions), out.request_id
 
 
-def test_stop_tokens_and_streaming(hf: HFModel) -> None:
+@pytest.mark.parametrize("decode_steps", [1, 4])
+def test_stop_tokens_and_streaming(hf: HFModel, decode_steps: int) -> None:
     p = prompts(2, 1)[0]
     expected = hf.greedy(p, 8)
     stop = expected[3]
     with stack(hf, num_gpu_blocks=32) as st:
-        engine = st.engine()
+        engine = st.engine(EngineConfig(decode_steps=decode_steps))
         engine.add_request(GenerationRequest("s", p, max_tokens=8, stop_token_ids=(stop,)))
         events = list(engine.stream())
+        engine.flush()
+        bm = st.block_manager.servicer._core  # noqa: SLF001
+        assert bm.stats().num_sequences == 0 and bm.stats().num_used_blocks == 0
     cut = expected.index(stop) + 1
     assert [e.token_id for e in events] == expected[:cut]
     assert [e.finish_reason for e in events] == [None] * (cut - 1) + ["stop"]
+
+
+def test_multi_step_decode_matches_transformers_in_fewer_iterations(hf: HFModel) -> None:
+    """decode_steps=4 on a live stack: the greedy tokens are transformers', a seeded sample's are
+    those of single steps, a request arriving mid-run is admitted at once (nobody waits out a
+    multi-step call to be admitted: it waits for one call at most), and far fewer iterations
+    ran than tokens were generated."""
+    ps = prompts(5, 3)
+    seeded = SamplingOptions(temperature=0.8, seed=5)
+    outs, iterations = {}, {}
+    for steps in (1, 4):
+        with stack(hf, num_gpu_blocks=64) as st:
+            engine = st.engine(EngineConfig(decode_steps=steps))
+            engine.add_request(GenerationRequest("g", ps[0], max_tokens=21))
+            engine.add_request(GenerationRequest("s", ps[1], max_tokens=13, sampling=seeded))
+            for _ in range(4):
+                engine.step()
+            late = engine.add_request(GenerationRequest("late", ps[2], max_tokens=9))
+            engine.step()
+            assert not engine.scheduler.waiting, "the late request was admitted in the next iteration"
+            for _ in engine.stream():
+                pass
+            engine.flush()
+            bm = st.block_manager.servicer._core  # noqa: SLF001
+            assert bm.stats().num_sequences == 0 and bm.stats().num_used_blocks == 0
+            outs[steps] = {r: engine.outputs[r].completions[0].token_ids for r in ("g", "s", "late")}
+            stats = engine.stats
+            assert late.completions[0].token_ids == hf.greedy(ps[2], 9)
+        iterations[steps] = stats.steps
+        assert (stats.multi_step_calls > 0 and stats.multi_step_tokens > 20) == (steps == 4)
+    assert iterations[1] > 21 > 2 * iterations[4], iterations  # "g" alone makes 21 tokens
+    assert outs[4]["g"] == outs[1]["g"] == hf.greedy(ps[0], 21)
+    assert outs[4]["s"] == outs[1]["s"]
 
 
 def test_bad_requests_are_rejected_before_touching_the_services(hf: HFModel) -> None:

@@ -79,6 +79,7 @@ class Driver:
     events: list[TokenEvent] = field(default_factory=list)
     worker_steps: list[list[tuple[str, int]]] = field(default_factory=list)
     ops_sent: int = 0
+    decode_steps: int = 1  # EngineConfig.decode_steps: the stand-in worker runs them as the real one
     gpu: dict[int, dict[int, int]] = field(default_factory=dict)  # block -> slot -> token written
     cpu: dict[int, dict[int, int]] = field(default_factory=dict)
 
@@ -86,7 +87,7 @@ class Driver:
     def make(
         cls, *, num_gpu_blocks: int, block_size: int = 4, max_num_seqs: int = 8, max_batch_tokens: int = 64,
         watermark: int = 0, prefix_caching: bool = True, defer_appends: bool = True,
-        grant_ahead_tokens: int | None = None, **core: object,
+        grant_ahead_tokens: int | None = None, decode_steps: int = 1, **core: object,
     ) -> Driver:  # fmt: skip
         bm = CoreBlockManager(
             num_gpu_blocks=num_gpu_blocks,
@@ -105,13 +106,18 @@ class Driver:
             defer_appends=defer_appends,
             grant_ahead_tokens=grant_ahead_tokens,
         )
-        return cls(scheduler, bm)
+        return cls(scheduler, bm, decode_steps=decode_steps)
 
     def add(
-        self, rid: str, prompt: list[int], max_tokens: int = 4, n: int = 1, seed: int | None = None
-    ) -> None:
+        self, rid: str, prompt: list[int], max_tokens: int = 4, n: int = 1, seed: int | None = None,
+        stop_token_ids: tuple[int, ...] = (),
+    ) -> None:  # fmt: skip
         sampling = SamplingOptions(temperature=0.0 if seed is None else 1.0, seed=seed)
-        self.scheduler.add(GenerationRequest(rid, prompt, max_tokens=max_tokens, n=n, sampling=sampling))
+        self.scheduler.add(
+            GenerationRequest(
+                rid, prompt, max_tokens=max_tokens, n=n, sampling=sampling, stop_token_ids=stop_token_ids
+            )
+        )
 
     def block_manager_step(self) -> StepDelta | None:
         plan = self.scheduler.plan()
@@ -137,9 +143,10 @@ class Driver:
             return []
         self.worker_steps.append([(s.seq_id, k) for s, k in batch])
         items = [PrefillItem(s, s.num_computed, k) for s, k in batch]
+        steps = sched.decode_steps(batch, self.decode_steps) or [1] * len(batch)
         outputs = []
         bs = sched.limits.block_size
-        for s, k in batch:
+        for (s, k), n in zip(batch, steps, strict=True):
             table = s.step_blocks  # what the worker request carries
             for pos in range(s.num_computed, s.num_computed + k):
                 self.gpu.setdefault(table[pos // bs], {})[pos % bs] = s.tokens[pos]
@@ -148,6 +155,17 @@ class Driver:
             out = wpb.SequenceOutput(token_id=next_token(context, s.seed or 0))
             for child in draws:
                 out.fork_samples.add(token_id=next_token(context, child.seed or 0))
+            # Multi-step decode: each next step writes the token drawn last at the next position
+            # (into the table it was sent: a slot it does not hold raises here) and draws again.
+            last, pos = out.token_id, s.num_computed + k
+            for _ in range(n - 1):
+                if last in s.request.stop_token_ids:
+                    break
+                self.gpu.setdefault(table[pos // bs], {})[pos % bs] = last
+                pos += 1
+                context = [self.gpu[table[q // bs]].get(q % bs, -1) for q in range(pos)]
+                last = next_token(context, s.seed or 0)
+                out.next_samples.add(token_id=last)
             outputs.append(out)
         events = sched.apply_outputs(items, outputs)
         self.events += events

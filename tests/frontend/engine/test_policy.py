@@ -5,6 +5,7 @@ max_num_seqs and the free blocks. (The queues' transitions: test_scheduler.py.)"
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -105,3 +106,40 @@ def test_admissions_are_fifo_within_max_num_seqs_and_free_blocks(
     )
     need = [-(-len(s.tokens) // 4) for s in admit]
     assert sum(need[1:]) <= max(available - limits.watermark, 0) or len(admit) <= 1
+
+
+def _decoding(
+    i: int, prompt_len: int, generated: int, blocks: int, max_tokens: int = 8, **opts: object
+) -> Seq:
+    """A running sequence about to decode: ``generated`` tokens drawn, ``blocks`` 4-token blocks held."""
+    s = _seq(i, prompt_len, max_tokens=max_tokens)
+    s.request.sampling = dataclasses.replace(s.request.sampling, **opts)  # type: ignore[arg-type]
+    s.completion.token_ids.extend(range(generated))
+    s.tokens.extend(range(generated))
+    s.num_computed = len(s.tokens) - 1
+    s.block_table = list(range(blocks))
+    s.status = SeqStatus.RUNNING
+    return s
+
+
+def test_decode_steps_go_as_far_as_the_held_blocks_and_max_tokens_allow() -> None:
+    roomy = _decoding(0, 5, 1, 4)  # 6 tokens, 16 slots: 11 positions left from the one computed next
+    at_edge = _decoding(1, 7, 1, 2)  # 8 tokens in 8 slots: its next token's position is the last
+    nearly_done = _decoding(2, 5, 6, 4)  # 2 of its 8 tokens left
+    batch = [(roomy, 1), (at_edge, 1), (nearly_done, 1)]
+    assert policy.decode_steps(batch, 4, 4) == [4, 1, 2]
+    assert policy.decode_steps(batch, 1, 4) is None  # multi-step off
+    at_edge.ahead_block = 9  # the block granted ahead counts
+    assert policy.decode_steps(batch, 4, 4) == [4, 4, 2]
+    assert policy.decode_steps([(at_edge, 1)], 64, 4) == [5]
+    assert policy.decode_steps([(_decoding(3, 7, 1, 2), 1)], 4, 4) is None  # nobody goes further
+
+
+def test_decode_steps_leave_prefill_and_engine_tracked_sampling_to_single_steps() -> None:
+    ok = _decoding(0, 5, 1, 4)
+    assert policy.decode_steps([(ok, 1), (_seq(1, 9), 9)], 4, 4) is None  # a prefill chunk in the batch
+    penalized = _decoding(2, 5, 1, 4, presence_penalty=0.5)
+    grammar = _decoding(3, 5, 1, 4, grammar=object())
+    shared = _decoding(4, 5, 1, 4)
+    shared.tail_shared = True
+    assert policy.decode_steps([(ok, 1), (penalized, 1), (grammar, 1), (shared, 1)], 4, 4) == [4, 1, 1, 1]

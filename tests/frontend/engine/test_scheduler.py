@@ -142,6 +142,56 @@ def test_grants_change_no_token_and_cut_steps(
         assert steps <= base_steps + 1
 
 
+def test_multi_step_decode_gives_the_same_tokens_in_fewer_worker_calls() -> None:
+    """decode_steps=4: each worker call runs as many decode steps as the blocks the sequence holds
+    (the one granted ahead too) and its max_tokens allow, so 13 decode tokens take 5 calls, not 13;
+    the tokens, the Steps' appends and what the prefix cache learns are those of single steps."""
+    prompt = _prompt(0, 6)
+    runs = {}
+    for steps in (1, 4):
+        d = Driver.make(num_gpu_blocks=16, block_size=4, decode_steps=steps)
+        d.add("r", prompt, max_tokens=14)
+        d.run()
+        assert d.tokens("r") == expected(prompt, 14)
+        d.assert_nothing_held()
+        runs[steps] = (len(d.worker_steps), sum(len(st.appends) for st in d.bm.steps))
+        d.add("again", (prompt + d.tokens("r"))[:17], max_tokens=1)
+        d.iterate()
+        assert d.scheduler.outputs["again"].num_cached_tokens == 16, "the generated blocks were hashed"
+        # the tokens no call of their own drew: 14 less the prefill's and one per decode call
+        assert d.scheduler.stats.multi_step_tokens == 14 - runs[steps][0]
+    assert runs[1][0] == 14  # the prefill, then one call per decode token
+    assert runs[4][0] == 5 and runs[4][1] == runs[1][1]
+
+
+def test_multi_step_decode_stops_at_a_stop_token_and_frees_what_it_wrote_past_it() -> None:
+    prompt = _prompt(2, 5)
+    full = expected(prompt, 12)
+    stop = full[5]
+    want = full[: full.index(stop) + 1]
+    d = Driver.make(num_gpu_blocks=16, block_size=4, decode_steps=8)
+    d.add("r", prompt, max_tokens=12, stop_token_ids=(stop,))
+    d.run()
+    assert d.tokens("r") == want
+    assert d.scheduler.outputs["r"].completions[0].finish_reason == "stop"
+    d.assert_nothing_held()
+
+
+def test_a_waiting_request_gets_single_steps_until_it_is_admitted() -> None:
+    """Multi-step decode only while nobody waits: a request that cannot be admitted yet (the pool is
+    full) holds the running one to one decode step per call, so it is admitted as soon as blocks free."""
+    d = Driver.make(num_gpu_blocks=6, block_size=4, max_num_seqs=1, decode_steps=4)
+    d.add("a", _prompt(0, 6), max_tokens=6)
+    d.iterate()  # a's prefill
+    d.add("b", _prompt(1, 6), max_tokens=2)
+    d.iterate()
+    assert d.scheduler.waiting and d.worker_steps[-1] == [("test:a/0", 1)]
+    assert d.scheduler.stats.multi_step_tokens == 0
+    d.run()
+    assert d.tokens("a") == expected(_prompt(0, 6), 6) and d.tokens("b") == expected(_prompt(1, 6), 2)
+    d.assert_nothing_held()
+
+
 def test_without_deferral_every_decode_iteration_makes_a_step() -> None:
     d = Driver.make(num_gpu_blocks=16, block_size=4, defer_appends=False)
     d.add("r", _prompt(0, 6), max_tokens=8)
@@ -321,6 +371,7 @@ def _frees(ids: list[str]):  # type: ignore[no-untyped-def]
     defer_appends=st.booleans(),
     num_gpu_blocks=st.integers(8, 20),
     max_batch_tokens=st.integers(4, 32),
+    decode_steps=st.sampled_from([1, 3, 8]),
 )
 def test_random_traffic_keeps_every_sequence_in_one_place_and_its_tokens(
     arrivals: list[tuple[int, int, int]],
@@ -329,6 +380,7 @@ def test_random_traffic_keeps_every_sequence_in_one_place_and_its_tokens(
     defer_appends: bool,
     num_gpu_blocks: int,
     max_batch_tokens: int,
+    decode_steps: int,
 ) -> None:
     """Arrivals, aborts and whatever preemptions a small pool forces: each sequence is in exactly
     one queue at every step, finished requests have the fault-free tokens, nothing stays held."""
@@ -339,6 +391,7 @@ def test_random_traffic_keeps_every_sequence_in_one_place_and_its_tokens(
         preemption_mode=mode,
         num_cpu_blocks=32 if mode == "swap" else 0,
         defer_appends=defer_appends,
+        decode_steps=decode_steps,
     )
     sched = d.scheduler
     for step in range(400):
