@@ -560,6 +560,7 @@ SERVE_FLAGS = (
     "max_waiting",
     "max_num_seqs",
     "max_batch_tokens",
+    "decode_steps",
     "timeout_s",
     "block_manager_outage_s",
     "block_manager_timeout_s",

@@ -58,6 +58,14 @@ class ServeSettings(BaseSettings):
     max_batch_tokens: int = Field(
         _ENGINE.max_batch_tokens, ge=1, description="tokens per engine iteration (decode + prefill chunks)"
     )
+    decode_steps: int = Field(
+        _ENGINE.decode_steps,
+        ge=1,
+        le=defaults.MAX_DECODE_STEPS,
+        description="decode steps a worker runs in one call while no request waits for admission "
+        "(multi-step decode): an iteration's fixed cost is paid once for that many tokens, which "
+        "stream that many at a time; 1 = one step per iteration",
+    )
     timeout_s: float = Field(
         _ENGINE.timeout_s, gt=0, description="deadline of each gRPC call to the block manager/workers"
     )
@@ -145,6 +153,7 @@ class ServeSettings(BaseSettings):
         return EngineConfig(
             max_num_seqs=self.max_num_seqs,
             max_batch_tokens=self.max_batch_tokens,
+            decode_steps=self.decode_steps,
             timeout_s=self.timeout_s,
             recover_lost_cache=True,
             block_manager_outage_s=self.block_manager_outage_s,

@@ -299,7 +299,7 @@ def test_up_forwards_the_frontend_flags_to_serve(tmp_path: pathlib.Path) -> None
         "--model-name", "smol", "--api-key-file", str(key), "--allowed-origins", "https://a.example",
         "--max-waiting", "7", "--max-num-seqs", "5", "--max-batch-tokens", "96",
         "--timeout-s", "90", "--block-manager-outage-s", "12.5", "--block-manager-timeout-s", "2.5",
-        "--tool-call-parser", "hermes", "--step-transport", "grpc",
+        "--tool-call-parser", "hermes", "--step-transport", "grpc", "--decode-steps", "8",
     ]  # fmt: skip
     frontend = plan(options_from_args(build_parser().parse_args(argv)))[-1]
     assert frontend.name == "frontend"
@@ -311,6 +311,7 @@ def test_up_forwards_the_frontend_flags_to_serve(tmp_path: pathlib.Path) -> None
     assert settings.engine_config().block_manager_timeout_s == 2.5  # what the engine waits per call
     assert settings.tool_call_parser == "hermes"
     assert settings.step_transport == "grpc"
+    assert settings.engine_config().decode_steps == 8
     assert "k-0123456789" not in " ".join(frontend.args)  # the key itself never on a command line
     plain = plan(options_from_args(build_parser().parse_args([])))[-1]
     default = load_settings(plain.args[plain.args.index("serve") + 1 :])
@@ -318,6 +319,7 @@ def test_up_forwards_the_frontend_flags_to_serve(tmp_path: pathlib.Path) -> None
     assert default.engine_config().block_manager_timeout_s == EngineConfig().block_manager_timeout_s
     assert default.tool_call_parser == "auto"
     assert default.step_transport == "auto"
+    assert default.engine_config().decode_steps == EngineConfig().decode_steps == 4
     for bad in (
         ["--max-num-seqs", "0"],
         ["--timeout-s", "0"],
@@ -325,6 +327,8 @@ def test_up_forwards_the_frontend_flags_to_serve(tmp_path: pathlib.Path) -> None
         ["--api-key-file", str(tmp_path / "missing")],
         ["--tool-call-parser", "mistral"],
         ["--step-transport", "udp"],
+        ["--decode-steps", "0"],
+        ["--decode-steps", "65"],
     ):
         with pytest.raises(SystemExit):
             options_from_args(build_parser().parse_args(bad))
