@@ -49,6 +49,7 @@ from bench.decode_floor import Decoder, per_call, read_bandwidth
 from bench.kv_dtype_bench import smollm2_gguf
 from bench.vs_llamacpp import FIRST_ID, Server, find_binary, start_llama, start_pagedkv
 from frontend.clients.http import stream_events
+from pagedkv.defaults import DECODE_STEPS as DEFAULT_STEPS
 
 
 @dataclass(slots=True)
@@ -108,15 +109,15 @@ class EngineOnStack:
     worker: Any
 
     @classmethod
-    def connect(cls, server: Server) -> EngineOnStack:
+    def connect(cls, server: Server, decode_steps: int) -> EngineOnStack:
         from frontend.clients.block_manager import BlockManagerClient
         from frontend.clients.worker import WorkerClient
         from frontend.engine import Engine, EngineConfig
 
         bm = BlockManagerClient(server.block_manager)
         worker = WorkerClient(server.worker)
-        engine = Engine(bm, [worker], EngineConfig(max_num_seqs=1, timeout_s=600.0))
-        return cls(engine, bm, worker)
+        config = EngineConfig(max_num_seqs=1, timeout_s=600.0, decode_steps=decode_steps)
+        return cls(Engine(bm, [worker], config), bm, worker)
 
     def run(
         self, prompt: list[int], tokens: int, tag: str
@@ -163,11 +164,14 @@ class EngineOnStack:
             raise RuntimeError(
                 f"engine: asked for {tokens} tokens, got {len(out[0].completions[0].token_ids)}"
             )
-        decode = [(ms, c) for ms, c in step_ms if c["tokens"] == 1]  # one sequence, one new token
-        prefill = sum(ms for ms, c in step_ms if c["tokens"] > 1)
+        # The prefill's call computes the prompt; a decode call, one token a step (decode_steps).
+        first = len(prompt)
+        decode = [(ms, c) for ms, c in step_ms if 0 < c["tokens"] < first]
+        prefill = sum(ms for ms, c in step_ms if c["tokens"] >= first)
+        per_token = (wall - prefill) / (tokens - 1)
+        # Per decode call (one token each with decode_steps=1, the breakdown's engine).
         mean = lambda key: statistics.fmean(c[key] for _, c in decode)  # noqa: E731
         step = statistics.fmean(ms for ms, _ in decode)
-        per_token = (wall - prefill) / (tokens - 1)
         return step, mean("bm"), mean("bm_calls"), mean("worker"), mean("runner"), per_token
 
     def close(self) -> None:
@@ -280,24 +284,33 @@ def main(argv: Sequence[str] | None = None) -> int:
             ("bm", "of which: block-manager RPCs"),
             ("own", "of which: the engine's own work"),
             ("engine_wall", "engine, wall time per token (its loop between steps included)"),
-            ("http", "`pagedkv up` over HTTP, streamed to a client (tokens after the first)"),
+            ("engine_multi", f"engine with {DEFAULT_STEPS} decode steps a worker call, wall time per token"),
+            (
+                "http_single",
+                "`pagedkv up --decode-steps 1` over HTTP, streamed to a client (tokens after the first)",
+            ),
+            ("http", f"`pagedkv up` over HTTP, {DEFAULT_STEPS} decode steps a call (default), the same way"),
             ("llama", "llama-server over HTTP, streamed the same way (same file)"),
         )
     }
     bm_calls: list[float] = []
     try:
         servers.append(start_pagedkv(gguf, "pagedkv", "auto", ns))
+        servers.append(start_pagedkv(gguf, "pagedkv single", "auto", ns, ("--decode-steps", "1")))
         llama_bin = find_binary(args.llama_server, "llama-server")
         if llama_bin is not None:
             servers.append(start_llama(llama_bin, gguf, "llama.cpp", "Q", ns))
-        stack = servers[0]
-        direct = EngineOnStack.connect(stack)
+        stack, single = servers[0], servers[1]
+        direct = EngineOnStack.connect(stack, decode_steps=1)
+        multi = EngineOnStack.connect(stack, decode_steps=DEFAULT_STEPS)
         rng = random.Random(args.seed)
         # Untimed warm-up of every path (first calls at these shapes, first touch of KV memory).
         direct.run(prompt_ids(rng, args.prompt, vocab), 4, "warm")
+        multi.run(prompt_ids(rng, args.prompt, vocab), 4 + DEFAULT_STEPS, "warm-multi")
         pagedkv_stream(stack, prompt_ids(rng, args.prompt, vocab), 4)
-        if len(servers) > 1:
-            llama_stream(servers[1], prompt_ids(rng, args.prompt, vocab), 4)
+        pagedkv_stream(single, prompt_ids(rng, args.prompt, vocab), 4)
+        if len(servers) > 2:
+            llama_stream(servers[2], prompt_ids(rng, args.prompt, vocab), 4)
 
         def runner_pass() -> None:
             step, fwd, smp = runner_rounds(chained, args.tokens)
@@ -321,15 +334,25 @@ def main(argv: Sequence[str] | None = None) -> int:
             ):
                 rows[key].ms.append(v)
 
+        def multi_pass() -> None:
+            wall = multi.run(prompt_ids(rng, args.prompt, vocab), args.tokens, f"b1m-{len(bm_calls)}")[-1]
+            rows["engine_multi"].ms.append(wall)
+
         def http_pass() -> None:
             rows["http"].ms.append(pagedkv_stream(stack, prompt_ids(rng, args.prompt, vocab), args.tokens))
 
-        def llama_pass() -> None:
-            rows["llama"].ms.append(
-                llama_stream(servers[1], prompt_ids(rng, args.prompt, vocab), args.tokens)
+        def http_single_pass() -> None:
+            rows["http_single"].ms.append(
+                pagedkv_stream(single, prompt_ids(rng, args.prompt, vocab), args.tokens)
             )
 
-        passes = [runner_pass, engine_pass, http_pass] + ([llama_pass] if len(servers) > 1 else [])
+        def llama_pass() -> None:
+            rows["llama"].ms.append(
+                llama_stream(servers[2], prompt_ids(rng, args.prompt, vocab), args.tokens)
+            )
+
+        passes = [runner_pass, engine_pass, multi_pass, http_single_pass, http_pass]
+        passes += [llama_pass] if len(servers) > 2 else []
         bw = read_bandwidth(5)
         for r in range(args.rounds):
             for fn in passes[r % len(passes) :] + passes[: r % len(passes)]:
@@ -337,6 +360,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"# round {r + 1} done", file=sys.stderr, flush=True)
         bw = max(bw, read_bandwidth(5))
         direct.close()
+        multi.close()
     finally:
         for s in servers:
             s.stop()

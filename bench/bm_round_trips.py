@@ -5,10 +5,12 @@ Every decode iteration used to make one block-manager Step, only to append a slo
 With ``EngineConfig.defer_appends`` (the default) an iteration in which no block table changes
 makes none; with ``EngineConfig.grant_ahead_tokens`` (on by default) a Step made anyway also grants
 the sequences near the end of their blocks their next block, so crossing a block boundary needs no
-Step either. This counts Steps and iterations for one sequence and for many, on the in-process
-stack with the built-in tiny model (the count does not depend on the model), each request a random
-prompt and the same number of generated tokens. The modes run one after the other on one stack per
-row group, on the same requests, with the prefix cache emptied between them.
+Step either. With ``EngineConfig.decode_steps`` (multi-step decode, 4 by default) an iteration also
+serves several tokens of each sequence. This counts Steps and iterations for one sequence and for
+many, on the in-process stack with the built-in tiny model (the count does not depend on the
+model), each request a random prompt and the same number of generated tokens. The modes run one
+after the other on one stack per row group, on the same requests, with the prefix cache emptied
+between them.
 
     python -m bench.bm_round_trips [--sequences 1,32] [--max-tokens 128] [--block-size 16]
 """
@@ -22,13 +24,16 @@ from dataclasses import dataclass
 from frontend.engine import EngineConfig, GenerationRequest
 from frontend.launch.config import StackConfig
 from frontend.launch.local_stack import LocalStack
+from pagedkv.defaults import DECODE_STEPS
 from pagedkv.logging_setup import configure_logging
 
-# (label, EngineConfig fields): the three ways an engine can talk to the block manager.
+# (label, EngineConfig fields): the three ways an engine can talk to the block manager, one decode
+# step an iteration; then the default, which also runs several decode steps in one worker call.
 MODES: dict[str, dict[str, object]] = {
-    "every iteration": {"defer_appends": False},
-    "deferred appends": {"defer_appends": True, "grant_ahead_tokens": 0},
-    "deferred + granted ahead": {"defer_appends": True},
+    "every iteration": {"defer_appends": False, "decode_steps": 1},
+    "deferred appends": {"defer_appends": True, "grant_ahead_tokens": 0, "decode_steps": 1},
+    "deferred + granted ahead": {"defer_appends": True, "decode_steps": 1},
+    f"deferred + granted ahead + {DECODE_STEPS} decode steps a call": {"defer_appends": True},
 }
 
 
@@ -39,6 +44,7 @@ class Row:
     iterations: int
     steps: int
     blocks_granted: int
+    tokens: int
 
     @property
     def per_iteration(self) -> float:
@@ -66,7 +72,8 @@ def measure(sequences: int, max_tokens: int, block_size: int, modes: list[str]) 
                 engine.bm.reset_prefix_cache()
                 engine.generate(requests(sequences, max_tokens))
                 s = engine.stats
-                rows.append(Row(sequences, mode, s.steps, s.bm_round_trips, s.blocks_granted_ahead))
+                granted, tokens = s.blocks_granted_ahead, s.generated_tokens
+                rows.append(Row(sequences, mode, s.steps, s.bm_round_trips, granted, tokens))
             finally:
                 engine.close()
     return rows
@@ -86,14 +93,14 @@ def main(argv: list[str] | None = None) -> None:
     configure_logging("warning", "console")
     print(
         "| sequences | block-manager calls | engine iterations | block-manager Steps | Steps per iteration "
-        "| blocks granted ahead |"
+        "| blocks granted ahead | Steps per generated token |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for n in (int(x) for x in args.sequences.split(",")):
         for r in measure(n, args.max_tokens, args.block_size, modes):
             print(
                 f"| {r.sequences} | {r.mode} | {r.iterations} | {r.steps} | {r.per_iteration:.3f} "
-                f"| {r.blocks_granted} |"
+                f"| {r.blocks_granted} | {r.steps / r.tokens:.3f} |"
             )
 
 

@@ -52,7 +52,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from bench.kv_dtype_bench import smollm2_gguf
@@ -195,8 +195,15 @@ def start_llama(binary: str, gguf: pathlib.Path, name: str, weights: str, args: 
 
 
 # ----------------------------------------------------------------------------- pagedkv
-def start_pagedkv(gguf: pathlib.Path, name: str, weight_format: str, args: argparse.Namespace) -> Server:
-    """``pagedkv up --model FILE`` as local processes: block manager, cache host, one worker, serve."""
+def start_pagedkv(
+    gguf: pathlib.Path,
+    name: str,
+    weight_format: str,
+    args: argparse.Namespace,
+    serve_flags: Sequence[str] = (),
+) -> Server:
+    """``pagedkv up --model FILE`` as local processes: block manager, cache host, one worker, serve
+    (with ``serve_flags`` besides the bench's own)."""
     from frontend.launch.config import StackConfig
     from frontend.launch.processes import Stack
 
@@ -214,9 +221,9 @@ def start_pagedkv(gguf: pathlib.Path, name: str, weight_format: str, args: argpa
         log_format="json",
         log_dir=str(args.log_dir / name.replace(" ", "-")),
         serve_port=free_port(),
-        shm_prefix=f"pagedkv-vsllama-{os.getpid()}-{weight_format}",
+        shm_prefix=f"pagedkv-vsllama-{os.getpid()}-{name.replace(' ', '-')}",  # one per stack: its leak check
         worker_args=("--num-threads", str(args.threads)),
-        serve_args=("--max-num-seqs", str(args.concurrency), "--log-level", "warning"),
+        serve_args=("--max-num-seqs", str(args.concurrency), "--log-level", "warning", *serve_flags),
     )
     stack = Stack(opts, out=io.StringIO())
     try:

@@ -40,6 +40,8 @@ def test_batch1_breakdown_quick(monkeypatch: pytest.MonkeyPatch) -> None:
     rows = _rows(out)
     ms = {label: float(cells[0]) for label, cells in rows.items()}
     assert not any("llama-server" in label for label in rows)
+    # over HTTP: the default stack (multi-step decode) and one with one decode step a call
+    assert sum("over HTTP" in label for label in rows) == 2
     floor = ms["weight-read floor"]
     for label, cells in rows.items():
         assert float(cells[0]) > 0 or label == "of which: block-manager RPCs", label

@@ -4,6 +4,7 @@ with blocks granted ahead, fewer still, and two sequences no more than with defe
 
 from __future__ import annotations
 
+from pagedkv.defaults import DECODE_STEPS
 from tests.bench.tables import data_rows, run_bench
 
 
@@ -11,9 +12,19 @@ def test_round_trips_per_iteration() -> None:
     out = run_bench(
         "bm_round_trips", "--sequences", "1,2", "--max-tokens", "12", "--block-size", "4", timeout=300
     )
-    by = {(int(r[0]), r[1]): (int(r[2]), int(r[3]), float(r[4]), int(r[5])) for r in data_rows(out)}
+    rows = data_rows(out)
+    for r in rows:  # Steps per generated token: each of n sequences generated 12
+        assert abs(float(r[6]) - int(r[3]) / (12 * int(r[0]))) < 1e-3, r
+    by = {(int(r[0]), r[1]): (int(r[2]), int(r[3]), float(r[4]), int(r[5])) for r in rows}
+    multi = f"deferred + granted ahead + {DECODE_STEPS} decode steps a call"
     modes = ("every iteration", "deferred appends", "deferred + granted ahead")
-    assert set(by) == {(n, m) for n in (1, 2) for m in modes}
+    assert set(by) == {(n, m) for n in (1, 2) for m in (*modes, multi)}
+    for n in (1, 2):
+        iterations, steps, per, granted = by.pop((n, multi))
+        assert abs(per - steps / iterations) < 1e-3 and granted > 0
+        # the same tokens in fewer iterations (12 in 4-token blocks: each call goes to its block's end)
+        assert iterations < by[(n, "deferred + granted ahead")][0] - 4
+        assert steps <= by[(n, "deferred + granted ahead")][1]
     for (n, mode), (iterations, steps, per, granted) in by.items():
         assert abs(per - steps / iterations) < 1e-3
         # the same requests (a finished sequence whose owed appends go first takes one more to free)
