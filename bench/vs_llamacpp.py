@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import io
+import itertools
 import json
 import math
 import os
@@ -61,6 +62,7 @@ from frontend.clients.http import post_json
 from pagedkv.ports import free_port, free_port_block
 
 SYSTEM_PROMPTS = (64, 160, 320)
+_STACKS = itertools.count()  # numbers the stacks' shared-memory prefixes (none a prefix of another)
 FIRST_ID = 17  # SmolLM2's special tokens are ids 0-16: prompts use ordinary tokens only
 
 
@@ -221,7 +223,7 @@ def start_pagedkv(
         log_format="json",
         log_dir=str(args.log_dir / name.replace(" ", "-")),
         serve_port=free_port(),
-        shm_prefix=f"pagedkv-vsllama-{os.getpid()}-{name.replace(' ', '-')}",  # one per stack: its leak check
+        shm_prefix=f"pagedkv-vsllama-{os.getpid()}-{next(_STACKS)}",  # one per stack: its own leak check
         worker_args=("--num-threads", str(args.threads)),
         serve_args=("--max-num-seqs", str(args.concurrency), "--log-level", "warning", *serve_flags),
     )
