@@ -169,7 +169,7 @@ def decode_steps(batch: Sequence[tuple[Seq, int]], want: int, block_size: int) -
     engine's own work) is then paid once for several tokens; with one sequence decoding it is a
     tenth of a step on a CPU and more on a GPU. The cost: tokens reach the caller that many at a
     time, and a request arriving meanwhile waits for the call, so the engine asks only when no
-    sequence waits for admission (frontend/engine/engine.py)."""
+    sequence waits for admission (Scheduler.decode_steps)."""
     if want <= 1 or not batch or any(k != 1 for _, k in batch):
         return None
     out = []
