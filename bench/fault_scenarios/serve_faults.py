@@ -4,7 +4,8 @@ docker-compose.yml starts them (block manager with a state dir, cache host, two 
 later, like `restart: unless-stopped` or a Kubernetes container restart.
 
 For each fault: ``concurrency`` concurrent streamed /v1/completions of ``tokens`` tokens each
-(greedy, ignore_eos), the fault ``fault_after_s`` into the run, then
+(greedy, ignore_eos), the fault ``fault_after_s`` into the run (or once every stream is a quarter
+through, if that comes first), then
 
 - completed: requests that ended with HTTP 200 and all their tokens;
 - identical: of those, how many have exactly the token ids of the fault-free run;
@@ -162,8 +163,15 @@ class Supervision:
         return False
 
 
-def stream_completion(port: int, prompt: list[int], tokens: int, timeout_s: float = 300.0) -> dict[str, Any]:
-    """One streamed completion: status, token ids, the longest gap between two tokens, error."""
+def stream_completion(
+    port: int,
+    prompt: list[int],
+    tokens: int,
+    timeout_s: float = 300.0,
+    on_tokens: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
+    """One streamed completion: status, token ids, the longest gap between two tokens, error.
+    ``on_tokens(n)``: called with the count received so far, after each chunk."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
     body = {
         "model": "tiny",
@@ -199,6 +207,8 @@ def stream_completion(port: int, prompt: list[int], tokens: int, timeout_s: floa
                     out["max_gap_s"] = max(out["max_gap_s"], now - last)
                 last = now
                 out["token_ids"].extend(ids)
+                if on_tokens is not None:
+                    on_tokens(len(out["token_ids"]))
     except Exception as e:  # noqa: BLE001 - reported in the table
         out["error"] = f"{type(e).__name__}: {e}"[:200]
     finally:
@@ -364,15 +374,23 @@ def run_one(
     row = ServeFaultRow(fault, len(prompts))
     results: list[dict[str, Any]] = [{} for _ in prompts]
     restarts_before = len(sup.restarts)
+    received = [0] * len(prompts)
 
     def one(i: int) -> None:
-        results[i] = stream_completion(port, prompts[i], tokens)
+        results[i] = stream_completion(
+            port, prompts[i], tokens, on_tokens=functools.partial(received.__setitem__, i)
+        )
 
     t0 = time.monotonic()
     threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(prompts))]
     for t in threads:
         t.start()
-    time.sleep(fault_after_s)
+    # The fault hits fault_after_s into the run, or as soon as every stream is a quarter through,
+    # whichever comes first: mid-generation however fast the stack decodes (several tokens an
+    # iteration with multi-step decode).
+    deadline = t0 + fault_after_s
+    while time.monotonic() < deadline and min(received) < max(1, tokens // 4):
+        time.sleep(0.002)
     row.in_flight_at_fault = sum(t.is_alive() for t in threads)
     if fault != "none":
         assert faults is not None
