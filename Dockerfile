@@ -52,7 +52,7 @@ RUN --mount=type=cache,target=/root/.cache/pip \
     esac
 
 WORKDIR /app
-COPY pyproject.toml setup.py MANIFEST.in README.md ./
+COPY pyproject.toml setup.py MANIFEST.in README.md constraints.txt ./
 COPY pagedkv ./pagedkv
 COPY block_manager_svc ./block_manager_svc
 COPY worker_svc ./worker_svc
@@ -61,7 +61,7 @@ COPY frontend ./frontend
 COPY protos ./protos
 RUN --mount=type=cache,target=/root/.cache/pip \
     if [ "${TORCH_VARIANT}" = cpu ]; then extras=worker,text; else extras="worker,gpu-cuda${CUDA_MAJOR},text"; fi \
- && pip install ".[${extras}]" \
+ && pip install -c constraints.txt ".[${extras}]" \
  && python -c "import torch, pagedkv.cli; from kernels import cpu_native; print('torch', torch.__version__, 'cpu kernels built:', cpu_native.built_variants())"
 
 # Unprivileged at run time. Triton's kernel cache goes to $HOME. The block manager's state dir

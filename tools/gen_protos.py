@@ -2,14 +2,20 @@
 
 `python tools/gen_protos.py` rewrites pagedkv/v1/*_pb2*.py(i);
 `python tools/gen_protos.py --check` regenerates into a temporary directory and
-fails when the committed files differ, so CI catches a stale checkout.
+fails when the committed files define something else, so CI catches a stale checkout.
+
+The check compares what the protos define, not which generator wrote it: the lines that only stamp
+the generator's version (``GRPC_GENERATED_VERSION``, ``# Protobuf Python Version``, the runtime
+version check's arguments) are left out of the comparison, so a newer grpcio-tools than the pinned
+one (constraints.txt) does not make unchanged protos "stale". Everything else must match byte for
+byte.
 """
 
 from __future__ import annotations
 
 import argparse
-import filecmp
 import pathlib
+import re
 import shutil
 import sys
 import tempfile
@@ -56,6 +62,23 @@ def generate(out_root: pathlib.Path) -> list[pathlib.Path]:
     return sorted(p for p in (out_root / OUT_PKG).iterdir() if p.name.endswith(GENERATED_SUFFIXES))
 
 
+# What names the generator's or the runtime's version and nothing the protos define.
+_VERSION_STAMPS = (
+    re.compile(rb"^GRPC_GENERATED_VERSION = .*$", re.M),
+    re.compile(rb"^# Protobuf Python Version: .*$", re.M),
+    re.compile(rb"ValidateProtobufRuntimeVersion\((.*?)\n\)", re.S),
+)
+
+
+def definition(path: pathlib.Path) -> bytes:
+    """``path``'s contents with its version stamps blanked: what two generator releases that agree
+    on the protos write alike."""
+    text = path.read_bytes()
+    for stamp in _VERSION_STAMPS:
+        text = stamp.sub(b"<version>", text)
+    return text
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--check", action="store_true", help="fail if committed code is stale")
@@ -70,7 +93,7 @@ def main() -> int:
             stale = [
                 p.name
                 for p in fresh
-                if not (target / p.name).exists() or not filecmp.cmp(p, target / p.name, shallow=False)
+                if not (target / p.name).exists() or definition(p) != definition(target / p.name)
             ]
             extra = sorted({p.name for p in committed} - {p.name for p in fresh})
             if stale or extra:
