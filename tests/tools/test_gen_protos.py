@@ -34,7 +34,8 @@ def test_a_newer_generators_version_stamps_are_not_a_change(gen, tmp_path: pathl
     grpc_file = _copy(tmp_path, "worker_pb2_grpc.py")
     text = grpc_file.read_text()
     assert "GRPC_GENERATED_VERSION = '" in text
-    grpc_file.write_text(text.replace("GRPC_GENERATED_VERSION = '1.85.1'", "GRPC_GENERATED_VERSION = '1.99.7'"))
+    stamp = "GRPC_GENERATED_VERSION = "
+    grpc_file.write_text(text.replace(f"{stamp}'1.85.1'", f"{stamp}'1.99.7'"))
     assert grpc_file.read_text() != (GENERATED / grpc_file.name).read_text()
     assert gen.definition(grpc_file) == gen.definition(GENERATED / grpc_file.name)
 
@@ -67,4 +68,5 @@ def test_the_generators_are_pinned() -> None:
     makefile = (ROOT / "Makefile").read_text()
     assert "-c constraints.txt" in makefile
     # The committed stubs are the pinned generator's: its version stamp is the pin.
-    assert f"GRPC_GENERATED_VERSION = '{pins['grpcio-tools']}'" in (GENERATED / "worker_pb2_grpc.py").read_text()
+    stubs = (GENERATED / "worker_pb2_grpc.py").read_text()
+    assert f"GRPC_GENERATED_VERSION = '{pins['grpcio-tools']}'" in stubs
