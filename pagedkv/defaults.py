@@ -25,15 +25,8 @@ NUM_GPU_BLOCKS = 4096
 NUM_CPU_BLOCKS = 0
 """Blocks in the host swap pool of a deployed service (0 = none: preemption recomputes)."""
 
-UP_NUM_GPU_BLOCKS = 1024
-"""``pagedkv up``: a whole stack on one machine, sized so the built-in or a small real model's cache
-fits beside the weights in a laptop's memory."""
-
 UP_NUM_CPU_BLOCKS = 256
 """``pagedkv up``: a small swap pool, so preemption can swap on a local stack."""
-
-UP_NUM_WORKERS = 2
-"""``pagedkv up``: two workers share one cache (what the stack demonstrates)."""
 
 UP_FSYNC = "off"
 """``pagedkv up``: the block manager's journal fsync. Every role runs on one host there: a record the OS

@@ -4,7 +4,8 @@ Why: two workers on one small machine (this project's 2-core CI box, or a NUMA n
 torch spawn a thread per core fight over every core, and each step waits for the slowest thread.
 Pinning each worker to its own cores (``--cpu-affinity``) with as many torch threads as it has
 cores (``--num-threads``, default) lets them compute side by side, the CPU form of the GPU's MPS
-SM shares.
+SM shares. ``pagedkv up`` plans both for every worker (``pagedkv/plan.py``); a worker started by
+hand, in compose or in Kubernetes plans its own thread count from its mask and CPU quota.
 """
 
 from __future__ import annotations
@@ -13,22 +14,9 @@ import os
 
 import torch
 
-
-def parse_cpus(spec: str) -> frozenset[int]:
-    """'0', '0-3', '0,2,4-5' -> CPU ids. Raises ValueError naming the bad part."""
-    cpus: set[int] = set()
-    for part in spec.split(","):
-        part = part.strip()
-        if not part:
-            raise ValueError(f"empty item in cpu list {spec!r}")
-        lo, sep, hi = part.partition("-")
-        if not lo.isdigit() or (sep and not hi.isdigit()):
-            raise ValueError(f"bad cpu list item {part!r} in {spec!r}: use N, N-M or a comma list of those")
-        a, b = int(lo), int(hi) if sep else int(lo)
-        if b < a:
-            raise ValueError(f"bad cpu range {part!r} in {spec!r}: end before start")
-        cpus.update(range(a, b + 1))
-    return frozenset(cpus)
+from pagedkv.cpu_list import parse_cpus
+from pagedkv.machine import Machine, cgroup_cpu_quota
+from pagedkv.plan import compute_cpus
 
 
 def apply(cpu_affinity: str, num_threads: int) -> tuple[list[int], int]:
@@ -46,6 +34,8 @@ def apply(cpu_affinity: str, num_threads: int) -> tuple[list[int], int]:
             )
         os.sched_setaffinity(0, want)
     cpus = sorted(os.sched_getaffinity(0))
-    threads = num_threads or len(cpus)
+    # Unset: one thread per core it may compute on, the mask cut to a container's CPU quota (the
+    # plan's rule, pagedkv/plan.py), so a pod given 1.5 CPUs of a 64-CPU node runs 1, not 64.
+    threads = num_threads or len(compute_cpus(Machine(cpus=tuple(cpus), cpu_quota=cgroup_cpu_quota())))
     torch.set_num_threads(threads)
     return cpus, threads

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedkv.dial import PLAIN, Dialer
+from pagedkv.plan import ModelSize
 from pagedkv.v1 import block_manager_pb2, block_manager_pb2_grpc
 from worker_svc.cache_layout import CacheGeometry, GeometryMismatch
 from worker_svc.model.config import ModelConfig
@@ -150,3 +151,39 @@ def model_block_bytes(
     cfg = load_model_config(model)
     geometry = CacheGeometry(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, 1, 0, kv_cache_dtype)
     return geometry.block_bytes(resolve_dtype(dtype, resolve_device(device)))
+
+
+# Bytes a weight takes per parameter in each held format (int8 / int4 with their per-group scales).
+_FORMAT_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0625, "int4": 0.5625}
+
+
+def model_size(
+    model: str | None, dtype: str, device: str, block_size: int, kv_cache_dtype: str, weight_format: str
+) -> ModelSize:
+    """What ``pagedkv up``'s plan (``pagedkv/plan.py``) needs of the model: the weights' bytes as the
+    stack will hold them, one KV block's bytes (exactly as the cache host checks them) and the model's
+    longest sequence. The weights are estimated from the config's matrices, except a GGUF file held
+    in its own quantization (``auto`` on a CPU), which is the file's size."""
+    import pathlib
+
+    from worker_svc.devices import resolve_device, resolve_dtype
+    from worker_svc.model.config import load_model_config
+
+    cfg = load_model_config(model)
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    geometry = CacheGeometry(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, 1, 0, kv_cache_dtype)
+    if model and pathlib.Path(model).is_file() and weight_format == "auto" and dev.type == "cpu":
+        weight_bytes = pathlib.Path(model).stat().st_size
+    else:
+        h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        per_layer = h * q * 2 + h * kv * 2 + 3 * h * cfg.intermediate_size
+        embeddings = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
+        per_param = _FORMAT_BYTES.get(weight_format, float(torch_dtype.itemsize))
+        weight_bytes = int((cfg.num_layers * per_layer + embeddings) * per_param)
+    return ModelSize(
+        weight_bytes=weight_bytes,
+        kv_bytes_per_block=geometry.block_bytes(torch_dtype),
+        block_size=block_size,
+        max_model_len=cfg.max_position_embeddings,
+    )

@@ -134,7 +134,7 @@ class WorkerSettings(_Common):
     @field_validator("cpu_affinity")
     @classmethod
     def _check_cpus(cls, v: str) -> str:
-        from worker_svc.cpu_placement import parse_cpus
+        from pagedkv.cpu_list import parse_cpus
 
         v = v.strip()
         if v:

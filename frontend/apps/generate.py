@@ -84,9 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--workers",
-        default=defaults.worker_addresses(defaults.UP_NUM_WORKERS),
-        help="with --block-manager: comma-separated worker host:port list (default: the two "
-        "workers `pagedkv up` starts)",
+        default=defaults.WORKER_ADDRESS,
+        help="with --block-manager: comma-separated worker host:port list (default: the first "
+        "worker `pagedkv up` starts; it prints them all)",
     )
     p.add_argument("--timeout-s", type=float, default=EngineConfig().timeout_s)
     add_connection_args(p)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from frontend.launch.supervisor import RestartPolicy
 from pagedkv import defaults
+from pagedkv.plan import WorkerPlan
 
 
 @dataclass(slots=True)
@@ -55,6 +56,9 @@ class StackConfig:
     ready_timeout_s: float = 180.0
     # Give each worker its own share of this machine's CPUs (--cpu-affinity, --num-threads).
     pin_workers: bool = False
+    # Each worker's cores and threads as planned (pagedkv/plan.py; `pagedkv up` fills it in): when
+    # given, one entry per worker, and it replaces pin_workers' even split.
+    placement: tuple[WorkerPlan, ...] = ()
     worker_args: tuple[str, ...] = ()  # more flags for every worker (e.g. --num-threads 1)
     # The cache host loads the weights once for every worker (else each loads its own).
     share_weights: bool = True

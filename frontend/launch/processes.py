@@ -41,9 +41,12 @@ from frontend.launch.security import StackSecurity, StackSecurityError
 from frontend.launch.supervisor import RestartPolicy, supervise
 from frontend.serve.settings import ServeSettings
 from pagedkv import defaults
+from pagedkv.cpu_list import format_cpus
 from pagedkv.cpu_runtime import preload_env
 from pagedkv.healthcheck import wait_healthy
 from pagedkv.logging_setup import configure_logging
+from pagedkv.machine import Machine, this_machine
+from pagedkv.plan import Asked, Plan, plan_stack
 from pagedkv.step_channel import sweep_stale
 from pagedkv.weight_formats import WeightFormat
 
@@ -128,14 +131,9 @@ def plan(opts: StackConfig, security: StackSecurity | None = None, state_dir: st
     ]
     roles = worker_roles(opts.roles, opts.num_workers)
     worker_env = preload_env() if opts.preload_runtime and _cpu_workers(opts.device) else {}
-    cpus = split_cpus(sorted(os.sched_getaffinity(0)), opts.num_workers) if opts.pin_workers else []
+    placement = worker_placement(opts)
     for i in range(opts.num_workers):
         port = opts.worker_port + i
-        placement = (
-            ["--cpu-affinity", ",".join(map(str, cpus[i])), "--num-threads", str(len(cpus[i]))]
-            if cpus
-            else []
-        )
         services.append(
             Service(
                 f"worker-{i}",
@@ -159,7 +157,7 @@ def plan(opts: StackConfig, security: StackSecurity | None = None, state_dir: st
                     roles[i],
                     "--kv-cache-dtype",
                     opts.kv_cache_dtype,
-                    *placement,
+                    *placement[i][0],
                     *seed,
                     *backend,
                     *opts.worker_args,
@@ -169,7 +167,7 @@ def plan(opts: StackConfig, security: StackSecurity | None = None, state_dir: st
                 ),
                 f"{opts.host}:{port}",
                 "pagedkv.v1.Worker",
-                env=worker_env,
+                env={**worker_env, **placement[i][1]},
             )
         )
     if opts.serve_port is not None:
@@ -204,6 +202,31 @@ def plan(opts: StackConfig, security: StackSecurity | None = None, state_dir: st
             )
         )
     return services
+
+
+def worker_placement(opts: StackConfig) -> list[tuple[list[str], dict[str, str]]]:
+    """Each worker's placement flags (``--cpu-affinity``, ``--num-threads``) and environment: the
+    plan's (``opts.placement``), else ``pin_workers``' even split of this machine's CPUs, else none.
+    ``OMP_NUM_THREADS`` is the planned thread count too, so no OpenMP team in the worker (the native
+    kernels', torch's, a library's) starts with one thread per CPU of the machine."""
+    if opts.placement:
+        if len(opts.placement) != opts.num_workers:
+            raise ValueError(f"{len(opts.placement)} worker placements for {opts.num_workers} workers")
+        out = []
+        for w in opts.placement:
+            pin = ["--cpu-affinity", format_cpus(w.cpus)] if w.cpus else []
+            out.append(([*pin, "--num-threads", str(w.threads)], {"OMP_NUM_THREADS": str(w.threads)}))
+        return out
+    if opts.pin_workers:
+        groups = split_cpus(sorted(os.sched_getaffinity(0)), opts.num_workers)
+        return [
+            (
+                ["--cpu-affinity", format_cpus(g), "--num-threads", str(len(g))],
+                {"OMP_NUM_THREADS": str(len(g))},
+            )
+            for g in groups
+        ]
+    return [([], {}) for _ in range(opts.num_workers)]
 
 
 def _pool_args(opts: StackConfig) -> list[str]:
@@ -438,8 +461,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--worker-port", type=int, default=d.worker_port, help="first worker's port; others follow"
     )
-    p.add_argument("--num-workers", type=int, default=defaults.UP_NUM_WORKERS)
-    p.add_argument("--num-gpu-blocks", type=int, default=defaults.UP_NUM_GPU_BLOCKS)
+    planned = p.add_argument_group(
+        "plan", "what `up` plans from this machine and the model unless set here (pagedkv/plan.py)"
+    )
+    planned.add_argument(
+        "--print-plan", action="store_true", help="print the plan (workers, cores, threads, KV) and exit"
+    )
+    planned.add_argument(
+        "--num-workers",
+        type=int,
+        default=None,
+        help="compute workers [planned: one per NUMA node; more than the cores is planned down]",
+    )
+    planned.add_argument(
+        "--num-threads",
+        type=int,
+        default=None,
+        help="compute threads per worker [planned: one per core it owns]",
+    )
+    planned.add_argument(
+        "--no-pin-workers",
+        dest="pin_workers",
+        action="store_false",
+        help="leave CPU workers unpinned (default: each pinned to its own cores)",
+    )
+    planned.add_argument(
+        "--num-gpu-blocks",
+        type=int,
+        default=None,
+        help="KV blocks, instead of a byte budget [planned from available memory]",
+    )
     p.add_argument("--num-cpu-blocks", type=int, default=defaults.UP_NUM_CPU_BLOCKS)
     p.add_argument(
         "--kv-cache-dtype",
@@ -450,8 +501,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--kv-cache-memory",
         type=float,
-        default=d.kv_cache_memory,
-        help="GiB of KV cache: as many blocks as fit, instead of --num-gpu-blocks (0 = use it) [%(default)s]",
+        default=None,
+        help="GiB of KV cache: as many blocks as fit [planned from available memory]",
     )
     p.add_argument("--block-size", type=int, default=d.block_size)
     p.add_argument(
@@ -491,8 +542,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--pin-workers",
+        dest="pin_workers",
         action="store_true",
-        help="give each worker its own CPUs (--cpu-affinity) and as many torch threads",
+        help="give each worker its own CPUs and as many compute threads (the default; kept for scripts)",
     )
     p.add_argument(
         "--tls-dir",
@@ -585,26 +637,66 @@ def serve_args(args: argparse.Namespace) -> tuple[str, ...]:
     return tuple(out)
 
 
-def options_from_args(args: argparse.Namespace) -> StackConfig:
-    if args.num_workers < 1:
-        raise SystemExit("pagedkv up: --num-workers must be at least 1")
+def plan_from_args(args: argparse.Namespace, machine: Machine | None = None) -> Plan:
+    """The stack's plan on ``machine`` (default: this one) for the model and the flags given."""
+    from worker_svc.geometry import model_size
+
+    for name in ("num_workers", "num_threads", "num_gpu_blocks", "serve_max_num_seqs"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            flag = "--" + name.removeprefix("serve_").replace("_", "-")
+            raise SystemExit(f"pagedkv up: {flag} must be at least 1")
+    if args.kv_cache_memory is not None and not args.kv_cache_memory > 0:
+        raise SystemExit("pagedkv up: --kv-cache-memory must be more than 0 GiB")
+    try:
+        size = model_size(
+            args.model, args.dtype, args.device, args.block_size, args.kv_cache_dtype, args.weight_format
+        )
+        return plan_stack(
+            machine or this_machine(),
+            size,
+            Asked(
+                device=args.device,
+                num_workers=args.num_workers,
+                num_threads=args.num_threads,
+                pin=args.pin_workers,
+                kv_cache_memory_gib=args.kv_cache_memory,
+                num_gpu_blocks=args.num_gpu_blocks,
+                max_num_seqs=args.serve_max_num_seqs,
+                processes=3 if not args.no_serve else 2,
+            ),
+        )
+    except ValueError as e:  # PlanError, or a model the config reader refuses
+        raise SystemExit(f"pagedkv up: {e}") from e
+
+
+def options_from_args(args: argparse.Namespace, stack_plan: Plan | None = None) -> StackConfig:
+    """The StackConfig of these flags, with what they leave open from ``stack_plan`` (default: the
+    plan for this machine, ``plan_from_args``)."""
     if args.max_restarts_per_minute < 0:
         raise SystemExit("pagedkv up: --max-restarts-per-minute must be 0 or more")
+    stack_plan = stack_plan or plan_from_args(args)
     roles = tuple(r.strip() for r in args.roles.split(",") if r.strip())
     try:
-        worker_roles(roles, args.num_workers)
+        worker_roles(roles, stack_plan.num_workers)
     except ValueError as e:
         raise SystemExit(f"pagedkv up: {e}") from e
+    forwarded = serve_args(args)
+    if args.serve_max_num_seqs is None:
+        forwarded += ("--max-num-seqs", str(stack_plan.max_num_seqs))
     return StackConfig(
         host=args.host,
         block_manager_port=args.block_manager_port,
         cache_host_port=args.cache_host_port,
         worker_port=args.worker_port,
-        num_workers=args.num_workers,
-        num_gpu_blocks=args.num_gpu_blocks,
+        num_workers=stack_plan.num_workers,
+        placement=stack_plan.workers,
+        num_gpu_blocks=stack_plan.num_gpu_blocks,
         num_cpu_blocks=args.num_cpu_blocks,
         kv_cache_dtype=args.kv_cache_dtype,
-        kv_cache_memory=args.kv_cache_memory,
+        # A budget asked in GiB goes to the block manager as such (it divides by the bytes per
+        # block, which the cache host checks); a planned one is already whole blocks.
+        kv_cache_memory=args.kv_cache_memory or 0.0,
         block_size=args.block_size,
         model=args.model,
         device=args.device,
@@ -620,16 +712,33 @@ def options_from_args(args: argparse.Namespace) -> StackConfig:
         auth_tokens_file=args.auth_tokens_file,
         allow_insecure=args.allow_insecure,
         serve_port=None if args.no_serve else args.serve_port,
-        serve_args=serve_args(args),
+        serve_args=forwarded,
         state_dir=args.state_dir,
         fsync=args.fsync,
         restart=RestartPolicy(max_restarts_per_minute=args.max_restarts_per_minute),
     )
 
 
+def plan_report(stack_plan: Plan, machine: Machine, verbose: bool) -> str:
+    """The plan as ``up`` prints it: the machine, a line per role, then (``verbose``) why."""
+    lines = [f"pagedkv up: plan for {machine.describe()}"]
+    lines += [f"  {line}" for line in stack_plan.lines()]
+    if verbose:
+        lines += [f"  because: {r}" for r in stack_plan.reasons]
+    lines += [f"  warning: {w}" for w in stack_plan.warnings]
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    opts = options_from_args(args)
+    machine = this_machine()
+    stack_plan = plan_from_args(args, machine)
+    if args.print_plan:
+        print(plan_report(stack_plan, machine, verbose=True), flush=True)
+        return 0
+    opts = options_from_args(args, stack_plan)
+    for warning in stack_plan.warnings:
+        print(f"pagedkv up: warning: {warning}", file=sys.stderr, flush=True)
     configure_logging("info", opts.log_format)
     try:
         stack = Stack(opts)
@@ -669,6 +778,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if tls
             else ""
         )
+        print(plan_report(stack_plan, machine, verbose=True), flush=True)
         print(
             f"pagedkv up: ready. Try:  pagedkv generate --url {url} --token-ids 1,2,3 --max-tokens "
             f"16{tls_flags}\n"
@@ -678,6 +788,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             flush=True,
         )
     else:
+        print(plan_report(stack_plan, machine, verbose=True), flush=True)
         print(f"pagedkv up: ready. Try:  {direct}\n            Ctrl-C stops everything.", flush=True)
     ready_file = pathlib.Path(args.ready_file) if args.ready_file else None
     if ready_file is not None:

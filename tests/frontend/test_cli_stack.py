@@ -332,3 +332,69 @@ def test_up_forwards_the_frontend_flags_to_serve(tmp_path: pathlib.Path) -> None
     ):
         with pytest.raises(SystemExit):
             options_from_args(build_parser().parse_args(bad))
+
+
+def _cpus_allowed(pid: int) -> set[int]:
+    from pagedkv.cpu_list import parse_cpus
+
+    status = pathlib.Path(f"/proc/{pid}/status").read_text()
+    return set(parse_cpus(re.search(r"Cpus_allowed_list:\s*(\S+)", status).group(1)))  # type: ignore[union-attr]
+
+
+def test_the_default_stack_gives_workers_disjoint_cores_and_no_more_threads_than_cores(
+    tmp_path: pathlib.Path,
+) -> None:
+    """`pagedkv up` with nothing but ports, as a user starts it: the plan it prints is the one it runs.
+    Each worker is pinned to its own cores (the kernel's view, /proc), runs one compute thread per
+    core it owns (its own `worker_ready` line and OMP_NUM_THREADS), and all of them together use no
+    more cores than this process may."""
+    from pagedkv.machine import this_machine
+    from pagedkv.plan import compute_cpus
+
+    bm, ch, w, http = free_ports(4)
+    ports = ["--block-manager-port", str(bm), "--cache-host-port", str(ch), "--worker-port", str(w)]
+    plan = pagedkv("up", "--print-plan", *ports)
+    assert plan.returncode == 0, plan.stderr
+    assert "plan for CPUs" in plan.stdout and "because:" in plan.stdout
+    planned = re.findall(r"worker-\d+\s+cpu, cores (\S+) \(pinned\), (\d+) compute threads", plan.stdout)
+    assert planned, plan.stdout
+    logs = tmp_path / "logs"
+    up = UpProcess(
+        [*ports, "--serve-port", str(http), "--log-format", "json", "--log-dir", str(logs)], tmp_path, ENV
+    )
+    try:
+        ready = up.wait_ready(120)
+        up.wait_for(r"worker-0\s+cpu, cores")  # the plan in the ready output
+        workers = [s for s in ready.services if s.name.startswith("worker-")]
+        assert len(workers) == len(planned)
+        cores = set(compute_cpus(this_machine(with_gpus=False)))
+        seen: set[int] = set()
+        total_threads = 0
+        for svc in workers:
+            allowed = _cpus_allowed(svc.pid)
+            assert allowed <= cores and not allowed & seen, f"{svc.name} shares cores: {allowed} / {seen}"
+            seen |= allowed
+            environ = pathlib.Path(f"/proc/{svc.pid}/environ").read_bytes().split(b"\0")
+            omp = next(e for e in environ if e.startswith(b"OMP_NUM_THREADS="))
+            log = (logs / f"{svc.name}.log").read_text()
+            ready_line = json.loads(next(line for line in log.splitlines() if '"worker_ready"' in line))
+            assert ready_line["threads"] == int(omp.split(b"=")[1]) == len(allowed)
+            assert sorted(ready_line["cpus"]) == sorted(allowed)
+            total_threads += ready_line["threads"]
+        assert total_threads <= len(cores)
+        r = pagedkv("generate", "--url", ready.url, "--token-ids", "1,2,3", "--max-tokens", "4")
+        assert r.returncode == 0, r.stderr
+    finally:
+        up.stop()
+
+
+def test_up_plans_oversubscription_down_and_refuses_what_cannot_run() -> None:
+    ncpu = len(os.sched_getaffinity(0))
+    r = pagedkv("up", "--print-plan", "--num-workers", str(ncpu + 2))
+    assert r.returncode == 0, r.stderr
+    assert f"--num-workers {ncpu + 2} on {ncpu} cores" in r.stdout
+    assert len(re.findall(r"^\s+worker-\d+", r.stdout, re.M)) == ncpu
+    r = pagedkv("up", "--print-plan", "--num-workers", "0")
+    assert r.returncode != 0 and "--num-workers must be at least 1" in r.stderr
+    r = pagedkv("up", "--print-plan", "--kv-cache-memory", "0.000001")
+    assert r.returncode != 0 and "KV cache would hold 0 blocks" in r.stderr

@@ -61,10 +61,11 @@ def test_the_core_and_the_service_agree_on_the_memory_policies() -> None:
 
 def test_commands_take_their_pool_from_the_named_constants() -> None:
     up = stack.build_parser().parse_args([])
+    # Workers and KV blocks are planned from the machine (pagedkv/plan.py) unless given.
     assert (up.num_gpu_blocks, up.num_cpu_blocks, up.num_workers, up.block_size) == (
-        defaults.UP_NUM_GPU_BLOCKS,
+        None,
         defaults.UP_NUM_CPU_BLOCKS,
-        defaults.UP_NUM_WORKERS,
+        None,
         defaults.BLOCK_SIZE,
     )
     assert (up.block_manager_port, up.cache_host_port, up.worker_port, up.serve_port) == (
@@ -77,7 +78,7 @@ def test_commands_take_their_pool_from_the_named_constants() -> None:
     assert (gen.num_gpu_blocks, gen.block_size) == (defaults.LOCAL_NUM_GPU_BLOCKS, defaults.BLOCK_SIZE)
     assert gen.url == f"http://127.0.0.1:{up.serve_port}"
     # `generate --block-manager` without --workers finds the workers `pagedkv up` starts.
-    assert gen.workers.split(",") == [f"127.0.0.1:{up.worker_port + i}" for i in range(up.num_workers)]
+    assert gen.workers == f"127.0.0.1:{up.worker_port}"
     assert demo.build_parser().parse_args([]).num_gpu_blocks == defaults.DEMO_NUM_GPU_BLOCKS
     assert loadtest.build_parser().parse_args([]).target == f"127.0.0.1:{up.block_manager_port}"
     assert StackConfig().num_gpu_blocks == defaults.LOCAL_NUM_GPU_BLOCKS
@@ -138,7 +139,8 @@ def test_the_docs_state_the_pools_as_they_are() -> None:
     d = defaults
     assert f"A deployed role defaults to {d.NUM_GPU_BLOCKS} GPU blocks" in text
     assert (
-        f"`pagedkv up` {d.UP_NUM_GPU_BLOCKS} (and {d.UP_NUM_CPU_BLOCKS} CPU blocks, "
-        f"{d.UP_NUM_WORKERS} workers), the in-process stack and `generate --local` "
-        f"{d.LOCAL_NUM_GPU_BLOCKS}, `demo` {d.DEMO_NUM_GPU_BLOCKS}."
+        f"`pagedkv up` plans its pool in bytes from the machine's memory and the model (and "
+        f"{d.UP_NUM_CPU_BLOCKS} CPU blocks; [Planning](#planning-the-stack-from-the-machine)); the "
+        f"commands that run a whole stack in one process use named smaller pools: the in-process "
+        f"stack and `generate --local` {d.LOCAL_NUM_GPU_BLOCKS}, `demo` {d.DEMO_NUM_GPU_BLOCKS}."
     ) in text
