@@ -719,6 +719,13 @@ def options_from_args(args: argparse.Namespace, stack_plan: Plan | None = None) 
     )
 
 
+def up_config(argv: Sequence[str]) -> StackConfig:
+    """The StackConfig that ``pagedkv up ARGV`` runs, planned for this machine: what benchmarks and
+    tools start so that their stack is the one a user starts (``up_config(["--model", FILE])`` is
+    ``pagedkv up --model FILE``), with ports, logs or a tuned flag added as ``up`` flags."""
+    return options_from_args(build_parser().parse_args(list(argv)))
+
+
 def plan_report(stack_plan: Plan, machine: Machine, verbose: bool) -> str:
     """The plan as ``up`` prints it: the machine, a line per role, then (``verbose``) why."""
     lines = [f"pagedkv up: plan for {machine.describe()}"]
