@@ -286,6 +286,15 @@ def test_up_fsync_flag_reaches_the_block_manager_settings() -> None:
         build_parser().parse_args(["--fsync", "sometimes"])
 
 
+def test_up_refuses_a_kv_cache_dtype_it_does_not_know() -> None:
+    """`pagedkv up` itself refuses it (exit 2, naming the choices) before starting anything, not a
+    block manager that exits later."""
+    r = pagedkv("up", "--kv-cache-dtype", "bogus", "--print-plan")
+    assert r.returncode == 2
+    assert "--kv-cache-dtype" in r.stderr and "bogus" in r.stderr and "int8" in r.stderr
+    assert "plan for" not in r.stdout
+
+
 def test_up_forwards_the_frontend_flags_to_serve(tmp_path: pathlib.Path) -> None:
     """Served name, API key file, CORS origins and limits given to `pagedkv up` become the same
     `pagedkv serve` settings (parsed by serve's own loader); none given: serve's defaults."""

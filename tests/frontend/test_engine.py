@@ -127,6 +127,19 @@ def test_multi_step_decode_matches_transformers_in_fewer_iterations(hf: HFModel)
     assert outs[4]["s"] == outs[1]["s"]
 
 
+def test_overlapping_the_block_manager_keeps_one_decode_step_a_call(hf: HFModel) -> None:
+    """overlap_block_manager reserves each sequence's next slot while the workers compute: one slot,
+    so multi-step decode stays off with it (a call of four steps would write past the reservation),
+    and the tokens are transformers' all the same."""
+    ps = prompts(2, 3)
+    with stack(hf, num_gpu_blocks=64) as st:
+        engine = st.engine(EngineConfig(decode_steps=4, overlap_block_manager=True))
+        outs = engine.generate([GenerationRequest(f"r{i}", p, max_tokens=11) for i, p in enumerate(ps)])
+        assert engine.stats.multi_step_calls == 0 and engine.stats.multi_step_tokens == 0
+        for p, out in zip(ps, outs, strict=True):
+            assert out.completions[0].token_ids == hf.greedy(p, 11)
+
+
 def test_bad_requests_are_rejected_before_touching_the_services(hf: HFModel) -> None:
     with stack(hf, num_gpu_blocks=8) as st:
         engine = st.engine()

@@ -80,6 +80,9 @@ class Driver:
     worker_steps: list[list[tuple[str, int]]] = field(default_factory=list)
     ops_sent: int = 0
     decode_steps: int = 1  # EngineConfig.decode_steps: the stand-in worker runs them as the real one
+    # The real worker ends a sequence's steps at a stop token; False: this one runs every step it
+    # was asked for (a reply that carries tokens past the one that finished the sequence).
+    worker_stops: bool = True
     gpu: dict[int, dict[int, int]] = field(default_factory=dict)  # block -> slot -> token written
     cpu: dict[int, dict[int, int]] = field(default_factory=dict)
 
@@ -159,7 +162,7 @@ class Driver:
             # (into the table it was sent: a slot it does not hold raises here) and draws again.
             last, pos = out.token_id, s.num_computed + k
             for _ in range(n - 1):
-                if last in s.request.stop_token_ids:
+                if self.worker_stops and last in s.request.stop_token_ids:
                     break
                 self.gpu.setdefault(table[pos // bs], {})[pos % bs] = last
                 pos += 1

@@ -177,6 +177,52 @@ def test_multi_step_decode_stops_at_a_stop_token_and_frees_what_it_wrote_past_it
     d.assert_nothing_held()
 
 
+def test_tokens_a_reply_carries_past_the_one_that_finished_the_sequence_are_dropped() -> None:
+    """A worker reply may carry more steps' tokens than the sequence takes (it ran them before it
+    knew, or it does not check stop tokens): apply_outputs accepts them in order and takes nothing
+    after the one that finishes the sequence, and what the worker wrote past it is freed."""
+    prompt = _prompt(2, 5)
+    full = expected(prompt, 12)
+    stop = full[3]
+    want = full[: full.index(stop) + 1]
+    d = Driver.make(num_gpu_blocks=16, block_size=4, decode_steps=8)
+    d.worker_stops = False
+    d.add("r", prompt, max_tokens=12, stop_token_ids=(stop,))
+    d.run()
+    assert d.scheduler.stats.multi_step_tokens > 0, "the stop token came inside a multi-step reply"
+    assert d.tokens("r") == want
+    assert d.scheduler.outputs["r"].completions[0].finish_reason == "stop"
+    assert [e.token_id for e in d.events if e.request_id == "r"] == want
+    d.assert_nothing_held()
+
+
+def test_a_sequence_waiting_for_swap_in_holds_the_others_to_single_steps() -> None:
+    """While a preempted sequence waits in the swap queue, every call is one decode step: a
+    multi-step call would keep it out for the whole call."""
+    d = _contended("swap", num_cpu_blocks=32)
+    d.decode_steps = 4
+    seen_swapped = seen_multi = False
+    for _ in range(300):
+        if not d.scheduler.has_work():
+            break
+        d.block_manager_step()
+        sched = d.scheduler
+        decode, prefill = sched.batches(separate_budgets=False, num_workers=1, prefill_busy=False)
+        batch = decode + prefill
+        if batch and not prefill and not sched.waiting:
+            steps = sched.decode_steps(batch, 4)
+            if sched.swapped:
+                seen_swapped = True
+                assert steps is None, f"multi-step decode with {len(sched.swapped)} sequence(s) swapped out"
+            elif steps is not None and max(steps) > 1:
+                seen_multi = True
+        d.worker_step()
+    assert seen_swapped and seen_multi
+    for i in range(4):
+        assert d.tokens(f"r{i}") == expected(_prompt(i, 6), 10)
+    d.assert_nothing_held()
+
+
 def test_a_waiting_request_gets_single_steps_until_it_is_admitted() -> None:
     """Multi-step decode only while nobody waits: a request that cannot be admitted yet (the pool is
     full) holds the running one to one decode step per call, so it is admitted as soon as blocks free."""
