@@ -1,6 +1,6 @@
-"""`pagedkv serve` under load through each fault, with every role a real process started the way
-docker-compose.yml starts them (block manager with a state dir, cache host, two workers, then
-`pagedkv serve`) and `pagedkv up`'s supervisor on a thread, restarting whatever exits one second
+"""`pagedkv serve` under load through each fault, with every role a real process: the stack
+`pagedkv up --model DIR` plans for this machine (block manager with a state dir, cache host, the
+planned workers, then `pagedkv serve`) and `pagedkv up`'s supervisor on a thread, restarting whatever exits one second
 later, like `restart: unless-stopped` or a Kubernetes container restart.
 
 For each fault: ``concurrency`` concurrent streamed /v1/completions of ``tokens`` tokens each
@@ -27,6 +27,7 @@ recovery, not speed.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import http.client
 import io
@@ -48,8 +49,7 @@ from typing import Any
 from bench.fault_scenarios.link_proxy import LinkProxy
 from bench.models import tiny_llama
 from frontend.clients.block_manager import BlockManagerClient
-from frontend.launch.config import StackConfig
-from frontend.launch.processes import Stack, wait_serving
+from frontend.launch.processes import Stack, up_config, wait_serving
 from frontend.launch.supervisor import RestartPolicy, supervise
 from pagedkv.ports import free_port_block
 
@@ -69,10 +69,10 @@ def fault_names(
         "none",
         "block manager SIGKILL, restart with its state dir",
         "cache host SIGKILL, restart",
-        "one of two workers SIGKILL",
+        "a worker SIGKILL",
         f"block manager SIGSTOP {pause_s:g} s",
         f"cache host SIGSTOP {pause_s:g} s",
-        f"one of two workers SIGSTOP {pause_s:g} s",
+        f"a worker SIGSTOP {pause_s:g} s",
         f"block-manager link black-holed {blackhole_s:g} s",
         f"block manager journal ENOSPC {enospc_s:g} s",
         "block manager SIGKILL, restart without a state dir",
@@ -305,7 +305,7 @@ class Faults:
     def kinds(self) -> dict[str, tuple[float, Callable[[], None]]]:
         """Every fault chaos draws from, in a fixed order: what -> (seconds it lasts, inject it)."""
         kinds: dict[str, tuple[float, Callable[[], None]]] = {}
-        for name in ("block-manager", "cache-host", "worker-0", "worker-1"):
+        for name in ("block-manager", "cache-host", *_workers(self.stack)):
             kinds[f"{name} SIGKILL"] = (0.0, functools.partial(self.kill, name))
             kinds[f"{name} SIGSTOP {self.pause_s:g} s"] = (self.pause_s, functools.partial(self.pause, name))
         kinds[f"block-manager link black-holed {self.blackhole_s:g} s"] = (self.blackhole_s, self.blackhole)
@@ -356,7 +356,11 @@ def _role(fault: str) -> str:
         return "block-manager"
     if fault.startswith("cache host"):
         return "cache-host"
-    return "worker-1"
+    return "worker-0"  # the first worker: the only one on a plan of one, a busy one on a plan of several
+
+
+def _workers(stack: Stack) -> list[str]:
+    return [s.name for s in stack.services if s.name.startswith("worker-")]
 
 
 def run_one(
@@ -485,24 +489,20 @@ def serving_stack(
     prompts = [[rng.randrange(3, 128) for _ in range(rng.randrange(8, 48))] for _ in range(concurrency)]
     disk = StateDisk(work) if journal_disk and StateDisk.possible() else None
     base = free_port_block(5)
-    opts = StackConfig(
-        block_manager_port=base,
-        cache_host_port=base + 1,
-        worker_port=base + 2,
-        num_workers=2,
-        num_gpu_blocks=max(1024, concurrency * (48 + tokens) // 16 + 64),
-        num_cpu_blocks=0,
-        block_size=16,
-        model=str(model),
-        device="cpu",
-        dtype="float32",
-        log_dir=log_dir or str(work / "logs"),
-        serve_port=base + 4,
-        shm_prefix=f"pagedkv-sfb-{os.getpid()}",
-        ready_timeout_s=180,
-        state_dir=str(disk.state_dir if disk is not None else work / "bm-state"),
-        worker_args=worker_args,
-    )
+    # The stack `pagedkv up --model DIR` plans for this machine (workers, cores, threads, KV bytes),
+    # so the faults hit the default a user runs, whatever number of workers it chose; only ports,
+    # logs, the state dir and no swap pool (recompute is what the rows check) are set here.
+    state_dir = disk.state_dir if disk is not None else work / "bm-state"
+    opts = up_config(
+        [
+            "--model", str(model), "--num-cpu-blocks", "0",
+            "--block-manager-port", str(base), "--cache-host-port", str(base + 1),
+            "--worker-port", str(base + 2), "--serve-port", str(base + 4),
+            "--log-dir", log_dir or str(work / "logs"), "--state-dir", str(state_dir),
+            "--ready-timeout-s", "180",
+        ]
+    )  # fmt: skip
+    opts = dataclasses.replace(opts, shm_prefix=f"pagedkv-sfb-{os.getpid()}", worker_args=worker_args)
     stack = Stack(opts, out=open(os.devnull, "w"))  # noqa: SIM115
     bm = _svc(stack, "block-manager")
     proxy = LinkProxy(bm.address).start()
