@@ -88,10 +88,9 @@ class GrammarCompiler:
             if self._compiler is None:
                 import xgrammar as xgr
 
-                info = xgr.TokenizerInfo.from_huggingface(
-                    self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self._stop or None
+                self._compiler = xgr.GrammarCompiler(
+                    tokenizer_info(self._tokenizer, self.vocab_size, self._stop)
                 )
-                self._compiler = xgr.GrammarCompiler(info)
             return self._compiler
 
     def _compile(self, description: str, build: Any) -> Grammar:
@@ -117,3 +116,34 @@ class GrammarCompiler:
         # EBNF string literals take JSON's escapes: each choice exactly, quotes and newlines included.
         rule = "root ::= " + " | ".join(json.dumps(c) for c in choices)
         return self._compile("choice", lambda c: c.compile_grammar(rule))
+
+
+def tokenizer_info(tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> Any:
+    """xgrammar's view of the vocabulary: each id's vocabulary entry, how entries spell bytes, and
+    whether the tokenizer puts a space before the text. A ``TextTokenizer`` says so itself; a
+    transformers tokenizer is read by xgrammar (``from_huggingface``)."""
+    import xgrammar as xgr
+
+    from frontend.serve.tokenizer import TextTokenizer
+
+    if not isinstance(tokenizer, TextTokenizer):
+        return xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids or None
+        )
+    vocab = [""] * vocab_size  # ids past the tokenizer's (a padded output layer) match nothing
+    for token, i in tokenizer.get_vocab().items():
+        if i < vocab_size:
+            vocab[i] = token
+    kinds = {
+        "byte_level": xgr.VocabType.BYTE_LEVEL,
+        "byte_fallback": xgr.VocabType.BYTE_FALLBACK,
+        "raw": xgr.VocabType.RAW,
+    }
+    stop = stop_token_ids or ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else None)
+    return xgr.TokenizerInfo(
+        vocab,
+        kinds[tokenizer.vocab_type],
+        vocab_size=vocab_size,
+        stop_token_ids=stop,
+        add_prefix_space=tokenizer.add_prefix_space,
+    )

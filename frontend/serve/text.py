@@ -1,9 +1,12 @@
-"""Text for `pagedkv serve`: the model directory's tokenizer, its chat template and EOS ids.
+"""Text for `pagedkv serve`: the model's tokenizer, its chat template and EOS ids.
 
-Everything comes from a LOCAL directory (the one the workers load; `--model`): transformers is
-asked with ``local_files_only=True`` and HF_HUB_OFFLINE set, so nothing is ever fetched from a
-hub. Without a tokenizer the server still serves token-id prompts (text fields are empty); text
-prompts, stop strings and chat completions then answer 400.
+Everything comes from the LOCAL path the workers load (``--model``), never from a hub. The tokenizer
+is Hugging Face's ``tokenizers`` (frontend/serve/tokenizer.py), built from a directory's
+``tokenizer.json`` or from a GGUF file's vocabulary metadata (frontend/serve/gguf_vocab.py), so the
+server imports neither transformers nor torch; only a directory with no ``tokenizer.json`` (a slow
+tokenizer's files alone) is read by transformers, offline. Without a tokenizer the server still
+serves token-id prompts (text fields are empty); text prompts, stop strings and chat completions
+then answer 400.
 """
 
 from __future__ import annotations
@@ -13,14 +16,14 @@ import pathlib
 from dataclasses import dataclass
 from typing import Any
 
-from pagedkv import envs
+from frontend.serve.tokenizer import load_dir_tokenizer
 
 
 @dataclass(slots=True)
 class ModelText:
     """What the server knows about a model directory beyond the workers' numbers."""
 
-    tokenizer: Any | None = None  # transformers.PreTrainedTokenizerBase
+    tokenizer: Any | None = None  # tokenizer.TextTokenizer (or a transformers tokenizer)
     eos_token_ids: tuple[int, ...] = ()
     max_model_len: int = 0  # max_position_embeddings; 0 = unknown
 
@@ -79,39 +82,22 @@ def load_model_text(model_dir: str | None) -> ModelText:
     if cfg.is_file():
         max_len = int(json.loads(cfg.read_text()).get("max_position_embeddings") or 0)
     eos = _eos_from(path)
-    tokenizer = None
-    if any((path / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        envs.set_default("HF_HUB_OFFLINE", "1")
-        try:
-            from transformers import AutoTokenizer
-        except ImportError as e:
-            raise ValueError(
-                f"{model_dir} has a tokenizer but transformers is not installed (pip install 'pagedkv[text]')"
-            ) from e
-        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    tokenizer = load_dir_tokenizer(path)
+    if tokenizer is not None:
         eos = stop_ids_of(tokenizer, eos)
     return ModelText(tokenizer=tokenizer, eos_token_ids=eos, max_model_len=max_len)
 
 
 def _gguf_model_text(model_file: str) -> ModelText:
-    """A GGUF file's tokenizer, EOS ids and context length, from its metadata. The file format is the
-    worker's knowledge (``worker_svc/model/model_source.py``, the one reader of ``--model``); imported
-    here, not at module level, so the frontend's modules still import without worker code or torch."""
-    from worker_svc.model import model_source
+    """A GGUF file's tokenizer, EOS id and context length, from its metadata (ValueError for a file
+    that is not GGUF)."""
+    from frontend.serve.gguf_vocab import load_gguf_text
 
-    cfg = model_source.hf_config_dict(model_file)  # ValueError for a file that is not GGUF
-    raw_eos = cfg.get("eos_token_id")
-    eos = (
-        tuple(int(e) for e in (raw_eos if isinstance(raw_eos, list) else [raw_eos]))
-        if raw_eos is not None
-        else ()
-    )
-    tokenizer = model_source.load_tokenizer(model_file)
-    if tokenizer is not None:
-        eos = stop_ids_of(tokenizer, eos)
-    return ModelText(
-        tokenizer=tokenizer, eos_token_ids=eos, max_model_len=int(cfg.get("max_position_embeddings") or 0)
-    )
+    gguf = load_gguf_text(model_file)
+    eos: tuple[int, ...] = (gguf.eos_token_id,) if gguf.eos_token_id is not None else ()
+    if gguf.tokenizer is not None:
+        eos = stop_ids_of(gguf.tokenizer, eos)
+    return ModelText(tokenizer=gguf.tokenizer, eos_token_ids=eos, max_model_len=gguf.context_length)
 
 
 _TURN_MARK = "pagedkv-end-of-turn-probe"

@@ -83,9 +83,6 @@ SERVICES = ("block_manager_svc", "worker_svc")
 LAUNCHER = "frontend/launch/local_stack.py"
 # Other (module, service module) pairs, each with its reason.
 SERVICE_IMPORTS_ALLOWED = {
-    # A GGUF file's tokenizer and context length: the file format has one reader, the worker's
-    # (imported inside the function that needs it, so the module still imports without torch).
-    ("frontend/serve/text.py", "worker_svc.model.model_source"),
     # `pagedkv up --kv-cache-memory`: the block manager divides the budget by the cache's bytes per block,
     # which the model's dimensions and the KV dtype give, computed as the cache host checks them
     # (imported inside the function, only when a budget is given).
