@@ -23,8 +23,9 @@ about compute. The rules:
   worker may still run it, so its sequences' blocks are not freed until the worker says it runs
   no such step, or nothing listens at its address any more. A benched worker is taken back when
   it answers again: a thread probes it (GetWorkerInfo, ``probe_timeout_s``) every
-  ``probe_interval_s``. With every worker benched, all are tried again (requests wait for one to
-  return rather than fail).
+  ``probe_interval_s``. With every worker benched, all are tried again, with backoff, for up to
+  ``outage_s``: the requests wait for one to return (a supervisor restarts a dead one) rather than
+  fail.
   FAILED_PRECONDITION with the CACHE_HOST_LOST error detail
   (pagedkv/errors.py) from every worker tried is
   ``CacheLostEverywhere``, which the engine turns into ``CacheHostLost``.
@@ -32,6 +33,7 @@ about compute. The rules:
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Sequence
@@ -88,6 +90,7 @@ class WorkerPool:
 
     slots: list[WorkerSlot]
     timeout_s: float = 120.0
+    outage_s: float = 60.0  # every worker unreachable this long: the step fails
     probe_interval_s: float = 0.5
     probe_timeout_s: float = 1.0
     stats: DispatchStats = field(default_factory=DispatchStats)
@@ -99,13 +102,17 @@ class WorkerPool:
 
     @classmethod
     def from_clients(
-        cls, clients: Sequence[WorkerClient], infos: Sequence[wpb.WorkerInfo | None], timeout_s: float = 120.0
+        cls,
+        clients: Sequence[WorkerClient],
+        infos: Sequence[wpb.WorkerInfo | None],
+        timeout_s: float = 120.0,
+        outage_s: float = 60.0,
     ) -> WorkerPool:
         slots = [
             WorkerSlot(c, (i.role if i is not None and i.role else MIXED))
             for c, i in zip(clients, infos, strict=False)
         ]
-        return cls(slots, timeout_s=timeout_s)
+        return cls(slots, timeout_s=timeout_s, outage_s=outage_s)
 
     # -------------------------------------------------------------- who does what
     def _alive(self) -> list[WorkerSlot]:
@@ -243,6 +250,36 @@ class WorkerPool:
 
         A worker that did not answer may still run the step: it is fenced, holding the blocks of
         ``holds`` (default: the step's sequences) until that worker is known not to run it."""
+        first_failure: float | None = None
+        backoff = 0.05
+        attempt = req
+        for n in itertools.count(1):
+            try:
+                return self._call_once(attempt, workers, holds)
+            except grpc.RpcError as e:
+                # Every worker was unreachable: wait for one to come back, within the outage budget.
+                if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise
+                now = time.monotonic()
+                if first_failure is None:
+                    first_failure = now
+                    log.warning("no_worker_answers", request_id=req.request_id, outage_s=self.outage_s)
+                if now - first_failure >= self.outage_s or self._closed.is_set():
+                    raise
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
+                # A new request id for the next pass: the one tried is fenced (a worker that comes
+                # back refuses to start it), and the next pass is a new attempt at the same step.
+                attempt = wpb.WorkerStepRequest()
+                attempt.CopyFrom(req)
+                attempt.request_id = f"{req.request_id}-retry{n}"
+        raise AssertionError("unreachable")
+
+    def _call_once(
+        self, req: wpb.WorkerStepRequest, workers: Sequence[WorkerSlot], holds: Sequence[str] | None
+    ) -> wpb.WorkerStepResponse:
+        """One pass over the candidates: the first that answers, else the last UNAVAILABLE /
+        DEADLINE_EXCEEDED error (or CacheLostEverywhere)."""
         tried: set[int] = set()
         lost: list[str] = []
         last: grpc.RpcError | None = None

@@ -96,7 +96,9 @@ class Engine:
         info = next((i for i in infos if i is not None), None)
         if info is None:
             info = self.workers[0].get_info(timeout_s=self.config.timeout_s)  # raises the real error
-        self.pool = WorkerPool.from_clients(self.workers, infos, timeout_s=self.config.timeout_s * 4)
+        self.pool = WorkerPool.from_clients(
+            self.workers, infos, timeout_s=self.config.timeout_s * 4, outage_s=self.config.worker_outage_s
+        )
         if info.geometry.block_size and info.geometry.block_size != self.block_size:
             raise ValueError(
                 f"worker block_size {info.geometry.block_size} != block manager block_size {self.block_size}"

@@ -275,6 +275,10 @@ class EngineConfig:
     # transport, the engine's own work) is then paid once for that many tokens, which reach the
     # caller that many at a time. 1: one step per iteration.
     decode_steps: int = defaults.DECODE_STEPS
+    # How long every worker may stay unreachable (each answered UNAVAILABLE / DEADLINE_EXCEEDED) before
+    # a step fails: meanwhile the step is tried again with backoff, so the requests of a stack whose
+    # only worker died wait for the one its supervisor starts (frontend/engine/dispatch.py).
+    worker_outage_s: float = 60.0
     # How long the block manager may stay unreachable (UNAVAILABLE / DEADLINE_EXCEEDED, retried with
     # backoff) before step() raises BlockManagerUnavailable (`pagedkv serve --block-manager-outage-s`).
     block_manager_outage_s: float = 30.0

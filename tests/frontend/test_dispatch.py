@@ -112,3 +112,41 @@ def test_cache_lost_everywhere_and_other_errors_propagate() -> None:
     with pytest.raises(grpc.RpcError):
         bad.call(request([1]), bad.workers())
     assert bad.stats.retries == 0
+
+
+class _ComesBack(FakeWorker):
+    """Unreachable for its first ``down`` calls (a worker its supervisor is restarting), then well."""
+
+    def __init__(self, target: str, down: int) -> None:
+        super().__init__(target)
+        self.down = down
+
+    def step(self, req: wpb.WorkerStepRequest, *, timeout_s: float | None = None) -> wpb.WorkerStepResponse:
+        if self.down > 0:
+            self.down -= 1
+            self.calls.append(req)
+            raise _Err(grpc.StatusCode.UNAVAILABLE, "connection refused")
+        return super().step(req, timeout_s=timeout_s)
+
+
+def test_with_every_worker_unreachable_the_step_waits_for_one_to_come_back() -> None:
+    """The only worker died and is being restarted: the step is tried again with backoff, each pass
+    under a new request id (the worker that comes back refuses the fenced one), until it answers."""
+    back = _ComesBack("w0", down=3)
+    p = WorkerPool([WorkerSlot(back, MIXED)], outage_s=30)  # type: ignore[arg-type]
+    resp = p.call(request([2, 4]), p.workers())
+    assert [o.token_id for o in resp.outputs] == [2, 4]
+    ids = [c.request_id for c in back.calls]
+    assert len(ids) == 4 and len(set(ids)) == 4 and ids[0] == "step-1"
+    assert all(c.sequences == back.calls[0].sequences for c in back.calls)
+    p.close()
+
+
+def test_past_the_outage_budget_the_step_fails() -> None:
+    p, fakes = pool(MIXED, fail={0: _Err(grpc.StatusCode.UNAVAILABLE)})
+    p.outage_s = 0.3
+    with pytest.raises(grpc.RpcError) as e:
+        p.call(request([1]), p.workers())
+    assert e.value.code() is grpc.StatusCode.UNAVAILABLE
+    assert len(fakes[0].calls) >= 2  # tried again before giving up
+    p.close()
