@@ -167,6 +167,60 @@ def test_gguf_digits_are_cut_alone_as_smollm2s_own_tokenizer_does(
     )
 
 
+def write_bpe_gguf(path: pathlib.Path, meta: dict[str, Any], pre: str | None, model: str = "gpt2") -> None:
+    """A GGUF file holding only tokenizer metadata: SmolLM2's vocabulary and merges under another
+    ``tokenizer.ggml.pre`` (or tokenizer model), as llama.cpp writes them."""
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(1024)
+    w.add_tokenizer_model(model)
+    if pre is not None:
+        w.add_tokenizer_pre(pre)
+    w.add_token_list(meta["tokenizer.ggml.tokens"])
+    w.add_token_types(meta["tokenizer.ggml.token_type"])
+    w.add_token_merges(meta["tokenizer.ggml.merges"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@needs_smollm2
+@pytest.mark.parametrize("pre", ["qwen2", "llama-bpe", None])
+def test_each_pre_tokenizer_expression_splits_as_transformers(
+    tmp_path: pathlib.Path, pre: str | None
+) -> None:
+    """Qwen2's and Llama 3's expressions (and GPT-2's, for a file that names none) on SmolLM2's
+    vocabulary: the same ids as transformers' conversion, which uses the same expressions."""
+    assert GGUF is not None
+    path = tmp_path / "bpe.gguf"
+    write_bpe_gguf(path, read_metadata(GGUF), pre)
+    ours = load_gguf_text(path)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    assert ours.tokenizer is not None and (ours.eos_token_id, ours.context_length) == (2, 1024)
+    assert_same_vocabulary(ours.tokenizer, theirs)
+    assert_same_text(ours.tokenizer, theirs, STRINGS + fuzz_strings(300, seed=6))
+
+
+@needs_smollm2
+def test_a_tokenizer_model_this_cannot_build_is_refused_and_none_is_no_tokenizer(
+    tmp_path: pathlib.Path,
+) -> None:
+    assert GGUF is not None
+    write_bpe_gguf(tmp_path / "bert.gguf", read_metadata(GGUF), None, model="bert")
+    with pytest.raises(ValueError, match="tokenizer.ggml.model 'bert'"):
+        load_gguf_text(tmp_path / "bert.gguf")
+    w = gguf.GGUFWriter(str(tmp_path / "bare.gguf"), "llama")
+    w.add_context_length(512)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    text = load_model_text(str(tmp_path / "bare.gguf"))
+    assert text.tokenizer is None and text.eos_token_ids == () and text.max_model_len == 512
+
+
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi 🙂"}],
