@@ -10,21 +10,29 @@ round (this VM's speed drifts), so each layer's cost is the difference between t
 - **model runner step**: the same with the decode step's layers in one native call (the default),
   and of it the forward and the sampling;
 - **engine step over `pagedkv up`'s services**: an engine in this process driving the block
-  manager and the worker of a running ``pagedkv up --model FILE`` stack (processes, loopback, the
-  step through the worker's shared-memory step channel as the stack's own frontend sends it), and
-  of it the worker's model runner (its own ``forward_ms + cache_ops_ms``), the step's transport
-  outside the runner, the block-manager round trips and the engine's own work;
+  manager and the (first) worker of a running ``pagedkv up --model FILE`` stack (processes,
+  loopback, the step through the worker's shared-memory step channel as the stack's own frontend
+  sends it), and of it the worker's model runner (its own ``forward_ms + cache_ops_ms``), the step's
+  transport outside the runner, the block-manager round trips and the engine's own work;
 - **HTTP stream**: the same stack's OpenAI front door streaming a completion to a client here
-  (tokens after the first / the time from the first to the last token's arrival);
+  (tokens after the first / the time from the first to the last token's arrival); and the same from
+  a second stack started with one flag, ``pagedkv up --model FILE --decode-steps 1`` (one decode
+  step a worker call), its row labelled with that flag;
 - **llama-server** (with ``--llama-server``): llama.cpp's server streaming the same request on the
   same file, the same way, for reference.
+
+The stack is the one ``pagedkv up --model FILE`` starts with no flags, planned from this machine
+(``bench/up_stack.py``: only its ports, logs and shared-memory prefix are the benchmark's). The
+in-process rows (model runner) compute with as many torch threads as the plan gives the worker
+that runs the sequence, and llama-server gets as many threads as the plan's workers compute with
+in all; the header says how many.
 
 Each round runs ``--tokens`` decode steps of one sequence after a ``--prompt``-token prompt of
 random ordinary tokens (new each round), greedy, without stopping at an end-of-sequence token, on
 every path. A figure is the mean over the round's decode steps (so that the parts of a step add up
 to it), the table's the median of the rounds' figures.
 
-    python -m bench.batch1_breakdown [--model FILE.gguf] [--tokens 64] [--rounds 3] [--threads 2]
+    python -m bench.batch1_breakdown [--model FILE.gguf] [--tokens 64] [--rounds 3]
         [--llama-server PATH]
 """
 
@@ -45,6 +53,7 @@ from typing import Any
 
 import torch
 
+from bench import up_stack
 from bench.decode_floor import Decoder, per_call, read_bandwidth
 from bench.kv_dtype_bench import smollm2_gguf
 from bench.vs_llamacpp import FIRST_ID, Server, find_binary, start_llama, start_pagedkv
@@ -233,7 +242,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=64, help="decode steps a round (each layer)")
     p.add_argument("--prompt", type=int, default=32, help="prompt tokens")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--threads", type=int, default=2)
     p.add_argument(
         "--llama-server", help="llama.cpp's llama-server, for its row (else $PAGEDKV_LLAMA_SERVER or PATH)"
     )
@@ -248,7 +256,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
 
     from worker_svc.model.config import load_model_config
@@ -256,16 +263,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from worker_svc.model.weights import load_model
 
     cfg = load_model_config(str(gguf))
-    model = load_model(str(gguf), cfg, torch.float32, torch.device("cpu"), held="file")
-    assert isinstance(model, LlamaModel)
-    budget = args.rounds * args.tokens + 1
-    chained, unchained = Decoder("chain", model, budget), Decoder("per call", per_call(model), budget)
-
     # The stack's vocabulary bound for prompts: ordinary tokens of the model's vocabulary.
     vocab = cfg.vocab_size
-    ns = argparse.Namespace(
-        concurrency=1, threads=args.threads, log_dir=pathlib.Path(tempfile.mkdtemp(prefix="pagedkv-b1-"))
-    )
+    ns = argparse.Namespace(concurrency=1, log_dir=pathlib.Path(tempfile.mkdtemp(prefix="pagedkv-b1-")))
     servers: list[Server] = []
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     rows = {
@@ -275,7 +275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ("runner", "model runner step, the layers in one native call (default)"),
             ("forward", "of which: the forward"),
             ("sample", "of which: sampling"),
-            ("engine", "engine step over `pagedkv up`'s block manager and worker"),
+            ("engine", "engine step over `pagedkv up`'s block manager and worker (default stack)"),
             ("w_runner", "of which: the worker's model runner (its forward_ms + cache_ops_ms)"),
             (
                 "w_transport",
@@ -289,18 +289,32 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "http_single",
                 "`pagedkv up --decode-steps 1` over HTTP, streamed to a client (tokens after the first)",
             ),
-            ("http", f"`pagedkv up` over HTTP, {DEFAULT_STEPS} decode steps a call (default), the same way"),
+            (
+                "http",
+                f"`pagedkv up` over HTTP (default stack: {DEFAULT_STEPS} decode steps a call), the same way",
+            ),
             ("llama", "llama-server over HTTP, streamed the same way (same file)"),
         )
     }
     bm_calls: list[float] = []
     try:
-        servers.append(start_pagedkv(gguf, "pagedkv", "auto", ns))
-        servers.append(start_pagedkv(gguf, "pagedkv single", "auto", ns, ("--decode-steps", "1")))
+        # The stacks first (the default one plans its KV cache from the memory available, as
+        # `pagedkv up` alone on this machine), then the in-process model with the worker's threads.
+        servers.append(start_pagedkv(gguf, ns))
+        servers.append(start_pagedkv(gguf, ns, ("--decode-steps", "1")))
+        stack, single = servers[0], servers[1]
+        assert stack.opts is not None
+        plan = up_stack.describe(stack.opts)
+        ns.threads = up_stack.compute_threads(stack.opts)
+        worker_threads = stack.opts.placement[0].threads if stack.opts.placement else ns.threads
         llama_bin = find_binary(args.llama_server, "llama-server")
         if llama_bin is not None:
             servers.append(start_llama(llama_bin, gguf, "llama.cpp", "Q", ns))
-        stack, single = servers[0], servers[1]
+        torch.set_num_threads(worker_threads)
+        model = load_model(str(gguf), cfg, torch.float32, torch.device("cpu"), held="file")
+        assert isinstance(model, LlamaModel)
+        budget = args.rounds * args.tokens + 1
+        chained, unchained = Decoder("chain", model, budget), Decoder("per call", per_call(model), budget)
         direct = EngineOnStack.connect(stack, decode_steps=1)
         multi = EngineOnStack.connect(stack, decode_steps=DEFAULT_STEPS)
         rng = random.Random(args.seed)
@@ -370,7 +384,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         del rows["llama"]
     head = (
         f"# {gguf.name}: {args.rounds} rounds of {args.tokens} tokens after a {args.prompt}-token prompt, "
-        f"{args.threads} threads; resident weights {model.weight_bytes / 2**20:.1f} MiB, read bandwidth "
+        f"{plan} (the default stack); in-process rows {worker_threads} torch threads"
+        + (f", llama-server {ns.threads} threads" if "llama" in rows else "")
+        + f"; resident weights {model.weight_bytes / 2**20:.1f} MiB, read bandwidth "
         f"{bw / 1e9:.1f} GB/s, floor {floor:.2f} ms"
     )
     print_table([Row("weight-read floor", [floor])] + list(rows.values()), floor, head)

