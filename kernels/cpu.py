@@ -9,7 +9,8 @@ docs/kernels.md):
 - **The native kernel first** (``kernels/cpu_native.py``, small C kernels built at install): decode
   reads K/V in place from the blocks, one task per (sequence, KV head); prefill runs on the native
   prefill kernel (fp32, head_dim a multiple of 16: 16 or 32 rows of a sequence per task, both
-  products as register-tiled small matrix products, 2-3x the per-row path below) or, for bf16, on
+  products as register-tiled small matrix products, so the context is read once per task rather
+  than once per row as on the per-row path below) or, for bf16, on
   the decode kernel with each query row a decode query over its causal prefix, while contexts are
   short enough (``NATIVE_PREFILL_MAX_CONTEXT``). Decode sequences whose tables start with the same
   blocks (a shared system prompt) run as a native cascade when a group saves
@@ -82,48 +83,46 @@ PREFILL_PAD_FRACTION = 0.5  # largest share of a prefill bucket's query x key wo
 MAX_BUCKET = 64  # sequences per decode bucket (bounds the gather buffer)
 MIN_SHARED_BLOCKS = 4  # leading blocks decode sequences must share to attend to them together
 # One more SDPA call (and gather) costs about what attending to this many more padded K/V tokens
-# does, on the 2-core hosts measured (bench/kernel_bench.py --cpu-decode): a bucket may always hold
-# this much padding, since splitting it off would cost more than the padding.
+# does (bench/kernel_bench.py --cpu-decode; docs/kernels.md): a bucket may always hold this much
+# padding, since splitting it off would cost more than the padding.
 PAD_TOKENS = 1024
 # A shared prefix is attended once (cascade) only when that saves at least this many K/V tokens
 # of attention, (members - 1) x shared tokens: its own call, the log-sum-exp merge and the members'
 # own parts in separate buckets cost about as much as this many tokens.
 CASCADE_MIN_SAVED_TOKENS = 4096
-# The native kernel (kernels/cpu_native.py) takes 0.17-0.46x of the buckets' time on chat batches and
-# on 64 sequences sharing 432-token prefixes ((64 - 4) x 432 = 26K tokens the cascade would save),
-# but 1.2-1.4x the cascade's with 48 sequences on a 1,024-token prefix (48K saved):
-# bench/cpu_decode_bench.py. Between the two, it stays on the native kernel.
+# The native kernel (kernels/cpu_native.py) reads K/V in place and beats the buckets on chat batches
+# and on moderately shared prefixes ((64 - 4) x 432 = 26K tokens the cascade would save), but once a
+# step's shared prefixes would save this many tokens the buckets' cascade, which attends to each
+# prefix once, is ahead (bench/cpu_decode_bench.py; docs/kernels.md, "Shared prefixes once").
 NATIVE_MAX_SAVED_TOKENS = 32768
 # With fp32 caches (head_dim a multiple of 16) the native kernels run the cascade themselves
 # (``cpu_native.cascade``): each shared prefix once per group on the prefill kernel, merged into the
 # decode kernel's own parts. A group is attended that way when it saves at least this many K/V tokens
-# of per-member attention ((members - 1) x shared tokens). bench/cpu_decode_bench.py: 0.58-0.68x the
-# plain kernel's time from 64 sequences on 432-token prefixes (6,480 saved a group) to 2,048-token
-# prefixes; level at 1,300-2,900 saved; 1.2-1.3x slower at a few hundred (a second call and thread
-# team a layer for little work). On vs_vllm's workload R (groups saving about 1,900) a threshold of
-# 256-2,048 made the whole run 4-7% slower, so only groups past this one take it.
+# of per-member attention ((members - 1) x shared tokens). Below it the cascade's second call and
+# thread team a layer cost more than the prefix work they save, so smaller groups run the plain
+# kernel (bench/cpu_decode_bench.py and vs_vllm's workload R; docs/kernels.md, "Shared prefixes
+# once", has the figures).
 NATIVE_CASCADE_MIN_SAVED_TOKENS = 4096
 # Prefill rows run on the native kernel (each row a decode query over its causal prefix) while
 # every prefill sequence's context x head_dim stays at most this: 2,048 tokens at head_dim 64,
 # 1,024 at 128, about where one KV head's context stops fitting in a core's L2. The kernel reads
-# that context once per query row; past it, SDPA's tiled GEMMs win (256 rows over 4,256 tokens:
-# 1.8-2.7x); below it the native rows took 0.44-0.94x of the buckets' time on 11 of 12 shapes
-# measured (0.57-0.74x for a burst's short chunks over a cached prompt) and 1.15x on the twelfth
-# (4 sequences of 100-200 new tokens, head_dim 64).
+# that context once per query row; past it, SDPA's tiled GEMMs win; below it the native rows are
+# ahead of the buckets on nearly every shape, a burst's short chunks over a cached prompt most
+# (docs/kernels.md, "Prefill on the decode kernel", has the figures).
 NATIVE_PREFILL_MAX_CONTEXT = 131072
 # The native prefill kernel (fp32) reads a sequence's context once per 16 or 32 rows and keeps each
 # task's scores ([context, 32 x group lanes] floats per thread), so it takes contexts up to this
-# many tokens (16 MB of scores per thread at group 4). On an AVX2 build (bench/cpu_prefill_bench.py,
-# docs/kernels.md) it is about level with the buckets on chat-sized chunks (0.92-1.22x their time up
-# to 512 rows over 440 cached tokens) and 1.4-2.2x slower at 256-2,048 rows over 2,000-6,144 cached
-# tokens, where its scores no longer fit in cache; it also serves int8 caches and the cascade.
+# many tokens (16 MB of scores per thread at group 4). It is about level with the buckets on
+# chat-sized chunks and behind them on contexts of thousands of tokens, where its scores no longer
+# fit in cache (bench/cpu_prefill_bench.py; docs/kernels.md, "Prefill kernel"); one bound for every
+# build keeps the choice simple, and it also serves int8 caches and the cascade.
 NATIVE_PREFILL_KERNEL_MAX_TOKENS = 32768
 
 
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A boolean keep-mask as SDPA's additive form (0 / -inf) in the query dtype: torch's CPU
-    flash kernel runs about a quarter faster with it than with a boolean mask (measured at a
-    60-sequence prefill bucket, 2 threads)."""
+    flash kernel runs faster with it than with a boolean mask (docs/benchmarks.md, "Measurements
+    behind smaller choices")."""
     return torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
 
 

@@ -1,11 +1,11 @@
 """A decode step's decoder layers as one native call (``csrc/decode_layers.c``).
 
 Why: at one sequence a decode step is mostly calls. SmolLM2-135M makes nine kernel calls a layer
-over 30 layers; from Python each pays its argument checks, an output tensor and a ctypes crossing
-(10-20 us), about 7 ms of a 16 ms step on the 2-core development VM whose weight-read floor is
-3.4 ms. ``DecodeChain`` hands the same kernels the same arguments in the same order from C, so the
-step's results are those of the per-call path to the bit (tests/kernels/test_cpu_decode_layers.py
-compares the two), at one crossing a step.
+over 30 layers; from Python each pays its argument checks, an output tensor and a ctypes crossing,
+which together take longer than reading the step's weights (docs/kernels.md, "A decode step in one
+call", has the figures). ``DecodeChain`` hands the same kernels the same arguments in the same order
+from C, so the step's results are those of the per-call path to the bit
+(tests/kernels/test_cpu_decode_layers.py compares the two), at one crossing a step.
 
 When it applies (``DecodeChain.build`` and ``DecodeChain.takes``): every layer's four projections
 on a native kernel (packed fp32, int4, int8 or K-quant), no per-head q/k norm, the step a decode

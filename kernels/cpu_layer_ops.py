@@ -7,8 +7,8 @@ doing the same arithmetic (the C file says how closely it matches torch's). The 
 when to use them (``worker_svc/model/layer_ops.py``): CPU, fp32, the native library loaded.
 
 Called through ctypes, not as ``torch.ops``: these run 90 times a step on a 30-layer model, and a
-dispatcher round trip into Python (about 6 us each, measured against the decode op's bare ctypes
-call) costs about what the kernels themselves take on a decode step's few rows. The attention and
+dispatcher round trip into Python costs about what the kernels themselves take on a decode step's
+few rows (docs/kernels.md, "Torch ops", has the cost of a call through the op). The attention and
 log-sum-exp kernels, called once per layer or step, are torch ops (``kernels/cpu_native.py``).
 Arguments are checked before any pointer is used (``ValueError`` naming the argument); the checks
 are attribute reads.

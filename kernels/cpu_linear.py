@@ -2,17 +2,17 @@
 
 Why: a decode step's GEMMs multiply a few dozen rows by every weight matrix, so they are bound by
 reading the weights. Packed into 32-column panels, each read front to back, the weights stream at
-the memory's rate: on the 2-core development host the 30 layers and output layer of SmolLM2-135M's
-shape run 1.3-1.6x faster than oneDNN's prepacked linear at 1-16 rows and level with it at a
-prefill's hundreds (``bench/dense_bench.py`` measures both side by side).
+the memory's rate: on SmolLM2-135M's shape it is ahead of oneDNN's prepacked linear at a decode
+step's few rows and level with it at a prefill's hundreds (``bench/dense_bench.py`` measures both
+side by side; docs/kernels.md, "Linear layers", has the figures).
 
 Its register tile follows the variant's vector registers (AVX-512: 8 rows x 2 vectors of 16 floats;
-AVX2: 3 rows x 4 vectors of 8). The AVX-512 tile compiled for AVX2 keeps every accumulator on the stack
-and runs 3.5-50x slower than oneDNN; with its own tile the AVX2 build runs
-1.1-1.4x faster than oneDNN at 1-256 rows on the AVX2 development VM (``bench/dense_bench.py``,
-docs/kernels.md). The model uses it (``worker_svc/model/linear.py``) where ``preferred()`` says so:
-a variant it was measured faster on is loaded. Elsewhere (the baseline x86-64 build, whose 16 SSE
-registers of 4 floats cannot hold the AVX2 tile) fp32 layers take oneDNN's prepacked linear.
+AVX2: 3 rows x 4 vectors of 8), so that every accumulator has a register of its own: the AVX-512
+tile compiled for AVX2 keeps its accumulators on the stack and falls far behind oneDNN, while with
+its own tile the AVX2 build is ahead of it. The model uses it (``worker_svc/model/linear.py``) where
+``preferred()`` says so: the loaded variant is one ``bench/dense_bench.py`` found ahead of oneDNN.
+Elsewhere (the baseline x86-64 build, whose 16 SSE registers of 4 floats cannot hold the AVX2 tile)
+fp32 layers take oneDNN's prepacked linear.
 
 Called through ctypes, as the fused layer operations are (``kernels/cpu_layer_ops.py`` says why):
 about 150 calls a step on a 30-layer model. ``x`` is checked before any pointer is used
@@ -28,13 +28,13 @@ import torch
 
 from kernels import cpu_native
 
-# The variants whose build of csrc/linear.c beats oneDNN (measured side by side, see above).
+# The variants whose build of csrc/linear.c beats oneDNN (bench/dense_bench.py, side by side).
 FASTER_THAN_ONEDNN = frozenset({"avx512", "avx2"})
 
 
 def preferred() -> bool:
     """Whether the model's fp32 layers should take this kernel rather than oneDNN's: the loaded
-    native variant is one it was measured faster on."""
+    native variant is one of ``FASTER_THAN_ONEDNN``."""
     return cpu_native.active_variant() in FASTER_THAN_ONEDNN
 
 

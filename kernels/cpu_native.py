@@ -781,8 +781,8 @@ def _logsumexp_fake(logits: torch.Tensor) -> torch.Tensor:
 
 
 # The torch ops. Why torch.library.Library and not torch.library.custom_op: custom_op's Python
-# wrapper cost about 90 us more per call than this (measured eagerly on the 2-core machine: 150 us
-# against 60 us for a one-sequence decode), paid by every layer of every step. The implementation
+# wrapper adds a cost per call larger than the one-sequence decode kernel itself, paid by every
+# layer of every step (docs/kernels.md, "Torch ops", has the figures). The implementation
 # is registered for every backend (CompositeExplicitAutograd), so a CUDA tensor reaches
 # check_decode and gets its ValueError instead of a dispatcher error; the fake implementation
 # (register_fake, also used for meta tensors) gives torch.compile the output's metadata.

@@ -2,12 +2,13 @@
 GGUF K-quant super-blocks (Q4_K, Q6_K) as the file holds them.
 
 Why: a decode step's linear layers are bound by reading the weights, and PyTorch's weight-packed
-int4 / int8 matmuls read them at about 0.5 GB/s at one row on the AVX2 development host (6.7x
-slower per byte than the native fp32 kernel), so a model held as integers decoded slower than in
-fp32 at a fifth of the bytes. These kernels read the integers where they lie (the layouts are
-``kernels/quant_linear.py``'s) at the memory's rate: each weight widened once and multiplied into
-the accumulators of a tile of rows, an int4 group's scale applied once per group. They serve every
-row count: they were faster than PyTorch's operators at each one measured (docs/kernels.md).
+int4 / int8 matmuls read them far below the memory's rate at a decode step's few rows (slower per
+byte than the native fp32 kernel; docs/kernels.md, "Quantized linear layers", has the figures), so a
+model held as integers decoded slower than in fp32 at a fifth of the bytes. These kernels read the
+integers where they lie (the layouts are ``kernels/quant_linear.py``'s) at the memory's rate: each
+weight widened once and multiplied into the accumulators of a tile of rows, an int4 group's scale
+applied once per group. They serve every row count: ``bench/decode_floor.py`` found them ahead of
+PyTorch's operators at every row count it runs (docs/kernels.md).
 
 Called through ctypes, like ``kernels/cpu_linear.py`` (which says why). ``x`` is checked before any
 pointer is used; the matrix's own tensors are checked here too (they may come from a shared region

@@ -198,8 +198,8 @@ def tile_config(
     ``max_rows`` is the longest query run times the GQA group.
 
     float32 (``upcast``: tf32x3 dots, three tensor-core products each) gets small 16x16 tiles and
-    one stage: 64-128-row tiles spill kilobytes per thread on sm_90 and compile 3-5x slower (see
-    ``python -m kernels.aot``; 16x16 does not spill up to head_dim 128).
+    one stage: 64-128-row tiles spill kilobytes per thread on sm_90 and take much longer to
+    compile (see ``python -m kernels.aot``; 16x16 does not spill up to head_dim 128).
     8-bit caches (``quantized``) widen each K/V tile in registers, and smaller tiles keep sm_90 from
     spilling with both triton 3.6 (the GPU image's) and 3.7: 64 x 64 up to head_dim 64 (over 8 warps
     past 64 rows: 128 x 64 spilled 120-192 B per thread), 32 x 32 above (64 x 64 spilled 24-88 B at

@@ -20,12 +20,12 @@ Two forms, both ``y = x @ W.T`` with ``x`` fp32 ``[rows, in]``:
   ``dequantize`` is the gguf package's own (``kquant_dequantize``) and nothing is converted.
 
 Which kernel (``QuantizedLinear``): the native ones (``kernels/cpu_quant_linear.py``,
-``csrc/quant_linear.c``) when the library is loaded, at every row count (they were faster than
-PyTorch's operators at each row count measured, docs/kernels.md). Without the native
+``csrc/quant_linear.c``) when the library is loaded, at every row count (they are ahead of
+PyTorch's operators at each row count benchmarked, docs/kernels.md). Without the native
 library, PyTorch's weight-packed matmuls (``_weight_int8pack_mm`` on the same int8 bytes;
 ``_weight_int4pack_mm_for_cpu`` on a private copy in its own layout, made once; PyTorch has no
-K-quant operator, so ``kquant`` then multiplies a private fp32 copy). Measured side by
-side by ``python -m bench.decode_floor`` (docs/benchmarks.md).
+K-quant operator, so ``kquant`` then multiplies a private fp32 copy). ``python -m bench.decode_floor``
+compares the two side by side (docs/benchmarks.md).
 
 Pure functions on tensors: the model decides which form each matrix takes.
 """

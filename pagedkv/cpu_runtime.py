@@ -2,9 +2,9 @@
 
 Why: a CPU forward pass allocates and frees many short-lived tensors and runs hundreds of small
 parallel regions per step. glibc's allocator and torch's GNU OpenMP are the slow choice for both;
-vLLM's CPU docs ask for ``LD_PRELOAD`` of tcmalloc and ``libiomp5``. Measured on this project's
-2-core VM (``bench/vs_vllm.py`` workload A, in-process stack, 3 timed runs each, one sitting): wall
-medians 6.4 s with neither, 5.8 s with tcmalloc, 5.3 s with Intel OpenMP, 4.3 s with both.
+vLLM's CPU docs ask for ``LD_PRELOAD`` of tcmalloc and ``libiomp5``. Each library shortens a
+workload's wall time on its own and the two together most (``bench/vs_vllm.py`` workload A;
+docs/worker.md, "CPU placement", has the figures).
 
 A preload must be in the environment when the process starts, so the launcher (``pagedkv up``,
 ``frontend/launch/processes.py``) sets it for the worker processes it starts on a CPU; one started by hand, in

@@ -1,12 +1,12 @@
 """The gRPC server of every role (block manager, cache host, worker): creation, interceptors,
 TLS credentials and binding on the configured address, health, reflection, graceful stop.
 
-A synchronous server with a thread pool (on these hosts it serves more calls/s than grpc.aio, see
-docs/architecture.md; every block-manager handler is a microsecond critical section and the worker's
-Step holds a lock for the forward pass anyway). Interceptors, outermost first: the caller's own
-(metrics), bearer-token auth when a token store is given, then the malformed-request guard around
-the parsers. Health reports SERVING for "" and the service name once the server started,
-NOT_SERVING while shutting down.
+A synchronous server with a thread pool (it serves more calls/s than grpc.aio for the same handlers,
+figures in docs/architecture.md; every block-manager handler is a microsecond critical section and
+the worker's Step holds a lock for the forward pass anyway). Interceptors, outermost first: the
+caller's own (metrics), bearer-token auth when a token store is given, then the malformed-request
+guard around the parsers. Health reports SERVING for "" and the service name once the server
+started, NOT_SERVING while shutting down.
 """
 
 from __future__ import annotations

@@ -2,22 +2,24 @@
 client (frontend/clients/step_channel.py).
 
 Why a second transport for one call: every engine iteration sends one ``Worker.Step`` to each worker,
-and on loopback gRPC costs 0.6-1.2 ms a call on a loaded 2-core host, a real share of a 25 ms token
-with one request in flight. When the client and the worker run on one host as one user, the step
-goes through shared memory instead: the same serialized ``WorkerStepRequest`` / ``WorkerStepResponse``
-bytes, written into a segment both map, with a one-byte doorbell on a Unix-domain socket.
+and a gRPC call on loopback costs a real share of a token's time when one request is in flight (its
+HTTP/2 stack and the server's hand-off to a pool thread are paid on every step; docs/worker.md, "Step
+transport", has the figures from ``bench/step_channel_bench.py``). When the client and the worker
+run on one host as one user, the step goes through shared memory instead: the same serialized
+``WorkerStepRequest`` / ``WorkerStepResponse`` bytes, written into a segment both map, with a
+one-byte doorbell on a Unix-domain socket.
 
 Choices, and why:
 
 - The doorbell is a connected Unix stream socket (one per client connection), not a FIFO or an
   eventfd: an eventfd cannot be opened by an unrelated process; a FIFO has no end-of-file for a
   reader whose writer died mid-step and needs a second one for replies. A socket gives a blocking
-  wait that burns no core (the host has 2 cores: a spinning reader takes them from the forward), an
-  EOF the moment the peer process is gone (dead worker -> UNAVAILABLE), the peer's uid
-  (SO_PEERCRED, checked) and fd passing. Its wake-up costs tens of microseconds. A spin on the
-  reply header before blocking is there (``WorkerClient(step_spin_us=...)``) but off by default:
-  a step's reply follows a forward pass of milliseconds, so the spin never catches it and only
-  takes CPU from the worker (measured in bench/step_channel_bench.py: slower with it).
+  wait that burns no core (a spinning reader takes a core from the forward pass), an EOF the moment
+  the peer process is gone (dead worker -> UNAVAILABLE), the peer's uid (SO_PEERCRED, checked) and
+  fd passing. Its wake-up costs tens of microseconds. A spin on the reply header before blocking is
+  there (``WorkerClient(step_spin_us=...)``) but off by default: a step's reply follows a forward
+  pass of milliseconds, so the spin never catches it and only takes CPU from the worker
+  (bench/step_channel_bench.py compares both; docs/worker.md).
 - The segments are memfds passed over that socket (SCM_RIGHTS), not named POSIX shm: they have no
   name anyone else can open, and nothing outlives the two processes: a SIGKILLed worker leaves no
   segment behind. The only thing on the file system is the socket, in a 0700 directory of the

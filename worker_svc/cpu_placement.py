@@ -1,6 +1,6 @@
 """Which CPUs a worker runs on and how many compute threads it uses.
 
-Why: two workers on one small machine (this project's 2-core CI box, or a NUMA node) that each let
+Why: two workers on one small machine (a CI runner with a few cores, or a NUMA node) that each let
 torch spawn a thread per core fight over every core, and each step waits for the slowest thread.
 Pinning each worker to its own cores (``--cpu-affinity``) with as many torch threads as it has
 cores (``--num-threads``, default) lets them compute side by side, the CPU form of the GPU's MPS

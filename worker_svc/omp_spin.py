@@ -4,10 +4,10 @@ Why: after every parallel region, Intel's OpenMP runtime (``libiomp5``, which vL
 ``bench/vs_vllm.py`` preload for speed) keeps its helper threads spinning for ``KMP_BLOCKTIME``,
 200 ms by default, so that the next region starts at once. Inside a forward pass that is what we
 want; between two steps it is not: for the few milliseconds of gRPC, protobuf, sampling and the
-engine's bookkeeping, a spinning helper holds a core the control plane needs (on a 2-core host,
-half the machine). vLLM's CPU worker sets 5 ms for the same reason. Measured here on
-``bench/vs_vllm.py`` workload A (in-process stack, libiomp5 preloaded, 2 threads, noisy 2-core VM):
-wall medians of 4.9-5.5 s with 5-20 ms against 5.4-6.2 s with the default 200 ms.
+engine's bookkeeping, a spinning helper holds a core the control plane needs (on a machine with
+few cores, a large share of it). vLLM's CPU worker shortens the spin for the same reason, and so
+does this (``BLOCKTIME_MS``); ``bench/vs_vllm.py`` workload A ran faster with it
+(docs/benchmarks.md, "Measurements behind smaller choices").
 
 The runtime reads ``KMP_BLOCKTIME`` once, at start-up, and torch may have started it before a
 worker's code runs (the in-process stack), so this sets it through the runtime's own call,
@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 from pagedkv import envs
 
-BLOCKTIME_MS = 5  # vLLM's choice for its CPU worker; 5-20 measured alike here
+BLOCKTIME_MS = 5  # vLLM's choice for its CPU worker: short enough to free the cores between steps
 
 _done = threading.local()
 _setter: Callable[[int], object] | None | bool = False  # False: not looked up yet

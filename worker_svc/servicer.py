@@ -66,11 +66,12 @@ def sampling_from_proto(p: worker_pb2.SamplingParams) -> SamplingParams:
 class SamplingMemo:
     """The parsed ``SamplingParams`` of each distinct message, by its bytes.
 
-    Why: a sequence sends the same sampling message with every step, and five field reads plus a
-    frozen dataclass cost about 1.6 us a sequence (78 us for a 48-sequence step), a serialisation
-    and a lookup about 0.4. ``SamplingParams`` is immutable, so one object serves every sequence
-    and step that sends those bytes. Bounded: emptied past ``limit`` entries (a seed per request
-    makes most messages distinct over a server's life)."""
+    Why: a sequence sends the same sampling message with every step, and its field reads plus a
+    frozen dataclass cost several times a serialisation and a lookup, paid for every sequence of
+    every step (docs/benchmarks.md, "Measurements behind smaller choices"). ``SamplingParams`` is
+    immutable, so one object serves every sequence and step that sends those bytes. Bounded: emptied
+    past ``limit`` entries (a seed per request makes most messages distinct over a server's
+    life)."""
 
     def __init__(self, limit: int = 4096) -> None:
         self._limit = limit
@@ -116,7 +117,8 @@ def sequence_from_proto(s: worker_pb2.SequenceInput, memo: SamplingMemo | None =
 def output_to_proto(resp: worker_pb2.WorkerStepResponse, o: SequenceResult) -> None:
     """Append ``o`` to ``resp.outputs``. Why ``add`` with only the fields that are set: a
     greedy step's outputs carry no logits, forks or top logprobs, and passing their empty lists to
-    the constructor cost 88 us for 48 sequences against 17 us this way."""
+    the constructor costs several times more, paid for every sequence of every step
+    (docs/benchmarks.md, "Measurements behind smaller choices")."""
     msg = resp.outputs.add(seq_id=o.seq_id, token_id=o.token_id, logprob=o.logprob)
     if o.logits is not None:
         msg.logits.extend(o.logits.tolist())

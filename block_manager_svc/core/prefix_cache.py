@@ -9,7 +9,7 @@ KV, negligible. Hashes are kept as 16-byte `bytes`: cheaper to chain than ints.
 
 Token ids are hashed as little-endian uint32 (what the API carries), packed
 once per request with `encode_tokens`, so hashing a block is one BLAKE2b call
-over a slice (about 0.7 µs here).
+over a slice, with no per-token conversion on the allocation path.
 """
 
 from __future__ import annotations

@@ -12,10 +12,11 @@ Preempting a sequence (or a fork group) frees its GPU blocks one of two ways:
 
 `auto` takes the cheaper one, and swap only when the CPU pool has room for
 every distinct block; `swap` swaps whenever it fits and recomputes otherwise
-(a victim must go somewhere); `recompute` always recomputes. Defaults model a
-Llama-3-8B-like KV block (2 x 32 layers x 8 KV heads x 128 dims x 2 bytes x
-16 tokens = 2 MiB), a PCIe 5 x16 link at about 25 GB/s effective, and a
-prefill rate of about 10k tokens/s.
+(a victim must go somewhere); `recompute` always recomputes. The defaults
+(the `DEFAULT_*` constants below) model a Llama-3-8B-like KV block (2 x 32
+layers x 8 KV heads x 128 dims x 2 bytes x 16 tokens = 2 MiB), the effective
+rate of a PCIe 5 x16 host link, and a GPU prefill rate of that model; a
+deployment sets its own (docs/policies.md).
 """
 
 from __future__ import annotations

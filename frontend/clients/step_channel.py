@@ -33,9 +33,9 @@ from pagedkv import step_channel as wire
 from pagedkv.v1 import worker_pb2 as wpb
 
 # No spin by default: the reply to a real step comes after a forward pass (milliseconds), never
-# within a spin's microseconds, so spinning only takes a core from the worker (2 of them here);
-# bench/step_channel_bench.py measures both (a 50 us spin: p50 0.38 against 0.34 ms for a
-# one-sequence step, 0.90 against 0.82 ms for 32 sequences, on a loaded 2-core host; docs/worker.md).
+# within a spin's microseconds, so spinning only takes a core from the worker, which on a small
+# machine is a large share of its compute. bench/step_channel_bench.py measures both ways
+# (docs/worker.md, "Step transport", has the figures: the spin made steps slower).
 DEFAULT_SPIN_US = 0.0
 KEEPALIVE_S = 2.0
 

@@ -2,8 +2,9 @@
 a graph is stale, and when a step runs eagerly instead.
 
 Why: a decode step launches a few Triton kernels and a dozen torch ops per layer through Python;
-for a 32-layer model that is about 3 ms of CPU per step, as long as the GPU work at small batch.
-Replaying a captured graph launches the whole forward pass in one call.
+at small batch the CPU time of those launches is as long as the GPU work they start, so the GPU
+waits on Python (docs/gpu.md, "CUDA graphs for decode steps"). Replaying a captured graph launches
+the whole forward pass in one call.
 
 What is captured: the model's forward pass only (embedding to the logits of every row). Batch
 assembly, cache ops and sampling stay eager, so every sampling feature (top-k/p, logprobs, forks,

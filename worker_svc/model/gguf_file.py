@@ -139,9 +139,9 @@ def _gguf() -> Any:
 def read_header(path: str | pathlib.Path) -> Header:
     """The metadata and tensor directory of a GGUF file (versions 2 and 3, little-endian).
 
-    Why not ``gguf.GGUFReader``: it builds a numpy view per vocabulary string, which takes 15-20 s
-    for SmolLM2's 49k tokens and merges on these machines, in every role that reads the config;
-    this skips those arrays and reads the rest in milliseconds."""
+    Why not ``gguf.GGUFReader``: it builds a numpy view per vocabulary string, which for a real
+    vocabulary (tens of thousands of tokens and merges) takes seconds in every role that reads the
+    config (docs/worker.md); this skips those arrays and reads only the rest."""
     import mmap
 
     GGMLQuantizationType = _gguf().GGMLQuantizationType

@@ -6,14 +6,14 @@ blocked layout on every call, so each weight is read, written and read again per
 paths read only a copy laid out for them, made once here:
 
 - fp32 where the native library's AVX-512 or AVX2 build is loaded (``cpu_linear.preferred()``):
-  ``kernels/cpu_linear.py`` (``csrc/linear.c``), 32-column panels streamed at the memory's rate. The
-  layers and output layer of SmolLM2-135M's shape ran 1.3-1.6x faster than oneDNN's prepacked
-  linear at a decode step's 1-16 rows on an AVX-512 host, and 1.1-1.4x faster at 1-256 rows on an
-  AVX2 one (``bench/dense_bench.py``, side by side).
+  ``kernels/cpu_linear.py`` (``csrc/linear.c``), 32-column panels streamed at the memory's rate,
+  ahead of oneDNN's prepacked linear at a decode step's rows on both builds (``bench/dense_bench.py``
+  compares them side by side; docs/kernels.md, "Linear layers", has the figures).
 - otherwise (bf16, the baseline x86-64 build, or no native library): oneDNN's prepacked linear
   (``torch.ops.mkldnn._reorder_linear_weight`` once, then ``torch.ops.mkldnn._linear_pointwise``:
-  what inductor's weight freezing emits on CPU), 1.2-2.3x faster than ``F.linear`` at 16 and 64
-  rows. MKL's own packed GEMM (``_mkl_linear``) was not used: it only uses the packed weight when
+  what inductor's weight freezing emits on CPU), which reads only its packed copy where
+  ``F.linear`` repacks on every call (docs/benchmarks.md, "Measurements behind smaller choices").
+  MKL's own packed GEMM (``_mkl_linear``) was not used: it only uses the packed weight when
   the row count equals the one it was packed for, so with a step's varying batch it silently falls
   back to ``F.linear``.
 

@@ -124,12 +124,12 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """``torch.argmax(logits, dim=-1)`` (int64 ``[rows]``, the first index of each row's maximum),
     computed from chunk maxima on CPU.
 
-    Why: on CPU ``argmax`` over a vocabulary row is a scalar loop while ``amax`` is vectorized;
-    at 48 rows x 32,000 (a decode step's logits) argmax took 1.7 ms and amax 0.17 ms (2 threads).
-    So: each row's maximum per chunk of ``ARGMAX_CHUNK`` columns (``amax``), the first chunk
-    holding the row's maximum (argmax over the few chunk maxima), then the first maximum inside
-    that chunk. Same index as ``argmax`` for every input, ties and NaN included (a NaN is the
-    maximum for both; tests/worker_svc/test_sampling.py)."""
+    Why: on CPU ``argmax`` over a vocabulary row is a scalar loop while ``amax`` is vectorized, so
+    over a decode step's logits ``amax`` takes a fraction of ``argmax``'s time (docs/kernels.md,
+    "Sampling", has the figures). So: each row's maximum per chunk of ``ARGMAX_CHUNK`` columns
+    (``amax``), the first chunk holding the row's maximum (argmax over the few chunk maxima), then
+    the first maximum inside that chunk. Same index as ``argmax`` for every input, ties and NaN
+    included (a NaN is the maximum for both; tests/worker_svc/test_sampling.py)."""
     rows, vocab = logits.shape
     if logits.device.type != "cpu" or vocab < 4 * ARGMAX_CHUNK or rows == 0:
         return torch.argmax(logits, dim=-1)
@@ -160,8 +160,8 @@ def sample(
     """
     # log p(token) = logit - logsumexp(row): no [num_seqs, vocab] log-softmax tensor is written.
     # On CPU the native kernel gives the log-sum-exp and the greedy token from the same two passes
-    # over each row (kernels/csrc/logsumexp.c: 0.31 ms at 48 x 32,000 against 0.31 + 0.17 ms
-    # for the log-sum-exp and argmax_rows apart; torch's logsumexp alone takes 0.89 ms).
+    # over each row (kernels/csrc/logsumexp.c), so the greedy token costs no pass of its own over
+    # the vocabulary (docs/kernels.md, "Sampling", has the figures).
     fused = cpu_native.logsumexp_argmax_rows(logits)
     if fused is not None:
         log_norm, tokens = fused
