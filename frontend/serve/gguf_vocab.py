@@ -28,11 +28,15 @@ import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import structlog
+
 from frontend.serve.detokenize import byte_level_chars
 from frontend.serve.tokenizer import TextTokenizer
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
+
+_log = structlog.get_logger("pagedkv.serve")
 
 GGUF_MAGIC = b"GGUF"
 
@@ -60,15 +64,6 @@ SPLIT_REGEX = {
 # Pre-tokenizers that cut every digit alone and then apply GPT-2's expression (SmolLM's own
 # tokenizer.json does; so does llama.cpp for these names).
 DIGITS_THEN_GPT2 = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b")
-
-
-def is_gguf(path: str | pathlib.Path) -> bool:
-    """Whether ``path`` is a file starting with the GGUF magic."""
-    p = pathlib.Path(path)
-    if not p.is_file():
-        return False
-    with p.open("rb") as f:
-        return f.read(4) == GGUF_MAGIC
 
 
 def read_metadata(path: str | pathlib.Path) -> dict[str, Any]:
@@ -222,6 +217,8 @@ def _byte_level_bpe(meta: dict[str, Any], tokens: list[str], types: list[int]) -
             ]
         )
     else:  # GPT-2's expression: "default", "gpt2", and what this module has no expression for
+        if pre not in ("default", "gpt2"):
+            _log.warning("gguf_pre_tokenizer_unknown", pre=pre, using="gpt2")
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     backend.decoder = decoders.ByteLevel()
     return backend
