@@ -1,0 +1,54 @@
+"""bench/config_sweep.py: the default stack beside the hand configurations, in its smoke mode (the
+built-in tiny model): the table has the default row and every ratio to the best, and the default's
+stack is exactly what `pagedkv up` runs with no flags (the rule the benchmarks keep: a figure called
+the default's is of the stack a user starts)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench import config_sweep, up_stack
+from frontend.launch.processes import up_config
+from tests.bench.tables import run_bench
+
+
+def test_the_default_comes_first_and_every_configuration_plans_differently() -> None:
+    flags = config_sweep.configurations(None)
+    assert flags[0] == ()
+    assert all(f for f in flags[1:]) and len(set(flags)) == len(flags)
+    plans = [config_sweep._signature(up_config(list(f))) for f in flags]
+    assert len(set(plans)) == len(plans)  # none runs the same workers, cores and threads as another
+    assert any("--no-pin-workers" in f for f in flags)
+
+
+def test_config_sweep_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "sweep.json"
+    stdout = run_bench("config_sweep", "--smoke", "--json", str(out), timeout=240)
+    rows = {
+        cells[0]: cells[1:]
+        for cells in (
+            [c.strip() for c in line.strip().strip("|").split("|")]
+            for line in stdout.splitlines()
+            if line.startswith("| pagedkv")
+        )
+    }
+    assert "pagedkv (default)" in rows and len(rows) >= 2
+    for cells in rows.values():
+        # workers x threads | 1 in flight: tok/s, passes, vs best | 32 in flight: the same
+        assert float(cells[1]) > 0 and float(cells[4]) > 0
+        assert cells[3].endswith("x") and cells[6].endswith("x")
+    assert any(c[3] == "1.00x" for c in rows.values()) and any(c[6] == "1.00x" for c in rows.values())
+    assert any(
+        line.startswith("default: ") and "the best at 32 in flight" in line for line in stdout.splitlines()
+    )
+
+    data = json.loads(out.read_text())
+    default = next(c for c in data["configs"] if c["default"])
+    assert default["label"] == "pagedkv (default)" and default["flags"] == []
+    # the stack the default row ran is `pagedkv up` with no flags (the smoke's model: the built-in one)
+    assert default["config"] == json.loads(json.dumps(up_stack.comparable(up_config([]))))
+    for c in data["configs"]:
+        assert len(c["passes"]["1"]) == len(c["passes"]["32"]) == data["rounds"] == 1
+        assert c["vs_best"]["1"] > 0 and c["vs_best"]["32"] > 0
+    assert not [p for p in Path("/dev/shm").iterdir() if p.name.startswith("pagedkv-vsllama-")]
