@@ -22,6 +22,12 @@ present (`pagedkv up` does, pagedkv/cpu_runtime.py), so this script re-runs itse
 ``LD_PRELOAD`` first: the transformers baseline, in this process, runs on the same libraries.
 ``--no-preload`` runs both sides without them (the stack is then told not to preload either).
 
+The stack started here is the one ``pagedkv up --model DIR`` starts with no flags, planned from this
+machine (bench/up_stack.py adds only ports, logs and a shared-memory prefix); ``--num-gpu-blocks``,
+``--max-num-seqs``, ``--max-batch-tokens`` and ``--no-preload`` make it a tuned configuration,
+those ``up`` flags, named in the header. The transformers baseline computes with as many threads as
+that stack's plan (``--baseline-threads`` to set them).
+
 Each run gets fresh user turns (same system prompts, same distributions), so a later run does not
 hit an earlier run's whole prompts in the prefix cache.
 
@@ -44,6 +50,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -312,48 +319,39 @@ def table(rows: list[Row], baseline: Row | None, alone: list[float]) -> str:
     return "\n".join(lines)
 
 
-def start_stack(
-    model_dir: str,
-    num_gpu_blocks: int,
-    max_num_seqs: int,
-    max_batch_tokens: int,  # type: ignore[no-untyped-def]
-    preload: bool = True,
-):
-    """A stack as local processes (block manager, cache host, one worker, pagedkv serve)."""
-    from frontend.launch.config import StackConfig
+def start_stack(model_dir: str, flags: Sequence[str] = ()):  # type: ignore[no-untyped-def]
+    """The stack ``pagedkv up --model DIR FLAGS`` starts (no flags: the default, planned from this
+    machine; bench/up_stack.py adds only ports, logs and a shared-memory prefix), as local
+    processes: (the stack, its front door's URL)."""
+    import os
+
+    from bench import up_stack
     from frontend.launch.processes import Stack
-    from pagedkv.ports import free_port as free
 
     log_dir = tempfile.mkdtemp(prefix="pagedkv-serve-bench-")
-    opts = StackConfig(
-        block_manager_port=free(),
-        cache_host_port=free(),
-        worker_port=free(),
-        num_workers=1,
-        num_gpu_blocks=num_gpu_blocks,
-        model=model_dir,
-        device="cpu",
-        dtype="float32",
-        log_format="json",
-        log_dir=log_dir,
-        serve_port=free(),
-        preload_runtime=preload,
+    opts = up_stack.up_options(
+        model_dir, flags, log_dir=log_dir, shm_prefix=f"pagedkv-serve-bench-{os.getpid()}"
     )
     stack = Stack(opts, out=sys.stderr)
-    frontend = next(s for s in stack.services if s.name == "frontend")
-    frontend.args += [
-        "--max-num-seqs",
-        str(max_num_seqs),
-        "--max-batch-tokens",
-        str(max_batch_tokens),
-        "--max-waiting",
-        "100000",
-        "--log-level",
-        "warning",
-    ]
-    print(f"serve_bench: starting the stack (logs in {log_dir})", file=sys.stderr, flush=True)
+    print(
+        f"serve_bench: starting {up_stack.label(flags)}: {up_stack.describe(opts)} (logs in {log_dir})",
+        file=sys.stderr,
+        flush=True,
+    )
     stack.start()
-    return stack, frontend.health_url.removesuffix("/health")
+    return stack, f"http://127.0.0.1:{opts.serve_port}"
+
+
+def stack_flags(args: argparse.Namespace) -> list[str]:
+    """The ``pagedkv up`` flags of the stack started here: none (the default) unless a tuned
+    configuration was asked for."""
+    flags = []
+    for name in ("num_gpu_blocks", "max_num_seqs", "max_batch_tokens"):
+        if getattr(args, name) is not None:
+            flags += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    if args.no_preload:
+        flags.append("--no-preload-runtime")
+    return flags
 
 
 def parse_rates(text: str) -> list[float]:
@@ -382,7 +380,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--baseline-threads",
         type=int,
         default=0,
-        help="torch threads of the transformers baseline (0 = torch's default, as the worker)",
+        help="torch threads of the transformers baseline (0 = as many as the cores the plan of the "
+        "stack started here computes on; against --url, torch's default)",
     )
     p.add_argument("--no-baseline", action="store_true")
     p.add_argument(
@@ -391,9 +390,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the baseline and the stack's workers without tcmalloc / Intel OpenMP preloaded",
     )
     p.add_argument("--alone-requests", type=int, default=8, help="requests for the prefill-alone figure")
-    p.add_argument("--num-gpu-blocks", type=int, default=2048, help="when the stack is started here")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="when the stack is started here")
-    p.add_argument("--max-batch-tokens", type=int, default=512, help="when the stack is started here")
+    for flag in ("--num-gpu-blocks", "--max-num-seqs", "--max-batch-tokens"):
+        p.add_argument(
+            flag,
+            type=int,
+            default=None,
+            help=f"when the stack is started here: `pagedkv up {flag} N`, a tuned configuration named in "
+            "the header [the default stack: as `pagedkv up` plans it]",
+        )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="tiny run: 12 requests, short lengths, rates 2,inf")
     p.add_argument("--json", default="", help="also write the rows as JSON here")
@@ -418,15 +422,16 @@ def main(argv: list[str] | None = None) -> int:
     vocab = int(json.loads((Path(args.model) / "config.json").read_text())["vocab_size"])
     stack = None
     url = args.url.rstrip("/")
+    served = f"the server at {url}"
     try:
         if not url:
-            stack, url = start_stack(
-                args.model,
-                args.num_gpu_blocks,
-                args.max_num_seqs,
-                args.max_batch_tokens,
-                preload=not args.no_preload,
-            )
+            from bench import up_stack
+
+            flags = stack_flags(args)
+            stack, url = start_stack(args.model, flags)
+            served = f"{up_stack.label(flags)}, {up_stack.describe(stack.opts)}"
+            if not args.baseline_threads:  # the peer computes on the cores the stack's plan uses
+                args.baseline_threads = up_stack.compute_threads(stack.opts)
         models = json.loads(get_text(url + "/v1/models", api_key=api_key))
         model = models["data"][0]["id"]
         wl = Workload(args, vocab)
@@ -468,7 +473,8 @@ def main(argv: list[str] | None = None) -> int:
         "shared "
         f"system prompts of {args.system_len} tokens, user turns ~{args.input_len} and outputs "
         f"~{args.output_len} "
-        f"tokens (lognormal, sigma {args.sigma}), model {args.model}; LD_PRELOAD of this process (the "
+        f"tokens (lognormal, sigma {args.sigma}), model {args.model}; pagedkv: {served}; LD_PRELOAD of "
+        "this process (the "
         "baseline's): "
         f"{os.environ.get('LD_PRELOAD') or 'none'}\n"
     )
@@ -503,7 +509,13 @@ def _with_runtime_preloads() -> None:
 
     extra = {} if "--no-preload" in sys.argv else preload_env()
     if extra:
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **extra})
+        # As a module again (`python -m bench.serve_bench`): run as a file, bench/ would be on the
+        # path instead of the repository, and `import bench` would fail.
+        os.execve(
+            sys.executable,
+            [sys.executable, "-m", "bench.serve_bench", *sys.argv[1:]],
+            {**os.environ, **extra},
+        )
 
 
 if __name__ == "__main__":
