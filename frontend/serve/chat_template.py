@@ -7,8 +7,8 @@ may rely on:
 
 - ``trim_blocks`` and ``lstrip_blocks`` (a block tag's line leaves no whitespace behind), and the
   ``{% break %}`` / ``{% continue %}`` loop controls;
-- ``raise_exception(message)`` to refuse input (a TemplateError whose message is the template's);
-- ``strftime_now(format)``: the local date and time, for templates that state today's date;
+- ``raise_exception``, given a message, to refuse input (a TemplateError whose message is the template's);
+- ``strftime_now``, given a format: the local date and time, for templates that state today's date;
 - ``tojson`` that keeps non-ASCII characters as they are and takes ``indent``, ``separators`` and
   ``sort_keys`` (jinja2's own filter escapes HTML characters, which would change the prompt);
 - ``{% generation %}...{% endgeneration %}`` around assistant text (training templates mark it so):

@@ -25,6 +25,7 @@ import re
 from typing import Any
 
 from frontend.serve.text import ModelText
+from frontend.serve.tokenizer import byte_level_chars
 
 REPLACEMENT = "\ufffd"
 
@@ -105,17 +106,6 @@ class IncrementalText:
 
 
 # --- the bytes of one token (OpenAI's logprobs `bytes`) ---------------------------------------------
-@functools.cache
-def byte_level_chars() -> dict[int, str]:
-    """Byte value -> the character a GPT-2-style byte-level BPE writes it as in its vocabulary:
-    printable Latin-1 bytes stand for themselves, the others move, in order, to U+0100 onwards."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
-    out = {b: chr(b) for b in keep}
-    moved = (b for b in range(256) if b not in out)
-    out.update({b: chr(256 + i) for i, b in enumerate(moved)})
-    return out
-
-
 @functools.cache
 def _char_bytes() -> dict[str, int]:
     return {c: b for b, c in byte_level_chars().items()}

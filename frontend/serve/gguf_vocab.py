@@ -30,8 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from frontend.serve.detokenize import byte_level_chars
-from frontend.serve.tokenizer import TextTokenizer
+from frontend.serve.tokenizer import TextTokenizer, byte_level_chars
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer

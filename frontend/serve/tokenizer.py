@@ -21,6 +21,7 @@ frontend's modules import without them.
 
 from __future__ import annotations
 
+import functools
 import json
 import pathlib
 from collections.abc import Iterator
@@ -353,3 +354,14 @@ def _parts(node: Any) -> Iterator[dict[str, Any]]:
     elif isinstance(node, list):
         for value in node:
             yield from _parts(value)
+
+
+@functools.cache
+def byte_level_chars() -> dict[int, str]:
+    """Byte value -> the character a GPT-2-style byte-level BPE writes it as in its vocabulary:
+    printable Latin-1 bytes stand for themselves, the others move, in order, to U+0100 onwards."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    out = {b: chr(b) for b in keep}
+    moved = (b for b in range(256) if b not in out)
+    out.update({b: chr(256 + i) for i, b in enumerate(moved)})
+    return out
