@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from kernels import quant
+from pagedkv.arith import ceil_div
 
 Args = dict[str, Any]
 # Where a call runs (device and dtype pick the backend), or None when there is nothing to do.
@@ -102,7 +103,7 @@ def block_table_values(
             f"a seq_len of {int(seq_lens.max())} needs more than block_tables' {max_blocks} blocks "
             f"of {block_size} tokens"
         )
-    used_blocks = (seq_lens.to(torch.int64) + block_size - 1) // block_size
+    used_blocks = ceil_div(seq_lens.to(torch.int64), block_size)
     cols = torch.arange(max_blocks).unsqueeze(0)
     used = block_tables[cols < used_blocks.unsqueeze(1)]
     if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_blocks):

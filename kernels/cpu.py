@@ -61,6 +61,8 @@ import torch.nn.functional as F
 from kernels import cpu_native, quant, reference
 from kernels.reference import copy_blocks
 from kernels.swap import swap_blocks
+from pagedkv.arith import ceil_div
+from pagedkv.kv_capacity import blocks_for_tokens
 
 __all__ = [
     "write_kv_cache",
@@ -188,7 +190,7 @@ def decode_buckets(lens: list[int], block_size: int) -> list[tuple[list[int], in
     buckets: list[tuple[list[int], int]] = []
     i = 0
     while i < len(order):
-        nb = max(1, -(-lens[order[i]] // block_size))
+        nb = max(1, blocks_for_tokens(lens[order[i]], block_size))
         width = nb * block_size
         members = [order[i]]
         real = lens[order[i]]
@@ -377,7 +379,7 @@ def plan_buckets(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size:
     for members, nb in decode_buckets(rest, block_size):
         idx = torch.tensor(members, dtype=torch.int64)
         blens = torch.tensor([rest[m] for m in members], dtype=torch.int64)
-        used = (blens + block_size - 1) // block_size
+        used = ceil_div(blens, block_size)  # blocks each member's tokens fill
         cols = (
             torch.tensor([offset[m] for m in members], dtype=torch.int64)[:, None] + torch.arange(nb)[None, :]
         )
@@ -538,14 +540,14 @@ def prefill_buckets(
     i = 0
     while i < len(order):
         first = order[i]
-        nb = max(1, -(-seq_lens[first] // block_size))
+        nb = max(1, blocks_for_tokens(seq_lens[first], block_size))
         width, rows = nb * block_size, q_lens[first]
         members, real = [first], q_lens[first] * seq_lens[first]
         j = i + 1
         while j < len(order) and len(members) < MAX_BUCKET:
             cand = order[j]
             new_rows = max(rows, q_lens[cand])
-            new_width = max(width, -(-seq_lens[cand] // block_size) * block_size)
+            new_width = max(width, blocks_for_tokens(seq_lens[cand], block_size) * block_size)
             padded = new_width * new_rows * (len(members) + 1)
             new_real = real + q_lens[cand] * seq_lens[cand]
             if padded - new_real > PREFILL_PAD_FRACTION * padded:
@@ -642,7 +644,7 @@ def plan_prefill_buckets(
         blens = torch.tensor([lens[m] for m in members], dtype=torch.int64)
         qlens = torch.tensor([q_lens[m] for m in members], dtype=torch.int64)
         q0 = torch.tensor([int(starts[m]) for m in members], dtype=torch.int64)
-        used = (blens + block_size - 1) // block_size
+        used = ceil_div(blens, block_size)  # blocks each member's tokens fill
         idx = torch.tensor(members, dtype=torch.int64)
         ids = tables.index_select(0, idx)[:, :nb].masked_fill(torch.arange(nb)[None, :] >= used[:, None], 0)
         j = torch.arange(rows)[None, :]  # [1, rows]

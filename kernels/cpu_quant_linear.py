@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import torch
 
 from kernels import cpu_native
+from pagedkv.arith import ceil_div
 
 
 class QuantizedMatrix(Protocol):
@@ -90,7 +91,7 @@ def check_matrix(m: QuantizedMatrix) -> None:
         return
     ok_cpu = w.is_cpu and s.is_cpu and w.is_contiguous() and s.is_contiguous() and s.dtype is torch.float32
     if m.kind == "int4":
-        panels = -(-n // PANEL)
+        panels = ceil_div(n, PANEL)
         ok = (
             ok_cpu
             and w.dim() == 3

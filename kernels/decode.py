@@ -23,13 +23,13 @@ of the context length (``max_seq_len`` if given, else the block table's capacity
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import triton
 import triton.language as tl
 
 from kernels.tile import attend_tile, dot_precision, scale_args
+from pagedkv.arith import ceil_div
 
 LOG2E = 1.4426950408889634
 # Tuning knobs (see docs/kernels.md). A split covers at least this many tokens: below it the
@@ -263,8 +263,8 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, sms: i
     base = max(1, num_seqs * num_kv_heads)
     if base >= 2 * sms:
         return 1
-    want = math.ceil(PROGRAMS_PER_SM * sms / base)
-    useful = max(1, math.ceil(max_seq_len / MIN_SPLIT_TOKENS))
+    want = ceil_div(PROGRAMS_PER_SM * sms, base)
+    useful = max(1, ceil_div(max_seq_len, MIN_SPLIT_TOKENS))
     return max(1, min(want, useful, MAX_SPLITS))
 
 

@@ -38,6 +38,7 @@ from typing import Literal
 import torch
 
 from kernels import cpu_native, cpu_quant_linear
+from pagedkv.arith import ceil_div
 
 GROUP = 32  # inputs per int4 scale/offset group: GGUF's block (and the K-quants' sub-block) size
 PANEL = 16  # output rows per int4 panel
@@ -52,7 +53,7 @@ Path = Literal["auto", "native", "torch"]
 
 def int4_shapes(out_features: int, in_features: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
     """The shapes of an int4 matrix's ``qweight`` (uint8) and ``qscale`` (fp32)."""
-    panels, groups = -(-out_features // PANEL), in_features // GROUP
+    panels, groups = ceil_div(out_features, PANEL), in_features // GROUP
     return (panels, groups, CHUNK), (panels, groups, 2 * PANEL)
 
 

@@ -16,6 +16,7 @@ import torch
 
 from kernels import quant
 from kernels.backend import as_list, plan_nothing
+from pagedkv.kv_capacity import blocks_for_tokens
 
 __all__ = [
     "write_kv_cache",
@@ -61,7 +62,7 @@ def _f32(rows: torch.Tensor) -> torch.Tensor:
 def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """Contiguous [length, num_kv_heads, head_dim] float32 K or V of one sequence."""
     block_size = cache.shape[1]
-    n_blocks = (length + block_size - 1) // block_size
+    n_blocks = blocks_for_tokens(length, block_size)
     ids = block_table[:n_blocks].to(device=cache.device, dtype=torch.int64)
     return _f32(cache[ids]).reshape(n_blocks * block_size, cache.shape[2], -1)[:length]
 
@@ -93,7 +94,7 @@ def paged_decode_attention(
         return out
     lens = seq_lens.to(device=query.device, dtype=torch.int64)
     max_len = int(lens.max())
-    n_blocks = max(1, (max_len + block_size - 1) // block_size)
+    n_blocks = max(1, blocks_for_tokens(max_len, block_size))
     ids = block_tables[:, :n_blocks].to(device=key_cache.device, dtype=torch.int64)
     # Padding entries of a block table may hold garbage: clamp so the gather stays in bounds;
     # the tokens they hold are masked out below.

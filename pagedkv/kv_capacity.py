@@ -1,10 +1,12 @@
-"""The KV cache's capacity in bytes: bytes per block from the model's dimensions and the KV dtype,
-and blocks from a memory budget.
+"""The KV cache's capacity in bytes and blocks: bytes per block from the model's dimensions and the
+KV dtype, blocks from a memory budget, and blocks for a sequence's tokens.
 
-One module because three sides do this arithmetic and must get the same number: the block manager
+One module because every side does this arithmetic and must get the same number: the block manager
 turns ``--kv-cache-memory`` into its pool size, the cache host checks that the memory it allocates
 per block is what the manager divided by, and ``pagedkv up`` computes the manager's bytes per block
-from the model. Pure arithmetic: no I/O, no torch, importable by the core.
+from the model; the block manager, the engine, the worker and the kernels all count the blocks a
+sequence's tokens fill (``blocks_for_tokens``). Pure arithmetic: no I/O, no torch, importable by
+the core.
 
 The KV dtypes (``--kv-cache-dtype``):
 
@@ -19,6 +21,8 @@ An 8-bit row of one token and KV head is ``head_dim`` bytes of values followed b
 from __future__ import annotations
 
 from typing import Literal, get_args
+
+from pagedkv.arith import ceil_div
 
 KvCacheDtype = Literal["auto", "int8", "fp8_e4m3"]
 KV_CACHE_DTYPES: tuple[str, ...] = get_args(KvCacheDtype)
@@ -79,6 +83,11 @@ def blocks_for_memory(budget_bytes: int, bytes_per_block: int) -> int:
     if budget_bytes < 0:
         raise ValueError(f"a memory budget must be >= 0 bytes, got {budget_bytes}")
     return budget_bytes // bytes_per_block
+
+
+def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
+    """Blocks that ``num_tokens`` tokens fill, the last one possibly partly (0 for no tokens)."""
+    return ceil_div(num_tokens, block_size)
 
 
 def blocks_per_gib(bytes_per_block: int) -> int:

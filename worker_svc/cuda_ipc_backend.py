@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from pagedkv.arith import ceil_div
 from worker_svc.cache_layout import numel
 
 ALIGNMENT = 2 << 20  # 2 MiB
@@ -48,7 +49,7 @@ def _cupy() -> Any:
 
 
 def round_up(n: int, align: int = ALIGNMENT) -> int:
-    return max(align, (n + align - 1) // align * align)
+    return max(align, ceil_div(n, align) * align)
 
 
 def device_index(device: torch.device) -> int:

@@ -22,7 +22,9 @@ import torch
 
 import kernels
 from kernels import cpu_native, quant
+from pagedkv.arith import ceil_div
 from pagedkv.defaults import MAX_DECODE_STEPS
+from pagedkv.kv_capacity import blocks_for_tokens
 from worker_svc import omp_spin
 from worker_svc.devices import device_scope
 from worker_svc.model.batch import AttentionBatch
@@ -222,7 +224,7 @@ class ModelRunner:
                 raise InvalidStep(f"{where}: no new token ids")
             if max(s.token_ids) >= vocab:
                 raise InvalidStep(f"{where}: token id {max(s.token_ids)} >= vocab_size {vocab}")
-            need = -(-s.seq_len // self.block_size)
+            need = blocks_for_tokens(s.seq_len, self.block_size)
             if len(s.block_ids) < need:
                 raise InvalidStep(
                     f"{where}: {s.seq_len} tokens need {need} blocks of {self.block_size}, "
@@ -230,7 +232,7 @@ class ModelRunner:
                 )
             if s.decode_steps != 1:
                 self._check_decode_steps(where, s)
-                need = -(-(s.num_cached_tokens + s.decode_steps) // self.block_size)
+                need = blocks_for_tokens(s.num_cached_tokens + s.decode_steps, self.block_size)
             bad = [b for b in s.block_ids[:need] if b >= self.num_gpu_blocks]
             if bad:
                 raise InvalidStep(f"{where}: block id {bad[0]} >= num_gpu_blocks {self.num_gpu_blocks}")
@@ -246,7 +248,7 @@ class ModelRunner:
                 if bad_knob:
                     raise InvalidStep(f"{where}: {what}.{bad_knob}")
             if s.allowed_token_mask:
-                want = 4 * ((vocab + 31) // 32)
+                want = 4 * ceil_div(vocab, 32)  # one bit per token, in 32-bit words
                 if len(s.allowed_token_mask) != want:
                     raise InvalidStep(
                         f"{where}: allowed_token_mask has {len(s.allowed_token_mask)} bytes, "
@@ -356,7 +358,7 @@ class ModelRunner:
         n_prefill_tokens = ends[n_prefill_seqs - 1] + 1 if n_prefill_seqs else 0
 
         def tables(idx: list[int]) -> torch.Tensor:
-            width = max(-(-seqs[i].seq_len // bs) for i in idx)
+            width = max(blocks_for_tokens(seqs[i].seq_len, bs) for i in idx)
             rows = [
                 seqs[i].block_ids[:width] + [0] * (width - min(width, len(seqs[i].block_ids))) for i in idx
             ]

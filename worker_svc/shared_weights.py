@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from pagedkv.arith import ceil_div
 from worker_svc import shm_backend
 from worker_svc.cache_layout import DTYPES, dtype_name, numel
 from worker_svc.cache_memory import BACKEND_CUDA_IPC, BACKEND_SHM, TensorDescriptor
@@ -92,7 +93,7 @@ def _layout(tensors: dict[str, torch.Tensor]) -> tuple[list[WeightEntry], int]:
             continue
         seen[id(t)] = name
         entries.append(WeightEntry(name, offset, tuple(t.shape), dtype_name(t.dtype)))
-        offset += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+        offset += ceil_div(t.numel() * t.element_size(), ALIGN) * ALIGN
     return entries, max(offset, 1)
 
 

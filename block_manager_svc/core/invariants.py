@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from block_manager_svc.core.prefix_cache import chain_hashes
+from pagedkv.kv_capacity import blocks_for_tokens
 
 if TYPE_CHECKING:
     from block_manager_svc.core.manager import BlockManager
@@ -32,10 +33,6 @@ def check_invariants(bm: BlockManager) -> None:
     _check_sequences(bm)
     _check_swap_and_groups(bm)
     _check_prefix_tree(bm)
-
-
-def _blocks_for(bm: BlockManager, num_tokens: int) -> int:
-    return -(-num_tokens // bm.block_size)
 
 
 def _check_tenants(bm: BlockManager) -> None:
@@ -55,7 +52,7 @@ def _check_gpu_pool(bm: BlockManager) -> None:
     pool = bm.pool
     counts = [0] * pool.num_blocks
     for seq in bm.seqs.values():
-        assert len(seq.block_ids) == _blocks_for(bm, seq.num_tokens), seq.seq_id
+        assert len(seq.block_ids) == blocks_for_tokens(seq.num_tokens, bm.block_size), seq.seq_id
         assert seq.cpu_block_ids is None, f"running {seq.seq_id} has CPU blocks"
         for b in seq.block_ids:
             counts[b] += 1
@@ -109,7 +106,7 @@ def _check_swap_and_groups(bm: BlockManager) -> None:
     for seq in bm.swapped.values():
         assert seq.block_ids == [], f"swapped {seq.seq_id} still holds GPU blocks"
         assert seq.cpu_block_ids is not None
-        assert len(seq.cpu_block_ids) == _blocks_for(bm, seq.num_tokens), seq.seq_id
+        assert len(seq.cpu_block_ids) == blocks_for_tokens(seq.num_tokens, bm.block_size), seq.seq_id
         for c in seq.cpu_block_ids:
             cpu_counts[c] += 1
     assert cpu_counts == cpu.ref_counts, "CPU ref counts differ from the swapped tables"

@@ -59,7 +59,7 @@ from block_manager_svc.core.swap_planner import (
 )
 from block_manager_svc.core.tenants import NULL_LEDGER, Ledger, NullLedger, TenantLedger
 from pagedkv import defaults
-from pagedkv.kv_capacity import blocks_for_memory, check_kv_cache_dtype
+from pagedkv.kv_capacity import blocks_for_memory, blocks_for_tokens, check_kv_cache_dtype
 from pagedkv.watermark import admission_room
 
 __all__ = ["MAX_SEQ_ID_LEN", "MAX_TOKEN_ID", "BlockManager", "CoreConfig"]
@@ -204,9 +204,6 @@ class BlockManager:
             f"{pool.num_blocks} total{extra})"
         )
 
-    def _blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
-
     # --- Allocate -----------------------------------------------------------
     def allocate(
         self,
@@ -241,7 +238,7 @@ class BlockManager:
             tokens = _encode_token_ids(token_ids, num_tokens)
         bs = self.block_size
         pool = self.pool
-        total_blocks = self._blocks_for(num_tokens)
+        total_blocks = blocks_for_tokens(num_tokens, bs)
         if total_blocks > pool.num_blocks:
             raise InvalidArgument(
                 f"a prompt of {num_tokens} tokens needs {total_blocks} blocks of {bs}, "
@@ -346,7 +343,7 @@ class BlockManager:
         bs = self.block_size
         pool = self.pool
         cur = seq.num_tokens
-        after = -(-(cur + num_tokens) // bs)
+        after = blocks_for_tokens(cur + num_tokens, bs)
         if after > pool.num_blocks:
             raise InvalidArgument(
                 f"sequence {seq.seq_id!r} would need {after} blocks for {cur + num_tokens} tokens, "

@@ -50,7 +50,9 @@ import grpc
 
 from frontend.clients.connection import add_connection_args, client_kwargs
 from pagedkv import defaults
+from pagedkv.arith import ceil_div
 from pagedkv.dial import TokenError
+from pagedkv.kv_capacity import blocks_for_tokens
 
 OPS = ("allocate", "append", "fork", "free", "step", "table", "stats")
 RPC_OF = {
@@ -203,23 +205,18 @@ class PartResult:
     fatal: str | None = None
 
 
-def blocks_for(tokens: int, block_size: int) -> int:
-    return -(-tokens // block_size)
-
-
 def size_step_batch(step_size: int, num_tokens: int, block_size: int, budget: int) -> int:
     """Smallest rotation r (sequences finished and admitted per step) whose batch fits ``budget``
     blocks; raises LoadTestError if even r = step_size does not fit."""
     for r in range(1, step_size + 1):
-        lifetime = -(-step_size // r)  # steps a sequence lives: it gains one token per step
-        if step_size * blocks_for(num_tokens + lifetime, block_size) <= budget:
+        lifetime = ceil_div(step_size, r)  # steps a sequence lives: it gains one token per step
+        if step_size * blocks_for_tokens(num_tokens + lifetime, block_size) <= budget:
             return r
     raise LoadTestError(
         f"a Step batch of {step_size} sequences of {num_tokens}+ tokens needs "
-        f"{step_size * blocks_for(num_tokens + 1, block_size)} blocks per worker but only {budget} are "
-        "available "
-        "per worker: lower --step-size, --num-tokens or --concurrency, or give the server more "
-        "--num-gpu-blocks"
+        f"{step_size * blocks_for_tokens(num_tokens + 1, block_size)} blocks per worker but only "
+        f"{budget} are available per worker: lower --step-size, --num-tokens or --concurrency, or give "
+        "the server more --num-gpu-blocks"
     )
 
 
@@ -238,12 +235,12 @@ def make_plans(args: argparse.Namespace, available_blocks: int, block_size: int)
     mix = args.mix
     per_worker = int(available_blocks * 0.9) // args.concurrency
     unary = [op for op in mix if op in ("allocate", "append", "fork", "free")]
-    need = blocks_for(args.num_tokens + 1, block_size)  # one unary sequence that can grow a little
+    need = blocks_for_tokens(args.num_tokens + 1, block_size)  # one unary sequence that can grow a little
     # The Step batch takes what the unary path does not reserve: room for a few growing sequences.
     step_budget = per_worker - (min(args.max_live, 4) * need * 2 if unary else 0)
     rotate = size_step_batch(args.step_size, args.num_tokens, block_size, step_budget) if "step" in mix else 0
     step_blocks = (
-        args.step_size * blocks_for(args.num_tokens + -(-args.step_size // rotate), block_size)
+        args.step_size * blocks_for_tokens(args.num_tokens + ceil_div(args.step_size, rotate), block_size)
         if rotate
         else 0
     )

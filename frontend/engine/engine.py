@@ -63,6 +63,7 @@ from frontend.engine.types import (
     TokenEvent,
 )
 from pagedkv.defaults import MAX_DECODE_STEPS
+from pagedkv.kv_capacity import blocks_for_tokens
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import worker_pb2 as wpb
 from pagedkv.watermark import admission_room
@@ -177,7 +178,7 @@ class Engine:
                 f"(max_num_seqs={self.config.max_num_seqs})"
             )
         total = len(request.prompt) + request.max_tokens
-        if -(-total // self.block_size) > self.num_gpu_blocks:
+        if blocks_for_tokens(total, self.block_size) > self.num_gpu_blocks:
             raise ValueError(
                 f"request {request.request_id}: {total} tokens can never fit in {self.num_gpu_blocks} blocks"
             )

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from frontend.engine.admission import PrefixProgress
 from frontend.engine.types import Seq, SeqStatus
+from pagedkv.kv_capacity import blocks_for_tokens
 from pagedkv.watermark import admission_room
 
 
@@ -63,14 +64,14 @@ def admissions(
     bs = limits.block_size
     room = limits.max_num_seqs - len(running) - num_swap_in
     # Blocks the growing sequences take first (their tokens past the blocks they hold).
-    growth = sum(max(0, -(-len(s.tokens) // bs) - s.blocks_held) for s in grow)
+    growth = sum(max(0, blocks_for_tokens(len(s.tokens), bs) - s.blocks_held) for s in grow)
     budget = admission_room(pool.available - growth, limits.watermark)
     out: list[Seq] = []
     held = 0
     progress: PrefixProgress | None = None
     for seq in waiting:
         width = seq.width
-        need = -(-len(seq.tokens) // bs)
+        need = blocks_for_tokens(len(seq.tokens), bs)
         if width > room or (out and need > budget):
             break
         if limits.prefix_caching:
@@ -105,7 +106,7 @@ def grants(running: Sequence[Seq], spare: int, limits: Limits, ahead_tokens: int
     for s in running:
         if s.tail_shared or s.awaiting_parent:
             continue
-        held = max(len(s.block_table), -(-len(s.tokens) // bs))  # after this Step's appends
+        held = max(len(s.block_table), blocks_for_tokens(len(s.tokens), bs))  # after this Step's appends
         if s.ahead_block is not None and held == len(s.block_table):
             continue  # its block ahead is still ahead
         room = held * bs - len(s.tokens)

@@ -33,6 +33,7 @@ from frontend.engine.types import (
     SeqStatus,
     TokenEvent,
 )
+from pagedkv.kv_capacity import blocks_for_tokens
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import worker_pb2 as wpb
 
@@ -187,7 +188,7 @@ class Scheduler:
         return [self.seqs[x] for x in self.to_free]
 
     def prompt_blocks(self, tokens: Sequence[int]) -> int:
-        return -(-len(tokens) // self.limits.block_size)
+        return blocks_for_tokens(len(tokens), self.limits.block_size)
 
     # --- the block-manager Step ----------------------------------------------------
     def needs_pool_refresh(self) -> bool:
@@ -247,7 +248,7 @@ class Scheduler:
                 self.blocks.available
                 - self.limits.watermark
                 - sum(self.prompt_blocks(s.tokens) for s in admit)
-                - sum(max(0, -(-len(s.tokens) // bs) - s.blocks_held) for s in grow)
+                - sum(max(0, blocks_for_tokens(len(s.tokens), bs) - s.blocks_held) for s in grow)
             )
             # Admitted ones too: the manager applies grants after this Step's allocations.
             candidates = [*self.running, *(s for s in admit if s.width == 1)]

@@ -1,4 +1,5 @@
-"""Capacity as bytes: bytes per block from model dims x KV dtype, blocks from a memory budget."""
+"""Capacity as bytes: bytes per block from model dims x KV dtype, blocks from a memory budget, blocks for
+a sequence's tokens."""
 
 from __future__ import annotations
 
@@ -30,6 +31,12 @@ def test_block_bytes_is_every_row_of_every_layer_k_and_v(
 def test_blocks_for_memory_is_the_largest_count_that_fits(budget: int, per_block: int) -> None:
     n = kc.blocks_for_memory(budget, per_block)
     assert n * per_block <= budget < (n + 1) * per_block
+
+
+@given(st.integers(0, 1 << 40), st.sampled_from([1, 8, 16, 32, 128]))
+def test_blocks_for_tokens_is_the_fewest_blocks_that_hold_them(tokens: int, bs: int) -> None:
+    n = kc.blocks_for_tokens(tokens, bs)
+    assert n * bs >= tokens and (n - 1) * bs < tokens or tokens == n == 0
 
 
 @given(dims, model_bytes, st.floats(0.001, 64.0))

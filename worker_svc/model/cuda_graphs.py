@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Protocol
 import structlog
 import torch
 
+from pagedkv.kv_capacity import blocks_for_tokens
 from worker_svc.model.batch import AttentionBatch
 
 if TYPE_CHECKING:
@@ -331,7 +332,7 @@ class DecodeGraphs:
 def max_blocks_for(max_context: int, block_size: int, num_gpu_blocks: int) -> int:
     """Block-table width of the graphs: enough for ``max_context`` tokens, never more blocks than
     the cache has."""
-    return max(1, min(-(-max_context // block_size), num_gpu_blocks))
+    return max(1, min(blocks_for_tokens(max_context, block_size), num_gpu_blocks))
 
 
 def for_worker(

@@ -32,6 +32,7 @@ import numpy as np
 import structlog
 import torch
 
+from pagedkv.arith import ceil_div
 from worker_svc.model import gguf_quant
 
 _log = structlog.get_logger("pagedkv.worker")
@@ -205,7 +206,7 @@ def read_header(path: str | pathlib.Path) -> Header:
                 type_name = f"type {qtype}"
             infos.append((name, dims, type_name, qtype, offset))
         align = int(meta.get("general.alignment", 32))
-        data_start = (pos + align - 1) // align * align
+        data_start = ceil_div(pos, align) * align
     tensors = {n: TensorInfo(n, d, tn, q, data_start + o) for n, d, tn, q, o in infos}
     return Header(meta, tensors)
 
