@@ -89,7 +89,7 @@ def configurations(model: str | None) -> list[tuple[str, ...]]:
         per = max(1, cores // n)
         for threads in sorted({per, max(1, per // 2)}, reverse=True):
             for pin in (True, False):
-                flags = [] if n == default.num_workers else ["--num-workers", str(n)]
+                flags: list[str] = [] if n == default.num_workers else ["--num-workers", str(n)]
                 if threads != per:
                     flags += ["--num-threads", str(threads)]
                 if not pin:
@@ -97,11 +97,11 @@ def configurations(model: str | None) -> list[tuple[str, ...]]:
                 candidates.append(tuple(flags))
     seen: set[tuple[object, ...]] = set()
     out = []
-    for flags in candidates:
-        sig = _signature(up_config([*model_args, *flags]))
+    for candidate in candidates:
+        sig = _signature(up_config([*model_args, *candidate]))
         if sig not in seen:
             seen.add(sig)
-            out.append(flags)
+            out.append(candidate)
     return out
 
 

@@ -53,10 +53,14 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from bench.models import gqa_llama
 from bench.transformers_baseline import generate_static_batch
 from frontend.clients.http import get_text, stream_events
+
+if TYPE_CHECKING:
+    from frontend.launch.processes import Stack
 
 
 @dataclass(slots=True)
@@ -319,7 +323,7 @@ def table(rows: list[Row], baseline: Row | None, alone: list[float]) -> str:
     return "\n".join(lines)
 
 
-def start_stack(model_dir: str, flags: Sequence[str] = ()):  # type: ignore[no-untyped-def]
+def start_stack(model_dir: str, flags: Sequence[str] = ()) -> tuple[Stack, str]:
     """The stack ``pagedkv up --model DIR FLAGS`` starts (no flags: the default, planned from this
     machine; bench/up_stack.py adds only ports, logs and a shared-memory prefix), as local
     processes: (the stack, its front door's URL)."""

@@ -415,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args.log_dir = pathlib.Path(tempfile.mkdtemp(prefix="pagedkv-vs-llamacpp-"))
     f32 = None if args.no_f32 else f32_copy(args, gguf)
-    rows = [()] + ([] if args.no_f32 else [("--weight-format", "fp32")])
+    rows: list[tuple[str, ...]] = [()] + ([] if args.no_f32 else [("--weight-format", "fp32")])
     rows += [tuple(shlex.split(flags)) for flags in args.pagedkv_row]
     llamas: list[Server] = []
     stacks: list[Server] = []

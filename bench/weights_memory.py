@@ -125,16 +125,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"model {pathlib.Path(args.model).name}: {size / MIB:.1f} MiB on disk, {tensors / MIB:.1f} MiB of "
         "tensors; each stack is the one `pagedkv up` starts with the flags in its row's name"
     )
-    extras = [[]] + ([["--num-workers", str(args.num_workers)]] if args.num_workers else [])
+    extras: list[list[str]] = [[]] + ([["--num-workers", str(args.num_workers)]] if args.num_workers else [])
     rows: list[tuple[str, str, dict[str, int], int | None, list[int]]] = []
     for extra in extras:
         tiny, _ = measure(None, extra, f"{logs}/tiny{len(rows)}")
-        base = sum(tiny.values())
+        baseline = sum(tiny.values())
         rows.append((up_stack.label(extra), "built-in tiny model (baseline)", tiny, None, []))
         for fmt in args.weight_format:
             flags = [*extra, *([] if fmt == "auto" else ["--weight-format", fmt])]
             per, wb = measure(args.model, flags, f"{logs}/{fmt}{len(rows)}")
-            rows.append((up_stack.label(flags), f"the file, {fmt}", per, base, wb))
+            rows.append((up_stack.label(flags), f"the file, {fmt}", per, baseline, wb))
     names = list(dict.fromkeys(name for row in rows for name in row[2]))  # the services, in start order
     print(
         "| stack | model | stack PSS MiB | "
