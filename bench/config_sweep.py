@@ -6,7 +6,10 @@ configuration of the same flags that makes sense here:
 
 - workers: 1 and 2 (up to the cores), and one per NUMA node where there are several;
 - compute threads per worker: all of its cores, or half of them;
-- pinned to their cores (``up``'s default) or not (``--no-pin-workers``).
+- pinned to their cores (``up``'s default) or not (``--no-pin-workers``);
+- the default's workers with their idle OpenMP threads spinning 200 ms (``KMP_BLOCKTIME=200``, the
+  runtime's own default) or not at all (``OMP_WAIT_POLICY=PASSIVE``) instead of the worker's 5 ms:
+  rows named ``NAME=VALUE``, the environment their stack is started in.
 
 A configuration that plans the same workers, cores and threads as another is run once, under the
 first name (the default's first). Every configuration's stack is exactly what ``pagedkv up
@@ -102,7 +105,17 @@ def configurations(model: str | None) -> list[tuple[str, ...]]:
         if sig not in seen:
             seen.add(sig)
             out.append(candidate)
-    return out
+    return out + list(SPIN_ROWS)
+
+
+SPIN_ROWS: tuple[tuple[str, ...], ...] = (
+    ("KMP_BLOCKTIME=200",),
+    ("OMP_WAIT_POLICY=PASSIVE",),
+)
+"""The default stack with its workers' idle OpenMP threads held differently: the Intel runtime's own
+200 ms spin after each parallel region (the worker's 5 ms, worker_svc/omp_spin.py, is then not
+applied), and no spin at all (threads sleep at once). Whether a worker's idle compute threads take
+cores the front door and block manager need between steps is the difference to the default row."""
 
 
 def ratios_to_best(configs: list[Config], key: str) -> tuple[Config, dict[str, float]]:
@@ -199,7 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--smoke",
         action="store_true",
-        help="a check that it runs: the built-in tiny model, the default and two other configurations, "
+        help="a check that it runs: the built-in tiny model, the default, one hand configuration and one "
+        "environment row, "
         "1 round, 4 tokens a request, 2 single requests",
     )
     return p
@@ -222,8 +236,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     vocab = load_model_config(str(model) if model else None).vocab_size
     configs = [Config(flags) for flags in configurations(str(model) if model else None)]
-    if args.smoke:  # the default and the last two (on two cores and more: two workers, pinned or not)
-        configs = [configs[0], *configs[1:][-2:]]
+    if args.smoke:  # the default, the last hand configuration and the first environment row
+        hand = [c for c in configs[1:] if not up_stack.split_env(c.flags)[0]]
+        configs = [configs[0], hand[-1], Config(SPIN_ROWS[0])]
     log_dir = pathlib.Path(tempfile.mkdtemp(prefix="pagedkv-config-sweep-"))
     print(
         f"# config_sweep: {model.name if model else 'the built-in tiny model'}; "

@@ -40,6 +40,13 @@ _WHERE = (
 )
 
 
+def split_env(flags: Sequence[str]) -> tuple[dict[str, str], list[str]]:
+    """``NAME=VALUE`` items of a row's flags (an environment the stack is started with, e.g.
+    ``KMP_BLOCKTIME=200``) apart from its ``up`` flags."""
+    env = dict(f.split("=", 1) for f in flags if "=" in f and not f.startswith("-"))
+    return env, [f for f in flags if not ("=" in f and not f.startswith("-"))]
+
+
 def label(flags: Sequence[str]) -> str:
     """The row's name: ``pagedkv (default)`` for no flags, else ``pagedkv`` and the flags."""
     return "pagedkv " + " ".join(flags) if flags else DEFAULT_LABEL
@@ -55,6 +62,7 @@ def up_options(
     """``up_config`` of ``pagedkv up [--model MODEL] FLAGS`` on free loopback ports, logging JSON to
     ``log_dir`` (when given), with the shared-memory prefix ``shm_prefix`` (when given)."""
     model_args = ["--model", model] if model else []
+    _, flags = split_env(flags)
     # Every worker takes the port after the previous one: plan once to know how many there are.
     workers = up_config([*model_args, *flags]).num_workers
     base = free_port_block(3 + workers)

@@ -232,11 +232,20 @@ def start_pagedkv(gguf: pathlib.Path | None, args: argparse.Namespace, flags: Se
         shm_prefix=f"pagedkv-vsllama-{os.getpid()}-{next(_STACKS)}",
     )
     stack = Stack(opts, out=io.StringIO())
+    env, _ = up_stack.split_env(flags)  # a row's NAME=VALUE items: the environment its roles start in
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
         stack.start()
     except BaseException:
         stack.stop()
         raise
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     frontend = next(s for s in stack.services if s.name == "frontend")
     url = frontend.health_url.removesuffix("/health")
 

@@ -14,9 +14,13 @@ from tests.bench.tables import run_bench
 
 
 def test_the_default_comes_first_and_every_configuration_plans_differently() -> None:
-    flags = config_sweep.configurations(None)
-    assert flags[0] == ()
-    assert all(f for f in flags[1:]) and len(set(flags)) == len(flags)
+    every = config_sweep.configurations(None)
+    assert every[0] == ()
+    assert all(f for f in every[1:]) and len(set(every)) == len(every)
+    # The rows that set an environment (the OpenMP spin) run the default's flags.
+    assert [f for f in every if up_stack.split_env(f)[0]] == list(config_sweep.SPIN_ROWS)
+    flags = [f for f in every if not up_stack.split_env(f)[0]]
+    assert all(up_stack.split_env(f)[1] == [] for f in config_sweep.SPIN_ROWS)
     plans = [config_sweep._signature(up_config(list(f))) for f in flags]
     assert len(set(plans)) == len(plans)  # none runs the same workers, cores and threads as another
     assert any("--no-pin-workers" in f for f in flags)
