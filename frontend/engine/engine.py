@@ -66,7 +66,7 @@ from pagedkv.defaults import MAX_DECODE_STEPS
 from pagedkv.kv_capacity import blocks_for_tokens
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import worker_pb2 as wpb
-from pagedkv.watermark import admission_room
+from pagedkv.watermark import never_admitted
 
 log = structlog.get_logger("pagedkv.engine")
 
@@ -184,13 +184,9 @@ class Engine:
             )
         # The block manager admits a prompt only above its watermark; a prompt that needs more than
         # that would wait forever, so refuse it here rather than fail the iteration later.
-        if self.scheduler.prompt_blocks(request.prompt) > admission_room(
-            self.num_gpu_blocks, self._watermark
-        ):
-            raise ValueError(
-                f"request {request.request_id}: its {len(request.prompt)}-token prompt can never be admitted "
-                f"(the pool has {self.num_gpu_blocks} blocks, {self._watermark} held back by the watermark)"
-            )
+        why = never_admitted(len(request.prompt), self.block_size, self.num_gpu_blocks, self._watermark)
+        if why is not None:
+            raise ValueError(f"request {request.request_id}: {why}")
         return self.scheduler.add(request)
 
     def running_sequences(self) -> list[Seq]:
@@ -336,12 +332,11 @@ class Engine:
             and self._prefill is None
         ):
             head = sched.waiting[0]
-            need = sched.prompt_blocks(head.tokens)  # samples fork from the prompt and share it
-            if need > admission_room(self.num_gpu_blocks, self._watermark):
-                raise RuntimeError(
-                    f"request {head.request.request_id} cannot be admitted: it needs {need} blocks and "
-                    f"the pool has {self.num_gpu_blocks} ({self._watermark} held back by the watermark)"
-                )
+            # Its tokens (the prompt, and what it generated before a preemption by recompute): samples
+            # fork from them and share them.
+            why = never_admitted(len(head.tokens), self.block_size, self.num_gpu_blocks, self._watermark)
+            if why is not None:
+                raise RuntimeError(f"request {head.request.request_id}: {why}")
             # Other frontends hold the room it needs: wait for them, without hammering the manager.
             time.sleep(0.01)
 
