@@ -20,7 +20,7 @@ _N = TypeVar("_N", int, "Tensor")
 
 
 def ceil_div(a: _N, b: int) -> _N:
-    """``ceil(a / b)`` computed exactly in integers, for any signs of ``a`` and ``b``; ``b == 0``
-    raises. Floor division rounds toward minus infinity, so negating the dividend and the result
-    rounds toward plus infinity, with no float involved (exact past 2**53)."""
+    """The ceiling of ``a / b``, computed exactly in integers, for any signs of ``a`` and ``b``;
+    ``b == 0`` raises. Floor division rounds toward minus infinity, so negating the dividend and
+    the result rounds toward plus infinity, with no float involved (exact past 2**53)."""
     return -(-a // b)
