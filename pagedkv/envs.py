@@ -144,6 +144,22 @@ _VARS: tuple[EnvVar, ...] = (
         owner="Intel OpenMP",
     ),
     EnvVar(
+        "OMP_NUM_THREADS",
+        "int",
+        "",
+        "OpenMP team size; `pagedkv up` starts each CPU worker with its planned compute threads here "
+        "(frontend/launch/processes.py), so no OpenMP team in it starts with one thread per CPU",
+        owner="OpenMP",
+    ),
+    EnvVar(
+        "OMP_WAIT_POLICY",
+        "str",
+        "",
+        "OpenMP idle threads' wait policy (active | passive); when set, the worker leaves the spin "
+        "time as it says (worker_svc/omp_spin.py)",
+        owner="OpenMP",
+    ),
+    EnvVar(
         "LD_PRELOAD",
         "str",
         "",

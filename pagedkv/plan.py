@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from pagedkv import defaults
 from pagedkv.cpu_list import format_cpus
+from pagedkv.kv_capacity import blocks_for_tokens
 from pagedkv.machine import Machine
 
 GIB = 1 << 30
@@ -219,7 +220,7 @@ def _max_useful_kv(model: ModelSize, max_seqs: int) -> int:
     """Bytes of KV every sequence at once could use at the model's full length (0 = unbounded)."""
     if model.max_model_len <= 0:
         return 0
-    blocks = max_seqs * math.ceil(model.max_model_len / model.block_size)
+    blocks = max_seqs * blocks_for_tokens(model.max_model_len, model.block_size)
     return blocks * model.kv_bytes_per_block
 
 

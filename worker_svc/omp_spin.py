@@ -13,7 +13,8 @@ The runtime reads ``KMP_BLOCKTIME`` once, at start-up, and torch may have starte
 worker's code runs (the in-process stack), so this sets it through the runtime's own call,
 ``kmp_set_blocktime``, which applies to the calling thread's team: ``ModelRunner.step`` calls
 ``short_spin()`` on whichever thread runs the step (once per thread). An explicit ``KMP_BLOCKTIME``
-in the environment wins (then nothing is changed); GNU OpenMP (``libgomp``, torch's own) has no such
+or ``OMP_WAIT_POLICY`` in the environment wins (then nothing is changed: ``passive`` already sleeps
+at once); GNU OpenMP (``libgomp``, torch's own) has no such
 call and already sleeps after a short spin, so there this does nothing.
 """
 
@@ -33,7 +34,7 @@ _setter: Callable[[int], object] | None | bool = False  # False: not looked up y
 
 def _lookup() -> Callable[[int], object] | None:
     """The loaded runtime's ``kmp_set_blocktime`` (libiomp5 / LLVM libomp), or None."""
-    if envs.is_set("KMP_BLOCKTIME"):
+    if envs.is_set("KMP_BLOCKTIME") or envs.is_set("OMP_WAIT_POLICY"):
         return None
     try:
         fn = ctypes.CDLL(None).kmp_set_blocktime

@@ -76,7 +76,7 @@ class StackConfig:
     # The block manager's journal --fsync. "off" by default here: every role is a process on this one
     # host, a journal record the OS holds survives a SIGKILL of the block manager (what a restart
     # recovers from), and a power loss takes the cache host's KV and every request with it, so an
-    # fsync per mutation (0.2-1 ms on a VM's disk, on every engine step) would protect nothing.
+    # fsync per mutation (a disk write on every engine step) would protect nothing.
     fsync: str = defaults.UP_FSYNC
     restart: RestartPolicy = field(default_factory=RestartPolicy)
 

@@ -9,10 +9,9 @@ chooses (worker_svc/model/sampling.py), greedy or sampled, and the token it retu
 accepted by the matcher here. Once the grammar is complete only the model's stop tokens are
 allowed, so the sample ends there.
 
-The library is xgrammar, chosen over llguidance by bench/grammar_mask_bench.py (SmolLM2's 49k
-vocabulary, a nested JSON schema, 2 shared cores): filling a mask took 4.6 us per token on mean
-(p99 20 us) against llguidance's 111 us (p99 8 ms); compiling took 22 ms against 2 ms, paid once
-per distinct schema (the compiler caches).
+The library is xgrammar, chosen over llguidance by bench/grammar_mask_bench.py (docs/benchmarks.md):
+a mask is filled for every constrained token, so its per-token cost counts more than the compile,
+which is paid once per distinct schema (the compiler caches).
 """
 
 from __future__ import annotations
@@ -21,6 +20,8 @@ import json
 import threading
 from dataclasses import dataclass
 from typing import Any
+
+from pagedkv.arith import ceil_div
 
 
 class GrammarError(ValueError):
@@ -68,7 +69,7 @@ class Matcher:
 
 def mask_bytes(vocab_size: int) -> int:
     """Length of an allowed-token bitmask for this vocabulary."""
-    return 4 * ((vocab_size + 31) // 32)
+    return 4 * ceil_div(vocab_size, 32)
 
 
 class GrammarCompiler:
