@@ -84,7 +84,7 @@ class BuildNative(build_ext):
 setup(
     ext_modules=[
         Extension(
-            f"kernels._cpu_{name}",
+            f"pagedkv.kernels._cpu_{name}",
             sources=SOURCES,
             depends=DEPENDS,
             extra_compile_args=COMMON + flags,

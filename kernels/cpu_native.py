@@ -105,7 +105,7 @@ def artifact(variant: str) -> pathlib.Path | None:
     """The installed library of one variant (``kernels/_cpu_<variant>.<abi>.so``), or None when the
     install did not build it. Found like an extension module, so editable installs work too."""
     try:
-        spec = importlib.util.find_spec(f"kernels._cpu_{variant}")
+        spec = importlib.util.find_spec(f"pagedkv.kernels._cpu_{variant}")
     except (ImportError, ValueError):
         return None
     return pathlib.Path(spec.origin) if spec is not None and spec.origin else None
