@@ -62,7 +62,7 @@ COPY protos ./protos
 RUN --mount=type=cache,target=/root/.cache/pip \
     if [ "${TORCH_VARIANT}" = cpu ]; then extras=worker,text; else extras="worker,gpu-cuda${CUDA_MAJOR},text"; fi \
  && pip install -c constraints.txt ".[${extras}]" \
- && python -c "import torch, pagedkv.cli; from kernels import cpu_native; print('torch', torch.__version__, 'cpu kernels built:', cpu_native.built_variants())"
+ && python -c "import torch, pagedkv.cli; from pagedkv.kernels import cpu_native; print('torch', torch.__version__, 'cpu kernels built:', cpu_native.built_variants())"
 
 # Unprivileged at run time. Triton's kernel cache goes to $HOME. The block manager's state dir
 # (PAGEDKV_STATE_DIR in docker-compose.yml) exists owned by that user, so a named volume mounted

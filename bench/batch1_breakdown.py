@@ -57,8 +57,8 @@ from bench import up_stack
 from bench.decode_floor import Decoder, per_call, read_bandwidth
 from bench.kv_dtype_bench import smollm2_gguf
 from bench.vs_llamacpp import FIRST_ID, Server, find_binary, start_llama, start_pagedkv
-from frontend.clients.http import stream_events
 from pagedkv.defaults import DECODE_STEPS as DEFAULT_STEPS
+from pagedkv.frontend.clients.http import stream_events
 
 
 @dataclass(slots=True)
@@ -81,8 +81,8 @@ def prompt_ids(rng: random.Random, n: int, vocab: int) -> list[int]:
 # ----------------------------------------------------------------------------- in this process
 def runner_rounds(decoder: Decoder, tokens: int) -> tuple[float, float, float]:
     """``tokens`` decode steps: mean (step, forward, sampling) ms of this round."""
-    import worker_svc.model.llama as llama_mod
-    import worker_svc.model_runner as runner_mod
+    import pagedkv.worker_svc.model.llama as llama_mod
+    import pagedkv.worker_svc.model_runner as runner_mod
 
     spans: dict[str, list[float]] = {"forward": [], "sample": []}
     undo = []
@@ -119,9 +119,9 @@ class EngineOnStack:
 
     @classmethod
     def connect(cls, server: Server, decode_steps: int) -> EngineOnStack:
-        from frontend.clients.block_manager import BlockManagerClient
-        from frontend.clients.worker import WorkerClient
-        from frontend.engine import Engine, EngineConfig
+        from pagedkv.frontend.clients.block_manager import BlockManagerClient
+        from pagedkv.frontend.clients.worker import WorkerClient
+        from pagedkv.frontend.engine import Engine, EngineConfig
 
         bm = BlockManagerClient(server.block_manager)
         worker = WorkerClient(server.worker)
@@ -134,7 +134,7 @@ class EngineOnStack:
         """One request of ``tokens`` tokens: the mean per decode step of (engine step, block-manager
         RPCs, block-manager calls, worker RPC, worker's runner) ms and the wall ms per token after the
         first."""
-        from frontend.engine import Engine, GenerationRequest
+        from pagedkv.frontend.engine import Engine, GenerationRequest
 
         cur: dict[str, float] = dict.fromkeys(("bm", "bm_calls", "worker", "runner", "tokens"), 0.0)
 
@@ -258,9 +258,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     torch.set_grad_enabled(False)
 
-    from worker_svc.model.config import load_model_config
-    from worker_svc.model.llama import LlamaModel
-    from worker_svc.model.weights import load_model
+    from pagedkv.worker_svc.model.config import load_model_config
+    from pagedkv.worker_svc.model.llama import LlamaModel
+    from pagedkv.worker_svc.model.weights import load_model
 
     cfg = load_model_config(str(gguf))
     # The stack's vocabulary bound for prompts: ordinary tokens of the model's vocabulary.

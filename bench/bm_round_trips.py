@@ -21,10 +21,10 @@ import argparse
 import random
 from dataclasses import dataclass
 
-from frontend.engine import EngineConfig, GenerationRequest
-from frontend.launch.config import StackConfig
-from frontend.launch.local_stack import LocalStack
 from pagedkv.defaults import DECODE_STEPS
+from pagedkv.frontend.engine import EngineConfig, GenerationRequest
+from pagedkv.frontend.launch.config import StackConfig
+from pagedkv.frontend.launch.local_stack import LocalStack
 from pagedkv.logging_setup import configure_logging
 
 # (label, EngineConfig fields): the three ways an engine can talk to the block manager, one decode

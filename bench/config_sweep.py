@@ -13,7 +13,7 @@ configuration of the same flags that makes sense here:
 
 A configuration that plans the same workers, cores and threads as another is run once, under the
 first name (the default's first). Every configuration's stack is exactly what ``pagedkv up
---model FILE FLAGS`` runs (``frontend.launch.processes.up_config``, bench/up_stack.py); the
+--model FILE FLAGS`` runs (``pagedkv.frontend.launch.processes.up_config``, bench/up_stack.py); the
 default's has no flags.
 
 Each round runs every configuration once, the first configuration rotating from round to round
@@ -51,8 +51,8 @@ from typing import Any
 from bench import up_stack
 from bench.kv_dtype_bench import smollm2_gguf
 from bench.vs_llamacpp import Pass, Req, make_requests, run_pass, start_pagedkv
-from frontend.launch.config import StackConfig
-from frontend.launch.processes import up_config
+from pagedkv.frontend.launch.config import StackConfig
+from pagedkv.frontend.launch.processes import up_config
 
 IN_FLIGHT = 32
 """Requests in flight in the batched pass."""
@@ -232,7 +232,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.rounds < 1 or args.requests < 1 or args.single < 1:
         print("config_sweep: --rounds, --requests and --single must be at least 1", file=sys.stderr)
         return 2
-    from worker_svc.model.config import load_model_config
+    from pagedkv.worker_svc.model.config import load_model_config
 
     vocab = load_model_config(str(model) if model else None).vocab_size
     configs = [Config(flags) for flags in configurations(str(model) if model else None)]

@@ -59,8 +59,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from block_manager_svc.core import BlockManager, CoreConfig, StepBatch
-from block_manager_svc.core.prefix_cache import encode_tokens
+from pagedkv.block_manager_svc.core import BlockManager, CoreConfig, StepBatch
+from pagedkv.block_manager_svc.core.prefix_cache import encode_tokens
 
 NUM_BLOCKS = 65_536
 BLOCK_SIZE = 16

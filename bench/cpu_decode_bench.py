@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from kernels import cpu, cpu_native
+from pagedkv.kernels import cpu, cpu_native
 
 BLOCK = 16
 NUM_KV_HEADS, NUM_HEADS, LAYERS = 2, 8, 4

@@ -15,8 +15,8 @@ import time
 
 import torch
 
-import kernels
-from kernels import cpu_native
+from pagedkv import kernels
+from pagedkv.kernels import cpu_native
 
 BLOCK, KV_HEADS, HEAD_DIM = 16, 3, 64
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import cpu, cpu_native
+from pagedkv.kernels import cpu, cpu_native
 
 BLOCK = 16
 

@@ -64,11 +64,11 @@ class EagerReplay:
 
 
 def run(device: str, batches: list[int], ctx: int, steps: int, deadline_s: float) -> list[dict]:
-    from worker_svc.model import cuda_graphs
-    from worker_svc.model.config import ModelConfig
-    from worker_svc.model.llama import LlamaModel
-    from worker_svc.model.weights import random_weights
-    from worker_svc.model_runner import ModelRunner, SequenceRequest
+    from pagedkv.worker_svc.model import cuda_graphs
+    from pagedkv.worker_svc.model.config import ModelConfig
+    from pagedkv.worker_svc.model.llama import LlamaModel
+    from pagedkv.worker_svc.model.weights import random_weights
+    from pagedkv.worker_svc.model_runner import ModelRunner, SequenceRequest
 
     t_start = time.monotonic()
     dev = torch.device(device)

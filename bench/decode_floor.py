@@ -44,13 +44,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels import cpu_native, cpu_quant_linear
-from kernels.quant_linear import QuantizedLinear, QuantizedMatrix
-from worker_svc.model.config import load_model_config
-from worker_svc.model.linear import Linear
-from worker_svc.model.llama import LlamaModel
-from worker_svc.model.weights import load_model
-from worker_svc.model_runner import ModelRunner, SequenceRequest
+from pagedkv.kernels import cpu_native, cpu_quant_linear
+from pagedkv.kernels.quant_linear import QuantizedLinear, QuantizedMatrix
+from pagedkv.worker_svc.model.config import load_model_config
+from pagedkv.worker_svc.model.linear import Linear
+from pagedkv.worker_svc.model.llama import LlamaModel
+from pagedkv.worker_svc.model.weights import load_model
+from pagedkv.worker_svc.model_runner import ModelRunner, SequenceRequest
 
 BLOCK = 16
 PROMPT_LEN = 32

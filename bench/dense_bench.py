@@ -24,7 +24,7 @@ import time
 import torch
 
 from bench.layer_ops_bench import small_model_shape
-from worker_svc.model.linear import Linear
+from pagedkv.worker_svc.model.linear import Linear
 
 # The fused QKV, O, fused gate/up and down matrices ([out, in]) of one layer of that shape.
 _CFG = small_model_shape(layers=1)

@@ -27,12 +27,12 @@ from dataclasses import dataclass
 
 import torch
 
-from worker_svc.model.batch import AttentionBatch
-from worker_svc.model.config import ModelConfig, load_model_config
-from worker_svc.model.gguf_file import load_tokenizer
-from worker_svc.model.registry import Model
-from worker_svc.model.weights import load_model
-from worker_svc.model_runner import ModelRunner, SequenceRequest
+from pagedkv.worker_svc.model.batch import AttentionBatch
+from pagedkv.worker_svc.model.config import ModelConfig, load_model_config
+from pagedkv.worker_svc.model.gguf_file import load_tokenizer
+from pagedkv.worker_svc.model.registry import Model
+from pagedkv.worker_svc.model.weights import load_model
+from pagedkv.worker_svc.model_runner import ModelRunner, SequenceRequest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BLOCK = 16

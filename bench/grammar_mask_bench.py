@@ -120,7 +120,7 @@ def main() -> int:
     ap.add_argument("--model", default=None, help="GGUF file or model directory with the tokenizer")
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
-    from worker_svc.model.model_source import load_tokenizer
+    from pagedkv.worker_svc.model.model_source import load_tokenizer
 
     tok = load_tokenizer(args.model or _smollm2())
     if tok is None:
@@ -146,7 +146,7 @@ def step_cost(vocab: int, repeats: int) -> None:
     import torch
 
     from pagedkv.v1 import worker_pb2
-    from worker_svc.model.sampling import SamplingParams, sample
+    from pagedkv.worker_svc.model.sampling import SamplingParams, sample
 
     seq = worker_pb2.SequenceInput(
         seq_id="r-0", token_ids=[5], block_ids=list(range(32)), num_cached_tokens=500

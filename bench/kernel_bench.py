@@ -46,7 +46,7 @@ if not torch.cuda.is_available():
     # The interpreter must be chosen before the kernels' @triton.jit decorators run.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import kernels  # noqa: E402 - after TRITON_INTERPRET is chosen
+from pagedkv import kernels  # noqa: E402 - after TRITON_INTERPRET is chosen
 
 Row = dict[str, Any]
 

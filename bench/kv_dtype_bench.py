@@ -37,9 +37,9 @@ from collections.abc import Callable
 
 import torch
 
-from kernels import cpu, cpu_native
-from kernels.dispatch import BackendName
 from pagedkv import kv_capacity
+from pagedkv.kernels import cpu, cpu_native
+from pagedkv.kernels.dispatch import BackendName
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # (name, layers, KV heads, head_dim, query heads)
@@ -115,7 +115,7 @@ def trace(budget_mib: int, num_requests: int) -> None:
     ``budget_mib`` budget gives each KV dtype: as many requests run at once as fit (a request that
     cannot get its blocks waits for the oldest running one to finish)."""
     from bench.trace_replay import VOCAB, LocalCore, prefix_trace
-    from block_manager_svc.core import ResourceExhausted
+    from pagedkv.block_manager_svc.core import ResourceExhausted
 
     name, layers, kvh, d, _ = MODELS[0]
     tr = prefix_trace("mixed", 0, 200, num_requests, "mixed")
@@ -186,9 +186,9 @@ def engine_trace(budget_mib: float, num_requests: int, threads: int) -> None:
     integer weights, native CPU kernels) at one fixed ``--kv-cache-memory``, once per KV dtype: the
     pool the budget buys, how many sequences a step carries, the prefix-cache hits, the preemptions
     the block manager made, and the throughput. All requests are queued at once."""
-    from frontend.engine import EngineConfig, GenerationRequest
-    from frontend.launch.config import StackConfig
-    from frontend.launch.local_stack import LocalStack
+    from pagedkv.frontend.engine import EngineConfig, GenerationRequest
+    from pagedkv.frontend.launch.config import StackConfig
+    from pagedkv.frontend.launch.local_stack import LocalStack
 
     gguf = smollm2_gguf()
     if gguf is None:
@@ -355,9 +355,9 @@ def _greedy(
     threads: int,
     backend: BackendName = "cpu",
 ) -> list[list[int]]:
-    from frontend.engine import EngineConfig, GenerationRequest
-    from frontend.launch.config import StackConfig
-    from frontend.launch.local_stack import LocalStack
+    from pagedkv.frontend.engine import EngineConfig, GenerationRequest
+    from pagedkv.frontend.launch.config import StackConfig
+    from pagedkv.frontend.launch.local_stack import LocalStack
 
     need = sum(-(-(len(p) + max_tokens) // BLOCK) for p in prompts) + 16
     with LocalStack(
@@ -385,11 +385,11 @@ def _teacher_forced(
     streams at once; shorter ones padded, the padding never read back): per stream, the greedy token
     after every position but the last, and exp(mean NLL) of the streams' own next tokens. Every
     position attends over the (8-bit) cache it wrote."""
-    import kernels
-    from worker_svc.cache_layout import CacheGeometry
-    from worker_svc.model.batch import AttentionBatch
-    from worker_svc.model.config import load_model_config
-    from worker_svc.model.weights import load_model
+    from pagedkv import kernels
+    from pagedkv.worker_svc.cache_layout import CacheGeometry
+    from pagedkv.worker_svc.model.batch import AttentionBatch
+    from pagedkv.worker_svc.model.config import load_model_config
+    from pagedkv.worker_svc.model.weights import load_model
 
     cfg = load_model_config(str(gguf))
     model = load_model(str(gguf), cfg, torch.float32, torch.device("cpu"))

@@ -21,12 +21,12 @@ import time
 
 import torch
 
-from kernels import cpu_layer_ops
-from worker_svc.model import layer_ops
-from worker_svc.model.config import ModelConfig, RopeConfig
-from worker_svc.model.registry import build_model
-from worker_svc.model.weights import fuse, random_weights
-from worker_svc.model_runner import ModelRunner, SequenceRequest
+from pagedkv.kernels import cpu_layer_ops
+from pagedkv.worker_svc.model import layer_ops
+from pagedkv.worker_svc.model.config import ModelConfig, RopeConfig
+from pagedkv.worker_svc.model.registry import build_model
+from pagedkv.worker_svc.model.weights import fuse, random_weights
+from pagedkv.worker_svc.model_runner import ModelRunner, SequenceRequest
 
 BLOCK = 16
 

@@ -40,9 +40,9 @@ from dataclasses import dataclass, field
 
 from bench.kv_router import PoolSubscriber, PrefixAwareRouter, RoundRobinRouter
 from bench.models import gqa_llama
-from frontend.engine import EngineConfig, GenerationRequest
-from frontend.launch.config import StackConfig
-from frontend.launch.local_stack import LocalStack
+from pagedkv.frontend.engine import EngineConfig, GenerationRequest
+from pagedkv.frontend.launch.config import StackConfig
+from pagedkv.frontend.launch.local_stack import LocalStack
 from pagedkv.logging_setup import configure_logging
 
 
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         if not model:
             make_model(pathlib.Path(tmp), args.hidden, args.layers, args.vocab, args.seed)
             model = tmp
-        from worker_svc.model.config import load_model_config
+        from pagedkv.worker_svc.model.config import load_model_config
 
         vocab = load_model_config(model).vocab_size
         workload = make_workload(args, vocab)

@@ -43,11 +43,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from frontend.clients.block_manager import BlockManagerClient
-from frontend.clients.worker import WorkerClient
-from frontend.engine import Engine, EngineConfig, GenerationRequest
-from frontend.launch.config import StackConfig
-from frontend.launch.processes import Stack
+from pagedkv.frontend.clients.block_manager import BlockManagerClient
+from pagedkv.frontend.clients.worker import WorkerClient
+from pagedkv.frontend.engine import Engine, EngineConfig, GenerationRequest
+from pagedkv.frontend.launch.config import StackConfig
+from pagedkv.frontend.launch.processes import Stack
 from pagedkv.ports import free_port_block
 
 
@@ -57,8 +57,8 @@ def make_model(path: pathlib.Path, hidden: int, layers: int, vocab: int, seed: i
     loader's names."""
     from safetensors.torch import save_file
 
-    from worker_svc.model.config import ModelConfig
-    from worker_svc.model.weights import random_weights
+    from pagedkv.worker_svc.model.config import ModelConfig
+    from pagedkv.worker_svc.model.weights import random_weights
 
     path.mkdir(parents=True, exist_ok=True)
     heads = hidden // 64

@@ -57,10 +57,10 @@ from typing import TYPE_CHECKING
 
 from bench.models import gqa_llama
 from bench.transformers_baseline import generate_static_batch
-from frontend.clients.http import get_text, stream_events
+from pagedkv.frontend.clients.http import get_text, stream_events
 
 if TYPE_CHECKING:
-    from frontend.launch.processes import Stack
+    from pagedkv.frontend.launch.processes import Stack
 
 
 @dataclass(slots=True)
@@ -330,7 +330,7 @@ def start_stack(model_dir: str, flags: Sequence[str] = ()) -> tuple[Stack, str]:
     import os
 
     from bench import up_stack
-    from frontend.launch.processes import Stack
+    from pagedkv.frontend.launch.processes import Stack
 
     log_dir = tempfile.mkdtemp(prefix="pagedkv-serve-bench-")
     opts = up_stack.up_options(

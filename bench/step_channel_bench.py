@@ -43,9 +43,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from frontend.clients.worker import WorkerClient
-from frontend.engine.output import worker_request
-from frontend.engine.types import Completion, GenerationRequest, RequestOutput, Seq
+from pagedkv.frontend.clients.worker import WorkerClient
+from pagedkv.frontend.engine.output import worker_request
+from pagedkv.frontend.engine.types import Completion, GenerationRequest, RequestOutput, Seq
 from pagedkv.v1 import worker_pb2 as wpb
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,7 +59,7 @@ class _InstantRunner:
     """A model runner that computes nothing: one token per sequence, at once."""
 
     def step(self, seqs: Any, ops: Any) -> Any:
-        from worker_svc.model_runner import SequenceResult, StepResult
+        from pagedkv.worker_svc.model_runner import SequenceResult, StepResult
 
         outs = [
             SequenceResult(seq_id=s.seq_id, token_id=(len(s.token_ids) * 31) % 32000, logprob=-0.5)
@@ -74,8 +74,8 @@ def serve() -> None:
     """The worker side (``--serve``): prints ``READY <port> <channel path>``, serves until stdin closes."""
     from pagedkv.grpc_server import start_server
     from pagedkv.v1 import worker_pb2_grpc
-    from worker_svc.servicer import SERVICE_NAME, WorkerServicer
-    from worker_svc.step_channel import StepChannelServer
+    from pagedkv.worker_svc.servicer import SERVICE_NAME, WorkerServicer
+    from pagedkv.worker_svc.step_channel import StepChannelServer
 
     servicer = WorkerServicer(
         _InstantRunner(), wpb.WorkerInfo(model_name="instant", cache_instance_id=CACHE_ID)
@@ -130,8 +130,8 @@ def e2e(rounds: int, max_tokens: int) -> None:
     import urllib.request
 
     from bench.serve_bench import Req, one_request
-    from frontend.launch.config import StackConfig
-    from frontend.launch.processes import Stack
+    from pagedkv.frontend.launch.config import StackConfig
+    from pagedkv.frontend.launch.processes import Stack
     from pagedkv.ports import free_port
 
     ports = {"shm": free_port(), "grpc": free_port()}
@@ -200,10 +200,10 @@ def engine_rows(rounds: int, max_tokens: int) -> None:
     import io
     import tempfile
 
-    from frontend.clients.block_manager import BlockManagerClient
-    from frontend.engine import Engine, EngineConfig, GenerationRequest
-    from frontend.launch.config import StackConfig
-    from frontend.launch.processes import Stack
+    from pagedkv.frontend.clients.block_manager import BlockManagerClient
+    from pagedkv.frontend.engine import Engine, EngineConfig, GenerationRequest
+    from pagedkv.frontend.launch.config import StackConfig
+    from pagedkv.frontend.launch.processes import Stack
     from pagedkv.ports import free_port
 
     opts = StackConfig(

@@ -50,8 +50,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from block_manager_svc.core import BlockManager, CoreConfig, ResourceExhausted, StepBatch
-from block_manager_svc.core.prefix_cache import encode_tokens
+from pagedkv.block_manager_svc.core import BlockManager, CoreConfig, ResourceExhausted, StepBatch
+from pagedkv.block_manager_svc.core.prefix_cache import encode_tokens
 
 VOCAB = 32_000
 MAX_LEN = 2048
@@ -187,8 +187,8 @@ class GrpcCore:
     def __init__(self, **settings: object) -> None:
         import grpc
 
-        from block_manager_svc.server import start_server
-        from block_manager_svc.settings import BlockManagerSettings
+        from pagedkv.block_manager_svc.server import start_server
+        from pagedkv.block_manager_svc.settings import BlockManagerSettings
         from pagedkv.v1 import block_manager_pb2 as pb
         from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
 
@@ -428,10 +428,10 @@ def calibrate_cost_model() -> dict[str, float]:
     """The cost-model settings that describe this machine and the tiny model (block manager flags)."""
     import torch
 
-    from frontend.engine import GenerationRequest
-    from frontend.launch.config import StackConfig
-    from frontend.launch.local_stack import LocalStack
-    from worker_svc.model.config import load_model_config
+    from pagedkv.frontend.engine import GenerationRequest
+    from pagedkv.frontend.launch.config import StackConfig
+    from pagedkv.frontend.launch.local_stack import LocalStack
+    from pagedkv.worker_svc.model.config import load_model_config
 
     cfg = load_model_config(None)
     block_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4 * 16  # K+V, fp32, 16 tokens
@@ -462,9 +462,9 @@ def calibrate_cost_model() -> dict[str, float]:
 
 
 def run_overload_engine(mode: str, seed: int, num: int, cost_model: dict[str, float]) -> dict[str, object]:
-    from frontend.engine import EngineConfig, GenerationRequest
-    from frontend.launch.config import StackConfig
-    from frontend.launch.local_stack import LocalStack
+    from pagedkv.frontend.engine import EngineConfig, GenerationRequest
+    from pagedkv.frontend.launch.config import StackConfig
+    from pagedkv.frontend.launch.local_stack import LocalStack
 
     overrides: dict[str, object] = {"preemption_mode": mode, "eviction_policy": "lru-size", **cost_model}
     with LocalStack(

@@ -1,7 +1,7 @@
 """The stack a user starts, for the benchmarks that compare pagedkv with a peer or with itself.
 
 The benchmarks' rule: a comparison with a peer starts the stack exactly as ``pagedkv up --model
-FILE`` does with no flags (``frontend.launch.processes.up_config``: planned from this machine), and
+FILE`` does with no flags (``pagedkv.frontend.launch.processes.up_config``: planned from this machine), and
 a tuned configuration is an extra row labelled with its ``up`` flags. What a benchmark adds to
 ``up``'s flags is only where the stack listens and logs (free loopback ports, JSON logs in a
 directory of its own) and, outside ``up_config``, a shared-memory prefix of its own (so that one
@@ -20,9 +20,9 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from frontend.launch.config import StackConfig
-from frontend.launch.processes import up_config
 from pagedkv.cpu_list import format_cpus
+from pagedkv.frontend.launch.config import StackConfig
+from pagedkv.frontend.launch.processes import up_config
 from pagedkv.ports import free_port_block
 
 DEFAULT_LABEL = "pagedkv (default)"

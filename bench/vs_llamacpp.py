@@ -71,8 +71,8 @@ from dataclasses import dataclass, field
 from bench import up_stack
 from bench.kv_dtype_bench import smollm2_gguf
 from bench.weights_memory import pss_kib
-from frontend.clients.http import post_json
-from frontend.launch.config import StackConfig
+from pagedkv.frontend.clients.http import post_json
+from pagedkv.frontend.launch.config import StackConfig
 from pagedkv.ports import free_port
 
 SYSTEM_PROMPTS = (64, 160, 320)
@@ -221,7 +221,7 @@ def start_pagedkv(gguf: pathlib.Path | None, args: argparse.Namespace, flags: Se
     workers, serve): exactly the StackConfig ``up`` runs with these flags (``bench/up_stack.py``),
     on free ports, logging to ``args.log_dir``. No flags: the default stack, row ``pagedkv
     (default)``; else the row is named by its flags. ``gguf`` None: the built-in tiny model."""
-    from frontend.launch.processes import Stack
+    from pagedkv.frontend.launch.processes import Stack
 
     name = up_stack.label(flags)
     opts = up_stack.up_options(

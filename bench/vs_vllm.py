@@ -12,7 +12,7 @@ it, each in its own process:
                       every request sent at once to its OpenAI front door over HTTP
 - ``pagedkv FLAGS``   the same with ``up`` flags, one row per ``--pagedkv-row FLAGS`` (a tuned
                       configuration, e.g. ``--pagedkv-row="--num-workers 2"``), named by its flags
-- ``pagedkv-inproc``  pagedkv's in-process stack (``frontend.launch.local_stack``: block manager,
+- ``pagedkv-inproc``  pagedkv's in-process stack (``pagedkv.frontend.launch.local_stack``: block manager,
                       cache host and one worker as gRPC servers in one process) driven by an engine in
                       that process with vLLM's limits (``max_num_seqs`` 64, ``max_batch_tokens`` 512),
                       runtime preloads as vLLM gets; the rows below are variants of it
@@ -352,12 +352,12 @@ class PhaseTimers:
 
 
 def _instrument_inproc(t: PhaseTimers, engine: Any) -> None:
-    import kernels
-    import kernels.cpu
-    import kernels.reference
-    import worker_svc.model.llama as llama_mod
-    import worker_svc.model_runner as runner_mod
-    from frontend.engine import Engine
+    import pagedkv.worker_svc.model.llama as llama_mod
+    import pagedkv.worker_svc.model_runner as runner_mod
+    from pagedkv import kernels
+    from pagedkv.frontend.engine import Engine
+    from pagedkv.kernels import cpu as kernels_cpu
+    from pagedkv.kernels import reference as kernels_reference
 
     t.wrap(Engine, "step", "engine_step")
     t.observe(engine.bm, "block_manager_rpc")
@@ -371,7 +371,7 @@ def _instrument_inproc(t: PhaseTimers, engine: Any) -> None:
     t.wrap(kernels, "prepare_step", "attention_plans")
     # Attention and KV writes are timed inside the backend modules (the model's step and the public
     # wrappers both reach them through these module attributes), so nothing is counted twice.
-    for mod in (kernels.cpu, kernels.reference):
+    for mod in (kernels_cpu, kernels_reference):
         for attr, name in (
             ("paged_decode_attention", "attention_decode"),
             ("paged_prefill_attention", "attention_prefill"),
@@ -405,7 +405,7 @@ def breakdown_rows(ms: dict[str, float], steps: int) -> list[tuple[str, float]]:
 
 
 def _pagedkv_requests(reqs: list[dict[str, Any]], tag: str) -> list[Any]:
-    from frontend.engine import GenerationRequest
+    from pagedkv.frontend.engine import GenerationRequest
 
     return [
         GenerationRequest(f"{tag}-{i}", list(r["prompt"]), max_tokens=r["max_tokens"])
@@ -440,9 +440,9 @@ def _warm(
 
 
 def child_pagedkv(args: argparse.Namespace, reqs: list[dict[str, Any]]) -> None:
-    from frontend.engine import EngineConfig
-    from frontend.launch.config import StackConfig
-    from frontend.launch.local_stack import LocalStack
+    from pagedkv.frontend.engine import EngineConfig
+    from pagedkv.frontend.launch.config import StackConfig
+    from pagedkv.frontend.launch.local_stack import LocalStack
     from pagedkv.logging_setup import configure_logging
 
     # As `pagedkv up`'s services log: info and up (unconfigured, structlog would render every
@@ -497,7 +497,7 @@ def child_pagedkv(args: argparse.Namespace, reqs: list[dict[str, Any]]) -> None:
 def _backend_name() -> str:
     import torch
 
-    import kernels
+    from pagedkv import kernels
 
     return kernels.backend_for(torch.empty(0))
 
@@ -506,10 +506,10 @@ def child_pagedkv_proc(args: argparse.Namespace, reqs: list[dict[str, Any]]) -> 
     """The services of `pagedkv up --model DIR --no-serve` (processes as planned, 127.0.0.1, free
     ports) driven by an engine here with vLLM's limits."""
     from bench import up_stack
-    from frontend.clients.block_manager import BlockManagerClient
-    from frontend.clients.worker import WorkerClient
-    from frontend.engine import Engine, EngineConfig
-    from frontend.launch.processes import Stack
+    from pagedkv.frontend.clients.block_manager import BlockManagerClient
+    from pagedkv.frontend.clients.worker import WorkerClient
+    from pagedkv.frontend.engine import Engine, EngineConfig
+    from pagedkv.frontend.launch.processes import Stack
 
     opts = up_stack.up_options(
         args.model,
@@ -577,7 +577,7 @@ def child_pagedkv_proc(args: argparse.Namespace, reqs: list[dict[str, Any]]) -> 
 
 def engine_iterations(url: str) -> int:
     """The front door's engine iterations so far (``pagedkv_engine_iterations`` on its /metrics)."""
-    from frontend.clients.http import get_text
+    from pagedkv.frontend.clients.http import get_text
 
     total = 0.0
     for line in get_text(url + "/metrics").splitlines():
@@ -594,9 +594,9 @@ def child_pagedkv_up(args: argparse.Namespace, reqs: list[dict[str, Any]]) -> No
     from concurrent.futures import ThreadPoolExecutor
 
     from bench import up_stack
-    from frontend.clients.block_manager import BlockManagerClient
-    from frontend.clients.http import post_json
-    from frontend.launch.processes import Stack
+    from pagedkv.frontend.clients.block_manager import BlockManagerClient
+    from pagedkv.frontend.clients.http import post_json
+    from pagedkv.frontend.launch.processes import Stack
 
     opts = up_stack.up_options(
         args.model,
@@ -1026,7 +1026,7 @@ def parent_main(args: argparse.Namespace) -> int:
     systems += ["pagedkv " + shlex.join(shlex.split(flags)) for flags in args.pagedkv_row]
     # The peers' and the in-process rows' threads: as many as the default stack's plan computes on.
     from bench import up_stack
-    from frontend.launch.processes import up_config
+    from pagedkv.frontend.launch.processes import up_config
 
     default = up_config([])
     args.threads, args.cpus = up_stack.compute_threads(default), up_stack.compute_cpus(default)

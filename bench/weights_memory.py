@@ -1,6 +1,6 @@
 """What a model costs the stack a user starts: `pagedkv up --model FILE`, proportional set size.
 
-Starts the stack ``pagedkv up --model FILE`` runs with no flags (``frontend.launch.processes
+Starts the stack ``pagedkv up --model FILE`` runs with no flags (``pagedkv.frontend.launch.processes
 .up_config``, planned from this machine: bench/up_stack.py adds only free ports, logs and a
 shared-memory prefix), sends a few requests at once to its OpenAI front door (two per worker:
 serve's engine splits a step's sequences over the workers, so every weight is read), and sums PSS
@@ -28,10 +28,10 @@ import tempfile
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from frontend.clients.http import post_json
-from frontend.clients.worker import WorkerClient
-from frontend.launch.processes import Stack
-from worker_svc.model import gguf_file, model_source
+from pagedkv.frontend.clients.http import post_json
+from pagedkv.frontend.clients.worker import WorkerClient
+from pagedkv.frontend.launch.processes import Stack
+from pagedkv.worker_svc.model import gguf_file, model_source
 
 MIB = 1 << 20
 

@@ -31,9 +31,9 @@ from typing import Any
 
 import msgspec
 
-from block_manager_svc.core import BlockManager, CoreError, StepBatch
-from block_manager_svc.core.prefix_cache import encode_tokens
-from block_manager_svc.leases import LeaseTable
+from pagedkv.block_manager_svc.core import BlockManager, CoreError, StepBatch
+from pagedkv.block_manager_svc.core.prefix_cache import encode_tokens
+from pagedkv.block_manager_svc.leases import LeaseTable
 
 RECORD_NAME = "Commands3"  # the journal record name of a batch of explicit commands (format 3)
 RECORD_NAME_V2 = "Commands"  # format 2: generic method calls, read and migrated by decode_batch

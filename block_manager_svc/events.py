@@ -44,12 +44,17 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import structlog
 
-from block_manager_svc.core.kv_events import ALL_BLOCKS_CLEARED, AllBlocksCleared, BlockStored, PoolEvent
 from pagedkv.auth import current_tenant  # the consumer side: which tenant is watching
+from pagedkv.block_manager_svc.core.kv_events import (
+    ALL_BLOCKS_CLEARED,
+    AllBlocksCleared,
+    BlockStored,
+    PoolEvent,
+)
 from pagedkv.v1 import block_manager_pb2 as pb
 
 if TYPE_CHECKING:
-    from block_manager_svc.core import BlockManager
+    from pagedkv.block_manager_svc.core import BlockManager
 
 log = structlog.get_logger("pagedkv.block_manager")
 

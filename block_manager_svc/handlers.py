@@ -24,16 +24,23 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import grpc
 import structlog
 
-from block_manager_svc import commands as cmds
-from block_manager_svc.core import BlockManager, CoreError, ErrorCode, InvalidArgument, ItemError, StepBatch
-from block_manager_svc.core.prefix_cache import encode_tokens
-from block_manager_svc.core.results import CacheOps, Preemption, StepResult, SwapInResult
+from pagedkv.block_manager_svc import commands as cmds
+from pagedkv.block_manager_svc.core import (
+    BlockManager,
+    CoreError,
+    ErrorCode,
+    InvalidArgument,
+    ItemError,
+    StepBatch,
+)
+from pagedkv.block_manager_svc.core.prefix_cache import encode_tokens
+from pagedkv.block_manager_svc.core.results import CacheOps, Preemption, StepResult, SwapInResult
 from pagedkv.errors import rich_status as standard_rich_status
 from pagedkv.log_limit import LogLimiter
 from pagedkv.v1 import block_manager_pb2 as pb
 
 if TYPE_CHECKING:
-    from block_manager_svc.events import EventHub
+    from pagedkv.block_manager_svc.events import EventHub
 
 ERROR_DOMAIN = "pagedkv.block_manager"  # google.rpc.ErrorInfo.domain of every error this service sends
 # The RPCs this stage applies; everything that changes state is in MUTATIONS.

@@ -50,8 +50,13 @@ import msgspec
 import structlog
 import zmq
 
-from block_manager_svc.core.kv_events import ALL_BLOCKS_CLEARED, AllBlocksCleared, BlockStored, PoolEvent
 from pagedkv import defaults
+from pagedkv.block_manager_svc.core.kv_events import (
+    ALL_BLOCKS_CLEARED,
+    AllBlocksCleared,
+    BlockStored,
+    PoolEvent,
+)
 from pagedkv.tls import is_loopback
 
 log = structlog.get_logger("pagedkv.block_manager")

@@ -27,7 +27,7 @@ from prometheus_client.registry import Collector
 from pagedkv.auth import call_labels, current_tenant
 
 if TYPE_CHECKING:
-    from block_manager_svc.servicer import BlockManagerServicer
+    from pagedkv.block_manager_svc.servicer import BlockManagerServicer
 
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)
 

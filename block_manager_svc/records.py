@@ -48,15 +48,15 @@ from typing import Any
 
 import msgspec
 
-from block_manager_svc.commands import DedupeEntry
-from block_manager_svc.core import BlockManager, CoreConfig
-from block_manager_svc.core.eviction import EvictionPolicy, LruEviction, LruSizeEviction
-from block_manager_svc.core.preemption import Preempter, VictimQueue
-from block_manager_svc.core.prefix_cache import encode_tokens
-from block_manager_svc.core.sequence import SeqState
-from block_manager_svc.core.tenants import NULL_LEDGER, Quota, TenantLedger, Usage
-from block_manager_svc.idempotency import DedupeTable
-from block_manager_svc.leases import LeaseTable
+from pagedkv.block_manager_svc.commands import DedupeEntry
+from pagedkv.block_manager_svc.core import BlockManager, CoreConfig
+from pagedkv.block_manager_svc.core.eviction import EvictionPolicy, LruEviction, LruSizeEviction
+from pagedkv.block_manager_svc.core.preemption import Preempter, VictimQueue
+from pagedkv.block_manager_svc.core.prefix_cache import encode_tokens
+from pagedkv.block_manager_svc.core.sequence import SeqState
+from pagedkv.block_manager_svc.core.tenants import NULL_LEDGER, Quota, TenantLedger, Usage
+from pagedkv.block_manager_svc.idempotency import DedupeTable
+from pagedkv.block_manager_svc.leases import LeaseTable
 
 VERSION = 3
 

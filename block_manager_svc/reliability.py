@@ -52,20 +52,20 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import grpc
 import structlog
 
-from block_manager_svc import commands as cmds
-from block_manager_svc import records
-from block_manager_svc import snapshot as snap
-from block_manager_svc.commands import Batch, Command, DedupeEntry, ReplayError
-from block_manager_svc.core import BlockManager, CoreError
-from block_manager_svc.core.results import StepResult
-from block_manager_svc.handlers import MUTATIONS, CoreStage
-from block_manager_svc.idempotency import DedupeTable, RequestIdReused, WaitTimeout, digest
-from block_manager_svc.journal import Journal, JournalFailed, Record, ScanReport, scan
-from block_manager_svc.leases import MAX_LEASE_ID_LEN, LeaseTable
+from pagedkv.block_manager_svc import commands as cmds
+from pagedkv.block_manager_svc import records
+from pagedkv.block_manager_svc import snapshot as snap
+from pagedkv.block_manager_svc.commands import Batch, Command, DedupeEntry, ReplayError
+from pagedkv.block_manager_svc.core import BlockManager, CoreError
+from pagedkv.block_manager_svc.core.results import StepResult
+from pagedkv.block_manager_svc.handlers import MUTATIONS, CoreStage
+from pagedkv.block_manager_svc.idempotency import DedupeTable, RequestIdReused, WaitTimeout, digest
+from pagedkv.block_manager_svc.journal import Journal, JournalFailed, Record, ScanReport, scan
+from pagedkv.block_manager_svc.leases import MAX_LEASE_ID_LEN, LeaseTable
 from pagedkv.v1 import block_manager_pb2 as pb
 
 if TYPE_CHECKING:
-    from block_manager_svc.settings import BlockManagerSettings
+    from pagedkv.block_manager_svc.settings import BlockManagerSettings
 
 log = structlog.get_logger("pagedkv.block_manager")
 

@@ -19,15 +19,15 @@ import grpc
 import structlog
 from grpc_health.v1 import health
 
-from block_manager_svc.core import BlockManager, CoreConfig
-from block_manager_svc.events import EventHub
-from block_manager_svc.kv_events_zmq import ZmqEventConfig, ZmqKvEventPublisher
-from block_manager_svc.metrics import MetricsServer, setup_metrics
-from block_manager_svc.reliability import Reliability
-from block_manager_svc.servicer import BlockManagerServicer
-from block_manager_svc.settings import BlockManagerSettings, load_settings
-from block_manager_svc.tenancy import NO_TENANCY, TenantScope, ledger_from_store
 from pagedkv.auth import TokenStore
+from pagedkv.block_manager_svc.core import BlockManager, CoreConfig
+from pagedkv.block_manager_svc.events import EventHub
+from pagedkv.block_manager_svc.kv_events_zmq import ZmqEventConfig, ZmqKvEventPublisher
+from pagedkv.block_manager_svc.metrics import MetricsServer, setup_metrics
+from pagedkv.block_manager_svc.reliability import Reliability
+from pagedkv.block_manager_svc.servicer import BlockManagerServicer
+from pagedkv.block_manager_svc.settings import BlockManagerSettings, load_settings
+from pagedkv.block_manager_svc.tenancy import NO_TENANCY, TenantScope, ledger_from_store
 from pagedkv.grpc_server import graceful_stop
 from pagedkv.grpc_server import start_server as start_grpc_server
 from pagedkv.kv_capacity import memory_bytes

@@ -24,15 +24,15 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from block_manager_svc.core import BlockManager
-from block_manager_svc.handlers import CoreStage
-from block_manager_svc.reliability import ReliableStage
-from block_manager_svc.tenancy import NO_TENANCY, Tenancy
+from pagedkv.block_manager_svc.core import BlockManager
+from pagedkv.block_manager_svc.handlers import CoreStage
+from pagedkv.block_manager_svc.reliability import ReliableStage
+from pagedkv.block_manager_svc.tenancy import NO_TENANCY, Tenancy
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
-    from block_manager_svc.events import EventHub
+    from pagedkv.block_manager_svc.events import EventHub
 
 
 class BlockManagerServicer(pb_grpc.BlockManagerServicer):

@@ -13,13 +13,14 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from pagedkv import defaults, settings_cli
+
 # The cost model's defaults are the core's (one value for CoreConfig and the service).
-from block_manager_svc.core.swap_planner import (
+from pagedkv.block_manager_svc.core.swap_planner import (
     DEFAULT_HOST_LINK_BYTES_PER_S,
     DEFAULT_KV_BYTES_PER_BLOCK,
     DEFAULT_PREFILL_TOKENS_PER_S,
 )
-from pagedkv import defaults, settings_cli
 from pagedkv.kv_capacity import KvCacheDtype, blocks_for_memory, memory_bytes
 
 
@@ -171,7 +172,7 @@ class BlockManagerSettings(BaseSettings):
             raise ValueError("kv_events_endpoint needs enable_kv_events (KV events are off)")
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
             raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
-        from block_manager_svc.kv_events_zmq import check_endpoint
+        from pagedkv.block_manager_svc.kv_events_zmq import check_endpoint
 
         for endpoint in (self.kv_events_endpoint, self.kv_events_replay_endpoint):
             if endpoint:

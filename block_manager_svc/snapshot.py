@@ -24,7 +24,7 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from block_manager_svc.journal import fsync_dir, list_numbered
+from pagedkv.block_manager_svc.journal import fsync_dir, list_numbered
 
 MAGIC = b"PKVSNAP2"
 MAGIC_PICKLE = b"PKVSNAP1"  # format 1 (a pickle): recognised only to be refused with advice

@@ -31,14 +31,14 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from google.rpc import error_details_pb2, status_pb2
 
-from block_manager_svc.core.sequence import MAX_SEQ_ID_LEN
-from block_manager_svc.core.tenants import Quota, TenantLedger
-from block_manager_svc.leases import MAX_LEASE_ID_LEN
 from pagedkv.auth import Tenant, TokenStore, current_tenant
+from pagedkv.block_manager_svc.core.sequence import MAX_SEQ_ID_LEN
+from pagedkv.block_manager_svc.core.tenants import Quota, TenantLedger
+from pagedkv.block_manager_svc.leases import MAX_LEASE_ID_LEN
 from pagedkv.v1 import block_manager_pb2 as pb
 
 if TYPE_CHECKING:
-    from block_manager_svc.core import BlockManager
+    from pagedkv.block_manager_svc.core import BlockManager
 
 MAX_REQUEST_ID_LEN = 256
 

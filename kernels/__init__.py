@@ -3,7 +3,7 @@ as reference).
 
 Public API (argument names, order and shapes are a contract; see docs/kernels.md). The five
 operations are declared once, with their full signatures and meaning, on
-``kernels.backend.KernelBackend``; the entry points below are generated from it (same signature
+``pagedkv.kernels.backend.KernelBackend``; the entry points below are generated from it (same signature
 and docstring): validate the arguments (``kernels/checks.py``), pick the backend
 (``kernels/dispatch.py``), call it.
 
@@ -17,7 +17,7 @@ and docstring): validate the arguments (``kernels/checks.py``), pick the backend
 - ``prepare_step(...) -> PagedStep``: a model step's attention metadata validated once, with the
   backend's per-step plans; every layer then calls ``step.write_kv_cache`` / ``step.attention``
   without re-validating (``kernels/step.py``).
-- ``kernels.reference``: the same five in plain torch (the oracle).
+- ``pagedkv.kernels.reference``: the same five in plain torch (the oracle).
 
 One layer's cache is ``key_cache``/``value_cache`` of shape
 ``[num_blocks, block_size, num_kv_heads, head_dim]`` (strided views, e.g. a layer of a
@@ -33,18 +33,19 @@ picks one from its tensors' device:
 - CPU tensors run the CPU backend (``kernels/cpu.py``: the native C kernels of
   ``kernels/cpu_native.py`` where they were built at install, else length-bucketed gathers + torch's
   fused SDPA, GQA folded per KV head; the reference's block copies, the batched swap), unless
-  ``TRITON_INTERPRET=1`` was set before ``kernels`` was imported, in which case the Triton kernels
+  ``TRITON_INTERPRET=1`` was set before ``pagedkv.kernels`` was imported, in which case the Triton kernels
   run in Triton's interpreter (how CI tests them). bf16 on CPU always uses the CPU backend (the
   interpreter cannot do bf16 math).
 
-Override (innermost wins): the context manager ``kernels.use_backend(name)`` (a worker's model
+Override (innermost wins): the context manager ``pagedkv.kernels.use_backend(name)`` (a worker's model
 runner wraps each step in it with its ``--kernel-backend``), or the environment variable
 ``PAGEDKV_KERNEL_BACKEND``, with ``name`` in {"auto", "reference", "triton", "cpu"} (default
 "auto", the rule above). E.g. a model runner whose tests run with TRITON_INTERPRET=1 keeps the fast
-path with ``with kernels.use_backend("reference"): ...``. "triton" on CPU tensors requires the
-interpreter. ``kernels.backend_for(tensor)`` says what a call on that tensor would use.
+path with ``with pagedkv.kernels.use_backend("reference"): ...``. "triton" on CPU tensors requires the
+interpreter. ``pagedkv.kernels.backend_for(tensor)`` says what a call on that tensor would use.
 
-Triton is imported lazily (only when its backend is chosen), so ``import kernels`` works without it.
+Triton is imported lazily (only when its backend is chosen), so ``from pagedkv import kernels`` works
+without it.
 """
 
 from __future__ import annotations
@@ -55,10 +56,10 @@ from typing import Any
 
 import torch
 
-from kernels import backend, checks, reference
-from kernels.backend import KernelBackend
-from kernels.dispatch import BACKENDS, ENV_VAR, requested_backend, resolve, use_backend
-from kernels.step import PagedStep, prepare_step
+from pagedkv.kernels import backend, checks, reference
+from pagedkv.kernels.backend import KernelBackend
+from pagedkv.kernels.dispatch import BACKENDS, ENV_VAR, requested_backend, resolve, use_backend
+from pagedkv.kernels.step import PagedStep, prepare_step
 
 __all__ = [
     "write_kv_cache",

@@ -3,13 +3,14 @@
 Why: the interpreter (how CI runs the kernels on CPU) accepts programs a real GPU compiler rejects
 (``tl.dot`` with K < 16, shared memory beyond the device's limit) and says nothing about register
 spills. Triton compiles for a named ``GPUTarget`` without a device; this module drives the REAL
-kernel wrappers (``kernels.decode``, ``kernels.prefill``, ``kernels.cache_ops``) with CPU tensors
-while a stand-in driver reports the target and every launch is turned into a compile-only warm-up,
-so exactly the configurations the dispatch would pick are compiled. ``cuobjdump
---dump-resource-usage`` (bundled with the triton wheel) then reads registers, local memory (spills)
-and static shared memory from each cubin; Triton's metadata gives the dynamic shared memory.
+kernel wrappers (``pagedkv.kernels.decode``, ``pagedkv.kernels.prefill``,
+``pagedkv.kernels.cache_ops``) with CPU tensors while a stand-in driver reports the target and every
+launch is turned into a compile-only warm-up, so exactly the configurations the dispatch would pick
+are compiled. ``cuobjdump --dump-resource-usage`` (bundled with the triton wheel) then reads
+registers, local memory (spills) and static shared memory from each cubin; Triton's metadata gives
+the dynamic shared memory.
 
-    python -m kernels.aot [--arch 90] [--jobs 2] [--json out.json]
+    python -m pagedkv.kernels.aot [--arch 90] [--jobs 2] [--json out.json]
 
 prints one row per configuration and exits non-zero when a kernel fails to compile, needs more
 shared memory than the architecture has, or spills in a 16-bit path. Needs TRITON_INTERPRET unset
@@ -189,7 +190,7 @@ def compile_only(arch: int) -> Iterator[list[Any]]:
 
 def _call(cfg: Config) -> None:
     """Call the wrapper the dispatch would call, with CPU tensors shaped like a real call."""
-    from kernels import cache_ops, decode, prefill
+    from pagedkv.kernels import cache_ops, decode, prefill
 
     dt = DTYPES[cfg.dtype]
     hkv, d = NUM_KV_HEADS, cfg.head_dim
@@ -288,7 +289,9 @@ def problems(res: Result, arch: int = 90) -> list[str]:
 
 def _worker_init() -> None:
     if envs.get_bool("TRITON_INTERPRET"):
-        raise RuntimeError("kernels.aot needs TRITON_INTERPRET unset (compiled, not interpreted, kernels)")
+        raise RuntimeError(
+            "pagedkv.kernels.aot needs TRITON_INTERPRET unset (compiled, not interpreted, kernels)"
+        )
 
 
 def _compile_many(cfgs: list[Config], arch: int) -> list[Result]:

@@ -24,11 +24,11 @@ from pagedkv.registry import load as load_registered
 # name -> module: imported on first use, so a missing optional dependency (Triton) only matters
 # when its backend is chosen.
 MODULES: dict[str, str] = {
-    "reference": "kernels.reference",  # plain torch, the oracle
+    "reference": "pagedkv.kernels.reference",  # plain torch, the oracle
     # The CPU fast path: the native C kernels (kernels/cpu_native.py) where built, else
     # length-bucketed gathers + torch's fused SDPA (kernels/cpu.py decides per call).
-    "cpu": "kernels.cpu",
-    "triton": "kernels.triton_backend",  # Triton kernels: CUDA, or CPU in Triton's interpreter
+    "cpu": "pagedkv.kernels.cpu",
+    "triton": "pagedkv.kernels.triton_backend",  # Triton kernels: CUDA, or CPU in Triton's interpreter
 }
 
 # The operations, in the order they are documented (docs/kernels.md).

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import quant
+from pagedkv.kernels import quant
 
 
 # A Triton kernel, left unannotated: triton ships no types, and its compiler reads parameter

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from kernels import quant
 from pagedkv.arith import ceil_div
+from pagedkv.kernels import quant
 
 Args = dict[str, Any]
 # Where a call runs (device and dtype pick the backend), or None when there is nothing to do.

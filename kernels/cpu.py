@@ -45,9 +45,9 @@ Without it, torch's fused SDPA over gathered blocks:
 - **KV writes**: one ``index_copy_`` per cache into its ``[slots, kv_heads, head_dim]`` view.
 - **Block copies and swaps**: the reference's copy and ``kernels/swap.py``'s batched swap.
 
-This module is the "cpu" backend of ``kernels.backend.KernelBackend`` (where each operation's
+This module is the "cpu" backend of ``pagedkv.kernels.backend.KernelBackend`` (where each operation's
 contract is documented once). Arguments are validated before they get here (``kernels/checks.py``);
-these functions assume valid input on CPU tensors. Results match ``kernels.reference`` to fp32
+these functions assume valid input on CPU tensors. Results match ``pagedkv.kernels.reference`` to fp32
 rounding (tests/kernels/test_cpu.py).
 """
 
@@ -58,10 +58,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_native, quant, reference
-from kernels.reference import copy_blocks
-from kernels.swap import swap_blocks
 from pagedkv.arith import ceil_div
+from pagedkv.kernels import cpu_native, quant, reference
+from pagedkv.kernels.reference import copy_blocks
+from pagedkv.kernels.swap import swap_blocks
 from pagedkv.kv_capacity import blocks_for_tokens
 
 __all__ = [

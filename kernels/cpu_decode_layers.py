@@ -23,11 +23,11 @@ from typing import Any, ClassVar
 
 import torch
 
-from kernels import cpu_native
-from kernels.cpu import DecodePlan
-from kernels.cpu_linear import PackedLinear
-from kernels.cpu_quant_linear import NativeMatmul
-from kernels.step import PagedStep
+from pagedkv.kernels import cpu_native
+from pagedkv.kernels.cpu import DecodePlan
+from pagedkv.kernels.cpu_linear import PackedLinear
+from pagedkv.kernels.cpu_quant_linear import NativeMatmul
+from pagedkv.kernels.step import PagedStep
 
 _KINDS = {"int4": 2, "int8": 3, "kquant": 4}  # csrc/decode_layers.c's LIN_*; packed fp32 is 1
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p

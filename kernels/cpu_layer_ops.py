@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from kernels import cpu_native
+from pagedkv.kernels import cpu_native
 
 
 def available() -> bool:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from kernels import cpu_native
+from pagedkv.kernels import cpu_native
 
 # The variants whose build of csrc/linear.c beats oneDNN (bench/dense_bench.py, side by side).
 FASTER_THAN_ONEDNN = frozenset({"avx512", "avx2"})

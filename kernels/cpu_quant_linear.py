@@ -22,12 +22,13 @@ from typing import Any, Protocol
 
 import torch
 
-from kernels import cpu_native
 from pagedkv.arith import ceil_div
+from pagedkv.kernels import cpu_native
 
 
 class QuantizedMatrix(Protocol):
-    """What the kernels read of ``kernels.quant_linear.QuantizedMatrix`` (which imports this module)."""
+    """What the kernels read of ``pagedkv.kernels.quant_linear.QuantizedMatrix`` (which imports this
+    module)."""
 
     @property
     def qweight(self) -> torch.Tensor: ...

@@ -10,7 +10,7 @@ context is short) the split count is 1 and the first kernel writes the final out
 GQA: one program serves all ``group = num_heads // num_kv_heads`` query heads of its kv head, so each
 K/V tile is loaded once and used ``group`` times (a [group, D] x [D, BLOCK_N] dot). The group is
 padded to 16 rows and head_dim to at least 16 columns because ``tl.dot`` needs M, K >= 16 on the
-GPU (the interpreter accepts less, so ``kernels.aot`` compiles every configuration for sm_90 in CI).
+GPU (the interpreter accepts less, so ``pagedkv.kernels.aot`` compiles every configuration for sm_90 in CI).
 Run-time sizes (heads, group, split count) are not specialised on: one binary per dtype and
 head_dim serves every model shape.
 
@@ -28,8 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.tile import attend_tile, dot_precision, scale_args
 from pagedkv.arith import ceil_div
+from pagedkv.kernels.tile import attend_tile, dot_precision, scale_args
 
 LOG2E = 1.4426950408889634
 # Tuning knobs (see docs/kernels.md). A split covers at least this many tokens: below it the
@@ -275,7 +275,7 @@ def tile_config(
 
     float32 on the GPU (``upcast``, tf32x3 dots) needs about three times the registers of a 16-bit
     tile: smaller tiles and one stage keep its spills small and its compile short (float32 is a
-    correctness path, not a serving dtype; ``python -m kernels.aot`` prints what it uses).
+    correctness path, not a serving dtype; ``python -m pagedkv.kernels.aot`` prints what it uses).
     8-bit caches (``quantized``) widen each tile in registers and read its scales: shorter tiles
     above head_dim 64 keep sm_90 from spilling (64 keys spilled 56 B per thread at 128; at 256, 32
     keys spilled 120 B, and 16 keys over 4 warps still 8 B in some dtypes, over 8 warps none).

@@ -7,7 +7,7 @@ at install, where they are available, else length-bucketed gathers and torch's f
 second choice is made per call inside ``kernels/cpu.py``). This module decides between the
 backends, from these inputs:
 
-0. a name passed explicitly (``resolve(..., requested=name)``, ``kernels.backend_for(t, name)``);
+0. a name passed explicitly (``resolve(..., requested=name)``, ``pagedkv.kernels.backend_for(t, name)``);
 1. otherwise an override set with the ``use_backend(name)`` context manager (innermost wins; it is
    a ``contextvars`` variable, so threads and asyncio tasks each see their own): how a worker's
    model runner applies its ``--kernel-backend`` to its steps without touching the process
@@ -21,8 +21,8 @@ backends, from these inputs:
    interpreter (how CI checks the Triton 8-bit path) is asked for by name, ``"triton"``. An
    fp8_e4m3 cache on a GPU older than sm_89 (no e4m3 in Triton there) takes the reference.
 
-Triton is imported lazily, only when the Triton backend is chosen, so ``import kernels`` works on a
-machine without Triton (everything then runs on the reference).
+Triton is imported lazily, only when the Triton backend is chosen, so ``from pagedkv import kernels``
+works on a machine without Triton (everything then runs on the reference).
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def triton_available() -> bool:
 
 def triton_interpreted() -> bool:
     """Whether the Triton kernels were built for the interpreter (decided at their import)."""
-    return bool(importlib.import_module("kernels.triton_backend").INTERPRETED)
+    return bool(importlib.import_module("pagedkv.kernels.triton_backend").INTERPRETED)
 
 
 # Triton's e4m3 type (tl.float8e4nv) compiles for compute capability 8.9 (Ada) and newer only.

@@ -2,7 +2,7 @@
 
 Why this shape: a prefill (or a chunk of one) is compute-bound, so each program owns a tile of
 ``BLOCK_M`` query rows and streams that sequence's K/V tiles through the online-softmax step shared
-with decode (``kernels.tile``). Queries are the LAST ``q_len`` of the sequence's ``seq_len`` cached
+with decode (``pagedkv.kernels.tile``). Queries are the LAST ``q_len`` of the sequence's ``seq_len`` cached
 tokens, so query token i sits at absolute position ``seq_len - q_len + i``: a chunk after a
 prefix-cache hit (or a chunked prefill) attends to everything cached before it.
 
@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.tile import attend_tile, dot_precision, scale_args
+from pagedkv.kernels.tile import attend_tile, dot_precision, scale_args
 
 LOG2E = 1.4426950408889634
 
@@ -199,7 +199,7 @@ def tile_config(
 
     float32 (``upcast``: tf32x3 dots, three tensor-core products each) gets small 16x16 tiles and
     one stage: 64-128-row tiles spill kilobytes per thread on sm_90 and take much longer to
-    compile (see ``python -m kernels.aot``; 16x16 does not spill up to head_dim 128).
+    compile (see ``python -m pagedkv.kernels.aot``; 16x16 does not spill up to head_dim 128).
     8-bit caches (``quantized``) widen each K/V tile in registers, and smaller tiles keep sm_90 from
     spilling with both triton 3.6 (the GPU image's) and 3.7: 64 x 64 up to head_dim 64 (over 8 warps
     past 64 rows: 128 x 64 spilled 120-192 B per thread), 32 x 32 above (64 x 64 spilled 24-88 B at

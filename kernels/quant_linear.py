@@ -37,8 +37,8 @@ from typing import Literal
 
 import torch
 
-from kernels import cpu_native, cpu_quant_linear
 from pagedkv.arith import ceil_div
+from pagedkv.kernels import cpu_native, cpu_quant_linear
 
 GROUP = 32  # inputs per int4 scale/offset group: GGUF's block (and the K-quants' sub-block) size
 PANEL = 16  # output rows per int4 panel

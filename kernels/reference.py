@@ -1,4 +1,4 @@
-"""The "reference" kernel backend: the operations of ``kernels.backend.KernelBackend`` in plain torch.
+"""The "reference" kernel backend: the operations of ``pagedkv.kernels.backend.KernelBackend`` in plain torch.
 
 Why it exists: it is the oracle the Triton and CPU backends are checked against. Attention gathers
 each sequence's blocks into contiguous K/V and does softmax in float32, so the result is the
@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels import quant
-from kernels.backend import as_list, plan_nothing
+from pagedkv.kernels import quant
+from pagedkv.kernels.backend import as_list, plan_nothing
 from pagedkv.kv_capacity import blocks_for_tokens
 
 __all__ = [

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import backend, checks
-from kernels.backend import KernelBackend
-from kernels.dispatch import resolve
+from pagedkv.kernels import backend, checks
+from pagedkv.kernels.backend import KernelBackend
+from pagedkv.kernels.dispatch import resolve
 
 
 @dataclass(slots=True)

@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from kernels import quant
+from pagedkv.kernels import quant
 
 # At most this many contiguous runs are copied directly; more go through the staging buffer.
 MAX_DIRECT_RUNS = 4

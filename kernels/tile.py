@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import quant
+from pagedkv.kernels import quant
 
 
 def scale_args(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[list[object], bool]:

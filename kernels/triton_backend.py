@@ -1,4 +1,4 @@
-"""The "triton" kernel backend: ``kernels.backend.KernelBackend`` on the Triton kernels.
+"""The "triton" kernel backend: ``pagedkv.kernels.backend.KernelBackend`` on the Triton kernels.
 
 The kernels live in ``decode.py``, ``prefill.py`` and ``cache_ops.py`` (one launch each, tuned per
 head_dim); this module binds them to the contract: it passes whether they were built for Triton's
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cache_ops, decode, prefill
-from kernels.backend import plan_nothing
-from kernels.cache_ops import copy_blocks, write_kv_cache
-from kernels.swap import swap_blocks
+from pagedkv.kernels import cache_ops, decode, prefill
+from pagedkv.kernels.backend import plan_nothing
+from pagedkv.kernels.cache_ops import copy_blocks, write_kv_cache
+from pagedkv.kernels.swap import swap_blocks
 
 __all__ = [
     "write_kv_cache",

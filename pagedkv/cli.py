@@ -13,21 +13,24 @@ from collections.abc import Callable, Sequence
 # subcommand -> ("module:function", one-line help). The function takes argv
 # (without the subcommand) and returns an exit code.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "block-manager": ("block_manager_svc.server:main", "run the block manager gRPC service"),
-    "cache-host": ("worker_svc.cli:cache_host_main", "allocate and export the shared KV cache"),
-    "worker": ("worker_svc.cli:worker_main", "run a compute worker attached to the shared cache"),
-    "loadtest": ("frontend.apps.loadtest:main", "bounded ghz-style load against a block manager"),
+    "block-manager": ("pagedkv.block_manager_svc.server:main", "run the block manager gRPC service"),
+    "cache-host": ("pagedkv.worker_svc.cli:cache_host_main", "allocate and export the shared KV cache"),
+    "worker": ("pagedkv.worker_svc.cli:worker_main", "run a compute worker attached to the shared cache"),
+    "loadtest": ("pagedkv.frontend.apps.loadtest:main", "bounded ghz-style load against a block manager"),
     "serve": (
-        "frontend.serve.server:main",
+        "pagedkv.frontend.serve.server:main",
         "OpenAI-compatible HTTP server over one continuous-batching engine",
     ),
     "up": (
-        "frontend.launch.processes:main",
+        "pagedkv.frontend.launch.processes:main",
         "start block manager, cache host and workers as local processes",
     ),
-    "generate": ("frontend.apps.generate:main", "one request through a running (or --local) stack, JSON out"),
+    "generate": (
+        "pagedkv.frontend.apps.generate:main",
+        "one request through a running (or --local) stack, JSON out",
+    ),
     "demo": (
-        "frontend.apps.demo:main",
+        "pagedkv.frontend.apps.demo:main",
         "a realistic workload with a progress bar, then throughput and memory figures",
     ),
 }

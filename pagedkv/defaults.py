@@ -34,8 +34,8 @@ holds survives a SIGKILL of the block manager, and a power loss takes the KV wit
 manager's own default, for a state dir that may outlive the cache hosts, is ``always``)."""
 
 LOCAL_NUM_GPU_BLOCKS = 512
-"""The in-process stack (``frontend.launch.local_stack``, ``pagedkv generate --local``, tests): one process
-holds every role, so a smaller cache."""
+"""The in-process stack (``pagedkv.frontend.launch.local_stack``, ``pagedkv generate --local``, tests):
+one process holds every role, so a smaller cache."""
 
 DEMO_NUM_GPU_BLOCKS = 256
 """``pagedkv demo``: small enough that its workload fills the pool, so the demo shows prefix-cache

@@ -13,7 +13,7 @@ which pydantic-settings reads and which are documented with their flags. Variabl
 to a third-party library (Triton, Hugging Face, OpenMP, the dynamic loader) are listed when pagedkv
 reads or sets them, with the library named.
 
-Values are read on every call, not cached, so a test (or ``kernels.use_backend``'s callers) can
+Values are read on every call, not cached, so a test (or ``pagedkv.kernels.use_backend``'s callers) can
 change them at run time.
 """
 
@@ -28,7 +28,7 @@ from typing import Literal
 
 from pagedkv import defaults
 
-Kind = Literal["str", "bool", "path"]
+Kind = Literal["str", "bool", "path", "int"]
 TRUE = ("1", "true", "yes", "on")
 
 
@@ -47,7 +47,7 @@ _VARS: tuple[EnvVar, ...] = (
         "str",
         "auto",
         "attention kernels: `auto`, `reference` (torch), `triton` or `cpu` (native C); "
-        "`kernels.use_backend()` and a worker's `--kernel-backend` win over it (read on every call)",
+        "`pagedkv.kernels.use_backend()` and a worker's `--kernel-backend` win over it (read on every call)",
     ),
     EnvVar(
         "PAGEDKV_CPU_NATIVE",
@@ -118,14 +118,14 @@ _VARS: tuple[EnvVar, ...] = (
         "bool",
         "false",
         "run the Triton kernels in Triton's CPU interpreter (the tests set it); the kernel "
-        "dispatch reads it to choose the backend, `kernels.aot` refuses to run under it",
+        "dispatch reads it to choose the backend, `pagedkv.kernels.aot` refuses to run under it",
         owner="Triton",
     ),
     EnvVar(
         "TRITON_CACHE_DIR",
         "path",
         "",
-        "Triton's compile cache; `python -m kernels.aot` sets a temporary one when it is unset",
+        "Triton's compile cache; `python -m pagedkv.kernels.aot` sets a temporary one when it is unset",
         owner="Triton",
     ),
     EnvVar(

@@ -1,7 +1,7 @@
 """Suite-wide test setup.
 
 Triton reads TRITON_INTERPRET when its @triton.jit decorators run, so it must
-be set before anything imports `kernels`. Without a GPU the Triton kernels run
+be set before anything imports `pagedkv.kernels`. Without a GPU the Triton kernels run
 in the interpreter; code that wants the fast torch reference on CPU selects it
 explicitly (see kernels' backend selection).
 """

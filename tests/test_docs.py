@@ -48,7 +48,7 @@ def test_architecture_table_names_modules_that_exist() -> None:
 
 
 def test_block_manager_settings_table_lists_every_setting() -> None:
-    from block_manager_svc.settings import BlockManagerSettings
+    from pagedkv.block_manager_svc.settings import BlockManagerSettings
 
     text = (ROOT / "docs" / "block_manager.md").read_text()
     for name in BlockManagerSettings.model_fields:

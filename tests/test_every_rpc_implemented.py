@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from block_manager_svc.servicer import BlockManagerServicer
+from pagedkv.block_manager_svc.servicer import BlockManagerServicer
 from pagedkv.v1 import (
     block_manager_pb2,
     block_manager_pb2_grpc,
@@ -14,8 +14,8 @@ from pagedkv.v1 import (
     worker_pb2,
     worker_pb2_grpc,
 )
-from worker_svc.cache_host import CacheHostServicer
-from worker_svc.servicer import WorkerServicer
+from pagedkv.worker_svc.cache_host import CacheHostServicer
+from pagedkv.worker_svc.servicer import WorkerServicer
 
 CASES = [
     (block_manager_pb2, "BlockManager", block_manager_pb2_grpc.BlockManagerServicer, BlockManagerServicer),

@@ -8,8 +8,8 @@ import io
 import pathlib
 import re
 
-from block_manager_svc.server import start_server
-from block_manager_svc.settings import BlockManagerSettings
+from pagedkv.block_manager_svc.server import start_server
+from pagedkv.block_manager_svc.settings import BlockManagerSettings
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -48,7 +48,7 @@ def test_readme_is_short_and_links_every_document() -> None:
 
 def test_engine_python_example_runs(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setenv("PAGEDKV_KERNEL_BACKEND", "reference")
-    snippet = next(b for b in python_blocks() if "frontend.engine" in b)
+    snippet = next(b for b in python_blocks() if "pagedkv.frontend.engine" in b)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         exec(compile(snippet, "README.md", "exec"), {})  # noqa: S102 - our own documentation

@@ -18,9 +18,9 @@ import structlog
 
 from pagedkv.grpc_server import GrpcServer, start_server
 from pagedkv.v1 import cache_host_pb2, cache_host_pb2_grpc
-from worker_svc.cache_layout import CacheGeometry
-from worker_svc.cache_memory import CacheDescriptor, SharedCache, TensorDescriptor
-from worker_svc.shared_weights import WeightEntry, WeightsDescriptor
+from pagedkv.worker_svc.cache_layout import CacheGeometry
+from pagedkv.worker_svc.cache_memory import CacheDescriptor, SharedCache, TensorDescriptor
+from pagedkv.worker_svc.shared_weights import WeightEntry, WeightsDescriptor
 
 
 class _Closable(Protocol):

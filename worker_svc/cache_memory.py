@@ -18,8 +18,8 @@ from typing import Any, Protocol
 
 import torch
 
-from worker_svc import shm_backend
-from worker_svc.cache_layout import CacheGeometry, dtype_name, storage_dtype_from_name
+from pagedkv.worker_svc import shm_backend
+from pagedkv.worker_svc.cache_layout import CacheGeometry, dtype_name, storage_dtype_from_name
 
 BACKEND_SHM = "shm"
 BACKEND_CUDA_IPC = "cuda_ipc"
@@ -97,7 +97,7 @@ def create(
             size=cpu_shm.nbytes,
         )
         if device.type == "cuda":
-            from worker_svc import cuda_ipc_backend
+            from pagedkv.worker_svc import cuda_ipc_backend
 
             exp = cuda_ipc_backend.export(geometry.gpu_shape, dtype, device)
             resources.append(exp)
@@ -177,7 +177,7 @@ def attach(desc: CacheDescriptor, device: torch.device) -> SharedCache:
         cpu_shm = shm_backend.attach(desc.cpu.shm_name, desc.cpu.shape, dtype)
         resources.append(cpu_shm)
         if desc.backend == BACKEND_CUDA_IPC:
-            from worker_svc import cuda_ipc_backend
+            from pagedkv.worker_svc import cuda_ipc_backend
 
             imp = cuda_ipc_backend.attach(
                 desc.gpu.ipc_handle, desc.gpu.offset, desc.gpu.size, desc.gpu.shape, dtype, device

@@ -9,12 +9,12 @@ import sys
 from collections.abc import Sequence
 
 from pagedkv.settings_cli import load_settings
-from worker_svc.settings import CacheHostSettings, WorkerSettings
+from pagedkv.worker_svc.settings import CacheHostSettings, WorkerSettings
 
 
 def cache_host_main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``pagedkv cache-host``."""
-    from worker_svc.server import run_cache_host
+    from pagedkv.worker_svc.server import run_cache_host
 
     settings = load_settings(
         CacheHostSettings,
@@ -28,7 +28,7 @@ def cache_host_main(argv: Sequence[str] | None = None) -> int:
 
 def worker_main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``pagedkv worker``."""
-    from worker_svc.server import run_worker
+    from pagedkv.worker_svc.server import run_worker
 
     settings = load_settings(
         WorkerSettings,

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from pagedkv.arith import ceil_div
-from worker_svc.cache_layout import numel
+from pagedkv.worker_svc.cache_layout import numel
 
 ALIGNMENT = 2 << 20  # 2 MiB
 # cudaHostRegisterPortable: the page-locking is visible to every CUDA context of the process.
@@ -35,7 +35,7 @@ def _cupy() -> Any:
     try:
         import cupy  # noqa: PLC0415 - lazy on purpose
     except ImportError as e:  # pragma: no cover - depends on the machine
-        from worker_svc import cudart_fallback
+        from pagedkv.worker_svc import cudart_fallback
 
         try:
             return cudart_fallback.load()

@@ -17,9 +17,9 @@ import torch
 from pagedkv.dial import PLAIN, Dialer
 from pagedkv.plan import ModelSize
 from pagedkv.v1 import block_manager_pb2, block_manager_pb2_grpc
-from worker_svc.cache_layout import CacheGeometry, GeometryMismatch
-from worker_svc.model.config import ModelConfig
-from worker_svc.settings import _Common
+from pagedkv.worker_svc.cache_layout import CacheGeometry, GeometryMismatch
+from pagedkv.worker_svc.model.config import ModelConfig
+from pagedkv.worker_svc.settings import _Common
 
 POOL_FIELDS = ("block_size", "num_gpu_blocks", "num_cpu_blocks", "kv_cache_dtype")
 
@@ -145,8 +145,8 @@ def model_block_bytes(
     """Bytes of one cache block for this model, dtype setting, device and KV dtype: what a launcher
     (``pagedkv up``, the in-process stack) gives the block manager with a ``--kv-cache-memory`` budget,
     computed exactly as the cache host will check it."""
-    from worker_svc.devices import resolve_device, resolve_dtype
-    from worker_svc.model.config import load_model_config
+    from pagedkv.worker_svc.devices import resolve_device, resolve_dtype
+    from pagedkv.worker_svc.model.config import load_model_config
 
     cfg = load_model_config(model)
     geometry = CacheGeometry(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, 1, 0, kv_cache_dtype)
@@ -166,8 +166,8 @@ def model_size(
     in its own quantization (``auto`` on a CPU), which is the file's size."""
     import pathlib
 
-    from worker_svc.devices import resolve_device, resolve_dtype
-    from worker_svc.model.config import load_model_config
+    from pagedkv.worker_svc.devices import resolve_device, resolve_dtype
+    from pagedkv.worker_svc.model.config import load_model_config
 
     cfg = load_model_config(model)
     dev = resolve_device(device)

@@ -20,17 +20,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-import kernels
-from kernels import cpu_native, quant
+from pagedkv import kernels
 from pagedkv.arith import ceil_div
 from pagedkv.defaults import MAX_DECODE_STEPS
+from pagedkv.kernels import cpu_native, quant
 from pagedkv.kv_capacity import blocks_for_tokens
-from worker_svc import omp_spin
-from worker_svc.devices import device_scope
-from worker_svc.model.batch import AttentionBatch
-from worker_svc.model.cuda_graphs import DecodeGraphs
-from worker_svc.model.registry import Model
-from worker_svc.model.sampling import (
+from pagedkv.worker_svc import omp_spin
+from pagedkv.worker_svc.devices import device_scope
+from pagedkv.worker_svc.model.batch import AttentionBatch
+from pagedkv.worker_svc.model.cuda_graphs import DecodeGraphs
+from pagedkv.worker_svc.model.registry import Model
+from pagedkv.worker_svc.model.sampling import (
     MAX_TOP_LOGPROBS,
     SamplingParams,
     TokenHistory,
@@ -162,7 +162,7 @@ class ModelRunner:
         decode_graphs: DecodeGraphs | None = None,
     ) -> None:
         """``kernel_backend``: the kernel backend of this runner's steps ("auto", "reference", "cpu",
-        "triton"; a worker's ``--kernel-backend``), applied as a ``kernels.use_backend`` override
+        "triton"; a worker's ``--kernel-backend``), applied as a ``pagedkv.kernels.use_backend`` override
         around each step, so it never leaks to other runners in the process. None: the environment
         variable PAGEDKV_KERNEL_BACKEND, else "auto" (kernels/dispatch.py).
 

@@ -23,7 +23,7 @@ import structlog
 from pagedkv.dial import PLAIN, Dialer
 from pagedkv.retry import Attempts, RetryPolicy
 from pagedkv.v1 import block_manager_pb2, block_manager_pb2_grpc, cache_host_pb2, cache_host_pb2_grpc
-from worker_svc.geometry import PoolConfig, fetch_pool_config
+from pagedkv.worker_svc.geometry import PoolConfig, fetch_pool_config
 
 log = structlog.get_logger("pagedkv.worker_svc")
 

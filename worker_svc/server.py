@@ -27,30 +27,41 @@ from pagedkv.dial import Dialer, TokenError
 from pagedkv.grpc_server import GrpcServer, start_server, stop_event_on_signals
 from pagedkv.logging_setup import configure_logging
 from pagedkv.v1 import cache_host_pb2, worker_pb2, worker_pb2_grpc
-from worker_svc import cache_memory, cpu_placement, heap, shared_weights
-from worker_svc.cache_host import (
+from pagedkv.worker_svc import cache_memory, cpu_placement, heap, shared_weights
+from pagedkv.worker_svc.cache_host import (
     CacheOwner,
     descriptor_from_proto,
     geometry_to_proto,
     serve_cache,
     weights_from_proto,
 )
-from worker_svc.cache_layout import GeometryMismatch, dtype_from_name, dtype_name
-from worker_svc.cache_watch import EXIT_CACHE_LOST, CacheHostWatcher
-from worker_svc.devices import resolve_device, resolve_dtype
-from worker_svc.geometry import PoolConfig, check_against_host, check_block_bytes, host_geometry, known_values
-from worker_svc.model.config import ModelConfig, load_model_config
-from worker_svc.peers import StopRequested, forget_stale_prefixes, wait_for_block_manager, wait_for_cache_host
-from worker_svc.reattach import reattach
-from worker_svc.servicer import SERVICE_NAME as WORKER_SERVICE
-from worker_svc.servicer import WorkerServicer
-from worker_svc.settings import CacheHostSettings, WorkerSettings
-from worker_svc.shared_weights import SharedWeights, WeightsDescriptor
-from worker_svc.step_channel import StepChannelServer
+from pagedkv.worker_svc.cache_layout import GeometryMismatch, dtype_from_name, dtype_name
+from pagedkv.worker_svc.cache_watch import EXIT_CACHE_LOST, CacheHostWatcher
+from pagedkv.worker_svc.devices import resolve_device, resolve_dtype
+from pagedkv.worker_svc.geometry import (
+    PoolConfig,
+    check_against_host,
+    check_block_bytes,
+    host_geometry,
+    known_values,
+)
+from pagedkv.worker_svc.model.config import ModelConfig, load_model_config
+from pagedkv.worker_svc.peers import (
+    StopRequested,
+    forget_stale_prefixes,
+    wait_for_block_manager,
+    wait_for_cache_host,
+)
+from pagedkv.worker_svc.reattach import reattach
+from pagedkv.worker_svc.servicer import SERVICE_NAME as WORKER_SERVICE
+from pagedkv.worker_svc.servicer import WorkerServicer
+from pagedkv.worker_svc.settings import CacheHostSettings, WorkerSettings
+from pagedkv.worker_svc.shared_weights import SharedWeights, WeightsDescriptor
+from pagedkv.worker_svc.step_channel import StepChannelServer
 
 if TYPE_CHECKING:
-    from worker_svc.model.registry import Model
-    from worker_svc.model_runner import ModelRunner
+    from pagedkv.worker_svc.model.registry import Model
+    from pagedkv.worker_svc.model_runner import ModelRunner
 
 # --role -> WorkerInfo.role
 ROLES = {
@@ -159,8 +170,8 @@ def _share_weights(
     """Load the weights once, fused as the model uses them, into one exported region (shared_weights.py)."""
     if not settings.share_weights:
         return None
-    from worker_svc.model import weight_format
-    from worker_svc.model.weights import fuse, load_checkpoint, weights_source
+    from pagedkv.worker_svc.model import weight_format
+    from pagedkv.worker_svc.model.weights import fuse, load_checkpoint, weights_source
 
     held = weight_format.resolve(settings.weight_format, settings.model, device, dtype)
     tensors = fuse(load_checkpoint(settings.model, model_cfg, dtype, device, settings.seed, held), model_cfg)
@@ -186,9 +197,9 @@ def _model_for_worker(
 
     Two different models on one cache would mix their KV: a worker whose own settings name other
     weights than the host's refuses to start (GeometryMismatch: a configuration error)."""
-    from worker_svc.model import weight_format
-    from worker_svc.model.registry import build_model
-    from worker_svc.model.weights import fused_spec, load_model, weights_source
+    from pagedkv.worker_svc.model import weight_format
+    from pagedkv.worker_svc.model.registry import build_model
+    from pagedkv.worker_svc.model.weights import fused_spec, load_model, weights_source
 
     held = weight_format.resolve(settings.weight_format, settings.model, device, dtype)
     if settings.weights == "local" or (settings.weights == "auto" and host_weights is None):
@@ -214,8 +225,8 @@ def _model_for_worker(
 def _runner(settings: WorkerSettings, model: Model, cache: cache_memory.SharedCache) -> ModelRunner:
     """A worker's model runner on ``cache``, with decode graphs of its own when they are on: a
     runner built for a re-attached cache captures them again (the old ones hold the old addresses)."""
-    from worker_svc.model import cuda_graphs
-    from worker_svc.model_runner import ModelRunner
+    from pagedkv.worker_svc.model import cuda_graphs
+    from pagedkv.worker_svc.model_runner import ModelRunner
 
     gpu = cache.gpu
     graphs = cuda_graphs.for_worker(
@@ -303,8 +314,8 @@ def start_worker(
     try:
         model, weights = _model_for_worker(settings, model_cfg, dtype, device, weights_from_proto(info))
         runner = _runner(settings, model, cache)
-        import kernels
-        from kernels import cpu_native
+        from pagedkv import kernels
+        from pagedkv.kernels import cpu_native
 
         winfo = worker_pb2.WorkerInfo(
             model_name=model_cfg.name,

@@ -19,9 +19,9 @@ from google.rpc import error_details_pb2, status_pb2
 
 from pagedkv import errors
 from pagedkv.v1 import block_manager_pb2, worker_pb2, worker_pb2_grpc
-from worker_svc.cache_watch import lost_message
-from worker_svc.model.sampling import SamplingParams, TokenHistory
-from worker_svc.model_runner import (
+from pagedkv.worker_svc.cache_watch import lost_message
+from pagedkv.worker_svc.model.sampling import SamplingParams, TokenHistory
+from pagedkv.worker_svc.model_runner import (
     CacheOpsRequest,
     InvalidStep,
     ModelRunner,
@@ -29,7 +29,7 @@ from worker_svc.model_runner import (
     SequenceRequest,
     SequenceResult,
 )
-from worker_svc.step_fence import StepFence
+from pagedkv.worker_svc.step_fence import StepFence
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 log = structlog.get_logger("pagedkv.worker")

@@ -7,7 +7,7 @@ names as the block manager, so one shared setting configures every role of a dep
 
 Which fields were given explicitly (flag or env) matters: an explicit geometry value that
 disagrees with the block manager or the cache host is a configuration error, while an unset one
-is simply taken from them (see ``worker_svc.geometry``).
+is simply taken from them (see ``pagedkv.worker_svc.geometry``).
 """
 
 from __future__ import annotations

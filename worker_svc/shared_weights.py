@@ -24,9 +24,9 @@ from typing import Any
 import torch
 
 from pagedkv.arith import ceil_div
-from worker_svc import shm_backend
-from worker_svc.cache_layout import DTYPES, dtype_name, numel
-from worker_svc.cache_memory import BACKEND_CUDA_IPC, BACKEND_SHM, TensorDescriptor
+from pagedkv.worker_svc import shm_backend
+from pagedkv.worker_svc.cache_layout import DTYPES, dtype_name, numel
+from pagedkv.worker_svc.cache_memory import BACKEND_CUDA_IPC, BACKEND_SHM, TensorDescriptor
 
 ALIGN = 64  # bytes: every tensor starts on a cache line (and on its element size)
 # Dense weights in a cache dtype; quantized matrices as uint8 (packed int4, K-quant blocks) / int8
@@ -120,7 +120,7 @@ def pack(
     resources: list[Any] = []
     try:
         if device.type == "cuda":
-            from worker_svc import cuda_ipc_backend
+            from pagedkv.worker_svc import cuda_ipc_backend
 
             exp = cuda_ipc_backend.export((nbytes,), torch.uint8, device)
             resources.append(exp)
@@ -193,7 +193,7 @@ def bind(
                 raise ValueError(
                     f"the cache host shares its weights on CUDA but this worker runs on {device}"
                 )
-            from worker_svc import cuda_ipc_backend
+            from pagedkv.worker_svc import cuda_ipc_backend
 
             imp = cuda_ipc_backend.attach(r.ipc_handle, r.offset, r.size, r.shape, torch.uint8, device)
             resources.append(imp)

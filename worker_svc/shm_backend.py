@@ -16,7 +16,7 @@ from multiprocessing import resource_tracker, shared_memory
 
 import torch
 
-from worker_svc.cache_layout import dtype_name, numel, storage_dtype_from_name
+from pagedkv.worker_svc.cache_layout import dtype_name, numel, storage_dtype_from_name
 
 
 @dataclass(slots=True)

@@ -33,7 +33,7 @@ import structlog
 from pagedkv import step_channel as wire
 from pagedkv.step_channel import base_dir, sweep_stale
 from pagedkv.v1 import worker_pb2
-from worker_svc.servicer import StepRefused
+from pagedkv.worker_svc.servicer import StepRefused
 
 log = structlog.get_logger("pagedkv.worker")
 

@@ -15,8 +15,8 @@ from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
 
 
 def run_fsync_cost(ops: int = 2000, threads: int = 8) -> list[dict[str, Any]]:
-    from block_manager_svc.server import start_server
-    from block_manager_svc.settings import BlockManagerSettings
+    from pagedkv.block_manager_svc.server import start_server
+    from pagedkv.block_manager_svc.settings import BlockManagerSettings
 
     rows = []
     for label, extra in (

@@ -30,8 +30,8 @@ def vanishing_client(port: int, lease: str, n: int) -> None:
 
 
 def run_leases(ttl_s: float = 1.0, sweep_s: float = 0.2, clients: int = 2, seqs: int = 5) -> dict[str, Any]:
-    from block_manager_svc.server import start_server
-    from block_manager_svc.settings import BlockManagerSettings
+    from pagedkv.block_manager_svc.server import start_server
+    from pagedkv.block_manager_svc.settings import BlockManagerSettings
 
     running = start_server(
         BlockManagerSettings(

@@ -17,7 +17,7 @@ from typing import Any
 
 import grpc
 
-from frontend.launch.processes import Service, kill, launch, terminate, wait_serving
+from pagedkv.frontend.launch.processes import Service, kill, launch, terminate, wait_serving
 from pagedkv.ports import free_port  # noqa: F401 - the scenarios import it from here
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -98,6 +98,6 @@ class ServerProcess:
 
 def policy_flags() -> list[str]:
     """Flags that keep other sequences' tables stable under load (no preemption), if supported."""
-    from block_manager_svc.settings import BlockManagerSettings
+    from pagedkv.block_manager_svc.settings import BlockManagerSettings
 
     return ["--preemption-mode", "off"] if "preemption_mode" in BlockManagerSettings.model_fields else []

@@ -13,12 +13,12 @@ from pagedkv.v1 import block_manager_pb2 as pb
 
 
 def run_recovery(sizes: tuple[int, ...] = (1000, 10000, 50000)) -> list[dict[str, Any]]:
-    from block_manager_svc import records
-    from block_manager_svc.core import CoreError  # noqa: F401
-    from block_manager_svc.journal import Journal
-    from block_manager_svc.server import build_core
-    from block_manager_svc.servicer import BlockManagerServicer
-    from block_manager_svc.settings import BlockManagerSettings
+    from pagedkv.block_manager_svc import records
+    from pagedkv.block_manager_svc.core import CoreError  # noqa: F401
+    from pagedkv.block_manager_svc.journal import Journal
+    from pagedkv.block_manager_svc.server import build_core
+    from pagedkv.block_manager_svc.servicer import BlockManagerServicer
+    from pagedkv.block_manager_svc.settings import BlockManagerSettings
 
     rows = []
     for n in sizes:

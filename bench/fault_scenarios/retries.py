@@ -80,8 +80,8 @@ class FaultInjector(grpc.UnaryUnaryClientInterceptor):
 def run_retries(
     clients: int = 4, ops: int = 300, p_before: float = 0.15, p_after: float = 0.15, seed: int = 0
 ) -> dict[str, Any]:
-    from block_manager_svc.server import start_server
-    from block_manager_svc.settings import BlockManagerSettings
+    from pagedkv.block_manager_svc.server import start_server
+    from pagedkv.block_manager_svc.settings import BlockManagerSettings
 
     running = start_server(
         BlockManagerSettings(port=0, num_gpu_blocks=1024, block_size=16, log_level="warning")

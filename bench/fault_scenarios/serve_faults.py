@@ -1,7 +1,7 @@
 """`pagedkv serve` under load through each fault, with every role a real process: the stack
 `pagedkv up --model DIR` plans for this machine (block manager with a state dir, cache host, the
-planned workers, then `pagedkv serve`) and `pagedkv up`'s supervisor on a thread, restarting whatever exits one second
-later, like `restart: unless-stopped` or a Kubernetes container restart.
+planned workers, then `pagedkv serve`) and `pagedkv up`'s supervisor on a thread, restarting
+whatever exits one second later, like `restart: unless-stopped` or a Kubernetes container restart.
 
 For each fault: ``concurrency`` concurrent streamed /v1/completions of ``tokens`` tokens each
 (greedy, ignore_eos), the fault ``fault_after_s`` into the run (or once every stream is a quarter
@@ -48,9 +48,9 @@ from typing import Any
 
 from bench.fault_scenarios.link_proxy import LinkProxy
 from bench.models import tiny_llama
-from frontend.clients.block_manager import BlockManagerClient
-from frontend.launch.processes import Stack, up_config, wait_serving
-from frontend.launch.supervisor import RestartPolicy, supervise
+from pagedkv.frontend.clients.block_manager import BlockManagerClient
+from pagedkv.frontend.launch.processes import Stack, up_config, wait_serving
+from pagedkv.frontend.launch.supervisor import RestartPolicy, supervise
 from pagedkv.ports import free_port_block
 
 PAUSE_S = 8.0

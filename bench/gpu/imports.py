@@ -31,10 +31,14 @@ from importlib.metadata import distribution, packages_distributions, version
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PROJECT = ("pagedkv", "worker_svc", "block_manager_svc", "frontend", "kernels", "bench", "tests")
+# The project's top-level import names: the product is all under `pagedkv`.
+PROJECT = ("pagedkv", "bench", "tests")
+# Checkout folders that are pagedkv's subpackages through its symlinks (pagedkv/kernels -> ../kernels).
+SUBPACKAGES = ("block_manager_svc", "worker_svc", "kernels", "frontend")
 # What every section runs: modules started with `python -m`, test modules, role modules started as
-# subprocesses (`pagedkv.cli` resolves the role to worker_svc.cli / block_manager_svc.server), and
-# the pytest plugins the check loads. Paths are relative to the checkout.
+# subprocesses (`pagedkv.cli` resolves the role to pagedkv.worker_svc.cli /
+# pagedkv.block_manager_svc.server), and the pytest plugins the check loads. Paths are relative to
+# the checkout.
 ENTRIES: dict[str, tuple[str, ...]] = {
     "preflight": ("bench/gpu/preflight.py", "pytest", "xdist", "pytest_timeout"),
     "pytest": (
@@ -91,8 +95,15 @@ def _module_file(name: str) -> Path | None:
     return None
 
 
+def _in_package(path: Path) -> Path:
+    """``path`` as reached through pagedkv/ (``worker_svc/cli.py`` is ``pagedkv/worker_svc/cli.py``):
+    one path, and one module name, per file."""
+    rel = path.relative_to(ROOT)
+    return ROOT / "pagedkv" / rel if rel.parts[0] in SUBPACKAGES else path
+
+
 def _module_name(path: Path) -> str:
-    rel = path.relative_to(ROOT).with_suffix("")
+    rel = _in_package(path).relative_to(ROOT).with_suffix("")
     parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
     return ".".join(parts)
 
@@ -154,7 +165,7 @@ def _expand(section: str, entry: str) -> list[Path | str]:
     """An entry's files (a path or glob in the checkout), or the outside module it names. A path
     that matches nothing is an error: a file moved without updating ENTRIES would drop its imports."""
     if "/" in entry or entry.endswith(".py"):
-        found: list[Path | str] = list(sorted(ROOT.glob(entry)))
+        found: list[Path | str] = [_in_package(p) for p in sorted(ROOT.glob(entry))]
         if not found:
             raise FileNotFoundError(f"the {section} section's entry {entry} matches no file")
         return found

@@ -134,9 +134,9 @@ def _multi_process_check(device: str, dtype: str) -> dict:
     import grpc
 
     from pagedkv.v1 import block_manager_pb2, worker_pb2_grpc
-    from worker_svc.model.config import DEFAULT_MODEL_CONFIG
-    from worker_svc.model.weights import load_model
-    from worker_svc.model_runner import CacheOpsRequest, ModelRunner, SequenceRequest
+    from pagedkv.worker_svc.model.config import DEFAULT_MODEL_CONFIG
+    from pagedkv.worker_svc.model.weights import load_model
+    from pagedkv.worker_svc.model_runner import CacheOpsRequest, ModelRunner, SequenceRequest
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     prompts = [[(7 * i + j) % 250 + 1 for j in range(n)] for i, n in enumerate((21, 40, 9))]
@@ -260,10 +260,10 @@ def throughput(
     device: str, dtype: str, batches: list[int], ctx: int, steps: int, shape: dict, on_row=None
 ) -> list[dict]:  # noqa: ANN001
     """Decode step time per batch size; stops starting new batch sizes when the deadline is near."""
-    from worker_svc.model.config import ModelConfig
-    from worker_svc.model.llama import LlamaModel
-    from worker_svc.model.weights import expected_names, expected_shapes
-    from worker_svc.model_runner import ModelRunner, SequenceRequest
+    from pagedkv.worker_svc.model.config import ModelConfig
+    from pagedkv.worker_svc.model.llama import LlamaModel
+    from pagedkv.worker_svc.model.weights import expected_names, expected_shapes
+    from pagedkv.worker_svc.model_runner import ModelRunner, SequenceRequest
 
     cfg = ModelConfig(**shape, name="bench")
     dev, tdtype = torch.device(device), getattr(torch, dtype)

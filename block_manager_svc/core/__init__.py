@@ -9,7 +9,7 @@ what must always hold (invariants.py). The servicer only validates transport
 concerns and translates.
 """
 
-from block_manager_svc.core.errors import (
+from pagedkv.block_manager_svc.core.errors import (
     AlreadyExists,
     CoreError,
     ErrorCode,
@@ -18,8 +18,8 @@ from block_manager_svc.core.errors import (
     NotFound,
     ResourceExhausted,
 )
-from block_manager_svc.core.manager import BlockManager, CoreConfig
-from block_manager_svc.core.results import (
+from pagedkv.block_manager_svc.core.manager import BlockManager, CoreConfig
+from pagedkv.block_manager_svc.core.results import (
     AllocateResult,
     AppendResult,
     BlockTable,
@@ -28,7 +28,7 @@ from block_manager_svc.core.results import (
     Stats,
     StepResult,
 )
-from block_manager_svc.core.step_batch import StepBatch
+from pagedkv.block_manager_svc.core.step_batch import StepBatch
 
 __all__ = [
     "AllocateResult",

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from array import array
 
-from block_manager_svc.core.eviction import EvictionPolicy
-from block_manager_svc.core.kv_events import ALL_BLOCKS_CLEARED, BlockRemoved, BlockStored, PoolEvent
+from pagedkv.block_manager_svc.core.eviction import EvictionPolicy
+from pagedkv.block_manager_svc.core.kv_events import ALL_BLOCKS_CLEARED, BlockRemoved, BlockStored, PoolEvent
 
 
 class BlockPool:

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from block_manager_svc.core.prefix_cache import chain_hashes
+from pagedkv.block_manager_svc.core.prefix_cache import chain_hashes
 from pagedkv.kv_capacity import blocks_for_tokens
 
 if TYPE_CHECKING:
-    from block_manager_svc.core.manager import BlockManager
+    from pagedkv.block_manager_svc.core.manager import BlockManager
 
 
 def check_invariants(bm: BlockManager) -> None:

@@ -22,9 +22,10 @@ from array import array
 from collections.abc import Sequence as SequenceT
 from dataclasses import dataclass
 
-from block_manager_svc.core.block_pool import BlockPool
-from block_manager_svc.core.cpu_pool import CpuPool
-from block_manager_svc.core.errors import (
+from pagedkv import defaults
+from pagedkv.block_manager_svc.core.block_pool import BlockPool
+from pagedkv.block_manager_svc.core.cpu_pool import CpuPool
+from pagedkv.block_manager_svc.core.errors import (
     AlreadyExists,
     CoreError,
     FailedPrecondition,
@@ -32,12 +33,18 @@ from block_manager_svc.core.errors import (
     NotFound,
     ResourceExhausted,
 )
-from block_manager_svc.core.eviction import DEFAULT_MISS_COST_TOKENS, POLICIES, make_eviction_policy
-from block_manager_svc.core.invariants import check_invariants
-from block_manager_svc.core.kv_events import PoolEvent
-from block_manager_svc.core.preemption import Preempter, PreemptionPlan, StepScope
-from block_manager_svc.core.prefix_cache import ROOT_HASH, chain_hash, chain_hashes, encode_tokens, root_hash
-from block_manager_svc.core.results import (
+from pagedkv.block_manager_svc.core.eviction import DEFAULT_MISS_COST_TOKENS, POLICIES, make_eviction_policy
+from pagedkv.block_manager_svc.core.invariants import check_invariants
+from pagedkv.block_manager_svc.core.kv_events import PoolEvent
+from pagedkv.block_manager_svc.core.preemption import Preempter, PreemptionPlan, StepScope
+from pagedkv.block_manager_svc.core.prefix_cache import (
+    ROOT_HASH,
+    chain_hash,
+    chain_hashes,
+    encode_tokens,
+    root_hash,
+)
+from pagedkv.block_manager_svc.core.results import (
     AllocateResult,
     AppendResult,
     BlockTable,
@@ -48,17 +55,16 @@ from block_manager_svc.core.results import (
     StepResult,
     SwapInResult,
 )
-from block_manager_svc.core.sequence import MAX_SEQ_ID_LEN, SeqState, check_seq_id
-from block_manager_svc.core.step_batch import StepBatch
-from block_manager_svc.core.swap_planner import (
+from pagedkv.block_manager_svc.core.sequence import MAX_SEQ_ID_LEN, SeqState, check_seq_id
+from pagedkv.block_manager_svc.core.step_batch import StepBatch
+from pagedkv.block_manager_svc.core.swap_planner import (
     DEFAULT_HOST_LINK_BYTES_PER_S,
     DEFAULT_KV_BYTES_PER_BLOCK,
     DEFAULT_PREFILL_TOKENS_PER_S,
     MODES,
     CostModel,
 )
-from block_manager_svc.core.tenants import NULL_LEDGER, Ledger, NullLedger, TenantLedger
-from pagedkv import defaults
+from pagedkv.block_manager_svc.core.tenants import NULL_LEDGER, Ledger, NullLedger, TenantLedger
 from pagedkv.kv_capacity import blocks_for_memory, blocks_for_tokens, check_kv_cache_dtype
 from pagedkv.watermark import admission_room
 

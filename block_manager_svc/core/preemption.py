@@ -30,13 +30,13 @@ from collections.abc import Callable, Generator
 from collections.abc import Sequence as SequenceT
 from dataclasses import dataclass
 
-from block_manager_svc.core.block_pool import BlockPool
-from block_manager_svc.core.cpu_pool import CpuPool
-from block_manager_svc.core.errors import InvalidArgument, ResourceExhausted
-from block_manager_svc.core.results import CacheOps, Preemption, SwapInResult
-from block_manager_svc.core.sequence import SeqState
-from block_manager_svc.core.swap_planner import MODES, CostModel, PreemptionMode, SwapDecision, decide
-from block_manager_svc.core.tenants import NULL_LEDGER, Ledger
+from pagedkv.block_manager_svc.core.block_pool import BlockPool
+from pagedkv.block_manager_svc.core.cpu_pool import CpuPool
+from pagedkv.block_manager_svc.core.errors import InvalidArgument, ResourceExhausted
+from pagedkv.block_manager_svc.core.results import CacheOps, Preemption, SwapInResult
+from pagedkv.block_manager_svc.core.sequence import SeqState
+from pagedkv.block_manager_svc.core.swap_planner import MODES, CostModel, PreemptionMode, SwapDecision, decide
+from pagedkv.block_manager_svc.core.tenants import NULL_LEDGER, Ledger
 from pagedkv.watermark import admission_room
 
 MAX_REQUEUED = 65_536  # recompute victims whose arrival is remembered for re-admission

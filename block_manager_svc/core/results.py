@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from block_manager_svc.core.errors import ErrorCode
+from pagedkv.block_manager_svc.core.errors import ErrorCode
 
 
 @dataclass(slots=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from array import array
 from dataclasses import dataclass, field
 
-from block_manager_svc.core.errors import InvalidArgument
+from pagedkv.block_manager_svc.core.errors import InvalidArgument
 
 MAX_SEQ_ID_LEN = 256
 # With authentication on, the servicer keys each sequence by its tenant's

@@ -21,10 +21,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from block_manager_svc.core.errors import ResourceExhausted
+from pagedkv.block_manager_svc.core.errors import ResourceExhausted
 
 if TYPE_CHECKING:
-    from block_manager_svc.core.sequence import SeqState
+    from pagedkv.block_manager_svc.core.sequence import SeqState
 
 
 @dataclass(slots=True, frozen=True)

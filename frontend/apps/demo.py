@@ -38,9 +38,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import get_args
 
-from frontend.clients.connection import add_connection_args, client_kwargs
-from frontend.engine import Engine, GenerationRequest, SamplingOptions
 from pagedkv import defaults, envs
+from pagedkv.frontend.clients.connection import add_connection_args, client_kwargs
+from pagedkv.frontend.engine import Engine, GenerationRequest, SamplingOptions
 from pagedkv.ports import free_port
 from pagedkv.weight_formats import WeightFormat
 
@@ -189,7 +189,7 @@ def run_workload(
 
     from tqdm import tqdm
 
-    from frontend.clients.http import get_text, stream_events
+    from pagedkv.frontend.clients.http import get_text, stream_events
 
     model = json.loads(get_text(url + "/v1/models", api_key=api_key))["data"][0]["id"]
     figs = sampler.figs if sampler is not None else DemoFigures()
@@ -344,9 +344,9 @@ def _serve_here(
     args: argparse.Namespace, block_manager: str, workers: list[str], conn: dict[str, object]
 ) -> None:
     """`pagedkv serve` in this process, its engine sampled every iteration, driven over HTTP."""
-    from frontend.clients.worker import WorkerClient
-    from frontend.serve.server import OpenAIServer
-    from frontend.serve.settings import ServeSettings
+    from pagedkv.frontend.clients.worker import WorkerClient
+    from pagedkv.frontend.serve.server import OpenAIServer
+    from pagedkv.frontend.serve.settings import ServeSettings
 
     with WorkerClient(workers[0], **conn) as w:
         info_vocab, bpt = w.get_info().vocab_size, _bytes_per_token(w)
@@ -369,7 +369,12 @@ def _serve_here(
     with OpenAIServer(settings, on_iteration=sampler) as server:
         text = server.state.limits.text
         if text.has_chat_template:  # a real model: chat prompts, and real answers beside the figures
-            from frontend.apps.demo_text import SHOWN_QUESTIONS, ask, format_answers, make_text_workload
+            from pagedkv.frontend.apps.demo_text import (
+                SHOWN_QUESTIONS,
+                ask,
+                format_answers,
+                make_text_workload,
+            )
 
             reqs = make_text_workload(args.requests, text, args.seed)
         else:
@@ -412,8 +417,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _serve_here(args, args.block_manager, [t for t in args.workers.split(",") if t], client_kwargs(args))
         return 0
     if args.local:
-        from frontend.launch.config import StackConfig
-        from frontend.launch.local_stack import LocalStack
+        from pagedkv.frontend.launch.config import StackConfig
+        from pagedkv.frontend.launch.local_stack import LocalStack
 
         with LocalStack(
             StackConfig(
@@ -429,8 +434,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import tempfile
 
-    from frontend.launch.config import StackConfig
-    from frontend.launch.processes import Stack
+    from pagedkv.frontend.launch.config import StackConfig
+    from pagedkv.frontend.launch.processes import Stack
 
     log_dir = tempfile.mkdtemp(prefix="pagedkv-demo-logs-")
     opts = StackConfig(

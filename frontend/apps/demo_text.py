@@ -14,8 +14,8 @@ from __future__ import annotations
 import math
 import random
 
-from frontend.engine import GenerationRequest, SamplingOptions
-from frontend.serve.text import ModelText
+from pagedkv.frontend.engine import GenerationRequest, SamplingOptions
+from pagedkv.frontend.serve.text import ModelText
 
 SYSTEM_PROMPTS = [
     "You are a helpful assistant.",
@@ -92,7 +92,7 @@ def ask(url: str, questions: list[str], *, api_key: str = "") -> list[tuple[str,
     """Each question as a greedy chat request; (question, answer) pairs."""
     import json
 
-    from frontend.clients.http import get_text, post_json
+    from pagedkv.frontend.clients.http import get_text, post_json
 
     model = json.loads(get_text(url + "/v1/models", api_key=api_key))["data"][0]["id"]
     pairs = []

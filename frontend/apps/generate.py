@@ -31,10 +31,10 @@ from collections.abc import Sequence
 
 import grpc
 
-from frontend.clients.connection import add_connection_args, client_kwargs
-from frontend.clients.http import HttpError
-from frontend.engine import EngineConfig, GenerationRequest, RequestOutput, SamplingOptions
 from pagedkv import defaults, envs
+from pagedkv.frontend.clients.connection import add_connection_args, client_kwargs
+from pagedkv.frontend.clients.http import HttpError
+from pagedkv.frontend.engine import EngineConfig, GenerationRequest, RequestOutput, SamplingOptions
 
 
 def parse_token_ids(text: str) -> list[int]:
@@ -115,8 +115,8 @@ def via_server(args: argparse.Namespace, request: GenerationRequest) -> RequestO
     import pathlib
     import ssl
 
-    from frontend.clients.http import post_json
-    from frontend.engine import Completion
+    from pagedkv.frontend.clients.http import post_json
+    from pagedkv.frontend.engine import Completion
 
     key = envs.get_str("PAGEDKV_API_KEY")
     if args.api_key_file:
@@ -193,8 +193,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = EngineConfig(timeout_s=args.timeout_s)
     try:
         if args.local:
-            from frontend.launch.config import StackConfig
-            from frontend.launch.local_stack import LocalStack
+            from pagedkv.frontend.launch.config import StackConfig
+            from pagedkv.frontend.launch.local_stack import LocalStack
 
             with LocalStack(
                 StackConfig(
@@ -236,9 +236,9 @@ def _generate_remote(
 ) -> RequestOutput:
     """One request on a running stack; the engine frees its sequences on every way out
     (success, error, Ctrl-C), and its lease covers a process killed outright."""
-    from frontend.clients.block_manager import BlockManagerClient
-    from frontend.clients.worker import WorkerClient
-    from frontend.engine import Engine
+    from pagedkv.frontend.clients.block_manager import BlockManagerClient
+    from pagedkv.frontend.clients.worker import WorkerClient
+    from pagedkv.frontend.engine import Engine
 
     conn = client_kwargs(args)
     with BlockManagerClient(args.block_manager, **conn) as bm:

@@ -48,10 +48,10 @@ from typing import Any
 
 import grpc
 
-from frontend.clients.connection import add_connection_args, client_kwargs
 from pagedkv import defaults
 from pagedkv.arith import ceil_div
 from pagedkv.dial import TokenError
+from pagedkv.frontend.clients.connection import add_connection_args, client_kwargs
 from pagedkv.kv_capacity import blocks_for_tokens
 
 OPS = ("allocate", "append", "fork", "free", "step", "table", "stats")
@@ -482,7 +482,7 @@ class _Worker:
 
 
 async def _run_part(plan: PartPlan, wait_go: Any = None) -> PartResult:
-    from frontend.clients.block_manager import AsyncBlockManagerClient
+    from pagedkv.frontend.clients.block_manager import AsyncBlockManagerClient
     from pagedkv.retry import NO_RETRY, RetryPolicy
 
     result = PartResult()
@@ -732,7 +732,7 @@ def _stats_dict(stats: Any) -> dict[str, int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from frontend.clients.block_manager import BlockManagerClient
+    from pagedkv.frontend.clients.block_manager import BlockManagerClient
 
     args = build_parser().parse_args(sys.argv[1:] if argv is None else list(argv))
     if args.scenario:

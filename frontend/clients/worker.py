@@ -21,8 +21,8 @@ from typing import Any, Literal
 import grpc
 import structlog
 
-from frontend.clients.block_manager import GrpcClient, channel_options
-from frontend.clients.step_channel import DEFAULT_SPIN_US, ChannelUnusable, StepChannel
+from pagedkv.frontend.clients.block_manager import GrpcClient, channel_options
+from pagedkv.frontend.clients.step_channel import DEFAULT_SPIN_US, ChannelUnusable, StepChannel
 from pagedkv.step_channel import StepChannelError
 from pagedkv.v1 import worker_pb2 as wpb
 from pagedkv.v1 import worker_pb2_grpc as wpb_grpc

@@ -5,8 +5,8 @@ output.py (the worker's messages, tokens, stop checks), recovery.py (lost cache 
 restarted without the engine's state), types.py (the values), dispatch.py (which workers run a step),
 admission.py (which waiting requests start). What other code imports comes from here."""
 
-from frontend.engine.engine import Engine
-from frontend.engine.types import (
+from pagedkv.frontend.engine.engine import Engine
+from pagedkv.frontend.engine.types import (
     MAX_TOP_LOGPROBS,
     BlockManagerUnavailable,
     CacheHostLost,

@@ -30,9 +30,15 @@ from typing import TypeVar
 import grpc
 import structlog
 
-from frontend.clients.block_manager import BlockManagerClient
-from frontend.engine.step_messages import StepDelta, StepPlan, step_delta, step_request, unknown_sequences
-from frontend.engine.types import BlockManagerUnavailable, EngineConfig, EngineStats, ManagerLostState
+from pagedkv.frontend.clients.block_manager import BlockManagerClient
+from pagedkv.frontend.engine.step_messages import (
+    StepDelta,
+    StepPlan,
+    step_delta,
+    step_request,
+    unknown_sequences,
+)
+from pagedkv.frontend.engine.types import BlockManagerUnavailable, EngineConfig, EngineStats, ManagerLostState
 from pagedkv.v1 import block_manager_pb2 as pb
 
 log = structlog.get_logger("pagedkv.engine")

@@ -43,9 +43,9 @@ from dataclasses import dataclass, field
 import grpc
 import structlog
 
-from frontend.clients.worker import WorkerClient
-from frontend.engine.fencing import Fences
 from pagedkv import errors
+from pagedkv.frontend.clients.worker import WorkerClient
+from pagedkv.frontend.engine.fencing import Fences
 from pagedkv.v1 import worker_pb2 as wpb
 
 log = structlog.get_logger("pagedkv.dispatch")

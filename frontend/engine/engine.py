@@ -42,15 +42,16 @@ from concurrent.futures import Future
 import grpc
 import structlog
 
-from frontend.clients.block_manager import BlockManagerClient
-from frontend.clients.worker import WorkerClient
-from frontend.engine import output, recovery
-from frontend.engine.bm_session import BlockManagerSession, read_geometry
-from frontend.engine.dispatch import CacheLostEverywhere, WorkerPool, WorkerSlot
-from frontend.engine.policy import Limits
-from frontend.engine.scheduler import PrefillItem, Scheduler
-from frontend.engine.step_messages import StepDelta, StepPlan
-from frontend.engine.types import (
+from pagedkv.defaults import MAX_DECODE_STEPS
+from pagedkv.frontend.clients.block_manager import BlockManagerClient
+from pagedkv.frontend.clients.worker import WorkerClient
+from pagedkv.frontend.engine import output, recovery
+from pagedkv.frontend.engine.bm_session import BlockManagerSession, read_geometry
+from pagedkv.frontend.engine.dispatch import CacheLostEverywhere, WorkerPool, WorkerSlot
+from pagedkv.frontend.engine.policy import Limits
+from pagedkv.frontend.engine.scheduler import PrefillItem, Scheduler
+from pagedkv.frontend.engine.step_messages import StepDelta, StepPlan
+from pagedkv.frontend.engine.types import (
     BlockManagerUnavailable,
     CacheHostLost,
     EngineConfig,
@@ -62,7 +63,6 @@ from frontend.engine.types import (
     SeqStatus,
     TokenEvent,
 )
-from pagedkv.defaults import MAX_DECODE_STEPS
 from pagedkv.kv_capacity import blocks_for_tokens
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import worker_pb2 as wpb

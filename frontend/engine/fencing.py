@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
-from frontend.clients.worker import WorkerClient
+from pagedkv.frontend.clients.worker import WorkerClient
 
 log = structlog.get_logger("pagedkv.dispatch")
 

@@ -9,7 +9,7 @@ import collections
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from frontend.engine.types import SamplingOptions, Seq, SeqStatus, TokenEvent
+from pagedkv.frontend.engine.types import SamplingOptions, Seq, SeqStatus, TokenEvent
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import worker_pb2 as wpb
 

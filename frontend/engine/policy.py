@@ -14,8 +14,8 @@ import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from frontend.engine.admission import PrefixProgress
-from frontend.engine.types import Seq, SeqStatus
+from pagedkv.frontend.engine.admission import PrefixProgress
+from pagedkv.frontend.engine.types import Seq, SeqStatus
 from pagedkv.kv_capacity import blocks_for_tokens
 from pagedkv.watermark import admission_room
 

@@ -24,11 +24,16 @@ from collections.abc import Callable, Sequence
 import grpc
 import structlog
 
-from frontend.clients.worker import WorkerClient
-from frontend.engine.bm_session import BlockManagerSession
-from frontend.engine.dispatch import CacheLostEverywhere
-from frontend.engine.scheduler import Scheduler
-from frontend.engine.types import BlockManagerUnavailable, CacheHostLost, EngineConfig, ManagerLostState
+from pagedkv.frontend.clients.worker import WorkerClient
+from pagedkv.frontend.engine.bm_session import BlockManagerSession
+from pagedkv.frontend.engine.dispatch import CacheLostEverywhere
+from pagedkv.frontend.engine.scheduler import Scheduler
+from pagedkv.frontend.engine.types import (
+    BlockManagerUnavailable,
+    CacheHostLost,
+    EngineConfig,
+    ManagerLostState,
+)
 from pagedkv.v1 import worker_pb2 as wpb
 
 log = structlog.get_logger("pagedkv.engine")

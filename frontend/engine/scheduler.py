@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from frontend.engine import output, policy
-from frontend.engine.policy import Limits, PoolView
-from frontend.engine.step_messages import RESOURCE_EXHAUSTED, ItemError, StepDelta, StepPlan
-from frontend.engine.types import (
+from pagedkv.frontend.engine import output, policy
+from pagedkv.frontend.engine.policy import Limits, PoolView
+from pagedkv.frontend.engine.step_messages import RESOURCE_EXHAUSTED, ItemError, StepDelta, StepPlan
+from pagedkv.frontend.engine.types import (
     Completion,
     EngineStats,
     GenerationRequest,

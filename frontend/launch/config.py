@@ -15,8 +15,8 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from frontend.launch.supervisor import RestartPolicy
 from pagedkv import defaults
+from pagedkv.frontend.launch.supervisor import RestartPolicy
 from pagedkv.plan import WorkerPlan
 
 

@@ -17,19 +17,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from block_manager_svc.server import BlockManagerServer
-from block_manager_svc.server import start_server as start_block_manager
-from block_manager_svc.settings import BlockManagerSettings
-from frontend.clients.block_manager import BlockManagerClient
-from frontend.clients.worker import StepTransport, WorkerClient
-from frontend.engine import Engine, EngineConfig
-from frontend.launch.config import StackConfig, worker_roles
+from pagedkv.block_manager_svc.server import BlockManagerServer
+from pagedkv.block_manager_svc.server import start_server as start_block_manager
+from pagedkv.block_manager_svc.settings import BlockManagerSettings
+from pagedkv.frontend.clients.block_manager import BlockManagerClient
+from pagedkv.frontend.clients.worker import StepTransport, WorkerClient
+from pagedkv.frontend.engine import Engine, EngineConfig
+from pagedkv.frontend.launch.config import StackConfig, worker_roles
 
 __all__ = ["LocalStack"]
 
 if TYPE_CHECKING:
     from pagedkv.grpc_server import GrpcServer
-    from worker_svc.server import WorkerProcess
+    from pagedkv.worker_svc.server import WorkerProcess
 
 
 class LocalStack:
@@ -40,14 +40,14 @@ class LocalStack:
 
     def __init__(self, config: StackConfig | None = None) -> None:
         # The in-process workers: imported here, not at module level (see the module docstring).
-        from worker_svc import cache_memory
-        from worker_svc.cache_host import serve_cache
-        from worker_svc.cache_layout import CacheGeometry
-        from worker_svc.devices import resolve_device, resolve_dtype
-        from worker_svc.geometry import model_block_bytes
-        from worker_svc.model.config import load_model_config
-        from worker_svc.server import start_worker
-        from worker_svc.settings import WorkerSettings
+        from pagedkv.worker_svc import cache_memory
+        from pagedkv.worker_svc.cache_host import serve_cache
+        from pagedkv.worker_svc.cache_layout import CacheGeometry
+        from pagedkv.worker_svc.devices import resolve_device, resolve_dtype
+        from pagedkv.worker_svc.geometry import model_block_bytes
+        from pagedkv.worker_svc.model.config import load_model_config
+        from pagedkv.worker_svc.server import start_worker
+        from pagedkv.worker_svc.settings import WorkerSettings
 
         self.config = cfg = config or StackConfig()
         self._closers: list[object] = []

@@ -35,14 +35,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import get_args
 
-from frontend.launch.config import StackConfig, override_flags, worker_roles
-from frontend.launch.ready import ReadyService, StackReady
-from frontend.launch.security import StackSecurity, StackSecurityError
-from frontend.launch.supervisor import RestartPolicy, supervise
-from frontend.serve.settings import ServeSettings
 from pagedkv import defaults
 from pagedkv.cpu_list import format_cpus
 from pagedkv.cpu_runtime import preload_env
+from pagedkv.frontend.launch.config import StackConfig, override_flags, worker_roles
+from pagedkv.frontend.launch.ready import ReadyService, StackReady
+from pagedkv.frontend.launch.security import StackSecurity, StackSecurityError
+from pagedkv.frontend.launch.supervisor import RestartPolicy, supervise
+from pagedkv.frontend.serve.settings import ServeSettings
 from pagedkv.healthcheck import wait_healthy
 from pagedkv.logging_setup import configure_logging
 from pagedkv.machine import Machine, this_machine
@@ -235,7 +235,7 @@ def _pool_args(opts: StackConfig) -> list[str]:
     kv = ["--kv-cache-dtype", opts.kv_cache_dtype]
     if not opts.kv_cache_memory:
         return [*kv, "--num-gpu-blocks", str(opts.num_gpu_blocks)]
-    from worker_svc.geometry import model_block_bytes
+    from pagedkv.worker_svc.geometry import model_block_bytes
 
     per_block = model_block_bytes(opts.model, opts.dtype, opts.device, opts.block_size, opts.kv_cache_dtype)
     return [*kv, "--kv-cache-memory", str(opts.kv_cache_memory), "--kv-bytes-per-block", str(per_block)]
@@ -639,7 +639,7 @@ def serve_args(args: argparse.Namespace) -> tuple[str, ...]:
 
 def plan_from_args(args: argparse.Namespace, machine: Machine | None = None) -> Plan:
     """The stack's plan on ``machine`` (default: this one) for the model and the flags given."""
-    from worker_svc.geometry import model_size
+    from pagedkv.worker_svc.geometry import model_size
 
     for name in ("num_workers", "num_threads", "num_gpu_blocks", "serve_max_num_seqs"):
         value = getattr(args, name, None)

@@ -24,8 +24,8 @@ import functools
 import re
 from typing import Any
 
-from frontend.serve.text import ModelText
-from frontend.serve.tokenizer import byte_level_chars
+from pagedkv.frontend.serve.text import ModelText
+from pagedkv.frontend.serve.tokenizer import byte_level_chars
 
 REPLACEMENT = "\ufffd"
 

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from frontend.engine import BlockManagerUnavailable, Engine, GenerationRequest, TokenEvent
-from frontend.serve.metrics import ServeMetrics
+from pagedkv.frontend.engine import BlockManagerUnavailable, Engine, GenerationRequest, TokenEvent
+from pagedkv.frontend.serve.metrics import ServeMetrics
 
 log = structlog.get_logger("pagedkv.serve.loop")
 

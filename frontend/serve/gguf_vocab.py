@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from frontend.serve.tokenizer import TextTokenizer, byte_level_chars
+from pagedkv.frontend.serve.tokenizer import TextTokenizer, byte_level_chars
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer

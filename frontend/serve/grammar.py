@@ -125,7 +125,7 @@ def tokenizer_info(tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -
     transformers tokenizer is read by xgrammar (``from_huggingface``)."""
     import xgrammar as xgr
 
-    from frontend.serve.tokenizer import TextTokenizer
+    from pagedkv.frontend.serve.tokenizer import TextTokenizer
 
     if not isinstance(tokenizer, TextTokenizer):
         return xgr.TokenizerInfo.from_huggingface(

@@ -19,9 +19,9 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from frontend.engine import MAX_TOP_LOGPROBS, SamplingOptions
-from frontend.serve.grammar import Grammar, GrammarCompiler
-from frontend.serve.openai_fields import (
+from pagedkv.frontend.engine import MAX_TOP_LOGPROBS, SamplingOptions
+from pagedkv.frontend.serve.grammar import Grammar, GrammarCompiler
+from pagedkv.frontend.serve.openai_fields import (
     CHAT,
     COMPLETION,
     CONTENT_PART,
@@ -32,9 +32,9 @@ from frontend.serve.openai_fields import (
     Refused,
     screen,
 )
-from frontend.serve.structured_output import ResponseFormat, StructuredOutputError, requested_grammar
-from frontend.serve.text import ModelText
-from frontend.serve.tools import (
+from pagedkv.frontend.serve.structured_output import ResponseFormat, StructuredOutputError, requested_grammar
+from pagedkv.frontend.serve.text import ModelText
+from pagedkv.frontend.serve.tools import (
     AUTO_PARSER,
     ToolCalling,
     ToolCallParam,

@@ -37,16 +37,16 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from frontend.engine import Engine, GenerationRequest, TokenEvent
-from frontend.serve.detokenize import IncrementalText, token_bytes
-from frontend.serve.engine_loop import Admitted, EngineLoop, Failed, Finished
-from frontend.serve.inbox import Inbox
-from frontend.serve.metrics import ServeMetrics
-from frontend.serve.openai_api import ApiError, Parsed, RequestLimits, parse_chat, parse_completion
-from frontend.serve.settings import ServeSettings, load_settings
-from frontend.serve.text import load_model_text
-from frontend.serve.tokenize_api import detokenize, tokenize
-from frontend.serve.tool_parsers import ToolCallStream, parser_by_name
+from pagedkv.frontend.engine import Engine, GenerationRequest, TokenEvent
+from pagedkv.frontend.serve.detokenize import IncrementalText, token_bytes
+from pagedkv.frontend.serve.engine_loop import Admitted, EngineLoop, Failed, Finished
+from pagedkv.frontend.serve.inbox import Inbox
+from pagedkv.frontend.serve.metrics import ServeMetrics
+from pagedkv.frontend.serve.openai_api import ApiError, Parsed, RequestLimits, parse_chat, parse_completion
+from pagedkv.frontend.serve.settings import ServeSettings, load_settings
+from pagedkv.frontend.serve.text import load_model_text
+from pagedkv.frontend.serve.tokenize_api import detokenize, tokenize
+from pagedkv.frontend.serve.tool_parsers import ToolCallStream, parser_by_name
 from pagedkv.tls import TlsConfigError, is_loopback
 
 log = structlog.get_logger("pagedkv.serve")
@@ -594,8 +594,8 @@ class OpenAIServer:
         """``on_iteration(engine)`` runs on the engine thread after every iteration (monitoring hooks)."""
         import uvicorn
 
-        from frontend.clients.block_manager import BlockManagerClient
-        from frontend.clients.worker import WorkerClient
+        from pagedkv.frontend.clients.block_manager import BlockManagerClient
+        from pagedkv.frontend.clients.worker import WorkerClient
 
         if not settings.tls_cert and not settings.allow_insecure and not is_loopback(settings.host):
             raise TlsConfigError(

@@ -16,8 +16,8 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from frontend.engine import EngineConfig
 from pagedkv import defaults, settings_cli
+from pagedkv.frontend.engine import EngineConfig
 
 # The engine's own defaults (frontend/engine/types.py) are the server's: written once, there.
 _ENGINE = EngineConfig()

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from frontend.serve.grammar import Grammar, GrammarError
+from pagedkv.frontend.serve.grammar import Grammar, GrammarError
 
 
 class JsonSchemaFormat(BaseModel):

@@ -16,7 +16,7 @@ import pathlib
 from dataclasses import dataclass
 from typing import Any
 
-from frontend.serve.tokenizer import load_dir_tokenizer
+from pagedkv.frontend.serve.tokenizer import load_dir_tokenizer
 
 
 @dataclass(slots=True)
@@ -91,7 +91,7 @@ def load_model_text(model_dir: str | None) -> ModelText:
 def _gguf_model_text(model_file: str) -> ModelText:
     """A GGUF file's tokenizer, EOS id and context length, from its metadata (ValueError for a file
     that is not GGUF)."""
-    from frontend.serve.gguf_vocab import load_gguf_text
+    from pagedkv.frontend.serve.gguf_vocab import load_gguf_text
 
     gguf = load_gguf_text(model_file)
     eos: tuple[int, ...] = (gguf.eos_token_id,) if gguf.eos_token_id is not None else ()

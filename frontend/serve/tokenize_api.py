@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from frontend.serve.openai_api import (
+from pagedkv.frontend.serve.openai_api import (
     ApiError,
     ChatMessage,
     RequestLimits,

@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from frontend.serve.chat_template import render_chat
+from pagedkv.frontend.serve.chat_template import render_chat
 
 if TYPE_CHECKING:
     from tokenizers import AddedToken, Tokenizer

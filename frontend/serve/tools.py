@@ -23,8 +23,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from frontend.serve.grammar import Grammar, GrammarCompiler, GrammarError
-from frontend.serve.tool_parsers import PARSERS, parser_for_template
+from pagedkv.frontend.serve.grammar import Grammar, GrammarCompiler, GrammarError
+from pagedkv.frontend.serve.tool_parsers import PARSERS, parser_for_template
 
 AUTO_PARSER = "auto"
 TOOL_CALL_PARSERS = (AUTO_PARSER, *PARSERS)

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from bench import config_sweep, up_stack
-from frontend.launch.processes import up_config
+from pagedkv.frontend.launch.processes import up_config
 from tests.bench.tables import run_bench
 
 

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from kernels import cpu_native, cpu_quant_linear
+from pagedkv.kernels import cpu_native, cpu_quant_linear
 from tests.bench.tables import run_bench
 from tests.worker_svc.families import small_q4_1_llama
 

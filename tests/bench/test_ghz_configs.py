@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 from google.protobuf import json_format
 
-from block_manager_svc.server import start_server
-from block_manager_svc.settings import BlockManagerSettings
-from frontend.clients.block_manager import BlockManagerClient
+from pagedkv.block_manager_svc.server import start_server
+from pagedkv.block_manager_svc.settings import BlockManagerSettings
+from pagedkv.frontend.clients.block_manager import BlockManagerClient
 from pagedkv.v1 import block_manager_pb2 as pb
 
 GHZ = Path(__file__).resolve().parents[2] / "bench" / "ghz"

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from bench import pd_bench
-from frontend.launch.config import StackConfig
-from frontend.launch.local_stack import LocalStack
-from worker_svc.model.config import load_model_config
+from pagedkv.frontend.launch.config import StackConfig
+from pagedkv.frontend.launch.local_stack import LocalStack
+from pagedkv.worker_svc.model.config import load_model_config
 
 
 def test_pd_bench_model_workload_and_drive(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

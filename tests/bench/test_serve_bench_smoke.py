@@ -14,7 +14,7 @@ from tests.worker_svc.conftest import build_hf_model
 
 
 def test_serve_bench_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from frontend.launch.local_stack import LocalStack
+    from pagedkv.frontend.launch.local_stack import LocalStack
 
     bench = serve_bench
     hf = build_hf_model(tmp_path / "model", seed=1)

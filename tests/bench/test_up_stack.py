@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from bench import up_stack
-from frontend.launch.processes import up_config
+from pagedkv.frontend.launch.processes import up_config
 
 
 def test_the_default_is_up_with_no_flags_and_a_tuned_row_is_named_by_its_flags(tmp_path: Path) -> None:

@@ -10,13 +10,20 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from block_manager_svc import commands as cmds
-from block_manager_svc.commands import Batch, DedupeEntry, ReplayError, decode_batch, encode_batch, replay
-from block_manager_svc.core import BlockManager, CoreConfig, StepBatch
-from block_manager_svc.journal import Journal, ScanReport, scan
-from block_manager_svc.leases import LeaseTable
-from block_manager_svc.server import start_server
-from block_manager_svc.settings import BlockManagerSettings
+from pagedkv.block_manager_svc import commands as cmds
+from pagedkv.block_manager_svc.commands import (
+    Batch,
+    DedupeEntry,
+    ReplayError,
+    decode_batch,
+    encode_batch,
+    replay,
+)
+from pagedkv.block_manager_svc.core import BlockManager, CoreConfig, StepBatch
+from pagedkv.block_manager_svc.journal import Journal, ScanReport, scan
+from pagedkv.block_manager_svc.leases import LeaseTable
+from pagedkv.block_manager_svc.server import start_server
+from pagedkv.block_manager_svc.settings import BlockManagerSettings
 from pagedkv.v1 import block_manager_pb2 as pb
 
 

@@ -12,11 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from block_manager_svc.core import BlockManager
-from block_manager_svc.core.errors import ResourceExhausted
-from block_manager_svc.metrics import CoreCollector
-from block_manager_svc.server import build_core, start_server
-from block_manager_svc.settings import BlockManagerSettings
+from pagedkv.block_manager_svc.core import BlockManager
+from pagedkv.block_manager_svc.core.errors import ResourceExhausted
+from pagedkv.block_manager_svc.metrics import CoreCollector
+from pagedkv.block_manager_svc.server import build_core, start_server
+from pagedkv.block_manager_svc.settings import BlockManagerSettings
 from pagedkv.kv_capacity import GIB, block_bytes
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc

@@ -19,9 +19,9 @@ import msgspec
 import pytest
 import zmq
 
-from block_manager_svc.core.kv_events import BlockStored as PoolBlockStored
-from block_manager_svc.settings import BlockManagerSettings
-from frontend.clients.block_manager import BlockManagerClient
+from pagedkv.block_manager_svc.core.kv_events import BlockStored as PoolBlockStored
+from pagedkv.block_manager_svc.settings import BlockManagerSettings
+from pagedkv.frontend.clients.block_manager import BlockManagerClient
 
 BLOCK_SIZE = 4
 
@@ -308,7 +308,7 @@ def test_overflow_is_followed_by_all_blocks_cleared() -> None:
     """Events lost to a full queue are never silently skipped: the next batch clears the pool."""
     import sys
 
-    from block_manager_svc.kv_events_zmq import ZmqEventConfig, ZmqKvEventPublisher
+    from pagedkv.block_manager_svc.kv_events_zmq import ZmqEventConfig, ZmqKvEventPublisher
 
     pub = ZmqKvEventPublisher(
         ZmqEventConfig(

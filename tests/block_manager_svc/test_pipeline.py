@@ -7,12 +7,12 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from block_manager_svc.core import BlockManager, CoreConfig
-from block_manager_svc.core.tenants import TenantLedger
-from block_manager_svc.events import EventHub
-from block_manager_svc.servicer import BlockManagerServicer
-from block_manager_svc.tenancy import NO_TENANCY, TenantScope
 from pagedkv.auth import Tenant, current_tenant
+from pagedkv.block_manager_svc.core import BlockManager, CoreConfig
+from pagedkv.block_manager_svc.core.tenants import TenantLedger
+from pagedkv.block_manager_svc.events import EventHub
+from pagedkv.block_manager_svc.servicer import BlockManagerServicer
+from pagedkv.block_manager_svc.tenancy import NO_TENANCY, TenantScope
 from pagedkv.v1 import block_manager_pb2 as pb
 
 

@@ -15,14 +15,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from block_manager_svc import records, snapshot
-from block_manager_svc.core import BlockManager, CoreConfig, CoreError
-from block_manager_svc.core.tenants import Quota, TenantLedger
-from block_manager_svc.idempotency import DedupeTable
-from block_manager_svc.leases import LeaseTable
-from block_manager_svc.server import start_server
-from block_manager_svc.servicer import BlockManagerServicer
-from block_manager_svc.settings import BlockManagerSettings
+from pagedkv.block_manager_svc import records, snapshot
+from pagedkv.block_manager_svc.core import BlockManager, CoreConfig, CoreError
+from pagedkv.block_manager_svc.core.tenants import Quota, TenantLedger
+from pagedkv.block_manager_svc.idempotency import DedupeTable
+from pagedkv.block_manager_svc.leases import LeaseTable
+from pagedkv.block_manager_svc.server import start_server
+from pagedkv.block_manager_svc.servicer import BlockManagerServicer
+from pagedkv.block_manager_svc.settings import BlockManagerSettings
 
 from .reliability.test_recovery import canonical
 

@@ -492,8 +492,8 @@ def test_errors_carry_the_standard_rich_status_with_a_reason(stub) -> None:  # t
 def test_the_tenant_namespace_is_taken_off_the_rich_status_too() -> None:
     from google.rpc import error_details_pb2, status_pb2
 
-    from block_manager_svc.handlers import rich_status
-    from block_manager_svc.tenancy import _ScopedContext
+    from pagedkv.block_manager_svc.handlers import rich_status
+    from pagedkv.block_manager_svc.tenancy import _ScopedContext
 
     class Ctx:
         got: object = None

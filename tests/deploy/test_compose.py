@@ -168,7 +168,7 @@ def test_services_come_back_after_a_crash_in_order() -> None:
     state = bm["environment"]["PAGEDKV_STATE_DIR"]
     volume, _, mount = bm["volumes"][0].partition(":")
     assert mount == state and volume in doc["volumes"]  # a named volume, not the container's layer
-    from block_manager_svc.settings import BlockManagerSettings
+    from pagedkv.block_manager_svc.settings import BlockManagerSettings
 
     assert "state_dir" in BlockManagerSettings.model_fields  # PAGEDKV_STATE_DIR is a real setting
     dockerfile = (ROOT / "Dockerfile").read_text()

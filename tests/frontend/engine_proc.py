@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 import sys
 
-from frontend.clients.block_manager import BlockManagerClient
-from frontend.clients.worker import WorkerClient
-from frontend.engine import Engine, EngineConfig, GenerationRequest
+from pagedkv.frontend.clients.block_manager import BlockManagerClient
+from pagedkv.frontend.clients.worker import WorkerClient
+from pagedkv.frontend.engine import Engine, EngineConfig, GenerationRequest
 
 
 def main() -> None:

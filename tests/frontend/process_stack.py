@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from frontend.launch.config import StackConfig
-from frontend.launch.processes import Stack
+from pagedkv.frontend.launch.config import StackConfig
+from pagedkv.frontend.launch.processes import Stack
 from pagedkv.ports import free_ports
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from frontend.serve.tokenizer import byte_level_chars
+from pagedkv.frontend.serve.tokenizer import byte_level_chars
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 HIDDEN = 128  # at most this many tokens can have a scripted successor in one model

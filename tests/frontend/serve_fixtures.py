@@ -11,10 +11,10 @@ import contextlib
 import pathlib
 from collections.abc import Iterator
 
-from frontend.launch.config import StackConfig
-from frontend.launch.local_stack import LocalStack
-from frontend.serve.server import OpenAIServer
-from frontend.serve.settings import ServeSettings
+from pagedkv.frontend.launch.config import StackConfig
+from pagedkv.frontend.launch.local_stack import LocalStack
+from pagedkv.frontend.serve.server import OpenAIServer
+from pagedkv.frontend.serve.settings import ServeSettings
 from tests.worker_svc.conftest import VOCAB, HFModel, build_hf_model
 
 CHAT_TEMPLATE = (

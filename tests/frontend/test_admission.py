@@ -8,7 +8,7 @@ import random
 from hypothesis import given
 from hypothesis import strategies as st
 
-from frontend.engine.admission import PrefixProgress, shared_full_blocks
+from pagedkv.frontend.engine.admission import PrefixProgress, shared_full_blocks
 
 BS = 4
 

@@ -24,10 +24,10 @@ from typing import Any
 import grpc
 import pytest
 
-from frontend.clients.block_manager import BlockManagerClient, channel_options
-from frontend.clients.worker import WorkerClient
-from frontend.engine import Engine, EngineConfig, GenerationRequest, RequestOutput
-from frontend.launch.processes import Stack
+from pagedkv.frontend.clients.block_manager import BlockManagerClient, channel_options
+from pagedkv.frontend.clients.worker import WorkerClient
+from pagedkv.frontend.engine import Engine, EngineConfig, GenerationRequest, RequestOutput
+from pagedkv.frontend.launch.processes import Stack
 from tests.frontend.process_stack import tiny_process_stack
 from tests.worker_svc.conftest import HFModel, build_hf_model
 

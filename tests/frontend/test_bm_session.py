@@ -13,11 +13,11 @@ from typing import Any
 import grpc
 import pytest
 
-from block_manager_svc.server import BlockManagerServer, start_server
-from block_manager_svc.settings import BlockManagerSettings
-from frontend.clients.block_manager import BlockManagerClient, channel_options
-from frontend.engine.bm_session import BlockManagerSession, StepPlan
-from frontend.engine.types import EngineConfig, EngineStats
+from pagedkv.block_manager_svc.server import BlockManagerServer, start_server
+from pagedkv.block_manager_svc.settings import BlockManagerSettings
+from pagedkv.frontend.clients.block_manager import BlockManagerClient, channel_options
+from pagedkv.frontend.engine.bm_session import BlockManagerSession, StepPlan
+from pagedkv.frontend.engine.types import EngineConfig, EngineStats
 from pagedkv.retry import RetryPolicy
 
 CLIENT_ATTEMPTS = RetryPolicy().max_attempts

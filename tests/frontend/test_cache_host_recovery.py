@@ -17,10 +17,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from frontend.clients.block_manager import BlockManagerClient
-from frontend.clients.worker import WorkerClient
-from frontend.engine import CacheHostLost, Engine, EngineConfig, GenerationRequest
-from frontend.launch.processes import Stack
+from pagedkv.frontend.clients.block_manager import BlockManagerClient
+from pagedkv.frontend.clients.worker import WorkerClient
+from pagedkv.frontend.engine import CacheHostLost, Engine, EngineConfig, GenerationRequest
+from pagedkv.frontend.launch.processes import Stack
 from pagedkv.healthcheck import wait_healthy
 from tests.frontend.process_stack import tiny_process_stack
 from tests.worker_svc.conftest import HFModel, build_hf_model

@@ -146,7 +146,7 @@ def test_up_serves_generate_and_stops_everything_on_ctrl_c(tmp_path: pathlib.Pat
         assert set(served) == set(direct)
         assert [c["token_ids"] for c in served["completions"]] == [direct["completions"][0]["token_ids"]] * 2
         assert all(len(c["logprobs"]) == 5 for c in served["completions"])
-        from frontend.clients.block_manager import BlockManagerClient
+        from pagedkv.frontend.clients.block_manager import BlockManagerClient
 
         with BlockManagerClient(f"127.0.0.1:{bm}") as client:
             stats = client.get_stats()
@@ -229,8 +229,8 @@ def test_demo_local_prints_the_figures() -> None:
 def test_roles_and_cpu_pinning_plan() -> None:
     import pytest
 
-    from frontend.launch.config import StackConfig, worker_roles
-    from frontend.launch.processes import plan, split_cpus
+    from pagedkv.frontend.launch.config import StackConfig, worker_roles
+    from pagedkv.frontend.launch.processes import plan, split_cpus
 
     assert worker_roles((), 2) == ["mixed", "mixed"]
     assert worker_roles(("decode",), 3) == ["decode"] * 3
@@ -253,10 +253,10 @@ def test_roles_and_cpu_pinning_plan() -> None:
 def test_one_stack_description_for_processes_and_in_process() -> None:
     """One StackConfig describes both stacks; the fields that once only the in-process stack had
     reach the processes as flags, and those flags parse as the settings."""
-    from block_manager_svc.settings import load_settings
-    from frontend.launch.config import StackConfig
-    from frontend.launch.processes import plan
-    from worker_svc.settings import WorkerSettings
+    from pagedkv.block_manager_svc.settings import load_settings
+    from pagedkv.frontend.launch.config import StackConfig
+    from pagedkv.frontend.launch.processes import plan
+    from pagedkv.worker_svc.settings import WorkerSettings
 
     opts = StackConfig(
         seed=7,
@@ -274,8 +274,8 @@ def test_one_stack_description_for_processes_and_in_process() -> None:
 
 def test_up_fsync_flag_reaches_the_block_manager_settings() -> None:
     """`pagedkv up --fsync` (default off: one host) becomes the block manager's journal fsync."""
-    from block_manager_svc.settings import load_settings
-    from frontend.launch.processes import build_parser, options_from_args, plan
+    from pagedkv.block_manager_svc.settings import load_settings
+    from pagedkv.frontend.launch.processes import build_parser, options_from_args, plan
 
     for argv, want in (([], "off"), (["--fsync", "always"], "always"), (["--fsync", "batch"], "batch")):
         opts = options_from_args(build_parser().parse_args(argv))
@@ -298,9 +298,9 @@ def test_up_refuses_a_kv_cache_dtype_it_does_not_know() -> None:
 def test_up_forwards_the_frontend_flags_to_serve(tmp_path: pathlib.Path) -> None:
     """Served name, API key file, CORS origins and limits given to `pagedkv up` become the same
     `pagedkv serve` settings (parsed by serve's own loader); none given: serve's defaults."""
-    from frontend.engine import EngineConfig
-    from frontend.launch.processes import build_parser, options_from_args, plan
-    from frontend.serve.settings import load_settings
+    from pagedkv.frontend.engine import EngineConfig
+    from pagedkv.frontend.launch.processes import build_parser, options_from_args, plan
+    from pagedkv.frontend.serve.settings import load_settings
 
     key = tmp_path / "key"
     key.write_text("k-0123456789\n")

@@ -16,10 +16,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from block_manager_svc.server import build_core
-from block_manager_svc.servicer import BlockManagerServicer
-from block_manager_svc.settings import BlockManagerSettings
-from frontend.clients.block_manager import (
+from pagedkv.block_manager_svc.server import build_core
+from pagedkv.block_manager_svc.servicer import BlockManagerServicer
+from pagedkv.block_manager_svc.settings import BlockManagerSettings
+from pagedkv.frontend.clients.block_manager import (
     AsyncBlockManagerClient,
     BlockManagerClient,
     new_blocks_by_sequence,
@@ -258,7 +258,7 @@ def test_async_client_round_trip_retry_and_deadline(server) -> None:  # type: ig
 
 
 def test_leases_preempt_swap_in_and_request_id_dedupe_on_the_real_server() -> None:
-    from block_manager_svc.server import start_server
+    from pagedkv.block_manager_svc.server import start_server
 
     running = start_server(
         BlockManagerSettings(port=0, num_gpu_blocks=256, num_cpu_blocks=64, log_level="warning")

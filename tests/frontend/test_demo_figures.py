@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from frontend.apps.demo import DemoFigures, kv_occupancy, report
-from frontend.engine import SeqStatus
+from pagedkv.frontend.apps.demo import DemoFigures, kv_occupancy, report
+from pagedkv.frontend.engine import SeqStatus
 
 
 class Seq:

@@ -8,9 +8,9 @@ import re
 
 import pytest
 
-from frontend.apps import demo
-from frontend.apps.demo_text import SHOWN_QUESTIONS, make_text_workload
-from frontend.serve.text import load_model_text
+from pagedkv.frontend.apps import demo
+from pagedkv.frontend.apps.demo_text import SHOWN_QUESTIONS, make_text_workload
+from pagedkv.frontend.serve.text import load_model_text
 from tests.frontend.real_tokenizer import CHAT_ANSWER, Script
 
 

@@ -5,8 +5,15 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from frontend.engine.dispatch import DECODE, MIXED, PREFILL, CacheLostEverywhere, WorkerPool, WorkerSlot
 from pagedkv import errors
+from pagedkv.frontend.engine.dispatch import (
+    DECODE,
+    MIXED,
+    PREFILL,
+    CacheLostEverywhere,
+    WorkerPool,
+    WorkerSlot,
+)
 from pagedkv.v1 import worker_pb2 as wpb
 
 

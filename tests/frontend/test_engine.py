@@ -12,9 +12,9 @@ import random
 import pytest
 import torch
 
-from frontend.engine import EngineConfig, GenerationRequest, SamplingOptions
-from frontend.launch.config import StackConfig
-from frontend.launch.local_stack import LocalStack
+from pagedkv.frontend.engine import EngineConfig, GenerationRequest, SamplingOptions
+from pagedkv.frontend.launch.config import StackConfig
+from pagedkv.frontend.launch.local_stack import LocalStack
 from tests.worker_svc.conftest import HFModel, build_hf_model
 
 
@@ -312,7 +312,7 @@ def test_penalties_and_logit_bias_through_the_engine_match_transformers(hf: HFMo
     frequency and presence penalties; a logit bias of -100 keeps a token out."""
     from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
-    from frontend.engine import SamplingOptions
+    from pagedkv.frontend.engine import SamplingOptions
 
     p = prompts(5, 1)[0]
     plain = hf.greedy(p, 12)

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from frontend.engine import EngineConfig, GenerationRequest
-from frontend.launch.config import StackConfig
-from frontend.launch.local_stack import LocalStack
+from pagedkv.frontend.engine import EngineConfig, GenerationRequest
+from pagedkv.frontend.launch.config import StackConfig
+from pagedkv.frontend.launch.local_stack import LocalStack
 from tests.block_manager_svc.reliability.full_disk import FullDisk, full_disk
 from tests.worker_svc.conftest import HFModel, build_hf_model
 

@@ -19,11 +19,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from frontend.clients.block_manager import BlockManagerClient
-from frontend.clients.worker import WorkerClient
-from frontend.engine import Engine, EngineConfig, GenerationRequest
-from frontend.launch.config import StackConfig
-from frontend.launch.local_stack import LocalStack
+from pagedkv.frontend.clients.block_manager import BlockManagerClient
+from pagedkv.frontend.clients.worker import WorkerClient
+from pagedkv.frontend.engine import Engine, EngineConfig, GenerationRequest
+from pagedkv.frontend.launch.config import StackConfig
+from pagedkv.frontend.launch.local_stack import LocalStack
 from tests.worker_svc.conftest import HFModel, build_hf_model
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from frontend.serve.grammar import GrammarCompiler, GrammarError, Matcher, mask_bytes
-from frontend.serve.structured_output import ResponseFormat, StructuredOutputError, requested_grammar
+from pagedkv.frontend.serve.grammar import GrammarCompiler, GrammarError, Matcher, mask_bytes
+from pagedkv.frontend.serve.structured_output import ResponseFormat, StructuredOutputError, requested_grammar
 
 pytest.importorskip("xgrammar")
 EOS = 2  # <|im_end|>

@@ -16,12 +16,12 @@ from collections.abc import Iterator
 import pytest
 
 from bench.fault_scenarios.link_proxy import LinkProxy
-from frontend.clients.block_manager import BlockManagerClient
-from frontend.clients.worker import KEEPALIVE_S, WorkerClient
-from frontend.engine import Engine, EngineConfig, GenerationRequest
-from frontend.engine.recovery import attached_instance
-from frontend.launch.config import StackConfig
-from frontend.launch.local_stack import LocalStack
+from pagedkv.frontend.clients.block_manager import BlockManagerClient
+from pagedkv.frontend.clients.worker import KEEPALIVE_S, WorkerClient
+from pagedkv.frontend.engine import Engine, EngineConfig, GenerationRequest
+from pagedkv.frontend.engine.recovery import attached_instance
+from pagedkv.frontend.launch.config import StackConfig
+from pagedkv.frontend.launch.local_stack import LocalStack
 from pagedkv.v1 import worker_pb2 as wpb
 from tests.worker_svc.conftest import HFModel, build_hf_model
 

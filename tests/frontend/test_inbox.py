@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from frontend.serve.inbox import Inbox
+from pagedkv.frontend.serve.inbox import Inbox
 
 
 def test_items_from_another_thread_arrive_all_and_in_order_with_fewer_wakeups() -> None:

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from frontend.clients.block_manager import BlockManagerClient
-from frontend.engine import GenerationRequest
-from frontend.launch.config import StackConfig
-from frontend.launch.local_stack import LocalStack
 from pagedkv import kv_capacity
+from pagedkv.frontend.clients.block_manager import BlockManagerClient
+from pagedkv.frontend.engine import GenerationRequest
+from pagedkv.frontend.launch.config import StackConfig
+from pagedkv.frontend.launch.local_stack import LocalStack
 from tests.frontend.test_engine import prompts
 from tests.worker_svc.conftest import HFModel, build_hf_model
 
@@ -22,9 +22,9 @@ def hf(tmp_path_factory: pytest.TempPathFactory) -> HFModel:
 
 
 def test_up_sizes_the_pool_from_the_budget_and_the_models_bytes_per_block() -> None:
-    from block_manager_svc.settings import load_settings
-    from frontend.launch.processes import build_parser, options_from_args, plan
-    from worker_svc.model.config import DEFAULT_MODEL_CONFIG as M
+    from pagedkv.block_manager_svc.settings import load_settings
+    from pagedkv.frontend.launch.processes import build_parser, options_from_args, plan
+    from pagedkv.worker_svc.model.config import DEFAULT_MODEL_CONFIG as M
 
     argv = ["--kv-cache-dtype", "int8", "--kv-cache-memory", "0.01", "--device", "cpu", "--dtype", "float32"]
     bm = plan(options_from_args(build_parser().parse_args(argv)))[0]
@@ -88,8 +88,8 @@ def test_greedy_generation_on_an_int8_cache(hf: HFModel) -> None:
 
 
 def test_serve_refuses_a_pool_of_another_kv_dtype(hf: HFModel) -> None:
-    from frontend.serve.server import OpenAIServer
-    from frontend.serve.settings import ServeSettings
+    from pagedkv.frontend.serve.server import OpenAIServer
+    from pagedkv.frontend.serve.settings import ServeSettings
 
     with LocalStack(
         StackConfig(

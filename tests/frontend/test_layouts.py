@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import pytest
 
-from frontend.engine import EngineConfig, GenerationRequest
-from frontend.launch.config import StackConfig
-from frontend.launch.local_stack import LocalStack
+from pagedkv.frontend.engine import EngineConfig, GenerationRequest
+from pagedkv.frontend.launch.config import StackConfig
+from pagedkv.frontend.launch.local_stack import LocalStack
+from pagedkv.worker_svc.server import start_worker
+from pagedkv.worker_svc.settings import WorkerSettings
 from tests.frontend.test_engine import prompts
 from tests.worker_svc.conftest import HFModel, build_hf_model
-from worker_svc.server import start_worker
-from worker_svc.settings import WorkerSettings
 
 LAYOUTS = {"mixed": ("mixed",), "mixed-x2": ("mixed", "mixed"), "prefill+decode": ("prefill", "decode")}
 

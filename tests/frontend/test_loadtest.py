@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from block_manager_svc.server import start_server
-from block_manager_svc.settings import BlockManagerSettings
-from frontend.apps import loadtest
-from frontend.clients.block_manager import BlockManagerClient
+from pagedkv.block_manager_svc.server import start_server
+from pagedkv.block_manager_svc.settings import BlockManagerSettings
+from pagedkv.frontend.apps import loadtest
+from pagedkv.frontend.clients.block_manager import BlockManagerClient
 
 
 @pytest.fixture()

@@ -14,13 +14,13 @@ import os
 import pytest
 import torch
 
-from frontend.engine import GenerationRequest
-from frontend.launch.config import StackConfig
-from frontend.launch.local_stack import LocalStack
+from pagedkv.frontend.engine import GenerationRequest
+from pagedkv.frontend.launch.config import StackConfig
+from pagedkv.frontend.launch.local_stack import LocalStack
+from pagedkv.worker_svc import cache_memory
+from pagedkv.worker_svc.cache_memory import CacheDescriptor
 from tests.frontend.test_engine import prompts
 from tests.worker_svc.conftest import HFModel, build_hf_model
-from worker_svc import cache_memory
-from worker_svc.cache_memory import CacheDescriptor
 
 
 @pytest.fixture(scope="module")

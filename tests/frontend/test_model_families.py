@@ -16,9 +16,9 @@ import random
 
 import pytest
 
-from frontend.engine import EngineConfig, GenerationRequest
-from frontend.launch.config import StackConfig
-from frontend.launch.local_stack import LocalStack
+from pagedkv.frontend.engine import EngineConfig, GenerationRequest
+from pagedkv.frontend.launch.config import StackConfig
+from pagedkv.frontend.launch.local_stack import LocalStack
 from tests.worker_svc.conftest import HFModel
 from tests.worker_svc.families import FAMILIES, build, write_gguf
 

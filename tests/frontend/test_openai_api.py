@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from frontend.serve.openai_api import ApiError, RequestLimits, parse_completion
-from frontend.serve.text import ModelText
+from pagedkv.frontend.serve.openai_api import ApiError, RequestLimits, parse_completion
+from pagedkv.frontend.serve.text import ModelText
 
 
 @pytest.mark.parametrize(

@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from frontend.serve import openai_fields
-from frontend.serve.openai_api import ApiError, Parsed, RequestLimits, parse_chat, parse_completion
-from frontend.serve.text import load_model_text
+from pagedkv.frontend.serve import openai_fields
+from pagedkv.frontend.serve.openai_api import ApiError, Parsed, RequestLimits, parse_chat, parse_completion
+from pagedkv.frontend.serve.text import load_model_text
 from tests.frontend.serve_fixtures import save_tokenizer
 
 openai = pytest.importorskip("openai")

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from frontend.launch.ready import ReadyService, StackReady, wait_ready_file
+from pagedkv.frontend.launch.ready import ReadyService, StackReady, wait_ready_file
 
 READY = StackReady(
     services=(

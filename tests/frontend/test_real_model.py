@@ -176,13 +176,13 @@ def test_the_packaged_gguf_held_as_integers_answers_the_same_on_either_kernel() 
     int4 / int8 kernels give the same greedy tokens as PyTorch's integer operators."""
     import torch
 
-    import kernels
-    from frontend.serve.text import load_model_text
-    from kernels import cpu_native
-    from worker_svc.model.config import load_model_config
-    from worker_svc.model.linear import Linear
-    from worker_svc.model.weights import load_model
-    from worker_svc.model_runner import ModelRunner, SequenceRequest
+    from pagedkv import kernels
+    from pagedkv.frontend.serve.text import load_model_text
+    from pagedkv.kernels import cpu_native
+    from pagedkv.worker_svc.model.config import load_model_config
+    from pagedkv.worker_svc.model.linear import Linear
+    from pagedkv.worker_svc.model.weights import load_model
+    from pagedkv.worker_svc.model_runner import ModelRunner, SequenceRequest
 
     assert GGUF is not None
     text = load_model_text(str(GGUF))

@@ -16,9 +16,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from frontend.clients.block_manager import BlockManagerClient
-from frontend.launch.local_stack import LocalStack
-from frontend.serve.server import OpenAIServer
+from pagedkv.frontend.clients.block_manager import BlockManagerClient
+from pagedkv.frontend.launch.local_stack import LocalStack
+from pagedkv.frontend.serve.server import OpenAIServer
 from tests.frontend.serve_fixtures import metric_samples, serving, stack_config
 from tests.worker_svc.conftest import HFModel, build_hf_model
 
@@ -403,7 +403,7 @@ def test_tls_and_mutual_tls_and_no_plaintext_off_loopback(stack: LocalStack, tmp
     import subprocess
     from pathlib import Path
 
-    from frontend.serve.settings import ServeSettings
+    from pagedkv.frontend.serve.settings import ServeSettings
     from pagedkv.tls import TlsConfigError
 
     with pytest.raises(TlsConfigError, match="non-loopback"):
@@ -456,15 +456,15 @@ def test_outbound_bearer_token_to_the_block_manager(
     stack: LocalStack, tmp_path, monkeypatch: pytest.MonkeyPatch
 ) -> None:  # type: ignore[no-untyped-def]
     """The server's own gRPC connections take the client token (PAGEDKV_TOKEN / --token-file)."""
-    from frontend.serve.settings import ServeSettings
     from pagedkv.auth import hash_token
     from pagedkv.dial import InsecureTokenError
+    from pagedkv.frontend.serve.settings import ServeSettings
 
     token = "tok-frontend-0123456789"
     tokens = tmp_path / "tokens.json"
     tokens.write_text(json.dumps({"tenants": [{"name": "frontend", "token_sha256": hash_token(token)}]}))
-    from block_manager_svc.server import start_server
-    from block_manager_svc.settings import BlockManagerSettings
+    from pagedkv.block_manager_svc.server import start_server
+    from pagedkv.block_manager_svc.settings import BlockManagerSettings
 
     # The stack's workers keep their own (open) block manager; the frontend's engine allocates from a
     # second one with the same geometry that requires a token (only the engine talks to it).

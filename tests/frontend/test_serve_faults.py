@@ -24,10 +24,10 @@ from typing import Any
 
 import pytest
 
-from frontend.clients.block_manager import BlockManagerClient
-from frontend.launch.processes import Stack
-from frontend.serve.server import OpenAIServer
-from frontend.serve.settings import ServeSettings
+from pagedkv.frontend.clients.block_manager import BlockManagerClient
+from pagedkv.frontend.launch.processes import Stack
+from pagedkv.frontend.serve.server import OpenAIServer
+from pagedkv.frontend.serve.settings import ServeSettings
 from tests.frontend.process_stack import tiny_process_stack
 from tests.frontend.serve_fixtures import metric_samples
 from tests.worker_svc.conftest import HFModel, build_hf_model

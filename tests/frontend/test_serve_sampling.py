@@ -22,8 +22,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from frontend.launch.local_stack import LocalStack
-from frontend.serve.server import OpenAIServer
+from pagedkv.frontend.launch.local_stack import LocalStack
+from pagedkv.frontend.serve.server import OpenAIServer
 from tests.frontend.serve_fixtures import model_with_tokenizer, serving, stack_config
 from tests.worker_svc.conftest import HFModel
 

@@ -19,10 +19,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from frontend.launch.local_stack import LocalStack
-from frontend.serve.detokenize import IncrementalText
-from frontend.serve.server import OpenAIServer
-from frontend.serve.text import ModelText, load_model_text
+from pagedkv.frontend.launch.local_stack import LocalStack
+from pagedkv.frontend.serve.detokenize import IncrementalText
+from pagedkv.frontend.serve.server import OpenAIServer
+from pagedkv.frontend.serve.text import ModelText, load_model_text
 from tests.frontend.real_tokenizer import (
     CHAT_ANSWER,
     CONTEXT,
@@ -246,7 +246,7 @@ def test_readme_real_model_commands_run(server: OpenAIServer, capsys: pytest.Cap
 def test_chat_logprobs_bytes_are_the_tokens_own_bytes(client, script: Script) -> None:
     """A token holding part of a character decodes alone to U+FFFD; its `bytes` are its real bytes, so
     that the bytes of consecutive tokens join to the text's UTF-8."""
-    from frontend.serve.detokenize import token_bytes
+    from pagedkv.frontend.serve.detokenize import token_bytes
 
     tok = script.tokenizer
     emoji = pieces(tok, [("🙂", True)])

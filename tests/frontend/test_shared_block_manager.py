@@ -19,9 +19,9 @@ import time
 
 import pytest
 
-from frontend.clients.block_manager import BlockManagerClient
-from frontend.launch.config import StackConfig
-from frontend.launch.local_stack import LocalStack
+from pagedkv.frontend.clients.block_manager import BlockManagerClient
+from pagedkv.frontend.launch.config import StackConfig
+from pagedkv.frontend.launch.local_stack import LocalStack
 from tests.worker_svc.conftest import HFModel, build_hf_model
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

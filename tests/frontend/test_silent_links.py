@@ -13,11 +13,11 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from bench.fault_scenarios.link_proxy import LinkProxy
-from frontend.clients.block_manager import BlockManagerClient, channel_options
-from frontend.clients.worker import WorkerClient
-from frontend.engine import Engine, EngineConfig, GenerationRequest
-from frontend.launch.config import StackConfig
-from frontend.launch.local_stack import LocalStack
+from pagedkv.frontend.clients.block_manager import BlockManagerClient, channel_options
+from pagedkv.frontend.clients.worker import WorkerClient
+from pagedkv.frontend.engine import Engine, EngineConfig, GenerationRequest
+from pagedkv.frontend.launch.config import StackConfig
+from pagedkv.frontend.launch.local_stack import LocalStack
 from tests.worker_svc.conftest import HFModel, build_hf_model
 
 PROMPTS = [[3, 9, 27, 81, 11, 5, 7], [4, 16, 64, 2, 8], [7, 7, 1, 2, 3, 4, 5, 6, 9]]

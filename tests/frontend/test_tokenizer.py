@@ -24,11 +24,11 @@ from typing import Any
 
 import pytest
 
-from frontend.serve.chat_template import render_chat
-from frontend.serve.detokenize import token_bytes
-from frontend.serve.gguf_vocab import load_gguf_text, read_metadata
-from frontend.serve.text import load_model_text
-from frontend.serve.tokenizer import TextTokenizer, from_tokenizer_json, load_dir_tokenizer
+from pagedkv.frontend.serve.chat_template import render_chat
+from pagedkv.frontend.serve.detokenize import token_bytes
+from pagedkv.frontend.serve.gguf_vocab import load_gguf_text, read_metadata
+from pagedkv.frontend.serve.text import load_model_text
+from pagedkv.frontend.serve.tokenizer import TextTokenizer, from_tokenizer_json, load_dir_tokenizer
 from tests.frontend.real_tokenizer import smollm2_gguf
 
 gguf = pytest.importorskip("gguf")
@@ -323,7 +323,7 @@ def test_a_template_refusal_is_a_template_error_with_its_message(smol: TextToken
 @needs_smollm2
 def test_xgrammar_sees_the_same_vocabulary_and_masks(smol: TextTokenizer, smol_hf: Any) -> None:
     xgr = pytest.importorskip("xgrammar")
-    from frontend.serve.grammar import GrammarCompiler, tokenizer_info
+    from pagedkv.frontend.serve.grammar import GrammarCompiler, tokenizer_info
 
     ours, theirs = (
         tokenizer_info(smol, 49152, [2]),
@@ -501,7 +501,7 @@ def test_gguf_sentencepiece_encodes_and_decodes_as_transformers(
         )
     assert all(token_bytes(ours, i) == token_bytes(theirs, i) for i in range(len(ours)))
     xgr = pytest.importorskip("xgrammar")
-    from frontend.serve.grammar import tokenizer_info
+    from pagedkv.frontend.serve.grammar import tokenizer_info
 
     mine, hf = (
         tokenizer_info(ours, len(ours), [2]),
@@ -579,8 +579,8 @@ def test_the_template_environment_is_sandboxed_and_has_the_documented_helpers() 
 # --- what the front door imports -------------------------------------------------------------------
 IMPORT_CHECK = """
 import sys
-from frontend.serve import server
-from frontend.serve.text import load_model_text
+from pagedkv.frontend.serve import server
+from pagedkv.frontend.serve.text import load_model_text
 text = load_model_text(sys.argv[1])
 assert text.tokenizer is not None and text.eos_token_ids and text.has_chat_template
 ids = text.chat_prompt([{"role": "user", "content": "Hi"}])

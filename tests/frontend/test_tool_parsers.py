@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from frontend.serve.tool_parsers import (
+from pagedkv.frontend.serve.tool_parsers import (
     CallDelta,
     ToolCallStream,
     parser_by_name,

@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from frontend.serve.grammar import Matcher
-from frontend.serve.openai_api import ApiError, RequestLimits, parse_chat
-from frontend.serve.text import load_model_text
-from frontend.serve.tools import ToolCalling
+from pagedkv.frontend.serve.grammar import Matcher
+from pagedkv.frontend.serve.openai_api import ApiError, RequestLimits, parse_chat
+from pagedkv.frontend.serve.text import load_model_text
+from pagedkv.frontend.serve.tools import ToolCalling
 
 pytest.importorskip("xgrammar")
 EOS = 2  # <|im_end|>
@@ -231,8 +231,8 @@ def answer(limits: RequestLimits, body: dict[str, Any], text: str, stream: bool)
     """The response (or the chunks) of a chat request whose sample writes ``text`` then ends."""
     import asyncio
 
-    from frontend.engine import TokenEvent
-    from frontend.serve.server import ServerState, _Run
+    from pagedkv.frontend.engine import TokenEvent
+    from pagedkv.frontend.serve.server import ServerState, _Run
 
     async def run() -> Any:
         parsed = parse_chat({"messages": USER, **body}, limits)

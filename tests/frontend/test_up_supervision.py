@@ -170,7 +170,7 @@ def test_restart_budget_spent_stops_the_stack_naming_the_role(tmp_path: pathlib.
 
 
 def test_restart_budget_backs_off_and_forgets_after_a_minute() -> None:
-    from frontend.launch.supervisor import RestartBudget, RestartPolicy, describe_exit
+    from pagedkv.frontend.launch.supervisor import RestartBudget, RestartPolicy, describe_exit
 
     budget = RestartBudget(RestartPolicy(max_restarts_per_minute=3, initial_backoff_s=0.5, max_backoff_s=1.5))
     pauses = []
@@ -187,8 +187,8 @@ def test_restart_budget_backs_off_and_forgets_after_a_minute() -> None:
 
 
 def test_plan_gives_the_block_manager_the_state_dir(tmp_path: pathlib.Path) -> None:
-    from frontend.launch.config import StackConfig
-    from frontend.launch.processes import Stack, plan
+    from pagedkv.frontend.launch.config import StackConfig
+    from pagedkv.frontend.launch.processes import Stack, plan
 
     bm = plan(StackConfig(), state_dir="/var/x")[0]
     assert bm.name == "block-manager" and bm.args[bm.args.index("--state-dir") + 1] == "/var/x"
@@ -235,7 +235,7 @@ class _FakeStack:
 
 
 def test_supervise_reports_each_restart_once_the_service_is_back() -> None:
-    from frontend.launch.supervisor import RestartPolicy, supervise
+    from pagedkv.frontend.launch.supervisor import RestartPolicy, supervise
 
     stack, stop = _FakeStack(), threading.Event()
     seen: list[tuple[str, int | None]] = []

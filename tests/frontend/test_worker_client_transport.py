@@ -16,12 +16,12 @@ from typing import Any
 import grpc
 import pytest
 
-from frontend.clients.worker import StepChannelMissing, WorkerClient
+from pagedkv.frontend.clients.worker import StepChannelMissing, WorkerClient
 from pagedkv.step_channel import base_dir
 from pagedkv.v1 import worker_pb2 as wpb
 from pagedkv.v1 import worker_pb2_grpc as wpb_grpc
-from worker_svc.servicer import WorkerServicer
-from worker_svc.step_channel import StepChannelServer
+from pagedkv.worker_svc.servicer import WorkerServicer
+from pagedkv.worker_svc.step_channel import StepChannelServer
 
 
 class CountingRunner:
@@ -31,7 +31,7 @@ class CountingRunner:
         self.steps = 0
 
     def step(self, seqs: Any, ops: Any) -> Any:
-        from worker_svc.model_runner import SequenceResult
+        from pagedkv.worker_svc.model_runner import SequenceResult
 
         self.steps += 1
         outs = [SequenceResult(seq_id=s.seq_id, token_id=len(s.token_ids), logprob=0.0) for s in seqs]

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from frontend.clients.block_manager import BlockManagerClient
-from frontend.clients.worker import WorkerClient
-from frontend.engine import Engine, EngineConfig, GenerationRequest
-from frontend.launch.config import StackConfig
-from frontend.launch.processes import Stack
+from pagedkv.frontend.clients.block_manager import BlockManagerClient
+from pagedkv.frontend.clients.worker import WorkerClient
+from pagedkv.frontend.engine import Engine, EngineConfig, GenerationRequest
+from pagedkv.frontend.launch.config import StackConfig
+from pagedkv.frontend.launch.processes import Stack
 from pagedkv.ports import free_port_block
 from tests.worker_svc.conftest import HFModel, build_hf_model
 

@@ -14,7 +14,7 @@ import time
 from collections.abc import Mapping, Sequence
 from types import TracebackType
 
-from frontend.launch.ready import StackReady, wait_ready_file
+from pagedkv.frontend.launch.ready import StackReady, wait_ready_file
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

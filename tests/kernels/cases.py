@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-import kernels
-from kernels import reference
+from pagedkv import kernels
+from pagedkv.kernels import reference
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")

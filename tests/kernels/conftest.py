@@ -6,8 +6,8 @@ from collections.abc import Iterator
 
 import pytest
 
-import kernels
-from kernels import cpu_native, cpu_quant_linear, dispatch
+from pagedkv import kernels
+from pagedkv.kernels import cpu_native, cpu_quant_linear, dispatch
 
 
 @pytest.fixture

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cpu_quant_linear
-from kernels.quant_linear import QuantizedMatrix
+from pagedkv.kernels import cpu_quant_linear
+from pagedkv.kernels.quant_linear import QuantizedMatrix
 
 
 def gen(seed: int) -> torch.Generator:

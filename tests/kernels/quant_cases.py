@@ -13,8 +13,8 @@ import random
 
 import torch
 
-import kernels
-from kernels import quant, reference
+from pagedkv import kernels
+from pagedkv.kernels import quant, reference
 
 DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
 # Padding past a sequence's blocks in a block table: an id no cache has, so a kernel reading it faults.

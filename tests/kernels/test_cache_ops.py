@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import reference, swap
+from pagedkv import kernels
+from pagedkv.kernels import reference, swap
 from tests.kernels.cases import DEVICE, HAS_CUDA, dtypes_cpu_gpu, generator, make_caches, randn
 
 

@@ -2,7 +2,7 @@
 
 Why: the interpreter that runs the kernel tests on CPU accepts programs the GPU compiler rejects
 (``tl.dot`` with K < 16 was one) and says nothing about shared memory or register spills.
-``kernels.aot`` compiles through the real wrappers for ``GPUTarget("cuda", 90, 32)`` and reads each
+``pagedkv.kernels.aot`` compiles through the real wrappers for ``GPUTarget("cuda", 90, 32)`` and reads each
 cubin with ``cuobjdump``; this test fails on a compile error, on shared memory above the H200's
 227 KB, or on spills in a 16-bit path. It runs in a subprocess because the suite sets
 TRITON_INTERPRET=1 (the kernels must be compiled, not interpreted), with Triton's cache in tmp_path.
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 triton = pytest.importorskip("triton")
-from kernels import aot  # noqa: E402 - needs triton
+from pagedkv.kernels import aot  # noqa: E402 - needs triton
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -55,7 +55,17 @@ def test_every_dispatch_configuration_compiles_for_sm90(tmp_path: Path) -> None:
     jobs = max(1, min(4, os.cpu_count() or 1))
     out = tmp_path / "aot.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "kernels.aot", "--arch", "90", "--jobs", str(jobs), "--json", str(out)],
+        [
+            sys.executable,
+            "-m",
+            "pagedkv.kernels.aot",
+            "--arch",
+            "90",
+            "--jobs",
+            str(jobs),
+            "--json",
+            str(out),
+        ],
         cwd=ROOT,
         env=_env(tmp_path),
         capture_output=True,
@@ -96,7 +106,7 @@ def test_a_dot_with_k_below_16_is_reported_as_a_compile_error(tmp_path: Path) ->
     script.write_text(
         textwrap.dedent("""
         import json, sys, torch, triton, triton.language as tl
-        from kernels import aot
+        from pagedkv.kernels import aot
 
         @triton.jit
         def bad_dot(x_ptr, K: tl.constexpr):

@@ -14,8 +14,8 @@ import random
 import pytest
 import torch
 
-import kernels
-from kernels import cpu, cpu_native, reference
+from pagedkv import kernels
+from pagedkv.kernels import cpu, cpu_native, reference
 from tests.kernels.cases import (
     assert_close,
     generator,
@@ -239,7 +239,7 @@ def test_write_kv_cache_matches_reference(dtype: torch.dtype, layout: str) -> No
 
 
 def test_auto_picks_cpu_backend_without_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kernels import dispatch
+    from pagedkv.kernels import dispatch
 
     monkeypatch.setattr(dispatch, "interpret_requested", lambda: False)
     with kernels.use_backend("auto"):

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from kernels import cpu, cpu_native, reference
+from pagedkv.kernels import cpu, cpu_native, reference
 
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="native kernels not built")
 

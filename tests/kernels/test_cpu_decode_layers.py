@@ -13,15 +13,15 @@ from typing import Any
 import pytest
 import torch
 
-import kernels
-from kernels import cpu_native
-from kernels.cpu_decode_layers import DecodeChain
+from pagedkv import kernels
+from pagedkv.kernels import cpu_native
+from pagedkv.kernels.cpu_decode_layers import DecodeChain
+from pagedkv.worker_svc.model.config import load_model_config
+from pagedkv.worker_svc.model.linear import Linear
+from pagedkv.worker_svc.model.llama import LlamaModel
+from pagedkv.worker_svc.model.weights import load_model
+from pagedkv.worker_svc.model_runner import ModelRunner, SequenceRequest
 from tests.worker_svc.families import build, small_q4_1_llama, small_q4_k_m_llama
-from worker_svc.model.config import load_model_config
-from worker_svc.model.linear import Linear
-from worker_svc.model.llama import LlamaModel
-from worker_svc.model.weights import load_model
-from worker_svc.model_runner import ModelRunner, SequenceRequest
 
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="native kernels not built")
 # The test models are written with transformers and the gguf package (tests/worker_svc/families.py),
@@ -136,7 +136,7 @@ def test_shared_prefixes_planned_for_the_cascade_keep_the_per_call_path(
 ) -> None:
     """Sequences whose block tables share leading blocks, with the cascade's threshold lowered so
     that this small step plans it: the chain does not take the step (it has no cascade)."""
-    from kernels import cpu
+    from pagedkv.kernels import cpu
 
     monkeypatch.setattr(cpu, "NATIVE_CASCADE_MIN_SAVED_TOKENS", 1)
     monkeypatch.setattr(cpu, "CASCADE_MIN_SAVED_TOKENS", 1)

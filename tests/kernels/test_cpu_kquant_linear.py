@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import cpu_native, cpu_quant_linear, quant_linear
-from kernels.quant_linear import QuantizedLinear, QuantizedMatrix
+from pagedkv.kernels import cpu_native, cpu_quant_linear, quant_linear
+from pagedkv.kernels.quant_linear import QuantizedLinear, QuantizedMatrix
+from pagedkv.worker_svc.model import linear
 from tests.kernels import kquant_cases, poisoned_io
-from worker_svc.model import linear
 
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="native kernels not built")
 gguf = pytest.importorskip("gguf")

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_linear, cpu_native
-from worker_svc.model import linear
+from pagedkv.kernels import cpu_linear, cpu_native
+from pagedkv.worker_svc.model import linear
 
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="native kernels not built")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu, cpu_native, quant, reference
+from pagedkv.kernels import cpu, cpu_native, quant, reference
 from tests.kernels import cases
 from tests.kernels.cases import assert_close, generator, make_paged, poisoned_like, ragged_lens, randn
 

@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from kernels import cpu, cpu_native, reference
+from pagedkv.kernels import cpu, cpu_native, reference
 from tests.kernels import cases
 from tests.kernels.cases import PagedCache, assert_close, make_paged, poisoned_like
 

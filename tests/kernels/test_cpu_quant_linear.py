@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import cpu_native, cpu_quant_linear, quant_linear
-from kernels.quant_linear import GROUP, PANEL, QuantizedLinear, QuantizedMatrix
+from pagedkv.kernels import cpu_native, cpu_quant_linear, quant_linear
+from pagedkv.kernels.quant_linear import GROUP, PANEL, QuantizedLinear, QuantizedMatrix
+from pagedkv.worker_svc.model import gguf_quant, linear
 from tests.kernels import kquant_cases, poisoned_io
-from worker_svc.model import gguf_quant, linear
 
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="native kernels not built")
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import decode, reference
+from pagedkv import kernels
+from pagedkv.kernels import decode, reference
 from tests.kernels.cases import (
     assert_close,
     dtypes_cpu_gpu,

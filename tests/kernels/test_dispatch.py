@@ -7,8 +7,8 @@ import threading
 import pytest
 import torch
 
-import kernels
-from kernels import dispatch
+from pagedkv import kernels
+from pagedkv.kernels import dispatch
 from tests.kernels.cases import HAS_CUDA, make_paged
 
 

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-CPU_ONLY = re.compile(r"\bcpu_native\b|from kernels import [^\n]*\bcpu\b")
+CPU_ONLY = re.compile(r"\bcpu_native\b|from pagedkv.kernels import [^\n]*\bcpu\b")
 
 
 def _cpu_feature_modules() -> list[Path]:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import reference
+from pagedkv import kernels
+from pagedkv.kernels import reference
 from tests.kernels.cases import (
     DEVICE,
     assert_close,

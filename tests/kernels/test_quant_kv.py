@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import cpu, cpu_native, quant, reference
+from pagedkv import kernels
+from pagedkv.kernels import cpu, cpu_native, quant, reference
 from tests.kernels.quant_cases import CASES, DTYPES, oracle, q_lens_of
 from tests.kernels.quant_cases import batch as _batch
 from tests.kernels.quant_cases import decode as _decode
@@ -184,7 +184,7 @@ def test_8bit_caches_go_to_triton_on_cuda_and_to_the_native_kernels_on_cpu(
     refused naming the capability); CPU ones take the CPU backend even under TRITON_INTERPRET (its
     native kernels are the CPU's fast path); the interpreter runs them when asked for by name
     (tests/kernels/test_quant_kv_triton.py)."""
-    from kernels import dispatch
+    from pagedkv.kernels import dispatch
 
     monkeypatch.setattr(dispatch, "capability", lambda device: sm)
     cuda = torch.device("cuda")

@@ -16,8 +16,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-import kernels
-from kernels import decode, prefill, quant, reference
+from pagedkv import kernels
+from pagedkv.kernels import decode, prefill, quant, reference
 from tests.kernels import quant_cases as qc
 from tests.kernels.cases import DEVICE, HAS_CUDA, cuda_only
 
@@ -107,7 +107,7 @@ def test_prefix_hits_read_the_shared_quantized_blocks_as_they_are() -> None:
 
 
 # A kernel that reads a wrong scale, as the wrapper's scale arguments would make it:
-# [k_scales, v_scales, s_ksb, s_kso, s_ksh, s_vsb, s_vso, s_vsh] (kernels.tile.scale_args).
+# [k_scales, v_scales, s_ksb, s_kso, s_ksh, s_vsb, s_vso, s_vsh] (pagedkv.kernels.tile.scale_args).
 MUTATIONS: dict[str, Callable[[list[object]], list[object]]] = {
     "one scale per block": lambda a: [*a[:3], 0, a[4], a[5], 0, a[7]],
     "KV head 0's scales for every head": lambda a: [*a[:4], 0, a[5], a[6], 0],
@@ -237,7 +237,7 @@ def test_copy_and_swap_move_the_scales_with_their_blocks(kv: str) -> None:
 
 
 def test_a_model_step_runs_the_triton_kernels_on_an_8bit_cache() -> None:
-    """The worker's per-step path (``kernels.prepare_step``, what ``AttentionBatch.kernels_step``
+    """The worker's per-step path (``pagedkv.kernels.prepare_step``, what ``AttentionBatch.kernels_step``
     builds): its backend is Triton, and its write + attention of one prefill and one decode sequence
     over an all-layers int8 cache match the oracle."""
     layers, nb, bs, hkv, heads, d = 2, 8, 8, 2, 4, 32

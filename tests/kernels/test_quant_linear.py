@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import quant_linear
-from kernels.cpu_quant_linear import INPUT_ROUNDING
-from kernels.quant_linear import GROUP, PANEL, QuantizedLinear, QuantizedMatrix
+from pagedkv.kernels import quant_linear
+from pagedkv.kernels.cpu_quant_linear import INPUT_ROUNDING
+from pagedkv.kernels.quant_linear import GROUP, PANEL, QuantizedLinear, QuantizedMatrix
 from tests.kernels import kquant_cases
 
 PATHS = ["auto", "torch"]

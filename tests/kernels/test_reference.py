@@ -1,6 +1,6 @@
 """The torch reference against an independent, naive oracle (dense SDPA per sequence).
 
-Why: every Triton kernel is judged against ``kernels.reference``, so the reference itself must be
+Why: every Triton kernel is judged against ``pagedkv.kernels.reference``, so the reference itself must be
 right. The oracle shares no code with it: it gathers each sequence's K/V block by block in a Python
 loop and calls ``torch.nn.functional.scaled_dot_product_attention`` in float64.
 """
@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import reference
+from pagedkv.kernels import reference
 from tests.kernels.cases import generator, make_paged, randn
 
 CPU = torch.device("cpu")

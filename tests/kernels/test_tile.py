@@ -1,4 +1,4 @@
-"""The shared online-softmax step (kernels.tile.attend_tile) on rows that see no token at all.
+"""The shared online-softmax step (pagedkv.kernels.tile.attend_tile) on rows that see no token at all.
 
 Such a row keeps a running max of -inf; without the guard its exponentials are exp2(-inf - -inf) =
 NaN and poison the output. The callers never hand a row a fully masked first tile today, so this
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import dispatch
+from pagedkv.kernels import dispatch
 from tests.kernels.cases import DEVICE, generator, randn
 
 pytestmark = pytest.mark.usefixtures("triton_backend")
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.usefixtures("triton_backend")
 
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
-from kernels.tile import attend_tile, dot_precision  # noqa: E402 - needs triton
+from pagedkv.kernels.tile import attend_tile, dot_precision  # noqa: E402 - needs triton
 
 
 @triton.jit

@@ -10,9 +10,9 @@ import urllib.request
 import grpc
 import pytest
 
-from block_manager_svc.server import start_server
-from block_manager_svc.settings import BlockManagerSettings
 from pagedkv.auth import hash_token
+from pagedkv.block_manager_svc.server import start_server
+from pagedkv.block_manager_svc.settings import BlockManagerSettings
 from pagedkv.ports import free_port
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
@@ -180,8 +180,8 @@ def test_watchers_see_only_their_tenant_and_slow_ones_are_dropped(tmp_path) -> N
 
 
 def test_a_slow_watcher_is_dropped_and_never_blocks_the_producer() -> None:
-    from block_manager_svc.core import BlockManager, CoreConfig
-    from block_manager_svc.events import _END, EventHub, _Subscriber
+    from pagedkv.block_manager_svc.core import BlockManager, CoreConfig
+    from pagedkv.block_manager_svc.events import _END, EventHub, _Subscriber
 
     hub = EventHub(threading.RLock(), max_watchers=1, queue_size=16)
     core = BlockManager(CoreConfig(num_gpu_blocks=64, block_size=4, preemption_mode="off"))

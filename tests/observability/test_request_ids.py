@@ -9,8 +9,8 @@ import grpc
 import pytest
 from structlog.testing import capture_logs
 
-from block_manager_svc.server import BlockManagerServer, start_server
-from block_manager_svc.settings import BlockManagerSettings
+from pagedkv.block_manager_svc.server import BlockManagerServer, start_server
+from pagedkv.block_manager_svc.settings import BlockManagerSettings
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
 

@@ -33,7 +33,7 @@ def test_only_present_libraries_are_named(monkeypatch: pytest.MonkeyPatch, tmp_p
 
 
 def test_launcher_preloads_cpu_workers_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    from frontend.launch import processes as stack
+    from pagedkv.frontend.launch import processes as stack
 
     monkeypatch.setattr(stack, "preload_env", lambda: {"LD_PRELOAD": "/lib/fast.so"})
     workers = [
@@ -57,8 +57,8 @@ def test_launcher_preloads_cpu_workers_only(monkeypatch: pytest.MonkeyPatch) -> 
     not cpu_runtime.runtime_libraries(), reason="neither tcmalloc nor intel-openmp is installed"
 )
 def test_a_worker_started_by_the_launcher_maps_the_runtime_libraries(tmp_path: Path) -> None:
-    from frontend.launch.config import StackConfig
-    from frontend.launch.processes import Stack
+    from pagedkv.frontend.launch.config import StackConfig
+    from pagedkv.frontend.launch.processes import Stack
     from pagedkv.ports import free_ports
 
     bm, ch, w = free_ports(3)

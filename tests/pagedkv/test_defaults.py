@@ -7,16 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from block_manager_svc.core.manager import CoreConfig
-from block_manager_svc.server import build_core
-from block_manager_svc.settings import BlockManagerSettings
-from frontend.apps import demo, generate, loadtest
-from frontend.launch import processes as stack
-from frontend.launch.config import StackConfig
-from frontend.serve.settings import ServeSettings
 from pagedkv import defaults
+from pagedkv.block_manager_svc.core.manager import CoreConfig
+from pagedkv.block_manager_svc.server import build_core
+from pagedkv.block_manager_svc.settings import BlockManagerSettings
+from pagedkv.frontend.apps import demo, generate, loadtest
+from pagedkv.frontend.launch import processes as stack
+from pagedkv.frontend.launch.config import StackConfig
+from pagedkv.frontend.serve.settings import ServeSettings
+from pagedkv.worker_svc.settings import CacheHostSettings, WorkerSettings
 from tests.pagedkv.source_scan import code_lines
-from worker_svc.settings import CacheHostSettings, WorkerSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -126,7 +126,7 @@ def test_the_watermark_arithmetic_is_shared() -> None:
 
 
 def test_pagedkv_serve_runs_the_engine_with_the_engines_defaults() -> None:
-    from frontend.engine import EngineConfig
+    from pagedkv.frontend.engine import EngineConfig
 
     engine, serve = EngineConfig(), ServeSettings()
     for name in ("max_num_seqs", "max_batch_tokens", "timeout_s", "block_manager_outage_s"):

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from block_manager_svc.settings import BlockManagerSettings
-from frontend.serve.settings import ServeSettings
 from pagedkv import envs
+from pagedkv.block_manager_svc.settings import BlockManagerSettings
+from pagedkv.frontend.serve.settings import ServeSettings
+from pagedkv.worker_svc.settings import CacheHostSettings, WorkerSettings
 from tests.pagedkv.source_scan import code_lines
-from worker_svc.settings import CacheHostSettings, WorkerSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("block_manager_svc", "worker_svc", "kernels", "frontend", "pagedkv")
@@ -22,7 +22,9 @@ PACKAGES = ("block_manager_svc", "worker_svc", "kernels", "frontend", "pagedkv")
 # to a child process, ``{**os.environ, ...}`` or ``dict(os.environ)``, is not reading a variable).
 DIRECT_READ = re.compile(r"os\.environ(?!\s*[,)}])|\bgetenv\(|\benviron\.get\(|\benviron\[")
 # A variable named in code: the project's, and the third-party ones pagedkv reads or sets.
-NAMED = re.compile(r"\b(PAGEDKV_[A-Z0-9_]*[A-Z0-9]|TRITON_[A-Z_]+|HF_HUB_[A-Z_]+|KMP_[A-Z_]+|OMP_[A-Z_]+|LD_PRELOAD)\b")
+NAMED = re.compile(
+    r"\b(PAGEDKV_[A-Z0-9_]*[A-Z0-9]|TRITON_[A-Z_]+|HF_HUB_[A-Z_]+|KMP_[A-Z_]+|OMP_[A-Z_]+|LD_PRELOAD)\b"
+)
 SETTINGS = (BlockManagerSettings, CacheHostSettings, WorkerSettings, ServeSettings)
 
 

@@ -7,9 +7,9 @@ import json
 import grpc
 from structlog.testing import capture_logs
 
-from block_manager_svc.server import start_server
-from block_manager_svc.settings import BlockManagerSettings
 from pagedkv.auth import hash_token
+from pagedkv.block_manager_svc.server import start_server
+from pagedkv.block_manager_svc.settings import BlockManagerSettings
 from pagedkv.log_limit import LogLimiter
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc

@@ -9,14 +9,14 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from block_manager_svc.server import start_server as start_block_manager
-from block_manager_svc.settings import BlockManagerSettings
+from pagedkv.block_manager_svc.server import start_server as start_block_manager
+from pagedkv.block_manager_svc.settings import BlockManagerSettings
 from pagedkv.grpc_server import start_server
 from pagedkv.v1 import block_manager_pb2 as bm_pb
 from pagedkv.v1 import worker_pb2_grpc
-from worker_svc import cache_memory
-from worker_svc.cache_host import serve_cache
-from worker_svc.cache_layout import CacheGeometry
+from pagedkv.worker_svc import cache_memory
+from pagedkv.worker_svc.cache_host import serve_cache
+from pagedkv.worker_svc.cache_layout import CacheGeometry
 
 GARBAGE = b"\x0a\xff\xff\xff\xff"  # a length-delimited field whose length runs past the end
 

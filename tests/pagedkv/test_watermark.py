@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from block_manager_svc.core.errors import InvalidArgument, ResourceExhausted
-from block_manager_svc.core.manager import BlockManager, CoreConfig
+from pagedkv.block_manager_svc.core.errors import InvalidArgument, ResourceExhausted
+from pagedkv.block_manager_svc.core.manager import BlockManager, CoreConfig
 from pagedkv.kv_capacity import blocks_for_tokens
 from pagedkv.watermark import never_admitted, watermark_blocks
 

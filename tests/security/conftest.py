@@ -11,9 +11,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from block_manager_svc.server import BlockManagerServer, start_server
-from block_manager_svc.settings import BlockManagerSettings
 from pagedkv.auth import hash_token
+from pagedkv.block_manager_svc.server import BlockManagerServer, start_server
+from pagedkv.block_manager_svc.settings import BlockManagerSettings
 from pagedkv.tls import channel
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
 

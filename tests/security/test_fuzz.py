@@ -26,9 +26,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from block_manager_svc.server import start_server
-from block_manager_svc.settings import BlockManagerSettings
 from pagedkv.auth import hash_token
+from pagedkv.block_manager_svc.server import start_server
+from pagedkv.block_manager_svc.settings import BlockManagerSettings
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
 

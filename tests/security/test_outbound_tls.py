@@ -24,19 +24,19 @@ import pytest
 import torch
 from pydantic import SecretStr
 
-from block_manager_svc.server import BlockManagerServer, start_server
-from block_manager_svc.settings import BlockManagerSettings
-from frontend.clients.block_manager import BlockManagerClient
-from frontend.serve.server import OpenAIServer
-from frontend.serve.settings import ServeSettings
+from pagedkv.block_manager_svc.server import BlockManagerServer, start_server
+from pagedkv.block_manager_svc.settings import BlockManagerSettings
 from pagedkv.dial import InsecureTokenError
+from pagedkv.frontend.clients.block_manager import BlockManagerClient
+from pagedkv.frontend.serve.server import OpenAIServer
+from pagedkv.frontend.serve.settings import ServeSettings
+from pagedkv.worker_svc import cache_memory
+from pagedkv.worker_svc.cache_host import serve_cache
+from pagedkv.worker_svc.cache_layout import CacheGeometry
+from pagedkv.worker_svc.model.config import load_model_config
+from pagedkv.worker_svc.server import start_worker
+from pagedkv.worker_svc.settings import WorkerSettings
 from tests.security.conftest import TOOLS
-from worker_svc import cache_memory
-from worker_svc.cache_host import serve_cache
-from worker_svc.cache_layout import CacheGeometry
-from worker_svc.model.config import load_model_config
-from worker_svc.server import start_worker
-from worker_svc.settings import WorkerSettings
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 ENV = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDKV_")} | {

@@ -199,7 +199,7 @@ def test_the_frontend_serves_https_with_mutual_tls_and_its_own_token(
 def test_demo_and_loadtest_reach_the_secured_stack(
     stack: dict[str, str], certs, monkeypatch, tmp_path
 ) -> None:  # type: ignore[no-untyped-def]
-    from frontend.apps import demo, loadtest
+    from pagedkv.frontend.apps import demo, loadtest
 
     monkeypatch.setenv("PAGEDKV_TOKEN", TOKENS["alice"])
     out = io.StringIO()
@@ -290,7 +290,7 @@ def test_every_server_refuses_plaintext_tokenless_and_foreign_ca_clients(
 
 
 def test_up_refuses_missing_certificates_and_a_reserved_tenant(tmp_path, capsys, certs) -> None:  # type: ignore[no-untyped-def]
-    from frontend.launch import processes as up
+    from pagedkv.frontend.launch import processes as up
 
     assert up.main(["--tls-dir", str(tmp_path / "nope")]) == 2
     err = capsys.readouterr().err

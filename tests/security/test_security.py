@@ -6,10 +6,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from block_manager_svc.server import start_server
-from block_manager_svc.settings import BlockManagerSettings
-from frontend.clients.block_manager import BlockManagerClient
 from pagedkv.auth import TokenFileError, TokenStore, hash_token
+from pagedkv.block_manager_svc.server import start_server
+from pagedkv.block_manager_svc.settings import BlockManagerSettings
+from pagedkv.frontend.clients.block_manager import BlockManagerClient
 from pagedkv.tls import TlsConfigError, is_loopback
 from pagedkv.v1 import block_manager_pb2 as pb
 from tests.security.conftest import TOKENS, Caller, open_channel

@@ -10,16 +10,16 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from frontend.clients.worker import WorkerClient
 from pagedkv.dial import InsecureTokenError
+from pagedkv.frontend.clients.worker import WorkerClient
 from pagedkv.v1 import worker_pb2 as wpb
+from pagedkv.worker_svc import cache_memory
+from pagedkv.worker_svc.cache_host import serve_cache
+from pagedkv.worker_svc.cache_layout import CacheGeometry
+from pagedkv.worker_svc.model.config import load_model_config
+from pagedkv.worker_svc.server import start_worker
+from pagedkv.worker_svc.settings import WorkerSettings
 from tests.security.conftest import TOKENS, write_tokens
-from worker_svc import cache_memory
-from worker_svc.cache_host import serve_cache
-from worker_svc.cache_layout import CacheGeometry
-from worker_svc.model.config import load_model_config
-from worker_svc.server import start_worker
-from worker_svc.settings import WorkerSettings
 
 
 @pytest.fixture

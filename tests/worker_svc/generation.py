@@ -1,6 +1,6 @@
 """A minimal scheduler for the tests: the block manager core decides, a worker step computes.
 
-It plays the frontend's role: Allocate/Append through ``block_manager_svc.core.BlockManager``, and
+It plays the frontend's role: Allocate/Append through ``pagedkv.block_manager_svc.core.BlockManager``, and
 hands every step's sequences (new tokens, block table, cached length) and cache ops to a ``step``
 callable: an in-process ``ModelRunner`` or a gRPC ``Worker`` stub.
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from block_manager_svc.core import BlockManager, CoreConfig
-from worker_svc.model_runner import CacheOpsRequest, ModelRunner, SequenceRequest
+from pagedkv.block_manager_svc.core import BlockManager, CoreConfig
+from pagedkv.worker_svc.model_runner import CacheOpsRequest, ModelRunner, SequenceRequest
 
 # (sequences, ops) -> [(token_id, logprob)] in request order
 StepFn = Callable[[list[SequenceRequest], CacheOpsRequest], list[tuple[int, float]]]

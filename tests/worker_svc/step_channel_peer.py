@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from pagedkv.v1 import worker_pb2 as wpb
-from worker_svc.step_channel import StepChannelServer
+from pagedkv.worker_svc.step_channel import StepChannelServer
 
 
 def handler(request: wpb.WorkerStepRequest) -> wpb.WorkerStepResponse:

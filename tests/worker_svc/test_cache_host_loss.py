@@ -20,13 +20,13 @@ from grpc_status import rpc_status
 
 from pagedkv import errors
 from pagedkv.v1 import worker_pb2, worker_pb2_grpc
-from worker_svc import cache_memory
-from worker_svc.cache_host import serve_cache
-from worker_svc.cache_layout import CacheGeometry
-from worker_svc.cache_watch import CACHE_LOST_PREFIX
-from worker_svc.model.config import load_model_config
-from worker_svc.server import start_worker
-from worker_svc.settings import WorkerSettings
+from pagedkv.worker_svc import cache_memory
+from pagedkv.worker_svc.cache_host import serve_cache
+from pagedkv.worker_svc.cache_layout import CacheGeometry
+from pagedkv.worker_svc.cache_watch import CACHE_LOST_PREFIX
+from pagedkv.worker_svc.model.config import load_model_config
+from pagedkv.worker_svc.server import start_worker
+from pagedkv.worker_svc.settings import WorkerSettings
 
 INTERVAL = 0.2
 

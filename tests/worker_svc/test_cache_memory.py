@@ -11,8 +11,8 @@ import textwrap
 import pytest
 import torch
 
-from worker_svc import cache_memory, shm_backend
-from worker_svc.cache_layout import CacheGeometry, GeometryMismatch, check_same
+from pagedkv.worker_svc import cache_memory, shm_backend
+from pagedkv.worker_svc.cache_layout import CacheGeometry, GeometryMismatch, check_same
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 GEOM = CacheGeometry(
@@ -32,9 +32,9 @@ def _attach_in_child(
     code = (
         textwrap.dedent(f"""
         import os, signal, torch
-        from worker_svc import cache_memory
-        from worker_svc.cache_layout import CacheGeometry
-        from worker_svc.cache_memory import CacheDescriptor, TensorDescriptor
+        from pagedkv.worker_svc import cache_memory
+        from pagedkv.worker_svc.cache_layout import CacheGeometry
+        from pagedkv.worker_svc.cache_memory import CacheDescriptor, TensorDescriptor
         desc = {desc!r}
         cache = cache_memory.attach(desc, torch.device("{device}"))
     """)
@@ -129,7 +129,8 @@ def test_check_same_names_every_differing_value() -> None:
 
 def test_cuda_backend_is_lazy_and_rounds_to_2mib() -> None:
     code = (
-        "import sys, worker_svc.cache_memory, worker_svc.server, worker_svc.cuda_ipc_backend as c;"
+        "import sys, pagedkv.worker_svc.cache_memory, pagedkv.worker_svc.server;"
+        "import pagedkv.worker_svc.cuda_ipc_backend as c;"
         "assert 'cupy' not in sys.modules, 'cupy imported eagerly';"
         "assert c.round_up(1) == 2 << 20 and c.round_up((2 << 20) + 1) == 4 << 20 and c.round_up(4 << 20) == "
         "4 << 20"
@@ -165,7 +166,7 @@ def test_cuda_ipc_round_trip_across_processes() -> None:  # pragma: no cover - G
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU failure mode")
 def test_cudart_fallback_fails_cleanly_without_a_gpu() -> None:
     """Without CuPy the CUDA backend uses libcudart via ctypes; with no GPU it must raise, not crash."""
-    from worker_svc import cudart_fallback
+    from pagedkv.worker_svc import cudart_fallback
 
     try:
         cp = cudart_fallback.load()

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import grpc
 
 from pagedkv.v1 import cache_host_pb2
-from worker_svc.cache_watch import CacheHostWatcher
+from pagedkv.worker_svc.cache_watch import CacheHostWatcher
 
 
 class _Error(grpc.RpcError):

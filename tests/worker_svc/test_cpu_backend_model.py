@@ -1,7 +1,7 @@
 """The model on the CPU fast path (kernels/cpu.py plans + oneDNN-packed linears) against transformers.
 
 The rest of tests/worker_svc runs the reference kernels; here the same greedy-equality oracle runs
-with ``kernels.use_backend("cpu")``, the backend ``auto`` picks on CPU, on both of its decode paths
+with ``pagedkv.kernels.use_backend("cpu")``, the backend ``auto`` picks on CPU, on both of its decode paths
 (the native kernel, and the gathers without it): a ragged batch of many
 sequences (so the decode length buckets split), prefill and decode in one forward, and a prefix-cache
 hit whose chunk attends to the cached prefix.
@@ -14,13 +14,13 @@ import random
 import pytest
 import torch
 
-import kernels
-from kernels import cpu_linear, cpu_native
+from pagedkv import kernels
+from pagedkv.kernels import cpu_linear, cpu_native
+from pagedkv.worker_svc.model import linear
+from pagedkv.worker_svc.model_runner import ModelRunner
 from tests.worker_svc.conftest import HFModel
 from tests.worker_svc.generation import Scheduler, runner_step
 from tests.worker_svc.test_model_runner import BLOCK, PROMPT, make_runner
-from worker_svc.model import linear
-from worker_svc.model_runner import ModelRunner
 
 
 @pytest.fixture(autouse=True, params=["native", "buckets"])
@@ -90,7 +90,7 @@ def test_decode_over_shared_prefix_blocks_matches_generate(
 ) -> None:
     """Sequences whose block tables start with the same physical blocks (prefix hits on one system
     prompt) attend to them together (kernels/cpu.py cascade) and still decode exactly."""
-    from kernels import cpu
+    from pagedkv.kernels import cpu
 
     merges = []
     real = cpu._merge_shared_prefix  # noqa: SLF001

@@ -16,15 +16,15 @@ import pytest
 import structlog
 import torch
 
-from kernels import quant
+from pagedkv.kernels import quant
+from pagedkv.worker_svc.model import cuda_graphs
+from pagedkv.worker_svc.model.config import DEFAULT_MODEL_CONFIG
+from pagedkv.worker_svc.model.cuda_graphs import DecodeGraphs, Fallback, bucket_for, capture_sizes
+from pagedkv.worker_svc.model.registry import Model
+from pagedkv.worker_svc.model.sampling import SamplingParams
+from pagedkv.worker_svc.model.weights import load_model
+from pagedkv.worker_svc.model_runner import ModelRunner, SequenceRequest
 from tests.worker_svc.generation import Scheduler, runner_step
-from worker_svc.model import cuda_graphs
-from worker_svc.model.config import DEFAULT_MODEL_CONFIG
-from worker_svc.model.cuda_graphs import DecodeGraphs, Fallback, bucket_for, capture_sizes
-from worker_svc.model.registry import Model
-from worker_svc.model.sampling import SamplingParams
-from worker_svc.model.weights import load_model
-from worker_svc.model_runner import ModelRunner, SequenceRequest
 
 BLOCK = 4
 NUM_BLOCKS = 64
@@ -298,7 +298,7 @@ def test_graphs_are_on_for_cuda_workers_only_and_sized_by_the_settings() -> None
 
 def test_worker_flags_turn_graphs_off_and_size_them() -> None:
     from pagedkv.settings_cli import load_settings
-    from worker_svc.settings import WorkerSettings
+    from pagedkv.worker_svc.settings import WorkerSettings
 
     s = load_settings(WorkerSettings, ["--no-cuda-graphs", "--cuda-graph-max-batch", "32"], "worker", "")
     assert s.cuda_graphs is False and s.cuda_graph_max_batch == 32

@@ -7,10 +7,16 @@ from dataclasses import replace
 import pytest
 import torch
 
-from worker_svc.cache_layout import GeometryMismatch
-from worker_svc.geometry import PoolConfig, check_against_host, check_block_bytes, host_geometry, known_values
-from worker_svc.model.config import DEFAULT_MODEL_CONFIG as M
-from worker_svc.settings import CacheHostSettings, WorkerSettings
+from pagedkv.worker_svc.cache_layout import GeometryMismatch
+from pagedkv.worker_svc.geometry import (
+    PoolConfig,
+    check_against_host,
+    check_block_bytes,
+    host_geometry,
+    known_values,
+)
+from pagedkv.worker_svc.model.config import DEFAULT_MODEL_CONFIG as M
+from pagedkv.worker_svc.settings import CacheHostSettings, WorkerSettings
 
 
 def test_defaults_without_a_block_manager() -> None:

@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 import torch
 
+from pagedkv.worker_svc.model import gguf_file
+from pagedkv.worker_svc.model.config import ModelConfig, load_model_config
+from pagedkv.worker_svc.model.weights import load_checkpoint, load_model
+from pagedkv.worker_svc.model_runner import ModelRunner
 from tests.worker_svc.conftest import HFModel
 from tests.worker_svc.families import FAMILIES, build, oracle_on, write_gguf
 from tests.worker_svc.generation import Scheduler, runner_step
-from worker_svc.model import gguf_file
-from worker_svc.model.config import ModelConfig, load_model_config
-from worker_svc.model.weights import load_checkpoint, load_model
-from worker_svc.model_runner import ModelRunner
 
 gguf = pytest.importorskip("gguf")
 BLOCK = 4
@@ -96,7 +96,7 @@ def test_f32_file_holds_exactly_the_checkpoint_and_the_config(tmp_path: pathlib.
     ):
         assert getattr(from_file, field) == getattr(from_dir, field), field
     assert from_file.rms_norm_eps == pytest.approx(from_dir.rms_norm_eps)
-    from worker_svc.model.rope import inverse_frequencies
+    from pagedkv.worker_svc.model.rope import inverse_frequencies
 
     torch.testing.assert_close(
         inverse_frequencies(from_file.rope, from_file.head_dim),

@@ -12,9 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import cpu_native
-from kernels.cpu_quant_linear import INPUT_ROUNDING
-from kernels.quant_linear import QuantizedLinear
+from pagedkv.kernels import cpu_native
+from pagedkv.kernels.cpu_quant_linear import INPUT_ROUNDING
+from pagedkv.kernels.quant_linear import QuantizedLinear
+from pagedkv.worker_svc import shared_weights
+from pagedkv.worker_svc.model import gguf_file, gguf_quant
+from pagedkv.worker_svc.model.config import load_model_config
+from pagedkv.worker_svc.model.weights import fuse, fused_spec, load_checkpoint, load_model
+from pagedkv.worker_svc.model_runner import ModelRunner
 from tests.kernels import kquant_cases
 from tests.worker_svc.families import (
     build,
@@ -26,11 +31,6 @@ from tests.worker_svc.families import (
     write_gguf,
 )
 from tests.worker_svc.generation import Scheduler, runner_step
-from worker_svc import shared_weights
-from worker_svc.model import gguf_file, gguf_quant
-from worker_svc.model.config import load_model_config
-from worker_svc.model.weights import fuse, fused_spec, load_checkpoint, load_model
-from worker_svc.model_runner import ModelRunner
 
 gguf = pytest.importorskip("gguf")
 CPU = torch.device("cpu")
@@ -221,7 +221,7 @@ def test_a_q4_k_m_file_is_held_at_its_size_and_generates_the_dequantized_files_t
 def test_the_cache_host_shares_the_integers(kind: str, tmp_path: pathlib.Path) -> None:
     """The fused, packed tensors fit ``fused_spec`` (known from the header alone) and a model built
     on views of the shared region computes what a privately loaded one does, bit for bit."""
-    from worker_svc.model.llama import LlamaModel
+    from pagedkv.worker_svc.model.llama import LlamaModel
 
     make = small_q4_1_llama if kind == "Q4_1" else small_q4_k_m_llama
     hf, path = make(tmp_path, 2, f"m.{kind}.gguf")
@@ -253,7 +253,7 @@ def test_the_cache_host_shares_the_integers(kind: str, tmp_path: pathlib.Path) -
 
 
 def _runner_logits(model: object, cfg: object) -> torch.Tensor:
-    from worker_svc.model_runner import SequenceRequest
+    from pagedkv.worker_svc.model_runner import SequenceRequest
 
     shape = (cfg.num_layers, 2, 8, 4, cfg.num_kv_heads, cfg.head_dim)  # type: ignore[attr-defined]
     runner = ModelRunner(model, torch.zeros(shape), torch.zeros(shape))  # type: ignore[arg-type]

@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from pagedkv.worker_svc import cuda_ipc_backend, cudart_fallback, devices, model_runner, shared_weights
+from pagedkv.worker_svc.model.sampling import SamplingParams
+from pagedkv.worker_svc.model_runner import SequenceRequest
 from tests.worker_svc.conftest import HFModel
 from tests.worker_svc.test_model_runner import PROMPT, make_runner
-from worker_svc import cuda_ipc_backend, cudart_fallback, devices, model_runner, shared_weights
-from worker_svc.model.sampling import SamplingParams
-from worker_svc.model_runner import SequenceRequest
 
 
 @dataclass

@@ -6,7 +6,7 @@ import ctypes.util
 
 import pytest
 
-from worker_svc import heap
+from pagedkv.worker_svc import heap
 
 
 def _rss_kib() -> int:

@@ -6,15 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import cpu_layer_ops
+from pagedkv import kernels
+from pagedkv.kernels import cpu_layer_ops
+from pagedkv.worker_svc.model import layer_ops
+from pagedkv.worker_svc.model.config import RopeConfig
+from pagedkv.worker_svc.model.layer_ops import LayerOps, split_qkv, torch_rms_norm
+from pagedkv.worker_svc.model.rope import apply_rotary, cos_sin, inverse_frequencies
+from pagedkv.worker_svc.model_runner import SequenceRequest
 from tests.worker_svc.conftest import HFModel
 from tests.worker_svc.test_model_runner import make_runner
-from worker_svc.model import layer_ops
-from worker_svc.model.config import RopeConfig
-from worker_svc.model.layer_ops import LayerOps, split_qkv, torch_rms_norm
-from worker_svc.model.rope import apply_rotary, cos_sin, inverse_frequencies
-from worker_svc.model_runner import SequenceRequest
 
 pytestmark = pytest.mark.skipif(not cpu_layer_ops.available(), reason="native kernels not built")
 # Without the library every test here is skipped; the unbound stand-in keeps the name typed.

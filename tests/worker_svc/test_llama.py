@@ -11,11 +11,11 @@ import dataclasses
 import pytest
 import torch
 
-from kernels.quant_linear import QuantizedMatrix
+from pagedkv.kernels.quant_linear import QuantizedMatrix
+from pagedkv.worker_svc.model.config import DEFAULT_MODEL_CONFIG, load_model_config
+from pagedkv.worker_svc.model.llama import LlamaModel, build
+from pagedkv.worker_svc.model.weights import load_model, random_weights
 from tests.worker_svc.conftest import HFModel
-from worker_svc.model.config import DEFAULT_MODEL_CONFIG, load_model_config
-from worker_svc.model.llama import LlamaModel, build
-from worker_svc.model.weights import load_model, random_weights
 
 CPU = torch.device("cpu")
 

@@ -8,10 +8,10 @@ import pathlib
 import pytest
 import torch
 
+from pagedkv.worker_svc.model.config import DEFAULT_MODEL_CONFIG, ModelConfig, load_model_config
+from pagedkv.worker_svc.model.rope import inverse_frequencies
+from pagedkv.worker_svc.model.weights import load_weights, random_weights
 from tests.worker_svc.conftest import HFModel, build_hf_model, make_hf_config
-from worker_svc.model.config import DEFAULT_MODEL_CONFIG, ModelConfig, load_model_config
-from worker_svc.model.rope import inverse_frequencies
-from worker_svc.model.weights import load_weights, random_weights
 
 
 def test_config_from_transformers_5_rope_parameters(hf_llama: HFModel) -> None:
@@ -120,7 +120,7 @@ def test_loading_logs_tensors_loaded_of_total(hf_llama: HFModel, monkeypatch: py
     """Progress while reading (every PROGRESS_EVERY_S; 0 here: after each tensor), then the total.
     The module's logger is replaced by a recorder: structlog's capture_logs misses a logger that an
     earlier test's configuration already cached."""
-    from worker_svc.model import weights
+    from pagedkv.worker_svc.model import weights
 
     logs: list[dict[str, object]] = []
 

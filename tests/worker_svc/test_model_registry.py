@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 import torch
 
-from worker_svc.model import llama, registry
-from worker_svc.model.config import DEFAULT_MODEL_CONFIG, ModelConfig
-from worker_svc.model.weights import expected_names, fuse, fused_shapes, load_model, random_weights
+from pagedkv.worker_svc.model import llama, registry
+from pagedkv.worker_svc.model.config import DEFAULT_MODEL_CONFIG, ModelConfig
+from pagedkv.worker_svc.model.weights import expected_names, fuse, fused_shapes, load_model, random_weights
 
 RAW = {
     "vocab_size": 10,

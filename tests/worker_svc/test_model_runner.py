@@ -10,12 +10,18 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagedkv.worker_svc.model.config import ModelConfig
+from pagedkv.worker_svc.model.sampling import SamplingParams, TokenHistory, adjust_logits
+from pagedkv.worker_svc.model.weights import load_model
+from pagedkv.worker_svc.model_runner import (
+    CacheOpsRequest,
+    InvalidStep,
+    ModelRunner,
+    RunnerClosed,
+    SequenceRequest,
+)
 from tests.worker_svc.conftest import HFModel
 from tests.worker_svc.generation import Scheduler, runner_step
-from worker_svc.model.config import ModelConfig
-from worker_svc.model.sampling import SamplingParams, TokenHistory, adjust_logits
-from worker_svc.model.weights import load_model
-from worker_svc.model_runner import CacheOpsRequest, InvalidStep, ModelRunner, RunnerClosed, SequenceRequest
 
 BLOCK = 4
 PROMPT = [5, 17, 99, 3, 64, 12, 7, 88, 41, 2]  # 10 tokens: 2.5 blocks
@@ -253,7 +259,7 @@ def test_triton_kernels_in_the_interpreter_agree_with_reference(
     for backend in ("reference", "triton"):
         monkeypatch.setenv("PAGEDKV_KERNEL_BACKEND", backend)
         r = make_runner(hf_llama.path, num_gpu_blocks=8, num_cpu_blocks=0)
-        import kernels
+        from pagedkv import kernels
 
         assert kernels.backend_for(r.gpu_cache) == backend
         sched = Scheduler(runner_step(r), num_gpu_blocks=8, block_size=BLOCK)
@@ -280,8 +286,8 @@ def test_prefill_gets_max_query_len_from_the_host(
     runner: ModelRunner, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Each layer's prefill call is told the longest query run, so it never reads it off the device."""
-    import kernels
-    from kernels import backend
+    from pagedkv import kernels
+    from pagedkv.kernels import backend
 
     seen: list[object] = []
     ops = backend.get(kernels.backend_for(runner.gpu_cache))  # the backend module the layers call
@@ -306,7 +312,7 @@ def test_step_metadata_is_validated_once_per_step_not_per_layer(
     runner: ModelRunner, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The block tables and lengths are checked (and the backend chosen) once per forward pass."""
-    from kernels import checks
+    from pagedkv.kernels import checks
 
     calls: list[int] = []
     real = checks.block_tables_and_lens

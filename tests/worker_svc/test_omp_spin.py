@@ -16,7 +16,7 @@ LIBIOMP = Path(sys.prefix) / "lib" / "libiomp5.so"  # the intel-openmp wheel (th
 PROBE = """
 import sys, threading, time
 import torch
-from worker_svc import omp_spin
+from pagedkv.worker_svc import omp_spin
 torch.set_num_threads(2)
 x = torch.randn(1500, 1500)
 (x @ x).sum()  # the runtime is up before the worker's code runs (the in-process stack)

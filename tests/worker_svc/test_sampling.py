@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from worker_svc.model.sampling import (
+from pagedkv.worker_svc.model.sampling import (
     SamplingParams,
     TokenHistory,
     adjust_logits,

@@ -16,14 +16,14 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pagedkv.grpc_server import GrpcServer
 from pagedkv.v1 import cache_host_pb2, cache_host_pb2_grpc, worker_pb2, worker_pb2_grpc
+from pagedkv.worker_svc import cache_memory
+from pagedkv.worker_svc.cache_host import serve_cache
+from pagedkv.worker_svc.cache_layout import CacheGeometry, GeometryMismatch
+from pagedkv.worker_svc.model.config import ModelConfig
+from pagedkv.worker_svc.server import start_worker, wait_for_cache_host
+from pagedkv.worker_svc.settings import WorkerSettings
 from tests.worker_svc.conftest import HFModel
 from tests.worker_svc.generation import Scheduler, grpc_step
-from worker_svc import cache_memory
-from worker_svc.cache_host import serve_cache
-from worker_svc.cache_layout import CacheGeometry, GeometryMismatch
-from worker_svc.model.config import ModelConfig
-from worker_svc.server import start_worker, wait_for_cache_host
-from worker_svc.settings import WorkerSettings
 
 BLOCK, GPU_BLOCKS, CPU_BLOCKS = 4, 48, 8
 
@@ -135,7 +135,7 @@ def test_worker_info(worker: worker_pb2_grpc.WorkerStub, host: Host) -> None:
     assert info.vocab_size == 128 and info.num_kv_heads == 2 and info.geometry.block_size == BLOCK
     assert info.cache_instance_id == host.cache.descriptor.instance_id and info.kernel_backend == "reference"
     # The CPU kernel path of the worker's process (here the test process): native-<variant> or torch.
-    from kernels import cpu_native
+    from pagedkv.kernels import cpu_native
 
     assert info.cpu_kernel_path == cpu_native.kernel_path() and info.cpu_kernel_path.startswith(
         ("native-", "torch")
@@ -212,8 +212,8 @@ def test_worker_model_must_match_the_cache(host: Host) -> None:
 
 
 def test_block_manager_geometry_is_read_and_checked(host: Host, hf_llama: HFModel) -> None:
-    from block_manager_svc.server import start_server as start_bm
-    from block_manager_svc.settings import BlockManagerSettings
+    from pagedkv.block_manager_svc.server import start_server as start_bm
+    from pagedkv.block_manager_svc.settings import BlockManagerSettings
 
     bm = start_bm(
         BlockManagerSettings(port=0, block_size=BLOCK, num_gpu_blocks=GPU_BLOCKS, num_cpu_blocks=CPU_BLOCKS)
@@ -249,9 +249,9 @@ def test_a_workers_kernel_backend_is_its_own_not_the_process_environment(
     and another runner in the process keeps the default backend."""
     import os
 
-    import kernels
-    from kernels import backend
-    from worker_svc.model_runner import ModelRunner, SequenceRequest
+    from pagedkv import kernels
+    from pagedkv.kernels import backend
+    from pagedkv.worker_svc.model_runner import ModelRunner, SequenceRequest
 
     monkeypatch.delenv(kernels.ENV_VAR, raising=False)
     default = kernels.backend_for(host.cache.gpu)

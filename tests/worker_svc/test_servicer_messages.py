@@ -7,9 +7,14 @@ import pytest
 import torch
 
 from pagedkv.v1 import worker_pb2
-from worker_svc.model.sampling import SamplingParams, TokenHistory
-from worker_svc.model_runner import Drawn, InvalidStep, SequenceResult
-from worker_svc.servicer import SamplingMemo, output_to_proto, sampling_from_proto, sequence_from_proto
+from pagedkv.worker_svc.model.sampling import SamplingParams, TokenHistory
+from pagedkv.worker_svc.model_runner import Drawn, InvalidStep, SequenceResult
+from pagedkv.worker_svc.servicer import (
+    SamplingMemo,
+    output_to_proto,
+    sampling_from_proto,
+    sequence_from_proto,
+)
 
 
 def _input(seed: int | None, temperature: float = 0.0, forks: int = 0) -> worker_pb2.SequenceInput:

@@ -16,6 +16,13 @@ import pytest
 import torch
 
 from pagedkv.v1 import worker_pb2, worker_pb2_grpc
+from pagedkv.worker_svc import shared_weights
+from pagedkv.worker_svc.cache_layout import CacheGeometry
+from pagedkv.worker_svc.cache_memory import create
+from pagedkv.worker_svc.model.config import load_model_config
+from pagedkv.worker_svc.model.llama import LlamaModel
+from pagedkv.worker_svc.model.weights import fuse, fused_shapes, fused_spec, load_checkpoint, load_model
+from pagedkv.worker_svc.model_runner import ModelRunner, SequenceRequest
 from tests.worker_svc.conftest import HFModel, build_hf_model
 from tests.worker_svc.generation import Scheduler, grpc_step
 from tests.worker_svc.test_processes import (
@@ -27,13 +34,6 @@ from tests.worker_svc.test_processes import (
     start_cache_host,
     start_worker,
 )
-from worker_svc import shared_weights
-from worker_svc.cache_layout import CacheGeometry
-from worker_svc.cache_memory import create
-from worker_svc.model.config import load_model_config
-from worker_svc.model.llama import LlamaModel
-from worker_svc.model.weights import fuse, fused_shapes, fused_spec, load_checkpoint, load_model
-from worker_svc.model_runner import ModelRunner, SequenceRequest
 
 __all__ = ["procs"]  # the fixture, re-exported for pytest
 

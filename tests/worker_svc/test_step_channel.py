@@ -20,13 +20,13 @@ from pathlib import Path
 import grpc
 import pytest
 
-from frontend.clients.step_channel import ChannelUnusable, StepChannel
 from pagedkv import errors
 from pagedkv import step_channel as wire
+from pagedkv.frontend.clients.step_channel import ChannelUnusable, StepChannel
 from pagedkv.step_channel import base_dir, sweep_stale
 from pagedkv.v1 import worker_pb2 as wpb
-from worker_svc.servicer import StepRefused
-from worker_svc.step_channel import StepChannelServer
+from pagedkv.worker_svc.servicer import StepRefused
+from pagedkv.worker_svc.step_channel import StepChannelServer
 
 
 @pytest.fixture()

@@ -15,10 +15,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from frontend.clients.step_channel import ChannelUnusable, StepChannel
+from pagedkv.frontend.clients.step_channel import ChannelUnusable, StepChannel
 from pagedkv.step_channel import sweep_stale
+from pagedkv.worker_svc.step_channel import StepChannelServer
 from tests.worker_svc.test_step_channel import base, echo, request
-from worker_svc.step_channel import StepChannelServer
 
 __all__ = ["base"]  # the fixture
 

@@ -12,11 +12,11 @@ from typing import Any
 import grpc
 import pytest
 
-from frontend.clients.worker import WorkerClient
+from pagedkv.frontend.clients.worker import WorkerClient
 from pagedkv.v1 import worker_pb2 as wpb
 from pagedkv.v1 import worker_pb2_grpc as wpb_grpc
-from worker_svc.servicer import WorkerServicer
-from worker_svc.step_fence import StepFence
+from pagedkv.worker_svc.servicer import WorkerServicer
+from pagedkv.worker_svc.step_fence import StepFence
 
 
 class GatedRunner:

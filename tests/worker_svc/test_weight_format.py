@@ -9,14 +9,14 @@ import pathlib
 import pytest
 import torch
 
-from kernels import cpu_native
+from pagedkv.kernels import cpu_native
+from pagedkv.worker_svc.model import gguf_quant, weight_format
+from pagedkv.worker_svc.model.config import load_model_config
+from pagedkv.worker_svc.model.weights import load_checkpoint, load_model
+from pagedkv.worker_svc.model_runner import ModelRunner
 from tests.worker_svc.conftest import build_hf_model
 from tests.worker_svc.families import oracle_on, rounded_inputs, write_gguf
 from tests.worker_svc.generation import Scheduler, runner_step
-from worker_svc.model import gguf_quant, weight_format
-from worker_svc.model.config import load_model_config
-from worker_svc.model.weights import load_checkpoint, load_model
-from worker_svc.model_runner import ModelRunner
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 F32, BF16 = torch.float32, torch.bfloat16
@@ -76,7 +76,7 @@ def test_a_directory_quantized_at_load_generates_what_transformers_does_on_its_w
 def test_the_built_in_model_quantized_at_load_fits_the_spec_workers_check(held: str) -> None:
     """The cache host packs the built-in model's random weights; a worker checks them against
     ``fused_spec`` (names, shapes, dtypes) before mapping them."""
-    from worker_svc.model.weights import fuse, fused_spec
+    from pagedkv.worker_svc.model.weights import fuse, fused_spec
 
     cfg = load_model_config(None)
     state = fuse(load_checkpoint(None, cfg, F32, CPU, seed=0, held=held), cfg)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-import kernels
+from pagedkv import kernels
 
 
 @dataclass(slots=True)

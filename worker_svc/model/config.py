@@ -12,7 +12,7 @@ import pathlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from worker_svc.model import registry
+from pagedkv.worker_svc.model import registry
 
 
 @dataclass(slots=True, frozen=True)
@@ -96,7 +96,7 @@ class ModelConfig:
         """From a GGUF file's metadata (gguf_file.py), checked like a config.json."""
         from dataclasses import replace
 
-        from worker_svc.model import gguf_file
+        from pagedkv.worker_svc.model import gguf_file
 
         path = pathlib.Path(gguf_path)
         raw, freq_factors = gguf_file.hf_config(path)
@@ -112,7 +112,7 @@ class ModelConfig:
     @classmethod
     def from_path(cls, model: str | pathlib.Path) -> ModelConfig:
         """``--model``: a Hugging Face directory or a GGUF file (model_source.py decides which)."""
-        from worker_svc.model import model_source
+        from pagedkv.worker_svc.model import model_source
 
         src = model_source.resolve(model)
         return cls.from_gguf(src.path) if src.kind == "gguf" else cls.from_dir(src.path)

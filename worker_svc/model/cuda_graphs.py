@@ -50,12 +50,12 @@ import structlog
 import torch
 
 from pagedkv.kv_capacity import blocks_for_tokens
-from worker_svc.model.batch import AttentionBatch
+from pagedkv.worker_svc.model.batch import AttentionBatch
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE
 
-    from worker_svc.model.registry import Model
+    from pagedkv.worker_svc.model.registry import Model
 
 log = structlog.get_logger("pagedkv.worker")
 

@@ -33,7 +33,7 @@ import structlog
 import torch
 
 from pagedkv.arith import ceil_div
-from worker_svc.model import gguf_quant
+from pagedkv.worker_svc.model import gguf_quant
 
 _log = structlog.get_logger("pagedkv.worker")
 

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels import quant_linear
-from kernels.quant_linear import QuantizedMatrix
+from pagedkv.kernels import quant_linear
+from pagedkv.kernels.quant_linear import QuantizedMatrix
 
 KQUANT_TYPES = tuple(quant_linear.KQUANT_TYPES)  # Q4_K, Q6_K: held as the file's blocks
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # what int4_parts reads

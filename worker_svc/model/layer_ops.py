@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_layer_ops
-from kernels.step import PagedStep
-from worker_svc.model.rope import apply_rotary
+from pagedkv.kernels import cpu_layer_ops
+from pagedkv.kernels.step import PagedStep
+from pagedkv.worker_svc.model.rope import apply_rotary
 
 
 def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

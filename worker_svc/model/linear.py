@@ -17,7 +17,7 @@ paths read only a copy laid out for them, made once here:
   the row count equals the one it was packed for, so with a step's varying batch it silently falls
   back to ``F.linear``.
 
-A quantized matrix (``kernels.quant_linear.QuantizedMatrix``: int4 groups, int8 rows or a GGUF's
+A quantized matrix (``pagedkv.kernels.quant_linear.QuantizedMatrix``: int4 groups, int8 rows or a GGUF's
 Q4_K / Q6_K blocks) runs the native int4 / int8 / K-quant kernels on its integers where the library
 is loaded (``native-int4`` / ``native-int8`` / ``native-kquant``: a decode step's rows read the
 integers where they lie, ``kernels/cpu_quant_linear.py``), else PyTorch's weight-packed matmuls
@@ -37,10 +37,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_linear
-from kernels.cpu_linear import PackedLinear
-from kernels.cpu_quant_linear import NativeMatmul
-from kernels.quant_linear import QuantizedLinear, QuantizedMatrix
+from pagedkv.kernels import cpu_linear
+from pagedkv.kernels.cpu_linear import PackedLinear
+from pagedkv.kernels.cpu_quant_linear import NativeMatmul
+from pagedkv.kernels.quant_linear import QuantizedLinear, QuantizedMatrix
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 

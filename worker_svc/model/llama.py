@@ -9,8 +9,8 @@ tokens first, then the decode sequences' (one token each), as laid out by ``mode
 layers run on all tokens together, their elementwise parts (RMSNorm with the residual add, RoPE
 with the KV write, SiLU-and-multiply) through ``layer_ops.py`` (fused native kernels on CPU fp32);
 per layer the new K/V are written into the shared cache and attention reads the cache through
-block tables with ``kernels.paged_prefill_attention`` (causal, queries are the last tokens of each
-sequence) and ``kernels.paged_decode_attention`` (one query per sequence).
+block tables with ``pagedkv.kernels.paged_prefill_attention`` (causal, queries are the last tokens of each
+sequence) and ``pagedkv.kernels.paged_decode_attention`` (one query per sequence).
 
 Why a plain class holding tensors instead of ``nn.Module``: there is no training, no state dict
 round trip and no hooks; fused weight matrices (QKV, gate+up) are built once at load, and packed
@@ -34,14 +34,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_decode_layers import DecodeChain, LayerWeights
-from kernels.quant_linear import QuantizedMatrix
-from worker_svc.model import layer_ops
-from worker_svc.model.batch import AttentionBatch
-from worker_svc.model.config import ModelConfig
-from worker_svc.model.layer_ops import torch_rms_norm
-from worker_svc.model.linear import Linear
-from worker_svc.model.rope import apply_rotary, cos_sin, inverse_frequencies
+from pagedkv.kernels.cpu_decode_layers import DecodeChain, LayerWeights
+from pagedkv.kernels.quant_linear import QuantizedMatrix
+from pagedkv.worker_svc.model import layer_ops
+from pagedkv.worker_svc.model.batch import AttentionBatch
+from pagedkv.worker_svc.model.config import ModelConfig
+from pagedkv.worker_svc.model.layer_ops import torch_rms_norm
+from pagedkv.worker_svc.model.linear import Linear
+from pagedkv.worker_svc.model.rope import apply_rotary, cos_sin, inverse_frequencies
 
 
 @dataclass(slots=True)

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from worker_svc.model import llama
-from worker_svc.model.config import ModelConfig
+from pagedkv.worker_svc.model import llama
+from pagedkv.worker_svc.model.config import ModelConfig
 
 FUSED = llama.FUSED
 

@@ -12,7 +12,7 @@ import pathlib
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from worker_svc.model import gguf_file
+from pagedkv.worker_svc.model import gguf_file
 
 
 @dataclass(slots=True, frozen=True)

@@ -22,15 +22,15 @@ from pagedkv.registry import load as load_registered
 if TYPE_CHECKING:
     import torch
 
-    from worker_svc.model.batch import AttentionBatch
-    from worker_svc.model.config import ModelConfig
+    from pagedkv.worker_svc.model.batch import AttentionBatch
+    from pagedkv.worker_svc.model.config import ModelConfig
 
 # config.json "architectures" entry -> the module implementing it (imported on first use).
 ARCHITECTURES: dict[str, str] = {
-    "LlamaForCausalLM": "worker_svc.model.llama",
-    "Qwen2ForCausalLM": "worker_svc.model.qwen2",
-    "Qwen3ForCausalLM": "worker_svc.model.qwen3",
-    "MistralForCausalLM": "worker_svc.model.mistral",
+    "LlamaForCausalLM": "pagedkv.worker_svc.model.llama",
+    "Qwen2ForCausalLM": "pagedkv.worker_svc.model.qwen2",
+    "Qwen3ForCausalLM": "pagedkv.worker_svc.model.qwen3",
+    "MistralForCausalLM": "pagedkv.worker_svc.model.mistral",
 }
 # The built-in offline model (no --model) and a config.json that names no architecture.
 DEFAULT_ARCHITECTURE = "LlamaForCausalLM"

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from worker_svc.model.config import RopeConfig
+from pagedkv.worker_svc.model.config import RopeConfig
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels import cpu_native
 from pagedkv import defaults
+from pagedkv.kernels import cpu_native
 
 _MASK64 = (1 << 64) - 1
 

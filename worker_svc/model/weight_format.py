@@ -20,8 +20,8 @@ from typing import get_args
 import torch
 
 from pagedkv.weight_formats import WeightFormat
-from worker_svc.cache_layout import dtype_name
-from worker_svc.model import model_source
+from pagedkv.worker_svc.cache_layout import dtype_name
+from pagedkv.worker_svc.model import model_source
 
 WEIGHT_FORMATS: tuple[str, ...] = get_args(WeightFormat)
 _DENSE = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -19,11 +19,11 @@ from collections.abc import Iterator
 import structlog
 import torch
 
-from kernels import quant_linear
-from worker_svc.model import gguf_file, gguf_quant, model_source
-from worker_svc.model.config import ModelConfig
-from worker_svc.model.gguf_quant import KBlocks, Unpacked
-from worker_svc.model.registry import Model, architecture, build_model
+from pagedkv.kernels import quant_linear
+from pagedkv.worker_svc.model import gguf_file, gguf_quant, model_source
+from pagedkv.worker_svc.model.config import ModelConfig
+from pagedkv.worker_svc.model.gguf_quant import KBlocks, Unpacked
+from pagedkv.worker_svc.model.registry import Model, architecture, build_model
 
 # How the weights are held (weight_format.py resolves the flag): dense in the serving dtype, a GGUF
 # file's own quantization ("file"), or every matrix of a checkpoint quantized at load.

@@ -32,7 +32,7 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from block_manager_svc.core import (
+from pagedkv.block_manager_svc.core import (
     AlreadyExists,
     BlockManager,
     CoreConfig,
@@ -41,7 +41,7 @@ from block_manager_svc.core import (
     ResourceExhausted,
     StepBatch,
 )
-from block_manager_svc.core.invariants import check_invariants
+from pagedkv.block_manager_svc.core.invariants import check_invariants
 
 BS = 2
 NUM_BLOCKS = 10

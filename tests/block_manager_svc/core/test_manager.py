@@ -8,7 +8,7 @@ from array import array
 
 import pytest
 
-from block_manager_svc.core import (
+from pagedkv.block_manager_svc.core import (
     AlreadyExists,
     BlockManager,
     CoreConfig,

@@ -7,10 +7,16 @@ import os
 import subprocess
 import sys
 
-from block_manager_svc.core.prefix_cache import ROOT_HASH, chain_hash, chain_hashes, encode_tokens, root_hash
+from pagedkv.block_manager_svc.core.prefix_cache import (
+    ROOT_HASH,
+    chain_hash,
+    chain_hashes,
+    encode_tokens,
+    root_hash,
+)
 
 SNIPPET = (
-    "from block_manager_svc.core.prefix_cache import ROOT_HASH, chain_hashes, encode_tokens;"
+    "from pagedkv.block_manager_svc.core.prefix_cache import ROOT_HASH, chain_hashes, encode_tokens;"
     "print(chain_hashes(ROOT_HASH, encode_tokens(range(64)), 16, 4)[-1].hex())"
 )
 
@@ -50,8 +56,8 @@ def test_stable_across_processes_and_hash_seeds() -> None:
 
 
 def test_commit_registers_the_hashes_allocate_computed_without_hashing_again(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    from block_manager_svc.core import BlockManager, CoreConfig, manager
-    from block_manager_svc.core.prefix_cache import ROOT_HASH, chain_hashes, encode_tokens
+    from pagedkv.block_manager_svc.core import BlockManager, CoreConfig, manager
+    from pagedkv.block_manager_svc.core.prefix_cache import ROOT_HASH, chain_hashes, encode_tokens
 
     calls = []
     real = manager.chain_hash

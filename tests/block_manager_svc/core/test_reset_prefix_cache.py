@@ -11,10 +11,10 @@ import threading
 import grpc
 import pytest
 
-from block_manager_svc.core import BlockManager, CoreConfig
-from block_manager_svc.core.kv_events import AllBlocksCleared, BlockStored
-from block_manager_svc.server import start_server
-from block_manager_svc.settings import BlockManagerSettings
+from pagedkv.block_manager_svc.core import BlockManager, CoreConfig
+from pagedkv.block_manager_svc.core.kv_events import AllBlocksCleared, BlockStored
+from pagedkv.block_manager_svc.server import start_server
+from pagedkv.block_manager_svc.settings import BlockManagerSettings
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
 
@@ -63,7 +63,7 @@ def test_core_reset_frees_cached_unhashes_referenced_keeps_sequences(policy: str
 
 
 def test_core_reset_on_empty_pool_and_with_swapped_and_tenants() -> None:
-    from block_manager_svc.core.tenants import TenantLedger
+    from pagedkv.block_manager_svc.core.tenants import TenantLedger
 
     bm = _core(num_cpu_blocks=8, preemption_mode="swap")
     assert bm.reset_prefix_cache() == (0, 0)

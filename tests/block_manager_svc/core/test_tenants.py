@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from block_manager_svc.core import BlockManager, CoreConfig, ResourceExhausted, StepBatch
-from block_manager_svc.core.invariants import check_invariants
-from block_manager_svc.core.prefix_cache import ROOT_HASH, root_hash
-from block_manager_svc.core.tenants import NULL_LEDGER, Quota, TenantLedger
+from pagedkv.block_manager_svc.core import BlockManager, CoreConfig, ResourceExhausted, StepBatch
+from pagedkv.block_manager_svc.core.invariants import check_invariants
+from pagedkv.block_manager_svc.core.prefix_cache import ROOT_HASH, root_hash
+from pagedkv.block_manager_svc.core.tenants import NULL_LEDGER, Quota, TenantLedger
 
 
 def core(**kw: object) -> BlockManager:

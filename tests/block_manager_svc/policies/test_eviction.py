@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from block_manager_svc.core import BlockManager, CoreConfig
-from block_manager_svc.core.eviction import LruEviction, LruSizeEviction, make_eviction_policy
+from pagedkv.block_manager_svc.core import BlockManager, CoreConfig
+from pagedkv.block_manager_svc.core.eviction import LruEviction, LruSizeEviction, make_eviction_policy
 
 BS = 4
 

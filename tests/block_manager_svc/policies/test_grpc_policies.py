@@ -7,8 +7,8 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from block_manager_svc.server import start_server
-from block_manager_svc.settings import BlockManagerSettings, load_settings
+from pagedkv.block_manager_svc.server import start_server
+from pagedkv.block_manager_svc.settings import BlockManagerSettings, load_settings
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
 

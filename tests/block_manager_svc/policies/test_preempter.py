@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import copy
 
-from block_manager_svc.core.block_pool import BlockPool
-from block_manager_svc.core.cpu_pool import CpuPool
-from block_manager_svc.core.errors import ResourceExhausted
-from block_manager_svc.core.eviction import LruEviction
-from block_manager_svc.core.preemption import Preempter, rank
-from block_manager_svc.core.results import CacheOps
-from block_manager_svc.core.sequence import SeqState
-from block_manager_svc.core.swap_planner import CostModel, PreemptionMode
+from pagedkv.block_manager_svc.core.block_pool import BlockPool
+from pagedkv.block_manager_svc.core.cpu_pool import CpuPool
+from pagedkv.block_manager_svc.core.errors import ResourceExhausted
+from pagedkv.block_manager_svc.core.eviction import LruEviction
+from pagedkv.block_manager_svc.core.preemption import Preempter, rank
+from pagedkv.block_manager_svc.core.results import CacheOps
+from pagedkv.block_manager_svc.core.sequence import SeqState
+from pagedkv.block_manager_svc.core.swap_planner import CostModel, PreemptionMode
 
 BS = 4
 

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 
-from block_manager_svc.core import (
+from pagedkv.block_manager_svc.core import (
     BlockManager,
     CoreConfig,
     ErrorCode,
@@ -15,7 +15,7 @@ from block_manager_svc.core import (
     ResourceExhausted,
     StepBatch,
 )
-from block_manager_svc.core.preemption import VictimQueue
+from pagedkv.block_manager_svc.core.preemption import VictimQueue
 
 BS = 4
 

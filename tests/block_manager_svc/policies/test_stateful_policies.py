@@ -17,10 +17,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from block_manager_svc import records
-from block_manager_svc.core import BlockManager, CoreConfig, CoreError, StepBatch
-from block_manager_svc.idempotency import DedupeTable
-from block_manager_svc.leases import LeaseTable
+from pagedkv.block_manager_svc import records
+from pagedkv.block_manager_svc.core import BlockManager, CoreConfig, CoreError, StepBatch
+from pagedkv.block_manager_svc.idempotency import DedupeTable
+from pagedkv.block_manager_svc.leases import LeaseTable
 
 BS = 2
 NAMES = st.sampled_from([f"s{i}" for i in range(7)])

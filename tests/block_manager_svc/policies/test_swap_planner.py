@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from block_manager_svc.core.swap_planner import CostModel, PreemptionMode, decide
+from pagedkv.block_manager_svc.core.swap_planner import CostModel, PreemptionMode, decide
 
 MODEL = CostModel(kv_bytes_per_block=2 * 1024 * 1024, host_link_bytes_per_s=25e9, prefill_tokens_per_s=10_000)
 

@@ -11,8 +11,8 @@ from typing import Any
 import grpc
 import pytest
 
-from block_manager_svc.server import BlockManagerServer, start_server
-from block_manager_svc.settings import BlockManagerSettings
+from pagedkv.block_manager_svc.server import BlockManagerServer, start_server
+from pagedkv.block_manager_svc.settings import BlockManagerSettings
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from block_manager_svc import snapshot
+from pagedkv.block_manager_svc import snapshot
 
 
 def fd_path(fd: int) -> str:

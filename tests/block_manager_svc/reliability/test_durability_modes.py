@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from block_manager_svc.journal import SEGMENT_RE
+from pagedkv.block_manager_svc.journal import SEGMENT_RE
 from pagedkv.v1 import block_manager_pb2 as pb
 
 from .conftest import Servers

@@ -9,7 +9,7 @@ import time
 import grpc
 import pytest
 
-from block_manager_svc.idempotency import DedupeTable, RequestIdReused
+from pagedkv.block_manager_svc.idempotency import DedupeTable, RequestIdReused
 from pagedkv.v1 import block_manager_pb2 as pb
 
 from .conftest import Servers, crash

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from block_manager_svc import snapshot
-from block_manager_svc.journal import (
+from pagedkv.block_manager_svc import snapshot
+from pagedkv.block_manager_svc.journal import (
     Journal,
     JournalFailed,
     ScanReport,

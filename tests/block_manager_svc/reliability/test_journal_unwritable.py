@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from block_manager_svc.journal import list_segments
+from pagedkv.block_manager_svc.journal import list_segments
 from pagedkv.v1 import block_manager_pb2 as pb
 
 from .conftest import Servers, crash

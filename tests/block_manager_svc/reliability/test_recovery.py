@@ -9,9 +9,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from block_manager_svc.journal import list_segments
-from block_manager_svc.server import start_server
-from block_manager_svc.settings import BlockManagerSettings
+from pagedkv.block_manager_svc.journal import list_segments
+from pagedkv.block_manager_svc.server import start_server
+from pagedkv.block_manager_svc.settings import BlockManagerSettings
 from pagedkv.v1 import block_manager_pb2 as pb
 
 from .conftest import Servers, crash

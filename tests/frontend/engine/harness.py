@@ -12,12 +12,12 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from block_manager_svc.core import BlockManager, CoreConfig
-from block_manager_svc.handlers import CoreStage
-from frontend.engine.policy import Limits
-from frontend.engine.scheduler import PrefillItem, Scheduler
-from frontend.engine.step_messages import StepDelta, StepPlan, step_delta, step_request
-from frontend.engine.types import EngineStats, GenerationRequest, SamplingOptions, TokenEvent
+from pagedkv.block_manager_svc.core import BlockManager, CoreConfig
+from pagedkv.block_manager_svc.handlers import CoreStage
+from pagedkv.frontend.engine.policy import Limits
+from pagedkv.frontend.engine.scheduler import PrefillItem, Scheduler
+from pagedkv.frontend.engine.step_messages import StepDelta, StepPlan, step_delta, step_request
+from pagedkv.frontend.engine.types import EngineStats, GenerationRequest, SamplingOptions, TokenEvent
 from pagedkv.v1 import worker_pb2 as wpb
 
 VOCAB = 97

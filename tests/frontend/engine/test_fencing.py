@@ -21,11 +21,11 @@ from typing import Any
 import grpc
 import pytest
 
-from frontend.clients.worker import StepTransport
-from frontend.engine import EngineConfig, GenerationRequest
-from frontend.engine.fencing import Fences, nothing_listens
-from frontend.launch.config import StackConfig
-from frontend.launch.local_stack import LocalStack
+from pagedkv.frontend.clients.worker import StepTransport
+from pagedkv.frontend.engine import EngineConfig, GenerationRequest
+from pagedkv.frontend.engine.fencing import Fences, nothing_listens
+from pagedkv.frontend.launch.config import StackConfig
+from pagedkv.frontend.launch.local_stack import LocalStack
 from pagedkv.v1 import worker_pb2 as wpb
 from tests.worker_svc.conftest import HFModel, build_hf_model
 

@@ -10,9 +10,9 @@ import dataclasses
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from frontend.engine import policy
-from frontend.engine.policy import Limits, PoolView
-from frontend.engine.types import Completion, GenerationRequest, RequestOutput, Seq, SeqStatus
+from pagedkv.frontend.engine import policy
+from pagedkv.frontend.engine.policy import Limits, PoolView
+from pagedkv.frontend.engine.types import Completion, GenerationRequest, RequestOutput, Seq, SeqStatus
 
 
 def _seq(i: int, prompt_len: int, n: int = 1, max_tokens: int = 8) -> Seq:

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from frontend.engine.step_messages import StepPlan
-from frontend.engine.types import SeqStatus
+from pagedkv.frontend.engine.step_messages import StepPlan
+from pagedkv.frontend.engine.types import SeqStatus
 from tests.frontend.engine.harness import Driver, expected
 
 
@@ -402,7 +402,7 @@ def test_a_step_whose_reply_was_lost_frees_what_it_created_in_the_next() -> None
 
 
 def _frees(ids: list[str]):  # type: ignore[no-untyped-def]
-    from frontend.engine.step_messages import StepPlan
+    from pagedkv.frontend.engine.step_messages import StepPlan
 
     return StepPlan(frees=list(ids))
 
