@@ -66,6 +66,7 @@ SLOW_MODULES = frozenset(
         "tests/security/test_fuzz.py",
         "tests/security/test_outbound_tls.py",
         "tests/security/test_secure_stack.py",
+        "tests/test_installed_name.py",
         "tests/worker_svc/test_cache_host_loss.py",
         "tests/worker_svc/test_gguf.py",
         "tests/worker_svc/test_omp_spin.py",

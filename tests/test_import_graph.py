@@ -13,7 +13,11 @@ edge for each import of another product module (``from pkg import mod`` is an ed
 from __future__ import annotations
 
 import ast
+import io
 import pathlib
+import re
+import subprocess
+import tokenize
 
 import pytest
 
@@ -188,3 +192,114 @@ def test_type_checking_and_function_imports_are_edges(tmp_path: pathlib.Path) ->
     assert imports_of("pagedkv.frontend.launch.m", path, modules, type_checking=False) == {
         "pagedkv.frontend.engine.dispatch"
     }
+
+
+# --- One installed name ---------------------------------------------------------------------------
+# The product installs one top-level name, `pagedkv`; the folders above are its subpackages. A file
+# that still imported `kernels` (or named `frontend.engine` in an import_module, `-m` or patch
+# target) would, inside the checkout, load a second copy of the module under another name (two
+# registries, two sets of globals), and outside it fail or, for `kernels`, get Hugging Face's
+# package. Every tracked text file is read: code, tests, benchmarks, tools, docs, configs.
+_OLD = "|".join(SUBPACKAGES)
+# `from kernels import x`, `import kernels` (not `from pagedkv import kernels`), and a dotted name
+# whose first two parts are an old name and one of its modules (`kernels.aot`, `frontend.engine`).
+OLD_IMPORT = re.compile(r"(?<![\w./-])(?:from|import)\s+(?:" + _OLD + r")\b(?!\.\w)")
+OLD_DOTTED = re.compile(r"(?<![\w./-])(" + _OLD + r")\.([A-Za-z_]\w*)")
+FROM_PART = re.compile(r"\bfrom\s+[\w.]+\s+$")
+
+
+def _is_module(pkg: str, child: str) -> bool:
+    base = ROOT / pkg / child
+    return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file() or child.startswith("_cpu_")
+
+
+def old_name_uses(text: str) -> list[str]:
+    """Each import of an old top-level name, and each dotted module name under one, in ``text``."""
+    found = [
+        m.group(0)
+        for m in OLD_IMPORT.finditer(text)
+        if not (m.group(0).startswith("import") and FROM_PART.search(text, 0, m.start()))
+    ]
+    found += [m.group(0) for m in OLD_DOTTED.finditer(text) if _is_module(m.group(1), m.group(2))]
+    return found
+
+
+def _tracked_text_files() -> list[pathlib.Path]:
+    out = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True)
+    files = []
+    for name in out.stdout.split():
+        path = ROOT / name
+        if name.startswith("pagedkv/v1/") or path.is_symlink() or not path.is_file():
+            continue
+        try:
+            path.read_text()
+        except UnicodeDecodeError:
+            continue  # binary (the state files of tests/block_manager_svc/data)
+        files.append(path)
+    return files
+
+
+def old_names_in_python(source: str) -> list[tuple[int, str]]:
+    """(line, use) for each import statement of an old top-level name and each old module name in a
+    string or comment (an import_module or ``-m`` target, a patch target, a docstring); code that
+    reads an attribute of a module bound as ``kernels`` (``kernels.reference.f()``) is not one."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names = [node.module]
+        else:
+            continue
+        found += [(node.lineno, f"import {n}") for n in names if n.split(".")[0] in SUBPACKAGES]
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type in (tokenize.STRING, tokenize.COMMENT):
+            found += [(tok.start[0], use) for use in old_name_uses(tok.string)]
+    return found
+
+
+def test_nothing_names_a_module_by_its_old_top_level_name() -> None:
+    files = [p for p in _tracked_text_files() if p != pathlib.Path(__file__).resolve()]
+    assert len(files) >= 400
+    offenders = []
+    for p in files:
+        text = p.read_text()
+        if p.suffix == ".py":
+            uses = old_names_in_python(text)
+        else:
+            uses = [(i, use) for i, line in enumerate(text.splitlines(), 1) for use in old_name_uses(line)]
+        offenders += [f"{p.relative_to(ROOT)}:{i}: {use}" for i, use in uses]
+    assert offenders == []
+
+
+def test_the_old_name_scan_bites() -> None:
+    """Imports, module paths in strings and commands are found; file paths, the folders' names as
+    words and attributes of a bound name are not."""
+    assert old_name_uses("import kernels") == ["import kernels"]
+    assert old_name_uses("from frontend.engine import Engine") == ["frontend.engine"]
+    assert old_name_uses("from worker_svc import cli") == ["from worker_svc"]
+    assert old_name_uses('import_module("kernels.triton_backend")') == ["kernels.triton_backend"]
+    assert old_name_uses("python -m kernels.aot --jobs 2") == ["kernels.aot"]
+    assert old_name_uses('"block_manager_svc.server:main"') == ["block_manager_svc.server"]
+    assert old_name_uses('find_spec(f"kernels._cpu_{variant}")') == ["kernels._cpu_"]
+    for fine in (
+        "from pagedkv import kernels",
+        "from pagedkv.frontend.engine import Engine",
+        "python -m pagedkv.kernels.aot",
+        "see kernels/cpu.py and docs/kernels.md",
+        "kernels.use_backend('cpu')",  # an attribute of the module bound as `kernels`
+        'frontend.args[frontend.args.index("--block-manager") + 1]',
+        "the frontend.",
+    ):
+        assert old_name_uses(fine) == [], fine
+    source = (
+        "import kernels.cpu\n"
+        "from pagedkv import kernels\n"
+        "kernels.reference.f()  # was kernels.reference\n"
+        'patch("worker_svc.model_runner.sample")\n'
+    )
+    assert old_names_in_python(source) == [
+        (1, "import kernels.cpu"),
+        (3, "kernels.reference"),
+        (4, "worker_svc.model_runner"),
+    ]
