@@ -66,5 +66,7 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.core_bench
 	$(BIN)/python -m bench.grpc_bench
 
+# build/ too: `pip install .` builds in the tree and packs whatever build/lib holds, also what an
+# earlier build of another layout left there.
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info
+	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info build dist
