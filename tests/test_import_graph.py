@@ -258,8 +258,15 @@ def old_names_in_python(source: str) -> list[tuple[int, str]]:
     return found
 
 
+# Files that name an old top-level name on purpose, each with its reason.
+OLD_NAMES_ALLOWED = {
+    "tests/test_import_graph.py": "this scan's own examples",
+    "tests/test_installed_name.py": "imports Hugging Face's `kernels` beside pagedkv.kernels",
+}
+
+
 def test_nothing_names_a_module_by_its_old_top_level_name() -> None:
-    files = [p for p in _tracked_text_files() if p != pathlib.Path(__file__).resolve()]
+    files = [p for p in _tracked_text_files() if str(p.relative_to(ROOT)) not in OLD_NAMES_ALLOWED]
     assert len(files) >= 400
     offenders = []
     for p in files:
