@@ -13,7 +13,7 @@ STAMP := $(VENV)/.installed
 install: $(STAMP)
 
 # setup.py and the C sources too: an editable install compiles the native CPU kernels in place.
-$(STAMP): pyproject.toml setup.py constraints.txt $(wildcard kernels/csrc/*.c kernels/csrc/*.h)
+$(STAMP): pyproject.toml setup.py constraints.txt $(wildcard kernels/cpu/csrc/*.c kernels/cpu/csrc/*.h)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH_SPEC)

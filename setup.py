@@ -1,8 +1,8 @@
-"""Builds the native CPU kernels (kernels/csrc/) at install time; everything else is in pyproject.toml.
+"""Builds the native CPU kernels (kernels/cpu/csrc/) at install time; everything else is in pyproject.toml.
 
 Why here and not on a server's first request: a worker should not need a C compiler at run time,
 nor spend its first step compiling. One shared library per instruction-set variant is built (x86-64:
-baseline, AVX2 + FMA, AVX-512; any other machine: one generic build), and kernels/cpu_native.py
+baseline, AVX2 + FMA, AVX-512; any other machine: one generic build), and kernels/cpu/native.py
 loads the best one the running CPU supports. They are plain C libraries called through ctypes (no
 Python or torch headers: they build in seconds and need neither python3-dev nor torch at build
 time); setuptools' ``Extension`` only compiles and installs them.
@@ -21,21 +21,21 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 SOURCES = [
-    "kernels/csrc/paged_decode.c",
-    "kernels/csrc/paged_prefill.c",
-    "kernels/csrc/logsumexp.c",
-    "kernels/csrc/layer_ops.c",
-    "kernels/csrc/linear.c",
-    "kernels/csrc/quant_linear.c",
-    "kernels/csrc/decode_layers.c",
-    "kernels/csrc/read_spans.c",
-    "kernels/csrc/cpu_features.c",
+    "kernels/cpu/csrc/paged_decode.c",
+    "kernels/cpu/csrc/paged_prefill.c",
+    "kernels/cpu/csrc/logsumexp.c",
+    "kernels/cpu/csrc/layer_ops.c",
+    "kernels/cpu/csrc/linear.c",
+    "kernels/cpu/csrc/quant_linear.c",
+    "kernels/cpu/csrc/decode_layers.c",
+    "kernels/cpu/csrc/read_spans.c",
+    "kernels/cpu/csrc/cpu_features.c",
 ]
 DEPENDS = [
-    "kernels/csrc/fastexp.h",
-    "kernels/csrc/vector_width.h",
-    "kernels/csrc/decode_args.h",
-    "kernels/csrc/linear_panel.h",
+    "kernels/cpu/csrc/fastexp.h",
+    "kernels/cpu/csrc/vector_width.h",
+    "kernels/cpu/csrc/decode_args.h",
+    "kernels/cpu/csrc/linear_panel.h",
 ]
 # -fno-trapping-math: the kernels never enable floating-point traps, and without this flag GCC keeps
 # any loop with a select in it (a clamp, a sign test) scalar, fastexp.h's exp among them: the
@@ -43,7 +43,7 @@ DEPENDS = [
 # what it allows is evaluating both sides of a select.
 COMMON = ["-O3", "-std=gnu11", "-fopenmp", "-fno-strict-aliasing", "-fno-trapping-math", "-Wno-psabi"]
 
-# variant -> compiler flags. Names must match kernels/cpu_native.py's VARIANTS.
+# variant -> compiler flags. Names must match kernels/cpu/native.py's VARIANTS.
 X86_VARIANTS = {
     "x86_64": ["-march=x86-64", "-mtune=generic"],
     "avx2": ["-march=x86-64", "-mtune=generic", "-mavx2", "-mfma", "-mf16c", "-mbmi2"],
@@ -84,7 +84,7 @@ class BuildNative(build_ext):
 setup(
     ext_modules=[
         Extension(
-            f"pagedkv.kernels._cpu_{name}",
+            f"pagedkv.kernels.cpu._native_{name}",
             sources=SOURCES,
             depends=DEPENDS,
             extra_compile_args=COMMON + flags,

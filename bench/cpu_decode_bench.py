@@ -1,6 +1,6 @@
 """CPU decode attention: the native kernel against the gather + SDPA bucket plans.
 
-``kernels/cpu.py`` has two decode paths. The native kernel (``kernels/cpu_native.py``) reads K/V
+``kernels/cpu/attention.py`` has two decode paths. The native kernel (``kernels/cpu/native.py``) reads K/V
 in place from the paged cache. Without it, a step is planned once: which sequences share one
 gather + SDPA call (length buckets) and which shared prefixes are attended once for all their
 members (cascade); every call has a fixed cost (a gather, an SDPA launch, Python), and the cascade
@@ -10,7 +10,7 @@ measured round-robin in one run, in a fresh random order each round (the machine
 
 - ``flat``: buckets bounded by ``PAD_FRACTION`` only, no cascade (the first CPU backend);
 - ``cascade-always``: the same buckets plus a cascade for every group sharing ``MIN_SHARED_BLOCKS``;
-- ``buckets``: the bucket rules ``kernels/cpu.py`` uses without the native kernel (``PAD_TOKENS``
+- ``buckets``: the bucket rules ``kernels/cpu/attention.py`` uses without the native kernel (``PAD_TOKENS``
   of padding always allowed, a cascade only when it saves ``CASCADE_MIN_SAVED_TOKENS``);
 - ``native-flat``: the native decode kernel alone, one call per layer, every member of a group
   computing its shared prefix again (the prefix's K/V read from cache after the first member);
@@ -42,7 +42,8 @@ from typing import Any
 
 import torch
 
-from pagedkv.kernels import cpu, cpu_native
+from pagedkv.kernels.cpu import attention as cpu
+from pagedkv.kernels.cpu import native as cpu_native
 
 BLOCK = 16
 NUM_KV_HEADS, NUM_HEADS, LAYERS = 2, 8, 4

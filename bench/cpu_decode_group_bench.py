@@ -16,7 +16,7 @@ import time
 import torch
 
 from pagedkv import kernels
-from pagedkv.kernels import cpu_native
+from pagedkv.kernels.cpu import native as cpu_native
 
 BLOCK, KV_HEADS, HEAD_DIM = 16, 3, 64
 

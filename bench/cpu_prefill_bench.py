@@ -1,9 +1,9 @@
 """CPU prefill attention: the native prefill kernel against the two paths it replaced for fp32.
 
-``kernels/cpu.py`` sends a prefill step's attention (each sequence's new rows against its cached
+``kernels/cpu/attention.py`` sends a prefill step's attention (each sequence's new rows against its cached
 keys and values, causally) to one of three paths:
 
-- ``prefill kernel``: ``kernels/csrc/paged_prefill.c`` (what fp32 with head_dim a multiple of 16
+- ``prefill kernel``: ``kernels/cpu/csrc/paged_prefill.c`` (what fp32 with head_dim a multiple of 16
   runs now): 16 or 32 rows of a sequence per task, both products register-tiled;
 - ``per-row decode``: the decode kernel with every query row a decode query of its own over its
   causal prefix (what fp32 ran before, and what bf16 still runs);
@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedkv.kernels import cpu, cpu_native
+from pagedkv.kernels.cpu import attention as cpu
+from pagedkv.kernels.cpu import native as cpu_native
 
 BLOCK = 16
 

@@ -10,7 +10,7 @@ forward, sampling; the tokens reaching the host end each step). A batch size tha
 size (6) replays the next size's graph with padding rows. Prints a markdown table and writes
 cuda_graphs.md / cuda_graphs.json under ``--out``, with the share of greedy tokens both modes agree
 on (bf16: eager and graphs may split the KV differently, so a near-tie can flip; token equality
-itself is asserted in fp32 by tests/worker_svc/test_cuda_graphs.py). Exit code 1 when nothing was
+itself is asserted in fp32 by tests/worker_svc/model/test_cuda_graphs.py). Exit code 1 when nothing was
 measured.
 
 ``--device cpu`` (bench/gpu_check.sh --rehearse) runs the same flow with a tiny model; there the

@@ -44,7 +44,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedkv.kernels import cpu_native, cpu_quant_linear
+from pagedkv.kernels.cpu import native as cpu_native
+from pagedkv.kernels.cpu import quant_linear as cpu_quant_linear
 from pagedkv.kernels.quant_linear import QuantizedLinear, QuantizedMatrix
 from pagedkv.worker_svc.model.config import load_model_config
 from pagedkv.worker_svc.model.linear import Linear

@@ -5,7 +5,7 @@ Why: on CPU a decode step of a 30-layer model multiplies a few dozen rows by eve
 so it reads all the weights (SmolLM2-135M in fp32: 425 MB of layers and a 113 MB output layer)
 for little arithmetic. Each pass runs the 30 layers' four matrices in order, each a separate copy,
 then the output layer: what a forward pass does, every weight coming from DRAM. Both paths are the
-worker's ``Linear`` (worker_svc/model/linear.py): "native" is ``kernels/cpu_linear.py`` (what the
+worker's ``Linear`` (worker_svc/model/linear.py): "native" is ``kernels/cpu/linear.py`` (what the
 worker uses for fp32 where its AVX-512 or AVX2 build loads), "oneDNN" the prepacked oneDNN linear (what it
 uses for fp32 elsewhere, for bf16, and without the native library). Passes alternate between the
 two, so machine noise hits both alike. GFLOP/s counts 2 x rows x weights; GB/s counts the weight

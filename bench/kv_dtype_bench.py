@@ -38,7 +38,8 @@ from collections.abc import Callable
 import torch
 
 from pagedkv import kv_capacity
-from pagedkv.kernels import cpu, cpu_native
+from pagedkv.kernels.cpu import attention as cpu
+from pagedkv.kernels.cpu import native as cpu_native
 from pagedkv.kernels.dispatch import BackendName
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -386,7 +387,7 @@ def _teacher_forced(
     after every position but the last, and exp(mean NLL) of the streams' own next tokens. Every
     position attends over the (8-bit) cache it wrote."""
     from pagedkv import kernels
-    from pagedkv.worker_svc.cache_layout import CacheGeometry
+    from pagedkv.worker_svc.cache.layout import CacheGeometry
     from pagedkv.worker_svc.model.batch import AttentionBatch
     from pagedkv.worker_svc.model.config import load_model_config
     from pagedkv.worker_svc.model.weights import load_model

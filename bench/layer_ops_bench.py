@@ -8,7 +8,7 @@ table gives each one's median and best step time over ``--rounds`` steps, and th
 
     python -m bench.layer_ops_bench [--batch 32,8] [--ctx 300] [--threads 2] [--rounds 12]
 
-"fused" is what the worker runs (worker_svc/model/layer_ops.py: kernels/csrc/layer_ops.c);
+"fused" is what the worker runs (worker_svc/model/layer_ops.py: kernels/cpu/csrc/layer_ops.c);
 "torch" is the same forward with the torch composition of RMSNorm, RoPE + KV write and SiLU-mul.
 """
 
@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from pagedkv.kernels import cpu_layer_ops
+from pagedkv.kernels.cpu import layer_ops as cpu_layer_ops
 from pagedkv.worker_svc.model import layer_ops
 from pagedkv.worker_svc.model.config import ModelConfig, RopeConfig
 from pagedkv.worker_svc.model.registry import build_model

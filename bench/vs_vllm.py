@@ -356,8 +356,8 @@ def _instrument_inproc(t: PhaseTimers, engine: Any) -> None:
     import pagedkv.worker_svc.model_runner as runner_mod
     from pagedkv import kernels
     from pagedkv.frontend.engine import Engine
-    from pagedkv.kernels import cpu as kernels_cpu
     from pagedkv.kernels import reference as kernels_reference
+    from pagedkv.kernels.cpu import attention as kernels_cpu
 
     t.wrap(Engine, "step", "engine_step")
     t.observe(engine.bm, "block_manager_rpc")

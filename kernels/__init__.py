@@ -30,8 +30,8 @@ Backends are registered by name in ``kernels/backend.py`` ("reference", "cpu", "
 picks one from its tensors' device:
 
 - CUDA tensors run the Triton kernels.
-- CPU tensors run the CPU backend (``kernels/cpu.py``: the native C kernels of
-  ``kernels/cpu_native.py`` where they were built at install, else length-bucketed gathers + torch's
+- CPU tensors run the CPU backend (``kernels/cpu/attention.py``: the native C kernels of
+  ``kernels/cpu/native.py`` where they were built at install, else length-bucketed gathers + torch's
   fused SDPA, GQA folded per KV head; the reference's block copies, the batched swap), unless
   ``TRITON_INTERPRET=1`` was set before ``pagedkv.kernels`` was imported, in which case the Triton kernels
   run in Triton's interpreter (how CI tests them). bf16 on CPU always uses the CPU backend (the

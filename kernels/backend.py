@@ -25,9 +25,9 @@ from pagedkv.registry import load as load_registered
 # when its backend is chosen.
 MODULES: dict[str, str] = {
     "reference": "pagedkv.kernels.reference",  # plain torch, the oracle
-    # The CPU fast path: the native C kernels (kernels/cpu_native.py) where built, else
-    # length-bucketed gathers + torch's fused SDPA (kernels/cpu.py decides per call).
-    "cpu": "pagedkv.kernels.cpu",
+    # The CPU fast path: the native C kernels (kernels/cpu/native.py) where built, else
+    # length-bucketed gathers + torch's fused SDPA (kernels/cpu/attention.py decides per call).
+    "cpu": "pagedkv.kernels.cpu.attention",
     "triton": "pagedkv.kernels.triton_backend",  # Triton kernels: CUDA, or CPU in Triton's interpreter
 }
 

@@ -2,9 +2,9 @@
 
 Three backends exist: Triton kernels (fast on a GPU, and runnable on CPU in Triton's interpreter,
 which is how CI checks them), a plain-torch reference (the oracle), and the CPU backend
-(``kernels/cpu.py``, the fast path on CPU: the native C kernels of ``kernels/cpu_native.py``, built
+(``kernels/cpu/attention.py``, the fast path on CPU: the native C kernels of ``kernels/cpu/native.py``, built
 at install, where they are available, else length-bucketed gathers and torch's fused SDPA; that
-second choice is made per call inside ``kernels/cpu.py``). This module decides between the
+second choice is made per call inside ``kernels/cpu/attention.py``). This module decides between the
 backends, from these inputs:
 
 0. a name passed explicitly (``resolve(..., requested=name)``, ``pagedkv.kernels.backend_for(t, name)``);

@@ -19,7 +19,7 @@ Two forms, both ``y = x @ W.T`` with ``x`` fp32 ``[rows, in]``:
   (``(GGML type id, rows)``: a fused matrix may join Q4_K and Q6_K parts). The file's bytes, so
   ``dequantize`` is the gguf package's own (``kquant_dequantize``) and nothing is converted.
 
-Which kernel (``QuantizedLinear``): the native ones (``kernels/cpu_quant_linear.py``,
+Which kernel (``QuantizedLinear``): the native ones (``kernels/cpu/quant_linear.py``,
 ``csrc/quant_linear.c``) when the library is loaded, at every row count (they are ahead of
 PyTorch's operators at each row count benchmarked, docs/kernels.md). Without the native
 library, PyTorch's weight-packed matmuls (``_weight_int8pack_mm`` on the same int8 bytes;
@@ -38,7 +38,8 @@ from typing import Literal
 import torch
 
 from pagedkv.arith import ceil_div
-from pagedkv.kernels import cpu_native, cpu_quant_linear
+from pagedkv.kernels.cpu import native as cpu_native
+from pagedkv.kernels.cpu import quant_linear as cpu_quant_linear
 
 GROUP = 32  # inputs per int4 scale/offset group: GGUF's block (and the K-quants' sub-block) size
 PANEL = 16  # output rows per int4 panel
@@ -161,7 +162,7 @@ class QuantizedLinear:
         native = cpu_native.available() if path == "auto" else path == "native"
         if native and not cpu_native.available():
             raise RuntimeError(
-                "the native kernels are not loaded (kernels/cpu_native.py says why in the log)"
+                "the native kernels are not loaded (kernels/cpu/native.py says why in the log)"
             )
         if native:
             return cls(m, cpu_quant_linear.prepare(m))

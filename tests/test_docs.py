@@ -182,7 +182,7 @@ def _names_defined_in_the_tree(py_files: list[pathlib.Path]) -> set[str]:
                 names.add(node.name)
             elif isinstance(node, ast.arg):
                 names.add(node.arg)
-    for c in (ROOT / "kernels" / "csrc").glob("*.[ch]"):
+    for c in (ROOT / "kernels" / "cpu" / "csrc").glob("*.[ch]"):
         names.update(re.findall(r"^\w[\w\s*]*?\b(\w+)\(", c.read_text(), flags=re.M))
     return names
 

@@ -14,7 +14,7 @@ from pagedkv.v1 import (
     worker_pb2,
     worker_pb2_grpc,
 )
-from pagedkv.worker_svc.cache_host import CacheHostServicer
+from pagedkv.worker_svc.cache.host import CacheHostServicer
 from pagedkv.worker_svc.servicer import WorkerServicer
 
 CASES = [

@@ -28,7 +28,7 @@ SUBPACKAGES = ("block_manager_svc", "worker_svc", "kernels", "frontend")
 
 
 def module_name(path: pathlib.Path) -> str:
-    """The name a file is imported by: ``kernels/cpu.py`` is ``pagedkv.kernels.cpu``."""
+    """The name a file is imported by: ``kernels/cpu/attention.py`` is ``pagedkv.kernels.cpu.attention``."""
     parts = path.relative_to(ROOT).with_suffix("").parts
     if parts[0] in SUBPACKAGES:
         parts = ("pagedkv", *parts)
@@ -293,7 +293,7 @@ def test_the_old_name_scan_bites() -> None:
         "from pagedkv import kernels",
         "from pagedkv.frontend.engine import Engine",
         "python -m pagedkv.kernels.aot",
-        "see kernels/cpu.py and docs/kernels.md",
+        "see kernels/cpu/attention.py and docs/kernels.md",
         "kernels.use_backend('cpu')",  # an attribute of the module bound as `kernels`
         'frontend.args[frontend.args.index("--block-manager") + 1]',
         "the frontend.",

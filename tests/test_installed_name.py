@@ -36,9 +36,10 @@ import importlib, importlib.util, json, sys
 OLD = ("frontend", "block_manager_svc", "worker_svc")
 import kernels
 import pagedkv.kernels
-from pagedkv.kernels import cpu_native
+from pagedkv.kernels.cpu import native as cpu_native
 for name in ("pagedkv.cli", "pagedkv.frontend.engine", "pagedkv.frontend.launch.processes",
-             "pagedkv.block_manager_svc.server", "pagedkv.worker_svc.server", "pagedkv.kernels.cpu"):
+             "pagedkv.block_manager_svc.server", "pagedkv.worker_svc.server",
+             "pagedkv.kernels.cpu.attention"):
     importlib.import_module(name)
 print(json.dumps({
     "kernels": kernels.__file__,
@@ -129,7 +130,7 @@ def test_the_wheel_holds_one_top_level_name_with_real_files(wheel: pathlib.Path)
     assert symlinks == []  # the folders' files themselves, not links to a checkout
     for folder in FOLDERS:
         assert f"pagedkv/{folder}/__init__.py" in names, folder
-    assert {"pagedkv/kernels/cpu_native.py", "pagedkv/frontend/engine/engine.py"} <= set(names)
+    assert {"pagedkv/kernels/cpu/native.py", "pagedkv/frontend/engine/engine.py"} <= set(names)
     if COMPILER is not None:
         assert [n for n in names if n.startswith("pagedkv/kernels/_cpu_generic.")], "the native library"
 

@@ -10,7 +10,7 @@ import contextlib
 
 import torch
 
-from pagedkv.worker_svc.cache_layout import dtype_from_name
+from pagedkv.worker_svc.cache.layout import dtype_from_name
 
 
 def resolve_device(name: str) -> torch.device:

@@ -17,7 +17,7 @@ import torch
 from pagedkv.dial import PLAIN, Dialer
 from pagedkv.plan import ModelSize
 from pagedkv.v1 import block_manager_pb2, block_manager_pb2_grpc
-from pagedkv.worker_svc.cache_layout import CacheGeometry, GeometryMismatch
+from pagedkv.worker_svc.cache.layout import CacheGeometry, GeometryMismatch
 from pagedkv.worker_svc.model.config import ModelConfig
 from pagedkv.worker_svc.settings import _Common
 

@@ -23,7 +23,8 @@ import torch
 from pagedkv import kernels
 from pagedkv.arith import ceil_div
 from pagedkv.defaults import MAX_DECODE_STEPS
-from pagedkv.kernels import cpu_native, quant
+from pagedkv.kernels import quant
+from pagedkv.kernels.cpu import native as cpu_native
 from pagedkv.kv_capacity import blocks_for_tokens
 from pagedkv.worker_svc import omp_spin
 from pagedkv.worker_svc.devices import device_scope

@@ -27,15 +27,15 @@ import structlog
 import torch
 
 from pagedkv.v1 import cache_host_pb2, worker_pb2
-from pagedkv.worker_svc import cache_memory
-from pagedkv.worker_svc.cache_host import descriptor_from_proto, weights_from_proto
-from pagedkv.worker_svc.cache_layout import GeometryMismatch, dtype_from_name
+from pagedkv.worker_svc.cache import memory as cache_memory
+from pagedkv.worker_svc.cache.host import descriptor_from_proto, weights_from_proto
+from pagedkv.worker_svc.cache.layout import GeometryMismatch, dtype_from_name
 
 if TYPE_CHECKING:
+    from pagedkv.worker_svc.cache.shared_weights import SharedWeights, WeightsDescriptor
     from pagedkv.worker_svc.model.registry import Model
     from pagedkv.worker_svc.model_runner import ModelRunner
     from pagedkv.worker_svc.server import WorkerProcess
-    from pagedkv.worker_svc.shared_weights import SharedWeights, WeightsDescriptor
 
 log = structlog.get_logger("pagedkv.worker")
 

@@ -27,15 +27,18 @@ from pagedkv.dial import Dialer, TokenError
 from pagedkv.grpc_server import GrpcServer, start_server, stop_event_on_signals
 from pagedkv.logging_setup import configure_logging
 from pagedkv.v1 import cache_host_pb2, worker_pb2, worker_pb2_grpc
-from pagedkv.worker_svc import cache_memory, cpu_placement, heap, shared_weights
-from pagedkv.worker_svc.cache_host import (
+from pagedkv.worker_svc import cpu_placement, heap
+from pagedkv.worker_svc.cache import memory as cache_memory
+from pagedkv.worker_svc.cache import shared_weights
+from pagedkv.worker_svc.cache.host import (
     CacheOwner,
     descriptor_from_proto,
     geometry_to_proto,
     serve_cache,
     weights_from_proto,
 )
-from pagedkv.worker_svc.cache_layout import GeometryMismatch, dtype_from_name, dtype_name
+from pagedkv.worker_svc.cache.layout import GeometryMismatch, dtype_from_name, dtype_name
+from pagedkv.worker_svc.cache.shared_weights import SharedWeights, WeightsDescriptor
 from pagedkv.worker_svc.cache_watch import EXIT_CACHE_LOST, CacheHostWatcher
 from pagedkv.worker_svc.devices import resolve_device, resolve_dtype
 from pagedkv.worker_svc.geometry import (
@@ -56,7 +59,6 @@ from pagedkv.worker_svc.reattach import reattach
 from pagedkv.worker_svc.servicer import SERVICE_NAME as WORKER_SERVICE
 from pagedkv.worker_svc.servicer import WorkerServicer
 from pagedkv.worker_svc.settings import CacheHostSettings, WorkerSettings
-from pagedkv.worker_svc.shared_weights import SharedWeights, WeightsDescriptor
 from pagedkv.worker_svc.step_channel import StepChannelServer
 
 if TYPE_CHECKING:
@@ -315,7 +317,7 @@ def start_worker(
         model, weights = _model_for_worker(settings, model_cfg, dtype, device, weights_from_proto(info))
         runner = _runner(settings, model, cache)
         from pagedkv import kernels
-        from pagedkv.kernels import cpu_native
+        from pagedkv.kernels.cpu import native as cpu_native
 
         winfo = worker_pb2.WorkerInfo(
             model_name=model_cfg.name,

@@ -115,7 +115,7 @@ class CacheHostSettings(_Common):
 
     port: int = Field(defaults.CACHE_HOST_PORT, ge=0, le=65535, description="gRPC port")
     shm_prefix: str = Field("pagedkv", description="prefix of the POSIX shared-memory segment names")
-    # Shared weights (worker_svc/shared_weights.py): loaded once here, mapped by every worker.
+    # Shared weights (worker_svc/cache/shared_weights.py): loaded once here, mapped by every worker.
     share_weights: bool = Field(
         True, description="load the model's weights once and export them to workers beside the KV cache"
     )

@@ -342,7 +342,7 @@ PYEOF
 # Triton interpreter; the CUDA-only tests skip themselves), with as many workers as there are CPUs,
 # each test function once (bench/gpu/one_case.py: its first case; the interpreter's numerics for
 # every case take minutes on two cores).
-GRAPHS_TEST="tests/worker_svc/test_cuda_graphs.py::test_graphs_give_the_eager_greedy_tokens_on_cuda"
+GRAPHS_TEST="tests/worker_svc/model/test_cuda_graphs.py::test_graphs_give_the_eager_greedy_tokens_on_cuda"
 pytest_run() {
   local workers="$1"; shift
   "$PY" -m pytest tests/kernels "$GRAPHS_TEST" -q -ra -p no:cacheprovider -n "$workers" --dist loadfile \
@@ -355,7 +355,7 @@ pytest_section_rehearse() { pytest_run "${PYTEST_WORKERS:-$(nproc)}" -p bench.gp
 # The rehearsal runs the whole module (each test function once, bench/gpu/one_case.py): the CUDA
 # test skips itself, the shared-memory stand-in's cross-process tests run; the CUDA test id must
 # still exist (exactly one test collected).
-IPC_TEST="tests/worker_svc/test_cache_memory.py::test_cuda_ipc_round_trip_across_processes"
+IPC_TEST="tests/worker_svc/cache/test_memory.py::test_cuda_ipc_round_trip_across_processes"
 ipc_section() { "$PY" -m pytest -q -ra -p no:cacheprovider "$IPC_TEST"; }
 ipc_section_rehearse() {
   "$PY" -m pytest -q -p no:cacheprovider --collect-only "$IPC_TEST" > "$WORK/ipc_collect.txt" 2>&1

@@ -40,9 +40,9 @@ class LocalStack:
 
     def __init__(self, config: StackConfig | None = None) -> None:
         # The in-process workers: imported here, not at module level (see the module docstring).
-        from pagedkv.worker_svc import cache_memory
-        from pagedkv.worker_svc.cache_host import serve_cache
-        from pagedkv.worker_svc.cache_layout import CacheGeometry
+        from pagedkv.worker_svc.cache import memory as cache_memory
+        from pagedkv.worker_svc.cache.host import serve_cache
+        from pagedkv.worker_svc.cache.layout import CacheGeometry
         from pagedkv.worker_svc.devices import resolve_device, resolve_dtype
         from pagedkv.worker_svc.geometry import model_block_bytes
         from pagedkv.worker_svc.model.config import load_model_config

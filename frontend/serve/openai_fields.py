@@ -6,7 +6,7 @@ A field is implemented (a member of a request model in frontend/serve/openai_api
 ``store: false``), or ``Ignored`` with the reason ignoring it cannot change what the client gets
 back. Any other field is refused as unknown (the request models forbid extras). docs/serve.md's
 field table says the same for every field of OpenAI's completions and chat requests, and
-tests/frontend/test_openai_fields.py walks the `openai` SDK's request types to check each one is
+tests/frontend/serve/test_openai_fields.py walks the `openai` SDK's request types to check each one is
 honoured or refused.
 """
 

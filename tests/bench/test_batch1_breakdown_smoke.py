@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from bench.kv_dtype_bench import smollm2_gguf
-from pagedkv.kernels import cpu_native
+from pagedkv.kernels.cpu import native as cpu_native
 from tests.bench.tables import run_bench
 
 

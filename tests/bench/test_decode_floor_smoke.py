@@ -8,7 +8,8 @@ import re
 
 import pytest
 
-from pagedkv.kernels import cpu_native, cpu_quant_linear
+from pagedkv.kernels.cpu import native as cpu_native
+from pagedkv.kernels.cpu import quant_linear as cpu_quant_linear
 from tests.bench.tables import run_bench
 from tests.worker_svc.families import small_q4_1_llama
 

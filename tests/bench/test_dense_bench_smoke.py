@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedkv.kernels import cpu_native
+from pagedkv.kernels.cpu import native as cpu_native
 from tests.bench.tables import data_rows, run_bench
 
 

@@ -24,7 +24,7 @@ def test_the_modules_the_old_list_missed_are_found_with_the_sections_that_need_t
         ("google.rpc.status_pb2", {"worker", "pd"}),
         ("grpc_status.rpc_status", {"worker", "pd"}),
         ("safetensors", {"worker", "pd", "graphs"}),
-        # the kernel tests reach structlog through pagedkv.kernels.cpu_native
+        # the kernel tests reach structlog through pagedkv.kernels.cpu.native
         ("structlog", {"pytest", "worker", "pd"}),
         ("xdist", {"pytest", "preflight"}),
     ):

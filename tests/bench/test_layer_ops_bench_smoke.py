@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedkv.kernels import cpu_layer_ops
+from pagedkv.kernels.cpu import layer_ops as cpu_layer_ops
 from tests.bench.tables import data_rows, run_bench
 
 

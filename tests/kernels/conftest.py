@@ -7,7 +7,9 @@ from collections.abc import Iterator
 import pytest
 
 from pagedkv import kernels
-from pagedkv.kernels import cpu_native, cpu_quant_linear, dispatch
+from pagedkv.kernels import dispatch
+from pagedkv.kernels.cpu import native as cpu_native
+from pagedkv.kernels.cpu import quant_linear as cpu_quant_linear
 
 
 @pytest.fixture

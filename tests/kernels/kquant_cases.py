@@ -114,8 +114,8 @@ def round_inputs_as_the_kernel_does(x: torch.Tensor, block: int = QK, top: int =
     inputs (a last block of fewer: the inputs left) rounded to q * d with d = max|x| / ``top`` and
     q = x * (top / max|x|) rounded to nearest-even, in fp32 (an all-zero block stays zero). The
     K-quant kernel: 256 inputs to 8 bits (the defaults); int4 and int8: 32 to 16 bits
-    (``INPUT_ROUNDING`` of kernels/cpu_quant_linear.py). Written from the documented rule
-    (kernels/csrc/quant_linear.c), not from the kernel, for references and oracles."""
+    (``INPUT_ROUNDING`` of kernels/cpu/quant_linear.py). Written from the documented rule
+    (kernels/cpu/csrc/quant_linear.c), not from the kernel, for references and oracles."""
     k = x.shape[-1]
     xf = torch.nn.functional.pad(x.float(), (0, -k % block))  # a short last block: zeros round to 0
     xf = xf.reshape(*x.shape[:-1], -(-k // block), block)

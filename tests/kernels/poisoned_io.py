@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedkv.kernels import cpu_quant_linear
+from pagedkv.kernels.cpu import quant_linear as cpu_quant_linear
 from pagedkv.kernels.quant_linear import QuantizedMatrix
 
 

@@ -1,7 +1,7 @@
 """Nothing in bench/gpu_check.sh's pytest selection (tests/kernels) needs a CPU-only feature there.
 
-The CPU-only features are the native C kernels (kernels/cpu_native.py) and the CPU backend
-(kernels/cpu.py): both read host memory. Every test module that uses them runs here as on the GPU
+The CPU-only features are the native C kernels (kernels/cpu/native.py) and the CPU backend
+(kernels/cpu/attention.py): both read host memory. Every test module that uses them runs here as on the GPU
 image (tests/kernels/gpu_image_plugin.py: CUDA "available", ``cases.DEVICE`` not the CPU): each of
 its tests must pass on CPU tensors it builds itself, or skip itself, never touch a device tensor.
 """

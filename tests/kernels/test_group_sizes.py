@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pagedkv import kernels
-from pagedkv.kernels import cpu_native
+from pagedkv.kernels.cpu import native as cpu_native
 from tests.kernels.cases import GQA_GROUPS as GROUPS
 from tests.kernels.cases import GQA_NUM_KV_HEADS as NUM_KV_HEADS
 from tests.kernels.cases import check_decode_group, check_prefill_group

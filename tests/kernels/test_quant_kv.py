@@ -15,7 +15,9 @@ import pytest
 import torch
 
 from pagedkv import kernels
-from pagedkv.kernels import cpu, cpu_native, quant, reference
+from pagedkv.kernels import quant, reference
+from pagedkv.kernels.cpu import attention as cpu
+from pagedkv.kernels.cpu import native as cpu_native
 from tests.kernels.quant_cases import CASES, DTYPES, oracle, q_lens_of
 from tests.kernels.quant_cases import batch as _batch
 from tests.kernels.quant_cases import decode as _decode

@@ -2,7 +2,7 @@
 weights the integers stand for, through each path (the native kernels when loaded, PyTorch's
 operators): odd shapes (rows padded to the 16-row panel), inputs read from NaN-poisoned buffers,
 padded rows poisoned, the packing unpacked to the same integers, and a wrong scale or group index
-caught. The native kernels' own oracles: tests/kernels/test_cpu_quant_linear.py."""
+caught. The native kernels' own oracles: tests/kernels/cpu/test_quant_linear.py."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pagedkv.kernels import quant_linear
-from pagedkv.kernels.cpu_quant_linear import INPUT_ROUNDING
+from pagedkv.kernels.cpu.quant_linear import INPUT_ROUNDING
 from pagedkv.kernels.quant_linear import GROUP, PANEL, QuantizedLinear, QuantizedMatrix
 from tests.kernels import kquant_cases
 

@@ -14,9 +14,9 @@ from pagedkv.block_manager_svc.settings import BlockManagerSettings
 from pagedkv.grpc_server import start_server
 from pagedkv.v1 import block_manager_pb2 as bm_pb
 from pagedkv.v1 import worker_pb2_grpc
-from pagedkv.worker_svc import cache_memory
-from pagedkv.worker_svc.cache_host import serve_cache
-from pagedkv.worker_svc.cache_layout import CacheGeometry
+from pagedkv.worker_svc.cache import memory as cache_memory
+from pagedkv.worker_svc.cache.host import serve_cache
+from pagedkv.worker_svc.cache.layout import CacheGeometry
 
 GARBAGE = b"\x0a\xff\xff\xff\xff"  # a length-delimited field whose length runs past the end
 

@@ -30,9 +30,9 @@ from pagedkv.dial import InsecureTokenError
 from pagedkv.frontend.clients.block_manager import BlockManagerClient
 from pagedkv.frontend.serve.server import OpenAIServer
 from pagedkv.frontend.serve.settings import ServeSettings
-from pagedkv.worker_svc import cache_memory
-from pagedkv.worker_svc.cache_host import serve_cache
-from pagedkv.worker_svc.cache_layout import CacheGeometry
+from pagedkv.worker_svc.cache import memory as cache_memory
+from pagedkv.worker_svc.cache.host import serve_cache
+from pagedkv.worker_svc.cache.layout import CacheGeometry
 from pagedkv.worker_svc.model.config import load_model_config
 from pagedkv.worker_svc.server import start_worker
 from pagedkv.worker_svc.settings import WorkerSettings

@@ -32,7 +32,7 @@ from pagedkv.v1 import (
     worker_pb2,
     worker_pb2_grpc,
 )
-from tests.frontend.test_cli_stack import free_ports
+from tests.frontend.launch.test_cli_stack import free_ports
 from tests.frontend.up_process import UpProcess
 from tests.security.conftest import TOKENS, TOOLS, write_tokens
 from tests.worker_svc.conftest import HFModel, build_hf_model

@@ -13,9 +13,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pagedkv.dial import InsecureTokenError
 from pagedkv.frontend.clients.worker import WorkerClient
 from pagedkv.v1 import worker_pb2 as wpb
-from pagedkv.worker_svc import cache_memory
-from pagedkv.worker_svc.cache_host import serve_cache
-from pagedkv.worker_svc.cache_layout import CacheGeometry
+from pagedkv.worker_svc.cache import memory as cache_memory
+from pagedkv.worker_svc.cache.host import serve_cache
+from pagedkv.worker_svc.cache.layout import CacheGeometry
 from pagedkv.worker_svc.model.config import load_model_config
 from pagedkv.worker_svc.server import start_worker
 from pagedkv.worker_svc.settings import WorkerSettings

@@ -243,7 +243,7 @@ def rounded_inputs(model: Any) -> dict[str, Any]:
     pagedkv model) rounds its input (``cpu_quant_linear.INPUT_ROUNDING``: int4 to 16 bits per 32
     inputs, K-quant blocks to 8 bits per 256); modules whose matrix multiplies x as it is are left
     out."""
-    from pagedkv.kernels.cpu_quant_linear import INPUT_ROUNDING
+    from pagedkv.kernels.cpu.quant_linear import INPUT_ROUNDING
 
     def block(lin: Any) -> Any:
         path = str(lin.path)

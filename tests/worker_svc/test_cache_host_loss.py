@@ -20,9 +20,9 @@ from grpc_status import rpc_status
 
 from pagedkv import errors
 from pagedkv.v1 import worker_pb2, worker_pb2_grpc
-from pagedkv.worker_svc import cache_memory
-from pagedkv.worker_svc.cache_host import serve_cache
-from pagedkv.worker_svc.cache_layout import CacheGeometry
+from pagedkv.worker_svc.cache import memory as cache_memory
+from pagedkv.worker_svc.cache.host import serve_cache
+from pagedkv.worker_svc.cache.layout import CacheGeometry
 from pagedkv.worker_svc.cache_watch import CACHE_LOST_PREFIX
 from pagedkv.worker_svc.model.config import load_model_config
 from pagedkv.worker_svc.server import start_worker

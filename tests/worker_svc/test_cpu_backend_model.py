@@ -1,4 +1,4 @@
-"""The model on the CPU fast path (kernels/cpu.py plans + oneDNN-packed linears) against transformers.
+"""The model on the CPU fast path (kernels/cpu/attention.py plans, oneDNN-packed linears) vs transformers.
 
 The rest of tests/worker_svc runs the reference kernels; here the same greedy-equality oracle runs
 with ``pagedkv.kernels.use_backend("cpu")``, the backend ``auto`` picks on CPU, on both of its decode paths
@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from pagedkv import kernels
-from pagedkv.kernels import cpu_linear, cpu_native
+from pagedkv.kernels.cpu import linear as cpu_linear
+from pagedkv.kernels.cpu import native as cpu_native
 from pagedkv.worker_svc.model import linear
 from pagedkv.worker_svc.model_runner import ModelRunner
 from tests.worker_svc.conftest import HFModel
@@ -25,7 +26,7 @@ from tests.worker_svc.test_model_runner import BLOCK, PROMPT, make_runner
 
 @pytest.fixture(autouse=True, params=["native", "buckets"])
 def _cpu_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
-    """Every test on both decode paths: the native kernel (kernels/cpu_native.py) and the gathers."""
+    """Every test on both decode paths: the native kernel (kernels/cpu/native.py) and the gathers."""
     if request.param == "buckets":
         monkeypatch.setenv("PAGEDKV_CPU_NATIVE", "0")
     elif not cpu_native.available():
@@ -89,8 +90,8 @@ def test_decode_over_shared_prefix_blocks_matches_generate(
     runner: ModelRunner, hf_llama: HFModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Sequences whose block tables start with the same physical blocks (prefix hits on one system
-    prompt) attend to them together (kernels/cpu.py cascade) and still decode exactly."""
-    from pagedkv.kernels import cpu
+    prompt) attend to them together (kernels/cpu/attention.py cascade) and still decode exactly."""
+    from pagedkv.kernels.cpu import attention as cpu
 
     merges = []
     real = cpu._merge_shared_prefix  # noqa: SLF001
@@ -126,7 +127,7 @@ def test_decode_over_shared_prefix_blocks_matches_generate(
 def test_prefill_runs_on_the_native_prefill_kernel(
     runner: ModelRunner, hf_llama: HFModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """fp32 prefill rows go through kernels/csrc/paged_prefill.c (a spy sees every layer's call) and
+    """fp32 prefill rows go through kernels/cpu/csrc/paged_prefill.c (a spy sees every layer's call) and
     the greedy tokens stay transformers'."""
     if not cpu_native.available():
         pytest.skip("the native kernels are off in this parameter")

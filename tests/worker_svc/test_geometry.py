@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from pagedkv.worker_svc.cache_layout import GeometryMismatch
+from pagedkv.worker_svc.cache.layout import GeometryMismatch
 from pagedkv.worker_svc.geometry import (
     PoolConfig,
     check_against_host,

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from pagedkv.worker_svc import cuda_ipc_backend, cudart_fallback, devices, model_runner, shared_weights
+from pagedkv.worker_svc import devices, model_runner
+from pagedkv.worker_svc.cache import cuda_ipc_backend, cudart_fallback, shared_weights
 from pagedkv.worker_svc.model.sampling import SamplingParams
 from pagedkv.worker_svc.model_runner import SequenceRequest
 from tests.worker_svc.conftest import HFModel

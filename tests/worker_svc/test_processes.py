@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from pagedkv.kernels import cpu_linear
+from pagedkv.kernels.cpu import linear as cpu_linear
 from pagedkv.ports import free_port
 from pagedkv.v1 import worker_pb2_grpc
 from tests.worker_svc.conftest import HFModel

@@ -16,9 +16,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pagedkv.grpc_server import GrpcServer
 from pagedkv.v1 import cache_host_pb2, cache_host_pb2_grpc, worker_pb2, worker_pb2_grpc
-from pagedkv.worker_svc import cache_memory
-from pagedkv.worker_svc.cache_host import serve_cache
-from pagedkv.worker_svc.cache_layout import CacheGeometry, GeometryMismatch
+from pagedkv.worker_svc.cache import memory as cache_memory
+from pagedkv.worker_svc.cache.host import serve_cache
+from pagedkv.worker_svc.cache.layout import CacheGeometry, GeometryMismatch
 from pagedkv.worker_svc.model.config import ModelConfig
 from pagedkv.worker_svc.server import start_worker, wait_for_cache_host
 from pagedkv.worker_svc.settings import WorkerSettings
@@ -135,7 +135,7 @@ def test_worker_info(worker: worker_pb2_grpc.WorkerStub, host: Host) -> None:
     assert info.vocab_size == 128 and info.num_kv_heads == 2 and info.geometry.block_size == BLOCK
     assert info.cache_instance_id == host.cache.descriptor.instance_id and info.kernel_backend == "reference"
     # The CPU kernel path of the worker's process (here the test process): native-<variant> or torch.
-    from pagedkv.kernels import cpu_native
+    from pagedkv.kernels.cpu import native as cpu_native
 
     assert info.cpu_kernel_path == cpu_native.kernel_path() and info.cpu_kernel_path.startswith(
         ("native-", "torch")

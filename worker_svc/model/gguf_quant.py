@@ -12,7 +12,7 @@ Which form each GGUF type takes (``form_of``):
   ``d * q + m``; Q4_K: ``d * sc * q - dmin * m`` per 32-weight sub-block), i.e. ``(q - 8) * s + z``
   with ``s``, ``z`` per group of 32: the same integers, the scale and offset computed once in fp32
   (equal to the gguf package's dequantization up to fp32 rounding of ``z``;
-  tests/worker_svc/test_gguf_quant.py).
+  tests/worker_svc/model/test_gguf_quant.py).
 - Q8_0, Q5_0, Q5_1, Q5_K: ``int8`` with one scale per row, requantized from the gguf
   package's dequantization once at load. PyTorch's int8 operator has no per-group scales, so this is
   a conversion with an error, measured per matrix (``ConversionError``) and written down in

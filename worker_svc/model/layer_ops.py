@@ -1,13 +1,13 @@
 """The elementwise parts of a decoder layer: RMSNorm (with the residual add), SiLU-and-multiply,
 and the rotary embedding with the KV write. One decision, made once per forward pass: fused native
-kernels (``kernels/cpu_layer_ops.py``) or the torch composition.
+kernels (``kernels/cpu/layer_ops.py``) or the torch composition.
 
 Why a choice: on CPU in fp32, with the step's attention on the CPU backend and the native library
 loaded, the fused kernels do in one call what torch does in about 25 small operators a layer
 (bench/layer_ops_bench.py measures both on a layer of the real small-model shape). Everywhere
 else (CUDA, bf16, the reference or Triton backend, ``PAGEDKV_CPU_NATIVE=0``) the torch composition
 runs: it is Hugging Face's arithmetic, and the reference the fused path is tested against
-(tests/worker_svc/test_layer_ops.py).
+(tests/worker_svc/model/test_layer_ops.py).
 
 Both paths share one contract: ``rms_norm`` with a ``delta`` adds it to ``x`` in place first, so
 ``x`` is the layer's running residual sum; ``rope_store`` returns q and writes k and v to the cache.
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagedkv.kernels import cpu_layer_ops
+from pagedkv.kernels.cpu import layer_ops as cpu_layer_ops
 from pagedkv.kernels.step import PagedStep
 from pagedkv.worker_svc.model.rope import apply_rotary
 

@@ -6,7 +6,7 @@ blocked layout on every call, so each weight is read, written and read again per
 paths read only a copy laid out for them, made once here:
 
 - fp32 where the native library's AVX-512 or AVX2 build is loaded (``cpu_linear.preferred()``):
-  ``kernels/cpu_linear.py`` (``csrc/linear.c``), 32-column panels streamed at the memory's rate,
+  ``kernels/cpu/linear.py`` (``csrc/linear.c``), 32-column panels streamed at the memory's rate,
   ahead of oneDNN's prepacked linear at a decode step's rows on both builds (``bench/dense_bench.py``
   compares them side by side; docs/kernels.md, "Linear layers", has the figures).
 - otherwise (bf16, the baseline x86-64 build, or no native library): oneDNN's prepacked linear
@@ -20,12 +20,12 @@ paths read only a copy laid out for them, made once here:
 A quantized matrix (``pagedkv.kernels.quant_linear.QuantizedMatrix``: int4 groups, int8 rows or a GGUF's
 Q4_K / Q6_K blocks) runs the native int4 / int8 / K-quant kernels on its integers where the library
 is loaded (``native-int4`` / ``native-int8`` / ``native-kquant``: a decode step's rows read the
-integers where they lie, ``kernels/cpu_quant_linear.py``), else PyTorch's weight-packed matmuls
+integers where they lie, ``kernels/cpu/quant_linear.py``), else PyTorch's weight-packed matmuls
 (``int4`` / ``int8``; ``kquant``: a private fp32 copy, PyTorch having no K-quant operator), fp32 in
 and out.
 
 Everything else (CUDA, other dtypes, a torch without oneDNN, a failure to pack) keeps ``F.linear``.
-Results equal ``F.linear``'s up to fp32 summation order (tests/kernels/test_cpu_linear.py,
+Results equal ``F.linear``'s up to fp32 summation order (tests/kernels/cpu/test_linear.py,
 tests/worker_svc/test_cpu_backend_model.py); greedy tokens stay those of transformers
 (tests/worker_svc/test_model_runner.py).
 """
@@ -37,9 +37,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagedkv.kernels import cpu_linear
-from pagedkv.kernels.cpu_linear import PackedLinear
-from pagedkv.kernels.cpu_quant_linear import NativeMatmul
+from pagedkv.kernels.cpu import linear as cpu_linear
+from pagedkv.kernels.cpu.linear import PackedLinear
+from pagedkv.kernels.cpu.quant_linear import NativeMatmul
 from pagedkv.kernels.quant_linear import QuantizedLinear, QuantizedMatrix
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
@@ -108,7 +108,7 @@ class Linear:
     def native_projection(self) -> tuple[PackedLinear | NativeMatmul, torch.Tensor | None] | None:
         """The native kernel this layer runs with the bias to add after it (a packed fp32 layer adds
         its own), or None when it runs another path: what a decode chain
-        (kernels/cpu_decode_layers.py) calls in its place."""
+        (kernels/cpu/decode_layers.py) calls in its place."""
         if self.qlinear is not None:
             return (self.qlinear.native, self.bias) if self.qlinear.native is not None else None
         return (self.native, None) if self.native is not None else None

@@ -21,7 +21,7 @@ The step's attention metadata is validated, its kernel backend chosen and the ba
 (``AttentionBatch.kernels_step``, ``kernels/step.py``); every layer then calls the backend directly.
 
 A decode step whose layers all run native CPU kernels goes through them in one native call instead
-(``kernels/cpu_decode_layers.py``: the same kernels, arguments and order, so the same results to the
+(``kernels/cpu/decode_layers.py``: the same kernels, arguments and order, so the same results to the
 bit, without a Python call per kernel); every other step, and the per-call reference, is the loop
 below.
 """
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from pagedkv.kernels.cpu_decode_layers import DecodeChain, LayerWeights
+from pagedkv.kernels.cpu.decode_layers import DecodeChain, LayerWeights
 from pagedkv.kernels.quant_linear import QuantizedMatrix
 from pagedkv.worker_svc.model import layer_ops
 from pagedkv.worker_svc.model.batch import AttentionBatch

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedkv import defaults
-from pagedkv.kernels import cpu_native
+from pagedkv.kernels.cpu import native as cpu_native
 
 _MASK64 = (1 << 64) - 1
 
@@ -129,7 +129,7 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     "Sampling", has the figures). So: each row's maximum per chunk of ``ARGMAX_CHUNK`` columns
     (``amax``), the first chunk holding the row's maximum (argmax over the few chunk maxima), then
     the first maximum inside that chunk. Same index as ``argmax`` for every input, ties and NaN
-    included (a NaN is the maximum for both; tests/worker_svc/test_sampling.py)."""
+    included (a NaN is the maximum for both; tests/worker_svc/model/test_sampling.py)."""
     rows, vocab = logits.shape
     if logits.device.type != "cpu" or vocab < 4 * ARGMAX_CHUNK or rows == 0:
         return torch.argmax(logits, dim=-1)
@@ -160,7 +160,7 @@ def sample(
     """
     # log p(token) = logit - logsumexp(row): no [num_seqs, vocab] log-softmax tensor is written.
     # On CPU the native kernel gives the log-sum-exp and the greedy token from the same two passes
-    # over each row (kernels/csrc/logsumexp.c), so the greedy token costs no pass of its own over
+    # over each row (kernels/cpu/csrc/logsumexp.c), so the greedy token costs no pass of its own over
     # the vocabulary (docs/kernels.md, "Sampling", has the figures).
     fused = cpu_native.logsumexp_argmax_rows(logits)
     if fused is not None:

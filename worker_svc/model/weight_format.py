@@ -20,7 +20,7 @@ from typing import get_args
 import torch
 
 from pagedkv.weight_formats import WeightFormat
-from pagedkv.worker_svc.cache_layout import dtype_name
+from pagedkv.worker_svc.cache.layout import dtype_name
 from pagedkv.worker_svc.model import model_source
 
 WEIGHT_FORMATS: tuple[str, ...] = get_args(WeightFormat)

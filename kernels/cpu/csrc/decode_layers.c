@@ -1,0 +1,126 @@
+/* A decode step's decoder layers in one call: the same kernels the model calls one by one from
+ * Python (layer_ops.c, linear.c, quant_linear.c, paged_decode.c), chained here in the same order on
+ * the same arguments, so the results are the same to the bit.
+ *
+ * Why: a decode step of a deep, narrow model is mostly calls, not arithmetic. SmolLM2-135M's step
+ * makes nine kernel calls a layer over 30 layers; from Python each costs its argument checks, a
+ * tensor allocation and a ctypes crossing (10-20 us), about 7 ms of a 16 ms step at one sequence on
+ * the 2-core development VM, where its weights take 3.4 ms to read. Chained in C the step pays one
+ * crossing (kernels/cpu/decode_layers.py decides when it applies and fills these structs; the
+ * Python path stays the reference and the path of every other step).
+ *
+ * Per layer, as worker_svc/model/llama.py's forward: x += delta (the previous layer's output, none
+ * before the first) and RMSNorm; the fused QKV projection; RoPE with the K/V write into the layer's
+ * cache; paged decode attention; the output projection; x += it and RMSNorm; the fused gate/up
+ * projection; SiLU-and-multiply; the down projection into delta. The caller adds the last delta.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "decode_args.h"
+
+/* The chained kernels (their own files). */
+void pagedkv_rms_norm_f32(int64_t n, int64_t h, float *x, int64_t x_stride, const float *delta, int64_t delta_stride,
+                          const float *weight, float *out, int64_t out_stride, float eps, int num_threads);
+void pagedkv_silu_mul_f32(int64_t n, int64_t inter, const float *gate_up, int64_t gu_stride, float *out,
+                          int64_t out_stride, int num_threads);
+void pagedkv_rope_store_f32(int64_t n, int64_t num_heads, int64_t num_kv_heads, int64_t D, const float *qkv,
+                            int64_t qkv_stride, const float *cos, const float *sin, int64_t cs_stride, float *q,
+                            float *key_cache, float *value_cache, int64_t block_size, int64_t c_block_stride,
+                            int64_t c_slot_stride, int64_t c_head_stride, const int64_t *slots, int num_threads);
+void pagedkv_linear_f32(int64_t m, int64_t n, int64_t k, const float *x, int64_t x_stride, const float *packed,
+                        const float *bias, float *y, int64_t y_stride, int num_threads);
+int pagedkv_q4_linear(int64_t m, int64_t n, int64_t k, const float *x, int64_t x_stride, const uint8_t *qweight,
+                      const float *qscale, float *y, int64_t y_stride, int num_threads);
+int pagedkv_q8_linear(int64_t m, int64_t n, int64_t k, const float *x, int64_t x_stride, const int8_t *qweight,
+                      int64_t w_stride, const float *scale, float *y, int64_t y_stride, int num_threads);
+int pagedkv_kq_linear(int64_t m, int64_t n, int64_t k, const float *x, int64_t x_stride, const uint8_t *w,
+                      const int32_t *segs, int64_t nsegs, float *y, int64_t y_stride, int num_threads);
+
+enum { LIN_F32 = 1, LIN_Q4 = 2, LIN_Q8 = 3, LIN_KQ = 4 };
+
+typedef struct {      /* one linear layer: its kernel and weight arguments (cpu_decode_layers._Linear) */
+    int64_t kind;     /* LIN_* */
+    int64_t n, k;     /* out_features, in_features */
+    const void *w;    /* packed fp32 panels / int4 nibbles / int8 rows / K-quant bytes */
+    const void *aux;  /* int4 scales / int8 row scales / K-quant segment table; unused for fp32 */
+    int64_t aux_int;  /* int8 row stride / K-quant segment count */
+    const float *bias; /* or NULL: for fp32 the kernel adds it, for integers it is added after */
+} LinearArgs;
+
+typedef struct {
+    const float *input_norm, *post_norm;
+    LinearArgs qkv, o, gate_up, down;
+} LayerArgs;
+
+typedef struct {
+    int64_t num_layers, num_tokens, hidden, num_heads, num_kv_heads, head_dim, inter;
+    float eps;
+    int num_threads;
+    const float *cos, *sin; /* [num_tokens, head_dim], row stride cs_stride */
+    int64_t cs_stride;
+    const int64_t *slots;   /* [num_tokens] cache slots of the new K/V */
+    const int32_t *block_tables, *seq_lens;
+    float *kv_base;         /* the all-layers cache [layers, 2, blocks, block_size, kv_heads, head_dim] */
+    int64_t layer_stride, kv_stride; /* elements from one layer to the next, and from K to V */
+    DecodeArgs attn;        /* the attention kernel's shapes and strides (num_seqs = num_tokens) */
+} ChainArgs;
+
+static int linear(const LinearArgs *l, int64_t m, const float *x, float *y, int nt) {
+    int rc;
+    switch (l->kind) {
+    case LIN_F32:
+        pagedkv_linear_f32(m, l->n, l->k, x, l->k, (const float *)l->w, l->bias, y, l->n, nt);
+        return 0;
+    case LIN_Q4:
+        rc = pagedkv_q4_linear(m, l->n, l->k, x, l->k, (const uint8_t *)l->w, (const float *)l->aux, y, l->n, nt);
+        break;
+    case LIN_Q8:
+        rc = pagedkv_q8_linear(m, l->n, l->k, x, l->k, (const int8_t *)l->w, l->aux_int, (const float *)l->aux, y,
+                               l->n, nt);
+        break;
+    case LIN_KQ:
+        rc = pagedkv_kq_linear(m, l->n, l->k, x, l->k, (const uint8_t *)l->w, (const int32_t *)l->aux, l->aux_int, y,
+                               l->n, nt);
+        break;
+    default:
+        return -3;
+    }
+    if (rc == 0 && l->bias)
+        for (int64_t r = 0; r < m; r++)
+            for (int64_t j = 0; j < l->n; j++) y[r * l->n + j] += l->bias[j];
+    return rc;
+}
+
+/* x [num_tokens, hidden] is the residual stream (updated in place), delta [num_tokens, hidden] gets
+ * the last layer's output. Returns 0, -1 when a kernel could not allocate its scratch, -2 when the
+ * attention kernel refused its indices, -3 for an unknown linear kind; on an error x and the caches
+ * are part-way through the step (the caller fails the step, as a failing per-op call would). */
+int pagedkv_decode_layers_f32(const ChainArgs *a, const LayerArgs *layers, float *x, float *delta) {
+    const int64_t n = a->num_tokens, h = a->hidden, hd = a->num_heads * a->head_dim;
+    const int64_t qkv_w = (a->num_heads + 2 * a->num_kv_heads) * a->head_dim;
+    const int nt = a->num_threads;
+    const size_t floats = (size_t)n * (size_t)(h + qkv_w + 2 * hd + h + 3 * a->inter);
+    float *scratch = malloc((floats > 0 ? floats : 1) * sizeof(float));
+    if (!scratch) return -1;
+    float *normed = scratch, *qkv = normed + n * h, *q = qkv + n * qkv_w, *attn = q + n * hd, *o = attn + n * hd;
+    float *gate_up = o + n * h, *act = gate_up + n * 2 * a->inter;
+    int rc = 0;
+    for (int64_t li = 0; li < a->num_layers && rc == 0; li++) {
+        const LayerArgs *L = layers + li;
+        float *kc = a->kv_base + li * a->layer_stride, *vc = kc + a->kv_stride;
+        pagedkv_rms_norm_f32(n, h, x, h, li ? delta : NULL, li ? h : 0, L->input_norm, normed, h, a->eps, nt);
+        if ((rc = linear(&L->qkv, n, normed, qkv, nt)) != 0) break;
+        pagedkv_rope_store_f32(n, a->num_heads, a->num_kv_heads, a->head_dim, qkv, qkv_w, a->cos, a->sin, a->cs_stride, q,
+                               kc, vc, a->attn.block_size, a->attn.c_block_stride, a->attn.c_slot_stride,
+                               a->attn.c_head_stride, a->slots, nt);
+        if ((rc = pagedkv_decode_f32(&a->attn, q, kc, vc, a->block_tables, a->seq_lens, attn)) != 0) break;
+        if ((rc = linear(&L->o, n, attn, o, nt)) != 0) break;
+        pagedkv_rms_norm_f32(n, h, x, h, o, h, L->post_norm, normed, h, a->eps, nt);
+        if ((rc = linear(&L->gate_up, n, normed, gate_up, nt)) != 0) break;
+        pagedkv_silu_mul_f32(n, a->inter, gate_up, 2 * a->inter, act, a->inter, nt);
+        rc = linear(&L->down, n, act, delta, nt);
+    }
+    free(scratch);
+    return rc;
+}

