@@ -21,6 +21,7 @@ import argparse
 import random
 from dataclasses import dataclass
 
+from pagedkv.arith import ceil_div
 from pagedkv.defaults import DECODE_STEPS
 from pagedkv.frontend.engine import EngineConfig, GenerationRequest
 from pagedkv.frontend.launch.config import StackConfig
@@ -63,7 +64,7 @@ def requests(sequences: int, max_tokens: int, seed: int = 0) -> list[GenerationR
 
 def measure(sequences: int, max_tokens: int, block_size: int, modes: list[str]) -> list[Row]:
     """Each mode's engine on one stack, the same requests, the prefix cache emptied before each."""
-    blocks = sequences * (-(-(200 + max_tokens) // block_size) + 1) + 64
+    blocks = sequences * (ceil_div(200 + max_tokens, block_size) + 1) + 64
     rows = []
     with LocalStack(StackConfig(num_gpu_blocks=blocks, block_size=block_size)) as stack:
         for mode in modes:

@@ -59,6 +59,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from pagedkv.arith import ceil_div
 from pagedkv.block_manager_svc.core import BlockManager, CoreConfig, StepBatch
 from pagedkv.block_manager_svc.core.prefix_cache import encode_tokens
 
@@ -84,7 +85,7 @@ class Workload:
 
 
 def blocks_for(tokens: int) -> int:
-    return -(-tokens // BLOCK_SIZE)
+    return ceil_div(tokens, BLOCK_SIZE)
 
 
 class Allocator(Protocol):
@@ -112,7 +113,7 @@ class NaiveAllocator:
         self.bs = block_size
 
     def admit(self, seq_id: str, prompt: list[int]) -> tuple[int, int | None]:
-        n = -(-len(prompt) // self.bs)
+        n = ceil_div(len(prompt), self.bs)
         self.tables[seq_id] = [self.free.popleft() for _ in range(n)]
         self.lens[seq_id] = len(prompt)
         return n, None

@@ -16,6 +16,7 @@ import time
 import torch
 
 from pagedkv import kernels
+from pagedkv.arith import ceil_div
 from pagedkv.kernels.cpu import native as cpu_native
 
 BLOCK, KV_HEADS, HEAD_DIM = 16, 3, 64
@@ -34,7 +35,7 @@ def main() -> int:
         print("the native kernel is not available here (no C compiler)")
         return 1
     gen = torch.Generator().manual_seed(0)
-    blocks_per_seq = -(-args.context // BLOCK)
+    blocks_per_seq = ceil_div(args.context, BLOCK)
     num_blocks = args.seqs * blocks_per_seq
     k = torch.randn((num_blocks, BLOCK, KV_HEADS, HEAD_DIM), generator=gen)
     v = torch.randn((num_blocks, BLOCK, KV_HEADS, HEAD_DIM), generator=gen)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedkv.arith import ceil_div
 from pagedkv.kernels.cpu import attention as cpu
 from pagedkv.kernels.cpu import native as cpu_native
 
@@ -64,7 +65,7 @@ LONG_SHAPES = [
 
 def build(shape: Shape, layers: int, gen: torch.Generator) -> dict[str, object]:
     ctx = shape.cached + shape.rows
-    per_seq = -(-ctx // BLOCK)
+    per_seq = ceil_div(ctx, BLOCK)
     shared = shape.cached // BLOCK
     tables = torch.zeros(shape.seqs, per_seq, dtype=torch.int32)
     nxt = 4 * shared

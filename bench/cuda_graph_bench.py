@@ -29,6 +29,8 @@ from collections.abc import Callable
 
 import torch
 
+from pagedkv.arith import ceil_div
+
 BLOCK = 16
 GPU_SHAPE = dict(
     vocab_size=32000,
@@ -75,7 +77,7 @@ def run(device: str, batches: list[int], ctx: int, steps: int, deadline_s: float
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     cfg = ModelConfig(**(GPU_SHAPE if dev.type == "cuda" else CPU_SHAPE), name="graph-bench")  # type: ignore[arg-type]
     model = LlamaModel(cfg, random_weights(cfg, dtype, dev))  # std 0.2: sharp, few greedy near-ties
-    blocks_per_seq = -(-(ctx + steps + 1) // BLOCK)
+    blocks_per_seq = ceil_div(ctx + steps + 1, BLOCK)
     num_blocks = max(batches) * blocks_per_seq
     shape = (cfg.num_layers, 2, num_blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim)
     graphs = cuda_graphs.for_worker(True, max(batches), blocks_per_seq * BLOCK, dev, BLOCK, num_blocks)

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedkv.arith import ceil_div
 from pagedkv.kernels.cpu import native as cpu_native
 from pagedkv.kernels.cpu import quant_linear as cpu_quant_linear
 from pagedkv.kernels.quant_linear import QuantizedLinear, QuantizedMatrix
@@ -118,7 +119,7 @@ class Decoder:
 
     def __post_init__(self) -> None:
         cfg = self.model.cfg
-        blocks = -(-(PROMPT_LEN + self.max_tokens + 1) // BLOCK)
+        blocks = ceil_div(PROMPT_LEN + self.max_tokens + 1, BLOCK)
         shape = (cfg.num_layers, 2, blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim)
         self.runner = ModelRunner(self.model, torch.zeros(shape), torch.zeros((*shape[:2], 1, *shape[3:])))
         self.table = list(range(blocks))

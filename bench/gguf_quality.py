@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedkv.arith import ceil_div
 from pagedkv.worker_svc.model.batch import AttentionBatch
 from pagedkv.worker_svc.model.config import ModelConfig, load_model_config
 from pagedkv.worker_svc.model.gguf_file import load_tokenizer
@@ -58,7 +59,7 @@ def _cache(cfg: ModelConfig, blocks: int) -> torch.Tensor:
 def window_logits(model: Model, cfg: ModelConfig, tokens: list[int], cache: torch.Tensor) -> torch.Tensor:
     """fp32 logits at every position of one sequence, prefilled in one forward pass."""
     n = len(tokens)
-    blocks = -(-n // BLOCK)
+    blocks = ceil_div(n, BLOCK)
     batch = AttentionBatch(
         positions=torch.arange(n, dtype=torch.int64),
         slot_mapping=torch.arange(n, dtype=torch.int64),
@@ -75,7 +76,7 @@ def window_logits(model: Model, cfg: ModelConfig, tokens: list[int], cache: torc
 
 
 def perplexity(model: Model, cfg: ModelConfig, tokens: list[int], window: int) -> float:
-    cache = _cache(cfg, -(-window // BLOCK))
+    cache = _cache(cfg, ceil_div(window, BLOCK))
     nll, count = 0.0, 0
     for start in range(0, len(tokens) - 1, window):
         chunk = tokens[start : start + window]
@@ -90,7 +91,7 @@ def perplexity(model: Model, cfg: ModelConfig, tokens: list[int], window: int) -
 
 def greedy(model: Model, cfg: ModelConfig, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
     """``new_tokens`` greedy tokens per prompt, all prompts as one batch, through the model runner."""
-    per_seq = -(-(max(map(len, prompts)) + new_tokens) // BLOCK)
+    per_seq = ceil_div(max(map(len, prompts)) + new_tokens, BLOCK)
     cache = _cache(cfg, per_seq * len(prompts))
     runner = ModelRunner(model, cache, _cache(cfg, 1))
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(len(prompts))]
@@ -111,7 +112,7 @@ def teacher_forced_agreement(
     reference's prefix, equals the reference's token."""
     same = total = 0
     longest = max(len(p) + len(r) for p, r in zip(prompts, reference, strict=True))
-    cache = _cache(cfg, -(-longest // BLOCK))
+    cache = _cache(cfg, ceil_div(longest, BLOCK))
     for p, r in zip(prompts, reference, strict=True):
         logits = window_logits(model, cfg, p + r, cache)
         picks = logits[len(p) - 1 : len(p) - 1 + len(r)].argmax(dim=-1).tolist()

@@ -38,6 +38,7 @@ from collections.abc import Callable
 import torch
 
 from pagedkv import kv_capacity
+from pagedkv.arith import ceil_div
 from pagedkv.kernels.cpu import attention as cpu
 from pagedkv.kernels.cpu import native as cpu_native
 from pagedkv.kernels.dispatch import BackendName
@@ -283,7 +284,7 @@ def decode(contexts: list[int], batch: int, rounds: int) -> None:
     )
     g = torch.Generator().manual_seed(0)
     for ctx in contexts:
-        per_seq = -(-ctx // BLOCK)
+        per_seq = ceil_div(ctx, BLOCK)
         nb = batch * per_seq + 1
         tables = torch.randperm(nb - 1, generator=g)[: batch * per_seq].view(batch, per_seq).to(torch.int32)
         lens = torch.full((batch,), ctx, dtype=torch.int32)
@@ -360,7 +361,7 @@ def _greedy(
     from pagedkv.frontend.launch.config import StackConfig
     from pagedkv.frontend.launch.local_stack import LocalStack
 
-    need = sum(-(-(len(p) + max_tokens) // BLOCK) for p in prompts) + 16
+    need = sum(ceil_div(len(p) + max_tokens, BLOCK) for p in prompts) + 16
     with LocalStack(
         StackConfig(
             model=str(gguf),
@@ -396,7 +397,7 @@ def _teacher_forced(
     model = load_model(str(gguf), cfg, torch.float32, torch.device("cpu"))
     streams, n = len(seqs), max(map(len, seqs))
     ids = torch.tensor([s + [s[-1]] * (n - len(s)) for s in seqs])
-    per = -(-n // BLOCK)
+    per = ceil_div(n, BLOCK)
     geo = CacheGeometry(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, BLOCK, streams * per, 0, kv)
     cache = torch.zeros(geo.gpu_shape, dtype=geo.storage_dtype(torch.float32))
     tables = torch.arange(streams * per, dtype=torch.int32).view(streams, per)

@@ -86,6 +86,7 @@ from typing import Any
 
 from bench.models import llama_config, save_random_llama
 from bench.transformers_baseline import generate_static_batch
+from pagedkv.arith import ceil_div
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 VOCAB = 32_000
@@ -414,7 +415,7 @@ def _pagedkv_requests(reqs: list[dict[str, Any]], tag: str) -> list[Any]:
 
 
 def _num_blocks(reqs: list[dict[str, Any]]) -> int:
-    return sum(-(-(len(r["prompt"]) + r["max_tokens"]) // BLOCK_SIZE) for r in reqs) + 64
+    return sum(ceil_div(len(r["prompt"]) + r["max_tokens"], BLOCK_SIZE) for r in reqs) + 64
 
 
 def _run_engine(engine: Any, bm: Any, reqs: list[dict[str, Any]], tag: str) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 
 from bench.fault_scenarios.processes import TRANSIENT
+from pagedkv.arith import ceil_div
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
 
@@ -90,7 +91,7 @@ class ModelClient:
                 return None
 
     def _expect_blocks(self, seq: str) -> None:
-        want = -(-self.tokens[seq] // self.bs)
+        want = ceil_div(self.tokens[seq], self.bs)
         if len(self.tables[seq]) != want:
             self.problems.append(f"{seq}: {len(self.tables[seq])} blocks for {self.tokens[seq]} tokens")
 

@@ -38,6 +38,8 @@ import time
 
 import torch
 
+from pagedkv.arith import ceil_div
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 BLOCK = 16
@@ -229,7 +231,7 @@ def _multi_process_check(device: str, dtype: str) -> dict:
                 )
             ops = None
             if k == swap_step:  # swap seq 0 out to CPU blocks and back in to other GPU blocks
-                used = -(-cached[0] // BLOCK)
+                used = ceil_div(cached[0], BLOCK)
                 new_table = list(range(30, 30 + 10))
                 ops = CacheOpsRequest(swap_out=list(zip(tables[0][:used], range(used), strict=False)))
                 remote(stub_a, [], ops)
@@ -277,7 +279,7 @@ def throughput(
         weights[n] = (t + (1.0 if "norm" in n else 0.0)).to(tdtype)
     model = LlamaModel(cfg, weights)
     max_b = max(batches)
-    blocks_per_seq = -(-(ctx + steps + 1) // BLOCK)
+    blocks_per_seq = ceil_div(ctx + steps + 1, BLOCK)
     gpu = torch.zeros(
         (cfg.num_layers, 2, max_b * blocks_per_seq, BLOCK, cfg.num_kv_heads, cfg.head_dim),
         dtype=tdtype,
