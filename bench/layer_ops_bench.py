@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from pagedkv.arith import ceil_div
 from pagedkv.kernels.cpu import layer_ops as cpu_layer_ops
 from pagedkv.worker_svc.model import layer_ops
 from pagedkv.worker_svc.model.config import ModelConfig, RopeConfig
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = small_model_shape(args.layers)
     model = build_model(cfg, fuse(random_weights(cfg, torch.float32, torch.device("cpu")), cfg))
     batches = [int(b) for b in args.batch.split(",")]
-    blocks_per_seq = (args.ctx + 1 + BLOCK - 1) // BLOCK
+    blocks_per_seq = ceil_div(args.ctx + 1, BLOCK)
     cache = torch.randn(cfg.num_layers, 2, max(batches) * blocks_per_seq, BLOCK, 3, 64)
     runner = ModelRunner(model, cache, torch.empty(0), kernel_backend="cpu")
     fused_choice = layer_ops.choose
