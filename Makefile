@@ -49,6 +49,7 @@ lint: $(STAMP)
 TEST_JOBS ?= auto
 test: lint
 	$(BIN)/python tools/gen_protos.py --check
+	$(BIN)/python tools/gen_settings_doc.py --check
 	$(BIN)/python -m pytest -m "not slow" -n $(TEST_JOBS); fast=$$?; \
 	$(BIN)/python -m pytest -m slow; slow=$$?; \
 	test $$fast -eq 0 -a $$slow -eq 0

@@ -62,6 +62,7 @@ class StackConfig:
     worker_args: tuple[str, ...] = ()  # more flags for every worker (e.g. --num-threads 1)
     # The cache host loads the weights once for every worker (else each loads its own).
     share_weights: bool = True
+    cache_host_args: tuple[str, ...] = ()  # more flags for the cache host
     tls_dir: str | None = None  # ca.pem, server.pem/.key, client.pem/.key (tools/make_certs.sh DIR)
     auth_tokens_file: str | None = None  # bearer tokens of the stack's clients
     allow_insecure: bool = False  # tokens without --tls-dir: sent in plaintext between the roles

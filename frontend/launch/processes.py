@@ -33,22 +33,23 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import get_args
 
-from pagedkv import defaults
+from pagedkv import settings_file
 from pagedkv.cpu_list import format_cpus
 from pagedkv.cpu_runtime import preload_env
+from pagedkv.frontend.launch import up_settings
 from pagedkv.frontend.launch.config import StackConfig, override_flags, worker_roles
 from pagedkv.frontend.launch.ready import ReadyService, StackReady
 from pagedkv.frontend.launch.security import StackSecurity, StackSecurityError
 from pagedkv.frontend.launch.supervisor import RestartPolicy, supervise
+from pagedkv.frontend.launch.up_settings import HELP, PLANNED, UpSettings, layered_values
 from pagedkv.frontend.serve.settings import ServeSettings
 from pagedkv.healthcheck import wait_healthy
 from pagedkv.logging_setup import configure_logging
 from pagedkv.machine import Machine, this_machine
 from pagedkv.plan import Asked, Plan, plan_stack
+from pagedkv.settings_cli import HelpAll, LayeredParser, add_config_flag, add_flag, flag, to_argv
 from pagedkv.step_channel import sweep_stale
-from pagedkv.weight_formats import WeightFormat
 
 SHM_DIR = pathlib.Path("/dev/shm")
 
@@ -121,6 +122,7 @@ def plan(opts: StackConfig, security: StackSecurity | None = None, state_dir: st
                 opts.kv_cache_dtype,
                 *([] if opts.share_weights else ["--no-share-weights"]),
                 *seed,
+                *opts.cache_host_args,
                 *model,
                 *common,
                 *dial,
@@ -450,175 +452,55 @@ class Stack:
         return leaked_segments(self.opts.shm_prefix)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    d = StackConfig()  # the shared defaults; `up` runs a bigger stack than the in-process one
-    p = argparse.ArgumentParser(
-        prog="pagedkv up", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+SHORT_DESCRIPTION = (
+    "Start the block manager, cache host, workers and the OpenAI-compatible frontend as local processes, "
+    "planned from this machine and the model; Ctrl-C stops them all."
+)
+EPILOG = (
+    "Every setting is a flag, a PAGEDKV_* variable and a key of a --config file (flag > file > variable > "
+    "default); this shows the common ones: `pagedkv up --help-all` lists every flag, docs/settings.md "
+    "every setting of every role."
+)
+
+
+def build_parser(show_all: bool = False) -> argparse.ArgumentParser:
+    """``pagedkv up``'s flags, from its settings (frontend/launch/up_settings.py) and the `pagedkv serve`
+    settings it forwards; what no flag gives comes from ``--config FILE``, then the environment, then
+    the defaults (``layered_values``). ``show_all``: every flag in the help, not only ``HELP``'s."""
+    p = LayeredParser(
+        prog="pagedkv up",
+        usage="pagedkv up [--config FILE] [options]",
+        description=__doc__ if show_all else SHORT_DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter if show_all else argparse.HelpFormatter,
+        layers=layered_values,
     )
-    p.add_argument("--host", default=d.host, help="address every service binds to [%(default)s]")
-    p.add_argument("--block-manager-port", type=int, default=d.block_manager_port)
-    p.add_argument("--cache-host-port", type=int, default=d.cache_host_port)
+    add_config_flag(p, "up")
     p.add_argument(
-        "--worker-port", type=int, default=d.worker_port, help="first worker's port; others follow"
-    )
-    planned = p.add_argument_group(
-        "plan", "what `up` plans from this machine and the model unless set here (pagedkv/plan.py)"
-    )
-    planned.add_argument(
         "--print-plan", action="store_true", help="print the plan (workers, cores, threads, KV) and exit"
     )
-    planned.add_argument(
-        "--num-workers",
-        type=int,
-        default=None,
-        help="compute workers [planned: one per NUMA node; more than the cores is planned down]",
-    )
-    planned.add_argument(
-        "--num-threads",
-        type=int,
-        default=None,
-        help="compute threads per worker [planned: one per core it owns]",
-    )
-    planned.add_argument(
-        "--no-pin-workers",
-        dest="pin_workers",
-        action="store_false",
-        help="leave CPU workers unpinned (default: each pinned to its own cores)",
-    )
-    planned.add_argument(
-        "--num-gpu-blocks",
-        type=int,
-        default=None,
-        help="KV blocks, instead of a byte budget [planned from available memory]",
-    )
-    p.add_argument("--num-cpu-blocks", type=int, default=defaults.UP_NUM_CPU_BLOCKS)
     p.add_argument(
-        "--kv-cache-dtype",
-        choices=("auto", "int8", "fp8_e4m3"),
-        default=d.kv_cache_dtype,
-        help="KV cache dtype: auto (the model's), int8 or fp8_e4m3 (8-bit, per-token scales) [%(default)s]",
+        "--help-all",
+        action=HelpAll,
+        full=lambda: build_parser(show_all=True),
+        help="show every flag and exit",
     )
-    p.add_argument(
-        "--kv-cache-memory",
-        type=float,
-        default=None,
-        help="GiB of KV cache: as many blocks as fit [planned from available memory]",
+    flags = [(n, n, f) for n, f in UpSettings.model_fields.items()]
+    flags += [(f"serve_{n}", n, ServeSettings.model_fields[n]) for n in SERVE_FLAGS]
+    if not show_all:  # the common ones first, in HELP's order
+        flags.sort(key=lambda t: HELP.index(t[0]) if t[0] in HELP else len(HELP))
+    frontend = (
+        p.add_argument_group("frontend", "forwarded to `pagedkv serve` (docs/serve.md)") if show_all else p
     )
-    p.add_argument("--block-size", type=int, default=d.block_size)
-    p.add_argument(
-        "--model",
-        default=None,
-        help="Hugging Face model directory or GGUF file (default: built-in tiny model)",
-    )
-    p.add_argument("--device", default=d.device, help="auto | cpu | cuda (auto = CUDA when present)")
-    p.add_argument("--dtype", default=d.dtype)
-    p.add_argument(
-        "--weight-format",
-        choices=get_args(WeightFormat),
-        default=d.weight_format,
-        help="how the cache host and workers hold the weights: auto = a GGUF file's own quantization "
-        "on CPU, fp32 | bf16 dense, int8 | int4 a Hugging Face directory quantized at load",
-    )
-    p.add_argument("--log-format", choices=("console", "json"), default=d.log_format)
-    p.add_argument("--log-dir", default=None, help="write each service's log to DIR/<name>.log")
-    p.add_argument(
-        "--ready-file",
-        default=None,
-        metavar="PATH",
-        help="once every service is SERVING, write PATH (JSON: each service's name, address and pid, "
-        "the OpenAI base URL); removed when up stops (frontend/launch/ready.py)",
-    )
-    p.add_argument("--ready-timeout-s", type=float, default=d.ready_timeout_s)
-    p.add_argument(
-        "--roles",
-        default="",
-        help="worker roles, one for all or one per worker: e.g. prefill,decode [all mixed]",
-    )
-    p.add_argument(
-        "--no-preload-runtime",
-        dest="preload_runtime",
-        action="store_false",
-        help="start CPU workers without tcmalloc / Intel OpenMP preloaded (default: preload when present)",
-    )
-    p.add_argument(
-        "--pin-workers",
-        dest="pin_workers",
-        action="store_true",
-        help="give each worker its own CPUs and as many compute threads (the default; kept for scripts)",
-    )
-    p.add_argument(
-        "--tls-dir",
-        default=None,
-        help="mutual TLS everywhere with DIR/{ca,server,client}.pem and .key (tools/make_certs.sh DIR)",
-    )
-    p.add_argument(
-        "--auth-tokens-file",
-        default=None,
-        help="bearer tokens (docs/security.md) required by the block manager, cache host and workers",
-    )
-    p.add_argument(
-        "--allow-insecure",
-        action="store_true",
-        help="allow --auth-tokens-file without --tls-dir (tokens sent in plaintext: trusted networks only)",
-    )
-    p.add_argument(
-        "--serve-port",
-        type=int,
-        default=defaults.SERVE_PORT,
-        help="port of the OpenAI-compatible frontend, `pagedkv serve` [%(default)s]",
-    )
-    p.add_argument("--no-serve", action="store_true", help="start no frontend (gRPC services only)")
-    frontend = p.add_argument_group("frontend", "forwarded to `pagedkv serve` (docs/serve.md)")
-    for name in SERVE_FLAGS:
-        spec = ServeSettings.model_fields[name]
-        frontend.add_argument(
-            "--" + name.replace("_", "-"),
-            dest=f"serve_{name}",
-            type=int if spec.annotation is int else float if spec.annotation is float else str,
-            default=None,
-            metavar=name.upper(),
-            help=str(spec.description) + (f" [{spec.default}]" if spec.default not in ("", None) else ""),
-        )
-    p.add_argument(
-        "--state-dir",
-        default=None,
-        help="the block manager's journal and snapshots, kept after the stack stops "
-        "[a temporary directory, removed when the stack stops]",
-    )
-    p.add_argument(
-        "--fsync",
-        choices=("always", "batch", "off"),
-        default=d.fsync,
-        help="the block manager's journal fsync (docs/reliability.md): off is enough on one host, where "
-        "a journal write survives a SIGKILL of the block manager and a power loss takes the KV with it "
-        "[%(default)s]",
-    )
-    p.add_argument(
-        "--max-restarts-per-minute",
-        type=int,
-        default=d.restart.max_restarts_per_minute,
-        help="restart a service that exits at most this often a minute, then stop the stack "
-        "(0 = stop the stack when any service exits) [%(default)s]",
-    )
+    for dest, name, spec in flags:
+        target = frontend if dest.startswith("serve_") and name in SERVE_FLAGS else p
+        hidden = not (show_all or dest in HELP)
+        add_flag(target, name, spec, dest=dest, hidden=hidden, env=show_all, default=PLANNED.get(dest))
     return p
 
 
-# `pagedkv serve` settings that `pagedkv up` forwards (the rest are the stack's own: addresses, model,
-# TLS). Secrets only as a file: a flag's value shows in the process list.
-SERVE_FLAGS = (
-    "model_name",
-    "api_key_file",
-    "allowed_origins",
-    "max_waiting",
-    "max_num_seqs",
-    "max_batch_tokens",
-    "decode_steps",
-    "timeout_s",
-    "block_manager_outage_s",
-    "block_manager_timeout_s",
-    "tool_call_parser",
-    "step_transport",
-)
+# `pagedkv serve` settings that `pagedkv up` forwards as flags (frontend/launch/up_settings.py).
+SERVE_FLAGS = up_settings.SERVE_FLAGS
 
 
 def serve_args(args: argparse.Namespace) -> tuple[str, ...]:
@@ -637,17 +519,27 @@ def serve_args(args: argparse.Namespace) -> tuple[str, ...]:
     return tuple(out)
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Each of ``up``'s values against its setting's type and bounds (SystemExit naming the flag):
+    a flag's value is only converted by argparse; the file's and the environment's were checked
+    when read, and pass again."""
+    fields = [(n, n, f) for n, f in UpSettings.model_fields.items()]
+    fields += [(f"serve_{n}", n, ServeSettings.model_fields[n]) for n in SERVE_FLAGS]
+    for dest, name, spec in fields:
+        value = getattr(args, dest, None)
+        if value is None:
+            continue
+        try:
+            settings_file.check(spec, value, strict=False)
+        except ValueError as e:
+            raise SystemExit(f"pagedkv up: {flag(name)} {e}") from None
+
+
 def plan_from_args(args: argparse.Namespace, machine: Machine | None = None) -> Plan:
     """The stack's plan on ``machine`` (default: this one) for the model and the flags given."""
     from pagedkv.worker_svc.geometry import model_size
 
-    for name in ("num_workers", "num_threads", "num_gpu_blocks", "serve_max_num_seqs"):
-        value = getattr(args, name, None)
-        if value is not None and value < 1:
-            flag = "--" + name.removeprefix("serve_").replace("_", "-")
-            raise SystemExit(f"pagedkv up: {flag} must be at least 1")
-    if args.kv_cache_memory is not None and not args.kv_cache_memory > 0:
-        raise SystemExit("pagedkv up: --kv-cache-memory must be more than 0 GiB")
+    check_args(args)
     try:
         size = model_size(
             args.model, args.dtype, args.device, args.block_size, args.kv_cache_dtype, args.weight_format
@@ -663,7 +555,7 @@ def plan_from_args(args: argparse.Namespace, machine: Machine | None = None) -> 
                 kv_cache_memory_gib=args.kv_cache_memory,
                 num_gpu_blocks=args.num_gpu_blocks,
                 max_num_seqs=args.serve_max_num_seqs,
-                processes=3 if not args.no_serve else 2,
+                processes=3 if args.serve else 2,
             ),
         )
     except ValueError as e:  # PlanError, or a model the config reader refuses
@@ -673,8 +565,7 @@ def plan_from_args(args: argparse.Namespace, machine: Machine | None = None) -> 
 def options_from_args(args: argparse.Namespace, stack_plan: Plan | None = None) -> StackConfig:
     """The StackConfig of these flags, with what they leave open from ``stack_plan`` (default: the
     plan for this machine, ``plan_from_args``)."""
-    if args.max_restarts_per_minute < 0:
-        raise SystemExit("pagedkv up: --max-restarts-per-minute must be 0 or more")
+    check_args(args)
     stack_plan = stack_plan or plan_from_args(args)
     roles = tuple(r.strip() for r in args.roles.split(",") if r.strip())
     try:
@@ -684,6 +575,9 @@ def options_from_args(args: argparse.Namespace, stack_plan: Plan | None = None) 
     forwarded = serve_args(args)
     if args.serve_max_num_seqs is None:
         forwarded += ("--max-num-seqs", str(stack_plan.max_num_seqs))
+    # The settings file's other settings of each role, passed on to each of its processes.
+    role_settings: dict[str, dict[str, object]] = getattr(args, "role_settings", {})
+    forwarded += tuple(to_argv(role_settings.get("serve", {})))
     return StackConfig(
         host=args.host,
         block_manager_port=args.block_manager_port,
@@ -711,8 +605,11 @@ def options_from_args(args: argparse.Namespace, stack_plan: Plan | None = None) 
         tls_dir=args.tls_dir,
         auth_tokens_file=args.auth_tokens_file,
         allow_insecure=args.allow_insecure,
-        serve_port=None if args.no_serve else args.serve_port,
+        serve_port=args.serve_port if args.serve else None,
         serve_args=forwarded,
+        block_manager_overrides=dict(role_settings.get("block-manager", {})),
+        cache_host_args=tuple(to_argv(role_settings.get("cache-host", {}))),
+        worker_args=tuple(to_argv(role_settings.get("worker", {}))),
         state_dir=args.state_dir,
         fsync=args.fsync,
         restart=RestartPolicy(max_restarts_per_minute=args.max_restarts_per_minute),
