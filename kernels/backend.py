@@ -72,6 +72,7 @@ class KernelBackend(Protocol):
         num_splits: int | None = None,
         out: torch.Tensor | None = None,
         plan: object | None = None,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         """Attention of one new token per sequence over its cached context; returns
         ``[num_seqs, num_heads, head_dim]``.
@@ -82,6 +83,10 @@ class KernelBackend(Protocol):
         ``num_splits`` (force the split count, mainly for tests and tuning); backends without split-KV
         ignore both. ``out``: an optional preallocated output (same shape/dtype/device as ``query``),
         filled and returned. ``plan``: what this backend's ``plan_decode`` built for the step.
+        ``sliding_window`` (W, None: the whole context): the query at position ``p = seq_len - 1``
+        sees only keys ``max(0, p - W + 1) .. p`` (W tokens including itself, as Gemma 3's sliding
+        layers); blocks wholly before that are never read, so their block-table entries may hold
+        anything (-1 for blocks the block manager released).
         """
         ...
 
@@ -98,6 +103,7 @@ class KernelBackend(Protocol):
         max_query_len: int | None = None,
         out: torch.Tensor | None = None,
         plan: object | None = None,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         """Causal attention for a ragged batch of query tokens ``[total_q, num_heads, head_dim]``.
 
@@ -105,6 +111,9 @@ class KernelBackend(Protocol):
         tokens out of ``seq_lens[i]`` whose K/V are already in the cache. ``max_query_len`` (optional)
         spares the Triton path a device->host read of the longest query run; ``out`` is an optional
         preallocated output like ``query``; ``plan`` what this backend's ``plan_prefill`` built.
+        ``sliding_window`` (W, None: causal over everything): query ``i`` of ``q_len``, at position
+        ``p = seq_len - q_len + i``, sees keys ``max(0, p - W + 1) .. p``; blocks wholly before the
+        window of the sequence's first query are never read (their table entries may hold anything).
         """
         ...
 
@@ -130,10 +139,15 @@ class KernelBackend(Protocol):
         """
 
     def plan_decode(
-        self, block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int
+        self,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_size: int,
+        sliding_window: int | None = None,
     ) -> object | None:
-        """Host-side work that depends only on the step's decode metadata, done once for all layers
-        (e.g. the CPU backend's length buckets); None when the backend needs none."""
+        """Host-side work that depends only on the step's decode metadata (and the attention's
+        ``sliding_window``), done once for all layers that share them (e.g. the CPU backend's length
+        buckets); None when the backend needs none."""
 
     def plan_prefill(
         self,
@@ -142,6 +156,7 @@ class KernelBackend(Protocol):
         seq_lens: torch.Tensor,
         block_size: int,
         group: int,
+        sliding_window: int | None = None,
     ) -> object | None:
         """The same for the step's prefill metadata (``group``: query heads per KV head)."""
 
@@ -151,7 +166,7 @@ def get(name: str) -> KernelBackend:
     return cast(KernelBackend, load_registered(MODULES, name, "kernel backend"))
 
 
-def plan_nothing(*args: object) -> None:
+def plan_nothing(*args: object, **kwargs: object) -> None:
     """``plan_decode`` / ``plan_prefill`` of a backend that needs no per-step plan."""
     return None
 

@@ -87,10 +87,36 @@ def heads(num_heads: int, num_kv_heads: int) -> None:
         )
 
 
+def sliding_window(value: object) -> int | None:
+    """``sliding_window``: None (full attention) or the number of positions a query sees, >= 1."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"sliding_window must be None or an int >= 1, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"sliding_window must be None or an int >= 1, got {value}")
+    return value
+
+
+def window_first_positions(seq_lens: torch.Tensor, q_lens: torch.Tensor | None, window: int) -> torch.Tensor:
+    """int64 ``[num_seqs]``: the first key position any query of each sequence sees under a sliding
+    ``window`` (its first query sits at ``seq_len - q_len``; decode: ``q_len`` 1). Blocks before the
+    one holding it are never read."""
+    lens = seq_lens.to(torch.int64)
+    first_q = lens - (1 if q_lens is None else q_lens.to(torch.int64))
+    return (first_q - window + 1).clamp(min=0)
+
+
 def block_table_values(
-    block_tables: torch.Tensor, seq_lens: torch.Tensor, num_blocks: int, block_size: int
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_blocks: int,
+    block_size: int,
+    first_positions: torch.Tensor | None = None,
 ) -> None:
-    """Value checks (CPU index tensors only): lengths fit the table, used block ids are in range."""
+    """Value checks (CPU index tensors only): lengths fit the table, used block ids are in range.
+    With ``first_positions`` (a sliding window's, ``window_first_positions``), blocks before the one
+    holding each sequence's first position are unused (released blocks may be -1)."""
     if block_tables.device.type != "cpu" or seq_lens.device.type != "cpu":
         return
     if seq_lens.numel() == 0:
@@ -105,7 +131,10 @@ def block_table_values(
         )
     used_blocks = ceil_div(seq_lens.to(torch.int64), block_size)
     cols = torch.arange(max_blocks).unsqueeze(0)
-    used = block_tables[cols < used_blocks.unsqueeze(1)]
+    in_use = cols < used_blocks.unsqueeze(1)
+    if first_positions is not None:
+        in_use &= cols >= (first_positions // block_size).unsqueeze(1)
+    used = block_tables[in_use]
     if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_blocks):
         raise ValueError(f"block_tables holds block ids outside [0, {num_blocks}) for used blocks")
 
@@ -142,8 +171,15 @@ def slot_mapping(sm: object, num_tokens: int, key_cache: torch.Tensor) -> torch.
 
 
 def block_tables_and_lens(
-    block_tables: object, seq_lens: object, num_blocks: int, block_size: int
+    block_tables: object,
+    seq_lens: object,
+    num_blocks: int,
+    block_size: int,
+    window: int | None = None,
+    query_start_loc: object | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check a block table and its lengths; with a sliding ``window``, only the blocks it reaches
+    (decode, or prefill when ``query_start_loc`` is given: from each sequence's first query)."""
     bt = tensor("block_tables", block_tables, 2)
     int_dtype("block_tables", bt)
     sl = tensor("seq_lens", seq_lens, 1)
@@ -152,7 +188,16 @@ def block_tables_and_lens(
         raise ValueError(f"block_tables has {bt.shape[0]} rows but seq_lens has {sl.shape[0]} entries")
     if bt.stride(1) != 1:
         raise ValueError("block_tables rows must be contiguous")
-    block_table_values(bt, sl, num_blocks, block_size)
+    first = None
+    if window is not None and bt.device.type == "cpu" and sl.device.type == "cpu":
+        q_lens = None
+        if isinstance(query_start_loc, torch.Tensor) and query_start_loc.device.type == "cpu":
+            if query_start_loc.shape == (sl.shape[0] + 1,):
+                q_lens = (query_start_loc[1:] - query_start_loc[:-1]).clamp(min=0)
+            else:
+                q_lens = torch.zeros_like(sl)  # the shape error is raised by query_start_loc()
+        first = window_first_positions(sl, q_lens, window)
+    block_table_values(bt, sl, num_blocks, block_size, first)
     return bt, sl
 
 
@@ -229,7 +274,10 @@ def write_kv_cache(a: Args) -> Where:
 def _attention(a: Args) -> tuple[torch.Tensor, torch.Tensor, torch.device]:
     """What decode and prefill share: query vs. caches, block tables and lengths, devices, ``out``."""
     q, num_blocks, block_size = _query(a["query"], a["key_cache"], a["value_cache"])
-    bt, sl = block_tables_and_lens(a["block_tables"], a["seq_lens"], num_blocks, block_size)
+    window = sliding_window(a["sliding_window"])
+    bt, sl = block_tables_and_lens(
+        a["block_tables"], a["seq_lens"], num_blocks, block_size, window, a.get("query_start_loc")
+    )
     dev = same_device(
         ["query", "key_cache", "value_cache", "block_tables", "seq_lens"],
         [q, a["key_cache"], a["value_cache"], bt, sl],

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
+from pagedkv.arith import ceil_div
 from pagedkv.kernels import quant
 from pagedkv.kernels.backend import as_list, plan_nothing
 from pagedkv.kv_capacity import blocks_for_tokens
@@ -79,11 +80,14 @@ def paged_decode_attention(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     plan: object | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """One query token per sequence attending to its whole cached context (no causal mask needed).
+    """One query token per sequence attending to its whole cached context (no causal mask needed),
+    or to its last ``sliding_window`` tokens.
 
     Vectorised over the batch: gather every sequence's blocks up to the longest context, mask the
-    tail, softmax in float32.
+    tail, softmax in float32. With a window, each sequence's gather starts at the block holding its
+    window's first token (earlier blocks are not read: they may have been released).
     """
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
@@ -93,17 +97,27 @@ def paged_decode_attention(
     if num_seqs == 0:
         return out
     lens = seq_lens.to(device=query.device, dtype=torch.int64)
-    max_len = int(lens.max())
-    n_blocks = max(1, blocks_for_tokens(max_len, block_size))
-    ids = block_tables[:, :n_blocks].to(device=key_cache.device, dtype=torch.int64)
+    width = block_tables.shape[1]
+    if sliding_window is None:
+        first_block = torch.zeros_like(lens)
+    else:
+        first_block = (lens - sliding_window).clamp(min=0) // block_size
+    n_blocks = max(1, int((ceil_div(lens, block_size) - first_block).max()))
+    cols = first_block.unsqueeze(1) + torch.arange(n_blocks, device=lens.device).unsqueeze(0)
+    ids = block_tables.to(device=lens.device, dtype=torch.int64).gather(1, cols.clamp(max=width - 1))
     # Padding entries of a block table may hold garbage: clamp so the gather stays in bounds;
     # the tokens they hold are masked out below.
-    ids = ids.clamp(0, key_cache.shape[0] - 1)
+    ids = ids.to(key_cache.device).clamp(0, key_cache.shape[0] - 1)
     k = _f32(key_cache[ids]).reshape(num_seqs, n_blocks * block_size, num_kv_heads, head_dim)
     v = _f32(value_cache[ids]).reshape(num_seqs, n_blocks * block_size, num_kv_heads, head_dim)
     q = query.float().view(num_seqs, num_kv_heads, group, head_dim)
     scores = torch.einsum("skgd,stkd->skgt", q, k) * scale
-    valid = torch.arange(n_blocks * block_size, device=query.device).unsqueeze(0) < lens.unsqueeze(1)
+    # Absolute position of each gathered slot.
+    pos = (first_block * block_size).unsqueeze(1) + torch.arange(n_blocks * block_size, device=lens.device)
+    valid = pos < lens.unsqueeze(1)
+    if sliding_window is not None:
+        valid &= pos >= (lens - sliding_window).unsqueeze(1)
+    valid = valid.to(query.device)
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a zero-length row attends to nothing
     # Slots past a sequence's length may hold anything (NaN included): probability 0 must mean 0.
@@ -125,14 +139,17 @@ def paged_prefill_attention(
     max_query_len: int | None = None,
     out: torch.Tensor | None = None,
     plan: object | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's last ``q_len`` tokens over all ``seq_len`` cached tokens.
 
     Query j of a sequence sits at absolute position ``seq_len - q_len + j`` and sees keys
     ``0..that position``; so a chunk after a prefix-cache hit attends to the cached prefix too.
+    With ``sliding_window`` W it sees keys ``max(0, position - W + 1)..position``, and the gather
+    starts at the block holding the first query's first key.
     """
     num_heads = query.shape[1]
-    num_kv_heads = key_cache.shape[2]
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
     if out is None:
         out = torch.empty_like(query)
@@ -143,13 +160,18 @@ def paged_prefill_attention(
         q_len = q1 - q0
         if q_len == 0:
             continue
-        k = _gather_kv(key_cache, block_tables[i], seq_len).repeat_interleave(group, dim=1)
-        v = _gather_kv(value_cache, block_tables[i], seq_len).repeat_interleave(group, dim=1)
+        b0 = 0 if sliding_window is None else max(0, seq_len - q_len - sliding_window + 1) // block_size
+        table, n = block_tables[i, b0:], seq_len - b0 * block_size
+        k = _gather_kv(key_cache, table, n).repeat_interleave(group, dim=1)
+        v = _gather_kv(value_cache, table, n).repeat_interleave(group, dim=1)
         q = query[q0:q1].float()
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-        k_pos = torch.arange(seq_len, device=query.device)
-        scores = scores.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        k_pos = torch.arange(b0 * block_size, seq_len, device=query.device)
+        hidden = k_pos[None, :] > q_pos[:, None]
+        if sliding_window is not None:
+            hidden |= k_pos[None, :] <= q_pos[:, None] - sliding_window
+        scores = scores.masked_fill(hidden[None], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[q0:q1] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
     return out

@@ -10,7 +10,7 @@ per-layer tensors (``q``, ``k``, ``v``) are the model's own, shaped by it, so th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,6 +26,8 @@ class _Prefill:
     seq_lens: torch.Tensor  # int [num_prefill_seqs]
     max_query_len: int | None
     plan: object | None
+    # Plans for sliding-window layers, by window, built by the first layer that uses each.
+    window_plans: dict[int, object | None] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -33,6 +35,7 @@ class _Decode:
     block_tables: torch.Tensor  # int [num_decode_seqs, max_blocks]
     seq_lens: torch.Tensor  # int [num_decode_seqs]
     plan: object | None
+    window_plans: dict[int, object | None] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -46,6 +49,9 @@ class PagedStep:
     scale: float
     prefill: _Prefill | None
     decode: _Decode | None
+    # The window the block tables were validated for (``prepare_step``): blocks before it may have
+    # been released, so every layer's attention must stay within it. None: full tables.
+    sliding_window: int | None = None
 
     def write_kv_cache(
         self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor
@@ -53,13 +59,38 @@ class PagedStep:
         self.ops.write_kv_cache(key, value, key_cache, value_cache, self.slot_mapping)
 
     def attention(
-        self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        *,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
-        """``[num_tokens, num_heads, head_dim]``: prefill and decode rows written into one output."""
+        """``[num_tokens, num_heads, head_dim]``: prefill and decode rows written into one output.
+
+        ``sliding_window`` (W; None: full causal attention): each query at position p sees keys
+        ``max(0, p - W + 1) .. p`` only, and blocks wholly before that are not read (as
+        ``paged_decode_attention`` / ``paged_prefill_attention`` with the same keyword). A layer
+        passes its own (Gemma 3: 512 on its sliding layers, None on its global ones); the backend's
+        plans for each window are built by the first layer using it and reused by the rest."""
+        if sliding_window is not None or self.sliding_window is not None:
+            sliding_window = self._window(sliding_window)
         out = torch.empty_like(query)
         n = self.num_prefill_tokens
         if self.prefill is not None:
             p = self.prefill
+            plan = p.plan
+            if sliding_window is not None:
+                if sliding_window not in p.window_plans:
+                    p.window_plans[sliding_window] = self.ops.plan_prefill(
+                        p.block_tables,
+                        p.query_start_loc,
+                        p.seq_lens,
+                        key_cache.shape[1],
+                        query.shape[1] // key_cache.shape[2],
+                        sliding_window=sliding_window,
+                    )
+                plan = p.window_plans[sliding_window]
             self.ops.paged_prefill_attention(
                 query[:n],
                 key_cache,
@@ -70,10 +101,18 @@ class PagedStep:
                 self.scale,
                 max_query_len=p.max_query_len,
                 out=out[:n],
-                plan=p.plan,
+                plan=plan,
+                sliding_window=sliding_window,
             )
         if self.decode is not None:
             d = self.decode
+            plan = d.plan
+            if sliding_window is not None:
+                if sliding_window not in d.window_plans:
+                    d.window_plans[sliding_window] = self.ops.plan_decode(
+                        d.block_tables, d.seq_lens, key_cache.shape[1], sliding_window=sliding_window
+                    )
+                plan = d.window_plans[sliding_window]
             self.ops.paged_decode_attention(
                 query[n:],
                 key_cache,
@@ -82,9 +121,21 @@ class PagedStep:
                 d.seq_lens,
                 self.scale,
                 out=out[n:],
-                plan=d.plan,
+                plan=plan,
+                sliding_window=sliding_window,
             )
         return out
+
+    def _window(self, sliding_window: int | None) -> int | None:
+        """A layer's window, checked, and within the one the step's tables were validated for."""
+        window = checks.sliding_window(sliding_window)
+        bound = self.sliding_window
+        if bound is not None and (window is None or window > bound):
+            raise ValueError(
+                f"sliding_window {window} reaches past the step's sliding_window {bound} (prepare_step): "
+                "blocks before that window may have been released"
+            )
+        return window
 
 
 def prepare_step(
@@ -97,6 +148,7 @@ def prepare_step(
     prefill: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     max_query_len: int | None = None,
     decode: tuple[torch.Tensor, torch.Tensor] | None = None,
+    sliding_window: int | None = None,
 ) -> PagedStep:
     """Validate a step over the all-layers cache ``kv_cache`` ``[num_layers, 2, num_blocks,
     block_size, num_kv_heads, head_dim]`` and pick its backend.
@@ -105,8 +157,12 @@ def prepare_step(
     are the first ``num_prefill_tokens`` tokens; ``decode``: (block_tables, seq_lens) of the decode
     sequences, one token each, after them. ``slot_mapping`` has one slot per token. The backend is
     chosen as for any call (``kernels/dispatch.py``: a worker's ``--kernel-backend`` arrives as a
-    ``use_backend`` override around its step). Raises ``ValueError`` naming the argument.
+    ``use_backend`` override around its step). ``sliding_window``: set it only when the block
+    tables may lack blocks before that window (released by the block manager): they are then checked
+    from the window's first block only, and every layer must attend within a window no larger (a
+    full-attention layer raises). Raises ``ValueError`` naming the argument.
     """
+    window = checks.sliding_window(sliding_window)
     cache = checks.tensor("kv_cache", kv_cache, 6)
     key_cache, value_cache = cache[0, 0], cache[0, 1]
     num_blocks, block_size, num_kv_heads, _ = checks.kv_cache_pair(key_cache, value_cache)
@@ -123,14 +179,16 @@ def prepare_step(
         )
     pre = dec = None
     if prefill is not None:
-        bt, sl = checks.block_tables_and_lens(prefill[0], prefill[2], num_blocks, block_size)
+        bt, sl = checks.block_tables_and_lens(
+            prefill[0], prefill[2], num_blocks, block_size, window, prefill[1]
+        )
         qsl = checks.query_start_loc(prefill[1], sl, num_prefill_tokens)
         tensors += [("prefill block_tables", bt), ("prefill query_start_loc", qsl), ("prefill seq_lens", sl)]
         pre = _Prefill(bt, qsl, sl, max_query_len, None)
     elif num_prefill_tokens:
         raise ValueError(f"{num_prefill_tokens} prefill tokens but no prefill metadata")
     if decode is not None:
-        bt, sl = checks.block_tables_and_lens(decode[0], decode[1], num_blocks, block_size)
+        bt, sl = checks.block_tables_and_lens(decode[0], decode[1], num_blocks, block_size, window)
         if bt.shape[0] != num_tokens - num_prefill_tokens:
             raise ValueError(
                 f"{bt.shape[0]} decode sequences for {num_tokens - num_prefill_tokens} decode tokens"
@@ -142,10 +200,11 @@ def prepare_step(
     dev = checks.same_device([n for n, _ in tensors], [t for _, t in tensors])
     name = resolve(dev, cache.dtype)
     ops = backend.get(name)
-    if pre is not None:
-        pre.plan = ops.plan_prefill(
-            pre.block_tables, pre.query_start_loc, pre.seq_lens, block_size, num_heads // num_kv_heads
-        )
-    if dec is not None:
-        dec.plan = ops.plan_decode(dec.block_tables, dec.seq_lens, block_size)
-    return PagedStep(name, ops, sm, num_prefill_tokens, scale, pre, dec)
+    if window is None:  # else every layer has a window: plans are built per window, when first used
+        if pre is not None:
+            pre.plan = ops.plan_prefill(
+                pre.block_tables, pre.query_start_loc, pre.seq_lens, block_size, num_heads // num_kv_heads
+            )
+        if dec is not None:
+            dec.plan = ops.plan_decode(dec.block_tables, dec.seq_lens, block_size)
+    return PagedStep(name, ops, sm, num_prefill_tokens, scale, pre, dec, window)

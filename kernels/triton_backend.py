@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedkv.kernels import cache_ops, decode, prefill
+from pagedkv.kernels import cache_ops, decode, prefill, reference
 from pagedkv.kernels.backend import plan_nothing
 from pagedkv.kernels.cache_ops import copy_blocks, write_kv_cache
 from pagedkv.kernels.swap import swap_blocks
@@ -40,7 +40,19 @@ def paged_decode_attention(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     plan: object | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
+    if sliding_window is not None:
+        return reference.paged_decode_attention(
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            seq_lens,
+            scale,
+            out=out,
+            sliding_window=sliding_window,
+        )
     return decode.paged_decode_attention(
         query,
         key_cache,
@@ -67,7 +79,20 @@ def paged_prefill_attention(
     max_query_len: int | None = None,
     out: torch.Tensor | None = None,
     plan: object | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
+    if sliding_window is not None:
+        return reference.paged_prefill_attention(
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            query_start_loc,
+            seq_lens,
+            scale,
+            out=out,
+            sliding_window=sliding_window,
+        )
     return prefill.paged_prefill_attention(
         query,
         key_cache,

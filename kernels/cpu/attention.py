@@ -326,7 +326,9 @@ def shared_prefixes(
     return out
 
 
-def plan_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> DecodePlan:
+def plan_decode(
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, sliding_window: int | None = None
+) -> DecodePlan:
     """The step's decode plan: the native kernel's arguments when it is available (no buckets,
     nothing gathered), else length buckets and shared prefixes (``plan_buckets``). Also the
     buckets when shared prefixes would save ``NATIVE_MAX_SAVED_TOKENS`` or more (the cascade
@@ -405,8 +407,20 @@ def paged_decode_attention(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     plan: object | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """One query token per sequence over its cached context (see the module docstring)."""
+    if sliding_window is not None:
+        return reference.paged_decode_attention(
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            seq_lens,
+            scale,
+            out=out,
+            sliding_window=sliding_window,
+        )
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -601,6 +615,7 @@ def plan_prefill(
     seq_lens: torch.Tensor,
     block_size: int,
     group: int,
+    sliding_window: int | None = None,
 ) -> PrefillPlan:
     """The step's prefill plan: per-row native arguments when the native kernel is available (the
     buckets follow if a call cannot use them), else the buckets (``plan_prefill_buckets``)."""
@@ -684,8 +699,21 @@ def paged_prefill_attention(
     max_query_len: int | None = None,
     out: torch.Tensor | None = None,
     plan: object | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's last ``q_len`` tokens over its ``seq_len`` cached tokens."""
+    if sliding_window is not None:
+        return reference.paged_prefill_attention(
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            query_start_loc,
+            seq_lens,
+            scale,
+            out=out,
+            sliding_window=sliding_window,
+        )
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
