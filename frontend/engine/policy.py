@@ -45,6 +45,11 @@ def swap_ins(swapped: Iterable[Seq], num_running: int, limits: Limits) -> list[S
     return list(itertools.islice(swapped, max(0, limits.max_num_seqs - num_running)))
 
 
+def growth_blocks(grow: Iterable[Seq], block_size: int) -> int:
+    """New blocks the appends of ``grow`` take: their tokens past the blocks they hold."""
+    return sum(max(0, blocks_for_tokens(len(s.tokens), block_size) - s.blocks_held) for s in grow)
+
+
 def admissions(
     waiting: Iterable[Seq],
     running: Sequence[Seq],
@@ -64,8 +69,7 @@ def admissions(
     bs = limits.block_size
     room = limits.max_num_seqs - len(running) - num_swap_in
     # Blocks the growing sequences take first (their tokens past the blocks they hold).
-    growth = sum(max(0, blocks_for_tokens(len(s.tokens), bs) - s.blocks_held) for s in grow)
-    budget = admission_room(pool.available - growth, limits.watermark)
+    budget = admission_room(pool.available - growth_blocks(grow, bs), limits.watermark)
     out: list[Seq] = []
     held = 0
     progress: PrefixProgress | None = None
@@ -95,8 +99,9 @@ def admissions(
 def grants(running: Sequence[Seq], spare: int, limits: Limits, ahead_tokens: int) -> list[Seq]:
     """Running sequences to grant their next block ahead in a Step made anyway, at most ``spare``:
     those whose held blocks have room for fewer than ``ahead_tokens`` more tokens and that will
-    generate past them, nearest the boundary first. Not a sequence sharing its tail (its next
-    append copies on write, in a Step of its own) nor one that waits for its parent's prefill.
+    compute a token past them (the last token a sequence draws is never computed), nearest the
+    boundary first. Not a sequence sharing its tail (its next append copies on write, in a Step
+    of its own) nor one that waits for its parent's prefill.
     A sequence whose tokens have passed into its block granted ahead may have the next one: the
     Step's appends (before its grants) make that block a table entry."""
     if ahead_tokens <= 0 or spare <= 0:
@@ -111,7 +116,7 @@ def grants(running: Sequence[Seq], spare: int, limits: Limits, ahead_tokens: int
             continue  # its block ahead is still ahead
         room = held * bs - len(s.tokens)
         left = s.request.max_tokens - len(s.completion.token_ids)
-        if room < ahead_tokens and left > room:
+        if room < ahead_tokens and left - 1 > room:  # tokens it may still compute past its own
             out.append((room, s))
     out.sort(key=lambda x: x[0])
     return [s for _, s in out[:spare]]

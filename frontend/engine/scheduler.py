@@ -225,7 +225,7 @@ class Scheduler:
             self.stats.admissions_held += held
         commits = self._commits()
         frees = self.frees_due() + self.unconfirmed
-        owed = self._owed_slots(frees)
+        owed = self._owed_slots(frees, grow)
         if owed:  # their appends first; their commits and Frees in the next Step
             sent = {s.seq_id for s in owed}
             frees = [x for x in frees if x not in sent]
@@ -242,13 +242,15 @@ class Scheduler:
         items = [(s, t) for s in grow for t in s.tokens[s.num_slots :]]
         items += [(s, t) for s in owed for t in s.tokens[s.num_slots : s.num_computed // bs * bs]]
         grant: list[Seq] = []
-        if lazy:
+        # No grant while a sequence waits to be admitted or swapped in: the blocks are its, and
+        # with it waiting every iteration makes a Step anyway (its admission), so none is saved.
+        if lazy and len(self.waiting) == len(admit) and len(self.swapped) == len(swap_in):
             bs = self.limits.block_size
             spare = (
                 self.blocks.available
                 - self.limits.watermark
                 - sum(self.prompt_blocks(s.tokens) for s in admit)
-                - sum(max(0, blocks_for_tokens(len(s.tokens), bs) - s.blocks_held) for s in grow)
+                - policy.growth_blocks(grow, bs)
             )
             # Admitted ones too: the manager applies grants after this Step's allocations.
             candidates = [*self.running, *(s for s in admit if s.width == 1)]
@@ -264,15 +266,20 @@ class Scheduler:
         )
         return BlockManagerPlan(step, [s for s, _ in items], swap_in, admit, forks, grant)
 
-    def _owed_slots(self, frees: list[str]) -> list[Seq]:
+    def _owed_slots(self, frees: list[str], grow: list[Seq]) -> list[Seq]:
         """Finished sequences about to be freed whose computed KV fills a block the manager has no
         slots for yet (their appends were deferred, into blocks they held: the block granted ahead
         among them). Committing that block first needs those appends, and the manager applies a
         Step's commits before its appends: so this Step appends, and the next commits and frees
-        (else generated text would never reach the prefix cache, for the next turn of a chat)."""
+        (else generated text would never reach the prefix cache, for the next turn of a chat).
+        None while this Step's growth needs more blocks than the pool has: their Frees go now, and
+        their last blocks stay out of the prefix cache, since holding them back would make that
+        growth fail and preempt a running sequence (recomputed, or swapped out and back)."""
         if not self.defer_appends or not self.limits.prefix_caching:
             return []
         bs = self.limits.block_size
+        if policy.growth_blocks(grow, bs) > self.blocks.available:
+            return []
         due = set(frees)
         return [
             s

@@ -266,8 +266,9 @@ class EngineConfig:
     defer_appends: bool = True
     # With defer_appends: a Step made anyway also grants each running sequence whose held blocks
     # have room for fewer than this many more tokens (and that will generate past them) its next
-    # block ahead, so crossing a block boundary needs no Step either. None: the block size;
-    # 0: never. Costs at most one block per running sequence, and only above the watermark.
+    # block ahead, so crossing a block boundary needs no Step either; not while a request waits
+    # for admission or swap-in (the block is its). None: the block size; 0: never. Costs at most
+    # one block per running sequence, and only above the watermark.
     grant_ahead_tokens: int | None = None
     # Multi-step decode: a worker call of decode tokens alone runs up to this many decode steps,
     # each next one on the token the last one drew (SGLang's --num-continuous-decode-steps), while

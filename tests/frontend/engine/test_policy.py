@@ -143,3 +143,12 @@ def test_decode_steps_leave_prefill_and_engine_tracked_sampling_to_single_steps(
     shared = _decoding(4, 5, 1, 4)
     shared.tail_shared = True
     assert policy.decode_steps([(ok, 1), (penalized, 1), (grammar, 1), (shared, 1)], 4, 4) == [4, 1, 1, 1]
+
+
+def test_a_block_ahead_goes_only_to_a_sequence_that_will_write_into_it() -> None:
+    """The last token a sequence draws is never computed: a sequence whose held blocks have a slot
+    for every other token it may still draw gets no block ahead (it would hold it for nothing)."""
+    limits = Limits(max_num_seqs=8, max_batch_tokens=64, block_size=4, watermark=0, prefix_caching=False)
+    last_fits = _decoding(0, 5, 2, 2, max_tokens=4)  # 7 tokens, 8 slots; of 2 more, the 1st is computed
+    writes_past = _decoding(1, 5, 2, 2, max_tokens=5)  # of 3 more, the 2nd is computed at position 9
+    assert policy.grants([last_fits, writes_past], 2, limits, 4) == [writes_past]

@@ -6,7 +6,7 @@ Each run ends with the fault-free tokens and nothing held in the manager."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from pagedkv.frontend.engine.step_messages import StepPlan
@@ -108,6 +108,47 @@ def test_a_block_granted_ahead_takes_the_boundary_crossing_off_the_step_path() -
     d.assert_nothing_held()
 
 
+def test_a_finished_sequence_owing_appends_is_freed_at_once_when_growth_needs_its_blocks() -> None:
+    """A finished sequence whose deferred appends complete a block is normally freed a Step after
+    those appends (so the block is committed to the prefix cache first). When the same Step's
+    growth needs more blocks than the pool has, it is freed at once instead: holding its blocks back
+    would make that growth fail and preempt a running sequence for nothing."""
+    d = Driver.make(num_gpu_blocks=3, block_size=2, grant_ahead_tokens=0, preemption_mode="recompute")
+    d.add("a", _prompt(0, 1), max_tokens=2)  # 1 block; its one append is deferred until it finishes
+    d.add("b", _prompt(1, 3), max_tokens=3)  # 2 blocks; its 5th token needs a 3rd in the same iteration
+    d.iterate()
+    d.iterate()  # no Step: a's and b's appends fit their blocks; a finishes, b's next token has no block
+    assert len(d.bm.steps) == 1 and d.scheduler.outputs["a"].finished
+    d.block_manager_step()
+    step = d.bm.steps[-1]
+    assert step.frees == ["test:a/0"] and {s for s, _ in step.appends} == {"test:b/0"}
+    assert d.scheduler.stats.preempted_recompute == 0
+    d.run()
+    assert d.tokens("a") == expected(_prompt(0, 1), 2) and d.tokens("b") == expected(_prompt(1, 3), 3)
+    assert d.scheduler.stats.preempted_recompute == 0
+    d.assert_nothing_held()
+
+
+def test_no_block_is_granted_ahead_while_a_request_waits_for_room() -> None:
+    """A grant takes a block a waiting request's admission needs, and saves no Step while one waits
+    (each iteration tries its admission): b, held back at the first Step, is admitted as soon as c's
+    blocks are freed, not once a's granted block is too."""
+    d = Driver.make(num_gpu_blocks=6, block_size=4)
+    d.add("a", _prompt(0, 6), max_tokens=12)  # 2 blocks, and would be granted a 3rd
+    d.add("c", _prompt(1, 7), max_tokens=1)  # 2 blocks, freed after its prefill
+    d.add("b", _prompt(2, 13), max_tokens=2)  # 4 blocks: waits for c's
+    d.iterate()
+    assert [s for s, _, _ in d.bm.steps[0].allocs] == ["test:a/0", "test:c/0"]
+    assert d.bm.steps[0].grants == []
+    d.iterate()
+    assert d.scheduler.seqs["test:b/0"].status is SeqStatus.RUNNING
+    d.run()
+    assert d.scheduler.stats.blocks_granted_ahead > 0, "once nobody waits, a is granted its next block"
+    for rid, i, n, m in (("a", 0, 6, 12), ("c", 1, 7, 1), ("b", 2, 13, 2)):
+        assert d.tokens(rid) == expected(_prompt(i, n), m)
+    d.assert_nothing_held()
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     lengths=st.lists(st.integers(1, 13), min_size=2, max_size=6),
@@ -115,6 +156,13 @@ def test_a_block_granted_ahead_takes_the_boundary_crossing_off_the_step_path() -
     num_gpu_blocks=st.integers(16, 40),  # one request always fits (30 tokens in 2-token blocks)
     ahead=st.sampled_from([None, 0, 1, 2, 3]),
 )
+# Each once made more Steps with grants, through a preemption by recompute or a late admission: a
+# block granted to a sequence that never writes into it; a finished sequence's Free held back (for
+# its deferred appends) while the same Step's growth needed its blocks; a grant taking the blocks
+# a waiting request needed (tests above pin each rule on its own).
+@example(lengths=[1, 3, 7, 3, 6, 12], max_tokens=[1, 1, 10, 5, 13, 4], num_gpu_blocks=17, ahead=None)
+@example(lengths=[1, 4, 4, 1, 1, 13], max_tokens=[2, 10, 10, 2, 2, 4], num_gpu_blocks=16, ahead=None)
+@example(lengths=[1, 5, 5, 5, 13, 1], max_tokens=[1, 3, 3, 3, 1, 1], num_gpu_blocks=16, ahead=None)
 def test_grants_change_no_token_and_cut_steps(
     lengths: list[int], max_tokens: list[int], num_gpu_blocks: int, ahead: int | None
 ) -> None:
@@ -139,6 +187,8 @@ def test_grants_change_no_token_and_cut_steps(
         == {f"r{i}": expected(_prompt(i, n), max_tokens[i]) for i, n in enumerate(lengths)}
     )
     if ahead != 0:
+        # One more at most: a sequence that finishes inside its granted block owes the appends the
+        # Steps it saved deferred, and they go one Step ahead of its Free (Scheduler._owed_slots).
         assert steps <= base_steps + 1
 
 
