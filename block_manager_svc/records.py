@@ -51,6 +51,7 @@ import msgspec
 from pagedkv.block_manager_svc.commands import DedupeEntry
 from pagedkv.block_manager_svc.core import BlockManager, CoreConfig
 from pagedkv.block_manager_svc.core.eviction import EvictionPolicy, LruEviction, LruSizeEviction
+from pagedkv.block_manager_svc.core.kv_groups import ONE_GROUP, KVGroup
 from pagedkv.block_manager_svc.core.preemption import Preempter, VictimQueue
 from pagedkv.block_manager_svc.core.prefix_cache import encode_tokens
 from pagedkv.block_manager_svc.core.sequence import SeqState
@@ -87,6 +88,9 @@ class ConfigRecord(msgspec.Struct, frozen=True):
     # Capacity as bytes; the defaults are what a state written before them meant.
     kv_cache_dtype: str = "auto"
     kv_cache_memory_bytes: int = 0
+    # KV-cache groups as (kind, window tokens); empty: one full group (a state written before
+    # groups existed, and every one-group state: its bytes are as they were).
+    kv_groups: list[tuple[str, int]] = []
 
 
 class LruRecord(_Rec, frozen=True, tag="lru"):
@@ -192,6 +196,15 @@ class LedgerRecord(_Rec, frozen=True):
     usage: list[tuple[str, UsageRecord]]
 
 
+class KVTablesRecord(_Rec, frozen=True):
+    """A sequence's tables of KV groups 1.. (core/kv_groups.py: a window group's live tail), on
+    the GPU while running, in the CPU pool while swapped."""
+
+    seq_id: str
+    kv_tables: list[list[int]]
+    cpu_kv_tables: list[list[int]] | None
+
+
 class CoreRecord(_Rec, frozen=True):
     pool: PoolRecord
     cpu: CpuPoolRecord
@@ -206,6 +219,9 @@ class CoreRecord(_Rec, frozen=True):
     num_cow_copies: int
     num_prefix_cache_resets: int
     ledger: LedgerRecord | None  # None: tenancy off
+    # With several KV groups, every sequence's other tables (running, then swapped); empty with
+    # one group, and in a state written before groups existed.
+    kv_tables: list[KVTablesRecord] = []
 
 
 class LeaseRecord(_Rec, frozen=True):
@@ -246,6 +262,7 @@ def config_record(c: CoreConfig) -> ConfigRecord:
         miss_cost_tokens=c.miss_cost_tokens,
         kv_cache_dtype=c.kv_cache_dtype,
         kv_cache_memory_bytes=c.kv_cache_memory_bytes,
+        kv_groups=[] if len(c.kv_groups) == 1 else [(g.kind, g.window_tokens) for g in c.kv_groups],
     )
 
 
@@ -357,6 +374,16 @@ def core_record(bm: BlockManager) -> CoreRecord:
         num_cow_copies=bm.num_cow_copies,
         num_prefix_cache_resets=bm.num_prefix_cache_resets,
         ledger=_ledger_record(bm),
+        kv_tables=[
+            KVTablesRecord(
+                s.seq_id,
+                [list(t) for t in s.kv_tables],
+                None if s.cpu_kv_tables is None else [list(t) for t in s.cpu_kv_tables],
+            )
+            for s in (*bm.seqs.values(), *bm.swapped.values())
+        ]
+        if bm.multi
+        else [],
     )
 
 
@@ -395,6 +422,7 @@ def config_of(r: ConfigRecord) -> CoreConfig:
         miss_cost_tokens=r.miss_cost_tokens,
         kv_cache_dtype=r.kv_cache_dtype,
         kv_cache_memory_bytes=r.kv_cache_memory_bytes,
+        kv_groups=tuple(KVGroup(kind, w) for kind, w in r.kv_groups) if r.kv_groups else ONE_GROUP,  # type: ignore[arg-type]
     )
 
 
@@ -478,6 +506,12 @@ def core_from_record(config: CoreConfig, r: CoreRecord) -> BlockManager:
     bm.seqs.update((s.seq_id, _seq(s)) for s in r.running)  # in place: the Preempter shares them
     bm.swapped.update((s.seq_id, _seq(s)) for s in r.swapped)
     bm.groups.update((g, set(members)) for g, members in r.groups)
+    for kt in r.kv_tables:
+        seq = bm.seqs.get(kt.seq_id) or bm.swapped.get(kt.seq_id)
+        if seq is None:
+            raise StateError(f"the state's KV-group tables name {kt.seq_id!r}, which it does not hold")
+        seq.kv_tables = [list(t) for t in kt.kv_tables]
+        seq.cpu_kv_tables = None if kt.cpu_kv_tables is None else [list(t) for t in kt.cpu_kv_tables]
     pr, pre = r.preemption, bm.preemption
     q = VictimQueue()
     q._heap = list(pr.victims.heap)

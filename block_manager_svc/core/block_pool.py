@@ -23,6 +23,8 @@ from array import array
 
 from pagedkv.block_manager_svc.core.eviction import EvictionPolicy
 from pagedkv.block_manager_svc.core.kv_events import ALL_BLOCKS_CLEARED, BlockRemoved, BlockStored, PoolEvent
+from pagedkv.block_manager_svc.core.kv_groups import split_key
+from pagedkv.block_manager_svc.core.prefix_cache import DIGEST_SIZE
 
 
 class BlockPool:
@@ -108,7 +110,7 @@ class BlockPool:
             if self.index.get(h) == block:
                 del self.index[h]
                 if self.events is not None:
-                    self.events.append(BlockRemoved(h))
+                    self.events.append(BlockRemoved(*split_key(h)))
             self.block_hash[block] = None
             parent = self.parent_hash[block]
             self.parent_hash[block] = None
@@ -172,7 +174,12 @@ class BlockPool:
         self.block_hash[block] = content_hash
         self.depth[block] = depth
         if self.events is not None:
-            self.events.append(BlockStored(block, content_hash, parent, tokens))
+            if len(content_hash) > DIGEST_SIZE:  # another KV group's key (core/kv_groups.py)
+                h, group = split_key(content_hash)
+                up = None if parent is None else split_key(parent)[0]
+                self.events.append(BlockStored(block, h, up, tokens, group))
+            else:
+                self.events.append(BlockStored(block, content_hash, parent, tokens))
         if parent is not None:
             self.parent_hash[block] = parent
             count = self.child_count.get(parent, 0)

@@ -32,6 +32,7 @@ REASONS = {
     "SEQUENCE_NOT_SWAPPED_OUT": "SwapIn of a sequence that is running",
     "POOL_EXHAUSTED": "not enough GPU blocks now; retry after frees, or preempt",
     "TENANT_QUOTA_EXCEEDED": "the tenant's quota is used up; free its sequences",
+    "GRANT_UNSUPPORTED_WITH_KV_GROUPS": "Grant with several KV-cache groups; append without it",
 }
 
 

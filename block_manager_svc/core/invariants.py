@@ -12,7 +12,11 @@ inconsistency:
 * the hashes a sequence kept from Allocate are its pending blocks' chain;
 * the CPU pool's counts equal the swapped tables; fork groups are whole (all
   running or all swapped); the victim queue holds exactly the running sequences;
-* with tenancy, each tenant's usage equals what the tables say.
+* with tenancy, each tenant's usage equals what the tables say;
+* with several KV groups, every group's table counts: each full group's
+  table is as long as group 0's, each window group's is exactly the blocks
+  from the window of the committed count on (core/kv_groups.py), on the GPU
+  and in the CPU pool alike.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from pagedkv.kv_capacity import blocks_for_tokens
 
 if TYPE_CHECKING:
     from pagedkv.block_manager_svc.core.manager import BlockManager
+    from pagedkv.block_manager_svc.core.sequence import SeqState
 
 
 def check_invariants(bm: BlockManager) -> None:
@@ -54,8 +59,11 @@ def _check_gpu_pool(bm: BlockManager) -> None:
     for seq in bm.seqs.values():
         assert len(seq.block_ids) == blocks_for_tokens(seq.num_tokens, bm.block_size), seq.seq_id
         assert seq.cpu_block_ids is None, f"running {seq.seq_id} has CPU blocks"
-        for b in seq.block_ids:
-            counts[b] += 1
+        assert seq.cpu_kv_tables is None, f"running {seq.seq_id} has CPU blocks in its KV groups"
+        _check_group_tables(bm, seq, seq.kv_tables)
+        for table in (seq.block_ids, *seq.kv_tables):
+            for b in table:
+                counts[b] += 1
         if seq.ahead_block >= 0:
             assert seq.ahead_block not in seq.block_ids, f"{seq.seq_id}'s block ahead is in its table"
             assert pool.block_hash[seq.ahead_block] is None, f"{seq.seq_id}'s block ahead is hashed"
@@ -78,6 +86,19 @@ def _check_gpu_pool(bm: BlockManager) -> None:
     for h, b in pool.index.items():
         assert pool.block_hash[b] == h, f"index entry for block {b} disagrees"
     assert pool.num_free + pool.num_cached + sum(1 for c in counts if c) == pool.num_blocks
+
+
+def _check_group_tables(bm: BlockManager, seq: SeqState, tables: list[list[int]] | None) -> None:
+    """Groups 1..'s tables of `seq` (running or swapped) have the lengths its tokens and its
+    committed count give."""
+    groups = bm.kv_groups
+    bs = bm.block_size
+    tables = tables or []
+    assert len(tables) == len(groups) - 1, f"{seq.seq_id} has {len(tables)} tables for groups 1.."
+    n = blocks_for_tokens(seq.num_tokens, bs)
+    for g, table in enumerate(tables, 1):
+        want = n - groups[g].first_live(seq.num_committed, bs)
+        assert len(table) == want, f"{seq.seq_id}'s KV group {g} holds {len(table)} blocks, not {want}"
 
 
 def _check_sequences(bm: BlockManager) -> None:
@@ -105,10 +126,16 @@ def _check_swap_and_groups(bm: BlockManager) -> None:
     cpu_counts = [0] * cpu.num_blocks
     for seq in bm.swapped.values():
         assert seq.block_ids == [], f"swapped {seq.seq_id} still holds GPU blocks"
+        assert seq.kv_tables == [], f"swapped {seq.seq_id} still holds GPU blocks in its KV groups"
         assert seq.cpu_block_ids is not None
         assert len(seq.cpu_block_ids) == blocks_for_tokens(seq.num_tokens, bm.block_size), seq.seq_id
-        for c in seq.cpu_block_ids:
-            cpu_counts[c] += 1
+        if bm.multi:
+            _check_group_tables(bm, seq, seq.cpu_kv_tables)
+        else:
+            assert seq.cpu_kv_tables is None, seq.seq_id
+        for table in (seq.cpu_block_ids, *(seq.cpu_kv_tables or ())):
+            for c in table:
+                cpu_counts[c] += 1
     assert cpu_counts == cpu.ref_counts, "CPU ref counts differ from the swapped tables"
     cpu_free = set(cpu.free_list)
     assert len(cpu_free) == len(cpu.free_list), "a CPU block is on the free list twice"

@@ -3,7 +3,9 @@
 The pool appends them to ``BlockPool.events`` (when recording is on) and the servicer's core
 stage drains them after every call into block_manager_svc/events.py, which numbers them and
 fans them out (gRPC watchers, the ZeroMQ publisher). They name blocks and chain hashes only;
-which tenant caused them is the hub's business.
+which tenant caused them is the hub's business. With several KV-cache groups (core/kv_groups.py)
+each names the group whose block it is (`group`, 0 with one group); the hashes are the chain
+hashes, the same for every group.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ class BlockStored:
     block_hash: bytes
     parent_hash: bytes | None
     token_ids: array[int] | None = None
+    group: int = 0
 
 
 @dataclass(slots=True, frozen=True)
@@ -29,6 +32,7 @@ class BlockRemoved:
     """The cached block registered under `block_hash` was evicted: the hash names nothing now."""
 
     block_hash: bytes
+    group: int = 0
 
 
 @dataclass(slots=True, frozen=True)

@@ -36,6 +36,7 @@ from pagedkv.block_manager_svc.core.errors import (
 from pagedkv.block_manager_svc.core.eviction import DEFAULT_MISS_COST_TOKENS, POLICIES, make_eviction_policy
 from pagedkv.block_manager_svc.core.invariants import check_invariants
 from pagedkv.block_manager_svc.core.kv_events import PoolEvent
+from pagedkv.block_manager_svc.core.kv_groups import ONE_GROUP, KVGroup, check_kv_groups, group_key
 from pagedkv.block_manager_svc.core.preemption import Preempter, PreemptionPlan, StepScope
 from pagedkv.block_manager_svc.core.prefix_cache import (
     ROOT_HASH,
@@ -49,6 +50,7 @@ from pagedkv.block_manager_svc.core.results import (
     AppendResult,
     BlockTable,
     CacheOps,
+    GroupDeltas,
     ItemError,
     Preemption,
     Stats,
@@ -97,6 +99,9 @@ class CoreConfig:
     # 0 = counted in blocks, kv_bytes_per_block then only feeds the cost model).
     kv_cache_dtype: str = "auto"
     kv_cache_memory_bytes: int = 0
+    # The model's KV-cache groups (core/kv_groups.py): one block table per group per sequence.
+    # Group 0 is full attention; one group (the default) is the behaviour before groups existed.
+    kv_groups: tuple[KVGroup, ...] = ONE_GROUP
 
     def __post_init__(self) -> None:
         if self.num_gpu_blocks < 1:
@@ -114,6 +119,7 @@ class CoreConfig:
         if self.miss_cost_tokens < 0:
             raise ValueError(f"miss_cost_tokens must be >= 0, got {self.miss_cost_tokens}")
         check_kv_cache_dtype(self.kv_cache_dtype)
+        check_kv_groups(self.kv_groups)
         if self.kv_cache_memory_bytes and (
             blocks_for_memory(self.kv_cache_memory_bytes, self.kv_bytes_per_block) != self.num_gpu_blocks
         ):
@@ -122,6 +128,11 @@ class CoreConfig:
                 f"over {self.kv_bytes_per_block} bytes per block"
             )
         CostModel(self.kv_bytes_per_block, self.host_link_bytes_per_s, self.prefill_tokens_per_s)
+
+
+def _tails_private(tables: list[list[int]], ref_counts: list[int]) -> bool:
+    """Whether every table's last block is the sequence's own (a decode token needs no copy)."""
+    return all(ref_counts[t[-1]] == 1 for t in tables)
 
 
 def _encode_token_ids(token_ids: SequenceT[int], num_tokens: int, what: str = "token_ids") -> array[int]:
@@ -150,6 +161,10 @@ class BlockManager:
             ),
         )
         self.cpu = CpuPool(config.num_cpu_blocks)
+        # KV-cache groups (core/kv_groups.py); `multi`: more than one, so sequences keep
+        # `kv_tables` too. Every path below that `multi` guards is untouched with one group.
+        self.kv_groups = config.kv_groups
+        self.multi = len(config.kv_groups) > 1
         self.cost_model = CostModel(
             config.kv_bytes_per_block, config.host_link_bytes_per_s, config.prefill_tokens_per_s
         )
@@ -255,18 +270,33 @@ class BlockManager:
         root = root_hash(salt.encode(), tenant.encode()) if salt or tenant else ROOT_HASH
         hashes: list[bytes] = []
         hits: list[int] = []
+        kv_hits: list[list[int]] = [[] for _ in self.kv_groups[1:]]
         if tokens is not None and self.config.enable_prefix_caching:
             hashes = chain_hashes(root, tokens, bs, num_full)
             max_hits = (num_tokens - 1) // bs
-            index = pool.index
-            for h in hashes[:max_hits]:
-                block = index.get(h)
-                if block is None:
-                    break
-                hits.append(block)
+            if self.multi:
+                hits, kv_hits = self._group_hits(hashes, max_hits)
+            else:
+                index = pool.index
+                for h in hashes[:max_hits]:
+                    block = index.get(h)
+                    if block is None:
+                        break
+                    hits.append(block)
         ref_counts = pool.ref_counts
         hits_from_cache = sum(1 for b in hits if ref_counts[b] == 0)
         needed = total_blocks - len(hits)
+        if self.multi:
+            # Every other group takes the blocks after the hit too; a window group's hits
+            # are only the last window's (core/kv_groups.py).
+            hits_from_cache += sum(1 for g in kv_hits for b in g if ref_counts[b] == 0)
+            needed *= len(self.kv_groups)
+            peak = total_blocks + sum(total_blocks - len(hits) + len(g) for g in kv_hits)
+            if peak > pool.num_blocks:
+                raise InvalidArgument(
+                    f"a prompt of {num_tokens} tokens needs {peak} blocks of {bs} over its "
+                    f"{len(self.kv_groups)} KV groups, more than the whole pool ({pool.num_blocks} blocks)"
+                )
         watermark = self.config.watermark_blocks
         available = admission_room(pool.num_available - hits_from_cache, watermark)
         if needed > available:
@@ -284,6 +314,14 @@ class BlockManager:
         # the prefix cache: their KV does not exist until the client commits it.
         for b in hits:
             pool.hit(b)
+        kv_tables: list[list[int]] = []
+        if self.multi:
+            fresh = total_blocks - nh
+            for g in kv_hits:
+                for b in g:
+                    pool.hit(b)
+                kv_tables.append(g + pool.take(fresh))
+            needed = fresh
         block_ids = hits + pool.take(needed)
         pending: array[int] | None = None
         last_hash, num_hashed = root, 0
@@ -310,10 +348,43 @@ class BlockManager:
             num_committed=nh * bs,  # hits are committed KV by construction
             pending_hashes=hashes,
             tenant=tenant,
+            kv_tables=kv_tables,
         )
         if self.preempt_on:
             self.preemption.running(seq_id, priority, arrival)
-        return AllocateResult(block_ids=list(block_ids), num_cached_tokens=nh * bs)
+        return AllocateResult(
+            block_ids=list(block_ids), num_cached_tokens=nh * bs, kv_block_ids=[list(t) for t in kv_tables]
+        )
+
+    def _group_hits(self, hashes: list[bytes], max_hits: int) -> tuple[list[int], list[list[int]]]:
+        """The longest prefix hit every KV group can serve: (group 0's hit blocks, each other
+        group's). A full group needs every block up to the hit point L; a window group only
+        those of the window before it, [first_live(L*B), L) (the earlier ones may be gone).
+        O(L) index lookups per group."""
+        index, bs, groups = self.pool.index, self.block_size, self.kv_groups
+        limit = min(len(hashes), max_hits)
+        for g, group in enumerate(groups):
+            if not group.window_tokens:
+                k = 0
+                while k < limit and group_key(hashes[k], g) in index:
+                    k += 1
+                limit = k
+        # For each window group, run[j]: how many blocks in a row are cached up to block j - 1.
+        runs: list[tuple[int, KVGroup, list[int]]] = []
+        for g, group in enumerate(groups):
+            if group.window_tokens:
+                run = [0] * (limit + 1)
+                for j in range(limit):
+                    run[j + 1] = run[j] + 1 if group_key(hashes[j], g) in index else 0
+                runs.append((g, group, run))
+        hit = limit
+        while hit and not all(run[hit] >= hit - group.first_live(hit * bs, bs) for _, group, run in runs):
+            hit -= 1
+        tables = [
+            [index[group_key(hashes[j], g)] for j in range(group.first_live(hit * bs, bs), hit)]
+            for g, group in enumerate(groups)
+        ]
+        return tables[0], tables[1:]
 
     # --- Append -------------------------------------------------------------
     def append(self, seq_id: str, num_tokens: int, token_ids: SequenceT[int] | None = None) -> AppendResult:
@@ -330,16 +401,29 @@ class BlockManager:
         cow, needed, plan = self._plan_append(seq, num_tokens)
         ops = CacheOps()
         preempted = self.preemption.apply(plan, ops) if plan is not None else []
-        new_blocks, copy = self._apply_append(seq, num_tokens, tokens, cow, needed)
+        new_blocks, copy, kv_grown = self._apply_append(seq, num_tokens, tokens, cow, needed)
         if copy:
             ops.copies.append(copy)
+        kv_new: list[list[int]] = []
+        kv_replaced: list[bool] = []
+        if kv_grown:
+            for new, copy_g in kv_grown:
+                kv_new.append(new)
+                kv_replaced.append(copy_g is not None)
+                if copy_g is not None:
+                    ops.copies.append(copy_g)
         return AppendResult(
-            new_block_ids=new_blocks, ops=ops, replaced_last_block=copy is not None, preempted=preempted
+            new_block_ids=new_blocks,
+            ops=ops,
+            replaced_last_block=copy is not None,
+            preempted=preempted,
+            kv_new_block_ids=kv_new,
+            kv_replaced_last_block=kv_replaced,
         )
 
     def _plan_append(
         self, seq: SeqState, num_tokens: int, scope: StepScope | None = None, pos: int = 0
-    ) -> tuple[bool, int, PreemptionPlan | None]:
+    ) -> tuple[int, int, PreemptionPlan | None]:
         """(copy_on_write, blocks needed, preemptions) for growing `seq`; raises if it cannot.
 
         When the pool is short and preemption is enabled, the plan names the
@@ -355,8 +439,11 @@ class BlockManager:
                 f"sequence {seq.seq_id!r} would need {after} blocks for {cur + num_tokens} tokens, "
                 f"more than the whole pool ({pool.num_blocks} blocks)"
             )
-        cow = cur % bs != 0 and pool.ref_counts[seq.block_ids[-1]] > 1
+        # Whether the tail is shared (copy-on-write); with several KV groups a mask, bit g for group g.
+        cow: int = cur % bs != 0 and pool.ref_counts[seq.block_ids[-1]] > 1
         needed = after - len(seq.block_ids) + cow
+        if self.multi:
+            cow, needed = self._plan_append_groups(seq, after, cow, needed)
         # A block granted ahead is the first new block the growth takes (never the copy-on-write
         # copy: the frontend may already have written the next block's KV into it).
         from_pool = needed - (seq.ahead_block >= 0 and after > len(seq.block_ids))
@@ -372,12 +459,71 @@ class BlockManager:
                 return cow, needed, plan
         raise self.exhausted(f"appending {num_tokens} tokens to {seq.seq_id!r}", from_pool, available)
 
+    def _plan_append_groups(self, seq: SeqState, after: int, cow: int, needed: int) -> tuple[int, int]:
+        """`_plan_append` over every KV group: (copy-on-write mask, bit g = group g's tail is
+        shared; blocks needed in all groups). Raises when the grown tables cannot all fit."""
+        n = len(seq.block_ids)
+        ref_counts = self.pool.ref_counts
+        mask = int(cow)
+        grow = after - n
+        partial = seq.num_tokens % self.block_size != 0
+        for g, table in enumerate(seq.kv_tables, 1):
+            if partial and ref_counts[table[-1]] > 1:
+                mask |= 1 << g
+                needed += 1
+            needed += grow
+        # Never fits: the full groups alone outgrow the pool (window groups shrink as commits come).
+        full = after * sum(1 for group in self.kv_groups if not group.window_tokens)
+        if full > self.pool.num_blocks:
+            raise InvalidArgument(
+                f"sequence {seq.seq_id!r} would need {full} blocks in its full-attention KV groups, "
+                f"more than the whole pool ({self.pool.num_blocks} blocks)"
+            )
+        return mask, needed
+
+    def _apply_append_groups(
+        self, seq: SeqState, mask: int, after: int
+    ) -> list[tuple[list[int], tuple[int, int] | None]]:
+        """Grow groups 1.. to `after` blocks (copy-on-write first where `mask` says); returns
+        what each got: (new blocks, the copy or None)."""
+        pool = self.pool
+        grown: list[tuple[list[int], tuple[int, int] | None]] = []
+        n = len(seq.block_ids)
+        taken = 0
+        for g, table in enumerate(seq.kv_tables, 1):
+            new: list[int] = []
+            copy: tuple[int, int] | None = None
+            if mask >> g & 1:
+                old = table[-1]
+                fresh = pool.take_one()
+                pool.decref(old)  # still referenced by the other sharers
+                table[-1] = fresh
+                copy = (old, fresh)
+                new.append(fresh)
+                self.num_cow_copies += 1
+                taken += 1
+            if after > n:
+                more = pool.take(after - n)
+                table.extend(more)
+                new.extend(more)
+                taken += after - n
+            grown.append((new, copy))
+        self.ledger.charge_gpu(seq.tenant, taken)
+        return grown
+
     def _apply_append(
-        self, seq: SeqState, num_tokens: int, token_ids: array[int] | None, cow: bool, needed: int
-    ) -> tuple[list[int], tuple[int, int] | None]:
+        self, seq: SeqState, num_tokens: int, token_ids: array[int] | None, cow: int, needed: int
+    ) -> tuple[list[int], tuple[int, int] | None, list[tuple[list[int], tuple[int, int] | None]]]:
+        """Grow `seq` as planned: (group 0's new blocks, its copy or None, the other groups')."""
         pool = self.pool
         copy: tuple[int, int] | None = None
         new_blocks: list[int] = []
+        kv_grown: list[tuple[list[int], tuple[int, int] | None]] = []
+        if self.multi:
+            after = blocks_for_tokens(seq.num_tokens + num_tokens, self.block_size)
+            kv_grown = self._apply_append_groups(seq, cow, after)
+            cow &= 1
+            needed = after - len(seq.block_ids) + cow
         if cow:
             old = seq.block_ids[-1]
             fresh = pool.take_one()
@@ -405,7 +551,7 @@ class BlockManager:
                 seq.pending_hashes = []
             else:
                 pending.extend(token_ids)
-        return new_blocks, copy
+        return new_blocks, copy, kv_grown
 
     # --- Commit -------------------------------------------------------------
     def commit(self, seq_id: str, num_computed_tokens: int) -> int:
@@ -433,7 +579,24 @@ class BlockManager:
             pending = seq.pending_tokens
             if pending is not None:
                 self._register_full_blocks(seq, pending, num_computed_tokens // self.block_size)
+            if self.multi:
+                self._slide_windows(seq)
         return seq.num_committed // self.block_size
+
+    def _slide_windows(self, seq: SeqState) -> None:
+        """Release the blocks of `seq`'s window groups that fell wholly before the window of its
+        next position to compute (its committed count): committed ones to the evictable prefix
+        cache, the others to the free list. Oldest first, so LRU evicts the oldest first."""
+        n, c, bs = len(seq.block_ids), seq.num_committed, self.block_size
+        decref = self.pool.decref
+        released = 0
+        for g, table in enumerate(seq.kv_tables, 1):
+            drop = self.kv_groups[g].first_live(c, bs) - (n - len(table))
+            if drop > 0:
+                released += sum(1 for b in table[:drop] if decref(b))
+                del table[:drop]
+        if released:
+            self.ledger.charge_gpu(seq.tenant, -released)
 
     def _register_full_blocks(self, seq: SeqState, pending: array[int], upto: int) -> None:
         """Register the sequence's blocks [num_hashed_blocks, upto): with the
@@ -441,6 +604,7 @@ class BlockManager:
         bs = self.block_size
         pool = self.pool
         with_tokens = pool.events is not None
+        kv_tables = seq.kv_tables
         kept = seq.pending_hashes
         num_kept = len(kept)
         h = seq.last_hash
@@ -462,12 +626,31 @@ class BlockManager:
                 pending[i : i + bs] if with_tokens else None,
             ):
                 self.num_committed_blocks += 1
+            if kv_tables:
+                self._register_in_groups(seq, h, parent, depth, pending[i : i + bs] if with_tokens else None)
             i += bs
         seq.num_hashed_blocks = depth
         seq.last_hash = h
         del pending[:i]
         if k:
             del kept[:k]
+
+    def _register_in_groups(
+        self, seq: SeqState, h: bytes, parent: bytes, depth: int, tokens: array[int] | None
+    ) -> None:
+        """Register block `depth - 1` of groups 1.. under their own keys (core/kv_groups.py). A full
+        group's blocks chain on their parents; a window group's stand alone (a window hit needs no
+        chain from the root, and each can be evicted on its own)."""
+        n = len(seq.block_ids)
+        pool = self.pool
+        for g, table in enumerate(seq.kv_tables, 1):
+            pos = depth - 1 - (n - len(table))
+            if pos < 0:
+                continue  # already released (cannot happen while hashing keeps up with commits)
+            full = not self.kv_groups[g].window_tokens
+            up = group_key(parent, g) if full and depth > 1 else None
+            if pool.register(table[pos], group_key(h, g), up, depth, tokens):
+                self.num_committed_blocks += 1
 
     # --- Fork / Free --------------------------------------------------------
     def fork(self, parent_seq_id: str, child_seq_id: str) -> list[int]:
@@ -486,6 +669,9 @@ class BlockManager:
         self.ledger.add_sequence(parent.tenant)  # the child is the parent's tenant's
         for b in parent.block_ids:
             self.pool.incref(b)
+        for table in parent.kv_tables:
+            for b in table:
+                self.pool.incref(b)
         self._arrivals += 1
         self.seqs[child_seq_id] = SeqState(
             seq_id=child_seq_id,
@@ -500,6 +686,7 @@ class BlockManager:
             num_committed=parent.num_committed,
             pending_hashes=list(parent.pending_hashes),
             tenant=parent.tenant,
+            kv_tables=[list(t) for t in parent.kv_tables],
         )
         members = self.groups.get(parent.group)
         if members is None:
@@ -526,6 +713,8 @@ class BlockManager:
             self._leave_group(seq)
             cpu_decref = self.cpu.decref
             dropped = sum(1 for c in seq.cpu_block_ids or () if cpu_decref(c))
+            for table in seq.cpu_kv_tables or ():
+                dropped += sum(1 for c in table if cpu_decref(c))
             self.ledger.released(seq.tenant, 0, dropped)
             return 0
         if self.preempt_on:
@@ -535,6 +724,8 @@ class BlockManager:
         decref = self.pool.decref
         released = self.drop_ahead(seq)
         released += sum(1 for b in reversed(seq.block_ids) if decref(b))
+        for table in seq.kv_tables:
+            released += sum(1 for b in reversed(table) if decref(b))
         self.ledger.released(seq.tenant, released, 0)
         return released
 
@@ -550,6 +741,12 @@ class BlockManager:
         seq = self.get_running(seq_id)
         if seq.ahead_block >= 0:
             return seq.ahead_block
+        if self.multi:
+            raise FailedPrecondition(
+                f"a block ahead of need is one block of one table; with {len(self.kv_groups)} KV groups "
+                f"{seq_id!r} would need one per group, which this manager does not grant",
+                reason="GRANT_UNSUPPORTED_WITH_KV_GROUPS",
+            )
         pool = self.pool
         if len(seq.block_ids) + 1 > pool.num_blocks:
             raise InvalidArgument(
@@ -605,6 +802,8 @@ class BlockManager:
         in the result and changes nothing, the others still apply.
         """
         result = StepResult()
+        if self.multi:
+            result.kv_groups = [GroupDeltas() for _ in self.kv_groups[1:]]
         self.preemption.new_call()
         counts = batch.commit_num_computed_tokens
         for j, seq_id in enumerate(batch.commit_seq_ids):
@@ -647,6 +846,9 @@ class BlockManager:
             result.alloc_num_cached_tokens.append(r.num_cached_tokens)
             result.alloc_block_index.extend([j] * len(r.block_ids))
             result.alloc_block_ids.extend(r.block_ids)
+            for deltas, table in zip(result.kv_groups, r.kv_block_ids, strict=True):
+                deltas.alloc_block_index.extend([j] * len(table))
+                deltas.alloc_block_ids.extend(table)
 
         children = batch.fork_child_seq_ids
         for j, parent in enumerate(batch.fork_parent_seq_ids):
@@ -702,7 +904,11 @@ class BlockManager:
                 seq = seqs.get(seq_id)
                 if seq is not None:
                     cur = seq.num_tokens
-                    if cur % bs and ref_counts[seq.block_ids[-1]] == 1:
+                    if (
+                        cur % bs
+                        and ref_counts[seq.block_ids[-1]] == 1
+                        and (not seq.kv_tables or _tails_private(seq.kv_tables, ref_counts))
+                    ):
                         seq.num_tokens = cur + 1
                         pending = seq.pending_tokens
                         if pending is not None:
@@ -737,6 +943,8 @@ class BlockManager:
             cur = seq.num_tokens
             if not cur % bs or ref_counts[seq.block_ids[-1]] != 1:
                 return i
+            if seq.kv_tables and not _tails_private(seq.kv_tables, ref_counts):
+                return i
             seq.num_tokens = cur + 1
             pending = seq.pending_tokens
             if pending is not None:
@@ -769,13 +977,19 @@ class BlockManager:
             before = len(result.preempted)
             result.preempted.extend(self.preemption.apply(plan, result.ops))
             result.preempted_by.extend([i] * (len(result.preempted) - before))
-        blocks, copy = self._apply_append(seq, k, tokens, cow, needed)
+        blocks, copy, kv_grown = self._apply_append(seq, k, tokens, cow, needed)
         if copy is not None:
             result.ops.copies.append(copy)
             result.replaced_index.append(i)
         for b in blocks:
             result.new_block_index.append(i)
             result.new_block_ids.append(b)
+        for deltas, (new, copy_g) in zip(result.kv_groups, kv_grown, strict=True):
+            if copy_g is not None:
+                result.ops.copies.append(copy_g)
+                deltas.replaced_index.append(i)
+            deltas.new_block_index.extend([i] * len(new))
+            deltas.new_block_ids.extend(new)
 
     # --- Preempt / SwapIn (core/preemption.py) -------------------------------
     def preempt(self, seq_id: str, mode: str | None = None) -> tuple[list[Preemption], CacheOps]:
@@ -808,9 +1022,14 @@ class BlockManager:
                 num_tokens=swapped.num_tokens,
                 swapped=True,
                 cpu_block_ids=list(swapped.cpu_block_ids or ()),
+                kv_cpu_block_ids=[list(t) for t in swapped.cpu_kv_tables or ()],
             )
         seq = self.get_running(seq_id)
-        return BlockTable(block_ids=list(seq.block_ids), num_tokens=seq.num_tokens)
+        return BlockTable(
+            block_ids=list(seq.block_ids),
+            num_tokens=seq.num_tokens,
+            kv_block_ids=[list(t) for t in seq.kv_tables],
+        )
 
     def stats(self) -> Stats:
         pool, pre = self.pool, self.preemption

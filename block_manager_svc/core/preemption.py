@@ -262,12 +262,13 @@ class Preempter:
         distinct: set[int] = set()
         freed = 0
         for m in members:
-            for b in seqs[m].block_ids:
-                d = drop.get(b, 0) + 1
-                drop[b] = d
-                if d == ref_counts[b]:
-                    freed += 1
-                distinct.add(b)
+            for table in (seqs[m].block_ids, *seqs[m].kv_tables):
+                for b in table:
+                    d = drop.get(b, 0) + 1
+                    drop[b] = d
+                    if d == ref_counts[b]:
+                        freed += 1
+                    distinct.add(b)
             freed += seqs[m].ahead_block >= 0  # private; released, never swapped
         # Tokens the re-prefill cannot get from the prefix cache: everything but
         # the leading hashed blocks that other (non-victim) sequences keep referenced.
@@ -353,23 +354,32 @@ class Preempter:
             seq = self.seqs.pop(m)
             tenant = seq.tenant
             self.victims.discard(m)
-            cpu_ids = []
-            for b in seq.block_ids:
-                c = memo.get(b)
-                if c is None:
-                    c = memo[b] = cpu.take_one()
-                    ops.swap_out.append((b, c))
-                else:
-                    cpu.incref(c)
-                cpu_ids.append(c)
+            cpu_tables: list[list[int]] = []
+            for table in (seq.block_ids, *seq.kv_tables):  # every KV group's live blocks
+                cpu_ids = []
+                for b in table:
+                    c = memo.get(b)
+                    if c is None:
+                        c = memo[b] = cpu.take_one()
+                        ops.swap_out.append((b, c))
+                    else:
+                        cpu.incref(c)
+                    cpu_ids.append(c)
+                cpu_tables.append(cpu_ids)
             if seq.ahead_block >= 0:  # a block granted ahead holds no KV worth keeping
                 gpu_released += pool.decref(seq.ahead_block)
                 seq.ahead_block = -1
-            for b in reversed(seq.block_ids):
-                gpu_released += pool.decref(b)
-            out.append(Preemption(m, PreemptionMode.SWAP.value, seq.num_tokens, len(seq.block_ids), share))
+            num_blocks = 0
+            for table in (seq.block_ids, *seq.kv_tables):
+                num_blocks += len(table)
+                for b in reversed(table):
+                    gpu_released += pool.decref(b)
+            out.append(Preemption(m, PreemptionMode.SWAP.value, seq.num_tokens, num_blocks, share))
             seq.block_ids = []
-            seq.cpu_block_ids = cpu_ids
+            seq.cpu_block_ids = cpu_tables[0]
+            if seq.kv_tables:
+                seq.kv_tables = []
+                seq.cpu_kv_tables = cpu_tables[1:]
             self.swapped[m] = seq
             self.recently_preempted[m] = "swap"
         self.num_preemptions_swap += len(members)
@@ -388,9 +398,8 @@ class Preempter:
             seq = self.seqs[m]
             tenant = seq.tenant
             self.release(m)
-            out.append(
-                Preemption(m, PreemptionMode.RECOMPUTE.value, seq.num_tokens, len(seq.block_ids), share)
-            )
+            num_blocks = len(seq.block_ids) + sum(len(t) for t in seq.kv_tables)
+            out.append(Preemption(m, PreemptionMode.RECOMPUTE.value, seq.num_tokens, num_blocks, share))
             self.recently_preempted[m] = "recompute"
             if len(requeued) >= MAX_REQUEUED:
                 del requeued[next(iter(requeued))]
@@ -423,6 +432,9 @@ class Preempter:
         for m in members:
             for c in self.swapped[m].cpu_block_ids or ():
                 distinct[c] = None
+            for table in self.swapped[m].cpu_kv_tables or ():
+                for c in table:
+                    distinct[c] = None
         pool = self.pool
         watermark = self.watermark_blocks
         available = admission_room(pool.num_available, watermark)
@@ -442,24 +454,34 @@ class Preempter:
             ops.swap_in.append((c, g))
         first = set(memo.values())
         tables: dict[str, list[int]] = {}
+        kv_tables: dict[str, list[list[int]]] = {}
         cpu = self.cpu
         cpu_released = 0
         for m in members:
             s = self.swapped.pop(m)
-            blocks = []
-            for c in s.cpu_block_ids or ():
-                g = memo[c]
-                if g in first:
-                    first.discard(g)  # take_one already counted this reference
-                else:
-                    pool.incref(g)
-                blocks.append(g)
-                cpu_released += cpu.decref(c)
-            s.block_ids = blocks
+            gpu_tables = []
+            for cpu_table in (s.cpu_block_ids or (), *(s.cpu_kv_tables or ())):
+                blocks = []
+                for c in cpu_table:
+                    g = memo[c]
+                    if g in first:
+                        first.discard(g)  # take_one already counted this reference
+                    else:
+                        pool.incref(g)
+                    blocks.append(g)
+                    cpu_released += cpu.decref(c)
+                gpu_tables.append(blocks)
+            s.block_ids = gpu_tables[0]
             s.cpu_block_ids = None
+            if s.cpu_kv_tables is not None:
+                s.kv_tables = gpu_tables[1:]
+                s.cpu_kv_tables = None
+                kv_tables[m] = [list(t) for t in s.kv_tables]
             self.seqs[m] = s
             self.running(m, s.priority, s.arrival)
-            tables[m] = list(blocks)
+            tables[m] = list(s.block_ids)
         self.num_swapped_in_blocks += len(distinct)
         self.ledger.swapped_in(seq.tenant, len(distinct), cpu_released)
-        return SwapInResult(seq_id=seq_id, block_ids=list(tables[seq_id]), ops=ops, tables=tables)
+        return SwapInResult(
+            seq_id=seq_id, block_ids=list(tables[seq_id]), ops=ops, tables=tables, kv_tables=kv_tables
+        )

@@ -63,12 +63,17 @@ class SwapInResult:
     block_ids: list[int]
     ops: CacheOps
     tables: dict[str, list[int]] = field(default_factory=dict)
+    # With several KV groups: every sequence brought back's tables of groups 1.. (window
+    # groups' live tails), like `tables`.
+    kv_tables: dict[str, list[list[int]]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
 class AllocateResult:
     block_ids: list[int]
     num_cached_tokens: int
+    # With several KV groups: groups 1..'s tables (a window group's live tail). Empty with one.
+    kv_block_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -85,6 +90,10 @@ class AppendResult:
     replaced_last_block: bool = False
     # Sequences preempted to make room (their swap_out ops are in `ops`).
     preempted: list[Preemption] = field(default_factory=list)
+    # With several KV groups, groups 1..'s share, like new_block_ids / replaced_last_block
+    # (their copies are in ops.copies after group 0's). Empty with one group.
+    kv_new_block_ids: list[list[int]] = field(default_factory=list)
+    kv_replaced_last_block: list[bool] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -94,6 +103,10 @@ class BlockTable:
     # Swapped out: block_ids is empty and cpu_block_ids names its CPU blocks.
     swapped: bool = False
     cpu_block_ids: list[int] = field(default_factory=list)
+    # With several KV groups: groups 1..'s tables (a window group's live tail: its first entry is
+    # block index len(block_ids) - len(tail), or blocks_for_tokens(num_tokens) - len when swapped).
+    kv_block_ids: list[list[int]] = field(default_factory=list)
+    kv_cpu_block_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -104,6 +117,19 @@ class ItemError:
     seq_id: str
     code: ErrorCode
     message: str
+
+
+@dataclass(slots=True)
+class GroupDeltas:
+    """One KV group's (1..) share of a step, indexed like StepResult's group-0 fields. With
+    several groups, ops.copies holds every group's copies; each group's `replaced_index` names
+    the append items whose first new block replaced that group's last block."""
+
+    new_block_index: list[int] = field(default_factory=list)
+    new_block_ids: list[int] = field(default_factory=list)
+    replaced_index: list[int] = field(default_factory=list)
+    alloc_block_index: list[int] = field(default_factory=list)
+    alloc_block_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -143,6 +169,8 @@ class StepResult:
     grant_index: list[int] = field(default_factory=list)
     grant_block_ids: list[int] = field(default_factory=list)
     grant_errors: list[ItemError] = field(default_factory=list)
+    # With several KV groups: groups 1..'s deltas (the fields above are group 0's). Empty with one.
+    kv_groups: list[GroupDeltas] = field(default_factory=list)
 
 
 @dataclass(slots=True)

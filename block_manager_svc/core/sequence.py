@@ -67,6 +67,12 @@ class SeqState:
     frontend, which was told its id, may write the next block's KV before
     telling the manager of those tokens. It is never shared (a fork does not
     inherit it) and never swapped (swap-out releases it).
+
+    With several KV-cache groups (core/kv_groups.py), `block_ids` is group 0's
+    table (full attention) and `kv_tables[g - 1]` group g's: a full group's
+    whole table, a window group's live tail (its first entry is block index
+    len(block_ids) - len(tail)). Empty with one group. While swapped,
+    `cpu_kv_tables` holds the other groups' CPU blocks likewise.
     """
 
     seq_id: str
@@ -85,3 +91,5 @@ class SeqState:
     pending_hashes: list[bytes] = field(default_factory=list)
     tenant: str = ""
     ahead_block: int = -1
+    kv_tables: list[list[int]] = field(default_factory=list)
+    cpu_kv_tables: list[list[int]] | None = None

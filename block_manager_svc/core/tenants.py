@@ -163,6 +163,8 @@ class TenantLedger:
                 blocks: Iterable[int] = seq.block_ids if table is gpu else seq.cpu_block_ids or ()
                 held = table.setdefault(t, set())
                 held.update(blocks)
+                for more in seq.kv_tables if table is gpu else seq.cpu_kv_tables or ():
+                    held.update(more)
                 if seq.ahead_block >= 0:
                     held.add(seq.ahead_block)
         for t, blocks in gpu.items():

@@ -89,7 +89,7 @@ _KNOWN = {
     "BlockManager": (
         "pool cpu seqs swapped groups preemption _arrivals prefix_query_tokens prefix_hit_tokens "
         "num_committed_blocks num_cow_copies num_prefix_cache_resets ledger",
-        "config block_size cost_model preempt_on",
+        "config block_size cost_model preempt_on kv_groups multi",
     ),
     "BlockPool": (
         "ref_counts free_list block_hash parent_hash depth child_count index eviction_policy num_evicted "
@@ -110,7 +110,7 @@ _KNOWN = {
     ),
     "SeqState": (
         "seq_id block_ids num_tokens pending_tokens last_hash num_hashed_blocks priority arrival group "
-        "cpu_block_ids num_committed pending_hashes tenant ahead_block",
+        "cpu_block_ids num_committed pending_hashes tenant ahead_block kv_tables cpu_kv_tables",
         "",
     ),
 }

@@ -20,6 +20,11 @@ block, so the tokens read back.
 A prefix hit on a block whose KV was never written reads back None instead of
 the prompt, so "a hit never points at an uncommitted block" is checked on
 every Allocate.
+
+`KV_GROUPS` runs the same machine over several KV-cache groups
+(core/kv_groups.py): each group's table is written and read back, a worker
+step checks that every window group still holds the window of every position
+it computes, and every group's hit blocks must hold the prompt.
 """
 
 from __future__ import annotations
@@ -36,12 +41,14 @@ from pagedkv.block_manager_svc.core import (
     AlreadyExists,
     BlockManager,
     CoreConfig,
+    FailedPrecondition,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
     StepBatch,
 )
 from pagedkv.block_manager_svc.core.invariants import check_invariants
+from pagedkv.block_manager_svc.core.kv_groups import ONE_GROUP, KVGroup
 
 BS = 2
 NUM_BLOCKS = 10
@@ -51,33 +58,53 @@ TOKEN = st.integers(0, 1)
 
 
 class AllocatorMachine(RuleBasedStateMachine):
+    KV_GROUPS: tuple[KVGroup, ...] = ONE_GROUP
+    NUM_BLOCKS = NUM_BLOCKS
+
     def __init__(self) -> None:
         super().__init__()
-        self.bm = BlockManager(CoreConfig(num_gpu_blocks=NUM_BLOCKS, block_size=BS, preemption_mode="off"))
+        self.bm = BlockManager(
+            CoreConfig(
+                num_gpu_blocks=self.NUM_BLOCKS, block_size=BS, preemption_mode="off", kv_groups=self.KV_GROUPS
+            )
+        )
         self.tokens: dict[str, list[int]] = {}  # the model: each sequence's tokens
         self.computed: dict[str, int] = {}  # leading tokens whose KV was written (by it or a sharer)
         self.phys: dict[int, list[int | None]] = {}  # what each physical block holds
         self.ahead: dict[str, int] = {}  # blocks granted ahead, as the grants answered
 
     # --- the model's data plane -------------------------------------------------
+    def _tables(self, seq_id: str) -> list[tuple[int, list[int], KVGroup]]:
+        """(first block index, table, group) for each KV group of a running sequence."""
+        seq = self.bm.seqs[seq_id]
+        n = len(seq.block_ids)
+        out = [(0, seq.block_ids, self.KV_GROUPS[0])]
+        for g, table in enumerate(seq.kv_tables, 1):
+            out.append((n - len(table), table, self.KV_GROUPS[g]))
+        return out
+
     def _write(self, seq_id: str, start: int) -> None:
-        """Write seq's tokens from position `start` into its blocks, like a worker.
+        """Write seq's tokens from position `start` into its blocks, like a worker (every group's
+        layers). Computing a position reads its window: a window group must still hold it.
 
         A block shared by fork siblings may be written (the engine prefills the
         parent's prompt once) only where every sharer has the same token."""
-        table = self.bm.seqs[seq_id].block_ids
         toks = self.tokens[seq_id]
         for pos in range(start, len(toks)):
-            block = table[pos // BS]
-            if self.bm.pool.ref_counts[block] > 1:
-                for other, seq in self.bm.seqs.items():
-                    if pos // BS < len(seq.block_ids) and seq.block_ids[pos // BS] == block:
-                        theirs = self.tokens[other]
-                        assert pos >= len(theirs) or theirs[pos] == toks[pos], (
-                            f"write into shared block {block}"
-                        )
-            slot = self.phys.setdefault(block, [None] * BS)
-            slot[pos % BS] = toks[pos]
+            for first, table, group in self._tables(seq_id):
+                assert first <= group.first_live(pos, BS), f"{seq_id} released the window of {pos}"
+                block = table[pos // BS - first]
+                if self.bm.pool.ref_counts[block] > 1:
+                    for other in self.bm.seqs:
+                        for o_first, o_table, _ in self._tables(other):
+                            i = pos // BS - o_first
+                            if 0 <= i < len(o_table) and o_table[i] == block:
+                                theirs = self.tokens[other]
+                                assert pos >= len(theirs) or theirs[pos] == toks[pos], (
+                                    f"write into shared block {block}"
+                                )
+                slot = self.phys.setdefault(block, [None] * BS)
+                slot[pos % BS] = toks[pos]
         self.computed[seq_id] = len(toks)
 
     def _apply_copies(self, copies: list[tuple[int, int]]) -> None:
@@ -88,7 +115,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         pool = self.bm.pool
         return copy.deepcopy(
             (
-                {k: (list(s.block_ids), s.num_tokens) for k, s in self.bm.seqs.items()},
+                {k: (list(s.block_ids), s.kv_tables, s.num_tokens) for k, s in self.bm.seqs.items()},
                 list(pool.ref_counts),
                 sorted(pool.free_list),
                 dict(pool.index),
@@ -114,11 +141,12 @@ class AllocatorMachine(RuleBasedStateMachine):
         if not with_ids:
             assert r.num_cached_tokens == 0
         self.tokens[seq_id] = list(prompt)
-        # Hit blocks must already hold exactly these tokens: check, don't write.
-        for i in range(r.num_cached_tokens // BS):
-            assert self.phys.get(r.block_ids[i]) == prompt[i * BS : (i + 1) * BS], (
-                "hit on unwritten or wrong KV"
-            )
+        # Hit blocks must already hold exactly these tokens, in every group: check, don't write.
+        for first, table, _ in self._tables(seq_id):
+            for i in range(first, r.num_cached_tokens // BS):
+                assert self.phys.get(table[i - first]) == prompt[i * BS : (i + 1) * BS], (
+                    "hit on unwritten or wrong KV"
+                )
         self.computed[seq_id] = r.num_cached_tokens
 
     @rule(seq_id=NAMES, new=st.lists(TOKEN, min_size=1, max_size=BS + 1), with_ids=st.booleans())
@@ -155,6 +183,10 @@ class AllocatorMachine(RuleBasedStateMachine):
             return
         except ResourceExhausted:
             assert seq_id not in self.ahead
+            assert self._snapshot() == before
+            return
+        except FailedPrecondition:
+            assert len(self.KV_GROUPS) > 1  # one block ahead is one table's
             assert self._snapshot() == before
             return
         assert self.ahead.setdefault(seq_id, b) == b, "a second grant gave another block"
@@ -273,7 +305,12 @@ class AllocatorMachine(RuleBasedStateMachine):
                 raise AssertionError("a second grant gave another block")
             self.phys.setdefault(b, [None] * BS)
         for e in r.grant_errors:
-            assert e.seq_id == "ghost" or e.seq_id in frees or self.bm.pool.num_available == 0, e
+            assert (
+                e.seq_id == "ghost"
+                or e.seq_id in frees
+                or self.bm.pool.num_available == 0
+                or len(self.KV_GROUPS) > 1
+            ), e
 
     @precondition(lambda self: bool(self.tokens))
     @rule()
@@ -285,7 +322,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.computed.clear()
         st_ = self.bm.stats()
         assert st_.num_used_blocks == 0
-        assert st_.num_free_blocks + st_.num_cached_blocks == NUM_BLOCKS
+        assert st_.num_free_blocks + st_.num_cached_blocks == self.NUM_BLOCKS
         assert not any(self.bm.pool.ref_counts)
 
     # --- invariants --------------------------------------------------------------
@@ -296,19 +333,32 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     @invariant()
     def every_sequence_reads_back_its_tokens(self) -> None:
-        """Every computed token reads back through the block table."""
+        """Every computed token reads back through the block table (each group's, from its
+        first live block on)."""
         for s, toks in self.tokens.items():
             seq = self.bm.seqs[s]
             assert seq.num_tokens == len(toks)
-            read = []
             toks = toks[: self.computed[s]]
-            for pos in range(len(toks)):
-                read.append(self.phys[seq.block_ids[pos // BS]][pos % BS])
-            assert read == toks, f"{s} reads {read}, expected {toks}"
+            for first, table, _ in self._tables(s):
+                read = []
+                for pos in range(first * BS, len(toks)):
+                    read.append(self.phys[table[pos // BS - first]][pos % BS])
+                assert read == toks[first * BS :], f"{s} reads {read}, expected {toks}"
 
 
 AllocatorMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestAllocator = AllocatorMachine.TestCase
+
+
+class TwoGroupAllocatorMachine(AllocatorMachine):
+    """The same machine over a full group and a 3-token window group."""
+
+    KV_GROUPS = (KVGroup.full(), KVGroup.window(3))
+    NUM_BLOCKS = 16
+
+
+TwoGroupAllocatorMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestTwoGroupAllocator = TwoGroupAllocatorMachine.TestCase
 
 
 # --- the checker itself: each corruption below must be caught --------------------------------

@@ -6,7 +6,9 @@ behaves as the original would.
 
 The model is each live sequence's token count and whether it is swapped; a
 recompute victim leaves the model (the frontend would re-Allocate it). Any
-rejected call must leave the observable state unchanged.
+rejected call must leave the observable state unchanged. The machine runs with
+one KV-cache group or with two (a full group and a 3-token window group,
+core/kv_groups.py): swap, preemption, commits and the snapshot then cover both.
 """
 
 from __future__ import annotations
@@ -19,12 +21,14 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from pagedkv.block_manager_svc import records
 from pagedkv.block_manager_svc.core import BlockManager, CoreConfig, CoreError, StepBatch
+from pagedkv.block_manager_svc.core.kv_groups import ONE_GROUP, KVGroup
 from pagedkv.block_manager_svc.idempotency import DedupeTable
 from pagedkv.block_manager_svc.leases import LeaseTable
 
 BS = 2
 NAMES = st.sampled_from([f"s{i}" for i in range(7)])
 TOKEN = st.integers(0, 2)
+KV_GROUPS = st.sampled_from([ONE_GROUP, (KVGroup.full(), KVGroup.window(3))])
 
 
 class PolicyMachine(RuleBasedStateMachine):
@@ -39,17 +43,21 @@ class PolicyMachine(RuleBasedStateMachine):
         mode=st.sampled_from(["auto", "swap", "recompute"]),
         cpu=st.integers(0, 6),
         watermark=st.integers(0, 2),
+        groups=KV_GROUPS,
     )
-    def configure(self, policy: str, mode: str, cpu: int, watermark: int) -> None:
+    def configure(
+        self, policy: str, mode: str, cpu: int, watermark: int, groups: tuple[KVGroup, ...]
+    ) -> None:
         self.bm = BlockManager(
             CoreConfig(
-                num_gpu_blocks=8,
+                num_gpu_blocks=8 * len(groups),
                 block_size=BS,
-                num_cpu_blocks=cpu,
+                num_cpu_blocks=cpu * len(groups),
                 eviction_policy=policy,
                 preemption_mode=mode,
                 watermark_blocks=watermark,
                 miss_cost_tokens=4,
+                kv_groups=groups,
             )
         )
 
@@ -58,8 +66,11 @@ class PolicyMachine(RuleBasedStateMachine):
         assert bm is not None
         return copy.deepcopy(
             (
-                {k: (list(s.block_ids), s.num_tokens) for k, s in bm.seqs.items()},
-                {k: (list(s.cpu_block_ids or ()), s.num_tokens) for k, s in bm.swapped.items()},
+                {k: (list(s.block_ids), s.kv_tables, s.num_tokens) for k, s in bm.seqs.items()},
+                {
+                    k: (list(s.cpu_block_ids or ()), s.cpu_kv_tables, s.num_tokens)
+                    for k, s in bm.swapped.items()
+                },
                 list(bm.pool.ref_counts),
                 sorted(bm.pool.free_list),
                 dict(bm.pool.index),
@@ -133,6 +144,7 @@ class PolicyMachine(RuleBasedStateMachine):
                 assert self.model[sid][1]
                 self.model[sid] = (self.model[sid][0], False)
                 assert len(blocks) == -(-self.model[sid][0] // BS)
+                assert r.kv_tables.get(sid, []) == self.bm.seqs[sid].kv_tables  # type: ignore[union-attr]
 
     @precondition(lambda self: self.bm is not None)
     @rule(seq_id=NAMES)
