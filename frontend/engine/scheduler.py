@@ -438,6 +438,9 @@ class Scheduler:
             if p.swap:
                 self.running.remove(seq)
                 seq.status = SeqStatus.SWAPPED
+                # Its table's blocks go to the CPU whole; the block granted ahead is released, and
+                # with it the KV its deferred tokens wrote there: those are computed again.
+                seq.num_computed = min(seq.num_computed, len(seq.block_table) * self.limits.block_size)
                 seq.block_table = []
                 seq.ahead_block = None  # released by the swap-out
                 self.swapped.append(seq)

@@ -469,6 +469,17 @@ def _frees(ids: list[str]):  # type: ignore[no-untyped-def]
     max_batch_tokens=st.integers(4, 32),
     decode_steps=st.sampled_from([1, 3, 8]),
 )
+# A sequence swapped out with deferred tokens in its block granted ahead (released, not swapped):
+# it came back believing their KV computed, and drew a wrong token.
+@example(
+    arrivals=[(1, 7, 1), (12, 6, 2), (2, 5, 1)],
+    aborts=[],
+    mode="swap",
+    defer_appends=True,
+    num_gpu_blocks=9,
+    max_batch_tokens=13,
+    decode_steps=1,
+)
 def test_random_traffic_keeps_every_sequence_in_one_place_and_its_tokens(
     arrivals: list[tuple[int, int, int]],
     aborts: list[int],
