@@ -51,6 +51,7 @@ from pagedkv.block_manager_svc.core.kv_events import (
     BlockStored,
     PoolEvent,
 )
+from pagedkv.block_manager_svc.core.kv_groups import group_key, split_key
 from pagedkv.v1 import block_manager_pb2 as pb
 
 if TYPE_CHECKING:
@@ -157,8 +158,8 @@ class EventHub:
             if not (self.subs or self.sinks):
                 return
             owners = dict(self.owner)
-            for h, b in pool.index.items():
-                self._one(BlockStored(b, h, pool.parent_hash[b]), owners.get(h, UNKNOWN_TENANT))
+            for key, b in pool.index.items():
+                self._one(_stored(b, key, pool.parent_hash[b]), owners.get(key, UNKNOWN_TENANT))
 
     def _one(self, ev: PoolEvent, caller: str | None) -> None:
         self.version += 1
@@ -175,11 +176,12 @@ class EventHub:
                         self._drop(s)
             return
         if self.tenancy:
+            key = group_key(ev.block_hash, ev.group)  # the pool's index key
             if isinstance(ev, BlockStored):
                 tenant = caller if caller is not None else UNKNOWN_TENANT
-                self.owner[ev.block_hash] = tenant
+                self.owner[key] = tenant
             else:
-                tenant = self.owner.pop(ev.block_hash, UNKNOWN_TENANT)
+                tenant = self.owner.pop(key, UNKNOWN_TENANT)
         else:
             tenant = ""
         if not self.subs:
@@ -250,12 +252,16 @@ class EventHub:
             yield pb.KvEvent(version=version, tenant=scope or "", all_blocks_cleared=pb.AllBlocksCleared())
             for i in range(0, len(snapshot), 256):
                 chunk = snapshot[i : i + 256]
-                for h, b, parent in chunk:
+                for key, b, parent in chunk:
+                    ev = _stored(b, key, parent)
                     yield pb.KvEvent(
                         version=version,
-                        tenant=(scope or self.owner.get(h, "")),
+                        tenant=(scope or self.owner.get(key, "")),
                         block_stored=pb.BlockStored(
-                            block_hashes=[h], parent_block_hash=parent or b"", block_ids=[b]
+                            block_hashes=[ev.block_hash],
+                            parent_block_hash=ev.parent_hash or b"",
+                            block_ids=[b],
+                            group=ev.group,
                         ),
                     )
             while not done.is_set():
@@ -285,6 +291,7 @@ class EventHub:
                 return
             stored = isinstance(ev, BlockStored)
             parent = ev.parent_hash if isinstance(ev, BlockStored) else None
+            group = ev.group
             hashes = [ev.block_hash]
             blocks = [ev.block] if isinstance(ev, BlockStored) else []
             while True:
@@ -295,7 +302,7 @@ class EventHub:
                 if nxt is None or nxt is _END:
                     break
                 n_ev = nxt[2]
-                if nxt[1] != tenant or isinstance(n_ev, AllBlocksCleared):
+                if nxt[1] != tenant or isinstance(n_ev, AllBlocksCleared) or n_ev.group != group:
                     break
                 if stored:
                     if not isinstance(n_ev, BlockStored) or n_ev.parent_hash != hashes[-1]:
@@ -305,7 +312,7 @@ class EventHub:
                     break
                 version = nxt[0]
                 hashes.append(n_ev.block_hash)
-            yield self._event(version, tenant, stored, hashes, blocks, parent)
+            yield self._event(version, tenant, stored, hashes, blocks, parent, group)
             if nxt is None:
                 return
             if nxt is _END:
@@ -315,17 +322,25 @@ class EventHub:
 
     @staticmethod
     def _event(
-        version: int, tenant: str, stored: bool, hashes: list[bytes], blocks: list[int], parent: bytes | None
+        version: int,
+        tenant: str,
+        stored: bool,
+        hashes: list[bytes],
+        blocks: list[int],
+        parent: bytes | None,
+        group: int = 0,
     ) -> pb.KvEvent:
         if stored:
             return pb.KvEvent(
                 version=version,
                 tenant=tenant,
                 block_stored=pb.BlockStored(
-                    block_hashes=hashes, parent_block_hash=parent or b"", block_ids=blocks
+                    block_hashes=hashes, parent_block_hash=parent or b"", block_ids=blocks, group=group
                 ),
             )
-        return pb.KvEvent(version=version, tenant=tenant, block_removed=pb.BlockRemoved(block_hashes=hashes))
+        return pb.KvEvent(
+            version=version, tenant=tenant, block_removed=pb.BlockRemoved(block_hashes=hashes, group=group)
+        )
 
     def _leave(self, sub: _Subscriber) -> None:
         with self._mu:
@@ -337,3 +352,10 @@ class EventHub:
             with self.lock:
                 if not self.subs and not self.sinks and self._core is not None:
                     self._core.enable_events(False)
+
+
+def _stored(block: int, key: bytes, parent: bytes | None) -> BlockStored:
+    """A cached block as a BlockStored event, from the pool's index key (core/kv_groups.py: a
+    group's key is its chain hash and the group)."""
+    h, group = split_key(key)
+    return BlockStored(block, h, None if parent is None else split_key(parent)[0], None, group)

@@ -106,7 +106,25 @@ def preemptions_to_proto(items: list[Preemption]) -> list[pb.Preemption]:
     ]
 
 
+def group_tables(num_blocks: int, tables: list[list[int]]) -> list[pb.GroupTable]:
+    """KV groups 1..'s tables of a sequence whose group 0 holds `num_blocks` blocks: each one's
+    live tail and the block index it starts at (core/kv_groups.py)."""
+    return [pb.GroupTable(first_block_index=num_blocks - len(t), block_ids=t) for t in tables]
+
+
 def swap_in_to_proto(r: SwapInResult) -> pb.SwapInResponse:
+    if r.kv_tables:
+        return pb.SwapInResponse(
+            block_ids=r.block_ids,
+            ops=ops_to_proto(r.ops),
+            sequences=[
+                pb.SwappedInSequence(
+                    seq_id=k, block_ids=v, group_tables=group_tables(len(v), r.kv_tables.get(k, []))
+                )
+                for k, v in r.tables.items()
+            ],
+            group_tables=group_tables(len(r.block_ids), r.kv_tables.get(r.seq_id, [])),
+        )
     return pb.SwapInResponse(
         block_ids=r.block_ids,
         ops=ops_to_proto(r.ops),
@@ -205,7 +223,34 @@ class _SubAppends:
                     item.replaced_last_block = True
                     item.ops.copies.add(src=copy[0], dst=copy[1])
                 item.preempted.extend(preemptions_to_proto(preempted.get(i, [])))
+        if r.kv_groups:
+            self._split_groups(r, resp, items)
         resp.appends.extend(items)
+
+    def _split_groups(self, r: StepResult, resp: pb.StepResponse, items: list[pb.AppendResponse]) -> None:
+        """KV groups 1..'s deltas: sub-message items get theirs in group_blocks, packed ones go to
+        group_deltas (allocations too)."""
+        n_sub = self.n_sub
+        for d in r.kv_groups:
+            packed = resp.group_deltas.add()
+            blocks = [pb.GroupBlocks() for _ in items]
+            for i, b in zip(d.new_block_index, d.new_block_ids, strict=True):
+                if i < n_sub:
+                    blocks[self.map[i]].new_block_ids.append(b)
+                else:
+                    packed.packed_new_block_index.append(i - n_sub)
+                    packed.packed_new_block_ids.append(b)
+            for i, copy in zip(d.replaced_index, d.copies, strict=True):
+                if i < n_sub:
+                    blocks[self.map[i]].replaced_last_block = True
+                    items[self.map[i]].ops.copies.add(src=copy[0], dst=copy[1])
+                else:
+                    packed.packed_replaced_index.append(i - n_sub)
+            packed.packed_alloc_block_index.extend(d.alloc_block_index)
+            packed.packed_alloc_block_ids.extend(d.alloc_block_ids)
+            for item, g in zip(items, blocks, strict=True):
+                if item.new_block_ids:
+                    item.group_blocks.append(g)
 
     def errors(self, r: StepResult, errors: Any) -> None:
         n_sub = self.n_sub
@@ -391,7 +436,11 @@ class CoreStage:
                 self._drain_events(tenant)
         except CoreError as e:
             self._abort(context, "Allocate", e, request.seq_id, request)
-        return pb.AllocateResponse(block_ids=r.block_ids, num_cached_tokens=r.num_cached_tokens)
+        return pb.AllocateResponse(
+            block_ids=r.block_ids,
+            num_cached_tokens=r.num_cached_tokens,
+            group_tables=group_tables(len(r.block_ids), r.kv_block_ids),
+        )
 
     def Append(self, request: pb.AppendRequest, context: Any, tenant: str | None = None) -> pb.AppendResponse:
         try:
@@ -404,7 +453,7 @@ class CoreStage:
                 self._drain_events(tenant)
         except CoreError as e:
             self._abort(context, "Append", e, request.seq_id, request)
-        if not r.new_block_ids:
+        if not r.new_block_ids and not any(r.kv_new_block_ids):
             return pb.AppendResponse()
         if r.preempted:
             log.info(
@@ -419,18 +468,23 @@ class CoreStage:
             ops=ops_to_proto(r.ops),
             replaced_last_block=r.replaced_last_block,
             preempted=preemptions_to_proto(r.preempted),
+            group_blocks=[
+                pb.GroupBlocks(new_block_ids=new, replaced_last_block=rep)
+                for new, rep in zip(r.kv_new_block_ids, r.kv_replaced_last_block, strict=True)
+            ],
         )
 
     def Fork(self, request: pb.ForkRequest, context: Any, tenant: str | None = None) -> pb.ForkResponse:
         try:
             with self.lock:
                 blocks = self.core.fork(request.parent_seq_id, request.child_seq_id)
+                kv_tables = [list(t) for t in self.core.seqs[request.child_seq_id].kv_tables]
                 if self.record is not None:
                     self.record.append(cmds.Fork(request.parent_seq_id, request.child_seq_id))
                 self._drain_events(tenant)
         except CoreError as e:
             self._abort(context, "Fork", e, request.child_seq_id, request)
-        return pb.ForkResponse(block_ids=blocks)
+        return pb.ForkResponse(block_ids=blocks, group_tables=group_tables(len(blocks), kv_tables))
 
     def Free(self, request: pb.FreeRequest, context: Any, tenant: str | None = None) -> pb.FreeResponse:
         try:
@@ -451,12 +505,19 @@ class CoreStage:
                 table = self.core.block_table(request.seq_id)
         except CoreError as e:
             self._abort(context, "GetBlockTable", e, request.seq_id, request)
-        return pb.BlockTable(
+        resp = pb.BlockTable(
             block_ids=table.block_ids,
             num_tokens=table.num_tokens,
             swapped=table.swapped,
             cpu_block_ids=table.cpu_block_ids,
         )
+        if table.kv_block_ids:
+            resp.group_tables.extend(group_tables(len(table.block_ids), table.kv_block_ids))
+        elif table.kv_cpu_block_ids:
+            n = len(table.cpu_block_ids)
+            for t in table.kv_cpu_block_ids:
+                resp.group_tables.add(first_block_index=n - len(t), cpu_block_ids=t)
+        return resp
 
     def SwapIn(self, request: pb.SwapInRequest, context: Any, tenant: str | None = None) -> pb.SwapInResponse:
         try:
@@ -537,6 +598,14 @@ class CoreStage:
                 resp.packed_new_block_ids.extend(r.new_block_ids)
             if r.replaced_index:
                 resp.packed_replaced_index.extend(r.replaced_index)
+            for d in r.kv_groups:
+                resp.group_deltas.add(
+                    packed_new_block_index=d.new_block_index,
+                    packed_new_block_ids=d.new_block_ids,
+                    packed_replaced_index=d.replaced_index,
+                    packed_alloc_block_index=d.alloc_block_index,
+                    packed_alloc_block_ids=d.alloc_block_ids,
+                )
         else:
             sub.split_results(r, resp)
         ops = r.ops
@@ -668,4 +737,7 @@ class CoreStage:
             kv_cache_dtype=cfg.kv_cache_dtype,
             kv_bytes_per_block=cfg.kv_bytes_per_block,
             kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
+            kv_groups=[pb.KVGroup(kind=g.kind, window_tokens=g.window_tokens) for g in cfg.kv_groups]
+            if len(cfg.kv_groups) > 1
+            else [],
         )

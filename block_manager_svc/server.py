@@ -21,6 +21,7 @@ from grpc_health.v1 import health
 
 from pagedkv.auth import TokenStore
 from pagedkv.block_manager_svc.core import BlockManager, CoreConfig
+from pagedkv.block_manager_svc.core.kv_groups import parse_kv_groups
 from pagedkv.block_manager_svc.events import EventHub
 from pagedkv.block_manager_svc.kv_events_zmq import ZmqEventConfig, ZmqKvEventPublisher
 from pagedkv.block_manager_svc.metrics import MetricsServer, setup_metrics
@@ -79,6 +80,7 @@ def build_core(settings: BlockManagerSettings) -> BlockManager:
             prefill_tokens_per_s=settings.prefill_tokens_per_s,
             kv_cache_dtype=settings.kv_cache_dtype,
             kv_cache_memory_bytes=memory_bytes(settings.kv_cache_memory),
+            kv_groups=parse_kv_groups(settings.kv_groups),
         )
     )
 

@@ -91,6 +91,12 @@ class BlockManagerSettings(BaseSettings):
     enable_prefix_caching: bool = Field(
         True, description="look up and register prompt blocks by content hash"
     )
+    kv_groups: str = Field(
+        "",
+        description="the model's KV-cache groups, one block table each: comma-separated full or "
+        "window:W (sliding window of W tokens), xN repeats; group 0 full (Gemma 3 270M: "
+        "full,window:512x5); empty = one full group (docs/block_manager.md)",
+    )
     max_workers: int = Field(4, ge=1, le=256, description="gRPC server threads")
     max_concurrent_rpcs: int = Field(
         256, ge=1, description="RPCs in flight before new ones get RESOURCE_EXHAUSTED"
@@ -168,6 +174,9 @@ class BlockManagerSettings(BaseSettings):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         self._pool_from_memory("kv_cache_memory", "num_gpu_blocks", 1)
         self._pool_from_memory("kv_swap_memory", "num_cpu_blocks", 0)
+        from pagedkv.block_manager_svc.core.kv_groups import parse_kv_groups
+
+        parse_kv_groups(self.kv_groups)  # raises naming the bad group
         if (self.kv_events_endpoint or self.kv_events_replay_endpoint) and not self.enable_kv_events:
             raise ValueError("kv_events_endpoint needs enable_kv_events (KV events are off)")
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:

@@ -871,6 +871,8 @@ class BlockManager:
                 result.grant_index.append(j)
             except CoreError as e:
                 result.grant_errors.append(ItemError(j, seq_id, e.code, e.message))
+        for deltas in result.kv_groups:
+            result.ops.copies.extend(deltas.copies)
         return result
 
     def _step_appends(self, result: StepResult, batch: StepBatch) -> None:
@@ -986,7 +988,7 @@ class BlockManager:
             result.new_block_ids.append(b)
         for deltas, (new, copy_g) in zip(result.kv_groups, kv_grown, strict=True):
             if copy_g is not None:
-                result.ops.copies.append(copy_g)
+                deltas.copies.append(copy_g)  # into ops.copies after group 0's, at the end
                 deltas.replaced_index.append(i)
             deltas.new_block_index.extend([i] * len(new))
             deltas.new_block_ids.extend(new)

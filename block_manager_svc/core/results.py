@@ -121,15 +121,17 @@ class ItemError:
 
 @dataclass(slots=True)
 class GroupDeltas:
-    """One KV group's (1..) share of a step, indexed like StepResult's group-0 fields. With
-    several groups, ops.copies holds every group's copies; each group's `replaced_index` names
-    the append items whose first new block replaced that group's last block."""
+    """One KV group's (1..) share of a step, indexed like StepResult's group-0 fields.
+    `copies[k]` is the copy-on-write of item `replaced_index[k]` in this group. With several
+    groups, ops.copies holds group 0's copies (in replaced_index order, as with one group), then
+    group 1's `copies`, then group 2's, and so on."""
 
     new_block_index: list[int] = field(default_factory=list)
     new_block_ids: list[int] = field(default_factory=list)
     replaced_index: list[int] = field(default_factory=list)
     alloc_block_index: list[int] = field(default_factory=list)
     alloc_block_ids: list[int] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)

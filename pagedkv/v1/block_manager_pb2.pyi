@@ -200,25 +200,132 @@ class AllocateResponse(_message.Message):
 
     BLOCK_IDS_FIELD_NUMBER: _builtins.int
     NUM_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
+    GROUP_TABLES_FIELD_NUMBER: _builtins.int
     num_cached_tokens: _builtins.int
     """Prompt tokens whose KV is already in the cache (whole committed blocks
     only; never the block holding the last prompt token).
     """
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def group_tables(self) -> _containers.RepeatedCompositeFieldContainer[Global___GroupTable]:
+        """With several KV-cache groups (Config.kv_groups): the tables of groups
+        1.., in order (block_ids is group 0's). Empty with one group.
+        """
+
     def __init__(
         self,
         *,
         block_ids: _abc.Iterable[_builtins.int] | None = ...,
         num_cached_tokens: _builtins.int = ...,
+        group_tables: _abc.Iterable[Global___GroupTable] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "num_cached_tokens", b"num_cached_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "group_tables", b"group_tables", "num_cached_tokens", b"num_cached_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___AllocateResponse: _TypeAlias = AllocateResponse  # noqa: Y015
+
+@_typing.final
+class GroupTable(_message.Message):
+    """One KV-cache group's table (docs/block_manager.md, "KV-cache groups"):
+    entry i of block_ids covers the sequence's block index first_block_index + i.
+    A full group's starts at 0; a window group's is its live tail: the blocks
+    before first_block_index fell out of the window of the sequence's committed
+    count and were released.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FIRST_BLOCK_INDEX_FIELD_NUMBER: _builtins.int
+    BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    CPU_BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    first_block_index: _builtins.int
+    @_builtins.property
+    def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def cpu_block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Swapped out: block_ids is empty and cpu_block_ids holds its CPU blocks."""
+
+    def __init__(
+        self,
+        *,
+        first_block_index: _builtins.int = ...,
+        block_ids: _abc.Iterable[_builtins.int] | None = ...,
+        cpu_block_ids: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "cpu_block_ids", b"cpu_block_ids", "first_block_index", b"first_block_index"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GroupTable: _TypeAlias = GroupTable  # noqa: Y015
+
+@_typing.final
+class GroupBlocks(_message.Message):
+    """One KV-cache group's growth (groups 1..), like AppendResponse's own fields."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NEW_BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    REPLACED_LAST_BLOCK_FIELD_NUMBER: _builtins.int
+    replaced_last_block: _builtins.bool
+    @_builtins.property
+    def new_block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        new_block_ids: _abc.Iterable[_builtins.int] | None = ...,
+        replaced_last_block: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["new_block_ids", b"new_block_ids", "replaced_last_block", b"replaced_last_block"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GroupBlocks: _TypeAlias = GroupBlocks  # noqa: Y015
+
+@_typing.final
+class GroupStepDeltas(_message.Message):
+    """One KV-cache group's (1..) packed Step deltas, indexed like StepResponse's."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PACKED_NEW_BLOCK_INDEX_FIELD_NUMBER: _builtins.int
+    PACKED_NEW_BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    PACKED_REPLACED_INDEX_FIELD_NUMBER: _builtins.int
+    PACKED_ALLOC_BLOCK_INDEX_FIELD_NUMBER: _builtins.int
+    PACKED_ALLOC_BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def packed_new_block_index(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def packed_new_block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def packed_replaced_index(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def packed_alloc_block_index(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def packed_alloc_block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        packed_new_block_index: _abc.Iterable[_builtins.int] | None = ...,
+        packed_new_block_ids: _abc.Iterable[_builtins.int] | None = ...,
+        packed_replaced_index: _abc.Iterable[_builtins.int] | None = ...,
+        packed_alloc_block_index: _abc.Iterable[_builtins.int] | None = ...,
+        packed_alloc_block_ids: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["packed_alloc_block_ids", b"packed_alloc_block_ids", "packed_alloc_block_index", b"packed_alloc_block_index", "packed_new_block_ids", b"packed_new_block_ids", "packed_new_block_index", b"packed_new_block_index", "packed_replaced_index", b"packed_replaced_index"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GroupStepDeltas: _TypeAlias = GroupStepDeltas  # noqa: Y015
 
 @_typing.final
 class CommitRequest(_message.Message):
@@ -315,6 +422,7 @@ class AppendResponse(_message.Message):
     OPS_FIELD_NUMBER: _builtins.int
     REPLACED_LAST_BLOCK_FIELD_NUMBER: _builtins.int
     PREEMPTED_FIELD_NUMBER: _builtins.int
+    GROUP_BLOCKS_FIELD_NUMBER: _builtins.int
     replaced_last_block: _builtins.bool
     """True when the sequence's former last block was replaced by a private
     copy (its id is ops.copies[0].dst, which is also new_block_ids[0]).
@@ -334,6 +442,13 @@ class AppendResponse(_message.Message):
         same priority and a later arrival; never this sequence's fork group.
         """
 
+    @_builtins.property
+    def group_blocks(self) -> _containers.RepeatedCompositeFieldContainer[Global___GroupBlocks]:
+        """With several KV-cache groups: groups 1..'s growth, in order (the fields
+        above are group 0's; ops.copies holds every group's copies). Empty with
+        one group.
+        """
+
     def __init__(
         self,
         *,
@@ -341,10 +456,11 @@ class AppendResponse(_message.Message):
         ops: Global___CacheOps | None = ...,
         replaced_last_block: _builtins.bool = ...,
         preempted: _abc.Iterable[Global___Preemption] | None = ...,
+        group_blocks: _abc.Iterable[Global___GroupBlocks] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["ops", b"ops"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["new_block_ids", b"new_block_ids", "ops", b"ops", "preempted", b"preempted", "replaced_last_block", b"replaced_last_block"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_blocks", b"group_blocks", "new_block_ids", b"new_block_ids", "ops", b"ops", "preempted", b"preempted", "replaced_last_block", b"replaced_last_block"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -384,16 +500,24 @@ class ForkResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    GROUP_TABLES_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def group_tables(self) -> _containers.RepeatedCompositeFieldContainer[Global___GroupTable]:
+        """With several KV-cache groups: the child's tables of groups 1.. (shared
+        with the parent). Empty with one group.
+        """
+
     def __init__(
         self,
         *,
         block_ids: _abc.Iterable[_builtins.int] | None = ...,
+        group_tables: _abc.Iterable[Global___GroupTable] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "group_tables", b"group_tables"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -468,6 +592,7 @@ class BlockTable(_message.Message):
     NUM_TOKENS_FIELD_NUMBER: _builtins.int
     SWAPPED_FIELD_NUMBER: _builtins.int
     CPU_BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    GROUP_TABLES_FIELD_NUMBER: _builtins.int
     num_tokens: _builtins.int
     swapped: _builtins.bool
     """Swapped out to the CPU pool: block_ids is empty and cpu_block_ids holds
@@ -477,6 +602,12 @@ class BlockTable(_message.Message):
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
     def cpu_block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def group_tables(self) -> _containers.RepeatedCompositeFieldContainer[Global___GroupTable]:
+        """With several KV-cache groups: groups 1..'s tables, in order (the fields
+        above are group 0's). Empty with one group.
+        """
+
     def __init__(
         self,
         *,
@@ -484,10 +615,11 @@ class BlockTable(_message.Message):
         num_tokens: _builtins.int = ...,
         swapped: _builtins.bool = ...,
         cpu_block_ids: _abc.Iterable[_builtins.int] | None = ...,
+        group_tables: _abc.Iterable[Global___GroupTable] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "cpu_block_ids", b"cpu_block_ids", "num_tokens", b"num_tokens", "swapped", b"swapped"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "cpu_block_ids", b"cpu_block_ids", "group_tables", b"group_tables", "num_tokens", b"num_tokens", "swapped", b"swapped"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -526,6 +658,7 @@ class SwapInResponse(_message.Message):
     BLOCK_IDS_FIELD_NUMBER: _builtins.int
     OPS_FIELD_NUMBER: _builtins.int
     SEQUENCES_FIELD_NUMBER: _builtins.int
+    GROUP_TABLES_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The requested sequence's new block table."""
@@ -538,16 +671,23 @@ class SwapInResponse(_message.Message):
     def sequences(self) -> _containers.RepeatedCompositeFieldContainer[Global___SwappedInSequence]:
         """Every sequence brought back (the requested one included) and its table."""
 
+    @_builtins.property
+    def group_tables(self) -> _containers.RepeatedCompositeFieldContainer[Global___GroupTable]:
+        """With several KV-cache groups: the requested sequence's tables of groups
+        1... Empty with one group.
+        """
+
     def __init__(
         self,
         *,
         block_ids: _abc.Iterable[_builtins.int] | None = ...,
         ops: Global___CacheOps | None = ...,
         sequences: _abc.Iterable[Global___SwappedInSequence] | None = ...,
+        group_tables: _abc.Iterable[Global___GroupTable] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["ops", b"ops"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "ops", b"ops", "sequences", b"sequences"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "group_tables", b"group_tables", "ops", b"ops", "sequences", b"sequences"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -559,18 +699,22 @@ class SwappedInSequence(_message.Message):
 
     SEQ_ID_FIELD_NUMBER: _builtins.int
     BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    GROUP_TABLES_FIELD_NUMBER: _builtins.int
     seq_id: _builtins.str
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def group_tables(self) -> _containers.RepeatedCompositeFieldContainer[Global___GroupTable]: ...
     def __init__(
         self,
         *,
         seq_id: _builtins.str = ...,
         block_ids: _abc.Iterable[_builtins.int] | None = ...,
+        group_tables: _abc.Iterable[Global___GroupTable] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "seq_id", b"seq_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "group_tables", b"group_tables", "seq_id", b"seq_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -875,6 +1019,7 @@ class StepResponse(_message.Message):
     PREFIX_CACHE_DROPS_FIELD_NUMBER: _builtins.int
     PACKED_GRANT_INDEX_FIELD_NUMBER: _builtins.int
     PACKED_GRANT_BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    GROUP_DELTAS_FIELD_NUMBER: _builtins.int
     num_blocks_released: _builtins.int
     """Blocks released by the frees of this step (sub-message and packed)."""
     num_available_blocks: _builtins.int
@@ -947,6 +1092,14 @@ class StepResponse(_message.Message):
 
     @_builtins.property
     def packed_grant_block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def group_deltas(self) -> _containers.RepeatedCompositeFieldContainer[Global___GroupStepDeltas]:
+        """With several KV-cache groups: groups 1..'s packed deltas, in order (the
+        packed fields above are group 0's; sub-message appends carry theirs in
+        AppendResponse.group_blocks). Empty with one group. Grants are refused
+        with several groups (GRANT_UNSUPPORTED_WITH_KV_GROUPS).
+        """
+
     def __init__(
         self,
         *,
@@ -967,10 +1120,11 @@ class StepResponse(_message.Message):
         prefix_cache_drops: _builtins.int = ...,
         packed_grant_index: _abc.Iterable[_builtins.int] | None = ...,
         packed_grant_block_ids: _abc.Iterable[_builtins.int] | None = ...,
+        group_deltas: _abc.Iterable[Global___GroupStepDeltas] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["ops", b"ops"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["alloc_num_cached_tokens", b"alloc_num_cached_tokens", "appends", b"appends", "errors", b"errors", "frees", b"frees", "num_available_blocks", b"num_available_blocks", "num_blocks_released", b"num_blocks_released", "ops", b"ops", "packed_alloc_block_ids", b"packed_alloc_block_ids", "packed_alloc_block_index", b"packed_alloc_block_index", "packed_grant_block_ids", b"packed_grant_block_ids", "packed_grant_index", b"packed_grant_index", "packed_new_block_ids", b"packed_new_block_ids", "packed_new_block_index", b"packed_new_block_index", "packed_replaced_index", b"packed_replaced_index", "preempted", b"preempted", "prefix_cache_drops", b"prefix_cache_drops", "swap_ins", b"swap_ins"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alloc_num_cached_tokens", b"alloc_num_cached_tokens", "appends", b"appends", "errors", b"errors", "frees", b"frees", "group_deltas", b"group_deltas", "num_available_blocks", b"num_available_blocks", "num_blocks_released", b"num_blocks_released", "ops", b"ops", "packed_alloc_block_ids", b"packed_alloc_block_ids", "packed_alloc_block_index", b"packed_alloc_block_index", "packed_grant_block_ids", b"packed_grant_block_ids", "packed_grant_index", b"packed_grant_index", "packed_new_block_ids", b"packed_new_block_ids", "packed_new_block_index", b"packed_new_block_index", "packed_replaced_index", b"packed_replaced_index", "preempted", b"preempted", "prefix_cache_drops", b"prefix_cache_drops", "swap_ins", b"swap_ins"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1205,6 +1359,7 @@ class Config(_message.Message):
     KV_CACHE_DTYPE_FIELD_NUMBER: _builtins.int
     KV_BYTES_PER_BLOCK_FIELD_NUMBER: _builtins.int
     KV_CACHE_MEMORY_BYTES_FIELD_NUMBER: _builtins.int
+    KV_GROUPS_FIELD_NUMBER: _builtins.int
     block_size: _builtins.int
     num_gpu_blocks: _builtins.int
     num_cpu_blocks: _builtins.int
@@ -1225,6 +1380,12 @@ class Config(_message.Message):
     kv_cache_memory_bytes / kv_bytes_per_block); 0 = counted in blocks, and
     kv_bytes_per_block is then the cost model's estimate only.
     """
+    @_builtins.property
+    def kv_groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___KVGroup]:
+        """The model's KV-cache groups (docs/block_manager.md): one block table per
+        group per sequence; group 0 is full attention. Empty: one full group.
+        """
+
     def __init__(
         self,
         *,
@@ -1238,14 +1399,39 @@ class Config(_message.Message):
         kv_cache_dtype: _builtins.str = ...,
         kv_bytes_per_block: _builtins.int = ...,
         kv_cache_memory_bytes: _builtins.int = ...,
+        kv_groups: _abc.Iterable[Global___KVGroup] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "enable_prefix_caching", b"enable_prefix_caching", "eviction_policy", b"eviction_policy", "kv_bytes_per_block", b"kv_bytes_per_block", "kv_cache_dtype", b"kv_cache_dtype", "kv_cache_memory_bytes", b"kv_cache_memory_bytes", "num_cpu_blocks", b"num_cpu_blocks", "num_gpu_blocks", b"num_gpu_blocks", "preemption_mode", b"preemption_mode", "watermark_blocks", b"watermark_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "enable_prefix_caching", b"enable_prefix_caching", "eviction_policy", b"eviction_policy", "kv_bytes_per_block", b"kv_bytes_per_block", "kv_cache_dtype", b"kv_cache_dtype", "kv_cache_memory_bytes", b"kv_cache_memory_bytes", "kv_groups", b"kv_groups", "num_cpu_blocks", b"num_cpu_blocks", "num_gpu_blocks", b"num_gpu_blocks", "preemption_mode", b"preemption_mode", "watermark_blocks", b"watermark_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Config: _TypeAlias = Config  # noqa: Y015
+
+@_typing.final
+class KVGroup(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KIND_FIELD_NUMBER: _builtins.int
+    WINDOW_TOKENS_FIELD_NUMBER: _builtins.int
+    kind: _builtins.str
+    """"full" or "window"."""
+    window_tokens: _builtins.int
+    """A window group's layers attend to the last window_tokens tokens."""
+    def __init__(
+        self,
+        *,
+        kind: _builtins.str = ...,
+        window_tokens: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "window_tokens", b"window_tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KVGroup: _TypeAlias = KVGroup  # noqa: Y015
 
 @_typing.final
 class ResetPrefixCacheRequest(_message.Message):
@@ -1366,7 +1552,10 @@ class BlockStored(_message.Message):
     BLOCK_HASHES_FIELD_NUMBER: _builtins.int
     PARENT_BLOCK_HASH_FIELD_NUMBER: _builtins.int
     BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    GROUP_FIELD_NUMBER: _builtins.int
     parent_block_hash: _builtins.bytes
+    group: _builtins.int
+    """The KV-cache group whose blocks these are (0 with one group)."""
     @_builtins.property
     def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
     @_builtins.property
@@ -1377,10 +1566,11 @@ class BlockStored(_message.Message):
         block_hashes: _abc.Iterable[_builtins.bytes] | None = ...,
         parent_block_hash: _builtins.bytes = ...,
         block_ids: _abc.Iterable[_builtins.int] | None = ...,
+        group: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "block_ids", b"block_ids", "parent_block_hash", b"parent_block_hash"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "block_ids", b"block_ids", "group", b"group", "parent_block_hash", b"parent_block_hash"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1391,16 +1581,20 @@ class BlockRemoved(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+    GROUP_FIELD_NUMBER: _builtins.int
+    group: _builtins.int
+    """The KV-cache group whose blocks these were (0 with one group)."""
     @_builtins.property
     def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
     def __init__(
         self,
         *,
         block_hashes: _abc.Iterable[_builtins.bytes] | None = ...,
+        group: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "group", b"group"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
