@@ -1,5 +1,6 @@
 """The continuous-batching engine (frontend/engine/engine.py: plan, call, apply), split by job:
-scheduler.py (the queues and every transition), policy.py (who goes this iteration, pure),
+scheduler.py (the queues and every transition), remote_table.py (what the block manager holds for
+each sequence and what it is owed, reconciled with each Step), policy.py (who goes this iteration, pure),
 bm_session.py (the block-manager conversation), step_messages.py (the Step's values and wire form),
 output.py (the worker's messages, tokens, stop checks), recovery.py (lost cache host, block manager
 restarted without the engine's state), types.py (the values), dispatch.py (which workers run a step),

@@ -49,6 +49,7 @@ from pagedkv.frontend.engine import output, recovery
 from pagedkv.frontend.engine.bm_session import BlockManagerSession, read_geometry
 from pagedkv.frontend.engine.dispatch import CacheLostEverywhere, WorkerPool, WorkerSlot
 from pagedkv.frontend.engine.policy import Limits
+from pagedkv.frontend.engine.remote_table import BlockManagerPlan
 from pagedkv.frontend.engine.scheduler import PrefillItem, Scheduler
 from pagedkv.frontend.engine.step_messages import StepDelta, StepPlan
 from pagedkv.frontend.engine.types import (
@@ -129,8 +130,8 @@ class Engine:
         # The prefill pipeline's chunk in flight: its future and its items.
         self._prefill: tuple[Future[wpb.WorkerStepResponse], list[PrefillItem]] | None = None
         self._last_call_end: float | None = None
-        # Overlap: the sequences whose next slots a Step reserved during the worker call, and its reply.
-        self._reserved: tuple[list[Seq], StepDelta] | None = None
+        # Overlap: the Step that reserved the next slots during the worker call, and its reply.
+        self._reserved: tuple[BlockManagerPlan, StepDelta] | None = None
         self.session = BlockManagerSession(self.bm, self.lease_id, self.config, self.stats)
 
     def _info_or_none(self, w: WorkerClient) -> wpb.WorkerInfo | None:
@@ -192,7 +193,7 @@ class Engine:
     def running_sequences(self) -> list[Seq]:
         """Sequences holding blocks right now: running, plus finished ones whose Free is
         batched into the next step (read-only view for monitoring)."""
-        return self.scheduler.running + self.scheduler.finishing()
+        return self.scheduler.running + self.scheduler.remote.finishing()
 
     def num_requests(self) -> tuple[int, int]:
         """(waiting, running) requests, vLLM's meaning: a request is running while any of its
@@ -298,9 +299,9 @@ class Engine:
         """The iteration's one round trip: commits, frees, appends, allocations, forks, swap-ins.
         `full=False` (flush): commits and frees only."""
         sched = self.scheduler
-        sched.held = self.pool.fences.held()  # a fenced step's sequences keep their blocks
+        sched.remote.held = self.pool.fences.held()  # a fenced step's sequences keep their blocks
         if full and sched.needs_pool_refresh():
-            sched.note_pool(self.session.step(StepPlan()))  # one empty Step reads the counter again
+            sched.remote.note_pool(self.session.step(StepPlan()))  # one empty Step reads the counter again
         plan = sched.plan(full=full)
         if plan is None:
             return
@@ -315,29 +316,10 @@ class Engine:
         sched.apply_block_manager(plan, delta)
 
     def _idle(self) -> None:
-        """Nothing to compute this iteration (cache ops still owed wait for the next worker step)."""
+        """Nothing to compute this iteration: pause rather than spin while the scheduler only waits
+        for a fence to lift or for room other frontends hold (Scheduler.should_back_off)."""
         self._last_call_end = None
-        sched = self.scheduler
-        if sched.has_pending_ops():
-            return
-        held_only = bool(sched.to_free) and not sched.frees_due()  # Frees wait for a fenced worker
-        if held_only and not sched.waiting and not sched.running and not sched.swapped:
-            time.sleep(0.01)  # nothing to do but wait for the fence to lift: no spinning
-            return
-        if (
-            sched.waiting
-            and not sched.running
-            and not sched.swapped
-            and not sched.frees_due()
-            and self._prefill is None
-        ):
-            head = sched.waiting[0]
-            # Its tokens (the prompt, and what it generated before a preemption by recompute): samples
-            # fork from them and share them.
-            why = never_admitted(len(head.tokens), self.block_size, self.num_gpu_blocks, self._watermark)
-            if why is not None:
-                raise RuntimeError(f"request {head.request.request_id}: {why}")
-            # Other frontends hold the room it needs: wait for them, without hammering the manager.
+        if self.scheduler.should_back_off(prefill_in_flight=self._prefill is not None):
             time.sleep(0.01)
 
     def _step_disaggregated(
@@ -348,7 +330,7 @@ class Engine:
         Cache ops run before a new prefill is launched (a swap-out must read its blocks before a
         newly admitted prompt may overwrite them), so a launch waits for an ops-carrying decode call."""
         launch = bool(prefill) and self._prefill is None
-        has_ops = self.scheduler.has_pending_ops()
+        has_ops = self.scheduler.remote.has_pending_ops()
         events: list[TokenEvent] = []
         if decode:
             if launch and not has_ops:
@@ -367,20 +349,11 @@ class Engine:
         return events
 
     def _reserve_next_slots(self, batch: list[tuple[Seq, int]]) -> None:
-        """Overlap (EngineConfig.overlap_block_manager): while the worker computes this iteration,
-        reserve the slot of the token it is sampling for every sequence that will go on, so the next
-        iteration needs no append before its worker call (vLLM v1's async scheduling).
-
-        The token is not known yet, so the append carries no token id: the block manager stops
-        hashing the sequence there (no prefix-cache hits on generated text). So a sequence whose
-        prompt's last chunk is in this step is left out: its last prompt blocks are committed only
-        in the next Step, and a reservation now would keep them out of the prefix cache (a burst
-        sharing a system prompt then got almost no hits). Sequences that finish by length, and
-        parents whose samples wait for this step's logits, are left out too; one that stops on a
-        stop token frees its reservation with itself. The reply is applied after the worker step."""
-        early = self.scheduler.reservable(batch)
-        if early:
-            self._reserved = (early, self.session.step(StepPlan(appends=[(s.seq_id, None) for s in early])))
+        """Overlap (EngineConfig.overlap_block_manager): while the workers compute ``batch``, the Step
+        that reserves the next slots (Scheduler.reservation); its reply is applied after the step."""
+        plan = self.scheduler.reservation(batch)
+        if plan is not None:
+            self._reserved = (plan, self.session.step(plan.step))
 
     def _worker_request(
         self, batch: list[tuple[Seq, int]], ops: pb.CacheOps | None, steps: list[int] | None = None
@@ -393,12 +366,12 @@ class Engine:
     ) -> list[TokenEvent]:
         """One synchronous step (split over ``workers`` by dispatch) with the cache ops owed, then
         its results; ``steps``: decode steps per sequence (multi-step decode)."""
-        req = self._worker_request(batch, self.scheduler.take_ops(), steps)
+        req = self._worker_request(batch, self.scheduler.remote.take_ops(), steps)
         t0 = time.perf_counter()
         if self._last_call_end is not None:
             self.stats.worker_idle_s += t0 - self._last_call_end
             self.stats.worker_idle_gaps += 1
-        items = [PrefillItem(s, s.num_computed, k, s.attempt) for s, k in batch]
+        items = [PrefillItem(s, s.num_computed, k, s.blocks.attempt) for s, k in batch]
         self._reserved = None
         try:
             if self.config.overlap_block_manager and batch:
@@ -416,7 +389,7 @@ class Engine:
         self._last_call_end = time.perf_counter()
         events = self.scheduler.apply_outputs(items, resp.outputs)
         if self._reserved is not None:
-            self.scheduler.apply_reservations(*self._reserved)
+            self.scheduler.apply_reservation(*self._reserved)
             self._reserved = None
         return events
 
@@ -459,7 +432,7 @@ class Engine:
         """Free what finished in the last step (also done at the start of the next step): two
         Steps when a finished sequence's deferred appends must go before its commit."""
         for _ in range(2):
-            if not self.scheduler.frees_due():
+            if not self.scheduler.remote.frees_due():
                 return
             try:
                 self._block_manager_step(full=False)

@@ -143,7 +143,7 @@ def worker_request(
         item = req.sequences.add(
             seq_id=s.seq_id,
             token_ids=s.tokens[start : start + k],
-            block_ids=s.step_blocks,
+            block_ids=s.blocks.step_table,
             num_cached_tokens=start,
         )
         fill_sampling(item.sampling, s.request.sampling, s.seed)

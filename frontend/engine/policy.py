@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from pagedkv.frontend.engine.admission import PrefixProgress
+from pagedkv.frontend.engine.remote_table import PoolView, growth_blocks
 from pagedkv.frontend.engine.types import Seq, SeqStatus
 from pagedkv.kv_capacity import blocks_for_tokens
 from pagedkv.watermark import admission_room
@@ -31,23 +32,9 @@ class Limits:
     prefix_caching: bool
 
 
-@dataclass(slots=True, frozen=True)
-class PoolView:
-    """What the last Step reply said about the pool: free + cached blocks, and how many cached
-    blocks ever left the prefix cache (a finished sequence's prefix is trusted while it has not moved)."""
-
-    available: int
-    prefix_cache_drops: int
-
-
 def swap_ins(swapped: Iterable[Seq], num_running: int, limits: Limits) -> list[Seq]:
     """Swapped sequences to bring back, oldest first, while max_num_seqs leaves room."""
     return list(itertools.islice(swapped, max(0, limits.max_num_seqs - num_running)))
-
-
-def growth_blocks(grow: Iterable[Seq], block_size: int) -> int:
-    """New blocks the appends of ``grow`` take: their tokens past the blocks they hold."""
-    return sum(max(0, blocks_for_tokens(len(s.tokens), block_size) - s.blocks_held) for s in grow)
 
 
 def admissions(
@@ -109,10 +96,11 @@ def grants(running: Sequence[Seq], spare: int, limits: Limits, ahead_tokens: int
     bs = limits.block_size
     out: list[tuple[int, Seq]] = []
     for s in running:
-        if s.tail_shared or s.awaiting_parent:
+        b = s.blocks
+        if b.tail_shared or s.awaiting_parent:
             continue
-        held = max(len(s.block_table), blocks_for_tokens(len(s.tokens), bs))  # after this Step's appends
-        if s.ahead_block is not None and held == len(s.block_table):
+        held = max(len(b.table), blocks_for_tokens(len(s.tokens), bs))  # after this Step's appends
+        if b.ahead is not None and held == len(b.table):
             continue  # its block ahead is still ahead
         room = held * bs - len(s.tokens)
         left = s.request.max_tokens - len(s.completion.token_ids)
@@ -142,7 +130,7 @@ def batches(
         for s in running
         if s.status is SeqStatus.RUNNING
         and s.num_computed == len(s.tokens) - 1
-        and s.has_room(limits.block_size)
+        and s.blocks.fits(len(s.tokens), limits.block_size)
         and not s.awaiting_parent
     ]
     decode_batch = [(s, 1) for s in decode[:budget]]
@@ -184,12 +172,12 @@ def decode_steps(batch: Sequence[tuple[Seq, int]], want: int, block_size: int) -
         if (
             opts.grammar is not None
             or opts.penalized
-            or s.tail_shared
+            or s.blocks.tail_shared
             or any(c.awaiting_parent for c in s.children)
         ):
             out.append(1)
             continue
-        room = s.blocks_held * block_size - s.num_computed  # positions its held blocks have left
+        room = s.blocks.held * block_size - s.num_computed  # positions its held blocks have left
         left = s.request.max_tokens - len(s.completion.token_ids)
         out.append(max(1, min(want, room, left)))
     return out if any(n > 1 for n in out) else None

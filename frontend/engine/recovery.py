@@ -131,10 +131,10 @@ def resync(scheduler: Scheduler, session: BlockManagerSession, lost: ManagerLost
         session.call(lambda t: session.keep_alive(timeout_s=t, first=True), needs_state=False)
         delta = session.free(frees)
     except BlockManagerUnavailable:
-        scheduler.unconfirmed = frees  # freed by the first Step that gets through
+        scheduler.remote.unanswered(frees)  # freed by the first Step that gets through
         session.lease_lost.set()  # and the resync starts over then
         raise
-    scheduler.note_pool(delta)
+    scheduler.remote.note_pool(delta)
     scheduler.requeue_all(victims)
     scheduler.stats.bm_resyncs += 1
     log.warning(

@@ -1,8 +1,9 @@
 """The engine's queues and every move of a sequence between them (vLLM v1's Scheduler, without I/O).
 
-The scheduler owns the waiting, running and swapped queues, the sequences of every request the
-engine has not released, what it owes the block manager (finished sequences to free, sequences an
-unanswered Step may have created) and what it owes the workers (cache ops). Each iteration the
+The scheduler owns the waiting, running and swapped queues and the sequences of every request the
+engine has not released; what the block manager holds for them and what it is owed (Frees, owed
+appends, cache ops for the workers) is the remote table's (remote_table.py), which the scheduler
+asks whether a sequence can grow without a Step and hands each reply to. Each iteration the
 engine (frontend/engine/engine.py) asks it for a block-manager plan (:meth:`Scheduler.plan`),
 sends it, hands the reply back (:meth:`Scheduler.apply_block_manager`), asks for the worker batches
 (:meth:`Scheduler.batches`), runs them and hands the results back (:meth:`Scheduler.apply_outputs`).
@@ -15,14 +16,14 @@ what a sampled token does to a sequence is output.py's.
 from __future__ import annotations
 
 import collections
-import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import structlog
 
 from pagedkv.frontend.engine import output, policy
-from pagedkv.frontend.engine.policy import Limits, PoolView
+from pagedkv.frontend.engine.policy import Limits
+from pagedkv.frontend.engine.remote_table import BlockManagerPlan, RemoteTable, growth_blocks
 from pagedkv.frontend.engine.step_messages import RESOURCE_EXHAUSTED, ItemError, StepDelta, StepPlan
 from pagedkv.frontend.engine.types import (
     Completion,
@@ -34,34 +35,16 @@ from pagedkv.frontend.engine.types import (
     TokenEvent,
 )
 from pagedkv.kv_capacity import blocks_for_tokens
-from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import worker_pb2 as wpb
+from pagedkv.watermark import never_admitted
 
 log = structlog.get_logger("pagedkv.engine")
 
 
 @dataclass(slots=True)
-class BlockManagerPlan:
-    """One Step's worth of work, with the sequences its reply is applied to: the ones that grow by
-    a slot, come back from the CPU pool, are admitted, and the samples forked from the admitted."""
-
-    step: StepPlan
-    grow: list[Seq] = field(default_factory=list)
-    swap_in: list[Seq] = field(default_factory=list)
-    admit: list[Seq] = field(default_factory=list)
-    forks: list[tuple[Seq, Seq]] = field(default_factory=list)
-    grant: list[Seq] = field(default_factory=list)
-
-    @property
-    def created(self) -> list[str]:
-        """Sequences this Step creates in the block manager (admitted and forked)."""
-        return [s.seq_id for s in self.admit] + [c.seq_id for _, c in self.forks]
-
-
-@dataclass(slots=True)
 class PrefillItem:
     """A prefill chunk in flight on a prefill worker: the sequence, where the chunk starts, its length,
-    and the sequence's attempt when it was sent (Seq.attempt)."""
+    and the sequence's attempt when it was sent (SeqBlocks.attempt)."""
 
     seq: Seq
     start: int
@@ -92,22 +75,13 @@ class Scheduler:
         self.waiting: collections.deque[Seq] = collections.deque()
         self.running: list[Seq] = []
         self.swapped: collections.deque[Seq] = collections.deque()
-        self.to_free: list[str] = []  # finished: freed in the next Step (after their commits)
-        # Sequences whose blocks a step a worker did not answer may still write (frontend/engine/
-        # fencing.py): a finished one among them stays in to_free until the engine clears it here.
-        self.held: set[str] = set()
-        # Sequences a Step that got no answer may have created: freed in the next Step that does.
-        self.unconfirmed: list[str] = []
-        # Finished sequences the manager preempted before their Free: nothing of theirs can be
-        # appended or committed any more (a recompute victim is gone, a swapped one is on the CPU).
-        self.preempted_finished: set[str] = set()
-        self.pending_ops = pb.CacheOps()  # cache ops owed to the workers, sent with the next worker step
-        self.blocks = PoolView(num_gpu_blocks, 0)  # what the last Step reply said about the block pool
-        # What recently finished sequences committed: a hint for admission (frontend/engine/admission.py),
-        # each with the manager's prefix_cache_drops when it finished; trusted only while that
-        # counter has not moved (nothing left the cache since, so their blocks are still cached).
-        self.finished_prefixes: collections.deque[tuple[list[int], int, int]] = collections.deque(
-            maxlen=limits.max_num_seqs
+        # What the block manager holds for this engine's sequences, and what it is owed.
+        self.remote = RemoteTable(
+            limits.block_size,
+            num_gpu_blocks,
+            prefix_caching=limits.prefix_caching,
+            defer_appends=defer_appends,
+            hints=limits.max_num_seqs,
         )
 
     # --- requests ------------------------------------------------------------------
@@ -143,7 +117,7 @@ class Scheduler:
                     self.running.remove(seq)
                 else:
                     self.swapped.remove(seq)
-                self.to_free.append(seq.seq_id)
+                self.remote.free_later(seq)
             seq.status = SeqStatus.FINISHED
             seq.completion.finish_reason = reason
         out = self.outputs.get(request_id)
@@ -157,24 +131,36 @@ class Scheduler:
         """Forget a finished request once its blocks were freed. False (and everything kept) while
         any of its sequences is unfinished or waits for its Free in the next Step."""
         seqs = [s for s in self.seqs.values() if s.request.request_id == request_id]
-        pending = set(self.to_free)
-        if any(s.status is not SeqStatus.FINISHED or s.seq_id in pending for s in seqs):
+        if any(s.status is not SeqStatus.FINISHED or self.remote.owes_free(s) for s in seqs):
             return False
         for s in seqs:
             del self.seqs[s.seq_id]
         self.outputs.pop(request_id, None)
         return True
 
-    def frees_due(self) -> list[str]:
-        """The Frees the next Step sends: ``to_free`` but the finished sequences held by a fence
-        (a sequence requeued for recompute is freed at once: it is allocated again under its id)."""
-        held = self.held
-        if not held:
-            return list(self.to_free)
-        return [x for x in self.to_free if x not in held or self.seqs[x].status is not SeqStatus.FINISHED]
-
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped or self.to_free)
+        return bool(self.waiting or self.running or self.swapped or self.remote.to_free)
+
+    def should_back_off(self, *, prefill_in_flight: bool) -> bool:
+        """An iteration with nothing to compute: should the engine pause before the next, rather
+        than spin? Yes while only Frees a fence holds back are left, or while the head of the queue
+        waits, with nothing running, for room other frontends hold. Not while cache ops are owed
+        (they go with the next worker step). Raises for a head that could never be admitted."""
+        if self.remote.has_pending_ops():
+            return False
+        waits_for_fence = bool(self.remote.to_free) and not self.remote.frees_due()
+        if waits_for_fence and not self.waiting and not self.running and not self.swapped:
+            return True
+        if not self.waiting or self.running or self.swapped or self.remote.frees_due() or prefill_in_flight:
+            return False
+        head = self.waiting[0]
+        # Its tokens (the prompt, and what it generated before a preemption by recompute): samples
+        # fork from them and share them.
+        limits = self.limits
+        why = never_admitted(len(head.tokens), limits.block_size, self.num_gpu_blocks, limits.watermark)
+        if why is not None:
+            raise RuntimeError(f"request {head.request.request_id}: {why}")
+        return True
 
     def num_requests(self) -> tuple[int, int]:
         """(waiting, running) requests: running while any sample holds blocks (running or swapped)."""
@@ -182,10 +168,6 @@ class Scheduler:
         running.update(s.request.request_id for s in self.swapped)
         waiting = {s.request.request_id for s in self.waiting} - running
         return len(waiting), len(running)
-
-    def finishing(self) -> list[Seq]:
-        """Finished sequences whose Free goes into the next Step (their commits go first)."""
-        return [self.seqs[x] for x in self.to_free]
 
     def prompt_blocks(self, tokens: Sequence[int]) -> int:
         return blocks_for_tokens(len(tokens), self.limits.block_size)
@@ -195,7 +177,7 @@ class Scheduler:
         """Would admission trust finished sequences' hints on an old reply? (An idle engine's last
         reply may predate another frontend's evictions: the engine reads the pool afresh first.)"""
         return bool(
-            self.limits.prefix_caching and self.waiting and self.finished_prefixes and not self.running
+            self.limits.prefix_caching and self.waiting and self.remote.finished_prefixes and not self.running
         )
 
     def plan(self, *, full: bool = True) -> BlockManagerPlan | None:
@@ -208,6 +190,7 @@ class Scheduler:
         grants the sequences near the end of their blocks their next block ahead (policy.grants),
         so that crossing a block boundary does not need a Step of its own either."""
         bs = self.limits.block_size
+        remote = self.remote
         grow = [s for s in self.running if s.needs_slot] if full else []
         swap_in = policy.swap_ins(self.swapped, len(self.running), self.limits) if full else []
         admit: list[Seq] = []
@@ -215,42 +198,41 @@ class Scheduler:
             admit, held = policy.admissions(
                 self.waiting,
                 self.running,
-                self.finishing(),
+                remote.finishing(),
                 grow,
                 len(swap_in),
-                self.blocks,
+                remote.pool,
                 self.limits,
-                self.finished_prefixes,
+                remote.finished_prefixes,
             )
             self.stats.admissions_held += held
-        commits = self._commits()
-        frees = self.frees_due() + self.unconfirmed
-        owed = self._owed_slots(frees, grow)
+        commits = remote.commits(self.running)
+        frees = remote.frees_due() + remote.unconfirmed
+        owed = remote.owed_slots(frees, grow)
         if owed:  # their appends first; their commits and Frees in the next Step
             sent = {s.seq_id for s in owed}
             frees = [x for x in frees if x not in sent]
         lazy = self.defer_appends and full
-        must_grow = [s for s in grow if not s.has_room(bs)] if lazy else grow
+        must_grow = [s for s in grow if not remote.can_grow(s)] if lazy else grow
         if not (must_grow or frees or swap_in or admit or owed or (commits and not lazy)):
             return None
         for s, n in commits:
-            s.num_committed = n
+            s.blocks.committed = n
         forks = [
             (seq, self._sample_of(seq, i)) for seq in admit if seq.width > 1 for i in range(1, seq.request.n)
         ]
         # One append per token the manager has no slot for yet (its id: hashed for the prefix cache).
-        items = [(s, t) for s in grow for t in s.tokens[s.num_slots :]]
-        items += [(s, t) for s in owed for t in s.tokens[s.num_slots : s.num_computed // bs * bs]]
+        items = [(s, t) for s in grow for t in s.tokens[s.blocks.slots :]]
+        items += [(s, t) for s in owed for t in s.tokens[s.blocks.slots : s.num_computed // bs * bs]]
         grant: list[Seq] = []
         # No grant while a sequence waits to be admitted or swapped in: the blocks are its, and
         # with it waiting every iteration makes a Step anyway (its admission), so none is saved.
         if lazy and len(self.waiting) == len(admit) and len(self.swapped) == len(swap_in):
-            bs = self.limits.block_size
             spare = (
-                self.blocks.available
+                remote.pool.available
                 - self.limits.watermark
                 - sum(self.prompt_blocks(s.tokens) for s in admit)
-                - policy.growth_blocks(grow, bs)
+                - growth_blocks(grow, bs)
             )
             # Admitted ones too: the manager applies grants after this Step's allocations.
             candidates = [*self.running, *(s for s in admit if s.width == 1)]
@@ -266,30 +248,6 @@ class Scheduler:
         )
         return BlockManagerPlan(step, [s for s, _ in items], swap_in, admit, forks, grant)
 
-    def _owed_slots(self, frees: list[str], grow: list[Seq]) -> list[Seq]:
-        """Finished sequences about to be freed whose computed KV fills a block the manager has no
-        slots for yet (their appends were deferred, into blocks they held: the block granted ahead
-        among them). Committing that block first needs those appends, and the manager applies a
-        Step's commits before its appends: so this Step appends, and the next commits and frees
-        (else generated text would never reach the prefix cache, for the next turn of a chat).
-        None while this Step's growth needs more blocks than the pool has: their Frees go now, and
-        their last blocks stay out of the prefix cache, since holding them back would make that
-        growth fail and preempt a running sequence (recomputed, or swapped out and back)."""
-        if not self.defer_appends or not self.limits.prefix_caching:
-            return []
-        bs = self.limits.block_size
-        if policy.growth_blocks(grow, bs) > self.blocks.available:
-            return []
-        due = set(frees)
-        return [
-            s
-            for s in self.finishing()
-            if s.seq_id in due
-            and s.status is SeqStatus.FINISHED
-            and s.seq_id not in self.preempted_finished
-            and s.num_computed // bs > min(s.num_computed, s.num_slots) // bs
-        ]
-
     def _sample_of(self, parent: Seq, index: int) -> Seq:
         """Sample ``index`` of the parent's request, forked at its admission from its prompt."""
         return Seq(
@@ -301,53 +259,15 @@ class Scheduler:
             parent=parent,
         )
 
-    def _commits(self) -> list[tuple[Seq, int]]:
-        """(sequence, computed tokens) of sequences whose computed KV grew past a block boundary since
-        their last commit (only full blocks enter the prefix cache), finished ones included; never
-        past the slots the manager holds (it applies commits before this Step's appends)."""
-        bs = self.limits.block_size
-        out = []
-        for s in itertools.chain(self.running, self.finishing()):
-            if s.seq_id in self.preempted_finished:
-                continue
-            n = min(s.num_computed, s.num_slots)
-            if n // bs > s.num_committed // bs:
-                out.append((s, n))
-        return out
-
     def step_unanswered(self, plan: BlockManagerPlan) -> None:
         """The Step got no answer: what it may have created is freed by the first one that does."""
-        self.unconfirmed.extend(plan.created)
-
-    def note_pool(self, delta: StepDelta) -> None:
-        self.blocks = PoolView(delta.available_blocks, delta.prefix_cache_drops)
+        self.remote.unanswered(plan.created)
 
     def apply_block_manager(self, plan: BlockManagerPlan, delta: StepDelta) -> None:
-        """A Step reply: block tables, cache ops (owed to the workers), preemptions, allocations,
-        forks and swap-ins. What the plan freed is gone from the manager now."""
-        if plan.step.frees:
-            sent = set(plan.step.frees)
-            self.to_free = [x for x in self.to_free if x not in sent]
-            self.unconfirmed = []
-            self.preempted_finished -= sent
-        self.note_pool(delta)
-        grow = plan.grow
-        for i, block, replaces_last in delta.grown:
-            s = grow[i]
-            if replaces_last:
-                s.block_table[-1] = block
-                continue
-            if s.ahead_block is not None:
-                if block != s.ahead_block:  # its KV may already be in the granted block
-                    raise RuntimeError(
-                        f"block manager grew {s.seq_id} into block {block}, not block {s.ahead_block} "
-                        "it granted ahead"
-                    )
-                s.ahead_block = None
-            s.block_table.append(block)
-        self.pending_ops.copies.extend(delta.ops.copies)
-        self.pending_ops.swap_out.extend(delta.ops.swap_out)
-        self.pending_ops.swap_in.extend(delta.ops.swap_in)
+        """A Step reply: the remote table takes the block-side changes (what was freed, grown tables,
+        cache ops owed to the workers); the queues follow preemptions, allocations, forks and
+        swap-ins; then the grants and the appends that went through count."""
+        self.remote.reconcile(plan, delta)
         preempted = self._apply_preemptions(delta)
         errors: dict[str, dict[int, ItemError]] = collections.defaultdict(dict)
         for err in delta.errors:
@@ -355,32 +275,11 @@ class Scheduler:
         self._apply_allocations(delta, plan.admit, errors["alloc"])
         self._apply_forks(plan.forks, errors["fork"])
         self._apply_swap_ins(delta, plan.swap_in)
-        for j, block in delta.granted:  # (a refused grant changes nothing: it is asked again later)
-            if plan.grant[j].running:
-                plan.grant[j].ahead_block = block
-                self.stats.blocks_granted_ahead += 1
-        failed: set[int] = set()
-        for err in delta.errors:
-            if err.kind in ("alloc", "fork", "swap_in", "grant"):
-                continue  # handled above (a swap-in without room stays swapped)
-            if err.seq_id in preempted:
-                failed.add(err.index)
-                continue  # its own later item: expected after its preemption
-            if err.kind != "append":
-                log.warning("step_item_error", kind=err.kind, seq_id=err.seq_id, message=err.message)
-                continue
-            failed.add(err.index)
-            if err.code == RESOURCE_EXHAUSTED:
-                # Nothing left to preempt for it: preempt it ourselves (freed in the next Step,
-                # before its re-allocation there, so it may hit its own committed blocks).
-                if grow[err.index].running:  # (once: a sequence may have several appends)
-                    self._preempt_self(grow[err.index])
-            else:
-                raise RuntimeError(f"block manager refused to grow {err.seq_id}: {err.message}")
-        for i, s in enumerate(grow):
-            if i not in failed and (s.running or s.status is SeqStatus.FINISHED):  # (owed slots)
-                s.num_slots += 1
-                s.tail_shared = False  # the manager copied a shared tail on this write
+        self.stats.blocks_granted_ahead += sum(plan.grant[j].running for j, _ in delta.granted)
+        # Nothing left to preempt for their growth: preempt them ourselves (freed in the next Step,
+        # before their re-allocation there, so they may hit their own committed blocks).
+        for s in self.remote.reconcile_appends(plan, delta, preempted):
+            self._preempt_self(s)
 
     def _apply_allocations(self, delta: StepDelta, admit: list[Seq], errors: dict[int, ItemError]) -> None:
         for j, seq in enumerate(admit):
@@ -390,10 +289,8 @@ class Scheduler:
                     continue  # no room yet: it keeps its place in the queue
                 raise RuntimeError(f"block manager refused to allocate {err.seq_id}: {err.message}")
             self.waiting.remove(seq)
-            seq.block_table = delta.alloc_tables[j]
             cached = delta.alloc_cached[j]
-            seq.num_computed = seq.num_committed = cached
-            seq.num_slots = len(seq.tokens)
+            self.remote.allocated(seq, delta.alloc_tables[j], cached)
             if seq.index == 0 and not seq.output.completions[0].token_ids:
                 seq.output.num_cached_tokens = cached
             self.stats.prefix_hit_tokens += cached
@@ -414,10 +311,7 @@ class Scheduler:
                 self.waiting.append(child)
                 continue
             parent.children.append(child)
-            parent.tail_shared = child.tail_shared = True
-            child.block_table = list(parent.block_table)
-            child.num_computed = child.num_committed = parent.num_computed
-            child.num_slots = parent.num_slots
+            self.remote.forked(parent, child)
             child.status = SeqStatus.RUNNING
             self.seqs[child.seq_id] = child
             self.running.append(child)
@@ -429,20 +323,14 @@ class Scheduler:
             victims.add(p.seq_id)
             seq = self.seqs.get(p.seq_id)
             if seq is not None and seq.status is SeqStatus.FINISHED:
-                self.preempted_finished.add(
-                    seq.seq_id
-                )  # its Free still goes (a swapped one holds CPU blocks)
+                self.remote.preempted_finished.add(seq.seq_id)  # its Free still goes (CPU blocks)
                 continue
             if seq is None or not seq.running:
                 continue
             if p.swap:
                 self.running.remove(seq)
                 seq.status = SeqStatus.SWAPPED
-                # Its table's blocks go to the CPU whole; the block granted ahead is released, and
-                # with it the KV its deferred tokens wrote there: those are computed again.
-                seq.num_computed = min(seq.num_computed, len(seq.block_table) * self.limits.block_size)
-                seq.block_table = []
-                seq.ahead_block = None  # released by the swap-out
+                self.remote.swapped_out(seq)
                 self.swapped.append(seq)
                 self.stats.preempted_swap += 1
             else:
@@ -457,14 +345,14 @@ class Scheduler:
                 s = self.seqs.get(seq_id)
                 if s is None or s.status is not SeqStatus.SWAPPED:
                     continue
-                s.block_table = table
+                s.blocks.table = table
                 s.status = SeqStatus.RUNNING
                 self.swapped.remove(s)
                 self.running.append(s)
 
     def _preempt_self(self, seq: Seq) -> None:
         """Recompute it later: its Free goes into the next Step, ahead of its re-allocation."""
-        self.to_free.append(seq.seq_id)
+        self.remote.free_later(seq)
         self._requeue(seq)
         self.stats.preempted_recompute += 1
         log.info("preempted", seq_id=seq.seq_id, mode="RECOMPUTE", by="engine")
@@ -475,12 +363,9 @@ class Scheduler:
         if seq.running:
             self.running.remove(seq)
         seq.status = SeqStatus.WAITING
-        seq.attempt += 1
-        seq.block_table = []
-        seq.ahead_block = None
-        seq.num_computed = seq.num_committed = seq.num_slots = 0
+        seq.blocks.released()
+        seq.num_computed = 0
         seq.parent = None
-        seq.tail_shared = False
         self.waiting.appendleft(seq)
 
     # --- faults --------------------------------------------------------------------
@@ -488,10 +373,7 @@ class Scheduler:
         """Every running and swapped sequence, and the ids of everything this engine may hold in
         the block manager (those, finished ones, what an unanswered Step may have created)."""
         victims = list(self.running) + list(self.swapped)
-        frees = [s.seq_id for s in victims] + self.to_free + self.unconfirmed
-        self.to_free, self.unconfirmed = [], []
-        self.preempted_finished.clear()
-        return victims, frees
+        return victims, [s.seq_id for s in victims] + self.remote.take_all_frees()
 
     def requeue_all(self, victims: list[Seq]) -> None:
         """Every running and swapped sequence back to the head of the queue, in order, to be
@@ -502,8 +384,7 @@ class Scheduler:
             if s.status is SeqStatus.SWAPPED:
                 self.swapped.remove(s)
             self._requeue(s)
-        self.pending_ops = pb.CacheOps()
-        self.finished_prefixes.clear()
+        self.remote.forget_cache()
 
     def forget_all(self) -> list[str]:
         """Closing: every running and swapped sequence leaves the queues; the ids to free."""
@@ -533,20 +414,11 @@ class Scheduler:
             return None
         return policy.decode_steps(batch, want, self.limits.block_size)
 
-    def take_ops(self) -> pb.CacheOps:
-        """The cache ops owed to the workers, for the worker step about to be sent."""
-        ops, self.pending_ops = self.pending_ops, pb.CacheOps()
-        return ops
-
-    def has_pending_ops(self) -> bool:
-        ops = self.pending_ops
-        return bool(len(ops.copies) or len(ops.swap_out) or len(ops.swap_in))
-
     def start_prefill(self, chunks: list[tuple[Seq, int]]) -> list[PrefillItem]:
         """The chunks a prefill worker computes while the engine goes on decoding."""
         for s, _ in chunks:
             s.status = SeqStatus.PREFILLING
-        return [PrefillItem(s, s.num_computed, k, s.attempt) for s, k in chunks]
+        return [PrefillItem(s, s.num_computed, k, s.blocks.attempt) for s, k in chunks]
 
     def end_prefill(self, items: list[PrefillItem]) -> list[PrefillItem]:
         """A prefill came back (or was dropped): its sequences compute here again. Returns the items
@@ -561,7 +433,7 @@ class Scheduler:
             for it in items
             if it.seq.status is SeqStatus.RUNNING
             and it.seq.num_computed == it.start
-            and it.seq.attempt == it.attempt
+            and it.seq.blocks.attempt == it.attempt
         ]
 
     def fork_draws(self, s: Seq, tokens: int) -> list[Seq]:
@@ -613,15 +485,23 @@ class Scheduler:
         self.stats.generated_tokens += 1
         if ev.finish_reason is not None:
             self.running.remove(s)
-            self.to_free.append(s.seq_id)
-            self.finished_prefixes.append((s.tokens, s.num_computed, self.blocks.prefix_cache_drops))
+            self.remote.finished(s)
         return ev
 
-    def reservable(self, batch: list[tuple[Seq, int]]) -> list[Seq]:
-        """Overlap: the sequences of this worker step that will go on after it, whose next slot
-        may be reserved while it computes (a sequence whose prompt's last chunk is in this step,
-        one that finishes by length, and a parent whose samples wait for this step are left out)."""
-        return [
+    def reservation(self, batch: list[tuple[Seq, int]]) -> BlockManagerPlan | None:
+        """Overlap (EngineConfig.overlap_block_manager): the Step that reserves, while the workers
+        compute ``batch``, the slot of the token each sequence is sampling, so the next iteration
+        needs no append before its worker call (vLLM v1's async scheduling); None: nobody to reserve.
+
+        The token is not known yet, so the append carries no token id: the block manager stops
+        hashing the sequence there (no prefix-cache hits on generated text). So a sequence whose
+        prompt's last chunk is in this step is left out: its last prompt blocks are committed only
+        in the next Step, and a reservation now would keep them out of the prefix cache (a burst
+        sharing a system prompt then got almost no hits). Sequences that finish by length, and
+        parents whose samples wait for this step's logits, are left out too; one that stops on a
+        stop token frees its reservation with itself. The reply is applied after the worker step
+        (:meth:`apply_reservation`)."""
+        seqs = [
             s
             for s, k in batch
             if s.num_computed + k == len(s.tokens)
@@ -630,10 +510,11 @@ class Scheduler:
             and len(s.completion.token_ids) + 1 < s.request.max_tokens
             and not any(c.awaiting_parent for c in s.children)
         ]
+        if not seqs:
+            return None
+        return BlockManagerPlan(StepPlan(appends=[(s.seq_id, None) for s in seqs]), grow=seqs)
 
-    def apply_reservations(self, seqs: list[Seq], delta: StepDelta) -> None:
-        """The reply to an overlapped Step that reserved ``seqs``' next slots."""
-        self.stats.slots_reserved_ahead += len(seqs)
-        self.apply_block_manager(
-            BlockManagerPlan(StepPlan(appends=[(s.seq_id, None) for s in seqs]), grow=seqs), delta
-        )
+    def apply_reservation(self, plan: BlockManagerPlan, delta: StepDelta) -> None:
+        """The reply to the Step of :meth:`reservation`, once the worker step's results are in."""
+        self.stats.slots_reserved_ahead += len(plan.grow)
+        self.apply_block_manager(plan, delta)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedkv import defaults
+from pagedkv.kv_capacity import blocks_for_tokens
 
 MAX_TOP_LOGPROBS = defaults.MAX_TOP_LOGPROBS  # what a worker returns at most per position
 
@@ -156,7 +157,7 @@ class SeqStatus(enum.Enum):
     """Where a sequence is in its life, one state at a time (frontend/engine/scheduler.py moves it).
 
     The facts that are not states are counted or linked, not flagged: a running sequence needs a
-    slot while ``num_slots < len(tokens)`` (its last sampled token has no room in the block manager
+    slot while ``blocks.slots < len(tokens)`` (its last sampled token has no room in the block manager
     yet), and a sample forked at admission awaits its first token while it has a ``parent``."""
 
     WAITING = "waiting"  # queued; holds no blocks
@@ -164,6 +165,54 @@ class SeqStatus(enum.Enum):
     PREFILLING = "prefilling"  # holds blocks; its prefill chunk runs on a prefill worker right now
     SWAPPED = "swapped"  # its blocks are in the CPU pool until it is swapped back in
     FINISHED = "finished"  # done (stop, length or abort); freed in the next Step
+
+
+@dataclass(slots=True)
+class SeqBlocks:
+    """What the block manager holds for one sequence, as this engine knows it from its Step replies
+    (frontend/engine/remote_table.py keeps it in step with them). Knowing it saves round trips:
+    a sequence whose tokens fit the blocks it holds computes before any Step appends their slots."""
+
+    table: list[int] = field(default_factory=list)  # its block table
+    slots: int = 0  # token slots the manager holds for it (allocated + appended)
+    committed: int = 0  # what the manager was told is computed (Commit)
+    # The block the manager granted it ahead of need (Step grant_seq_ids): its table's next entry
+    # once its tokens pass the blocks in the table, so it computes into it before any Step says so.
+    ahead: int | None = None
+    # Its last block may be shared with fork siblings (until an append of its own went through the
+    # manager, which copies a shared tail on write): its appends cannot wait.
+    tail_shared: bool = False
+    # Which allocation these blocks belong to: bumped each time it is released to be recomputed (a
+    # prefill chunk launched under an earlier attempt wrote into blocks it no longer holds, so its
+    # results must not count even when the new attempt starts at the same token).
+    attempt: int = 0
+
+    @property
+    def held(self) -> int:
+        """Blocks the manager holds for it: its table and the block granted ahead."""
+        return len(self.table) + (self.ahead is not None)
+
+    @property
+    def step_table(self) -> list[int]:
+        """The table a worker step gets: with the block granted ahead, which the step writes into
+        once the tokens pass the table (the manager makes it the next entry at that append)."""
+        return self.table if self.ahead is None else [*self.table, self.ahead]
+
+    def fits(self, num_tokens: int, block_size: int) -> bool:
+        """May ``num_tokens`` tokens be computed now, before a Step? Yes once the manager holds a
+        slot for each, or while they fit the blocks held (the one granted ahead too) in a private
+        tail (their appends wait for a Step)."""
+        return self.slots >= num_tokens or (not self.tail_shared and num_tokens <= self.held * block_size)
+
+    def growth(self, num_tokens: int, block_size: int) -> int:
+        """New blocks appends up to ``num_tokens`` tokens take: those past the blocks it holds."""
+        return max(0, blocks_for_tokens(num_tokens, block_size) - self.held)
+
+    def released(self) -> None:
+        """The manager holds nothing for it any more, and the next allocation is a new attempt."""
+        self.table, self.ahead, self.slots, self.committed = [], None, 0, 0
+        self.tail_shared = False
+        self.attempt += 1
 
 
 @dataclass(slots=True, eq=False)
@@ -174,17 +223,8 @@ class Seq:
     index: int
     tokens: list[int]
     status: SeqStatus = SeqStatus.WAITING
-    block_table: list[int] = field(default_factory=list)
     num_computed: int = 0  # leading tokens whose KV is in the cache
-    num_committed: int = 0  # what the block manager was told is computed (Commit)
-    num_slots: int = 0  # token slots the block manager holds for it (allocated + appended)
-    # Bumped each time it is requeued (preempted to recompute, or every sequence after a fault): a
-    # prefill chunk launched under an earlier attempt wrote into blocks it no longer holds, so its
-    # results must not count even when the new attempt starts at the same token.
-    attempt: int = 0
-    # Its last block may be shared with fork siblings (until an append of its own went through the
-    # block manager, which copies a shared tail on write): its appends cannot wait.
-    tail_shared: bool = False
+    blocks: SeqBlocks = field(default_factory=SeqBlocks)  # what the block manager holds for it
     # Sequences admitting this one starts: the request's n for its first sequence until its other
     # samples exist (forked at admission, or queued on their own when a fork is refused), else 1.
     width: int = 1
@@ -196,9 +236,6 @@ class Seq:
     forks_sent: list[Seq] = field(default_factory=list)
     # SamplingOptions.grammar: this sample's place in it (frontend/serve/grammar.py Matcher).
     matcher: Any = None
-    # The block the manager granted it ahead of need (Step grant_seq_ids): its table's next entry
-    # once its tokens pass the blocks in the table, so it computes into it before any Step says so.
-    ahead_block: int | None = None
 
     @property
     def completion(self) -> Completion:
@@ -217,26 +254,12 @@ class Seq:
     @property
     def needs_slot(self) -> bool:
         """Its last sampled token has no slot in the block manager yet (the next Step appends one)."""
-        return self.running and self.num_slots < len(self.tokens)
+        return self.running and self.blocks.slots < len(self.tokens)
 
     @property
-    def blocks_held(self) -> int:
-        """Blocks the manager holds for it: its table and the block granted ahead."""
-        return len(self.block_table) + (self.ahead_block is not None)
-
-    @property
-    def step_blocks(self) -> list[int]:
-        """The table a worker step gets: with the block granted ahead, which the step writes into
-        once the tokens pass the table (the manager makes it the next entry at that append)."""
-        return self.block_table if self.ahead_block is None else [*self.block_table, self.ahead_block]
-
-    def has_room(self, block_size: int) -> bool:
-        """May it compute its last token now? Yes once the block manager holds a slot for it, or
-        while its tokens fit the blocks it holds (the block granted ahead too) in a private tail
-        (the appends wait for a Step)."""
-        if not self.needs_slot:
-            return True
-        return not self.tail_shared and len(self.tokens) <= self.blocks_held * block_size
+    def block_table(self) -> list[int]:
+        """Its block table (read-only: monitors show it; remote_table.py changes it)."""
+        return self.blocks.table
 
     @property
     def awaiting_parent(self) -> bool:

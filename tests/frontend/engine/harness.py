@@ -134,7 +134,7 @@ class Driver:
         sched = self.scheduler
         decode, prefill = sched.batches(separate_budgets=False, num_workers=1, prefill_busy=False)
         batch = decode + prefill
-        ops = sched.take_ops()
+        ops = sched.remote.take_ops()
         self.ops_sent += len(ops.copies) + len(ops.swap_out) + len(ops.swap_in)
         for src, dst in ((c.src, c.dst) for c in ops.swap_out):
             self.cpu[dst] = dict(self.gpu.get(src, {}))
@@ -150,7 +150,7 @@ class Driver:
         outputs = []
         bs = sched.limits.block_size
         for (s, k), n in zip(batch, steps, strict=True):
-            table = s.step_blocks  # what the worker request carries
+            table = s.blocks.step_table  # what the worker request carries
             for pos in range(s.num_computed, s.num_computed + k):
                 self.gpu.setdefault(table[pos // bs], {})[pos % bs] = s.tokens[pos]
             context = [self.gpu[table[pos // bs]].get(pos % bs, -1) for pos in range(s.num_computed + k)]

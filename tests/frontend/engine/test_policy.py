@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedkv.frontend.engine import policy
-from pagedkv.frontend.engine.policy import Limits, PoolView
+from pagedkv.frontend.engine.policy import Limits
+from pagedkv.frontend.engine.remote_table import PoolView
 from pagedkv.frontend.engine.types import Completion, GenerationRequest, RequestOutput, Seq, SeqStatus
 
 
@@ -47,7 +48,7 @@ def test_batches_respect_the_token_budget_and_never_repeat_a_sequence(
         s = _seq(i, length)
         s.status = SeqStatus.PREFILLING if in_flight else SeqStatus.RUNNING
         s.num_computed = min(computed, length - 1)
-        s.num_slots = length - 1 if needs_slot else length
+        s.blocks.slots = length - 1 if needs_slot else length
         s.parent = parent if awaiting else None
         running.append(s)
     limits = Limits(
@@ -117,7 +118,7 @@ def _decoding(
     s.completion.token_ids.extend(range(generated))
     s.tokens.extend(range(generated))
     s.num_computed = len(s.tokens) - 1
-    s.block_table = list(range(blocks))
+    s.blocks.table = list(range(blocks))
     s.status = SeqStatus.RUNNING
     return s
 
@@ -129,7 +130,7 @@ def test_decode_steps_go_as_far_as_the_held_blocks_and_max_tokens_allow() -> Non
     batch = [(roomy, 1), (at_edge, 1), (nearly_done, 1)]
     assert policy.decode_steps(batch, 4, 4) == [4, 1, 2]
     assert policy.decode_steps(batch, 1, 4) is None  # multi-step off
-    at_edge.ahead_block = 9  # the block granted ahead counts
+    at_edge.blocks.ahead = 9  # the block granted ahead counts
     assert policy.decode_steps(batch, 4, 4) == [4, 4, 2]
     assert policy.decode_steps([(at_edge, 1)], 64, 4) == [5]
     assert policy.decode_steps([(_decoding(3, 7, 1, 2), 1)], 4, 4) is None  # nobody goes further
@@ -141,7 +142,7 @@ def test_decode_steps_leave_prefill_and_engine_tracked_sampling_to_single_steps(
     penalized = _decoding(2, 5, 1, 4, presence_penalty=0.5)
     grammar = _decoding(3, 5, 1, 4, grammar=object())
     shared = _decoding(4, 5, 1, 4)
-    shared.tail_shared = True
+    shared.blocks.tail_shared = True
     assert policy.decode_steps([(ok, 1), (penalized, 1), (grammar, 1), (shared, 1)], 4, 4) == [4, 1, 1, 1]
 
 

@@ -421,10 +421,10 @@ def test_cache_host_recovery_requeues_everything_and_recomputes_the_same_tokens(
         d.iterate()
     victims, frees = d.scheduler.take_block_holders()
     assert {s.seq_id for s in victims} <= set(frees) and len(victims) == 3
-    d.scheduler.note_pool(d.bm.step(_frees(frees)))
+    d.scheduler.remote.note_pool(d.bm.step(_frees(frees)))
     d.scheduler.requeue_all(victims)
     assert [s.seq_id for s in d.scheduler.waiting] == [s.seq_id for s in victims]
-    assert d.scheduler.stats.recomputed_tokens > 0 and not d.scheduler.has_pending_ops()
+    assert d.scheduler.stats.recomputed_tokens > 0 and not d.scheduler.remote.has_pending_ops()
     assert d.bm.num_sequences() == 0
     d.run()
     for i in range(3):
