@@ -242,6 +242,7 @@ class Scheduler:
             frees=frees,
             appends=[(s.seq_id, t) for s, t in items],
             allocs=[(s.seq_id, s.tokens, s.request.priority) for s in admit],
+            alloc_salts=[s.request.cache_salt for s in admit],
             forks=[(p.seq_id, c.seq_id) for p, c in forks],
             swap_ins=[s.seq_id for s in swap_in],
             grants=[s.seq_id for s in grant],

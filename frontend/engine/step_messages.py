@@ -27,6 +27,7 @@ class StepPlan:
     frees: list[str] = field(default_factory=list)
     appends: list[tuple[str, int | None]] = field(default_factory=list)  # (seq id, token id or unknown)
     allocs: list[tuple[str, list[int], int]] = field(default_factory=list)  # (seq id, tokens, priority)
+    alloc_salts: list[str] = field(default_factory=list)  # each alloc's cache salt (none given: "")
     forks: list[tuple[str, str]] = field(default_factory=list)  # (parent, child)
     swap_ins: list[str] = field(default_factory=list)
     grants: list[str] = field(default_factory=list)  # a block ahead of need, applied last
@@ -95,6 +96,7 @@ def step_request(plan: StepPlan, lease_id: str) -> pb.StepRequest:
         alloc_token_ids=[t for _, toks, _ in plan.allocs for t in toks],
         alloc_priorities=[p for _, _, p in plan.allocs] if any(p for _, _, p in plan.allocs) else [],
         alloc_lease_ids=[lease_id] * len(plan.allocs),
+        alloc_cache_salts=plan.alloc_salts if any(plan.alloc_salts) else [],
         fork_parent_seq_ids=[p for p, _ in plan.forks],
         fork_child_seq_ids=[c for _, c in plan.forks],
         swap_in_seq_ids=plan.swap_ins,

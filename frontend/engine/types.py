@@ -100,6 +100,9 @@ class GenerationRequest:
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
     stop_token_ids: tuple[int, ...] = ()
     priority: int = 0
+    # Mixed into its prompt's first block hash by the block manager: only requests with the same
+    # salt share prefix-cache blocks (vLLM's cache_salt; "" = the shared space).
+    cache_salt: str = ""
 
     def validate(self) -> None:
         if not self.request_id or "/" in self.request_id:

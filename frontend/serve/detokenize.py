@@ -12,7 +12,8 @@ non-streamed text by construction:
   word-start handling (SentencePiece's leading space) come out as in a full decode. Decoding work per
   token stays constant however long the output grows.
 - Stop strings are searched in the committed text only where a new match can be (the new text and
-  the longest stop string's length before it). A match cuts the text before the stop string.
+  the longest stop string's length before it), once ``min_tokens`` tokens exist. A match cuts the
+  text before the stop string (after it with ``include_stop_str_in_output``).
 - A stream releases committed text except its longest ending that could still begin a stop string:
   nothing is ever sent and then taken back. At the end (length, EOS, abort), everything is released,
   including bytes a model left unfinished (as U+FFFD, which is what a full decode gives as well).
@@ -33,9 +34,22 @@ REPLACEMENT = "\ufffd"
 class IncrementalText:
     """Text of one sample. ``add`` each token, ``finish`` once at its end, ``delta`` to stream."""
 
-    def __init__(self, text: ModelText, stop: tuple[str, ...]) -> None:
+    def __init__(
+        self,
+        text: ModelText,
+        stop: tuple[str, ...],
+        *,
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+        include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
+    ) -> None:
         self._text = text
         self._stop = stop
+        self._skip_special = skip_special_tokens
+        self._spaces_between = spaces_between_special_tokens
+        self._include_stop = include_stop_str_in_output
+        self._min_tokens = min_tokens
         self._longest_stop = max((len(s) for s in stop), default=0)
         self.tokens: list[int] = []
         self._prefix = 0  # window start: tokens before it are text already, kept out of decoding
@@ -73,8 +87,11 @@ class IncrementalText:
         self.sent = end
         return out
 
+    def _decode(self, ids: list[int]) -> str:
+        return self._text.decode(ids, self._skip_special, self._spaces_between)
+
     def _commit(self, final: bool) -> None:
-        decode = self._text.decode
+        decode = self._decode
         before = decode(self.tokens[self._prefix : self._read])
         window = decode(self.tokens[self._prefix :])
         if not final and (len(window) <= len(before) or window.endswith(REPLACEMENT)):
@@ -85,13 +102,14 @@ class IncrementalText:
             return
         old_len = len(self.full)
         self.full += new
-        if self._stop:
+        if self._stop and len(self.tokens) >= self._min_tokens:
             self._cut_at_stop(max(0, old_len - self._longest_stop + 1))
 
     def _cut_at_stop(self, start: int) -> None:
-        hits = [i for i in (self.full.find(s, start) for s in self._stop) if i >= 0]
+        hits = [(i, len(s)) for i, s in ((self.full.find(s, start), s) for s in self._stop) if i >= 0]
         if hits:
-            self.full = self.full[: min(hits)]
+            at, length = min(hits)
+            self.full = self.full[: at + length] if self._include_stop else self.full[:at]
             self.stopped = True
 
     def _stop_prefix_len(self) -> int:

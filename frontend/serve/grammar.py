@@ -113,6 +113,10 @@ class GrammarCompiler:
     def regex(self, pattern: str) -> Grammar:
         return self._compile("regex", lambda c: c.compile_regex(pattern))
 
+    def ebnf(self, grammar: str) -> Grammar:
+        """A grammar in xgrammar's EBNF (GBNF: ``root ::= ...``)."""
+        return self._compile("grammar", lambda c: c.compile_grammar(grammar))
+
     def choice(self, choices: list[str]) -> Grammar:
         # EBNF string literals take JSON's escapes: each choice exactly, quotes and newlines included.
         rule = "root ::= " + " | ".join(json.dumps(c) for c in choices)

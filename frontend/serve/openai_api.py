@@ -3,21 +3,25 @@
 Every check happens here, before anything reaches the engine, so a bad request is answered 400
 with the offending field named (``param``) and nothing is allocated. Types are strict (``"5"`` is
 not a number, ``true`` is not an integer), ranges are OpenAI's (temperature 0..2, top_p (0, 1],
-penalties -2..2, logit_bias -100..100), plus vLLM's extensions ``top_k``, ``min_p``,
-``repetition_penalty``, ``stop_token_ids`` and ``ignore_eos``. Nothing is silently dropped: a field
-the request models here do not implement is refused or ignored as frontend/serve/openai_fields.py says
-(ignored only where the response cannot differ), and any other field is refused as unknown.
+penalties -2..2, logit_bias -100..100), plus vLLM's extensions (``top_k``, ``min_p``,
+``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``min_tokens``, ``bad_words``,
+``allowed_token_ids``, ``structured_outputs``, the tokenization and detokenization switches...).
+A field sent as null means its default, as in vLLM. Nothing is silently dropped: a field the request
+models here do not implement is refused or ignored as frontend/serve/openai_fields.py says (ignored
+only where the response cannot differ), and any other field is refused as unknown.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import types
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pagedkv.frontend.engine import MAX_TOP_LOGPROBS, SamplingOptions
 from pagedkv.frontend.serve.grammar import Grammar, GrammarCompiler
@@ -32,8 +36,14 @@ from pagedkv.frontend.serve.openai_fields import (
     Refused,
     screen,
 )
-from pagedkv.frontend.serve.structured_output import ResponseFormat, StructuredOutputError, requested_grammar
-from pagedkv.frontend.serve.text import ModelText
+from pagedkv.frontend.serve.structured_output import (
+    ResponseFormat,
+    StructuredOutputError,
+    StructuredOutputs,
+    requested_grammar,
+)
+from pagedkv.frontend.serve.text import ContinuationError, ModelText
+from pagedkv.frontend.serve.token_constraints import TokenConstraints
 from pagedkv.frontend.serve.tools import (
     AUTO_PARSER,
     ToolCalling,
@@ -50,6 +60,9 @@ from pagedkv.frontend.serve.tools import (
 MAX_N = 64
 MAX_STOP = 16
 MAX_SEED = 2**63 - 1
+MAX_BAD_WORDS = 64
+MAX_REQUEST_ID = 256
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 class ApiError(Exception):
@@ -79,9 +92,29 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+def _accepts_none(annotation: Any) -> bool:
+    return annotation is None or (
+        typing.get_origin(annotation) in (typing.Union, types.UnionType)
+        and type(None) in typing.get_args(annotation)
+    )
+
+
 class _Sampling(BaseModel):
     # Every field is implemented here or listed in frontend/serve/openai_fields.py; the rest are unknown.
     model_config = ConfigDict(strict=True, extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, raw: Any) -> Any:
+        """A field sent as null takes its default (vLLM's request models default most to None)."""
+        if not isinstance(raw, dict):
+            return raw
+        fields = cls.model_fields
+        return {
+            k: v
+            for k, v in raw.items()
+            if not (v is None and k in fields and not _accepts_none(fields[k].annotation))
+        }
 
     model: str | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -99,17 +132,38 @@ class _Sampling(BaseModel):
     logit_bias: dict[str, float] | None = None
     repetition_penalty: float = Field(1.0, gt=0.0)  # vLLM's extension
     min_p: float = Field(0.0, ge=0.0, le=1.0)  # vLLM's extension
-    # Structured output (frontend/serve/structured_output.py): vLLM's extensions.
+    # Structured output (frontend/serve/structured_output.py): OpenAI's response_format, vLLM's
+    # structured_outputs and its older guided_* fields.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
+    # vLLM's sampling extensions (frontend/serve/token_constraints.py).
+    min_tokens: int = Field(0, ge=0)
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    # vLLM's tokenization and detokenization switches.
+    add_special_tokens: bool | None = None  # default: completions true, chat false (the template's)
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    truncation_side: Literal["left", "right"] | None = None
+    echo: bool = False
+    # What the response carries.
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+    request_id: str | None = Field(None, min_length=1, max_length=MAX_REQUEST_ID, pattern=r"^[!-~]+$")
+    # Scheduling and the prefix cache.
+    priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
 
 
 class CompletionBody(_Sampling):
     prompt: Any = None
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    echo: bool = False
     best_of: int | None = Field(None, ge=1)
 
 
@@ -125,8 +179,12 @@ class ChatMessage(BaseModel):
 
 
 class ChatBody(_Sampling):
-    response_format: ResponseFormat | None = None
     messages: list[ChatMessage] = Field(min_length=1)
+    # How the chat template renders them (vLLM's extensions).
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -148,6 +206,7 @@ class RequestLimits:
     text: ModelText
     grammars: GrammarCompiler | None = None  # built on first use (needs the tokenizer)
     tool_call_parser: str = AUTO_PARSER  # --tool-call-parser: the family of `auto` tool calls
+    scheduling_policy: str = "fcfs"  # --scheduling-policy: "priority" honours a request's priority
 
     def grammar_compiler(self) -> GrammarCompiler | None:
         """Compiles structured-output grammars for this model; None without a tokenizer."""
@@ -186,8 +245,18 @@ class Parsed:
     include_usage: bool
     logprobs: bool
     top_logprobs: int = 0  # alternatives per token (completions: logprobs=N; chat: top_logprobs)
-    echo: tuple[str, ...] = ()  # completions with echo: each prompt's text, put before its choices' text
+    echo: tuple[str, ...] = ()  # with echo: each prompt's text, put before its choices' text
     tools: ToolCalling | None = None  # chat with tools: how each answer is read for tool calls
+    # Detokenization (frontend/serve/detokenize.py).
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    min_tokens: int = 0  # stop strings count from this many tokens on
+    return_token_ids: bool = False  # the prompt's ids too (prompt_token_ids)
+    return_tokens_as_token_ids: bool = False  # logprobs' tokens as "token_id:<id>"
+    request_id: str | None = None  # the client's: the response's id and X-Request-Id
+    priority: int = 0  # vLLM's: lower is served first (with --scheduling-policy priority)
+    cache_salt: str = ""  # the prefix cache shares blocks only between requests of the same salt
 
 
 def validation_error(e: ValidationError) -> ApiError:
@@ -227,8 +296,9 @@ def _token_list(value: Any, param: str, limits: RequestLimits) -> list[int]:
     return list(value)
 
 
-def _prompts(prompt: Any, limits: RequestLimits) -> list[list[int]]:
-    """A string, a list of strings, a list of token ids, or a list of such lists."""
+def _prompts(prompt: Any, limits: RequestLimits, add_special_tokens: bool = True) -> list[list[int]]:
+    """A string, a list of strings, a list of token ids, or a list of such lists (text encoded with
+    the model's BOS/EOS where it takes them unless ``add_special_tokens`` is false)."""
     if prompt is None:
         raise ApiError(400, "prompt: this field is required", "prompt")
     if isinstance(prompt, str) or (
@@ -246,7 +316,7 @@ def _prompts(prompt: Any, limits: RequestLimits) -> list[list[int]]:
         for t in texts:
             if not t:
                 raise ApiError(400, "prompt: the prompt is empty", "prompt")
-            out.append(_token_list(limits.text.encode(t), "prompt", limits))
+            out.append(_token_list(limits.text.encode(t, add_special_tokens), "prompt", limits))
         return out
     if not isinstance(prompt, list):
         raise ApiError(
@@ -305,35 +375,82 @@ def _logit_bias(bias: dict[str, float] | None, limits: RequestLimits) -> tuple[t
     return tuple(out)
 
 
+_STRUCTURED = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice")
+
+
 def _grammar(body: _Sampling, limits: RequestLimits) -> Grammar | None:
     try:
         return requested_grammar(
             limits.grammar_compiler() if limits.text.tokenizer is not None else None,
-            getattr(body, "response_format", None),
+            body.response_format,
             body.guided_json,
             body.guided_regex,
             body.guided_choice,
+            body.structured_outputs,
         )
     except StructuredOutputError as e:
         raise ApiError(400, str(e), e.param) from None
 
 
+def _token_constraints(
+    body: _Sampling, grammar: Grammar | None, stop_ids: tuple[int, ...], limits: RequestLimits
+) -> Any:
+    """The grammar, or the grammar with vLLM's token-level constraints on top
+    (frontend/serve/token_constraints.py) when the request has any."""
+    allowed = None
+    if body.allowed_token_ids is not None:
+        if not body.allowed_token_ids:
+            raise ApiError(400, "allowed_token_ids: at least one token id", "allowed_token_ids")
+        allowed = tuple(dict.fromkeys(_token_list(body.allowed_token_ids, "allowed_token_ids", limits)))
+    bad: list[tuple[int, ...]] = []
+    if body.bad_words:
+        if len(body.bad_words) > MAX_BAD_WORDS:
+            raise ApiError(400, f"bad_words: at most {MAX_BAD_WORDS} words", "bad_words")
+        tok = limits.text.tokenizer
+        if tok is None:
+            raise ApiError(400, "bad_words: needs a tokenizer, and this server has none", "bad_words")
+        for word in body.bad_words:
+            if not word.strip():
+                raise ApiError(400, "bad_words: a word must not be empty", "bad_words")
+            # As vLLM: the word as it is and, after a space, as it reads inside a text.
+            for text in dict.fromkeys((word, word if word.startswith(" ") else " " + word)):
+                ids = tuple(int(t) for t in tok.encode(text, add_special_tokens=False))
+                if ids and all(t < limits.vocab_size for t in ids):
+                    bad.append(ids)
+    min_stop = stop_ids if body.min_tokens else ()
+    if allowed is None and not bad and not min_stop:
+        return grammar
+    return TokenConstraints(
+        limits.vocab_size, grammar, allowed, tuple(dict.fromkeys(bad)), body.min_tokens, min_stop
+    )
+
+
+def _startable(grammar: Grammar | None, param: str) -> Grammar | None:
+    """``grammar``, unless no token of the model's vocabulary can begin a text it allows (a step
+    with nothing allowed cannot be sampled): then a 400 naming ``param``."""
+    if grammar is not None and not any(grammar.matcher().mask()):
+        raise ApiError(
+            400,
+            f"{param}: no token of this model's vocabulary can begin an output the constraint allows",
+            param,
+        )
+    return grammar
+
+
 def _forced_or_asked(forced: Grammar | None, body: _Sampling, limits: RequestLimits) -> Grammar | None:
     asked = _grammar(body, limits)
     if forced is None:
-        return asked
+        if asked is None:
+            return None
+        return _startable(asked, next(n for n in _STRUCTURED if getattr(body, n, None) is not None))
     if asked is not None:
-        names = [
-            n
-            for n in ("response_format", "guided_json", "guided_regex", "guided_choice")
-            if getattr(body, n, None) is not None
-        ]
+        names = [n for n in _STRUCTURED if getattr(body, n, None) is not None]
         raise ApiError(
             400,
             f"{names[0]}: not with a tool_choice that forces a call (the call's shape is the constraint)",
             names[0],
         )
-    return forced
+    return _startable(forced, "tool_choice")
 
 
 def _common(
@@ -387,6 +504,18 @@ def _common(
         )
     if not body.ignore_eos:
         stop_ids = tuple(dict.fromkeys(stop_ids + limits.text.eos_token_ids))
+    if body.min_tokens > max_tokens:
+        raise ApiError(
+            400, f"min_tokens: {body.min_tokens} is more than max_tokens ({max_tokens})", "min_tokens"
+        )
+    if body.priority and limits.scheduling_policy != "priority":
+        raise ApiError(
+            400,
+            "priority: this server schedules first come, first served (start it with "
+            "--scheduling-policy priority to honour priorities)",
+            "priority",
+        )
+    grammar = _token_constraints(body, _forced_or_asked(forced, body, limits), stop_ids, limits)
     sampling = SamplingOptions(
         temperature=body.temperature,
         top_p=body.top_p,
@@ -398,7 +527,7 @@ def _common(
         repetition_penalty=body.repetition_penalty,
         min_p=body.min_p,
         logit_bias=_logit_bias(body.logit_bias, limits),
-        grammar=_forced_or_asked(forced, body, limits),
+        grammar=grammar,
     )
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     if body.stream_options is not None and not body.stream:
@@ -414,7 +543,38 @@ def _common(
         include_usage,
         logprobs,
         top_logprobs,
+        skip_special_tokens=body.skip_special_tokens,
+        spaces_between_special_tokens=body.spaces_between_special_tokens,
+        include_stop_str_in_output=body.include_stop_str_in_output,
+        min_tokens=body.min_tokens,
+        return_token_ids=bool(body.return_token_ids),
+        return_tokens_as_token_ids=bool(body.return_tokens_as_token_ids),
+        request_id=body.request_id,
+        priority=body.priority,
+        cache_salt=body.cache_salt or "",
     )
+
+
+def _truncated(
+    prompts: list[list[int]], body: _Sampling, max_tokens: int | None, limits: RequestLimits
+) -> list[list[int]]:
+    """vLLM's truncate_prompt_tokens: each prompt cut to its last (``truncation_side`` "left", the
+    default) or first ("right") that many tokens; -1: as many as leave room for max_tokens (one
+    token when max_tokens is not set) in what one sequence holds."""
+    k = body.truncate_prompt_tokens
+    if k is None:
+        return prompts
+    if k == -1:
+        k = limits.max_context - (max_tokens or 1)
+    if k < 1:
+        raise ApiError(
+            400,
+            "truncate_prompt_tokens: leaves no prompt token (max_tokens takes the context)",
+            "truncate_prompt_tokens",
+        )
+    if body.truncation_side == "right":
+        return [p[:k] for p in prompts]
+    return [p[-k:] for p in prompts]
 
 
 _Body = TypeVar("_Body", bound=_Sampling)
@@ -458,10 +618,15 @@ def parse_completion(raw: Any, limits: RequestLimits) -> Parsed:
         )
     if body.best_of is not None and body.best_of != body.n:
         raise ApiError(400, "best_of: only best_of == n is supported", "best_of")
-    prompts = _prompts(body.prompt, limits)
+    whole = _prompts(body.prompt, limits, body.add_special_tokens is not False)
+    prompts = _truncated(whole, body, body.max_tokens, limits)
     parsed = _common(body, prompts, body.max_tokens, limits, body.logprobs is not None, body.logprobs or 0)
     if body.echo:
-        parsed.echo = _echo_texts(body.prompt, prompts, limits)
+        parsed.echo = (
+            _echo_texts(body.prompt, prompts, limits)
+            if prompts == whole
+            else _echo_texts(None, prompts, limits)  # the prompt as truncated
+        )
     return parsed
 
 
@@ -497,11 +662,43 @@ def parse_chat(raw: Any, limits: RequestLimits) -> Parsed:
     body = _validated(raw, ChatBody, limits, CHAT)
     if body.top_logprobs and not body.logprobs:
         raise ApiError(400, "top_logprobs: requires logprobs: true", "top_logprobs")
+    if body.continue_final_message and body.add_generation_prompt:
+        raise ApiError(
+            400,
+            "continue_final_message: not with add_generation_prompt: true (the final message is "
+            "continued, so no new turn is opened): send add_generation_prompt: false",
+            "continue_final_message",
+        )
+    if body.continue_final_message and body.messages[-1].role != "assistant":
+        raise ApiError(
+            400, "continue_final_message: the final message must be the assistant's", "continue_final_message"
+        )
     tools = _tools(body, limits)
-    prompt = chat_prompt(body.messages, limits, tools=tools)
+    prompt = chat_prompt(
+        body.messages,
+        limits,
+        body.add_generation_prompt,
+        tools=tools,
+        continue_final_message=body.continue_final_message,
+        template_kwargs=body.chat_template_kwargs,
+        documents=body.documents,
+        add_special_tokens=bool(body.add_special_tokens),
+    )
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    parsed = _common(body, [prompt], max_tokens, limits, body.logprobs, body.top_logprobs or 0, tools.grammar)
+    prompts = _truncated([prompt], body, max_tokens, limits)
+    parsed = _common(body, prompts, max_tokens, limits, body.logprobs, body.top_logprobs or 0, tools.grammar)
     parsed.tools = tools.calling
+    # vLLM's echo: the answer starts with the last message when it has the answer's role (the
+    # assistant's: a new turn, or the one continue_final_message continues).
+    last = body.messages[-1]
+    if body.echo and last.role == "assistant":
+        content = last.content if isinstance(last.content, str) else ""
+        if isinstance(last.content, list):
+            content = "".join(
+                _part_text(p, f"messages.{len(body.messages) - 1}.content.{j}")
+                for j, p in enumerate(last.content)
+            )
+        parsed.echo = (content,)
     return parsed
 
 
@@ -524,14 +721,21 @@ def chat_prompt(
     limits: RequestLimits,
     add_generation_prompt: bool = True,
     tools: ToolRequest | None = None,
+    continue_final_message: bool = False,
+    template_kwargs: dict[str, Any] | None = None,
+    documents: list[dict[str, Any]] | None = None,
+    add_special_tokens: bool = False,
 ) -> list[int]:
     """The messages (and the tools, as frontend/serve/tools.py decided) rendered by the chat template
-    and tokenized (special tokens as their ids)."""
+    and tokenized (special tokens as their ids). ``continue_final_message``: the prompt ends with
+    the final message's text, its turn left open; ``template_kwargs``: variables for the template
+    (e.g. Qwen3's ``enable_thinking``); ``documents``: given to the template for retrieval
+    prompts; ``add_special_tokens``: the tokenizer's BOS/EOS around the rendered text as well."""
     if not limits.text.has_chat_template:
         raise ApiError(
             400,
-            "messages: this model has no chat template (the model directory given with --model "
-            "needs a tokenizer with chat_template); use /v1/completions",
+            "messages: this model has no chat template (neither its GGUF file nor its tokenizer "
+            "files give one, as for a base model); use /v1/completions",
             "messages",
         )
     template = template_source(limits.text.tokenizer)
@@ -557,10 +761,26 @@ def chat_prompt(
             rendered[0] = {**rendered[0], "content": f"{rendered[0]['content']}\n\n{tools.system_text}"}
         else:
             rendered.insert(0, {"role": "system", "content": tools.system_text})
+    reserved = {"messages", "tools", "documents", "add_generation_prompt"} & set(template_kwargs or {})
+    if reserved:
+        name = sorted(reserved)[0]
+        raise ApiError(
+            400,
+            f"chat_template_kwargs.{name}: set by the request's own field, not here",
+            f"chat_template_kwargs.{name}",
+        )
     try:
         prompt = limits.text.chat_prompt(
-            rendered, add_generation_prompt, tools.template_tools if tools is not None else None
+            rendered,
+            add_generation_prompt,
+            tools.template_tools if tools is not None else None,
+            continue_final_message=continue_final_message,
+            documents=documents,
+            add_special_tokens=add_special_tokens,
+            **(template_kwargs or {}),
         )
+    except ContinuationError as e:
+        raise ApiError(400, f"continue_final_message: {e}", "continue_final_message") from None
     except Exception as e:  # noqa: BLE001 - a template that rejects these messages is the caller's input
         raise ApiError(400, f"messages: the chat template rejected them: {e}", "messages") from None
     if not prompt:

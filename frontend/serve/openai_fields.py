@@ -5,9 +5,11 @@ A field is implemented (a member of a request model in frontend/serve/openai_api
 ``Refused`` (400 naming it, unless its value is one of the neutral ones that ask for nothing, e.g.
 ``store: false``), or ``Ignored`` with the reason ignoring it cannot change what the client gets
 back. Any other field is refused as unknown (the request models forbid extras). docs/serve.md's
-field table says the same for every field of OpenAI's completions and chat requests, and
-tests/frontend/serve/test_openai_fields.py walks the `openai` SDK's request types to check each one is
-honoured or refused.
+field table says the same for every field of OpenAI's completions and chat requests and of vLLM's
+(``VLLM_COMMON``, ``VLLM_CHAT``: the neutral values include vLLM's defaults, so a client that sends
+every field at its default is never refused). tests/frontend/serve/test_openai_fields.py walks the
+`openai` SDK's request types, and tests/frontend/serve/test_vllm_fields.py vLLM's field list
+(tests/frontend/serve/data/vllm_request_fields.json), to check each one is honoured or refused.
 """
 
 from __future__ import annotations
@@ -53,13 +55,75 @@ COMMON: Policy = {
     "user": _USER_ID,
 }
 
+_MULTIMODAL = "pagedkv serves text-only models: no images, audio or video"
+
+# vLLM's extensions of both requests that pagedkv does not act on (the others are request-model
+# fields in frontend/serve/openai_api.py).
+VLLM_COMMON: Policy = {
+    "use_beam_search": Refused(
+        "beam search is not implemented: every sample is drawn on its own (n, seed)", (None, False)
+    ),
+    "length_penalty": Refused("it scores beams, and beam search is not implemented", (None, 1.0, 1)),
+    "kv_transfer_params": Refused(
+        "disaggregated prefill (KV transfer between vLLM instances) is not supported", (None, {})
+    ),
+    "ec_transfer_params": Refused(
+        "encoder-cache transfer between instances is not supported (no multimodal encoders)", (None, {})
+    ),
+    "mm_payload": Refused(_MULTIMODAL, (None, "tensors")),
+    "return_mm_kwargs": Refused(_MULTIMODAL, (None, False)),
+    "logprob_token_ids": Refused(
+        "the logprobs of chosen token ids are not computed: the worker returns the chosen token's "
+        "and the top_logprobs most likely",
+        (None, []),
+    ),
+    "prompt_logprobs": Refused(
+        "the prompt's logprobs are not computed: the worker returns logprobs of sampled positions only",
+        (None,),
+    ),
+    "repetition_detection": Refused("no repetition detector stops a sample early", (None,)),
+    "return_token_offsets": Refused("tokens' character offsets are not returned", (None, False)),
+    "routed_experts_prompt_start": Refused(
+        "pagedkv's models are dense: no expert routing to return", (None, 0)
+    ),
+    "session_id": Refused("sessions (a prompt streamed in over several requests) are not supported"),
+    "stream_interval": Refused("a stream sends every token as it is produced", (None, 1)),
+    "thinking_token_budget": Refused(
+        "no reasoning parser: a model's thinking is not told from its answer, so it cannot be budgeted"
+    ),
+    "vllm_xargs": Refused("no custom logits processors take extra arguments", (None, {})),
+    "watermarking": Refused("outputs are not watermarked"),
+}
+
+VLLM_CHAT: Policy = {
+    **VLLM_COMMON,
+    "chat_template": Refused(
+        "a request's own chat template is not run: the model's template renders every chat "
+        "(vLLM too refuses one unless started with --trust-request-chat-template)"
+    ),
+    "include_reasoning": Refused(
+        "no reasoning parser: a model's reasoning stays in content, so it cannot be left out",
+        (None, True),
+    ),
+    "return_prompt_text": Refused(
+        "the rendered prompt's text is not returned (POST /tokenize with the messages gives its "
+        "tokens, and return_token_ids the prompt's ids)",
+        (None, False),
+    ),
+    "media_io_kwargs": Refused(_MULTIMODAL, (None, {})),
+    "mm_processor_kwargs": Refused(_MULTIMODAL, (None, {})),
+}
+
 COMPLETION: Policy = {
     **COMMON,
+    **VLLM_COMMON,
+    "prompt_embeds": Refused("prompts are tokens or text: embeddings cannot be given instead"),
     "suffix": Refused("text after the completion (insertion) is not supported", (None, "")),
 }
 
 CHAT: Policy = {
     **COMMON,
+    **VLLM_CHAT,
     "audio": Refused("audio output is not supported: pagedkv generates text"),
     "modalities": Refused("only text output is supported", (None, ["text"])),
     "functions": Refused("deprecated by OpenAI and not supported: send tools"),

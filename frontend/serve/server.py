@@ -42,7 +42,14 @@ from pagedkv.frontend.serve.detokenize import IncrementalText, token_bytes
 from pagedkv.frontend.serve.engine_loop import Admitted, EngineLoop, Failed, Finished
 from pagedkv.frontend.serve.inbox import Inbox
 from pagedkv.frontend.serve.metrics import ServeMetrics
-from pagedkv.frontend.serve.openai_api import ApiError, Parsed, RequestLimits, parse_chat, parse_completion
+from pagedkv.frontend.serve.openai_api import (
+    MAX_REQUEST_ID,
+    ApiError,
+    Parsed,
+    RequestLimits,
+    parse_chat,
+    parse_completion,
+)
 from pagedkv.frontend.serve.settings import ServeSettings, load_settings
 from pagedkv.frontend.serve.text import load_model_text
 from pagedkv.frontend.serve.tokenize_api import detokenize, tokenize
@@ -98,16 +105,28 @@ class _Run:
         self.state = state
         self.parsed = parsed
         self.kind = kind
-        self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        # The engine's ids stay unique whatever id the client gave (two may send the same one).
+        engine_id = f"{prefix}-{uuid.uuid4().hex}"
+        # The response's id: the client's request_id when it sent one, as vLLM shapes it.
+        self.client_id = parsed.request_id
+        self.id = f"{prefix}-{parsed.request_id}" if parsed.request_id else engine_id
         self.created = int(time.time())
-        self.request_ids = [f"{self.id}-{i}" for i in range(len(parsed.prompts))]
+        self.request_ids = [f"{engine_id}-{i}" for i in range(len(parsed.prompts))]
         self.queue: Inbox[tuple[int, object]] = Inbox(asyncio.get_running_loop())
         self.early: collections.deque[tuple[int, object]] = collections.deque()  # tokens seen during submit
         tools = parsed.tools
         self.choices = {
             (p, s): _Choice(
                 p * parsed.n + s,
-                IncrementalText(state.limits.text, parsed.stop),
+                IncrementalText(
+                    state.limits.text,
+                    parsed.stop,
+                    skip_special_tokens=parsed.skip_special_tokens,
+                    spaces_between_special_tokens=parsed.spaces_between_special_tokens,
+                    include_stop_str_in_output=parsed.include_stop_str_in_output,
+                    min_tokens=parsed.min_tokens,
+                ),
                 calls=ToolCallStream(parser_by_name(tools.parser), tools.max_calls) if tools else None,
             )
             for p in range(len(parsed.prompts))
@@ -129,6 +148,9 @@ class _Run:
                 n=p.n,
                 sampling=p.sampling,
                 stop_token_ids=p.stop_token_ids,
+                # vLLM's priority: lower first; the block manager's: higher keeps its blocks.
+                priority=-p.priority,
+                cache_salt=p.cache_salt,
             )
 
             def sink(item: object, i: int = i) -> None:
@@ -205,12 +227,13 @@ class _Run:
     # --- response shapes ---------------------------------------------------------------------
     def _token_strings(self, ids: list[int]) -> list[str]:
         tok = self.state.limits.text.tokenizer
-        if tok is None:
+        if tok is None or self.parsed.return_tokens_as_token_ids:
             return [f"token_id:{t}" for t in ids]
         return [str(tok.decode([t])) for t in ids]
 
     def _echo(self, c: _Choice) -> str:
-        """With echo: the prompt's text, which a completion's text starts with (its first chunk's)."""
+        """With echo: the prompt's text (chat: the final message's), which the answer's text starts
+        with (its first chunk's)."""
         return self.parsed.echo[c.index // self.parsed.n] if self.parsed.echo else ""
 
     def _bytes(self, token_id: int, shown: str) -> list[int]:
@@ -259,7 +282,7 @@ class _Run:
         for c in sorted(self.choices.values(), key=lambda c: c.index):
             ids, lps = c.text.tokens, c.logprobs
             text = c.text.full
-            message: dict[str, Any] = {"role": "assistant", "content": text}
+            message: dict[str, Any] = {"role": "assistant", "content": self._echo(c) + text}
             if c.calls is not None:
                 c.calls.feed(text, final=True)
                 message = _with_calls(message, c.calls)
@@ -273,8 +296,10 @@ class _Run:
                 item["message"] = message
             else:
                 item["text"] = self._echo(c) + text
+                if self.parsed.return_token_ids:
+                    item["prompt_token_ids"] = self.parsed.prompts[c.index // self.parsed.n]
             choices.append(item)
-        return {
+        out: dict[str, Any] = {
             "id": self.id,
             "object": "chat.completion" if self.kind == "chat" else "text_completion",
             "created": self.created,
@@ -282,6 +307,9 @@ class _Run:
             "choices": choices,
             "usage": self.usage(),
         }
+        if self.kind == "chat" and self.parsed.return_token_ids:
+            out["prompt_token_ids"] = self.parsed.prompts[0]
+        return out
 
     def chunk(
         self,
@@ -308,9 +336,13 @@ class _Run:
         if self.kind == "chat":
             if first:
                 delta["role"] = "assistant"
+                if self.parsed.echo:
+                    delta["content"] = self._echo(c) + (delta.get("content") or "")
             item["delta"] = delta
         else:
             item["text"] = (self._echo(c) if first else "") + text
+            if first and self.parsed.return_token_ids:
+                item["prompt_token_ids"] = self.parsed.prompts[c.index // self.parsed.n]
         out: dict[str, Any] = {
             "id": self.id,
             "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
@@ -318,6 +350,8 @@ class _Run:
             "model": self.state.model_name,
             "choices": [item],
         }
+        if self.kind == "chat" and first and self.parsed.return_token_ids:
+            out["prompt_token_ids"] = self.parsed.prompts[0]
         if self.parsed.include_usage:
             out["usage"] = None
         return out
@@ -392,11 +426,12 @@ async def _serve(state: ServerState, request: Request, parsed: Parsed, kind: str
     except BaseException:
         run.abort()
         raise
+    id_header = {"X-Request-Id": run.client_id} if run.client_id else {}
     if parsed.stream:
         return StreamingResponse(
             _stream(run, request),
             media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **id_header},
         )
     watcher = asyncio.create_task(_watch_client(request, run))
     try:
@@ -414,7 +449,7 @@ async def _serve(state: ServerState, request: Request, parsed: Parsed, kind: str
     finally:
         watcher.cancel()
         run.abort()  # no-op once done
-    return JSONResponse(run.response())
+    return JSONResponse(run.response(), headers=id_header)
 
 
 async def _stream(run: _Run, request: Request) -> AsyncIterator[bytes]:
@@ -502,6 +537,21 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+def _header_id(request: Request, parsed: Parsed) -> Parsed:
+    """An X-Request-Id header names the request, over the body's request_id (as vLLM has it)."""
+    given = request.headers.get("x-request-id")
+    if given is None:
+        return parsed
+    if not (0 < len(given) <= MAX_REQUEST_ID and all("!" <= ch <= "~" for ch in given)):
+        raise ApiError(
+            400,
+            f"X-Request-Id: 1 to {MAX_REQUEST_ID} printable ASCII characters without spaces",
+            "X-Request-Id",
+        )
+    parsed.request_id = given
+    return parsed
+
+
 async def _json_body(request: Request) -> Any:
     raw = await request.body()
     try:
@@ -525,12 +575,12 @@ def create_app(state: ServerState, api_key: str = "", allowed_origins: Sequence[
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         parsed = parse_completion(await _json_body(request), state.limits)
-        return await _serve(state, request, parsed, "completion")
+        return await _serve(state, request, _header_id(request, parsed), "completion")
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         parsed = parse_chat(await _json_body(request), state.limits)
-        return await _serve(state, request, parsed, "chat")
+        return await _serve(state, request, _header_id(request, parsed), "chat")
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request) -> JSONResponse:
@@ -651,6 +701,7 @@ class OpenAIServer:
                 engine.num_gpu_blocks,
                 text,
                 tool_call_parser=settings.tool_call_parser,
+                scheduling_policy=settings.scheduling_policy,
             )
             self.metrics = ServeMetrics(
                 name, self._pool_usage, settings.metrics_vllm_names, engine_stats=lambda: engine.stats

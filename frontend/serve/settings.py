@@ -46,6 +46,11 @@ class ServeSettings(BaseSettings):
         "(<tool_call>{...}</tool_call>: Hermes, Qwen), llama3_json (Llama 3.1+), "
         "auto = from the chat template",
     )
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        "fcfs",
+        description="fcfs: a request's priority must be 0 (400 otherwise); priority: vLLM's request "
+        "priority is honoured (lower first): the block manager preempts the highest value first",
+    )
     kv_cache_dtype: Literal["auto", "int8", "fp8_e4m3"] | None = Field(
         None,
         description="the pool's KV dtype this frontend expects: start refused when the block manager has "

@@ -1,5 +1,6 @@
 """Which grammar a request asks for: OpenAI's ``response_format`` (``json_object``,
-``json_schema``) and vLLM's ``guided_json`` / ``guided_regex`` / ``guided_choice``, turned into a
+``json_schema``), vLLM's ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``,
+``json_object``) and its older ``guided_json`` / ``guided_regex`` / ``guided_choice``, turned into a
 compiled grammar (frontend/serve/grammar.py) that every sample of the request follows. At most one of
 them per request; each needs the server's tokenizer (the grammar is matched against its
 vocabulary). A ``json_schema`` is enforced whether ``strict`` is set or not.
@@ -28,6 +29,25 @@ class ResponseFormat(BaseModel):
     json_schema: JsonSchemaFormat | None = None
 
 
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs`` (its StructuredOutputsParams): exactly one constraint."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # EBNF (GBNF), as xgrammar reads it
+    json_object: bool | None = None
+    # Options of vLLM's backends. JSON is always generated compactly (no free whitespace) and an
+    # object's properties are only the schema's unless it allows more (xgrammar's strict mode),
+    # whatever these say; pagedkv has one backend, so there is nothing to fall back to.
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: None = None
+    structural_tag: None = None
+
+
 class StructuredOutputError(ValueError):
     """A 400: ``param`` names the field."""
 
@@ -42,10 +62,65 @@ def requested_grammar(
     guided_json: dict[str, Any] | str | None,
     guided_regex: str | None,
     guided_choice: list[str] | None,
+    structured_outputs: StructuredOutputs | None = None,
 ) -> Grammar | None:
     """The request's grammar, compiled with ``compiler`` (a GrammarCompiler, or None when the server
     has no tokenizer); None when it asks for none."""
-    asked = {
+    if structured_outputs is not None:
+        so = structured_outputs
+        given: dict[str, Any] = {
+            f"structured_outputs.{k}": v
+            for k, v in (
+                ("json", so.json_),
+                ("regex", so.regex),
+                ("choice", so.choice),
+                ("grammar", so.grammar),
+                ("json_object", so.json_object or None),
+            )
+            if v is not None
+        }
+        if len(given) > 1:
+            names = sorted(given)
+            raise StructuredOutputError(names[1], f"only one of {', '.join(names)} per request")
+        if not given:
+            raise StructuredOutputError(
+                "structured_outputs", "give one of json, regex, choice, grammar, json_object"
+            )
+        ((name, value),) = given.items()
+        other = {
+            "response_format": response_format
+            if response_format and response_format.type != "text"
+            else None,
+            "guided_json": guided_json,
+            "guided_regex": guided_regex,
+            "guided_choice": guided_choice,
+        }
+        clash = next((n for n, v in other.items() if v is not None), None)
+        if clash is not None:
+            raise StructuredOutputError(clash, f"only one of structured_outputs, {clash} per request")
+        if compiler is None:
+            raise StructuredOutputError(
+                name, "structured output needs a tokenizer, and this server has none (start it with --model)"
+            )
+        kind = name.split(".", 1)[1]
+        if kind == "json_object":
+            return compiler.json_object()
+        if kind == "grammar":
+            try:
+                return compiler.ebnf(value)
+            except GrammarError as e:
+                raise StructuredOutputError(name, f"does not compile: {e}") from None
+        try:
+            return requested_grammar(
+                compiler,
+                None,
+                value if kind == "json" else None,
+                value if kind == "regex" else None,
+                value if kind == "choice" else None,
+            )
+        except StructuredOutputError as e:
+            raise StructuredOutputError(name, str(e).split(": ", 1)[1]) from None
+    asked: dict[str, Any] = {
         name: value
         for name, value in (
             (
@@ -75,8 +150,8 @@ def requested_grammar(
                 return compiler.json_object()
             if value.json_schema is None:
                 raise StructuredOutputError("response_format.json_schema", "required with type json_schema")
-            given = value.json_schema.schema_
-            return compiler.json_object() if given is None else compiler.json_schema(given)
+            schema_given = value.json_schema.schema_
+            return compiler.json_object() if schema_given is None else compiler.json_schema(schema_given)
         if param == "guided_json":
             import json
 

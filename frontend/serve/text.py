@@ -19,6 +19,10 @@ from typing import Any
 from pagedkv.frontend.serve.tokenizer import load_dir_tokenizer
 
 
+class ContinuationError(ValueError):
+    """continue_final_message: the rendered chat does not contain the final message's text."""
+
+
 @dataclass(slots=True)
 class ModelText:
     """What the server knows about a model directory beyond the workers' numbers."""
@@ -31,29 +35,83 @@ class ModelText:
     def has_chat_template(self) -> bool:
         return self.tokenizer is not None and bool(getattr(self.tokenizer, "chat_template", None))
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         assert self.tokenizer is not None
-        return list(self.tokenizer.encode(text, add_special_tokens=True))
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    def decode(self, token_ids: list[int]) -> str:
-        if self.tokenizer is None:
+    def decode(
+        self,
+        token_ids: list[int],
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+    ) -> str:
+        """The text of ``token_ids``; special tokens' text left out, or (``skip_special_tokens``
+        false) kept, set apart from the text around them as the tokenizer's decoder does, or
+        (``spaces_between_special_tokens`` false) joined to it with nothing between (vLLM's switch)."""
+        tok = self.tokenizer
+        if tok is None:
             return ""
-        return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
+        if skip_special_tokens or spaces_between_special_tokens:
+            return str(tok.decode(token_ids, skip_special_tokens=skip_special_tokens))
+        special = self.special_ids()
+        out: list[str] = []
+        run: list[int] = []
+        for t in token_ids:
+            if t in special:
+                if run:
+                    out.append(str(tok.decode(run, skip_special_tokens=False)))
+                    run = []
+                out.append(str(tok.decode([t], skip_special_tokens=False)))
+            else:
+                run.append(t)
+        if run:
+            out.append(str(tok.decode(run, skip_special_tokens=False)))
+        return "".join(out)
+
+    def special_ids(self) -> frozenset[int]:
+        """The ids of the tokenizer's special tokens (added tokens marked special too)."""
+        tok = self.tokenizer
+        if tok is None:
+            return frozenset()
+        ids = {int(i) for i in tok.all_special_ids}
+        ids |= {int(i) for i, t in getattr(tok, "added_tokens_decoder", {}).items() if t.special}
+        return frozenset(ids)
 
     def chat_prompt(
         self,
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
+        documents: list[dict[str, Any]] | None = None,
+        add_special_tokens: bool = False,
+        **template_kwargs: Any,
     ) -> list[int]:
-        """The messages (and ``tools``, for a template that renders them) through the chat template."""
+        """The messages (and ``tools``, for a template that renders them) through the chat template,
+        tokenized (the template writes the special tokens; ``add_special_tokens`` adds the
+        tokenizer's BOS/EOS around it too). ``continue_final_message``: the text ends with the final
+        message's content (the template's end of that turn cut off), as transformers does it.
+        ``template_kwargs``: more variables for the template."""
         assert self.tokenizer is not None
-        ids = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=True, tools=tools
+        extra: dict[str, Any] = dict(template_kwargs)
+        if documents is not None:
+            extra["documents"] = documents
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False, tools=tools, **extra
         )
-        if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
+        if continue_final_message:
+            text = _continued(str(text), str(messages[-1].get("content") or ""))
+        return [int(t) for t in self.tokenizer.encode(str(text), add_special_tokens=add_special_tokens)]
+
+
+def _continued(rendered: str, final: str) -> str:
+    """``rendered`` cut right after the final message's content (its last occurrence)."""
+    if not final.strip() or final.strip() not in rendered:
+        raise ContinuationError("the chat template's rendering does not contain the final message's text")
+    at = rendered.rindex(final.strip())
+    if rendered[at : at + len(final.lstrip())] == final.lstrip():
+        return rendered[: at + len(final.lstrip())]
+    return rendered[: at + len(final.strip())]
 
 
 def _eos_from(path: pathlib.Path) -> tuple[int, ...]:
