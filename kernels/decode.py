@@ -42,7 +42,7 @@ PROGRAMS_PER_SM = 4
 
 # A Triton kernel, left unannotated: triton ships no types, and its compiler reads parameter
 # annotations (tl.constexpr), so Python types there would mean something else.
-@triton.jit(do_not_specialize=["num_heads", "group", "num_splits", "min_split_tokens"])  # type: ignore[untyped-decorator]
+@triton.jit(do_not_specialize=["num_heads", "group", "num_splits", "min_split_tokens", "window"])  # type: ignore[untyped-decorator]
 def _decode_split_kernel(  # type: ignore[no-untyped-def]
     q_ptr,
     k_cache_ptr,
@@ -57,6 +57,7 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]
     group,
     num_splits,
     min_split_tokens,
+    window,
     s_qs,
     s_qh,
     s_os,
@@ -91,11 +92,14 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]
     split = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
-    n_tiles = tl.cdiv(seq_len, BLOCK_N)
+    # A sliding window (window > 0): the tiles start at the window's first token, so nothing before
+    # it is read (its blocks may have been released) and the work follows the window.
+    lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    n_tiles = tl.cdiv(seq_len - lo, BLOCK_N)
     # This sequence's own split count: no more than num_splits, each >= min_split_tokens.
-    my_splits = tl.maximum(tl.minimum(num_splits, tl.cdiv(seq_len, min_split_tokens)), 1)
+    my_splits = tl.maximum(tl.minimum(num_splits, tl.cdiv(seq_len - lo, min_split_tokens)), 1)
     tiles_per_split = tl.cdiv(n_tiles, my_splits)
-    start = split * tiles_per_split * BLOCK_N
+    start = lo + split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
 
     g = tl.arange(0, BLOCK_G)
@@ -133,7 +137,9 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]
             v_base,
             bt_row,
             t,
+            0,
             end,
+            q_pos,
             q_pos,
             s_kb,
             s_ko,
@@ -152,6 +158,7 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]
             BLOCK_D,
             False,
             False,
+            False,
             UPCAST,
             PRECISION,
             QUANT,
@@ -166,7 +173,9 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]
             v_base,
             bt_row,
             full_end,
+            0,
             end,
+            q_pos,
             q_pos,
             s_kb,
             s_ko,
@@ -184,6 +193,7 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]
             BLOCK_N,
             BLOCK_D,
             True,
+            False,
             False,
             UPCAST,
             PRECISION,
@@ -305,6 +315,7 @@ def paged_decode_attention(
     num_splits: int | None = None,
     interpreted: bool = False,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
@@ -315,6 +326,8 @@ def paged_decode_attention(
         return out
     if max_seq_len is None:
         max_seq_len = block_tables.shape[1] * block_size  # an upper bound known without a sync
+    if sliding_window is not None:  # the splits cut the window, not the context
+        max_seq_len = min(max_seq_len, sliding_window)
     forced = num_splits is not None
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms(query.device))
@@ -349,6 +362,7 @@ def paged_decode_attention(
         group,
         num_splits,
         min_split,
+        sliding_window or 0,
         query.stride(0),
         query.stride(1),
         out.stride(0),

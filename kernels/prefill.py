@@ -31,7 +31,7 @@ LOG2E = 1.4426950408889634
 
 # A Triton kernel, left unannotated: triton ships no types, and its compiler reads parameter
 # annotations (tl.constexpr), so Python types there would mean something else.
-@triton.jit(do_not_specialize=["group", "block_q"])  # type: ignore[untyped-decorator]
+@triton.jit(do_not_specialize=["group", "block_q", "window"])  # type: ignore[untyped-decorator]
 def _prefill_kernel(  # type: ignore[no-untyped-def]
     q_ptr,
     k_cache_ptr,
@@ -43,6 +43,7 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
     qk_scale,
     group,
     block_q,
+    window,
     s_qt,
     s_qh,
     s_ot,
@@ -106,12 +107,57 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
     first_pos = ctx + tile * block_q
     hi = tl.minimum(seq_len, first_pos + block_q)
     lo_diag = first_pos // BLOCK_N * BLOCK_N
+    # A sliding window (window > 0): row r sees keys from q_lo[r] = q_pos[r] - window + 1 on. The
+    # tile reads keys from kv_lo, its first row's first (never a token before: their blocks may have
+    # been released); keys before last_lo, its last row's first, get the window mask; keys from
+    # there to the diagonal are seen by every row. Without a window kv_lo = last_lo = 0: as before.
+    q_lo = q_pos - window + 1
+    kv_lo = tl.where(window > 0, tl.maximum(first_pos - window + 1, 0), 0)
+    last_lo = tl.where(window > 0, tl.maximum(first_pos + block_q - window, 0), 0)
+    edge_end = tl.minimum(tl.cdiv(last_lo, BLOCK_N) * BLOCK_N, lo_diag)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    # The window's edge: tokens below kv_lo not read, the window mask per row.
+    for t in range(kv_lo // BLOCK_N * BLOCK_N, edge_end, BLOCK_N):
+        acc, m_i, l_i = attend_tile(
+            acc,
+            m_i,
+            l_i,
+            q,
+            k_base,
+            v_base,
+            bt_row,
+            t,
+            kv_lo,
+            hi,
+            q_pos,
+            q_lo,
+            s_kb,
+            s_ko,
+            s_vb,
+            s_vo,
+            ks_base,
+            vs_base,
+            s_ksb,
+            s_kso,
+            s_vsb,
+            s_vso,
+            qk_scale,
+            BLOCK_SIZE,
+            HEAD_DIM,
+            BLOCK_N,
+            BLOCK_D,
+            True,
+            False,
+            True,
+            UPCAST,
+            PRECISION,
+            QUANT,
+        )
     # Keys every row of the tile sees: no masks at all.
-    for t in range(0, lo_diag, BLOCK_N):
+    for t in range(edge_end, lo_diag, BLOCK_N):
         acc, m_i, l_i = attend_tile(
             acc,
             m_i,
@@ -121,8 +167,10 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
             v_base,
             bt_row,
             t,
+            0,
             hi,
             q_pos,
+            q_lo,
             s_kb,
             s_ko,
             s_vb,
@@ -140,44 +188,87 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
             BLOCK_D,
             False,
             False,
+            False,
             UPCAST,
             PRECISION,
             QUANT,
         )
-    # The diagonal and the tail: causal + length masks.
-    for t in range(lo_diag, hi, BLOCK_N):
-        acc, m_i, l_i = attend_tile(
-            acc,
-            m_i,
-            l_i,
-            q,
-            k_base,
-            v_base,
-            bt_row,
-            t,
-            hi,
-            q_pos,
-            s_kb,
-            s_ko,
-            s_vb,
-            s_vo,
-            ks_base,
-            vs_base,
-            s_ksb,
-            s_kso,
-            s_vsb,
-            s_vso,
-            qk_scale,
-            BLOCK_SIZE,
-            HEAD_DIM,
-            BLOCK_N,
-            BLOCK_D,
-            True,
-            True,
-            UPCAST,
-            PRECISION,
-            QUANT,
-        )
+    # The diagonal and the tail: causal + length masks (and under a window, its mask: a window
+    # shorter than the tile hides keys of the diagonal from later rows).
+    if window > 0:
+        for t in range(tl.maximum(lo_diag, edge_end), hi, BLOCK_N):
+            acc, m_i, l_i = attend_tile(
+                acc,
+                m_i,
+                l_i,
+                q,
+                k_base,
+                v_base,
+                bt_row,
+                t,
+                kv_lo,
+                hi,
+                q_pos,
+                q_lo,
+                s_kb,
+                s_ko,
+                s_vb,
+                s_vo,
+                ks_base,
+                vs_base,
+                s_ksb,
+                s_kso,
+                s_vsb,
+                s_vso,
+                qk_scale,
+                BLOCK_SIZE,
+                HEAD_DIM,
+                BLOCK_N,
+                BLOCK_D,
+                True,
+                True,
+                True,
+                UPCAST,
+                PRECISION,
+                QUANT,
+            )
+    else:
+        for t in range(lo_diag, hi, BLOCK_N):
+            acc, m_i, l_i = attend_tile(
+                acc,
+                m_i,
+                l_i,
+                q,
+                k_base,
+                v_base,
+                bt_row,
+                t,
+                0,
+                hi,
+                q_pos,
+                q_lo,
+                s_kb,
+                s_ko,
+                s_vb,
+                s_vo,
+                ks_base,
+                vs_base,
+                s_ksb,
+                s_kso,
+                s_vsb,
+                s_vso,
+                qk_scale,
+                BLOCK_SIZE,
+                HEAD_DIM,
+                BLOCK_N,
+                BLOCK_D,
+                True,
+                True,
+                False,
+                UPCAST,
+                PRECISION,
+                QUANT,
+            )
     res = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
         out_ptr + rows[:, None] * s_ot + heads[:, None] * s_oh + d[None, :],
@@ -234,6 +325,7 @@ def paged_prefill_attention(
     max_query_len: int | None = None,
     interpreted: bool = False,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     total_q, num_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
@@ -267,6 +359,7 @@ def paged_prefill_attention(
         float(scale) * LOG2E,
         group,
         block_q,
+        sliding_window or 0,
         query.stride(0),
         query.stride(1),
         out.stride(0),

@@ -84,8 +84,10 @@ def attend_tile(  # type: ignore[no-untyped-def]
     v_base,
     bt_row,
     start,
+    lower,
     limit,
     q_pos,
+    q_lo,
     s_kb,
     s_ko,
     s_vb,
@@ -103,16 +105,20 @@ def attend_tile(  # type: ignore[no-untyped-def]
     BLOCK_D: tl.constexpr,
     MASK_TAIL: tl.constexpr,
     CAUSAL: tl.constexpr,
+    WINDOWED: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
     QUANT: tl.constexpr,
 ):
-    """Fold tokens ``[start, start + BLOCK_N)`` (those < ``limit`` when MASK_TAIL) into the state.
+    """Fold tokens ``[start, start + BLOCK_N)`` (those in ``[lower, limit)`` when MASK_TAIL) into the
+    state. Tokens outside are neither read nor their block-table entries used: below ``lower`` lie
+    a sliding window's released blocks.
 
     ``k_base``/``v_base`` already point at the right kv head; ``bt_row`` at the sequence's block
     table row. With QUANT, ``ks_base``/``vs_base`` point at that head's fp32 scales (strides
     ``s_ksb``/``s_kso`` per block and offset, in floats); otherwise they are unused. ``q`` is
-    [M, BLOCK_D] (float32 when UPCAST). With CAUSAL, row r only sees tokens ``<= q_pos[r]``. A row
+    [M, BLOCK_D] (float32 when UPCAST). With CAUSAL, row r only sees tokens ``<= q_pos[r]``; with
+    WINDOWED (a sliding window), only tokens ``>= q_lo[r]``. A row
     that has seen no token yet (everything masked so far) keeps max -inf; its exponentials use 0 as
     the reference instead, so it contributes nothing rather than NaN.
     """
@@ -120,7 +126,7 @@ def attend_tile(  # type: ignore[no-untyped-def]
     d = tl.arange(0, BLOCK_D)
     dmask = d < HEAD_DIM
     if MASK_TAIL:
-        tmask = tok < limit
+        tmask = (tok < limit) & (tok >= lower)
         blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
     else:
         tmask = tok >= 0  # unused: full tiles are loaded without a token mask
@@ -146,6 +152,8 @@ def attend_tile(  # type: ignore[no-untyped-def]
         s = tl.where(tmask[None, :], s, float("-inf"))
     if CAUSAL:
         s = tl.where(tok[None, :] <= q_pos[:, None], s, float("-inf"))
+    if WINDOWED:
+        s = tl.where(tok[None, :] >= q_lo[:, None], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)  # fully masked row: exp2(-inf - 0) = 0, not NaN
     alpha = tl.exp2(m_i - m_ref)

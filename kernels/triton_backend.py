@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedkv.kernels import cache_ops, decode, prefill, reference
+from pagedkv.kernels import cache_ops, decode, prefill
 from pagedkv.kernels.backend import plan_nothing
 from pagedkv.kernels.cache_ops import copy_blocks, write_kv_cache
 from pagedkv.kernels.swap import swap_blocks
@@ -42,17 +42,6 @@ def paged_decode_attention(
     plan: object | None = None,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    if sliding_window is not None:
-        return reference.paged_decode_attention(
-            query,
-            key_cache,
-            value_cache,
-            block_tables,
-            seq_lens,
-            scale,
-            out=out,
-            sliding_window=sliding_window,
-        )
     return decode.paged_decode_attention(
         query,
         key_cache,
@@ -64,6 +53,7 @@ def paged_decode_attention(
         num_splits=num_splits,
         interpreted=INTERPRETED,
         out=out,
+        sliding_window=sliding_window,
     )
 
 
@@ -81,18 +71,6 @@ def paged_prefill_attention(
     plan: object | None = None,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    if sliding_window is not None:
-        return reference.paged_prefill_attention(
-            query,
-            key_cache,
-            value_cache,
-            block_tables,
-            query_start_loc,
-            seq_lens,
-            scale,
-            out=out,
-            sliding_window=sliding_window,
-        )
     return prefill.paged_prefill_attention(
         query,
         key_cache,
@@ -104,6 +82,7 @@ def paged_prefill_attention(
         max_query_len=max_query_len,
         interpreted=INTERPRETED,
         out=out,
+        sliding_window=sliding_window,
     )
 
 

@@ -255,6 +255,8 @@ class DecodePlan:
     # ``buckets_first`` (its shared prefixes save NATIVE_MAX_SAVED_TOKENS or more).
     cascade: _NativeCascade | None = None
     buckets_first: bool = False
+    # The sliding window it was built for (None: full attention); a call with another rebuilds it.
+    sliding_window: int | None = None
 
 
 @dataclass(slots=True)
@@ -332,7 +334,10 @@ def plan_decode(
     """The step's decode plan: the native kernel's arguments when it is available (no buckets,
     nothing gathered), else length buckets and shared prefixes (``plan_buckets``). Also the
     buckets when shared prefixes would save ``NATIVE_MAX_SAVED_TOKENS`` or more (the cascade
-    attends a prefix once for all its members; the native kernel reads it once per member)."""
+    attends a prefix once for all its members; the native kernel reads it once per member).
+    With a ``sliding_window`` there is no cascade (a shared prefix would hold keys outside some
+    members' windows): the native kernel or the buckets read each sequence from its window's first
+    block."""
     if cpu_native.available():
         lens = seq_lens.tolist()
         plan = DecodePlan(
@@ -342,8 +347,11 @@ def plan_decode(
             block_tables.to(torch.int32).contiguous(),
             seq_lens.to(torch.int32).contiguous(),
             bucketed=False,
+            sliding_window=sliding_window,
         )
-        if sum(lens) > NATIVE_CASCADE_MIN_SAVED_TOKENS:  # else no prefix can save enough: no search
+        if (
+            sliding_window is None and sum(lens) > NATIVE_CASCADE_MIN_SAVED_TOKENS
+        ):  # else no prefix can save enough: no search
             tables = block_tables.tolist()
             groups = shared_prefixes(tables, lens, block_size, NATIVE_CASCADE_MIN_SAVED_TOKENS)
             if groups:
@@ -357,17 +365,26 @@ def plan_decode(
                     sum((len(r) - 1) * nb * block_size for r, nb in big) >= NATIVE_MAX_SAVED_TOKENS
                 )
         return plan
-    return plan_buckets(block_tables, seq_lens, block_size)
+    return plan_buckets(block_tables, seq_lens, block_size, sliding_window)
 
 
-def plan_buckets(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> DecodePlan:
-    """Length buckets and shared prefixes for the gather + SDPA path (the module docstring)."""
+def plan_buckets(
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, sliding_window: int | None = None
+) -> DecodePlan:
+    """Length buckets and shared prefixes for the gather + SDPA path (the module docstring). With a
+    ``sliding_window``, no shared prefixes: each sequence's gather starts at its window's first
+    block, the keys of that block before the window masked."""
     lens = seq_lens.tolist()
     tables = block_tables.to(torch.int64)
     host_tables = tables.tolist()
-    offset = [0] * len(lens)  # blocks of each sequence covered by a shared prefix
+    offset = [0] * len(lens)  # blocks of each sequence covered by a shared prefix, or before its window
+    skip = [0] * len(lens)  # keys of its first gathered block before its window
     shared: list[_SharedPrefix] = []
-    for rows, nb in shared_prefixes(host_tables, lens, block_size):
+    if sliding_window is not None:
+        for i, n in enumerate(lens):
+            lo = max(0, n - sliding_window)
+            offset[i], skip[i] = divmod(lo, block_size)
+    for rows, nb in shared_prefixes(host_tables, lens, block_size) if sliding_window is None else []:
         for r in rows:
             offset[r] = nb
         shared.append(
@@ -387,12 +404,25 @@ def plan_buckets(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size:
             torch.tensor([offset[m] for m in members], dtype=torch.int64)[:, None] + torch.arange(nb)[None, :]
         )
         ids = tables.index_select(0, idx).gather(1, cols.clamp_(max=width - 1))
-        ids = ids.masked_fill(torch.arange(nb)[None, :] >= used[:, None], 0)
+        # Padding columns read a block of the member's own (masked): with a window, block 0 may be
+        # one the block manager released (anything, NaN included, and 0 x NaN is NaN in SDPA).
+        padding = torch.arange(nb)[None, :] >= used[:, None]
+        if sliding_window is None:
+            ids = ids.masked_fill(padding, 0)
+        else:
+            ids = torch.where(padding, torch.where(used > 0, ids[:, 0], 0)[:, None], ids)
         t = nb * block_size
         shortest = min(rest[m] for m in members)
-        mask = (torch.arange(t)[None, :] < blens[:, None])[:, None, None, :] if shortest < t else None
+        skipped = max(skip[m] for m in members)
+        mask = None
+        if shortest < t or skipped:
+            pos = torch.arange(t)[None, :]
+            keep = pos < blens[:, None]
+            if skipped:
+                keep &= pos >= torch.tensor([skip[m] for m in members], dtype=torch.int64)[:, None]
+            mask = keep[:, None, None, :]
         buckets.append(_Bucket(idx, ids.contiguous(), mask, (blens == 0) if shortest == 0 else None))
-    return DecodePlan(len(lens), buckets, shared)
+    return DecodePlan(len(lens), buckets, shared, sliding_window=sliding_window)
 
 
 def paged_decode_attention(
@@ -410,17 +440,6 @@ def paged_decode_attention(
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """One query token per sequence over its cached context (see the module docstring)."""
-    if sliding_window is not None:
-        return reference.paged_decode_attention(
-            query,
-            key_cache,
-            value_cache,
-            block_tables,
-            seq_lens,
-            scale,
-            out=out,
-            sliding_window=sliding_window,
-        )
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -428,8 +447,8 @@ def paged_decode_attention(
         out = torch.empty_like(query)
     if num_seqs == 0:
         return out
-    if not isinstance(plan, DecodePlan):
-        plan = plan_decode(block_tables, seq_lens, block_size)
+    if not isinstance(plan, DecodePlan) or plan.sliding_window != sliding_window:
+        plan = plan_decode(block_tables, seq_lens, block_size, sliding_window)
     nc = plan.cascade
     if nc is not None and out.stride(-1) == 1 and cpu_native.prefill_supports(query, key_cache, value_cache):
         return cpu_native.cascade(
@@ -453,14 +472,21 @@ def paged_decode_attention(
         and cpu_native.supports(query, key_cache, value_cache)
     ):
         return cpu_native.decode(
-            query, key_cache, value_cache, plan.native_tables, plan.native_lens, scale, out
+            query, key_cache, value_cache, plan.native_tables, plan.native_lens, scale, out, sliding_window
         )
     if quant.is_quantized(key_cache):  # an 8-bit cache the native kernel cannot take: dequantized
         return reference.paged_decode_attention(
-            query, key_cache, value_cache, block_tables, seq_lens, scale, out=out
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            seq_lens,
+            scale,
+            out=out,
+            sliding_window=sliding_window,
         )
     if not plan.bucketed:  # planned for the native kernel, which cannot take this call
-        built = plan_buckets(block_tables, seq_lens, block_size)
+        built = plan_buckets(block_tables, seq_lens, block_size, sliding_window)
         plan.buckets, plan.shared, plan.bucketed = built.buckets, built.shared, True
     q_all = query.view(num_seqs, num_kv_heads, group, head_dim)
     out_view = out.view(num_seqs, num_kv_heads, group, head_dim)
@@ -605,8 +631,11 @@ class PrefillPlan:
     seq_tables: torch.Tensor | None = None  # int32 [sequences, max blocks]
     query_start: torch.Tensor | None = None  # int32 [sequences + 1]
     seq_lens: torch.Tensor | None = None  # int32 [sequences]
+    # The longest context a task reads: the longest sequence, or with a window at most the window,
+    # a task's rows and the part of a block before the window (the native paths' size limits).
     max_seq_len: int = 0
     bucketed: bool = True
+    sliding_window: int | None = None  # the window it was built for (None: full causal attention)
 
 
 def plan_prefill(
@@ -618,7 +647,9 @@ def plan_prefill(
     sliding_window: int | None = None,
 ) -> PrefillPlan:
     """The step's prefill plan: per-row native arguments when the native kernel is available (the
-    buckets follow if a call cannot use them), else the buckets (``plan_prefill_buckets``)."""
+    buckets follow if a call cannot use them), else the buckets (``plan_prefill_buckets``). A
+    ``sliding_window`` goes to the kernels (each row a decode query of its own sees its window) and
+    into the buckets' masks."""
     if cpu_native.available() and seq_lens.numel():
         q_lens = (query_start_loc[1:] - query_start_loc[:-1]).to(torch.int64)
         seq_of_row = torch.repeat_interleave(torch.arange(seq_lens.shape[0]), q_lens)
@@ -635,10 +666,17 @@ def plan_prefill(
             tables32,
             query_start_loc.to(torch.int32).contiguous(),
             seq_lens.to(torch.int32).contiguous(),
-            max_seq_len=int(seq_lens.max()),
+            max_seq_len=_longest_read(int(seq_lens.max()), block_size, sliding_window),
             bucketed=False,
+            sliding_window=sliding_window,
         )
-    return plan_prefill_buckets(block_tables, query_start_loc, seq_lens, block_size, group)
+    return plan_prefill_buckets(block_tables, query_start_loc, seq_lens, block_size, group, sliding_window)
+
+
+def _longest_read(longest: int, block_size: int, sliding_window: int | None) -> int:
+    """The most keys a prefill task reads: the longest context, or under a window at most the window
+    plus the native prefill kernel's 32 rows and the part of a block before the window."""
+    return longest if sliding_window is None else min(longest, sliding_window + 32 + block_size)
 
 
 def plan_prefill_buckets(
@@ -647,12 +685,22 @@ def plan_prefill_buckets(
     seq_lens: torch.Tensor,
     block_size: int,
     group: int,
+    sliding_window: int | None = None,
 ) -> PrefillPlan:
-    """Prefill buckets, their query gathers and masks (the module docstring)."""
+    """Prefill buckets, their query gathers and masks (the module docstring). With a
+    ``sliding_window``, each sequence's gather starts at the block holding its first query's first
+    key (earlier blocks may have been released), and each row's mask keeps its window only."""
     starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    q_lens = [int(starts[i + 1]) - int(starts[i]) for i in range(len(lens))]
+    all_lens = seq_lens.tolist()
+    q_lens = [int(starts[i + 1]) - int(starts[i]) for i in range(len(all_lens))]
+    # Blocks of each sequence before the first one any of its queries sees (0 without a window).
+    first = [
+        0 if sliding_window is None else max(0, n - q - sliding_window + 1) // block_size
+        for n, q in zip(all_lens, q_lens, strict=True)
+    ]
+    lens = [n - f * block_size for n, f in zip(all_lens, first, strict=True)]  # tokens gathered
     tables = block_tables.to(torch.int64)
+    width = tables.shape[1]
     buckets: list[_PrefillBucket] = []
     for members, nb, rows in prefill_buckets(lens, q_lens, block_size):
         t = nb * block_size
@@ -662,7 +710,13 @@ def plan_prefill_buckets(
         q0 = torch.tensor([int(starts[m]) for m in members], dtype=torch.int64)
         used = ceil_div(blens, block_size)  # blocks each member's tokens fill
         idx = torch.tensor(members, dtype=torch.int64)
-        ids = tables.index_select(0, idx)[:, :nb].masked_fill(torch.arange(nb)[None, :] >= used[:, None], 0)
+        padding = torch.arange(nb)[None, :] >= used[:, None]
+        if sliding_window is None:
+            ids = tables.index_select(0, idx)[:, :nb].masked_fill(padding, 0)
+        else:  # padding reads a block of the member's own (block 0 may have been released)
+            cols = torch.tensor([first[m] for m in members], dtype=torch.int64)[:, None] + torch.arange(nb)
+            ids = tables.index_select(0, idx).gather(1, cols.clamp_(max=width - 1))
+            ids = torch.where(padding, ids[:, :1], ids)
         j = torch.arange(rows)[None, :]  # [1, rows]
         real = j < qlens[:, None]  # [b, rows]
         slot = (q0[:, None] + j).masked_fill(~real, 0)
@@ -670,9 +724,11 @@ def plan_prefill_buckets(
         all_real = bool(flat_real.all())
         # Query j of sequence m sits at position seq_len - q_len + j; padded rows see key 0 only
         # (never a row with nothing to attend to), and are dropped.
-        pos = (blens - qlens)[:, None] + j  # [b, rows]
+        pos = (blens - qlens)[:, None] + j  # [b, rows], counted from the first gathered block
         pos = pos.masked_fill(~real, 0)
         mask = torch.arange(t)[None, None, :] <= pos[:, :, None]  # [b, rows, t]
+        if sliding_window is not None:  # key t of the gather is at position t (+ the skipped blocks)
+            mask &= torch.arange(t)[None, None, :] > pos[:, :, None] - sliding_window
         mask = mask[:, None, :, :].expand(b, group, rows, t).reshape(b, 1, group * rows, t)
         buckets.append(
             _PrefillBucket(
@@ -684,7 +740,7 @@ def plan_prefill_buckets(
                 mask=mask.contiguous(),
             )
         )
-    return PrefillPlan(buckets)
+    return PrefillPlan(buckets, sliding_window=sliding_window)
 
 
 def paged_prefill_attention(
@@ -702,7 +758,43 @@ def paged_prefill_attention(
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's last ``q_len`` tokens over its ``seq_len`` cached tokens."""
-    if sliding_window is not None:
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(query)
+    if not isinstance(plan, PrefillPlan) or plan.sliding_window != sliding_window:
+        plan = plan_prefill(block_tables, query_start_loc, seq_lens, block_size, group, sliding_window)
+    if (
+        out.stride(-1) == 1
+        and plan.max_seq_len <= NATIVE_PREFILL_KERNEL_MAX_TOKENS
+        and plan.seq_tables is not None
+        and plan.query_start is not None
+        and plan.seq_lens is not None
+        and cpu_native.prefill_supports(query, key_cache, value_cache)
+    ):
+        return cpu_native.prefill(
+            query,
+            key_cache,
+            value_cache,
+            plan.seq_tables,
+            plan.query_start,
+            plan.seq_lens,
+            scale,
+            out,
+            sliding_window,
+        )
+    if (
+        out.stride(-1) == 1
+        and plan.max_seq_len * head_dim <= NATIVE_PREFILL_MAX_CONTEXT
+        and plan.native_tables is not None
+        and plan.native_lens is not None
+        and cpu_native.supports(query, key_cache, value_cache)
+    ):
+        return cpu_native.decode(
+            query, key_cache, value_cache, plan.native_tables, plan.native_lens, scale, out, sliding_window
+        )
+    if quant.is_quantized(key_cache):  # an 8-bit cache the native kernels cannot take: dequantized
         return reference.paged_prefill_attention(
             query,
             key_cache,
@@ -714,40 +806,10 @@ def paged_prefill_attention(
             out=out,
             sliding_window=sliding_window,
         )
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    group = num_heads // num_kv_heads
-    if out is None:
-        out = torch.empty_like(query)
-    if not isinstance(plan, PrefillPlan):
-        plan = plan_prefill(block_tables, query_start_loc, seq_lens, block_size, group)
-    if (
-        out.stride(-1) == 1
-        and plan.max_seq_len <= NATIVE_PREFILL_KERNEL_MAX_TOKENS
-        and plan.seq_tables is not None
-        and plan.query_start is not None
-        and plan.seq_lens is not None
-        and cpu_native.prefill_supports(query, key_cache, value_cache)
-    ):
-        return cpu_native.prefill(
-            query, key_cache, value_cache, plan.seq_tables, plan.query_start, plan.seq_lens, scale, out
-        )
-    if (
-        out.stride(-1) == 1
-        and plan.max_seq_len * head_dim <= NATIVE_PREFILL_MAX_CONTEXT
-        and plan.native_tables is not None
-        and plan.native_lens is not None
-        and cpu_native.supports(query, key_cache, value_cache)
-    ):
-        return cpu_native.decode(
-            query, key_cache, value_cache, plan.native_tables, plan.native_lens, scale, out
-        )
-    if quant.is_quantized(key_cache):  # an 8-bit cache the native kernels cannot take: dequantized
-        return reference.paged_prefill_attention(
-            query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, out=out
-        )
     if not plan.bucketed:  # planned for the native kernel, which cannot take this call
-        built = plan_prefill_buckets(block_tables, query_start_loc, seq_lens, block_size, group)
+        built = plan_prefill_buckets(
+            block_tables, query_start_loc, seq_lens, block_size, group, sliding_window
+        )
         plan.buckets, plan.bucketed = built.buckets, True
     for bk in plan.buckets:
         b, nb = bk.ids.shape

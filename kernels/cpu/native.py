@@ -86,7 +86,12 @@ class _DecodeArgs(ctypes.Structure):
             "c_head_stride",
             "bt_stride",
         )
-    ] + [("scale", ctypes.c_float), ("num_threads", ctypes.c_int), ("generic_only", ctypes.c_int)]
+    ] + [
+        ("scale", ctypes.c_float),
+        ("num_threads", ctypes.c_int),
+        ("generic_only", ctypes.c_int),
+        ("window", ctypes.c_int64),  # sliding window, 0: none
+    ]
 
 
 _lock = threading.Lock()
@@ -427,9 +432,20 @@ def _paged_decode_impl(
     seq_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    sliding_window: int = 0,
 ) -> None:
     check_decode(query, key_cache, value_cache, block_tables, seq_lens, out)
-    _call_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, out, generic_only=False)
+    _call_decode(
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        scale,
+        out,
+        generic_only=False,
+        window=sliding_window,
+    )
 
 
 def _paged_decode_fake(
@@ -440,6 +456,7 @@ def _paged_decode_fake(
     seq_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    sliding_window: int = 0,
 ) -> None:
     check_decode(query, key_cache, value_cache, block_tables, seq_lens, out)
 
@@ -453,9 +470,11 @@ def _kernel_args(
     out: torch.Tensor,
     *,
     generic_only: bool,
+    window: int = 0,
 ) -> _DecodeArgs:
     """The argument struct both kernels take (``csrc/paged_decode.c``, ``csrc/paged_prefill.c``):
-    shapes and strides of checked tensors; ``query``/``out`` strides are per token row."""
+    shapes and strides of checked tensors; ``query``/``out`` strides are per token row; ``window``
+    a sliding window (0: none)."""
     _, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     return _DecodeArgs(
@@ -475,6 +494,7 @@ def _kernel_args(
         scale,
         torch.get_num_threads(),
         int(generic_only),
+        window,
     )
 
 
@@ -509,13 +529,16 @@ def _call_decode(
     out: torch.Tensor,
     *,
     generic_only: bool,
+    window: int = 0,
 ) -> None:
     """The ctypes call, on checked arguments."""
     lib = _required_library()
     num_seqs = query.shape[0]
     if num_seqs == 0:
         return
-    args = _kernel_args(num_seqs, query, key_cache, block_tables, scale, out, generic_only=generic_only)
+    args = _kernel_args(
+        num_seqs, query, key_cache, block_tables, scale, out, generic_only=generic_only, window=window
+    )
     if key_cache.dtype is torch.int8:
         fn = lib.pagedkv_decode_i8
     else:
@@ -531,15 +554,23 @@ def decode(
     seq_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Paged decode attention into ``out`` (``[num_seqs, num_heads, head_dim]``, the query's dtype),
-    through ``torch.ops.pagedkv.paged_decode``; returns ``out``.
+    through ``torch.ops.pagedkv.paged_decode``; returns ``out``. ``sliding_window``: each query
+    (at position ``seq_len - 1``) sees its last that many keys, read from the block holding the first
+    of them on (blocks before it are never read).
 
     ``block_tables`` and ``seq_lens`` must be int32 with dense rows (``DecodePlan`` keeps them so);
     the caches are one layer's ``[num_blocks, block_size, num_kv_heads, head_dim]``. Raises
     ``ValueError``/``TypeError`` for tensors the kernel cannot take, ``RuntimeError`` when the
     kernels are unavailable (callers check ``supports`` and ``available`` and keep torch's path)."""
-    torch.ops.pagedkv.paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, out)
+    if sliding_window is None:
+        torch.ops.pagedkv.paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, out)
+    else:
+        torch.ops.pagedkv.paged_decode(
+            query, key_cache, value_cache, block_tables, seq_lens, scale, out, sliding_window
+        )
     return out
 
 
@@ -563,8 +594,11 @@ def prefill(
     seq_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal paged prefill attention (``csrc/paged_prefill.c``) into ``out``; returns ``out``.
+    ``sliding_window``: a row at position ``p`` sees keys ``p - sliding_window + 1 .. p`` only; keys
+    are read from the block holding a task's first row's first key on.
 
     ``query``/``out``: ``[tokens, num_heads, head_dim]`` fp32, sequence ``i``'s rows at
     ``query_start_loc[i]:query_start_loc[i + 1]`` (int32, ``num_seqs + 1``); ``block_tables``
@@ -595,7 +629,9 @@ def prefill(
         return out
     if int(qsl[0]) < 0 or int(qsl[-1]) > query.shape[0]:
         raise ValueError(f"query_start_loc must lie within query's {query.shape[0]} rows, got {qsl.tolist()}")
-    args = _kernel_args(num_seqs, query, key_cache, bt, scale, out, generic_only=False)
+    args = _kernel_args(
+        num_seqs, query, key_cache, bt, scale, out, generic_only=False, window=sliding_window or 0
+    )
     _launch(
         lib.pagedkv_prefill_i8 if key_cache.dtype is torch.int8 else lib.pagedkv_prefill_f32,
         args,
@@ -789,7 +825,7 @@ def _logsumexp_fake(logits: torch.Tensor) -> torch.Tensor:
 _LIB = torch.library.Library("pagedkv", "DEF")
 _LIB.define(
     "paged_decode(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
-    "Tensor seq_lens, float scale, Tensor(a!) out) -> ()"
+    "Tensor seq_lens, float scale, Tensor(a!) out, int sliding_window=0) -> ()"
 )
 _LIB.impl("paged_decode", _paged_decode_impl, "CompositeExplicitAutograd")
 torch.library.register_fake("pagedkv::paged_decode", _paged_decode_fake, lib=_LIB)

@@ -229,3 +229,14 @@ def test_step_with_released_blocks(backend: str) -> None:
             step.attention(case.query, case.key_cache, case.value_cache, sliding_window=wider)
     with pytest.raises(ValueError, match="sliding_window must be None or an int >= 1"):
         step.attention(case.query, case.key_cache, case.value_cache, sliding_window=0)
+
+
+@pytest.mark.parametrize("window", [9, 40, 100])
+def test_prefill_long_chunks_after_a_prefix(backend: str, window: int) -> None:
+    """Chunks far into their sequences: the window's edge spans whole key tiles before the diagonal
+    (Triton: masked edge tiles, unmasked middle ones, the diagonal), and most blocks are released."""
+    case = build(
+        [150, 200, 64], [20, 50, 64], window, num_heads=6, num_kv_heads=2, seed=window, release="minus_one"
+    )
+    assert case.released
+    check(case, prefill(case))

@@ -45,19 +45,21 @@ def first_position(seq_len: int, q_len: int, window: int | None) -> int:
 def oracle(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: list[int], window: int | None, scale: float
 ) -> torch.Tensor:
-    """float64 attention of one sequence's queries ``[n, H, D]`` over its dense ``[L, Hkv, D]`` K/V."""
+    """float64 attention of one sequence's queries ``[n, H, D]`` at positions ``q_pos`` over its dense
+    ``[L, Hkv, D]`` K/V: a plain softmax over the keys ``p - W < j <= p`` of each query."""
+    if k.shape[0] == 0:  # nothing cached: attends to nothing
+        return torch.zeros(q.shape, dtype=torch.float64)
     group = q.shape[1] // k.shape[1]
     kk = k.double().repeat_interleave(group, dim=1)
     vv = v.double().repeat_interleave(group, dim=1)
-    out = torch.empty(q.shape, dtype=torch.float64)
-    for i, p in enumerate(q_pos):
-        lo = 0 if window is None else max(0, p - window + 1)
-        if p < 0:  # a zero-length decode sequence attends to nothing
-            out[i] = 0
-            continue
-        s = torch.einsum("hd,khd->hk", q[i].double(), kk[lo : p + 1]) * scale
-        out[i] = torch.einsum("hk,khd->hd", torch.softmax(s, dim=-1), vv[lo : p + 1])
-    return out
+    p = torch.tensor(q_pos)[:, None]
+    j = torch.arange(k.shape[0])[None, :]
+    keep = j <= p
+    if window is not None:
+        keep &= p - j < window
+    s = torch.einsum("qhd,khd->qhk", q.double(), kk) * scale
+    s = s.masked_fill(~keep[:, None, :], float("-inf"))
+    return torch.einsum("qhk,khd->qhd", torch.softmax(s, dim=-1), vv)
 
 
 def build(

@@ -14,6 +14,7 @@ typedef struct {
     float scale;
     int num_threads;
     int generic_only;  /* 1: skip the specialised copies (for measuring them against the generic one) */
+    int64_t window;    /* sliding window: a query at position p sees keys p - window + 1 .. p; 0: all */
 } DecodeArgs;
 
 int pagedkv_decode_f32(const DecodeArgs *a, const float *q, const float *k_cache, const float *v_cache,

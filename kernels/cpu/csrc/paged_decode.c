@@ -21,6 +21,8 @@
  * groups 3, 5, 6 and 7 at head_dim 64 for models such as SmolLM2's 9 query over 3 KV heads),
  * and fp32 keys are scored a vector's width (VW) at a time with one butterfly sum for their dot products
  * (another 1.3-1.6x): bench/cpu_decode_bench.py.
+ * With a sliding window (DecodeArgs.window > 0) a sequence's keys are read from the block holding
+ * its window's first key on (earlier blocks may have been released), so the work follows the window.
  * Arguments are validated in Python before the call (kernels/cpu/native.py, check_decode).
  */
 #include <math.h>
@@ -140,7 +142,7 @@ static inline __attribute__((always_inline)) void attend(
         const DecodeArgs *restrict a, const void *restrict q, const void *restrict k_cache,
         const void *restrict v_cache, const int32_t *restrict block_tables, int64_t ctx, void *restrict out,
         float *restrict scores, float *restrict qf, float *restrict acc, float *restrict lse, float *restrict ml,
-        int64_t s, int64_t h0, int64_t h1, const int64_t G, const int64_t D, const int kind) {
+        int64_t s, int64_t h0, int64_t h1, int64_t skip, const int64_t G, const int64_t D, const int kind) {
     const int bf16 = kind == KIND_BF16;
     const int64_t BS = a->block_size, NH = h1 - h0, esz = kind == KIND_BF16 ? 2 : kind == KIND_I8 ? 1 : 4;
     const int64_t nblocks = (ctx + BS - 1) / BS;
@@ -224,13 +226,15 @@ static inline __attribute__((always_inline)) void attend(
             }
         }
     }
+    /* softmax over keys [skip, ctx): the first `skip` rows of the first block lie before a sliding
+     * window (scored with the rest of their block, then left out) */
     for (int64_t r = 0; r < NH * G; r++) {
         float *restrict sg = scores + r * ctx, m = -INFINITY, sum = 0.0f;
-        for (int64_t t = 0; t < ctx; t++) m = sg[t] > m ? sg[t] : m;
+        for (int64_t t = skip; t < ctx; t++) m = sg[t] > m ? sg[t] : m;
         #pragma omp simd reduction(+:sum)
-        for (int64_t t = 0; t < ctx; t++) { float e = exp_nonpos(sg[t] - m); sg[t] = e; sum += e; }
+        for (int64_t t = skip; t < ctx; t++) { float e = exp_nonpos(sg[t] - m); sg[t] = e; sum += e; }
         const float inv = 1.0f / sum;
-        for (int64_t t = 0; t < ctx; t++) sg[t] *= inv;
+        for (int64_t t = skip; t < ctx; t++) sg[t] *= inv;
         if (lse) lse[s * a->num_heads + h0 * G + r] = m + logf(sum);  /* for a cascade's merge */
         if (ml) { /* for decode_split's merge: the largest score and the sum, unrounded by a log */
             ml[2 * (s * a->num_heads + h0 * G + r)] = m;
@@ -245,7 +249,7 @@ static inline __attribute__((always_inline)) void attend(
         const char *ahead = b + PREFETCH_BLOCKS < nblocks
             ? (const char *)v_cache + ((int64_t)table[b + PREFETCH_BLOCKS] * a->c_block_stride + head0) * esz
             : 0;
-        for (int64_t j = 0; j < n; j++) {
+        for (int64_t j = b == 0 ? skip : 0; j < n; j++) {
             if (ahead) prefetch_rows(ahead + j * slot_bytes, 1, slot_bytes, span);
             for (int64_t hh = 0; hh < NH; hh++) {
                 float vs;
@@ -274,10 +278,10 @@ static inline __attribute__((always_inline)) void attend(
 /* The specialised (G, D) pairs, else the generic copy. */
 static void attend_any(const DecodeArgs *a, const void *q, const void *k_cache, const void *v_cache,
                        const int32_t *block_tables, int64_t ctx, void *out, float *scores, float *qf, float *acc,
-                       float *lse, float *ml, int64_t s, int64_t h0, int64_t h1, int kind) {
+                       float *lse, float *ml, int64_t s, int64_t h0, int64_t h1, int64_t skip, int kind) {
     const int64_t G = a->num_heads / a->num_kv_heads, D = a->head_dim;
 #define ATTEND(GC, DC, K) \
-    attend(a, q, k_cache, v_cache, block_tables, ctx, out, scores, qf, acc, lse, ml, s, h0, h1, GC, DC, K)
+    attend(a, q, k_cache, v_cache, block_tables, ctx, out, scores, qf, acc, lse, ml, s, h0, h1, skip, GC, DC, K)
 #define CASE(GC, DC)                                                                                   \
     if (G == GC && D == DC) {                                                                          \
         if (kind == KIND_BF16) ATTEND(GC, DC, KIND_BF16);                                              \
@@ -357,6 +361,15 @@ static void no_keys(const DecodeArgs *a, void *out, float *lse, int64_t s, int64
  * outputs only (a bf16 output would be rounded before the merge): bf16 caches keep the one-task-
  * per-head path. */
 #define SPLIT_MAX_SEQS 4
+
+/* A sliding window (a->window > 0) for the query at position ctx - 1: the first block holding a key
+ * it sees, returned (the blocks before it are never read: the block manager may have released them),
+ * and in *skip the keys of that block before the window. No window: block 0, nothing skipped. */
+static inline int64_t window_first_block(int64_t ctx, int64_t window, int64_t block_size, int64_t *skip) {
+    const int64_t lo = window > 0 && ctx > window ? ctx - window : 0;
+    *skip = lo % block_size;
+    return lo / block_size;
+}
 #define SPLIT_PARTS 2
 #define SPLIT_MIN_BLOCKS 2
 
@@ -373,11 +386,16 @@ static int decode_split(const DecodeArgs *a, const void *q, const void *k_cache,
     const int64_t H = a->num_heads, HKV = a->num_kv_heads, D = a->head_dim, BS = a->block_size;
     const int threads = a->num_threads > 0 ? a->num_threads : 1;
     int64_t first[SPLIT_MAX_SEQS + 1], parts[SPLIT_MAX_SEQS], max_run = 1;
+    /* each sequence's keys from its window's first block: that block, the tokens there (ctx), the
+     * keys of it before the window (skip; the first run leaves them out) */
+    int64_t b_lo[SPLIT_MAX_SEQS], ctx[SPLIT_MAX_SEQS], skip[SPLIT_MAX_SEQS];
     first[0] = 0;
     for (int64_t s = 0; s < a->num_seqs; s++) {
-        parts[s] = context_parts(seq_lens[s], BS);
+        b_lo[s] = window_first_block(seq_lens[s], a->window, BS, &skip[s]);
+        ctx[s] = seq_lens[s] - b_lo[s] * BS;
+        parts[s] = context_parts(ctx[s], BS);
         first[s + 1] = first[s] + parts[s];
-        const int64_t nb = (seq_lens[s] + BS - 1) / BS, run = (nb + parts[s] - 1) / parts[s] * BS;
+        const int64_t nb = (ctx[s] + BS - 1) / BS, run = (nb + parts[s] - 1) / parts[s] * BS;
         max_run = run > max_run ? run : max_run;
     }
     const int64_t runs = first[a->num_seqs];
@@ -400,14 +418,14 @@ static int decode_split(const DecodeArgs *a, const void *q, const void *k_cache,
         int64_t s = 0;
         while (r >= first[s + 1]) s++;
         if (seq_lens[s] <= 0) continue;
-        const int64_t c = r - first[s], p = parts[s], nb = (seq_lens[s] + BS - 1) / BS;
+        const int64_t c = r - first[s], p = parts[s], nb = (ctx[s] + BS - 1) / BS;
         const int64_t b0 = nb * c / p, b1 = nb * (c + 1) / p;
-        const int64_t end = b1 * BS < seq_lens[s] ? b1 * BS : seq_lens[s];
+        const int64_t end = b1 * BS < ctx[s] ? b1 * BS : ctx[s];
         float *scores = thread_work(work, per);
         float *qf = scores + hpt * G * max_run, *acc = qf + hpt * G * D;
         attend_any(&ac, (const char *)q + s * a->q_seq_stride * esz, k_cache, v_cache,
-                   block_tables + s * a->bt_stride + b0, end - b0 * BS, run_out + r * H * D, scores, qf, acc,
-                   NULL, run_ml + r * H * 2, 0, h0, h1, kind);
+                   block_tables + s * a->bt_stride + b_lo[s] + b0, end - b0 * BS, run_out + r * H * D, scores, qf,
+                   acc, NULL, run_ml + r * H * 2, 0, h0, h1, c == 0 ? skip[s] : 0, kind);
     }
     for (int64_t s = 0; s < a->num_seqs; s++) {
         if (seq_lens[s] <= 0) {
@@ -446,8 +464,12 @@ static int decode(const DecodeArgs *a, const void *q, const void *k_cache, const
     if (!bf16 && a->num_seqs <= SPLIT_MAX_SEQS)
         return decode_split(a, q, k_cache, v_cache, block_tables, seq_lens, (float *)out, lse, kind);
     const int64_t G = a->num_heads / a->num_kv_heads, D = a->head_dim, HKV = a->num_kv_heads;
-    int64_t max_ctx = 1;
-    for (int64_t s = 0; s < a->num_seqs; s++) max_ctx = seq_lens[s] > max_ctx ? seq_lens[s] : max_ctx;
+    const int64_t BS = a->block_size;
+    int64_t max_ctx = 1, skip;  /* the longest context read: from each window's first block */
+    for (int64_t s = 0; s < a->num_seqs; s++) {
+        const int64_t ctx = seq_lens[s] - window_first_block(seq_lens[s], a->window, BS, &skip) * BS;
+        max_ctx = ctx > max_ctx ? ctx : max_ctx;
+    }
     const int threads = a->num_threads > 0 ? a->num_threads : 1;
     const int64_t hpt = heads_per_task(a->num_seqs, HKV, threads);
     const int64_t groups = (HKV + hpt - 1) / hpt, tasks = a->num_seqs * groups;
@@ -457,7 +479,8 @@ static int decode(const DecodeArgs *a, const void *q, const void *k_cache, const
     SeqKey *order = (SeqKey *)malloc(sizeof(SeqKey) * (a->num_seqs > 0 ? a->num_seqs : 1));
     if (!work || !order) { free(work); free(order); return -1; }
     for (int64_t s = 0; s < a->num_seqs; s++) {
-        order[s].first_block = seq_lens[s] > 0 ? block_tables[s * a->bt_stride] : INT32_MAX;
+        const int64_t b = window_first_block(seq_lens[s], a->window, BS, &skip);
+        order[s].first_block = seq_lens[s] > 0 ? block_tables[s * a->bt_stride + b] : INT32_MAX;
         order[s].seq = s;
     }
     qsort(order, (size_t)a->num_seqs, sizeof(SeqKey), by_first_block);
@@ -468,8 +491,10 @@ static int decode(const DecodeArgs *a, const void *q, const void *k_cache, const
         float *scores = thread_work(work, per);
         float *qf = scores + hpt * G * max_ctx, *acc = qf + hpt * G * D;
         if (seq_lens[s] > 0) {
-            attend_any(a, q, k_cache, v_cache, block_tables, seq_lens[s], out, scores, qf, acc, lse, NULL, s, h0, h1,
-                       kind);
+            int64_t sk;  /* from the window's first block: the table's row s, shifted by b */
+            const int64_t b = window_first_block(seq_lens[s], a->window, BS, &sk);
+            attend_any(a, q, k_cache, v_cache, block_tables + b, seq_lens[s] - b * BS, out, scores, qf, acc, lse,
+                       NULL, s, h0, h1, sk, kind);
         } else {
             no_keys(a, out, lse, s, h0, h1, bf16);
         }

@@ -12,7 +12,9 @@
  *   vector accumulators with no horizontal sums (AVX-512: 8 keys x 32 lanes; AVX2: 6 x 16). Scores
  *   land as s[key][v].
  * - softmax per query vector across keys, in those lanes; row r sees keys [0, ctx_r) with
- *   ctx_r = seq_len - q_len + r + 1, the rest get probability exactly 0.
+ *   ctx_r = seq_len - q_len + r + 1, the rest get probability exactly 0. With a sliding window W
+ *   (args.window > 0) it sees keys [ctx_r - W, ctx_r) only, and a task reads keys from the block
+ *   holding its first row's first one (earlier blocks may have been released).
  * - p . v: 4 query vectors x PIECE elements of the value row (AVX-512: 64, head_dim cut in pieces
  *   of up to 64; AVX2: 16) are the accumulators; each value row is read once per 4 query vectors.
  *
@@ -43,6 +45,7 @@ typedef struct {  /* the same layout as paged_decode.c's DecodeArgs (checked at 
     float scale;
     int num_threads;
     int generic_only;
+    int64_t window;  /* sliding window (0: none): row at position p sees keys p - window + 1 .. p */
 } PrefillArgs;
 
 /* Register tiles in vectors of the build's width (VW, vector_width.h), sized so every accumulator
@@ -138,10 +141,14 @@ static inline __attribute__((always_inline)) void run_task(
     const int64_t RT = rows_per_task(G);
     const int64_t L = seq_lens[s_idx], rows = q_len - r0 < RT ? q_len - r0 : RT;
     const int64_t nv = rows * G, lanes = (nv + 31) / 32 * 32;
+    /* A sliding window: keys are read from the block holding the first row's first key (`base`
+     * tokens in; earlier blocks may have been released), key t below standing for position base + t. */
+    const int64_t p0 = L - q_len + r0, W = row_map ? 0 : a->window;
+    const int64_t base = W > 0 && p0 - W + 1 > 0 ? (p0 - W + 1) / BS * BS : 0;
     /* the last row's context, and the first key hidden from some rows (none for a prefix) */
-    const int64_t ctx = row_map ? L : L - q_len + r0 + rows;
-    const int64_t first_masked = row_map ? L : L - q_len + r0 + 1;
-    const int32_t *table = block_tables + s_idx * a->bt_stride;
+    const int64_t ctx = row_map ? L : p0 + rows - base;
+    const int64_t first_masked = row_map ? L : p0 + 1 - base;
+    const int32_t *table = block_tables + s_idx * a->bt_stride + base / BS;
     float *qt = work, *s = qt + D * lanes, *m = s + (max_ctx + KEYS) * lanes, *sum = m + lanes;
     float *acc = sum + lanes; /* [4][PIECE] */
 
@@ -178,7 +185,11 @@ static inline __attribute__((always_inline)) void run_task(
     for (int64_t v = 0; v < lanes; v++) { m[v] = -INFINITY; sum[v] = 0.0f; }
     for (int64_t t = first_masked; t < ctx; t++)
         for (int64_t r = 0; r < rows; r++)
-            if (t >= L - q_len + r0 + r + 1)
+            if (t >= p0 + r + 1 - base)
+                for (int64_t g = 0; g < G; g++) s[t * lanes + r * G + g] = -INFINITY;
+    if (W > 0) /* row r sees keys from position p0 + r - W + 1 on */
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t t = 0; t < p0 + r - W + 1 - base && t < ctx; t++)
                 for (int64_t g = 0; g < G; g++) s[t * lanes + r * G + g] = -INFINITY;
     for (int64_t t = 0; t < ctx; t++) {
         const float *st = s + t * lanes;
@@ -251,7 +262,10 @@ static int prefill(const PrefillArgs *a, const float *q, const void *k_cache, co
     for (int64_t s = 0; s < a->num_seqs; s++) {
         const int64_t q_len = query_start_loc[s + 1] - query_start_loc[s];
         if (q_len < 0 || (row_map ? seq_lens[s] < 1 : q_len > seq_lens[s])) return -2;
-        max_ctx = seq_lens[s] > max_ctx ? seq_lens[s] : max_ctx;
+        /* a task's context: at most its rows, the window and the part of a block before it */
+        const int64_t w = row_map ? 0 : a->window, bound = RT + w + a->block_size;
+        const int64_t ctx = w > 0 && bound < seq_lens[s] ? bound : seq_lens[s];
+        max_ctx = ctx > max_ctx ? ctx : max_ctx;
         num_tasks += HKV * ((query_start_loc[s + 1] - query_start_loc[s] + RT - 1) / RT);
     }
     if (num_tasks == 0) return 0;
