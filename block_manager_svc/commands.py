@@ -109,7 +109,9 @@ class Step(_Cmd, frozen=True):
     fork_child_seq_ids: list[str] = []
     swap_in_seq_ids: list[str] = []
     tenant: str = ""
-    grant_seq_ids: list[str] = []  # last: records written before grants existed lack it
+    grant_seq_ids: list[str] = []  # after the older fields: records written before grants lack it
+    rollback_seq_ids: list[str] = []  # likewise for rollbacks
+    rollback_num_tokens: list[int] = []
 
     @classmethod
     def of(cls, b: StepBatch) -> Step:
@@ -134,6 +136,8 @@ class Step(_Cmd, frozen=True):
             list(b.swap_in_seq_ids),
             b.tenant,
             list(b.grant_seq_ids),
+            list(b.rollback_seq_ids),
+            list(b.rollback_num_tokens),
         )
 
     def batch(self) -> StepBatch:
@@ -155,6 +159,8 @@ class Step(_Cmd, frozen=True):
             swap_in_seq_ids=self.swap_in_seq_ids,
             tenant=self.tenant,
             grant_seq_ids=self.grant_seq_ids,
+            rollback_seq_ids=self.rollback_seq_ids,
+            rollback_num_tokens=self.rollback_num_tokens,
         )
 
 

@@ -331,6 +331,11 @@ def step_batch(request: pb.StepRequest, tenant: str, sub: _SubAppends | None, fr
                     f"alloc_num_tokens adds up to {expected}; they must match"
                 )
             alloc_tokens = _token_array(request.alloc_token_ids, "alloc_token_ids")
+    if len(request.rollback_num_tokens) != len(request.rollback_seq_ids):
+        raise InvalidArgument(
+            f"rollback_num_tokens has {len(request.rollback_num_tokens)} entries for "
+            f"{len(request.rollback_seq_ids)} sequences; they must match"
+        )
     if len(request.fork_child_seq_ids) != len(request.fork_parent_seq_ids):
         raise InvalidArgument(
             f"fork_child_seq_ids has {len(request.fork_child_seq_ids)} entries for "
@@ -354,6 +359,8 @@ def step_batch(request: pb.StepRequest, tenant: str, sub: _SubAppends | None, fr
         swap_in_seq_ids=request.swap_in_seq_ids,
         tenant=tenant,
         grant_seq_ids=request.grant_seq_ids,
+        rollback_seq_ids=request.rollback_seq_ids,
+        rollback_num_tokens=request.rollback_num_tokens,
     )
 
 
@@ -643,6 +650,7 @@ class CoreStage:
             or r.fork_errors
             or r.swap_in_errors
             or r.grant_errors
+            or r.rollback_errors
             or (sub is not None and sub.bad)
         ):
             self._step_errors(request, context, r, sub, resp.errors, n_sub)
@@ -657,6 +665,8 @@ class CoreStage:
         errors: Any,
         n_sub: int,
     ) -> None:
+        for err in r.rollback_errors:
+            errors.append(_item_error(pb.StepItemError.ROLLBACK, err))
         for err in r.commit_errors:
             errors.append(_item_error(pb.StepItemError.COMMIT, err))
         for err in r.free_errors:

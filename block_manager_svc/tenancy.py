@@ -313,6 +313,7 @@ def _step(request: pb.StepRequest, context: Any, p: str) -> pb.StepRequest:
         "fork_parent_seq_ids",
         "fork_child_seq_ids",
         "grant_seq_ids",
+        "rollback_seq_ids",
     ):
         src = getattr(request, field)
         if src:

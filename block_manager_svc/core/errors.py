@@ -33,6 +33,7 @@ REASONS = {
     "POOL_EXHAUSTED": "not enough GPU blocks now; retry after frees, or preempt",
     "TENANT_QUOTA_EXCEEDED": "the tenant's quota is used up; free its sequences",
     "GRANT_UNSUPPORTED_WITH_KV_GROUPS": "Grant with several KV-cache groups; append without it",
+    "ROLLBACK_BELOW_COMMITTED": "Rollback below the committed length; committed KV is never taken back",
 }
 
 

@@ -1,12 +1,12 @@
 """The block manager: the single-sequence operations and Step, over one pool.
 
-Allocate, Append, Commit, Fork, Free, Preempt, SwapIn, ResetPrefixCache, the
-block-table and stats queries, and Step (a loop over the single-sequence
-operations in the packed order: commits, frees, appends, allocations, forks,
-swap-ins). Pure Python, no I/O, no clock: the gRPC servicer (or an in-process
-engine) calls these under its own lock. Every public method validates
-everything and checks room *before* it mutates anything, so it either fully
-happens or raises a `CoreError` with the state untouched. Work is O(blocks
+Allocate, Append, Commit, Rollback, Fork, Free, Preempt, SwapIn,
+ResetPrefixCache, the block-table and stats queries, and Step (a loop over the
+single-sequence operations in the packed order: rollbacks, commits, frees,
+appends, allocations, forks, swap-ins, grants). Pure Python, no I/O, no clock:
+the gRPC servicer (or an in-process engine) calls these under its own lock.
+Every public method validates everything and checks room *before* it mutates
+anything, so it either fully happens or raises a `CoreError` with the state untouched. Work is O(blocks
 touched) per call: no scans over the pool or over all sequences.
 
 Each decision beyond this lives in its own module: which block to evict
@@ -130,9 +130,10 @@ class CoreConfig:
         CostModel(self.kv_bytes_per_block, self.host_link_bytes_per_s, self.prefill_tokens_per_s)
 
 
-def _tails_private(tables: list[list[int]], ref_counts: list[int]) -> bool:
-    """Whether every table's last block is the sequence's own (a decode token needs no copy)."""
-    return all(ref_counts[t[-1]] == 1 for t in tables)
+def _tails_private(tables: list[list[int]], ref_counts: list[int], hashes: list[bytes | None]) -> bool:
+    """Whether every table's last block is the sequence's own and in no prefix cache (a decode
+    token needs no copy)."""
+    return all(ref_counts[t[-1]] == 1 and hashes[t[-1]] is None for t in tables)
 
 
 def _encode_token_ids(token_ids: SequenceT[int], num_tokens: int, what: str = "token_ids") -> array[int]:
@@ -440,7 +441,10 @@ class BlockManager:
                 f"more than the whole pool ({pool.num_blocks} blocks)"
             )
         # Whether the tail is shared (copy-on-write); with several KV groups a mask, bit g for group g.
-        cow: int = cur % bs != 0 and pool.ref_counts[seq.block_ids[-1]] > 1
+        # A partial tail in the prefix cache is copied too: a rollback into a block a fork sibling
+        # committed leaves one, and a cached block's content is what its hash names.
+        tail = seq.block_ids[-1] if cur % bs else -1
+        cow: int = tail >= 0 and (pool.ref_counts[tail] > 1 or pool.block_hash[tail] is not None)
         needed = after - len(seq.block_ids) + cow
         if self.multi:
             cow, needed = self._plan_append_groups(seq, after, cow, needed)
@@ -464,11 +468,12 @@ class BlockManager:
         shared; blocks needed in all groups). Raises when the grown tables cannot all fit."""
         n = len(seq.block_ids)
         ref_counts = self.pool.ref_counts
+        hashes = self.pool.block_hash
         mask = int(cow)
         grow = after - n
         partial = seq.num_tokens % self.block_size != 0
         for g, table in enumerate(seq.kv_tables, 1):
-            if partial and ref_counts[table[-1]] > 1:
+            if partial and (ref_counts[table[-1]] > 1 or hashes[table[-1]] is not None):
                 mask |= 1 << g
                 needed += 1
             needed += grow
@@ -496,7 +501,8 @@ class BlockManager:
             if mask >> g & 1:
                 old = table[-1]
                 fresh = pool.take_one()
-                pool.decref(old)  # still referenced by the other sharers
+                if pool.decref(old):  # a cached tail nobody else holds (after a rollback)
+                    taken -= 1
                 table[-1] = fresh
                 copy = (old, fresh)
                 new.append(fresh)
@@ -527,12 +533,13 @@ class BlockManager:
         if cow:
             old = seq.block_ids[-1]
             fresh = pool.take_one()
-            pool.decref(old)  # still referenced by the other sharers
+            # Still referenced by the other sharers, or (after a rollback) a cached block now idle.
+            idle = pool.decref(old)
             seq.block_ids[-1] = fresh
             copy = (old, fresh)
             new_blocks.append(fresh)
             self.num_cow_copies += 1
-            self.ledger.charge_gpu(seq.tenant, 1)
+            self.ledger.charge_gpu(seq.tenant, 1 - idle)
             needed -= 1
         if needed:
             grown = []
@@ -651,6 +658,59 @@ class BlockManager:
             up = group_key(parent, g) if full and depth > 1 else None
             if pool.register(table[pos], group_key(h, g), up, depth, tokens):
                 self.num_committed_blocks += 1
+
+    # --- Rollback -------------------------------------------------------------
+    def rollback(self, seq_id: str, num_tokens: int) -> int:
+        """Shorten a running sequence to its first `num_tokens` tokens; returns how many blocks
+        became unreferenced.
+
+        For speculative decoding: the slots of proposed tokens that verification rejected are
+        taken back. In every KV group, the blocks wholly past the new length leave the table,
+        tail first (one nobody else references returns to the pool; one a fork shares stays
+        its sharer's). The slots past the new length in the new last block are free again: the
+        next append writes there, copying the block first when a fork shares it, so a shared
+        block is never written past its owner's length. The token ids kept for hashing are cut
+        too, so the tokens appended next are the ones hashed.
+
+        Refused below the committed count (FAILED_PRECONDITION): committed KV may already be
+        someone's prefix-cache hit, and the KV of rejected tokens must never be committed, so
+        it is rolled back before any commit names it. Idempotent: the current length is a no-op.
+        A block granted ahead stays granted.
+        """
+        seq = self.get_running(seq_id)
+        if num_tokens < 1:
+            raise InvalidArgument("a rollback keeps at least 1 token (Free the sequence to drop it)")
+        if num_tokens > seq.num_tokens:
+            raise InvalidArgument(
+                f"cannot roll sequence {seq_id!r} back to {num_tokens} tokens: it has only {seq.num_tokens}"
+            )
+        if num_tokens < seq.num_committed:
+            raise FailedPrecondition(
+                f"cannot roll sequence {seq_id!r} back to {num_tokens} tokens: its first "
+                f"{seq.num_committed} are committed",
+                reason="ROLLBACK_BELOW_COMMITTED",
+            )
+        if num_tokens == seq.num_tokens:
+            return 0
+        bs = self.block_size
+        keep = blocks_for_tokens(num_tokens, bs)
+        n = len(seq.block_ids)
+        decref = self.pool.decref
+        released = sum(1 for b in reversed(seq.block_ids[keep:]) if decref(b))
+        del seq.block_ids[keep:]
+        for table in seq.kv_tables:
+            cut = max(0, keep - (n - len(table)))  # a window table starts at block n - len(table)
+            released += sum(1 for b in reversed(table[cut:]) if decref(b))
+            del table[cut:]
+        if released:
+            self.ledger.charge_gpu(seq.tenant, -released)
+        pending = seq.pending_tokens
+        if pending is not None:
+            kept = num_tokens - seq.num_hashed_blocks * bs  # >= 0: hashed blocks are committed
+            del pending[kept:]
+            del seq.pending_hashes[kept // bs :]
+        seq.num_tokens = num_tokens
+        return released
 
     # --- Fork / Free --------------------------------------------------------
     def fork(self, parent_seq_id: str, child_seq_id: str) -> list[int]:
@@ -781,10 +841,11 @@ class BlockManager:
     # --- Step ---------------------------------------------------------------
     def step(self, batch: StepBatch) -> StepResult:
         """Everything one engine iteration needs, as a loop over the
-        single-sequence operations in this order: commits (what the last worker
-        step computed), frees (they make room), appends, allocations (new
-        requests), forks, swap-ins, grants (blocks held ahead of need, last so
-        that they take no room the others need).
+        single-sequence operations in this order: rollbacks (proposed tokens the
+        last worker step rejected; first, so that no commit of this step can name
+        their KV), commits (what the last worker step computed), frees (they make
+        room), appends, allocations (new requests), forks, swap-ins, grants
+        (blocks held ahead of need, last so that they take no room the others need).
 
         `batch` is packed parallel arrays (core/step_batch.py), because that is
         what the wire carries cheaply and what a scheduler holds; its shapes are
@@ -805,6 +866,13 @@ class BlockManager:
         if self.multi:
             result.kv_groups = [GroupDeltas() for _ in self.kv_groups[1:]]
         self.preemption.new_call()
+        lengths = batch.rollback_num_tokens
+        for j, seq_id in enumerate(batch.rollback_seq_ids):
+            try:
+                result.rollback_released.append(self.rollback(seq_id, lengths[j]))
+            except CoreError as e:
+                result.rollback_released.append(0)
+                result.rollback_errors.append(ItemError(j, seq_id, e.code, e.message))
         counts = batch.commit_num_computed_tokens
         for j, seq_id in enumerate(batch.commit_seq_ids):
             try:
@@ -898,6 +966,7 @@ class BlockManager:
         seqs = self.seqs
         bs = self.block_size
         ref_counts = self.pool.ref_counts
+        hashes = self.pool.block_hash
         offset = 0
         for i, seq_id in enumerate(seq_ids):
             known = token_ids is not None and (tokens_known is None or tokens_known[i])
@@ -909,7 +978,8 @@ class BlockManager:
                     if (
                         cur % bs
                         and ref_counts[seq.block_ids[-1]] == 1
-                        and (not seq.kv_tables or _tails_private(seq.kv_tables, ref_counts))
+                        and hashes[seq.block_ids[-1]] is None
+                        and (not seq.kv_tables or _tails_private(seq.kv_tables, ref_counts, hashes))
                     ):
                         seq.num_tokens = cur + 1
                         pending = seq.pending_tokens
@@ -936,6 +1006,7 @@ class BlockManager:
         seqs = self.seqs
         bs = self.block_size
         ref_counts = self.pool.ref_counts
+        hashes = self.pool.block_hash
         n = len(seq_ids)
         i = start
         while i < n:
@@ -943,9 +1014,9 @@ class BlockManager:
             if seq is None:
                 return i
             cur = seq.num_tokens
-            if not cur % bs or ref_counts[seq.block_ids[-1]] != 1:
+            if not cur % bs or ref_counts[seq.block_ids[-1]] != 1 or hashes[seq.block_ids[-1]] is not None:
                 return i
-            if seq.kv_tables and not _tails_private(seq.kv_tables, ref_counts):
+            if seq.kv_tables and not _tails_private(seq.kv_tables, ref_counts, hashes):
                 return i
             seq.num_tokens = cur + 1
             pending = seq.pending_tokens

@@ -173,6 +173,9 @@ class StepResult:
     grant_errors: list[ItemError] = field(default_factory=list)
     # With several KV groups: groups 1..'s deltas (the fields above are group 0's). Empty with one.
     kv_groups: list[GroupDeltas] = field(default_factory=list)
+    # Rollbacks, applied first: blocks each one made unreferenced (0 on error), by item index.
+    rollback_released: list[int] = field(default_factory=list)
+    rollback_errors: list[ItemError] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 @dataclass(slots=True)
 class StepBatch:
-    """Everything one Step applies, in the order the core applies it: commits, frees,
-    appends, allocations, forks, swap-ins, grants. Every item belongs to `tenant` ("" = tenancy off).
+    """Everything one Step applies, in the order the core applies it: rollbacks, commits,
+    frees, appends, allocations, forks, swap-ins, grants. Every item belongs to `tenant` ("" = tenancy off).
 
     Shapes the builder guarantees: each group's parallel arrays have one entry per item;
     `append_token_ids` holds the ids of the items whose ids are known, concatenated, as
@@ -42,3 +42,6 @@ class StepBatch:
     swap_in_seq_ids: Sequence[str] = ()
     tenant: str = ""
     grant_seq_ids: Sequence[str] = ()
+    # Rollbacks (speculative decoding): shorten each sequence to its new length, first of all.
+    rollback_seq_ids: Sequence[str] = ()
+    rollback_num_tokens: Sequence[int] = ()

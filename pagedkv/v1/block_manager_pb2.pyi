@@ -803,6 +803,8 @@ class StepItemError(_message.Message):
         """index into StepRequest.fork_parent_seq_ids (seq_id: the child)"""
         GRANT: StepItemError._Kind.ValueType  # 9
         """index into StepRequest.grant_seq_ids"""
+        ROLLBACK: StepItemError._Kind.ValueType  # 10
+        """index into StepRequest.rollback_seq_ids"""
 
     class Kind(_Kind, metaclass=_KindEnumTypeWrapper): ...
     KIND_UNSPECIFIED: StepItemError.Kind.ValueType  # 0
@@ -824,6 +826,8 @@ class StepItemError(_message.Message):
     """index into StepRequest.fork_parent_seq_ids (seq_id: the child)"""
     GRANT: StepItemError.Kind.ValueType  # 9
     """index into StepRequest.grant_seq_ids"""
+    ROLLBACK: StepItemError.Kind.ValueType  # 10
+    """index into StepRequest.rollback_seq_ids"""
 
     KIND_FIELD_NUMBER: _builtins.int
     INDEX_FIELD_NUMBER: _builtins.int
@@ -858,8 +862,9 @@ class StepRequest(_message.Message):
     """One engine iteration in one round trip: everything the block manager must
     do for it, as packed parallel arrays.
 
-    Apply order: commits (what the previous worker step computed), frees (they
-    make room), appends, allocations (new requests), forks, swap-ins, grants. Items are
+    Apply order: rollbacks (proposed tokens the previous worker step rejected),
+    commits (what the previous worker step computed), frees (they make room),
+    appends, allocations (new requests), forks, swap-ins, grants. Items are
     applied one by one, each atomically: a failed item is reported in
     StepResponse.errors and changes nothing; the other items still apply. Arrays
     whose lengths do not match reject the whole Step (INVALID_ARGUMENT).
@@ -891,6 +896,8 @@ class StepRequest(_message.Message):
     FORK_PARENT_SEQ_IDS_FIELD_NUMBER: _builtins.int
     FORK_CHILD_SEQ_IDS_FIELD_NUMBER: _builtins.int
     GRANT_SEQ_IDS_FIELD_NUMBER: _builtins.int
+    ROLLBACK_SEQ_IDS_FIELD_NUMBER: _builtins.int
+    ROLLBACK_NUM_TOKENS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     @_builtins.property
     def appends(self) -> _containers.RepeatedCompositeFieldContainer[Global___AppendRequest]: ...
@@ -967,6 +974,21 @@ class StepRequest(_message.Message):
         (otherwise the item fails with RESOURCE_EXHAUSTED).
         """
 
+    @_builtins.property
+    def rollback_seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Rollbacks (speculative decoding), parallel arrays applied first of all:
+        each running sequence is shortened to rollback_num_tokens[i] tokens. In
+        every KV group the blocks wholly past the new length leave its table (one
+        nobody else holds returns to the pool); the next append writes after the
+        new length, copying the last block first when another sequence shares it
+        or it is in the prefix cache. Refused below the sequence's committed length
+        (FAILED_PRECONDITION, ROLLBACK_BELOW_COMMITTED) and above its length
+        (INVALID_ARGUMENT); the current length is a no-op. Applied before the
+        commits, so no commit of the same Step can name the rejected tokens' KV.
+        """
+
+    @_builtins.property
+    def rollback_num_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
         self,
         *,
@@ -989,10 +1011,12 @@ class StepRequest(_message.Message):
         fork_parent_seq_ids: _abc.Iterable[_builtins.str] | None = ...,
         fork_child_seq_ids: _abc.Iterable[_builtins.str] | None = ...,
         grant_seq_ids: _abc.Iterable[_builtins.str] | None = ...,
+        rollback_seq_ids: _abc.Iterable[_builtins.str] | None = ...,
+        rollback_num_tokens: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["alloc_cache_salts", b"alloc_cache_salts", "alloc_lease_ids", b"alloc_lease_ids", "alloc_num_tokens", b"alloc_num_tokens", "alloc_priorities", b"alloc_priorities", "alloc_seq_ids", b"alloc_seq_ids", "alloc_token_ids", b"alloc_token_ids", "append_num_tokens", b"append_num_tokens", "append_seq_ids", b"append_seq_ids", "append_token_ids", b"append_token_ids", "appends", b"appends", "commit_num_computed_tokens", b"commit_num_computed_tokens", "commit_seq_ids", b"commit_seq_ids", "fork_child_seq_ids", b"fork_child_seq_ids", "fork_parent_seq_ids", b"fork_parent_seq_ids", "free_seq_ids", b"free_seq_ids", "frees", b"frees", "grant_seq_ids", b"grant_seq_ids", "request_id", b"request_id", "swap_in_seq_ids", b"swap_in_seq_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alloc_cache_salts", b"alloc_cache_salts", "alloc_lease_ids", b"alloc_lease_ids", "alloc_num_tokens", b"alloc_num_tokens", "alloc_priorities", b"alloc_priorities", "alloc_seq_ids", b"alloc_seq_ids", "alloc_token_ids", b"alloc_token_ids", "append_num_tokens", b"append_num_tokens", "append_seq_ids", b"append_seq_ids", "append_token_ids", b"append_token_ids", "appends", b"appends", "commit_num_computed_tokens", b"commit_num_computed_tokens", "commit_seq_ids", b"commit_seq_ids", "fork_child_seq_ids", b"fork_child_seq_ids", "fork_parent_seq_ids", b"fork_parent_seq_ids", "free_seq_ids", b"free_seq_ids", "frees", b"frees", "grant_seq_ids", b"grant_seq_ids", "request_id", b"request_id", "rollback_num_tokens", b"rollback_num_tokens", "rollback_seq_ids", b"rollback_seq_ids", "swap_in_seq_ids", b"swap_in_seq_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
