@@ -17,7 +17,8 @@ from pagedkv.worker_svc.model import registry
 
 @dataclass(slots=True, frozen=True)
 class RopeConfig:
-    """Rotary embedding parameters; ``rope_type`` is "default" or "llama3" (Llama 3.1+ scaling)."""
+    """Rotary embedding parameters; ``rope_type`` is "default", "linear" (every inverse frequency
+    divided by ``factor``) or "llama3" (Llama 3.1+ scaling)."""
 
     theta: float = 10000.0
     rope_type: str = "default"
@@ -48,6 +49,14 @@ class ModelConfig:
     name: str = "default"
     # config.json "architectures": which module runs it (registry.py)
     architecture: str = registry.DEFAULT_ARCHITECTURE
+    # Per layer: the sliding attention window (a query at position p sees keys p-W+1..p) or None
+    # for full attention; empty: every layer full. Only architectures that run windows set it.
+    layer_windows: tuple[int | None, ...] = ()
+    # The rotary embedding of the sliding-window layers where it differs from ``rope`` (Gemma 3:
+    # base 10,000 local, 1,000,000 global); None: every layer uses ``rope``.
+    rope_local: RopeConfig | None = None
+    # Attention scores are scaled by query_pre_attn_scalar ** -0.5 (Gemma); None: head_dim ** -0.5.
+    query_pre_attn_scalar: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -61,11 +70,15 @@ class ModelConfig:
         """Build from a parsed ``config.json`` (transformers 4.x ``rope_scaling`` or 5.x
         ``rope_parameters``)."""
         arch = registry.pick(list(cfg.get("architectures") or []))
-        registry.architecture(arch).check_hf_config(cfg)
+        module = registry.architecture(arch)
+        module.check_hf_config(cfg)
+        # An architecture's own fields (registry.py: the optional ``config_fields``).
+        config_fields = getattr(module, "config_fields", None)
+        extra: dict[str, Any] = config_fields(cfg) if config_fields is not None else {}
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         head_dim = cfg.get("head_dim") or hidden // num_heads
-        return cls(
+        fields: dict[str, Any] = dict(
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(cfg["intermediate_size"]),
@@ -82,6 +95,7 @@ class ModelConfig:
             name=name,
             architecture=arch,
         )
+        return cls(**{**fields, **extra})
 
     @classmethod
     def from_dir(cls, model_dir: str | pathlib.Path) -> ModelConfig:
@@ -122,12 +136,21 @@ def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
     params = dict(cfg.get("rope_parameters") or {})
     scaling = dict(cfg.get("rope_scaling") or {})
     params.update(scaling)  # 4.x keeps theta at top level and scaling in rope_scaling
-    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    return rope_from_params(params, int(cfg.get("max_position_embeddings", 8192)))
+
+
+def rope_from_params(params: dict[str, Any], max_position_embeddings: int = 8192) -> RopeConfig:
+    """One rotary embedding's parameters (``rope_theta``, ``rope_type`` and its scaling fields, the
+    way a config.json's ``rope_parameters`` spells them); other scaling types are refused."""
+    theta = float(params.get("rope_theta", 10000.0))
     rope_type = str(params.get("rope_type", params.get("type", "default")))
     if rope_type == "default":
         return RopeConfig(theta=theta)
+    if rope_type == "linear":
+        return RopeConfig(theta=theta, rope_type="linear", factor=float(params["factor"]))
     if rope_type != "llama3":
-        raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, llama3")
+        raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, linear, llama3")
     return RopeConfig(
         theta=theta,
         rope_type="llama3",
@@ -135,7 +158,7 @@ def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(
-            params.get("original_max_position_embeddings", cfg.get("max_position_embeddings", 8192))
+            params.get("original_max_position_embeddings", max_position_embeddings)
         ),
     )
 

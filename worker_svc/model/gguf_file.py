@@ -9,11 +9,19 @@ directory's; the tensors are memory-mapped and read one at a time: either dequan
 the file's own quantization as integers for the CPU's quantized matmuls (``iter_held``,
 ``gguf_quant.py``).
 
-Two differences from a Hugging Face checkpoint are undone here:
-- tensor names (``blk.3.attn_q.weight`` is ``model.layers.3.self_attn.q_proj.weight``);
+The differences from a Hugging Face checkpoint are undone here:
+- tensor names (``blk.3.attn_q.weight`` is ``model.layers.3.self_attn.q_proj.weight``; ``gemma3``
+  names its four norms a layer its own way);
 - llama.cpp's converter permutes the rows of Q and K (weights and biases) of the ``llama``
   architecture within each head, from rotate-half to interleaved pairs (its RoPE layout); the
-  inverse permutation gives back the Hugging Face rows. ``qwen2``/``qwen3`` files keep HF rows.
+  inverse permutation gives back the Hugging Face rows. ``qwen2``/``qwen3``/``gemma3`` files keep
+  HF rows;
+- ``gemma3`` files store each RMSNorm weight as ``1 + w`` (what llama.cpp multiplies by); the
+  checkpoint's ``w`` is that minus one, as transformers' GGUF loader computes it.
+
+What a ``gemma3`` file leaves to the reader, llama.cpp's fixed values: every 6th layer global, the
+others with the ``attention.sliding_window``; rotary base 10,000 on those sliding layers
+(``rope.freq_base`` is the global layers'); the attention scale from ``head_dim``.
 
 Llama 3's rope scaling is stored as a ``rope_freqs.weight`` tensor (a divisor per frequency), read
 with the config (``RopeConfig.freq_factors``).
@@ -41,9 +49,16 @@ GGUF_MAGIC = b"GGUF"
 
 # GGUF general.architecture -> the Hugging Face architecture (registry.py) that runs it. llama.cpp
 # converts Mistral checkpoints to "llama" too.
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
 # Architectures whose Q/K rows llama.cpp's converter permuted (undone in permute_back).
 PERMUTED_QK = {"llama"}
+# Architectures whose norm weights the file holds as 1 + w (undone in _checkpoint_form).
+NORM_PLUS_ONE = {"gemma3"}
 
 # The tensor types dequantized at load (gguf.GGMLQuantizationType names); anything else is refused.
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
@@ -66,6 +81,14 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Where an architecture's layer names differ from the table above.
+_ARCH_LAYER_NAMES = {
+    "gemma3": {
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 ROPE_FREQS = "rope_freqs.weight"
 
@@ -79,14 +102,21 @@ def is_gguf(path: str | pathlib.Path) -> bool:
         return f.read(4) == GGUF_MAGIC
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The Hugging Face name of a GGUF tensor; None for tensors with no HF counterpart."""
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """The Hugging Face name of a GGUF tensor of architecture ``arch``; None for tensors with no
+    HF counterpart."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _LAYER_RE.match(gguf_name)
-    if m is None or m.group(2) not in _LAYER_NAMES:
+    names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
+    if m is None or m.group(2) not in names:
         return None
-    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
+
+
+def _checkpoint_form(arch: str, name: str, x: torch.Tensor) -> torch.Tensor:
+    """A dense tensor as the Hugging Face checkpoint holds it: a Gemma norm's ``w`` from ``1 + w``."""
+    return x - 1.0 if arch in NORM_PLUS_ONE and name.endswith("norm.weight") else x
 
 
 @dataclass(slots=True, frozen=True)
@@ -281,12 +311,34 @@ def hf_config(path: str | pathlib.Path) -> tuple[dict[str, Any], tuple[float, ..
     for gguf_key, hf_key in (("attention.sliding_window", "sliding_window"), ("expert_count", "num_experts")):
         if key(gguf_key) is not None:
             cfg[hf_key] = int(key(gguf_key))
+    if arch == "gemma3":
+        cfg.update(_gemma3_config(key, cfg))
     if "eos_token_id" not in cfg and meta.get("tokenizer.ggml.eos_token_id") is not None:
         cfg["eos_token_id"] = int(meta["tokenizer.ggml.eos_token_id"])
     freq_factors: tuple[float, ...] = ()
     if ROPE_FREQS in tensors:
         freq_factors = tuple(float(x) for x in _dequantize(path, tensors[ROPE_FREQS]).reshape(-1))
     return cfg, freq_factors
+
+
+def _gemma3_config(key: Any, cfg: dict[str, Any]) -> dict[str, Any]:
+    """What a ``gemma3`` file's metadata means in a Gemma 3 config.json, with llama.cpp's fixed
+    values where the file has no key (module docstring). llama.cpp scales the 27B model's scores
+    (62 layers) by hidden / heads rather than head_dim."""
+    out: dict[str, Any] = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "rope_local_base_freq": float(key("rope.freq_base_swa", 10000.0)),
+        "query_pre_attn_scalar": cfg["hidden_size"] // cfg["num_attention_heads"]
+        if cfg["num_hidden_layers"] == 62
+        else cfg["head_dim"],
+    }
+    out["hidden_act"] = out["hidden_activation"]
+    pattern = key("attention.sliding_window_pattern")
+    if isinstance(pattern, list):  # per layer: true where the layer slides
+        out["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+    else:
+        out["sliding_window_pattern"] = int(pattern or 6)
+    return out
 
 
 def _raw(path: str | pathlib.Path, tensor: TensorInfo) -> np.ndarray:
@@ -339,10 +391,10 @@ def iter_tensors(
     check_types(header)
     arch = str(header.metadata.get("general.architecture", ""))
     for t in header.tensors.values():
-        name = hf_name(t.name)
+        name = hf_name(t.name, arch)
         if name is None:
             continue
-        x = torch.from_numpy(_dequantize(path, t))
+        x = _checkpoint_form(arch, name, torch.from_numpy(_dequantize(path, t)))
         if arch in PERMUTED_QK and ".self_attn.q_proj." in name:
             x = permute_back(x, num_heads)
         elif arch in PERMUTED_QK and ".self_attn.k_proj." in name:
@@ -366,7 +418,7 @@ def iter_held(
     check_types(header)
     arch = str(header.metadata.get("general.architecture", ""))
     for t in header.tensors.values():
-        name = hf_name(t.name)
+        name = hf_name(t.name, arch)
         if name is None:
             continue
         shape = tuple(reversed(t.shape))
@@ -377,7 +429,7 @@ def iter_held(
         elif form == "int4":
             x = gguf_quant.int4_parts(_raw(path, t), t.type_name, (shape[0], shape[1]))
         else:
-            dense = torch.from_numpy(_dequantize(path, t))
+            dense = _checkpoint_form(arch, name, torch.from_numpy(_dequantize(path, t)))
             x = dense
             if form == "int8":
                 x = gguf_quant.to_int8(dense)

@@ -3,7 +3,8 @@
 Why a registry: the architecture decides the checkpoint's tensor names and shapes, which of them
 are fused for compute, which ``config.json`` values are supported, and the forward pass. All of
 that lives in the architecture's module (``llama.py`` for ``LlamaForCausalLM``; ``qwen2.py``,
-``qwen3.py`` and ``mistral.py`` build llama.py's decoder with their own layouts); the config
+``qwen3.py`` and ``mistral.py`` build llama.py's decoder with their own layouts, ``gemma3.py``
+extends it with its own norms, windows and forward); the config
 parser, the weight loader, the shared-weights path and the model runner only ask this registry, so
 a second architecture is one new module and one line in ``ARCHITECTURES``.
 
@@ -11,6 +12,9 @@ An architecture module provides (``Architecture``): ``FUSED`` (fused tensor -> t
 tensors it is made of), ``check_hf_config(cfg)`` (refuse what the module cannot run, naming it),
 ``expected_shapes(cfg)`` (every checkpoint tensor name -> shape, in checkpoint order) and
 ``build(cfg, weights)`` (the model: ``Model.forward(token_ids, batch, kv_cache) -> logits``).
+Optionally ``config_fields(cfg)``: the ``ModelConfig`` fields the architecture reads from the
+config.json itself (gemma3.py: per-layer sliding windows, its two rotary embeddings, the attention
+scale).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen2ForCausalLM": "pagedkv.worker_svc.model.qwen2",
     "Qwen3ForCausalLM": "pagedkv.worker_svc.model.qwen3",
     "MistralForCausalLM": "pagedkv.worker_svc.model.mistral",
+    "Gemma3ForCausalLM": "pagedkv.worker_svc.model.gemma3",
 }
 # The built-in offline model (no --model) and a config.json that names no architecture.
 DEFAULT_ARCHITECTURE = "LlamaForCausalLM"

@@ -1,4 +1,5 @@
-"""Rotary position embeddings, including Llama 3's frequency scaling ("rope_type": "llama3").
+"""Rotary position embeddings, including linear ("rope_type": "linear": positions divided by the
+factor, as Gemma 3's global layers use) and Llama 3's frequency scaling ("rope_type": "llama3").
 
 The numbers follow Hugging Face's implementation operation for operation (inverse frequencies in
 fp32, ``position * inv_freq`` in fp32, ``cat(freqs, freqs)``, rotate-half), so that the worker and
@@ -15,13 +16,15 @@ from pagedkv.worker_svc.model.config import RopeConfig
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    """fp32 ``[head_dim // 2]`` inverse frequencies, with Llama 3 scaling when configured."""
+    """fp32 ``[head_dim // 2]`` inverse frequencies, with linear or Llama 3 scaling when configured."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(dtype=torch.float) / head_dim
     inv_freq = 1.0 / (rope.theta**exponents)
     if rope.freq_factors:  # a GGUF file's rope_freqs.weight: llama.cpp's form of the scaling below
         return inv_freq / torch.tensor(rope.freq_factors, dtype=torch.float32)
     if rope.rope_type == "default":
         return inv_freq
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
     # Llama 3.1: keep high frequencies, divide low ones by `factor`, interpolate in between.
     factor = rope.factor
     old_len = rope.original_max_position_embeddings

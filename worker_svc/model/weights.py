@@ -218,7 +218,8 @@ def _file_types(model_dir: str | None, cfg: ModelConfig) -> dict[str, str]:
         return {}
     shapes = expected_shapes(cfg)
     header = gguf_file.read_header(src.path)
-    names = ((gguf_file.hf_name(t.name), t.type_name) for t in header.tensors.values())
+    arch = str(header.metadata.get("general.architecture", ""))
+    names = ((gguf_file.hf_name(t.name, arch), t.type_name) for t in header.tensors.values())
     return {name: type_name for name, type_name in names if name is not None and name in shapes}
 
 

@@ -80,7 +80,8 @@ def test_unknown_architectures_are_refused_by_name() -> None:
         ValueError,
         match=(
             r"unknown architecture 'GPT2LMHeadModel'; registered: "
-            r"\['LlamaForCausalLM', 'MistralForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM'\]"
+            r"\['Gemma3ForCausalLM', 'LlamaForCausalLM', 'MistralForCausalLM', 'Qwen2ForCausalLM', "
+            r"'Qwen3ForCausalLM'\]"
         ),
     ):
         registry.architecture("GPT2LMHeadModel")
