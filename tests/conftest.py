@@ -53,6 +53,7 @@ SLOW_MODULES = frozenset(
         "tests/frontend/launch/test_layouts.py",
         "tests/frontend/engine/test_model_families.py",
         "tests/frontend/serve/test_real_model.py",
+        "tests/frontend/serve/test_gemma3_real_model.py",
         "tests/frontend/serve/test_serve_errors.py",
         "tests/frontend/serve/test_serve_faults.py",
         "tests/frontend/serve/test_serve_sampling.py",

@@ -149,6 +149,8 @@ def build_tokenizer(meta: dict[str, Any], name_or_path: str = "") -> TextTokeniz
         vocab_type, add_prefix_space, add_bos_default = "byte_level", False, False
     elif kind == "llama":
         add_prefix_space = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+        if str(meta.get("general.architecture", "")).startswith("gemma"):
+            tokens, types = gemma_spelling(tokens, types)
         backend = _sentencepiece_bpe(meta, tokens, types, add_prefix_space)
         # llama.cpp puts BOS before a SentencePiece vocabulary's text unless the file says not to.
         vocab_type, add_bos_default = "byte_fallback", True
@@ -234,6 +236,51 @@ def _sentencepiece_bpe(
     vocab: dict[str, int] = {}
     for i, tok in enumerate(tokens):
         vocab.setdefault(tok, i)
+    if str(meta.get("general.architecture", "")).startswith("gemma"):
+        merges = gemma_merges(tokens, vocab)
+    else:
+        merges = _merges_by_score(tokens, types, scores, vocab)
+    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+    unk = tokens[int(unk_id)] if unk_id is not None and 0 <= int(unk_id) < len(tokens) else None
+    backend = Tokenizer(models.BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="▁", prepend_scheme="first" if add_prefix_space else "never", split=False
+    )
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_prefix_space:
+        steps.append(decoders.Strip(content=" ", left=1, right=0))
+    backend.decoder = decoders.Sequence(steps)
+    return backend
+
+
+def gemma_spelling(tokens: list[str], types: list[int]) -> tuple[list[str], list[int]]:
+    """Gemma's vocabulary as its tokenizer spells it: a GGUF file stores the runs of spaces (2 to 31)
+    as user-defined tokens of real spaces, which Gemma's tokenizer holds as ``"▁▁"``... pieces built
+    by merges, so a long run splits as merges build it rather than greedily into the longest stored
+    run. transformers reads the file the same way: the front door's ids are the oracle's."""
+    tokens, types = list(tokens), list(types)
+    for i, tok in enumerate(tokens):
+        if " " in tok and not tok.strip():
+            tokens[i], types[i] = "▁" * len(tok), NORMAL
+    return tokens, types
+
+
+def gemma_merges(tokens: list[str], vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """Gemma's merges: every split of every piece into two pieces of the vocabulary, in the file's
+    token order (Gemma's scores do not follow its merge order; its token order does), a piece's
+    splits longest left part first (transformers builds the same list for a GGUF file)."""
+    merges = []
+    for tok in tokens:
+        for cut in range(len(tok) - 1, 0, -1):
+            left, right = tok[:cut], tok[cut:]
+            if left in vocab and right in vocab:
+                merges.append((left, right))
+    return merges
+
+
+def _merges_by_score(
+    tokens: list[str], types: list[int], scores: list[float], vocab: dict[str, int]
+) -> list[tuple[str, str]]:
     # Merges: each normal piece from each split into two pieces of the vocabulary, best piece first
     # (ties: the earlier piece); control, byte and unknown tokens are never built by merging.
     mergeable = {t for t, k in zip(tokens, types, strict=True) if k == NORMAL}
@@ -246,18 +293,7 @@ def _sentencepiece_bpe(
             if left in mergeable and right in mergeable:
                 ranked.append((-float(scores[i]), i, vocab[left], vocab[right], left, right))
     ranked.sort()
-    merges = [(left, right) for *_, left, right in ranked]
-    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
-    unk = tokens[int(unk_id)] if unk_id is not None and 0 <= int(unk_id) < len(tokens) else None
-    backend = Tokenizer(models.BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
-    backend.pre_tokenizer = pre_tokenizers.Metaspace(
-        replacement="▁", prepend_scheme="first" if add_prefix_space else "never", split=False
-    )
-    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
-    if add_prefix_space:
-        steps.append(decoders.Strip(content=" ", left=1, right=0))
-    backend.decoder = decoders.Sequence(steps)
-    return backend
+    return [(left, right) for *_, left, right in ranked]
 
 
 def _add_special_tokens(backend: Tokenizer, tokens: list[str], types: list[int], named: set[str]) -> None:
