@@ -35,6 +35,7 @@ from pagedkv.worker_svc.model.sampling import (
     MAX_TOP_LOGPROBS,
     SamplingParams,
     TokenHistory,
+    accept_proposals,
     sample,
     sampling_knob_error,
 )
@@ -66,6 +67,9 @@ class SequenceRequest:
     # drew (1 = one); they stop early after drawing one of ``stop_token_ids``.
     decode_steps: int = 1
     stop_token_ids: frozenset[int] = frozenset()
+    # Speculative decoding: the last ``num_proposed`` of ``token_ids`` are proposed tokens to verify
+    # in this one pass (accept_proposals); the result is the accepted ones and the next token.
+    num_proposed: int = 0
 
     @property
     def seq_len(self) -> int:
@@ -103,6 +107,9 @@ class SequenceResult:
     fork_samples: list[Drawn] = field(default_factory=list)  # one per SequenceRequest.fork_sampling
     top: list[tuple[int, float]] = field(default_factory=list)  # sampling.num_top_logprobs (token, logprob)
     next_samples: list[Drawn] = field(default_factory=list)  # decode_steps > 1: the later steps' tokens
+    # num_proposed > 0: how many proposals were accepted; token_id and next_samples are then those
+    # proposals followed by the target's own next token (num_accepted + 1 tokens in all).
+    num_accepted: int = 0
 
 
 @dataclass(slots=True)
@@ -231,6 +238,8 @@ class ModelRunner:
                     f"{where}: {s.seq_len} tokens need {need} blocks of {self.block_size}, "
                     f"block table has {len(s.block_ids)}"
                 )
+            if s.num_proposed:
+                self._check_proposals(where, s)
             if s.decode_steps != 1:
                 self._check_decode_steps(where, s)
                 need = blocks_for_tokens(s.num_cached_tokens + s.decode_steps, self.block_size)
@@ -272,16 +281,24 @@ class ModelRunner:
             raise InvalidStep("ops.copies: a destination block is also a source")
         self._check_pairs("ops.swap_in", ops.swap_in, self.num_cpu_blocks, self.num_gpu_blocks)
 
-    def _check_decode_steps(self, where: str, s: SequenceRequest) -> None:
-        """Multi-step decode runs on what the worker knows: a sequence whose sampling needs state only
-        the engine updates (logits to return, forks, penalties' history, a grammar's mask) cannot."""
-        if not 1 <= s.decode_steps <= MAX_DECODE_STEPS:
-            raise InvalidStep(f"{where}: decode_steps {s.decode_steps} is not in [1, {MAX_DECODE_STEPS}]")
-        if len(s.token_ids) != 1:
+    def _check_proposals(self, where: str, s: SequenceRequest) -> None:
+        """Verification samples every proposed position with the same parameters, so (like
+        multi-step decode) it runs only on what the worker knows."""
+        if not 1 <= s.num_proposed < len(s.token_ids) or s.num_proposed > MAX_DECODE_STEPS:
             raise InvalidStep(
-                f"{where}: decode_steps {s.decode_steps} needs one new token, got {len(s.token_ids)}"
+                f"{where}: num_proposed_tokens {s.num_proposed} must be in [1, {MAX_DECODE_STEPS}] "
+                f"and less than the {len(s.token_ids)} new tokens"
             )
-        why = (
+        if s.decode_steps != 1:
+            raise InvalidStep(f"{where}: num_proposed_tokens cannot be combined with decode_steps")
+        why = self._engine_state(s)
+        if why:
+            raise InvalidStep(f"{where}: num_proposed_tokens cannot be combined with {why}")
+
+    @staticmethod
+    def _engine_state(s: SequenceRequest) -> str:
+        """What in ``s`` changes with every token in a way only the engine knows ("" = nothing)."""
+        return (
             "return_logits"
             if s.return_logits
             else "fork_sampling"
@@ -292,6 +309,17 @@ class ModelRunner:
             if s.allowed_token_mask
             else ""
         )
+
+    def _check_decode_steps(self, where: str, s: SequenceRequest) -> None:
+        """Multi-step decode runs on what the worker knows: a sequence whose sampling needs state only
+        the engine updates (logits to return, forks, penalties' history, a grammar's mask) cannot."""
+        if not 1 <= s.decode_steps <= MAX_DECODE_STEPS:
+            raise InvalidStep(f"{where}: decode_steps {s.decode_steps} is not in [1, {MAX_DECODE_STEPS}]")
+        if len(s.token_ids) != 1:
+            raise InvalidStep(
+                f"{where}: decode_steps {s.decode_steps} needs one new token, got {len(s.token_ids)}"
+            )
+        why = self._engine_state(s)
         if why:
             raise InvalidStep(f"{where}: decode_steps {s.decode_steps} cannot be combined with {why}")
         end = s.num_cached_tokens + s.decode_steps
@@ -332,7 +360,9 @@ class ModelRunner:
     def build_batch(self, seqs: Sequence[SequenceRequest]) -> tuple[torch.Tensor, AttentionBatch]:
         """Flat token ids and the attention metadata. The flat layout puts prefill sequences first;
         ``logits_indices`` follows the requests' order, so logits row i is ``seqs[i]``'s (the output
-        layer reorders its few hidden rows instead of the step reordering ``[num_seqs, vocab]``)."""
+        layer reorders its few hidden rows instead of the step reordering ``[num_seqs, vocab]``).
+        Rows after those are the proposed positions of verifying sequences (``num_proposed``), in
+        request order: for each, the rows of the positions before its last one."""
         bs = self.block_size
         order = [i for i, s in enumerate(seqs) if len(s.token_ids) > 1]
         n_prefill_seqs = len(order)
@@ -373,7 +403,14 @@ class ModelRunner:
             positions=torch.tensor(positions, dtype=torch.int64, device=dev),
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             logits_indices=torch.tensor(
-                [ends[last_index[i]] for i in range(len(seqs))], dtype=torch.int64, device=dev
+                [ends[last_index[i]] for i in range(len(seqs))]
+                + [
+                    ends[last_index[i]] - s.num_proposed + j
+                    for i, s in enumerate(seqs)
+                    for j in range(s.num_proposed)
+                ],
+                dtype=torch.int64,
+                device=dev,
             ),
             num_prefill_tokens=n_prefill_tokens,
             prefill_block_tables=tables(pre_idx) if pre_idx else None,
@@ -398,6 +435,9 @@ class ModelRunner:
             logits = self.decode_graphs.forward(self.model, token_tensor, batch, self.gpu_cache)
         else:
             logits = self.model.forward(token_tensor, batch, self.gpu_cache)  # row i: seqs[i]
+        proposed_rows = None
+        if logits.shape[0] > len(seqs):  # verifying sequences' proposed positions (build_batch)
+            logits, proposed_rows = logits[: len(seqs)], logits[len(seqs) :]
         # Forked samples draw from their parent's row: one sample() call over all rows.
         fork_rows = [i for i, s in enumerate(seqs) for _ in s.fork_sampling]
         rows_sampled = (
@@ -431,7 +471,41 @@ class ModelRunner:
                 )
             )
             k += n
+        if proposed_rows is not None:
+            self._verify(seqs, proposed_rows, outputs)
         return outputs
+
+    def _verify(
+        self, seqs: Sequence[SequenceRequest], rows: torch.Tensor, outputs: list[SequenceResult]
+    ) -> None:
+        """Speculative decoding: draw the target's own token at every proposed position (row j of a
+        sequence with k proposals is the position after new token j, drawn at the position plain
+        decoding would draw it), keep the longest prefix of proposals it agrees with
+        (sampling.accept_proposals), and make each verifying output those proposals followed by the
+        target's next token. The last position's token, drawn with everything else, is that next
+        token when every proposal is kept."""
+        verifying = [i for i, s in enumerate(seqs) if s.num_proposed]
+        positions = [
+            seqs[i].num_cached_tokens + len(seqs[i].token_ids) - seqs[i].num_proposed + j
+            for i in verifying
+            for j in range(seqs[i].num_proposed)
+        ]
+        drawn = sample(
+            rows, [seqs[i].sampling for i in verifying for _ in range(seqs[i].num_proposed)], positions
+        )
+        tokens, logprobs = drawn.token_ids.tolist(), drawn.logprobs.tolist()
+        r = 0
+        for i in verifying:
+            s, o = seqs[i], outputs[i]
+            k = s.num_proposed
+            mine = [Drawn(int(tokens[r + j]), float(logprobs[r + j]), drawn.top[r + j]) for j in range(k)]
+            mine.append(Drawn(o.token_id, o.logprob, o.top))
+            r += k
+            accepted = accept_proposals(s.token_ids[-k:], [d.token_id for d in mine])
+            kept = mine[: accepted + 1]
+            o.token_id, o.logprob, o.top = kept[0].token_id, kept[0].logprob, kept[0].top
+            o.next_samples = kept[1:]
+            o.num_accepted = accepted
 
     def _more_decode_steps(self, seqs: Sequence[SequenceRequest], outputs: list[SequenceResult]) -> None:
         """Multi-step decode (``decode_steps``): each further step feeds every sequence still going
@@ -488,7 +562,8 @@ class ModelRunner:
             cache_ops_ms, forward_ms = clock.done()
         return StepResult(
             outputs=outputs,
-            num_tokens=sum(len(s.token_ids) for s in seqs) + sum(len(o.next_samples) for o in outputs),
+            num_tokens=sum(len(s.token_ids) for s in seqs)
+            + sum(len(o.next_samples) for s, o in zip(seqs, outputs, strict=True) if not s.num_proposed),
             cache_ops_ms=cache_ops_ms,
             forward_ms=forward_ms,
         )

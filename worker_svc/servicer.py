@@ -111,6 +111,7 @@ def sequence_from_proto(s: worker_pb2.SequenceInput, memo: SamplingMemo | None =
         allowed_token_mask=s.allowed_token_mask,
         decode_steps=s.decode_steps or 1,
         stop_token_ids=frozenset(s.stop_token_ids) if s.stop_token_ids else frozenset(),
+        num_proposed=s.num_proposed_tokens,
     )
 
 
@@ -132,6 +133,8 @@ def output_to_proto(resp: worker_pb2.WorkerStepResponse, o: SequenceResult) -> N
     if o.top:
         msg.top_token_ids.extend(t for t, _ in o.top)
         msg.top_logprobs.extend(lp for _, lp in o.top)
+    if o.num_accepted:
+        msg.num_accepted_tokens = o.num_accepted
     for d in o.next_samples:
         nxt = msg.next_samples.add(token_id=d.token_id, logprob=d.logprob)
         if d.top:

@@ -161,6 +161,7 @@ class SequenceInput(_message.Message):
     ALLOWED_TOKEN_MASK_FIELD_NUMBER: _builtins.int
     DECODE_STEPS_FIELD_NUMBER: _builtins.int
     STOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    NUM_PROPOSED_TOKENS_FIELD_NUMBER: _builtins.int
     seq_id: _builtins.str
     num_cached_tokens: _builtins.int
     """Tokens of this sequence whose KV is already in the cache, before token_ids."""
@@ -181,6 +182,20 @@ class SequenceInput(_message.Message):
     tokens), and without return_logits, fork_sampling, a token history or an
     allowed_token_mask (those change with every token, and only the engine
     knows how). At most 64.
+    """
+    num_proposed_tokens: _builtins.int
+    """Speculative decoding: the last num_proposed_tokens of token_ids are
+    proposed tokens to verify in this one pass (a short prefill over the
+    paged cache). The worker draws the target's own token at every proposed
+    position, with the uniform plain decoding would use there, keeps the
+    longest prefix of proposals it agrees with, and answers with those
+    proposals followed by its next token: token_id, then next_samples
+    (SequenceOutput.num_accepted_tokens + 1 tokens in all). Greedy, the tokens
+    are those of plain decoding; sampled, it is rejection sampling for a
+    deterministic proposer and keeps the target's distribution. The KV of the
+    rejected proposals is written; the engine rolls it back. Less than the
+    number of token_ids, at most 64, and not with decode_steps > 1,
+    return_logits, fork_sampling, a token history or an allowed_token_mask.
     """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -237,10 +252,11 @@ class SequenceInput(_message.Message):
         allowed_token_mask: _builtins.bytes = ...,
         decode_steps: _builtins.int = ...,
         stop_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        num_proposed_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allowed_token_mask", b"allowed_token_mask", "block_ids", b"block_ids", "decode_steps", b"decode_steps", "fork_sampling", b"fork_sampling", "num_cached_tokens", b"num_cached_tokens", "output_token_counts", b"output_token_counts", "output_token_ids", b"output_token_ids", "prompt_token_ids", b"prompt_token_ids", "return_logits", b"return_logits", "sampling", b"sampling", "seq_id", b"seq_id", "stop_token_ids", b"stop_token_ids", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allowed_token_mask", b"allowed_token_mask", "block_ids", b"block_ids", "decode_steps", b"decode_steps", "fork_sampling", b"fork_sampling", "num_cached_tokens", b"num_cached_tokens", "num_proposed_tokens", b"num_proposed_tokens", "output_token_counts", b"output_token_counts", "output_token_ids", b"output_token_ids", "prompt_token_ids", b"prompt_token_ids", "return_logits", b"return_logits", "sampling", b"sampling", "seq_id", b"seq_id", "stop_token_ids", b"stop_token_ids", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -329,6 +345,7 @@ class SequenceOutput(_message.Message):
     TOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     NEXT_SAMPLES_FIELD_NUMBER: _builtins.int
+    NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _builtins.int
     seq_id: _builtins.str
     token_id: _builtins.int
     """The next token."""
@@ -336,6 +353,8 @@ class SequenceOutput(_message.Message):
     """Its log-probability under the model's distribution (before temperature,
     top-k and top-p).
     """
+    num_accepted_tokens: _builtins.int
+    """SequenceInput.num_proposed_tokens: how many proposals were accepted."""
     @_builtins.property
     def logits(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
         """Filled only when SequenceInput.return_logits was set."""
@@ -369,10 +388,11 @@ class SequenceOutput(_message.Message):
         top_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         top_logprobs: _abc.Iterable[_builtins.float] | None = ...,
         next_samples: _abc.Iterable[Global___Sample] | None = ...,
+        num_accepted_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fork_samples", b"fork_samples", "logits", b"logits", "logprob", b"logprob", "next_samples", b"next_samples", "seq_id", b"seq_id", "token_id", b"token_id", "top_logprobs", b"top_logprobs", "top_token_ids", b"top_token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fork_samples", b"fork_samples", "logits", b"logits", "logprob", b"logprob", "next_samples", b"next_samples", "num_accepted_tokens", b"num_accepted_tokens", "seq_id", b"seq_id", "token_id", b"token_id", "top_logprobs", b"top_logprobs", "top_token_ids", b"top_token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -307,3 +307,27 @@ def _sample_filtered(
     kept = (probs > 0).sum(dim=-1, keepdim=True) - 1
     choice = torch.minimum(choice, kept)
     return sorted_idx.gather(1, choice).squeeze(1)
+
+
+def accept_proposals(proposed: Sequence[int], drawn: Sequence[int]) -> int:
+    """Speculative decoding's acceptance: how many of the ``proposed`` tokens (k) the target
+    keeps, given ``drawn`` (k + 1): the token the target's own sampling drew at each position
+    of the verification pass, row j after the proposals before j. The longest prefix with
+    ``proposed[j] == drawn[j]`` is kept; the sequence then goes on with ``drawn[accepted]``.
+
+    Why this is rejection sampling that keeps the target's distribution: the proposers here are
+    deterministic (the proposal is a point mass q on one token d), so rejection sampling accepts
+    d with probability min(1, p(d) / q(d)) = p(d) and otherwise draws from the residual
+    (p - q)+, which is p without d, renormalised. Drawing t ~ p and accepting iff t == d does
+    exactly that: it accepts with probability p(d), and a rejection's t is p conditioned on
+    t != d. Drawing with the uniform plain decoding would use at the same (seed, position)
+    (``draw_uniform``) makes a seeded sequence's tokens those of plain decoding, and greedy
+    rows (an argmax) are exactly plain greedy decoding."""
+    if len(drawn) != len(proposed) + 1:
+        raise ValueError(f"{len(proposed)} proposals need {len(proposed) + 1} drawn tokens, got {len(drawn)}")
+    accepted = 0
+    for want, got in zip(proposed, drawn, strict=False):
+        if want != got:
+            break
+        accepted += 1
+    return accepted
