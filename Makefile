@@ -46,16 +46,20 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 ## Lint, then the whole test suite (also what CI runs): the fast tier spread over TEST_JOBS
-## processes (in-process tests only, so they share nothing but the CPUs), then the slow tier in one
-## process (process stacks, deadlines and timed budgets: they would see each other's load). Both
-## tiers run even when the first fails; the exit status is a failure if either failed.
+## processes (in-process tests only, so they share nothing but the CPUs), then the slow tier in two
+## runs: the slow modules that only check results (process stacks with generous timeouts, ahead-of-
+## time compiles, bench scripts) a whole module per process over TEST_JOBS processes, then the
+## `timed` ones (deadlines, keepalives, timed budgets: tests/conftest.py, TIMED_MODULES) in one
+## process with nothing beside them. Every run runs even when an earlier one fails; the exit status
+## is a failure if any failed.
 TEST_JOBS ?= auto
 test: lint
 	$(BIN)/python tools/gen_protos.py --check
 	$(BIN)/python tools/gen_settings_doc.py --check
 	$(BIN)/python -m pytest -m "not slow" -n $(TEST_JOBS); fast=$$?; \
-	$(BIN)/python -m pytest -m slow; slow=$$?; \
-	test $$fast -eq 0 -a $$slow -eq 0
+	$(BIN)/python -m pytest -m "slow and not timed" -n $(TEST_JOBS) --dist loadfile; slow=$$?; \
+	$(BIN)/python -m pytest -m "slow and timed"; timed=$$?; \
+	test $$fast -eq 0 -a $$slow -eq 0 -a $$timed -eq 0
 
 ## The fast tier for the edit-test loop: no process stacks, no ahead-of-time compiles, no bench
 ## scripts (tests/conftest.py, SLOW_MODULES), no lint; a few minutes on 2 cores.

@@ -79,6 +79,40 @@ SLOW_MODULES = frozenset(
 )
 
 
+# The slow modules that time something against a clock (deadlines, keepalives, lease TTLs, restart
+# budgets, fault schedules, spin and bench budgets, a rehearsal's section budgets): marked `timed`,
+# `make test` runs them in one process with nothing beside them. The other slow modules only check
+# results (with generous ready/call timeouts), so `make test` runs them first, a whole module per
+# process over TEST_JOBS processes (`--dist loadfile`: a module's shared stack is started once). A
+# new slow module that asserts on elapsed time, or needs the machine to itself, belongs here.
+TIMED_MODULES = frozenset(
+    {
+        "tests/bench/test_batch1_breakdown_smoke.py",
+        "tests/bench/test_gpu_check.py",
+        "tests/bench/test_kernel_bench_budget.py",
+        "tests/bench/test_serve_gray_faults.py",
+        "tests/block_manager_svc/reliability/test_faults.py",
+        "tests/frontend/engine/test_block_manager_faults.py",
+        "tests/frontend/engine/test_cache_host_recovery.py",
+        "tests/frontend/engine/test_shared_block_manager.py",
+        "tests/frontend/engine/test_worker_faults.py",
+        "tests/frontend/launch/test_up_supervision.py",
+        "tests/frontend/serve/test_serve_errors.py",
+        "tests/frontend/serve/test_serve_faults.py",
+        "tests/worker_svc/test_cache_host_loss.py",
+        "tests/worker_svc/test_omp_spin.py",
+        "tests/worker_svc/test_reattach.py",
+        "tests/worker_svc/test_step_channel_processes.py",
+    }
+)
+
+
+def pytest_configure(config: object) -> None:
+    config.addinivalue_line(  # type: ignore[attr-defined]
+        "markers", "timed: a slow test timed against a clock; `make test` runs these alone, serially"
+    )
+
+
 def pytest_collection_modifyitems(config: object, items: list) -> None:  # type: ignore[type-arg]
     import pytest
 
@@ -86,3 +120,5 @@ def pytest_collection_modifyitems(config: object, items: list) -> None:  # type:
         rel = pathlib.Path(str(item.fspath)).resolve().relative_to(ROOT).as_posix()
         if rel.startswith("tests/bench/") or rel in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
+        if rel in TIMED_MODULES:
+            item.add_marker(pytest.mark.timed)
