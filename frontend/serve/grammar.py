@@ -107,6 +107,20 @@ class GrammarCompiler:
         text = json.dumps(schema)
         return self._compile("json_schema", lambda c: c.compile_json_schema(text, any_whitespace=False))
 
+    def either_ebnf(self, schema: dict[str, Any], ebnf: str) -> Grammar:
+        """Text that is either JSON valid against ``schema`` or matched by the EBNF ``ebnf``."""
+
+        def build(c: Any) -> Any:
+            import xgrammar as xgr
+
+            either = xgr.Grammar.union(
+                xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False),
+                xgr.Grammar.from_ebnf(ebnf),
+            )
+            return c.compile_grammar(either)
+
+        return self._compile("json_schema_or_text", build)
+
     def json_object(self) -> Grammar:
         return self._compile("json_object", lambda c: c.compile_builtin_json_grammar())
 

@@ -447,7 +447,8 @@ def _forced_or_asked(forced: Grammar | None, body: _Sampling, limits: RequestLim
         names = [n for n in _STRUCTURED if getattr(body, n, None) is not None]
         raise ApiError(
             400,
-            f"{names[0]}: not with a tool_choice that forces a call (the call's shape is the constraint)",
+            f"{names[0]}: not with a tool_choice that forces a call, nor with 'auto' where the chat "
+            "template renders no tools (the calls' shape is the constraint)",
             names[0],
         )
     return _startable(forced, "tool_choice")
@@ -739,6 +740,7 @@ def chat_prompt(
             "messages",
         )
     template = template_source(limits.text.tokenizer)
+    calls_in_template = renders_tool_calls(template)
     rendered: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
         if m.content is None and m.refusal is None and not m.tool_calls:
@@ -754,7 +756,10 @@ def chat_prompt(
         if m.tool_call_id is not None:
             msg["tool_call_id"] = m.tool_call_id
         if m.tool_calls:
-            _add_tool_calls(msg, m.tool_calls, f"messages.{i}.tool_calls", renders_tool_calls(template))
+            _add_tool_calls(msg, m.tool_calls, f"messages.{i}.tool_calls", calls_in_template)
+        if m.role == "tool" and not calls_in_template:
+            _add_tool_result(rendered, text)
+            continue
         rendered.append(msg)
     if tools is not None and tools.system_text is not None:
         if rendered[0]["role"] == "system":
@@ -793,6 +798,24 @@ def chat_prompt(
             "messages",
         )
     return prompt
+
+
+def _add_tool_result(rendered: list[dict[str, Any]], result: str) -> None:
+    """A tool's result, for a template that renders no tool turns (its roles may be only the user's
+    and the assistant's): a user turn saying what the function returned (the results of calls made
+    together share one), with the words that get a small model to answer from it rather than call
+    again (SmolLM2-135M does with these, tests/frontend/serve/test_real_model.py)."""
+    said = result.strip()
+    said = f"The function returned: {said}{'' if said.endswith(('.', '!', '?')) else '.'}"
+    ask = TOOL_RESULT_ASK
+    last = rendered[-1] if rendered else None
+    if last is not None and last.get("role") == "user" and last["content"].endswith(ask):
+        rendered[-1] = {**last, "content": f"{last['content'][: -len(ask)]}{said} {ask}"}
+    else:
+        rendered.append({"role": "user", "content": f"{said} {ask}"})
+
+
+TOOL_RESULT_ASK = "Answer my question in words."
 
 
 def _add_tool_calls(msg: dict[str, Any], calls: list[ToolCallParam], where: str, in_template: bool) -> None:

@@ -18,6 +18,10 @@ Parsers, chosen by name (``--tool-call-parser``; ``auto`` reads the chat templat
 - ``json``: the answer pagedkv's own grammar enforces for ``tool_choice`` ``required`` or a named
   function (frontend/serve/tools.py): one call object, or an array of them. Never content.
 
+And, not for ``--tool-call-parser`` (pagedkv's own grammar writes it): ``json_or_text``, ``json``'s
+calls or, for an answer that does not start like them, content (``auto`` where the template
+renders no tools).
+
 A call object is read leniently: keys in any order, ``arguments`` or ``parameters`` for the
 arguments (a JSON object, or a string holding one), other keys skipped. An object that ends
 without a string ``name`` is not a call (its text stays content); once a call's name is read the
@@ -307,6 +311,7 @@ class CallListParser:
 
 
 PARSERS = ("hermes", "llama3_json", "json")
+JSON_OR_TEXT = "json_or_text"
 
 
 def parser_by_name(name: str) -> ToolCallParser:
@@ -316,6 +321,8 @@ def parser_by_name(name: str) -> ToolCallParser:
         return CallListParser("llama3_json", ";", content_allowed=True)
     if name == "json":
         return CallListParser("json", ",", content_allowed=False)
+    if name == JSON_OR_TEXT:
+        return CallListParser(JSON_OR_TEXT, ",", content_allowed=True)
     raise ValueError(f"unknown tool-call parser {name!r} (known: {', '.join(PARSERS)})")
 
 

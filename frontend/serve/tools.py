@@ -6,7 +6,12 @@ the tool turns of a conversation (an assistant's ``tool_calls``, ``tool`` result
   tools (its source mentions ``tools``), as transformers does when its chat templating is given ``tools``.
 - ``auto``: the model decides; its answer is read for calls in its family's syntax
   (frontend/serve/tool_parsers.py, the family from ``--tool-call-parser`` or the template). A
-  template that renders no tools cannot show them to the model: 400.
+  template that renders no tools gets the functions described in a system message (as for
+  ``required``) and a grammar that lets the answer be either a call of one of them, its arguments
+  valid against that function's ``parameters`` (or, with parallel calls, a JSON array of such
+  calls), or plain text that does not start like one (not ``{`` or ``[``, nor whitespace); the
+  ``json`` family reads it, the text as content (llama.cpp's generic tool format does the same for
+  templates it knows nothing about).
 - ``required`` and a named function: the answer is forced by a grammar (frontend/serve/grammar.py,
   the structured-output machinery) to be ``{"name": ..., "arguments": ...}`` with the arguments valid
   against that function's ``parameters`` (with parallel calls allowed under ``required``: a JSON array
@@ -18,13 +23,14 @@ the tool turns of a conversation (an assistant's ``tool_calls``, ``tool`` result
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from pagedkv.frontend.serve.grammar import Grammar, GrammarCompiler, GrammarError
-from pagedkv.frontend.serve.tool_parsers import PARSERS, parser_for_template
+from pagedkv.frontend.serve.tool_parsers import JSON_OR_TEXT, PARSERS, parser_for_template
 
 AUTO_PARSER = "auto"
 TOOL_CALL_PARSERS = (AUTO_PARSER, *PARSERS)
@@ -172,8 +178,9 @@ def _answer_schema(functions: list[tuple[FunctionDef, dict[str, Any]]], parallel
     return {"type": "array", "items": one, "minItems": 1} if parallel else one
 
 
-def fallback_system_text(functions: list[FunctionDef], parallel: bool) -> str:
-    """What a model whose template renders no tools is told (the grammar enforces the same shape)."""
+def fallback_system_text(functions: list[FunctionDef], parallel: bool, auto: bool = False) -> str:
+    """What a model whose template renders no tools is told (the grammar enforces the same shape);
+    ``auto``: it may answer in text instead."""
     lines = [
         json.dumps(
             {"name": fn.name, "description": fn.description or "", "parameters": fn.parameters or {}},
@@ -183,11 +190,18 @@ def fallback_system_text(functions: list[FunctionDef], parallel: bool) -> str:
     ]
     # Short: a small model's context (and a CPU's prefill) pays for every token of it.
     several = ", or a JSON array of such objects to call several" if parallel else ""
+    otherwise = " Otherwise, answer in plain text." if auto else ""
     return (
         "Functions you can call:\n"
         + "\n".join(lines)
         + f'\nTo call one, answer only {{"name": <function name>, "arguments": <JSON object>}}{several}.'
+        + otherwise
     )
+
+
+# Text that cannot be the start of a call: its first character is none of what a call (or, with
+# whitespace first, the json parser) would read as one.
+PLAIN_TEXT_EBNF = "root ::= [^{[ \\t\\r\\n] [^]*"
 
 
 def calls_as_text(calls: list[ToolCallParam], arguments: list[Any]) -> str:
@@ -226,12 +240,7 @@ def tool_request(
         return ToolRequest(template_tools, None, None, None)
     if choice == "auto":
         if not tools_shown:
-            raise ToolError(
-                asked,
-                "tool_choice 'auto' needs a chat template that renders tools, and this model's does not; "
-                "send tool_choice 'required' or a named function (pagedkv then describes the functions "
-                "in a system message and enforces the call's shape)",
-            )
+            return _described_auto(tools, checked, parallel is not False, compiler)
         parser = parser_setting if parser_setting != AUTO_PARSER else parser_for_template(template)
         if parser is None:
             raise ToolError(
@@ -253,8 +262,15 @@ def tool_request(
         many = parallel is not False
     if compiler is None:
         raise ToolError("tool_choice", "enforcing a call needs a tokenizer, and this server has none")
+    grammar = _compiled(tools, compiler, lambda: compiler.json_schema(_answer_schema(checked, many)))
+    system = None if tools_shown else fallback_system_text([fn for fn, _ in checked], many)
+    return ToolRequest(template_tools, system, ToolCalling("json", None if many else 1, True), grammar)
+
+
+def _compiled(tools: list[ToolDef], compiler: GrammarCompiler, build: Callable[[], Grammar]) -> Grammar:
+    """``build()``, a grammar of the tools' calls; a schema that does not compile is a 400 naming it."""
     try:
-        grammar = compiler.json_schema(_answer_schema(checked, many))
+        return build()
     except GrammarError as e:
         for i, tool in enumerate(tools):  # which function's schema does not compile
             try:
@@ -262,5 +278,21 @@ def tool_request(
             except GrammarError as one:
                 raise ToolError(f"tools.{i}.function.parameters", f"does not compile: {one}") from None
         raise ToolError("tools", f"does not compile: {e}") from None
-    system = None if tools_shown else fallback_system_text([fn for fn, _ in checked], many)
-    return ToolRequest(template_tools, system, ToolCalling("json", None if many else 1, True), grammar)
+
+
+def _described_auto(
+    tools: list[ToolDef],
+    checked: list[tuple[FunctionDef, dict[str, Any]]],
+    parallel: bool,
+    compiler: GrammarCompiler | None,
+) -> ToolRequest:
+    """``auto`` for a template that renders no tools: the functions described in a system message,
+    the answer a call (or calls) by the grammar, or text that does not start like one."""
+    if compiler is None:
+        raise ToolError("tool_choice", "tool calls need a tokenizer, and this server has none")
+    schema = _answer_schema(checked, parallel=False)
+    if parallel:
+        schema = {"anyOf": [schema, _answer_schema(checked, parallel=True)]}
+    grammar = _compiled(tools, compiler, lambda: compiler.either_ebnf(schema, PLAIN_TEXT_EBNF))
+    system = fallback_system_text([fn for fn, _ in checked], parallel, auto=True)
+    return ToolRequest(None, system, ToolCalling(JSON_OR_TEXT, None if parallel else 1, False), grammar)

@@ -2,7 +2,8 @@
 ``pagedkv up --model FILE.gguf --weight-format fp32`` with no conversion step: chat and text
 completions through the ``openai`` SDK equal transformers' greedy output on the same weights
 (transformers dequantizes the GGUF itself, ``gguf_file=``), and a tool-calling round trip works
-as an SDK user writes it (its chat template renders no tools: the call is forced and described).
+as an SDK user writes it (its chat template renders no tools: the functions are described, the call
+forced or, with "auto", constrained to a valid call or text).
 The default, the file's own quantization held as integers, is measured against this fp32 path by
 ``bench/gguf_quality.py`` (docs/benchmarks.md) and tested on small files in
 tests/worker_svc/model/test_gguf_quant.py.
@@ -302,3 +303,37 @@ def test_tool_call_round_trip_through_the_sdk(served: str) -> None:
     assert reasons[-1] == "tool_calls" and list(calls) == [0]
     assert calls[0]["name"] == "get_weather"
     jsonschema.validate(json.loads(calls[0]["arguments"]), WEATHER_PARAMETERS)
+
+
+def test_auto_tool_round_trip_on_a_template_without_tools(served: str) -> None:
+    """tool_choice auto (the default) on SmolLM2, whose template renders no tools: asked to call, the
+    model calls (the grammar makes the call valid); sent the result with the tools still bound, it
+    answers in text from it."""
+    import jsonschema
+    import openai
+
+    client = openai.OpenAI(base_url=served, api_key="unused", timeout=300, max_retries=0)
+    model = client.models.list().data[0].id
+    messages: list[Any] = [{"role": "user", "content": "Call get_weather for Paris."}]
+    first = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        tools=TOOLS,  # type: ignore[arg-type]
+        max_tokens=CALL_TOKENS,
+        temperature=0,
+    )
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls or []
+    assert call.function.name == "get_weather"  # type: ignore[union-attr]
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER_PARAMETERS)  # type: ignore[union-attr]
+    messages += [choice.message, {"role": "tool", "tool_call_id": call.id, "content": "18 degrees and sunny"}]
+    reply = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        tools=TOOLS,  # type: ignore[arg-type]
+        max_tokens=16,
+        temperature=0,
+    ).choices[0]
+    assert reply.finish_reason in ("stop", "length") and not reply.message.tool_calls, reply
+    assert "18 degrees" in (reply.message.content or "")

@@ -119,14 +119,32 @@ def test_bad_tool_fields_are_refused_naming_them(
     assert e.param == param and words in e.message, e.message
 
 
-def test_auto_needs_a_template_that_renders_tools(smol: RequestLimits, hermes: RequestLimits) -> None:
-    assert refused(smol, {"tools": [WEATHER]}).param == "tools"  # auto by default
-    e = refused(smol, {"tools": [WEATHER], "tool_choice": "auto"})
-    assert e.param == "tool_choice" and "renders tools" in e.message
+def test_auto_on_a_template_without_tools_describes_them_and_constrains_the_answer(
+    smol: RequestLimits,
+) -> None:
+    """SmolLM2's template renders no tools: ``auto`` (the default with tools) tells the model about
+    them in a system message, lets it answer in text, and reads its answer with json_or_text."""
+    assert parse_chat({"messages": USER, "tools": [WEATHER, NOW]}, smol).tools == ToolCalling(
+        "json_or_text", None, False
+    )
+    p = parse_chat({"messages": USER, "tools": [WEATHER], "parallel_tool_calls": False}, smol)
+    assert p.tools == ToolCalling("json_or_text", 1, False) and p.sampling.grammar is not None
+    text = prompt_text(smol, {"tools": [WEATHER, NOW], "tool_choice": "auto"})
+    assert text.startswith("<|im_start|>system\nFunctions you can call:\n")
+    assert json.dumps(CITY) in text and '"name": "now"' in text
+    assert "Otherwise, answer in plain text." in text
+    assert "plain text" not in prompt_text(smol, {"tools": [WEATHER], "tool_choice": "required"})
+    e = refused(smol, {"tools": [WEATHER], "response_format": {"type": "json_object"}})
+    assert e.param == "response_format" and "renders no tools" in e.message
+
+
+def test_auto_on_a_template_with_tools_needs_its_call_syntax(hermes: RequestLimits) -> None:
     unknown = RequestLimits("smol", 49152, 16, 256, hermes.text)
     unknown.text = load_model_text(str(pathlib.Path(hermes.text.tokenizer.name_or_path)))
     unknown.text.tokenizer.chat_template = HERMES_TEMPLATE.replace("<tool_call>", "[CALL]")
-    assert "--tool-call-parser" in refused(unknown, {"tools": [WEATHER]}).message
+    e = refused(unknown, {"tools": [WEATHER]})
+    assert e.param == "tools" and "--tool-call-parser" in e.message
+    assert refused(unknown, {"tools": [WEATHER], "tool_choice": "auto"}).param == "tool_choice"
     unknown.tool_call_parser = "hermes"
     assert parse_chat({"messages": USER, "tools": [WEATHER]}, unknown).tools == ToolCalling(
         "hermes", None, False
@@ -169,22 +187,40 @@ def test_a_template_without_tools_gets_a_system_message_describing_them(smol: Re
     assert given.startswith("<|im_start|>system\nBe brief.\n\nFunctions you can call:")
     text = prompt_text(smol, {"messages": HISTORY})
     assert '<|im_start|>assistant\n{"name": "get_weather", "arguments": {"city": "Paris"}}<|im_end|>' in text
-    assert "<|im_start|>tool\n22 C<|im_end|>" in text
+
+
+def test_a_template_without_tools_gets_tool_results_as_a_user_turn(smol: RequestLimits) -> None:
+    """No tool turns in the template (its roles could be only user and assistant): a result is a user
+    turn saying what the function returned; the results of calls made together share one."""
+    text = prompt_text(smol, {"messages": HISTORY, "tools": [WEATHER]})
+    assert text.endswith(
+        '<|im_start|>assistant\n{"name": "get_weather", "arguments": {"city": "Paris"}}<|im_end|>\n'
+        "<|im_start|>user\nThe function returned: 22 C. Answer my question in words.<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert "<|im_start|>tool" not in text
+    two = [*HISTORY, {"role": "tool", "tool_call_id": "call_2", "content": "Sunny!"}]
+    text = prompt_text(smol, {"messages": [*two, {"role": "user", "content": "Thanks"}]})
+    assert (
+        "<|im_start|>user\nThe function returned: 22 C. The function returned: Sunny! "
+        "Answer my question in words.<|im_end|>\n<|im_start|>user\nThanks<|im_end|>"
+    ) in text
 
 
 def allowed(m: Matcher) -> set[int]:
     return {i * 8 + b for i, byte in enumerate(m.mask()) for b in range(8) if byte >> b & 1}
 
 
-def walks(limits: RequestLimits, body: dict[str, Any], answer: str) -> bool:
-    """Whether the request's grammar lets ``answer`` through, token by token, then only the end."""
+def walks(limits: RequestLimits, body: dict[str, Any], answer: str, more: bool = False) -> bool:
+    """Whether the request's grammar lets ``answer`` through, token by token, then only the end
+    (``more``: then the end among other tokens, as after text)."""
     grammar = parse_chat({"messages": USER, **body}, limits).sampling.grammar
     m = grammar.matcher()
     for t in limits.text.tokenizer.encode(answer, add_special_tokens=False):
         if t not in allowed(m):
             return False
         assert m.accept(t)
-    return allowed(m) == {EOS}
+    return EOS in allowed(m) and len(allowed(m)) > 1 if more else allowed(m) == {EOS}
 
 
 @pytest.mark.parametrize(
@@ -223,6 +259,34 @@ def test_forced_calls_follow_the_functions_schemas(
     for answer in ok:
         assert walks(smol, body, answer), answer
     for answer in bad:
+        assert not walks(smol, body, answer), answer
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_auto_without_template_tools_lets_through_calls_or_text_that_cannot_be_one(
+    smol: RequestLimits, parallel: bool
+) -> None:
+    """The grammar of ``auto`` where the template renders no tools: a valid call (an array of them
+    with parallel calls), or text whose first character starts no call (not ``{``, ``[``, space)."""
+    body = {"tools": [WEATHER, NOW], "parallel_tool_calls": parallel}
+    ok = [PARIS, ONE_NOW]
+    text = ["It is sunny in Paris.", "Sure: {a} [b]", '"Quoted", said the model.', "42"]
+    bad = [
+        '{"name": "weather", "arguments": {}}',  # no such function
+        '{"name": "get_weather", "arguments": {"city": "Rome"}}',  # not in the enum
+        '{"name": "get_weather", "arguments": {}}',  # a required argument missing
+        "{I think it is sunny}",  # text that starts like a call
+        "[1, 2]",
+        " It is sunny.",  # space first: would be read past to a call
+        "\n" + PARIS,
+        "",  # an answer is never empty
+    ]
+    many = [f"[{ONE_NOW}, {PARIS}]", f"[{ONE_NOW}]"]
+    for answer in ok + (many if parallel else []):
+        assert walks(smol, body, answer), answer
+    for answer in text:
+        assert walks(smol, body, answer, more=True), answer
+    for answer in bad + ([] if parallel else many):
         assert not walks(smol, body, answer), answer
 
 
@@ -305,3 +369,27 @@ def test_auto_answers_streamed_and_not_carry_the_same_calls(
     assert s_content == content  # the deltas join to the non-streamed content
     assert not any("<tool" in (ch["delta"]["content"] or "") for ch in chunks)  # held back, never streamed
     assert all(c["id"].startswith("call_") for c in s_calls + message.get("tool_calls", []))
+
+
+@pytest.mark.parametrize(
+    ("body", "text", "content", "calls"),
+    [
+        ({}, "It is sunny in Paris.", "It is sunny in Paris.", []),
+        ({}, PARIS, None, [("get_weather", PARIS_ARGS)]),
+        ({}, f"[{ONE_NOW}, {PARIS}]", None, [("now", "{}"), ("get_weather", PARIS_ARGS)]),
+        ({"parallel_tool_calls": False}, ONE_NOW, None, [("now", "{}")]),
+    ],
+)  # fmt: skip
+def test_auto_without_template_tools_answers_streamed_and_not_alike(
+    smol: RequestLimits, body: dict[str, Any], text: str, content: str | None, calls: list[tuple[str, str]]
+) -> None:
+    body = {"tools": [WEATHER, NOW], **body}
+    whole = answer(smol, body, text, stream=False)
+    got = [
+        (c["function"]["name"], c["function"]["arguments"]) for c in whole["message"].get("tool_calls", [])
+    ]
+    assert (whole["message"]["content"], got) == (content, calls)
+    assert whole["finish_reason"] == ("tool_calls" if calls else "stop")
+    s_content, s_calls, s_reason = joined(answer(smol, body, text, stream=True))
+    assert (s_content, s_reason) == (content, whole["finish_reason"])
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in s_calls] == calls
