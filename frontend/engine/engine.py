@@ -125,6 +125,8 @@ class Engine:
             self.stats,
             defer_appends=self.config.defer_appends,
             grant_ahead_tokens=self.config.grant_ahead_tokens,
+            # Not with overlap: its reservation holds one slot per sequence, not 1 + k.
+            speculative=None if self.config.overlap_block_manager else self.config.speculative,
         )
         self._step_ids = itertools.count()
         # The prefill pipeline's chunk in flight: its future and its items.

@@ -151,6 +151,8 @@ def worker_request(
         # n > 1: the worker draws the forked samples' first tokens from the prompt's last position.
         for c in fork_draws(s, k):
             fill_sampling(item.fork_sampling.add(), s.request.sampling, c.seed)
+        if s.proposed and start + k == len(s.tokens):  # speculative decoding: verify the proposals
+            item.num_proposed_tokens = s.proposed
         if decode_steps is not None and decode_steps[j] > 1:
             item.decode_steps = decode_steps[j]
             item.stop_token_ids.extend(s.request.stop_token_ids)

@@ -123,23 +123,31 @@ def batches(
     workers); else they share it, decode first. ``num_workers`` mixed workers split the iteration,
     so the budget is that many times max_batch_tokens, and no chunk exceeds max_batch_tokens
     (one sequence's chunk runs on one worker). Sequences whose prefill is in flight (PREFILLING)
-    wait, and with ``prefill_busy`` (the prefill pipeline has a chunk in flight) no prefill is planned."""
+    wait, and with ``prefill_busy`` (the prefill pipeline has a chunk in flight) no prefill is planned.
+    A sequence with proposals (``Seq.proposed``, speculative decoding) decodes its last token and
+    its proposals in one pass."""
     budget = limits.max_batch_tokens * num_workers
     decode = [
         s
         for s in running
         if s.status is SeqStatus.RUNNING
-        and s.num_computed == len(s.tokens) - 1
+        and s.num_computed == len(s.tokens) - 1 - s.proposed
         and s.blocks.fits(len(s.tokens), limits.block_size)
         and not s.awaiting_parent
     ]
-    decode_batch = [(s, 1) for s in decode[:budget]]
-    budget = budget if separate_budgets else budget - len(decode_batch)
+    decode_batch = [(s, 1 + s.proposed) for s in decode[:budget]]
+    budget = budget if separate_budgets else budget - sum(k for _, k in decode_batch)
     if separate_budgets and prefill_busy:
         return decode_batch, []
     batch: list[tuple[Seq, int]] = []
     for s in running:
-        if s.status is not SeqStatus.RUNNING or s.needs_slot or s.awaiting_parent or budget <= 0:
+        if (
+            s.status is not SeqStatus.RUNNING
+            or s.needs_slot
+            or s.awaiting_parent
+            or s.proposed
+            or budget <= 0
+        ):
             continue
         remaining = len(s.tokens) - s.num_computed
         if remaining <= 1:
@@ -163,14 +171,16 @@ def decode_steps(batch: Sequence[tuple[Seq, int]], want: int, block_size: int) -
     engine's own work) is then paid once for several tokens; with one sequence decoding it is a
     tenth of a step on a CPU and more on a GPU. The cost: tokens reach the caller that many at a
     time, and a request arriving meanwhile waits for the call, so the engine asks only when no
-    sequence waits for admission (Scheduler.decode_steps)."""
-    if want <= 1 or not batch or any(k != 1 for _, k in batch):
+    sequence waits for admission (Scheduler.decode_steps). A sequence verifying proposals
+    (speculative decoding) goes its one pass beside the others' steps."""
+    if want <= 1 or not batch or any(k != 1 + s.proposed for s, k in batch):
         return None
     out = []
     for s, _ in batch:
         opts = s.request.sampling
         if (
-            opts.grammar is not None
+            s.proposed
+            or opts.grammar is not None
             or opts.penalized
             or s.blocks.tail_shared
             or any(c.awaiting_parent for c in s.children)

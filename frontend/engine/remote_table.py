@@ -25,6 +25,7 @@ import structlog
 
 from pagedkv.frontend.engine.step_messages import RESOURCE_EXHAUSTED, StepDelta, StepPlan
 from pagedkv.frontend.engine.types import Seq, SeqStatus
+from pagedkv.kv_capacity import blocks_for_tokens
 from pagedkv.v1 import block_manager_pb2 as pb
 
 log = structlog.get_logger("pagedkv.engine")
@@ -199,6 +200,14 @@ class RemoteTable:
         c.table, c.slots, c.committed = list(p.table), p.slots, parent.num_computed
         child.num_computed = parent.num_computed
         p.tail_shared = c.tail_shared = True
+
+    def rolled_back(self, seq: Seq, num_tokens: int) -> None:
+        """Shortened to ``num_tokens`` slots (speculative decoding: a Step's rollback takes back
+        the slots of rejected proposals): the table's blocks wholly past them leave it, as they
+        leave the manager's; the block granted ahead stays granted."""
+        b = seq.blocks
+        b.slots = min(b.slots, num_tokens)
+        del b.table[blocks_for_tokens(num_tokens, self.block_size) :]
 
     def swapped_out(self, seq: Seq) -> None:
         """Its table's blocks went to the CPU pool whole; the block granted ahead was released, and

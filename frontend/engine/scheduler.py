@@ -24,6 +24,7 @@ import structlog
 from pagedkv.frontend.engine import output, policy
 from pagedkv.frontend.engine.policy import Limits
 from pagedkv.frontend.engine.remote_table import BlockManagerPlan, RemoteTable, growth_blocks
+from pagedkv.frontend.engine.speculate import SpeculativeConfig, proposal_for, speculation_on
 from pagedkv.frontend.engine.step_messages import RESOURCE_EXHAUSTED, ItemError, StepDelta, StepPlan
 from pagedkv.frontend.engine.types import (
     Completion,
@@ -62,8 +63,14 @@ class Scheduler:
         *,
         defer_appends: bool = True,
         grant_ahead_tokens: int | None = None,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.limits = limits
+        self.speculative = speculative  # EngineConfig.speculative (None: off)
+        # Sequences whose slots in the block manager past a length hold proposals that were
+        # rejected or never verified: rolled back to that length in the next Step (after a
+        # swap-in for a swapped one: only a running sequence can be rolled back).
+        self.rollbacks: dict[Seq, int] = {}
         self.defer_appends = defer_appends  # EngineConfig.defer_appends
         # EngineConfig.grant_ahead_tokens (None: the block size)
         self.grant_ahead_tokens = limits.block_size if grant_ahead_tokens is None else grant_ahead_tokens
@@ -113,6 +120,7 @@ class Scheduler:
             if seq.status is SeqStatus.WAITING:
                 self.waiting.remove(seq)
             else:
+                self._drop_proposal(seq)
                 if seq.running:
                     self.running.remove(seq)
                 else:
@@ -191,6 +199,9 @@ class Scheduler:
         so that crossing a block boundary does not need a Step of its own either."""
         bs = self.limits.block_size
         remote = self.remote
+        rollbacks = self._take_rollbacks()  # applied first: commits and appends see the new lengths
+        if full:
+            self._propose()
         grow = [s for s in self.running if s.needs_slot] if full else []
         swap_in = policy.swap_ins(self.swapped, len(self.running), self.limits) if full else []
         admit: list[Seq] = []
@@ -214,7 +225,7 @@ class Scheduler:
             frees = [x for x in frees if x not in sent]
         lazy = self.defer_appends and full
         must_grow = [s for s in grow if not remote.can_grow(s)] if lazy else grow
-        if not (must_grow or frees or swap_in or admit or owed or (commits and not lazy)):
+        if not (rollbacks or must_grow or frees or swap_in or admit or owed or (commits and not lazy)):
             return None
         for s, n in commits:
             s.blocks.committed = n
@@ -238,6 +249,7 @@ class Scheduler:
             candidates = [*self.running, *(s for s in admit if s.width == 1)]
             grant = policy.grants(candidates, spare, self.limits, self.grant_ahead_tokens)
         step = StepPlan(
+            rollbacks=rollbacks,
             commits=[(s.seq_id, n) for s, n in commits],
             frees=frees,
             appends=[(s.seq_id, t) for s, t in items],
@@ -248,6 +260,77 @@ class Scheduler:
             grants=[s.seq_id for s in grant],
         )
         return BlockManagerPlan(step, [s for s, _ in items], swap_in, admit, forks, grant)
+
+    # --- speculative decoding (docs/speculative.md) ----------------------------------
+    def _propose(self) -> None:
+        """Speculative decoding: while few enough sequences run (speculate.speculation_on), each
+        decoding one that may verify gets its n-gram proposal appended to its tokens (``Seq.proposed``
+        of them): this Step appends their slots with their token ids (when they do not fit the
+        blocks it holds, or a Step goes anyway), the worker step verifies them, and
+        :meth:`apply_outputs` keeps what was accepted (the rest is rolled back in the next Step).
+        A proposal never takes more than one new block, and that only while the pool has room to
+        spare: speculation must not cost a preemption."""
+        cfg = self.speculative
+        if cfg is None or not speculation_on(cfg, len(self.running)):
+            return
+        bs = self.limits.block_size
+        spare = self.remote.pool.available - self.limits.watermark > len(self.running)
+        for s in self.running:
+            if not self._may_speculate(s):
+                continue
+            left = s.request.max_tokens - len(s.completion.token_ids)  # the pass draws one itself
+            room = (s.blocks.held + spare) * bs - len(s.tokens)
+            proposal = proposal_for(cfg, s.tokens, min(left - 1, room))
+            if proposal:
+                s.tokens.extend(proposal)
+                s.proposed = len(proposal)
+
+    @staticmethod
+    def _may_speculate(s: Seq) -> bool:
+        """A sequence whose next step is one decode token the worker can verify proposals for: not
+        under a grammar (the worker takes one mask per step, not one per proposed position, so a
+        sequence under a grammar decodes plainly), nor with penalties (their history changes with
+        every token), nor while forked samples wait for its logits."""
+        opts = s.request.sampling
+        return (
+            s.status is SeqStatus.RUNNING
+            and not s.proposed
+            and bool(s.completion.token_ids)
+            and s.num_computed == len(s.tokens) - 1
+            and not s.awaiting_parent
+            and not any(c.awaiting_parent for c in s.children)
+            and opts.grammar is None
+            and not opts.penalized
+        )
+
+    def _drop_proposal(self, s: Seq) -> None:
+        """Take unverified proposals off a sequence's tokens (it was preempted or aborted, or was left
+        out of the worker step); slots the manager holds for them are rolled back."""
+        if s.proposed:
+            del s.tokens[-s.proposed :]
+            s.proposed = 0
+            self._owe_rollback(s, len(s.tokens))
+
+    def _owe_rollback(self, s: Seq, num_tokens: int) -> None:
+        if s.blocks.slots > num_tokens:
+            self.rollbacks[s] = min(num_tokens, self.rollbacks.get(s, num_tokens))
+
+    def _take_rollbacks(self) -> list[tuple[str, int]]:
+        """The rollbacks this Step sends (the running sequences'), with the remote table shortened
+        to them now: the Step applies them first. A sequence requeued or finished since holds
+        nothing to roll back (its Free takes everything); a swapped one waits for its swap-in."""
+        for s in self.running:  # proposals a worker step did not verify (left out of it)
+            if s.proposed and s.status is SeqStatus.RUNNING:
+                self._drop_proposal(s)
+        out = []
+        for s, n in list(self.rollbacks.items()):
+            if s.status is SeqStatus.SWAPPED:
+                continue
+            del self.rollbacks[s]
+            if s.running and s.blocks.slots > n:
+                self.remote.rolled_back(s, n)
+                out.append((s.seq_id, n))
+        return out
 
     def _sample_of(self, parent: Seq, index: int) -> Seq:
         """Sample ``index`` of the parent's request, forked at its admission from its prompt."""
@@ -269,6 +352,9 @@ class Scheduler:
         cache ops owed to the workers); the queues follow preemptions, allocations, forks and
         swap-ins; then the grants and the appends that went through count."""
         self.remote.reconcile(plan, delta)
+        for err in delta.errors:
+            if err.kind == "rollback":  # never below what was committed: a refusal is a bug
+                raise RuntimeError(f"block manager refused to roll back {err.seq_id}: {err.message}")
         preempted = self._apply_preemptions(delta)
         errors: dict[str, dict[int, ItemError]] = collections.defaultdict(dict)
         for err in delta.errors:
@@ -328,6 +414,7 @@ class Scheduler:
                 continue
             if seq is None or not seq.running:
                 continue
+            self._drop_proposal(seq)
             if p.swap:
                 self.running.remove(seq)
                 seq.status = SeqStatus.SWAPPED
@@ -353,6 +440,7 @@ class Scheduler:
 
     def _preempt_self(self, seq: Seq) -> None:
         """Recompute it later: its Free goes into the next Step, ahead of its re-allocation."""
+        self._drop_proposal(seq)
         self.remote.free_later(seq)
         self._requeue(seq)
         self.stats.preempted_recompute += 1
@@ -361,6 +449,7 @@ class Scheduler:
     def _requeue(self, seq: Seq) -> None:
         """Back to the front of the queue; everything generated so far becomes its prompt.
         A sample still waiting for its parent's prompt becomes a request of its own."""
+        self._drop_proposal(seq)
         if seq.running:
             self.running.remove(seq)
         seq.status = SeqStatus.WAITING
@@ -452,8 +541,13 @@ class Scheduler:
         events: list[TokenEvent] = []
         for it, out in zip(items, outputs, strict=False):
             s = it.seq
-            s.num_computed += it.tokens
-            self.stats.computed_tokens += it.tokens
+            proposed = s.proposed if s.proposed and it.start + it.tokens == len(s.tokens) else 0
+            if proposed:  # a verification pass: its proposals leave the tokens, the accepted come back
+                del s.tokens[-proposed:]
+                s.proposed = 0
+            computed = it.tokens - proposed
+            s.num_computed += computed
+            self.stats.computed_tokens += computed
             for c in s.children:
                 if c.awaiting_parent:
                     c.num_computed = s.num_computed  # their shared prompt blocks were just written
@@ -463,21 +557,37 @@ class Scheduler:
                 events.append(self._accept_token(child, drawn))
             events.append(self._accept_token(s, out))
             if out.next_samples:
-                events += self._accept_next(s, out.next_samples)
+                events += self._accept_next(s, out.next_samples, multi_step=not proposed)
+            if proposed:
+                self._verified(s, proposed, out.num_accepted_tokens)
         return events
 
-    def _accept_next(self, s: Seq, samples: Sequence[wpb.Sample]) -> list[TokenEvent]:
+    def _verified(self, s: Seq, proposed: int, accepted: int) -> None:
+        """A verification pass is in: count it; the slots past what it computed (rejected proposals,
+        and the slot of the token it drew, which holds a proposal's id) are rolled back."""
+        st = self.stats
+        st.spec_passes += 1
+        st.spec_proposed += proposed
+        st.spec_accepted += accepted
+        st.spec_emitted += accepted + 1
+        if s.running:
+            self._owe_rollback(s, s.num_computed)
+
+    def _accept_next(
+        self, s: Seq, samples: Sequence[wpb.Sample], *, multi_step: bool = True
+    ) -> list[TokenEvent]:
         """Multi-step decode: the tokens the steps after the first drew, each computed on the one
         before it. They count until one finishes the sequence (a stop string the caller matches
         aborts it later, as with single steps); what the worker computed past that is dropped with
-        the sequence's blocks."""
+        the sequence's blocks. A verification pass's accepted tokens come back the same way
+        (``multi_step=False``): each was computed on the one before it."""
         events = []
         for drawn in samples:
             if s.status is not SeqStatus.RUNNING:
                 break
             s.num_computed += 1  # the token the last step drew is in the cache now
             self.stats.computed_tokens += 1
-            self.stats.multi_step_tokens += 1
+            self.stats.multi_step_tokens += multi_step
             events.append(self._accept_token(s, drawn))
         return events
 

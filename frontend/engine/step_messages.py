@@ -23,6 +23,7 @@ RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 class StepPlan:
     """What one Step asks, in the manager's apply order (sequence ids and token ids only)."""
 
+    rollbacks: list[tuple[str, int]] = field(default_factory=list)  # (seq id, tokens kept)
     commits: list[tuple[str, int]] = field(default_factory=list)  # (seq id, computed tokens)
     frees: list[str] = field(default_factory=list)
     appends: list[tuple[str, int | None]] = field(default_factory=list)  # (seq id, token id or unknown)
@@ -37,7 +38,7 @@ class StepPlan:
 class ItemError:
     """One item of a Step the manager refused (nothing of it applied). ``code``: a grpc.StatusCode value."""
 
-    kind: str  # "append", "free", "alloc", "fork", "swap_in", "commit", "grant"
+    kind: str  # "append", "free", "alloc", "fork", "swap_in", "commit", "grant", "rollback"
     index: int
     seq_id: str
     code: int
@@ -79,6 +80,7 @@ _KINDS = {
     pb.StepItemError.SWAP_IN: "swap_in",
     pb.StepItemError.COMMIT: "commit",
     pb.StepItemError.GRANT: "grant",
+    pb.StepItemError.ROLLBACK: "rollback",
 }
 
 
@@ -86,6 +88,8 @@ def step_request(plan: StepPlan, lease_id: str) -> pb.StepRequest:
     tokens = [t for _, t in plan.appends]
     known = [t for t in tokens if t is not None]  # sent only when every append has its id
     return pb.StepRequest(
+        rollback_seq_ids=[s for s, _ in plan.rollbacks],
+        rollback_num_tokens=[n for _, n in plan.rollbacks],
         commit_seq_ids=[s for s, _ in plan.commits],
         commit_num_computed_tokens=[n for _, n in plan.commits],
         free_seq_ids=plan.frees,

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedkv import defaults
+from pagedkv.frontend.engine.speculate import SpeculativeConfig
 from pagedkv.kv_capacity import blocks_for_tokens
 
 MAX_TOP_LOGPROBS = defaults.MAX_TOP_LOGPROBS  # what a worker returns at most per position
@@ -239,6 +240,9 @@ class Seq:
     forks_sent: list[Seq] = field(default_factory=list)
     # SamplingOptions.grammar: this sample's place in it (frontend/serve/grammar.py Matcher).
     matcher: Any = None
+    # Speculative decoding: how many of ``tokens``' last ones are proposals the next worker step
+    # verifies (scheduler.py adds them before its Step and takes them off when the step is back).
+    proposed: int = 0
 
     @property
     def completion(self) -> Completion:
@@ -312,6 +316,9 @@ class EngineConfig:
     # The deadline of one block-manager call (its own Steps take milliseconds): a hung manager or a
     # silent link is retried (same request id) after this, within block_manager_outage_s.
     block_manager_timeout_s: float = 5.0
+    # Speculative decoding (docs/speculative.md): n-gram proposals verified by the workers in one
+    # pass, while few sequences run; None: off.
+    speculative: SpeculativeConfig | None = None
 
 
 @dataclass(slots=True)
@@ -351,3 +358,9 @@ class EngineStats:
     bm_resyncs: int = 0
     recomputed_tokens: int = 0
     longest_stall_s: float = 0.0
+    # Speculative decoding: verification passes, proposed and accepted tokens, and the tokens the
+    # passes produced (accepted + the target's own: tokens per pass = spec_emitted / spec_passes).
+    spec_passes: int = 0
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+    spec_emitted: int = 0

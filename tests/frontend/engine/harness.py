@@ -10,14 +10,16 @@ table, so a wrong table, a missed copy or a block used ahead of the manager's sa
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedkv.block_manager_svc.core import BlockManager, CoreConfig
 from pagedkv.block_manager_svc.handlers import CoreStage
 from pagedkv.frontend.engine.policy import Limits
 from pagedkv.frontend.engine.scheduler import PrefillItem, Scheduler
+from pagedkv.frontend.engine.speculate import SpeculativeConfig
 from pagedkv.frontend.engine.step_messages import StepDelta, StepPlan, step_delta, step_request
-from pagedkv.frontend.engine.types import EngineStats, GenerationRequest, SamplingOptions, TokenEvent
+from pagedkv.frontend.engine.types import EngineStats, GenerationRequest, SamplingOptions, Seq, TokenEvent
 from pagedkv.v1 import worker_pb2 as wpb
 
 VOCAB = 97
@@ -31,11 +33,13 @@ def next_token(tokens: list[int], seed: int = 0) -> int:
     return h % VOCAB
 
 
-def expected(prompt: list[int], max_tokens: int, seed: int = 0) -> list[int]:
+def expected(
+    prompt: list[int], max_tokens: int, seed: int = 0, model: Callable[[list[int], int], int] = next_token
+) -> list[int]:
     """What a request generates with nothing in the way (no preemption, no fault)."""
     ctx, out = list(prompt), []
     for _ in range(max_tokens):
-        t = next_token(ctx, seed)
+        t = model(ctx, seed)
         out.append(t)
         ctx.append(t)
     return out
@@ -83,6 +87,10 @@ class Driver:
     # The real worker ends a sequence's steps at a stop token; False: this one runs every step it
     # was asked for (a reply that carries tokens past the one that finished the sequence).
     worker_stops: bool = True
+    # The stand-in model (speculative tests use one that repeats its context, so proposals match).
+    model: Callable[[list[int], int], int] = next_token
+    # Verification passes: (seq id, tokens proposed, tokens accepted), as the real worker verifies.
+    verified: list[tuple[str, int, int]] = field(default_factory=list)
     gpu: dict[int, dict[int, int]] = field(default_factory=dict)  # block -> slot -> token written
     cpu: dict[int, dict[int, int]] = field(default_factory=dict)
 
@@ -90,7 +98,8 @@ class Driver:
     def make(
         cls, *, num_gpu_blocks: int, block_size: int = 4, max_num_seqs: int = 8, max_batch_tokens: int = 64,
         watermark: int = 0, prefix_caching: bool = True, defer_appends: bool = True,
-        grant_ahead_tokens: int | None = None, decode_steps: int = 1, **core: object,
+        grant_ahead_tokens: int | None = None, decode_steps: int = 1,
+        speculative: SpeculativeConfig | None = None, **core: object,
     ) -> Driver:  # fmt: skip
         bm = CoreBlockManager(
             num_gpu_blocks=num_gpu_blocks,
@@ -108,6 +117,7 @@ class Driver:
             stats,
             defer_appends=defer_appends,
             grant_ahead_tokens=grant_ahead_tokens,
+            speculative=speculative,
         )
         return cls(scheduler, bm, decode_steps=decode_steps)
 
@@ -153,11 +163,14 @@ class Driver:
             table = s.blocks.step_table  # what the worker request carries
             for pos in range(s.num_computed, s.num_computed + k):
                 self.gpu.setdefault(table[pos // bs], {})[pos % bs] = s.tokens[pos]
+            if s.proposed and s.num_computed + k == len(s.tokens):
+                outputs.append(self._verify(s, k, table))
+                continue
             context = [self.gpu[table[pos // bs]].get(pos % bs, -1) for pos in range(s.num_computed + k)]
             draws = sched.fork_draws(s, k)
-            out = wpb.SequenceOutput(token_id=next_token(context, s.seed or 0))
+            out = wpb.SequenceOutput(token_id=self.model(context, s.seed or 0))
             for child in draws:
-                out.fork_samples.add(token_id=next_token(context, child.seed or 0))
+                out.fork_samples.add(token_id=self.model(context, child.seed or 0))
             # Multi-step decode: each next step writes the token drawn last at the next position
             # (into the table it was sent: a slot it does not hold raises here) and draws again.
             last, pos = out.token_id, s.num_computed + k
@@ -167,12 +180,32 @@ class Driver:
                 self.gpu.setdefault(table[pos // bs], {})[pos % bs] = last
                 pos += 1
                 context = [self.gpu[table[q // bs]].get(q % bs, -1) for q in range(pos)]
-                last = next_token(context, s.seed or 0)
+                last = self.model(context, s.seed or 0)
                 out.next_samples.add(token_id=last)
             outputs.append(out)
         events = sched.apply_outputs(items, outputs)
         self.events += events
         return events
+
+    def _verify(self, s: Seq, k: int, table: list[int]) -> wpb.SequenceOutput:
+        """A verification pass as the worker runs it: the model's own token after each of the k
+        new tokens (read back through the table), the proposals kept while they agree with it."""
+        bs = self.scheduler.limits.block_size
+        start = s.num_computed
+        draws = []
+        for j in range(k):
+            context = [self.gpu[table[q // bs]].get(q % bs, -1) for q in range(start + j + 1)]
+            draws.append(self.model(context, s.seed or 0))
+        proposals = s.tokens[start + 1 : start + k]
+        accepted = 0
+        while accepted < len(proposals) and proposals[accepted] == draws[accepted]:
+            accepted += 1
+        self.verified.append((s.seq_id, len(proposals), accepted))
+        kept = draws[: accepted + 1]
+        out = wpb.SequenceOutput(token_id=kept[0], num_accepted_tokens=accepted)
+        for t in kept[1:]:
+            out.next_samples.add(token_id=t)
+        return out
 
     def iterate(self) -> list[TokenEvent]:
         self.block_manager_step()
