@@ -46,6 +46,9 @@ if structlog is not None:
 SLOW_MODULES = frozenset(
     {
         "tests/block_manager_svc/reliability/test_faults.py",
+        "tests/clients/test_instructor.py",
+        "tests/clients/test_langchain.py",
+        "tests/clients/test_openai_agents.py",
         "tests/frontend/engine/test_block_manager_faults.py",
         "tests/frontend/engine/test_cache_host_recovery.py",
         "tests/frontend/launch/test_cli_stack.py",
