@@ -45,7 +45,7 @@ from typing import Any
 
 from pagedkv.frontend.clients.worker import WorkerClient
 from pagedkv.frontend.engine.output import worker_request
-from pagedkv.frontend.engine.types import Completion, GenerationRequest, RequestOutput, Seq
+from pagedkv.frontend.engine.types import Completion, GenerationRequest, RequestOutput, Seq, SeqBlocks
 from pagedkv.v1 import worker_pb2 as wpb
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -103,7 +103,7 @@ def decode_step(num_seqs: int, step: int) -> wpb.WorkerStepRequest:
             output=RequestOutput(req.request_id, prompt, [Completion(0)]),
             index=0,
             tokens=[*prompt, 11],
-            block_table=list(range(i * (CONTEXT // BLOCK + 1), (i + 1) * (CONTEXT // BLOCK + 1))),
+            blocks=SeqBlocks(table=list(range(i * (CONTEXT // BLOCK + 1), (i + 1) * (CONTEXT // BLOCK + 1)))),
             num_computed=CONTEXT,
         )
         batch.append((seq, 1))
