@@ -164,6 +164,39 @@ class _FaultCollector(Collector):
         )
 
 
+class _SpeculationCollector(Collector):
+    """Speculative decoding's counters (EngineStats, read when scraped), with vLLM's names beside
+    ours: verification passes, proposed and accepted tokens, tokens the passes produced; and the
+    acceptance rate and tokens per pass they make."""
+
+    def __init__(self, read: Callable[[], Any], vllm_names: bool) -> None:
+        self._read = read
+        self._vllm = vllm_names
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        st = self._read()
+        counters = (
+            ("spec_decode_num_drafts", "Verification passes (speculative decoding)", st.spec_passes),
+            ("spec_decode_num_draft_tokens", "Proposed tokens verified", st.spec_proposed),
+            ("spec_decode_num_accepted_tokens", "Proposed tokens accepted", st.spec_accepted),
+            ("spec_decode_num_emitted_tokens", "Tokens verification passes produced", st.spec_emitted),
+        )
+        for name, doc, value in counters:
+            yield CounterMetricFamily(f"pagedkv_{name}", doc, value=value)
+            if self._vllm and name != "spec_decode_num_emitted_tokens":
+                yield CounterMetricFamily(f"vllm:{name}", doc, value=value)
+        yield GaugeMetricFamily(
+            "pagedkv_spec_decode_acceptance_rate",
+            "Accepted / proposed tokens so far",
+            value=st.spec_accepted / st.spec_proposed if st.spec_proposed else 0.0,
+        )
+        yield GaugeMetricFamily(
+            "pagedkv_spec_decode_tokens_per_pass",
+            "Tokens per verification pass so far (accepted + the target's own)",
+            value=st.spec_emitted / st.spec_passes if st.spec_passes else 0.0,
+        )
+
+
 class ServeMetrics:
     """One registry per server (tests run several in one process)."""
 
@@ -245,6 +278,7 @@ class ServeMetrics:
         r.register(_PoolCollector(pool, vllm_names))
         if engine_stats is not None:
             r.register(_FaultCollector(engine_stats))
+            r.register(_SpeculationCollector(engine_stats, vllm_names))
         self._vllm: dict[str, Gauge | Histogram] = {}
         if vllm_names:
             self._vllm = {

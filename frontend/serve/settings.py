@@ -18,9 +18,11 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pagedkv import defaults, settings_cli
 from pagedkv.frontend.engine import EngineConfig
+from pagedkv.frontend.engine.speculate import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
 
 # The engine's own defaults (frontend/engine/types.py) are the server's: written once, there.
 _ENGINE = EngineConfig()
+_SPEC = SpeculativeConfig()
 
 
 class ServeSettings(BaseSettings):
@@ -70,6 +72,31 @@ class ServeSettings(BaseSettings):
         description="decode steps a worker runs in one call while no request waits for admission "
         "(multi-step decode): an iteration's fixed cost is paid once for that many tokens, which "
         "stream that many at a time; 1 = one step per iteration",
+    )
+    speculative: Literal["off", "ngram"] = Field(
+        "off",
+        description="speculative decoding (docs/speculative.md): ngram = n-gram prompt lookup, "
+        "proposals from earlier in the same sequence verified in one pass, while at most "
+        "--speculative-max-num-seqs sequences run and not under a grammar; greedy and seeded "
+        "outputs are those of plain decoding",
+    )
+    num_speculative_tokens: int = Field(
+        _SPEC.num_speculative_tokens,
+        ge=1,
+        le=MAX_SPECULATIVE_TOKENS,
+        description="tokens proposed per verification pass (vLLM's num_speculative_tokens)",
+    )
+    prompt_lookup_max: int = Field(
+        _SPEC.prompt_lookup_max, ge=1, description="longest n-gram looked up (vLLM's prompt_lookup_max)"
+    )
+    prompt_lookup_min: int = Field(
+        _SPEC.prompt_lookup_min, ge=1, description="shortest n-gram looked up (vLLM's prompt_lookup_min)"
+    )
+    speculative_max_num_seqs: int = Field(
+        _SPEC.max_num_seqs,
+        ge=1,
+        description="speculate only while at most this many sequences run (a larger batch makes "
+        "plain decode compute-bound, where rejected proposals cost more than they save)",
     )
     timeout_s: float = Field(
         _ENGINE.timeout_s, gt=0, description="deadline of each gRPC call to the block manager/workers"
@@ -159,10 +186,22 @@ class ServeSettings(BaseSettings):
             max_num_seqs=self.max_num_seqs,
             max_batch_tokens=self.max_batch_tokens,
             decode_steps=self.decode_steps,
+            speculative=self.speculative_config(),
             timeout_s=self.timeout_s,
             recover_lost_cache=True,
             block_manager_outage_s=self.block_manager_outage_s,
             block_manager_timeout_s=self.block_manager_timeout_s,
+        )
+
+    def speculative_config(self) -> SpeculativeConfig | None:
+        if self.speculative == "off":
+            return None
+        return SpeculativeConfig(
+            method=self.speculative,
+            num_speculative_tokens=self.num_speculative_tokens,
+            prompt_lookup_max=self.prompt_lookup_max,
+            prompt_lookup_min=self.prompt_lookup_min,
+            max_num_seqs=self.speculative_max_num_seqs,
         )
 
     @property
