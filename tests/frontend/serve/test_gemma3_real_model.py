@@ -3,8 +3,8 @@ served by ``pagedkv up --model FILE --weight-format fp32``: completions, streame
 transformers' greedy tokens on the same file (``AutoModelForCausalLM.from_pretrained`` with
 ``gguf_file=NAME``: a ``Gemma3ForCausalLM`` dequantized to fp32, eager attention) on a short
 prompt and on one of 1,500+ tokens, three times the 512-token window of its sliding layers; the
-front door splits both prompts into transformers' ids; a chat request is a 400 naming the missing chat template (the base model's
-file has none).
+front door splits both prompts into transformers' ids; a chat request is a 400 naming the missing
+chat template (the base model's file has none).
 
 Few tokens, one worker, one stack for the module: the cost is the long prefill on both sides and
 loading the model (dequantizing 268M parameters) in the stack and in the oracle.
