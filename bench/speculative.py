@@ -85,7 +85,8 @@ def metric(url: str, name: str) -> float:
 
 def workload(server: Server, prompts: list[str], max_tokens: int, runs: int) -> tuple[float, list[list[int]]]:
     """Median generated tokens per second over ``runs`` passes (one request at a time)."""
-    rates, outs = [], []
+    rates: list[float] = []
+    outs: list[list[int]] = []
     for _ in range(runs):
         tokens = secs = 0.0
         outs = []
