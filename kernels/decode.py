@@ -92,14 +92,17 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]
     split = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
-    # A sliding window (window > 0): the tiles start at the window's first token, so nothing before
-    # it is read (its blocks may have been released) and the work follows the window.
+    # A sliding window (window > 0): the tiles start at the one holding the window's first token lo,
+    # and that tile masks the tokens before it, so nothing before the window is read (its blocks may
+    # have been released) and the work follows the window. Tiles stay BLOCK_N-aligned (unaligned
+    # ones cost the split kernel registers it does not have at head_dim 128).
     lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
-    n_tiles = tl.cdiv(seq_len - lo, BLOCK_N)
+    base = lo // BLOCK_N * BLOCK_N
+    n_tiles = tl.cdiv(seq_len - base, BLOCK_N)
     # This sequence's own split count: no more than num_splits, each >= min_split_tokens.
-    my_splits = tl.maximum(tl.minimum(num_splits, tl.cdiv(seq_len - lo, min_split_tokens)), 1)
+    my_splits = tl.maximum(tl.minimum(num_splits, tl.cdiv(seq_len - base, min_split_tokens)), 1)
     tiles_per_split = tl.cdiv(n_tiles, my_splits)
-    start = lo + split * tiles_per_split * BLOCK_N
+    start = base + split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
 
     g = tl.arange(0, BLOCK_G)
@@ -125,6 +128,44 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]
     bt_row = block_tables_ptr + seq * s_bt
     q_pos = g  # unused: decode needs no causal mask (the query is the last token)
 
+    if start < lo:  # the window's first tile: tokens before lo masked, not read
+        acc, m_i, l_i = attend_tile(
+            acc,
+            m_i,
+            l_i,
+            q,
+            k_base,
+            v_base,
+            bt_row,
+            start,
+            lo,
+            end,
+            q_pos,
+            q_pos,
+            s_kb,
+            s_ko,
+            s_vb,
+            s_vo,
+            ks_base,
+            vs_base,
+            s_ksb,
+            s_kso,
+            s_vsb,
+            s_vso,
+            qk_scale,
+            BLOCK_SIZE,
+            HEAD_DIM,
+            BLOCK_N,
+            BLOCK_D,
+            True,
+            False,
+            False,
+            UPCAST,
+            PRECISION,
+            QUANT,
+        )
+
+        start += BLOCK_N
     # Whole tiles without masks, then the ragged tail (if any) with one.
     full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
     for t in range(start, full_end, BLOCK_N):
