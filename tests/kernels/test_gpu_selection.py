@@ -16,13 +16,13 @@ from collections.abc import Mapping
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-CPU_ONLY = re.compile(r"\bcpu_native\b|from pagedkv.kernels import [^\n]*\bcpu\b")
+CPU_ONLY = re.compile(r"\bcpu_native\b|from pagedkv.kernels.cpu\b|from pagedkv.kernels import [^\n]*\bcpu\b")
 
 
 def _cpu_feature_modules() -> list[Path]:
     return sorted(
         p
-        for p in (ROOT / "tests" / "kernels").glob("test_*.py")
+        for p in (ROOT / "tests" / "kernels").rglob("test_*.py")
         if p.name != Path(__file__).name and CPU_ONLY.search(p.read_text())
     )
 
@@ -45,7 +45,10 @@ def test_the_inner_pytest_keeps_the_inherited_pythonpath() -> None:
 
 def test_cpu_only_kernel_tests_hold_on_the_gpu_image() -> None:
     modules = _cpu_feature_modules()
-    assert {p.name for p in modules} >= {"test_cpu.py", "test_cpu_native.py"}
+    assert {p.relative_to(ROOT).as_posix() for p in modules} >= {
+        "tests/kernels/cpu/test_attention.py",
+        "tests/kernels/cpu/test_native.py",
+    }
     env = inner_env(os.environ)
     proc = subprocess.run(
         [

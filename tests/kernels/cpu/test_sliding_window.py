@@ -16,10 +16,17 @@ from pagedkv import kernels
 from pagedkv.kernels import reference
 from pagedkv.kernels.cpu import attention as cpu
 from pagedkv.kernels.cpu import native as cpu_native
+from tests.kernels import window_cases
 from tests.kernels.cases import poisoned_like
-from tests.kernels.window_cases import DECODE_LENS, PREFILL_SHAPES, WindowCase, build, check
+from tests.kernels.window_cases import DECODE_LENS, PREFILL_SHAPES, WindowCase, check
 
 native = pytest.mark.skipif(not cpu_native.available(), reason="native kernels not built")
+
+
+def build(*args: object, **kwargs: object) -> WindowCase:
+    """The shared cases on CPU tensors: these kernels read host memory, on the GPU image too."""
+    return window_cases.build(*args, device=torch.device("cpu"), **kwargs)  # type: ignore[arg-type]
+
 
 PREFILL_LENS = [s for s, _ in PREFILL_SHAPES]
 PREFILL_Q = [q for _, q in PREFILL_SHAPES]
