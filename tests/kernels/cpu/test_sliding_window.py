@@ -25,7 +25,7 @@ native = pytest.mark.skipif(not cpu_native.available(), reason="native kernels n
 
 def build(*args: object, **kwargs: object) -> WindowCase:
     """The shared cases on CPU tensors: these kernels read host memory, on the GPU image too."""
-    return window_cases.build(*args, device=torch.device("cpu"), **kwargs)  # type: ignore[arg-type]
+    return window_cases.build(*args, device=torch.device("cpu"), **kwargs)
 
 
 PREFILL_LENS = [s for s, _ in PREFILL_SHAPES]
