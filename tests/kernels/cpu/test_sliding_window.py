@@ -9,6 +9,8 @@ bf16, int8 caches; each build variant), bf16 prefill as per-row decode queries, 
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -23,9 +25,8 @@ from tests.kernels.window_cases import DECODE_LENS, PREFILL_SHAPES, WindowCase, 
 native = pytest.mark.skipif(not cpu_native.available(), reason="native kernels not built")
 
 
-def build(*args: object, **kwargs: object) -> WindowCase:
-    """The shared cases on CPU tensors: these kernels read host memory, on the GPU image too."""
-    return window_cases.build(*args, device=torch.device("cpu"), **kwargs)
+# The shared cases on CPU tensors: these kernels read host memory, on the GPU image too.
+build = functools.partial(window_cases.build, device=torch.device("cpu"))
 
 
 PREFILL_LENS = [s for s, _ in PREFILL_SHAPES]
