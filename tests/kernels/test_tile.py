@@ -55,8 +55,10 @@ def _one_tile(
         v_ptr,
         bt_ptr,
         0,
+        0,  # lower: no window, every token from the start
         limit,
         q_pos,
+        tl.zeros([M], dtype=tl.int32),  # q_lo: unused without WINDOWED
         16 * D,
         D,
         16 * D,
@@ -74,6 +76,7 @@ def _one_tile(
         D,
         True,
         True,
+        False,  # WINDOWED
         UPCAST,
         PRECISION,
         False,

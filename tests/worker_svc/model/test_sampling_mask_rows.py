@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from worker_svc.model.sampling import SamplingParams, TokenHistory, sample
+from pagedkv.worker_svc.model.sampling import SamplingParams, TokenHistory, sample
 
 VOCAB = 64
 
