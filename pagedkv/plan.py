@@ -72,6 +72,11 @@ class ModelSize:
     block_size: int = defaults.BLOCK_SIZE
     max_model_len: int = 0
     """Longest sequence the model takes (0 = unknown)."""
+    kv_groups: str = ""
+    """The block manager's --kv-groups (empty: one table for every layer)."""
+    layers_per_block: int = 0
+    num_layers: int = 0
+    """With groups, a block holds one group's layers: layers_per_block of num_layers."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +113,9 @@ class Plan:
     """The cores the workers' threads may use in all (affinity cut to the quota, less a reserve)."""
     reasons: tuple[str, ...] = ()
     """Why each choice was made, one line each."""
+    kv_groups: str = ""
+    """ModelSize.kv_groups, and its line: the groups and the layers a block holds."""
+    kv_groups_line: str = ""
     warnings: tuple[str, ...] = field(default=())
     """Where a request was planned down."""
 
@@ -125,6 +133,8 @@ class Plan:
             f"{'KV cache':<15} {self.num_gpu_blocks} blocks x {self.kv_bytes_per_block} B = "
             f"{self.kv_cache_bytes / MIB:.0f} MiB"
         )
+        if self.kv_groups:
+            out.append(f"{'KV groups':<15} {self.kv_groups}: {self.kv_groups_line}")
         out.append(f"{'frontend':<15} max {self.max_num_seqs} sequences at once")
         return out
 
@@ -221,7 +231,13 @@ def _max_useful_kv(model: ModelSize, max_seqs: int) -> int:
     if model.max_model_len <= 0:
         return 0
     blocks = max_seqs * blocks_for_tokens(model.max_model_len, model.block_size)
-    return blocks * model.kv_bytes_per_block
+    return blocks * model.kv_bytes_per_block * _groups(model)
+
+
+def _groups(model: ModelSize) -> int:
+    """KV-cache groups: a block holds one group's layers, and a sequence takes a table in each
+    (a bound: a window group's holds only its window's blocks)."""
+    return model.num_layers // model.layers_per_block if model.kv_groups and model.layers_per_block else 1
 
 
 def plan_stack(machine: Machine, model: ModelSize, asked: Asked | None = None) -> Plan:
@@ -284,7 +300,7 @@ def plan_stack(machine: Machine, model: ModelSize, asked: Asked | None = None) -
     if asked.max_num_seqs is not None:
         max_seqs = asked.max_num_seqs
     else:
-        by_kv = max(1, blocks * model.block_size // MIN_TOKENS_PER_SEQ)
+        by_kv = max(1, blocks * model.block_size // (MIN_TOKENS_PER_SEQ * _groups(model)))
         max_seqs = min(seq_cap, by_kv)
         reasons.append(
             f"max {max_seqs} sequences at once: "
@@ -306,4 +322,11 @@ def plan_stack(machine: Machine, model: ModelSize, asked: Asked | None = None) -
         compute_cores=compute_cores,
         reasons=tuple(reasons),
         warnings=tuple(warnings),
+        kv_groups=model.kv_groups,
+        kv_groups_line=(
+            f"one block table per group, a block holds {model.layers_per_block} of the "
+            f"{model.num_layers} layers ({per_block} B)"
+            if model.kv_groups
+            else ""
+        ),
     )

@@ -14,11 +14,13 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedkv.block_manager_svc.core.kv_groups import ONE_GROUP, KVGroup, format_kv_groups, parse_kv_groups
 from pagedkv.dial import PLAIN, Dialer
 from pagedkv.plan import ModelSize
 from pagedkv.v1 import block_manager_pb2, block_manager_pb2_grpc
 from pagedkv.worker_svc.cache.layout import CacheGeometry, GeometryMismatch
 from pagedkv.worker_svc.model.config import ModelConfig
+from pagedkv.worker_svc.model.kv_layout import kv_layout
 from pagedkv.worker_svc.settings import _Common
 
 POOL_FIELDS = ("block_size", "num_gpu_blocks", "num_cpu_blocks", "kv_cache_dtype")
@@ -36,6 +38,9 @@ class PoolConfig:
     # kv_bytes_per_block is only its cost model's estimate, so nothing is checked against it).
     kv_bytes_per_block: int = 0
     kv_cache_memory_bytes: int = 0
+    # The pool's KV-cache groups (--kv-groups): one full group, or the model's (kv_layout.py), and
+    # then one block holds one group's layers.
+    kv_groups: tuple[KVGroup, ...] = ONE_GROUP
 
 
 @dataclass(slots=True, frozen=True)
@@ -60,7 +65,17 @@ def fetch_pool_config(target: str, timeout_s: float = 10.0, dialer: Dialer = PLA
         kv_cache_dtype=cfg.kv_cache_dtype or "auto",  # an older manager sends none
         kv_bytes_per_block=cfg.kv_bytes_per_block,
         kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
+        kv_groups=tuple(KVGroup(g.kind, g.window_tokens) for g in cfg.kv_groups) or ONE_GROUP,
     )
+
+
+def layers_per_block(model: ModelConfig, pool: PoolConfig | None) -> int:
+    """The layers one block holds: all of them, or one group's with the pool's groups (a pool
+    whose groups do not fit the model raises GeometryMismatch)."""
+    try:
+        return kv_layout(model, pool.kv_groups if pool is not None else ONE_GROUP).layers_per_block
+    except ValueError as e:
+        raise GeometryMismatch(f"cache geometry mismatch: kv_groups: {e}") from None
 
 
 def known_values(settings: _Common, model: ModelConfig, pool: PoolConfig | None) -> dict[str, Sourced]:
@@ -71,7 +86,7 @@ def known_values(settings: _Common, model: ModelConfig, pool: PoolConfig | None)
     cache host falls back to its defaults in ``host_geometry``).
     """
     known: dict[str, Sourced] = {
-        "num_layers": Sourced(model.num_layers, f"model {model.name}"),
+        "num_layers": Sourced(layers_per_block(model, pool), f"model {model.name}"),
         "num_kv_heads": Sourced(model.num_kv_heads, f"model {model.name}"),
         "head_dim": Sourced(model.head_dim, f"model {model.name}"),
     }
@@ -101,7 +116,7 @@ def host_geometry(settings: _Common, model: ModelConfig, pool: PoolConfig | None
     known = known_values(settings, model, pool)
     values = {name: (known[name].value if name in known else getattr(settings, name)) for name in POOL_FIELDS}
     return CacheGeometry(
-        num_layers=model.num_layers,
+        num_layers=layers_per_block(model, pool),
         num_kv_heads=model.num_kv_heads,
         head_dim=model.head_dim,
         block_size=int(values["block_size"]),
@@ -139,17 +154,34 @@ def check_against_host(known: dict[str, Sourced], host: CacheGeometry, host_name
         raise GeometryMismatch("cache geometry mismatch: " + "; ".join(diffs))
 
 
+def kv_groups_for(model: str | None, choice: str = "auto") -> str:
+    """The block manager's ``--kv-groups`` for ``model``: ``auto`` its own layer groups
+    (kv_layout.py: Gemma 3 270M ``full,window:512x5``), ``full`` (or empty) one table for every
+    layer (the flat layout: ""), else ``choice`` itself, checked against the model."""
+    from pagedkv.worker_svc.model.config import load_model_config
+    from pagedkv.worker_svc.model.kv_layout import model_kv_groups
+
+    cfg = load_model_config(model)
+    if choice == "auto":
+        groups = model_kv_groups(cfg)
+    else:
+        groups = kv_layout(cfg, parse_kv_groups("" if choice == "full" else choice)).groups
+    return "" if groups == ONE_GROUP else format_kv_groups(groups)
+
+
 def model_block_bytes(
-    model: str | None, dtype: str, device: str, block_size: int, kv_cache_dtype: str
+    model: str | None, dtype: str, device: str, block_size: int, kv_cache_dtype: str, kv_groups: str = ""
 ) -> int:
     """Bytes of one cache block for this model, dtype setting, device and KV dtype: what a launcher
     (``pagedkv up``, the in-process stack) gives the block manager with a ``--kv-cache-memory`` budget,
-    computed exactly as the cache host will check it."""
+    computed exactly as the cache host will check it. ``kv_groups``: the block manager's
+    ``--kv-groups`` (empty: one group; a block then holds every layer)."""
     from pagedkv.worker_svc.devices import resolve_device, resolve_dtype
     from pagedkv.worker_svc.model.config import load_model_config
 
     cfg = load_model_config(model)
-    geometry = CacheGeometry(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, 1, 0, kv_cache_dtype)
+    slots = kv_layout(cfg, parse_kv_groups(kv_groups)).layers_per_block
+    geometry = CacheGeometry(slots, cfg.num_kv_heads, cfg.head_dim, block_size, 1, 0, kv_cache_dtype)
     return geometry.block_bytes(resolve_dtype(dtype, resolve_device(device)))
 
 
@@ -158,7 +190,13 @@ _FORMAT_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0625, "int4": 0.5625}
 
 
 def model_size(
-    model: str | None, dtype: str, device: str, block_size: int, kv_cache_dtype: str, weight_format: str
+    model: str | None,
+    dtype: str,
+    device: str,
+    block_size: int,
+    kv_cache_dtype: str,
+    weight_format: str,
+    kv_groups: str = "",
 ) -> ModelSize:
     """What ``pagedkv up``'s plan (``pagedkv/plan.py``) needs of the model: the weights' bytes as the
     stack will hold them, one KV block's bytes (exactly as the cache host checks them) and the model's
@@ -172,7 +210,8 @@ def model_size(
     cfg = load_model_config(model)
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
-    geometry = CacheGeometry(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, 1, 0, kv_cache_dtype)
+    slots = kv_layout(cfg, parse_kv_groups(kv_groups)).layers_per_block
+    geometry = CacheGeometry(slots, cfg.num_kv_heads, cfg.head_dim, block_size, 1, 0, kv_cache_dtype)
     if model and pathlib.Path(model).is_file() and weight_format == "auto" and dev.type == "cpu":
         weight_bytes = pathlib.Path(model).stat().st_size
     else:
@@ -186,4 +225,7 @@ def model_size(
         kv_bytes_per_block=geometry.block_bytes(torch_dtype),
         block_size=block_size,
         max_model_len=cfg.max_position_embeddings,
+        kv_groups=kv_groups,
+        layers_per_block=slots,
+        num_layers=cfg.num_layers,
     )

@@ -22,6 +22,7 @@ import torch
 
 from pagedkv import kernels
 from pagedkv.arith import ceil_div
+from pagedkv.block_manager_svc.core.kv_groups import ONE_GROUP, KVGroup
 from pagedkv.defaults import MAX_DECODE_STEPS
 from pagedkv.kernels import quant
 from pagedkv.kernels.cpu import native as cpu_native
@@ -30,6 +31,7 @@ from pagedkv.worker_svc import omp_spin
 from pagedkv.worker_svc.devices import device_scope
 from pagedkv.worker_svc.model.batch import AttentionBatch
 from pagedkv.worker_svc.model.cuda_graphs import DecodeGraphs
+from pagedkv.worker_svc.model.kv_layout import KVLayout, kv_layout
 from pagedkv.worker_svc.model.registry import Model
 from pagedkv.worker_svc.model.sampling import (
     MAX_TOP_LOGPROBS,
@@ -70,6 +72,16 @@ class SequenceRequest:
     # Speculative decoding: the last ``num_proposed`` of ``token_ids`` are proposed tokens to verify
     # in this one pass (accept_proposals); the result is the accepted ones and the next token.
     num_proposed: int = 0
+    # KV-cache groups 1..'s tables (worker_svc/model/kv_layout.py), each (first block index, live
+    # block ids): entries before the first index fell out of a window group's window (-1 here).
+    group_tables: list[tuple[int, list[int]]] = field(default_factory=list)
+
+    def group_table(self, g: int) -> list[int]:
+        """Group ``g``'s table at full width, -1 before its first live block (group 0: block_ids)."""
+        if not g:
+            return self.block_ids
+        first, ids = self.group_tables[g - 1]
+        return [-1] * first + ids if first else ids
 
     @property
     def seq_len(self) -> int:
@@ -168,6 +180,7 @@ class ModelRunner:
         cpu_cache: torch.Tensor,
         kernel_backend: str | None = None,
         decode_graphs: DecodeGraphs | None = None,
+        kv_groups: tuple[KVGroup, ...] = ONE_GROUP,
     ) -> None:
         """``kernel_backend``: the kernel backend of this runner's steps ("auto", "reference", "cpu",
         "triton"; a worker's ``--kernel-backend``), applied as a ``pagedkv.kernels.use_backend`` override
@@ -175,14 +188,23 @@ class ModelRunner:
         variable PAGEDKV_KERNEL_BACKEND, else "auto" (kernels/dispatch.py).
 
         ``decode_graphs``: replay decode steps' forward passes from CUDA graphs
-        (``worker_svc/model/cuda_graphs.py``); None: every step runs eagerly."""
+        (``worker_svc/model/cuda_graphs.py``); None: every step runs eagerly.
+
+        ``kv_groups``: the pool's KV-cache groups (the block manager's ``--kv-groups``): one full
+        group (every layer in every block, one table) or the model's own (kv_layout.py); the
+        cache's first dimension is then the layers of one group."""
         cfg = model.cfg
+        self.layout: KVLayout = kv_layout(cfg, kv_groups)
+        slots = self.layout.layers_per_block
         if kernel_backend is not None and kernel_backend not in kernels.BACKENDS:
             raise ValueError(f"unknown kernel backend {kernel_backend!r}; expected one of {kernels.BACKENDS}")
-        if gpu_cache.dim() != 6 or gpu_cache.shape[0] != cfg.num_layers or gpu_cache.shape[1] != 2:
-            raise ValueError(
-                f"KV cache shape {tuple(gpu_cache.shape)} is not [num_layers={cfg.num_layers}, 2, ...]"
-            )
+        if gpu_cache.dim() != 6 or gpu_cache.shape[0] != slots or gpu_cache.shape[1] != 2:
+            raise ValueError(f"KV cache shape {tuple(gpu_cache.shape)} is not [num_layers={slots}, 2, ...]")
+        if self.layout.grouped:
+            if not hasattr(model, "kv_layout"):
+                raise ValueError(f"model {cfg.name} ({cfg.architecture}) does not run KV-cache groups")
+            model.kv_layout = self.layout
+            decode_graphs = None  # graphs capture one table per step
         if (gpu_cache.shape[4], quant.head_dim(gpu_cache)) != (cfg.num_kv_heads, cfg.head_dim):
             raise ValueError(
                 f"KV cache heads/head_dim {(gpu_cache.shape[4], quant.head_dim(gpu_cache))} != model's "
@@ -238,6 +260,13 @@ class ModelRunner:
                     f"{where}: {s.seq_len} tokens need {need} blocks of {self.block_size}, "
                     f"block table has {len(s.block_ids)}"
                 )
+            if len(s.group_tables) != len(self.layout.groups) - 1:
+                raise InvalidStep(
+                    f"{where}: {len(s.group_tables)} group tables, the pool has "
+                    f"{len(self.layout.groups)} KV-cache groups"
+                )
+            if s.group_tables:
+                self._check_group_tables(where, s)
             if s.num_proposed:
                 self._check_proposals(where, s)
             if s.decode_steps != 1:
@@ -280,6 +309,30 @@ class ModelRunner:
         if any(d in sources for _, d in ops.copies):  # all copies run at once, in parallel
             raise InvalidStep("ops.copies: a destination block is also a source")
         self._check_pairs("ops.swap_in", ops.swap_in, self.num_cpu_blocks, self.num_gpu_blocks)
+
+    def _check_group_tables(self, where: str, s: SequenceRequest) -> None:
+        """Each group's table covers the step's tokens, and a window group's first live block is
+        no later than the first one the step's first query reads (kernels: its window's start)."""
+        bs = self.block_size
+        end = s.num_cached_tokens + max(len(s.token_ids), s.decode_steps)
+        need = blocks_for_tokens(end, bs)
+        for g, (first, ids) in enumerate(s.group_tables, start=1):
+            group = self.layout.groups[g]
+            if first + len(ids) < need:
+                raise InvalidStep(
+                    f"{where}: group {g}: {end} tokens need {need} blocks of {bs}, its table has "
+                    f"{first + len(ids)}"
+                )
+            if first > group.first_live(s.num_cached_tokens, bs):
+                raise InvalidStep(
+                    f"{where}: group {g}'s table starts at block {first}, its window at position "
+                    f"{s.num_cached_tokens} starts in block {group.first_live(s.num_cached_tokens, bs)}"
+                )
+            bad = [b for b in ids[: need - first] if b >= self.num_gpu_blocks]
+            if bad:
+                raise InvalidStep(
+                    f"{where}: group {g}: block id {bad[0]} >= num_gpu_blocks {self.num_gpu_blocks}"
+                )
 
     def _check_proposals(self, where: str, s: SequenceRequest) -> None:
         """Verification samples every proposed position with the same parameters, so (like
@@ -348,7 +401,7 @@ class ModelRunner:
             # Built on the host: copy_blocks checks "destinations distinct, not also sources" there
             # (on the device it could not without a sync) and moves the pairs itself.
             pairs = torch.tensor(ops.copies, dtype=torch.int64)
-            layers = range(self.gpu_cache.shape[0])
+            layers = range(self.gpu_cache.shape[0])  # the slots of a block: every group's the same
             kernels.copy_blocks(
                 [self.gpu_cache[i, 0] for i in layers], [self.gpu_cache[i, 1] for i in layers], pairs
             )
@@ -362,21 +415,18 @@ class ModelRunner:
         ``logits_indices`` follows the requests' order, so logits row i is ``seqs[i]``'s (the output
         layer reorders its few hidden rows instead of the step reordering ``[num_seqs, vocab]``).
         Rows after those are the proposed positions of verifying sequences (``num_proposed``), in
-        request order: for each, the rows of the positions before its last one."""
+        request order: for each, the rows of the positions before its last one. With several
+        KV-cache groups, ``batch.groups`` holds groups 1..'s slots and tables (same tokens)."""
         bs = self.block_size
         order = [i for i, s in enumerate(seqs) if len(s.token_ids) > 1]
         n_prefill_seqs = len(order)
         order += [i for i, s in enumerate(seqs) if len(s.token_ids) == 1]
         tokens: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
         last_index = [0] * len(seqs)
         for row, i in enumerate(order):
             s = seqs[i]
-            table = s.block_ids
-            for pos in range(s.num_cached_tokens, s.seq_len):
-                positions.append(pos)
-                slots.append(table[pos // bs] * bs + pos % bs)
+            positions.extend(range(s.num_cached_tokens, s.seq_len))
             tokens.extend(s.token_ids)
             last_index[i] = row
         # logits row r belongs to ordered sequence r; its last token is at flat index ends[r] - 1.
@@ -387,43 +437,65 @@ class ModelRunner:
             ends.append(total - 1)
         dev = self.device
         n_prefill_tokens = ends[n_prefill_seqs - 1] + 1 if n_prefill_seqs else 0
-
-        def tables(idx: list[int]) -> torch.Tensor:
-            width = max(blocks_for_tokens(seqs[i].seq_len, bs) for i in idx)
-            rows = [
-                seqs[i].block_ids[:width] + [0] * (width - min(width, len(seqs[i].block_ids))) for i in idx
-            ]
-            return torch.tensor(rows, dtype=torch.int32, device=dev)
-
         pre_idx, dec_idx = order[:n_prefill_seqs], order[n_prefill_seqs:]
         qsl = [0]
         for i in pre_idx:
             qsl.append(qsl[-1] + len(seqs[i].token_ids))
-        batch = AttentionBatch(
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            logits_indices=torch.tensor(
-                [ends[last_index[i]] for i in range(len(seqs))]
-                + [
-                    ends[last_index[i]] - s.num_proposed + j
-                    for i, s in enumerate(seqs)
-                    for j in range(s.num_proposed)
-                ],
-                dtype=torch.int64,
-                device=dev,
-            ),
-            num_prefill_tokens=n_prefill_tokens,
-            prefill_block_tables=tables(pre_idx) if pre_idx else None,
-            prefill_query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev) if pre_idx else None,
-            prefill_seq_lens=torch.tensor([seqs[i].seq_len for i in pre_idx], dtype=torch.int32, device=dev)
-            if pre_idx
-            else None,
-            decode_block_tables=tables(dec_idx) if dec_idx else None,
-            decode_seq_lens=torch.tensor([seqs[i].seq_len for i in dec_idx], dtype=torch.int32, device=dev)
-            if dec_idx
-            else None,
-            prefill_max_query_len=max((len(seqs[i].token_ids) for i in pre_idx), default=0),
+        positions_t = torch.tensor(positions, dtype=torch.int64, device=dev)
+        logits_indices = torch.tensor(
+            [ends[last_index[i]] for i in range(len(seqs))]
+            + [
+                ends[last_index[i]] - s.num_proposed + j
+                for i, s in enumerate(seqs)
+                for j in range(s.num_proposed)
+            ],
+            dtype=torch.int64,
+            device=dev,
         )
+        qsl_t = torch.tensor(qsl, dtype=torch.int32, device=dev) if pre_idx else None
+        pre_lens = (
+            torch.tensor([seqs[i].seq_len for i in pre_idx], dtype=torch.int32, device=dev)
+            if pre_idx
+            else None
+        )
+        dec_lens = (
+            torch.tensor([seqs[i].seq_len for i in dec_idx], dtype=torch.int32, device=dev)
+            if dec_idx
+            else None
+        )
+
+        def group_batch(g: int) -> AttentionBatch:
+            rows = {i: seqs[i].group_table(g) for i in order}
+            slots: list[int] = []
+            for i in order:
+                s, table = seqs[i], rows[i]
+                slots.extend(
+                    table[pos // bs] * bs + pos % bs for pos in range(s.num_cached_tokens, s.seq_len)
+                )
+
+            def tables(idx: list[int]) -> torch.Tensor:
+                width = max(blocks_for_tokens(seqs[i].seq_len, bs) for i in idx)
+                padded = [rows[i][:width] + [0] * (width - min(width, len(rows[i]))) for i in idx]
+                return torch.tensor(padded, dtype=torch.int32, device=dev)
+
+            window = self.layout.groups[g].window_tokens or None
+            return AttentionBatch(
+                positions=positions_t,
+                slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+                logits_indices=logits_indices,
+                num_prefill_tokens=n_prefill_tokens,
+                prefill_block_tables=tables(pre_idx) if pre_idx else None,
+                prefill_query_start_loc=qsl_t,
+                prefill_seq_lens=pre_lens,
+                decode_block_tables=tables(dec_idx) if dec_idx else None,
+                decode_seq_lens=dec_lens,
+                prefill_max_query_len=max((len(seqs[i].token_ids) for i in pre_idx), default=0),
+                sliding_window=window if g else None,
+            )
+
+        batch = group_batch(0)
+        if self.layout.grouped:
+            batch.groups = tuple(group_batch(g) for g in range(1, len(self.layout.groups)))
         token_tensor = torch.tensor(tokens, dtype=torch.int64, device=dev)
         return token_tensor, batch
 
@@ -523,6 +595,7 @@ class ModelRunner:
                     token_ids=[last[i]],
                     block_ids=seqs[i].block_ids,
                     num_cached_tokens=seqs[i].num_cached_tokens + j,
+                    group_tables=seqs[i].group_tables,
                     sampling=seqs[i].sampling,
                 )
                 for i in going

@@ -23,6 +23,7 @@ import structlog
 import torch
 from grpc_health.v1 import health_pb2
 
+from pagedkv.block_manager_svc.core.kv_groups import ONE_GROUP, KVGroup
 from pagedkv.dial import Dialer, TokenError
 from pagedkv.grpc_server import GrpcServer, start_server, stop_event_on_signals
 from pagedkv.logging_setup import configure_logging
@@ -224,7 +225,12 @@ def _model_for_worker(
     return build_model(model_cfg, shared.tensors), shared
 
 
-def _runner(settings: WorkerSettings, model: Model, cache: cache_memory.SharedCache) -> ModelRunner:
+def _runner(
+    settings: WorkerSettings,
+    model: Model,
+    cache: cache_memory.SharedCache,
+    kv_groups: tuple[KVGroup, ...] = ONE_GROUP,
+) -> ModelRunner:
     """A worker's model runner on ``cache``, with decode graphs of its own when they are on: a
     runner built for a re-attached cache captures them again (the old ones hold the old addresses)."""
     from pagedkv.worker_svc.model import cuda_graphs
@@ -239,7 +245,14 @@ def _runner(settings: WorkerSettings, model: Model, cache: cache_memory.SharedCa
         block_size=int(gpu.shape[3]),
         num_gpu_blocks=int(gpu.shape[2]),
     )
-    return ModelRunner(model, gpu, cache.cpu, kernel_backend=settings.kernel_backend, decode_graphs=graphs)
+    return ModelRunner(
+        model,
+        gpu,
+        cache.cpu,
+        kernel_backend=settings.kernel_backend,
+        decode_graphs=graphs,
+        kv_groups=kv_groups,
+    )
 
 
 @dataclass(slots=True)
@@ -315,7 +328,7 @@ def start_worker(
     channel: StepChannelServer | None = None
     try:
         model, weights = _model_for_worker(settings, model_cfg, dtype, device, weights_from_proto(info))
-        runner = _runner(settings, model, cache)
+        runner = _runner(settings, model, cache, pool.kv_groups if pool is not None else ONE_GROUP)
         from pagedkv import kernels
         from pagedkv.kernels.cpu import native as cpu_native
 
@@ -430,7 +443,9 @@ def _watch_cache_host(
                 model_for=lambda dtype, host_weights: _model_for_worker(
                     settings, model_cfg, dtype, device, host_weights
                 ),
-                runner_for=lambda model, cache: _runner(settings, model, cache),  # new graphs too
+                runner_for=lambda model, cache: _runner(  # new graphs too
+                    settings, model, cache, proc.servicer.runner.layout.groups
+                ),
                 lock=proc.attach_lock,
             )
         except Exception as e:  # noqa: BLE001 - e.g. another geometry, or its memory not visible here

@@ -112,6 +112,9 @@ def sequence_from_proto(s: worker_pb2.SequenceInput, memo: SamplingMemo | None =
         decode_steps=s.decode_steps or 1,
         stop_token_ids=frozenset(s.stop_token_ids) if s.stop_token_ids else frozenset(),
         num_proposed=s.num_proposed_tokens,
+        group_tables=[(t.first_block_index, t.block_ids[:]) for t in s.group_tables]
+        if s.group_tables
+        else [],
     )
 
 

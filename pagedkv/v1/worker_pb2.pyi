@@ -162,6 +162,7 @@ class SequenceInput(_message.Message):
     DECODE_STEPS_FIELD_NUMBER: _builtins.int
     STOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     NUM_PROPOSED_TOKENS_FIELD_NUMBER: _builtins.int
+    GROUP_TABLES_FIELD_NUMBER: _builtins.int
     seq_id: _builtins.str
     num_cached_tokens: _builtins.int
     """Tokens of this sequence whose KV is already in the cache, before token_ids."""
@@ -236,6 +237,15 @@ class SequenceInput(_message.Message):
         drawing one (the engine still applies every stop rule itself).
         """
 
+    @_builtins.property
+    def group_tables(self) -> _containers.RepeatedCompositeFieldContainer[_block_manager_pb2.GroupTable]:
+        """With several KV-cache groups (block manager Config.kv_groups): the tables
+        of groups 1.., in order, as the block manager has them (block_ids is group
+        0's): first_block_index and the live block ids. A window group's table is
+        its live tail; the entries before first_block_index fell out of its window
+        and are never read. Empty with one group.
+        """
+
     def __init__(
         self,
         *,
@@ -253,10 +263,11 @@ class SequenceInput(_message.Message):
         decode_steps: _builtins.int = ...,
         stop_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         num_proposed_tokens: _builtins.int = ...,
+        group_tables: _abc.Iterable[_block_manager_pb2.GroupTable] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allowed_token_mask", b"allowed_token_mask", "block_ids", b"block_ids", "decode_steps", b"decode_steps", "fork_sampling", b"fork_sampling", "num_cached_tokens", b"num_cached_tokens", "num_proposed_tokens", b"num_proposed_tokens", "output_token_counts", b"output_token_counts", "output_token_ids", b"output_token_ids", "prompt_token_ids", b"prompt_token_ids", "return_logits", b"return_logits", "sampling", b"sampling", "seq_id", b"seq_id", "stop_token_ids", b"stop_token_ids", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allowed_token_mask", b"allowed_token_mask", "block_ids", b"block_ids", "decode_steps", b"decode_steps", "fork_sampling", b"fork_sampling", "group_tables", b"group_tables", "num_cached_tokens", b"num_cached_tokens", "num_proposed_tokens", b"num_proposed_tokens", "output_token_counts", b"output_token_counts", "output_token_ids", b"output_token_ids", "prompt_token_ids", b"prompt_token_ids", "return_logits", b"return_logits", "sampling", b"sampling", "seq_id", b"seq_id", "stop_token_ids", b"stop_token_ids", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -35,6 +35,11 @@ class AttentionBatch:
     # Longest prefill query run, known on the host: passed to every layer's prefill kernel so it
     # never reads query_start_loc back from the device (one sync per layer otherwise).
     prefill_max_query_len: int = 0
+    # KV-cache groups (worker_svc/model/kv_layout.py): this batch's tables and slots are group 0's;
+    # ``groups`` holds groups 1..'s (same tokens and positions, their own tables and slots). A
+    # window group's tables have -1 before its window (released blocks): its ``sliding_window``.
+    groups: tuple[AttentionBatch, ...] = ()
+    sliding_window: int | None = None
 
     def kernels_step(self, kv_cache: torch.Tensor, num_heads: int, scale: float) -> kernels.PagedStep:
         """The step's attention, validated and planned once for all layers."""
@@ -54,4 +59,5 @@ class AttentionBatch:
             prefill=prefill,
             max_query_len=self.prefill_max_query_len or None,
             decode=decode,
+            sliding_window=self.sliding_window,
         )

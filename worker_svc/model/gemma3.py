@@ -28,6 +28,7 @@ from pagedkv.kernels.quant_linear import QuantizedMatrix
 from pagedkv.worker_svc.model import layer_ops, llama
 from pagedkv.worker_svc.model.batch import AttentionBatch
 from pagedkv.worker_svc.model.config import ModelConfig, rope_from_params
+from pagedkv.worker_svc.model.kv_layout import KVLayout
 from pagedkv.worker_svc.model.layer_ops import LayerOps
 from pagedkv.worker_svc.model.rope import apply_rotary, cos_sin, inverse_frequencies
 
@@ -130,6 +131,9 @@ class Gemma3Model(llama.LlamaModel):
         local = cfg.rope_local or cfg.rope
         self.inv_freq_local = inverse_frequencies(local, cfg.head_dim).to(self.device)
         self.windows = list(cfg.layer_windows or [None] * cfg.num_layers)
+        # KV-cache groups (kv_layout.py): each layer's cache slot and block table; None: one table,
+        # every layer in every block (the model runner sets it from the pool's groups).
+        self.kv_layout: KVLayout | None = None
         self.embed_scale = torch.tensor(cfg.hidden_size**0.5, dtype=torch.float32).to(self.dtype)
         self.norm = _norm_weight(self.norm)
         # Per layer: the norms before and after the MLP (llama's _Layer holds the other four).
@@ -156,7 +160,10 @@ class Gemma3Model(llama.LlamaModel):
         h, hkv, d, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
         rope_global = cos_sin(batch.positions, self.inv_freq, self.dtype)
         rope_local = cos_sin(batch.positions, self.inv_freq_local, self.dtype)
-        step = batch.kernels_step(kv_cache, h, self.scale)
+        layout = self.kv_layout
+        steps = [batch.kernels_step(kv_cache, h, self.scale)]
+        steps += [b.kernels_step(kv_cache, h, self.scale) for b in batch.groups]
+        step = steps[0]
         if isinstance(self.embed, QuantizedMatrix):
             x = self.embed.rows(token_ids)
         else:
@@ -165,7 +172,10 @@ class Gemma3Model(llama.LlamaModel):
         ops = layer_ops.choose(x, step)
         delta: torch.Tensor | None = None  # the last layer's MLP output, added by the next norm
         for li, (layer, (pre_ffn, post_ffn)) in enumerate(zip(self.layers, self.ffn_norms, strict=True)):
-            key_cache, value_cache = kv_cache[li, 0], kv_cache[li, 1]
+            slot, layer_step = li, step
+            if layout is not None:
+                slot, layer_step = layout.layer_slot[li], steps[layout.layer_group[li]]
+            key_cache, value_cache = kv_cache[slot, 0], kv_cache[slot, 1]
             window = self.windows[li]
             cos, sin = rope_local if window is not None else rope_global
             assert layer.q_norm is not None and layer.k_norm is not None
@@ -173,8 +183,8 @@ class Gemma3Model(llama.LlamaModel):
             q, k, v = layer_ops.split_qkv(qkv, h, hkv, d)
             q = apply_rotary(rms_norm(TORCH_OPS, q, layer.q_norm, eps), cos, sin)
             k = apply_rotary(rms_norm(TORCH_OPS, k, layer.k_norm, eps), cos, sin)
-            step.write_kv_cache(k, v, key_cache, value_cache)
-            attn = step.attention(q, key_cache, value_cache, sliding_window=window)
+            layer_step.write_kv_cache(k, v, key_cache, value_cache)
+            attn = layer_step.attention(q, key_cache, value_cache, sliding_window=window)
             attn = rms_norm(ops, layer.o(attn.reshape(n_tok, h * d)), layer.post_norm, eps)
             gate, up = layer.gate_up(rms_norm(ops, x, pre_ffn, eps, attn)).chunk(2, dim=-1)
             delta = rms_norm(ops, layer.down(F.gelu(gate, approximate="tanh") * up), post_ffn, eps)
