@@ -25,7 +25,9 @@ def admission_room(available: int, watermark: int) -> int:
     return available - watermark
 
 
-def never_admitted(num_tokens: int, block_size: int, num_gpu_blocks: int, watermark: int) -> str | None:
+def never_admitted(
+    num_tokens: int, block_size: int, num_gpu_blocks: int, watermark: int, num_kv_groups: int = 1
+) -> str | None:
     """Why a sequence of ``num_tokens`` tokens can never be admitted into a pool of ``num_gpu_blocks``
     blocks with ``watermark`` of them held back, or None when it can be once the pool has room.
 
@@ -34,13 +36,15 @@ def never_admitted(num_tokens: int, block_size: int, num_gpu_blocks: int, waterm
     for room that never comes (each Allocate answered RESOURCE_EXHAUSTED). Prefix-cache hits do not
     lower the bound: a block another sequence holds is not free either. The reason names the
     tokens, the blocks they need and the pool, in one format for every caller (which names the
-    request)."""
-    need = blocks_for_tokens(num_tokens, block_size)
+    request). With several KV-cache groups an Allocate takes the prompt's blocks in each of the
+    ``num_kv_groups`` groups (a window group's shrink only as its commits come)."""
+    need = blocks_for_tokens(num_tokens, block_size) * num_kv_groups
     room = admission_room(num_gpu_blocks, watermark)
     if need <= room:
         return None
     return (
-        f"{num_tokens} tokens need {need} blocks of {block_size}, more than the {room} an "
+        f"{num_tokens} tokens need {need} blocks of {block_size}"
+        f"{f' over {num_kv_groups} KV-cache groups' if num_kv_groups > 1 else ''}, more than the {room} an "
         f"admission may take (the pool has {num_gpu_blocks} blocks, {watermark} held back by the "
         "watermark): they can never be admitted"
     )

@@ -58,12 +58,16 @@ class PoolGeometry:
     num_gpu_blocks: int
     watermark_blocks: int
     prefix_caching: bool
+    # Config.kv_groups as each group's window in tokens (0: full attention); one full group when
+    # the manager names none.
+    kv_groups: tuple[int, ...] = (0,)
 
 
 def read_geometry(bm: BlockManagerClient, timeout_s: float) -> PoolGeometry:
     """GetConfig (a read, retried by the client on UNAVAILABLE)."""
     c = bm.get_config(timeout_s=timeout_s)
-    return PoolGeometry(c.block_size, c.num_gpu_blocks, c.watermark_blocks, c.enable_prefix_caching)
+    groups = tuple(g.window_tokens if g.kind == "window" else 0 for g in c.kv_groups) or (0,)
+    return PoolGeometry(c.block_size, c.num_gpu_blocks, c.watermark_blocks, c.enable_prefix_caching, groups)
 
 
 def _renew_lease(ref: weakref.ref[BlockManagerSession], stop: threading.Event, interval_s: float) -> None:

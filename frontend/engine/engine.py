@@ -117,6 +117,7 @@ class Engine:
             self.block_size,
             self._watermark,
             geometry.prefix_caching,
+            len(geometry.kv_groups),
         )
         self.scheduler = Scheduler(
             limits,
@@ -124,10 +125,11 @@ class Engine:
             self.instance_id,
             self.stats,
             defer_appends=self.config.defer_appends,
-            grant_ahead_tokens=self.config.grant_ahead_tokens,
+            grant_ahead_tokens=self.config.grant_ahead_tokens if len(geometry.kv_groups) == 1 else 0,
             # Not with overlap: its reservation holds one slot per sequence, not 1 + k.
             speculative=None if self.config.overlap_block_manager else self.config.speculative,
         )
+        self.scheduler.remote.kv_groups = geometry.kv_groups  # window tables shrink at commits; no grants
         self._step_ids = itertools.count()
         # The prefill pipeline's chunk in flight: its future and its items.
         self._prefill: tuple[Future[wpb.WorkerStepResponse], list[PrefillItem]] | None = None
@@ -187,7 +189,10 @@ class Engine:
             )
         # The block manager admits a prompt only above its watermark; a prompt that needs more than
         # that would wait forever, so refuse it here rather than fail the iteration later.
-        why = never_admitted(len(request.prompt), self.block_size, self.num_gpu_blocks, self._watermark)
+        lim = self.scheduler.limits  # with KV-cache groups a prompt takes its blocks in each group
+        why = never_admitted(
+            len(request.prompt), lim.block_size, self.num_gpu_blocks, lim.watermark, lim.kv_groups
+        )
         if why is not None:
             raise ValueError(f"request {request.request_id}: {why}")
         return self.scheduler.add(request)

@@ -146,6 +146,8 @@ def worker_request(
             block_ids=s.blocks.step_table,
             num_cached_tokens=start,
         )
+        for first, ids in s.blocks.group_tables:  # KV-cache groups 1.. (none with one group)
+            item.group_tables.add(first_block_index=first, block_ids=ids)
         fill_sampling(item.sampling, s.request.sampling, s.seed)
         fill_sequence_state(item, s)
         # n > 1: the worker draws the forked samples' first tokens from the prompt's last position.

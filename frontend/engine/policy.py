@@ -30,6 +30,7 @@ class Limits:
     block_size: int
     watermark: int
     prefix_caching: bool
+    kv_groups: int = 1  # the pool's KV-cache groups: an Allocate takes a prompt's blocks in each
 
 
 def swap_ins(swapped: Iterable[Seq], num_running: int, limits: Limits) -> list[Seq]:
@@ -62,7 +63,7 @@ def admissions(
     progress: PrefixProgress | None = None
     for seq in waiting:
         width = seq.width
-        need = blocks_for_tokens(len(seq.tokens), bs)
+        need = blocks_for_tokens(len(seq.tokens), bs) * limits.kv_groups
         if width > room or (out and need > budget):
             break
         if limits.prefix_caching:

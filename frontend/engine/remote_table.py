@@ -67,9 +67,20 @@ class RemoteTable:
     """What this engine knows the block manager holds for it and what it owes it."""
 
     def __init__(
-        self, block_size: int, num_gpu_blocks: int, *, prefix_caching: bool, defer_appends: bool, hints: int
+        self,
+        block_size: int,
+        num_gpu_blocks: int,
+        *,
+        prefix_caching: bool,
+        defer_appends: bool,
+        hints: int,
+        kv_groups: tuple[int, ...] = (0,),
     ) -> None:
         self.block_size = block_size
+        # The pool's KV-cache groups (Config.kv_groups), each's window in tokens (0: full): groups
+        # 1.. have a table each per sequence (SeqBlocks.groups); a window group's loses its entries
+        # before the window at each Commit.
+        self.kv_groups = kv_groups
         self.prefix_caching = prefix_caching
         self.defer_appends = defer_appends  # EngineConfig.defer_appends
         self.pool = PoolView(num_gpu_blocks, 0)  # what the last Step reply said about the block pool
@@ -188,16 +199,33 @@ class RemoteTable:
         ]
 
     # --- what a Step did to one sequence --------------------------------------------
-    def allocated(self, seq: Seq, table: list[int], cached: int) -> None:
-        """Admitted: its table, a slot for each token, and its prefix hits computed (and committed)."""
+    def allocated(
+        self, seq: Seq, table: list[int], cached: int, groups: list[list[int]] | None = None
+    ) -> None:
+        """Admitted: its table (and groups 1..'s), a slot for each token, and its prefix hits
+        computed (and committed)."""
         b = seq.blocks
         b.table, b.slots = table, len(seq.tokens)
+        b.groups = [list(t) for t in groups or ()]
         seq.num_computed = b.committed = cached
+
+    def committing(self, seq: Seq, num_tokens: int) -> None:
+        """A Commit of ``num_tokens`` goes in this Step: the manager releases each window group's
+        blocks before the window of that position (core/kv_groups.py), and so does this table."""
+        b = seq.blocks
+        b.committed = num_tokens
+        n, bs = len(b.table), self.block_size
+        for window, tail in zip(self.kv_groups[1:], b.groups, strict=False):
+            first_live = max(0, (num_tokens - window + 1) // bs) if window else 0
+            drop = first_live - (n - len(tail))
+            if drop > 0:
+                del tail[:drop]
 
     def forked(self, parent: Seq, child: Seq) -> None:
         """A sample forked from ``parent``: it shares every block (so both tails are shared)."""
         p, c = parent.blocks, child.blocks
         c.table, c.slots, c.committed = list(p.table), p.slots, parent.num_computed
+        c.groups = [list(t) for t in p.groups]
         child.num_computed = parent.num_computed
         p.tail_shared = c.tail_shared = True
 
@@ -207,7 +235,10 @@ class RemoteTable:
         leave the manager's; the block granted ahead stays granted."""
         b = seq.blocks
         b.slots = min(b.slots, num_tokens)
-        del b.table[blocks_for_tokens(num_tokens, self.block_size) :]
+        keep, n = blocks_for_tokens(num_tokens, self.block_size), len(b.table)
+        del b.table[keep:]
+        for tail in b.groups:  # every KV-cache group's too (a tail starts at n - len(tail))
+            del tail[max(0, keep - (n - len(tail))) :]
 
     def swapped_out(self, seq: Seq) -> None:
         """Its table's blocks went to the CPU pool whole; the block granted ahead was released, and
@@ -215,6 +246,7 @@ class RemoteTable:
         b = seq.blocks
         seq.num_computed = min(seq.num_computed, len(b.table) * self.block_size)
         b.table, b.ahead = [], None
+        b.groups = []
 
     # --- a Step's reply ------------------------------------------------------------
     def reconcile(self, plan: BlockManagerPlan, delta: StepDelta) -> None:
@@ -240,6 +272,13 @@ class RemoteTable:
                     )
                 b.ahead = None
             b.table.append(block)
+        for g, grown in enumerate(delta.group_grown):  # groups 1..: grow alike (no grants with groups)
+            for i, block, replaces_last in grown:
+                tail = plan.grow[i].blocks.groups[g]
+                if replaces_last:
+                    tail[-1] = block
+                else:
+                    tail.append(block)
         self.pending_ops.copies.extend(delta.ops.copies)
         self.pending_ops.swap_out.extend(delta.ops.swap_out)
         self.pending_ops.swap_in.extend(delta.ops.swap_in)

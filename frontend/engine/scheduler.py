@@ -165,7 +165,9 @@ class Scheduler:
         # Its tokens (the prompt, and what it generated before a preemption by recompute): samples
         # fork from them and share them.
         limits = self.limits
-        why = never_admitted(len(head.tokens), limits.block_size, self.num_gpu_blocks, limits.watermark)
+        why = never_admitted(
+            len(head.tokens), limits.block_size, self.num_gpu_blocks, limits.watermark, limits.kv_groups
+        )
         if why is not None:
             raise RuntimeError(f"request {head.request.request_id}: {why}")
         return True
@@ -178,7 +180,7 @@ class Scheduler:
         return len(waiting), len(running)
 
     def prompt_blocks(self, tokens: Sequence[int]) -> int:
-        return blocks_for_tokens(len(tokens), self.limits.block_size)
+        return blocks_for_tokens(len(tokens), self.limits.block_size) * self.limits.kv_groups
 
     # --- the block-manager Step ----------------------------------------------------
     def needs_pool_refresh(self) -> bool:
@@ -228,7 +230,7 @@ class Scheduler:
         if not (rollbacks or must_grow or frees or swap_in or admit or owed or (commits and not lazy)):
             return None
         for s, n in commits:
-            s.blocks.committed = n
+            remote.committing(s, n)
         forks = [
             (seq, self._sample_of(seq, i)) for seq in admit if seq.width > 1 for i in range(1, seq.request.n)
         ]
@@ -377,7 +379,8 @@ class Scheduler:
                 raise RuntimeError(f"block manager refused to allocate {err.seq_id}: {err.message}")
             self.waiting.remove(seq)
             cached = delta.alloc_cached[j]
-            self.remote.allocated(seq, delta.alloc_tables[j], cached)
+            groups = delta.alloc_group_tables[j] if delta.alloc_group_tables else None
+            self.remote.allocated(seq, delta.alloc_tables[j], cached, groups)
             if seq.index == 0 and not seq.output.completions[0].token_ids:
                 seq.output.num_cached_tokens = cached
             self.stats.prefix_hit_tokens += cached
@@ -428,12 +431,14 @@ class Scheduler:
         return victims
 
     def _apply_swap_ins(self, delta: StepDelta, asked: list[Seq]) -> None:
-        for _, members in zip(asked, delta.swap_ins, strict=False):
+        for k, members in enumerate(delta.swap_ins[: len(asked)]):
+            tails = delta.swap_in_groups[k] if k < len(delta.swap_in_groups) else {}
             for seq_id, table in members:
                 s = self.seqs.get(seq_id)
                 if s is None or s.status is not SeqStatus.SWAPPED:
                     continue
                 s.blocks.table = table
+                s.blocks.groups = tails.get(seq_id, [])
                 s.status = SeqStatus.RUNNING
                 self.swapped.remove(s)
                 self.running.append(s)

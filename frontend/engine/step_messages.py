@@ -9,6 +9,7 @@ scheduler's tests run it against the block manager's core in-process.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -68,6 +69,11 @@ class StepDelta:
     alloc_cached: list[int]
     swap_ins: list[list[tuple[str, list[int]]]]
     granted: list[tuple[int, int]] = field(default_factory=list)  # (grant index, block ahead)
+    # KV-cache groups 1.. (empty with one group), per group: its growth like ``grown``, and per
+    # alloc index its table (a window group's live tail); per swap-in, each member's tails.
+    group_grown: list[list[tuple[int, int, bool]]] = field(default_factory=list)
+    alloc_group_tables: list[list[list[int]]] = field(default_factory=list)
+    swap_in_groups: list[dict[str, list[list[int]]]] = field(default_factory=list)
 
 
 _KINDS = {
@@ -108,17 +114,30 @@ def step_request(plan: StepPlan, lease_id: str) -> pb.StepRequest:
     )
 
 
-def step_delta(resp: pb.StepResponse, num_allocs: int) -> StepDelta:
-    replaced = set(resp.packed_replaced_index)
+def _grown(
+    index: Sequence[int], ids: Sequence[int], replaced_index: Sequence[int]
+) -> list[tuple[int, int, bool]]:
+    replaced = set(replaced_index)
     seen: set[int] = set()
     grown = []
-    for i, block in zip(resp.packed_new_block_index, resp.packed_new_block_ids, strict=False):
+    for i, block in zip(index, ids, strict=False):
         first = i in replaced and i not in seen
         seen.add(i)
         grown.append((int(i), int(block), first))
+    return grown
+
+
+def _tables(num_allocs: int, index: Sequence[int], ids: Sequence[int]) -> list[list[int]]:
     tables: list[list[int]] = [[] for _ in range(num_allocs)]
-    for i, block in zip(resp.packed_alloc_block_index, resp.packed_alloc_block_ids, strict=False):
+    for i, block in zip(index, ids, strict=False):
         tables[i].append(int(block))
+    return tables
+
+
+def step_delta(resp: pb.StepResponse, num_allocs: int) -> StepDelta:
+    grown = _grown(resp.packed_new_block_index, resp.packed_new_block_ids, resp.packed_replaced_index)
+    tables = _tables(num_allocs, resp.packed_alloc_block_index, resp.packed_alloc_block_ids)
+    groups = resp.group_deltas
     return StepDelta(
         available_blocks=resp.num_available_blocks,
         prefix_cache_drops=resp.prefix_cache_drops,
@@ -135,6 +154,22 @@ def step_delta(resp: pb.StepResponse, num_allocs: int) -> StepDelta:
         granted=[
             (int(i), int(b))
             for i, b in zip(resp.packed_grant_index, resp.packed_grant_block_ids, strict=False)
+        ],
+        group_grown=[
+            _grown(d.packed_new_block_index, d.packed_new_block_ids, d.packed_replaced_index) for d in groups
+        ],
+        alloc_group_tables=[
+            list(t)
+            for t in zip(
+                *(_tables(num_allocs, d.packed_alloc_block_index, d.packed_alloc_block_ids) for d in groups),
+                strict=True,
+            )
+        ]
+        if groups
+        else [],
+        swap_in_groups=[
+            {m.seq_id: [list(t.block_ids) for t in m.group_tables] for m in r.sequences if m.group_tables}
+            for r in resp.swap_ins
         ],
     )
 

@@ -178,6 +178,10 @@ class SeqBlocks:
     a sequence whose tokens fit the blocks it holds computes before any Step appends their slots."""
 
     table: list[int] = field(default_factory=list)  # its block table
+    # KV-cache groups 1..'s tables (the pool's Config.kv_groups; empty with one group), each its
+    # live tail: a window group's entries before its window were released at a Commit, so the
+    # tail starts at block index len(table) - len(tail).
+    groups: list[list[int]] = field(default_factory=list)
     slots: int = 0  # token slots the manager holds for it (allocated + appended)
     committed: int = 0  # what the manager was told is computed (Commit)
     # The block the manager granted it ahead of need (Step grant_seq_ids): its table's next entry
@@ -202,6 +206,12 @@ class SeqBlocks:
         once the tokens pass the table (the manager makes it the next entry at that append)."""
         return self.table if self.ahead is None else [*self.table, self.ahead]
 
+    @property
+    def group_tables(self) -> list[tuple[int, list[int]]]:
+        """Groups 1..'s tables as a worker step gets them: (first block index, live block ids)."""
+        n = len(self.table)
+        return [(n - len(t), t) for t in self.groups]
+
     def fits(self, num_tokens: int, block_size: int) -> bool:
         """May ``num_tokens`` tokens be computed now, before a Step? Yes once the manager holds a
         slot for each, or while they fit the blocks held (the one granted ahead too) in a private
@@ -209,12 +219,14 @@ class SeqBlocks:
         return self.slots >= num_tokens or (not self.tail_shared and num_tokens <= self.held * block_size)
 
     def growth(self, num_tokens: int, block_size: int) -> int:
-        """New blocks appends up to ``num_tokens`` tokens take: those past the blocks it holds."""
-        return max(0, blocks_for_tokens(num_tokens, block_size) - self.held)
+        """New blocks appends up to ``num_tokens`` tokens take: those past the blocks it holds, in
+        every KV-cache group."""
+        return max(0, blocks_for_tokens(num_tokens, block_size) - self.held) * (1 + len(self.groups))
 
     def released(self) -> None:
         """The manager holds nothing for it any more, and the next allocation is a new attempt."""
         self.table, self.ahead, self.slots, self.committed = [], None, 0, 0
+        self.groups = []
         self.tail_shared = False
         self.attempt += 1
 

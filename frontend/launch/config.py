@@ -42,6 +42,10 @@ class StackConfig:
     # pagedkv/kv_capacity.py) and num_gpu_blocks is not used; 0 = num_gpu_blocks counts it.
     kv_cache_dtype: str = "auto"
     kv_cache_memory: float = 0.0
+    # The block manager's --kv-groups: "auto" = the model's own layer groups (Gemma 3: a table for
+    # its global layers, one for each run of window layers, which hold only their window's
+    # blocks; worker_svc/model/kv_layout.py), "full" = one table for every layer, or a spec.
+    kv_groups: str = "auto"
     # More block manager settings by field name, e.g. {"preemption_mode": "swap"} (flags for processes).
     block_manager_overrides: dict[str, object] = field(default_factory=dict)
 

@@ -40,25 +40,31 @@ class LocalStack:
 
     def __init__(self, config: StackConfig | None = None) -> None:
         # The in-process workers: imported here, not at module level (see the module docstring).
+        from pagedkv.block_manager_svc.core.kv_groups import parse_kv_groups
         from pagedkv.worker_svc.cache import memory as cache_memory
         from pagedkv.worker_svc.cache.host import serve_cache
         from pagedkv.worker_svc.cache.layout import CacheGeometry
         from pagedkv.worker_svc.devices import resolve_device, resolve_dtype
-        from pagedkv.worker_svc.geometry import model_block_bytes
+        from pagedkv.worker_svc.geometry import kv_groups_for, model_block_bytes
         from pagedkv.worker_svc.model.config import load_model_config
+        from pagedkv.worker_svc.model.kv_layout import kv_layout
         from pagedkv.worker_svc.server import start_worker
         from pagedkv.worker_svc.settings import WorkerSettings
 
         self.config = cfg = config or StackConfig()
         self._closers: list[object] = []
         try:
-            pool: dict[str, object] = {"num_gpu_blocks": cfg.num_gpu_blocks}
+            kv_groups = str(
+                cfg.block_manager_overrides.get("kv_groups", kv_groups_for(cfg.model, cfg.kv_groups))
+            )
+            pool: dict[str, object] = {"num_gpu_blocks": cfg.num_gpu_blocks, "kv_groups": kv_groups}
             if cfg.kv_cache_memory:  # the pool from a budget over this model's bytes per block
                 pool = {
                     "kv_cache_memory": cfg.kv_cache_memory,
                     "kv_bytes_per_block": model_block_bytes(
-                        cfg.model, cfg.dtype, cfg.device, cfg.block_size, cfg.kv_cache_dtype
+                        cfg.model, cfg.dtype, cfg.device, cfg.block_size, cfg.kv_cache_dtype, kv_groups
                     ),
+                    "kv_groups": kv_groups,
                 }
             bm_settings = BlockManagerSettings(
                 port=0,
@@ -66,7 +72,7 @@ class LocalStack:
                 num_cpu_blocks=cfg.num_cpu_blocks,
                 kv_cache_dtype=cfg.kv_cache_dtype,
                 **pool,  # type: ignore[arg-type]
-                **cfg.block_manager_overrides,  # type: ignore[arg-type]
+                **{k: v for k, v in cfg.block_manager_overrides.items() if k != "kv_groups"},  # type: ignore[arg-type]
             )
             num_gpu_blocks = bm_settings.num_gpu_blocks
             self.block_manager: BlockManagerServer = start_block_manager(bm_settings)
@@ -75,7 +81,7 @@ class LocalStack:
             dtype = resolve_dtype(cfg.dtype, device)
             model_cfg = load_model_config(cfg.model)
             geometry = CacheGeometry(
-                model_cfg.num_layers,
+                kv_layout(model_cfg, parse_kv_groups(kv_groups)).layers_per_block,
                 model_cfg.num_kv_heads,
                 model_cfg.head_dim,
                 cfg.block_size,

@@ -89,6 +89,7 @@ def plan(opts: StackConfig, security: StackSecurity | None = None, state_dir: st
                 "--port",
                 str(opts.block_manager_port),
                 *_pool_args(opts),
+                *_kv_groups_args(opts),
                 "--num-cpu-blocks",
                 str(opts.num_cpu_blocks),
                 "--block-size",
@@ -231,6 +232,19 @@ def worker_placement(opts: StackConfig) -> list[tuple[list[str], dict[str, str]]
     return [([], {}) for _ in range(opts.num_workers)]
 
 
+def _kv_groups(opts: StackConfig) -> str:
+    """The block manager's --kv-groups for this stack's model (StackConfig.kv_groups: ``auto``
+    derives them from the model's layers, worker_svc/model/kv_layout.py; empty: one group)."""
+    from pagedkv.worker_svc.geometry import kv_groups_for
+
+    return kv_groups_for(opts.model, opts.kv_groups)
+
+
+def _kv_groups_args(opts: StackConfig) -> list[str]:
+    spec = _kv_groups(opts)
+    return ["--kv-groups", spec] if spec else []
+
+
 def _pool_args(opts: StackConfig) -> list[str]:
     """The block manager's pool: its KV dtype, and a block count or a budget over this model's bytes
     per block (computed as the cache host checks it: worker_svc/geometry.py, imported only then)."""
@@ -239,7 +253,9 @@ def _pool_args(opts: StackConfig) -> list[str]:
         return [*kv, "--num-gpu-blocks", str(opts.num_gpu_blocks)]
     from pagedkv.worker_svc.geometry import model_block_bytes
 
-    per_block = model_block_bytes(opts.model, opts.dtype, opts.device, opts.block_size, opts.kv_cache_dtype)
+    per_block = model_block_bytes(
+        opts.model, opts.dtype, opts.device, opts.block_size, opts.kv_cache_dtype, _kv_groups(opts)
+    )
     return [*kv, "--kv-cache-memory", str(opts.kv_cache_memory), "--kv-bytes-per-block", str(per_block)]
 
 
@@ -537,12 +553,18 @@ def check_args(args: argparse.Namespace) -> None:
 
 def plan_from_args(args: argparse.Namespace, machine: Machine | None = None) -> Plan:
     """The stack's plan on ``machine`` (default: this one) for the model and the flags given."""
-    from pagedkv.worker_svc.geometry import model_size
+    from pagedkv.worker_svc.geometry import kv_groups_for, model_size
 
     check_args(args)
     try:
         size = model_size(
-            args.model, args.dtype, args.device, args.block_size, args.kv_cache_dtype, args.weight_format
+            args.model,
+            args.dtype,
+            args.device,
+            args.block_size,
+            args.kv_cache_dtype,
+            args.weight_format,
+            kv_groups_for(args.model, args.kv_groups),
         )
         return plan_stack(
             machine or this_machine(),
@@ -591,6 +613,7 @@ def options_from_args(args: argparse.Namespace, stack_plan: Plan | None = None) 
         # A budget asked in GiB goes to the block manager as such (it divides by the bytes per
         # block, which the cache host checks); a planned one is already whole blocks.
         kv_cache_memory=args.kv_cache_memory or 0.0,
+        kv_groups=args.kv_groups,
         block_size=args.block_size,
         model=args.model,
         device=args.device,

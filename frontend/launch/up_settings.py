@@ -86,6 +86,12 @@ class UpSettings(BaseSettings):
     block_size: int = Field(
         _STACK.block_size, ge=1, le=4096, description="tokens per KV block (a power of two)"
     )
+    kv_groups: str = Field(
+        _STACK.kv_groups,
+        description="the block manager's KV-cache groups: auto = the model's (Gemma 3: a table for "
+        "its global layers and one per run of window layers, holding only the window), full = one "
+        "table for every layer, or a spec like full,window:512x5",
+    )
     device: str = Field(
         _STACK.device,
         description="where the workers compute: auto (CUDA when present, else the CPU), cpu, cuda, cuda:N",
@@ -219,6 +225,7 @@ SET_BY_UP: dict[str, frozenset[str]] = {
             "kv_cache_dtype",
             "kv_cache_memory",
             "kv_bytes_per_block",
+            "kv_groups",
             "state_dir",
             "fsync",
         )

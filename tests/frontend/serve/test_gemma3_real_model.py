@@ -107,7 +107,9 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         [
             *("--model", str(GGUF), "--weight-format", "fp32"),
             *("--block-manager-port", str(bm), "--cache-host-port", str(ch), "--worker-port", str(w)),
-            *("--num-workers", "1", "--num-gpu-blocks", "256", "--serve-port", str(http)),
+            # Blocks of one KV-cache group's 3 layers (up's --kv-groups auto: full,window:512x5): the
+            # memory of 256 blocks of all 18.
+            *("--num-workers", "1", "--num-gpu-blocks", "1536", "--serve-port", str(http)),
             *("--log-format", "json", "--ready-timeout-s", "400"),
             *("--timeout-s", "400"),  # serve's per-call deadline: a long prefill on shared cores
         ],
