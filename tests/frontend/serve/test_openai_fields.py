@@ -264,7 +264,9 @@ def test_every_content_part_is_honoured_or_refused(part_type: type, limits: Requ
     [(parse_chat, CHAT_BASE), (parse_completion, COMPLETION_BASE)],
     ids=["chat", "completion"],
 )
-@pytest.mark.parametrize("name", ["definitely_not_a_field", "max_new_tokens", "guided_grammar", "stream_optons"])
+@pytest.mark.parametrize(
+    "name", ["definitely_not_a_field", "max_new_tokens", "guided_grammar", "stream_optons"]
+)
 def test_unknown_fields_are_refused_naming_them(
     parse: Any, base: dict[str, Any], name: str, limits: RequestLimits
 ) -> None:
