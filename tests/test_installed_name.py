@@ -132,7 +132,9 @@ def test_the_wheel_holds_one_top_level_name_with_real_files(wheel: pathlib.Path)
         assert f"pagedkv/{folder}/__init__.py" in names, folder
     assert {"pagedkv/kernels/cpu/native.py", "pagedkv/frontend/engine/engine.py"} <= set(names)
     if COMPILER is not None:
-        assert [n for n in names if n.startswith("pagedkv/kernels/_cpu_generic.")], "the native library"
+        assert [n for n in names if n.startswith("pagedkv/kernels/cpu/_native_generic.")], (
+            "the native library"
+        )
 
 
 @pytest.fixture(scope="module")
