@@ -103,9 +103,18 @@ class Scheduler:
         self.outputs[request.request_id] = out
         seq = Seq(self.seq_id(request.request_id, 0), request, out, 0, list(request.prompt), width=request.n)
         self.seqs[seq.seq_id] = seq
-        self.waiting.append(seq)
+        self._enqueue(seq)
         self.stats.prompt_tokens += len(request.prompt)
         return out
+
+    def _enqueue(self, seq: Seq) -> None:
+        """Join the waiting queue behind every sequence of the same or a higher priority: admission
+        goes by priority, then arrival (the block manager's convention, higher first; serve maps
+        vLLM's lower-first onto it). With every priority 0, as under fcfs, this is arrival order."""
+        i = len(self.waiting)
+        while i and self.waiting[i - 1].request.priority < seq.request.priority:
+            i -= 1
+        self.waiting.insert(i, seq)
 
     def abort(self, request_id: str, index: int | None = None, reason: str = "abort") -> bool:
         """Finish a request (or one of its samples) now: its sequences leave the queues and the
@@ -398,7 +407,7 @@ class Scheduler:
                 log.info("fork_refused", seq_id=child.seq_id, code=err.code, message=err.message)
                 child.parent = None
                 self.seqs[child.seq_id] = child
-                self.waiting.append(child)
+                self._enqueue(child)
                 continue
             parent.children.append(child)
             self.remote.forked(parent, child)

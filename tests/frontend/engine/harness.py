@@ -123,12 +123,18 @@ class Driver:
 
     def add(
         self, rid: str, prompt: list[int], max_tokens: int = 4, n: int = 1, seed: int | None = None,
-        stop_token_ids: tuple[int, ...] = (),
+        stop_token_ids: tuple[int, ...] = (), priority: int = 0,
     ) -> None:  # fmt: skip
         sampling = SamplingOptions(temperature=0.0 if seed is None else 1.0, seed=seed)
         self.scheduler.add(
             GenerationRequest(
-                rid, prompt, max_tokens=max_tokens, n=n, sampling=sampling, stop_token_ids=stop_token_ids
+                rid,
+                prompt,
+                max_tokens=max_tokens,
+                n=n,
+                sampling=sampling,
+                stop_token_ids=stop_token_ids,
+                priority=priority,
             )
         )
 

@@ -523,3 +523,26 @@ def test_random_traffic_keeps_every_sequence_in_one_place_and_its_tokens(
             if c.finish_reason == "length":
                 assert c.token_ids == expected(_prompt(step, length), max_tokens, seed=step + i)
     d.assert_nothing_held()
+
+
+@pytest.mark.parametrize("priorities", [(0, 0, 0, 0), (0, 0, 5, 5), (0, -3, 0, 7)])
+def test_admission_goes_by_priority_then_arrival(priorities: tuple[int, ...]) -> None:
+    """A pool that holds one request at a time: while r0 runs, r1..r3 wait, and they are admitted
+    highest priority first, in arrival order within one priority (all 0: first come, first served).
+    Every request still gets its fault-free tokens and nothing stays held."""
+    d = Driver.make(num_gpu_blocks=4, block_size=4, max_num_seqs=4)
+    d.add("r0", _prompt(0, 8), max_tokens=4, priority=priorities[0])
+    d.iterate()  # r0 admitted alone
+    for i in (1, 2, 3):
+        d.add(f"r{i}", _prompt(i, 8), max_tokens=4, priority=priorities[i])
+    d.run()
+    first_step: dict[str, int] = {}
+    for n, step in enumerate(d.worker_steps):
+        for seq_id, _ in step:
+            first_step.setdefault(seq_id.split(":")[1].split("/")[0], n)
+    order = sorted(first_step, key=first_step.__getitem__)
+    want = ["r0", *sorted(("r1", "r2", "r3"), key=lambda r: (-priorities[int(r[1])], r))]
+    assert order == want
+    for i in range(4):
+        assert d.tokens(f"r{i}") == expected(_prompt(i, 8), 4)
+    d.assert_nothing_held()
