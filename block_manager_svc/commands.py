@@ -112,6 +112,7 @@ class Step(_Cmd, frozen=True):
     grant_seq_ids: list[str] = []  # after the older fields: records written before grants lack it
     rollback_seq_ids: list[str] = []  # likewise for rollbacks
     rollback_num_tokens: list[int] = []
+    alloc_skip_prefix_hits: list[bool] | None = None  # likewise for prompt-logprob allocations
 
     @classmethod
     def of(cls, b: StepBatch) -> Step:
@@ -138,6 +139,7 @@ class Step(_Cmd, frozen=True):
             list(b.grant_seq_ids),
             list(b.rollback_seq_ids),
             list(b.rollback_num_tokens),
+            opt(b.alloc_skip_prefix_hits),
         )
 
     def batch(self) -> StepBatch:
@@ -161,6 +163,7 @@ class Step(_Cmd, frozen=True):
             grant_seq_ids=self.grant_seq_ids,
             rollback_seq_ids=self.rollback_seq_ids,
             rollback_num_tokens=self.rollback_num_tokens,
+            alloc_skip_prefix_hits=self.alloc_skip_prefix_hits,
         )
 
 

@@ -307,7 +307,7 @@ def step_batch(request: pb.StepRequest, tenant: str, sub: _SubAppends | None, fr
     allocs = request.alloc_seq_ids
     na = len(allocs)
     alloc_tokens = None
-    priorities = salts = None
+    priorities = salts = skips = None
     if len(request.alloc_num_tokens) != na:
         raise InvalidArgument(
             f"alloc_num_tokens has {len(request.alloc_num_tokens)} entries for {na} "
@@ -317,12 +317,14 @@ def step_batch(request: pb.StepRequest, tenant: str, sub: _SubAppends | None, fr
         ("alloc_lease_ids", request.alloc_lease_ids),
         ("alloc_priorities", request.alloc_priorities),
         ("alloc_cache_salts", request.alloc_cache_salts),
+        ("alloc_skip_prefix_hits", request.alloc_skip_prefix_hits),
     ):
         if len(arr) and len(arr) != na:
             raise InvalidArgument(f"{what} has {len(arr)} entries for {na} allocations; one each, or none")
     if na:
         priorities = request.alloc_priorities or None
         salts = request.alloc_cache_salts or None
+        skips = list(request.alloc_skip_prefix_hits) if any(request.alloc_skip_prefix_hits) else None
         if request.alloc_token_ids:
             expected = sum(request.alloc_num_tokens)
             if len(request.alloc_token_ids) != expected:
@@ -361,6 +363,7 @@ def step_batch(request: pb.StepRequest, tenant: str, sub: _SubAppends | None, fr
         grant_seq_ids=request.grant_seq_ids,
         rollback_seq_ids=request.rollback_seq_ids,
         rollback_num_tokens=request.rollback_num_tokens,
+        alloc_skip_prefix_hits=skips,
     )
 
 

@@ -235,6 +235,7 @@ class BlockManager:
         priority: int = 0,
         salt: str = "",
         tenant: str = "",
+        skip_prefix_hits: bool = False,
     ) -> AllocateResult:
         """Blocks for a new sequence's prompt, reusing cached prefix blocks.
 
@@ -249,6 +250,11 @@ class BlockManager:
         extra keys (`root_hash(salt, tenant)`): only sequences of the same
         tenant with the same salt share cached blocks. The prompt's chain
         hashes are computed once, here, and kept on the sequence for Commit.
+
+        `skip_prefix_hits` (vLLM's skip_reading_prefix_cache): no hits, every block is new, so the
+        client computes the whole prompt (prompt logprobs need every position); the hashes are kept
+        all the same, so its blocks enter the prefix cache at Commit where no other block already
+        holds their content.
         """
         check_seq_id(seq_id)
         if seq_id in self.seqs or seq_id in self.swapped:
@@ -274,7 +280,7 @@ class BlockManager:
         kv_hits: list[list[int]] = [[] for _ in self.kv_groups[1:]]
         if tokens is not None and self.config.enable_prefix_caching:
             hashes = chain_hashes(root, tokens, bs, num_full)
-            max_hits = (num_tokens - 1) // bs
+            max_hits = 0 if skip_prefix_hits else (num_tokens - 1) // bs
             if self.multi:
                 hits, kv_hits = self._group_hits(hashes, max_hits)
             else:
@@ -306,7 +312,7 @@ class BlockManager:
             )
         nh = len(hits)
         ledger = self.ledger
-        if tokens is not None:
+        if tokens is not None and not skip_prefix_hits:
             ledger.admit(tenant, needed + hits_from_cache, num_tokens, nh * bs)
         else:
             ledger.admit(tenant, needed + hits_from_cache, 0, 0)
@@ -327,8 +333,9 @@ class BlockManager:
         pending: array[int] | None = None
         last_hash, num_hashed = root, 0
         if tokens is not None:
-            self.prefix_query_tokens += num_tokens
-            self.prefix_hit_tokens += nh * bs
+            if not skip_prefix_hits:  # a prompt that skips hits asked for none
+                self.prefix_query_tokens += num_tokens
+                self.prefix_hit_tokens += nh * bs
             if self.config.enable_prefix_caching:
                 pending = tokens[nh * bs :]
                 last_hash = hashes[nh - 1] if nh else root
@@ -895,6 +902,7 @@ class BlockManager:
         alloc_num_tokens = batch.alloc_num_tokens
         priorities = batch.alloc_priorities
         salts = batch.alloc_salts
+        skips = batch.alloc_skip_prefix_hits
         tenant = batch.tenant
         offset = 0
         for j, seq_id in enumerate(batch.alloc_seq_ids):
@@ -905,7 +913,13 @@ class BlockManager:
                 offset += k
             try:
                 r = self.allocate(
-                    seq_id, k, tokens, priorities[j] if priorities else 0, salts[j] if salts else "", tenant
+                    seq_id,
+                    k,
+                    tokens,
+                    priorities[j] if priorities else 0,
+                    salts[j] if salts else "",
+                    tenant,
+                    skip_prefix_hits=bool(skips and skips[j]),
                 )
             except CoreError as e:
                 result.alloc_num_cached_tokens.append(0)

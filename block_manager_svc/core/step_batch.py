@@ -45,3 +45,5 @@ class StepBatch:
     # Rollbacks (speculative decoding): shorten each sequence to its new length, first of all.
     rollback_seq_ids: Sequence[str] = ()
     rollback_num_tokens: Sequence[int] = ()
+    # Per allocation: take no prefix-cache hits (prompt logprobs need every position); None: read.
+    alloc_skip_prefix_hits: Sequence[bool] | None = None

@@ -898,6 +898,7 @@ class StepRequest(_message.Message):
     GRANT_SEQ_IDS_FIELD_NUMBER: _builtins.int
     ROLLBACK_SEQ_IDS_FIELD_NUMBER: _builtins.int
     ROLLBACK_NUM_TOKENS_FIELD_NUMBER: _builtins.int
+    ALLOC_SKIP_PREFIX_HITS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     @_builtins.property
     def appends(self) -> _containers.RepeatedCompositeFieldContainer[Global___AppendRequest]: ...
@@ -989,6 +990,15 @@ class StepRequest(_message.Message):
 
     @_builtins.property
     def rollback_num_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def alloc_skip_prefix_hits(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bool]:
+        """Per allocation (one each, or empty = false for all): true, the item takes
+        no prefix-cache hits, so the client computes its whole prompt (vLLM's
+        skip_reading_prefix_cache: prompt logprobs need every position). Its
+        blocks still enter the prefix cache when committed, unless another block
+        already holds the same content (Commit: first writer wins).
+        """
+
     def __init__(
         self,
         *,
@@ -1013,10 +1023,11 @@ class StepRequest(_message.Message):
         grant_seq_ids: _abc.Iterable[_builtins.str] | None = ...,
         rollback_seq_ids: _abc.Iterable[_builtins.str] | None = ...,
         rollback_num_tokens: _abc.Iterable[_builtins.int] | None = ...,
+        alloc_skip_prefix_hits: _abc.Iterable[_builtins.bool] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["alloc_cache_salts", b"alloc_cache_salts", "alloc_lease_ids", b"alloc_lease_ids", "alloc_num_tokens", b"alloc_num_tokens", "alloc_priorities", b"alloc_priorities", "alloc_seq_ids", b"alloc_seq_ids", "alloc_token_ids", b"alloc_token_ids", "append_num_tokens", b"append_num_tokens", "append_seq_ids", b"append_seq_ids", "append_token_ids", b"append_token_ids", "appends", b"appends", "commit_num_computed_tokens", b"commit_num_computed_tokens", "commit_seq_ids", b"commit_seq_ids", "fork_child_seq_ids", b"fork_child_seq_ids", "fork_parent_seq_ids", b"fork_parent_seq_ids", "free_seq_ids", b"free_seq_ids", "frees", b"frees", "grant_seq_ids", b"grant_seq_ids", "request_id", b"request_id", "rollback_num_tokens", b"rollback_num_tokens", "rollback_seq_ids", b"rollback_seq_ids", "swap_in_seq_ids", b"swap_in_seq_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alloc_cache_salts", b"alloc_cache_salts", "alloc_lease_ids", b"alloc_lease_ids", "alloc_num_tokens", b"alloc_num_tokens", "alloc_priorities", b"alloc_priorities", "alloc_seq_ids", b"alloc_seq_ids", "alloc_skip_prefix_hits", b"alloc_skip_prefix_hits", "alloc_token_ids", b"alloc_token_ids", "append_num_tokens", b"append_num_tokens", "append_seq_ids", b"append_seq_ids", "append_token_ids", b"append_token_ids", "appends", b"appends", "commit_num_computed_tokens", b"commit_num_computed_tokens", "commit_seq_ids", b"commit_seq_ids", "fork_child_seq_ids", b"fork_child_seq_ids", "fork_parent_seq_ids", b"fork_parent_seq_ids", "free_seq_ids", b"free_seq_ids", "frees", b"frees", "grant_seq_ids", b"grant_seq_ids", "request_id", b"request_id", "rollback_num_tokens", b"rollback_num_tokens", "rollback_seq_ids", b"rollback_seq_ids", "swap_in_seq_ids", b"swap_in_seq_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

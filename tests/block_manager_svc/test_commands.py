@@ -131,6 +131,30 @@ def test_a_batch_round_trips_and_decoding_builds_only_command_types() -> None:
         replay(cmds.Free("ghost"), _core(), LeaseTable())
 
 
+def test_a_step_that_skips_prefix_hits_replays_the_same_and_older_steps_read_without_it() -> None:
+    """alloc_skip_prefix_hits is journaled with its Step (a replay without it would hit the cache
+    and build other tables), after the older fields: a record written before it reads as None."""
+    live = _core()
+    live.allocate("a", 9, list(range(9)))
+    live.commit("a", 9)
+    batch = StepBatch(
+        alloc_seq_ids=["s"],
+        alloc_num_tokens=[9],
+        alloc_token_ids=array("I", range(9)),
+        alloc_skip_prefix_hits=[True],
+    )
+    step = cmds.Step.of(batch)
+    assert live.step(batch).alloc_num_cached_tokens == [0]
+    decoded = decode_batch(encode_batch(Batch([cmds.Allocate("a", 9, list(range(9))), step], None)))
+    replayed = _core()
+    replay(decoded.commands[0], replayed, LeaseTable())
+    replayed.commit("a", 9)
+    replay(decoded.commands[1], replayed, LeaseTable())
+    assert _view(replayed) == _view(live)
+    older = msgspec.msgpack.encode(msgspec.msgpack.decode(msgspec.msgpack.encode(step))[:-1])
+    assert msgspec.msgpack.decode(older, type=cmds.Step).alloc_skip_prefix_hits is None
+
+
 def test_format_2_records_are_migrated_to_the_same_commands() -> None:
     """Records written before the explicit commands hold generic (target, method, args, kwargs)
     calls, and Step as its old parallel-array parameters; commands.py migrates them."""

@@ -33,6 +33,21 @@ def test_allocate_prefix_hit_and_stats(stub) -> None:  # type: ignore[no-untyped
     assert s.num_used_blocks == 4 and s.num_free_blocks == 12 and s.num_cached_blocks == 0
 
 
+def test_a_step_allocation_may_skip_prefix_hits(stub) -> None:  # type: ignore[no-untyped-def]
+    """alloc_skip_prefix_hits (prompt logprobs): the flagged item gets no hit, the other one does."""
+    stub.Allocate(pb.AllocateRequest(seq_id="a", num_tokens=10, token_ids=list(range(10))))
+    stub.Commit(pb.CommitRequest(seq_id="a", num_computed_tokens=10))
+    r = stub.Step(
+        pb.StepRequest(
+            alloc_seq_ids=["skip", "hit"],
+            alloc_num_tokens=[10, 10],
+            alloc_token_ids=list(range(10)) * 2,
+            alloc_skip_prefix_hits=[True, False],
+        )
+    )
+    assert not r.errors and list(r.alloc_num_cached_tokens) == [0, 8]
+
+
 def test_contract_only_committed_blocks_are_hits_and_stats_agree_with_events(server_factory) -> None:  # type: ignore[no-untyped-def]
     """Prefix hits are committed blocks: Allocate A; B with the same prefix gets 0 hits; Commit A;
     C gets the hits; GetStats and WatchEvents agree (BlockStored only at commit)."""
@@ -237,6 +252,12 @@ def test_free_releases_and_cached_blocks_stay_findable(stub) -> None:  # type: i
             pb.StepRequest(alloc_seq_ids=["x"], alloc_num_tokens=[2], alloc_cache_salts=["a", "b"]),
             grpc.StatusCode.INVALID_ARGUMENT,
             "alloc_cache_salts has 2 entries",
+        ),
+        (
+            "Step",
+            pb.StepRequest(alloc_seq_ids=["x"], alloc_num_tokens=[2], alloc_skip_prefix_hits=[True, False]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "alloc_skip_prefix_hits has 2 entries",
         ),
     ],
 )

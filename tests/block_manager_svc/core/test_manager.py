@@ -100,6 +100,34 @@ def test_hit_never_covers_the_last_prompt_token() -> None:
     assert len(b.block_ids) == 2
 
 
+def test_skipping_prefix_hits_gives_fresh_blocks_that_still_enter_the_cache() -> None:
+    """vLLM's skip_reading_prefix_cache (prompt logprobs need every position): no hit although the
+    prefix is cached, and no query counted; the fresh blocks register at Commit where the content
+    is new, while content another block already holds stays that block's (first writer wins)."""
+    bm = make()
+    a = bm.allocate("a", 9, toks(9))
+    bm.commit("a", 9)
+    r = bm.step(
+        StepBatch(
+            alloc_seq_ids=["s", "t"],
+            alloc_num_tokens=[13, 9],
+            alloc_token_ids=array("I", toks(13) + toks(9)),
+            alloc_skip_prefix_hits=[True, False],
+        )
+    )
+    assert r.alloc_num_cached_tokens == [0, 8]  # "t" beside it still hits
+    s_blocks = bm.block_table("s").block_ids
+    assert not set(s_blocks) & set(a.block_ids)
+    assert bm.stats().prefix_query_tokens == 18  # "a" and "t": "s" asked for no hit
+    bm.commit("s", 13)
+    assert [bm.pool.index[bm.pool.block_hash[b]] for b in a.block_ids[:2]] == a.block_ids[:2]
+    assert bm.pool.block_hash[s_blocks[0]] is None  # the same content as "a"'s: not cached twice
+    third = bm.pool.block_hash[s_blocks[2]]
+    assert third is not None and bm.pool.index[third] == s_blocks[2]  # new content: shareable
+    assert bm.allocate("u", 14, toks(14)).num_cached_tokens == 12
+    bm.check_invariants()
+
+
 def test_hash_chains_whole_prefix_not_just_the_block() -> None:
     bm = make()
     bm.allocate("a", 9, toks(9))
