@@ -36,10 +36,12 @@ from pagedkv.worker_svc.model.registry import Model
 from pagedkv.worker_svc.model.sampling import (
     MAX_TOP_LOGPROBS,
     SamplingParams,
+    Scored,
     TokenHistory,
     accept_proposals,
     sample,
     sampling_knob_error,
+    score_tokens,
 )
 
 
@@ -75,6 +77,11 @@ class SequenceRequest:
     # KV-cache groups 1..'s tables (worker_svc/model/kv_layout.py), each (first block index, live
     # block ids): entries before the first index fell out of a window group's window (-1 here).
     group_tables: list[tuple[int, list[int]]] = field(default_factory=list)
+    # vLLM's prompt_logprobs: score the prompt's tokens at this step's positions, each with this many
+    # most likely tokens (None: no row but the last is computed). Position j scores token_ids[j + 1];
+    # the last position scores ``next_prompt_token`` (a chunk before the prompt's last), if given.
+    prompt_logprobs: int | None = None
+    next_prompt_token: int | None = None
 
     def group_table(self, g: int) -> list[int]:
         """Group ``g``'s table at full width, -1 before its first live block (group 0: block_ids)."""
@@ -87,6 +94,14 @@ class SequenceRequest:
     def seq_len(self) -> int:
         """Tokens in the cache after this step's tokens are written."""
         return self.num_cached_tokens + len(self.token_ids)
+
+    @property
+    def prompt_targets(self) -> list[int]:
+        """The prompt tokens this step scores, one per position from the first (prompt_logprobs)."""
+        if self.prompt_logprobs is None:
+            return []
+        nxt = [] if self.next_prompt_token is None else [self.next_prompt_token]
+        return self.token_ids[1:] + nxt
 
 
 @dataclass(slots=True)
@@ -122,6 +137,7 @@ class SequenceResult:
     # num_proposed > 0: how many proposals were accepted; token_id and next_samples are then those
     # proposals followed by the target's own next token (num_accepted + 1 tokens in all).
     num_accepted: int = 0
+    prompt_logprobs: list[Scored] = field(default_factory=list)  # one per SequenceRequest.prompt_targets
 
 
 @dataclass(slots=True)
@@ -295,6 +311,8 @@ class ModelRunner:
                     )
                 if not any(s.allowed_token_mask):
                     raise InvalidStep(f"{where}: allowed_token_mask allows no token")
+            if s.prompt_logprobs is not None or s.next_prompt_token is not None:
+                self._check_prompt_logprobs(where, s)
             if s.history is not None:
                 ids = [*s.history.output_ids, *s.history.prompt_ids]
                 if ids and max(ids) >= vocab:
@@ -334,6 +352,16 @@ class ModelRunner:
                     f"{where}: group {g}: block id {bad[0]} >= num_gpu_blocks {self.num_gpu_blocks}"
                 )
 
+    def _check_prompt_logprobs(self, where: str, s: SequenceRequest) -> None:
+        """As many alternatives as ``logprobs`` allows, and a next token only to score."""
+        if s.prompt_logprobs is None:
+            raise InvalidStep(f"{where}: next_prompt_token_id without prompt_logprobs")
+        if not 0 <= s.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidStep(f"{where}: prompt_logprobs {s.prompt_logprobs} is over {MAX_TOP_LOGPROBS}")
+        vocab = self.model.cfg.vocab_size
+        if s.next_prompt_token is not None and s.next_prompt_token >= vocab:
+            raise InvalidStep(f"{where}: next_prompt_token_id {s.next_prompt_token} >= vocab_size {vocab}")
+
     def _check_proposals(self, where: str, s: SequenceRequest) -> None:
         """Verification samples every proposed position with the same parameters, so (like
         multi-step decode) it runs only on what the worker knows."""
@@ -350,9 +378,12 @@ class ModelRunner:
 
     @staticmethod
     def _engine_state(s: SequenceRequest) -> str:
-        """What in ``s`` changes with every token in a way only the engine knows ("" = nothing)."""
+        """What in ``s`` changes with every token in a way only the engine knows, or asks for more
+        than each position's drawn token ("" = nothing)."""
         return (
-            "return_logits"
+            "prompt_logprobs"
+            if s.prompt_logprobs is not None
+            else "return_logits"
             if s.return_logits
             else "fork_sampling"
             if s.fork_sampling
@@ -415,8 +446,10 @@ class ModelRunner:
         ``logits_indices`` follows the requests' order, so logits row i is ``seqs[i]``'s (the output
         layer reorders its few hidden rows instead of the step reordering ``[num_seqs, vocab]``).
         Rows after those are the proposed positions of verifying sequences (``num_proposed``), in
-        request order: for each, the rows of the positions before its last one. With several
-        KV-cache groups, ``batch.groups`` holds groups 1..'s slots and tables (same tokens)."""
+        request order: for each, the rows of the positions before its last one. Then, in request
+        order, the rows of the positions that score prompt tokens (``prompt_targets``, only for a
+        sequence that asked: prompt logprobs). With several KV-cache groups, ``batch.groups`` holds
+        groups 1..'s slots and tables (same tokens)."""
         bs = self.block_size
         order = [i for i, s in enumerate(seqs) if len(s.token_ids) > 1]
         n_prefill_seqs = len(order)
@@ -448,6 +481,11 @@ class ModelRunner:
                 ends[last_index[i]] - s.num_proposed + j
                 for i, s in enumerate(seqs)
                 for j in range(s.num_proposed)
+            ]
+            + [
+                ends[last_index[i]] - len(s.token_ids) + 1 + j
+                for i, s in enumerate(seqs)
+                for j in range(len(s.prompt_targets))
             ],
             dtype=torch.int64,
             device=dev,
@@ -503,10 +541,15 @@ class ModelRunner:
         """One forward pass over ``seqs`` and their samples (the step's work; the caller holds the lock)."""
         outputs: list[SequenceResult] = []
         token_tensor, batch = self.build_batch(seqs)
-        if self.decode_graphs is not None:
+        num_prompt_rows = sum(len(s.prompt_targets) for s in seqs)
+        # A graph computes one row per sequence: a step that scores a prompt runs eagerly.
+        if self.decode_graphs is not None and not num_prompt_rows:
             logits = self.decode_graphs.forward(self.model, token_tensor, batch, self.gpu_cache)
         else:
             logits = self.model.forward(token_tensor, batch, self.gpu_cache)  # row i: seqs[i]
+        # The rows after the sequences' own (build_batch): proposed positions, then prompt positions.
+        prompt_rows = logits[logits.shape[0] - num_prompt_rows :]
+        logits = logits[: logits.shape[0] - num_prompt_rows]
         proposed_rows = None
         if logits.shape[0] > len(seqs):  # verifying sequences' proposed positions (build_batch)
             logits, proposed_rows = logits[: len(seqs)], logits[len(seqs) :]
@@ -545,6 +588,14 @@ class ModelRunner:
             k += n
         if proposed_rows is not None:
             self._verify(seqs, proposed_rows, outputs)
+        if num_prompt_rows:
+            r = 0
+            for s, o in zip(seqs, outputs, strict=True):
+                targets = s.prompt_targets
+                if s.prompt_logprobs is not None:
+                    rows = prompt_rows[r : r + len(targets)]
+                    o.prompt_logprobs = score_tokens(rows, targets, s.prompt_logprobs)
+                r += len(targets)
         return outputs
 
     def _verify(

@@ -115,6 +115,8 @@ def sequence_from_proto(s: worker_pb2.SequenceInput, memo: SamplingMemo | None =
         group_tables=[(t.first_block_index, t.block_ids[:]) for t in s.group_tables]
         if s.group_tables
         else [],
+        prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
+        next_prompt_token=s.next_prompt_token_id if s.HasField("next_prompt_token_id") else None,
     )
 
 
@@ -143,6 +145,14 @@ def output_to_proto(resp: worker_pb2.WorkerStepResponse, o: SequenceResult) -> N
         if d.top:
             nxt.top_token_ids.extend(t for t, _ in d.top)
             nxt.top_logprobs.extend(lp for _, lp in d.top)
+    for sc in o.prompt_logprobs:
+        msg.prompt_logprobs.add(
+            token_id=sc.token_id,
+            logprob=sc.logprob,
+            rank=sc.rank,
+            top_token_ids=[t for t, _ in sc.top],
+            top_logprobs=[lp for _, lp in sc.top],
+        )
 
 
 class StepRefused(Exception):

@@ -26,37 +26,37 @@ from pagedkv.v1 import block_manager_pb2 as pagedkv_dot_v1_dot_block__manager__p
 from pagedkv.v1 import cache_host_pb2 as pagedkv_dot_v1_dot_cache__host__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pagedkv/v1/worker.proto\x12\npagedkv.v1\x1a\x1epagedkv/v1/block_manager.proto\x1a\x1bpagedkv/v1/cache_host.proto\"\x92\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x18\n\x10num_top_logprobs\x18\x05 \x01(\r\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x02\x12\r\n\x05min_p\x18\t \x01(\x02\x12\x1c\n\x14logit_bias_token_ids\x18\n \x03(\r\x12\x19\n\x11logit_bias_values\x18\x0b \x03(\x02\x42\x07\n\x05_seed\"\xbe\x03\n\rSequenceInput\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pagedkv.v1.SamplingParams\x12\x15\n\rreturn_logits\x18\x06 \x01(\x08\x12\x31\n\rfork_sampling\x18\x07 \x03(\x0b\x32\x1a.pagedkv.v1.SamplingParams\x12\x18\n\x10output_token_ids\x18\x08 \x03(\r\x12\x1b\n\x13output_token_counts\x18\t \x03(\r\x12\x18\n\x10prompt_token_ids\x18\n \x03(\r\x12\x1a\n\x12\x61llowed_token_mask\x18\x0b \x01(\x0c\x12\x14\n\x0c\x64\x65\x63ode_steps\x18\x0c \x01(\r\x12\x16\n\x0estop_token_ids\x18\r \x03(\r\x12\x1b\n\x13num_proposed_tokens\x18\x0e \x01(\r\x12,\n\x0cgroup_tables\x18\x0f \x03(\x0b\x32\x16.pagedkv.v1.GroupTable\"X\n\x06Sample\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\x93\x01\n\x11WorkerStepRequest\x12,\n\tsequences\x18\x01 \x03(\x0b\x32\x19.pagedkv.v1.SequenceInput\x12!\n\x03ops\x18\x02 \x01(\x0b\x32\x14.pagedkv.v1.CacheOps\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x19\n\x11\x63\x61\x63he_instance_id\x18\x04 \x01(\t\"\xf1\x01\n\x0eSequenceOutput\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x0e\n\x06logits\x18\x04 \x03(\x02\x12(\n\x0c\x66ork_samples\x18\x05 \x03(\x0b\x32\x12.pagedkv.v1.Sample\x12\x15\n\rtop_token_ids\x18\x06 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x07 \x03(\x02\x12(\n\x0cnext_samples\x18\x08 \x03(\x0b\x32\x12.pagedkv.v1.Sample\x12\x1b\n\x13num_accepted_tokens\x18\t \x01(\r\"\x7f\n\x12WorkerStepResponse\x12+\n\x07outputs\x18\x01 \x03(\x0b\x32\x1a.pagedkv.v1.SequenceOutput\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x14\n\x0c\x63\x61\x63he_ops_ms\x18\x03 \x01(\x02\x12\x12\n\nforward_ms\x18\x04 \x01(\x02\"\x16\n\x14GetWorkerInfoRequest\"\xa8\x04\n\nWorkerInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x11\n\tnum_heads\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x13\n\x0bhidden_size\x18\x07 \x01(\r\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12+\n\x08geometry\x18\n \x01(\x0b\x32\x19.pagedkv.v1.CacheGeometry\x12\x19\n\x11\x63\x61\x63he_instance_id\x18\x0b \x01(\t\x12\x16\n\x0ekernel_backend\x18\x0c \x01(\t\x12+\n\x0b\x63\x61\x63he_state\x18\r \x01(\x0e\x32\x16.pagedkv.v1.CacheState\x12\x19\n\x11\x63\x61\x63he_lost_reason\x18\x0e \x01(\t\x12$\n\x04role\x18\x0f \x01(\x0e\x32\x16.pagedkv.v1.WorkerRole\x12\x16\n\x0eshared_weights\x18\x10 \x01(\x08\x12\x17\n\x0f\x63pu_kernel_path\x18\x11 \x01(\t\x12\x18\n\x10\x63uda_graph_sizes\x18\x12 \x03(\r\x12\x14\n\x0cweight_bytes\x18\x13 \x01(\x04\x12\x15\n\rweight_format\x18\x14 \x01(\t\x12\x13\n\x0blinear_path\x18\x15 \x01(\t\x12\x14\n\x0cstep_channel\x18\x16 \x01(\t\"#\n\x0c\x46\x65nceRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\")\n\nFenceReply\x12\x1b\n\x13running_request_ids\x18\x01 \x03(\t*q\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x15\n\x11WORKER_ROLE_MIXED\x10\x01\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x02\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x03*Y\n\nCacheState\x12\x1b\n\x17\x43\x41\x43HE_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14\x43\x41\x43HE_STATE_ATTACHED\x10\x01\x12\x14\n\x10\x43\x41\x43HE_STATE_LOST\x10\x02\x32\xd5\x01\n\x06Worker\x12\x45\n\x04Step\x12\x1d.pagedkv.v1.WorkerStepRequest\x1a\x1e.pagedkv.v1.WorkerStepResponse\x12I\n\rGetWorkerInfo\x12 .pagedkv.v1.GetWorkerInfoRequest\x1a\x16.pagedkv.v1.WorkerInfo\x12\x39\n\x05\x46\x65nce\x12\x18.pagedkv.v1.FenceRequest\x1a\x16.pagedkv.v1.FenceReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pagedkv/v1/worker.proto\x12\npagedkv.v1\x1a\x1epagedkv/v1/block_manager.proto\x1a\x1bpagedkv/v1/cache_host.proto\"\x92\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x18\n\x10num_top_logprobs\x18\x05 \x01(\r\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x02\x12\r\n\x05min_p\x18\t \x01(\x02\x12\x1c\n\x14logit_bias_token_ids\x18\n \x03(\r\x12\x19\n\x11logit_bias_values\x18\x0b \x03(\x02\x42\x07\n\x05_seed\"\xac\x04\n\rSequenceInput\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pagedkv.v1.SamplingParams\x12\x15\n\rreturn_logits\x18\x06 \x01(\x08\x12\x31\n\rfork_sampling\x18\x07 \x03(\x0b\x32\x1a.pagedkv.v1.SamplingParams\x12\x18\n\x10output_token_ids\x18\x08 \x03(\r\x12\x1b\n\x13output_token_counts\x18\t \x03(\r\x12\x18\n\x10prompt_token_ids\x18\n \x03(\r\x12\x1a\n\x12\x61llowed_token_mask\x18\x0b \x01(\x0c\x12\x14\n\x0c\x64\x65\x63ode_steps\x18\x0c \x01(\r\x12\x16\n\x0estop_token_ids\x18\r \x03(\r\x12\x1b\n\x13num_proposed_tokens\x18\x0e \x01(\r\x12,\n\x0cgroup_tables\x18\x0f \x03(\x0b\x32\x16.pagedkv.v1.GroupTable\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\rH\x00\x88\x01\x01\x12!\n\x14next_prompt_token_id\x18\x11 \x01(\rH\x01\x88\x01\x01\x42\x12\n\x10_prompt_logprobsB\x17\n\x15_next_prompt_token_id\"f\n\x06Sample\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\x12\x0c\n\x04rank\x18\x05 \x01(\r\"\x93\x01\n\x11WorkerStepRequest\x12,\n\tsequences\x18\x01 \x03(\x0b\x32\x19.pagedkv.v1.SequenceInput\x12!\n\x03ops\x18\x02 \x01(\x0b\x32\x14.pagedkv.v1.CacheOps\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x19\n\x11\x63\x61\x63he_instance_id\x18\x04 \x01(\t\"\x9e\x02\n\x0eSequenceOutput\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x0e\n\x06logits\x18\x04 \x03(\x02\x12(\n\x0c\x66ork_samples\x18\x05 \x03(\x0b\x32\x12.pagedkv.v1.Sample\x12\x15\n\rtop_token_ids\x18\x06 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x07 \x03(\x02\x12(\n\x0cnext_samples\x18\x08 \x03(\x0b\x32\x12.pagedkv.v1.Sample\x12\x1b\n\x13num_accepted_tokens\x18\t \x01(\r\x12+\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x12.pagedkv.v1.Sample\"\x7f\n\x12WorkerStepResponse\x12+\n\x07outputs\x18\x01 \x03(\x0b\x32\x1a.pagedkv.v1.SequenceOutput\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x14\n\x0c\x63\x61\x63he_ops_ms\x18\x03 \x01(\x02\x12\x12\n\nforward_ms\x18\x04 \x01(\x02\"\x16\n\x14GetWorkerInfoRequest\"\xa8\x04\n\nWorkerInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x11\n\tnum_heads\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x13\n\x0bhidden_size\x18\x07 \x01(\r\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12+\n\x08geometry\x18\n \x01(\x0b\x32\x19.pagedkv.v1.CacheGeometry\x12\x19\n\x11\x63\x61\x63he_instance_id\x18\x0b \x01(\t\x12\x16\n\x0ekernel_backend\x18\x0c \x01(\t\x12+\n\x0b\x63\x61\x63he_state\x18\r \x01(\x0e\x32\x16.pagedkv.v1.CacheState\x12\x19\n\x11\x63\x61\x63he_lost_reason\x18\x0e \x01(\t\x12$\n\x04role\x18\x0f \x01(\x0e\x32\x16.pagedkv.v1.WorkerRole\x12\x16\n\x0eshared_weights\x18\x10 \x01(\x08\x12\x17\n\x0f\x63pu_kernel_path\x18\x11 \x01(\t\x12\x18\n\x10\x63uda_graph_sizes\x18\x12 \x03(\r\x12\x14\n\x0cweight_bytes\x18\x13 \x01(\x04\x12\x15\n\rweight_format\x18\x14 \x01(\t\x12\x13\n\x0blinear_path\x18\x15 \x01(\t\x12\x14\n\x0cstep_channel\x18\x16 \x01(\t\"#\n\x0c\x46\x65nceRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\")\n\nFenceReply\x12\x1b\n\x13running_request_ids\x18\x01 \x03(\t*q\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x15\n\x11WORKER_ROLE_MIXED\x10\x01\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x02\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x03*Y\n\nCacheState\x12\x1b\n\x17\x43\x41\x43HE_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14\x43\x41\x43HE_STATE_ATTACHED\x10\x01\x12\x14\n\x10\x43\x41\x43HE_STATE_LOST\x10\x02\x32\xd5\x01\n\x06Worker\x12\x45\n\x04Step\x12\x1d.pagedkv.v1.WorkerStepRequest\x1a\x1e.pagedkv.v1.WorkerStepResponse\x12I\n\rGetWorkerInfo\x12 .pagedkv.v1.GetWorkerInfoRequest\x1a\x16.pagedkv.v1.WorkerInfo\x12\x39\n\x05\x46\x65nce\x12\x18.pagedkv.v1.FenceRequest\x1a\x16.pagedkv.v1.FenceReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pagedkv.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WORKERROLE']._serialized_start=2098
-  _globals['_WORKERROLE']._serialized_end=2211
-  _globals['_CACHESTATE']._serialized_start=2213
-  _globals['_CACHESTATE']._serialized_end=2302
+  _globals['_WORKERROLE']._serialized_start=2267
+  _globals['_WORKERROLE']._serialized_end=2380
+  _globals['_CACHESTATE']._serialized_start=2382
+  _globals['_CACHESTATE']._serialized_end=2471
   _globals['_SAMPLINGPARAMS']._serialized_start=101
   _globals['_SAMPLINGPARAMS']._serialized_end=375
   _globals['_SEQUENCEINPUT']._serialized_start=378
-  _globals['_SEQUENCEINPUT']._serialized_end=824
-  _globals['_SAMPLE']._serialized_start=826
-  _globals['_SAMPLE']._serialized_end=914
-  _globals['_WORKERSTEPREQUEST']._serialized_start=917
-  _globals['_WORKERSTEPREQUEST']._serialized_end=1064
-  _globals['_SEQUENCEOUTPUT']._serialized_start=1067
-  _globals['_SEQUENCEOUTPUT']._serialized_end=1308
-  _globals['_WORKERSTEPRESPONSE']._serialized_start=1310
-  _globals['_WORKERSTEPRESPONSE']._serialized_end=1437
-  _globals['_GETWORKERINFOREQUEST']._serialized_start=1439
-  _globals['_GETWORKERINFOREQUEST']._serialized_end=1461
-  _globals['_WORKERINFO']._serialized_start=1464
-  _globals['_WORKERINFO']._serialized_end=2016
-  _globals['_FENCEREQUEST']._serialized_start=2018
-  _globals['_FENCEREQUEST']._serialized_end=2053
-  _globals['_FENCEREPLY']._serialized_start=2055
-  _globals['_FENCEREPLY']._serialized_end=2096
-  _globals['_WORKER']._serialized_start=2305
-  _globals['_WORKER']._serialized_end=2518
+  _globals['_SEQUENCEINPUT']._serialized_end=934
+  _globals['_SAMPLE']._serialized_start=936
+  _globals['_SAMPLE']._serialized_end=1038
+  _globals['_WORKERSTEPREQUEST']._serialized_start=1041
+  _globals['_WORKERSTEPREQUEST']._serialized_end=1188
+  _globals['_SEQUENCEOUTPUT']._serialized_start=1191
+  _globals['_SEQUENCEOUTPUT']._serialized_end=1477
+  _globals['_WORKERSTEPRESPONSE']._serialized_start=1479
+  _globals['_WORKERSTEPRESPONSE']._serialized_end=1606
+  _globals['_GETWORKERINFOREQUEST']._serialized_start=1608
+  _globals['_GETWORKERINFOREQUEST']._serialized_end=1630
+  _globals['_WORKERINFO']._serialized_start=1633
+  _globals['_WORKERINFO']._serialized_end=2185
+  _globals['_FENCEREQUEST']._serialized_start=2187
+  _globals['_FENCEREQUEST']._serialized_end=2222
+  _globals['_FENCEREPLY']._serialized_start=2224
+  _globals['_FENCEREPLY']._serialized_end=2265
+  _globals['_WORKER']._serialized_start=2474
+  _globals['_WORKER']._serialized_end=2687
 # @@protoc_insertion_point(module_scope)

@@ -163,6 +163,8 @@ class SequenceInput(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     NUM_PROPOSED_TOKENS_FIELD_NUMBER: _builtins.int
     GROUP_TABLES_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
+    NEXT_PROMPT_TOKEN_ID_FIELD_NUMBER: _builtins.int
     seq_id: _builtins.str
     num_cached_tokens: _builtins.int
     """Tokens of this sequence whose KV is already in the cache, before token_ids."""
@@ -197,6 +199,20 @@ class SequenceInput(_message.Message):
     rejected proposals is written; the engine rolls it back. Less than the
     number of token_ids, at most 64, and not with decode_steps > 1,
     return_logits, fork_sampling, a token history or an allowed_token_mask.
+    """
+    prompt_logprobs: _builtins.int
+    """vLLM's prompt_logprobs: set, the step also scores the prompt's tokens at
+    its positions (SequenceOutput.prompt_logprobs), from the model's own
+    log-softmax (as SequenceOutput.logprob): position j scores token_ids[j + 1]
+    and, with next_prompt_token_id, the last position scores that token; each
+    with this many most likely tokens (0 = only the scored token's; at most
+    20). Unset (the usual case): no row but the last is computed. Not with
+    decode_steps > 1 or num_proposed_tokens.
+    """
+    next_prompt_token_id: _builtins.int
+    """With prompt_logprobs, in a prefill chunk before the prompt's last: the
+    prompt's token after token_ids (the next chunk's first), which only the
+    engine knows; the chunk's last position scores it.
     """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -264,12 +280,21 @@ class SequenceInput(_message.Message):
         stop_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         num_proposed_tokens: _builtins.int = ...,
         group_tables: _abc.Iterable[_block_manager_pb2.GroupTable] | None = ...,
+        prompt_logprobs: _builtins.int | None = ...,
+        next_prompt_token_id: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_next_prompt_token_id", b"_next_prompt_token_id", "_prompt_logprobs", b"_prompt_logprobs", "next_prompt_token_id", b"next_prompt_token_id", "prompt_logprobs", b"prompt_logprobs", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allowed_token_mask", b"allowed_token_mask", "block_ids", b"block_ids", "decode_steps", b"decode_steps", "fork_sampling", b"fork_sampling", "group_tables", b"group_tables", "num_cached_tokens", b"num_cached_tokens", "num_proposed_tokens", b"num_proposed_tokens", "output_token_counts", b"output_token_counts", "output_token_ids", b"output_token_ids", "prompt_token_ids", b"prompt_token_ids", "return_logits", b"return_logits", "sampling", b"sampling", "seq_id", b"seq_id", "stop_token_ids", b"stop_token_ids", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_next_prompt_token_id", b"_next_prompt_token_id", "_prompt_logprobs", b"_prompt_logprobs", "allowed_token_mask", b"allowed_token_mask", "block_ids", b"block_ids", "decode_steps", b"decode_steps", "fork_sampling", b"fork_sampling", "group_tables", b"group_tables", "next_prompt_token_id", b"next_prompt_token_id", "num_cached_tokens", b"num_cached_tokens", "num_proposed_tokens", b"num_proposed_tokens", "output_token_counts", b"output_token_counts", "output_token_ids", b"output_token_ids", "prompt_logprobs", b"prompt_logprobs", "prompt_token_ids", b"prompt_token_ids", "return_logits", b"return_logits", "sampling", b"sampling", "seq_id", b"seq_id", "stop_token_ids", b"stop_token_ids", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__next_prompt_token_id: _TypeAlias = _typing.Literal["next_prompt_token_id"]  # noqa: Y015
+    _WhichOneofArgType__next_prompt_token_id: _TypeAlias = _typing.Literal["_next_prompt_token_id", b"_next_prompt_token_id"]  # noqa: Y015
+    _WhichOneofReturnType__prompt_logprobs: _TypeAlias = _typing.Literal["prompt_logprobs"]  # noqa: Y015
+    _WhichOneofArgType__prompt_logprobs: _TypeAlias = _typing.Literal["_prompt_logprobs", b"_prompt_logprobs"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__next_prompt_token_id) -> _WhichOneofReturnType__next_prompt_token_id | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__prompt_logprobs) -> _WhichOneofReturnType__prompt_logprobs | None: ...
 
 Global___SequenceInput: _TypeAlias = SequenceInput  # noqa: Y015
 
@@ -283,9 +308,14 @@ class Sample(_message.Message):
     LOGPROB_FIELD_NUMBER: _builtins.int
     TOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
     token_id: _builtins.int
     logprob: _builtins.float
     """Its log-probability under the model's distribution (as SequenceOutput.logprob)."""
+    rank: _builtins.int
+    """Only in SequenceOutput.prompt_logprobs: how many tokens of the vocabulary
+    have a logprob at least the token's (1 = the most likely; vLLM's rank).
+    """
     @_builtins.property
     def top_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """As SequenceOutput.top_token_ids / top_logprobs."""
@@ -299,10 +329,11 @@ class Sample(_message.Message):
         logprob: _builtins.float = ...,
         top_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         top_logprobs: _abc.Iterable[_builtins.float] | None = ...,
+        rank: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprob", b"logprob", "token_id", b"token_id", "top_logprobs", b"top_logprobs", "top_token_ids", b"top_token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprob", b"logprob", "rank", b"rank", "token_id", b"token_id", "top_logprobs", b"top_logprobs", "top_token_ids", b"top_token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -357,6 +388,7 @@ class SequenceOutput(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     NEXT_SAMPLES_FIELD_NUMBER: _builtins.int
     NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     seq_id: _builtins.str
     token_id: _builtins.int
     """The next token."""
@@ -388,6 +420,13 @@ class SequenceOutput(_message.Message):
         order (fewer than decode_steps - 1 when one drew a stop token).
         """
 
+    @_builtins.property
+    def prompt_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___Sample]:
+        """SequenceInput.prompt_logprobs: one per scored prompt token, in order
+        (len(token_ids) - 1, one more with next_prompt_token_id): the token, its
+        logprob and rank, and the most likely tokens of the position before it.
+        """
+
     def __init__(
         self,
         *,
@@ -400,10 +439,11 @@ class SequenceOutput(_message.Message):
         top_logprobs: _abc.Iterable[_builtins.float] | None = ...,
         next_samples: _abc.Iterable[Global___Sample] | None = ...,
         num_accepted_tokens: _builtins.int = ...,
+        prompt_logprobs: _abc.Iterable[Global___Sample] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fork_samples", b"fork_samples", "logits", b"logits", "logprob", b"logprob", "next_samples", b"next_samples", "num_accepted_tokens", b"num_accepted_tokens", "seq_id", b"seq_id", "token_id", b"token_id", "top_logprobs", b"top_logprobs", "top_token_ids", b"top_token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fork_samples", b"fork_samples", "logits", b"logits", "logprob", b"logprob", "next_samples", b"next_samples", "num_accepted_tokens", b"num_accepted_tokens", "prompt_logprobs", b"prompt_logprobs", "seq_id", b"seq_id", "token_id", b"token_id", "top_logprobs", b"top_logprobs", "top_token_ids", b"top_token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

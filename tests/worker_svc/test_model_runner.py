@@ -219,6 +219,22 @@ def test_swap_out_copy_swap_in_in_one_step_run_in_that_order(runner: ModelRunner
             CacheOpsRequest(),
             "combined with an allowed_token_mask",
         ),
+        (SequenceRequest("x", [1, 2], [0], 0, prompt_logprobs=21), CacheOpsRequest(), "over 20"),
+        (
+            SequenceRequest("x", [1, 2], [0], 0, next_prompt_token=3),
+            CacheOpsRequest(),
+            "next_prompt_token_id without prompt_logprobs",
+        ),
+        (
+            SequenceRequest("x", [1, 2], [0], 0, prompt_logprobs=0, next_prompt_token=500),
+            CacheOpsRequest(),
+            "next_prompt_token_id 500",
+        ),
+        (
+            SequenceRequest("x", [1], [0], 0, decode_steps=2, prompt_logprobs=0),
+            CacheOpsRequest(),
+            "combined with prompt_logprobs",
+        ),
         # after a swap-out, so "before anything runs" covers the ops too
         (
             SequenceRequest("x", [1], [0], 0),
@@ -234,6 +250,40 @@ def test_invalid_steps_are_rejected_before_anything_runs(
     with pytest.raises(InvalidStep, match=match):
         runner.step([req, SequenceRequest("ok", [1, 2], [3], 0)], ops)
     assert torch.equal(runner.gpu_cache, before)
+
+
+def test_prompt_logprobs_score_every_position_across_chunks_as_transformers(
+    runner: ModelRunner, hf_llama: HFModel
+) -> None:
+    """A prompt in two chunks asks for prompt logprobs beside a decoding sequence that does not: the
+    first chunk's last position scores the next chunk's first token (next_prompt_token), the second
+    chunk's positions score its own later tokens, so every prompt token after the first is scored
+    once, with transformers' log-softmax, vLLM's rank and the top tokens; the sequence beside it,
+    and the sampled token itself, are what they are without prompt logprobs."""
+    blocks = list(range(20, 23))
+    other = SequenceRequest("d", [9, 8, 7], [30], 0)
+    runner.step([other])
+    first = SequenceRequest("p", PROMPT[:6], blocks, 0, prompt_logprobs=3, next_prompt_token=PROMPT[6])
+    decode = SequenceRequest("d", [1], [30], 3)
+    a, d = runner.step([first, decode]).outputs
+    assert d.prompt_logprobs == []
+    last = SequenceRequest("p", PROMPT[6:], blocks, 6, prompt_logprobs=3)
+    b = runner.step([last]).outputs[0]
+    scored = a.prompt_logprobs + b.prompt_logprobs
+    assert [x.token_id for x in scored] == PROMPT[1:]
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf_llama.model(torch.tensor([PROMPT])).logits[0].float(), -1)  # type: ignore[operator]
+    for pos, x in enumerate(scored):
+        row = ref[pos]
+        assert x.logprob == pytest.approx(float(row[x.token_id]), abs=1e-4)
+        assert x.rank == int((row >= row[x.token_id]).sum())
+        assert [t for t, _ in x.top] == row.topk(3).indices.tolist()
+        assert [lp for _, lp in x.top] == pytest.approx(row.topk(3).values.tolist(), abs=1e-4)
+    # The token drawn after the prompt, and the other sequence's, are those of plain steps.
+    runner.step([SequenceRequest("q", PROMPT[:6], list(range(40, 43)), 0)])
+    plain = runner.step([SequenceRequest("q", PROMPT[6:], list(range(40, 43)), 6)]).outputs[0]
+    assert (b.token_id, b.logprob) == pytest.approx((plain.token_id, plain.logprob), abs=1e-5)
+    assert d.token_id == runner.step([SequenceRequest("e", [9, 8, 7, 1], [31], 0)]).outputs[0].token_id
 
 
 def test_tied_head_model(tmp_path: object) -> None:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pagedkv.v1 import worker_pb2
-from pagedkv.worker_svc.model.sampling import SamplingParams, TokenHistory
+from pagedkv.worker_svc.model.sampling import SamplingParams, Scored, TokenHistory
 from pagedkv.worker_svc.model_runner import Drawn, InvalidStep, SequenceResult
 from pagedkv.worker_svc.servicer import (
     SamplingMemo,
@@ -156,3 +156,38 @@ def test_multi_step_decode_fields_round_trip() -> None:
         (7, -0.25, [7, 1]),
     ]
     assert list(out.next_samples[1].top_logprobs) == [-0.25, -2.0]
+
+
+def test_prompt_logprobs_fields_round_trip() -> None:
+    """prompt_logprobs is optional on the wire: unset asks for nothing, 0 for the scored tokens'
+    own logprobs; the scores go out in order with their ranks and top tokens."""
+    plain = sequence_from_proto(_input(None))
+    assert (plain.prompt_logprobs, plain.next_prompt_token, plain.prompt_targets) == (None, None, [])
+    msg = _input(None)
+    msg.prompt_logprobs = 0
+    got = sequence_from_proto(msg)
+    assert (got.prompt_logprobs, got.next_prompt_token, got.prompt_targets) == (0, None, [6])
+    msg.prompt_logprobs = 2
+    msg.next_prompt_token_id = 0  # token 0 is a token: set, not unset
+    got = sequence_from_proto(msg)
+    assert (got.prompt_logprobs, got.next_prompt_token, got.prompt_targets) == (2, 0, [6, 0])
+    resp = worker_pb2.WorkerStepResponse()
+    output_to_proto(
+        resp,
+        SequenceResult(
+            seq_id="p",
+            token_id=1,
+            logprob=-0.5,
+            prompt_logprobs=[
+                Scored(6, -1.5, 2, [(3, -0.25), (6, -1.5)]),
+                Scored(0, -4.0, 9, [(3, -0.5), (1, -1.0)]),
+            ],
+        ),
+    )
+    out = worker_pb2.WorkerStepResponse.FromString(resp.SerializeToString()).outputs[0]
+    assert [
+        (x.token_id, x.logprob, x.rank, list(x.top_token_ids), list(x.top_logprobs))
+        for x in out.prompt_logprobs
+    ] == [(6, -1.5, 2, [3, 6], [-0.25, -1.5]), (0, -4.0, 9, [3, 1], [-0.5, -1.0])]
+    output_to_proto(resp, SequenceResult(seq_id="q", token_id=1, logprob=-0.5))
+    assert not resp.outputs[1].prompt_logprobs

@@ -234,6 +234,40 @@ def _top_logprobs(
     return top
 
 
+@dataclass(slots=True)
+class Scored:
+    """A given token's place in the model's distribution at a position (vLLM's prompt logprobs)."""
+
+    token_id: int
+    logprob: float
+    rank: int  # tokens of the vocabulary whose logprob is at least this one's (1 = the most likely)
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token, logprob), most likely first
+
+
+def score_tokens(logits: torch.Tensor, token_ids: Sequence[int], num_top: int) -> list[Scored]:
+    """Row i of fp32 ``logits [rows, vocab]`` scores ``token_ids[i]``: its logprob under the
+    model's own log-softmax (the same log-sum-exp as :func:`sample`'s logprobs, before any
+    sampling adjustment: vLLM's default raw logprobs), its rank as vLLM counts it (the tokens whose
+    logit is at least its own, itself included) and the ``num_top`` most likely tokens."""
+    if not token_ids:
+        return []
+    log_norm = cpu_native.logsumexp_rows(logits)
+    target = torch.tensor(list(token_ids), dtype=torch.int64, device=logits.device)[:, None]
+    chosen = logits.gather(1, target)
+    ranks = (logits >= chosen).sum(-1).tolist()
+    logprobs = (chosen.squeeze(1) - log_norm).tolist()
+    tops: list[list[tuple[int, float]]] = [[] for _ in token_ids]
+    k = min(num_top, logits.shape[-1])
+    if k:
+        values, ids = torch.topk(logits, k, dim=-1)
+        lps = (values - log_norm[:, None]).tolist()
+        tops = [list(zip(row, lp, strict=True)) for row, lp in zip(ids.tolist(), lps, strict=True)]
+    return [
+        Scored(int(t), float(lp), int(r), top)
+        for t, lp, r, top in zip(token_ids, logprobs, ranks, tops, strict=True)
+    ]
+
+
 def allowed_tokens(masks: Sequence[bytes], vocab_size: int, device: torch.device) -> torch.Tensor:
     """A bool ``[len(masks), vocab_size]`` from allowed-token bitmasks of equal length (bit t % 32
     of 32-bit little-endian word t // 32), unpacked in one batched operation."""
