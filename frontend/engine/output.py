@@ -9,7 +9,7 @@ import collections
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from pagedkv.frontend.engine.types import SamplingOptions, Seq, SeqStatus, TokenEvent
+from pagedkv.frontend.engine.types import PromptLogprob, SamplingOptions, Seq, SeqStatus, TokenEvent
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import worker_pb2 as wpb
 
@@ -58,6 +58,33 @@ def accept_token(s: Seq, drawn: Drawn) -> TokenEvent:
         c.finish_reason = reason
         s.status = SeqStatus.FINISHED
     return TokenEvent(s.request.request_id, s.index, token, logprob, reason, top)
+
+
+def fill_prompt_logprobs(msg: wpb.SequenceInput, s: Seq, start: int, k: int) -> None:
+    """vLLM's prompt_logprobs: a chunk of ``k`` tokens from ``start`` whose positions score prompt
+    tokens not scored yet asks the worker to score them (position p scores the token at p + 1);
+    a chunk before the prompt's last sends the token after it, which only the engine knows."""
+    n = s.request.prompt_logprobs
+    if n is None or s.output.prompt_scored:
+        return
+    prompt = s.request.prompt
+    if start + 1 >= len(prompt):  # its positions score no prompt token
+        return
+    msg.prompt_logprobs = n
+    if start + k < len(prompt):
+        msg.next_prompt_token_id = prompt[start + k]
+
+
+def record_prompt_logprobs(s: Seq, start: int, scores: Sequence[wpb.Sample]) -> None:
+    """The prompt tokens a chunk from ``start`` scored (``fill_prompt_logprobs``): its j-th score is
+    the token at ``start + 1 + j``'s. A score past the prompt (a sequence recomputed after a
+    preemption scores its generated tokens too) is not the prompt's and is left out."""
+    out = s.output.prompt_logprobs
+    if out is None:
+        return
+    for j, x in enumerate(scores[: max(0, len(out) - start - 1)]):
+        top = tuple(zip(x.top_token_ids, x.top_logprobs, strict=True))
+        out[start + 1 + j] = PromptLogprob(x.token_id, x.logprob, x.rank, top)
 
 
 def fork_firsts(parent: Seq, samples: Sequence[wpb.Sample]) -> list[tuple[Seq, wpb.Sample]]:
@@ -150,6 +177,7 @@ def worker_request(
             item.group_tables.add(first_block_index=first, block_ids=ids)
         fill_sampling(item.sampling, s.request.sampling, s.seed)
         fill_sequence_state(item, s)
+        fill_prompt_logprobs(item, s, start, k)
         # n > 1: the worker draws the forked samples' first tokens from the prompt's last position.
         for c in fork_draws(s, k):
             fill_sampling(item.fork_sampling.add(), s.request.sampling, c.seed)

@@ -74,7 +74,8 @@ def admissions(
                 for tokens, computed, drops in finished_prefixes:
                     if drops == pool.prefix_cache_drops:  # nothing left the cache since
                         progress.add(tokens, computed)
-            if progress.should_hold(seq.tokens):
+            # One that takes no hit (prompt logprobs) gains nothing by waiting.
+            if seq.reads_prefix_cache and progress.should_hold(seq.tokens):
                 held += 1
                 continue
             progress.add(seq.tokens, 0)  # its hits are unknown until the reply

@@ -98,7 +98,10 @@ class Scheduler:
     def add(self, request: GenerationRequest) -> RequestOutput:
         """Queue a validated request (its first sample; the others fork from it at admission)."""
         out = RequestOutput(
-            request.request_id, list(request.prompt), [Completion(index=i) for i in range(request.n)]
+            request.request_id,
+            list(request.prompt),
+            [Completion(index=i) for i in range(request.n)],
+            prompt_logprobs=None if request.prompt_logprobs is None else [None] * len(request.prompt),
         )
         self.outputs[request.request_id] = out
         seq = Seq(self.seq_id(request.request_id, 0), request, out, 0, list(request.prompt), width=request.n)
@@ -266,6 +269,7 @@ class Scheduler:
             appends=[(s.seq_id, t) for s, t in items],
             allocs=[(s.seq_id, s.tokens, s.request.priority) for s in admit],
             alloc_salts=[s.request.cache_salt for s in admit],
+            alloc_skip_prefix_hits=[not s.reads_prefix_cache for s in admit],
             forks=[(p.seq_id, c.seq_id) for p, c in forks],
             swap_ins=[s.seq_id for s in swap_in],
             grants=[s.seq_id for s in grant],
@@ -560,6 +564,7 @@ class Scheduler:
                 del s.tokens[-proposed:]
                 s.proposed = 0
             computed = it.tokens - proposed
+            output.record_prompt_logprobs(s, it.start, out.prompt_logprobs)
             s.num_computed += computed
             self.stats.computed_tokens += computed
             for c in s.children:

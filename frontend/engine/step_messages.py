@@ -30,6 +30,8 @@ class StepPlan:
     appends: list[tuple[str, int | None]] = field(default_factory=list)  # (seq id, token id or unknown)
     allocs: list[tuple[str, list[int], int]] = field(default_factory=list)  # (seq id, tokens, priority)
     alloc_salts: list[str] = field(default_factory=list)  # each alloc's cache salt (none given: "")
+    # Per alloc: take no prefix-cache hit (its prompt logprobs need every position); none given: read.
+    alloc_skip_prefix_hits: list[bool] = field(default_factory=list)
     forks: list[tuple[str, str]] = field(default_factory=list)  # (parent, child)
     swap_ins: list[str] = field(default_factory=list)
     grants: list[str] = field(default_factory=list)  # a block ahead of need, applied last
@@ -107,6 +109,7 @@ def step_request(plan: StepPlan, lease_id: str) -> pb.StepRequest:
         alloc_priorities=[p for _, _, p in plan.allocs] if any(p for _, _, p in plan.allocs) else [],
         alloc_lease_ids=[lease_id] * len(plan.allocs),
         alloc_cache_salts=plan.alloc_salts if any(plan.alloc_salts) else [],
+        alloc_skip_prefix_hits=plan.alloc_skip_prefix_hits if any(plan.alloc_skip_prefix_hits) else [],
         fork_parent_seq_ids=[p for p, _ in plan.forks],
         fork_child_seq_ids=[c for _, c in plan.forks],
         swap_in_seq_ids=plan.swap_ins,

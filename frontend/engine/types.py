@@ -104,6 +104,10 @@ class GenerationRequest:
     # Mixed into its prompt's first block hash by the block manager: only requests with the same
     # salt share prefix-cache blocks (vLLM's cache_salt; "" = the shared space).
     cache_salt: str = ""
+    # vLLM's prompt_logprobs: score every prompt token after the first (RequestOutput.prompt_logprobs)
+    # with this many most likely tokens (0 = only its own logprob); None: not asked. Its prompt
+    # then takes no prefix-cache hit (every position must be computed) until it is scored.
+    prompt_logprobs: int | None = None
 
     def validate(self) -> None:
         if not self.request_id or "/" in self.request_id:
@@ -115,6 +119,11 @@ class GenerationRequest:
         if self.n < 1:
             raise ValueError(f"request {self.request_id}: n must be >= 1")
         self.sampling.validate()
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(
+                f"request {self.request_id}: prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], "
+                f"got {self.prompt_logprobs}"
+            )
         if self.seed_span_overflows():
             raise ValueError(f"request {self.request_id}: seed + n must stay below 2**63")
 
@@ -145,16 +154,36 @@ class Completion:
     top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)  # per token, when asked
 
 
+@dataclass(slots=True, frozen=True)
+class PromptLogprob:
+    """A prompt token's score at its position (vLLM's prompt logprobs): its logprob under the
+    model, its rank (the tokens at least as likely, itself included) and the most likely tokens."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()  # GenerationRequest.prompt_logprobs (token, logprob)
+
+
 @dataclass(slots=True)
 class RequestOutput:
     request_id: str
     prompt: list[int]
     completions: list[Completion]
     num_cached_tokens: int = 0
+    # GenerationRequest.prompt_logprobs: one entry per prompt token, None for the first (nothing
+    # before it) and for those not scored yet; None when not asked.
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
     @property
     def finished(self) -> bool:
         return all(c.finish_reason is not None for c in self.completions)
+
+    @property
+    def prompt_scored(self) -> bool:
+        """Every prompt token the request asked to score has its score (True when none was asked)."""
+        scores = self.prompt_logprobs
+        return scores is None or all(x is not None for x in scores[1:])
 
 
 class SeqStatus(enum.Enum):
@@ -279,6 +308,12 @@ class Seq:
     def block_table(self) -> list[int]:
         """Its block table (read-only: monitors show it; remote_table.py changes it)."""
         return self.blocks.table
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """May its allocation take prefix-cache hits? Not while its prompt logprobs are missing
+        scores: a hit's positions would not be computed (vLLM's skip_reading_prefix_cache)."""
+        return self.output.prompt_scored
 
     @property
     def awaiting_parent(self) -> bool:
