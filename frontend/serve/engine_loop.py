@@ -27,7 +27,13 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from pagedkv.frontend.engine import BlockManagerUnavailable, Engine, GenerationRequest, TokenEvent
+from pagedkv.frontend.engine import (
+    BlockManagerUnavailable,
+    Engine,
+    GenerationRequest,
+    PromptLogprob,
+    TokenEvent,
+)
 from pagedkv.frontend.serve.metrics import ServeMetrics
 
 log = structlog.get_logger("pagedkv.serve.loop")
@@ -54,6 +60,8 @@ class Finished:
 
     finish_reasons: tuple[str, ...]
     num_cached_tokens: int
+    # GenerationRequest.prompt_logprobs: the prompt's scores (RequestOutput.prompt_logprobs).
+    prompt_logprobs: tuple[PromptLogprob | None, ...] | None = None
 
 
 @dataclass(slots=True)
@@ -252,7 +260,8 @@ class EngineLoop:
             reasons = tuple(c.finish_reason or "abort" for c in out.completions)
             end = max(t.last_token.values(), default=time.monotonic())
             self.metrics.observe_finished(end - t.arrival, t.prompt_len, out.num_cached_tokens, list(reasons))
-            self._send(t.sink, Finished(reasons, out.num_cached_tokens))
+            scores = None if out.prompt_logprobs is None else tuple(out.prompt_logprobs)
+            self._send(t.sink, Finished(reasons, out.num_cached_tokens, scores))
             self._to_release.append(rid)
         if self._to_release:
             kept = []

@@ -152,6 +152,7 @@ class _Sampling(BaseModel):
     truncation_side: Literal["left", "right"] | None = None
     echo: bool = False
     # What the response carries.
+    prompt_logprobs: int | None = None  # vLLM's: checked by _prompt_logprobs
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
     request_id: str | None = Field(None, min_length=1, max_length=MAX_REQUEST_ID, pattern=r"^[!-~]+$")
@@ -254,6 +255,9 @@ class Parsed:
     min_tokens: int = 0  # stop strings count from this many tokens on
     return_token_ids: bool = False  # the prompt's ids too (prompt_token_ids)
     return_tokens_as_token_ids: bool = False  # logprobs' tokens as "token_id:<id>"
+    # vLLM's prompt_logprobs: score each prompt token with this many alternatives (None: not asked,
+    # or a stream, which carries none).
+    prompt_logprobs: int | None = None
     request_id: str | None = None  # the client's: the response's id and X-Request-Id
     priority: int = 0  # vLLM's: lower is served first (with --scheduling-policy priority)
     cache_salt: str = ""  # the prefix cache shares blocks only between requests of the same salt
@@ -550,10 +554,38 @@ def _common(
         min_tokens=body.min_tokens,
         return_token_ids=bool(body.return_token_ids),
         return_tokens_as_token_ids=bool(body.return_tokens_as_token_ids),
+        prompt_logprobs=_prompt_logprobs(body, limits),
         request_id=body.request_id,
         priority=body.priority,
         cache_salt=body.cache_salt or "",
     )
+
+
+def _prompt_logprobs(body: _Sampling, limits: RequestLimits) -> int | None:
+    """vLLM's prompt_logprobs: alternatives per prompt position, bounded as logprobs' (vLLM's
+    default max_logprobs is the same 20); -1, vLLM's whole vocabulary, is over that bound too. A
+    stream sends no prompt logprobs (as vLLM's), so it may only ask for 0, and then nothing is
+    computed."""
+    n = body.prompt_logprobs
+    if n is None:
+        return None
+    if n < -1:
+        raise ApiError(400, "prompt_logprobs: must be -1 (the whole vocabulary) or >= 0", "prompt_logprobs")
+    if body.stream and n != 0:
+        raise ApiError(
+            400,
+            "prompt_logprobs: not available with stream: true (as in vLLM: a stream sends no prompt "
+            "logprobs); send 0 or null, or stream: false",
+            "prompt_logprobs",
+        )
+    if n == -1 or n > MAX_TOP_LOGPROBS:
+        asked = f"-1 asks for the whole vocabulary ({limits.vocab_size} tokens)" if n == -1 else f"{n} asked"
+        raise ApiError(
+            400,
+            f"prompt_logprobs: at most {MAX_TOP_LOGPROBS} alternatives per position, as logprobs ({asked})",
+            "prompt_logprobs",
+        )
+    return None if body.stream else n
 
 
 def _truncated(
@@ -615,7 +647,10 @@ def parse_completion(raw: Any, limits: RequestLimits) -> Parsed:
     body = _validated(raw, CompletionBody, limits, COMPLETION)
     if body.echo and body.logprobs is not None:
         raise ApiError(
-            400, "echo: not supported together with logprobs (the prompt's logprobs are not computed)", "echo"
+            400,
+            "echo: not supported together with logprobs (the echoed prompt's tokens get no logprobs "
+            "entries; prompt_logprobs returns the prompt's)",
+            "echo",
         )
     if body.best_of is not None and body.best_of != body.n:
         raise ApiError(400, "best_of: only best_of == n is supported", "best_of")

@@ -77,10 +77,6 @@ VLLM_COMMON: Policy = {
         "and the top_logprobs most likely",
         (None, []),
     ),
-    "prompt_logprobs": Refused(
-        "the prompt's logprobs are not computed: the worker returns logprobs of sampled positions only",
-        (None,),
-    ),
     "repetition_detection": Refused("no repetition detector stops a sample early", (None,)),
     "return_token_offsets": Refused("tokens' character offsets are not returned", (None, False)),
     "routed_experts_prompt_start": Refused(

@@ -23,6 +23,7 @@ import collections
 import hashlib
 import hmac
 import json
+import math
 import socket
 import ssl
 import threading
@@ -37,7 +38,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from pagedkv.frontend.engine import Engine, GenerationRequest, TokenEvent
+from pagedkv.frontend.engine import Engine, GenerationRequest, PromptLogprob, TokenEvent
 from pagedkv.frontend.serve.detokenize import IncrementalText, token_bytes
 from pagedkv.frontend.serve.engine_loop import Admitted, EngineLoop, Failed, Finished
 from pagedkv.frontend.serve.inbox import Inbox
@@ -135,6 +136,8 @@ class _Run:
         self.cached_tokens = 0
         self.finished_prompts = 0
         self.active = False
+        # Parsed.prompt_logprobs: each prompt's scores, from its Finished.
+        self.prompt_scores: dict[int, tuple[PromptLogprob | None, ...]] = {}
 
     async def submit(self) -> None:
         """Hand every prompt to the engine; raise ApiError if any is refused (others aborted)."""
@@ -151,6 +154,7 @@ class _Run:
                 # vLLM's priority: lower first; the block manager's: higher keeps its blocks.
                 priority=-p.priority,
                 cache_salt=p.cache_salt,
+                prompt_logprobs=p.prompt_logprobs,
             )
 
             def sink(item: object, i: int = i) -> None:
@@ -201,6 +205,8 @@ class _Run:
 
     def on_finished(self, prompt: int, fin: Finished) -> None:
         self.cached_tokens += fin.num_cached_tokens
+        if fin.prompt_logprobs is not None:
+            self.prompt_scores[prompt] = fin.prompt_logprobs
         for s, reason in enumerate(fin.finish_reasons):
             c = self.choices[(prompt, s)]
             if c.finish_reason is None:
@@ -277,6 +283,31 @@ class _Run:
         top_logprobs = [dict(a) for a in alts] if self.parsed.top_logprobs else None
         return {"tokens": strs, "token_logprobs": lps, "top_logprobs": top_logprobs, "text_offset": offsets}
 
+    def _prompt_logprobs(self, prompt: int) -> list[dict[str, dict[str, Any]] | None]:
+        """vLLM's prompt_logprobs of one prompt: per token, null for the first, else a dict from
+        token id to {logprob, rank, decoded_token} holding the token itself, then the most likely
+        ones (rank 1 first; the token's own entry takes its top rank when it is one of them, as
+        vLLM's dict does). decoded_token is the tokenizer's text of the token alone (null without a
+        tokenizer; return_tokens_as_token_ids does not change it, as in vLLM), and a logprob of
+        -inf is -9999.0, as vLLM clamps it."""
+        tok = self.state.limits.text.tokenizer
+
+        def entry(token: int, logprob: float, rank: int) -> dict[str, Any]:
+            decoded = str(tok.decode([token])) if tok is not None else None
+            shown = -9999.0 if logprob == -math.inf else logprob
+            return {"logprob": shown, "rank": rank, "decoded_token": decoded}
+
+        out: list[dict[str, dict[str, Any]] | None] = []
+        for x in self.prompt_scores.get(prompt, ()):
+            if x is None:
+                out.append(None)
+                continue
+            scores = {str(x.token_id): entry(x.token_id, x.logprob, x.rank)}
+            for rank, (t, lp) in enumerate(x.top, start=1):
+                scores[str(t)] = entry(t, lp, rank)
+            out.append(scores)
+        return out
+
     def response(self) -> dict[str, Any]:
         choices = []
         for c in sorted(self.choices.values(), key=lambda c: c.index):
@@ -298,6 +329,8 @@ class _Run:
                 item["text"] = self._echo(c) + text
                 if self.parsed.return_token_ids:
                     item["prompt_token_ids"] = self.parsed.prompts[c.index // self.parsed.n]
+                if self.parsed.prompt_logprobs is not None:  # vLLM: in each choice, its prompt's
+                    item["prompt_logprobs"] = self._prompt_logprobs(c.index // self.parsed.n)
             choices.append(item)
         out: dict[str, Any] = {
             "id": self.id,
@@ -309,6 +342,8 @@ class _Run:
         }
         if self.kind == "chat" and self.parsed.return_token_ids:
             out["prompt_token_ids"] = self.parsed.prompts[0]
+        if self.kind == "chat" and self.parsed.prompt_logprobs is not None:  # vLLM: beside choices
+            out["prompt_logprobs"] = self._prompt_logprobs(0)
         return out
 
     def chunk(

@@ -1,8 +1,9 @@
 """vLLM's request extensions do what they say, end to end against a served tiny model (and each test
 fails when its mechanism is removed): token constraints (allowed_token_ids, bad_words, min_tokens),
 detokenization switches, echo/continue_final_message/chat_template_kwargs, return_token_ids,
-request_id, truncation, structured_outputs; plus response_format on completions, a json_schema
-without "strict" enforced, and /tokenize's add_special_tokens, against SmolLM2's real vocabulary.
+request_id, truncation, structured_outputs, prompt_logprobs (vLLM's JSON shape, in each completion
+choice and beside a chat's choices); plus response_format on completions, a json_schema without
+"strict" enforced, and /tokenize's add_special_tokens, against SmolLM2's real vocabulary.
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 
 from pagedkv.frontend.launch.local_stack import LocalStack
 from pagedkv.frontend.serve.openai_api import RequestLimits, parse_chat, parse_completion
 from pagedkv.frontend.serve.server import OpenAIServer
 from pagedkv.frontend.serve.text import ModelText
 from pagedkv.frontend.serve.tokenize_api import tokenize
-from tests.frontend.serve_fixtures import model_with_tokenizer, serving, stack_config
+from tests.frontend.serve_fixtures import WORDS, model_with_tokenizer, serving, stack_config
 from tests.worker_svc.conftest import HFModel
 
 EOS = 2  # </s>
@@ -179,6 +181,84 @@ def test_structured_outputs_choice_regex_and_grammar(server: OpenAIServer) -> No
     ):
         r = complete(server, prompt=PROMPT, max_tokens=4, structured_outputs=so)["choices"][0]
         assert r["text"] in ok and r["finish_reason"] == "stop", (so, r)
+
+
+def _check_prompt_logprobs(got: list[Any], prompt: list[int], hf: HFModel, num_top: int) -> None:
+    """vLLM's shape: null first, then per token {id: {logprob, rank, decoded_token}}, the token's
+    own entry first and then the num_top most likely (rank 1..), against transformers."""
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf.model(torch.tensor([prompt])).logits[0].float(), -1)  # type: ignore[operator]
+    assert len(got) == len(prompt) and got[0] is None
+    for pos in range(1, len(prompt)):
+        entry, row = got[pos], ref[pos - 1]
+        token = str(prompt[pos])
+        assert next(iter(entry)) == token  # the prompt's own token comes first
+        top = row.topk(num_top)
+        assert list(entry)[1:] == [str(t) for t in top.indices.tolist() if str(t) != token]
+        for key, v in entry.items():
+            assert set(v) == {"logprob", "rank", "decoded_token"}
+            assert v["logprob"] == pytest.approx(float(row[int(key)]), abs=1e-4)
+            assert v["decoded_token"] == WORDS[int(key)]  # the tokenizer's text of the token alone
+        assert entry[token]["rank"] == int((row >= row[prompt[pos]]).sum())
+        ranks = {str(t): r for r, t in enumerate(top.indices.tolist(), start=1)}
+        assert all(entry[k]["rank"] == ranks[k] for k in ranks)
+
+
+def test_prompt_logprobs_in_vllms_shape_for_completions_and_chat(server: OpenAIServer, hf: HFModel) -> None:
+    r = complete(server, prompt=PROMPT, max_tokens=2, n=2, prompt_logprobs=2)
+    assert r["choices"][0]["prompt_logprobs"] == r["choices"][1]["prompt_logprobs"]  # n: one prompt
+    _check_prompt_logprobs(r["choices"][0]["prompt_logprobs"], PROMPT, hf, 2)
+    two = complete(server, prompt=[PROMPT, PROMPT[:3]], max_tokens=1, prompt_logprobs=0)["choices"]
+    assert len(two[1]["prompt_logprobs"]) == 3  # each choice its own prompt's
+    _check_prompt_logprobs(two[1]["prompt_logprobs"], PROMPT[:3], hf, 0)
+    assert "prompt_logprobs" not in complete(server, prompt=PROMPT, max_tokens=1)["choices"][0]
+    c = chat(
+        server,
+        messages=[{"role": "user", "content": "w7 w8"}],
+        max_tokens=2,
+        prompt_logprobs=1,
+        return_token_ids=True,
+    )
+    assert "prompt_logprobs" not in c["choices"][0]  # vLLM puts it beside the choices
+    _check_prompt_logprobs(c["prompt_logprobs"], c["prompt_token_ids"], hf, 1)
+    # A stream carries none (as vLLM's): 0 is accepted, more is refused.
+    status, raw = _stream(server, {"prompt": PROMPT, "max_tokens": 2, "stream": True, "prompt_logprobs": 0})
+    assert status == 200 and "prompt_logprobs" not in raw and raw.endswith("data: [DONE]\n\n")
+
+
+def _stream(server: OpenAIServer, body: dict[str, Any]) -> tuple[int, str]:
+    req = urllib.request.Request(
+        server.url + "/v1/completions",
+        json.dumps({"model": "tiny", **body}).encode(),
+        {"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return r.status, r.read().decode()
+
+
+@pytest.mark.parametrize(
+    ("value", "extra", "says"),
+    [
+        (21, {}, "at most 20 alternatives per position"),
+        (-1, {}, "-1 asks for the whole vocabulary (128 tokens)"),
+        (-2, {}, "must be -1 (the whole vocabulary) or >= 0"),
+        ("1", {}, "valid integer"),
+        (1, {"stream": True}, "not available with stream: true"),
+        (-1, {"stream": True}, "not available with stream: true"),
+    ],
+)
+def test_bad_prompt_logprobs_are_a_400_naming_the_field(
+    server: OpenAIServer, value: Any, extra: dict[str, Any], says: str
+) -> None:
+    for path, body in (
+        ("/v1/completions", {"prompt": PROMPT}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w7"}]}),
+    ):
+        status, got, _ = post(
+            server, path, {"model": "tiny", "max_tokens": 1, **body, "prompt_logprobs": value, **extra}
+        )
+        assert status == 400 and got["error"]["param"] == "prompt_logprobs", got
+        assert says in got["error"]["message"], got
 
 
 # --- against SmolLM2's vocabulary (no model: the parser and the grammar's masks) ----------------------

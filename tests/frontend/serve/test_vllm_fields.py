@@ -145,7 +145,6 @@ REFUSED = {
     "mm_processor_kwargs",
     "model",  # another model: 404 naming it
     "prompt_embeds",
-    "prompt_logprobs",
     "reasoning_effort",
     "repetition_detection",
     "return_mm_kwargs",
