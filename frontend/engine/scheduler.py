@@ -390,8 +390,13 @@ class Scheduler:
                 if err.code == RESOURCE_EXHAUSTED:
                     continue  # no room yet: it keeps its place in the queue
                 raise RuntimeError(f"block manager refused to allocate {err.seq_id}: {err.message}")
-            self.waiting.remove(seq)
             cached = delta.alloc_cached[j]
+            if cached and not seq.reads_prefix_cache:  # its prompt logprobs would miss those positions
+                raise RuntimeError(
+                    f"the block manager gave {seq.seq_id} prefix-cache hits it asked not to take "
+                    "(a block manager that predates StepRequest.alloc_skip_prefix_hits?)"
+                )
+            self.waiting.remove(seq)
             groups = delta.alloc_group_tables[j] if delta.alloc_group_tables else None
             self.remote.allocated(seq, delta.alloc_tables[j], cached, groups)
             if seq.index == 0 and not seq.output.completions[0].token_ids:

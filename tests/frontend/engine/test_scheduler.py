@@ -9,8 +9,8 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from pagedkv.frontend.engine.step_messages import StepPlan
-from pagedkv.frontend.engine.types import SeqStatus
+from pagedkv.frontend.engine.step_messages import StepDelta, StepPlan
+from pagedkv.frontend.engine.types import GenerationRequest, SeqStatus
 from tests.frontend.engine.harness import Driver, expected
 
 
@@ -546,3 +546,28 @@ def test_admission_goes_by_priority_then_arrival(priorities: tuple[int, ...]) ->
     for i in range(4):
         assert d.tokens(f"r{i}") == expected(_prompt(i, 8), 4)
     d.assert_nothing_held()
+
+
+def test_a_request_for_prompt_logprobs_asks_for_no_hit_and_refuses_one_it_gets() -> None:
+    """Its allocation carries alloc_skip_prefix_hits (every position must be scored), a request
+    beside it still hits; a manager that ignores the flag (one that predates it) is an error, not
+    prompt logprobs with holes."""
+    d = Driver.make(num_gpu_blocks=32)
+    d.add("a", _prompt(0, 9), max_tokens=2)
+    d.run()
+    d.scheduler.add(GenerationRequest("b", _prompt(0, 9), max_tokens=2, prompt_logprobs=0))
+    d.add("c", _prompt(0, 9), max_tokens=2)
+    d.block_manager_step()
+    assert d.bm.steps[-1].alloc_skip_prefix_hits == [True, False]
+    assert [d.scheduler.seqs[f"test:{r}/0"].num_computed for r in "bc"] == [0, 8]
+    d.run()
+    real = d.bm.step
+
+    def predates_the_flag(plan: StepPlan) -> StepDelta:
+        plan.alloc_skip_prefix_hits = []
+        return real(plan)
+
+    d.bm.step = predates_the_flag  # type: ignore[method-assign]
+    d.scheduler.add(GenerationRequest("e", _prompt(0, 9), max_tokens=2, prompt_logprobs=0))
+    with pytest.raises(RuntimeError, match="predates StepRequest.alloc_skip_prefix_hits"):
+        d.block_manager_step()
