@@ -113,6 +113,7 @@ class Step(_Cmd, frozen=True):
     rollback_seq_ids: list[str] = []  # likewise for rollbacks
     rollback_num_tokens: list[int] = []
     alloc_skip_prefix_hits: list[bool] | None = None  # likewise for prompt-logprob allocations
+    fork_before_appends: list[bool] | None = None  # likewise for beam-search forks
 
     @classmethod
     def of(cls, b: StepBatch) -> Step:
@@ -140,6 +141,7 @@ class Step(_Cmd, frozen=True):
             list(b.rollback_seq_ids),
             list(b.rollback_num_tokens),
             opt(b.alloc_skip_prefix_hits),
+            opt(b.fork_before_appends),
         )
 
     def batch(self) -> StepBatch:
@@ -164,6 +166,7 @@ class Step(_Cmd, frozen=True):
             rollback_seq_ids=self.rollback_seq_ids,
             rollback_num_tokens=self.rollback_num_tokens,
             alloc_skip_prefix_hits=self.alloc_skip_prefix_hits,
+            fork_before_appends=self.fork_before_appends,
         )
 
 

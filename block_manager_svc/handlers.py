@@ -343,6 +343,12 @@ def step_batch(request: pb.StepRequest, tenant: str, sub: _SubAppends | None, fr
             f"fork_child_seq_ids has {len(request.fork_child_seq_ids)} entries for "
             f"{len(request.fork_parent_seq_ids)} parents; they must match"
         )
+    early = request.fork_before_appends
+    if len(early) and len(early) != len(request.fork_parent_seq_ids):
+        raise InvalidArgument(
+            f"fork_before_appends has {len(early)} entries for {len(request.fork_parent_seq_ids)} "
+            "forks; one each, or none"
+        )
     return StepBatch(
         commit_seq_ids=commits,
         commit_num_computed_tokens=request.commit_num_computed_tokens,
@@ -364,6 +370,7 @@ def step_batch(request: pb.StepRequest, tenant: str, sub: _SubAppends | None, fr
         rollback_seq_ids=request.rollback_seq_ids,
         rollback_num_tokens=request.rollback_num_tokens,
         alloc_skip_prefix_hits=skips,
+        fork_before_appends=list(early) if any(early) else None,
     )
 
 

@@ -851,7 +851,8 @@ class BlockManager:
         single-sequence operations in this order: rollbacks (proposed tokens the
         last worker step rejected; first, so that no commit of this step can name
         their KV), commits (what the last worker step computed), frees (they make
-        room), appends, allocations (new requests), forks, swap-ins, grants
+        room), the forks marked ``fork_before_appends`` (beam search), appends,
+        allocations (new requests), the other forks, swap-ins, grants
         (blocks held ahead of need, last so that they take no room the others need).
 
         `batch` is packed parallel arrays (core/step_batch.py), because that is
@@ -895,6 +896,8 @@ class BlockManager:
                 released.append(0)
                 result.free_errors.append(ItemError(j, seq_id, e.code, e.message))
 
+        if batch.fork_before_appends:
+            self._step_forks(result, batch, before_appends=True)
         if batch.append_seq_ids:
             self._step_appends(result, batch)
 
@@ -932,13 +935,7 @@ class BlockManager:
                 deltas.alloc_block_index.extend([j] * len(table))
                 deltas.alloc_block_ids.extend(table)
 
-        children = batch.fork_child_seq_ids
-        for j, parent in enumerate(batch.fork_parent_seq_ids):
-            child = children[j]
-            try:
-                self.fork(parent, child)
-            except CoreError as e:
-                result.fork_errors.append(ItemError(j, child, e.code, e.message))
+        self._step_forks(result, batch, before_appends=False)
 
         for j, seq_id in enumerate(batch.swap_in_seq_ids):
             try:
@@ -956,6 +953,22 @@ class BlockManager:
         for deltas in result.kv_groups:
             result.ops.copies.extend(deltas.copies)
         return result
+
+    def _step_forks(self, result: StepResult, batch: StepBatch, *, before_appends: bool) -> None:
+        """The Step's forks marked ``fork_before_appends`` (``before_appends``) or the others.
+        A fork before the appends gives the child the parent's table as it was before this
+        Step's appends, so each may append a different next token (beam search): the first
+        write into their shared last block copies it."""
+        children = batch.fork_child_seq_ids
+        early = batch.fork_before_appends
+        for j, parent in enumerate(batch.fork_parent_seq_ids):
+            if bool(early and early[j]) != before_appends:
+                continue
+            child = children[j]
+            try:
+                self.fork(parent, child)
+            except CoreError as e:
+                result.fork_errors.append(ItemError(j, child, e.code, e.message))
 
     def _step_appends(self, result: StepResult, batch: StepBatch) -> None:
         """Step's appends: `append` per item, in order, with the decode fast path inlined

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 @dataclass(slots=True)
 class StepBatch:
     """Everything one Step applies, in the order the core applies it: rollbacks, commits,
-    frees, appends, allocations, forks, swap-ins, grants. Every item belongs to `tenant` ("" = tenancy off).
+    frees, the forks marked ``fork_before_appends``, appends, allocations, the other forks,
+    swap-ins, grants. Every item belongs to `tenant` ("" = tenancy off).
 
     Shapes the builder guarantees: each group's parallel arrays have one entry per item;
     `append_token_ids` holds the ids of the items whose ids are known, concatenated, as
@@ -47,3 +48,6 @@ class StepBatch:
     rollback_num_tokens: Sequence[int] = ()
     # Per allocation: take no prefix-cache hits (prompt logprobs need every position); None: read.
     alloc_skip_prefix_hits: Sequence[bool] | None = None
+    # Per fork: apply it before the appends (beam search: the child appends its own next token in
+    # the same Step); None: every fork after the allocations.
+    fork_before_appends: Sequence[bool] | None = None

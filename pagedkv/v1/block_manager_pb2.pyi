@@ -864,7 +864,8 @@ class StepRequest(_message.Message):
 
     Apply order: rollbacks (proposed tokens the previous worker step rejected),
     commits (what the previous worker step computed), frees (they make room),
-    appends, allocations (new requests), forks, swap-ins, grants. Items are
+    the forks marked fork_before_appends, appends, allocations (new requests),
+    the other forks, swap-ins, grants. Items are
     applied one by one, each atomically: a failed item is reported in
     StepResponse.errors and changes nothing; the other items still apply. Arrays
     whose lengths do not match reject the whole Step (INVALID_ARGUMENT).
@@ -899,6 +900,7 @@ class StepRequest(_message.Message):
     ROLLBACK_SEQ_IDS_FIELD_NUMBER: _builtins.int
     ROLLBACK_NUM_TOKENS_FIELD_NUMBER: _builtins.int
     ALLOC_SKIP_PREFIX_HITS_FIELD_NUMBER: _builtins.int
+    FORK_BEFORE_APPENDS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     @_builtins.property
     def appends(self) -> _containers.RepeatedCompositeFieldContainer[Global___AppendRequest]: ...
@@ -956,8 +958,8 @@ class StepRequest(_message.Message):
     @_builtins.property
     def fork_parent_seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Packed forks (parallel arrays): the child shares the parent's table as it
-        is after this step's appends and allocations; the child takes the
-        parent's lease, if any.
+        is after this step's appends and allocations (before its appends: see
+        fork_before_appends); the child takes the parent's lease, if any.
         """
 
     @_builtins.property
@@ -999,6 +1001,17 @@ class StepRequest(_message.Message):
         already holds the same content (Commit: first writer wins).
         """
 
+    @_builtins.property
+    def fork_before_appends(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bool]:
+        """Per fork (one each, or empty = false for all): true, the fork is applied
+        right after the frees, before the appends, so the child shares the
+        parent's table as it is before this step's appends and may append its own
+        next token in the same Step (beam search: a beam that several of the
+        chosen continuations extend forks once per extra continuation, each
+        appends a different token, and the shared last block is copied on that
+        write). A failed one is a FORK error at its index, like any fork's.
+        """
+
     def __init__(
         self,
         *,
@@ -1024,10 +1037,11 @@ class StepRequest(_message.Message):
         rollback_seq_ids: _abc.Iterable[_builtins.str] | None = ...,
         rollback_num_tokens: _abc.Iterable[_builtins.int] | None = ...,
         alloc_skip_prefix_hits: _abc.Iterable[_builtins.bool] | None = ...,
+        fork_before_appends: _abc.Iterable[_builtins.bool] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["alloc_cache_salts", b"alloc_cache_salts", "alloc_lease_ids", b"alloc_lease_ids", "alloc_num_tokens", b"alloc_num_tokens", "alloc_priorities", b"alloc_priorities", "alloc_seq_ids", b"alloc_seq_ids", "alloc_skip_prefix_hits", b"alloc_skip_prefix_hits", "alloc_token_ids", b"alloc_token_ids", "append_num_tokens", b"append_num_tokens", "append_seq_ids", b"append_seq_ids", "append_token_ids", b"append_token_ids", "appends", b"appends", "commit_num_computed_tokens", b"commit_num_computed_tokens", "commit_seq_ids", b"commit_seq_ids", "fork_child_seq_ids", b"fork_child_seq_ids", "fork_parent_seq_ids", b"fork_parent_seq_ids", "free_seq_ids", b"free_seq_ids", "frees", b"frees", "grant_seq_ids", b"grant_seq_ids", "request_id", b"request_id", "rollback_num_tokens", b"rollback_num_tokens", "rollback_seq_ids", b"rollback_seq_ids", "swap_in_seq_ids", b"swap_in_seq_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alloc_cache_salts", b"alloc_cache_salts", "alloc_lease_ids", b"alloc_lease_ids", "alloc_num_tokens", b"alloc_num_tokens", "alloc_priorities", b"alloc_priorities", "alloc_seq_ids", b"alloc_seq_ids", "alloc_skip_prefix_hits", b"alloc_skip_prefix_hits", "alloc_token_ids", b"alloc_token_ids", "append_num_tokens", b"append_num_tokens", "append_seq_ids", b"append_seq_ids", "append_token_ids", b"append_token_ids", "appends", b"appends", "commit_num_computed_tokens", b"commit_num_computed_tokens", "commit_seq_ids", b"commit_seq_ids", "fork_before_appends", b"fork_before_appends", "fork_child_seq_ids", b"fork_child_seq_ids", "fork_parent_seq_ids", b"fork_parent_seq_ids", "free_seq_ids", b"free_seq_ids", "frees", b"frees", "grant_seq_ids", b"grant_seq_ids", "request_id", b"request_id", "rollback_num_tokens", b"rollback_num_tokens", "rollback_seq_ids", b"rollback_seq_ids", "swap_in_seq_ids", b"swap_in_seq_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -151,8 +151,32 @@ def test_a_step_that_skips_prefix_hits_replays_the_same_and_older_steps_read_wit
     replayed.commit("a", 9)
     replay(decoded.commands[1], replayed, LeaseTable())
     assert _view(replayed) == _view(live)
-    older = msgspec.msgpack.encode(msgspec.msgpack.decode(msgspec.msgpack.encode(step))[:-1])
+    # (the fields after it, fork_before_appends, came later still)
+    older = msgspec.msgpack.encode(msgspec.msgpack.decode(msgspec.msgpack.encode(step))[:-2])
     assert msgspec.msgpack.decode(older, type=cmds.Step).alloc_skip_prefix_hits is None
+
+
+def test_a_step_with_forks_before_its_appends_replays_the_same_and_older_steps_read_without_it() -> None:
+    """fork_before_appends is journaled with its Step (replayed after the appends, the child would
+    share the parent's new token), after the older fields: a record written before it reads None."""
+    live = _core()
+    live.allocate("p", 6, list(range(6)))
+    batch = StepBatch(
+        append_seq_ids=["p", "c"],
+        append_token_ids=array("I", [40, 41]),
+        fork_parent_seq_ids=["p"],
+        fork_child_seq_ids=["c"],
+        fork_before_appends=[True],
+    )
+    step = cmds.Step.of(batch)
+    assert not live.step(batch).append_errors
+    decoded = decode_batch(encode_batch(Batch([cmds.Allocate("p", 6, list(range(6))), step], None)))
+    replayed = _core()
+    for cmd in decoded.commands:
+        replay(cmd, replayed, LeaseTable())
+    assert _view(replayed) == _view(live)
+    older = msgspec.msgpack.encode(msgspec.msgpack.decode(msgspec.msgpack.encode(step))[:-1])
+    assert msgspec.msgpack.decode(older, type=cmds.Step).fork_before_appends is None
 
 
 def test_format_2_records_are_migrated_to_the_same_commands() -> None:

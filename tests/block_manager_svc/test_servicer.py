@@ -48,6 +48,26 @@ def test_a_step_allocation_may_skip_prefix_hits(stub) -> None:  # type: ignore[n
     assert not r.errors and list(r.alloc_num_cached_tokens) == [0, 8]
 
 
+def test_a_step_fork_may_come_before_its_appends(stub) -> None:  # type: ignore[no-untyped-def]
+    """fork_before_appends (beam search): the child forks from the parent's table before the
+    Step's appends, so both append their own token and the shared tail is copied on write."""
+    stub.Allocate(pb.AllocateRequest(seq_id="p", num_tokens=6, token_ids=list(range(6))))
+    r = stub.Step(
+        pb.StepRequest(
+            append_seq_ids=["p", "c"],
+            append_token_ids=[40, 41],
+            fork_parent_seq_ids=["p"],
+            fork_child_seq_ids=["c"],
+            fork_before_appends=[True],
+        )
+    )
+    assert not r.errors and len(r.ops.copies) == 1
+    tables = [stub.GetBlockTable(pb.GetBlockTableRequest(seq_id=s)) for s in ("p", "c")]
+    assert [t.num_tokens for t in tables] == [7, 7]
+    (p0, p1), (c0, c1) = (list(t.block_ids) for t in tables)
+    assert p0 == c0 and len({p1, c1}) == 2  # the full block shared, the tail copied
+
+
 def test_contract_only_committed_blocks_are_hits_and_stats_agree_with_events(server_factory) -> None:  # type: ignore[no-untyped-def]
     """Prefix hits are committed blocks: Allocate A; B with the same prefix gets 0 hits; Commit A;
     C gets the hits; GetStats and WatchEvents agree (BlockStored only at commit)."""
@@ -258,6 +278,14 @@ def test_free_releases_and_cached_blocks_stay_findable(stub) -> None:  # type: i
             pb.StepRequest(alloc_seq_ids=["x"], alloc_num_tokens=[2], alloc_skip_prefix_hits=[True, False]),
             grpc.StatusCode.INVALID_ARGUMENT,
             "alloc_skip_prefix_hits has 2 entries",
+        ),
+        (
+            "Step",
+            pb.StepRequest(
+                fork_parent_seq_ids=["live"], fork_child_seq_ids=["x"], fork_before_appends=[True, True]
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "fork_before_appends has 2 entries for 1 forks",
         ),
     ],
 )

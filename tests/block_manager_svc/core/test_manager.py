@@ -128,6 +128,55 @@ def test_skipping_prefix_hits_gives_fresh_blocks_that_still_enter_the_cache() ->
     bm.check_invariants()
 
 
+def test_a_fork_before_the_appends_lets_parent_and_child_append_different_tokens() -> None:
+    """Beam search: a beam two continuations extend forks before the Step's appends, so the child
+    shares the parent's table as it was (6 tokens, not 7) and each appends its own token; their
+    shared last block is copied on the first write, the full block stays shared. A fork left
+    unmarked still comes after the allocations, as an admission fork does."""
+    bm = make()
+    bm.allocate("p", 6, toks(6))
+    bm.commit("p", 6)
+    before = list(bm.block_table("p").block_ids)
+    r = bm.step(
+        StepBatch(
+            append_seq_ids=["p", "c"],
+            append_token_ids=array("I", [50, 51]),
+            alloc_seq_ids=["q"],
+            alloc_num_tokens=[3],
+            alloc_token_ids=array("I", [7, 8, 9]),
+            fork_parent_seq_ids=["p", "q"],
+            fork_child_seq_ids=["c", "q2"],
+            fork_before_appends=[True, False],
+        )
+    )
+    assert not (r.append_errors or r.fork_errors)
+    p, c = bm.block_table("p").block_ids, bm.block_table("c").block_ids
+    assert p[0] == c[0] == before[0]  # the full block is shared
+    assert len({p[1], c[1]}) == 2 and before[1] in (p[1], c[1])  # the tail was copied once
+    assert len(r.ops.copies) == 1 and r.replaced_index == [0]  # the parent's write copied it
+    assert bm.seqs["p"].num_tokens == bm.seqs["c"].num_tokens == 7
+    assert list(bm.seqs["c"].pending_tokens or []) == [4, 5, 51]  # the child's own token
+    assert bm.seqs["q2"].num_tokens == 3  # forked after its parent's allocation
+    for seq_id in ("p", "c", "q", "q2"):
+        bm.free(seq_id)
+    assert bm.stats().num_used_blocks == 0
+    bm.check_invariants()
+
+
+def test_a_fork_before_the_appends_of_a_missing_parent_is_a_fork_error_at_its_index() -> None:
+    bm = make()
+    bm.allocate("p", 3, toks(3))
+    r = bm.step(
+        StepBatch(
+            fork_parent_seq_ids=["p", "ghost"],
+            fork_child_seq_ids=["c", "g"],
+            fork_before_appends=[False, True],
+        )
+    )
+    assert [(e.index, e.seq_id, e.code) for e in r.fork_errors] == [(1, "g", ErrorCode.NOT_FOUND)]
+    assert "c" in bm.seqs and "g" not in bm.seqs
+
+
 def test_hash_chains_whole_prefix_not_just_the_block() -> None:
     bm = make()
     bm.allocate("a", 9, toks(9))
