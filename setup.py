@@ -14,6 +14,7 @@ flags) the install still succeeds, without that variant, and the kernels fall ba
 
 from __future__ import annotations
 
+import copy
 import os
 import platform
 
@@ -69,16 +70,20 @@ def _variants() -> dict[str, list[str]]:
 
 
 class BuildNative(build_ext):
-    """One temporary directory per extension: the variants compile the same sources with different
-    flags, and shared object files would be overwritten (or reused) between them."""
+    """One temporary directory per extension (the variants compile the same sources with different
+    flags, and shared object files would be overwritten or reused between them), all built at once."""
+
+    def finalize_options(self) -> None:
+        super().finalize_options()
+        # The variants are independent compiles: build them side by side, one per core.
+        if not self.parallel:
+            self.parallel = os.cpu_count() or 1
 
     def build_extension(self, ext: Extension) -> None:
-        temp = self.build_temp
-        self.build_temp = os.path.join(temp, ext.name)
-        try:
-            super().build_extension(ext)
-        finally:
-            self.build_temp = temp
+        # A shallow copy with its own build_temp: the variants build on threads side by side.
+        own = copy.copy(self)
+        own.build_temp = os.path.join(self.build_temp, ext.name)
+        super(BuildNative, own).build_extension(ext)
 
 
 setup(

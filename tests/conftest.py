@@ -57,6 +57,7 @@ SLOW_MODULES = frozenset(
         "tests/frontend/engine/test_model_families.py",
         "tests/frontend/serve/test_real_model.py",
         "tests/frontend/serve/test_gemma3_real_model.py",
+        "tests/frontend/serve/test_structured_output_real.py",
         "tests/frontend/serve/test_serve_errors.py",
         "tests/frontend/serve/test_serve_faults.py",
         "tests/frontend/serve/test_serve_sampling.py",
@@ -110,6 +111,17 @@ TIMED_MODULES = frozenset(
 )
 
 
+# The longest modules (an ahead-of-time compile of every kernel configuration, real models against
+# transformers): `make test` runs them first, then the other slow modules, then the fast ones, so a
+# long module never starts last while the other processes have run out of work.
+LONGEST_MODULES = (
+    "tests/kernels/test_compile_sm90.py",
+    "tests/frontend/serve/test_gemma3_real_model.py",
+    "tests/frontend/serve/test_real_model.py",
+    "tests/frontend/serve/test_structured_output_real.py",
+)
+
+
 def pytest_configure(config: object) -> None:
     config.addinivalue_line(  # type: ignore[attr-defined]
         "markers", "timed: a slow test timed against a clock; `make test` runs these alone, serially"
@@ -119,9 +131,14 @@ def pytest_configure(config: object) -> None:
 def pytest_collection_modifyitems(config: object, items: list) -> None:  # type: ignore[type-arg]
     import pytest
 
+    rank: dict[int, int] = {}
     for item in items:
         rel = pathlib.Path(str(item.fspath)).resolve().relative_to(ROOT).as_posix()
-        if rel.startswith("tests/bench/") or rel in SLOW_MODULES:
+        slow = rel.startswith("tests/bench/") or rel in SLOW_MODULES
+        if slow:
             item.add_marker(pytest.mark.slow)
         if rel in TIMED_MODULES:
             item.add_marker(pytest.mark.timed)
+        longest = LONGEST_MODULES.index(rel) if rel in LONGEST_MODULES else len(LONGEST_MODULES)
+        rank[id(item)] = longest if slow else longest + 1
+    items.sort(key=lambda item: rank[id(item)])  # stable: a module's tests keep their order
