@@ -4,8 +4,10 @@ each sequence and what it is owed, reconciled with each Step), policy.py (who go
 bm_session.py (the block-manager conversation), step_messages.py (the Step's values and wire form),
 output.py (the worker's messages, tokens, stop checks), recovery.py (lost cache host, block manager
 restarted without the engine's state), types.py (the values), dispatch.py (which workers run a step),
-admission.py (which waiting requests start). What other code imports comes from here."""
+admission.py (which waiting requests start), beam.py (beam search's decisions, pure) and
+beam_group.py (a beam-search request's sequences). What other code imports comes from here."""
 
+from pagedkv.frontend.engine.beam import BeamParams
 from pagedkv.frontend.engine.engine import Engine
 from pagedkv.frontend.engine.types import (
     MAX_TOP_LOGPROBS,
@@ -26,6 +28,7 @@ from pagedkv.frontend.engine.types import (
 
 __all__ = [
     "MAX_TOP_LOGPROBS",
+    "BeamParams",
     "BlockManagerUnavailable",
     "CacheHostLost",
     "Completion",

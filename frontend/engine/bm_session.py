@@ -201,7 +201,7 @@ class BlockManagerSession:
         self.stats.bm_round_trips += 1
         delta = step_delta(resp, len(plan.allocs))
         if needs_state:
-            lost = unknown_sequences(delta)
+            lost = unknown_sequences(delta, plan)
             if lost:
                 raise ManagerLostState(
                     f"the block manager does not know {len(lost)} of this engine's sequences "

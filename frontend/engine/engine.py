@@ -4,10 +4,10 @@ Each `step()` is one iteration, conducted as vLLM v1's ``EngineCore.step()`` is:
 
 1. **Block manager, one `Step`** (scheduler.py plans it, bm_session.py sends it), everything packed,
    in the order the manager applies it: *commits* (what the last worker step computed: only now do
-   those blocks become prefix-cache hits, for every frontend), *frees*, *appends* (a slot for each
-   running sequence's newly sampled token), *allocations* (admitted requests, under this engine's
-   lease), *forks* (the other samples of an `n > 1` request share its prompt blocks), *swap-ins*.
-   Copy-on-write ops, preemptions and the new block tables come back as deltas.
+   those blocks become prefix-cache hits, for every frontend), *frees*, beam search's forks (beam.py),
+   *appends* (a slot for each running sequence's new token), *allocations* (admitted requests, under
+   this engine's lease), *forks* (the other samples of an `n > 1` request share its prompt blocks),
+   *swap-ins*. Copy-on-write ops, preemptions and the new block tables come back as deltas.
 2. **Worker step**: decode tokens first, then prefill chunks within a token budget (chunked
    prefill), with the iteration's cache ops. Which workers run it is frontend/engine/dispatch.py's
    decision: mixed workers split the iteration and compute at once on the one shared cache; with
@@ -172,7 +172,7 @@ class Engine:
         return self.scheduler.outputs
 
     def add_request(self, request: GenerationRequest) -> RequestOutput:
-        request.validate()
+        request.validate(self.vocab_size)
         if request.request_id in self.outputs:
             raise ValueError(f"request {request.request_id!r} was already added")
         if max(request.prompt) >= self.vocab_size or min(request.prompt) < 0:

@@ -175,7 +175,7 @@ def worker_request(
         )
         for first, ids in s.blocks.group_tables:  # KV-cache groups 1.. (none with one group)
             item.group_tables.add(first_block_index=first, block_ids=ids)
-        fill_sampling(item.sampling, s.request.sampling, s.seed)
+        fill_sampling(item.sampling, s.request.step_sampling, s.seed)  # a beam's: its candidates
         fill_sequence_state(item, s)
         fill_prompt_logprobs(item, s, start, k)
         # n > 1: the worker draws the forked samples' first tokens from the prompt's last position.

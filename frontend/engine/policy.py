@@ -90,7 +90,8 @@ def grants(running: Sequence[Seq], spare: int, limits: Limits, ahead_tokens: int
     those whose held blocks have room for fewer than ``ahead_tokens`` more tokens and that will
     compute a token past them (the last token a sequence draws is never computed), nearest the
     boundary first. Not a sequence sharing its tail (its next append copies on write, in a Step
-    of its own) nor one that waits for its parent's prefill.
+    of its own), one that waits for its parent's prefill, nor a beam (a fork of it would not
+    share the block ahead, where its last tokens' KV would be).
     A sequence whose tokens have passed into its block granted ahead may have the next one: the
     Step's appends (before its grants) make that block a table entry."""
     if ahead_tokens <= 0 or spare <= 0:
@@ -99,7 +100,7 @@ def grants(running: Sequence[Seq], spare: int, limits: Limits, ahead_tokens: int
     out: list[tuple[int, Seq]] = []
     for s in running:
         b = s.blocks
-        if b.tail_shared or s.awaiting_parent:
+        if b.tail_shared or s.awaiting_parent or s.is_beam:
             continue
         held = max(len(b.table), blocks_for_tokens(len(s.tokens), bs))  # after this Step's appends
         if b.ahead is not None and held == len(b.table):
@@ -168,7 +169,8 @@ def decode_steps(batch: Sequence[tuple[Seq, int]], want: int, block_size: int) -
     times as long), and in it each sequence goes as far as ``want``, its max_tokens and the blocks
     it holds allow (the steps write their KV there before any Step appends a slot for them).
     A sequence whose next token needs state only the engine keeps goes one step: a grammar's mask,
-    the penalties' history, a tail shared with a fork (its next write copies on write, in a Step).
+    the penalties' history, a tail shared with a fork (its next write copies on write, in a Step),
+    a beam's (its request decides it).
     Why: an iteration's fixed cost (the block-manager plan, the worker call's transport, the
     engine's own work) is then paid once for several tokens; with one sequence decoding it is a
     tenth of a step on a CPU and more on a GPU. The cost: tokens reach the caller that many at a
@@ -186,6 +188,7 @@ def decode_steps(batch: Sequence[tuple[Seq, int]], want: int, block_size: int) -
             or opts.penalized
             or s.blocks.tail_shared
             or any(c.awaiting_parent for c in s.children)
+            or s.is_beam
         ):
             out.append(1)
             continue

@@ -51,11 +51,15 @@ class BlockManagerPlan:
     admit: list[Seq] = field(default_factory=list)
     forks: list[tuple[Seq, Seq]] = field(default_factory=list)
     grant: list[Seq] = field(default_factory=list)
+    # Beam search: new beams forked ahead of the appends (StepPlan.early_forks), each appending its
+    # own token in this Step.
+    beam_forks: list[tuple[Seq, Seq]] = field(default_factory=list)
 
     @property
     def created(self) -> list[str]:
         """Sequences this Step creates in the block manager (admitted and forked)."""
-        return [s.seq_id for s in self.admit] + [c.seq_id for _, c in self.forks]
+        forks = self.forks + self.beam_forks
+        return [s.seq_id for s in self.admit] + [c.seq_id for _, c in forks]
 
 
 def growth_blocks(grow: Iterable[Seq], block_size: int) -> int:
@@ -222,9 +226,10 @@ class RemoteTable:
                 del tail[:drop]
 
     def forked(self, parent: Seq, child: Seq) -> None:
-        """A sample forked from ``parent``: it shares every block (so both tails are shared)."""
+        """A sample (or a beam) forked from ``parent``: it shares every block of its table (so both
+        tails are shared), not the block granted ahead, as in the manager."""
         p, c = parent.blocks, child.blocks
-        c.table, c.slots, c.committed = list(p.table), p.slots, parent.num_computed
+        c.table, c.slots, c.committed = list(p.table), p.slots, p.committed
         c.groups = [list(t) for t in p.groups]
         child.num_computed = parent.num_computed
         p.tail_shared = c.tail_shared = True

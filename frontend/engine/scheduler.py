@@ -22,10 +22,17 @@ from dataclasses import dataclass
 import structlog
 
 from pagedkv.frontend.engine import output, policy
+from pagedkv.frontend.engine.beam_group import BeamGroup
 from pagedkv.frontend.engine.policy import Limits
 from pagedkv.frontend.engine.remote_table import BlockManagerPlan, RemoteTable, growth_blocks
 from pagedkv.frontend.engine.speculate import SpeculativeConfig, proposal_for, speculation_on
-from pagedkv.frontend.engine.step_messages import RESOURCE_EXHAUSTED, ItemError, StepDelta, StepPlan
+from pagedkv.frontend.engine.step_messages import (
+    NOT_FOUND,
+    RESOURCE_EXHAUSTED,
+    ItemError,
+    StepDelta,
+    StepPlan,
+)
 from pagedkv.frontend.engine.types import (
     Completion,
     EngineStats,
@@ -82,6 +89,11 @@ class Scheduler:
         self.waiting: collections.deque[Seq] = collections.deque()
         self.running: list[Seq] = []
         self.swapped: collections.deque[Seq] = collections.deque()
+        # Beam search (beam_group.py): each beam-search request's search and live beams, and the
+        # new beams a decision forked, sent in the next Step ahead of its appends (each then
+        # appends its own token), until a reply applied them.
+        self.beams: dict[str, BeamGroup] = {}
+        self.beam_forks: list[tuple[Seq, Seq]] = []
         # What the block manager holds for this engine's sequences, and what it is owed.
         self.remote = RemoteTable(
             limits.block_size,
@@ -104,7 +116,19 @@ class Scheduler:
             prompt_logprobs=None if request.prompt_logprobs is None else [None] * len(request.prompt),
         )
         self.outputs[request.request_id] = out
-        seq = Seq(self.seq_id(request.request_id, 0), request, out, 0, list(request.prompt), width=request.n)
+        # A beam search's first beam holds its own tokens, and its admission counts all n places.
+        own = Completion(index=0) if request.beam is not None else None
+        seq = Seq(
+            self.seq_id(request.request_id, 0),
+            request,
+            out,
+            0,
+            list(request.prompt),
+            width=request.n,
+            own_completion=own,
+        )
+        if own is not None:
+            self.beams[request.request_id] = BeamGroup.start(seq)
         self.seqs[seq.seq_id] = seq
         self._enqueue(seq)
         self.stats.prompt_tokens += len(request.prompt)
@@ -121,7 +145,11 @@ class Scheduler:
 
     def abort(self, request_id: str, index: int | None = None, reason: str = "abort") -> bool:
         """Finish a request (or one of its samples) now: its sequences leave the queues and the
-        ones holding blocks are freed in the next Step. False when nothing was left to finish."""
+        ones holding blocks are freed in the next Step. False when nothing was left to finish.
+        A beam search ends whole (its beams are not its completions: an index is not one of them);
+        beams forked by its last decision and not sent yet are dropped by the next plan."""
+        if self.beams.pop(request_id, None) is not None:
+            index = None
         found = False
         for seq in [s for s in self.seqs.values() if s.request.request_id == request_id]:
             if index is not None and seq.index != index:
@@ -129,23 +157,27 @@ class Scheduler:
             if seq.status is SeqStatus.FINISHED:
                 continue
             found = True
-            if seq.status is SeqStatus.WAITING:
-                self.waiting.remove(seq)
-            else:
-                self._drop_proposal(seq)
-                if seq.running:
-                    self.running.remove(seq)
-                else:
-                    self.swapped.remove(seq)
-                self.remote.free_later(seq)
-            seq.status = SeqStatus.FINISHED
-            seq.completion.finish_reason = reason
+            self._finish(seq, reason)
         out = self.outputs.get(request_id)
         if out is not None and index is None:
             for c in out.completions:  # samples not forked yet never will be
                 if c.finish_reason is None:
                     c.finish_reason = reason
         return found
+
+    def _finish(self, seq: Seq, reason: str) -> None:
+        """It leaves the queues now; if it holds blocks, they are freed in the next Step."""
+        if seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        else:
+            self._drop_proposal(seq)
+            if seq.running:
+                self.running.remove(seq)
+            else:
+                self.swapped.remove(seq)
+            self.remote.free_later(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.completion.finish_reason = reason
 
     def release(self, request_id: str) -> bool:
         """Forget a finished request once its blocks were freed. False (and everything kept) while
@@ -217,6 +249,7 @@ class Scheduler:
         if full:
             self._propose()
         grow = [s for s in self.running if s.needs_slot] if full else []
+        beam_forks = self._beam_forks() if full else []  # (its children append beside ``grow``)
         swap_in = policy.swap_ins(self.swapped, len(self.running), self.limits) if full else []
         admit: list[Seq] = []
         if full:
@@ -224,7 +257,7 @@ class Scheduler:
                 self.waiting,
                 self.running,
                 remote.finishing(),
-                grow,
+                grow + [c for _, c in beam_forks],
                 len(swap_in),
                 remote.pool,
                 self.limits,
@@ -239,15 +272,22 @@ class Scheduler:
             frees = [x for x in frees if x not in sent]
         lazy = self.defer_appends and full
         must_grow = [s for s in grow if not remote.can_grow(s)] if lazy else grow
-        if not (rollbacks or must_grow or frees or swap_in or admit or owed or (commits and not lazy)):
+        asks = rollbacks or must_grow or frees or swap_in or admit or owed or beam_forks
+        if not (asks or (commits and not lazy)):
             return None
         for s, n in commits:
             remote.committing(s, n)
+        for parent, child in beam_forks:  # forked before the appends: the parent's table as it is now
+            remote.forked(parent, child)
         forks = [
-            (seq, self._sample_of(seq, i)) for seq in admit if seq.width > 1 for i in range(1, seq.request.n)
+            (seq, self._sample_of(seq, i))
+            for seq in admit
+            if seq.width > 1 and not seq.is_beam  # (a beam search forks at its first decision)
+            for i in range(1, seq.request.n)
         ]
         # One append per token the manager has no slot for yet (its id: hashed for the prefix cache).
         items = [(s, t) for s in grow for t in s.tokens[s.blocks.slots :]]
+        items += [(c, t) for _, c in beam_forks for t in c.tokens[c.blocks.slots :]]
         items += [(s, t) for s in owed for t in s.tokens[s.blocks.slots : s.num_computed // bs * bs]]
         grant: list[Seq] = []
         # No grant while a sequence waits to be admitted or swapped in: the blocks are its, and
@@ -273,8 +313,9 @@ class Scheduler:
             forks=[(p.seq_id, c.seq_id) for p, c in forks],
             swap_ins=[s.seq_id for s in swap_in],
             grants=[s.seq_id for s in grant],
+            early_forks=[(p.seq_id, c.seq_id) for p, c in beam_forks],
         )
-        return BlockManagerPlan(step, [s for s, _ in items], swap_in, admit, forks, grant)
+        return BlockManagerPlan(step, [s for s, _ in items], swap_in, admit, forks, grant, beam_forks)
 
     # --- speculative decoding (docs/speculative.md) ----------------------------------
     def _propose(self) -> None:
@@ -316,6 +357,7 @@ class Scheduler:
             and not any(c.awaiting_parent for c in s.children)
             and opts.grammar is None
             and not opts.penalized
+            and not s.is_beam  # (a beam's step reports candidates for its request's decision)
         )
 
     def _drop_proposal(self, s: Seq) -> None:
@@ -365,7 +407,9 @@ class Scheduler:
     def apply_block_manager(self, plan: BlockManagerPlan, delta: StepDelta) -> None:
         """A Step reply: the remote table takes the block-side changes (what was freed, grown tables,
         cache ops owed to the workers); the queues follow preemptions, allocations, forks and
-        swap-ins; then the grants and the appends that went through count."""
+        swap-ins; then the grants and the appends that went through count. Beam-search forks
+        first: their children grow in this very reply."""
+        refused = self._apply_beam_forks(plan, delta)
         self.remote.reconcile(plan, delta)
         for err in delta.errors:
             if err.kind == "rollback":  # never below what was committed: a refusal is a bug
@@ -380,7 +424,7 @@ class Scheduler:
         self.stats.blocks_granted_ahead += sum(plan.grant[j].running for j, _ in delta.granted)
         # Nothing left to preempt for their growth: preempt them ourselves (freed in the next Step,
         # before their re-allocation there, so they may hit their own committed blocks).
-        for s in self.remote.reconcile_appends(plan, delta, preempted):
+        for s in self.remote.reconcile_appends(plan, delta, preempted | refused):
             self._preempt_self(s)
 
     def _apply_allocations(self, delta: StepDelta, admit: list[Seq], errors: dict[int, ItemError]) -> None:
@@ -399,7 +443,7 @@ class Scheduler:
             self.waiting.remove(seq)
             groups = delta.alloc_group_tables[j] if delta.alloc_group_tables else None
             self.remote.allocated(seq, delta.alloc_tables[j], cached, groups)
-            if seq.index == 0 and not seq.output.completions[0].token_ids:
+            if seq.index == 0 and not seq.completion.token_ids:
                 seq.output.num_cached_tokens = cached
             self.stats.prefix_hit_tokens += cached
             seq.status = SeqStatus.RUNNING
@@ -423,6 +467,89 @@ class Scheduler:
             child.status = SeqStatus.RUNNING
             self.seqs[child.seq_id] = child
             self.running.append(child)
+
+    # --- beam search (beam_group.py) ----------------------------------------------------
+    def _beam_forks(self) -> list[tuple[Seq, Seq]]:
+        """The beam forks the next Step sends (kept until a reply applies them). A child whose
+        parent left the GPU since the decision (preempted) is computed anew from its tokens as a
+        sequence of its own; one whose request was aborted is dropped (it never held a block)."""
+        send = []
+        for parent, child in list(self.beam_forks):
+            if parent.status is SeqStatus.RUNNING:
+                send.append((parent, child))
+                continue
+            self.beam_forks.remove((parent, child))
+            if parent.status is not SeqStatus.FINISHED:
+                self._beam_anew(child)
+        return send
+
+    def _beam_anew(self, child: Seq) -> None:
+        """A new beam that could not fork from its parent: it waits to be allocated (its prefix
+        from the prefix cache where committed) and computes the rest."""
+        child.blocks.released()
+        child.num_computed = 0
+        child.status = SeqStatus.WAITING
+        self.seqs[child.seq_id] = child
+        self.waiting.appendleft(child)
+
+    def _apply_beam_forks(self, plan: BlockManagerPlan, delta: StepDelta) -> set[str]:
+        """The beam forks of a Step (before its appends): a child the manager forked runs, sharing
+        its parent's blocks; one it refused (e.g. a tenant's sequence quota) is computed anew, and
+        its appends in the same Step failed with it. Returns the refused children's ids."""
+        if not plan.beam_forks:
+            return set()
+        base = len(plan.forks)  # the wire's forks: the admission forks, then these
+        errors = {e.index - base: e for e in delta.errors if e.kind == "fork" and e.index >= base}
+        victims = {p.seq_id for p in delta.preempted}
+        refused: set[str] = set()
+        for j, (parent, child) in enumerate(plan.beam_forks):
+            self.beam_forks.remove((parent, child))
+            err = errors.get(j)
+            if err is not None:
+                log.info("beam_fork_refused", seq_id=child.seq_id, code=err.code, message=err.message)
+                refused.add(child.seq_id)
+                self._beam_anew(child)
+                continue
+            if (
+                any(
+                    e.kind == "append" and e.seq_id == child.seq_id and e.code == NOT_FOUND
+                    for e in delta.errors
+                )
+                and child.seq_id not in victims
+            ):
+                raise RuntimeError(
+                    f"the block manager forked {child.seq_id} after its appends (a block manager "
+                    "that predates StepRequest.fork_before_appends?)"
+                )
+            child.status = SeqStatus.RUNNING
+            self.seqs[child.seq_id] = child
+            self.running.append(child)
+        return refused
+
+    def _beam_step(self, group: BeamGroup) -> list[TokenEvent]:
+        """Every live beam of ``group`` reported: decide the next beams and move the sequences
+        (beam_group.py): pruned beams are freed in the next Step, new ones forked in it; once the
+        search is over, the request's completions are its answer, streamed as tokens now."""
+        rid = group.output.request_id
+        for s in [s for s in group.pruned if not self.remote.owes_free(s)]:
+            group.pruned.remove(s)  # freed: forgotten, so a long search keeps only its live beams
+            self.seqs.pop(s.seq_id, None)
+        moves = group.decide(lambda index: self.seq_id(rid, index))
+        for s in moves.pruned:
+            self._finish(s, "pruned")
+        group.pruned += moves.pruned
+        self.beam_forks += moves.forks
+        if not moves.done:
+            return []
+        del self.beams[rid]
+        events = []
+        for c in group.output.completions:
+            for j, (token, logprob) in enumerate(zip(c.token_ids, c.logprobs, strict=True)):
+                reason = c.finish_reason if j == len(c.token_ids) - 1 else None
+                top = c.top_logprobs[j] if c.top_logprobs else ()
+                events.append(TokenEvent(rid, c.index, token, logprob, reason, top))
+        self.stats.generated_tokens += len(events)
+        return events
 
     def _apply_preemptions(self, delta: StepDelta) -> set[str]:
         """Follow the block manager's preemption decisions; returns the victims' ids."""
@@ -577,6 +704,12 @@ class Scheduler:
                     c.num_computed = s.num_computed  # their shared prompt blocks were just written
             if s.num_computed < len(s.tokens):
                 continue  # a prefill chunk: its sampled token is meaningless
+            if s.is_beam:  # its step's candidates, for its request's decision (none once aborted)
+                group = self.beams.get(s.request.request_id)
+                top = list(zip(out.top_token_ids, out.top_logprobs, strict=True))
+                if group is not None and group.report(s, top):
+                    events += self._beam_step(group)
+                continue
             for child, drawn in output.fork_firsts(s, out.fork_samples):
                 events.append(self._accept_token(child, drawn))
             events.append(self._accept_token(s, out))
@@ -644,6 +777,7 @@ class Scheduler:
             and s.completion.token_ids
             and len(s.completion.token_ids) + 1 < s.request.max_tokens
             and not any(c.awaiting_parent for c in s.children)
+            and not s.is_beam  # its next token is its request's decision, and may fork it
         ]
         if not seqs:
             return None

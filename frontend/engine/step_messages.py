@@ -35,6 +35,9 @@ class StepPlan:
     forks: list[tuple[str, str]] = field(default_factory=list)  # (parent, child)
     swap_ins: list[str] = field(default_factory=list)
     grants: list[str] = field(default_factory=list)  # a block ahead of need, applied last
+    # Forks applied before the appends (beam search: each child appends its own token in this
+    # Step); on the wire after ``forks``, flagged fork_before_appends, their errors indexed after them.
+    early_forks: list[tuple[str, str]] = field(default_factory=list)
 
 
 @dataclass(slots=True, frozen=True)
@@ -110,8 +113,11 @@ def step_request(plan: StepPlan, lease_id: str) -> pb.StepRequest:
         alloc_lease_ids=[lease_id] * len(plan.allocs),
         alloc_cache_salts=plan.alloc_salts if any(plan.alloc_salts) else [],
         alloc_skip_prefix_hits=plan.alloc_skip_prefix_hits if any(plan.alloc_skip_prefix_hits) else [],
-        fork_parent_seq_ids=[p for p, _ in plan.forks],
-        fork_child_seq_ids=[c for _, c in plan.forks],
+        fork_parent_seq_ids=[p for p, _ in plan.forks + plan.early_forks],
+        fork_child_seq_ids=[c for _, c in plan.forks + plan.early_forks],
+        fork_before_appends=[False] * len(plan.forks) + [True] * len(plan.early_forks)
+        if plan.early_forks
+        else [],
         swap_in_seq_ids=plan.swap_ins,
         grant_seq_ids=plan.grants,
     )
@@ -177,14 +183,15 @@ def step_delta(resp: pb.StepResponse, num_allocs: int) -> StepDelta:
     )
 
 
-def unknown_sequences(delta: StepDelta) -> list[str]:
+def unknown_sequences(delta: StepDelta, plan: StepPlan | None = None) -> list[str]:
     """Sequences the engine holds that the manager answered NOT_FOUND for (commits, appends,
-    swap-ins, grants; not a victim preempted in this very Step): it no longer has the engine's state."""
-    victims = {p.seq_id for p in delta.preempted}
+    swap-ins, grants; not a victim preempted in this very Step, nor a beam this Step forks ahead
+    of its appends, whose appends fail with a refused fork): it no longer has the engine's state."""
+    skip = {p.seq_id for p in delta.preempted}
+    if plan is not None:
+        skip.update(c for _, c in plan.early_forks)
     return [
         e.seq_id
         for e in delta.errors
-        if e.kind in ("commit", "append", "swap_in", "grant")
-        and e.code == NOT_FOUND
-        and e.seq_id not in victims
+        if e.kind in ("commit", "append", "swap_in", "grant") and e.code == NOT_FOUND and e.seq_id not in skip
     ]

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedkv import defaults
+from pagedkv.frontend.engine.beam import BeamParams, candidates_per_beam
 from pagedkv.frontend.engine.speculate import SpeculativeConfig
 from pagedkv.kv_capacity import blocks_for_tokens
 
@@ -108,8 +109,12 @@ class GenerationRequest:
     # with this many most likely tokens (0 = only its own logprob); None: not asked. Its prompt
     # then takes no prefix-cache hit (every position must be computed) until it is scored.
     prompt_logprobs: int | None = None
+    # Beam search (vLLM's use_beam_search): the n best of n beams, best first, instead of n
+    # samples, decided as transformers' generate(num_beams=n) decides (frontend/engine/beam.py);
+    # the beams end at stop_token_ids. None: sampling.
+    beam: BeamParams | None = None
 
-    def validate(self) -> None:
+    def validate(self, vocab_size: int | None = None) -> None:
         if not self.request_id or "/" in self.request_id:
             raise ValueError(f"request_id must be non-empty and contain no '/': {self.request_id!r}")
         if not self.prompt:
@@ -126,6 +131,37 @@ class GenerationRequest:
             )
         if self.seed_span_overflows():
             raise ValueError(f"request {self.request_id}: seed + n must stay below 2**63")
+        if self.beam is not None:
+            self._validate_beam(self.beam, vocab_size)
+
+    def _validate_beam(self, beam: BeamParams, vocab_size: int | None) -> None:
+        """Beam search ranks the model's own log-softmax: nothing may change the distribution, and
+        each beam's K candidates (beam.candidates_per_beam) come from the worker's top logprobs."""
+        beam.validate()
+        opts = self.sampling
+        if opts.penalized or opts.logit_bias or opts.grammar is not None:
+            raise ValueError(
+                f"request {self.request_id}: beam search scores the model's own log-softmax: "
+                "penalties, logit_bias and grammars do not apply to it"
+            )
+        k = candidates_per_beam(self.n, len(set(self.stop_token_ids)))
+        if k > MAX_TOP_LOGPROBS or (vocab_size is not None and k > vocab_size):
+            raise ValueError(
+                f"request {self.request_id}: beam search of width {self.n} with "
+                f"{len(set(self.stop_token_ids))} stop tokens keeps {k} candidates per beam: at most "
+                f"{min(MAX_TOP_LOGPROBS, vocab_size or MAX_TOP_LOGPROBS)} (the worker's top logprobs, "
+                "the vocabulary)"
+            )
+
+    @property
+    def step_sampling(self) -> SamplingOptions:
+        """What each worker step samples with: the request's options, or for beam search its
+        candidates, the top logprobs of the model's own log-softmax (greedy: the token drawn is
+        not used), as many as the search keeps or the client asked to see."""
+        if self.beam is None:
+            return self.sampling
+        k = candidates_per_beam(self.n, len(set(self.stop_token_ids)))
+        return SamplingOptions(logprobs=max(k, self.sampling.logprobs))
 
     def seed_span_overflows(self) -> bool:
         s = self.sampling.seed
@@ -152,6 +188,9 @@ class Completion:
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)  # per token, when asked
+    # Beam search: the hypothesis' score, cumulative logprob / length ** length_penalty
+    # (transformers' sequences_scores); None for a sample.
+    beam_score: float | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -284,10 +323,19 @@ class Seq:
     # Speculative decoding: how many of ``tokens``' last ones are proposals the next worker step
     # verifies (scheduler.py adds them before its Step and takes them off when the step is back).
     proposed: int = 0
+    # A beam's own tokens so far (beam search): the request's completions are filled with the best
+    # hypotheses when the search ends (frontend/engine/beam_group.py). None for a sample.
+    own_completion: Completion | None = None
 
     @property
     def completion(self) -> Completion:
-        return self.output.completions[self.index]
+        own = self.own_completion
+        return own if own is not None else self.output.completions[self.index]
+
+    @property
+    def is_beam(self) -> bool:
+        """A beam of a beam search: its worker steps report candidates, decided per request."""
+        return self.own_completion is not None
 
     @property
     def seed(self) -> int | None:

@@ -62,9 +62,54 @@ class HFModel:
             )
         return out[0, len(prompt) :].tolist()
 
+    def beam_search(
+        self,
+        prompt: list[int],
+        n: int,
+        max_tokens: int,
+        end_tokens: list[int] | None = None,
+        length_penalty: float = 1.0,
+        early_stopping: bool | str = False,
+    ) -> list[tuple[list[int], float]]:
+        """transformers' beam search (num_beams = num_return_sequences = n): the n best hypotheses,
+        best first, each (its generated tokens, the end token included; its score)."""
+        return hf_beam_search(self.model, prompt, n, max_tokens, end_tokens, length_penalty, early_stopping)
+
     def last_logits(self, tokens: list[int]) -> torch.Tensor:
         with torch.inference_mode():
             return self.model(torch.tensor([tokens])).logits[0, -1].float()  # type: ignore[operator]
+
+
+def hf_beam_search(
+    model: object,
+    prompt: list[int],
+    n: int,
+    max_tokens: int,
+    end_tokens: list[int] | None = None,
+    length_penalty: float = 1.0,
+    early_stopping: bool | str = False,
+) -> list[tuple[list[int], float]]:
+    """``model.generate(num_beams=n, num_return_sequences=n, do_sample=False, ...)``: the n best
+    hypotheses, best first, as (generated tokens, the end token included; sequences_scores)."""
+    with torch.inference_mode():
+        out = model.generate(  # type: ignore[attr-defined]
+            torch.tensor([prompt]),
+            num_beams=n,
+            num_return_sequences=n,
+            do_sample=False,
+            max_new_tokens=max_tokens,
+            length_penalty=length_penalty,
+            early_stopping=early_stopping,
+            eos_token_id=end_tokens or None,
+            pad_token_id=0,
+            return_dict_in_generate=True,
+            output_scores=True,
+        )
+    lengths = (out.beam_indices >= 0).sum(-1).tolist()  # what follows is padding
+    return [
+        (out.sequences[i, len(prompt) : len(prompt) + k].tolist(), float(out.sequences_scores[i]))
+        for i, k in enumerate(lengths)
+    ]
 
 
 def build_hf_model(path: pathlib.Path, seed: int = 0, **overrides: object) -> HFModel:

@@ -9,12 +9,15 @@ table, so a wrong table, a missed copy or a block used ahead of the manager's sa
 
 from __future__ import annotations
 
+import math
+import random
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedkv.block_manager_svc.core import BlockManager, CoreConfig
 from pagedkv.block_manager_svc.handlers import CoreStage
+from pagedkv.frontend.engine.beam import BeamParams
 from pagedkv.frontend.engine.policy import Limits
 from pagedkv.frontend.engine.scheduler import PrefillItem, Scheduler
 from pagedkv.frontend.engine.speculate import SpeculativeConfig
@@ -31,6 +34,17 @@ def next_token(tokens: list[int], seed: int = 0) -> int:
     for t in tokens:
         h = (h * 31 + t + 1) % 1_000_000_007
     return h % VOCAB
+
+
+def candidates(tokens: list[int], k: int) -> list[tuple[int, float]]:
+    """The stand-in model's k most likely next tokens with their log-softmax (what a worker
+    reports for a beam, and for top logprobs): a distribution that is a pure function of the
+    context, most likely first."""
+    rng = random.Random(next_token(tokens, 7) * 1_000_003 + len(tokens))
+    logits = [rng.gauss(0.0, 2.0) for _ in range(VOCAB)]
+    norm = math.log(sum(math.exp(x) for x in logits))
+    order = sorted(range(VOCAB), key=lambda t: (-logits[t], t))[:k]
+    return [(t, logits[t] - norm) for t in order]
 
 
 def expected(
@@ -123,20 +137,21 @@ class Driver:
 
     def add(
         self, rid: str, prompt: list[int], max_tokens: int = 4, n: int = 1, seed: int | None = None,
-        stop_token_ids: tuple[int, ...] = (), priority: int = 0,
+        stop_token_ids: tuple[int, ...] = (), priority: int = 0, beam: BeamParams | None = None,
     ) -> None:  # fmt: skip
         sampling = SamplingOptions(temperature=0.0 if seed is None else 1.0, seed=seed)
-        self.scheduler.add(
-            GenerationRequest(
-                rid,
-                prompt,
-                max_tokens=max_tokens,
-                n=n,
-                sampling=sampling,
-                stop_token_ids=stop_token_ids,
-                priority=priority,
-            )
+        request = GenerationRequest(
+            rid,
+            prompt,
+            max_tokens=max_tokens,
+            n=n,
+            sampling=sampling,
+            stop_token_ids=stop_token_ids,
+            priority=priority,
+            beam=beam,
         )
+        request.validate(VOCAB)
+        self.scheduler.add(request)
 
     def block_manager_step(self) -> StepDelta | None:
         plan = self.scheduler.plan()
@@ -175,6 +190,11 @@ class Driver:
             context = [self.gpu[table[pos // bs]].get(pos % bs, -1) for pos in range(s.num_computed + k)]
             draws = sched.fork_draws(s, k)
             out = wpb.SequenceOutput(token_id=self.model(context, s.seed or 0))
+            num_top = s.request.step_sampling.logprobs  # (a beam's: its candidates)
+            if num_top:
+                top = candidates(context, num_top)
+                out.top_token_ids.extend(t for t, _ in top)
+                out.top_logprobs.extend(lp for _, lp in top)
             for child in draws:
                 out.fork_samples.add(token_id=self.model(context, child.seed or 0))
             # Multi-step decode: each next step writes the token drawn last at the next position
