@@ -42,3 +42,34 @@ def prose_lines(source: str) -> list[tuple[int, str]]:
         if tok.type not in (tokenize.NL, tokenize.COMMENT):
             prev = tok.type
     return out
+
+
+def c_comment_lines(source: str) -> list[tuple[int, str]]:
+    """(line number, text) of each line of each ``/* ... */`` and ``// ...`` comment in C ``source``:
+    the comment's own text on that line, without the code around it. String and character literals
+    are skipped, so a ``"/*"`` or a ``"// ..."`` in code opens no comment."""
+    out: list[tuple[int, str]] = []
+    i, line, n = 0, 1, len(source)
+    while i < n:
+        c = source[i]
+        if source.startswith("//", i):
+            end = source.find("\n", i)
+            end = n if end < 0 else end
+            out.append((line, source[i:end]))
+            i = end
+        elif source.startswith("/*", i):
+            end = source.find("*/", i + 2)
+            end = n if end < 0 else end + 2
+            for k, text in enumerate(source[i:end].split("\n")):
+                out.append((line + k, text))
+            line += source.count("\n", i, end)
+            i = end
+        elif c in "\"'":
+            j = i + 1
+            while j < n and source[j] != c and source[j] != "\n":
+                j += 2 if source[j] == "\\" else 1
+            i = j + 1
+        else:
+            line += c == "\n"
+            i += 1
+    return out

@@ -4,10 +4,10 @@
  *
  * Why: a decode step of a deep, narrow model is mostly calls, not arithmetic. SmolLM2-135M's step
  * makes nine kernel calls a layer over 30 layers; from Python each costs its argument checks, a
- * tensor allocation and a ctypes crossing (10-20 us), about 7 ms of a 16 ms step at one sequence on
- * the 2-core development VM, where its weights take 3.4 ms to read. Chained in C the step pays one
- * crossing (kernels/cpu/decode_layers.py decides when it applies and fills these structs; the
- * Python path stays the reference and the path of every other step).
+ * tensor allocation and a ctypes crossing, which at one sequence add up to more than reading the
+ * step's weights (docs/kernels.md, "A decode step in one call", has the figures). Chained in C the
+ * step pays one crossing (kernels/cpu/decode_layers.py decides when it applies and fills these
+ * structs; the Python path stays the reference and the path of every other step).
  *
  * Per layer, as worker_svc/model/llama.py's forward: x += delta (the previous layer's output, none
  * before the first) and RMSNorm; the fused QKV projection; RoPE with the K/V write into the layer's

@@ -2,10 +2,10 @@
  *
  * Why: on CPU a decode step multiplies a few dozen rows by every weight matrix of the model, so its
  * GEMMs are bound by reading the weights: the time is the weight bytes over the memory bandwidth.
- * oneDNN's prepacked linear reaches about 17 GB/s of weights on a decode step's rows on the 2-core
- * development host, where a plain sum streams at 25 GB/s; this kernel streams the packed panels at
- * the memory's rate for few rows and stays level with oneDNN for many (bench/dense_bench.py
- * measures both, side by side).
+ * oneDNN's prepacked linear reads a decode step's weights well below the rate a plain sum streams
+ * them at; this kernel streams the packed panels at the memory's rate for few rows and stays level
+ * with oneDNN for many (bench/dense_bench.py measures both, side by side; docs/kernels.md has the
+ * figures).
  *
  * Layout: W [n, k] (out, in) is packed as ceil(n / 32) panels of [k][32] floats, zero padded past
  * row n. A panel is read front to back, one 128-byte line pair per k, so the hardware prefetchers
@@ -38,7 +38,7 @@
  * a panel row is 2 vectors and 8 rows of x take 16 accumulators. AVX2 (and the baseline build): 16
  * registers of 8 floats, a panel row is 4 vectors, so 3 rows take 12 accumulators and leave room for
  * the broadcast and a weight vector. The AVX-512 tile compiled for AVX2 keeps every accumulator
- * on the stack and runs 3.5-50x slower than oneDNN (docs/kernels.md). */
+ * on the stack and runs many times slower than oneDNN (docs/kernels.md). */
 #if defined(__AVX512F__)
 #define VW 16
 #define TILE_ROWS 8
@@ -68,7 +68,8 @@ void pagedkv_linear_pack_f32(int64_t n, int64_t k, const float *w, int64_t w_str
 
 /* rows x[0..ROWS) times one panel into y[0..ROWS)[0..cols). One function per ROWS (the macro below),
  * so each has exactly ROWS x NV accumulators and the compiler keeps them all in registers (with a
- * shared maximum-size array it spilled the smaller tiles' accumulators to the stack: 1.5x slower). */
+ * shared maximum-size array it spilled the smaller tiles' accumulators to the stack:
+ * docs/kernels.md). */
 #define DEFINE_TILE(ROWS)                                                                                 \
     static void tile_##ROWS(int64_t k, const float *restrict x, int64_t x_stride, const float *restrict panel, \
                             const float *restrict bias, float *restrict y, int64_t y_stride, int cols,         \

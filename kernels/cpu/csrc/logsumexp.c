@@ -3,8 +3,8 @@
  *
  * Why: a decode step's logits are [sequences, vocabulary] (48 x 32,000 at the vs_vllm workload),
  * and torch.logsumexp on CPU runs a max pass, a subtract, an exp pass and a sum as separate
- * loops over a temporary: 0.89 ms of a 25 ms step. Here each row is two passes over the row
- * (max, then the vectorised exp-sum) with no temporary, rows spread over OpenMP threads: 0.47 ms.
+ * loops over a temporary. Here each row is two passes over the row (max, then the vectorised
+ * exp-sum) with no temporary, rows spread over OpenMP threads (docs/kernels.md has both times).
  * The max pass goes chunk by chunk and keeps the first chunk holding the row's maximum, so the
  * argmax costs one more look at that chunk instead of a pass of its own (torch's argmax is a
  * scalar loop on CPU; worker_svc/model/sampling.py's chunked argmax_rows is a third pass).

@@ -17,10 +17,11 @@
  * in fp32, the output rounded once), and 8-bit int8 caches with fp32 queries (kernels/quant.py: each
  * row's head_dim int8 values, then its fp32 scale; a row is widened once and its scale folded into
  * the dot product for K and into the probability for V). The common (group, head_dim) pairs get specialised copies
- * (constants let the compiler keep the accumulators in registers: 1.4x at head_dim 64 and 128;
+ * (constants let the compiler keep the accumulators in registers, at head_dim 64 and 128;
  * groups 3, 5, 6 and 7 at head_dim 64 for models such as SmolLM2's 9 query over 3 KV heads),
  * and fp32 keys are scored a vector's width (VW) at a time with one butterfly sum for their dot products
- * (another 1.3-1.6x): bench/cpu_decode_bench.py.
+ * (each faster than the code it replaced: bench/cpu_decode_bench.py; docs/kernels.md has the
+ * figures).
  * With a sliding window (DecodeArgs.window > 0) a sequence's keys are read from the block holding
  * its window's first key on (earlier blocks may have been released), so the work follows the window.
  * Arguments are validated in Python before the call (kernels/cpu/native.py, check_decode).
@@ -54,7 +55,7 @@ static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torc
 
 /* Keys scored per batch: VW, one vector of the build's width (vector_width.h), each key's dot
  * product a vector accumulator, the batch's accumulators reduced together by one butterfly. A
- * 16-key batch of 16-float vectors on the AVX2 build took 1.1-1.2x this one's time (docs/kernels.md). */
+ * 16-key batch of 16-float vectors on the AVX2 build was slower than this one (docs/kernels.md). */
 typedef int32_t vi __attribute__((vector_size(VW * 4)));
 
 /* VW vectors -> one vector whose lane j is the sum of p[j]'s lanes: a butterfly of shuffles
@@ -122,8 +123,8 @@ static inline float load(const void *base, int64_t i, int bf16) {
 /* Blocks ahead of the one being read whose rows are prefetched. The hardware prefetchers stop at
  * each block's end (the next block lies anywhere in the cache), so without this every block
  * starts with a run of cache misses; a steady software prefetch two blocks ahead, a few rows at a
- * time, kept the stream going (1.7-2.4x on 32 sequences of 300 tokens read from DRAM, 1 and 2
- * threads: bench/cpu_decode_bench.py). */
+ * time, kept the stream going (bench/cpu_decode_bench.py measures it; docs/kernels.md has the
+ * figures). */
 #define PREFETCH_BLOCKS 2
 
 /* Prefetch `rows` slots' rows of KV heads h0..h1 (`span` contiguous bytes per slot) from `p`. */
@@ -301,8 +302,8 @@ static void attend_any(const DecodeArgs *a, const void *q, const void *k_cache, 
 }
 
 /* Sequences ordered by their first block (then index): sequences sharing a cached prefix run one
- * after another, so the prefix's K/V is still in cache for the next one (1.1-1.3x with four
- * 432-token prefixes interleaved over 64 sequences). */
+ * after another, so the prefix's K/V is still in cache for the next one (docs/kernels.md has the
+ * figures, for prefixes interleaved over a batch). */
 typedef struct { int32_t first_block; int64_t seq; } SeqKey;
 
 static int by_first_block(const void *x, const void *y) {
@@ -355,9 +356,9 @@ static void no_keys(const DecodeArgs *a, void *out, float *lse, int64_t s, int64
  * each to fp32 at the scores' magnitude, a relative error of up to 1e-5 in the weights where the
  * scores reach the tens: 4-6x the unsplit kernel's error on sharp scores.) The cut depends on the
  * shapes only and a head's arithmetic not on its task, so any number of threads gives the same
- * bits; one run (short contexts) is the unsplit arithmetic exactly. Two runs measured best on
- * 2 threads (30 layers of SmolLM2's attention at 332 tokens, caches cold: 2.14 -> 1.34 ms; 4 and
- * 8 runs 1.5-1.6 ms, and slower on one thread, each run's first blocks not prefetched). fp32
+ * bits; one run (short contexts) is the unsplit arithmetic exactly. Two runs, not more: each
+ * run's first blocks are not prefetched, and more runs were slower on 2 threads and on one
+ * (docs/kernels.md has the figures). fp32
  * outputs only (a bf16 output would be rounded before the merge): bf16 caches keep the one-task-
  * per-head path. */
 #define SPLIT_MAX_SEQS 4

@@ -50,7 +50,7 @@ typedef struct {  /* the same layout as paged_decode.c's DecodeArgs (checked at 
 
 /* Register tiles in vectors of the build's width (VW, vector_width.h), sized so every accumulator
  * has a register of its own (16-float tiles written for AVX-512's 32 registers spilled on the AVX2
- * build and ran 14-20x slower than torch's SDPA):
+ * build and ran many times slower than torch's SDPA; docs/kernels.md):
  * - KEYS: keys per q.k tile, KEYS x 2 accumulators (AVX-512 8 x 2 of 32 registers; else 6 x 2 of 16);
  * - PIECE: value elements per p.v tile, 4 x PIECE / VW accumulators (AVX-512 4 x 4; else 4 x 2). */
 #if VW == 16

@@ -3,8 +3,8 @@
  * kernels/cpu/quant_linear.py calls these; the K-quant part is at the end of this file).
  *
  * Why: a decode step multiplies a few rows by every weight matrix, so its time is the weight bytes
- * over the memory bandwidth. PyTorch's weight-packed int4 / int8 matmuls read their bytes at about
- * 0.5 GB/s at one row on the AVX2 development host (their vectorised paths are written for
+ * over the memory bandwidth. PyTorch's weight-packed int4 / int8 matmuls read their bytes far below
+ * the memory's rate at one row on an AVX2 CPU (their vectorised paths are written for
  * AVX-512), so a model held as integers decoded slower than the same model in fp32 at 4-8x the
  * bytes. These kernels stream the integers at the memory's rate (docs/kernels.md has the numbers).
  *
@@ -99,8 +99,8 @@ static inline float *thread_scratch(float *scratch, int64_t floats) {
  * zero), an error of at most 1/65534 of the group's largest |x| per input. Why: with x in 16-bit
  * integers a one-row product is word multiply-adds (q4_words_panel: 128 weights in four
  * instructions) where fp32 widens every nibble to a float (16 a step), which left the one-row
- * kernel compute-bound at about the memory's rate (21 GB/s with its weights already in cache, 2
- * threads of the AVX-512 host). 16 bits and not the K-quant kernel's 8: 8-bit x cost SmolLM2's
+ * kernel compute-bound at about the memory's rate, even with its weights already in cache
+ * (docs/kernels.md has the figures). 16 bits and not the K-quant kernel's 8: 8-bit x cost SmolLM2's
  * Q4_1 file 1.1% of perplexity and changed its answers (docs/kernels.md). Every path of
  * pagedkv_q4_linear (the word products, the fp32 row tiles, the dequantized panels of many rows,
  * the plain C loops), and of pagedkv_q8_linear, multiplies the same x^, so a row's result does not depend on which path its
@@ -201,8 +201,8 @@ static inline void q4_store(__m256 lo, __m256 hi, float *y, int cols) {
 }
 
 /* The bytes Q4_PREFETCH ahead of a group and their scales, into L1: a one-row call streams a few
- * hundred KiB a thread, too short for the hardware prefetcher to reach full speed (1.06x on
- * SmolLM2's 120 int4 matrices at one row; 2 and 8 KiB ahead measured the same as 4). Past the
+ * hundred KiB a thread, too short for the hardware prefetcher to reach full speed (docs/kernels.md
+ * has the figures; 2 and 8 KiB ahead did no better than 4). Past the
  * matrix's end a prefetch is a no-op (it never faults). */
 static inline void q4_prefetch(const uint8_t *c, const float *sz) {
     for (int i = 0; i < Q4_CHUNK; i += 64) _mm_prefetch((const char *)(c + Q4_PREFETCH + i), _MM_HINT_T0);
@@ -605,8 +605,8 @@ static void q8_block(int64_t k, const float *x0, const float *x1, const int8_t *
 /* One x row times one weight row, the row read front to back once. Why a path of its own: a decode
  * step's output layer is one x row against the whole vocabulary (SmolLM2: 49,152 rows of 576), and
  * there the 4-row blocks above, which share x loads between weight rows, read four interleaved
- * streams and ran at about half the rate of one sequential stream with four accumulators (the
- * output layer alone 2.0 -> 1.0 ms on two threads of the development VM). */
+ * streams and ran well below the rate of one sequential stream with four accumulators
+ * (docs/kernels.md has the figures). */
 static inline float q8_dot1(int64_t k, const float *x, const int8_t *w) {
     float s = 0.0f;
     int64_t kk = 0;
@@ -629,8 +629,8 @@ static inline float q8_dot1(int64_t k, const float *x, const int8_t *w) {
 /* ---- int8, many rows: weight rows widened to fp32 once per call -----------------------------------
  *
  * Why: the blocks above widen every weight once per 2 rows of x, and their 8 accumulators leave the
- * multiply-add's latency exposed, so at a decode step of many sequences they ran 1.3-1.5x slower
- * than the fp32 kernel on the same matrix dequantized. Here each block of 4 weight rows is widened
+ * multiply-add's latency exposed: at a decode step of many sequences they ran slower than the fp32
+ * kernel on the same matrix dequantized (docs/kernels.md). Here each block of 4 weight rows is widened
  * to fp32 once per call (4 x k floats, in L1) and every row of x meets it in tiles of 3 rows x 4
  * weight rows: 12 accumulators, 7 loads per 12 multiply-adds, the balance of linear.c's fp32 tiles.
  * The same arithmetic as the blocks, sum(x q) * s. Threads take the weight-row blocks statically.
@@ -892,7 +892,8 @@ static inline float kq_half_simd(const uint8_t *p) {
  * d = max|x| / 127, and the sums of q over each 16 inputs (Q4_K's minimums and Q6_K's offset of 32
  * act on those sums). A super-block's product is then integers all the way down: AVX2's
  * unsigned-by-signed byte multiply (maddubs) takes 32 weights a time where an fp32 product widens 8
- * to floats (which left the one-row kernel compute-bound at 2-2.6x its memory floor), and only the
+ * to floats (which left the one-row kernel compute-bound, well above its memory floor:
+ * docs/kernels.md), and only the
  * block's two scales are applied in floating point. The cost is one rounding
  * of x per 256 inputs (a relative error of at most 1/254 of the block's largest |x| per input, the
  * same trade llama.cpp makes for its own K-quant products; docs/kernels.md measures what it does to
@@ -911,10 +912,9 @@ typedef struct {
 /* A few rows of x (a decode step) read each weight row once, a few KiB, and the loads of its
  * nibbles waited on memory (perf: the hottest instructions of kq_dot_q8 were the loads). The row
  * this many rows ahead is prefetched into L2 while a row is multiplied, a share of its lines per
- * super-block. The 1.1B Q4_K_M's 89 matrices, 2 threads of an AVX-512 host: at one row 66-70 ms
- * without, 45-47 with the whole row at its start into L1 (a quarter of the time then stalled in the
- * prefetch loop, on the line-fill buffers), 38-39 into L2, 38-41 spread over the super-blocks; at
- * four rows of x 103, 60 and 54-55. 1, 2 and 4 rows ahead measured alike. */
+ * super-block: the whole row at its start into L1 stalled in the prefetch loop, on the line-fill
+ * buffers, and into L2 (at once or spread over the super-blocks) did better; 1, 2 and 4 rows ahead
+ * did alike (docs/kernels.md has the figures). */
 #define KQ_PREFETCH_ROWS 2
 
 /* The row to prefetch while this one is multiplied (row NULL: none), in 64-byte lines. */
@@ -1267,7 +1267,7 @@ static inline __attribute__((always_inline)) void kq_tile(int32_t type, int64_t 
                         const __m256i wv = kq_bcast4(wq + (w * blocks + bi) * KQ_BLOCK + 32 * s + 4 * u);
                         a16[w] = _mm256_add_epi16(a16[w], _mm256_maddubs_epi16(wv, xv));
                         /* the sums in this order: GCC otherwise regroups the 8 adds into a tree whose
-                         * 32 partial products spill to the stack (measured 1.3x slower) */
+                         * 32 partial products spill to the stack, which is slower (docs/kernels.md) */
                         __asm__("" : "+x"(a16[w]));
                     }
                 }
