@@ -182,8 +182,12 @@ class QuantizedLinear:
         dense = self.torch_dense.numel() * 4 if self.torch_dense is not None else 0
         return dense + (sum(t.numel() * t.element_size() for t in self.torch_int4) if self.torch_int4 else 0)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` fp32 ``[rows, in]`` -> fp32 ``[rows, out]``."""
+    def __call__(
+        self, x: torch.Tensor, out: torch.Tensor | None = None, arith: int = cpu_quant_linear.ARITH_AUTO
+    ) -> torch.Tensor:
+        """``x`` fp32 ``[rows, in]`` -> fp32 ``[rows, out]`` (into ``out`` when given). ``arith``: the
+        native kernels' arithmetic for the rows (``cpu_quant_linear.ARITH_*``); PyTorch's operators
+        have one arithmetic whatever it says."""
         native, m = self.native, self.matrix
         k = native.k if native is not None else m.in_features  # read once: a decode step makes ~120 calls
         if not (
@@ -192,8 +196,16 @@ class QuantizedLinear:
             got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"x must be fp32 [rows, {k}], got {got}")
         if native is not None:
-            return native(x if x.stride(1) == 1 else x.contiguous())
-        x = x.contiguous()
+            return native(x if x.stride(1) == 1 else x.contiguous(), out, arith)
+        y = self._torch(x.contiguous())
+        if out is None:
+            return y
+        out.copy_(y)
+        return out
+
+    def _torch(self, x: torch.Tensor) -> torch.Tensor:
+        """PyTorch's operators on ``x`` (dense)."""
+        m = self.matrix
         y: torch.Tensor
         if m.kind == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x, m.qweight, m.qscale)

@@ -442,48 +442,49 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- batch assembly
     def build_batch(self, seqs: Sequence[SequenceRequest]) -> tuple[torch.Tensor, AttentionBatch]:
-        """Flat token ids and the attention metadata. The flat layout puts prefill sequences first;
-        ``logits_indices`` follows the requests' order, so logits row i is ``seqs[i]``'s (the output
-        layer reorders its few hidden rows instead of the step reordering ``[num_seqs, vocab]``).
-        Rows after those are the proposed positions of verifying sequences (``num_proposed``), in
-        request order: for each, the rows of the positions before its last one. Then, in request
-        order, the rows of the positions that score prompt tokens (``prompt_targets``, only for a
-        sequence that asked: prompt logprobs). With several KV-cache groups, ``batch.groups`` holds
-        groups 1..'s slots and tables (same tokens)."""
+        """Flat token ids and the attention metadata. The flat layout puts prefill sequences first,
+        then the decode rows; ``logits_indices`` follows the requests' order, so logits row i is
+        ``seqs[i]``'s (the output layer reorders its few hidden rows instead of the step reordering
+        ``[num_seqs, vocab]``). Rows after those are the proposed positions of verifying sequences
+        (``num_proposed``), in request order: for each, the rows of the positions before its last
+        one. Then, in request order, the rows of the positions that score prompt tokens
+        (``prompt_targets``, only for a sequence that asked: prompt logprobs). With several KV-cache
+        groups, ``batch.groups`` holds groups 1..'s slots and tables (same tokens).
+
+        A verifying sequence's new tokens are decode rows, one each, every one a decode query over
+        the context up to and including its own position (its K/V and the ones before it are
+        written before attention reads them), not a prefill chunk: that is exactly the computation
+        plain decoding makes at each of those positions (the decode attention kernel, and the
+        linear layers' one-row arithmetic, llama.py), so the greedy tokens verification keeps are
+        plain decoding's to the bit."""
         bs = self.block_size
-        order = [i for i, s in enumerate(seqs) if len(s.token_ids) > 1]
-        n_prefill_seqs = len(order)
-        order += [i for i, s in enumerate(seqs) if len(s.token_ids) == 1]
+        pre_idx = [i for i, s in enumerate(seqs) if len(s.token_ids) > 1 and not s.num_proposed]
+        dec_idx = [i for i, s in enumerate(seqs) if len(s.token_ids) == 1 or s.num_proposed]
+        order = pre_idx + dec_idx
         tokens: list[int] = []
         positions: list[int] = []
-        last_index = [0] * len(seqs)
-        for row, i in enumerate(order):
+        last = [0] * len(seqs)  # flat index of each sequence's last new token
+        for i in order:
             s = seqs[i]
             positions.extend(range(s.num_cached_tokens, s.seq_len))
             tokens.extend(s.token_ids)
-            last_index[i] = row
-        # logits row r belongs to ordered sequence r; its last token is at flat index ends[r] - 1.
-        ends: list[int] = []
-        total = 0
-        for i in order:
-            total += len(seqs[i].token_ids)
-            ends.append(total - 1)
+            last[i] = len(tokens) - 1
+        n_prefill_tokens = sum(len(seqs[i].token_ids) for i in pre_idx)
+        # The decode rows: (sequence, context length through the row's own token).
+        dec_rows = [
+            (i, n) for i in dec_idx for n in range(seqs[i].num_cached_tokens + 1, seqs[i].seq_len + 1)
+        ]
         dev = self.device
-        n_prefill_tokens = ends[n_prefill_seqs - 1] + 1 if n_prefill_seqs else 0
-        pre_idx, dec_idx = order[:n_prefill_seqs], order[n_prefill_seqs:]
         qsl = [0]
         for i in pre_idx:
             qsl.append(qsl[-1] + len(seqs[i].token_ids))
         positions_t = torch.tensor(positions, dtype=torch.int64, device=dev)
+        verifying = any(s.num_proposed for s in seqs)
         logits_indices = torch.tensor(
-            [ends[last_index[i]] for i in range(len(seqs))]
+            last
+            + [last[i] - s.num_proposed + j for i, s in enumerate(seqs) for j in range(s.num_proposed)]
             + [
-                ends[last_index[i]] - s.num_proposed + j
-                for i, s in enumerate(seqs)
-                for j in range(s.num_proposed)
-            ]
-            + [
-                ends[last_index[i]] - len(s.token_ids) + 1 + j
+                last[i] - len(s.token_ids) + 1 + j
                 for i, s in enumerate(seqs)
                 for j in range(len(s.prompt_targets))
             ],
@@ -496,11 +497,7 @@ class ModelRunner:
             if pre_idx
             else None
         )
-        dec_lens = (
-            torch.tensor([seqs[i].seq_len for i in dec_idx], dtype=torch.int32, device=dev)
-            if dec_idx
-            else None
-        )
+        dec_lens = torch.tensor([n for _, n in dec_rows], dtype=torch.int32, device=dev) if dec_rows else None
 
         def group_batch(g: int) -> AttentionBatch:
             rows = {i: seqs[i].group_table(g) for i in order}
@@ -511,9 +508,10 @@ class ModelRunner:
                     table[pos // bs] * bs + pos % bs for pos in range(s.num_cached_tokens, s.seq_len)
                 )
 
-            def tables(idx: list[int]) -> torch.Tensor:
-                width = max(blocks_for_tokens(seqs[i].seq_len, bs) for i in idx)
-                padded = [rows[i][:width] + [0] * (width - min(width, len(rows[i]))) for i in idx]
+            def tables(idx: list[tuple[int, int]]) -> torch.Tensor:
+                """One table row per (sequence, context length), as wide as the longest needs."""
+                width = max(blocks_for_tokens(n, bs) for _, n in idx)
+                padded = [rows[i][:width] + [0] * (width - min(width, len(rows[i]))) for i, _ in idx]
                 return torch.tensor(padded, dtype=torch.int32, device=dev)
 
             window = self.layout.groups[g].window_tokens or None
@@ -522,13 +520,14 @@ class ModelRunner:
                 slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
                 logits_indices=logits_indices,
                 num_prefill_tokens=n_prefill_tokens,
-                prefill_block_tables=tables(pre_idx) if pre_idx else None,
+                prefill_block_tables=tables([(i, seqs[i].seq_len) for i in pre_idx]) if pre_idx else None,
                 prefill_query_start_loc=qsl_t,
                 prefill_seq_lens=pre_lens,
-                decode_block_tables=tables(dec_idx) if dec_idx else None,
+                decode_block_tables=tables(dec_rows) if dec_rows else None,
                 decode_seq_lens=dec_lens,
                 prefill_max_query_len=max((len(seqs[i].token_ids) for i in pre_idx), default=0),
                 sliding_window=window if g else None,
+                logits_in_order=not verifying,
             )
 
         batch = group_batch(0)

@@ -53,6 +53,7 @@ rounding (tests/kernels/cpu/test_attention.py).
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -304,12 +305,18 @@ def shared_prefixes(
     are equal, with the number of leading blocks ALL members share, that save at least ``min_saved``
     tokens of attention. Every member keeps at least one token past the shared blocks (its own new
     token's position), so each part is non-empty. ``min_saved`` defaults to ``CASCADE_MIN_SAVED_TOKENS``
-    (the bucket path's rule)."""
+    (the bucket path's rule).
+
+    Rows whose whole table equals another row's are one sequence's positions (a speculative
+    verification's, each a decode query of its own; two live sequences never share the block their
+    new token is written into) and join no group: each keeps the arithmetic plain decoding gives
+    that position, to the bit, where a group's would also depend on the shortest member's length."""
     if min_saved is None:
         min_saved = CASCADE_MIN_SAVED_TOKENS
+    whole = Counter(tuple(t) for t in tables)
     groups: dict[tuple[int, ...], list[int]] = {}
     for i, n in enumerate(lens):
-        if n > MIN_SHARED_BLOCKS * block_size:
+        if n > MIN_SHARED_BLOCKS * block_size and whole[tuple(tables[i])] == 1:
             groups.setdefault(tuple(tables[i][:MIN_SHARED_BLOCKS]), []).append(i)
     out: list[tuple[list[int], int]] = []
     for rows in groups.values():

@@ -205,9 +205,10 @@ def _load() -> tuple[ctypes.CDLL, str]:
         "pagedkv_linear_f32": [i64, i64, i64, ptr, i64, ptr, ptr, ptr, i64, cint],
         "pagedkv_linear_packed_numel": [i64, i64],
         # The quantized linear layer (csrc/quant_linear.c, kernels/cpu/quant_linear.py).
-        "pagedkv_q4_linear": [i64, i64, i64, ptr, i64, ptr, ptr, ptr, i64, cint],
-        "pagedkv_q8_linear": [i64, i64, i64, ptr, i64, ptr, i64, ptr, ptr, i64, cint],
-        "pagedkv_kq_linear": [i64, i64, i64, ptr, i64, ptr, ptr, i64, ptr, i64, cint],
+        # (..., num_threads, arith): arith is quant_linear.py's ARITH_*.
+        "pagedkv_q4_linear": [i64, i64, i64, ptr, i64, ptr, ptr, ptr, i64, cint, cint],
+        "pagedkv_q8_linear": [i64, i64, i64, ptr, i64, ptr, i64, ptr, ptr, i64, cint, cint],
+        "pagedkv_kq_linear": [i64, i64, i64, ptr, i64, ptr, ptr, i64, ptr, i64, cint, cint],
         "pagedkv_kq_rows": [i64, ptr, i64, ptr, ptr, i64, ptr, i64],
         "pagedkv_quant_linear_simd": [],
         "pagedkv_quant_words": [cint],

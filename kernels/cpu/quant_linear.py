@@ -42,6 +42,13 @@ class QuantizedMatrix(Protocol):
     def in_features(self) -> int: ...
 
 
+# Which arithmetic a call's rows get (csrc/quant_linear.c's QUANT_ARITH_*, which says why): by the row
+# count, each path where it is fastest (a row's bits then depend on how many rows share its call);
+# every row as it would be alone (a decode step's and a speculative verification's rows); every row as
+# in a many-row call (a prefill's rows). The last two give a row the same bits at any row count.
+ARITH_AUTO, ARITH_ROWS, ARITH_PANELS = 0, 1, 2
+ARITHS = (ARITH_AUTO, ARITH_ROWS, ARITH_PANELS)
+
 GROUP, PANEL, CHUNK = 32, 16, 256  # kernels/quant_linear.py's int4 layout (csrc/quant_linear.c's too)
 KQ_BLOCK, KQ_BLOCK_BYTES = 256, {12: 144, 14: 210}  # kquant: GGML type id -> bytes per super-block
 
@@ -74,8 +81,9 @@ def simd() -> bool:
 
 def word_products(enable: bool | None = None) -> bool:
     """Whether int4 products of 1-7 rows of x and int8 products of one row (of a width that is a
-    multiple of 32) run as 16-bit integer multiply-adds (AVX-512 VNNI and VBMI, asked of the CPU at
-    run time; csrc/quant_linear.c) rather than fp32 ones on the same rounded x. On by default where
+    multiple of 32), and of any number of rows under ``ARITH_ROWS``, run as 16-bit integer
+    multiply-adds (AVX-512 VNNI and VBMI, asked of the CPU at run time; csrc/quant_linear.c) rather
+    than fp32 ones on the same rounded x. On by default where
     the CPU has them; ``enable`` turns them on or off for this process (tests and benchmarks compare
     the two), None only asks. False without the native library."""
     lib = cpu_native.library()
@@ -155,10 +163,15 @@ class NativeMatmul:
     k: int  # the matrix's in_features and out_features, read once (properties of its tensors' shapes)
     n: int
 
-    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, out: torch.Tensor | None = None, arith: int = ARITH_AUTO
+    ) -> torch.Tensor:
         """``x`` fp32 ``[rows, in]`` (dense columns) times the matrix transposed -> ``[rows, out]``,
-        into ``out`` when given (dense columns, rows not overlapping, not sharing ``x``'s memory)."""
+        into ``out`` when given (dense columns, rows not overlapping, not sharing ``x``'s memory),
+        each row by the arithmetic ``arith`` names (``ARITH_*``)."""
         k, n = self.k, self.n
+        if arith not in ARITHS:
+            raise ValueError(f"arith must be one of {ARITHS}, got {arith!r}")
         if not (isinstance(x, torch.Tensor) and x.is_cpu and x.dtype is torch.float32 and x.dim() == 2):
             raise ValueError(f"x must be a 2-D fp32 CPU tensor, got {getattr(x, 'dtype', type(x).__name__)}")
         rows = x.shape[0]
@@ -196,6 +209,7 @@ class NativeMatmul:
             y.data_ptr(),
             y.stride(0),
             torch.get_num_threads(),
+            arith,
         )
         if status != 0:
             raise MemoryError(f"the {self.matrix.kind} kernel could not allocate its scratch ({rows} x {k})")
@@ -219,9 +233,11 @@ def prepare(m: QuantizedMatrix) -> NativeMatmul:
     return NativeMatmul(m, lib.pagedkv_q8_linear, weights, k, n)
 
 
-def matmul(m: QuantizedMatrix, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``prepare(m)(x, out)``: one call (tests, benchmarks); a model prepares once."""
-    return prepare(m)(x, out)
+def matmul(
+    m: QuantizedMatrix, x: torch.Tensor, out: torch.Tensor | None = None, arith: int = ARITH_AUTO
+) -> torch.Tensor:
+    """``prepare(m)(x, out, arith)``: one call (tests, benchmarks); a model prepares once."""
+    return prepare(m)(x, out, arith)
 
 
 def kquant_rows(m: QuantizedMatrix, ids: torch.Tensor) -> torch.Tensor:

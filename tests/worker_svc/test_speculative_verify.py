@@ -8,7 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagedkv.worker_svc.model.config import ModelConfig
 from pagedkv.worker_svc.model.sampling import SamplingParams, accept_proposals
+from pagedkv.worker_svc.model.weights import load_model
 from pagedkv.worker_svc.model_runner import InvalidStep, ModelRunner, SequenceRequest
 from tests.worker_svc.conftest import HFModel
 from tests.worker_svc.test_model_runner import BLOCK, PROMPT, make_runner
@@ -124,6 +126,95 @@ def test_a_verifying_sequence_and_a_plain_one_share_a_step(hf_llama: HFModel) ->
     assert s.num_accepted == 3 and [s.token_id] + [d.token_id for d in s.next_samples] == want[1:5]
     assert q.token_id == want[1] and not q.next_samples
     assert res.num_tokens == 4 + 1
+
+
+def _cpu_runner(path: object, held: str) -> ModelRunner:
+    """A runner on the CPU backend a worker runs (its native kernels and decode chain), the model
+    held dense or quantized at load (int4 layers, an int8 output layer)."""
+    cfg = ModelConfig.from_dir(path)  # type: ignore[arg-type]
+    model = load_model(str(path), cfg, torch.float32, torch.device("cpu"), held=held)
+    shape = (cfg.num_layers, 2, 64, BLOCK, cfg.num_kv_heads, cfg.head_dim)
+    return ModelRunner(
+        model, torch.zeros(shape), torch.zeros((*shape[:2], 1, *shape[3:])), kernel_backend="cpu"
+    )
+
+
+def _spy_logits(monkeypatch: pytest.MonkeyPatch, runner: ModelRunner) -> list[torch.Tensor]:
+    """Every forward pass's logits rows, in order (build_batch's: each sequence's last position,
+    then the verifying sequences' proposed positions)."""
+    calls: list[torch.Tensor] = []
+    forward = runner.model.forward
+
+    def spy(*args: object) -> torch.Tensor:
+        out = forward(*args)  # type: ignore[arg-type]
+        calls.append(out.clone())
+        return out
+
+    monkeypatch.setattr(runner.model, "forward", spy)
+    return calls
+
+
+LONG_TABLE = list(range(16))  # 64 tokens: contexts past the decode kernel's split into runs
+
+
+@pytest.mark.parametrize("held", ["dense", "int4"])
+def test_verification_computes_every_position_as_plain_decoding_to_the_bit(
+    hf_llama: HFModel, held: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the worker's CPU kernels each position a verification pass scores gets the logits plain
+    decoding computes there, bit for bit (not merely the same argmax: a near-tie would otherwise
+    flip a greedy token), for 1 to 12 proposals (the quantized layers' row tiles and past 8 rows),
+    contexts past 4 blocks (the decode attention's runs), and a prefill sharing the step."""
+    runner = _cpu_runner(hf_llama.path, held)
+    calls = _spy_logits(monkeypatch, runner)
+    n = 44
+    want = plain(runner, n, SamplingParams(), LONG_TABLE)
+    at = {len(PROMPT) + i: row[0] for i, row in enumerate(calls[1:])}  # decode step i: position P + i
+    assert len(at) == n - 1
+    for k in (1, 3, 7, 12):
+        calls.clear()
+        runner.step([SequenceRequest("s", PROMPT, LONG_TABLE, 0)])
+        done, step = 1, 0  # tokens of `want` known (the first from the prefill)
+        while done + k < n:
+            cached = len(PROMPT) + done - 1
+            seqs = [SequenceRequest("s", want[done - 1 : done + k], LONG_TABLE, cached, num_proposed=k)]
+            if step == 1:  # another sequence's prefill in the same step
+                seqs.append(SequenceRequest("o", PROMPT[::-1], list(range(40, 44)), 0))
+            o = runner.step(seqs).outputs[0]
+            assert o.num_accepted == k
+            rows = calls[-1]
+            # row 0: the last position; after every sequence's row, the proposed ones in order
+            got = {cached + k: rows[0]} | {cached + j: rows[len(seqs) + j] for j in range(k)}
+            for pos, logits in got.items():
+                assert torch.equal(logits, at[pos]), (k, pos)
+            done += k + 1
+            step += 1
+        assert step >= 3
+
+
+def test_a_sequences_decode_logits_do_not_depend_on_its_batch(
+    hf_llama: HFModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Plain decoding on the worker's CPU kernels: a sequence decoded alone and the same sequence
+    decoded among 7 others (different prompts and lengths) get the same logits to the bit at every
+    step, so its greedy tokens do not depend on how many sequences share the steps (nor, with
+    speculation, on whether its neighbours were verifying)."""
+    alone, crowd = _cpu_runner(hf_llama.path, "int4"), _cpu_runner(hf_llama.path, "int4")
+    a_calls, c_calls = _spy_logits(monkeypatch, alone), _spy_logits(monkeypatch, crowd)
+    tables = [list(range(8 * i, 8 * i + 8)) for i in range(8)]  # 32 tokens each
+    prompts = [PROMPT] + [[(t * (i + 3)) % 97 for t in PROMPT[: 4 + i]] for i in range(1, 8)]
+    tok = alone.step([SequenceRequest("s", PROMPT, tables[0], 0)]).outputs[0].token_id
+    outs = crowd.step([SequenceRequest(f"s{i}", p, tables[i], 0) for i, p in enumerate(prompts)]).outputs
+    last = [o.token_id for o in outs]
+    assert last[0] == tok
+    for step in range(18):
+        tok = alone.step([SequenceRequest("s", [tok], tables[0], len(PROMPT) + step)]).outputs[0].token_id
+        outs = crowd.step(
+            [SequenceRequest(f"s{i}", [last[i]], tables[i], len(p) + step) for i, p in enumerate(prompts)]
+        ).outputs
+        last = [o.token_id for o in outs]
+        assert torch.equal(c_calls[-1][0], a_calls[-1][0]), step
+        assert last[0] == tok
 
 
 def test_accept_proposals_and_invalid_verification_steps(runner: ModelRunner) -> None:

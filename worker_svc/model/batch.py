@@ -40,6 +40,10 @@ class AttentionBatch:
     # window group's tables have -1 before its window (released blocks): its ``sliding_window``.
     groups: tuple[AttentionBatch, ...] = ()
     sliding_window: int | None = None
+    # Known on the host: ``logits_indices`` is 0..n-1 over a decode step's n rows (each sequence's
+    # one token, in order). False when a speculative verification's positions are decode rows of
+    # their own and the indices reorder them (CUDA graphs, which replay with 0..n-1, reorder after).
+    logits_in_order: bool = True
 
     def kernels_step(self, kv_cache: torch.Tensor, num_heads: int, scale: float) -> kernels.PagedStep:
         """The step's attention, validated and planned once for all layers."""

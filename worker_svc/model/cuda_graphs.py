@@ -298,7 +298,9 @@ class DecodeGraphs:
         self.inputs.fill(token_ids, batch)
         graph.graph.replay()
         self.stats["replayed"] += 1
-        return graph.logits[:n]
+        # The graph's logits are the rows' in token order; a verification step's indices reorder them.
+        logits = graph.logits[:n]
+        return logits if batch.logits_in_order else logits.index_select(0, batch.logits_indices)
 
     def _capture(self, size: int, model: Model, kv_cache: torch.Tensor) -> _Graph | None:
         inputs = self.inputs

@@ -171,6 +171,7 @@ class Gemma3Model(llama.LlamaModel):
         x = x * self.embed_scale
         ops = layer_ops.choose(x, step)
         delta: torch.Tensor | None = None  # the last layer's MLP output, added by the next norm
+        pre = batch.num_prefill_tokens  # prefill rows, then decode rows (linear.py's prefill_rows)
         for li, (layer, (pre_ffn, post_ffn)) in enumerate(zip(self.layers, self.ffn_norms, strict=True)):
             slot, layer_step = li, step
             if layout is not None:
@@ -179,19 +180,19 @@ class Gemma3Model(llama.LlamaModel):
             window = self.windows[li]
             cos, sin = rope_local if window is not None else rope_global
             assert layer.q_norm is not None and layer.k_norm is not None
-            qkv = layer.qkv(rms_norm(ops, x, layer.input_norm, eps, delta))
+            qkv = layer.qkv(rms_norm(ops, x, layer.input_norm, eps, delta), pre)
             q, k, v = layer_ops.split_qkv(qkv, h, hkv, d)
             q = apply_rotary(rms_norm(TORCH_OPS, q, layer.q_norm, eps), cos, sin)
             k = apply_rotary(rms_norm(TORCH_OPS, k, layer.k_norm, eps), cos, sin)
             layer_step.write_kv_cache(k, v, key_cache, value_cache)
             attn = layer_step.attention(q, key_cache, value_cache, sliding_window=window)
-            attn = rms_norm(ops, layer.o(attn.reshape(n_tok, h * d)), layer.post_norm, eps)
-            gate, up = layer.gate_up(rms_norm(ops, x, pre_ffn, eps, attn)).chunk(2, dim=-1)
-            delta = rms_norm(ops, layer.down(F.gelu(gate, approximate="tanh") * up), post_ffn, eps)
+            attn = rms_norm(ops, layer.o(attn.reshape(n_tok, h * d), pre), layer.post_norm, eps)
+            gate, up = layer.gate_up(rms_norm(ops, x, pre_ffn, eps, attn), pre).chunk(2, dim=-1)
+            delta = rms_norm(ops, layer.down(F.gelu(gate, approximate="tanh") * up, pre), post_ffn, eps)
         if delta is not None:
             x.add_(delta)
         last = x.index_select(0, batch.logits_indices)
-        return self.lm_head(rms_norm(ops, last, self.norm, eps)).to(torch.float32)
+        return self.lm_head(rms_norm(ops, last, self.norm, eps), 0).to(torch.float32)
 
 
 def build(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> Gemma3Model:

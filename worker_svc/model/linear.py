@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedkv.kernels.cpu import linear as cpu_linear
+from pagedkv.kernels.cpu import quant_linear as cpu_quant_linear
 from pagedkv.kernels.cpu.linear import PackedLinear
 from pagedkv.kernels.cpu.quant_linear import NativeMatmul
 from pagedkv.kernels.quant_linear import QuantizedLinear, QuantizedMatrix
@@ -121,9 +122,15 @@ class Linear:
             return self.quantized.nbytes + bias
         return self.weight.numel() * self.weight.element_size() + bias
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, prefill_rows: int | None = None) -> torch.Tensor:
+        """``x @ weight.T + bias``. ``prefill_rows``: None, the integer kernels choose each call's
+        arithmetic by its row count; else rows ``[0, prefill_rows)`` of ``x`` are a prefill's and take
+        the many-row arithmetic, the rest are decode (or verification) rows and take the one-row
+        arithmetic, each at any row count (``cpu_quant_linear.ARITH_*``), so that a decode row's
+        result is the same bits whatever else its step holds: the model passes it. The packed fp32
+        kernel needs no telling (each output one sum over k, the same in every register tile)."""
         if self.qlinear is not None:
-            y = self.qlinear(x)
+            y = self._quantized(x, prefill_rows)
             return y if self.bias is None else y.add_(self.bias)
         if x.dtype != self.weight.dtype or x.shape[0] == 0 or x.dim() != 2:
             return F.linear(x, self.weight, self.bias)
@@ -134,3 +141,20 @@ class Linear:
                 x.contiguous(), self.packed, self.bias, "none", [None], ""
             )
         return F.linear(x, self.weight, self.bias)
+
+    def _quantized(self, x: torch.Tensor, prefill_rows: int | None) -> torch.Tensor:
+        qlinear = self.qlinear
+        assert qlinear is not None
+        if prefill_rows is None:
+            return qlinear(x)
+        rows = x.shape[0]
+        if prefill_rows <= 0:
+            return qlinear(x, arith=cpu_quant_linear.ARITH_ROWS)
+        if prefill_rows >= rows:
+            return qlinear(x, arith=cpu_quant_linear.ARITH_PANELS)
+        # A step of prefill and decode rows: two calls (the weights read twice) rather than one
+        # arithmetic for both, which would make a decode row's bits depend on the prefill beside it.
+        y = torch.empty((rows, qlinear.matrix.out_features), dtype=torch.float32, device=x.device)
+        qlinear(x[:prefill_rows], y[:prefill_rows], cpu_quant_linear.ARITH_PANELS)
+        qlinear(x[prefill_rows:], y[prefill_rows:], cpu_quant_linear.ARITH_ROWS)
+        return y

@@ -322,9 +322,10 @@ class LlamaModel:
         layers = self.layers
         if chain is not None and chain.takes(step, x, kv_cache):
             delta, layers = chain(x, cos, sin, step, kv_cache), []
+        pre = batch.num_prefill_tokens  # the rows before it are a prefill's, the rest decode rows
         for li, layer in enumerate(layers):
             key_cache, value_cache = kv_cache[li, 0], kv_cache[li, 1]
-            qkv = layer.qkv(ops.rms_norm(x, layer.input_norm, eps, delta))
+            qkv = layer.qkv(ops.rms_norm(x, layer.input_norm, eps, delta), pre)
             if layer.q_norm is not None and layer.k_norm is not None:  # Qwen3: q/k norm before RoPE
                 q, k, v = layer_ops.split_qkv(qkv, h, hkv, d)
                 q = apply_rotary(torch_rms_norm(q, layer.q_norm, eps), cos, sin)
@@ -333,13 +334,13 @@ class LlamaModel:
             else:
                 q = ops.rope_store(qkv, cos, sin, h, hkv, d, key_cache, value_cache, step)
             attn = step.attention(q, key_cache, value_cache)
-            hs = ops.rms_norm(x, layer.post_norm, eps, layer.o(attn.reshape(n_tok, h * d)))
-            delta = layer.down(ops.silu_mul(layer.gate_up(hs)))
+            hs = ops.rms_norm(x, layer.post_norm, eps, layer.o(attn.reshape(n_tok, h * d), pre))
+            delta = layer.down(ops.silu_mul(layer.gate_up(hs, pre)), pre)
         if delta is not None:
             x.add_(delta)
         last = x.index_select(0, batch.logits_indices)
         last = ops.rms_norm(last, self.norm, eps)
-        return self.lm_head(last).to(torch.float32)
+        return self.lm_head(last, 0).to(torch.float32)  # each sampled row as if alone
 
 
 def build(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> LlamaModel:

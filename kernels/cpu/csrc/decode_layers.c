@@ -31,11 +31,15 @@ void pagedkv_rope_store_f32(int64_t n, int64_t num_heads, int64_t num_kv_heads, 
 void pagedkv_linear_f32(int64_t m, int64_t n, int64_t k, const float *x, int64_t x_stride, const float *packed,
                         const float *bias, float *y, int64_t y_stride, int num_threads);
 int pagedkv_q4_linear(int64_t m, int64_t n, int64_t k, const float *x, int64_t x_stride, const uint8_t *qweight,
-                      const float *qscale, float *y, int64_t y_stride, int num_threads);
+                      const float *qscale, float *y, int64_t y_stride, int num_threads, int arith);
 int pagedkv_q8_linear(int64_t m, int64_t n, int64_t k, const float *x, int64_t x_stride, const int8_t *qweight,
-                      int64_t w_stride, const float *scale, float *y, int64_t y_stride, int num_threads);
+                      int64_t w_stride, const float *scale, float *y, int64_t y_stride, int num_threads, int arith);
 int pagedkv_kq_linear(int64_t m, int64_t n, int64_t k, const float *x, int64_t x_stride, const uint8_t *w,
-                      const int32_t *segs, int64_t nsegs, float *y, int64_t y_stride, int num_threads);
+                      const int32_t *segs, int64_t nsegs, float *y, int64_t y_stride, int num_threads, int arith);
+
+/* quant_linear.c's QUANT_ARITH_ROWS: every row of a decode step as it would be alone, so a sequence's
+ * tokens do not depend on how many others share its steps. */
+#define ARITH_ROWS 1
 
 enum { LIN_F32 = 1, LIN_Q4 = 2, LIN_Q8 = 3, LIN_KQ = 4 };
 
@@ -73,15 +77,16 @@ static int linear(const LinearArgs *l, int64_t m, const float *x, float *y, int 
         pagedkv_linear_f32(m, l->n, l->k, x, l->k, (const float *)l->w, l->bias, y, l->n, nt);
         return 0;
     case LIN_Q4:
-        rc = pagedkv_q4_linear(m, l->n, l->k, x, l->k, (const uint8_t *)l->w, (const float *)l->aux, y, l->n, nt);
+        rc = pagedkv_q4_linear(m, l->n, l->k, x, l->k, (const uint8_t *)l->w, (const float *)l->aux, y, l->n, nt,
+                               ARITH_ROWS);
         break;
     case LIN_Q8:
         rc = pagedkv_q8_linear(m, l->n, l->k, x, l->k, (const int8_t *)l->w, l->aux_int, (const float *)l->aux, y,
-                               l->n, nt);
+                               l->n, nt, ARITH_ROWS);
         break;
     case LIN_KQ:
         rc = pagedkv_kq_linear(m, l->n, l->k, x, l->k, (const uint8_t *)l->w, (const int32_t *)l->aux, l->aux_int, y,
-                               l->n, nt);
+                               l->n, nt, ARITH_ROWS);
         break;
     default:
         return -3;

@@ -3,9 +3,9 @@
  * Why C: torch has no paged attention on CPU. Its fused SDPA needs each sequence's K/V contiguous,
  * so the Python path (kernels/cpu/attention.py) first copies every sequence's blocks into gather buffers,
  * bucketed by length, which costs more than the attention itself at decode (a few hundred tokens
- * per sequence, one query each). Here each sequence is one task (its KV heads split over a few
- * tasks only when there are too few sequences for the threads; one to four sequences with fp32
- * outputs have their contexts cut in runs instead, decode_split): every query head is scored
+ * per sequence, one query each). Here each sequence is one task (bf16; its KV heads split over a
+ * few tasks only when there are too few sequences for the threads), or with fp32 outputs one task
+ * per run of its context (decode_split, which also says why): every query head is scored
  * against each cached key row where it lies, softmaxed, and the value rows summed, so every K/V
  * element is read once, block by block with all the task's heads together, and nothing is
  * copied or padded. Rows two blocks ahead are prefetched as the kernel goes.
@@ -160,8 +160,13 @@ static inline __attribute__((always_inline)) void attend(
     for (int64_t b = 0; b < nblocks; b++) {
         const int64_t t0 = b * BS, n = ctx - t0 < BS ? ctx - t0 : BS;
         const int64_t base = (int64_t)table[b] * a->c_block_stride + head0;
-        const char *ahead = b + PREFETCH_BLOCKS < nblocks
-            ? (const char *)k_cache + ((int64_t)table[b + PREFETCH_BLOCKS] * a->c_block_stride + head0) * esz
+        /* the key rows PREFETCH_BLOCKS blocks ahead; in the last blocks, the first value rows (the
+         * value pass below starts on them) */
+        const int64_t next = b + PREFETCH_BLOCKS;
+        const char *ahead = next < nblocks
+            ? (const char *)k_cache + ((int64_t)table[next] * a->c_block_stride + head0) * esz
+            : next - nblocks < nblocks
+            ? (const char *)v_cache + ((int64_t)table[next - nblocks] * a->c_block_stride + head0) * esz
             : 0;
         int64_t j = 0;
         if (kind == KIND_I8 && D % 16 == 0) {  /* the same VW at a time: rows widened once, scales last */
@@ -345,23 +350,24 @@ static void no_keys(const DecodeArgs *a, void *out, float *lse, int64_t s, int64
         }
 }
 
-/* A few sequences (one user chatting) give too few tasks to share out: SmolLM2's 3 KV heads were 3
- * tasks for 2 threads, so the step took two heads' time, each thread reading its head's rows from
- * memory alone. Up to SPLIT_MAX_SEQS sequences, each sequence's context is cut instead into
- * SPLIT_PARTS runs of whole blocks (when it has SPLIT_MIN_BLOCKS blocks a run), each run's heads
- * in as few tasks as keep the threads busy (all of them, one contiguous read per block, when
- * there are as many runs as threads); a run's normalised output is merged per query head by its
- * largest score m_c and its sum l_c of exp(score - m_c): out = sum_c w_c out_c / sum_c w_c with
- * w_c = l_c exp(m_c - M), M the largest m_c. (Merging by the runs' log-sum-exps instead rounded
- * each to fp32 at the scores' magnitude, a relative error of up to 1e-5 in the weights where the
- * scores reach the tens: 4-6x the unsplit kernel's error on sharp scores.) The cut depends on the
- * shapes only and a head's arithmetic not on its task, so any number of threads gives the same
- * bits; one run (short contexts) is the unsplit arithmetic exactly. Two runs, not more: each
- * run's first blocks are not prefetched, and more runs were slower on 2 threads and on one
- * (docs/kernels.md has the figures). fp32
- * outputs only (a bf16 output would be rounded before the merge): bf16 caches keep the one-task-
- * per-head path. */
-#define SPLIT_MAX_SEQS 4
+/* Each sequence's context is cut into SPLIT_PARTS runs of whole blocks (when it has SPLIT_MIN_BLOCKS
+ * blocks a run), each run's heads in as few tasks as keep the threads busy (all of them, one
+ * contiguous read per block, when there are as many runs as threads); a run's normalised output is
+ * merged per query head by its largest score m_c and its sum l_c of exp(score - m_c): out = sum_c
+ * w_c out_c / sum_c w_c with w_c = l_c exp(m_c - M), M the largest m_c. (Merging by the runs'
+ * log-sum-exps instead rounded each to fp32 at the scores' magnitude, a relative error of up to 1e-5
+ * in the weights where the scores reach the tens: 4-6x the unsplit kernel's error on sharp scores.)
+ * Why: a few sequences (one user chatting) give too few tasks to share out: SmolLM2's 3 KV heads
+ * were 3 tasks for 2 threads, so the step took two heads' time, each thread reading its head's rows
+ * from memory alone. Two runs measured best on 2 threads (docs/kernels.md, "Paged decode attention",
+ * has the figures; 4 and 8 were slower, each run's first blocks not prefetched).
+ * The cut depends on the sequence's own context only, and a head's arithmetic not on its task, so a
+ * sequence's output is the same bits whatever else the batch holds and on any number of threads:
+ * every sequence is cut so, however many share the call (a decode step of one sequence and the same
+ * sequence among others, or a speculative verification's positions, each a query of its own here,
+ * must agree to the bit: worker_svc/model_runner.py says why). One run (short contexts) is the
+ * unsplit arithmetic exactly. fp32 outputs only (a bf16 output would be rounded before the merge):
+ * bf16 caches keep the one-task-per-head path. */
 
 /* A sliding window (a->window > 0) for the query at position ctx - 1: the first block holding a key
  * it sees, returned (the blocks before it are never read: the block manager may have released them),
@@ -384,22 +390,36 @@ static int64_t context_parts(int64_t ctx, int64_t block_size) {
 static int decode_split(const DecodeArgs *a, const void *q, const void *k_cache, const void *v_cache,
                         const int32_t *block_tables, const int32_t *seq_lens, float *out, float *lse, int kind) {
     if (a->num_seqs <= 0) return 0; /* no runs to share out (the callers return before, too) */
-    const int64_t H = a->num_heads, HKV = a->num_kv_heads, D = a->head_dim, BS = a->block_size;
+    const int64_t S = a->num_seqs, H = a->num_heads, HKV = a->num_kv_heads, D = a->head_dim, BS = a->block_size;
     const int threads = a->num_threads > 0 ? a->num_threads : 1;
-    int64_t first[SPLIT_MAX_SEQS + 1], parts[SPLIT_MAX_SEQS], max_run = 1;
-    /* each sequence's keys from its window's first block: that block, the tokens there (ctx), the
-     * keys of it before the window (skip; the first run leaves them out) */
-    int64_t b_lo[SPLIT_MAX_SEQS], ctx[SPLIT_MAX_SEQS], skip[SPLIT_MAX_SEQS];
-    first[0] = 0;
-    for (int64_t s = 0; s < a->num_seqs; s++) {
+    /* per sequence: its first run (first[s], over the sequences in `order`), its runs, and its keys
+     * from its window's first block: that block (b_lo), the tokens there (ctx), the keys of it before
+     * the window (skip; the first run leaves them out) */
+    int64_t *first = malloc(sizeof(int64_t) * (size_t)(5 * S + 1));
+    SeqKey *order = malloc(sizeof(SeqKey) * (size_t)S);
+    if (!first || !order) {
+        free(first);
+        free(order);
+        return -1;
+    }
+    int64_t *parts = first + S + 1, *b_lo = parts + S, *ctx = b_lo + S, *skip = ctx + S, max_run = 1;
+    /* sequences sharing their first blocks run one after the other (their shared rows stay in cache) */
+    for (int64_t s = 0; s < S; s++) {
         b_lo[s] = window_first_block(seq_lens[s], a->window, BS, &skip[s]);
+        order[s].first_block = seq_lens[s] > 0 ? block_tables[s * a->bt_stride + b_lo[s]] : INT32_MAX;
+        order[s].seq = s;
+    }
+    qsort(order, (size_t)S, sizeof(SeqKey), by_first_block);
+    first[0] = 0;
+    for (int64_t i = 0; i < S; i++) {
+        const int64_t s = order[i].seq;
         ctx[s] = seq_lens[s] - b_lo[s] * BS;
         parts[s] = context_parts(ctx[s], BS);
-        first[s + 1] = first[s] + parts[s];
+        first[i + 1] = first[i] + parts[s];
         const int64_t nb = (ctx[s] + BS - 1) / BS, run = (nb + parts[s] - 1) / parts[s] * BS;
         max_run = run > max_run ? run : max_run;
     }
-    const int64_t runs = first[a->num_seqs];
+    const int64_t runs = first[S];
     const int64_t want = (threads + runs - 1) / runs; /* head groups per run */
     const int64_t hpt = want <= 1 ? HKV : (HKV + want - 1) / want, groups = (HKV + hpt - 1) / hpt;
     const int64_t G = H / HKV;
@@ -407,7 +427,11 @@ static int decode_split(const DecodeArgs *a, const void *q, const void *k_cache,
      * (H x D), the largest score and the sum (H x 2) */
     const int64_t per = hpt * G * max_run + 2 * hpt * G * D;
     float *work = (float *)malloc(sizeof(float) * (size_t)(per * threads + runs * H * (D + 2)));
-    if (!work) return -1;
+    if (!work) {
+        free(first);
+        free(order);
+        return -1;
+    }
     float *run_out = work + per * threads, *run_ml = run_out + runs * H * D;
     DecodeArgs ac = *a; /* a run's output: [H, D] rows of its own */
     ac.o_seq_stride = H * D;
@@ -416,10 +440,19 @@ static int decode_split(const DecodeArgs *a, const void *q, const void *k_cache,
     #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t t = 0; t < runs * groups; t++) {
         const int64_t r = t / groups, h0 = (t % groups) * hpt, h1 = h0 + hpt < HKV ? h0 + hpt : HKV;
-        int64_t s = 0;
-        while (r >= first[s + 1]) s++;
+        int64_t i = 0; /* the run's sequence: order[i], found by bisection over first[] */
+        for (int64_t lo = 0, hi = S - 1; lo <= hi;) {
+            const int64_t mid = (lo + hi) / 2;
+            if (first[mid] <= r) {
+                i = mid;
+                lo = mid + 1;
+            } else {
+                hi = mid - 1;
+            }
+        }
+        const int64_t s = order[i].seq;
         if (seq_lens[s] <= 0) continue;
-        const int64_t c = r - first[s], p = parts[s], nb = (ctx[s] + BS - 1) / BS;
+        const int64_t c = r - first[i], p = parts[s], nb = (ctx[s] + BS - 1) / BS;
         const int64_t b0 = nb * c / p, b1 = nb * (c + 1) / p;
         const int64_t end = b1 * BS < ctx[s] ? b1 * BS : ctx[s];
         float *scores = thread_work(work, per);
@@ -428,16 +461,18 @@ static int decode_split(const DecodeArgs *a, const void *q, const void *k_cache,
                    block_tables + s * a->bt_stride + b_lo[s] + b0, end - b0 * BS, run_out + r * H * D, scores, qf,
                    acc, NULL, run_ml + r * H * 2, 0, h0, h1, c == 0 ? skip[s] : 0, kind);
     }
-    for (int64_t s = 0; s < a->num_seqs; s++) {
+    #pragma omp parallel for schedule(static) num_threads(threads) if (S * H * D >= 65536)
+    for (int64_t i = 0; i < S; i++) {
+        const int64_t s = order[i].seq;
         if (seq_lens[s] <= 0) {
             no_keys(a, out, lse, s, 0, HKV, 0);
             continue;
         }
         for (int64_t h = 0; h < H; h++) {
             float *o = out + s * a->o_seq_stride + h * a->o_head_stride;
-            const float *ml = run_ml + (first[s] * H + h) * 2; /* run c's (m, l) at ml[2 * c * H] */
+            const float *ml = run_ml + (first[i] * H + h) * 2; /* run c's (m, l) at ml[2 * c * H] */
             if (parts[s] == 1) { /* the unsplit arithmetic exactly */
-                memcpy(o, run_out + (first[s] * H + h) * D, sizeof(float) * (size_t)D);
+                memcpy(o, run_out + (first[i] * H + h) * D, sizeof(float) * (size_t)D);
                 if (lse) lse[s * H + h] = ml[0] + logf(ml[1]);
                 continue;
             }
@@ -447,13 +482,15 @@ static int decode_split(const DecodeArgs *a, const void *q, const void *k_cache,
             const float inv = 1.0f / sum;
             for (int64_t d = 0; d < D; d++) {
                 float v = 0.0f;
-                for (int64_t c = 0; c < parts[s]; c++) v += w[c] * run_out[((first[s] + c) * H + h) * D + d];
+                for (int64_t c = 0; c < parts[s]; c++) v += w[c] * run_out[((first[i] + c) * H + h) * D + d];
                 o[d] = v * inv;
             }
             if (lse) lse[s * H + h] = m + logf(sum);
         }
     }
     free(work);
+    free(first);
+    free(order);
     return 0;
 }
 
@@ -462,7 +499,7 @@ static int decode_split(const DecodeArgs *a, const void *q, const void *k_cache,
 static int decode(const DecodeArgs *a, const void *q, const void *k_cache, const void *v_cache,
                   const int32_t *block_tables, const int32_t *seq_lens, void *out, float *lse, int kind) {
     const int bf16 = kind == KIND_BF16;
-    if (!bf16 && a->num_seqs <= SPLIT_MAX_SEQS)
+    if (!bf16)
         return decode_split(a, q, k_cache, v_cache, block_tables, seq_lens, (float *)out, lse, kind);
     const int64_t G = a->num_heads / a->num_kv_heads, D = a->head_dim, HKV = a->num_kv_heads;
     const int64_t BS = a->block_size;

@@ -30,6 +30,15 @@
  * plain C loops with the same arithmetic (pagedkv_quant_linear_simd() says which). Threads:
  * OpenMP over panels (int4) or 4-row blocks (int8), static, so each thread streams one contiguous
  * range. Arguments are checked by the Python wrapper before any pointer is used.
+ *
+ * Which arithmetic a row gets (the last argument of the three products, QUANT_ARITH_*): the paths
+ * above round their sums differently, so with the row count choosing the path (AUTO) a row's result
+ * depends on how many rows share its call. ROWS gives every row the arithmetic it gets alone (the
+ * word products, else the row tiles; int8: the one-row products; K-quant: the 4-row kernel), at any
+ * row count: a decode step's rows and a speculative verification's rows then come out the same bits
+ * whatever else the step holds (worker_svc/model/llama.py says why that matters). PANELS gives every
+ * row the many-rows arithmetic (dequantized panels, widened rows, K-quant's rows side by side) at
+ * any row count, which a prefill's rows take for the same reason.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -60,6 +69,11 @@
 #define Q8_DEQ_MIN_ROWS 4            /* from this many rows int8 weight rows are widened first */
 #define Q4_DEQ_MIN_ROWS 8            /* from this many rows int4 panels are dequantized first */
 #define Q4_PREFETCH 4096             /* nibble bytes read ahead by the row tiles (16 groups) */
+#define Q4_WIDE_MIN_ROWS 4           /* from this many rows the row tiles read nibbles widened once */
+
+#define QUANT_ARITH_AUTO 0   /* by the row count: each path where it is fastest */
+#define QUANT_ARITH_ROWS 1   /* every row as it would be alone, at any row count */
+#define QUANT_ARITH_PANELS 2 /* every row as in a many-row call, at any row count */
 
 int pagedkv_quant_linear_simd(void) { return Q_SIMD; }
 
@@ -235,7 +249,8 @@ static void q4_tile1(int64_t groups, const float *x, const float *xs, const uint
     q4_store(y_lo, y_hi, y, cols);
 }
 
-/* Two rows share each widened input. */
+/* Two rows share each widened input; each row's sums are q4_tile1's (even and odd inputs apart, added
+ * at the group's end), so a row's result is the same whether it went through a pair or alone. */
 static void q4_tile2(int64_t groups, const float *x, int64_t x_stride, const float *xs, const uint8_t *w,
                      const float *sz, float *y, int64_t y_stride, int cols) {
     __m256 y0_lo = _mm256_setzero_ps(), y0_hi = _mm256_setzero_ps();
@@ -244,19 +259,27 @@ static void q4_tile2(int64_t groups, const float *x, int64_t x_stride, const flo
         q4_prefetch(w + g * Q4_CHUNK, sz + g * Q4_SCALES);
         const uint8_t *c = w + g * Q4_CHUNK;
         const float *x0g = x + g * Q4_GROUP, *x1g = x + x_stride + g * Q4_GROUP;
-        __m256 a_lo = _mm256_setzero_ps(), a_hi = _mm256_setzero_ps();
-        __m256 b_lo = _mm256_setzero_ps(), b_hi = _mm256_setzero_ps();
-        for (int kk = 0; kk < Q4_GROUP; kk++) {
+        __m256 a0_lo = _mm256_setzero_ps(), a0_hi = _mm256_setzero_ps(), b0_lo = _mm256_setzero_ps();
+        __m256 b0_hi = _mm256_setzero_ps(), a1_lo = _mm256_setzero_ps(), a1_hi = _mm256_setzero_ps();
+        __m256 b1_lo = _mm256_setzero_ps(), b1_hi = _mm256_setzero_ps();
+        for (int kk = 0; kk < Q4_GROUP; kk += 2) {
             __m256 w_lo, w_hi;
             q4_widen(c + kk * 8, &w_lo, &w_hi);
-            const __m256 x0 = _mm256_broadcast_ss(x0g + kk), x1 = _mm256_broadcast_ss(x1g + kk);
-            a_lo = _mm256_fmadd_ps(w_lo, x0, a_lo);
-            a_hi = _mm256_fmadd_ps(w_hi, x0, a_hi);
-            b_lo = _mm256_fmadd_ps(w_lo, x1, b_lo);
-            b_hi = _mm256_fmadd_ps(w_hi, x1, b_hi);
+            __m256 x0 = _mm256_broadcast_ss(x0g + kk), x1 = _mm256_broadcast_ss(x1g + kk);
+            a0_lo = _mm256_fmadd_ps(w_lo, x0, a0_lo);
+            a0_hi = _mm256_fmadd_ps(w_hi, x0, a0_hi);
+            a1_lo = _mm256_fmadd_ps(w_lo, x1, a1_lo);
+            a1_hi = _mm256_fmadd_ps(w_hi, x1, a1_hi);
+            q4_widen(c + kk * 8 + 8, &w_lo, &w_hi);
+            x0 = _mm256_broadcast_ss(x0g + kk + 1), x1 = _mm256_broadcast_ss(x1g + kk + 1);
+            b0_lo = _mm256_fmadd_ps(w_lo, x0, b0_lo);
+            b0_hi = _mm256_fmadd_ps(w_hi, x0, b0_hi);
+            b1_lo = _mm256_fmadd_ps(w_lo, x1, b1_lo);
+            b1_hi = _mm256_fmadd_ps(w_hi, x1, b1_hi);
         }
-        q4_apply(sz + g * Q4_SCALES, a_lo, a_hi, xs[g], &y0_lo, &y0_hi);
-        q4_apply(sz + g * Q4_SCALES, b_lo, b_hi, xs[groups + g], &y1_lo, &y1_hi);
+        q4_apply(sz + g * Q4_SCALES, _mm256_add_ps(a0_lo, b0_lo), _mm256_add_ps(a0_hi, b0_hi), xs[g], &y0_lo, &y0_hi);
+        q4_apply(sz + g * Q4_SCALES, _mm256_add_ps(a1_lo, b1_lo), _mm256_add_ps(a1_hi, b1_hi), xs[groups + g], &y1_lo,
+                 &y1_hi);
     }
     q4_store(y0_lo, y0_hi, y, cols);
     q4_store(y1_lo, y1_hi, y + y_stride, cols);
@@ -325,6 +348,82 @@ static int q4_many_rows(int64_t m, int64_t panels, int64_t groups, const float *
     free(scratch);
     return 0;
 }
+
+/* Many rows, each with q4_tile1's arithmetic (QUANT_ARITH_ROWS where the word products are not
+ * there). The row tiles above widen every nibble once per 2 rows; here a panel's nibbles are widened
+ * once per call into floats (exact: 0..15), wq[(g * 32 + kk) * 16 + j], and tiles of Q4_WIDE_TILE
+ * rows read them, each row's even and odd inputs summed apart as in q4_tile1 (4 accumulators a row,
+ * 12 of AVX2's 16 registers), its y kept in memory between groups (stored and loaded exactly). */
+#define Q4_WIDE_TILE 3
+static inline __attribute__((always_inline)) void q4_wide_tile(const int nr, int64_t groups, const float *x,
+                                                               int64_t x_stride, const float *xs, const float *wq,
+                                                               const float *sz, float *y, int64_t y_stride, int cols) {
+    float yb[Q4_WIDE_TILE][Q4_PANEL] __attribute__((aligned(32)));
+    for (int r = 0; r < nr; r++) memset(yb[r], 0, sizeof yb[r]);
+    for (int64_t g = 0; g < groups; g++) {
+        const float *wg = wq + g * Q4_GROUP * Q4_PANEL;
+        __m256 a_lo[Q4_WIDE_TILE], a_hi[Q4_WIDE_TILE], b_lo[Q4_WIDE_TILE], b_hi[Q4_WIDE_TILE];
+        for (int r = 0; r < nr; r++) a_lo[r] = a_hi[r] = b_lo[r] = b_hi[r] = _mm256_setzero_ps();
+        for (int kk = 0; kk < Q4_GROUP; kk += 2) {
+            const __m256 w0_lo = _mm256_load_ps(wg + kk * Q4_PANEL), w0_hi = _mm256_load_ps(wg + kk * Q4_PANEL + 8);
+            for (int r = 0; r < nr; r++) {
+                const __m256 xv = _mm256_broadcast_ss(x + r * x_stride + g * Q4_GROUP + kk);
+                a_lo[r] = _mm256_fmadd_ps(w0_lo, xv, a_lo[r]);
+                a_hi[r] = _mm256_fmadd_ps(w0_hi, xv, a_hi[r]);
+            }
+            const __m256 w1_lo = _mm256_load_ps(wg + (kk + 1) * Q4_PANEL);
+            const __m256 w1_hi = _mm256_load_ps(wg + (kk + 1) * Q4_PANEL + 8);
+            for (int r = 0; r < nr; r++) {
+                const __m256 xv = _mm256_broadcast_ss(x + r * x_stride + g * Q4_GROUP + kk + 1);
+                b_lo[r] = _mm256_fmadd_ps(w1_lo, xv, b_lo[r]);
+                b_hi[r] = _mm256_fmadd_ps(w1_hi, xv, b_hi[r]);
+            }
+        }
+        for (int r = 0; r < nr; r++) {
+            __m256 y_lo = _mm256_load_ps(yb[r]), y_hi = _mm256_load_ps(yb[r] + 8);
+            q4_apply(sz + g * Q4_SCALES, _mm256_add_ps(a_lo[r], b_lo[r]), _mm256_add_ps(a_hi[r], b_hi[r]),
+                     xs[r * groups + g], &y_lo, &y_hi);
+            _mm256_store_ps(yb[r], y_lo);
+            _mm256_store_ps(yb[r] + 8, y_hi);
+        }
+    }
+    for (int r = 0; r < nr; r++) memcpy(y + r * y_stride, yb[r], (size_t)cols * sizeof(float));
+}
+
+static int q4_rows_wide(int64_t m, int64_t n, int64_t groups, const float *x, int64_t x_stride, const float *xs,
+                        const uint8_t *qweight, const float *qscale, float *y, int64_t y_stride, int num_threads) {
+    const int64_t panels = (n + Q4_PANEL - 1) / Q4_PANEL, k = groups * Q4_GROUP;
+    const int nt = num_threads > 0 ? num_threads : 1;
+    float *scratch = scratch_per_thread(nt, k * Q4_PANEL);
+    if (!scratch) return -1;
+    #pragma omp parallel num_threads(nt)
+    {
+        float *wq = thread_scratch(scratch, k * Q4_PANEL);
+        #pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; p++) {
+            const int cols = (int)(n - p * Q4_PANEL < Q4_PANEL ? n - p * Q4_PANEL : Q4_PANEL);
+            const uint8_t *w = qweight + p * groups * Q4_CHUNK;
+            for (int64_t kk = 0; kk < k; kk++) {
+                __m256 lo, hi;
+                q4_widen(w + kk * 8, &lo, &hi);
+                _mm256_store_ps(wq + kk * Q4_PANEL, lo);
+                _mm256_store_ps(wq + kk * Q4_PANEL + 8, hi);
+            }
+            const float *sz = qscale + p * groups * Q4_SCALES;
+            for (int64_t r = 0; r < m; r += Q4_WIDE_TILE) {
+                const float *xr = x + r * x_stride;
+                float *yr = y + r * y_stride + p * Q4_PANEL;
+                switch (m - r < Q4_WIDE_TILE ? m - r : Q4_WIDE_TILE) {
+                case 1: q4_wide_tile(1, groups, xr, x_stride, xs + r * groups, wq, sz, yr, y_stride, cols); break;
+                case 2: q4_wide_tile(2, groups, xr, x_stride, xs + r * groups, wq, sz, yr, y_stride, cols); break;
+                default: q4_wide_tile(Q4_WIDE_TILE, groups, xr, x_stride, xs + r * groups, wq, sz, yr, y_stride, cols); break;
+                }
+            }
+        }
+    }
+    free(scratch);
+    return 0;
+}
 #else
 static void q4_rows_by_panel(int64_t m, int64_t groups, const float *x, int64_t x_stride, const float *xs,
                              const uint8_t *w, const float *sz, float *y, int64_t y_stride, int cols) {
@@ -364,6 +463,8 @@ static void q4_rows_by_panel(int64_t m, int64_t groups, const float *x, int64_t 
 #define Q4_WORDS 1
 #define Q4_WORDS_TARGET __attribute__((target("avx512f,avx512bw,avx512vnni,avx512vbmi")))
 #define Q4_XV (2 * Q4_CHUNK) /* bytes of rounded x a group takes in the word layout */
+#define Q4_WORDS_TILE 4       /* x rows that share each permuted weight vector */
+#define Q4_WORDS_BLOCK 64     /* x rows whose prepared words meet the panels together */
 
 static int q4_words_state = -1; /* -1: not asked yet; 0 off; 1 on */
 
@@ -394,38 +495,70 @@ static void q4_words_prepare(int64_t groups, const float *x, int16_t *xv, float 
     }
 }
 
+/* Rows nr (1..Q4_WORDS_TILE, a constant at each call site) of x times one panel: each permuted weight
+ * vector meets every row of the tile. A row's integer sums are exact and its fp32 steps are the
+ * same whatever the tile holds, so its result does not depend on the other rows. */
+Q4_WORDS_TARGET static inline __attribute__((always_inline)) void q4_words_tile(
+        const int nr, int64_t groups, const int16_t *xv, const float *d, const float *xsum, const __m512i perm,
+        const uint8_t *w, const float *sz, float *y, int64_t y_stride, int cols, int prefetch) {
+    const __m512i low = _mm512_set1_epi16(15);
+    const __m512 eight = _mm512_set1_ps(8.0f);
+    __m512 acc[Q4_WORDS_TILE];
+    for (int r = 0; r < nr; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        if (prefetch) q4_prefetch(w + g * Q4_CHUNK, sz + g * Q4_SCALES);
+        const uint8_t *c = w + g * Q4_CHUNK;
+        __m512i lo[Q4_WORDS_TILE], hi[Q4_WORDS_TILE];
+        for (int r = 0; r < nr; r++) lo[r] = hi[r] = _mm512_setzero_si512();
+        for (int b = 0; b < 4; b++) {
+            const __m512i v = _mm512_permutexvar_epi8(perm, _mm512_loadu_si512(c + 64 * b));
+            const __m512i w0 = _mm512_and_si512(v, low), w1 = _mm512_and_si512(_mm512_srli_epi16(v, 8), low);
+            const __m512i w2 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low), w3 = _mm512_srli_epi16(v, 12);
+            for (int r = 0; r < nr; r++) {
+                const int16_t *xg = xv + (r * groups + g) * (Q4_XV / 2) + 64 * b;
+                const __m512i x02 = _mm512_loadu_si512(xg), x13 = _mm512_loadu_si512(xg + 32);
+                lo[r] = _mm512_dpwssd_epi32(lo[r], w0, x02);
+                lo[r] = _mm512_dpwssd_epi32(lo[r], w1, x13);
+                hi[r] = _mm512_dpwssd_epi32(hi[r], w2, x02);
+                hi[r] = _mm512_dpwssd_epi32(hi[r], w3, x13);
+            }
+        }
+        const __m512 s = _mm512_loadu_ps(sz + g * Q4_SCALES), z = _mm512_loadu_ps(sz + g * Q4_SCALES + Q4_PANEL);
+        for (int r = 0; r < nr; r++) {
+            const __m512i isum = _mm512_add_epi32(_mm512_shuffle_i64x2(lo[r], hi[r], 0x44),
+                                                  _mm512_shuffle_i64x2(lo[r], hi[r], 0xEE));
+            const __m512 xs = _mm512_set1_ps(xsum[r * groups + g]);
+            const __m512 t = _mm512_fmsub_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(d[r * groups + g]),
+                                             _mm512_mul_ps(eight, xs));
+            acc[r] = _mm512_fmadd_ps(s, t, acc[r]);
+            acc[r] = _mm512_fmadd_ps(z, xs, acc[r]);
+        }
+    }
+    for (int r = 0; r < nr; r++) _mm512_mask_storeu_ps(y + r * y_stride, (__mmask16)((1u << cols) - 1u), acc[r]);
+}
+
+/* m rows (prepared: xv, d, xsum as q4_words_prepare lays them out) times one panel, Q4_WORDS_TILE
+ * rows at a time; the first tile prefetches the panel's bytes ahead (the others find them in cache). */
 Q4_WORDS_TARGET static void q4_words_panel(int64_t m, int64_t groups, const int16_t *xv, const float *d,
                                            const float *xsum, const uint8_t *order, const uint8_t *w,
                                            const float *sz, float *y, int64_t y_stride, int cols) {
-    const __m512i perm = _mm512_loadu_si512(order), low = _mm512_set1_epi16(15);
-    const __m512 eight = _mm512_set1_ps(8.0f);
-    for (int64_t r = 0; r < m; r++) {
-        const int16_t *xr = xv + r * groups * (Q4_XV / 2);
-        const float *dr = d + r * groups, *sr = xsum + r * groups;
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t g = 0; g < groups; g++) {
-            if (r == 0) q4_prefetch(w + g * Q4_CHUNK, sz + g * Q4_SCALES);
-            const uint8_t *c = w + g * Q4_CHUNK;
-            const int16_t *xg = xr + g * (Q4_XV / 2);
-            __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
-            for (int b = 0; b < 4; b++) {
-                const __m512i v = _mm512_permutexvar_epi8(perm, _mm512_loadu_si512(c + 64 * b));
-                const __m512i x02 = _mm512_loadu_si512(xg + 64 * b), x13 = _mm512_loadu_si512(xg + 64 * b + 32);
-                lo = _mm512_dpwssd_epi32(lo, _mm512_and_si512(v, low), x02);
-                lo = _mm512_dpwssd_epi32(lo, _mm512_and_si512(_mm512_srli_epi16(v, 8), low), x13);
-                hi = _mm512_dpwssd_epi32(hi, _mm512_and_si512(_mm512_srli_epi16(v, 4), low), x02);
-                hi = _mm512_dpwssd_epi32(hi, _mm512_srli_epi16(v, 12), x13);
-            }
-            const __m512i isum = _mm512_add_epi32(_mm512_shuffle_i64x2(lo, hi, 0x44), _mm512_shuffle_i64x2(lo, hi, 0xEE));
-            const __m512 xs = _mm512_set1_ps(sr[g]);
-            const __m512 t = _mm512_fmsub_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(dr[g]), _mm512_mul_ps(eight, xs));
-            acc = _mm512_fmadd_ps(_mm512_loadu_ps(sz + g * Q4_SCALES), t, acc);
-            acc = _mm512_fmadd_ps(_mm512_loadu_ps(sz + g * Q4_SCALES + Q4_PANEL), xs, acc);
+    const __m512i perm = _mm512_loadu_si512(order);
+    for (int64_t r = 0; r < m; r += Q4_WORDS_TILE) {
+        const int64_t xo = r * groups;
+        const int pf = r == 0;
+        float *yr = y + r * y_stride;
+        switch (m - r < Q4_WORDS_TILE ? m - r : Q4_WORDS_TILE) {
+        case 1: q4_words_tile(1, groups, xv + xo * (Q4_XV / 2), d + xo, xsum + xo, perm, w, sz, yr, y_stride, cols, pf); break;
+        case 2: q4_words_tile(2, groups, xv + xo * (Q4_XV / 2), d + xo, xsum + xo, perm, w, sz, yr, y_stride, cols, pf); break;
+        case 3: q4_words_tile(3, groups, xv + xo * (Q4_XV / 2), d + xo, xsum + xo, perm, w, sz, yr, y_stride, cols, pf); break;
+        default: q4_words_tile(Q4_WORDS_TILE, groups, xv + xo * (Q4_XV / 2), d + xo, xsum + xo, perm, w, sz, yr, y_stride, cols, pf); break;
         }
-        _mm512_mask_storeu_ps(y + r * y_stride, (__mmask16)((1u << cols) - 1u), acc);
     }
 }
 
+/* Any number of rows: x's rows prepared once (in parallel when there are many), then for each block
+ * of Q4_WORDS_BLOCK rows the panels shared out statically over the threads (the block's prepared
+ * rows, 512 bytes per 32 inputs, stay in cache while the panels stream past them). */
 static int q4_words_rows(int64_t m, int64_t n, int64_t groups, const float *x, int64_t x_stride,
                          const uint8_t *qweight, const float *qscale, float *y, int64_t y_stride, int num_threads) {
     const int64_t panels = (n + Q4_PANEL - 1) / Q4_PANEL, k = groups * Q4_GROUP;
@@ -436,16 +569,24 @@ static int q4_words_rows(int64_t m, int64_t n, int64_t groups, const float *x, i
         free(d);
         return -1;
     }
-    for (int64_t r = 0; r < m; r++)
-        q4_words_prepare(groups, x + r * x_stride, xv + r * groups * (Q4_XV / 2), d + r * groups,
-                         d + (m + r) * groups);
     uint8_t order[64]; /* vpermb's table: destination byte 4t + e, t = 8h + j <- input 4h + e, column j */
     for (int p = 0; p < 64; p++) order[p] = (uint8_t)((4 * (p >> 5) + (p & 3)) * 8 + ((p >> 2) & 7));
-    #pragma omp parallel for schedule(static) num_threads(num_threads) if (m * n * k >= PARALLEL_MIN_MACS)
-    for (int64_t p = 0; p < panels; p++) {
-        const int cols = (int)(n - p * Q4_PANEL < Q4_PANEL ? n - p * Q4_PANEL : Q4_PANEL);
-        q4_words_panel(m, groups, xv, d, d + m * groups, order, qweight + p * groups * Q4_CHUNK,
-                       qscale + p * groups * Q4_SCALES, y + p * Q4_PANEL, y_stride, cols);
+    #pragma omp parallel num_threads(num_threads) if (m * n * k >= PARALLEL_MIN_MACS)
+    {
+        #pragma omp for schedule(static)
+        for (int64_t r = 0; r < m; r++)
+            q4_words_prepare(groups, x + r * x_stride, xv + r * groups * (Q4_XV / 2), d + r * groups,
+                             d + (m + r) * groups);
+        for (int64_t r0 = 0; r0 < m; r0 += Q4_WORDS_BLOCK) {
+            const int64_t rows = m - r0 < Q4_WORDS_BLOCK ? m - r0 : Q4_WORDS_BLOCK;
+            #pragma omp for schedule(static) nowait
+            for (int64_t p = 0; p < panels; p++) {
+                const int cols = (int)(n - p * Q4_PANEL < Q4_PANEL ? n - p * Q4_PANEL : Q4_PANEL);
+                q4_words_panel(rows, groups, xv + r0 * groups * (Q4_XV / 2), d + r0 * groups, d + (m + r0) * groups,
+                               order, qweight + p * groups * Q4_CHUNK, qscale + p * groups * Q4_SCALES,
+                               y + r0 * y_stride + p * Q4_PANEL, y_stride, cols);
+            }
+        }
     }
     free(xv);
     free(d);
@@ -466,13 +607,15 @@ int pagedkv_quant_words(int want) {
 #endif
 }
 
-/* m rows x the int4 matrix (n outputs of n_pad = 16 * panels, k = 32 * groups inputs). */
+/* m rows x the int4 matrix (n outputs of n_pad = 16 * panels, k = 32 * groups inputs), each row by
+ * the arithmetic `arith` says (QUANT_ARITH_*, at the top of this file). */
 int pagedkv_q4_linear(int64_t m, int64_t n, int64_t k, const float *x, int64_t x_stride, const uint8_t *qweight,
-                             const float *qscale, float *y, int64_t y_stride, int num_threads) {
+                      const float *qscale, float *y, int64_t y_stride, int num_threads, int arith) {
     const int64_t groups = k / Q4_GROUP, panels = (n + Q4_PANEL - 1) / Q4_PANEL;
     int64_t first = 0; /* panels done by q4_many_rows */
+    const int many = arith == QUANT_ARITH_PANELS || (arith == QUANT_ARITH_AUTO && m >= Q4_DEQ_MIN_ROWS);
 #ifdef Q4_WORDS
-    if (m < Q4_DEQ_MIN_ROWS && pagedkv_quant_words(-1))
+    if (!many && pagedkv_quant_words(-1))
         return q4_words_rows(m, n, groups, x, x_stride, qweight, qscale, y, y_stride, num_threads);
 #endif
     float *xh = malloc((size_t)(m * k > 0 ? m * k : 1) * sizeof(float)); /* x^ (see round_group) */
@@ -486,7 +629,7 @@ int pagedkv_q4_linear(int64_t m, int64_t n, int64_t k, const float *x, int64_t x
     x = xh;
     x_stride = k;
 #if Q_SIMD
-    if (m >= Q4_DEQ_MIN_ROWS) {
+    if (many) {
         first = n / Q4_PANEL;
         if (q4_many_rows(m, first, groups, x, x_stride, qweight, qscale, y, y_stride,
                          m * n * k >= PARALLEL_MIN_MACS ? num_threads : 1)) {
@@ -495,8 +638,17 @@ int pagedkv_q4_linear(int64_t m, int64_t n, int64_t k, const float *x, int64_t x
         }
         if (first == panels) goto done;
     }
+#else
+    (void)many;
 #endif
     group_sums(m, groups, x, x_stride, xs);
+#if Q_SIMD
+    if (!many && m >= Q4_WIDE_MIN_ROWS) { /* the row tiles' arithmetic, each nibble widened once */
+        rc = q4_rows_wide(m, n, groups, x, x_stride, xs, qweight, qscale, y, y_stride,
+                          m * n * k >= PARALLEL_MIN_MACS ? num_threads : 1);
+        goto done;
+    }
+#endif
     #pragma omp parallel for schedule(static) num_threads(num_threads) if (m * n * k >= PARALLEL_MIN_MACS)
     for (int64_t p = first; p < panels; p++) {
         const int cols = (int)(n - p * Q4_PANEL < Q4_PANEL ? n - p * Q4_PANEL : Q4_PANEL);
@@ -557,6 +709,83 @@ static int q8_words_row(int64_t n, int64_t k, const float *x, const int8_t *qwei
     free(d);
     return 0;
 }
+
+/* xr (1..3) x rows times wr (1..Q8_ROWS) weight rows (constants at each call site), each pair by
+ * q8_words_dot's arithmetic (its sums in the same order): a block of weight rows widened once per group
+ * meets a tile of x rows, and a row's result does not depend on the other rows of the call. */
+Q4_WORDS_TARGET static inline __attribute__((always_inline)) void q8_words_tile(
+        const int xr, const int wr, int64_t groups, const int16_t *xq, const float *d, const int8_t *w,
+        int64_t w_stride, const float *scale, float *y, int64_t y_stride) {
+    __m512 acc[3][Q8_ROWS];
+    for (int r = 0; r < xr; r++)
+        for (int j = 0; j < wr; j++) acc[r][j] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m512i wv[Q8_ROWS];
+        for (int j = 0; j < wr; j++)
+            wv[j] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + j * w_stride + g * Q4_GROUP)));
+        for (int r = 0; r < xr; r++) {
+            const __m512i xv = _mm512_loadu_si512(xq + (r * groups + g) * Q4_GROUP);
+            const __m512 dv = _mm512_set1_ps(d[r * groups + g]);
+            for (int j = 0; j < wr; j++)
+                acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(wv[j], xv)), dv, acc[r][j]);
+        }
+    }
+    for (int r = 0; r < xr; r++)
+        for (int j = 0; j < wr; j++) y[r * y_stride + j] = _mm512_reduce_add_ps(acc[r][j]) * scale[j];
+}
+
+/* x rows r0 .. r0 + xr (xr 1..3) times the weight rows of a block of wr (1..Q8_ROWS). */
+Q4_WORDS_TARGET static void q8_words_block(int xr, int wr, int64_t groups, const int16_t *xq, const float *d,
+                                           const int8_t *w, int64_t w_stride, const float *scale, float *y,
+                                           int64_t y_stride) {
+#define Q8_WORDS_TILE(XR)                                                                                     \
+    switch (wr) {                                                                                             \
+    case 1: q8_words_tile(XR, 1, groups, xq, d, w, w_stride, scale, y, y_stride); break;                     \
+    case 2: q8_words_tile(XR, 2, groups, xq, d, w, w_stride, scale, y, y_stride); break;                     \
+    case 3: q8_words_tile(XR, 3, groups, xq, d, w, w_stride, scale, y, y_stride); break;                     \
+    default: q8_words_tile(XR, Q8_ROWS, groups, xq, d, w, w_stride, scale, y, y_stride); break;              \
+    }
+    switch (xr) {
+    case 1: Q8_WORDS_TILE(1) break;
+    case 2: Q8_WORDS_TILE(2) break;
+    default: Q8_WORDS_TILE(3) break;
+    }
+#undef Q8_WORDS_TILE
+}
+
+/* Any number of x rows, each by q8_words_dot's arithmetic: the rows rounded once, then blocks of
+ * Q8_ROWS weight rows shared out statically over the threads, each block's rows read once per tile
+ * of 3 x rows (from cache after the first). */
+static int q8_words_rows(int64_t m, int64_t n, int64_t k, const float *x, int64_t x_stride, const int8_t *qweight,
+                         int64_t w_stride, const float *scale, float *y, int64_t y_stride, int num_threads) {
+    const int64_t groups = k / Q4_GROUP, blocks = (n + Q8_ROWS - 1) / Q8_ROWS;
+    int16_t *xq = aligned_alloc(64, (size_t)(m * groups * Q4_GROUP * 2 + 64) / 64 * 64);
+    float *d = malloc((size_t)(m * groups > 0 ? m * groups : 1) * sizeof(float));
+    if (!xq || !d) {
+        free(xq);
+        free(d);
+        return -1;
+    }
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t g = 0; g < groups; g++)
+            d[r * groups + g] = round_group(x + r * x_stride + g * Q4_GROUP, Q4_GROUP, xq + (r * groups + g) * Q4_GROUP);
+    #pragma omp parallel for schedule(static) num_threads(num_threads) if (m * n * k >= PARALLEL_MIN_MACS)
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t n0 = b * Q8_ROWS;
+        const int wr = (int)(n - n0 < Q8_ROWS ? n - n0 : Q8_ROWS);
+        if (b + 1 < blocks) /* the next block's rows arrive while these meet every row of x */
+            for (int j = 0; j < Q8_ROWS && n0 + Q8_ROWS + j < n; j++)
+                for (int64_t i = 0; i < k; i += 64) __builtin_prefetch(qweight + (n0 + Q8_ROWS + j) * w_stride + i, 0, 2);
+        for (int64_t r = 0; r < m; r += 3) {
+            const int xr = (int)(m - r < 3 ? m - r : 3);
+            q8_words_block(xr, wr, groups, xq + r * groups * Q4_GROUP, d + r * groups, qweight + n0 * w_stride,
+                           w_stride, scale + n0, y + r * y_stride + n0, y_stride);
+        }
+    }
+    free(xq);
+    free(d);
+    return 0;
+}
 #endif
 
 /* One x row (or two: x1 may be NULL) times rows w[0..4) of the block (rows past `rows` repeat row 0
@@ -602,6 +831,12 @@ static void q8_block(int64_t k, const float *x0, const float *x1, const int8_t *
     }
 }
 
+/* q8_dot1's inputs past its vectors, one at a time (shared with q8_rows_wide, so both round alike). */
+static inline float q8_dot_tail(int64_t kk, int64_t k, const float *x, const int8_t *w, float s) {
+    for (; kk < k; kk++) s += (float)w[kk] * x[kk];
+    return s;
+}
+
 /* One x row times one weight row, the row read front to back once. Why a path of its own: a decode
  * step's output layer is one x row against the whole vocabulary (SmolLM2: 49,152 rows of 576), and
  * there the 4-row blocks above, which share x loads between weight rows, read four interleaved
@@ -622,8 +857,7 @@ static inline float q8_dot1(int64_t k, const float *x, const int8_t *w) {
     for (; kk + 8 <= k; kk += 8) a0 = _mm256_fmadd_ps(q8_widen(w + kk), _mm256_loadu_ps(x + kk), a0);
     s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
 #endif
-    for (; kk < k; kk++) s += (float)w[kk] * x[kk];
-    return s;
+    return q8_dot_tail(kk, k, x, w, s);
 }
 
 /* ---- int8, many rows: weight rows widened to fp32 once per call -----------------------------------
@@ -712,11 +946,81 @@ static int q8_many_rows(int64_t m, int64_t n, int64_t k, const float *x, int64_t
     return 0;
 }
 
+#if Q_SIMD
+/* Many rows, each with q8_dot1's arithmetic (QUANT_ARITH_ROWS where the word products are not there):
+ * each block of Q8_ROWS weight rows widened to fp32 once per call (as q8_many_rows does), then each
+ * weight row meets tiles of 3 x rows, every row with q8_dot1's four accumulators and order. */
+static inline __attribute__((always_inline)) void q8_wide_dot(const int xr, int64_t k, const float *x,
+                                                              int64_t x_stride, const float *wf, const int8_t *w,
+                                                              float scale, float *y, int64_t y_stride) {
+    __m256 a0[3], a1[3], a2[3], a3[3];
+    for (int r = 0; r < xr; r++) a0[r] = a1[r] = a2[r] = a3[r] = _mm256_setzero_ps();
+    int64_t kk = 0;
+    for (; kk + 32 <= k; kk += 32) {
+        const __m256 w0 = _mm256_load_ps(wf + kk), w1 = _mm256_load_ps(wf + kk + 8);
+        const __m256 w2 = _mm256_load_ps(wf + kk + 16), w3 = _mm256_load_ps(wf + kk + 24);
+        for (int r = 0; r < xr; r++) {
+            const float *xp = x + r * x_stride + kk;
+            a0[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xp), a0[r]);
+            a1[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xp + 8), a1[r]);
+            a2[r] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xp + 16), a2[r]);
+            a3[r] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xp + 24), a3[r]);
+        }
+    }
+    const int64_t k32 = kk;
+    for (int r = 0; r < xr; r++) {
+        const float *xp = x + r * x_stride;
+        for (kk = k32; kk + 8 <= k; kk += 8) a0[r] = _mm256_fmadd_ps(_mm256_load_ps(wf + kk), _mm256_loadu_ps(xp + kk), a0[r]);
+        const float s = hsum(_mm256_add_ps(_mm256_add_ps(a0[r], a1[r]), _mm256_add_ps(a2[r], a3[r])));
+        y[r * y_stride] = q8_dot_tail(kk, k, xp, w, s) * scale;
+    }
+}
+
+static int q8_rows_wide(int64_t m, int64_t n, int64_t k, const float *x, int64_t x_stride, const int8_t *qweight,
+                        int64_t w_stride, const float *scale, float *y, int64_t y_stride, int num_threads) {
+    const int64_t blocks = (n + WIDE_ROWS - 1) / WIDE_ROWS, k8 = (k + 7) / 8 * 8;
+    const int nt = num_threads > 0 ? num_threads : 1;
+    float *scratch = scratch_per_thread(nt, WIDE_ROWS * k8);
+    if (!scratch) return -1;
+    #pragma omp parallel num_threads(nt)
+    {
+        float *wf = thread_scratch(scratch, WIDE_ROWS * k8);
+        #pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t n0 = b * WIDE_ROWS;
+            const int rows = (int)(n - n0 < WIDE_ROWS ? n - n0 : WIDE_ROWS);
+            for (int j = 0; j < rows; j++) {
+                const int8_t *wr = qweight + (n0 + j) * w_stride;
+                float *out = wf + j * k8;
+                int64_t kk = 0;
+                for (; kk + 8 <= k; kk += 8) _mm256_store_ps(out + kk, q8_widen(wr + kk));
+                for (; kk < k; kk++) out[kk] = (float)wr[kk];
+            }
+            for (int j = 0; j < rows; j++) {
+                const int8_t *wr = qweight + (n0 + j) * w_stride;
+                for (int64_t r = 0; r < m; r += 3) {
+                    float *yr = y + r * y_stride + n0 + j;
+                    switch (m - r < 3 ? m - r : 3) {
+                    case 1: q8_wide_dot(1, k, x + r * x_stride, x_stride, wf + j * k8, wr, scale[n0 + j], yr, y_stride); break;
+                    case 2: q8_wide_dot(2, k, x + r * x_stride, x_stride, wf + j * k8, wr, scale[n0 + j], yr, y_stride); break;
+                    default: q8_wide_dot(3, k, x + r * x_stride, x_stride, wf + j * k8, wr, scale[n0 + j], yr, y_stride); break;
+                    }
+                }
+            }
+        }
+    }
+    free(scratch);
+    return 0;
+}
+#endif
+
 int pagedkv_q8_linear(int64_t m, int64_t n, int64_t k, const float *x, int64_t x_stride, const int8_t *qweight,
-                              int64_t w_stride, const float *scale, float *y, int64_t y_stride, int num_threads) {
+                      int64_t w_stride, const float *scale, float *y, int64_t y_stride, int num_threads, int arith) {
+    const int alone = arith == QUANT_ARITH_ROWS || (arith == QUANT_ARITH_AUTO && m == 1);
 #ifdef Q4_WORDS
-    if (m == 1 && k % Q4_GROUP == 0 && pagedkv_quant_words(-1))
-        return q8_words_row(n, k, x, qweight, w_stride, scale, y, num_threads);
+    if (alone && k % Q4_GROUP == 0 && pagedkv_quant_words(-1))
+        return m == 1 ? q8_words_row(n, k, x, qweight, w_stride, scale, y, num_threads)
+                      : q8_words_rows(m, n, k, x, x_stride, qweight, w_stride, scale, y, y_stride, num_threads);
 #endif
     float *xh = malloc((size_t)(m * k > 0 ? m * k : 1) * sizeof(float)); /* x^ (see round_group) */
     if (!xh) return -1;
@@ -724,10 +1028,19 @@ int pagedkv_q8_linear(int64_t m, int64_t n, int64_t k, const float *x, int64_t x
     x = xh;
     x_stride = k;
     int rc = 0;
-    if (m == 1) {
+    if (alone && m == 1) {
         #pragma omp parallel for schedule(static) num_threads(num_threads) if (n * k >= PARALLEL_MIN_MACS)
         for (int64_t j = 0; j < n; j++) y[j] = q8_dot1(k, x, qweight + j * w_stride) * scale[j];
-    } else if (m >= Q8_DEQ_MIN_ROWS) {
+    } else if (alone) { /* each row as one row alone (q8_dot1's arithmetic) */
+#if Q_SIMD
+        rc = q8_rows_wide(m, n, k, x, x_stride, qweight, w_stride, scale, y, y_stride,
+                          m * n * k >= PARALLEL_MIN_MACS ? num_threads : 1);
+#else
+        #pragma omp parallel for schedule(static) num_threads(num_threads) if (m * n * k >= PARALLEL_MIN_MACS)
+        for (int64_t j = 0; j < n; j++)
+            for (int64_t r = 0; r < m; r++) y[r * y_stride + j] = q8_dot1(k, x + r * x_stride, qweight + j * w_stride) * scale[j];
+#endif
+    } else if (arith == QUANT_ARITH_PANELS || m >= Q8_DEQ_MIN_ROWS) {
         rc = q8_many_rows(m, n, k, x, x_stride, qweight, w_stride, scale, y, y_stride,
                           m * n * k >= PARALLEL_MIN_MACS ? num_threads : 1);
     } else {
@@ -1376,7 +1689,7 @@ static int kq_many_rows(int64_t m, int64_t n, const KQMatrix *mat, const KQ8Bloc
  * rows quantized to KQ8Blocks once, then each weight row, unpacked once per super-block, meets up to
  * KQ_ROWS of them (or, from KQ_T_MIN_ROWS rows with AVX2, kq_many_rows). */
 int pagedkv_kq_linear(int64_t m, int64_t n, int64_t k, const float *x, int64_t x_stride, const uint8_t *w,
-                      const int32_t *segs, int64_t nsegs, float *y, int64_t y_stride, int num_threads) {
+                      const int32_t *segs, int64_t nsegs, float *y, int64_t y_stride, int num_threads, int arith) {
     const KQMatrix mat = {nsegs, k / KQ_BLOCK, segs, w};
     const int par = m * n * k >= PARALLEL_MIN_MACS;
     KQ8Block *xq = malloc((size_t)(m * mat.blocks > 0 ? m * mat.blocks : 1) * sizeof(KQ8Block));
@@ -1384,11 +1697,13 @@ int pagedkv_kq_linear(int64_t m, int64_t n, int64_t k, const float *x, int64_t x
     #pragma omp parallel for schedule(static) num_threads(num_threads) if (par && m > 1)
     for (int64_t r = 0; r < m; r++) kq8_quantize_row(mat.blocks, x + r * x_stride, xq + r * mat.blocks);
 #if Q_SIMD
-    if (m >= KQ_T_MIN_ROWS) {
+    if (arith == QUANT_ARITH_PANELS || (arith == QUANT_ARITH_AUTO && m >= KQ_T_MIN_ROWS)) {
         const int status = kq_many_rows(m, n, &mat, xq, y, y_stride, num_threads);
         free(xq);
         return status;
     }
+#else
+    (void)arith;
 #endif
     #pragma omp parallel for schedule(static) num_threads(num_threads) if (par)
     for (int64_t j = 0; j < n; j++) {

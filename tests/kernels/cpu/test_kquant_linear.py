@@ -151,6 +151,21 @@ def test_many_rows_over_threads_match_one_thread() -> None:
     assert ((one.double() - _kernel_reference(x, w)).abs() <= _tolerance(x, w)).all()
 
 
+@pytest.mark.parametrize("arith", [cpu_quant_linear.ARITH_ROWS, cpu_quant_linear.ARITH_PANELS])
+def test_rows_and_panels_give_a_row_the_same_bits_at_every_row_count(variant: str, arith: int) -> None:
+    """As for int4 and int8 (test_quant_linear.py): under ARITH_ROWS (the row-by-row kernel at any
+    row count) and ARITH_PANELS (x's rows side by side at any count) a row's result does not depend
+    on its call's other rows; one row under ARITH_ROWS is a one-row call's default."""
+    k = 512
+    m = _pack(_segments([("Q4_K", 24), ("Q6_K", 17)], k, 5, "quantized"))
+    x = torch.randn((21, k), generator=poisoned_io.gen(6))
+    alone = torch.cat([cpu_quant_linear.matmul(m, x[r : r + 1], arith=arith) for r in range(21)])
+    for rows in (1, 2, 4, 5, 6, 9, 17, 21):
+        assert torch.equal(cpu_quant_linear.matmul(m, x[:rows], arith=arith), alone[:rows]), rows
+    if arith == cpu_quant_linear.ARITH_ROWS:
+        assert torch.equal(alone[:1], cpu_quant_linear.matmul(m, x[:1]))
+
+
 def test_row_lookup_is_the_gguf_packages_dequantization_exactly(variant: str) -> None:
     segs = _segments([("Q4_K", 11), ("Q6_K", 6)], 512, seed=9, source="random")
     m = _pack(segs)

@@ -149,6 +149,42 @@ def test_a_rows_result_does_not_depend_on_its_batch(kind: str) -> None:
         assert ((cpu_quant_linear.matmul(m, x[:rows]).double()[:1] - alone).abs() <= tol).all()
 
 
+ARITH_ROW_COUNTS = (1, 2, 3, 4, 5, 7, 8, 9, 13, 64, 70)  # row tiles, their tails, past a block of 64
+
+
+@pytest.mark.parametrize(
+    ("kind", "n", "k"), [("int4", 100, 576), ("int4", 40, 96), ("int8", 100, 576), ("int8", 7, 37)]
+)
+@pytest.mark.parametrize("arith", [cpu_quant_linear.ARITH_ROWS, cpu_quant_linear.ARITH_PANELS])
+def test_rows_and_panels_give_a_row_the_same_bits_at_every_row_count(
+    quant_variant: str, kind: str, n: int, k: int, arith: int
+) -> None:
+    """ARITH_ROWS (a decode step's and a speculative verification's rows) and ARITH_PANELS (a
+    prefill's) give every row the same bits whatever the row count of its call and its place in it,
+    on every path (word products, fp32 tiles, plain loops; a partial panel of 8 rows, a width that
+    is not whole groups): a sequence's tokens must not depend on what shares its step, and a
+    verification pass must compute each position as plain decoding does. Under ARITH_ROWS one row is
+    exactly what a call of one row gives by default (the decode path), under ARITH_PANELS many rows
+    exactly what a call of many does."""
+    m, _ = _matrix(kind, n, k, seed=11)
+    x = torch.randn((max(ARITH_ROW_COUNTS), k), generator=poisoned_io.gen(12))
+    alone = torch.cat([cpu_quant_linear.matmul(m, x[r : r + 1], arith=arith) for r in range(x.shape[0])])
+    for rows in ARITH_ROW_COUNTS:
+        for first in (0, 3):  # the same rows at other places in their call
+            got = cpu_quant_linear.matmul(m, x[first : first + rows], arith=arith)
+            assert torch.equal(got, alone[first : first + rows]), (rows, first)
+    if arith == cpu_quant_linear.ARITH_ROWS:
+        assert torch.equal(alone[:1], cpu_quant_linear.matmul(m, x[:1]))
+    else:
+        assert torch.equal(alone, cpu_quant_linear.matmul(m, x))
+
+
+def test_an_unknown_arithmetic_is_refused() -> None:
+    m, _ = _matrix("int4", 16, 32, seed=1)
+    with pytest.raises(ValueError, match="arith"):
+        cpu_quant_linear.matmul(m, torch.randn(2, 32), arith=3)
+
+
 # rows 2-3 through the 4-row blocks; from 4 rows blocks of 4 weight rows widened once, tiles of 3
 # rows (5 and 70 leave a tail), odd widths (577, 17, 37) past the 8-input steps.
 SHAPES8 = [
