@@ -23,7 +23,8 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from pagedkv.frontend.engine import MAX_TOP_LOGPROBS, SamplingOptions
+from pagedkv.frontend.engine import MAX_TOP_LOGPROBS, BeamParams, SamplingOptions
+from pagedkv.frontend.engine.beam import candidates_per_beam
 from pagedkv.frontend.serve.grammar import Grammar, GrammarCompiler
 from pagedkv.frontend.serve.openai_fields import (
     CHAT,
@@ -159,6 +160,9 @@ class _Sampling(BaseModel):
     # Scheduling and the prefix cache.
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
+    # vLLM's beam search: the n best of n beams (frontend/engine/beam.py), checked by _beam.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
 
 class CompletionBody(_Sampling):
@@ -261,6 +265,7 @@ class Parsed:
     request_id: str | None = None  # the client's: the response's id and X-Request-Id
     priority: int = 0  # vLLM's: lower is served first (with --scheduling-policy priority)
     cache_salt: str = ""  # the prefix cache shares blocks only between requests of the same salt
+    beam: BeamParams | None = None  # use_beam_search: n beams, the n best returned (None: sampling)
 
 
 def validation_error(e: ValidationError) -> ApiError:
@@ -521,6 +526,7 @@ def _common(
             "priority",
         )
     grammar = _token_constraints(body, _forced_or_asked(forced, body, limits), stop_ids, limits)
+    beam = _beam(body, stop, stop_ids, grammar, limits)
     sampling = SamplingOptions(
         temperature=body.temperature,
         top_p=body.top_p,
@@ -534,6 +540,8 @@ def _common(
         logit_bias=_logit_bias(body.logit_bias, limits),
         grammar=grammar,
     )
+    if beam is not None:  # nothing is drawn: the sampling knobs do not apply (docs/serve.md)
+        sampling = SamplingOptions(logprobs=top_logprobs)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "stream_options: only allowed with stream: true", "stream_options")
@@ -558,7 +566,70 @@ def _common(
         request_id=body.request_id,
         priority=body.priority,
         cache_salt=body.cache_salt or "",
+        beam=beam,
     )
+
+
+def _beam(
+    body: _Sampling,
+    stop: tuple[str, ...],
+    stop_ids: tuple[int, ...],
+    constraint: Any,
+    limits: RequestLimits,
+) -> BeamParams | None:
+    """vLLM's use_beam_search: n beams (the width), scored with length_penalty, ending at the
+    stop token ids (EOS unless ignore_eos). The beams rank the model's own log-softmax, so what
+    would change the distribution or cut a beam's text is refused by name; the sampling knobs
+    (temperature, top_p, top_k, min_p, seed) draw nothing here and do not apply, as in vLLM and
+    transformers. length_penalty only scores beams: refused without them."""
+    if not math.isfinite(body.length_penalty):
+        raise ApiError(400, "length_penalty: must be a finite number", "length_penalty")
+    if not body.use_beam_search:
+        if body.length_penalty != 1.0:
+            raise ApiError(
+                400,
+                "length_penalty: it scores beam search's hypotheses, and this request samples "
+                "(send use_beam_search: true, or leave length_penalty at 1)",
+                "length_penalty",
+            )
+        return None
+    # ``constraint``: the request's grammar or token constraints (_token_constraints), if any.
+    constrained = [
+        n for n in ("min_tokens", "bad_words", "allowed_token_ids", *_STRUCTURED) if getattr(body, n, None)
+    ]
+    asks = {
+        "presence_penalty": body.presence_penalty != 0.0,
+        "frequency_penalty": body.frequency_penalty != 0.0,
+        "repetition_penalty": body.repetition_penalty != 1.0,
+        "logit_bias": bool(body.logit_bias),
+        "stop": bool(stop),
+        (constrained or ["tool_choice"])[0]: constraint is not None,
+    }
+    name = next((n for n, asked in asks.items() if asked), None)
+    if name == "stop":
+        raise ApiError(
+            400,
+            "stop: not with use_beam_search (a stop string would cut a beam after the search scored "
+            "it: beams end at stop_token_ids and EOS)",
+            name,
+        )
+    if name is not None:
+        raise ApiError(
+            400,
+            f"{name}: not with use_beam_search (beam search ranks the model's own log-softmax, "
+            "which this would change)",
+            name,
+        )
+    k = candidates_per_beam(body.n, len(stop_ids))
+    most = min(MAX_TOP_LOGPROBS, limits.vocab_size)
+    if k > most:
+        raise ApiError(
+            400,
+            f"n: a beam search of width {body.n} with {len(stop_ids)} stop tokens keeps {k} candidates "
+            f"per beam, and the workers return at most {most} (max(2, 1 + stop tokens) * n)",
+            "n",
+        )
+    return BeamParams(body.length_penalty)
 
 
 def _prompt_logprobs(body: _Sampling, limits: RequestLimits) -> int | None:

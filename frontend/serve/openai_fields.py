@@ -60,10 +60,6 @@ _MULTIMODAL = "pagedkv serves text-only models: no images, audio or video"
 # vLLM's extensions of both requests that pagedkv does not act on (the others are request-model
 # fields in frontend/serve/openai_api.py).
 VLLM_COMMON: Policy = {
-    "use_beam_search": Refused(
-        "beam search is not implemented: every sample is drawn on its own (n, seed)", (None, False)
-    ),
-    "length_penalty": Refused("it scores beams, and beam search is not implemented", (None, 1.0, 1)),
     "kv_transfer_params": Refused(
         "disaggregated prefill (KV transfer between vLLM instances) is not supported", (None, {})
     ),

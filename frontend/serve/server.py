@@ -155,6 +155,7 @@ class _Run:
                 priority=-p.priority,
                 cache_salt=p.cache_salt,
                 prompt_logprobs=p.prompt_logprobs,
+                beam=p.beam,
             )
 
             def sink(item: object, i: int = i) -> None:

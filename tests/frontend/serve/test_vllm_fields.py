@@ -69,7 +69,7 @@ SAMPLES: dict[str, tuple[Any, dict[str, Any]]] = {
     "include_reasoning": (False, {}),
     "include_stop_str_in_output": (True, {"stop": ["w5"]}),
     "kv_transfer_params": ({"do_remote_prefill": True}, {}),
-    "length_penalty": (0.8, {}),
+    "length_penalty": (0.8, {"use_beam_search": True}),  # (it scores beams: refused without them)
     "logit_bias": ({"5": 3.0}, {}),
     "logprob_token_ids": ([5, 6], {}),
     "max_completion_tokens": (3, {}),
@@ -138,7 +138,6 @@ REFUSED = {
     "ec_transfer_params",
     "include_reasoning",
     "kv_transfer_params",
-    "length_penalty",
     "logprob_token_ids",
     "media_io_kwargs",
     "mm_payload",
@@ -155,7 +154,6 @@ REFUSED = {
     "stream_interval",
     "suffix",
     "thinking_token_budget",
-    "use_beam_search",
     "vllm_xargs",
     "watermarking",
 }
