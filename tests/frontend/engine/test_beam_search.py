@@ -14,8 +14,9 @@ import random
 
 import pytest
 
-from pagedkv.frontend.engine import Engine, GenerationRequest, RequestOutput
+from pagedkv.frontend.engine import Engine, EngineConfig, GenerationRequest, RequestOutput
 from pagedkv.frontend.engine.beam import BeamParams
+from pagedkv.frontend.engine.speculate import SpeculativeConfig
 from pagedkv.frontend.launch.config import StackConfig
 from pagedkv.frontend.launch.local_stack import LocalStack
 from pagedkv.kv_capacity import blocks_for_tokens
@@ -34,13 +35,17 @@ def _reference_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PAGEDKV_KERNEL_BACKEND", "reference")
 
 
-def stack(hf: HFModel, num_gpu_blocks: int = 96, **overrides: object) -> LocalStack:
+def stack(
+    hf: HFModel, num_gpu_blocks: int = 96, roles: tuple[str, ...] = (), **overrides: object
+) -> LocalStack:
     cfg = StackConfig(
         model=str(hf.path),
         device="cpu",
         dtype="float32",
         block_size=BS,
         num_gpu_blocks=num_gpu_blocks,
+        num_workers=max(1, len(roles)),
+        roles=roles,
         block_manager_overrides=dict(overrides),
     )
     return LocalStack(cfg)
@@ -150,3 +155,38 @@ def test_an_aborted_search_leaves_no_block(hf: HFModel, steps: int) -> None:
         assert held(st) == (0, 0)
         assert out.finished and {c.finish_reason for c in out.completions} == {"abort"}
         assert engine.release_request("a") and not engine.scheduler.seqs
+
+
+@pytest.mark.parametrize(
+    ("config", "roles"),
+    [
+        (EngineConfig(overlap_block_manager=True), ()),
+        (EngineConfig(decode_steps=4), ()),
+        (EngineConfig(speculative=SpeculativeConfig()), ()),
+        (EngineConfig(defer_appends=False), ()),
+        (EngineConfig(max_batch_tokens=4), ()),  # a chunked prefill
+        (EngineConfig(), ("prefill", "decode")),  # the prefill pipeline
+    ],
+    ids=["overlap", "multi-step", "speculative", "no-deferred-appends", "chunked", "prefill-decode"],
+)
+def test_every_engine_mode_gives_the_same_beams(
+    hf: HFModel, config: EngineConfig, roles: tuple[str, ...]
+) -> None:
+    """Beams decode one step at a time whatever the engine may do for samples (no multi-step, no
+    speculation, no slot reserved or block granted ahead: the decision may fork them), beside a
+    plain request and a search of one token (decided from the prompt alone)."""
+    prompt = prompt_of(4, 11)
+    with stack(hf, num_gpu_blocks=64, roles=roles) as st:
+        engine = st.engine(config)
+        outs = engine.generate(
+            [
+                GenerationRequest("b", prompt, max_tokens=10, n=3, beam=BeamParams()),
+                GenerationRequest("s", prompt[:7], max_tokens=12),
+                GenerationRequest("one", prompt, max_tokens=1, n=3, beam=BeamParams()),
+            ]
+        )
+        engine.flush()
+        assert held(st) == (0, 0)
+    check(outs[0], hf.beam_search(prompt, 3, 10), [])
+    check(outs[2], hf.beam_search(prompt, 3, 1), [])
+    assert outs[1].completions[0].token_ids == hf.greedy(prompt[:7], 12)
