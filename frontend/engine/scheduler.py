@@ -502,8 +502,9 @@ class Scheduler:
         errors = {e.index - base: e for e in delta.errors if e.kind == "fork" and e.index >= base}
         victims = {p.seq_id for p in delta.preempted}
         refused: set[str] = set()
-        for j, (parent, child) in enumerate(plan.beam_forks):
-            self.beam_forks.remove((parent, child))
+        sent = {id(child) for _, child in plan.beam_forks}
+        self.beam_forks = [(p, c) for p, c in self.beam_forks if id(c) not in sent]
+        for j, (_, child) in enumerate(plan.beam_forks):
             err = errors.get(j)
             if err is not None:
                 log.info("beam_fork_refused", seq_id=child.seq_id, code=err.code, message=err.message)
