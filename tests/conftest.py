@@ -61,6 +61,7 @@ SLOW_MODULES = frozenset(
         "tests/frontend/serve/test_serve_errors.py",
         "tests/frontend/serve/test_serve_faults.py",
         "tests/frontend/serve/test_serve_sampling.py",
+        "tests/frontend/serve/test_speculative_real_model.py",
         "tests/frontend/engine/test_shared_block_manager.py",
         "tests/frontend/launch/test_up_supervision.py",
         "tests/frontend/engine/test_worker_faults.py",
