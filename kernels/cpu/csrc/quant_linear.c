@@ -354,6 +354,39 @@ static int q4_many_rows(int64_t m, int64_t panels, int64_t groups, const float *
  * once per call into floats (exact: 0..15), wq[(g * 32 + kk) * 16 + j], and tiles of Q4_WIDE_TILE
  * rows read them, each row's even and odd inputs summed apart as in q4_tile1 (4 accumulators a row,
  * 12 of AVX2's 16 registers), its y kept in memory between groups (stored and loaded exactly). */
+#if defined(__AVX512F__)
+/* The same per lane in 16-float vectors (a panel's 16 outputs in one): each lane's multiply-adds and
+ * q4_apply's steps are the 8-float code's, so the bits are too; 6 rows a tile in 32 registers. */
+#define Q4_WIDE_TILE 6
+static inline __attribute__((always_inline)) void q4_wide_tile(const int nr, int64_t groups, const float *x,
+                                                               int64_t x_stride, const float *xs, const float *wq,
+                                                               const float *sz, float *y, int64_t y_stride, int cols) {
+    const __m512 eight = _mm512_set1_ps(8.0f);
+    __m512 yv[Q4_WIDE_TILE];
+    for (int r = 0; r < nr; r++) yv[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const float *wg = wq + g * Q4_GROUP * Q4_PANEL;
+        __m512 a[Q4_WIDE_TILE], b[Q4_WIDE_TILE];
+        for (int r = 0; r < nr; r++) a[r] = b[r] = _mm512_setzero_ps();
+        for (int kk = 0; kk < Q4_GROUP; kk += 2) {
+            const __m512 w0 = _mm512_loadu_ps(wg + kk * Q4_PANEL), w1 = _mm512_loadu_ps(wg + (kk + 1) * Q4_PANEL);
+            for (int r = 0; r < nr; r++) {
+                const float *xr = x + r * x_stride + g * Q4_GROUP + kk;
+                a[r] = _mm512_fmadd_ps(w0, _mm512_set1_ps(xr[0]), a[r]);
+                b[r] = _mm512_fmadd_ps(w1, _mm512_set1_ps(xr[1]), b[r]);
+            }
+        }
+        const __m512 s = _mm512_loadu_ps(sz + g * Q4_SCALES), z = _mm512_loadu_ps(sz + g * Q4_SCALES + Q4_PANEL);
+        for (int r = 0; r < nr; r++) {
+            const __m512 xv = _mm512_set1_ps(xs[r * groups + g]);
+            const __m512 t = _mm512_fnmadd_ps(eight, xv, _mm512_add_ps(a[r], b[r]));
+            yv[r] = _mm512_fmadd_ps(s, t, yv[r]);
+            yv[r] = _mm512_fmadd_ps(z, xv, yv[r]);
+        }
+    }
+    for (int r = 0; r < nr; r++) _mm512_mask_storeu_ps(y + r * y_stride, (__mmask16)((1u << cols) - 1u), yv[r]);
+}
+#else
 #define Q4_WIDE_TILE 3
 static inline __attribute__((always_inline)) void q4_wide_tile(const int nr, int64_t groups, const float *x,
                                                                int64_t x_stride, const float *xs, const float *wq,
@@ -389,6 +422,7 @@ static inline __attribute__((always_inline)) void q4_wide_tile(const int nr, int
     }
     for (int r = 0; r < nr; r++) memcpy(y + r * y_stride, yb[r], (size_t)cols * sizeof(float));
 }
+#endif
 
 static int q4_rows_wide(int64_t m, int64_t n, int64_t groups, const float *x, int64_t x_stride, const float *xs,
                         const uint8_t *qweight, const float *qscale, float *y, int64_t y_stride, int num_threads) {
@@ -413,10 +447,16 @@ static int q4_rows_wide(int64_t m, int64_t n, int64_t groups, const float *x, in
             for (int64_t r = 0; r < m; r += Q4_WIDE_TILE) {
                 const float *xr = x + r * x_stride;
                 float *yr = y + r * y_stride + p * Q4_PANEL;
+                const float *xsr = xs + r * groups;
                 switch (m - r < Q4_WIDE_TILE ? m - r : Q4_WIDE_TILE) {
-                case 1: q4_wide_tile(1, groups, xr, x_stride, xs + r * groups, wq, sz, yr, y_stride, cols); break;
-                case 2: q4_wide_tile(2, groups, xr, x_stride, xs + r * groups, wq, sz, yr, y_stride, cols); break;
-                default: q4_wide_tile(Q4_WIDE_TILE, groups, xr, x_stride, xs + r * groups, wq, sz, yr, y_stride, cols); break;
+                case 1: q4_wide_tile(1, groups, xr, x_stride, xsr, wq, sz, yr, y_stride, cols); break;
+                case 2: q4_wide_tile(2, groups, xr, x_stride, xsr, wq, sz, yr, y_stride, cols); break;
+#if Q4_WIDE_TILE > 3
+                case 3: q4_wide_tile(3, groups, xr, x_stride, xsr, wq, sz, yr, y_stride, cols); break;
+                case 4: q4_wide_tile(4, groups, xr, x_stride, xsr, wq, sz, yr, y_stride, cols); break;
+                case 5: q4_wide_tile(5, groups, xr, x_stride, xsr, wq, sz, yr, y_stride, cols); break;
+#endif
+                default: q4_wide_tile(Q4_WIDE_TILE, groups, xr, x_stride, xsr, wq, sz, yr, y_stride, cols); break;
                 }
             }
         }
@@ -948,31 +988,53 @@ static int q8_many_rows(int64_t m, int64_t n, int64_t k, const float *x, int64_t
 
 #if Q_SIMD
 /* Many rows, each with q8_dot1's arithmetic (QUANT_ARITH_ROWS where the word products are not there):
- * each block of Q8_ROWS weight rows widened to fp32 once per call (as q8_many_rows does), then each
- * weight row meets tiles of 3 x rows, every row with q8_dot1's four accumulators and order. */
-static inline __attribute__((always_inline)) void q8_wide_dot(const int xr, int64_t k, const float *x,
-                                                              int64_t x_stride, const float *wf, const int8_t *w,
-                                                              float scale, float *y, int64_t y_stride) {
-    __m256 a0[3], a1[3], a2[3], a3[3];
-    for (int r = 0; r < xr; r++) a0[r] = a1[r] = a2[r] = a3[r] = _mm256_setzero_ps();
+ * each block of Q8_ROWS weight rows widened to fp32 once per call (as q8_many_rows does), then tiles
+ * of xr rows of x by wr of the block's rows (constants at each call site), each pair of rows with
+ * q8_dot1's four accumulators and order. q8_dot1's accumulators take their own x and weight vectors,
+ * so a tile shares loads only between its rows: 2 x 2 where the build has 32 vector registers
+ * (AVX-512), 1 x 2 where it has 16 (AVX2), every accumulator in a register of its own. */
+#if defined(__AVX512F__)
+#define Q8_WIDE_X 2
+#else
+#define Q8_WIDE_X 1
+#endif
+static inline __attribute__((always_inline)) void q8_wide_dot(const int xr, const int wr, int64_t k, const float *x,
+                                                              int64_t x_stride, const float *wf, int64_t wf_stride,
+                                                              const int8_t *w, int64_t w_stride, const float *scale,
+                                                              float *y, int64_t y_stride) {
+    __m256 a0[Q8_WIDE_X][2], a1[Q8_WIDE_X][2], a2[Q8_WIDE_X][2], a3[Q8_WIDE_X][2];
+    for (int r = 0; r < xr; r++)
+        for (int j = 0; j < wr; j++) a0[r][j] = a1[r][j] = a2[r][j] = a3[r][j] = _mm256_setzero_ps();
     int64_t kk = 0;
     for (; kk + 32 <= k; kk += 32) {
-        const __m256 w0 = _mm256_load_ps(wf + kk), w1 = _mm256_load_ps(wf + kk + 8);
-        const __m256 w2 = _mm256_load_ps(wf + kk + 16), w3 = _mm256_load_ps(wf + kk + 24);
+        __m256 w0[2], w1[2], w2[2], w3[2];
+        for (int j = 0; j < wr; j++) {
+            const float *wj = wf + j * wf_stride + kk;
+            w0[j] = _mm256_load_ps(wj), w1[j] = _mm256_load_ps(wj + 8);
+            w2[j] = _mm256_load_ps(wj + 16), w3[j] = _mm256_load_ps(wj + 24);
+        }
         for (int r = 0; r < xr; r++) {
             const float *xp = x + r * x_stride + kk;
-            a0[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xp), a0[r]);
-            a1[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xp + 8), a1[r]);
-            a2[r] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xp + 16), a2[r]);
-            a3[r] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xp + 24), a3[r]);
+            const __m256 x0 = _mm256_loadu_ps(xp), x1 = _mm256_loadu_ps(xp + 8);
+            const __m256 x2 = _mm256_loadu_ps(xp + 16), x3 = _mm256_loadu_ps(xp + 24);
+            for (int j = 0; j < wr; j++) {
+                a0[r][j] = _mm256_fmadd_ps(w0[j], x0, a0[r][j]);
+                a1[r][j] = _mm256_fmadd_ps(w1[j], x1, a1[r][j]);
+                a2[r][j] = _mm256_fmadd_ps(w2[j], x2, a2[r][j]);
+                a3[r][j] = _mm256_fmadd_ps(w3[j], x3, a3[r][j]);
+            }
         }
     }
     const int64_t k32 = kk;
     for (int r = 0; r < xr; r++) {
         const float *xp = x + r * x_stride;
-        for (kk = k32; kk + 8 <= k; kk += 8) a0[r] = _mm256_fmadd_ps(_mm256_load_ps(wf + kk), _mm256_loadu_ps(xp + kk), a0[r]);
-        const float s = hsum(_mm256_add_ps(_mm256_add_ps(a0[r], a1[r]), _mm256_add_ps(a2[r], a3[r])));
-        y[r * y_stride] = q8_dot_tail(kk, k, xp, w, s) * scale;
+        for (int j = 0; j < wr; j++) {
+            const float *wj = wf + j * wf_stride;
+            for (kk = k32; kk + 8 <= k; kk += 8)
+                a0[r][j] = _mm256_fmadd_ps(_mm256_load_ps(wj + kk), _mm256_loadu_ps(xp + kk), a0[r][j]);
+            const float s = hsum(_mm256_add_ps(_mm256_add_ps(a0[r][j], a1[r][j]), _mm256_add_ps(a2[r][j], a3[r][j])));
+            y[r * y_stride + j] = q8_dot_tail(kk, k, xp, w + j * w_stride, s) * scale[j];
+        }
     }
 }
 
@@ -996,15 +1058,21 @@ static int q8_rows_wide(int64_t m, int64_t n, int64_t k, const float *x, int64_t
                 for (; kk + 8 <= k; kk += 8) _mm256_store_ps(out + kk, q8_widen(wr + kk));
                 for (; kk < k; kk++) out[kk] = (float)wr[kk];
             }
-            for (int j = 0; j < rows; j++) {
-                const int8_t *wr = qweight + (n0 + j) * w_stride;
-                for (int64_t r = 0; r < m; r += 3) {
-                    float *yr = y + r * y_stride + n0 + j;
-                    switch (m - r < 3 ? m - r : 3) {
-                    case 1: q8_wide_dot(1, k, x + r * x_stride, x_stride, wf + j * k8, wr, scale[n0 + j], yr, y_stride); break;
-                    case 2: q8_wide_dot(2, k, x + r * x_stride, x_stride, wf + j * k8, wr, scale[n0 + j], yr, y_stride); break;
-                    default: q8_wide_dot(3, k, x + r * x_stride, x_stride, wf + j * k8, wr, scale[n0 + j], yr, y_stride); break;
-                    }
+            for (int64_t r = 0; r < m; r += Q8_WIDE_X) {
+                const float *xr = x + r * x_stride;
+                float *yr = y + r * y_stride + n0;
+                const int two_x = Q8_WIDE_X > 1 && r + 1 < m;
+                for (int j = 0; j < rows; j += 2) {
+                    const int8_t *wj = qweight + (n0 + j) * w_stride;
+                    const float *wfj = wf + j * k8;
+                    if (j + 1 < rows && two_x)
+                        q8_wide_dot(Q8_WIDE_X, 2, k, xr, x_stride, wfj, k8, wj, w_stride, scale + n0 + j, yr + j, y_stride);
+                    else if (j + 1 < rows)
+                        q8_wide_dot(1, 2, k, xr, x_stride, wfj, k8, wj, w_stride, scale + n0 + j, yr + j, y_stride);
+                    else if (two_x)
+                        q8_wide_dot(Q8_WIDE_X, 1, k, xr, x_stride, wfj, k8, wj, w_stride, scale + n0 + j, yr + j, y_stride);
+                    else
+                        q8_wide_dot(1, 1, k, xr, x_stride, wfj, k8, wj, w_stride, scale + n0 + j, yr + j, y_stride);
                 }
             }
         }
