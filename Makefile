@@ -45,24 +45,22 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-## Lint, then the whole test suite (also what CI runs), in two runs side by side:
-## - the `timed` modules (deadlines, keepalives, timed budgets: tests/conftest.py, TIMED_MODULES),
-##   serially in one process at normal priority;
-## - everything else (the fast tier and the slow modules that only check results: process stacks
-##   with generous timeouts, ahead-of-time compiles, bench scripts), a whole module per process over
-##   TEST_JOBS processes, longest modules first, at the lowest CPU priority (nice 19): it takes only
-##   the CPU the timed run leaves idle, so a timed test still has the machine when it needs it.
-## Its report is printed after the timed run's. The exit status is a failure if either failed.
+## Lint, then the whole test suite (also what CI runs): the fast tier spread over TEST_JOBS
+## processes (in-process tests only, so they share nothing but the CPUs), then the slow tier in two
+## runs: the slow modules that only check results (process stacks with generous timeouts, ahead-of-
+## time compiles, bench scripts) a whole module per process over TEST_JOBS processes, longest first
+## (tests/conftest.py, LONGEST_MODULES), then the
+## `timed` ones (deadlines, keepalives, timed budgets: tests/conftest.py, TIMED_MODULES) in one
+## process with nothing beside them. Every run runs even when an earlier one fails; the exit status
+## is a failure if any failed.
 TEST_JOBS ?= auto
 test: lint
 	$(BIN)/python tools/gen_protos.py --check
 	$(BIN)/python tools/gen_settings_doc.py --check
-	@log=$$(mktemp); \
-	nice -n 19 $(BIN)/python -m pytest -m "not timed" -n $(TEST_JOBS) --dist loadfile >"$$log" 2>&1 & pid=$$!; \
+	$(BIN)/python -m pytest -m "not slow" -n $(TEST_JOBS); fast=$$?; \
+	$(BIN)/python -m pytest -m "slow and not timed" -n $(TEST_JOBS) --dist loadfile; slow=$$?; \
 	$(BIN)/python -m pytest -m "slow and timed"; timed=$$?; \
-	wait $$pid; rest=$$?; \
-	echo "== the untimed modules (run beside the timed ones) =="; cat "$$log"; rm -f "$$log"; \
-	test $$timed -eq 0 -a $$rest -eq 0
+	test $$fast -eq 0 -a $$slow -eq 0 -a $$timed -eq 0
 
 ## The fast tier for the edit-test loop: no process stacks, no ahead-of-time compiles, no bench
 ## scripts (tests/conftest.py, SLOW_MODULES), no lint; a few minutes on 2 cores.
