@@ -11,6 +11,7 @@ from structlog.testing import capture_logs
 
 from pagedkv.block_manager_svc.server import BlockManagerServer, start_server
 from pagedkv.block_manager_svc.settings import BlockManagerSettings
+from pagedkv.logging_setup import configure_logging
 from pagedkv.v1 import block_manager_pb2 as pb
 from pagedkv.v1 import block_manager_pb2_grpc as pb_grpc
 
@@ -24,6 +25,9 @@ def running_until_done(running: BlockManagerServer) -> Iterator[None]:
 
 
 def test_rejections_are_logged_with_the_request_id() -> None:
+    # At info, as the suite starts: an in-process main (generate, demo) run earlier in this test
+    # process may have left the level at warning, which drops these events before any capture.
+    configure_logging("info", "console", cache=False)
     running = start_server(BlockManagerSettings(port=0, num_gpu_blocks=8))
     with capture_logs() as logs, running_until_done(running):
         with grpc.insecure_channel(f"127.0.0.1:{running.port}") as ch:
