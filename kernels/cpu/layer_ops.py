@@ -52,7 +52,7 @@ def _rows(name: str, t: torch.Tensor, width: int | None = None) -> None:
 
 @dataclass(slots=True, frozen=True)
 class LayerKernels:
-    """The three fused operations of ``csrc/layer_ops.c``, bound to the loaded library."""
+    """The fused operations of ``csrc/layer_ops.c``, bound to the loaded library."""
 
     lib: Any  # the ctypes library (kernels/cpu/native.py sets the functions' argument types)
 
@@ -89,6 +89,15 @@ class LayerKernels:
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` of fused ``[n, 2 * inter]`` rows (gate first), as ``[n, inter]``."""
+        return self._gated(self.lib.pagedkv_silu_mul_f32, gate_up)
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``gelu_tanh(gate) * up`` (torch's ``F.gelu(gate, approximate="tanh")``, Gemma 3's GeGLU) of
+        fused ``[n, 2 * inter]`` rows (gate first), as ``[n, inter]``."""
+        return self._gated(self.lib.pagedkv_gelu_tanh_mul_f32, gate_up)
+
+    @staticmethod
+    def _gated(fn: Any, gate_up: torch.Tensor) -> torch.Tensor:
         _rows("gate_up", gate_up)
         n, two_inter = gate_up.shape
         if two_inter % 2:
@@ -96,7 +105,7 @@ class LayerKernels:
         inter = two_inter // 2
         out = torch.empty((n, inter), dtype=torch.float32)
         if n:
-            self.lib.pagedkv_silu_mul_f32(
+            fn(
                 n,
                 inter,
                 gate_up.data_ptr(),
@@ -117,12 +126,17 @@ class LayerKernels:
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        q_norm: torch.Tensor | None = None,
+        k_norm: torch.Tensor | None = None,
+        eps: float = 0.0,
     ) -> torch.Tensor:
         """Rotary embedding (rotate-half) of the q and k heads of fused ``[n, (H + 2 * Hkv) * D]`` rows.
         Returns q ``[n, H, D]``; each token's rotated k and its v go straight to cache slot
         ``slot_mapping[i]`` (``-1`` skips the token) of one layer's caches ``[blocks, block_size, Hkv, D]``.
         ``cos``/``sin``: ``[n, D]`` per token. Slot values are the step's, validated once per step
-        (``kernels/step.py``); only their count and type are checked here."""
+        (``kernels/step.py``); only their count and type are checked here. ``q_norm`` / ``k_norm``
+        (``[D]`` fp32, each or both): every q / k head is RMS-normalised with that weight and ``eps``
+        before its rotation (Qwen3's and Gemma 3's per-head norm; Gemma passes ``1 + w``)."""
         _rows("qkv", qkv)
         _rows("cos", cos)
         _rows("sin", sin)
@@ -154,6 +168,17 @@ class LayerKernels:
             raise ValueError(
                 f"slot_mapping must be int64 CPU [{n}], got {slot_mapping.dtype} {tuple(slot_mapping.shape)}"
             )
+        for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
+            if w is not None and (
+                not w.is_cpu or w.dtype is not torch.float32 or w.shape != (d,) or w.stride(0) != 1
+            ):
+                raise ValueError(
+                    f"{name} must be a dense fp32 CPU tensor of shape ({d},), got {tuple(w.shape)}"
+                )
+        if (q_norm is not None or k_norm is not None) and d > cpu_native.MAX_GROUP_X_HEAD_DIM:
+            raise ValueError(
+                f"head_dim {d} is over {cpu_native.MAX_GROUP_X_HEAD_DIM} (a head is normed on stack)"
+            )
         slots = slot_mapping.contiguous()
         q = torch.empty((n, num_heads, d), dtype=torch.float32)
         if n:
@@ -175,6 +200,9 @@ class LayerKernels:
                 key_cache.stride(1),
                 key_cache.stride(2),
                 slots.data_ptr(),
+                q_norm.data_ptr() if q_norm is not None else None,
+                k_norm.data_ptr() if k_norm is not None else None,
+                eps,
                 torch.get_num_threads(),
             )
         return q

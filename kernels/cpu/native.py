@@ -3,9 +3,10 @@
 The kernels: paged decode attention (``csrc/paged_decode.c``, used by ``kernels/cpu/attention.py``) and the
 row-wise log-sum-exp of a step's logits (``csrc/logsumexp.c``, used by the worker's sampling for
 each token's log-probability); and the fused elementwise parts of a decoder layer
-(``csrc/layer_ops.c``: RMSNorm with the residual add, SiLU-and-multiply, rotary embedding with the
-KV write), wrapped by ``kernels/cpu/layer_ops.py``; and the fp32 linear layer over weights packed at
-load (``csrc/linear.c``), wrapped by ``kernels/cpu/linear.py``; and the quantized linear layer over
+(``csrc/layer_ops.c``: RMSNorm with the residual add, SiLU- and GELU-tanh-and-multiply, rotary
+embedding with the per-head q/k norm and the KV write), wrapped by ``kernels/cpu/layer_ops.py``; and
+the fp32 linear layer over weights packed at load (``csrc/linear.c``), wrapped by
+``kernels/cpu/linear.py``; and the quantized linear layer over
 int4 / int8 / K-quant weights (``csrc/quant_linear.c``), wrapped by ``kernels/cpu/quant_linear.py``;
 and a decode step's decoder layers chained in one call over those same kernels
 (``csrc/decode_layers.c``), set up by ``kernels/cpu/decode_layers.py``.
@@ -198,8 +199,10 @@ def _load() -> tuple[ctypes.CDLL, str]:
         # The fused layer operations (csrc/layer_ops.c, kernels/cpu/layer_ops.py).
         "pagedkv_rms_norm_f32": [i64, i64, ptr, i64, ptr, i64, ptr, ptr, i64, f32, cint],
         "pagedkv_silu_mul_f32": [i64, i64, ptr, i64, ptr, i64, cint],
+        "pagedkv_gelu_tanh_mul_f32": [i64, i64, ptr, i64, ptr, i64, cint],
+        # (..., slots, q_norm, k_norm, eps, num_threads): the norms NULL for none.
         "pagedkv_rope_store_f32": [i64, i64, i64, i64, ptr, i64, ptr, ptr, i64, ptr]
-        + [ptr, ptr, i64, i64, i64, i64, ptr, cint],
+        + [ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, f32, cint],
         # The packed-weight linear layer (csrc/linear.c, kernels/cpu/linear.py).
         "pagedkv_linear_pack_f32": [i64, i64, ptr, i64, ptr, cint],
         "pagedkv_linear_f32": [i64, i64, i64, ptr, i64, ptr, ptr, ptr, i64, cint],

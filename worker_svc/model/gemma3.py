@@ -13,6 +13,9 @@
 - Embeddings scaled by sqrt(hidden) (rounded to the weights' dtype, as transformers does); the
   output layer is the (tied) embedding.
 
+On CPU in fp32 the layers run the fused native kernels (RMSNorm, the per-head q/k norm with the
+rotary embedding and the K/V write, GELU-tanh-and-multiply: worker_svc/model/layer_ops.py).
+
 Refused, naming the field: another activation, attention or final logit soft-capping,
 bidirectional attention.
 """
@@ -181,14 +184,30 @@ class Gemma3Model(llama.LlamaModel):
             cos, sin = rope_local if window is not None else rope_global
             assert layer.q_norm is not None and layer.k_norm is not None
             qkv = layer.qkv(rms_norm(ops, x, layer.input_norm, eps, delta), pre)
-            q, k, v = layer_ops.split_qkv(qkv, h, hkv, d)
-            q = apply_rotary(rms_norm(TORCH_OPS, q, layer.q_norm, eps), cos, sin)
-            k = apply_rotary(rms_norm(TORCH_OPS, k, layer.k_norm, eps), cos, sin)
-            layer_step.write_kv_cache(k, v, key_cache, value_cache)
+            if x.dtype is torch.float32:  # the fused kernel on CPU (its torch path is this formula)
+                q = ops.rope_store(
+                    qkv,
+                    cos,
+                    sin,
+                    h,
+                    hkv,
+                    d,
+                    key_cache,
+                    value_cache,
+                    layer_step,
+                    layer.q_norm,
+                    layer.k_norm,
+                    eps,
+                )
+            else:
+                q, k, v = layer_ops.split_qkv(qkv, h, hkv, d)
+                q = apply_rotary(rms_norm(TORCH_OPS, q, layer.q_norm, eps), cos, sin)
+                k = apply_rotary(rms_norm(TORCH_OPS, k, layer.k_norm, eps), cos, sin)
+                layer_step.write_kv_cache(k, v, key_cache, value_cache)
             attn = layer_step.attention(q, key_cache, value_cache, sliding_window=window)
             attn = rms_norm(ops, layer.o(attn.reshape(n_tok, h * d), pre), layer.post_norm, eps)
-            gate, up = layer.gate_up(rms_norm(ops, x, pre_ffn, eps, attn), pre).chunk(2, dim=-1)
-            delta = rms_norm(ops, layer.down(F.gelu(gate, approximate="tanh") * up, pre), post_ffn, eps)
+            gate_up = layer.gate_up(rms_norm(ops, x, pre_ffn, eps, attn), pre)
+            delta = rms_norm(ops, layer.down(ops.gelu_tanh_mul(gate_up), pre), post_ffn, eps)
         if delta is not None:
             x.add_(delta)
         last = x.index_select(0, batch.logits_indices)

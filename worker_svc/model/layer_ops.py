@@ -1,6 +1,7 @@
-"""The elementwise parts of a decoder layer: RMSNorm (with the residual add), SiLU-and-multiply,
-and the rotary embedding with the KV write. One decision, made once per forward pass: fused native
-kernels (``kernels/cpu/layer_ops.py``) or the torch composition.
+"""The elementwise parts of a decoder layer: RMSNorm (with the residual add), SiLU- and
+GELU-tanh-and-multiply, and the rotary embedding (after the per-head q/k norm, where a model has
+one) with the KV write. One decision, made once per forward pass: fused native kernels
+(``kernels/cpu/layer_ops.py``) or the torch composition.
 
 Why a choice: on CPU in fp32, with the step's attention on the CPU backend and the native library
 loaded, the fused kernels do in one call what torch does in about 25 small operators a layer
@@ -56,6 +57,13 @@ class LayerOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``gelu_tanh(gate) * up`` of fused ``[n, 2 * inter]`` rows (Gemma 3's GeGLU)."""
+        if self.kernels is not None:
+            return self.kernels.gelu_tanh_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
     def rope_store(
         self,
         qkv: torch.Tensor,
@@ -67,13 +75,23 @@ class LayerOps:
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         step: PagedStep,
+        q_norm: torch.Tensor | None = None,
+        k_norm: torch.Tensor | None = None,
+        eps: float = 0.0,
     ) -> torch.Tensor:
-        """Rotated q ``[n, num_heads, head_dim]``; rotated k and v written to the step's cache slots."""
+        """Rotated q ``[n, num_heads, head_dim]``; rotated k and v written to the step's cache slots.
+        With ``q_norm`` and ``k_norm`` (Qwen3, Gemma 3 in fp32: Gemma passes ``1 + w``) each q and k
+        head is RMS-normalised first (``torch_rms_norm``'s formula)."""
         if self.kernels is not None and key_cache.dtype is qkv.dtype:  # an 8-bit cache quantizes below
             return self.kernels.rope_store(
-                qkv, cos, sin, num_heads, num_kv_heads, key_cache, value_cache, step.slot_mapping
-            )
+                qkv, cos, sin, num_heads, num_kv_heads, key_cache, value_cache, step.slot_mapping,
+                q_norm, k_norm, eps,
+            )  # fmt: skip
         q, k, v = split_qkv(qkv, num_heads, num_kv_heads, head_dim)
+        if q_norm is not None:
+            q = torch_rms_norm(q, q_norm, eps)
+        if k_norm is not None:
+            k = torch_rms_norm(k, k_norm, eps)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         step.write_kv_cache(k, v, key_cache, value_cache)
         return q

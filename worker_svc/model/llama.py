@@ -39,9 +39,8 @@ from pagedkv.kernels.quant_linear import QuantizedMatrix
 from pagedkv.worker_svc.model import layer_ops
 from pagedkv.worker_svc.model.batch import AttentionBatch
 from pagedkv.worker_svc.model.config import ModelConfig
-from pagedkv.worker_svc.model.layer_ops import torch_rms_norm
 from pagedkv.worker_svc.model.linear import Linear
-from pagedkv.worker_svc.model.rope import apply_rotary, cos_sin, inverse_frequencies
+from pagedkv.worker_svc.model.rope import cos_sin, inverse_frequencies
 
 
 @dataclass(slots=True)
@@ -326,13 +325,10 @@ class LlamaModel:
         for li, layer in enumerate(layers):
             key_cache, value_cache = kv_cache[li, 0], kv_cache[li, 1]
             qkv = layer.qkv(ops.rms_norm(x, layer.input_norm, eps, delta), pre)
-            if layer.q_norm is not None and layer.k_norm is not None:  # Qwen3: q/k norm before RoPE
-                q, k, v = layer_ops.split_qkv(qkv, h, hkv, d)
-                q = apply_rotary(torch_rms_norm(q, layer.q_norm, eps), cos, sin)
-                k = apply_rotary(torch_rms_norm(k, layer.k_norm, eps), cos, sin)
-                step.write_kv_cache(k, v, key_cache, value_cache)
-            else:
-                q = ops.rope_store(qkv, cos, sin, h, hkv, d, key_cache, value_cache, step)
+            # Qwen3: each q and k head RMS-normalised before the rotary embedding.
+            q = ops.rope_store(
+                qkv, cos, sin, h, hkv, d, key_cache, value_cache, step, layer.q_norm, layer.k_norm, eps
+            )
             attn = step.attention(q, key_cache, value_cache)
             hs = ops.rms_norm(x, layer.post_norm, eps, layer.o(attn.reshape(n_tok, h * d), pre))
             delta = layer.down(ops.silu_mul(layer.gate_up(hs, pre)), pre)

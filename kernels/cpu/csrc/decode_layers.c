@@ -27,7 +27,8 @@ void pagedkv_silu_mul_f32(int64_t n, int64_t inter, const float *gate_up, int64_
 void pagedkv_rope_store_f32(int64_t n, int64_t num_heads, int64_t num_kv_heads, int64_t D, const float *qkv,
                             int64_t qkv_stride, const float *cos, const float *sin, int64_t cs_stride, float *q,
                             float *key_cache, float *value_cache, int64_t block_size, int64_t c_block_stride,
-                            int64_t c_slot_stride, int64_t c_head_stride, const int64_t *slots, int num_threads);
+                            int64_t c_slot_stride, int64_t c_head_stride, const int64_t *slots,
+                            const float *q_norm, const float *k_norm, float eps, int num_threads);
 void pagedkv_linear_f32(int64_t m, int64_t n, int64_t k, const float *x, int64_t x_stride, const float *packed,
                         const float *bias, float *y, int64_t y_stride, int num_threads);
 int pagedkv_q4_linear(int64_t m, int64_t n, int64_t k, const float *x, int64_t x_stride, const uint8_t *qweight,
@@ -118,7 +119,7 @@ int pagedkv_decode_layers_f32(const ChainArgs *a, const LayerArgs *layers, float
         if ((rc = linear(&L->qkv, n, normed, qkv, nt)) != 0) break;
         pagedkv_rope_store_f32(n, a->num_heads, a->num_kv_heads, a->head_dim, qkv, qkv_w, a->cos, a->sin, a->cs_stride, q,
                                kc, vc, a->attn.block_size, a->attn.c_block_stride, a->attn.c_slot_stride,
-                               a->attn.c_head_stride, a->slots, nt);
+                               a->attn.c_head_stride, a->slots, NULL, NULL, a->eps, nt);
         if ((rc = pagedkv_decode_f32(&a->attn, q, kc, vc, a->block_tables, a->seq_lens, attn)) != 0) break;
         if ((rc = linear(&L->o, n, attn, o, nt)) != 0) break;
         pagedkv_rms_norm_f32(n, h, x, h, o, h, L->post_norm, normed, h, a->eps, nt);

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import pathlib
+
 import pytest
 import torch
 
@@ -57,6 +59,23 @@ def test_silu_mul(n: int, inter: int) -> None:
     torch.testing.assert_close(got, LayerOps(kernels=None).silu_mul(gate_up), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize(("n", "inter"), [(1, 8), (5, 1536), (64, 2816)])
+def test_gelu_tanh_mul(n: int, inter: int) -> None:
+    """``g * sigmoid(2u)``, u = sqrt(2 / pi) (g + 0.044715 g^3) (transformers' gelu_pytorch_tanh,
+    ``0.5 g (1 + tanh(u))``), within 5e-7 of float64 relative to each value given u's fp32 rounding
+    (which alone moves a value far in the negative tail by up to 2|u| ulp), both tails included;
+    torch's ``F.gelu(approximate="tanh")`` within its own cancellation for negative g."""
+    gate_up = torch.randn(n, 2 * inter, generator=_gen(n)) * 6
+    gate_up[0, :8] = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 40.0, -40.0, 3e3, -3e3])
+    got = KERNELS.gelu_tanh_mul(gate_up)
+    torch.testing.assert_close(got, LayerOps(kernels=None).gelu_tanh_mul(gate_up), rtol=1e-5, atol=1e-5)
+    g, up = gate_up.chunk(2, dim=-1)
+    u = 0.7978845608028654 * (g + 0.044715 * (g * g * g))  # in fp32, as the kernel rounds it
+    want = g.double() * torch.sigmoid(2 * u.double()) * up.double()
+    rel = (got.double() - want).abs() / want.abs()
+    assert float(rel[want.abs() > 1e-30].max()) < 5e-7
+
+
 def _rope_case(n: int, heads: int, kv_heads: int, d: int, seed: int):  # type: ignore[no-untyped-def]
     g = _gen(seed)
     qkv = torch.randn(n, (heads + 2 * kv_heads) * d, generator=g)
@@ -86,6 +105,46 @@ def test_rope_store_equals_rotary_then_cache_write(n: int, heads: int, kv_heads:
     untouched = torch.ones(blocks * bs, dtype=torch.bool)
     untouched[slots[keep]] = False
     assert flat_k[untouched].isnan().all() and flat_v[untouched].isnan().all()
+
+
+@pytest.mark.parametrize("norms", ["both", "q", "k"])
+@pytest.mark.parametrize(("n", "heads", "kv_heads", "d"), [(1, 4, 1, 256), (13, 8, 2, 128)])
+def test_rope_store_with_per_head_q_k_norms(n: int, heads: int, kv_heads: int, d: int, norms: str) -> None:
+    """Each q / k head RMS-normalised (``torch_rms_norm``, Qwen3's and Gemma 3's per-head norm) before
+    its rotation, within fp32 rounding of the norm's sum; a head without a weight as without norms."""
+    qkv, cos, sin, slots, blocks, bs = _rope_case(n, heads, kv_heads, d, seed=n + d)
+    qkv *= 4
+    g = _gen(d)
+    q_norm = 1 + 0.3 * torch.randn(d, generator=g) if norms != "k" else None
+    k_norm = 1 + 0.3 * torch.randn(d, generator=g) if norms != "q" else None
+    kc = torch.full((blocks, bs, kv_heads, d), float("nan"))
+    vc = torch.full((blocks, bs, kv_heads, d), float("nan"))
+    q = KERNELS.rope_store(qkv, cos, sin, heads, kv_heads, kc, vc, slots, q_norm, k_norm, 1e-6)
+
+    q_ref, k_ref, v_ref = split_qkv(qkv, heads, kv_heads, d)
+    if q_norm is not None:
+        q_ref = torch_rms_norm(q_ref, q_norm, 1e-6)
+    if k_norm is not None:
+        k_ref = torch_rms_norm(k_ref, k_norm, 1e-6)
+    tol = {"rtol": 2e-6, "atol": 2e-6}
+    torch.testing.assert_close(q, apply_rotary(q_ref, cos, sin), **tol)
+    torch.testing.assert_close(kc.view(-1, kv_heads, d)[slots], apply_rotary(k_ref, cos, sin), **tol)
+    assert torch.equal(vc.view(-1, kv_heads, d)[slots], v_ref)
+    if q_norm is None:  # no norm: the plain rotation, to the bit
+        assert torch.equal(q, apply_rotary(q_ref, cos, sin))
+    plain = LayerOps(kernels=None)  # the torch path of the same call
+    step = kernels.prepare_step(
+        torch.zeros((1, 2, blocks, bs, kv_heads, d)), heads, 1.0, slots, 0, decode=_one_token_each(n, bs)
+    )
+    kc2, vc2 = torch.full_like(kc, float("nan")), torch.full_like(vc, float("nan"))
+    q2 = plain.rope_store(qkv, cos, sin, heads, kv_heads, d, kc2, vc2, step, q_norm, k_norm, 1e-6)
+    torch.testing.assert_close(q, q2, **tol)
+    torch.testing.assert_close(kc.nan_to_num(), kc2.nan_to_num(), **tol)
+
+
+def _one_token_each(n: int, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode metadata of n one-token sequences (what prepare_step needs beside the slots)."""
+    return torch.zeros((n, 1), dtype=torch.int32), torch.ones(n, dtype=torch.int32)
 
 
 def test_rope_store_into_a_layer_of_the_all_layers_cache() -> None:
@@ -122,6 +181,10 @@ def test_bad_arguments_raise_and_write_nothing() -> None:
         KERNELS.rope_store(qkv, cos, sin, 4, 2, kc, vc, slots.to(torch.int32))
     with pytest.raises(ValueError, match="cos/sin"):
         KERNELS.rope_store(qkv, cos[:4], sin[:4], 4, 2, kc, vc, slots)
+    with pytest.raises(ValueError, match=r"k_norm must be a dense fp32 CPU tensor of shape \(64,\)"):
+        KERNELS.rope_store(qkv, cos, sin, 4, 2, kc, vc, slots, torch.ones(64), torch.ones(32), 1e-6)
+    with pytest.raises(ValueError, match="q_norm must be"):
+        KERNELS.rope_store(qkv, cos, sin, 4, 2, kc, vc, slots, torch.ones(64, dtype=torch.float64))
     assert not kc.any() and not vc.any()
 
 
@@ -149,6 +212,42 @@ def test_the_model_runs_fused_on_the_cpu_backend_with_the_torch_paths_logits(
         layers = runner.model.cfg.num_layers
         assert sorted(set(calls)) == ["rms_norm", "rope_store", "silu_mul"]
         assert calls.count("rope_store") == layers and calls.count("rms_norm") == 2 * layers + 1
+        monkeypatch.setattr(layer_ops, "choose", lambda x, step: LayerOps(kernels=None))
+        plain = runner.step(seqs).outputs
+    for f, p in zip(fused, plain, strict=True):
+        assert f.logits is not None and p.logits is not None
+        torch.testing.assert_close(f.logits, p.logits, rtol=1e-4, atol=1e-4)
+        assert f.token_id == p.token_id
+
+
+def test_gemma3_runs_fused_on_the_cpu_backend_with_the_torch_paths_logits(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Gemma 3's per-call path (a mixed prefill + decode step: not the decode chain) runs the fused
+    per-head q/k norm with the rotary embedding and GELU-tanh-and-multiply in every layer, and gives
+    the torch composition's logits to fp32 rounding."""
+    from tests.worker_svc.model.test_gemma3 import HF_LAYOUT, build_gemma3
+
+    hf = build_gemma3(tmp_path / "hf", seed=4, **HF_LAYOUT)
+    runner = make_runner(hf.path, num_gpu_blocks=32)
+    seqs = [
+        SequenceRequest("a", list(range(3, 22)), list(range(10)), 0, return_logits=True),
+        SequenceRequest("b", [7], list(range(10, 16)), 13, return_logits=True),
+    ]
+    calls: list[str] = []
+    for name in ("gelu_tanh_mul", "rope_store", "silu_mul"):
+        real = getattr(cpu_layer_ops.LayerKernels, name)
+
+        def spy(*a, _real=real, _name=name, **kw):  # type: ignore[no-untyped-def]
+            calls.append(_name)
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(cpu_layer_ops.LayerKernels, name, spy)
+    with kernels.use_backend("cpu"):
+        fused = runner.step(seqs).outputs
+        layers = runner.model.cfg.num_layers
+        assert calls.count("rope_store") == layers and calls.count("gelu_tanh_mul") == layers
+        assert "silu_mul" not in calls
         monkeypatch.setattr(layer_ops, "choose", lambda x, step: LayerOps(kernels=None))
         plain = runner.step(seqs).outputs
     for f, p in zip(fused, plain, strict=True):
