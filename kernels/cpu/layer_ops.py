@@ -92,7 +92,7 @@ class LayerKernels:
         return self._gated(self.lib.pagedkv_silu_mul_f32, gate_up)
 
     def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """``gelu_tanh(gate) * up`` (torch's ``F.gelu(gate, approximate="tanh")``, Gemma 3's GeGLU) of
+        """``gelu_tanh(gate) * up`` (torch's ``gelu`` with ``approximate="tanh"``, Gemma 3's GeGLU) of
         fused ``[n, 2 * inter]`` rows (gate first), as ``[n, inter]``."""
         return self._gated(self.lib.pagedkv_gelu_tanh_mul_f32, gate_up)
 

@@ -64,7 +64,7 @@ def test_gelu_tanh_mul(n: int, inter: int) -> None:
     """``g * sigmoid(2u)``, u = sqrt(2 / pi) (g + 0.044715 g^3) (transformers' gelu_pytorch_tanh,
     ``0.5 g (1 + tanh(u))``), within 5e-7 of float64 relative to each value given u's fp32 rounding
     (which alone moves a value far in the negative tail by up to 2|u| ulp), both tails included;
-    torch's ``F.gelu(approximate="tanh")`` within its own cancellation for negative g."""
+    torch's ``gelu`` with ``approximate="tanh"`` within its own cancellation for negative g."""
     gate_up = torch.randn(n, 2 * inter, generator=_gen(n)) * 6
     gate_up[0, :8] = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 40.0, -40.0, 3e3, -3e3])
     got = KERNELS.gelu_tanh_mul(gate_up)
