@@ -106,13 +106,7 @@ class PagedStep:
             )
         if self.decode is not None:
             d = self.decode
-            plan = d.plan
-            if sliding_window is not None:
-                if sliding_window not in d.window_plans:
-                    d.window_plans[sliding_window] = self.ops.plan_decode(
-                        d.block_tables, d.seq_lens, key_cache.shape[1], sliding_window=sliding_window
-                    )
-                plan = d.window_plans[sliding_window]
+            plan = self._decode_plan(d, key_cache.shape[1], sliding_window)
             self.ops.paged_decode_attention(
                 query[n:],
                 key_cache,
@@ -125,6 +119,26 @@ class PagedStep:
                 sliding_window=sliding_window,
             )
         return out
+
+    def decode_plan(self, block_size: int, sliding_window: int | None = None) -> object | None:
+        """The plan ``attention`` runs the decode rows with for a layer attending within
+        ``sliding_window`` (built by the first caller, as there; checked as there): for a caller
+        that runs the same kernel on the same tables, e.g. the native decode chain
+        (kernels/cpu/decode_layers.py). None without decode rows."""
+        if self.decode is None:
+            return None
+        if sliding_window is not None or self.sliding_window is not None:
+            sliding_window = self._window(sliding_window)
+        return self._decode_plan(self.decode, block_size, sliding_window)
+
+    def _decode_plan(self, d: _Decode, block_size: int, sliding_window: int | None) -> object | None:
+        if sliding_window is None:
+            return d.plan
+        if sliding_window not in d.window_plans:
+            d.window_plans[sliding_window] = self.ops.plan_decode(
+                d.block_tables, d.seq_lens, block_size, sliding_window=sliding_window
+            )
+        return d.window_plans[sliding_window]
 
     def _window(self, sliding_window: int | None) -> int | None:
         """A layer's window, checked, and within the one the step's tables were validated for."""

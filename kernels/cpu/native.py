@@ -220,6 +220,7 @@ def _load() -> tuple[ctypes.CDLL, str]:
         + [ptr, cint],
         # A decode step's decoder layers in one call (csrc/decode_layers.c, kernels/cpu/decode_layers.py).
         "pagedkv_decode_layers_f32": [ptr, ptr, ptr, ptr],
+        "pagedkv_decode_layers_sizes": [ptr],
         # Row-wise log-sum-exp, with each row's argmax when asked (csrc/logsumexp.c).
         "pagedkv_logsumexp_argmax_f32": [ptr, i64, i64, i64, ptr, ptr, cint],
         # A plain read of memory spans (csrc/read_spans.c, bench/decode_floor.py).

@@ -13,8 +13,11 @@
 - Embeddings scaled by sqrt(hidden) (rounded to the weights' dtype, as transformers does); the
   output layer is the (tied) embedding.
 
-On CPU in fp32 the layers run the fused native kernels (RMSNorm, the per-head q/k norm with the
-rotary embedding and the K/V write, GELU-tanh-and-multiply: worker_svc/model/layer_ops.py).
+On CPU in fp32 the per-call path runs the fused native kernels (RMSNorm, the per-head q/k norm with
+the rotary embedding and the K/V write, GELU-tanh-and-multiply: worker_svc/model/layer_ops.py), and
+a decode step whose layers all run native kernels goes through the native decode chain in one call
+(kernels/cpu/decode_layers.py: the same kernels on the same arguments in the same order, so the same
+bits), each layer with its window, rotary table and KV-cache group.
 
 Refused, naming the field: another activation, attention or final logit soft-capping,
 bidirectional attention.
@@ -22,11 +25,13 @@ bidirectional attention.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from pagedkv.kernels.cpu.decode_layers import LayerWeights
 from pagedkv.kernels.quant_linear import QuantizedMatrix
 from pagedkv.worker_svc.model import layer_ops, llama
 from pagedkv.worker_svc.model.batch import AttentionBatch
@@ -129,7 +134,6 @@ class Gemma3Model(llama.LlamaModel):
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
         super().__init__(cfg, weights)
-        self.chain_decode = False  # the native decode chain runs Llama's layer
         self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         local = cfg.rope_local or cfg.rope
         self.inv_freq_local = inverse_frequencies(local, cfg.head_dim).to(self.device)
@@ -153,6 +157,24 @@ class Gemma3Model(llama.LlamaModel):
                 )
             )
 
+    def _chain_key(self) -> list[Any]:
+        # Its MLP norms, and the layout: each layer's group and cache slot.
+        return [*super()._chain_key(), *(t for pair in self.ffn_norms for t in pair), self.kv_layout]
+
+    def _chain_layer(self, li: int, weights: LayerWeights) -> LayerWeights:
+        """Gemma's layer: four norms, GELU-tanh, the local rotary table and the window on window
+        layers, the layer's KV-cache group and slot."""
+        window, layout = self.windows[li], self.kv_layout
+        return dataclasses.replace(
+            weights,
+            ffn_norms=self.ffn_norms[li],
+            activation="gelu_tanh",
+            rope=1 if window is not None else 0,  # forward's ropes: global, local
+            window=window,
+            group=layout.layer_group[li] if layout is not None else 0,
+            cache_slot=layout.layer_slot[li] if layout is not None else li,
+        )
+
     def weight_tensors(self) -> list[torch.Tensor]:
         return [*super().weight_tensors(), *(t for pair in self.ffn_norms for t in pair)]
 
@@ -174,8 +196,12 @@ class Gemma3Model(llama.LlamaModel):
         x = x * self.embed_scale
         ops = layer_ops.choose(x, step)
         delta: torch.Tensor | None = None  # the last layer's MLP output, added by the next norm
+        layers = list(zip(self.layers, self.ffn_norms, strict=True))
+        chain = self.decode_chain() if ops.kernels is not None else None
+        if chain is not None and chain.takes(steps, x, kv_cache):
+            delta, layers = chain(x, [rope_global, rope_local], steps, kv_cache), []
         pre = batch.num_prefill_tokens  # prefill rows, then decode rows (linear.py's prefill_rows)
-        for li, (layer, (pre_ffn, post_ffn)) in enumerate(zip(self.layers, self.ffn_norms, strict=True)):
+        for li, (layer, (pre_ffn, post_ffn)) in enumerate(layers):
             slot, layer_step = li, step
             if layout is not None:
                 slot, layer_step = layout.layer_slot[li], steps[layout.layer_group[li]]

@@ -214,25 +214,44 @@ class LlamaModel:
 
     def decode_chain(self) -> DecodeChain | None:
         """The layers as one native decode call, built on first use and again whenever a layer's
-        projections were replaced (benchmarks and tests swap them); None when some layer does not
-        run native kernels or has q/k norms (Qwen3), or ``chain_decode`` is off."""
+        projections or norm weights (``_chain_key``) were replaced (benchmarks and tests swap them);
+        None when some layer does not run native kernels, or ``chain_decode`` is off."""
         if not self.chain_decode:
             return None
-        lins = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        key = self._chain_key()
         old = self._chain_for
-        if len(lins) != len(old) or any(a is not b for a, b in zip(lins, old, strict=True)):
-            self._chain_for, self._chain = lins, self._build_chain()
+        if len(key) != len(old) or any(a is not b for a, b in zip(key, old, strict=True)):
+            self._chain_for, self._chain = key, self._build_chain()
         return self._chain
+
+    def _chain_key(self) -> list[Any]:
+        """What the chain is built from, compared by identity: the layers' projections and norm
+        weights (the chain points into them)."""
+        return [
+            part
+            for layer in self.layers
+            for part in (layer.qkv, layer.o, layer.gate_up, layer.down, layer.input_norm, layer.post_norm)
+            + (layer.q_norm, layer.k_norm)
+        ]
+
+    def _chain_layer(self, li: int, weights: LayerWeights) -> LayerWeights:
+        """Layer ``li`` as the chain runs it: ``weights`` holds Llama's layer (its two norms, q/k
+        norms where the model has them, the four projections); a family that changes the layer
+        returns it changed."""
+        return weights
 
     def _build_chain(self) -> DecodeChain | None:
         cfg, layers = self.cfg, []
-        for layer in self.layers:
+        for li, layer in enumerate(self.layers):
             parts = [lin.native_projection() for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-            if layer.q_norm is not None or layer.k_norm is not None or any(p is None for p in parts):
+            if any(p is None for p in parts):
                 return None
             qkv, o, gate_up, down = parts
             assert qkv is not None and o is not None and gate_up is not None and down is not None
-            layers.append(LayerWeights(layer.input_norm, layer.post_norm, qkv, o, gate_up, down))
+            weights = LayerWeights(
+                layer.input_norm, layer.post_norm, qkv, o, gate_up, down, layer.q_norm, layer.k_norm
+            )
+            layers.append(self._chain_layer(li, weights))
         return DecodeChain.build(
             layers,
             cfg.num_heads,
@@ -319,8 +338,8 @@ class LlamaModel:
         delta: torch.Tensor | None = None
         chain = self.decode_chain() if ops.kernels is not None else None
         layers = self.layers
-        if chain is not None and chain.takes(step, x, kv_cache):
-            delta, layers = chain(x, cos, sin, step, kv_cache), []
+        if chain is not None and chain.takes([step], x, kv_cache):
+            delta, layers = chain(x, [(cos, sin)], [step], kv_cache), []
         pre = batch.num_prefill_tokens  # the rows before it are a prefill's, the rest decode rows
         for li, layer in enumerate(layers):
             key_cache, value_cache = kv_cache[li, 0], kv_cache[li, 1]

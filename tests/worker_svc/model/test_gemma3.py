@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -171,12 +172,19 @@ _GGUF_LAYER = {
 
 
 def write_gemma3_gguf(
-    hf: HFModel, path: pathlib.Path, qtype: str = "F32", scaling: float | None = None
+    hf: HFModel,
+    path: pathlib.Path,
+    qtype: str = "F32",
+    scaling: float | None = None,
+    qtype_of: Callable[[str], str] | None = None,
 ) -> None:
     """``hf``'s weights as llama.cpp's converter writes a gemma3 file: its names, every norm weight
     stored as ``1 + w``, no output layer (tied), no pattern or local rope base in the metadata
-    (llama.cpp fixes them: every 6th layer global, base 10,000), matrices as ``qtype``."""
+    (llama.cpp fixes them: every 6th layer global, base 10,000), matrices as ``qtype`` or as
+    ``qtype_of(HF name)`` when given (Q4_K / Q6_K rounded by tests/kernels/kquant_cases.py)."""
     import gguf
+
+    from tests.kernels import kquant_cases
 
     cfg: Any = hf.model.config  # type: ignore[attr-defined]
     w = gguf.GGUFWriter(str(path), "gemma3")
@@ -210,10 +218,14 @@ def write_gemma3_gguf(
             layer, _, key = name.removeprefix("model.layers.").partition(".")
             module, _, kind = key.rpartition(".")
             gguf_name = f"blk.{layer}.{_GGUF_LAYER[module]}.{kind}"
-        if arr.ndim == 1 or qtype == "F32":
+        kind = qtype_of(name) if qtype_of is not None and arr.ndim == 2 else qtype
+        if arr.ndim == 1 or kind == "F32":
             w.add_tensor(gguf_name, np.ascontiguousarray(arr, dtype=np.float32))
+        elif kind in kquant_cases.QUANTIZE:
+            q = gguf.GGMLQuantizationType[kind]
+            w.add_tensor(gguf_name, kquant_cases.quantize(arr, kind), raw_dtype=q)
         else:
-            q = gguf.GGMLQuantizationType[qtype]
+            q = gguf.GGMLQuantizationType[kind]
             w.add_tensor(gguf_name, gguf.quants.quantize(np.ascontiguousarray(arr), q), raw_dtype=q)
     w.write_header_to_file()
     w.write_kv_data_to_file()
