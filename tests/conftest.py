@@ -85,7 +85,7 @@ SLOW_MODULES = frozenset(
 
 
 # The slow modules that time something against a clock (deadlines, keepalives, lease TTLs, restart
-# budgets, fault schedules, spin and bench budgets, a rehearsal's section budgets): marked `timed`,
+# budgets, fault schedules, spin and bench budgets): marked `timed`,
 # `make test` runs them in one process with nothing beside them. The other slow modules only check
 # results (with generous ready/call timeouts), so `make test` runs them first, a whole module per
 # process over TEST_JOBS processes (`--dist loadfile`: a module's shared stack is started once). A
@@ -93,7 +93,6 @@ SLOW_MODULES = frozenset(
 TIMED_MODULES = frozenset(
     {
         "tests/bench/test_batch1_breakdown_smoke.py",
-        "tests/bench/test_gpu_check.py",
         "tests/bench/test_kernel_bench_budget.py",
         "tests/bench/test_serve_gray_faults.py",
         "tests/block_manager_svc/reliability/test_faults.py",
@@ -117,6 +116,8 @@ TIMED_MODULES = frozenset(
 # long module never starts last while the other processes have run out of work.
 LONGEST_MODULES = (
     "tests/kernels/test_compile_sm90.py",
+    "tests/bench/test_gpu_check.py",
+    "tests/frontend/serve/test_speculative_real_model.py",
     "tests/frontend/serve/test_gemma3_real_model.py",
     "tests/frontend/serve/test_real_model.py",
     "tests/frontend/serve/test_structured_output_real.py",
