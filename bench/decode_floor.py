@@ -72,7 +72,7 @@ def read_bandwidth(reps: int) -> float:
 def with_torch_ops(model: LlamaModel) -> LlamaModel:
     """A copy of a quantized ``model`` whose linear layers run PyTorch's int4 / int8 operators (the
     same integers; int4 also in torch's own layout, a private copy counted in no resident figure)."""
-    copy = object.__new__(LlamaModel)
+    copy = object.__new__(type(model))  # its family's forward (Gemma 3 is a subclass)
     for name in vars(model):
         setattr(copy, name, getattr(model, name))
 
@@ -94,7 +94,7 @@ def with_torch_ops(model: LlamaModel) -> LlamaModel:
 def per_call(model: LlamaModel) -> LlamaModel:
     """A copy of ``model`` (the same weights) whose decode steps call every kernel from Python, one
     call each, instead of running the layers in one native call (``LlamaModel.chain_decode``)."""
-    copy = object.__new__(LlamaModel)
+    copy = object.__new__(type(model))  # its family's forward (Gemma 3 is a subclass)
     for name in vars(model):
         setattr(copy, name, getattr(model, name))
     copy.chain_decode = False
