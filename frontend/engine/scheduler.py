@@ -25,7 +25,12 @@ from pagedkv.frontend.engine import output, policy
 from pagedkv.frontend.engine.beam_group import BeamGroup
 from pagedkv.frontend.engine.policy import Limits
 from pagedkv.frontend.engine.remote_table import BlockManagerPlan, RemoteTable, growth_blocks
-from pagedkv.frontend.engine.speculate import SpeculativeConfig, proposal_for, speculation_on
+from pagedkv.frontend.engine.speculate import (
+    SpeculativeConfig,
+    next_proposal_bound,
+    proposal_for,
+    speculation_on,
+)
 from pagedkv.frontend.engine.step_messages import (
     NOT_FOUND,
     RESOURCE_EXHAUSTED,
@@ -336,7 +341,7 @@ class Scheduler:
                 continue
             left = s.request.max_tokens - len(s.completion.token_ids)  # the pass draws one itself
             room = (s.blocks.held + spare) * bs - len(s.tokens)
-            proposal = proposal_for(cfg, s.tokens, min(left - 1, room))
+            proposal = proposal_for(cfg, s.tokens, min(left - 1, room), s.proposal_bound)
             if proposal:
                 s.tokens.extend(proposal)
                 s.proposed = len(proposal)
@@ -728,6 +733,10 @@ class Scheduler:
         st.spec_proposed += proposed
         st.spec_accepted += accepted
         st.spec_emitted += accepted + 1
+        cfg = self.speculative
+        if cfg is not None:
+            bound = cfg.num_speculative_tokens if s.proposal_bound is None else s.proposal_bound
+            s.proposal_bound = next_proposal_bound(bound, proposed, accepted, cfg.num_speculative_tokens)
         if s.running:
             self._owe_rollback(s, s.num_computed)
 

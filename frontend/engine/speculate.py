@@ -26,14 +26,15 @@ MAX_SPECULATIVE_TOKENS = MAX_DECODE_STEPS  # the worker's bound on num_proposed_
 
 @dataclass(slots=True, frozen=True)
 class SpeculativeConfig:
-    """How to speculate: `method` (only "ngram"), `num_speculative_tokens` (k, proposals per
-    verification pass), the n-gram sizes tried from `prompt_lookup_max` down to
-    `prompt_lookup_min`, and `max_num_seqs`: speculate only while at most this many sequences
+    """How to speculate: `method` (only "ngram"), `num_speculative_tokens` (k, the most tokens
+    proposed per verification pass; each sequence's own bound moves below it with what its
+    passes accept, `next_proposal_bound`), the n-gram sizes tried from `prompt_lookup_max` down
+    to `prompt_lookup_min`, and `max_num_seqs`: speculate only while at most this many sequences
     run (a larger batch makes plain decode compute-bound, where verifying rejected proposals
     costs more than the weight reads it saves)."""
 
     method: str = "ngram"
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int = 8
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     max_num_seqs: int = 4
@@ -87,10 +88,27 @@ def speculation_on(config: SpeculativeConfig | None, num_running: int) -> bool:
     return config is not None and 0 < num_running <= config.max_num_seqs
 
 
-def proposal_for(config: SpeculativeConfig, tokens: Sequence[int], room: int) -> list[int]:
+def next_proposal_bound(bound: int, proposed: int, accepted: int, most: int) -> int:
+    """A sequence's bound on its next proposal after a pass that verified `proposed` tokens
+    under `bound` and kept `accepted`: twice the bound (at most `most`) when every one was
+    kept, else one more than were kept.
+
+    Why: a verified position costs its row's arithmetic whether it is kept or not. Inside a
+    run the sequence copies (a long kept proposal), the next one is likely kept too, and a
+    longer pass spreads its fixed cost over more tokens; right after a rejection the copy has
+    likely ended or changed, and a long proposal would mostly be paid for and thrown away."""
+    if accepted >= proposed:
+        return min(most, 2 * bound)
+    return max(1, min(most, accepted + 1))
+
+
+def proposal_for(
+    config: SpeculativeConfig, tokens: Sequence[int], room: int, bound: int | None = None
+) -> list[int]:
     """A sequence's proposal for one verification pass: at most `room` tokens (what max_tokens
-    and the context length leave after the token the pass draws itself)."""
-    k = min(config.num_speculative_tokens, room)
+    and the context length leave after the token the pass draws itself) and at most `bound`
+    (the sequence's own, `next_proposal_bound`; None: `num_speculative_tokens`)."""
+    k = min(config.num_speculative_tokens if bound is None else bound, config.num_speculative_tokens, room)
     if k < 1:
         return []
     return propose_ngram(tokens, k, config.prompt_lookup_min, config.prompt_lookup_max)

@@ -323,6 +323,9 @@ class Seq:
     # Speculative decoding: how many of ``tokens``' last ones are proposals the next worker step
     # verifies (scheduler.py adds them before its Step and takes them off when the step is back).
     proposed: int = 0
+    # The most tokens its next proposal may hold (speculate.next_proposal_bound after each pass;
+    # None before the first: the configured num_speculative_tokens).
+    proposal_bound: int | None = None
     # A beam's own tokens so far (beam search): the request's completions are filled with the best
     # hypotheses when the search ends (frontend/engine/beam_group.py). None for a sample.
     own_completion: Completion | None = None

@@ -84,7 +84,9 @@ class ServeSettings(BaseSettings):
         _SPEC.num_speculative_tokens,
         ge=1,
         le=MAX_SPECULATIVE_TOKENS,
-        description="tokens proposed per verification pass (vLLM's num_speculative_tokens)",
+        description="the most tokens proposed per verification pass (vLLM's num_speculative_tokens); "
+        "after a pass that rejects one, a sequence proposes one more than it kept, and twice as many "
+        "again while every one is kept",
     )
     prompt_lookup_max: int = Field(
         _SPEC.prompt_lookup_max, ge=1, description="longest n-gram looked up (vLLM's prompt_lookup_max)"

@@ -8,6 +8,7 @@ from pagedkv.frontend.engine.speculate import (
     SpeculationStats,
     SpeculativeConfig,
     cut_at_rejected,
+    next_proposal_bound,
     proposal_for,
     propose_ngram,
     speculation_on,
@@ -50,6 +51,20 @@ def test_room_and_batch_size_bound_speculation() -> None:
     assert proposal_for(cfg, tokens, 0) == []
     assert speculation_on(cfg, 1) and speculation_on(cfg, 2)
     assert not speculation_on(cfg, 3) and not speculation_on(cfg, 0) and not speculation_on(None, 1)
+
+
+def test_a_sequences_bound_doubles_while_all_are_kept_and_falls_after_a_rejection() -> None:
+    assert next_proposal_bound(2, 2, 2, 8) == 4
+    assert next_proposal_bound(4, 3, 3, 8) == 8  # a short proposal all kept: the bound still grows
+    assert next_proposal_bound(8, 8, 8, 8) == 8  # never past num_speculative_tokens
+    assert next_proposal_bound(8, 8, 3, 8) == 4  # one more than were kept
+    assert next_proposal_bound(8, 8, 0, 8) == 1
+    assert next_proposal_bound(8, 5, 7, 4) == 4  # a lowered limit caps even a shrunk bound
+    cfg = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=2)
+    tokens = [1, 2, 3, 4, 5, 1, 2]
+    assert proposal_for(cfg, tokens, 10, bound=1) == [3]
+    assert proposal_for(cfg, tokens, 10, bound=6) == [3, 4, 5]  # the setting bounds the bound
+    assert proposal_for(cfg, tokens, 10, bound=None) == [3, 4, 5]
 
 
 def test_config_uses_vllm_names_and_checks_them() -> None:

@@ -61,6 +61,38 @@ def test_outputs_equal_plain_decoding(defer_appends: bool, num_requests: int) ->
     d.assert_nothing_held()
 
 
+def test_each_sequences_proposals_follow_its_own_bound() -> None:
+    """After a pass that rejected a proposal, the sequence's next proposal is at most one token
+    longer than what was kept; after one kept whole, it may be twice as long (up to the setting)."""
+    cfg = SpeculativeConfig(
+        num_speculative_tokens=8, prompt_lookup_max=3, prompt_lookup_min=2, max_num_seqs=8
+    )
+    d = driver(speculative=cfg, defer_appends=False)
+    d.add("r", prompt(4), max_tokens=80)
+    sid = d.scheduler.seq_id("r", 0)
+    bound, grew, shrank = None, 0, 0
+    while d.scheduler.has_work():
+        seq = d.scheduler.seqs[sid]
+        d.block_manager_step()
+        if seq.proposed:
+            assert seq.proposed <= (8 if bound is None else bound)
+        before = len(d.verified)
+        d.worker_step()
+        if len(d.verified) > before:
+            _, proposed, accepted = d.verified[-1]
+            prev = 8 if bound is None else bound
+            bound = seq.proposal_bound
+            if accepted == proposed:
+                assert bound == min(8, 2 * prev)
+                grew += bound > prev
+            else:
+                assert bound == accepted + 1
+                shrank += bound < prev
+    assert grew and shrank, "both rules must have run"
+    assert d.tokens("r") == expected(prompt(4), 80, model=copier)
+    d.assert_nothing_held()
+
+
 def test_proposals_appended_then_rolled_back_to_accepted_length() -> None:
     """Without deferred appends every verification's proposals go to the manager as slots with
     their ids; a pass that rejected some is followed by a Step whose rollback (applied first) keeps
