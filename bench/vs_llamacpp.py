@@ -218,8 +218,16 @@ def _wait_http(url: str, proc: subprocess.Popen[bytes], what: str, timeout_s: fl
     raise RuntimeError(f"{what} did not answer {url} within {timeout_s:.0f} s")
 
 
-def start_llama(binary: str, gguf: pathlib.Path, name: str, weights: str, args: argparse.Namespace) -> Server:
-    """``llama-server`` with one slot per request of the 32-in-flight pass (continuous batching)."""
+def start_llama(
+    binary: str,
+    gguf: pathlib.Path,
+    name: str,
+    weights: str,
+    args: argparse.Namespace,
+    extra: Sequence[str] = (),
+) -> Server:
+    """``llama-server`` with one slot per request of the 32-in-flight pass (continuous batching),
+    and ``extra`` flags after ours."""
     port = free_port()
     slots = args.concurrency
     # The longest request (320 + 200 prompt + 128 output) fits in 1,024; with --long-prompts, the
@@ -246,6 +254,7 @@ def start_llama(binary: str, gguf: pathlib.Path, name: str, weights: str, args: 
         "-ub",
         "512",
         "--no-webui",
+        *extra,
     ]
     log = open(args.log_dir / f"{name.replace(' ', '-')}.log", "wb")  # noqa: SIM115 - closed in stop()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
