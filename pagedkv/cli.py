@@ -63,6 +63,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command is None:
         sys.stderr.write(f"pagedkv: unknown command {args[0]!r}\n\n{_usage()}\n")
         return 2
+    from pagedkv import parent_watch
+
+    parent_watch.start_from_env()  # started by `pagedkv up`: stop if it dies without stopping us
     return int(_resolve(command[0])(args[1:]) or 0)
 
 

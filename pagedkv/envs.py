@@ -152,6 +152,13 @@ _VARS: tuple[EnvVar, ...] = (
         owner="OpenMP",
     ),
     EnvVar(
+        "PAGEDKV_LAUNCHER_PID",
+        "int",
+        "",
+        "set by `pagedkv up` (any launcher of local role processes) on each role it starts: the "
+        "role stops (as on SIGTERM) once that process is no longer its parent (pagedkv/parent_watch.py)",
+    ),
+    EnvVar(
         "OMP_WAIT_POLICY",
         "str",
         "",

@@ -34,7 +34,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pagedkv import settings_file
+from pagedkv import parent_watch, settings_file
 from pagedkv.cpu_list import format_cpus
 from pagedkv.cpu_runtime import preload_env
 from pagedkv.frontend.launch import up_settings
@@ -321,11 +321,16 @@ def wait_serving(
 
 def launch(svc: Service, env: dict[str, str], log_path: pathlib.Path | None = None) -> None:
     """Start ``svc``'s process (``svc.process``) in a session of its own, so that a Ctrl-C meant for
-    the starter is not also delivered to it; its output appended to ``log_path`` when given."""
+    the starter is not also delivered to it, and told to stop should this process die without
+    stopping it (pagedkv/parent_watch.py); its output appended to ``log_path`` when given."""
     out = open(log_path, "ab") if log_path is not None else None  # noqa: SIM115 - owned by the child
     try:
         svc.process = subprocess.Popen(
-            svc.args, env={**env, **svc.env}, stdout=out, stderr=out, start_new_session=True
+            svc.args,
+            env={**env, **svc.env, parent_watch.ENV: str(os.getpid())},  # it stops if we die
+            stdout=out,
+            stderr=out,
+            start_new_session=True,
         )
     finally:
         if out is not None:

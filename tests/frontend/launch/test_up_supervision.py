@@ -252,3 +252,35 @@ def test_supervise_reports_each_restart_once_the_service_is_back() -> None:
         if stack.svc.process is not None:
             stack.svc.process.kill()
             stack.svc.process.wait()
+
+
+def test_every_role_stops_when_up_itself_is_killed(tmp_path: pathlib.Path) -> None:
+    """SIGKILL to `up` (nothing of it runs to stop the stack): each role sees its launcher gone
+    (pagedkv/parent_watch.py) and stops as on SIGTERM, the HTTP front door included, and the cache
+    host's shared memory goes with it."""
+    bm, ch, w, http = free_ports(4)
+    up = UpProcess(
+        ["--block-manager-port", str(bm), "--cache-host-port", str(ch), "--worker-port", str(w),
+         "--serve-port", str(http), "--num-workers", "1", "--num-gpu-blocks", "64", "--device", "cpu",
+         "--log-dir", str(tmp_path / "logs")],
+        tmp_path,
+        ENV,
+    )  # fmt: skip
+    try:
+        ready = up.wait_ready(120)
+        prefix = f"pagedkv-up-{up.p.pid}"  # StackConfig.shm_prefix's default
+        pids = {s.name: s.pid for s in ready.services}
+        assert {"block-manager", "cache-host", "worker-0"} <= set(pids) and len(pids) >= 4, pids
+        assert any(p.name.startswith(prefix) for p in pathlib.Path("/dev/shm").iterdir())
+        up.p.send_signal(signal.SIGKILL)
+        up.p.wait()
+        deadline = time.monotonic() + 30
+        while any(pid_alive(p) for p in pids.values()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [n for n, p in pids.items() if pid_alive(p)], "roles outlived `up`"
+        assert not [p.name for p in pathlib.Path("/dev/shm").iterdir() if p.name.startswith(prefix)]
+    finally:
+        for p in (pids if "pids" in locals() else {}).values():
+            if pid_alive(p):
+                os.kill(p, signal.SIGKILL)
+        up.stop(10)
