@@ -18,7 +18,13 @@ over its plain one (the median of the per-round ratios), the acceptance rate and
 verification pass from the speculative stack's /metrics, and whether each pair's answers are
 equal (token ids for pagedkv, text for llama-server; greedy: they must be).
 
+With --in-flight 1,2,4,8: instead, the same requests (as many as the largest size, every
+workload's prompts in turn) in waves of that many at once, the default stack against one that
+speculates at every batch size: where speculation stops paying, the rule
+--speculative-max-num-seqs sets.
+
     python -m bench.speculative [--gguf FILE] [--runs 3] [--max-tokens 160] [--llama-server BIN]
+    python -m bench.speculative --in-flight 1,2,4,8 [--runs 3]
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 from bench import up_stack
 from bench.kv_dtype_bench import smollm2_gguf
@@ -123,12 +130,64 @@ def one_round(server: Server, max_tokens: int) -> dict[str, tuple[float, list[li
     return out
 
 
+def in_flight_rate(server: Server, n: int, total: int, max_tokens: int) -> float:
+    """Generated tokens per second of ``total`` requests (every workload's prompts in turn), sent in
+    waves of ``n`` at once: the same requests at every ``n``."""
+    prompts = [(endpoint, p) for _, endpoint, ps in WORKLOADS for p in ps]
+    requests = [prompts[i % len(prompts)] for i in range(total)]
+    tokens = 0
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(n) as pool:
+        for i in range(0, total, n):
+            done = pool.map(lambda r: ask(server.url, r[0], r[1], max_tokens), requests[i : i + n])
+            tokens += sum(count for _, count, _ in done)
+    return tokens / (time.perf_counter() - t0)
+
+
+def in_flight_table(gguf: pathlib.Path, args: argparse.Namespace, sizes: list[int]) -> None:
+    """Where speculation stops paying as the batch grows (the rule ``--speculative-max-num-seqs``
+    sets): the default stack against one that speculates at every batch size, rounds alternating."""
+    on = ("--speculative", "ngram", "--speculative-max-num-seqs", str(max(sizes)))
+    servers: list[Server] = []
+    try:
+        servers = [start_pagedkv(gguf, args), start_pagedkv(gguf, args, on)]
+        for s in servers:
+            ask(s.url, "chat", CHAT[0], 8)  # warm up
+        rates: dict[tuple[str, int], list[float]] = {}
+        for r in range(args.runs):
+            for n in sizes:
+                for s in servers if r % 2 == 0 else servers[::-1]:
+                    rate = in_flight_rate(s, n, max(sizes), args.max_tokens)
+                    rates.setdefault((s.name, n), []).append(rate)
+                    print(f"# round {r + 1} {n} in flight {s.name}: {rates[s.name, n][-1]:.1f} tok/s",
+                          file=sys.stderr, flush=True)  # fmt: skip
+    finally:
+        for s in servers:
+            s.stop()
+    plain, spec = (s.name for s in servers)
+    print(
+        f"{gguf.name}, {max(sizes)} requests (every workload's prompts in turn) in waves of n at once, "
+        f"greedy, {args.max_tokens} tokens an answer, median of {args.runs} rounds\n"
+    )
+    print(f"| in flight | {plain} tok/s | {spec} tok/s | speculative / plain |")
+    print("|---:|---:|---:|---:|")
+    for n in sizes:
+        a, b = rates[plain, n], rates[spec, n]
+        ratio = statistics.median(y / x for x, y in zip(a, b, strict=True))
+        print(f"| {n} | {statistics.median(a):.1f} | {statistics.median(b):.1f} | {ratio:.2f}x |")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gguf", help="the GGUF file (default: the packaged SmolLM2-135M-Instruct)")
     p.add_argument("--runs", type=int, default=3, help="rounds, each server in turn")
     p.add_argument("--max-tokens", type=int, default=160)
     p.add_argument("--llama-server", help="also llama-server, plain and with --spec-type ngram-simple")
+    p.add_argument(
+        "--in-flight",
+        metavar="N,N,...",
+        help="instead: these many requests at once, the default stack against one speculating at every size",
+    )
     args = p.parse_args(argv)
     gguf = pathlib.Path(args.gguf) if args.gguf else smollm2_gguf()
     if gguf is None or not gguf.is_file():
@@ -136,6 +195,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args.log_dir = pathlib.Path(tempfile.mkdtemp(prefix="pagedkv-speculative-"))
     args.concurrency, args.long_prompts, args.long_tokens = 1, [], 0
+    if args.in_flight:
+        in_flight_table(gguf, args, [int(n) for n in args.in_flight.split(",")])
+        return 0
     # llama-server computes on the cores the default plan computes on
     args.threads = up_stack.compute_threads(up_stack.up_options(str(gguf), []))
     binary = find_binary(args.llama_server, "llama-server") if args.llama_server else None

@@ -37,7 +37,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 8
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
-    max_num_seqs: int = 4
+    max_num_seqs: int = 2  # measured: bench.speculative --in-flight (docs/benchmarks.md)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
