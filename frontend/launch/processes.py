@@ -33,6 +33,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 from pagedkv import parent_watch, settings_file
 from pagedkv.cpu_list import format_cpus
@@ -524,6 +525,13 @@ def build_parser(show_all: bool = False) -> argparse.ArgumentParser:
 SERVE_FLAGS = up_settings.SERVE_FLAGS
 
 
+def refuse(message: str) -> NoReturn:
+    """A value ``up`` cannot take: the message on stderr, exit status 2, as argparse's own errors
+    and a bad settings file or variable (a mistake in what was asked, not a failure to run it)."""
+    print(f"pagedkv up: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
 def serve_args(args: argparse.Namespace) -> tuple[str, ...]:
     """The frontend group's flags that were given, as `pagedkv serve` flags (checked as serve would)."""
     given = {name: getattr(args, f"serve_{name}") for name in SERVE_FLAGS}
@@ -531,9 +539,9 @@ def serve_args(args: argparse.Namespace) -> tuple[str, ...]:
     try:
         ServeSettings.model_validate(given)
     except ValueError as e:
-        raise SystemExit(f"pagedkv up: {e}") from e
+        refuse(str(e))
     if given.get("api_key_file") and not pathlib.Path(given["api_key_file"]).is_file():
-        raise SystemExit(f"pagedkv up: --api-key-file {given['api_key_file']}: no such file")
+        refuse(f"--api-key-file {given['api_key_file']}: no such file")
     out: list[str] = []
     for name, value in given.items():
         out += ["--" + name.replace("_", "-"), str(value)]
@@ -553,7 +561,7 @@ def check_args(args: argparse.Namespace) -> None:
         try:
             settings_file.check(spec, value, strict=False)
         except ValueError as e:
-            raise SystemExit(f"pagedkv up: {flag(name)} {e}") from None
+            refuse(f"{flag(name)} {e}")
 
 
 def plan_from_args(args: argparse.Namespace, machine: Machine | None = None) -> Plan:
@@ -598,7 +606,7 @@ def options_from_args(args: argparse.Namespace, stack_plan: Plan | None = None) 
     try:
         worker_roles(roles, stack_plan.num_workers)
     except ValueError as e:
-        raise SystemExit(f"pagedkv up: {e}") from e
+        refuse(str(e))
     forwarded = serve_args(args)
     if args.serve_max_num_seqs is None:
         forwarded += ("--max-num-seqs", str(stack_plan.max_num_seqs))

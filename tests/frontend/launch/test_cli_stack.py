@@ -295,7 +295,9 @@ def test_up_refuses_a_kv_cache_dtype_it_does_not_know() -> None:
     assert "plan for" not in r.stdout
 
 
-def test_up_forwards_the_frontend_flags_to_serve(tmp_path: pathlib.Path) -> None:
+def test_up_forwards_the_frontend_flags_to_serve(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Served name, API key file, CORS origins and limits given to `pagedkv up` become the same
     `pagedkv serve` settings (parsed by serve's own loader); none given: serve's defaults."""
     from pagedkv.frontend.engine import EngineConfig
@@ -339,8 +341,10 @@ def test_up_forwards_the_frontend_flags_to_serve(tmp_path: pathlib.Path) -> None
         ["--decode-steps", "0"],
         ["--decode-steps", "65"],
     ):
-        with pytest.raises(SystemExit):
+        with pytest.raises(SystemExit) as e:
             options_from_args(build_parser().parse_args(bad))
+        assert e.value.code == 2, bad  # a bad value, as argparse's own errors and a bad file's
+        assert bad[0] in capsys.readouterr().err, bad
 
 
 def _cpus_allowed(pid: int) -> set[int]:
