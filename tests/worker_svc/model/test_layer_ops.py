@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import pathlib
+from typing import Any
 
 import pytest
 import torch
@@ -188,6 +189,32 @@ def test_bad_arguments_raise_and_write_nothing() -> None:
     assert not kc.any() and not vc.any()
 
 
+def _spy_on(monkeypatch: pytest.MonkeyPatch, names: tuple[str, ...]) -> list[str]:
+    """The names of the fused kernels called from now on, in call order."""
+    calls: list[str] = []
+    for name in names:
+        real = getattr(cpu_layer_ops.LayerKernels, name)
+
+        def spy(*a, _real=real, _name=name, **kw):  # type: ignore[no-untyped-def]
+            calls.append(_name)
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(cpu_layer_ops.LayerKernels, name, spy)
+    return calls
+
+
+def _assert_torch_path_agrees(
+    runner: Any, seqs: list[SequenceRequest], fused: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same step on the torch composition gives the fused step's logits to fp32 rounding."""
+    monkeypatch.setattr(layer_ops, "choose", lambda x, step: LayerOps(kernels=None))
+    plain = runner.step(seqs).outputs
+    for f, p in zip(fused, plain, strict=True):
+        assert f.logits is not None and p.logits is not None
+        torch.testing.assert_close(f.logits, p.logits, rtol=1e-4, atol=1e-4)
+        assert f.token_id == p.token_id
+
+
 def test_the_model_runs_fused_on_the_cpu_backend_with_the_torch_paths_logits(
     hf_llama: HFModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -198,26 +225,13 @@ def test_the_model_runs_fused_on_the_cpu_backend_with_the_torch_paths_logits(
         SequenceRequest("a", list(range(3, 40)), list(range(10)), 0, return_logits=True),
         SequenceRequest("b", [7], list(range(10, 16)), 20, return_logits=True),
     ]
-    calls: list[str] = []
-    for name in ("rms_norm", "silu_mul", "rope_store"):
-        real = getattr(cpu_layer_ops.LayerKernels, name)
-
-        def spy(*a, _real=real, _name=name, **kw):  # type: ignore[no-untyped-def]
-            calls.append(_name)
-            return _real(*a, **kw)
-
-        monkeypatch.setattr(cpu_layer_ops.LayerKernels, name, spy)
+    calls = _spy_on(monkeypatch, ("rms_norm", "silu_mul", "rope_store"))
     with kernels.use_backend("cpu"):
         fused = runner.step(seqs).outputs
         layers = runner.model.cfg.num_layers
         assert sorted(set(calls)) == ["rms_norm", "rope_store", "silu_mul"]
         assert calls.count("rope_store") == layers and calls.count("rms_norm") == 2 * layers + 1
-        monkeypatch.setattr(layer_ops, "choose", lambda x, step: LayerOps(kernels=None))
-        plain = runner.step(seqs).outputs
-    for f, p in zip(fused, plain, strict=True):
-        assert f.logits is not None and p.logits is not None
-        torch.testing.assert_close(f.logits, p.logits, rtol=1e-4, atol=1e-4)
-        assert f.token_id == p.token_id
+        _assert_torch_path_agrees(runner, seqs, fused, monkeypatch)
 
 
 def test_gemma3_runs_fused_on_the_cpu_backend_with_the_torch_paths_logits(
@@ -234,23 +248,10 @@ def test_gemma3_runs_fused_on_the_cpu_backend_with_the_torch_paths_logits(
         SequenceRequest("a", list(range(3, 22)), list(range(10)), 0, return_logits=True),
         SequenceRequest("b", [7], list(range(10, 16)), 13, return_logits=True),
     ]
-    calls: list[str] = []
-    for name in ("gelu_tanh_mul", "rope_store", "silu_mul"):
-        real = getattr(cpu_layer_ops.LayerKernels, name)
-
-        def spy(*a, _real=real, _name=name, **kw):  # type: ignore[no-untyped-def]
-            calls.append(_name)
-            return _real(*a, **kw)
-
-        monkeypatch.setattr(cpu_layer_ops.LayerKernels, name, spy)
+    calls = _spy_on(monkeypatch, ("gelu_tanh_mul", "rope_store", "silu_mul"))
     with kernels.use_backend("cpu"):
         fused = runner.step(seqs).outputs
         layers = runner.model.cfg.num_layers
         assert calls.count("rope_store") == layers and calls.count("gelu_tanh_mul") == layers
         assert "silu_mul" not in calls
-        monkeypatch.setattr(layer_ops, "choose", lambda x, step: LayerOps(kernels=None))
-        plain = runner.step(seqs).outputs
-    for f, p in zip(fused, plain, strict=True):
-        assert f.logits is not None and p.logits is not None
-        torch.testing.assert_close(f.logits, p.logits, rtol=1e-4, atol=1e-4)
-        assert f.token_id == p.token_id
+        _assert_torch_path_agrees(runner, seqs, fused, monkeypatch)
