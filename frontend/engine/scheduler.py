@@ -733,10 +733,9 @@ class Scheduler:
         st.spec_proposed += proposed
         st.spec_accepted += accepted
         st.spec_emitted += accepted + 1
-        cfg = self.speculative
-        if cfg is not None:
-            bound = cfg.num_speculative_tokens if s.proposal_bound is None else s.proposal_bound
-            s.proposal_bound = next_proposal_bound(bound, proposed, accepted, cfg.num_speculative_tokens)
+        if self.speculative is not None:
+            most = self.speculative.num_speculative_tokens
+            s.proposal_bound = next_proposal_bound(s.proposal_bound, proposed, accepted, most)
         if s.running:
             self._owe_rollback(s, s.num_computed)
 

@@ -88,17 +88,17 @@ def speculation_on(config: SpeculativeConfig | None, num_running: int) -> bool:
     return config is not None and 0 < num_running <= config.max_num_seqs
 
 
-def next_proposal_bound(bound: int, proposed: int, accepted: int, most: int) -> int:
+def next_proposal_bound(bound: int | None, proposed: int, accepted: int, most: int) -> int:
     """A sequence's bound on its next proposal after a pass that verified `proposed` tokens
-    under `bound` and kept `accepted`: twice the bound (at most `most`) when every one was
-    kept, else one more than were kept.
+    under `bound` (None: `most`, a sequence's first pass) and kept `accepted`: twice the bound
+    (at most `most`) when every one was kept, else one more than were kept.
 
     Why: a verified position costs its row's arithmetic whether it is kept or not. Inside a
     run the sequence copies (a long kept proposal), the next one is likely kept too, and a
     longer pass spreads its fixed cost over more tokens; right after a rejection the copy has
     likely ended or changed, and a long proposal would mostly be paid for and thrown away."""
     if accepted >= proposed:
-        return min(most, 2 * bound)
+        return min(most, 2 * (most if bound is None else bound))
     return max(1, min(most, accepted + 1))
 
 
@@ -108,7 +108,7 @@ def proposal_for(
     """A sequence's proposal for one verification pass: at most `room` tokens (what max_tokens
     and the context length leave after the token the pass draws itself) and at most `bound`
     (the sequence's own, `next_proposal_bound`; None: `num_speculative_tokens`)."""
-    k = min(config.num_speculative_tokens if bound is None else bound, config.num_speculative_tokens, room)
+    k = min(bound or config.num_speculative_tokens, config.num_speculative_tokens, room)
     if k < 1:
         return []
     return propose_ngram(tokens, k, config.prompt_lookup_min, config.prompt_lookup_max)

@@ -362,7 +362,6 @@ class DecodeChain:
         rc = self.lib.pagedkv_decode_layers_f32(
             ctypes.byref(args), self.layers, x.data_ptr(), delta.data_ptr()
         )
-        del keep
         if rc == -1:
             raise MemoryError("the decode chain could not allocate its scratch memory")
         if rc == -2:

@@ -60,6 +60,8 @@ def test_a_sequences_bound_doubles_while_all_are_kept_and_falls_after_a_rejectio
     assert next_proposal_bound(8, 8, 3, 8) == 4  # one more than were kept
     assert next_proposal_bound(8, 8, 0, 8) == 1
     assert next_proposal_bound(8, 5, 7, 4) == 4  # a lowered limit caps even a shrunk bound
+    assert next_proposal_bound(None, 3, 3, 8) == 8  # the first pass's bound is the setting
+    assert next_proposal_bound(None, 8, 2, 8) == 3
     cfg = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=2)
     tokens = [1, 2, 3, 4, 5, 1, 2]
     assert proposal_for(cfg, tokens, 10, bound=1) == [3]
