@@ -275,22 +275,9 @@ def start_llama(
         stop()
         raise
 
-    def send(r: Req) -> list[int]:
-        out = post_json(
-            url + "/completion",
-            {
-                "prompt": r.prompt,
-                "n_predict": r.max_tokens,
-                "temperature": 0,
-                "ignore_eos": True,
-                "return_tokens": True,
-                "cache_prompt": True,
-            },
-        )
-        return [int(t) for t in out["tokens"]]
-
-    def stream(r: Req) -> Stream:
-        body = {
+    def body(r: Req) -> dict[str, object]:
+        """Greedy, every answer max_tokens long, the prompt's KV kept in its slot for the next."""
+        return {
             "prompt": r.prompt,
             "n_predict": r.max_tokens,
             "temperature": 0,
@@ -298,7 +285,12 @@ def start_llama(
             "return_tokens": True,
             "cache_prompt": True,
         }
-        return timed_stream(url + "/completion", body, lambda o: o.get("tokens") or [], r.max_tokens)
+
+    def send(r: Req) -> list[int]:
+        return [int(t) for t in post_json(url + "/completion", body(r))["tokens"]]
+
+    def stream(r: Req) -> Stream:
+        return timed_stream(url + "/completion", body(r), lambda o: o.get("tokens") or [], r.max_tokens)
 
     return Server(name, weights, send, lambda: [proc.pid], stop, url=url, stream=stream)
 
