@@ -4,26 +4,32 @@ Two `pagedkv up --model FILE` stacks as a user starts them (bench/up_stack.py th
 bench/vs_llamacpp.py's start_pagedkv): the default one, and the default plus ``--speculative
 ngram``; with --llama-server, llama-server on the same file with its defaults and with its n-gram
 lookup (``--spec-type ngram-simple``). Every server is up for the whole run and the rounds
-alternate between them (this VM's speed drifts). Three workloads, greedy, every answer
---max-tokens long (``ignore_eos``), one request at a time:
+alternate between them (this VM's speed drifts). Greedy, one request at a time, every answer as
+long as the model makes it (its end of sequence, or the stop string a client sets on a completion
+that opens a fenced block), at most --max-tokens. Five workloads, two prompts each:
 
-- copy-heavy chat: a code file in a chat message and a request to repeat it with one name changed
-  (/v1/chat/completions); a model too small to follow the request copies little of it;
-- copy-heavy completion: the code file and the start of its copy (/v1/completions), where a small
-  model does copy;
+- code, chat: a code file in a chat message and a request to repeat it with one name changed
+  (/v1/chat/completions);
+- code, completion: the code file and the opening of its copy in a fenced block
+  (/v1/completions, ``stop`` at the fence);
+- passage, chat: a paragraph and a request to repeat it with one word or day changed;
+- passage, completion: the paragraph and the opening of its changed copy (``stop`` at the quotes);
 - open-ended chat: short questions with nothing to copy.
+
+A model too small to follow a request may copy less (or more) than asked: the answers are what the
+model wrote, the same on both sides of each pair (greedy), so both sides count the same tokens.
 
 Reports generated tokens per second of each (median of --runs rounds), the speculative server
 over its plain one (the median of the per-round ratios), the acceptance rate and tokens per
-verification pass from the speculative stack's /metrics, and whether each pair's answers are
-equal (token ids for pagedkv, text for llama-server; greedy: they must be).
+verification pass per workload from the speculative stack's /metrics counters, and whether each
+pair's answers are equal (token ids for pagedkv, text for llama-server; greedy: they must be).
 
 With --in-flight 1,2,4,8: instead, the same requests (as many as the largest size, every
 workload's prompts in turn) in waves of that many at once, the default stack against one that
 speculates at every batch size: where speculation stops paying, the rule
 --speculative-max-num-seqs sets.
 
-    python -m bench.speculative [--gguf FILE] [--runs 3] [--max-tokens 160] [--llama-server BIN]
+    python -m bench.speculative [--gguf FILE] [--runs 3] [--max-tokens 256] [--llama-server BIN]
     python -m bench.speculative --in-flight 1,2,4,8 [--runs 3]
 """
 
@@ -37,6 +43,7 @@ import tempfile
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from bench import up_stack
 from bench.kv_dtype_bench import smollm2_gguf
@@ -69,7 +76,34 @@ COPY_CHAT = [
 
 COPY_COMPLETION = [
     "```python\n" + CODE + "```\n\nThe same function, renamed to combine_ranges:\n\n```python\n",
-    CODE + "\n\n# The same function again:\n",
+    "```python\n" + CODE + "```\n\nThe same function again:\n\n```python\n",
+]
+
+LIGHTHOUSE = (
+    "The lighthouse stood on the northern cliff for two hundred years. Every night its keeper climbed "
+    "the spiral stairs, trimmed the wick and polished the great lens until it shone. Ships passing the "
+    "rocks below saw the beam sweep across the water and knew to steer east, away from the reef. When the "
+    "keeper grew old, his daughter took over the work, and she kept the light burning through the worst "
+    "storms the coast had ever seen."
+)
+MEETING = (
+    "Our team meets every Monday at nine to plan the week. Each person lists the tasks they finished, "
+    "the tasks they will start, and anything that blocks them. The notes go into the shared document, and "
+    "the team lead sends a summary to the whole department by noon. On Fridays we review what shipped and "
+    "move anything unfinished to the next week's list."
+)
+
+PASSAGE_CHAT = [
+    "Here is a paragraph:\n\n"
+    + LIGHTHOUSE
+    + "\n\nRepeat the paragraph word for word, but change 'daughter' to 'son'.",
+    "Rewrite this note exactly as it is, except that the meeting is on Tuesday instead of Monday:\n\n"
+    + MEETING,
+]
+
+PASSAGE_COMPLETION = [
+    'Text:\n"""\n' + LIGHTHOUSE + '\n"""\n\nThe same text with "northern" changed to "southern":\n"""\n',
+    'Note:\n"""\n' + MEETING + '\n"""\n\nThe same note, with the meeting on Tuesday:\n"""\n',
 ]
 
 CHAT = [
@@ -77,19 +111,41 @@ CHAT = [
     "What are some good habits for staying healthy while working from home?",
 ]
 
-# (workload, endpoint, prompts)
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    endpoint: str  # "chat" or "completions"
+    prompts: list[str]
+    stop: tuple[str, ...] = ()  # what a client sets on a completion that opens a fenced block
+
+
 WORKLOADS = [
-    ("copy-heavy chat", "chat", COPY_CHAT),
-    ("copy-heavy completion", "completions", COPY_COMPLETION),
-    ("open-ended chat", "chat", CHAT),
+    Workload("code, chat", "chat", COPY_CHAT),
+    Workload("code, completion", "completions", COPY_COMPLETION, ("```",)),
+    Workload("passage, chat", "chat", PASSAGE_CHAT),
+    Workload("passage, completion", "completions", PASSAGE_COMPLETION, ('"""',)),
+    Workload("open-ended chat", "chat", CHAT),
 ]
 
+# the speculative stack's /metrics counters, read around each workload
+COUNTERS = (
+    "pagedkv_spec_decode_num_drafts_total",
+    "pagedkv_spec_decode_num_draft_tokens_total",
+    "pagedkv_spec_decode_num_accepted_tokens_total",
+    "pagedkv_spec_decode_num_emitted_tokens_total",
+)
 
-def ask(url: str, endpoint: str, prompt: str, max_tokens: int) -> tuple[list[int] | str, int, float]:
-    """One greedy answer of exactly max_tokens tokens: (its token ids where the server returns
-    them, else its text; the generated token count from usage; seconds)."""
-    body: dict[str, object] = {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-    body["return_token_ids"] = True
+
+def ask(
+    url: str, endpoint: str, prompt: str, max_tokens: int, stop: tuple[str, ...] = ()
+) -> tuple[list[int] | str, int, float]:
+    """One greedy answer, ended where the model ends it (or at ``stop``), at most max_tokens: (its
+    token ids where the server returns them, else its text; the generated token count from usage;
+    seconds)."""
+    body: dict[str, object] = {"max_tokens": max_tokens, "temperature": 0, "return_token_ids": True}
+    if stop:
+        body["stop"] = list(stop)
     if endpoint == "chat":
         body["messages"] = [{"role": "user", "content": prompt}]
     else:
@@ -108,38 +164,57 @@ def ask(url: str, endpoint: str, prompt: str, max_tokens: int) -> tuple[list[int
     return answer, int(out["usage"]["completion_tokens"]), secs
 
 
-def metric(url: str, name: str) -> float:
+def counters(url: str) -> list[float]:
+    """The speculation counters (COUNTERS) from a pagedkv server's /metrics."""
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:  # noqa: S310 - loopback
-        for line in r.read().decode().splitlines():
-            if line.startswith(name + " ") or line.startswith(name + "{"):
-                return float(line.rsplit(" ", 1)[1])
-    return 0.0
+        lines = r.read().decode().splitlines()
+    values = dict.fromkeys(COUNTERS, 0.0)
+    for line in lines:
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in values:
+            values[name] = float(line.rsplit(" ", 1)[1])
+    return [values[n] for n in COUNTERS]
 
 
-def one_round(server: Server, max_tokens: int) -> dict[str, tuple[float, list[list[int] | str]]]:
-    """Each workload's generated tokens per second on one server, and its answers."""
+@dataclass
+class Result:
+    """One workload on one server in one round."""
+
+    rate: float  # generated tokens per second
+    tokens: int
+    answers: list[list[int] | str]
+    counted: list[float] | None = None  # the COUNTERS' increments (a speculating pagedkv server)
+
+
+def one_round(server: Server, max_tokens: int, count: bool) -> dict[str, Result]:
+    """Each workload's generated tokens per second on one server, its answers and (``count``) how
+    its speculation went."""
     out = {}
-    for name, endpoint, prompts in WORKLOADS:
+    for w in WORKLOADS:
+        before = counters(server.url) if count else None
         tokens, secs, answers = 0, 0.0, []
-        for p in prompts:
-            answer, n, s = ask(server.url, endpoint, p, max_tokens)
+        for p in w.prompts:
+            answer, n, s = ask(server.url, w.endpoint, p, max_tokens, w.stop)
             answers.append(answer)
             tokens += n
             secs += s
-        out[name] = (tokens / secs, answers)
+        counted = [b - a for a, b in zip(before, counters(server.url), strict=True)] if before else None
+        out[w.name] = Result(tokens / secs, tokens, answers, counted)
     return out
 
 
 def in_flight_rate(server: Server, n: int, total: int, max_tokens: int) -> float:
     """Generated tokens per second of ``total`` requests (every workload's prompts in turn), sent in
     waves of ``n`` at once: the same requests at every ``n``."""
-    prompts = [(endpoint, p) for _, endpoint, ps in WORKLOADS for p in ps]
+    prompts = [(w, p) for w in WORKLOADS for p in w.prompts]
     requests = [prompts[i % len(prompts)] for i in range(total)]
     tokens = 0
     t0 = time.perf_counter()
     with ThreadPoolExecutor(n) as pool:
         for i in range(0, total, n):
-            done = pool.map(lambda r: ask(server.url, r[0], r[1], max_tokens), requests[i : i + n])
+            done = pool.map(
+                lambda r: ask(server.url, r[0].endpoint, r[1], max_tokens, r[0].stop), requests[i : i + n]
+            )
             tokens += sum(count for _, count, _ in done)
     return tokens / (time.perf_counter() - t0)
 
@@ -167,7 +242,7 @@ def in_flight_table(gguf: pathlib.Path, args: argparse.Namespace, sizes: list[in
     plain, spec = (s.name for s in servers)
     print(
         f"{gguf.name}, {max(sizes)} requests (every workload's prompts in turn) in waves of n at once, "
-        f"greedy, {args.max_tokens} tokens an answer, median of {args.runs} rounds\n"
+        f"greedy, at most {args.max_tokens} tokens an answer, median of {args.runs} rounds\n"
     )
     print(f"| in flight | {plain} tok/s | {spec} tok/s | speculative / plain |")
     print("|---:|---:|---:|---:|")
@@ -181,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gguf", help="the GGUF file (default: the packaged SmolLM2-135M-Instruct)")
     p.add_argument("--runs", type=int, default=3, help="rounds, each server in turn")
-    p.add_argument("--max-tokens", type=int, default=160)
+    p.add_argument("--max-tokens", type=int, default=256, help="the most tokens an answer may have")
     p.add_argument("--llama-server", help="also llama-server, plain and with --spec-type ngram-simple")
     p.add_argument(
         "--in-flight",
@@ -219,43 +294,51 @@ def main(argv: list[str] | None = None) -> int:
         servers = [s for pair in pairs for s in pair]
         for s in servers:
             ask(s.url, "chat", CHAT[0], 8)  # warm up
-        runs: dict[str, list[dict[str, tuple[float, list[list[int] | str]]]]] = {s.name: [] for s in servers}
+        runs: dict[str, list[dict[str, Result]]] = {s.name: [] for s in servers}
+        speculating = pairs[0][1]
         for r in range(args.runs):
             for s in servers if r % 2 == 0 else servers[::-1]:
-                runs[s.name].append(one_round(s, args.max_tokens))
+                runs[s.name].append(one_round(s, args.max_tokens, s is speculating))
                 print(f"# round {r + 1} {s.name}: "
-                      + ", ".join(f"{w} {v[0]:.1f} tok/s" for w, v in runs[s.name][-1].items()),
+                      + ", ".join(f"{w} {v.rate:.1f} tok/s" for w, v in runs[s.name][-1].items()),
                       file=sys.stderr, flush=True)  # fmt: skip
-        spec_metrics = {
-            "acceptance": metric(pairs[0][1].url, "pagedkv_spec_decode_acceptance_rate"),
-            "tokens/pass": metric(pairs[0][1].url, "pagedkv_spec_decode_tokens_per_pass"),
-        }
     finally:
         for pair in pairs:
             for s in pair:
                 s.stop()
     print(
-        f"{gguf.name}, one request at a time, greedy, {args.max_tokens} tokens an answer, "
-        f"median of {args.runs} rounds\n"
+        f"{gguf.name}, one request at a time, greedy, answers ended by the model (or the workload's stop "
+        f"string), at most {args.max_tokens} tokens, median of {args.runs} rounds\n"
     )
-    print("| workload | server | plain tok/s | speculative tok/s | speculative / plain | answers equal |")
-    print("|---|---|---:|---:|---:|---|")
-    for name, _, _ in WORKLOADS:
+    print(
+        "| workload | server | tokens a round | plain tok/s | speculative tok/s | speculative / plain | "
+        "answers equal |"
+    )
+    print("|---|---|---:|---:|---:|---:|---|")
+    for w in WORKLOADS:
         for plain, spec in pairs:
-            a = [run[name][0] for run in runs[plain.name]]
-            b = [run[name][0] for run in runs[spec.name]]
+            a = [run[w.name].rate for run in runs[plain.name]]
+            b = [run[w.name].rate for run in runs[spec.name]]
             ratio = statistics.median(y / x for x, y in zip(a, b, strict=True))
             same = all(
-                pr[name][1] == sr[name][1] for pr, sr in zip(runs[plain.name], runs[spec.name], strict=True)
+                pr[w.name].answers == sr[w.name].answers
+                for pr, sr in zip(runs[plain.name], runs[spec.name], strict=True)
             )
             print(
-                f"| {name} | {plain.name} / {spec.name} | {statistics.median(a):.1f} | "
-                f"{statistics.median(b):.1f} | {ratio:.2f}x | {same} |"
+                f"| {w.name} | {plain.name} / {spec.name} | {runs[plain.name][0][w.name].tokens} | "
+                f"{statistics.median(a):.1f} | {statistics.median(b):.1f} | {ratio:.2f}x | {same} |"
             )
-    print(
-        f"\nacceptance rate {spec_metrics['acceptance']:.2f}, "
-        f"{spec_metrics['tokens/pass']:.2f} tokens per verification pass ({pairs[0][1].name}, all workloads)"
-    )
+    print(f"\n{speculating.name}, all rounds:\n")
+    print("| workload | verification passes | proposed tokens | accepted | acceptance rate | tokens a pass |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for w in WORKLOADS:
+        passes, proposed, accepted, emitted = (
+            sum(c)
+            for c in zip(*(run[w.name].counted or [0.0] * 4 for run in runs[speculating.name]), strict=True)
+        )
+        rate = accepted / proposed if proposed else 0.0
+        per_pass = emitted / passes if passes else 0.0
+        print(f"| {w.name} | {passes:.0f} | {proposed:.0f} | {accepted:.0f} | {rate:.2f} | {per_pass:.2f} |")
     return 0
 
 

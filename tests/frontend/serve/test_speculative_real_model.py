@@ -58,7 +58,7 @@ def ask(url: str, endpoint: str, prompt: str) -> list[int]:
     body: dict[str, Any] = {
         "max_tokens": MAX_TOKENS,
         "temperature": 0,
-        "ignore_eos": True,  # every answer MAX_TOKENS long, as bench.speculative asks
+        "ignore_eos": True,  # every answer MAX_TOKENS long: the most verification passes
         "return_token_ids": True,
     }
     if endpoint == "chat":
