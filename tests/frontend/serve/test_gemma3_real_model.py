@@ -25,6 +25,7 @@ import pytest
 from pagedkv.ports import free_ports
 from tests.frontend.up_process import UpProcess
 from tests.gemma3_file import gemma3_gguf
+from tests.gguf_once import one_gguf_parse_per_file
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 GGUF = gemma3_gguf()
@@ -64,10 +65,11 @@ class Oracle:
             from transformers import AutoModelForCausalLM, AutoTokenizer
 
             d, name = str(self.path.parent), self.path.name
-            tok = AutoTokenizer.from_pretrained(d, gguf_file=name, local_files_only=True)
-            model = AutoModelForCausalLM.from_pretrained(
-                d, gguf_file=name, dtype=torch.float32, attn_implementation="eager", local_files_only=True
-            ).eval()
+            with one_gguf_parse_per_file():  # the tokenizer, config and weights: one metadata parse
+                tok = AutoTokenizer.from_pretrained(d, gguf_file=name, local_files_only=True)
+                model = AutoModelForCausalLM.from_pretrained(
+                    d, gguf_file=name, dtype=torch.float32, attn_implementation="eager", local_files_only=True
+                ).eval()
             assert type(model).__name__ == "Gemma3ForCausalLM"
             for key, prompt in PROMPTS.items():
                 ids = tok.encode(prompt, add_special_tokens=True)

@@ -31,6 +31,7 @@ import pytest
 from pagedkv.ports import free_ports
 from tests.frontend.serve_fixtures import metric_samples
 from tests.frontend.up_process import UpProcess
+from tests.gguf_once import one_gguf_parse_per_file
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -73,10 +74,11 @@ class Oracle:
             from transformers import AutoModelForCausalLM, AutoTokenizer
 
             d, name = str(self.path.parent), self.path.name
-            tok = AutoTokenizer.from_pretrained(d, gguf_file=name, local_files_only=True)
-            model = AutoModelForCausalLM.from_pretrained(
-                d, gguf_file=name, dtype=torch.float32, local_files_only=True
-            ).eval()
+            with one_gguf_parse_per_file():  # the tokenizer, config and weights: one metadata parse
+                tok = AutoTokenizer.from_pretrained(d, gguf_file=name, local_files_only=True)
+                model = AutoModelForCausalLM.from_pretrained(
+                    d, gguf_file=name, dtype=torch.float32, local_files_only=True
+                ).eval()
 
             def greedy(ids: list[int], n: int) -> list[int]:
                 with torch.inference_mode():
