@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Iterator
 
 import pytest
@@ -43,18 +44,34 @@ def variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     return name
 
 
-@pytest.fixture(params=["avx512-words", "avx512-fp32", "avx2", "x86_64"])
+def tile_products(enable: bool | None = None) -> bool:
+    """Whether int4 products of a few rows and more under the word products take the AMX tiles
+    (csrc/quant_linear.c's pagedkv_quant_amx: on by default where the CPU and the OS have them);
+    ``enable`` turns them on or off for this process, None only asks."""
+    lib = cpu_native.library()
+    if lib is None:
+        return False
+    return bool(lib.pagedkv_quant_amx(ctypes.c_int(-1 if enable is None else int(enable))))
+
+
+@pytest.fixture(params=["avx512-words", "avx512-words-vnni", "avx512-fp32", "avx2", "x86_64"])
 def quant_variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """Each way this machine runs an int4 or int8 product of a few rows: the AVX-512 build's 16-bit
-    integer multiply-adds (where the CPU has VNNI and VBMI) and its fp32 code with them turned off,
-    the AVX2 build's fp32 code and the plain C loops; all on the same rounded x."""
+    integer products (where the CPU has VNNI and VBMI; int4's from 4 rows on the AMX tiles where it
+    has those too), the same with the tiles turned off (the VNNI row tiles), its fp32 code with the
+    integer products turned off, the AVX2 build's fp32 code and the plain C loops; all on the same
+    rounded x."""
     name = str(request.param)
     _load_variant(name.split("-")[0], monkeypatch)
-    if name == "avx512-words" and not cpu_quant_linear.word_products(True):
+    if name.startswith("avx512-words") and not cpu_quant_linear.word_products(True):
         pytest.skip("this CPU has no AVX-512 VNNI + VBMI")
+    if name == "avx512-words-vnni":
+        assert not tile_products(False)
     if name == "avx512-fp32":
         assert not cpu_quant_linear.word_products(False)
     if name in ("avx2", "x86_64"):
         assert not cpu_quant_linear.word_products()  # built without them
+        assert not tile_products()
     yield name
-    cpu_quant_linear.word_products(True)  # the default (the library stays loaded)
+    cpu_quant_linear.word_products(True)  # the defaults (the library stays loaded)
+    tile_products(True)

@@ -31,6 +31,10 @@
  * OpenMP over panels (int4) or 4-row blocks (int8), static, so each thread streams one contiguous
  * range. Arguments are checked by the Python wrapper before any pointer is used.
  *
+ * Where the CPU has AVX-512 VNNI + VBMI, int4 rows (and int8's under ROWS) multiply x rounded to 16
+ * bits as integers (the word products, below); from Q4_AMX_MIN_ROWS rows, where the CPU also has
+ * AMX-INT8, int4's integer sums come from the tile unit instead, the same integers (q4_amx_rows).
+ *
  * Which arithmetic a row gets (the last argument of the three products, QUANT_ARITH_*): the paths
  * above round their sums differently, so with the row count choosing the path (AUTO) a row's result
  * depends on how many rows share its call. ROWS gives every row the arithmetic it gets alone (the
@@ -634,6 +638,228 @@ static int q4_words_rows(int64_t m, int64_t n, int64_t groups, const float *x, i
 }
 #endif
 
+/* ---- int4 x 16-bit x on AMX tiles (a few rows and more, where the CPU has AMX-INT8) --------------
+ *
+ * The word products' integers, multiplied by the tile unit: per (panel, group) a block of int32
+ * sums over the group's 32 inputs, one row per row of x (up to Q4_AMX_ROWS rows a tile), one column
+ * per output of the panel. The tiles multiply bytes, so each rounded input q is split into
+ * q = 256 * hi + lo (hi signed, lo 0..255) and the sums come from two tile products:
+ * sum(w q) = 256 * sum(w hi) + sum(w lo), each part under 2^17, so both and their combination are
+ * exact int32 sums equal to q4_words_tile's (the order of an integer sum does not change it). The
+ * fp32 steps per row and group are q4_words_tile's, in its order, so every row gets the bits of its
+ * one-row call. Why: q4_words_tile spends 16 multiply-adds and a dozen other vector instructions
+ * per row, group and panel, so each extra row of a speculative verification cost most of a one-row
+ * step; the tile unit does a row's share of a group's products in a fraction of that, leaving the
+ * vector unit the unpacking of the weights (once per group for all rows) and each row's fp32 steps.
+ * Below Q4_AMX_MIN_ROWS rows the word products stay: the tile products and their stores cost about
+ * the same per group whatever the row count, more than the word products' few rows (one row, a
+ * plain decode step, is bound by the weights' bytes either way). The weights are unpacked per group
+ * into the tile layout (row i of 8 holds inputs 4i..4i+3 of each of the 16 outputs, 4 bytes an
+ * output) in a buffer the tile load reads back from L1. */
+#if defined(Q4_WORDS) && defined(__linux__) && defined(__x86_64__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define Q4_AMX 1
+#define Q4_AMX_TARGET __attribute__((target("avx512f,avx512bw,avx512vnni,avx512vbmi,amx-tile,amx-int8")))
+#define Q4_AMX_ROWS 16    /* x rows per tile product (the tiles' most) */
+#define Q4_AMX_MIN_ROWS 4 /* from this many rows the tiles multiply (fewer keep the word products) */
+#define Q4_AMX_BATCH 8    /* groups per pass of q4_amx_panel */
+
+/* Tile registers: 0 and 7 a group's unpacked weights, 1 and 2 the rows' high and low bytes of x,
+ * 3, 4 and 5, 6 their products with the weights. Written out with a memory clobber (the compiler must not move the
+ * buffers' stores and loads across them). */
+#define AMX_LOAD(t, base, stride) \
+    __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #t ::"r"(base), "r"((long)(stride)) : "memory")
+#define AMX_STORE(t, base, stride) \
+    __asm__ volatile("tilestored %%tmm" #t ", (%0,%1,1)" ::"r"(base), "r"((long)(stride)) : "memory")
+#define AMX_ZERO(t) __asm__ volatile("tilezero %%tmm" #t ::)
+#define AMX_DPBSUD(c, a, b) __asm__ volatile("tdpbsud %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::)
+#define AMX_DPBUUD(c, a, b) __asm__ volatile("tdpbuud %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::)
+
+static int q4_amx_state = -1; /* -1: not asked yet; 0 off; 1 on */
+
+/* AMX-TILE and AMX-INT8 in CPUID, the tile state enabled by the OS (XCR0 bits 17 and 18), and this
+ * process allowed to use it (Linux asks each process to request the tile data state once). */
+static int q4_amx_supported(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25))) return 0;
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return 0; /* OSXSAVE */
+    unsigned lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if ((lo & (3u << 17)) != (3u << 17)) return 0;
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+}
+
+/* The tiles for a block of `rows` rows of x (ldtilecfg's 64-byte layout, palette 1). */
+Q4_AMX_TARGET static void q4_amx_configure(int rows) {
+    _Alignas(64) uint8_t cfg[64];
+    memset(cfg, 0, sizeof cfg);
+    cfg[0] = 1;
+    const uint16_t colsb[8] = {64, Q4_GROUP, Q4_GROUP, 64, 64, 64, 64, 64};
+    const uint8_t r8 = (uint8_t)rows, trows[8] = {Q4_GROUP / 4, r8, r8, r8, r8, r8, r8, Q4_GROUP / 4};
+    for (int t = 0; t < 8; t++) {
+        memcpy(cfg + 16 + 2 * t, &colsb[t], 2);
+        cfg[48 + t] = trows[t];
+    }
+    __asm__ volatile("ldtilecfg (%0)" ::"r"(cfg) : "memory");
+}
+
+Q4_AMX_TARGET static void q4_amx_release(void) { __asm__ volatile("tilerelease" ::: "memory"); }
+
+/* Row r of x for the tiles: per group its rounded inputs' high bytes (signed) and low bytes, then
+ * per group d, the sum of its x^ and 8 times that (q4_words_prepare's values: the same rounding and
+ * the same integer sum; 8 * xsum is exact, as q4_words_tile's product of the two). */
+static void q4_amx_prepare(int64_t groups, const float *x, int8_t *xh, uint8_t *xl, float *d, float *xsum,
+                           float *xsum8) {
+    int16_t q[Q4_GROUP];
+    for (int64_t g = 0; g < groups; g++) {
+        d[g] = round_group(x + g * Q4_GROUP, Q4_GROUP, q);
+        int isum = 0;
+        for (int i = 0; i < Q4_GROUP; i++) {
+            isum += q[i];
+            xh[g * Q4_GROUP + i] = (int8_t)(q[i] >> 8);
+            xl[g * Q4_GROUP + i] = (uint8_t)(q[i] & 255);
+        }
+        xsum[g] = d[g] * (float)isum;
+        xsum8[g] = 8.0f * xsum[g];
+    }
+}
+
+/* `rows` (1..Q4_AMX_ROWS, the tiles configured for them) rows of x times one panel. xh, xl: the
+ * block's first row, rows k bytes apart; d, xs, xs8: its first row's, rows `groups` apart; tab: the
+ * two byte permutes that lay a 64-byte chunk's nibbles out as two rows of the weight tile.
+ * Q4_AMX_BATCH groups at a time in three passes (unpack the weights, the tile products, the fp32
+ * steps) rather than one group through all three: a tile load of bytes just stored, and a vector
+ * load of products just stored from a tile, wait for the stores to complete, and group by group
+ * those waits added up to more than all the arithmetic. Consecutive groups take alternate product
+ * tiles (3, 4 and 5, 6) and weight tiles (0 and 7), and a group's products are stored after the
+ * next group's are started, so the tile unit need not wait for one store before the next product. */
+Q4_AMX_TARGET static void q4_amx_panel(int rows, int64_t groups, const int8_t *xh, const uint8_t *xl,
+                                       const float *d, const float *xs, const float *xs8, const __m512i tab[2],
+                                       const uint8_t *w, const float *sz, float *y, int64_t y_stride, int cols) {
+    const int64_t k = groups * Q4_GROUP;
+    _Alignas(64) uint8_t wt[Q4_AMX_BATCH][Q4_GROUP / 4 * 64];             /* the groups' weight tiles */
+    _Alignas(64) int32_t prod[Q4_AMX_BATCH][2][Q4_AMX_ROWS][Q4_PANEL]; /* their products with x's bytes */
+    _Alignas(64) float acc[Q4_AMX_ROWS][Q4_PANEL];
+    const __m512i low = _mm512_set1_epi8(15);
+    for (int r = 0; r < rows; r++) _mm512_store_ps(acc[r], _mm512_setzero_ps());
+    for (int64_t g0 = 0; g0 < groups; g0 += Q4_AMX_BATCH) {
+        const int nb = (int)(groups - g0 < Q4_AMX_BATCH ? groups - g0 : Q4_AMX_BATCH);
+        for (int i = 0; i < nb; i++) {
+            const int64_t g = g0 + i;
+            q4_prefetch(w + g * Q4_CHUNK, sz + g * Q4_SCALES);
+            const uint8_t *c = w + g * Q4_CHUNK;
+            for (int b = 0; b < 4; b++) { /* inputs 8b..8b+7: tile rows 2b (the first 4) and 2b + 1 */
+                const __m512i v = _mm512_loadu_si512(c + 64 * b);
+                const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                _mm512_store_si512(wt[i] + 128 * b, _mm512_permutex2var_epi8(lo, tab[0], hi));
+                _mm512_store_si512(wt[i] + 128 * b + 64, _mm512_permutex2var_epi8(lo, tab[1], hi));
+            }
+        }
+        for (int i = 0; i < nb; i++) { /* group i's products, then group i - 1's stored */
+            const int64_t g = g0 + i;
+            AMX_LOAD(1, xh + g * Q4_GROUP, k);
+            AMX_LOAD(2, xl + g * Q4_GROUP, k);
+            if (i & 1) {
+                AMX_LOAD(7, wt[i], 64);
+                AMX_ZERO(5);
+                AMX_ZERO(6);
+                AMX_DPBSUD(5, 1, 7);
+                AMX_DPBUUD(6, 2, 7);
+                AMX_STORE(3, prod[i - 1][0], 64);
+                AMX_STORE(4, prod[i - 1][1], 64);
+            } else {
+                AMX_LOAD(0, wt[i], 64);
+                AMX_ZERO(3);
+                AMX_ZERO(4);
+                AMX_DPBSUD(3, 1, 0);
+                AMX_DPBUUD(4, 2, 0);
+                if (i) {
+                    AMX_STORE(5, prod[i - 1][0], 64);
+                    AMX_STORE(6, prod[i - 1][1], 64);
+                }
+            }
+        }
+        if (nb & 1) {
+            AMX_STORE(3, prod[nb - 1][0], 64);
+            AMX_STORE(4, prod[nb - 1][1], 64);
+        } else {
+            AMX_STORE(5, prod[nb - 1][0], 64);
+            AMX_STORE(6, prod[nb - 1][1], 64);
+        }
+        for (int i = 0; i < nb; i++) {
+            const int64_t g = g0 + i;
+            const __m512 s = _mm512_loadu_ps(sz + g * Q4_SCALES), z = _mm512_loadu_ps(sz + g * Q4_SCALES + Q4_PANEL);
+            for (int r = 0; r < rows; r++) {
+                const __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(prod[i][0][r]), 8),
+                                                      _mm512_load_si512(prod[i][1][r]));
+                const __m512 xsum = _mm512_set1_ps(xs[r * groups + g]);
+                const __m512 t = _mm512_fmsub_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(d[r * groups + g]),
+                                                 _mm512_set1_ps(xs8[r * groups + g]));
+                __m512 a = _mm512_load_ps(acc[r]);
+                a = _mm512_fmadd_ps(s, t, a);
+                a = _mm512_fmadd_ps(z, xsum, a);
+                _mm512_store_ps(acc[r], a);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        _mm512_mask_storeu_ps(y + r * y_stride, (__mmask16)((1u << cols) - 1u), _mm512_load_ps(acc[r]));
+}
+
+/* Any number of rows (from Q4_AMX_MIN_ROWS): x's rows prepared once (in parallel), then for each
+ * block of Q4_AMX_ROWS rows the panels shared out statically over the threads, each thread
+ * configuring its tiles for the block. */
+static int q4_amx_rows(int64_t m, int64_t n, int64_t groups, const float *x, int64_t x_stride,
+                       const uint8_t *qweight, const float *qscale, float *y, int64_t y_stride, int num_threads) {
+    const int64_t panels = (n + Q4_PANEL - 1) / Q4_PANEL, k = groups * Q4_GROUP;
+    const size_t xbytes = (size_t)((m * k + 63) / 64 * 64);
+    int8_t *xh = aligned_alloc(64, xbytes);
+    uint8_t *xl = aligned_alloc(64, xbytes);
+    float *f = malloc((size_t)(3 * m * groups) * sizeof(float));
+    if (!xh || !xl || !f) {
+        free(xh);
+        free(xl);
+        free(f);
+        return -1;
+    }
+    float *d = f, *xs = f + m * groups, *xs8 = f + 2 * m * groups;
+    /* vpermt2b's tables: tile row 2b + h, byte 4o + i (output o, input 4h + i of the chunk) <- chunk
+     * byte 8(4h + i) + (o mod 8), its low nibble (o < 8, from the first source) or high (the second) */
+    _Alignas(64) uint8_t order[2][64];
+    for (int h = 0; h < 2; h++)
+        for (int p = 0; p < 64; p++) {
+            const int o = p >> 2, i = p & 3;
+            order[h][p] = (uint8_t)((o >= 8 ? 64 : 0) + 8 * (4 * h + i) + (o & 7));
+        }
+    #pragma omp parallel num_threads(num_threads) if (m * n * k >= PARALLEL_MIN_MACS)
+    {
+        #pragma omp for schedule(static)
+        for (int64_t r = 0; r < m; r++)
+            q4_amx_prepare(groups, x + r * x_stride, xh + r * k, xl + r * k, d + r * groups, xs + r * groups,
+                           xs8 + r * groups);
+        const __m512i tab[2] = {_mm512_load_si512(order[0]), _mm512_load_si512(order[1])};
+        for (int64_t r0 = 0; r0 < m; r0 += Q4_AMX_ROWS) {
+            const int rows = (int)(m - r0 < Q4_AMX_ROWS ? m - r0 : Q4_AMX_ROWS);
+            q4_amx_configure(rows);
+            #pragma omp for schedule(static) nowait
+            for (int64_t p = 0; p < panels; p++) {
+                const int cols = (int)(n - p * Q4_PANEL < Q4_PANEL ? n - p * Q4_PANEL : Q4_PANEL);
+                q4_amx_panel(rows, groups, xh + r0 * k, xl + r0 * k, d + r0 * groups, xs + r0 * groups,
+                             xs8 + r0 * groups, tab, qweight + p * groups * Q4_CHUNK,
+                             qscale + p * groups * Q4_SCALES, y + r0 * y_stride + p * Q4_PANEL, y_stride, cols);
+            }
+        }
+        q4_amx_release();
+    }
+    free(xh);
+    free(xl);
+    free(f);
+    return 0;
+}
+#endif
+
 /* Whether one- to few-row int4 products and one-row int8 ones take the word multiply-adds: want 0
  * turns them off, 1 on where the CPU has them, -1 only asks. Returns the state after (0 or 1;
  * always 0 in a build without AVX-512). Tests and benchmarks compare the two paths in one process. */
@@ -641,6 +867,20 @@ int pagedkv_quant_words(int want) {
 #ifdef Q4_WORDS
     if (q4_words_state < 0 || want >= 0) q4_words_state = want != 0 && q4_words_supported();
     return q4_words_state;
+#else
+    (void)want;
+    return 0;
+#endif
+}
+
+/* Whether int4 products of Q4_AMX_MIN_ROWS or more rows that take the word products multiply on the
+ * AMX tiles: want 0 turns them off (the word products' own row tiles then), 1 on where the CPU and
+ * the OS have them, -1 only asks. Returns the state after (0 or 1; always 0 in a build without them).
+ * Tests compare the two paths in one process. */
+int pagedkv_quant_amx(int want) {
+#ifdef Q4_AMX
+    if (q4_amx_state < 0 || want >= 0) q4_amx_state = want != 0 && q4_amx_supported();
+    return q4_amx_state;
 #else
     (void)want;
     return 0;
@@ -655,8 +895,13 @@ int pagedkv_q4_linear(int64_t m, int64_t n, int64_t k, const float *x, int64_t x
     int64_t first = 0; /* panels done by q4_many_rows */
     const int many = arith == QUANT_ARITH_PANELS || (arith == QUANT_ARITH_AUTO && m >= Q4_DEQ_MIN_ROWS);
 #ifdef Q4_WORDS
-    if (!many && pagedkv_quant_words(-1))
+    if (!many && pagedkv_quant_words(-1)) {
+#ifdef Q4_AMX
+        if (m >= Q4_AMX_MIN_ROWS && pagedkv_quant_amx(-1))
+            return q4_amx_rows(m, n, groups, x, x_stride, qweight, qscale, y, y_stride, num_threads);
+#endif
         return q4_words_rows(m, n, groups, x, x_stride, qweight, qscale, y, y_stride, num_threads);
+    }
 #endif
     float *xh = malloc((size_t)(m * k > 0 ? m * k : 1) * sizeof(float)); /* x^ (see round_group) */
     float *xs = malloc((size_t)(m * groups > 0 ? m * groups : 1) * sizeof(float));

@@ -149,11 +149,16 @@ def test_a_rows_result_does_not_depend_on_its_batch(kind: str) -> None:
         assert ((cpu_quant_linear.matmul(m, x[:rows]).double()[:1] - alone).abs() <= tol).all()
 
 
-ARITH_ROW_COUNTS = (1, 2, 3, 4, 5, 7, 8, 9, 13, 64, 70)  # row tiles, their tails, past a block of 64
+# row tiles and their tails (the VNNI tiles of 4, the AMX tiles of up to 16 rows from 4), a
+# speculative verification's 9, past a tile of 16 and a block of 64
+ARITH_ROW_COUNTS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 13, 16, 17, 31, 64, 70)
 
 
 @pytest.mark.parametrize(
-    ("kind", "n", "k"), [("int4", 100, 576), ("int4", 40, 96), ("int8", 100, 576), ("int8", 7, 37)]
+    ("kind", "n", "k"),
+    # int4: 18 groups (the AMX path's passes of 8 groups and a tail of 2), 3 groups (one short
+    # pass), 10 groups over 4 panels the last of which holds 2 outputs
+    [("int4", 100, 576), ("int4", 40, 96), ("int4", 50, 320), ("int8", 100, 576), ("int8", 7, 37)],
 )
 @pytest.mark.parametrize("arith", [cpu_quant_linear.ARITH_ROWS, cpu_quant_linear.ARITH_PANELS])
 def test_rows_and_panels_give_a_row_the_same_bits_at_every_row_count(
