@@ -215,6 +215,7 @@ def _load() -> tuple[ctypes.CDLL, str]:
         "pagedkv_kq_rows": [i64, ptr, i64, ptr, ptr, i64, ptr, i64],
         "pagedkv_quant_linear_simd": [],
         "pagedkv_quant_words": [cint],
+        "pagedkv_quant_amx": [cint],
         # Quantize on write into an int8 cache (csrc/paged_decode.c).
         "pagedkv_write_kv_i8": [i64, i64, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, i64]
         + [ptr, cint],
@@ -237,6 +238,7 @@ def _load() -> tuple[ctypes.CDLL, str]:
             "pagedkv_kq_linear",
             "pagedkv_quant_linear_simd",
             "pagedkv_quant_words",
+            "pagedkv_quant_amx",
             "pagedkv_decode_layers_f32",
         )
     }

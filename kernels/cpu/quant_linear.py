@@ -92,6 +92,19 @@ def word_products(enable: bool | None = None) -> bool:
     return bool(lib.pagedkv_quant_words(-1 if enable is None else int(enable)))
 
 
+def tile_products(enable: bool | None = None) -> bool:
+    """Whether int4 products of 4 or more rows that take the word products (``ARITH_ROWS``: a
+    speculative verification's rows) get their integer sums from the AMX tiles (AMX-INT8, asked of
+    the CPU and the OS at run time; csrc/quant_linear.c): the same integers, so the same bits, at a
+    fraction of the vector instructions per row. On by default where the CPU and the OS have them;
+    ``enable`` turns them on or off for this process, None only asks. False without the native
+    library."""
+    lib = cpu_native.library()
+    if lib is None:
+        return False
+    return bool(lib.pagedkv_quant_amx(-1 if enable is None else int(enable)))
+
+
 def check_matrix(m: QuantizedMatrix) -> None:
     """Raise ValueError unless ``m``'s tensors are CPU, dense and shaped as its form says."""
     w, s, n = m.qweight, m.qscale, m.out_features

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Iterator
 
 import pytest
@@ -44,16 +43,6 @@ def variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     return name
 
 
-def tile_products(enable: bool | None = None) -> bool:
-    """Whether int4 products of a few rows and more under the word products take the AMX tiles
-    (csrc/quant_linear.c's pagedkv_quant_amx: on by default where the CPU and the OS have them);
-    ``enable`` turns them on or off for this process, None only asks."""
-    lib = cpu_native.library()
-    if lib is None:
-        return False
-    return bool(lib.pagedkv_quant_amx(ctypes.c_int(-1 if enable is None else int(enable))))
-
-
 @pytest.fixture(params=["avx512-words", "avx512-words-vnni", "avx512-fp32", "avx2", "x86_64"])
 def quant_variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """Each way this machine runs an int4 or int8 product of a few rows: the AVX-512 build's 16-bit
@@ -66,12 +55,12 @@ def quant_variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatc
     if name.startswith("avx512-words") and not cpu_quant_linear.word_products(True):
         pytest.skip("this CPU has no AVX-512 VNNI + VBMI")
     if name == "avx512-words-vnni":
-        assert not tile_products(False)
+        assert not cpu_quant_linear.tile_products(False)
     if name == "avx512-fp32":
         assert not cpu_quant_linear.word_products(False)
     if name in ("avx2", "x86_64"):
         assert not cpu_quant_linear.word_products()  # built without them
-        assert not tile_products()
+        assert not cpu_quant_linear.tile_products()
     yield name
     cpu_quant_linear.word_products(True)  # the defaults (the library stays loaded)
-    tile_products(True)
+    cpu_quant_linear.tile_products(True)
