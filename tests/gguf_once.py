@@ -1,7 +1,7 @@
 """transformers' GGUF loads in one block reading each file's metadata once.
 
-``AutoTokenizer.from_pretrained(..., gguf_file=)`` and ``AutoModelForCausalLM.from_pretrained(...,
-gguf_file=)`` each call ``load_gguf_checkpoint`` (the model twice: its config, then its weights),
+transformers' ``AutoTokenizer.from_pretrained`` and ``AutoModelForCausalLM.from_pretrained`` with
+``gguf_file=`` each call ``load_gguf_checkpoint`` (the model twice: its config, then its weights),
 and each call builds a new ``gguf.GGUFReader``, which parses every metadata field of the file part
 by part: for a vocabulary of 262,144 tokens (Gemma 3) that parse is most of what loading the
 tokenizer and the model costs. The reader is only read from (its fields, and its tensors, views of
@@ -22,7 +22,7 @@ _lock = threading.Lock()
 
 @contextlib.contextmanager
 def one_gguf_parse_per_file() -> Iterator[None]:
-    """Within the block, ``gguf.GGUFReader(path)`` returns one reader per (path, mode).
+    """Within the block, ``gguf.GGUFReader`` gives one reader per (path, mode).
 
     transformers imports ``GGUFReader`` from ``gguf`` inside ``load_gguf_checkpoint``, at each call,
     so replacing the module's attribute for the block reaches it. One block at a time (a lock): the
