@@ -26,6 +26,10 @@ threads). Then, in one process and alternating round by round (this VM's speed d
   the fp32 native kernel on the dense model's matrices, the native int4 kernel and PyTorch's int4
   operator on the file's int4 layers, the native int8 kernel and PyTorch's int8 operator on its
   int8 output layer, the native K-quant kernel on its Q4_K / Q6_K matrices (all Q4_K_M's).
+  The native int4 and int8 kernels run twice more where the CPU has the 16-bit integer products:
+  with every row as it would be alone (``ARITH_ROWS``: a decode step's rows, a speculative
+  verification's positions), and, where the CPU also has AMX-INT8, the same with the AMX tiles
+  turned off (``cpu_quant_linear.tile_products``): what a verification's extra rows cost.
   GB/s = the matrices' resident bytes / the pass.
 
     python -m bench.decode_floor --model FILE.gguf [--forms dense file] [--threads 2] [--rows 1 8 64]
@@ -37,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -171,12 +176,17 @@ class LinearPass:
     nbytes: int
     calls: list[tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]]
     times: list[float] = field(default_factory=list)
+    tiles: bool = True  # the AMX tiles on (where the CPU has them) while this pass runs
 
     def run(self) -> None:
-        t0 = time.perf_counter()
-        for fn, x in self.calls:
-            fn(x)
-        self.times.append(time.perf_counter() - t0)
+        cpu_quant_linear.tile_products(self.tiles)
+        try:
+            t0 = time.perf_counter()
+            for fn, x in self.calls:
+                fn(x)
+            self.times.append(time.perf_counter() - t0)
+        finally:
+            cpu_quant_linear.tile_products(True)
 
 
 def linears(model: LlamaModel) -> list[Linear]:
@@ -220,6 +230,13 @@ def linear_passes(dense: LlamaModel | None, quant: LlamaModel | None, rows: int)
             what = f"{len(ms)} matrices"
             native = [cpu_quant_linear.prepare(m) for m in ms]
             passes.append(LinearPass(f"native {kind} ({what})", nbytes, list(zip(native, xs, strict=True))))
+            if kind != "kquant" and cpu_quant_linear.word_products():
+                alone = [functools.partial(fn, arith=cpu_quant_linear.ARITH_ROWS) for fn in native]
+                calls = list(zip(alone, xs, strict=True))
+                passes.append(LinearPass(f"native {kind}, rows as alone ({what})", nbytes, calls))
+                if kind == "int4" and cpu_quant_linear.tile_products():
+                    label = f"native {kind}, rows as alone, AMX tiles off ({what})"
+                    passes.append(LinearPass(label, nbytes, calls, tiles=False))
             if kind == "kquant":
                 continue
             ops = [QuantizedLinear.build(m, "torch") for m in ms]
