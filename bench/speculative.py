@@ -24,9 +24,10 @@ over its plain one (the median of the per-round ratios), the acceptance rate and
 verification pass per workload from the speculative stack's /metrics counters, and whether each
 pair's answers are equal (token ids for pagedkv, text for llama-server; greedy: they must be).
 
-With --in-flight 1,2,4,8: instead, the same requests (as many as the largest size, every
-workload's prompts in turn) in waves of that many at once, the default stack against one that
-speculates at every batch size: where speculation stops paying, the rule
+With --in-flight 1,2,4,8: instead, the default stack against one that speculates at every batch
+size, on two mixes of as many requests as the largest size, sent in waves of n at once: the
+copy-heavy workloads' prompts in turn, and the open-ended chat prompts in turn (where speculation
+gains least). Where speculation stops paying on the open-ended mix is the rule
 --speculative-max-num-seqs sets.
 
     python -m bench.speculative [--gguf FILE] [--runs 3] [--max-tokens 256] [--llama-server BIN]
@@ -203,18 +204,24 @@ def one_round(server: Server, max_tokens: int, count: bool) -> dict[str, Result]
     return out
 
 
-def in_flight_rate(server: Server, n: int, total: int, max_tokens: int) -> float:
-    """Generated tokens per second of ``total`` requests (every workload's prompts in turn), sent in
+# --in-flight's two mixes: (name, the workloads whose prompts it sends in turn)
+MIXES = [
+    ("copy-heavy", [w for w in WORKLOADS if w.name != "open-ended chat"]),
+    ("open-ended", [w for w in WORKLOADS if w.name == "open-ended chat"]),
+]
+
+
+def in_flight_rate(server: Server, n: int, total: int, workloads: list[Workload], max_tokens: int) -> float:
+    """Generated tokens per second of ``total`` requests (the workloads' prompts in turn), sent in
     waves of ``n`` at once: the same requests at every ``n``."""
-    prompts = [(w, p) for w in WORKLOADS for p in w.prompts]
+    prompts = [(w, p) for w in workloads for p in w.prompts]
     requests = [prompts[i % len(prompts)] for i in range(total)]
     tokens = 0
     t0 = time.perf_counter()
     with ThreadPoolExecutor(n) as pool:
         for i in range(0, total, n):
-            done = pool.map(
-                lambda r: ask(server.url, r[0].endpoint, r[1], max_tokens, r[0].stop), requests[i : i + n]
-            )
+            wave = requests[i : i + n]
+            done = pool.map(lambda r: ask(server.url, r[0].endpoint, r[1], max_tokens, r[0].stop), wave)
             tokens += sum(count for _, count, _ in done)
     return tokens / (time.perf_counter() - t0)
 
@@ -228,28 +235,31 @@ def in_flight_table(gguf: pathlib.Path, args: argparse.Namespace, sizes: list[in
         servers = [start_pagedkv(gguf, args), start_pagedkv(gguf, args, on)]
         for s in servers:
             ask(s.url, "chat", CHAT[0], 8)  # warm up
-        rates: dict[tuple[str, int], list[float]] = {}
+        rates: dict[tuple[str, str, int], list[float]] = {}
         for r in range(args.runs):
             for n in sizes:
-                for s in servers if r % 2 == 0 else servers[::-1]:
-                    rate = in_flight_rate(s, n, max(sizes), args.max_tokens)
-                    rates.setdefault((s.name, n), []).append(rate)
-                    print(f"# round {r + 1} {n} in flight {s.name}: {rates[s.name, n][-1]:.1f} tok/s",
-                          file=sys.stderr, flush=True)  # fmt: skip
+                for mix, workloads in MIXES:
+                    for s in servers if r % 2 == 0 else servers[::-1]:
+                        rate = in_flight_rate(s, n, max(sizes), workloads, args.max_tokens)
+                        rates.setdefault((s.name, mix, n), []).append(rate)
+                        print(f"# round {r + 1} {n} in flight, {mix}, {s.name}: {rate:.1f} tok/s",
+                              file=sys.stderr, flush=True)  # fmt: skip
     finally:
         for s in servers:
             s.stop()
     plain, spec = (s.name for s in servers)
     print(
-        f"{gguf.name}, {max(sizes)} requests (every workload's prompts in turn) in waves of n at once, "
-        f"greedy, at most {args.max_tokens} tokens an answer, median of {args.runs} rounds\n"
+        f"{gguf.name}, {max(sizes)} requests a mix in waves of n at once, greedy, answers ended by the "
+        f"model (or the workload's stop string), at most {args.max_tokens} tokens, "
+        f"median of {args.runs} rounds; plain: {plain}, speculative: {spec}\n"
     )
-    print(f"| in flight | {plain} tok/s | {spec} tok/s | speculative / plain |")
-    print("|---:|---:|---:|---:|")
+    print("| in flight | mix | plain tok/s | speculative tok/s | speculative / plain |")
+    print("|---:|---|---:|---:|---:|")
     for n in sizes:
-        a, b = rates[plain, n], rates[spec, n]
-        ratio = statistics.median(y / x for x, y in zip(a, b, strict=True))
-        print(f"| {n} | {statistics.median(a):.1f} | {statistics.median(b):.1f} | {ratio:.2f}x |")
+        for mix, _ in MIXES:
+            a, b = rates[plain, mix, n], rates[spec, mix, n]
+            ratio = statistics.median(y / x for x, y in zip(a, b, strict=True))
+            print(f"| {n} | {mix} | {statistics.median(a):.1f} | {statistics.median(b):.1f} | {ratio:.2f}x |")
 
 
 def main(argv: list[str] | None = None) -> int:
