@@ -6,7 +6,7 @@ ngram``; with --llama-server, llama-server on the same file with its defaults an
 lookup (``--spec-type ngram-simple``). Every server is up for the whole run and the rounds
 alternate between them (this VM's speed drifts). Greedy, one request at a time, every answer as
 long as the model makes it (its end of sequence, or the stop string a client sets on a completion
-that opens a fenced block), at most --max-tokens. Five workloads, two prompts each:
+that opens a fenced block), at most --max-tokens. Six workloads, two prompts each:
 
 - code, chat: a code file in a chat message and a request to repeat it with one name changed
   (/v1/chat/completions);
@@ -14,7 +14,11 @@ that opens a fenced block), at most --max-tokens. Five workloads, two prompts ea
   (/v1/completions, ``stop`` at the fence);
 - passage, chat: a paragraph and a request to repeat it with one word or day changed;
 - passage, completion: the paragraph and the opening of its changed copy (``stop`` at the quotes);
-- open-ended chat: short questions with nothing to copy.
+- open-ended chat and open-ended completion: short questions and story openings with nothing to
+  copy.
+
+A model whose file has no chat template (a base model) is refused chat requests: the chat
+workloads are then left out, with a line on stderr.
 
 A model too small to follow a request may copy less (or more) than asked: the answers are what the
 model wrote, the same on both sides of each pair (greedy), so both sides count the same tokens.
@@ -26,7 +30,7 @@ pair's answers are equal (token ids for pagedkv, text for llama-server; greedy: 
 
 With --in-flight 1,2,4,8: instead, the default stack against one that speculates at every batch
 size, on two mixes of as many requests as the largest size, sent in waves of n at once: the
-copy-heavy workloads' prompts in turn, and the open-ended chat prompts in turn (where speculation
+copy-heavy workloads' prompts in turn, and the open-ended ones' prompts in turn (where speculation
 gains least). Where speculation stops paying on the open-ended mix is the rule
 --speculative-max-num-seqs sets.
 
@@ -49,7 +53,7 @@ from dataclasses import dataclass
 from bench import up_stack
 from bench.kv_dtype_bench import smollm2_gguf
 from bench.vs_llamacpp import Server, find_binary, start_llama, start_pagedkv
-from pagedkv.frontend.clients.http import post_json
+from pagedkv.frontend.clients.http import HttpError, post_json
 
 CODE = '''def merge_intervals(intervals):
     """Merge overlapping intervals and return them sorted by start."""
@@ -112,6 +116,11 @@ CHAT = [
     "What are some good habits for staying healthy while working from home?",
 ]
 
+OPEN_COMPLETION = [
+    "Once upon a time, in a small village by the sea,",
+    "The printing press changed how ideas spread because",
+]
+
 
 @dataclass(frozen=True)
 class Workload:
@@ -127,6 +136,7 @@ WORKLOADS = [
     Workload("passage, chat", "chat", PASSAGE_CHAT),
     Workload("passage, completion", "completions", PASSAGE_COMPLETION, ('"""',)),
     Workload("open-ended chat", "chat", CHAT),
+    Workload("open-ended completion", "completions", OPEN_COMPLETION),
 ]
 
 # the speculative stack's /metrics counters, read around each workload
@@ -187,11 +197,11 @@ class Result:
     counted: list[float] | None = None  # the COUNTERS' increments (a speculating pagedkv server)
 
 
-def one_round(server: Server, max_tokens: int, count: bool) -> dict[str, Result]:
+def one_round(server: Server, workloads: list[Workload], max_tokens: int, count: bool) -> dict[str, Result]:
     """Each workload's generated tokens per second on one server, its answers and (``count``) how
     its speculation went."""
     out = {}
-    for w in WORKLOADS:
+    for w in workloads:
         before = counters(server.url) if count else None
         tokens, secs, answers = 0, 0.0, []
         for p in w.prompts:
@@ -206,8 +216,8 @@ def one_round(server: Server, max_tokens: int, count: bool) -> dict[str, Result]
 
 # --in-flight's two mixes: (name, the workloads whose prompts it sends in turn)
 MIXES = [
-    ("copy-heavy", [w for w in WORKLOADS if w.name != "open-ended chat"]),
-    ("open-ended", [w for w in WORKLOADS if w.name == "open-ended chat"]),
+    ("copy-heavy", [w for w in WORKLOADS if not w.name.startswith("open-ended")]),
+    ("open-ended", [w for w in WORKLOADS if w.name.startswith("open-ended")]),
 ]
 
 
@@ -226,6 +236,24 @@ def in_flight_rate(server: Server, n: int, total: int, workloads: list[Workload]
     return tokens / (time.perf_counter() - t0)
 
 
+def warm_up(servers: list[Server]) -> list[Workload]:
+    """One short answer from each server; the workloads they can all serve: the chat ones only
+    where every server has a chat template (a base model's file may have none, and chat is then
+    refused with 400)."""
+    chat = True
+    for s in servers:
+        ask(s.url, "completions", OPEN_COMPLETION[0], 8)
+        try:
+            ask(s.url, "chat", CHAT[0], 8)
+        except HttpError as e:
+            if e.status != 400:
+                raise
+            chat = False
+    if not chat:
+        print("# no chat template: the chat workloads are left out", file=sys.stderr, flush=True)
+    return [w for w in WORKLOADS if chat or w.endpoint != "chat"]
+
+
 def in_flight_table(gguf: pathlib.Path, args: argparse.Namespace, sizes: list[int]) -> None:
     """Where speculation stops paying as the batch grows (the rule ``--speculative-max-num-seqs``
     sets): the default stack against one that speculates at every batch size, rounds alternating."""
@@ -233,12 +261,12 @@ def in_flight_table(gguf: pathlib.Path, args: argparse.Namespace, sizes: list[in
     servers: list[Server] = []
     try:
         servers = [start_pagedkv(gguf, args), start_pagedkv(gguf, args, on)]
-        for s in servers:
-            ask(s.url, "chat", CHAT[0], 8)  # warm up
+        usable = warm_up(servers)
+        mixes = [(mix, [w for w in ws if w in usable]) for mix, ws in MIXES]
         rates: dict[tuple[str, str, int], list[float]] = {}
         for r in range(args.runs):
             for n in sizes:
-                for mix, workloads in MIXES:
+                for mix, workloads in mixes:
                     for s in servers if r % 2 == 0 else servers[::-1]:
                         rate = in_flight_rate(s, n, max(sizes), workloads, args.max_tokens)
                         rates.setdefault((s.name, mix, n), []).append(rate)
@@ -256,7 +284,7 @@ def in_flight_table(gguf: pathlib.Path, args: argparse.Namespace, sizes: list[in
     print("| in flight | mix | plain tok/s | speculative tok/s | speculative / plain |")
     print("|---:|---|---:|---:|---:|")
     for n in sizes:
-        for mix, _ in MIXES:
+        for mix, _ in mixes:
             a, b = rates[plain, mix, n], rates[spec, mix, n]
             ratio = statistics.median(y / x for x, y in zip(a, b, strict=True))
             print(f"| {n} | {mix} | {statistics.median(a):.1f} | {statistics.median(b):.1f} | {ratio:.2f}x |")
@@ -302,13 +330,12 @@ def main(argv: list[str] | None = None) -> int:
                 )
             )  # fmt: skip
         servers = [s for pair in pairs for s in pair]
-        for s in servers:
-            ask(s.url, "chat", CHAT[0], 8)  # warm up
+        workloads = warm_up(servers)
         runs: dict[str, list[dict[str, Result]]] = {s.name: [] for s in servers}
         speculating = pairs[0][1]
         for r in range(args.runs):
             for s in servers if r % 2 == 0 else servers[::-1]:
-                runs[s.name].append(one_round(s, args.max_tokens, s is speculating))
+                runs[s.name].append(one_round(s, workloads, args.max_tokens, s is speculating))
                 print(f"# round {r + 1} {s.name}: "
                       + ", ".join(f"{w} {v.rate:.1f} tok/s" for w, v in runs[s.name][-1].items()),
                       file=sys.stderr, flush=True)  # fmt: skip
@@ -325,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
         "answers equal |"
     )
     print("|---|---|---:|---:|---:|---:|---|")
-    for w in WORKLOADS:
+    for w in workloads:
         for plain, spec in pairs:
             a = [run[w.name].rate for run in runs[plain.name]]
             b = [run[w.name].rate for run in runs[spec.name]]
@@ -341,11 +368,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{speculating.name}, all rounds:\n")
     print("| workload | verification passes | proposed tokens | accepted | acceptance rate | tokens a pass |")
     print("|---|---:|---:|---:|---:|---:|")
-    for w in WORKLOADS:
-        passes, proposed, accepted, emitted = (
-            sum(c)
-            for c in zip(*(run[w.name].counted or [0.0] * 4 for run in runs[speculating.name]), strict=True)
-        )
+    for w in workloads:
+        counted = [run[w.name].counted or [0.0] * len(COUNTERS) for run in runs[speculating.name]]
+        passes, proposed, accepted, emitted = (sum(c) for c in zip(*counted, strict=True))
         rate = accepted / proposed if proposed else 0.0
         per_pass = emitted / passes if passes else 0.0
         print(f"| {w.name} | {passes:.0f} | {proposed:.0f} | {accepted:.0f} | {rate:.2f} | {per_pass:.2f} |")
