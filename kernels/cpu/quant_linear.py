@@ -46,6 +46,7 @@ class QuantizedMatrix(Protocol):
 # count, each path where it is fastest (a row's bits then depend on how many rows share its call);
 # every row as it would be alone (a decode step's and a speculative verification's rows); every row as
 # in a many-row call (a prefill's rows). The last two give a row the same bits at any row count.
+# Where int4 has the AMX tiles (``tile_products``), its rows take the first of those under all three.
 ARITH_AUTO, ARITH_ROWS, ARITH_PANELS = 0, 1, 2
 ARITHS = (ARITH_AUTO, ARITH_ROWS, ARITH_PANELS)
 
@@ -93,10 +94,11 @@ def word_products(enable: bool | None = None) -> bool:
 
 
 def tile_products(enable: bool | None = None) -> bool:
-    """Whether int4 products of 4 or more rows that take the word products (``ARITH_ROWS``: a
-    speculative verification's rows) get their integer sums from the AMX tiles (AMX-INT8, asked of
-    the CPU and the OS at run time; csrc/quant_linear.c): the same integers, so the same bits, at a
-    fraction of the vector instructions per row. On by default where the CPU and the OS have them;
+    """Whether int4 products of 4 or more rows get their integer sums from the AMX tiles (AMX-INT8,
+    asked of the CPU and the OS at run time; csrc/quant_linear.c): the word products' integers, so
+    their bits, at a fraction of the vector instructions per row. While on, every int4 row takes the
+    word products' arithmetic under every ``ARITH_*`` (a prefill's rows too: the tiles beat the
+    dequantized panels at every row count). On by default where the CPU and the OS have them;
     ``enable`` turns them on or off for this process, None only asks. False without the native
     library."""
     lib = cpu_native.library()

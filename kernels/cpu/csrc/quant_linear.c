@@ -42,7 +42,9 @@
  * row count: a decode step's rows and a speculative verification's rows then come out the same bits
  * whatever else the step holds (worker_svc/model/llama.py says why that matters). PANELS gives every
  * row the many-rows arithmetic (dequantized panels, widened rows, K-quant's rows side by side) at
- * any row count, which a prefill's rows take for the same reason.
+ * any row count, which a prefill's rows take for the same reason. Where int4 has the AMX tiles
+ * (below), every int4 row takes the word products' arithmetic under all three: the tiles beat the
+ * dequantized panels at every row count, so there is nothing for the row count to choose.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -873,9 +875,10 @@ int pagedkv_quant_words(int want) {
 #endif
 }
 
-/* Whether int4 products of Q4_AMX_MIN_ROWS or more rows that take the word products multiply on the
- * AMX tiles: want 0 turns them off (the word products' own row tiles then), 1 on where the CPU and
- * the OS have them, -1 only asks. Returns the state after (0 or 1; always 0 in a build without them).
+/* Whether int4 products multiply on the AMX tiles from Q4_AMX_MIN_ROWS rows, every int4 row then
+ * taking the word products' arithmetic (a prefill's too): want 0 turns them off (the word products'
+ * own row tiles, and the dequantized panels for PANELS, then), 1 on where the CPU and the OS have
+ * them, -1 only asks. Returns the state after (0 or 1; always 0 in a build without them).
  * Tests compare the two paths in one process. */
 int pagedkv_quant_amx(int want) {
 #ifdef Q4_AMX
@@ -895,12 +898,17 @@ int pagedkv_q4_linear(int64_t m, int64_t n, int64_t k, const float *x, int64_t x
     int64_t first = 0; /* panels done by q4_many_rows */
     const int many = arith == QUANT_ARITH_PANELS || (arith == QUANT_ARITH_AUTO && m >= Q4_DEQ_MIN_ROWS);
 #ifdef Q4_WORDS
-    if (!many && pagedkv_quant_words(-1)) {
+    if (pagedkv_quant_words(-1)) {
 #ifdef Q4_AMX
-        if (m >= Q4_AMX_MIN_ROWS && pagedkv_quant_amx(-1))
-            return q4_amx_rows(m, n, groups, x, x_stride, qweight, qscale, y, y_stride, num_threads);
+        /* With the tiles, every row gets the word products' arithmetic whatever `arith` says: a
+         * prefill's rows (PANELS) run faster on them than on the dequantized panels at every row
+         * count, and a prompt's positions then come out as decoding computes them. */
+        if (pagedkv_quant_amx(-1))
+            return m >= Q4_AMX_MIN_ROWS
+                       ? q4_amx_rows(m, n, groups, x, x_stride, qweight, qscale, y, y_stride, num_threads)
+                       : q4_words_rows(m, n, groups, x, x_stride, qweight, qscale, y, y_stride, num_threads);
 #endif
-        return q4_words_rows(m, n, groups, x, x_stride, qweight, qscale, y, y_stride, num_threads);
+        if (!many) return q4_words_rows(m, n, groups, x, x_stride, qweight, qscale, y, y_stride, num_threads);
     }
 #endif
     float *xh = malloc((size_t)(m * k > 0 ? m * k : 1) * sizeof(float)); /* x^ (see round_group) */
