@@ -28,8 +28,9 @@ threads). Then, in one process and alternating round by round (this VM's speed d
   int8 output layer, the native K-quant kernel on its Q4_K / Q6_K matrices (all Q4_K_M's).
   The native int4 and int8 kernels run twice more where the CPU has the 16-bit integer products:
   with every row as it would be alone (``ARITH_ROWS``: a decode step's rows, a speculative
-  verification's positions), and, where the CPU also has AMX-INT8, the same with the AMX tiles
-  turned off (``cpu_quant_linear.tile_products``): what a verification's extra rows cost.
+  verification's positions), and, where the CPU also has AMX-INT8, the int4 kernel both ways again
+  with the AMX tiles turned off (``cpu_quant_linear.tile_products``): what a verification's extra
+  rows, and a prefill's rows (the many-row arithmetic the tiles replace), cost without them.
   GB/s = the matrices' resident bytes / the pass.
 
     python -m bench.decode_floor --model FILE.gguf [--forms dense file] [--threads 2] [--rows 1 8 64]
@@ -230,11 +231,15 @@ def linear_passes(dense: LlamaModel | None, quant: LlamaModel | None, rows: int)
             what = f"{len(ms)} matrices"
             native = [cpu_quant_linear.prepare(m) for m in ms]
             passes.append(LinearPass(f"native {kind} ({what})", nbytes, list(zip(native, xs, strict=True))))
+            tiles = kind == "int4" and cpu_quant_linear.tile_products()
+            if tiles:  # the row count choosing the path again (a prefill's: the dequantized panels)
+                label = f"native {kind}, AMX tiles off ({what})"
+                passes.append(LinearPass(label, nbytes, list(zip(native, xs, strict=True)), tiles=False))
             if kind != "kquant" and cpu_quant_linear.word_products():
                 alone = [functools.partial(fn, arith=cpu_quant_linear.ARITH_ROWS) for fn in native]
                 calls = list(zip(alone, xs, strict=True))
                 passes.append(LinearPass(f"native {kind}, rows as alone ({what})", nbytes, calls))
-                if kind == "int4" and cpu_quant_linear.tile_products():
+                if tiles:
                     label = f"native {kind}, rows as alone, AMX tiles off ({what})"
                     passes.append(LinearPass(label, nbytes, calls, tiles=False))
             if kind == "kquant":

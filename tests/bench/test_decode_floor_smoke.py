@@ -69,6 +69,7 @@ def test_decode_floor_quick(tmp_path: pathlib.Path) -> None:
     each = [
         "native fp32",
         "native int4",
+        *(["native int4, AMX tiles off"] if tiles else []),
         *(["native int4, rows as alone"] if words else []),
         *(["native int4, rows as alone, AMX tiles off"] if tiles else []),
         "torch int4 op",
