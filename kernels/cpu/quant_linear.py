@@ -178,6 +178,11 @@ class NativeMatmul:
     k: int  # the matrix's in_features and out_features, read once (properties of its tensors' shapes)
     n: int
 
+    def one_arithmetic(self) -> bool:
+        """Whether every ``ARITH_*`` gives this matrix's rows the same bits (int4 on the AMX tiles,
+        ``tile_products``): a step's prefill and decode rows can then share one call."""
+        return self.matrix.kind == "int4" and tile_products()
+
     def __call__(
         self, x: torch.Tensor, out: torch.Tensor | None = None, arith: int = ARITH_AUTO
     ) -> torch.Tensor:

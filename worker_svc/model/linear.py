@@ -127,9 +127,9 @@ class Linear:
         arithmetic by its row count; else rows ``[0, prefill_rows)`` of ``x`` are a prefill's and take
         the many-row arithmetic, the rest are decode (or verification) rows and take the one-row
         arithmetic, each at any row count (``cpu_quant_linear.ARITH_*``), so that a decode row's
-        result is the same bits whatever else its step holds: the model passes it (int4 rows take the
-        one-row arithmetic either way where the CPU has the AMX tiles, ``cpu_quant_linear.tile_products``).
-        The packed fp32 kernel needs no telling (each output one sum over k, the same in every
+        result is the same bits whatever else its step holds: the model passes it (where a kernel has
+        one arithmetic for both, ``NativeMatmul.one_arithmetic``, a mixed step is one call). The
+        packed fp32 kernel needs no telling (each output one sum over k, the same in every
         register tile)."""
         if self.qlinear is not None:
             y = self._quantized(x, prefill_rows)
@@ -154,9 +154,8 @@ class Linear:
             return qlinear(x, arith=cpu_quant_linear.ARITH_ROWS)
         if prefill_rows >= rows:
             return qlinear(x, arith=cpu_quant_linear.ARITH_PANELS)
-        if qlinear.path == "native-int4" and cpu_quant_linear.tile_products():
-            # with the tiles both kinds of row get the one-row arithmetic: one call, weights read once
-            return qlinear(x, arith=cpu_quant_linear.ARITH_ROWS)
+        if qlinear.native is not None and qlinear.native.one_arithmetic():
+            return qlinear(x, arith=cpu_quant_linear.ARITH_ROWS)  # one call: the weights read once
         # A step of prefill and decode rows: two calls (the weights read twice) rather than one
         # arithmetic for both, which would make a decode row's bits depend on the prefill beside it.
         y = torch.empty((rows, qlinear.matrix.out_features), dtype=torch.float32, device=x.device)
