@@ -6,7 +6,7 @@ ngram``; with --llama-server, llama-server on the same file with its defaults an
 lookup (``--spec-type ngram-simple``). Every server is up for the whole run and the rounds
 alternate between them (this VM's speed drifts). Greedy, one request at a time, every answer as
 long as the model makes it (its end of sequence, or the stop string a client sets on a completion
-that opens a fenced block), at most --max-tokens. Six workloads, two prompts each:
+that opens a fenced or quoted block), at most --max-tokens. Six workloads, two prompts each:
 
 - code, chat: a code file in a chat message and a request to repeat it with one name changed
   (/v1/chat/completions);
@@ -209,7 +209,9 @@ def one_round(server: Server, workloads: list[Workload], max_tokens: int, count:
             answers.append(answer)
             tokens += n
             secs += s
-        counted = [b - a for a, b in zip(before, counters(server.url), strict=True)] if before else None
+        counted = None
+        if before is not None:
+            counted = [b - a for a, b in zip(before, counters(server.url), strict=True)]
         out[w.name] = Result(tokens / secs, tokens, answers, counted)
     return out
 
