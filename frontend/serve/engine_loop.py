@@ -185,14 +185,21 @@ class EngineLoop:
 
     def _admit(self, cmd: _Submit) -> None:
         rid = cmd.request.request_id
-        with self._lock:
-            self._queued -= 1
         if self.unavailable is not None:
+            with self._lock:
+                self._queued -= 1
             self._send(cmd.sink, Failed(503, self.unavailable))
             return
+        # Counted as waiting in the engine in the same breath as it leaves the queue: between the
+        # two counts num_waiting() would read one short and let max_waiting be exceeded.
+        with self._lock:
+            self._queued -= 1
+            self._engine_waiting += 1
         try:
             self.engine.add_request(cmd.request)
         except ValueError as e:
+            with self._lock:
+                self._engine_waiting -= 1
             self._send(cmd.sink, Failed(400, str(e)))
             return
         self._tracked[rid] = _Tracked(cmd.sink, cmd.arrival, len(cmd.request.prompt))
