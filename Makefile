@@ -46,20 +46,24 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 ## Lint, then the whole test suite (also what CI runs): the fast tier spread over TEST_JOBS
-## processes (in-process tests only, so they share nothing but the CPUs), then the slow tier in two
-## runs: the slow modules that only check results (process stacks with generous timeouts, ahead-of-
-## time compiles, bench scripts) a whole module per process over TEST_JOBS processes, longest first
-## (tests/conftest.py, LONGEST_MODULES), then the
-## `timed` ones (deadlines, keepalives, timed budgets: tests/conftest.py, TIMED_MODULES) in one
-## process with nothing beside them. Every run runs even when an earlier one fails; the exit status
-## is a failure if any failed.
+## processes (in-process tests only, so they share nothing but the CPUs), then two runs side by side:
+## the `timed` slow modules (deadlines, keepalives, timed budgets: tests/conftest.py, TIMED_MODULES)
+## in one process at normal priority, and the slow modules that only check results (process stacks
+## with generous timeouts, ahead-of-time compiles, bench scripts) a whole module per process over
+## TEST_JOBS processes, longest first (tests/conftest.py, LONGEST_MODULES), under `nice -n 19`: the
+## timed tests spend about half their time waiting on a deadline, and the results-only ones take
+## only the CPU time they leave. The results-only run's output follows the timed run's. Every run
+## runs even when an earlier one fails; the exit status is a failure if any failed.
 TEST_JOBS ?= auto
 test: lint
 	$(BIN)/python tools/gen_protos.py --check
 	$(BIN)/python tools/gen_settings_doc.py --check
 	$(BIN)/python -m pytest -m "not slow" -n $(TEST_JOBS); fast=$$?; \
-	$(BIN)/python -m pytest -m "slow and not timed" -n $(TEST_JOBS) --dist loadfile; slow=$$?; \
+	log=$$(mktemp); \
+	echo "make test: the results-only slow modules run beside the timed ones (under nice); their output follows"; \
+	nice -n 19 $(BIN)/python -m pytest -m "slow and not timed" -n $(TEST_JOBS) --dist loadfile >$$log 2>&1 & slowpid=$$!; \
 	$(BIN)/python -m pytest -m "slow and timed"; timed=$$?; \
+	wait $$slowpid; slow=$$?; cat $$log; rm -f $$log; \
 	test $$fast -eq 0 -a $$slow -eq 0 -a $$timed -eq 0
 
 ## The fast tier for the edit-test loop: no process stacks, no ahead-of-time compiles, no bench

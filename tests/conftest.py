@@ -86,10 +86,11 @@ SLOW_MODULES = frozenset(
 
 # The slow modules that time something against a clock (deadlines, keepalives, lease TTLs, restart
 # budgets, fault schedules, spin and bench budgets): marked `timed`,
-# `make test` runs them in one process with nothing beside them. The other slow modules only check
-# results (with generous ready/call timeouts), so `make test` runs them first, a whole module per
-# process over TEST_JOBS processes (`--dist loadfile`: a module's shared stack is started once). A
-# new slow module that asserts on elapsed time, or needs the machine to itself, belongs here.
+# `make test` runs them in one process at normal priority with nothing else at that priority. The
+# other slow modules only check results (with generous ready/call timeouts), so `make test` runs
+# them beside the timed ones under `nice -n 19` (they take the CPU the timed ones leave), a whole
+# module per process over TEST_JOBS processes (`--dist loadfile`: a module's shared stack is started
+# once). A new slow module that asserts on elapsed time, or needs the CPU when it asks, belongs here.
 TIMED_MODULES = frozenset(
     {
         "tests/bench/test_batch1_breakdown_smoke.py",
