@@ -52,8 +52,9 @@ lint: $(STAMP)
 ## with generous timeouts, ahead-of-time compiles, bench scripts) a whole module per process over
 ## TEST_JOBS processes, longest first (tests/conftest.py, LONGEST_MODULES), under `nice -n 19`: the
 ## timed tests spend about half their time waiting on a deadline, and the results-only ones take
-## only the CPU time they leave. The results-only run's output follows the timed run's. Every run
-## runs even when an earlier one fails; the exit status is a failure if any failed.
+## only the CPU time they leave. The results-only run's output follows the timed run's. Last, alone,
+## the timed modules that measure CPU time itself (tests/conftest.py, ALONE_MODULES). Every run runs
+## even when an earlier one fails; the exit status is a failure if any failed.
 TEST_JOBS ?= auto
 test: lint
 	$(BIN)/python tools/gen_protos.py --check
@@ -62,9 +63,10 @@ test: lint
 	log=$$(mktemp); \
 	echo "make test: the results-only slow modules run beside the timed ones (under nice); their output follows"; \
 	nice -n 19 $(BIN)/python -m pytest -m "slow and not timed" -n $(TEST_JOBS) --dist loadfile >$$log 2>&1 & slowpid=$$!; \
-	$(BIN)/python -m pytest -m "slow and timed"; timed=$$?; \
+	$(BIN)/python -m pytest -m "timed and not alone"; timed=$$?; \
 	wait $$slowpid; slow=$$?; cat $$log; rm -f $$log; \
-	test $$fast -eq 0 -a $$slow -eq 0 -a $$timed -eq 0
+	$(BIN)/python -m pytest -m "alone"; alone=$$?; \
+	test $$fast -eq 0 -a $$slow -eq 0 -a $$timed -eq 0 -a $$alone -eq 0
 
 ## The fast tier for the edit-test loop: no process stacks, no ahead-of-time compiles, no bench
 ## scripts (tests/conftest.py, SLOW_MODULES), no lint; a few minutes on 2 cores.

@@ -85,12 +85,12 @@ SLOW_MODULES = frozenset(
 
 
 # The slow modules that time something against a clock (deadlines, keepalives, lease TTLs, restart
-# budgets, fault schedules, spin and bench budgets): marked `timed`,
-# `make test` runs them in one process at normal priority with nothing else at that priority. The
-# other slow modules only check results (with generous ready/call timeouts), so `make test` runs
-# them beside the timed ones under `nice -n 19` (they take the CPU the timed ones leave), a whole
-# module per process over TEST_JOBS processes (`--dist loadfile`: a module's shared stack is started
-# once). A new slow module that asserts on elapsed time, or needs the CPU when it asks, belongs here.
+# budgets, fault schedules, bench budgets): marked `timed`. `make test` runs them in one process at
+# normal priority with nothing else at that priority. The other slow modules only check results
+# (with generous ready/call timeouts), so `make test` runs them beside the timed ones under
+# `nice -n 19` (they take the CPU the timed ones leave), a whole module per process over TEST_JOBS
+# processes (`--dist loadfile`: a module's shared stack is started once). A new slow module that
+# asserts on elapsed time belongs here.
 TIMED_MODULES = frozenset(
     {
         "tests/bench/test_batch1_breakdown_smoke.py",
@@ -112,6 +112,18 @@ TIMED_MODULES = frozenset(
 )
 
 
+# The timed modules that measure CPU time itself (a runtime's spinning threads, a step's breakdown
+# into its parts): a niced neighbour still takes what a spinning or yielding thread gives up, so
+# `make test` runs these (marked `alone` as well) after everything else, with the machine to itself.
+ALONE_MODULES = frozenset(
+    {
+        "tests/bench/test_batch1_breakdown_smoke.py",
+        "tests/worker_svc/test_omp_spin.py",
+    }
+)
+assert ALONE_MODULES <= TIMED_MODULES
+
+
 # The longest modules (an ahead-of-time compile of every kernel configuration, real models against
 # transformers): `make test` runs them first, then the other slow modules, then the fast ones, so a
 # long module never starts last while the other processes have run out of work.
@@ -127,7 +139,11 @@ LONGEST_MODULES = (
 
 def pytest_configure(config: object) -> None:
     config.addinivalue_line(  # type: ignore[attr-defined]
-        "markers", "timed: a slow test timed against a clock; `make test` runs these alone, serially"
+        "markers",
+        "timed: a slow test timed against a clock; `make test` runs these serially (niced work beside)",
+    )
+    config.addinivalue_line(  # type: ignore[attr-defined]
+        "markers", "alone: a timed test measuring CPU time; `make test` runs these last, on an idle machine"
     )
 
 
@@ -142,6 +158,8 @@ def pytest_collection_modifyitems(config: object, items: list) -> None:  # type:
             item.add_marker(pytest.mark.slow)
         if rel in TIMED_MODULES:
             item.add_marker(pytest.mark.timed)
+        if rel in ALONE_MODULES:
+            item.add_marker(pytest.mark.alone)
         longest = LONGEST_MODULES.index(rel) if rel in LONGEST_MODULES else len(LONGEST_MODULES)
         rank[id(item)] = longest if slow else longest + 1
     items.sort(key=lambda item: rank[id(item)])  # stable: a module's tests keep their order
