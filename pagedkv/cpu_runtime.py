@@ -16,6 +16,7 @@ that exist are named, so a machine without them runs as before: tcmalloc from th
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -47,3 +48,25 @@ def preload_env(base: dict[str, str] | None = None) -> dict[str, str]:
     names = {Path(p).name for p in have}
     add = [p for p in runtime_libraries() if Path(p).name not in names]
     return {"LD_PRELOAD": ":".join(add + have)} if add else {}
+
+
+def remove_openmp_registration(pid: int, shm_dir: Path = Path("/dev/shm")) -> Path | None:
+    """Remove the file Intel's OpenMP runtime registered in /dev/shm for process ``pid``, which has
+    exited; return it, or None when there was none (or ``pid`` runs again).
+
+    Why: the runtime names each process that loads it in ``__KMP_REGISTERED_LIB_<pid>_<uid>`` and
+    removes the file when the process exits; a process killed (SIGKILL: a fault, or a stop past its
+    grace period) leaves it behind for good. The launcher calls this for each worker it reaped."""
+    path = shm_dir / f"__KMP_REGISTERED_LIB_{pid}_{os.getuid()}"
+    try:
+        os.kill(pid, 0)
+        return None  # the pid was reused: that process's file, if any, is its own
+    except ProcessLookupError:
+        pass
+    except PermissionError:
+        return None
+    try:
+        path.unlink()
+    except OSError:
+        return None
+    return path

@@ -37,7 +37,7 @@ from typing import NoReturn
 
 from pagedkv import parent_watch, settings_file
 from pagedkv.cpu_list import format_cpus
-from pagedkv.cpu_runtime import preload_env
+from pagedkv.cpu_runtime import preload_env, remove_openmp_registration
 from pagedkv.frontend.launch import up_settings
 from pagedkv.frontend.launch.config import StackConfig, override_flags, worker_roles
 from pagedkv.frontend.launch.ready import ReadyService, StackReady
@@ -422,6 +422,8 @@ class Stack:
         svc = next(s for s in self.services if s.name == name)
         if svc.process is not None and svc.process.poll() is None:
             raise RuntimeError(f"{name} is still running (pid {svc.process.pid})")
+        if svc.process is not None:
+            remove_openmp_registration(svc.process.pid)
         launch(svc, {**os.environ, **self.security.env()}, self._log_path(svc))
         assert svc.process is not None
         deadline = time.monotonic() + self.opts.ready_timeout_s
@@ -467,6 +469,8 @@ class Stack:
         """Stop in reverse order; returns shared-memory segments left behind (should be none)."""
         for svc in reversed(self.services):
             terminate(svc, timeout_s)
+            if svc.process is not None:
+                remove_openmp_registration(svc.process.pid)  # killed: the runtime's file stays
         self.security.close()
         if self.state_dir_is_temporary:
             shutil.rmtree(self.state_dir, ignore_errors=True)

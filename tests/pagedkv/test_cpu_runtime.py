@@ -84,3 +84,52 @@ def test_a_worker_started_by_the_launcher_maps_the_runtime_libraries(tmp_path: P
         st.stop()
     for lib in cpu_runtime.runtime_libraries():
         assert lib in maps, lib
+
+
+def test_the_openmp_registration_of_an_exited_process_is_removed_and_a_live_ones_kept(tmp_path: Path) -> None:
+    import os
+    import subprocess
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    uid = os.getuid()
+    left = tmp_path / f"__KMP_REGISTERED_LIB_{gone.pid}_{uid}"
+    left.write_bytes(b"x")
+    other = tmp_path / f"__KMP_REGISTERED_LIB_{gone.pid}1_{uid}"  # another pid's: untouched
+    other.write_bytes(b"x")
+    assert cpu_runtime.remove_openmp_registration(gone.pid, tmp_path) == left
+    assert not left.exists() and other.exists()
+    assert cpu_runtime.remove_openmp_registration(gone.pid, tmp_path) is None  # nothing left to remove
+    mine = tmp_path / f"__KMP_REGISTERED_LIB_{os.getpid()}_{uid}"  # a running process: its own file
+    mine.write_bytes(b"x")
+    assert cpu_runtime.remove_openmp_registration(os.getpid(), tmp_path) is None
+    assert mine.exists()
+
+
+@pytest.mark.skipif(
+    not (Path(sys.prefix) / "lib" / "libiomp5.so").is_file(), reason="intel-openmp is not installed"
+)
+def test_a_killed_process_leaves_the_openmp_runtimes_file_which_is_then_removed() -> None:
+    import os
+    import signal
+    import subprocess
+    import time
+
+    script = "import time, torch; x = torch.randn(400, 400); x.mm(x); print('up', flush=True); time.sleep(60)"
+    env = {**os.environ, "LD_PRELOAD": str(Path(sys.prefix) / "lib" / "libiomp5.so"), "OMP_NUM_THREADS": "2"}
+    p = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "up"
+        path = Path("/dev/shm") / f"__KMP_REGISTERED_LIB_{p.pid}_{os.getuid()}"
+        deadline = time.monotonic() + 10
+        while not path.exists():
+            assert time.monotonic() < deadline, "the runtime registered no file"
+            time.sleep(0.05)
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        assert path.exists()  # what a killed worker leaves
+        assert cpu_runtime.remove_openmp_registration(p.pid) == path
+        assert not path.exists()
+    finally:
+        p.kill()
+        p.wait()

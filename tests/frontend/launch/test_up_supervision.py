@@ -116,10 +116,17 @@ def test_up_restarts_killed_roles_and_answers_again(tmp_path: pathlib.Path, ups:
     killed = up.pid("worker-0")
     channel_dirs = f"{DIR_PREFIX}{os.getuid()}-{killed}-*"
     assert list(pathlib.Path(base_dir()).glob(channel_dirs))  # the worker offers the step channel
+    # Intel's OpenMP runtime (preloaded into CPU workers where installed) registers each process in
+    # /dev/shm and removes the file only at a clean exit.
+    omp_file = pathlib.Path("/dev/shm") / f"__KMP_REGISTERED_LIB_{killed}_{os.getuid()}"
+    omp_registered = omp_file.exists()
+    assert omp_registered or not (pathlib.Path(sys.prefix) / "lib" / "libiomp5.so").is_file()
     _kill(up, "worker-0")
     assert up.generate()["completions"][0]["token_ids"] == before
-    # The restarted worker swept the killed one's step-channel directory (its segments died with it).
+    # The restarted worker swept the killed one's step-channel directory (its segments died with it),
+    # and `up` removed the runtime's file the killed worker left.
     assert not list(pathlib.Path(base_dir()).glob(channel_dirs))
+    assert not omp_file.exists()
 
     worker = up.pid("worker-0")
     _kill(up, "cache-host")
