@@ -233,6 +233,9 @@ class EngineLoop:
             self._fail_all(503, f"engine iteration failed: {e}")
             time.sleep(0.2)  # a block manager or worker that is down: do not spin on it
             return
+        # Published before any client sees this step's tokens: a client answered by them may send
+        # its next request at once, and the step may have started what was waiting.
+        self._count()
         now = time.monotonic()
         requests: set[str] = set()
         for ev in events:
@@ -278,11 +281,17 @@ class EngineLoop:
                 else:
                     kept.append(rid)
             self._to_release = kept
+        waiting, running = self._count()
+        with self._lock:
+            queued = self._queued
+        self.metrics.set_queues(waiting + queued, running)
+
+    def _count(self) -> tuple[int, int]:
+        """The engine's (waiting, running) requests; its waiting count is what num_waiting() reads."""
         waiting, running = self.engine.num_requests()
         with self._lock:
             self._engine_waiting = waiting
-            queued = self._queued
-        self.metrics.set_queues(waiting + queued, running)
+        return waiting, running
 
     def _fail_all(self, status: int, message: str) -> None:
         for rid, t in list(self._tracked.items()):
