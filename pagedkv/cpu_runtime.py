@@ -30,11 +30,17 @@ TCMALLOC_CANDIDATES = (
 )
 
 
+def intel_openmp() -> Path | None:
+    """The ``intel-openmp`` wheel's ``libiomp5.so`` in this Python's prefix, if installed."""
+    iomp = Path(sys.prefix) / "lib" / "libiomp5.so"
+    return iomp if iomp.is_file() else None
+
+
 def runtime_libraries() -> list[str]:
     """The tcmalloc and Intel OpenMP libraries present on this machine, in preload order."""
     found = [next((p for p in TCMALLOC_CANDIDATES if Path(p).is_file()), None)]
-    iomp = Path(sys.prefix) / "lib" / "libiomp5.so"
-    found.append(str(iomp) if iomp.is_file() else None)
+    iomp = intel_openmp()
+    found.append(str(iomp) if iomp else None)
     return [p for p in found if p]
 
 

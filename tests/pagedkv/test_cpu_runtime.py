@@ -3,7 +3,11 @@ never twice; the launcher gives them to CPU workers only, and a worker it starts
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -87,9 +91,6 @@ def test_a_worker_started_by_the_launcher_maps_the_runtime_libraries(tmp_path: P
 
 
 def test_the_openmp_registration_of_an_exited_process_is_removed_and_a_live_ones_kept(tmp_path: Path) -> None:
-    import os
-    import subprocess
-
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     uid = os.getuid()
@@ -107,16 +108,11 @@ def test_the_openmp_registration_of_an_exited_process_is_removed_and_a_live_ones
 
 
 @pytest.mark.skipif(
-    not (Path(sys.prefix) / "lib" / "libiomp5.so").is_file(), reason="intel-openmp is not installed"
+    cpu_runtime.intel_openmp() is None, reason="intel-openmp is not installed (the worker extra)"
 )
 def test_a_killed_process_leaves_the_openmp_runtimes_file_which_is_then_removed() -> None:
-    import os
-    import signal
-    import subprocess
-    import time
-
     script = "import time, torch; x = torch.randn(400, 400); x.mm(x); print('up', flush=True); time.sleep(60)"
-    env = {**os.environ, "LD_PRELOAD": str(Path(sys.prefix) / "lib" / "libiomp5.so"), "OMP_NUM_THREADS": "2"}
+    env = {**os.environ, "LD_PRELOAD": str(cpu_runtime.intel_openmp()), "OMP_NUM_THREADS": "2"}
     p = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True)
     try:
         assert p.stdout is not None and p.stdout.readline().strip() == "up"
