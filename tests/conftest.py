@@ -13,6 +13,21 @@ import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
+# The suite's processes share the cores: xdist's workers side by side, and beside them the stacks
+# the slow tests start. GNU OpenMP (torch's runtime, and the native kernels') keeps a finished
+# parallel region's threads spinning for the next one; a spinning thread holds a core another test
+# process is waiting for, and the fast tier took half again as long for it. So this process's
+# runtime sleeps as soon as it is idle: OMP_WAIT_POLICY=passive, read once when torch loads the
+# runtime (below), then taken out of the environment again, so that the processes the tests start
+# (workers, benchmarks) run with the product's own settings. A value set outside is left alone.
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ["OMP_WAIT_POLICY"] = "passive"
+    try:
+        import torch  # noqa: F401 - loads the OpenMP runtime while the variable is set
+    except ImportError:
+        pass
+    del os.environ["OMP_WAIT_POLICY"]
+
 
 def _has_cuda() -> bool:
     try:
@@ -124,6 +139,18 @@ ALONE_MODULES = frozenset(
 assert ALONE_MODULES <= TIMED_MODULES
 
 
+# The results-only slow modules that only compute (no process stack, no timeout shorter than ten
+# minutes that a starved process could run into): marked `early`. `make test` starts them under
+# `nice -n 19` at the same time as mypy and the fast tier, to use the CPU those leave idle.
+EARLY_MODULES = frozenset(
+    {
+        "tests/kernels/test_compile_sm90.py",
+        "tests/kernels/test_gpu_selection.py",
+    }
+)
+assert EARLY_MODULES <= SLOW_MODULES and not EARLY_MODULES & TIMED_MODULES
+
+
 # The longest modules (an ahead-of-time compile of every kernel configuration, real models against
 # transformers): `make test` runs them first, then the other slow modules, then the fast ones, so a
 # long module never starts last while the other processes have run out of work.
@@ -143,6 +170,9 @@ def pytest_configure(config: object) -> None:
         "timed: a slow test timed against a clock; `make test` runs these serially (niced work beside)",
     )
     config.addinivalue_line(  # type: ignore[attr-defined]
+        "markers", "early: a results-only slow test that only computes; `make test` starts these first, niced"
+    )
+    config.addinivalue_line(  # type: ignore[attr-defined]
         "markers", "alone: a timed test measuring CPU time; `make test` runs these last, on an idle machine"
     )
 
@@ -160,6 +190,8 @@ def pytest_collection_modifyitems(config: object, items: list) -> None:  # type:
             item.add_marker(pytest.mark.timed)
         if rel in ALONE_MODULES:
             item.add_marker(pytest.mark.alone)
+        if rel in EARLY_MODULES:
+            item.add_marker(pytest.mark.early)
         longest = LONGEST_MODULES.index(rel) if rel in LONGEST_MODULES else len(LONGEST_MODULES)
         rank[id(item)] = longest if slow else longest + 1
     items.sort(key=lambda item: rank[id(item)])  # stable: a module's tests keep their order
