@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo up block-manager lint test test-fast protos bench clean
+.PHONY: install demo up block-manager lint style types test test-fast protos bench clean
 
 install: $(STAMP)
 
@@ -40,33 +40,48 @@ block-manager: $(STAMP)
 	$(BIN)/pagedkv block-manager
 
 ## Lint and types over the whole tree (configured in pyproject.toml; pagedkv/v1 is generated).
-lint: $(STAMP)
+lint: style types
+
+style: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+
+types: $(STAMP)
 	$(BIN)/mypy
 
-## Lint, then the whole test suite (also what CI runs): the fast tier spread over TEST_JOBS
-## processes (in-process tests only, so they share nothing but the CPUs), then two runs side by side:
-## the `timed` slow modules (deadlines, keepalives, timed budgets: tests/conftest.py, TIMED_MODULES)
-## in one process at normal priority, and the slow modules that only check results (process stacks
-## with generous timeouts, ahead-of-time compiles, bench scripts) a whole module per process over
-## TEST_JOBS processes, longest first (tests/conftest.py, LONGEST_MODULES), under `nice -n 19`: the
-## timed tests spend about half their time waiting on a deadline, and the results-only ones take
-## only the CPU time they leave. The results-only run's output follows the timed run's. Last, alone,
-## the timed modules that measure CPU time itself (tests/conftest.py, ALONE_MODULES). Every run runs
-## even when an earlier one fails; the exit status is a failure if any failed.
+## Lint, then the whole test suite (also what CI runs), packed so that the 2 cores of a small
+## machine stay busy (the runs and their markers: tests/conftest.py):
+## 1. mypy, the fast tier over TEST_JOBS processes (in-process tests only) and, under `nice -n 19`,
+##    the `early` modules (ahead-of-time compiles: pure computation with long timeouts) side by side:
+##    the niced compile takes the CPU that mypy's one core and the fast tier's tail leave;
+## 2. the `timed` slow modules (deadlines, keepalives, timed budgets) in one process at normal
+##    priority, and beside them, under `nice -n 19`, the slow modules that only check results
+##    (process stacks with generous timeouts, bench scripts), a whole module per process over
+##    TEST_JOBS processes, longest first: the timed tests spend about half their time waiting;
+## 3. last, alone, the timed modules that measure CPU time itself (`alone`).
+## The results-only runs set OMP_WAIT_POLICY=passive for every process they start: their stacks
+## share the cores with other stacks, where an idle OpenMP thread that spins holds a core another
+## process needs. The timed and alone runs keep the product's own settings. Every run runs even when
+## an earlier one fails; niced runs print their output after the run beside them; the exit status is
+## a failure if any failed.
 TEST_JOBS ?= auto
-test: lint
+RESULTS_ONLY := OMP_WAIT_POLICY=passive nice -n 19 $(BIN)/python -m pytest
+test: style
 	$(BIN)/python tools/gen_protos.py --check
 	$(BIN)/python tools/gen_settings_doc.py --check
+	typeslog=$$(mktemp); earlylog=$$(mktemp); slowlog=$$(mktemp); \
+	$(BIN)/mypy >$$typeslog 2>&1 & typespid=$$!; \
+	$(RESULTS_ONLY) -m "early" >$$earlylog 2>&1 & earlypid=$$!; \
 	$(BIN)/python -m pytest -m "not slow" -n $(TEST_JOBS); fast=$$?; \
-	log=$$(mktemp); \
+	wait $$typespid; types=$$?; echo "make test: mypy"; cat $$typeslog; \
 	echo "make test: the results-only slow modules run beside the timed ones (under nice); their output follows"; \
-	nice -n 19 $(BIN)/python -m pytest -m "slow and not timed" -n $(TEST_JOBS) --dist loadfile >$$log 2>&1 & slowpid=$$!; \
+	$(RESULTS_ONLY) -m "slow and not timed and not early" -n $(TEST_JOBS) --dist loadfile >$$slowlog 2>&1 & slowpid=$$!; \
 	$(BIN)/python -m pytest -m "timed and not alone"; timed=$$?; \
-	wait $$slowpid; slow=$$?; cat $$log; rm -f $$log; \
+	wait $$slowpid; slow=$$?; cat $$slowlog; \
+	wait $$earlypid; early=$$?; echo "make test: the early modules (niced, from the start)"; cat $$earlylog; \
+	rm -f $$typeslog $$earlylog $$slowlog; \
 	$(BIN)/python -m pytest -m "alone"; alone=$$?; \
-	test $$fast -eq 0 -a $$slow -eq 0 -a $$timed -eq 0 -a $$alone -eq 0
+	test $$types -eq 0 -a $$fast -eq 0 -a $$early -eq 0 -a $$slow -eq 0 -a $$timed -eq 0 -a $$alone -eq 0
 
 ## The fast tier for the edit-test loop: no process stacks, no ahead-of-time compiles, no bench
 ## scripts (tests/conftest.py, SLOW_MODULES), no lint; a few minutes on 2 cores.
