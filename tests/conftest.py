@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -177,21 +178,58 @@ def pytest_configure(config: object) -> None:
     )
 
 
+def _module_marks(rel: str) -> dict[str, bool]:
+    """The marks this file gives every test of the module at `rel` (relative to the repository)."""
+    return {
+        "slow": rel.startswith("tests/bench/") or rel in SLOW_MODULES,
+        "timed": rel in TIMED_MODULES,
+        "alone": rel in ALONE_MODULES,
+        "early": rel in EARLY_MODULES,
+    }
+
+
+_MARK_TOKENS = re.compile(r"\s*(\(|\)|\w+)\s*")
+
+
+def pytest_ignore_collect(collection_path: pathlib.Path, config: object) -> bool | None:
+    """Skip importing a test module none of whose tests the run's ``-m`` expression can select.
+
+    Why: every run of `make test` selects by these marks, and collecting means importing: a run of
+    the 3 `alone` tests would first import the other 2,800 and more. Only expressions over the marks this file
+    gives whole modules are judged (anything else collects as usual)."""
+    expr = config.getoption("markexpr")  # type: ignore[attr-defined]
+    if not expr or collection_path.suffix != ".py" or not collection_path.name.startswith("test_"):
+        return None
+    tokens = _MARK_TOKENS.findall(expr)
+    if "".join(tokens) != re.sub(r"\s+", "", expr):
+        return None
+    try:
+        marks = _module_marks(collection_path.resolve().relative_to(ROOT).as_posix())
+    except ValueError:
+        return None
+    known = {"and", "or", "not", "(", ")", *marks}
+    if not set(tokens) <= known:
+        return None
+    # A module may also mark single tests slow (it names `mark.slow`): try it both ways there.
+    marked = "mark.slow" in collection_path.read_text(encoding="utf-8")
+    for slow in {marks["slow"], marks["slow"] or marked}:
+        values = {**marks, "slow": slow}
+        text = " ".join(str(values[t]) if t in values else t for t in tokens)
+        if eval(text, {"__builtins__": {}}):  # noqa: S307 - only True, False, and, or, not, parentheses
+            return None
+    return True
+
+
 def pytest_collection_modifyitems(config: object, items: list) -> None:  # type: ignore[type-arg]
     import pytest
 
     rank: dict[int, int] = {}
     for item in items:
         rel = pathlib.Path(str(item.fspath)).resolve().relative_to(ROOT).as_posix()
-        slow = rel.startswith("tests/bench/") or rel in SLOW_MODULES
-        if slow:
-            item.add_marker(pytest.mark.slow)
-        if rel in TIMED_MODULES:
-            item.add_marker(pytest.mark.timed)
-        if rel in ALONE_MODULES:
-            item.add_marker(pytest.mark.alone)
-        if rel in EARLY_MODULES:
-            item.add_marker(pytest.mark.early)
+        marks = _module_marks(rel)
+        for name, on in marks.items():
+            if on:
+                item.add_marker(getattr(pytest.mark, name))
         longest = LONGEST_MODULES.index(rel) if rel in LONGEST_MODULES else len(LONGEST_MODULES)
-        rank[id(item)] = longest if slow else longest + 1
+        rank[id(item)] = longest if marks["slow"] else longest + 1
     items.sort(key=lambda item: rank[id(item)])  # stable: a module's tests keep their order
