@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import pathlib
-import re
+from collections.abc import Callable
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -188,34 +188,45 @@ def _module_marks(rel: str) -> dict[str, bool]:
     }
 
 
-_MARK_TOKENS = re.compile(r"\s*(\(|\)|\w+)\s*")
+class _NotAModuleMark(Exception):
+    """An ``-m`` expression names a mark this file does not give whole modules."""
+
+
+def _matcher(values: dict[str, bool]) -> Callable[..., bool]:
+    """An ``-m`` matcher for a module with these marks; another mark name raises _NotAModuleMark."""
+
+    def match(name: str, /, **_: str | int | bool | None) -> bool:
+        if name not in values:
+            raise _NotAModuleMark(name)
+        return values[name]
+
+    return match
 
 
 def pytest_ignore_collect(collection_path: pathlib.Path, config: object) -> bool | None:
     """Skip importing a test module none of whose tests the run's ``-m`` expression can select.
 
-    Why: every run of `make test` selects by these marks, and collecting means importing: a run of
-    the 3 `alone` tests would first import the other 2,800 and more. Only expressions over the marks this file
-    gives whole modules are judged (anything else collects as usual)."""
+    Why: every run of `make test` selects by these marks, and collecting means importing: the run
+    of the 3 `alone` tests would first import every other test module. Only expressions over the
+    marks this file gives whole modules are judged (with pytest's own ``-m`` parser); anything
+    else collects as usual."""
+    from _pytest.mark.expression import Expression
+
     expr = config.getoption("markexpr")  # type: ignore[attr-defined]
     if not expr or collection_path.suffix != ".py" or not collection_path.name.startswith("test_"):
         return None
-    tokens = _MARK_TOKENS.findall(expr)
-    if "".join(tokens) != re.sub(r"\s+", "", expr):
-        return None
     try:
         marks = _module_marks(collection_path.resolve().relative_to(ROOT).as_posix())
-    except ValueError:
-        return None
-    known = {"and", "or", "not", "(", ")", *marks}
-    if not set(tokens) <= known:
+        compiled = Expression.compile(expr)
+    except Exception:  # noqa: BLE001 - outside the repository, or a bad expression pytest reports
         return None
     # A module may also mark single tests slow (it names `mark.slow`): try it both ways there.
     marked = "mark.slow" in collection_path.read_text(encoding="utf-8")
     for slow in {marks["slow"], marks["slow"] or marked}:
-        values = {**marks, "slow": slow}
-        text = " ".join(str(values[t]) if t in values else t for t in tokens)
-        if eval(text, {"__builtins__": {}}):  # noqa: S307 - only True, False, and, or, not, parentheses
+        try:
+            if compiled.evaluate(_matcher({**marks, "slow": slow})):
+                return None
+        except _NotAModuleMark:
             return None
     return True
 
