@@ -78,6 +78,33 @@ def layers_per_block(model: ModelConfig, pool: PoolConfig | None) -> int:
         raise GeometryMismatch(f"cache geometry mismatch: kv_groups: {e}") from None
 
 
+def draft_config(draft: str | None, model: ModelConfig) -> ModelConfig | None:
+    """The draft model's config (``--speculative-model``; None: none), refused unless it shares the
+    target's vocabulary: verification compares the draft's token ids with the target's own."""
+    if not draft:
+        return None
+    from pagedkv.worker_svc.model.config import load_model_config
+
+    cfg = load_model_config(draft)
+    if cfg.vocab_size != model.vocab_size:
+        raise GeometryMismatch(
+            f"the draft model {cfg.name} ({draft}) has a vocabulary of {cfg.vocab_size} tokens, the model "
+            f"{model.name} {model.vocab_size}: a draft must share the model's vocabulary"
+        )
+    return cfg
+
+
+def draft_geometry(draft: ModelConfig | None) -> dict[str, int]:
+    """CacheGeometry's draft fields for ``draft`` (every layer in its block: one full group)."""
+    if draft is None:
+        return {}
+    return {
+        "draft_num_layers": draft.num_layers,
+        "draft_num_kv_heads": draft.num_kv_heads,
+        "draft_head_dim": draft.head_dim,
+    }
+
+
 def known_values(settings: _Common, model: ModelConfig, pool: PoolConfig | None) -> dict[str, Sourced]:
     """Every geometry value this process knows, checked against each other.
 
@@ -90,6 +117,14 @@ def known_values(settings: _Common, model: ModelConfig, pool: PoolConfig | None)
         "num_kv_heads": Sourced(model.num_kv_heads, f"model {model.name}"),
         "head_dim": Sourced(model.head_dim, f"model {model.name}"),
     }
+    draft = draft_config(settings.speculative_model, model)
+    for name in ("draft_num_layers", "draft_num_kv_heads", "draft_head_dim"):
+        where = (
+            f"draft model {draft.name} (--speculative-model)"
+            if draft
+            else "settings (no --speculative-model)"
+        )
+        known[name] = Sourced(draft_geometry(draft).get(name, 0), where)
     explicit = settings.model_fields_set
     if settings.num_layers is not None and settings.num_layers != model.num_layers:
         raise GeometryMismatch(
@@ -123,6 +158,7 @@ def host_geometry(settings: _Common, model: ModelConfig, pool: PoolConfig | None
         num_gpu_blocks=int(values["num_gpu_blocks"]),
         num_cpu_blocks=int(values["num_cpu_blocks"]),
         kv_cache_dtype=str(values["kv_cache_dtype"]),
+        **draft_geometry(draft_config(settings.speculative_model, model)),
     )
 
 
@@ -170,18 +206,28 @@ def kv_groups_for(model: str | None, choice: str = "auto") -> str:
 
 
 def model_block_bytes(
-    model: str | None, dtype: str, device: str, block_size: int, kv_cache_dtype: str, kv_groups: str = ""
+    model: str | None,
+    dtype: str,
+    device: str,
+    block_size: int,
+    kv_cache_dtype: str,
+    kv_groups: str = "",
+    draft: str | None = None,
 ) -> int:
     """Bytes of one cache block for this model, dtype setting, device and KV dtype: what a launcher
     (``pagedkv up``, the in-process stack) gives the block manager with a ``--kv-cache-memory`` budget,
     computed exactly as the cache host will check it. ``kv_groups``: the block manager's
-    ``--kv-groups`` (empty: one group; a block then holds every layer)."""
+    ``--kv-groups`` (empty: one group; a block then holds every layer); ``draft``: the
+    ``--speculative-model``, whose layers each block holds too."""
     from pagedkv.worker_svc.devices import resolve_device, resolve_dtype
     from pagedkv.worker_svc.model.config import load_model_config
 
     cfg = load_model_config(model)
     slots = kv_layout(cfg, parse_kv_groups(kv_groups)).layers_per_block
-    geometry = CacheGeometry(slots, cfg.num_kv_heads, cfg.head_dim, block_size, 1, 0, kv_cache_dtype)
+    geometry = CacheGeometry(
+        slots, cfg.num_kv_heads, cfg.head_dim, block_size, 1, 0, kv_cache_dtype,
+        **draft_geometry(draft_config(draft, cfg)),
+    )  # fmt: skip
     return geometry.block_bytes(resolve_dtype(dtype, resolve_device(device)))
 
 
@@ -197,11 +243,13 @@ def model_size(
     kv_cache_dtype: str,
     weight_format: str,
     kv_groups: str = "",
+    draft: str | None = None,
 ) -> ModelSize:
     """What ``pagedkv up``'s plan (``pagedkv/plan.py``) needs of the model: the weights' bytes as the
     stack will hold them, one KV block's bytes (exactly as the cache host checks them) and the model's
     longest sequence. The weights are estimated from the config's matrices, except a GGUF file held
-    in its own quantization (``auto`` on a CPU), which is the file's size."""
+    in its own quantization (``auto`` on a CPU), which is the file's size. ``draft``: the
+    ``--speculative-model``, whose weights and KV count too."""
     import pathlib
 
     from pagedkv.worker_svc.devices import resolve_device, resolve_dtype
@@ -211,15 +259,21 @@ def model_size(
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     slots = kv_layout(cfg, parse_kv_groups(kv_groups)).layers_per_block
-    geometry = CacheGeometry(slots, cfg.num_kv_heads, cfg.head_dim, block_size, 1, 0, kv_cache_dtype)
-    if model and pathlib.Path(model).is_file() and weight_format == "auto" and dev.type == "cpu":
-        weight_bytes = pathlib.Path(model).stat().st_size
-    else:
-        h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        per_layer = h * q * 2 + h * kv * 2 + 3 * h * cfg.intermediate_size
-        embeddings = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
+    draft_cfg = draft_config(draft, cfg)
+    geometry = CacheGeometry(
+        slots, cfg.num_kv_heads, cfg.head_dim, block_size, 1, 0, kv_cache_dtype, **draft_geometry(draft_cfg)
+    )
+
+    def weights_of(path: str | None, c: ModelConfig) -> int:
+        if path and pathlib.Path(path).is_file() and weight_format == "auto" and dev.type == "cpu":
+            return pathlib.Path(path).stat().st_size
+        h, q, kv = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        per_layer = h * q * 2 + h * kv * 2 + 3 * h * c.intermediate_size
+        embeddings = c.vocab_size * h * (1 if c.tie_word_embeddings else 2)
         per_param = _FORMAT_BYTES.get(weight_format, float(torch_dtype.itemsize))
-        weight_bytes = int((cfg.num_layers * per_layer + embeddings) * per_param)
+        return int((c.num_layers * per_layer + embeddings) * per_param)
+
+    weight_bytes = weights_of(model, cfg) + (weights_of(draft, draft_cfg) if draft_cfg is not None else 0)
     return ModelSize(
         weight_bytes=weight_bytes,
         kv_bytes_per_block=geometry.block_bytes(torch_dtype),

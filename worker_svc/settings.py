@@ -49,6 +49,11 @@ class _Common(BaseSettings):
     model: str | None = Field(
         None, description="Hugging Face model directory (config.json + safetensors) or GGUF file"
     )
+    speculative_model: str | None = Field(
+        None,
+        description="draft model for speculative decoding (docs/speculative.md): a Hugging Face directory "
+        "or GGUF file with the model's vocabulary; its KV is kept beside the model's in the same blocks",
+    )
     num_layers: int | None = Field(None, ge=1, description="override/check the model's layer count")
     dtype: DType = Field("auto", description="cache/model dtype; auto = float32 on CPU, bfloat16 on CUDA")
     weight_format: WeightFormat = Field(

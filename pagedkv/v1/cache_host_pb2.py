@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpagedkv/v1/cache_host.proto\x12\npagedkv.v1\"\xa7\x01\n\rCacheGeometry\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x16\n\x0enum_gpu_blocks\x18\x05 \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\x06 \x01(\r\x12\x16\n\x0ekv_cache_dtype\x18\x07 \x01(\t\"\x97\x01\n\x0cSharedTensor\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x10\n\x08shm_name\x18\x02 \x01(\t\x12\x12\n\nipc_handle\x18\x03 \x01(\x0c\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0c\n\x04size\x18\x05 \x01(\x04\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\r\n\x05shape\x18\x07 \x03(\x04\x12\x14\n\x0c\x64\x65vice_index\x18\x08 \x01(\x05\"\x15\n\x13GetCacheInfoRequest\"\x99\x02\n\tCacheInfo\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12+\n\tgpu_cache\x18\x02 \x01(\x0b\x32\x18.pagedkv.v1.SharedTensor\x12+\n\tcpu_cache\x18\x03 \x01(\x0b\x32\x18.pagedkv.v1.SharedTensor\x12+\n\x08geometry\x18\x04 \x01(\x0b\x32\x19.pagedkv.v1.CacheGeometry\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x13\n\x0binstance_id\x18\x06 \x01(\t\x12\x10\n\x08host_pid\x18\x07 \x01(\r\x12\x12\n\nmodel_name\x18\x08 \x01(\t\x12*\n\x07weights\x18\t \x01(\x0b\x32\x19.pagedkv.v1.SharedWeights\"\\\n\x0cWeightTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x10\n\x08\x61lias_of\x18\x05 \x01(\t\"t\n\rSharedWeights\x12(\n\x06region\x18\x01 \x01(\x0b\x32\x18.pagedkv.v1.SharedTensor\x12)\n\x07tensors\x18\x02 \x03(\x0b\x32\x18.pagedkv.v1.WeightTensor\x12\x0e\n\x06source\x18\x03 \x01(\t2S\n\tCacheHost\x12\x46\n\x0cGetCacheInfo\x12\x1f.pagedkv.v1.GetCacheInfoRequest\x1a\x15.pagedkv.v1.CacheInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpagedkv/v1/cache_host.proto\x12\npagedkv.v1\"\xf5\x01\n\rCacheGeometry\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x16\n\x0enum_gpu_blocks\x18\x05 \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\x06 \x01(\r\x12\x16\n\x0ekv_cache_dtype\x18\x07 \x01(\t\x12\x18\n\x10\x64raft_num_layers\x18\x08 \x01(\r\x12\x1a\n\x12\x64raft_num_kv_heads\x18\t \x01(\r\x12\x16\n\x0e\x64raft_head_dim\x18\n \x01(\r\"\x97\x01\n\x0cSharedTensor\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x10\n\x08shm_name\x18\x02 \x01(\t\x12\x12\n\nipc_handle\x18\x03 \x01(\x0c\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0c\n\x04size\x18\x05 \x01(\x04\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\r\n\x05shape\x18\x07 \x03(\x04\x12\x14\n\x0c\x64\x65vice_index\x18\x08 \x01(\x05\"\x15\n\x13GetCacheInfoRequest\"\x99\x03\n\tCacheInfo\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12+\n\tgpu_cache\x18\x02 \x01(\x0b\x32\x18.pagedkv.v1.SharedTensor\x12+\n\tcpu_cache\x18\x03 \x01(\x0b\x32\x18.pagedkv.v1.SharedTensor\x12+\n\x08geometry\x18\x04 \x01(\x0b\x32\x19.pagedkv.v1.CacheGeometry\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x13\n\x0binstance_id\x18\x06 \x01(\t\x12\x10\n\x08host_pid\x18\x07 \x01(\r\x12\x12\n\nmodel_name\x18\x08 \x01(\t\x12*\n\x07weights\x18\t \x01(\x0b\x32\x19.pagedkv.v1.SharedWeights\x12\x31\n\x0f\x64raft_gpu_cache\x18\n \x01(\x0b\x32\x18.pagedkv.v1.SharedTensor\x12\x31\n\x0f\x64raft_cpu_cache\x18\x0b \x01(\x0b\x32\x18.pagedkv.v1.SharedTensor\x12\x18\n\x10\x64raft_model_name\x18\x0c \x01(\t\"\\\n\x0cWeightTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x10\n\x08\x61lias_of\x18\x05 \x01(\t\"t\n\rSharedWeights\x12(\n\x06region\x18\x01 \x01(\x0b\x32\x18.pagedkv.v1.SharedTensor\x12)\n\x07tensors\x18\x02 \x03(\x0b\x32\x18.pagedkv.v1.WeightTensor\x12\x0e\n\x06source\x18\x03 \x01(\t2S\n\tCacheHost\x12\x46\n\x0cGetCacheInfo\x12\x1f.pagedkv.v1.GetCacheInfoRequest\x1a\x15.pagedkv.v1.CacheInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,17 +32,17 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pagedkv.v1.cache_host_pb2',
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_CACHEGEOMETRY']._serialized_start=44
-  _globals['_CACHEGEOMETRY']._serialized_end=211
-  _globals['_SHAREDTENSOR']._serialized_start=214
-  _globals['_SHAREDTENSOR']._serialized_end=365
-  _globals['_GETCACHEINFOREQUEST']._serialized_start=367
-  _globals['_GETCACHEINFOREQUEST']._serialized_end=388
-  _globals['_CACHEINFO']._serialized_start=391
-  _globals['_CACHEINFO']._serialized_end=672
-  _globals['_WEIGHTTENSOR']._serialized_start=674
-  _globals['_WEIGHTTENSOR']._serialized_end=766
-  _globals['_SHAREDWEIGHTS']._serialized_start=768
-  _globals['_SHAREDWEIGHTS']._serialized_end=884
-  _globals['_CACHEHOST']._serialized_start=886
-  _globals['_CACHEHOST']._serialized_end=969
+  _globals['_CACHEGEOMETRY']._serialized_end=289
+  _globals['_SHAREDTENSOR']._serialized_start=292
+  _globals['_SHAREDTENSOR']._serialized_end=443
+  _globals['_GETCACHEINFOREQUEST']._serialized_start=445
+  _globals['_GETCACHEINFOREQUEST']._serialized_end=466
+  _globals['_CACHEINFO']._serialized_start=469
+  _globals['_CACHEINFO']._serialized_end=878
+  _globals['_WEIGHTTENSOR']._serialized_start=880
+  _globals['_WEIGHTTENSOR']._serialized_end=972
+  _globals['_SHAREDWEIGHTS']._serialized_start=974
+  _globals['_SHAREDWEIGHTS']._serialized_end=1090
+  _globals['_CACHEHOST']._serialized_start=1092
+  _globals['_CACHEHOST']._serialized_end=1175
 # @@protoc_insertion_point(module_scope)

@@ -36,6 +36,9 @@ class CacheGeometry(_message.Message):
     NUM_GPU_BLOCKS_FIELD_NUMBER: _builtins.int
     NUM_CPU_BLOCKS_FIELD_NUMBER: _builtins.int
     KV_CACHE_DTYPE_FIELD_NUMBER: _builtins.int
+    DRAFT_NUM_LAYERS_FIELD_NUMBER: _builtins.int
+    DRAFT_NUM_KV_HEADS_FIELD_NUMBER: _builtins.int
+    DRAFT_HEAD_DIM_FIELD_NUMBER: _builtins.int
     num_layers: _builtins.int
     num_kv_heads: _builtins.int
     head_dim: _builtins.int
@@ -46,6 +49,12 @@ class CacheGeometry(_message.Message):
     """"auto" (K/V in the model's dtype), "int8" or "fp8_e4m3" (8-bit rows, each
     followed by its fp32 scale); empty from an older host means "auto".
     """
+    draft_num_layers: _builtins.int
+    """Speculative decoding's draft model (0 layers: none): its KV is a second
+    cache tensor indexed by the same block ids (CacheInfo.draft_gpu_cache).
+    """
+    draft_num_kv_heads: _builtins.int
+    draft_head_dim: _builtins.int
     def __init__(
         self,
         *,
@@ -56,10 +65,13 @@ class CacheGeometry(_message.Message):
         num_gpu_blocks: _builtins.int = ...,
         num_cpu_blocks: _builtins.int = ...,
         kv_cache_dtype: _builtins.str = ...,
+        draft_num_layers: _builtins.int = ...,
+        draft_num_kv_heads: _builtins.int = ...,
+        draft_head_dim: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "head_dim", b"head_dim", "kv_cache_dtype", b"kv_cache_dtype", "num_cpu_blocks", b"num_cpu_blocks", "num_gpu_blocks", b"num_gpu_blocks", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "draft_head_dim", b"draft_head_dim", "draft_num_kv_heads", b"draft_num_kv_heads", "draft_num_layers", b"draft_num_layers", "head_dim", b"head_dim", "kv_cache_dtype", b"kv_cache_dtype", "num_cpu_blocks", b"num_cpu_blocks", "num_gpu_blocks", b"num_gpu_blocks", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -146,6 +158,9 @@ class CacheInfo(_message.Message):
     HOST_PID_FIELD_NUMBER: _builtins.int
     MODEL_NAME_FIELD_NUMBER: _builtins.int
     WEIGHTS_FIELD_NUMBER: _builtins.int
+    DRAFT_GPU_CACHE_FIELD_NUMBER: _builtins.int
+    DRAFT_CPU_CACHE_FIELD_NUMBER: _builtins.int
+    DRAFT_MODEL_NAME_FIELD_NUMBER: _builtins.int
     backend: _builtins.str
     """"shm" (CPU backend) or "cuda_ipc" (GPU backend)."""
     dtype: _builtins.str
@@ -156,6 +171,8 @@ class CacheInfo(_message.Message):
     host_pid: _builtins.int
     model_name: _builtins.str
     """Fingerprint of the model the cache was sized for (informational)."""
+    draft_model_name: _builtins.str
+    """The draft model's name (empty: none)."""
     @_builtins.property
     def gpu_cache(self) -> Global___SharedTensor:
         """The device cache: [num_layers, 2, num_gpu_blocks, block_size, num_kv_heads, head_dim]."""
@@ -175,6 +192,15 @@ class CacheInfo(_message.Message):
         --share-weights). docs/worker.md "Shared weights".
         """
 
+    @_builtins.property
+    def draft_gpu_cache(self) -> Global___SharedTensor:
+        """The draft model's KV cache and swap pool (set when geometry has a draft):
+        [draft_num_layers, 2, blocks, block_size, draft_num_kv_heads, row], block b
+        of each holding the draft's KV of the tokens block b of the target's holds.
+        """
+
+    @_builtins.property
+    def draft_cpu_cache(self) -> Global___SharedTensor: ...
     def __init__(
         self,
         *,
@@ -187,10 +213,13 @@ class CacheInfo(_message.Message):
         host_pid: _builtins.int = ...,
         model_name: _builtins.str = ...,
         weights: Global___SharedWeights | None = ...,
+        draft_gpu_cache: Global___SharedTensor | None = ...,
+        draft_cpu_cache: Global___SharedTensor | None = ...,
+        draft_model_name: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["cpu_cache", b"cpu_cache", "geometry", b"geometry", "gpu_cache", b"gpu_cache", "weights", b"weights"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cpu_cache", b"cpu_cache", "draft_cpu_cache", b"draft_cpu_cache", "draft_gpu_cache", b"draft_gpu_cache", "geometry", b"geometry", "gpu_cache", b"gpu_cache", "weights", b"weights"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "cpu_cache", b"cpu_cache", "dtype", b"dtype", "geometry", b"geometry", "gpu_cache", b"gpu_cache", "host_pid", b"host_pid", "instance_id", b"instance_id", "model_name", b"model_name", "weights", b"weights"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "cpu_cache", b"cpu_cache", "draft_cpu_cache", b"draft_cpu_cache", "draft_gpu_cache", b"draft_gpu_cache", "draft_model_name", b"draft_model_name", "dtype", b"dtype", "geometry", b"geometry", "gpu_cache", b"gpu_cache", "host_pid", b"host_pid", "instance_id", b"instance_id", "model_name", b"model_name", "weights", b"weights"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

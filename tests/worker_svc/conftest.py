@@ -121,6 +121,21 @@ def build_hf_model(path: pathlib.Path, seed: int = 0, **overrides: object) -> HF
     return HFModel(path=path, model=model)
 
 
+def noisy_copy(hf: HFModel, path: pathlib.Path, scale: float = 1.5, seed: int = 1) -> pathlib.Path:
+    """``hf`` saved to ``path`` with noise on its MLP output weights (``scale`` times their
+    spread): a speculative-decoding draft that agrees with the model often, not always."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(hf.path)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            w = layer.mlp.down_proj.weight
+            w.add_(torch.randn(w.shape, generator=gen) * w.std() * scale)
+    model.save_pretrained(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def hf_llama(tmp_path_factory: pytest.TempPathFactory) -> HFModel:
     """Untied head, Llama 3 rope scaling, GQA 4:2."""

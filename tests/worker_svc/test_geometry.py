@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pathlib
 from dataclasses import replace
 
 import pytest
@@ -17,6 +18,7 @@ from pagedkv.worker_svc.geometry import (
 )
 from pagedkv.worker_svc.model.config import DEFAULT_MODEL_CONFIG as M
 from pagedkv.worker_svc.settings import CacheHostSettings, WorkerSettings
+from tests.worker_svc.conftest import HFModel, build_hf_model
 
 
 def test_defaults_without_a_block_manager() -> None:
@@ -81,3 +83,29 @@ def test_bytes_per_block_are_checked_when_the_pool_was_sized_from_a_budget() -> 
         replace(sized, kv_cache_memory_bytes=0), g, torch.float32, "this host"
     )  # counted in blocks
     check_block_bytes(None, g, torch.float32, "this host")
+
+
+def test_a_draft_model_is_part_of_the_geometry_and_must_agree(
+    hf_llama: HFModel, tmp_path: pathlib.Path
+) -> None:
+    """--speculative-model adds the draft's layers, KV heads and head_dim (each block holds its KV
+    too); a worker without the host's draft, or a draft with another vocabulary, is refused."""
+    from pagedkv.worker_svc.model.config import ModelConfig
+
+    small = build_hf_model(tmp_path / "d", num_hidden_layers=1, num_key_value_heads=1)
+    target = ModelConfig.from_dir(hf_llama.path)
+    draft = {"speculative_model": str(small.path)}
+    g = host_geometry(CacheHostSettings(**draft), target, None)
+    assert (g.draft_num_layers, g.draft_num_kv_heads, g.draft_head_dim) == (1, 1, 16)
+    assert (
+        g.block_bytes(torch.float32)
+        == replace(g, draft_num_layers=0).block_bytes(torch.float32) + 2 * 16 * 16 * 4
+    )
+    check_against_host(known_values(WorkerSettings(**draft), target, None), g, "the cache host at h:1")
+    with pytest.raises(
+        GeometryMismatch, match="draft_num_layers: settings \\(no --speculative-model\\) has 0"
+    ):
+        check_against_host(known_values(WorkerSettings(), target, None), g, "the cache host at h:1")
+    other = build_hf_model(tmp_path / "v", vocab_size=64)
+    with pytest.raises(GeometryMismatch, match="vocabulary of 64 tokens, the model .* 128"):
+        host_geometry(CacheHostSettings(speculative_model=str(other.path)), target, None)

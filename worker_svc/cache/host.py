@@ -19,7 +19,7 @@ import structlog
 from pagedkv.grpc_server import GrpcServer, start_server
 from pagedkv.v1 import cache_host_pb2, cache_host_pb2_grpc
 from pagedkv.worker_svc.cache.layout import CacheGeometry
-from pagedkv.worker_svc.cache.memory import CacheDescriptor, SharedCache, TensorDescriptor
+from pagedkv.worker_svc.cache.memory import CacheDescriptor, SharedCache, TensorDescriptor, TensorPair
 from pagedkv.worker_svc.cache.shared_weights import WeightEntry, WeightsDescriptor
 
 
@@ -40,6 +40,9 @@ def geometry_to_proto(g: CacheGeometry) -> cache_host_pb2.CacheGeometry:
         num_gpu_blocks=g.num_gpu_blocks,
         num_cpu_blocks=g.num_cpu_blocks,
         kv_cache_dtype=g.kv_cache_dtype,
+        draft_num_layers=g.draft_num_layers,
+        draft_num_kv_heads=g.draft_num_kv_heads,
+        draft_head_dim=g.draft_head_dim,
     )
 
 
@@ -52,6 +55,9 @@ def geometry_from_proto(g: cache_host_pb2.CacheGeometry) -> CacheGeometry:
         num_gpu_blocks=g.num_gpu_blocks,
         num_cpu_blocks=g.num_cpu_blocks,
         kv_cache_dtype=g.kv_cache_dtype or "auto",  # an older host sends none
+        draft_num_layers=g.draft_num_layers,
+        draft_num_kv_heads=g.draft_num_kv_heads,
+        draft_head_dim=g.draft_head_dim,
     )
 
 
@@ -127,7 +133,11 @@ def descriptor_to_proto(
         instance_id=d.instance_id,
         host_pid=d.host_pid,
         model_name=model_name,
+        draft_model_name=d.draft_model,
     )
+    if d.draft is not None:
+        info.draft_gpu_cache.CopyFrom(_tensor_to_proto(d.draft.gpu))
+        info.draft_cpu_cache.CopyFrom(_tensor_to_proto(d.draft.cpu))
     if weights is not None:
         info.weights.CopyFrom(weights_to_proto(weights))
     return info
@@ -142,6 +152,10 @@ def descriptor_from_proto(info: cache_host_pb2.CacheInfo) -> CacheDescriptor:
         dtype=info.dtype,
         instance_id=info.instance_id,
         host_pid=info.host_pid,
+        draft=TensorPair(_tensor_from_proto(info.draft_gpu_cache), _tensor_from_proto(info.draft_cpu_cache))
+        if info.HasField("draft_gpu_cache")
+        else None,
+        draft_model=info.draft_model_name,
     )
 
 
@@ -204,5 +218,5 @@ class CacheOwner:
         log.info(
             "cache_released",
             backend=desc.backend,
-            segments=[s for s in (desc.gpu.shm_name, desc.cpu.shm_name) if s],
+            segments=[s for s in desc.segments if s],
         )

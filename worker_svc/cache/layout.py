@@ -60,9 +60,27 @@ class CacheGeometry:
     num_cpu_blocks: int
     # "auto" (K/V in the model's dtype), "int8" or "fp8_e4m3" (pagedkv/kv_capacity.py).
     kv_cache_dtype: str = "auto"
+    # Speculative decoding's draft model (--speculative-model; 0 layers: none). Its KV lives in
+    # a second cache tensor indexed by the same block ids: block b holds the target's KV of its
+    # tokens and the draft's, so the block manager's tables, rollbacks, prefix cache and frees
+    # cover both (docs/speculative.md).
+    draft_num_layers: int = 0
+    draft_num_kv_heads: int = 0
+    draft_head_dim: int = 0
 
     def __post_init__(self) -> None:
         kv_capacity.check_kv_cache_dtype(self.kv_cache_dtype)
+        if self.draft_num_layers and (self.draft_num_kv_heads < 1 or self.draft_head_dim < 1):
+            raise ValueError("a draft model's cache needs draft_num_kv_heads and draft_head_dim >= 1")
+
+    @property
+    def has_draft(self) -> bool:
+        return self.draft_num_layers > 0
+
+    def draft_shape(self, num_blocks: int) -> tuple[int, int, int, int, int, int]:
+        """The draft model's cache: :meth:`shape` with the draft's layers, KV heads and head_dim."""
+        row = kv_capacity.row_bytes(self.draft_head_dim, self.kv_cache_dtype, 1)
+        return (self.draft_num_layers, 2, num_blocks, self.block_size, self.draft_num_kv_heads, row)
 
     def shape(self, num_blocks: int) -> tuple[int, int, int, int, int, int]:
         """``[num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, row]``: ``row`` is head_dim,
@@ -83,14 +101,21 @@ class CacheGeometry:
         return self.shape(self.num_cpu_blocks)
 
     def block_bytes(self, dtype: torch.dtype) -> int:
-        """Bytes of one block across all layers, K and V, scales included, for a model in ``dtype``."""
-        return kv_capacity.block_bytes(
-            self.num_layers,
-            self.num_kv_heads,
-            self.head_dim,
+        """Bytes of one block across all layers, K and V, scales included, for a model in ``dtype``
+        (the draft model's layers too, when there is one)."""
+        size = torch.empty((), dtype=dtype).element_size()
+        target = kv_capacity.block_bytes(
+            self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, self.kv_cache_dtype, size
+        )
+        if not self.has_draft:
+            return target
+        return target + kv_capacity.block_bytes(
+            self.draft_num_layers,
+            self.draft_num_kv_heads,
+            self.draft_head_dim,
             self.block_size,
             self.kv_cache_dtype,
-            torch.empty((), dtype=dtype).element_size(),
+            size,
         )
 
     def as_dict(self) -> dict[str, int | str]:

@@ -40,6 +40,14 @@ class TensorDescriptor:
 
 
 @dataclass(slots=True, frozen=True)
+class TensorPair:
+    """One cache's two exported tensors: the device cache and its host swap pool."""
+
+    gpu: TensorDescriptor
+    cpu: TensorDescriptor
+
+
+@dataclass(slots=True, frozen=True)
 class CacheDescriptor:
     backend: str
     gpu: TensorDescriptor
@@ -48,6 +56,15 @@ class CacheDescriptor:
     dtype: str
     instance_id: str
     host_pid: int
+    # The draft model's cache (speculative decoding, geometry.has_draft), and its model's name.
+    draft: TensorPair | None = None
+    draft_model: str = ""
+
+    @property
+    def segments(self) -> list[str]:
+        """The shared-memory segments' names ("" for a CUDA allocation)."""
+        pairs = [TensorPair(self.gpu, self.cpu)] + ([self.draft] if self.draft is not None else [])
+        return [t.shm_name for pair in pairs for t in (pair.gpu, pair.cpu)]
 
 
 class _Closable(Protocol):
@@ -57,17 +74,20 @@ class _Closable(Protocol):
 @dataclass(slots=True)
 class SharedCache:
     """The device cache ``[L, 2, num_gpu_blocks, ...]`` and the host swap pool
-    ``[L, 2, num_cpu_blocks, ...]``."""
+    ``[L, 2, num_cpu_blocks, ...]``; with a draft model, its two of the same kind (else None)."""
 
     descriptor: CacheDescriptor
     gpu: torch.Tensor
     cpu: torch.Tensor
     _resources: list[_Closable] = field(default_factory=list, repr=False)
+    draft_gpu: torch.Tensor | None = None
+    draft_cpu: torch.Tensor | None = None
 
     def close(self) -> None:
         """Release views, then handles/mappings in reverse order of acquisition. Idempotent."""
         self.gpu = torch.empty(0)
         self.cpu = torch.empty(0)
+        self.draft_gpu = self.draft_cpu = None
         while self._resources:
             self._resources.pop().close()
 
@@ -76,72 +96,106 @@ def resolve_backend(device: torch.device) -> str:
     return BACKEND_CUDA_IPC if device.type == "cuda" else BACKEND_SHM
 
 
+def _export_pair(
+    gpu_shape: tuple[int, ...],
+    cpu_shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+    shm_prefix: str,
+    kind: str,
+    resources: list[Any],
+) -> tuple[torch.Tensor, torch.Tensor, TensorPair]:
+    """Allocate one cache (device tensor, host swap pool), zero-filled; what it holds goes to
+    ``resources`` as it is acquired."""
+    cpu_shm = shm_backend.create(shm_backend.new_segment_name(shm_prefix, f"{kind}swap"), cpu_shape, dtype)
+    resources.append(cpu_shm)
+    cpu_desc = TensorDescriptor(
+        backend=BACKEND_SHM,
+        shape=cpu_shape,
+        dtype=dtype_name(dtype),
+        shm_name=cpu_shm.name,
+        size=cpu_shm.nbytes,
+    )
+    if device.type == "cuda":
+        from pagedkv.worker_svc.cache import cuda_ipc_backend
+
+        exp = cuda_ipc_backend.export(gpu_shape, dtype, device)
+        resources.append(exp)
+        pin = cuda_ipc_backend.pin_host_tensor(cpu_shm.tensor, device)  # type: ignore[arg-type]
+        if pin is not None:
+            resources.append(pin)
+        gpu_tensor = exp.tensor
+        gpu_desc = TensorDescriptor(
+            backend=BACKEND_CUDA_IPC,
+            shape=gpu_shape,
+            dtype=dtype_name(dtype),
+            ipc_handle=exp.handle,
+            offset=exp.offset,
+            size=exp.size,
+            device_index=exp.device_index,
+        )
+    else:
+        gpu_shm = shm_backend.create(shm_backend.new_segment_name(shm_prefix, f"{kind}kv"), gpu_shape, dtype)
+        resources.append(gpu_shm)
+        gpu_tensor = gpu_shm.tensor
+        gpu_desc = TensorDescriptor(
+            backend=BACKEND_SHM,
+            shape=gpu_shape,
+            dtype=dtype_name(dtype),
+            shm_name=gpu_shm.name,
+            size=gpu_shm.nbytes,
+        )
+    assert gpu_tensor is not None and cpu_shm.tensor is not None
+    return gpu_tensor, cpu_shm.tensor, TensorPair(gpu_desc, cpu_desc)
+
+
 def create(
-    geometry: CacheGeometry, dtype: torch.dtype, device: torch.device, shm_prefix: str = "pagedkv"
+    geometry: CacheGeometry,
+    dtype: torch.dtype,
+    device: torch.device,
+    shm_prefix: str = "pagedkv",
+    draft_model: str = "",
 ) -> SharedCache:
     """Allocate the cache once (the cache host's job). Zero-filled. ``dtype`` is the model's; the
-    tensors hold it, or the 8-bit KV rows ``geometry.kv_cache_dtype`` asks for (kernels/quant.py)."""
+    tensors hold it, or the 8-bit KV rows ``geometry.kv_cache_dtype`` asks for (kernels/quant.py).
+    With a draft model (``geometry.has_draft``; ``draft_model`` its name) its cache too."""
     model_dtype, dtype = dtype, geometry.storage_dtype(dtype)
     instance_id = secrets.token_hex(8)
     resources: list[Any] = []
+    draft_gpu = draft_cpu = None
+    draft_pair = None
     try:
-        cpu_shm = shm_backend.create(
-            shm_backend.new_segment_name(shm_prefix, "swap"), geometry.cpu_shape, dtype
+        gpu, cpu, pair = _export_pair(
+            geometry.gpu_shape, geometry.cpu_shape, dtype, device, shm_prefix, "", resources
         )
-        resources.append(cpu_shm)
-        cpu_desc = TensorDescriptor(
-            backend=BACKEND_SHM,
-            shape=geometry.cpu_shape,
-            dtype=dtype_name(dtype),
-            shm_name=cpu_shm.name,
-            size=cpu_shm.nbytes,
-        )
-        if device.type == "cuda":
-            from pagedkv.worker_svc.cache import cuda_ipc_backend
-
-            exp = cuda_ipc_backend.export(geometry.gpu_shape, dtype, device)
-            resources.append(exp)
-            pin = cuda_ipc_backend.pin_host_tensor(cpu_shm.tensor, device)  # type: ignore[arg-type]
-            if pin is not None:
-                resources.append(pin)
-            gpu_tensor = exp.tensor
-            gpu_desc = TensorDescriptor(
-                backend=BACKEND_CUDA_IPC,
-                shape=geometry.gpu_shape,
-                dtype=dtype_name(dtype),
-                ipc_handle=exp.handle,
-                offset=exp.offset,
-                size=exp.size,
-                device_index=exp.device_index,
-            )
-        else:
-            gpu_shm = shm_backend.create(
-                shm_backend.new_segment_name(shm_prefix, "kv"), geometry.gpu_shape, dtype
-            )
-            resources.append(gpu_shm)
-            gpu_tensor = gpu_shm.tensor
-            gpu_desc = TensorDescriptor(
-                backend=BACKEND_SHM,
-                shape=geometry.gpu_shape,
-                dtype=dtype_name(dtype),
-                shm_name=gpu_shm.name,
-                size=gpu_shm.nbytes,
+        if geometry.has_draft:
+            draft_gpu, draft_cpu, draft_pair = _export_pair(
+                geometry.draft_shape(geometry.num_gpu_blocks),
+                geometry.draft_shape(geometry.num_cpu_blocks),
+                dtype,
+                device,
+                shm_prefix,
+                "draft",
+                resources,
             )
     except BaseException:
         for r in reversed(resources):
             r.close()
         raise
     desc = CacheDescriptor(
-        backend=gpu_desc.backend,
-        gpu=gpu_desc,
-        cpu=cpu_desc,
+        backend=pair.gpu.backend,
+        gpu=pair.gpu,
+        cpu=pair.cpu,
         geometry=geometry,
         dtype=dtype_name(model_dtype),
         instance_id=instance_id,
         host_pid=os.getpid(),
+        draft=draft_pair,
+        draft_model=draft_model if geometry.has_draft else "",
     )
-    assert gpu_tensor is not None and cpu_shm.tensor is not None
-    return SharedCache(descriptor=desc, gpu=gpu_tensor, cpu=cpu_shm.tensor, _resources=resources)
+    return SharedCache(
+        descriptor=desc, gpu=gpu, cpu=cpu, _resources=resources, draft_gpu=draft_gpu, draft_cpu=draft_cpu
+    )
 
 
 def borrow(cache: SharedCache, desc: CacheDescriptor, device: torch.device) -> SharedCache:
@@ -159,7 +213,13 @@ def borrow(cache: SharedCache, desc: CacheDescriptor, device: torch.device) -> S
         )
     if cache.gpu.device.type != device.type or (device.index is not None and cache.gpu.device != device):
         raise ValueError(f"the in-process cache lives on {cache.gpu.device} but this worker runs on {device}")
-    return SharedCache(descriptor=cache.descriptor, gpu=cache.gpu, cpu=cache.cpu)
+    return SharedCache(
+        descriptor=cache.descriptor,
+        gpu=cache.gpu,
+        cpu=cache.cpu,
+        draft_gpu=cache.draft_gpu,
+        draft_cpu=cache.draft_cpu,
+    )
 
 
 def attach(desc: CacheDescriptor, device: torch.device) -> SharedCache:
@@ -174,26 +234,44 @@ def attach(desc: CacheDescriptor, device: torch.device) -> SharedCache:
         raise ValueError("a process cannot open its own CUDA IPC handle; use the exporter's tensor")
     resources: list[Any] = []
     try:
-        cpu_shm = shm_backend.attach(desc.cpu.shm_name, desc.cpu.shape, dtype)
-        resources.append(cpu_shm)
-        if desc.backend == BACKEND_CUDA_IPC:
-            from pagedkv.worker_svc.cache import cuda_ipc_backend
-
-            imp = cuda_ipc_backend.attach(
-                desc.gpu.ipc_handle, desc.gpu.offset, desc.gpu.size, desc.gpu.shape, dtype, device
-            )
-            resources.append(imp)
-            pin = cuda_ipc_backend.pin_host_tensor(cpu_shm.tensor, device)  # type: ignore[arg-type]
-            if pin is not None:
-                resources.append(pin)
-            gpu_tensor = imp.tensor
-        else:
-            gpu_shm = shm_backend.attach(desc.gpu.shm_name, desc.gpu.shape, dtype)
-            resources.append(gpu_shm)
-            gpu_tensor = gpu_shm.tensor
+        gpu, cpu = _attach_pair(desc.backend, desc.gpu, desc.cpu, dtype, device, resources)
+        draft = (
+            _attach_pair(desc.backend, desc.draft.gpu, desc.draft.cpu, dtype, device, resources)
+            if desc.draft is not None
+            else (None, None)
+        )
     except BaseException:
         for r in reversed(resources):
             r.close()
         raise
+    return SharedCache(
+        descriptor=desc, gpu=gpu, cpu=cpu, _resources=resources, draft_gpu=draft[0], draft_cpu=draft[1]
+    )
+
+
+def _attach_pair(
+    backend: str,
+    gpu: TensorDescriptor,
+    cpu: TensorDescriptor,
+    dtype: torch.dtype,
+    device: torch.device,
+    resources: list[Any],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Map one exported cache (device tensor, host swap pool); what it holds goes to ``resources``."""
+    cpu_shm = shm_backend.attach(cpu.shm_name, cpu.shape, dtype)
+    resources.append(cpu_shm)
+    if backend == BACKEND_CUDA_IPC:
+        from pagedkv.worker_svc.cache import cuda_ipc_backend
+
+        imp = cuda_ipc_backend.attach(gpu.ipc_handle, gpu.offset, gpu.size, gpu.shape, dtype, device)
+        resources.append(imp)
+        pin = cuda_ipc_backend.pin_host_tensor(cpu_shm.tensor, device)  # type: ignore[arg-type]
+        if pin is not None:
+            resources.append(pin)
+        gpu_tensor = imp.tensor
+    else:
+        gpu_shm = shm_backend.attach(gpu.shm_name, gpu.shape, dtype)
+        resources.append(gpu_shm)
+        gpu_tensor = gpu_shm.tensor
     assert gpu_tensor is not None and cpu_shm.tensor is not None
-    return SharedCache(descriptor=desc, gpu=gpu_tensor, cpu=cpu_shm.tensor, _resources=resources)
+    return gpu_tensor, cpu_shm.tensor

@@ -35,7 +35,7 @@ def _attach_in_child(
         import os, signal, torch
         from pagedkv.worker_svc.cache import memory as cache_memory
         from pagedkv.worker_svc.cache.layout import CacheGeometry
-        from pagedkv.worker_svc.cache.memory import CacheDescriptor, TensorDescriptor
+        from pagedkv.worker_svc.cache.memory import CacheDescriptor, TensorDescriptor, TensorPair
         desc = {desc!r}
         cache = cache_memory.attach(desc, torch.device("{device}"))
     """)
@@ -177,3 +177,44 @@ def test_cudart_fallback_fails_cleanly_without_a_gpu() -> None:
         cp.cuda.Memory(2 << 20)
     with pytest.raises(RuntimeError, match="cudaIpcOpenMemHandle failed"):
         cp.cuda.runtime.ipcOpenMemHandle(b"\0" * 64)
+
+
+DRAFT_GEOM = CacheGeometry(
+    num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, num_gpu_blocks=16, num_cpu_blocks=4,
+    draft_num_layers=1, draft_num_kv_heads=1, draft_head_dim=16,
+)  # fmt: skip
+
+
+def test_a_draft_models_cache_is_its_own_pair_of_segments_over_the_same_blocks() -> None:
+    """Speculative decoding's draft: a second device cache and swap pool with the draft's layers
+    and heads, as many blocks as the model's, served in the descriptor, attached by workers,
+    written across processes and unlinked with the rest."""
+    from pagedkv.worker_svc.cache.host import descriptor_from_proto, descriptor_to_proto
+
+    cache = cache_memory.create(
+        DRAFT_GEOM, torch.float32, torch.device("cpu"), "pagedkv-test", draft_model="d"
+    )
+    try:
+        assert cache.draft_gpu is not None and cache.draft_cpu is not None
+        assert tuple(cache.draft_gpu.shape) == (1, 2, 16, 4, 1, 16)
+        assert tuple(cache.draft_cpu.shape) == (1, 2, 4, 4, 1, 16)
+        assert (
+            DRAFT_GEOM.block_bytes(torch.float32) == GEOM.block_bytes(torch.float32) + 1 * 2 * 4 * 1 * 16 * 4
+        )
+        desc = descriptor_from_proto(descriptor_to_proto(cache.descriptor))
+        assert desc == cache.descriptor and desc.draft_model == "d"
+        names = [n for n in desc.segments if n]
+        assert len(names) == 4 and all(_shm_exists(n) for n in names)
+        cache.draft_gpu[0, 1, 7] = 4.0
+        res = _attach_in_child(
+            desc,
+            """
+            assert float(cache.draft_gpu[0, 1, 7].mean()) == 4.0
+            cache.draft_cpu[0, 0, 3] = -1.0
+        """,
+        )
+        assert res.returncode == 0, res.stderr
+        assert bool((cache.draft_cpu[0, 0, 3] == -1.0).all())
+    finally:
+        cache.close()
+    assert not any(_shm_exists(n) for n in names)
