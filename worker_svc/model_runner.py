@@ -13,6 +13,7 @@ It has no gRPC in it: the servicer translates messages to these dataclasses and 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -74,6 +75,9 @@ class SequenceRequest:
     # Speculative decoding: the last ``num_proposed`` of ``token_ids`` are proposed tokens to verify
     # in this one pass (accept_proposals); the result is the accepted ones and the next token.
     num_proposed: int = 0
+    # Speculative decoding with the runner's draft model: ``token_ids`` is the one last token; the
+    # draft proposes up to ``num_draft`` tokens after it, which are then verified as proposals are.
+    num_draft: int = 0
     # KV-cache groups 1..'s tables (worker_svc/model/kv_layout.py), each (first block index, live
     # block ids): entries before the first index fell out of a window group's window (-1 here).
     group_tables: list[tuple[int, list[int]]] = field(default_factory=list)
@@ -94,6 +98,12 @@ class SequenceRequest:
     def seq_len(self) -> int:
         """Tokens in the cache after this step's tokens are written."""
         return self.num_cached_tokens + len(self.token_ids)
+
+    @property
+    def end(self) -> int:
+        """Tokens in the cache after every position this step may write (its further decode
+        steps', its draft proposals')."""
+        return self.num_cached_tokens + max(len(self.token_ids), self.decode_steps, 1 + self.num_draft)
 
     @property
     def prompt_targets(self) -> list[int]:
@@ -137,6 +147,7 @@ class SequenceResult:
     # num_proposed > 0: how many proposals were accepted; token_id and next_samples are then those
     # proposals followed by the target's own next token (num_accepted + 1 tokens in all).
     num_accepted: int = 0
+    num_drafted: int = 0  # num_draft > 0: how many tokens the draft model proposed
     prompt_logprobs: list[Scored] = field(default_factory=list)  # one per SequenceRequest.prompt_targets
 
 
@@ -197,6 +208,9 @@ class ModelRunner:
         kernel_backend: str | None = None,
         decode_graphs: DecodeGraphs | None = None,
         kv_groups: tuple[KVGroup, ...] = ONE_GROUP,
+        draft: Model | None = None,
+        draft_gpu_cache: torch.Tensor | None = None,
+        draft_cpu_cache: torch.Tensor | None = None,
     ) -> None:
         """``kernel_backend``: the kernel backend of this runner's steps ("auto", "reference", "cpu",
         "triton"; a worker's ``--kernel-backend``), applied as a ``pagedkv.kernels.use_backend`` override
@@ -208,7 +222,13 @@ class ModelRunner:
 
         ``kv_groups``: the pool's KV-cache groups (the block manager's ``--kv-groups``): one full
         group (every layer in every block, one table) or the model's own (kv_layout.py); the
-        cache's first dimension is then the layers of one group."""
+        cache's first dimension is then the layers of one group.
+
+        ``draft``: speculative decoding's draft model (``--speculative-model``), with its own cache
+        tensors indexed by the same block ids (``CacheGeometry.draft_shape``): every forward pass
+        writes the draft's KV of the same positions as the model's (so a block's draft KV is
+        always there, whoever computed it, prefix hits and forks included), and a sequence asking
+        for ``num_draft`` tokens gets them proposed by the draft and verified in the same step."""
         cfg = model.cfg
         self.layout: KVLayout = kv_layout(cfg, kv_groups)
         slots = self.layout.layers_per_block
@@ -231,6 +251,11 @@ class ModelRunner:
         self.model = model
         self.gpu_cache = gpu_cache
         self.cpu_cache = cpu_cache
+        self.draft = draft
+        self.draft_gpu_cache = draft_gpu_cache
+        self.draft_cpu_cache = draft_cpu_cache
+        if draft is not None:
+            self._check_draft_cache(draft, gpu_cache, draft_gpu_cache, draft_cpu_cache, cpu_cache)
         self.num_gpu_blocks = int(gpu_cache.shape[2])
         self.block_size = int(gpu_cache.shape[3])
         self.num_cpu_blocks = int(cpu_cache.shape[2]) if cpu_cache.dim() == 6 else 0
@@ -241,6 +266,29 @@ class ModelRunner:
         self._closed = False
         if self.device.type == "cpu":
             cpu_native.library()  # choose and load the CPU kernels' variant now, not in the first step
+
+    @staticmethod
+    def _check_draft_cache(
+        draft: Model,
+        gpu: torch.Tensor,
+        draft_gpu: torch.Tensor | None,
+        draft_cpu: torch.Tensor | None,
+        cpu: torch.Tensor,
+    ) -> None:
+        """The draft's caches hold its layers, KV heads and head_dim over the model cache's blocks."""
+        if draft_gpu is None or draft_cpu is None:
+            raise ValueError(f"draft model {draft.cfg.name} has no KV cache (the cache host has no draft)")
+        c = draft.cfg
+        want = (c.num_layers, 2, gpu.shape[2], gpu.shape[3], c.num_kv_heads)
+        if tuple(draft_gpu.shape[:5]) != want or quant.head_dim(draft_gpu) != c.head_dim:
+            raise ValueError(
+                f"draft KV cache shape {tuple(draft_gpu.shape)} does not fit draft model {c.name}: "
+                f"expected {want} and head_dim {c.head_dim}"
+            )
+        if cpu.dim() == 6 and draft_cpu.shape[2] != cpu.shape[2]:
+            raise ValueError(f"draft swap pool has {draft_cpu.shape[2]} blocks, the model's {cpu.shape[2]}")
+        if draft_gpu.dtype != draft.dtype and not quant.is_quantized(draft_gpu):
+            raise ValueError(f"draft KV cache dtype {draft_gpu.dtype} != draft model dtype {draft.dtype}")
 
     def close(self, release: Callable[[], None] | None = None) -> None:
         """Wait for the step in flight, refuse later ones, drop the cache views, then ``release()``.
@@ -254,6 +302,7 @@ class ModelRunner:
             if self.decode_graphs is not None:  # they hold the cache's addresses: never replay them
                 self.decode_graphs.clear()
             self.gpu_cache = self.cpu_cache = torch.empty(0)
+            self.draft_gpu_cache = self.draft_cpu_cache = None
             if release is not None:
                 release()
 
@@ -270,10 +319,11 @@ class ModelRunner:
                 raise InvalidStep(f"{where}: no new token ids")
             if max(s.token_ids) >= vocab:
                 raise InvalidStep(f"{where}: token id {max(s.token_ids)} >= vocab_size {vocab}")
-            need = blocks_for_tokens(s.seq_len, self.block_size)
+            tokens = s.end if s.num_draft else s.seq_len  # (decode steps: checked with their own)
+            need = blocks_for_tokens(tokens, self.block_size)
             if len(s.block_ids) < need:
                 raise InvalidStep(
-                    f"{where}: {s.seq_len} tokens need {need} blocks of {self.block_size}, "
+                    f"{where}: {tokens} tokens need {need} blocks of {self.block_size}, "
                     f"block table has {len(s.block_ids)}"
                 )
             if len(s.group_tables) != len(self.layout.groups) - 1:
@@ -285,9 +335,11 @@ class ModelRunner:
                 self._check_group_tables(where, s)
             if s.num_proposed:
                 self._check_proposals(where, s)
+            if s.num_draft:
+                self._check_draft(where, s)
             if s.decode_steps != 1:
                 self._check_decode_steps(where, s)
-                need = blocks_for_tokens(s.num_cached_tokens + s.decode_steps, self.block_size)
+                need = blocks_for_tokens(s.end, self.block_size)
             bad = [b for b in s.block_ids[:need] if b >= self.num_gpu_blocks]
             if bad:
                 raise InvalidStep(f"{where}: block id {bad[0]} >= num_gpu_blocks {self.num_gpu_blocks}")
@@ -332,7 +384,7 @@ class ModelRunner:
         """Each group's table covers the step's tokens, and a window group's first live block is
         no later than the first one the step's first query reads (kernels: its window's start)."""
         bs = self.block_size
-        end = s.num_cached_tokens + max(len(s.token_ids), s.decode_steps)
+        end = s.end
         need = blocks_for_tokens(end, bs)
         for g, (first, ids) in enumerate(s.group_tables, start=1):
             group = self.layout.groups[g]
@@ -375,6 +427,25 @@ class ModelRunner:
         why = self._engine_state(s)
         if why:
             raise InvalidStep(f"{where}: num_proposed_tokens cannot be combined with {why}")
+
+    def _check_draft(self, where: str, s: SequenceRequest) -> None:
+        """Draft proposals: a draft model here, one new token, and (as verification) only what the
+        worker knows."""
+        if self.draft is None:
+            raise InvalidStep(
+                f"{where}: num_draft_tokens, but this worker has no draft model (--speculative-model)"
+            )
+        if not 1 <= s.num_draft <= MAX_DECODE_STEPS:
+            raise InvalidStep(f"{where}: num_draft_tokens {s.num_draft} is not in [1, {MAX_DECODE_STEPS}]")
+        if len(s.token_ids) != 1:
+            raise InvalidStep(f"{where}: num_draft_tokens needs one new token, got {len(s.token_ids)}")
+        if s.num_proposed or s.decode_steps != 1:
+            raise InvalidStep(
+                f"{where}: num_draft_tokens cannot be combined with num_proposed_tokens or decode_steps"
+            )
+        why = self._engine_state(s)
+        if why:
+            raise InvalidStep(f"{where}: num_draft_tokens cannot be combined with {why}")
 
     @staticmethod
     def _engine_state(s: SequenceRequest) -> str:
@@ -424,24 +495,29 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- cache ops
     def run_cache_ops(self, ops: CacheOpsRequest) -> None:
-        """swap-out, copies, swap-in: each one batched call covering all layers, K and V."""
-        if ops.swap_out:
-            pairs = torch.tensor(ops.swap_out, dtype=torch.int64)
-            kernels.swap_blocks(_block_major(self.gpu_cache), _block_major(self.cpu_cache), pairs)
-        if ops.copies:
-            # Built on the host: copy_blocks checks "destinations distinct, not also sources" there
-            # (on the device it could not without a sync) and moves the pairs itself.
-            pairs = torch.tensor(ops.copies, dtype=torch.int64)
-            layers = range(self.gpu_cache.shape[0])  # the slots of a block: every group's the same
-            kernels.copy_blocks(
-                [self.gpu_cache[i, 0] for i in layers], [self.gpu_cache[i, 1] for i in layers], pairs
-            )
-        if ops.swap_in:
-            pairs = torch.tensor(ops.swap_in, dtype=torch.int64)
-            kernels.swap_blocks(_block_major(self.cpu_cache), _block_major(self.gpu_cache), pairs)
+        """swap-out, copies, swap-in: each one batched call covering all layers, K and V (the draft
+        model's cache's too: its block b goes wherever the model's block b goes)."""
+        caches = [(self.gpu_cache, self.cpu_cache)]
+        if self.draft_gpu_cache is not None and self.draft_cpu_cache is not None:
+            caches.append((self.draft_gpu_cache, self.draft_cpu_cache))
+        for gpu, cpu in caches:
+            if ops.swap_out:
+                pairs = torch.tensor(ops.swap_out, dtype=torch.int64)
+                kernels.swap_blocks(_block_major(gpu), _block_major(cpu), pairs)
+            if ops.copies:
+                # Built on the host: copy_blocks checks "destinations distinct, not also sources" there
+                # (on the device it could not without a sync) and moves the pairs itself.
+                pairs = torch.tensor(ops.copies, dtype=torch.int64)
+                layers = range(gpu.shape[0])  # the slots of a block: every group's the same
+                kernels.copy_blocks([gpu[i, 0] for i in layers], [gpu[i, 1] for i in layers], pairs)
+            if ops.swap_in:
+                pairs = torch.tensor(ops.swap_in, dtype=torch.int64)
+                kernels.swap_blocks(_block_major(cpu), _block_major(gpu), pairs)
 
     # ---------------------------------------------------------------- batch assembly
-    def build_batch(self, seqs: Sequence[SequenceRequest]) -> tuple[torch.Tensor, AttentionBatch]:
+    def build_batch(
+        self, seqs: Sequence[SequenceRequest], grouped: bool = True
+    ) -> tuple[torch.Tensor, AttentionBatch]:
         """Flat token ids and the attention metadata. The flat layout puts prefill sequences first,
         then the decode rows; ``logits_indices`` follows the requests' order, so logits row i is
         ``seqs[i]``'s (the output layer reorders its few hidden rows instead of the step reordering
@@ -449,7 +525,8 @@ class ModelRunner:
         (``num_proposed``), in request order: for each, the rows of the positions before its last
         one. Then, in request order, the rows of the positions that score prompt tokens
         (``prompt_targets``, only for a sequence that asked: prompt logprobs). With several KV-cache
-        groups, ``batch.groups`` holds groups 1..'s slots and tables (same tokens).
+        groups, ``batch.groups`` holds groups 1..'s slots and tables (same tokens);
+        ``grouped=False``: group 0's alone (the draft model's steps: its cache has group 0's table).
 
         A verifying sequence's new tokens are decode rows, one each, every one a decode query over
         the context up to and including its own position (its K/V and the ones before it are
@@ -531,7 +608,7 @@ class ModelRunner:
             )
 
         batch = group_batch(0)
-        if self.layout.grouped:
+        if self.layout.grouped and grouped:
             batch.groups = tuple(group_batch(g) for g in range(1, len(self.layout.groups)))
         token_tensor = torch.tensor(tokens, dtype=torch.int64, device=dev)
         return token_tensor, batch
@@ -546,6 +623,10 @@ class ModelRunner:
             logits = self.decode_graphs.forward(self.model, token_tensor, batch, self.gpu_cache)
         else:
             logits = self.model.forward(token_tensor, batch, self.gpu_cache)  # row i: seqs[i]
+        if self.draft is not None:  # the draft's KV of the same positions (no logits)
+            assert self.draft_gpu_cache is not None
+            kv_only = dataclasses.replace(batch, logits_indices=batch.logits_indices[:0], groups=())
+            self.draft.forward(token_tensor, kv_only, self.draft_gpu_cache)
         # The rows after the sequences' own (build_batch): proposed positions, then prompt positions.
         prompt_rows = logits[logits.shape[0] - num_prompt_rows :]
         logits = logits[: logits.shape[0] - num_prompt_rows]
@@ -629,6 +710,44 @@ class ModelRunner:
             o.next_samples = kept[1:]
             o.num_accepted = accepted
 
+    def _draft_proposals(self, seqs: Sequence[SequenceRequest]) -> list[SequenceRequest]:
+        """Speculative decoding with the draft model: for every sequence asking ``num_draft``
+        tokens, the draft's one-row steps from its last token, each on the token the last one
+        proposed (greedy: the draft's most likely token; a stop token ends the proposal), all such
+        sequences batched per step. Returns ``seqs`` with those sequences as verifications of their
+        proposals (``num_proposed``), which the step's forward pass then checks. Greedy proposals
+        are a deterministic proposer's, so the verification keeps the target's distribution (its
+        own draw at each position decides). The draft's KV of the proposed positions is written
+        here, and again (the same values) by the verification's forward pass, which also writes
+        the last proposal's."""
+        assert self.draft is not None and self.draft_gpu_cache is not None
+        tokens = {i: [s.token_ids[0]] for i, s in enumerate(seqs) if s.num_draft}
+        going = list(tokens)
+        for j in range(max(seqs[i].num_draft for i in going)):
+            batch = [
+                SequenceRequest(
+                    seq_id=seqs[i].seq_id,
+                    token_ids=[tokens[i][-1]],
+                    block_ids=seqs[i].block_ids,
+                    num_cached_tokens=seqs[i].num_cached_tokens + j,
+                )
+                for i in going
+            ]
+            token_tensor, ab = self.build_batch(batch, grouped=False)
+            picks = self.draft.forward(token_tensor, ab, self.draft_gpu_cache).argmax(dim=-1).tolist()
+            still = []
+            for i, t in zip(going, picks, strict=True):
+                tokens[i].append(int(t))
+                if len(tokens[i]) <= seqs[i].num_draft and int(t) not in seqs[i].stop_token_ids:
+                    still.append(i)
+            going = still
+            if not going:
+                break
+        out = list(seqs)
+        for i, toks in tokens.items():
+            out[i] = dataclasses.replace(seqs[i], token_ids=toks, num_proposed=len(toks) - 1, num_draft=0)
+        return out
+
     def _more_decode_steps(self, seqs: Sequence[SequenceRequest], outputs: list[SequenceResult]) -> None:
         """Multi-step decode (``decode_steps``): each further step feeds every sequence still going
         the token its last step drew, at the next position, until its steps are done or it drew a
@@ -674,7 +793,14 @@ class ModelRunner:
             clock = _StepClock(self.device)
             self.run_cache_ops(ops)
             clock.mark()
-            outputs = self._forward_and_sample(seqs) if seqs else []
+            if any(s.num_draft for s in seqs):
+                drafted = self._draft_proposals(seqs)
+                outputs = self._forward_and_sample(drafted)
+                for s, d, o in zip(seqs, drafted, outputs, strict=True):
+                    if s.num_draft:
+                        o.num_drafted = d.num_proposed
+            else:
+                outputs = self._forward_and_sample(seqs) if seqs else []
             if any(s.decode_steps > 1 for s in seqs):
                 self._more_decode_steps(seqs, outputs)
             # Cross-process visibility: other workers read this cache through their own CUDA
@@ -686,7 +812,12 @@ class ModelRunner:
         return StepResult(
             outputs=outputs,
             num_tokens=sum(len(s.token_ids) for s in seqs)
-            + sum(len(o.next_samples) for s, o in zip(seqs, outputs, strict=True) if not s.num_proposed),
+            + sum(
+                len(o.next_samples)
+                for s, o in zip(seqs, outputs, strict=True)
+                if not s.num_proposed and not s.num_draft
+            )
+            + sum(o.num_drafted for o in outputs),
             cache_ops_ms=cache_ops_ms,
             forward_ms=forward_ms,
         )

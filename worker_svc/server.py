@@ -46,6 +46,7 @@ from pagedkv.worker_svc.geometry import (
     PoolConfig,
     check_against_host,
     check_block_bytes,
+    draft_config,
     host_geometry,
     known_values,
 )
@@ -115,7 +116,10 @@ def run_cache_host(settings: CacheHostSettings) -> int:
         check_block_bytes(pool, geometry, dtype, f"this cache host (model {model_cfg.name})")
     except (StopRequested, *CONFIG_ERRORS) as e:
         return _start_refused(e)
-    cache = cache_memory.create(geometry, dtype, device, settings.shm_prefix)
+    draft = draft_config(settings.speculative_model, model_cfg)
+    cache = cache_memory.create(
+        geometry, dtype, device, settings.shm_prefix, draft_model=draft.name if draft is not None else ""
+    )
     owner = CacheOwner(cache)
     if settings.block_manager:  # before serving: nothing can attach and run on the manager's stale prefixes
         forget_stale_prefixes(
@@ -225,11 +229,29 @@ def _model_for_worker(
     return build_model(model_cfg, shared.tensors), shared
 
 
+def _draft_for_worker(
+    settings: WorkerSettings, model_cfg: ModelConfig, dtype: torch.dtype, device: torch.device
+) -> Model | None:
+    """Speculative decoding's draft model (``--speculative-model``), loaded privately by each worker
+    (it is small beside the model): None without one."""
+    draft_cfg = draft_config(settings.speculative_model, model_cfg)
+    if draft_cfg is None:
+        return None
+    from pagedkv.worker_svc.model import weight_format
+    from pagedkv.worker_svc.model.weights import load_model
+
+    held = weight_format.resolve(settings.weight_format, settings.speculative_model, device, dtype)
+    draft = load_model(settings.speculative_model, draft_cfg, dtype, device, seed=settings.seed, held=held)
+    heap.release_free_memory()
+    return draft
+
+
 def _runner(
     settings: WorkerSettings,
     model: Model,
     cache: cache_memory.SharedCache,
     kv_groups: tuple[KVGroup, ...] = ONE_GROUP,
+    draft: Model | None = None,
 ) -> ModelRunner:
     """A worker's model runner on ``cache``, with decode graphs of its own when they are on: a
     runner built for a re-attached cache captures them again (the old ones hold the old addresses)."""
@@ -252,6 +274,9 @@ def _runner(
         kernel_backend=settings.kernel_backend,
         decode_graphs=graphs,
         kv_groups=kv_groups,
+        draft=draft,
+        draft_gpu_cache=cache.draft_gpu,
+        draft_cpu_cache=cache.draft_cpu,
     )
 
 
@@ -328,7 +353,8 @@ def start_worker(
     channel: StepChannelServer | None = None
     try:
         model, weights = _model_for_worker(settings, model_cfg, dtype, device, weights_from_proto(info))
-        runner = _runner(settings, model, cache, pool.kv_groups if pool is not None else ONE_GROUP)
+        draft = _draft_for_worker(settings, model_cfg, dtype, device)
+        runner = _runner(settings, model, cache, pool.kv_groups if pool is not None else ONE_GROUP, draft)
         from pagedkv import kernels
         from pagedkv.kernels.cpu import native as cpu_native
 
@@ -352,6 +378,7 @@ def start_worker(
             weight_bytes=model.weight_bytes,
             weight_format=settings.weight_format,
             linear_path=model.linear_path,
+            draft_model_name=draft.cfg.name if draft is not None else "",
         )
         servicer = WorkerServicer(runner, winfo)
         if settings.step_channel and settings.auth_tokens_file:
@@ -396,6 +423,7 @@ def start_worker(
         device=str(device),
         dtype=desc.dtype,
         model=model_cfg.name,
+        draft_model=winfo.draft_model_name or None,
         kernel_backend=winfo.kernel_backend,
         cpu_kernel_path=winfo.cpu_kernel_path,
         linear_path=winfo.linear_path,
@@ -444,7 +472,7 @@ def _watch_cache_host(
                     settings, model_cfg, dtype, device, host_weights
                 ),
                 runner_for=lambda model, cache: _runner(  # new graphs too
-                    settings, model, cache, proc.servicer.runner.layout.groups
+                    settings, model, cache, proc.servicer.runner.layout.groups, proc.servicer.runner.draft
                 ),
                 lock=proc.attach_lock,
             )

@@ -112,6 +112,7 @@ def sequence_from_proto(s: worker_pb2.SequenceInput, memo: SamplingMemo | None =
         decode_steps=s.decode_steps or 1,
         stop_token_ids=frozenset(s.stop_token_ids) if s.stop_token_ids else frozenset(),
         num_proposed=s.num_proposed_tokens,
+        num_draft=s.num_draft_tokens,
         group_tables=[(t.first_block_index, t.block_ids[:]) for t in s.group_tables]
         if s.group_tables
         else [],
@@ -140,6 +141,8 @@ def output_to_proto(resp: worker_pb2.WorkerStepResponse, o: SequenceResult) -> N
         msg.top_logprobs.extend(lp for _, lp in o.top)
     if o.num_accepted:
         msg.num_accepted_tokens = o.num_accepted
+    if o.num_drafted:
+        msg.num_draft_tokens = o.num_drafted
     for d in o.next_samples:
         nxt = msg.next_samples.add(token_id=d.token_id, logprob=d.logprob)
         if d.top:

@@ -165,6 +165,7 @@ class SequenceInput(_message.Message):
     GROUP_TABLES_FIELD_NUMBER: _builtins.int
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     NEXT_PROMPT_TOKEN_ID_FIELD_NUMBER: _builtins.int
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
     seq_id: _builtins.str
     num_cached_tokens: _builtins.int
     """Tokens of this sequence whose KV is already in the cache, before token_ids."""
@@ -213,6 +214,19 @@ class SequenceInput(_message.Message):
     """With prompt_logprobs, in a prefill chunk before the prompt's last: the
     prompt's token after token_ids (the next chunk's first), which only the
     engine knows; the chunk's last position scores it.
+    """
+    num_draft_tokens: _builtins.int
+    """Speculative decoding with the worker's draft model (WorkerInfo.
+    draft_model_name; INVALID_ARGUMENT without one): token_ids is the one last
+    token; the draft proposes up to this many tokens after it (greedy, stopping
+    after a stop_token_ids token), and the pass verifies them as
+    num_proposed_tokens does. The proposals' KV (the model's and the draft's)
+    goes into block_ids past the appended slots, which must hold
+    num_cached_tokens + 1 + num_draft_tokens tokens, as multi-step decode
+    writes; the engine appends the accepted tokens' slots afterwards, so no
+    rollback is needed. At most 64; not with num_proposed_tokens, decode_steps
+    > 1, return_logits, fork_sampling, a token history or an
+    allowed_token_mask.
     """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -282,10 +296,11 @@ class SequenceInput(_message.Message):
         group_tables: _abc.Iterable[_block_manager_pb2.GroupTable] | None = ...,
         prompt_logprobs: _builtins.int | None = ...,
         next_prompt_token_id: _builtins.int | None = ...,
+        num_draft_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_next_prompt_token_id", b"_next_prompt_token_id", "_prompt_logprobs", b"_prompt_logprobs", "next_prompt_token_id", b"next_prompt_token_id", "prompt_logprobs", b"prompt_logprobs", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_next_prompt_token_id", b"_next_prompt_token_id", "_prompt_logprobs", b"_prompt_logprobs", "allowed_token_mask", b"allowed_token_mask", "block_ids", b"block_ids", "decode_steps", b"decode_steps", "fork_sampling", b"fork_sampling", "group_tables", b"group_tables", "next_prompt_token_id", b"next_prompt_token_id", "num_cached_tokens", b"num_cached_tokens", "num_proposed_tokens", b"num_proposed_tokens", "output_token_counts", b"output_token_counts", "output_token_ids", b"output_token_ids", "prompt_logprobs", b"prompt_logprobs", "prompt_token_ids", b"prompt_token_ids", "return_logits", b"return_logits", "sampling", b"sampling", "seq_id", b"seq_id", "stop_token_ids", b"stop_token_ids", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_next_prompt_token_id", b"_next_prompt_token_id", "_prompt_logprobs", b"_prompt_logprobs", "allowed_token_mask", b"allowed_token_mask", "block_ids", b"block_ids", "decode_steps", b"decode_steps", "fork_sampling", b"fork_sampling", "group_tables", b"group_tables", "next_prompt_token_id", b"next_prompt_token_id", "num_cached_tokens", b"num_cached_tokens", "num_draft_tokens", b"num_draft_tokens", "num_proposed_tokens", b"num_proposed_tokens", "output_token_counts", b"output_token_counts", "output_token_ids", b"output_token_ids", "prompt_logprobs", b"prompt_logprobs", "prompt_token_ids", b"prompt_token_ids", "return_logits", b"return_logits", "sampling", b"sampling", "seq_id", b"seq_id", "stop_token_ids", b"stop_token_ids", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__next_prompt_token_id: _TypeAlias = _typing.Literal["next_prompt_token_id"]  # noqa: Y015
     _WhichOneofArgType__next_prompt_token_id: _TypeAlias = _typing.Literal["_next_prompt_token_id", b"_next_prompt_token_id"]  # noqa: Y015
@@ -388,6 +403,7 @@ class SequenceOutput(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     NEXT_SAMPLES_FIELD_NUMBER: _builtins.int
     NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _builtins.int
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     seq_id: _builtins.str
     token_id: _builtins.int
@@ -398,6 +414,10 @@ class SequenceOutput(_message.Message):
     """
     num_accepted_tokens: _builtins.int
     """SequenceInput.num_proposed_tokens: how many proposals were accepted."""
+    num_draft_tokens: _builtins.int
+    """SequenceInput.num_draft_tokens: how many tokens the draft proposed (fewer
+    than asked when it proposed a stop token).
+    """
     @_builtins.property
     def logits(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
         """Filled only when SequenceInput.return_logits was set."""
@@ -439,11 +459,12 @@ class SequenceOutput(_message.Message):
         top_logprobs: _abc.Iterable[_builtins.float] | None = ...,
         next_samples: _abc.Iterable[Global___Sample] | None = ...,
         num_accepted_tokens: _builtins.int = ...,
+        num_draft_tokens: _builtins.int = ...,
         prompt_logprobs: _abc.Iterable[Global___Sample] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fork_samples", b"fork_samples", "logits", b"logits", "logprob", b"logprob", "next_samples", b"next_samples", "num_accepted_tokens", b"num_accepted_tokens", "prompt_logprobs", b"prompt_logprobs", "seq_id", b"seq_id", "token_id", b"token_id", "top_logprobs", b"top_logprobs", "top_token_ids", b"top_token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fork_samples", b"fork_samples", "logits", b"logits", "logprob", b"logprob", "next_samples", b"next_samples", "num_accepted_tokens", b"num_accepted_tokens", "num_draft_tokens", b"num_draft_tokens", "prompt_logprobs", b"prompt_logprobs", "seq_id", b"seq_id", "token_id", b"token_id", "top_logprobs", b"top_logprobs", "top_token_ids", b"top_token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -522,6 +543,7 @@ class WorkerInfo(_message.Message):
     WEIGHT_FORMAT_FIELD_NUMBER: _builtins.int
     LINEAR_PATH_FIELD_NUMBER: _builtins.int
     STEP_CHANNEL_FIELD_NUMBER: _builtins.int
+    DRAFT_MODEL_NAME_FIELD_NUMBER: _builtins.int
     model_name: _builtins.str
     vocab_size: _builtins.int
     num_layers: _builtins.int
@@ -570,6 +592,10 @@ class WorkerInfo(_message.Message):
     client on this host and user sends Step through shared memory instead of
     gRPC. Empty: the worker offers none (--no-step-channel).
     """
+    draft_model_name: _builtins.str
+    """The draft model of speculative decoding (--speculative-model; empty:
+    none), whose KV the cache holds beside the model's in the same blocks.
+    """
     @_builtins.property
     def geometry(self) -> _cache_host_pb2.CacheGeometry: ...
     @_builtins.property
@@ -604,10 +630,11 @@ class WorkerInfo(_message.Message):
         weight_format: _builtins.str = ...,
         linear_path: _builtins.str = ...,
         step_channel: _builtins.str = ...,
+        draft_model_name: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["geometry", b"geometry"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_instance_id", b"cache_instance_id", "cache_lost_reason", b"cache_lost_reason", "cache_state", b"cache_state", "cpu_kernel_path", b"cpu_kernel_path", "cuda_graph_sizes", b"cuda_graph_sizes", "device", b"device", "dtype", b"dtype", "geometry", b"geometry", "head_dim", b"head_dim", "hidden_size", b"hidden_size", "kernel_backend", b"kernel_backend", "linear_path", b"linear_path", "model_name", b"model_name", "num_heads", b"num_heads", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "role", b"role", "shared_weights", b"shared_weights", "step_channel", b"step_channel", "vocab_size", b"vocab_size", "weight_bytes", b"weight_bytes", "weight_format", b"weight_format"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_instance_id", b"cache_instance_id", "cache_lost_reason", b"cache_lost_reason", "cache_state", b"cache_state", "cpu_kernel_path", b"cpu_kernel_path", "cuda_graph_sizes", b"cuda_graph_sizes", "device", b"device", "draft_model_name", b"draft_model_name", "dtype", b"dtype", "geometry", b"geometry", "head_dim", b"head_dim", "hidden_size", b"hidden_size", "kernel_backend", b"kernel_backend", "linear_path", b"linear_path", "model_name", b"model_name", "num_heads", b"num_heads", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "role", b"role", "shared_weights", b"shared_weights", "step_channel", b"step_channel", "vocab_size", b"vocab_size", "weight_bytes", b"weight_bytes", "weight_format", b"weight_format"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -236,6 +236,8 @@ class Gemma3Model(llama.LlamaModel):
             delta = rms_norm(ops, layer.down(ops.gelu_tanh_mul(gate_up), pre), post_ffn, eps)
         if delta is not None:
             x.add_(delta)
+        if not batch.logits_indices.numel():  # a pass that only writes KV (a draft model's)
+            return x.new_empty((0, cfg.vocab_size), dtype=torch.float32)
         last = x.index_select(0, batch.logits_indices)
         return self.lm_head(rms_norm(ops, last, self.norm, eps), 0).to(torch.float32)
 

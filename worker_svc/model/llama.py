@@ -353,6 +353,8 @@ class LlamaModel:
             delta = layer.down(ops.silu_mul(layer.gate_up(hs, pre)), pre)
         if delta is not None:
             x.add_(delta)
+        if not batch.logits_indices.numel():  # a pass that only writes KV (a draft model's)
+            return x.new_empty((0, cfg.vocab_size), dtype=torch.float32)
         last = x.index_select(0, batch.logits_indices)
         last = ops.rms_norm(last, self.norm, eps)
         return self.lm_head(last, 0).to(torch.float32)  # each sampled row as if alone
