@@ -45,7 +45,7 @@ import structlog
 from pagedkv.defaults import MAX_DECODE_STEPS
 from pagedkv.frontend.clients.block_manager import BlockManagerClient
 from pagedkv.frontend.clients.worker import WorkerClient
-from pagedkv.frontend.engine import output, recovery
+from pagedkv.frontend.engine import output, recovery, speculate
 from pagedkv.frontend.engine.bm_session import BlockManagerSession, read_geometry
 from pagedkv.frontend.engine.dispatch import CacheLostEverywhere, WorkerPool, WorkerSlot
 from pagedkv.frontend.engine.policy import Limits
@@ -106,6 +106,7 @@ class Engine:
                 f"worker block_size {info.geometry.block_size} != block manager block_size {self.block_size}"
             )
         self.vocab_size = info.vocab_size
+        speculate.check_drafts(self.config.speculative, zip(self.workers, infos, strict=True))
         self.cache_instance = info.cache_instance_id  # steps name it: a worker on another cache refuses
         # Sequence ids are unique per engine instance, so any number of engines share one manager.
         self.instance_id = uuid.uuid4().hex[:12]

@@ -183,6 +183,9 @@ def worker_request(
             fill_sampling(item.fork_sampling.add(), s.request.sampling, c.seed)
         if s.proposed and start + k == len(s.tokens):  # speculative decoding: verify the proposals
             item.num_proposed_tokens = s.proposed
+        if s.draft_tokens and start + k == len(s.tokens):  # the worker's draft model proposes them
+            item.num_draft_tokens = s.draft_tokens
+            item.stop_token_ids.extend(s.request.stop_token_ids)
         if decode_steps is not None and decode_steps[j] > 1:
             item.decode_steps = decode_steps[j]
             item.stop_token_ids.extend(s.request.stop_token_ids)

@@ -184,6 +184,7 @@ def decode_steps(batch: Sequence[tuple[Seq, int]], want: int, block_size: int) -
         opts = s.request.sampling
         if (
             s.proposed
+            or s.draft_tokens
             or opts.grammar is not None
             or opts.penalized
             or s.blocks.tail_shared

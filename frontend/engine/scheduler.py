@@ -27,6 +27,7 @@ from pagedkv.frontend.engine.policy import Limits
 from pagedkv.frontend.engine.remote_table import BlockManagerPlan, RemoteTable, growth_blocks
 from pagedkv.frontend.engine.speculate import (
     SpeculativeConfig,
+    draft_tokens_for,
     next_proposal_bound,
     proposal_for,
     speculation_on,
@@ -332,9 +333,14 @@ class Scheduler:
         A proposal never takes more than one new block, and that only while the pool has room to
         spare: speculation must not cost a preemption."""
         cfg = self.speculative
+        for s in self.running:
+            s.draft_tokens = 0
         if cfg is None or not speculation_on(cfg, len(self.running)):
             return
         bs = self.limits.block_size
+        if cfg.method == "draft_model":
+            self._ask_drafts(cfg, bs)
+            return
         spare = self.remote.pool.available - self.limits.watermark > len(self.running)
         for s in self.running:
             if not self._may_speculate(s):
@@ -345,6 +351,18 @@ class Scheduler:
             if proposal:
                 s.tokens.extend(proposal)
                 s.proposed = len(proposal)
+
+    def _ask_drafts(self, cfg: SpeculativeConfig, bs: int) -> None:
+        """The draft-model proposer: each sequence that may speculate asks its next pass for up to
+        its bound of draft tokens, as many as its held blocks have room for past its last token
+        (their KV is written there before any slot is appended, as multi-step decode's; a tail a
+        fork shares is never written past its slots)."""
+        for s in self.running:
+            if not self._may_speculate(s) or s.blocks.tail_shared:
+                continue
+            left = s.request.max_tokens - len(s.completion.token_ids)
+            room = s.blocks.held * bs - len(s.tokens)
+            s.draft_tokens = draft_tokens_for(cfg, min(left - 1, room), s.proposal_bound)
 
     @staticmethod
     def _may_speculate(s: Seq) -> bool:
@@ -719,15 +737,18 @@ class Scheduler:
             for child, drawn in output.fork_firsts(s, out.fork_samples):
                 events.append(self._accept_token(child, drawn))
             events.append(self._accept_token(s, out))
+            drafted = out.num_draft_tokens  # the workers' draft model proposed (the engine asked)
+            s.draft_tokens = 0
             if out.next_samples:
-                events += self._accept_next(s, out.next_samples, multi_step=not proposed)
-            if proposed:
-                self._verified(s, proposed, out.num_accepted_tokens)
+                events += self._accept_next(s, out.next_samples, multi_step=not (proposed or drafted))
+            if proposed or drafted:
+                self._verified(s, proposed or drafted, out.num_accepted_tokens, rollback=bool(proposed))
         return events
 
-    def _verified(self, s: Seq, proposed: int, accepted: int) -> None:
+    def _verified(self, s: Seq, proposed: int, accepted: int, rollback: bool = True) -> None:
         """A verification pass is in: count it; the slots past what it computed (rejected proposals,
-        and the slot of the token it drew, which holds a proposal's id) are rolled back."""
+        and the slot of the token it drew, which holds a proposal's id) are rolled back. A draft
+        model's proposals had no slots (``rollback=False``): the accepted ones are appended next."""
         st = self.stats
         st.spec_passes += 1
         st.spec_proposed += proposed
@@ -736,7 +757,7 @@ class Scheduler:
         if self.speculative is not None:
             most = self.speculative.num_speculative_tokens
             s.proposal_bound = next_proposal_bound(s.proposal_bound, proposed, accepted, most)
-        if s.running:
+        if s.running and rollback:
             self._owe_rollback(s, s.num_computed)
 
     def _accept_next(

@@ -7,6 +7,10 @@ work (editing code, quoting a document, extracting fields) repeats long runs of 
 the target then accepts several tokens per verification pass; open-ended text rarely matches and
 gets no proposal, so it decodes as before.
 
+The draft-model proposer (vLLM's ``method: draft_model``, llama.cpp's ``--model-draft``) runs
+on the workers (worker_svc/model_runner.py): the engine only asks a sequence's pass for up to k
+draft tokens (``draft_tokens_for``), and the worker proposes and verifies them in one step.
+
 The settings keep vLLM's ``speculative_config`` names where they exist: ``method``,
 ``num_speculative_tokens``, ``prompt_lookup_max``, ``prompt_lookup_min``.
 
@@ -15,18 +19,20 @@ Pure: no gRPC, no clock, nothing it is given is changed; tests/frontend/engine/t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from pagedkv.defaults import MAX_DECODE_STEPS
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = MAX_DECODE_STEPS  # the worker's bound on num_proposed_tokens
 
 
 @dataclass(slots=True, frozen=True)
 class SpeculativeConfig:
-    """How to speculate: `method` (only "ngram"), `num_speculative_tokens` (k, the most tokens
+    """How to speculate: `method` ("ngram", or "draft_model": the workers' draft model, their
+    --speculative-model, proposes), `num_speculative_tokens` (k, the most tokens
     proposed per verification pass; each sequence's own bound moves below it with what its
     passes accept, `next_proposal_bound`), the n-gram sizes tried from `prompt_lookup_max` down
     to `prompt_lookup_min`, and `max_num_seqs`: speculate only while at most this many sequences
@@ -82,6 +88,29 @@ def cut_at_rejected(proposal: Sequence[int], allowed: Callable[[int, int], bool]
     return list(proposal)
 
 
+class _Worker(Protocol):
+    target: str
+
+
+class _WorkerInfo(Protocol):
+    draft_model_name: str
+
+
+def check_drafts(
+    config: SpeculativeConfig | None, workers: Iterable[tuple[_Worker, _WorkerInfo | None]]
+) -> None:
+    """An engine speculating with a draft model needs one on every worker (each worker with what
+    it told of itself, None: it did not answer yet): a worker without one refuses such a step."""
+    if config is None or config.method != "draft_model":
+        return
+    without = [w.target for w, info in workers if info is not None and not info.draft_model_name]
+    if without:
+        raise ValueError(
+            f"speculative decoding with a draft model, but worker(s) {', '.join(without)} have none: "
+            "start them with --speculative-model (pagedkv up --speculative-model does)"
+        )
+
+
 def speculation_on(config: SpeculativeConfig | None, num_running: int) -> bool:
     """Whether this iteration speculates: configured, and few enough sequences run that plain
     decode is bound by reading the weights."""
@@ -100,6 +129,13 @@ def next_proposal_bound(bound: int | None, proposed: int, accepted: int, most: i
     if accepted >= proposed:
         return min(most, 2 * (most if bound is None else bound))
     return max(1, min(most, accepted + 1))
+
+
+def draft_tokens_for(config: SpeculativeConfig, room: int, bound: int | None = None) -> int:
+    """How many tokens a sequence's pass asks the workers' draft model to propose: at most `room`
+    (what max_tokens and its held blocks leave after the token the pass draws itself) and at most
+    `bound` (`next_proposal_bound`; None: `num_speculative_tokens`); 0: a plain decode step."""
+    return max(0, min(bound or config.num_speculative_tokens, config.num_speculative_tokens, room))
 
 
 def proposal_for(

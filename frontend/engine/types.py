@@ -323,6 +323,10 @@ class Seq:
     # Speculative decoding: how many of ``tokens``' last ones are proposals the next worker step
     # verifies (scheduler.py adds them before its Step and takes them off when the step is back).
     proposed: int = 0
+    # Speculative decoding with the workers' draft model: tokens its next decode pass asks the draft
+    # to propose (set by the scheduler for one iteration; their KV goes into the held blocks past
+    # the slots, as multi-step decode's, so nothing is appended or rolled back for them).
+    draft_tokens: int = 0
     # The most tokens its next proposal may hold (speculate.next_proposal_bound after each pass;
     # None before the first: the configured num_speculative_tokens).
     proposal_bound: int | None = None

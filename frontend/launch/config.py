@@ -34,6 +34,9 @@ class StackConfig:
     weight_format: str = "auto"
     kernel_backend: str | None = None  # the workers' --kernel-backend (None = theirs: auto)
     seed: int = 0  # the built-in default model's random weights
+    # Speculative decoding's draft model (Hugging Face directory or GGUF file sharing the model's
+    # vocabulary): its KV lives beside the model's in the same blocks (docs/speculative.md).
+    speculative_model: str | None = None
     # Worker i's --role (prefill | decode | mixed); one role applies to every worker (processes);
     # empty = all mixed (docs/worker.md "Roles", frontend/engine/dispatch.py).
     roles: tuple[str, ...] = ()

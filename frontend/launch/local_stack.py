@@ -45,7 +45,7 @@ class LocalStack:
         from pagedkv.worker_svc.cache.host import serve_cache
         from pagedkv.worker_svc.cache.layout import CacheGeometry
         from pagedkv.worker_svc.devices import resolve_device, resolve_dtype
-        from pagedkv.worker_svc.geometry import kv_groups_for, model_block_bytes
+        from pagedkv.worker_svc.geometry import draft_config, draft_geometry, kv_groups_for, model_block_bytes
         from pagedkv.worker_svc.model.config import load_model_config
         from pagedkv.worker_svc.model.kv_layout import kv_layout
         from pagedkv.worker_svc.server import start_worker
@@ -62,7 +62,13 @@ class LocalStack:
                 pool = {
                     "kv_cache_memory": cfg.kv_cache_memory,
                     "kv_bytes_per_block": model_block_bytes(
-                        cfg.model, cfg.dtype, cfg.device, cfg.block_size, cfg.kv_cache_dtype, kv_groups
+                        cfg.model,
+                        cfg.dtype,
+                        cfg.device,
+                        cfg.block_size,
+                        cfg.kv_cache_dtype,
+                        kv_groups,
+                        cfg.speculative_model,
                     ),
                     "kv_groups": kv_groups,
                 }
@@ -80,6 +86,7 @@ class LocalStack:
             device = resolve_device(cfg.device)
             dtype = resolve_dtype(cfg.dtype, device)
             model_cfg = load_model_config(cfg.model)
+            draft = draft_config(cfg.speculative_model, model_cfg)
             geometry = CacheGeometry(
                 kv_layout(model_cfg, parse_kv_groups(kv_groups)).layers_per_block,
                 model_cfg.num_kv_heads,
@@ -88,8 +95,11 @@ class LocalStack:
                 num_gpu_blocks,
                 cfg.num_cpu_blocks,
                 cfg.kv_cache_dtype,
+                **draft_geometry(draft),
             )
-            self.cache = cache_memory.create(geometry, dtype, device, shm_prefix="pagedkv-local")
+            self.cache = cache_memory.create(
+                geometry, dtype, device, "pagedkv-local", draft_model=draft.name if draft is not None else ""
+            )
             self._closers.append(self.cache.close)
             self.cache_host: GrpcServer = serve_cache(self.cache, model_cfg.name)
             self._closers.append(lambda: self.cache_host.stop(0))
@@ -107,6 +117,7 @@ class LocalStack:
                         weight_format=cfg.weight_format,
                         kernel_backend=cfg.kernel_backend,
                         seed=cfg.seed,
+                        speculative_model=cfg.speculative_model,
                         role=roles[i],
                         block_size=cfg.block_size,
                         num_gpu_blocks=num_gpu_blocks,

@@ -78,6 +78,8 @@ def plan(opts: StackConfig, security: StackSecurity | None = None, state_dir: st
     common = ["--log-format", opts.log_format, *sec.server_args()]
     dial = sec.dial_args()
     model = ["--model", opts.model] if opts.model else []
+    if opts.speculative_model:  # every role that loads or asks for the draft model
+        model += ["--speculative-model", opts.speculative_model]
     seed = ["--seed", str(opts.seed)]
     backend = ["--kernel-backend", opts.kernel_backend] if opts.kernel_backend else []
     services = [
@@ -255,7 +257,13 @@ def _pool_args(opts: StackConfig) -> list[str]:
     from pagedkv.worker_svc.geometry import model_block_bytes
 
     per_block = model_block_bytes(
-        opts.model, opts.dtype, opts.device, opts.block_size, opts.kv_cache_dtype, _kv_groups(opts)
+        opts.model,
+        opts.dtype,
+        opts.device,
+        opts.block_size,
+        opts.kv_cache_dtype,
+        _kv_groups(opts),
+        opts.speculative_model,
     )
     return [*kv, "--kv-cache-memory", str(opts.kv_cache_memory), "--kv-bytes-per-block", str(per_block)]
 
@@ -582,6 +590,7 @@ def plan_from_args(args: argparse.Namespace, machine: Machine | None = None) -> 
             args.kv_cache_dtype,
             args.weight_format,
             kv_groups_for(args.model, args.kv_groups),
+            args.speculative_model,
         )
         return plan_stack(
             machine or this_machine(),
@@ -633,6 +642,7 @@ def options_from_args(args: argparse.Namespace, stack_plan: Plan | None = None) 
         kv_groups=args.kv_groups,
         block_size=args.block_size,
         model=args.model,
+        speculative_model=args.speculative_model,
         device=args.device,
         dtype=args.dtype,
         weight_format=args.weight_format,

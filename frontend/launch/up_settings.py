@@ -39,6 +39,12 @@ class UpSettings(BaseSettings):
     model: str | None = Field(
         None, description="Hugging Face model directory or GGUF file (unset: the built-in tiny model)"
     )
+    speculative_model: str | None = Field(
+        None,
+        description="speculative decoding with a draft model (Hugging Face directory or GGUF file sharing "
+        "the model's vocabulary): the workers run it beside the model, its KV in the same blocks, and "
+        "the frontend asks it for --num-speculative-tokens proposals per pass (docs/speculative.md)",
+    )
     host: str = Field(_STACK.host, description="address every service binds to")
     serve_port: int = Field(
         defaults.SERVE_PORT,
@@ -211,7 +217,7 @@ _SERVER = (
     "allow_insecure",
 )
 _DIAL = ("block_manager", "tls_ca", "tls_client_cert", "tls_client_key", "token_file")
-_MODEL = ("model", "device", "dtype", "weight_format", "kv_cache_dtype", "seed")
+_MODEL = ("model", "speculative_model", "device", "dtype", "weight_format", "kv_cache_dtype", "seed")
 
 # Settings of each role that `up` sets on its command line itself, from [up] (tests check this
 # against the command lines frontend/launch/processes.py's plan() writes).
@@ -232,7 +238,7 @@ SET_BY_UP: dict[str, frozenset[str]] = {
     ),  # fmt: skip
     "cache-host": frozenset((*_SERVER, *_DIAL, *_MODEL, "shm_prefix")),
     "worker": frozenset((*_SERVER, *_DIAL, *_MODEL, "cache_host", "role", "cpu_affinity", "num_threads")),
-    "serve": frozenset((*_SERVER, *_DIAL, "workers", "model", "kv_cache_dtype")),
+    "serve": frozenset((*_SERVER, *_DIAL, "workers", "model", "speculative_model", "kv_cache_dtype")),
 }
 
 

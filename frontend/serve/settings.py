@@ -13,7 +13,7 @@ import pathlib
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pagedkv import defaults, settings_cli
@@ -73,12 +73,19 @@ class ServeSettings(BaseSettings):
         "(multi-step decode): an iteration's fixed cost is paid once for that many tokens, which "
         "stream that many at a time; 1 = one step per iteration",
     )
-    speculative: Literal["off", "ngram"] = Field(
+    speculative: Literal["off", "ngram", "draft_model"] = Field(
         "off",
         description="speculative decoding (docs/speculative.md): ngram = n-gram prompt lookup, "
-        "proposals from earlier in the same sequence verified in one pass, while at most "
+        "proposals from earlier in the same sequence; draft_model = the workers' draft model "
+        "(--speculative-model) proposes; verified in one pass, while at most "
         "--speculative-max-num-seqs sequences run and not under a grammar; greedy and seeded "
         "outputs are those of plain decoding",
+    )
+    speculative_model: str | None = Field(
+        None,
+        description="the draft model of speculative decoding (vLLM's speculative_config model): a Hugging "
+        "Face directory or GGUF file with the model's vocabulary, which the workers run beside the "
+        "model (their --speculative-model); setting it turns on --speculative draft_model",
     )
     num_speculative_tokens: int = Field(
         _SPEC.num_speculative_tokens,
@@ -195,11 +202,20 @@ class ServeSettings(BaseSettings):
             block_manager_timeout_s=self.block_manager_timeout_s,
         )
 
+    @model_validator(mode="after")
+    def _check_speculative(self) -> ServeSettings:
+        if self.speculative == "ngram" and self.speculative_model:
+            raise ValueError("--speculative ngram and --speculative-model: choose one proposer")
+        if self.speculative == "draft_model" and not self.speculative_model:
+            raise ValueError("--speculative draft_model needs --speculative-model PATH")
+        return self
+
     def speculative_config(self) -> SpeculativeConfig | None:
-        if self.speculative == "off":
+        method = "draft_model" if self.speculative_model else self.speculative
+        if method == "off":
             return None
         return SpeculativeConfig(
-            method=self.speculative,
+            method=method,
             num_speculative_tokens=self.num_speculative_tokens,
             prompt_lookup_max=self.prompt_lookup_max,
             prompt_lookup_min=self.prompt_lookup_min,

@@ -231,3 +231,28 @@ def test_help_all_prints_every_flag() -> None:
         env={**os.environ, "COLUMNS": "100"},
     )
     assert r.returncode == 0 and "--max-restarts-per-minute" in r.stdout and "--fsync" in r.stdout
+
+
+def test_a_draft_model_goes_to_every_role_that_loads_or_asks_for_it(tmp_path: pathlib.Path) -> None:
+    """``--speculative-model``: the cache host (its KV cache), each worker (its weights), the
+    frontend (which then speculates with it); the plan counts its KV in every block."""
+    from pagedkv.worker_svc.geometry import model_block_bytes
+    from tests.worker_svc.conftest import build_hf_model
+
+    target = build_hf_model(tmp_path / "m").path
+    draft = build_hf_model(tmp_path / "d", num_hidden_layers=1).path
+    opts = up_config(["--model", str(target), "--speculative-model", str(draft), "--num-workers", "2"])
+    given = {svc.name: svc.args for svc in plan(opts)}
+    for name in ("cache-host", "worker-0", "worker-1", "frontend"):
+        i = given[name].index("--speculative-model")
+        assert given[name][i + 1] == str(draft), name
+    assert "--speculative-model" not in given["block-manager"]
+    with_draft = model_block_bytes(str(target), "float32", "cpu", 16, "auto", "", str(draft))
+    assert with_draft == model_block_bytes(str(target), "float32", "cpu", 16, "auto") * 3 // 2  # 2 + 1 layers
+    serve = ServeSettings(speculative_model=str(draft))
+    spec = serve.speculative_config()
+    assert spec is not None and spec.method == "draft_model"
+    with pytest.raises(ValueError, match="choose one proposer"):
+        ServeSettings(speculative="ngram", speculative_model=str(draft))
+    with pytest.raises(ValueError, match="needs --speculative-model"):
+        ServeSettings(speculative="draft_model")

@@ -6,6 +6,10 @@ proposals) and open-ended ones (where a near tie once went the other way, docs/s
 one request at a time and 8 at once (``--speculative-max-num-seqs 8``: all 8 verify together);
 speculation did run; and the block manager holds no sequence and no block once the answers are in.
 
+With the model as its own draft (``--speculative-model`` the same file): the draft's KV, written
+beside the model's by every pass, is the model's own, so every proposal is kept; the answers are
+plain decoding's, on four of the requests (one at a time and all at once).
+
 Two stacks one after the other, as ``bench.speculative`` runs them: each loads the model and
 answers 16 requests of MAX_TOKENS tokens on 2 shared cores."""
 
@@ -51,6 +55,7 @@ REQUESTS: list[tuple[str, str]] = [
     ("completions", "one two three four five six seven eight nine ten one two three four"),
 ]
 SPECULATIVE = ["--speculative", "ngram", "--speculative-max-num-seqs", "8"]
+DRAFTED = [0, 3, 4, 6]  # the requests the draft-model stack answers: copy-heavy and open-ended
 
 
 def ask(url: str, endpoint: str, prompt: str) -> list[int]:
@@ -93,8 +98,10 @@ def held(block_manager: str, timeout_s: float = 30.0) -> tuple[int, int]:
             time.sleep(0.1)
 
 
-def run_stack(flags: list[str], work_dir: pathlib.Path) -> dict[str, Any]:
-    """One stack's answers (one at a time, then all 8 at once), its drafts and what it still holds."""
+def run_stack(
+    flags: list[str], work_dir: pathlib.Path, requests: list[tuple[str, str]] = REQUESTS
+) -> dict[str, Any]:
+    """One stack's answers (one at a time, then all at once), its drafts and what it still holds."""
     assert GGUF is not None
     bm, ch, w, http = free_ports(4)
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
@@ -125,13 +132,14 @@ def run_stack(flags: list[str], work_dir: pathlib.Path) -> dict[str, Any]:
     )
     try:
         ready = up.wait_ready(400)
-        one = [ask(ready.url, e, p) for e, p in REQUESTS]
-        with ThreadPoolExecutor(len(REQUESTS)) as pool:
-            eight = list(pool.map(lambda r: ask(ready.url, *r), REQUESTS))
+        one = [ask(ready.url, e, p) for e, p in requests]
+        with ThreadPoolExecutor(len(requests)) as pool:
+            eight = list(pool.map(lambda r: ask(ready.url, *r), requests))
         return {
             "one": one,
             "eight": eight,
             "drafts": metric(ready.url, "pagedkv_spec_decode_num_drafts_total"),
+            "proposed": metric(ready.url, "pagedkv_spec_decode_num_draft_tokens_total"),
             "accepted": metric(ready.url, "pagedkv_spec_decode_num_accepted_tokens_total"),
             "held": held(ready.address("block-manager")),
         }
@@ -145,6 +153,11 @@ def answers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any
     return {
         "plain": run_stack([], tmp_path_factory.mktemp("plain")),
         "speculative": run_stack(SPECULATIVE, tmp_path_factory.mktemp("speculative")),
+        "draft": run_stack(
+            ["--speculative-model", str(GGUF), "--speculative-max-num-seqs", "8"],
+            tmp_path_factory.mktemp("draft"),
+            [REQUESTS[i] for i in DRAFTED],
+        ),
     }
 
 
@@ -160,3 +173,14 @@ def test_speculation_ran_and_nothing_stays_allocated(answers: dict[str, Any]) ->
     assert answers["speculative"]["drafts"] > 0 and answers["speculative"]["accepted"] > 0
     assert answers["plain"]["held"] == (0, 0)
     assert answers["speculative"]["held"] == (0, 0)
+
+
+@pytest.mark.parametrize("batch", ["one", "eight"])
+def test_the_model_as_its_own_draft_keeps_every_proposal_and_answers_as_plain_decoding(
+    answers: dict[str, Any], batch: str
+) -> None:
+    plain = [answers["plain"][batch][i] for i in DRAFTED]
+    assert answers["draft"][batch] == plain
+    draft = answers["draft"]
+    assert draft["drafts"] > 0 and draft["accepted"] == draft["proposed"] > 0
+    assert draft["held"] == (0, 0)
