@@ -40,12 +40,13 @@ def _prompts() -> list[list[int]]:
 
 
 def _run(
-    model: str, kv_groups: str, engine_config: EngineConfig | None = None
+    model: str, kv_groups: str, engine_config: EngineConfig | None = None, draft: str | None = None
 ) -> tuple[list[list[int]], list[tuple[int, list[int]]], dict[str, int]]:
     """Each request's tokens, (tokens, window table lengths) at every iteration, final counts."""
     cfg = StackConfig(
-        model=model, device="cpu", dtype="float32", block_size=BLOCK, num_gpu_blocks=200, kv_groups=kv_groups
-    )
+        model=model, device="cpu", dtype="float32", block_size=BLOCK, num_gpu_blocks=200, kv_groups=kv_groups,
+        speculative_model=draft,
+    )  # fmt: skip
     seen: list[tuple[int, list[int]]] = []
     with LocalStack(cfg) as st:
         engine = st.engine(engine_config or EngineConfig(max_batch_tokens=16, max_num_seqs=3))
@@ -67,6 +68,7 @@ def _run(
         counts = {"sequences": stats.num_sequences, "used": stats.num_used_blocks}
         if engine.stats.spec_passes:
             counts["rejected"] = engine.stats.spec_proposed - engine.stats.spec_accepted
+            counts["accepted"] = engine.stats.spec_accepted
         engine.close()
     return [o.completions[0].token_ids for o in outs], seen, counts
 
@@ -100,3 +102,19 @@ def test_speculative_rollbacks_shorten_every_groups_table(tmp_path: pathlib.Path
     got, _, counts = _run(str(hf.path), "auto", EngineConfig(max_batch_tokens=16, speculative=spec))
     assert counts.get("rejected", 0) > 0, "nothing was rolled back"
     assert got == [hf.greedy(p, MAX_TOKENS) for p in _prompts()]
+
+
+def test_gemma3_as_its_own_draft_on_per_group_tables(tmp_path: pathlib.Path) -> None:
+    """A draft model beside a model served on per-group tables: the draft's cache (its layers in one
+    table, its windows applied by the kernels) follows group 0's blocks, so the model as its own
+    draft has every proposal kept, and the tokens are transformers'."""
+    from pagedkv.frontend.engine.speculate import SpeculativeConfig
+
+    hf = build_gemma3(tmp_path / "hf", seed=4, **LAYOUT)
+    spec = SpeculativeConfig(method="draft_model", num_speculative_tokens=3, max_num_seqs=4)
+    got, _, counts = _run(
+        str(hf.path), "auto", EngineConfig(max_batch_tokens=16, speculative=spec), str(hf.path)
+    )
+    assert got == [hf.greedy(p, MAX_TOKENS) for p in _prompts()]
+    assert counts["accepted"] > 0 and counts["rejected"] == 0
+    assert (counts["sequences"], counts["used"]) == (0, 0)

@@ -1,6 +1,8 @@
 """A worker killed (SIGKILL) or paused (SIGSTOP, then SIGCONT) during generation, over either step
 transport (gRPC, or the one-host step channel): the engine moves to the other worker, the cache host
-keeps the KV, the outputs still equal transformers' greedy generate() and nothing stays allocated."""
+keeps the KV, the outputs still equal transformers' greedy generate() and nothing stays allocated.
+The kill over the step channel runs with a draft model (speculative decoding): its proposals and
+their KV are redone by the other worker, which shares the draft's cache too."""
 
 from __future__ import annotations
 
@@ -16,10 +18,11 @@ import pytest
 from pagedkv.frontend.clients.block_manager import BlockManagerClient
 from pagedkv.frontend.clients.worker import WorkerClient
 from pagedkv.frontend.engine import Engine, EngineConfig, GenerationRequest
+from pagedkv.frontend.engine.speculate import SpeculativeConfig
 from pagedkv.frontend.launch.config import StackConfig
 from pagedkv.frontend.launch.processes import Stack
 from pagedkv.ports import free_port_block
-from tests.worker_svc.conftest import HFModel, build_hf_model
+from tests.worker_svc.conftest import HFModel, build_hf_model, noisy_copy
 
 
 @pytest.fixture(scope="module")
@@ -27,9 +30,9 @@ def hf(tmp_path_factory: pytest.TempPathFactory) -> HFModel:
     return build_hf_model(tmp_path_factory.mktemp("fault-llama"), seed=5)
 
 
-@pytest.mark.parametrize("transport", ["grpc", "shm"])
+@pytest.mark.parametrize(("transport", "draft"), [("grpc", False), ("shm", True)], ids=["grpc", "shm-draft"])
 def test_sigkill_one_worker_mid_generation_keeps_outputs_exact(
-    hf: HFModel, tmp_path, monkeypatch, transport
+    hf: HFModel, tmp_path, monkeypatch, transport, draft
 ) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setenv("PAGEDKV_KERNEL_BACKEND", "reference")
     base = free_port_block(4)
@@ -45,6 +48,10 @@ def test_sigkill_one_worker_mid_generation_keeps_outputs_exact(
         dtype="float32",
         log_dir=str(tmp_path / "logs"),
         shm_prefix=f"pagedkv-fault-{os.getpid()}",
+        speculative_model=str(noisy_copy(hf, tmp_path / "draft")) if draft else None,
+    )
+    spec = (
+        SpeculativeConfig(method="draft_model", num_speculative_tokens=3, max_num_seqs=4) if draft else None
     )
     stack = Stack(opts, out=io.StringIO())
     stack.start()
@@ -55,7 +62,7 @@ def test_sigkill_one_worker_mid_generation_keeps_outputs_exact(
                 WorkerClient(s.address, default_timeout_s=30, step_transport=transport)
                 for s in stack.services[2:]
             ]
-            engine = Engine(bm, workers, EngineConfig(timeout_s=10))
+            engine = Engine(bm, workers, EngineConfig(timeout_s=10, speculative=spec))
             assert [w.transport for w in workers] == [transport] * 2
             channels = [Path(w.get_info().step_channel) for w in workers]
             assert all(c.exists() for c in channels)
@@ -87,6 +94,7 @@ def test_sigkill_one_worker_mid_generation_keeps_outputs_exact(
             for w in workers:
                 w.close()
         assert engine.stats.worker_retries >= 1, "the engine should have moved to worker-1"
+        assert (engine.stats.spec_passes > 0) == draft
         for p, out in zip(prompts, outs, strict=True):
             assert out.completions[0].token_ids == hf.greedy(p, 12), out.request_id
     finally:
