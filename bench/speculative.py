@@ -1,9 +1,12 @@
-"""Speculative decoding (n-gram prompt lookup) against plain decoding, one request at a time.
+"""Speculative decoding (n-gram prompt lookup, a draft model) against plain decoding, one request at a time.
 
 Two `pagedkv up --model FILE` stacks as a user starts them (bench/up_stack.py through
 bench/vs_llamacpp.py's start_pagedkv): the default one, and the default plus ``--speculative
 ngram``; with --llama-server, llama-server on the same file with its defaults and with its n-gram
-lookup (``--spec-type ngram-simple``). Every server is up for the whole run and the rounds
+lookup (``--spec-type ngram-simple``); with --speculative-model DRAFT, also the default plus
+``--speculative-model DRAFT`` (a draft model sharing the file's vocabulary; the packaged model as
+its own draft keeps every proposal and shows what drafting costs when the draft is as big as the
+model). Every server is up for the whole run and the rounds
 alternate between them (this VM's speed drifts). Greedy, one request at a time, every answer as
 long as the model makes it (its end of sequence, or the stop string a client sets on a completion
 that opens a fenced or quoted block), at most --max-tokens. Six workloads, two prompts each:
@@ -25,7 +28,7 @@ model wrote, the same on both sides of each pair (greedy), so both sides count t
 
 Reports generated tokens per second of each (median of --runs rounds), the speculative server
 over its plain one (the median of the per-round ratios), the acceptance rate and tokens per
-verification pass per workload from the speculative stack's /metrics counters, and whether each
+verification pass per workload from each speculative stack's /metrics counters, and whether each
 pair's answers are equal (token ids for pagedkv, text for llama-server; greedy: they must be).
 
 With --in-flight 1,2,4,8: instead, the default stack against one that speculates at every batch
@@ -35,6 +38,7 @@ gains least). Where speculation stops paying on the open-ended mix is the rule
 --speculative-max-num-seqs sets.
 
     python -m bench.speculative [--gguf FILE] [--runs 3] [--max-tokens 256] [--llama-server BIN]
+        [--speculative-model DRAFT]
     python -m bench.speculative --in-flight 1,2,4,8 [--runs 3]
 """
 
@@ -298,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=3, help="rounds, each server in turn")
     p.add_argument("--max-tokens", type=int, default=256, help="the most tokens an answer may have")
     p.add_argument("--llama-server", help="also llama-server, plain and with --spec-type ngram-simple")
+    p.add_argument("--speculative-model", help="also the default stack with this draft model")
     p.add_argument(
         "--in-flight",
         metavar="N,N,...",
@@ -323,6 +328,10 @@ def main(argv: list[str] | None = None) -> int:
     pairs: list[tuple[Server, Server]] = []
     try:
         pairs.append((start_pagedkv(gguf, args), start_pagedkv(gguf, args, ("--speculative", "ngram"))))
+        if args.speculative_model:  # beside the same default stack
+            pairs.append(
+                (pairs[0][0], start_pagedkv(gguf, args, ("--speculative-model", args.speculative_model)))
+            )
         if binary:
             pairs.append(
                 (
@@ -331,20 +340,19 @@ def main(argv: list[str] | None = None) -> int:
                                 ("--spec-type", "ngram-simple")),
                 )
             )  # fmt: skip
-        servers = [s for pair in pairs for s in pair]
+        servers = list({id(s): s for pair in pairs for s in pair}.values())
         workloads = warm_up(servers)
         runs: dict[str, list[dict[str, Result]]] = {s.name: [] for s in servers}
-        speculating = pairs[0][1]
+        speculating = [spec for plain, spec in pairs if plain is pairs[0][0]]  # pagedkv's
         for r in range(args.runs):
             for s in servers if r % 2 == 0 else servers[::-1]:
-                runs[s.name].append(one_round(s, workloads, args.max_tokens, s is speculating))
+                runs[s.name].append(one_round(s, workloads, args.max_tokens, s in speculating))
                 print(f"# round {r + 1} {s.name}: "
                       + ", ".join(f"{w} {v.rate:.1f} tok/s" for w, v in runs[s.name][-1].items()),
                       file=sys.stderr, flush=True)  # fmt: skip
     finally:
-        for pair in pairs:
-            for s in pair:
-                s.stop()
+        for s in {id(s): s for pair in pairs for s in pair}.values():
+            s.stop()
     print(
         f"{gguf.name}, one request at a time, greedy, answers ended by the model (or the workload's stop "
         f"string), at most {args.max_tokens} tokens, median of {args.runs} rounds\n"
@@ -367,15 +375,19 @@ def main(argv: list[str] | None = None) -> int:
                 f"| {w.name} | {plain.name} / {spec.name} | {runs[plain.name][0][w.name].tokens} | "
                 f"{statistics.median(a):.1f} | {statistics.median(b):.1f} | {ratio:.2f}x | {same} |"
             )
-    print(f"\n{speculating.name}, all rounds:\n")
-    print("| workload | verification passes | proposed tokens | accepted | acceptance rate | tokens a pass |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for w in workloads:
-        counted = [run[w.name].counted or [0.0] * len(COUNTERS) for run in runs[speculating.name]]
-        passes, proposed, accepted, emitted = (sum(c) for c in zip(*counted, strict=True))
-        rate = accepted / proposed if proposed else 0.0
-        per_pass = emitted / passes if passes else 0.0
-        print(f"| {w.name} | {passes:.0f} | {proposed:.0f} | {accepted:.0f} | {rate:.2f} | {per_pass:.2f} |")
+    for spec in speculating:
+        print(f"\n{spec.name}, all rounds:\n")
+        print("| workload | verification passes | proposed tokens | accepted | acceptance rate "
+              "| tokens a pass |")  # fmt: skip
+        print("|---|---:|---:|---:|---:|---:|")
+        for w in workloads:
+            counted = [run[w.name].counted or [0.0] * len(COUNTERS) for run in runs[spec.name]]
+            passes, proposed, accepted, emitted = (sum(c) for c in zip(*counted, strict=True))
+            rate = accepted / proposed if proposed else 0.0
+            per_pass = emitted / passes if passes else 0.0
+            print(
+                f"| {w.name} | {passes:.0f} | {proposed:.0f} | {accepted:.0f} | {rate:.2f} | {per_pass:.2f} |"
+            )
     return 0
 
 

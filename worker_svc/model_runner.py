@@ -718,8 +718,8 @@ class ModelRunner:
         proposals (``num_proposed``), which the step's forward pass then checks. Greedy proposals
         are a deterministic proposer's, so the verification keeps the target's distribution (its
         own draw at each position decides). The draft's KV of the proposed positions is written
-        here, and again (the same values) by the verification's forward pass, which also writes
-        the last proposal's."""
+        here, and again by the verification's forward pass (its rows are decode rows as these
+        are), which also writes the last proposal's."""
         assert self.draft is not None and self.draft_gpu_cache is not None
         tokens = {i: [s.token_ids[0]] for i, s in enumerate(seqs) if s.num_draft}
         going = list(tokens)

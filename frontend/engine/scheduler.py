@@ -331,7 +331,8 @@ class Scheduler:
         blocks it holds, or a Step goes anyway), the worker step verifies them, and
         :meth:`apply_outputs` keeps what was accepted (the rest is rolled back in the next Step).
         A proposal never takes more than one new block, and that only while the pool has room to
-        spare: speculation must not cost a preemption."""
+        spare: speculation must not cost a preemption. With the workers' draft model the worker
+        proposes instead (``_ask_drafts``)."""
         cfg = self.speculative
         for s in self.running:
             s.draft_tokens = 0
