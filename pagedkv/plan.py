@@ -77,6 +77,8 @@ class ModelSize:
     layers_per_block: int = 0
     num_layers: int = 0
     """With groups, a block holds one group's layers: layers_per_block of num_layers."""
+    draft_weight_bytes: int = 0
+    """Speculative decoding's draft model (--speculative-model), which each worker loads itself."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,10 +272,14 @@ def plan_stack(machine: Machine, model: ModelSize, asked: Asked | None = None) -
         reasons.append(f"KV cache of {asked.kv_cache_memory_gib:g} GiB as asked (--kv-cache-memory)")
     else:
         if gpu:
-            room = int(machine.gpus[0] * GPU_MEMORY_FRACTION) - model.weight_bytes
+            room = int(machine.gpus[0] * GPU_MEMORY_FRACTION) - model.weight_bytes - model.draft_weight_bytes
             what = f"{GPU_MEMORY_FRACTION:.0%} of the GPU's {machine.gpus[0] / GIB:.0f} GiB less the weights"
         else:
-            held = model.weight_bytes + PROCESS_BYTES * (len(workers) + asked.processes)
+            held = (
+                model.weight_bytes
+                + model.draft_weight_bytes * len(workers)
+                + PROCESS_BYTES * (len(workers) + asked.processes)
+            )
             room = int((machine.memory_available - held) * KV_MEMORY_FRACTION)
             what = (
                 f"{KV_MEMORY_FRACTION:.0%} of the {machine.memory_available / GIB:.1f} GiB available "

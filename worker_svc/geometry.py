@@ -249,7 +249,7 @@ def model_size(
     stack will hold them, one KV block's bytes (exactly as the cache host checks them) and the model's
     longest sequence. The weights are estimated from the config's matrices, except a GGUF file held
     in its own quantization (``auto`` on a CPU), which is the file's size. ``draft``: the
-    ``--speculative-model``, whose weights and KV count too."""
+    ``--speculative-model``, whose KV each block holds too and whose weights each worker loads."""
     import pathlib
 
     from pagedkv.worker_svc.devices import resolve_device, resolve_dtype
@@ -273,13 +273,14 @@ def model_size(
         per_param = _FORMAT_BYTES.get(weight_format, float(torch_dtype.itemsize))
         return int((c.num_layers * per_layer + embeddings) * per_param)
 
-    weight_bytes = weights_of(model, cfg) + (weights_of(draft, draft_cfg) if draft_cfg is not None else 0)
+    draft_bytes = weights_of(draft, draft_cfg) if draft_cfg is not None else 0
     return ModelSize(
-        weight_bytes=weight_bytes,
+        weight_bytes=weights_of(model, cfg),
         kv_bytes_per_block=geometry.block_bytes(torch_dtype),
         block_size=block_size,
         max_model_len=cfg.max_position_embeddings,
         kv_groups=kv_groups,
         layers_per_block=slots,
         num_layers=cfg.num_layers,
+        draft_weight_bytes=draft_bytes,
     )

@@ -10,6 +10,7 @@ from pagedkv.cpu_list import format_cpus, parse_cpus
 from pagedkv.machine import Machine
 from pagedkv.plan import (
     GIB,
+    KV_MEMORY_FRACTION,
     MAX_SEQS_CPU,
     MIN_KV_BLOCKS,
     RESERVE_CORE_FROM,
@@ -127,6 +128,19 @@ def test_the_kv_budget_follows_memory_and_the_model() -> None:
     # /dev/shm, where a CPU cache lives, bounds it too.
     shm = plan_stack(machine(2, memory=16 * GIB, shm_available=1 * GIB), SMOL)
     assert shm.kv_cache_bytes < 1 * GIB - SMOL.weight_bytes
+
+
+def test_a_draft_model_costs_each_worker_its_weights() -> None:
+    """--speculative-model: every worker loads the draft itself, so the KV budget is what is left
+    after one copy per worker (two NUMA nodes: two workers)."""
+    from dataclasses import replace
+
+    nodes = machine(8, memory=4 * GIB, numa_nodes=((0, 1, 2, 3), (4, 5, 6, 7)))
+    plain = plan_stack(nodes, SMOL)
+    drafted = plan_stack(nodes, replace(SMOL, draft_weight_bytes=200 << 20))
+    assert len(drafted.workers) == 2
+    lost = (plain.num_gpu_blocks - drafted.num_gpu_blocks) * SMOL.kv_bytes_per_block
+    assert abs(lost - 2 * (200 << 20) * KV_MEMORY_FRACTION) <= SMOL.kv_bytes_per_block
 
 
 def test_low_memory_plans_fewer_sequences_or_refuses() -> None:
