@@ -329,9 +329,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         pairs.append((start_pagedkv(gguf, args), start_pagedkv(gguf, args, ("--speculative", "ngram"))))
         if args.speculative_model:  # beside the same default stack
-            pairs.append(
-                (pairs[0][0], start_pagedkv(gguf, args, ("--speculative-model", args.speculative_model)))
-            )
+            draft = start_pagedkv(gguf, args, ("--speculative-model", args.speculative_model))
+            draft.name = f"pagedkv --speculative-model {pathlib.Path(args.speculative_model).name}"
+            pairs.append((pairs[0][0], draft))
         if binary:
             pairs.append(
                 (

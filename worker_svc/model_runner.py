@@ -613,8 +613,12 @@ class ModelRunner:
         token_tensor = torch.tensor(tokens, dtype=torch.int64, device=dev)
         return token_tensor, batch
 
-    def _forward_and_sample(self, seqs: Sequence[SequenceRequest]) -> list[SequenceResult]:
-        """One forward pass over ``seqs`` and their samples (the step's work; the caller holds the lock)."""
+    def _forward_and_sample(
+        self, seqs: Sequence[SequenceRequest], drafted: Sequence[bool] = ()
+    ) -> list[SequenceResult]:
+        """One forward pass over ``seqs`` and their samples (the step's work; the caller holds the
+        lock). With a draft model, its KV of the same positions, but for the sequences ``drafted``
+        marks (their proposals' draft KV is written: ``_draft_proposals``)."""
         outputs: list[SequenceResult] = []
         token_tensor, batch = self.build_batch(seqs)
         num_prompt_rows = sum(len(s.prompt_targets) for s in seqs)
@@ -623,10 +627,9 @@ class ModelRunner:
             logits = self.decode_graphs.forward(self.model, token_tensor, batch, self.gpu_cache)
         else:
             logits = self.model.forward(token_tensor, batch, self.gpu_cache)  # row i: seqs[i]
-        if self.draft is not None:  # the draft's KV of the same positions (no logits)
-            assert self.draft_gpu_cache is not None
-            kv_only = dataclasses.replace(batch, logits_indices=batch.logits_indices[:0], groups=())
-            self.draft.forward(token_tensor, kv_only, self.draft_gpu_cache)
+        if self.draft is not None and not all(drafted or [False]):
+            rest = [s for s, d in zip(seqs, drafted or [False] * len(seqs), strict=True) if not d]
+            self._draft_kv(rest, (token_tensor, batch) if len(rest) == len(seqs) else None)
         # The rows after the sequences' own (build_batch): proposed positions, then prompt positions.
         prompt_rows = logits[logits.shape[0] - num_prompt_rows :]
         logits = logits[: logits.shape[0] - num_prompt_rows]
@@ -710,6 +713,16 @@ class ModelRunner:
             o.next_samples = kept[1:]
             o.num_accepted = accepted
 
+    def _draft_kv(
+        self, seqs: Sequence[SequenceRequest], built: tuple[torch.Tensor, AttentionBatch] | None = None
+    ) -> None:
+        """The draft model's KV of ``seqs``' new tokens (no output layer); ``built``: their batch,
+        when the model's forward pass already built it."""
+        assert self.draft is not None and self.draft_gpu_cache is not None
+        token_tensor, batch = built or self.build_batch(seqs, grouped=False)
+        kv_only = dataclasses.replace(batch, logits_indices=batch.logits_indices[:0], groups=())
+        self.draft.forward(token_tensor, kv_only, self.draft_gpu_cache)
+
     def _draft_proposals(self, seqs: Sequence[SequenceRequest]) -> list[SequenceRequest]:
         """Speculative decoding with the draft model: for every sequence asking ``num_draft``
         tokens, the draft's one-row steps from its last token, each on the token the last one
@@ -717,9 +730,9 @@ class ModelRunner:
         sequences batched per step. Returns ``seqs`` with those sequences as verifications of their
         proposals (``num_proposed``), which the step's forward pass then checks. Greedy proposals
         are a deterministic proposer's, so the verification keeps the target's distribution (its
-        own draw at each position decides). The draft's KV of the proposed positions is written
-        here, and again by the verification's forward pass (its rows are decode rows as these
-        are), which also writes the last proposal's."""
+        own draw at each position decides). The draft's KV of every position the verification
+        computes is written here: one row per proposal, then the last proposal's own row (its KV
+        only), so the verification's pass need not run the draft over them again."""
         assert self.draft is not None and self.draft_gpu_cache is not None
         tokens = {i: [s.token_ids[0]] for i, s in enumerate(seqs) if s.num_draft}
         going = list(tokens)
@@ -743,6 +756,17 @@ class ModelRunner:
             going = still
             if not going:
                 break
+        self._draft_kv(
+            [
+                SequenceRequest(
+                    seq_id=seqs[i].seq_id,
+                    token_ids=[toks[-1]],
+                    block_ids=seqs[i].block_ids,
+                    num_cached_tokens=seqs[i].num_cached_tokens + len(toks) - 1,
+                )
+                for i, toks in tokens.items()
+            ]
+        )
         out = list(seqs)
         for i, toks in tokens.items():
             out[i] = dataclasses.replace(seqs[i], token_ids=toks, num_proposed=len(toks) - 1, num_draft=0)
@@ -795,7 +819,7 @@ class ModelRunner:
             clock.mark()
             if any(s.num_draft for s in seqs):
                 drafted = self._draft_proposals(seqs)
-                outputs = self._forward_and_sample(drafted)
+                outputs = self._forward_and_sample(drafted, [bool(s.num_draft) for s in seqs])
                 for s, d, o in zip(seqs, drafted, outputs, strict=True):
                     if s.num_draft:
                         o.num_drafted = d.num_proposed
