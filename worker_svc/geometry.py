@@ -85,7 +85,12 @@ def draft_config(draft: str | None, model: ModelConfig) -> ModelConfig | None:
         return None
     from pagedkv.worker_svc.model.config import load_model_config
 
-    cfg = load_model_config(draft)
+    try:
+        cfg = load_model_config(draft)
+    except FileNotFoundError as e:  # the reader names --model: this is the draft
+        raise FileNotFoundError(str(e).replace("--model ", "--speculative-model ", 1)) from None
+    except ValueError as e:
+        raise ValueError(f"--speculative-model {draft}: {e}") from None
     if cfg.vocab_size != model.vocab_size:
         raise GeometryMismatch(
             f"the draft model {cfg.name} ({draft}) has a vocabulary of {cfg.vocab_size} tokens, the model "

@@ -606,7 +606,10 @@ def plan_from_args(args: argparse.Namespace, machine: Machine | None = None) -> 
                 processes=3 if args.serve else 2,
             ),
         )
-    except ValueError as e:  # PlanError, or a model the config reader refuses
+    except (
+        ValueError,
+        FileNotFoundError,
+    ) as e:  # PlanError, a model the config reader refuses or cannot find
         raise SystemExit(f"pagedkv up: {e}") from e
 
 

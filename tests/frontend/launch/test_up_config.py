@@ -256,3 +256,7 @@ def test_a_draft_model_goes_to_every_role_that_loads_or_asks_for_it(tmp_path: pa
         ServeSettings(speculative="ngram", speculative_model=str(draft))
     with pytest.raises(ValueError, match="needs --speculative-model"):
         ServeSettings(speculative="draft_model")
+    with pytest.raises(SystemExit, match="pagedkv up: --speculative-model /nonexistent: no such"):
+        up_config(["--model", str(target), "--speculative-model", "/nonexistent"])
+    with pytest.raises(SystemExit, match="pagedkv up: --model /nonexistent: no such"):
+        up_config(["--model", "/nonexistent"])
