@@ -627,9 +627,10 @@ class ModelRunner:
             logits = self.decode_graphs.forward(self.model, token_tensor, batch, self.gpu_cache)
         else:
             logits = self.model.forward(token_tensor, batch, self.gpu_cache)  # row i: seqs[i]
-        if self.draft is not None and not all(drafted or [False]):
+        if self.draft is not None:
             rest = [s for s, d in zip(seqs, drafted or [False] * len(seqs), strict=True) if not d]
-            self._draft_kv(rest, (token_tensor, batch) if len(rest) == len(seqs) else None)
+            if rest:  # all of them: the model's batch is theirs
+                self._draft_kv(rest, (token_tensor, batch) if len(rest) == len(seqs) else None)
         # The rows after the sequences' own (build_batch): proposed positions, then prompt positions.
         prompt_rows = logits[logits.shape[0] - num_prompt_rows :]
         logits = logits[: logits.shape[0] - num_prompt_rows]
