@@ -123,13 +123,12 @@ def known_values(settings: _Common, model: ModelConfig, pool: PoolConfig | None)
         "head_dim": Sourced(model.head_dim, f"model {model.name}"),
     }
     draft = draft_config(settings.speculative_model, model)
+    where = (
+        f"draft model {draft.name} (--speculative-model)" if draft else "settings (no --speculative-model)"
+    )
+    drafted = draft_geometry(draft)
     for name in ("draft_num_layers", "draft_num_kv_heads", "draft_head_dim"):
-        where = (
-            f"draft model {draft.name} (--speculative-model)"
-            if draft
-            else "settings (no --speculative-model)"
-        )
-        known[name] = Sourced(draft_geometry(draft).get(name, 0), where)
+        known[name] = Sourced(drafted.get(name, 0), where)
     explicit = settings.model_fields_set
     if settings.num_layers is not None and settings.num_layers != model.num_layers:
         raise GeometryMismatch(
@@ -163,7 +162,9 @@ def host_geometry(settings: _Common, model: ModelConfig, pool: PoolConfig | None
         num_gpu_blocks=int(values["num_gpu_blocks"]),
         num_cpu_blocks=int(values["num_cpu_blocks"]),
         kv_cache_dtype=str(values["kv_cache_dtype"]),
-        **draft_geometry(draft_config(settings.speculative_model, model)),
+        draft_num_layers=int(known["draft_num_layers"].value),
+        draft_num_kv_heads=int(known["draft_num_kv_heads"].value),
+        draft_head_dim=int(known["draft_head_dim"].value),
     )
 
 
@@ -224,16 +225,9 @@ def model_block_bytes(
     computed exactly as the cache host will check it. ``kv_groups``: the block manager's
     ``--kv-groups`` (empty: one group; a block then holds every layer); ``draft``: the
     ``--speculative-model``, whose layers each block holds too."""
-    from pagedkv.worker_svc.devices import resolve_device, resolve_dtype
-    from pagedkv.worker_svc.model.config import load_model_config
-
-    cfg = load_model_config(model)
-    slots = kv_layout(cfg, parse_kv_groups(kv_groups)).layers_per_block
-    geometry = CacheGeometry(
-        slots, cfg.num_kv_heads, cfg.head_dim, block_size, 1, 0, kv_cache_dtype,
-        **draft_geometry(draft_config(draft, cfg)),
-    )  # fmt: skip
-    return geometry.block_bytes(resolve_dtype(dtype, resolve_device(device)))
+    return model_size(
+        model, dtype, device, block_size, kv_cache_dtype, "auto", kv_groups, draft
+    ).kv_bytes_per_block
 
 
 # Bytes a weight takes per parameter in each held format (int8 / int4 with their per-group scales).

@@ -500,19 +500,19 @@ class ModelRunner:
         caches = [(self.gpu_cache, self.cpu_cache)]
         if self.draft_gpu_cache is not None and self.draft_cpu_cache is not None:
             caches.append((self.draft_gpu_cache, self.draft_cpu_cache))
+        # Built on the host: copy_blocks checks "destinations distinct, not also sources" there (on
+        # the device it could not without a sync) and moves the pairs itself.
+        swap_out, copies, swap_in = (
+            torch.tensor(p, dtype=torch.int64) if p else None for p in (ops.swap_out, ops.copies, ops.swap_in)
+        )
         for gpu, cpu in caches:
-            if ops.swap_out:
-                pairs = torch.tensor(ops.swap_out, dtype=torch.int64)
-                kernels.swap_blocks(_block_major(gpu), _block_major(cpu), pairs)
-            if ops.copies:
-                # Built on the host: copy_blocks checks "destinations distinct, not also sources" there
-                # (on the device it could not without a sync) and moves the pairs itself.
-                pairs = torch.tensor(ops.copies, dtype=torch.int64)
+            if swap_out is not None:
+                kernels.swap_blocks(_block_major(gpu), _block_major(cpu), swap_out)
+            if copies is not None:
                 layers = range(gpu.shape[0])  # the slots of a block: every group's the same
-                kernels.copy_blocks([gpu[i, 0] for i in layers], [gpu[i, 1] for i in layers], pairs)
-            if ops.swap_in:
-                pairs = torch.tensor(ops.swap_in, dtype=torch.int64)
-                kernels.swap_blocks(_block_major(cpu), _block_major(gpu), pairs)
+                kernels.copy_blocks([gpu[i, 0] for i in layers], [gpu[i, 1] for i in layers], copies)
+            if swap_in is not None:
+                kernels.swap_blocks(_block_major(cpu), _block_major(gpu), swap_in)
 
     # ---------------------------------------------------------------- batch assembly
     def build_batch(
@@ -736,18 +736,14 @@ class ModelRunner:
         only), so the verification's pass need not run the draft over them again."""
         assert self.draft is not None and self.draft_gpu_cache is not None
         tokens = {i: [s.token_ids[0]] for i, s in enumerate(seqs) if s.num_draft}
+
+        def last_row(i: int) -> SequenceRequest:  # sequence i's last token so far, at its position
+            s, toks = seqs[i], tokens[i]
+            return SequenceRequest(s.seq_id, [toks[-1]], s.block_ids, s.num_cached_tokens + len(toks) - 1)
+
         going = list(tokens)
-        for j in range(max(seqs[i].num_draft for i in going)):
-            batch = [
-                SequenceRequest(
-                    seq_id=seqs[i].seq_id,
-                    token_ids=[tokens[i][-1]],
-                    block_ids=seqs[i].block_ids,
-                    num_cached_tokens=seqs[i].num_cached_tokens + j,
-                )
-                for i in going
-            ]
-            token_tensor, ab = self.build_batch(batch, grouped=False)
+        for _ in range(max(seqs[i].num_draft for i in going)):
+            token_tensor, ab = self.build_batch([last_row(i) for i in going], grouped=False)
             picks = self.draft.forward(token_tensor, ab, self.draft_gpu_cache).argmax(dim=-1).tolist()
             still = []
             for i, t in zip(going, picks, strict=True):
@@ -757,17 +753,7 @@ class ModelRunner:
             going = still
             if not going:
                 break
-        self._draft_kv(
-            [
-                SequenceRequest(
-                    seq_id=seqs[i].seq_id,
-                    token_ids=[toks[-1]],
-                    block_ids=seqs[i].block_ids,
-                    num_cached_tokens=seqs[i].num_cached_tokens + len(toks) - 1,
-                )
-                for i, toks in tokens.items()
-            ]
-        )
+        self._draft_kv([last_row(i) for i in tokens])
         out = list(seqs)
         for i, toks in tokens.items():
             out[i] = dataclasses.replace(seqs[i], token_ids=toks, num_proposed=len(toks) - 1, num_draft=0)

@@ -606,10 +606,7 @@ def plan_from_args(args: argparse.Namespace, machine: Machine | None = None) -> 
                 processes=3 if args.serve else 2,
             ),
         )
-    except (
-        ValueError,
-        FileNotFoundError,
-    ) as e:  # PlanError, a model the config reader refuses or cannot find
+    except (ValueError, FileNotFoundError) as e:  # PlanError; a model the reader refuses or lacks
         raise SystemExit(f"pagedkv up: {e}") from e
 
 

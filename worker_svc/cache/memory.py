@@ -107,21 +107,13 @@ def _export_pair(
 ) -> tuple[torch.Tensor, torch.Tensor, TensorPair]:
     """Allocate one cache (device tensor, host swap pool), zero-filled; what it holds goes to
     ``resources`` as it is acquired."""
-    cpu_shm = shm_backend.create(shm_backend.new_segment_name(shm_prefix, f"{kind}swap"), cpu_shape, dtype)
-    resources.append(cpu_shm)
-    cpu_desc = TensorDescriptor(
-        backend=BACKEND_SHM,
-        shape=cpu_shape,
-        dtype=dtype_name(dtype),
-        shm_name=cpu_shm.name,
-        size=cpu_shm.nbytes,
-    )
+    cpu_tensor, cpu_desc = _shm_tensor(shm_prefix, f"{kind}swap", cpu_shape, dtype, resources)
     if device.type == "cuda":
         from pagedkv.worker_svc.cache import cuda_ipc_backend
 
         exp = cuda_ipc_backend.export(gpu_shape, dtype, device)
         resources.append(exp)
-        pin = cuda_ipc_backend.pin_host_tensor(cpu_shm.tensor, device)  # type: ignore[arg-type]
+        pin = cuda_ipc_backend.pin_host_tensor(cpu_tensor, device)
         if pin is not None:
             resources.append(pin)
         gpu_tensor = exp.tensor
@@ -135,18 +127,22 @@ def _export_pair(
             device_index=exp.device_index,
         )
     else:
-        gpu_shm = shm_backend.create(shm_backend.new_segment_name(shm_prefix, f"{kind}kv"), gpu_shape, dtype)
-        resources.append(gpu_shm)
-        gpu_tensor = gpu_shm.tensor
-        gpu_desc = TensorDescriptor(
-            backend=BACKEND_SHM,
-            shape=gpu_shape,
-            dtype=dtype_name(dtype),
-            shm_name=gpu_shm.name,
-            size=gpu_shm.nbytes,
-        )
-    assert gpu_tensor is not None and cpu_shm.tensor is not None
-    return gpu_tensor, cpu_shm.tensor, TensorPair(gpu_desc, cpu_desc)
+        gpu_tensor, gpu_desc = _shm_tensor(shm_prefix, f"{kind}kv", gpu_shape, dtype, resources)
+    assert gpu_tensor is not None
+    return gpu_tensor, cpu_tensor, TensorPair(gpu_desc, cpu_desc)
+
+
+def _shm_tensor(
+    shm_prefix: str, role: str, shape: tuple[int, ...], dtype: torch.dtype, resources: list[Any]
+) -> tuple[torch.Tensor, TensorDescriptor]:
+    """A zero-filled tensor in a new shared-memory segment (kept in ``resources``) and its descriptor."""
+    shm = shm_backend.create(shm_backend.new_segment_name(shm_prefix, role), shape, dtype)
+    resources.append(shm)
+    assert shm.tensor is not None
+    desc = TensorDescriptor(
+        backend=BACKEND_SHM, shape=shape, dtype=dtype_name(dtype), shm_name=shm.name, size=shm.nbytes
+    )
+    return shm.tensor, desc
 
 
 def create(
